@@ -1,0 +1,31 @@
+# Two commands do everything on a fresh machine: `make run` and `make test`.
+# Both (re)build .venv only when pyproject.toml changed since the last install.
+PYTHON ?= python3
+VENV := .venv
+STAMP := $(VENV)/.installed
+PY := $(VENV)/bin/python
+
+.PHONY: run test bench venv clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	# torch first, pinned, so nothing resolves a multi-GB CUDA build
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[dev,bench]'
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(VENV)/bin/splitserve generate --model default --max-tokens 48 --temperature 0.8 --seed 0 \
+		"Tell me about the river and the old mill."
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+bench: $(STAMP)
+	$(PY) bench/engine_throughput.py
+
+clean:
+	rm -rf $(VENV) .cache .pytest_cache
