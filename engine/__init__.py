@@ -1,0 +1,13 @@
+"""One-device inference engine: `from splitserve.engine import LLM, SamplingParams`."""
+
+from splitserve.common.config import EngineConfig
+from splitserve.common.errors import InvalidRequestError, UnsupportedModelError
+from splitserve.common.sampling_params import SamplingParams
+from splitserve.common.stats import EngineStats
+from splitserve.engine.engine_core import EngineCore
+from splitserve.engine.llm import LLM
+from splitserve.engine.outputs import CompletionDelta, RequestOutput
+from splitserve.engine.request import TokenLogprobs
+
+__all__ = ["LLM", "CompletionDelta", "EngineConfig", "EngineCore", "EngineStats", "InvalidRequestError",
+           "RequestOutput", "SamplingParams", "TokenLogprobs", "UnsupportedModelError"]

@@ -1,0 +1,78 @@
+"""Engine configuration (torch-free, frozen, validated on construction)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+ATTENTION_BACKENDS = ("auto", "torch")
+DEFAULT_KV_CACHE_MEMORY_BYTES = 1 << 30
+"""KV pool size when no sizing field is given: 1 GiB."""
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything one engine (one device) needs besides the model directory."""
+
+    block_size: int = 16
+    """Tokens per KV block; the unit of allocation, prefix caching and transfer."""
+    max_num_seqs: int = 128
+    """Most requests in the running batch at once."""
+    max_num_batched_tokens: int = 2048
+    """Token budget of one step, shared by decodes (1 each) and prefill chunks."""
+    max_model_len: int | None = None
+    """Longest prompt + output; None means the model's max_position_embeddings."""
+    enable_prefix_caching: bool = True
+    """Reuse KV blocks of identical token prefixes across requests."""
+    enable_chunked_prefill: bool = True
+    """Split long prompts across steps to fit the token budget."""
+    num_kv_blocks: int | None = None
+    """Explicit KV pool size in blocks (overrides the memory-based sizing)."""
+    kv_cache_memory_bytes: int | None = None
+    """KV pool size in bytes across all layers."""
+    kv_cache_memory_fraction: float | None = None
+    """KV pool size as a fraction of the device's free memory after loading weights."""
+    dtype: str = "auto"
+    """Weights/activations/KV dtype; auto takes the model's, with float16 widened on CPU."""
+    device: str = "auto"
+    """cpu, cuda, or auto (cuda when available)."""
+    attention_backend: str = "auto"
+    """Attention implementation; torch is the reference that runs on any device."""
+    hash_seed: int = 0
+    """Seed of the chained block hash; must match across router and workers."""
+    seed: int = 0
+    """Seed of the shared RNG used by requests that bring no seed of their own."""
+    num_threads: int | None = None
+    """torch intra-op threads on CPU; None keeps torch's default."""
+
+    def __post_init__(self) -> None:
+        _check(self.block_size >= 1, f"block_size must be >= 1, got {self.block_size}")
+        _check(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        _check(self.max_num_batched_tokens >= 1,
+               f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        _check(self.max_model_len is None or self.max_model_len >= 2,
+               f"max_model_len must be >= 2, got {self.max_model_len}")
+        self._check_kv_sizing()
+        _check(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        _check(self.device in DEVICES, f"device must be one of {DEVICES}, got {self.device!r}")
+        _check(self.attention_backend in ATTENTION_BACKENDS,
+               f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        _check(self.num_threads is None or self.num_threads >= 1, f"num_threads must be >= 1, got {self.num_threads}")
+
+    def _check_kv_sizing(self) -> None:
+        given = [name for name in ("num_kv_blocks", "kv_cache_memory_bytes", "kv_cache_memory_fraction")
+                 if getattr(self, name) is not None]
+        _check(len(given) <= 1, f"set at most one of num_kv_blocks, kv_cache_memory_bytes, "
+                                f"kv_cache_memory_fraction; got {given}")
+        _check(self.num_kv_blocks is None or self.num_kv_blocks >= 1,
+               f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        _check(self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0,
+               f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}")
+        _check(self.kv_cache_memory_fraction is None or 0 < self.kv_cache_memory_fraction <= 1,
+               f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}")

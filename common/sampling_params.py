@@ -1,0 +1,97 @@
+"""Per-request sampling parameters (torch-free; shared by router and engine)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from splitserve.common.errors import InvalidRequestError
+
+MAX_LOGPROBS = 20
+"""Largest number of top alternatives a request may ask for per token."""
+
+
+def _require(ok: bool, field_name: str, message: str) -> None:
+    if not ok:
+        raise InvalidRequestError(field_name, message)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick each next token and when to stop. Validated on construction."""
+
+    temperature: float = 1.0
+    """0 means greedy (argmax); otherwise logits are divided by it. Must be finite and >= 0."""
+    top_k: int = -1
+    """Keep the k most likely tokens; -1 or 0 disables."""
+    top_p: float = 1.0
+    """Keep the smallest set of tokens whose probability mass reaches top_p; in (0, 1]."""
+    min_p: float = 0.0
+    """Drop tokens whose probability is below min_p times the top token's; in [0, 1]."""
+    repetition_penalty: float = 1.0
+    """> 0; tokens already in prompt or output get positive logits divided, negative multiplied."""
+    frequency_penalty: float = 0.0
+    """In [-2, 2]; subtracted from a token's logit once per occurrence in the output."""
+    presence_penalty: float = 0.0
+    """In [-2, 2]; subtracted from a token's logit if it occurs in the output at all."""
+    seed: int | None = None
+    """Per-request RNG seed: same seed, same output, whatever else is in the batch."""
+    stop: tuple[str, ...] = ()
+    """Strings that end generation; the output text is cut before the first match."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Token ids that end generation (in addition to EOS unless ignore_eos)."""
+    max_tokens: int = 16
+    """Maximum number of generated tokens, >= 1."""
+    ignore_eos: bool = False
+    """Keep generating past the model's EOS token(s)."""
+    logprobs: int | None = None
+    """If set, return the sampled token's logprob plus this many top alternatives (0..20)."""
+    skip_special_tokens: bool = field(default=True)
+    """Leave special tokens out of the detokenized text."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        self._validate_sampling()
+        self._validate_stopping()
+
+    def _validate_sampling(self) -> None:
+        _require(_is_real(self.temperature) and self.temperature >= 0, "temperature",
+                 f"must be a finite number >= 0, got {self.temperature!r}")
+        _require(_is_int(self.top_k) and self.top_k >= -1, "top_k", f"must be -1, 0 or >= 1, got {self.top_k!r}")
+        _require(_is_real(self.top_p) and 0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p!r}")
+        _require(_is_real(self.min_p) and 0 <= self.min_p <= 1, "min_p", f"must be in [0, 1], got {self.min_p!r}")
+        _require(_is_real(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty",
+                 f"must be a finite number > 0, got {self.repetition_penalty!r}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            _require(_is_real(value) and -2 <= value <= 2, name, f"must be in [-2, 2], got {value!r}")
+        _require(self.seed is None or _is_int(self.seed), "seed", f"must be an integer, got {self.seed!r}")
+        _require(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
+                 "logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+
+    def _validate_stopping(self) -> None:
+        _require(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens",
+                 f"must be an integer >= 1, got {self.max_tokens!r}")
+        _require(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
+        _require(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+                 "must be non-negative integers")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def effective_top_k(self) -> int:
+        """top_k with both disabled spellings normalized to 0."""
+        return max(self.top_k, 0)

@@ -1,0 +1,68 @@
+"""Attention backend interface and the per-step metadata it consumes.
+
+KV pool layout (one tensor per layer): [num_blocks, 2, block_size, num_kv_heads, head_dim],
+index 0 of dim 1 holds keys, index 1 values. Token at position p of a request lives in
+block block_table[p // block_size] at offset p % block_size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class PrefillSpan:
+    """One request's chunk of more than one query token (a prefill or prefill chunk)."""
+
+    query_start: int
+    """Index of the chunk's first token in the flattened batch."""
+    query_len: int
+    context_len: int
+    """Tokens with KV after this step: start_position + query_len."""
+    block_table: torch.Tensor  # [ceil(context_len / block_size)] int64
+
+    @property
+    def start_position(self) -> int:
+        return self.context_len - self.query_len
+
+
+@dataclass(frozen=True)
+class DecodeBatch:
+    """All chunks of exactly one query token, attended together with padding."""
+
+    token_indices: torch.Tensor  # [B] int64, positions in the flattened batch
+    block_tables: torch.Tensor  # [B, max_blocks] int64, padded with block 0
+    context_lens: torch.Tensor  # [B] int64
+
+    @property
+    def size(self) -> int:
+        return int(self.token_indices.shape[0])
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    positions: torch.Tensor  # [T] int64
+    key_slots: torch.Tensor  # [T] int64, row of the token's key in the pool viewed as [-1, H, D]
+    value_slots: torch.Tensor  # [T] int64, same for values
+    prefills: tuple[PrefillSpan, ...]
+    decode: DecodeBatch | None
+    block_size: int
+    mask_cache: dict = field(default_factory=dict, compare=False)
+    """Masks built on first use and shared by every layer of the step (keyed by span and window)."""
+
+
+class AttentionBackend(Protocol):
+    def forward(
+        self,
+        query: torch.Tensor,  # [T, num_heads, head_dim]
+        key: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, num_kv_heads, head_dim]
+        metadata: AttentionMetadata,
+        sliding_window: int | None,
+    ) -> torch.Tensor:  # [T, num_heads, head_dim]
+        """Write this step's keys/values into the pool, then attend each query to its context."""
+        ...

@@ -1,0 +1,184 @@
+"""KV block allocation, reference counting, prefix caching and LRU eviction.
+
+Invariants:
+- A block is in the free list iff its ref_count is 0.
+- The free list is the eviction order: allocation takes blocks from its front.
+  Freed blocks that carry a hash go to the back (most recently used, evicted last);
+  freed blocks without a hash go to the front (nothing worth keeping).
+- A free block keeps its hash (and its entry in the hash map) until it is reused,
+  so a later request with the same prefix can revive it.
+- The hash map points only at blocks whose contents match the hash.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from splitserve.common.block_hash import BlockHash, BlockHasher
+from splitserve.engine.request import Request
+
+
+@dataclass
+class KVBlock:
+    block_id: int
+    ref_count: int = 0
+    block_hash: BlockHash | None = None
+
+
+@dataclass(frozen=True)
+class PrefixMatch:
+    """Leading blocks of a request found in the prefix cache (not yet claimed)."""
+
+    block_ids: tuple[int, ...]
+    num_tokens: int
+
+
+NO_PREFIX = PrefixMatch(block_ids=(), num_tokens=0)
+
+
+@dataclass(frozen=True)
+class BlockAllocation:
+    """Result of a successful allocation; opaque to the scheduler beyond success."""
+
+    new_block_ids: tuple[int, ...]
+    reused_block_ids: tuple[int, ...]
+
+
+class BlockManager:
+    """Owns every KV block of one engine and the block table of every request."""
+
+    def __init__(self, num_blocks: int, block_size: int, hasher: BlockHasher,
+                 enable_prefix_caching: bool) -> None:
+        if hasher.block_size != block_size:
+            raise ValueError("hasher and block manager disagree on block_size")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.hasher = hasher
+        self.enable_prefix_caching = enable_prefix_caching
+        self._blocks = [KVBlock(i) for i in range(num_blocks)]
+        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._cached: dict[BlockHash, int] = {}
+        self._tables: dict[str, list[int]] = {}
+        self._num_hashed: dict[str, int] = {}
+
+    # ---- queries -------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_cached_free_blocks(self) -> int:
+        return sum(1 for block_id in self._free if self._blocks[block_id].block_hash is not None)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - len(self._free) / self.num_blocks
+
+    def free_block_order(self) -> list[int]:
+        """Free block ids in eviction order (first is reused first)."""
+        return list(self._free)
+
+    def block_table(self, request_id: str) -> list[int]:
+        return self._tables.get(request_id, [])
+
+    def ref_count(self, block_id: int) -> int:
+        return self._blocks[block_id].ref_count
+
+    def cached_block_id(self, block_hash: BlockHash) -> int | None:
+        return self._cached.get(block_hash)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # ---- prefix cache --------------------------------------------------------------------
+    def match_prefix(self, request: Request) -> PrefixMatch:
+        """Longest run of leading full blocks already cached.
+
+        At least one token is always left to compute so the step produces logits.
+        """
+        if not self.enable_prefix_caching:
+            return NO_PREFIX
+        self.hasher.extend(request.block_hashes, request.all_token_ids)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        block_ids: list[int] = []
+        for block_hash in request.block_hashes[:max_blocks]:
+            block_id = self._cached.get(block_hash)
+            if block_id is None:
+                break
+            block_ids.append(block_id)
+        return PrefixMatch(tuple(block_ids), len(block_ids) * self.block_size)
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Publish the request's newly completed full blocks in the hash map."""
+        if not self.enable_prefix_caching:
+            return
+        table = self._tables[request.request_id]
+        num_full = request.num_computed_tokens // self.block_size
+        self.hasher.extend(request.block_hashes, request.all_token_ids[: num_full * self.block_size])
+        start = self._num_hashed.get(request.request_id, 0)
+        for index in range(start, num_full):
+            block_hash = request.block_hashes[index]
+            block = self._blocks[table[index]]
+            if block.block_hash is None and block_hash not in self._cached:
+                block.block_hash = block_hash
+                self._cached[block_hash] = block.block_id
+        self._num_hashed[request.request_id] = max(start, num_full)
+
+    # ---- allocation ----------------------------------------------------------------------
+    def allocate(self, request: Request, num_new_tokens: int,
+                 prefix: PrefixMatch = NO_PREFIX) -> BlockAllocation | None:
+        """Make room for `num_new_tokens` after the request's computed tokens (and `prefix`).
+
+        Returns None and changes nothing when there are not enough blocks.
+        """
+        table = self._tables.get(request.request_id, [])
+        total_tokens = request.num_computed_tokens + prefix.num_tokens + num_new_tokens
+        num_new_blocks = self.blocks_needed(total_tokens) - len(table) - len(prefix.block_ids)
+        revived = sum(1 for block_id in prefix.block_ids if self._blocks[block_id].ref_count == 0)
+        if max(num_new_blocks, 0) + revived > len(self._free):
+            return None
+        for block_id in prefix.block_ids:
+            self._claim(block_id)
+        new_ids = tuple(self._pop_free() for _ in range(max(num_new_blocks, 0)))
+        self._tables[request.request_id] = table + list(prefix.block_ids) + list(new_ids)
+        if prefix.block_ids:
+            self._num_hashed[request.request_id] = len(table) + len(prefix.block_ids)
+        return BlockAllocation(new_block_ids=new_ids, reused_block_ids=prefix.block_ids)
+
+    def free(self, request_id: str) -> None:
+        """Release every block of the request; tail blocks become the first to be evicted."""
+        table = self._tables.pop(request_id, [])
+        self._num_hashed.pop(request_id, None)
+        for block_id in reversed(table):
+            block = self._blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free[block_id] = None
+                if block.block_hash is None:
+                    self._free.move_to_end(block_id, last=False)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash; only possible when no block is owned."""
+        if len(self._free) != self.num_blocks:
+            return False
+        self._cached.clear()
+        for block in self._blocks:
+            block.block_hash = None
+        return True
+
+    def _claim(self, block_id: int) -> None:
+        block = self._blocks[block_id]
+        if block.ref_count == 0:
+            del self._free[block_id]
+        block.ref_count += 1
+
+    def _pop_free(self) -> int:
+        block_id, _ = self._free.popitem(last=False)
+        block = self._blocks[block_id]
+        if block.block_hash is not None:
+            if self._cached.get(block.block_hash) == block_id:
+                del self._cached[block.block_hash]
+            block.block_hash = None
+        block.ref_count = 1
+        return block_id

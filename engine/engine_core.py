@@ -1,0 +1,220 @@
+"""EngineCore: one device, no I/O in step(). schedule -> forward -> sample -> stop checks."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer
+
+from splitserve.common.block_hash import BlockHasher
+from splitserve.common.config import EngineConfig
+from splitserve.common.errors import InvalidRequestError
+from splitserve.common.sampling_params import SamplingParams
+from splitserve.common.stats import EngineStats
+from splitserve.engine.attention import select_backend
+from splitserve.engine.block_manager import BlockManager
+from splitserve.engine.detokenizer import IncrementalDetokenizer
+from splitserve.engine.kv_cache import KVCache, KVCacheSpec, num_blocks_for
+from splitserve.engine.model_loader import load_hf_config, load_model
+from splitserve.engine.model_runner import ModelRunner
+from splitserve.engine.outputs import CompletionDelta
+from splitserve.engine.request import Request, RequestStatus
+from splitserve.engine.sampler import Sampler, SamplingRow
+from splitserve.engine.scheduler import Scheduler, SchedulerConfig
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' requested but CUDA is not available")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, model_dtype: torch.dtype | str | None, device: torch.device) -> torch.dtype:
+    """`auto` takes the checkpoint's dtype; float16 is widened to float32 on CPU."""
+    if name != "auto":
+        return _DTYPES[name]
+    dtype = _DTYPES.get(str(model_dtype).removeprefix("torch."), torch.float32)
+    return torch.float32 if dtype == torch.float16 and device.type == "cpu" else dtype
+
+
+def read_eos_token_ids(model_dir: Path, config_eos: int | list[int] | None) -> frozenset[int]:
+    """EOS ids from generation_config.json (what `generate` stops on), else config.json."""
+    path = model_dir / "generation_config.json"
+    eos = json.loads(path.read_text()).get("eos_token_id") if path.is_file() else None
+    eos = config_eos if eos is None else eos
+    if eos is None:
+        return frozenset()
+    return frozenset([eos] if isinstance(eos, int) else eos)
+
+
+class EngineCore:
+    def __init__(self, model_dir: str | Path, config: EngineConfig, tokenizer: Tokenizer | None = None,
+                 show_progress: bool = False) -> None:
+        model_dir = Path(model_dir)
+        hf_config = load_hf_config(model_dir)
+        self.config = config
+        self.device = resolve_device(config.device)
+        if config.num_threads is not None and self.device.type == "cpu":
+            torch.set_num_threads(config.num_threads)
+        dtype = resolve_dtype(config.dtype, getattr(hf_config, "dtype", None), self.device)
+        self.model = load_model(model_dir, dtype, self.device, select_backend(config.attention_backend),
+                                show_progress)
+        arch = self.model.arch
+        self.vocab_size = arch.vocab_size
+        self.max_model_len = self._resolve_max_model_len(arch.max_position_embeddings)
+        self.eos_token_ids = read_eos_token_ids(model_dir, getattr(hf_config, "eos_token_id", None))
+        spec = KVCacheSpec(arch.num_layers, config.block_size, arch.num_kv_heads, arch.head_dim, dtype)
+        self.kv_cache = KVCache(spec, self._num_blocks(spec), self.device)
+        self.block_manager = BlockManager(self.kv_cache.num_blocks, config.block_size,
+                                          BlockHasher(config.block_size, config.hash_seed),
+                                          config.enable_prefix_caching)
+        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
+                                                   self.max_model_len, config.enable_chunked_prefill),
+                                   self.block_manager)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.device)
+        self.sampler = Sampler()
+        self.tokenizer = tokenizer
+        self._shared_generator = torch.Generator(self.device).manual_seed(config.seed)
+        self._generators: dict[str, torch.Generator] = {}
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._pending: list[CompletionDelta] = []
+        self._arrivals = 0
+        self._num_steps = 0
+        self._num_prompt_tokens = 0
+        self._num_generation_tokens = 0
+
+    def _resolve_max_model_len(self, max_positions: int) -> int:
+        length = self.config.max_model_len or max_positions
+        if length > max_positions:
+            raise ValueError(f"max_model_len {length} exceeds the model's max_position_embeddings {max_positions}")
+        if not self.config.enable_chunked_prefill and self.config.max_num_batched_tokens < length:
+            raise ValueError(f"without chunked prefill, max_num_batched_tokens "
+                             f"({self.config.max_num_batched_tokens}) must be >= max_model_len ({length})")
+        return length
+
+    def _num_blocks(self, spec: KVCacheSpec) -> int:
+        num_blocks = num_blocks_for(self.config, spec, self.device)
+        if num_blocks * spec.block_size < self.max_model_len:
+            raise ValueError(f"the KV pool holds {num_blocks} blocks x {spec.block_size} tokens, fewer than "
+                             f"max_model_len={self.max_model_len}; enlarge the pool or lower max_model_len")
+        return num_blocks
+
+    # ---- requests ------------------------------------------------------------------------
+    def validate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise InvalidRequestError (naming the field) if the request can never be served."""
+        if request_id in self.scheduler.requests:
+            raise InvalidRequestError("request_id", f"{request_id!r} is already in flight")
+        if not prompt_token_ids:
+            raise InvalidRequestError("prompt", "must not be empty")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise InvalidRequestError("prompt", f"has {len(prompt_token_ids)} tokens; max_model_len is "
+                                                f"{self.max_model_len} (including at least one output token)")
+        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError("prompt_token_ids", f"out of vocabulary [0, {self.vocab_size}): {bad[:5]}")
+        if params.stop and self.tokenizer is None:
+            raise InvalidRequestError("stop", "stop strings need an engine with a tokenizer")
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        self.validate(request_id, prompt_token_ids, params)
+        request = Request(request_id, list(prompt_token_ids), params, self.eos_token_ids, self._arrivals)
+        self._arrivals += 1
+        if params.seed is not None:
+            self._generators[request_id] = torch.Generator(self.device).manual_seed(params.seed)
+        if self.tokenizer is not None:
+            self._detokenizers[request_id] = IncrementalDetokenizer(
+                self.tokenizer, request.prompt_token_ids, params.stop, params.skip_special_tokens)
+        self._num_prompt_tokens += len(prompt_token_ids)
+        self.scheduler.add_request(request)
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request in any state; its final delta comes out of the next step()."""
+        request = self.scheduler.requests.get(request_id)
+        if request is None:
+            return False
+        self._pending.append(self._finish(request, RequestStatus.FINISHED_ABORTED, ()))
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests() or bool(self._pending)
+
+    # ---- the step ------------------------------------------------------------------------
+    def step(self) -> list[CompletionDelta]:
+        deltas, self._pending = self._pending, []
+        output = self.scheduler.schedule()
+        if output.is_empty:
+            return deltas
+        self._num_steps += 1
+        logits = self.runner.execute(output)
+        self.scheduler.advance(output)
+        sampling = [self.scheduler.requests[c.request_id] for c in output.chunks if c.samples]
+        result = self.sampler(logits, [self._sampling_row(r) for r in sampling])
+        for request, token_id, logprobs in zip(sampling, result.token_ids, result.logprobs):
+            deltas.append(self._append_token(request, token_id, logprobs))
+        return deltas
+
+    def _sampling_row(self, request: Request) -> SamplingRow:
+        generator = self._generators.get(request.request_id, self._shared_generator)
+        return SamplingRow(request.sampling_params, request.prompt_token_ids, request.output_token_ids, generator)
+
+    def _append_token(self, request: Request, token_id: int, logprobs) -> CompletionDelta:
+        request.append_output_token(token_id)
+        self._num_generation_tokens += 1
+        new_logprobs = ()
+        if logprobs is not None:
+            request.logprobs.append(logprobs)
+            new_logprobs = (logprobs,)
+        status = self._check_stop(request, token_id)
+        if status is not None:
+            return self._finish(request, status, (token_id,), new_logprobs)
+        return self._delta(request, (token_id,), new_logprobs)
+
+    def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
+        params = request.sampling_params
+        detokenizer = self._detokenizers.get(request.request_id)
+        stop_string = detokenizer.append(token_id) if detokenizer is not None else None
+        if not params.ignore_eos and token_id in request.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if token_id in params.stop_token_ids:
+            request.stop_reason = token_id
+            return RequestStatus.FINISHED_STOPPED
+        if stop_string is not None:
+            request.stop_reason = stop_string
+            return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _finish(self, request: Request, status: RequestStatus, token_ids: tuple[int, ...],
+                logprobs: tuple = ()) -> CompletionDelta:
+        """Free everything the request holds, in the same step, and build its final delta."""
+        self.scheduler.finish(request.request_id, status)
+        self._generators.pop(request.request_id, None)
+        delta = self._delta(request, token_ids, logprobs, finished=True)
+        self._detokenizers.pop(request.request_id, None)
+        return delta
+
+    def _delta(self, request: Request, token_ids: tuple[int, ...], logprobs: tuple,
+               finished: bool = False) -> CompletionDelta:
+        detokenizer = self._detokenizers.get(request.request_id)
+        return CompletionDelta(
+            request_id=request.request_id, new_token_ids=token_ids, new_logprobs=logprobs,
+            text_delta=detokenizer.take_delta(finished) if detokenizer is not None else "",
+            finish_reason=request.finish_reason, stop_reason=request.stop_reason,
+            num_prompt_tokens=request.num_prompt_tokens, num_cached_tokens=max(request.num_cached_tokens, 0))
+
+    def stats(self) -> EngineStats:
+        scheduler = self.scheduler
+        return EngineStats(
+            num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),
+            num_kv_blocks=self.block_manager.num_blocks, num_free_kv_blocks=self.block_manager.num_free_blocks,
+            num_cached_free_kv_blocks=self.block_manager.num_cached_free_blocks,
+            prefix_cache_queries=scheduler.prefix_cache_queries, prefix_cache_hits=scheduler.prefix_cache_hits,
+            num_preemptions=scheduler.num_preemptions, num_steps=self._num_steps,
+            num_prompt_tokens=self._num_prompt_tokens, num_generation_tokens=self._num_generation_tokens)

@@ -1,0 +1,65 @@
+"""Paged KV pool: one tensor per layer, sized from an explicit block count or a memory budget."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from splitserve.common.config import DEFAULT_KV_CACHE_MEMORY_BYTES, EngineConfig
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    num_layers: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def block_shape(self) -> tuple[int, ...]:
+        return (2, self.block_size, self.num_kv_heads, self.head_dim)
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes one block occupies across all layers (keys and values)."""
+        elements = 2 * self.block_size * self.num_kv_heads * self.head_dim
+        return self.num_layers * elements * torch.empty((), dtype=self.dtype).element_size()
+
+
+def free_device_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return free
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def num_blocks_for(config: EngineConfig, spec: KVCacheSpec, device: torch.device) -> int:
+    """Pool size in blocks from whichever sizing field the config sets (default: 1 GiB)."""
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks
+    if config.kv_cache_memory_fraction is not None:
+        budget = int(free_device_memory(device) * config.kv_cache_memory_fraction)
+    else:
+        budget = config.kv_cache_memory_bytes or DEFAULT_KV_CACHE_MEMORY_BYTES
+    num_blocks = budget // spec.bytes_per_block
+    if num_blocks < 1:
+        raise ValueError(f"KV cache budget of {budget} bytes is smaller than one block "
+                         f"({spec.bytes_per_block} bytes)")
+    return num_blocks
+
+
+class KVCache:
+    """Owns the pool tensors; the block manager owns which blocks are in use."""
+
+    def __init__(self, spec: KVCacheSpec, num_blocks: int, device: torch.device) -> None:
+        self.spec = spec
+        self.num_blocks = num_blocks
+        # Zero-filled so padded (masked) gathers never read uninitialized NaN/Inf bit patterns.
+        self.layers = [torch.zeros((num_blocks, *spec.block_shape), dtype=spec.dtype, device=device)
+                       for _ in range(spec.num_layers)]  # each [num_blocks, 2, block_size, kv_heads, head_dim]
+
+    def block(self, layer: int, block_id: int) -> torch.Tensor:
+        return self.layers[layer][block_id]  # [2, block_size, kv_heads, head_dim]

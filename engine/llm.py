@@ -1,0 +1,126 @@
+"""Offline API: `LLM(model_dir, **engine_config).generate(prompts, sampling_params)`."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+from tqdm import tqdm
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from splitserve.common.config import EngineConfig
+from splitserve.common.errors import InvalidRequestError
+from splitserve.common.sampling_params import SamplingParams
+from splitserve.common.stats import EngineStats
+from splitserve.engine.engine_core import EngineCore
+from splitserve.engine.outputs import CompletionDelta, RequestOutput
+from splitserve.engine.request import TokenLogprobs
+
+Prompt = str | list[int]
+
+
+def load_tokenizer(model_dir: str | Path) -> PreTrainedTokenizerBase:
+    return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+
+
+class _Accumulator:
+    """Collects one request's deltas into its RequestOutput."""
+
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], wants_logprobs: bool):
+        self.request_id, self.prompt, self.prompt_token_ids = request_id, prompt, prompt_token_ids
+        self.token_ids: list[int] = []
+        self.text = ""
+        self.logprobs: list[TokenLogprobs] | None = [] if wants_logprobs else None
+        self.final: CompletionDelta | None = None
+
+    def add(self, delta: CompletionDelta) -> None:
+        self.token_ids.extend(delta.new_token_ids)
+        self.text += delta.text_delta
+        if self.logprobs is not None:
+            self.logprobs.extend(delta.new_logprobs)
+        if delta.finished:
+            self.final = delta
+
+    def output(self) -> RequestOutput:
+        final = self.final
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, self.token_ids, self.text,
+                             final.finish_reason, final.stop_reason, final.num_cached_tokens, self.logprobs)
+
+
+class LLM:
+    def __init__(self, model: str | Path, show_progress: bool = False, **engine_config) -> None:
+        self.tokenizer = load_tokenizer(model)
+        self.engine = EngineCore(model, EngineConfig(**engine_config), self.tokenizer.backend_tokenizer,
+                                 show_progress)
+        self._counter = 0
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Run prompts to completion; outputs come back in input order.
+
+        Every prompt is validated before any is queued, so a bad one leaves nothing allocated.
+        """
+        prompt_list = [prompts] if isinstance(prompts, str) or _is_token_list(prompts) else list(prompts)
+        params = _broadcast_params(sampling_params, len(prompt_list))
+        requests = [(self._next_id(), p, self._encode(p), sp) for p, sp in zip(prompt_list, params)]
+        for request_id, _, token_ids, sp in requests:
+            self.engine.validate(request_id, token_ids, sp)
+        accumulators = {rid: _Accumulator(rid, p if isinstance(p, str) else None, ids, sp.logprobs is not None)
+                        for rid, p, ids, sp in requests}
+        for request_id, _, token_ids, sp in requests:
+            self.engine.add_request(request_id, token_ids, sp)
+        with tqdm(total=len(requests), disable=not use_tqdm, desc="generate") as progress:
+            for delta in self._deltas():
+                accumulators[delta.request_id].add(delta)
+                progress.update(int(delta.finished))
+        return [accumulators[rid].output() for rid, *_ in requests]
+
+    def chat(self, messages: list[dict[str, str]], sampling_params: SamplingParams | None = None) -> RequestOutput:
+        """One conversation through the model's chat template."""
+        token_ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                       return_dict=False)
+        return self.generate([list(token_ids)], sampling_params)[0]
+
+    def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[CompletionDelta]:
+        """Deltas of one request as the engine produces them."""
+        request_id, token_ids = self._next_id(), self._encode(prompt)
+        self.engine.add_request(request_id, token_ids, sampling_params or SamplingParams())
+        try:
+            for delta in self._deltas():
+                yield delta
+        finally:
+            self.engine.abort_request(request_id)
+            while self.engine.has_unfinished_requests():
+                self.engine.step()
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    def _deltas(self) -> Iterator[CompletionDelta]:
+        while self.engine.has_unfinished_requests():
+            yield from self.engine.step()
+
+    def _encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_special_tokens=True)
+        if not _is_token_list(prompt):
+            raise InvalidRequestError("prompt", "must be a string or a list of token ids")
+        return list(prompt)
+
+    def _next_id(self) -> str:
+        self._counter += 1
+        return f"offline-{self._counter}"
+
+
+def _is_token_list(value: object) -> bool:
+    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+def _broadcast_params(params: SamplingParams | Sequence[SamplingParams] | None, count: int) -> list[SamplingParams]:
+    if params is None or isinstance(params, SamplingParams):
+        return [params or SamplingParams()] * count
+    params = list(params)
+    if len(params) != count:
+        raise InvalidRequestError("sampling_params", f"got {len(params)} for {count} prompts")
+    return params

@@ -1,0 +1,159 @@
+"""Load a Hugging Face model directory (config + safetensors) into a LlamaFamilyForCausalLM.
+
+q/k/v projections are fused into one `qkv_proj` and gate/up into `gate_up_proj` at load
+time so each layer runs two matmuls fewer per step.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+from transformers import AutoConfig, PretrainedConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from splitserve.common.errors import UnsupportedModelError
+from splitserve.engine.attention import AttentionBackend
+from splitserve.engine.models.llama import LlamaFamilyArch, LlamaFamilyForCausalLM, RotaryEmbedding
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+
+def load_hf_config(model_dir: Path) -> PretrainedConfig:
+    if not (model_dir / "config.json").is_file():
+        raise FileNotFoundError(f"{model_dir} is not a model directory: no config.json")
+    return AutoConfig.from_pretrained(model_dir, local_files_only=True)
+
+
+def parse_arch(config: PretrainedConfig) -> LlamaFamilyArch:
+    architecture = (config.architectures or ["?"])[0]
+    if architecture not in SUPPORTED_ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"architecture {architecture!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    if getattr(config, "hidden_act", "silu") != "silu":
+        raise UnsupportedModelError(f"hidden_act {config.hidden_act!r} is not supported (only silu)")
+    num_heads = config.num_attention_heads
+    return LlamaFamilyArch(
+        architecture=architecture,
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        num_layers=config.num_hidden_layers,
+        num_heads=num_heads,
+        num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
+        head_dim=getattr(config, "head_dim", None) or config.hidden_size // num_heads,
+        intermediate_size=config.intermediate_size,
+        rms_norm_eps=config.rms_norm_eps,
+        max_position_embeddings=config.max_position_embeddings,
+        qkv_bias=architecture == "Qwen2ForCausalLM" or bool(getattr(config, "attention_bias", False)),
+        o_bias=architecture != "Qwen2ForCausalLM" and bool(getattr(config, "attention_bias", False)),
+        mlp_bias=bool(getattr(config, "mlp_bias", False)),
+        qk_norm=architecture == "Qwen3ForCausalLM",
+        tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+        sliding_windows=_sliding_windows(config),
+    )
+
+
+def _sliding_windows(config: PretrainedConfig) -> tuple[int | None, ...]:
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return tuple(window if kind == "sliding_attention" else None for kind in layer_types)
+    enabled = window is not None and getattr(config, "use_sliding_window", True)
+    return tuple(window if enabled else None for _ in range(config.num_hidden_layers))
+
+
+def build_rotary(config: PretrainedConfig, arch: LlamaFamilyArch) -> RotaryEmbedding:
+    """inv_freq and attention scaling from transformers' own RoPE initializers.
+
+    `dynamic` NTK scaling is applied statically (as for max_position_embeddings).
+    """
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    rope_type = params.get("rope_type", "default")
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise UnsupportedModelError("partial_rotary_factor != 1 is not supported")
+    if rope_type == "default":
+        base = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+        exponents = torch.arange(0, arch.head_dim, 2, dtype=torch.int64).float() / arch.head_dim
+        return RotaryEmbedding(1.0 / (base**exponents), 1.0)
+    if rope_type not in ROPE_INIT_FUNCTIONS:
+        raise UnsupportedModelError(f"rope_type {rope_type!r} is not supported")
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+    return RotaryEmbedding(inv_freq, float(scaling))
+
+
+def _weight_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [model_dir / shard for shard in shards]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise UnsupportedModelError(f"{model_dir} has no *.safetensors weights")
+    return files
+
+
+def read_checkpoint(model_dir: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint, with the `model.` prefix removed."""
+    tensors: dict[str, torch.Tensor] = {}
+    for path in _weight_files(model_dir):
+        with safe_open(str(path), framework="pt") as handle:
+            for name in handle.keys():
+                tensors[name.removeprefix("model.")] = handle.get_tensor(name)
+    return tensors
+
+
+def fuse_checkpoint(checkpoint: dict[str, torch.Tensor], arch: LlamaFamilyArch) -> dict[str, torch.Tensor]:
+    """Map HF parameter names onto the fused module's state dict."""
+    state = {name: checkpoint.pop(name) for name in ("embed_tokens.weight", "norm.weight")}
+    lm_head = checkpoint.pop("lm_head.weight", None)
+    state["lm_head.weight"] = state["embed_tokens.weight"] if arch.tie_word_embeddings or lm_head is None else lm_head
+    for i in range(arch.num_layers):
+        state.update(_fuse_layer(checkpoint, f"layers.{i}.", arch))
+    return state
+
+
+def _fuse_layer(checkpoint: dict[str, torch.Tensor], prefix: str, arch: LlamaFamilyArch) -> dict[str, torch.Tensor]:
+    def take(name: str) -> torch.Tensor:
+        return checkpoint.pop(prefix + name)
+
+    attn, mlp = prefix + "self_attn.", prefix + "mlp."
+    state = {
+        prefix + "input_layernorm.weight": take("input_layernorm.weight"),
+        prefix + "post_attention_layernorm.weight": take("post_attention_layernorm.weight"),
+        attn + "qkv_proj.weight": torch.cat([take(f"self_attn.{p}_proj.weight") for p in "qkv"]),
+        attn + "o_proj.weight": take("self_attn.o_proj.weight"),
+        mlp + "gate_up_proj.weight": torch.cat([take("mlp.gate_proj.weight"), take("mlp.up_proj.weight")]),
+        mlp + "down_proj.weight": take("mlp.down_proj.weight"),
+    }
+    if arch.qkv_bias:
+        state[attn + "qkv_proj.bias"] = torch.cat([take(f"self_attn.{p}_proj.bias") for p in "qkv"])
+    if arch.o_bias:
+        state[attn + "o_proj.bias"] = take("self_attn.o_proj.bias")
+    if arch.mlp_bias:
+        state[mlp + "gate_up_proj.bias"] = torch.cat([take("mlp.gate_proj.bias"), take("mlp.up_proj.bias")])
+        state[mlp + "down_proj.bias"] = take("mlp.down_proj.bias")
+    if arch.qk_norm:
+        state[attn + "q_norm.weight"] = take("self_attn.q_norm.weight")
+        state[attn + "k_norm.weight"] = take("self_attn.k_norm.weight")
+    return state
+
+
+def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, backend: AttentionBackend,
+               show_progress: bool = False) -> LlamaFamilyForCausalLM:
+    config = load_hf_config(model_dir)
+    arch = parse_arch(config)
+    rotary = build_rotary(config, arch).to(device)
+    with torch.device("meta"):
+        model = LlamaFamilyForCausalLM(arch, rotary, backend)
+    checkpoint = read_checkpoint(model_dir)
+    state = fuse_checkpoint(checkpoint, arch)
+    tensors = tqdm(state.items(), desc=f"loading {model_dir.name}", disable=not show_progress, unit="tensor")
+    state = {name: tensor.to(device=device, dtype=dtype) for name, tensor in tensors}
+    model.load_state_dict(state, strict=True, assign=True)
+    if arch.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    model.rotary = rotary
+    return model.eval().requires_grad_(False)

@@ -1,0 +1,99 @@
+"""Turns a SchedulerOutput into tensors, runs the model, returns logits of sampling rows."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from splitserve.engine.attention import AttentionMetadata, DecodeBatch, PrefillSpan
+from splitserve.engine.kv_cache import KVCache
+from splitserve.engine.models.llama import LlamaFamilyForCausalLM
+from splitserve.engine.scheduler import ScheduledChunk, SchedulerOutput
+
+
+@dataclass(frozen=True)
+class ModelInput:
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    metadata: AttentionMetadata
+    logits_indices: torch.Tensor  # [num_sampling_chunks] int64, last token of each sampling chunk
+
+
+def _slots(chunk: ScheduledChunk, block_size: int) -> tuple[list[int], list[int]]:
+    """Pool rows (pool viewed as [num_blocks * 2 * block_size, H, D]) for keys and values."""
+    keys, values = [], []
+    for position in range(chunk.start_position, chunk.context_len):
+        block = chunk.block_table[position // block_size]
+        key_row = block * 2 * block_size + position % block_size
+        keys.append(key_row)
+        values.append(key_row + block_size)
+    return keys, values
+
+
+class InputBuilder:
+    def __init__(self, block_size: int, device: torch.device) -> None:
+        self.block_size = block_size
+        self.device = device
+
+    def build(self, output: SchedulerOutput) -> ModelInput:
+        input_ids: list[int] = []
+        positions: list[int] = []
+        key_slots: list[int] = []
+        value_slots: list[int] = []
+        prefills: list[PrefillSpan] = []
+        decodes: list[tuple[int, ScheduledChunk]] = []
+        logits_indices: list[int] = []
+        for chunk in output.chunks:
+            start = len(input_ids)
+            input_ids.extend(chunk.token_ids)
+            positions.extend(range(chunk.start_position, chunk.context_len))
+            keys, values = _slots(chunk, self.block_size)
+            key_slots.extend(keys)
+            value_slots.extend(values)
+            if chunk.num_tokens == 1:
+                decodes.append((start, chunk))
+            else:
+                prefills.append(self._prefill_span(start, chunk))
+            if chunk.samples:
+                logits_indices.append(len(input_ids) - 1)
+        metadata = AttentionMetadata(
+            positions=self._tensor(positions), key_slots=self._tensor(key_slots),
+            value_slots=self._tensor(value_slots), prefills=tuple(prefills),
+            decode=self._decode_batch(decodes), block_size=self.block_size)
+        return ModelInput(self._tensor(input_ids), metadata.positions, metadata, self._tensor(logits_indices))
+
+    def _prefill_span(self, start: int, chunk: ScheduledChunk) -> PrefillSpan:
+        num_blocks = -(-chunk.context_len // self.block_size)
+        return PrefillSpan(query_start=start, query_len=chunk.num_tokens, context_len=chunk.context_len,
+                           block_table=self._tensor(list(chunk.block_table[:num_blocks])))
+
+    def _decode_batch(self, decodes: list[tuple[int, ScheduledChunk]]) -> DecodeBatch | None:
+        if not decodes:
+            return None
+        width = max(-(-chunk.context_len // self.block_size) for _, chunk in decodes)
+        tables = [list(chunk.block_table[:width]) + [0] * (width - len(chunk.block_table[:width]))
+                  for _, chunk in decodes]
+        return DecodeBatch(token_indices=self._tensor([start for start, _ in decodes]),
+                           block_tables=self._tensor(tables),
+                           context_lens=self._tensor([chunk.context_len for _, chunk in decodes]))
+
+    def _tensor(self, values: list) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.device)
+
+
+class ModelRunner:
+    """Owns the model and the KV pool tensors for one device."""
+
+    def __init__(self, model: LlamaFamilyForCausalLM, kv_cache: KVCache, device: torch.device) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.inputs = InputBuilder(kv_cache.spec.block_size, device)
+
+    @torch.inference_mode()
+    def execute(self, output: SchedulerOutput) -> torch.Tensor:
+        """Logits [num_sampling_chunks, vocab] in chunk order (float32)."""
+        model_input = self.inputs.build(output)
+        hidden = self.model(model_input.input_ids, model_input.positions, self.kv_cache.layers,
+                            model_input.metadata)  # [T, hidden]
+        return self.model.compute_logits(hidden[model_input.logits_indices]).float()

@@ -1,0 +1,159 @@
+"""The Llama family (Llama, Mistral, Qwen2, Qwen3) over a flattened, paged batch.
+
+Differences between the architectures are data in `LlamaFamilyArch` (biases, per-head
+q/k RMSNorm, sliding windows, tied embeddings); the numerics follow Hugging Face
+transformers op for op so greedy outputs agree token for token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from splitserve.engine.attention import AttentionBackend, AttentionMetadata
+
+
+@dataclass(frozen=True)
+class LlamaFamilyArch:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    """Qwen3: RMSNorm over head_dim on each query and key head before RoPE."""
+    tie_word_embeddings: bool
+    sliding_windows: tuple[int | None, ...]
+    """Per layer: attention window in tokens, or None for full attention."""
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for the non-interleaved (rotate_half) RoPE convention."""
+
+    def __init__(self, inv_freq: torch.Tensor, attention_scaling: float) -> None:
+        super().__init__()
+        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)  # [head_dim / 2]
+        self.attention_scaling = attention_scaling
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float().unsqueeze(1) * self.inv_freq.unsqueeze(0)  # [T, head_dim / 2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [T, head_dim]
+        cos = (emb.cos() * self.attention_scaling).to(dtype)
+        sin = (emb.sin() * self.attention_scaling).to(dtype)
+        return cos.unsqueeze(1), sin.unsqueeze(1)  # [T, 1, head_dim] each
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return x * cos + _rotate_half(x) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, arch: LlamaFamilyArch, sliding_window: int | None, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.arch = arch
+        self.sliding_window = sliding_window
+        self.backend = backend
+        self.qkv_proj = nn.Linear(arch.hidden_size, arch.q_size + 2 * arch.kv_size, bias=arch.qkv_bias)
+        self.o_proj = nn.Linear(arch.q_size, arch.hidden_size, bias=arch.o_bias)
+        if arch.qk_norm:
+            self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps)
+            self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps)
+
+    def forward(self, hidden, rope, kv_cache, metadata: AttentionMetadata) -> torch.Tensor:
+        arch = self.arch
+        qkv = self.qkv_proj(hidden)  # [T, q_size + 2 * kv_size]
+        q, k, v = qkv.split((arch.q_size, arch.kv_size, arch.kv_size), dim=-1)
+        q = q.view(-1, arch.num_heads, arch.head_dim)
+        k = k.view(-1, arch.num_kv_heads, arch.head_dim)
+        v = v.view(-1, arch.num_kv_heads, arch.head_dim)
+        if arch.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = rope
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = self.backend.forward(q, k, v, kv_cache, metadata, self.sliding_window)  # [T, H, D]
+        return self.o_proj(out.reshape(-1, arch.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, arch: LlamaFamilyArch) -> None:
+        super().__init__()
+        self.intermediate_size = arch.intermediate_size
+        self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=arch.mlp_bias)
+        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=arch.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, arch: LlamaFamilyArch, layer_index: int, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.self_attn = Attention(arch, arch.sliding_windows[layer_index], backend)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.mlp = MLP(arch)
+
+    def forward(self, hidden, rope, kv_cache, metadata):
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), rope, kv_cache, metadata)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaFamilyForCausalLM(nn.Module):
+    def __init__(self, arch: LlamaFamilyArch, rotary: RotaryEmbedding, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.arch = arch
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(arch, i, backend) for i in range(arch.num_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.rotary = rotary
+        self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        if arch.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(self, input_ids, positions, kv_caches: list[torch.Tensor], metadata: AttentionMetadata):
+        hidden = self.embed_tokens(input_ids)  # [T, hidden]
+        rope = self.rotary(positions, hidden.dtype)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            hidden = layer(hidden, rope, kv_cache, metadata)
+        return self.norm(hidden)  # [T, hidden]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)  # [N, vocab]

@@ -1,0 +1,40 @@
+"""What the engine hands back: per-step deltas and whole-request results."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from splitserve.engine.request import TokenLogprobs
+
+
+@dataclass(frozen=True)
+class CompletionDelta:
+    """What one request gained in one step; the last delta of a request has finish_reason set."""
+
+    request_id: str
+    new_token_ids: tuple[int, ...]
+    new_logprobs: tuple[TokenLogprobs, ...]
+    text_delta: str
+    finish_reason: str | None
+    """None while running; 'stop', 'length' or 'abort' on the final delta."""
+    stop_reason: int | str | None
+    """The stop token id or stop string that ended the request, if any."""
+    num_prompt_tokens: int
+    num_cached_tokens: int
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    stop_reason: int | str | None
+    num_cached_tokens: int
+    logprobs: list[TokenLogprobs] | None

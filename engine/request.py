@@ -1,0 +1,89 @@
+"""The engine's mutable view of one request (owned by the scheduler)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from splitserve.common.block_hash import BlockHash
+from splitserve.common.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                        RequestStatus.FINISHED_ABORTED)
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """Logprob of one sampled token plus the top alternatives (raw model distribution)."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    """1-based rank of the sampled token in the distribution."""
+    top: tuple[tuple[int, float], ...]
+    """(token_id, logprob) of the most likely tokens, best first."""
+
+
+@dataclass(eq=False)
+class Request:
+    """Invariant: 0 <= num_computed_tokens <= num_tokens; KV exists for the first
+    num_computed_tokens of all_token_ids; the last sampled token never has KV yet."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: frozenset[int]
+    arrival_index: int
+    status: RequestStatus = RequestStatus.WAITING
+    all_token_ids: list[int] = field(default_factory=list)
+    """Prompt followed by every sampled token; appended to, never rebuilt."""
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = -1
+    """Prompt tokens served from the prefix cache at first admission (-1 until admitted)."""
+    block_hashes: list[BlockHash] = field(default_factory=list)
+    """Chained hashes of the full blocks of all_token_ids computed so far."""
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    stop_reason: int | str | None = None
+    num_preemptions: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.all_token_ids:
+            self.all_token_ids = list(self.prompt_token_ids)
+
+    def append_output_token(self, token_id: int) -> None:
+        self.all_token_ids.append(token_id)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.status.value if self.status.is_finished else None

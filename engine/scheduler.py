@@ -1,0 +1,179 @@
+"""Token-budget scheduler: decode first, then chunked prefill, preemption by recompute.
+
+Each request carries `num_computed_tokens` chasing `num_tokens`. One `schedule()` hands
+out at most `max_num_batched_tokens` tokens: first to running requests in admission order
+(a decode needs 1 token, an unfinished prefill its remaining prompt), then to waiting
+requests in arrival order. When blocks run out, the most recently admitted running
+request is preempted: its blocks are freed and it will recompute from scratch (usually
+hitting its own just-freed blocks in the prefix cache).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from splitserve.engine.block_manager import NO_PREFIX, BlockManager
+from splitserve.engine.request import Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    enable_chunked_prefill: bool
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """Tokens of one request whose KV is computed this step.
+
+    Positions are start_position .. start_position + len(token_ids) - 1.
+    """
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    start_position: int
+    block_table: tuple[int, ...]
+    samples: bool
+    """True when the chunk reaches the end of the known tokens, so a next token is sampled."""
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def context_len(self) -> int:
+        return self.start_position + len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    chunks: tuple[ScheduledChunk, ...]
+    preempted_request_ids: tuple[str, ...]
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(chunk.num_tokens for chunk in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+class Scheduler:
+    """Owns the waiting queue and the running batch."""
+
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+
+    def add_request(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # ---- schedule ------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[tuple[Request, int]] = []
+        preempted: list[Request] = []
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if self._allocate_or_preempt(request, num_new, preempted):
+                scheduled.append((request, num_new))
+                budget -= num_new
+                index += 1
+        if not preempted:
+            budget = self._admit_waiting(budget, scheduled)
+        chunks = tuple(self._make_chunk(request, num_new) for request, num_new in scheduled)
+        return SchedulerOutput(chunks, tuple(r.request_id for r in preempted))
+
+    def _allocate_or_preempt(self, request: Request, num_new: int, preempted: list[Request]) -> bool:
+        """Allocate for `request`, preempting from the back of the batch until it fits.
+
+        Returns False when `request` itself had to be preempted.
+        """
+        while self.block_manager.allocate(request, num_new) is None:
+            victim = self.running.pop()
+            self._preempt(victim)
+            preempted.append(victim)
+            if victim is request:
+                return False
+        return True
+
+    def _admit_waiting(self, budget: int, scheduled: list[tuple[Request, int]]) -> int:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            prefix = self.block_manager.match_prefix(request) if request.num_computed_tokens == 0 else NO_PREFIX
+            num_new = request.num_tokens - request.num_computed_tokens - prefix.num_tokens
+            if num_new > budget:
+                if not self.config.enable_chunked_prefill:
+                    break
+                num_new = budget
+            if self.block_manager.allocate(request, num_new, prefix) is None:
+                break
+            self.waiting.popleft()
+            self._record_admission(request, prefix.num_tokens)
+            request.num_computed_tokens += prefix.num_tokens
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            scheduled.append((request, num_new))
+            budget -= num_new
+        return budget
+
+    def _record_admission(self, request: Request, num_cached: int) -> None:
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_cached
+        self.prefix_cache_queries += request.num_tokens
+        self.prefix_cache_hits += num_cached
+
+    def _preempt(self, request: Request) -> None:
+        self.block_manager.free(request.request_id)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _make_chunk(self, request: Request, num_new: int) -> ScheduledChunk:
+        start = request.num_computed_tokens
+        return ScheduledChunk(
+            request_id=request.request_id,
+            token_ids=tuple(request.all_token_ids[start : start + num_new]),
+            start_position=start,
+            block_table=tuple(self.block_manager.block_table(request.request_id)),
+            samples=start + num_new == request.num_tokens,
+        )
+
+    # ---- after the forward pass ----------------------------------------------------------
+    def advance(self, output: SchedulerOutput) -> None:
+        """Record that every scheduled chunk's KV now exists."""
+        for chunk in output.chunks:
+            request = self.requests[chunk.request_id]
+            request.num_computed_tokens += chunk.num_tokens
+            self.block_manager.cache_full_blocks(request)
+
+    def finish(self, request_id: str, status: RequestStatus) -> Request | None:
+        """Remove a request in any state and free its blocks at once."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.block_manager.free(request_id)
+        request.status = status
+        return request
