@@ -88,7 +88,8 @@ class LLM:
         self.engine.add_request(request_id, token_ids, sampling_params or SamplingParams())
         try:
             for delta in self._deltas():
-                yield delta
+                if delta.request_id == request_id:
+                    yield delta
         finally:
             self.engine.abort_request(request_id)
             while self.engine.has_unfinished_requests():

@@ -1,0 +1,90 @@
+"""The one shared set of test factories (requests, block managers, schedulers, model specs)."""
+
+from __future__ import annotations
+
+import itertools
+
+from splitserve.common.block_hash import BlockHasher
+from splitserve.common.sampling_params import SamplingParams
+from splitserve.engine.block_manager import BlockManager
+from splitserve.engine.request import Request
+from splitserve.engine.scheduler import Scheduler, SchedulerConfig
+
+_arrivals = itertools.count()
+
+
+def make_request(request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
+                 eos_token_ids: frozenset[int] = frozenset()) -> Request:
+    return Request(request_id, list(prompt_token_ids), params or SamplingParams(), eos_token_ids, next(_arrivals))
+
+
+def make_block_manager(num_blocks: int, block_size: int = 4, enable_prefix_caching: bool = True,
+                       hash_seed: int = 0) -> BlockManager:
+    return BlockManager(num_blocks, block_size, BlockHasher(block_size, hash_seed), enable_prefix_caching)
+
+
+def make_scheduler(num_blocks: int, block_size: int = 4, max_num_seqs: int = 8, max_num_batched_tokens: int = 64,
+                   max_model_len: int = 256, enable_chunked_prefill: bool = True,
+                   enable_prefix_caching: bool = True) -> Scheduler:
+    config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len, enable_chunked_prefill)
+    return Scheduler(config, make_block_manager(num_blocks, block_size, enable_prefix_caching))
+
+
+def assert_pool_idle(block_manager: BlockManager) -> None:
+    """Every block is back in the free list with no owner (cached-free blocks allowed)."""
+    assert block_manager.num_free_blocks == block_manager.num_blocks
+    assert all(block_manager.ref_count(b) == 0 for b in range(block_manager.num_blocks))
+    assert sorted(block_manager.free_block_order()) == list(range(block_manager.num_blocks))
+
+
+# ---- workloads and the Hugging Face oracle ----------------------------------------------------
+from dataclasses import dataclass  # noqa: E402
+from functools import lru_cache  # noqa: E402
+from pathlib import Path  # noqa: E402
+import random  # noqa: E402
+
+
+@dataclass(frozen=True)
+class GreedyCase:
+    prompt_token_ids: tuple[int, ...]
+    max_tokens: int
+    ignore_eos: bool
+
+    def params(self) -> SamplingParams:
+        return SamplingParams(temperature=0.0, max_tokens=self.max_tokens, ignore_eos=self.ignore_eos)
+
+
+def mixed_workload(vocab_size: int, num_requests: int = 32, seed: int = 0, max_prompt: int = 300,
+                   max_output: int = 40, num_shared_prefixes: int = 3) -> list[GreedyCase]:
+    """Prompts of 1..max_prompt tokens; about two thirds extend one of a few shared prefixes."""
+    rng = random.Random(seed)
+    token = lambda: rng.randrange(3, vocab_size)  # noqa: E731 - ids 0..2 are special tokens
+    prefixes = [[token() for _ in range(rng.randrange(20, max_prompt // 2))] for _ in range(num_shared_prefixes)]
+    cases = []
+    for index in range(num_requests):
+        if index % 3 != 2:
+            prefix = prefixes[index % num_shared_prefixes]
+            prompt = prefix + [token() for _ in range(rng.randrange(0, max_prompt - len(prefix)))]
+        else:
+            prompt = [token() for _ in range(rng.randrange(1, max_prompt + 1))]
+        cases.append(GreedyCase(tuple(prompt), rng.randrange(1, max_output + 1), ignore_eos=index % 2 == 0))
+    return cases
+
+
+@lru_cache(maxsize=4)
+def _hf_model(model_dir: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32").eval()
+
+
+def hf_greedy(model_dir: Path, case: GreedyCase) -> list[int]:
+    """The oracle: transformers `generate`, batch 1, greedy, fp32."""
+    import torch
+
+    model = _hf_model(model_dir)
+    kwargs = {"eos_token_id": None} if case.ignore_eos else {}
+    with torch.inference_mode():
+        output = model.generate(torch.tensor([case.prompt_token_ids]), max_new_tokens=case.max_tokens,
+                                do_sample=False, pad_token_id=0, **kwargs)
+    return output[0, len(case.prompt_token_ids):].tolist()
