@@ -88,3 +88,23 @@ def hf_greedy(model_dir: Path, case: GreedyCase) -> list[int]:
         output = model.generate(torch.tensor([case.prompt_token_ids]), max_new_tokens=case.max_tokens,
                                 do_sample=False, pad_token_id=0, **kwargs)
     return output[0, len(case.prompt_token_ids):].tolist()
+
+
+def save_random_hf_model(out_dir: Path, architecture: str, seed: int = 0, **config_overrides) -> Path:
+    """A random-weight checkpoint of any supported family (no tokenizer), via transformers itself."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    config_class = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
+    base = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=1024, initializer_range=0.1, bos_token_id=None,
+                eos_token_id=None, pad_token_id=None)
+    config = config_class[architecture](**{**base, **config_overrides})
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    for name, param in model.named_parameters():
+        if name.endswith("bias") or name.endswith("norm.weight"):
+            # HF initializes these to 0 / 1; random values make the test see if they are loaded.
+            torch.nn.init.normal_(param, mean=1.0 if name.endswith("norm.weight") else 0.0, std=0.1)
+    model.save_pretrained(out_dir)
+    return out_dir

@@ -1,0 +1,60 @@
+"""Every supported architecture variant loads and matches transformers greedy output exactly."""
+
+from __future__ import annotations
+
+import pytest
+
+from factories import GreedyCase, assert_pool_idle, hf_greedy, mixed_workload, save_random_hf_model
+from splitserve.common.config import EngineConfig
+from splitserve.common.errors import UnsupportedModelError
+from splitserve.engine import EngineCore
+
+FAMILIES = {
+    "llama-bias-tied": ("llama", dict(attention_bias=True, mlp_bias=True, tie_word_embeddings=True)),
+    "llama-rope-llama3": ("llama", dict(rope_parameters={
+        "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 128})),
+    "llama-rope-linear": ("llama", dict(rope_parameters={"rope_type": "linear", "rope_theta": 10000.0,
+                                                         "factor": 2.0})),
+    "llama-rope-yarn": ("llama", dict(rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                                       "original_max_position_embeddings": 256})),
+    "llama-head-dim-32": ("llama", dict(head_dim=32)),
+    "mistral-sliding-window": ("mistral", dict(sliding_window=48)),
+    "qwen2": ("qwen2", dict()),
+    "qwen3-qk-norm": ("qwen3", dict(head_dim=32)),
+}
+
+
+def run_engine(model_dir, cases: list[GreedyCase], **config) -> tuple[list[list[int]], EngineCore]:
+    engine = EngineCore(model_dir, EngineConfig(block_size=16, **config))
+    for index, case in enumerate(cases):
+        engine.add_request(str(index), list(case.prompt_token_ids), case.params())
+    outputs: dict[str, list[int]] = {str(i): [] for i in range(len(cases))}
+    while engine.has_unfinished_requests():
+        for delta in engine.step():
+            outputs[delta.request_id].extend(delta.new_token_ids)
+    return [outputs[str(i)] for i in range(len(cases))], engine
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_family_matches_transformers(family, tmp_path):
+    architecture, overrides = FAMILIES[family]
+    model_dir = save_random_hf_model(tmp_path / family, architecture, seed=3, **overrides)
+    cases = [GreedyCase(c.prompt_token_ids, c.max_tokens, ignore_eos=True)
+             for c in mixed_workload(vocab_size=384, num_requests=8, seed=11, max_prompt=200, max_output=12)]
+    outputs, engine = run_engine(model_dir, cases, max_num_batched_tokens=64)
+    assert outputs == [hf_greedy(model_dir, case) for case in cases]
+    assert_pool_idle(engine.block_manager)
+
+
+def test_unsupported_architecture_is_a_clear_error(tmp_path):
+    model_dir = save_random_hf_model(tmp_path / "m", "llama")
+    config_path = model_dir / "config.json"
+    config_path.write_text(config_path.read_text().replace("LlamaForCausalLM", "GPT2LMHeadModel"))
+    with pytest.raises(UnsupportedModelError, match="GPT2LMHeadModel.*not supported"):
+        EngineCore(model_dir, EngineConfig())
+
+
+def test_missing_model_directory_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        EngineCore(tmp_path, EngineConfig())
