@@ -31,6 +31,21 @@ def _slots(chunk: ScheduledChunk, block_size: int) -> tuple[list[int], list[int]
     return keys, values
 
 
+MIN_BUCKET_FILL = 0.75
+"""A decode joins a bucket while its block count is >= this fraction of the bucket's longest."""
+
+
+def bucket_by_length(items: list, length) -> list[list]:
+    """Groups of items, longest first, where every length is >= MIN_BUCKET_FILL x the group's max."""
+    groups: list[list] = []
+    for item in sorted(items, key=length, reverse=True):
+        if groups and length(item) >= MIN_BUCKET_FILL * length(groups[-1][0]):
+            groups[-1].append(item)
+        else:
+            groups.append([item])
+    return groups
+
+
 class InputBuilder:
     def __init__(self, block_size: int, device: torch.device) -> None:
         self.block_size = block_size
@@ -60,7 +75,7 @@ class InputBuilder:
         metadata = AttentionMetadata(
             positions=self._tensor(positions), key_slots=self._tensor(key_slots),
             value_slots=self._tensor(value_slots), prefills=tuple(prefills),
-            decode=self._decode_batch(decodes), block_size=self.block_size)
+            decodes=self._decode_batches(decodes), block_size=self.block_size)
         return ModelInput(self._tensor(input_ids), metadata.positions, metadata, self._tensor(logits_indices))
 
     def _prefill_span(self, start: int, chunk: ScheduledChunk) -> PrefillSpan:
@@ -68,9 +83,11 @@ class InputBuilder:
         return PrefillSpan(query_start=start, query_len=chunk.num_tokens, context_len=chunk.context_len,
                            block_table=self._tensor(list(chunk.block_table[:num_blocks])))
 
-    def _decode_batch(self, decodes: list[tuple[int, ScheduledChunk]]) -> DecodeBatch | None:
-        if not decodes:
-            return None
+    def _decode_batches(self, decodes: list[tuple[int, ScheduledChunk]]) -> tuple[DecodeBatch, ...]:
+        return tuple(self._decode_batch(group) for group in bucket_by_length(
+            decodes, lambda item: -(-item[1].context_len // self.block_size)))
+
+    def _decode_batch(self, decodes: list[tuple[int, ScheduledChunk]]) -> DecodeBatch:
         width = max(-(-chunk.context_len // self.block_size) for _, chunk in decodes)
         tables = [list(chunk.block_table[:width]) + [0] * (width - len(chunk.block_table[:width]))
                   for _, chunk in decodes]

@@ -31,7 +31,10 @@ class PrefillSpan:
 
 @dataclass(frozen=True)
 class DecodeBatch:
-    """All chunks of exactly one query token, attended together with padding."""
+    """Chunks of exactly one query token with similar context lengths, attended together.
+
+    Decodes are bucketed by context length so padding to the longest one wastes little.
+    """
 
     token_indices: torch.Tensor  # [B] int64, positions in the flattened batch
     block_tables: torch.Tensor  # [B, max_blocks] int64, padded with block 0
@@ -48,10 +51,10 @@ class AttentionMetadata:
     key_slots: torch.Tensor  # [T] int64, row of the token's key in the pool viewed as [-1, H, D]
     value_slots: torch.Tensor  # [T] int64, same for values
     prefills: tuple[PrefillSpan, ...]
-    decode: DecodeBatch | None
+    decodes: tuple[DecodeBatch, ...]
     block_size: int
-    mask_cache: dict = field(default_factory=dict, compare=False)
-    """Masks built on first use and shared by every layer of the step (keyed by span and window)."""
+    step_cache: dict = field(default_factory=dict, compare=False)
+    """Backend tensors (gather rows, masks) built by the first layer and shared by the rest of the step."""
 
 
 class AttentionBackend(Protocol):

@@ -1,7 +1,8 @@
 """Reference paged attention in plain torch: correct on any device, the oracle for others.
 
-Decode tokens are attended in one padded batch; each prefill chunk gets its own call.
-A chunk starting at position 0 attends only to itself (causal, no gather from the pool).
+Decode tokens are attended in padded batches of similar context length; each prefill chunk
+gets its own call. A chunk starting at position 0 attends only to itself (causal, no
+gather from the pool).
 """
 
 from __future__ import annotations
@@ -14,8 +15,7 @@ from splitserve.engine.attention.base import AttentionMetadata, DecodeBatch, Pre
 
 class TorchReferenceAttention:
     def forward(self, query, key, value, kv_cache, metadata: AttentionMetadata, sliding_window):
-        num_heads, head_dim = query.shape[1], query.shape[2]
-        flat_cache = kv_cache.view(-1, kv_cache.shape[-2], head_dim)  # [num_blocks*2*block_size, H, D]
+        flat_cache = kv_cache.view(-1, kv_cache.shape[-2], kv_cache.shape[-1])  # [num_blocks*2*block_size, H, D]
         flat_cache.index_copy_(0, metadata.key_slots, key)
         flat_cache.index_copy_(0, metadata.value_slots, value)
         output = torch.empty_like(query)
@@ -23,49 +23,54 @@ class TorchReferenceAttention:
             rows = slice(span.query_start, span.query_start + span.query_len)
             output[rows] = self._prefill(query[rows], key[rows], value[rows], kv_cache, span, metadata,
                                          sliding_window)
-        if metadata.decode is not None:
-            output[metadata.decode.token_indices] = self._decode(
-                query[metadata.decode.token_indices], kv_cache, metadata, sliding_window)
+        for index, decode in enumerate(metadata.decodes):
+            output[decode.token_indices] = self._decode(query[decode.token_indices], kv_cache, decode, index,
+                                                        metadata, sliding_window)
         return output
 
     def _prefill(self, query, key, value, kv_cache, span: PrefillSpan, metadata, sliding_window):
         if span.start_position == 0 and sliding_window is None:
+            # 4-D inputs: a 3-D call falls back to the unfused math kernel on CPU (3x slower).
             out = F.scaled_dot_product_attention(
-                query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1), is_causal=True,
-                enable_gqa=True)  # [H, q, D]
-            return out.transpose(0, 1)
+                query.unsqueeze(0).transpose(1, 2), key.unsqueeze(0).transpose(1, 2),
+                value.unsqueeze(0).transpose(1, 2), is_causal=True, enable_gqa=True)  # [1, H, q, D]
+            return out[0].transpose(0, 1)
         keys, values = _gather(kv_cache, span.block_table.unsqueeze(0), span.context_len)  # [1, Hkv, ctx, D]
-        mask = _cached_mask(metadata, ("prefill", span.query_start, sliding_window),
-                            lambda: _prefill_mask(span, sliding_window, query.device))
+        mask = _cached(metadata, ("prefill", span.query_start, sliding_window),
+                       lambda: _prefill_mask(span, sliding_window, query.device))
         out = F.scaled_dot_product_attention(query.transpose(0, 1).unsqueeze(0), keys, values,
                                              attn_mask=mask, enable_gqa=True)  # [1, H, q, D]
         return out[0].transpose(0, 1)
 
-    def _decode(self, query, kv_cache, metadata: AttentionMetadata, sliding_window):
-        decode = metadata.decode
+    def _decode(self, query, kv_cache, decode: DecodeBatch, index: int, metadata, sliding_window):
         max_len = decode.block_tables.shape[1] * metadata.block_size
         keys, values = _gather(kv_cache, decode.block_tables, max_len)  # [B, Hkv, L, D]
-        mask = _cached_mask(metadata, ("decode", sliding_window),
-                            lambda: _decode_mask(decode, max_len, sliding_window))
+        mask = _cached(metadata, ("decode", index, sliding_window),
+                       lambda: _decode_mask(decode, max_len, sliding_window))
         out = F.scaled_dot_product_attention(query.unsqueeze(2), keys, values, attn_mask=mask,
                                              enable_gqa=True)  # [B, H, 1, D]
         return out.squeeze(2)
 
 
 def _gather(kv_cache: torch.Tensor, block_tables: torch.Tensor, length: int):
-    """Keys and values of `length` leading positions: two [B, Hkv, length, D] views."""
-    blocks = kv_cache[block_tables]  # [B, nb, 2, block_size, Hkv, D]
-    batch, num_blocks, _, block_size, num_kv_heads, head_dim = blocks.shape
-    keys = blocks[:, :, 0].reshape(batch, num_blocks * block_size, num_kv_heads, head_dim)[:, :length]
-    values = blocks[:, :, 1].reshape(batch, num_blocks * block_size, num_kv_heads, head_dim)[:, :length]
+    """Keys and values of `length` leading positions: two [B, Hkv, length, D] tensors.
+
+    Indexing the strided key (value) view by block copies each once into a contiguous
+    [B, nb, block_size, Hkv, D] tensor, so merging (nb, block_size) below is a free view.
+    """
+    batch, num_blocks = block_tables.shape
+    shape = (batch, num_blocks * kv_cache.shape[2], kv_cache.shape[3], kv_cache.shape[4])
+    keys = kv_cache[:, 0][block_tables].view(shape)[:, :length]
+    values = kv_cache[:, 1][block_tables].view(shape)[:, :length]
     return keys.transpose(1, 2), values.transpose(1, 2)
 
 
-def _cached_mask(metadata: AttentionMetadata, key, build):
-    mask = metadata.mask_cache.get(key)
-    if mask is None:
-        mask = metadata.mask_cache[key] = build()
-    return mask
+def _cached(metadata: AttentionMetadata, key, build):
+    """Per-step tensors (masks) built by the first layer and reused by the others."""
+    value = metadata.step_cache.get(key)
+    if value is None:
+        value = metadata.step_cache[key] = build()
+    return value
 
 
 def _prefill_mask(span: PrefillSpan, sliding_window: int | None, device) -> torch.Tensor:

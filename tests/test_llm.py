@@ -1,0 +1,201 @@
+"""End-to-end behaviour of the offline API and EngineCore on the tiny Llama (exact values)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from factories import assert_pool_idle, hf_greedy, GreedyCase
+from splitserve.common.errors import InvalidRequestError
+from splitserve.engine import LLM, EngineConfig, EngineCore, SamplingParams
+
+PROMPT = "Tell me about the river and the old mill by the village road."
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama_dir) -> LLM:
+    return LLM(tiny_llama_dir, block_size=16, max_model_len=512, num_kv_blocks=256)
+
+
+@pytest.fixture(autouse=True)
+def pool_idle_after(request):
+    """Every test leaves the engine with nothing allocated (cached-free blocks allowed)."""
+    yield
+    if "llm" in request.fixturenames:
+        engine = request.getfixturevalue("llm").engine
+        assert not engine.has_unfinished_requests()
+        assert_pool_idle(engine.block_manager)
+
+
+def greedy(max_tokens: int = 24, **overrides) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **overrides)
+
+
+def test_string_prompt_is_tokenized_like_the_tokenizer(llm, tiny_llama_dir):
+    output = llm.generate(PROMPT, greedy())[0]
+    prompt_ids = llm.tokenizer.encode(PROMPT)
+    assert output.prompt_token_ids == prompt_ids
+    assert output.prompt == PROMPT
+    assert output.token_ids == hf_greedy(tiny_llama_dir, GreedyCase(tuple(prompt_ids), 24, ignore_eos=True))
+    assert output.text == llm.tokenizer.decode(output.token_ids, skip_special_tokens=True)
+    assert output.finish_reason == "length"
+
+
+def test_stop_string_cuts_text_exactly(llm):
+    full = llm.generate(PROMPT, greedy(40))[0]
+    stop = full.text[10:13]
+    cut = full.text.find(stop)
+    output = llm.generate(PROMPT, greedy(40, stop=[stop]))[0]
+    assert output.text == full.text[:cut]
+    assert output.finish_reason == "stop" and output.stop_reason == stop
+    assert output.token_ids == full.token_ids[: len(output.token_ids)]
+
+
+def test_stop_token_id_ends_at_first_occurrence(llm):
+    full = llm.generate(PROMPT, greedy(30))[0]
+    stop_token = full.token_ids[5]
+    first = full.token_ids.index(stop_token)
+    output = llm.generate(PROMPT, greedy(30, stop_token_ids=[stop_token]))[0]
+    assert output.token_ids == full.token_ids[: first + 1]
+    assert output.finish_reason == "stop" and output.stop_reason == stop_token
+
+
+def test_eos_stops_unless_ignored(tiny_llama_dir):
+    engine = EngineCore(tiny_llama_dir, EngineConfig(block_size=16, num_kv_blocks=64, max_model_len=256))
+    probe = _run(engine, {"probe": ([5, 6, 7, 8], greedy(20))})["probe"]
+    engine.eos_token_ids = frozenset({probe[6]})
+    outputs = _run(engine, {"eos": ([5, 6, 7, 8], SamplingParams(temperature=0.0, max_tokens=20)),
+                            "ignore": ([5, 6, 7, 8], greedy(20))})
+    assert outputs["eos"] == probe[: probe.index(probe[6]) + 1]
+    assert outputs["ignore"] == probe
+    assert_pool_idle(engine.block_manager)
+
+
+def _run(engine: EngineCore, requests: dict[str, tuple[list[int], SamplingParams]]) -> dict[str, list[int]]:
+    for request_id, (prompt, params) in requests.items():
+        engine.add_request(request_id, prompt, params)
+    outputs = {request_id: [] for request_id in requests}
+    while engine.has_unfinished_requests():
+        for delta in engine.step():
+            outputs[delta.request_id].extend(delta.new_token_ids)
+    return outputs
+
+
+def test_seeded_sampling_is_independent_of_batch_mates(llm):
+    seeded = SamplingParams(temperature=1.0, seed=1234, max_tokens=24, ignore_eos=True)
+    alone = llm.generate(PROMPT, seeded)[0].token_ids
+    mates = ["a different prompt", "another one, longer than the others by a fair margin", "x"]
+    mate_params = [SamplingParams(temperature=0.9, seed=i, max_tokens=30, ignore_eos=True) for i in range(3)]
+    in_batch = llm.generate(mates[:2] + [PROMPT] + mates[2:], mate_params[:2] + [seeded] + mate_params[2:])
+    unseeded_mates = llm.generate([PROMPT, *mates], [seeded] + [SamplingParams(temperature=1.0)] * 3)
+    assert in_batch[2].token_ids == alone
+    assert unseeded_mates[0].token_ids == alone
+    other_seed = llm.generate(PROMPT, SamplingParams(temperature=1.0, seed=99, max_tokens=24, ignore_eos=True))
+    assert other_seed[0].token_ids != alone
+
+
+def test_top_k_one_equals_greedy(llm):
+    sampled = llm.generate(PROMPT, SamplingParams(temperature=1.5, top_k=1, seed=3, max_tokens=24, ignore_eos=True))
+    assert sampled[0].token_ids == llm.generate(PROMPT, greedy())[0].token_ids
+
+
+def test_logprobs_match_transformers(llm, tiny_llama_dir):
+    output = llm.generate(PROMPT, greedy(8, logprobs=3))[0]
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    ids = torch.tensor([output.prompt_token_ids + output.token_ids])
+    with torch.inference_mode():
+        reference = torch.log_softmax(model(ids).logits[0].float(), dim=-1)
+    first = len(output.prompt_token_ids) - 1
+    assert len(output.logprobs) == 8
+    for step, entry in enumerate(output.logprobs):
+        row = reference[first + step]
+        assert entry.token_id == output.token_ids[step]
+        assert entry.rank == 1
+        assert math.isclose(entry.logprob, float(row[entry.token_id]), abs_tol=1e-4)
+        assert [t for t, _ in entry.top] == torch.topk(row, 3).indices.tolist()
+
+
+def test_chat_applies_the_template(llm):
+    messages = [{"role": "user", "content": "hello"}]
+    output = llm.chat(messages, greedy(8))
+    expected_prompt = llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                        return_dict=False)
+    assert output.prompt_token_ids == list(expected_prompt)
+    assert len(output.token_ids) == 8
+
+
+@pytest.mark.parametrize("prompt, field", [
+    ([], "prompt"),
+    (list(range(3, 515)), "prompt"),  # 512 tokens == max_model_len: no room for output
+    ([5, 512], "prompt_token_ids"),
+    ([-1, 5], "prompt_token_ids"),
+])
+def test_invalid_prompt_names_the_field_and_allocates_nothing(llm, prompt, field):
+    with pytest.raises(InvalidRequestError) as error:
+        llm.generate([[5, 6, 7], prompt], greedy())
+    assert error.value.field == field
+    assert field in str(error.value)
+
+
+def test_max_model_len_ends_with_length(tiny_llama_dir):
+    engine = EngineCore(tiny_llama_dir, EngineConfig(block_size=16, num_kv_blocks=8, max_model_len=40))
+    outputs = _run(engine, {"long": (list(range(3, 33)), greedy(100))})
+    assert len(outputs["long"]) == 10
+    assert_pool_idle(engine.block_manager)
+
+
+def test_pool_smaller_than_max_model_len_is_rejected(tiny_llama_dir):
+    with pytest.raises(ValueError, match="enlarge the pool or lower max_model_len"):
+        EngineCore(tiny_llama_dir, EngineConfig(block_size=16, num_kv_blocks=4, max_model_len=100))
+
+
+def test_duplicate_request_id_is_rejected(tiny_llama_dir):
+    engine = EngineCore(tiny_llama_dir, EngineConfig(block_size=16, num_kv_blocks=32, max_model_len=256))
+    engine.add_request("same", [5, 6], greedy())
+    with pytest.raises(InvalidRequestError) as error:
+        engine.add_request("same", [7, 8], greedy())
+    assert error.value.field == "request_id"
+    engine.abort_request("same")
+    engine.step()
+    assert_pool_idle(engine.block_manager)
+
+
+def test_abort_frees_blocks_at_once_and_reports_abort(tiny_llama_dir):
+    engine = EngineCore(tiny_llama_dir, EngineConfig(block_size=16, num_kv_blocks=64, max_model_len=256))
+    for name in ("a", "b", "c"):
+        engine.add_request(name, list(range(3, 40)), greedy(50))
+    engine.step()
+    engine.step()
+    used_before = engine.block_manager.num_blocks - engine.block_manager.num_free_blocks
+    assert engine.abort_request("b")
+    assert engine.block_manager.num_blocks - engine.block_manager.num_free_blocks == used_before - 3
+    finals = [d for d in engine.step() if d.finished]
+    assert [(d.request_id, d.finish_reason) for d in finals] == [("b", "abort")]
+    assert not engine.abort_request("b")
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert_pool_idle(engine.block_manager)
+
+
+def test_stats_count_tokens_exactly(tiny_llama_dir):
+    llm = LLM(tiny_llama_dir, block_size=16, num_kv_blocks=64, max_model_len=256)
+    prompts = [list(range(3, 3 + n)) for n in (5, 17, 33)]
+    llm.generate(prompts, [greedy(n) for n in (4, 9, 1)])
+    stats = llm.stats()
+    assert (stats.num_prompt_tokens, stats.num_generation_tokens) == (55, 14)
+    assert (stats.num_running, stats.num_waiting, stats.num_preemptions) == (0, 0, 0)
+    assert stats.prefix_cache_queries == 55
+    assert stats.kv_usage == 0.0
+    assert_pool_idle(llm.engine.block_manager)
+
+
+def test_stream_yields_deltas_that_add_up(llm):
+    deltas = list(llm.stream(PROMPT, greedy(12)))
+    full = llm.generate(PROMPT, greedy(12))[0]
+    assert [t for d in deltas for t in d.new_token_ids] == full.token_ids
+    assert "".join(d.text_delta for d in deltas) == full.text
+    assert [d.finished for d in deltas] == [False] * 11 + [True]
