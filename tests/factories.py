@@ -108,3 +108,29 @@ def save_random_hf_model(out_dir: Path, architecture: str, seed: int = 0, **conf
             torch.nn.init.normal_(param, mean=1.0 if name.endswith("norm.weight") else 0.0, std=0.1)
     model.save_pretrained(out_dir)
     return out_dir
+
+
+def run_fake_step(scheduler: Scheduler, next_token=lambda request: 7):
+    """One engine step without a model: schedule, mark KV computed, append a token to samplers."""
+    output = scheduler.schedule()
+    scheduler.advance(output)
+    for chunk in output.chunks:
+        if chunk.samples:
+            scheduler.requests[chunk.request_id].append_output_token(next_token(scheduler.requests[chunk.request_id]))
+    return output
+
+
+def chunk_summary(output) -> list[tuple[str, int, int, bool]]:
+    """(request_id, start_position, num_tokens, samples) of every scheduled chunk, in order."""
+    return [(c.request_id, c.start_position, c.num_tokens, c.samples) for c in output.chunks]
+
+
+def make_sampling_row(params: SamplingParams, prompt: list[int] = (), output: list[int] = (),
+                      seed: int | None = None):
+    """A sampler row with its own generator (seeded from params.seed, else `seed`, else 0)."""
+    import torch
+
+    from splitserve.engine.sampler import SamplingRow
+
+    generator = torch.Generator().manual_seed(params.seed if params.seed is not None else (seed or 0))
+    return SamplingRow(params, list(prompt), list(output), generator)

@@ -1,0 +1,188 @@
+"""BlockManager and the chained block hash: exact block ids, ref counts and eviction order."""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+
+import pytest
+
+from factories import assert_pool_idle, make_block_manager, make_request
+from splitserve.common.block_hash import BlockHasher, hash_block, root_hash
+from splitserve.engine.block_manager import PrefixMatch
+
+
+def computed(request, num_tokens: int):
+    """Mark the first num_tokens of the request as computed (what the scheduler does after a step)."""
+    request.num_computed_tokens = num_tokens
+    return request
+
+
+# ---- block hash ------------------------------------------------------------------------------
+def test_hash_is_blake2b_of_parent_and_tokens():
+    parent = root_hash(0)
+    expected = hashlib.blake2b(parent.to_bytes(16, "little") + struct.pack("<4q", 1, 2, 3, 4), digest_size=16)
+    assert hash_block(parent, [1, 2, 3, 4]) == int.from_bytes(expected.digest(), "little")
+    assert root_hash(0) == int.from_bytes(
+        hashlib.blake2b(b"splitserve-root" + struct.pack("<q", 0), digest_size=16).digest(), "little")
+
+
+def test_hash_chains_parent_and_depends_on_seed():
+    hasher = BlockHasher(block_size=2, seed=0)
+    a = hasher.hash_prefix([1, 2, 3, 4, 5])
+    b = hasher.hash_prefix([9, 9, 3, 4])
+    assert len(a) == 2  # the trailing partial block [5] gets no hash
+    assert a[1] != b[1]  # same tokens [3, 4], different parent
+    assert a[0] == hash_block(hasher.root, [1, 2]) and a[1] == hash_block(a[0], [3, 4])
+    assert BlockHasher(block_size=2, seed=1).hash_prefix([1, 2]) != a[:1]
+    assert hasher.extend(list(a[:1]), [1, 2, 3, 4, 5]) == a
+
+
+# ---- allocation ------------------------------------------------------------------------------
+def test_fresh_allocation_takes_blocks_in_order():
+    manager = make_block_manager(num_blocks=8, block_size=4)
+    first, second = make_request("a", list(range(10))), make_request("b", list(range(100, 105)))
+    assert manager.allocate(first, 10).new_block_ids == (0, 1, 2)
+    assert manager.allocate(second, 5).new_block_ids == (3, 4)
+    assert manager.block_table("a") == [0, 1, 2]
+    assert manager.free_block_order() == [5, 6, 7]
+    computed(first, 10)
+    assert manager.allocate(first, 2).new_block_ids == ()  # 12 tokens still fit in 3 blocks
+    assert manager.allocate(first, 3).new_block_ids == (5,)
+    manager.free("a")
+    manager.free("b")
+    assert_pool_idle(manager)
+
+
+def test_allocation_failure_changes_nothing():
+    manager = make_block_manager(num_blocks=4, block_size=4)
+    manager.allocate(make_request("a", list(range(8))), 8)
+    order_before = manager.free_block_order()
+    assert manager.allocate(make_request("b", list(range(12))), 12) is None
+    assert manager.free_block_order() == order_before == [2, 3]
+    assert manager.block_table("b") == []
+    manager.free("a")
+    assert_pool_idle(manager)
+
+
+def test_free_order_hashed_tail_first_unhashed_to_front():
+    manager = make_block_manager(num_blocks=6, block_size=4)
+    request = computed(make_request("a", list(range(10))), 0)
+    manager.allocate(request, 10)  # blocks 0, 1, 2; block 2 is partial
+    computed(request, 10)
+    manager.cache_full_blocks(request)  # blocks 0 and 1 get hashes
+    manager.free("a")
+    # Unhashed partial block 2 goes to the front; hashed blocks to the back, tail (1) before head (0).
+    assert manager.free_block_order() == [2, 3, 4, 5, 1, 0]
+    assert manager.num_cached_free_blocks == 2
+    assert_pool_idle(manager)
+
+
+# ---- prefix cache ----------------------------------------------------------------------------
+def test_prefix_match_revives_cached_free_blocks():
+    manager = make_block_manager(num_blocks=8, block_size=4)
+    first = make_request("a", list(range(10)))
+    manager.allocate(first, 10)
+    manager.cache_full_blocks(computed(first, 10))
+    manager.free("a")
+    second = make_request("b", list(range(9)) + [77, 78])
+    match = manager.match_prefix(second)
+    assert match == PrefixMatch(block_ids=(0, 1), num_tokens=8)
+    allocation = manager.allocate(second, 3, match)
+    assert allocation.reused_block_ids == (0, 1) and allocation.new_block_ids == (2,)
+    assert manager.block_table("b") == [0, 1, 2]
+    assert [manager.ref_count(b) for b in (0, 1, 2)] == [1, 1, 1]
+    assert manager.free_block_order() == [3, 4, 5, 6, 7]
+    manager.free("b")
+    assert_pool_idle(manager)
+
+
+def test_full_prompt_hit_leaves_one_token_to_compute():
+    manager = make_block_manager(num_blocks=8, block_size=4)
+    first = make_request("a", list(range(8)))
+    manager.allocate(first, 8)
+    manager.cache_full_blocks(computed(first, 8))
+    manager.free("a")
+    match = manager.match_prefix(make_request("b", list(range(8))))
+    assert match.num_tokens == 4 and match.block_ids == (0,)
+
+
+def test_shared_prefix_between_live_requests_counts_references():
+    manager = make_block_manager(num_blocks=8, block_size=4)
+    first = make_request("a", list(range(9)))
+    manager.allocate(first, 9)
+    manager.cache_full_blocks(computed(first, 9))
+    second = make_request("b", list(range(8)) + [50, 51])
+    match = manager.match_prefix(second)
+    manager.allocate(second, 2, match)
+    assert manager.block_table("b") == [0, 1, 3]
+    assert [manager.ref_count(b) for b in range(4)] == [2, 2, 1, 1]
+    manager.free("a")
+    assert [manager.ref_count(b) for b in range(4)] == [1, 1, 0, 1]
+    assert manager.free_block_order()[0] == 2  # a's unhashed partial block is reused first
+    manager.free("b")
+    assert_pool_idle(manager)
+
+
+def test_eviction_reuses_least_recently_freed_and_forgets_its_hash():
+    manager = make_block_manager(num_blocks=4, block_size=4)
+    old = make_request("old", list(range(4)))
+    manager.allocate(old, 4)
+    manager.cache_full_blocks(computed(old, 4))
+    old_hash = old.block_hashes[0]
+    manager.free("old")
+    assert manager.cached_block_id(old_hash) == 0
+    assert manager.free_block_order() == [1, 2, 3, 0]
+    hog = make_request("hog", list(range(100, 116)))
+    assert manager.allocate(hog, 16).new_block_ids == (1, 2, 3, 0)  # block 0 evicted last
+    assert manager.cached_block_id(old_hash) is None
+    manager.free("hog")
+    assert manager.match_prefix(make_request("again", list(range(4)) + [1])).num_tokens == 0
+    assert_pool_idle(manager)
+
+
+def test_duplicate_content_is_not_hashed_twice():
+    manager = make_block_manager(num_blocks=8, block_size=4)
+    first, twin = make_request("a", list(range(5))), make_request("b", list(range(5)))
+    manager.allocate(first, 5)
+    manager.allocate(twin, 5)  # admitted in the same step: no match yet
+    manager.cache_full_blocks(computed(first, 5))
+    manager.cache_full_blocks(computed(twin, 5))
+    assert manager.cached_block_id(first.block_hashes[0]) == 0
+    manager.free("a")
+    manager.free("b")
+    # Only block 0 carries the hash; every unhashed block (b's 2 and 3, a's partial 1) is reused first.
+    assert manager.free_block_order() == [2, 3, 1, 4, 5, 6, 7, 0]
+    assert_pool_idle(manager)
+
+
+def test_prefix_caching_disabled_never_matches():
+    manager = make_block_manager(num_blocks=8, block_size=4, enable_prefix_caching=False)
+    first = make_request("a", list(range(9)))
+    manager.allocate(first, 9)
+    manager.cache_full_blocks(computed(first, 9))
+    manager.free("a")
+    assert manager.match_prefix(make_request("b", list(range(9)))).num_tokens == 0
+    assert manager.num_cached_free_blocks == 0
+    assert_pool_idle(manager)
+
+
+def test_reset_prefix_cache_only_when_idle():
+    manager = make_block_manager(num_blocks=4, block_size=4)
+    request = make_request("a", list(range(5)))
+    manager.allocate(request, 5)
+    manager.cache_full_blocks(computed(request, 5))
+    assert manager.reset_prefix_cache() is False
+    manager.free("a")
+    assert manager.reset_prefix_cache() is True
+    assert manager.num_cached_free_blocks == 0
+    assert manager.match_prefix(make_request("b", list(range(5)))).num_tokens == 0
+
+
+@pytest.mark.parametrize("block_size", [1, 3, 16])
+def test_usage_tracks_owned_blocks(block_size):
+    manager = make_block_manager(num_blocks=10, block_size=block_size)
+    manager.allocate(make_request("a", list(range(3 * block_size))), 3 * block_size)
+    assert manager.usage == pytest.approx(0.3)
+    manager.free("a")
+    assert manager.usage == 0.0

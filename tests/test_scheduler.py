@@ -1,0 +1,133 @@
+"""Token-budget scheduler: exact chunks, budgets, admission order and preemption victims."""
+
+from __future__ import annotations
+
+from factories import assert_pool_idle, chunk_summary, make_request, make_scheduler, run_fake_step
+from splitserve.engine.request import RequestStatus
+
+
+def test_chunked_prefill_splits_prompt_across_steps():
+    scheduler = make_scheduler(num_blocks=32, block_size=4, max_num_batched_tokens=10)
+    scheduler.add_request(make_request("a", list(range(23))))
+    assert chunk_summary(run_fake_step(scheduler)) == [("a", 0, 10, False)]
+    assert chunk_summary(run_fake_step(scheduler)) == [("a", 10, 10, False)]
+    assert chunk_summary(run_fake_step(scheduler)) == [("a", 20, 3, True)]
+    assert chunk_summary(run_fake_step(scheduler)) == [("a", 23, 1, True)]
+    assert scheduler.requests["a"].output_token_ids == [7, 7]
+
+
+def test_decode_first_then_prefill_shares_the_budget():
+    scheduler = make_scheduler(num_blocks=32, block_size=4, max_num_batched_tokens=10)
+    scheduler.add_request(make_request("a", list(range(6))))
+    scheduler.add_request(make_request("b", list(range(100, 106))))
+    # a takes 6, b gets the remaining 4 of its 6 prompt tokens.
+    assert chunk_summary(run_fake_step(scheduler)) == [("a", 0, 6, True), ("b", 0, 4, False)]
+    scheduler.add_request(make_request("c", list(range(200, 220))))
+    # Running first in admission order: a decodes (1), b finishes its prompt (2), c gets 7.
+    assert chunk_summary(run_fake_step(scheduler)) == [("a", 6, 1, True), ("b", 4, 2, True), ("c", 0, 7, False)]
+    output = run_fake_step(scheduler)
+    assert output.num_batched_tokens == 10
+    assert chunk_summary(output) == [("a", 7, 1, True), ("b", 6, 1, True), ("c", 7, 8, False)]
+
+
+def test_chunk_positions_and_block_tables():
+    scheduler = make_scheduler(num_blocks=32, block_size=4, max_num_batched_tokens=5)
+    scheduler.add_request(make_request("a", list(range(10, 19))))
+    first = run_fake_step(scheduler).chunks[0]
+    assert (first.token_ids, first.block_table) == ((10, 11, 12, 13, 14), (0, 1))
+    second = run_fake_step(scheduler).chunks[0]
+    assert (second.token_ids, second.start_position, second.block_table) == ((15, 16, 17, 18), 5, (0, 1, 2))
+
+
+def test_without_chunking_a_big_prompt_waits_and_blocks_later_ones():
+    scheduler = make_scheduler(num_blocks=64, block_size=4, max_num_batched_tokens=12, max_model_len=12,
+                               enable_chunked_prefill=False)
+    scheduler.add_request(make_request("a", list(range(8))))
+    scheduler.add_request(make_request("b", list(range(100, 110))))
+    scheduler.add_request(make_request("c", [1]))
+    assert chunk_summary(run_fake_step(scheduler)) == [("a", 0, 8, True)]  # b (10) does not fit in 4
+    assert chunk_summary(run_fake_step(scheduler)) == [("a", 8, 1, True), ("b", 0, 10, True), ("c", 0, 1, True)]
+
+
+def test_max_num_seqs_caps_the_running_batch():
+    scheduler = make_scheduler(num_blocks=64, block_size=4, max_num_seqs=2)
+    for name in "abc":
+        scheduler.add_request(make_request(name, [1, 2, 3]))
+    assert [c.request_id for c in run_fake_step(scheduler).chunks] == ["a", "b"]
+    assert [r.request_id for r in scheduler.waiting] == ["c"]
+    scheduler.finish("a", RequestStatus.FINISHED_STOPPED)
+    assert [c.request_id for c in run_fake_step(scheduler).chunks] == ["b", "c"]
+
+
+def test_preemption_takes_the_latest_admitted_and_requeues_it_first():
+    # 7 blocks of 4 tokens. a, b, c take 2 blocks each (8-token prompts); one block stays free.
+    scheduler = make_scheduler(num_blocks=7, block_size=4, max_num_batched_tokens=64)
+    for name, base in (("a", 0), ("b", 100), ("c", 200)):
+        scheduler.add_request(make_request(name, list(range(base, base + 8))))
+    run_fake_step(scheduler)
+    scheduler.add_request(make_request("d", [5]))
+    # Each now needs a third block for its 9th token: a takes the free one, b preempts c,
+    # and nothing waiting is admitted in a step that preempted.
+    output = run_fake_step(scheduler)
+    assert output.preempted_request_ids == ("c",)
+    assert chunk_summary(output) == [("a", 8, 1, True), ("b", 8, 1, True)]
+    assert [r.request_id for r in scheduler.waiting] == ["c", "d"]
+    victim = scheduler.requests["c"]
+    assert (victim.status, victim.num_computed_tokens, victim.num_preemptions) == (RequestStatus.PREEMPTED, 0, 1)
+    assert scheduler.block_manager.block_table("c") == []
+    # c's blocks were freed tail first, so b's third block is c's last block (5), not 4.
+    assert scheduler.block_manager.block_table("b") == [2, 3, 5]
+    assert scheduler.num_preemptions == 1
+
+
+def test_a_request_that_cannot_fit_preempts_itself():
+    # The engine never builds a pool smaller than max_model_len; the scheduler alone can.
+    scheduler = make_scheduler(num_blocks=2, block_size=4, max_num_batched_tokens=64)
+    scheduler.add_request(make_request("a", list(range(8))))
+    run_fake_step(scheduler)
+    output = run_fake_step(scheduler)
+    assert (output.preempted_request_ids, output.chunks) == (("a",), ())
+    assert [r.request_id for r in scheduler.waiting] == ["a"]
+    assert_pool_idle(scheduler.block_manager)
+
+
+def test_preempted_request_recomputes_prompt_and_outputs_from_its_cached_blocks():
+    scheduler = make_scheduler(num_blocks=5, block_size=4, max_num_batched_tokens=64)
+    scheduler.add_request(make_request("a", list(range(8))))
+    scheduler.add_request(make_request("b", list(range(100, 108))))
+    run_fake_step(scheduler)  # both prefilled: 2 blocks each, 1 free
+    run_fake_step(scheduler)  # a gets block 4 for token 9; b is preempted (no block for its 9th token)
+    b = scheduler.requests["b"]
+    assert b.status == RequestStatus.PREEMPTED and b.output_token_ids == [7]
+    scheduler.finish("a", RequestStatus.FINISHED_STOPPED)
+    output = run_fake_step(scheduler)
+    # b's two full prompt blocks are still cached: only the sampled token is recomputed.
+    assert chunk_summary(output) == [("b", 8, 1, True)]
+    assert b.num_cached_tokens == 0  # counted at first admission only
+    assert scheduler.prefix_cache_hits == 8
+    scheduler.finish("b", RequestStatus.FINISHED_LENGTH)
+    assert_pool_idle(scheduler.block_manager)
+
+
+def test_prefix_hits_are_counted_per_admitted_token():
+    scheduler = make_scheduler(num_blocks=32, block_size=4)
+    scheduler.add_request(make_request("a", list(range(10))))
+    run_fake_step(scheduler)
+    scheduler.add_request(make_request("b", list(range(9)) + [50]))
+    output = run_fake_step(scheduler)
+    assert chunk_summary(output) == [("a", 10, 1, True), ("b", 8, 2, True)]
+    assert (scheduler.prefix_cache_queries, scheduler.prefix_cache_hits) == (20, 8)
+    assert scheduler.requests["b"].num_cached_tokens == 8
+    assert scheduler.block_manager.block_table("b")[:2] == scheduler.block_manager.block_table("a")[:2]
+
+
+def test_finish_frees_blocks_in_any_state():
+    scheduler = make_scheduler(num_blocks=8, block_size=4, max_num_seqs=1)
+    scheduler.add_request(make_request("running", list(range(6))))
+    scheduler.add_request(make_request("waiting", list(range(6))))
+    run_fake_step(scheduler)
+    assert scheduler.finish("waiting", RequestStatus.FINISHED_ABORTED).status == RequestStatus.FINISHED_ABORTED
+    assert scheduler.finish("running", RequestStatus.FINISHED_ABORTED) is not None
+    assert scheduler.finish("running", RequestStatus.FINISHED_ABORTED) is None
+    assert not scheduler.has_unfinished_requests()
+    assert_pool_idle(scheduler.block_manager)
