@@ -36,14 +36,18 @@ MIN_BUCKET_FILL = 0.75
 
 
 def bucket_by_length(items: list, length) -> list[list]:
-    """Groups of items, longest first, where every length is >= MIN_BUCKET_FILL x the group's max."""
-    groups: list[list] = []
-    for item in sorted(items, key=length, reverse=True):
-        if groups and length(item) >= MIN_BUCKET_FILL * length(groups[-1][0]):
-            groups[-1].append(item)
+    """Groups, longest first, where every length is >= MIN_BUCKET_FILL x the group's max.
+
+    Items keep their input order inside a group (a single group is the input itself).
+    """
+    order = sorted(range(len(items)), key=lambda i: length(items[i]), reverse=True)
+    groups: list[list[int]] = []
+    for index in order:
+        if groups and length(items[index]) >= MIN_BUCKET_FILL * length(items[groups[-1][0]]):
+            groups[-1].append(index)
         else:
-            groups.append([item])
-    return groups
+            groups.append([index])
+    return [[items[i] for i in sorted(group)] for group in groups]
 
 
 class InputBuilder:

@@ -18,6 +18,9 @@ class TorchReferenceAttention:
         flat_cache = kv_cache.view(-1, kv_cache.shape[-2], kv_cache.shape[-1])  # [num_blocks*2*block_size, H, D]
         flat_cache.index_copy_(0, metadata.key_slots, key)
         flat_cache.index_copy_(0, metadata.value_slots, value)
+        if not metadata.prefills and len(metadata.decodes) == 1:
+            # A decode-only step in one bucket: its token indices are 0..T-1 in order.
+            return self._decode(query, kv_cache, metadata.decodes[0], 0, metadata, sliding_window)
         output = torch.empty_like(query)
         for span in metadata.prefills:
             rows = slice(span.query_start, span.query_start + span.query_len)
