@@ -18,6 +18,14 @@ def computed(request, num_tokens: int):
     return request
 
 
+def prefilled(manager, request_id: str, token_ids: list[int]):
+    """A request whose whole prompt was allocated, computed and published in the prefix cache."""
+    request = make_request(request_id, token_ids)
+    manager.allocate(request, len(token_ids))
+    manager.cache_full_blocks(computed(request, len(token_ids)))
+    return request
+
+
 # ---- block hash ------------------------------------------------------------------------------
 def test_hash_is_blake2b_of_parent_and_tokens():
     parent = root_hash(0)
@@ -81,9 +89,7 @@ def test_free_order_hashed_tail_first_unhashed_to_front():
 # ---- prefix cache ----------------------------------------------------------------------------
 def test_prefix_match_revives_cached_free_blocks():
     manager = make_block_manager(num_blocks=8, block_size=4)
-    first = make_request("a", list(range(10)))
-    manager.allocate(first, 10)
-    manager.cache_full_blocks(computed(first, 10))
+    first = prefilled(manager, "a", list(range(10)))
     manager.free("a")
     second = make_request("b", list(range(9)) + [77, 78])
     match = manager.match_prefix(second)
@@ -99,9 +105,7 @@ def test_prefix_match_revives_cached_free_blocks():
 
 def test_full_prompt_hit_leaves_one_token_to_compute():
     manager = make_block_manager(num_blocks=8, block_size=4)
-    first = make_request("a", list(range(8)))
-    manager.allocate(first, 8)
-    manager.cache_full_blocks(computed(first, 8))
+    first = prefilled(manager, "a", list(range(8)))
     manager.free("a")
     match = manager.match_prefix(make_request("b", list(range(8))))
     assert match.num_tokens == 4 and match.block_ids == (0,)
@@ -109,9 +113,7 @@ def test_full_prompt_hit_leaves_one_token_to_compute():
 
 def test_shared_prefix_between_live_requests_counts_references():
     manager = make_block_manager(num_blocks=8, block_size=4)
-    first = make_request("a", list(range(9)))
-    manager.allocate(first, 9)
-    manager.cache_full_blocks(computed(first, 9))
+    first = prefilled(manager, "a", list(range(9)))
     second = make_request("b", list(range(8)) + [50, 51])
     match = manager.match_prefix(second)
     manager.allocate(second, 2, match)
@@ -126,9 +128,7 @@ def test_shared_prefix_between_live_requests_counts_references():
 
 def test_eviction_reuses_least_recently_freed_and_forgets_its_hash():
     manager = make_block_manager(num_blocks=4, block_size=4)
-    old = make_request("old", list(range(4)))
-    manager.allocate(old, 4)
-    manager.cache_full_blocks(computed(old, 4))
+    old = prefilled(manager, "old", list(range(4)))
     old_hash = old.block_hashes[0]
     manager.free("old")
     assert manager.cached_block_id(old_hash) == 0
@@ -158,9 +158,7 @@ def test_duplicate_content_is_not_hashed_twice():
 
 def test_prefix_caching_disabled_never_matches():
     manager = make_block_manager(num_blocks=8, block_size=4, enable_prefix_caching=False)
-    first = make_request("a", list(range(9)))
-    manager.allocate(first, 9)
-    manager.cache_full_blocks(computed(first, 9))
+    first = prefilled(manager, "a", list(range(9)))
     manager.free("a")
     assert manager.match_prefix(make_request("b", list(range(9)))).num_tokens == 0
     assert manager.num_cached_free_blocks == 0
@@ -169,9 +167,7 @@ def test_prefix_caching_disabled_never_matches():
 
 def test_reset_prefix_cache_only_when_idle():
     manager = make_block_manager(num_blocks=4, block_size=4)
-    request = make_request("a", list(range(5)))
-    manager.allocate(request, 5)
-    manager.cache_full_blocks(computed(request, 5))
+    request = prefilled(manager, "a", list(range(5)))
     assert manager.reset_prefix_cache() is False
     manager.free("a")
     assert manager.reset_prefix_cache() is True
