@@ -14,6 +14,9 @@ from splitserve.engine.attention.base import AttentionMetadata, DecodeBatch, Pre
 
 
 class TorchReferenceAttention:
+    def __init__(self) -> None:
+        self._workspace = torch.empty(0)
+
     def forward(self, query, key, value, kv_cache, metadata: AttentionMetadata, sliding_window):
         flat_cache = kv_cache.view(-1, kv_cache.shape[-2], kv_cache.shape[-1])  # [num_blocks*2*block_size, H, D]
         flat_cache.index_copy_(0, metadata.key_slots, key)
@@ -38,7 +41,7 @@ class TorchReferenceAttention:
                 query.unsqueeze(0).transpose(1, 2), key.unsqueeze(0).transpose(1, 2),
                 value.unsqueeze(0).transpose(1, 2), is_causal=True, enable_gqa=True)  # [1, H, q, D]
             return out[0].transpose(0, 1)
-        keys, values = _gather(kv_cache, span.block_table.unsqueeze(0), span.context_len)  # [1, Hkv, ctx, D]
+        keys, values = self._gather(kv_cache, span.block_table.unsqueeze(0), span.context_len)  # [1, Hkv, ctx, D]
         mask = _cached(metadata, ("prefill", span.query_start, sliding_window),
                        lambda: _prefill_mask(span, sliding_window, query.device))
         out = F.scaled_dot_product_attention(query.transpose(0, 1).unsqueeze(0), keys, values,
@@ -47,7 +50,7 @@ class TorchReferenceAttention:
 
     def _decode(self, query, kv_cache, decode: DecodeBatch, index: int, metadata, sliding_window):
         max_len = decode.block_tables.shape[1] * metadata.block_size
-        keys, values = _gather(kv_cache, decode.block_tables, max_len)  # [B, Hkv, L, D]
+        keys, values = self._gather(kv_cache, decode.block_tables, max_len)  # [B, Hkv, L, D]
         mask = _cached(metadata, ("decode", index, sliding_window),
                        lambda: _decode_mask(decode, max_len, sliding_window))
         out = F.scaled_dot_product_attention(query.unsqueeze(2), keys, values, attn_mask=mask,
@@ -55,17 +58,31 @@ class TorchReferenceAttention:
         return out.squeeze(2)
 
 
-def _gather(kv_cache: torch.Tensor, block_tables: torch.Tensor, length: int):
-    """Keys and values of `length` leading positions: two [B, Hkv, length, D] tensors.
+    def _gather(self, kv_cache: torch.Tensor, block_tables: torch.Tensor, length: int):
+        """Keys and values of `length` leading positions: two [B, Hkv, length, D] tensors.
 
-    Indexing the strided key (value) view by block copies each once into a contiguous
-    [B, nb, block_size, Hkv, D] tensor, so merging (nb, block_size) below is a free view.
-    """
-    batch, num_blocks = block_tables.shape
-    shape = (batch, num_blocks * kv_cache.shape[2], kv_cache.shape[3], kv_cache.shape[4])
-    keys = kv_cache[:, 0][block_tables].view(shape)[:, :length]
-    values = kv_cache[:, 1][block_tables].view(shape)[:, :length]
-    return keys.transpose(1, 2), values.transpose(1, 2)
+        Whole blocks are copied with index_select into a reused workspace: allocating fresh
+        tensors of this size each layer costs 4-5x the copy itself on CPU (page faults).
+        The returned views are valid until the next gather.
+        """
+        num_blocks_total, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+        batch, num_blocks = block_tables.shape
+        block_numel = block_size * num_kv_heads * head_dim
+        workspace = self._reserve(2 * batch * num_blocks * block_numel, kv_cache)
+        pool = kv_cache.view(num_blocks_total, 2, block_numel)
+        shape = (batch, num_blocks * block_size, num_kv_heads, head_dim)
+        gathered = []
+        for half, side in enumerate((0, 1)):
+            out = workspace[half * batch * num_blocks * block_numel:][: batch * num_blocks * block_numel]
+            torch.index_select(pool[:, side], 0, block_tables.reshape(-1), out=out.view(-1, block_numel))
+            gathered.append(out.view(shape)[:, :length].transpose(1, 2))
+        return gathered[0], gathered[1]
+
+    def _reserve(self, numel: int, like: torch.Tensor) -> torch.Tensor:
+        if (self._workspace.numel() < numel or self._workspace.dtype != like.dtype
+                or self._workspace.device != like.device):
+            self._workspace = torch.empty(numel, dtype=like.dtype, device=like.device)
+        return self._workspace[:numel]
 
 
 def _cached(metadata: AttentionMetadata, key, build):
