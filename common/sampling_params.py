@@ -16,6 +16,13 @@ def _require(ok: bool, field_name: str, message: str) -> None:
         raise InvalidRequestError(field_name, message)
 
 
+def _as_tuple(value: object, field_name: str) -> tuple:
+    try:
+        return tuple(value)
+    except TypeError:
+        raise InvalidRequestError(field_name, f"must be a list, got {value!r}") from None
+
+
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -43,7 +50,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     """In [-2, 2]; subtracted from a token's logit if it occurs in the output at all."""
     seed: int | None = None
-    """Per-request RNG seed: same seed, same output, whatever else is in the batch."""
+    """Per-request RNG seed: same seed, same output, whatever else is in the batch. In [-2**63, 2**64)."""
     stop: tuple[str, ...] = ()
     """Strings that end generation; the output text is cut before the first match."""
     stop_token_ids: tuple[int, ...] = ()
@@ -58,10 +65,8 @@ class SamplingParams:
     """Leave special tokens out of the detokenized text."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        object.__setattr__(self, "stop", tuple(self.stop))
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else _as_tuple(self.stop, "stop"))
+        object.__setattr__(self, "stop_token_ids", _as_tuple(self.stop_token_ids, "stop_token_ids"))
         self._validate_sampling()
         self._validate_stopping()
 
@@ -76,7 +81,8 @@ class SamplingParams:
         for name in ("frequency_penalty", "presence_penalty"):
             value = getattr(self, name)
             _require(_is_real(value) and -2 <= value <= 2, name, f"must be in [-2, 2], got {value!r}")
-        _require(self.seed is None or _is_int(self.seed), "seed", f"must be an integer, got {self.seed!r}")
+        _require(self.seed is None or (_is_int(self.seed) and -2**63 <= self.seed < 2**64), "seed",
+                 f"must be an integer in [-2**63, 2**64), got {self.seed!r}")
         _require(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
                  "logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
 

@@ -53,7 +53,10 @@ def apply_penalties(logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:
 
 def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Distribution [vocab] after temperature, top-k, top-p and min-p (renormalized)."""
-    probs = torch.softmax(logits / params.temperature, dim=-1)
+    # logits / tiny temperature would overflow to inf (softmax: inf - inf = NaN). Shifted logits are
+    # <= 0, so dividing can only reach -inf; the max is kept at 0 even if the temperature is 0 in float32.
+    shifted = logits - logits.max()
+    probs = torch.softmax(torch.where(shifted < 0, shifted / params.temperature, 0.0), dim=-1)
     top_k = params.effective_top_k
     if 0 < top_k < probs.shape[0]:
         kth = torch.topk(probs, top_k).values[-1]

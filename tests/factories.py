@@ -134,3 +134,11 @@ def make_sampling_row(params: SamplingParams, prompt: list[int] = (), output: li
 
     generator = torch.Generator().manual_seed(params.seed if params.seed is not None else (seed or 0))
     return SamplingRow(params, list(prompt), list(output), generator)
+
+
+@lru_cache(maxsize=2)
+def tiny_tokenizer(vocab_size: int = 512, seed: int = 0):
+    """The tiny models' byte-level BPE tokenizer (a transformers fast tokenizer), built once per process."""
+    from splitserve.engine.tiny_model import build_tokenizer
+
+    return build_tokenizer(vocab_size=vocab_size, seed=seed)

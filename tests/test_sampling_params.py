@@ -1,4 +1,4 @@
-"""SamplingParams validation: every bad value names its field."""
+"""SamplingParams validation: every bad value raises InvalidRequestError naming its field."""
 
 from __future__ import annotations
 
@@ -8,36 +8,119 @@ import math
 import pytest
 
 from splitserve.common.errors import InvalidRequestError
-from splitserve.common.sampling_params import SamplingParams
+from splitserve.common.sampling_params import MAX_LOGPROBS, SamplingParams
 
 INVALID = [
-    ("temperature", -0.1), ("temperature", math.nan), ("temperature", math.inf), ("temperature", "1"),
-    ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2), ("top_k", 1.5), ("min_p", -0.1), ("min_p", 1.1),
-    ("repetition_penalty", 0.0), ("repetition_penalty", -1.0), ("frequency_penalty", 2.5),
-    ("presence_penalty", -3.0), ("max_tokens", 0), ("max_tokens", True), ("max_tokens", 2.0),
-    ("logprobs", 21), ("logprobs", -1), ("seed", 1.5), ("stop", [""]), ("stop", [3]),
-    ("stop_token_ids", [-1]), ("stop_token_ids", ["a"]),
+    ("temperature", -0.1), ("temperature", -1e-9), ("temperature", math.nan), ("temperature", math.inf),
+    ("temperature", "1"), ("temperature", None), ("temperature", True),
+    ("top_p", 0.0), ("top_p", 1.5), ("top_p", 1.0000001), ("top_p", -0.5), ("top_p", math.nan), ("top_p", False),
+    ("top_k", -2), ("top_k", 1.5), ("top_k", 2.0), ("top_k", True),
+    ("min_p", -0.1), ("min_p", 1.1), ("min_p", math.nan),
+    ("repetition_penalty", 0.0), ("repetition_penalty", -1.0), ("repetition_penalty", math.inf),
+    ("frequency_penalty", 3.0), ("frequency_penalty", -3), ("frequency_penalty", 2.0001),
+    ("frequency_penalty", math.nan),
+    ("presence_penalty", 3.0), ("presence_penalty", -3.0), ("presence_penalty", math.inf),
+    ("max_tokens", 0), ("max_tokens", -1), ("max_tokens", True), ("max_tokens", 2.0), ("max_tokens", None),
+    ("logprobs", MAX_LOGPROBS + 1), ("logprobs", -1), ("logprobs", True), ("logprobs", 1.0),
+    ("seed", 1.5), ("seed", True), ("seed", "7"), ("seed", 2**64), ("seed", -2**63 - 1),
+    ("stop", [""]), ("stop", ""), ("stop", ["ok", ""]), ("stop", [3]), ("stop", None), ("stop", 3),
+    ("stop_token_ids", [-1]), ("stop_token_ids", [1, -1]), ("stop_token_ids", ["a"]), ("stop_token_ids", [True]),
+    ("stop_token_ids", [1.0]), ("stop_token_ids", None), ("stop_token_ids", 5),
 ]
 
 
 @pytest.mark.parametrize("field, value", INVALID)
-def test_invalid_value_names_the_field(field, value):
+def test_invalid_value_raises_invalid_request_error_naming_the_field(field, value):
     with pytest.raises(InvalidRequestError) as error:
         SamplingParams(**{field: value})
     assert isinstance(error.value, ValueError)
     assert error.value.field == field
-    assert str(error.value).startswith(f"{field}:")
+    assert str(error.value).startswith(f"{field}: ")
 
 
-def test_edge_values_are_accepted_and_normalized():
-    params = SamplingParams(temperature=0.0, top_p=1.0, top_k=0, min_p=1.0, frequency_penalty=-2.0,
-                            presence_penalty=2.0, logprobs=20, max_tokens=1, stop="###", stop_token_ids=[5, 6])
-    assert params.stop == ("###",) and params.stop_token_ids == (5, 6)
-    assert params.is_greedy and params.effective_top_k == 0
-    assert SamplingParams(top_k=-1).effective_top_k == 0
-    assert SamplingParams(stop=["a", "b"]).stop == ("a", "b")
+def test_message_shows_the_rejected_value():
+    with pytest.raises(InvalidRequestError, match=r"^max_tokens: must be an integer >= 1, got True$"):
+        SamplingParams(max_tokens=True)
+    with pytest.raises(InvalidRequestError, match=r"^top_p: must be in \(0, 1\], got 1.5$"):
+        SamplingParams(top_p=1.5)
 
 
-def test_is_frozen():
+def test_first_invalid_field_in_check_order_is_reported():
+    with pytest.raises(InvalidRequestError) as error:
+        SamplingParams(temperature=-1.0, max_tokens=0)
+    assert error.value.field == "temperature"
+
+
+VALID_EDGES = [
+    ("temperature", 0.0), ("temperature", 0), ("temperature", 1e-300), ("temperature", 1e6),
+    ("top_p", 1.0), ("top_p", 1), ("top_p", 1e-9),
+    ("top_k", -1), ("top_k", 0), ("top_k", 1), ("top_k", 10**9),
+    ("min_p", 0.0), ("min_p", 1.0),
+    ("repetition_penalty", 1e-9), ("repetition_penalty", 100.0),
+    ("frequency_penalty", -2.0), ("frequency_penalty", 2), ("presence_penalty", -2), ("presence_penalty", 2.0),
+    ("max_tokens", 1), ("max_tokens", 10**9),
+    ("logprobs", None), ("logprobs", 0), ("logprobs", MAX_LOGPROBS),
+    ("seed", None), ("seed", 0), ("seed", -1), ("seed", -2**63), ("seed", 2**64 - 1),
+    ("stop_token_ids", (0,)),
+]
+
+
+@pytest.mark.parametrize("field, value", VALID_EDGES)
+def test_edge_values_are_accepted_unchanged(field, value):
+    assert getattr(SamplingParams(**{field: value}), field) == value
+
+
+def test_defaults():
+    params = SamplingParams()
+    assert (params.temperature, params.top_k, params.top_p, params.min_p) == (1.0, -1, 1.0, 0.0)
+    assert (params.repetition_penalty, params.frequency_penalty, params.presence_penalty) == (1.0, 0.0, 0.0)
+    assert (params.seed, params.stop, params.stop_token_ids, params.max_tokens) == (None, (), (), 16)
+    assert (params.ignore_eos, params.logprobs, params.skip_special_tokens) == (False, None, True)
+    assert not params.is_greedy and params.effective_top_k == 0
+
+
+def test_stop_string_normalizes_to_a_one_element_tuple():
+    assert SamplingParams(stop="x").stop == ("x",)
+    assert SamplingParams(stop="###").stop == ("###",)  # not split into characters
+
+
+def test_lists_normalize_to_tuples():
+    params = SamplingParams(stop=["a", "bc"], stop_token_ids=[5, 6, 5])
+    assert params.stop == ("a", "bc") and type(params.stop) is tuple
+    assert params.stop_token_ids == (5, 6, 5) and type(params.stop_token_ids) is tuple
+    assert SamplingParams(stop=(s for s in ["x", "y"])).stop == ("x", "y")
+    assert SamplingParams(stop=["x"]) == SamplingParams(stop="x") == SamplingParams(stop=("x",))
+    assert hash(SamplingParams(stop=["x"], stop_token_ids=[1])) == hash(SamplingParams(stop="x", stop_token_ids=(1,)))
+
+
+def test_caller_list_is_copied():
+    stop = ["a"]
+    params = SamplingParams(stop=stop)
+    stop.append("b")
+    assert params.stop == ("a",)
+
+
+@pytest.mark.parametrize("temperature, greedy", [(0.0, True), (0, True), (1e-300, False), (1.0, False)])
+def test_is_greedy_only_at_temperature_zero(temperature, greedy):
+    assert SamplingParams(temperature=temperature).is_greedy is greedy
+
+
+@pytest.mark.parametrize("top_k, effective", [(-1, 0), (0, 0), (1, 1), (40, 40)])
+def test_effective_top_k_normalizes_both_disabled_spellings(top_k, effective):
+    assert SamplingParams(top_k=top_k).effective_top_k == effective
+
+
+@pytest.mark.parametrize("field, value", [("temperature", 0.5), ("stop", ("y",)), ("max_tokens", 3), ("seed", 1)])
+def test_is_frozen(field, value):
+    params = SamplingParams()
     with pytest.raises(dataclasses.FrozenInstanceError):
-        SamplingParams().temperature = 0.5
+        setattr(params, field, value)
+    assert getattr(params, field) == getattr(SamplingParams(), field)
+
+
+def test_replace_revalidates():
+    params = SamplingParams(temperature=0.5)
+    assert dataclasses.replace(params, max_tokens=3).max_tokens == 3
+    with pytest.raises(InvalidRequestError) as error:
+        dataclasses.replace(params, top_p=0.0)
+    assert error.value.field == "top_p"
