@@ -1,27 +1,48 @@
 """Tiny Hugging Face-format models built locally: random weights from a fixed seed, a
 byte-level BPE tokenizer trained in-process, and a ChatML chat template.
 
-Used by the tests, the benchmarks and as the embedded default model; the result is an
-ordinary model directory, loaded by the same code path as a real checkpoint.
+Used by the tests, the benchmarks and as the embedded default model. The result is an
+ordinary model directory, loaded by the same code path as a real checkpoint; nothing is
+downloaded. Building is deterministic: the same spec gives byte-identical files.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
 import random
 import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import tokenizers
 import torch
+import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, PreTrainedTokenizerFast, Qwen2Config
+from transformers import (AutoModelForCausalLM, GenerationConfig, LlamaConfig, PretrainedConfig,
+                          PreTrainedModel, PreTrainedTokenizerFast, Qwen2Config)
 
-SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+# Bump whenever the builder's output changes for an unchanged spec, so cached default
+# models built by an older version are not silently reused.
+BUILDER_VERSION = 2
 
+EOS_TOKEN = "<|endoftext|>"
+END_OF_TURN_TOKEN = "<|im_end|>"
+SPECIAL_TOKENS = (EOS_TOKEN, "<|im_start|>", END_OF_TURN_TOKEN)
+
+# 256 byte symbols + the special tokens + a few merges.
+MIN_VOCAB_SIZE = 300
+# Keeps the invented-word pool far below the number of distinct syllable words (~24M).
+MAX_VOCAB_SIZE = 1 << 18
+
+ARCH_CONFIGS: dict[str, type[PretrainedConfig]] = {"llama": LlamaConfig, "qwen2": Qwen2Config}
+
+# ChatML as in Qwen2, without Qwen's implicit default system prompt.
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
@@ -38,11 +59,27 @@ _WORDS = (
     "tell me about old young small large long short high low good great little own right left open under "
     "between again never always often every each many much very still just here now why how because "
     "while during without within along across among around against toward upon number system model token "
-    "server request cache block prefix decode prefill worker router stream latency memory cluster"
+    "server request cache block prefix decode prefill worker router stream latency memory cluster answer "
+    "question help please thank hello yes friend family child mother father school work life book word "
+    "name home room food table paper music color green blue red white black sun moon star tree flower "
+    "bird fish dog cat horse sea island mountain forest rain snow wind fire earth air summer winter "
+    "spring autumn king queen ship boat car train bridge market street church castle song dance game "
+    "write read speak listen think know want need make take give find keep begin end start stop run walk "
+    "go come see look hear feel try ask call turn move live believe bring happen stand sit lose pay meet "
+    "include continue set learn change lead understand watch follow create allow add spend grow offer "
+    "remember love consider appear buy wait serve die send expect build stay fall cut reach kill remain "
+    "suggest raise pass sell require report decide pull return explain hope develop carry break receive "
+    "agree support hit produce eat cover catch draw choose cause point plan order form result reason "
+    "simple quick quiet happy sure real true whole free clear full warm cold dark bright early late"
 ).split()
 
 _SYLLABLES = ("ka", "lo", "mi", "ten", "ra", "vo", "shu", "pel", "dar", "in", "ex", "qua", "zo", "bri", "nu",
               "gor", "fle", "ath", "um", "sy", "wen", "tor", "ly", "cha", "pri", "os", "ve", "dri", "mon", "ix")
+
+
+def _check_vocab_size(vocab_size: int) -> None:
+    if not MIN_VOCAB_SIZE <= vocab_size <= MAX_VOCAB_SIZE:
+        raise ValueError(f"vocab_size must be in [{MIN_VOCAB_SIZE}, {MAX_VOCAB_SIZE}], got {vocab_size}")
 
 
 @dataclass(frozen=True)
@@ -50,85 +87,111 @@ class TinyModelSpec:
     """Shape and seed of a tiny model; validated on construction."""
 
     arch: str = "llama"
-    """llama or qwen2 (qwen2 adds q/k/v projection biases)."""
+    """Model family: "llama" or "qwen2" (qwen2 adds q/k/v projection biases)."""
     num_layers: int = 2
+    """Number of decoder layers."""
     hidden_size: int = 64
+    """Residual stream width; hidden_size / num_heads is the head dim and must be even (RoPE)."""
     num_heads: int = 4
+    """Query heads."""
     num_kv_heads: int = 2
+    """Key/value heads (grouped-query attention); must divide num_heads."""
     vocab_size: int = 512
     """Exact tokenizer size and embedding rows (>= 300: 256 byte symbols + specials + merges)."""
     intermediate_size: int | None = None
-    """MLP width; None derives ~8/3 x hidden rounded up to a multiple of 32."""
+    """MLP width; None derives 8/3 x hidden_size rounded up to a multiple of 32."""
     max_position_embeddings: int = 2048
+    """Longest sequence the config (and tokenizer) advertise."""
     seed: int = 0
+    """Seeds both the tokenizer corpus and the weights."""
     tie_word_embeddings: bool = False
+    """Share the input embedding matrix with the LM head."""
     initializer_range: float = 0.1
-    """Std of the random weights; larger than HF's 0.02 so logits are not flat."""
+    """Std of the random weights; larger than HF's 0.02 so random logits are not flat."""
 
     def __post_init__(self) -> None:
-        if self.arch not in ("llama", "qwen2"):
-            raise ValueError(f"arch must be llama or qwen2, got {self.arch!r}")
-        for name in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "max_position_embeddings"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.hidden_size % self.num_heads:
-            raise ValueError(f"hidden_size ({self.hidden_size}) must be divisible by num_heads ({self.num_heads})")
+        if self.arch not in ARCH_CONFIGS:
+            raise ValueError(f"arch must be one of {sorted(ARCH_CONFIGS)}, got {self.arch!r}")
+        for name in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "max_position_embeddings",
+                     "intermediate_size", "initializer_range"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be > 0, got {value}")
+        if self.seed < 0:
+            raise ValueError(f"seed must be >= 0, got {self.seed}")
+        if self.hidden_size % self.num_heads or (self.hidden_size // self.num_heads) % 2:
+            raise ValueError(f"hidden_size ({self.hidden_size}) must be num_heads ({self.num_heads}) x an even "
+                             "head dim (RoPE rotates pairs of channels)")
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_heads ({self.num_heads}) must be divisible by num_kv_heads ({self.num_kv_heads})")
-        if self.vocab_size < 300:
-            raise ValueError(f"vocab_size must be >= 300, got {self.vocab_size}")
-        if self.intermediate_size is not None and self.intermediate_size < 1:
-            raise ValueError(f"intermediate_size must be >= 1, got {self.intermediate_size}")
+            raise ValueError(f"num_kv_heads ({self.num_kv_heads}) must divide num_heads ({self.num_heads})")
+        _check_vocab_size(self.vocab_size)
 
     @property
     def mlp_width(self) -> int:
-        return self.intermediate_size or -(-(8 * self.hidden_size // 3) // 32) * 32
+        """The MLP width actually used (intermediate_size or the derived default)."""
+        return self.intermediate_size or -(-8 * self.hidden_size // (3 * 32)) * 32
 
     def fingerprint(self) -> str:
-        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
+        """Short hash naming the built files: the spec, this builder and the libraries that make the bytes."""
+        versions = [BUILDER_VERSION, torch.__version__, transformers.__version__, tokenizers.__version__]
+        payload = json.dumps([asdict(self), versions], sort_keys=True)
+        return hashlib.sha256(payload.encode()).hexdigest()[:12]
 
 
+DEFAULT_MODEL_NAME = "default"
 DEFAULT_MODEL_SPEC = TinyModelSpec(arch="llama", num_layers=4, hidden_size=256, num_heads=8, num_kv_heads=4,
                                    vocab_size=2048, seed=0)
 
 
-def synthetic_corpus(seed: int, num_sentences: int) -> list[str]:
-    """Deterministic English-like sentences mixing real words and made-up syllable words."""
+def _invented_words(rng: random.Random, count: int) -> list[str]:
+    """`count` distinct made-up words; each can become a token, which is what makes large vocabs reachable."""
+    words: dict[str, None] = {}  # a dict, not a set: insertion order keeps the corpus deterministic
+    while len(words) < count:
+        words.setdefault("".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(2, 5))), None)
+    return list(words)
+
+
+def _synthetic_corpus(seed: int, num_invented: int) -> list[str]:
+    """English-like sentences: mostly common words, the rest from `num_invented` made-up words."""
     rng = random.Random(seed)
-    invented = ["".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(2, 4))) for _ in range(4000)]
+    invented = _invented_words(rng, num_invented)
     sentences = []
-    for _ in range(num_sentences):
-        words = [rng.choice(_WORDS) if rng.random() < 0.7 else rng.choice(invented) for _ in range(rng.randint(4, 14))]
+    for _ in range(num_invented):
+        words = [rng.choice(_WORDS) if rng.random() < 0.6 else rng.choice(invented) for _ in range(rng.randint(4, 14))]
         sentences.append(" ".join(words).capitalize() + rng.choice((".", "?", "!", ",", ";")))
     return sentences
 
 
-def _train_bpe(vocab_size: int, seed: int, num_sentences: int) -> Tokenizer:
+def _train_bpe(vocab_size: int, corpus: list[str]) -> Tokenizer:
+    # The trainer's output does not depend on thread count or hash seeds (checked by the tests),
+    # so no RAYON_NUM_THREADS pinning is needed for determinism.
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS), show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tokenizer.train_from_iterator(synthetic_corpus(seed, num_sentences), trainer=trainer)
+    tokenizer.train_from_iterator(corpus, trainer=trainer)
     return tokenizer
 
 
 def build_tokenizer(vocab_size: int, seed: int) -> PreTrainedTokenizerFast:
-    """Byte-level BPE of exactly `vocab_size` tokens; the corpus grows until enough merges exist."""
-    num_sentences = 2000
-    tokenizer = _train_bpe(vocab_size, seed, num_sentences)
+    """Byte-level BPE of exactly `vocab_size` tokens with a ChatML template; a pure function of its arguments."""
+    _check_vocab_size(vocab_size)
+    # About one invented word per token is enough in practice; on a shortfall the pool
+    # doubles, which keeps the result deterministic.
+    num_invented = vocab_size
+    tokenizer = _train_bpe(vocab_size, _synthetic_corpus(seed, num_invented))
     while tokenizer.get_vocab_size() < vocab_size:
-        num_sentences *= 4
-        tokenizer = _train_bpe(vocab_size, seed, num_sentences)
-    assert tokenizer.get_vocab_size() == vocab_size
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|endoftext|>", pad_token="<|endoftext|>",
+        num_invented *= 2
+        tokenizer = _train_bpe(vocab_size, _synthetic_corpus(seed, num_invented))
+    assert tokenizer.get_vocab_size() == vocab_size, (tokenizer.get_vocab_size(), vocab_size)
+    # No BOS token (Qwen2 style): the backend has no post-processor, so nothing is prepended.
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=EOS_TOKEN, pad_token=EOS_TOKEN,
                                    chat_template=CHAT_TEMPLATE, clean_up_tokenization_spaces=False)
 
 
-def _hf_config(spec: TinyModelSpec, tokenizer: PreTrainedTokenizerFast):
-    config_class = LlamaConfig if spec.arch == "llama" else Qwen2Config
-    eos_id = tokenizer.convert_tokens_to_ids("<|endoftext|>")
-    return config_class(
+def _hf_config(spec: TinyModelSpec, eos_id: int) -> PretrainedConfig:
+    return ARCH_CONFIGS[spec.arch](
         vocab_size=spec.vocab_size, hidden_size=spec.hidden_size, intermediate_size=spec.mlp_width,
         num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads,
         max_position_embeddings=spec.max_position_embeddings, rms_norm_eps=1e-6, rope_theta=10000.0,
@@ -136,54 +199,83 @@ def _hf_config(spec: TinyModelSpec, tokenizer: PreTrainedTokenizerFast):
         bos_token_id=None, eos_token_id=eos_id, pad_token_id=eos_id, dtype="float32")
 
 
-def _random_model(spec: TinyModelSpec, config) -> torch.nn.Module:
-    torch.manual_seed(spec.seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    if spec.arch == "qwen2":
-        # HF initializes projection biases to zero; random ones exercise the bias path.
-        for layer in model.model.layers:
-            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                torch.nn.init.normal_(proj.bias, std=spec.initializer_range)
-    return model.eval()
+def _random_model(spec: TinyModelSpec, config: PretrainedConfig) -> PreTrainedModel:
+    # fork_rng: seeding here must not reset the caller's global random stream.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(spec.seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        if spec.arch == "qwen2":
+            # HF initializes the projection biases to zero; random ones exercise the bias path.
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    torch.nn.init.normal_(proj.bias, std=spec.initializer_range)
+    return model
 
 
-def build_tiny_model(out_dir: str | Path, spec: TinyModelSpec) -> Path:
-    """Write the model directory atomically (a crash never leaves a half-written model)."""
-    out_dir = Path(out_dir)
-    tokenizer = build_tokenizer(spec.vocab_size, spec.seed)
-    config = _hf_config(spec, tokenizer)
-    model = _random_model(spec, config)
+@contextmanager
+def _atomic_dir(out_dir: Path) -> Iterator[Path]:
+    """Yield a staging directory beside `out_dir` that replaces it only once completely written."""
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    old = staging.with_name(staging.name + ".old")
     try:
-        model.save_pretrained(staging, safe_serialization=True)
-        tokenizer.save_pretrained(staging)
-        eos_ids = [tokenizer.convert_tokens_to_ids(t) for t in ("<|endoftext|>", "<|im_end|>")]
-        GenerationConfig(eos_token_id=eos_ids, pad_token_id=eos_ids[0]).save_pretrained(staging)
+        yield staging
+        staging.chmod(0o755)  # mkdtemp makes it private; a model directory is readable like any other
+        # rename() cannot replace a non-empty directory, so a previous model is moved aside first.
         if out_dir.exists():
-            shutil.rmtree(out_dir)
+            os.replace(out_dir, old)
         os.replace(staging, out_dir)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def build_tiny_model(out_dir: str | Path, spec: TinyModelSpec) -> Path:
+    """Write a complete model directory for `spec` to `out_dir` (replacing it); a crash never leaves half a model."""
+    out_dir = Path(out_dir)
+    tokenizer = build_tokenizer(spec.vocab_size, spec.seed)
+    tokenizer.model_max_length = spec.max_position_embeddings
+    eos_id, end_of_turn_id = tokenizer.convert_tokens_to_ids([EOS_TOKEN, END_OF_TURN_TOKEN])
+    model = _random_model(spec, _hf_config(spec, eos_id))
+    # Chat turns end with <|im_end|>, plain completions with <|endoftext|>: generation stops on either.
+    model.generation_config = GenerationConfig(eos_token_id=[eos_id, end_of_turn_id], pad_token_id=eos_id)
+    with _atomic_dir(out_dir) as staging:
+        model.save_pretrained(staging, safe_serialization=True)
+        tokenizer.save_pretrained(staging)
     return out_dir
 
 
 def default_cache_dir() -> Path:
-    return Path(os.environ.get("SPLITSERVE_CACHE_DIR", Path.home() / ".cache" / "splitserve"))
+    """Where built models are cached: $SPLITSERVE_CACHE_DIR, else ~/.cache/splitserve."""
+    return Path(os.environ.get("SPLITSERVE_CACHE_DIR") or Path.home() / ".cache" / "splitserve").expanduser()
+
+
+def _is_model_dir(path: Path) -> bool:
+    return (path / "config.json").is_file()
 
 
 def ensure_default_model(cache_dir: Path | None = None) -> Path:
     """The embedded default model, built on first use and reused afterwards."""
-    path = (cache_dir or default_cache_dir()) / f"default-{DEFAULT_MODEL_SPEC.fingerprint()}"
-    if not (path / "config.json").is_file():
-        build_tiny_model(path, DEFAULT_MODEL_SPEC)
+    cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    path = cache_dir / f"{DEFAULT_MODEL_NAME}-{DEFAULT_MODEL_SPEC.fingerprint()}"
+    if _is_model_dir(path):
+        return path
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    # Several workers starting at once build it once: the others wait on the lock, then reuse it.
+    with open(cache_dir / f".{path.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not _is_model_dir(path):
+            build_tiny_model(path, DEFAULT_MODEL_SPEC)
     return path
 
 
-def resolve_model_path(name_or_path: str) -> Path:
-    if name_or_path == "default":
+def resolve_model_path(name_or_path: str | Path) -> Path:
+    """The embedded model for "default" (built on first use), else `name_or_path` if it is a model directory."""
+    if str(name_or_path) == DEFAULT_MODEL_NAME:
         return ensure_default_model()
-    path = Path(name_or_path)
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"{path} is not a model directory (no config.json)")
+    path = Path(name_or_path).expanduser()
+    if not _is_model_dir(path):
+        raise FileNotFoundError(f"{str(name_or_path)!r} is not a model directory (no config.json in {path}); "
+                                f"use {DEFAULT_MODEL_NAME!r} for the embedded model or build one with "
+                                "`splitserve make-tiny-model DIR`")
     return path
