@@ -7,7 +7,7 @@ from splitserve.common.stats import EngineStats
 from splitserve.engine.engine_core import EngineCore
 from splitserve.engine.llm import LLM
 from splitserve.engine.outputs import CompletionDelta, RequestOutput
-from splitserve.engine.request import TokenLogprobs
+from splitserve.common.token_logprobs import TokenLogprobs
 
 __all__ = ["LLM", "CompletionDelta", "EngineConfig", "EngineCore", "EngineStats", "InvalidRequestError",
            "RequestOutput", "SamplingParams", "TokenLogprobs", "UnsupportedModelError"]

@@ -15,7 +15,7 @@ from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.stats import EngineStats
 from splitserve.engine.attention import select_backend
 from splitserve.engine.block_manager import BlockManager
-from splitserve.engine.detokenizer import IncrementalDetokenizer
+from splitserve.common.detokenizer import IncrementalDetokenizer
 from splitserve.engine.kv_cache import KVCache, KVCacheSpec, num_blocks_for
 from splitserve.engine.model_loader import load_hf_config, load_model
 from splitserve.engine.model_runner import ModelRunner

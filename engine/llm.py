@@ -14,7 +14,7 @@ from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.stats import EngineStats
 from splitserve.engine.engine_core import EngineCore
 from splitserve.engine.outputs import CompletionDelta, RequestOutput
-from splitserve.engine.request import TokenLogprobs
+from splitserve.common.token_logprobs import TokenLogprobs
 
 Prompt = str | list[int]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from splitserve.engine.request import TokenLogprobs
+from splitserve.common.token_logprobs import TokenLogprobs
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from splitserve.common.block_hash import BlockHash
 from splitserve.common.sampling_params import SamplingParams
+from splitserve.common.token_logprobs import TokenLogprobs
 
 
 class RequestStatus(enum.Enum):
@@ -21,18 +22,6 @@ class RequestStatus(enum.Enum):
     def is_finished(self) -> bool:
         return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
                         RequestStatus.FINISHED_ABORTED)
-
-
-@dataclass(frozen=True)
-class TokenLogprobs:
-    """Logprob of one sampled token plus the top alternatives (raw model distribution)."""
-
-    token_id: int
-    logprob: float
-    rank: int
-    """1-based rank of the sampled token in the distribution."""
-    top: tuple[tuple[int, float], ...]
-    """(token_id, logprob) of the most likely tokens, best first."""
 
 
 @dataclass(eq=False)

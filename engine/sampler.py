@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from splitserve.common.sampling_params import SamplingParams
-from splitserve.engine.request import TokenLogprobs
+from splitserve.common.token_logprobs import TokenLogprobs
 
 
 @dataclass(frozen=True)

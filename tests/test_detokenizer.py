@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import pytest
 
 from factories import tiny_tokenizer
-from splitserve.engine.detokenizer import IncrementalDetokenizer
+from splitserve.common.detokenizer import IncrementalDetokenizer
 
 TEXTS = [
     "Hello world, the river runs by the old mill.",

@@ -3,19 +3,26 @@
 Tokens are decoded over a short sliding window (the vLLM prefix/read offset scheme) so
 multi-byte characters split across tokens and tokenizers that drop a leading space at
 the start of a decode both come out right. Text that could still become a stop string is
-held back from the stream until it is known not to be one.
+held back from the stream until it is known not to be one. Torch-free: the router and the
+engine both use it.
 """
 
 from __future__ import annotations
 
-from tokenizers import Tokenizer
+from typing import Protocol
+
+
+class Decoder(Protocol):
+    """What detokenization needs of a tokenizer (a `tokenizers.Tokenizer` is one)."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
 
 _PROMPT_CONTEXT_TOKENS = 5
 """Prompt tokens decoded together with the first output tokens (for leading-space rules)."""
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], stop: tuple[str, ...],
+    def __init__(self, tokenizer: Decoder, prompt_token_ids: list[int], stop: tuple[str, ...],
                  skip_special_tokens: bool) -> None:
         self._tokenizer = tokenizer
         self._skip_special = skip_special_tokens

@@ -1,0 +1,64 @@
+"""Typed data that crosses the prefill -> decode boundary (torch-free).
+
+`KVLayout` describes one worker's KV pool; two workers may exchange blocks only when
+their layouts match exactly. `TransferParams` is what a prefill worker hands back for a
+request whose prompt KV it holds under a lease.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+KV_POOL_LAYOUT = "layer[num_blocks, 2, block_size, num_kv_heads, head_dim]"
+"""The only pool layout so far: one tensor per layer, keys then values inside each block."""
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Everything that must agree before one worker may read another's KV blocks."""
+
+    model_id: str
+    """Fingerprint of the model (architecture + weights' config), not just its path."""
+    dtype: str
+    """KV element type, e.g. 'float32' or 'bfloat16'."""
+    block_size: int
+    """Tokens per block."""
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    hash_seed: int
+    """Seed of the chained block hash (prefix-cache identities must agree)."""
+    layout: str = KV_POOL_LAYOUT
+    """How a block's bytes are arranged in the pool tensors."""
+
+    @property
+    def bytes_per_block_per_layer(self) -> int:
+        return 2 * self.block_size * self.num_kv_heads * self.head_dim * _ELEMENT_BYTES[self.dtype]
+
+    def mismatches(self, other: KVLayout) -> list[str]:
+        """Human-readable differences, empty when the two layouts are compatible."""
+        return [f"{f.name}: {getattr(self, f.name)!r} != {getattr(other, f.name)!r}"
+                for f in fields(self) if getattr(self, f.name) != getattr(other, f.name)]
+
+
+_ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True)
+class TransferParams:
+    """Where a request's prompt KV lives on its prefill worker, and until when.
+
+    Invariant: block_ids[i] holds tokens [i * block_size, (i + 1) * block_size) of the
+    prompt; the last block may be partial. The blocks stay pinned on the producer until
+    the consumer's pull completes or `lease_expires_at` passes, whichever comes first.
+    """
+
+    request_id: str
+    producer_id: str
+    """Transfer-agent name of the prefill worker (new on every worker start)."""
+    block_ids: tuple[int, ...]
+    num_tokens: int
+    """Prompt tokens whose KV the blocks hold (all of the prompt)."""
+    layout: KVLayout
+    lease_expires_at: float
+    """Wall-clock time (time.time()) after which the producer frees the blocks."""
