@@ -82,6 +82,9 @@ class BlockManager:
     def block_table(self, request_id: str) -> list[int]:
         return self._tables.get(request_id, [])
 
+    def owns_blocks(self, request_id: str) -> bool:
+        return request_id in self._tables
+
     def ref_count(self, block_id: int) -> int:
         return self._blocks[block_id].ref_count
 

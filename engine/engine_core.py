@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -14,6 +15,7 @@ from splitserve.common.errors import InvalidRequestError
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.stats import EngineStats
 from splitserve.engine.attention import select_backend
+from splitserve.common.kv_transfer_types import KVLayout
 from splitserve.engine.block_manager import BlockManager
 from splitserve.common.detokenizer import IncrementalDetokenizer
 from splitserve.engine.kv_cache import KVCache, KVCacheSpec, num_blocks_for
@@ -23,6 +25,17 @@ from splitserve.engine.outputs import CompletionDelta
 from splitserve.engine.request import Request, RequestStatus
 from splitserve.engine.sampler import Sampler, SamplingRow
 from splitserve.engine.scheduler import Scheduler, SchedulerConfig
+
+@dataclass(frozen=True)
+class HeldKV:
+    """Producer role: a prefilled request's blocks, kept allocated until release_held_kv()."""
+
+    block_ids: tuple[int, ...]
+    num_tokens: int
+    """Prompt tokens whose KV the blocks hold."""
+    generator_state: bytes | None
+    """RNG state after the first sample (seeded requests), so the consumer continues the stream."""
+
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -84,6 +97,7 @@ class EngineCore:
         self._generators: dict[str, torch.Generator] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._pending: list[CompletionDelta] = []
+        self._held: dict[str, HeldKV] = {}
         self._arrivals = 0
         self._num_steps = 0
         self._num_prompt_tokens = 0
@@ -108,7 +122,7 @@ class EngineCore:
     # ---- requests ------------------------------------------------------------------------
     def validate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise InvalidRequestError (naming the field) if the request can never be served."""
-        if request_id in self.scheduler.requests:
+        if request_id in self.scheduler.requests or request_id in self._held:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in flight")
         if not prompt_token_ids:
             raise InvalidRequestError("prompt", "must not be empty")
@@ -121,17 +135,82 @@ class EngineCore:
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop", "stop strings need an engine with a tokenizer")
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    hold_kv_after_prefill: bool = False) -> None:
+        """Queue a request. With hold_kv_after_prefill (producer role) it finishes as 'prefilled'
+        after its first token unless it stops there, and its blocks stay held (see take_held_kv)."""
         self.validate(request_id, prompt_token_ids, params)
-        request = Request(request_id, list(prompt_token_ids), params, self.eos_token_ids, self._arrivals)
+        request = self._new_request(request_id, list(prompt_token_ids), [], params)
+        request.hold_kv_after_prefill = hold_kv_after_prefill
+        self._num_prompt_tokens += request.num_prompt_tokens
+        self.scheduler.add_request(request)
+
+    def add_remote_request(self, request_id: str, prompt_token_ids: list[int], output_token_ids: list[int],
+                           params: SamplingParams, num_cached_tokens: int,
+                           generator_state: bytes | None) -> tuple[int, ...] | None:
+        """Consumer role: admit a request whose prompt KV lives on a producer.
+
+        Allocates blocks for the whole prompt and returns them in order: the caller pulls the
+        producer's blocks into them, then calls remote_kv_ready() or remote_kv_failed(). Returns
+        None (nothing changed) when the pool has no room yet.
+        """
+        self.validate(request_id, prompt_token_ids, params)
+        request = self._new_request(request_id, list(prompt_token_ids), list(output_token_ids), params)
+        if self.block_manager.allocate(request, request.num_prompt_tokens) is None:
+            self._forget(request_id)
+            return None
+        request.num_cached_tokens = num_cached_tokens
+        self._num_prompt_tokens += request.num_prompt_tokens
+        if generator_state is not None:
+            self._generators[request_id].set_state(torch.frombuffer(bytearray(generator_state), dtype=torch.uint8))
+        self.scheduler.add_remote(request)
+        return tuple(self.block_manager.block_table(request_id))
+
+    def remote_kv_ready(self, request_id: str) -> None:
+        self.scheduler.remote_kv_ready(request_id)
+
+    def remote_kv_failed(self, request_id: str) -> None:
+        """Recompute the prompt locally instead."""
+        self.scheduler.remote_kv_failed(request_id)
+
+    def take_held_kv(self, request_id: str) -> HeldKV | None:
+        """Producer role: the held blocks of a request that finished as 'prefilled'."""
+        return self._held.get(request_id)
+
+    def release_held_kv(self, request_id: str) -> bool:
+        """Free a prefilled request's blocks (after the consumer's pull, a lease expiry or a cancel)."""
+        if self._held.pop(request_id, None) is None:
+            return False
+        self.block_manager.free(request_id)
+        return True
+
+    @property
+    def num_held(self) -> int:
+        return len(self._held)
+
+    def kv_layout(self, model_id: str) -> KVLayout:
+        spec = self.kv_cache.spec
+        return KVLayout(model_id=model_id, dtype=str(spec.dtype).removeprefix("torch."), block_size=spec.block_size,
+                        num_layers=spec.num_layers, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
+                        hash_seed=self.config.hash_seed)
+
+    def _new_request(self, request_id: str, prompt_token_ids: list[int], output_token_ids: list[int],
+                     params: SamplingParams) -> Request:
+        request = Request(request_id, prompt_token_ids, params, self.eos_token_ids, self._arrivals,
+                          all_token_ids=prompt_token_ids + output_token_ids)
         self._arrivals += 1
         if params.seed is not None:
             self._generators[request_id] = torch.Generator(self.device).manual_seed(params.seed)
         if self.tokenizer is not None:
             self._detokenizers[request_id] = IncrementalDetokenizer(
                 self.tokenizer, request.prompt_token_ids, params.stop, params.skip_special_tokens)
-        self._num_prompt_tokens += len(prompt_token_ids)
-        self.scheduler.add_request(request)
+            for token_id in output_token_ids:
+                self._detokenizers[request_id].append(token_id)
+        return request
+
+    def _forget(self, request_id: str) -> None:
+        self._generators.pop(request_id, None)
+        self._detokenizers.pop(request_id, None)
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request in any state; its final delta comes out of the next step()."""
@@ -143,6 +222,10 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or bool(self._pending)
+
+    def has_work(self) -> bool:
+        """True when step() would do something (waiting for remote KV alone is not work)."""
+        return self.scheduler.has_schedulable_requests() or bool(self._pending)
 
     # ---- the step ------------------------------------------------------------------------
     def step(self) -> list[CompletionDelta]:
@@ -171,6 +254,8 @@ class EngineCore:
             request.logprobs.append(logprobs)
             new_logprobs = (logprobs,)
         status = self._check_stop(request, token_id)
+        if status is None and request.hold_kv_after_prefill:
+            status = RequestStatus.FINISHED_PREFILLED
         if status is not None:
             return self._finish(request, status, (token_id,), new_logprobs)
         return self._delta(request, (token_id,), new_logprobs)
@@ -193,12 +278,21 @@ class EngineCore:
 
     def _finish(self, request: Request, status: RequestStatus, token_ids: tuple[int, ...],
                 logprobs: tuple = ()) -> CompletionDelta:
-        """Free everything the request holds, in the same step, and build its final delta."""
-        self.scheduler.finish(request.request_id, status)
-        self._generators.pop(request.request_id, None)
+        """Free everything the request holds, in the same step, and build its final delta.
+
+        A prefilled request (producer role) keeps its blocks, recorded in _held."""
+        held = status == RequestStatus.FINISHED_PREFILLED
+        self.scheduler.finish(request.request_id, status, keep_blocks=held)
+        if held:
+            self._held[request.request_id] = self._hold(request)
         delta = self._delta(request, token_ids, logprobs, finished=True)
-        self._detokenizers.pop(request.request_id, None)
+        self._forget(request.request_id)
         return delta
+
+    def _hold(self, request: Request) -> HeldKV:
+        generator = self._generators.get(request.request_id)
+        state = bytes(generator.get_state().numpy()) if generator is not None else None
+        return HeldKV(tuple(self.block_manager.block_table(request.request_id)), request.num_prompt_tokens, state)
 
     def _delta(self, request: Request, token_ids: tuple[int, ...], logprobs: tuple,
                finished: bool = False) -> CompletionDelta:

@@ -14,14 +14,18 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     PREEMPTED = "preempted"
+    WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"
+    """Consumer role: blocks allocated, prompt KV being pulled from a prefill worker."""
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    FINISHED_PREFILLED = "prefilled"
+    """Producer role: the prompt's KV is computed and its blocks are held for a transfer."""
 
     @property
     def is_finished(self) -> bool:
         return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
-                        RequestStatus.FINISHED_ABORTED)
+                        RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_PREFILLED)
 
 
 @dataclass(eq=False)
@@ -45,6 +49,8 @@ class Request:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     stop_reason: int | str | None = None
     num_preemptions: int = 0
+    hold_kv_after_prefill: bool = False
+    """Producer role: after the first sampled token, finish as PREFILLED and keep the blocks."""
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

@@ -6,6 +6,10 @@ out at most `max_num_batched_tokens` tokens: first to running requests in admiss
 requests in arrival order. When blocks run out, the most recently admitted running
 request is preempted: its blocks are freed and it will recompute from scratch (usually
 hitting its own just-freed blocks in the prefix cache).
+
+Requests whose prompt KV comes from another worker (consumer role) wait outside both
+queues in WAITING_FOR_REMOTE_KV with their blocks allocated; once the pull completes they
+join `ready` and are admitted ahead of waiting prompts (they only need decode steps).
 """
 
 from __future__ import annotations
@@ -69,6 +73,8 @@ class Scheduler:
         self.config = config
         self.block_manager = block_manager
         self.waiting: deque[Request] = deque()
+        self.ready: deque[Request] = deque()
+        """Remote-KV requests whose pull completed, in completion order."""
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
@@ -79,8 +85,32 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
+    def add_remote(self, request: Request) -> None:
+        """Track a consumer-role request whose blocks the caller allocated; nothing is scheduled yet."""
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        self.requests[request.request_id] = request
+
+    def remote_kv_ready(self, request_id: str) -> None:
+        """The pull filled the request's blocks: its whole prompt now has KV."""
+        request = self.requests[request_id]
+        request.num_computed_tokens = request.num_prompt_tokens
+        self.block_manager.cache_full_blocks(request)
+        self.ready.append(request)
+
+    def remote_kv_failed(self, request_id: str) -> None:
+        """The pull failed: free the blocks and recompute the prompt locally, first in line."""
+        request = self.requests[request_id]
+        self.block_manager.free(request_id)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+    def has_schedulable_requests(self) -> bool:
+        """False when every unfinished request waits for remote KV (a step would do nothing)."""
+        return bool(self.waiting or self.running or self.ready)
 
     # ---- schedule ------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -96,6 +126,7 @@ class Scheduler:
                 budget -= num_new
                 index += 1
         if not preempted:
+            budget = self._admit_ready(budget, scheduled)
             budget = self._admit_waiting(budget, scheduled)
         chunks = tuple(self._make_chunk(request, num_new) for request, num_new in scheduled)
         return SchedulerOutput(chunks, tuple(r.request_id for r in preempted))
@@ -112,6 +143,19 @@ class Scheduler:
             if victim is request:
                 return False
         return True
+
+    def _admit_ready(self, budget: int, scheduled: list[tuple[Request, int]]) -> int:
+        while self.ready and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.ready[0]
+            num_new = request.num_tokens - request.num_computed_tokens
+            if num_new > budget or self.block_manager.allocate(request, num_new) is None:
+                break
+            self.ready.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            scheduled.append((request, num_new))
+            budget -= num_new
+        return budget
 
     def _admit_waiting(self, budget: int, scheduled: list[tuple[Request, int]]) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
@@ -165,15 +209,17 @@ class Scheduler:
             request.num_computed_tokens += chunk.num_tokens
             self.block_manager.cache_full_blocks(request)
 
-    def finish(self, request_id: str, status: RequestStatus) -> Request | None:
-        """Remove a request in any state and free its blocks at once."""
+    def finish(self, request_id: str, status: RequestStatus, keep_blocks: bool = False) -> Request | None:
+        """Remove a request in any state and free its blocks at once (unless the caller keeps
+        them: then they stay allocated under the request id until block_manager.free)."""
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
-        if request in self.running:
-            self.running.remove(request)
-        elif request in self.waiting:
-            self.waiting.remove(request)
-        self.block_manager.free(request_id)
+        for queue in (self.running, self.waiting, self.ready):
+            if request in queue:
+                queue.remove(request)
+                break
+        if not keep_blocks:
+            self.block_manager.free(request_id)
         request.status = status
         return request
