@@ -41,7 +41,7 @@ def _add_sampling_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("engine")
+    group = parser.add_argument_group("engine (offline generation only)")
     group.add_argument("--block-size", type=int, default=16)
     group.add_argument("--max-model-len", type=int, default=None)
     group.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
@@ -50,10 +50,24 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--num-kv-blocks", type=int, default=None)
 
 
+def _host_port(value: str) -> str:
+    """argparse type for HOST:PORT (IPv6 hosts in brackets: [::1]:50051)."""
+    host, _, port = value.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {value!r}")
+    return value
+
+
 def _add_generate(commands: argparse._SubParsersAction) -> None:
-    parser = commands.add_parser("generate", help="offline generation, streamed to the terminal")
+    parser = commands.add_parser("generate", help="generate text, streamed to the terminal (offline or from a server)")
     parser.add_argument("prompt")
-    parser.add_argument("--model", default="default", help="model directory, or 'default' for the embedded model")
+    parser.add_argument("--target", type=_host_port, default=None, metavar="HOST:PORT",
+                        help="stream from a running `splitserve serve` over gRPC instead of running a model here")
+    parser.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
+                        help="with --target: deadline for the whole request (default: none)")
+    parser.add_argument("--model", default=None,
+                        help="model directory, or 'default' for the embedded model (the default); with --target, "
+                             "the served model's name (default: the one it serves)")
     parser.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     _add_sampling_flags(parser)
     _add_engine_flags(parser)
@@ -82,11 +96,15 @@ def _sampling_params(args: argparse.Namespace):
 
 
 def _generate(args: argparse.Namespace) -> int:
+    return _generate_remote(args) if args.target is not None else _generate_offline(args)
+
+
+def _generate_offline(args: argparse.Namespace) -> int:
     from splitserve.engine import LLM
-    from splitserve.engine.tiny_model import resolve_model_path
+    from splitserve.engine.tiny_model import DEFAULT_MODEL_NAME, resolve_model_path
 
     params = _sampling_params(args)
-    model_dir = resolve_model_path(args.model)
+    model_dir = resolve_model_path(args.model or DEFAULT_MODEL_NAME)
     llm = LLM(model_dir, show_progress=sys.stderr.isatty(), block_size=args.block_size,
               max_model_len=args.max_model_len, dtype=args.dtype, device=args.device,
               kv_cache_memory_bytes=args.kv_cache_memory_bytes, num_kv_blocks=args.num_kv_blocks)
@@ -106,11 +124,104 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _remote_request(args: argparse.Namespace):
+    from splitserve.deploy.client import build_generate_request
+
+    params = _sampling_params(args)  # validated here: a bad flag exits 2 before anything is sent
+    if args.chat:
+        return build_generate_request(messages=[{"role": "user", "content": args.prompt}], params=params,
+                                      model=args.model or "")
+    return build_generate_request(text=args.prompt, params=params, model=args.model or "")
+
+
+def _summary(final) -> str:
+    """The last response's finish reason, usage and server-side timing, as one line."""
+    usage, timing = final.usage, final.timing
+    return (f"[finish_reason={final.finish_reason} prompt_tokens={usage.prompt_tokens} "
+            f"cached_tokens={usage.cached_tokens} completion_tokens={usage.completion_tokens} "
+            f"ttft={timing.first_token_s * 1e3:.1f}ms total={timing.total_s * 1e3:.1f}ms]")
+
+
+def _generate_remote(args: argparse.Namespace) -> int:
+    """Stream text to stdout; a gRPC error prints `splitserve: error: CODE: details` and exits 1."""
+    import grpc
+
+    from splitserve.deploy.client import GenerationClient
+
+    request = _remote_request(args)
+    final = None
+    with GenerationClient(args.target, timeout_s=args.timeout) as client:
+        try:
+            for response in client.stream(request):
+                sys.stdout.write(response.text)
+                sys.stdout.flush()
+                final = response if response.finish_reason else final
+        except grpc.RpcError as error:
+            print(f"splitserve: error: {error.code().name}: {error.details()}", file=sys.stderr)
+            return 1
+    sys.stdout.write("\n")
+    if final is None:
+        print("splitserve: error: the stream ended without a finish reason", file=sys.stderr)
+        return 1
+    print(_summary(final), file=sys.stderr)
+    return 0
+
+
+def _add_serve(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser("serve", help="serve a model over gRPC on a local Ray cluster (Ctrl-C stops it)")
+    parser.add_argument("--config", type=Path, default=None, help="cluster config YAML (docs/configuration.md)")
+    parser.add_argument("--model", default=None, help="model directory or 'default' (overrides the config's)")
+    parser.add_argument("--mode", choices=("disaggregated", "colocated"), default=None)
+    parser.add_argument("--prefill-workers", type=int, default=None)
+    parser.add_argument("--decode-workers", type=int, default=None)
+    parser.add_argument("--host", default=None, help="gRPC listen address (default 127.0.0.1)")
+    parser.add_argument("--grpc-port", type=int, default=None, help="default 50051; 0 picks a free port")
+    parser.add_argument("--kv-transfer-backend", choices=("nixl", "inprocess"), default=None)
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="any config key in dotted form, e.g. decode.engine.max_num_seqs=64 (YAML value)")
+    parser.set_defaults(handler=_serve)
+
+
+_SERVE_FLAGS = {"model": "model", "mode": "mode", "prefill_workers": "prefill.replicas",
+                "decode_workers": "decode.replicas", "host": "router.host", "grpc_port": "router.grpc_port",
+                "kv_transfer_backend": "kv_transfer_backend"}
+
+
+def serve_config(args: argparse.Namespace):
+    """The cluster config: the file (or the defaults), then --set, then the dedicated flags."""
+    import yaml
+
+    from splitserve.deploy.cluster_config import apply_overrides, default_cluster_config, load_cluster_config
+
+    config = load_cluster_config(args.config) if args.config else default_cluster_config(args.model or "default")
+    overrides = {}
+    for item in args.set:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"--set {item!r}: expected KEY=VALUE")
+        overrides[key] = yaml.safe_load(value)
+    overrides.update({key: getattr(args, flag) for flag, key in _SERVE_FLAGS.items()
+                      if getattr(args, flag) is not None})
+    if overrides.get("mode") == "colocated" and "prefill.replicas" not in overrides:
+        overrides["prefill.replicas"] = 0
+    return apply_overrides(config, overrides)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import logging
+
+    from splitserve.deploy.local import serve
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return serve(serve_config(args))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="splitserve", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     _add_make_tiny_model(commands)
     _add_generate(commands)
+    _add_serve(commands)
     return parser
 
 

@@ -1,12 +1,19 @@
-"""The `splitserve` command line: generate streams text; bad input exits 2 with a clear message."""
+"""The `splitserve` command line: generate streams text; bad input exits 2, a failed gRPC call 1, clearly."""
 
 from __future__ import annotations
 
+import dataclasses
+import socket
 import subprocess
 import sys
+from contextlib import closing
+
+import pytest
 
 from splitserve.deploy.cli import main as cli_main
+from splitserve.deploy.client import build_generate_request
 from splitserve.engine import LLM, SamplingParams
+from splitserve.proto.splitserve.v1 import generation_pb2
 
 
 def test_generate_streams_the_engine_output(tiny_llama_dir, capsys):
@@ -34,3 +41,73 @@ def test_console_script_is_installed():
     done = subprocess.run([sys.executable, "-m", "splitserve.deploy.cli", "--help"], capture_output=True, text=True)
     assert done.returncode == 0
     assert "make-tiny-model" in done.stdout and "generate" in done.stdout
+
+
+# ---- generate --target: the gRPC client (end-to-end runs against a server live with the server tests) ----
+def _unused_port() -> int:
+    with closing(socket.socket()) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_unreachable_target_is_a_clear_error(capsys):
+    code = cli_main(["generate", "--target", f"127.0.0.1:{_unused_port()}", "--timeout", "5", "hello"])
+    err = capsys.readouterr().err
+    assert code == 1
+    assert err.startswith("splitserve: error: UNAVAILABLE: ") and "Traceback" not in err
+
+
+def test_silent_target_hits_the_deadline(capsys):
+    # A listening socket that never speaks HTTP/2: only the deadline ends the call.
+    with closing(socket.socket()) as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        code = cli_main(["generate", "--target", f"127.0.0.1:{port}", "--timeout", "0.5", "hello"])
+    assert code == 1
+    assert capsys.readouterr().err.startswith("splitserve: error: DEADLINE_EXCEEDED: ")
+
+
+def test_target_validates_sampling_flags_before_connecting(capsys):
+    assert cli_main(["generate", "--target", f"127.0.0.1:{_unused_port()}", "--top-p", "0", "x"]) == 2
+    assert "top_p: must be in (0, 1]" in capsys.readouterr().err
+
+
+def test_negative_seed_cannot_be_sent(capsys):
+    assert cli_main(["generate", "--target", f"127.0.0.1:{_unused_port()}", "--seed", "-1", "x"]) == 2
+    assert "seed: must be >= 0 to be sent to a server, got -1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("target", ["localhost", "localhost:", ":50051", "host:port", "host:0", "host:70000"])
+def test_malformed_target_is_a_usage_error(target, capsys):
+    with pytest.raises(SystemExit) as raised:
+        cli_main(["generate", "--target", target, "x"])
+    assert raised.value.code == 2
+    assert f"expected HOST:PORT, got {target!r}" in capsys.readouterr().err
+
+
+def test_request_carries_the_prompt_and_only_non_default_sampling_fields():
+    params = SamplingParams(temperature=0.0, max_tokens=16, stop=("\n",), seed=7)
+    request = build_generate_request(text="héllo 🌍", params=params)
+    assert request.WhichOneof("prompt") == "text" and request.text == "héllo 🌍".encode()
+    assert [field.name for field, _ in request.sampling.ListFields()] == ["temperature", "seed", "stop"]
+    assert (request.sampling.temperature, request.sampling.seed, list(request.sampling.stop)) == (0.0, 7, ["\n"])
+
+
+def test_chat_and_token_id_requests():
+    chat = build_generate_request(messages=[{"role": "user", "content": "hi"}], add_generation_prompt=False,
+                                  request_id="r1", model="m")
+    assert chat.WhichOneof("prompt") == "chat" and not chat.HasField("sampling")
+    assert [(m.role, m.content) for m in chat.chat.messages] == [("user", "hi")]
+    assert chat.chat.HasField("add_generation_prompt") and not chat.chat.add_generation_prompt
+    assert (chat.request_id, chat.model) == ("r1", "m")
+    ids = build_generate_request(token_ids=[5, 6, 7])
+    assert ids.WhichOneof("prompt") == "token_ids" and list(ids.token_ids.ids) == [5, 6, 7]
+    with pytest.raises(ValueError, match="exactly one of text, token_ids or messages"):
+        build_generate_request(text="a", token_ids=[1])
+
+
+def test_wire_sampling_fields_match_the_engine_sampling_params():
+    # sampling_to_proto copies fields by name and relies on equal defaults on both sides.
+    assert [spec.name for spec in dataclasses.fields(SamplingParams)] == [
+        field.name for field in generation_pb2.SamplingParams.DESCRIPTOR.fields]

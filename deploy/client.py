@@ -1,0 +1,112 @@
+"""Streaming gRPC client for the `Generation` service (what `splitserve generate --target` uses).
+
+Torch-free: only grpc, the generated code and common's SamplingParams.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Mapping, Sequence
+from types import TracebackType
+
+import grpc
+
+from splitserve.common.errors import InvalidRequestError
+from splitserve.common.sampling_params import SamplingParams
+from splitserve.proto.splitserve.v1 import generation_pb2, generation_pb2_grpc
+
+_UINT64_FIELDS = frozenset({"seed"})
+"""Sampling fields that are unsigned on the wire (common.SamplingParams allows a negative seed)."""
+
+
+class GenerationClient:
+    """One insecure gRPC channel to a router; a context manager that closes the channel on exit."""
+
+    def __init__(self, target: str, timeout_s: float | None = None) -> None:
+        """target is "HOST:PORT"; timeout_s is each request's deadline (whole stream), None for none.
+
+        Connecting is lazy and does not wait for the server: an unreachable target fails the first
+        stream with UNAVAILABLE instead of hanging.
+        """
+        self.target = target
+        self.timeout_s = timeout_s
+        self._channel = grpc.insecure_channel(target)
+        self._stub = generation_pb2_grpc.GenerationStub(self._channel)
+
+    def stream(self, request: generation_pb2.GenerateRequest) -> Iterator[generation_pb2.GenerateResponse]:
+        """The responses of one Generate call, in order; the last one has finish_reason set.
+
+        The call starts at the first next(), which is also where connection errors surface.
+
+        Raises grpc.RpcError (`.code()`, `.details()`) on a failed call. Abandoning the iterator
+        (closing it, or breaking out of a loop over it) cancels the call, so the server frees
+        the request's resources.
+        """
+        call = self._stub.Generate(request, timeout=self.timeout_s)
+        try:
+            yield from call
+        finally:
+            call.cancel()  # a no-op once the stream has ended
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> GenerationClient:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 traceback: TracebackType | None) -> None:
+        self.close()
+
+
+def sampling_to_proto(params: SamplingParams) -> generation_pb2.SamplingParams:
+    """Only the fields that differ from their defaults are set (the server's defaults are the same).
+
+    Raises InvalidRequestError for a negative seed, which the wire's uint64 cannot carry.
+    """
+    message = generation_pb2.SamplingParams()
+    for spec in dataclasses.fields(SamplingParams):
+        value = getattr(params, spec.name)
+        if value == spec.default:
+            continue
+        if spec.name in _UINT64_FIELDS and value < 0:
+            raise InvalidRequestError(spec.name, f"must be >= 0 to be sent to a server, got {value}")
+        if isinstance(value, tuple):
+            getattr(message, spec.name).extend(value)
+        else:
+            setattr(message, spec.name, value)
+    return message
+
+
+def _set_prompt(request: generation_pb2.GenerateRequest, text: str | None, token_ids: Sequence[int] | None,
+                messages: Sequence[Mapping[str, str]] | None, add_generation_prompt: bool | None) -> None:
+    if (text is None) + (token_ids is None) + (messages is None) != 2:
+        raise ValueError("give exactly one of text, token_ids or messages")
+    if add_generation_prompt is not None and messages is None:
+        raise ValueError("add_generation_prompt applies to chat messages only")
+    if text is not None:
+        request.text = text.encode("utf-8")
+    elif token_ids is not None:
+        request.token_ids.ids.extend(token_ids)
+    else:
+        request.chat.messages.extend(generation_pb2.ChatMessage(role=message["role"], content=message["content"])
+                                     for message in messages)
+        if add_generation_prompt is not None:
+            request.chat.add_generation_prompt = add_generation_prompt
+
+
+def build_generate_request(*, text: str | None = None, token_ids: Sequence[int] | None = None,
+                           messages: Sequence[Mapping[str, str]] | None = None,
+                           add_generation_prompt: bool | None = None, params: SamplingParams | None = None,
+                           request_id: str = "", model: str = "") -> generation_pb2.GenerateRequest:
+    """A GenerateRequest for exactly one of text / token_ids / chat messages ({"role", "content"} each).
+
+    add_generation_prompt (chat only) and sampling fields are left unset unless given, so the
+    server's defaults apply; an empty request_id lets the router make one, an empty model means
+    the served model.
+    """
+    request = generation_pb2.GenerateRequest(request_id=request_id, model=model)
+    _set_prompt(request, text, token_ids, messages, add_generation_prompt)
+    if params is not None:
+        request.sampling.CopyFrom(sampling_to_proto(params))
+    return request

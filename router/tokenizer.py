@@ -1,0 +1,231 @@
+"""The router's tokenizer: Hugging Face model-directory tokenization without torch or transformers.
+
+Reads tokenizer.json (the `tokenizers` fast tokenizer), tokenizer_config.json, the chat template
+and the EOS ids of a model directory, and gives the same token ids as transformers 5:
+`encode(text)` equals `AutoTokenizer.from_pretrained(dir)(text)["input_ids"]` (the tokenizer's own
+post-processor adds BOS/EOS where the model wants them), and `apply_chat_template` equals
+`apply_chat_template(messages, add_generation_prompt=..., tokenize=True)`: the template is
+rendered in the same sandboxed jinja2 environment and the text encoded without added special
+tokens (a template writes its own BOS). `import transformers` can pull in torch, so this
+module uses only `tokenizers`, `jinja2` and `json`: the router never imports torch.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+import jinja2.utils
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+
+from splitserve.common.errors import InvalidRequestError, UnsupportedModelError
+
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+"""transformers 5 saves a single chat template here; it takes priority over tokenizer_config.json."""
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}` (assistant-mask markup in some templates) renders its body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_render_body"), [], [], body).set_lineno(lineno)
+
+    def _render_body(self, caller: jinja2.runtime.Macro) -> str:
+        return caller()
+
+
+class _TemplateNamespace(jinja2.utils.Namespace):
+    """`namespace()` that refuses underscore-prefixed attributes (no path to CPython internals)."""
+
+    def __init__(*args: Any, **kwargs: Any) -> None:  # noqa: N805 - jinja's Namespace signature, allows self=...
+        self, args = args[0], args[1:]
+        attrs = dict(*args, **kwargs)
+        for name in attrs:
+            _TemplateNamespace._check_name(name)
+        jinja2.utils.Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        _TemplateNamespace._check_name(name)
+        jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check_name(name: object) -> None:
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError(f"chat templates cannot set namespace attribute {name!r}")
+
+
+class _TemplateDict:
+    """`dict(...)` and `dict.fromkeys(...)` without exposing the `dict` type itself."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> dict:
+        return dict(*args, **kwargs)
+
+    def fromkeys(self, *args: Any, **kwargs: Any) -> dict:
+        return dict.fromkeys(*args, **kwargs)
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    # Unlike jinja's own filter, no HTML escaping (what transformers does).
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(format: str) -> str:
+    return datetime.now().strftime(format)
+
+
+def compile_chat_template(source: str) -> jinja2.Template:
+    """Compile a chat template in the environment transformers renders it in (sandboxed, immutable)."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[_GenerationTag, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now, dict=_TemplateDict(),
+                       namespace=_TemplateNamespace)
+    return env.from_string(source)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+
+
+def _token_content(value: object) -> str | None:
+    """A special token as saved: a string, or a serialized AddedToken ({"content": ...})."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, Mapping) and isinstance(value.get("content"), str):
+        return value["content"]
+    return None
+
+
+def _named_special_tokens(config: Mapping[str, Any], legacy_map: Mapping[str, Any]) -> dict[str, str]:
+    """Every named special token (`bos_token`, ..., model-specific `*_token`s) as transformers 5 reads it.
+
+    special_tokens_map.json (legacy) is only read, and overrides, when tokenizer_config.json has
+    no `added_tokens_decoder` (the transformers rule).
+    """
+    merged = dict(config) if "added_tokens_decoder" in config else {**config, **legacy_map}
+    tokens = {key: value for key, value in merged.items() if key.endswith("_token")}
+    if isinstance(merged.get("extra_special_tokens"), Mapping):  # a list there holds unnamed tokens
+        tokens.update(merged["extra_special_tokens"])
+    contents = {key: _token_content(value) for key, value in tokens.items()}
+    return {key: content for key, content in contents.items() if content is not None}
+
+
+def _read_chat_template(model_dir: Path, config: Mapping[str, Any]) -> str | None:
+    """chat_template.jinja, else tokenizer_config.json's `chat_template` (a string, or named templates' "default")."""
+    path = model_dir / CHAT_TEMPLATE_FILE
+    if path.is_file():
+        return path.read_text(encoding="utf-8")
+    template = config.get("chat_template")
+    if isinstance(template, list):  # [{"name": ..., "template": ...}, ...]
+        template = {entry["name"]: entry["template"] for entry in template}.get("default")
+    return template
+
+
+def read_eos_token_ids(model_dir: Path) -> frozenset[int]:
+    """EOS ids from generation_config.json (what generation stops on), else config.json; int or list."""
+    eos = _read_json(model_dir / "generation_config.json").get("eos_token_id")
+    if eos is None:
+        eos = _read_json(model_dir / "config.json").get("eos_token_id")
+    if eos is None:
+        return frozenset()
+    return frozenset([eos] if isinstance(eos, int) else eos)
+
+
+def _validate_messages(messages: object) -> list[dict[str, str]]:
+    """Plain {"role", "content"} dicts (the only keys a template sees); raises InvalidRequestError."""
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
+        raise InvalidRequestError("messages", "must be a non-empty list of {role, content} messages")
+    plain = []
+    for index, message in enumerate(messages):
+        if not isinstance(message, Mapping):
+            raise InvalidRequestError(f"messages[{index}]", f"must be a {{role, content}} object, got {message!r}")
+        for key in ("role", "content"):
+            if not isinstance(message.get(key), str):
+                raise InvalidRequestError(f"messages[{index}].{key}", "missing or not a string")
+        plain.append({"role": message["role"], "content": message["content"]})
+    return plain
+
+
+class RouterTokenizer:
+    """One model directory's tokenizer and chat template; immutable and safe to share across requests."""
+
+    def __init__(self, backend: Tokenizer, special_tokens: Mapping[str, str], chat_template: str | None,
+                 eos_token_ids: frozenset[int], name: str) -> None:
+        self.backend = backend
+        """The `tokenizers.Tokenizer`; satisfies common.detokenizer.Decoder (incremental detokenization)."""
+        self.special_tokens = dict(special_tokens)
+        """Named special tokens (`eos_token`, ...) by name; also chat template variables."""
+        self.eos_token_ids = eos_token_ids
+        """Ids that end generation (generation_config.json, else config.json)."""
+        self.name = name
+        """The model directory, for error messages."""
+        self._chat_template = compile_chat_template(chat_template) if chat_template is not None else None
+
+    @classmethod
+    def from_model_dir(cls, path: str | Path) -> RouterTokenizer:
+        """Load a Hugging Face model directory; UnsupportedModelError without tokenizer.json or with a bad template."""
+        model_dir = Path(path).expanduser()
+        tokenizer_file = model_dir / "tokenizer.json"
+        if not tokenizer_file.is_file():
+            raise UnsupportedModelError(f"{model_dir}: no tokenizer.json (the router needs a fast tokenizer file)")
+        config = _read_json(model_dir / "tokenizer_config.json")
+        backend = Tokenizer.from_file(str(tokenizer_file))
+        backend.encode_special_tokens = bool(config.get("split_special_tokens", False))
+        special_tokens = _named_special_tokens(config, _read_json(model_dir / "special_tokens_map.json"))
+        try:
+            return cls(backend, special_tokens, _read_chat_template(model_dir, config),
+                       read_eos_token_ids(model_dir), str(model_dir))
+        except jinja2.TemplateSyntaxError as error:
+            raise UnsupportedModelError(f"{model_dir}: chat template does not compile: {error}") from error
+
+    @property
+    def vocab_size(self) -> int:
+        """Ids the tokenizer knows, added tokens included (`len(AutoTokenizer)`); may be below the model's."""
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def has_chat_template(self) -> bool:
+        """Whether apply_chat_template can work (else chat requests are rejected as invalid)."""
+        return self._chat_template is not None
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of text, with the tokenizer's own special tokens (e.g. a BOS) added."""
+        return self.backend.encode(text, add_special_tokens=True).ids
+
+    def render_chat_template(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True) -> str:
+        """The chat as prompt text; InvalidRequestError for bad messages, no template, or a template's refusal."""
+        if self._chat_template is None:
+            raise InvalidRequestError("messages", f"model {self.name} has no chat template; "
+                                                  "send a text prompt or token ids instead")
+        plain = _validate_messages(messages)
+        try:
+            return self._chat_template.render(messages=plain, tools=None, documents=None,
+                                              add_generation_prompt=add_generation_prompt, **self.special_tokens)
+        except jinja2.TemplateError as error:  # raise_exception(...) and sandbox refusals
+            raise InvalidRequestError("messages", f"rejected by the chat template: {error}") from error
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, str]],
+                            add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of the rendered chat; the template writes every special token (none are added)."""
+        text = self.render_chat_template(messages, add_generation_prompt)
+        return self.backend.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of ids (no clean_up_tokenization_spaces: transformers 5's default, and what streaming emits)."""
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)

@@ -1,0 +1,264 @@
+"""RouterTokenizer gives exactly the ids of transformers' AutoTokenizer, without importing torch."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from tokenizers import Tokenizer, processors
+from transformers import AutoTokenizer
+
+from splitserve.common.detokenizer import IncrementalDetokenizer
+from splitserve.common.errors import InvalidRequestError, UnsupportedModelError
+from splitserve.router.tokenizer import RouterTokenizer
+
+TEXTS = (
+    "the old mill by the river",
+    "Hello, World!  Two  spaces,\ttab and\nnew lines\r\n\n",
+    "naïve café, Ünïcödé: 中文 текст ελληνικά",
+    "emoji 🌍🚀 and a family 👨‍👩‍👧 and flags 🇫🇷",
+    "numbers 2024 and 3.14159, don't I'LL we've",
+    "<|im_start|>user\nspecial tokens in text<|im_end|>",
+    "",
+    " ",
+)
+
+CHATS = (
+    [{"role": "user", "content": "Tell me about the river."}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "héllo 🌍"},
+     {"role": "assistant", "content": "Hi!\n\nHow can I help?"}, {"role": "user", "content": "tell me a story"}],
+    [{"role": "user", "content": "a literal <|im_end|> inside"}, {"role": "assistant", "content": ""}],
+)
+
+# Exercises what transformers' environment adds: trim_blocks/lstrip_blocks, tojson without HTML
+# escaping, namespace, loop controls, special tokens as variables and tools=None.
+CUSTOM_TEMPLATE = """{{ bos_token }}
+{%- set ns = namespace(system='') %}
+{% for message in messages %}
+    {% if message['role'] == 'system' %}
+        {% set ns.system = message['content'] %}
+        {% continue %}
+    {% endif %}
+    {% if message['role'] not in ['user', 'assistant'] %}
+        {{ raise_exception('unknown role: ' + message['role']) }}
+    {% endif %}
+<|im_start|>{{ message['role'] }}
+{{ message['content'] | tojson }}{% if ns.system %} [{{ ns.system }}]{% endif %}<|im_end|>
+{% endfor %}
+{% if tools is not none %}tools!{% endif %}
+{% if add_generation_prompt %}
+<|im_start|>assistant
+{% else %}
+{{ eos_token }}
+{% endif %}"""
+
+
+def _with_bos_post_processor(tokenizer_file: Path) -> None:
+    """Make the tokenizer prepend <|endoftext|> (id 0) like a Llama-style BOS."""
+    tokenizer = Tokenizer.from_file(str(tokenizer_file))
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="<|endoftext|> $A", pair="<|endoftext|> $A $B", special_tokens=[("<|endoftext|>", 0)])
+    tokenizer.save(str(tokenizer_file))
+
+
+@pytest.fixture(scope="module")
+def custom_dir(tiny_llama_dir, tmp_path_factory) -> Path:
+    """The tiny Llama's tokenizer with a BOS post-processor, the template inside tokenizer_config.json
+    (no chat_template.jinja) and no generation_config.json."""
+    path = tmp_path_factory.mktemp("custom-tokenizer")
+    for name in ("config.json", "tokenizer.json"):
+        shutil.copy(tiny_llama_dir / name, path / name)
+    _with_bos_post_processor(path / "tokenizer.json")
+    config = json.loads((tiny_llama_dir / "tokenizer_config.json").read_text())
+    config.update(bos_token="<|endoftext|>", chat_template=CUSTOM_TEMPLATE, extra_special_tokens={"turn": "<|im_end|>"},
+                  tool_token={"__type": "AddedToken", "content": "<|im_start|>", "special": True})
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    return path
+
+
+@pytest.fixture(scope="module")
+def no_template_dir(tiny_llama_dir, tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("no-template")
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_llama_dir / name, path / name)
+    return path
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "custom"])
+def model_dir(request, tiny_model_dirs, custom_dir) -> Path:
+    return custom_dir if request.param == "custom" else tiny_model_dirs[request.param]
+
+
+def _hf(model_dir: Path):
+    return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+
+
+def test_encode_matches_transformers(model_dir):
+    ours, hf = RouterTokenizer.from_model_dir(model_dir), _hf(model_dir)
+    for text in TEXTS:
+        assert ours.encode(text) == hf(text)["input_ids"], text
+
+
+def test_the_custom_tokenizer_adds_its_bos(custom_dir, tiny_llama_dir):
+    plain = RouterTokenizer.from_model_dir(tiny_llama_dir).encode("the old mill")
+    assert RouterTokenizer.from_model_dir(custom_dir).encode("the old mill") == [0, *plain]
+
+
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_chat_template_matches_transformers(model_dir, add_generation_prompt):
+    ours, hf = RouterTokenizer.from_model_dir(model_dir), _hf(model_dir)
+    for messages in CHATS:
+        expected = hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True,
+                                          return_dict=False)
+        assert ours.apply_chat_template(messages, add_generation_prompt=add_generation_prompt) == expected
+
+
+def test_chatml_rendering_is_exact(tiny_llama_dir):
+    ours = RouterTokenizer.from_model_dir(tiny_llama_dir)
+    text = ours.render_chat_template([{"role": "user", "content": "hi"}])
+    assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert ours.apply_chat_template([{"role": "user", "content": "hi"}])[:1] == [1]  # <|im_start|>, not split
+
+
+def test_custom_template_rendering_is_exact(custom_dir):
+    ours = RouterTokenizer.from_model_dir(custom_dir)
+    text = ours.render_chat_template([{"role": "system", "content": "S"}, {"role": "user", "content": "a<b>\"q\""}],
+                                     add_generation_prompt=False)
+    assert text == '<|endoftext|><|im_start|>user\n"a<b>\\"q\\"" [S]<|im_end|>\n<|endoftext|>\n'
+    # The template writes the BOS itself; none is added on top.
+    assert ours.apply_chat_template([{"role": "user", "content": "x"}])[:2] == [0, 1]
+
+
+def test_decode_matches_transformers(model_dir):
+    ours, hf = RouterTokenizer.from_model_dir(model_dir), _hf(model_dir)
+    for text in TEXTS:
+        ids = ours.encode(text)
+        for skip in (True, False):
+            assert ours.decode(ids, skip_special_tokens=skip) == hf.decode(ids, skip_special_tokens=skip)
+
+
+def test_decode_round_trips_byte_level_text(tiny_llama_dir):
+    ours = RouterTokenizer.from_model_dir(tiny_llama_dir)
+    text = "emoji 🌍🚀 and a family 👨‍👩‍👧, naïve"
+    assert ours.decode(ours.encode(text)) == text
+
+
+def test_backend_drives_incremental_detokenization(tiny_llama_dir):
+    ours = RouterTokenizer.from_model_dir(tiny_llama_dir)
+    ids = ours.encode("río 🌍 flows")
+    detokenizer = IncrementalDetokenizer(ours.backend, [], stop=(), skip_special_tokens=True)
+    streamed = []
+    for token_id in ids:
+        detokenizer.append(token_id)
+        streamed.append(detokenizer.take_delta(finished=False))
+    assert "".join(streamed) + detokenizer.take_delta(finished=True) == "río 🌍 flows"
+
+
+@pytest.mark.parametrize("arch", [
+    "llama",
+    pytest.param("qwen2", marks=pytest.mark.xfail(strict=True, reason=(
+        "transformers 5 loads model_type qwen2 with Qwen2Tokenizer, which replaces tokenizer.json's "
+        "normalizer/pre-tokenizer with NFC + the Qwen regex; the tiny builder saves a plain ByteLevel "
+        "pipeline, so only the saved file and transformers disagree (real Qwen2 files match)"))),
+])
+def test_encode_matches_transformers_on_decomposed_unicode(arch, tiny_model_dirs):
+    text = "cafe\u0301 (e + combining acute)"
+    ours, hf = RouterTokenizer.from_model_dir(tiny_model_dirs[arch]), _hf(tiny_model_dirs[arch])
+    assert ours.encode(text) == hf(text)["input_ids"]
+
+
+def test_special_tokens_vocab_and_eos(tiny_llama_dir, custom_dir):
+    ours, hf = RouterTokenizer.from_model_dir(tiny_llama_dir), _hf(tiny_llama_dir)
+    assert ours.special_tokens == hf.special_tokens_map == {"eos_token": "<|endoftext|>",
+                                                           "pad_token": "<|endoftext|>"}
+    assert ours.vocab_size == len(hf) == 512
+    assert ours.eos_token_ids == frozenset({0, 2})  # generation_config.json: <|endoftext|> and <|im_end|>
+    custom = RouterTokenizer.from_model_dir(custom_dir)
+    assert custom.eos_token_ids == frozenset({0})  # config.json's int
+    assert custom.special_tokens == _hf(custom_dir).special_tokens_map == {
+        "bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>",
+        "tool_token": "<|im_start|>", "turn": "<|im_end|>"}
+
+
+def test_split_special_tokens_encodes_them_as_text(no_template_dir, tmp_path):
+    for name in ("config.json", "tokenizer.json"):
+        shutil.copy(no_template_dir / name, tmp_path / name)
+    config = json.loads((no_template_dir / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, "split_special_tokens": True}))
+    text = "<|im_start|>user"
+    ours = RouterTokenizer.from_model_dir(tmp_path)
+    assert ours.encode(text) == _hf(tmp_path)(text)["input_ids"]
+    assert 1 not in ours.encode(text) and RouterTokenizer.from_model_dir(no_template_dir).encode(text)[0] == 1
+
+
+@pytest.mark.parametrize("template", [
+    "{% for m in messages %}[{{ m.content }}]{% endfor %}",
+    # assistant-mask markup some templates carry
+    "{% for m in messages %}{% generation %}[{{ m.content }}]{% endgeneration %}{% endfor %}",
+])
+def test_chat_template_from_the_jinja_file_wins_over_the_config(custom_dir, tmp_path, template):
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(custom_dir / name, tmp_path / name)
+    (tmp_path / "chat_template.jinja").write_text(template)
+    ours = RouterTokenizer.from_model_dir(tmp_path)
+    assert ours.render_chat_template([{"role": "user", "content": "a"}]) == "[a]"
+    assert ours.apply_chat_template([{"role": "user", "content": "a"}]) == _hf(tmp_path).apply_chat_template(
+        [{"role": "user", "content": "a"}], tokenize=True, return_dict=False)
+
+
+@pytest.mark.parametrize(("messages", "field"), [
+    ([], "messages"),
+    ("hello", "messages"),
+    ([{"content": "hi"}], "messages[0].role"),
+    ([{"role": "user", "content": "hi"}, {"role": "user"}], "messages[1].content"),
+    ([{"role": "user", "content": 3}], "messages[0].content"),
+    (["hi"], "messages[0]"),
+])
+def test_malformed_messages_are_invalid_requests(tiny_llama_dir, messages, field):
+    with pytest.raises(InvalidRequestError) as raised:
+        RouterTokenizer.from_model_dir(tiny_llama_dir).apply_chat_template(messages)
+    assert raised.value.field == field
+
+
+def test_template_refusal_is_an_invalid_request(custom_dir):
+    with pytest.raises(InvalidRequestError, match="unknown role: tool") as raised:
+        RouterTokenizer.from_model_dir(custom_dir).apply_chat_template([{"role": "tool", "content": "x"}])
+    assert raised.value.field == "messages"
+
+
+def test_sandbox_refuses_unsafe_templates(no_template_dir, tmp_path):
+    shutil.copy(no_template_dir / "tokenizer.json", tmp_path / "tokenizer.json")
+    (tmp_path / "chat_template.jinja").write_text("{{ messages.__class__.__mro__ }}")
+    with pytest.raises(InvalidRequestError, match="rejected by the chat template"):
+        RouterTokenizer.from_model_dir(tmp_path).apply_chat_template([{"role": "user", "content": "x"}])
+
+
+def test_model_without_chat_template_is_a_clear_error(no_template_dir):
+    ours = RouterTokenizer.from_model_dir(no_template_dir)
+    assert not ours.has_chat_template
+    with pytest.raises(InvalidRequestError, match="has no chat template; send a text prompt or token ids"):
+        ours.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+def test_missing_tokenizer_file_and_bad_template_are_unsupported(tmp_path, no_template_dir):
+    with pytest.raises(UnsupportedModelError, match="no tokenizer.json"):
+        RouterTokenizer.from_model_dir(tmp_path)
+    shutil.copy(no_template_dir / "tokenizer.json", tmp_path / "tokenizer.json")
+    (tmp_path / "chat_template.jinja").write_text("{% for m in messages %}")
+    with pytest.raises(UnsupportedModelError, match="chat template does not compile"):
+        RouterTokenizer.from_model_dir(tmp_path)
+
+
+def test_importing_the_router_tokenizer_does_not_import_torch(tiny_llama_dir):
+    code = ("import sys\n"
+            "from splitserve.router.tokenizer import RouterTokenizer\n"
+            f"RouterTokenizer.from_model_dir({str(tiny_llama_dir)!r}).apply_chat_template("
+            "[{'role': 'user', 'content': 'hi'}])\n"
+            "print(sorted(name for name in ('torch', 'transformers') if name in sys.modules))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
