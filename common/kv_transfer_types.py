@@ -62,3 +62,13 @@ class TransferParams:
     layout: KVLayout
     lease_expires_at: float
     """Wall-clock time (time.time()) after which the producer frees the blocks."""
+
+
+@dataclass(frozen=True)
+class AgentMetadata:
+    """What a worker publishes so peers can read from it (exchanged once per worker pair)."""
+
+    agent_name: str
+    layout: KVLayout
+    backend_metadata: bytes
+    """Opaque to everything but the backend (NIXL agent metadata, or empty in-process)."""

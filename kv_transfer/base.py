@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
 
 import torch
 
-from splitserve.common.kv_transfer_types import KVLayout, TransferParams
+from splitserve.common.kv_transfer_types import AgentMetadata, KVLayout, TransferParams
 
 
 class KVTransferError(RuntimeError):
@@ -25,16 +24,6 @@ class KVLayoutMismatchError(KVTransferError):
     """The handshake found two workers whose KV layouts differ."""
 
 
-@dataclass(frozen=True)
-class AgentMetadata:
-    """What a worker publishes so peers can read from it (exchanged once per worker pair)."""
-
-    agent_name: str
-    layout: KVLayout
-    backend_metadata: bytes
-    """Opaque to everything but the backend (NIXL agent metadata, or empty in-process)."""
-
-
 class PullState(enum.Enum):
     PENDING = "pending"
     DONE = "done"
@@ -42,7 +31,10 @@ class PullState(enum.Enum):
 
 
 class PullHandle:
-    """Backend-specific handle of one in-flight pull; opaque to callers."""
+    """Backend-specific handle of one in-flight pull; opaque to callers except `error`."""
+
+    error: str | None = None
+    """Why the pull failed, set by the backend when poll_pull returns FAILED (None otherwise)."""
 
 
 class TransferBackend(ABC):
@@ -64,11 +56,21 @@ class TransferBackend(ABC):
 
     @abstractmethod
     def remove_peer(self, agent_name: str) -> None:
-        """Forget a peer (it restarted or left); later pulls from it fail."""
+        """Forget a peer (it restarted or left); later pulls from it fail.
+
+        Pulls from it still PENDING are abandoned: they poll FAILED and write no more bytes."""
+
+    @abstractmethod
+    def has_peer(self, agent_name: str) -> bool:
+        """Whether add_peer accepted this agent and it was not removed since."""
 
     @abstractmethod
     def start_pull(self, params: TransferParams, local_block_ids: tuple[int, ...]) -> PullHandle:
-        """Start reading params.block_ids (remote) into local_block_ids (same order, same count)."""
+        """Start reading params.block_ids (remote) into local_block_ids (same order, same count).
+
+        KVTransferError when the pull cannot be set up (unknown or removed peer, a layout other
+        than the handshake's, remote ids outside the producer's pool, a dead producer);
+        ValueError for the caller's bugs (block counts, local ids outside the pool)."""
 
     @abstractmethod
     def poll_pull(self, handle: PullHandle) -> PullState:
@@ -76,12 +78,65 @@ class TransferBackend(ABC):
 
     @abstractmethod
     def release_pull(self, handle: PullHandle) -> None:
-        """Free the handle's resources (after DONE/FAILED, or to abandon a PENDING pull)."""
+        """Free the handle's resources (after DONE/FAILED, or to abandon a PENDING pull).
+
+        Invariant: once this returns, the pull writes no more bytes into the local blocks, so
+        the caller may free and reuse them."""
 
     @abstractmethod
     def take_notifications(self) -> list[str]:
-        """Producer side: request ids whose pulls completed since the last call."""
+        """Producer side: request ids whose pulls completed since the last call.
+
+        Call it regularly while leases are held: NIXL (without a progress thread) receives
+        notifications only inside this call."""
 
     @abstractmethod
     def close(self) -> None:
         """Deregister memory and drop the agent."""
+
+
+def check_kv_pool(layers: list[torch.Tensor], layout: KVLayout) -> int:
+    """Validate a pool against its layout and return num_blocks (ValueError names the problem).
+
+    Every layer must be one contiguous [num_blocks, 2, block_size, kv_heads, head_dim] tensor of
+    the layout's dtype, all on one device, so block b of layer l is one contiguous byte range.
+    """
+    if len(layers) != layout.num_layers:
+        raise ValueError(f"KV pool has {len(layers)} layers, layout says {layout.num_layers}")
+    num_blocks = layers[0].shape[0]
+    expected = (num_blocks, 2, layout.block_size, layout.num_kv_heads, layout.head_dim)
+    for index, layer in enumerate(layers):
+        if tuple(layer.shape) != expected:
+            raise ValueError(f"KV layer {index} has shape {tuple(layer.shape)}, expected {expected}")
+        if str(layer.dtype) != f"torch.{layout.dtype}":
+            raise ValueError(f"KV layer {index} has dtype {layer.dtype}, layout says {layout.dtype}")
+        if not layer.is_contiguous():
+            raise ValueError(f"KV layer {index} is not contiguous")
+        if layer.device != layers[0].device:
+            raise ValueError(f"KV layer {index} is on {layer.device}, layer 0 on {layers[0].device}")
+    return num_blocks
+
+
+def check_layouts_match(ours: KVLayout, theirs: KVLayout, peer_name: str) -> None:
+    """Handshake check: KVLayoutMismatchError listing every differing field (ours != theirs)."""
+    differences = ours.mismatches(theirs)
+    if differences:
+        raise KVLayoutMismatchError(f"refusing to pull from {peer_name!r}: KV layouts differ "
+                                    f"(ours != theirs): {'; '.join(differences)}")
+
+
+def check_pull_blocks(params: TransferParams, local_block_ids: tuple[int, ...], num_local_blocks: int,
+                      num_remote_blocks: int) -> None:
+    """A pull's block ids: same non-zero count on both sides, each in [0, num_*_blocks).
+
+    Local problems are the caller's bug (ValueError); a remote id out of range means the
+    producer's pool is not what its handshake said (KVTransferError).
+    """
+    if not params.block_ids or len(local_block_ids) != len(params.block_ids):
+        raise ValueError(f"{params.request_id}: {len(local_block_ids)} local blocks for "
+                         f"{len(params.block_ids)} remote blocks (need the same non-zero count)")
+    if not all(0 <= block < num_local_blocks for block in local_block_ids):
+        raise ValueError(f"{params.request_id}: local block ids {local_block_ids} outside [0, {num_local_blocks})")
+    if not all(0 <= block < num_remote_blocks for block in params.block_ids):
+        raise KVTransferError(f"{params.request_id}: remote block ids {params.block_ids} outside the "
+                              f"producer's pool [0, {num_remote_blocks})")

@@ -1,0 +1,213 @@
+"""NIXL pull bandwidth for a realistic KV layout vs a single-process memcpy of the same bytes.
+
+Two processes, as in a deployment (prefill and decode are different Ray actors): a producer
+process registers its KV pool with a NixlBackend and drains notifications; this process is
+the consumer and pulls N scattered blocks (every layer of each) with one READ per pull through
+NixlBackend.start_pull/poll_pull, for N in 16..1024. The baseline, timed in alternating rounds
+in this process on a local copy of the same pool, gathers the same blocks with
+torch.index_select into a preallocated buffer (one read + one write per byte, like the READ)
+on one thread (NIXL's copy also runs on one thread).
+
+Layout: Llama-8B-like KV per layer (8 KV heads x 128 head dim, fp32, 16-token blocks) on 8
+layers: 128 KiB per block per layer, 1 MiB per block. Bandwidth = bytes pulled per second.
+The first pull of every N is checked byte for byte against the local copy.
+
+Writes bench/results/nixl_bandwidth.json and .png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import platform
+import random
+import statistics
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from importlib.metadata import version
+from pathlib import Path
+
+import torch
+
+from splitserve.common.kv_transfer_types import KVLayout, TransferParams
+from splitserve.kv_transfer.base import PullState
+from splitserve.kv_transfer.nixl_backend import NixlBackend, NixlConfig
+
+LAYOUT = KVLayout(model_id="bench-llama-like", dtype="float32", block_size=16, num_layers=8, num_kv_heads=8,
+                  head_dim=128, hash_seed=0)
+POOL_BLOCKS = 1536
+"""Blocks per pool (1.5 GiB): pulls of up to 1024 blocks are still scattered."""
+BLOCK_COUNTS = (16, 32, 64, 128, 256, 512, 1024)
+RESULTS = Path(__file__).parent / "results"
+
+
+@dataclass(frozen=True)
+class Row:
+    num_blocks: int
+    num_bytes: int
+    nixl_s: float
+    """Median seconds from start_pull to DONE."""
+    memcpy_s: float
+    """Median seconds of the index_select gather of the same blocks."""
+    repeats: int
+
+    @property
+    def nixl_gb_per_s(self) -> float:
+        return self.num_bytes / self.nixl_s / 1e9
+
+    @property
+    def memcpy_gb_per_s(self) -> float:
+        return self.num_bytes / self.memcpy_s / 1e9
+
+
+def make_pool(num_blocks: int) -> list[torch.Tensor]:
+    """layers[l]: [num_blocks, 2, 16, 8, 128] fp32, deterministic and different in every block and layer."""
+    shape = (num_blocks, 2, LAYOUT.block_size, LAYOUT.num_kv_heads, LAYOUT.head_dim)
+    numel = num_blocks * 2 * LAYOUT.block_size * LAYOUT.num_kv_heads * LAYOUT.head_dim
+    return [torch.arange(numel, dtype=torch.float32).add_(layer * 0.5).reshape(shape)
+            for layer in range(LAYOUT.num_layers)]
+
+
+def serve_producer(conn, config: NixlConfig) -> None:
+    """Producer process: register the pool, publish metadata, drain notifications until 'stop'."""
+    backend = NixlBackend(f"bench-prefill-{uuid.uuid4().hex[:8]}", config)
+    backend.register_kv_pool(make_pool(POOL_BLOCKS), LAYOUT)
+    conn.send(backend.metadata())
+    notified = 0
+    while not conn.poll(0.001):
+        notified += len(backend.take_notifications())
+    conn.recv()
+    conn.send(notified + len(backend.take_notifications()))
+    backend.close()
+
+
+def timed_pull(backend: NixlBackend, params: TransferParams, local_ids: tuple[int, ...]) -> float:
+    start = time.perf_counter()
+    handle = backend.start_pull(params, local_ids)
+    while (state := backend.poll_pull(handle)) is PullState.PENDING:
+        pass
+    elapsed = time.perf_counter() - start
+    backend.release_pull(handle)
+    if state is not PullState.DONE:
+        raise RuntimeError(f"pull {params.request_id} failed: {handle.error}")
+    return elapsed
+
+
+def timed_memcpy(source: list[torch.Tensor], block_ids: tuple[int, ...], out: list[torch.Tensor]) -> float:
+    index = torch.tensor(block_ids, dtype=torch.long)
+    start = time.perf_counter()
+    for layer, buffer in zip(source, out):
+        torch.index_select(layer, 0, index, out=buffer[:len(block_ids)])  # buffer: [N, 2, 16, 8, 128]
+    return time.perf_counter() - start
+
+
+def measure(backend: NixlBackend, producer: str, local: list[torch.Tensor], source: list[torch.Tensor],
+            out: list[torch.Tensor], num_blocks: int, min_repeats: int, min_seconds: float,
+            rng: random.Random) -> Row:
+    """Alternate NIXL pulls and memcpy gathers of fresh scattered block sets; medians of each."""
+    nixl, memcpy = [], []
+    while len(nixl) < min_repeats or sum(nixl) + sum(memcpy) < min_seconds:
+        remote_ids = tuple(rng.sample(range(POOL_BLOCKS), num_blocks))
+        local_ids = tuple(rng.sample(range(POOL_BLOCKS), num_blocks))
+        params = TransferParams(f"pull-{num_blocks}-{len(nixl)}", producer, remote_ids, num_blocks * 16, LAYOUT,
+                                time.time() + 60)
+        seconds = timed_pull(backend, params, local_ids)
+        if nixl:  # the first pull of each size is the warm-up and the byte-exact check
+            nixl.append(seconds)
+        else:
+            check_pulled(local, local_ids, source, remote_ids)
+            nixl.append(timed_pull(backend, params, local_ids))
+        memcpy.append(timed_memcpy(source, remote_ids, out))
+    num_bytes = num_blocks * LAYOUT.num_layers * LAYOUT.bytes_per_block_per_layer
+    return Row(num_blocks, num_bytes, statistics.median(nixl), statistics.median(memcpy), len(nixl))
+
+
+def check_pulled(local: list[torch.Tensor], local_ids: tuple[int, ...], source: list[torch.Tensor],
+                 remote_ids: tuple[int, ...]) -> None:
+    for layer, (dst, src) in enumerate(zip(local, source)):
+        if not torch.equal(dst[list(local_ids)], src[list(remote_ids)]):
+            raise AssertionError(f"layer {layer}: pulled bytes differ from the source blocks")
+
+
+def plot(rows: list[Row], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    counts = [row.num_blocks for row in rows]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    left.plot(counts, [row.nixl_gb_per_s for row in rows], "o-", label="NIXL READ (2 processes)")
+    left.plot(counts, [row.memcpy_gb_per_s for row in rows], "s--", color="tab:gray",
+              label="memcpy (index_select, 1 thread)")
+    left.set(xscale="log", xlabel="blocks per pull (1 MiB each)", ylabel="GB/s", title="KV pull bandwidth")
+    left.set_xticks(counts, [str(c) for c in counts])
+    left.set_ylim(bottom=0)
+    left.legend(loc="lower right")
+    right.plot(counts, [row.nixl_gb_per_s / row.memcpy_gb_per_s for row in rows], "o-")
+    right.axhline(1.0, color="tab:gray", linewidth=0.8)
+    right.set(xscale="log", xlabel="blocks per pull", ylabel="NIXL / memcpy", title="ratio (1.0 = memcpy speed)")
+    right.set_xticks(counts, [str(c) for c in counts])
+    right.set_ylim(bottom=0)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ucx-error-handling-mode", default="none", choices=("none", "peer"))
+    parser.add_argument("--min-repeats", type=int, default=7)
+    parser.add_argument("--min-seconds", type=float, default=0.5, help="per block count, NIXL + memcpy")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    config = NixlConfig(ucx_error_handling_mode=args.ucx_error_handling_mode)
+    context = multiprocessing.get_context("spawn")
+    parent, child = context.Pipe()
+    process = context.Process(target=serve_producer, args=(child, config), daemon=True)
+    process.start()
+    backend = NixlBackend(f"bench-decode-{uuid.uuid4().hex[:8]}", config)
+    try:
+        local = [layer.zero_() for layer in make_pool(POOL_BLOCKS)]
+        backend.register_kv_pool(local, LAYOUT)
+        metadata = parent.recv()
+        backend.add_peer(metadata)
+        source = make_pool(POOL_BLOCKS)
+        out = [torch.empty_like(layer[:max(BLOCK_COUNTS)]).zero_() for layer in source]
+        rng = random.Random(args.seed)
+        rows = [measure(backend, metadata.agent_name, local, source, out, n, args.min_repeats, args.min_seconds, rng)
+                for n in BLOCK_COUNTS]
+        parent.send("stop")
+        notified = parent.recv()
+    finally:
+        backend.close()
+        process.join(30)
+    write_report(rows, notified, config, args)
+
+
+def write_report(rows: list[Row], notified: int, config: NixlConfig, args: argparse.Namespace) -> None:
+    expected = sum(row.repeats + 1 for row in rows)
+    report = {
+        "layout": asdict(LAYOUT), "bytes_per_block": LAYOUT.num_layers * LAYOUT.bytes_per_block_per_layer,
+        "pool_blocks": POOL_BLOCKS, "nixl": asdict(config), "seed": args.seed,
+        "machine": {"platform": platform.platform(), "nixl_cu12": version("nixl-cu12"), "torch": torch.__version__,
+                    "memcpy_threads": torch.get_num_threads()},
+        "notifications": {"pulls": expected, "received_by_producer": notified},
+        "rows": [dict(asdict(row), nixl_gb_per_s=row.nixl_gb_per_s, memcpy_gb_per_s=row.memcpy_gb_per_s,
+                      ratio=row.nixl_gb_per_s / row.memcpy_gb_per_s) for row in rows],
+    }
+    RESULTS.mkdir(exist_ok=True)
+    suffix = "" if config.ucx_error_handling_mode == "none" else f"_{config.ucx_error_handling_mode}"
+    (RESULTS / f"nixl_bandwidth{suffix}.json").write_text(json.dumps(report, indent=2) + "\n")
+    plot(rows, RESULTS / f"nixl_bandwidth{suffix}.png")
+    print(f"{'blocks':>6} {'MiB':>6} {'NIXL ms':>8} {'GB/s':>6} {'memcpy ms':>9} {'GB/s':>6} {'ratio':>6}")
+    for row in rows:
+        print(f"{row.num_blocks:6d} {row.num_bytes / 2**20:6.0f} {1e3 * row.nixl_s:8.2f} {row.nixl_gb_per_s:6.2f} "
+              f"{1e3 * row.memcpy_s:9.2f} {row.memcpy_gb_per_s:6.2f} {row.nixl_gb_per_s / row.memcpy_gb_per_s:6.2f}")
+    print(f"producer notifications: {notified} of {expected} pulls")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,360 @@
+"""NIXL transfer backend over UCX: the only module that imports nixl.
+
+Descriptors: every (layer, block) pair of a pool is one NIXL descriptor, numbered
+l * num_blocks + b (layer-major), so a pull's local and remote index lists line up element by
+element. The local descriptor list is prepared once at registration, a peer's once at its
+handshake; a pull is then one make_prepped_xfer("READ", ...) + transfer() whose notification
+(the request id) reaches the producer when the READ completes.
+
+What a peer needs besides NIXL's own agent metadata (the base address of each layer tensor,
+the pool's block count, memory type and device) travels inside AgentMetadata.backend_metadata
+as a small binary header in front of NIXL's bytes.
+
+Measured on our CPU machines (NIXL 1.5.1 with its bundled UCX 1.23), which set NixlConfig's
+defaults:
+- With ucx_error_handling_mode='none', UCX reads a peer's DRAM one-sidedly (shared memory /
+  CMA): the copy runs in the caller's thread inside transfer(), so start_pull usually returns
+  with the pull already DONE, and the producer's threads take no part.
+- With 'peer' (UCX's default), the shared-memory transports are disqualified and RMA is
+  emulated with active messages over TCP loopback (CMA for large payloads): bandwidth between
+  processes is similar for 128 KiB descriptors, but every READ waits for the *producer* to make
+  progress (a producer that does not poll for 3 s stalls the pull for 3 s), and two agents in
+  one process driven by one thread never complete. `UCX_TLS=shm` alone fails in this mode.
+- NIXL's progress thread busy-polls one core per agent, even when idle.
+- A READ from a producer that died raises NIXL_ERR_REMOTE_DISCONNECT in transfer() (both modes).
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # read once, when nixl is imported
+
+try:  # the `nixl` meta package (GPU machines) picks a CUDA variant; we install nixl-cu12 alone
+    from nixl._api import nixl_agent, nixl_agent_config, nixl_prepped_dlist_handle, nixl_xfer_handle  # noqa: E402
+except ImportError:
+    from nixl_cu12._api import nixl_agent, nixl_agent_config, nixl_prepped_dlist_handle, nixl_xfer_handle  # noqa: E402
+
+from splitserve.common.kv_transfer_types import AgentMetadata, KVLayout, TransferParams  # noqa: E402
+from splitserve.kv_transfer.base import (KVTransferError, PullHandle, PullState, TransferBackend,  # noqa: E402
+                                         check_kv_pool, check_layouts_match, check_pull_blocks)
+
+_LOCAL = "NIXL_INIT_AGENT"
+"""prep_xfer_dlist's name for the initiator's own descriptors."""
+_XFER_STATES = {"DONE": PullState.DONE, "PROC": PullState.PENDING, "ERR": PullState.FAILED}
+_SETTLE_TIMEOUT_S = 10.0
+"""How long release waits for an in-flight READ that NIXL refuses to cancel."""
+
+
+@dataclass(frozen=True)
+class NixlConfig:
+    """How a worker's NIXL agent talks UCX (see the module docstring for the measurements)."""
+
+    ucx_error_handling_mode: str = "none"
+    """'none': one-sided shared-memory/CMA reads on one host. 'peer': UCX watches peers at the
+    transport level, but on CPU each READ then needs the producer's progress (see above)."""
+    progress_thread: bool = False
+    """NIXL's progress thread spins a core; without it transfers and notifications progress
+    inside our own calls (transfer, poll_pull, take_notifications), which the engine loops make."""
+
+    def __post_init__(self) -> None:
+        if self.ucx_error_handling_mode not in ("none", "peer"):
+            raise ValueError(f"ucx_error_handling_mode must be 'none' or 'peer', got {self.ucx_error_handling_mode!r}")
+
+
+_HEADER = struct.Struct("<4sH4sIQI")
+"""magic, format version, memory type, device id, num_blocks, num_layers; then the layer
+addresses (num_layers x u64), then NIXL's agent metadata."""
+_MAGIC, _VERSION = b"SSKV", 1
+
+
+@dataclass(frozen=True)
+class _PoolInfo:
+    """Where one agent's KV pool lives: block b of layer l is bytes
+    [layer_addrs[l] + b * block_bytes, + block_bytes) of `mem_type` memory on `device_id`."""
+
+    mem_type: str
+    """'DRAM' or 'VRAM' (NIXL's names)."""
+    device_id: int
+    num_blocks: int
+    layer_addrs: tuple[int, ...]
+
+    @classmethod
+    def of(cls, layers: list[torch.Tensor]) -> _PoolInfo:
+        device = layers[0].device
+        mem_type = "VRAM" if device.type == "cuda" else "DRAM"
+        return cls(mem_type, device.index or 0, layers[0].shape[0], tuple(layer.data_ptr() for layer in layers))
+
+    def pack(self, agent_metadata: bytes) -> bytes:
+        header = _HEADER.pack(_MAGIC, _VERSION, self.mem_type.encode(), self.device_id, self.num_blocks,
+                              len(self.layer_addrs))
+        return header + struct.pack(f"<{len(self.layer_addrs)}Q", *self.layer_addrs) + agent_metadata
+
+    @classmethod
+    def unpack(cls, blob: bytes) -> tuple[_PoolInfo, bytes]:
+        """(pool info, NIXL agent metadata); KVTransferError if the blob is not ours."""
+        if len(blob) < _HEADER.size:
+            raise KVTransferError("peer metadata is too short to be NIXL backend metadata")
+        magic, version, mem_type, device_id, num_blocks, num_layers = _HEADER.unpack_from(blob)
+        if (magic, version) != (_MAGIC, _VERSION):
+            raise KVTransferError(f"peer metadata has format {magic!r} v{version}, expected {_MAGIC!r} v{_VERSION}")
+        addrs_end = _HEADER.size + 8 * num_layers
+        layer_addrs = struct.unpack_from(f"<{num_layers}Q", blob, _HEADER.size)
+        return cls(mem_type.decode(), device_id, num_blocks, layer_addrs), blob[addrs_end:]
+
+    def descriptors(self, block_bytes: int) -> np.ndarray:
+        """[num_layers * num_blocks, 3] uint64 rows (address, length, device); row l * num_blocks + b
+        is block b of layer l."""
+        layer_addrs = np.asarray(self.layer_addrs, dtype=np.uint64)[:, None]  # [num_layers, 1]
+        offsets = np.arange(self.num_blocks, dtype=np.uint64)[None, :] * np.uint64(block_bytes)  # [1, num_blocks]
+        descs = np.empty((len(self.layer_addrs) * self.num_blocks, 3), dtype=np.uint64)
+        descs[:, 0] = (layer_addrs + offsets).ravel()
+        descs[:, 1] = block_bytes
+        descs[:, 2] = self.device_id
+        return descs
+
+
+def _descriptor_indices(block_ids: tuple[int, ...], num_layers: int, num_blocks: int) -> np.ndarray:
+    """[num_layers * len(block_ids)] int64: element l * len(block_ids) + i is descriptor
+    l * num_blocks + block_ids[i] (layer-major, so local and remote lists pair up)."""
+    layers = np.arange(num_layers, dtype=np.int64)[:, None] * num_blocks  # [num_layers, 1]
+    return (layers + np.asarray(block_ids, dtype=np.int64)[None, :]).ravel()
+
+
+@contextmanager
+def _nixl_errors(action: str) -> Iterator[None]:
+    """Re-raise NIXL's exceptions (each its own Exception subclass) as KVTransferError."""
+    try:
+        yield
+    except KVTransferError:
+        raise
+    except Exception as error:  # noqa: BLE001 - nixl's error types share no base below Exception
+        raise KVTransferError(f"{action}: {type(error).__name__}: {error}") from error
+
+
+@dataclass
+class _LocalPool:
+    layers: list[torch.Tensor]
+    """Kept alive while registered: layers[l] is [num_blocks, 2, block_size, kv_heads, head_dim]."""
+    layout: KVLayout
+    info: _PoolInfo
+    registration: object
+    """NIXL's registration descriptor list (for deregister_memory)."""
+    dlist: nixl_prepped_dlist_handle
+
+
+class _NixlPull(PullHandle):
+    def __init__(self, peer: str, xfer: nixl_xfer_handle, state: PullState) -> None:
+        self.peer = peer
+        self.xfer: nixl_xfer_handle | None = xfer
+        """None once released."""
+        self.state = state
+
+    def fail(self, error: str) -> None:
+        self.state = PullState.FAILED
+        self.error = error
+
+
+@dataclass
+class _Peer:
+    name: str
+    num_blocks: int
+    dlist: nixl_prepped_dlist_handle
+    pending: set[_NixlPull] = field(default_factory=set)
+    """Pulls from this peer that are PENDING and not released."""
+
+
+class NixlBackend(TransferBackend):
+    """One NIXL agent with the UCX backend, driven by one thread (sync mode NONE)."""
+
+    def __init__(self, agent_name: str, config: NixlConfig = NixlConfig()) -> None:
+        self.agent_name = agent_name
+        with _nixl_errors(f"creating NIXL agent {agent_name!r}"):
+            self._agent = nixl_agent(agent_name, nixl_agent_config(enable_prog_thread=config.progress_thread,
+                                                                   backends=[]))
+            self._agent.create_backend("UCX", {"ucx_error_handling_mode": config.ucx_error_handling_mode})
+        self._pool: _LocalPool | None = None
+        self._peers: dict[str, _Peer] = {}
+        self._closed = False
+
+    def register_kv_pool(self, layers: list[torch.Tensor], layout: KVLayout) -> None:
+        check_kv_pool(layers, layout)
+        agent = self._open()
+        if self._pool is not None:
+            raise KVTransferError(f"agent {self.agent_name!r} already registered a KV pool")
+        info = _PoolInfo.of(layers)
+        with _nixl_errors("registering the KV pool"):
+            registration = agent.register_memory(list(layers))
+            dlist = agent.prep_xfer_dlist(_LOCAL, info.descriptors(layout.bytes_per_block_per_layer), info.mem_type)
+        self._pool = _LocalPool(list(layers), layout, info, registration, dlist)
+
+    def metadata(self) -> AgentMetadata:
+        pool = self._registered()
+        with _nixl_errors("reading agent metadata"):
+            return AgentMetadata(self.agent_name, pool.layout, pool.info.pack(self._agent.get_agent_metadata()))
+
+    def add_peer(self, peer: AgentMetadata) -> None:
+        """Checks the layout first; a known peer is kept as is (agent names are unique per start)."""
+        pool = self._registered()
+        check_layouts_match(pool.layout, peer.layout, peer.agent_name)
+        if peer.agent_name in self._peers:
+            return
+        info, agent_metadata = _PoolInfo.unpack(peer.backend_metadata)
+        if len(info.layer_addrs) != pool.layout.num_layers:
+            raise KVTransferError(f"peer {peer.agent_name!r} registered {len(info.layer_addrs)} layers, "
+                                  f"its layout says {pool.layout.num_layers}")
+        self._load_remote_agent(peer.agent_name, agent_metadata)
+        try:
+            with _nixl_errors(f"preparing {peer.agent_name!r}'s descriptors"):
+                dlist = self._agent.prep_xfer_dlist(
+                    peer.agent_name, info.descriptors(pool.layout.bytes_per_block_per_layer), info.mem_type)
+        except KVTransferError:
+            self._agent.remove_remote_agent(peer.agent_name)
+            raise
+        self._peers[peer.agent_name] = _Peer(peer.agent_name, info.num_blocks, dlist)
+
+    def remove_peer(self, agent_name: str) -> None:
+        """Abandons the peer's pending pulls (FAILED), then drops its descriptors and connection."""
+        peer = self._peers.pop(agent_name, None)
+        if peer is None:
+            return
+        for pull in list(peer.pending):
+            self._release_xfer(pull)
+            pull.fail(f"peer {agent_name!r} was removed while the pull was in flight")
+        with _nixl_errors(f"removing peer {agent_name!r}"):
+            peer.dlist.release()
+            self._agent.remove_remote_agent(agent_name)
+
+    def has_peer(self, agent_name: str) -> bool:
+        return agent_name in self._peers
+
+    def start_pull(self, params: TransferParams, local_block_ids: tuple[int, ...]) -> PullHandle:
+        """One READ of every layer of every block; the request id is the completion notification."""
+        pool = self._registered()
+        peer = self._peers.get(params.producer_id)
+        if peer is None:
+            raise KVTransferError(f"unknown peer {params.producer_id!r}: no handshake, or it was removed")
+        check_layouts_match(pool.layout, params.layout, params.producer_id)
+        check_pull_blocks(params, tuple(local_block_ids), pool.info.num_blocks, peer.num_blocks)
+        num_layers = pool.layout.num_layers
+        local = _descriptor_indices(tuple(local_block_ids), num_layers, pool.info.num_blocks)
+        remote = _descriptor_indices(params.block_ids, num_layers, peer.num_blocks)
+        with _nixl_errors(f"{params.request_id}: preparing the READ from {peer.name!r}"):
+            xfer = self._agent.make_prepped_xfer("READ", pool.dlist, local, peer.dlist, remote,
+                                                 notif_msg=params.request_id.encode())
+        try:
+            with _nixl_errors(f"{params.request_id}: posting the READ from {peer.name!r}"):
+                status = self._agent.transfer(xfer)
+        except KVTransferError:
+            xfer.release()
+            raise
+        return self._track(peer, _NixlPull(peer.name, xfer, _XFER_STATES[status]))
+
+    def poll_pull(self, handle: PullHandle) -> PullState:
+        assert isinstance(handle, _NixlPull)
+        if handle.state is PullState.PENDING:
+            try:
+                with _nixl_errors("checking the READ"):
+                    state = _XFER_STATES[self._agent.check_xfer_state(handle.xfer)]
+            except KVTransferError as error:
+                state, handle.error = PullState.FAILED, str(error)
+            self._settle(handle, state)
+        return handle.state
+
+    def release_pull(self, handle: PullHandle) -> None:
+        assert isinstance(handle, _NixlPull)
+        self._release_xfer(handle)
+        if handle.state is PullState.PENDING:
+            handle.fail("released while in flight")
+        peer = self._peers.get(handle.peer)
+        if peer is not None:
+            peer.pending.discard(handle)
+
+    def take_notifications(self) -> list[str]:
+        """Request ids of completed pulls from every consumer (NIXL keys them by sender name)."""
+        with _nixl_errors("reading notifications"):
+            notifications = self._open().get_new_notifs()
+        return [message.decode() for messages in notifications.values() for message in messages]
+
+    def close(self) -> None:
+        """Abandon pending pulls, drop every peer, release descriptors, deregister the pool; idempotent."""
+        if self._closed:
+            return
+        for name in list(self._peers):
+            self.remove_peer(name)
+        if self._pool is not None:
+            with _nixl_errors("deregistering the KV pool"):
+                self._pool.dlist.release()
+                self._agent.deregister_memory(self._pool.registration)
+            self._pool = None
+        self._closed = True
+        del self._agent
+
+    # ---- internals -----------------------------------------------------------------------
+    def _open(self) -> nixl_agent:
+        if self._closed:
+            raise KVTransferError(f"agent {self.agent_name!r} is closed")
+        return self._agent
+
+    def _registered(self) -> _LocalPool:
+        self._open()
+        if self._pool is None:
+            raise KVTransferError(f"agent {self.agent_name!r} has no registered KV pool")
+        return self._pool
+
+    def _load_remote_agent(self, name: str, agent_metadata: bytes) -> None:
+        with _nixl_errors(f"loading {name!r}'s agent metadata"):
+            loaded = self._agent.add_remote_agent(agent_metadata)
+        loaded = loaded.decode() if isinstance(loaded, bytes) else loaded  # NIXL 1.5 returns bytes
+        if loaded != name:
+            self._agent.remove_remote_agent(loaded)
+            raise KVTransferError(f"peer metadata names agent {loaded!r}, the handshake said {name!r}")
+
+    def _track(self, peer: _Peer, pull: _NixlPull) -> _NixlPull:
+        if pull.state is PullState.PENDING:
+            peer.pending.add(pull)
+        elif pull.state is PullState.FAILED:
+            pull.error = f"NIXL refused to post the READ from {peer.name!r}"
+        return pull
+
+    def _settle(self, pull: _NixlPull, state: PullState) -> None:
+        if state is PullState.PENDING:
+            return
+        pull.state = state
+        if state is PullState.FAILED and pull.error is None:
+            pull.error = f"NIXL reported an error reading from {pull.peer!r}"
+        peer = self._peers.get(pull.peer)
+        if peer is not None:
+            peer.pending.discard(pull)
+
+    def _release_xfer(self, pull: _NixlPull) -> None:
+        """Free the NIXL request. Invariant: afterwards NIXL writes no more bytes for this pull.
+
+        Releasing an in-flight request makes NIXL cancel it; where the backend cannot cancel
+        (it raises), wait for the READ to settle and release again. On CPU every READ is done
+        inside transfer(), so only GPU/RDMA pulls can reach the wait."""
+        if pull.xfer is None:
+            return
+        try:
+            pull.xfer.release()
+        except Exception:  # noqa: BLE001 - nixl raises its own types; we retry below
+            self._wait_settled(pull.xfer)
+            with _nixl_errors("releasing a settled READ"):
+                pull.xfer.release()
+        pull.xfer = None
+
+    def _wait_settled(self, xfer: nixl_xfer_handle) -> None:
+        deadline = time.monotonic() + _SETTLE_TIMEOUT_S
+        while self._agent.check_xfer_state(xfer) == "PROC":
+            if time.monotonic() > deadline:
+                raise KVTransferError(f"a READ neither cancelled nor finished within {_SETTLE_TIMEOUT_S}s; "
+                                      "its local blocks must not be reused")
+            time.sleep(0.001)

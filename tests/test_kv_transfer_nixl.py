@@ -1,0 +1,201 @@
+"""Real NIXL (UCX) on CPU: two agents in this process, plus a producer in a second process.
+
+One process can hold several NIXL agents (they talk UCX shared memory), so most checks run
+in-process; the cross-process test is the deployment shape (prefill and decode in different
+Ray actors) and also covers a producer that dies.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import multiprocessing
+import time
+import uuid
+
+import pytest
+
+if importlib.util.find_spec("nixl") is None and importlib.util.find_spec("nixl_cu12") is None:
+    pytest.skip("NIXL is not installed (neither `nixl` nor `nixl_cu12` can be imported)", allow_module_level=True)
+
+from test_kv_transfer import assert_blocks_pulled, empty_pool, make_pool  # noqa: E402
+
+from splitserve.common.kv_transfer_types import KVLayout, TransferParams  # noqa: E402
+from splitserve.kv_transfer import (ConsumerConnector, KVLayoutMismatchError, KVTransferError,  # noqa: E402
+                                    LeaseState, ProducerConnector, PullState, PullStatus, ReleasedLease,
+                                    make_backend)
+from splitserve.kv_transfer.nixl_backend import NixlBackend, NixlConfig, _PoolInfo  # noqa: E402
+
+LAYOUT = KVLayout(model_id="tiny-llama", dtype="float32", block_size=16, num_layers=4, num_kv_heads=2, head_dim=8,
+                  hash_seed=0)
+BLOCK_BYTES = LAYOUT.num_layers * LAYOUT.bytes_per_block_per_layer  # 4 * 2*16*2*8*4 = 16 KiB
+REMOTE_IDS = (30, 3, 17, 8, 22)
+LOCAL_IDS = (1, 19, 4, 12, 0)
+NUM_REMOTE, NUM_LOCAL = 32, 24
+PRODUCER_OFFSET = 1e7
+
+
+def wait_for(condition, timeout_s: float = 5.0):
+    """Poll `condition()` until it returns something truthy (NIXL progresses inside our calls)."""
+    deadline = time.monotonic() + timeout_s
+    while not (result := condition()):
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.001)
+    return result
+
+
+def new_backend(role: str) -> NixlBackend:
+    backend = make_backend("nixl", f"{role}-{uuid.uuid4().hex[:8]}")
+    assert isinstance(backend, NixlBackend)
+    return backend
+
+
+@pytest.fixture(scope="module")
+def producer():
+    backend = new_backend("prefill")
+    layers = make_pool(LAYOUT, NUM_REMOTE, offset=PRODUCER_OFFSET)
+    backend.register_kv_pool(layers, LAYOUT)
+    yield backend, layers
+    backend.close()
+
+
+@pytest.fixture
+def consumer(producer):
+    backend = new_backend("decode")
+    layers = empty_pool(LAYOUT, NUM_LOCAL)
+    backend.register_kv_pool(layers, LAYOUT)
+    backend.add_peer(producer[0].metadata())
+    yield backend, layers
+    backend.close()
+
+
+def test_pull_scattered_blocks_across_layers_and_notify(producer, consumer):
+    (producer_backend, remote), (consumer_backend, local) = producer, consumer
+    leases = ProducerConnector(producer_backend, LAYOUT, lease_ttl_s=30.0)
+    pulls = ConsumerConnector(consumer_backend)
+
+    params = leases.hold("req-1", REMOTE_IDS, num_tokens=5 * 16 - 3)
+    assert pulls.start(params, LOCAL_IDS) in (PullStatus.PULLING, PullStatus.DONE)
+    [outcome] = wait_for(pulls.poll)
+    assert (outcome.request_id, outcome.state, outcome.error, outcome.num_bytes) == (
+        "req-1", PullStatus.DONE, None, 5 * BLOCK_BYTES)
+    assert_blocks_pulled(local, LOCAL_IDS, remote, REMOTE_IDS)
+    assert wait_for(leases.poll) == [ReleasedLease("req-1", REMOTE_IDS, LeaseState.PULLED)]
+
+
+def test_backend_level_pull_and_notification(producer, consumer):
+    (producer_backend, remote), (consumer_backend, local) = producer, consumer
+    params = TransferParams("req-2", producer_backend.agent_name, (5, 6, 31), 40, LAYOUT, time.time() + 30)
+    handle = consumer_backend.start_pull(params, (23, 2, 7))
+    assert wait_for(lambda: consumer_backend.poll_pull(handle) is not PullState.PENDING)
+    assert consumer_backend.poll_pull(handle) is PullState.DONE
+    consumer_backend.release_pull(handle)
+    assert_blocks_pulled(local, (23, 2, 7), remote, (5, 6, 31))
+    assert wait_for(producer_backend.take_notifications) == ["req-2"]
+
+
+def test_layout_mismatch_is_refused_before_nixl_sees_the_peer(producer):
+    other = KVLayout("tiny-llama", "float32", 16, 4, 4, 8, 0)
+    backend = new_backend("decode")
+    try:
+        backend.register_kv_pool(empty_pool(other, 4), other)
+        with pytest.raises(KVLayoutMismatchError, match=r"\(ours != theirs\): num_kv_heads: 4 != 2$"):
+            backend.add_peer(producer[0].metadata())
+        assert backend.has_peer(producer[0].agent_name) is False
+    finally:
+        backend.close()
+
+
+def test_unknown_and_removed_peers_fail_cleanly(producer, consumer):
+    (producer_backend, remote), (consumer_backend, local) = producer, consumer
+    pulls = ConsumerConnector(consumer_backend)
+    ghost = TransferParams("req-3", "prefill-ghost", (1,), 1, LAYOUT, time.time() + 30)
+    with pytest.raises(KVTransferError, match="unknown peer 'prefill-ghost'"):
+        consumer_backend.start_pull(ghost, (1,))
+
+    consumer_backend.remove_peer(producer_backend.agent_name)
+    removed = TransferParams("req-4", producer_backend.agent_name, (1,), 1, LAYOUT, time.time() + 30)
+    assert pulls.start(removed, (1,)) is PullStatus.FAILED
+    assert pulls.poll()[0].error == (f"unknown producer {producer_backend.agent_name!r}: no handshake, "
+                                     "or it was removed")
+
+    consumer_backend.add_peer(producer_backend.metadata())  # a fresh handshake works again
+    assert pulls.start(TransferParams("req-5", producer_backend.agent_name, (9,), 1, LAYOUT, time.time() + 30),
+                       (3,)) in (PullStatus.PULLING, PullStatus.DONE)
+    assert [o.state for o in wait_for(pulls.poll)] == [PullStatus.DONE]
+    assert_blocks_pulled(local, (3,), remote, (9,))
+    assert "req-5" in wait_for(producer_backend.take_notifications)
+
+
+def test_out_of_range_remote_blocks_fail_before_nixl(producer, consumer):
+    (producer_backend, _), (consumer_backend, _) = producer, consumer
+    params = TransferParams("req-6", producer_backend.agent_name, (0, 32), 20, LAYOUT, time.time() + 30)
+    with pytest.raises(KVTransferError, match=r"remote block ids \(0, 32\) outside the producer's pool \[0, 32\)"):
+        consumer_backend.start_pull(params, (0, 1))
+
+
+def test_pool_metadata_round_trips_and_rejects_foreign_bytes():
+    info = _PoolInfo("DRAM", 0, 32, (0x7F0000001000, 0x7F0000101000))
+    assert _PoolInfo.unpack(info.pack(b"nixl-bytes")) == (info, b"nixl-bytes")
+    assert info.descriptors(4096)[[0, 1, 32]].tolist() == [[0x7F0000001000, 4096, 0], [0x7F0000002000, 4096, 0],
+                                                            [0x7F0000101000, 4096, 0]]
+    with pytest.raises(KVTransferError, match="expected b'SSKV' v1"):
+        _PoolInfo.unpack(b"NIXL" + bytes(40))
+    with pytest.raises(ValueError, match="ucx_error_handling_mode must be 'none' or 'peer'"):
+        NixlConfig(ucx_error_handling_mode="abort")
+
+
+def test_closed_backend_refuses_calls():
+    backend = new_backend("decode")
+    backend.register_kv_pool(empty_pool(LAYOUT, 2), LAYOUT)
+    backend.close()
+    backend.close()
+    with pytest.raises(KVTransferError, match="is closed"):
+        backend.metadata()
+
+
+# ---- a producer in another process ----------------------------------------------------------------
+def _producer_process(conn) -> None:
+    """Registers a pool, sends its metadata, then forwards notifications until told to stop or die."""
+    backend = NixlBackend(f"prefill-{uuid.uuid4().hex[:8]}")
+    backend.register_kv_pool(make_pool(LAYOUT, NUM_REMOTE, offset=PRODUCER_OFFSET), LAYOUT)
+    conn.send(backend.metadata())
+    notifications: list[str] = []
+    while True:
+        notifications += backend.take_notifications()
+        if conn.poll(0.001):
+            command = conn.recv()
+            if command == "notifications":
+                conn.send(notifications)
+                notifications = []
+            elif command == "die":
+                import os
+                os._exit(1)
+
+
+def test_cross_process_pull_then_producer_death(consumer):
+    consumer_backend, local = consumer
+    context = multiprocessing.get_context("spawn")
+    parent, child = context.Pipe()
+    process = context.Process(target=_producer_process, args=(child,), daemon=True)
+    process.start()
+    try:
+        assert parent.poll(60), "producer process did not start"
+        metadata = parent.recv()
+        consumer_backend.add_peer(metadata)
+        pulls = ConsumerConnector(consumer_backend)
+        pulls.start(TransferParams("req-7", metadata.agent_name, REMOTE_IDS, 80, LAYOUT, time.time() + 30), LOCAL_IDS)
+        [outcome] = wait_for(pulls.poll)
+        assert (outcome.state, outcome.num_bytes) == (PullStatus.DONE, 5 * BLOCK_BYTES)
+        assert_blocks_pulled(local, LOCAL_IDS, make_pool(LAYOUT, NUM_REMOTE, offset=PRODUCER_OFFSET), REMOTE_IDS)
+        assert wait_for(lambda: parent.send("notifications") or parent.recv()) == ["req-7"]
+
+        parent.send("die")
+        process.join(10)
+        pulls.start(TransferParams("req-8", metadata.agent_name, (1,), 1, LAYOUT, time.time() + 30), (2,))
+        [outcome] = wait_for(pulls.poll)
+        assert outcome.state is PullStatus.FAILED
+        assert "NIXL_ERR_REMOTE_DISCONNECT" in outcome.error
+        assert local[0][2].count_nonzero().item() == 0
+    finally:
+        process.kill()
+        process.join()
