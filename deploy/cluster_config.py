@@ -1,0 +1,270 @@
+"""Cluster configuration: frozen, validated dataclasses loaded from YAML, with dotted overrides.
+
+A file (or an override set) is applied on top of `default_cluster_config(model)`: every key is
+optional except `model`, and each pool keeps its own tuned defaults for whatever the file leaves
+out. Every error is a `ClusterConfigError` whose message starts with the dotted path of the
+offending key, e.g. `decode.engine.max_num_seqs: must be >= 1, got 0`. See docs/configuration.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import reprlib
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import get_args, get_type_hints
+
+import yaml
+
+from splitserve.common.config import EngineConfig
+
+MODES = ("disaggregated", "colocated")
+KV_TRANSFER_BACKENDS = ("nixl", "inprocess")
+KV_SIZING_FIELDS = ("num_kv_blocks", "kv_cache_memory_bytes", "kv_cache_memory_fraction")
+"""EngineConfig's mutually exclusive KV pool sizing fields."""
+SHARED_ENGINE_FIELDS = ("block_size", "dtype", "hash_seed")
+"""Engine fields the two pools must agree on for prefill KV blocks to be readable by decode."""
+
+
+class ClusterConfigError(ValueError):
+    """An invalid cluster config; `path` is the dotted key ('' for the whole document)."""
+
+    def __init__(self, path: str, reason: str) -> None:
+        super().__init__(f"{path or '(top level)'}: {reason}")
+        self.path = path
+        self.reason = reason
+
+    def under(self, prefix: str) -> ClusterConfigError:
+        """The same error, located inside the section `prefix`."""
+        return ClusterConfigError(_join(prefix, self.path), self.reason)
+
+
+def _join(*parts: str) -> str:
+    return ".".join(part for part in parts if part)
+
+
+def _require(ok: bool, path: str, reason: str) -> None:
+    if not ok:
+        raise ClusterConfigError(path, reason)
+
+
+@dataclass(frozen=True)
+class RayResources:
+    """Ray resources reserved by each actor of a pool."""
+
+    num_cpus: float = 1.0
+    """CPUs per actor; Ray also sets the actor's OMP_NUM_THREADS to floor(num_cpus) (at least 1)."""
+    num_gpus: float = 0.0
+    """GPUs per actor (fractions share a GPU); must be > 0 for an engine on cuda."""
+
+    def __post_init__(self) -> None:
+        _require(self.num_cpus >= 0, "num_cpus", f"must be >= 0, got {self.num_cpus}")
+        _require(self.num_gpus >= 0, "num_gpus", f"must be >= 0, got {self.num_gpus}")
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    """One pool of identical worker actors (the prefill pool or the decode pool)."""
+
+    replicas: int
+    """Number of worker actors; 0 only for the unused prefill pool in colocated mode."""
+    engine: EngineConfig
+    """Engine settings of every worker in the pool (token budget, batch size, KV pool, threads)."""
+    resources: RayResources
+    """Ray resources reserved per worker actor."""
+
+    def __post_init__(self) -> None:
+        _require(self.replicas >= 0, "replicas", f"must be >= 0, got {self.replicas}")
+        _require(self.engine.device != "cuda" or self.resources.num_gpus > 0, "resources.num_gpus",
+                 f"must be > 0 when engine.device is 'cuda', got {self.resources.num_gpus}")
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """The public front: where it listens and how long it keeps a request's resources."""
+
+    host: str = "127.0.0.1"
+    """Interface the gRPC server binds to; loopback by default, 0.0.0.0 to serve other hosts."""
+    grpc_port: int = 50051
+    """gRPC port; 0 picks a free port (tests)."""
+    request_timeout_s: float | None = None
+    """Server-side limit on a request's total time; None = only the client's deadline applies."""
+    lease_ttl_s: float = 30.0
+    """How long a prefill worker holds a request's KV blocks for decode to pull before freeing them."""
+
+    def __post_init__(self) -> None:
+        _require(self.host != "", "host", "must not be empty")
+        _require(0 <= self.grpc_port <= 65535, "grpc_port", f"must be in [0, 65535], got {self.grpc_port}")
+        _require(self.request_timeout_s is None or self.request_timeout_s > 0, "request_timeout_s",
+                 f"must be > 0, got {self.request_timeout_s}")
+        _require(self.lease_ttl_s > 0, "lease_ttl_s", f"must be > 0, got {self.lease_ttl_s}")
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """Everything `splitserve serve` starts: the two worker pools, the router and the Ray cluster."""
+
+    model: str
+    """Model directory, or 'default' for the embedded model."""
+    mode: str
+    """disaggregated (prefill pool -> KV transfer -> decode pool) or colocated (decode pool does both)."""
+    prefill: PoolConfig
+    """Compute-bound prompt processing; unused (0 replicas) in colocated mode."""
+    decode: PoolConfig
+    """Bandwidth-bound token generation; in colocated mode these workers also prefill."""
+    router: RouterConfig
+    """The gRPC front."""
+    kv_transfer_backend: str = "nixl"
+    """How decode pulls prefill's KV blocks: nixl (UCX/RDMA), or inprocess (tests, one process)."""
+    ray_address: str | None = None
+    """Ray cluster to join; None starts a local Ray bound to 127.0.0.1."""
+
+    def __post_init__(self) -> None:
+        _require(self.model != "", "model", "must not be empty")
+        _require(self.mode in MODES, "mode", f"must be one of {MODES}, got {self.mode!r}")
+        _require(self.kv_transfer_backend in KV_TRANSFER_BACKENDS, "kv_transfer_backend",
+                 f"must be one of {KV_TRANSFER_BACKENDS}, got {self.kv_transfer_backend!r}")
+        _require(self.ray_address != "", "ray_address", "must not be empty (null starts a local Ray)")
+        _require(self.decode.replicas >= 1, "decode.replicas", f"must be >= 1, got {self.decode.replicas}")
+        if self.mode == "colocated":
+            _require(self.prefill.replicas == 0, "prefill.replicas",
+                     f"must be 0 in colocated mode (decode workers do both phases), got {self.prefill.replicas}")
+        else:
+            self._check_disaggregated_pools()
+
+    def _check_disaggregated_pools(self) -> None:
+        _require(self.prefill.replicas >= 1, "prefill.replicas",
+                 f"must be >= 1 in disaggregated mode, got {self.prefill.replicas}")
+        for name in SHARED_ENGINE_FIELDS:
+            expected, got = getattr(self.prefill.engine, name), getattr(self.decode.engine, name)
+            _require(got == expected, f"decode.engine.{name}",
+                     f"must equal prefill.engine.{name} ({expected!r}) in disaggregated mode, got {got!r}")
+
+
+DEFAULT_PREFILL_ENGINE = EngineConfig(max_num_seqs=16, max_num_batched_tokens=8192,
+                                      kv_cache_memory_bytes=256 << 20)
+"""Prefill is compute-bound: one step's cost grows with its tokens, not its sequences, so a large
+token budget (8192) fills the device with a few long prompts (16 sequences); its KV blocks only
+live until decode pulls them (or the lease expires), plus whatever prefix cache fits, so the pool
+is modest (256 MiB)."""
+
+DEFAULT_DECODE_ENGINE = EngineConfig(max_num_seqs=256, max_num_batched_tokens=512,
+                                     kv_cache_memory_bytes=2 << 30)
+"""Decode is memory-bandwidth-bound: each step reads every weight once however many sequences it
+serves, so throughput comes from a wide batch (256 sequences) at one token each; the budget (512)
+covers that plus headroom for short local prefills; every running sequence keeps its whole KV
+for its lifetime, so the pool is large (2 GiB)."""
+
+
+def default_cluster_config(model: str) -> ClusterConfig:
+    """1 prefill + 1 decode worker with the per-pool defaults, router on 127.0.0.1:50051."""
+    return ClusterConfig(
+        model=model, mode="disaggregated",
+        prefill=PoolConfig(replicas=1, engine=DEFAULT_PREFILL_ENGINE, resources=RayResources()),
+        decode=PoolConfig(replicas=1, engine=DEFAULT_DECODE_ENGINE, resources=RayResources()),
+        router=RouterConfig())
+
+
+def load_cluster_config(path: str | Path) -> ClusterConfig:
+    """Read a YAML cluster config file (see parse_cluster_config)."""
+    return parse_cluster_config(Path(path).read_text(encoding="utf-8"))
+
+
+def parse_cluster_config(text: str) -> ClusterConfig:
+    """The YAML document's settings applied on top of default_cluster_config(its model)."""
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        raise ClusterConfigError("", f"invalid YAML: {error}") from None
+    _require(isinstance(data, Mapping), "", f"must be a mapping, got {reprlib.repr(data)}")
+    _require("model" in data, "model", "required key is missing")
+    model = _convert(data["model"], str, "model")
+    return _overlay(default_cluster_config(model), data, "")
+
+
+def apply_overrides(config: ClusterConfig, overrides: dict[str, object]) -> ClusterConfig:
+    """config with dotted-key settings applied at once, e.g. {"prefill.replicas": 2, "mode": ...}."""
+    return _overlay(config, _nest(overrides), "")
+
+
+def dump_cluster_config(config: ClusterConfig) -> str:
+    """YAML of every setting; parse_cluster_config(dump_cluster_config(c)) == c."""
+    return yaml.safe_dump(dataclasses.asdict(config), sort_keys=False)
+
+
+class _Tree(dict):
+    """A section built from dotted override keys (never a caller's own mapping)."""
+
+
+def _nest(overrides: dict[str, object]) -> _Tree:
+    tree = _Tree()
+    for key, value in overrides.items():
+        *sections, leaf = key.split(".")
+        node = tree
+        for section in sections:
+            node = node.setdefault(section, _Tree())
+            _require(isinstance(node, _Tree), key, "conflicts with another override")
+        _require(leaf not in node, key, "conflicts with another override")
+        node[leaf] = value
+    return tree
+
+
+def _overlay(current: object, data: object, path: str) -> object:
+    """current (a config dataclass) with the mapping `data`'s settings applied; path names current."""
+    _require(isinstance(data, Mapping), path, f"must be a mapping, got {reprlib.repr(data)}")
+    hints = get_type_hints(type(current))
+    changes = {}
+    for key, value in data.items():
+        key_path = _join(path, key if isinstance(key, str) and key else repr(key))
+        _require(key in hints, key_path, f"unknown key (known: {', '.join(sorted(hints))})")
+        if dataclasses.is_dataclass(hints[key]):
+            changes[key] = _overlay(getattr(current, key), value, key_path)
+        else:
+            changes[key] = _convert(value, hints[key], key_path)
+    return _replace(current, _one_kv_sizing(current, changes), path)
+
+
+def _one_kv_sizing(current: object, changes: dict[str, object]) -> dict[str, object]:
+    """Setting one KV sizing field replaces the pool's default sizing (the fields are exclusive)."""
+    if not isinstance(current, EngineConfig) or not changes.keys() & set(KV_SIZING_FIELDS):
+        return changes
+    return {**dict.fromkeys(KV_SIZING_FIELDS), **changes}
+
+
+def _replace(current: object, changes: dict[str, object], path: str) -> object:
+    try:
+        return dataclasses.replace(current, **changes)
+    except ClusterConfigError as error:
+        raise error.under(path) from None
+    except ValueError as error:
+        raise _located(str(error), current).under(path) from None
+
+
+def _located(message: str, config: object) -> ClusterConfigError:
+    """An EngineConfig message ("<field> must be ...") as an error at that field, else at config."""
+    name, _, reason = message.partition(" ")
+    if name in get_type_hints(type(config)):
+        return ClusterConfigError(name, reason)
+    return ClusterConfigError("", message)
+
+
+_KINDS = {bool: "a boolean", int: "an integer", float: "a finite number", str: "a string", type(None): "null"}
+
+
+def _convert(value: object, hint: object, path: str) -> object:
+    """value checked against a scalar field type (ints widen to float; bools are not numbers)."""
+    kinds = get_args(hint) or (hint,)
+    for kind in kinds:
+        if _is_kind(value, kind):
+            return float(value) if kind is float else value
+    raise ClusterConfigError(path, f"must be {' or '.join(_KINDS[kind] for kind in kinds)}, got {reprlib.repr(value)}")
+
+
+def _is_kind(value: object, kind: object) -> bool:
+    if isinstance(value, bool) or kind is bool:
+        return isinstance(value, bool) and kind is bool
+    if kind is float:  # the comparison is False for inf and nan
+        return isinstance(value, (int, float)) and abs(value) <= sys.float_info.max
+    return isinstance(value, kind)
