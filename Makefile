@@ -18,8 +18,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 run: $(STAMP)
-	$(VENV)/bin/splitserve generate --model default --max-tokens 48 --temperature 0.8 --seed 0 \
-		"Tell me about the river and the old mill."
+	$(VENV)/bin/splitserve serve --model default --prefill-workers 1 --decode-workers 1
 
 test: $(STAMP)
 	$(PY) -m pytest -q

@@ -6,6 +6,7 @@ time so each layer runs two matmuls fewer per step.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -20,6 +21,14 @@ from splitserve.engine.attention import AttentionBackend
 from splitserve.engine.models.llama import LlamaFamilyArch, LlamaFamilyForCausalLM, RotaryEmbedding
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+
+def model_fingerprint(model_dir: Path) -> str:
+    """Identity of a model for the KV handshake: a hash of its config.json and weight file names/sizes."""
+    digest = hashlib.sha256((Path(model_dir) / "config.json").read_bytes())
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        digest.update(f"{path.name}:{path.stat().st_size}".encode())
+    return digest.hexdigest()[:16]
 
 
 def load_hf_config(model_dir: Path) -> PretrainedConfig:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 
 from splitserve.common.block_hash import BlockHasher
+from splitserve.common.config import EngineConfig
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.request import Request
@@ -142,3 +143,120 @@ def tiny_tokenizer(vocab_size: int = 512, seed: int = 0):
     from splitserve.engine.tiny_model import build_tokenizer
 
     return build_tokenizer(vocab_size=vocab_size, seed=seed)
+
+
+# ---- clusters -------------------------------------------------------------------------------
+import asyncio  # noqa: E402
+import threading  # noqa: E402
+from contextlib import contextmanager  # noqa: E402
+
+
+class EventLoopThread:
+    """An asyncio loop on a background thread, so sync tests can drive async servers."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self._thread.start()
+
+    def run(self, coroutine, timeout_s: float = 300.0):
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout_s)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(5)
+
+
+@contextmanager
+def running_cluster(config):
+    """A LocalCluster (Ray on loopback + router) for the duration of the block; yields (cluster, loop)."""
+    from splitserve.deploy.local import LocalCluster
+
+    loop = EventLoopThread()
+    cluster = LocalCluster(config)
+    try:
+        loop.run(cluster.start())
+        yield cluster, loop
+    finally:
+        loop.run(cluster.stop())
+        loop.close()
+
+
+def tiny_cluster_config(model_dir: Path, mode: str = "disaggregated", prefill: int = 1, decode: int = 1,
+                        backend: str = "nixl", **overrides):
+    """A small cluster for tests: tiny KV pools, one thread per worker, any free gRPC port."""
+    from splitserve.deploy.cluster_config import apply_overrides, default_cluster_config
+
+    settings = {"mode": mode, "prefill.replicas": prefill if mode == "disaggregated" else 0,
+                "decode.replicas": decode, "router.grpc_port": 0, "kv_transfer_backend": backend}
+    for pool in ("prefill", "decode"):
+        settings.update({f"{pool}.engine.num_threads": 1, f"{pool}.engine.device": "cpu",
+                         f"{pool}.engine.num_kv_blocks": 512, f"{pool}.engine.block_size": 8,
+                         f"{pool}.resources.num_cpus": 0.25})
+    settings.update(overrides)
+    return apply_overrides(default_cluster_config(str(model_dir)), settings)
+
+
+def stream_tokens(port: int, request, timeout_s: float = 120.0) -> tuple[list[int], str, list]:
+    """Run one Generate call; returns (token ids, text, responses)."""
+    import grpc
+
+    from splitserve.proto.splitserve.v1 import generation_pb2_grpc
+
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        responses = list(generation_pb2_grpc.GenerationStub(channel).Generate(request, timeout=timeout_s))
+    return [t for r in responses for t in r.token_ids], "".join(r.text for r in responses), responses
+
+
+class InProcessCluster:
+    """Router orchestrator + prefill/decode workers in this process (in-process KV transfer).
+
+    Use inside a running event loop: `async with InProcessCluster(...) as cluster:`."""
+
+    def __init__(self, model_dir: Path, mode: str = "disaggregated", num_prefill: int = 1, num_decode: int = 1,
+                 lease_ttl_s: float = 30.0, transfer_failure_policy: str = "recompute", block_size: int = 8):
+        self.model_dir, self.mode = model_dir, mode
+        self.num_prefill = num_prefill if mode == "disaggregated" else 0
+        self.num_decode, self.lease_ttl_s, self.policy = num_decode, lease_ttl_s, transfer_failure_policy
+        self.engine_config = EngineConfig(block_size=block_size, num_kv_blocks=256, max_num_batched_tokens=256,
+                                          dtype="float32", device="cpu")
+
+    async def __aenter__(self) -> "InProcessCluster":
+        from splitserve.decode_worker.worker import DecodeWorker
+        from splitserve.prefill_worker.worker import PrefillWorker
+        from splitserve.router.orchestrator import Orchestrator
+        from splitserve.router.tokenizer import RouterTokenizer
+        from splitserve.router.worker_client import LocalWorkerClient
+
+        self.prefill_workers = [PrefillWorker(self.model_dir, self.engine_config, "inprocess", self.lease_ttl_s,
+                                              worker_id=f"prefill-{i}") for i in range(self.num_prefill)]
+        self.decode_workers = [DecodeWorker(self.model_dir, self.engine_config, "inprocess", worker_id=f"decode-{i}",
+                                            transfer_failure_policy=self.policy) for i in range(self.num_decode)]
+        self.tokenizer = RouterTokenizer.from_model_dir(self.model_dir)
+        self.orchestrator = Orchestrator(
+            "router-test", [LocalWorkerClient(w.worker_id, w) for w in self.prefill_workers],
+            [LocalWorkerClient(w.worker_id, w) for w in self.decode_workers], self.tokenizer.backend, self.mode)
+        await self.orchestrator.start()
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        await self.orchestrator.stop()
+        for worker in [*self.prefill_workers, *self.decode_workers]:
+            worker.shutdown()
+
+    async def generate(self, request_id: str, prompt_token_ids, params: SamplingParams, deadline=None):
+        """All chunks of one request."""
+        from splitserve.router.orchestrator import GenerationInput
+
+        inp = GenerationInput(request_id, tuple(prompt_token_ids), params, deadline)
+        return [chunk async for chunk in self.orchestrator.generate(inp)]
+
+    async def wait_idle(self, timeout_s: float = 10.0) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while True:
+            stats = [await w.stats() for w in [*self.prefill_workers, *self.decode_workers]]
+            if all(s.is_idle for s in stats):
+                return
+            assert loop.time() < deadline, f"workers not idle: {stats}"
+            await asyncio.sleep(0.02)

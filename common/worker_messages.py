@@ -1,0 +1,96 @@
+"""Typed messages between the router and the workers (Ray actor calls pickle these)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from splitserve.common.kv_transfer_types import AgentMetadata, KVLayout, TransferParams
+from splitserve.common.sampling_params import SamplingParams
+from splitserve.common.stats import EngineStats
+from splitserve.common.token_logprobs import TokenLogprobs
+
+
+@dataclass(frozen=True)
+class PrefillRequest:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling_params: SamplingParams
+    """Stop strings are the router's business: workers get params without them."""
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    """The first token of a request and where its prompt KV waits."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    """The first sampled token (empty if the request was aborted first)."""
+    logprobs: tuple[TokenLogprobs, ...]
+    finish_reason: str | None
+    """None: continue on a decode worker with `transfer`; else the request ended here."""
+    stop_reason: int | str | None
+    num_cached_tokens: int
+    transfer: TransferParams | None
+    generator_state: bytes | None
+    """Seeded requests: RNG state after the first sample, for the decode worker."""
+    compute_s: float
+    """Seconds from admission to the prefill worker to its first token."""
+
+
+@dataclass(frozen=True)
+class DecodeRequest:
+    request_id: str
+    router_id: str
+    """Which router's output stream carries this request's tokens."""
+    prompt_token_ids: tuple[int, ...]
+    output_token_ids: tuple[int, ...]
+    """Tokens already generated elsewhere (the prefill worker's first token)."""
+    sampling_params: SamplingParams
+    num_cached_tokens: int
+    transfer: TransferParams | None
+    """None: prefill locally (colocated mode), else pull this KV first."""
+    generator_state: bytes | None
+
+
+@dataclass(frozen=True)
+class TokenDelta:
+    """What one request gained in one decode-worker step."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprobs, ...]
+    finish_reason: str | None
+    stop_reason: int | str | None
+    num_cached_tokens: int
+    transfer_s: float | None = None
+    """Set on the first delta after a KV pull: seconds the pull took."""
+    error: str | None = None
+    """Why the request was ended by a fault (finish_reason 'abort')."""
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    worker_id: str
+    role: str
+    """'prefill' or 'decode' (a decode worker also prefills locally)."""
+    max_model_len: int
+    vocab_size: int
+    layout: KVLayout
+    agent: AgentMetadata
+    """Transfer-agent metadata for the handshake (new on every worker start)."""
+
+
+@dataclass(frozen=True)
+class WorkerStats:
+    engine: EngineStats
+    num_held_leases: int
+    """Prefill: requests whose KV waits for a pull."""
+    num_transfers: int
+    """Decode: requests waiting for blocks or pulling KV."""
+
+    @property
+    def is_idle(self) -> bool:
+        """No request, lease or transfer in flight and every KV block free."""
+        engine = self.engine
+        return (engine.num_running == engine.num_waiting == self.num_held_leases == self.num_transfers == 0
+                and engine.num_free_kv_blocks == engine.num_kv_blocks)

@@ -1,0 +1,188 @@
+"""The decode worker (consumer role): admits requests whose prompt KV it pulls from a prefill
+worker, decodes them in its continuous batch and streams tokens to the routers.
+
+Outputs are batched per router: every engine step appends its deltas to the router's queue
+and the router collects everything queued with one `next_outputs` call, so the per-token cost
+is one list entry, not one actor call. It also prefills locally when a request brings no
+transfer (colocated mode). A plain class so it can be tested without Ray.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections import deque
+from pathlib import Path
+
+from splitserve.common.config import EngineConfig
+from splitserve.common.kv_transfer_types import AgentMetadata
+from splitserve.common.worker_messages import DecodeRequest, TokenDelta, WorkerInfo, WorkerStats
+from splitserve.engine.engine_core import EngineCore
+from splitserve.engine.engine_loop import EngineLoop
+from splitserve.engine.model_loader import model_fingerprint
+from splitserve.engine.outputs import CompletionDelta
+from splitserve.kv_transfer import ConsumerConnector, PullStatus, make_backend
+
+logger = logging.getLogger(__name__)
+
+PULL_POLL_S = 0.0005
+"""How often in-flight pulls are polled while the engine has nothing else to do."""
+TRANSFER_FAILURE_POLICIES = ("recompute", "fail")
+
+
+class DecodeWorker:
+    def __init__(self, model_dir: str | Path, engine_config: EngineConfig, transfer_backend: str = "nixl",
+                 worker_id: str | None = None, transfer_failure_policy: str = "recompute") -> None:
+        if transfer_failure_policy not in TRANSFER_FAILURE_POLICIES:
+            raise ValueError(f"transfer_failure_policy must be one of {TRANSFER_FAILURE_POLICIES}, "
+                             f"got {transfer_failure_policy!r}")
+        self.worker_id = worker_id or f"decode-{uuid.uuid4().hex[:8]}"
+        self.engine = EngineCore(model_dir, engine_config, show_progress=True)
+        self._layout = self.engine.kv_layout(model_fingerprint(Path(model_dir)))
+        self._backend = make_backend(transfer_backend, f"{self.worker_id}-{uuid.uuid4().hex[:8]}")
+        self._backend.register_kv_pool(self.engine.kv_cache.layers, self._layout)
+        self._pulls = ConsumerConnector(self._backend)
+        self._failure_policy = transfer_failure_policy
+        # Engine-thread state: requests waiting for free blocks, pulls in flight, aborts deferred
+        # until their pull ends (a block being written by a pull is never freed), pull durations.
+        self._awaiting_blocks: deque[DecodeRequest] = deque()
+        self._pulling: set[str] = set()
+        self._abort_after_pull: set[str] = set()
+        self._transfer_s: dict[str, float] = {}
+        self._routes: dict[str, str] = {}
+        self._outputs: dict[str, asyncio.Queue[list[TokenDelta]]] = {}
+        self._event_loop: asyncio.AbstractEventLoop | None = None
+        self._loop = EngineLoop(self.engine, self._on_deltas, self._poll_transfers, name=self.worker_id)
+        self._loop.start()
+
+    # ---- actor API -----------------------------------------------------------------------
+    def info(self) -> WorkerInfo:
+        return WorkerInfo(self.worker_id, "decode", self.engine.max_model_len, self.engine.vocab_size,
+                          self._layout, self._backend.metadata())
+
+    async def add_peer(self, peer: AgentMetadata) -> None:
+        """Handshake with a prefill worker (raises KVLayoutMismatchError on an incompatible one)."""
+        await self._loop.run(lambda engine: self._backend.add_peer(peer))
+
+    async def remove_peer(self, agent_name: str) -> None:
+        await self._loop.run(lambda engine: self._backend.remove_peer(agent_name))
+
+    async def submit(self, request: DecodeRequest) -> None:
+        """Admit a request; raises InvalidRequestError for one the engine can never serve."""
+        self._event_loop = asyncio.get_running_loop()
+        self._routes[request.request_id] = request.router_id
+        self._queue(request.router_id)
+        try:
+            await self._loop.run(lambda engine: self._admit(engine, request))
+        except Exception:
+            self._routes.pop(request.request_id, None)
+            raise
+
+    async def next_outputs(self, router_id: str, max_wait_s: float = 1.0) -> list[TokenDelta]:
+        """Everything produced for `router_id` since the last call; waits up to max_wait_s for something."""
+        self._event_loop = asyncio.get_running_loop()
+        queue = self._queue(router_id)
+        try:
+            async with asyncio.timeout(max_wait_s):
+                batches = [await queue.get()]
+        except TimeoutError:
+            return []
+        while not queue.empty():
+            batches.append(queue.get_nowait())
+        return [delta for batch in batches for delta in batch]
+
+    async def abort(self, request_id: str) -> bool:
+        return await self._loop.run(lambda engine: self._abort(engine, request_id))
+
+    async def stats(self) -> WorkerStats:
+        return await self._loop.run(
+            lambda engine: WorkerStats(engine.stats(), 0, len(self._awaiting_blocks) + len(self._pulling)))
+
+    def shutdown(self) -> None:
+        self._loop.stop()
+        self._backend.close()
+
+    def _queue(self, router_id: str) -> asyncio.Queue[list[TokenDelta]]:
+        return self._outputs.setdefault(router_id, asyncio.Queue())
+
+    # ---- engine thread -------------------------------------------------------------------
+    def _admit(self, engine: EngineCore, request: DecodeRequest) -> None:
+        if request.transfer is None:
+            engine.add_request(request.request_id, list(request.prompt_token_ids), request.sampling_params)
+            return
+        engine.validate(request.request_id, list(request.prompt_token_ids), request.sampling_params)
+        self._awaiting_blocks.append(request)
+        self._start_pulls(engine)
+
+    def _start_pulls(self, engine: EngineCore) -> None:
+        """Allocate blocks and start pulls in arrival order; stop at the first that does not fit."""
+        while self._awaiting_blocks:
+            request = self._awaiting_blocks[0]
+            local_block_ids = engine.add_remote_request(
+                request.request_id, list(request.prompt_token_ids), list(request.output_token_ids),
+                request.sampling_params, request.num_cached_tokens, request.generator_state)
+            if local_block_ids is None:
+                return
+            self._awaiting_blocks.popleft()
+            self._pulls.start(request.transfer, local_block_ids)
+            self._pulling.add(request.request_id)
+
+    def _abort(self, engine: EngineCore, request_id: str) -> bool:
+        if request_id in self._pulling:
+            self._abort_after_pull.add(request_id)
+            return True
+        for request in self._awaiting_blocks:
+            if request.request_id == request_id:
+                self._awaiting_blocks.remove(request)
+                self._publish([TokenDelta(request_id, (), (), "abort", None, request.num_cached_tokens)])
+                return True
+        return engine.abort_request(request_id)
+
+    def _poll_transfers(self) -> float | None:
+        for outcome in self._pulls.poll():
+            self._pulling.discard(outcome.request_id)
+            self._finish_pull(outcome)
+        self._start_pulls(self.engine)
+        return PULL_POLL_S if self._pulling or self._awaiting_blocks else None
+
+    def _finish_pull(self, outcome) -> None:
+        request_id = outcome.request_id
+        if request_id in self._abort_after_pull:
+            self._abort_after_pull.discard(request_id)
+            self.engine.abort_request(request_id)
+        elif outcome.state is PullStatus.DONE:
+            self._transfer_s[request_id] = outcome.seconds
+            self.engine.remote_kv_ready(request_id)
+        elif self._failure_policy == "recompute":
+            logger.warning("[%s] KV pull failed (%s); recomputing the prompt locally", request_id, outcome.error)
+            self.engine.remote_kv_failed(request_id)
+        else:
+            logger.warning("[%s] KV pull failed: %s", request_id, outcome.error)
+            self._fail(request_id, f"KV transfer failed: {outcome.error}")
+
+    def _fail(self, request_id: str, error: str) -> None:
+        request = self.engine.scheduler.requests[request_id]
+        self.engine.abort_request(request_id)
+        self._publish([TokenDelta(request_id, (), (), "abort", None, max(request.num_cached_tokens, 0),
+                                  error=error)])
+
+    def _on_deltas(self, deltas: list[CompletionDelta]) -> None:
+        self._publish([self._token_delta(delta) for delta in deltas if delta.request_id in self._routes])
+
+    def _token_delta(self, delta: CompletionDelta) -> TokenDelta:
+        return TokenDelta(delta.request_id, delta.new_token_ids, delta.new_logprobs, delta.finish_reason,
+                          delta.stop_reason, delta.num_cached_tokens, self._transfer_s.pop(delta.request_id, None))
+
+    def _publish(self, deltas: list[TokenDelta]) -> None:
+        """Hand deltas to their routers' queues on the event loop (thread-safe)."""
+        by_router: dict[str, list[TokenDelta]] = {}
+        for delta in deltas:
+            router_id = self._routes.get(delta.request_id)
+            if router_id is not None:
+                by_router.setdefault(router_id, []).append(delta)
+            if delta.finish_reason is not None:
+                self._routes.pop(delta.request_id, None)
+        for router_id, batch in by_router.items():
+            self._event_loop.call_soon_threadsafe(self._queue(router_id).put_nowait, batch)

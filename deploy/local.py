@@ -1,0 +1,156 @@
+"""A whole splitserve cluster on this machine: Ray (loopback only), the worker actors, and the
+router's gRPC server on this process's event loop.
+
+Ray resolves "127.0.0.1" to the machine's external address and then listens on every
+interface; with RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 its node address stays the loopback one
+and every Ray listener binds 127.0.0.1. The variable must be set before `ray` is imported, so
+this module sets it at import unless the caller set it. UCX (under NIXL) opens its own
+listener on every network device unless UCX_NET_DEVICES says otherwise; a local cluster sets
+it to `lo`. tests/test_cluster.py checks every listening socket of the cluster's processes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+
+import grpc  # noqa: E402
+import ray  # noqa: E402
+
+from splitserve.decode_worker.worker import DecodeWorker  # noqa: E402
+from splitserve.deploy.cluster_config import ClusterConfig, PoolConfig  # noqa: E402
+from splitserve.engine.tiny_model import resolve_model_path  # noqa: E402
+from splitserve.prefill_worker.worker import PrefillWorker  # noqa: E402
+from splitserve.router.orchestrator import Orchestrator  # noqa: E402
+from splitserve.router.server import start_grpc_server  # noqa: E402
+from splitserve.router.tokenizer import RouterTokenizer  # noqa: E402
+from splitserve.router.worker_client import RayWorkerClient  # noqa: E402
+
+logger = logging.getLogger(__name__)
+
+_WORKER_ENV = ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "NIXL_LOG_LEVEL", "SPLITSERVE_CACHE_DIR", "UCX_TLS",
+               "UCX_NET_DEVICES")
+
+
+def start_ray(config: ClusterConfig) -> None:
+    """Join config.ray_address, or start a private local Ray with enough logical CPUs for the pools."""
+    if ray.is_initialized():
+        return
+    env_vars = {name: os.environ[name] for name in _WORKER_ENV if name in os.environ}
+    if config.ray_address is not None:
+        ray.init(address=config.ray_address, runtime_env={"env_vars": env_vars}, logging_level=logging.WARNING)
+        return
+    # A local cluster never leaves this machine: keep UCX (NIXL's transport) on loopback too.
+    env_vars.setdefault("UCX_NET_DEVICES", "lo")
+    pools = [config.prefill, config.decode]
+    num_cpus = max(os.cpu_count() or 1, sum(p.replicas * p.resources.num_cpus for p in pools))
+    num_gpus = sum(p.replicas * p.resources.num_gpus for p in pools)
+    ray.init(address="local", include_dashboard=False, num_cpus=int(num_cpus + 0.999), num_gpus=num_gpus,
+             runtime_env={"env_vars": env_vars}, logging_level=logging.WARNING)
+
+
+@dataclass
+class LocalCluster:
+    """Owns the actors and the router it starts; stop() ends them all."""
+
+    config: ClusterConfig
+    router_id: str = field(default_factory=lambda: f"router-{uuid.uuid4().hex[:8]}")
+    prefill_actors: list[Any] = field(default_factory=list)
+    decode_actors: list[Any] = field(default_factory=list)
+    orchestrator: Orchestrator | None = None
+    server: grpc.aio.Server | None = None
+    port: int = 0
+
+    async def start(self) -> int:
+        """Start everything; returns the gRPC port. On failure, whatever started is stopped."""
+        try:
+            return await self._start()
+        except BaseException:
+            await self.stop()
+            raise
+
+    async def _start(self) -> int:
+        config = self.config
+        model_dir = str(resolve_model_path(config.model))
+        start_ray(config)
+        disaggregated = config.mode == "disaggregated"
+        if disaggregated:
+            self.prefill_actors = self._spawn(PrefillWorker, "prefill", config.prefill, model_dir,
+                                              lease_ttl_s=config.router.lease_ttl_s)
+        self.decode_actors = self._spawn(DecodeWorker, "decode", config.decode, model_dir)
+        prefill = [RayWorkerClient(f"prefill-{i}", a) for i, a in enumerate(self.prefill_actors)]
+        decode = [RayWorkerClient(f"decode-{i}", a) for i, a in enumerate(self.decode_actors)]
+        tokenizer = await asyncio.to_thread(RouterTokenizer.from_model_dir, model_dir)
+        self.orchestrator = Orchestrator(self.router_id, prefill, decode, tokenizer.backend, config.mode)
+        await self.orchestrator.start()
+        self.server, self.port = await start_grpc_server(
+            self.orchestrator, tokenizer, config.model, config.router.host, config.router.grpc_port,
+            config.router.request_timeout_s)
+        logger.info("serving %s on %s:%d (%s, %d prefill + %d decode workers)", config.model, config.router.host,
+                    self.port, config.mode, len(self.prefill_actors), len(self.decode_actors))
+        return self.port
+
+    def _spawn(self, worker_class: type, role: str, pool: PoolConfig, model_dir: str, **extra: Any) -> list[Any]:
+        actor_class = ray.remote(worker_class).options(
+            num_cpus=pool.resources.num_cpus, num_gpus=pool.resources.num_gpus, max_restarts=0,
+            max_concurrency=1000)
+        return [actor_class.remote(model_dir, pool.engine, self.config.kv_transfer_backend,
+                                   worker_id=f"{role}-{index}", **extra) for index in range(pool.replicas)]
+
+    async def stop(self, grace_s: float = 2.0) -> None:
+        if self.server is not None:
+            await self.server.stop(grace_s)
+        if self.orchestrator is not None:
+            await self.orchestrator.stop()
+        for actor in [*self.prefill_actors, *self.decode_actors]:
+            try:
+                await asyncio.wait_for(actor.shutdown.remote(), grace_s)
+            except Exception as error:  # a dead or stuck actor is killed below anyway
+                logger.warning("worker shutdown failed: %s", error)
+            ray.kill(actor)
+        self.prefill_actors, self.decode_actors = [], []
+
+    async def wait_idle(self, timeout_s: float = 10.0) -> None:
+        """Wait until every worker reports no request, lease, transfer or owned block (tests)."""
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while True:
+            stats = await asyncio.gather(*(a.stats.remote() for a in [*self.prefill_actors, *self.decode_actors]))
+            if all(s.is_idle for s in stats):
+                return
+            if asyncio.get_running_loop().time() > deadline:
+                raise TimeoutError(f"workers not idle after {timeout_s} s: {stats}")
+            await asyncio.sleep(0.05)
+
+
+def serve(config: ClusterConfig) -> int:
+    """Run the cluster until SIGINT/SIGTERM, then stop every worker and Ray. Returns an exit code."""
+    return asyncio.run(_serve(config))
+
+
+async def _serve(config: ClusterConfig) -> int:
+    import signal
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    cluster = LocalCluster(config)
+    try:
+        port = await cluster.start()
+        print(f"splitserve: serving {config.model} ({config.mode}) on {config.router.host}:{port}\n"
+              f"  try: splitserve generate --target {config.router.host}:{port} \"Tell me about the river.\"\n"
+              "  Ctrl-C stops the cluster.", flush=True)
+        await stop.wait()
+        print("splitserve: shutting down", flush=True)
+    finally:
+        await cluster.stop()
+        if config.ray_address is None and ray.is_initialized():
+            ray.shutdown()
+    return 0

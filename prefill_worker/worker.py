@@ -1,0 +1,110 @@
+"""The prefill worker (producer role): computes prompts' KV, returns the first token and
+holds the blocks under a lease until a decode worker pulls them.
+
+A plain class so it can be tested without Ray; deploy/ wraps it with `ray.remote`. Its async
+methods run on the actor's event loop; the engine runs on its own thread (EngineLoop).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+
+from splitserve.common.config import EngineConfig
+from splitserve.common.worker_messages import PrefillRequest, PrefillResult, WorkerInfo, WorkerStats
+from splitserve.engine.engine_core import EngineCore
+from splitserve.engine.engine_loop import EngineLoop
+from splitserve.engine.model_loader import model_fingerprint
+from splitserve.engine.outputs import CompletionDelta
+from splitserve.kv_transfer import ProducerConnector, make_backend
+
+logger = logging.getLogger(__name__)
+
+LEASE_POLL_S = 0.002
+"""How often held leases are checked for pull notifications and expiry."""
+
+
+@dataclass
+class _InFlight:
+    future: Future
+    admitted_at: float
+
+
+class PrefillWorker:
+    def __init__(self, model_dir: str | Path, engine_config: EngineConfig, transfer_backend: str = "nixl",
+                 lease_ttl_s: float = 30.0, worker_id: str | None = None) -> None:
+        self.worker_id = worker_id or f"prefill-{uuid.uuid4().hex[:8]}"
+        self.engine = EngineCore(model_dir, engine_config, show_progress=True)
+        self._layout = self.engine.kv_layout(model_fingerprint(Path(model_dir)))
+        # A new agent name on every start, so peers never confuse a restarted worker with its old self.
+        self._backend = make_backend(transfer_backend, f"{self.worker_id}-{uuid.uuid4().hex[:8]}")
+        self._backend.register_kv_pool(self.engine.kv_cache.layers, self._layout)
+        self._leases = ProducerConnector(self._backend, self._layout, lease_ttl_s)
+        self._in_flight: dict[str, _InFlight] = {}
+        self._loop = EngineLoop(self.engine, self._on_deltas, self._poll_leases, name=self.worker_id)
+        self._loop.start()
+
+    # ---- actor API -----------------------------------------------------------------------
+    def info(self) -> WorkerInfo:
+        return WorkerInfo(self.worker_id, "prefill", self.engine.max_model_len, self.engine.vocab_size,
+                          self._layout, self._backend.metadata())
+
+    async def prefill(self, request: PrefillRequest) -> PrefillResult:
+        """Prefill one prompt; returns once its first token exists (or it ended)."""
+        future: Future = Future()
+        await self._loop.run(lambda engine: self._admit(engine, request, future))
+        return await asyncio.wrap_future(future)
+
+    async def abort(self, request_id: str) -> bool:
+        """Stop a request in any state here: queued, prefilling, or holding KV for a pull."""
+        return await self._loop.run(lambda engine: self._abort(engine, request_id))
+
+    async def stats(self) -> WorkerStats:
+        return await self._loop.run(lambda engine: WorkerStats(engine.stats(), self._leases.stats().num_held, 0))
+
+    def shutdown(self) -> None:
+        self._loop.stop()
+        self._backend.close()
+
+    # ---- engine thread -------------------------------------------------------------------
+    def _admit(self, engine: EngineCore, request: PrefillRequest, future: Future) -> None:
+        engine.add_request(request.request_id, list(request.prompt_token_ids), request.sampling_params,
+                           hold_kv_after_prefill=True)
+        self._in_flight[request.request_id] = _InFlight(future, time.monotonic())
+        logger.debug("[%s] prefill admitted (%d prompt tokens)", request.request_id, len(request.prompt_token_ids))
+
+    def _abort(self, engine: EngineCore, request_id: str) -> bool:
+        if engine.abort_request(request_id):
+            return True
+        if self._leases.release(request_id):
+            engine.release_held_kv(request_id)
+            return True
+        return False
+
+    def _on_deltas(self, deltas: list[CompletionDelta]) -> None:
+        for delta in deltas:
+            in_flight = self._in_flight.pop(delta.request_id, None)
+            if in_flight is not None:  # every prefill delta is final: the first token or an abort
+                in_flight.future.set_result(self._result(delta, time.monotonic() - in_flight.admitted_at))
+
+    def _result(self, delta: CompletionDelta, compute_s: float) -> PrefillResult:
+        held = self.engine.take_held_kv(delta.request_id)
+        transfer = None
+        finish_reason = delta.finish_reason
+        if held is not None:
+            transfer = self._leases.hold(delta.request_id, held.block_ids, held.num_tokens)
+            finish_reason = None
+        return PrefillResult(delta.request_id, delta.new_token_ids, delta.new_logprobs, finish_reason,
+                             delta.stop_reason, delta.num_cached_tokens, transfer,
+                             held.generator_state if held is not None else None, compute_s)
+
+    def _poll_leases(self) -> float | None:
+        for lease in self._leases.poll():
+            self.engine.release_held_kv(lease.request_id)
+            logger.debug("[%s] lease ended: %s", lease.request_id, lease.state.value)
+        return LEASE_POLL_S if self._leases.stats().num_held else None

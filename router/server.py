@@ -1,0 +1,130 @@
+"""The router's gRPC front: the Generation service, grpc.health.v1 and server reflection.
+
+Translates proto messages to the orchestrator's typed inputs and back, and maps errors to
+status codes: InvalidRequestError -> INVALID_ARGUMENT (message names the field), RouterError
+-> its own code. Tokenization runs in a thread so a long prompt never stalls the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from splitserve.common.errors import InvalidRequestError
+from splitserve.common.sampling_params import SamplingParams
+from splitserve.proto.splitserve.v1 import generation_pb2 as pb
+from splitserve.proto.splitserve.v1 import generation_pb2_grpc as pb_grpc
+from splitserve.router.orchestrator import GenerationInput, Orchestrator, RouterError, StreamChunk
+from splitserve.router.tokenizer import RouterTokenizer
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
+MAX_MESSAGE_BYTES = 16 << 20
+_SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "frequency_penalty",
+                    "presence_penalty", "seed", "max_tokens", "ignore_eos", "logprobs", "skip_special_tokens")
+
+
+def sampling_params_from_proto(message: pb.SamplingParams) -> SamplingParams:
+    """Unset optional fields keep SamplingParams' defaults; values are validated there."""
+    given = {name: getattr(message, name) for name in _SAMPLING_FIELDS if message.HasField(name)}
+    return SamplingParams(stop=tuple(message.stop), stop_token_ids=tuple(message.stop_token_ids), **given)
+
+
+def prompt_token_ids(request: pb.GenerateRequest, tokenizer: RouterTokenizer) -> list[int]:
+    kind = request.WhichOneof("prompt")
+    if kind == "token_ids":
+        return list(request.token_ids.ids)
+    if kind == "text":
+        try:
+            text = request.text.decode("utf-8")
+        except UnicodeDecodeError as error:
+            raise InvalidRequestError("prompt.text", f"is not valid UTF-8 ({error.reason} at byte {error.start})")
+        return tokenizer.encode(text)
+    if kind == "chat":
+        messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
+        add_prompt = request.chat.add_generation_prompt if request.chat.HasField("add_generation_prompt") else True
+        return tokenizer.apply_chat_template(messages, add_prompt)
+    raise InvalidRequestError("prompt", "one of text, token_ids or chat is required")
+
+
+def chunk_to_proto(chunk: StreamChunk) -> pb.GenerateResponse:
+    response = pb.GenerateResponse(request_id=chunk.request_id, token_ids=chunk.token_ids, text=chunk.text,
+                                   finish_reason=chunk.finish_reason or "")
+    for lp in chunk.logprobs:
+        response.logprobs.append(pb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob, rank=lp.rank,
+                                                 top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top]))
+    if isinstance(chunk.stop_reason, str):
+        response.stop_string = chunk.stop_reason
+    elif isinstance(chunk.stop_reason, int):
+        response.stop_token_id = chunk.stop_reason
+    if chunk.usage is not None:
+        response.usage.CopyFrom(pb.Usage(prompt_tokens=chunk.usage.prompt_tokens,
+                                         cached_tokens=chunk.usage.cached_tokens,
+                                         completion_tokens=chunk.usage.completion_tokens))
+    if chunk.timing is not None:
+        t = chunk.timing
+        response.timing.CopyFrom(pb.Timing(queue_s=t.queue_s, prefill_s=t.prefill_s, transfer_s=t.transfer_s,
+                                           first_token_s=t.first_token_s, total_s=t.total_s))
+    return response
+
+
+class GenerationServicer(pb_grpc.GenerationServicer):
+    def __init__(self, orchestrator: Orchestrator, tokenizer: RouterTokenizer, model_name: str,
+                 request_timeout_s: float | None = None) -> None:
+        self.orchestrator = orchestrator
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.request_timeout_s = request_timeout_s
+
+    async def Generate(self, request: pb.GenerateRequest,
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+        try:
+            inp = await self._input(request, context)
+            logger.info("[%s] generate: %d prompt tokens", inp.request_id, len(inp.prompt_token_ids))
+            async for chunk in self.orchestrator.generate(inp):
+                yield chunk_to_proto(chunk)
+        except InvalidRequestError as error:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        except RouterError as error:
+            logger.info("[%s] ended with %s", request.request_id, error)
+            await context.abort(grpc.StatusCode[error.code], error.message)
+
+    async def _input(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> GenerationInput:
+        if request.model and request.model != self.model_name:
+            raise InvalidRequestError("model", f"unknown model {request.model!r}; this server serves "
+                                               f"{self.model_name!r}")
+        params = sampling_params_from_proto(request.sampling)
+        request_id = self.orchestrator.new_request_id(request.request_id)
+        token_ids = await asyncio.to_thread(prompt_token_ids, request, self.tokenizer)
+        return GenerationInput(request_id, tuple(token_ids), params, self._deadline(context))
+
+    def _deadline(self, context: grpc.aio.ServicerContext) -> float | None:
+        remaining = [s for s in (context.time_remaining(), self.request_timeout_s) if s is not None]
+        return time.monotonic() + min(remaining) if remaining else None
+
+
+async def start_grpc_server(orchestrator: Orchestrator, tokenizer: RouterTokenizer, model_name: str,
+                            host: str = "127.0.0.1", port: int = 50051,
+                            request_timeout_s: float | None = None) -> tuple[grpc.aio.Server, int]:
+    """Start serving; returns the server and the bound port (port 0 picks a free one)."""
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                                      ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
+    pb_grpc.add_GenerationServicer_to_server(
+        GenerationServicer(orchestrator, tokenizer, model_name, request_timeout_s), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot listen on {host}:{port}")
+    await server.start()
+    for service in ("", SERVICE_NAME):
+        await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+    return server, bound

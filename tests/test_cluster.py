@@ -1,0 +1,141 @@
+"""End to end through gRPC on a local Ray cluster (loopback only), KV pulled over NIXL."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from splitserve.proto.splitserve.v1 import generation_pb2 as pb
+from splitserve.proto.splitserve.v1 import generation_pb2_grpc
+from tests.factories import hf_greedy, mixed_workload, running_cluster, stream_tokens, tiny_cluster_config
+
+pytestmark = pytest.mark.slow
+
+
+def _greedy_request(index: int, case) -> pb.GenerateRequest:
+    return pb.GenerateRequest(request_id=f"req-{index}", token_ids=pb.TokenIds(ids=case.prompt_token_ids),
+                              sampling=pb.SamplingParams(temperature=0.0, max_tokens=case.max_tokens,
+                                                         ignore_eos=case.ignore_eos))
+
+
+def _run_concurrently(port: int, cases) -> list[list[int]]:
+    with ThreadPoolExecutor(len(cases)) as pool:
+        results = pool.map(lambda item: stream_tokens(port, _greedy_request(*item))[0], enumerate(cases))
+        return list(results)
+
+
+def _assert_matches_hf(model_dir, cases, outputs) -> None:
+    for index, (case, tokens) in enumerate(zip(cases, outputs)):
+        assert tokens == hf_greedy(model_dir, case), f"request {index}"
+
+
+@pytest.fixture(scope="module")
+def disaggregated(tiny_llama_dir):
+    with running_cluster(tiny_cluster_config(tiny_llama_dir, prefill=2, decode=2)) as running:
+        yield running
+
+
+def test_32_concurrent_greedy_requests_match_hf_2p2d(disaggregated, tiny_llama_dir):
+    cluster, loop = disaggregated
+    cases = mixed_workload(512, num_requests=32, seed=3, max_prompt=200, max_output=24)
+    _assert_matches_hf(tiny_llama_dir, cases, _run_concurrently(cluster.port, cases))
+    loop.run(cluster.wait_idle())
+
+
+def test_response_carries_usage_timing_and_text(disaggregated, tiny_llama_dir):
+    cluster, loop = disaggregated
+    request = pb.GenerateRequest(text="Tell me about the river".encode(),
+                                 sampling=pb.SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+    tokens, text, responses = stream_tokens(cluster.port, request)
+    final = responses[-1]
+    assert (final.finish_reason, final.usage.completion_tokens, len(tokens)) == ("length", 6, 6)
+    assert final.usage.prompt_tokens > 0 and all(r.finish_reason == "" for r in responses[:-1])
+    assert 0 < final.timing.first_token_s <= final.timing.total_s and final.timing.transfer_s > 0
+    from splitserve.router.tokenizer import RouterTokenizer
+
+    assert text == RouterTokenizer.from_model_dir(tiny_llama_dir).decode(tokens)
+    loop.run(cluster.wait_idle())
+
+
+def test_invalid_input_gets_invalid_argument_and_server_stays_healthy(disaggregated):
+    cluster, _ = disaggregated
+    bad = [pb.GenerateRequest(text=b""),
+           pb.GenerateRequest(text=b"\xff\xfe"),
+           pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1] * 5000)),
+           pb.GenerateRequest(token_ids=pb.TokenIds(ids=[99999])),
+           pb.GenerateRequest(text=b"hi", sampling=pb.SamplingParams(top_p=2.0)),
+           pb.GenerateRequest(text=b"hi", model="nope"),
+           pb.GenerateRequest()]
+    fields = ["prompt", "prompt.text", "prompt", "prompt.token_ids", "top_p", "model", "prompt"]
+    for request, field in zip(bad, fields):
+        with pytest.raises(grpc.RpcError) as error:
+            stream_tokens(cluster.port, request)
+        assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert error.value.details().startswith(f"{field}: "), error.value.details()
+    with grpc.insecure_channel(f"127.0.0.1:{cluster.port}") as channel:
+        health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""))
+    assert health.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_client_cancel_mid_stream_frees_both_workers(disaggregated):
+    cluster, loop = disaggregated
+    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=list(range(3, 150))),
+                                 sampling=pb.SamplingParams(max_tokens=1500, ignore_eos=True))
+    with grpc.insecure_channel(f"127.0.0.1:{cluster.port}") as channel:
+        call = generation_pb2_grpc.GenerationStub(channel).Generate(request, timeout=60)
+        received = [next(call) for _ in range(4)]
+        call.cancel()
+    assert all(len(r.token_ids) >= 1 for r in received)
+    loop.run(cluster.wait_idle())
+
+
+def test_deadline_ends_the_stream_and_frees_everything(disaggregated):
+    cluster, loop = disaggregated
+    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=list(range(3, 100))),
+                                 sampling=pb.SamplingParams(max_tokens=1900, ignore_eos=True))
+    with pytest.raises(grpc.RpcError) as error:
+        stream_tokens(cluster.port, request, timeout_s=1.0)
+    assert error.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    loop.run(cluster.wait_idle())
+
+
+def _descendants(pid: int) -> set[int]:
+    children = {pid}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = open(f"/proc/{entry}/stat").read()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) in children:
+                children.add(int(entry))
+    return children
+
+
+def test_every_listener_is_on_loopback(disaggregated):
+    ours = _descendants(os.getpid())
+    ours |= {int(p) for p in subprocess.run(["pgrep", "-f", "gcs_server|raylet|ray::"], capture_output=True,
+                                            text=True).stdout.split()}
+    listing = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, check=True).stdout
+    checked = 0
+    for line in listing.splitlines():
+        pids = {int(p) for p in re.findall(r"pid=(\d+)", line)}
+        if pids & ours:
+            local = line.split()[3]
+            assert re.match(r"^(127\.0\.0\.1|\[::ffff:127\.0\.0\.1\]|\[::1\]):\d+$", local), line
+            checked += 1
+    assert checked >= 5
+
+
+@pytest.mark.parametrize("mode, prefill, decode", [("disaggregated", 1, 1), ("colocated", 0, 2)])
+def test_other_shapes_match_hf(tiny_llama_dir, mode, prefill, decode):
+    cases = mixed_workload(512, num_requests=12, seed=5, max_prompt=120, max_output=16)
+    with running_cluster(tiny_cluster_config(tiny_llama_dir, mode, prefill, decode)) as (cluster, loop):
+        _assert_matches_hf(tiny_llama_dir, cases, _run_concurrently(cluster.port, cases))
+        loop.run(cluster.wait_idle())

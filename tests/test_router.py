@@ -1,0 +1,123 @@
+"""The router's orchestration with in-process workers: stop strings, seeds, deadlines, cancels,
+lease expiry — exact outputs, and both worker pools idle afterwards."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from splitserve.common.sampling_params import SamplingParams
+from splitserve.engine import LLM
+from splitserve.router.orchestrator import RouterError
+from tests.factories import InProcessCluster, hf_greedy, mixed_workload
+
+PROMPT = list(range(3, 60))
+
+
+def _offline(model_dir, prompt, params):
+    (output,) = LLM(model_dir, block_size=8, num_kv_blocks=256, dtype="float32", device="cpu").generate(
+        [prompt], params)
+    return output
+
+
+def _tokens(chunks):
+    return [t for c in chunks for t in c.token_ids]
+
+
+@pytest.mark.parametrize("mode", ["disaggregated", "colocated"])
+def test_greedy_matches_hf_with_shared_prefixes(tiny_llama_dir, mode):
+    cases = mixed_workload(512, num_requests=10, seed=11, max_prompt=100, max_output=12)
+
+    async def scenario():
+        async with InProcessCluster(tiny_llama_dir, mode, num_decode=2) as cluster:
+            outputs = await asyncio.gather(*(cluster.generate(f"r{i}", c.prompt_token_ids, c.params())
+                                             for i, c in enumerate(cases)))
+            await cluster.wait_idle()
+            return [_tokens(chunks) for chunks in outputs]
+
+    assert asyncio.run(scenario()) == [hf_greedy(tiny_llama_dir, case) for case in cases]
+
+
+def test_stop_string_is_cut_at_the_router_like_the_engine(tiny_llama_dir):
+    base = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    full_text = _offline(tiny_llama_dir, PROMPT, base).text
+    stop = full_text[len(full_text) // 2: len(full_text) // 2 + 3]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=(stop,))
+    expected = _offline(tiny_llama_dir, PROMPT, params)
+
+    async def scenario():
+        async with InProcessCluster(tiny_llama_dir) as cluster:
+            chunks = await cluster.generate("a", PROMPT, params)
+            await cluster.wait_idle()
+            return chunks
+
+    chunks = asyncio.run(scenario())
+    final = chunks[-1]
+    assert "".join(c.text for c in chunks) == expected.text
+    assert (final.finish_reason, final.stop_reason) == ("stop", stop)
+    assert _tokens(chunks) == expected.token_ids
+
+
+def test_seeded_sampling_continues_the_same_stream_across_workers(tiny_llama_dir):
+    params = SamplingParams(temperature=1.0, top_k=50, seed=1234, max_tokens=16, ignore_eos=True)
+    expected = _offline(tiny_llama_dir, PROMPT, params).token_ids
+
+    async def scenario():
+        async with InProcessCluster(tiny_llama_dir) as cluster:
+            return _tokens(await cluster.generate("a", PROMPT, params))
+
+    assert asyncio.run(scenario()) == expected
+
+
+def test_deadline_exceeded_frees_both_workers(tiny_llama_dir):
+    params = SamplingParams(max_tokens=2000, ignore_eos=True)
+
+    async def scenario():
+        async with InProcessCluster(tiny_llama_dir) as cluster:
+            with pytest.raises(RouterError) as error:
+                await cluster.generate("a", PROMPT, params, deadline=time.monotonic() + 0.5)
+            assert error.value.code == "DEADLINE_EXCEEDED"
+            await cluster.wait_idle()
+
+    asyncio.run(scenario())
+
+
+def test_cancel_mid_stream_frees_both_workers(tiny_llama_dir):
+    from splitserve.router.orchestrator import GenerationInput
+
+    async def scenario():
+        async with InProcessCluster(tiny_llama_dir) as cluster:
+            stream = cluster.orchestrator.generate(
+                GenerationInput("a", tuple(PROMPT), SamplingParams(max_tokens=2000, ignore_eos=True)))
+            received = [await anext(stream) for _ in range(3)]
+            await stream.aclose()
+            assert cluster.orchestrator.num_in_flight == 0 and all(c.token_ids for c in received)
+            await cluster.wait_idle()
+
+    asyncio.run(scenario())
+
+
+def test_expired_lease_makes_decode_recompute_with_the_same_output(tiny_llama_dir):
+    case = mixed_workload(512, num_requests=1, seed=2, max_prompt=80, max_output=10)[0]
+
+    async def scenario():
+        async with InProcessCluster(tiny_llama_dir, lease_ttl_s=1e-6) as cluster:
+            chunks = await cluster.generate("a", case.prompt_token_ids, case.params())
+            await cluster.wait_idle()
+            return _tokens(chunks), chunks[-1].timing.transfer_s
+
+    tokens, transfer_s = asyncio.run(scenario())
+    assert tokens == hf_greedy(tiny_llama_dir, case) and transfer_s == 0.0
+
+
+def test_expired_lease_with_fail_policy_ends_with_internal(tiny_llama_dir):
+    async def scenario():
+        async with InProcessCluster(tiny_llama_dir, lease_ttl_s=1e-6, transfer_failure_policy="fail") as cluster:
+            with pytest.raises(RouterError) as error:
+                await cluster.generate("a", PROMPT, SamplingParams(max_tokens=5))
+            assert error.value.code == "INTERNAL" and "KV transfer failed" in error.value.message
+            await cluster.wait_idle()
+
+    asyncio.run(scenario())
