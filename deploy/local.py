@@ -138,12 +138,12 @@ async def _serve(config: ClusterConfig) -> int:
     import signal
 
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, stop.set)
     cluster = LocalCluster(config)
     try:
         port = await cluster.start()
+        # After start: ray.init installs its own SIGTERM handler, which would abort the process.
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            asyncio.get_running_loop().add_signal_handler(signum, stop.set)
         print(f"splitserve: serving {config.model} ({config.mode}) on {config.router.host}:{port}\n"
               f"  try: splitserve generate --target {config.router.host}:{port} \"Tell me about the river.\"\n"
               "  Ctrl-C stops the cluster.", flush=True)

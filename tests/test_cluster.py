@@ -139,3 +139,29 @@ def test_other_shapes_match_hf(tiny_llama_dir, mode, prefill, decode):
     with running_cluster(tiny_cluster_config(tiny_llama_dir, mode, prefill, decode)) as (cluster, loop):
         _assert_matches_hf(tiny_llama_dir, cases, _run_concurrently(cluster.port, cases))
         loop.run(cluster.wait_idle())
+
+
+def test_serve_command_answers_and_stops_cleanly_on_sigterm(tiny_llama_dir):
+    import signal
+    import sys
+    import time
+
+    command = [sys.executable, "-m", "splitserve.deploy.cli", "serve", "--model", str(tiny_llama_dir),
+               "--grpc-port", "0", "--set", "prefill.engine.num_kv_blocks=256", "--set",
+               "decode.engine.num_kv_blocks=256", "--set", "prefill.resources.num_cpus=0.5", "--set",
+               "decode.resources.num_cpus=0.5"]
+    server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        banner = server.stdout.readline()
+        port = int(re.search(r"on 127\.0\.0\.1:(\d+)", banner).group(1))
+        request = pb.GenerateRequest(text=b"hello", sampling=pb.SamplingParams(max_tokens=3, ignore_eos=True))
+        tokens, _, _ = stream_tokens(port, request)
+        assert len(tokens) == 3
+        children = _descendants(server.pid) - {server.pid}
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(timeout=60) == 0
+        time.sleep(1)
+        assert not [pid for pid in children if os.path.exists(f"/proc/{pid}")], "worker processes outlived serve"
+    finally:
+        if server.poll() is None:
+            server.kill()
