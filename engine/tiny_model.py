@@ -23,13 +23,14 @@ from pathlib import Path
 import tokenizers
 import torch
 import transformers
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import (AutoModelForCausalLM, GenerationConfig, LlamaConfig, PretrainedConfig,
                           PreTrainedModel, PreTrainedTokenizerFast, Qwen2Config)
+from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX as QWEN2_PRETOKENIZE_REGEX
 
 # Bump whenever the builder's output changes for an unchanged spec, so cached default
 # models built by an older version are not silently reused.
-BUILDER_VERSION = 2
+BUILDER_VERSION = 3
 
 EOS_TOKEN = "<|endoftext|>"
 END_OF_TURN_TOKEN = "<|im_end|>"
@@ -162,11 +163,31 @@ def _synthetic_corpus(seed: int, num_invented: int) -> list[str]:
     return sentences
 
 
-def _train_bpe(vocab_size: int, corpus: list[str]) -> Tokenizer:
+def _byte_level_pipeline(tokenizer: Tokenizer) -> None:
+    """GPT-2 style: no normalizer, ByteLevel with its built-in split regex (what the llama tiny model uses)."""
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+
+
+def _qwen2_pipeline(tokenizer: Tokenizer) -> None:
+    """The normalizer and pre-tokenizer transformers' Qwen2Tokenizer rebuilds on load (NFC + Qwen's split regex +
+    ByteLevel without its own regex). tokenizer.json must carry the same pipeline, since the router reads that
+    file while transformers (and anyone comparing against it) ignores the file's pipeline for model_type qwen2."""
+    tokenizer.normalizer = normalizers.NFC()
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZE_REGEX), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+
+
+# Per arch: sets the normalizer/pre-tokenizer the merges are trained with and tokenizer.json is saved with.
+_TOKENIZER_PIPELINES = {"llama": _byte_level_pipeline, "qwen2": _qwen2_pipeline}
+
+
+def _train_bpe(vocab_size: int, corpus: list[str], arch: str) -> Tokenizer:
     # The trainer's output does not depend on thread count or hash seeds (checked by the tests),
     # so no RAYON_NUM_THREADS pinning is needed for determinism.
     tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    _TOKENIZER_PIPELINES[arch](tokenizer)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS), show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
@@ -174,16 +195,19 @@ def _train_bpe(vocab_size: int, corpus: list[str]) -> Tokenizer:
     return tokenizer
 
 
-def build_tokenizer(vocab_size: int, seed: int) -> PreTrainedTokenizerFast:
-    """Byte-level BPE of exactly `vocab_size` tokens with a ChatML template; a pure function of its arguments."""
+def build_tokenizer(vocab_size: int, seed: int, arch: str = "llama") -> PreTrainedTokenizerFast:
+    """Byte-level BPE of exactly `vocab_size` tokens with a ChatML template and `arch`'s normalizer and
+    pre-tokenizer; a pure function of its arguments."""
     _check_vocab_size(vocab_size)
+    if arch not in _TOKENIZER_PIPELINES:
+        raise ValueError(f"arch must be one of {sorted(_TOKENIZER_PIPELINES)}, got {arch!r}")
     # About one invented word per token is enough in practice; on a shortfall the pool
     # doubles, which keeps the result deterministic.
     num_invented = vocab_size
-    tokenizer = _train_bpe(vocab_size, _synthetic_corpus(seed, num_invented))
+    tokenizer = _train_bpe(vocab_size, _synthetic_corpus(seed, num_invented), arch)
     while tokenizer.get_vocab_size() < vocab_size:
         num_invented *= 2
-        tokenizer = _train_bpe(vocab_size, _synthetic_corpus(seed, num_invented))
+        tokenizer = _train_bpe(vocab_size, _synthetic_corpus(seed, num_invented), arch)
     assert tokenizer.get_vocab_size() == vocab_size, (tokenizer.get_vocab_size(), vocab_size)
     # No BOS token (Qwen2 style): the backend has no post-processor, so nothing is prepended.
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=EOS_TOKEN, pad_token=EOS_TOKEN,
@@ -233,7 +257,7 @@ def _atomic_dir(out_dir: Path) -> Iterator[Path]:
 def build_tiny_model(out_dir: str | Path, spec: TinyModelSpec) -> Path:
     """Write a complete model directory for `spec` to `out_dir` (replacing it); a crash never leaves half a model."""
     out_dir = Path(out_dir)
-    tokenizer = build_tokenizer(spec.vocab_size, spec.seed)
+    tokenizer = build_tokenizer(spec.vocab_size, spec.seed, spec.arch)
     tokenizer.model_max_length = spec.max_position_embeddings
     eos_id, end_of_turn_id = tokenizer.convert_tokens_to_ids([EOS_TOKEN, END_OF_TURN_TOKEN])
     model = _random_model(spec, _hf_config(spec, eos_id))

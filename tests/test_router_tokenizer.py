@@ -158,13 +158,9 @@ def test_backend_drives_incremental_detokenization(tiny_llama_dir):
     assert "".join(streamed) + detokenizer.take_delta(finished=True) == "río 🌍 flows"
 
 
-@pytest.mark.parametrize("arch", [
-    "llama",
-    pytest.param("qwen2", marks=pytest.mark.xfail(strict=True, reason=(
-        "transformers 5 loads model_type qwen2 with Qwen2Tokenizer, which replaces tokenizer.json's "
-        "normalizer/pre-tokenizer with NFC + the Qwen regex; the tiny builder saves a plain ByteLevel "
-        "pipeline, so only the saved file and transformers disagree (real Qwen2 files match)"))),
-])
+# transformers 5 loads model_type qwen2 with Qwen2Tokenizer, which rebuilds the normalizer/pre-tokenizer
+# (NFC + the Qwen regex) instead of reading tokenizer.json's; the tiny builder saves that same pipeline.
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_encode_matches_transformers_on_decomposed_unicode(arch, tiny_model_dirs):
     text = "cafe\u0301 (e + combining acute)"
     ours, hf = RouterTokenizer.from_model_dir(tiny_model_dirs[arch]), _hf(tiny_model_dirs[arch])

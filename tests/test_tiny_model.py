@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import subprocess
 import sys
+import unicodedata
 
 import pytest
 import torch
 from conftest import TINY_SPECS
 from safetensors.torch import load_file
+from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
 from splitserve.deploy.cli import main as cli_main
 from splitserve.engine import tiny_model
@@ -72,6 +76,50 @@ def test_encode_decode_round_trip_is_exact(tiny_llama_dir, text):
     ids = tokenizer.encode(text)
     assert tokenizer.decode(ids) == text
     assert tokenizer.decode(ids, skip_special_tokens=True) == text.replace("<|im_start|>", "").replace("<|im_end|>", "")
+
+
+# Where pre-tokenizers and normalizers differ: runs of spaces/newlines, digits, contractions, emoji
+# sequences, composed vs decomposed accents, compatibility characters NFC leaves alone.
+TRICKY_TEXTS = (
+    "", " ", "   ", "\n", "a\n \n b  ", "Hello,  World!\n\n  x\r\n\ttab\t\t", "  leading and trailing  ",
+    "2024 3.14159 1,000,000 \u0661\u0662\u0663", "don't I'LL we've WE'VE o'clock",
+    "emoji \U0001f30d\U0001f680 \U0001f468\u200d\U0001f469\u200d\U0001f467 \U0001f1eb\U0001f1f7 \U0001f44d\U0001f3fd",
+    "e\u0301 caf\u00e9", unicodedata.normalize("NFD", "na\u00efve \u00dcn\u00efc\u00f6d\u00e9 \u00c5ngstr\u00f6m"),
+    "\ufb01 \u212b \u00c5 \u212a \u2460",  # ligature, Angstrom/Kelvin signs (NFC maps them), circled digit
+    "\u4e2d\u6587 \u0442\u0435\u043a\u0441\u0442 \u03b5\u03bb\u03bb\u03b7\u03bd\u03b9\u03ba\u03ac",
+    "x!!!\n\n\ny?.. -- ... ;;", "<|im_start|>user\nhi<|im_end|>",
+)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_tokenizer_json_encodes_like_transformers(tiny_model_dirs, arch):
+    # The router tokenizes with tokenizer.json alone; transformers may rebuild the pipeline by model_type
+    # (Qwen2Tokenizer does), so the two must agree on every text, not just on plain ASCII.
+    file_backend = Tokenizer.from_file(str(tiny_model_dirs[arch] / "tokenizer.json"))
+    hf = AutoTokenizer.from_pretrained(tiny_model_dirs[arch])
+    for text in TRICKY_TEXTS:
+        assert file_backend.encode(text).ids == hf(text)["input_ids"], text
+    # NFC is applied for qwen2 only: the decomposed and composed spellings tokenize alike there.
+    composed, decomposed = "caf\u00e9", "cafe\u0301"
+    same = file_backend.encode(composed).ids == file_backend.encode(decomposed).ids
+    assert same == (arch == "qwen2")
+
+
+def test_qwen2_tokenizer_json_has_the_qwen2_pipeline(tiny_qwen2_dir, tiny_llama_dir):
+    saved = json.loads((tiny_qwen2_dir / "tokenizer.json").read_text())
+    assert saved["normalizer"] == {"type": "NFC"}
+    assert saved["pre_tokenizer"] == {"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": PRETOKENIZE_REGEX}, "behavior": "Isolated", "invert": False},
+        {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}]}
+    llama = json.loads((tiny_llama_dir / "tokenizer.json").read_text())
+    assert llama["normalizer"] is None
+    assert llama["pre_tokenizer"] == {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
+                                      "use_regex": True}
+
+
+def test_build_tokenizer_rejects_an_unknown_arch():
+    with pytest.raises(ValueError, match="arch"):
+        build_tokenizer(512, seed=0, arch="gpt2")
 
 
 def test_special_tokens_and_no_bos(tiny_llama_dir):
