@@ -169,7 +169,11 @@ class EventLoopThread:
 
 @contextmanager
 def running_cluster(config):
-    """A LocalCluster (Ray on loopback + router) for the duration of the block; yields (cluster, loop)."""
+    """A LocalCluster (Ray on loopback + router) for the duration of the block; yields (cluster, loop).
+
+    Ray is shut down afterwards, so no test depends on a Ray session another test started."""
+    import ray
+
     from splitserve.deploy.local import LocalCluster
 
     loop = EventLoopThread()
@@ -180,6 +184,7 @@ def running_cluster(config):
     finally:
         loop.run(cluster.stop())
         loop.close()
+        ray.shutdown()
 
 
 def tiny_cluster_config(model_dir: Path, mode: str = "disaggregated", prefill: int = 1, decode: int = 1,
