@@ -66,6 +66,9 @@ class TokenDelta:
     """Set on the first delta after a KV pull: seconds the pull took."""
     error: str | None = None
     """Why the request was ended by a fault (finish_reason 'abort')."""
+    kv_transfer_failed: bool = False
+    """Set on the first delta after a failed pull that was recovered by recomputing the prompt:
+    the producer may still hold the lease, so the router releases it."""
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from collections import deque
 from pathlib import Path
 
 from splitserve.common.config import EngineConfig
+from splitserve.common.errors import InvalidRequestError
 from splitserve.common.kv_transfer_types import AgentMetadata
 from splitserve.common.worker_messages import DecodeRequest, TokenDelta, WorkerInfo, WorkerStats
 from splitserve.engine.engine_core import EngineCore
@@ -45,22 +46,27 @@ class DecodeWorker:
         self._backend.register_kv_pool(self.engine.kv_cache.layers, self._layout)
         self._pulls = ConsumerConnector(self._backend)
         self._failure_policy = transfer_failure_policy
+        self._info = WorkerInfo(self.worker_id, "decode", self.engine.max_model_len, self.engine.vocab_size,
+                                self._layout, self._backend.metadata())
         # Engine-thread state: requests waiting for free blocks, pulls in flight, aborts deferred
         # until their pull ends (a block being written by a pull is never freed), pull durations.
         self._awaiting_blocks: deque[DecodeRequest] = deque()
         self._pulling: set[str] = set()
-        self._abort_after_pull: set[str] = set()
+        self._abort_after_pull: dict[str, str | None] = {}
+        """Requests to end once their pull ends, with the error to report (None: a plain abort)."""
         self._transfer_s: dict[str, float] = {}
+        self._recomputed: set[str] = set()
         self._routes: dict[str, str] = {}
+        """request id -> router id; engine thread only."""
         self._outputs: dict[str, asyncio.Queue[list[TokenDelta]]] = {}
         self._event_loop: asyncio.AbstractEventLoop | None = None
-        self._loop = EngineLoop(self.engine, self._on_deltas, self._poll_transfers, name=self.worker_id)
+        self._loop = EngineLoop(self.engine, self._on_deltas, self._poll_transfers, self._on_step_failure,
+                                name=self.worker_id)
         self._loop.start()
 
     # ---- actor API -----------------------------------------------------------------------
     def info(self) -> WorkerInfo:
-        return WorkerInfo(self.worker_id, "decode", self.engine.max_model_len, self.engine.vocab_size,
-                          self._layout, self._backend.metadata())
+        return self._info
 
     async def add_peer(self, peer: AgentMetadata) -> None:
         """Handshake with a prefill worker (raises KVLayoutMismatchError on an incompatible one)."""
@@ -72,13 +78,8 @@ class DecodeWorker:
     async def submit(self, request: DecodeRequest) -> None:
         """Admit a request; raises InvalidRequestError for one the engine can never serve."""
         self._event_loop = asyncio.get_running_loop()
-        self._routes[request.request_id] = request.router_id
         self._queue(request.router_id)
-        try:
-            await self._loop.run(lambda engine: self._admit(engine, request))
-        except Exception:
-            self._routes.pop(request.request_id, None)
-            raise
+        await self._loop.run(lambda engine: self._admit(engine, request))
 
     async def next_outputs(self, router_id: str, max_wait_s: float = 1.0) -> list[TokenDelta]:
         """Everything produced for `router_id` since the last call; waits up to max_wait_s for something."""
@@ -109,11 +110,14 @@ class DecodeWorker:
 
     # ---- engine thread -------------------------------------------------------------------
     def _admit(self, engine: EngineCore, request: DecodeRequest) -> None:
+        if request.request_id in self._routes:
+            raise InvalidRequestError("request_id", f"{request.request_id!r} is already in flight")
         if request.transfer is None:
             engine.add_request(request.request_id, list(request.prompt_token_ids), request.sampling_params)
-            return
-        engine.validate(request.request_id, list(request.prompt_token_ids), request.sampling_params)
-        self._awaiting_blocks.append(request)
+        else:
+            engine.validate(request.request_id, list(request.prompt_token_ids), request.sampling_params)
+            self._awaiting_blocks.append(request)
+        self._routes[request.request_id] = request.router_id
         self._start_pulls(engine)
 
     def _start_pulls(self, engine: EngineCore) -> None:
@@ -129,16 +133,25 @@ class DecodeWorker:
             self._pulls.start(request.transfer, local_block_ids)
             self._pulling.add(request.request_id)
 
-    def _abort(self, engine: EngineCore, request_id: str) -> bool:
+    def _abort(self, engine: EngineCore, request_id: str, error: str | None = None) -> bool:
+        """End a request in any state; one being pulled ends when its pull does (its blocks are
+        being written). With `error`, its router gets an error delta instead of a plain abort."""
         if request_id in self._pulling:
-            self._abort_after_pull.add(request_id)
+            self._abort_after_pull[request_id] = error
             return True
         for request in self._awaiting_blocks:
             if request.request_id == request_id:
                 self._awaiting_blocks.remove(request)
-                self._publish([TokenDelta(request_id, (), (), "abort", None, request.num_cached_tokens)])
+                self._publish([TokenDelta(request_id, (), (), "abort", None, request.num_cached_tokens, error=error)])
                 return True
+        if error is not None and request_id in engine.scheduler.requests:
+            self._fail(request_id, error)
+            return True
         return engine.abort_request(request_id)
+
+    def _on_step_failure(self, engine: EngineCore) -> None:
+        for request_id in [*engine.scheduler.requests, *(r.request_id for r in self._awaiting_blocks)]:
+            self._abort(engine, request_id, "the decode worker's engine step failed (see its log)")
 
     def _poll_transfers(self) -> float | None:
         for outcome in self._pulls.poll():
@@ -150,13 +163,17 @@ class DecodeWorker:
     def _finish_pull(self, outcome) -> None:
         request_id = outcome.request_id
         if request_id in self._abort_after_pull:
-            self._abort_after_pull.discard(request_id)
-            self.engine.abort_request(request_id)
+            error = self._abort_after_pull.pop(request_id)
+            if error is None:
+                self.engine.abort_request(request_id)
+            else:
+                self._fail(request_id, error)
         elif outcome.state is PullStatus.DONE:
             self._transfer_s[request_id] = outcome.seconds
             self.engine.remote_kv_ready(request_id)
         elif self._failure_policy == "recompute":
             logger.warning("[%s] KV pull failed (%s); recomputing the prompt locally", request_id, outcome.error)
+            self._recomputed.add(request_id)
             self.engine.remote_kv_failed(request_id)
         else:
             logger.warning("[%s] KV pull failed: %s", request_id, outcome.error)
@@ -173,7 +190,8 @@ class DecodeWorker:
 
     def _token_delta(self, delta: CompletionDelta) -> TokenDelta:
         return TokenDelta(delta.request_id, delta.new_token_ids, delta.new_logprobs, delta.finish_reason,
-                          delta.stop_reason, delta.num_cached_tokens, self._transfer_s.pop(delta.request_id, None))
+                          delta.stop_reason, delta.num_cached_tokens, self._transfer_s.pop(delta.request_id, None),
+                          kv_transfer_failed=delta.request_id in self._recomputed)
 
     def _publish(self, deltas: list[TokenDelta]) -> None:
         """Hand deltas to their routers' queues on the event loop (thread-safe)."""
@@ -184,5 +202,6 @@ class DecodeWorker:
                 by_router.setdefault(router_id, []).append(delta)
             if delta.finish_reason is not None:
                 self._routes.pop(delta.request_id, None)
+            self._recomputed.discard(delta.request_id)
         for router_id, batch in by_router.items():
             self._event_loop.call_soon_threadsafe(self._queue(router_id).put_nowait, batch)

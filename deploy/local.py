@@ -23,6 +23,7 @@ os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 
 import grpc  # noqa: E402
 import ray  # noqa: E402
+from ray._private import ray_constants  # noqa: E402
 
 from splitserve.decode_worker.worker import DecodeWorker  # noqa: E402
 from splitserve.deploy.cluster_config import ClusterConfig, PoolConfig  # noqa: E402
@@ -47,6 +48,9 @@ def start_ray(config: ClusterConfig) -> None:
     if config.ray_address is not None:
         ray.init(address=config.ray_address, runtime_env={"env_vars": env_vars}, logging_level=logging.WARNING)
         return
+    # If ray was imported before this module, the environment variable came too late for the
+    # driver: the flag it sets is read at call time, so set it directly as well.
+    ray_constants.ENABLE_RAY_CLUSTER = False
     # A local cluster never leaves this machine: keep UCX (NIXL's transport) on loopback too.
     env_vars.setdefault("UCX_NET_DEVICES", "lo")
     pools = [config.prefill, config.decode]

@@ -150,13 +150,15 @@ class EngineCore:
                            generator_state: bytes | None) -> tuple[int, ...] | None:
         """Consumer role: admit a request whose prompt KV lives on a producer.
 
-        Allocates blocks for the whole prompt and returns them in order: the caller pulls the
-        producer's blocks into them, then calls remote_kv_ready() or remote_kv_failed(). Returns
+        Allocates blocks for the prompt and the tokens generated elsewhere, and returns the
+        prompt's blocks in order: the caller pulls the producer's blocks into them, then calls remote_kv_ready() or remote_kv_failed(). Returns
         None (nothing changed) when the pool has no room yet.
         """
         self.validate(request_id, prompt_token_ids, params)
         request = self._new_request(request_id, list(prompt_token_ids), list(output_token_ids), params)
-        if self.block_manager.allocate(request, request.num_prompt_tokens) is None:
+        # Room for the tokens generated elsewhere too, so the first decode step never waits
+        # for a block (a ready request is never preempted to make room for itself).
+        if self.block_manager.allocate(request, request.num_tokens) is None:
             self._forget(request_id)
             return None
         request.num_cached_tokens = num_cached_tokens
@@ -164,7 +166,8 @@ class EngineCore:
         if generator_state is not None:
             self._generators[request_id].set_state(torch.frombuffer(bytearray(generator_state), dtype=torch.uint8))
         self.scheduler.add_remote(request)
-        return tuple(self.block_manager.block_table(request_id))
+        num_prompt_blocks = self.block_manager.blocks_needed(request.num_prompt_tokens)
+        return tuple(self.block_manager.block_table(request_id)[:num_prompt_blocks])
 
     def remote_kv_ready(self, request_id: str) -> None:
         self.scheduler.remote_kv_ready(request_id)
@@ -183,6 +186,11 @@ class EngineCore:
             return False
         self.block_manager.free(request_id)
         return True
+
+    @property
+    def num_steps(self) -> int:
+        """Forward passes run so far."""
+        return self._num_steps
 
     @property
     def num_held(self) -> int:
@@ -229,12 +237,15 @@ class EngineCore:
 
     # ---- the step ------------------------------------------------------------------------
     def step(self) -> list[CompletionDelta]:
-        deltas, self._pending = self._pending, []
+        """One schedule -> forward -> sample round. If it raises, deltas queued by earlier aborts
+        are kept for the next step (the caller decides what to do with the running requests)."""
         output = self.scheduler.schedule()
         if output.is_empty:
+            deltas, self._pending = self._pending, []
             return deltas
         self._num_steps += 1
         logits = self.runner.execute(output)
+        deltas, self._pending = self._pending, []
         self.scheduler.advance(output)
         sampling = [self.scheduler.requests[c.request_id] for c in output.chunks if c.samples]
         result = self.sampler(logits, [self._sampling_row(r) for r in sampling])

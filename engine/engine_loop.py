@@ -28,12 +28,15 @@ IDLE_WAIT_S = 0.5
 
 class EngineLoop:
     def __init__(self, engine: EngineCore, on_deltas: Callable[[list[CompletionDelta]], None],
-                 background: Callable[[], float | None] = lambda: None, name: str = "engine-loop") -> None:
+                 background: Callable[[], float | None] = lambda: None,
+                 on_step_failure: Callable[[EngineCore], None] | None = None, name: str = "engine-loop") -> None:
         """`background()` runs before every step and returns how soon (seconds) it wants to run
-        again when the engine is otherwise idle, or None for no hurry."""
+        again when the engine is otherwise idle, or None for no hurry. `on_step_failure(engine)`
+        decides what happens to the in-flight requests when a step raises (default: abort all)."""
         self.engine = engine
         self._on_deltas = on_deltas
         self._background = background
+        self._on_step_failure = on_step_failure or abort_all
         self._calls: queue.SimpleQueue[tuple[Callable[[EngineCore], object], Future]] = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._stopping = False
@@ -59,15 +62,25 @@ class EngineLoop:
         return await asyncio.wrap_future(self.call(fn))
 
     def _run(self) -> None:
+        """Invariant: the thread survives any exception from a hook or a step (a dead loop would
+        leave every stream of this worker hanging)."""
         while not self._stopping:
             self._run_calls()
-            poll_again_s = self._background()
-            if self.engine.has_work():
-                self._step()
+            poll_again_s = self._guarded(self._background)
+            if self.engine.has_work() and self._step():
                 continue
+            # Idle, or the scheduler could place nothing (e.g. every block is held for a
+            # transfer): sleep until a call arrives or the hook wants to poll again.
             self._wakeup.wait(IDLE_WAIT_S if poll_again_s is None else min(poll_again_s, IDLE_WAIT_S))
             self._wakeup.clear()
         self._run_calls()
+
+    def _guarded(self, hook: Callable[[], T]) -> T | None:
+        try:
+            return hook()
+        except Exception:
+            logger.exception("%s: %s failed", self._thread.name, getattr(hook, "__name__", hook))
+            return None
 
     def _run_calls(self) -> None:
         while True:
@@ -82,15 +95,22 @@ class EngineLoop:
             except Exception as error:  # handed to the caller, who owns the decision
                 future.set_exception(error)
 
-    def _step(self) -> None:
+    def _step(self) -> bool:
+        """One engine step; False when it made no progress (nothing scheduled, nothing to report)."""
+        steps_before = self.engine.num_steps
         try:
             deltas = self.engine.step()
         except Exception:
-            # A failed forward pass must not kill the loop (every stream would hang): end the
-            # in-flight requests (their abort deltas come out of the next step) and go on.
-            logger.exception("engine step failed; aborting %d requests", len(self.engine.scheduler.requests))
-            for request_id in list(self.engine.scheduler.requests):
-                self.engine.abort_request(request_id)
-            return
+            logger.exception("%s: engine step failed with %d requests in flight", self._thread.name,
+                             len(self.engine.scheduler.requests))
+            self._guarded(lambda: self._on_step_failure(self.engine))
+            return True
         if deltas:
-            self._on_deltas(deltas)
+            self._guarded(lambda: self._on_deltas(deltas))
+        return bool(deltas) or self.engine.num_steps != steps_before
+
+
+def abort_all(engine: EngineCore) -> None:
+    """Default step-failure policy: end every request (their abort deltas come out of the next step)."""
+    for request_id in list(engine.scheduler.requests):
+        engine.abort_request(request_id)

@@ -45,20 +45,27 @@ class PrefillWorker:
         self._backend = make_backend(transfer_backend, f"{self.worker_id}-{uuid.uuid4().hex[:8]}")
         self._backend.register_kv_pool(self.engine.kv_cache.layers, self._layout)
         self._leases = ProducerConnector(self._backend, self._layout, lease_ttl_s)
+        self._info = WorkerInfo(self.worker_id, "prefill", self.engine.max_model_len, self.engine.vocab_size,
+                                self._layout, self._backend.metadata())
         self._in_flight: dict[str, _InFlight] = {}
         self._loop = EngineLoop(self.engine, self._on_deltas, self._poll_leases, name=self.worker_id)
         self._loop.start()
 
     # ---- actor API -----------------------------------------------------------------------
     def info(self) -> WorkerInfo:
-        return WorkerInfo(self.worker_id, "prefill", self.engine.max_model_len, self.engine.vocab_size,
-                          self._layout, self._backend.metadata())
+        return self._info
 
     async def prefill(self, request: PrefillRequest) -> PrefillResult:
-        """Prefill one prompt; returns once its first token exists (or it ended)."""
+        """Prefill one prompt; returns once its first token exists (or it ended). A cancelled
+        call aborts the request here (and frees its lease if it got that far)."""
         future: Future = Future()
-        await self._loop.run(lambda engine: self._admit(engine, request, future))
-        return await asyncio.wrap_future(future)
+        try:
+            await self._loop.run(lambda engine: self._admit(engine, request, future))
+            return await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            future.cancel()  # if the engine thread admitted it anyway, the result is dropped and the KV freed
+            self._loop.call(lambda engine: self._abort(engine, request.request_id))
+            raise
 
     async def abort(self, request_id: str) -> bool:
         """Stop a request in any state here: queued, prefilling, or holding KV for a pull."""
@@ -89,8 +96,14 @@ class PrefillWorker:
     def _on_deltas(self, deltas: list[CompletionDelta]) -> None:
         for delta in deltas:
             in_flight = self._in_flight.pop(delta.request_id, None)
-            if in_flight is not None:  # every prefill delta is final: the first token or an abort
-                in_flight.future.set_result(self._result(delta, time.monotonic() - in_flight.admitted_at))
+            if in_flight is None:  # every prefill delta is final: the first token or an abort
+                continue
+            result = self._result(delta, time.monotonic() - in_flight.admitted_at)
+            if not in_flight.future.set_running_or_notify_cancel():
+                # The caller went away: nobody will pull these blocks.
+                self._abort(self.engine, delta.request_id)
+                continue
+            in_flight.future.set_result(result)
 
     def _result(self, delta: CompletionDelta, compute_s: float) -> PrefillResult:
         held = self.engine.take_held_kv(delta.request_id)

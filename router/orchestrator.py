@@ -101,8 +101,11 @@ class WorkerPool:
 class _Run:
     """One request's progress at the router."""
 
-    def __init__(self, inp: GenerationInput, tokenizer: Decoder) -> None:
+    def __init__(self, inp: GenerationInput, tokenizer: Decoder, worker_request_id: str) -> None:
         self.inp = inp
+        self.worker_request_id = worker_request_id
+        """The id workers know the request by: unique across routers and clients (a client's own
+        id may repeat after it finishes, or collide with another client's)."""
         self.arrival = time.monotonic()
         params = inp.sampling_params
         self.detokenizer = IncrementalDetokenizer(tokenizer, list(inp.prompt_token_ids), params.stop,
@@ -215,9 +218,9 @@ class Orchestrator:
         self.validate_prompt(inp.prompt_token_ids)
         if inp.request_id in self._in_flight:
             raise InvalidRequestError("request_id", f"{inp.request_id!r} is already in flight")
-        run = _Run(inp, self.tokenizer)
+        run = _Run(inp, self.tokenizer, f"{self.router_id}-{uuid.uuid4().hex}")
         self._in_flight.add(inp.request_id)
-        stream = self.dispatcher.open(inp.request_id)
+        stream = self.dispatcher.open(run.worker_request_id)
         try:
             phases = self._colocated(run, stream) if self.mode == "colocated" else self._disaggregated(run, stream)
             async for chunk in phases:
@@ -234,7 +237,7 @@ class Orchestrator:
             run.worker_finished = result.finish_reason is not None
             return
         decode = self._assign(run, self.decode_pool)
-        self.dispatcher.route(run.inp.request_id, decode.worker_id)
+        self.dispatcher.route(run.worker_request_id, decode.worker_id)
         await run.bounded(self._ensure_peer(decode, prefill))
         await run.bounded(self._call(decode, "submit", self._decode_request(run, result)))
         async for chunk in self._stream(run, stream):
@@ -242,8 +245,8 @@ class Orchestrator:
 
     async def _colocated(self, run: _Run, stream: asyncio.Queue[TokenDelta]) -> AsyncIterator[StreamChunk]:
         decode = self._assign(run, self.decode_pool)
-        self.dispatcher.route(run.inp.request_id, decode.worker_id)
-        request = DecodeRequest(run.inp.request_id, self.router_id, run.inp.prompt_token_ids, (),
+        self.dispatcher.route(run.worker_request_id, decode.worker_id)
+        request = DecodeRequest(run.worker_request_id, self.router_id, run.inp.prompt_token_ids, (),
                                 self._worker_params(run), 0, None, None)
         await run.bounded(self._call(decode, "submit", request))
         async for chunk in self._stream(run, stream):
@@ -256,7 +259,7 @@ class Orchestrator:
 
     async def _prefill(self, run: _Run, prefill: WorkerClient) -> PrefillResult:
         started = time.monotonic()
-        request = PrefillRequest(run.inp.request_id, run.inp.prompt_token_ids, self._worker_params(run))
+        request = PrefillRequest(run.worker_request_id, run.inp.prompt_token_ids, self._worker_params(run))
         result: PrefillResult = await run.bounded(self._call(prefill, "prefill", request))
         if result.finish_reason == "abort":
             raise RouterError("UNAVAILABLE", f"prefill worker {prefill.worker_id} aborted the request")
@@ -266,7 +269,7 @@ class Orchestrator:
         return result
 
     def _decode_request(self, run: _Run, result: PrefillResult) -> DecodeRequest:
-        return DecodeRequest(run.inp.request_id, self.router_id, run.inp.prompt_token_ids, result.token_ids,
+        return DecodeRequest(run.worker_request_id, self.router_id, run.inp.prompt_token_ids, result.token_ids,
                              self._worker_params(run), result.num_cached_tokens, result.transfer,
                              result.generator_state)
 
@@ -277,6 +280,9 @@ class Orchestrator:
                 raise RouterError("INTERNAL", delta.error)
             if delta.transfer_s is not None:
                 run.transfer_s = delta.transfer_s
+            if delta.kv_transfer_failed:
+                # Decode recomputed the prompt; the producer may still hold the KV under lease.
+                self._abort_in_background(run.workers[0], run.worker_request_id)
             if delta.finish_reason is not None:
                 run.worker_finished = True
                 run.num_cached_tokens = delta.num_cached_tokens
@@ -314,16 +320,19 @@ class Orchestrator:
     def _end(self, run: _Run) -> None:
         """Release the router's bookkeeping; abort what the workers still hold (not awaited:
         this also runs while the request's task is being cancelled)."""
-        request_id = run.inp.request_id
-        self._in_flight.discard(request_id)
+        self._in_flight.discard(run.inp.request_id)
+        request_id = run.worker_request_id
         self.dispatcher.close(request_id)
         for client in run.workers:
             pool = self.prefill_pool if client.worker_id in self.prefill_pool.clients else self.decode_pool
             pool.release(client)
             if not run.worker_finished:
-                task = asyncio.get_running_loop().create_task(self._abort(client, request_id))
-                self._background.add(task)
-                task.add_done_callback(self._background.discard)
+                self._abort_in_background(client, request_id)
+
+    def _abort_in_background(self, client: WorkerClient, request_id: str) -> None:
+        task = asyncio.get_running_loop().create_task(self._abort(client, request_id))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def _abort(self, client: WorkerClient, request_id: str) -> None:
         try:

@@ -171,11 +171,12 @@ class EventLoopThread:
 def running_cluster(config):
     """A LocalCluster (Ray on loopback + router) for the duration of the block; yields (cluster, loop).
 
-    Ray is shut down afterwards, so no test depends on a Ray session another test started."""
+    A Ray session it starts is shut down afterwards, so no later test depends on it."""
     import ray
 
     from splitserve.deploy.local import LocalCluster
 
+    owns_ray = not ray.is_initialized()
     loop = EventLoopThread()
     cluster = LocalCluster(config)
     try:
@@ -184,7 +185,8 @@ def running_cluster(config):
     finally:
         loop.run(cluster.stop())
         loop.close()
-        ray.shutdown()
+        if owns_ray:
+            ray.shutdown()
 
 
 def tiny_cluster_config(model_dir: Path, mode: str = "disaggregated", prefill: int = 1, decode: int = 1,

@@ -120,3 +120,16 @@ def test_remote_admission_without_room_changes_nothing(tiny_llama_dir):
     engine.abort_request("a")
     engine.step()
     assert_pool_idle(engine.block_manager)
+
+
+def test_remote_request_with_block_aligned_prompt_decodes_in_a_full_pool(tiny_llama_dir):
+    """The first decode token needs a new block when the prompt fills its last one: it is
+    allocated at admission, so a full pool cannot stall the request."""
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    engine = EngineCore(tiny_llama_dir, EngineConfig(block_size=8, num_kv_blocks=3, max_model_len=24,
+                                                     dtype="float32", device="cpu"))
+    local = engine.add_remote_request("a", list(range(3, 19)), [5], params, 0, None)
+    assert len(local) == 2 and engine.block_manager.num_free_blocks == 0
+    engine.remote_kv_ready("a")
+    assert len(_tokens(_run_all(engine)["a"])) == 2
+    assert_pool_idle(engine.block_manager)

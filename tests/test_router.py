@@ -121,3 +121,48 @@ def test_expired_lease_with_fail_policy_ends_with_internal(tiny_llama_dir):
             await cluster.wait_idle()
 
     asyncio.run(scenario())
+
+
+def test_failed_pull_recomputes_and_releases_the_producers_lease(tiny_llama_dir):
+    case = mixed_workload(512, num_requests=1, seed=4, max_prompt=80, max_output=10)[0]
+
+    async def scenario():
+        async with InProcessCluster(tiny_llama_dir) as cluster:
+            cluster.decode_workers[0]._backend.fail_next_pulls(1)
+            chunks = await cluster.generate("a", case.prompt_token_ids, case.params())
+            await cluster.wait_idle(timeout_s=5)  # the lease (30 s) must not be what frees the blocks
+            return _tokens(chunks)
+
+    assert asyncio.run(scenario()) == hf_greedy(tiny_llama_dir, case)
+
+
+def test_cancelled_prefill_call_frees_its_blocks(tiny_llama_dir):
+    from splitserve.common.worker_messages import PrefillRequest
+
+    async def scenario():
+        async with InProcessCluster(tiny_llama_dir) as cluster:
+            worker = cluster.prefill_workers[0]
+            calls = [asyncio.ensure_future(worker.prefill(PrefillRequest(f"p{i}", tuple(PROMPT), SamplingParams())))
+                     for i in range(4)]
+            await asyncio.sleep(0)
+            for call in calls:
+                call.cancel()
+            await asyncio.gather(*calls, return_exceptions=True)
+            await cluster.wait_idle(timeout_s=5)
+            assert worker._loop._thread.is_alive()
+
+    asyncio.run(scenario())
+
+
+def test_a_client_may_reuse_a_finished_request_id(tiny_llama_dir):
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+
+    async def scenario():
+        async with InProcessCluster(tiny_llama_dir) as cluster:
+            first = _tokens(await cluster.generate("same", PROMPT, params))
+            second = _tokens(await cluster.generate("same", PROMPT, params))
+            await cluster.wait_idle()
+            return first, second
+
+    first, second = asyncio.run(scenario())
+    assert first == second and len(first) == 4
