@@ -267,3 +267,19 @@ class InProcessCluster:
                 return
             assert loop.time() < deadline, f"workers not idle: {stats}"
             await asyncio.sleep(0.02)
+
+
+# ---- KV events and load reports -------------------------------------------------------------
+from splitserve.common.kv_events import KVEventBatch, KVSnapshot, LoadReport, WorkerReport  # noqa: E402
+
+
+def make_load_report(num_running: int = 0, num_waiting: int = 0, num_queued_prefill_tokens: int = 0,
+                     num_kv_blocks: int = 64, num_free_kv_blocks: int = 64, prefill_s_per_token: float | None = None,
+                     decode_step_s: float | None = None) -> LoadReport:
+    return LoadReport(num_running, num_waiting, num_queued_prefill_tokens, num_kv_blocks, num_free_kv_blocks,
+                      prefill_s_per_token, decode_step_s)
+
+
+def make_worker_report(worker_id: str, epoch: str, batches: tuple[KVEventBatch, ...] = (),
+                       snapshot: KVSnapshot | None = None, load: LoadReport | None = None) -> WorkerReport:
+    return WorkerReport(worker_id, epoch, load or make_load_report(), tuple(batches), snapshot)
