@@ -81,6 +81,8 @@ class WorkerInfo:
     layout: KVLayout
     agent: AgentMetadata
     """Transfer-agent metadata for the handshake (new on every worker start)."""
+    max_num_seqs: int
+    """The most requests the worker's engine runs in one batch."""
 
 
 @dataclass(frozen=True)

@@ -18,12 +18,14 @@ from pathlib import Path
 
 from splitserve.common.config import EngineConfig
 from splitserve.common.errors import InvalidRequestError
+from splitserve.common.kv_events import WorkerReport
 from splitserve.common.kv_transfer_types import AgentMetadata
 from splitserve.common.worker_messages import DecodeRequest, TokenDelta, WorkerInfo, WorkerStats
 from splitserve.engine.engine_core import EngineCore
 from splitserve.engine.engine_loop import EngineLoop
 from splitserve.engine.model_loader import model_fingerprint
 from splitserve.engine.outputs import CompletionDelta
+from splitserve.engine.worker_report import wait_for_report
 from splitserve.kv_transfer import ConsumerConnector, PullStatus, make_backend
 
 logger = logging.getLogger(__name__)
@@ -47,7 +49,8 @@ class DecodeWorker:
         self._pulls = ConsumerConnector(self._backend)
         self._failure_policy = transfer_failure_policy
         self._info = WorkerInfo(self.worker_id, "decode", self.engine.max_model_len, self.engine.vocab_size,
-                                self._layout, self._backend.metadata())
+                                self._layout, self._backend.metadata(),
+                                max_num_seqs=engine_config.max_num_seqs)
         # Engine-thread state: requests waiting for free blocks, pulls in flight, aborts deferred
         # until their pull ends (a block being written by a pull is never freed), pull durations.
         self._awaiting_blocks: deque[DecodeRequest] = deque()
@@ -100,6 +103,11 @@ class DecodeWorker:
     async def stats(self) -> WorkerStats:
         return await self._loop.run(
             lambda engine: WorkerStats(engine.stats(), 0, len(self._awaiting_blocks) + len(self._pulling)))
+
+    async def report(self, epoch: str | None, after_seq: int, max_wait_s: float) -> WorkerReport:
+        """Load and KV events after the router's cursor (epoch, after_seq), or a snapshot when the cursor
+        cannot be continued; with nothing new it waits up to max_wait_s for events."""
+        return await wait_for_report(self._loop, self.worker_id, epoch, after_seq, max_wait_s)
 
     def shutdown(self) -> None:
         self._loop.stop()

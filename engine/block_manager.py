@@ -7,7 +7,10 @@ Invariants:
   freed blocks without a hash go to the front (nothing worth keeping).
 - A free block keeps its hash (and its entry in the hash map) until it is reused,
   so a later request with the same prefix can revive it.
-- The hash map points only at blocks whose contents match the hash.
+- The hash map points only at blocks whose contents match the hash, and a block carries a
+  hash iff the map points at it.
+- KV events (prefix caching only) mirror the hash map's keys: replaying every event recorded
+  since construction (add stored, drop removed) gives exactly `cached_block_hashes()`.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from splitserve.common.block_hash import BlockHash, BlockHasher
+from splitserve.common.kv_events import BlocksRemoved, BlocksStored, KVEvent
 from splitserve.engine.request import Request
 
 
@@ -61,6 +65,8 @@ class BlockManager:
         self._cached: dict[BlockHash, int] = {}
         self._tables: dict[str, list[int]] = {}
         self._num_hashed: dict[str, int] = {}
+        self._events: list[KVEvent] = []
+        """Changes to the hash map's keys since the last take_events(), in order."""
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -94,6 +100,15 @@ class BlockManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def cached_block_hashes(self) -> frozenset[BlockHash]:
+        """Every hash the prefix cache holds (owned or cached-free blocks)."""
+        return frozenset(self._cached)
+
+    def take_events(self) -> list[KVEvent]:
+        """The KV events recorded since the last call, oldest first (drains them)."""
+        events, self._events = self._events, []
+        return events
+
     # ---- prefix cache --------------------------------------------------------------------
     def match_prefix(self, request: Request) -> PrefixMatch:
         """Longest run of leading full blocks already cached.
@@ -113,20 +128,45 @@ class BlockManager:
         return PrefixMatch(tuple(block_ids), len(block_ids) * self.block_size)
 
     def cache_full_blocks(self, request: Request) -> None:
-        """Publish the request's newly completed full blocks in the hash map."""
+        """Publish the request's newly completed full blocks in the hash map.
+
+        Records one BlocksStored per run of newly inserted blocks: a block whose hash is already
+        cached (a duplicate) is skipped and ends the run, so each run's parent is exact."""
         if not self.enable_prefix_caching:
             return
         table = self._tables[request.request_id]
         num_full = request.num_computed_tokens // self.block_size
         self.hasher.extend(request.block_hashes, request.all_token_ids[: num_full * self.block_size])
         start = self._num_hashed.get(request.request_id, 0)
+        run_start = start  # request.block_hashes[run_start:index] were inserted by this call
         for index in range(start, num_full):
-            block_hash = request.block_hashes[index]
-            block = self._blocks[table[index]]
-            if block.block_hash is None and block_hash not in self._cached:
-                block.block_hash = block_hash
-                self._cached[block_hash] = block.block_id
+            if not self._insert(self._blocks[table[index]], request.block_hashes[index]):
+                self._record_stored(request.block_hashes, run_start, index)
+                run_start = index + 1
+        self._record_stored(request.block_hashes, run_start, num_full)
         self._num_hashed[request.request_id] = max(start, num_full)
+
+    def _insert(self, block: KVBlock, block_hash: BlockHash) -> bool:
+        """Give `block` its hash unless it has one or another block holds that hash already."""
+        if block.block_hash is not None or block_hash in self._cached:
+            return False
+        block.block_hash = block_hash
+        self._cached[block_hash] = block.block_id
+        return True
+
+    def _record_stored(self, hashes: list[BlockHash], start: int, stop: int) -> None:
+        """Record that hashes[start:stop] (a chain, possibly empty) entered the cache."""
+        if start < stop:
+            parent = hashes[start - 1] if start > 0 else None
+            self._events.append(BlocksStored(tuple(hashes[start:stop]), parent))
+
+    def _record_removed(self, hashes: tuple[BlockHash, ...]) -> None:
+        """Record that `hashes` left the cache, merged into the previous event if it is a removal."""
+        if not hashes:
+            return
+        if self._events and isinstance(self._events[-1], BlocksRemoved):
+            hashes = self._events.pop().block_hashes + hashes
+        self._events.append(BlocksRemoved(hashes))
 
     # ---- allocation ----------------------------------------------------------------------
     def allocate(self, request: Request, num_new_tokens: int,
@@ -165,6 +205,7 @@ class BlockManager:
         """Forget every cached hash; only possible when no block is owned."""
         if len(self._free) != self.num_blocks:
             return False
+        self._record_removed(tuple(self._cached))
         self._cached.clear()
         for block in self._blocks:
             block.block_hash = None
@@ -179,9 +220,9 @@ class BlockManager:
     def _pop_free(self) -> int:
         block_id, _ = self._free.popitem(last=False)
         block = self._blocks[block_id]
-        if block.block_hash is not None:
-            if self._cached.get(block.block_hash) == block_id:
-                del self._cached[block.block_hash]
+        if block.block_hash is not None:  # evicted: the map points at this block (invariant)
+            del self._cached[block.block_hash]
+            self._record_removed((block.block_hash,))
             block.block_hash = None
         block.ref_count = 1
         return block_id

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,6 +13,7 @@ from tokenizers import Tokenizer
 from splitserve.common.block_hash import BlockHasher
 from splitserve.common.config import EngineConfig
 from splitserve.common.errors import InvalidRequestError
+from splitserve.common.kv_events import KVEventBatch, KVSnapshot, LoadReport
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.stats import EngineStats
 from splitserve.engine.attention import select_backend
@@ -19,12 +21,14 @@ from splitserve.common.kv_transfer_types import KVLayout
 from splitserve.engine.block_manager import BlockManager
 from splitserve.common.detokenizer import IncrementalDetokenizer
 from splitserve.engine.kv_cache import KVCache, KVCacheSpec, num_blocks_for
+from splitserve.engine.kv_event_log import KVEventLog
 from splitserve.engine.model_loader import load_hf_config, load_model
 from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.outputs import CompletionDelta
 from splitserve.engine.request import Request, RequestStatus
 from splitserve.engine.sampler import Sampler, SamplingRow
-from splitserve.engine.scheduler import Scheduler, SchedulerConfig
+from splitserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from splitserve.engine.step_costs import StepCosts
 
 @dataclass(frozen=True)
 class HeldKV:
@@ -98,6 +102,8 @@ class EngineCore:
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._pending: list[CompletionDelta] = []
         self._held: dict[str, HeldKV] = {}
+        self._kv_events = KVEventLog()
+        self._step_costs = StepCosts()
         self._arrivals = 0
         self._num_steps = 0
         self._num_prompt_tokens = 0
@@ -242,16 +248,27 @@ class EngineCore:
         output = self.scheduler.schedule()
         if output.is_empty:
             deltas, self._pending = self._pending, []
+            self._publish_kv_events()
             return deltas
         self._num_steps += 1
+        num_prefill_tokens = self._num_prefill_tokens(output)
+        started = time.perf_counter()
         logits = self.runner.execute(output)
         deltas, self._pending = self._pending, []
         self.scheduler.advance(output)
         sampling = [self.scheduler.requests[c.request_id] for c in output.chunks if c.samples]
         result = self.sampler(logits, [self._sampling_row(r) for r in sampling])
+        self._step_costs.record(num_prefill_tokens, output.num_batched_tokens, time.perf_counter() - started)
         for request, token_id, logprobs in zip(sampling, result.token_ids, result.logprobs):
             deltas.append(self._append_token(request, token_id, logprobs))
+        self._publish_kv_events()
         return deltas
+
+    def _num_prefill_tokens(self, output: SchedulerOutput) -> int:
+        """Scheduled tokens at prompt positions (the rest are decodes of generated tokens)."""
+        requests = self.scheduler.requests
+        return sum(max(0, min(c.context_len, requests[c.request_id].num_prompt_tokens) - c.start_position)
+                   for c in output.chunks)
 
     def _sampling_row(self, request: Request) -> SamplingRow:
         generator = self._generators.get(request.request_id, self._shared_generator)
@@ -314,6 +331,30 @@ class EngineCore:
             finish_reason=request.finish_reason, stop_reason=request.stop_reason,
             num_prompt_tokens=request.num_prompt_tokens, num_cached_tokens=max(request.num_cached_tokens, 0))
 
+    # ---- reports for routers -------------------------------------------------------------
+    @property
+    def epoch(self) -> str:
+        """This engine's KV-event epoch (new for every EngineCore)."""
+        return self._kv_events.epoch
+
+    def _publish_kv_events(self) -> None:
+        """Move the block manager's pending events into the log as one batch (if any)."""
+        self._kv_events.append(self.block_manager.take_events())
+
+    def kv_report(self, epoch: str | None, after_seq: int) -> tuple[tuple[KVEventBatch, ...], KVSnapshot | None]:
+        """KV-event batches after the cursor (epoch, after_seq), or a snapshot when it cannot be
+        continued; events since the last step are published first, so nothing waits for a step."""
+        self._publish_kv_events()
+        return self._kv_events.since(epoch, after_seq, self.block_manager.cached_block_hashes)
+
+    def load_report(self) -> LoadReport:
+        requests = self.scheduler.requests.values()
+        return LoadReport(
+            num_running=len(self.scheduler.running), num_waiting=len(requests) - len(self.scheduler.running),
+            num_queued_prefill_tokens=sum(_queued_prefill_tokens(r) for r in requests),
+            num_kv_blocks=self.block_manager.num_blocks, num_free_kv_blocks=self.block_manager.num_free_blocks,
+            prefill_s_per_token=self._step_costs.prefill_s_per_token, decode_step_s=self._step_costs.decode_step_s)
+
     def stats(self) -> EngineStats:
         scheduler = self.scheduler
         return EngineStats(
@@ -323,3 +364,10 @@ class EngineCore:
             prefix_cache_queries=scheduler.prefix_cache_queries, prefix_cache_hits=scheduler.prefix_cache_hits,
             num_preemptions=scheduler.num_preemptions, num_steps=self._num_steps,
             num_prompt_tokens=self._num_prompt_tokens, num_generation_tokens=self._num_generation_tokens)
+
+
+def _queued_prefill_tokens(request: Request) -> int:
+    """Prompt tokens this engine still has to compute (none for a prompt whose KV is being pulled)."""
+    if request.status == RequestStatus.WAITING_FOR_REMOTE_KV:
+        return 0
+    return max(0, request.num_prompt_tokens - request.num_computed_tokens)

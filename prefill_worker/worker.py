@@ -16,11 +16,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from splitserve.common.config import EngineConfig
+from splitserve.common.kv_events import WorkerReport
 from splitserve.common.worker_messages import PrefillRequest, PrefillResult, WorkerInfo, WorkerStats
 from splitserve.engine.engine_core import EngineCore
 from splitserve.engine.engine_loop import EngineLoop
 from splitserve.engine.model_loader import model_fingerprint
 from splitserve.engine.outputs import CompletionDelta
+from splitserve.engine.worker_report import wait_for_report
 from splitserve.kv_transfer import ProducerConnector, make_backend
 
 logger = logging.getLogger(__name__)
@@ -46,7 +48,8 @@ class PrefillWorker:
         self._backend.register_kv_pool(self.engine.kv_cache.layers, self._layout)
         self._leases = ProducerConnector(self._backend, self._layout, lease_ttl_s)
         self._info = WorkerInfo(self.worker_id, "prefill", self.engine.max_model_len, self.engine.vocab_size,
-                                self._layout, self._backend.metadata())
+                                self._layout, self._backend.metadata(),
+                                max_num_seqs=engine_config.max_num_seqs)
         self._in_flight: dict[str, _InFlight] = {}
         self._loop = EngineLoop(self.engine, self._on_deltas, self._poll_leases, name=self.worker_id)
         self._loop.start()
@@ -73,6 +76,11 @@ class PrefillWorker:
 
     async def stats(self) -> WorkerStats:
         return await self._loop.run(lambda engine: WorkerStats(engine.stats(), self._leases.stats().num_held, 0))
+
+    async def report(self, epoch: str | None, after_seq: int, max_wait_s: float) -> WorkerReport:
+        """Load and KV events after the router's cursor (epoch, after_seq), or a snapshot when the cursor
+        cannot be continued; with nothing new it waits up to max_wait_s for events."""
+        return await wait_for_report(self._loop, self.worker_id, epoch, after_seq, max_wait_s)
 
     def shutdown(self) -> None:
         self._loop.stop()

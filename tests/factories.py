@@ -215,6 +215,30 @@ def stream_tokens(port: int, request, timeout_s: float = 120.0) -> tuple[list[in
     return [t for r in responses for t in r.token_ids], "".join(r.text for r in responses), responses
 
 
+def worker_engine_config(block_size: int = 8) -> EngineConfig:
+    """The in-process workers' engine: a 256-block fp32 pool on CPU."""
+    return EngineConfig(block_size=block_size, num_kv_blocks=256, max_num_batched_tokens=256, dtype="float32",
+                        device="cpu")
+
+
+def make_prefill_worker(model_dir: Path, engine_config: EngineConfig | None = None, worker_id: str = "prefill-0",
+                        lease_ttl_s: float = 30.0):
+    """A PrefillWorker in this process with the in-process KV transfer backend (call shutdown())."""
+    from splitserve.prefill_worker.worker import PrefillWorker
+
+    return PrefillWorker(model_dir, engine_config or worker_engine_config(), "inprocess", lease_ttl_s,
+                         worker_id=worker_id)
+
+
+def make_decode_worker(model_dir: Path, engine_config: EngineConfig | None = None, worker_id: str = "decode-0",
+                       transfer_failure_policy: str = "recompute"):
+    """A DecodeWorker in this process with the in-process KV transfer backend (call shutdown())."""
+    from splitserve.decode_worker.worker import DecodeWorker
+
+    return DecodeWorker(model_dir, engine_config or worker_engine_config(), "inprocess", worker_id=worker_id,
+                        transfer_failure_policy=transfer_failure_policy)
+
+
 class InProcessCluster:
     """Router orchestrator + prefill/decode workers in this process (in-process KV transfer).
 
@@ -225,20 +249,17 @@ class InProcessCluster:
         self.model_dir, self.mode = model_dir, mode
         self.num_prefill = num_prefill if mode == "disaggregated" else 0
         self.num_decode, self.lease_ttl_s, self.policy = num_decode, lease_ttl_s, transfer_failure_policy
-        self.engine_config = EngineConfig(block_size=block_size, num_kv_blocks=256, max_num_batched_tokens=256,
-                                          dtype="float32", device="cpu")
+        self.engine_config = worker_engine_config(block_size)
 
     async def __aenter__(self) -> "InProcessCluster":
-        from splitserve.decode_worker.worker import DecodeWorker
-        from splitserve.prefill_worker.worker import PrefillWorker
         from splitserve.router.orchestrator import Orchestrator
         from splitserve.router.tokenizer import RouterTokenizer
         from splitserve.router.worker_client import LocalWorkerClient
 
-        self.prefill_workers = [PrefillWorker(self.model_dir, self.engine_config, "inprocess", self.lease_ttl_s,
-                                              worker_id=f"prefill-{i}") for i in range(self.num_prefill)]
-        self.decode_workers = [DecodeWorker(self.model_dir, self.engine_config, "inprocess", worker_id=f"decode-{i}",
-                                            transfer_failure_policy=self.policy) for i in range(self.num_decode)]
+        self.prefill_workers = [make_prefill_worker(self.model_dir, self.engine_config, f"prefill-{i}",
+                                                    self.lease_ttl_s) for i in range(self.num_prefill)]
+        self.decode_workers = [make_decode_worker(self.model_dir, self.engine_config, f"decode-{i}", self.policy)
+                               for i in range(self.num_decode)]
         self.tokenizer = RouterTokenizer.from_model_dir(self.model_dir)
         self.orchestrator = Orchestrator(
             "router-test", [LocalWorkerClient(w.worker_id, w) for w in self.prefill_workers],

@@ -9,6 +9,7 @@ import pytest
 
 from factories import assert_pool_idle, make_block_manager, make_request
 from splitserve.common.block_hash import BlockHasher, hash_block, root_hash
+from splitserve.common.kv_events import BlocksRemoved, BlocksStored
 from splitserve.engine.block_manager import PrefixMatch
 
 
@@ -182,3 +183,82 @@ def test_usage_tracks_owned_blocks(block_size):
     assert manager.usage == pytest.approx(0.3)
     manager.free("a")
     assert manager.usage == 0.0
+
+
+# ---- KV events -------------------------------------------------------------------------------
+def test_stored_events_chain_their_parents_across_chunks_and_prefix_hits():
+    manager = make_block_manager(num_blocks=8, block_size=4)
+    request = make_request("a", list(range(13)))
+    manager.allocate(request, 13)
+    manager.cache_full_blocks(computed(request, 5))
+    manager.cache_full_blocks(computed(request, 13))
+    h = request.block_hashes
+    assert manager.take_events() == [BlocksStored((h[0],), None), BlocksStored((h[1], h[2]), h[0])]
+    assert manager.take_events() == []
+    follower = make_request("b", list(range(8)) + [50, 51, 52, 53, 54])
+    manager.allocate(follower, 5, manager.match_prefix(follower))  # reuses a's blocks 0 and 1
+    manager.cache_full_blocks(computed(follower, 13))
+    assert manager.take_events() == [BlocksStored((follower.block_hashes[2],), h[1])]
+    assert manager.cached_block_hashes() == {h[0], h[1], h[2], follower.block_hashes[2]}
+
+
+def test_a_duplicate_block_splits_the_stored_chain():
+    manager = make_block_manager(num_blocks=10, block_size=4)
+    prompt = list(range(12))
+    first, second, third = (make_request(rid, prompt) for rid in ("w", "z", "y"))
+    for request in (first, second, third):  # admitted together: no prefix hits, blocks 0-2, 3-5, 6-8
+        manager.allocate(request, 12)
+    manager.cache_full_blocks(computed(first, 4))  # h0 on block 0
+    manager.cache_full_blocks(computed(second, 8))  # h0 is a duplicate: only h1, on block 4
+    manager.free("w")  # free order [1, 2, 9, 0]
+    manager.allocate(make_request("hog", list(range(100, 116))), 16)  # evicts block 0 and h0 with it
+    manager.cache_full_blocks(computed(third, 12))  # h0 new again, h1 duplicate, h2 new
+    h = third.block_hashes
+    assert manager.take_events() == [BlocksStored((h[0],), None), BlocksStored((h[1],), h[0]),
+                                     BlocksRemoved((h[0],)),
+                                     BlocksStored((h[0],), None), BlocksStored((h[2],), h[1])]
+    assert manager.cached_block_hashes() == {h[0], h[1], h[2]}
+    assert (manager.cached_block_id(h[0]), manager.cached_block_id(h[1]), manager.cached_block_id(h[2])) == (6, 4, 8)
+
+
+def test_evictions_in_one_allocation_are_one_removed_event_in_eviction_order():
+    manager = make_block_manager(num_blocks=4, block_size=4)
+    old = prefilled(manager, "old", list(range(8)))
+    manager.free("old")
+    assert manager.free_block_order() == [2, 3, 1, 0]
+    manager.take_events()
+    manager.allocate(make_request("hog", list(range(100, 116))), 16)
+    assert manager.take_events() == [BlocksRemoved((old.block_hashes[1], old.block_hashes[0]))]
+    assert manager.cached_block_hashes() == frozenset()
+
+
+def test_reviving_a_cached_free_block_is_no_event():
+    manager = make_block_manager(num_blocks=8, block_size=4)
+    prefilled(manager, "a", list(range(8)))
+    manager.free("a")
+    manager.take_events()
+    again = make_request("b", list(range(9)))
+    manager.allocate(again, 1, manager.match_prefix(again))
+    manager.free("b")
+    assert manager.take_events() == []
+
+
+def test_reset_prefix_cache_removes_every_hash():
+    manager = make_block_manager(num_blocks=8, block_size=4)
+    first, second = prefilled(manager, "a", list(range(9))), prefilled(manager, "b", [60, 61, 62, 63])
+    manager.free("a")
+    manager.free("b")
+    manager.take_events()
+    assert manager.reset_prefix_cache()
+    assert manager.take_events() == [BlocksRemoved((*first.block_hashes, *second.block_hashes))]
+    assert manager.cached_block_hashes() == frozenset()
+
+
+def test_prefix_caching_disabled_records_no_events():
+    manager = make_block_manager(num_blocks=4, block_size=4, enable_prefix_caching=False)
+    prefilled(manager, "a", list(range(8)))
+    manager.free("a")
+    manager.allocate(make_request("hog", list(range(100, 116))), 16)
+    manager.free("hog")
+    assert manager.reset_prefix_cache()
+    assert manager.take_events() == [] and manager.cached_block_hashes() == frozenset()

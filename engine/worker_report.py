@@ -1,0 +1,35 @@
+"""A worker's answer to a router's report poll (shared by the prefill and decode workers).
+
+The engine's state is read on its EngineLoop thread only; the caller's event loop just awaits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from splitserve.common.kv_events import WorkerReport
+from splitserve.engine.engine_core import EngineCore
+from splitserve.engine.engine_loop import EngineLoop
+
+REPORT_POLL_S = 0.01
+"""How often a waiting report poll looks for new KV events."""
+
+
+def build_report(engine: EngineCore, worker_id: str, epoch: str | None, after_seq: int) -> WorkerReport:
+    """Engine thread: the load now and the KV events after the cursor (or a snapshot), taken together."""
+    batches, snapshot = engine.kv_report(epoch, after_seq)
+    return WorkerReport(worker_id, engine.epoch, engine.load_report(), batches, snapshot)
+
+
+async def wait_for_report(loop: EngineLoop, worker_id: str, epoch: str | None, after_seq: int,
+                          max_wait_s: float) -> WorkerReport:
+    """At once when there are KV events after the cursor or it needs a snapshot; otherwise the
+    first report with new events, or after `max_wait_s` the current load with no events."""
+    deadline = time.monotonic() + max_wait_s
+    while True:
+        report = await loop.run(lambda engine: build_report(engine, worker_id, epoch, after_seq))
+        remaining_s = deadline - time.monotonic()
+        if report.kv_events or report.snapshot is not None or remaining_s <= 0:
+            return report
+        await asyncio.sleep(min(REPORT_POLL_S, remaining_s))
