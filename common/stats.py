@@ -33,3 +33,13 @@ class EngineStats:
     @property
     def prefix_cache_hit_rate(self) -> float:
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+
+@dataclass(frozen=True)
+class RoutingStats:
+    """A router's routing outcomes since start (cumulative counts, sorted by name)."""
+
+    decisions: tuple[tuple[str, int], ...]
+    """(reason, requests): cache_hit, load, local_prefill, round_robin."""
+    rejections: tuple[tuple[str, int], ...]
+    """(reason, requests) rejected by admission control: ttft_slo, queue_full, no_kv_capacity."""

@@ -19,6 +19,7 @@ from typing import get_args, get_type_hints
 import yaml
 
 from splitserve.common.config import EngineConfig
+from splitserve.router.policy import RoutingConfig
 
 MODES = ("disaggregated", "colocated")
 KV_TRANSFER_BACKENDS = ("nixl", "inprocess")
@@ -83,7 +84,7 @@ class PoolConfig:
 
 @dataclass(frozen=True)
 class RouterConfig:
-    """The public front: where it listens and how long it keeps a request's resources."""
+    """The public front: where it listens, how it routes and how long it keeps a request's resources."""
 
     host: str = "127.0.0.1"
     """Interface the gRPC server binds to; loopback by default, 0.0.0.0 to serve other hosts."""
@@ -93,6 +94,9 @@ class RouterConfig:
     """Server-side limit on a request's total time; None = only the client's deadline applies."""
     lease_ttl_s: float = 30.0
     """How long a prefill worker holds a request's KV blocks for decode to pull before freeing them."""
+    routing: RoutingConfig = RoutingConfig()
+    """How requests are placed (prefix-aware by default), when the decode worker prefills a prompt
+    itself, and when admission control rejects a request (see docs/routing.md)."""
 
     def __post_init__(self) -> None:
         _require(self.host != "", "host", "must not be empty")

@@ -92,7 +92,8 @@ class LocalCluster:
         prefill = [RayWorkerClient(f"prefill-{i}", a) for i, a in enumerate(self.prefill_actors)]
         decode = [RayWorkerClient(f"decode-{i}", a) for i, a in enumerate(self.decode_actors)]
         tokenizer = await asyncio.to_thread(RouterTokenizer.from_model_dir, model_dir)
-        self.orchestrator = Orchestrator(self.router_id, prefill, decode, tokenizer.backend, config.mode)
+        self.orchestrator = Orchestrator(self.router_id, prefill, decode, tokenizer.backend, config.mode,
+                                         config.router.routing)
         await self.orchestrator.start()
         self.server, self.port = await start_grpc_server(
             self.orchestrator, tokenizer, config.model, config.router.host, config.router.grpc_port,

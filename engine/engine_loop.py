@@ -26,6 +26,10 @@ IDLE_WAIT_S = 0.5
 """Longest sleep when idle; calls wake the loop at once."""
 
 
+class EngineLoopStopped(RuntimeError):
+    """A call reached an engine loop that has been stopped."""
+
+
 class EngineLoop:
     def __init__(self, engine: EngineCore, on_deltas: Callable[[list[CompletionDelta]], None],
                  background: Callable[[], float | None] = lambda: None,
@@ -49,12 +53,16 @@ class EngineLoop:
         self._stopping = True
         self._wakeup.set()
         self._thread.join(timeout_s)
+        self._fail_queued_calls()
 
     def call(self, fn: Callable[[EngineCore], T]) -> Future[T]:
-        """Run fn(engine) on the loop thread before its next step."""
+        """Run fn(engine) on the loop thread before its next step. Once the loop is stopped,
+        the future fails with EngineLoopStopped (a caller never waits forever)."""
         future: Future[T] = Future()
         self._calls.put((fn, future))
         self._wakeup.set()
+        if self._stopping:
+            self._fail_queued_calls()
         return future
 
     async def run(self, fn: Callable[[EngineCore], T]) -> T:
@@ -81,6 +89,15 @@ class EngineLoop:
         except Exception:
             logger.exception("%s: %s failed", self._thread.name, getattr(hook, "__name__", hook))
             return None
+
+    def _fail_queued_calls(self) -> None:
+        while True:
+            try:
+                _, future = self._calls.get_nowait()
+            except queue.Empty:
+                return
+            if future.set_running_or_notify_cancel():
+                future.set_exception(EngineLoopStopped(f"{self._thread.name} is stopped"))
 
     def _run_calls(self) -> None:
         while True:

@@ -159,7 +159,10 @@ def route(request: RoutingRequest, prefill: Sequence[PrefillCandidate], decode: 
     """
     if not decode:
         raise ValueError("route() needs at least one decode candidate")
-    fitting = [c for c in decode if _fits(request, c)]
+    # Workers with room now; when none has, every worker whose pool can ever hold the request
+    # (its engine queues it until blocks free up): a busy pool queues, it does not reject.
+    fitting = ([c for c in decode if _fits(request, c)]
+               or [c for c in decode if c.num_kv_blocks >= request.num_blocks_needed])
     if not fitting:
         return _no_kv_capacity(request, decode)
     if not prefill or config.disaggregation == "never":
@@ -276,12 +279,9 @@ def _fits(request: RoutingRequest, candidate: DecodeCandidate) -> bool:
 
 
 def _no_kv_capacity(request: RoutingRequest, decode: Sequence[DecodeCandidate]) -> Rejection:
-    most_free = max(c.num_free_kv_blocks for c in decode)
-    with_slot = sum(c.num_running < c.max_num_seqs for c in decode)
-    return Rejection("no_kv_capacity", f"no decode worker can take the request now: it needs "
-                                       f"{request.num_blocks_needed} free KV blocks and a batch slot; most free "
-                                       f"blocks on one worker: {most_free}; workers with a free batch slot: "
-                                       f"{with_slot} of {len(decode)}")
+    largest = max(c.num_kv_blocks for c in decode)
+    return Rejection("no_kv_capacity", f"the request needs {request.num_blocks_needed} KV blocks (prompt + "
+                                       f"max_tokens) and the largest decode KV pool has {largest}")
 
 
 def _queue_full(candidate: Candidate, config: RoutingConfig) -> bool:

@@ -54,6 +54,14 @@ def prompt_token_ids(request: pb.GenerateRequest, tokenizer: RouterTokenizer) ->
     raise InvalidRequestError("prompt", "one of text, token_ids or chat is required")
 
 
+def ttft_slo(request: pb.GenerateRequest) -> float | None:
+    if not request.HasField("ttft_slo_s"):
+        return None
+    if not 0 < request.ttft_slo_s < float("inf"):
+        raise InvalidRequestError("ttft_slo_s", f"must be a finite number > 0, got {request.ttft_slo_s}")
+    return request.ttft_slo_s
+
+
 def chunk_to_proto(chunk: StreamChunk) -> pb.GenerateResponse:
     response = pb.GenerateResponse(request_id=chunk.request_id, token_ids=chunk.token_ids, text=chunk.text,
                                    finish_reason=chunk.finish_reason or "")
@@ -103,7 +111,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         params = sampling_params_from_proto(request.sampling)
         request_id = self.orchestrator.new_request_id(request.request_id)
         token_ids = await asyncio.to_thread(prompt_token_ids, request, self.tokenizer)
-        return GenerationInput(request_id, tuple(token_ids), params, self._deadline(context))
+        return GenerationInput(request_id, tuple(token_ids), params, self._deadline(context), ttft_slo(request))
 
     def _deadline(self, context: grpc.aio.ServicerContext) -> float | None:
         remaining = [s for s in (context.time_remaining(), self.request_timeout_s) if s is not None]

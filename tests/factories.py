@@ -195,7 +195,8 @@ def tiny_cluster_config(model_dir: Path, mode: str = "disaggregated", prefill: i
     from splitserve.deploy.cluster_config import apply_overrides, default_cluster_config
 
     settings = {"mode": mode, "prefill.replicas": prefill if mode == "disaggregated" else 0,
-                "decode.replicas": decode, "router.grpc_port": 0, "kv_transfer_backend": backend}
+                "decode.replicas": decode, "router.grpc_port": 0, "kv_transfer_backend": backend,
+                "router.routing.disaggregation": "always"}  # as in InProcessCluster
     for pool in ("prefill", "decode"):
         settings.update({f"{pool}.engine.num_threads": 1, f"{pool}.engine.device": "cpu",
                          f"{pool}.engine.num_kv_blocks": 512, f"{pool}.engine.block_size": 8,
@@ -245,8 +246,14 @@ class InProcessCluster:
     Use inside a running event loop: `async with InProcessCluster(...) as cluster:`."""
 
     def __init__(self, model_dir: Path, mode: str = "disaggregated", num_prefill: int = 1, num_decode: int = 1,
-                 lease_ttl_s: float = 30.0, transfer_failure_policy: str = "recompute", block_size: int = 8):
+                 lease_ttl_s: float = 30.0, transfer_failure_policy: str = "recompute", block_size: int = 8,
+                 routing=None):
+        from splitserve.router.policy import RoutingConfig
+
+        # Remote prefill for every request unless a test asks otherwise: most tests here are about
+        # the transfer path, which the default (auto) skips for short prompts.
         self.model_dir, self.mode = model_dir, mode
+        self.routing = routing or RoutingConfig(disaggregation="always")
         self.num_prefill = num_prefill if mode == "disaggregated" else 0
         self.num_decode, self.lease_ttl_s, self.policy = num_decode, lease_ttl_s, transfer_failure_policy
         self.engine_config = worker_engine_config(block_size)
@@ -263,7 +270,8 @@ class InProcessCluster:
         self.tokenizer = RouterTokenizer.from_model_dir(self.model_dir)
         self.orchestrator = Orchestrator(
             "router-test", [LocalWorkerClient(w.worker_id, w) for w in self.prefill_workers],
-            [LocalWorkerClient(w.worker_id, w) for w in self.decode_workers], self.tokenizer.backend, self.mode)
+            [LocalWorkerClient(w.worker_id, w) for w in self.decode_workers], self.tokenizer.backend, self.mode,
+            self.routing)
         await self.orchestrator.start()
         return self
 

@@ -114,12 +114,20 @@ def test_decode_workers_without_room_are_skipped():
 
 
 @pytest.mark.parametrize("policy", ROUTING_POLICIES)
-def test_no_decode_worker_with_room_rejects_no_kv_capacity(policy):
+def test_a_busy_decode_pool_queues_instead_of_rejecting(policy):
     decodes = [decode("d0", free=9), decode("d1", running=8, max_num_seqs=8, free=50)]
+    choices = {choice(route(request(1000, blocks=10), [prefill("p0")], decodes, config(policy=policy), turn))[1]
+               for turn in range(2)}
+    assert choices <= {"d0", "d1"} and choices
+
+
+@pytest.mark.parametrize("policy", ROUTING_POLICIES)
+def test_a_request_larger_than_every_decode_pool_is_rejected_no_kv_capacity(policy):
+    decodes = [decode("d0", free=9, total=9), decode("d1", free=5, total=9)]
     result = route(request(1000, blocks=10), [prefill("p0")], decodes, config(policy=policy), 0)
     assert isinstance(result, Rejection) and result.reason == "no_kv_capacity"
-    assert "needs 10 free KV blocks" in result.message and "most free blocks on one worker: 50" in result.message
-    assert "free batch slot: 1 of 2" in result.message
+    assert result.message == ("the request needs 10 KV blocks (prompt + max_tokens) and the largest decode "
+                              "KV pool has 9")
 
 
 def test_no_decode_candidates_is_a_caller_bug():
@@ -299,8 +307,10 @@ def test_route_only_returns_candidates_and_always_means_remote(request_, prefill
         assert result.reason in ("ttft_slo", "queue_full", "no_kv_capacity") and result.message
         return
     chosen_decode = next(c for c in decodes if c.worker_id == result.decode_worker_id)
-    assert chosen_decode.num_free_kv_blocks >= request_.num_blocks_needed
-    assert chosen_decode.num_running < chosen_decode.max_num_seqs
+    assert chosen_decode.num_kv_blocks >= request_.num_blocks_needed
+    if any(c.num_free_kv_blocks >= request_.num_blocks_needed and c.num_running < c.max_num_seqs for c in decodes):
+        assert chosen_decode.num_free_kv_blocks >= request_.num_blocks_needed  # room now beats queueing
+        assert chosen_decode.num_running < chosen_decode.max_num_seqs
     assert result.prefill_worker_id in {None, *(c.worker_id for c in prefills)}
     if cfg.disaggregation == "always" and prefills:
         assert result.prefill_worker_id is not None

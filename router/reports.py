@@ -1,0 +1,87 @@
+"""Keeps the router's view of every worker current: its load and its prefix cache.
+
+One long-poll task per worker calls `report(epoch, after_seq, max_wait_s)`: the worker answers
+at once when its prefix cache changed since the router's cursor (or the cursor cannot be
+continued, with a snapshot), else after `max_wait_s` with its current load. Each report feeds
+the `PrefixIndex`; a worker that stops answering is purged from the index until it answers
+again (and then resyncs from a snapshot), and a worker that answers with a new epoch has
+restarted, which the orchestrator hears about through `on_restart`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+
+from splitserve.common.kv_events import LoadReport, WorkerReport
+from splitserve.router.prefix_index import PrefixIndex
+from splitserve.router.worker_client import WorkerClient
+
+logger = logging.getLogger(__name__)
+
+REPORT_WAIT_S = 0.1
+"""Longest wait of one poll: how stale a quiet worker's load may get."""
+RETRY_AFTER_FAILURE_S = 0.5
+
+
+class WorkerMonitor:
+    def __init__(self, clients: Sequence[WorkerClient], index: PrefixIndex,
+                 on_restart: Callable[[str], Awaitable[None]]) -> None:
+        self.index = index
+        self._clients = list(clients)
+        self._on_restart = on_restart
+        self._loads: dict[str, LoadReport] = {}
+        self._epochs: dict[str, str] = {}
+        self._tasks: list[asyncio.Task] = []
+        for client in self._clients:
+            index.add_worker(client.worker_id)
+
+    def load(self, worker_id: str) -> LoadReport | None:
+        """The worker's latest load; None while it is not answering."""
+        return self._loads.get(worker_id)
+
+    async def start(self) -> None:
+        """Take every worker's first report (so routing starts informed), then keep polling."""
+        reports = await asyncio.gather(*(self._poll(client, 0.0) for client in self._clients))
+        for client, report in zip(self._clients, reports):
+            await self._observe(client.worker_id, report)
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._watch(client)) for client in self._clients]
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _poll(self, client: WorkerClient, max_wait_s: float) -> WorkerReport:
+        epoch, after_seq = self.index.cursor(client.worker_id)
+        return await client.call("report", epoch, after_seq, max_wait_s)
+
+    async def _watch(self, client: WorkerClient) -> None:
+        while True:
+            try:
+                report = await self._poll(client, REPORT_WAIT_S)
+            except asyncio.CancelledError:
+                raise
+            except Exception as error:
+                self._forget(client.worker_id, error)
+                await asyncio.sleep(RETRY_AFTER_FAILURE_S)
+                continue
+            await self._observe(client.worker_id, report)
+
+    async def _observe(self, worker_id: str, report: WorkerReport) -> None:
+        previous = self._epochs.get(worker_id)
+        self._epochs[worker_id] = report.epoch
+        if previous is not None and previous != report.epoch:
+            logger.info("worker %s restarted (epoch %s -> %s)", worker_id, previous, report.epoch)
+            await self._on_restart(worker_id)
+        self._loads[worker_id] = report.load
+        if not self.index.apply(worker_id, report):
+            logger.debug("worker %s: report not applicable, resyncing from a snapshot", worker_id)
+
+    def _forget(self, worker_id: str, error: Exception) -> None:
+        if worker_id in self._loads:
+            logger.warning("worker %s stopped reporting: %s", worker_id, error)
+        self._loads.pop(worker_id, None)
+        self.index.add_worker(worker_id)  # purged; resyncs from a snapshot once it answers again

@@ -1,0 +1,162 @@
+"""Prefix-aware routing, conditional disaggregation and admission control through the router
+with in-process workers: where requests go, what they find cached, exact outputs."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from splitserve.common.block_hash import BlockHasher
+from splitserve.common.sampling_params import SamplingParams
+from splitserve.router.orchestrator import RouterError
+from splitserve.router.policy import RoutingConfig
+from tests.factories import GreedyCase, InProcessCluster, hf_greedy, make_prefill_worker
+
+BLOCK_SIZE = 8
+SHARED_PREFIX = list(range(3, 83))  # 80 tokens = 10 full blocks
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+
+def _tokens(chunks):
+    return [t for c in chunks for t in c.token_ids]
+
+
+async def _wait_for(predicate, timeout_s: float = 5.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not predicate():
+        assert loop.time() < deadline, "condition not reached"
+        await asyncio.sleep(0.01)
+
+
+def _holds_prefix(cluster: InProcessCluster, worker_id: str, prompt: list[int]) -> bool:
+    hashes = BlockHasher(BLOCK_SIZE, 0).hash_prefix(prompt)
+    return cluster.orchestrator.index.matched_blocks(hashes).get(worker_id, 0) == len(hashes)
+
+
+def _stats(cluster: InProcessCluster) -> tuple[dict[str, int], dict[str, int]]:
+    stats = cluster.orchestrator.routing_stats()
+    return dict(stats.decisions), dict(stats.rejections)
+
+
+def test_a_shared_prefix_follows_the_worker_that_holds_it(tiny_llama_dir):
+    first, second = SHARED_PREFIX + [300, 301, 302], SHARED_PREFIX + [400, 401]
+
+    async def scenario():
+        async with InProcessCluster(tiny_llama_dir, num_prefill=2) as cluster:
+            await cluster.generate("a", first, GREEDY)
+            ids = [w.worker_id for w in cluster.prefill_workers]
+            await _wait_for(lambda: any(_holds_prefix(cluster, worker_id, first) for worker_id in ids))
+            holder = next(worker_id for worker_id in ids if _holds_prefix(cluster, worker_id, first))
+            chunks = await cluster.generate("b", second, GREEDY)
+            engines = {w.worker_id: (await w.stats()).engine for w in cluster.prefill_workers}
+            await cluster.wait_idle()
+            return holder, chunks, engines, _stats(cluster)
+
+    holder, chunks, engines, (decisions, rejections) = asyncio.run(scenario())
+    assert chunks[-1].usage.cached_tokens == len(SHARED_PREFIX)
+    assert engines[holder].prefix_cache_hits == len(SHARED_PREFIX)
+    assert sum(e.prefix_cache_hits for e in engines.values()) == len(SHARED_PREFIX)
+    assert decisions == {"load": 1, "cache_hit": 1} and rejections == {}
+    assert _tokens(chunks) == hf_greedy(tiny_llama_dir, GreedyCase(second, 6, True))
+
+
+def test_a_restarted_worker_no_longer_claims_its_old_blocks(tiny_llama_dir):
+    prompt = SHARED_PREFIX + [300]
+
+    async def scenario():
+        async with InProcessCluster(tiny_llama_dir) as cluster:
+            await cluster.generate("a", prompt, GREEDY)
+            await _wait_for(lambda: _holds_prefix(cluster, "prefill-0", prompt))
+            old = cluster.prefill_workers[0]
+            old.shutdown()
+            # What a Ray actor restart does: the same handle now reaches a new engine.
+            new = make_prefill_worker(tiny_llama_dir, cluster.engine_config)
+            cluster.prefill_workers[0] = new
+            cluster.orchestrator.prefill_pool.clients["prefill-0"].worker = new
+            await _wait_for(lambda: cluster.orchestrator.index.cursor("prefill-0")[0] == new.engine.epoch)
+            claimed = cluster.orchestrator.index.num_blocks("prefill-0")
+            chunks = await cluster.generate("b", prompt, GREEDY)  # pulls from the new worker's agent
+            await cluster.wait_idle()
+            return claimed, chunks
+
+    claimed, chunks = asyncio.run(scenario())
+    assert claimed == 0
+    assert chunks[-1].usage.cached_tokens == 0
+    assert _tokens(chunks) == hf_greedy(tiny_llama_dir, GreedyCase(prompt, 6, True))
+
+
+def test_auto_disaggregation_prefills_short_prompts_on_the_decode_worker(tiny_llama_dir):
+    short, long = list(range(10, 30)), list(range(10, 110))
+    routing = RoutingConfig(disaggregation="auto", max_local_prefill_tokens=32)
+
+    async def scenario():
+        async with InProcessCluster(tiny_llama_dir, routing=routing) as cluster:
+            short_chunks = await cluster.generate("short", short, GREEDY)
+            prefill_steps = (await cluster.prefill_workers[0].stats()).engine.num_prompt_tokens
+            long_chunks = await cluster.generate("long", long, GREEDY)
+            await cluster.wait_idle()
+            return short_chunks, prefill_steps, long_chunks, _stats(cluster)
+
+    short_chunks, prefill_tokens_after_short, long_chunks, (decisions, _) = asyncio.run(scenario())
+    assert prefill_tokens_after_short == 0
+    assert short_chunks[-1].timing.transfer_s == 0.0 and long_chunks[-1].timing.transfer_s > 0.0
+    assert decisions == {"local_prefill": 1, "load": 1}
+    assert _tokens(short_chunks) == hf_greedy(tiny_llama_dir, GreedyCase(short, 6, True))
+    assert _tokens(long_chunks) == hf_greedy(tiny_llama_dir, GreedyCase(long, 6, True))
+
+
+def test_the_next_chat_turn_hits_the_previous_turns_blocks(tiny_llama_dir):
+    from splitserve.router.tokenizer import RouterTokenizer
+
+    tokenizer = RouterTokenizer.from_model_dir(tiny_llama_dir)
+    turn_1 = [{"role": "system", "content": "You are a helpful assistant who answers briefly."},
+              {"role": "user", "content": "Tell me about rivers and the sea, please."}]
+    first_prompt = tokenizer.apply_chat_template(turn_1, True)
+
+    async def scenario():
+        async with InProcessCluster(tiny_llama_dir) as cluster:
+            reply = await cluster.generate("t1", first_prompt, GREEDY)
+            turn_2 = turn_1 + [{"role": "assistant", "content": "".join(c.text for c in reply)},
+                               {"role": "user", "content": "And lakes?"}]
+            second_prompt = tokenizer.apply_chat_template(turn_2, True)
+            chunks = await cluster.generate("t2", second_prompt, GREEDY)
+            await cluster.wait_idle()
+            return second_prompt, chunks
+
+    second_prompt, chunks = asyncio.run(scenario())
+    assert second_prompt[:len(first_prompt)] == first_prompt
+    assert chunks[-1].usage.cached_tokens == len(first_prompt) // BLOCK_SIZE * BLOCK_SIZE
+
+
+def test_admission_rejects_a_request_that_cannot_meet_its_ttft_slo(tiny_llama_dir):
+    from splitserve.router.orchestrator import GenerationInput
+
+    routing = RoutingConfig(disaggregation="always", ttft_slo_s=10.0, admission_ttft_factor=2.0,
+                            default_prefill_s_per_token=1.0)
+
+    async def scenario():
+        async with InProcessCluster(tiny_llama_dir, routing=routing) as cluster:
+            # No prefill has run yet, so no worker has measured its cost: the default applies.
+            with pytest.raises(RouterError) as error:
+                await anext(cluster.orchestrator.generate(GenerationInput("a", tuple(range(3, 30)), GREEDY)))
+            tight = GenerationInput("b", tuple(range(3, 30)), GREEDY, ttft_slo_s=1e-9)
+            with pytest.raises(RouterError):
+                await anext(cluster.orchestrator.generate(tight))
+            assert cluster.orchestrator.num_in_flight == 0
+            await cluster.wait_idle()
+            return error.value, _stats(cluster)
+
+    error, (decisions, rejections) = asyncio.run(scenario())
+    assert error.code == "RESOURCE_EXHAUSTED" and "TTFT" in error.message
+    assert rejections == {"ttft_slo": 2} and decisions == {}
+
+
+def test_a_stopped_worker_fails_calls_instead_of_hanging(tiny_llama_dir):
+    from splitserve.engine.engine_loop import EngineLoopStopped
+
+    worker = make_prefill_worker(tiny_llama_dir)
+    worker.shutdown()
+    with pytest.raises(EngineLoopStopped):
+        asyncio.run(asyncio.wait_for(worker.report(None, 0, 0.1), 5))
