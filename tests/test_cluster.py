@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import subprocess
@@ -11,6 +12,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from splitserve.common.block_hash import BlockHasher
 from splitserve.proto.splitserve.v1 import generation_pb2 as pb
 from splitserve.proto.splitserve.v1 import generation_pb2_grpc
 from tests.factories import hf_greedy, mixed_workload, running_cluster, stream_tokens, tiny_cluster_config
@@ -71,8 +73,9 @@ def test_invalid_input_gets_invalid_argument_and_server_stays_healthy(disaggrega
            pb.GenerateRequest(token_ids=pb.TokenIds(ids=[99999])),
            pb.GenerateRequest(text=b"hi", sampling=pb.SamplingParams(top_p=2.0)),
            pb.GenerateRequest(text=b"hi", model="nope"),
+           pb.GenerateRequest(text=b"hi", ttft_slo_s=-1.0),
            pb.GenerateRequest()]
-    fields = ["prompt", "prompt.text", "prompt", "prompt.token_ids", "top_p", "model", "prompt"]
+    fields = ["prompt", "prompt.text", "prompt", "prompt.token_ids", "top_p", "model", "ttft_slo_s", "prompt"]
     for request, field in zip(bad, fields):
         with pytest.raises(grpc.RpcError) as error:
             stream_tokens(cluster.port, request)
@@ -81,6 +84,37 @@ def test_invalid_input_gets_invalid_argument_and_server_stays_healthy(disaggrega
     with grpc.insecure_channel(f"127.0.0.1:{cluster.port}") as channel:
         health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""))
     assert health.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_a_shared_prefix_is_served_from_the_prefill_cache_that_holds_it(disaggregated):
+    cluster, loop = disaggregated
+    prefix = list(range(200, 264))  # 8 full blocks of 8 tokens
+
+    async def indexed() -> None:  # on the router's loop: the index is not shared across threads
+        hashes = BlockHasher(8, 0).hash_prefix(prefix)
+        while max(cluster.orchestrator.index.matched_blocks(hashes).values()) < len(hashes):
+            await asyncio.sleep(0.01)
+
+    first = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prefix + [5, 6, 7]),
+                               sampling=pb.SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+    assert stream_tokens(cluster.port, first)[2][-1].usage.cached_tokens == 0
+    loop.run(asyncio.wait_for(indexed(), 10))
+    second = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prefix + [9, 10]),
+                                sampling=pb.SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+    assert stream_tokens(cluster.port, second)[2][-1].usage.cached_tokens == len(prefix)
+    loop.run(cluster.wait_idle())
+
+
+def test_a_request_that_cannot_meet_its_ttft_slo_is_rejected_at_once(disaggregated):
+    cluster, loop = disaggregated
+    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=list(range(3, 200))), ttft_slo_s=1e-9,
+                                 sampling=pb.SamplingParams(max_tokens=4))
+    with pytest.raises(grpc.RpcError) as error:
+        stream_tokens(cluster.port, request)
+    assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert error.value.details().startswith("predicted TTFT "), error.value.details()
+    assert dict(cluster.orchestrator.routing_stats().rejections) == {"ttft_slo": 1}
+    loop.run(cluster.wait_idle())
 
 
 def test_client_cancel_mid_stream_frees_both_workers(disaggregated):
