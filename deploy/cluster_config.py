@@ -19,6 +19,7 @@ from typing import get_args, get_type_hints
 import yaml
 
 from splitserve.common.config import EngineConfig
+from splitserve.common.slo import SloConfig
 from splitserve.router.policy import RoutingConfig
 
 MODES = ("disaggregated", "colocated")
@@ -97,6 +98,8 @@ class RouterConfig:
     routing: RoutingConfig = RoutingConfig()
     """How requests are placed (prefix-aware by default), when the decode worker prefills a prompt
     itself, and when admission control rejects a request (see docs/routing.md)."""
+    slo: SloConfig = SloConfig()
+    """The served model's latency targets: admission control (TTFT) and SLO/goodput accounting."""
 
     def __post_init__(self) -> None:
         _require(self.host != "", "host", "must not be empty")

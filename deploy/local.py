@@ -93,7 +93,7 @@ class LocalCluster:
         decode = [RayWorkerClient(f"decode-{i}", a) for i, a in enumerate(self.decode_actors)]
         tokenizer = await asyncio.to_thread(RouterTokenizer.from_model_dir, model_dir)
         self.orchestrator = Orchestrator(self.router_id, prefill, decode, tokenizer.backend, config.mode,
-                                         config.router.routing)
+                                         config.router.routing, config.router.slo)
         await self.orchestrator.start()
         self.server, self.port = await start_grpc_server(
             self.orchestrator, tokenizer, config.model, config.router.host, config.router.grpc_port,

@@ -23,6 +23,7 @@ from splitserve.common.detokenizer import Decoder, IncrementalDetokenizer
 from splitserve.common.errors import InvalidRequestError
 from splitserve.common.kv_events import LoadReport
 from splitserve.common.sampling_params import SamplingParams
+from splitserve.common.slo import SloConfig
 from splitserve.common.stats import RoutingStats
 from splitserve.common.token_logprobs import TokenLogprobs
 from splitserve.common.worker_messages import DecodeRequest, PrefillRequest, PrefillResult, TokenDelta, WorkerInfo
@@ -190,7 +191,8 @@ class _Run:
 
 class Orchestrator:
     def __init__(self, router_id: str, prefill: Sequence[WorkerClient], decode: Sequence[WorkerClient],
-                 tokenizer: Decoder, mode: str = "disaggregated", routing: RoutingConfig = RoutingConfig()) -> None:
+                 tokenizer: Decoder, mode: str = "disaggregated", routing: RoutingConfig = RoutingConfig(),
+                 slo: SloConfig = SloConfig()) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if not decode or (mode == "disaggregated" and not prefill):
@@ -199,6 +201,7 @@ class Orchestrator:
         self.router_id = router_id
         self.mode = mode
         self.routing = routing
+        self.slo = slo
         self.tokenizer = tokenizer
         self.prefill_pool = WorkerPool(prefill if mode == "disaggregated" else ())
         self.decode_pool = WorkerPool(decode)
@@ -265,7 +268,7 @@ class Orchestrator:
         cached = {worker_id: blocks * block_size for worker_id, blocks
                   in self.index.matched_blocks(self._hasher.hash_prefix(inp.prompt_token_ids)).items()}
         max_tokens = min(inp.sampling_params.max_tokens, self.max_model_len - len(inp.prompt_token_ids))
-        slo = inp.ttft_slo_s if inp.ttft_slo_s is not None else self.routing.ttft_slo_s
+        slo = inp.ttft_slo_s if inp.ttft_slo_s is not None else self.slo.ttft_s
         request = RoutingRequest(len(inp.prompt_token_ids),
                                  -(-(len(inp.prompt_token_ids) + max_tokens) // block_size), slo)
         # Only workers that answer their report polls are candidates; with no prefill worker

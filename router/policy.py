@@ -46,10 +46,9 @@ class RoutingConfig:
     """Prefill cost of one prompt token, used until a worker has measured its own."""
     transfer_s_per_token: float = 5e-6
     """Predicted KV pull cost per prompt token; auto mode charges it to remote prefill."""
-    ttft_slo_s: float | None = None
-    """Default TTFT SLO for admission; a request may bring its own. None: no TTFT check."""
     admission_ttft_factor: float = 4.0
-    """Reject a request when its best predicted TTFT exceeds this factor x its TTFT SLO."""
+    """Reject a request when its best predicted TTFT exceeds this factor x its TTFT SLO (the
+    request's own, else router.slo.ttft_s)."""
     max_queued_prefill_tokens: int | None = None
     """A worker with this many queued prompt tokens takes no new prefill; reject a request
     when no candidate is below it. None: no limit."""
@@ -63,7 +62,6 @@ class RoutingConfig:
         _require(self.default_prefill_s_per_token > 0,
                  f"default_prefill_s_per_token must be > 0, got {self.default_prefill_s_per_token}")
         _require(self.transfer_s_per_token >= 0, f"transfer_s_per_token must be >= 0, got {self.transfer_s_per_token}")
-        _require(self.ttft_slo_s is None or self.ttft_slo_s > 0, f"ttft_slo_s must be > 0, got {self.ttft_slo_s}")
         _require(self.admission_ttft_factor > 0,
                  f"admission_ttft_factor must be > 0, got {self.admission_ttft_factor}")
         _require(self.max_queued_prefill_tokens is None or self.max_queued_prefill_tokens >= 1,

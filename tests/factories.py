@@ -247,13 +247,15 @@ class InProcessCluster:
 
     def __init__(self, model_dir: Path, mode: str = "disaggregated", num_prefill: int = 1, num_decode: int = 1,
                  lease_ttl_s: float = 30.0, transfer_failure_policy: str = "recompute", block_size: int = 8,
-                 routing=None):
+                 routing=None, slo=None):
+        from splitserve.common.slo import SloConfig
         from splitserve.router.policy import RoutingConfig
 
         # Remote prefill for every request unless a test asks otherwise: most tests here are about
         # the transfer path, which the default (auto) skips for short prompts.
         self.model_dir, self.mode = model_dir, mode
         self.routing = routing or RoutingConfig(disaggregation="always")
+        self.slo = slo or SloConfig()
         self.num_prefill = num_prefill if mode == "disaggregated" else 0
         self.num_decode, self.lease_ttl_s, self.policy = num_decode, lease_ttl_s, transfer_failure_policy
         self.engine_config = worker_engine_config(block_size)
@@ -271,7 +273,7 @@ class InProcessCluster:
         self.orchestrator = Orchestrator(
             "router-test", [LocalWorkerClient(w.worker_id, w) for w in self.prefill_workers],
             [LocalWorkerClient(w.worker_id, w) for w in self.decode_workers], self.tokenizer.backend, self.mode,
-            self.routing)
+            self.routing, self.slo)
         await self.orchestrator.start()
         return self
 

@@ -245,7 +245,7 @@ def test_auto_sends_a_short_prompt_remote_when_the_decode_queue_is_full():
 
 @pytest.mark.parametrize("field, value", [
     ("policy", "random"), ("disaggregation", "sometimes"), ("max_local_prefill_tokens", -1),
-    ("default_prefill_s_per_token", 0.0), ("transfer_s_per_token", -1e-9), ("ttft_slo_s", 0.0),
+    ("default_prefill_s_per_token", 0.0), ("transfer_s_per_token", -1e-9),
     ("admission_ttft_factor", 0.0), ("max_queued_prefill_tokens", 0),
 ])
 def test_config_errors_name_the_field(field, value):

@@ -9,6 +9,7 @@ import pytest
 
 from splitserve.common.block_hash import BlockHasher
 from splitserve.common.sampling_params import SamplingParams
+from splitserve.common.slo import SloConfig
 from splitserve.router.orchestrator import RouterError
 from splitserve.router.policy import RoutingConfig
 from tests.factories import GreedyCase, InProcessCluster, hf_greedy, make_prefill_worker
@@ -133,11 +134,10 @@ def test_the_next_chat_turn_hits_the_previous_turns_blocks(tiny_llama_dir):
 def test_admission_rejects_a_request_that_cannot_meet_its_ttft_slo(tiny_llama_dir):
     from splitserve.router.orchestrator import GenerationInput
 
-    routing = RoutingConfig(disaggregation="always", ttft_slo_s=10.0, admission_ttft_factor=2.0,
-                            default_prefill_s_per_token=1.0)
+    routing = RoutingConfig(disaggregation="always", admission_ttft_factor=2.0, default_prefill_s_per_token=1.0)
 
     async def scenario():
-        async with InProcessCluster(tiny_llama_dir, routing=routing) as cluster:
+        async with InProcessCluster(tiny_llama_dir, routing=routing, slo=SloConfig(ttft_s=10.0)) as cluster:
             # No prefill has run yet, so no worker has measured its cost: the default applies.
             with pytest.raises(RouterError) as error:
                 await anext(cluster.orchestrator.generate(GenerationInput("a", tuple(range(3, 30)), GREEDY)))
