@@ -37,6 +37,8 @@ from splitserve.router.worker_client import WorkerClient
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
 MODES = ("disaggregated", "colocated")
+HASH_IN_THREAD_TOKENS = 4096
+"""Prompts longer than this are block-hashed off the event loop (about 0.5 ms per 4k tokens)."""
 
 
 class RouterError(Exception):
@@ -261,12 +263,14 @@ class Orchestrator:
             raise InvalidRequestError("prompt.token_ids", f"out of vocabulary [0, {self.vocab_size}): {bad[:5]}")
 
     # ---- routing -------------------------------------------------------------------------
-    def _route(self, inp: GenerationInput) -> tuple[RouteDecision, dict[str, int]]:
+    async def _route(self, inp: GenerationInput) -> tuple[RouteDecision, dict[str, int]]:
         """The policy's choice for this request and the prompt tokens each worker has cached,
         or RESOURCE_EXHAUSTED when admission rejects it."""
         block_size = self._hasher.block_size
-        cached = {worker_id: blocks * block_size for worker_id, blocks
-                  in self.index.matched_blocks(self._hasher.hash_prefix(inp.prompt_token_ids)).items()}
+        prompt = inp.prompt_token_ids
+        hashes = (await asyncio.to_thread(self._hasher.hash_prefix, prompt) if len(prompt) > HASH_IN_THREAD_TOKENS
+                  else self._hasher.hash_prefix(prompt))
+        cached = {worker_id: blocks * block_size for worker_id, blocks in self.index.matched_blocks(hashes).items()}
         max_tokens = min(inp.sampling_params.max_tokens, self.max_model_len - len(inp.prompt_token_ids))
         slo = inp.ttft_slo_s if inp.ttft_slo_s is not None else self.slo.ttft_s
         request = RoutingRequest(len(inp.prompt_token_ids),
@@ -308,14 +312,15 @@ class Orchestrator:
             self.infos[worker_id].max_num_seqs, load.num_free_kv_blocks, load.num_kv_blocks, own)
 
     async def _on_restart(self, worker_id: str) -> None:
-        """A worker came back with a new engine: new limits and a new transfer agent."""
+        """A worker came back with a new engine: new limits and a new transfer agent. Raises when
+        its info is unavailable (the monitor keeps it unroutable and retries)."""
         client = self.prefill_pool.clients.get(worker_id) or self.decode_pool.clients[worker_id]
-        try:
-            self.infos[worker_id] = await client.call("info")
-        except Exception as error:
-            logger.warning("worker %s restarted but its info is unavailable: %s", worker_id, error)
-        for key in [key for key in self._peers if key[0] == worker_id]:
-            del self._peers[key]  # a restarted decode worker knows no peer
+        old_agent = self.infos[worker_id].agent.agent_name
+        self.infos[worker_id] = await client.call("info")
+        # A restarted decode worker knows no peer; nobody can read from a restarted prefill
+        # worker's old agent.
+        for key in [key for key in self._peers if key[0] == worker_id or key[1] == old_agent]:
+            del self._peers[key]
 
     # ---- a request's life ----------------------------------------------------------------
     async def generate(self, inp: GenerationInput) -> AsyncIterator[StreamChunk]:
@@ -323,7 +328,7 @@ class Orchestrator:
         self.validate_prompt(inp.prompt_token_ids)
         if inp.request_id in self._in_flight:
             raise InvalidRequestError("request_id", f"{inp.request_id!r} is already in flight")
-        decision, cached = self._route(inp)
+        decision, cached = await self._route(inp)
         run = _Run(inp, self.tokenizer, f"{self.router_id}-{uuid.uuid4().hex}", cached)
         self._in_flight.add(inp.request_id)
         stream = self.dispatcher.open(run.worker_request_id)
@@ -337,15 +342,16 @@ class Orchestrator:
 
     async def _remote_prefill(self, run: _Run, stream: asyncio.Queue[TokenDelta],
                               decision: RouteDecision) -> AsyncIterator[StreamChunk]:
-        """Prefill on a prefill worker, then decode pulls the KV and continues."""
+        """Prefill on a prefill worker, then decode pulls the KV and continues. The decode worker
+        is claimed up front so routing counts the request there while it is being prefilled."""
         prefill = self._assign(run, self.prefill_pool, decision.prefill_worker_id)
+        decode = self._assign(run, self.decode_pool, decision.decode_worker_id, prefill_tokens=0)
         result = await self._prefill(run, prefill)
         chunk = run.on_tokens(result.token_ids, result.logprobs, result.finish_reason, result.stop_reason)
         yield chunk
         if chunk.finish_reason is not None:
             run.worker_finished = result.finish_reason is not None
             return
-        decode = self._assign(run, self.decode_pool, decision.decode_worker_id, prefill_tokens=0)
         self.dispatcher.route(run.worker_request_id, decode.client.worker_id)
         await run.bounded(self._ensure_peer(decode.client, prefill.client))
         await run.bounded(self._call(decode.client, "submit", self._decode_request(run, result)))

@@ -167,6 +167,9 @@ def route(request: RoutingRequest, prefill: Sequence[PrefillCandidate], decode: 
         return _route_local_only(request, fitting, config, turn)
     open_prefill = [c for c in prefill if not _queue_full(c, config)]
     if not open_prefill:
+        short_local = [c for c in fitting if _short_enough_for_local(request, c, config)]
+        if config.disaggregation == "auto" and short_local:
+            return _route_local_only(request, short_local, config, turn)  # auto may still prefill locally
         return _queue_full_rejection(prefill, config, "prefill")
     decode_worker = _pick_decode(request, fitting, config, turn)
     prefill_worker = _pick_prefill(request, open_prefill, config, turn)
@@ -237,11 +240,18 @@ def _local_wins(request: RoutingRequest, prefill_worker: PrefillCandidate, decod
         return False
     aware = config.policy == "prefix_aware"
     local_cached = decode_worker.num_cached_tokens if aware else 0
-    if _uncached_tokens(request, local_cached) > config.max_local_prefill_tokens:
+    if not _short_enough_for_local(request, decode_worker, config):
         return False
     local = predicted_ttft_s(request, decode_worker, config, local_cached)
     remote = predicted_ttft_s(request, prefill_worker, config, None if aware else 0)
     return local <= remote + request.num_prompt_tokens * config.transfer_s_per_token
+
+
+def _short_enough_for_local(request: RoutingRequest, decode_worker: DecodeCandidate, config: RoutingConfig) -> bool:
+    """The uncached part a decode worker would prefill is within max_local_prefill_tokens (only
+    prefix_aware counts the decode worker's cache)."""
+    cached = decode_worker.num_cached_tokens if config.policy == "prefix_aware" else 0
+    return _uncached_tokens(request, cached) <= config.max_local_prefill_tokens
 
 
 def _local_decision(request: RoutingRequest, decode_worker: DecodeCandidate, config: RoutingConfig) -> RouteDecision:

@@ -22,6 +22,12 @@ logger = logging.getLogger(__name__)
 
 REPORT_WAIT_S = 0.1
 """Longest wait of one poll: how stale a quiet worker's load may get."""
+REPORT_TIMEOUT_S = 30.0
+"""A worker that has not answered a poll this long after its wait is treated as gone (generous:
+a report waits for the engine's current step, which can take seconds for a long prefill on CPU)."""
+MIN_POLL_INTERVAL_S = 0.02
+"""At least this long between polls of one worker, so a busy worker's per-step event batches
+are fetched together instead of one round trip per engine step."""
 RETRY_AFTER_FAILURE_S = 0.5
 
 
@@ -59,26 +65,34 @@ class WorkerMonitor:
         return await client.call("report", epoch, after_seq, max_wait_s)
 
     async def _watch(self, client: WorkerClient) -> None:
+        """Poll forever; any failure (an error, no answer within REPORT_TIMEOUT_S, a report that
+        cannot be applied) makes the worker unroutable until a later poll succeeds."""
+        loop = asyncio.get_running_loop()
         while True:
+            started = loop.time()
             try:
-                report = await self._poll(client, REPORT_WAIT_S)
+                report = await asyncio.wait_for(self._poll(client, REPORT_WAIT_S), REPORT_WAIT_S + REPORT_TIMEOUT_S)
+                await self._observe(client.worker_id, report)
             except asyncio.CancelledError:
                 raise
             except Exception as error:
                 self._forget(client.worker_id, error)
                 await asyncio.sleep(RETRY_AFTER_FAILURE_S)
                 continue
-            await self._observe(client.worker_id, report)
+            await asyncio.sleep(max(0.0, MIN_POLL_INTERVAL_S - (loop.time() - started)))
 
     async def _observe(self, worker_id: str, report: WorkerReport) -> None:
-        previous = self._epochs.get(worker_id)
-        self._epochs[worker_id] = report.epoch
-        if previous is not None and previous != report.epoch:
-            logger.info("worker %s restarted (epoch %s -> %s)", worker_id, previous, report.epoch)
-            await self._on_restart(worker_id)
-        self._loads[worker_id] = report.load
+        """Apply the report; a new epoch means the worker restarted: it stays unroutable until
+        on_restart has learnt its new identity (an exception here is retried on the next report)."""
         if not self.index.apply(worker_id, report):
             logger.debug("worker %s: report not applicable, resyncing from a snapshot", worker_id)
+        previous = self._epochs.get(worker_id)
+        if previous is not None and previous != report.epoch:
+            logger.info("worker %s restarted (epoch %s -> %s)", worker_id, previous, report.epoch)
+            self._loads.pop(worker_id, None)
+            await self._on_restart(worker_id)
+        self._epochs[worker_id] = report.epoch
+        self._loads[worker_id] = report.load
 
     def _forget(self, worker_id: str, error: Exception) -> None:
         if worker_id in self._loads:

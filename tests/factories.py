@@ -290,11 +290,16 @@ class InProcessCluster:
         return [chunk async for chunk in self.orchestrator.generate(inp)]
 
     async def wait_idle(self, timeout_s: float = 10.0) -> None:
+        """Wait until every worker is idle; then the router's own accounting must be back to zero."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         while True:
             stats = [await w.stats() for w in [*self.prefill_workers, *self.decode_workers]]
             if all(s.is_idle for s in stats):
+                orchestrator = self.orchestrator
+                for pool in (orchestrator.prefill_pool, orchestrator.decode_pool):
+                    assert all(pool.num_requests(w) == pool.num_prefill_tokens(w) == 0 for w in pool.clients)
+                assert orchestrator.num_in_flight == 0
                 return
             assert loop.time() < deadline, f"workers not idle: {stats}"
             await asyncio.sleep(0.02)
@@ -314,3 +319,20 @@ def make_load_report(num_running: int = 0, num_waiting: int = 0, num_queued_pref
 def make_worker_report(worker_id: str, epoch: str, batches: tuple[KVEventBatch, ...] = (),
                        snapshot: KVSnapshot | None = None, load: LoadReport | None = None) -> WorkerReport:
     return WorkerReport(worker_id, epoch, load or make_load_report(), tuple(batches), snapshot)
+
+
+class ScriptedReporter:
+    """A WorkerClient whose report() answers follow a script (a WorkerReport is returned, an
+    exception raised); the last answer repeats. Calls are counted per method."""
+
+    def __init__(self, worker_id: str, answers: list) -> None:
+        self.worker_id = worker_id
+        self._answers = list(answers)
+        self.calls: dict[str, int] = {}
+
+    async def call(self, method: str, *args):
+        self.calls[method] = self.calls.get(method, 0) + 1
+        answer = self._answers.pop(0) if len(self._answers) > 1 else self._answers[0]
+        if isinstance(answer, Exception):
+            raise answer
+        return answer

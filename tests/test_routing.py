@@ -70,6 +70,7 @@ def test_a_restarted_worker_no_longer_claims_its_old_blocks(tiny_llama_dir):
         async with InProcessCluster(tiny_llama_dir) as cluster:
             await cluster.generate("a", prompt, GREEDY)
             await _wait_for(lambda: _holds_prefix(cluster, "prefill-0", prompt))
+            assert cluster.orchestrator.index.num_blocks("prefill-0") == len(prompt) // BLOCK_SIZE
             old = cluster.prefill_workers[0]
             old.shutdown()
             # What a Ray actor restart does: the same handle now reaches a new engine.
@@ -160,3 +161,18 @@ def test_a_stopped_worker_fails_calls_instead_of_hanging(tiny_llama_dir):
     worker.shutdown()
     with pytest.raises(EngineLoopStopped):
         asyncio.run(asyncio.wait_for(worker.report(None, 0, 0.1), 5))
+
+
+def test_a_burst_spreads_over_decode_workers_before_any_report_shows_it(tiny_llama_dir):
+    prompts = [list(range(10 + i, 60 + i)) for i in range(4)]
+
+    async def scenario():
+        async with InProcessCluster(tiny_llama_dir, num_decode=2) as cluster:
+            await asyncio.gather(*(cluster.generate(f"r{i}", p, GREEDY) for i, p in enumerate(prompts)))
+            engines = [(await w.stats()).engine for w in cluster.decode_workers]
+            await cluster.wait_idle()
+            return engines
+
+    engines = asyncio.run(scenario())
+    # Each decode worker continues two requests: 5 tokens each after the prefill worker's first.
+    assert [e.num_generation_tokens for e in engines] == [10, 10]

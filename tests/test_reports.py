@@ -1,0 +1,66 @@
+"""The router's WorkerMonitor: a worker that stops answering (or answers with something that
+cannot be applied) is unroutable and purged until it answers again; then it resyncs."""
+
+from __future__ import annotations
+
+import asyncio
+
+from splitserve.common.kv_events import KVSnapshot
+from splitserve.router.prefix_index import PrefixIndex
+from splitserve.router.reports import WorkerMonitor
+from tests.factories import ScriptedReporter, make_load_report, make_worker_report
+
+HASHES = frozenset({11, 12, 13})
+
+
+def _snapshot_report(epoch: str, running: int = 0):
+    return make_worker_report("w", epoch, snapshot=KVSnapshot(epoch, 3, HASHES),
+                              load=make_load_report(num_running=running))
+
+
+async def _until(predicate, timeout_s: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline, "condition not reached"
+        await asyncio.sleep(0.01)
+
+
+def test_a_failing_worker_is_purged_and_resyncs_when_it_answers_again():
+    worker = ScriptedReporter("w", [_snapshot_report("e1", running=1), RuntimeError("actor died"),
+                                    _snapshot_report("e1", running=2)])
+
+    async def scenario():
+        index = PrefixIndex()
+        monitor = WorkerMonitor([worker], index, on_restart=lambda worker_id: asyncio.sleep(0))
+        await monitor.start()
+        seen = [(monitor.load("w").num_running, index.num_blocks("w"))]
+        await _until(lambda: monitor.load("w") is None)
+        seen.append((None, index.num_blocks("w")))
+        await _until(lambda: monitor.load("w") is not None)
+        seen.append((monitor.load("w").num_running, index.num_blocks("w")))
+        await monitor.stop()
+        return seen, index.cursor("w")
+
+    seen, cursor = asyncio.run(scenario())
+    assert seen == [(1, 3), (None, 0), (2, 3)]
+    assert cursor == ("e1", 3)
+
+
+def test_a_restart_keeps_the_worker_unroutable_until_its_new_identity_is_known():
+    worker = ScriptedReporter("w", [_snapshot_report("e1"), _snapshot_report("e2")])
+    restarts: list[str] = []
+
+    async def on_restart(worker_id: str) -> None:
+        restarts.append(worker_id)
+        if len(restarts) == 1:
+            raise RuntimeError("info unavailable")
+
+    async def scenario():
+        monitor = WorkerMonitor([worker], PrefixIndex(), on_restart)
+        await monitor.start()
+        await _until(lambda: len(restarts) == 2 and monitor.load("w") is not None)
+        await monitor.stop()
+        return monitor
+
+    asyncio.run(scenario())
+    assert restarts == ["w", "w"]  # the first failure was retried, the task survived it
