@@ -28,37 +28,26 @@ directory instead, so a smoke run never replaces the full results).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import datetime
-import json
 import math
 import multiprocessing
-import os
-import platform
 import random
 import statistics
-import sys
-import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))  # tests.factories: the shared running_cluster
+from serving_common import (MS, Cluster, ForeignCpu, bench_parser, client_sequential, cluster_config,
+                            load_recorder, random_prompt, report_header, start_bench, stream_one, summary_ms,
+                            token_gaps, ttft_s, warn_noisy_parts, with_stub, write_report)
+
 RESULTS = Path(__file__).parent / "results"
 
 TTFT_PROMPT_LENS = (64, 128, 256, 512, 1024, 2046)
 """2046, not 2048: the bench model's max_model_len is 2048 and a request needs its 2 outputs."""
-POOL_NUM_CPUS = 0.5
-"""Ray CPUs per worker actor, so 2 workers + the router fit the 2-core machine (Ray's own
-OMP_NUM_THREADS is then 1, and each engine runs 1 torch thread)."""
-DECODE_KV_BYTES = 512 << 20
-"""Decode pool per worker (the product default is 2 GiB; 512 MiB = 2048 blocks is plenty here)."""
 SHORT_STAGGER_S = 0.25
 """Short stream i starts at i * SHORT_STAGGER_S."""
-MS = 1000.0
 
 
 @dataclass(frozen=True)
@@ -83,62 +72,16 @@ QUICK = Sizes(ttft_reps=1, short_streams=8, short_per_stream=1, short_max_tokens
 
 
 # ---- the load generator (runs in the spawned client process) -------------------------------
-def _request(request_id: str, token_ids: list[int], max_tokens: int):
-    from splitserve.common.sampling_params import SamplingParams
-    from splitserve.deploy.client import build_generate_request
-
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    return build_generate_request(token_ids=token_ids, params=params, request_id=request_id)
-
-
-async def _stream_one(stub, request_id: str, klass: str, token_ids: list[int], max_tokens: int,
-                      origin: float) -> dict:
-    """One Generate call; arrivals are (seconds since origin, tokens in the message)."""
-    request = _request(request_id, token_ids, max_tokens)
-    sent = time.perf_counter()
-    arrivals, final = [], None
-    async for response in stub.Generate(request):
-        now = time.perf_counter()
-        if response.token_ids:
-            arrivals.append((now - origin, len(response.token_ids)))
-        if response.finish_reason:
-            final = response
-    t = final.timing
-    return {"request_id": request_id, "class": klass, "prompt_tokens": len(token_ids), "sent_s": sent - origin,
-            "arrivals": arrivals, "finish_reason": final.finish_reason,
-            "cached_tokens": final.usage.cached_tokens, "completion_tokens": final.usage.completion_tokens,
-            "timing": {"queue_s": t.queue_s, "prefill_s": t.prefill_s, "transfer_s": t.transfer_s,
-                       "first_token_s": t.first_token_s, "total_s": t.total_s}}
-
-
-async def _with_stub(port: int, body):
-    import grpc
-
-    from splitserve.proto.splitserve.v1 import generation_pb2_grpc
-
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-        await channel.channel_ready()
-        return await body(generation_pb2_grpc.GenerationStub(channel))
-
-
-def client_sequential(port: int, requests: list[tuple[str, str, list[int], int]]) -> list[dict]:
-    """(request_id, class, token_ids, max_tokens) one after another."""
-    async def body(stub):
-        return [await _stream_one(stub, rid, klass, ids, n, time.perf_counter()) for rid, klass, ids, n in requests]
-
-    return asyncio.run(_with_stub(port, body))
-
-
 def client_interference(port: int, shorts: list[list[tuple[str, list[int], int]]],
                         longs: list[tuple[float, str, list[int], int]]) -> list[dict]:
     """Each short stream runs its requests back to back; each long one starts at its arrival time."""
     async def short_stream(stub, origin, start_s, requests):
         await asyncio.sleep(start_s)
-        return [await _stream_one(stub, rid, "short", ids, n, origin) for rid, ids, n in requests]
+        return [await stream_one(stub, rid, "short", ids, n, origin) for rid, ids, n in requests]
 
     async def long_request(stub, origin, arrival_s, rid, ids, n):
         await asyncio.sleep(max(0.0, arrival_s - (time.perf_counter() - origin)))
-        return [await _stream_one(stub, rid, "long", ids, n, origin)]
+        return [await stream_one(stub, rid, "long", ids, n, origin)]
 
     async def body(stub):
         origin = time.perf_counter()
@@ -146,141 +89,7 @@ def client_interference(port: int, shorts: list[list[tuple[str, list[int], int]]
         tasks += [long_request(stub, origin, *item) for item in longs]
         return [record for group in await asyncio.gather(*tasks) for record in group]
 
-    return asyncio.run(_with_stub(port, body))
-
-
-# ---- statistics -------------------------------------------------------------------------
-def percentile(values: list[float], q: float) -> float:
-    """Linear interpolation between closest ranks (numpy's default)."""
-    ordered = sorted(values)
-    rank = (len(ordered) - 1) * q / 100
-    low, high = math.floor(rank), math.ceil(rank)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
-
-
-def summary_ms(values_s: list[float]) -> dict:
-    if not values_s:
-        return {"n": 0}
-    return {"n": len(values_s), "p50_ms": MS * percentile(values_s, 50), "p90_ms": MS * percentile(values_s, 90),
-            "p99_ms": MS * percentile(values_s, 99), "mean_ms": MS * statistics.fmean(values_s),
-            "max_ms": MS * max(values_s)}
-
-
-def token_gaps(arrivals: list[tuple[float, int]], skip: int = 0) -> list[float]:
-    """Per-token latencies: a message of k tokens after a gap g counts k tokens of g/k.
-    Gaps 0..skip-1 (0 = first token -> next message) are left out."""
-    gaps = []
-    for index in range(max(1, skip + 1), len(arrivals)):
-        gap, count = arrivals[index][0] - arrivals[index - 1][0], arrivals[index][1]
-        gaps += [gap / count] * count
-    return gaps
-
-
-def ttft_s(record: dict) -> float:
-    return record["arrivals"][0][0] - record["sent_s"]
-
-
-# ---- other users of the machine ------------------------------------------------------------
-class ForeignCpu:
-    """CPU seconds used by processes outside this process's tree (the machine is shared), from
-    /proc, sampled every second on a daemon thread into the running total `total_s`."""
-
-    def __init__(self, interval_s: float = 1.0) -> None:
-        import threading
-
-        self._tick = os.sysconf("SC_CLK_TCK")
-        self._started_ticks = self._uptime_ticks()
-        self._cpu: dict[tuple[int, int], float] = {}
-        self._mine: set[tuple[int, int]] = set()
-        """(pid, start) of every process ever seen in this tree: Ray's leftovers outlive their parent."""
-        self.total_s = 0.0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(interval_s,), daemon=True)
-        self._thread.start()
-
-    def _uptime_ticks(self) -> float:
-        return float(Path("/proc/uptime").read_text().split()[0]) * self._tick
-
-    def _processes(self) -> dict[int, tuple[int, int, float]]:
-        """pid -> (ppid, start time in ticks since boot, CPU seconds)."""
-        processes = {}
-        for entry in filter(str.isdigit, os.listdir("/proc")):
-            try:
-                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-            except (OSError, IndexError):
-                continue  # not a process, or it just ended
-            processes[int(entry)] = (int(fields[1]), int(fields[19]), (int(fields[11]) + int(fields[12])) / self._tick)
-        return processes
-
-    def _sample(self) -> None:
-        processes = self._processes()
-        children: dict[int, list[int]] = {}
-        for pid, (ppid, _, _) in processes.items():
-            children.setdefault(ppid, []).append(pid)
-        mine, stack = set(), [os.getpid()]
-        while stack:
-            pid = stack.pop()
-            mine.add(pid)
-            stack += children.get(pid, [])
-        self._mine.update((pid, processes[pid][1]) for pid in mine if pid in processes)
-        for pid, (_, start, cpu) in processes.items():
-            key = (pid, start)
-            if key in self._mine:
-                continue
-            previous = self._cpu.get(key, 0.0 if start > self._started_ticks else cpu)
-            self.total_s += cpu - previous
-            self._cpu[key] = cpu
-
-    def _run(self, interval_s: float) -> None:
-        while not self._stop.wait(interval_s):
-            self._sample()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join()
-        self._sample()
-
-
-# ---- the cluster ------------------------------------------------------------------------
-def cluster_config(model_dir: Path, mode: str):
-    from splitserve.deploy.cluster_config import apply_overrides, default_cluster_config
-
-    disaggregated = mode == "disaggregated"
-    settings = {"mode": mode, "prefill.replicas": 1 if disaggregated else 0, "decode.replicas": 1 if disaggregated
-                else 2, "router.grpc_port": 0, "kv_transfer_backend": "nixl",
-                "decode.engine.kv_cache_memory_bytes": DECODE_KV_BYTES}
-    for pool in ("prefill", "decode"):
-        settings.update({f"{pool}.engine.num_threads": 1, f"{pool}.engine.device": "cpu",
-                         f"{pool}.engine.dtype": "float32", f"{pool}.engine.block_size": 16,
-                         f"{pool}.resources.num_cpus": POOL_NUM_CPUS})
-    return apply_overrides(default_cluster_config(str(model_dir)), settings)
-
-
-class Cluster:
-    """running_cluster + ray.shutdown, so every configuration starts from a fresh Ray."""
-
-    def __init__(self, config) -> None:
-        from tests.factories import running_cluster
-
-        self._context = running_cluster(config)
-
-    def __enter__(self):
-        started = time.perf_counter()
-        cluster, loop = self._context.__enter__()
-        print(f"  cluster up in {time.perf_counter() - started:.1f} s (port {cluster.port})", flush=True)
-        return cluster, loop
-
-    def __exit__(self, *exc_info) -> None:
-        import ray
-
-        try:
-            self._context.__exit__(*exc_info)
-        finally:
-            ray.shutdown()
-
-
-def random_prompt(rng: random.Random, length: int, vocab_size: int) -> list[int]:
-    return [rng.randrange(3, vocab_size) for _ in range(length)]  # ids 0..2 are special tokens
+    return asyncio.run(with_stub(port, body))
 
 
 # ---- part 1: TTFT breakdown -------------------------------------------------------------
@@ -419,29 +228,6 @@ def run_batch1(client: ProcessPoolExecutor, port: int, engine, sizes: Sizes, voc
 
 
 # ---- report -----------------------------------------------------------------------------
-def machine_info() -> dict:
-    from importlib.metadata import version
-
-    import torch
-
-    return {"cpu_count": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-            "torch": torch.__version__, "ray": version("ray"), "nixl_cu12": version("nixl-cu12"),
-            "grpcio": version("grpcio"), "worker_torch_threads": 1, "bench_process_torch_threads": 1,
-            "ray_num_cpus_per_actor": POOL_NUM_CPUS,
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
-
-
-def code_version() -> dict:
-    """The commit measured and the tracked files that differed from it (others may be editing the tree)."""
-    import subprocess
-
-    def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True).stdout
-
-    dirty = [line[3:] for line in git("status", "--porcelain", "--untracked-files=no").splitlines()]
-    return {"commit": git("rev-parse", "HEAD").strip(), "modified_files": dirty}
-
-
 def plot(report: dict, path: Path) -> None:
     import matplotlib
 
@@ -527,17 +313,16 @@ def print_summary(report: dict) -> None:
     print(f"\n3) batch-1 ITL: cluster {b['cluster']['p50_ms']:.2f} / {b['cluster']['p99_ms']:.2f} ms, in-process "
           f"{b['in_process']['p50_ms']:.2f} / {b['in_process']['p99_ms']:.2f} ms (p50 / p99): overhead "
           f"{b['overhead_p50_ms']:+.2f} / {b['overhead_p99_ms']:+.2f} ms")
-    for name, load in report["load"].items():
-        if isinstance(load, dict) and load["foreign_share"] > 0.05:
-            print(f"\nwarning: other processes used {load['foreign_cpu_s']:.0f} CPU-s "
-                  f"({100 * load['foreign_share']:.0f}% of the machine) during {name}; its numbers are noisy")
+    warn_noisy_parts(report["load"])
 
 
 # ---- main -------------------------------------------------------------------------------
 def run_disaggregated(client, model_dir, sizes, workload, vocab_size, seed, report, part) -> list[dict]:
     from splitserve.engine.engine_core import EngineCore
 
-    config = cluster_config(model_dir, "disaggregated")
+    # "always": the router's default ("auto") would prefill short prompts on the decode worker,
+    # and this part measures the disaggregated path (prefill worker -> NIXL pull -> decode).
+    config = cluster_config(model_dir, "disaggregated", **{"router.routing.disaggregation": "always"})
     report["config"]["disaggregated"] = asdict(config)
     with Cluster(config) as (cluster, loop):
         with part("ttft_breakdown"):
@@ -559,7 +344,7 @@ def run_disaggregated(client, model_dir, sizes, workload, vocab_size, seed, repo
 
 
 def run_colocated(client, model_dir, workload, report, part) -> None:
-    config = cluster_config(model_dir, "colocated")
+    config = cluster_config(model_dir, "colocated", num_decode=2)
     report["config"]["colocated"] = asdict(config)
     with Cluster(config) as (cluster, loop):
         client.submit(client_sequential, cluster.port, [("warmup", "warmup", list(range(3, 259)), 2)]).result()
@@ -570,48 +355,19 @@ def run_colocated(client, model_dir, workload, report, part) -> None:
     report["interference"]["requests"]["colocated"] = records
 
 
-def load_recorder(report: dict, foreign: ForeignCpu):
-    """A context manager per part: its duration, the load average at its end, and the CPU that
-    other processes used meanwhile (a part is only as clean as that share is small)."""
-    from contextlib import contextmanager
-
-    @contextmanager
-    def part(name: str):
-        print(f"{name} ...", flush=True)
-        started, foreign_before = time.perf_counter(), foreign.total_s
-        yield
-        seconds, foreign_s = time.perf_counter() - started, foreign.total_s - foreign_before
-        report["load"][name] = {"seconds": seconds, "loadavg_1m_at_end": os.getloadavg()[0],
-                                "foreign_cpu_s": foreign_s, "foreign_share": foreign_s / seconds / os.cpu_count()}
-    return part
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="a ~2 minute smoke run")
-    parser.add_argument("--out-dir", type=Path, default=None,
-                        help=f"default: {RESULTS} (a --quick run: {tempfile.gettempdir()}, so it never replaces "
-                             "the full results)")
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
-    import torch
-
+    args = bench_parser(__doc__, "a ~2 minute smoke run", RESULTS).parse_args()
     from engine_throughput import BENCH_SPEC, bench_model_dir
 
-    torch.set_num_threads(1)
-    started = time.perf_counter()
-    if os.getloadavg()[0] > 1.0:
-        print(f"warning: load average {os.getloadavg()[0]:.1f} before starting; latencies will be noisy", flush=True)
+    started = start_bench()
     sizes = QUICK if args.quick else FULL
     model_dir = bench_model_dir()
     vocab = BENCH_SPEC.vocab_size
     head_dim = BENCH_SPEC.hidden_size // BENCH_SPEC.num_heads
     kv_bytes_per_block = BENCH_SPEC.num_layers * 2 * 16 * BENCH_SPEC.num_kv_heads * head_dim * 4
     workload = interference_workload(sizes, vocab, args.seed + 2)
-    report = {"command": " ".join(["bench/serving_latency.py", *sys.argv[1:]]), "quick": args.quick,
-              "machine": machine_info(), "code": code_version(),
-              "load": {"loadavg_1m_at_start": os.getloadavg()[0]}, "model": asdict(BENCH_SPEC),
-              "sizes": asdict(sizes), "seed": args.seed, "config": {},
+    report = {**report_header("bench/serving_latency.py", args), "model": asdict(BENCH_SPEC),
+              "sizes": asdict(sizes), "config": {},
               "interference": {"workload": {
                   "short": {"streams": sizes.short_streams, "requests_per_stream": sizes.short_per_stream,
                             "prompt_tokens": [32, 128], "stagger_s": SHORT_STAGGER_S,
@@ -630,10 +386,7 @@ def main() -> None:
                                 "kv_bytes_per_block": kv_bytes_per_block,
                                 "rows": ttft_rows(ttft_records, kv_bytes_per_block, 16), "requests": ttft_records}
     report["wall_s"] = time.perf_counter() - started
-    out_dir = args.out_dir or (Path(tempfile.gettempdir()) if args.quick else RESULTS)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "serving_latency.json").write_text(json.dumps(report, indent=1) + "\n")
-    plot(report, out_dir / "serving_latency.png")
+    out_dir = write_report(report, "serving_latency", args, RESULTS, plot)
     print_summary(report)
     print(f"\nwrote {out_dir}/serving_latency.json and .png in {report['wall_s']:.0f} s")
 
