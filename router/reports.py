@@ -71,7 +71,10 @@ class WorkerMonitor:
         while True:
             started = loop.time()
             try:
-                report = await asyncio.wait_for(self._poll(client, REPORT_WAIT_S), REPORT_WAIT_S + REPORT_TIMEOUT_S)
+                # asyncio.timeout, not wait_for: Python 3.11's wait_for swallows a cancel that
+                # arrives in the turn the poll answers, and stop() would then wait forever.
+                async with asyncio.timeout(REPORT_WAIT_S + REPORT_TIMEOUT_S):
+                    report = await self._poll(client, REPORT_WAIT_S)
                 await self._observe(client.worker_id, report)
             except asyncio.CancelledError:
                 raise

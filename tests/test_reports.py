@@ -64,3 +64,34 @@ def test_a_restart_keeps_the_worker_unroutable_until_its_new_identity_is_known()
 
     asyncio.run(scenario())
     assert restarts == ["w", "w"]  # the first failure was retried, the task survived it
+
+
+class _GatedReporter:
+    """Answers its first poll at once and each later one when the test sets `pending`'s result."""
+
+    def __init__(self, worker_id: str, first) -> None:
+        self.worker_id = worker_id
+        self._first = first
+        self.pending: asyncio.Future | None = None
+
+    async def call(self, method: str, *args):
+        if self._first is not None:
+            first, self._first = self._first, None
+            return first
+        self.pending = asyncio.get_running_loop().create_future()
+        return await self.pending
+
+
+def test_stop_ends_polling_even_when_a_poll_answers_in_the_same_loop_turn():
+    # Python 3.11's asyncio.wait_for returns the inner result when it completes in the turn the
+    # cancellation arrives, swallowing the cancel: the watch loop then polled forever and stop() hung.
+    worker = _GatedReporter("w", _snapshot_report("e1"))
+
+    async def scenario():
+        monitor = WorkerMonitor([worker], PrefixIndex(), on_restart=lambda worker_id: asyncio.sleep(0))
+        await monitor.start()
+        await _until(lambda: worker.pending is not None)
+        worker.pending.set_result(_snapshot_report("e1"))
+        await asyncio.wait_for(monitor.stop(), 2)
+
+    asyncio.run(scenario())
