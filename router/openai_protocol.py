@@ -1,0 +1,372 @@
+"""The OpenAI API's wire format: JSON request bodies parsed into typed requests, and the router's
+StreamChunks rendered as OpenAI responses and stream chunks (the shapes vLLM serves).
+
+This module is the HTTP edge: JSON dicts exist only here and in the server that calls it. Parsing
+raises InvalidRequestError naming the offending field (the error's `param`); sampling values are
+validated by SamplingParams itself, so both APIs accept and refuse the same values.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from splitserve.common.errors import InvalidRequestError
+from splitserve.common.sampling_params import MAX_LOGPROBS, SamplingParams
+from splitserve.common.token_logprobs import TokenLogprobs
+from splitserve.router.orchestrator import StreamChunk, Usage
+
+COMPLETION_DEFAULT_MAX_TOKENS = 16
+"""max_tokens of a completion request that sets none (the OpenAI and vLLM default)."""
+MIN_LOGPROB = -9999.0
+"""JSON has no -inf: a logprob below this is reported as this (what vLLM does)."""
+_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                    "repetition_penalty", "seed", "stop_token_ids")
+"""Request fields passed to SamplingParams under the same name, validated there."""
+_BOOL_SAMPLING_FIELDS = ("ignore_eos", "skip_special_tokens")
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    role: str
+    content: str
+    """Text parts of a multi-part content list are joined with newlines."""
+
+
+@dataclass(frozen=True)
+class CompletionRequest:
+    """POST /v1/completions."""
+
+    model: str | None
+    """None: the request named no model (the served one is used, as vLLM does)."""
+    prompt: str | tuple[int, ...]
+    sampling: SamplingParams
+    max_tokens_param: str | None
+    """The field that set sampling.max_tokens; None when defaulted (then only the context length bounds it)."""
+    stream: bool
+    include_usage: bool
+    """stream_options.include_usage: a last stream chunk with usage and no choices."""
+    tokens_as_ids: bool
+    """return_tokens_as_token_ids (vLLM extension): logprob tokens read "token_id:<id>"."""
+
+
+@dataclass(frozen=True)
+class ChatCompletionRequest:
+    """POST /v1/chat/completions."""
+
+    model: str | None
+    messages: tuple[ChatMessage, ...]
+    add_generation_prompt: bool
+    sampling: SamplingParams
+    """sampling.logprobs is top_logprobs when logprobs is true, else None."""
+    max_tokens_param: str | None
+    stream: bool
+    include_usage: bool
+    tokens_as_ids: bool
+
+
+# ---- parsing --------------------------------------------------------------------------------
+
+def _typed(body: Mapping[str, Any], name: str, kind: type, what: str, default: Any = None) -> Any:
+    """body[name] if it is a `kind` (never a bool where a number is wanted); absent or null: default."""
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise InvalidRequestError(name, f"must be {what}, got {value!r}")
+    return value
+
+
+def _reject_unsupported(body: Mapping[str, Any], names: Sequence[str]) -> None:
+    """Fields splitserve does not implement are refused when set, never silently ignored."""
+    for name in names:
+        value = body.get(name)
+        if value not in (None, False, "", {}, []):
+            raise InvalidRequestError(name, f"is not supported by this server (got {value!r})")
+
+
+def _require_one(body: Mapping[str, Any], name: str) -> None:
+    if body.get(name) not in (None, 1):
+        raise InvalidRequestError(name, f"only {name}=1 is supported, got {body[name]!r}; send one request per "
+                                        "sample (with different seeds for different samples)")
+
+
+def _stream_flags(body: Mapping[str, Any]) -> tuple[bool, bool]:
+    """(stream, stream_options.include_usage)."""
+    stream = _typed(body, "stream", bool, "a boolean", False)
+    options = _typed(body, "stream_options", dict, "an object")
+    if options is None:
+        return stream, False
+    if not stream:
+        raise InvalidRequestError("stream_options", "is only allowed when stream is true")
+    include_usage = options.get("include_usage")
+    if include_usage is not None and not isinstance(include_usage, bool):
+        raise InvalidRequestError("stream_options.include_usage", f"must be a boolean, got {include_usage!r}")
+    return stream, bool(include_usage)
+
+
+def _stop(body: Mapping[str, Any]) -> tuple[str, ...]:
+    stop = body.get("stop")
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        return (stop,)
+    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        return tuple(stop)
+    raise InvalidRequestError("stop", f"must be a string or a list of strings, got {stop!r}")
+
+
+def _max_tokens(body: Mapping[str, Any], names: Sequence[str], default: int) -> tuple[int, str | None]:
+    """(max_tokens, the field that set it) from the first of `names` that is set, else (default, None)."""
+    for name in names:
+        value = _typed(body, name, int, "an integer >= 1")
+        if value is not None:
+            if value < 1:
+                raise InvalidRequestError(name, f"must be an integer >= 1, got {value}")
+            return value, name
+    return default, None
+
+
+def _sampling(body: Mapping[str, Any], max_tokens: int, logprobs: int | None) -> SamplingParams:
+    given = {name: body[name] for name in _SAMPLING_FIELDS if body.get(name) is not None}
+    for name in _BOOL_SAMPLING_FIELDS:
+        value = _typed(body, name, bool, "a boolean")
+        if value is not None:
+            given[name] = value
+    return SamplingParams(stop=_stop(body), max_tokens=max_tokens, logprobs=logprobs, **given)
+
+
+def _model(body: Mapping[str, Any]) -> str | None:
+    return _typed(body, "model", str, "a string")
+
+
+def _prompt(body: Mapping[str, Any]) -> str | tuple[int, ...]:
+    """A string or a list of token ids; a batch of exactly one of either is unwrapped."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return tuple(prompt)
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        raise InvalidRequestError("prompt", f"batched prompts ({len(prompt)}) are not supported; send one request "
+                                            "per prompt")
+    raise InvalidRequestError("prompt", "must be a string or a non-empty list of token ids")
+
+
+def parse_completion_request(body: Mapping[str, Any]) -> CompletionRequest:
+    _require_one(body, "n")
+    _require_one(body, "best_of")
+    _reject_unsupported(body, ("echo", "suffix", "logit_bias"))
+    logprobs = _typed(body, "logprobs", int, f"an integer in [0, {MAX_LOGPROBS}]")
+    max_tokens, max_tokens_param = _max_tokens(body, ("max_tokens",), COMPLETION_DEFAULT_MAX_TOKENS)
+    stream, include_usage = _stream_flags(body)
+    return CompletionRequest(_model(body), _prompt(body), _sampling(body, max_tokens, logprobs), max_tokens_param,
+                             stream, include_usage, _typed(body, "return_tokens_as_token_ids", bool, "a boolean", False))
+
+
+def _content(value: Any, field: str) -> str:
+    """A message's content: a string, null (""), or a list of text parts (joined with newlines)."""
+    if value is None:
+        return ""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        texts = []
+        for index, part in enumerate(value):
+            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                raise InvalidRequestError(f"{field}[{index}]", "only {\"type\": \"text\", \"text\": ...} content "
+                                                               f"parts are supported, got {part!r}")
+            texts.append(part["text"])
+        return "\n".join(texts)
+    raise InvalidRequestError(field, f"must be a string or a list of text parts, got {value!r}")
+
+
+def _messages(body: Mapping[str, Any]) -> tuple[ChatMessage, ...]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequestError("messages", "must be a non-empty list of {role, content} objects")
+    parsed = []
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise InvalidRequestError(f"messages[{index}]", f"must be an object with a string role, got {message!r}")
+        parsed.append(ChatMessage(message["role"], _content(message.get("content"), f"messages[{index}].content")))
+    return tuple(parsed)
+
+
+def _chat_logprobs(body: Mapping[str, Any]) -> int | None:
+    """The number of top alternatives per token when logprobs is true, else None."""
+    wanted = _typed(body, "logprobs", bool, "a boolean", False)
+    top = _typed(body, "top_logprobs", int, f"an integer in [0, {MAX_LOGPROBS}]")
+    if top is not None and not 0 <= top <= MAX_LOGPROBS:
+        raise InvalidRequestError("top_logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {top}")
+    if top is not None and not wanted:
+        raise InvalidRequestError("top_logprobs", "requires logprobs to be true")
+    return (top or 0) if wanted else None
+
+
+def _check_chat_options(body: Mapping[str, Any]) -> None:
+    _require_one(body, "n")
+    _reject_unsupported(body, ("tools", "functions", "logit_bias", "audio"))
+    if body.get("tool_choice") not in (None, "none", "auto"):
+        raise InvalidRequestError("tool_choice", f"tool calling is not supported (got {body['tool_choice']!r})")
+    response_format = body.get("response_format")
+    if response_format not in (None, {"type": "text"}):
+        raise InvalidRequestError("response_format", f"only {{\"type\": \"text\"}} is supported, got {response_format!r}")
+
+
+def parse_chat_request(body: Mapping[str, Any], max_model_len: int) -> ChatCompletionRequest:
+    """`max_model_len` is the default max_tokens: generation may then run to the end of the
+    context (the engine ends it there with finish_reason "length"), as in vLLM."""
+    _check_chat_options(body)
+    messages = _messages(body)
+    max_tokens, max_tokens_param = _max_tokens(body, ("max_completion_tokens", "max_tokens"), max_model_len)
+    stream, include_usage = _stream_flags(body)
+    return ChatCompletionRequest(
+        _model(body), messages, _typed(body, "add_generation_prompt", bool, "a boolean", True),
+        _sampling(body, max_tokens, _chat_logprobs(body)), max_tokens_param, stream, include_usage,
+        _typed(body, "return_tokens_as_token_ids", bool, "a boolean", False))
+
+
+# ---- rendering ------------------------------------------------------------------------------
+
+def error_body(message: str, error_type: str, param: str | None = None, code: str | None = None) -> dict:
+    """The OpenAI error object."""
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+
+
+def usage_body(usage: Usage) -> dict:
+    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+            "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
+
+
+def _logprob(value: float) -> float:
+    return value if value >= MIN_LOGPROB else MIN_LOGPROB  # also maps -inf (and nan) to the floor
+
+
+@dataclass(frozen=True)
+class ResponseHeader:
+    """What every response and stream chunk of one request repeats."""
+
+    id: str
+    created: int
+    """Unix seconds."""
+    model: str
+
+
+class _Renderer(ABC):
+    """Turns one request's StreamChunks into OpenAI JSON; `token_text` names a token id in
+    logprobs (its decoded text, or "token_id:<id>"), which are reported when `with_logprobs`."""
+
+    object_name = ""
+    chunk_object_name = ""
+
+    def __init__(self, header: ResponseHeader, token_text: Callable[[int], str], include_usage: bool,
+                 with_logprobs: bool) -> None:
+        self.header = header
+        self.token_text = token_text
+        self.include_usage = include_usage
+        self.with_logprobs = with_logprobs
+
+    def _envelope(self, object_name: str, choices: list[dict]) -> dict:
+        h = self.header
+        return {"id": h.id, "object": object_name, "created": h.created, "model": h.model, "choices": choices}
+
+    def _chunk(self, choice: dict) -> dict:
+        body = self._envelope(self.chunk_object_name, [choice])
+        if self.include_usage:
+            body["usage"] = None  # every chunk but the last usage one (the OpenAI convention)
+        return body
+
+    def usage_chunk(self, usage: Usage) -> dict:
+        """The stream's last data chunk under stream_options.include_usage."""
+        return {**self._envelope(self.chunk_object_name, []), "usage": usage_body(usage)}
+
+    def response(self, chunks: Sequence[StreamChunk]) -> dict:
+        """The non-streaming response for a finished request's chunks (the last one has usage)."""
+        final = chunks[-1]
+        choice = {**self._message(chunks), "finish_reason": final.finish_reason, "stop_reason": final.stop_reason}
+        return {**self._envelope(self.object_name, [{"index": 0, **choice}]), "usage": usage_body(final.usage)}
+
+    @abstractmethod
+    def stream_chunks(self, chunk: StreamChunk) -> list[dict]:
+        """The stream chunks (in order) that carry one StreamChunk."""
+
+    @abstractmethod
+    def _message(self, chunks: Sequence[StreamChunk]) -> dict:
+        """The choice's content fields (text or message, logprobs) of the whole output."""
+
+
+class CompletionRenderer(_Renderer):
+    """text_completion objects; logprobs as tokens / token_logprobs / top_logprobs / text_offset."""
+
+    object_name = chunk_object_name = "text_completion"
+
+    def __init__(self, header: ResponseHeader, token_text: Callable[[int], str], include_usage: bool,
+                 with_logprobs: bool) -> None:
+        super().__init__(header, token_text, include_usage, with_logprobs)
+        self._text_offset = 0
+        """Characters of token text reported so far: where the next token's text_offset starts."""
+
+    def stream_chunks(self, chunk: StreamChunk) -> list[dict]:
+        return [self._chunk({"index": 0, "text": chunk.text, "logprobs": self._logprobs(chunk.logprobs),
+                             "finish_reason": chunk.finish_reason, "stop_reason": chunk.stop_reason})]
+
+    def _message(self, chunks: Sequence[StreamChunk]) -> dict:
+        logprobs = [lp for chunk in chunks for lp in chunk.logprobs]
+        return {"text": "".join(chunk.text for chunk in chunks), "logprobs": self._logprobs(logprobs)}
+
+    def _logprobs(self, logprobs: Sequence[TokenLogprobs]) -> dict | None:
+        if not self.with_logprobs:
+            return None
+        tokens = [self.token_text(lp.token_id) for lp in logprobs]
+        offsets = []
+        for token in tokens:
+            offsets.append(self._text_offset)
+            self._text_offset += len(token)
+        return {"tokens": tokens, "token_logprobs": [_logprob(lp.logprob) for lp in logprobs],
+                "top_logprobs": [{self.token_text(t): _logprob(v) for t, v in lp.top} for lp in logprobs],
+                "text_offset": offsets}
+
+
+class ChatRenderer(_Renderer):
+    """chat.completion objects; the stream opens with the assistant role, then content deltas."""
+
+    object_name = "chat.completion"
+    chunk_object_name = "chat.completion.chunk"
+
+    def __init__(self, header: ResponseHeader, token_text: Callable[[int], str], include_usage: bool,
+                 with_logprobs: bool) -> None:
+        super().__init__(header, token_text, include_usage, with_logprobs)
+        self._role_sent = False
+
+    def stream_chunks(self, chunk: StreamChunk) -> list[dict]:
+        chunks = []
+        if not self._role_sent:
+            self._role_sent = True
+            chunks.append(self._chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                       "finish_reason": None}))
+        chunks.append(self._chunk({"index": 0, "delta": {"content": chunk.text},
+                                   "logprobs": self._logprobs(chunk.logprobs), "finish_reason": chunk.finish_reason,
+                                   "stop_reason": chunk.stop_reason}))
+        return chunks
+
+    def _message(self, chunks: Sequence[StreamChunk]) -> dict:
+        logprobs = [lp for chunk in chunks for lp in chunk.logprobs]
+        return {"message": {"role": "assistant", "content": "".join(chunk.text for chunk in chunks)},
+                "logprobs": self._logprobs(logprobs)}
+
+    def _logprobs(self, logprobs: Sequence[TokenLogprobs]) -> dict | None:
+        if not self.with_logprobs:
+            return None
+        return {"content": [{**self._token(lp.token_id, lp.logprob),
+                             "top_logprobs": [self._token(t, v) for t, v in lp.top]} for lp in logprobs]}
+
+    def _token(self, token_id: int, logprob: float) -> dict:
+        text = self.token_text(token_id)
+        return {"token": text, "logprob": _logprob(logprob), "bytes": list(text.encode("utf-8", errors="replace"))}
+

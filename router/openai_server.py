@@ -1,0 +1,377 @@
+"""The router's OpenAI-compatible HTTP front: /v1/completions, /v1/chat/completions (JSON or
+server-sent events), /v1/models, /health, and optionally /metrics.
+
+A Starlette app served by uvicorn on the router's event loop, beside the gRPC server and over
+the same Orchestrator. Errors use the OpenAI error object with an HTTP status per cause:
+InvalidRequestError -> 400 (`param` names the field), an unknown model or URL -> 404, and a
+RouterError by its code (RESOURCE_EXHAUSTED 429, UNAVAILABLE 503, DEADLINE_EXCEEDED 504, else
+500). A streamed request reports errors before its first token as an HTTP status and errors
+after it as an error event. A client that disconnects cancels its request: the orchestrator's
+stream is closed, which aborts the request on the workers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import socket
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from splitserve.common.errors import InvalidRequestError
+from splitserve.common.sampling_params import SamplingParams
+from splitserve.router.openai_protocol import (ChatRenderer, CompletionRenderer, ResponseHeader, error_body,
+                                               parse_chat_request, parse_completion_request)
+from splitserve.router.orchestrator import GenerationInput, Orchestrator, RouterError, StreamChunk
+from splitserve.router.tokenizer import RouterTokenizer
+
+T = TypeVar("T")
+logger = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 16 << 20
+"""Largest request body accepted (the gRPC server's message limit too)."""
+_STATUS_BY_CODE = {"INVALID_ARGUMENT": 400, "RESOURCE_EXHAUSTED": 429, "UNAVAILABLE": 503, "DEADLINE_EXCEEDED": 504}
+"""HTTP status of a RouterError by its gRPC code name; any other code is 500."""
+_ERROR_TYPES = {429: "rate_limit_error", 500: "server_error", 503: "server_error", 504: "server_error"}
+"""The error object's `type` by status; every 4xx not listed is an invalid_request_error."""
+_DONE = b"data: [DONE]\n\n"
+CLIENT_CLOSED_STATUS = 499
+"""Status recorded for a request whose client went away (nobody receives it)."""
+
+
+class ApiError(Exception):
+    """Ends a request with an OpenAI error object and an HTTP status."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+
+    @classmethod
+    def of(cls, error: Exception) -> ApiError:
+        """The API error for anything a request's handling raised (unexpected ones are logged: 500)."""
+        if isinstance(error, ApiError):
+            return error
+        if isinstance(error, InvalidRequestError):
+            return cls(400, str(error), error.field)
+        if isinstance(error, RouterError):
+            return cls(_STATUS_BY_CODE.get(error.code, 500), error.message, code=error.code.lower())
+        logger.error("request failed", exc_info=error)
+        return cls(500, f"internal error: {type(error).__name__}: {error}", code="internal")
+
+    def body(self) -> dict:
+        error_type = _ERROR_TYPES.get(self.status, "invalid_request_error" if self.status < 500 else "server_error")
+        return error_body(self.message, error_type, self.param, self.code)
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+class ClientDisconnected(Exception):
+    """The client closed the connection before the response was ready."""
+
+
+@dataclass(frozen=True)
+class _Job:
+    """A validated request, ready for the orchestrator."""
+
+    inp: GenerationInput
+    renderer: CompletionRenderer | ChatRenderer
+    stream: bool
+
+
+class OpenAIServing:
+    """The endpoints' handlers over one Orchestrator serving one model."""
+
+    def __init__(self, orchestrator: Orchestrator, tokenizer: RouterTokenizer, model_name: str,
+                 request_timeout_s: float | None = None) -> None:
+        self.orchestrator = orchestrator
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        """What clients pass as `model`, and what /v1/models lists."""
+        self.request_timeout_s = request_timeout_s
+        """Server-side limit on a request's total time (router.request_timeout_s); None: no limit."""
+        self.created = int(time.time())
+
+    # ---- endpoints ---------------------------------------------------------------------
+    async def completions(self, request: Request) -> Response:
+        return await self._serve(request, self._completion_job)
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._serve(request, self._chat_job)
+
+    async def models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: Request) -> Response:
+        try:
+            self._check_model(request.path_params["model"])
+        except ApiError as error:
+            return error.response()
+        return JSONResponse(self._model_card())
+
+    async def health(self, request: Request) -> Response:
+        """200 while some decode worker answers the router's report polls (requests can be served)."""
+        orchestrator = self.orchestrator
+        if any(orchestrator.monitor.load(worker_id) is not None for worker_id in orchestrator.decode_pool.clients):
+            return Response(status_code=200)
+        return ApiError(503, "no decode worker is answering", code="unavailable").response()
+
+    def _model_card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "splitserve",
+                "root": self.model_name, "parent": None, "max_model_len": self.orchestrator.max_model_len}
+
+    # ---- one generation request --------------------------------------------------------
+    async def _serve(self, request: Request, prepare: Callable[[Any], Awaitable[_Job]]) -> Response:
+        try:
+            job = await prepare(await _read_json(request))
+            logger.info("[%s] %s: %d prompt tokens", job.inp.request_id, request.url.path,
+                        len(job.inp.prompt_token_ids))
+            return await self._respond(request, job)
+        except ClientDisconnected:
+            return Response(status_code=CLIENT_CLOSED_STATUS)
+        except Exception as error:  # every failure is an OpenAI error response; the server carries on
+            return ApiError.of(error).response()
+
+    async def _respond(self, request: Request, job: _Job) -> Response:
+        """Run the request; a streamed one starts its response once the first chunk is in, so an
+        admission rejection or a bad prompt still gets its HTTP status."""
+        stream = self.orchestrator.generate(job.inp)
+        try:
+            if not job.stream:
+                chunks = await _until_disconnect(request, _collect(stream))
+                return JSONResponse(job.renderer.response(chunks))
+            first = await _until_disconnect(request, anext(stream))
+        except BaseException:
+            await stream.aclose()
+            raise
+        return _EventStream(_events(first, stream, job.renderer))
+
+    async def _completion_job(self, body: Any) -> _Job:
+        parsed = parse_completion_request(_object(body))
+        self._check_model(parsed.model)
+        prompt = parsed.prompt
+        token_ids = prompt if isinstance(prompt, tuple) else tuple(await asyncio.to_thread(self.tokenizer.encode,
+                                                                                          prompt))
+        inp = self._input(token_ids, parsed.sampling, parsed.max_tokens_param)
+        renderer = CompletionRenderer(self._header("cmpl", inp), self._token_text(parsed.tokens_as_ids),
+                                      parsed.include_usage, parsed.sampling.logprobs is not None)
+        return _Job(inp, renderer, parsed.stream)
+
+    async def _chat_job(self, body: Any) -> _Job:
+        parsed = parse_chat_request(_object(body), self.orchestrator.max_model_len)
+        self._check_model(parsed.model)
+        messages = [{"role": m.role, "content": m.content} for m in parsed.messages]
+        token_ids = await asyncio.to_thread(self.tokenizer.apply_chat_template, messages, parsed.add_generation_prompt)
+        inp = self._input(tuple(token_ids), parsed.sampling, parsed.max_tokens_param)
+        renderer = ChatRenderer(self._header("chatcmpl", inp), self._token_text(parsed.tokens_as_ids),
+                                parsed.include_usage, parsed.sampling.logprobs is not None)
+        return _Job(inp, renderer, parsed.stream)
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise ApiError(404, f"The model `{model}` does not exist; this server serves `{self.model_name}`.",
+                           "model", "model_not_found")
+
+    def _input(self, token_ids: tuple[int, ...], params: SamplingParams, max_tokens_param: str | None
+               ) -> GenerationInput:
+        """Check the prompt and, when the client set max_tokens, that prompt + output fit the context."""
+        self.orchestrator.validate_prompt(token_ids)
+        max_model_len = self.orchestrator.max_model_len
+        if max_tokens_param is not None and len(token_ids) + params.max_tokens > max_model_len:
+            raise InvalidRequestError(max_tokens_param, f"{params.max_tokens} output tokens after {len(token_ids)} "
+                                                        f"prompt tokens exceed max_model_len {max_model_len}")
+        deadline = None if self.request_timeout_s is None else time.monotonic() + self.request_timeout_s
+        return GenerationInput(self.orchestrator.new_request_id(""), token_ids, params, deadline)
+
+    def _header(self, prefix: str, inp: GenerationInput) -> ResponseHeader:
+        return ResponseHeader(f"{prefix}-{inp.request_id}", int(time.time()), self.model_name)
+
+    def _token_text(self, as_ids: bool) -> Callable[[int], str]:
+        if as_ids:
+            return lambda token_id: f"token_id:{token_id}"
+        return lambda token_id: self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+# ---- request and response plumbing ----------------------------------------------------------
+
+async def _read_json(request: Request) -> Any:
+    body = bytearray()
+    try:
+        async for part in request.stream():
+            body += part
+            if len(body) > MAX_BODY_BYTES:
+                raise ApiError(413, f"request body exceeds {MAX_BODY_BYTES} bytes", code="request_too_large")
+    except ClientDisconnect:
+        raise ClientDisconnected() from None
+    try:
+        return json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ApiError(400, f"request body is not valid JSON: {error}", code="invalid_json") from None
+
+
+def _object(body: Any) -> dict:
+    if not isinstance(body, dict):
+        raise ApiError(400, f"request body must be a JSON object, got {type(body).__name__}", code="invalid_json")
+    return body
+
+
+async def _collect(stream: AsyncIterator[StreamChunk]) -> list[StreamChunk]:
+    return [chunk async for chunk in stream]
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    """Returns once the client has gone (call after the body was read: nothing else is received)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`; if the client disconnects first, cancel it (which closes the orchestrator's
+    stream it is reading, aborting the request on the workers) and raise ClientDisconnected."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        done, _ = await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        task.cancel()  # no-op when done
+        watcher.cancel()
+        await asyncio.gather(task, watcher, return_exceptions=True)
+    if task in done:
+        return task.result()
+    raise ClientDisconnected()
+
+
+def _sse(body: dict) -> bytes:
+    return b"data: " + json.dumps(body, ensure_ascii=False, allow_nan=False).encode() + b"\n\n"
+
+
+async def _events(first: StreamChunk, stream: AsyncGenerator[StreamChunk, None],
+                  renderer: CompletionRenderer | ChatRenderer) -> AsyncGenerator[bytes, None]:
+    """The SSE body: chunk events, the usage event if asked for, an error event if the request
+    fails mid-stream, then [DONE]. Closing it closes the orchestrator's stream."""
+    last = first
+    try:
+        for body in renderer.stream_chunks(first):
+            yield _sse(body)
+        async for last in stream:
+            for body in renderer.stream_chunks(last):
+                yield _sse(body)
+        if renderer.include_usage:
+            yield _sse(renderer.usage_chunk(last.usage))
+    except Exception as error:
+        yield _sse(ApiError.of(error).body())
+    finally:
+        await stream.aclose()
+    yield _DONE
+
+
+class _EventStream(StreamingResponse):
+    """text/event-stream whose body is always closed, however the response ends: on a client
+    disconnect Starlette cancels the sending loop, which would otherwise leave the body (and the
+    orchestrator's stream inside it) suspended until garbage collection."""
+
+    def __init__(self, events: AsyncGenerator[bytes, None]) -> None:
+        super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self._events = events
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._events.aclose()
+
+
+async def _http_error(request: Request, error: HTTPException) -> Response:
+    """Starlette's own errors (unknown URL, wrong method) as OpenAI error objects."""
+    if error.status_code == 404:
+        return ApiError(404, f"Invalid URL ({request.method} {request.url.path})", code="unknown_url").response()
+    return JSONResponse(ApiError(error.status_code, str(error.detail)).body(), status_code=error.status_code,
+                        headers=error.headers)
+
+
+class _AsgiRoute:
+    """An ASGI app as a Route endpoint: Route treats a plain function as a request handler, and
+    prometheus_client's app is one."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self.app(scope, receive, send)
+
+
+def build_app(serving: OpenAIServing, metrics_app: ASGIApp | None = None) -> Starlette:
+    """The HTTP API's routes; `metrics_app` (the router's Prometheus exposition) is served on /metrics."""
+    routes = [Route("/v1/completions", serving.completions, methods=["POST"]),
+              Route("/v1/chat/completions", serving.chat_completions, methods=["POST"]),
+              Route("/v1/models", serving.models, methods=["GET"]),
+              Route("/v1/models/{model:path}", serving.model, methods=["GET"]),
+              Route("/health", serving.health, methods=["GET"])]
+    if metrics_app is not None:
+        routes.append(Route("/metrics", _AsgiRoute(metrics_app), methods=["GET"]))
+    return Starlette(routes=routes, exception_handlers={HTTPException: _http_error})
+
+
+# ---- the server on the router's event loop --------------------------------------------------
+
+class _EmbeddedUvicorn(uvicorn.Server):
+    """uvicorn inside a process that owns its signals: SIGINT/SIGTERM stay with the caller
+    (`splitserve serve` stops the whole cluster), and stop() ends serving."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+class HttpServer:
+    """Serves an ASGI app on the running event loop until stop()."""
+
+    def __init__(self, app: ASGIApp, grace_s: float = 2.0) -> None:
+        self._server = _EmbeddedUvicorn(uvicorn.Config(app, lifespan="off", log_config=None, access_log=False,
+                                                       ws="none", timeout_graceful_shutdown=int(grace_s)))
+        self._task: asyncio.Task | None = None
+        self.port = 0
+
+    async def start(self, host: str, port: int) -> int:
+        """Listen on host:port (0 picks a free port); returns the bound port."""
+        sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+        self.port = sock.getsockname()[1]
+        self._task = asyncio.get_running_loop().create_task(self._server.serve(sockets=[sock]))
+        while not self._server.started:
+            if self._task.done():
+                self._task.result()  # raises why it could not start
+                raise OSError(f"the HTTP server on {host}:{port} stopped during startup")
+            await asyncio.sleep(0.01)
+        return self.port
+
+    async def stop(self) -> None:
+        """Stop accepting, give open responses the grace period, then cancel them."""
+        if self._task is None:
+            return
+        self._server.should_exit = True
+        await self._task
+        self._task = None
+
+
+async def start_http_server(orchestrator: Orchestrator, tokenizer: RouterTokenizer, model_name: str,
+                            host: str = "127.0.0.1", port: int = 8000, request_timeout_s: float | None = None,
+                            metrics_app: ASGIApp | None = None) -> HttpServer:
+    """Start the OpenAI-compatible API on the running loop; the server's `port` is the bound one."""
+    server = HttpServer(build_app(OpenAIServing(orchestrator, tokenizer, model_name, request_timeout_s), metrics_app))
+    await server.start(host, port)
+    return server

@@ -1,0 +1,398 @@
+"""The OpenAI-compatible HTTP API against in-process workers, driven by the official `openai` SDK
+(unmodified) and by raw HTTP: exact outputs (the gRPC API's text, transformers' token ids),
+streaming framing, error statuses, and cancellation when a client disconnects."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import time
+from dataclasses import dataclass
+
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from splitserve.common.sampling_params import SamplingParams
+from splitserve.common.slo import SloConfig
+from splitserve.proto.splitserve.v1 import generation_pb2 as pb
+from splitserve.router.metrics_server import RouterMetrics
+from splitserve.router.openai_server import ApiError, start_http_server
+from splitserve.router.orchestrator import RouterError
+from splitserve.router.policy import RoutingConfig
+from splitserve.router.server import start_grpc_server
+from tests.factories import EventLoopThread, GreedyCase, InProcessCluster, hf_greedy, stream_tokens
+
+MODEL = "tiny-llama"
+PROMPT = "The river runs"
+CHAT = [{"role": "user", "content": "Tell me about the river."}]
+GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
+LONG = 2000
+"""max_tokens of requests a test cancels; the tiny model decodes about 1000 tokens/s, so a cancelled
+request generates a small fraction of them."""
+
+
+@dataclass
+class Served:
+    cluster: InProcessCluster
+    loop: EventLoopThread
+    http_port: int
+    grpc_port: int
+
+    def client(self, port: int | None = None) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"http://127.0.0.1:{port or self.http_port}/v1", api_key="none",
+                             max_retries=0, timeout=60)
+
+    def decode_generation_tokens(self) -> int:
+        return sum(self.loop.run(w.stats()).engine.num_generation_tokens for w in self.cluster.decode_workers)
+
+    def wait_idle(self) -> None:
+        self.loop.run(self.cluster.wait_idle())
+
+    def requests_ended(self, metric: str, **labels: str) -> float:
+        """A request counter's value from GET /metrics (on the HTTP API's port)."""
+        status, _, body = _raw(self.http_port, "GET", "/metrics")
+        assert status == 200
+        samples = [s for family in text_string_to_metric_families(body.decode()) for s in family.samples
+                   if s.name == f"splitserve_{metric}_total" and s.labels == labels]
+        return samples[0].value if samples else 0.0
+
+
+@pytest.fixture(scope="module")
+def served(tiny_llama_dir):
+    """One cluster with both APIs over the same orchestrator."""
+    loop = EventLoopThread()
+    metrics = RouterMetrics(SloConfig())
+    cluster = InProcessCluster(tiny_llama_dir, observer=metrics.observe)
+    loop.run(cluster.__aenter__())
+    loop.run(_watch(metrics, cluster))
+    http_server = loop.run(start_http_server(cluster.orchestrator, cluster.tokenizer, MODEL, port=0,
+                                             metrics_app=metrics.asgi_app()))
+    grpc_server, grpc_port = loop.run(start_grpc_server(cluster.orchestrator, cluster.tokenizer, MODEL, port=0))
+    try:
+        yield Served(cluster, loop, http_server.port, grpc_port)
+    finally:
+        loop.run(grpc_server.stop(None))
+        loop.run(http_server.stop())
+        loop.run(cluster.__aexit__(None, None, None))
+        loop.close()
+
+
+async def _watch(metrics: RouterMetrics, cluster: InProcessCluster) -> None:
+    metrics.watch(cluster.orchestrator)  # on the orchestrator's loop
+
+
+def _raw(port: int, method: str, path: str, body: bytes | None = None) -> tuple[int, dict[str, str], bytes]:
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    try:
+        connection.request(method, path, body=body, headers={"Content-Type": "application/json"})
+        response = connection.getresponse()
+        return response.status, dict(response.getheaders()), response.read()
+    finally:
+        connection.close()
+
+
+def _grpc(served: Served, prompt_field: dict, **sampling) -> tuple[list[int], str]:
+    request = pb.GenerateRequest(model=MODEL, sampling=pb.SamplingParams(**sampling), **prompt_field)
+    token_ids, text, _ = stream_tokens(served.grpc_port, request)
+    return token_ids, text
+
+
+def _ids(tokens: list[str]) -> list[int]:
+    """Token ids from logprob tokens under return_tokens_as_token_ids."""
+    assert all(t.startswith("token_id:") for t in tokens)
+    return [int(t.removeprefix("token_id:")) for t in tokens]
+
+
+# ---- outputs ------------------------------------------------------------------------------
+
+def test_greedy_completion_equals_grpc_and_transformers(served, tiny_llama_dir):
+    completion = served.client().completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=12, logprobs=0, temperature=0,
+        extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+    grpc_ids, grpc_text = _grpc(served, {"text": PROMPT.encode()}, temperature=0, max_tokens=12, ignore_eos=True)
+    prompt_ids = served.cluster.tokenizer.encode(PROMPT)
+    (choice,) = completion.choices
+    assert _ids(choice.logprobs.tokens) == grpc_ids == hf_greedy(tiny_llama_dir, GreedyCase(tuple(prompt_ids), 12,
+                                                                                             True))
+    assert choice.text == grpc_text and choice.finish_reason == "length"
+    assert (completion.object, completion.model, completion.id.startswith("cmpl-")) == ("text_completion", MODEL, True)
+    usage = completion.usage
+    assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (len(prompt_ids), 12,
+                                                                                  len(prompt_ids) + 12)
+    served.wait_idle()
+
+
+def test_usage_counts_the_prompt_tokens_found_in_the_prefix_cache(served):
+    prompt = list(range(100, 143))  # 5 full blocks of 8 and 3 tokens
+    client = served.client()
+    first, second = (client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, **GREEDY) for _ in range(2))
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.usage.prompt_tokens_details.cached_tokens == 40
+    assert second.usage.prompt_tokens == 43 and second.choices[0].text == first.choices[0].text
+
+
+def test_token_id_prompt_gives_the_text_prompts_output(served):
+    prompt_ids = served.cluster.tokenizer.encode(PROMPT)
+    client = served.client()
+    by_text = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, **GREEDY)
+    by_ids = client.completions.create(model=MODEL, prompt=prompt_ids, max_tokens=8, **GREEDY)
+    assert by_ids.choices[0].text == by_text.choices[0].text != ""
+    assert by_ids.usage.prompt_tokens == len(prompt_ids)
+
+
+def test_greedy_chat_equals_grpc_chat(served):
+    chat = served.client().chat.completions.create(model=MODEL, messages=CHAT, max_completion_tokens=10, **GREEDY)
+    messages = pb.ChatMessages(messages=[pb.ChatMessage(**m) for m in CHAT])
+    grpc_ids, grpc_text = _grpc(served, {"chat": messages}, temperature=0, max_tokens=10, ignore_eos=True)
+    (choice,) = chat.choices
+    assert (choice.message.role, choice.message.content, choice.finish_reason) == ("assistant", grpc_text, "length")
+    assert chat.object == "chat.completion" and chat.id.startswith("chatcmpl-")
+    prompt_ids = served.cluster.tokenizer.apply_chat_template(CHAT)
+    assert (chat.usage.prompt_tokens, chat.usage.completion_tokens, len(grpc_ids)) == (len(prompt_ids), 10, 10)
+
+
+def test_streamed_completion_with_usage_equals_the_whole_response(served):
+    client = served.client()
+    whole = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=10, **GREEDY)
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=10, stream=True,
+                                            stream_options={"include_usage": True}, **GREEDY))
+    *content, last = chunks
+    assert "".join(c.choices[0].text for c in content) == whole.choices[0].text
+    assert [c.choices[0].finish_reason for c in content] == [None] * (len(content) - 1) + ["length"]
+    assert all(c.usage is None for c in content) and len({c.id for c in chunks}) == 1
+    counts = lambda usage: (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens)  # noqa: E731
+    assert last.choices == [] and counts(last.usage) == counts(whole.usage)  # (the second one hits the cache)
+
+
+def test_streamed_chat_opens_with_the_role_and_carries_the_content(served):
+    client = served.client()
+    whole = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=10, **GREEDY)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=10, stream=True, **GREEDY))
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].object == "chat.completion.chunk"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks][-2:] == [None, "length"]
+    assert all(c.usage is None for c in chunks)  # no usage chunk unless asked for
+
+
+def test_stop_strings_cut_the_text_and_name_the_stop(served):
+    client = served.client()
+    full = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=20, **GREEDY).choices[0].text
+    stop = full[len(full) // 2: len(full) // 2 + 3]
+    expected = full[:full.index(stop)]
+    for stops in (stop, [stop, "never-generated"]):
+        choice = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=20, stop=stops, **GREEDY).choices[0]
+        assert (choice.text, choice.finish_reason, choice.model_extra["stop_reason"]) == (expected, "stop", stop)
+    streamed = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=20, stop=stop, stream=True,
+                                              **GREEDY))
+    assert "".join(c.choices[0].text for c in streamed) == expected
+    assert streamed[-1].choices[0].finish_reason == "stop"
+
+
+def test_completion_logprobs_follow_the_openai_shape(served):
+    logprobs = served.client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, logprobs=2,
+                                                  **GREEDY).choices[0].logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.top_logprobs) == 6
+    assert logprobs.text_offset == [sum(len(t) for t in logprobs.tokens[:i]) for i in range(6)]
+    for token, logprob, top in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs):
+        assert len(top) == 2 and max(top.values()) == logprob <= 0  # greedy: the sampled token is the best
+        assert top[token] == logprob
+
+
+def test_chat_logprobs_equal_the_orchestrators(served):
+    response = served.client().chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=6, logprobs=True, top_logprobs=3,
+        extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True}, temperature=0)
+    content = response.choices[0].logprobs.content
+    prompt = served.cluster.tokenizer.apply_chat_template(CHAT)
+    chunks = served.loop.run(served.cluster.generate(
+        "reference", prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3)))
+    expected = [lp for chunk in chunks for lp in chunk.logprobs]
+    assert _ids([entry.token for entry in content]) == [lp.token_id for lp in expected]
+    assert [entry.logprob for entry in content] == pytest.approx([lp.logprob for lp in expected], abs=1e-5)
+    for entry, lp in zip(content, expected):
+        assert _ids([t.token for t in entry.top_logprobs]) == [t for t, _ in lp.top]
+        assert entry.bytes == list(entry.token.encode())
+
+
+def test_a_seed_reproduces_the_sample_and_matches_grpc(served):
+    client = served.client()
+
+    def sample(seed: int) -> str:
+        return client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=1.0, seed=seed,
+                                         extra_body={"ignore_eos": True}).choices[0].text
+
+    first, again, other = sample(1234), sample(1234), sample(4321)
+    _, grpc_text = _grpc(served, {"text": PROMPT.encode()}, temperature=1.0, seed=1234, max_tokens=16,
+                         ignore_eos=True)
+    assert first == again == grpc_text and other != first
+
+
+def test_metrics_are_served_on_the_http_port_too(served):
+    finished = served.requests_ended("request_success", finished_reason="length")
+    served.client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, **GREEDY)
+    assert served.requests_ended("request_success", finished_reason="length") == finished + 1
+
+
+def test_models_and_health(served):
+    client = served.client()
+    (model,) = client.models.list().data
+    assert (model.id, model.owned_by, client.models.retrieve(MODEL).id) == (MODEL, "splitserve", MODEL)
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("other-model")
+    assert _raw(served.http_port, "GET", "/health")[0] == 200
+
+
+# ---- errors -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("kwargs", "param"), [
+    ({"temperature": -1}, "temperature"),
+    ({"top_p": 0}, "top_p"),
+    ({"n": 2}, "n"),
+    ({"max_tokens": 5000}, "max_tokens"),
+    ({"extra_body": {"top_k": -5}}, "top_k"),
+    ({"stop": [""]}, "stop"),
+    ({"extra_body": {"stream_options": {"include_usage": True}}}, "stream_options"),
+])
+def test_bad_completion_parameters_are_400_naming_the_field(served, kwargs, param):
+    with pytest.raises(openai.BadRequestError) as error:
+        served.client().completions.create(model=MODEL, prompt=PROMPT, **kwargs)
+    assert (error.value.status_code, error.value.param, error.value.type) == (400, param, "invalid_request_error")
+
+
+def test_bad_chat_parameters_are_400_naming_the_field(served):
+    client = served.client()
+    cases = [({"top_logprobs": 2}, "top_logprobs"), ({"max_completion_tokens": 0}, "max_completion_tokens"),
+             ({"messages": []}, "messages"), ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+             ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools")]
+    for kwargs, param in cases:
+        with pytest.raises(openai.BadRequestError) as error:
+            client.chat.completions.create(**{"model": MODEL, "messages": CHAT, **kwargs})
+        assert error.value.param == param, kwargs
+
+
+def test_an_unknown_model_is_404_model_not_found(served):
+    with pytest.raises(openai.NotFoundError) as error:
+        served.client().chat.completions.create(model="gpt-4o", messages=CHAT)
+    assert (error.value.status_code, error.value.code, error.value.param) == (404, "model_not_found", "model")
+
+
+def test_the_request_timeout_is_504_and_frees_the_workers(served):
+    server = served.loop.run(start_http_server(served.cluster.orchestrator, served.cluster.tokenizer, MODEL, port=0,
+                                               request_timeout_s=0.2))
+    try:
+        with pytest.raises(openai.InternalServerError) as error:
+            served.client(server.port).completions.create(model=MODEL, prompt=PROMPT, max_tokens=LONG, **GREEDY)
+    finally:
+        served.loop.run(server.stop())
+    assert (error.value.status_code, error.value.code) == (504, "deadline_exceeded")
+    served.wait_idle()
+
+
+def test_admission_rejection_is_429(tiny_llama_dir):
+    # Every prompt token is predicted to take 1 s to prefill: no request can meet a 1 ms TTFT.
+    routing = RoutingConfig(disaggregation="always", admission_ttft_factor=2.0, default_prefill_s_per_token=1.0)
+    loop = EventLoopThread()
+    cluster = InProcessCluster(tiny_llama_dir, routing=routing, slo=SloConfig(ttft_s=1e-3))
+    loop.run(cluster.__aenter__())
+    server = loop.run(start_http_server(cluster.orchestrator, cluster.tokenizer, MODEL, port=0))
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="none", max_retries=0)
+    try:
+        for stream in (False, True):  # a streamed request is rejected before its response starts
+            with pytest.raises(openai.RateLimitError) as error:
+                client.completions.create(model=MODEL, prompt=PROMPT, stream=stream)
+            assert (error.value.status_code, error.value.code) == (429, "resource_exhausted")
+            assert "TTFT" in error.value.message
+        assert dict(cluster.orchestrator.routing_stats().rejections) == {"ttft_slo": 2}
+        assert _raw(server.port, "GET", "/health")[0] == 200
+    finally:
+        loop.run(server.stop())
+        loop.run(cluster.__aexit__(None, None, None))
+        loop.close()
+
+
+@pytest.mark.parametrize(("code", "status", "error_type"), [
+    ("RESOURCE_EXHAUSTED", 429, "rate_limit_error"), ("UNAVAILABLE", 503, "server_error"),
+    ("DEADLINE_EXCEEDED", 504, "server_error"), ("INTERNAL", 500, "server_error"),
+    ("INVALID_ARGUMENT", 400, "invalid_request_error")])
+def test_router_error_codes_map_to_http_statuses(code, status, error_type):
+    error = ApiError.of(RouterError(code, "why"))
+    assert (error.status, error.body()) == (status, {"error": {"message": "why", "type": error_type, "param": None,
+                                                               "code": code.lower()}})
+
+
+# ---- raw HTTP -----------------------------------------------------------------------------
+
+def _completion_body(**fields) -> bytes:
+    return json.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": 4, **fields}).encode()
+
+
+@pytest.mark.parametrize(("body", "param", "code"), [
+    (b"{not json", None, "invalid_json"),
+    (b"\xff\xfe", None, "invalid_json"),
+    (b"[1, 2]", None, "invalid_json"),
+    (_completion_body(max_tokens="ten"), "max_tokens", None),
+    (_completion_body(stream="yes"), "stream", None),
+    (_completion_body(prompt={"text": "x"}), "prompt", None),
+    (_completion_body(prompt=[1, 2, 10 ** 9]), "prompt.token_ids", None),
+    (_completion_body(ignore_eos=1), "ignore_eos", None),
+    (_completion_body(seed="7"), "seed", None),
+])
+def test_malformed_requests_are_400_in_the_openai_error_shape(served, body, param, code):
+    status, headers, raw = _raw(served.http_port, "POST", "/v1/completions", body)
+    assert (status, headers["content-type"]) == (400, "application/json")
+    error = json.loads(raw)["error"]
+    assert (set(error), error["type"], error["param"], error["code"]) == (
+        {"message", "type", "param", "code"}, "invalid_request_error", param, code)
+
+
+def test_unknown_routes_and_methods_get_openai_errors_and_the_server_carries_on(served):
+    status, _, raw = _raw(served.http_port, "POST", "/v1/embeddings", b"{}")
+    assert (status, json.loads(raw)["error"]["code"]) == (404, "unknown_url")
+    status, _, raw = _raw(served.http_port, "GET", "/v1/completions")
+    assert status == 405 and json.loads(raw)["error"]["type"] == "invalid_request_error"
+    status, _, raw = _raw(served.http_port, "POST", "/v1/completions", _completion_body(temperature=0))
+    assert status == 200 and json.loads(raw)["usage"]["completion_tokens"] == 4
+
+
+def test_sse_framing_ends_with_done(served):
+    status, headers, raw = _raw(served.http_port, "POST", "/v1/chat/completions", json.dumps(
+        {"model": MODEL, "messages": CHAT, "max_tokens": 5, "temperature": 0, "ignore_eos": True, "stream": True,
+         "stream_options": {"include_usage": True}}).encode())
+    assert (status, headers["content-type"]) == (200, "text/event-stream; charset=utf-8")
+    text = raw.decode()
+    assert text.endswith("\n\n")
+    events = text[:-2].split("\n\n")
+    assert all(event.startswith("data: ") and "\n" not in event for event in events)
+    assert events[-1] == "data: [DONE]"
+    bodies = [json.loads(event.removeprefix("data: ")) for event in events[:-1]]
+    assert bodies[-1]["choices"] == [] and bodies[-1]["usage"]["completion_tokens"] == 5
+    assert [b["choices"][0]["finish_reason"] for b in bodies[:-1]][-1] == "length"
+
+
+# ---- cancellation -------------------------------------------------------------------------
+
+def test_a_client_disconnecting_mid_stream_cancels_the_request(served):
+    before, cancelled = served.decode_generation_tokens(), served.requests_ended("request_failure", code="CANCELLED")
+    stream = served.client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=LONG, stream=True, **GREEDY)
+    received = [next(stream) for _ in range(3)]
+    stream.close()
+    served.wait_idle()
+    assert all(chunk.choices[0].finish_reason is None for chunk in received)
+    assert served.decode_generation_tokens() - before < LONG // 2
+    assert served.requests_ended("request_failure", code="CANCELLED") == cancelled + 1
+
+
+def test_a_client_disconnecting_before_a_whole_response_cancels_the_request(served):
+    before, cancelled = served.decode_generation_tokens(), served.requests_ended("request_failure", code="CANCELLED")
+    connection = http.client.HTTPConnection("127.0.0.1", served.http_port, timeout=60)
+    connection.request("POST", "/v1/completions", body=_completion_body(max_tokens=LONG, temperature=0,
+                                                                        ignore_eos=True))
+    deadline = time.monotonic() + 30
+    while served.decode_generation_tokens() == before:  # the request is decoding
+        assert time.monotonic() < deadline, "the request never reached the decode worker"
+        time.sleep(0.01)
+    connection.close()
+    served.wait_idle()
+    assert served.decode_generation_tokens() - before < LONG // 2
+    assert served.requests_ended("request_failure", code="CANCELLED") == cancelled + 1
