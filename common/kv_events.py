@@ -80,6 +80,26 @@ class LoadReport:
 
 
 @dataclass(frozen=True)
+class WorkerCounters:
+    """A worker's cumulative counters since its engine started (a restart resets them to 0, which
+    Prometheus' rate() treats as a counter reset). The router exports them per worker."""
+
+    prompt_tokens: int
+    """Prompt tokens of the requests this worker's engine prefilled (cached ones included); a
+    prompt whose KV was pulled from a prefill worker counts there, not here."""
+    generation_tokens: int
+    """Tokens this worker's engine sampled (a prefill worker samples each request's first)."""
+    prefix_cache_queries: int
+    """Prompt tokens looked up in the prefix cache."""
+    prefix_cache_hits: int
+    """Prompt tokens found in the prefix cache."""
+    num_preemptions: int
+    """Requests preempted (KV freed, recomputed later)."""
+    kv_leases_expired: int
+    """Prefill workers: KV leases that expired before a decode worker pulled them (0 on decode)."""
+
+
+@dataclass(frozen=True)
 class WorkerReport:
     """A worker's answer to a router's poll: its load and what changed in its prefix cache."""
 
@@ -91,3 +111,5 @@ class WorkerReport:
     snapshot: KVSnapshot | None
     """Set when the router's cursor cannot be continued: another epoch, or batches it missed
     are no longer retained."""
+    counters: WorkerCounters
+    """Cumulative counters for metrics, taken with `load`."""

@@ -63,6 +63,11 @@ class TransferParams:
     lease_expires_at: float
     """Wall-clock time (time.time()) after which the producer frees the blocks."""
 
+    @property
+    def num_bytes(self) -> int:
+        """KV bytes a pull of these blocks moves: blocks x bytes per block per layer x layers."""
+        return len(self.block_ids) * self.layout.bytes_per_block_per_layer * self.layout.num_layers
+
 
 @dataclass(frozen=True)
 class AgentMetadata:

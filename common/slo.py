@@ -57,3 +57,20 @@ def evaluate_slo(targets: SloConfig, ttft_s: float | None, e2e_s: float, num_out
     tpot = tpot_s(ttft_s, e2e_s, num_output_tokens) if ttft_s is not None else None
     tpot_met = targets.tpot_s is None or tpot is None or tpot <= targets.tpot_s
     return SloOutcome(ttft_met, tpot_met)
+
+
+UNCOUNTED_ERROR_CODES = ("CANCELLED", "INVALID_ARGUMENT")
+"""Requests ending with these codes do not count toward SLO attainment: the client withdrew, or
+sent a request that can never be served."""
+
+
+def request_slo_outcome(targets: SloConfig, error_code: str | None, ttft_s: float | None, e2e_s: float,
+                        num_output_tokens: int) -> SloOutcome | None:
+    """A finished request (error_code None) is evaluated against its targets; one that failed
+    (rejected, deadline, worker fault) counts and meets neither target, since DistServe counts a
+    request toward goodput only when it completed within both; None for an uncounted one."""
+    if error_code in UNCOUNTED_ERROR_CODES:
+        return None
+    if error_code is not None:
+        return SloOutcome(False, False)
+    return evaluate_slo(targets, ttft_s, e2e_s, num_output_tokens)

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from splitserve.common.kv_events import LoadReport, WorkerCounters
+from splitserve.common.metrics import TTFT_PHASES
+from splitserve.common.slo import SloOutcome, tpot_s
+
 
 @dataclass(frozen=True)
 class EngineStats:
@@ -23,7 +27,10 @@ class EngineStats:
     num_preemptions: int
     num_steps: int
     num_prompt_tokens: int
+    """Prompt tokens of the requests this engine prefilled (cached ones included; a prompt whose
+    KV was pulled from a producer does not count unless it was recomputed here)."""
     num_generation_tokens: int
+    """Tokens sampled (a producer samples each request's first token)."""
 
     @property
     def kv_usage(self) -> float:
@@ -43,3 +50,99 @@ class RoutingStats:
     """(reason, requests): cache_hit, load, local_prefill, round_robin."""
     rejections: tuple[tuple[str, int], ...]
     """(reason, requests) rejected by admission control: ttft_slo, queue_full, no_kv_capacity."""
+
+
+@dataclass(frozen=True)
+class WorkerSnapshot:
+    """The router's latest view of one worker (what its metrics are exported from).
+
+    Invariant: load and counters are both set (the worker answers its report polls) or both None."""
+
+    worker_id: str
+    role: str
+    """'prefill' or 'decode'."""
+    load: LoadReport | None
+    counters: WorkerCounters | None
+
+
+@dataclass(frozen=True)
+class KVTransferRecord:
+    """How one request's KV pull from its prefill worker to its decode worker ended."""
+
+    prefill_worker: str
+    decode_worker: str
+    seconds: float | None
+    """Pull time measured on the decode worker; None when the pull failed."""
+    num_bytes: int
+    """KV bytes pulled (TransferParams.num_bytes); 0 when the pull failed."""
+
+    @property
+    def failed(self) -> bool:
+        return self.seconds is None
+
+
+FINISH_REASONS = ("stop", "length")
+"""The finish reasons of a request that finished; anything else ends it with an error code."""
+
+
+@dataclass(frozen=True)
+class RequestRecord:
+    """One request's life at the router, built once when it ends, on any path after validation.
+
+    Invariant: exactly one of finish_reason and error_code is set. Times are seconds, measured on
+    the router's clock except the worker-side phases (durations on the worker's own clock)."""
+
+    request_id: str
+    finish_reason: str | None
+    """'stop' or 'length' when the request finished; None when it did not."""
+    error_code: str | None
+    """gRPC status code name when it did not finish: RESOURCE_EXHAUSTED (admission control),
+    UNAVAILABLE, DEADLINE_EXCEEDED, INTERNAL, INVALID_ARGUMENT, ABORTED (a worker ended it),
+    CANCELLED (the client went away)."""
+    routing_reason: str | None
+    """RouteDecision.reason (cache_hit, load, local_prefill, round_robin); None when not routed."""
+    rejection_reason: str | None
+    """Rejection.reason (ttft_slo, queue_full, no_kv_capacity) when admission control rejected it."""
+    prefill_worker: str | None
+    """The prefill worker it was routed to; None when not routed or prefilled on its decode worker."""
+    decode_worker: str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    """Prompt tokens served from a prefix cache."""
+    num_output_tokens: int
+    """Tokens streamed to the client."""
+    ttft_s: float | None
+    """Router arrival -> first token streamed; None when no token was."""
+    inter_token_latencies: tuple[float, ...]
+    """One per output token after the first (num_output_tokens - 1 values, none without tokens):
+    a chunk of k tokens arriving g seconds after the previous chunk counts k gaps of g / k, tokens
+    that came with the first token count 0; so they sum to last token - first token."""
+    e2e_s: float
+    """Router arrival -> the final chunk (or the request's end, when it did not finish)."""
+    queue_s: float | None
+    """Router arrival -> the prompt's first scheduled prefill step; None when no prefill ended."""
+    prefill_s: float | None
+    """Prefill compute: first scheduled step -> first token (on the worker that prefilled)."""
+    decode_s: float | None
+    """First token -> the final chunk (e2e_s - ttft_s); None without a first token."""
+    ttft_breakdown: tuple[tuple[str, float], ...]
+    """(phase, seconds) for each phase of common.metrics.TTFT_PHASES the request went through, in
+    that order."""
+    kv_transfer: KVTransferRecord | None
+    """None when no KV moved (local prefill, finished on the prefill worker) or the request ended
+    before the decode worker reported its pull."""
+    slo: SloOutcome | None
+    """Which targets it met; None when it does not count (see common.slo.request_slo_outcome)."""
+
+    def __post_init__(self) -> None:
+        if (self.finish_reason is None) == (self.error_code is None):
+            raise ValueError(f"exactly one of finish_reason ({self.finish_reason!r}) and error_code "
+                             f"({self.error_code!r}) must be set")
+        unknown = [phase for phase, _ in self.ttft_breakdown if phase not in TTFT_PHASES]
+        if unknown:
+            raise ValueError(f"unknown TTFT phases {unknown}; known: {TTFT_PHASES}")
+
+    @property
+    def tpot_s(self) -> float | None:
+        """(e2e - TTFT) / (output tokens - 1); None with fewer than two output tokens."""
+        return None if self.ttft_s is None else tpot_s(self.ttft_s, self.e2e_s, self.num_output_tokens)

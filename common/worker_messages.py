@@ -34,7 +34,9 @@ class PrefillResult:
     generator_state: bytes | None
     """Seeded requests: RNG state after the first sample, for the decode worker."""
     compute_s: float
-    """Seconds from admission to the prefill worker to its first token."""
+    """Seconds from the prompt's first scheduled engine step to its first token (prefill compute)."""
+    queue_s: float = 0.0
+    """Seconds from admission to the prefill worker to the prompt's first scheduled engine step."""
 
 
 @dataclass(frozen=True)
@@ -67,8 +69,16 @@ class TokenDelta:
     error: str | None = None
     """Why the request was ended by a fault (finish_reason 'abort')."""
     kv_transfer_failed: bool = False
-    """Set on the first delta after a failed pull that was recovered by recomputing the prompt:
-    the producer may still hold the lease, so the router releases it."""
+    """Set on the first delta after a failed pull: either the request goes on by recomputing the
+    prompt (the producer may still hold the lease, so the router releases it), or (transfer
+    failure policy 'fail') it is the error delta that ends the request."""
+    queue_s: float | None = None
+    """Set on a request's first delta with tokens: seconds from its admission to this worker to
+    its first scheduled engine step, minus the KV pull (waiting for blocks, for the pull to start,
+    for a batch slot)."""
+    compute_s: float | None = None
+    """Set with queue_s: seconds from the first scheduled engine step to this delta (the prefill
+    of a prompt this worker computed itself, else the first decode step)."""
 
 
 @dataclass(frozen=True)

@@ -58,6 +58,8 @@ class DecodeWorker:
         self._abort_after_pull: dict[str, str | None] = {}
         """Requests to end once their pull ends, with the error to report (None: a plain abort)."""
         self._transfer_s: dict[str, float] = {}
+        self._admitted_at: dict[str, float] = {}
+        """request id -> time.monotonic() of its admission, until its first delta with tokens."""
         self._recomputed: set[str] = set()
         self._routes: dict[str, str] = {}
         """request id -> router id; engine thread only."""
@@ -126,6 +128,7 @@ class DecodeWorker:
             engine.validate(request.request_id, list(request.prompt_token_ids), request.sampling_params)
             self._awaiting_blocks.append(request)
         self._routes[request.request_id] = request.router_id
+        self._admitted_at[request.request_id] = time.monotonic()
         self._start_pulls(engine)
 
     def _start_pulls(self, engine: EngineCore) -> None:
@@ -185,21 +188,28 @@ class DecodeWorker:
             self.engine.remote_kv_failed(request_id)
         else:
             logger.warning("[%s] KV pull failed: %s", request_id, outcome.error)
-            self._fail(request_id, f"KV transfer failed: {outcome.error}")
+            self._fail(request_id, f"KV transfer failed: {outcome.error}", kv_transfer_failed=True)
 
-    def _fail(self, request_id: str, error: str) -> None:
+    def _fail(self, request_id: str, error: str, kv_transfer_failed: bool = False) -> None:
         request = self.engine.scheduler.requests[request_id]
         self.engine.abort_request(request_id)
         self._publish([TokenDelta(request_id, (), (), "abort", None, max(request.num_cached_tokens, 0),
-                                  error=error)])
+                                  error=error, kv_transfer_failed=kv_transfer_failed)])
 
     def _on_deltas(self, deltas: list[CompletionDelta]) -> None:
         self._publish([self._token_delta(delta) for delta in deltas if delta.request_id in self._routes])
 
     def _token_delta(self, delta: CompletionDelta) -> TokenDelta:
+        transfer_s = self._transfer_s.pop(delta.request_id, None)
+        queue_s = compute_s = None
+        admitted_at = self._admitted_at.pop(delta.request_id, None) if delta.new_token_ids else None
+        if admitted_at is not None:  # the first delta with tokens; the pull is no queueing
+            queue_s, compute_s = delta.queue_and_compute_s(admitted_at, time.monotonic())
+            queue_s = max(queue_s - (transfer_s or 0.0), 0.0)
         return TokenDelta(delta.request_id, delta.new_token_ids, delta.new_logprobs, delta.finish_reason,
-                          delta.stop_reason, delta.num_cached_tokens, self._transfer_s.pop(delta.request_id, None),
-                          kv_transfer_failed=delta.request_id in self._recomputed)
+                          delta.stop_reason, delta.num_cached_tokens, transfer_s,
+                          kv_transfer_failed=delta.request_id in self._recomputed, queue_s=queue_s,
+                          compute_s=compute_s)
 
     def _publish(self, deltas: list[TokenDelta]) -> None:
         """Hand deltas to their routers' queues on the event loop (thread-safe)."""
@@ -210,6 +220,7 @@ class DecodeWorker:
                 by_router.setdefault(router_id, []).append(delta)
             if delta.finish_reason is not None:
                 self._routes.pop(delta.request_id, None)
+                self._admitted_at.pop(delta.request_id, None)
             self._recomputed.discard(delta.request_id)
         for router_id, batch in by_router.items():
             self._event_loop.call_soon_threadsafe(self._queue(router_id).put_nowait, batch)

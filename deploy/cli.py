@@ -174,8 +174,10 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--mode", choices=("disaggregated", "colocated"), default=None)
     parser.add_argument("--prefill-workers", type=int, default=None)
     parser.add_argument("--decode-workers", type=int, default=None)
-    parser.add_argument("--host", default=None, help="gRPC listen address (default 127.0.0.1)")
+    parser.add_argument("--host", default=None, help="gRPC and /metrics listen address (default 127.0.0.1)")
     parser.add_argument("--grpc-port", type=int, default=None, help="default 50051; 0 picks a free port")
+    parser.add_argument("--metrics-port", type=int, default=None,
+                        help="Prometheus /metrics port on --host (default 9400); 0 picks a free port")
     parser.add_argument("--kv-transfer-backend", choices=("nixl", "inprocess"), default=None)
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="any config key in dotted form, e.g. decode.engine.max_num_seqs=64 (YAML value)")
@@ -184,7 +186,7 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
 
 _SERVE_FLAGS = {"model": "model", "mode": "mode", "prefill_workers": "prefill.replicas",
                 "decode_workers": "decode.replicas", "host": "router.host", "grpc_port": "router.grpc_port",
-                "kv_transfer_backend": "kv_transfer_backend"}
+                "metrics_port": "router.metrics_port", "kv_transfer_backend": "kv_transfer_backend"}
 
 
 def serve_config(args: argparse.Namespace):

@@ -1,5 +1,5 @@
-"""A whole splitserve cluster on this machine: Ray (loopback only), the worker actors, and the
-router's gRPC server on this process's event loop.
+"""A whole splitserve cluster on this machine: Ray (loopback only), the worker actors, the
+router's gRPC server on this process's event loop, and its Prometheus /metrics endpoint.
 
 Ray resolves "127.0.0.1" to the machine's external address and then listens on every
 interface; with RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 its node address stays the loopback one
@@ -29,6 +29,7 @@ from splitserve.decode_worker.worker import DecodeWorker  # noqa: E402
 from splitserve.deploy.cluster_config import ClusterConfig, PoolConfig  # noqa: E402
 from splitserve.engine.tiny_model import resolve_model_path  # noqa: E402
 from splitserve.prefill_worker.worker import PrefillWorker  # noqa: E402
+from splitserve.router.metrics_server import RouterMetrics  # noqa: E402
 from splitserve.router.orchestrator import Orchestrator  # noqa: E402
 from splitserve.router.server import start_grpc_server  # noqa: E402
 from splitserve.router.tokenizer import RouterTokenizer  # noqa: E402
@@ -71,6 +72,9 @@ class LocalCluster:
     orchestrator: Orchestrator | None = None
     server: grpc.aio.Server | None = None
     port: int = 0
+    metrics: RouterMetrics | None = None
+    metrics_port: int | None = None
+    """The bound /metrics port; None when router.metrics_port is None (disabled)."""
 
     async def start(self) -> int:
         """Start everything; returns the gRPC port. On failure, whatever started is stopped."""
@@ -92,9 +96,15 @@ class LocalCluster:
         prefill = [RayWorkerClient(f"prefill-{i}", a) for i, a in enumerate(self.prefill_actors)]
         decode = [RayWorkerClient(f"decode-{i}", a) for i, a in enumerate(self.decode_actors)]
         tokenizer = await asyncio.to_thread(RouterTokenizer.from_model_dir, model_dir)
+        if config.router.metrics_port is not None:
+            self.metrics = RouterMetrics(config.router.slo)
         self.orchestrator = Orchestrator(self.router_id, prefill, decode, tokenizer.backend, config.mode,
-                                         config.router.routing, config.router.slo)
+                                         config.router.routing, config.router.slo,
+                                         self.metrics.observe if self.metrics is not None else None)
         await self.orchestrator.start()
+        if self.metrics is not None:
+            self.metrics.watch(self.orchestrator)
+            self.metrics_port = self.metrics.serve(config.router.host, config.router.metrics_port)
         self.server, self.port = await start_grpc_server(
             self.orchestrator, tokenizer, config.model, config.router.host, config.router.grpc_port,
             config.router.request_timeout_s)
@@ -110,6 +120,8 @@ class LocalCluster:
                                    worker_id=f"{role}-{index}", **extra) for index in range(pool.replicas)]
 
     async def stop(self, grace_s: float = 2.0) -> None:
+        if self.metrics is not None:
+            await asyncio.to_thread(self.metrics.stop)
         if self.server is not None:
             await self.server.stop(grace_s)
         if self.orchestrator is not None:
@@ -149,7 +161,9 @@ async def _serve(config: ClusterConfig) -> int:
         # After start: ray.init installs its own SIGTERM handler, which would abort the process.
         for signum in (signal.SIGINT, signal.SIGTERM):
             asyncio.get_running_loop().add_signal_handler(signum, stop.set)
-        print(f"splitserve: serving {config.model} ({config.mode}) on {config.router.host}:{port}\n"
+        metrics = (f"  metrics: http://{config.router.host}:{cluster.metrics_port}/metrics\n"
+                   if cluster.metrics_port is not None else "")
+        print(f"splitserve: serving {config.model} ({config.mode}) on {config.router.host}:{port}\n{metrics}"
               f"  try: splitserve generate --target {config.router.host}:{port} \"Tell me about the river.\"\n"
               "  Ctrl-C stops the cluster.", flush=True)
         await stop.wait()

@@ -168,7 +168,6 @@ class EngineCore:
             self._forget(request_id)
             return None
         request.num_cached_tokens = num_cached_tokens
-        self._num_prompt_tokens += request.num_prompt_tokens
         if generator_state is not None:
             self._generators[request_id].set_state(torch.frombuffer(bytearray(generator_state), dtype=torch.uint8))
         self.scheduler.add_remote(request)
@@ -179,8 +178,9 @@ class EngineCore:
         self.scheduler.remote_kv_ready(request_id)
 
     def remote_kv_failed(self, request_id: str) -> None:
-        """Recompute the prompt locally instead."""
+        """Recompute the prompt locally instead (from now on it counts as a prompt prefilled here)."""
         self.scheduler.remote_kv_failed(request_id)
+        self._num_prompt_tokens += self.scheduler.requests[request_id].num_prompt_tokens
 
     def take_held_kv(self, request_id: str) -> HeldKV | None:
         """Producer role: the held blocks of a request that finished as 'prefilled'."""
@@ -197,6 +197,17 @@ class EngineCore:
     def num_steps(self) -> int:
         """Forward passes run so far."""
         return self._num_steps
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """Prompt tokens of the requests this engine prefilled (cached ones included; a prompt
+        whose KV was pulled from a producer does not count unless it was recomputed here)."""
+        return self._num_prompt_tokens
+
+    @property
+    def num_generation_tokens(self) -> int:
+        """Tokens sampled so far."""
+        return self._num_generation_tokens
 
     @property
     def num_held(self) -> int:
@@ -329,7 +340,8 @@ class EngineCore:
             request_id=request.request_id, new_token_ids=token_ids, new_logprobs=logprobs,
             text_delta=detokenizer.take_delta(finished) if detokenizer is not None else "",
             finish_reason=request.finish_reason, stop_reason=request.stop_reason,
-            num_prompt_tokens=request.num_prompt_tokens, num_cached_tokens=max(request.num_cached_tokens, 0))
+            num_prompt_tokens=request.num_prompt_tokens, num_cached_tokens=max(request.num_cached_tokens, 0),
+            first_scheduled_at=request.first_scheduled_at)
 
     # ---- reports for routers -------------------------------------------------------------
     @property

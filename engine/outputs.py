@@ -21,10 +21,18 @@ class CompletionDelta:
     """The stop token id or stop string that ended the request, if any."""
     num_prompt_tokens: int
     num_cached_tokens: int
+    first_scheduled_at: float | None = None
+    """time.monotonic() of the request's first scheduled step (Request.first_scheduled_at)."""
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    def queue_and_compute_s(self, admitted_at: float, now: float) -> tuple[float, float]:
+        """(admitted_at -> first scheduled step, first scheduled step -> now), time.monotonic()
+        seconds; a request never scheduled spent it all queued."""
+        scheduled = now if self.first_scheduled_at is None else self.first_scheduled_at
+        return max(scheduled - admitted_at, 0.0), now - scheduled
 
 
 @dataclass(frozen=True)

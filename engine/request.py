@@ -51,6 +51,9 @@ class Request:
     num_preemptions: int = 0
     hold_kv_after_prefill: bool = False
     """Producer role: after the first sampled token, finish as PREFILLED and keep the blocks."""
+    first_scheduled_at: float | None = None
+    """time.monotonic() when the scheduler first put the request in the running batch (kept
+    across preemptions); None until then. Splits a worker's queue time from its compute time."""
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

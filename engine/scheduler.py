@@ -14,6 +14,7 @@ join `ready` and are admitted ahead of waiting prompts (they only need decode st
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -151,8 +152,7 @@ class Scheduler:
             if num_new > budget or self.block_manager.allocate(request, num_new) is None:
                 break
             self.ready.popleft()
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
+            self._start_running(request)
             scheduled.append((request, num_new))
             budget -= num_new
         return budget
@@ -171,11 +171,18 @@ class Scheduler:
             self.waiting.popleft()
             self._record_admission(request, prefix.num_tokens)
             request.num_computed_tokens += prefix.num_tokens
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
+            self._start_running(request)
             scheduled.append((request, num_new))
             budget -= num_new
         return budget
+
+    def _start_running(self, request: Request) -> None:
+        """Admit into the running batch; the first admission stamps first_scheduled_at (once per
+        request, so the clock is read per admission, never per step)."""
+        if request.first_scheduled_at is None:
+            request.first_scheduled_at = time.monotonic()
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
 
     def _record_admission(self, request: Request, num_cached: int) -> None:
         if request.num_cached_tokens < 0:

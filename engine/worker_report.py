@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 
-from splitserve.common.kv_events import WorkerReport
+from splitserve.common.kv_events import WorkerCounters, WorkerReport
 from splitserve.engine.engine_core import EngineCore
 from splitserve.engine.engine_loop import EngineLoop
 
@@ -16,19 +17,31 @@ REPORT_POLL_S = 0.01
 """How often a waiting report poll looks for new KV events."""
 
 
-def build_report(engine: EngineCore, worker_id: str, epoch: str | None, after_seq: int) -> WorkerReport:
-    """Engine thread: the load now and the KV events after the cursor (or a snapshot), taken together."""
+def worker_counters(engine: EngineCore, kv_leases_expired: int) -> WorkerCounters:
+    """Engine thread: the cumulative counters (plain attribute reads: cheap enough for every poll)."""
+    scheduler = engine.scheduler
+    return WorkerCounters(engine.num_prompt_tokens, engine.num_generation_tokens, scheduler.prefix_cache_queries,
+                          scheduler.prefix_cache_hits, scheduler.num_preemptions, kv_leases_expired)
+
+
+def build_report(engine: EngineCore, worker_id: str, epoch: str | None, after_seq: int,
+                 kv_leases_expired: int = 0) -> WorkerReport:
+    """Engine thread: the load, the counters and the KV events after the cursor (or a snapshot),
+    taken together."""
     batches, snapshot = engine.kv_report(epoch, after_seq)
-    return WorkerReport(worker_id, engine.epoch, engine.load_report(), batches, snapshot)
+    return WorkerReport(worker_id, engine.epoch, engine.load_report(), batches, snapshot,
+                        worker_counters(engine, kv_leases_expired))
 
 
 async def wait_for_report(loop: EngineLoop, worker_id: str, epoch: str | None, after_seq: int,
-                          max_wait_s: float) -> WorkerReport:
+                          max_wait_s: float, kv_leases_expired: Callable[[], int] = lambda: 0) -> WorkerReport:
     """At once when there are KV events after the cursor or it needs a snapshot; otherwise the
-    first report with new events, or after `max_wait_s` the current load with no events."""
+    first report with new events, or after `max_wait_s` the current load with no events.
+    `kv_leases_expired()` (a producer's lease count) is read on the engine thread."""
     deadline = time.monotonic() + max_wait_s
     while True:
-        report = await loop.run(lambda engine: build_report(engine, worker_id, epoch, after_seq))
+        report = await loop.run(
+            lambda engine: build_report(engine, worker_id, epoch, after_seq, kv_leases_expired()))
         remaining_s = deadline - time.monotonic()
         if report.kv_events or report.snapshot is not None or remaining_s <= 0:
             return report

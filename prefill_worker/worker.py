@@ -80,7 +80,8 @@ class PrefillWorker:
     async def report(self, epoch: str | None, after_seq: int, max_wait_s: float) -> WorkerReport:
         """Load and KV events after the router's cursor (epoch, after_seq), or a snapshot when the cursor
         cannot be continued; with nothing new it waits up to max_wait_s for events."""
-        return await wait_for_report(self._loop, self.worker_id, epoch, after_seq, max_wait_s)
+        return await wait_for_report(self._loop, self.worker_id, epoch, after_seq, max_wait_s,
+                                     lambda: self._leases.stats().num_expired)
 
     def shutdown(self) -> None:
         self._loop.stop()
@@ -102,18 +103,19 @@ class PrefillWorker:
         return False
 
     def _on_deltas(self, deltas: list[CompletionDelta]) -> None:
+        now = time.monotonic()
         for delta in deltas:
             in_flight = self._in_flight.pop(delta.request_id, None)
             if in_flight is None:  # every prefill delta is final: the first token or an abort
                 continue
-            result = self._result(delta, time.monotonic() - in_flight.admitted_at)
+            result = self._result(delta, *delta.queue_and_compute_s(in_flight.admitted_at, now))
             if not in_flight.future.set_running_or_notify_cancel():
                 # The caller went away: nobody will pull these blocks.
                 self._abort(self.engine, delta.request_id)
                 continue
             in_flight.future.set_result(result)
 
-    def _result(self, delta: CompletionDelta, compute_s: float) -> PrefillResult:
+    def _result(self, delta: CompletionDelta, queue_s: float, compute_s: float) -> PrefillResult:
         held = self.engine.take_held_kv(delta.request_id)
         transfer = None
         finish_reason = delta.finish_reason
@@ -122,7 +124,7 @@ class PrefillWorker:
             finish_reason = None
         return PrefillResult(delta.request_id, delta.new_token_ids, delta.new_logprobs, finish_reason,
                              delta.stop_reason, delta.num_cached_tokens, transfer,
-                             held.generator_state if held is not None else None, compute_s)
+                             held.generator_state if held is not None else None, compute_s, queue_s)
 
     def _poll_leases(self) -> float | None:
         for lease in self._leases.poll():

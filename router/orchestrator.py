@@ -14,7 +14,7 @@ import logging
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -22,15 +22,17 @@ from splitserve.common.block_hash import BlockHasher
 from splitserve.common.detokenizer import Decoder, IncrementalDetokenizer
 from splitserve.common.errors import InvalidRequestError
 from splitserve.common.kv_events import LoadReport
+from splitserve.common.kv_transfer_types import TransferParams
 from splitserve.common.sampling_params import SamplingParams
-from splitserve.common.slo import SloConfig
-from splitserve.common.stats import RoutingStats
+from splitserve.common.slo import SloConfig, request_slo_outcome
+from splitserve.common.stats import FINISH_REASONS, KVTransferRecord, RequestRecord, RoutingStats, WorkerSnapshot
 from splitserve.common.token_logprobs import TokenLogprobs
 from splitserve.common.worker_messages import DecodeRequest, PrefillRequest, PrefillResult, TokenDelta, WorkerInfo
 from splitserve.router.dispatcher import OutputDispatcher
 from splitserve.router.policy import (DecodeCandidate, PrefillCandidate, Rejection, RouteDecision, RoutingConfig,
                                       RoutingRequest, route)
 from splitserve.router.prefix_index import PrefixIndex
+from splitserve.router.records import RequestTimeline
 from splitserve.router.reports import WorkerMonitor
 from splitserve.router.worker_client import WorkerClient
 
@@ -58,7 +60,9 @@ class GenerationInput:
     deadline: float | None = None
     """time.monotonic() after which the request ends with DEADLINE_EXCEEDED."""
     ttft_slo_s: float | None = None
-    """The request's TTFT target for admission control; None takes the router's default."""
+    """The request's TTFT target (admission control, SLO accounting); None takes the router's default."""
+    tpot_slo_s: float | None = None
+    """The request's TPOT target (SLO accounting); None takes the router's default."""
 
 
 @dataclass(frozen=True)
@@ -132,15 +136,16 @@ class _Assignment:
 class _Run:
     """One request's progress at the router."""
 
-    def __init__(self, inp: GenerationInput, tokenizer: Decoder, worker_request_id: str,
-                 cached_tokens: dict[str, int]) -> None:
+    def __init__(self, inp: GenerationInput, tokenizer: Decoder, worker_request_id: str, arrival: float) -> None:
         self.inp = inp
-        self.cached_tokens = cached_tokens
+        self.decision: RouteDecision | None = None
+        self.rejection_reason: str | None = None
+        self.cached_tokens: dict[str, int] = {}
         """Prompt tokens each worker's prefix cache held when the request was routed."""
         self.worker_request_id = worker_request_id
         """The id workers know the request by: unique across routers and clients (a client's own
         id may repeat after it finishes, or collide with another client's)."""
-        self.arrival = time.monotonic()
+        self.timeline = RequestTimeline(arrival)
         params = inp.sampling_params
         self.detokenizer = IncrementalDetokenizer(tokenizer, list(inp.prompt_token_ids), params.stop,
                                                   params.skip_special_tokens)
@@ -149,8 +154,10 @@ class _Run:
         self.finish_reason: str | None = None
         self.output_token_ids: list[int] = []
         self.num_cached_tokens = 0
-        self.queue_s = self.prefill_s = self.transfer_s = 0.0
-        self.first_token_at: float | None = None
+        self.transfer: TransferParams | None = None
+        """Where the prefill worker holds the prompt's KV for the decode worker to pull."""
+        self.error_code: str | None = None
+        """How the request failed (a gRPC status code name), if it did."""
 
     async def bounded(self, awaitable: Awaitable[T]) -> T:
         """Await within the request's deadline."""
@@ -173,28 +180,68 @@ class _Run:
                 finish_reason, stop_reason = "stop", stop_string
                 break
         self.output_token_ids.extend(emitted)
-        if self.first_token_at is None and emitted:
-            self.first_token_at = time.monotonic()
+        now = time.monotonic()
+        self.timeline.on_tokens(len(emitted), finish_reason is not None, now)
         self.finish_reason = finish_reason
         text = self.detokenizer.take_delta(finish_reason is not None)
         if finish_reason is None:
             return StreamChunk(self.inp.request_id, tuple(emitted), text, tuple(logprobs[:len(emitted)]))
         return StreamChunk(self.inp.request_id, tuple(emitted), text, tuple(logprobs[:len(emitted)]),
-                           finish_reason, stop_reason, self._usage(), self._timing())
+                           finish_reason, stop_reason, self._usage(), self._timing(now))
+
+    def on_decode_timing(self, delta: TokenDelta) -> None:
+        """Note what a decode worker's delta says about the KV pull and the worker's first output."""
+        timeline = self.timeline
+        timeline.transfer_failed |= delta.kv_transfer_failed
+        if delta.transfer_s is not None:
+            timeline.on_pulled(delta.transfer_s)
+        if delta.queue_s is None:
+            return
+        if self.decision.prefill_worker_id is None:  # it prefilled the prompt itself
+            timeline.on_prefilled(delta.queue_s, delta.compute_s, time.monotonic())
+        else:
+            timeline.on_decode_first_output(delta.queue_s + delta.compute_s)
 
     def _usage(self) -> Usage:
         return Usage(len(self.inp.prompt_token_ids), self.num_cached_tokens, len(self.output_token_ids))
 
-    def _timing(self) -> Timing:
-        now = time.monotonic()
-        first = (self.first_token_at or now) - self.arrival
-        return Timing(self.queue_s, self.prefill_s, self.transfer_s, first, now - self.arrival)
+    def _timing(self, now: float) -> Timing:
+        timeline = self.timeline
+        return Timing(timeline.queue_s or 0.0, timeline.prefill_s or 0.0, timeline.transfer_s or 0.0,
+                      (timeline.first_token_at or now) - timeline.arrival, now - timeline.arrival)
+
+    def record(self, targets: SloConfig) -> RequestRecord:
+        """What observers learn about the request once it ended; `targets` are its SLO targets."""
+        timeline, decision = self.timeline, self.decision
+        finish_reason = self.finish_reason if self.finish_reason in FINISH_REASONS else None
+        # A worker that ends a stream with finish reason 'abort' (and no error) aborted it.
+        error_code = None if finish_reason is not None else self.error_code or "ABORTED"
+        ttft_s, e2e_s = timeline.ttft_s, timeline.e2e_s(time.monotonic())
+        num_output = len(self.output_token_ids)
+        return RequestRecord(
+            self.inp.request_id, finish_reason, error_code, decision and decision.reason, self.rejection_reason,
+            decision and decision.prefill_worker_id, decision and decision.decode_worker_id,
+            len(self.inp.prompt_token_ids), self.num_cached_tokens, num_output, ttft_s,
+            tuple(timeline.inter_token_latencies), e2e_s, timeline.queue_s, timeline.prefill_s,
+            None if ttft_s is None else e2e_s - ttft_s, tuple(timeline.phases), self._kv_transfer(),
+            request_slo_outcome(targets, error_code, ttft_s, e2e_s, num_output))
+
+    def _kv_transfer(self) -> KVTransferRecord | None:
+        """The pull's outcome, when the decode worker reported one."""
+        timeline = self.timeline
+        if self.transfer is None or (timeline.transfer_s is None and not timeline.transfer_failed):
+            return None
+        num_bytes = 0 if timeline.transfer_s is None else self.transfer.num_bytes
+        return KVTransferRecord(self.decision.prefill_worker_id, self.decision.decode_worker_id,
+                                timeline.transfer_s, num_bytes)
 
 
 class Orchestrator:
     def __init__(self, router_id: str, prefill: Sequence[WorkerClient], decode: Sequence[WorkerClient],
                  tokenizer: Decoder, mode: str = "disaggregated", routing: RoutingConfig = RoutingConfig(),
-                 slo: SloConfig = SloConfig()) -> None:
+                 slo: SloConfig = SloConfig(), observer: Callable[[RequestRecord], None] | None = None) -> None:
+        """`observer` gets every request's RequestRecord when it ends (after validation, on any
+        path), on the event loop; it must not block (the metrics server's observe)."""
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if not decode or (mode == "disaggregated" and not prefill):
@@ -204,6 +251,7 @@ class Orchestrator:
         self.mode = mode
         self.routing = routing
         self.slo = slo
+        self.observer = observer
         self.tokenizer = tokenizer
         self.prefill_pool = WorkerPool(prefill if mode == "disaggregated" else ())
         self.decode_pool = WorkerPool(decode)
@@ -244,6 +292,18 @@ class Orchestrator:
     def routing_stats(self) -> RoutingStats:
         return RoutingStats(tuple(sorted(self._decisions.items())), tuple(sorted(self._rejections.items())))
 
+    def worker_snapshots(self) -> tuple[WorkerSnapshot, ...]:
+        """Every worker's role and latest report (prefill pool first), for metrics."""
+        roles = [*((worker_id, "prefill") for worker_id in self.prefill_pool.clients),
+                 *((worker_id, "decode") for worker_id in self.decode_pool.clients)]
+        return tuple(WorkerSnapshot(worker_id, role, self.monitor.load(worker_id), self.monitor.counters(worker_id))
+                     for worker_id, role in roles)
+
+    def slo_targets(self, inp: GenerationInput) -> SloConfig:
+        """The request's own targets, each falling back to the router's default."""
+        return SloConfig(self.slo.ttft_s if inp.ttft_slo_s is None else inp.ttft_slo_s,
+                         self.slo.tpot_s if inp.tpot_slo_s is None else inp.tpot_slo_s)
+
     # ---- validation ----------------------------------------------------------------------
     def new_request_id(self, requested: str) -> str:
         if not requested:
@@ -263,16 +323,17 @@ class Orchestrator:
             raise InvalidRequestError("prompt.token_ids", f"out of vocabulary [0, {self.vocab_size}): {bad[:5]}")
 
     # ---- routing -------------------------------------------------------------------------
-    async def _route(self, inp: GenerationInput) -> tuple[RouteDecision, dict[str, int]]:
+    async def _route(self, run: _Run) -> tuple[RouteDecision, dict[str, int]]:
         """The policy's choice for this request and the prompt tokens each worker has cached,
-        or RESOURCE_EXHAUSTED when admission rejects it."""
+        or RESOURCE_EXHAUSTED when admission rejects it (noting why on the run)."""
+        inp = run.inp
         block_size = self._hasher.block_size
         prompt = inp.prompt_token_ids
         hashes = (await asyncio.to_thread(self._hasher.hash_prefix, prompt) if len(prompt) > HASH_IN_THREAD_TOKENS
                   else self._hasher.hash_prefix(prompt))
         cached = {worker_id: blocks * block_size for worker_id, blocks in self.index.matched_blocks(hashes).items()}
         max_tokens = min(inp.sampling_params.max_tokens, self.max_model_len - len(inp.prompt_token_ids))
-        slo = inp.ttft_slo_s if inp.ttft_slo_s is not None else self.slo.ttft_s
+        slo = self.slo_targets(inp).ttft_s
         request = RoutingRequest(len(inp.prompt_token_ids),
                                  -(-(len(inp.prompt_token_ids) + max_tokens) // block_size), slo)
         # Only workers that answer their report polls are candidates; with no prefill worker
@@ -289,6 +350,7 @@ class Orchestrator:
         self._turn += 1
         if isinstance(decision, Rejection):
             self._rejections[decision.reason] += 1
+            run.rejection_reason = decision.reason
             raise RouterError("RESOURCE_EXHAUSTED", decision.message)
         self._decisions[decision.reason] += 1
         return decision, cached
@@ -326,17 +388,23 @@ class Orchestrator:
     async def generate(self, inp: GenerationInput) -> AsyncIterator[StreamChunk]:
         """Stream a request's chunks; the last has finish_reason. Raises RouterError."""
         self.validate_prompt(inp.prompt_token_ids)
+        arrival = time.monotonic()
+        self.validate_prompt(inp.prompt_token_ids)
         if inp.request_id in self._in_flight:
             raise InvalidRequestError("request_id", f"{inp.request_id!r} is already in flight")
-        decision, cached = await self._route(inp)
-        run = _Run(inp, self.tokenizer, f"{self.router_id}-{uuid.uuid4().hex}", cached)
+        run = _Run(inp, self.tokenizer, f"{self.router_id}-{uuid.uuid4().hex}", arrival)
         self._in_flight.add(inp.request_id)
-        stream = self.dispatcher.open(run.worker_request_id)
         try:
+            decision, run.cached_tokens = await self._route(run)
+            run.decision = decision
+            stream = self.dispatcher.open(run.worker_request_id)
             phases = (self._remote_prefill(run, stream, decision) if decision.prefill_worker_id is not None
                       else self._local_prefill(run, stream, decision))
             async for chunk in phases:
                 yield chunk
+        except BaseException as error:  # GeneratorExit too: the consumer closed the stream early
+            run.error_code = _error_code(error)
+            raise
         finally:
             self._end(run)
 
@@ -380,15 +448,14 @@ class Orchestrator:
         return assignment
 
     async def _prefill(self, run: _Run, prefill: _Assignment) -> PrefillResult:
-        started = time.monotonic()
         request = PrefillRequest(run.worker_request_id, run.inp.prompt_token_ids, self._worker_params(run))
         result: PrefillResult = await run.bounded(self._call(prefill.client, "prefill", request))
         prefill.pool.prefilled(prefill)
         if result.finish_reason == "abort":
             raise RouterError("UNAVAILABLE", f"prefill worker {prefill.client.worker_id} aborted the request")
-        run.prefill_s = result.compute_s
-        run.queue_s = max(time.monotonic() - started - result.compute_s, 0.0) + (started - run.arrival)
+        run.timeline.on_prefilled(result.queue_s, result.compute_s, time.monotonic())
         run.num_cached_tokens = result.num_cached_tokens
+        run.transfer = result.transfer
         return result
 
     def _decode_request(self, run: _Run, result: PrefillResult) -> DecodeRequest:
@@ -400,10 +467,9 @@ class Orchestrator:
         decode = run.assignments[-1]
         while True:
             delta: TokenDelta = await run.bounded(stream.get())
+            run.on_decode_timing(delta)
             if delta.error is not None:
                 raise RouterError("INTERNAL", delta.error)
-            if delta.transfer_s is not None:
-                run.transfer_s = delta.transfer_s
             if delta.kv_transfer_failed:
                 # Decode recomputed the prompt; the producer may still hold the KV under lease.
                 self._abort_in_background(run.assignments[0].client, run.worker_request_id)
@@ -453,6 +519,11 @@ class Orchestrator:
             assignment.pool.release(assignment)
             if not run.worker_finished:
                 self._abort_in_background(assignment.client, request_id)
+        if self.observer is not None:
+            try:
+                self.observer(run.record(self.slo_targets(run.inp)))
+            except Exception:  # metrics must never break a request's cleanup
+                logger.exception("[%s] the request observer failed", run.inp.request_id)
 
     def _abort_in_background(self, client: WorkerClient, request_id: str) -> None:
         task = asyncio.get_running_loop().create_task(self._abort(client, request_id))
@@ -464,3 +535,14 @@ class Orchestrator:
             await client.call("abort", request_id)
         except Exception as error:
             logger.warning("[%s] abort on %s failed: %s", request_id, client.worker_id, error)
+
+
+def _error_code(error: BaseException) -> str:
+    """The gRPC status code name a request ends with when `error` ends it."""
+    if isinstance(error, RouterError):
+        return error.code
+    if isinstance(error, InvalidRequestError):
+        return "INVALID_ARGUMENT"
+    if isinstance(error, (asyncio.CancelledError, GeneratorExit)):
+        return "CANCELLED"
+    return "INTERNAL"

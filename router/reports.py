@@ -14,7 +14,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 
-from splitserve.common.kv_events import LoadReport, WorkerReport
+from splitserve.common.kv_events import LoadReport, WorkerCounters, WorkerReport
 from splitserve.router.prefix_index import PrefixIndex
 from splitserve.router.worker_client import WorkerClient
 
@@ -38,6 +38,8 @@ class WorkerMonitor:
         self._clients = list(clients)
         self._on_restart = on_restart
         self._loads: dict[str, LoadReport] = {}
+        self._counters: dict[str, WorkerCounters] = {}
+        """From the same report as the load in _loads (kept while the worker is not answering)."""
         self._epochs: dict[str, str] = {}
         self._tasks: list[asyncio.Task] = []
         for client in self._clients:
@@ -46,6 +48,10 @@ class WorkerMonitor:
     def load(self, worker_id: str) -> LoadReport | None:
         """The worker's latest load; None while it is not answering."""
         return self._loads.get(worker_id)
+
+    def counters(self, worker_id: str) -> WorkerCounters | None:
+        """The worker's cumulative counters from its latest report; None while it is not answering."""
+        return self._counters.get(worker_id) if worker_id in self._loads else None
 
     async def start(self) -> None:
         """Take every worker's first report (so routing starts informed), then keep polling."""
@@ -96,6 +102,7 @@ class WorkerMonitor:
             await self._on_restart(worker_id)
         self._epochs[worker_id] = report.epoch
         self._loads[worker_id] = report.load
+        self._counters[worker_id] = report.counters
 
     def _forget(self, worker_id: str, error: Exception) -> None:
         if worker_id in self._loads:

@@ -54,12 +54,14 @@ def prompt_token_ids(request: pb.GenerateRequest, tokenizer: RouterTokenizer) ->
     raise InvalidRequestError("prompt", "one of text, token_ids or chat is required")
 
 
-def ttft_slo(request: pb.GenerateRequest) -> float | None:
-    if not request.HasField("ttft_slo_s"):
+def slo_target(request: pb.GenerateRequest, field: str) -> float | None:
+    """An optional per-request SLO target (ttft_slo_s, tpot_slo_s): unset, or a finite number > 0."""
+    if not request.HasField(field):
         return None
-    if not 0 < request.ttft_slo_s < float("inf"):
-        raise InvalidRequestError("ttft_slo_s", f"must be a finite number > 0, got {request.ttft_slo_s}")
-    return request.ttft_slo_s
+    value = getattr(request, field)
+    if not 0 < value < float("inf"):
+        raise InvalidRequestError(field, f"must be a finite number > 0, got {value}")
+    return value
 
 
 def chunk_to_proto(chunk: StreamChunk) -> pb.GenerateResponse:
@@ -111,7 +113,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         params = sampling_params_from_proto(request.sampling)
         request_id = self.orchestrator.new_request_id(request.request_id)
         token_ids = await asyncio.to_thread(prompt_token_ids, request, self.tokenizer)
-        return GenerationInput(request_id, tuple(token_ids), params, self._deadline(context), ttft_slo(request))
+        return GenerationInput(request_id, tuple(token_ids), params, self._deadline(context),
+                               slo_target(request, "ttft_slo_s"), slo_target(request, "tpot_slo_s"))
 
     def _deadline(self, context: grpc.aio.ServicerContext) -> float | None:
         remaining = [s for s in (context.time_remaining(), self.request_timeout_s) if s is not None]

@@ -191,11 +191,11 @@ def running_cluster(config):
 
 def tiny_cluster_config(model_dir: Path, mode: str = "disaggregated", prefill: int = 1, decode: int = 1,
                         backend: str = "nixl", **overrides):
-    """A small cluster for tests: tiny KV pools, one thread per worker, any free gRPC port."""
+    """A small cluster for tests: tiny KV pools, one thread per worker, any free gRPC and metrics port."""
     from splitserve.deploy.cluster_config import apply_overrides, default_cluster_config
 
     settings = {"mode": mode, "prefill.replicas": prefill if mode == "disaggregated" else 0,
-                "decode.replicas": decode, "router.grpc_port": 0, "kv_transfer_backend": backend,
+                "decode.replicas": decode, "router.grpc_port": 0, "router.metrics_port": 0, "kv_transfer_backend": backend,
                 "router.routing.disaggregation": "always"}  # as in InProcessCluster
     for pool in ("prefill", "decode"):
         settings.update({f"{pool}.engine.num_threads": 1, f"{pool}.engine.device": "cpu",
@@ -247,7 +247,8 @@ class InProcessCluster:
 
     def __init__(self, model_dir: Path, mode: str = "disaggregated", num_prefill: int = 1, num_decode: int = 1,
                  lease_ttl_s: float = 30.0, transfer_failure_policy: str = "recompute", block_size: int = 8,
-                 routing=None, slo=None):
+                 routing=None, slo=None, observer=None):
+        """`observer` gets every ended request's RequestRecord (e.g. a RouterMetrics' observe)."""
         from splitserve.common.slo import SloConfig
         from splitserve.router.policy import RoutingConfig
 
@@ -258,6 +259,7 @@ class InProcessCluster:
         self.slo = slo or SloConfig()
         self.num_prefill = num_prefill if mode == "disaggregated" else 0
         self.num_decode, self.lease_ttl_s, self.policy = num_decode, lease_ttl_s, transfer_failure_policy
+        self.observer = observer
         self.engine_config = worker_engine_config(block_size)
 
     async def __aenter__(self) -> "InProcessCluster":
@@ -273,7 +275,7 @@ class InProcessCluster:
         self.orchestrator = Orchestrator(
             "router-test", [LocalWorkerClient(w.worker_id, w) for w in self.prefill_workers],
             [LocalWorkerClient(w.worker_id, w) for w in self.decode_workers], self.tokenizer.backend, self.mode,
-            self.routing, self.slo)
+            self.routing, self.slo, self.observer)
         await self.orchestrator.start()
         return self
 
@@ -306,7 +308,7 @@ class InProcessCluster:
 
 
 # ---- KV events and load reports -------------------------------------------------------------
-from splitserve.common.kv_events import KVEventBatch, KVSnapshot, LoadReport, WorkerReport  # noqa: E402
+from splitserve.common.kv_events import KVEventBatch, KVSnapshot, LoadReport, WorkerCounters, WorkerReport  # noqa: E402
 
 
 def make_load_report(num_running: int = 0, num_waiting: int = 0, num_queued_prefill_tokens: int = 0,
@@ -317,8 +319,10 @@ def make_load_report(num_running: int = 0, num_waiting: int = 0, num_queued_pref
 
 
 def make_worker_report(worker_id: str, epoch: str, batches: tuple[KVEventBatch, ...] = (),
-                       snapshot: KVSnapshot | None = None, load: LoadReport | None = None) -> WorkerReport:
-    return WorkerReport(worker_id, epoch, load or make_load_report(), tuple(batches), snapshot)
+                       snapshot: KVSnapshot | None = None, load: LoadReport | None = None,
+                       counters: WorkerCounters | None = None) -> WorkerReport:
+    return WorkerReport(worker_id, epoch, load or make_load_report(), tuple(batches), snapshot,
+                        counters or WorkerCounters(0, 0, 0, 0, 0, 0))
 
 
 class ScriptedReporter:

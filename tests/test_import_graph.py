@@ -9,8 +9,8 @@ and literal `importlib.import_module("...")` / `__import__("...")` calls.
   it reaches (checked statically here, and at runtime in a fresh interpreter for third-party chains).
 - `common/` imports only the standard library and numpy; imports under `if TYPE_CHECKING:` are exempt.
 - Only `kv_transfer/nixl_backend.py` imports NIXL (`nixl`, `nixl_cu12`, ...), in any folder.
-- Only the servers (`router/`, `deploy/`) import prometheus_client; cores return stats dataclasses
-  (tests and benchmarks, which observe servers from outside, are not held to this).
+- Only the router's metrics server (`router/metrics_server.py`) imports prometheus_client; cores return
+  stats dataclasses (tests and benchmarks, which observe servers from outside, are not held to this).
 
 A failure names the file, the line, the statement and the rule it breaks.
 """
@@ -56,8 +56,11 @@ ROUTER_FORBIDDEN = frozenset({"torch", "transformers"})
 COMMON_THIRD_PARTY = frozenset({"numpy"})
 NIXL_MODULE = "kv_transfer/nixl_backend.py"
 PROMETHEUS = "prometheus_client"
-PROMETHEUS_FOLDERS = frozenset({"router", "deploy", "bench", "tests"})
-ROUTER_ENTRY_MODULES = ("splitserve.router.server", "splitserve.router.orchestrator", "splitserve.router.tokenizer")
+PROMETHEUS_MODULE = "router/metrics_server.py"
+PROMETHEUS_OBSERVERS = frozenset({"bench", "tests"})
+"""Folders that scrape or parse metrics from outside the product."""
+ROUTER_ENTRY_MODULES = ("splitserve.router.server", "splitserve.router.orchestrator", "splitserve.router.tokenizer",
+                        "splitserve.router.metrics_server", "splitserve.router.openai_server")
 # Top-level folders that are not source: build outputs and the like.
 NON_SOURCE_DIRS = frozenset({"build", "dist", "docs"})
 
@@ -219,9 +222,9 @@ def direct_violations(path: str, imports: Iterable[Import]) -> list[str]:
                             "(third-party imports for annotations belong under `if TYPE_CHECKING:`)")
         if _is_nixl(top) and path != NIXL_MODULE:
             messages.append(f"{imp.where()} imports {top}: only {NIXL_MODULE} imports NIXL")
-        if top == PROMETHEUS and folder not in PROMETHEUS_FOLDERS:
-            messages.append(f"{imp.where()} imports {PROMETHEUS}: only the servers (router/, deploy/) do; "
-                            "cores return stats dataclasses")
+        if top == PROMETHEUS and path != PROMETHEUS_MODULE and folder not in PROMETHEUS_OBSERVERS:
+            messages.append(f"{imp.where()} imports {PROMETHEUS}: only {PROMETHEUS_MODULE} (the router's metrics "
+                            "server) does; cores return stats dataclasses")
     return messages
 
 
@@ -444,10 +447,15 @@ def test_nixl_and_prometheus_have_one_home():
         "imports NIXL"]
     assert _violations("tests/test_x.py", "import nixl")[0].startswith("tests/test_x.py:1: `import nixl`")
     prometheus = "from prometheus_client import Counter"
-    assert _violations("router/metrics.py", prometheus) == _violations("deploy/serve.py", prometheus) == []
+    assert _violations(PROMETHEUS_MODULE, prometheus) == _violations("tests/test_x.py", prometheus) == []
+    assert _violations("bench/x.py", prometheus) == []
     assert _violations("engine/scheduler.py", prometheus) == [
-        "engine/scheduler.py:1: `from prometheus_client import Counter` imports prometheus_client: only the servers "
-        "(router/, deploy/) do; cores return stats dataclasses"]
+        "engine/scheduler.py:1: `from prometheus_client import Counter` imports prometheus_client: only "
+        "router/metrics_server.py (the router's metrics server) does; cores return stats dataclasses"]
+    assert _violations("router/orchestrator.py", prometheus)[0].startswith(
+        "router/orchestrator.py:1: `from prometheus_client import Counter` imports prometheus_client: only")
+    assert _violations("deploy/local.py", prometheus)[0].startswith(
+        "deploy/local.py:1: `from prometheus_client import Counter` imports prometheus_client: only")
     assert _violations("planner/core.py", "def f():\n    import prometheus_client.core\n")[0].startswith(
         "planner/core.py:2: `import prometheus_client.core` imports prometheus_client")
 

@@ -1,0 +1,220 @@
+"""The router's Prometheus /metrics endpoint: the one module that imports prometheus_client.
+
+Every collector is built from a definition in common.metrics.ALL_METRICS (names, help, labels,
+buckets are never repeated here). Metrics come from two sources:
+
+- per request (success/failure, latency histograms, KV transfers, SLO attainment, goodput):
+  `observe()` takes each RequestRecord the orchestrator hands its observer when a request ends;
+- per worker (load gauges and cumulative counters from each worker's latest report, worker_up)
+  and routing outcomes (Orchestrator.routing_stats): read at scrape time by a collector.
+
+Workers run no HTTP server: their numbers travel in the reports the router already polls. The
+HTTP server answers on its own threads, so the scrape-time collector reads the orchestrator's
+state on the orchestrator's event loop (which owns it). Each RouterMetrics has its own
+CollectorRegistry, so two routers (two test clusters) in one process never collide.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
+from operator import attrgetter
+from typing import TypeVar
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_asgi_app, start_http_server
+from prometheus_client.metrics import MetricWrapperBase
+from prometheus_client.registry import Collector
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from splitserve.common import metrics as m
+from splitserve.common.metrics import COUNTER, GAUGE, HISTOGRAM, MetricDef
+from splitserve.common.slo import SloConfig
+from splitserve.common.stats import RequestRecord, RoutingStats, WorkerSnapshot
+from splitserve.router.orchestrator import Orchestrator
+
+T = TypeVar("T")
+SCRAPE_TIMEOUT_S = 5.0
+"""Longest a scrape waits for the router's event loop to hand over a snapshot."""
+
+_WORKER_GAUGES = ((m.NUM_REQUESTS_RUNNING, attrgetter("num_running")),
+                  (m.NUM_REQUESTS_WAITING, attrgetter("num_waiting")),
+                  (m.KV_CACHE_USAGE, attrgetter("kv_usage")),
+                  (m.NUM_QUEUED_PREFILL_TOKENS, attrgetter("num_queued_prefill_tokens")))
+"""Per-worker gauges and how each is read from a LoadReport."""
+_WORKER_COUNTERS = ((m.PREFIX_CACHE_QUERIES, attrgetter("prefix_cache_queries")),
+                    (m.PREFIX_CACHE_HITS, attrgetter("prefix_cache_hits")),
+                    (m.NUM_PREEMPTIONS, attrgetter("num_preemptions")),
+                    (m.PROMPT_TOKENS, attrgetter("prompt_tokens")),
+                    (m.GENERATION_TOKENS, attrgetter("generation_tokens")))
+"""Per-worker counters and how each is read from WorkerCounters."""
+SCRAPED = (*(d for d, _ in _WORKER_GAUGES), *(d for d, _ in _WORKER_COUNTERS), m.KV_LEASES_EXPIRED, m.WORKER_UP,
+           m.ROUTING_DECISIONS, m.ADMISSION_REJECTIONS)
+"""Definitions read at scrape time; every other one is a live collector fed by observe()."""
+
+
+class RouterMetrics:
+    """The router's registry: live per-request collectors, the scrape-time collector, and the
+    HTTP endpoint serving them."""
+
+    def __init__(self, slo: SloConfig) -> None:
+        """`slo`: the router's default targets, exported as splitserve_slo_target_seconds."""
+        self.registry = CollectorRegistry()
+        self._live = {d.name: _live_collector(d, self.registry) for d in m.ALL_METRICS if d not in SCRAPED}
+        for name, target in (("ttft", slo.ttft_s), ("tpot", slo.tpot_s)):
+            if target is not None:
+                self._get(m.SLO_TARGET).labels(name).set(target)
+        self._http: tuple[WSGIServer, threading.Thread] | None = None
+
+    def watch(self, orchestrator: Orchestrator) -> None:
+        """Export the orchestrator's workers and routing outcomes; call on its event loop."""
+        self.registry.register(_ClusterCollector(orchestrator, asyncio.get_running_loop()))
+
+    # ---- per request -------------------------------------------------------------------
+    def observe(self, record: RequestRecord) -> None:
+        """Count one ended request (the Orchestrator's observer; runs on its event loop)."""
+        if record.finish_reason is None:
+            self._get(m.REQUEST_FAILURE).labels(record.error_code).inc()
+        else:
+            self._get(m.REQUEST_SUCCESS).labels(record.finish_reason).inc()
+            self._observe_finished(record)
+        self._observe_tokens(record)
+        self._observe_transfer(record)
+        self._observe_slo(record)
+
+    def _observe_finished(self, record: RequestRecord) -> None:
+        """Whole-request histograms: finished requests only, so each _count = request_success."""
+        self._get(m.E2E_REQUEST_LATENCY).observe(record.e2e_s)
+        self._get(m.REQUEST_PROMPT_TOKENS).observe(record.num_prompt_tokens)
+        self._get(m.REQUEST_GENERATION_TOKENS).observe(record.num_output_tokens)
+        for definition, value in ((m.REQUEST_QUEUE_TIME, record.queue_s), (m.REQUEST_PREFILL_TIME, record.prefill_s),
+                                  (m.REQUEST_DECODE_TIME, record.decode_s), (m.TIME_PER_OUTPUT_TOKEN, record.tpot_s)):
+            if value is not None:  # TPOT needs two output tokens
+                self._get(definition).observe(value)
+
+    def _observe_tokens(self, record: RequestRecord) -> None:
+        """Per-token latencies, as they happened, whatever way the request ended (as vLLM does)."""
+        if record.ttft_s is not None:
+            self._get(m.TIME_TO_FIRST_TOKEN).observe(record.ttft_s)
+        itl = self._get(m.INTER_TOKEN_LATENCY)
+        for gap_s in record.inter_token_latencies:
+            itl.observe(gap_s)
+        breakdown = self._get(m.TTFT_BREAKDOWN)
+        for phase, seconds in record.ttft_breakdown:
+            breakdown.labels(phase).observe(seconds)
+
+    def _observe_transfer(self, record: RequestRecord) -> None:
+        transfer = record.kv_transfer
+        if transfer is None:
+            return
+        pair = (transfer.prefill_worker, transfer.decode_worker)
+        if transfer.failed:
+            self._get(m.KV_TRANSFER_FAILURES).labels(*pair).inc()
+            return
+        self._get(m.KV_TRANSFER_TIME).labels(*pair).observe(transfer.seconds)
+        self._get(m.KV_TRANSFER_BYTES).labels(*pair).inc(transfer.num_bytes)
+
+    def _observe_slo(self, record: RequestRecord) -> None:
+        outcome = record.slo
+        if outcome is None:
+            return
+        self._get(m.SLO_REQUESTS).inc()
+        for definition, met in ((m.SLO_TTFT_MET, outcome.ttft_met), (m.SLO_TPOT_MET, outcome.tpot_met),
+                                (m.SLO_BOTH_MET, outcome.both_met)):
+            if met:
+                self._get(definition).inc()
+        if outcome.both_met:
+            self._get(m.GOODPUT_TOKENS).inc(record.num_output_tokens)
+
+    def _get(self, definition: MetricDef) -> MetricWrapperBase:
+        return self._live[definition.name]
+
+    # ---- the HTTP endpoint -------------------------------------------------------------
+    def serve(self, host: str, port: int) -> int:
+        """Serve GET /metrics on host:port from a daemon thread; returns the bound port (port 0
+        picks a free one)."""
+        if self._http is not None:
+            raise RuntimeError("the metrics endpoint is already serving")
+        self._http = start_http_server(port, host, self.registry)
+        return self._http[0].server_port
+
+    def asgi_app(self) -> Callable[..., Awaitable[None]]:
+        """The same exposition as an ASGI app, which the router's HTTP API serves on /metrics."""
+        return make_asgi_app(self.registry)
+
+    def stop(self) -> None:
+        """Stop serving (blocks up to the server's 0.5 s poll interval: call it off the event loop)."""
+        if self._http is None:
+            return
+        server, thread = self._http
+        self._http = None
+        server.shutdown()
+        server.server_close()
+        thread.join(SCRAPE_TIMEOUT_S)
+
+
+def _live_collector(definition: MetricDef, registry: CollectorRegistry) -> MetricWrapperBase:
+    args = (definition.name, definition.documentation, definition.labels)
+    if definition.kind == COUNTER:
+        return Counter(*args, registry=registry)
+    if definition.kind == GAUGE:
+        return Gauge(*args, registry=registry)
+    if definition.kind == HISTOGRAM:
+        return Histogram(*args, registry=registry, buckets=definition.buckets)
+    raise ValueError(f"{definition.name}: unknown kind {definition.kind!r}")
+
+
+class _ClusterCollector(Collector):
+    """Reads the workers' latest reports and the routing outcomes at scrape time."""
+
+    def __init__(self, orchestrator: Orchestrator, loop: asyncio.AbstractEventLoop) -> None:
+        self._orchestrator = orchestrator
+        self._loop = loop
+
+    def collect(self) -> Iterator[Metric]:
+        workers, routing = self._on_loop(lambda: (self._orchestrator.worker_snapshots(),
+                                                  self._orchestrator.routing_stats()))
+        yield from _worker_families(workers)
+        yield from _routing_families(routing)
+
+    def _on_loop(self, read: Callable[[], T]) -> T:
+        """read() on the orchestrator's event loop (directly when already on it)."""
+        try:
+            on_loop = asyncio.get_running_loop() is self._loop
+        except RuntimeError:
+            on_loop = False
+        if on_loop:
+            return read()
+
+        async def call() -> T:
+            return read()
+
+        return asyncio.run_coroutine_threadsafe(call(), self._loop).result(SCRAPE_TIMEOUT_S)
+
+
+def _worker_families(workers: Sequence[WorkerSnapshot]) -> Iterator[Metric]:
+    """worker_up for every worker; gauges and counters of those answering their report polls
+    (a restarted worker's counters start over from 0: rate() reads that as a counter reset)."""
+    yield _family(m.WORKER_UP, ((w.worker_id, w.role, int(w.load is not None)) for w in workers))
+    reporting = [w for w in workers if w.load is not None]
+    for definition, read in _WORKER_GAUGES:
+        yield _family(definition, ((w.worker_id, w.role, read(w.load)) for w in reporting))
+    for definition, read in _WORKER_COUNTERS:
+        yield _family(definition, ((w.worker_id, w.role, read(w.counters)) for w in reporting))
+    yield _family(m.KV_LEASES_EXPIRED,
+                  ((w.worker_id, w.counters.kv_leases_expired) for w in reporting if w.role == "prefill"))
+
+
+def _routing_families(routing: RoutingStats) -> Iterator[Metric]:
+    yield _family(m.ROUTING_DECISIONS, routing.decisions)
+    yield _family(m.ADMISSION_REJECTIONS, routing.rejections)
+
+
+def _family(definition: MetricDef, samples: Iterable[tuple]) -> Metric:
+    """A counter or gauge family; each sample is its label values followed by its value."""
+    kind = CounterMetricFamily if definition.kind == COUNTER else GaugeMetricFamily
+    family = kind(definition.name, definition.documentation, labels=definition.labels)
+    for *labels, value in samples:
+        family.add_metric(labels, value)
+    return family

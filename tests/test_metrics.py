@@ -1,0 +1,331 @@
+"""The router's metrics after scripted runs of known requests: exact counts, token totals,
+histogram counts, SLO/goodput counters and KV bytes, scraped over HTTP from the /metrics endpoint
+(in-process workers, in-process KV transfer)."""
+
+from __future__ import annotations
+
+import asyncio
+import urllib.request
+
+import pytest
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from splitserve.common import metrics as m
+from splitserve.common.kv_events import WorkerCounters
+from splitserve.common.sampling_params import SamplingParams
+from splitserve.common.slo import SloConfig, SloOutcome
+from splitserve.common.stats import RoutingStats, WorkerSnapshot
+from splitserve.engine import LLM
+from splitserve.router.metrics_server import RouterMetrics
+from splitserve.router.orchestrator import GenerationInput, RouterError
+from tests.factories import InProcessCluster, make_load_report, make_prefill_worker
+
+SLO = SloConfig(ttft_s=1000.0, tpot_s=1e-9)
+"""Every finished request meets the TTFT target; only one with a single output token meets TPOT."""
+BYTES_PER_BLOCK = 2 * 8 * 2 * 16 * 4 * 2
+"""Tiny llama KV: (K, V) x block_size 8 x 2 KV heads x head_dim 16 x 4 bytes (fp32) x 2 layers."""
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+PROMPTS = {"a": list(range(3, 23)), "b": list(range(100, 133)), "c": list(range(200, 241)),
+           "d": list(range(300, 317)), "e": list(range(400, 420)), "f": list(range(450, 475))}
+"""Distinct first blocks: no request finds another's prefix cached. Lengths 20, 33, 41, 17, 20, 25."""
+
+
+def _stop_params(model_dir) -> tuple[SamplingParams, int]:
+    """d's params: a stop string from the middle of its greedy text, and how many tokens it emits."""
+    llm = LLM(model_dir, block_size=8, num_kv_blocks=256, dtype="float32", device="cpu")
+    (full,) = llm.generate([PROMPTS["d"]], SamplingParams(max_tokens=20, **GREEDY))
+    stop = full.text[len(full.text) // 2: len(full.text) // 2 + 3]
+    params = SamplingParams(max_tokens=20, stop=(stop,), **GREEDY)
+    (cut,) = llm.generate([PROMPTS["d"]], params)
+    assert cut.finish_reason == "stop" and len(cut.token_ids) >= 3  # the stop is reached on the decode worker
+    return params, len(cut.token_ids)
+
+
+async def _script(cluster: InProcessCluster, stop_params: SamplingParams) -> None:
+    """3 finished by length (one on the prefill worker), 1 stop string, 1 rejected, 1 cancelled."""
+    for request_id, max_tokens in (("a", 5), ("b", 1), ("c", 8)):
+        await cluster.generate(request_id, PROMPTS[request_id], SamplingParams(max_tokens=max_tokens, **GREEDY))
+    await cluster.generate("d", PROMPTS["d"], stop_params)
+    tight = GenerationInput("e", tuple(PROMPTS["e"]), SamplingParams(max_tokens=4, **GREEDY), ttft_slo_s=1e-9)
+    with pytest.raises(RouterError, match="RESOURCE_EXHAUSTED"):
+        await cluster.orchestrator.generate(tight).__anext__()
+    stream = cluster.orchestrator.generate(GenerationInput("f", tuple(PROMPTS["f"]),
+                                                           SamplingParams(max_tokens=50, **GREEDY)))
+    await stream.__anext__()  # the first token (from the prefill worker), then the client goes away
+    await stream.aclose()
+
+
+def _samples(text: str) -> dict[tuple[str, frozenset], float]:
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def _value(samples: dict, name: str, **labels) -> float | None:
+    return samples.get((name, frozenset(labels.items())))
+
+
+def _http_get(port: int) -> tuple[str, str]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        return response.headers["Content-Type"], response.read().decode()
+
+
+async def _reports_caught_up(cluster: InProcessCluster) -> dict[str, WorkerCounters]:
+    """Wait until the router's view of each worker (its latest report) matches its engine now:
+    reports lag up to a poll behind."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 5
+    while True:
+        engines = {w.worker_id: (await w.stats()).engine for w in [*cluster.prefill_workers, *cluster.decode_workers]}
+        views = {s.worker_id: s for s in cluster.orchestrator.worker_snapshots()}
+        if all(_matches(views[worker_id], engine) for worker_id, engine in engines.items()):
+            return {worker_id: view.counters for worker_id, view in views.items()}
+        assert loop.time() < deadline, f"reports never caught up: {views} vs {engines}"
+        await asyncio.sleep(0.02)
+
+
+def _matches(view: WorkerSnapshot, engine) -> bool:
+    load, counters = view.load, view.counters
+    return load is not None and (
+        (load.num_running, load.num_free_kv_blocks, counters.prompt_tokens, counters.generation_tokens)
+        == (engine.num_running, engine.num_free_kv_blocks, engine.num_prompt_tokens, engine.num_generation_tokens))
+
+
+@pytest.fixture(scope="module")
+def scripted(tiny_llama_dir):
+    """(records, HTTP content type, scraped samples, the same registry read in-process, decode gen tokens, d's length)."""
+    stop_params, d_tokens = _stop_params(tiny_llama_dir)
+    records = []
+    metrics = RouterMetrics(SLO)
+
+    def observe(record):
+        records.append(record)
+        metrics.observe(record)
+
+    async def scenario():
+        async with InProcessCluster(tiny_llama_dir, slo=SLO, observer=observe) as cluster:
+            metrics.watch(cluster.orchestrator)
+            port = metrics.serve("127.0.0.1", 0)
+            try:
+                await _script(cluster, stop_params)
+                await cluster.wait_idle()
+                counters = await _reports_caught_up(cluster)
+                content_type, text = await asyncio.to_thread(_http_get, port)
+            finally:
+                await asyncio.to_thread(metrics.stop)
+            return content_type, text, generate_latest(metrics.registry).decode(), counters
+
+    content_type, text, local_text, counters = asyncio.run(scenario())
+    return records, content_type, _samples(text), _samples(local_text), counters, d_tokens
+
+
+def test_the_endpoint_serves_every_defined_metric_with_its_buckets(scripted):
+    _, content_type, samples, _, _, _ = scripted
+    assert content_type.startswith("text/plain; version=")
+    names = {name for name, _ in samples}
+    for definition in m.ALL_METRICS:
+        if definition.kind == m.HISTOGRAM:
+            buckets = {float(dict(labels)["le"]) for name, labels in samples if name == definition.name + "_bucket"}
+            assert buckets == {*definition.buckets, float("inf")}, definition.name
+        elif definition not in (m.KV_TRANSFER_FAILURES,):  # no pull failed in this run: no series yet
+            assert definition.exposed_name in names, definition.name
+
+
+def test_requests_by_outcome_and_routing(scripted):
+    _, _, s, _, _, _ = scripted
+    assert _value(s, "splitserve_request_success_total", finished_reason="length") == 3
+    assert _value(s, "splitserve_request_success_total", finished_reason="stop") == 1
+    assert _value(s, "splitserve_request_failure_total", code="RESOURCE_EXHAUSTED") == 1
+    assert _value(s, "splitserve_request_failure_total", code="CANCELLED") == 1
+    assert _value(s, "splitserve_admission_rejections_total", reason="ttft_slo") == 1
+    assert _value(s, "splitserve_routing_decisions_total", reason="load") == 5  # a, b, c, d, f
+    assert len([k for k in s if k[0] == "splitserve_routing_decisions_total"]) == 1
+
+
+def test_latency_histogram_counts(scripted):
+    _, _, s, _, _, d_tokens = scripted
+    assert _value(s, "splitserve_time_to_first_token_seconds_count") == 5  # every request that got a token
+    # One gap per output token after the first: a 4, b 0, c 7, d d_tokens - 1, f (cancelled after 1) 0.
+    assert _value(s, "splitserve_inter_token_latency_seconds_count") == 10 + d_tokens
+    assert _value(s, "splitserve_time_per_output_token_seconds_count") == 3  # finished with >= 2 tokens: a, c, d
+    for name in ("e2e_request_latency_seconds", "request_queue_time_seconds", "request_prefill_time_seconds",
+                 "request_decode_time_seconds", "request_prompt_tokens", "request_generation_tokens"):
+        assert _value(s, f"splitserve_{name}_count") == 4, name  # finished requests only
+    assert _value(s, "splitserve_request_prompt_tokens_sum") == 20 + 33 + 41 + 17
+    assert _value(s, "splitserve_request_generation_tokens_sum") == 5 + 1 + 8 + d_tokens
+    phases = {phase: _value(s, "splitserve_ttft_breakdown_seconds_count", phase=phase) for phase in m.TTFT_PHASES}
+    # b finished on the prefill worker and f was cancelled there: only a, c, d moved KV and decoded.
+    assert phases == {"router_queue": 5, "prefill_queue": 5, "prefill_compute": 5, "transfer": 3, "decode_queue": 3}
+
+
+def test_kv_transfer_bytes_and_time_per_worker_pair(scripted):
+    _, _, s, _, _, _ = scripted
+    pair = dict(prefill_worker="prefill-0", decode_worker="decode-0")
+    # a: 20 prompt tokens = 3 blocks, c: 41 = 6 blocks, d: 17 = 3 blocks.
+    assert _value(s, "splitserve_kv_transfer_bytes_total", **pair) == 12 * BYTES_PER_BLOCK == 49152
+    assert _value(s, "splitserve_kv_transfer_seconds_count", **pair) == 3
+    assert _value(s, "splitserve_kv_transfer_failures_total", **pair) is None
+
+
+def test_slo_attainment_and_goodput(scripted):
+    _, _, s, _, _, _ = scripted
+    # Counted: a, b, c, d (finished) and e (rejected: failed, meets nothing); not f (cancelled).
+    assert _value(s, "splitserve_slo_requests_total") == 5
+    assert _value(s, "splitserve_slo_ttft_met_requests_total") == 4
+    assert _value(s, "splitserve_slo_tpot_met_requests_total") == 1  # b: one output token has no TPOT
+    assert _value(s, "splitserve_slo_met_requests_total") == 1
+    assert _value(s, "splitserve_goodput_tokens_total") == 1
+    assert _value(s, "splitserve_slo_target_seconds", slo="ttft") == 1000.0
+    assert _value(s, "splitserve_slo_target_seconds", slo="tpot") == 1e-9
+
+
+def test_worker_metrics_come_from_their_reports(scripted):
+    _, _, s, _, counters, _ = scripted
+    prefill, decode = dict(worker="prefill-0", role="prefill"), dict(worker="decode-0", role="decode")
+    assert _value(s, "splitserve_worker_up", **prefill) == _value(s, "splitserve_worker_up", **decode) == 1
+    prompts = 20 + 33 + 41 + 17 + 25  # a, b, c, d, f were prefilled; e was rejected
+    assert counters["prefill-0"] == WorkerCounters(prompt_tokens=prompts, generation_tokens=5,
+                                                   prefix_cache_queries=prompts, prefix_cache_hits=0,
+                                                   num_preemptions=0, kv_leases_expired=0)
+    assert _value(s, "splitserve_prompt_tokens_total", **prefill) == prompts
+    assert _value(s, "splitserve_generation_tokens_total", **prefill) == 5  # each prefill samples one token
+    assert _value(s, "splitserve_prefix_cache_queries_total", **prefill) == prompts
+    assert _value(s, "splitserve_prefix_cache_hits_total", **prefill) == 0
+    assert _value(s, "splitserve_kv_leases_expired_total", worker="prefill-0") == 0
+    assert _value(s, "splitserve_kv_leases_expired_total", worker="decode-0") is None  # decode holds no leases
+    # Pulled prompts are not the decode worker's prompt tokens; its generation count includes what
+    # it decoded past d's stop string before the router's abort reached it, so compare with its engine.
+    assert _value(s, "splitserve_prompt_tokens_total", **decode) == 0
+    assert _value(s, "splitserve_generation_tokens_total", **decode) == counters["decode-0"].generation_tokens
+    for worker in (prefill, decode):
+        for gauge in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
+                      "num_queued_prefill_tokens"):
+            assert _value(s, f"splitserve_{gauge}", **worker) == 0, (worker, gauge)
+
+
+def test_http_and_in_process_scrapes_agree(scripted):
+    _, _, http, local, _, _ = scripted
+    assert http == local
+
+
+def test_request_records_on_every_path(scripted):
+    records, _, _, _, _, d_tokens = scripted
+    by_id = {record.request_id: record for record in records}
+    assert [r.request_id for r in records] == ["a", "b", "c", "d", "e", "f"]
+    a, b, e, f = by_id["a"], by_id["b"], by_id["e"], by_id["f"]
+    assert (a.finish_reason, a.error_code, a.routing_reason, a.num_output_tokens) == ("length", None, "load", 5)
+    assert len(a.inter_token_latencies) == 4
+    assert sum(a.inter_token_latencies) == pytest.approx(a.decode_s)  # finished on its last token's chunk
+    assert [phase for phase, _ in a.ttft_breakdown] == list(m.TTFT_PHASES)
+    assert a.kv_transfer.num_bytes == 3 * BYTES_PER_BLOCK and not a.kv_transfer.failed
+    assert sum(s for p, s in a.ttft_breakdown[:3]) == pytest.approx(a.ttft_s, abs=0.005)
+    assert (b.kv_transfer, b.slo, b.tpot_s) == (None, SloOutcome(True, True), None)
+    assert (e.error_code, e.rejection_reason, e.routing_reason, e.ttft_s, e.prefill_worker) == (
+        "RESOURCE_EXHAUSTED", "ttft_slo", None, None, None)
+    assert e.slo == SloOutcome(False, False)
+    assert (f.error_code, f.num_output_tokens, f.slo, f.kv_transfer) == ("CANCELLED", 1, None, None)
+    assert [phase for phase, _ in f.ttft_breakdown] == ["router_queue", "prefill_queue", "prefill_compute"]
+    assert by_id["d"].num_output_tokens == d_tokens and by_id["d"].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("policy, outcome", [("recompute", ("length", None)), ("fail", (None, "INTERNAL"))])
+def test_a_failed_pull_counts_a_transfer_failure(tiny_llama_dir, policy, outcome):
+    records, metrics = [], RouterMetrics(SloConfig())
+
+    def observe(record):
+        records.append(record)
+        metrics.observe(record)
+
+    async def scenario():
+        async with InProcessCluster(tiny_llama_dir, transfer_failure_policy=policy, observer=observe) as cluster:
+            metrics.watch(cluster.orchestrator)
+            cluster.decode_workers[0]._backend.fail_next_pulls(1)
+            try:
+                await cluster.generate("a", PROMPTS["a"], SamplingParams(max_tokens=4, **GREEDY))
+            except RouterError:
+                pass
+            await cluster.wait_idle()
+            counters = await _reports_caught_up(cluster)
+            return counters, _samples(generate_latest(metrics.registry).decode())
+
+    counters, s = asyncio.run(scenario())
+    (record,) = records
+    pair = dict(prefill_worker="prefill-0", decode_worker="decode-0")
+    assert (record.finish_reason, record.error_code) == outcome
+    assert record.kv_transfer.failed and record.kv_transfer.num_bytes == 0
+    assert _value(s, "splitserve_kv_transfer_failures_total", **pair) == 1
+    assert _value(s, "splitserve_kv_transfer_bytes_total", **pair) is None
+    assert _value(s, "splitserve_kv_transfer_seconds_count", **pair) is None
+    assert _value(s, "splitserve_request_failure_total", code="INTERNAL") == (1 if policy == "fail" else None)
+    assert "transfer" not in dict(record.ttft_breakdown)
+    assert counters["prefill-0"].kv_leases_expired == 0  # the router released the lease (30 s TTL)
+    # Recomputing makes the pulled prompt the decode worker's own prompt tokens.
+    assert counters["decode-0"].prompt_tokens == (20 if policy == "recompute" else 0)
+
+
+def test_an_expired_lease_is_counted_in_the_prefill_workers_report(tiny_llama_dir):
+    from splitserve.common.worker_messages import PrefillRequest
+
+    worker = make_prefill_worker(tiny_llama_dir, lease_ttl_s=1e-3)
+
+    async def scenario():
+        before = (await worker.report(None, 0, 0.0)).counters
+        result = await worker.prefill(PrefillRequest("a", tuple(PROMPTS["a"]), SamplingParams(max_tokens=4)))
+        while (await worker.stats()).num_held_leases:  # nobody pulls: the lease expires
+            await asyncio.sleep(0.005)
+        return before, result, (await worker.report(None, 0, 0.0)).counters
+
+    try:
+        before, result, after = asyncio.run(scenario())
+    finally:
+        worker.shutdown()
+    assert result.transfer is not None and result.queue_s >= 0 and result.compute_s > 0
+    assert (before.kv_leases_expired, after.kv_leases_expired) == (0, 1)
+    assert (after.prompt_tokens, after.generation_tokens, after.prefix_cache_queries) == (20, 1, 20)
+
+
+class _Snapshots:
+    """The two things the scrape-time collector reads from an orchestrator."""
+
+    def __init__(self, workers, routing):
+        self.workers, self.routing = workers, routing
+
+    def worker_snapshots(self):
+        return self.workers
+
+    def routing_stats(self):
+        return self.routing
+
+
+def test_a_silent_worker_is_down_and_exports_nothing_else():
+    counters = WorkerCounters(10, 2, 10, 4, 1, 3)
+    workers = (WorkerSnapshot("prefill-0", "prefill", make_load_report(num_running=2, num_waiting=1,
+                                                                     num_queued_prefill_tokens=7, num_kv_blocks=64,
+                                                                     num_free_kv_blocks=48), counters),
+               WorkerSnapshot("decode-0", "decode", None, None))
+    metrics = RouterMetrics(SloConfig())
+
+    async def scrape():
+        metrics.watch(_Snapshots(workers, RoutingStats((("cache_hit", 2), ("load", 1)), (("queue_full", 4),))))
+        return _samples(generate_latest(metrics.registry).decode())
+
+    s = asyncio.run(scrape())
+    prefill = dict(worker="prefill-0", role="prefill")
+    assert _value(s, "splitserve_worker_up", **prefill) == 1
+    assert _value(s, "splitserve_worker_up", worker="decode-0", role="decode") == 0
+    assert [_value(s, f"splitserve_{name}", **prefill) for name in (
+        "num_requests_running", "num_requests_waiting", "num_queued_prefill_tokens", "kv_cache_usage_perc",
+        "prompt_tokens_total", "generation_tokens_total", "prefix_cache_queries_total", "prefix_cache_hits_total",
+        "num_preemptions_total")] == [2, 1, 7, 0.25, 10, 2, 10, 4, 1]
+    assert _value(s, "splitserve_kv_leases_expired_total", worker="prefill-0") == 3
+    assert not [key for key in s if dict(key[1]).get("worker") == "decode-0" and key[0] != "splitserve_worker_up"]
+    assert _value(s, "splitserve_routing_decisions_total", reason="cache_hit") == 2
+    assert _value(s, "splitserve_admission_rejections_total", reason="queue_full") == 4
+    assert _value(s, "splitserve_slo_target_seconds", slo="ttft") is None  # no target configured
+
+
+def test_two_routers_in_one_process_keep_their_own_registries():
+    first, second = RouterMetrics(SloConfig(ttft_s=1.0)), RouterMetrics(SloConfig(ttft_s=2.0))
+    assert _value(_samples(generate_latest(first.registry).decode()), "splitserve_slo_target_seconds", slo="ttft") == 1.0
+    assert _value(_samples(generate_latest(second.registry).decode()), "splitserve_slo_target_seconds",
+                  slo="ttft") == 2.0
