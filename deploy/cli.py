@@ -168,16 +168,19 @@ def _generate_remote(args: argparse.Namespace) -> int:
 
 
 def _add_serve(commands: argparse._SubParsersAction) -> None:
-    parser = commands.add_parser("serve", help="serve a model over gRPC on a local Ray cluster (Ctrl-C stops it)")
+    parser = commands.add_parser("serve", help="serve a model over gRPC and the OpenAI HTTP API on a local Ray "
+                                                   "cluster (Ctrl-C stops it)")
     parser.add_argument("--config", type=Path, default=None, help="cluster config YAML (docs/configuration.md)")
     parser.add_argument("--model", default=None, help="model directory or 'default' (overrides the config's)")
     parser.add_argument("--mode", choices=("disaggregated", "colocated"), default=None)
     parser.add_argument("--prefill-workers", type=int, default=None)
     parser.add_argument("--decode-workers", type=int, default=None)
-    parser.add_argument("--host", default=None, help="gRPC and /metrics listen address (default 127.0.0.1)")
+    parser.add_argument("--host", default=None, help="gRPC, HTTP and /metrics listen address (default 127.0.0.1)")
     parser.add_argument("--grpc-port", type=int, default=None, help="default 50051; 0 picks a free port")
     parser.add_argument("--metrics-port", type=int, default=None,
                         help="Prometheus /metrics port on --host (default 9400); 0 picks a free port")
+    parser.add_argument("--http-port", type=int, default=None,
+                        help="OpenAI-compatible HTTP API port on --host (default 8000); 0 picks a free port")
     parser.add_argument("--kv-transfer-backend", choices=("nixl", "inprocess"), default=None)
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="any config key in dotted form, e.g. decode.engine.max_num_seqs=64 (YAML value)")
@@ -186,7 +189,8 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
 
 _SERVE_FLAGS = {"model": "model", "mode": "mode", "prefill_workers": "prefill.replicas",
                 "decode_workers": "decode.replicas", "host": "router.host", "grpc_port": "router.grpc_port",
-                "metrics_port": "router.metrics_port", "kv_transfer_backend": "kv_transfer_backend"}
+                "metrics_port": "router.metrics_port", "http_port": "router.http_port",
+                "kv_transfer_backend": "kv_transfer_backend"}
 
 
 def serve_config(args: argparse.Namespace):

@@ -88,11 +88,14 @@ class RouterConfig:
     """The public front: where it listens, how it routes and how long it keeps a request's resources."""
 
     host: str = "127.0.0.1"
-    """Interface the gRPC and metrics servers bind to; loopback by default, 0.0.0.0 to serve other hosts."""
+    """Interface the gRPC, HTTP and metrics servers bind to; loopback by default, 0.0.0.0 to serve other hosts."""
     grpc_port: int = 50051
     """gRPC port; 0 picks a free port (tests)."""
     metrics_port: int | None = 9400
     """Port of the Prometheus /metrics endpoint (on `host`); 0 picks a free port; None disables it."""
+    http_port: int | None = 8000
+    """Port of the OpenAI-compatible HTTP API (on `host`, docs/http_api.md); 0 picks a free port;
+    None disables it."""
     request_timeout_s: float | None = None
     """Server-side limit on a request's total time; None = only the client's deadline applies."""
     lease_ttl_s: float = 30.0
@@ -110,6 +113,10 @@ class RouterConfig:
                  f"must be in [0, 65535] or null, got {self.metrics_port}")
         _require(not self.metrics_port or self.metrics_port != self.grpc_port, "metrics_port",
                  f"must differ from grpc_port ({self.grpc_port})")
+        _require(self.http_port is None or 0 <= self.http_port <= 65535, "http_port",
+                 f"must be in [0, 65535] or null, got {self.http_port}")
+        _require(not self.http_port or self.http_port not in (self.grpc_port, self.metrics_port), "http_port",
+                 f"must differ from grpc_port ({self.grpc_port}) and metrics_port ({self.metrics_port})")
         _require(self.request_timeout_s is None or self.request_timeout_s > 0, "request_timeout_s",
                  f"must be > 0, got {self.request_timeout_s}")
         _require(self.lease_ttl_s > 0, "lease_ttl_s", f"must be > 0, got {self.lease_ttl_s}")
@@ -128,7 +135,7 @@ class ClusterConfig:
     decode: PoolConfig
     """Bandwidth-bound token generation; in colocated mode these workers also prefill."""
     router: RouterConfig
-    """The gRPC front."""
+    """The public front: the gRPC and OpenAI-compatible HTTP APIs."""
     kv_transfer_backend: str = "nixl"
     """How decode pulls prefill's KV blocks: nixl (UCX/RDMA), or inprocess (tests, one process)."""
     ray_address: str | None = None
@@ -172,7 +179,7 @@ for its lifetime, so the pool is large (2 GiB)."""
 
 
 def default_cluster_config(model: str) -> ClusterConfig:
-    """1 prefill + 1 decode worker with the per-pool defaults, router on 127.0.0.1:50051 (metrics on 9400)."""
+    """1 prefill + 1 decode worker with the per-pool defaults, router on 127.0.0.1:50051 (HTTP on 8000, metrics on 9400)."""
     return ClusterConfig(
         model=model, mode="disaggregated",
         prefill=PoolConfig(replicas=1, engine=DEFAULT_PREFILL_ENGINE, resources=RayResources()),

@@ -1,5 +1,6 @@
 """A whole splitserve cluster on this machine: Ray (loopback only), the worker actors, the
-router's gRPC server on this process's event loop, and its Prometheus /metrics endpoint.
+router's gRPC and OpenAI-compatible HTTP servers on this process's event loop, and its
+Prometheus /metrics endpoint.
 
 Ray resolves "127.0.0.1" to the machine's external address and then listens on every
 interface; with RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 its node address stays the loopback one
@@ -30,6 +31,7 @@ from splitserve.deploy.cluster_config import ClusterConfig, PoolConfig  # noqa: 
 from splitserve.engine.tiny_model import resolve_model_path  # noqa: E402
 from splitserve.prefill_worker.worker import PrefillWorker  # noqa: E402
 from splitserve.router.metrics_server import RouterMetrics  # noqa: E402
+from splitserve.router.openai_server import HttpServer, start_http_server  # noqa: E402
 from splitserve.router.orchestrator import Orchestrator  # noqa: E402
 from splitserve.router.server import start_grpc_server  # noqa: E402
 from splitserve.router.tokenizer import RouterTokenizer  # noqa: E402
@@ -75,6 +77,8 @@ class LocalCluster:
     metrics: RouterMetrics | None = None
     metrics_port: int | None = None
     """The bound /metrics port; None when router.metrics_port is None (disabled)."""
+    http: HttpServer | None = None
+    """The OpenAI-compatible API (its `port` is the bound one); None when router.http_port is None."""
 
     async def start(self) -> int:
         """Start everything; returns the gRPC port. On failure, whatever started is stopped."""
@@ -108,6 +112,10 @@ class LocalCluster:
         self.server, self.port = await start_grpc_server(
             self.orchestrator, tokenizer, config.model, config.router.host, config.router.grpc_port,
             config.router.request_timeout_s)
+        if config.router.http_port is not None:
+            self.http = await start_http_server(
+                self.orchestrator, tokenizer, config.model, config.router.host, config.router.http_port,
+                config.router.request_timeout_s, self.metrics.asgi_app() if self.metrics is not None else None)
         logger.info("serving %s on %s:%d (%s, %d prefill + %d decode workers)", config.model, config.router.host,
                     self.port, config.mode, len(self.prefill_actors), len(self.decode_actors))
         return self.port
@@ -120,6 +128,8 @@ class LocalCluster:
                                    worker_id=f"{role}-{index}", **extra) for index in range(pool.replicas)]
 
     async def stop(self, grace_s: float = 2.0) -> None:
+        if self.http is not None:
+            await self.http.stop()
         if self.metrics is not None:
             await asyncio.to_thread(self.metrics.stop)
         if self.server is not None:
@@ -163,7 +173,8 @@ async def _serve(config: ClusterConfig) -> int:
             asyncio.get_running_loop().add_signal_handler(signum, stop.set)
         metrics = (f"  metrics: http://{config.router.host}:{cluster.metrics_port}/metrics\n"
                    if cluster.metrics_port is not None else "")
-        print(f"splitserve: serving {config.model} ({config.mode}) on {config.router.host}:{port}\n{metrics}"
+        api = f"  OpenAI API: http://{config.router.host}:{cluster.http.port}/v1\n" if cluster.http is not None else ""
+        print(f"splitserve: serving {config.model} ({config.mode}) on {config.router.host}:{port}\n{api}{metrics}"
               f"  try: splitserve generate --target {config.router.host}:{port} \"Tell me about the river.\"\n"
               "  Ctrl-C stops the cluster.", flush=True)
         await stop.wait()

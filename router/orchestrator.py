@@ -387,7 +387,6 @@ class Orchestrator:
     # ---- a request's life ----------------------------------------------------------------
     async def generate(self, inp: GenerationInput) -> AsyncIterator[StreamChunk]:
         """Stream a request's chunks; the last has finish_reason. Raises RouterError."""
-        self.validate_prompt(inp.prompt_token_ids)
         arrival = time.monotonic()
         self.validate_prompt(inp.prompt_token_ids)
         if inp.request_id in self._in_flight:

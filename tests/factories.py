@@ -191,11 +191,12 @@ def running_cluster(config):
 
 def tiny_cluster_config(model_dir: Path, mode: str = "disaggregated", prefill: int = 1, decode: int = 1,
                         backend: str = "nixl", **overrides):
-    """A small cluster for tests: tiny KV pools, one thread per worker, any free gRPC and metrics port."""
+    """A small cluster for tests: tiny KV pools, one thread per worker, any free gRPC, HTTP and metrics port."""
     from splitserve.deploy.cluster_config import apply_overrides, default_cluster_config
 
     settings = {"mode": mode, "prefill.replicas": prefill if mode == "disaggregated" else 0,
-                "decode.replicas": decode, "router.grpc_port": 0, "router.metrics_port": 0, "kv_transfer_backend": backend,
+                "decode.replicas": decode, "router.grpc_port": 0, "router.metrics_port": 0, "router.http_port": 0,
+                "kv_transfer_backend": backend,
                 "router.routing.disaggregation": "always"}  # as in InProcessCluster
     for pool in ("prefill", "decode"):
         settings.update({f"{pool}.engine.num_threads": 1, f"{pool}.engine.device": "cpu",

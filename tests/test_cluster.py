@@ -179,9 +179,9 @@ def test_serve_command_answers_and_stops_cleanly_on_sigterm(tiny_llama_dir):
     import time
 
     command = [sys.executable, "-m", "splitserve.deploy.cli", "serve", "--model", str(tiny_llama_dir),
-               "--grpc-port", "0", "--metrics-port", "0", "--set", "prefill.engine.num_kv_blocks=256", "--set",
-               "decode.engine.num_kv_blocks=256", "--set", "prefill.resources.num_cpus=0.5", "--set",
-               "decode.resources.num_cpus=0.5"]
+               "--grpc-port", "0", "--metrics-port", "0", "--http-port", "0", "--set",
+               "prefill.engine.num_kv_blocks=256", "--set", "decode.engine.num_kv_blocks=256", "--set",
+               "prefill.resources.num_cpus=0.5", "--set", "decode.resources.num_cpus=0.5"]
     server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         banner = server.stdout.readline()
