@@ -1,0 +1,452 @@
+"""deploy/kuberay: the manifests validate offline, agree with each other and with the repo, and the
+validator rejects broken ones; the image's build file keeps the project's pins; the head
+container's entry script starts Ray, then the router, and stops both in order.
+
+- Core objects: `kubernetes-validate` (strict) against fixed Kubernetes versions.
+- RayCluster: jsonschema against the openAPIV3Schema of the KubeRay CRD copied into
+  deploy/kuberay/crds/ (the same file as ../shared/kuberay/ when that is present).
+- PodMonitor: the structural check in deploy/kuberay/validate.py (no schema offline).
+- The ConfigMap's cluster config: `parse_cluster_config`.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import importlib.util
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import tomllib
+from collections.abc import Callable
+from pathlib import Path
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+from splitserve.deploy.cluster_config import parse_cluster_config
+
+REPO = Path(__file__).resolve().parents[1]
+KUBERAY = REPO / "deploy" / "kuberay"
+SHARED_CRD = REPO.parent / "shared" / "kuberay" / "ray.io_rayclusters.yaml"
+HEAD_SCRIPT = KUBERAY / "splitserve-ray-head.sh"
+DOCKERFILE = KUBERAY / "Dockerfile"
+
+
+def _load_validator():
+    spec = importlib.util.spec_from_file_location("kuberay_validate", KUBERAY / "validate.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    return module
+
+
+kv = _load_validator()
+
+
+@pytest.fixture(scope="module")
+def manifests() -> list:
+    return kv.load_manifests()
+
+
+def _docs(manifests: list) -> dict[str, dict]:
+    return {m.kind: m.doc for m in manifests}
+
+
+def _pyproject_pin(name: str) -> str:
+    dependencies = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))["project"]["dependencies"]
+    return next(d.split("==")[1] for d in dependencies if d.split("==")[0] == name)
+
+
+# ---- the shipped manifests --------------------------------------------------------------------
+
+
+def test_shipped_manifests_have_no_problems(manifests):
+    assert kv.validate(manifests) == []
+    assert [f"{m.kind}/{m.name}" for m in manifests] == [
+        "Namespace/splitserve", "ConfigMap/splitserve-config", "RayCluster/splitserve", "Service/splitserve",
+        "PodMonitor/splitserve"]
+
+
+@pytest.mark.parametrize("version", kv.KUBERNETES_VERSIONS)
+def test_core_objects_pass_kubernetes_validate(manifests, version):
+    core = [m for m in manifests if m.group == ""]
+    assert [m.kind for m in core] == ["Namespace", "ConfigMap", "Service"]
+    for manifest in core:
+        assert kubernetes_validate.validate(dict(manifest.doc), version, strict=True) == version
+
+
+def test_raycluster_matches_the_kuberay_crd_schema(manifests):
+    crd = yaml.load((KUBERAY / "crds" / "ray.io_rayclusters.yaml").read_text(encoding="utf-8"),
+                    Loader=yaml.CSafeLoader)
+    schema = next(v["schema"]["openAPIV3Schema"] for v in crd["spec"]["versions"] if v["name"] == "v1")
+    cluster = _docs(manifests)["RayCluster"]
+    assert cluster["apiVersion"] == "ray.io/v1"
+    jsonschema.Draft7Validator(schema).validate(cluster)
+    broken = copy.deepcopy(cluster)
+    broken["spec"]["workerGroupSpecs"][0]["maxReplicas"] = "16"
+    with pytest.raises(jsonschema.ValidationError, match="'16' is not of type 'integer'"):
+        jsonschema.Draft7Validator(schema).validate(broken)
+
+
+def test_pod_templates_pass_kubernetes_validate_strictly(manifests):
+    templates = list(kv.pod_templates(_docs(manifests)["RayCluster"]))
+    assert [field for field, _ in templates] == ["spec.headGroupSpec.template", "spec.workerGroupSpecs[0].template",
+                                                 "spec.workerGroupSpecs[1].template"]
+    for _, template in templates:
+        wrapped = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "t"}, "template": template}
+        for version in kv.KUBERNETES_VERSIONS:
+            kubernetes_validate.validate(wrapped, version, strict=True)
+
+
+def test_crd_copy_is_the_shared_kuberay_crd():
+    copied = (KUBERAY / "crds" / "ray.io_rayclusters.yaml").read_bytes()
+    digest = hashlib.sha256(copied).hexdigest()
+    assert digest in (KUBERAY / "crds" / "README.md").read_text(encoding="utf-8")
+    if not SHARED_CRD.exists():
+        pytest.skip(f"{SHARED_CRD} is not present")
+    assert copied == SHARED_CRD.read_bytes()
+
+
+def test_configmap_cluster_config_parses_for_a_gpu_cluster(manifests):
+    config = parse_cluster_config(_docs(manifests)["ConfigMap"]["data"]["cluster.yaml"])
+    assert (config.model, config.mode, config.ray_address, config.kv_transfer_backend) == (
+        "/models/model", "disaggregated", "auto", "nixl")
+    assert (config.router.host, config.router.grpc_port, config.router.metrics_port) == ("0.0.0.0", 50051, 9400)
+    for pool, fraction in ((config.prefill, 0.3), (config.decode, 0.85)):
+        assert (pool.replicas, pool.resources.num_cpus, pool.resources.num_gpus) == (2, 4.0, 1.0)
+        assert (pool.engine.device, pool.engine.dtype, pool.engine.kv_cache_memory_fraction) == (
+            "cuda", "bfloat16", fraction)
+
+
+def test_head_runs_ray_and_the_router_with_grpc_health_probes(manifests):
+    head = _docs(manifests)["RayCluster"]["spec"]["headGroupSpec"]
+    container = head["template"]["spec"]["containers"][0]
+    assert head["template"]["metadata"]["annotations"] == {"ray.io/overwrite-container-cmd": "true"}
+    assert container["command"] == ["/usr/bin/tini", "--", "/usr/local/bin/splitserve-ray-head"]
+    assert container["args"] == ["--config", "/etc/splitserve/cluster.yaml"]
+    assert {p["name"]: p["containerPort"] for p in container["ports"]} == {
+        "gcs-server": 6379, "dashboard": 8265, "grpc": 50051, "http": 8000, "router-metrics": 9400}
+    assert [container[k]["grpc"] for k in ("startupProbe", "readinessProbe", "livenessProbe")] == [
+        {"port": 50051, "service": "splitserve.v1.Generation"}, {"port": 50051, "service": "splitserve.v1.Generation"},
+        {"port": 50051}]
+
+
+def test_worker_groups_get_gpus_and_kuberays_generated_command(manifests):
+    groups = _docs(manifests)["RayCluster"]["spec"]["workerGroupSpecs"]
+    assert [g["groupName"] for g in groups] == ["prefill", "decode"]
+    for group in groups:
+        container = group["template"]["spec"]["containers"][0]
+        assert "command" not in container and "args" not in container
+        assert container["resources"]["limits"]["nvidia.com/gpu"] == "1"
+        assert container["resources"]["requests"]["nvidia.com/gpu"] == "1"
+
+
+def test_raycluster_ray_version_is_the_pinned_ray(manifests):
+    assert _docs(manifests)["RayCluster"]["spec"]["rayVersion"] == _pyproject_pin("ray")
+
+
+def test_pod_monitor_labels_match_the_prometheus_rules_and_scrape_config(manifests):
+    endpoint = _docs(manifests)["PodMonitor"]["spec"]["podMetricsEndpoints"][0]
+    alerts = (REPO / "deploy" / "prometheus" / "rules" / "splitserve-alerts.yml").read_text(encoding="utf-8")
+    assert re.findall(r'up\{job="([^"]+)"\}', alerts) == [kv.PROMETHEUS_JOB]
+    assert endpoint["relabelings"] == [
+        {"targetLabel": "job", "replacement": kv.PROMETHEUS_JOB},
+        {"sourceLabels": ["__meta_kubernetes_pod_label_ray_io_cluster"], "targetLabel": "cluster"}]
+    scrape = yaml.safe_load((REPO / "deploy" / "prometheus" / "kuberay-scrape.yml").read_text(encoding="utf-8"))
+    relabels = scrape["scrape_configs"][0]["relabel_configs"]
+    assert {"source_labels": ["__meta_kubernetes_pod_label_ray_io_cluster"], "target_label": "cluster"} in relabels
+    assert relabels[0]["regex"] == f"head;{endpoint['port']}"
+
+
+def test_kustomization_lists_every_manifest():
+    listed = {path.name for path in kv.kustomization_resources()}
+    on_disk = {path.name for path in KUBERAY.glob("*.yaml")} - {"kustomization.yaml"}
+    assert listed == on_disk
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not installed")
+def test_kustomize_build_sets_namespace_and_image():
+    done = subprocess.run(["kubectl", "kustomize", str(KUBERAY)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    built = [doc for doc in yaml.safe_load_all(done.stdout) if doc]
+    namespaced = [d for d in built if d["kind"] != "Namespace"]
+    assert {d["metadata"].get("namespace") for d in namespaced} == {"splitserve"}
+    cluster = next(d for d in built if d["kind"] == "RayCluster")
+    images = [t["spec"]["containers"][0]["image"] for _, t in kv.pod_templates(cluster)]
+    assert images == ["registry.example.com/splitserve:0.1.0"] * 3
+
+
+# ---- the validator rejects broken manifests ---------------------------------------------------
+
+
+def _config(docs: dict, old: str, new: str) -> None:
+    text = docs["ConfigMap"]["data"]["cluster.yaml"]
+    assert old in text
+    docs["ConfigMap"]["data"]["cluster.yaml"] = text.replace(old, new, 1)
+
+
+def _head(docs: dict) -> dict:
+    return docs["RayCluster"]["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+
+
+RC = "raycluster.yaml: RayCluster/splitserve"
+BROKEN: dict[str, tuple[Callable[[dict], None], list[str]]] = {
+    "misspelled container field": (
+        lambda d: _head(d).update(livenesProbe={"grpc": {"port": 50051}}),
+        [f"{RC}: spec.headGroupSpec.template.spec.containers[0]: Additional properties are not allowed "
+         f"('livenesProbe' was unexpected) (Kubernetes {v})" for v in kv.KUBERNETES_VERSIONS]),
+    "named port in a gRPC probe": (
+        lambda d: _head(d)["livenessProbe"]["grpc"].update(port="grpc"),
+        [f"{RC}: spec.headGroupSpec.template.spec.containers[0].livenessProbe.grpc.port: 'grpc' is not of type "
+         f"'integer'{suffix}" for suffix in ("", *(f" (Kubernetes {v})" for v in kv.KUBERNETES_VERSIONS))]),
+    "CRD enum": (
+        lambda d: d["RayCluster"]["spec"]["authOptions"].update(mode="tokens"),
+        [f"{RC}: spec.authOptions.mode: 'tokens' is not one of ['disabled', 'token']"]),
+    "CRD required field": (
+        lambda d: d["RayCluster"]["spec"]["workerGroupSpecs"][1].pop("maxReplicas"),
+        [f"{RC}: spec.workerGroupSpecs[1]: 'maxReplicas' is a required property"]),
+    "unknown ConfigMap field": (
+        lambda d: d["ConfigMap"].update(date={}),
+        [f"configmap.yaml: ConfigMap/splitserve-config: (object): Additional properties are not allowed "
+         f"('date' was unexpected) (Kubernetes {v})" for v in kv.KUBERNETES_VERSIONS]),
+    "Service port as a word": (
+        lambda d: d["Service"]["spec"]["ports"][0].update(port="50051"),
+        [f"service.yaml: Service/splitserve: spec.ports[0].port: '50051' is not of type 'integer' (Kubernetes {v})"
+         for v in kv.KUBERNETES_VERSIONS]),
+    "invalid name": (
+        lambda d: d["Service"]["metadata"].update(name="Split_Serve"),
+        ["service.yaml: Service/Split_Serve: metadata.name: must be a lowercase DNS subdomain, got 'Split_Serve'"]),
+    "PodMonitor without selector": (
+        lambda d: d["PodMonitor"]["spec"].pop("selector"),
+        ["podmonitor.yaml: PodMonitor/splitserve: spec.selector: required, with matchLabels or matchExpressions "
+         "(an empty selector selects every pod)"]),
+    "PodMonitor interval": (
+        lambda d: d["PodMonitor"]["spec"]["podMetricsEndpoints"][0].update(interval="15 seconds"),
+        ["podmonitor.yaml: PodMonitor/splitserve: spec.podMetricsEndpoints[0].interval: must be a Prometheus "
+         "duration like 15s, got '15 seconds'"]),
+    "PodMonitor on Ray's metrics port": (
+        lambda d: d["PodMonitor"]["spec"]["podMetricsEndpoints"][0].update(port="metrics"),
+        ["podmonitor.yaml: PodMonitor/splitserve: spec.podMetricsEndpoints[0].port: 'metrics' must name the head's "
+         "router metrics port (9400), got None"]),
+    "Service selecting worker pods": (
+        lambda d: d["Service"]["spec"].update(selector={"ray.io/cluster": "splitserve"}),
+        ["service.yaml: Service/splitserve: spec.selector: {'ray.io/cluster': 'splitserve'} also selects worker pods "
+         "(spec.workerGroupSpecs[0], spec.workerGroupSpecs[1])"]),
+    "unknown config key": (
+        lambda d: _config(d, "max_num_seqs: 16", "max_num_seq: 16"),
+        ["configmap.yaml: ConfigMap/splitserve-config: data.cluster.yaml: prefill.engine.max_num_seq: unknown key "
+         "(known: attention_backend, block_size, device, dtype, enable_chunked_prefill, enable_prefix_caching, "
+         "hash_seed, kv_cache_memory_bytes, kv_cache_memory_fraction, max_model_len, max_num_batched_tokens, "
+         "max_num_seqs, num_kv_blocks, num_threads, seed)"]),
+    "router on loopback, private Ray": (
+        lambda d: (_config(d, "host: 0.0.0.0", "host: 127.0.0.1"),
+                   _config(d, "ray_address: auto", "ray_address: null")),
+        [f"{RC}: cluster config: ray_address: must be `auto` (join the RayCluster); null starts a private Ray in the "
+         "head pod",
+         f"{RC}: cluster config: router.host: 127.0.0.1 is unreachable from the Service and the probes; use 0.0.0.0"]),
+    "more actors than GPUs": (
+        lambda d: _config(d, "replicas: 2", "replicas: 3"),
+        [f"{RC}: cluster config: prefill: 3 actors x (4 CPU, 1 GPU) do not fit worker group prefill: "
+         "2 pods x (8 CPU, 1 GPU)"]),
+    "pools with different actor shapes": (
+        lambda d: _config(d, "num_cpus: 4", "num_cpus: 8"),
+        [f"{RC}: cluster config: pools ask for different resources per actor ({{(4.0, 1.0), (8.0, 1.0)}}): until "
+         "pools are pinned to their worker groups, Ray may put one pool's actors on the other's pods and leave "
+         "actors unplaced"]),
+    "grpc port moved": (
+        lambda d: _config(d, "grpc_port: 50051", "grpc_port: 50052"),
+        [f"{RC}: cluster config: router port 50052 needs a head container port named grpc with containerPort 50052, "
+         "got 50051"]
+        + [f"{RC}: cluster config: {probe}: needs a gRPC health check on router.grpc_port 50052, got "
+           f"{{'grpc': {{'port': 50051{svc}}}, {timing}}}" for probe, svc, timing in (
+               ("startupProbe", ", 'service': 'splitserve.v1.Generation'",
+                "'periodSeconds': 10, 'timeoutSeconds': 5, 'failureThreshold': 180"),
+               ("readinessProbe", ", 'service': 'splitserve.v1.Generation'",
+                "'periodSeconds': 5, 'timeoutSeconds': 3, 'failureThreshold': 3"),
+               ("livenessProbe", "", "'periodSeconds': 15, 'timeoutSeconds': 5, 'failureThreshold': 4"))]),
+    "model not mounted on decode pods": (
+        lambda d: d["RayCluster"]["spec"]["workerGroupSpecs"][1]["template"]["spec"]["containers"][0].pop(
+            "volumeMounts"),
+        [f"{RC}: cluster config: model /models/model is on no volume mounted in spec.workerGroupSpecs[1]"]),
+    "head without the overwrite annotation": (
+        lambda d: d["RayCluster"]["spec"]["headGroupSpec"]["template"]["metadata"].pop("annotations"),
+        [f"{RC}: spec.headGroupSpec.template.metadata.annotations: needs ray.io/overwrite-container-cmd: \"true\" "
+         "(else KubeRay wraps the command in its own `ray start`)"]),
+    "two images": (
+        lambda d: d["RayCluster"]["spec"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0].update(
+            image="splitserve:old"),
+        [f"{RC}: every Ray container must run the same image (Ray, torch and the model path must match), got "
+         "{'spec.headGroupSpec': 'splitserve', 'spec.workerGroupSpecs[0]': 'splitserve:old', "
+         "'spec.workerGroupSpecs[1]': 'splitserve'}"]),
+    "PodMonitor without the job label": (
+        lambda d: d["PodMonitor"]["spec"]["podMetricsEndpoints"][0]["relabelings"].pop(0),
+        ["podmonitor.yaml: PodMonitor/splitserve: spec.podMetricsEndpoints[0].relabelings: must set job to "
+         "'splitserve' (the alerts' up{job=...}), got []"]),
+}
+
+
+@pytest.mark.parametrize("case", BROKEN)
+def test_validator_rejects_a_broken_manifest(manifests, case):
+    mutate, expected = BROKEN[case]
+    broken = [kv.Manifest(m.path, copy.deepcopy(m.doc)) for m in manifests]
+    mutate(_docs(broken))
+    assert kv.validate(broken) == expected
+
+
+def test_validator_command_line_fails_on_a_broken_file(tmp_path, capsys):
+    for path in kv.kustomization_resources():
+        shutil.copy(path, tmp_path / path.name)
+    files = [tmp_path / p.name for p in kv.kustomization_resources()]
+    assert kv.main([str(f) for f in files]) == 0
+    service = tmp_path / "service.yaml"
+    service.write_text(service.read_text(encoding="utf-8").replace("targetPort: grpc\n", "targetPort: grpcc\n"))
+    capsys.readouterr()
+    assert kv.main([str(f) for f in files]) == 1
+    assert capsys.readouterr().out == (
+        "service.yaml: Service/splitserve: spec.ports[0].targetPort: 'grpcc' is not a port of the head's Ray "
+        "container\n")
+
+
+# ---- the image's build file ----------------------------------------------------------------------
+
+
+def _dockerfile_instructions() -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) with continuation lines joined and comments dropped."""
+    text = re.sub(r"\\\n\s*", " ", DOCKERFILE.read_text(encoding="utf-8"))
+    lines = [line.strip() for line in text.splitlines()]
+    return [tuple(line.split(None, 1)) for line in lines if line and not line.startswith("#")]
+
+
+def test_dockerfile_keeps_the_projects_pins_and_runs_as_a_user():
+    instructions = _dockerfile_instructions()
+    args = dict(a.split("=", 1) for op, a in instructions if op == "ARG" and "=" in a)
+    assert args["PYTHON_IMAGE"] == "python:3.11-slim-bookworm"
+    assert args["TORCH_VERSION"] == _pyproject_pin("torch")
+    assert args["RAY_VERSION"] == _pyproject_pin("ray")
+    assert [a for op, a in instructions if op == "FROM"] == ["${PYTHON_IMAGE} AS wheel", "${PYTHON_IMAGE}"]
+    assert [a for op, a in instructions if op == "USER"] == ["1000:1000"]
+    assert [op for op, _ in instructions][-1] == "CMD" and "ENTRYPOINT" not in dict(instructions)
+    runs = " ".join(a for op, a in instructions if op == "RUN")
+    assert 'pip install "torch==${TORCH_VERSION}"' in runs
+    assert 'pip install "ray[default]==${RAY_VERSION}"' in runs
+    assert "useradd --uid 1000 --gid 1000" in runs
+
+
+def test_dockerfile_copies_every_package_folder_and_the_head_script():
+    package_dirs = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["setuptools"][
+        "package-dir"].values()
+    top_level = {d.split("/")[0] for d in package_dirs}
+    copies = [a.split() for op, a in _dockerfile_instructions() if op == "COPY" and not a.startswith("--from")]
+    copied = {src.rstrip("/") for *sources, _ in copies for src in sources}
+    assert top_level | {"pyproject.toml", "README.md", "deploy/kuberay/splitserve-ray-head.sh"} == copied
+    assert all((REPO / path).exists() for path in copied)
+    assert os.access(HEAD_SCRIPT, os.X_OK)
+
+
+# ---- the head container's entry script -----------------------------------------------------------
+
+FAKE_RAY = """#!/usr/bin/env bash
+# `ray start ... --block` runs until SIGTERM (or until $STATE/kill-ray appears, then exits 7;
+# it gives up after 30 s so a failed test leaves nothing behind); `ray health-check` passes once
+# the fake GCS is up.
+case "$1" in
+  start)
+    echo "ray $*" >> "$STATE/log"
+    if [[ -n "${FAKE_RAY_FAIL:-}" ]]; then exit 5; fi
+    trap 'echo ray-stopped >> "$STATE/log"; exit 0' TERM
+    touch "$STATE/gcs"
+    for _ in $(seq 600); do [[ -e "$STATE/kill-ray" ]] && break; sleep 0.05; done
+    echo ray-died >> "$STATE/log"; exit 7;;
+  health-check)
+    for _ in $(seq 50); do [[ -e "$STATE/gcs" ]] && exit 0; sleep 0.01; done; exit 1;;
+esac
+exit 64
+"""
+FAKE_SPLITSERVE = """#!/usr/bin/env bash
+echo "splitserve $*" >> "$STATE/log"
+if [[ -n "${FAKE_ROUTER_EXIT:-}" ]]; then exit "$FAKE_ROUTER_EXIT"; fi
+trap 'echo router-stopped >> "$STATE/log"; exit 0' TERM
+for _ in $(seq 600); do sleep 0.05; done
+exit 70
+"""
+ROUTER_LINE = "splitserve serve --config /etc/splitserve/cluster.yaml"
+
+
+def _start_head(tmp_path: Path, **env: str) -> tuple[subprocess.Popen, Path]:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    for name, text in (("ray", FAKE_RAY), ("splitserve", FAKE_SPLITSERVE)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    full_env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "STATE": str(tmp_path), "HOME": str(tmp_path),
+                "KUBERAY_GEN_RAY_START_CMD": "ray start --head --num-cpus=0 --block", "RAY_PORT": "6379", **env}
+    process = subprocess.Popen(["bash", str(HEAD_SCRIPT), "--config", "/etc/splitserve/cluster.yaml"],
+                               env={k: v for k, v in full_env.items() if v is not None},
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return process, tmp_path / "log"
+
+
+def _log(log: Path) -> list[str]:
+    return log.read_text().splitlines() if log.exists() else []
+
+
+def _wait_for(log: Path, line: str, timeout_s: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while line not in _log(log):
+        assert time.monotonic() < deadline, f"{line!r} never logged: {_log(log)}"
+        time.sleep(0.02)
+
+
+def _finish(process: subprocess.Popen, state: Path) -> tuple[int, str]:
+    """The script's exit status and output; on a timeout, it and its fakes are ended."""
+    try:
+        output, _ = process.communicate(timeout=15)
+        return process.returncode, output
+    finally:
+        if process.poll() is None:
+            process.kill()
+        (state / "kill-ray").touch()
+
+
+def test_head_script_sigterm_stops_the_router_then_ray(tmp_path):
+    process, log = _start_head(tmp_path)
+    _wait_for(log, ROUTER_LINE)
+    process.send_signal(signal.SIGTERM)
+    assert _finish(process, tmp_path)[0] == 0
+    assert _log(log) == ["ray start --head --num-cpus=0 --block", ROUTER_LINE, "router-stopped", "ray-stopped"]
+
+
+def test_head_script_exits_with_the_routers_status_and_stops_ray(tmp_path):
+    process, log = _start_head(tmp_path, FAKE_ROUTER_EXIT="3")
+    assert _finish(process, tmp_path)[0] == 3
+    assert _log(log) == ["ray start --head --num-cpus=0 --block", ROUTER_LINE, "ray-stopped"]
+
+
+def test_head_script_stops_the_router_when_ray_dies(tmp_path):
+    process, log = _start_head(tmp_path)
+    _wait_for(log, ROUTER_LINE)
+    (tmp_path / "kill-ray").touch()
+    assert _finish(process, tmp_path)[0] == 1
+    assert _log(log) == ["ray start --head --num-cpus=0 --block", ROUTER_LINE, "ray-died", "router-stopped"]
+
+
+def test_head_script_never_starts_the_router_without_a_gcs(tmp_path):
+    process, log = _start_head(tmp_path, FAKE_RAY_FAIL="1")
+    status, output = _finish(process, tmp_path)
+    assert status == 1
+    assert _log(log) == ["ray start --head --num-cpus=0 --block"]
+    assert "the Ray head exited (status 5) before its GCS at 127.0.0.1:6379 answered" in output
+
+
+def test_head_script_needs_kuberays_generated_command(tmp_path):
+    process, log = _start_head(tmp_path, KUBERAY_GEN_RAY_START_CMD=None)
+    status, output = _finish(process, tmp_path)
+    assert (status, _log(log)) == (2, [])
+    assert "KUBERAY_GEN_RAY_START_CMD is not set" in output
