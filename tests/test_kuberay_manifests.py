@@ -118,7 +118,8 @@ def test_configmap_cluster_config_parses_for_a_gpu_cluster(manifests):
     config = parse_cluster_config(_docs(manifests)["ConfigMap"]["data"]["cluster.yaml"])
     assert (config.model, config.mode, config.ray_address, config.kv_transfer_backend) == (
         "/models/model", "disaggregated", "auto", "nixl")
-    assert (config.router.host, config.router.grpc_port, config.router.metrics_port) == ("0.0.0.0", 50051, 9400)
+    assert (config.router.host, config.router.grpc_port, config.router.http_port, config.router.metrics_port) == (
+        "0.0.0.0", 50051, 8000, 9400)
     for pool, fraction in ((config.prefill, 0.3), (config.decode, 0.85)):
         assert (pool.replicas, pool.resources.num_cpus, pool.resources.num_gpus) == (2, 4.0, 1.0)
         assert (pool.engine.device, pool.engine.dtype, pool.engine.kv_cache_memory_fraction) == (
@@ -271,6 +272,10 @@ BROKEN: dict[str, tuple[Callable[[dict], None], list[str]]] = {
                ("readinessProbe", ", 'service': 'splitserve.v1.Generation'",
                 "'periodSeconds': 5, 'timeoutSeconds': 3, 'failureThreshold': 3"),
                ("livenessProbe", "", "'periodSeconds': 15, 'timeoutSeconds': 5, 'failureThreshold': 4"))]),
+    "HTTP port moved": (
+        lambda d: _config(d, "http_port: 8000", "http_port: 8080"),
+        [f"{RC}: cluster config: router port 8080 needs a head container port named http with containerPort 8080, "
+         "got 8000"]),
     "model not mounted on decode pods": (
         lambda d: d["RayCluster"]["spec"]["workerGroupSpecs"][1]["template"]["spec"]["containers"][0].pop(
             "volumeMounts"),

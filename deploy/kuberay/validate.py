@@ -396,7 +396,7 @@ def _port_errors(head: RayPod, config) -> list[str]:
     wanted = {"grpc": config.router.grpc_port}
     if config.router.metrics_port is not None:
         wanted["router-metrics"] = config.router.metrics_port
-    if getattr(config.router, "http_port", None) is not None:  # the OpenAI API's port, where the config has one
+    if config.router.http_port is not None:
         wanted["http"] = config.router.http_port
     return [f"router port {port} needs a head container port named {name} with containerPort {port}, "
             f"got {head.port(name)}" for name, port in wanted.items() if head.port(name) != port]
