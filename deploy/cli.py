@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -65,6 +66,9 @@ def _add_generate(commands: argparse._SubParsersAction) -> None:
                         help="stream from a running `splitserve serve` over gRPC instead of running a model here")
     parser.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
                         help="with --target: deadline for the whole request (default: none)")
+    parser.add_argument("--api-key-env", default=None, metavar="NAME",
+                        help="with --target: send the API key held by environment variable NAME "
+                             "(for a server with router.api_key_env set)")
     parser.add_argument("--model", default=None,
                         help="model directory, or 'default' for the embedded model (the default); with --target, "
                              "the served model's name (default: the one it serves)")
@@ -148,9 +152,16 @@ def _generate_remote(args: argparse.Namespace) -> int:
 
     from splitserve.deploy.client import GenerationClient
 
+    api_key = None
+    if args.api_key_env is not None:
+        api_key = os.environ.get(args.api_key_env, "").strip()
+        if not api_key:
+            print(f"splitserve: error: --api-key-env {args.api_key_env}: the environment variable is "
+                  f"{'empty' if args.api_key_env in os.environ else 'not set'}", file=sys.stderr)
+            return 2
     request = _remote_request(args)
     final = None
-    with GenerationClient(args.target, timeout_s=args.timeout) as client:
+    with GenerationClient(args.target, timeout_s=args.timeout, api_key=api_key) as client:
         try:
             for response in client.stream(request):
                 sys.stdout.write(response.text)

@@ -22,14 +22,16 @@ _UINT64_FIELDS = frozenset({"seed"})
 class GenerationClient:
     """One insecure gRPC channel to a router; a context manager that closes the channel on exit."""
 
-    def __init__(self, target: str, timeout_s: float | None = None) -> None:
-        """target is "HOST:PORT"; timeout_s is each request's deadline (whole stream), None for none.
+    def __init__(self, target: str, timeout_s: float | None = None, api_key: str | None = None) -> None:
+        """target is "HOST:PORT"; timeout_s is each request's deadline (whole stream), None for none;
+        api_key is sent as `authorization: Bearer <key>` metadata (router.api_key_env), None for none.
 
         Connecting is lazy and does not wait for the server: an unreachable target fails the first
         stream with UNAVAILABLE instead of hanging.
         """
         self.target = target
         self.timeout_s = timeout_s
+        self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
         self._channel = grpc.insecure_channel(target)
         self._stub = generation_pb2_grpc.GenerationStub(self._channel)
 
@@ -42,7 +44,7 @@ class GenerationClient:
         (closing it, or breaking out of a loop over it) cancels the call, so the server frees
         the request's resources.
         """
-        call = self._stub.Generate(request, timeout=self.timeout_s)
+        call = self._stub.Generate(request, timeout=self.timeout_s, metadata=self._metadata)
         try:
             yield from call
         finally:

@@ -105,9 +105,17 @@ class RouterConfig:
     itself, and when admission control rejects a request (see docs/routing.md)."""
     slo: SloConfig = SloConfig()
     """The served model's latency targets: admission control (TTFT) and SLO/goodput accounting."""
+    api_key_env: str | None = None
+    """Name of the environment variable holding the API key (never the key itself); when set, the
+    gRPC Generation service and the HTTP /v1/* endpoints need `authorization: Bearer <key>`, and
+    serving refuses to start if the variable is unset or empty. None: no auth."""
 
     def __post_init__(self) -> None:
         _require(self.host != "", "host", "must not be empty")
+        _require(self.api_key_env is None or (self.api_key_env != "" and not any(
+            c.isspace() or c in "=\0" for c in self.api_key_env)), "api_key_env",
+            f"must name an environment variable (non-empty, no whitespace or '='), or be null; "
+            f"got {self.api_key_env!r}")
         _require(0 <= self.grpc_port <= 65535, "grpc_port", f"must be in [0, 65535], got {self.grpc_port}")
         _require(self.metrics_port is None or 0 <= self.metrics_port <= 65535, "metrics_port",
                  f"must be in [0, 65535] or null, got {self.metrics_port}")

@@ -30,6 +30,7 @@ from splitserve.decode_worker.worker import DecodeWorker  # noqa: E402
 from splitserve.deploy.cluster_config import ClusterConfig, PoolConfig  # noqa: E402
 from splitserve.engine.tiny_model import resolve_model_path  # noqa: E402
 from splitserve.prefill_worker.worker import PrefillWorker  # noqa: E402
+from splitserve.router.auth import api_key_from_env  # noqa: E402
 from splitserve.router.metrics_server import RouterMetrics  # noqa: E402
 from splitserve.router.openai_server import HttpServer, start_http_server  # noqa: E402
 from splitserve.router.orchestrator import Orchestrator  # noqa: E402
@@ -90,6 +91,7 @@ class LocalCluster:
 
     async def _start(self) -> int:
         config = self.config
+        api_key = api_key_from_env(config.router.api_key_env) if config.router.api_key_env is not None else None
         model_dir = str(resolve_model_path(config.model))
         start_ray(config)
         disaggregated = config.mode == "disaggregated"
@@ -111,11 +113,12 @@ class LocalCluster:
             self.metrics_port = self.metrics.serve(config.router.host, config.router.metrics_port)
         self.server, self.port = await start_grpc_server(
             self.orchestrator, tokenizer, config.model, config.router.host, config.router.grpc_port,
-            config.router.request_timeout_s)
+            config.router.request_timeout_s, api_key)
         if config.router.http_port is not None:
             self.http = await start_http_server(
                 self.orchestrator, tokenizer, config.model, config.router.host, config.router.http_port,
-                config.router.request_timeout_s, self.metrics.asgi_app() if self.metrics is not None else None)
+                config.router.request_timeout_s, self.metrics.asgi_app() if self.metrics is not None else None,
+                api_key)
         logger.info("serving %s on %s:%d (%s, %d prefill + %d decode workers)", config.model, config.router.host,
                     self.port, config.mode, len(self.prefill_actors), len(self.decode_actors))
         return self.port

@@ -32,6 +32,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from splitserve.common.errors import InvalidRequestError
 from splitserve.common.sampling_params import SamplingParams
+from splitserve.router.auth import check_authorization
 from splitserve.router.openai_protocol import (ChatRenderer, CompletionRenderer, ResponseHeader, error_body,
                                                parse_chat_request, parse_completion_request)
 from splitserve.router.orchestrator import GenerationInput, Orchestrator, RouterError, StreamChunk
@@ -315,8 +316,29 @@ class _AsgiRoute:
         await self.app(scope, receive, send)
 
 
-def build_app(serving: OpenAIServing, metrics_app: ASGIApp | None = None) -> Starlette:
-    """The HTTP API's routes; `metrics_app` (the router's Prometheus exposition) is served on /metrics."""
+class _ApiKeyGuard:
+    """Requires `Authorization: Bearer <key>` on /v1/* (401 with an OpenAI error object
+    otherwise); /health and /metrics stay open."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self._api_key = api_key
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and (scope["path"] == "/v1" or scope["path"].startswith("/v1/")):
+            header = next((value for key, value in scope["headers"] if key == b"authorization"), None)
+            reason = check_authorization(header, self._api_key)
+            if reason is not None:
+                response = ApiError(401, reason, code="invalid_api_key").response()
+                response.headers["WWW-Authenticate"] = "Bearer"
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def build_app(serving: OpenAIServing, metrics_app: ASGIApp | None = None, api_key: str | None = None) -> ASGIApp:
+    """The HTTP API's routes; `metrics_app` (the router's Prometheus exposition) is served on /metrics.
+    With `api_key`, /v1/* needs `Authorization: Bearer <api_key>`."""
     routes = [Route("/v1/completions", serving.completions, methods=["POST"]),
               Route("/v1/chat/completions", serving.chat_completions, methods=["POST"]),
               Route("/v1/models", serving.models, methods=["GET"]),
@@ -324,7 +346,8 @@ def build_app(serving: OpenAIServing, metrics_app: ASGIApp | None = None) -> Sta
               Route("/health", serving.health, methods=["GET"])]
     if metrics_app is not None:
         routes.append(Route("/metrics", _AsgiRoute(metrics_app), methods=["GET"]))
-    return Starlette(routes=routes, exception_handlers={HTTPException: _http_error})
+    app = Starlette(routes=routes, exception_handlers={HTTPException: _http_error})
+    return _ApiKeyGuard(app, api_key) if api_key else app
 
 
 # ---- the server on the router's event loop --------------------------------------------------
@@ -370,8 +393,10 @@ class HttpServer:
 
 async def start_http_server(orchestrator: Orchestrator, tokenizer: RouterTokenizer, model_name: str,
                             host: str = "127.0.0.1", port: int = 8000, request_timeout_s: float | None = None,
-                            metrics_app: ASGIApp | None = None) -> HttpServer:
-    """Start the OpenAI-compatible API on the running loop; the server's `port` is the bound one."""
-    server = HttpServer(build_app(OpenAIServing(orchestrator, tokenizer, model_name, request_timeout_s), metrics_app))
+                            metrics_app: ASGIApp | None = None, api_key: str | None = None) -> HttpServer:
+    """Start the OpenAI-compatible API on the running loop; the server's `port` is the bound one.
+    With `api_key`, /v1/* needs `Authorization: Bearer <api_key>`."""
+    server = HttpServer(build_app(OpenAIServing(orchestrator, tokenizer, model_name, request_timeout_s), metrics_app,
+                                  api_key))
     await server.start(host, port)
     return server

@@ -20,6 +20,7 @@ from splitserve.common.errors import InvalidRequestError
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.proto.splitserve.v1 import generation_pb2 as pb
 from splitserve.proto.splitserve.v1 import generation_pb2_grpc as pb_grpc
+from splitserve.router.auth import check_authorization
 from splitserve.router.orchestrator import GenerationInput, Orchestrator, RouterError, StreamChunk
 from splitserve.router.tokenizer import RouterTokenizer
 
@@ -121,11 +122,56 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         return time.monotonic() + min(remaining) if remaining else None
 
 
+_OPEN_SERVICES = frozenset({health.SERVICE_NAME, reflection.SERVICE_NAME, "grpc.reflection.v1.ServerReflection"})
+"""Services that answer without an API key: probes (health) and discovery (reflection)."""
+
+
+class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
+    """Rejects every call to a service outside _OPEN_SERVICES that lacks metadata
+    `authorization: Bearer <key>`, with UNAUTHENTICATED before the handler runs."""
+
+    def __init__(self, api_key: str) -> None:
+        self._api_key = api_key
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        service = handler_call_details.method.lstrip("/").partition("/")[0]
+        if handler is None or service in _OPEN_SERVICES:
+            return handler
+        header = next((value for key, value in handler_call_details.invocation_metadata or ()
+                       if key == "authorization"), None)
+        reason = check_authorization(header, self._api_key)
+        return handler if reason is None else _denial(handler, reason)
+
+
+def _denial(handler: grpc.RpcMethodHandler, reason: str) -> grpc.RpcMethodHandler:
+    """A handler of the same shape as `handler` that ends the call with UNAUTHENTICATED."""
+
+    async def deny(request_or_iterator, context: grpc.aio.ServicerContext):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, reason)
+
+    if handler.request_streaming and handler.response_streaming:
+        make = grpc.stream_stream_rpc_method_handler
+    elif handler.request_streaming:
+        make = grpc.stream_unary_rpc_method_handler
+    elif handler.response_streaming:
+        make = grpc.unary_stream_rpc_method_handler
+    else:
+        make = grpc.unary_unary_rpc_method_handler
+    return make(deny, request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer)
+
+
 async def start_grpc_server(orchestrator: Orchestrator, tokenizer: RouterTokenizer, model_name: str,
                             host: str = "127.0.0.1", port: int = 50051,
-                            request_timeout_s: float | None = None) -> tuple[grpc.aio.Server, int]:
-    """Start serving; returns the server and the bound port (port 0 picks a free one)."""
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                            request_timeout_s: float | None = None,
+                            api_key: str | None = None) -> tuple[grpc.aio.Server, int]:
+    """Start serving; returns the server and the bound port (port 0 picks a free one). With
+    `api_key`, Generation calls need metadata `authorization: Bearer <api_key>` (health and
+    reflection stay open)."""
+    interceptors = [ApiKeyInterceptor(api_key)] if api_key else []
+    server = grpc.aio.server(interceptors=interceptors,
+                             options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                                       ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
     pb_grpc.add_GenerationServicer_to_server(
         GenerationServicer(orchestrator, tokenizer, model_name, request_timeout_s), server)

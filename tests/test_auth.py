@@ -1,0 +1,207 @@
+"""Optional API-key auth (router.api_key_env): the shared check, the gRPC interceptor, the HTTP
+guard (driven by the official `openai` SDK), the config field and the CLI's --api-key-env."""
+
+from __future__ import annotations
+
+import http.client
+import json
+from dataclasses import dataclass
+
+import grpc
+import openai
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from splitserve.common.slo import SloConfig
+from splitserve.deploy.cli import main as cli_main
+from splitserve.deploy.cluster_config import ClusterConfigError, parse_cluster_config
+from splitserve.proto.splitserve.v1 import generation_pb2 as pb
+from splitserve.proto.splitserve.v1 import generation_pb2_grpc as pb_grpc
+from splitserve.router.auth import INVALID, MISSING, api_key_from_env, check_authorization
+from splitserve.router.metrics_server import RouterMetrics
+from splitserve.router.openai_server import start_http_server
+from splitserve.router.server import start_grpc_server
+from tests.factories import EventLoopThread, InProcessCluster
+
+MODEL = "tiny-llama"
+KEY = "sk-test-0123456789"
+ENV = "SPLITSERVE_TEST_API_KEY"
+
+
+# ---- the shared check ---------------------------------------------------------------------
+
+@pytest.mark.parametrize(("header", "reason"), [
+    (f"Bearer {KEY}", None), (f"bearer {KEY}", None), (f"Bearer {KEY}".encode(), None), (f"  Bearer  {KEY} ", None),
+    (None, MISSING), ("", MISSING), ("Bearer", MISSING), ("Bearer   ", MISSING), (f"Basic {KEY}", MISSING),
+    (KEY, MISSING), ("Bearer wrong", INVALID), (f"Bearer {KEY}x", INVALID), (f"Bearer {KEY[:-1]}", INVALID),
+    ("Bearer sk-tëst".encode(), INVALID), ("Bearer sk-tëst", INVALID),
+])
+def test_check_authorization(header, reason):
+    assert check_authorization(header, KEY) == reason
+
+
+def test_api_key_from_env():
+    assert api_key_from_env(ENV, {ENV: f" {KEY}\n"}) == KEY
+    with pytest.raises(ValueError, match=rf"api_key_env='{ENV}'.*{ENV} is not set$"):
+        api_key_from_env(ENV, {})
+    with pytest.raises(ValueError, match=rf"{ENV} is empty$"):
+        api_key_from_env(ENV, {ENV: " "})
+
+
+# ---- config -------------------------------------------------------------------------------
+
+def test_config_names_the_variable_not_the_key():
+    assert parse_cluster_config("model: m\n").router.api_key_env is None
+    assert parse_cluster_config(f"model: m\nrouter: {{api_key_env: {ENV}}}\n").router.api_key_env == ENV
+
+
+@pytest.mark.parametrize("value", ["''", "'A B'", "'A=B'"])
+def test_config_rejects_a_bad_variable_name(value):
+    with pytest.raises(ClusterConfigError) as caught:
+        parse_cluster_config(f"model: m\nrouter: {{api_key_env: {value}}}\n")
+    assert str(caught.value).startswith("router.api_key_env: must name an environment variable (non-empty, "
+                                        "no whitespace or '='), or be null; got ")
+
+
+# ---- the servers --------------------------------------------------------------------------
+
+@dataclass
+class Served:
+    cluster: InProcessCluster
+    http_port: int
+    grpc_port: int
+
+    def client(self, api_key: str) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"http://127.0.0.1:{self.http_port}/v1", api_key=api_key, max_retries=0,
+                             timeout=60)
+
+    def generate(self, metadata=None) -> list[int]:
+        request = pb.GenerateRequest(model=MODEL, text=b"The river runs",
+                                     sampling=pb.SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+        with grpc.insecure_channel(f"127.0.0.1:{self.grpc_port}") as channel:
+            responses = list(pb_grpc.GenerationStub(channel).Generate(request, timeout=60, metadata=metadata))
+        return [t for r in responses for t in r.token_ids]
+
+
+@pytest.fixture(scope="module")
+def served(tiny_llama_dir):
+    """Both APIs over one in-process cluster, each requiring KEY."""
+    loop = EventLoopThread()
+    metrics = RouterMetrics(SloConfig())
+    cluster = InProcessCluster(tiny_llama_dir, observer=metrics.observe)
+    loop.run(cluster.__aenter__())
+    http_server = loop.run(start_http_server(cluster.orchestrator, cluster.tokenizer, MODEL, port=0,
+                                             metrics_app=metrics.asgi_app(), api_key=KEY))
+    grpc_server, grpc_port = loop.run(start_grpc_server(cluster.orchestrator, cluster.tokenizer, MODEL, port=0,
+                                                        api_key=KEY))
+    try:
+        yield Served(cluster, http_server.port, grpc_port)
+    finally:
+        loop.run(grpc_server.stop(None))
+        loop.run(http_server.stop())
+        loop.run(cluster.__aexit__(None, None, None))
+        loop.close()
+
+
+@pytest.mark.parametrize(("metadata", "details"), [
+    (None, MISSING), ((("authorization", "Bearer wrong"),), INVALID), ((("authorization", KEY),), MISSING),
+    ((("x-api-key", KEY),), MISSING),
+])
+def test_grpc_without_the_key_is_unauthenticated(served, metadata, details):
+    with pytest.raises(grpc.RpcError) as caught:
+        served.generate(metadata)
+    assert (caught.value.code(), caught.value.details()) == (grpc.StatusCode.UNAUTHENTICATED, details)
+
+
+def test_grpc_with_the_key_generates(served):
+    assert len(served.generate((("authorization", f"Bearer {KEY}"),))) == 4
+
+
+def test_grpc_health_needs_no_key(served):
+    with grpc.insecure_channel(f"127.0.0.1:{served.grpc_port}") as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        for service in ("", "splitserve.v1.Generation"):
+            answer = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
+            assert answer.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_http_with_a_wrong_key_is_401(served):
+    client = served.client("wrong")
+    with pytest.raises(openai.AuthenticationError) as caught:
+        client.completions.create(model=MODEL, prompt="The river runs", max_tokens=4)
+    assert caught.value.status_code == 401
+    assert caught.value.body == {"message": INVALID, "type": "invalid_request_error", "param": None,
+                                 "code": "invalid_api_key"}
+    with pytest.raises(openai.AuthenticationError):
+        client.models.list()
+
+
+def test_http_without_a_key_is_401(served):
+    """The SDK refuses to send no key at all, so raw HTTP; the SDK's own `Authorization` header
+    is replaced by another scheme."""
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{served.http_port}/v1", api_key="unused", max_retries=0,
+                           timeout=60, default_headers={"Authorization": f"Basic {KEY}"})
+    with pytest.raises(openai.AuthenticationError) as caught:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+    assert (caught.value.status_code, caught.value.body["message"]) == (401, MISSING)
+    connection = http.client.HTTPConnection("127.0.0.1", served.http_port, timeout=60)
+    try:
+        connection.request("POST", "/v1/completions", body=json.dumps({"model": MODEL, "prompt": "x"}),
+                           headers={"Content-Type": "application/json"})
+        response = connection.getresponse()
+        status, body = response.status, json.loads(response.read())
+    finally:
+        connection.close()
+    assert (status, body) == (401, {"error": {"message": MISSING, "type": "invalid_request_error", "param": None,
+                                              "code": "invalid_api_key"}})
+
+
+def test_http_with_the_key_works(served):
+    client = served.client(KEY)
+    completion = client.completions.create(model=MODEL, prompt="The river runs", max_tokens=4, temperature=0,
+                                           extra_body={"ignore_eos": True})
+    assert completion.usage.completion_tokens == 4
+    assert [m.id for m in client.models.list()] == [MODEL]
+
+
+def _raw_get(port: int, path: str) -> tuple[int, dict[str, str], bytes]:
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    try:
+        connection.request("GET", path)
+        response = connection.getresponse()
+        return response.status, dict(response.getheaders()), response.read()
+    finally:
+        connection.close()
+
+
+def test_http_health_and_metrics_need_no_key(served):
+    assert _raw_get(served.http_port, "/health")[0] == 200
+    assert _raw_get(served.http_port, "/metrics")[0] == 200
+    status, headers, body = _raw_get(served.http_port, "/v1/models")
+    assert (status, headers.get("www-authenticate"), json.loads(body)["error"]["message"]) == (401, "Bearer", MISSING)
+
+
+def test_cli_sends_the_key_from_the_named_variable(served, monkeypatch, capsys):
+    target = f"127.0.0.1:{served.grpc_port}"
+    args = ["generate", "--target", target, "--max-tokens", "3", "--ignore-eos", "The river runs"]
+    monkeypatch.setenv(ENV, KEY)
+    assert cli_main([*args[:3], "--api-key-env", ENV, *args[3:]]) == 0
+    assert "completion_tokens=3" in capsys.readouterr().err
+    assert cli_main(args) == 1
+    assert f"UNAUTHENTICATED: {MISSING}" in capsys.readouterr().err
+    monkeypatch.delenv(ENV)
+    assert cli_main([*args[:3], "--api-key-env", ENV, *args[3:]]) == 2
+    assert f"--api-key-env {ENV}: the environment variable is not set" in capsys.readouterr().err
+
+
+def test_serving_refuses_to_start_without_the_key(monkeypatch):
+    """Before any worker or Ray starts: a server configured for auth never comes up open."""
+    import asyncio
+
+    from splitserve.deploy.cluster_config import apply_overrides, default_cluster_config
+    from splitserve.deploy.local import LocalCluster
+
+    monkeypatch.delenv(ENV, raising=False)
+    config = apply_overrides(default_cluster_config("default"), {"router.api_key_env": ENV})
+    with pytest.raises(ValueError, match=rf"environment variable {ENV} is not set$"):
+        asyncio.run(LocalCluster(config).start())
