@@ -341,3 +341,45 @@ class ScriptedReporter:
         if isinstance(answer, Exception):
             raise answer
         return answer
+
+
+@dataclass
+class ServedApis:
+    """Both public APIs (OpenAI-compatible HTTP with the router's /metrics, and gRPC) on free
+    loopback ports over one InProcessCluster; test modules subclass it with their helpers."""
+
+    cluster: InProcessCluster
+    loop: EventLoopThread
+    http_port: int
+    grpc_port: int
+
+
+@contextmanager
+def served_apis(model_dir: Path, model_name: str, api_key: str | None = None,
+                served_class: type[ServedApis] = ServedApis, **cluster_options):
+    """Start the cluster (InProcessCluster options: routing, slo, ...) and both servers; everything
+    is stopped on the way out."""
+    from splitserve.common.slo import SloConfig
+    from splitserve.router.metrics_server import RouterMetrics
+    from splitserve.router.openai_server import start_http_server
+    from splitserve.router.server import start_grpc_server
+
+    async def watch() -> None:
+        metrics.watch(cluster.orchestrator)  # on the orchestrator's loop
+
+    loop = EventLoopThread()
+    metrics = RouterMetrics(SloConfig())
+    cluster = InProcessCluster(model_dir, observer=metrics.observe, **cluster_options)
+    loop.run(cluster.__aenter__())
+    loop.run(watch())
+    http_server = loop.run(start_http_server(cluster.orchestrator, cluster.tokenizer, model_name, port=0,
+                                             metrics_app=metrics.asgi_app(), api_key=api_key))
+    grpc_server, grpc_port = loop.run(start_grpc_server(cluster.orchestrator, cluster.tokenizer, model_name,
+                                                        port=0, api_key=api_key))
+    try:
+        yield served_class(cluster, loop, http_server.port, grpc_port)
+    finally:
+        loop.run(grpc_server.stop(None))
+        loop.run(http_server.stop())
+        loop.run(cluster.__aexit__(None, None, None))
+        loop.close()

@@ -5,23 +5,18 @@ from __future__ import annotations
 
 import http.client
 import json
-from dataclasses import dataclass
 
 import grpc
 import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from splitserve.common.slo import SloConfig
 from splitserve.deploy.cli import main as cli_main
 from splitserve.deploy.cluster_config import ClusterConfigError, parse_cluster_config
 from splitserve.proto.splitserve.v1 import generation_pb2 as pb
 from splitserve.proto.splitserve.v1 import generation_pb2_grpc as pb_grpc
 from splitserve.router.auth import INVALID, MISSING, api_key_from_env, check_authorization
-from splitserve.router.metrics_server import RouterMetrics
-from splitserve.router.openai_server import start_http_server
-from splitserve.router.server import start_grpc_server
-from tests.factories import EventLoopThread, InProcessCluster
+from tests.factories import ServedApis, served_apis
 
 MODEL = "tiny-llama"
 KEY = "sk-test-0123456789"
@@ -65,12 +60,7 @@ def test_config_rejects_a_bad_variable_name(value):
 
 # ---- the servers --------------------------------------------------------------------------
 
-@dataclass
-class Served:
-    cluster: InProcessCluster
-    http_port: int
-    grpc_port: int
-
+class Served(ServedApis):
     def client(self, api_key: str) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"http://127.0.0.1:{self.http_port}/v1", api_key=api_key, max_retries=0,
                              timeout=60)
@@ -86,21 +76,8 @@ class Served:
 @pytest.fixture(scope="module")
 def served(tiny_llama_dir):
     """Both APIs over one in-process cluster, each requiring KEY."""
-    loop = EventLoopThread()
-    metrics = RouterMetrics(SloConfig())
-    cluster = InProcessCluster(tiny_llama_dir, observer=metrics.observe)
-    loop.run(cluster.__aenter__())
-    http_server = loop.run(start_http_server(cluster.orchestrator, cluster.tokenizer, MODEL, port=0,
-                                             metrics_app=metrics.asgi_app(), api_key=KEY))
-    grpc_server, grpc_port = loop.run(start_grpc_server(cluster.orchestrator, cluster.tokenizer, MODEL, port=0,
-                                                        api_key=KEY))
-    try:
-        yield Served(cluster, http_server.port, grpc_port)
-    finally:
-        loop.run(grpc_server.stop(None))
-        loop.run(http_server.stop())
-        loop.run(cluster.__aexit__(None, None, None))
-        loop.close()
+    with served_apis(tiny_llama_dir, MODEL, api_key=KEY, served_class=Served) as served:
+        yield served
 
 
 @pytest.mark.parametrize(("metadata", "details"), [

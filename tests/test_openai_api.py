@@ -7,7 +7,6 @@ from __future__ import annotations
 import http.client
 import json
 import time
-from dataclasses import dataclass
 
 import openai
 import pytest
@@ -16,12 +15,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.slo import SloConfig
 from splitserve.proto.splitserve.v1 import generation_pb2 as pb
-from splitserve.router.metrics_server import RouterMetrics
 from splitserve.router.openai_server import ApiError, start_http_server
 from splitserve.router.orchestrator import RouterError
 from splitserve.router.policy import RoutingConfig
-from splitserve.router.server import start_grpc_server
-from tests.factories import EventLoopThread, GreedyCase, InProcessCluster, hf_greedy, stream_tokens
+from tests.factories import GreedyCase, ServedApis, hf_greedy, served_apis, stream_tokens
 
 MODEL = "tiny-llama"
 PROMPT = "The river runs"
@@ -32,13 +29,7 @@ LONG = 2000
 request generates a small fraction of them."""
 
 
-@dataclass
-class Served:
-    cluster: InProcessCluster
-    loop: EventLoopThread
-    http_port: int
-    grpc_port: int
-
+class Served(ServedApis):
     def client(self, port: int | None = None) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"http://127.0.0.1:{port or self.http_port}/v1", api_key="none",
                              max_retries=0, timeout=60)
@@ -61,25 +52,8 @@ class Served:
 @pytest.fixture(scope="module")
 def served(tiny_llama_dir):
     """One cluster with both APIs over the same orchestrator."""
-    loop = EventLoopThread()
-    metrics = RouterMetrics(SloConfig())
-    cluster = InProcessCluster(tiny_llama_dir, observer=metrics.observe)
-    loop.run(cluster.__aenter__())
-    loop.run(_watch(metrics, cluster))
-    http_server = loop.run(start_http_server(cluster.orchestrator, cluster.tokenizer, MODEL, port=0,
-                                             metrics_app=metrics.asgi_app()))
-    grpc_server, grpc_port = loop.run(start_grpc_server(cluster.orchestrator, cluster.tokenizer, MODEL, port=0))
-    try:
-        yield Served(cluster, loop, http_server.port, grpc_port)
-    finally:
-        loop.run(grpc_server.stop(None))
-        loop.run(http_server.stop())
-        loop.run(cluster.__aexit__(None, None, None))
-        loop.close()
-
-
-async def _watch(metrics: RouterMetrics, cluster: InProcessCluster) -> None:
-    metrics.watch(cluster.orchestrator)  # on the orchestrator's loop
+    with served_apis(tiny_llama_dir, MODEL, served_class=Served) as served:
+        yield served
 
 
 def _raw(port: int, method: str, path: str, body: bytes | None = None) -> tuple[int, dict[str, str], bytes]:
@@ -292,23 +266,16 @@ def test_the_request_timeout_is_504_and_frees_the_workers(served):
 def test_admission_rejection_is_429(tiny_llama_dir):
     # Every prompt token is predicted to take 1 s to prefill: no request can meet a 1 ms TTFT.
     routing = RoutingConfig(disaggregation="always", admission_ttft_factor=2.0, default_prefill_s_per_token=1.0)
-    loop = EventLoopThread()
-    cluster = InProcessCluster(tiny_llama_dir, routing=routing, slo=SloConfig(ttft_s=1e-3))
-    loop.run(cluster.__aenter__())
-    server = loop.run(start_http_server(cluster.orchestrator, cluster.tokenizer, MODEL, port=0))
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="none", max_retries=0)
-    try:
+    with served_apis(tiny_llama_dir, MODEL, served_class=Served, routing=routing,
+                     slo=SloConfig(ttft_s=1e-3)) as served:
+        client = served.client()
         for stream in (False, True):  # a streamed request is rejected before its response starts
             with pytest.raises(openai.RateLimitError) as error:
                 client.completions.create(model=MODEL, prompt=PROMPT, stream=stream)
             assert (error.value.status_code, error.value.code) == (429, "resource_exhausted")
             assert "TTFT" in error.value.message
-        assert dict(cluster.orchestrator.routing_stats().rejections) == {"ttft_slo": 2}
-        assert _raw(server.port, "GET", "/health")[0] == 200
-    finally:
-        loop.run(server.stop())
-        loop.run(cluster.__aexit__(None, None, None))
-        loop.close()
+        assert dict(served.cluster.orchestrator.routing_stats().rejections) == {"ttft_slo": 2}
+        assert _raw(served.http_port, "GET", "/health")[0] == 200
 
 
 @pytest.mark.parametrize(("code", "status", "error_type"), [
