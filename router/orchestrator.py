@@ -332,10 +332,9 @@ class Orchestrator:
         hashes = (await asyncio.to_thread(self._hasher.hash_prefix, prompt) if len(prompt) > HASH_IN_THREAD_TOKENS
                   else self._hasher.hash_prefix(prompt))
         cached = {worker_id: blocks * block_size for worker_id, blocks in self.index.matched_blocks(hashes).items()}
-        max_tokens = min(inp.sampling_params.max_tokens, self.max_model_len - len(inp.prompt_token_ids))
-        slo = self.slo_targets(inp).ttft_s
-        request = RoutingRequest(len(inp.prompt_token_ids),
-                                 -(-(len(inp.prompt_token_ids) + max_tokens) // block_size), slo)
+        max_tokens = min(inp.sampling_params.max_tokens, self.max_model_len - len(prompt))
+        request = RoutingRequest(len(prompt), -(-(len(prompt) + max_tokens) // block_size),
+                                 self.slo_targets(inp).ttft_s)
         # Only workers that answer their report polls are candidates; with no prefill worker
         # answering, decode workers prefill locally.
         prefill = [self._prefill_candidate(worker_id, load, cached.get(worker_id, 0))

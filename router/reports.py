@@ -37,9 +37,8 @@ class WorkerMonitor:
         self.index = index
         self._clients = list(clients)
         self._on_restart = on_restart
-        self._loads: dict[str, LoadReport] = {}
-        self._counters: dict[str, WorkerCounters] = {}
-        """From the same report as the load in _loads (kept while the worker is not answering)."""
+        self._reports: dict[str, WorkerReport] = {}
+        """Each answering worker's latest report (a worker that stops answering has none)."""
         self._epochs: dict[str, str] = {}
         self._tasks: list[asyncio.Task] = []
         for client in self._clients:
@@ -47,11 +46,13 @@ class WorkerMonitor:
 
     def load(self, worker_id: str) -> LoadReport | None:
         """The worker's latest load; None while it is not answering."""
-        return self._loads.get(worker_id)
+        report = self._reports.get(worker_id)
+        return None if report is None else report.load
 
     def counters(self, worker_id: str) -> WorkerCounters | None:
         """The worker's cumulative counters from its latest report; None while it is not answering."""
-        return self._counters.get(worker_id) if worker_id in self._loads else None
+        report = self._reports.get(worker_id)
+        return None if report is None else report.counters
 
     async def start(self) -> None:
         """Take every worker's first report (so routing starts informed), then keep polling."""
@@ -98,14 +99,12 @@ class WorkerMonitor:
         previous = self._epochs.get(worker_id)
         if previous is not None and previous != report.epoch:
             logger.info("worker %s restarted (epoch %s -> %s)", worker_id, previous, report.epoch)
-            self._loads.pop(worker_id, None)
+            self._reports.pop(worker_id, None)
             await self._on_restart(worker_id)
         self._epochs[worker_id] = report.epoch
-        self._loads[worker_id] = report.load
-        self._counters[worker_id] = report.counters
+        self._reports[worker_id] = report
 
     def _forget(self, worker_id: str, error: Exception) -> None:
-        if worker_id in self._loads:
+        if self._reports.pop(worker_id, None) is not None:
             logger.warning("worker %s stopped reporting: %s", worker_id, error)
-        self._loads.pop(worker_id, None)
         self.index.add_worker(worker_id)  # purged; resyncs from a snapshot once it answers again
