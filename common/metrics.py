@@ -120,6 +120,8 @@ KV_TRANSFER_FAILURES = _counter("kv_transfer_failures", "KV pulls that failed (r
                                 PAIR_LABELS)
 
 # ---- SLO accounting (DistServe goodput) ---------------------------------------------------
+REQUEST_MIGRATIONS = _counter("request_migrations", "Times a request moved off a lost worker (re-prefilled "
+                              "elsewhere with the tokens it had streamed).")
 SLO_REQUESTS = _counter("slo_requests", "Finished requests evaluated against the SLO targets.")
 SLO_TTFT_MET = _counter("slo_ttft_met_requests", "Finished requests that met their TTFT target.")
 SLO_TPOT_MET = _counter("slo_tpot_met_requests", "Finished requests that met their TPOT target.")

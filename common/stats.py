@@ -133,6 +133,8 @@ class RequestRecord:
     before the decode worker reported its pull."""
     slo: SloOutcome | None
     """Which targets it met; None when it does not count (see common.slo.request_slo_outcome)."""
+    num_migrations: int = 0
+    """Times it moved off a lost worker to another one."""
 
     def __post_init__(self) -> None:
         if (self.finish_reason is None) == (self.error_code is None):

@@ -46,7 +46,8 @@ class DecodeRequest:
     """Which router's output stream carries this request's tokens."""
     prompt_token_ids: tuple[int, ...]
     output_token_ids: tuple[int, ...]
-    """Tokens already generated elsewhere (the prefill worker's first token)."""
+    """Tokens already generated elsewhere: the prefill worker's first token, or (transfer None)
+    what a lost worker streamed before the request moved here, recomputed with the prompt."""
     sampling_params: SamplingParams
     num_cached_tokens: int
     transfer: TransferParams | None

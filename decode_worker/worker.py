@@ -123,7 +123,8 @@ class DecodeWorker:
         if request.request_id in self._routes:
             raise InvalidRequestError("request_id", f"{request.request_id!r} is already in flight")
         if request.transfer is None:
-            engine.add_request(request.request_id, list(request.prompt_token_ids), request.sampling_params)
+            engine.add_request(request.request_id, list(request.prompt_token_ids), request.sampling_params,
+                               output_token_ids=request.output_token_ids)
         else:
             engine.validate(request.request_id, list(request.prompt_token_ids), request.sampling_params)
             self._awaiting_blocks.append(request)

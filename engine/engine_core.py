@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -142,11 +143,15 @@ class EngineCore:
             raise InvalidRequestError("stop", "stop strings need an engine with a tokenizer")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    hold_kv_after_prefill: bool = False) -> None:
+                    hold_kv_after_prefill: bool = False, output_token_ids: Sequence[int] = ()) -> None:
         """Queue a request. With hold_kv_after_prefill (producer role) it finishes as 'prefilled'
-        after its first token unless it stops there, and its blocks stay held (see take_held_kv)."""
+        after its first token unless it stops there, and its blocks stay held (see take_held_kv).
+
+        `output_token_ids` were generated elsewhere (a request moved off a lost worker): the
+        engine prefills prompt + those tokens, as it recomputes a preempted request, and goes on
+        sampling from there; they count towards max_tokens."""
         self.validate(request_id, prompt_token_ids, params)
-        request = self._new_request(request_id, list(prompt_token_ids), [], params)
+        request = self._new_request(request_id, list(prompt_token_ids), list(output_token_ids), params)
         request.hold_kv_after_prefill = hold_kv_after_prefill
         self._num_prompt_tokens += request.num_prompt_tokens
         self.scheduler.add_request(request)

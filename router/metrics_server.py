@@ -79,6 +79,8 @@ class RouterMetrics:
         else:
             self._get(m.REQUEST_SUCCESS).labels(record.finish_reason).inc()
             self._observe_finished(record)
+        if record.num_migrations:
+            self._get(m.REQUEST_MIGRATIONS).inc(record.num_migrations)
         self._observe_tokens(record)
         self._observe_transfer(record)
         self._observe_slo(record)

@@ -4,6 +4,12 @@ Runs on the router's event loop and never blocks it: every worker call is awaite
 router owns stop strings and detokenization (workers get sampling params without stop
 strings), and ends a request on every path — finish, stop string, client cancel, deadline,
 worker fault — by aborting whatever the workers still hold for it.
+
+A request whose worker is lost (Ray reports the actor dead or unreachable, or its polls fail)
+moves: the router re-routes it and a decode worker recomputes prompt + the tokens already
+streamed, so the client's stream goes on where it stopped (greedy output equals an undisturbed
+run's). Each move is a new attempt with a new worker-side request id, so nothing the lost worker
+still sends can reach the stream; after routing.max_migrations moves the request fails.
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ from splitserve.router.policy import (DecodeCandidate, PrefillCandidate, Rejecti
 from splitserve.router.prefix_index import PrefixIndex
 from splitserve.router.records import RequestTimeline
 from splitserve.router.reports import WorkerMonitor
-from splitserve.router.worker_client import WorkerClient
+from splitserve.router.worker_client import WorkerClient, WorkerLostError
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
@@ -136,15 +142,25 @@ class _Assignment:
 class _Run:
     """One request's progress at the router."""
 
-    def __init__(self, inp: GenerationInput, tokenizer: Decoder, worker_request_id: str, arrival: float) -> None:
+    def __init__(self, inp: GenerationInput, tokenizer: Decoder, arrival: float) -> None:
         self.inp = inp
         self.decision: RouteDecision | None = None
         self.rejection_reason: str | None = None
         self.cached_tokens: dict[str, int] = {}
         """Prompt tokens each worker's prefix cache held when the request was routed."""
-        self.worker_request_id = worker_request_id
-        """The id workers know the request by: unique across routers and clients (a client's own
-        id may repeat after it finishes, or collide with another client's)."""
+        self.worker_request_id = ""
+        """The id workers know the current attempt by: unique across routers, clients and
+        attempts (a client's own id may repeat after it finishes, or collide with another's)."""
+        self.num_migrations = 0
+        self.resumed = False
+        """The current attempt recomputes tokens already streamed (it is a migration)."""
+        self.active_worker_id: str | None = None
+        """The worker computing for the request now (prefill worker during the prefill call, then
+        the decode worker): its loss interrupts the attempt."""
+        self.lost: WorkerLostError | None = None
+        self.stream: asyncio.Queue | None = None
+        """The current attempt's deltas (TokenDelta), or the WorkerLostError that ends it."""
+        self._pending_call: asyncio.Future | None = None
         self.timeline = RequestTimeline(arrival)
         params = inp.sampling_params
         self.detokenizer = IncrementalDetokenizer(tokenizer, list(inp.prompt_token_ids), params.stop,
@@ -158,6 +174,42 @@ class _Run:
         """Where the prefill worker holds the prompt's KV for the decode worker to pull."""
         self.error_code: str | None = None
         """How the request failed (a gRPC status code name), if it did."""
+
+    def begin_attempt(self, worker_request_id: str, stream: asyncio.Queue) -> None:
+        self.worker_request_id = worker_request_id
+        self.stream = stream
+        self.resumed = bool(self.output_token_ids)
+        self.lost = None
+        self.assignments = []
+        self.worker_finished = False
+
+    @property
+    def context_token_ids(self) -> tuple[int, ...]:
+        """What a worker must hold KV for to go on: the prompt and the tokens streamed so far."""
+        return self.inp.prompt_token_ids + tuple(self.output_token_ids)
+
+    def lose(self, lost: WorkerLostError) -> None:
+        """The active worker is gone: interrupt the pending worker call or the stream wait."""
+        if self.lost is not None:
+            return
+        self.lost = lost
+        if self._pending_call is not None:
+            self._pending_call.cancel()
+        self.stream.put_nowait(lost)
+
+    async def call(self, awaitable: Awaitable[T]) -> T:
+        """Await a worker call within the deadline; raises WorkerLostError if the active worker
+        is lost meanwhile (the call is cancelled)."""
+        call = asyncio.ensure_future(awaitable)
+        self._pending_call = call
+        try:
+            return await self.bounded(call)
+        except asyncio.CancelledError:
+            if self.lost is not None and call.cancelled() and not asyncio.current_task().cancelling():
+                raise self.lost from None
+            raise
+        finally:
+            self._pending_call = None
 
     async def bounded(self, awaitable: Awaitable[T]) -> T:
         """Await within the request's deadline."""
@@ -190,9 +242,12 @@ class _Run:
                            finish_reason, stop_reason, self._usage(), self._timing(now))
 
     def on_decode_timing(self, delta: TokenDelta) -> None:
-        """Note what a decode worker's delta says about the KV pull and the worker's first output."""
+        """Note what a decode worker's delta says about the KV pull and the worker's first output
+        (a resumed attempt's recompute is not part of the request's TTFT)."""
         timeline = self.timeline
         timeline.transfer_failed |= delta.kv_transfer_failed
+        if self.resumed:
+            return
         if delta.transfer_s is not None:
             timeline.on_pulled(delta.transfer_s)
         if delta.queue_s is None:
@@ -224,7 +279,7 @@ class _Run:
             len(self.inp.prompt_token_ids), self.num_cached_tokens, num_output, ttft_s,
             tuple(timeline.inter_token_latencies), e2e_s, timeline.queue_s, timeline.prefill_s,
             None if ttft_s is None else e2e_s - ttft_s, tuple(timeline.phases), self._kv_transfer(),
-            request_slo_outcome(targets, error_code, ttft_s, e2e_s, num_output))
+            request_slo_outcome(targets, error_code, ttft_s, e2e_s, num_output), self.num_migrations)
 
     def _kv_transfer(self) -> KVTransferRecord | None:
         """The pull's outcome, when the decode worker reported one."""
@@ -255,14 +310,17 @@ class Orchestrator:
         self.tokenizer = tokenizer
         self.prefill_pool = WorkerPool(prefill if mode == "disaggregated" else ())
         self.decode_pool = WorkerPool(decode)
-        self.dispatcher = OutputDispatcher(router_id, decode)
+        self.dispatcher = OutputDispatcher(router_id, decode, self._on_worker_lost)
         self.index = PrefixIndex()
-        self.monitor = WorkerMonitor([*self.prefill_pool.clients.values(), *decode], self.index, self._on_restart)
+        self.monitor = WorkerMonitor([*self.prefill_pool.clients.values(), *decode], self.index, self._on_restart,
+                                     self._on_worker_lost)
         self.infos: dict[str, WorkerInfo] = {}
         self.max_model_len = 0
         self.vocab_size = 0
         self._hasher: BlockHasher | None = None
         self._in_flight: set[str] = set()
+        self._runs: dict[str, _Run] = {}
+        """Current attempts by worker-side request id."""
         self._peers: dict[tuple[str, str], asyncio.Future] = {}
         self._background: set[asyncio.Task] = set()
         self._turn = 0
@@ -328,13 +386,14 @@ class Orchestrator:
         or RESOURCE_EXHAUSTED when admission rejects it (noting why on the run)."""
         inp = run.inp
         block_size = self._hasher.block_size
-        prompt = inp.prompt_token_ids
-        hashes = (await asyncio.to_thread(self._hasher.hash_prefix, prompt) if len(prompt) > HASH_IN_THREAD_TOKENS
-                  else self._hasher.hash_prefix(prompt))
+        context = run.context_token_ids
+        hashes = (await asyncio.to_thread(self._hasher.hash_prefix, context) if len(context) > HASH_IN_THREAD_TOKENS
+                  else self._hasher.hash_prefix(context))
         cached = {worker_id: blocks * block_size for worker_id, blocks in self.index.matched_blocks(hashes).items()}
-        max_tokens = min(inp.sampling_params.max_tokens, self.max_model_len - len(prompt))
-        request = RoutingRequest(len(prompt), -(-(len(prompt) + max_tokens) // block_size),
-                                 self.slo_targets(inp).ttft_s)
+        max_tokens = min(inp.sampling_params.max_tokens - len(run.output_token_ids), self.max_model_len - len(context))
+        # A resumed request has had its first token: its TTFT target no longer applies.
+        request = RoutingRequest(len(context), -(-(len(context) + max_tokens) // block_size),
+                                 None if run.resumed else self.slo_targets(inp).ttft_s)
         # Only workers that answer their report polls are candidates; with no prefill worker
         # answering, decode workers prefill locally.
         prefill = [self._prefill_candidate(worker_id, load, cached.get(worker_id, 0))
@@ -343,8 +402,9 @@ class Orchestrator:
                   for worker_id, load in self._reporting(self.decode_pool)]
         if not decode:
             raise RouterError("UNAVAILABLE", "no decode worker is answering")
-        routing = self.routing if self.mode == "disaggregated" else dataclasses.replace(self.routing,
-                                                                                         disaggregation="never")
+        # A resumed request is recomputed where it decodes: prefill workers take prompts only.
+        local_only = self.mode == "colocated" or run.resumed
+        routing = dataclasses.replace(self.routing, disaggregation="never") if local_only else self.routing
         decision = route(request, prefill, decode, routing, self._turn)
         self._turn += 1
         if isinstance(decision, Rejection):
@@ -378,10 +438,32 @@ class Orchestrator:
         client = self.prefill_pool.clients.get(worker_id) or self.decode_pool.clients[worker_id]
         old_agent = self.infos[worker_id].agent.agent_name
         self.infos[worker_id] = await client.call("info")
+        # What the worker ran before its restart is gone with its old engine.
+        self._lose_runs_on(WorkerLostError(worker_id, "it restarted"))
         # A restarted decode worker knows no peer; nobody can read from a restarted prefill
-        # worker's old agent.
+        # worker's old agent, so decode workers drop it.
         for key in [key for key in self._peers if key[0] == worker_id or key[1] == old_agent]:
             del self._peers[key]
+        if worker_id in self.prefill_pool.clients:
+            for decode in self.decode_pool.clients.values():
+                self._in_background(self._forget_peer(decode, old_agent))
+
+    async def _forget_peer(self, decode: WorkerClient, agent_name: str) -> None:
+        try:
+            await decode.call("remove_peer", agent_name)
+        except Exception as error:
+            logger.warning("decode worker %s could not drop agent %s: %s", decode.worker_id, agent_name, error)
+
+    def _on_worker_lost(self, worker_id: str, reason: str) -> None:
+        """A worker stopped answering: unroutable until it reports again; requests it was
+        computing move elsewhere."""
+        self.monitor.forget(worker_id)
+        self._lose_runs_on(WorkerLostError(worker_id, reason))
+
+    def _lose_runs_on(self, lost: WorkerLostError) -> None:
+        for run in list(self._runs.values()):
+            if run.active_worker_id == lost.worker_id:
+                run.lose(lost)
 
     # ---- a request's life ----------------------------------------------------------------
     async def generate(self, inp: GenerationInput) -> AsyncIterator[StreamChunk]:
@@ -390,21 +472,45 @@ class Orchestrator:
         self.validate_prompt(inp.prompt_token_ids)
         if inp.request_id in self._in_flight:
             raise InvalidRequestError("request_id", f"{inp.request_id!r} is already in flight")
-        run = _Run(inp, self.tokenizer, f"{self.router_id}-{uuid.uuid4().hex}", arrival)
+        run = _Run(inp, self.tokenizer, arrival)
         self._in_flight.add(inp.request_id)
         try:
-            decision, run.cached_tokens = await self._route(run)
-            run.decision = decision
-            stream = self.dispatcher.open(run.worker_request_id)
-            phases = (self._remote_prefill(run, stream, decision) if decision.prefill_worker_id is not None
-                      else self._local_prefill(run, stream, decision))
-            async for chunk in phases:
-                yield chunk
+            while True:
+                try:
+                    async for chunk in self._attempt(run):
+                        yield chunk
+                    return
+                except WorkerLostError as lost:
+                    self._migrate(run, lost)
         except BaseException as error:  # GeneratorExit too: the consumer closed the stream early
             run.error_code = _error_code(error)
             raise
         finally:
             self._end(run)
+
+    async def _attempt(self, run: _Run) -> AsyncIterator[StreamChunk]:
+        """Route the request and run it from where it is (the prompt, or after a migration the
+        prompt + the tokens streamed so far) to its end."""
+        worker_request_id = f"{self.router_id}-{uuid.uuid4().hex}"
+        run.begin_attempt(worker_request_id, self.dispatcher.open(worker_request_id))
+        self._runs[worker_request_id] = run
+        decision, run.cached_tokens = await self._route(run)
+        run.decision = decision
+        phases = (self._remote_prefill(run, run.stream, decision) if decision.prefill_worker_id is not None
+                  else self._local_prefill(run, run.stream, decision))
+        async for chunk in phases:
+            yield chunk
+
+    def _migrate(self, run: _Run, lost: WorkerLostError) -> None:
+        """End the attempt on the lost worker; raise UNAVAILABLE once the request has moved
+        routing.max_migrations times."""
+        self._end_attempt(run)
+        if run.num_migrations >= self.routing.max_migrations:
+            raise RouterError("UNAVAILABLE", f"{lost}; the request already moved {run.num_migrations} times "
+                                             f"(router.routing.max_migrations)") from lost
+        run.num_migrations += 1
+        logger.warning("[%s] %s; moving it (migration %d, %d tokens streamed)", run.inp.request_id, lost,
+                       run.num_migrations, len(run.output_token_ids))
 
     async def _remote_prefill(self, run: _Run, stream: asyncio.Queue[TokenDelta],
                               decision: RouteDecision) -> AsyncIterator[StreamChunk]:
@@ -418,9 +524,9 @@ class Orchestrator:
         if chunk.finish_reason is not None:
             run.worker_finished = result.finish_reason is not None
             return
-        self.dispatcher.route(run.worker_request_id, decode.client.worker_id)
-        await run.bounded(self._ensure_peer(decode.client, prefill.client))
-        await run.bounded(self._call(decode.client, "submit", self._decode_request(run, result)))
+        run.active_worker_id = decode.client.worker_id
+        await run.call(self._ensure_peer(decode.client, prefill.client))
+        await run.call(self._call(decode.client, "submit", self._decode_request(run, result)))
         async for chunk in self._stream(run, stream):
             yield chunk
 
@@ -429,10 +535,10 @@ class Orchestrator:
         """The decode worker prefills the prompt itself: no KV moves (colocated mode, or a
         prompt whose uncached part is short)."""
         decode = self._assign(run, self.decode_pool, decision.decode_worker_id)
-        self.dispatcher.route(run.worker_request_id, decode.client.worker_id)
-        request = DecodeRequest(run.worker_request_id, self.router_id, run.inp.prompt_token_ids, (),
-                                self._worker_params(run), 0, None, None)
-        await run.bounded(self._call(decode.client, "submit", request))
+        run.active_worker_id = decode.client.worker_id
+        request = DecodeRequest(run.worker_request_id, self.router_id, run.inp.prompt_token_ids,
+                                tuple(run.output_token_ids), self._worker_params(run), 0, None, None)
+        await run.call(self._call(decode.client, "submit", request))
         async for chunk in self._stream(run, stream):
             yield chunk
 
@@ -440,14 +546,15 @@ class Orchestrator:
         """Claim the worker for the run; by default the prompt's uncached tokens there count as
         queued prefill work until the first token is back."""
         if prefill_tokens is None:
-            prefill_tokens = len(run.inp.prompt_token_ids) - run.cached_tokens.get(worker_id, 0)
+            prefill_tokens = len(run.context_token_ids) - run.cached_tokens.get(worker_id, 0)
         assignment = pool.assign(worker_id, prefill_tokens)
         run.assignments.append(assignment)
         return assignment
 
     async def _prefill(self, run: _Run, prefill: _Assignment) -> PrefillResult:
         request = PrefillRequest(run.worker_request_id, run.inp.prompt_token_ids, self._worker_params(run))
-        result: PrefillResult = await run.bounded(self._call(prefill.client, "prefill", request))
+        run.active_worker_id = prefill.client.worker_id
+        result: PrefillResult = await run.call(self._call(prefill.client, "prefill", request))
         prefill.pool.prefilled(prefill)
         if result.finish_reason == "abort":
             raise RouterError("UNAVAILABLE", f"prefill worker {prefill.client.worker_id} aborted the request")
@@ -464,7 +571,9 @@ class Orchestrator:
     async def _stream(self, run: _Run, stream: asyncio.Queue[TokenDelta]) -> AsyncIterator[StreamChunk]:
         decode = run.assignments[-1]
         while True:
-            delta: TokenDelta = await run.bounded(stream.get())
+            delta: TokenDelta | WorkerLostError = await run.bounded(stream.get())
+            if isinstance(delta, WorkerLostError):
+                raise delta
             run.on_decode_timing(delta)
             if delta.error is not None:
                 raise RouterError("INTERNAL", delta.error)
@@ -493,13 +602,16 @@ class Orchestrator:
             self._peers[key] = asyncio.ensure_future(self._call(decode, "add_peer", agent))
         try:
             await asyncio.shield(self._peers[key])
-        except RouterError:
+        except Exception:
             self._peers.pop(key, None)
             raise
 
     async def _call(self, client: WorkerClient, method: str, *args: Any) -> Any:
         try:
             return await client.call(method, *args)
+        except WorkerLostError as lost:
+            self._on_worker_lost(lost.worker_id, lost.reason)
+            raise
         except InvalidRequestError:
             raise
         except Exception as error:
@@ -511,20 +623,30 @@ class Orchestrator:
         """Release the router's bookkeeping; abort what the workers still hold (not awaited:
         this also runs while the request's task is being cancelled)."""
         self._in_flight.discard(run.inp.request_id)
-        request_id = run.worker_request_id
-        self.dispatcher.close(request_id)
-        for assignment in run.assignments:
-            assignment.pool.release(assignment)
-            if not run.worker_finished:
-                self._abort_in_background(assignment.client, request_id)
+        self._end_attempt(run)
         if self.observer is not None:
             try:
                 self.observer(run.record(self.slo_targets(run.inp)))
             except Exception:  # metrics must never break a request's cleanup
                 logger.exception("[%s] the request observer failed", run.inp.request_id)
 
+    def _end_attempt(self, run: _Run) -> None:
+        """Release the attempt's worker claims and stream; abort what its workers still hold."""
+        request_id = run.worker_request_id
+        self._runs.pop(request_id, None)
+        self.dispatcher.close(request_id)
+        for assignment in run.assignments:
+            assignment.pool.release(assignment)
+            if not run.worker_finished:
+                self._abort_in_background(assignment.client, request_id)
+        run.assignments = []
+        run.active_worker_id = None
+
     def _abort_in_background(self, client: WorkerClient, request_id: str) -> None:
-        task = asyncio.get_running_loop().create_task(self._abort(client, request_id))
+        self._in_background(self._abort(client, request_id))
+
+    def _in_background(self, coroutine: Awaitable[None]) -> None:
+        task = asyncio.get_running_loop().create_task(coroutine)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 

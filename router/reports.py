@@ -4,8 +4,9 @@ One long-poll task per worker calls `report(epoch, after_seq, max_wait_s)`: the 
 at once when its prefix cache changed since the router's cursor (or the cursor cannot be
 continued, with a snapshot), else after `max_wait_s` with its current load. Each report feeds
 the `PrefixIndex`; a worker that stops answering is purged from the index until it answers
-again (and then resyncs from a snapshot), and a worker that answers with a new epoch has
-restarted, which the orchestrator hears about through `on_restart`.
+again (and then resyncs from a snapshot; the orchestrator hears of the loss through
+`on_lost`), and a worker that answers with a new epoch has restarted, which the orchestrator
+hears about through `on_restart`.
 """
 
 from __future__ import annotations
@@ -33,10 +34,12 @@ RETRY_AFTER_FAILURE_S = 0.5
 
 class WorkerMonitor:
     def __init__(self, clients: Sequence[WorkerClient], index: PrefixIndex,
-                 on_restart: Callable[[str], Awaitable[None]]) -> None:
+                 on_restart: Callable[[str], Awaitable[None]], on_lost: Callable[[str, str], None]) -> None:
+        """`on_lost(worker_id, reason)` runs when a reporting worker's poll fails."""
         self.index = index
         self._clients = list(clients)
         self._on_restart = on_restart
+        self._on_lost = on_lost
         self._reports: dict[str, WorkerReport] = {}
         """Each answering worker's latest report (a worker that stops answering has none)."""
         self._epochs: dict[str, str] = {}
@@ -86,7 +89,9 @@ class WorkerMonitor:
             except asyncio.CancelledError:
                 raise
             except Exception as error:
-                self._forget(client.worker_id, error)
+                if self.forget(client.worker_id):
+                    logger.warning("worker %s stopped reporting: %s", client.worker_id, error)
+                    self._on_lost(client.worker_id, f"its report poll failed: {type(error).__name__}: {error}")
                 await asyncio.sleep(RETRY_AFTER_FAILURE_S)
                 continue
             await asyncio.sleep(max(0.0, MIN_POLL_INTERVAL_S - (loop.time() - started)))
@@ -104,7 +109,7 @@ class WorkerMonitor:
         self._epochs[worker_id] = report.epoch
         self._reports[worker_id] = report
 
-    def _forget(self, worker_id: str, error: Exception) -> None:
-        if self._reports.pop(worker_id, None) is not None:
-            logger.warning("worker %s stopped reporting: %s", worker_id, error)
+    def forget(self, worker_id: str) -> bool:
+        """Make the worker unroutable until its next report; True if it was routable."""
         self.index.add_worker(worker_id)  # purged; resyncs from a snapshot once it answers again
+        return self._reports.pop(worker_id, None) is not None

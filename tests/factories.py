@@ -241,6 +241,37 @@ def make_decode_worker(model_dir: Path, engine_config: EngineConfig | None = Non
                         transfer_failure_policy=transfer_failure_policy)
 
 
+from splitserve.router.worker_client import LocalWorkerClient, WorkerLostError  # noqa: E402
+
+
+class KillableWorkerClient(LocalWorkerClient):
+    """A LocalWorkerClient whose worker can die: after kill(), every call, pending ones too,
+    raises WorkerLostError as a Ray client does for a dead actor."""
+
+    def __init__(self, worker_id: str, worker) -> None:
+        super().__init__(worker_id, worker)
+        self._killed = asyncio.Event()
+
+    @property
+    def is_killed(self) -> bool:
+        return self._killed.is_set()
+
+    def kill(self) -> None:
+        self._killed.set()
+
+    async def call(self, method: str, *args):
+        call = asyncio.ensure_future(super().call(method, *args))
+        killed = asyncio.ensure_future(self._killed.wait())
+        try:
+            await asyncio.wait({call, killed}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            killed.cancel()
+        if self.is_killed:
+            call.cancel()
+            raise WorkerLostError(self.worker_id, "killed by the test")
+        return call.result()
+
+
 class InProcessCluster:
     """Router orchestrator + prefill/decode workers in this process (in-process KV transfer).
 
@@ -266,16 +297,17 @@ class InProcessCluster:
     async def __aenter__(self) -> "InProcessCluster":
         from splitserve.router.orchestrator import Orchestrator
         from splitserve.router.tokenizer import RouterTokenizer
-        from splitserve.router.worker_client import LocalWorkerClient
 
         self.prefill_workers = [make_prefill_worker(self.model_dir, self.engine_config, f"prefill-{i}",
                                                     self.lease_ttl_s) for i in range(self.num_prefill)]
         self.decode_workers = [make_decode_worker(self.model_dir, self.engine_config, f"decode-{i}", self.policy)
                                for i in range(self.num_decode)]
         self.tokenizer = RouterTokenizer.from_model_dir(self.model_dir)
+        self.clients = {w.worker_id: KillableWorkerClient(w.worker_id, w)
+                        for w in [*self.prefill_workers, *self.decode_workers]}
         self.orchestrator = Orchestrator(
-            "router-test", [LocalWorkerClient(w.worker_id, w) for w in self.prefill_workers],
-            [LocalWorkerClient(w.worker_id, w) for w in self.decode_workers], self.tokenizer.backend, self.mode,
+            "router-test", [self.clients[w.worker_id] for w in self.prefill_workers],
+            [self.clients[w.worker_id] for w in self.decode_workers], self.tokenizer.backend, self.mode,
             self.routing, self.slo, self.observer)
         await self.orchestrator.start()
         return self
@@ -292,12 +324,19 @@ class InProcessCluster:
         inp = GenerationInput(request_id, tuple(prompt_token_ids), params, deadline)
         return [chunk async for chunk in self.orchestrator.generate(inp)]
 
+    def kill(self, worker_id: str) -> None:
+        """The worker dies as a process would: the router's calls to it fail from now on and its
+        engine stops (what it held dies with it)."""
+        self.clients[worker_id].kill()
+        next(w for w in [*self.prefill_workers, *self.decode_workers] if w.worker_id == worker_id).shutdown()
+
     async def wait_idle(self, timeout_s: float = 10.0) -> None:
-        """Wait until every worker is idle; then the router's own accounting must be back to zero."""
+        """Wait until every live worker is idle; then the router's own accounting must be back to zero."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         while True:
-            stats = [await w.stats() for w in [*self.prefill_workers, *self.decode_workers]]
+            stats = [await w.stats() for w in [*self.prefill_workers, *self.decode_workers]
+                     if not self.clients[w.worker_id].is_killed]
             if all(s.is_idle for s in stats):
                 orchestrator = self.orchestrator
                 for pool in (orchestrator.prefill_pool, orchestrator.decode_pool):

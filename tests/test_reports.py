@@ -25,13 +25,18 @@ async def _until(predicate, timeout_s: float = 5.0) -> None:
         await asyncio.sleep(0.01)
 
 
+def _never_lost(worker_id: str, reason: str) -> None:
+    raise AssertionError(f"worker {worker_id} reported lost: {reason}")
+
+
 def test_a_failing_worker_is_purged_and_resyncs_when_it_answers_again():
     worker = ScriptedReporter("w", [_snapshot_report("e1", running=1), RuntimeError("actor died"),
                                     _snapshot_report("e1", running=2)])
 
     async def scenario():
         index = PrefixIndex()
-        monitor = WorkerMonitor([worker], index, on_restart=lambda worker_id: asyncio.sleep(0))
+        monitor = WorkerMonitor([worker], index, on_restart=lambda worker_id: asyncio.sleep(0),
+                                on_lost=lambda worker_id, reason: lost.append((worker_id, reason)))
         await monitor.start()
         seen = [(monitor.load("w").num_running, index.num_blocks("w"))]
         await _until(lambda: monitor.load("w") is None)
@@ -41,9 +46,11 @@ def test_a_failing_worker_is_purged_and_resyncs_when_it_answers_again():
         await monitor.stop()
         return seen, index.cursor("w")
 
+    lost: list[tuple[str, str]] = []
     seen, cursor = asyncio.run(scenario())
     assert seen == [(1, 3), (None, 0), (2, 3)]
     assert cursor == ("e1", 3)
+    assert lost == [("w", "its report poll failed: RuntimeError: actor died")]
 
 
 def test_a_restart_keeps_the_worker_unroutable_until_its_new_identity_is_known():
@@ -56,7 +63,7 @@ def test_a_restart_keeps_the_worker_unroutable_until_its_new_identity_is_known()
             raise RuntimeError("info unavailable")
 
     async def scenario():
-        monitor = WorkerMonitor([worker], PrefixIndex(), on_restart)
+        monitor = WorkerMonitor([worker], PrefixIndex(), on_restart, on_lost=_never_lost)
         await monitor.start()
         await _until(lambda: len(restarts) == 2 and monitor.load("w") is not None)
         await monitor.stop()
@@ -88,7 +95,8 @@ def test_stop_ends_polling_even_when_a_poll_answers_in_the_same_loop_turn():
     worker = _GatedReporter("w", _snapshot_report("e1"))
 
     async def scenario():
-        monitor = WorkerMonitor([worker], PrefixIndex(), on_restart=lambda worker_id: asyncio.sleep(0))
+        monitor = WorkerMonitor([worker], PrefixIndex(), on_restart=lambda worker_id: asyncio.sleep(0),
+                                on_lost=_never_lost)
         await monitor.start()
         await _until(lambda: worker.pending is not None)
         worker.pending.set_result(_snapshot_report("e1"))

@@ -1,0 +1,130 @@
+"""Requests move off a lost worker: the router re-routes them and a decode worker recomputes the
+prompt + the tokens already streamed, so the client's stream goes on (greedy output equal to
+Hugging Face's), the move is counted, and no live worker keeps a block of the request."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from splitserve.common.sampling_params import SamplingParams
+from splitserve.router.orchestrator import GenerationInput, RouterError
+from splitserve.router.policy import RoutingConfig
+from tests.factories import GreedyCase, InProcessCluster, hf_greedy
+
+PROMPT = list(range(5, 45))
+NUM_TOKENS = 48
+GREEDY = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
+ROUND_ROBIN = RoutingConfig(policy="round_robin", disaggregation="always")
+
+
+async def _decode_worker_running_a_request(cluster: InProcessCluster) -> str:
+    for worker in cluster.decode_workers:
+        if (await worker.stats()).engine.num_running:
+            return worker.worker_id
+    raise AssertionError("no decode worker runs a request")
+
+
+async def _generate_killing_decode_after(cluster: InProcessCluster, num_tokens: int,
+                                         inp: GenerationInput) -> tuple[list[int], str]:
+    """Stream the request; once `num_tokens` tokens arrived, kill the decode worker running it.
+    Returns the streamed tokens and the killed worker's id."""
+    tokens: list[int] = []
+    killed = ""
+    async for chunk in cluster.orchestrator.generate(inp):
+        tokens.extend(chunk.token_ids)
+        if not killed and len(tokens) >= num_tokens:
+            killed = await _decode_worker_running_a_request(cluster)
+            cluster.kill(killed)
+    return tokens, killed
+
+
+def test_killing_the_decode_worker_mid_stream_moves_the_request_and_the_stream_goes_on(tiny_llama_dir):
+    records = []
+
+    async def scenario():
+        async with InProcessCluster(tiny_llama_dir, num_decode=2, routing=ROUND_ROBIN,
+                                    observer=records.append) as cluster:
+            result = await _generate_killing_decode_after(cluster, 4, GenerationInput("a", tuple(PROMPT), GREEDY))
+            await cluster.wait_idle()
+            return result
+
+    tokens, killed = asyncio.run(scenario())
+    assert tokens == hf_greedy(tiny_llama_dir, GreedyCase(PROMPT, NUM_TOKENS, True))
+    [record] = records
+    assert (record.finish_reason, record.error_code, record.num_migrations) == ("length", None, 1)
+    assert record.decode_worker != killed and record.num_output_tokens == NUM_TOKENS
+    assert len(record.inter_token_latencies) == NUM_TOKENS - 1
+
+
+def test_a_prefill_worker_lost_before_it_answers_hands_the_prompt_to_another(tiny_llama_dir):
+    records = []
+
+    async def scenario():
+        async with InProcessCluster(tiny_llama_dir, num_prefill=2, routing=ROUND_ROBIN,
+                                    observer=records.append) as cluster:
+            # Round-robin turn 0 picks prefill-0; it dies before the router has noticed.
+            cluster.kill("prefill-0")
+            chunks = await cluster.generate("a", PROMPT, GREEDY)
+            await cluster.wait_idle()
+            return [t for c in chunks for t in c.token_ids]
+
+    tokens = asyncio.run(scenario())
+    assert tokens == hf_greedy(tiny_llama_dir, GreedyCase(PROMPT, NUM_TOKENS, True))
+    [record] = records
+    assert (record.num_migrations, record.prefill_worker, record.finish_reason) == (1, "prefill-1", "length")
+
+
+def test_a_request_fails_with_unavailable_once_it_moved_max_migrations_times(tiny_llama_dir):
+    records = []
+    routing = RoutingConfig(policy="round_robin", disaggregation="always", max_migrations=0)
+
+    async def scenario():
+        async with InProcessCluster(tiny_llama_dir, num_decode=2, routing=routing, observer=records.append) as cluster:
+            with pytest.raises(RouterError) as error:
+                await _generate_killing_decode_after(cluster, 4, GenerationInput("a", tuple(PROMPT), GREEDY))
+            await cluster.wait_idle()
+            return error.value
+
+    error = asyncio.run(scenario())
+    assert error.code == "UNAVAILABLE"
+    assert error.message.startswith("worker decode-") and "killed by the test" in error.message
+    assert error.message.endswith("the request already moved 0 times (router.routing.max_migrations)")
+    [record] = records
+    assert (record.error_code, record.num_migrations) == ("UNAVAILABLE", 0)
+
+
+def test_with_every_decode_worker_lost_the_request_fails_with_unavailable(tiny_llama_dir):
+    async def scenario():
+        async with InProcessCluster(tiny_llama_dir, routing=ROUND_ROBIN) as cluster:
+            with pytest.raises(RouterError) as error:
+                await _generate_killing_decode_after(cluster, 4, GenerationInput("a", tuple(PROMPT), GREEDY))
+            await cluster.wait_idle()
+            return error.value
+
+    error = asyncio.run(scenario())
+    assert (error.code, error.message) == ("UNAVAILABLE", "no decode worker is answering")
+
+
+def test_concurrent_requests_on_a_killed_decode_worker_all_finish_equal_to_hf(tiny_llama_dir):
+    prompts = [list(range(3 + i, 30 + 3 * i)) for i in range(6)]
+    records = []
+
+    async def scenario():
+        async with InProcessCluster(tiny_llama_dir, num_prefill=2, num_decode=3, routing=ROUND_ROBIN,
+                                    observer=records.append) as cluster:
+            first = asyncio.ensure_future(
+                _generate_killing_decode_after(cluster, 8, GenerationInput("r0", tuple(prompts[0]), GREEDY)))
+            rest = [cluster.generate(f"r{i}", prompt, GREEDY) for i, prompt in enumerate(prompts[1:], 1)]
+            results = await asyncio.gather(first, *rest)
+            await cluster.wait_idle()
+            return results
+
+    first, *rest = asyncio.run(scenario())
+    outputs = [first[0], *([t for c in chunks for t in c.token_ids] for chunks in rest)]
+    assert outputs == [hf_greedy(tiny_llama_dir, GreedyCase(p, NUM_TOKENS, True)) for p in prompts]
+    assert all(r.finish_reason == "length" for r in records)
+    moved = sorted(r.request_id for r in records if r.num_migrations)
+    assert "r0" in moved and all(r.num_migrations <= 1 for r in records)
+    assert all(r.decode_worker != first[1] for r in records if r.request_id in moved)
