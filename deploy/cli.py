@@ -69,6 +69,13 @@ def _add_generate(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--api-key-env", default=None, metavar="NAME",
                         help="with --target: send the API key held by environment variable NAME "
                              "(for a server with router.api_key_env set)")
+    parser.add_argument("--tls-ca", default=None, metavar="FILE",
+                        help="with --target: connect over TLS, trusting the router's certificate if FILE's CA "
+                             "signed it (PEM)")
+    parser.add_argument("--tls-cert", default=None, metavar="FILE",
+                        help="with --target: connect over TLS and present this client certificate (PEM; for a "
+                             "router with router.tls.client_ca_file set); needs --tls-key")
+    parser.add_argument("--tls-key", default=None, metavar="FILE", help="the private key of --tls-cert (PEM)")
     parser.add_argument("--model", default=None,
                         help="model directory, or 'default' for the embedded model (the default); with --target, "
                              "the served model's name (default: the one it serves)")
@@ -146,6 +153,15 @@ def _summary(final) -> str:
             f"ttft={timing.first_token_s * 1e3:.1f}ms total={timing.total_s * 1e3:.1f}ms]")
 
 
+def _client_tls(args: argparse.Namespace):
+    """TLS when any --tls-* flag is given (without --tls-ca, the system's roots are trusted)."""
+    from splitserve.deploy.client import ClientTls
+
+    if args.tls_ca is None and args.tls_cert is None and args.tls_key is None:
+        return None
+    return ClientTls(args.tls_ca, args.tls_cert, args.tls_key)
+
+
 def _generate_remote(args: argparse.Namespace) -> int:
     """Stream text to stdout; a gRPC error prints `splitserve: error: CODE: details` and exits 1."""
     import grpc
@@ -161,7 +177,7 @@ def _generate_remote(args: argparse.Namespace) -> int:
             return 2
     request = _remote_request(args)
     final = None
-    with GenerationClient(args.target, timeout_s=args.timeout, api_key=api_key) as client:
+    with GenerationClient(args.target, timeout_s=args.timeout, api_key=api_key, tls=_client_tls(args)) as client:
         try:
             for response in client.stream(request):
                 sys.stdout.write(response.text)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 from types import TracebackType
 
 import grpc
@@ -19,12 +21,41 @@ _UINT64_FIELDS = frozenset({"seed"})
 """Sampling fields that are unsigned on the wire (common.SamplingParams allows a negative seed)."""
 
 
-class GenerationClient:
-    """One insecure gRPC channel to a router; a context manager that closes the channel on exit."""
+@dataclass(frozen=True)
+class ClientTls:
+    """How a client checks the router's certificate and, for mutual TLS, proves who it is."""
 
-    def __init__(self, target: str, timeout_s: float | None = None, api_key: str | None = None) -> None:
+    ca_file: str | None = None
+    """PEM CA certificate(s) that signed the router's certificate; None: the system's trusted roots."""
+    cert_file: str | None = None
+    """PEM client certificate chain, for a router that requires one (router.tls.client_ca_file)."""
+    key_file: str | None = None
+    """PEM private key of cert_file; given exactly when cert_file is."""
+
+    def __post_init__(self) -> None:
+        if (self.cert_file is None) != (self.key_file is None):
+            raise ValueError("TLS: a client certificate needs its key: give both cert_file and key_file, or neither")
+
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        """Read the files (FileNotFoundError names a missing one)."""
+        return grpc.ssl_channel_credentials(root_certificates=_read(self.ca_file),
+                                            private_key=_read(self.key_file),
+                                            certificate_chain=_read(self.cert_file))
+
+
+def _read(path: str | None) -> bytes | None:
+    return None if path is None else Path(path).read_bytes()
+
+
+class GenerationClient:
+    """One gRPC channel to a router (TLS when `tls` is given); a context manager that closes the
+    channel on exit."""
+
+    def __init__(self, target: str, timeout_s: float | None = None, api_key: str | None = None,
+                 tls: ClientTls | None = None) -> None:
         """target is "HOST:PORT"; timeout_s is each request's deadline (whole stream), None for none;
-        api_key is sent as `authorization: Bearer <key>` metadata (router.api_key_env), None for none.
+        api_key is sent as `authorization: Bearer <key>` metadata (router.api_key_env), None for none;
+        tls connects over TLS (the router's certificate must cover HOST), None for plaintext.
 
         Connecting is lazy and does not wait for the server: an unreachable target fails the first
         stream with UNAVAILABLE instead of hanging.
@@ -32,7 +63,8 @@ class GenerationClient:
         self.target = target
         self.timeout_s = timeout_s
         self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
-        self._channel = grpc.insecure_channel(target)
+        self._channel = (grpc.insecure_channel(target) if tls is None
+                         else grpc.secure_channel(target, tls.channel_credentials()))
         self._stub = generation_pb2_grpc.GenerationStub(self._channel)
 
     def stream(self, request: generation_pb2.GenerateRequest) -> Iterator[generation_pb2.GenerateResponse]:

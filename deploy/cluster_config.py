@@ -21,6 +21,7 @@ import yaml
 from splitserve.common.config import EngineConfig
 from splitserve.common.slo import SloConfig
 from splitserve.router.policy import RoutingConfig
+from splitserve.router.tls import TlsConfig
 
 MODES = ("disaggregated", "colocated")
 KV_TRANSFER_BACKENDS = ("nixl", "inprocess")
@@ -109,6 +110,9 @@ class RouterConfig:
     """Name of the environment variable holding the API key (never the key itself); when set, the
     gRPC Generation service and the HTTP /v1/* endpoints need `authorization: Bearer <key>`, and
     serving refuses to start if the variable is unset or empty. None: no auth."""
+    tls: TlsConfig | None = None
+    """TLS for the gRPC and OpenAI HTTP APIs (`cert_file`, `key_file`, and `client_ca_file` to
+    require client certificates); None: plaintext. The /metrics endpoint stays plaintext."""
 
     def __post_init__(self) -> None:
         _require(self.host != "", "host", "must not be empty")
@@ -241,17 +245,47 @@ def _nest(overrides: dict[str, object]) -> _Tree:
 
 def _overlay(current: object, data: object, path: str) -> object:
     """current (a config dataclass) with the mapping `data`'s settings applied; path names current."""
+    changes = _settings(type(current), current, data, path)
+    return _replace(current, _one_kv_sizing(current, changes), path)
+
+
+def _settings(kind: type, current: object | None, data: object, path: str) -> dict[str, object]:
+    """The mapping `data` as checked field values of the config class `kind`; nested sections are
+    applied on top of current's (None: a section being built from `data` alone)."""
     _require(isinstance(data, Mapping), path, f"must be a mapping, got {reprlib.repr(data)}")
-    hints = get_type_hints(type(current))
+    hints = get_type_hints(kind)
     changes = {}
     for key, value in data.items():
         key_path = _join(path, key if isinstance(key, str) and key else repr(key))
         _require(key in hints, key_path, f"unknown key (known: {', '.join(sorted(hints))})")
         if dataclasses.is_dataclass(hints[key]):
             changes[key] = _overlay(getattr(current, key), value, key_path)
+        elif _optional_section(hints[key]) is not None and value is not None:
+            section = getattr(current, key, None)
+            changes[key] = (_overlay(section, value, key_path) if section is not None
+                            else _new_section(_optional_section(hints[key]), value, key_path))
         else:
             changes[key] = _convert(value, hints[key], key_path)
-    return _replace(current, _one_kv_sizing(current, changes), path)
+    return changes
+
+
+def _optional_section(hint: object) -> type | None:
+    """The config class of a section that is null by default (`TlsConfig | None`), else None."""
+    return next((kind for kind in get_args(hint) if dataclasses.is_dataclass(kind)), None)
+
+
+def _new_section(kind: type, data: object, path: str) -> object:
+    """A section that was null, built from `data`: its keys without a default are required."""
+    changes = _settings(kind, None, data, path)
+    for spec in dataclasses.fields(kind):
+        _require(spec.name in changes or spec.default is not dataclasses.MISSING, _join(path, spec.name),
+                 "required key is missing")
+    try:
+        return kind(**changes)
+    except ClusterConfigError as error:
+        raise error.under(path) from None
+    except ValueError as error:
+        raise _located(str(error), kind).under(path) from None
 
 
 def _one_kv_sizing(current: object, changes: dict[str, object]) -> dict[str, object]:
@@ -267,13 +301,13 @@ def _replace(current: object, changes: dict[str, object], path: str) -> object:
     except ClusterConfigError as error:
         raise error.under(path) from None
     except ValueError as error:
-        raise _located(str(error), current).under(path) from None
+        raise _located(str(error), type(current)).under(path) from None
 
 
-def _located(message: str, config: object) -> ClusterConfigError:
-    """An EngineConfig message ("<field> must be ...") as an error at that field, else at config."""
+def _located(message: str, kind: type) -> ClusterConfigError:
+    """A config class's message ("<field> must be ...") as an error at that field, else at the section."""
     name, _, reason = message.partition(" ")
-    if name in get_type_hints(type(config)):
+    if name in get_type_hints(kind):
         return ClusterConfigError(name, reason)
     return ClusterConfigError("", message)
 

@@ -35,6 +35,7 @@ from splitserve.router.metrics_server import RouterMetrics  # noqa: E402
 from splitserve.router.openai_server import HttpServer, start_http_server  # noqa: E402
 from splitserve.router.orchestrator import Orchestrator  # noqa: E402
 from splitserve.router.server import start_grpc_server  # noqa: E402
+from splitserve.router.tls import load_tls  # noqa: E402
 from splitserve.router.tokenizer import RouterTokenizer  # noqa: E402
 from splitserve.router.worker_client import RayWorkerClient  # noqa: E402
 
@@ -92,6 +93,8 @@ class LocalCluster:
     async def _start(self) -> int:
         config = self.config
         api_key = api_key_from_env(config.router.api_key_env) if config.router.api_key_env is not None else None
+        if config.router.tls is not None:
+            load_tls(config.router.tls)  # bad certificate files fail the start before any worker does
         model_dir = str(resolve_model_path(config.model))
         start_ray(config)
         disaggregated = config.mode == "disaggregated"
@@ -113,12 +116,12 @@ class LocalCluster:
             self.metrics_port = self.metrics.serve(config.router.host, config.router.metrics_port)
         self.server, self.port = await start_grpc_server(
             self.orchestrator, tokenizer, config.model, config.router.host, config.router.grpc_port,
-            config.router.request_timeout_s, api_key)
+            config.router.request_timeout_s, api_key, config.router.tls)
         if config.router.http_port is not None:
             self.http = await start_http_server(
                 self.orchestrator, tokenizer, config.model, config.router.host, config.router.http_port,
                 config.router.request_timeout_s, self.metrics.asgi_app() if self.metrics is not None else None,
-                api_key)
+                api_key, config.router.tls)
         logger.info("serving %s on %s:%d (%s, %d prefill + %d decode workers)", config.model, config.router.host,
                     self.port, config.mode, len(self.prefill_actors), len(self.decode_actors))
         return self.port
@@ -176,9 +179,12 @@ async def _serve(config: ClusterConfig) -> int:
             asyncio.get_running_loop().add_signal_handler(signum, stop.set)
         metrics = (f"  metrics: http://{config.router.host}:{cluster.metrics_port}/metrics\n"
                    if cluster.metrics_port is not None else "")
-        api = f"  OpenAI API: http://{config.router.host}:{cluster.http.port}/v1\n" if cluster.http is not None else ""
+        scheme, tls_flag = ("http", "") if config.router.tls is None else ("https", " --tls-ca CA_FILE")
+        api = (f"  OpenAI API: {scheme}://{config.router.host}:{cluster.http.port}/v1\n" if cluster.http is not None
+               else "")
         print(f"splitserve: serving {config.model} ({config.mode}) on {config.router.host}:{port}\n{api}{metrics}"
-              f"  try: splitserve generate --target {config.router.host}:{port} \"Tell me about the river.\"\n"
+              f"  try: splitserve generate --target {config.router.host}:{port}{tls_flag} "
+              "\"Tell me about the river.\"\n"
               "  Ctrl-C stops the cluster.", flush=True)
         await stop.wait()
         print("splitserve: shutting down", flush=True)

@@ -17,6 +17,7 @@ import contextlib
 import json
 import logging
 import socket
+import ssl
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ from splitserve.router.auth import check_authorization
 from splitserve.router.openai_protocol import (ChatRenderer, CompletionRenderer, ResponseHeader, error_body,
                                                parse_chat_request, parse_completion_request)
 from splitserve.router.orchestrator import GenerationInput, Orchestrator, RouterError, StreamChunk
+from splitserve.router.tls import TlsConfig, load_tls
 from splitserve.router.tokenizer import RouterTokenizer
 
 T = TypeVar("T")
@@ -364,9 +366,17 @@ class _EmbeddedUvicorn(uvicorn.Server):
 class HttpServer:
     """Serves an ASGI app on the running event loop until stop()."""
 
-    def __init__(self, app: ASGIApp, grace_s: float = 2.0) -> None:
-        self._server = _EmbeddedUvicorn(uvicorn.Config(app, lifespan="off", log_config=None, access_log=False,
-                                                       ws="none", timeout_graceful_shutdown=int(grace_s)))
+    def __init__(self, app: ASGIApp, grace_s: float = 2.0, tls: TlsConfig | None = None) -> None:
+        """With `tls`, HTTPS only (the gRPC server's certificate; client certificates required when
+        it has a client CA)."""
+        cert_file = key_file = client_ca_file = None
+        if tls is not None:
+            load_tls(tls)  # a bad file fails here with its name, not inside uvicorn's startup
+            cert_file, key_file, client_ca_file = tls.cert_file, tls.key_file, tls.client_ca_file
+        self._server = _EmbeddedUvicorn(uvicorn.Config(
+            app, lifespan="off", log_config=None, access_log=False, ws="none", timeout_graceful_shutdown=int(grace_s),
+            ssl_certfile=cert_file, ssl_keyfile=key_file, ssl_ca_certs=client_ca_file,
+            ssl_cert_reqs=ssl.CERT_NONE if client_ca_file is None else ssl.CERT_REQUIRED))
         self._task: asyncio.Task | None = None
         self.port = 0
 
@@ -393,10 +403,11 @@ class HttpServer:
 
 async def start_http_server(orchestrator: Orchestrator, tokenizer: RouterTokenizer, model_name: str,
                             host: str = "127.0.0.1", port: int = 8000, request_timeout_s: float | None = None,
-                            metrics_app: ASGIApp | None = None, api_key: str | None = None) -> HttpServer:
+                            metrics_app: ASGIApp | None = None, api_key: str | None = None,
+                            tls: TlsConfig | None = None) -> HttpServer:
     """Start the OpenAI-compatible API on the running loop; the server's `port` is the bound one.
-    With `api_key`, /v1/* needs `Authorization: Bearer <api_key>`."""
+    With `api_key`, /v1/* needs `Authorization: Bearer <api_key>`; with `tls`, it is HTTPS only."""
     server = HttpServer(build_app(OpenAIServing(orchestrator, tokenizer, model_name, request_timeout_s), metrics_app,
-                                  api_key))
+                                  api_key), tls=tls)
     await server.start(host, port)
     return server

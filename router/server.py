@@ -23,6 +23,7 @@ from splitserve.proto.splitserve.v1 import generation_pb2_grpc as pb_grpc
 from splitserve.router.auth import check_authorization
 from splitserve.router.orchestrator import GenerationInput, Orchestrator, RouterError, StreamChunk
 from splitserve.router.tokenizer import RouterTokenizer
+from splitserve.router.tls import TlsConfig, bind_grpc_port
 
 logger = logging.getLogger(__name__)
 
@@ -165,10 +166,12 @@ def _denial(handler: grpc.RpcMethodHandler, reason: str) -> grpc.RpcMethodHandle
 async def start_grpc_server(orchestrator: Orchestrator, tokenizer: RouterTokenizer, model_name: str,
                             host: str = "127.0.0.1", port: int = 50051,
                             request_timeout_s: float | None = None,
-                            api_key: str | None = None) -> tuple[grpc.aio.Server, int]:
+                            api_key: str | None = None,
+                            tls: TlsConfig | None = None) -> tuple[grpc.aio.Server, int]:
     """Start serving; returns the server and the bound port (port 0 picks a free one). With
     `api_key`, Generation calls need metadata `authorization: Bearer <api_key>` (health and
-    reflection stay open)."""
+    reflection stay open). With `tls`, every service is served over TLS only (mutual TLS when
+    it has a client CA)."""
     interceptors = [ApiKeyInterceptor(api_key)] if api_key else []
     server = grpc.aio.server(interceptors=interceptors,
                              options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -178,9 +181,7 @@ async def start_grpc_server(orchestrator: Orchestrator, tokenizer: RouterTokeniz
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if bound == 0:
-        raise OSError(f"cannot listen on {host}:{port}")
+    bound = bind_grpc_port(server, host, port, tls)
     await server.start()
     for service in ("", SERVICE_NAME):
         await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)

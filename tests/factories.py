@@ -395,9 +395,9 @@ class ServedApis:
 
 @contextmanager
 def served_apis(model_dir: Path, model_name: str, api_key: str | None = None,
-                served_class: type[ServedApis] = ServedApis, **cluster_options):
-    """Start the cluster (InProcessCluster options: routing, slo, ...) and both servers; everything
-    is stopped on the way out."""
+                served_class: type[ServedApis] = ServedApis, tls=None, **cluster_options):
+    """Start the cluster (InProcessCluster options: routing, slo, ...) and both servers (over TLS
+    with a router.tls.TlsConfig); everything is stopped on the way out."""
     from splitserve.common.slo import SloConfig
     from splitserve.router.metrics_server import RouterMetrics
     from splitserve.router.openai_server import start_http_server
@@ -412,9 +412,9 @@ def served_apis(model_dir: Path, model_name: str, api_key: str | None = None,
     loop.run(cluster.__aenter__())
     loop.run(watch())
     http_server = loop.run(start_http_server(cluster.orchestrator, cluster.tokenizer, model_name, port=0,
-                                             metrics_app=metrics.asgi_app(), api_key=api_key))
+                                             metrics_app=metrics.asgi_app(), api_key=api_key, tls=tls))
     grpc_server, grpc_port = loop.run(start_grpc_server(cluster.orchestrator, cluster.tokenizer, model_name,
-                                                        port=0, api_key=api_key))
+                                                        port=0, api_key=api_key, tls=tls))
     try:
         yield served_class(cluster, loop, http_server.port, grpc_port)
     finally:
@@ -422,3 +422,98 @@ def served_apis(model_dir: Path, model_name: str, api_key: str | None = None,
         loop.run(http_server.stop())
         loop.run(cluster.__aexit__(None, None, None))
         loop.close()
+
+
+# ---- TLS ------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class TlsFiles:
+    """PEM files of a throwaway CA, a server certificate it signed (SAN 127.0.0.1 and localhost)
+    and a client certificate it signed; and of another CA and a client certificate signed by that."""
+
+    ca_cert: Path
+    server_cert: Path
+    server_key: Path
+    client_cert: Path
+    client_key: Path
+    other_ca_cert: Path
+    other_client_cert: Path
+    other_client_key: Path
+
+
+def make_tls_files(directory: Path) -> TlsFiles:
+    """Write a fresh PKI (EC P-256 keys, valid from an hour ago for a day) under `directory`."""
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.x509.oid import ExtendedKeyUsageOID
+
+    ca_key, ca_cert = _self_signed_ca("splitserve test CA")
+    server_key, server_cert = _signed_leaf(ca_key, ca_cert, "splitserve router", ExtendedKeyUsageOID.SERVER_AUTH,
+                                           x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address(
+                                               "127.0.0.1")), x509.DNSName("localhost")]))
+    client_key, client_cert = _signed_leaf(ca_key, ca_cert, "splitserve client", ExtendedKeyUsageOID.CLIENT_AUTH,
+                                           x509.SubjectAlternativeName([x509.DNSName("client.splitserve.test")]))
+    other_ca_key, other_ca_cert = _self_signed_ca("another CA")
+    other_client_key, other_client_cert = _signed_leaf(
+        other_ca_key, other_ca_cert, "stranger", ExtendedKeyUsageOID.CLIENT_AUTH,
+        x509.SubjectAlternativeName([x509.DNSName("client.splitserve.test")]))
+    files = {"ca_cert": ca_cert, "server_cert": server_cert, "server_key": server_key, "client_cert": client_cert,
+             "client_key": client_key, "other_ca_cert": other_ca_cert, "other_client_cert": other_client_cert,
+             "other_client_key": other_client_key}
+    paths = {}
+    for name, item in files.items():
+        paths[name] = directory / f"{name}.pem"
+        paths[name].write_bytes(_pem(item))
+    return TlsFiles(**paths)
+
+
+def _pem(item) -> bytes:
+    from cryptography.hazmat.primitives import serialization
+
+    if hasattr(item, "private_bytes"):
+        return item.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                  serialization.NoEncryption())
+    return item.public_bytes(serialization.Encoding.PEM)
+
+
+def _certificate(subject: str, issuer, public_key, signing_key, extensions):
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.x509.oid import NameOID
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+    builder = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
+               .issuer_name(issuer).public_key(public_key).serial_number(x509.random_serial_number())
+               .not_valid_before(now - datetime.timedelta(hours=1)).not_valid_after(now + datetime.timedelta(days=1)))
+    for extension, critical in extensions:
+        builder = builder.add_extension(extension, critical=critical)
+    return builder.sign(signing_key, hashes.SHA256())
+
+
+def _self_signed_ca(name: str):
+    from cryptography import x509
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+    usage = x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True, content_commitment=False,
+                          key_encipherment=False, data_encipherment=False, key_agreement=False, encipher_only=False,
+                          decipher_only=False)
+    cert = _certificate(name, subject, key.public_key(), key,
+                        [(x509.BasicConstraints(ca=True, path_length=0), True), (usage, True)])
+    return key, cert
+
+
+def _signed_leaf(ca_key, ca_cert, name: str, purpose, san):
+    from cryptography import x509
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    cert = _certificate(name, ca_cert.subject, key.public_key(), ca_key,
+                        [(x509.BasicConstraints(ca=False, path_length=None), True),
+                         (x509.ExtendedKeyUsage([purpose]), False), (san, False)])
+    return key, cert
