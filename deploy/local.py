@@ -151,10 +151,13 @@ class LocalCluster:
         self.prefill_actors, self.decode_actors = [], []
 
     async def wait_idle(self, timeout_s: float = 10.0) -> None:
-        """Wait until every worker reports no request, lease, transfer or owned block (tests)."""
+        """Wait until every live worker reports no request, lease, transfer or owned block (tests;
+        a dead worker holds nothing)."""
         deadline = asyncio.get_running_loop().time() + timeout_s
         while True:
-            stats = await asyncio.gather(*(a.stats.remote() for a in [*self.prefill_actors, *self.decode_actors]))
+            stats = await asyncio.gather(*(a.stats.remote() for a in [*self.prefill_actors, *self.decode_actors]),
+                                         return_exceptions=True)
+            stats = [s for s in stats if not isinstance(s, ray.exceptions.RayActorError)]
             if all(s.is_idle for s in stats):
                 return
             if asyncio.get_running_loop().time() > deadline:
