@@ -49,7 +49,8 @@ class RoutingStats:
     decisions: tuple[tuple[str, int], ...]
     """(reason, requests): cache_hit, load, local_prefill, round_robin."""
     rejections: tuple[tuple[str, int], ...]
-    """(reason, requests) rejected by admission control: ttft_slo, queue_full, no_kv_capacity."""
+    """(reason, requests) rejected by admission control: ttft_slo, queue_full, no_kv_capacity,
+    too_many_requests."""
 
 
 @dataclass(frozen=True)
@@ -102,7 +103,8 @@ class RequestRecord:
     routing_reason: str | None
     """RouteDecision.reason (cache_hit, load, local_prefill, round_robin); None when not routed."""
     rejection_reason: str | None
-    """Rejection.reason (ttft_slo, queue_full, no_kv_capacity) when admission control rejected it."""
+    """Rejection.reason (ttft_slo, queue_full, no_kv_capacity), or too_many_requests (the router's
+    in-flight limit), when admission control rejected it."""
     prefill_worker: str | None
     """The prefill worker it was routed to; None when not routed or prefilled on its decode worker."""
     decode_worker: str | None

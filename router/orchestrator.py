@@ -321,6 +321,8 @@ class Orchestrator:
         self._in_flight: set[str] = set()
         self._runs: dict[str, _Run] = {}
         """Current attempts by worker-side request id."""
+        self.accepting = True
+        """False once drain() started: new requests get UNAVAILABLE, running ones finish."""
         self._peers: dict[tuple[str, str], asyncio.Future] = {}
         self._background: set[asyncio.Task] = set()
         self._turn = 0
@@ -345,6 +347,21 @@ class Orchestrator:
 
     @property
     def num_in_flight(self) -> int:
+        return len(self._in_flight)
+
+    @property
+    def is_ready(self) -> bool:
+        """New requests can be served: not draining, and some decode worker answers its polls."""
+        return self.accepting and any(self.monitor.load(worker_id) is not None for worker_id in self.decode_pool.clients)
+
+    async def drain(self, timeout_s: float) -> int:
+        """Stop admitting requests and wait up to timeout_s for those in flight to end; returns
+        how many are still in flight (the caller's shutdown cancels them, freeing their KV)."""
+        self.accepting = False
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while self._in_flight and loop.time() < deadline:
+            await asyncio.sleep(0.05)
         return len(self._in_flight)
 
     def routing_stats(self) -> RoutingStats:
@@ -475,6 +492,7 @@ class Orchestrator:
         run = _Run(inp, self.tokenizer, arrival)
         self._in_flight.add(inp.request_id)
         try:
+            self._admit(run)
             while True:
                 try:
                     async for chunk in self._attempt(run):
@@ -487,6 +505,18 @@ class Orchestrator:
             raise
         finally:
             self._end(run)
+
+    def _admit(self, run: _Run) -> None:
+        """Refuse the request at once while draining or when the router is full."""
+        if not self.accepting:
+            raise RouterError("UNAVAILABLE", "the router is draining (shutting down): it takes no new requests")
+        limit = self.routing.max_in_flight_requests
+        others = len(self._in_flight) - 1
+        if limit is not None and others >= limit:
+            self._rejections["too_many_requests"] += 1
+            run.rejection_reason = "too_many_requests"
+            raise RouterError("RESOURCE_EXHAUSTED", f"the router has {others} requests in flight, its limit "
+                                                    f"(router.routing.max_in_flight_requests); retry later")
 
     async def _attempt(self, run: _Run) -> AsyncIterator[StreamChunk]:
         """Route the request and run it from where it is (the prompt, or after a migration the

@@ -52,6 +52,9 @@ class RoutingConfig:
     max_queued_prefill_tokens: int | None = None
     """A worker with this many queued prompt tokens takes no new prefill; reject a request
     when no candidate is below it. None: no limit."""
+    max_in_flight_requests: int | None = 1024
+    """Reject a request at once (RESOURCE_EXHAUSTED, reason too_many_requests) while this
+    router has this many in flight, instead of queueing without bound. None: no limit."""
     max_migrations: int = 2
     """How many times one request may move off a lost worker (re-prefilling prompt + tokens
     streamed so far elsewhere) before it fails with UNAVAILABLE; 0: never move."""
@@ -69,6 +72,8 @@ class RoutingConfig:
                  f"admission_ttft_factor must be > 0, got {self.admission_ttft_factor}")
         _require(self.max_queued_prefill_tokens is None or self.max_queued_prefill_tokens >= 1,
                  f"max_queued_prefill_tokens must be >= 1, got {self.max_queued_prefill_tokens}")
+        _require(self.max_in_flight_requests is None or self.max_in_flight_requests >= 1,
+                 f"max_in_flight_requests must be >= 1, got {self.max_in_flight_requests}")
         _require(self.max_migrations >= 0, f"max_migrations must be >= 0, got {self.max_migrations}")
 
 

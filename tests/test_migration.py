@@ -128,3 +128,69 @@ def test_concurrent_requests_on_a_killed_decode_worker_all_finish_equal_to_hf(ti
     moved = sorted(r.request_id for r in records if r.num_migrations)
     assert "r0" in moved and all(r.num_migrations <= 1 for r in records)
     assert all(r.decode_worker != first[1] for r in records if r.request_id in moved)
+
+
+# ---- overload and drain ---------------------------------------------------------------------
+LONG = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+
+
+async def _first_chunk(stream) -> None:
+    await stream.__anext__()
+
+
+def test_beyond_max_in_flight_requests_a_request_is_rejected_at_once(tiny_llama_dir):
+    records = []
+    routing = RoutingConfig(disaggregation="always", max_in_flight_requests=1)
+
+    async def scenario():
+        async with InProcessCluster(tiny_llama_dir, routing=routing, observer=records.append) as cluster:
+            running = cluster.orchestrator.generate(GenerationInput("a", tuple(PROMPT), LONG))
+            await _first_chunk(running)
+            with pytest.raises(RouterError) as error:
+                await cluster.generate("b", PROMPT, GREEDY)
+            await running.aclose()
+            await cluster.wait_idle()
+            return error.value, cluster.orchestrator.routing_stats()
+
+    error, stats = asyncio.run(scenario())
+    assert (error.code, error.message) == ("RESOURCE_EXHAUSTED", "the router has 1 requests in flight, its limit "
+                                           "(router.routing.max_in_flight_requests); retry later")
+    assert stats.rejections == (("too_many_requests", 1),)
+    assert [(r.request_id, r.error_code, r.rejection_reason) for r in records] == [
+        ("b", "RESOURCE_EXHAUSTED", "too_many_requests"), ("a", "CANCELLED", None)]
+
+
+def test_drain_refuses_new_requests_and_lets_running_ones_finish(tiny_llama_dir):
+    async def scenario():
+        async with InProcessCluster(tiny_llama_dir) as cluster:
+            orchestrator = cluster.orchestrator
+            running = asyncio.ensure_future(cluster.generate("a", PROMPT, GREEDY))
+            while not orchestrator.num_in_flight:
+                await asyncio.sleep(0.001)
+            ready_before = orchestrator.is_ready
+            drain = asyncio.ensure_future(orchestrator.drain(timeout_s=30))
+            await asyncio.sleep(0)
+            with pytest.raises(RouterError) as error:
+                await cluster.generate("b", PROMPT, GREEDY)
+            left, chunks = await drain, await running
+            await cluster.wait_idle()
+            return ready_before, orchestrator.is_ready, error.value, left, chunks
+
+    ready_before, ready_after, error, left, chunks = asyncio.run(scenario())
+    assert (ready_before, ready_after, left) == (True, False, 0)
+    assert (error.code, error.message) == ("UNAVAILABLE", "the router is draining (shutting down): it takes no new "
+                                                          "requests")
+    assert [t for c in chunks for t in c.token_ids] == hf_greedy(tiny_llama_dir, GreedyCase(PROMPT, NUM_TOKENS, True))
+
+
+def test_drain_returns_what_is_still_in_flight_at_its_timeout(tiny_llama_dir):
+    async def scenario():
+        async with InProcessCluster(tiny_llama_dir) as cluster:
+            running = cluster.orchestrator.generate(GenerationInput("a", tuple(PROMPT), LONG))
+            await _first_chunk(running)
+            left = await cluster.orchestrator.drain(timeout_s=0.05)
+            await running.aclose()
+            await cluster.wait_idle()
+            return left
+
+    assert asyncio.run(scenario()) == 1
