@@ -146,8 +146,10 @@ BAD_FILES = [
      "router.routing.disaggregation: must be one of ('auto', 'always', 'never'), got 'sometimes'"),
     ("router: {routing: {max_local_prefill_tokens: -1}}", "router.routing.max_local_prefill_tokens: must be >= 0, got -1"),
     ("router: {routing: {ttft_slo: 1}}", "router.routing.ttft_slo: unknown key (known: admission_ttft_factor, "
-     "default_prefill_s_per_token, disaggregation, max_local_prefill_tokens, max_migrations, max_queued_prefill_tokens, "
-     "policy, transfer_s_per_token)"),
+     "default_prefill_s_per_token, disaggregation, max_in_flight_requests, max_local_prefill_tokens, max_migrations, "
+     "max_queued_prefill_tokens, policy, transfer_s_per_token)"),
+    ("router: {routing: {max_in_flight_requests: 0}}",
+     "router.routing.max_in_flight_requests: must be >= 1, got 0"),
     ("router: {routing: {max_migrations: -1}}", "router.routing.max_migrations: must be >= 0, got -1"),
     ("prefill: {resources: {num_cpus: -1}}", "prefill.resources.num_cpus: must be >= 0, got -1.0"),
     ("decode: {resources: {num_gpus: -0.5}}", "decode.resources.num_gpus: must be >= 0, got -0.5"),
