@@ -33,11 +33,15 @@ logger = logging.getLogger(__name__)
 PULL_POLL_S = 0.0005
 """How often in-flight pulls are polled while the engine has nothing else to do."""
 TRANSFER_FAILURE_POLICIES = ("recompute", "fail")
+ROUTER_SILENCE_S = 30.0
+"""A router that has not collected its outputs for this long is gone (its process died): its
+requests are aborted so their KV blocks do not stay taken by streams nobody reads."""
 
 
 class DecodeWorker:
     def __init__(self, model_dir: str | Path, engine_config: EngineConfig, transfer_backend: str = "nixl",
-                 worker_id: str | None = None, transfer_failure_policy: str = "recompute") -> None:
+                 worker_id: str | None = None, transfer_failure_policy: str = "recompute",
+                 router_silence_s: float = ROUTER_SILENCE_S) -> None:
         if transfer_failure_policy not in TRANSFER_FAILURE_POLICIES:
             raise ValueError(f"transfer_failure_policy must be one of {TRANSFER_FAILURE_POLICIES}, "
                              f"got {transfer_failure_policy!r}")
@@ -64,6 +68,10 @@ class DecodeWorker:
         self._routes: dict[str, str] = {}
         """request id -> router id; engine thread only."""
         self._outputs: dict[str, asyncio.Queue[list[TokenDelta]]] = {}
+        self._last_heard: dict[str, float] = {}
+        """router id -> time.monotonic() it last submitted or collected (event loop only)."""
+        self._router_silence_s = router_silence_s
+        self._reaper: asyncio.Task | None = None
         self._event_loop: asyncio.AbstractEventLoop | None = None
         self._loop = EngineLoop(self.engine, self._on_deltas, self._poll_transfers, self._on_step_failure,
                                 name=self.worker_id)
@@ -82,19 +90,19 @@ class DecodeWorker:
 
     async def submit(self, request: DecodeRequest) -> None:
         """Admit a request; raises InvalidRequestError for one the engine can never serve."""
-        self._event_loop = asyncio.get_running_loop()
-        self._queue(request.router_id)
+        self._heard_from(request.router_id)
         await self._loop.run(lambda engine: self._admit(engine, request))
 
     async def next_outputs(self, router_id: str, max_wait_s: float = 1.0) -> list[TokenDelta]:
         """Everything produced for `router_id` since the last call; waits up to max_wait_s for something."""
-        self._event_loop = asyncio.get_running_loop()
-        queue = self._queue(router_id)
+        queue = self._heard_from(router_id)
         try:
             async with asyncio.timeout(max_wait_s):
                 batches = [await queue.get()]
         except TimeoutError:
             return []
+        finally:
+            self._last_heard[router_id] = time.monotonic()
         while not queue.empty():
             batches.append(queue.get_nowait())
         return [delta for batch in batches for delta in batch]
@@ -112,11 +120,35 @@ class DecodeWorker:
         return await wait_for_report(self._loop, self.worker_id, epoch, after_seq, max_wait_s)
 
     def shutdown(self) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
         self._loop.stop()
         self._backend.close()
 
-    def _queue(self, router_id: str) -> asyncio.Queue[list[TokenDelta]]:
+    # ---- event loop ----------------------------------------------------------------------
+    def _heard_from(self, router_id: str) -> asyncio.Queue[list[TokenDelta]]:
+        """Note that the router is alive; returns its output queue."""
+        self._event_loop = asyncio.get_running_loop()
+        if self._reaper is None:
+            self._reaper = self._event_loop.create_task(self._reap_silent_routers())
+        self._last_heard[router_id] = time.monotonic()
         return self._outputs.setdefault(router_id, asyncio.Queue())
+
+    async def _reap_silent_routers(self) -> None:
+        """Abort the requests of routers silent for router_silence_s (a live router polls every
+        second at least) and drop their queues."""
+        while True:
+            await asyncio.sleep(self._router_silence_s / 4)
+            now = time.monotonic()
+            for router_id in [r for r, heard in self._last_heard.items() if now - heard > self._router_silence_s]:
+                logger.warning("router %s has not collected its outputs for %.0f s: aborting its requests",
+                               router_id, now - self._last_heard[router_id])
+                del self._last_heard[router_id]
+                self._outputs.pop(router_id, None)
+                try:
+                    await self._loop.run(lambda engine: self._abort_router(engine, router_id))
+                except Exception as error:  # the engine loop stopped: nothing left to free
+                    logger.warning("aborting router %s's requests failed: %s", router_id, error)
 
     # ---- engine thread -------------------------------------------------------------------
     def _admit(self, engine: EngineCore, request: DecodeRequest) -> None:
@@ -160,6 +192,10 @@ class DecodeWorker:
             self._fail(request_id, error)
             return True
         return engine.abort_request(request_id)
+
+    def _abort_router(self, engine: EngineCore, router_id: str) -> None:
+        for request_id in [r for r, routed_to in self._routes.items() if routed_to == router_id]:
+            self._abort(engine, request_id)
 
     def _on_step_failure(self, engine: EngineCore) -> None:
         for request_id in [*engine.scheduler.requests, *(r.request_id for r in self._awaiting_blocks)]:
@@ -224,4 +260,6 @@ class DecodeWorker:
                 self._admitted_at.pop(delta.request_id, None)
             self._recomputed.discard(delta.request_id)
         for router_id, batch in by_router.items():
-            self._event_loop.call_soon_threadsafe(self._queue(router_id).put_nowait, batch)
+            queue = self._outputs.get(router_id)
+            if queue is not None:  # else the router is gone (reaped): nobody reads its outputs
+                self._event_loop.call_soon_threadsafe(queue.put_nowait, batch)

@@ -233,12 +233,13 @@ def make_prefill_worker(model_dir: Path, engine_config: EngineConfig | None = No
 
 
 def make_decode_worker(model_dir: Path, engine_config: EngineConfig | None = None, worker_id: str = "decode-0",
-                       transfer_failure_policy: str = "recompute"):
+                       transfer_failure_policy: str = "recompute", router_silence_s: float | None = None):
     """A DecodeWorker in this process with the in-process KV transfer backend (call shutdown())."""
-    from splitserve.decode_worker.worker import DecodeWorker
+    from splitserve.decode_worker.worker import ROUTER_SILENCE_S, DecodeWorker
 
     return DecodeWorker(model_dir, engine_config or worker_engine_config(), "inprocess", worker_id=worker_id,
-                        transfer_failure_policy=transfer_failure_policy)
+                        transfer_failure_policy=transfer_failure_policy,
+                        router_silence_s=router_silence_s or ROUTER_SILENCE_S)
 
 
 from splitserve.router.worker_client import LocalWorkerClient, WorkerLostError  # noqa: E402

@@ -194,3 +194,28 @@ def test_drain_returns_what_is_still_in_flight_at_its_timeout(tiny_llama_dir):
             return left
 
     assert asyncio.run(scenario()) == 1
+
+
+# ---- a router that dies ---------------------------------------------------------------------
+def test_a_decode_worker_aborts_the_requests_of_a_router_that_stopped_collecting(tiny_llama_dir):
+    from splitserve.common.worker_messages import DecodeRequest
+    from tests.factories import make_decode_worker
+
+    async def scenario():
+        worker = make_decode_worker(tiny_llama_dir, router_silence_s=0.2)
+        try:
+            for router_id in ("router-gone", "router-live"):
+                await worker.submit(DecodeRequest(f"{router_id}-r", router_id, tuple(PROMPT), (), LONG, 0, None, None))
+            loop = asyncio.get_running_loop()
+            until, live = loop.time() + 0.5, []
+            while loop.time() < until:  # only the live router keeps collecting
+                live += await worker.next_outputs("router-live", 0.05)
+            stats = (await worker.stats()).engine
+            return stats.num_running, live
+        finally:
+            worker.shutdown()
+
+    num_running, live = asyncio.run(scenario())
+    assert num_running == 1
+    assert {d.request_id for d in live} == {"router-live-r"} and all(d.finish_reason is None for d in live)
+    assert sum(len(d.token_ids) for d in live) >= 1
