@@ -33,6 +33,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from splitserve.common.errors import InvalidRequestError
 from splitserve.common.sampling_params import SamplingParams
+from splitserve.router.api_common import is_ready
 from splitserve.router.auth import check_authorization
 from splitserve.router.openai_protocol import (ChatRenderer, CompletionRenderer, ResponseHeader, error_body,
                                                parse_chat_request, parse_completion_request)
@@ -129,8 +130,7 @@ class OpenAIServing:
 
     async def health(self, request: Request) -> Response:
         """200 while some decode worker answers the router's report polls (requests can be served)."""
-        orchestrator = self.orchestrator
-        if any(orchestrator.monitor.load(worker_id) is not None for worker_id in orchestrator.decode_pool.clients):
+        if is_ready(self.orchestrator):
             return Response(status_code=200)
         return ApiError(503, "no decode worker is answering", code="unavailable").response()
 

@@ -1,4 +1,5 @@
-"""The router's gRPC front: the Generation service, grpc.health.v1 and server reflection.
+"""The router's gRPC front: the Generation service, the Triton-compatible inference service
+(router/triton_server.py), grpc.health.v1 and server reflection.
 
 Translates proto messages to the orchestrator's typed inputs and back, and maps errors to
 status codes: InvalidRequestError -> INVALID_ARGUMENT (message names the field), RouterError
@@ -9,20 +10,26 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 
 import grpc
+from google.protobuf import descriptor_pool
+from google.protobuf.descriptor import FileDescriptor
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from splitserve.common.errors import InvalidRequestError
 from splitserve.common.sampling_params import SamplingParams
+from splitserve.proto.inference import grpc_service_pb2 as triton_pb
+from splitserve.proto.inference import grpc_service_pb2_grpc as triton_pb_grpc
 from splitserve.proto.splitserve.v1 import generation_pb2 as pb
 from splitserve.proto.splitserve.v1 import generation_pb2_grpc as pb_grpc
+from splitserve.router.api_common import grpc_deadline, grpc_status
 from splitserve.router.auth import check_authorization
 from splitserve.router.orchestrator import GenerationInput, Orchestrator, RouterError, StreamChunk
 from splitserve.router.tokenizer import RouterTokenizer
+from splitserve.router.triton_server import SERVICE_NAME as TRITON_SERVICE_NAME
+from splitserve.router.triton_server import TritonServicer
 from splitserve.router.tls import TlsConfig, bind_grpc_port
 
 logger = logging.getLogger(__name__)
@@ -103,10 +110,10 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             async for chunk in self.orchestrator.generate(inp):
                 yield chunk_to_proto(chunk)
         except InvalidRequestError as error:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+            await context.abort(*grpc_status(error))
         except RouterError as error:
             logger.info("[%s] ended with %s", request.request_id, error)
-            await context.abort(grpc.StatusCode[error.code], error.message)
+            await context.abort(*grpc_status(error))
 
     async def _input(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> GenerationInput:
         if request.model and request.model != self.model_name:
@@ -115,12 +122,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         params = sampling_params_from_proto(request.sampling)
         request_id = self.orchestrator.new_request_id(request.request_id)
         token_ids = await asyncio.to_thread(prompt_token_ids, request, self.tokenizer)
-        return GenerationInput(request_id, tuple(token_ids), params, self._deadline(context),
+        return GenerationInput(request_id, tuple(token_ids), params, grpc_deadline(context, self.request_timeout_s),
                                slo_target(request, "ttft_slo_s"), slo_target(request, "tpot_slo_s"))
-
-    def _deadline(self, context: grpc.aio.ServicerContext) -> float | None:
-        remaining = [s for s in (context.time_remaining(), self.request_timeout_s) if s is not None]
-        return time.monotonic() + min(remaining) if remaining else None
 
 
 _OPEN_SERVICES = frozenset({health.SERVICE_NAME, reflection.SERVICE_NAME, "grpc.reflection.v1.ServerReflection"})
@@ -163,13 +166,31 @@ def _denial(handler: grpc.RpcMethodHandler, reason: str) -> grpc.RpcMethodHandle
                 response_serializer=handler.response_serializer)
 
 
+def _reflection_pool(files: Iterable[FileDescriptor]) -> descriptor_pool.DescriptorPool:
+    """One pool holding `files` and everything they import: reflection answers from a single pool,
+    and the Triton API's descriptors live apart from the default one (proto/regenerate.py says why)."""
+    pool = descriptor_pool.DescriptorPool()
+    added: set[str] = set()
+
+    def add(file: FileDescriptor) -> None:
+        if file.name not in added:
+            added.add(file.name)
+            for dependency in file.dependencies:  # a file's imports must be in the pool first
+                add(dependency)
+            pool.AddSerializedFile(file.serialized_pb)
+
+    for file in files:
+        add(file)
+    return pool
+
+
 async def start_grpc_server(orchestrator: Orchestrator, tokenizer: RouterTokenizer, model_name: str,
                             host: str = "127.0.0.1", port: int = 50051,
                             request_timeout_s: float | None = None,
                             api_key: str | None = None,
                             tls: TlsConfig | None = None) -> tuple[grpc.aio.Server, int]:
     """Start serving; returns the server and the bound port (port 0 picks a free one). With
-    `api_key`, Generation calls need metadata `authorization: Bearer <api_key>` (health and
+    `api_key`, Generation and Triton calls need metadata `authorization: Bearer <api_key>` (health and
     reflection stay open). With `tls`, every service is served over TLS only (mutual TLS when
     it has a client CA)."""
     interceptors = [ApiKeyInterceptor(api_key)] if api_key else []
@@ -178,11 +199,15 @@ async def start_grpc_server(orchestrator: Orchestrator, tokenizer: RouterTokeniz
                                       ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
     pb_grpc.add_GenerationServicer_to_server(
         GenerationServicer(orchestrator, tokenizer, model_name, request_timeout_s), server)
+    triton_pb_grpc.add_GRPCInferenceServiceServicer_to_server(
+        TritonServicer(orchestrator, tokenizer, model_name, request_timeout_s), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, TRITON_SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server,
+        _reflection_pool((pb.DESCRIPTOR, triton_pb.DESCRIPTOR, health_pb2.DESCRIPTOR, reflection_pb2.DESCRIPTOR)))
     bound = bind_grpc_port(server, host, port, tls)
     await server.start()
-    for service in ("", SERVICE_NAME):
+    for service in ("", SERVICE_NAME, TRITON_SERVICE_NAME):
         await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
     return server, bound

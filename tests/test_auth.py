@@ -1,15 +1,21 @@
-"""Optional API-key auth (router.api_key_env): the shared check, the gRPC interceptor, the HTTP
-guard (driven by the official `openai` SDK), the config field and the CLI's --api-key-env."""
+"""Optional API-key auth (router.api_key_env): the shared check, the gRPC interceptor (on the
+Generation and the Triton-compatible API, the latter driven by `tritonclient`), the HTTP guard
+(driven by the official `openai` SDK), the config field and the CLI's --api-key-env."""
 
 from __future__ import annotations
 
 import http.client
 import json
 
+import queue
+
 import grpc
+import numpy as np
 import openai
 import pytest
+import tritonclient.grpc as triton
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from tritonclient.utils import InferenceServerException
 
 from splitserve.deploy.cli import main as cli_main
 from splitserve.deploy.cluster_config import ClusterConfigError, parse_cluster_config
@@ -97,9 +103,39 @@ def test_grpc_with_the_key_generates(served):
 def test_grpc_health_needs_no_key(served):
     with grpc.insecure_channel(f"127.0.0.1:{served.grpc_port}") as channel:
         stub = health_pb2_grpc.HealthStub(channel)
-        for service in ("", "splitserve.v1.Generation"):
+        for service in ("", "splitserve.v1.Generation", "inference.GRPCInferenceService"):
             answer = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
             assert answer.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def _triton_prompt() -> list[triton.InferInput]:
+    prompt = triton.InferInput("text_input", [1], "BYTES")
+    prompt.set_data_from_numpy(np.array([b"The river runs"], dtype=np.object_))
+    return [prompt]
+
+
+@pytest.mark.parametrize(("headers", "details"), [(None, MISSING), ({"authorization": "Bearer wrong"}, INVALID)])
+def test_triton_api_without_the_key_is_unauthenticated(served, headers, details):
+    received: queue.Queue = queue.Queue()
+    with triton.InferenceServerClient(f"127.0.0.1:{served.grpc_port}") as client:
+        with pytest.raises(InferenceServerException) as live:
+            client.is_server_live(headers=headers)
+        with pytest.raises(InferenceServerException) as infer:
+            client.infer(MODEL, _triton_prompt(), headers=headers)
+        # The stream is refused as it opens, before any request is sent on it.
+        client.start_stream(callback=lambda result, error: received.put(error or result), headers=headers)
+        streamed = received.get(timeout=60)
+        client.stop_stream(cancel_requests=True)
+    for error in (live.value, infer.value, streamed):
+        assert (error.status(), error.message()) == ("StatusCode.UNAUTHENTICATED", details)
+
+
+def test_triton_api_with_the_key_generates(served):
+    headers = {"authorization": f"Bearer {KEY}"}
+    with triton.InferenceServerClient(f"127.0.0.1:{served.grpc_port}") as client:
+        assert client.is_server_live(headers=headers) and client.is_model_ready(MODEL, headers=headers)
+        result = client.infer(MODEL, _triton_prompt(), headers=headers)
+    assert result.as_numpy("text_output")[0].startswith(b"The river runs")
 
 
 def test_http_with_a_wrong_key_is_401(served):

@@ -6,16 +6,20 @@ import subprocess
 import sys
 from pathlib import Path
 
+from google.protobuf import descriptor_pool
+
+from splitserve.proto.inference import grpc_service_pb2, grpc_service_pb2_grpc
 from splitserve.proto.splitserve.v1 import generation_pb2, generation_pb2_grpc
 
 PROTO_ROOT = Path(__file__).resolve().parents[1] / "proto"
 REGENERATE = PROTO_ROOT / "regenerate.py"
 GENERATED_GLOBS = ("*_pb2.py", "*_pb2.pyi", "*_pb2_grpc.py")
+SOURCE_DIRS = ("splitserve", "inference")
 
 
 def _generated(root: Path) -> dict[str, bytes]:
-    """Generated files under root/splitserve by path relative to root."""
-    paths = (path for pattern in GENERATED_GLOBS for path in (root / "splitserve").rglob(pattern))
+    """Generated files under root's source folders by path relative to root."""
+    paths = (path for folder in SOURCE_DIRS for pattern in GENERATED_GLOBS for path in (root / folder).rglob(pattern))
     return {str(path.relative_to(root)): path.read_bytes() for path in paths}
 
 
@@ -25,8 +29,9 @@ def test_checked_in_generated_code_is_current(tmp_path):
     fresh, checked_in = _generated(tmp_path), _generated(PROTO_ROOT)
     stale = sorted(name for name in fresh.keys() | checked_in.keys() if fresh.get(name) != checked_in.get(name))
     assert not stale, f"generated code is stale ({', '.join(stale)}): run `.venv/bin/python proto/regenerate.py`"
-    assert sorted(fresh) == ["splitserve/v1/generation_pb2.py", "splitserve/v1/generation_pb2.pyi",
-                             "splitserve/v1/generation_pb2_grpc.py"]
+    assert sorted(fresh) == ["inference/grpc_service_pb2.py", "inference/grpc_service_pb2.pyi",
+                             "inference/grpc_service_pb2_grpc.py", "splitserve/v1/generation_pb2.py",
+                             "splitserve/v1/generation_pb2.pyi", "splitserve/v1/generation_pb2_grpc.py"]
 
 
 def test_generated_grpc_code_imports_the_installed_package():
@@ -34,6 +39,18 @@ def test_generated_grpc_code_imports_the_installed_package():
     assert "from splitserve.proto.splitserve.v1 import generation_pb2 as" in source
     assert "from splitserve.v1 import" not in source
     assert generation_pb2_grpc.splitserve_dot_v1_dot_generation__pb2 is generation_pb2
+    triton_source = (PROTO_ROOT / "inference/grpc_service_pb2_grpc.py").read_text()
+    assert "from splitserve.proto.inference import grpc_service_pb2 as" in triton_source
+    assert grpc_service_pb2_grpc.inference_dot_grpc__service__pb2 is grpc_service_pb2
+
+
+def test_the_triton_protocol_lives_in_a_private_descriptor_pool():
+    # tritonclient registers the full `inference` package in the default pool; ours must not collide.
+    assert grpc_service_pb2.DESCRIPTOR.pool is not descriptor_pool.Default()
+    assert generation_pb2.DESCRIPTOR.pool is descriptor_pool.Default()
+    service = grpc_service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"]
+    assert (grpc_service_pb2.DESCRIPTOR.name, service.full_name) == ("inference/grpc_service.proto",
+                                                                     "inference.GRPCInferenceService")
 
 
 def test_descriptor_names_match_the_proto_package():

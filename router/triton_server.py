@@ -1,0 +1,191 @@
+"""The Triton / KServe v2 gRPC inference API (`inference.GRPCInferenceService`) on the router's gRPC
+port, so unmodified `tritonclient[grpc]` clients of Triton's vLLM backend work.
+
+A thin adapter over the same Orchestrator as the other APIs; tensors are parsed and rendered by
+router/triton_protocol.py. RPCs: ServerLive, ServerReady, ModelReady, ModelMetadata, ModelInfer
+(one response with the whole output) and ModelStreamInfer (decoupled: a stream's requests run
+concurrently; with `stream` true each gets one response per text delta, else one with the whole
+output; the last response to a request carries the parameter triton_final_response = true, or,
+when the request set triton_enable_empty_final_response, an empty response does).
+
+Errors: unary RPCs end with a status (INVALID_ARGUMENT naming the input or parameter, NOT_FOUND for
+a model or version not served, a RouterError's code: RESOURCE_EXHAUSTED, UNAVAILABLE,
+DEADLINE_EXCEEDED, ...); in ModelStreamInfer a failed request gets a response whose error_message
+reads "<CODE>: <message>" and the stream carries on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+
+from splitserve.common.errors import InvalidRequestError
+from splitserve.proto.inference import grpc_service_pb2 as pb
+from splitserve.proto.inference import grpc_service_pb2_grpc as pb_grpc
+from splitserve.router.api_common import grpc_deadline, grpc_status, is_ready
+from splitserve.router.orchestrator import GenerationInput, Orchestrator, RouterError, StreamChunk
+from splitserve.router.tokenizer import RouterTokenizer
+from splitserve.router.triton_protocol import (InferRequest, ServedModel, empty_final_response, infer_response,
+                                               model_metadata, parse_infer_request, stream_error)
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
+MODEL_VERSION = "1"
+PLATFORM = "splitserve"
+
+
+class TritonServicer(pb_grpc.GRPCInferenceServiceServicer):
+    def __init__(self, orchestrator: Orchestrator, tokenizer: RouterTokenizer, model_name: str,
+                 request_timeout_s: float | None = None) -> None:
+        self.orchestrator = orchestrator
+        self.tokenizer = tokenizer
+        self.model = ServedModel(model_name, MODEL_VERSION, PLATFORM)
+        self.request_timeout_s = request_timeout_s
+        """Server-side limit on a request's total time (router.request_timeout_s); None: no limit."""
+
+    # ---- health and metadata -------------------------------------------------------------
+    async def ServerLive(self, request: pb.ServerLiveRequest, context: grpc.aio.ServicerContext
+                         ) -> pb.ServerLiveResponse:
+        return pb.ServerLiveResponse(live=True)
+
+    async def ServerReady(self, request: pb.ServerReadyRequest, context: grpc.aio.ServicerContext
+                          ) -> pb.ServerReadyResponse:
+        return pb.ServerReadyResponse(ready=is_ready(self.orchestrator))
+
+    async def ModelReady(self, request: pb.ModelReadyRequest, context: grpc.aio.ServicerContext
+                         ) -> pb.ModelReadyResponse:
+        return pb.ModelReadyResponse(ready=self.model.serves(request.name, request.version)
+                                     and is_ready(self.orchestrator))
+
+    async def ModelMetadata(self, request: pb.ModelMetadataRequest, context: grpc.aio.ServicerContext
+                            ) -> pb.ModelMetadataResponse:
+        try:
+            self._check_model(request.name, request.version)
+        except RouterError as error:
+            await context.abort(*grpc_status(error))
+        return model_metadata(self.model)
+
+    # ---- inference -----------------------------------------------------------------------
+    async def ModelInfer(self, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext
+                         ) -> pb.ModelInferResponse:
+        try:
+            parsed, inp = await self._input(request, context)
+            if parsed.stream:
+                raise InvalidRequestError("stream", "must be false in ModelInfer (one response per request); "
+                                                    "stream with ModelStreamInfer")
+            chunks = [chunk async for chunk in self.orchestrator.generate(inp)]
+        except (InvalidRequestError, RouterError) as error:
+            logger.info("[%s] ModelInfer ended with %s", request.id, error)
+            await context.abort(*grpc_status(error))
+        return self._whole(parsed, chunks, final=None)
+
+    async def ModelStreamInfer(self, request_iterator: AsyncIterator[pb.ModelInferRequest],
+                               context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ModelStreamInferResponse]:
+        """Runs each request as it arrives; ends once the client has stopped sending and every
+        request has ended. A cancelled call cancels the requests still running."""
+        responses = _StreamResponses()
+        requests: set[asyncio.Task] = set()
+        responses.open()  # the reader, before anything can be consumed
+        reader = asyncio.create_task(self._read(request_iterator, context, responses, requests))
+        try:
+            async for response in responses:
+                yield response
+        finally:
+            for task in (reader, *requests):
+                task.cancel()
+            await asyncio.gather(reader, *requests, return_exceptions=True)
+
+    async def _read(self, request_iterator: AsyncIterator[pb.ModelInferRequest], context: grpc.aio.ServicerContext,
+                    responses: _StreamResponses, requests: set[asyncio.Task]) -> None:
+        try:
+            async for request in request_iterator:
+                responses.open()
+                task = asyncio.create_task(self._serve_streamed(request, context, responses))
+                requests.add(task)
+                task.add_done_callback(requests.discard)
+        finally:
+            responses.close()
+
+    async def _serve_streamed(self, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext,
+                              responses: _StreamResponses) -> None:
+        """One request of a stream: its responses, or the error that ended it."""
+        try:
+            async for response in self._stream_responses(request, context):
+                responses.put(pb.ModelStreamInferResponse(infer_response=response))
+        except (InvalidRequestError, RouterError) as error:
+            logger.info("[%s] ModelStreamInfer request ended with %s", request.id, error)
+            code, message = grpc_status(error)
+            responses.put(stream_error(self.model, request.id, f"{code.name}: {message}"))
+        except Exception as error:  # a bug: report it on this request, keep the stream's others going
+            logger.exception("[%s] ModelStreamInfer request failed", request.id)
+            responses.put(stream_error(self.model, request.id, f"INTERNAL: {type(error).__name__}: {error}"))
+        finally:
+            responses.close()
+
+    async def _stream_responses(self, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext
+                                ) -> AsyncIterator[pb.ModelInferResponse]:
+        parsed, inp = await self._input(request, context)
+        flag_last = not parsed.empty_final_response
+        if parsed.stream:
+            async for chunk in self.orchestrator.generate(inp):
+                last = chunk.finish_reason is not None
+                if chunk.text or last:  # a token whose text is still held back is no delta
+                    yield infer_response(self.model, parsed, chunk.text, chunk.finish_reason, last and flag_last)
+        else:
+            chunks = [chunk async for chunk in self.orchestrator.generate(inp)]
+            yield self._whole(parsed, chunks, final=flag_last)
+        if parsed.empty_final_response:
+            yield empty_final_response(self.model, parsed.id)
+
+    # ---- shared steps --------------------------------------------------------------------
+    async def _input(self, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext
+                     ) -> tuple[InferRequest, GenerationInput]:
+        self._check_model(request.model_name, request.model_version)
+        parsed = parse_infer_request(request)
+        request_id = self.orchestrator.new_request_id(request.id)
+        token_ids = await asyncio.to_thread(self.tokenizer.encode, parsed.text)
+        return parsed, GenerationInput(request_id, tuple(token_ids), parsed.sampling,
+                                       grpc_deadline(context, self.request_timeout_s))
+
+    def _check_model(self, name: str, version: str) -> None:
+        if not self.model.serves(name, version):
+            wanted = f"{name!r}" + (f" version {version!r}" if version else "")
+            raise RouterError("NOT_FOUND", f"unknown model {wanted}; this server serves {self.model.name!r} "
+                                           f"version {self.model.version!r}")
+
+    def _whole(self, parsed: InferRequest, chunks: list[StreamChunk], final: bool | None) -> pb.ModelInferResponse:
+        text = "".join(chunk.text for chunk in chunks)
+        if parsed.prepend_prompt:
+            text = parsed.text + text
+        return infer_response(self.model, parsed, text, chunks[-1].finish_reason, final)
+
+
+class _StreamResponses:
+    """The responses of one stream's concurrent producers (its request reader and each request), in
+    the order they are put; iteration ends once every producer that was opened has closed."""
+
+    def __init__(self) -> None:
+        self._queue: asyncio.Queue[pb.ModelStreamInferResponse | None] = asyncio.Queue()
+        self._open = 0
+
+    def open(self) -> None:
+        """A new producer; call before whatever opened it closes, so the count never falls to 0 early."""
+        self._open += 1
+
+    def put(self, response: pb.ModelStreamInferResponse) -> None:
+        self._queue.put_nowait(response)
+
+    def close(self) -> None:
+        self._queue.put_nowait(None)
+
+    async def __aiter__(self) -> AsyncIterator[pb.ModelStreamInferResponse]:
+        while self._open:
+            response = await self._queue.get()
+            if response is None:
+                self._open -= 1
+            else:
+                yield response
