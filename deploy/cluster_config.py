@@ -101,6 +101,9 @@ class RouterConfig:
     """Server-side limit on a request's total time; None = only the client's deadline applies."""
     lease_ttl_s: float = 30.0
     """How long a prefill worker holds a request's KV blocks for decode to pull before freeing them."""
+    drain_timeout_s: float = 30.0
+    """On SIGTERM/SIGINT: how long the router, already refusing new requests and reporting
+    NOT_SERVING, waits for requests in flight to finish before it cancels the rest and stops."""
     routing: RoutingConfig = RoutingConfig()
     """How requests are placed (prefix-aware by default), when the decode worker prefills a prompt
     itself, and when admission control rejects a request (see docs/routing.md)."""
@@ -132,6 +135,7 @@ class RouterConfig:
         _require(self.request_timeout_s is None or self.request_timeout_s > 0, "request_timeout_s",
                  f"must be > 0, got {self.request_timeout_s}")
         _require(self.lease_ttl_s > 0, "lease_ttl_s", f"must be > 0, got {self.lease_ttl_s}")
+        _require(self.drain_timeout_s >= 0, "drain_timeout_s", f"must be >= 0, got {self.drain_timeout_s}")
 
 
 @dataclass(frozen=True)

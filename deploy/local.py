@@ -22,7 +22,6 @@ from typing import Any
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 
-import grpc  # noqa: E402
 import ray  # noqa: E402
 from ray._private import ray_constants  # noqa: E402
 
@@ -34,7 +33,7 @@ from splitserve.router.auth import api_key_from_env  # noqa: E402
 from splitserve.router.metrics_server import RouterMetrics  # noqa: E402
 from splitserve.router.openai_server import HttpServer, start_http_server  # noqa: E402
 from splitserve.router.orchestrator import Orchestrator  # noqa: E402
-from splitserve.router.server import start_grpc_server  # noqa: E402
+from splitserve.router.server import GrpcServer, drain, start_grpc_server  # noqa: E402
 from splitserve.router.tls import load_tls  # noqa: E402
 from splitserve.router.tokenizer import RouterTokenizer  # noqa: E402
 from splitserve.router.worker_client import RayWorkerClient  # noqa: E402
@@ -74,7 +73,7 @@ class LocalCluster:
     prefill_actors: list[Any] = field(default_factory=list)
     decode_actors: list[Any] = field(default_factory=list)
     orchestrator: Orchestrator | None = None
-    server: grpc.aio.Server | None = None
+    server: GrpcServer | None = None
     port: int = 0
     metrics: RouterMetrics | None = None
     metrics_port: int | None = None
@@ -114,9 +113,10 @@ class LocalCluster:
         if self.metrics is not None:
             self.metrics.watch(self.orchestrator)
             self.metrics_port = self.metrics.serve(config.router.host, config.router.metrics_port)
-        self.server, self.port = await start_grpc_server(
+        self.server = await start_grpc_server(
             self.orchestrator, tokenizer, config.model, config.router.host, config.router.grpc_port,
             config.router.request_timeout_s, api_key, config.router.tls)
+        self.port = self.server.port
         if config.router.http_port is not None:
             self.http = await start_http_server(
                 self.orchestrator, tokenizer, config.model, config.router.host, config.router.http_port,
@@ -132,6 +132,11 @@ class LocalCluster:
             max_concurrency=1000)
         return [actor_class.remote(model_dir, pool.engine, self.config.kv_transfer_backend,
                                    worker_id=f"{role}-{index}", **extra) for index in range(pool.replicas)]
+
+    async def drain(self) -> int:
+        """Refuse new requests and report NOT_SERVING (gRPC health, HTTP /health 503), then wait
+        up to router.drain_timeout_s for the requests in flight; returns how many are left."""
+        return await drain(self.orchestrator, self.server, self.config.router.drain_timeout_s)
 
     async def stop(self, grace_s: float = 2.0) -> None:
         if self.http is not None:
@@ -190,7 +195,15 @@ async def _serve(config: ClusterConfig) -> int:
               "\"Tell me about the river.\"\n"
               "  Ctrl-C stops the cluster.", flush=True)
         await stop.wait()
-        print("splitserve: shutting down", flush=True)
+        stop.clear()
+        print(f"splitserve: draining (up to {config.router.drain_timeout_s:g} s; signal again to stop now)",
+              flush=True)
+        drain, second_signal = asyncio.ensure_future(cluster.drain()), asyncio.ensure_future(stop.wait())
+        await asyncio.wait([drain, second_signal], return_when=asyncio.FIRST_COMPLETED)
+        left = drain.result() if drain.done() else cluster.orchestrator.num_in_flight
+        drain.cancel()
+        second_signal.cancel()
+        print(f"splitserve: shutting down ({left} requests still in flight are cancelled)", flush=True)
     finally:
         await cluster.stop()
         if config.ray_address is None and ray.is_initialized():

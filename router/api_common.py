@@ -1,6 +1,5 @@
-"""What the router's public APIs share: readiness (OpenAI /health, Triton ServerReady and
-ModelReady), and for the gRPC services (Generation, Triton) a call's deadline and the status a
-request's error ends it with."""
+"""What the router's gRPC services (Generation, Triton) share: a call's deadline and the status
+a request's error ends it with. (Readiness is Orchestrator.is_ready.)"""
 
 from __future__ import annotations
 
@@ -9,12 +8,7 @@ import time
 import grpc
 
 from splitserve.common.errors import InvalidRequestError
-from splitserve.router.orchestrator import Orchestrator, RouterError
-
-
-def is_ready(orchestrator: Orchestrator) -> bool:
-    """Requests can be served: some decode worker answers the router's report polls."""
-    return any(orchestrator.monitor.load(worker_id) is not None for worker_id in orchestrator.decode_pool.clients)
+from splitserve.router.orchestrator import RouterError
 
 
 def grpc_deadline(context: grpc.aio.ServicerContext, request_timeout_s: float | None) -> float | None:

@@ -33,7 +33,6 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from splitserve.common.errors import InvalidRequestError
 from splitserve.common.sampling_params import SamplingParams
-from splitserve.router.api_common import is_ready
 from splitserve.router.auth import check_authorization
 from splitserve.router.openai_protocol import (ChatRenderer, CompletionRenderer, ResponseHeader, error_body,
                                                parse_chat_request, parse_completion_request)
@@ -129,10 +128,13 @@ class OpenAIServing:
         return JSONResponse(self._model_card())
 
     async def health(self, request: Request) -> Response:
-        """200 while some decode worker answers the router's report polls (requests can be served)."""
-        if is_ready(self.orchestrator):
+        """200 while new requests can be served (Orchestrator.is_ready), else 503 saying why."""
+        orchestrator = self.orchestrator
+        if orchestrator.is_ready:
             return Response(status_code=200)
-        return ApiError(503, "no decode worker is answering", code="unavailable").response()
+        reason = "the router is draining (shutting down)" if not orchestrator.accepting else \
+            "no decode worker is answering"
+        return ApiError(503, reason, code="unavailable").response()
 
     def _model_card(self) -> dict:
         return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "splitserve",

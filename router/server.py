@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass
 
 import grpc
 from google.protobuf import descriptor_pool
@@ -185,11 +186,37 @@ def _reflection_pool(files: Iterable[FileDescriptor]) -> descriptor_pool.Descrip
 
 
 async def start_grpc_server(orchestrator: Orchestrator, tokenizer: RouterTokenizer, model_name: str,
+@dataclass(frozen=True)
+class GrpcServer:
+    """A started gRPC server and its health service."""
+
+    server: grpc.aio.Server
+    port: int
+    health: health.aio.HealthServicer
+
+    async def stop_serving(self) -> None:
+        """Report NOT_SERVING for every service from now on (a drain: probes and load balancers
+        stop sending new requests while running ones finish)."""
+        await self.health.enter_graceful_shutdown()
+
+    async def stop(self, grace_s: float | None) -> None:
+        await self.server.stop(grace_s)
+
+
+async def drain(orchestrator: Orchestrator, server: GrpcServer, timeout_s: float) -> int:
+    """Refuse new requests and report NOT_SERVING on every API (gRPC health; HTTP /health and
+    Triton readiness read Orchestrator.is_ready), then wait up to timeout_s for the requests in
+    flight; returns how many are left."""
+    orchestrator.accepting = False
+    await server.stop_serving()
+    return await orchestrator.drain(timeout_s)
+
+
                             host: str = "127.0.0.1", port: int = 50051,
                             request_timeout_s: float | None = None,
                             api_key: str | None = None,
-                            tls: TlsConfig | None = None) -> tuple[grpc.aio.Server, int]:
-    """Start serving; returns the server and the bound port (port 0 picks a free one). With
+                            tls: TlsConfig | None = None) -> GrpcServer:
+    """Start serving; returns the server with its bound port (port 0 picks a free one). With
     `api_key`, Generation and Triton calls need metadata `authorization: Bearer <api_key>` (health and
     reflection stay open). With `tls`, every service is served over TLS only (mutual TLS when
     it has a client CA)."""
@@ -210,4 +237,4 @@ async def start_grpc_server(orchestrator: Orchestrator, tokenizer: RouterTokeniz
     await server.start()
     for service in ("", SERVICE_NAME, TRITON_SERVICE_NAME):
         await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
-    return server, bound
+    return GrpcServer(server, bound, health_servicer)

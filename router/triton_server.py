@@ -25,7 +25,7 @@ import grpc
 from splitserve.common.errors import InvalidRequestError
 from splitserve.proto.inference import grpc_service_pb2 as pb
 from splitserve.proto.inference import grpc_service_pb2_grpc as pb_grpc
-from splitserve.router.api_common import grpc_deadline, grpc_status, is_ready
+from splitserve.router.api_common import grpc_deadline, grpc_status
 from splitserve.router.orchestrator import GenerationInput, Orchestrator, RouterError, StreamChunk
 from splitserve.router.tokenizer import RouterTokenizer
 from splitserve.router.triton_protocol import (InferRequest, ServedModel, empty_final_response, infer_response,
@@ -54,12 +54,12 @@ class TritonServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     async def ServerReady(self, request: pb.ServerReadyRequest, context: grpc.aio.ServicerContext
                           ) -> pb.ServerReadyResponse:
-        return pb.ServerReadyResponse(ready=is_ready(self.orchestrator))
+        return pb.ServerReadyResponse(ready=self.orchestrator.is_ready)
 
     async def ModelReady(self, request: pb.ModelReadyRequest, context: grpc.aio.ServicerContext
                          ) -> pb.ModelReadyResponse:
         return pb.ModelReadyResponse(ready=self.model.serves(request.name, request.version)
-                                     and is_ready(self.orchestrator))
+                                     and self.orchestrator.is_ready)
 
     async def ModelMetadata(self, request: pb.ModelMetadataRequest, context: grpc.aio.ServicerContext
                             ) -> pb.ModelMetadataResponse:

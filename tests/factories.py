@@ -393,6 +393,14 @@ class ServedApis:
     http_port: int
     grpc_port: int
 
+    grpc_server: object
+    """router.server.GrpcServer"""
+
+    def drain(self, timeout_s: float = 30.0) -> int:
+        """Drain the router as SIGTERM does (router.server.drain); returns requests left in flight."""
+        from splitserve.router.server import drain
+
+        return self.loop.run(drain(self.cluster.orchestrator, self.grpc_server, timeout_s))
 
 @contextmanager
 def served_apis(model_dir: Path, model_name: str, api_key: str | None = None,
@@ -414,10 +422,10 @@ def served_apis(model_dir: Path, model_name: str, api_key: str | None = None,
     loop.run(watch())
     http_server = loop.run(start_http_server(cluster.orchestrator, cluster.tokenizer, model_name, port=0,
                                              metrics_app=metrics.asgi_app(), api_key=api_key, tls=tls))
-    grpc_server, grpc_port = loop.run(start_grpc_server(cluster.orchestrator, cluster.tokenizer, model_name,
-                                                        port=0, api_key=api_key, tls=tls))
+    grpc_server = loop.run(start_grpc_server(cluster.orchestrator, cluster.tokenizer, model_name, port=0,
+                                             api_key=api_key, tls=tls))
     try:
-        yield served_class(cluster, loop, http_server.port, grpc_port)
+        yield served_class(cluster, loop, http_server.port, grpc_server.port, grpc_server)
     finally:
         loop.run(grpc_server.stop(None))
         loop.run(http_server.stop())

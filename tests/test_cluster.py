@@ -173,7 +173,7 @@ def test_other_shapes_match_hf(tiny_llama_dir, mode, prefill, decode):
         loop.run(cluster.wait_idle())
 
 
-def test_serve_command_answers_and_stops_cleanly_on_sigterm(tiny_llama_dir):
+def test_serve_command_drains_and_stops_cleanly_on_sigterm(tiny_llama_dir):
     import signal
     import sys
     import time
@@ -190,8 +190,19 @@ def test_serve_command_answers_and_stops_cleanly_on_sigterm(tiny_llama_dir):
         tokens, _, _ = stream_tokens(port, request)
         assert len(tokens) == 3
         children = _descendants(server.pid) - {server.pid}
-        server.send_signal(signal.SIGTERM)
+        # A stream running at SIGTERM finishes: the router drains before it stops.
+        long_request = pb.GenerateRequest(text=b"hello", sampling=pb.SamplingParams(max_tokens=120, ignore_eos=True))
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stream = generation_pb2_grpc.GenerationStub(channel).Generate(long_request, timeout=60)
+            first = next(stream)
+            server.send_signal(signal.SIGTERM)
+            rest = list(stream)
+        assert len(first.token_ids) + sum(len(r.token_ids) for r in rest) == 120
+        assert rest[-1].finish_reason == "length"
         assert server.wait(timeout=60) == 0
+        output = server.stdout.read()
+        assert "splitserve: draining (up to 30 s; signal again to stop now)" in output
+        assert "splitserve: shutting down (0 requests still in flight are cancelled)" in output
         time.sleep(1)
         assert not [pid for pid in children if os.path.exists(f"/proc/{pid}")], "worker processes outlived serve"
     finally:

@@ -133,8 +133,8 @@ def served(tiny_llama_dir, pki):
     tls = TlsConfig(str(pki.server_cert), str(pki.server_key))
     with served_apis(tiny_llama_dir, MODEL, served_class=Served, tls=tls) as served:
         cluster = served.cluster
-        plaintext, served.plaintext_port = served.loop.run(
-            start_grpc_server(cluster.orchestrator, cluster.tokenizer, MODEL, port=0))
+        plaintext = served.loop.run(start_grpc_server(cluster.orchestrator, cluster.tokenizer, MODEL, port=0))
+        served.plaintext_port = plaintext.port
         try:
             yield served
         finally:

@@ -1,10 +1,18 @@
-"""Requests move off a lost worker: the router re-routes them and a decode worker recomputes the
-prompt + the tokens already streamed, so the client's stream goes on (greedy output equal to
-Hugging Face's), the move is counted, and no live worker keeps a block of the request."""
+"""The router keeps its promises when things go wrong.
+
+Worker loss: requests move off a lost worker — the router re-routes them and a decode worker
+recomputes the prompt + the tokens already streamed, so the client's stream goes on (greedy
+output equal to Hugging Face's), the move is counted, and no live worker keeps a block of the
+request. Overload: beyond the in-flight limit a request is rejected at once. Drain: new requests
+are refused (and health says NOT_SERVING) while running ones finish. Router death: decode
+workers abort the orphaned requests."""
 
 from __future__ import annotations
 
 import asyncio
+import http.client
+import json
+import time
 
 import pytest
 
@@ -219,3 +227,61 @@ def test_a_decode_worker_aborts_the_requests_of_a_router_that_stopped_collecting
     assert num_running == 1
     assert {d.request_id for d in live} == {"router-live-r"} and all(d.finish_reason is None for d in live)
     assert sum(len(d.token_ids) for d in live) >= 1
+
+
+def test_a_draining_router_reports_not_serving_on_every_api_and_finishes_running_streams(tiny_llama_dir):
+    from concurrent.futures import ThreadPoolExecutor
+
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from splitserve.proto.inference import grpc_service_pb2 as triton_pb
+    from splitserve.proto.inference import grpc_service_pb2_grpc as triton_grpc
+    from splitserve.proto.splitserve.v1 import generation_pb2 as pb
+    from tests.factories import served_apis, stream_tokens
+
+    def health(channel) -> list[int]:
+        stub = health_pb2_grpc.HealthStub(channel)
+        return [stub.Check(health_pb2.HealthCheckRequest(service=s)).status
+                for s in ("", "splitserve.v1.Generation", "inference.GRPCInferenceService")]
+
+    def wait_until(predicate) -> None:
+        deadline = time.monotonic() + 30
+        while not predicate():
+            assert time.monotonic() < deadline, "condition not reached"
+            time.sleep(0.001)
+
+    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=PROMPT),
+                                 sampling=pb.SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True))
+    with served_apis(tiny_llama_dir, "tiny") as served, ThreadPoolExecutor(2) as pool, \
+            grpc.insecure_channel(f"127.0.0.1:{served.grpc_port}") as channel:
+        orchestrator = served.cluster.orchestrator
+        before = (health(channel), _http_health(served.http_port))
+        running = pool.submit(stream_tokens, served.grpc_port, request)
+        wait_until(lambda: orchestrator.num_in_flight)
+        drained = pool.submit(served.drain)
+        wait_until(lambda: not orchestrator.accepting)
+        after = (health(channel), _http_health(served.http_port),
+                 triton_grpc.GRPCInferenceServiceStub(channel).ServerReady(triton_pb.ServerReadyRequest()).ready)
+        with pytest.raises(grpc.RpcError) as refused:
+            stream_tokens(served.grpc_port, request)
+        tokens, left = running.result()[0], drained.result()
+    serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+    assert before == ([serving] * 3, (200, b""))
+    grpc_health, http_health, triton_ready = after
+    assert grpc_health == [not_serving] * 3 and not triton_ready
+    status, body = http_health
+    assert (status, json.loads(body)["error"]["message"]) == (503, "the router is draining (shutting down)")
+    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert refused.value.details() == "the router is draining (shutting down): it takes no new requests"
+    assert tokens == hf_greedy(tiny_llama_dir, GreedyCase(PROMPT, NUM_TOKENS, True)) and left == 0
+
+
+def _http_health(port: int) -> tuple[int, bytes]:
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        connection.request("GET", "/health")
+        response = connection.getresponse()
+        return response.status, response.read()
+    finally:
+        connection.close()
