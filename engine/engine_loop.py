@@ -44,6 +44,7 @@ class EngineLoop:
         self._calls: queue.SimpleQueue[tuple[Callable[[EngineCore], object], Future]] = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._stopping = False
+        self._step_gate: Callable[[EngineCore], bool] | None = None
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     def start(self) -> None:
@@ -69,19 +70,31 @@ class EngineLoop:
         """call() for coroutines: await fn(engine) without blocking the event loop."""
         return await asyncio.wrap_future(self.call(fn))
 
+    def set_step_gate(self, gate: Callable[[EngineCore], bool] | None) -> None:
+        """Test hook: before each step the loop asks gate(engine) (on the loop thread); while it
+        answers False the loop still runs calls and the background hook but steps no request, so
+        a test can hold a request in one state (queued, part-prefilled, decoding) and act on it
+        there. None removes the gate."""
+        self._step_gate = gate
+        self._wakeup.set()
+
     def _run(self) -> None:
         """Invariant: the thread survives any exception from a hook or a step (a dead loop would
         leave every stream of this worker hanging)."""
         while not self._stopping:
             self._run_calls()
             poll_again_s = self._guarded(self._background)
-            if self.engine.has_work() and self._step():
+            if self.engine.has_work() and self._may_step() and self._step():
                 continue
             # Idle, or the scheduler could place nothing (e.g. every block is held for a
             # transfer): sleep until a call arrives or the hook wants to poll again.
             self._wakeup.wait(IDLE_WAIT_S if poll_again_s is None else min(poll_again_s, IDLE_WAIT_S))
             self._wakeup.clear()
         self._run_calls()
+
+    def _may_step(self) -> bool:
+        gate = self._step_gate
+        return gate is None or bool(self._guarded(lambda: gate(self.engine)))
 
     def _guarded(self, hook: Callable[[], T]) -> T | None:
         try:

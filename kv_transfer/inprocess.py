@@ -3,10 +3,10 @@
 Same interface and semantics as the NIXL backend (a pull reads scattered remote blocks into
 local ones, then notifies the producer), so workers and connectors are tested without NIXL.
 
-Pulls complete inside start_pull unless the backend is built with `defer_completion=True`;
-then they stay PENDING (nothing copied yet) until `complete_pending_pulls()`, which lets
-tests exercise in-flight aborts, peer removal and late completion. Fault hooks make the
-next pulls fail or complete without notifying the producer.
+Pulls complete inside start_pull unless the backend is built with `defer_completion=True`
+(or `defer_completions()` is called); then they stay PENDING (nothing copied yet) until
+`complete_pending_pulls()`, which lets tests exercise in-flight aborts, peer removal and late
+completion. Fault hooks make the next pulls fail or complete without notifying the producer.
 """
 
 from __future__ import annotations
@@ -74,6 +74,11 @@ class InProcessBackend(TransferBackend):
     def drop_next_notifications(self, count: int = 1) -> None:
         """The next `count` pulls to complete copy their bytes but never notify the producer."""
         self._drop_next += count
+
+    def defer_completions(self, enabled: bool = True) -> None:
+        """From the next start_pull on, pulls stay PENDING until complete_pending_pulls() (False:
+        they complete inside start_pull again). Lets a test hold a worker's pull in flight."""
+        self._defer = enabled
 
     def complete_pending_pulls(self) -> int:
         """Complete every pending pull now (defer_completion only); returns how many."""

@@ -184,6 +184,12 @@ class NixlBackend(TransferBackend):
         self._pool: _LocalPool | None = None
         self._peers: dict[str, _Peer] = {}
         self._closed = False
+        self._drop_next = 0
+
+    def drop_next_notifications(self, count: int = 1) -> None:
+        """Fault hook: the next `count` pulls post their READ with no notification (NIXL sends
+        none for an empty message), so the producer never learns of them and its lease expires."""
+        self._drop_next += count
 
     def register_kv_pool(self, layers: list[torch.Tensor], layout: KVLayout) -> None:
         check_kv_pool(layers, layout)
@@ -249,7 +255,7 @@ class NixlBackend(TransferBackend):
         remote = _descriptor_indices(params.block_ids, num_layers, peer.num_blocks)
         with _nixl_errors(f"{params.request_id}: preparing the READ from {peer.name!r}"):
             xfer = self._agent.make_prepped_xfer("READ", pool.dlist, local, peer.dlist, remote,
-                                                 notif_msg=params.request_id.encode())
+                                                 notif_msg=self._notification(params.request_id))
         try:
             with _nixl_errors(f"{params.request_id}: posting the READ from {peer.name!r}"):
                 status = self._agent.transfer(xfer)
@@ -317,6 +323,13 @@ class NixlBackend(TransferBackend):
         if loaded != name:
             self._agent.remove_remote_agent(loaded)
             raise KVTransferError(f"peer metadata names agent {loaded!r}, the handshake said {name!r}")
+
+    def _notification(self, request_id: str) -> bytes:
+        """The READ's completion message: the request id, or nothing while dropping is asked for."""
+        if self._drop_next:
+            self._drop_next -= 1
+            return b""
+        return request_id.encode()
 
     def _track(self, peer: _Peer, pull: _NixlPull) -> _NixlPull:
         if pull.state is PullState.PENDING:

@@ -93,6 +93,19 @@ def test_backend_level_pull_and_notification(producer, consumer):
     assert wait_for(producer_backend.take_notifications) == ["req-2"]
 
 
+def test_dropped_notification_pulls_the_bytes_and_tells_the_producer_nothing(producer, consumer):
+    (producer_backend, remote), (consumer_backend, local) = producer, consumer
+    consumer_backend.drop_next_notifications(1)
+    pulls = ConsumerConnector(consumer_backend)
+    for request_id, remote_ids, local_ids in (("req-dropped", (4, 9), (5, 6)), ("req-told", (10,), (7,))):
+        pulls.start(TransferParams(request_id, producer_backend.agent_name, remote_ids, 16 * len(remote_ids),
+                                   LAYOUT, time.time() + 30), local_ids)
+        assert [o.state for o in wait_for(pulls.poll)] == [PullStatus.DONE]
+    assert_blocks_pulled(local, (5, 6, 7), remote, (4, 9, 10))
+    # Notifications arrive in order: once the second is here, the first was never sent.
+    assert wait_for(producer_backend.take_notifications) == ["req-told"]
+
+
 def test_layout_mismatch_is_refused_before_nixl_sees_the_peer(producer):
     other = KVLayout("tiny-llama", "float32", 16, 4, 4, 8, 0)
     backend = new_backend("decode")
