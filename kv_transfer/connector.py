@@ -288,6 +288,8 @@ class ConsumerConnector:
 
     def _refusal(self, params: TransferParams, now: float) -> str | None:
         left = params.lease_expires_at - now
+        if left <= 0:
+            return f"the lease expired {-left:.3f}s before the pull could start"
         if left < self._margin:
             return f"lease has {left:.3f}s left, less than the {self._margin:.3f}s margin a pull needs"
         if not self._backend.has_peer(params.producer_id):

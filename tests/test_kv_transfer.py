@@ -286,6 +286,18 @@ def test_start_refuses_a_lease_below_the_margin(producer, consumer, clock):
     assert_blocks_pulled(consumer.layers, (), producer.layers, ())
 
 
+def test_start_refuses_an_expired_lease_saying_so(producer, consumer, clock):
+    leases = ProducerConnector(producer.backend, TINY_LAYOUT, lease_ttl_s=30.0, clock=clock)
+    pulls = ConsumerConnector(consumer.backend, clock=clock)
+    params = leases.hold("req-1", REMOTE_IDS, 16)
+    clock.now = 130.25
+
+    assert pulls.start(params, LOCAL_IDS) is PullStatus.FAILED
+    assert pulls.poll() == [PullOutcome("req-1", PullStatus.FAILED,
+                                        "the lease expired 0.250s before the pull could start", 0, 0.0)]
+    assert_blocks_pulled(consumer.layers, (), producer.layers, ())
+
+
 def test_unknown_producer_fails_cleanly(consumer, clock):
     pulls = ConsumerConnector(consumer.backend, clock=clock)
     params = TransferParams("req-1", "prefill-gone", (1,), 3, TINY_LAYOUT, 130.0)
