@@ -81,7 +81,16 @@ class ApiError(Exception):
         return error_body(self.message, error_type, self.param, self.code)
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        return _AsciiJSONResponse(self.body(), status_code=self.status)
+
+
+class _AsciiJSONResponse(JSONResponse):
+    """JSON with every non-ASCII character escaped: an error message may quote what the client sent
+    (an unknown model name), and a lone surrogate from a JSON escape ("\\ud800") has no UTF-8 form,
+    so JSONResponse's UTF-8 rendering would fail with a 500."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
 
 
 class ClientDisconnected(Exception):
@@ -225,7 +234,9 @@ async def _read_json(request: Request) -> Any:
         raise ClientDisconnected() from None
     try:
         return json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+    except (ValueError, RecursionError) as error:
+        # ValueError: not UTF-8, not JSON, or an integer literal past Python's 4300-digit limit;
+        # RecursionError: arrays or objects nested too deep to parse.
         raise ApiError(400, f"request body is not valid JSON: {error}", code="invalid_json") from None
 
 

@@ -27,6 +27,7 @@ from splitserve.proto.splitserve.v1 import generation_pb2 as pb
 from splitserve.proto.splitserve.v1 import generation_pb2_grpc as pb_grpc
 from splitserve.router.api_common import grpc_deadline, grpc_status
 from splitserve.router.auth import check_authorization
+from splitserve.router.malformed_requests import MalformedRequestInterceptor
 from splitserve.router.orchestrator import GenerationInput, Orchestrator, RouterError, StreamChunk
 from splitserve.router.tokenizer import RouterTokenizer
 from splitserve.router.triton_server import SERVICE_NAME as TRITON_SERVICE_NAME
@@ -185,7 +186,6 @@ def _reflection_pool(files: Iterable[FileDescriptor]) -> descriptor_pool.Descrip
     return pool
 
 
-async def start_grpc_server(orchestrator: Orchestrator, tokenizer: RouterTokenizer, model_name: str,
 @dataclass(frozen=True)
 class GrpcServer:
     """A started gRPC server and its health service."""
@@ -212,6 +212,7 @@ async def drain(orchestrator: Orchestrator, server: GrpcServer, timeout_s: float
     return await orchestrator.drain(timeout_s)
 
 
+async def start_grpc_server(orchestrator: Orchestrator, tokenizer: RouterTokenizer, model_name: str,
                             host: str = "127.0.0.1", port: int = 50051,
                             request_timeout_s: float | None = None,
                             api_key: str | None = None,
@@ -220,7 +221,8 @@ async def drain(orchestrator: Orchestrator, server: GrpcServer, timeout_s: float
     `api_key`, Generation and Triton calls need metadata `authorization: Bearer <api_key>` (health and
     reflection stay open). With `tls`, every service is served over TLS only (mutual TLS when
     it has a client CA)."""
-    interceptors = [ApiKeyInterceptor(api_key)] if api_key else []
+    # The key is checked first: a caller without it learns nothing, not even whether its bytes parse.
+    interceptors = [*([ApiKeyInterceptor(api_key)] if api_key else []), MalformedRequestInterceptor()]
     server = grpc.aio.server(interceptors=interceptors,
                              options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                                       ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])

@@ -147,6 +147,16 @@ def read_eos_token_ids(model_dir: Path) -> frozenset[int]:
     return frozenset([eos] if isinstance(eos, int) else eos)
 
 
+def _check_unicode(text: str, field: str) -> None:
+    """InvalidRequestError unless `text` is valid Unicode: a JSON body can carry a lone surrogate
+    ("\\ud800"), which has no UTF-8 form and which the tokenizer refuses with a TypeError."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise InvalidRequestError(field, f"is not valid Unicode (lone surrogate {text[error.start]!r} at index "
+                                         f"{error.start})") from None
+
+
 def _validate_messages(messages: object) -> list[dict[str, str]]:
     """Plain {"role", "content"} dicts (the only keys a template sees); raises InvalidRequestError."""
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
@@ -158,6 +168,7 @@ def _validate_messages(messages: object) -> list[dict[str, str]]:
         for key in ("role", "content"):
             if not isinstance(message.get(key), str):
                 raise InvalidRequestError(f"messages[{index}].{key}", "missing or not a string")
+            _check_unicode(message[key], f"messages[{index}].{key}")
         plain.append({"role": message["role"], "content": message["content"]})
     return plain
 
@@ -205,7 +216,9 @@ class RouterTokenizer:
         return self._chat_template is not None
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of text, with the tokenizer's own special tokens (e.g. a BOS) added."""
+        """Token ids of text, with the tokenizer's own special tokens (e.g. a BOS) added;
+        InvalidRequestError (field `prompt`) for text that is not valid Unicode."""
+        _check_unicode(text, "prompt")
         return self.backend.encode(text, add_special_tokens=True).ids
 
     def render_chat_template(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True) -> str:

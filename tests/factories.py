@@ -217,10 +217,10 @@ def stream_tokens(port: int, request, timeout_s: float = 120.0) -> tuple[list[in
     return [t for r in responses for t in r.token_ids], "".join(r.text for r in responses), responses
 
 
-def worker_engine_config(block_size: int = 8) -> EngineConfig:
-    """The in-process workers' engine: a 256-block fp32 pool on CPU."""
+def worker_engine_config(block_size: int = 8, max_model_len: int | None = None) -> EngineConfig:
+    """The in-process workers' engine: a 256-block fp32 pool on CPU (max_model_len: the model's unless given)."""
     return EngineConfig(block_size=block_size, num_kv_blocks=256, max_num_batched_tokens=256, dtype="float32",
-                        device="cpu")
+                        device="cpu", max_model_len=max_model_len)
 
 
 def make_prefill_worker(model_dir: Path, engine_config: EngineConfig | None = None, worker_id: str = "prefill-0",
@@ -280,8 +280,9 @@ class InProcessCluster:
 
     def __init__(self, model_dir: Path, mode: str = "disaggregated", num_prefill: int = 1, num_decode: int = 1,
                  lease_ttl_s: float = 30.0, transfer_failure_policy: str = "recompute", block_size: int = 8,
-                 routing=None, slo=None, observer=None):
-        """`observer` gets every ended request's RequestRecord (e.g. a RouterMetrics' observe)."""
+                 routing=None, slo=None, observer=None, max_model_len: int | None = None):
+        """`observer` gets every ended request's RequestRecord (e.g. a RouterMetrics' observe);
+        `max_model_len` caps every request's prompt + output (the model's limit by default)."""
         from splitserve.common.slo import SloConfig
         from splitserve.router.policy import RoutingConfig
 
@@ -293,7 +294,7 @@ class InProcessCluster:
         self.num_prefill = num_prefill if mode == "disaggregated" else 0
         self.num_decode, self.lease_ttl_s, self.policy = num_decode, lease_ttl_s, transfer_failure_policy
         self.observer = observer
-        self.engine_config = worker_engine_config(block_size)
+        self.engine_config = worker_engine_config(block_size, max_model_len)
 
     async def __aenter__(self) -> "InProcessCluster":
         from splitserve.router.orchestrator import Orchestrator

@@ -213,11 +213,24 @@ def test_chat_template_from_the_jinja_file_wins_over_the_config(custom_dir, tmp_
     ([{"role": "user", "content": "hi"}, {"role": "user"}], "messages[1].content"),
     ([{"role": "user", "content": 3}], "messages[0].content"),
     (["hi"], "messages[0]"),
+    ([{"role": "user", "content": "ok"}, {"role": "user", "content": "a\udfff"}], "messages[1].content"),
+    ([{"role": "\ud800", "content": "hi"}], "messages[0].role"),
 ])
 def test_malformed_messages_are_invalid_requests(tiny_llama_dir, messages, field):
     with pytest.raises(InvalidRequestError) as raised:
         RouterTokenizer.from_model_dir(tiny_llama_dir).apply_chat_template(messages)
     assert raised.value.field == field
+
+
+def test_lone_surrogates_are_invalid_requests(tiny_llama_dir):
+    """A JSON string can escape one ("\\ud800"); the tokenizer itself would raise TypeError."""
+    tokenizer = RouterTokenizer.from_model_dir(tiny_llama_dir)
+    with pytest.raises(InvalidRequestError) as raised:
+        tokenizer.encode("ok \ud800")
+    assert str(raised.value) == "prompt: is not valid Unicode (lone surrogate '\\ud800' at index 3)"
+    with pytest.raises(InvalidRequestError) as raised:
+        tokenizer.apply_chat_template([{"role": "user", "content": "\udc80"}])
+    assert str(raised.value) == "messages[0].content: is not valid Unicode (lone surrogate '\\udc80' at index 0)"
 
 
 def test_template_refusal_is_an_invalid_request(custom_dir):

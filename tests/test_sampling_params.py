@@ -8,7 +8,7 @@ import math
 import pytest
 
 from splitserve.common.errors import InvalidRequestError
-from splitserve.common.sampling_params import MAX_LOGPROBS, SamplingParams
+from splitserve.common.sampling_params import MAX_LOGPROBS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SamplingParams
 
 INVALID = [
     ("temperature", -0.1), ("temperature", -1e-9), ("temperature", math.nan), ("temperature", math.inf),
@@ -26,6 +26,9 @@ INVALID = [
     ("stop", [""]), ("stop", ""), ("stop", ["ok", ""]), ("stop", [3]), ("stop", None), ("stop", 3),
     ("stop_token_ids", [-1]), ("stop_token_ids", [1, -1]), ("stop_token_ids", ["a"]), ("stop_token_ids", [True]),
     ("stop_token_ids", [1.0]), ("stop_token_ids", None), ("stop_token_ids", 5),
+    # ints beyond a float's range (a JSON body may carry any integer): rejected, not an OverflowError
+    ("temperature", 10**400), ("top_p", 10**309), ("min_p", -10**400), ("repetition_penalty", 10**309),
+    ("frequency_penalty", 10**400), ("presence_penalty", -10**309),
 ]
 
 
@@ -43,6 +46,18 @@ def test_message_shows_the_rejected_value():
         SamplingParams(max_tokens=True)
     with pytest.raises(InvalidRequestError, match=r"^top_p: must be in \(0, 1\], got 1.5$"):
         SamplingParams(top_p=1.5)
+
+
+def test_stop_lists_are_bounded():
+    """The router scans every stop string for each token on its event loop: the count is capped."""
+    assert len(SamplingParams(stop=[f"s{i}" for i in range(MAX_STOP_STRINGS)]).stop) == MAX_STOP_STRINGS
+    with pytest.raises(InvalidRequestError, match=rf"^stop: must hold at most {MAX_STOP_STRINGS} strings, got "
+                                                  rf"{MAX_STOP_STRINGS + 1}$"):
+        SamplingParams(stop=[f"s{i}" for i in range(MAX_STOP_STRINGS + 1)])
+    assert len(SamplingParams(stop_token_ids=[7] * MAX_STOP_TOKEN_IDS).stop_token_ids) == MAX_STOP_TOKEN_IDS
+    with pytest.raises(InvalidRequestError, match=rf"^stop_token_ids: must hold at most {MAX_STOP_TOKEN_IDS} ids, "
+                                                  rf"got {MAX_STOP_TOKEN_IDS + 1}$"):
+        SamplingParams(stop_token_ids=[7] * (MAX_STOP_TOKEN_IDS + 1))
 
 
 def test_first_invalid_field_in_check_order_is_reported():
