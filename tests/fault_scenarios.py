@@ -209,6 +209,9 @@ class Scenario:
     """Every prompt the driver sends (their undisturbed outputs are computed first)."""
     transfer_failure_policy: str = "recompute"
     lease_ttl_s: float = 30.0
+    num_prefill: int = 1
+    """In-process workers of each pool (InProcessView.prefill / .decode are the first of each)."""
+    num_decode: int = 1
 
 
 def unmet_expectations(scenario: Scenario, outcome: ScenarioOutcome) -> tuple[str, ...]:
@@ -353,7 +356,7 @@ class ClusterView(Protocol):
 
 
 class InProcessView:
-    """An InProcessCluster with one prefill and one decode worker."""
+    """An InProcessCluster; `prefill` and `decode` are the first worker of each pool."""
 
     def __init__(self, cluster: InProcessCluster) -> None:
         self.cluster = cluster
@@ -522,10 +525,11 @@ class Reference:
 
 
 async def run_in_process(scenario: Scenario, model_dir: Path, reference: Reference) -> ScenarioOutcome:
-    """One scenario on a fresh InProcessCluster (1 prefill + 1 decode worker) configured for it."""
+    """One scenario on a fresh InProcessCluster configured for it."""
     reference.prepare(scenario.cases)
     records: list[RequestRecord] = []
-    async with InProcessCluster(model_dir, lease_ttl_s=scenario.lease_ttl_s,
+    async with InProcessCluster(model_dir, num_prefill=scenario.num_prefill, num_decode=scenario.num_decode,
+                                lease_ttl_s=scenario.lease_ttl_s,
                                 transfer_failure_policy=scenario.transfer_failure_policy,
                                 observer=records.append) as cluster:
         return await run_on(InProcessView(cluster), scenario, reference, records)
