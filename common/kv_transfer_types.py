@@ -11,6 +11,17 @@ from dataclasses import dataclass, fields
 
 KV_POOL_LAYOUT = "layer[num_blocks, 2, block_size, num_kv_heads, head_dim]"
 """The only pool layout so far: one tensor per layer, keys then values inside each block."""
+TRANSFER_FAILURE_POLICIES = ("recompute", "fail")
+"""What a decode worker does when a pull fails: recompute the prompt locally, or fail the request."""
+
+
+class KVTransferError(RuntimeError):
+    """A transfer could not be set up or did not complete."""
+
+
+class KVLayoutMismatchError(KVTransferError):
+    """The handshake found two workers whose KV layouts differ (the router tells this apart from a
+    peer that is gone)."""
 
 
 @dataclass(frozen=True)

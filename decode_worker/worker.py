@@ -19,7 +19,7 @@ from pathlib import Path
 from splitserve.common.config import EngineConfig
 from splitserve.common.errors import InvalidRequestError
 from splitserve.common.kv_events import WorkerReport
-from splitserve.common.kv_transfer_types import AgentMetadata
+from splitserve.common.kv_transfer_types import TRANSFER_FAILURE_POLICIES, AgentMetadata
 from splitserve.common.worker_messages import DecodeRequest, TokenDelta, WorkerInfo, WorkerStats
 from splitserve.engine.engine_core import EngineCore
 from splitserve.engine.engine_loop import EngineLoop
@@ -32,7 +32,6 @@ logger = logging.getLogger(__name__)
 
 PULL_POLL_S = 0.0005
 """How often in-flight pulls are polled while the engine has nothing else to do."""
-TRANSFER_FAILURE_POLICIES = ("recompute", "fail")
 ROUTER_SILENCE_S = 30.0
 """A router that has not collected its outputs for this long is gone (its process died): its
 requests are aborted so their KV blocks do not stay taken by streams nobody reads."""

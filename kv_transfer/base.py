@@ -13,15 +13,8 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from splitserve.common.kv_transfer_types import AgentMetadata, KVLayout, TransferParams
-
-
-class KVTransferError(RuntimeError):
-    """A transfer could not be set up or did not complete."""
-
-
-class KVLayoutMismatchError(KVTransferError):
-    """The handshake found two workers whose KV layouts differ."""
+from splitserve.common.kv_transfer_types import (AgentMetadata, KVLayout, KVLayoutMismatchError, KVTransferError,
+                                                 TransferParams)
 
 
 class PullState(enum.Enum):

@@ -28,6 +28,7 @@ from splitserve.common.block_hash import BlockHasher
 from splitserve.common.detokenizer import Decoder, IncrementalDetokenizer
 from splitserve.common.errors import InvalidRequestError
 from splitserve.common.kv_events import LoadReport
+from splitserve.common.kv_transfer_types import KVLayoutMismatchError
 from splitserve.common.kv_transfer_types import TransferParams
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.slo import SloConfig, request_slo_outcome
@@ -555,7 +556,7 @@ class Orchestrator:
             run.worker_finished = result.finish_reason is not None
             return
         run.active_worker_id = decode.client.worker_id
-        await run.call(self._ensure_peer(decode.client, prefill.client))
+        await run.call(self._handshake(decode.client, prefill.client))
         await run.call(self._call(decode.client, "submit", self._decode_request(run, result)))
         async for chunk in self._stream(run, stream):
             yield chunk
@@ -623,6 +624,18 @@ class Orchestrator:
 
     def _worker_params(self, run: _Run) -> SamplingParams:
         return dataclasses.replace(run.inp.sampling_params, stop=())
+
+    async def _handshake(self, decode: WorkerClient, prefill: WorkerClient) -> None:
+        """_ensure_peer; a handshake that fails for another reason than incompatible layouts means
+        the prefill worker's transfer agent is gone (it died holding the KV): the request moves
+        on as when its worker is lost, recomputing what it has streamed."""
+        try:
+            await self._ensure_peer(decode, prefill)
+        except RouterError as error:
+            if isinstance(error.__cause__, KVLayoutMismatchError):
+                raise
+            raise WorkerLostError(prefill.worker_id, f"decode worker {decode.worker_id} cannot reach its KV "
+                                                     f"({error.message})") from error
 
     async def _ensure_peer(self, decode: WorkerClient, prefill: WorkerClient) -> None:
         """Handshake each (decode, prefill agent) pair once; concurrent requests share it."""
