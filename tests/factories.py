@@ -163,8 +163,19 @@ class EventLoopThread:
         return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout_s)
 
     def close(self) -> None:
+        """Cancel what still runs on the loop and wait for it, then stop and close the loop (a task
+        left pending would be finalized later, on whatever code is running then)."""
+        self.run(self._cancel_pending())
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(5)
+        self.loop.close()
+
+    @staticmethod
+    async def _cancel_pending() -> None:
+        pending = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
 
 
 @contextmanager
@@ -245,6 +256,11 @@ def make_decode_worker(model_dir: Path, engine_config: EngineConfig | None = Non
 from splitserve.router.worker_client import LocalWorkerClient, WorkerLostError  # noqa: E402
 
 
+def _retrieve(future: asyncio.Future) -> None:
+    if not future.cancelled():
+        future.exception()
+
+
 class KillableWorkerClient(LocalWorkerClient):
     """A LocalWorkerClient whose worker can die: after kill(), every call, pending ones too,
     raises WorkerLostError as a Ray client does for a dead actor."""
@@ -265,10 +281,12 @@ class KillableWorkerClient(LocalWorkerClient):
         killed = asyncio.ensure_future(self._killed.wait())
         try:
             await asyncio.wait({call, killed}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
+        finally:  # also when this call is cancelled: the worker call is cancelled with it
             killed.cancel()
+            if not call.done() or self.is_killed:
+                call.cancel()
+                call.add_done_callback(_retrieve)  # a dead worker's late error is nobody's business
         if self.is_killed:
-            call.cancel()
             raise WorkerLostError(self.worker_id, "killed by the test")
         return call.result()
 
@@ -393,7 +411,6 @@ class ServedApis:
     loop: EventLoopThread
     http_port: int
     grpc_port: int
-
     grpc_server: object
     """router.server.GrpcServer"""
 
@@ -402,6 +419,7 @@ class ServedApis:
         from splitserve.router.server import drain
 
         return self.loop.run(drain(self.cluster.orchestrator, self.grpc_server, timeout_s))
+
 
 @contextmanager
 def served_apis(model_dir: Path, model_name: str, api_key: str | None = None,
