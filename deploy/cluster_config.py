@@ -19,6 +19,7 @@ from typing import get_args, get_type_hints
 import yaml
 
 from splitserve.common.config import EngineConfig
+from splitserve.common.kv_transfer_types import TRANSFER_FAILURE_POLICIES
 from splitserve.common.slo import SloConfig
 from splitserve.router.policy import RoutingConfig
 from splitserve.router.tls import TlsConfig
@@ -61,10 +62,24 @@ class RayResources:
     """CPUs per actor; Ray also sets the actor's OMP_NUM_THREADS to floor(num_cpus) (at least 1)."""
     num_gpus: float = 0.0
     """GPUs per actor (fractions share a GPU); must be > 0 for an engine on cuda."""
+    node_labels: str | None = None
+    """Ray node labels an actor must be placed on, comma-separated key=value (a Ray
+    label_selector): on KubeRay, `ray.io/node-group=<worker group>` pins a pool to its group.
+    A private local Ray (no ray_address) is one node, started with these labels. None: any node."""
 
     def __post_init__(self) -> None:
         _require(self.num_cpus >= 0, "num_cpus", f"must be >= 0, got {self.num_cpus}")
         _require(self.num_gpus >= 0, "num_gpus", f"must be >= 0, got {self.num_gpus}")
+        pairs = [] if self.node_labels is None else [item.partition("=") for item in self.node_labels.split(",")]
+        _require(all(key.strip() and sep and value.strip() for key, sep, value in pairs), "node_labels",
+                 f"must be comma-separated key=value pairs, got {self.node_labels!r}")
+
+    @property
+    def label_selector(self) -> dict[str, str]:
+        """node_labels as Ray's label_selector ({} when unset)."""
+        if self.node_labels is None:
+            return {}
+        return {key.strip(): value.strip() for key, _, value in (item.partition("=") for item in self.node_labels.split(","))}
 
 
 @dataclass(frozen=True)
@@ -154,21 +169,45 @@ class ClusterConfig:
     """The public front: the gRPC and OpenAI-compatible HTTP APIs."""
     kv_transfer_backend: str = "nixl"
     """How decode pulls prefill's KV blocks: nixl (UCX/RDMA), or inprocess (tests, one process)."""
+    kv_transfer_failure_policy: str = "recompute"
+    """What a decode worker does when a pull fails (lease expired, prefill worker gone):
+    recompute the prompt itself (the stream goes on, same greedy output) or fail the request."""
     ray_address: str | None = None
     """Ray cluster to join; None starts a local Ray bound to 127.0.0.1."""
+    worker_start_timeout_s: float = 600.0
+    """How long every worker actor may take to be placed and load its model before serving gives
+    up with an error naming the workers still missing (e.g. no node has their resources or labels)."""
 
     def __post_init__(self) -> None:
         _require(self.model != "", "model", "must not be empty")
         _require(self.mode in MODES, "mode", f"must be one of {MODES}, got {self.mode!r}")
         _require(self.kv_transfer_backend in KV_TRANSFER_BACKENDS, "kv_transfer_backend",
                  f"must be one of {KV_TRANSFER_BACKENDS}, got {self.kv_transfer_backend!r}")
+        _require(self.kv_transfer_failure_policy in TRANSFER_FAILURE_POLICIES, "kv_transfer_failure_policy",
+                 f"must be one of {TRANSFER_FAILURE_POLICIES}, got {self.kv_transfer_failure_policy!r}")
         _require(self.ray_address != "", "ray_address", "must not be empty (null starts a local Ray)")
+        _require(self.worker_start_timeout_s > 0, "worker_start_timeout_s",
+                 f"must be > 0, got {self.worker_start_timeout_s}")
         _require(self.decode.replicas >= 1, "decode.replicas", f"must be >= 1, got {self.decode.replicas}")
+        if self.ray_address is None:
+            self._check_local_labels()
         if self.mode == "colocated":
             _require(self.prefill.replicas == 0, "prefill.replicas",
                      f"must be 0 in colocated mode (decode workers do both phases), got {self.prefill.replicas}")
         else:
             self._check_disaggregated_pools()
+
+    def _check_local_labels(self) -> None:
+        """A private local Ray is one node: it can carry the labels of both pools only if they agree."""
+        prefill, decode = self.prefill.resources.label_selector, self.decode.resources.label_selector
+        clash = sorted(key for key in prefill.keys() & decode.keys() if prefill[key] != decode[key])
+        _require(not clash, "decode.resources.node_labels",
+                 f"cannot differ from prefill's on {clash} when ray_address is null (a local Ray is one node)")
+
+    @property
+    def local_node_labels(self) -> dict[str, str]:
+        """The labels a private local Ray's one node carries: every pool's."""
+        return {**self.prefill.resources.label_selector, **self.decode.resources.label_selector}
 
     def _check_disaggregated_pools(self) -> None:
         _require(self.prefill.replicas >= 1, "prefill.replicas",

@@ -61,7 +61,7 @@ def start_ray(config: ClusterConfig) -> None:
     num_cpus = max(os.cpu_count() or 1, sum(p.replicas * p.resources.num_cpus for p in pools))
     num_gpus = sum(p.replicas * p.resources.num_gpus for p in pools)
     ray.init(address="local", include_dashboard=False, num_cpus=int(num_cpus + 0.999), num_gpus=num_gpus,
-             runtime_env={"env_vars": env_vars}, logging_level=logging.WARNING)
+             labels=config.local_node_labels, runtime_env={"env_vars": env_vars}, logging_level=logging.WARNING)
 
 
 @dataclass
@@ -100,9 +100,11 @@ class LocalCluster:
         if disaggregated:
             self.prefill_actors = self._spawn(PrefillWorker, "prefill", config.prefill, model_dir,
                                               lease_ttl_s=config.router.lease_ttl_s)
-        self.decode_actors = self._spawn(DecodeWorker, "decode", config.decode, model_dir)
+        self.decode_actors = self._spawn(DecodeWorker, "decode", config.decode, model_dir,
+                                         transfer_failure_policy=config.kv_transfer_failure_policy)
         prefill = [RayWorkerClient(f"prefill-{i}", a) for i, a in enumerate(self.prefill_actors)]
         decode = [RayWorkerClient(f"decode-{i}", a) for i, a in enumerate(self.decode_actors)]
+        await self._wait_started([*prefill, *decode])
         tokenizer = await asyncio.to_thread(RouterTokenizer.from_model_dir, model_dir)
         if config.router.metrics_port is not None:
             self.metrics = RouterMetrics(config.router.slo)
@@ -127,11 +129,26 @@ class LocalCluster:
         return self.port
 
     def _spawn(self, worker_class: type, role: str, pool: PoolConfig, model_dir: str, **extra: Any) -> list[Any]:
+        placement = {"label_selector": pool.resources.label_selector} if pool.resources.node_labels else {}
         actor_class = ray.remote(worker_class).options(
             num_cpus=pool.resources.num_cpus, num_gpus=pool.resources.num_gpus, max_restarts=0,
-            max_concurrency=1000)
+            max_concurrency=1000, **placement)
         return [actor_class.remote(model_dir, pool.engine, self.config.kv_transfer_backend,
                                    worker_id=f"{role}-{index}", **extra) for index in range(pool.replicas)]
+
+    async def _wait_started(self, clients: list[RayWorkerClient]) -> None:
+        """Every worker placed and answering, or an error naming those that are not."""
+        calls = {asyncio.ensure_future(client.call("info")): client.worker_id for client in clients}
+        done, pending = await asyncio.wait(calls, timeout=self.config.worker_start_timeout_s)
+        for call in pending:
+            call.cancel()
+        if pending:
+            missing = sorted(calls[call] for call in pending)
+            raise RuntimeError(f"workers {missing} did not start within worker_start_timeout_s "
+                               f"({self.config.worker_start_timeout_s:g} s): no Ray node has the resources and "
+                               "node_labels they ask for, or their model is still loading")
+        for call in done:
+            call.result()  # a worker that failed to start raises its error here
 
     async def drain(self) -> int:
         """Refuse new requests and report NOT_SERVING (gRPC health, HTTP /health 503), then wait

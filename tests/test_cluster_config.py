@@ -27,7 +27,8 @@ from splitserve.deploy.cluster_config import (
 )
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "deploy" / "configs" / "local.yaml"
-ROOT_KEYS = "decode, kv_transfer_backend, mode, model, prefill, ray_address, router"
+ROOT_KEYS = ("decode, kv_transfer_backend, kv_transfer_failure_policy, mode, model, prefill, ray_address, router, "
+             "worker_start_timeout_s")
 POOL_KEYS = "engine, replicas, resources"
 
 
@@ -106,7 +107,15 @@ BAD_FILES = [
     ("null: x", f"None: unknown key (known: {ROOT_KEYS})"),
     ("router_port: 1", f"router_port: unknown key (known: {ROOT_KEYS})"),
     ("router: {port: 1}", "router.port: unknown key (known: api_key_env, drain_timeout_s, grpc_port, host, http_port, lease_ttl_s, metrics_port, request_timeout_s, routing, slo, tls)"),
-    ("prefill: {resources: {gpus: 1}}", "prefill.resources.gpus: unknown key (known: num_cpus, num_gpus)"),
+    ("prefill: {resources: {gpus: 1}}", "prefill.resources.gpus: unknown key (known: node_labels, num_cpus, num_gpus)"),
+    ("prefill: {resources: {node_labels: 'a=b,c'}}",
+     "prefill.resources.node_labels: must be comma-separated key=value pairs, got 'a=b,c'"),
+    ("prefill: {resources: {node_labels: 'pool=p'}}\ndecode: {resources: {node_labels: 'pool=d'}}",
+     "decode.resources.node_labels: cannot differ from prefill's on ['pool'] when ray_address is null (a local Ray "
+     "is one node)"),
+    ("kv_transfer_failure_policy: retry",
+     "kv_transfer_failure_policy: must be one of ('recompute', 'fail'), got 'retry'"),
+    ("worker_start_timeout_s: 0", "worker_start_timeout_s: must be > 0, got 0.0"),
     ("decode: {engine: {max_num_seqs: '8'}}", "decode.engine.max_num_seqs: must be an integer, got '8'"),
     ("prefill: {replicas: true}", "prefill.replicas: must be an integer, got True"),
     ("router: {grpc_port: 1.5}", "router.grpc_port: must be an integer, got 1.5"),

@@ -246,21 +246,31 @@ BROKEN: dict[str, tuple[Callable[[dict], None], list[str]]] = {
          "(known: attention_backend, block_size, device, dtype, enable_chunked_prefill, enable_prefix_caching, "
          "hash_seed, kv_cache_memory_bytes, kv_cache_memory_fraction, max_model_len, max_num_batched_tokens, "
          "max_num_seqs, num_kv_blocks, num_threads, seed)"]),
-    "router on loopback, private Ray": (
-        lambda d: (_config(d, "host: 0.0.0.0", "host: 127.0.0.1"),
-                   _config(d, "ray_address: auto", "ray_address: null")),
+    "router on loopback": (
+        lambda d: _config(d, "host: 0.0.0.0", "host: 127.0.0.1"),
+        [f"{RC}: cluster config: router.host: 127.0.0.1 is unreachable from the Service and the probes; use 0.0.0.0"]),
+    "private Ray": (  # its one node cannot be in both worker groups
+        lambda d: _config(d, "ray_address: auto", "ray_address: null"),
+        ["configmap.yaml: ConfigMap/splitserve-config: data.cluster.yaml: decode.resources.node_labels: cannot "
+         "differ from prefill's on ['ray.io/node-group'] when ray_address is null (a local Ray is one node)"]),
+    "private Ray, unpinned pools": (
+        lambda d: (_config(d, "ray_address: auto", "ray_address: null"),
+                   _config(d, "    node_labels: ray.io/node-group=prefill\n", ""),
+                   _config(d, "    node_labels: ray.io/node-group=decode\n", "")),
         [f"{RC}: cluster config: ray_address: must be `auto` (join the RayCluster); null starts a private Ray in the "
-         "head pod",
-         f"{RC}: cluster config: router.host: 127.0.0.1 is unreachable from the Service and the probes; use 0.0.0.0"]),
+         "head pod"]
+        + [f"{RC}: cluster config: {pool}: resources.node_labels must select its worker group "
+           f"(ray.io/node-group={pool}), got None: else Ray may place its actors on another group's pods"
+           for pool in ("prefill", "decode")]),
     "more actors than GPUs": (
         lambda d: _config(d, "replicas: 2", "replicas: 3"),
         [f"{RC}: cluster config: prefill: 3 actors x (4 CPU, 1 GPU) do not fit worker group prefill: "
          "2 pods x (8 CPU, 1 GPU)"]),
-    "pools with different actor shapes": (
-        lambda d: _config(d, "num_cpus: 4", "num_cpus: 8"),
-        [f"{RC}: cluster config: pools ask for different resources per actor ({{(4.0, 1.0), (8.0, 1.0)}}): until "
-         "pools are pinned to their worker groups, Ray may put one pool's actors on the other's pods and leave "
-         "actors unplaced"]),
+    "pool not pinned to its group": (
+        lambda d: _config(d, "node_labels: ray.io/node-group=decode", "node_labels: ray.io/node-group=prefill"),
+        [f"{RC}: cluster config: decode: resources.node_labels must select its worker group "
+         "(ray.io/node-group=decode), got 'ray.io/node-group=prefill': else Ray may place its actors on another "
+         "group's pods"]),
     "grpc port moved": (
         lambda d: _config(d, "grpc_port: 50051", "grpc_port: 50052"),
         [f"{RC}: cluster config: router port 50052 needs a head container port named grpc with containerPort 50052, "

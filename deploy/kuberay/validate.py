@@ -44,6 +44,8 @@ PROMETHEUS_JOB = "splitserve"
 HEAD_ENTRYPOINT = "/usr/local/bin/splitserve-ray-head"
 OVERWRITE_CMD_ANNOTATION = "ray.io/overwrite-container-cmd"
 POOLS = ("prefill", "decode")
+NODE_GROUP_LABEL = "ray.io/node-group"
+"""The Ray node label holding a node's KubeRay worker group name."""
 """Cluster config pools; each runs on the worker group of the same name."""
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
 _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
@@ -430,22 +432,22 @@ def _model_errors(head: RayPod, workers: Mapping[str, tuple[RayPod, int]], confi
 
 
 def _capacity_errors(workers: Mapping[str, tuple[RayPod, int]], config) -> list[str]:
-    """Each pool fits its worker group; and, as actors are not pinned to groups yet, any actor fits any pod."""
+    """Each pool is pinned to the worker group of its name (Ray labels every node with its group
+    as ray.io/node-group) and fits it."""
     pools = {name: getattr(config, name) for name in POOLS if getattr(config, name).replicas > 0}
     errors = []
     for name, pool in pools.items():
         if name not in workers:
             errors.append(f"{name}: {pool.replicas} actors but no worker group named {name}")
             continue
+        if pool.resources.label_selector.get(NODE_GROUP_LABEL) != name:
+            errors.append(f"{name}: resources.node_labels must select its worker group ({NODE_GROUP_LABEL}={name}), "
+                          f"got {pool.resources.node_labels!r}: else Ray may place its actors on another group's pods")
         pod, replicas = workers[name]
         if replicas * _actors_per_pod(pod, pool.resources) < pool.replicas:
             cpus, gpus = pod.ray_resources()
             errors.append(f"{name}: {pool.replicas} actors x ({_shape(pool.resources)}) do not fit worker group "
                           f"{name}: {replicas} pods x ({cpus:g} CPU, {gpus:g} GPU)")
-    shapes = {(p.resources.num_cpus, p.resources.num_gpus) for p in pools.values()}
-    if len(shapes) > 1:
-        errors.append(f"pools ask for different resources per actor ({shapes}): until pools are pinned to their worker "
-                      "groups, Ray may put one pool's actors on the other's pods and leave actors unplaced")
     return errors
 
 
