@@ -790,6 +790,41 @@ async def prefill_dies_holding_kv(harness: Harness, handshake_first: bool) -> No
     await stream.ended()
 
 
+# ---- worker loss: the request moves -------------------------------------------------------------
+async def decode_dies_while_decoding(harness: Harness) -> None:
+    """The request's decode worker (decode-0: the first request's tie goes to it) dies after
+    DECODE_HOLD_TOKENS tokens; the router moves the stream to decode-1."""
+    hold = harness.hold_steps(harness.view.decode, decoding)
+    stream = harness.open(SHORT)
+    await hold.reached()
+    harness.view.kill(harness.view.decode)
+    hold.release()
+    await stream.ended()
+
+
+async def prefill_dies_while_queued(harness: Harness) -> None:
+    """The prompt waits on prefill-0 (the first request's tie goes to it) when it dies; the router
+    hands the prompt to prefill-1."""
+    hold = harness.hold_steps(harness.view.prefill, unscheduled)
+    stream = harness.open(SHORT)
+    await hold.reached()
+    harness.view.kill(harness.view.prefill)
+    hold.release()
+    await stream.ended()
+
+
+def _worker_loss_scenarios() -> list[Scenario]:
+    return [
+        Scenario("decode-dies-while-decoding", "worker loss",
+                 f"the decode worker dies after {DECODE_HOLD_TOKENS} of {SHORT.max_tokens} tokens: the request moves "
+                 "to the other decode worker, which recomputes prompt + streamed tokens",
+                 decode_dies_while_decoding, Expected(_one(OK), lease_expiries=None), (SHORT,), num_decode=2),
+        Scenario("prefill-dies-while-queued", "worker loss",
+                 "the prefill worker dies with the prompt queued: the router sends it to the other prefill worker",
+                 prefill_dies_while_queued, Expected(_one(OK), lease_expiries=None), (SHORT,), num_prefill=2),
+    ]
+
+
 # ---- a bounded load with random cancels ---------------------------------------------------------
 LOAD_SEED = 6
 LOAD_CONCURRENCY = 16
@@ -915,6 +950,7 @@ def _transfer_fault_scenarios() -> list[Scenario]:
 IN_PROCESS_SCENARIOS: tuple[Scenario, ...] = (
     *_state_scenarios(),
     *_transfer_fault_scenarios(),
+    *_worker_loss_scenarios(),
     Scenario("load-random-cancels", "load",
              f"{len(LOAD_CASES)} requests, {LOAD_CONCURRENCY} at a time (seed {LOAD_SEED}); {LOAD_CANCELS} cancelled "
              f"at a random time (0-{LOAD_MAX_CANCEL_DELAY_S:g} s) or after a random number of chunks",
@@ -954,13 +990,15 @@ GROUPS = {
     "cancel": ("Cancellation in each state", "in-process"),
     "deadline": ("Deadline expiry in each state", "in-process"),
     "transfer fault": ("Transfer faults", "in-process"),
+    "worker loss": ("Worker loss: requests move", "in-process"),
     "load": ("Bounded load with random cancels", "in-process"),
     "nixl": ("NIXL between Ray actors", "ray"),
 }
 """group -> (heading, where it runs)."""
 SETUPS = {
-    "in-process": "InProcessCluster: the router's orchestrator, 1 prefill + 1 decode worker and the in-process "
-                  "KV transfer backend in one process, a fresh cluster per scenario",
+    "in-process": "InProcessCluster: the router's orchestrator, 1 prefill + 1 decode worker (2 of the pool that "
+                  "loses one in the worker-loss scenarios) and the in-process KV transfer backend in one process, a "
+                  "fresh cluster per scenario",
     "ray": f"one LocalCluster: Ray on loopback, 1 prefill + 1 decode actor, KV pulled over NIXL (UCX), "
            f"router.lease_ttl_s {RAY_LEASE_TTL_S:g} s, the scenarios in order on it",
 }
