@@ -263,11 +263,16 @@ def _retrieve(future: asyncio.Future) -> None:
 
 class KillableWorkerClient(LocalWorkerClient):
     """A LocalWorkerClient whose worker can die: after kill(), every call, pending ones too,
-    raises WorkerLostError as a Ray client does for a dead actor."""
+    raises WorkerLostError as a Ray client does for a dead actor. After freeze(), no call
+    answers any more (a hung process or a cut network) until kill()."""
 
     def __init__(self, worker_id: str, worker) -> None:
         super().__init__(worker_id, worker)
         self._killed = asyncio.Event()
+        self._frozen = False
+
+    def freeze(self) -> None:
+        self._frozen = True
 
     @property
     def is_killed(self) -> bool:
@@ -286,6 +291,8 @@ class KillableWorkerClient(LocalWorkerClient):
             if not call.done() or self.is_killed:
                 call.cancel()
                 call.add_done_callback(_retrieve)  # a dead worker's late error is nobody's business
+        if self._frozen and not self.is_killed:
+            await self._killed.wait()
         if self.is_killed:
             raise WorkerLostError(self.worker_id, "killed by the test")
         return call.result()
@@ -343,6 +350,10 @@ class InProcessCluster:
 
         inp = GenerationInput(request_id, tuple(prompt_token_ids), params, deadline)
         return [chunk async for chunk in self.orchestrator.generate(inp)]
+
+    def freeze(self, worker_id: str) -> None:
+        """The worker stops answering (its process hangs): calls to it wait until kill()."""
+        self.clients[worker_id].freeze()
 
     def kill(self, worker_id: str) -> None:
         """The worker dies as a process would: the router's calls to it fail from now on and its

@@ -34,17 +34,17 @@ async def _decode_worker_running_a_request(cluster: InProcessCluster) -> str:
     raise AssertionError("no decode worker runs a request")
 
 
-async def _generate_killing_decode_after(cluster: InProcessCluster, num_tokens: int,
-                                         inp: GenerationInput) -> tuple[list[int], str]:
-    """Stream the request; once `num_tokens` tokens arrived, kill the decode worker running it.
-    Returns the streamed tokens and the killed worker's id."""
+async def _generate_killing_decode_after(cluster: InProcessCluster, num_tokens: int, inp: GenerationInput,
+                                         fault=InProcessCluster.kill) -> tuple[list[int], str]:
+    """Stream the request; once `num_tokens` tokens arrived, kill (or another `fault`) the decode
+    worker running it. Returns the streamed tokens and that worker's id."""
     tokens: list[int] = []
     killed = ""
     async for chunk in cluster.orchestrator.generate(inp):
         tokens.extend(chunk.token_ids)
         if not killed and len(tokens) >= num_tokens:
             killed = await _decode_worker_running_a_request(cluster)
-            cluster.kill(killed)
+            fault(cluster, killed)
     return tokens, killed
 
 
@@ -64,6 +64,30 @@ def test_killing_the_decode_worker_mid_stream_moves_the_request_and_the_stream_g
     assert (record.finish_reason, record.error_code, record.num_migrations) == ("length", None, 1)
     assert record.decode_worker != killed and record.num_output_tokens == NUM_TOKENS
     assert len(record.inter_token_latencies) == NUM_TOKENS - 1
+
+
+def test_a_decode_worker_that_stops_answering_is_dropped_after_the_report_timeout_and_its_stream_moves(
+        tiny_llama_dir, monkeypatch):
+    from splitserve.router import reports
+
+    monkeypatch.setattr(reports, "REPORT_TIMEOUT_S", 0.3)
+    records = []
+
+    async def scenario():
+        async with InProcessCluster(tiny_llama_dir, num_decode=2, routing=ROUND_ROBIN,
+                                    observer=records.append) as cluster:
+            tokens, frozen = await _generate_killing_decode_after(
+                cluster, 4, GenerationInput("a", tuple(PROMPT), GREEDY), InProcessCluster.freeze)
+            unroutable = cluster.orchestrator.monitor.load(frozen) is None
+            cluster.kill(frozen)
+            await cluster.wait_idle()
+            return tokens, frozen, unroutable
+
+    tokens, frozen, unroutable = asyncio.run(scenario())
+    assert tokens == hf_greedy(tiny_llama_dir, GreedyCase(PROMPT, NUM_TOKENS, True))
+    [record] = records
+    assert (record.finish_reason, record.num_migrations) == ("length", 1) and record.decode_worker != frozen
+    assert unroutable
 
 
 def test_a_prefill_worker_lost_before_it_answers_hands_the_prompt_to_another(tiny_llama_dir):
