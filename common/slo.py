@@ -8,10 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise ValueError(message)
+from splitserve.common.validation import require
 
 
 @dataclass(frozen=True)
@@ -28,7 +25,7 @@ class SloConfig:
     def __post_init__(self) -> None:
         for name in ("ttft_s", "tpot_s"):
             value = getattr(self, name)
-            _require(value is None or 0 < value < float("inf"), f"{name} must be a finite number > 0, got {value}")
+            require(value is None or 0 < value < float("inf"), f"{name} must be a finite number > 0, got {value}")
 
 
 @dataclass(frozen=True)

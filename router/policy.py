@@ -20,13 +20,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
+from splitserve.common.validation import require
+
 ROUTING_POLICIES = ("prefix_aware", "least_loaded", "round_robin")
 DISAGGREGATION_MODES = ("auto", "always", "never")
-
-
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise ValueError(message)
 
 
 @dataclass(frozen=True)
@@ -60,21 +57,21 @@ class RoutingConfig:
     streamed so far elsewhere) before it fails with UNAVAILABLE; 0: never move."""
 
     def __post_init__(self) -> None:
-        _require(self.policy in ROUTING_POLICIES, f"policy must be one of {ROUTING_POLICIES}, got {self.policy!r}")
-        _require(self.disaggregation in DISAGGREGATION_MODES,
+        require(self.policy in ROUTING_POLICIES, f"policy must be one of {ROUTING_POLICIES}, got {self.policy!r}")
+        require(self.disaggregation in DISAGGREGATION_MODES,
                  f"disaggregation must be one of {DISAGGREGATION_MODES}, got {self.disaggregation!r}")
-        _require(self.max_local_prefill_tokens >= 0,
+        require(self.max_local_prefill_tokens >= 0,
                  f"max_local_prefill_tokens must be >= 0, got {self.max_local_prefill_tokens}")
-        _require(self.default_prefill_s_per_token > 0,
+        require(self.default_prefill_s_per_token > 0,
                  f"default_prefill_s_per_token must be > 0, got {self.default_prefill_s_per_token}")
-        _require(self.transfer_s_per_token >= 0, f"transfer_s_per_token must be >= 0, got {self.transfer_s_per_token}")
-        _require(self.admission_ttft_factor > 0,
+        require(self.transfer_s_per_token >= 0, f"transfer_s_per_token must be >= 0, got {self.transfer_s_per_token}")
+        require(self.admission_ttft_factor > 0,
                  f"admission_ttft_factor must be > 0, got {self.admission_ttft_factor}")
-        _require(self.max_queued_prefill_tokens is None or self.max_queued_prefill_tokens >= 1,
+        require(self.max_queued_prefill_tokens is None or self.max_queued_prefill_tokens >= 1,
                  f"max_queued_prefill_tokens must be >= 1, got {self.max_queued_prefill_tokens}")
-        _require(self.max_in_flight_requests is None or self.max_in_flight_requests >= 1,
+        require(self.max_in_flight_requests is None or self.max_in_flight_requests >= 1,
                  f"max_in_flight_requests must be >= 1, got {self.max_in_flight_requests}")
-        _require(self.max_migrations >= 0, f"max_migrations must be >= 0, got {self.max_migrations}")
+        require(self.max_migrations >= 0, f"max_migrations must be >= 0, got {self.max_migrations}")
 
 
 @dataclass(frozen=True)
@@ -88,9 +85,9 @@ class RoutingRequest:
     """This request's TTFT SLO (the caller applies the config default); None: no TTFT check."""
 
     def __post_init__(self) -> None:
-        _require(self.num_prompt_tokens >= 1, f"num_prompt_tokens must be >= 1, got {self.num_prompt_tokens}")
-        _require(self.num_blocks_needed >= 1, f"num_blocks_needed must be >= 1, got {self.num_blocks_needed}")
-        _require(self.ttft_slo_s is None or self.ttft_slo_s > 0, f"ttft_slo_s must be > 0, got {self.ttft_slo_s}")
+        require(self.num_prompt_tokens >= 1, f"num_prompt_tokens must be >= 1, got {self.num_prompt_tokens}")
+        require(self.num_blocks_needed >= 1, f"num_blocks_needed must be >= 1, got {self.num_blocks_needed}")
+        require(self.ttft_slo_s is None or self.ttft_slo_s > 0, f"ttft_slo_s must be > 0, got {self.ttft_slo_s}")
 
 
 @dataclass(frozen=True)
@@ -128,8 +125,8 @@ class DecodeCandidate:
     """Requests this router has assigned there and not seen finish (least_loaded)."""
 
     def __post_init__(self) -> None:
-        _require(self.max_num_seqs >= 1, f"{self.worker_id}: max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        _require(0 <= self.num_free_kv_blocks <= self.num_kv_blocks,
+        require(self.max_num_seqs >= 1, f"{self.worker_id}: max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        require(0 <= self.num_free_kv_blocks <= self.num_kv_blocks,
                  f"{self.worker_id}: need 0 <= num_free_kv_blocks <= num_kv_blocks, "
                  f"got {self.num_free_kv_blocks} and {self.num_kv_blocks}")
 

@@ -16,12 +16,9 @@ from pathlib import Path
 
 import grpc
 
+from splitserve.common.validation import require
+
 TLS_FILE_FIELDS = ("cert_file", "key_file", "client_ca_file")
-
-
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise ValueError(message)
 
 
 @dataclass(frozen=True)
@@ -45,7 +42,7 @@ class TlsConfig:
             path = getattr(self, name)
             if path is None and name == "client_ca_file":
                 continue
-            _require(isinstance(path, str) and path != "" and Path(path).is_file(),
+            require(isinstance(path, str) and path != "" and Path(path).is_file(),
                      f"{name} must name an existing file, got {path!r}")
 
     @property
