@@ -15,8 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from splitserve.common.block_hash import BlockHasher
 from splitserve.proto.splitserve.v1 import generation_pb2 as pb
 from splitserve.proto.splitserve.v1 import generation_pb2_grpc
-from tests.factories import (EventLoopThread, hf_greedy, mixed_workload, running_cluster, stream_tokens,
-                             tiny_cluster_config)
+from tests.factories import hf_greedy, mixed_workload, running_cluster, stream_tokens, tiny_cluster_config
 
 pytestmark = pytest.mark.slow
 
@@ -210,31 +209,3 @@ def test_serve_command_drains_and_stops_cleanly_on_sigterm(tiny_llama_dir):
         if server.poll() is None:
             server.kill()
 
-
-def test_pools_are_placed_only_on_nodes_with_their_labels(tiny_llama_dir):
-    import ray
-
-    from splitserve.deploy.local import LocalCluster
-
-    assert not ray.is_initialized()
-    ray.init(address="local", include_dashboard=False, num_cpus=2, labels={"splitserve.io/pool": "tiny"},
-             logging_level="ERROR")
-    try:
-        missing = tiny_cluster_config(tiny_llama_dir, "colocated", decode=1, **{
-            "decode.resources.node_labels": "splitserve.io/pool=big", "worker_start_timeout_s": 3})
-        loop = EventLoopThread()
-        try:
-            with pytest.raises(RuntimeError) as error:
-                loop.run(LocalCluster(missing).start())
-        finally:
-            loop.close()
-        assert str(error.value) == (
-            "workers ['decode-0'] did not start within worker_start_timeout_s (3 s): no Ray node has the resources "
-            "and node_labels they ask for, or their model is still loading")
-        labelled = tiny_cluster_config(tiny_llama_dir, **{f"{pool}.resources.node_labels": "splitserve.io/pool=tiny"
-                                                          for pool in ("prefill", "decode")})
-        with running_cluster(labelled) as (cluster, _):
-            request = pb.GenerateRequest(text=b"hello", sampling=pb.SamplingParams(max_tokens=3, ignore_eos=True))
-            assert len(stream_tokens(cluster.port, request)[0]) == 3
-    finally:
-        ray.shutdown()
