@@ -188,11 +188,17 @@ def _reflection_pool(files: Iterable[FileDescriptor]) -> descriptor_pool.Descrip
 
 @dataclass(frozen=True)
 class GrpcServer:
-    """A started gRPC server and its health service."""
+    """A started gRPC server and its health service.
+
+    Health: service "" (liveness) is SERVING while the server runs; the served APIs (Generation,
+    Triton) follow Orchestrator.is_ready, so a readiness probe takes the router out of rotation
+    while no decode worker answers, and every service is NOT_SERVING once a drain starts."""
 
     server: grpc.aio.Server
     port: int
     health: health.aio.HealthServicer
+    readiness: asyncio.Task
+    """Keeps the served APIs' health in step with the orchestrator's readiness."""
 
     async def stop_serving(self) -> None:
         """Report NOT_SERVING for every service from now on (a drain: probes and load balancers
@@ -200,7 +206,27 @@ class GrpcServer:
         await self.health.enter_graceful_shutdown()
 
     async def stop(self, grace_s: float | None) -> None:
+        self.readiness.cancel()
         await self.server.stop(grace_s)
+
+
+READINESS_POLL_S = 0.5
+SERVED_APIS = (SERVICE_NAME, TRITON_SERVICE_NAME)
+
+
+async def _set_readiness(health_servicer: health.aio.HealthServicer, ready: bool) -> None:
+    status = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
+    for service in SERVED_APIS:
+        await health_servicer.set(service, status)
+
+
+async def _track_readiness(orchestrator: Orchestrator, health_servicer: health.aio.HealthServicer,
+                           ready: bool) -> None:
+    while True:
+        await asyncio.sleep(READINESS_POLL_S)
+        if orchestrator.is_ready != ready:
+            ready = orchestrator.is_ready
+            await _set_readiness(health_servicer, ready)
 
 
 async def drain(orchestrator: Orchestrator, server: GrpcServer, timeout_s: float) -> int:
@@ -237,6 +263,8 @@ async def start_grpc_server(orchestrator: Orchestrator, tokenizer: RouterTokeniz
         _reflection_pool((pb.DESCRIPTOR, triton_pb.DESCRIPTOR, health_pb2.DESCRIPTOR, reflection_pb2.DESCRIPTOR)))
     bound = bind_grpc_port(server, host, port, tls)
     await server.start()
-    for service in ("", SERVICE_NAME, TRITON_SERVICE_NAME):
-        await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
-    return GrpcServer(server, bound, health_servicer)
+    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    ready = orchestrator.is_ready
+    await _set_readiness(health_servicer, ready)
+    readiness = asyncio.get_running_loop().create_task(_track_readiness(orchestrator, health_servicer, ready))
+    return GrpcServer(server, bound, health_servicer, readiness)

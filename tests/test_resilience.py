@@ -309,3 +309,28 @@ def _http_health(port: int) -> tuple[int, bytes]:
         return response.status, response.read()
     finally:
         connection.close()
+
+
+def test_grpc_readiness_follows_the_decode_pool_and_liveness_stays_serving(tiny_llama_dir):
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from tests.factories import served_apis
+
+    def statuses(channel) -> list[int]:
+        stub = health_pb2_grpc.HealthStub(channel)
+        return [stub.Check(health_pb2.HealthCheckRequest(service=s)).status
+                for s in ("", "splitserve.v1.Generation", "inference.GRPCInferenceService")]
+
+    serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+    with served_apis(tiny_llama_dir, "tiny") as served, \
+            grpc.insecure_channel(f"127.0.0.1:{served.grpc_port}") as channel:
+        before = statuses(channel)
+        served.cluster.kill("decode-0")
+        deadline = time.monotonic() + 30
+        while statuses(channel)[1] != not_serving:
+            assert time.monotonic() < deadline, "readiness did not follow the lost decode pool"
+            time.sleep(0.05)
+        after, http_health = statuses(channel), _http_health(served.http_port)
+    assert before == [serving] * 3 and after == [serving, not_serving, not_serving]
+    assert (http_health[0], json.loads(http_health[1])["error"]["message"]) == (503, "no decode worker is answering")
