@@ -72,6 +72,13 @@ def test_a_restarted_worker_no_longer_claims_its_old_blocks(tiny_llama_dir):
             await _wait_for(lambda: _holds_prefix(cluster, "prefill-0", prompt))
             assert cluster.orchestrator.index.num_blocks("prefill-0") == len(prompt) // BLOCK_SIZE
             old = cluster.prefill_workers[0]
+            old_agent = old.info().agent.agent_name
+            decode = cluster.decode_workers[0]
+
+            async def decode_knows(agent_name: str) -> bool:
+                return await decode._loop.run(lambda engine: decode._backend.has_peer(agent_name))
+
+            knew_old = await decode_knows(old_agent)
             old.shutdown()
             # What a Ray actor restart does: the same handle now reaches a new engine.
             new = make_prefill_worker(tiny_llama_dir, cluster.engine_config)
@@ -81,9 +88,11 @@ def test_a_restarted_worker_no_longer_claims_its_old_blocks(tiny_llama_dir):
             claimed = cluster.orchestrator.index.num_blocks("prefill-0")
             chunks = await cluster.generate("b", prompt, GREEDY)  # pulls from the new worker's agent
             await cluster.wait_idle()
-            return claimed, chunks
+            peers = (knew_old, await decode_knows(old_agent), await decode_knows(new.info().agent.agent_name))
+            return claimed, chunks, peers
 
-    claimed, chunks = asyncio.run(scenario())
+    claimed, chunks, (knew_old, knows_old, knows_new) = asyncio.run(scenario())
+    assert (knew_old, knows_old, knows_new) == (True, False, True)  # the decode worker dropped the stale agent
     assert claimed == 0
     assert chunks[-1].usage.cached_tokens == 0
     assert _tokens(chunks) == hf_greedy(tiny_llama_dir, GreedyCase(prompt, 6, True))
