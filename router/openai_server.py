@@ -181,7 +181,7 @@ class OpenAIServing:
         prompt = parsed.prompt
         token_ids = prompt if isinstance(prompt, tuple) else tuple(await asyncio.to_thread(self.tokenizer.encode,
                                                                                           prompt))
-        inp = self._input(token_ids, parsed.sampling, parsed.max_tokens_param)
+        inp = self._input(token_ids, parsed.sampling, parsed.max_tokens_param, "prompt")
         renderer = CompletionRenderer(self._header("cmpl", inp), self._token_text(parsed.tokens_as_ids),
                                       parsed.include_usage, parsed.sampling.logprobs is not None)
         return _Job(inp, renderer, parsed.stream)
@@ -191,7 +191,7 @@ class OpenAIServing:
         self._check_model(parsed.model)
         messages = [{"role": m.role, "content": m.content} for m in parsed.messages]
         token_ids = await asyncio.to_thread(self.tokenizer.apply_chat_template, messages, parsed.add_generation_prompt)
-        inp = self._input(tuple(token_ids), parsed.sampling, parsed.max_tokens_param)
+        inp = self._input(tuple(token_ids), parsed.sampling, parsed.max_tokens_param, "messages")
         renderer = ChatRenderer(self._header("chatcmpl", inp), self._token_text(parsed.tokens_as_ids),
                                 parsed.include_usage, parsed.sampling.logprobs is not None)
         return _Job(inp, renderer, parsed.stream)
@@ -201,10 +201,11 @@ class OpenAIServing:
             raise ApiError(404, f"The model `{model}` does not exist; this server serves `{self.model_name}`.",
                            "model", "model_not_found")
 
-    def _input(self, token_ids: tuple[int, ...], params: SamplingParams, max_tokens_param: str | None
-               ) -> GenerationInput:
-        """Check the prompt and, when the client set max_tokens, that prompt + output fit the context."""
-        self.orchestrator.validate_prompt(token_ids)
+    def _input(self, token_ids: tuple[int, ...], params: SamplingParams, max_tokens_param: str | None,
+               prompt_param: str) -> GenerationInput:
+        """Check the prompt (`prompt_param`: the body field it came from) and, when the client set
+        max_tokens, that prompt + output fit the context."""
+        self.orchestrator.validate_prompt(token_ids, prompt_param)
         max_model_len = self.orchestrator.max_model_len
         if max_tokens_param is not None and len(token_ids) + params.max_tokens > max_model_len:
             raise InvalidRequestError(max_tokens_param, f"{params.max_tokens} output tokens after {len(token_ids)} "

@@ -388,12 +388,13 @@ class Orchestrator:
             raise InvalidRequestError("request_id", f"{requested!r} is already in flight")
         return requested
 
-    def validate_prompt(self, prompt_token_ids: Sequence[int]) -> None:
+    def validate_prompt(self, prompt_token_ids: Sequence[int], field: str = "prompt") -> None:
+        """`field` names what the client sent the prompt as (a chat request's `messages`)."""
         if not prompt_token_ids:
-            raise InvalidRequestError("prompt", "must not be empty")
+            raise InvalidRequestError(field, "must not be empty")
         if len(prompt_token_ids) >= self.max_model_len:
-            raise InvalidRequestError("prompt", f"has {len(prompt_token_ids)} tokens; max_model_len is "
-                                                f"{self.max_model_len} (including at least one output token)")
+            raise InvalidRequestError(field, f"has {len(prompt_token_ids)} tokens; max_model_len is "
+                                             f"{self.max_model_len} (including at least one output token)")
         bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise InvalidRequestError("prompt.token_ids", f"out of vocabulary [0, {self.vocab_size}): {bad[:5]}")

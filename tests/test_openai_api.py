@@ -363,3 +363,12 @@ def test_a_client_disconnecting_before_a_whole_response_cancels_the_request(serv
     served.wait_idle()
     assert served.decode_generation_tokens() - before < LONG // 2
     assert served.requests_ended("request_failure", code="CANCELLED") == cancelled + 1
+
+
+def test_a_chat_too_long_for_the_context_is_400_naming_messages(served):
+    long_chat = [{"role": "user", "content": "the river runs " * 400}]
+    status, _, raw = _raw(served.http_port, "POST", "/v1/chat/completions",
+                          json.dumps({"model": MODEL, "messages": long_chat, "max_tokens": 1}).encode())
+    error = json.loads(raw)["error"]
+    assert (status, error["param"]) == (400, "messages")
+    assert error["message"].startswith("messages: has ") and "max_model_len is" in error["message"]
