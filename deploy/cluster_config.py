@@ -92,9 +92,14 @@ class PoolConfig:
     """Engine settings of every worker in the pool (token budget, batch size, KV pool, threads)."""
     resources: RayResources
     """Ray resources reserved per worker actor."""
+    max_restarts: int = 3
+    """How many times Ray restarts a worker actor whose process died (-1: always, 0: never). A
+    restarted worker reloads its model and rejoins with a new engine epoch and transfer agent;
+    the requests it had moved to other workers meanwhile."""
 
     def __post_init__(self) -> None:
         _require(self.replicas >= 0, "replicas", f"must be >= 0, got {self.replicas}")
+        _require(self.max_restarts >= -1, "max_restarts", f"must be >= -1, got {self.max_restarts}")
         _require(self.engine.device != "cuda" or self.resources.num_gpus > 0, "resources.num_gpus",
                  f"must be > 0 when engine.device is 'cuda', got {self.resources.num_gpus}")
 

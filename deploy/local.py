@@ -131,7 +131,7 @@ class LocalCluster:
     def _spawn(self, worker_class: type, role: str, pool: PoolConfig, model_dir: str, **extra: Any) -> list[Any]:
         placement = {"label_selector": pool.resources.label_selector} if pool.resources.node_labels else {}
         actor_class = ray.remote(worker_class).options(
-            num_cpus=pool.resources.num_cpus, num_gpus=pool.resources.num_gpus, max_restarts=0,
+            num_cpus=pool.resources.num_cpus, num_gpus=pool.resources.num_gpus, max_restarts=pool.max_restarts,
             max_concurrency=1000, **placement)
         return [actor_class.remote(model_dir, pool.engine, self.config.kv_transfer_backend,
                                    worker_id=f"{role}-{index}", **extra) for index in range(pool.replicas)]

@@ -29,7 +29,7 @@ from splitserve.deploy.cluster_config import (
 EXAMPLE = Path(__file__).resolve().parents[1] / "deploy" / "configs" / "local.yaml"
 ROOT_KEYS = ("decode, kv_transfer_backend, kv_transfer_failure_policy, mode, model, prefill, ray_address, router, "
              "worker_start_timeout_s")
-POOL_KEYS = "engine, replicas, resources"
+POOL_KEYS = "engine, max_restarts, replicas, resources"
 
 
 def test_defaults_tune_each_pool_for_its_phase():

@@ -1,9 +1,11 @@
 """Workers die under load on a real Ray cluster (KV over NIXL): a decode worker's process is
 SIGKILLed, a prefill worker's gets SIGTERM. Every stream ends finished, moved requests included,
-with greedy output equal to Hugging Face's; the live workers end idle."""
+with greedy output equal to Hugging Face's; Ray restarts the dead worker, which rejoins the
+router's pool with a new engine epoch; every worker ends idle."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import random
 import signal
@@ -38,6 +40,8 @@ class WorkerDeathOutcome:
     failed: int
     migrated: int
     max_stall_s: float
+    rejoined_s: float
+    """Kill -> the restarted worker reporting to the router again (routable)."""
     failures: tuple[str, ...]
 
 
@@ -76,21 +80,34 @@ def run_worker_death(model_dir, role: str, signum: int) -> tuple[WorkerDeathOutc
     with running_cluster(config) as (cluster, loop):
         actors = cluster.prefill_actors if role == "prefill" else cluster.decode_actors
         pid = _actor_pid(actors[0])
+        worker_id = f"{role}-0"
+        epoch = cluster.orchestrator.index.cursor(worker_id)[0]
         with ThreadPoolExecutor(NUM_REQUESTS) as pool:
             futures = []
             for index, case in enumerate(cases):
                 futures.append(pool.submit(_stream, cluster.port, index, case))
                 if index + 1 == KILL_AFTER_REQUESTS:
                     os.kill(pid, signum)
+                    killed_at = time.monotonic()
                 time.sleep(ARRIVAL_GAP_S)
             results = [future.result() for future in futures]
+        rejoined_s = loop.run(_rejoined(cluster.orchestrator, worker_id, epoch)) - killed_at
         loop.run(cluster.wait_idle(timeout_s=30))
         migrated = cluster.metrics.registry.get_sample_value("splitserve_request_migrations_total")
     failures = tuple(error for _, _, error in results if error is not None)
     outcome = WorkerDeathOutcome(f"{signal.Signals(signum).name} {role}-0 under load", len(cases),
                                  len(cases) - len(failures), len(failures), int(migrated),
-                                 round(max(stall for _, stall, _ in results), 3), failures)
+                                 round(max(stall for _, stall, _ in results), 3), round(rejoined_s, 2), failures)
     return outcome, [tokens for tokens, _, _ in results]
+
+
+async def _rejoined(orchestrator, worker_id: str, old_epoch: str, timeout_s: float = 120.0) -> float:
+    """time.monotonic() once the worker reports again with a new epoch (Ray restarted it)."""
+    deadline = time.monotonic() + timeout_s
+    while orchestrator.monitor.load(worker_id) is None or orchestrator.index.cursor(worker_id)[0] == old_epoch:
+        assert time.monotonic() < deadline, f"{worker_id} did not rejoin within {timeout_s} s"
+        await asyncio.sleep(0.05)
+    return time.monotonic()
 
 
 @pytest.mark.parametrize("role, signum", [("decode", signal.SIGKILL), ("prefill", signal.SIGTERM)])
