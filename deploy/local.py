@@ -215,10 +215,10 @@ async def _serve(config: ClusterConfig) -> int:
         stop.clear()
         print(f"splitserve: draining (up to {config.router.drain_timeout_s:g} s; signal again to stop now)",
               flush=True)
-        drain, second_signal = asyncio.ensure_future(cluster.drain()), asyncio.ensure_future(stop.wait())
-        await asyncio.wait([drain, second_signal], return_when=asyncio.FIRST_COMPLETED)
-        left = drain.result() if drain.done() else cluster.orchestrator.num_in_flight
-        drain.cancel()
+        draining, second_signal = asyncio.ensure_future(cluster.drain()), asyncio.ensure_future(stop.wait())
+        await asyncio.wait([draining, second_signal], return_when=asyncio.FIRST_COMPLETED)
+        left = draining.result() if draining.done() else cluster.orchestrator.num_in_flight
+        draining.cancel()
         second_signal.cancel()
         print(f"splitserve: shutting down ({left} requests still in flight are cancelled)", flush=True)
     finally:

@@ -181,8 +181,6 @@ class _Run:
         self.stream = stream
         self.resumed = bool(self.output_token_ids)
         self.lost = None
-        self.assignments = []
-        self.worker_finished = False
 
     @property
     def context_token_ids(self) -> tuple[int, ...]:

@@ -224,8 +224,9 @@ async def _track_readiness(orchestrator: Orchestrator, health_servicer: health.a
                            ready: bool) -> None:
     while True:
         await asyncio.sleep(READINESS_POLL_S)
-        if orchestrator.is_ready != ready:
-            ready = orchestrator.is_ready
+        now_ready = orchestrator.is_ready
+        if now_ready != ready:
+            ready = now_ready
             await _set_readiness(health_servicer, ready)
 
 
@@ -233,7 +234,6 @@ async def drain(orchestrator: Orchestrator, server: GrpcServer, timeout_s: float
     """Refuse new requests and report NOT_SERVING on every API (gRPC health; HTTP /health and
     Triton readiness read Orchestrator.is_ready), then wait up to timeout_s for the requests in
     flight; returns how many are left."""
-    orchestrator.accepting = False
     await server.stop_serving()
     return await orchestrator.drain(timeout_s)
 

@@ -30,6 +30,7 @@ tests/test_faults.py and tests/test_faults_nixl.py assert every expectation.
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import contextlib
 import dataclasses
@@ -616,7 +617,7 @@ def _outcome(scenario: Scenario, harness: Harness, reference: Reference, records
 
 
 # ---- holding a request in a state ---------------------------------------------------------------
-class HoldState:
+class HoldState(abc.ABC):
     """A state a request is stopped in: `enter` sends it and returns once it is there (and stays);
     `leave` lets the cluster move on (after the stream ended)."""
 
@@ -625,8 +626,9 @@ class HoldState:
     """'while ...' for summaries."""
     case: GreedyCase = SHORT
 
+    @abc.abstractmethod
     async def enter(self, harness: Harness, deadline: float | None) -> ClientStream:
-        raise NotImplementedError
+        """Send the request and return once it is in this state."""
 
     async def outlast(self, harness: Harness, stream: ClientStream, deadline: float) -> None:
         """Keep the request here until its deadline passed (the router's own timer ends it)."""
