@@ -288,7 +288,7 @@ class EngineCore:
 
     def _sampling_row(self, request: Request) -> SamplingRow:
         generator = self._generators.get(request.request_id, self._shared_generator)
-        return SamplingRow(request.sampling_params, request.prompt_token_ids, request.output_token_ids, generator)
+        return SamplingRow(request.sampling_params, request.all_token_ids, request.num_prompt_tokens, generator)
 
     def _append_token(self, request: Request, token_id: int, logprobs) -> CompletionDelta:
         request.append_output_token(token_id)

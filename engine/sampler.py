@@ -1,4 +1,4 @@
-"""Token sampling: penalties, greedy, temperature / top-k / top-p / min-p, seeded draws, logprobs.
+"""Token sampling, batched: penalties, greedy, temperature / top-k / top-p / min-p, seeded draws, logprobs.
 
 Order of logit processing, per row:
   1. repetition penalty over prompt + output tokens (positive logits divided, negative multiplied)
@@ -8,11 +8,21 @@ Order of logit processing, per row:
   5. a draw by the exponential race (argmax of p / E, E ~ Exp(1)) from the row's own generator,
      so a seeded request's tokens do not depend on its batch mates.
 Logprobs are of the raw model distribution (before any processing), as in vLLM.
+
+A step runs each stage as one set of tensor ops over the rows that need it: greedy rows without
+penalties cost one argmax over the batch, token counts are built only for rows with a penalty, and
+each filter runs only on the rows that set it. Two things stay one row at a time, so that a row's
+result never depends on its batch mates: the noise E, drawn from the row's own generator (rows
+sharing a generator draw in row order), and the sums that renormalize a distribution (torch sums a
+long row alone split across threads, in another order than one row of a batch). On CPU the result
+equals the per-row sampler this replaced (tests/sampler_oracle.py) bit for bit.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import chain
 
 import torch
 
@@ -23,9 +33,14 @@ from splitserve.common.token_logprobs import TokenLogprobs
 @dataclass(frozen=True)
 class SamplingRow:
     params: SamplingParams
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
+    all_token_ids: list[int]
+    """Prompt followed by the output so far: the request's own list, read only for penalties."""
+    num_prompt_tokens: int
     generator: torch.Generator
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[self.num_prompt_tokens:]
 
 
 @dataclass(frozen=True)
@@ -34,82 +49,181 @@ class SamplerOutput:
     logprobs: list[TokenLogprobs | None]
 
 
-def apply_penalties(logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:
-    """Penalized copy of one row's logits [vocab]."""
-    params = row.params
-    logits = logits.clone()
-    if params.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(row.prompt_token_ids) | set(row.output_token_ids)), dtype=torch.long,
-                            device=logits.device)
-        values = logits[seen]
-        logits[seen] = torch.where(values > 0, values / params.repetition_penalty,
-                                   values * params.repetition_penalty)
-    if (params.frequency_penalty or params.presence_penalty) and row.output_token_ids:
-        output = torch.tensor(row.output_token_ids, dtype=torch.long, device=logits.device)
-        counts = torch.bincount(output, minlength=logits.shape[0]).to(logits.dtype)
-        logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(logits.dtype)
-    return logits
+class Sampler:
+    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+        """logits: [len(rows), vocab]; returns one token (and optional logprobs) per row."""
+        logits = logits.float()  # [B, vocab] float32; never modified
+        token_ids = torch.argmax(logits, dim=-1)  # [B] int64: final for greedy rows without penalties
+        processed = [i for i, row in enumerate(rows) if not _is_plain_greedy(row.params)]
+        if processed:
+            token_ids[processed] = _penalized_or_sampled(logits[processed], [rows[i] for i in processed])
+        return SamplerOutput(token_ids.tolist(), _logprobs(logits, rows, token_ids))
 
 
-def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Distribution [vocab] after temperature, top-k, top-p and min-p (renormalized)."""
+def _is_plain_greedy(params: SamplingParams) -> bool:
+    return params.is_greedy and params.repetition_penalty == 1.0 and not (
+        params.frequency_penalty or params.presence_penalty)
+
+
+def _penalized_or_sampled(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Token ids [n] of rows with a penalty or a draw; logits [n, vocab] float32, a copy this may change."""
+    penalize_(logits, rows)
+    token_ids = torch.argmax(logits, dim=-1)  # [n] int64: final for greedy rows
+    sampled = [i for i, row in enumerate(rows) if not row.params.is_greedy]
+    if sampled:
+        probs = filtered_probs(_take(logits, sampled), [rows[i].params for i in sampled])
+        token_ids[sampled] = draw(probs, [rows[i].generator for i in sampled])
+    return token_ids
+
+
+def _take(tensor: torch.Tensor, index: list[int]) -> torch.Tensor:
+    """tensor[index] for an ascending index; the tensor itself when the index covers every row."""
+    return tensor if len(index) == tensor.shape[0] else tensor[index]
+
+
+def _column(values: Sequence[float], like: torch.Tensor) -> torch.Tensor:
+    """[len(values), 1] tensor with like's dtype and device."""
+    return torch.tensor(values, dtype=like.dtype, device=like.device).unsqueeze(1)
+
+
+# ---- penalties ---------------------------------------------------------------------------------
+
+def penalize_(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+    """Apply each row's repetition, then frequency and presence penalties to logits [n, vocab] in place."""
+    repeated = [i for i, row in enumerate(rows) if row.params.repetition_penalty != 1.0]
+    if repeated:
+        logits[repeated] = _repetition_penalized(logits[repeated], [rows[i] for i in repeated])
+    counted = [i for i, row in enumerate(rows) if (row.params.frequency_penalty or row.params.presence_penalty)
+               and len(row.all_token_ids) > row.num_prompt_tokens]
+    if counted:
+        logits[counted] = _frequency_presence_penalized(logits[counted], [rows[i] for i in counted])
+
+
+def _repetition_penalized(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """logits [n, vocab] with each token seen in prompt or output divided (> 0) or multiplied (<= 0)."""
+    seen = token_counts([row.all_token_ids for row in rows], logits.shape[1], logits.device) > 0  # [n, vocab]
+    penalty = _column([row.params.repetition_penalty for row in rows], logits)  # [n, 1]
+    return torch.where(seen, torch.where(logits > 0, logits / penalty, logits * penalty), logits)
+
+
+def _frequency_presence_penalized(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """logits [n, vocab] less frequency x output count + presence x (count > 0), per token."""
+    counts = token_counts([row.output_token_ids for row in rows], logits.shape[1], logits.device)
+    counts = counts.to(logits.dtype)  # [n, vocab]
+    frequency = _column([row.params.frequency_penalty for row in rows], logits)  # [n, 1]
+    presence = _column([row.params.presence_penalty for row in rows], logits)  # [n, 1]
+    return logits - (frequency * counts + presence * (counts > 0).to(logits.dtype))
+
+
+def token_counts(token_lists: Sequence[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """[len(token_lists), vocab_size] int64: how often each token id occurs in each list (one bincount)."""
+    lengths = torch.tensor([len(tokens) for tokens in token_lists])  # [n]
+    row_offsets = torch.repeat_interleave(torch.arange(len(token_lists)) * vocab_size, lengths)  # [total]
+    flat = torch.tensor(list(chain.from_iterable(token_lists)), dtype=torch.long) + row_offsets  # [total]
+    counts = torch.bincount(flat.to(device), minlength=len(token_lists) * vocab_size)
+    return counts.view(len(token_lists), vocab_size)
+
+
+# ---- temperature, top-k, top-p, min-p ----------------------------------------------------------
+
+def filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Distributions [n, vocab] after temperature, top-k, top-p and min-p (renormalized); logits [n, vocab]."""
+    vocab_size = logits.shape[1]
+    probs = _tempered_softmax(logits, _column([p.temperature for p in params], logits))
+    probs = _on_rows(probs, _keep_top_k, {i: p.effective_top_k for i, p in enumerate(params)
+                                          if 0 < p.effective_top_k < vocab_size})
+    probs = _on_rows(probs, _keep_top_p, {i: p.top_p for i, p in enumerate(params) if p.top_p < 1.0})
+    probs = _on_rows(probs, _keep_min_p, {i: p.min_p for i, p in enumerate(params) if p.min_p > 0.0})
+    return probs / _row_sums(probs)
+
+
+def _tempered_softmax(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """softmax(logits / temperature) [n, vocab]; temperature [n, 1] > 0."""
     # logits / tiny temperature would overflow to inf (softmax: inf - inf = NaN). Shifted logits are
     # <= 0, so dividing can only reach -inf; the max is kept at 0 even if the temperature is 0 in float32.
-    shifted = logits - logits.max()
-    probs = torch.softmax(torch.where(shifted < 0, shifted / params.temperature, 0.0), dim=-1)
-    top_k = params.effective_top_k
-    if 0 < top_k < probs.shape[0]:
-        kth = torch.topk(probs, top_k).values[-1]
-        probs = torch.where(probs >= kth, probs, torch.zeros_like(probs))
-    if params.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
-        mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-        # Keep a token while the mass of strictly better tokens is below top_p (at least one).
-        drop = mass_before >= params.top_p * sorted_probs.sum()
-        probs = probs.scatter(0, order[drop], 0.0)
-    if params.min_p > 0.0:
-        probs = torch.where(probs >= params.min_p * probs.max(), probs, torch.zeros_like(probs))
-    return probs / probs.sum()
+    shifted = logits - logits.amax(dim=-1, keepdim=True)  # [n, vocab], <= 0
+    return torch.softmax(torch.where(shifted < 0, shifted / temperature, 0.0), dim=-1)
 
 
-def sample_from(probs: torch.Tensor, generator: torch.Generator) -> int:
-    race = torch.empty_like(probs).exponential_(generator=generator)
-    return int(torch.argmax(probs / race))
+def _on_rows(probs: torch.Tensor, keep: Callable[[torch.Tensor, list], torch.Tensor],
+             values: dict[int, int | float]) -> torch.Tensor:
+    """probs [n, vocab] with keep(rows, their values) applied, in place, to the rows named in values."""
+    if values:
+        index = list(values)
+        probs[index] = keep(probs[index], list(values.values()))
+    return probs
 
 
-def token_logprobs(raw_logprobs: torch.Tensor, token_id: int, num_top: int) -> TokenLogprobs:
-    """Logprob, rank and top-`num_top` alternatives of one row [vocab]."""
-    chosen = raw_logprobs[token_id]
-    rank = int((raw_logprobs > chosen).sum()) + 1
-    top = torch.topk(raw_logprobs, num_top) if num_top else None
-    pairs = tuple(zip(top.indices.tolist(), top.values.tolist())) if top is not None else ()
-    return TokenLogprobs(token_id=token_id, logprob=float(chosen), rank=rank, top=pairs)
+def _keep_top_k(probs: torch.Tensor, top_k: list[int]) -> torch.Tensor:
+    """probs [n, vocab] with all but each row's top_k[i] (in [1, vocab)) most likely tokens zeroed."""
+    k = torch.tensor(top_k, device=probs.device).unsqueeze(1)  # [n, 1] int64
+    kth = torch.topk(probs, max(top_k), dim=-1).values.gather(1, k - 1)  # [n, 1]: the k-th largest
+    return torch.where(probs >= kth, probs, 0.0)
 
 
-class Sampler:
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
-        """logits: [len(rows), vocab]; returns one token (and optional logprobs) per row."""
-        logits = logits.float()
-        raw_logprobs = torch.log_softmax(logits, dim=-1) if any(r.params.logprobs is not None for r in rows) else None
-        greedy_argmax = torch.argmax(logits, dim=-1).tolist()
-        token_ids: list[int] = []
-        logprobs: list[TokenLogprobs | None] = []
-        for index, row in enumerate(rows):
-            token_id = self._sample_row(logits[index], row, greedy_argmax[index])
-            token_ids.append(token_id)
-            logprobs.append(None if row.params.logprobs is None
-                            else token_logprobs(raw_logprobs[index], token_id, row.params.logprobs))
-        return SamplerOutput(token_ids, logprobs)
+def _keep_top_p(probs: torch.Tensor, top_p: list[float]) -> torch.Tensor:
+    """probs [n, vocab] with each row cut to the smallest prefix reaching top_p[i] of its mass."""
+    sorted_probs, order = torch.sort(probs, dim=-1, descending=True)  # [n, vocab] each
+    mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # [n, vocab]
+    # Keep a token while the mass of strictly better tokens is below top_p (at least one).
+    drop = mass_before >= _column(top_p, probs) * _row_sums(sorted_probs)  # [n, vocab] in sorted order
+    return probs.scatter(1, order, sorted_probs.masked_fill(drop, 0.0))
 
-    @staticmethod
-    def _sample_row(logits: torch.Tensor, row: SamplingRow, plain_argmax: int) -> int:
-        params = row.params
-        has_penalty = (params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0
-                       or params.presence_penalty != 0.0)
-        if params.is_greedy and not has_penalty:
-            return plain_argmax
-        if has_penalty:
-            logits = apply_penalties(logits, row)
-        if params.is_greedy:
-            return int(torch.argmax(logits))
-        return sample_from(filtered_probs(logits, params), row.generator)
+
+def _keep_min_p(probs: torch.Tensor, min_p: list[float]) -> torch.Tensor:
+    """probs [n, vocab] with tokens below min_p[i] x the row's top probability zeroed."""
+    threshold = _column(min_p, probs) * probs.amax(dim=-1, keepdim=True)  # [n, 1]
+    return torch.where(probs >= threshold, probs, 0.0)
+
+
+def _row_sums(tensor: torch.Tensor) -> torch.Tensor:
+    """[n, 1]: each row of tensor [n, vocab] summed as a tensor of its own, so in the same order
+    whatever the batch (a batched sum adds a long row in another order when it is alone)."""
+    return torch.stack([row.sum() for row in tensor]).unsqueeze(1)
+
+
+# ---- the draw ----------------------------------------------------------------------------------
+
+def draw(probs: torch.Tensor, generators: Sequence[torch.Generator]) -> torch.Tensor:
+    """Token ids [n] drawn from probs [n, vocab] by the exponential race, row i's noise from generators[i]."""
+    race = torch.empty_like(probs)  # [n, vocab]: Exp(1) noise
+    for row, generator in zip(race, generators):
+        row.exponential_(generator=generator)
+    return torch.argmax(probs / race, dim=-1)
+
+
+# ---- logprobs ----------------------------------------------------------------------------------
+
+def _logprobs(logits: torch.Tensor, rows: Sequence[SamplingRow], token_ids: torch.Tensor) -> list[
+        TokenLogprobs | None]:
+    """Entries of the rows that asked for logprobs (None for the others); logits [B, vocab] raw, token_ids [B]."""
+    result: list[TokenLogprobs | None] = [None] * len(rows)
+    wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
+    if wanted:
+        raw_logprobs = torch.log_softmax(logits[wanted], dim=-1)  # [m, vocab]
+        entries = token_logprobs(raw_logprobs, token_ids[wanted], [rows[i].params.logprobs for i in wanted])
+        for index, entry in zip(wanted, entries):
+            result[index] = entry
+    return result
+
+
+def token_logprobs(raw_logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: list[int]) -> list[TokenLogprobs]:
+    """Logprob, rank and top-`num_top[i]` alternatives of each row; raw_logprobs [m, vocab], token_ids [m]."""
+    chosen = raw_logprobs.gather(1, token_ids.unsqueeze(1))  # [m, 1]
+    ranks = ((raw_logprobs > chosen).sum(dim=-1) + 1).tolist()
+    tops = _top_alternatives(raw_logprobs, num_top)
+    return [TokenLogprobs(token_id=token_id, logprob=logprob, rank=rank, top=top)
+            for token_id, logprob, rank, top in zip(token_ids.tolist(), chosen.squeeze(1).tolist(), ranks, tops)]
+
+
+def _top_alternatives(raw_logprobs: torch.Tensor, num_top: list[int]) -> list[tuple[tuple[int, float], ...]]:
+    """Each row's top-num_top[i] (token id, logprob) pairs, best first; raw_logprobs [m, vocab].
+
+    One topk per distinct count: topk may order tied values differently for another k."""
+    tops: list[tuple[tuple[int, float], ...]] = [()] * len(num_top)
+    for k in sorted(set(num_top) - {0}):
+        index = [i for i, count in enumerate(num_top) if count == k]
+        top = torch.topk(raw_logprobs[index], k, dim=-1)  # values, indices [len(index), k]
+        for i, ids, values in zip(index, top.indices.tolist(), top.values.tolist()):
+            tops[i] = tuple(zip(ids, values))
+    return tops

@@ -134,7 +134,7 @@ def make_sampling_row(params: SamplingParams, prompt: list[int] = (), output: li
     from splitserve.engine.sampler import SamplingRow
 
     generator = torch.Generator().manual_seed(params.seed if params.seed is not None else (seed or 0))
-    return SamplingRow(params, list(prompt), list(output), generator)
+    return SamplingRow(params, list(prompt) + list(output), len(prompt), generator)
 
 
 @lru_cache(maxsize=2)

@@ -1,13 +1,21 @@
-"""Sampler: exact penalty arithmetic, filters, seeded draws and logprobs (pure tensors, no model)."""
+"""Sampler: exact penalty arithmetic, filters, seeded draws and logprobs (pure tensors, no model), and
+bit-for-bit equality of the batched sampler with the per-row reference (tests/sampler_oracle.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+import sampler_oracle as oracle
 from factories import make_sampling_row
 from splitserve.common.sampling_params import SamplingParams
-from splitserve.engine.sampler import Sampler, apply_penalties, filtered_probs, sample_from
+from splitserve.engine.sampler import Sampler, SamplingRow, draw, filtered_probs, penalize_, token_counts
+
+ORACLE_SETTINGS = settings(max_examples=300, deadline=None, derandomize=True, database=None)
+LONG_VOCAB = 40_000
+"""Above torch's reduction grain (32768): a row summed alone is split across threads."""
 
 
 def kept(probs: torch.Tensor) -> list[int]:
@@ -20,20 +28,43 @@ def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return float(((counts - expected) ** 2 / expected).sum())
 
 
+def penalized(logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:
+    """One row's logits [vocab] after penalize_ (on a copy)."""
+    batch = logits.unsqueeze(0).clone()  # [1, vocab]
+    penalize_(batch, [row])
+    return batch[0]
+
+
+def probs_of(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """One row's filtered distribution [vocab]."""
+    return filtered_probs(logits.unsqueeze(0), [params])[0]
+
+
+def sample_one(probs: torch.Tensor, generator: torch.Generator) -> int:
+    return int(draw(probs.unsqueeze(0), [generator])[0])
+
+
+@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
+def torch_threads(request):
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
 # ---- penalties ---------------------------------------------------------------------------------
 
 def test_repetition_penalty_divides_positive_and_multiplies_negative():
     logits = torch.tensor([2.0, -2.0, 1.0, -1.0, 4.0, 0.0, -3.0])
     row = make_sampling_row(SamplingParams(repetition_penalty=2.0), prompt=[0, 1, 5], output=[1, 4, 6])
     # seen = {0, 1, 4, 5, 6}: 2 -> 1, -2 -> -4, 4 -> 2, 0 stays 0, -3 -> -6; tokens 2 and 3 untouched
-    assert torch.equal(apply_penalties(logits, row), torch.tensor([1.0, -4.0, 1.0, -1.0, 2.0, 0.0, -6.0]))
-    assert torch.equal(logits, torch.tensor([2.0, -2.0, 1.0, -1.0, 4.0, 0.0, -3.0]))  # input not modified
+    assert torch.equal(penalized(logits, row), torch.tensor([1.0, -4.0, 1.0, -1.0, 2.0, 0.0, -6.0]))
 
 
 def test_repetition_penalty_below_one_encourages_seen_tokens():
     logits = torch.tensor([2.0, -2.0, 1.0, -1.0])
     row = make_sampling_row(SamplingParams(repetition_penalty=0.5), prompt=[0], output=[1])
-    assert torch.equal(apply_penalties(logits, row), torch.tensor([4.0, -1.0, 1.0, -1.0]))
+    assert torch.equal(penalized(logits, row), torch.tensor([4.0, -1.0, 1.0, -1.0]))
 
 
 @pytest.mark.parametrize("frequency, presence, expected", [
@@ -48,13 +79,13 @@ def test_frequency_and_presence_penalties_subtract_count_times_frequency_plus_pr
     logits = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0])
     params = SamplingParams(frequency_penalty=frequency, presence_penalty=presence)
     row = make_sampling_row(params, prompt=[3, 3, 3, 4], output=[1, 1, 1, 2, 4])
-    assert torch.equal(apply_penalties(logits, row), torch.tensor(expected))
+    assert torch.equal(penalized(logits, row), torch.tensor(expected))
 
 
 def test_frequency_and_presence_penalties_need_output_tokens():
     logits = torch.tensor([1.0, 2.0, 3.0])
     row = make_sampling_row(SamplingParams(frequency_penalty=2.0, presence_penalty=2.0), prompt=[0, 1, 2])
-    assert torch.equal(apply_penalties(logits, row), logits)
+    assert torch.equal(penalized(logits, row), logits)
 
 
 def test_repetition_penalty_applies_before_frequency_and_presence():
@@ -62,7 +93,25 @@ def test_repetition_penalty_applies_before_frequency_and_presence():
     params = SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=1.0)
     row = make_sampling_row(params, output=[0, 1, 0])
     # repetition: [2, -4, 1]; then counts [2, 1, 0] subtract [2.0, 1.5, 0] (the other order gives [1, -7, 1])
-    assert torch.equal(apply_penalties(logits, row), torch.tensor([0.0, -5.5, 1.0]))
+    assert torch.equal(penalized(logits, row), torch.tensor([0.0, -5.5, 1.0]))
+
+
+def test_penalties_of_a_batch_touch_only_each_rows_own_tokens():
+    logits = torch.tensor([[2.0, 2.0, 2.0, 2.0]]).repeat(4, 1)
+    rows = [
+        make_sampling_row(SamplingParams(repetition_penalty=2.0), prompt=[0], output=[3]),
+        make_sampling_row(SamplingParams(), prompt=[1], output=[2]),  # no penalty: untouched
+        make_sampling_row(SamplingParams(frequency_penalty=0.5), prompt=[0], output=[1, 1]),
+        make_sampling_row(SamplingParams(repetition_penalty=4.0, presence_penalty=1.0), prompt=[2], output=[2]),
+    ]
+    penalize_(logits, rows)
+    assert logits.tolist() == [[1.0, 2.0, 2.0, 1.0], [2.0, 2.0, 2.0, 2.0], [2.0, 1.0, 2.0, 2.0],
+                               [2.0, 2.0, -0.5, 2.0]]
+
+
+def test_token_counts_count_each_list_into_its_own_row():
+    counts = token_counts([[1, 1, 4], [], [0, 4, 4, 4], [2]], 5, torch.device("cpu"))
+    assert counts.tolist() == [[0, 2, 0, 0, 1], [0, 0, 0, 0, 0], [1, 0, 0, 0, 3], [0, 0, 1, 0, 0]]
 
 
 # ---- greedy ------------------------------------------------------------------------------------
@@ -79,7 +128,7 @@ def test_greedy_takes_argmax_of_penalized_logits():
 
 
 @pytest.mark.parametrize("seed", range(10))
-def test_greedy_equals_argmax_of_apply_penalties_on_random_rows(seed):
+def test_greedy_equals_argmax_of_the_penalized_logits_on_random_rows(seed):
     generator = torch.Generator().manual_seed(seed)
     logits = torch.randn(4, 100, generator=generator)
     history = torch.randint(0, 100, (4, 30), generator=generator).tolist()
@@ -87,9 +136,28 @@ def test_greedy_equals_argmax_of_apply_penalties_on_random_rows(seed):
     plain = logits.argmax(-1).tolist()
     # Each row has already produced its plain argmax 5 times: the penalties must move the choice.
     rows = [make_sampling_row(params, prompt=h[:10], output=h[10:] + [plain[i]] * 5) for i, h in enumerate(history)]
-    expected = [int(torch.argmax(apply_penalties(logits[i], rows[i]))) for i in range(4)]
+    expected = [int(torch.argmax(penalized(logits[i], rows[i]))) for i in range(4)]
     assert Sampler()(logits, rows).token_ids == expected
     assert all(e != p for e, p in zip(expected, plain))
+
+
+def test_greedy_rows_draw_no_noise():
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    rows = [make_sampling_row(SamplingParams(temperature=0.0, repetition_penalty=r), prompt=[1, 2], seed=i)
+            for i, r in enumerate((1.0, 1.5, 1.0))]
+    before = [row.generator.get_state() for row in rows]
+    Sampler()(logits, rows)
+    assert all(torch.equal(row.generator.get_state(), state) for row, state in zip(rows, before))
+
+
+def test_the_sampler_leaves_its_logits_unchanged():
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(1))
+    original = logits.clone()
+    rows = [make_sampling_row(SamplingParams(temperature=0.0, repetition_penalty=2.0), prompt=list(range(50))),
+            make_sampling_row(SamplingParams(top_k=5, frequency_penalty=1.0), output=list(range(25))),
+            make_sampling_row(SamplingParams(top_p=0.5, logprobs=2))]
+    Sampler()(logits, rows)
+    assert torch.equal(logits, original)
 
 
 @pytest.mark.parametrize("seed", range(40))
@@ -108,13 +176,13 @@ def test_top_k_one_equals_greedy(seed):
 @pytest.mark.parametrize("temperature", [0.25, 0.5, 1.0, 2.0, 4.0])
 def test_temperature_divides_logits(temperature):
     logits = torch.tensor([2.0, 1.0, 0.0, -1.5])
-    probs = filtered_probs(logits, SamplingParams(temperature=temperature))
+    probs = probs_of(logits, SamplingParams(temperature=temperature))
     assert probs.tolist() == pytest.approx(torch.softmax(logits / temperature, -1).tolist(), abs=1e-7)
 
 
 def test_temperature_sharpens_below_one_and_flattens_above():
     logits = torch.tensor([2.0, 1.0, 0.0])
-    top = [float(filtered_probs(logits, SamplingParams(temperature=t))[0]) for t in (0.5, 1.0, 2.0)]
+    top = [float(probs_of(logits, SamplingParams(temperature=t))[0]) for t in (0.5, 1.0, 2.0)]
     assert top[0] > top[1] > top[2] > 1 / 3
 
 
@@ -122,35 +190,35 @@ def test_temperature_sharpens_below_one_and_flattens_above():
 def test_tiny_temperature_is_the_argmax_not_nan(temperature):
     # logits / temperature overflows to inf for these; the distribution must still be the argmax.
     logits = torch.tensor([1.0, 3.0, 0.0, float("-inf")])
-    assert filtered_probs(logits, SamplingParams(temperature=temperature)).tolist() == [0.0, 1.0, 0.0, 0.0]
+    assert probs_of(logits, SamplingParams(temperature=temperature)).tolist() == [0.0, 1.0, 0.0, 0.0]
     rows = [make_sampling_row(SamplingParams(temperature=temperature), seed=s) for s in range(8)]
     assert Sampler()(logits.repeat(8, 1), rows).token_ids == [1] * 8
 
 
 def test_top_k_keeps_the_k_most_likely():
     logits = torch.tensor([0.1, 0.4, 0.2, 0.3]).log()
-    two = filtered_probs(logits, SamplingParams(top_k=2))
+    two = probs_of(logits, SamplingParams(top_k=2))
     assert kept(two) == [1, 3]
     assert two.tolist() == pytest.approx([0.0, 4 / 7, 0.0, 3 / 7], abs=1e-6)
     for disabled in (-1, 0, 4, 50):
-        assert kept(filtered_probs(logits, SamplingParams(top_k=disabled))) == [0, 1, 2, 3]
+        assert kept(probs_of(logits, SamplingParams(top_k=disabled))) == [0, 1, 2, 3]
 
 
 def test_top_p_keeps_exactly_the_smallest_prefix_reaching_the_mass():
     logits = torch.tensor([0.5, 0.3, 0.15, 0.05]).log()
-    probs = filtered_probs(logits, SamplingParams(top_p=0.8))
+    probs = probs_of(logits, SamplingParams(top_p=0.8))
     assert kept(probs) == [0, 1]
     assert probs.tolist() == pytest.approx([0.625, 0.375, 0.0, 0.0], abs=1e-6)
-    assert kept(filtered_probs(logits, SamplingParams(top_p=0.5))) == [0]
-    assert kept(filtered_probs(logits, SamplingParams(top_p=0.49))) == [0]
-    assert kept(filtered_probs(logits, SamplingParams(top_p=0.81))) == [0, 1, 2]
-    assert kept(filtered_probs(logits, SamplingParams(top_p=0.96))) == [0, 1, 2, 3]
-    assert kept(filtered_probs(logits, SamplingParams(top_p=1.0))) == [0, 1, 2, 3]
+    assert kept(probs_of(logits, SamplingParams(top_p=0.5))) == [0]
+    assert kept(probs_of(logits, SamplingParams(top_p=0.49))) == [0]
+    assert kept(probs_of(logits, SamplingParams(top_p=0.81))) == [0, 1, 2]
+    assert kept(probs_of(logits, SamplingParams(top_p=0.96))) == [0, 1, 2, 3]
+    assert kept(probs_of(logits, SamplingParams(top_p=1.0))) == [0, 1, 2, 3]
 
 
 def test_top_p_follows_probability_order_not_token_order():
     logits = torch.tensor([0.05, 0.5, 0.15, 0.3]).log()
-    probs = filtered_probs(logits, SamplingParams(top_p=0.8))
+    probs = probs_of(logits, SamplingParams(top_p=0.8))
     assert kept(probs) == [1, 3]
     assert probs.tolist() == pytest.approx([0.0, 0.625, 0.0, 0.375], abs=1e-6)
 
@@ -159,28 +227,36 @@ def test_top_p_applies_to_the_temperature_scaled_distribution():
     # At temperature 2 these logits give back [0.5, 0.3, 0.15, 0.05]: top_p 0.9 keeps three tokens.
     # (Unscaled they would be [0.685, 0.247, 0.062, 0.007], where top_p 0.9 keeps two.)
     logits = torch.tensor([0.5, 0.3, 0.15, 0.05]).log() * 2
-    assert kept(filtered_probs(logits, SamplingParams(temperature=2.0, top_p=0.9))) == [0, 1, 2]
-    assert kept(filtered_probs(logits, SamplingParams(temperature=1.0, top_p=0.9))) == [0, 1]
+    assert kept(probs_of(logits, SamplingParams(temperature=2.0, top_p=0.9))) == [0, 1, 2]
+    assert kept(probs_of(logits, SamplingParams(temperature=1.0, top_p=0.9))) == [0, 1]
 
 
 def test_min_p_drops_tokens_below_min_p_times_max():
     logits = torch.tensor([0.4, 0.3, 0.2, 0.1]).log()
-    probs = filtered_probs(logits, SamplingParams(min_p=0.45))  # threshold 0.18
+    probs = probs_of(logits, SamplingParams(min_p=0.45))  # threshold 0.18
     assert kept(probs) == [0, 1, 2]
     assert probs.tolist() == pytest.approx([4 / 9, 3 / 9, 2 / 9, 0.0], abs=1e-6)
-    assert kept(filtered_probs(logits, SamplingParams(min_p=0.6))) == [0, 1]  # threshold 0.24
-    assert kept(filtered_probs(logits, SamplingParams(min_p=0.8))) == [0]  # threshold 0.32
-    assert kept(filtered_probs(logits, SamplingParams(min_p=1.0))) == [0]
-    assert kept(filtered_probs(logits, SamplingParams(min_p=0.0))) == [0, 1, 2, 3]
+    assert kept(probs_of(logits, SamplingParams(min_p=0.6))) == [0, 1]  # threshold 0.24
+    assert kept(probs_of(logits, SamplingParams(min_p=0.8))) == [0]  # threshold 0.32
+    assert kept(probs_of(logits, SamplingParams(min_p=1.0))) == [0]
+    assert kept(probs_of(logits, SamplingParams(min_p=0.0))) == [0, 1, 2, 3]
 
 
 def test_filters_combine():
     logits = torch.tensor([0.05, 0.35, 0.25, 0.2, 0.15]).log()
     # top_k 4 drops token 0; top_p 0.7 (of the remaining 0.95) then drops 0.15; min_p 0.6 drops < 0.21
-    assert kept(filtered_probs(logits, SamplingParams(top_k=4, top_p=0.7))) == [1, 2, 3]
-    probs = filtered_probs(logits, SamplingParams(top_k=4, top_p=0.7, min_p=0.6))
+    assert kept(probs_of(logits, SamplingParams(top_k=4, top_p=0.7))) == [1, 2, 3]
+    probs = probs_of(logits, SamplingParams(top_k=4, top_p=0.7, min_p=0.6))
     assert kept(probs) == [1, 2]
     assert probs.tolist() == pytest.approx([0.0, 0.35 / 0.6, 0.25 / 0.6, 0.0, 0.0], abs=1e-6)
+
+
+def test_each_row_of_a_batch_gets_its_own_filters():
+    logits = torch.tensor([0.05, 0.35, 0.25, 0.2, 0.15]).log().repeat(5, 1)
+    params = [SamplingParams(top_k=2), SamplingParams(), SamplingParams(top_p=0.5), SamplingParams(min_p=0.6),
+              SamplingParams(top_k=3, min_p=0.7)]
+    assert [kept(row) for row in filtered_probs(logits, params)] == [[1, 2], [0, 1, 2, 3, 4], [1, 2], [1, 2],
+                                                                     [1, 2]]
 
 
 # ---- seeded draws ------------------------------------------------------------------------------
@@ -211,7 +287,7 @@ def test_seeded_row_gives_the_same_tokens_alone_and_in_any_batch_position():
     assert draw_sequence(steps, mates[::-1], 4, params) == alone
     # The reference: one generator seeded 42 drawing from each step's softmax.
     generator = torch.Generator().manual_seed(42)
-    assert alone == [sample_from(torch.softmax(s, -1), generator) for s in steps]
+    assert alone == [oracle.sample_from(torch.softmax(s, -1), generator) for s in steps]
     assert len(set(alone)) > 10  # really random draws, not a constant
 
 
@@ -232,10 +308,20 @@ def test_different_seeds_give_different_sequences():
     assert len(sequences) == 10
 
 
+def test_rows_sharing_a_generator_draw_from_it_in_row_order():
+    logits = torch.randn(3, 500, generator=torch.Generator().manual_seed(4))
+    shared = torch.Generator().manual_seed(9)
+    rows = [SamplingRow(SamplingParams(temperature=t), [], 0, shared) for t in (0.5, 1.0, 2.0)]
+    reference = torch.Generator().manual_seed(9)
+    expected = [oracle.sample_from(oracle.filtered_probs(logits[i], rows[i].params), reference) for i in range(3)]
+    assert Sampler()(logits, rows).token_ids == expected
+    assert torch.equal(shared.get_state(), reference.get_state())
+
+
 def test_draw_frequencies_follow_the_distribution():
     probs = torch.tensor([0.5, 0.25, 0.0, 0.15, 0.1])
     generator = torch.Generator().manual_seed(7)
-    counts = torch.bincount(torch.tensor([sample_from(probs, generator) for _ in range(20000)]), minlength=5)
+    counts = torch.bincount(draw(probs.repeat(20000, 1), [generator] * 20000), minlength=5)
     assert int(counts[2]) == 0  # zero probability is never drawn
     nonzero = [0, 1, 3, 4]
     assert chi_square(counts[nonzero], probs[nonzero]) < 16.27  # p = 0.001 at 3 degrees of freedom
@@ -244,9 +330,9 @@ def test_draw_frequencies_follow_the_distribution():
 
 def test_filtered_draws_follow_the_renormalized_distribution():
     logits = torch.tensor([0.5, 0.3, 0.15, 0.05]).log()
-    probs = filtered_probs(logits, SamplingParams(top_p=0.9))  # [0.5, 0.3, 0.15] / 0.95
+    probs = probs_of(logits, SamplingParams(top_p=0.9))  # [0.5, 0.3, 0.15] / 0.95
     generator = torch.Generator().manual_seed(11)
-    counts = torch.bincount(torch.tensor([sample_from(probs, generator) for _ in range(20000)]), minlength=4)
+    counts = torch.bincount(torch.tensor([sample_one(probs, generator) for _ in range(20000)]), minlength=4)
     assert int(counts[3]) == 0
     assert chi_square(counts[:3], torch.tensor([0.5, 0.3, 0.15]) / 0.95) < 13.82  # p = 0.001 at 2 dof
 
@@ -284,3 +370,119 @@ def test_logprobs_ignore_the_penalty_that_moved_the_choice():
     assert (entry.token_id, entry.rank) == (2, 2)  # penalty moved the choice off token 1
     assert entry.logprob == float(raw[2])
     assert entry.top == ((1, float(raw[1])), (2, float(raw[2])))
+
+
+def test_tied_top_alternatives_do_not_depend_on_what_batch_mates_ask_for():
+    # All logprobs tie: which ids topk returns depends on k, so each row must get its own k.
+    logits = torch.zeros(4, 100)
+    rows = [make_sampling_row(SamplingParams(temperature=0.0, logprobs=k)) for k in (3, 5, 1, 3)]
+    tops = [entry.top for entry in Sampler()(logits, rows).logprobs]
+    alone = [Sampler()(logits[:1], [row]).logprobs[0].top for row in rows]
+    assert tops == alone
+    assert [len(top) for top in tops] == [3, 5, 1, 3]
+
+
+# ---- equality with the per-row reference (tests/sampler_oracle.py) -------------------------------
+
+def reference_rows(rows: list[SamplingRow]) -> list[oracle.SamplingRow]:
+    """The oracle's rows for the same requests: own token lists and generators in the same states (rows
+    that share a generator share its copy)."""
+    copies: dict[int, torch.Generator] = {}
+    for row in rows:
+        copies.setdefault(id(row.generator), torch.Generator().set_state(row.generator.get_state()))
+    return [oracle.SamplingRow(row.params, row.all_token_ids[:row.num_prompt_tokens], row.output_token_ids,
+                               copies[id(row.generator)]) for row in rows]
+
+
+def step_logits(kind: str, batch: int, vocab_size: int, seed: int) -> torch.Tensor:
+    """[batch, vocab] float32 logits: plain, widely spread, full of ties, or partly -inf (token 0 finite)."""
+    logits = torch.randn(batch, vocab_size, generator=torch.Generator().manual_seed(seed))
+    if kind == "wide":
+        return logits * 30
+    if kind == "ties":
+        return (logits * 2).to(torch.bfloat16).float().round()
+    if kind == "masked":
+        masked = torch.rand(batch, vocab_size, generator=torch.Generator().manual_seed(seed + 1)) < 0.5
+        masked[:, 0] = False
+        return logits.masked_fill(masked, float("-inf"))
+    return logits * 2
+
+
+def sampling_params(vocab_size: int) -> st.SearchStrategy[SamplingParams]:
+    """Every option, each often at its neutral value."""
+    penalty = st.one_of(st.just(0.0), st.floats(-2.0, 2.0))
+    return st.builds(
+        SamplingParams,
+        temperature=st.one_of(st.just(0.0), st.sampled_from([1e-40, 0.5, 1.0]), st.floats(0.05, 3.0)),
+        top_k=st.one_of(st.sampled_from([-1, 0, 1]), st.integers(1, vocab_size + 2)),
+        top_p=st.one_of(st.just(1.0), st.floats(0.01, 1.0)),
+        min_p=st.one_of(st.just(0.0), st.floats(0.0, 1.0)),
+        repetition_penalty=st.one_of(st.just(1.0), st.floats(0.25, 4.0)),
+        frequency_penalty=penalty, presence_penalty=penalty,
+        seed=st.one_of(st.none(), st.integers(0, 3)),
+        logprobs=st.one_of(st.none(), st.integers(0, min(vocab_size, 5))))
+
+
+@st.composite
+def batches(draw_from, vocab_sizes=st.sampled_from([1, 2, 7, 64, 300])) -> tuple[list[SamplingRow], int]:
+    """(rows, vocab size): rows without a seed share one generator, as in the engine."""
+    vocab_size = draw_from(vocab_sizes)
+    tokens = st.lists(st.integers(0, vocab_size - 1), max_size=12)
+    shared = torch.Generator().manual_seed(draw_from(st.integers(0, 2 ** 16)))
+    rows = []
+    for params in draw_from(st.lists(sampling_params(vocab_size), min_size=1, max_size=6)):
+        prompt, output = draw_from(tokens), draw_from(tokens)
+        generator = shared if params.seed is None else torch.Generator().manual_seed(params.seed)
+        rows.append(SamplingRow(params, prompt + output, len(prompt), generator))
+    return rows, vocab_size
+
+
+def assert_sampler_equals_oracle(rows: list[SamplingRow], logits: torch.Tensor) -> list[int]:
+    """One step of both samplers on the same rows; returns the sampled token ids."""
+    references = reference_rows(rows)
+    expected = oracle.Sampler()(logits, references)
+    result = Sampler()(logits, rows)
+    assert result.token_ids == expected.token_ids
+    assert result.logprobs == expected.logprobs
+    for row, reference in zip(rows, references):
+        assert torch.equal(row.generator.get_state(), reference.generator.get_state())
+    return result.token_ids
+
+
+@ORACLE_SETTINGS
+@given(batch=batches(), kind=st.sampled_from(["plain", "wide", "ties", "masked"]), seed=st.integers(0, 2 ** 16))
+def test_the_sampler_equals_the_per_row_reference(batch, kind, seed):
+    rows, vocab_size = batch
+    for step in range(3):
+        token_ids = assert_sampler_equals_oracle(rows, step_logits(kind, len(rows), vocab_size, seed + step))
+        for row, token_id in zip(rows, token_ids):
+            row.all_token_ids.append(token_id)
+
+
+@ORACLE_SETTINGS
+@given(batch=batches(), kind=st.sampled_from(["plain", "wide", "ties", "masked"]), seed=st.integers(0, 2 ** 16))
+def test_penalties_and_filters_equal_the_per_row_reference_bit_for_bit(batch, kind, seed):
+    rows, vocab_size = batch
+    logits = step_logits(kind, len(rows), vocab_size, seed)
+    penalties = logits.clone()
+    penalize_(penalties, rows)
+    references = reference_rows(rows)
+    assert torch.equal(penalties, torch.stack([oracle.apply_penalties(logits[i], r) for i, r in enumerate(references)]))
+    params = [row.params for row in rows]
+    expected = torch.stack([oracle.filtered_probs(penalties[i], p) for i, p in enumerate(params)])
+    assert torch.equal(filtered_probs(penalties, params), expected)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_long_vocab_rows_equal_the_reference_and_do_not_depend_on_the_batch(torch_threads, seed):
+    params = [SamplingParams(temperature=0.8, top_p=0.9, seed=seed), SamplingParams(temperature=1.3, top_k=500),
+              SamplingParams(top_p=0.5, min_p=0.01, repetition_penalty=1.2, frequency_penalty=0.5, logprobs=3),
+              SamplingParams(temperature=0.0, presence_penalty=1.0, logprobs=1)]
+    shared = torch.Generator().manual_seed(seed)
+    rows = [SamplingRow(p, list(range(0, LONG_VOCAB, 7)), 100, torch.Generator().manual_seed(p.seed)
+                        if p.seed is not None else shared) for p in params]
+    logits = step_logits("plain", len(rows), LONG_VOCAB, seed)
+    assert_sampler_equals_oracle(rows, logits)
+    probs = filtered_probs(logits, params)
+    for index, row_params in enumerate(params):
+        assert torch.equal(filtered_probs(logits[index:index + 1], [row_params])[0], probs[index])
