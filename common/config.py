@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
-ATTENTION_BACKENDS = ("auto", "torch")
+ATTENTION_BACKENDS = ("auto", "torch", "cpu")
 DEFAULT_KV_CACHE_MEMORY_BYTES = 1 << 30
 """KV pool size when no sizing field is given: 1 GiB."""
 
@@ -43,13 +43,16 @@ class EngineConfig:
     device: str = "auto"
     """cpu, cuda, or auto (cuda when available)."""
     attention_backend: str = "auto"
-    """Attention implementation; torch is the reference that runs on any device."""
+    """Attention implementation: torch (the reference, any device), cpu (tuned for CPU), or auto (cpu on CPU)."""
     hash_seed: int = 0
     """Seed of the chained block hash; must match across router and workers."""
     seed: int = 0
     """Seed of the shared RNG used by requests that bring no seed of their own."""
     num_threads: int | None = None
     """torch intra-op threads on CPU; None keeps torch's default."""
+    cpu_kernels: bool = True
+    """On CPU, run the C++ kernels (paged decode attention, fused RMSNorm / SiLU-and-mul / RoPE), built
+    on first use; False, or a machine where they cannot build, runs the pure-torch reference ops."""
 
     def __post_init__(self) -> None:
         _check(self.block_size >= 1, f"block_size must be >= 1, got {self.block_size}")

@@ -24,6 +24,7 @@ from splitserve.common.detokenizer import IncrementalDetokenizer
 from splitserve.engine.kv_cache import KVCache, KVCacheSpec, num_blocks_for
 from splitserve.engine.kv_event_log import KVEventLog
 from splitserve.engine.model_loader import load_hf_config, load_model
+from splitserve.engine.models.layer_ops import select_layer_ops
 from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.outputs import CompletionDelta
 from splitserve.engine.request import Request, RequestStatus
@@ -81,8 +82,9 @@ class EngineCore:
         if config.num_threads is not None and self.device.type == "cpu":
             torch.set_num_threads(config.num_threads)
         dtype = resolve_dtype(config.dtype, getattr(hf_config, "dtype", None), self.device)
-        self.model = load_model(model_dir, dtype, self.device, select_backend(config.attention_backend),
-                                show_progress)
+        attention = select_backend(config.attention_backend, self.device.type, config.cpu_kernels)
+        self.model = load_model(model_dir, dtype, self.device, attention, show_progress,
+                                select_layer_ops(self.device, dtype, config.cpu_kernels))
         arch = self.model.arch
         self.vocab_size = arch.vocab_size
         self.max_model_len = self._resolve_max_model_len(arch.max_position_embeddings)
@@ -95,7 +97,7 @@ class EngineCore:
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                                                    self.max_model_len, config.enable_chunked_prefill),
                                    self.block_manager)
-        self.runner = ModelRunner(self.model, self.kv_cache, self.device)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.device, attention.pads_decode_batches)
         self.sampler = Sampler()
         self.tokenizer = tokenizer
         self._shared_generator = torch.Generator(self.device).manual_seed(config.seed)

@@ -19,6 +19,8 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from splitserve.common.errors import UnsupportedModelError
 from splitserve.engine.attention import AttentionBackend
 from splitserve.engine.models.llama import LlamaFamilyArch, LlamaFamilyForCausalLM, RotaryEmbedding
+from splitserve.engine.models.layer_ops import LayerOps, TorchLayerOps
+from splitserve.engine.models.packed_linear import can_pack, pack_linears
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
@@ -151,18 +153,22 @@ def _fuse_layer(checkpoint: dict[str, torch.Tensor], prefix: str, arch: LlamaFam
 
 
 def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, backend: AttentionBackend,
-               show_progress: bool = False) -> LlamaFamilyForCausalLM:
+               show_progress: bool = False, ops: LayerOps | None = None) -> LlamaFamilyForCausalLM:
+    """The model in `dtype` on `device`; `ops` defaults to the torch reference ops."""
     config = load_hf_config(model_dir)
     arch = parse_arch(config)
     rotary = build_rotary(config, arch).to(device)
     with torch.device("meta"):
-        model = LlamaFamilyForCausalLM(arch, rotary, backend)
+        model = LlamaFamilyForCausalLM(arch, rotary, backend, ops or TorchLayerOps())
     checkpoint = read_checkpoint(model_dir)
     state = fuse_checkpoint(checkpoint, arch)
     tensors = tqdm(state.items(), desc=f"loading {model_dir.name}", disable=not show_progress, unit="tensor")
     state = {name: tensor.to(device=device, dtype=dtype) for name, tensor in tensors}
     model.load_state_dict(state, strict=True, assign=True)
-    _use_column_major_weights(model)
+    if can_pack(dtype, device):
+        pack_linears(model)
+    else:
+        _use_column_major_weights(model)
     model.rotary = rotary
     return model.eval().requires_grad_(False)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from splitserve.engine.attention import AttentionMetadata, DecodeBatch, PrefillSpan
@@ -20,15 +21,19 @@ class ModelInput:
     logits_indices: torch.Tensor  # [num_sampling_chunks] int64, last token of each sampling chunk
 
 
-def _slots(chunk: ScheduledChunk, block_size: int) -> tuple[list[int], list[int]]:
-    """Pool rows (pool viewed as [num_blocks * 2 * block_size, H, D]) for keys and values."""
-    keys, values = [], []
-    for position in range(chunk.start_position, chunk.context_len):
-        block = chunk.block_table[position // block_size]
-        key_row = block * 2 * block_size + position % block_size
-        keys.append(key_row)
-        values.append(key_row + block_size)
-    return keys, values
+def _key_slots(chunk: ScheduledChunk, block_size: int) -> np.ndarray:
+    """Pool rows of the chunk's keys, pool viewed as [num_blocks * 2 * block_size, H, D]; a value's row
+    is its key's row + block_size. One vectorized lookup per chunk, not a loop over its tokens."""
+    positions = np.arange(chunk.start_position, chunk.context_len)  # [num_tokens]
+    first, last = chunk.start_position // block_size, (chunk.context_len - 1) // block_size
+    blocks = np.asarray(chunk.block_table[first:last + 1], dtype=np.int64)[positions // block_size - first]
+    return blocks * (2 * block_size) + positions % block_size
+
+
+def _decode_key_slot(chunk: ScheduledChunk, block_size: int) -> int:
+    """_key_slots of a one-token chunk, without numpy's per-call cost."""
+    position = chunk.start_position
+    return chunk.block_table[position // block_size] * 2 * block_size + position % block_size
 
 
 MIN_BUCKET_FILL = 0.75
@@ -51,34 +56,37 @@ def bucket_by_length(items: list, length) -> list[list]:
 
 
 class InputBuilder:
-    def __init__(self, block_size: int, device: torch.device) -> None:
+    def __init__(self, block_size: int, device: torch.device, bucket_decodes: bool = True) -> None:
+        """bucket_decodes: split decodes into batches of similar length (for backends that pad a batch
+        to its longest context); otherwise all decodes form one batch."""
         self.block_size = block_size
         self.device = device
+        self.bucket_decodes = bucket_decodes
 
     def build(self, output: SchedulerOutput) -> ModelInput:
         input_ids: list[int] = []
         positions: list[int] = []
-        key_slots: list[int] = []
-        value_slots: list[int] = []
+        key_slots: list[int | np.ndarray] = []  # an int per decode, an array per longer chunk
         prefills: list[PrefillSpan] = []
         decodes: list[tuple[int, ScheduledChunk]] = []
         logits_indices: list[int] = []
         for chunk in output.chunks:
             start = len(input_ids)
             input_ids.extend(chunk.token_ids)
-            positions.extend(range(chunk.start_position, chunk.context_len))
-            keys, values = _slots(chunk, self.block_size)
-            key_slots.extend(keys)
-            value_slots.extend(values)
             if chunk.num_tokens == 1:
+                positions.append(chunk.start_position)
+                key_slots.append(_decode_key_slot(chunk, self.block_size))
                 decodes.append((start, chunk))
             else:
+                positions.extend(range(chunk.start_position, chunk.context_len))
+                key_slots.append(_key_slots(chunk, self.block_size))
                 prefills.append(self._prefill_span(start, chunk))
             if chunk.samples:
                 logits_indices.append(len(input_ids) - 1)
+        keys = torch.from_numpy(np.hstack(key_slots).astype(np.int64, copy=False)).to(self.device)  # [T]
         metadata = AttentionMetadata(
-            positions=self._tensor(positions), key_slots=self._tensor(key_slots),
-            value_slots=self._tensor(value_slots), prefills=tuple(prefills),
+            positions=self._tensor(positions), key_slots=keys,
+            value_slots=keys + self.block_size, prefills=tuple(prefills),
             decodes=self._decode_batches(decodes), block_size=self.block_size)
         return ModelInput(self._tensor(input_ids), metadata.positions, metadata, self._tensor(logits_indices))
 
@@ -88,6 +96,10 @@ class InputBuilder:
                            block_table=self._tensor(list(chunk.block_table[:num_blocks])))
 
     def _decode_batches(self, decodes: list[tuple[int, ScheduledChunk]]) -> tuple[DecodeBatch, ...]:
+        if not decodes:
+            return ()
+        if not self.bucket_decodes:
+            return (self._decode_batch(decodes),)
         return tuple(self._decode_batch(group) for group in bucket_by_length(
             decodes, lambda item: -(-item[1].context_len // self.block_size)))
 
@@ -106,10 +118,11 @@ class InputBuilder:
 class ModelRunner:
     """Owns the model and the KV pool tensors for one device."""
 
-    def __init__(self, model: LlamaFamilyForCausalLM, kv_cache: KVCache, device: torch.device) -> None:
+    def __init__(self, model: LlamaFamilyForCausalLM, kv_cache: KVCache, device: torch.device,
+                 bucket_decodes: bool = True) -> None:
         self.model = model
         self.kv_cache = kv_cache
-        self.inputs = InputBuilder(kv_cache.spec.block_size, device)
+        self.inputs = InputBuilder(kv_cache.spec.block_size, device, bucket_decodes)
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""Greedy output equals Hugging Face transformers `generate`, token for token (fp32, CPU)."""
+"""Greedy output equals Hugging Face transformers `generate`, token for token (fp32, CPU), on the
+fast CPU path (C++ kernels, oneDNN-packed weights) and on the pure-torch reference ops."""
 
 from __future__ import annotations
 
@@ -27,11 +28,12 @@ def oracle(tiny_model_dirs):
     return result
 
 
+@pytest.mark.parametrize("cpu_kernels", [True, False], ids=["kernels", "torch-ops"])
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_greedy_matches_transformers(arch, variant, tiny_model_dirs, oracle):
+def test_greedy_matches_transformers(arch, variant, cpu_kernels, tiny_model_dirs, oracle):
     cases, expected = oracle[arch]
-    llm = LLM(tiny_model_dirs[arch], block_size=16, **VARIANTS[variant])
+    llm = LLM(tiny_model_dirs[arch], block_size=16, cpu_kernels=cpu_kernels, **VARIANTS[variant])
     outputs = llm.generate([list(c.prompt_token_ids) for c in cases], [c.params() for c in cases])
     mismatches = [(i, out.token_ids, want) for i, (out, want) in enumerate(zip(outputs, expected))
                   if out.token_ids != want]

@@ -58,6 +58,10 @@ class AttentionMetadata:
 
 
 class AttentionBackend(Protocol):
+    pads_decode_batches: bool
+    """True when a decode batch is computed padded to its longest context (the runner then groups
+    decodes of similar length); False when each sequence costs only its own context."""
+
     def forward(
         self,
         query: torch.Tensor,  # [T, num_heads, head_dim]

@@ -14,6 +14,8 @@ from splitserve.engine.attention.base import AttentionMetadata, DecodeBatch, Pre
 
 
 class TorchReferenceAttention:
+    pads_decode_batches = True
+
     def __init__(self) -> None:
         self._workspace = torch.empty(0)
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from splitserve.engine.attention import AttentionBackend, AttentionMetadata
+from splitserve.engine.models.layer_ops import LayerOps
 
 
 @dataclass(frozen=True)
@@ -47,19 +47,18 @@ class LlamaFamilyArch:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float) -> None:
+    def __init__(self, size: int, eps: float, ops: LayerOps) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self.ops = ops
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:
-            # One fused kernel instead of six ops; same formula as below in float32.
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, size]
+        return self.ops.rms_norm(x, self.weight, self.eps)
+
+    def add_and_norm(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """residual += x in place; returns the norm of the sum."""
+        return self.ops.add_rms_norm(residual, x, self.weight, self.eps)
 
 
 class RotaryEmbedding(nn.Module):
@@ -75,29 +74,22 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)  # [T, head_dim]
         cos = (emb.cos() * self.attention_scaling).to(dtype)
         sin = (emb.sin() * self.attention_scaling).to(dtype)
-        return cos.unsqueeze(1), sin.unsqueeze(1)  # [T, 1, head_dim] each
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    return x * cos + _rotate_half(x) * sin
+        return cos, sin  # [T, head_dim] each
 
 
 class Attention(nn.Module):
-    def __init__(self, arch: LlamaFamilyArch, sliding_window: int | None, backend: AttentionBackend) -> None:
+    def __init__(self, arch: LlamaFamilyArch, sliding_window: int | None, backend: AttentionBackend,
+                 ops: LayerOps) -> None:
         super().__init__()
         self.arch = arch
         self.sliding_window = sliding_window
         self.backend = backend
+        self.ops = ops
         self.qkv_proj = nn.Linear(arch.hidden_size, arch.q_size + 2 * arch.kv_size, bias=arch.qkv_bias)
         self.o_proj = nn.Linear(arch.q_size, arch.hidden_size, bias=arch.o_bias)
         if arch.qk_norm:
-            self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps)
-            self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps)
+            self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, ops)
+            self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, ops)
 
     def forward(self, hidden, rope, kv_cache, metadata: AttentionMetadata) -> torch.Tensor:
         arch = self.arch
@@ -107,45 +99,48 @@ class Attention(nn.Module):
         v = v.view(-1, arch.num_kv_heads, arch.head_dim)
         if arch.qk_norm:
             q, k = qk.split((arch.num_heads, arch.num_kv_heads), dim=1)
-            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
+            qk = torch.cat((self.q_norm(q.reshape(-1, arch.head_dim)).view(q.shape),
+                            self.k_norm(k.reshape(-1, arch.head_dim)).view(k.shape)), dim=1)
         # One rotation for queries and keys together: same positions, half the ops.
-        q, k = apply_rope(qk, *rope).split((arch.num_heads, arch.num_kv_heads), dim=1)
+        q, k = self.ops.rotary(qk, *rope).split((arch.num_heads, arch.num_kv_heads), dim=1)
         out = self.backend.forward(q, k, v, kv_cache, metadata, self.sliding_window)  # [T, H, D]
         return self.o_proj(out.reshape(-1, arch.q_size))
 
 
 class MLP(nn.Module):
-    def __init__(self, arch: LlamaFamilyArch) -> None:
+    def __init__(self, arch: LlamaFamilyArch, ops: LayerOps) -> None:
         super().__init__()
-        self.intermediate_size = arch.intermediate_size
+        self.ops = ops
         self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=arch.mlp_bias)
         self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=arch.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))  # [T, 2I] -> [T, I] -> [T, hidden]
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, arch: LlamaFamilyArch, layer_index: int, backend: AttentionBackend) -> None:
+    def __init__(self, arch: LlamaFamilyArch, layer_index: int, backend: AttentionBackend, ops: LayerOps) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.self_attn = Attention(arch, arch.sliding_windows[layer_index], backend)
-        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.mlp = MLP(arch)
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ops)
+        self.self_attn = Attention(arch, arch.sliding_windows[layer_index], backend, ops)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ops)
+        self.mlp = MLP(arch, ops)
 
     def forward(self, hidden, rope, kv_cache, metadata):
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), rope, kv_cache, metadata)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        """hidden [T, hidden_size] is updated in place (the residual stream) and returned."""
+        attended = self.self_attn(self.input_layernorm(hidden), rope, kv_cache, metadata)
+        normed = self.post_attention_layernorm.add_and_norm(hidden, attended)
+        return hidden.add_(self.mlp(normed))
 
 
 class LlamaFamilyForCausalLM(nn.Module):
-    def __init__(self, arch: LlamaFamilyArch, rotary: RotaryEmbedding, backend: AttentionBackend) -> None:
+    def __init__(self, arch: LlamaFamilyArch, rotary: RotaryEmbedding, backend: AttentionBackend,
+                 ops: LayerOps) -> None:
         super().__init__()
         self.arch = arch
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(arch, i, backend) for i in range(arch.num_layers))
-        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(arch, i, backend, ops) for i in range(arch.num_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ops)
         self.rotary = rotary
         self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         if arch.tie_word_embeddings:

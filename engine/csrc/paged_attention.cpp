@@ -1,0 +1,221 @@
+// Paged decode attention for CPU: one query token per sequence, keys and values read in place
+// from the KV pool's blocks (no gather copy). Built at first use by engine/cpu_kernels.py.
+//
+// Shapes (all contiguous):
+//   query        [B, H, D]                        fp32 or bf16
+//   kv_cache     [num_blocks, 2, block_size, Hkv, D] same dtype; [:, 0] keys, [:, 1] values
+//   block_tables [B, max_blocks] int64            block of position p: block_tables[b, p / block_size]
+//   context_lens [B] int64                        positions 0 .. context_lens[b] - 1 are attended
+//   out          [B, H, D]                        same dtype as query
+// sliding_window > 0 attends only the last sliding_window positions. Query head h reads KV head
+// h / (H / Hkv) (grouped-query attention). Scores, softmax and the weighted sum are float32.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/cpu/vec/vec.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include "vec16.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+namespace {
+
+template <typename T>
+inline float dot(const float* q, const T* k, int64_t dim) {
+  int64_t d = 0;
+  __m512 acc = _mm512_setzero_ps();
+  for (; d + 16 <= dim; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), load16(k + d), acc);
+  float sum = _mm512_reduce_add_ps(acc);
+  for (; d < dim; ++d) sum += q[d] * static_cast<float>(k[d]);
+  return sum;
+}
+
+template <typename T>
+inline void axpy(float weight, const T* v, float* acc, int64_t dim) {
+  int64_t d = 0;
+  const __m512 w = _mm512_set1_ps(weight);
+  for (; d + 16 <= dim; d += 16)
+    _mm512_storeu_ps(acc + d, _mm512_fmadd_ps(w, load16(v + d), _mm512_loadu_ps(acc + d)));
+  for (; d < dim; ++d) acc[d] += weight * static_cast<float>(v[d]);
+}
+
+// row = softmax(row) in place, exp vectorized (a scalar exp per score costs more than the dots).
+inline void softmax(float* row, int64_t length) {
+  using Vec = at::vec::Vectorized<float>;
+  const float max_score = *std::max_element(row, row + length);
+  const __m512 shift = _mm512_set1_ps(max_score);
+  __m512 sums = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= length; i += 16) {
+    const __m512 e = static_cast<__m512>(Vec(_mm512_sub_ps(_mm512_loadu_ps(row + i), shift)).exp());
+    _mm512_storeu_ps(row + i, e);
+    sums = _mm512_add_ps(sums, e);
+  }
+  float total = _mm512_reduce_add_ps(sums);
+  for (; i < length; ++i) total += (row[i] = std::exp(row[i] - max_score));
+  const __m512 inv_total = _mm512_set1_ps(1.f / total);
+  for (i = 0; i + 16 <= length; i += 16) _mm512_storeu_ps(row + i, _mm512_mul_ps(_mm512_loadu_ps(row + i), inv_total));
+  for (; i < length; ++i) row[i] *= 1.f / total;
+}
+
+struct Geometry {
+  int64_t num_heads, num_kv_heads, head_dim, block_size, max_blocks;
+  int64_t row_stride;    // elements between consecutive positions of one block: Hkv * D
+  int64_t block_stride;  // elements of one block (keys and values): 2 * block_size * Hkv * D
+};
+
+// Sums of 8 vectors: [sum(v[0]), ..., sum(v[7])], about 2 instructions per sum where a
+// reduction per vector costs 7.
+inline __m256 sum8(const __m512* v) {
+  __m256 half[8];
+  for (int i = 0; i < 8; ++i)
+    half[i] = _mm256_add_ps(_mm512_castps512_ps256(v[i]), _mm512_extractf32x8_ps(v[i], 1));
+  const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(half[0], half[1]), _mm256_hadd_ps(half[2], half[3]));
+  const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(half[4], half[5]), _mm256_hadd_ps(half[6], half[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+
+// scores[i] = q . rows[i][offset : offset + dim] for i < length, eight positions at a time.
+template <typename T>
+void score_row(const float* q, const std::vector<const T*>& rows, int64_t offset, int64_t length, int64_t dim,
+               float* scores) {
+  int64_t i = 0;
+  if (dim % 16 == 0) {
+    for (; i + 8 <= length; i += 8) {
+      __m512 acc[8];
+      for (int j = 0; j < 8; ++j) acc[j] = _mm512_setzero_ps();
+      for (int64_t d = 0; d < dim; d += 16) {
+        const __m512 qd = _mm512_loadu_ps(q + d);
+        for (int j = 0; j < 8; ++j) acc[j] = _mm512_fmadd_ps(qd, load16(rows[i + j] + offset + d), acc[j]);
+      }
+      _mm256_storeu_ps(scores + i, sum8(acc));
+    }
+  }
+  for (; i < length; ++i) scores[i] = dot(q, rows[i] + offset, dim);
+}
+
+// out = sum_i probs[i] * rows[i][offset : offset + D] with N = D / 16 accumulators held in registers.
+template <int N, typename T>
+void weighted_sum_fixed(const float* probs, const std::vector<const T*>& rows, int64_t offset, int64_t length,
+                        T* out) {
+  __m512 acc[N];
+  for (int j = 0; j < N; ++j) acc[j] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < length; ++i) {
+    const __m512 w = _mm512_set1_ps(probs[i]);
+    const T* v = rows[i] + offset;
+    for (int j = 0; j < N; ++j) acc[j] = _mm512_fmadd_ps(w, load16(v + 16 * j), acc[j]);
+  }
+  for (int j = 0; j < N; ++j) store16(out + 16 * j, acc[j]);
+}
+
+template <typename T>
+void weighted_sum(const float* probs, const std::vector<const T*>& rows, int64_t offset, int64_t length, int64_t dim,
+                  T* out) {
+  switch (dim) {
+    case 32: return weighted_sum_fixed<2>(probs, rows, offset, length, out);
+    case 64: return weighted_sum_fixed<4>(probs, rows, offset, length, out);
+    case 80: return weighted_sum_fixed<5>(probs, rows, offset, length, out);
+    case 96: return weighted_sum_fixed<6>(probs, rows, offset, length, out);
+    case 128: return weighted_sum_fixed<8>(probs, rows, offset, length, out);
+    default: break;
+  }
+  std::vector<float> acc(dim, 0.f);
+  for (int64_t i = 0; i < length; ++i) axpy(probs[i], rows[i] + offset, acc.data(), dim);
+  for (int64_t d = 0; d < dim; ++d) out[d] = static_cast<T>(acc[d]);
+}
+
+// One sequence's KV heads [first_kv_head, first_kv_head + num_kv) and the G query heads of each.
+// Scores head by head over the positions' key rows (eight positions per reduction), a softmax
+// per head, then each head's weighted sum of value rows accumulated in registers.
+template <typename T>
+void attend(const T* query, const T* cache, const int64_t* table, int64_t context_len, int64_t window, float scale,
+            const Geometry& g, int64_t first_kv_head, int64_t num_kv, T* out) {
+  const int64_t group = g.num_heads / g.num_kv_heads;
+  const int64_t heads = num_kv * group;  // query heads of this task, consecutive from first_kv_head * G
+  const int64_t start = window > 0 ? std::max<int64_t>(0, context_len - window) : 0;
+  const int64_t length = context_len - start;
+  std::vector<float> q(heads * g.head_dim), scores(heads * length);
+  std::vector<const T*> rows(length);  // key row of each attended position, at this task's first KV head
+  const T* q_src = query + first_kv_head * group * g.head_dim;
+  for (int64_t i = 0; i < heads * g.head_dim; ++i) q[i] = static_cast<float>(q_src[i]) * scale;
+  for (int64_t p = start; p < context_len; ++p)
+    rows[p - start] = cache + table[p / g.block_size] * g.block_stride + (p % g.block_size) * g.row_stride +
+                      first_kv_head * g.head_dim;
+  for (int64_t h = 0; h < heads; ++h)
+    score_row(&q[h * g.head_dim], rows, (h / group) * g.head_dim, length, g.head_dim, &scores[h * length]);
+  for (int64_t h = 0; h < heads; ++h) softmax(&scores[h * length], length);
+  const int64_t value_offset = g.block_size * g.row_stride;
+  T* out_dst = out + first_kv_head * group * g.head_dim;
+  for (int64_t h = 0; h < heads; ++h)
+    weighted_sum(&scores[h * length], rows, value_offset + (h / group) * g.head_dim, length, g.head_dim,
+                 out_dst + h * g.head_dim);
+}
+
+// KV heads per task: all of a sequence's (streaming reads) unless there are too few sequences to
+// keep every thread busy, then the largest divisor of Hkv that gives each thread about two tasks.
+int64_t kv_heads_per_task(int64_t batch, int64_t num_kv_heads) {
+  const int64_t wanted_tasks = 2 * static_cast<int64_t>(at::get_num_threads());
+  int64_t per_task = num_kv_heads;
+  while (per_task > 1 && batch * (num_kv_heads / per_task) < wanted_tasks) {
+    do --per_task; while (num_kv_heads % per_task != 0);
+  }
+  return per_task;
+}
+
+template <typename T>
+void decode(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_tables,
+            const at::Tensor& context_lens, int64_t window, double scale, at::Tensor& out) {
+  const Geometry g{query.size(1), kv_cache.size(3), query.size(2), kv_cache.size(2), block_tables.size(1),
+                   kv_cache.size(3) * kv_cache.size(4), 2 * kv_cache.size(2) * kv_cache.size(3) * kv_cache.size(4)};
+  const int64_t batch = query.size(0);
+  const int64_t per_task = kv_heads_per_task(batch, g.num_kv_heads);
+  const int64_t tasks_per_seq = g.num_kv_heads / per_task;
+  const T* q = query.const_data_ptr<T>();
+  const T* cache = kv_cache.const_data_ptr<T>();
+  const int64_t* tables = block_tables.const_data_ptr<int64_t>();
+  const int64_t* lens = context_lens.const_data_ptr<int64_t>();
+  T* o = out.mutable_data_ptr<T>();
+  const int64_t row = g.num_heads * g.head_dim;
+  at::parallel_for(0, batch * tasks_per_seq, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / tasks_per_seq, first_kv_head = (task % tasks_per_seq) * per_task;
+      attend<T>(q + b * row, cache, tables + b * g.max_blocks, lens[b], window, static_cast<float>(scale), g,
+                first_kv_head, per_task, o + b * row);
+    }
+  });
+}
+
+void paged_decode_attention(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_tables,
+                            const at::Tensor& context_lens, int64_t sliding_window, double scale, at::Tensor out) {
+  TORCH_CHECK(query.dim() == 3 && kv_cache.dim() == 5 && block_tables.dim() == 2 && context_lens.dim() == 1,
+              "paged_decode_attention: bad ranks");
+  TORCH_CHECK(query.is_contiguous() && kv_cache.is_contiguous() && block_tables.is_contiguous() &&
+                  context_lens.is_contiguous() && out.is_contiguous(),
+              "paged_decode_attention: inputs must be contiguous");
+  TORCH_CHECK(query.scalar_type() == kv_cache.scalar_type() && out.scalar_type() == query.scalar_type(),
+              "paged_decode_attention: query, kv_cache and out must share a dtype");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong,
+              "paged_decode_attention: block_tables and context_lens must be int64");
+  TORCH_CHECK(query.size(1) % kv_cache.size(3) == 0 && query.size(2) == kv_cache.size(4),
+              "paged_decode_attention: head counts or head_dim do not match the cache");
+  switch (query.scalar_type()) {
+    case at::kFloat: return decode<float>(query, kv_cache, block_tables, context_lens, sliding_window, scale, out);
+    case at::kBFloat16:
+      return decode<c10::BFloat16>(query, kv_cache, block_tables, context_lens, sliding_window, scale, out);
+    default: TORCH_CHECK(false, "paged_decode_attention: dtype ", query.scalar_type(), " is not supported");
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY(splitserve_cpu, m) {
+  m.def("paged_decode_attention(Tensor query, Tensor kv_cache, Tensor block_tables, Tensor context_lens, "
+        "int sliding_window, float scale, Tensor(a!) out) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(splitserve_cpu, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }

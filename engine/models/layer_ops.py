@@ -1,0 +1,89 @@
+"""The elementwise ops of a Llama-family layer, behind one interface with two implementations.
+
+`TorchLayerOps` is Hugging Face's computation op by op (the reference, any device);
+`CpuKernelLayerOps` runs the fused C++ kernels of engine/csrc/fused_ops.cpp, one pass over memory
+per op, rounding where the reference rounds (tests compare the two). The model asks for one at
+load time (`select_layer_ops`).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from splitserve.engine.cpu_kernels import load_cpu_kernels
+
+
+class LayerOps(Protocol):
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """weight * normalize(x) over the last dim; x: [N, H]."""
+        ...
+
+    def add_rms_norm(self, residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """residual += x (in place), then rms_norm(residual); residual, x: [N, H]."""
+        ...
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up for gate_up = [gate | up]: [N, 2I] -> [N, I]."""
+        ...
+
+    def rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x * cos + rotate_half(x) * sin per head; x: [T, heads, D], cos/sin: [T, D]. May write into x."""
+        ...
+
+
+class TorchLayerOps:
+    def rms_norm(self, x, weight, eps):
+        if x.dtype == torch.float32:
+            # One fused kernel instead of six ops; same formula as below in float32.
+            return F.rms_norm(x, weight.shape, weight, eps)
+        normed = x.float()
+        normed = normed * torch.rsqrt(normed.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * normed.to(x.dtype)
+
+    def add_rms_norm(self, residual, x, weight, eps):
+        residual.add_(x)
+        return self.rms_norm(residual, weight, eps)
+
+    def silu_and_mul(self, gate_up):
+        gate, up = gate_up.split(gate_up.shape[-1] // 2, dim=-1)
+        return F.silu(gate) * up
+
+    def rotary(self, x, cos, sin):
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [T, 1, D]: broadcast over heads
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + rotated * sin
+
+
+class CpuKernelLayerOps:
+    def rms_norm(self, x, weight, eps):
+        out = torch.empty_like(x)
+        torch.ops.splitserve_cpu.rms_norm(x, weight, eps, out)
+        return out
+
+    def add_rms_norm(self, residual, x, weight, eps):
+        out = torch.empty_like(x)
+        torch.ops.splitserve_cpu.add_rms_norm(residual, x, weight, eps, out)
+        return out
+
+    def silu_and_mul(self, gate_up):
+        out = torch.empty((gate_up.shape[0], gate_up.shape[1] // 2), dtype=gate_up.dtype, device=gate_up.device)
+        torch.ops.splitserve_cpu.silu_and_mul(gate_up, out)
+        return out
+
+    def rotary(self, x, cos, sin):
+        torch.ops.splitserve_cpu.rotary_embedding(x, cos, sin)
+        return x
+
+
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def select_layer_ops(device: torch.device, dtype: torch.dtype, use_cpu_kernels: bool) -> LayerOps:
+    """The C++ kernels on CPU for fp32/bf16 when wanted and buildable, else the torch reference."""
+    if use_cpu_kernels and device.type == "cpu" and dtype in KERNEL_DTYPES and load_cpu_kernels():
+        return CpuKernelLayerOps()
+    return TorchLayerOps()

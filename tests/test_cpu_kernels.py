@@ -1,0 +1,144 @@
+"""The CPU fast path against its references: the C++ paged decode attention against
+TorchReferenceAttention, the fused layer ops against TorchLayerOps, oneDNN-packed linears against
+F.linear, and whole-engine greedy output with and without the kernels.
+
+Tolerances: fp32 results differ from the reference only by summation order (1e-5 absolute on
+O(1) values); bf16 attention computes scores in float32 where the reference rounds them to
+bf16 first, so it may differ by a few bf16 ulps of the output (2e-2 on O(1) values).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from splitserve.engine import LLM, SamplingParams
+from splitserve.engine.attention import CpuPagedAttention, TorchReferenceAttention
+from splitserve.engine.attention.base import AttentionMetadata, DecodeBatch
+from splitserve.engine.cpu_kernels import load_cpu_kernels
+from splitserve.engine.models.layer_ops import CpuKernelLayerOps, TorchLayerOps
+from splitserve.engine.models.packed_linear import PackedLinear, can_pack
+
+pytestmark = pytest.mark.skipif(not load_cpu_kernels(), reason="the CPU kernels need a C++ compiler and AVX-512")
+
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+def _decode_case(generator, dtype, batch, num_heads, num_kv_heads, head_dim, block_size=16, num_blocks=64):
+    """Random queries and pool; each sequence gets its own random blocks and a ragged length."""
+    kv_cache = torch.randn(num_blocks, 2, block_size, num_kv_heads, head_dim, generator=generator).to(dtype)
+    context_lens = torch.randint(1, 6 * block_size, (batch,), generator=generator)
+    width = int(-(-context_lens.max() // block_size))
+    tables = torch.stack([torch.randperm(num_blocks, generator=generator)[:width] for _ in range(batch)])
+    query = torch.randn(batch, num_heads, head_dim, generator=generator).to(dtype)
+    decode = DecodeBatch(token_indices=torch.arange(batch), block_tables=tables, context_lens=context_lens)
+    return query, kv_cache, decode
+
+
+def _metadata(decode: DecodeBatch, block_size: int = 16) -> AttentionMetadata:
+    return AttentionMetadata(positions=None, key_slots=None, value_slots=None, prefills=(), decodes=(decode,),
+                             block_size=block_size)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2), (12, 4), (16, 2)], ids=lambda h: f"{h[0]}q{h[1]}kv")
+@pytest.mark.parametrize("head_dim", [32, 40, 64, 128])
+@pytest.mark.parametrize("sliding_window", [None, 1, 7, 40])
+@pytest.mark.parametrize("use_kernels", [True, False], ids=["kernel", "matmul"])
+def test_decode_attention_equals_the_reference(dtype, heads, head_dim, sliding_window, use_kernels):
+    generator = torch.Generator().manual_seed(head_dim * 31 + heads[0])
+    query, kv_cache, decode = _decode_case(generator, dtype, batch=5, num_heads=heads[0], num_kv_heads=heads[1],
+                                           head_dim=head_dim)
+    expected = TorchReferenceAttention()._decode(query, kv_cache, decode, 0, _metadata(decode), sliding_window)
+    got = CpuPagedAttention(use_kernels=use_kernels)._decode(query, kv_cache, decode, 0, _metadata(decode),
+                                                             sliding_window)
+    assert got.dtype == dtype and got.shape == query.shape
+    torch.testing.assert_close(got.float(), expected.float(), atol=TOLERANCE[dtype], rtol=0)
+
+
+@pytest.mark.parametrize("batch", [1, 2, 3, 64])
+def test_decode_attention_splits_heads_for_small_batches_without_changing_results(batch):
+    """One sequence spreads its KV heads over the threads; 64 give each task all of a sequence's heads."""
+    generator = torch.Generator().manual_seed(batch)
+    query, kv_cache, decode = _decode_case(generator, torch.float32, batch, 8, 4, 64)
+    expected = TorchReferenceAttention()._decode(query, kv_cache, decode, 0, _metadata(decode), None)
+    got = CpuPagedAttention()._decode(query, kv_cache, decode, 0, _metadata(decode), None)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+
+
+def test_decode_attention_reads_only_the_context_positions():
+    """Positions past context_len (the rest of the last block) and unlisted blocks may hold anything."""
+    generator = torch.Generator().manual_seed(3)
+    query, kv_cache, decode = _decode_case(generator, torch.float32, 4, 8, 2, 64)
+    expected = CpuPagedAttention()._decode(query, kv_cache, decode, 0, _metadata(decode), None)
+    poisoned = torch.full_like(kv_cache, float("nan"))
+    block_size = kv_cache.shape[2]
+    for row, length in enumerate(decode.context_lens.tolist()):
+        for position in range(length):
+            block = decode.block_tables[row, position // block_size]
+            poisoned[block, :, position % block_size] = kv_cache[block, :, position % block_size]
+    got = CpuPagedAttention()._decode(query, poisoned, decode, 0, _metadata(decode), None)
+    assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_silu_and_mul_and_rotary_are_bitwise_the_reference(dtype):
+    generator = torch.Generator().manual_seed(0)
+    kernels, reference = CpuKernelLayerOps(), TorchLayerOps()
+    gate_up = (torch.randn(37, 2 * 200, generator=generator) * 4).to(dtype)
+    assert torch.equal(kernels.silu_and_mul(gate_up), reference.silu_and_mul(gate_up))
+    for head_dim in (32, 40, 64, 128):
+        # qk as the model passes it: a [T, heads, D] view into a wider projection output
+        projection = torch.randn(19, 6 * head_dim + 24, generator=generator).to(dtype)
+        qk = projection[:, : 5 * head_dim].view(19, 5, head_dim)
+        angles = torch.randn(19, head_dim // 2, generator=generator).repeat(1, 2)
+        cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+        expected = reference.rotary(qk, cos, sin)
+        assert torch.equal(kernels.rotary(qk, cos, sin), expected)
+        assert torch.equal(projection[:, : 5 * head_dim].view(19, 5, head_dim), expected)  # rotated in place
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_rms_norms_equal_the_reference_up_to_summation_order(dtype):
+    generator = torch.Generator().manual_seed(1)
+    kernels, reference = CpuKernelLayerOps(), TorchLayerOps()
+    x = torch.randn(33, 200, generator=generator).to(dtype)
+    weight = torch.randn(200, generator=generator).to(dtype)
+    tolerance = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=0, rtol=2 ** -7)
+    torch.testing.assert_close(kernels.rms_norm(x, weight, 1e-6), reference.rms_norm(x, weight, 1e-6), **tolerance)
+    residual = torch.randn(33, 200, generator=generator).to(dtype)
+    kernel_residual, reference_residual = residual.clone(), residual.clone()
+    got = kernels.add_rms_norm(kernel_residual, x, weight, 1e-6)
+    expected = reference.add_rms_norm(reference_residual, x, weight, 1e-6)
+    assert torch.equal(kernel_residual, reference_residual)
+    assert torch.equal(kernel_residual, residual + x)
+    torch.testing.assert_close(got, expected, **tolerance)
+
+
+@pytest.mark.skipif(not can_pack(torch.bfloat16, torch.device("cpu")), reason="no oneDNN bf16 on this CPU")
+@pytest.mark.parametrize("rows", [1, 3, 64, 129])
+def test_packed_linear_equals_f_linear(rows):
+    generator = torch.Generator().manual_seed(rows)
+    for dtype in (torch.float32, torch.bfloat16):
+        linear = torch.nn.Linear(96, 80, bias=True).to(dtype)
+        x = torch.randn(rows, 96, generator=generator).to(dtype)
+        expected = F.linear(x, linear.weight, linear.bias)
+        got = PackedLinear(linear)(x)
+        if dtype == torch.bfloat16:
+            assert torch.equal(got, expected)
+        else:
+            torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_engine_greedy_tokens_equal_with_and_without_kernels(arch, tiny_model_dirs):
+    """fp32: the kernel path and the pure-torch path produce the same tokens, chunked and prefix-cached."""
+    prompts = [[(7 * i + 3 * j) % 500 + 2 for j in range(20 + 37 * i)] for i in range(6)]
+    prompts += [prompts[3][:50] + [9, 9, 9]]  # shares three blocks with prompt 3
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    outputs = {}
+    for cpu_kernels in (True, False):
+        llm = LLM(tiny_model_dirs[arch], block_size=16, max_num_batched_tokens=64, cpu_kernels=cpu_kernels)
+        outputs[cpu_kernels] = [out.token_ids for out in llm.generate(prompts, params)]
+    assert outputs[True] == outputs[False]
