@@ -11,11 +11,12 @@ Logprobs are of the raw model distribution (before any processing), as in vLLM.
 
 A step runs each stage as one set of tensor ops over the rows that need it: greedy rows without
 penalties cost one argmax over the batch, token counts are built only for rows with a penalty, and
-each filter runs only on the rows that set it. Two things stay one row at a time, so that a row's
+each filter runs only on the rows that set it (top-p orders only the nonzero head of rows that a
+top-k has cut, instead of sorting the vocabulary). Two things stay one row at a time, so that a row's
 result never depends on its batch mates: the noise E, drawn from the row's own generator (rows
 sharing a generator draw in row order), and the sums that renormalize a distribution (torch sums a
 long row alone split across threads, in another order than one row of a batch). On CPU the result
-equals the per-row sampler this replaced (tests/sampler_oracle.py) bit for bit.
+equals the per-row sampler this replaced (tests/sampler_oracle.py) bit for bit, tokens and logprobs.
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ import torch
 
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.token_logprobs import TokenLogprobs
+
+HEAD_FRACTION = 8
+"""top-p orders only the nonzero head of each row when it is at most 1 / HEAD_FRACTION of the vocab."""
 
 
 @dataclass(frozen=True)
@@ -53,10 +57,12 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
         """logits: [len(rows), vocab]; returns one token (and optional logprobs) per row."""
         logits = logits.float()  # [B, vocab] float32; never modified
-        token_ids = torch.argmax(logits, dim=-1)  # [B] int64: final for greedy rows without penalties
         processed = [i for i, row in enumerate(rows) if not _is_plain_greedy(row.params)]
+        # [B] int64. Greedy rows without penalties (the common case) cost only this argmax.
+        token_ids = (torch.argmax(logits, dim=-1) if len(processed) < len(rows)
+                     else torch.empty(len(rows), dtype=torch.long, device=logits.device))
         if processed:
-            token_ids[processed] = _penalized_or_sampled(logits[processed], [rows[i] for i in processed])
+            token_ids[processed] = _penalized_or_sampled(_take(logits, processed), [rows[i] for i in processed])
         return SamplerOutput(token_ids.tolist(), _logprobs(logits, rows, token_ids))
 
 
@@ -66,10 +72,13 @@ def _is_plain_greedy(params: SamplingParams) -> bool:
 
 
 def _penalized_or_sampled(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-    """Token ids [n] of rows with a penalty or a draw; logits [n, vocab] float32, a copy this may change."""
-    penalize_(logits, rows)
-    token_ids = torch.argmax(logits, dim=-1)  # [n] int64: final for greedy rows
+    """Token ids [n] of rows with a penalty or a draw; logits [n, vocab] float32 (not modified)."""
+    logits = penalized(logits, rows)
+    greedy = [i for i, row in enumerate(rows) if row.params.is_greedy]
     sampled = [i for i, row in enumerate(rows) if not row.params.is_greedy]
+    token_ids = torch.empty(len(rows), dtype=torch.long, device=logits.device)  # [n]
+    if greedy:
+        token_ids[greedy] = torch.argmax(_take(logits, greedy), dim=-1)
     if sampled:
         probs = filtered_probs(_take(logits, sampled), [rows[i].params for i in sampled])
         token_ids[sampled] = draw(probs, [rows[i].generator for i in sampled])
@@ -77,7 +86,7 @@ def _penalized_or_sampled(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> 
 
 
 def _take(tensor: torch.Tensor, index: list[int]) -> torch.Tensor:
-    """tensor[index] for an ascending index; the tensor itself when the index covers every row."""
+    """tensor[index] for an ascending index; the tensor itself (not a copy) when the index covers every row."""
     return tensor if len(index) == tensor.shape[0] else tensor[index]
 
 
@@ -88,15 +97,20 @@ def _column(values: Sequence[float], like: torch.Tensor) -> torch.Tensor:
 
 # ---- penalties ---------------------------------------------------------------------------------
 
-def penalize_(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
-    """Apply each row's repetition, then frequency and presence penalties to logits [n, vocab] in place."""
+def penalized(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """logits [n, vocab] after each row's repetition, then frequency and presence penalties: a new
+    tensor when any row has one, else logits itself."""
     repeated = [i for i, row in enumerate(rows) if row.params.repetition_penalty != 1.0]
-    if repeated:
-        logits[repeated] = _repetition_penalized(logits[repeated], [rows[i] for i in repeated])
     counted = [i for i, row in enumerate(rows) if (row.params.frequency_penalty or row.params.presence_penalty)
                and len(row.all_token_ids) > row.num_prompt_tokens]
+    if not (repeated or counted):
+        return logits
+    logits = logits.clone()
+    if repeated:
+        logits[repeated] = _repetition_penalized(logits[repeated], [rows[i] for i in repeated])
     if counted:
         logits[counted] = _frequency_presence_penalized(logits[counted], [rows[i] for i in counted])
+    return logits
 
 
 def _repetition_penalized(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
@@ -147,7 +161,10 @@ def _tempered_softmax(logits: torch.Tensor, temperature: torch.Tensor) -> torch.
 
 def _on_rows(probs: torch.Tensor, keep: Callable[[torch.Tensor, list], torch.Tensor],
              values: dict[int, int | float]) -> torch.Tensor:
-    """probs [n, vocab] with keep(rows, their values) applied, in place, to the rows named in values."""
+    """probs [n, vocab] with keep(rows, their values) applied to the rows named in values (in place
+    when they are not all the rows)."""
+    if len(values) == probs.shape[0]:
+        return keep(probs, list(values.values()))
     if values:
         index = list(values)
         probs[index] = keep(probs[index], list(values.values()))
@@ -162,12 +179,46 @@ def _keep_top_k(probs: torch.Tensor, top_k: list[int]) -> torch.Tensor:
 
 
 def _keep_top_p(probs: torch.Tensor, top_p: list[float]) -> torch.Tensor:
-    """probs [n, vocab] with each row cut to the smallest prefix reaching top_p[i] of its mass."""
+    """probs [n, vocab] with each row cut to the smallest prefix of its descending order reaching
+    top_p[i] of its mass. Rows whose nonzeros all fit in vocab / HEAD_FRACTION (after a top-k, or a
+    low temperature) order only those instead of sorting the whole vocabulary."""
+    threshold = _column(top_p, probs)  # [n, 1]
+    width = max(1, int((probs > 0).sum(dim=-1).max()))  # most nonzero tokens in a row
+    if width * HEAD_FRACTION > probs.shape[1]:
+        return _keep_top_p_sorted(probs, threshold)
+    return _keep_top_p_head(probs, threshold, width)
+
+
+def _keep_top_p_head(probs: torch.Tensor, threshold: torch.Tensor, width: int) -> torch.Tensor:
+    """_keep_top_p from each row's `width` largest probabilities, which hold all its nonzeros: the
+    same values in the same places as the sorted vocabulary, so the cut falls at the same place."""
+    values, ids = torch.topk(probs, width, dim=-1)  # [n, width] each, descending
+    drop = _top_p_drop(values, threshold, probs.shape[1])  # [n, width]
+    kept = probs.scatter(1, ids, values.masked_fill(drop, 0.0))
+    # topk may order tied values unlike torch.sort: where tied tokens fall on both sides of the cut,
+    # which of them are dropped could differ, so those rows are sorted in full.
+    straddled = (values[:, 1:] == values[:, :-1]) & (values[:, 1:] > 0) & (drop[:, 1:] != drop[:, :-1])
+    redo = straddled.any(dim=-1).nonzero().flatten().tolist()
+    if redo:
+        kept[redo] = _keep_top_p_sorted(probs[redo], threshold[redo])
+    return kept
+
+
+def _keep_top_p_sorted(probs: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
+    """_keep_top_p by a sort of the whole vocabulary; probs [n, vocab], threshold [n, 1]."""
     sorted_probs, order = torch.sort(probs, dim=-1, descending=True)  # [n, vocab] each
-    mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # [n, vocab]
-    # Keep a token while the mass of strictly better tokens is below top_p (at least one).
-    drop = mass_before >= _column(top_p, probs) * _row_sums(sorted_probs)  # [n, vocab] in sorted order
+    drop = _top_p_drop(sorted_probs, threshold, probs.shape[1])
     return probs.scatter(1, order, sorted_probs.masked_fill(drop, 0.0))
+
+
+def _top_p_drop(sorted_probs: torch.Tensor, threshold: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[n, width] bool: which of the descending probabilities [n, width] (the first width of each
+    row's vocab_size; the rest are zeros) fall past the top_p cut; threshold [n, 1]."""
+    mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # [n, width]
+    # The total over the whole sorted row, zeros included: a sum's rounding depends on its length.
+    total = _row_sums(torch.nn.functional.pad(sorted_probs, (0, vocab_size - sorted_probs.shape[1])))  # [n, 1]
+    # Keep a token while the mass of strictly better tokens is below top_p (at least one).
+    return mass_before >= threshold * total
 
 
 def _keep_min_p(probs: torch.Tensor, min_p: list[float]) -> torch.Tensor:

@@ -3,6 +3,8 @@ bit-for-bit equality of the batched sampler with the per-row reference (tests/sa
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -11,7 +13,7 @@ from hypothesis import strategies as st
 import sampler_oracle as oracle
 from factories import make_sampling_row
 from splitserve.common.sampling_params import SamplingParams
-from splitserve.engine.sampler import Sampler, SamplingRow, draw, filtered_probs, penalize_, token_counts
+from splitserve.engine.sampler import Sampler, SamplingRow, draw, filtered_probs, penalized, token_counts
 
 ORACLE_SETTINGS = settings(max_examples=300, deadline=None, derandomize=True, database=None)
 LONG_VOCAB = 40_000
@@ -28,11 +30,9 @@ def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return float(((counts - expected) ** 2 / expected).sum())
 
 
-def penalized(logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:
-    """One row's logits [vocab] after penalize_ (on a copy)."""
-    batch = logits.unsqueeze(0).clone()  # [1, vocab]
-    penalize_(batch, [row])
-    return batch[0]
+def penalized_row(logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:
+    """One row's logits [vocab] after its penalties."""
+    return penalized(logits.unsqueeze(0), [row])[0]
 
 
 def probs_of(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -58,13 +58,13 @@ def test_repetition_penalty_divides_positive_and_multiplies_negative():
     logits = torch.tensor([2.0, -2.0, 1.0, -1.0, 4.0, 0.0, -3.0])
     row = make_sampling_row(SamplingParams(repetition_penalty=2.0), prompt=[0, 1, 5], output=[1, 4, 6])
     # seen = {0, 1, 4, 5, 6}: 2 -> 1, -2 -> -4, 4 -> 2, 0 stays 0, -3 -> -6; tokens 2 and 3 untouched
-    assert torch.equal(penalized(logits, row), torch.tensor([1.0, -4.0, 1.0, -1.0, 2.0, 0.0, -6.0]))
+    assert torch.equal(penalized_row(logits, row), torch.tensor([1.0, -4.0, 1.0, -1.0, 2.0, 0.0, -6.0]))
 
 
 def test_repetition_penalty_below_one_encourages_seen_tokens():
     logits = torch.tensor([2.0, -2.0, 1.0, -1.0])
     row = make_sampling_row(SamplingParams(repetition_penalty=0.5), prompt=[0], output=[1])
-    assert torch.equal(penalized(logits, row), torch.tensor([4.0, -1.0, 1.0, -1.0]))
+    assert torch.equal(penalized_row(logits, row), torch.tensor([4.0, -1.0, 1.0, -1.0]))
 
 
 @pytest.mark.parametrize("frequency, presence, expected", [
@@ -79,13 +79,13 @@ def test_frequency_and_presence_penalties_subtract_count_times_frequency_plus_pr
     logits = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0])
     params = SamplingParams(frequency_penalty=frequency, presence_penalty=presence)
     row = make_sampling_row(params, prompt=[3, 3, 3, 4], output=[1, 1, 1, 2, 4])
-    assert torch.equal(penalized(logits, row), torch.tensor(expected))
+    assert torch.equal(penalized_row(logits, row), torch.tensor(expected))
 
 
 def test_frequency_and_presence_penalties_need_output_tokens():
     logits = torch.tensor([1.0, 2.0, 3.0])
     row = make_sampling_row(SamplingParams(frequency_penalty=2.0, presence_penalty=2.0), prompt=[0, 1, 2])
-    assert torch.equal(penalized(logits, row), logits)
+    assert torch.equal(penalized_row(logits, row), logits)
 
 
 def test_repetition_penalty_applies_before_frequency_and_presence():
@@ -93,7 +93,7 @@ def test_repetition_penalty_applies_before_frequency_and_presence():
     params = SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=1.0)
     row = make_sampling_row(params, output=[0, 1, 0])
     # repetition: [2, -4, 1]; then counts [2, 1, 0] subtract [2.0, 1.5, 0] (the other order gives [1, -7, 1])
-    assert torch.equal(penalized(logits, row), torch.tensor([0.0, -5.5, 1.0]))
+    assert torch.equal(penalized_row(logits, row), torch.tensor([0.0, -5.5, 1.0]))
 
 
 def test_penalties_of_a_batch_touch_only_each_rows_own_tokens():
@@ -104,8 +104,7 @@ def test_penalties_of_a_batch_touch_only_each_rows_own_tokens():
         make_sampling_row(SamplingParams(frequency_penalty=0.5), prompt=[0], output=[1, 1]),
         make_sampling_row(SamplingParams(repetition_penalty=4.0, presence_penalty=1.0), prompt=[2], output=[2]),
     ]
-    penalize_(logits, rows)
-    assert logits.tolist() == [[1.0, 2.0, 2.0, 1.0], [2.0, 2.0, 2.0, 2.0], [2.0, 1.0, 2.0, 2.0],
+    assert penalized(logits, rows).tolist() == [[1.0, 2.0, 2.0, 1.0], [2.0, 2.0, 2.0, 2.0], [2.0, 1.0, 2.0, 2.0],
                                [2.0, 2.0, -0.5, 2.0]]
 
 
@@ -136,7 +135,7 @@ def test_greedy_equals_argmax_of_the_penalized_logits_on_random_rows(seed):
     plain = logits.argmax(-1).tolist()
     # Each row has already produced its plain argmax 5 times: the penalties must move the choice.
     rows = [make_sampling_row(params, prompt=h[:10], output=h[10:] + [plain[i]] * 5) for i, h in enumerate(history)]
-    expected = [int(torch.argmax(penalized(logits[i], rows[i]))) for i in range(4)]
+    expected = [int(torch.argmax(penalized_row(logits[i], rows[i]))) for i in range(4)]
     assert Sampler()(logits, rows).token_ids == expected
     assert all(e != p for e, p in zip(expected, plain))
 
@@ -257,6 +256,19 @@ def test_each_row_of_a_batch_gets_its_own_filters():
               SamplingParams(top_k=3, min_p=0.7)]
     assert [kept(row) for row in filtered_probs(logits, params)] == [[1, 2], [0, 1, 2, 3, 4], [1, 2], [1, 2],
                                                                      [1, 2]]
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_top_p_after_top_k_cuts_a_tie_where_the_full_sort_does(seed):
+    # After top_k 5: one token at 0.4 and four tied at 0.15; top_p 0.6 keeps two of the tied four.
+    # The head (topk) may order the tie unlike torch.sort; the sampler must drop the same two.
+    tokens = torch.randperm(64, generator=torch.Generator().manual_seed(seed))
+    logits = torch.full((64,), -30.0)
+    logits[tokens[0]], logits[tokens[1:5]] = math.log(0.4), math.log(0.15)
+    params = SamplingParams(top_k=5, top_p=0.6)
+    expected = oracle.filtered_probs(logits, params)
+    assert len(kept(expected)) == 3
+    assert torch.equal(probs_of(logits, params), expected)
 
 
 # ---- seeded draws ------------------------------------------------------------------------------
@@ -464,8 +476,7 @@ def test_the_sampler_equals_the_per_row_reference(batch, kind, seed):
 def test_penalties_and_filters_equal_the_per_row_reference_bit_for_bit(batch, kind, seed):
     rows, vocab_size = batch
     logits = step_logits(kind, len(rows), vocab_size, seed)
-    penalties = logits.clone()
-    penalize_(penalties, rows)
+    penalties = penalized(logits, rows)
     references = reference_rows(rows)
     assert torch.equal(penalties, torch.stack([oracle.apply_penalties(logits[i], r) for i, r in enumerate(references)]))
     params = [row.params for row in rows]
