@@ -9,14 +9,15 @@ Order of logit processing, per row:
      so a seeded request's tokens do not depend on its batch mates.
 Logprobs are of the raw model distribution (before any processing), as in vLLM.
 
-A step runs each stage as one set of tensor ops over the rows that need it: greedy rows without
-penalties cost one argmax over the batch, token counts are built only for rows with a penalty, and
-each filter runs only on the rows that set it (top-p orders only the nonzero head of rows that a
-top-k has cut, instead of sorting the vocabulary). Two things stay one row at a time, so that a row's
-result never depends on its batch mates: the noise E, drawn from the row's own generator (rows
-sharing a generator draw in row order), and the sums that renormalize a distribution (torch sums a
-long row alone split across threads, in another order than one row of a batch). On CPU the result
-equals the per-row sampler this replaced (tests/sampler_oracle.py) bit for bit, tokens and logprobs.
+A step runs each stage as one set of tensor ops over the rows that need it (on CPU, per chunk of
+rows small enough to stay in cache, CPU_CHUNK_LOGITS): greedy rows without penalties cost one
+argmax over the batch, token counts are built only for rows with a penalty, and each filter runs
+only on the rows that set it (top-p orders only the nonzero head of rows that a top-k has cut,
+instead of sorting the vocabulary). Two things stay one row at a time, so that a row's result
+never depends on its batch mates: the noise E, drawn from the row's own generator (rows sharing a
+generator draw in row order), and the sums that renormalize a distribution (torch sums a long row
+alone split across threads, in another order than one row of a batch). On CPU the result equals
+the per-row sampler this replaced (tests/sampler_oracle.py) bit for bit, tokens and logprobs.
 """
 
 from __future__ import annotations
@@ -30,6 +31,10 @@ import torch
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.token_logprobs import TokenLogprobs
 
+CPU_CHUNK_LOGITS = 1 << 20
+"""On CPU, rows with a penalty or a draw go through in chunks of at most this many logits (4 MiB
+in float32), so that each op's tensors stay in cache: over [256, 32000] logits every op would
+stream 32 MiB through memory, and the step takes 1.5x as long."""
 HEAD_FRACTION = 8
 """top-p orders only the nonzero head of each row when it is at most 1 / HEAD_FRACTION of the vocab."""
 
@@ -61,8 +66,8 @@ class Sampler:
         # [B] int64. Greedy rows without penalties (the common case) cost only this argmax.
         token_ids = (torch.argmax(logits, dim=-1) if len(processed) < len(rows)
                      else torch.empty(len(rows), dtype=torch.long, device=logits.device))
-        if processed:
-            token_ids[processed] = _penalized_or_sampled(_take(logits, processed), [rows[i] for i in processed])
+        for chunk in _chunks(processed, logits):
+            token_ids[chunk] = _penalized_or_sampled(_take(logits, chunk), [rows[i] for i in chunk])
         return SamplerOutput(token_ids.tolist(), _logprobs(logits, rows, token_ids))
 
 
@@ -83,6 +88,12 @@ def _penalized_or_sampled(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> 
         probs = filtered_probs(_take(logits, sampled), [rows[i].params for i in sampled])
         token_ids[sampled] = draw(probs, [rows[i].generator for i in sampled])
     return token_ids
+
+
+def _chunks(index: list[int], logits: torch.Tensor) -> list[list[int]]:
+    """index cut in runs of at most CPU_CHUNK_LOGITS logits on CPU (whole on other devices)."""
+    size = max(1, CPU_CHUNK_LOGITS // logits.shape[1]) if logits.device.type == "cpu" else max(1, len(index))
+    return [index[start:start + size] for start in range(0, len(index), size)]
 
 
 def _take(tensor: torch.Tensor, index: list[int]) -> torch.Tensor:

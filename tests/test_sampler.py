@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 import sampler_oracle as oracle
 from factories import make_sampling_row
 from splitserve.common.sampling_params import SamplingParams
+from splitserve.engine import sampler
 from splitserve.engine.sampler import Sampler, SamplingRow, draw, filtered_probs, penalized, token_counts
 
 ORACLE_SETTINGS = settings(max_examples=300, deadline=None, derandomize=True, database=None)
@@ -482,6 +483,15 @@ def test_penalties_and_filters_equal_the_per_row_reference_bit_for_bit(batch, ki
     params = [row.params for row in rows]
     expected = torch.stack([oracle.filtered_probs(penalties[i], p) for i, p in enumerate(params)])
     assert torch.equal(filtered_probs(penalties, params), expected)
+
+
+@settings(ORACLE_SETTINGS, max_examples=100)
+@given(batch=batches(st.sampled_from([7, 64])), kind=st.sampled_from(["plain", "ties"]), seed=st.integers(0, 2 ** 16))
+def test_rows_cut_in_chunks_equal_the_per_row_reference(batch, kind, seed):
+    rows, vocab_size = batch
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(sampler, "CPU_CHUNK_LOGITS", 2 * vocab_size)  # two rows per chunk
+        assert_sampler_equals_oracle(rows, step_logits(kind, len(rows), vocab_size, seed))
 
 
 @pytest.mark.parametrize("seed", range(3))
