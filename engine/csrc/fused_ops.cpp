@@ -19,7 +19,10 @@
 
 namespace {
 
-int64_t rows_per_task(int64_t row_elements) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(1, row_elements)); }
+// Rows per parallel task: about 64K elements, so a decode step's small tensors (64 x 768) run on one
+// thread; waking the others costs more than the op, and a parallel region stalls for a whole
+// scheduler slice whenever another process holds one of the cores.
+int64_t rows_per_task(int64_t row_elements) { return std::max<int64_t>(1, 65536 / std::max<int64_t>(1, row_elements)); }
 
 template <typename T>
 void rms_norm_row(const T* x, const T* weight, float eps, int64_t n, T* out) {

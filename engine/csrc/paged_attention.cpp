@@ -80,6 +80,14 @@ inline __m256 sum8(const __m512* v) {
   return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
 }
 
+// Ask for the cache lines of a row needed soon (the positions of the next blocks are scattered
+// through the pool, so the hardware prefetcher cannot guess them).
+template <typename T>
+inline void prefetch_row(const T* row, int64_t dim) {
+  const char* bytes = reinterpret_cast<const char*>(row);
+  for (int64_t b = 0; b < dim * static_cast<int64_t>(sizeof(T)); b += 64) _mm_prefetch(bytes + b, _MM_HINT_T0);
+}
+
 // scores[i] = q . rows[i][offset : offset + dim] for i < length, eight positions at a time.
 template <typename T>
 void score_row(const float* q, const std::vector<const T*>& rows, int64_t offset, int64_t length, int64_t dim,
@@ -87,6 +95,7 @@ void score_row(const float* q, const std::vector<const T*>& rows, int64_t offset
   int64_t i = 0;
   if (dim % 16 == 0) {
     for (; i + 8 <= length; i += 8) {
+      for (int64_t j = i + 8; j < std::min(i + 16, length); ++j) prefetch_row(rows[j] + offset, dim);
       __m512 acc[8];
       for (int j = 0; j < 8; ++j) acc[j] = _mm512_setzero_ps();
       for (int64_t d = 0; d < dim; d += 16) {
@@ -106,6 +115,7 @@ void weighted_sum_fixed(const float* probs, const std::vector<const T*>& rows, i
   __m512 acc[N];
   for (int j = 0; j < N; ++j) acc[j] = _mm512_setzero_ps();
   for (int64_t i = 0; i < length; ++i) {
+    if (i + 8 < length) prefetch_row(rows[i + 8] + offset, 16 * N);
     const __m512 w = _mm512_set1_ps(probs[i]);
     const T* v = rows[i] + offset;
     for (int j = 0; j < N; ++j) acc[j] = _mm512_fmadd_ps(w, load16(v + 16 * j), acc[j]);
