@@ -15,5 +15,5 @@ def select_backend(name: str, device_type: str, cpu_kernels: bool = True) -> Att
     raise ValueError(f"unknown attention backend {name!r}")
 
 
-__all__ = ["AttentionBackend", "AttentionMetadata", "CpuPagedAttention", "DecodeBatch", "PrefillSpan", "TorchReferenceAttention",
-           "select_backend"]
+__all__ = ["AttentionBackend", "AttentionMetadata", "CpuPagedAttention", "DecodeBatch", "PrefillSpan",
+           "TorchReferenceAttention", "select_backend"]

@@ -6,8 +6,8 @@ What differs from the reference, and why (measured on the 2-core AVX-512 machine
   64 sequences x 144 positions x 12 heads), and the reference first gathers every block into a
   workspace. Here decode runs the C++ kernel of csrc/paged_attention.cpp, which reads keys and
   values where they are in the pool (float32 scores, softmax and sums; 64 sequences x 100-272
-  positions, 12 heads / 4 KV heads: 1.4 ms bf16 and 3.6 ms fp32 per layer, against 3.6 / 8.5 ms
-  for the matmul path below).
+  positions, 12 heads / 4 KV heads, pool in cache: 1.4 ms bf16 and 3.6 ms fp32 per layer, against
+  3.6 / 8.5 ms for the matmul path below; docs/performance.md has it within a whole step).
 - Without the kernel (no compiler), decode is attended as grouped matmuls: the G = num_heads /
   num_kv_heads query heads sharing a KV head form the rows of one [G, D] x [D, L] product per
   (sequence, KV head), in the model's dtype, with the softmax in float32 over an additive padding
@@ -19,11 +19,10 @@ What differs from the reference, and why (measured on the 2-core AVX-512 machine
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from splitserve.engine.attention.base import AttentionMetadata, DecodeBatch
-from splitserve.engine.cpu_kernels import load_cpu_kernels
 from splitserve.engine.attention.torch_ref import TorchReferenceAttention, _cached
+from splitserve.engine.cpu_kernels import load_cpu_kernels
 
 
 class CpuPagedAttention(TorchReferenceAttention):
