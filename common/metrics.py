@@ -26,6 +26,9 @@ REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 2
 TOKEN_BUCKETS = tuple(mantissa * 10 ** exponent for exponent in range(6) for mantissa in (1, 2, 5))
 """vLLM's request_prompt_tokens / request_generation_tokens buckets: the 1-2-5 series (vLLM cuts it
 at max_model_len; here it runs to 500000 so the definition stays static)."""
+LOOP_LAG_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+"""A healthy loop runs its heartbeat within a millisecond or two; 30 s is when workers would
+give up on the router (decode workers' ROUTER_SILENCE_S)."""
 TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 """KV pulls take from well under a millisecond (a few blocks over shared memory) to seconds."""
 
@@ -111,6 +114,10 @@ REQUEST_GENERATION_TOKENS = _histogram("request_generation_tokens", "Output toke
                                        TOKEN_BUCKETS)
 TTFT_BREAKDOWN = _histogram("ttft_breakdown_seconds", "Time of each phase between arrival and the first tokens "
                                                       "(see TTFT_PHASES).", TTFT_BUCKETS, ("phase",))
+
+# ---- the router itself ---------------------------------------------------------------------
+EVENT_LOOP_LAG = _histogram("event_loop_lag_seconds", "How late the router's event-loop heartbeat (due every "
+                                                      "0.1 s) ran: time the loop was blocked.", LOOP_LAG_BUCKETS)
 
 # ---- KV transfer (per worker pair, measured at the router) --------------------------------
 KV_TRANSFER_TIME = _histogram("kv_transfer_seconds", "KV pull time on the decode worker.", TRANSFER_BUCKETS,

@@ -54,6 +54,22 @@ class RoutingStats:
 
 
 @dataclass(frozen=True)
+class LoopLagStats:
+    """How late the router's event-loop heartbeat ran, since start (one value per beat).
+
+    Invariant: len(bucket_counts) == len(buckets) and bucket_counts[-1] <= count."""
+
+    buckets: tuple[float, ...]
+    """Upper bounds in seconds (common.metrics.LOOP_LAG_BUCKETS); +Inf is implicit."""
+    bucket_counts: tuple[int, ...]
+    """Cumulative: beats whose lag was at most each bound."""
+    count: int
+    """Beats measured."""
+    sum_s: float
+    """Their lag, summed."""
+
+
+@dataclass(frozen=True)
 class WorkerSnapshot:
     """The router's latest view of one worker (what its metrics are exported from).
 

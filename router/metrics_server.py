@@ -5,8 +5,9 @@ buckets are never repeated here). Metrics come from two sources:
 
 - per request (success/failure, latency histograms, KV transfers, SLO attainment, goodput):
   `observe()` takes each RequestRecord the orchestrator hands its observer when a request ends;
-- per worker (load gauges and cumulative counters from each worker's latest report, worker_up)
-  and routing outcomes (Orchestrator.routing_stats): read at scrape time by a collector.
+- per worker (load gauges and cumulative counters from each worker's latest report, worker_up),
+  routing outcomes (Orchestrator.routing_stats) and the router's event-loop lag
+  (Orchestrator.loop_lag.stats()): read at scrape time by a collector.
 
 Workers run no HTTP server: their numbers travel in the reports the router already polls. The
 HTTP server answers on its own threads, so the scrape-time collector reads the orchestrator's
@@ -26,12 +27,12 @@ from wsgiref.simple_server import WSGIServer
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_asgi_app, start_http_server
 from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.registry import Collector
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from splitserve.common import metrics as m
 from splitserve.common.metrics import COUNTER, GAUGE, HISTOGRAM, MetricDef
 from splitserve.common.slo import SloConfig
-from splitserve.common.stats import RequestRecord, RoutingStats, WorkerSnapshot
+from splitserve.common.stats import LoopLagStats, RequestRecord, RoutingStats, WorkerSnapshot
 from splitserve.router.orchestrator import Orchestrator
 
 T = TypeVar("T")
@@ -50,7 +51,7 @@ _WORKER_COUNTERS = ((m.PREFIX_CACHE_QUERIES, attrgetter("prefix_cache_queries"))
                     (m.GENERATION_TOKENS, attrgetter("generation_tokens")))
 """Per-worker counters and how each is read from WorkerCounters."""
 SCRAPED = (*(d for d, _ in _WORKER_GAUGES), *(d for d, _ in _WORKER_COUNTERS), m.KV_LEASES_EXPIRED, m.WORKER_UP,
-           m.ROUTING_DECISIONS, m.ADMISSION_REJECTIONS)
+           m.ROUTING_DECISIONS, m.ADMISSION_REJECTIONS, m.EVENT_LOOP_LAG)
 """Definitions read at scrape time; every other one is a live collector fed by observe()."""
 
 
@@ -175,10 +176,12 @@ class _ClusterCollector(Collector):
         self._loop = loop
 
     def collect(self) -> Iterator[Metric]:
-        workers, routing = self._on_loop(lambda: (self._orchestrator.worker_snapshots(),
-                                                  self._orchestrator.routing_stats()))
+        orchestrator = self._orchestrator
+        workers, routing, loop_lag = self._on_loop(lambda: (orchestrator.worker_snapshots(),
+                                                            orchestrator.routing_stats(), orchestrator.loop_lag.stats()))
         yield from _worker_families(workers)
         yield from _routing_families(routing)
+        yield _loop_lag_family(loop_lag)
 
     def _on_loop(self, read: Callable[[], T]) -> T:
         """read() on the orchestrator's event loop (directly when already on it)."""
@@ -211,6 +214,12 @@ def _worker_families(workers: Sequence[WorkerSnapshot]) -> Iterator[Metric]:
 def _routing_families(routing: RoutingStats) -> Iterator[Metric]:
     yield _family(m.ROUTING_DECISIONS, routing.decisions)
     yield _family(m.ADMISSION_REJECTIONS, routing.rejections)
+
+
+def _loop_lag_family(stats: LoopLagStats) -> Metric:
+    buckets = [(repr(bound), count) for bound, count in zip(stats.buckets, stats.bucket_counts)]
+    return HistogramMetricFamily(m.EVENT_LOOP_LAG.name, m.EVENT_LOOP_LAG.documentation,
+                                 buckets=[*buckets, ("+Inf", stats.count)], sum_value=stats.sum_s)
 
 
 def _family(definition: MetricDef, samples: Iterable[tuple]) -> Metric:

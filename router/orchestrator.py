@@ -36,6 +36,7 @@ from splitserve.common.stats import FINISH_REASONS, KVTransferRecord, RequestRec
 from splitserve.common.token_logprobs import TokenLogprobs
 from splitserve.common.worker_messages import DecodeRequest, PrefillRequest, PrefillResult, TokenDelta, WorkerInfo
 from splitserve.router.dispatcher import OutputDispatcher
+from splitserve.router.loop_lag import LoopLagMonitor
 from splitserve.router.policy import (DecodeCandidate, PrefillCandidate, Rejection, RouteDecision, RoutingConfig,
                                       RoutingRequest, route)
 from splitserve.router.prefix_index import PrefixIndex
@@ -311,8 +312,10 @@ class Orchestrator:
         self.decode_pool = WorkerPool(decode)
         self.dispatcher = OutputDispatcher(router_id, decode, self._on_worker_lost)
         self.index = PrefixIndex()
+        self.loop_lag = LoopLagMonitor()
+        """The router's own event loop: its lag (a metric) and stalls (which worker polls discount)."""
         self.monitor = WorkerMonitor([*self.prefill_pool.clients.values(), *decode], self.index, self._on_restart,
-                                     self._on_worker_lost)
+                                     self._on_worker_lost, self.loop_lag)
         self.infos: dict[str, WorkerInfo] = {}
         self.max_model_len = 0
         self.vocab_size = 0
@@ -337,12 +340,14 @@ class Orchestrator:
         self.vocab_size = min(info.vocab_size for info in infos)
         layout = infos[0].layout  # the pools agree on block size and hash seed (the handshake checks)
         self._hasher = BlockHasher(layout.block_size, layout.hash_seed)
+        self.loop_lag.start()
         await self.monitor.start()
         self.dispatcher.start()
 
     async def stop(self) -> None:
         await self.monitor.stop()
         await self.dispatcher.stop()
+        await self.loop_lag.stop()
 
     @property
     def num_in_flight(self) -> int:

@@ -7,6 +7,10 @@ the `PrefixIndex`; a worker that stops answering is purged from the index until 
 again (and then resyncs from a snapshot; the orchestrator hears of the loss through
 `on_lost`), and a worker that answers with a new epoch has restarted, which the orchestrator
 hears about through `on_restart`.
+
+A poll's timeout counts only time the router's event loop was responsive: a stall of the loop
+itself (measured by router/loop_lag.py) extends the timeout by its length, so a stalled monitor
+never declares an answering worker lost.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import logging
 from collections.abc import Awaitable, Callable, Sequence
 
 from splitserve.common.kv_events import LoadReport, WorkerCounters, WorkerReport
+from splitserve.router.loop_lag import LoopLagMonitor
 from splitserve.router.prefix_index import PrefixIndex
 from splitserve.router.worker_client import WorkerClient
 
@@ -25,7 +30,8 @@ REPORT_WAIT_S = 0.1
 """Longest wait of one poll: how stale a quiet worker's load may get."""
 REPORT_TIMEOUT_S = 30.0
 """A worker that has not answered a poll this long after its wait is treated as gone (generous:
-a report waits for the engine's current step, which can take seconds for a long prefill on CPU)."""
+a report waits for the engine's current step, which can take seconds for a long prefill on CPU).
+Time the router's own loop was stalled does not count."""
 MIN_POLL_INTERVAL_S = 0.02
 """At least this long between polls of one worker, so a busy worker's per-step event batches
 are fetched together instead of one round trip per engine step."""
@@ -34,9 +40,12 @@ RETRY_AFTER_FAILURE_S = 0.5
 
 class WorkerMonitor:
     def __init__(self, clients: Sequence[WorkerClient], index: PrefixIndex,
-                 on_restart: Callable[[str], Awaitable[None]], on_lost: Callable[[str, str], None]) -> None:
-        """`on_lost(worker_id, reason)` runs when a reporting worker's poll fails."""
+                 on_restart: Callable[[str], Awaitable[None]], on_lost: Callable[[str, str], None],
+                 loop_lag: LoopLagMonitor) -> None:
+        """`on_lost(worker_id, reason)` runs when a reporting worker's poll fails; `loop_lag`
+        (running on the same loop) says how long the loop itself was stalled during a poll."""
         self.index = index
+        self._loop_lag = loop_lag
         self._clients = list(clients)
         self._on_restart = on_restart
         self._on_lost = on_lost
@@ -81,10 +90,7 @@ class WorkerMonitor:
         while True:
             started = loop.time()
             try:
-                # asyncio.timeout, not wait_for: Python 3.11's wait_for swallows a cancel that
-                # arrives in the turn the poll answers, and stop() would then wait forever.
-                async with asyncio.timeout(REPORT_WAIT_S + REPORT_TIMEOUT_S):
-                    report = await self._poll(client, REPORT_WAIT_S)
+                report = await self._poll_attended(client)
                 await self._observe(client.worker_id, report)
             except asyncio.CancelledError:
                 raise
@@ -95,6 +101,29 @@ class WorkerMonitor:
                 await asyncio.sleep(RETRY_AFTER_FAILURE_S)
                 continue
             await asyncio.sleep(max(0.0, MIN_POLL_INTERVAL_S - (loop.time() - started)))
+
+    async def _poll_attended(self, client: WorkerClient) -> WorkerReport:
+        """One poll; TimeoutError once it has gone unanswered for REPORT_WAIT_S + REPORT_TIMEOUT_S
+        of time the loop was responsive (the deadline moves out by every stall of the loop meanwhile:
+        an answer that arrived during a stall is only read after it)."""
+        loop = asyncio.get_running_loop()
+        started, stalled_at_start = loop.time(), self._loop_lag.stalled_s()
+
+        def deadline() -> float:
+            return started + REPORT_WAIT_S + REPORT_TIMEOUT_S + self._loop_lag.stalled_s() - stalled_at_start
+
+        poll = asyncio.ensure_future(self._poll(client, REPORT_WAIT_S))
+        try:
+            while True:
+                # asyncio.wait, not wait_for: Python 3.11's wait_for swallows a cancel that arrives
+                # in the turn the poll answers, and stop() would then wait forever.
+                done, _ = await asyncio.wait((poll,), timeout=max(0.0, deadline() - loop.time()))
+                if done:
+                    return poll.result()
+                if loop.time() >= deadline():
+                    raise TimeoutError(f"no report within {REPORT_TIMEOUT_S:g} s")
+        finally:
+            poll.cancel()  # no-op when done
 
     async def _observe(self, worker_id: str, report: WorkerReport) -> None:
         """Apply the report; a new epoch means the worker restarted: it stays unroutable until

@@ -398,15 +398,17 @@ def make_worker_report(worker_id: str, epoch: str, batches: tuple[KVEventBatch, 
 
 class ScriptedReporter:
     """A WorkerClient whose report() answers follow a script (a WorkerReport is returned, an
-    exception raised); the last answer repeats. Calls are counted per method."""
+    exception raised), each after `delay_s`; the last answer repeats. Calls are counted per method."""
 
-    def __init__(self, worker_id: str, answers: list) -> None:
+    def __init__(self, worker_id: str, answers: list, delay_s: float = 0.0) -> None:
         self.worker_id = worker_id
         self._answers = list(answers)
+        self._delay_s = delay_s
         self.calls: dict[str, int] = {}
 
     async def call(self, method: str, *args):
         self.calls[method] = self.calls.get(method, 0) + 1
+        await asyncio.sleep(self._delay_s)
         answer = self._answers.pop(0) if len(self._answers) > 1 else self._answers[0]
         if isinstance(answer, Exception):
             raise answer

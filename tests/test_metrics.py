@@ -5,6 +5,7 @@ histogram counts, SLO/goodput counters and KV bytes, scraped over HTTP from the 
 from __future__ import annotations
 
 import asyncio
+import types
 import urllib.request
 
 import pytest
@@ -15,7 +16,7 @@ from splitserve.common import metrics as m
 from splitserve.common.kv_events import WorkerCounters
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.slo import SloConfig, SloOutcome
-from splitserve.common.stats import RoutingStats, WorkerSnapshot
+from splitserve.common.stats import LoopLagStats, RoutingStats, WorkerSnapshot
 from splitserve.engine import LLM
 from splitserve.router.metrics_server import RouterMetrics
 from splitserve.router.orchestrator import GenerationInput, RouterError
@@ -204,8 +205,13 @@ def test_worker_metrics_come_from_their_reports(scripted):
 
 
 def test_http_and_in_process_scrapes_agree(scripted):
+    """Except the event-loop lag: the heartbeat goes on between the two scrapes."""
     _, _, http, local, _, _ = scripted
-    assert http == local
+
+    def settled(samples):
+        return {key: value for key, value in samples.items() if not key[0].startswith(m.EVENT_LOOP_LAG.name)}
+
+    assert settled(http) == settled(local)
 
 
 def test_request_records_on_every_path(scripted):
@@ -285,10 +291,11 @@ def test_an_expired_lease_is_counted_in_the_prefill_workers_report(tiny_llama_di
 
 
 class _Snapshots:
-    """The two things the scrape-time collector reads from an orchestrator."""
+    """What the scrape-time collector reads from an orchestrator: workers, routing, loop lag."""
 
-    def __init__(self, workers, routing):
+    def __init__(self, workers, routing, loop_lag):
         self.workers, self.routing = workers, routing
+        self.loop_lag = types.SimpleNamespace(stats=lambda: loop_lag)
 
     def worker_snapshots(self):
         return self.workers
@@ -306,10 +313,17 @@ def test_a_silent_worker_is_down_and_exports_nothing_else():
     metrics = RouterMetrics(SloConfig())
 
     async def scrape():
-        metrics.watch(_Snapshots(workers, RoutingStats((("cache_hit", 2), ("load", 1)), (("queue_full", 4),))))
+        metrics.watch(_Snapshots(workers, RoutingStats((("cache_hit", 2), ("load", 1)), (("queue_full", 4),)), lag))
         return _samples(generate_latest(metrics.registry).decode())
 
+    # 5 beats: 3 within 1 ms, one of 0.2 s, one of 12 s (a stalled loop)
+    cumulative = (3, 3, 3, 3, 3, 3, 4, 4, 4, 4, 4, 4, 5)
+    lag = LoopLagStats(m.LOOP_LAG_BUCKETS, cumulative, 5, 12.2015)
     s = asyncio.run(scrape())
+    assert [_value(s, m.EVENT_LOOP_LAG.name + "_bucket", le=repr(bound)) for bound in m.LOOP_LAG_BUCKETS] == list(
+        cumulative)
+    assert [_value(s, m.EVENT_LOOP_LAG.name + suffix, **labels) for suffix, labels in (
+        ("_bucket", {"le": "+Inf"}), ("_count", {}), ("_sum", {}))] == [5, 5, 12.2015]
     prefill = dict(worker="prefill-0", role="prefill")
     assert _value(s, "splitserve_worker_up", **prefill) == 1
     assert _value(s, "splitserve_worker_up", worker="decode-0", role="decode") == 0

@@ -4,8 +4,11 @@ cannot be applied) is unroutable and purged until it answers again; then it resy
 from __future__ import annotations
 
 import asyncio
+import time
 
 from splitserve.common.kv_events import KVSnapshot
+from splitserve.common.metrics import LOOP_LAG_BUCKETS
+from splitserve.router.loop_lag import LoopLagMonitor
 from splitserve.router.prefix_index import PrefixIndex
 from splitserve.router.reports import WorkerMonitor
 from tests.factories import ScriptedReporter, make_load_report, make_worker_report
@@ -36,7 +39,8 @@ def test_a_failing_worker_is_purged_and_resyncs_when_it_answers_again():
     async def scenario():
         index = PrefixIndex()
         monitor = WorkerMonitor([worker], index, on_restart=lambda worker_id: asyncio.sleep(0),
-                                on_lost=lambda worker_id, reason: lost.append((worker_id, reason)))
+                                on_lost=lambda worker_id, reason: lost.append((worker_id, reason)),
+                                loop_lag=LoopLagMonitor())
         await monitor.start()
         seen = [(monitor.load("w").num_running, index.num_blocks("w"))]
         await _until(lambda: monitor.load("w") is None)
@@ -63,7 +67,7 @@ def test_a_restart_keeps_the_worker_unroutable_until_its_new_identity_is_known()
             raise RuntimeError("info unavailable")
 
     async def scenario():
-        monitor = WorkerMonitor([worker], PrefixIndex(), on_restart, on_lost=_never_lost)
+        monitor = WorkerMonitor([worker], PrefixIndex(), on_restart, on_lost=_never_lost, loop_lag=LoopLagMonitor())
         await monitor.start()
         await _until(lambda: len(restarts) == 2 and monitor.load("w") is not None)
         await monitor.stop()
@@ -96,10 +100,63 @@ def test_stop_ends_polling_even_when_a_poll_answers_in_the_same_loop_turn():
 
     async def scenario():
         monitor = WorkerMonitor([worker], PrefixIndex(), on_restart=lambda worker_id: asyncio.sleep(0),
-                                on_lost=_never_lost)
+                                on_lost=_never_lost, loop_lag=LoopLagMonitor())
         await monitor.start()
         await _until(lambda: worker.pending is not None)
         worker.pending.set_result(_snapshot_report("e1"))
         await asyncio.wait_for(monitor.stop(), 2)
 
     asyncio.run(scenario())
+
+
+def test_a_stalled_router_loop_does_not_make_an_answering_worker_lost(monkeypatch):
+    """A poll is out when the router's loop blocks for 1.5 s (five poll timeouts); the worker's
+    answer is read 0.1 s after the stall (as a Ray reply waiting for the GIL would be): the poll's
+    timeout was extended by the stall, so the worker stays routable."""
+    from splitserve.router import reports
+
+    monkeypatch.setattr(reports, "REPORT_TIMEOUT_S", 0.2)
+    worker = _GatedReporter("w", _snapshot_report("e1"))
+
+    async def scenario():
+        loop_lag = LoopLagMonitor()
+        loop_lag.start()
+        monitor = WorkerMonitor([worker], PrefixIndex(), on_restart=lambda worker_id: asyncio.sleep(0),
+                                on_lost=_never_lost, loop_lag=loop_lag)
+        await monitor.start()
+        await _until(lambda: worker.pending is not None)
+        stalled_before, answered = loop_lag.stalled_s(), worker.pending
+        time.sleep(1.5)  # the loop is blocked (a long computation on it, or a thread holding the GIL)
+        await asyncio.sleep(0.1)
+        answered.set_result(_snapshot_report("e1"))
+        await _until(lambda: worker.pending is not answered)  # the next poll: the answer was taken
+        up, stalled = monitor.load("w") is not None, loop_lag.stalled_s() - stalled_before
+        await monitor.stop()
+        await loop_lag.stop()
+        return up, stalled, loop_lag.stats()
+
+    up, stalled, stats = asyncio.run(scenario())
+    assert up and 1.4 < stalled < 1.7
+    assert stats.count - stats.bucket_counts[LOOP_LAG_BUCKETS.index(1.0)] == 1  # the one beat later than 1 s
+
+
+def test_a_silent_worker_is_still_lost_on_a_responsive_loop(monkeypatch):
+    from splitserve.router import reports
+
+    monkeypatch.setattr(reports, "REPORT_TIMEOUT_S", 0.2)
+    worker = ScriptedReporter("w", [_snapshot_report("e1"), _snapshot_report("e1")], delay_s=0.0)
+    lost: list[tuple[str, str]] = []
+
+    async def scenario():
+        loop_lag = LoopLagMonitor()
+        loop_lag.start()
+        monitor = WorkerMonitor([worker], PrefixIndex(), on_restart=lambda worker_id: asyncio.sleep(0),
+                                on_lost=lambda worker_id, reason: lost.append((worker_id, reason)), loop_lag=loop_lag)
+        await monitor.start()
+        worker._delay_s = 3600.0  # every later poll hangs
+        await _until(lambda: lost)
+        await monitor.stop()
+        await loop_lag.stop()
+
+    asyncio.run(scenario())
+    assert lost == [("w", "its report poll failed: TimeoutError: no report within 0.2 s")]
