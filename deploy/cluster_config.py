@@ -136,6 +136,17 @@ class RouterConfig:
     tls: TlsConfig | None = None
     """TLS for the gRPC and OpenAI HTTP APIs (`cert_file`, `key_file`, and `client_ca_file` to
     require client certificates); None: plaintext. The /metrics endpoint stays plaintext."""
+    max_prompt_bytes: int | None = None
+    """Largest prompt (UTF-8 bytes of a text prompt, or of a chat's messages) any API takes;
+    a longer one is refused before it is tokenized. None: (max_model_len - 1) x the longest token
+    of the vocabulary in bytes, which refuses only prompts that are over max_model_len tokens
+    anyway (docs/serving.md, request limits)."""
+    tokenizer_threads: int = 2
+    """Threads that tokenize prompts longer than 1024 characters (shorter ones are tokenized on
+    the event loop); the tokenizer releases the GIL, so they run beside the router's event loop."""
+    max_pending_tokenizations: int = 64
+    """Prompts waiting for or in those threads; beyond it a request that needs one is refused at
+    once with RESOURCE_EXHAUSTED (HTTP 429)."""
 
     def __post_init__(self) -> None:
         _require(self.host != "", "host", "must not be empty")
@@ -156,6 +167,11 @@ class RouterConfig:
                  f"must be > 0, got {self.request_timeout_s}")
         _require(self.lease_ttl_s > 0, "lease_ttl_s", f"must be > 0, got {self.lease_ttl_s}")
         _require(self.drain_timeout_s >= 0, "drain_timeout_s", f"must be >= 0, got {self.drain_timeout_s}")
+        _require(self.max_prompt_bytes is None or self.max_prompt_bytes >= 1, "max_prompt_bytes",
+                 f"must be >= 1 or null, got {self.max_prompt_bytes}")
+        _require(self.tokenizer_threads >= 1, "tokenizer_threads", f"must be >= 1, got {self.tokenizer_threads}")
+        _require(self.max_pending_tokenizations >= 1, "max_pending_tokenizations",
+                 f"must be >= 1, got {self.max_pending_tokenizations}")
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,7 @@ from splitserve.router.orchestrator import Orchestrator  # noqa: E402
 from splitserve.router.server import GrpcServer, drain, start_grpc_server  # noqa: E402
 from splitserve.router.tls import load_tls  # noqa: E402
 from splitserve.router.tokenizer import RouterTokenizer  # noqa: E402
+from splitserve.router.tokenizer_pool import TokenizerPool  # noqa: E402
 from splitserve.router.worker_client import RayWorkerClient  # noqa: E402
 
 logger = logging.getLogger(__name__)
@@ -80,6 +81,8 @@ class LocalCluster:
     """The bound /metrics port; None when router.metrics_port is None (disabled)."""
     http: HttpServer | None = None
     """The OpenAI-compatible API (its `port` is the bound one); None when router.http_port is None."""
+    tokenizers: TokenizerPool | None = None
+    """Tokenization and request limits, shared by every API."""
 
     async def start(self) -> int:
         """Start everything; returns the gRPC port. On failure, whatever started is stopped."""
@@ -112,16 +115,19 @@ class LocalCluster:
                                          config.router.routing, config.router.slo,
                                          self.metrics.observe if self.metrics is not None else None)
         await self.orchestrator.start()
+        router = config.router
+        self.tokenizers = TokenizerPool.for_orchestrator(tokenizer, self.orchestrator, router.max_prompt_bytes,
+                                                         router.tokenizer_threads, router.max_pending_tokenizations)
         if self.metrics is not None:
             self.metrics.watch(self.orchestrator)
             self.metrics_port = self.metrics.serve(config.router.host, config.router.metrics_port)
         self.server = await start_grpc_server(
-            self.orchestrator, tokenizer, config.model, config.router.host, config.router.grpc_port,
+            self.orchestrator, self.tokenizers, config.model, config.router.host, config.router.grpc_port,
             config.router.request_timeout_s, api_key, config.router.tls)
         self.port = self.server.port
         if config.router.http_port is not None:
             self.http = await start_http_server(
-                self.orchestrator, tokenizer, config.model, config.router.host, config.router.http_port,
+                self.orchestrator, self.tokenizers, config.model, config.router.host, config.router.http_port,
                 config.router.request_timeout_s, self.metrics.asgi_app() if self.metrics is not None else None,
                 api_key, config.router.tls)
         logger.info("serving %s on %s:%d (%s, %d prefill + %d decode workers)", config.model, config.router.host,
@@ -164,6 +170,8 @@ class LocalCluster:
             await self.server.stop(grace_s)
         if self.orchestrator is not None:
             await self.orchestrator.stop()
+        if self.tokenizers is not None:
+            self.tokenizers.close()
         for actor in [*self.prefill_actors, *self.decode_actors]:
             try:
                 await asyncio.wait_for(actor.shutdown.remote(), grace_s)

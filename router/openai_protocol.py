@@ -3,7 +3,8 @@ StreamChunks rendered as OpenAI responses and stream chunks (the shapes vLLM ser
 
 This module is the HTTP edge: JSON dicts exist only here and in the server that calls it. Parsing
 raises InvalidRequestError naming the offending field (the error's `param`); sampling values are
-validated by SamplingParams itself, so both APIs accept and refuse the same values.
+validated by SamplingParams itself and sizes by router/request_limits.py (before the prompt is
+read), so every API accepts and refuses the same values.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from splitserve.common.errors import InvalidRequestError
 from splitserve.common.sampling_params import MAX_LOGPROBS, SamplingParams
 from splitserve.common.token_logprobs import TokenLogprobs
 from splitserve.router.orchestrator import StreamChunk, Usage
+from splitserve.router.request_limits import RequestLimits, utf8_length
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 """max_tokens of a completion request that sets none (the OpenAI and vLLM default)."""
@@ -129,26 +131,33 @@ def _max_tokens(body: Mapping[str, Any], names: Sequence[str], default: int) -> 
     return default, None
 
 
-def _sampling(body: Mapping[str, Any], max_tokens: int, logprobs: int | None) -> SamplingParams:
+def _sampling(body: Mapping[str, Any], max_tokens: int, max_tokens_param: str | None, logprobs: int | None,
+              limits: RequestLimits) -> SamplingParams:
     given = {name: body[name] for name in _SAMPLING_FIELDS if body.get(name) is not None}
     for name in _BOOL_SAMPLING_FIELDS:
         value = _typed(body, name, bool, "a boolean")
         if value is not None:
             given[name] = value
-    return SamplingParams(stop=_stop(body), max_tokens=max_tokens, logprobs=logprobs, **given)
+    params = SamplingParams(stop=_stop(body), max_tokens=max_tokens, logprobs=logprobs, **given)
+    limits.check_sampling(params, max_tokens_param)
+    return params
 
 
 def _model(body: Mapping[str, Any]) -> str | None:
     return _typed(body, "model", str, "a string")
 
 
-def _prompt(body: Mapping[str, Any]) -> str | tuple[int, ...]:
-    """A string or a list of token ids; a batch of exactly one of either is unwrapped."""
+def _prompt(body: Mapping[str, Any], limits: RequestLimits) -> str | tuple[int, ...]:
+    """A string or a list of token ids; a batch of exactly one of either is unwrapped. Its size is
+    checked before its ids are."""
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
     if isinstance(prompt, str):
+        limits.check_prompt_bytes(utf8_length(prompt), "prompt")
         return prompt
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], (str, list)):  # token ids
+        limits.check_prompt_token_count(len(prompt), "prompt")
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         return tuple(prompt)
     if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
@@ -157,15 +166,16 @@ def _prompt(body: Mapping[str, Any]) -> str | tuple[int, ...]:
     raise InvalidRequestError("prompt", "must be a string or a non-empty list of token ids")
 
 
-def parse_completion_request(body: Mapping[str, Any]) -> CompletionRequest:
+def parse_completion_request(body: Mapping[str, Any], limits: RequestLimits) -> CompletionRequest:
     _require_one(body, "n")
     _require_one(body, "best_of")
     _reject_unsupported(body, ("echo", "suffix", "logit_bias"))
     logprobs = _typed(body, "logprobs", int, f"an integer in [0, {MAX_LOGPROBS}]")
     max_tokens, max_tokens_param = _max_tokens(body, ("max_tokens",), COMPLETION_DEFAULT_MAX_TOKENS)
     stream, include_usage = _stream_flags(body)
-    return CompletionRequest(_model(body), _prompt(body), _sampling(body, max_tokens, logprobs), max_tokens_param,
-                             stream, include_usage, _typed(body, "return_tokens_as_token_ids", bool, "a boolean", False))
+    sampling = _sampling(body, max_tokens, max_tokens_param, logprobs, limits)
+    return CompletionRequest(_model(body), _prompt(body, limits), sampling, max_tokens_param, stream, include_usage,
+                             _typed(body, "return_tokens_as_token_ids", bool, "a boolean", False))
 
 
 def _content(value: Any, field: str) -> str:
@@ -185,15 +195,17 @@ def _content(value: Any, field: str) -> str:
     raise InvalidRequestError(field, f"must be a string or a list of text parts, got {value!r}")
 
 
-def _messages(body: Mapping[str, Any]) -> tuple[ChatMessage, ...]:
+def _messages(body: Mapping[str, Any], limits: RequestLimits) -> tuple[ChatMessage, ...]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise InvalidRequestError("messages", "must be a non-empty list of {role, content} objects")
+    limits.check_message_count(len(messages))
     parsed = []
     for index, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise InvalidRequestError(f"messages[{index}]", f"must be an object with a string role, got {message!r}")
         parsed.append(ChatMessage(message["role"], _content(message.get("content"), f"messages[{index}].content")))
+    limits.check_chat(parsed)
     return tuple(parsed)
 
 
@@ -218,17 +230,17 @@ def _check_chat_options(body: Mapping[str, Any]) -> None:
         raise InvalidRequestError("response_format", f"only {{\"type\": \"text\"}} is supported, got {response_format!r}")
 
 
-def parse_chat_request(body: Mapping[str, Any], max_model_len: int) -> ChatCompletionRequest:
-    """`max_model_len` is the default max_tokens: generation may then run to the end of the
-    context (the engine ends it there with finish_reason "length"), as in vLLM."""
+def parse_chat_request(body: Mapping[str, Any], limits: RequestLimits) -> ChatCompletionRequest:
+    """The default max_tokens is max_model_len: generation may then run to the end of the context
+    (the engine ends it there with finish_reason "length"), as in vLLM."""
     _check_chat_options(body)
-    messages = _messages(body)
-    max_tokens, max_tokens_param = _max_tokens(body, ("max_completion_tokens", "max_tokens"), max_model_len)
+    messages = _messages(body, limits)
+    max_tokens, max_tokens_param = _max_tokens(body, ("max_completion_tokens", "max_tokens"), limits.max_model_len)
     stream, include_usage = _stream_flags(body)
+    sampling = _sampling(body, max_tokens, max_tokens_param, _chat_logprobs(body), limits)
     return ChatCompletionRequest(
-        _model(body), messages, _typed(body, "add_generation_prompt", bool, "a boolean", True),
-        _sampling(body, max_tokens, _chat_logprobs(body)), max_tokens_param, stream, include_usage,
-        _typed(body, "return_tokens_as_token_ids", bool, "a boolean", False))
+        _model(body), messages, _typed(body, "add_generation_prompt", bool, "a boolean", True), sampling,
+        max_tokens_param, stream, include_usage, _typed(body, "return_tokens_as_token_ids", bool, "a boolean", False))
 
 
 # ---- rendering ------------------------------------------------------------------------------

@@ -7,7 +7,9 @@ InvalidRequestError -> 400 (`param` names the field), an unknown model or URL ->
 RouterError by its code (RESOURCE_EXHAUSTED 429, UNAVAILABLE 503, DEADLINE_EXCEEDED 504, else
 500). A streamed request reports errors before its first token as an HTTP status and errors
 after it as an error event. A client that disconnects cancels its request: the orchestrator's
-stream is closed, which aborts the request on the workers.
+stream is closed, which aborts the request on the workers. A request is admitted (O(1), before its
+body is read) and held to router/request_limits.py's table before it is tokenized, in
+router/tokenizer_pool.py's pool.
 """
 
 from __future__ import annotations
@@ -32,13 +34,14 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from splitserve.common.errors import InvalidRequestError
+from splitserve.common.log_escape import quote_for_log
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.router.auth import check_authorization
 from splitserve.router.openai_protocol import (ChatRenderer, CompletionRenderer, ResponseHeader, error_body,
                                                parse_chat_request, parse_completion_request)
 from splitserve.router.orchestrator import GenerationInput, Orchestrator, RouterError, StreamChunk
 from splitserve.router.tls import TlsConfig, load_tls
-from splitserve.router.tokenizer import RouterTokenizer
+from splitserve.router.tokenizer_pool import TokenizerPool
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
@@ -109,10 +112,10 @@ class _Job:
 class OpenAIServing:
     """The endpoints' handlers over one Orchestrator serving one model."""
 
-    def __init__(self, orchestrator: Orchestrator, tokenizer: RouterTokenizer, model_name: str,
+    def __init__(self, orchestrator: Orchestrator, tokenizers: TokenizerPool, model_name: str,
                  request_timeout_s: float | None = None) -> None:
         self.orchestrator = orchestrator
-        self.tokenizer = tokenizer
+        self.tokenizers = tokenizers
         self.model_name = model_name
         """What clients pass as `model`, and what /v1/models lists."""
         self.request_timeout_s = request_timeout_s
@@ -152,8 +155,9 @@ class OpenAIServing:
     # ---- one generation request --------------------------------------------------------
     async def _serve(self, request: Request, prepare: Callable[[Any], Awaitable[_Job]]) -> Response:
         try:
+            self.orchestrator.check_admission()
             job = await prepare(await _read_json(request))
-            logger.info("[%s] %s: %d prompt tokens", job.inp.request_id, request.url.path,
+            logger.info("[%s] %s: %d prompt tokens", quote_for_log(job.inp.request_id), request.url.path,
                         len(job.inp.prompt_token_ids))
             return await self._respond(request, job)
         except ClientDisconnected:
@@ -176,22 +180,21 @@ class OpenAIServing:
         return _EventStream(_events(first, stream, job.renderer))
 
     async def _completion_job(self, body: Any) -> _Job:
-        parsed = parse_completion_request(_object(body))
+        parsed = parse_completion_request(_object(body), self.tokenizers.limits)
         self._check_model(parsed.model)
         prompt = parsed.prompt
-        token_ids = prompt if isinstance(prompt, tuple) else tuple(await asyncio.to_thread(self.tokenizer.encode,
-                                                                                          prompt))
+        token_ids = prompt if isinstance(prompt, tuple) else await self.tokenizers.encode(prompt)
         inp = self._input(token_ids, parsed.sampling, parsed.max_tokens_param, "prompt")
         renderer = CompletionRenderer(self._header("cmpl", inp), self._token_text(parsed.tokens_as_ids),
                                       parsed.include_usage, parsed.sampling.logprobs is not None)
         return _Job(inp, renderer, parsed.stream)
 
     async def _chat_job(self, body: Any) -> _Job:
-        parsed = parse_chat_request(_object(body), self.orchestrator.max_model_len)
+        parsed = parse_chat_request(_object(body), self.tokenizers.limits)
         self._check_model(parsed.model)
         messages = [{"role": m.role, "content": m.content} for m in parsed.messages]
-        token_ids = await asyncio.to_thread(self.tokenizer.apply_chat_template, messages, parsed.add_generation_prompt)
-        inp = self._input(tuple(token_ids), parsed.sampling, parsed.max_tokens_param, "messages")
+        token_ids = await self.tokenizers.apply_chat_template(messages, parsed.add_generation_prompt)
+        inp = self._input(token_ids, parsed.sampling, parsed.max_tokens_param, "messages")
         renderer = ChatRenderer(self._header("chatcmpl", inp), self._token_text(parsed.tokens_as_ids),
                                 parsed.include_usage, parsed.sampling.logprobs is not None)
         return _Job(inp, renderer, parsed.stream)
@@ -206,10 +209,7 @@ class OpenAIServing:
         """Check the prompt (`prompt_param`: the body field it came from) and, when the client set
         max_tokens, that prompt + output fit the context."""
         self.orchestrator.validate_prompt(token_ids, prompt_param)
-        max_model_len = self.orchestrator.max_model_len
-        if max_tokens_param is not None and len(token_ids) + params.max_tokens > max_model_len:
-            raise InvalidRequestError(max_tokens_param, f"{params.max_tokens} output tokens after {len(token_ids)} "
-                                                        f"prompt tokens exceed max_model_len {max_model_len}")
+        self.tokenizers.limits.check_max_tokens(len(token_ids), params, max_tokens_param)
         deadline = None if self.request_timeout_s is None else time.monotonic() + self.request_timeout_s
         return GenerationInput(self.orchestrator.new_request_id(""), token_ids, params, deadline)
 
@@ -219,7 +219,7 @@ class OpenAIServing:
     def _token_text(self, as_ids: bool) -> Callable[[int], str]:
         if as_ids:
             return lambda token_id: f"token_id:{token_id}"
-        return lambda token_id: self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return lambda token_id: self.tokenizers.tokenizer.decode([token_id], skip_special_tokens=False)
 
 
 # ---- request and response plumbing ----------------------------------------------------------
@@ -415,13 +415,13 @@ class HttpServer:
         self._task = None
 
 
-async def start_http_server(orchestrator: Orchestrator, tokenizer: RouterTokenizer, model_name: str,
+async def start_http_server(orchestrator: Orchestrator, tokenizers: TokenizerPool, model_name: str,
                             host: str = "127.0.0.1", port: int = 8000, request_timeout_s: float | None = None,
                             metrics_app: ASGIApp | None = None, api_key: str | None = None,
                             tls: TlsConfig | None = None) -> HttpServer:
     """Start the OpenAI-compatible API on the running loop; the server's `port` is the bound one.
     With `api_key`, /v1/* needs `Authorization: Bearer <api_key>`; with `tls`, it is HTTPS only."""
-    server = HttpServer(build_app(OpenAIServing(orchestrator, tokenizer, model_name, request_timeout_s), metrics_app,
+    server = HttpServer(build_app(OpenAIServing(orchestrator, tokenizers, model_name, request_timeout_s), metrics_app,
                                   api_key), tls=tls)
     await server.start(host, port)
     return server

@@ -29,6 +29,7 @@ from splitserve.common.detokenizer import Decoder, IncrementalDetokenizer
 from splitserve.common.errors import InvalidRequestError
 from splitserve.common.kv_events import LoadReport
 from splitserve.common.kv_transfer_types import KVLayoutMismatchError
+from splitserve.common.log_escape import quote_for_log
 from splitserve.common.kv_transfer_types import TransferParams
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.slo import SloConfig, request_slo_outcome
@@ -511,15 +512,32 @@ class Orchestrator:
         finally:
             self._end(run)
 
+    def check_admission(self) -> None:
+        """O(1), for the APIs to call before a request is parsed or tokenized: UNAVAILABLE while
+        draining, RESOURCE_EXHAUSTED (a too_many_requests rejection) while the router is full.
+        generate() checks again, counting the request itself."""
+        self._check_capacity(len(self._in_flight))
+
+    def count_rejection(self, reason: str) -> None:
+        """A request refused before it reached generate() (by the APIs' own admission), for routing_stats."""
+        self._rejections[reason] += 1
+
     def _admit(self, run: _Run) -> None:
         """Refuse the request at once while draining or when the router is full."""
+        try:
+            self._check_capacity(len(self._in_flight) - 1)
+        except RouterError as error:
+            if error.code == "RESOURCE_EXHAUSTED":
+                run.rejection_reason = "too_many_requests"
+            raise
+
+    def _check_capacity(self, others: int) -> None:
+        """`others`: requests in flight besides the one being admitted."""
         if not self.accepting:
             raise RouterError("UNAVAILABLE", "the router is draining (shutting down): it takes no new requests")
         limit = self.routing.max_in_flight_requests
-        others = len(self._in_flight) - 1
         if limit is not None and others >= limit:
-            self._rejections["too_many_requests"] += 1
-            run.rejection_reason = "too_many_requests"
+            self.count_rejection("too_many_requests")
             raise RouterError("RESOURCE_EXHAUSTED", f"the router has {others} requests in flight, its limit "
                                                     f"(router.routing.max_in_flight_requests); retry later")
 
@@ -544,8 +562,8 @@ class Orchestrator:
             raise RouterError("UNAVAILABLE", f"{lost}; the request already moved {run.num_migrations} times "
                                              f"(router.routing.max_migrations)") from lost
         run.num_migrations += 1
-        logger.warning("[%s] %s; moving it (migration %d, %d tokens streamed)", run.inp.request_id, lost,
-                       run.num_migrations, len(run.output_token_ids))
+        logger.warning("[%s] %s; moving it (migration %d, %d tokens streamed)", quote_for_log(run.inp.request_id),
+                       lost, run.num_migrations, len(run.output_token_ids))
 
     async def _remote_prefill(self, run: _Run, stream: asyncio.Queue[TokenDelta],
                               decision: RouteDecision) -> AsyncIterator[StreamChunk]:
@@ -675,7 +693,7 @@ class Orchestrator:
             try:
                 self.observer(run.record(self.slo_targets(run.inp)))
             except Exception:  # metrics must never break a request's cleanup
-                logger.exception("[%s] the request observer failed", run.inp.request_id)
+                logger.exception("[%s] the request observer failed", quote_for_log(run.inp.request_id))
 
     def _end_attempt(self, run: _Run) -> None:
         """Release the attempt's worker claims and stream; abort what its workers still hold."""

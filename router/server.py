@@ -3,7 +3,8 @@
 
 Translates proto messages to the orchestrator's typed inputs and back, and maps errors to
 status codes: InvalidRequestError -> INVALID_ARGUMENT (message names the field), RouterError
--> its own code. Tokenization runs in a thread so a long prompt never stalls the event loop.
+-> its own code. A request is admitted (O(1)) and held to router/request_limits.py's table
+before it is tokenized, in router/tokenizer_pool.py's pool.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from splitserve.common.errors import InvalidRequestError
+from splitserve.common.log_escape import quote_for_log
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.proto.inference import grpc_service_pb2 as triton_pb
 from splitserve.proto.inference import grpc_service_pb2_grpc as triton_pb_grpc
@@ -29,7 +31,7 @@ from splitserve.router.api_common import grpc_deadline, grpc_status
 from splitserve.router.auth import check_authorization
 from splitserve.router.malformed_requests import MalformedRequestInterceptor
 from splitserve.router.orchestrator import GenerationInput, Orchestrator, RouterError, StreamChunk
-from splitserve.router.tokenizer import RouterTokenizer
+from splitserve.router.tokenizer_pool import TokenizerPool
 from splitserve.router.triton_server import SERVICE_NAME as TRITON_SERVICE_NAME
 from splitserve.router.triton_server import TritonServicer
 from splitserve.router.tls import TlsConfig, bind_grpc_port
@@ -48,20 +50,25 @@ def sampling_params_from_proto(message: pb.SamplingParams) -> SamplingParams:
     return SamplingParams(stop=tuple(message.stop), stop_token_ids=tuple(message.stop_token_ids), **given)
 
 
-def prompt_token_ids(request: pb.GenerateRequest, tokenizer: RouterTokenizer) -> list[int]:
+async def prompt_token_ids(request: pb.GenerateRequest, tokenizers: TokenizerPool) -> tuple[int, ...]:
+    """The prompt's token ids; its size is checked before anything is decoded or tokenized."""
+    limits = tokenizers.limits
     kind = request.WhichOneof("prompt")
     if kind == "token_ids":
-        return list(request.token_ids.ids)
+        limits.check_prompt_token_count(len(request.token_ids.ids), "prompt")
+        return tuple(request.token_ids.ids)
     if kind == "text":
+        limits.check_prompt_bytes(len(request.text), "prompt")
         try:
             text = request.text.decode("utf-8")
         except UnicodeDecodeError as error:
             raise InvalidRequestError("prompt.text", f"is not valid UTF-8 ({error.reason} at byte {error.start})")
-        return tokenizer.encode(text)
+        return await tokenizers.encode(text)
     if kind == "chat":
+        limits.check_chat(request.chat.messages)
         messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
         add_prompt = request.chat.add_generation_prompt if request.chat.HasField("add_generation_prompt") else True
-        return tokenizer.apply_chat_template(messages, add_prompt)
+        return await tokenizers.apply_chat_template(messages, add_prompt)
     raise InvalidRequestError("prompt", "one of text, token_ids or chat is required")
 
 
@@ -97,35 +104,40 @@ def chunk_to_proto(chunk: StreamChunk) -> pb.GenerateResponse:
 
 
 class GenerationServicer(pb_grpc.GenerationServicer):
-    def __init__(self, orchestrator: Orchestrator, tokenizer: RouterTokenizer, model_name: str,
+    def __init__(self, orchestrator: Orchestrator, tokenizers: TokenizerPool, model_name: str,
                  request_timeout_s: float | None = None) -> None:
         self.orchestrator = orchestrator
-        self.tokenizer = tokenizer
+        self.tokenizers = tokenizers
         self.model_name = model_name
         self.request_timeout_s = request_timeout_s
 
     async def Generate(self, request: pb.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
         try:
+            self.orchestrator.check_admission()
             inp = await self._input(request, context)
-            logger.info("[%s] generate: %d prompt tokens", inp.request_id, len(inp.prompt_token_ids))
+            logger.info("[%s] generate: %d prompt tokens", quote_for_log(inp.request_id), len(inp.prompt_token_ids))
             async for chunk in self.orchestrator.generate(inp):
                 yield chunk_to_proto(chunk)
-        except InvalidRequestError as error:
-            await context.abort(*grpc_status(error))
-        except RouterError as error:
-            logger.info("[%s] ended with %s", request.request_id, error)
+        except (InvalidRequestError, RouterError) as error:
+            logger.info("[%s] ended with %s", quote_for_log(request.request_id), quote_for_log(error))
             await context.abort(*grpc_status(error))
 
     async def _input(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> GenerationInput:
+        limits = self.tokenizers.limits
+        limits.check_request_id(request.request_id, "request_id")
         if request.model and request.model != self.model_name:
             raise InvalidRequestError("model", f"unknown model {request.model!r}; this server serves "
                                                f"{self.model_name!r}")
         params = sampling_params_from_proto(request.sampling)
+        max_tokens_field = "max_tokens" if request.sampling.HasField("max_tokens") else None
+        limits.check_sampling(params, max_tokens_field)
+        ttft_slo_s, tpot_slo_s = slo_target(request, "ttft_slo_s"), slo_target(request, "tpot_slo_s")
         request_id = self.orchestrator.new_request_id(request.request_id)
-        token_ids = await asyncio.to_thread(prompt_token_ids, request, self.tokenizer)
-        return GenerationInput(request_id, tuple(token_ids), params, grpc_deadline(context, self.request_timeout_s),
-                               slo_target(request, "ttft_slo_s"), slo_target(request, "tpot_slo_s"))
+        token_ids = await prompt_token_ids(request, self.tokenizers)
+        limits.check_max_tokens(len(token_ids), params, max_tokens_field)
+        return GenerationInput(request_id, token_ids, params, grpc_deadline(context, self.request_timeout_s),
+                               ttft_slo_s, tpot_slo_s)
 
 
 _OPEN_SERVICES = frozenset({health.SERVICE_NAME, reflection.SERVICE_NAME, "grpc.reflection.v1.ServerReflection"})
@@ -238,7 +250,7 @@ async def drain(orchestrator: Orchestrator, server: GrpcServer, timeout_s: float
     return await orchestrator.drain(timeout_s)
 
 
-async def start_grpc_server(orchestrator: Orchestrator, tokenizer: RouterTokenizer, model_name: str,
+async def start_grpc_server(orchestrator: Orchestrator, tokenizers: TokenizerPool, model_name: str,
                             host: str = "127.0.0.1", port: int = 50051,
                             request_timeout_s: float | None = None,
                             api_key: str | None = None,
@@ -253,9 +265,9 @@ async def start_grpc_server(orchestrator: Orchestrator, tokenizer: RouterTokeniz
                              options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                                       ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
     pb_grpc.add_GenerationServicer_to_server(
-        GenerationServicer(orchestrator, tokenizer, model_name, request_timeout_s), server)
+        GenerationServicer(orchestrator, tokenizers, model_name, request_timeout_s), server)
     triton_pb_grpc.add_GRPCInferenceServiceServicer_to_server(
-        TritonServicer(orchestrator, tokenizer, model_name, request_timeout_s), server)
+        TritonServicer(orchestrator, tokenizers, model_name, request_timeout_s), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(

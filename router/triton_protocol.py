@@ -10,7 +10,8 @@ tensor, the request's own parameters are read the same way (as the vLLM backend 
 
 This module is the gRPC edge of the Triton API: protocol messages exist only here and in the
 servicer. Parsing raises InvalidRequestError naming the offending input or parameter; sampling
-values are validated by SamplingParams itself, so every API accepts and refuses the same values.
+values are validated by SamplingParams itself and sizes by router/request_limits.py, so every API
+accepts and refuses the same values.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Any
 from splitserve.common.errors import InvalidRequestError
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.proto.inference import grpc_service_pb2 as pb
+from splitserve.router.request_limits import RequestLimits
 
 FINAL_RESPONSE = "triton_final_response"
 """Response parameter (bool) marking a stream's last response to a request."""
@@ -85,6 +87,8 @@ class InferRequest:
     prepend_prompt: bool
     """The response text starts with the prompt (exclude_input_in_output false; never when streaming)."""
     sampling: SamplingParams
+    max_tokens_field: str | None
+    """"max_tokens" when the request set it, None when it took the default (RequestLimits.check_max_tokens)."""
     outputs: tuple[str, ...]
     """The output tensors to return, in OUTPUTS order (all unless the request names some)."""
     empty_final_response: bool
@@ -93,11 +97,14 @@ class InferRequest:
 
 # ---- requests -------------------------------------------------------------------------------
 
-def parse_infer_request(request: pb.ModelInferRequest) -> InferRequest:
-    """The request's inputs and parameters, checked; raises InvalidRequestError naming what is wrong."""
+def parse_infer_request(request: pb.ModelInferRequest, limits: RequestLimits) -> InferRequest:
+    """The request's inputs and parameters, checked against `limits` too; raises InvalidRequestError
+    naming what is wrong."""
+    limits.check_request_id(request.id, "id")
     values = _input_values(request)
     if "text_input" not in values:
         raise InvalidRequestError("text_input", "is required (BYTES, shape [1]: the prompt)")
+    limits.check_prompt_bytes(len(values["text_input"]), "text_input")
     text = _utf8(values["text_input"], "text_input")
     stream = values.get("stream", False)
     exclude = values.get("exclude_input_in_output")
@@ -109,8 +116,11 @@ def parse_infer_request(request: pb.ModelInferRequest) -> InferRequest:
     if "sampling_parameters" in values:  # the tensor wins over request parameters, as in the vLLM backend
         source = "sampling_parameters"
         options = _json_object(_utf8(values[source], source), source)
-    return InferRequest(request.id, text, stream, prepend, _sampling_params(options, source),
-                        _requested_outputs(request), empty_final)
+    sampling = _sampling_params(options, source)
+    max_tokens_field = "max_tokens" if options.get("max_tokens") is not None else None
+    limits.check_sampling(sampling, max_tokens_field)
+    return InferRequest(request.id, text, stream, prepend, sampling, max_tokens_field, _requested_outputs(request),
+                        empty_final)
 
 
 def _sampling_params(options: Mapping[str, Any], source: str) -> SamplingParams:

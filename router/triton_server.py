@@ -23,11 +23,12 @@ from collections.abc import AsyncIterator
 import grpc
 
 from splitserve.common.errors import InvalidRequestError
+from splitserve.common.log_escape import quote_for_log
 from splitserve.proto.inference import grpc_service_pb2 as pb
 from splitserve.proto.inference import grpc_service_pb2_grpc as pb_grpc
 from splitserve.router.api_common import grpc_deadline, grpc_status
 from splitserve.router.orchestrator import GenerationInput, Orchestrator, RouterError, StreamChunk
-from splitserve.router.tokenizer import RouterTokenizer
+from splitserve.router.tokenizer_pool import TokenizerPool
 from splitserve.router.triton_protocol import (InferRequest, ServedModel, empty_final_response, infer_response,
                                                model_metadata, parse_infer_request, stream_error)
 
@@ -39,10 +40,10 @@ PLATFORM = "splitserve"
 
 
 class TritonServicer(pb_grpc.GRPCInferenceServiceServicer):
-    def __init__(self, orchestrator: Orchestrator, tokenizer: RouterTokenizer, model_name: str,
+    def __init__(self, orchestrator: Orchestrator, tokenizers: TokenizerPool, model_name: str,
                  request_timeout_s: float | None = None) -> None:
         self.orchestrator = orchestrator
-        self.tokenizer = tokenizer
+        self.tokenizers = tokenizers
         self.model = ServedModel(model_name, MODEL_VERSION, PLATFORM)
         self.request_timeout_s = request_timeout_s
         """Server-side limit on a request's total time (router.request_timeout_s); None: no limit."""
@@ -79,7 +80,7 @@ class TritonServicer(pb_grpc.GRPCInferenceServiceServicer):
                                                     "stream with ModelStreamInfer")
             chunks = [chunk async for chunk in self.orchestrator.generate(inp)]
         except (InvalidRequestError, RouterError) as error:
-            logger.info("[%s] ModelInfer ended with %s", request.id, error)
+            logger.info("[%s] ModelInfer ended with %s", quote_for_log(request.id), quote_for_log(error))
             await context.abort(*grpc_status(error))
         return self._whole(parsed, chunks, final=None)
 
@@ -117,11 +118,11 @@ class TritonServicer(pb_grpc.GRPCInferenceServiceServicer):
             async for response in self._stream_responses(request, context):
                 responses.put(pb.ModelStreamInferResponse(infer_response=response))
         except (InvalidRequestError, RouterError) as error:
-            logger.info("[%s] ModelStreamInfer request ended with %s", request.id, error)
+            logger.info("[%s] ModelStreamInfer request ended with %s", quote_for_log(request.id), quote_for_log(error))
             code, message = grpc_status(error)
             responses.put(stream_error(self.model, request.id, f"{code.name}: {message}"))
         except Exception as error:  # a bug: report it on this request, keep the stream's others going
-            logger.exception("[%s] ModelStreamInfer request failed", request.id)
+            logger.exception("[%s] ModelStreamInfer request failed", quote_for_log(request.id))
             responses.put(stream_error(self.model, request.id, f"INTERNAL: {type(error).__name__}: {error}"))
         finally:
             responses.close()
@@ -144,11 +145,14 @@ class TritonServicer(pb_grpc.GRPCInferenceServiceServicer):
     # ---- shared steps --------------------------------------------------------------------
     async def _input(self, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext
                      ) -> tuple[InferRequest, GenerationInput]:
+        self.orchestrator.check_admission()
         self._check_model(request.model_name, request.model_version)
-        parsed = parse_infer_request(request)
+        limits = self.tokenizers.limits
+        parsed = parse_infer_request(request, limits)
         request_id = self.orchestrator.new_request_id(request.id)
-        token_ids = await asyncio.to_thread(self.tokenizer.encode, parsed.text)
-        return parsed, GenerationInput(request_id, tuple(token_ids), parsed.sampling,
+        token_ids = await self.tokenizers.encode(parsed.text)
+        limits.check_max_tokens(len(token_ids), parsed.sampling, parsed.max_tokens_field)
+        return parsed, GenerationInput(request_id, token_ids, parsed.sampling,
                                        grpc_deadline(context, self.request_timeout_s))
 
     def _check_model(self, name: str, version: str) -> None:

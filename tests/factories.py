@@ -378,6 +378,16 @@ class InProcessCluster:
             await asyncio.sleep(0.02)
 
 
+def make_request_limits(max_model_len: int = 2048, vocab_size: int = 512, max_bytes_per_token: int = 13, **fields):
+    """The request limits of the tiny models (vocabulary 512, longest entry 13 bytes) unless told;
+    `fields` override RequestLimits' own defaults."""
+    import dataclasses
+
+    from splitserve.router.request_limits import RequestLimits
+
+    return dataclasses.replace(RequestLimits.for_model(max_model_len, vocab_size, max_bytes_per_token), **fields)
+
+
 # ---- KV events and load reports -------------------------------------------------------------
 from splitserve.common.kv_events import KVEventBatch, KVSnapshot, LoadReport, WorkerCounters, WorkerReport  # noqa: E402
 
@@ -426,6 +436,8 @@ class ServedApis:
     grpc_port: int
     grpc_server: object
     """router.server.GrpcServer"""
+    tokenizers: object
+    """router.tokenizer_pool.TokenizerPool both APIs share (its `limits`: the request limits)."""
 
     def drain(self, timeout_s: float = 30.0) -> int:
         """Drain the router as SIGTERM does (router.server.drain); returns requests left in flight."""
@@ -436,13 +448,16 @@ class ServedApis:
 
 @contextmanager
 def served_apis(model_dir: Path, model_name: str, api_key: str | None = None,
-                served_class: type[ServedApis] = ServedApis, tls=None, **cluster_options):
+                served_class: type[ServedApis] = ServedApis, tls=None, pool_options: dict | None = None,
+                **cluster_options):
     """Start the cluster (InProcessCluster options: routing, slo, ...) and both servers (over TLS
-    with a router.tls.TlsConfig); everything is stopped on the way out."""
+    with a router.tls.TlsConfig) over one TokenizerPool (`pool_options`: its for_orchestrator
+    options: max_prompt_bytes, num_threads, max_pending); everything is stopped on the way out."""
     from splitserve.common.slo import SloConfig
     from splitserve.router.metrics_server import RouterMetrics
     from splitserve.router.openai_server import start_http_server
     from splitserve.router.server import start_grpc_server
+    from splitserve.router.tokenizer_pool import TokenizerPool
 
     async def watch() -> None:
         metrics.watch(cluster.orchestrator)  # on the orchestrator's loop
@@ -452,16 +467,18 @@ def served_apis(model_dir: Path, model_name: str, api_key: str | None = None,
     cluster = InProcessCluster(model_dir, observer=metrics.observe, **cluster_options)
     loop.run(cluster.__aenter__())
     loop.run(watch())
-    http_server = loop.run(start_http_server(cluster.orchestrator, cluster.tokenizer, model_name, port=0,
+    tokenizers = TokenizerPool.for_orchestrator(cluster.tokenizer, cluster.orchestrator, **(pool_options or {}))
+    http_server = loop.run(start_http_server(cluster.orchestrator, tokenizers, model_name, port=0,
                                              metrics_app=metrics.asgi_app(), api_key=api_key, tls=tls))
-    grpc_server = loop.run(start_grpc_server(cluster.orchestrator, cluster.tokenizer, model_name, port=0,
+    grpc_server = loop.run(start_grpc_server(cluster.orchestrator, tokenizers, model_name, port=0,
                                              api_key=api_key, tls=tls))
     try:
-        yield served_class(cluster, loop, http_server.port, grpc_server.port, grpc_server)
+        yield served_class(cluster, loop, http_server.port, grpc_server.port, grpc_server, tokenizers)
     finally:
         loop.run(grpc_server.stop(None))
         loop.run(http_server.stop())
         loop.run(cluster.__aexit__(None, None, None))
+        tokenizers.close()
         loop.close()
 
 

@@ -1,10 +1,11 @@
 """Fuzzing the gRPC Generation API through a real channel to one served in-process cluster.
 
 Malformed and extreme requests (random, empty, huge or invalid-UTF-8 prompts, token ids out of
-range, every sampling field at its extremes, odd chat messages, unknown models, SLO targets,
-1 ms deadlines, corrupted wire bytes) must each end with OK and a well-formed stream, or with a
-documented status: INVALID_ARGUMENT whose message names a field the request actually got wrong
-(an oracle below re-derives which fields are invalid from the documented ranges), RESOURCE_EXHAUSTED
+range, every sampling field at its extremes, odd chat messages and request ids, unknown models, SLO
+targets, 1 ms deadlines, corrupted wire bytes) must each end with OK and a well-formed stream, or with
+a documented status: INVALID_ARGUMENT whose message names a field the request actually got wrong
+(an oracle below re-derives which fields are invalid from the documented ranges and request
+limits), RESOURCE_EXHAUSTED
 (only for an oversized message or a request that set its own TTFT target), DEADLINE_EXCEEDED (only
 for a short deadline). Never INTERNAL or UNKNOWN, never a hang (every call has a deadline). Afterwards
 the server still serves, and every worker is idle with the router's own accounting back to zero
@@ -36,6 +37,13 @@ MODEL = "tiny-llama"
 MAX_MODEL_LEN = 64
 """Small, so a request allowed to run to the end of the context stays short."""
 VOCAB_SIZE = 512
+CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
+MAX_CHAT_MESSAGES = 1024
+MAX_STOP_STRING_CHARS = 1024
+MAX_REQUEST_ID_CHARS = 256
+REQUEST_ID_ALPHABET = "".join(map(chr, range(0x21, 0x7F)))
+"""The documented request limits (docs/serving.md), restated as the oracle; the prompt's byte
+limit is (MAX_MODEL_LEN - 1) x the tokenizer's longest vocabulary entry in bytes."""
 CALL_DEADLINE_S = 30.0
 """Every call's deadline: a call that outlives it is a hang, and fails the test."""
 SHORT_DEADLINES_S = (0.001, 0.05)
@@ -67,45 +75,67 @@ _INT_RULES = {
 def invalid_fields(request: pb.GenerateRequest, tokenizer) -> set[str]:
     """Every field the server may name in INVALID_ARGUMENT for this request; empty: it is valid."""
     bad = {"model"} if request.model not in ("", MODEL) else set()
+    if len(request.request_id) > MAX_REQUEST_ID_CHARS or not set(request.request_id) <= set(REQUEST_ID_ALPHABET):
+        bad.add("request_id")
     sampling = request.sampling
     for name, valid in {**_FLOAT_RULES, **_INT_RULES}.items():
         if sampling.HasField(name) and not valid(getattr(sampling, name)):
             bad.add(name)
-    if any(s == "" for s in sampling.stop) or len(sampling.stop) > MAX_STOP_STRINGS:
+    if (any(s == "" or len(s) > MAX_STOP_STRING_CHARS for s in sampling.stop)
+            or len(sampling.stop) > MAX_STOP_STRINGS):
         bad.add("stop")
-    if any(t < 0 for t in sampling.stop_token_ids) or len(sampling.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+    if (any(not 0 <= t < VOCAB_SIZE for t in sampling.stop_token_ids)
+            or len(sampling.stop_token_ids) > MAX_STOP_TOKEN_IDS):
         bad.add("stop_token_ids")
     for name in ("ttft_slo_s", "tpot_slo_s"):
         if request.HasField(name) and not 0 < getattr(request, name) < math.inf:
             bad.add(name)
-    return bad | _prompt(request, tokenizer)[1]
+    token_ids, prompt_bad = _prompt(request, tokenizer)
+    if sampling.HasField("max_tokens") and (sampling.max_tokens >= MAX_MODEL_LEN or (
+            not prompt_bad and len(token_ids) + sampling.max_tokens > MAX_MODEL_LEN)):
+        bad.add("max_tokens")  # a max_tokens the client set must fit after the prompt
+    return bad | prompt_bad
 
 
 def _prompt(request: pb.GenerateRequest, tokenizer) -> tuple[list[int], set[str]]:
     """The prompt's token ids, and the fields the server may name for it (empty: a valid prompt)."""
+    max_bytes = (MAX_MODEL_LEN - 1) * tokenizer.max_bytes_per_token
     kind = request.WhichOneof("prompt")
     if kind is None:
         return [], {"prompt"}
     if kind == "text":
+        if len(request.text) > max_bytes:
+            return [], {"prompt"}
         try:
             token_ids = tokenizer.encode(request.text.decode("utf-8"))
         except UnicodeDecodeError:
             return [], {"prompt.text"}
     elif kind == "chat":
-        if not request.chat.messages:
-            return [], {"messages"}
-        messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
-        add = request.chat.add_generation_prompt if request.chat.HasField("add_generation_prompt") else True
-        try:
-            token_ids = tokenizer.apply_chat_template(messages, add)
-        except InvalidRequestError as error:  # the chat template refused the messages
-            return [], {error.field}
+        return _chat_prompt(request.chat, tokenizer, max_bytes)
     else:
         token_ids = list(request.token_ids.ids)
     bad = set() if 0 < len(token_ids) < MAX_MODEL_LEN else {"prompt"}
     if any(not 0 <= t < VOCAB_SIZE for t in token_ids):
         bad.add("prompt.token_ids")
     return token_ids, bad
+
+
+def _chat_prompt(chat: pb.ChatMessages, tokenizer, max_bytes: int) -> tuple[list[int], set[str]]:
+    if not chat.messages or len(chat.messages) > MAX_CHAT_MESSAGES:
+        return [], {"messages"}
+    bad = {f"messages[{i}].role" for i, m in enumerate(chat.messages) if m.role not in CHAT_ROLES}
+    if sum(len(m.content.encode()) for m in chat.messages) > max_bytes:
+        bad.add("messages")
+    messages = [{"role": m.role, "content": m.content} for m in chat.messages]
+    add = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
+    try:
+        token_ids = tokenizer.apply_chat_template(messages, add)
+    except InvalidRequestError as error:  # the chat template refused the messages
+        return [], bad | {error.field}
+    if len(tokenizer.render_chat_template(messages, add).encode()) > max_bytes:
+        bad.add("messages")
+    # The server names a too long rendered chat's token count `prompt`.
+    return token_ids, bad if 0 < len(token_ids) < MAX_MODEL_LEN else bad | {"prompt"}
 
 
 @dataclass(frozen=True)
@@ -247,11 +277,12 @@ def sampling_params(draw) -> pb.SamplingParams:
         if draw(st.booleans()):
             setattr(message, name, draw(st.booleans()))
     many_stops = [f"never{i}" for i in range(MAX_STOP_STRINGS)]
-    message.stop.extend(_sometimes(draw, st.lists(st.text(min_size=1, max_size=4), max_size=4) | st.just(many_stops),
+    message.stop.extend(_sometimes(draw, st.lists(st.text(min_size=1, max_size=4), max_size=4) | st.just(many_stops)
+                                   | st.just(["x" * MAX_STOP_STRING_CHARS]),
                                    st.lists(st.text(max_size=4), min_size=1, max_size=3)
-                                   | st.just(many_stops * 1000)) or ())
+                                   | st.just(many_stops * 1000) | st.just(["x" * (MAX_STOP_STRING_CHARS + 1)])) or ())
     message.stop_token_ids.extend(_sometimes(draw, st.lists(st.integers(0, VOCAB_SIZE + 2), max_size=4)
-                                             | st.just([VOCAB_SIZE] * MAX_STOP_TOKEN_IDS),
+                                             | st.just([VOCAB_SIZE - 1] * MAX_STOP_TOKEN_IDS),
                                              st.lists(EXTREME_INT32 | INT32, min_size=1, max_size=4)
                                              | st.just([VOCAB_SIZE] * 100_000)) or ())
     return message
@@ -269,7 +300,7 @@ def _set_prompt(request: pb.GenerateRequest, kind: str, value) -> None:
             request.chat.add_generation_prompt = add_generation_prompt
 
 
-_ROLES = st.sampled_from(["user", "assistant", "system", "", "tool", "{{ x }}"]) | st.text(max_size=8)
+_ROLES = st.sampled_from(["user", "assistant", "system", "developer", "", "tool", "{{ x }}"]) | st.text(max_size=8)
 PROMPTS = st.one_of(
     st.tuples(st.just("text"), st.text(min_size=1, max_size=60).map(str.encode)),
     st.tuples(st.just("text"), st.binary(max_size=40)),  # mostly invalid UTF-8
@@ -290,7 +321,8 @@ PROMPTS = st.one_of(
 def generate_requests(draw) -> pb.GenerateRequest:
     request = pb.GenerateRequest(model=_sometimes(draw, st.sampled_from(["", MODEL]),
                                                   st.sampled_from(["gpt-4", "\x00", MODEL.upper(), MODEL + " "])) or "",
-                                 request_id=draw(st.just("") | st.text(max_size=12)))
+                                 request_id=draw(st.just("") | st.text(REQUEST_ID_ALPHABET, max_size=12)
+                                                 | st.text(max_size=12)))
     _set_prompt(request, *draw(PROMPTS))
     if draw(st.integers(0, 3)):
         request.sampling.CopyFrom(draw(sampling_params()))
@@ -375,16 +407,28 @@ def test_oversized_message_is_resource_exhausted(served):
         f"SERVER: Received message larger than max ({request.ByteSize()} vs. {MAX_MESSAGE_BYTES})")
 
 
-def test_max_tokens_2_31_runs_to_the_end_of_the_context(served):
+def test_max_tokens_2_31_is_refused_as_on_every_api(served):
     outcome = served.call(_greedy(2**31 - 1, token_ids=pb.TokenIds(ids=[5, 6, 7])))
-    assert outcome.code == grpc.StatusCode.OK
+    assert (outcome.code, outcome.details) == (
+        grpc.StatusCode.INVALID_ARGUMENT,
+        f"max_tokens: must be below max_model_len {MAX_MODEL_LEN} (the prompt takes at least one token), "
+        f"got {2**31 - 1}")
+
+
+def test_max_tokens_filling_the_context_runs_to_its_end_and_one_more_is_refused(served):
+    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5, 6, 7]), sampling=pb.SamplingParams(ignore_eos=True))
+    request.sampling.max_tokens = MAX_MODEL_LEN - 3  # exactly what the context leaves
+    outcome = served.call(request)
     last = outcome.responses[-1]
-    assert (last.finish_reason, last.usage.prompt_tokens, last.usage.completion_tokens) == (
-        "length", 3, MAX_MODEL_LEN - 3)
+    assert (outcome.code, last.finish_reason, last.usage.completion_tokens) == (
+        grpc.StatusCode.OK, "length", MAX_MODEL_LEN - 3)
+    request.sampling.max_tokens = MAX_MODEL_LEN - 2
+    assert served.call(request).details == (f"max_tokens: {MAX_MODEL_LEN - 2} output tokens after 3 prompt tokens "
+                                            f"exceed max_model_len {MAX_MODEL_LEN}")
 
 
 def test_one_millisecond_deadline(served):
-    outcome = served.call(_greedy(MAX_MODEL_LEN), deadline_s=0.001)
+    outcome = served.call(_greedy(MAX_MODEL_LEN - 8, token_ids=pb.TokenIds(ids=[5, 6, 7])), deadline_s=0.001)
     assert outcome.code == grpc.StatusCode.DEADLINE_EXCEEDED
     served.loop.run(served.cluster.wait_idle())
 
@@ -405,8 +449,9 @@ def test_duplicate_request_id_in_flight_is_invalid_argument(served):
 
 def test_concurrent_fuzz_burst(served):
     """Invalid, valid and deadline-cut requests at once, from several threads."""
-    requests = [_greedy(2**31 - 1), _greedy(0), _greedy(4, token_ids=pb.TokenIds(ids=[-1])), _greedy(6),
-                pb.GenerateRequest(text=b"\xc3\x28"), _greedy(MAX_MODEL_LEN)] * 3
+    to_the_end = _greedy(MAX_MODEL_LEN - 3, token_ids=pb.TokenIds(ids=[5, 6, 7]))
+    requests = [to_the_end, _greedy(0), _greedy(4, token_ids=pb.TokenIds(ids=[-1])), _greedy(6),
+                pb.GenerateRequest(text=b"\xc3\x28"), to_the_end] * 3
     deadlines = [CALL_DEADLINE_S, CALL_DEADLINE_S, CALL_DEADLINE_S, CALL_DEADLINE_S, CALL_DEADLINE_S, 0.05] * 3
     outcomes: list[Outcome | None] = [None] * len(requests)
 

@@ -252,7 +252,7 @@ def test_an_unknown_model_is_404_model_not_found(served):
 
 
 def test_the_request_timeout_is_504_and_frees_the_workers(served):
-    server = served.loop.run(start_http_server(served.cluster.orchestrator, served.cluster.tokenizer, MODEL, port=0,
+    server = served.loop.run(start_http_server(served.cluster.orchestrator, served.tokenizers, MODEL, port=0,
                                                request_timeout_s=0.2))
     try:
         with pytest.raises(openai.InternalServerError) as error:

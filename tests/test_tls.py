@@ -133,7 +133,7 @@ def served(tiny_llama_dir, pki):
     tls = TlsConfig(str(pki.server_cert), str(pki.server_key))
     with served_apis(tiny_llama_dir, MODEL, served_class=Served, tls=tls) as served:
         cluster = served.cluster
-        plaintext = served.loop.run(start_grpc_server(cluster.orchestrator, cluster.tokenizer, MODEL, port=0))
+        plaintext = served.loop.run(start_grpc_server(cluster.orchestrator, served.tokenizers, MODEL, port=0))
         served.plaintext_port = plaintext.port
         try:
             yield served

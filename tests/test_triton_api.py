@@ -24,7 +24,7 @@ from splitserve.common.sampling_params import SamplingParams
 from splitserve.proto.inference import grpc_service_pb2 as ipb
 from splitserve.proto.splitserve.v1 import generation_pb2 as pb
 from splitserve.router.triton_protocol import parse_infer_request
-from tests.factories import ServedApis, served_apis, stream_tokens
+from tests.factories import ServedApis, make_request_limits, served_apis, stream_tokens
 
 MODEL = "tiny-llama"
 PROMPT = "The river runs"
@@ -345,7 +345,7 @@ def test_typed_contents_are_read_like_raw_contents():
                                        _tensor("stream", "BOOL", bool_contents=[True]),
                                        _tensor("sampling_parameters", "BYTES",
                                                bytes_contents=[b'{"top_k": "5", "stop": "x", "seed": null}'])])
-    parsed = parse_infer_request(request)
+    parsed = parse_infer_request(request, make_request_limits())
     assert (parsed.id, parsed.text, parsed.stream, parsed.prepend_prompt, parsed.empty_final_response,
             parsed.outputs) == ("r", "héllo", True, False, False, ("text_output", "finish_reason"))
     assert parsed.sampling == SamplingParams(top_k=5, stop=("x",))
@@ -389,7 +389,7 @@ def test_typed_contents_are_read_like_raw_contents():
 ])
 def test_malformed_tensors_are_refused_naming_the_input(fields, message):
     with pytest.raises(InvalidRequestError) as error:
-        parse_infer_request(_request(**fields))
+        parse_infer_request(_request(**fields), make_request_limits())
     assert str(error.value) == message
 
 
@@ -398,5 +398,5 @@ def test_request_parameters_are_ignored_when_the_tensor_is_given():
                                _tensor("sampling_parameters", "BYTES", bytes_contents=[b'{"max_tokens": 3}'])],
                        parameters={"max_tokens": ipb.InferParameter(string_param="100"),
                                    "triton_enable_empty_final_response": ipb.InferParameter(bool_param=True)})
-    parsed = parse_infer_request(request)
+    parsed = parse_infer_request(request, make_request_limits())
     assert (parsed.sampling, parsed.empty_final_response) == (SamplingParams(max_tokens=3), True)

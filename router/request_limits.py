@@ -1,0 +1,166 @@
+"""The limits every public API holds a request to (gRPC Generation, Triton, OpenAI HTTP): one table,
+`RequestLimits`, and the checks that apply it. Each raises InvalidRequestError naming the field
+(INVALID_ARGUMENT / HTTP 400), so the three APIs refuse the same requests for the same reasons.
+
+Every API applies them in the same order, cheapest first and each before the work it protects:
+admission (Orchestrator.check_admission, O(1), before the request is parsed or tokenized), then
+while parsing the sizes and values checked here (linear in what the client sent, never in
+tokens), then tokenization in a bounded pool (router/tokenizer_pool.py, which also checks a
+rendered chat's size before encoding it), then check_max_tokens against the prompt's token count.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from splitserve.common.errors import InvalidRequestError
+from splitserve.common.log_escape import quote_for_log
+from splitserve.common.sampling_params import MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SamplingParams
+from splitserve.common.validation import require
+
+CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
+"""The chat roles accepted (OpenAI's, `developer` included)."""
+REQUEST_ID_CHARS = frozenset(map(chr, range(0x21, 0x7F)))
+"""Printable ASCII without the space: an id is one word of a log line and can never break one."""
+QUOTED_CHARS = 64
+"""Characters of a client's value an error message quotes."""
+
+
+def prompt_bytes_bound(max_model_len: int, max_bytes_per_token: int) -> int:
+    """The most UTF-8 bytes a servable prompt can have.
+
+    A servable prompt has at most max_model_len - 1 tokens (one output token must fit), and no
+    token stands for more than max_bytes_per_token bytes of it (RouterTokenizer.max_bytes_per_token;
+    special tokens a tokenizer adds stand for none). So a prompt longer than
+    (max_model_len - 1) * max_bytes_per_token bytes has at least max_model_len tokens: it is
+    refused by its size alone, without tokenizing it."""
+    return (max_model_len - 1) * max_bytes_per_token
+
+
+def utf8_length(text: str) -> int:
+    """UTF-8 bytes of text (a lone surrogate, refused later, counts as 3)."""
+    return len(text.encode("utf-8", "surrogatepass"))
+
+
+class ChatMessageLike(Protocol):
+    """A chat message as each API parses it (a proto ChatMessage, the OpenAI API's ChatMessage)."""
+
+    role: str
+    content: str
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """Every size a request may have, for the model being served."""
+
+    max_model_len: int
+    """Prompt tokens + output tokens of one request (the smallest of the workers'): a prompt has
+    at most max_model_len - 1 tokens, and a max_tokens the client sets must fit after its prompt
+    (one that is left out runs to the end of the context at most)."""
+    vocab_size: int
+    """Token ids a request names (prompt token ids, stop_token_ids) are below this."""
+    max_prompt_bytes: int
+    """UTF-8 bytes of a text prompt, of a chat's message contents together, and of the chat as the
+    template renders it; checked before tokenizing. Default: prompt_bytes_bound, which refuses
+    only prompts that are over max_model_len tokens anyway (router.max_prompt_bytes sets it)."""
+    max_chat_messages: int = 1024
+    """Messages of one chat request (bounds the chat template's work per request)."""
+    max_stop_strings: int = MAX_STOP_STRINGS
+    """Stop strings of one request: each is searched in every new piece of output text."""
+    max_stop_string_chars: int = 1024
+    """Characters of one stop string: the stream holds back this many characters minus one, and
+    each search rescans as many."""
+    max_stop_token_ids: int = MAX_STOP_TOKEN_IDS
+    """Stop token ids of one request: the engine checks each sampled token against them."""
+    max_request_id_chars: int = 256
+    """Characters of a client's request id (REQUEST_ID_CHARS only); it appears in every log line
+    about the request."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_model_len", "vocab_size", "max_prompt_bytes", "max_chat_messages", "max_stop_string_chars",
+                     "max_request_id_chars"):
+            require(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
+        require(0 <= self.max_stop_strings <= MAX_STOP_STRINGS,
+                f"max_stop_strings must be in [0, {MAX_STOP_STRINGS}] (SamplingParams' own limit), "
+                f"got {self.max_stop_strings}")
+        require(0 <= self.max_stop_token_ids <= MAX_STOP_TOKEN_IDS,
+                f"max_stop_token_ids must be in [0, {MAX_STOP_TOKEN_IDS}] (SamplingParams' own limit), "
+                f"got {self.max_stop_token_ids}")
+
+    @classmethod
+    def for_model(cls, max_model_len: int, vocab_size: int, max_bytes_per_token: int,
+                  max_prompt_bytes: int | None = None) -> RequestLimits:
+        """The limits for a served model; `max_prompt_bytes` None derives it (prompt_bytes_bound)."""
+        if max_prompt_bytes is None:
+            max_prompt_bytes = prompt_bytes_bound(max_model_len, max_bytes_per_token)
+        return cls(max_model_len, vocab_size, max_prompt_bytes)
+
+    # ---- the request's identity ------------------------------------------------------------
+    def check_request_id(self, request_id: str, field: str) -> None:
+        """A client's id (empty: the router makes one): at most max_request_id_chars of REQUEST_ID_CHARS."""
+        if len(request_id) > self.max_request_id_chars:
+            raise InvalidRequestError(field, f"must be at most {self.max_request_id_chars} characters, got "
+                                             f"{len(request_id)}")
+        if not REQUEST_ID_CHARS.issuperset(request_id):
+            raise InvalidRequestError(field, "must be printable ASCII without spaces (0x21-0x7E), got "
+                                             f"{quote_for_log(request_id, QUOTED_CHARS)}")
+
+    # ---- the prompt ------------------------------------------------------------------------
+    def check_prompt_bytes(self, num_bytes: int, field: str) -> None:
+        if num_bytes > self.max_prompt_bytes:
+            raise InvalidRequestError(field, f"has {num_bytes} bytes (UTF-8); at most {self.max_prompt_bytes} can be "
+                                             f"served (router.max_prompt_bytes; max_model_len is {self.max_model_len} "
+                                             "tokens)")
+
+    def check_prompt_token_count(self, num_tokens: int, field: str) -> None:
+        """A prompt given as token ids, before its ids are read (Orchestrator.validate_prompt checks them)."""
+        if num_tokens >= self.max_model_len:
+            raise InvalidRequestError(field, f"has {num_tokens} tokens; max_model_len is {self.max_model_len} "
+                                             "(including at least one output token)")
+
+    def check_message_count(self, num_messages: int) -> None:
+        """Before the messages are read."""
+        if num_messages > self.max_chat_messages:
+            raise InvalidRequestError("messages", f"holds {num_messages} messages; at most {self.max_chat_messages}")
+
+    def check_chat(self, messages: Sequence[ChatMessageLike]) -> None:
+        """Count, roles (CHAT_ROLES), and the contents' bytes together."""
+        self.check_message_count(len(messages))
+        num_bytes = 0
+        for index, message in enumerate(messages):
+            if message.role not in CHAT_ROLES:
+                raise InvalidRequestError(f"messages[{index}].role", f"must be one of {', '.join(CHAT_ROLES)}; got "
+                                                                     f"{quote_for_log(message.role, QUOTED_CHARS)}")
+            num_bytes += utf8_length(message.content)
+        self.check_prompt_bytes(num_bytes, "messages")
+
+    # ---- sampling and output length ----------------------------------------------------------
+    def check_sampling(self, params: SamplingParams, max_tokens_field: str | None) -> None:
+        """Stop strings and ids, and a max_tokens the client set (`max_tokens_field`: the field that
+        set it, None when defaulted) that no prompt could leave room for."""
+        if len(params.stop) > self.max_stop_strings:
+            raise InvalidRequestError("stop", f"must hold at most {self.max_stop_strings} strings, got "
+                                              f"{len(params.stop)}")
+        longest = max((len(stop) for stop in params.stop), default=0)
+        if longest > self.max_stop_string_chars:
+            raise InvalidRequestError("stop", f"each must be at most {self.max_stop_string_chars} characters, got "
+                                              f"one of {longest}")
+        if len(params.stop_token_ids) > self.max_stop_token_ids:
+            raise InvalidRequestError("stop_token_ids", f"must hold at most {self.max_stop_token_ids} ids, got "
+                                                        f"{len(params.stop_token_ids)}")
+        outside = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        if outside:
+            raise InvalidRequestError("stop_token_ids", f"must be below the vocabulary size {self.vocab_size}, got "
+                                                        f"{outside[:5]}")
+        if max_tokens_field is not None and params.max_tokens >= self.max_model_len:
+            raise InvalidRequestError(max_tokens_field, f"must be below max_model_len {self.max_model_len} (the prompt "
+                                                        f"takes at least one token), got {params.max_tokens}")
+
+    def check_max_tokens(self, num_prompt_tokens: int, params: SamplingParams, max_tokens_field: str | None) -> None:
+        """A max_tokens the client set must fit after the prompt (as vLLM); a defaulted one is only
+        an upper bound (generation ends at the end of the context with finish reason length)."""
+        if max_tokens_field is not None and num_prompt_tokens + params.max_tokens > self.max_model_len:
+            raise InvalidRequestError(max_tokens_field, f"{params.max_tokens} output tokens after {num_prompt_tokens} "
+                                                        f"prompt tokens exceed max_model_len {self.max_model_len}")

@@ -1,0 +1,417 @@
+"""Request limits (router/request_limits.py) on every API: one table of limits, each API (gRPC
+Generation, Triton, OpenAI completions and chat) refusing the same requests with the same status
+and field; oversized prompts through the real servers while a stream runs; escaped request ids
+in logs; admission before tokenization; the tokenization pool's own admission."""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+import grpc
+import pytest
+
+from splitserve.common.errors import InvalidRequestError
+from splitserve.common.metrics import LOOP_LAG_BUCKETS
+from splitserve.proto.inference import grpc_service_pb2 as ipb
+from splitserve.proto.inference import grpc_service_pb2_grpc as ipb_grpc
+from splitserve.proto.splitserve.v1 import generation_pb2 as pb
+from splitserve.proto.splitserve.v1 import generation_pb2_grpc as pb_grpc
+from splitserve.router.orchestrator import RouterError
+from splitserve.router.policy import RoutingConfig
+from splitserve.router.request_limits import RequestLimits, prompt_bytes_bound
+from splitserve.router.tokenizer import RouterTokenizer, max_bytes_per_token
+from splitserve.router.tokenizer_pool import INLINE_MAX_CHARS, TokenizerPool
+from tests.factories import ServedApis, make_request_limits, served_apis
+
+MODEL = "tiny-llama"
+MAX_MODEL_LEN = 2048
+"""The tiny model's own context."""
+PROMPT = "The river runs"
+ATTACK_BOUND_S = 5.0
+"""Generous bound on the time to refuse an oversized prompt (measured: well under 1 s)."""
+
+
+class Served(ServedApis):
+    def grpc(self, request: pb.GenerateRequest) -> tuple[str, str]:
+        """(status code name, details) of a Generate call."""
+        with grpc.insecure_channel(f"127.0.0.1:{self.grpc_port}",
+                                   options=[("grpc.max_send_message_length", -1)]) as channel:
+            try:
+                list(pb_grpc.GenerationStub(channel).Generate(request, timeout=60))
+            except grpc.RpcError as error:
+                return error.code().name, error.details()
+        return "OK", ""
+
+    def triton(self, request: ipb.ModelInferRequest) -> tuple[str, str]:
+        with grpc.insecure_channel(f"127.0.0.1:{self.grpc_port}",
+                                   options=[("grpc.max_send_message_length", -1)]) as channel:
+            try:
+                ipb_grpc.GRPCInferenceServiceStub(channel).ModelInfer(request, timeout=60)
+            except grpc.RpcError as error:
+                return error.code().name, error.details()
+        return "OK", ""
+
+    def http(self, path: str, body: dict) -> tuple[int, str | None, str]:
+        """(status, error param, error message) of a POST."""
+        status, raw = _post(self.http_port, path, json.dumps(body).encode())
+        error = json.loads(raw).get("error", {})
+        return status, error.get("param"), error.get("message", "")
+
+
+def _post(port: int, path: str, body: bytes) -> tuple[int, bytes]:
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    try:
+        connection.request("POST", path, body=body, headers={"Content-Type": "application/json"})
+        response = connection.getresponse()
+        return response.status, response.read()
+    finally:
+        connection.close()
+
+
+@pytest.fixture(scope="module")
+def served(tiny_llama_dir):
+    with served_apis(tiny_llama_dir, MODEL, served_class=Served) as served:
+        yield served
+
+
+# ---- the table ------------------------------------------------------------------------------
+
+def test_the_limits_of_the_served_model():
+    tokenizer_bytes = 13  # "<|endoftext|>", the tiny vocabulary's longest entry
+    assert make_request_limits() == RequestLimits(
+        max_model_len=MAX_MODEL_LEN, vocab_size=512, max_prompt_bytes=(MAX_MODEL_LEN - 1) * tokenizer_bytes,
+        max_chat_messages=1024, max_stop_strings=64, max_stop_string_chars=1024, max_stop_token_ids=1024,
+        max_request_id_chars=256)
+    assert RequestLimits.for_model(100, 512, 13, max_prompt_bytes=5000).max_prompt_bytes == 5000
+    assert prompt_bytes_bound(MAX_MODEL_LEN, tokenizer_bytes) == 26611
+
+
+def test_the_served_limits_come_from_the_workers_and_the_vocabulary(served, tiny_llama_dir):
+    assert RouterTokenizer.from_model_dir(tiny_llama_dir).max_bytes_per_token == 13
+    assert served.tokenizers.limits == make_request_limits()
+
+
+def test_a_normalizing_tokenizer_bounds_three_times_as_many_bytes_per_token():
+    from tokenizers import Tokenizer, models, normalizers
+
+    backend = Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1, "hello": 2}, unk_token="[UNK]"))
+    plain = max_bytes_per_token(backend)
+    backend.normalizer = normalizers.NFC()
+    assert (plain, max_bytes_per_token(backend)) == (5, 15)
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"max_model_len": 0}, "max_model_len must be >= 1, got 0"),
+    ({"max_stop_strings": 65}, "max_stop_strings must be in [0, 64] (SamplingParams' own limit), got 65"),
+    ({"max_stop_token_ids": -1}, "max_stop_token_ids must be in [0, 1024] (SamplingParams' own limit), got -1"),
+])
+def test_invalid_limits_are_refused(fields, message):
+    with pytest.raises(ValueError) as error:
+        make_request_limits(**fields)
+    assert str(error.value) == message
+
+
+LIMITS = make_request_limits()
+LONG_TEXT = "a" * (LIMITS.max_prompt_bytes + 1)
+CHAT = [("user", PROMPT)]
+ROLES = "system, user, assistant, tool, developer"
+
+
+@dataclass(frozen=True)
+class Case:
+    """One over-the-limit request, as a spec every API turns into its own request."""
+
+    limit: str
+    fields: dict[str, str]
+    """API -> the field its error must name (APIs the request does not apply to are absent)."""
+    message: str
+    """What follows "<field>: " in the error."""
+    text: str | None = None
+    token_ids: list[int] | None = None
+    messages: list[tuple[str, str]] | None = None
+    sampling: dict | None = None
+    request_id: str = ""
+
+
+SAMPLING_APIS = ("grpc", "triton", "completions", "chat")
+CASES = [
+    Case("max_prompt_bytes", {"grpc": "prompt", "triton": "text_input", "completions": "prompt"},
+         f"has {len(LONG_TEXT)} bytes (UTF-8); at most 26611 can be served (router.max_prompt_bytes; max_model_len "
+         f"is 2048 tokens)", text=LONG_TEXT),
+    Case("max_prompt_bytes (chat)", {"grpc": "messages", "chat": "messages"},
+         f"has {len(LONG_TEXT) + 2} bytes (UTF-8); at most 26611 can be served (router.max_prompt_bytes; "
+         "max_model_len is 2048 tokens)", messages=[("system", "hi"), ("user", LONG_TEXT)]),
+    Case("max_model_len (token ids)", {"grpc": "prompt", "completions": "prompt"},
+         "has 2048 tokens; max_model_len is 2048 (including at least one output token)", token_ids=[7] * 2048),
+    Case("max_chat_messages", {"grpc": "messages", "chat": "messages"}, "holds 1025 messages; at most 1024",
+         messages=[("user", "hi")] * 1025),
+    Case("chat roles", {"grpc": "messages[1].role", "chat": "messages[1].role"},
+         f'must be one of {ROLES}; got "wizard"', messages=[("system", "be brief"), ("wizard", "hi")]),
+    Case("chat roles (empty)", {"grpc": "messages[0].role", "chat": "messages[0].role"},
+         f'must be one of {ROLES}; got ""', messages=[("", "hi")]),
+    Case("max_stop_strings", dict.fromkeys(SAMPLING_APIS, "stop"), "must hold at most 64 strings, got 65",
+         sampling={"stop": [f"s{i}" for i in range(65)]}),
+    Case("max_stop_string_chars", dict.fromkeys(SAMPLING_APIS, "stop"),
+         "each must be at most 1024 characters, got one of 1025", sampling={"stop": ["ok", "x" * 1025]}),
+    Case("max_stop_token_ids", dict.fromkeys(SAMPLING_APIS, "stop_token_ids"), "must hold at most 1024 ids, got 1025",
+         sampling={"stop_token_ids": [3] * 1025}),
+    Case("vocab_size (stop_token_ids)", dict.fromkeys(SAMPLING_APIS, "stop_token_ids"),
+         "must be below the vocabulary size 512, got [512]", sampling={"stop_token_ids": [3, 512]}),
+    Case("vocab_size (stop_token_ids 2**40)", {"triton": "stop_token_ids", "completions": "stop_token_ids",
+                                               "chat": "stop_token_ids"},  # gRPC's ids are int32
+         f"must be below the vocabulary size 512, got [{2**40}]", sampling={"stop_token_ids": [2**40]}),
+    Case("max_model_len (max_tokens)", dict.fromkeys(SAMPLING_APIS, "max_tokens"),
+         f"must be below max_model_len 2048 (the prompt takes at least one token), got {2**31 - 1}",
+         sampling={"max_tokens": 2**31 - 1}),
+    Case("max_request_id_chars", {"grpc": "request_id", "triton": "id"}, "must be at most 256 characters, got 257",
+         request_id="r" * 257),
+    Case("request id characters", {"grpc": "request_id", "triton": "id"},
+         'must be printable ASCII without spaces (0x21-0x7E), got "a\\nb\\u0000c"', request_id="a\nb\x00c"),
+]
+
+
+def _grpc_request(case: Case) -> pb.GenerateRequest:
+    request = pb.GenerateRequest(model=MODEL, request_id=case.request_id,
+                                 sampling=pb.SamplingParams(**(case.sampling or {})))
+    if case.messages is not None:
+        request.chat.messages.extend(pb.ChatMessage(role=role, content=content) for role, content in case.messages)
+    elif case.token_ids is not None:
+        request.token_ids.ids.extend(case.token_ids)
+    else:
+        request.text = (case.text or PROMPT).encode()
+    return request
+
+
+def _triton_request(case: Case) -> ipb.ModelInferRequest:
+    tensor = ipb.ModelInferRequest.InferInputTensor
+    inputs = [tensor(name="text_input", datatype="BYTES", shape=[1],
+                     contents=ipb.InferTensorContents(bytes_contents=[(case.text or PROMPT).encode()])),
+              tensor(name="sampling_parameters", datatype="BYTES", shape=[1],
+                     contents=ipb.InferTensorContents(bytes_contents=[json.dumps(case.sampling or {}).encode()]))]
+    return ipb.ModelInferRequest(model_name=MODEL, id=case.request_id, inputs=inputs)
+
+
+def _http_body(case: Case, api: str) -> tuple[str, dict]:
+    if api == "chat":
+        messages = [{"role": role, "content": content} for role, content in case.messages or CHAT]
+        return "/v1/chat/completions", {"model": MODEL, "messages": messages, **(case.sampling or {})}
+    prompt = case.token_ids if case.token_ids is not None else case.text or PROMPT
+    return "/v1/completions", {"model": MODEL, "prompt": prompt, **(case.sampling or {})}
+
+
+@pytest.mark.parametrize(("case", "api"), [(case, api) for case in CASES for api in case.fields],
+                         ids=lambda value: value.limit if isinstance(value, Case) else value)
+def test_every_api_refuses_what_the_table_refuses_naming_the_field(served, case, api):
+    field = case.fields[api]
+    if api == "grpc":
+        assert served.grpc(_grpc_request(case)) == ("INVALID_ARGUMENT", f"{field}: {case.message}")
+    elif api == "triton":
+        assert served.triton(_triton_request(case)) == ("INVALID_ARGUMENT", f"{field}: {case.message}")
+    else:
+        assert served.http(*_http_body(case, api)) == (400, field, f"{field}: {case.message}")
+
+
+def test_a_max_tokens_that_does_not_fit_after_the_prompt_is_refused_on_every_api(served):
+    tokenizer = served.tokenizers.tokenizer
+    text_tokens = len(tokenizer.encode(PROMPT))
+    chat_tokens = len(tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}]))
+    over = MAX_MODEL_LEN - text_tokens + 1
+
+    def message(field: str, num_prompt_tokens: int) -> str:
+        return f"{field}: {over} output tokens after {num_prompt_tokens} prompt tokens exceed max_model_len 2048"
+
+    case = Case("", {}, "", sampling={"max_tokens": over})
+    assert served.grpc(_grpc_request(case)) == ("INVALID_ARGUMENT", message("max_tokens", text_tokens))
+    assert served.triton(_triton_request(case)) == ("INVALID_ARGUMENT", message("max_tokens", text_tokens))
+    assert served.http(*_http_body(case, "completions")) == (400, "max_tokens", message("max_tokens", text_tokens))
+    assert served.http("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": PROMPT}],
+                                                "max_completion_tokens": over}) == (
+        400, "max_completion_tokens", message("max_completion_tokens", chat_tokens))
+
+
+def test_every_accepted_role_is_served(served):
+    for role in ("system", "user", "assistant", "tool", "developer"):
+        status, _, message = served.http("/v1/chat/completions", {
+            "model": MODEL, "messages": [{"role": role, "content": "hi"}], "max_tokens": 1})
+        assert (role, status) == (role, 200), message
+    request = _grpc_request(Case("", {}, "", messages=[("developer", "be brief"), ("user", "hi")],
+                                 sampling={"max_tokens": 1}))
+    assert served.grpc(request) == ("OK", "")
+
+
+def test_a_rendered_chat_over_the_limit_is_refused_before_it_is_encoded(tiny_llama_dir):
+    """The contents fit (95 of 100 bytes), the template's own text does not."""
+    tokenizer = RouterTokenizer.from_model_dir(tiny_llama_dir)
+    pool = TokenizerPool(tokenizer, make_request_limits(max_prompt_bytes=100), lambda reason: None)
+    messages = [{"role": "user", "content": "x" * 95}]
+    rendered = len(tokenizer.render_chat_template(messages).encode())
+    with pytest.raises(InvalidRequestError) as error:
+        asyncio.run(pool.apply_chat_template(messages, True))
+    pool.close()
+    assert str(error.value) == (f"messages: has {rendered} bytes (UTF-8); at most 100 can be served "
+                                "(router.max_prompt_bytes; max_model_len is 2048 tokens)")
+
+
+# ---- oversized prompts through the real servers ------------------------------------------------
+
+class _Stream(threading.Thread):
+    """A streamed completion read line by line; `gaps` are the seconds between its events."""
+
+    def __init__(self, port: int) -> None:
+        super().__init__()
+        self.port, self.gaps, self.events = port, [], []
+
+    def run(self) -> None:
+        connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=120)
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 1500, "temperature": 0, "ignore_eos": True,
+                "stream": True}
+        connection.request("POST", "/v1/completions", body=json.dumps(body).encode(),
+                           headers={"Content-Type": "application/json"})
+        response = connection.getresponse()
+        last = time.monotonic()
+        for line in response:
+            if line.strip():
+                now = time.monotonic()
+                self.gaps.append(now - last)
+                self.events.append(line.strip())
+                last = now
+        connection.close()
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmRSS:"))
+
+
+def _refuse_concurrently(port: int, bodies: list[bytes]) -> list[tuple[int, str | None, float]]:
+    """POST each body at once; (status, error param, seconds to the answer) of each."""
+    results: list = [None] * len(bodies)
+
+    def send(index: int) -> None:
+        started = time.monotonic()
+        status, raw = _post(port, "/v1/completions", bodies[index])
+        results[index] = (status, json.loads(raw)["error"]["param"], time.monotonic() - started)
+
+    threads = [threading.Thread(target=send, args=(index,)) for index in range(len(bodies))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    return results
+
+
+def test_oversized_prompts_are_refused_at_once_while_a_stream_runs(served):
+    orchestrator = served.cluster.orchestrator
+    lag_before, rss_before = orchestrator.loop_lag.stats(), _rss_bytes()
+    stream = _Stream(served.http_port)
+    stream.start()
+    while not stream.events:
+        time.sleep(0.01)
+    big = json.dumps({"model": MODEL, "prompt": "the river runs by the old mill " * 516_129, "max_tokens": 4})
+    [(status, param, seconds)] = _refuse_concurrently(served.http_port, [big.encode()])
+    four_mb = json.dumps({"model": MODEL, "prompt": "a" * (4 << 20), "max_tokens": 4}).encode()
+    concurrent = _refuse_concurrently(served.http_port, [four_mb] * 5)
+    grpc_started = time.monotonic()
+    grpc_outcome = served.grpc(pb.GenerateRequest(model=MODEL, text=b"b" * 16_000_000))
+    grpc_s = time.monotonic() - grpc_started
+    stream.join(120)
+    lag_after, rss_after = orchestrator.loop_lag.stats(), _rss_bytes()
+    print(f"16 MB prompt: 400 in {seconds:.3f} s; 5 x 4 MB: {[round(r[2], 3) for r in concurrent]} s; "
+          f"gRPC 16 MB: {grpc_s:.3f} s; stream's longest gap {max(stream.gaps[1:]):.3f} s; "
+          f"RSS {rss_before >> 20} -> {rss_after >> 20} MiB")
+    assert (status, param) == (400, "prompt") and seconds < ATTACK_BOUND_S
+    assert [(status, param) for status, param, _ in concurrent] == [(400, "prompt")] * 5
+    assert max(seconds for _, _, seconds in concurrent) < ATTACK_BOUND_S
+    assert grpc_outcome[0] == "INVALID_ARGUMENT" and grpc_outcome[1].startswith("prompt: has 16000000 bytes")
+    assert grpc_s < ATTACK_BOUND_S
+    # The stream ran on to its end, never waiting a second for its next token.
+    assert stream.events[-1] == b"data: [DONE]" and max(stream.gaps[1:]) < 1.0
+    # No worker was lost, the loop never stalled for a second, and the router kept little.
+    assert all(orchestrator.monitor.load(worker_id) is not None for worker_id in orchestrator.infos)
+    within_1s = LOOP_LAG_BUCKETS.index(1.0)
+    assert (lag_after.count - lag_before.count) == (lag_after.bucket_counts[within_1s]
+                                                    - lag_before.bucket_counts[within_1s])
+    assert rss_after - rss_before < 512 << 20
+    served.loop.run(served.cluster.wait_idle())
+
+
+# ---- request ids in logs --------------------------------------------------------------------
+
+def test_request_ids_are_escaped_and_bounded_in_logs(served, caplog):
+    caplog.set_level(logging.INFO, logger="splitserve.router")
+    forged = "a\nb\x00c"
+    assert served.grpc(_grpc_request(Case("", {}, "", request_id=forged)))[0] == "INVALID_ARGUMENT"
+    assert served.triton(_triton_request(Case("", {}, "", request_id="x" * 1_000_000)))[0] == "INVALID_ARGUMENT"
+    assert served.grpc(_grpc_request(Case("", {}, "", request_id='say"hi', sampling={"max_tokens": 1}))) == ("OK", "")
+    lines = [record.getMessage() for record in caplog.records if record.name.startswith("splitserve.router")]
+    assert lines[0] == ('["a\\nb\\u0000c"] ended with "request_id: must be printable ASCII without spaces '
+                        '(0x21-0x7E), got \\"a\\\\nb\\\\u0000c\\""')
+    assert lines[1] == (f'["{"x" * 256}"...(+999744 chars)] ModelInfer ended with "id: must be at most 256 '
+                        'characters, got 1000000"')
+    assert lines[2] == '["say\\"hi"] generate: 9 prompt tokens'
+    assert all("\n" not in line and "\x00" not in line for line in lines)
+
+
+# ---- admission before tokenization ------------------------------------------------------------
+
+def test_a_full_router_refuses_before_reading_or_tokenizing_the_request(tiny_llama_dir):
+    """With the one in-flight slot taken, an oversized prompt is refused for capacity (429 /
+    RESOURCE_EXHAUSTED), not for its size: admission runs before the body is parsed."""
+    routing = RoutingConfig(disaggregation="always", max_in_flight_requests=1)
+    with served_apis(tiny_llama_dir, MODEL, served_class=Served, routing=routing) as served:
+        stream = _Stream(served.http_port)
+        stream.start()
+        while not stream.events:
+            time.sleep(0.01)
+        status, raw = _post(served.http_port, "/v1/completions", json.dumps(
+            {"model": MODEL, "prompt": LONG_TEXT}).encode())
+        grpc_outcome = served.grpc(pb.GenerateRequest(model=MODEL, text=LONG_TEXT.encode()))
+        triton_outcome = served.triton(_triton_request(Case("", {}, "", text=LONG_TEXT)))
+        stream.join(120)
+        rejections = dict(served.cluster.orchestrator.routing_stats().rejections)
+    message = "the router has 1 requests in flight, its limit (router.routing.max_in_flight_requests); retry later"
+    assert (status, json.loads(raw)["error"]) == (429, {"message": message, "type": "rate_limit_error",
+                                                        "param": None, "code": "resource_exhausted"})
+    assert grpc_outcome == triton_outcome == ("RESOURCE_EXHAUSTED", message)
+    assert rejections == {"too_many_requests": 3}
+
+
+# ---- the tokenization pool -------------------------------------------------------------------
+
+def test_a_full_tokenization_pool_refuses_and_a_cancelled_job_frees_its_place(tiny_llama_dir):
+    tokenizer = RouterTokenizer.from_model_dir(tiny_llama_dir)
+    gate = threading.Event()
+    real_encode = tokenizer.encode
+    # The pool's jobs (long prompts) block their thread until the gate opens, and encode 5 characters.
+    tokenizer.encode = lambda text: (len(text) > INLINE_MAX_CHARS and gate.wait(30), real_encode(text[:5]))[1]
+    rejections: list[str] = []
+    pool = TokenizerPool(tokenizer, make_request_limits(), rejections.append, num_threads=1, max_pending=2)
+    long_text = "the river runs " * 100  # 1500 characters: the pool's work
+
+    async def scenario():
+        running = asyncio.ensure_future(pool.encode(long_text))
+        queued = asyncio.ensure_future(pool.encode(long_text))
+        await asyncio.sleep(0.05)
+        with pytest.raises(RouterError) as full:
+            await pool.encode(long_text)
+        inline = await pool.encode("hi")  # short prompts never wait for the pool
+        queued.cancel()
+        await asyncio.gather(queued, return_exceptions=True)
+        again = asyncio.ensure_future(pool.encode(long_text))  # the cancelled job's place
+        await asyncio.sleep(0.05)
+        gate.set()
+        return full.value, inline, await running, await again
+
+    full, inline, running, again = asyncio.run(scenario())
+    pool.close()
+    assert (full.code, full.message) == ("RESOURCE_EXHAUSTED", "the router has 2 prompts waiting to be tokenized, "
+                                         "its limit (router.max_pending_tokenizations); retry later")
+    assert rejections == ["tokenizer_busy"]
+    assert (inline, running, again) == (tuple(real_encode("hi")), tuple(real_encode("the r")),
+                                        tuple(real_encode("the r")))
