@@ -50,7 +50,7 @@ class RoutingStats:
     """(reason, requests): cache_hit, load, local_prefill, round_robin."""
     rejections: tuple[tuple[str, int], ...]
     """(reason, requests) rejected by admission control: ttft_slo, queue_full, no_kv_capacity,
-    too_many_requests."""
+    too_many_requests, tokenizer_busy."""
 
 
 @dataclass(frozen=True)
