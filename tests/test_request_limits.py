@@ -25,7 +25,7 @@ from splitserve.proto.splitserve.v1 import generation_pb2_grpc as pb_grpc
 from splitserve.router.orchestrator import RouterError
 from splitserve.router.policy import RoutingConfig
 from splitserve.router.request_limits import RequestLimits, prompt_bytes_bound
-from splitserve.router.tokenizer import RouterTokenizer, max_bytes_per_token
+from splitserve.router.tokenizer import RouterTokenizer
 from splitserve.router.tokenizer_pool import INLINE_MAX_CHARS, TokenizerPool
 from tests.factories import ServedApis, make_request_limits, served_apis
 
@@ -92,18 +92,9 @@ def test_the_limits_of_the_served_model():
     assert prompt_bytes_bound(MAX_MODEL_LEN, tokenizer_bytes) == 26611
 
 
-def test_the_served_limits_come_from_the_workers_and_the_vocabulary(served, tiny_llama_dir):
-    assert RouterTokenizer.from_model_dir(tiny_llama_dir).max_bytes_per_token == 13
+def test_the_served_limits_come_from_the_workers_and_the_vocabulary(served):
+    assert served.tokenizers.tokenizer.max_bytes_per_token == 13
     assert served.tokenizers.limits == make_request_limits()
-
-
-def test_a_normalizing_tokenizer_bounds_three_times_as_many_bytes_per_token():
-    from tokenizers import Tokenizer, models, normalizers
-
-    backend = Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1, "hello": 2}, unk_token="[UNK]"))
-    plain = max_bytes_per_token(backend)
-    backend.normalizer = normalizers.NFC()
-    assert (plain, max_bytes_per_token(backend)) == (5, 15)
 
 
 @pytest.mark.parametrize(("fields", "message"), [
@@ -115,6 +106,19 @@ def test_invalid_limits_are_refused(fields, message):
     with pytest.raises(ValueError) as error:
         make_request_limits(**fields)
     assert str(error.value) == message
+
+
+def test_a_stricter_table_is_applied_as_it_is():
+    """Counts below SamplingParams' own limits, which the table may lower but not raise."""
+    from splitserve.common.sampling_params import SamplingParams
+
+    limits = make_request_limits(max_stop_strings=2, max_stop_token_ids=1)
+    for params, message in ((SamplingParams(stop=("a", "b", "c")), "stop: must hold at most 2 strings, got 3"),
+                            (SamplingParams(stop_token_ids=(1, 2)), "stop_token_ids: must hold at most 1 ids, got 2")):
+        with pytest.raises(InvalidRequestError) as error:
+            limits.check_sampling(params, None)
+        assert str(error.value) == message
+    limits.check_sampling(SamplingParams(stop=("a", "b"), stop_token_ids=(511,), max_tokens=2047), "max_tokens")
 
 
 LIMITS = make_request_limits()

@@ -2,19 +2,21 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
-from tokenizers import Tokenizer, processors
+from tokenizers import Tokenizer, models, normalizers, processors
 from transformers import AutoTokenizer
 
 from splitserve.common.detokenizer import IncrementalDetokenizer
 from splitserve.common.errors import InvalidRequestError, UnsupportedModelError
-from splitserve.router.tokenizer import RouterTokenizer
+from splitserve.router.tokenizer import RouterTokenizer, max_bytes_per_token
 
 TEXTS = (
     "the old mill by the river",
@@ -271,3 +273,44 @@ def test_importing_the_router_tokenizer_does_not_import_torch(tiny_llama_dir):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+def test_the_tiny_vocabularys_longest_entry_is_13_bytes(tiny_llama_dir):
+    assert RouterTokenizer.from_model_dir(tiny_llama_dir).max_bytes_per_token == 13  # "<|endoftext|>"
+
+
+def test_a_normalizing_tokenizer_bounds_three_times_as_many_bytes_per_token():
+    backend = Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1, "hello": 2}, unk_token="[UNK]"))
+    plain = max_bytes_per_token(backend)
+    backend.normalizer = normalizers.NFC()
+    assert (plain, max_bytes_per_token(backend)) == (5, 15)
+
+
+def test_encoding_in_a_thread_leaves_the_event_loop_running(tiny_llama_dir):
+    """encode_batch releases the GIL: a 10 ms heartbeat keeps beating while a long prompt is encoded
+    in a thread (with Tokenizer.encode it beat twice in 4 s: the loop was stopped)."""
+    tokenizer = RouterTokenizer.from_model_dir(tiny_llama_dir)
+    text = "the river runs by the old mill " * 32_000  # ~1 MB: about a second of encoding
+
+    async def scenario():
+        lags: list[float] = []
+
+        async def beat():
+            while True:
+                started = time.perf_counter()
+                await asyncio.sleep(0.01)
+                lags.append(time.perf_counter() - started - 0.01)
+
+        heartbeat = asyncio.create_task(beat())
+        await asyncio.sleep(0.05)
+        lags.clear()
+        started = time.perf_counter()
+        ids = await asyncio.to_thread(tokenizer.encode, text)
+        elapsed = time.perf_counter() - started
+        heartbeat.cancel()
+        return ids, elapsed, lags
+
+    ids, elapsed, lags = asyncio.run(scenario())
+    print(f"encoded {len(text)} characters in {elapsed:.2f} s; {len(lags)} beats, longest lag {max(lags):.3f} s")
+    assert ids == tokenizer.backend.encode(text).ids
+    assert len(lags) >= 20 and max(lags) < elapsed / 2
