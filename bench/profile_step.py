@@ -20,24 +20,10 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from engine_throughput import MODELS, model_dir
 from splitserve.engine import LLM, SamplingParams
-from splitserve.engine.tiny_model import TinyModelSpec, build_tiny_model, default_cache_dir
 
-MODELS = {
-    "tiny": TinyModelSpec(num_layers=4, hidden_size=256, num_heads=8, num_kv_heads=4, intermediate_size=688,
-                          vocab_size=8192, seed=0),
-    "88M": TinyModelSpec(num_layers=12, hidden_size=768, num_heads=12, num_kv_heads=4, intermediate_size=2048,
-                         vocab_size=8192, seed=0),
-}
 RESULTS = Path(__file__).parent / "results"
-
-
-def model_dir(name: str) -> Path:
-    spec = MODELS[name]
-    path = default_cache_dir() / f"bench-{spec.fingerprint()}"
-    if not (path / "config.json").is_file():
-        build_tiny_model(path, spec)
-    return path
 
 
 def profiled_step(engine, repeats: int) -> dict:
@@ -60,7 +46,7 @@ def main() -> None:
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
-    llm = LLM(model_dir(args.model), dtype=args.dtype, num_threads=args.threads, max_num_seqs=256,
+    llm = LLM(model_dir(MODELS[args.model]), dtype=args.dtype, num_threads=args.threads, max_num_seqs=256,
               max_num_batched_tokens=2048, kv_cache_memory_bytes=1 << 30, enable_prefix_caching=False)
     engine, rng = llm.engine, random.Random(0)
     params = SamplingParams(temperature=0.0, max_tokens=1024, ignore_eos=True)
