@@ -425,6 +425,21 @@ class ScriptedReporter:
         return answer
 
 
+def http_request(port: int, method: str, path: str, body: bytes | None = None,
+                 timeout_s: float = 60.0) -> tuple[int, dict[str, str], bytes]:
+    """(status, headers, body) of one plain HTTP request to a server on 127.0.0.1 (a JSON body)."""
+    import http.client
+
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout_s)
+    try:
+        headers = {"Content-Type": "application/json"} if body is not None else {}
+        connection.request(method, path, body=body, headers=headers)
+        response = connection.getresponse()
+        return response.status, dict(response.getheaders()), response.read()
+    finally:
+        connection.close()
+
+
 @dataclass
 class ServedApis:
     """Both public APIs (OpenAI-compatible HTTP with the router's /metrics, and gRPC) on free

@@ -18,7 +18,7 @@ from splitserve.proto.splitserve.v1 import generation_pb2 as pb
 from splitserve.router.openai_server import ApiError, start_http_server
 from splitserve.router.orchestrator import RouterError
 from splitserve.router.policy import RoutingConfig
-from tests.factories import GreedyCase, ServedApis, hf_greedy, served_apis, stream_tokens
+from tests.factories import GreedyCase, ServedApis, hf_greedy, http_request, served_apis, stream_tokens
 
 MODEL = "tiny-llama"
 PROMPT = "The river runs"
@@ -42,7 +42,7 @@ class Served(ServedApis):
 
     def requests_ended(self, metric: str, **labels: str) -> float:
         """A request counter's value from GET /metrics (on the HTTP API's port)."""
-        status, _, body = _raw(self.http_port, "GET", "/metrics")
+        status, _, body = http_request(self.http_port, "GET", "/metrics")
         assert status == 200
         samples = [s for family in text_string_to_metric_families(body.decode()) for s in family.samples
                    if s.name == f"splitserve_{metric}_total" and s.labels == labels]
@@ -54,16 +54,6 @@ def served(tiny_llama_dir):
     """One cluster with both APIs over the same orchestrator."""
     with served_apis(tiny_llama_dir, MODEL, served_class=Served) as served:
         yield served
-
-
-def _raw(port: int, method: str, path: str, body: bytes | None = None) -> tuple[int, dict[str, str], bytes]:
-    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-    try:
-        connection.request(method, path, body=body, headers={"Content-Type": "application/json"})
-        response = connection.getresponse()
-        return response.status, dict(response.getheaders()), response.read()
-    finally:
-        connection.close()
 
 
 def _grpc(served: Served, prompt_field: dict, **sampling) -> tuple[list[int], str]:
@@ -214,7 +204,7 @@ def test_models_and_health(served):
     assert (model.id, model.owned_by, client.models.retrieve(MODEL).id) == (MODEL, "splitserve", MODEL)
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("other-model")
-    assert _raw(served.http_port, "GET", "/health")[0] == 200
+    assert http_request(served.http_port, "GET", "/health")[0] == 200
 
 
 # ---- errors -------------------------------------------------------------------------------
@@ -275,7 +265,7 @@ def test_admission_rejection_is_429(tiny_llama_dir):
             assert (error.value.status_code, error.value.code) == (429, "resource_exhausted")
             assert "TTFT" in error.value.message
         assert dict(served.cluster.orchestrator.routing_stats().rejections) == {"ttft_slo": 2}
-        assert _raw(served.http_port, "GET", "/health")[0] == 200
+        assert http_request(served.http_port, "GET", "/health")[0] == 200
 
 
 @pytest.mark.parametrize(("code", "status", "error_type"), [
@@ -306,7 +296,7 @@ def _completion_body(**fields) -> bytes:
     (_completion_body(seed="7"), "seed", None),
 ])
 def test_malformed_requests_are_400_in_the_openai_error_shape(served, body, param, code):
-    status, headers, raw = _raw(served.http_port, "POST", "/v1/completions", body)
+    status, headers, raw = http_request(served.http_port, "POST", "/v1/completions", body)
     assert (status, headers["content-type"]) == (400, "application/json")
     error = json.loads(raw)["error"]
     assert (set(error), error["type"], error["param"], error["code"]) == (
@@ -314,16 +304,16 @@ def test_malformed_requests_are_400_in_the_openai_error_shape(served, body, para
 
 
 def test_unknown_routes_and_methods_get_openai_errors_and_the_server_carries_on(served):
-    status, _, raw = _raw(served.http_port, "POST", "/v1/embeddings", b"{}")
+    status, _, raw = http_request(served.http_port, "POST", "/v1/embeddings", b"{}")
     assert (status, json.loads(raw)["error"]["code"]) == (404, "unknown_url")
-    status, _, raw = _raw(served.http_port, "GET", "/v1/completions")
+    status, _, raw = http_request(served.http_port, "GET", "/v1/completions")
     assert status == 405 and json.loads(raw)["error"]["type"] == "invalid_request_error"
-    status, _, raw = _raw(served.http_port, "POST", "/v1/completions", _completion_body(temperature=0))
+    status, _, raw = http_request(served.http_port, "POST", "/v1/completions", _completion_body(temperature=0))
     assert status == 200 and json.loads(raw)["usage"]["completion_tokens"] == 4
 
 
 def test_sse_framing_ends_with_done(served):
-    status, headers, raw = _raw(served.http_port, "POST", "/v1/chat/completions", json.dumps(
+    status, headers, raw = http_request(served.http_port, "POST", "/v1/chat/completions", json.dumps(
         {"model": MODEL, "messages": CHAT, "max_tokens": 5, "temperature": 0, "ignore_eos": True, "stream": True,
          "stream_options": {"include_usage": True}}).encode())
     assert (status, headers["content-type"]) == (200, "text/event-stream; charset=utf-8")
@@ -367,7 +357,7 @@ def test_a_client_disconnecting_before_a_whole_response_cancels_the_request(serv
 
 def test_a_chat_too_long_for_the_context_is_400_naming_messages(served):
     long_chat = [{"role": "user", "content": "the river runs " * 400}]
-    status, _, raw = _raw(served.http_port, "POST", "/v1/chat/completions",
+    status, _, raw = http_request(served.http_port, "POST", "/v1/chat/completions",
                           json.dumps({"model": MODEL, "messages": long_chat, "max_tokens": 1}).encode())
     error = json.loads(raw)["error"]
     assert (status, error["param"]) == (400, "messages")

@@ -10,7 +10,6 @@ every worker is idle. Examples are derandomized so a run is reproducible and bou
 
 from __future__ import annotations
 
-import http.client
 import json
 import math
 
@@ -19,7 +18,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from splitserve.router.openai_server import MAX_BODY_BYTES
-from tests.factories import ServedApis, served_apis
+from tests.factories import ServedApis, http_request, served_apis
 
 MODEL = "tiny-llama"
 MAX_MODEL_LEN = 64
@@ -32,13 +31,8 @@ DOCUMENTED_ERRORS = {400: "invalid_request_error", 404: "invalid_request_error",
 
 class Served(ServedApis):
     def post(self, path: str, body: bytes) -> tuple[int, bytes]:
-        connection = http.client.HTTPConnection("127.0.0.1", self.http_port, timeout=TIMEOUT_S)
-        try:
-            connection.request("POST", path, body=body, headers={"Content-Type": "application/json"})
-            response = connection.getresponse()
-            return response.status, response.read()
-        finally:
-            connection.close()
+        status, _headers, raw = http_request(self.http_port, "POST", path, body, timeout_s=TIMEOUT_S)
+        return status, raw
 
 
 @pytest.fixture(scope="module")

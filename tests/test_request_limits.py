@@ -27,7 +27,7 @@ from splitserve.router.policy import RoutingConfig
 from splitserve.router.request_limits import RequestLimits, prompt_bytes_bound
 from splitserve.router.tokenizer import RouterTokenizer
 from splitserve.router.tokenizer_pool import INLINE_MAX_CHARS, TokenizerPool
-from tests.factories import ServedApis, make_request_limits, served_apis
+from tests.factories import ServedApis, http_request, make_request_limits, served_apis
 
 MODEL = "tiny-llama"
 MAX_MODEL_LEN = 2048
@@ -65,13 +65,8 @@ class Served(ServedApis):
 
 
 def _post(port: int, path: str, body: bytes) -> tuple[int, bytes]:
-    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
-    try:
-        connection.request("POST", path, body=body, headers={"Content-Type": "application/json"})
-        response = connection.getresponse()
-        return response.status, response.read()
-    finally:
-        connection.close()
+    status, _headers, raw = http_request(port, "POST", path, body, timeout_s=120)
+    return status, raw
 
 
 @pytest.fixture(scope="module")
