@@ -20,7 +20,7 @@ from splitserve.engine.cpu_kernels import load_cpu_kernels
 from splitserve.engine.models.layer_ops import CpuKernelLayerOps, TorchLayerOps
 from splitserve.engine.models.packed_linear import PackedLinear, can_pack
 
-pytestmark = pytest.mark.skipif(not load_cpu_kernels(), reason="the CPU kernels need a C++ compiler and AVX-512")
+needs_kernels = pytest.mark.skipif(not load_cpu_kernels(), reason="the CPU kernels need a C++ compiler and AVX-512")
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
@@ -45,7 +45,7 @@ def _metadata(decode: DecodeBatch, block_size: int = 16) -> AttentionMetadata:
 @pytest.mark.parametrize("heads", [(4, 4), (8, 2), (12, 4), (16, 2)], ids=lambda h: f"{h[0]}q{h[1]}kv")
 @pytest.mark.parametrize("head_dim", [32, 40, 64, 128])
 @pytest.mark.parametrize("sliding_window", [None, 1, 7, 40])
-@pytest.mark.parametrize("use_kernels", [True, False], ids=["kernel", "matmul"])
+@pytest.mark.parametrize("use_kernels", [pytest.param(True, marks=needs_kernels), False], ids=["kernel", "matmul"])
 def test_decode_attention_equals_the_reference(dtype, heads, head_dim, sliding_window, use_kernels):
     generator = torch.Generator().manual_seed(head_dim * 31 + heads[0])
     query, kv_cache, decode = _decode_case(generator, dtype, batch=5, num_heads=heads[0], num_kv_heads=heads[1],
@@ -57,6 +57,7 @@ def test_decode_attention_equals_the_reference(dtype, heads, head_dim, sliding_w
     torch.testing.assert_close(got.float(), expected.float(), atol=TOLERANCE[dtype], rtol=0)
 
 
+@needs_kernels
 @pytest.mark.parametrize("batch", [1, 2, 3, 64])
 def test_decode_attention_splits_heads_for_small_batches_without_changing_results(batch):
     """One sequence spreads its KV heads over the threads; 64 give each task all of a sequence's heads."""
@@ -67,6 +68,7 @@ def test_decode_attention_splits_heads_for_small_batches_without_changing_result
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
 
 
+@needs_kernels
 def test_decode_attention_reads_only_the_context_positions():
     """Positions past context_len (the rest of the last block) and unlisted blocks may hold anything."""
     generator = torch.Generator().manual_seed(3)
@@ -82,6 +84,7 @@ def test_decode_attention_reads_only_the_context_positions():
     assert torch.equal(got, expected)
 
 
+@needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_silu_and_mul_and_rotary_are_bitwise_the_reference(dtype):
     generator = torch.Generator().manual_seed(0)
@@ -99,6 +102,7 @@ def test_silu_and_mul_and_rotary_are_bitwise_the_reference(dtype):
         assert torch.equal(projection[:, : 5 * head_dim].view(19, 5, head_dim), expected)  # rotated in place
 
 
+@needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_rms_norms_equal_the_reference_up_to_summation_order(dtype):
     generator = torch.Generator().manual_seed(1)
@@ -131,6 +135,7 @@ def test_packed_linear_equals_f_linear(rows):
             torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
+@needs_kernels
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_engine_greedy_tokens_equal_with_and_without_kernels(arch, tiny_model_dirs):
     """fp32: the kernel path and the pure-torch path produce the same tokens, chunked and prefix-cached."""
