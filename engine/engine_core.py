@@ -356,6 +356,11 @@ class EngineCore:
         """This engine's KV-event epoch (new for every EngineCore)."""
         return self._kv_events.epoch
 
+    def has_kv_events_after(self, after_seq: int) -> bool:
+        """Whether a batch after `after_seq` is logged, once events since the last step are."""
+        self._publish_kv_events()
+        return self._kv_events.seq > after_seq
+
     def _publish_kv_events(self) -> None:
         """Move the block manager's pending events into the log as one batch (if any)."""
         self._kv_events.append(self.block_manager.take_events())

@@ -3,7 +3,9 @@
 Other threads (a Ray actor's event loop) hand it work as callables through `call()`. Between
 steps the loop runs those, then the owner's `background` hook (transfer polling), then one
 engine step. It sleeps when there is nothing to do, waking on a new call or when the hook
-asks to be polled again.
+asks to be polled again. `wait_until()` lets another thread wait for a condition on the engine
+that a call or a step makes true (e.g. new KV events), checked once per round: an event, not
+a timer.
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ class EngineLoop:
         self._wakeup = threading.Event()
         self._stopping = False
         self._step_gate: Callable[[EngineCore], bool] | None = None
+        self._waiters: list[tuple[Callable[[EngineCore], bool], Future[None]]] = []
+        """Conditions checked after every step (loop thread only)."""
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     def start(self) -> None:
@@ -70,6 +74,17 @@ class EngineLoop:
         """call() for coroutines: await fn(engine) without blocking the event loop."""
         return await asyncio.wrap_future(self.call(fn))
 
+    async def wait_until(self, condition: Callable[[EngineCore], bool], timeout_s: float) -> bool:
+        """Wait (without blocking the event loop) until condition(engine), evaluated on the loop
+        thread now and after every round of calls and step, holds; False when timeout_s passed first."""
+        waiter: Future[None] = Future()
+        await self.run(lambda engine: self._add_waiter(condition, waiter))
+        try:
+            await asyncio.wait_for(asyncio.wrap_future(waiter), timeout_s)
+        except TimeoutError:  # the waiter was cancelled with it; the loop drops it
+            return False
+        return True
+
     def set_step_gate(self, gate: Callable[[EngineCore], bool] | None) -> None:
         """Test hook: before each step the loop asks gate(engine) (on the loop thread); while it
         answers False the loop still runs calls and the background hook but steps no request, so
@@ -84,13 +99,29 @@ class EngineLoop:
         while not self._stopping:
             self._run_calls()
             poll_again_s = self._guarded(self._background)
-            if self.engine.has_work() and self._may_step() and self._step():
+            stepped = self.engine.has_work() and self._may_step() and self._step()
+            if self._waiters:
+                self._wake_waiters()
+            if stepped:
                 continue
             # Idle, or the scheduler could place nothing (e.g. every block is held for a
             # transfer): sleep until a call arrives or the hook wants to poll again.
             self._wakeup.wait(IDLE_WAIT_S if poll_again_s is None else min(poll_again_s, IDLE_WAIT_S))
             self._wakeup.clear()
         self._run_calls()
+
+    def _add_waiter(self, condition: Callable[[EngineCore], bool], waiter: Future[None]) -> None:
+        self._waiters = [(c, w) for c, w in self._waiters if not w.done()]
+        self._waiters.append((condition, waiter))
+        self._wake_waiters()
+
+    def _wake_waiters(self) -> None:
+        """Invariant: a waiter is resolved at most once; cancelled (timed-out) ones are skipped."""
+        for condition, waiter in self._waiters:
+            if not waiter.done() and self._guarded(lambda: condition(self.engine)):
+                if waiter.set_running_or_notify_cancel():
+                    waiter.set_result(None)
+        self._waiters = [(c, w) for c, w in self._waiters if not w.done()]
 
     def _may_step(self) -> bool:
         gate = self._step_gate

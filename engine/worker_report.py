@@ -5,17 +5,11 @@ The engine's state is read on its EngineLoop thread only; the caller's event loo
 
 from __future__ import annotations
 
-import asyncio
-import time
 from collections.abc import Callable
 
 from splitserve.common.kv_events import WorkerCounters, WorkerReport
 from splitserve.engine.engine_core import EngineCore
 from splitserve.engine.engine_loop import EngineLoop
-
-REPORT_POLL_S = 0.01
-"""How often a waiting report poll looks for new KV events."""
-
 
 def worker_counters(engine: EngineCore, kv_leases_expired: int) -> WorkerCounters:
     """Engine thread: the cumulative counters (plain attribute reads: cheap enough for every poll)."""
@@ -36,13 +30,13 @@ def build_report(engine: EngineCore, worker_id: str, epoch: str | None, after_se
 async def wait_for_report(loop: EngineLoop, worker_id: str, epoch: str | None, after_seq: int,
                           max_wait_s: float, kv_leases_expired: Callable[[], int] = lambda: 0) -> WorkerReport:
     """At once when there are KV events after the cursor or it needs a snapshot; otherwise the
-    first report with new events, or after `max_wait_s` the current load with no events.
-    `kv_leases_expired()` (a producer's lease count) is read on the engine thread."""
-    deadline = time.monotonic() + max_wait_s
-    while True:
-        report = await loop.run(
-            lambda engine: build_report(engine, worker_id, epoch, after_seq, kv_leases_expired()))
-        remaining_s = deadline - time.monotonic()
-        if report.kv_events or report.snapshot is not None or remaining_s <= 0:
-            return report
-        await asyncio.sleep(min(REPORT_POLL_S, remaining_s))
+    report once new events are logged, or after `max_wait_s` the current load with
+    no events. `kv_leases_expired()` (a producer's lease count) is read on the engine thread."""
+    def build(engine: EngineCore) -> WorkerReport:
+        return build_report(engine, worker_id, epoch, after_seq, kv_leases_expired())
+
+    report = await loop.run(build)
+    if report.kv_events or report.snapshot is not None or max_wait_s <= 0:
+        return report
+    await loop.wait_until(lambda engine: engine.has_kv_events_after(after_seq), max_wait_s)
+    return await loop.run(build)
