@@ -27,8 +27,7 @@ TOKEN_BUCKETS = tuple(mantissa * 10 ** exponent for exponent in range(6) for man
 """vLLM's request_prompt_tokens / request_generation_tokens buckets: the 1-2-5 series (vLLM cuts it
 at max_model_len; here it runs to 500000 so the definition stays static)."""
 LOOP_LAG_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
-"""A healthy loop runs its heartbeat within a millisecond or two; 30 s is when workers would
-give up on the router (decode workers' ROUTER_SILENCE_S)."""
+"""A healthy loop runs its heartbeat within a millisecond or two; 30 s is far past any timeout."""
 TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 """KV pulls take from well under a millisecond (a few blocks over shared memory) to seconds."""
 

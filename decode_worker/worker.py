@@ -1,10 +1,10 @@
 """The decode worker (consumer role): admits requests whose prompt KV it pulls from a prefill
 worker, decodes them in its continuous batch and streams tokens to the routers.
 
-Outputs are batched per router: every engine step appends its deltas to the router's queue
-and the router collects everything queued with one `next_outputs` call, so the per-token cost
-is one list entry, not one actor call. It also prefills locally when a request brings no
-transfer (colocated mode). A plain class so it can be tested without Ray.
+Outputs are pushed: every engine step's deltas for a router go out as one frame on that router's
+output stream (decode_worker/output_server.py) the moment the step ends, with one hand-off from
+the engine thread to the event loop. It also prefills locally when a request brings no transfer
+(colocated mode). A plain class so it can be tested without Ray.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from splitserve.common.config import EngineConfig
 from splitserve.common.errors import InvalidRequestError
 from splitserve.common.kv_events import WorkerReport
 from splitserve.common.kv_transfer_types import TRANSFER_FAILURE_POLICIES, AgentMetadata
+from splitserve.common.output_stream import OutputStreamAddress
 from splitserve.common.worker_messages import DecodeRequest, TokenDelta, WorkerInfo, WorkerStats
 from splitserve.engine.engine_core import EngineCore
 from splitserve.engine.engine_loop import EngineLoop
@@ -27,20 +28,26 @@ from splitserve.engine.model_loader import model_fingerprint
 from splitserve.engine.outputs import CompletionDelta
 from splitserve.engine.worker_report import wait_for_report
 from splitserve.kv_transfer import ConsumerConnector, PullStatus, make_backend
+from splitserve.decode_worker.output_server import OutputServer
 
 logger = logging.getLogger(__name__)
 
 PULL_POLL_S = 0.0005
 """How often in-flight pulls are polled while the engine has nothing else to do."""
-ROUTER_SILENCE_S = 30.0
-"""A router that has not collected its outputs for this long is gone (its process died): its
-requests are aborted so their KV blocks do not stay taken by streams nobody reads."""
+MAX_UNREAD_OUTPUT_BYTES = 64 << 20
+"""A router that leaves this much of its output stream unread is gone (hung): its requests end."""
+
+
+class RouterNotConnectedError(RuntimeError):
+    """A request came from a router with no open output stream here: its tokens could go nowhere."""
 
 
 class DecodeWorker:
     def __init__(self, model_dir: str | Path, engine_config: EngineConfig, transfer_backend: str = "nixl",
                  worker_id: str | None = None, transfer_failure_policy: str = "recompute",
-                 router_silence_s: float = ROUTER_SILENCE_S) -> None:
+                 output_host: str | None = None, max_unread_output_bytes: int = MAX_UNREAD_OUTPUT_BYTES) -> None:
+        """`output_host`: the address routers reach this worker's output streams at (None: the
+        Ray node's address inside a Ray cluster, else 127.0.0.1)."""
         if transfer_failure_policy not in TRANSFER_FAILURE_POLICIES:
             raise ValueError(f"transfer_failure_policy must be one of {TRANSFER_FAILURE_POLICIES}, "
                              f"got {transfer_failure_policy!r}")
@@ -66,18 +73,14 @@ class DecodeWorker:
         self._recomputed: set[str] = set()
         self._routes: dict[str, str] = {}
         """request id -> router id; engine thread only."""
-        self._outputs: dict[str, asyncio.Queue[list[TokenDelta]]] = {}
-        self._last_heard: dict[str, float] = {}
-        """router id -> time.monotonic() it last submitted or collected (event loop only)."""
-        self._router_silence_s = router_silence_s
-        self._reaper: asyncio.Task | None = None
+        self._outputs = OutputServer(output_host or _reachable_host(), self._on_router_gone, max_unread_output_bytes)
         self._event_loop: asyncio.AbstractEventLoop | None = None
         self._loop = EngineLoop(self.engine, self._on_deltas, self._poll_transfers, self._on_step_failure,
                                 name=self.worker_id)
         self._loop.start()
 
     # ---- actor API -----------------------------------------------------------------------
-    def info(self) -> WorkerInfo:
+    async def info(self) -> WorkerInfo:
         return self._info
 
     async def add_peer(self, peer: AgentMetadata) -> None:
@@ -87,24 +90,17 @@ class DecodeWorker:
     async def remove_peer(self, agent_name: str) -> None:
         await self._loop.run(lambda engine: self._backend.remove_peer(agent_name))
 
-    async def submit(self, request: DecodeRequest) -> None:
-        """Admit a request; raises InvalidRequestError for one the engine can never serve."""
-        self._heard_from(request.router_id)
-        await self._loop.run(lambda engine: self._admit(engine, request))
+    async def open_output_stream(self, router_id: str) -> OutputStreamAddress:
+        """Where `router_id` connects for its requests' tokens (common/output_stream.py)."""
+        self._event_loop = asyncio.get_running_loop()
+        return await self._outputs.address()
 
-    async def next_outputs(self, router_id: str, max_wait_s: float = 1.0) -> list[TokenDelta]:
-        """Everything produced for `router_id` since the last call; waits up to max_wait_s for something."""
-        queue = self._heard_from(router_id)
-        try:
-            async with asyncio.timeout(max_wait_s):
-                batches = [await queue.get()]
-        except TimeoutError:
-            return []
-        finally:
-            self._last_heard[router_id] = time.monotonic()
-        while not queue.empty():
-            batches.append(queue.get_nowait())
-        return [delta for batch in batches for delta in batch]
+    async def submit(self, request: DecodeRequest) -> None:
+        """Admit a request; raises InvalidRequestError for one the engine can never serve and
+        RouterNotConnectedError when its router has no output stream open here."""
+        if not self._outputs.is_connected(request.router_id):
+            raise RouterNotConnectedError(f"router {request.router_id} has no output stream open on {self.worker_id}")
+        await self._loop.run(lambda engine: self._admit(engine, request))
 
     async def abort(self, request_id: str) -> bool:
         return await self._loop.run(lambda engine: self._abort(engine, request_id))
@@ -119,35 +115,21 @@ class DecodeWorker:
         return await wait_for_report(self._loop, self.worker_id, epoch, after_seq, max_wait_s)
 
     def shutdown(self) -> None:
-        if self._reaper is not None:
-            self._reaper.cancel()
         self._loop.stop()
         self._backend.close()
+        loop = self._event_loop
+        if loop is None or loop.is_closed():
+            return
+        if _running_loop() is loop:
+            self._outputs.close()
+        else:
+            loop.call_soon_threadsafe(self._outputs.close)
 
     # ---- event loop ----------------------------------------------------------------------
-    def _heard_from(self, router_id: str) -> asyncio.Queue[list[TokenDelta]]:
-        """Note that the router is alive; returns its output queue."""
-        self._event_loop = asyncio.get_running_loop()
-        if self._reaper is None:
-            self._reaper = self._event_loop.create_task(self._reap_silent_routers())
-        self._last_heard[router_id] = time.monotonic()
-        return self._outputs.setdefault(router_id, asyncio.Queue())
-
-    async def _reap_silent_routers(self) -> None:
-        """Abort the requests of routers silent for router_silence_s (a live router polls every
-        second at least) and drop their queues."""
-        while True:
-            await asyncio.sleep(self._router_silence_s / 4)
-            now = time.monotonic()
-            for router_id in [r for r, heard in self._last_heard.items() if now - heard > self._router_silence_s]:
-                logger.warning("router %s has not collected its outputs for %.0f s: aborting its requests",
-                               router_id, now - self._last_heard[router_id])
-                del self._last_heard[router_id]
-                self._outputs.pop(router_id, None)
-                try:
-                    await self._loop.run(lambda engine: self._abort_router(engine, router_id))
-                except Exception as error:  # the engine loop stopped: nothing left to free
-                    logger.warning("aborting router %s's requests failed: %s", router_id, error)
+    def _on_router_gone(self, router_id: str) -> None:
+        """Its output stream closed: end its requests (one hand-off to the engine thread)."""
+        logger.warning("router %s closed its output stream: aborting its requests", router_id)
+        self._loop.call(lambda engine: self._abort_router(engine, router_id))
 
     # ---- engine thread -------------------------------------------------------------------
     def _admit(self, engine: EngineCore, request: DecodeRequest) -> None:
@@ -248,7 +230,7 @@ class DecodeWorker:
                           compute_s=compute_s)
 
     def _publish(self, deltas: list[TokenDelta]) -> None:
-        """Hand deltas to their routers' queues on the event loop (thread-safe)."""
+        """Engine thread: hand each router its deltas as one frame on the event loop."""
         by_router: dict[str, list[TokenDelta]] = {}
         for delta in deltas:
             router_id = self._routes.get(delta.request_id)
@@ -259,6 +241,21 @@ class DecodeWorker:
                 self._admitted_at.pop(delta.request_id, None)
             self._recomputed.discard(delta.request_id)
         for router_id, batch in by_router.items():
-            queue = self._outputs.get(router_id)
-            if queue is not None:  # else the router is gone (reaped): nobody reads its outputs
-                self._event_loop.call_soon_threadsafe(queue.put_nowait, batch)
+            self._event_loop.call_soon_threadsafe(self._outputs.send, router_id, batch)
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
+def _reachable_host() -> str:
+    """The address other nodes reach this process at: the Ray node's inside a Ray cluster (the
+    local launcher binds Ray to 127.0.0.1), else loopback."""
+    try:
+        import ray
+    except ImportError:
+        return "127.0.0.1"
+    return ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"

@@ -37,7 +37,7 @@ from splitserve.router.server import GrpcServer, drain, start_grpc_server  # noq
 from splitserve.router.tls import load_tls  # noqa: E402
 from splitserve.router.tokenizer import RouterTokenizer  # noqa: E402
 from splitserve.router.tokenizer_pool import TokenizerPool  # noqa: E402
-from splitserve.router.worker_client import RayWorkerClient  # noqa: E402
+from splitserve.router.worker_client import RayWorker  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -105,8 +105,8 @@ class LocalCluster:
                                               lease_ttl_s=config.router.lease_ttl_s)
         self.decode_actors = self._spawn(DecodeWorker, "decode", config.decode, model_dir,
                                          transfer_failure_policy=config.kv_transfer_failure_policy)
-        prefill = [RayWorkerClient(f"prefill-{i}", a) for i, a in enumerate(self.prefill_actors)]
-        decode = [RayWorkerClient(f"decode-{i}", a) for i, a in enumerate(self.decode_actors)]
+        prefill = [RayWorker(f"prefill-{i}", a) for i, a in enumerate(self.prefill_actors)]
+        decode = [RayWorker(f"decode-{i}", a) for i, a in enumerate(self.decode_actors)]
         await self._wait_started([*prefill, *decode])
         tokenizer = await asyncio.to_thread(RouterTokenizer.from_model_dir, model_dir)
         if config.router.metrics_port is not None:
@@ -142,9 +142,9 @@ class LocalCluster:
         return [actor_class.remote(model_dir, pool.engine, self.config.kv_transfer_backend,
                                    worker_id=f"{role}-{index}", **extra) for index in range(pool.replicas)]
 
-    async def _wait_started(self, clients: list[RayWorkerClient]) -> None:
+    async def _wait_started(self, clients: list[RayWorker]) -> None:
         """Every worker placed and answering, or an error naming those that are not."""
-        calls = {asyncio.ensure_future(client.call("info")): client.worker_id for client in clients}
+        calls = {asyncio.ensure_future(client.info()): client.worker_id for client in clients}
         done, pending = await asyncio.wait(calls, timeout=self.config.worker_start_timeout_s)
         for call in pending:
             call.cancel()

@@ -55,7 +55,7 @@ class PrefillWorker:
         self._loop.start()
 
     # ---- actor API -----------------------------------------------------------------------
-    def info(self) -> WorkerInfo:
+    async def info(self) -> WorkerInfo:
         return self._info
 
     async def prefill(self, request: PrefillRequest) -> PrefillResult:

@@ -1,9 +1,10 @@
-"""Collects decode workers' batched outputs and hands each delta to its request's stream.
+"""Receives decode workers' pushed outputs and hands each delta to its request's stream.
 
-One long-poll task per decode worker: `next_outputs(router_id)` returns everything produced
-for this router since the last call, so the cost per token is a list entry, not an actor call.
-If a worker stops answering, `on_lost` hears of it (the orchestrator moves that worker's
-requests elsewhere or ends them); never a hang.
+One connection per decode worker (common/output_stream.py): the worker writes each engine
+step's deltas for this router as one frame, so the per-token cost is a socket read, not an
+actor call. A closed or broken stream means the worker is gone: `on_lost` hears of it at once
+(the orchestrator moves that worker's requests elsewhere or ends them), and the dispatcher
+reconnects once the worker answers again (a restarted worker has a new address).
 """
 
 from __future__ import annotations
@@ -12,27 +13,35 @@ import asyncio
 import logging
 from collections.abc import Callable, Sequence
 
+from splitserve.common.output_stream import OutputStreamError, encode_hello, read_ack, read_batch
+from splitserve.common.worker_api import DecodeWorkerAPI
 from splitserve.common.worker_messages import TokenDelta
-from splitserve.router.worker_client import WorkerClient
 
 logger = logging.getLogger(__name__)
 
-LONG_POLL_S = 1.0
-RETRY_AFTER_FAILURE_S = 0.5
+RECONNECT_DELAY_S = 0.5
+"""Wait between tries to reopen a lost worker's stream."""
+CONNECT_TIMEOUT_S = 10.0
 
 
 class OutputDispatcher:
-    def __init__(self, router_id: str, clients: Sequence[WorkerClient],
+    def __init__(self, router_id: str, workers: Sequence[DecodeWorkerAPI],
                  on_lost: Callable[[str, str], None]) -> None:
-        """`on_lost(worker_id, reason)` runs on the event loop when a worker's poll fails."""
+        """`on_lost(worker_id, reason)` runs on the event loop when a worker's stream ends."""
         self.router_id = router_id
-        self._clients = list(clients)
+        self._workers = list(workers)
         self._on_lost = on_lost
         self._streams: dict[str, asyncio.Queue] = {}
         self._tasks: list[asyncio.Task] = []
 
-    def start(self) -> None:
-        self._tasks = [asyncio.get_running_loop().create_task(self._collect(client)) for client in self._clients]
+    async def start(self) -> None:
+        """Open every worker's stream (a worker that cannot be reached is reported lost and
+        retried in the background), then keep reading them."""
+        loop = asyncio.get_running_loop()
+        connected = [loop.create_future() for _ in self._workers]
+        self._tasks = [loop.create_task(self._collect(worker, ready))
+                       for worker, ready in zip(self._workers, connected)]
+        await asyncio.wait(connected)
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -46,22 +55,60 @@ class OutputDispatcher:
     def close(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
 
-    async def _collect(self, client: WorkerClient) -> None:
+    async def _collect(self, worker: DecodeWorkerAPI, ready: asyncio.Future) -> None:
+        """Invariant: `ready` resolves after the first connection try, whatever its outcome."""
         answering = True
         while True:
             try:
-                deltas: list[TokenDelta] = await client.call("next_outputs", self.router_id, LONG_POLL_S)
+                reader, writer = await connect_output_stream(worker, self.router_id)
             except asyncio.CancelledError:
                 raise
             except Exception as error:
-                if answering:  # log an outage once, not every retry
-                    logger.error("decode worker %s stopped answering: %s", client.worker_id, error)
+                self._lost(worker, f"its output stream could not be opened: {type(error).__name__}: {error}",
+                           ready, log=answering)
                 answering = False
-                self._on_lost(client.worker_id, f"its output poll failed: {type(error).__name__}: {error}")
-                await asyncio.sleep(RETRY_AFTER_FAILURE_S)
+                await asyncio.sleep(RECONNECT_DELAY_S)
                 continue
             answering = True
+            if not ready.done():
+                ready.set_result(None)
+            try:
+                await self._read(reader)
+            except asyncio.IncompleteReadError:
+                self._lost(worker, "its output stream closed (its process ended or the connection broke)", ready)
+            except (ConnectionError, OutputStreamError) as error:
+                self._lost(worker, f"its output stream broke: {type(error).__name__}: {error}", ready)
+            finally:
+                writer.close()
+
+    def _lost(self, worker: DecodeWorkerAPI, reason: str, ready: asyncio.Future, log: bool = True) -> None:
+        """`log`: once per outage, not on every retry."""
+        if log:
+            logger.error("decode worker %s: %s", worker.worker_id, reason)
+        if not ready.done():
+            ready.set_result(None)
+        self._on_lost(worker.worker_id, reason)
+
+    async def _read(self, reader: asyncio.StreamReader) -> None:
+        while True:
+            deltas: list[TokenDelta] = await read_batch(reader)
             for delta in deltas:
                 stream = self._streams.get(delta.request_id)
                 if stream is not None:
                     stream.put_nowait(delta)
+
+
+async def connect_output_stream(worker: DecodeWorkerAPI, router_id: str,
+                                timeout_s: float = CONNECT_TIMEOUT_S) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """Open `router_id`'s output stream on the worker; returns once the worker acknowledged it
+    (then read it with common.output_stream.read_batch)."""
+    async with asyncio.timeout(timeout_s):
+        address = await worker.open_output_stream(router_id)
+        reader, writer = await asyncio.open_connection(address.host, address.port)
+        try:
+            writer.write(encode_hello(address.token, router_id))
+            await read_ack(reader)
+        except BaseException:
+            writer.close()
+            raise
+    return reader, writer

@@ -22,7 +22,7 @@ import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from splitserve.common.block_hash import BlockHasher
 from splitserve.common.detokenizer import Decoder, IncrementalDetokenizer
@@ -35,6 +35,7 @@ from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.slo import SloConfig, request_slo_outcome
 from splitserve.common.stats import FINISH_REASONS, KVTransferRecord, RequestRecord, RoutingStats, WorkerSnapshot
 from splitserve.common.token_logprobs import TokenLogprobs
+from splitserve.common.worker_api import DecodeWorkerAPI, PrefillWorkerAPI, WorkerAPI, WorkerLostError
 from splitserve.common.worker_messages import DecodeRequest, PrefillRequest, PrefillResult, TokenDelta, WorkerInfo
 from splitserve.router.dispatcher import OutputDispatcher
 from splitserve.router.loop_lag import LoopLagMonitor
@@ -43,7 +44,6 @@ from splitserve.router.policy import (DecodeCandidate, PrefillCandidate, Rejecti
 from splitserve.router.prefix_index import PrefixIndex
 from splitserve.router.records import RequestTimeline
 from splitserve.router.reports import WorkerMonitor
-from splitserve.router.worker_client import WorkerClient, WorkerLostError
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
@@ -106,7 +106,7 @@ class WorkerPool:
     """Worker clients of one role and what this router assigned to each and has not seen
     finish, so routing sees its own assignments before the workers' reports do."""
 
-    def __init__(self, clients: Sequence[WorkerClient]) -> None:
+    def __init__(self, clients: Sequence[WorkerAPI]) -> None:
         self.clients = {client.worker_id: client for client in clients}
         self._requests = dict.fromkeys(self.clients, 0)
         self._prefill_tokens = dict.fromkeys(self.clients, 0)
@@ -137,7 +137,7 @@ class _Assignment:
     """One request's claim on one worker, released exactly once when the request ends."""
 
     pool: WorkerPool
-    client: WorkerClient
+    client: WorkerAPI
     prefill_tokens: int
     """Uncached prompt tokens still to be prefilled there (0 once the first token is back)."""
 
@@ -293,7 +293,7 @@ class _Run:
 
 
 class Orchestrator:
-    def __init__(self, router_id: str, prefill: Sequence[WorkerClient], decode: Sequence[WorkerClient],
+    def __init__(self, router_id: str, prefill: Sequence[PrefillWorkerAPI], decode: Sequence[DecodeWorkerAPI],
                  tokenizer: Decoder, mode: str = "disaggregated", routing: RoutingConfig = RoutingConfig(),
                  slo: SloConfig = SloConfig(), observer: Callable[[RequestRecord], None] | None = None) -> None:
         """`observer` gets every request's RequestRecord when it ends (after validation, on any
@@ -335,7 +335,7 @@ class Orchestrator:
     async def start(self) -> None:
         """Learn every worker's limits, load and prefix cache; start collecting decode outputs."""
         clients = [*self.prefill_pool.clients.values(), *self.decode_pool.clients.values()]
-        infos = await asyncio.gather(*(client.call("info") for client in clients))
+        infos = await asyncio.gather(*(client.info() for client in clients))
         self.infos = {info.worker_id: info for info in infos}
         self.max_model_len = min(info.max_model_len for info in infos)
         self.vocab_size = min(info.vocab_size for info in infos)
@@ -343,7 +343,7 @@ class Orchestrator:
         self._hasher = BlockHasher(layout.block_size, layout.hash_seed)
         self.loop_lag.start()
         await self.monitor.start()
-        self.dispatcher.start()
+        await self.dispatcher.start()
 
     async def stop(self) -> None:
         await self.monitor.stop()
@@ -460,7 +460,7 @@ class Orchestrator:
         its info is unavailable (the monitor keeps it unroutable and retries)."""
         client = self.prefill_pool.clients.get(worker_id) or self.decode_pool.clients[worker_id]
         old_agent = self.infos[worker_id].agent.agent_name
-        self.infos[worker_id] = await client.call("info")
+        self.infos[worker_id] = await client.info()
         # What the worker ran before its restart is gone with its old engine.
         self._lose_runs_on(WorkerLostError(worker_id, "it restarted"))
         # A restarted decode worker knows no peer; nobody can read from a restarted prefill
@@ -471,9 +471,9 @@ class Orchestrator:
             for decode in self.decode_pool.clients.values():
                 self._in_background(self._forget_peer(decode, old_agent))
 
-    async def _forget_peer(self, decode: WorkerClient, agent_name: str) -> None:
+    async def _forget_peer(self, decode: DecodeWorkerAPI, agent_name: str) -> None:
         try:
-            await decode.call("remove_peer", agent_name)
+            await decode.remove_peer(agent_name)
         except Exception as error:
             logger.warning("decode worker %s could not drop agent %s: %s", decode.worker_id, agent_name, error)
 
@@ -579,7 +579,7 @@ class Orchestrator:
             return
         run.active_worker_id = decode.client.worker_id
         await run.call(self._handshake(decode.client, prefill.client))
-        await run.call(self._call(decode.client, "submit", self._decode_request(run, result)))
+        await run.call(self._call(decode.client, "submit", decode.client.submit(self._decode_request(run, result))))
         async for chunk in self._stream(run, stream):
             yield chunk
 
@@ -591,7 +591,7 @@ class Orchestrator:
         run.active_worker_id = decode.client.worker_id
         request = DecodeRequest(run.worker_request_id, self.router_id, run.inp.prompt_token_ids,
                                 tuple(run.output_token_ids), self._worker_params(run), 0, None, None)
-        await run.call(self._call(decode.client, "submit", request))
+        await run.call(self._call(decode.client, "submit", decode.client.submit(request)))
         async for chunk in self._stream(run, stream):
             yield chunk
 
@@ -607,7 +607,7 @@ class Orchestrator:
     async def _prefill(self, run: _Run, prefill: _Assignment) -> PrefillResult:
         request = PrefillRequest(run.worker_request_id, run.inp.prompt_token_ids, self._worker_params(run))
         run.active_worker_id = prefill.client.worker_id
-        result: PrefillResult = await run.call(self._call(prefill.client, "prefill", request))
+        result: PrefillResult = await run.call(self._call(prefill.client, "prefill", prefill.client.prefill(request)))
         prefill.pool.prefilled(prefill)
         if result.finish_reason == "abort":
             raise RouterError("UNAVAILABLE", f"prefill worker {prefill.client.worker_id} aborted the request")
@@ -647,7 +647,7 @@ class Orchestrator:
     def _worker_params(self, run: _Run) -> SamplingParams:
         return dataclasses.replace(run.inp.sampling_params, stop=())
 
-    async def _handshake(self, decode: WorkerClient, prefill: WorkerClient) -> None:
+    async def _handshake(self, decode: DecodeWorkerAPI, prefill: PrefillWorkerAPI) -> None:
         """_ensure_peer; a handshake that fails for another reason than incompatible layouts means
         the prefill worker's transfer agent is gone (it died holding the KV): the request moves
         on as when its worker is lost, recomputing what it has streamed."""
@@ -659,21 +659,23 @@ class Orchestrator:
             raise WorkerLostError(prefill.worker_id, f"decode worker {decode.worker_id} cannot reach its KV "
                                                      f"({error.message})") from error
 
-    async def _ensure_peer(self, decode: WorkerClient, prefill: WorkerClient) -> None:
+    async def _ensure_peer(self, decode: DecodeWorkerAPI, prefill: PrefillWorkerAPI) -> None:
         """Handshake each (decode, prefill agent) pair once; concurrent requests share it."""
         agent = self.infos[prefill.worker_id].agent
         key = (decode.worker_id, agent.agent_name)
         if key not in self._peers:
-            self._peers[key] = asyncio.ensure_future(self._call(decode, "add_peer", agent))
+            self._peers[key] = asyncio.ensure_future(self._call(decode, "add_peer", decode.add_peer(agent)))
         try:
             await asyncio.shield(self._peers[key])
         except Exception:
             self._peers.pop(key, None)
             raise
 
-    async def _call(self, client: WorkerClient, method: str, *args: Any) -> Any:
+    async def _call(self, client: WorkerAPI, method: str, reply: Awaitable[T]) -> T:
+        """Await `reply`, the worker's answer to `method`; a lost worker is reported (its requests
+        move) and re-raised, a failure other than an invalid request becomes UNAVAILABLE."""
         try:
-            return await client.call(method, *args)
+            return await reply
         except WorkerLostError as lost:
             self._on_worker_lost(lost.worker_id, lost.reason)
             raise
@@ -707,7 +709,7 @@ class Orchestrator:
         run.assignments = []
         run.active_worker_id = None
 
-    def _abort_in_background(self, client: WorkerClient, request_id: str) -> None:
+    def _abort_in_background(self, client: WorkerAPI, request_id: str) -> None:
         self._in_background(self._abort(client, request_id))
 
     def _in_background(self, coroutine: Awaitable[None]) -> None:
@@ -715,9 +717,9 @@ class Orchestrator:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _abort(self, client: WorkerClient, request_id: str) -> None:
+    async def _abort(self, client: WorkerAPI, request_id: str) -> None:
         try:
-            await client.call("abort", request_id)
+            await client.abort(request_id)
         except Exception as error:
             logger.warning("[%s] abort on %s failed: %s", request_id, client.worker_id, error)
 

@@ -22,7 +22,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from splitserve.common.kv_events import LoadReport, WorkerCounters, WorkerReport
 from splitserve.router.loop_lag import LoopLagMonitor
 from splitserve.router.prefix_index import PrefixIndex
-from splitserve.router.worker_client import WorkerClient
+from splitserve.common.worker_api import WorkerAPI
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ RETRY_AFTER_FAILURE_S = 0.5
 
 
 class WorkerMonitor:
-    def __init__(self, clients: Sequence[WorkerClient], index: PrefixIndex,
+    def __init__(self, clients: Sequence[WorkerAPI], index: PrefixIndex,
                  on_restart: Callable[[str], Awaitable[None]], on_lost: Callable[[str, str], None],
                  loop_lag: LoopLagMonitor) -> None:
         """`on_lost(worker_id, reason)` runs when a reporting worker's poll fails; `loop_lag`
@@ -79,11 +79,11 @@ class WorkerMonitor:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
-    async def _poll(self, client: WorkerClient, max_wait_s: float) -> WorkerReport:
+    async def _poll(self, client: WorkerAPI, max_wait_s: float) -> WorkerReport:
         epoch, after_seq = self.index.cursor(client.worker_id)
-        return await client.call("report", epoch, after_seq, max_wait_s)
+        return await client.report(epoch, after_seq, max_wait_s)
 
-    async def _watch(self, client: WorkerClient) -> None:
+    async def _watch(self, client: WorkerAPI) -> None:
         """Poll forever; any failure (an error, no answer within REPORT_TIMEOUT_S, a report that
         cannot be applied) makes the worker unroutable until a later poll succeeds."""
         loop = asyncio.get_running_loop()
@@ -102,7 +102,7 @@ class WorkerMonitor:
                 continue
             await asyncio.sleep(max(0.0, MIN_POLL_INTERVAL_S - (loop.time() - started)))
 
-    async def _poll_attended(self, client: WorkerClient) -> WorkerReport:
+    async def _poll_attended(self, client: WorkerAPI) -> WorkerReport:
         """One poll; TimeoutError once it has gone unanswered for REPORT_WAIT_S + REPORT_TIMEOUT_S
         of time the loop was responsive (the deadline moves out by every stall of the loop meanwhile:
         an answer that arrived during a stall is only read after it)."""

@@ -1,38 +1,61 @@
-"""How the router calls a worker: through a Ray actor handle, or directly on an in-process
-worker object (tests). Both are awaited on the router's event loop; neither blocks it."""
+"""The router's proxy for a worker that is a Ray actor: the worker protocols of
+common/worker_api.py, each method one awaited actor call (never ray.get on the event loop).
+In-process (tests), the router holds the worker objects themselves, which implement the same
+protocols."""
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from collections.abc import Awaitable
+from typing import Any, TypeVar
+
+from splitserve.common.kv_events import WorkerReport
+from splitserve.common.kv_transfer_types import AgentMetadata
+from splitserve.common.output_stream import OutputStreamAddress
+from splitserve.common.worker_api import WorkerLostError
+from splitserve.common.worker_messages import (DecodeRequest, PrefillRequest, PrefillResult, WorkerInfo,
+                                               WorkerStats)
+
+T = TypeVar("T")
 
 
-class WorkerLostError(Exception):
-    """The worker is gone: its process died or it cannot be reached. Calls raise this instead of
-    the transport's own error so the router can tell a lost worker from a failed request."""
-
-    def __init__(self, worker_id: str, reason: str) -> None:
-        super().__init__(f"worker {worker_id} was lost: {reason}")
-        self.worker_id = worker_id
-        self.reason = reason
-
-
-class WorkerClient(Protocol):
-    worker_id: str
-
-    async def call(self, method: str, *args: Any) -> Any:
-        """Raises WorkerLostError when the worker is gone, else what the method raised."""
-
-
-class RayWorkerClient:
-    """Awaits ObjectRefs (never ray.get inside the event loop)."""
+class RayWorker:
+    """Implements PrefillWorkerAPI and DecodeWorkerAPI for an actor handle of either role."""
 
     def __init__(self, worker_id: str, handle: Any) -> None:
         self.worker_id = worker_id
-        self.handle = handle
+        self._handle = handle
 
-    async def call(self, method: str, *args: Any) -> Any:
+    async def info(self) -> WorkerInfo:
+        return await self._call(self._handle.info.remote())
+
+    async def abort(self, request_id: str) -> bool:
+        return await self._call(self._handle.abort.remote(request_id))
+
+    async def stats(self) -> WorkerStats:
+        return await self._call(self._handle.stats.remote())
+
+    async def report(self, epoch: str | None, after_seq: int, max_wait_s: float) -> WorkerReport:
+        return await self._call(self._handle.report.remote(epoch, after_seq, max_wait_s))
+
+    async def prefill(self, request: PrefillRequest) -> PrefillResult:
+        return await self._call(self._handle.prefill.remote(request))
+
+    async def add_peer(self, peer: AgentMetadata) -> None:
+        await self._call(self._handle.add_peer.remote(peer))
+
+    async def remove_peer(self, agent_name: str) -> None:
+        await self._call(self._handle.remove_peer.remote(agent_name))
+
+    async def open_output_stream(self, router_id: str) -> OutputStreamAddress:
+        return await self._call(self._handle.open_output_stream.remote(router_id))
+
+    async def submit(self, request: DecodeRequest) -> None:
+        await self._call(self._handle.submit.remote(request))
+
+    async def _call(self, reply: Awaitable[T]) -> T:
+        """Raises WorkerLostError when the actor is gone, else what the method raised."""
         try:
-            return await getattr(self.handle, method).remote(*args)
+            return await reply
         except Exception as error:
             if _is_actor_loss(error):
                 raise WorkerLostError(self.worker_id, f"{type(error).__name__}: {error}") from error
@@ -41,19 +64,7 @@ class RayWorkerClient:
 
 def _is_actor_loss(error: Exception) -> bool:
     """Ray's errors for an actor that died or cannot be reached (an error the actor's method
-    raised arrives as RayTaskError instead). Imported late: only Ray-backed clients need Ray."""
+    raised arrives as RayTaskError instead). Imported late: only Ray-backed workers need Ray."""
     from ray.exceptions import ActorUnavailableError, RayActorError
 
     return isinstance(error, (RayActorError, ActorUnavailableError))
-
-
-class LocalWorkerClient:
-    """Calls a worker object living in the router's own process (same event loop)."""
-
-    def __init__(self, worker_id: str, worker: Any) -> None:
-        self.worker_id = worker_id
-        self.worker = worker
-
-    async def call(self, method: str, *args: Any) -> Any:
-        result = getattr(self.worker, method)(*args)
-        return await result if hasattr(result, "__await__") else result

@@ -244,16 +244,16 @@ def make_prefill_worker(model_dir: Path, engine_config: EngineConfig | None = No
 
 
 def make_decode_worker(model_dir: Path, engine_config: EngineConfig | None = None, worker_id: str = "decode-0",
-                       transfer_failure_policy: str = "recompute", router_silence_s: float | None = None):
-    """A DecodeWorker in this process with the in-process KV transfer backend (call shutdown())."""
-    from splitserve.decode_worker.worker import ROUTER_SILENCE_S, DecodeWorker
+                       transfer_failure_policy: str = "recompute"):
+    """A DecodeWorker in this process with the in-process KV transfer backend, its output streams
+    on loopback (call shutdown())."""
+    from splitserve.decode_worker.worker import DecodeWorker
 
     return DecodeWorker(model_dir, engine_config or worker_engine_config(), "inprocess", worker_id=worker_id,
-                        transfer_failure_policy=transfer_failure_policy,
-                        router_silence_s=router_silence_s or ROUTER_SILENCE_S)
+                        transfer_failure_policy=transfer_failure_policy, output_host="127.0.0.1")
 
 
-from splitserve.router.worker_client import LocalWorkerClient, WorkerLostError  # noqa: E402
+from splitserve.common.worker_api import WorkerLostError  # noqa: E402
 
 
 def _retrieve(future: asyncio.Future) -> None:
@@ -261,18 +261,21 @@ def _retrieve(future: asyncio.Future) -> None:
         future.exception()
 
 
-class KillableWorkerClient(LocalWorkerClient):
-    """A LocalWorkerClient whose worker can die: after kill(), every call, pending ones too,
-    raises WorkerLostError as a Ray client does for a dead actor. After freeze(), no call
-    answers any more (a hung process or a cut network) until kill()."""
+class KillableWorker:
+    """A worker (prefill or decode) behind the worker protocols that can die or hang as a
+    Ray-backed one can: after kill(), every call, pending ones too, raises WorkerLostError as the
+    Ray proxy does for a dead actor. After freeze(), no call answers and its engine steps no
+    more (a hung process, or a cut network) until kill()."""
 
-    def __init__(self, worker_id: str, worker) -> None:
-        super().__init__(worker_id, worker)
+    def __init__(self, worker) -> None:
+        self.worker = worker
+        self.worker_id = worker.worker_id
         self._killed = asyncio.Event()
         self._frozen = False
 
     def freeze(self) -> None:
         self._frozen = True
+        self.worker._loop.set_step_gate(lambda engine: False)
 
     @property
     def is_killed(self) -> bool:
@@ -281,8 +284,35 @@ class KillableWorkerClient(LocalWorkerClient):
     def kill(self) -> None:
         self._killed.set()
 
-    async def call(self, method: str, *args):
-        call = asyncio.ensure_future(super().call(method, *args))
+    async def info(self):
+        return await self._answer(self.worker.info())
+
+    async def abort(self, request_id: str) -> bool:
+        return await self._answer(self.worker.abort(request_id))
+
+    async def stats(self):
+        return await self._answer(self.worker.stats())
+
+    async def report(self, epoch, after_seq: int, max_wait_s: float):
+        return await self._answer(self.worker.report(epoch, after_seq, max_wait_s))
+
+    async def prefill(self, request):
+        return await self._answer(self.worker.prefill(request))
+
+    async def add_peer(self, peer) -> None:
+        await self._answer(self.worker.add_peer(peer))
+
+    async def remove_peer(self, agent_name: str) -> None:
+        await self._answer(self.worker.remove_peer(agent_name))
+
+    async def open_output_stream(self, router_id: str):
+        return await self._answer(self.worker.open_output_stream(router_id))
+
+    async def submit(self, request) -> None:
+        await self._answer(self.worker.submit(request))
+
+    async def _answer(self, reply):
+        call = asyncio.ensure_future(reply)
         killed = asyncio.ensure_future(self._killed.wait())
         try:
             await asyncio.wait({call, killed}, return_when=asyncio.FIRST_COMPLETED)
@@ -296,6 +326,33 @@ class KillableWorkerClient(LocalWorkerClient):
         if self.is_killed:
             raise WorkerLostError(self.worker_id, "killed by the test")
         return call.result()
+
+
+class RouterOutputs:
+    """A router's end of one decode worker's output stream, for tests that drive a worker directly
+    (opened as the router's dispatcher opens it)."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._reader, self._writer = reader, writer
+
+    @classmethod
+    async def open(cls, worker, router_id: str) -> "RouterOutputs":
+        from splitserve.router.dispatcher import connect_output_stream
+
+        return cls(*await connect_output_stream(worker, router_id))
+
+    async def next(self, max_wait_s: float = 1.0) -> list:
+        """The next frame's TokenDeltas, or [] when none came within max_wait_s."""
+        from splitserve.common.output_stream import read_batch
+
+        try:
+            async with asyncio.timeout(max_wait_s):
+                return await read_batch(self._reader)
+        except TimeoutError:
+            return []
+
+    def close(self) -> None:
+        self._writer.close()
 
 
 class InProcessCluster:
@@ -330,7 +387,7 @@ class InProcessCluster:
         self.decode_workers = [make_decode_worker(self.model_dir, self.engine_config, f"decode-{i}", self.policy)
                                for i in range(self.num_decode)]
         self.tokenizer = RouterTokenizer.from_model_dir(self.model_dir)
-        self.clients = {w.worker_id: KillableWorkerClient(w.worker_id, w)
+        self.clients = {w.worker_id: KillableWorker(w)
                         for w in [*self.prefill_workers, *self.decode_workers]}
         self.orchestrator = Orchestrator(
             "router-test", [self.clients[w.worker_id] for w in self.prefill_workers],
@@ -407,17 +464,17 @@ def make_worker_report(worker_id: str, epoch: str, batches: tuple[KVEventBatch, 
 
 
 class ScriptedReporter:
-    """A WorkerClient whose report() answers follow a script (a WorkerReport is returned, an
-    exception raised), each after `delay_s`; the last answer repeats. Calls are counted per method."""
+    """A worker whose report() answers follow a script (a WorkerReport is returned, an exception
+    raised), each after `delay_s`; the last answer repeats. `num_reports` counts the calls."""
 
     def __init__(self, worker_id: str, answers: list, delay_s: float = 0.0) -> None:
         self.worker_id = worker_id
         self._answers = list(answers)
         self._delay_s = delay_s
-        self.calls: dict[str, int] = {}
+        self.num_reports = 0
 
-    async def call(self, method: str, *args):
-        self.calls[method] = self.calls.get(method, 0) + 1
+    async def report(self, epoch, after_seq: int, max_wait_s: float):
+        self.num_reports += 1
         await asyncio.sleep(self._delay_s)
         answer = self._answers.pop(0) if len(self._answers) > 1 else self._answers[0]
         if isinstance(answer, Exception):

@@ -775,7 +775,7 @@ async def peer_removed_during_pull(harness: Harness) -> None:
     view.decode_backend.defer_completions()
     stream = harness.open(SHORT)
     await harness.until(lambda: _pull_started(harness), "the decode worker's pull started")
-    await view.decode.remove_peer(view.prefill.info().agent.agent_name)
+    await view.decode.remove_peer((await view.prefill.info()).agent.agent_name)
     await stream.ended()
     view.decode_backend.defer_completions(False)
 

@@ -15,7 +15,7 @@ from splitserve.common.worker_messages import DecodeRequest, PrefillRequest
 from splitserve.engine.engine_core import EngineCore
 from splitserve.engine.kv_event_log import KVEventLog
 from splitserve.engine.step_costs import StepCosts
-from tests.factories import make_block_manager, make_decode_worker, make_prefill_worker, make_request
+from tests.factories import RouterOutputs, make_block_manager, make_decode_worker, make_prefill_worker, make_request
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
 
@@ -187,10 +187,14 @@ async def _serve(worker, request_id: str) -> None:
     if hasattr(worker, "prefill"):
         await worker.prefill(PrefillRequest(request_id, PROMPT, ONE_TOKEN))
         return
-    await worker.submit(DecodeRequest(request_id, "router-0", PROMPT, (), ONE_TOKEN, 0, None, None))
-    async with asyncio.timeout(60):
-        while not any(d.finish_reason for d in await worker.next_outputs("router-0")):
-            pass
+    outputs = await RouterOutputs.open(worker, "router-0")
+    try:
+        await worker.submit(DecodeRequest(request_id, "router-0", PROMPT, (), ONE_TOKEN, 0, None, None))
+        async with asyncio.timeout(60):
+            while not any(d.finish_reason for d in await outputs.next()):
+                pass
+    finally:
+        outputs.close()
 
 
 @pytest.mark.parametrize("make_worker", [make_prefill_worker, make_decode_worker], ids=["prefill", "decode"])
@@ -205,7 +209,7 @@ def test_worker_report_snapshot_then_the_prompts_block_hashes(tiny_llama_dir, ma
             assert (first.worker_id, epoch, first.kv_events) == (worker.worker_id, worker.engine.epoch, ())
             assert first.snapshot == KVSnapshot(epoch, 0, frozenset())
             assert first.load == LoadReport(0, 0, 0, 256, 256, None, None)
-            assert worker.info().max_num_seqs == config.max_num_seqs == 128
+            assert (await worker.info()).max_num_seqs == config.max_num_seqs == 128
             await _serve(worker, "a")
             report = await worker.report(epoch, 0, 0.1)
             assert report.snapshot is None

@@ -85,7 +85,7 @@ class _GatedReporter:
         self._first = first
         self.pending: asyncio.Future | None = None
 
-    async def call(self, method: str, *args):
+    async def report(self, epoch, after_seq: int, max_wait_s: float):
         if self._first is not None:
             first, self._first = self._first, None
             return first

@@ -121,7 +121,8 @@ def test_a_request_fails_with_unavailable_once_it_moved_max_migrations_times(tin
 
     error = asyncio.run(scenario())
     assert error.code == "UNAVAILABLE"
-    assert error.message.startswith("worker decode-") and "killed by the test" in error.message
+    # Its output stream closing is the first sign of the death (before any call fails).
+    assert error.message.startswith("worker decode-") and "its output stream closed" in error.message
     assert error.message.endswith("the request already moved 0 times (router.routing.max_migrations)")
     [record] = records
     assert (record.error_code, record.num_migrations) == ("UNAVAILABLE", 0)
@@ -229,20 +230,23 @@ def test_drain_returns_what_is_still_in_flight_at_its_timeout(tiny_llama_dir):
 
 
 # ---- a router that dies ---------------------------------------------------------------------
-def test_a_decode_worker_aborts_the_requests_of_a_router_that_stopped_collecting(tiny_llama_dir):
+def test_a_decode_worker_aborts_the_requests_of_a_router_whose_output_stream_closed(tiny_llama_dir):
     from splitserve.common.worker_messages import DecodeRequest
-    from tests.factories import make_decode_worker
+    from tests.factories import RouterOutputs, make_decode_worker
 
     async def scenario():
-        worker = make_decode_worker(tiny_llama_dir, router_silence_s=0.2)
+        worker = make_decode_worker(tiny_llama_dir)
         try:
-            for router_id in ("router-gone", "router-live"):
+            streams = {router_id: await RouterOutputs.open(worker, router_id) for router_id in ("router-gone", "router-live")}
+            for router_id in streams:
                 await worker.submit(DecodeRequest(f"{router_id}-r", router_id, tuple(PROMPT), (), LONG, 0, None, None))
+            streams["router-gone"].close()  # its process died: the OS closes its sockets
             loop = asyncio.get_running_loop()
             until, live = loop.time() + 0.5, []
-            while loop.time() < until:  # only the live router keeps collecting
-                live += await worker.next_outputs("router-live", 0.05)
+            while loop.time() < until:
+                live += await streams["router-live"].next(0.05)
             stats = (await worker.stats()).engine
+            streams["router-live"].close()
             return stats.num_running, live
         finally:
             worker.shutdown()
@@ -251,6 +255,23 @@ def test_a_decode_worker_aborts_the_requests_of_a_router_that_stopped_collecting
     assert num_running == 1
     assert {d.request_id for d in live} == {"router-live-r"} and all(d.finish_reason is None for d in live)
     assert sum(len(d.token_ids) for d in live) >= 1
+
+
+def test_a_decode_worker_refuses_a_request_from_a_router_without_an_output_stream(tiny_llama_dir):
+    from splitserve.common.worker_messages import DecodeRequest
+    from splitserve.decode_worker.worker import RouterNotConnectedError
+    from tests.factories import make_decode_worker
+
+    async def scenario():
+        worker = make_decode_worker(tiny_llama_dir)
+        try:
+            with pytest.raises(RouterNotConnectedError, match="router-x has no output stream open on decode-0"):
+                await worker.submit(DecodeRequest("r", "router-x", tuple(PROMPT), (), LONG, 0, None, None))
+            return (await worker.stats()).is_idle
+        finally:
+            worker.shutdown()
+
+    assert asyncio.run(scenario())
 
 
 def test_a_draining_router_reports_not_serving_on_every_api_and_finishes_running_streams(tiny_llama_dir):

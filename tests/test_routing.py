@@ -72,7 +72,7 @@ def test_a_restarted_worker_no_longer_claims_its_old_blocks(tiny_llama_dir):
             await _wait_for(lambda: _holds_prefix(cluster, "prefill-0", prompt))
             assert cluster.orchestrator.index.num_blocks("prefill-0") == len(prompt) // BLOCK_SIZE
             old = cluster.prefill_workers[0]
-            old_agent = old.info().agent.agent_name
+            old_agent = (await old.info()).agent.agent_name
             decode = cluster.decode_workers[0]
 
             async def decode_knows(agent_name: str) -> bool:
@@ -88,7 +88,7 @@ def test_a_restarted_worker_no_longer_claims_its_old_blocks(tiny_llama_dir):
             claimed = cluster.orchestrator.index.num_blocks("prefill-0")
             chunks = await cluster.generate("b", prompt, GREEDY)  # pulls from the new worker's agent
             await cluster.wait_idle()
-            peers = (knew_old, await decode_knows(old_agent), await decode_knows(new.info().agent.agent_name))
+            peers = (knew_old, await decode_knows(old_agent), await decode_knows((await new.info()).agent.agent_name))
             return claimed, chunks, peers
 
     claimed, chunks, (knew_old, knows_old, knows_new) = asyncio.run(scenario())

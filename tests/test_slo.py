@@ -62,7 +62,7 @@ def test_a_request_brings_its_own_targets_and_falls_back_to_the_routers():
     from splitserve.proto.splitserve.v1 import generation_pb2 as pb
     from splitserve.router.orchestrator import GenerationInput, Orchestrator
     from splitserve.router.server import slo_target
-    from splitserve.router.worker_client import LocalWorkerClient
+    from types import SimpleNamespace
 
     request = pb.GenerateRequest(ttft_slo_s=2.0, tpot_slo_s=0.05)
     assert (slo_target(request, "ttft_slo_s"), slo_target(request, "tpot_slo_s")) == (2.0, 0.05)
@@ -70,7 +70,7 @@ def test_a_request_brings_its_own_targets_and_falls_back_to_the_routers():
     with pytest.raises(InvalidRequestError, match=r"^tpot_slo_s: must be a finite number > 0, got 0.0$"):
         slo_target(pb.GenerateRequest(tpot_slo_s=0.0), "tpot_slo_s")
 
-    router = Orchestrator("r", (), [LocalWorkerClient("decode-0", None)], None, "colocated",
+    router = Orchestrator("r", (), [SimpleNamespace(worker_id="decode-0")], None, "colocated",
                           slo=SloConfig(ttft_s=1.0, tpot_s=0.2))
     own_tpot = GenerationInput("a", (5,), SamplingParams(), tpot_slo_s=0.05)
     assert router.slo_targets(own_tpot) == SloConfig(ttft_s=1.0, tpot_s=0.05)
