@@ -579,7 +579,8 @@ class Orchestrator:
             return
         run.active_worker_id = decode.client.worker_id
         await run.call(self._handshake(decode.client, prefill.client))
-        await run.call(self._call(decode.client, "submit", decode.client.submit(self._decode_request(run, result))))
+        request = self._decode_request(run, result)
+        await run.call(self._call(decode.client, "submit", lambda: decode.client.submit(request)))
         async for chunk in self._stream(run, stream):
             yield chunk
 
@@ -591,7 +592,7 @@ class Orchestrator:
         run.active_worker_id = decode.client.worker_id
         request = DecodeRequest(run.worker_request_id, self.router_id, run.inp.prompt_token_ids,
                                 tuple(run.output_token_ids), self._worker_params(run), 0, None, None)
-        await run.call(self._call(decode.client, "submit", decode.client.submit(request)))
+        await run.call(self._call(decode.client, "submit", lambda: decode.client.submit(request)))
         async for chunk in self._stream(run, stream):
             yield chunk
 
@@ -607,7 +608,8 @@ class Orchestrator:
     async def _prefill(self, run: _Run, prefill: _Assignment) -> PrefillResult:
         request = PrefillRequest(run.worker_request_id, run.inp.prompt_token_ids, self._worker_params(run))
         run.active_worker_id = prefill.client.worker_id
-        result: PrefillResult = await run.call(self._call(prefill.client, "prefill", prefill.client.prefill(request)))
+        result: PrefillResult = await run.call(
+            self._call(prefill.client, "prefill", lambda: prefill.client.prefill(request)))
         prefill.pool.prefilled(prefill)
         if result.finish_reason == "abort":
             raise RouterError("UNAVAILABLE", f"prefill worker {prefill.client.worker_id} aborted the request")
@@ -664,18 +666,19 @@ class Orchestrator:
         agent = self.infos[prefill.worker_id].agent
         key = (decode.worker_id, agent.agent_name)
         if key not in self._peers:
-            self._peers[key] = asyncio.ensure_future(self._call(decode, "add_peer", decode.add_peer(agent)))
+            self._peers[key] = asyncio.ensure_future(self._call(decode, "add_peer", lambda: decode.add_peer(agent)))
         try:
             await asyncio.shield(self._peers[key])
         except Exception:
             self._peers.pop(key, None)
             raise
 
-    async def _call(self, client: WorkerAPI, method: str, reply: Awaitable[T]) -> T:
-        """Await `reply`, the worker's answer to `method`; a lost worker is reported (its requests
-        move) and re-raised, a failure other than an invalid request becomes UNAVAILABLE."""
+    async def _call(self, client: WorkerAPI, method: str, call: Callable[[], Awaitable[T]]) -> T:
+        """Await call(), the worker's `method` (made only once this coroutine runs, so a request
+        cancelled first never starts it); a lost worker is reported (its requests move) and
+        re-raised, a failure other than an invalid request becomes UNAVAILABLE."""
         try:
-            return await reply
+            return await call()
         except WorkerLostError as lost:
             self._on_worker_lost(lost.worker_id, lost.reason)
             raise
