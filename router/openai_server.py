@@ -396,7 +396,7 @@ class HttpServer:
 
     async def start(self, host: str, port: int) -> int:
         """Listen on host:port (0 picks a free port); returns the bound port."""
-        sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+        sock = listening_socket(host, port)
         self.port = sock.getsockname()[1]
         self._task = asyncio.get_running_loop().create_task(self._server.serve(sockets=[sock]))
         while not self._server.started:
@@ -413,6 +413,24 @@ class HttpServer:
         self._server.should_exit = True
         await self._task
         self._task = None
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A TCP listening socket whose accepted connections get TCP_NODELAY.
+
+    asyncio turns Nagle's algorithm off only on sockets whose proto is IPPROTO_TCP, and
+    socket.create_server() makes proto 0: a streamed response's small writes then wait for the
+    client's delayed ACK, 40 ms on Linux, before reaching it (aiperf saw a 19 ms TTFT as 60 ms)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(socket.SOMAXCONN)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
 
 
 async def start_http_server(orchestrator: Orchestrator, tokenizers: TokenizerPool, model_name: str,
