@@ -322,6 +322,9 @@ class Orchestrator:
         self.vocab_size = 0
         self._hasher: BlockHasher | None = None
         self._in_flight: set[str] = set()
+        self._idle = asyncio.Event()
+        """Set while no request is in flight (drain waits on it)."""
+        self._idle.set()
         self._runs: dict[str, _Run] = {}
         """Current attempts by worker-side request id."""
         self.accepting = True
@@ -363,10 +366,10 @@ class Orchestrator:
         """Stop admitting requests and wait up to timeout_s for those in flight to end; returns
         how many are still in flight (the caller's shutdown cancels them, freeing their KV)."""
         self.accepting = False
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        while self._in_flight and loop.time() < deadline:
-            await asyncio.sleep(0.05)
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        except TimeoutError:
+            pass
         return len(self._in_flight)
 
     def routing_stats(self) -> RoutingStats:
@@ -497,6 +500,7 @@ class Orchestrator:
             raise InvalidRequestError("request_id", f"{inp.request_id!r} is already in flight")
         run = _Run(inp, self.tokenizer, arrival)
         self._in_flight.add(inp.request_id)
+        self._idle.clear()
         try:
             self._admit(run)
             while True:
@@ -693,6 +697,8 @@ class Orchestrator:
         """Release the router's bookkeeping; abort what the workers still hold (not awaited:
         this also runs while the request's task is being cancelled)."""
         self._in_flight.discard(run.inp.request_id)
+        if not self._in_flight:
+            self._idle.set()
         self._end_attempt(run)
         if self.observer is not None:
             try:
