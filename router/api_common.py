@@ -8,7 +8,7 @@ import time
 import grpc
 
 from splitserve.common.errors import InvalidRequestError
-from splitserve.router.orchestrator import RouterError
+from splitserve.router.api_types import RouterError
 
 
 def grpc_deadline(context: grpc.aio.ServicerContext, request_timeout_s: float | None) -> float | None:

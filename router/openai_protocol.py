@@ -17,7 +17,7 @@ from typing import Any
 from splitserve.common.errors import InvalidRequestError
 from splitserve.common.sampling_params import MAX_LOGPROBS, SamplingParams
 from splitserve.common.token_logprobs import TokenLogprobs
-from splitserve.router.orchestrator import StreamChunk, Usage
+from splitserve.router.api_types import StreamChunk, Usage
 from splitserve.router.request_limits import RequestLimits, utf8_length
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16

@@ -39,7 +39,8 @@ from splitserve.common.sampling_params import SamplingParams
 from splitserve.router.auth import check_authorization
 from splitserve.router.openai_protocol import (ChatRenderer, CompletionRenderer, ResponseHeader, error_body,
                                                parse_chat_request, parse_completion_request)
-from splitserve.router.orchestrator import GenerationInput, Orchestrator, RouterError, StreamChunk
+from splitserve.router.api_types import GenerationInput, RouterError, StreamChunk
+from splitserve.router.orchestrator import Orchestrator
 from splitserve.router.tls import TlsConfig, load_tls
 from splitserve.router.tokenizer_pool import TokenizerPool
 

@@ -21,275 +21,34 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass
 from typing import TypeVar
 
 from splitserve.common.block_hash import BlockHasher
-from splitserve.common.detokenizer import Decoder, IncrementalDetokenizer
+from splitserve.common.detokenizer import Decoder
 from splitserve.common.errors import InvalidRequestError
 from splitserve.common.kv_events import LoadReport
 from splitserve.common.kv_transfer_types import KVLayoutMismatchError
 from splitserve.common.log_escape import quote_for_log
-from splitserve.common.kv_transfer_types import TransferParams
 from splitserve.common.sampling_params import SamplingParams
-from splitserve.common.slo import SloConfig, request_slo_outcome
-from splitserve.common.stats import FINISH_REASONS, KVTransferRecord, RequestRecord, RoutingStats, WorkerSnapshot
-from splitserve.common.token_logprobs import TokenLogprobs
+from splitserve.common.slo import SloConfig
+from splitserve.common.stats import RequestRecord, RoutingStats, WorkerSnapshot
 from splitserve.common.worker_api import DecodeWorkerAPI, PrefillWorkerAPI, WorkerAPI, WorkerLostError
 from splitserve.common.worker_messages import DecodeRequest, PrefillRequest, PrefillResult, TokenDelta, WorkerInfo
+from splitserve.router.api_types import GenerationInput, RouterError, StreamChunk
 from splitserve.router.dispatcher import OutputDispatcher
 from splitserve.router.loop_lag import LoopLagMonitor
 from splitserve.router.policy import (DecodeCandidate, PrefillCandidate, Rejection, RouteDecision, RoutingConfig,
                                       RoutingRequest, route)
 from splitserve.router.prefix_index import PrefixIndex
-from splitserve.router.records import RequestTimeline
 from splitserve.router.reports import WorkerMonitor
+from splitserve.router.request_run import RequestRun
+from splitserve.router.worker_pool import Assignment, WorkerPool
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
 MODES = ("disaggregated", "colocated")
 HASH_IN_THREAD_TOKENS = 4096
 """Prompts longer than this are block-hashed off the event loop (about 0.5 ms per 4k tokens)."""
-
-
-class RouterError(Exception):
-    """Ends a stream with a gRPC status code name and a message for the client."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(f"{code}: {message}")
-        self.code = code
-        self.message = message
-
-
-@dataclass(frozen=True)
-class GenerationInput:
-    request_id: str
-    prompt_token_ids: tuple[int, ...]
-    sampling_params: SamplingParams
-    deadline: float | None = None
-    """time.monotonic() after which the request ends with DEADLINE_EXCEEDED."""
-    ttft_slo_s: float | None = None
-    """The request's TTFT target (admission control, SLO accounting); None takes the router's default."""
-    tpot_slo_s: float | None = None
-    """The request's TPOT target (SLO accounting); None takes the router's default."""
-
-
-@dataclass(frozen=True)
-class Usage:
-    prompt_tokens: int
-    cached_tokens: int
-    completion_tokens: int
-
-
-@dataclass(frozen=True)
-class Timing:
-    queue_s: float
-    prefill_s: float
-    transfer_s: float
-    first_token_s: float
-    total_s: float
-
-
-@dataclass(frozen=True)
-class StreamChunk:
-    request_id: str
-    token_ids: tuple[int, ...]
-    text: str
-    logprobs: tuple[TokenLogprobs, ...]
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    usage: Usage | None = None
-    timing: Timing | None = None
-
-
-class WorkerPool:
-    """Worker clients of one role and what this router assigned to each and has not seen
-    finish, so routing sees its own assignments before the workers' reports do."""
-
-    def __init__(self, clients: Sequence[WorkerAPI]) -> None:
-        self.clients = {client.worker_id: client for client in clients}
-        self._requests = dict.fromkeys(self.clients, 0)
-        self._prefill_tokens = dict.fromkeys(self.clients, 0)
-
-    def num_requests(self, worker_id: str) -> int:
-        return self._requests[worker_id]
-
-    def num_prefill_tokens(self, worker_id: str) -> int:
-        """Prompt tokens this router sent to the worker that it has not yet seen prefilled."""
-        return self._prefill_tokens[worker_id]
-
-    def assign(self, worker_id: str, prefill_tokens: int) -> _Assignment:
-        self._requests[worker_id] += 1
-        self._prefill_tokens[worker_id] += prefill_tokens
-        return _Assignment(self, self.clients[worker_id], prefill_tokens)
-
-    def prefilled(self, assignment: _Assignment) -> None:
-        self._prefill_tokens[assignment.client.worker_id] -= assignment.prefill_tokens
-        assignment.prefill_tokens = 0
-
-    def release(self, assignment: _Assignment) -> None:
-        self.prefilled(assignment)
-        self._requests[assignment.client.worker_id] -= 1
-
-
-@dataclass
-class _Assignment:
-    """One request's claim on one worker, released exactly once when the request ends."""
-
-    pool: WorkerPool
-    client: WorkerAPI
-    prefill_tokens: int
-    """Uncached prompt tokens still to be prefilled there (0 once the first token is back)."""
-
-
-class _Run:
-    """One request's progress at the router."""
-
-    def __init__(self, inp: GenerationInput, tokenizer: Decoder, arrival: float) -> None:
-        self.inp = inp
-        self.decision: RouteDecision | None = None
-        self.rejection_reason: str | None = None
-        self.cached_tokens: dict[str, int] = {}
-        """Prompt tokens each worker's prefix cache held when the request was routed."""
-        self.worker_request_id = ""
-        """The id workers know the current attempt by: unique across routers, clients and
-        attempts (a client's own id may repeat after it finishes, or collide with another's)."""
-        self.num_migrations = 0
-        self.resumed = False
-        """The current attempt recomputes tokens already streamed (it is a migration)."""
-        self.active_worker_id: str | None = None
-        """The worker computing for the request now (prefill worker during the prefill call, then
-        the decode worker): its loss interrupts the attempt."""
-        self.lost: WorkerLostError | None = None
-        self.stream: asyncio.Queue | None = None
-        """The current attempt's deltas (TokenDelta), or the WorkerLostError that ends it."""
-        self._pending_call: asyncio.Future | None = None
-        self.timeline = RequestTimeline(arrival)
-        params = inp.sampling_params
-        self.detokenizer = IncrementalDetokenizer(tokenizer, list(inp.prompt_token_ids), params.stop,
-                                                  params.skip_special_tokens)
-        self.assignments: list[_Assignment] = []
-        self.worker_finished = False
-        self.finish_reason: str | None = None
-        self.output_token_ids: list[int] = []
-        self.num_cached_tokens = 0
-        self.transfer: TransferParams | None = None
-        """Where the prefill worker holds the prompt's KV for the decode worker to pull."""
-        self.error_code: str | None = None
-        """How the request failed (a gRPC status code name), if it did."""
-
-    def begin_attempt(self, worker_request_id: str, stream: asyncio.Queue) -> None:
-        self.worker_request_id = worker_request_id
-        self.stream = stream
-        self.resumed = bool(self.output_token_ids)
-        self.lost = None
-
-    @property
-    def context_token_ids(self) -> tuple[int, ...]:
-        """What a worker must hold KV for to go on: the prompt and the tokens streamed so far."""
-        return self.inp.prompt_token_ids + tuple(self.output_token_ids)
-
-    def lose(self, lost: WorkerLostError) -> None:
-        """The active worker is gone: interrupt the pending worker call or the stream wait."""
-        if self.lost is not None:
-            return
-        self.lost = lost
-        if self._pending_call is not None:
-            self._pending_call.cancel()
-        self.stream.put_nowait(lost)
-
-    async def call(self, awaitable: Awaitable[T]) -> T:
-        """Await a worker call within the deadline; raises WorkerLostError if the active worker
-        is lost meanwhile (the call is cancelled)."""
-        call = asyncio.ensure_future(awaitable)
-        self._pending_call = call
-        try:
-            return await self.bounded(call)
-        except asyncio.CancelledError:
-            if self.lost is not None and call.cancelled() and not asyncio.current_task().cancelling():
-                raise self.lost from None
-            raise
-        finally:
-            self._pending_call = None
-
-    async def bounded(self, awaitable: Awaitable[T]) -> T:
-        """Await within the request's deadline."""
-        if self.inp.deadline is None:
-            return await awaitable
-        try:
-            async with asyncio.timeout_at(asyncio.get_running_loop().time() + self.inp.deadline - time.monotonic()):
-                return await awaitable
-        except TimeoutError:
-            raise RouterError("DEADLINE_EXCEEDED", "the request's deadline passed") from None
-
-    def on_tokens(self, token_ids: Sequence[int], logprobs: Sequence[TokenLogprobs], finish_reason: str | None,
-                  stop_reason: int | str | None) -> StreamChunk:
-        """Detokenize new tokens, cutting at a stop string; a finish here ends the stream."""
-        emitted = []
-        for token_id in token_ids:
-            emitted.append(token_id)
-            stop_string = self.detokenizer.append(token_id)
-            if stop_string is not None:
-                finish_reason, stop_reason = "stop", stop_string
-                break
-        self.output_token_ids.extend(emitted)
-        now = time.monotonic()
-        self.timeline.on_tokens(len(emitted), finish_reason is not None, now)
-        self.finish_reason = finish_reason
-        text = self.detokenizer.take_delta(finish_reason is not None)
-        if finish_reason is None:
-            return StreamChunk(self.inp.request_id, tuple(emitted), text, tuple(logprobs[:len(emitted)]))
-        return StreamChunk(self.inp.request_id, tuple(emitted), text, tuple(logprobs[:len(emitted)]),
-                           finish_reason, stop_reason, self._usage(), self._timing(now))
-
-    def on_decode_timing(self, delta: TokenDelta) -> None:
-        """Note what a decode worker's delta says about the KV pull and the worker's first output
-        (a resumed attempt's recompute is not part of the request's TTFT)."""
-        timeline = self.timeline
-        timeline.transfer_failed |= delta.kv_transfer_failed
-        if self.resumed:
-            return
-        if delta.transfer_s is not None:
-            timeline.on_pulled(delta.transfer_s)
-        if delta.queue_s is None:
-            return
-        if self.decision.prefill_worker_id is None:  # it prefilled the prompt itself
-            timeline.on_prefilled(delta.queue_s, delta.compute_s, time.monotonic())
-        else:
-            timeline.on_decode_first_output(delta.queue_s + delta.compute_s)
-
-    def _usage(self) -> Usage:
-        return Usage(len(self.inp.prompt_token_ids), self.num_cached_tokens, len(self.output_token_ids))
-
-    def _timing(self, now: float) -> Timing:
-        timeline = self.timeline
-        return Timing(timeline.queue_s or 0.0, timeline.prefill_s or 0.0, timeline.transfer_s or 0.0,
-                      (timeline.first_token_at or now) - timeline.arrival, now - timeline.arrival)
-
-    def record(self, targets: SloConfig) -> RequestRecord:
-        """What observers learn about the request once it ended; `targets` are its SLO targets."""
-        timeline, decision = self.timeline, self.decision
-        finish_reason = self.finish_reason if self.finish_reason in FINISH_REASONS else None
-        # A worker that ends a stream with finish reason 'abort' (and no error) aborted it.
-        error_code = None if finish_reason is not None else self.error_code or "ABORTED"
-        ttft_s, e2e_s = timeline.ttft_s, timeline.e2e_s(time.monotonic())
-        num_output = len(self.output_token_ids)
-        return RequestRecord(
-            self.inp.request_id, finish_reason, error_code, decision and decision.reason, self.rejection_reason,
-            decision and decision.prefill_worker_id, decision and decision.decode_worker_id,
-            len(self.inp.prompt_token_ids), self.num_cached_tokens, num_output, ttft_s,
-            tuple(timeline.inter_token_latencies), e2e_s, timeline.queue_s, timeline.prefill_s,
-            None if ttft_s is None else e2e_s - ttft_s, tuple(timeline.phases), self._kv_transfer(),
-            request_slo_outcome(targets, error_code, ttft_s, e2e_s, num_output), self.num_migrations)
-
-    def _kv_transfer(self) -> KVTransferRecord | None:
-        """The pull's outcome, when the decode worker reported one."""
-        timeline = self.timeline
-        if self.transfer is None or (timeline.transfer_s is None and not timeline.transfer_failed):
-            return None
-        num_bytes = 0 if timeline.transfer_s is None else self.transfer.num_bytes
-        return KVTransferRecord(self.decision.prefill_worker_id, self.decision.decode_worker_id,
-                                timeline.transfer_s, num_bytes)
 
 
 class Orchestrator:
@@ -325,7 +84,7 @@ class Orchestrator:
         self._idle = asyncio.Event()
         """Set while no request is in flight (drain waits on it)."""
         self._idle.set()
-        self._runs: dict[str, _Run] = {}
+        self._runs: dict[str, RequestRun] = {}
         """Current attempts by worker-side request id."""
         self.accepting = True
         """False once drain() started: new requests get UNAVAILABLE, running ones finish."""
@@ -407,7 +166,7 @@ class Orchestrator:
             raise InvalidRequestError("prompt.token_ids", f"out of vocabulary [0, {self.vocab_size}): {bad[:5]}")
 
     # ---- routing -------------------------------------------------------------------------
-    async def _route(self, run: _Run) -> tuple[RouteDecision, dict[str, int]]:
+    async def _route(self, run: RequestRun) -> tuple[RouteDecision, dict[str, int]]:
         """The policy's choice for this request and the prompt tokens each worker has cached,
         or RESOURCE_EXHAUSTED when admission rejects it (noting why on the run)."""
         inp = run.inp
@@ -498,7 +257,7 @@ class Orchestrator:
         self.validate_prompt(inp.prompt_token_ids)
         if inp.request_id in self._in_flight:
             raise InvalidRequestError("request_id", f"{inp.request_id!r} is already in flight")
-        run = _Run(inp, self.tokenizer, arrival)
+        run = RequestRun(inp, self.tokenizer, arrival)
         self._in_flight.add(inp.request_id)
         self._idle.clear()
         try:
@@ -526,7 +285,7 @@ class Orchestrator:
         """A request refused before it reached generate() (by the APIs' own admission), for routing_stats."""
         self._rejections[reason] += 1
 
-    def _admit(self, run: _Run) -> None:
+    def _admit(self, run: RequestRun) -> None:
         """Refuse the request at once while draining or when the router is full."""
         try:
             self._check_capacity(len(self._in_flight) - 1)
@@ -545,7 +304,7 @@ class Orchestrator:
             raise RouterError("RESOURCE_EXHAUSTED", f"the router has {others} requests in flight, its limit "
                                                     f"(router.routing.max_in_flight_requests); retry later")
 
-    async def _attempt(self, run: _Run) -> AsyncIterator[StreamChunk]:
+    async def _attempt(self, run: RequestRun) -> AsyncIterator[StreamChunk]:
         """Route the request and run it from where it is (the prompt, or after a migration the
         prompt + the tokens streamed so far) to its end."""
         worker_request_id = f"{self.router_id}-{uuid.uuid4().hex}"
@@ -558,7 +317,7 @@ class Orchestrator:
         async for chunk in phases:
             yield chunk
 
-    def _migrate(self, run: _Run, lost: WorkerLostError) -> None:
+    def _migrate(self, run: RequestRun, lost: WorkerLostError) -> None:
         """End the attempt on the lost worker; raise UNAVAILABLE once the request has moved
         routing.max_migrations times."""
         self._end_attempt(run)
@@ -569,12 +328,12 @@ class Orchestrator:
         logger.warning("[%s] %s; moving it (migration %d, %d tokens streamed)", quote_for_log(run.inp.request_id),
                        lost, run.num_migrations, len(run.output_token_ids))
 
-    async def _remote_prefill(self, run: _Run, stream: asyncio.Queue[TokenDelta],
+    async def _remote_prefill(self, run: RequestRun, stream: asyncio.Queue[TokenDelta],
                               decision: RouteDecision) -> AsyncIterator[StreamChunk]:
         """Prefill on a prefill worker, then decode pulls the KV and continues. The decode worker
         is claimed up front so routing counts the request there while it is being prefilled."""
-        prefill = self._assign(run, self.prefill_pool, decision.prefill_worker_id)
-        decode = self._assign(run, self.decode_pool, decision.decode_worker_id, prefill_tokens=0)
+        prefill = run.prefill = self._assign(run, self.prefill_pool, decision.prefill_worker_id)
+        decode = run.decode = self._assign(run, self.decode_pool, decision.decode_worker_id, prefill_tokens=0)
         result = await self._prefill(run, prefill)
         chunk = run.on_tokens(result.token_ids, result.logprobs, result.finish_reason, result.stop_reason)
         yield chunk
@@ -588,11 +347,11 @@ class Orchestrator:
         async for chunk in self._stream(run, stream):
             yield chunk
 
-    async def _local_prefill(self, run: _Run, stream: asyncio.Queue[TokenDelta],
+    async def _local_prefill(self, run: RequestRun, stream: asyncio.Queue[TokenDelta],
                              decision: RouteDecision) -> AsyncIterator[StreamChunk]:
         """The decode worker prefills the prompt itself: no KV moves (colocated mode, or a
         prompt whose uncached part is short)."""
-        decode = self._assign(run, self.decode_pool, decision.decode_worker_id)
+        decode = run.decode = self._assign(run, self.decode_pool, decision.decode_worker_id)
         run.active_worker_id = decode.client.worker_id
         request = DecodeRequest(run.worker_request_id, self.router_id, run.inp.prompt_token_ids,
                                 tuple(run.output_token_ids), self._worker_params(run), 0, None, None)
@@ -600,16 +359,16 @@ class Orchestrator:
         async for chunk in self._stream(run, stream):
             yield chunk
 
-    def _assign(self, run: _Run, pool: WorkerPool, worker_id: str, prefill_tokens: int | None = None) -> _Assignment:
-        """Claim the worker for the run; by default the prompt's uncached tokens there count as
-        queued prefill work until the first token is back."""
+    def _assign(self, run: RequestRun, pool: WorkerPool, worker_id: str,
+                prefill_tokens: int | None = None) -> Assignment:
+        """Claim the worker for the run's current attempt (the caller names it the run's prefill or
+        decode claim); by default the prompt's uncached tokens there count as queued prefill work
+        until the first token is back."""
         if prefill_tokens is None:
             prefill_tokens = len(run.context_token_ids) - run.cached_tokens.get(worker_id, 0)
-        assignment = pool.assign(worker_id, prefill_tokens)
-        run.assignments.append(assignment)
-        return assignment
+        return pool.assign(worker_id, prefill_tokens)
 
-    async def _prefill(self, run: _Run, prefill: _Assignment) -> PrefillResult:
+    async def _prefill(self, run: RequestRun, prefill: Assignment) -> PrefillResult:
         request = PrefillRequest(run.worker_request_id, run.inp.prompt_token_ids, self._worker_params(run))
         run.active_worker_id = prefill.client.worker_id
         result: PrefillResult = await run.call(
@@ -622,13 +381,13 @@ class Orchestrator:
         run.transfer = result.transfer
         return result
 
-    def _decode_request(self, run: _Run, result: PrefillResult) -> DecodeRequest:
+    def _decode_request(self, run: RequestRun, result: PrefillResult) -> DecodeRequest:
         return DecodeRequest(run.worker_request_id, self.router_id, run.inp.prompt_token_ids, result.token_ids,
                              self._worker_params(run), result.num_cached_tokens, result.transfer,
                              result.generator_state)
 
-    async def _stream(self, run: _Run, stream: asyncio.Queue[TokenDelta]) -> AsyncIterator[StreamChunk]:
-        decode = run.assignments[-1]
+    async def _stream(self, run: RequestRun, stream: asyncio.Queue[TokenDelta]) -> AsyncIterator[StreamChunk]:
+        decode = run.decode
         while True:
             delta: TokenDelta | WorkerLostError = await run.bounded(stream.get())
             if isinstance(delta, WorkerLostError):
@@ -638,7 +397,7 @@ class Orchestrator:
                 raise RouterError("INTERNAL", delta.error)
             if delta.kv_transfer_failed:
                 # Decode recomputed the prompt; the producer may still hold the KV under lease.
-                self._abort_in_background(run.assignments[0].client, run.worker_request_id)
+                self._abort_in_background(run.prefill.client, run.worker_request_id)
             if delta.token_ids:
                 decode.pool.prefilled(decode)
             if delta.finish_reason is not None:
@@ -650,7 +409,7 @@ class Orchestrator:
             if chunk.finish_reason is not None:
                 return
 
-    def _worker_params(self, run: _Run) -> SamplingParams:
+    def _worker_params(self, run: RequestRun) -> SamplingParams:
         return dataclasses.replace(run.inp.sampling_params, stop=())
 
     async def _handshake(self, decode: DecodeWorkerAPI, prefill: PrefillWorkerAPI) -> None:
@@ -693,7 +452,7 @@ class Orchestrator:
             raise RouterError("UNAVAILABLE", f"worker {client.worker_id} failed in {method}: "
                                              f"{type(error).__name__}: {error}") from error
 
-    def _end(self, run: _Run) -> None:
+    def _end(self, run: RequestRun) -> None:
         """Release the router's bookkeeping; abort what the workers still hold (not awaited:
         this also runs while the request's task is being cancelled)."""
         self._in_flight.discard(run.inp.request_id)
@@ -706,7 +465,7 @@ class Orchestrator:
             except Exception:  # metrics must never break a request's cleanup
                 logger.exception("[%s] the request observer failed", quote_for_log(run.inp.request_id))
 
-    def _end_attempt(self, run: _Run) -> None:
+    def _end_attempt(self, run: RequestRun) -> None:
         """Release the attempt's worker claims and stream; abort what its workers still hold."""
         request_id = run.worker_request_id
         self._runs.pop(request_id, None)
@@ -715,7 +474,7 @@ class Orchestrator:
             assignment.pool.release(assignment)
             if not run.worker_finished:
                 self._abort_in_background(assignment.client, request_id)
-        run.assignments = []
+        run.prefill = run.decode = None
         run.active_worker_id = None
 
     def _abort_in_background(self, client: WorkerAPI, request_id: str) -> None:

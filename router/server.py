@@ -30,7 +30,8 @@ from splitserve.proto.splitserve.v1 import generation_pb2_grpc as pb_grpc
 from splitserve.router.api_common import grpc_deadline, grpc_status
 from splitserve.router.auth import check_authorization
 from splitserve.router.malformed_requests import MalformedRequestInterceptor
-from splitserve.router.orchestrator import GenerationInput, Orchestrator, RouterError, StreamChunk
+from splitserve.router.api_types import GenerationInput, RouterError, StreamChunk
+from splitserve.router.orchestrator import Orchestrator
 from splitserve.router.tokenizer_pool import TokenizerPool
 from splitserve.router.triton_server import SERVICE_NAME as TRITON_SERVICE_NAME
 from splitserve.router.triton_server import TritonServicer

@@ -17,7 +17,8 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
-from splitserve.router.orchestrator import Orchestrator, RouterError
+from splitserve.router.api_types import RouterError
+from splitserve.router.orchestrator import Orchestrator
 from splitserve.router.request_limits import RequestLimits, utf8_length
 from splitserve.router.tokenizer import RouterTokenizer
 

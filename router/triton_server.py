@@ -27,7 +27,8 @@ from splitserve.common.log_escape import quote_for_log
 from splitserve.proto.inference import grpc_service_pb2 as pb
 from splitserve.proto.inference import grpc_service_pb2_grpc as pb_grpc
 from splitserve.router.api_common import grpc_deadline, grpc_status
-from splitserve.router.orchestrator import GenerationInput, Orchestrator, RouterError, StreamChunk
+from splitserve.router.api_types import GenerationInput, RouterError, StreamChunk
+from splitserve.router.orchestrator import Orchestrator
 from splitserve.router.tokenizer_pool import TokenizerPool
 from splitserve.router.triton_protocol import (InferRequest, ServedModel, empty_final_response, infer_response,
                                                model_metadata, parse_infer_request, stream_error)

@@ -403,7 +403,7 @@ class InProcessCluster:
 
     async def generate(self, request_id: str, prompt_token_ids, params: SamplingParams, deadline=None):
         """All chunks of one request."""
-        from splitserve.router.orchestrator import GenerationInput
+        from splitserve.router.api_types import GenerationInput
 
         inp = GenerationInput(request_id, tuple(prompt_token_ids), params, deadline)
         return [chunk async for chunk in self.orchestrator.generate(inp)]

@@ -54,7 +54,8 @@ from splitserve.engine.engine_core import EngineCore
 from splitserve.engine.engine_loop import EngineLoop
 from splitserve.kv_transfer import InProcessBackend
 from splitserve.prefill_worker.worker import PrefillWorker
-from splitserve.router.orchestrator import GenerationInput, Orchestrator, RouterError, StreamChunk
+from splitserve.router.api_types import GenerationInput, RouterError, StreamChunk
+from splitserve.router.orchestrator import Orchestrator
 from tests.factories import GreedyCase, InProcessCluster, mixed_workload
 
 OK = "OK"

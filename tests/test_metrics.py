@@ -19,7 +19,7 @@ from splitserve.common.slo import SloConfig, SloOutcome
 from splitserve.common.stats import LoopLagStats, RoutingStats, WorkerSnapshot
 from splitserve.engine import LLM
 from splitserve.router.metrics_server import RouterMetrics
-from splitserve.router.orchestrator import GenerationInput, RouterError
+from splitserve.router.api_types import GenerationInput, RouterError
 from tests.factories import InProcessCluster, make_load_report, make_prefill_worker
 
 SLO = SloConfig(ttft_s=1000.0, tpot_s=1e-9)

@@ -16,7 +16,7 @@ from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.slo import SloConfig
 from splitserve.proto.splitserve.v1 import generation_pb2 as pb
 from splitserve.router.openai_server import ApiError, start_http_server
-from splitserve.router.orchestrator import RouterError
+from splitserve.router.api_types import RouterError
 from splitserve.router.policy import RoutingConfig
 from tests.factories import GreedyCase, ServedApis, hf_greedy, http_request, served_apis, stream_tokens
 

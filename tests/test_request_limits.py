@@ -22,7 +22,7 @@ from splitserve.proto.inference import grpc_service_pb2 as ipb
 from splitserve.proto.inference import grpc_service_pb2_grpc as ipb_grpc
 from splitserve.proto.splitserve.v1 import generation_pb2 as pb
 from splitserve.proto.splitserve.v1 import generation_pb2_grpc as pb_grpc
-from splitserve.router.orchestrator import RouterError
+from splitserve.router.api_types import RouterError
 from splitserve.router.policy import RoutingConfig
 from splitserve.router.request_limits import RequestLimits, prompt_bytes_bound
 from splitserve.router.tokenizer import RouterTokenizer

@@ -17,7 +17,7 @@ import time
 import pytest
 
 from splitserve.common.sampling_params import SamplingParams
-from splitserve.router.orchestrator import GenerationInput, RouterError
+from splitserve.router.api_types import GenerationInput, RouterError
 from splitserve.router.policy import RoutingConfig
 from tests.factories import GreedyCase, InProcessCluster, hf_greedy
 

@@ -10,7 +10,7 @@ import pytest
 
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine import LLM
-from splitserve.router.orchestrator import RouterError
+from splitserve.router.api_types import RouterError
 from tests.factories import InProcessCluster, hf_greedy, mixed_workload
 
 PROMPT = list(range(3, 60))
@@ -85,7 +85,7 @@ def test_deadline_exceeded_frees_both_workers(tiny_llama_dir):
 
 
 def test_cancel_mid_stream_frees_both_workers(tiny_llama_dir):
-    from splitserve.router.orchestrator import GenerationInput
+    from splitserve.router.api_types import GenerationInput
 
     async def scenario():
         async with InProcessCluster(tiny_llama_dir) as cluster:

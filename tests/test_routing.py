@@ -10,7 +10,7 @@ import pytest
 from splitserve.common.block_hash import BlockHasher
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.slo import SloConfig
-from splitserve.router.orchestrator import RouterError
+from splitserve.router.api_types import RouterError
 from splitserve.router.policy import RoutingConfig
 from tests.factories import GreedyCase, InProcessCluster, hf_greedy, make_prefill_worker
 
@@ -142,7 +142,7 @@ def test_the_next_chat_turn_hits_the_previous_turns_blocks(tiny_llama_dir):
 
 
 def test_admission_rejects_a_request_that_cannot_meet_its_ttft_slo(tiny_llama_dir):
-    from splitserve.router.orchestrator import GenerationInput
+    from splitserve.router.api_types import GenerationInput
 
     routing = RoutingConfig(disaggregation="always", admission_ttft_factor=2.0, default_prefill_s_per_token=1.0)
 

@@ -60,7 +60,8 @@ def test_a_request_brings_its_own_targets_and_falls_back_to_the_routers():
     from splitserve.common.errors import InvalidRequestError
     from splitserve.common.sampling_params import SamplingParams
     from splitserve.proto.splitserve.v1 import generation_pb2 as pb
-    from splitserve.router.orchestrator import GenerationInput, Orchestrator
+    from splitserve.router.api_types import GenerationInput
+    from splitserve.router.orchestrator import Orchestrator
     from splitserve.router.server import slo_target
     from types import SimpleNamespace
 

@@ -1,0 +1,59 @@
+"""What the router's APIs (gRPC Generation, Triton, OpenAI HTTP) hand the orchestrator and get
+back: a request's input, its streamed chunks, and the error that ends a stream."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from splitserve.common.sampling_params import SamplingParams
+from splitserve.common.token_logprobs import TokenLogprobs
+
+
+class RouterError(Exception):
+    """Ends a stream with a gRPC status code name and a message for the client."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+@dataclass(frozen=True)
+class GenerationInput:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling_params: SamplingParams
+    deadline: float | None = None
+    """time.monotonic() after which the request ends with DEADLINE_EXCEEDED."""
+    ttft_slo_s: float | None = None
+    """The request's TTFT target (admission control, SLO accounting); None takes the router's default."""
+    tpot_slo_s: float | None = None
+    """The request's TPOT target (SLO accounting); None takes the router's default."""
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+
+
+@dataclass(frozen=True)
+class Timing:
+    queue_s: float
+    prefill_s: float
+    transfer_s: float
+    first_token_s: float
+    total_s: float
+
+
+@dataclass(frozen=True)
+class StreamChunk:
+    request_id: str
+    token_ids: tuple[int, ...]
+    text: str
+    logprobs: tuple[TokenLogprobs, ...]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    usage: Usage | None = None
+    timing: Timing | None = None
