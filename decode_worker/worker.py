@@ -128,7 +128,6 @@ class DecodeWorker:
     # ---- event loop ----------------------------------------------------------------------
     def _on_router_gone(self, router_id: str) -> None:
         """Its output stream closed: end its requests (one hand-off to the engine thread)."""
-        logger.warning("router %s closed its output stream: aborting its requests", router_id)
         self._loop.call(lambda engine: self._abort_router(engine, router_id))
 
     # ---- engine thread -------------------------------------------------------------------
@@ -175,7 +174,11 @@ class DecodeWorker:
         return engine.abort_request(request_id)
 
     def _abort_router(self, engine: EngineCore, router_id: str) -> None:
-        for request_id in [r for r, routed_to in self._routes.items() if routed_to == router_id]:
+        request_ids = [r for r, routed_to in self._routes.items() if routed_to == router_id]
+        if request_ids:  # a router stopping cleanly has none left
+            logger.warning("router %s closed its output stream with %d requests in flight: aborting them",
+                           router_id, len(request_ids))
+        for request_id in request_ids:
             self._abort(engine, request_id)
 
     def _on_step_failure(self, engine: EngineCore) -> None:
