@@ -33,7 +33,8 @@ from splitserve.decode_worker.output_server import OutputServer
 logger = logging.getLogger(__name__)
 
 PULL_POLL_S = 0.0005
-"""How often in-flight pulls are polled while the engine has nothing else to do."""
+"""How often in-flight pulls are polled while the engine has nothing else to do (the default of
+the decode pool's transfer_poll_s)."""
 MAX_UNREAD_OUTPUT_BYTES = 64 << 20
 """A router that leaves this much of its output stream unread is gone (hung): its requests end."""
 
@@ -45,7 +46,8 @@ class RouterNotConnectedError(RuntimeError):
 class DecodeWorker:
     def __init__(self, model_dir: str | Path, engine_config: EngineConfig, transfer_backend: str = "nixl",
                  worker_id: str | None = None, transfer_failure_policy: str = "recompute",
-                 output_host: str | None = None, max_unread_output_bytes: int = MAX_UNREAD_OUTPUT_BYTES) -> None:
+                 output_host: str | None = None, max_unread_output_bytes: int = MAX_UNREAD_OUTPUT_BYTES,
+                 transfer_poll_s: float = PULL_POLL_S) -> None:
         """`output_host`: the address routers reach this worker's output streams at (None: the
         Ray node's address inside a Ray cluster, else 127.0.0.1)."""
         if transfer_failure_policy not in TRANSFER_FAILURE_POLICIES:
@@ -58,6 +60,7 @@ class DecodeWorker:
         self._backend.register_kv_pool(self.engine.kv_cache.layers, self._layout)
         self._pulls = ConsumerConnector(self._backend)
         self._failure_policy = transfer_failure_policy
+        self._transfer_poll_s = transfer_poll_s
         self._info = WorkerInfo(self.worker_id, "decode", self.engine.max_model_len, self.engine.vocab_size,
                                 self._layout, self._backend.metadata(),
                                 max_num_seqs=engine_config.max_num_seqs)
@@ -190,7 +193,7 @@ class DecodeWorker:
             self._pulling.discard(outcome.request_id)
             self._finish_pull(outcome)
         self._start_pulls(self.engine)
-        return PULL_POLL_S if self._pulling or self._awaiting_blocks else None
+        return self._transfer_poll_s if self._pulling or self._awaiting_blocks else None
 
     def _finish_pull(self, outcome) -> None:
         request_id = outcome.request_id

@@ -23,6 +23,7 @@ from splitserve.common.kv_transfer_types import TRANSFER_FAILURE_POLICIES
 from splitserve.common.slo import SloConfig
 from splitserve.router.policy import RoutingConfig
 from splitserve.router.tls import TlsConfig
+from splitserve.router.worker_link import WorkerLinkConfig
 
 MODES = ("disaggregated", "colocated")
 KV_TRANSFER_BACKENDS = ("nixl", "inprocess")
@@ -96,9 +97,15 @@ class PoolConfig:
     """How many times Ray restarts a worker actor whose process died (-1: always, 0: never). A
     restarted worker reloads its model and rejoins with a new engine epoch and transfer agent;
     the requests it had moved to other workers meanwhile."""
+    transfer_poll_s: float | None = None
+    """How often a worker polls NIXL while transfers are in flight (NIXL reports a pull's end and
+    its notification only when asked): a decode worker its pulls' completion, a prefill worker the
+    notifications that free its leases. None: the role's default (decode 0.0005, prefill 0.002)."""
 
     def __post_init__(self) -> None:
         _require(self.replicas >= 0, "replicas", f"must be >= 0, got {self.replicas}")
+        _require(self.transfer_poll_s is None or self.transfer_poll_s > 0, "transfer_poll_s",
+                 f"must be > 0 or null, got {self.transfer_poll_s}")
         _require(self.max_restarts >= -1, "max_restarts", f"must be >= -1, got {self.max_restarts}")
         _require(self.engine.device != "cuda" or self.resources.num_gpus > 0, "resources.num_gpus",
                  f"must be > 0 when engine.device is 'cuda', got {self.resources.num_gpus}")
@@ -147,6 +154,9 @@ class RouterConfig:
     max_pending_tokenizations: int = 64
     """Prompts waiting for or in those threads; beyond it a request that needs one is refused at
     once with RESOURCE_EXHAUSTED (HTTP 429)."""
+    worker_link: WorkerLinkConfig = WorkerLinkConfig()
+    """Timings of the router's report polls and the decode workers' output streams: when a silent
+    worker counts as lost, how soon a lost stream is reopened (docs/configuration.md)."""
 
     def __post_init__(self) -> None:
         _require(self.host != "", "host", "must not be empty")

@@ -113,7 +113,8 @@ class LocalCluster:
             self.metrics = RouterMetrics(config.router.slo)
         self.orchestrator = Orchestrator(self.router_id, prefill, decode, tokenizer.backend, config.mode,
                                          config.router.routing, config.router.slo,
-                                         self.metrics.observe if self.metrics is not None else None)
+                                         self.metrics.observe if self.metrics is not None else None,
+                                         config.router.worker_link)
         await self.orchestrator.start()
         router = config.router
         self.tokenizers = TokenizerPool.for_orchestrator(tokenizer, self.orchestrator, router.max_prompt_bytes,
@@ -139,6 +140,8 @@ class LocalCluster:
         actor_class = ray.remote(worker_class).options(
             num_cpus=pool.resources.num_cpus, num_gpus=pool.resources.num_gpus, max_restarts=pool.max_restarts,
             max_concurrency=1000, **placement)
+        if pool.transfer_poll_s is not None:
+            extra = {**extra, "transfer_poll_s": pool.transfer_poll_s}
         return [actor_class.remote(model_dir, pool.engine, self.config.kv_transfer_backend,
                                    worker_id=f"{role}-{index}", **extra) for index in range(pool.replicas)]
 

@@ -28,7 +28,8 @@ from splitserve.kv_transfer import ProducerConnector, make_backend
 logger = logging.getLogger(__name__)
 
 LEASE_POLL_S = 0.002
-"""How often held leases are checked for pull notifications and expiry."""
+"""How often held leases are checked for pull notifications and expiry (the default of the
+prefill pool's transfer_poll_s)."""
 
 
 @dataclass
@@ -39,7 +40,8 @@ class _InFlight:
 
 class PrefillWorker:
     def __init__(self, model_dir: str | Path, engine_config: EngineConfig, transfer_backend: str = "nixl",
-                 lease_ttl_s: float = 30.0, worker_id: str | None = None) -> None:
+                 lease_ttl_s: float = 30.0, worker_id: str | None = None,
+                 transfer_poll_s: float = LEASE_POLL_S) -> None:
         self.worker_id = worker_id or f"prefill-{uuid.uuid4().hex[:8]}"
         self.engine = EngineCore(model_dir, engine_config, show_progress=True)
         self._layout = self.engine.kv_layout(model_fingerprint(Path(model_dir)))
@@ -51,6 +53,7 @@ class PrefillWorker:
                                 self._layout, self._backend.metadata(),
                                 max_num_seqs=engine_config.max_num_seqs)
         self._in_flight: dict[str, _InFlight] = {}
+        self._transfer_poll_s = transfer_poll_s
         self._loop = EngineLoop(self.engine, self._on_deltas, self._poll_leases, name=self.worker_id)
         self._loop.start()
 
@@ -130,4 +133,4 @@ class PrefillWorker:
         for lease in self._leases.poll():
             self.engine.release_held_kv(lease.request_id)
             logger.debug("[%s] lease ended: %s", lease.request_id, lease.state.value)
-        return LEASE_POLL_S if self._leases.stats().num_held else None
+        return self._transfer_poll_s if self._leases.stats().num_held else None

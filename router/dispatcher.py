@@ -16,19 +16,17 @@ from collections.abc import Callable, Sequence
 from splitserve.common.output_stream import OutputStreamError, encode_hello, read_ack, read_batch
 from splitserve.common.worker_api import DecodeWorkerAPI
 from splitserve.common.worker_messages import TokenDelta
+from splitserve.router.worker_link import WorkerLinkConfig
 
 logger = logging.getLogger(__name__)
-
-RECONNECT_DELAY_S = 0.5
-"""Wait between tries to reopen a lost worker's stream."""
-CONNECT_TIMEOUT_S = 10.0
 
 
 class OutputDispatcher:
     def __init__(self, router_id: str, workers: Sequence[DecodeWorkerAPI],
-                 on_lost: Callable[[str, str], None]) -> None:
+                 on_lost: Callable[[str, str], None], link: WorkerLinkConfig = WorkerLinkConfig()) -> None:
         """`on_lost(worker_id, reason)` runs on the event loop when a worker's stream ends."""
         self.router_id = router_id
+        self._link = link
         self._workers = list(workers)
         self._on_lost = on_lost
         self._streams: dict[str, asyncio.Queue] = {}
@@ -60,14 +58,15 @@ class OutputDispatcher:
         answering = True
         while True:
             try:
-                reader, writer = await connect_output_stream(worker, self.router_id)
+                reader, writer = await connect_output_stream(worker, self.router_id,
+                                                             self._link.stream_connect_timeout_s)
             except asyncio.CancelledError:
                 raise
             except Exception as error:
                 self._lost(worker, f"its output stream could not be opened: {type(error).__name__}: {error}",
                            ready, log=answering)
                 answering = False
-                await asyncio.sleep(RECONNECT_DELAY_S)
+                await asyncio.sleep(self._link.stream_reconnect_s)
                 continue
             answering = True
             if not ready.done():
@@ -98,8 +97,8 @@ class OutputDispatcher:
                     stream.put_nowait(delta)
 
 
-async def connect_output_stream(worker: DecodeWorkerAPI, router_id: str,
-                                timeout_s: float = CONNECT_TIMEOUT_S) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+async def connect_output_stream(worker: DecodeWorkerAPI, router_id: str, timeout_s: float = 10.0
+                                ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
     """Open `router_id`'s output stream on the worker; returns once the worker acknowledged it
     (then read it with common.output_stream.read_batch)."""
     async with asyncio.timeout(timeout_s):

@@ -42,6 +42,7 @@ from splitserve.router.policy import (DecodeCandidate, PrefillCandidate, Rejecti
 from splitserve.router.prefix_index import PrefixIndex
 from splitserve.router.reports import WorkerMonitor
 from splitserve.router.request_run import RequestRun
+from splitserve.router.worker_link import WorkerLinkConfig
 from splitserve.router.worker_pool import Assignment, WorkerPool
 
 T = TypeVar("T")
@@ -54,9 +55,11 @@ HASH_IN_THREAD_TOKENS = 4096
 class Orchestrator:
     def __init__(self, router_id: str, prefill: Sequence[PrefillWorkerAPI], decode: Sequence[DecodeWorkerAPI],
                  tokenizer: Decoder, mode: str = "disaggregated", routing: RoutingConfig = RoutingConfig(),
-                 slo: SloConfig = SloConfig(), observer: Callable[[RequestRecord], None] | None = None) -> None:
+                 slo: SloConfig = SloConfig(), observer: Callable[[RequestRecord], None] | None = None,
+                 worker_link: WorkerLinkConfig = WorkerLinkConfig()) -> None:
         """`observer` gets every request's RequestRecord when it ends (after validation, on any
-        path), on the event loop; it must not block (the metrics server's observe)."""
+        path), on the event loop; it must not block (the metrics server's observe). `worker_link`:
+        the timings of report polls and output streams."""
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if not decode or (mode == "disaggregated" and not prefill):
@@ -70,12 +73,12 @@ class Orchestrator:
         self.tokenizer = tokenizer
         self.prefill_pool = WorkerPool(prefill if mode == "disaggregated" else ())
         self.decode_pool = WorkerPool(decode)
-        self.dispatcher = OutputDispatcher(router_id, decode, self._on_worker_lost)
+        self.dispatcher = OutputDispatcher(router_id, decode, self._on_worker_lost, worker_link)
         self.index = PrefixIndex()
         self.loop_lag = LoopLagMonitor()
         """The router's own event loop: its lag (a metric) and stalls (which worker polls discount)."""
         self.monitor = WorkerMonitor([*self.prefill_pool.clients.values(), *decode], self.index, self._on_restart,
-                                     self._on_worker_lost, self.loop_lag)
+                                     self._on_worker_lost, self.loop_lag, worker_link)
         self.infos: dict[str, WorkerInfo] = {}
         self.max_model_len = 0
         self.vocab_size = 0

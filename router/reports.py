@@ -22,29 +22,22 @@ from collections.abc import Awaitable, Callable, Sequence
 from splitserve.common.kv_events import LoadReport, WorkerCounters, WorkerReport
 from splitserve.router.loop_lag import LoopLagMonitor
 from splitserve.router.prefix_index import PrefixIndex
+from splitserve.router.worker_link import WorkerLinkConfig
 from splitserve.common.worker_api import WorkerAPI
 
 logger = logging.getLogger(__name__)
 
-REPORT_WAIT_S = 0.1
-"""Longest wait of one poll: how stale a quiet worker's load may get."""
-REPORT_TIMEOUT_S = 30.0
-"""A worker that has not answered a poll this long after its wait is treated as gone (generous:
-a report waits for the engine's current step, which can take seconds for a long prefill on CPU).
-Time the router's own loop was stalled does not count."""
-MIN_POLL_INTERVAL_S = 0.02
-"""At least this long between polls of one worker, so a busy worker's per-step event batches
-are fetched together instead of one round trip per engine step."""
-RETRY_AFTER_FAILURE_S = 0.5
 
 
 class WorkerMonitor:
     def __init__(self, clients: Sequence[WorkerAPI], index: PrefixIndex,
                  on_restart: Callable[[str], Awaitable[None]], on_lost: Callable[[str, str], None],
-                 loop_lag: LoopLagMonitor) -> None:
+                 loop_lag: LoopLagMonitor, link: WorkerLinkConfig = WorkerLinkConfig()) -> None:
         """`on_lost(worker_id, reason)` runs when a reporting worker's poll fails; `loop_lag`
-        (running on the same loop) says how long the loop itself was stalled during a poll."""
+        (running on the same loop) says how long the loop itself was stalled during a poll;
+        `link` holds the polls' timings."""
         self.index = index
+        self._link = link
         self._loop_lag = loop_lag
         self._clients = list(clients)
         self._on_restart = on_restart
@@ -84,7 +77,7 @@ class WorkerMonitor:
         return await client.report(epoch, after_seq, max_wait_s)
 
     async def _watch(self, client: WorkerAPI) -> None:
-        """Poll forever; any failure (an error, no answer within REPORT_TIMEOUT_S, a report that
+        """Poll forever; any failure (an error, no answer within link.report_timeout_s, a report that
         cannot be applied) makes the worker unroutable until a later poll succeeds."""
         loop = asyncio.get_running_loop()
         while True:
@@ -98,21 +91,23 @@ class WorkerMonitor:
                 if self.forget(client.worker_id):
                     logger.warning("worker %s stopped reporting: %s", client.worker_id, error)
                     self._on_lost(client.worker_id, f"its report poll failed: {type(error).__name__}: {error}")
-                await asyncio.sleep(RETRY_AFTER_FAILURE_S)
+                await asyncio.sleep(self._link.retry_after_failure_s)
                 continue
-            await asyncio.sleep(max(0.0, MIN_POLL_INTERVAL_S - (loop.time() - started)))
+            await asyncio.sleep(max(0.0, self._link.min_poll_interval_s - (loop.time() - started)))
 
     async def _poll_attended(self, client: WorkerAPI) -> WorkerReport:
-        """One poll; TimeoutError once it has gone unanswered for REPORT_WAIT_S + REPORT_TIMEOUT_S
+        """One poll; TimeoutError once it has gone unanswered for report_wait_s + report_timeout_s
         of time the loop was responsive (the deadline moves out by every stall of the loop meanwhile:
         an answer that arrived during a stall is only read after it)."""
         loop = asyncio.get_running_loop()
         started, stalled_at_start = loop.time(), self._loop_lag.stalled_s()
 
-        def deadline() -> float:
-            return started + REPORT_WAIT_S + REPORT_TIMEOUT_S + self._loop_lag.stalled_s() - stalled_at_start
+        link = self._link
 
-        poll = asyncio.ensure_future(self._poll(client, REPORT_WAIT_S))
+        def deadline() -> float:
+            return started + link.report_wait_s + link.report_timeout_s + self._loop_lag.stalled_s() - stalled_at_start
+
+        poll = asyncio.ensure_future(self._poll(client, link.report_wait_s))
         try:
             while True:
                 # asyncio.wait, not wait_for: Python 3.11's wait_for swallows a cancel that arrives
@@ -121,7 +116,7 @@ class WorkerMonitor:
                 if done:
                     return poll.result()
                 if loop.time() >= deadline():
-                    raise TimeoutError(f"no report within {REPORT_TIMEOUT_S:g} s")
+                    raise TimeoutError(f"no report within {link.report_timeout_s:g} s")
         finally:
             poll.cancel()  # no-op when done
 

@@ -362,9 +362,10 @@ class InProcessCluster:
 
     def __init__(self, model_dir: Path, mode: str = "disaggregated", num_prefill: int = 1, num_decode: int = 1,
                  lease_ttl_s: float = 30.0, transfer_failure_policy: str = "recompute", block_size: int = 8,
-                 routing=None, slo=None, observer=None, max_model_len: int | None = None):
+                 routing=None, slo=None, observer=None, max_model_len: int | None = None, worker_link=None):
         """`observer` gets every ended request's RequestRecord (e.g. a RouterMetrics' observe);
-        `max_model_len` caps every request's prompt + output (the model's limit by default)."""
+        `max_model_len` caps every request's prompt + output (the model's limit by default);
+        `worker_link` (a WorkerLinkConfig) the router's report and stream timings."""
         from splitserve.common.slo import SloConfig
         from splitserve.router.policy import RoutingConfig
 
@@ -376,10 +377,12 @@ class InProcessCluster:
         self.num_prefill = num_prefill if mode == "disaggregated" else 0
         self.num_decode, self.lease_ttl_s, self.policy = num_decode, lease_ttl_s, transfer_failure_policy
         self.observer = observer
+        self.worker_link = worker_link
         self.engine_config = worker_engine_config(block_size, max_model_len)
 
     async def __aenter__(self) -> "InProcessCluster":
         from splitserve.router.orchestrator import Orchestrator
+        from splitserve.router.worker_link import WorkerLinkConfig
         from splitserve.router.tokenizer import RouterTokenizer
 
         self.prefill_workers = [make_prefill_worker(self.model_dir, self.engine_config, f"prefill-{i}",
@@ -392,7 +395,7 @@ class InProcessCluster:
         self.orchestrator = Orchestrator(
             "router-test", [self.clients[w.worker_id] for w in self.prefill_workers],
             [self.clients[w.worker_id] for w in self.decode_workers], self.tokenizer.backend, self.mode,
-            self.routing, self.slo, self.observer)
+            self.routing, self.slo, self.observer, self.worker_link or WorkerLinkConfig())
         await self.orchestrator.start()
         return self
 

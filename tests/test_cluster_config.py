@@ -29,7 +29,7 @@ from splitserve.deploy.cluster_config import (
 EXAMPLE = Path(__file__).resolve().parents[1] / "deploy" / "configs" / "local.yaml"
 ROOT_KEYS = ("decode, kv_transfer_backend, kv_transfer_failure_policy, mode, model, prefill, ray_address, router, "
              "worker_start_timeout_s")
-POOL_KEYS = "engine, max_restarts, replicas, resources"
+POOL_KEYS = "engine, max_restarts, replicas, resources, transfer_poll_s"
 
 
 def test_defaults_tune_each_pool_for_its_phase():
@@ -101,12 +101,14 @@ def test_cuda_pool_with_a_gpu_per_actor():
 
 BAD_FILES = [
     ("decode: {engine: {max_num_seqs: 0}}", "decode.engine.max_num_seqs: must be >= 1, got 0"),
+    ("router: {worker_link: {report_timeout_s: 0}}", "router.worker_link.report_timeout_s: must be > 0, got 0.0"),
+    ("decode: {transfer_poll_s: 0}", "decode.transfer_poll_s: must be > 0 or null, got 0.0"),
     ("prefill: {engin: {}}", f"prefill.engin: unknown key (known: {POOL_KEYS})"),
     ("prefill: {1: x}", f"prefill.1: unknown key (known: {POOL_KEYS})"),
-    ("router: {'': x}", "router.'': unknown key (known: api_key_env, drain_timeout_s, grpc_port, host, http_port, lease_ttl_s, max_pending_tokenizations, max_prompt_bytes, metrics_port, request_timeout_s, routing, slo, tls, tokenizer_threads)"),
+    ("router: {'': x}", "router.'': unknown key (known: api_key_env, drain_timeout_s, grpc_port, host, http_port, lease_ttl_s, max_pending_tokenizations, max_prompt_bytes, metrics_port, request_timeout_s, routing, slo, tls, tokenizer_threads, worker_link)"),
     ("null: x", f"None: unknown key (known: {ROOT_KEYS})"),
     ("router_port: 1", f"router_port: unknown key (known: {ROOT_KEYS})"),
-    ("router: {port: 1}", "router.port: unknown key (known: api_key_env, drain_timeout_s, grpc_port, host, http_port, lease_ttl_s, max_pending_tokenizations, max_prompt_bytes, metrics_port, request_timeout_s, routing, slo, tls, tokenizer_threads)"),
+    ("router: {port: 1}", "router.port: unknown key (known: api_key_env, drain_timeout_s, grpc_port, host, http_port, lease_ttl_s, max_pending_tokenizations, max_prompt_bytes, metrics_port, request_timeout_s, routing, slo, tls, tokenizer_threads, worker_link)"),
     ("prefill: {resources: {gpus: 1}}", "prefill.resources.gpus: unknown key (known: node_labels, num_cpus, num_gpus)"),
     ("prefill: {resources: {node_labels: 'a=b,c'}}",
      "prefill.resources.node_labels: must be comma-separated key=value pairs, got 'a=b,c'"),

@@ -11,7 +11,10 @@ from splitserve.common.metrics import LOOP_LAG_BUCKETS
 from splitserve.router.loop_lag import LoopLagMonitor
 from splitserve.router.prefix_index import PrefixIndex
 from splitserve.router.reports import WorkerMonitor
+from splitserve.router.worker_link import WorkerLinkConfig
 from tests.factories import ScriptedReporter, make_load_report, make_worker_report
+
+SHORT_REPORT_TIMEOUT = WorkerLinkConfig(report_timeout_s=0.2)
 
 HASHES = frozenset({11, 12, 13})
 
@@ -109,20 +112,17 @@ def test_stop_ends_polling_even_when_a_poll_answers_in_the_same_loop_turn():
     asyncio.run(scenario())
 
 
-def test_a_stalled_router_loop_does_not_make_an_answering_worker_lost(monkeypatch):
+def test_a_stalled_router_loop_does_not_make_an_answering_worker_lost():
     """A poll is out when the router's loop blocks for 1.5 s (five poll timeouts); the worker's
     answer is read 0.1 s after the stall (as a Ray reply waiting for the GIL would be): the poll's
     timeout was extended by the stall, so the worker stays routable."""
-    from splitserve.router import reports
-
-    monkeypatch.setattr(reports, "REPORT_TIMEOUT_S", 0.2)
     worker = _GatedReporter("w", _snapshot_report("e1"))
 
     async def scenario():
         loop_lag = LoopLagMonitor()
         loop_lag.start()
         monitor = WorkerMonitor([worker], PrefixIndex(), on_restart=lambda worker_id: asyncio.sleep(0),
-                                on_lost=_never_lost, loop_lag=loop_lag)
+                                on_lost=_never_lost, loop_lag=loop_lag, link=SHORT_REPORT_TIMEOUT)
         await monitor.start()
         await _until(lambda: worker.pending is not None)
         stalled_before, answered = loop_lag.stalled_s(), worker.pending
@@ -140,10 +140,7 @@ def test_a_stalled_router_loop_does_not_make_an_answering_worker_lost(monkeypatc
     assert stats.count - stats.bucket_counts[LOOP_LAG_BUCKETS.index(1.0)] == 1  # the one beat later than 1 s
 
 
-def test_a_silent_worker_is_still_lost_on_a_responsive_loop(monkeypatch):
-    from splitserve.router import reports
-
-    monkeypatch.setattr(reports, "REPORT_TIMEOUT_S", 0.2)
+def test_a_silent_worker_is_still_lost_on_a_responsive_loop():
     worker = ScriptedReporter("w", [_snapshot_report("e1"), _snapshot_report("e1")], delay_s=0.0)
     lost: list[tuple[str, str]] = []
 
@@ -151,7 +148,8 @@ def test_a_silent_worker_is_still_lost_on_a_responsive_loop(monkeypatch):
         loop_lag = LoopLagMonitor()
         loop_lag.start()
         monitor = WorkerMonitor([worker], PrefixIndex(), on_restart=lambda worker_id: asyncio.sleep(0),
-                                on_lost=lambda worker_id, reason: lost.append((worker_id, reason)), loop_lag=loop_lag)
+                                on_lost=lambda worker_id, reason: lost.append((worker_id, reason)), loop_lag=loop_lag,
+                                link=SHORT_REPORT_TIMEOUT)
         await monitor.start()
         worker._delay_s = 3600.0  # every later poll hangs
         await _until(lambda: lost)

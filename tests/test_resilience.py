@@ -67,15 +67,14 @@ def test_killing_the_decode_worker_mid_stream_moves_the_request_and_the_stream_g
 
 
 def test_a_decode_worker_that_stops_answering_is_dropped_after_the_report_timeout_and_its_stream_moves(
-        tiny_llama_dir, monkeypatch):
-    from splitserve.router import reports
+        tiny_llama_dir):
+    from splitserve.router.worker_link import WorkerLinkConfig
 
-    monkeypatch.setattr(reports, "REPORT_TIMEOUT_S", 0.3)
     records = []
 
     async def scenario():
-        async with InProcessCluster(tiny_llama_dir, num_decode=2, routing=ROUND_ROBIN,
-                                    observer=records.append) as cluster:
+        async with InProcessCluster(tiny_llama_dir, num_decode=2, routing=ROUND_ROBIN, observer=records.append,
+                                    worker_link=WorkerLinkConfig(report_timeout_s=0.3)) as cluster:
             tokens, frozen = await _generate_killing_decode_after(
                 cluster, 4, GenerationInput("a", tuple(PROMPT), GREEDY), InProcessCluster.freeze)
             unroutable = cluster.orchestrator.monitor.load(frozen) is None
