@@ -1,19 +1,22 @@
-"""The wire format of a decode worker's output stream: token deltas pushed to a router over a
-TCP connection the router opens (Ray carries the control calls; the per-token path skips it).
+"""The wire format of a decode worker's stream: one TCP connection per router that the router
+opens, carrying its requests to the worker and the token deltas back (Ray carries the control
+calls; a request's own path skips it).
 
-A Ray actor call costs about 1 ms round trip on the development machines and a Ray streaming
-generator about 0.6 ms per item; a frame on a socket costs tens of microseconds. So each router
-holds one connection per decode worker and the worker writes every engine step's deltas for that
-router as one frame the moment the step ends.
+A Ray actor call costs about 1 ms round trip on the development machines (and about 2 ms to
+deliver while the worker's engine computes), a Ray streaming generator about 0.6 ms per item; a
+frame on a socket costs tens of microseconds. So each router holds one connection per decode
+worker, sends each request (and abort) as one frame, and the worker writes every engine step's
+deltas for that router as one frame the moment the step ends.
 
 Handshake: the router connects and sends a hello (the worker's stream token and its router id);
 the worker checks the token before it sends anything, so only a peer that learned the token
 from the worker's own `open_output_stream` answer (a Ray call) gets a stream. The worker answers
 a valid hello with one ACK byte once the stream is registered (a request submitted after the ACK
-always has somewhere to stream to). Then the connection is one-way, worker -> router: frames of
-`[u32 length][pickle of list[TokenDelta]]`.
-The router unpickles only what comes from an address and token its worker gave it (the trust
-model of Ray's own pickled calls); the worker never unpickles anything it reads.
+always has somewhere to stream to). Then both ways carry frames of `[u32 length][pickle]`:
+router -> worker a `DecodeRequest` (submit) or a `StreamAbort`, in the order the router sent
+them; worker -> router a `list[TokenDelta]` per step. Each side unpickles only what comes from a
+peer that proved the token (the router: the address and token its worker gave it over Ray; the
+worker: a peer whose hello carried its token) — the trust model of Ray's own pickled calls.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import pickle
 import struct
 from dataclasses import dataclass
 
-from splitserve.common.worker_messages import TokenDelta
+from splitserve.common.worker_messages import DecodeRequest, TokenDelta
 
 _LENGTH = struct.Struct("!I")
 MAX_ROUTER_ID_BYTES = 256
@@ -70,13 +73,20 @@ async def read_ack(reader: asyncio.StreamReader) -> None:
         raise OutputStreamError("the worker did not acknowledge the hello")
 
 
-def encode_batch(deltas: list[TokenDelta]) -> bytes:
-    payload = pickle.dumps(deltas, protocol=pickle.HIGHEST_PROTOCOL)
-    return _LENGTH.pack(len(payload)) + payload
+@dataclass(frozen=True)
+class StreamAbort:
+    """Router -> worker: end this request (sent after its DecodeRequest on the same stream)."""
+
+    request_id: str
 
 
-async def read_batch(reader: asyncio.StreamReader) -> list[TokenDelta]:
-    """The next frame's deltas; raises asyncio.IncompleteReadError at the end of the stream."""
+def encode_frame(payload: list[TokenDelta] | DecodeRequest | StreamAbort) -> bytes:
+    data = pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL)
+    return _LENGTH.pack(len(data)) + data
+
+
+async def read_frame(reader: asyncio.StreamReader) -> list[TokenDelta] | DecodeRequest | StreamAbort:
+    """The next frame's payload; raises asyncio.IncompleteReadError at the end of the stream."""
     (length,) = _LENGTH.unpack(await reader.readexactly(_LENGTH.size))
     if length > MAX_FRAME_BYTES:
         raise OutputStreamError(f"output frame of {length} bytes (at most {MAX_FRAME_BYTES})")

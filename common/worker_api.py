@@ -13,8 +13,7 @@ from typing import Protocol
 from splitserve.common.kv_events import WorkerReport
 from splitserve.common.kv_transfer_types import AgentMetadata
 from splitserve.common.output_stream import OutputStreamAddress
-from splitserve.common.worker_messages import (DecodeRequest, PrefillRequest, PrefillResult, WorkerInfo,
-                                               WorkerStats)
+from splitserve.common.worker_messages import PrefillRequest, PrefillResult, WorkerInfo, WorkerStats
 
 
 class WorkerLostError(Exception):
@@ -56,7 +55,5 @@ class DecodeWorkerAPI(WorkerAPI, Protocol):
     async def remove_peer(self, agent_name: str) -> None: ...
 
     async def open_output_stream(self, router_id: str) -> OutputStreamAddress:
-        """Where the router connects for its requests' token deltas (common/output_stream.py)."""
-
-    async def submit(self, request: DecodeRequest) -> None:
-        """Admit a request; its tokens go out on its router's output stream."""
+        """Where the router connects to send its requests and receive their token deltas
+        (common/output_stream.py: requests travel on that stream, not through this API)."""

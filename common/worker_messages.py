@@ -68,7 +68,10 @@ class TokenDelta:
     transfer_s: float | None = None
     """Set on the first delta after a KV pull: seconds the pull took."""
     error: str | None = None
-    """Why the request was ended by a fault (finish_reason 'abort')."""
+    """Why the request was ended by a fault (finish_reason 'abort'), or refused."""
+    invalid_field: str | None = None
+    """Set with `error` when the worker refused the request as one it can never serve: the field
+    the error names (the router answers INVALID_ARGUMENT)."""
     kv_transfer_failed: bool = False
     """Set on the first delta after a failed pull: either the request goes on by recomputing the
     prompt (the producer may still hold the lease, so the router releases it), or (transfer

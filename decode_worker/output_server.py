@@ -1,6 +1,7 @@
-"""A decode worker's end of the output streams: one TCP server, one outbox (connection) per router.
+"""A decode worker's end of the streams: one TCP server, one connection per router.
 
-Lives on the worker's event loop. The engine thread hands each step's deltas over once
+Lives on the worker's event loop. Each router's requests and aborts arrive as frames and go to
+`on_frame(router_id, payload)` in order. The engine thread hands each step's deltas over once
 (`loop.call_soon_threadsafe(server.send, ...)`); `send` writes them as one frame without
 waiting. A router whose connection closes, breaks the protocol, or stops reading until
 `max_buffered_bytes` pile up is gone: `on_router_gone(router_id)` ends its requests (their KV
@@ -14,9 +15,9 @@ import logging
 import secrets
 from collections.abc import Callable
 
-from splitserve.common.output_stream import (ACK, TOKEN_BYTES, OutputStreamAddress, OutputStreamError, encode_batch,
-                                             read_hello)
-from splitserve.common.worker_messages import TokenDelta
+from splitserve.common.output_stream import (ACK, TOKEN_BYTES, OutputStreamAddress, OutputStreamError, StreamAbort,
+                                             encode_frame, read_frame, read_hello)
+from splitserve.common.worker_messages import DecodeRequest, TokenDelta
 
 logger = logging.getLogger(__name__)
 
@@ -25,8 +26,10 @@ HELLO_TIMEOUT_S = 10.0
 
 
 class OutputServer:
-    def __init__(self, host: str, on_router_gone: Callable[[str], None], max_buffered_bytes: int) -> None:
+    def __init__(self, host: str, on_frame: Callable[[str, DecodeRequest | StreamAbort], None],
+                 on_router_gone: Callable[[str], None], max_buffered_bytes: int) -> None:
         self._host = host
+        self._on_frame = on_frame
         self._on_router_gone = on_router_gone
         self._max_buffered_bytes = max_buffered_bytes
         self._token = secrets.token_bytes(TOKEN_BYTES)
@@ -55,7 +58,7 @@ class OutputServer:
                            writer.transport.get_write_buffer_size())
             self._drop(router_id, writer)
             return
-        writer.write(encode_batch(deltas))
+        writer.write(encode_frame(deltas))
 
     def close(self) -> None:
         """Close the server and every stream (the routers see the worker gone)."""
@@ -79,14 +82,20 @@ class OutputServer:
             self._drop(router_id, previous)
         self._outboxes[router_id] = writer
         writer.write(ACK)
-        await self._until_closed(router_id, reader, writer)
+        await self._serve(router_id, reader, writer)
 
-    async def _until_closed(self, router_id: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """The router sends nothing after its hello: any read returning means it closed or broke."""
+    async def _serve(self, router_id: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Hand the router's frames on until it closes the stream or breaks the protocol."""
         try:
-            await reader.read(1)
-        except ConnectionError:
+            while True:
+                payload = await read_frame(reader)
+                if not isinstance(payload, (DecodeRequest, StreamAbort)):
+                    raise OutputStreamError(f"unexpected {type(payload).__name__} frame from a router")
+                self._on_frame(router_id, payload)
+        except (asyncio.IncompleteReadError, ConnectionError):
             pass
+        except OutputStreamError as error:
+            logger.warning("router %s broke its stream: %s", router_id, error)
         if self._outboxes.get(router_id) is writer:
             self._drop(router_id, writer)
 

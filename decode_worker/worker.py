@@ -20,7 +20,7 @@ from splitserve.common.config import EngineConfig
 from splitserve.common.errors import InvalidRequestError
 from splitserve.common.kv_events import WorkerReport
 from splitserve.common.kv_transfer_types import TRANSFER_FAILURE_POLICIES, AgentMetadata
-from splitserve.common.output_stream import OutputStreamAddress
+from splitserve.common.output_stream import OutputStreamAddress, StreamAbort
 from splitserve.common.worker_messages import DecodeRequest, TokenDelta, WorkerInfo, WorkerStats
 from splitserve.engine.engine_core import EngineCore
 from splitserve.engine.engine_loop import EngineLoop
@@ -37,10 +37,6 @@ PULL_POLL_S = 0.0005
 the decode pool's transfer_poll_s)."""
 MAX_UNREAD_OUTPUT_BYTES = 64 << 20
 """A router that leaves this much of its output stream unread is gone (hung): its requests end."""
-
-
-class RouterNotConnectedError(RuntimeError):
-    """A request came from a router with no open output stream here: its tokens could go nowhere."""
 
 
 class DecodeWorker:
@@ -76,7 +72,8 @@ class DecodeWorker:
         self._recomputed: set[str] = set()
         self._routes: dict[str, str] = {}
         """request id -> router id; engine thread only."""
-        self._outputs = OutputServer(output_host or _reachable_host(), self._on_router_gone, max_unread_output_bytes)
+        self._outputs = OutputServer(output_host or _reachable_host(), self._on_stream_frame, self._on_router_gone,
+                                     max_unread_output_bytes)
         self._event_loop: asyncio.AbstractEventLoop | None = None
         self._loop = EngineLoop(self.engine, self._on_deltas, self._poll_transfers, self._on_step_failure,
                                 name=self.worker_id)
@@ -94,16 +91,10 @@ class DecodeWorker:
         await self._loop.run(lambda engine: self._backend.remove_peer(agent_name))
 
     async def open_output_stream(self, router_id: str) -> OutputStreamAddress:
-        """Where `router_id` connects for its requests' tokens (common/output_stream.py)."""
+        """Where `router_id` connects to send its requests and receive their tokens
+        (common/output_stream.py)."""
         self._event_loop = asyncio.get_running_loop()
         return await self._outputs.address()
-
-    async def submit(self, request: DecodeRequest) -> None:
-        """Admit a request; raises InvalidRequestError for one the engine can never serve and
-        RouterNotConnectedError when its router has no output stream open here."""
-        if not self._outputs.is_connected(request.router_id):
-            raise RouterNotConnectedError(f"router {request.router_id} has no output stream open on {self.worker_id}")
-        await self._loop.run(lambda engine: self._admit(engine, request))
 
     async def abort(self, request_id: str) -> bool:
         return await self._loop.run(lambda engine: self._abort(engine, request_id))
@@ -129,11 +120,32 @@ class DecodeWorker:
             loop.call_soon_threadsafe(self._outputs.close)
 
     # ---- event loop ----------------------------------------------------------------------
+    def _on_stream_frame(self, router_id: str, payload: DecodeRequest | StreamAbort) -> None:
+        """A router's request or abort, handed to the engine thread in the order it was sent."""
+        if isinstance(payload, StreamAbort):
+            self._loop.call(lambda engine: self._abort(engine, payload.request_id))
+        else:
+            self._loop.call(lambda engine: self._admit_from(engine, router_id, payload))
+
     def _on_router_gone(self, router_id: str) -> None:
         """Its output stream closed: end its requests (one hand-off to the engine thread)."""
         self._loop.call(lambda engine: self._abort_router(engine, router_id))
 
     # ---- engine thread -------------------------------------------------------------------
+    def _admit_from(self, engine: EngineCore, router_id: str, request: DecodeRequest) -> None:
+        """Admit a request that came on router_id's stream; one it refuses ends at once with an
+        error delta on that stream (naming the field when it can never be served)."""
+        try:
+            if request.router_id != router_id:
+                raise InvalidRequestError("router_id", f"{request.router_id!r} sent on {router_id!r}'s stream")
+            self._admit(engine, request)
+        except Exception as error:
+            if not isinstance(error, InvalidRequestError):
+                logger.exception("[%s] admission failed", request.request_id)
+            refusal = TokenDelta(request.request_id, (), (), "abort", None, 0, error=str(error),
+                                 invalid_field=error.field if isinstance(error, InvalidRequestError) else None)
+            self._event_loop.call_soon_threadsafe(self._outputs.send, router_id, [refusal])
+
     def _admit(self, engine: EngineCore, request: DecodeRequest) -> None:
         if request.request_id in self._routes:
             raise InvalidRequestError("request_id", f"{request.request_id!r} is already in flight")

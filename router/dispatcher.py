@@ -1,7 +1,8 @@
-"""Receives decode workers' pushed outputs and hands each delta to its request's stream.
+"""The router's end of the decode workers' streams: sends each request (and abort) to its worker
+and hands each delta that comes back to its request's queue.
 
-One connection per decode worker (common/output_stream.py): the worker writes each engine
-step's deltas for this router as one frame, so the per-token cost is a socket read, not an
+One connection per decode worker (common/output_stream.py): a request is one frame out, each
+engine step's deltas for this router one frame in, so neither a request nor a token costs an
 actor call. A closed or broken stream means the worker is gone: `on_lost` hears of it at once
 (the orchestrator moves that worker's requests elsewhere or ends them), and the dispatcher
 reconnects once the worker answers again (a restarted worker has a new address).
@@ -13,9 +14,10 @@ import asyncio
 import logging
 from collections.abc import Callable, Sequence
 
-from splitserve.common.output_stream import OutputStreamError, encode_hello, read_ack, read_batch
-from splitserve.common.worker_api import DecodeWorkerAPI
-from splitserve.common.worker_messages import TokenDelta
+from splitserve.common.output_stream import (OutputStreamError, StreamAbort, encode_frame, encode_hello, read_ack,
+                                             read_frame)
+from splitserve.common.worker_api import DecodeWorkerAPI, WorkerLostError
+from splitserve.common.worker_messages import DecodeRequest
 from splitserve.router.worker_link import WorkerLinkConfig
 
 logger = logging.getLogger(__name__)
@@ -30,6 +32,8 @@ class OutputDispatcher:
         self._workers = list(workers)
         self._on_lost = on_lost
         self._streams: dict[str, asyncio.Queue] = {}
+        self._writers: dict[str, asyncio.StreamWriter] = {}
+        """worker id -> its open stream (while it is open)."""
         self._tasks: list[asyncio.Task] = []
 
     async def start(self) -> None:
@@ -53,6 +57,23 @@ class OutputDispatcher:
     def close(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
 
+    def submit(self, worker_id: str, request: DecodeRequest) -> None:
+        """Send the request to the worker (its deltas come to `open(request.request_id)`'s queue);
+        raises WorkerLostError while the worker's stream is not open."""
+        self._send(worker_id, request)
+
+    def abort(self, worker_id: str, request_id: str) -> None:
+        """End the request on the worker; nothing to do when its stream is closed (the worker
+        ended this router's requests when it closed)."""
+        if worker_id in self._writers:
+            self._send(worker_id, StreamAbort(request_id))
+
+    def _send(self, worker_id: str, payload: DecodeRequest | StreamAbort) -> None:
+        writer = self._writers.get(worker_id)
+        if writer is None:
+            raise WorkerLostError(worker_id, "its stream is not open")
+        writer.write(encode_frame(payload))
+
     async def _collect(self, worker: DecodeWorkerAPI, ready: asyncio.Future) -> None:
         """Invariant: `ready` resolves after the first connection try, whatever its outcome."""
         answering = True
@@ -69,6 +90,7 @@ class OutputDispatcher:
                 await asyncio.sleep(self._link.stream_reconnect_s)
                 continue
             answering = True
+            self._writers[worker.worker_id] = writer
             if not ready.done():
                 ready.set_result(None)
             try:
@@ -78,6 +100,7 @@ class OutputDispatcher:
             except (ConnectionError, OutputStreamError) as error:
                 self._lost(worker, f"its output stream broke: {type(error).__name__}: {error}", ready)
             finally:
+                del self._writers[worker.worker_id]
                 writer.close()
 
     def _lost(self, worker: DecodeWorkerAPI, reason: str, ready: asyncio.Future, log: bool = True) -> None:
@@ -90,7 +113,9 @@ class OutputDispatcher:
 
     async def _read(self, reader: asyncio.StreamReader) -> None:
         while True:
-            deltas: list[TokenDelta] = await read_batch(reader)
+            deltas = await read_frame(reader)
+            if not isinstance(deltas, list):
+                raise OutputStreamError(f"unexpected {type(deltas).__name__} frame from a worker")
             for delta in deltas:
                 stream = self._streams.get(delta.request_id)
                 if stream is not None:
@@ -99,8 +124,8 @@ class OutputDispatcher:
 
 async def connect_output_stream(worker: DecodeWorkerAPI, router_id: str, timeout_s: float = 10.0
                                 ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-    """Open `router_id`'s output stream on the worker; returns once the worker acknowledged it
-    (then read it with common.output_stream.read_batch)."""
+    """Open `router_id`'s stream on the worker; returns once the worker acknowledged it (then
+    write requests and read deltas with common.output_stream's encode_frame / read_frame)."""
     async with asyncio.timeout(timeout_s):
         address = await worker.open_output_stream(router_id)
         reader, writer = await asyncio.open_connection(address.host, address.port)

@@ -345,8 +345,7 @@ class Orchestrator:
             return
         run.active_worker_id = decode.client.worker_id
         await run.call(self._handshake(decode.client, prefill.client))
-        request = self._decode_request(run, result)
-        await run.call(self._call(decode.client, "submit", lambda: decode.client.submit(request)))
+        self.dispatcher.submit(decode.client.worker_id, self._decode_request(run, result))
         async for chunk in self._stream(run, stream):
             yield chunk
 
@@ -358,7 +357,7 @@ class Orchestrator:
         run.active_worker_id = decode.client.worker_id
         request = DecodeRequest(run.worker_request_id, self.router_id, run.inp.prompt_token_ids,
                                 tuple(run.output_token_ids), self._worker_params(run), 0, None, None)
-        await run.call(self._call(decode.client, "submit", lambda: decode.client.submit(request)))
+        self.dispatcher.submit(decode.client.worker_id, request)
         async for chunk in self._stream(run, stream):
             yield chunk
 
@@ -396,6 +395,8 @@ class Orchestrator:
             if isinstance(delta, WorkerLostError):
                 raise delta
             run.on_decode_timing(delta)
+            if delta.invalid_field is not None:  # the decode worker refused it at admission
+                raise InvalidRequestError(delta.invalid_field, delta.error.removeprefix(f"{delta.invalid_field}: "))
             if delta.error is not None:
                 raise RouterError("INTERNAL", delta.error)
             if delta.kv_transfer_failed:
@@ -475,8 +476,11 @@ class Orchestrator:
         self.dispatcher.close(request_id)
         for assignment in run.assignments:
             assignment.pool.release(assignment)
-            if not run.worker_finished:
-                self._abort_in_background(assignment.client, request_id)
+        if not run.worker_finished:
+            if run.prefill is not None:
+                self._abort_in_background(run.prefill.client, request_id)
+            if run.decode is not None:  # on its stream, after the request itself
+                self.dispatcher.abort(run.decode.client.worker_id, request_id)
         run.prefill = run.decode = None
         run.active_worker_id = None
 

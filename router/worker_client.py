@@ -12,8 +12,7 @@ from splitserve.common.kv_events import WorkerReport
 from splitserve.common.kv_transfer_types import AgentMetadata
 from splitserve.common.output_stream import OutputStreamAddress
 from splitserve.common.worker_api import WorkerLostError
-from splitserve.common.worker_messages import (DecodeRequest, PrefillRequest, PrefillResult, WorkerInfo,
-                                               WorkerStats)
+from splitserve.common.worker_messages import PrefillRequest, PrefillResult, WorkerInfo, WorkerStats
 
 T = TypeVar("T")
 
@@ -48,9 +47,6 @@ class RayWorker:
 
     async def open_output_stream(self, router_id: str) -> OutputStreamAddress:
         return await self._call(self._handle.open_output_stream.remote(router_id))
-
-    async def submit(self, request: DecodeRequest) -> None:
-        await self._call(self._handle.submit.remote(request))
 
     async def _call(self, reply: Awaitable[T]) -> T:
         """Raises WorkerLostError when the actor is gone, else what the method raised."""

@@ -308,9 +308,6 @@ class KillableWorker:
     async def open_output_stream(self, router_id: str):
         return await self._answer(self.worker.open_output_stream(router_id))
 
-    async def submit(self, request) -> None:
-        await self._answer(self.worker.submit(request))
-
     async def _answer(self, reply):
         call = asyncio.ensure_future(reply)
         killed = asyncio.ensure_future(self._killed.wait())
@@ -329,8 +326,8 @@ class KillableWorker:
 
 
 class RouterOutputs:
-    """A router's end of one decode worker's output stream, for tests that drive a worker directly
-    (opened as the router's dispatcher opens it)."""
+    """A router's end of one decode worker's stream, for tests that drive a worker directly
+    (opened as the router's dispatcher opens it): submit requests, read their deltas."""
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._reader, self._writer = reader, writer
@@ -341,13 +338,18 @@ class RouterOutputs:
 
         return cls(*await connect_output_stream(worker, router_id))
 
+    def submit(self, request) -> None:
+        from splitserve.common.output_stream import encode_frame
+
+        self._writer.write(encode_frame(request))
+
     async def next(self, max_wait_s: float = 1.0) -> list:
         """The next frame's TokenDeltas, or [] when none came within max_wait_s."""
-        from splitserve.common.output_stream import read_batch
+        from splitserve.common.output_stream import read_frame
 
         try:
             async with asyncio.timeout(max_wait_s):
-                return await read_batch(self._reader)
+                return await read_frame(self._reader)
         except TimeoutError:
             return []
 

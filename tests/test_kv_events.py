@@ -189,7 +189,7 @@ async def _serve(worker, request_id: str) -> None:
         return
     outputs = await RouterOutputs.open(worker, "router-0")
     try:
-        await worker.submit(DecodeRequest(request_id, "router-0", PROMPT, (), ONE_TOKEN, 0, None, None))
+        outputs.submit(DecodeRequest(request_id, "router-0", PROMPT, (), ONE_TOKEN, 0, None, None))
         async with asyncio.timeout(60):
             while not any(d.finish_reason for d in await outputs.next()):
                 pass

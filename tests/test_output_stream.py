@@ -1,5 +1,5 @@
-"""The decode worker's output stream (common/output_stream.py, decode_worker/output_server.py):
-who gets a stream, what a router receives, and when a router counts as gone."""
+"""The decode worker's stream (common/output_stream.py, decode_worker/output_server.py): who gets
+a stream, what each side receives, and when a router counts as gone."""
 
 from __future__ import annotations
 
@@ -7,9 +7,10 @@ import asyncio
 
 import pytest
 
-from splitserve.common.output_stream import (MAX_FRAME_BYTES, OutputStreamError, encode_batch, encode_hello,
-                                             read_batch)
-from splitserve.common.worker_messages import TokenDelta
+from splitserve.common.output_stream import (MAX_FRAME_BYTES, OutputStreamError, StreamAbort, encode_frame,
+                                             encode_hello, read_frame)
+from splitserve.common.sampling_params import SamplingParams
+from splitserve.common.worker_messages import DecodeRequest, TokenDelta
 from splitserve.decode_worker.output_server import OutputServer
 from splitserve.router.dispatcher import connect_output_stream
 
@@ -21,7 +22,9 @@ class _Worker:
 
     def __init__(self, max_buffered_bytes: int = 1 << 20) -> None:
         self.gone: list[str] = []
-        self.server = OutputServer("127.0.0.1", self.gone.append, max_buffered_bytes)
+        self.frames: list[tuple[str, object]] = []
+        self.server = OutputServer("127.0.0.1", lambda router_id, payload: self.frames.append((router_id, payload)),
+                                   self.gone.append, max_buffered_bytes)
 
     async def open_output_stream(self, router_id: str):
         return await self.server.address()
@@ -45,7 +48,7 @@ def test_a_router_receives_each_send_as_one_frame_in_order():
         worker.server.send("router-a", [_delta("r1", 5), _delta("r2", 6)])
         worker.server.send("router-b", [_delta("r3", 7)])  # not connected: dropped
         worker.server.send("router-a", [_delta("r1", 8, "length")])
-        frames = [await read_batch(reader), await read_batch(reader)]
+        frames = [await read_frame(reader), await read_frame(reader)]
         writer.close()
         worker.server.close()
         return frames
@@ -93,7 +96,7 @@ def test_a_reconnect_replaces_the_routers_stream_and_ends_its_requests_once():
         old_reader, old = await connect_output_stream(worker, "router-a")
         new_reader, new = await connect_output_stream(worker, "router-a")
         worker.server.send("router-a", [_delta("r", 1)])
-        frame = await read_batch(new_reader)
+        frame = await read_frame(new_reader)
         ended = await asyncio.wait_for(old_reader.read(), 5)
         old.close()
         new.close()
@@ -109,9 +112,26 @@ def test_an_oversized_frame_is_a_broken_stream():
         reader = asyncio.StreamReader()
         reader.feed_data((MAX_FRAME_BYTES + 1).to_bytes(4, "big"))
         with pytest.raises(OutputStreamError, match="output frame of 67108865 bytes"):
-            await read_batch(reader)
+            await read_frame(reader)
         reader = asyncio.StreamReader()
-        reader.feed_data(encode_batch([_delta("r", 3)]))
-        return await read_batch(reader)
+        reader.feed_data(encode_frame([_delta("r", 3)]))
+        return await read_frame(reader)
 
     assert asyncio.run(scenario()) == [_delta("r", 3)]
+
+
+def test_a_routers_requests_and_aborts_reach_the_worker_in_order_and_anything_else_breaks_the_stream():
+    request = DecodeRequest("r1", "router-a", (5, 6), (), SamplingParams(), 0, None, None)
+
+    async def scenario():
+        worker = _Worker()
+        _, writer = await connect_output_stream(worker, "router-a")
+        writer.write(encode_frame(request) + encode_frame(StreamAbort("r1")))
+        await _until(lambda: len(worker.frames) == 2)
+        writer.write(encode_frame([_delta("r1", 5)]))  # deltas go the other way
+        await _until(lambda: worker.gone == ["router-a"])
+        writer.close()
+        worker.server.close()
+        return worker.frames
+
+    assert asyncio.run(scenario()) == [("router-a", request), ("router-a", StreamAbort("r1"))]

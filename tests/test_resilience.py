@@ -237,8 +237,8 @@ def test_a_decode_worker_aborts_the_requests_of_a_router_whose_output_stream_clo
         worker = make_decode_worker(tiny_llama_dir)
         try:
             streams = {router_id: await RouterOutputs.open(worker, router_id) for router_id in ("router-gone", "router-live")}
-            for router_id in streams:
-                await worker.submit(DecodeRequest(f"{router_id}-r", router_id, tuple(PROMPT), (), LONG, 0, None, None))
+            for router_id, stream in streams.items():
+                stream.submit(DecodeRequest(f"{router_id}-r", router_id, tuple(PROMPT), (), LONG, 0, None, None))
             streams["router-gone"].close()  # its process died: the OS closes its sockets
             loop = asyncio.get_running_loop()
             until, live = loop.time() + 0.5, []
@@ -256,21 +256,29 @@ def test_a_decode_worker_aborts_the_requests_of_a_router_whose_output_stream_clo
     assert sum(len(d.token_ids) for d in live) >= 1
 
 
-def test_a_decode_worker_refuses_a_request_from_a_router_without_an_output_stream(tiny_llama_dir):
-    from splitserve.common.worker_messages import DecodeRequest
-    from splitserve.decode_worker.worker import RouterNotConnectedError
-    from tests.factories import make_decode_worker
+def test_a_decode_worker_refuses_on_its_stream_a_request_it_cannot_serve(tiny_llama_dir):
+    """A refused request ends at once with an error delta naming the field; nothing is held."""
+    from splitserve.common.worker_messages import DecodeRequest, TokenDelta
+    from tests.factories import RouterOutputs, make_decode_worker
 
     async def scenario():
         worker = make_decode_worker(tiny_llama_dir)
         try:
-            with pytest.raises(RouterNotConnectedError, match="router-x has no output stream open on decode-0"):
-                await worker.submit(DecodeRequest("r", "router-x", tuple(PROMPT), (), LONG, 0, None, None))
-            return (await worker.stats()).is_idle
+            stream = await RouterOutputs.open(worker, "router-a")
+            stream.submit(DecodeRequest("other", "router-b", tuple(PROMPT), (), LONG, 0, None, None))
+            stream.submit(DecodeRequest("huge", "router-a", tuple(PROMPT) * 100, (), LONG, 0, None, None))
+            answers = await stream.next(5.0) + await stream.next(5.0)
+            stream.close()
+            return answers, (await worker.stats()).is_idle
         finally:
             worker.shutdown()
 
-    assert asyncio.run(scenario())
+    answers, idle = asyncio.run(scenario())
+    assert answers[0] == TokenDelta("other", (), (), "abort", None, 0, error="router_id: 'router-b' sent on "
+                                    "'router-a''s stream", invalid_field="router_id")
+    assert (answers[1].request_id, answers[1].finish_reason, answers[1].invalid_field) == ("huge", "abort",
+                                                                                           "prompt")
+    assert idle
 
 
 def test_a_draining_router_reports_not_serving_on_every_api_and_finishes_running_streams(tiny_llama_dir):
