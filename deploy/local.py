@@ -27,16 +27,15 @@ from ray._private import ray_constants  # noqa: E402
 
 from splitserve.decode_worker.worker import DecodeWorker  # noqa: E402
 from splitserve.deploy.cluster_config import ClusterConfig, PoolConfig  # noqa: E402
+from splitserve.deploy.router_app import RouterServers, build_orchestrator, start_servers  # noqa: E402
 from splitserve.engine.tiny_model import resolve_model_path  # noqa: E402
 from splitserve.prefill_worker.worker import PrefillWorker  # noqa: E402
 from splitserve.router.auth import api_key_from_env  # noqa: E402
 from splitserve.router.metrics_server import RouterMetrics  # noqa: E402
-from splitserve.router.openai_server import HttpServer, start_http_server  # noqa: E402
+from splitserve.router.openai_server import HttpServer  # noqa: E402
 from splitserve.router.orchestrator import Orchestrator  # noqa: E402
-from splitserve.router.server import GrpcServer, drain, start_grpc_server  # noqa: E402
 from splitserve.router.tls import load_tls  # noqa: E402
 from splitserve.router.tokenizer import RouterTokenizer  # noqa: E402
-from splitserve.router.tokenizer_pool import TokenizerPool  # noqa: E402
 from splitserve.router.worker_client import RayWorker  # noqa: E402
 
 logger = logging.getLogger(__name__)
@@ -74,15 +73,24 @@ class LocalCluster:
     prefill_actors: list[Any] = field(default_factory=list)
     decode_actors: list[Any] = field(default_factory=list)
     orchestrator: Orchestrator | None = None
-    server: GrpcServer | None = None
-    port: int = 0
     metrics: RouterMetrics | None = None
-    metrics_port: int | None = None
-    """The bound /metrics port; None when router.metrics_port is None (disabled)."""
-    http: HttpServer | None = None
-    """The OpenAI-compatible API (its `port` is the bound one); None when router.http_port is None."""
-    tokenizers: TokenizerPool | None = None
-    """Tokenization and request limits, shared by every API."""
+    """The router's metrics; None when router.metrics_port is None (disabled)."""
+    servers: RouterServers | None = None
+
+    @property
+    def port(self) -> int:
+        """The bound gRPC port."""
+        return self.servers.grpc.port
+
+    @property
+    def http(self) -> HttpServer | None:
+        """The OpenAI-compatible API (its `port` is the bound one); None when router.http_port is None."""
+        return self.servers.http
+
+    @property
+    def metrics_port(self) -> int | None:
+        """The bound /metrics port; None when router.metrics_port is None (disabled)."""
+        return self.servers.metrics_port
 
     async def start(self) -> int:
         """Start everything; returns the gRPC port. On failure, whatever started is stopped."""
@@ -111,26 +119,11 @@ class LocalCluster:
         tokenizer = await asyncio.to_thread(RouterTokenizer.from_model_dir, model_dir)
         if config.router.metrics_port is not None:
             self.metrics = RouterMetrics(config.router.slo)
-        self.orchestrator = Orchestrator(self.router_id, prefill, decode, tokenizer.backend, config.mode,
-                                         config.router.routing, config.router.slo,
-                                         self.metrics.observe if self.metrics is not None else None,
-                                         config.router.worker_link)
+        self.orchestrator = build_orchestrator(self.router_id, config.router, config.mode, prefill, decode, tokenizer,
+                                               self.metrics.observe if self.metrics is not None else None)
         await self.orchestrator.start()
-        router = config.router
-        self.tokenizers = TokenizerPool.for_orchestrator(tokenizer, self.orchestrator, router.max_prompt_bytes,
-                                                         router.tokenizer_threads, router.max_pending_tokenizations)
-        if self.metrics is not None:
-            self.metrics.watch(self.orchestrator)
-            self.metrics_port = self.metrics.serve(config.router.host, config.router.metrics_port)
-        self.server = await start_grpc_server(
-            self.orchestrator, self.tokenizers, config.model, config.router.host, config.router.grpc_port,
-            config.router.request_timeout_s, api_key, config.router.tls)
-        self.port = self.server.port
-        if config.router.http_port is not None:
-            self.http = await start_http_server(
-                self.orchestrator, self.tokenizers, config.model, config.router.host, config.router.http_port,
-                config.router.request_timeout_s, self.metrics.asgi_app() if self.metrics is not None else None,
-                api_key, config.router.tls)
+        self.servers = await start_servers(self.orchestrator, tokenizer, config.router, config.model, self.metrics,
+                                           api_key)
         logger.info("serving %s on %s:%d (%s, %d prefill + %d decode workers)", config.model, config.router.host,
                     self.port, config.mode, len(self.prefill_actors), len(self.decode_actors))
         return self.port
@@ -162,19 +155,14 @@ class LocalCluster:
     async def drain(self) -> int:
         """Refuse new requests and report NOT_SERVING (gRPC health, HTTP /health 503), then wait
         up to router.drain_timeout_s for the requests in flight; returns how many are left."""
-        return await drain(self.orchestrator, self.server, self.config.router.drain_timeout_s)
+        return await self.servers.drain(self.config.router.drain_timeout_s)
 
     async def stop(self, grace_s: float = 2.0) -> None:
-        if self.http is not None:
-            await self.http.stop()
-        if self.metrics is not None:
-            await asyncio.to_thread(self.metrics.stop)
-        if self.server is not None:
-            await self.server.stop(grace_s)
+        if self.servers is not None:
+            await self.servers.stop(grace_s)
+            self.servers = None
         if self.orchestrator is not None:
             await self.orchestrator.stop()
-        if self.tokenizers is not None:
-            self.tokenizers.close()
         for actor in [*self.prefill_actors, *self.decode_actors]:
             try:
                 await asyncio.wait_for(actor.shutdown.remote(), grace_s)

@@ -383,7 +383,8 @@ class InProcessCluster:
         self.engine_config = worker_engine_config(block_size, max_model_len)
 
     async def __aenter__(self) -> "InProcessCluster":
-        from splitserve.router.orchestrator import Orchestrator
+        from splitserve.deploy.cluster_config import RouterConfig
+        from splitserve.deploy.router_app import build_orchestrator
         from splitserve.router.worker_link import WorkerLinkConfig
         from splitserve.router.tokenizer import RouterTokenizer
 
@@ -394,10 +395,11 @@ class InProcessCluster:
         self.tokenizer = RouterTokenizer.from_model_dir(self.model_dir)
         self.clients = {w.worker_id: KillableWorker(w)
                         for w in [*self.prefill_workers, *self.decode_workers]}
-        self.orchestrator = Orchestrator(
-            "router-test", [self.clients[w.worker_id] for w in self.prefill_workers],
-            [self.clients[w.worker_id] for w in self.decode_workers], self.tokenizer.backend, self.mode,
-            self.routing, self.slo, self.observer, self.worker_link or WorkerLinkConfig())
+        router_config = RouterConfig(routing=self.routing, slo=self.slo,
+                                     worker_link=self.worker_link or WorkerLinkConfig())
+        self.orchestrator = build_orchestrator(
+            "router-test", router_config, self.mode, [self.clients[w.worker_id] for w in self.prefill_workers],
+            [self.clients[w.worker_id] for w in self.decode_workers], self.tokenizer, self.observer)
         await self.orchestrator.start()
         return self
 
@@ -525,37 +527,27 @@ class ServedApis:
 
 @contextmanager
 def served_apis(model_dir: Path, model_name: str, api_key: str | None = None,
-                served_class: type[ServedApis] = ServedApis, tls=None, pool_options: dict | None = None,
-                **cluster_options):
-    """Start the cluster (InProcessCluster options: routing, slo, ...) and both servers (over TLS
-    with a router.tls.TlsConfig) over one TokenizerPool (`pool_options`: its for_orchestrator
-    options: max_prompt_bytes, num_threads, max_pending); everything is stopped on the way out."""
+                served_class: type[ServedApis] = ServedApis, tls=None, **cluster_options):
+    """Start the cluster (InProcessCluster options: routing, slo, ...) and the router's servers as
+    the local launcher does (deploy/router_app.py: gRPC and HTTP on free loopback ports over one
+    TokenizerPool, the router's metrics on the HTTP API; over TLS with a router.tls.TlsConfig);
+    everything is stopped on the way out."""
     from splitserve.common.slo import SloConfig
+    from splitserve.deploy.cluster_config import RouterConfig
+    from splitserve.deploy.router_app import start_servers
     from splitserve.router.metrics_server import RouterMetrics
-    from splitserve.router.openai_server import start_http_server
-    from splitserve.router.server import start_grpc_server
-    from splitserve.router.tokenizer_pool import TokenizerPool
-
-    async def watch() -> None:
-        metrics.watch(cluster.orchestrator)  # on the orchestrator's loop
 
     loop = EventLoopThread()
     metrics = RouterMetrics(SloConfig())
     cluster = InProcessCluster(model_dir, observer=metrics.observe, **cluster_options)
     loop.run(cluster.__aenter__())
-    loop.run(watch())
-    tokenizers = TokenizerPool.for_orchestrator(cluster.tokenizer, cluster.orchestrator, **(pool_options or {}))
-    http_server = loop.run(start_http_server(cluster.orchestrator, tokenizers, model_name, port=0,
-                                             metrics_app=metrics.asgi_app(), api_key=api_key, tls=tls))
-    grpc_server = loop.run(start_grpc_server(cluster.orchestrator, tokenizers, model_name, port=0,
-                                             api_key=api_key, tls=tls))
+    config = RouterConfig(grpc_port=0, http_port=0, metrics_port=None, tls=tls)
+    servers = loop.run(start_servers(cluster.orchestrator, cluster.tokenizer, config, model_name, metrics, api_key))
     try:
-        yield served_class(cluster, loop, http_server.port, grpc_server.port, grpc_server, tokenizers)
+        yield served_class(cluster, loop, servers.http.port, servers.grpc.port, servers.grpc, servers.tokenizers)
     finally:
-        loop.run(grpc_server.stop(None))
-        loop.run(http_server.stop())
+        loop.run(servers.stop(None))
         loop.run(cluster.__aexit__(None, None, None))
-        tokenizers.close()
         loop.close()
 
 

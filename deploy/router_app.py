@@ -1,0 +1,90 @@
+"""The router, composed in one place from its config: the orchestrator over the workers' proxies,
+and the servers in front of it (tokenizer pool, gRPC, OpenAI HTTP, /metrics).
+
+The local launcher (deploy/local.py) builds it over Ray actors; the tests' in-process cluster
+(tests/factories.py) over in-process workers behind the fault-injecting double. Both go through
+these functions, so a router setting means the same thing in both.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from splitserve.common.stats import RequestRecord
+from splitserve.common.worker_api import DecodeWorkerAPI, PrefillWorkerAPI
+from splitserve.deploy.cluster_config import RouterConfig
+from splitserve.router.metrics_server import RouterMetrics
+from splitserve.router.openai_server import HttpServer, start_http_server
+from splitserve.router.orchestrator import Orchestrator
+from splitserve.router.server import GrpcServer, drain, start_grpc_server
+from splitserve.router.tokenizer import RouterTokenizer
+from splitserve.router.tokenizer_pool import TokenizerPool
+
+
+def build_orchestrator(router_id: str, config: RouterConfig, mode: str, prefill: Sequence[PrefillWorkerAPI],
+                       decode: Sequence[DecodeWorkerAPI], tokenizer: RouterTokenizer,
+                       observer: Callable[[RequestRecord], None] | None = None) -> Orchestrator:
+    """The orchestrator over the workers, with the router config's routing, SLO and worker-link
+    settings; `observer` gets every ended request's record (RouterMetrics.observe)."""
+    return Orchestrator(router_id, prefill, decode, tokenizer.backend, mode, config.routing, config.slo, observer,
+                        config.worker_link)
+
+
+@dataclass
+class RouterServers:
+    """What serves an orchestrator: the tokenizer pool both APIs share, the gRPC server, the
+    OpenAI HTTP API (None when http_port is null) and the /metrics port (None when disabled)."""
+
+    orchestrator: Orchestrator
+    tokenizers: TokenizerPool
+    grpc: GrpcServer
+    http: HttpServer | None
+    metrics: RouterMetrics | None
+    metrics_port: int | None
+
+    async def drain(self, timeout_s: float) -> int:
+        """Refuse new requests and report NOT_SERVING, then wait up to timeout_s for the requests
+        in flight; returns how many are left."""
+        return await drain(self.orchestrator, self.grpc, timeout_s)
+
+    async def stop(self, grace_s: float | None = 2.0) -> None:
+        """Stop serving; running gRPC calls get grace_s to finish (None: cancelled at once)."""
+        if self.http is not None:
+            await self.http.stop()
+        if self.metrics is not None:
+            await asyncio.to_thread(self.metrics.stop)
+        await self.grpc.stop(grace_s)
+        self.tokenizers.close()
+
+
+async def start_servers(orchestrator: Orchestrator, tokenizer: RouterTokenizer, config: RouterConfig,
+                        model_name: str, metrics: RouterMetrics | None, api_key: str | None) -> RouterServers:
+    """Start the servers `config` asks for in front of a started orchestrator. `metrics` (already
+    the orchestrator's observer) is watched, served on config.metrics_port when set, and on the
+    HTTP API's /metrics; `api_key` (resolved from config.api_key_env by the caller) guards both
+    APIs. On failure, whatever started is stopped."""
+    tokenizers = TokenizerPool.for_orchestrator(tokenizer, orchestrator, config.max_prompt_bytes,
+                                                config.tokenizer_threads, config.max_pending_tokenizations)
+    grpc = http = None
+    metrics_port = None
+    try:
+        if metrics is not None:
+            metrics.watch(orchestrator)
+            if config.metrics_port is not None:
+                metrics_port = metrics.serve(config.host, config.metrics_port)
+        grpc = await start_grpc_server(orchestrator, tokenizers, model_name, config.host, config.grpc_port,
+                                       config.request_timeout_s, api_key, config.tls)
+        if config.http_port is not None:
+            http = await start_http_server(orchestrator, tokenizers, model_name, config.host, config.http_port,
+                                           config.request_timeout_s,
+                                           metrics.asgi_app() if metrics is not None else None, api_key, config.tls)
+    except BaseException:
+        if grpc is not None:
+            await grpc.stop(0)
+        if metrics is not None:
+            await asyncio.to_thread(metrics.stop)
+        tokenizers.close()
+        raise
+    return RouterServers(orchestrator, tokenizers, grpc, http, metrics, metrics_port)
