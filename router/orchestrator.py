@@ -37,6 +37,7 @@ from splitserve.common.worker_messages import DecodeRequest, PrefillRequest, Pre
 from splitserve.router.api_types import GenerationInput, RouterError, StreamChunk
 from splitserve.router.dispatcher import OutputDispatcher
 from splitserve.router.loop_lag import LoopLagMonitor
+from splitserve.router.peers import PeerHandshakes
 from splitserve.router.policy import (DecodeCandidate, PrefillCandidate, Rejection, RouteDecision, RoutingConfig,
                                       RoutingRequest, route)
 from splitserve.router.prefix_index import PrefixIndex
@@ -91,7 +92,7 @@ class Orchestrator:
         """Current attempts by worker-side request id."""
         self.accepting = True
         """False once drain() started: new requests get UNAVAILABLE, running ones finish."""
-        self._peers: dict[tuple[str, str], asyncio.Future] = {}
+        self.peers = PeerHandshakes()
         self._background: set[asyncio.Task] = set()
         self._turn = 0
         self._decisions: Counter[str] = Counter()
@@ -230,8 +231,7 @@ class Orchestrator:
         self._lose_runs_on(WorkerLostError(worker_id, "it restarted"))
         # A restarted decode worker knows no peer; nobody can read from a restarted prefill
         # worker's old agent, so decode workers drop it.
-        for key in [key for key in self._peers if key[0] == worker_id or key[1] == old_agent]:
-            del self._peers[key]
+        self.peers.forget(worker_id, old_agent)
         if worker_id in self.prefill_pool.clients:
             for decode in self.decode_pool.clients.values():
                 self._in_background(self._forget_peer(decode, old_agent))
@@ -431,14 +431,8 @@ class Orchestrator:
     async def _ensure_peer(self, decode: DecodeWorkerAPI, prefill: PrefillWorkerAPI) -> None:
         """Handshake each (decode, prefill agent) pair once; concurrent requests share it."""
         agent = self.infos[prefill.worker_id].agent
-        key = (decode.worker_id, agent.agent_name)
-        if key not in self._peers:
-            self._peers[key] = asyncio.ensure_future(self._call(decode, "add_peer", lambda: decode.add_peer(agent)))
-        try:
-            await asyncio.shield(self._peers[key])
-        except Exception:
-            self._peers.pop(key, None)
-            raise
+        await self.peers.ensure(decode.worker_id, agent.agent_name,
+                                lambda: self._call(decode, "add_peer", lambda: decode.add_peer(agent)))
 
     async def _call(self, client: WorkerAPI, method: str, call: Callable[[], Awaitable[T]]) -> T:
         """Await call(), the worker's `method` (made only once this coroutine runs, so a request
