@@ -1,10 +1,10 @@
-"""The fault matrix: runs every scenario of tests/fault_scenarios.py and regenerates the results
+"""The fault matrix: runs every scenario of testing/fault_scenarios.py and regenerates the results
 section of docs/reliability.md.
 
 In-process scenarios run on a fresh InProcessCluster each (router + 1 prefill + 1 decode worker,
 in-process KV transfer); the NIXL scenarios share one local Ray cluster (1 prefill + 1 decode
 actor, NIXL over UCX), which takes most of the time. The model is the tests' tiny Llama
-(tests/conftest.py TINY_SPECS["llama"]), built into a temporary directory.
+(testing/tiny_models.py TINY_SPECS["llama"]), built into a temporary directory.
 
 Writes bench/results/fault_matrix.json (every scenario's outcome and the date it was measured)
 and the generated block of docs/reliability.md (tests/test_faults.py checks the two agree with
@@ -25,17 +25,13 @@ import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))  # tests.fault_scenarios: the scenario library
-
-from splitserve.engine.tiny_model import build_tiny_model  # noqa: E402
-from tests.conftest import TINY_SPECS  # noqa: E402
-from tests.factories import running_cluster  # noqa: E402
-from tests.fault_scenarios import (ALL_SCENARIOS, IN_PROCESS_SCENARIOS, RAY_SCENARIOS, MatrixResult,  # noqa: E402
-                                   Reference, Scenario, ScenarioOutcome, load_results, ray_cluster_config,
-                                   render_results, run_in_process, run_on_ray, save_results, unmet_expectations,
-                                   write_results_block)
+from splitserve.engine.tiny_model import build_tiny_model
+from splitserve.testing.fault_scenarios import (ALL_SCENARIOS, IN_PROCESS_SCENARIOS, RAY_SCENARIOS, MatrixResult,
+                                               Reference, Scenario, ScenarioOutcome, load_results,
+                                               ray_cluster_config, render_results, run_in_process, run_on_ray,
+                                               save_results, unmet_expectations, write_results_block)
+from splitserve.testing.local_cluster import running_cluster
+from splitserve.testing.tiny_models import TINY_SPECS
 
 
 def run_in_process_scenarios(scenarios: list[Scenario], model_dir: Path, reference: Reference) -> list[ScenarioOutcome]:

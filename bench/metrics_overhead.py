@@ -36,18 +36,15 @@ import timeit
 import urllib.request
 from pathlib import Path
 
+from splitserve.common.sampling_params import SamplingParams
+from splitserve.common.slo import SloConfig
+from splitserve.engine.tiny_model import DEFAULT_MODEL_SPEC, resolve_model_path
+from splitserve.engine.worker_report import worker_counters
+from splitserve.router.metrics_server import RouterMetrics
+from splitserve.router.records import RequestTimeline
+from splitserve.testing.in_process_cluster import InProcessCluster
+
 REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))  # tests.factories: the shared InProcessCluster
-
-from splitserve.common.sampling_params import SamplingParams  # noqa: E402
-from splitserve.common.slo import SloConfig  # noqa: E402
-from splitserve.engine.tiny_model import DEFAULT_MODEL_SPEC, resolve_model_path  # noqa: E402
-from splitserve.engine.worker_report import worker_counters  # noqa: E402
-from splitserve.router.metrics_server import RouterMetrics  # noqa: E402
-from splitserve.router.records import RequestTimeline  # noqa: E402
-from tests.factories import InProcessCluster  # noqa: E402
-
 RESULTS = REPO / "bench" / "results"
 SLO = SloConfig(ttft_s=1.0, tpot_s=0.05)
 SCRAPE_INTERVAL_S = 1.0

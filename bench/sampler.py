@@ -1,5 +1,5 @@
 """What sampling one step costs: the batched sampler (engine/sampler.py) against the per-row sampler
-it replaced (tests/sampler_oracle.py, the reference it equals bit for bit), on random float32 logits.
+it replaced (testing/sampler_oracle.py, the reference it equals bit for bit), on random float32 logits.
 
 Workloads, each at batch 1, 8, 64 and 256 with vocab 32000; every row has a 512-token prompt and
 128 output tokens:
@@ -32,14 +32,11 @@ from pathlib import Path
 
 import torch
 
+from splitserve.common.sampling_params import SamplingParams
+from splitserve.engine.sampler import Sampler, SamplerOutput, SamplingRow
+from splitserve.testing import sampler_oracle as oracle
+
 REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))  # tests.sampler_oracle: the per-row reference
-
-from splitserve.common.sampling_params import SamplingParams  # noqa: E402
-from splitserve.engine.sampler import Sampler, SamplerOutput, SamplingRow  # noqa: E402
-from tests import sampler_oracle as oracle  # noqa: E402
-
 RESULTS = REPO / "bench" / "results"
 VOCAB_SIZE = 32_000
 PROMPT_TOKENS, OUTPUT_TOKENS = 512, 128

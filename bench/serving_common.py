@@ -30,8 +30,6 @@ from contextlib import contextmanager
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))  # tests.factories: the shared running_cluster
 
 POOL_NUM_CPUS = 0.5
 """Ray CPUs per worker actor, so 2 workers + the router fit the 2-core machine (Ray's own
@@ -270,7 +268,7 @@ class Cluster:
     """running_cluster + ray.shutdown, so every configuration starts from a fresh Ray."""
 
     def __init__(self, config) -> None:
-        from tests.factories import running_cluster
+        from splitserve.testing.local_cluster import running_cluster
 
         self._context = running_cluster(config)
 

@@ -2,7 +2,7 @@
 and the servers in front of it (tokenizer pool, gRPC, OpenAI HTTP, /metrics).
 
 The local launcher (deploy/local.py) builds it over Ray actors; the tests' in-process cluster
-(tests/factories.py) over in-process workers behind the fault-injecting double. Both go through
+(splitserve.testing.in_process_cluster) over in-process workers behind the fault-injecting double. Both go through
 these functions, so a router setting means the same thing in both.
 """
 
@@ -30,6 +30,19 @@ def build_orchestrator(router_id: str, config: RouterConfig, mode: str, prefill:
     settings; `observer` gets every ended request's record (RouterMetrics.observe)."""
     return Orchestrator(router_id, prefill, decode, tokenizer.backend, mode, config.routing, config.slo, observer,
                         config.worker_link)
+
+
+def each_of(observers: Sequence[Callable[[RequestRecord], None]]) -> Callable[[RequestRecord], None] | None:
+    """One request observer that calls every one of `observers` in order (None for none)."""
+    if not observers:
+        return None
+    if len(observers) == 1:
+        return observers[0]
+
+    def observe(record: RequestRecord) -> None:
+        for observer in observers:
+            observer(record)
+    return observe
 
 
 @dataclass

@@ -17,7 +17,7 @@ instead of sorting the vocabulary). Two things stay one row at a time, so that a
 never depends on its batch mates: the noise E, drawn from the row's own generator (rows sharing a
 generator draw in row order), and the sums that renormalize a distribution (torch sums a long row
 alone split across threads, in another order than one row of a batch). On CPU the result equals
-the per-row sampler this replaced (tests/sampler_oracle.py) bit for bit, tokens and logprobs.
+the per-row sampler this replaced (testing/sampler_oracle.py) bit for bit, tokens and logprobs.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Session fixtures: tiny models built once per test session (same builder as `make-tiny-model`),
+"""Session fixtures: tiny models built once per test session (splitserve.testing.tiny_models' specs,
+same builder as `make-tiny-model`),
 and the Prometheus server and promtool (installed when missing)."""
 
 from __future__ import annotations
@@ -11,14 +12,8 @@ from typing import NamedTuple
 
 import pytest
 
-from splitserve.engine.tiny_model import TinyModelSpec, build_tiny_model
-
-TINY_SPECS = {
-    "llama": TinyModelSpec(arch="llama", num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2,
-                           vocab_size=512, seed=0),
-    "qwen2": TinyModelSpec(arch="qwen2", num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2,
-                           vocab_size=512, seed=1),
-}
+from splitserve.engine.tiny_model import build_tiny_model
+from splitserve.testing.tiny_models import TINY_SPECS
 
 
 @pytest.fixture(scope="session")

@@ -1,15 +1,23 @@
-"""The one shared set of test factories (requests, block managers, schedulers, model specs)."""
+"""The one shared set of test factories (requests, block managers, schedulers, model specs).
+
+What bench/ shares with the tests (the tiny models' specs, workloads, the in-process and Ray
+clusters, the fault scenarios, the sampler's reference) is in splitserve.testing; import it from there."""
 
 from __future__ import annotations
 
 import itertools
 
+import torch
+
 from splitserve.common.block_hash import BlockHasher
-from splitserve.common.config import EngineConfig
+from splitserve.common.kv_transfer_types import KVLayout
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.request import Request
 from splitserve.engine.scheduler import Scheduler, SchedulerConfig
+from splitserve.testing.event_loop import EventLoopThread
+from splitserve.testing.in_process_cluster import InProcessCluster
+from splitserve.testing.workloads import GreedyCase
 
 _arrivals = itertools.count()
 
@@ -38,38 +46,10 @@ def assert_pool_idle(block_manager: BlockManager) -> None:
     assert sorted(block_manager.free_block_order()) == list(range(block_manager.num_blocks))
 
 
-# ---- workloads and the Hugging Face oracle ----------------------------------------------------
+# ---- the Hugging Face oracle and model checkpoints --------------------------------------------
 from dataclasses import dataclass  # noqa: E402
 from functools import lru_cache  # noqa: E402
 from pathlib import Path  # noqa: E402
-import random  # noqa: E402
-
-
-@dataclass(frozen=True)
-class GreedyCase:
-    prompt_token_ids: tuple[int, ...]
-    max_tokens: int
-    ignore_eos: bool
-
-    def params(self) -> SamplingParams:
-        return SamplingParams(temperature=0.0, max_tokens=self.max_tokens, ignore_eos=self.ignore_eos)
-
-
-def mixed_workload(vocab_size: int, num_requests: int = 32, seed: int = 0, max_prompt: int = 300,
-                   max_output: int = 40, num_shared_prefixes: int = 3) -> list[GreedyCase]:
-    """Prompts of 1..max_prompt tokens; about two thirds extend one of a few shared prefixes."""
-    rng = random.Random(seed)
-    token = lambda: rng.randrange(3, vocab_size)  # noqa: E731 - ids 0..2 are special tokens
-    prefixes = [[token() for _ in range(rng.randrange(20, max_prompt // 2))] for _ in range(num_shared_prefixes)]
-    cases = []
-    for index in range(num_requests):
-        if index % 3 != 2:
-            prefix = prefixes[index % num_shared_prefixes]
-            prompt = prefix + [token() for _ in range(rng.randrange(0, max_prompt - len(prefix)))]
-        else:
-            prompt = [token() for _ in range(rng.randrange(1, max_prompt + 1))]
-        cases.append(GreedyCase(tuple(prompt), rng.randrange(1, max_output + 1), ignore_eos=index % 2 == 0))
-    return cases
 
 
 @lru_cache(maxsize=4)
@@ -81,8 +61,6 @@ def _hf_model(model_dir: Path):
 
 def hf_greedy(model_dir: Path, case: GreedyCase) -> list[int]:
     """The oracle: transformers `generate`, batch 1, greedy, fp32."""
-    import torch
-
     model = _hf_model(model_dir)
     kwargs = {"eos_token_id": None} if case.ignore_eos else {}
     with torch.inference_mode():
@@ -93,7 +71,6 @@ def hf_greedy(model_dir: Path, case: GreedyCase) -> list[int]:
 
 def save_random_hf_model(out_dir: Path, architecture: str, seed: int = 0, **config_overrides) -> Path:
     """A random-weight checkpoint of any supported family (no tokenizer), via transformers itself."""
-    import torch
     from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     config_class = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
@@ -145,76 +122,9 @@ def tiny_tokenizer(vocab_size: int = 512, seed: int = 0):
     return build_tokenizer(vocab_size=vocab_size, seed=seed)
 
 
-# ---- clusters -------------------------------------------------------------------------------
+# ---- streams, requests to the router's servers, served APIs -----------------------------------
 import asyncio  # noqa: E402
-import threading  # noqa: E402
 from contextlib import contextmanager  # noqa: E402
-
-
-class EventLoopThread:
-    """An asyncio loop on a background thread, so sync tests can drive async servers."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self._thread.start()
-
-    def run(self, coroutine, timeout_s: float = 300.0):
-        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout_s)
-
-    def close(self) -> None:
-        """Cancel what still runs on the loop and wait for it, then stop and close the loop (a task
-        left pending would be finalized later, on whatever code is running then)."""
-        self.run(self._cancel_pending())
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(5)
-        self.loop.close()
-
-    @staticmethod
-    async def _cancel_pending() -> None:
-        pending = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
-        for task in pending:
-            task.cancel()
-        await asyncio.gather(*pending, return_exceptions=True)
-
-
-@contextmanager
-def running_cluster(config):
-    """A LocalCluster (Ray on loopback + router) for the duration of the block; yields (cluster, loop).
-
-    A Ray session it starts is shut down afterwards, so no later test depends on it."""
-    import ray
-
-    from splitserve.deploy.local import LocalCluster
-
-    owns_ray = not ray.is_initialized()
-    loop = EventLoopThread()
-    cluster = LocalCluster(config)
-    try:
-        loop.run(cluster.start())
-        yield cluster, loop
-    finally:
-        loop.run(cluster.stop())
-        loop.close()
-        if owns_ray:
-            ray.shutdown()
-
-
-def tiny_cluster_config(model_dir: Path, mode: str = "disaggregated", prefill: int = 1, decode: int = 1,
-                        backend: str = "nixl", **overrides):
-    """A small cluster for tests: tiny KV pools, one thread per worker, any free gRPC, HTTP and metrics port."""
-    from splitserve.deploy.cluster_config import apply_overrides, default_cluster_config
-
-    settings = {"mode": mode, "prefill.replicas": prefill if mode == "disaggregated" else 0,
-                "decode.replicas": decode, "router.grpc_port": 0, "router.metrics_port": 0, "router.http_port": 0,
-                "kv_transfer_backend": backend,
-                "router.routing.disaggregation": "always"}  # as in InProcessCluster
-    for pool in ("prefill", "decode"):
-        settings.update({f"{pool}.engine.num_threads": 1, f"{pool}.engine.device": "cpu",
-                         f"{pool}.engine.num_kv_blocks": 512, f"{pool}.engine.block_size": 8,
-                         f"{pool}.resources.num_cpus": 0.25})
-    settings.update(overrides)
-    return apply_overrides(default_cluster_config(str(model_dir)), settings)
 
 
 def stream_tokens(port: int, request, timeout_s: float = 120.0) -> tuple[list[int], str, list]:
@@ -226,103 +136,6 @@ def stream_tokens(port: int, request, timeout_s: float = 120.0) -> tuple[list[in
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
         responses = list(generation_pb2_grpc.GenerationStub(channel).Generate(request, timeout=timeout_s))
     return [t for r in responses for t in r.token_ids], "".join(r.text for r in responses), responses
-
-
-def worker_engine_config(block_size: int = 8, max_model_len: int | None = None) -> EngineConfig:
-    """The in-process workers' engine: a 256-block fp32 pool on CPU (max_model_len: the model's unless given)."""
-    return EngineConfig(block_size=block_size, num_kv_blocks=256, max_num_batched_tokens=256, dtype="float32",
-                        device="cpu", max_model_len=max_model_len)
-
-
-def make_prefill_worker(model_dir: Path, engine_config: EngineConfig | None = None, worker_id: str = "prefill-0",
-                        lease_ttl_s: float = 30.0):
-    """A PrefillWorker in this process with the in-process KV transfer backend (call shutdown())."""
-    from splitserve.prefill_worker.worker import PrefillWorker
-
-    return PrefillWorker(model_dir, engine_config or worker_engine_config(), "inprocess", lease_ttl_s,
-                         worker_id=worker_id)
-
-
-def make_decode_worker(model_dir: Path, engine_config: EngineConfig | None = None, worker_id: str = "decode-0",
-                       transfer_failure_policy: str = "recompute"):
-    """A DecodeWorker in this process with the in-process KV transfer backend, its output streams
-    on loopback (call shutdown())."""
-    from splitserve.decode_worker.worker import DecodeWorker
-
-    return DecodeWorker(model_dir, engine_config or worker_engine_config(), "inprocess", worker_id=worker_id,
-                        transfer_failure_policy=transfer_failure_policy, output_host="127.0.0.1")
-
-
-from splitserve.common.worker_api import WorkerLostError  # noqa: E402
-
-
-def _retrieve(future: asyncio.Future) -> None:
-    if not future.cancelled():
-        future.exception()
-
-
-class KillableWorker:
-    """A worker (prefill or decode) behind the worker protocols that can die or hang as a
-    Ray-backed one can: after kill(), every call, pending ones too, raises WorkerLostError as the
-    Ray proxy does for a dead actor. After freeze(), no call answers and its engine steps no
-    more (a hung process, or a cut network) until kill()."""
-
-    def __init__(self, worker) -> None:
-        self.worker = worker
-        self.worker_id = worker.worker_id
-        self._killed = asyncio.Event()
-        self._frozen = False
-
-    def freeze(self) -> None:
-        self._frozen = True
-        self.worker._loop.set_step_gate(lambda engine: False)
-
-    @property
-    def is_killed(self) -> bool:
-        return self._killed.is_set()
-
-    def kill(self) -> None:
-        self._killed.set()
-
-    async def info(self):
-        return await self._answer(self.worker.info())
-
-    async def abort(self, request_id: str) -> bool:
-        return await self._answer(self.worker.abort(request_id))
-
-    async def stats(self):
-        return await self._answer(self.worker.stats())
-
-    async def report(self, epoch, after_seq: int, max_wait_s: float):
-        return await self._answer(self.worker.report(epoch, after_seq, max_wait_s))
-
-    async def prefill(self, request):
-        return await self._answer(self.worker.prefill(request))
-
-    async def add_peer(self, peer) -> None:
-        await self._answer(self.worker.add_peer(peer))
-
-    async def remove_peer(self, agent_name: str) -> None:
-        await self._answer(self.worker.remove_peer(agent_name))
-
-    async def open_output_stream(self, router_id: str):
-        return await self._answer(self.worker.open_output_stream(router_id))
-
-    async def _answer(self, reply):
-        call = asyncio.ensure_future(reply)
-        killed = asyncio.ensure_future(self._killed.wait())
-        try:
-            await asyncio.wait({call, killed}, return_when=asyncio.FIRST_COMPLETED)
-        finally:  # also when this call is cancelled: the worker call is cancelled with it
-            killed.cancel()
-            if not call.done() or self.is_killed:
-                call.cancel()
-                call.add_done_callback(_retrieve)  # a dead worker's late error is nobody's business
-        if self._frozen and not self.is_killed:
-            await self._killed.wait()
-        if self.is_killed:
-            raise WorkerLostError(self.worker_id, "killed by the test")
-        return call.result()
 
 
 class RouterOutputs:
@@ -355,91 +168,6 @@ class RouterOutputs:
 
     def close(self) -> None:
         self._writer.close()
-
-
-class InProcessCluster:
-    """Router orchestrator + prefill/decode workers in this process (in-process KV transfer).
-
-    Use inside a running event loop: `async with InProcessCluster(...) as cluster:`."""
-
-    def __init__(self, model_dir: Path, mode: str = "disaggregated", num_prefill: int = 1, num_decode: int = 1,
-                 lease_ttl_s: float = 30.0, transfer_failure_policy: str = "recompute", block_size: int = 8,
-                 routing=None, slo=None, observer=None, max_model_len: int | None = None, worker_link=None):
-        """`observer` gets every ended request's RequestRecord (e.g. a RouterMetrics' observe);
-        `max_model_len` caps every request's prompt + output (the model's limit by default);
-        `worker_link` (a WorkerLinkConfig) the router's report and stream timings."""
-        from splitserve.common.slo import SloConfig
-        from splitserve.router.policy import RoutingConfig
-
-        # Remote prefill for every request unless a test asks otherwise: most tests here are about
-        # the transfer path, which the default (auto) skips for short prompts.
-        self.model_dir, self.mode = model_dir, mode
-        self.routing = routing or RoutingConfig(disaggregation="always")
-        self.slo = slo or SloConfig()
-        self.num_prefill = num_prefill if mode == "disaggregated" else 0
-        self.num_decode, self.lease_ttl_s, self.policy = num_decode, lease_ttl_s, transfer_failure_policy
-        self.observer = observer
-        self.worker_link = worker_link
-        self.engine_config = worker_engine_config(block_size, max_model_len)
-
-    async def __aenter__(self) -> "InProcessCluster":
-        from splitserve.deploy.cluster_config import RouterConfig
-        from splitserve.deploy.router_app import build_orchestrator
-        from splitserve.router.worker_link import WorkerLinkConfig
-        from splitserve.router.tokenizer import RouterTokenizer
-
-        self.prefill_workers = [make_prefill_worker(self.model_dir, self.engine_config, f"prefill-{i}",
-                                                    self.lease_ttl_s) for i in range(self.num_prefill)]
-        self.decode_workers = [make_decode_worker(self.model_dir, self.engine_config, f"decode-{i}", self.policy)
-                               for i in range(self.num_decode)]
-        self.tokenizer = RouterTokenizer.from_model_dir(self.model_dir)
-        self.clients = {w.worker_id: KillableWorker(w)
-                        for w in [*self.prefill_workers, *self.decode_workers]}
-        router_config = RouterConfig(routing=self.routing, slo=self.slo,
-                                     worker_link=self.worker_link or WorkerLinkConfig())
-        self.orchestrator = build_orchestrator(
-            "router-test", router_config, self.mode, [self.clients[w.worker_id] for w in self.prefill_workers],
-            [self.clients[w.worker_id] for w in self.decode_workers], self.tokenizer, self.observer)
-        await self.orchestrator.start()
-        return self
-
-    async def __aexit__(self, *exc_info) -> None:
-        await self.orchestrator.stop()
-        for worker in [*self.prefill_workers, *self.decode_workers]:
-            worker.shutdown()
-
-    async def generate(self, request_id: str, prompt_token_ids, params: SamplingParams, deadline=None):
-        """All chunks of one request."""
-        from splitserve.router.api_types import GenerationInput
-
-        inp = GenerationInput(request_id, tuple(prompt_token_ids), params, deadline)
-        return [chunk async for chunk in self.orchestrator.generate(inp)]
-
-    def freeze(self, worker_id: str) -> None:
-        """The worker stops answering (its process hangs): calls to it wait until kill()."""
-        self.clients[worker_id].freeze()
-
-    def kill(self, worker_id: str) -> None:
-        """The worker dies as a process would: the router's calls to it fail from now on and its
-        engine stops (what it held dies with it)."""
-        self.clients[worker_id].kill()
-        next(w for w in [*self.prefill_workers, *self.decode_workers] if w.worker_id == worker_id).shutdown()
-
-    async def wait_idle(self, timeout_s: float = 10.0) -> None:
-        """Wait until every live worker is idle; then the router's own accounting must be back to zero."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        while True:
-            stats = [await w.stats() for w in [*self.prefill_workers, *self.decode_workers]
-                     if not self.clients[w.worker_id].is_killed]
-            if all(s.is_idle for s in stats):
-                orchestrator = self.orchestrator
-                for pool in (orchestrator.prefill_pool, orchestrator.decode_pool):
-                    assert all(pool.num_requests(w) == pool.num_prefill_tokens(w) == 0 for w in pool.clients)
-                assert orchestrator.num_in_flight == 0
-                return
-            assert loop.time() < deadline, f"workers not idle: {stats}"
-            await asyncio.sleep(0.02)
 
 
 def make_request_limits(max_model_len: int = 2048, vocab_size: int = 512, max_bytes_per_token: int = 13, **fields):
@@ -644,3 +372,28 @@ def _signed_leaf(ca_key, ca_cert, name: str, purpose, san):
                         [(x509.BasicConstraints(ca=False, path_length=None), True),
                          (x509.ExtendedKeyUsage([purpose]), False), (san, False)])
     return key, cert
+
+
+# ---- KV pools (transfer tests) ----------------------------------------------------------
+def make_pool(layout: KVLayout, num_blocks: int, offset: float = 0.0) -> list[torch.Tensor]:
+    """layers[l]: [num_blocks, 2, block_size, kv_heads, head_dim] holding offset + l * 1e6 + arange:
+    every element of every layer distinct (and distinct across pools with offsets 1e7 apart)."""
+    shape = (num_blocks, 2, layout.block_size, layout.num_kv_heads, layout.head_dim)
+    numel = num_blocks * 2 * layout.block_size * layout.num_kv_heads * layout.head_dim
+    return [torch.arange(numel, dtype=torch.float64).add(offset + layer * 1e6).to(torch.float32).reshape(shape)
+            for layer in range(layout.num_layers)]
+
+
+def empty_pool(layout: KVLayout, num_blocks: int) -> list[torch.Tensor]:
+    shape = (num_blocks, 2, layout.block_size, layout.num_kv_heads, layout.head_dim)
+    return [torch.zeros(shape, dtype=torch.float32) for _ in range(layout.num_layers)]
+
+
+def assert_blocks_pulled(local: list[torch.Tensor], local_ids: tuple[int, ...], remote: list[torch.Tensor],
+                         remote_ids: tuple[int, ...]) -> None:
+    """Every layer's local block local_ids[i] is byte-identical to remote block remote_ids[i]; every
+    other local block is still all zeros."""
+    untouched = [b for b in range(local[0].shape[0]) if b not in local_ids]
+    for layer, (dst, src) in enumerate(zip(local, remote)):
+        assert torch.equal(dst[list(local_ids)], src[list(remote_ids)]), f"layer {layer}"
+        assert dst[untouched].count_nonzero().item() == 0, f"layer {layer} wrote outside the pulled blocks"

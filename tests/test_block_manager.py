@@ -7,7 +7,7 @@ import struct
 
 import pytest
 
-from factories import assert_pool_idle, make_block_manager, make_request
+from tests.factories import assert_pool_idle, make_block_manager, make_request
 from splitserve.common.block_hash import BlockHasher, hash_block, root_hash
 from splitserve.common.kv_events import BlocksRemoved, BlocksStored
 from splitserve.engine.block_manager import PrefixMatch

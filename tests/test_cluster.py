@@ -15,7 +15,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from splitserve.common.block_hash import BlockHasher
 from splitserve.proto.splitserve.v1 import generation_pb2 as pb
 from splitserve.proto.splitserve.v1 import generation_pb2_grpc
-from tests.factories import hf_greedy, mixed_workload, running_cluster, stream_tokens, tiny_cluster_config
+from splitserve.testing.local_cluster import running_cluster, tiny_cluster_config
+from splitserve.testing.workloads import mixed_workload
+from tests.factories import hf_greedy, stream_tokens
 
 pytestmark = pytest.mark.slow
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from factories import tiny_tokenizer
+from tests.factories import tiny_tokenizer
 from splitserve.common.detokenizer import IncrementalDetokenizer
 
 TEXTS = [

@@ -8,7 +8,8 @@ import pytest
 from splitserve.common.config import EngineConfig
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.engine_core import EngineCore
-from tests.factories import assert_pool_idle, mixed_workload
+from splitserve.testing.workloads import mixed_workload
+from tests.factories import assert_pool_idle
 
 CONFIG = EngineConfig(block_size=8, num_kv_blocks=256, max_num_batched_tokens=128, dtype="float32", device="cpu")
 

@@ -1,4 +1,4 @@
-"""The fault matrix on in-process clusters (tests/fault_scenarios.py): every scenario's streams end
+"""The fault matrix on in-process clusters (splitserve.testing.fault_scenarios): every scenario's streams end
 as expected (codes, the cause named, outputs equal to the undisturbed greedy run), and afterwards
 no worker holds a request, lease, transfer or KV block and the router counts nothing in flight.
 
@@ -14,10 +14,12 @@ import pytest
 
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.worker_messages import PrefillRequest
-from tests.factories import InProcessCluster, hf_greedy
-from tests.fault_scenarios import (ALL_SCENARIOS, IN_PROCESS_SCENARIOS, LOAD_CANCELS, LOAD_CASES, LOAD_PLAN, LONG,
-                                   RESULTS_JSON, SHORT, Reference, StepHold, load_results, render_results,
-                                   results_block, run_in_process, unmet_expectations, unscheduled)
+from splitserve.testing.fault_scenarios import (ALL_SCENARIOS, IN_PROCESS_SCENARIOS, LOAD_CANCELS, LOAD_CASES,
+                                               LOAD_PLAN, LONG, RESULTS_JSON, SHORT, Reference, StepHold,
+                                               load_results, render_results, results_block, run_in_process,
+                                               unmet_expectations, unscheduled)
+from splitserve.testing.in_process_cluster import InProcessCluster
+from tests.factories import hf_greedy
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""The fault matrix's NIXL scenarios (tests/fault_scenarios.py RAY_SCENARIOS) on one local Ray
+"""The fault matrix's NIXL scenarios (splitserve.testing.fault_scenarios RAY_SCENARIOS) on one local Ray
 cluster: 1 prefill + 1 decode actor, KV pulled over NIXL, short leases. A lost notification
 leaves the producer's blocks to its lease; a prefill actor killed between its first token and
 the pull ends nothing but its own process: the request still finishes with the undisturbed run's
@@ -10,8 +10,9 @@ import importlib.util
 
 import pytest
 
-from tests.factories import running_cluster
-from tests.fault_scenarios import RAY_SCENARIOS, Reference, ray_cluster_config, run_on_ray, unmet_expectations
+from splitserve.testing.fault_scenarios import (RAY_SCENARIOS, Reference, ray_cluster_config, run_on_ray,
+                                               unmet_expectations)
+from splitserve.testing.local_cluster import running_cluster
 
 if importlib.util.find_spec("nixl") is None and importlib.util.find_spec("nixl_cu12") is None:
     pytest.skip("NIXL is not installed (neither `nixl` nor `nixl_cu12` can be imported)", allow_module_level=True)

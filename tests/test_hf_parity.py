@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from factories import assert_pool_idle, hf_greedy, mixed_workload
+from tests.factories import assert_pool_idle, hf_greedy
 from splitserve.engine import LLM
+from splitserve.testing.workloads import mixed_workload
 
 VARIANTS = {
     # (a) prefix caching with shared prefixes; the budget admits requests over several steps

@@ -11,6 +11,8 @@ and literal `importlib.import_module("...")` / `__import__("...")` calls.
 - Only `kv_transfer/nixl_backend.py` imports NIXL (`nixl`, `nixl_cu12`, ...), in any folder.
 - Only the router's metrics server (`router/metrics_server.py`) imports prometheus_client; cores return
   stats dataclasses (tests and benchmarks, which observe servers from outside, are not held to this).
+- Only `tests/` imports its own modules (`tests.factories`, `conftest`, ...): what bench/ or the
+  product shares with the tests lives in `testing/` (`splitserve.testing`), one import path.
 
 A failure names the file, the line, the statement and the rule it breaks.
 """
@@ -33,7 +35,7 @@ REPO = Path(__file__).resolve().parents[1]
 DIST = "splitserve"
 
 PRODUCT_FOLDERS = ("common", "engine", "kv_transfer", "prefill_worker", "decode_worker", "router", "planner",
-                   "proto", "deploy")
+                   "proto", "deploy", "testing")
 FOLDERS = (*PRODUCT_FOLDERS, "bench", "tests")
 _EVERYTHING = frozenset(PRODUCT_FOLDERS)
 
@@ -48,6 +50,7 @@ ALLOWED: Mapping[str, frozenset[str]] = {
     "planner": frozenset({"common"}),
     "proto": frozenset(),
     "deploy": _EVERYTHING,
+    "testing": _EVERYTHING,  # test infrastructure shipped with the product, shared by tests/ and bench/
     "bench": _EVERYTHING,
     "tests": _EVERYTHING,
 }
@@ -59,6 +62,8 @@ PROMETHEUS = "prometheus_client"
 PROMETHEUS_MODULE = "router/metrics_server.py"
 PROMETHEUS_OBSERVERS = frozenset({"bench", "tests"})
 """Folders that scrape or parse metrics from outside the product."""
+TESTS_MODULES = frozenset({"tests", *(file.stem for file in (REPO / "tests").glob("*.py"))})
+"""Top-level names that reach tests/: the package, or one of its modules on a sys.path entry."""
 ROUTER_ENTRY_MODULES = ("splitserve.router.server", "splitserve.router.orchestrator", "splitserve.router.tokenizer",
                         "splitserve.router.metrics_server", "splitserve.router.openai_server")
 # Top-level folders that are not source: build outputs and the like.
@@ -225,6 +230,9 @@ def direct_violations(path: str, imports: Iterable[Import]) -> list[str]:
         if top == PROMETHEUS and path != PROMETHEUS_MODULE and folder not in PROMETHEUS_OBSERVERS:
             messages.append(f"{imp.where()} imports {PROMETHEUS}: only {PROMETHEUS_MODULE} (the router's metrics "
                             "server) does; cores return stats dataclasses")
+        if top in TESTS_MODULES and folder != "tests":
+            messages.append(f"{imp.where()} imports {top} from tests/: only tests/ does; what {folder}/ shares "
+                            "with the tests lives in splitserve.testing")
     return messages
 
 
@@ -317,7 +325,8 @@ def test_the_scan_covers_the_packages():
     files = set(source_files())
     for expected in ("common/block_hash.py", "engine/engine_core.py", "engine/models/llama.py", NIXL_MODULE,
                      "prefill_worker/worker.py", "decode_worker/worker.py", "router/server.py",
-                     "proto/splitserve/v1/generation_pb2.py", "deploy/cli.py", "tests/test_import_graph.py"):
+                     "proto/splitserve/v1/generation_pb2.py", "deploy/cli.py", "testing/fault_scenarios.py",
+                     "tests/test_import_graph.py"):
         assert expected in files, expected
     assert set(KNOWN_VIOLATIONS) <= files, "KNOWN_VIOLATIONS names a file that no longer exists"
 
@@ -413,9 +422,23 @@ def test_the_table_is_applied_per_folder():
     assert _violations("proto/x.py", "import splitserve.common")[0].endswith(
         "proto/ may import no other splitserve package")
     assert _violations("deploy/x.py", "import splitserve.engine, splitserve.router, splitserve.planner") == []
+    assert _violations("testing/x.py", "import splitserve.engine, splitserve.router, splitserve.deploy") == []
+    assert _violations("bench/x.py", "from splitserve.testing.in_process_cluster import InProcessCluster") == []
     assert _violations("bench/x.py", "from splitserve.nowhere import y") == [
         "bench/x.py:1: `from splitserve.nowhere import y` imports splitserve.nowhere, which is not a folder of "
         "the design"]
+
+
+def test_only_tests_import_from_tests():
+    assert _violations("tests/test_x.py", "from tests.factories import make_request\nimport conftest\n") == []
+    assert _violations("bench/x.py", "from tests.factories import running_cluster\n"
+                                     "def f():\n    import conftest\n") == [
+        "bench/x.py:1: `from tests.factories import running_cluster` imports tests from tests/: only tests/ does; "
+        "what bench/ shares with the tests lives in splitserve.testing",
+        "bench/x.py:3: `import conftest` imports conftest from tests/: only tests/ does; what bench/ shares "
+        "with the tests lives in splitserve.testing"]
+    assert _violations("testing/x.py", "from factories import GreedyCase")[0].startswith(
+        "testing/x.py:1: `from factories import GreedyCase` imports factories from tests/")
 
 
 def test_router_torch_rule_has_no_type_checking_exemption():

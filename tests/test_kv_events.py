@@ -15,7 +15,8 @@ from splitserve.common.worker_messages import DecodeRequest, PrefillRequest
 from splitserve.engine.engine_core import EngineCore
 from splitserve.engine.kv_event_log import KVEventLog
 from splitserve.engine.step_costs import StepCosts
-from tests.factories import RouterOutputs, make_block_manager, make_decode_worker, make_prefill_worker, make_request
+from splitserve.testing.in_process_cluster import make_decode_worker, make_prefill_worker
+from tests.factories import RouterOutputs, make_block_manager, make_request
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
 

@@ -19,34 +19,11 @@ from splitserve.kv_transfer import (BACKENDS, ConsumerConnector, ConsumerStats, 
                                     ProducerConnector, ProducerStats, PullOutcome, PullStatus, ReleasedLease,
                                     make_backend)
 from splitserve.kv_transfer.connector import _Lease, _Pull
+from tests.factories import assert_blocks_pulled, empty_pool, make_pool
 
 # ---- shared factories ------------------------------------------------------------------------
 TINY_LAYOUT = KVLayout(model_id="tiny-llama", dtype="float32", block_size=4, num_layers=3, num_kv_heads=2,
                        head_dim=8, hash_seed=0)
-
-
-def make_pool(layout: KVLayout, num_blocks: int, offset: float = 0.0) -> list[torch.Tensor]:
-    """layers[l]: [num_blocks, 2, block_size, kv_heads, head_dim] holding offset + l * 1e6 + arange:
-    every element of every layer distinct (and distinct across pools with offsets 1e7 apart)."""
-    shape = (num_blocks, 2, layout.block_size, layout.num_kv_heads, layout.head_dim)
-    numel = num_blocks * 2 * layout.block_size * layout.num_kv_heads * layout.head_dim
-    return [torch.arange(numel, dtype=torch.float64).add(offset + layer * 1e6).to(torch.float32).reshape(shape)
-            for layer in range(layout.num_layers)]
-
-
-def empty_pool(layout: KVLayout, num_blocks: int) -> list[torch.Tensor]:
-    shape = (num_blocks, 2, layout.block_size, layout.num_kv_heads, layout.head_dim)
-    return [torch.zeros(shape, dtype=torch.float32) for _ in range(layout.num_layers)]
-
-
-def assert_blocks_pulled(local: list[torch.Tensor], local_ids: tuple[int, ...], remote: list[torch.Tensor],
-                         remote_ids: tuple[int, ...]) -> None:
-    """Every layer's local block local_ids[i] is byte-identical to remote block remote_ids[i]; every
-    other local block is still all zeros."""
-    untouched = [b for b in range(local[0].shape[0]) if b not in local_ids]
-    for layer, (dst, src) in enumerate(zip(local, remote)):
-        assert torch.equal(dst[list(local_ids)], src[list(remote_ids)]), f"layer {layer}"
-        assert dst[untouched].count_nonzero().item() == 0, f"layer {layer} wrote outside the pulled blocks"
 
 
 class FakeClock:

@@ -17,7 +17,7 @@ import pytest
 if importlib.util.find_spec("nixl") is None and importlib.util.find_spec("nixl_cu12") is None:
     pytest.skip("NIXL is not installed (neither `nixl` nor `nixl_cu12` can be imported)", allow_module_level=True)
 
-from test_kv_transfer import assert_blocks_pulled, empty_pool, make_pool  # noqa: E402
+from tests.factories import assert_blocks_pulled, empty_pool, make_pool  # noqa: E402
 
 from splitserve.common.kv_transfer_types import KVLayout, TransferParams  # noqa: E402
 from splitserve.kv_transfer import (ConsumerConnector, KVLayoutMismatchError, KVTransferError,  # noqa: E402

@@ -7,9 +7,10 @@ import math
 import pytest
 import torch
 
-from factories import assert_pool_idle, hf_greedy, GreedyCase
+from tests.factories import assert_pool_idle, hf_greedy
 from splitserve.common.errors import InvalidRequestError
 from splitserve.engine import LLM, EngineConfig, EngineCore, SamplingParams
+from splitserve.testing.workloads import GreedyCase
 
 PROMPT = "Tell me about the river and the old mill by the village road."
 

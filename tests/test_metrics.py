@@ -20,7 +20,8 @@ from splitserve.common.stats import LoopLagStats, RoutingStats, WorkerSnapshot
 from splitserve.engine import LLM
 from splitserve.router.metrics_server import RouterMetrics
 from splitserve.router.api_types import GenerationInput, RouterError
-from tests.factories import InProcessCluster, make_load_report, make_prefill_worker
+from splitserve.testing.in_process_cluster import InProcessCluster, make_prefill_worker
+from tests.factories import make_load_report
 
 SLO = SloConfig(ttft_s=1000.0, tpot_s=1e-9)
 """Every finished request meets the TTFT target; only one with a single output token meets TPOT."""

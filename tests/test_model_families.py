@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from factories import GreedyCase, assert_pool_idle, hf_greedy, mixed_workload, save_random_hf_model
+from tests.factories import assert_pool_idle, hf_greedy, save_random_hf_model
 from splitserve.common.config import EngineConfig
 from splitserve.common.errors import UnsupportedModelError
 from splitserve.engine import EngineCore
+from splitserve.testing.workloads import GreedyCase, mixed_workload
 
 FAMILIES = {
     "llama-bias-tied": ("llama", dict(attention_bias=True, mlp_bias=True, tie_word_embeddings=True)),

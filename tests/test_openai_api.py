@@ -18,7 +18,8 @@ from splitserve.proto.splitserve.v1 import generation_pb2 as pb
 from splitserve.router.openai_server import ApiError, start_http_server
 from splitserve.router.api_types import RouterError
 from splitserve.router.policy import RoutingConfig
-from tests.factories import GreedyCase, ServedApis, hf_greedy, http_request, served_apis, stream_tokens
+from splitserve.testing.workloads import GreedyCase
+from tests.factories import ServedApis, hf_greedy, http_request, served_apis, stream_tokens
 
 MODEL = "tiny-llama"
 PROMPT = "The river runs"

@@ -26,7 +26,8 @@ import pytest
 import yaml
 
 from splitserve.proto.splitserve.v1 import generation_pb2 as pb
-from tests.factories import running_cluster, stream_tokens, tiny_cluster_config
+from splitserve.testing.local_cluster import running_cluster, tiny_cluster_config
+from tests.factories import stream_tokens
 from tests.test_prometheus_rules import ALERTS, PROMETHEUS_DIR, RECORDING_RULES, ValueRange, panels
 
 pytestmark = pytest.mark.slow

@@ -7,7 +7,9 @@ from __future__ import annotations
 import pytest
 
 from splitserve.proto.splitserve.v1 import generation_pb2 as pb
-from tests.factories import EventLoopThread, running_cluster, stream_tokens, tiny_cluster_config
+from splitserve.testing.event_loop import EventLoopThread
+from splitserve.testing.local_cluster import running_cluster, tiny_cluster_config
+from tests.factories import stream_tokens
 
 pytestmark = pytest.mark.slow
 

@@ -16,7 +16,9 @@ import pytest
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.router.api_types import GenerationInput
 from splitserve.router.policy import RoutingConfig
-from tests.factories import GreedyCase, InProcessCluster, hf_greedy
+from splitserve.testing.in_process_cluster import InProcessCluster
+from splitserve.testing.workloads import GreedyCase
+from tests.factories import hf_greedy
 
 PROMPT = list(range(5, 45))
 NUM_TOKENS = 16

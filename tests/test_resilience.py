@@ -19,7 +19,9 @@ import pytest
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.router.api_types import GenerationInput, RouterError
 from splitserve.router.policy import RoutingConfig
-from tests.factories import GreedyCase, InProcessCluster, hf_greedy
+from splitserve.testing.in_process_cluster import InProcessCluster
+from splitserve.testing.workloads import GreedyCase
+from tests.factories import hf_greedy
 
 PROMPT = list(range(5, 45))
 NUM_TOKENS = 48
@@ -231,7 +233,8 @@ def test_drain_returns_what_is_still_in_flight_at_its_timeout(tiny_llama_dir):
 # ---- a router that dies ---------------------------------------------------------------------
 def test_a_decode_worker_aborts_the_requests_of_a_router_whose_output_stream_closed(tiny_llama_dir):
     from splitserve.common.worker_messages import DecodeRequest
-    from tests.factories import RouterOutputs, make_decode_worker
+    from splitserve.testing.in_process_cluster import make_decode_worker
+    from tests.factories import RouterOutputs
 
     async def scenario():
         worker = make_decode_worker(tiny_llama_dir)
@@ -259,7 +262,8 @@ def test_a_decode_worker_aborts_the_requests_of_a_router_whose_output_stream_clo
 def test_a_decode_worker_refuses_on_its_stream_a_request_it_cannot_serve(tiny_llama_dir):
     """A refused request ends at once with an error delta naming the field; nothing is held."""
     from splitserve.common.worker_messages import DecodeRequest, TokenDelta
-    from tests.factories import RouterOutputs, make_decode_worker
+    from splitserve.testing.in_process_cluster import make_decode_worker
+    from tests.factories import RouterOutputs
 
     async def scenario():
         worker = make_decode_worker(tiny_llama_dir)

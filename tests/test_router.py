@@ -11,7 +11,9 @@ import pytest
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine import LLM
 from splitserve.router.api_types import RouterError
-from tests.factories import InProcessCluster, hf_greedy, mixed_workload
+from splitserve.testing.in_process_cluster import InProcessCluster
+from splitserve.testing.workloads import mixed_workload
+from tests.factories import hf_greedy
 
 PROMPT = list(range(3, 60))
 

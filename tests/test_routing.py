@@ -12,7 +12,9 @@ from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.slo import SloConfig
 from splitserve.router.api_types import RouterError
 from splitserve.router.policy import RoutingConfig
-from tests.factories import GreedyCase, InProcessCluster, hf_greedy, make_prefill_worker
+from splitserve.testing.in_process_cluster import InProcessCluster, make_prefill_worker
+from splitserve.testing.workloads import GreedyCase
+from tests.factories import hf_greedy
 
 BLOCK_SIZE = 8
 SHARED_PREFIX = list(range(3, 83))  # 80 tokens = 10 full blocks

@@ -1,5 +1,5 @@
 """Sampler: exact penalty arithmetic, filters, seeded draws and logprobs (pure tensors, no model), and
-bit-for-bit equality of the batched sampler with the per-row reference (tests/sampler_oracle.py)."""
+bit-for-bit equality of the batched sampler with the per-row reference (testing/sampler_oracle.py)."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import sampler_oracle as oracle
-from factories import make_sampling_row
+from tests.factories import make_sampling_row
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine import sampler
 from splitserve.engine.sampler import Sampler, SamplingRow, draw, filtered_probs, penalized, token_counts
+from splitserve.testing import sampler_oracle as oracle
 
 ORACLE_SETTINGS = settings(max_examples=300, deadline=None, derandomize=True, database=None)
 LONG_VOCAB = 40_000
@@ -395,7 +395,7 @@ def test_tied_top_alternatives_do_not_depend_on_what_batch_mates_ask_for():
     assert [len(top) for top in tops] == [3, 5, 1, 3]
 
 
-# ---- equality with the per-row reference (tests/sampler_oracle.py) -------------------------------
+# ---- equality with the per-row reference (testing/sampler_oracle.py) -----------------------------
 
 def reference_rows(rows: list[SamplingRow]) -> list[oracle.SamplingRow]:
     """The oracle's rows for the same requests: own token lists and generators in the same states (rows

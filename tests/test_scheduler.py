@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from factories import assert_pool_idle, chunk_summary, make_request, make_scheduler, run_fake_step
+from tests.factories import assert_pool_idle, chunk_summary, make_request, make_scheduler, run_fake_step
 from splitserve.engine.request import RequestStatus
 
 

@@ -11,7 +11,6 @@ import unicodedata
 
 import pytest
 import torch
-from conftest import TINY_SPECS
 from safetensors.torch import load_file
 from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -21,6 +20,7 @@ from splitserve.deploy.cli import main as cli_main
 from splitserve.engine import tiny_model
 from splitserve.engine.tiny_model import (DEFAULT_MODEL_SPEC, TinyModelSpec, build_tiny_model, build_tokenizer,
                                           ensure_default_model, resolve_model_path)
+from splitserve.testing.tiny_models import TINY_SPECS
 
 MODEL_FILES = ("model.safetensors", "tokenizer.json", "tokenizer_config.json", "config.json",
                "generation_config.json", "chat_template.jinja")

@@ -19,7 +19,9 @@ import ray
 
 from splitserve.proto.splitserve.v1 import generation_pb2 as pb
 from splitserve.proto.splitserve.v1 import generation_pb2_grpc
-from tests.factories import GreedyCase, hf_greedy, running_cluster, tiny_cluster_config
+from splitserve.testing.local_cluster import running_cluster, tiny_cluster_config
+from splitserve.testing.workloads import GreedyCase
+from tests.factories import hf_greedy
 
 pytestmark = pytest.mark.slow
 

@@ -1,0 +1,1 @@
+"""The planner's pure decision core: typed observations in, typed replica targets out."""

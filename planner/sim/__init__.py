@@ -1,0 +1,1 @@
+"""A discrete-event simulator of the whole cluster that runs the planner's own core."""

@@ -1,0 +1,211 @@
+"""The router's orchestrator and prefill/decode workers in one process (in-process KV transfer),
+the workers behind a double that can die or hang as a Ray actor can."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from splitserve.common.config import EngineConfig
+from splitserve.common.sampling_params import SamplingParams
+from splitserve.common.worker_api import WorkerLostError
+
+
+def worker_engine_config(block_size: int = 8, max_model_len: int | None = None) -> EngineConfig:
+    """The in-process workers' engine: a 256-block fp32 pool on CPU (max_model_len: the model's unless given)."""
+    return EngineConfig(block_size=block_size, num_kv_blocks=256, max_num_batched_tokens=256, dtype="float32",
+                        device="cpu", max_model_len=max_model_len)
+
+
+def make_prefill_worker(model_dir: Path, engine_config: EngineConfig | None = None, worker_id: str = "prefill-0",
+                        lease_ttl_s: float = 30.0):
+    """A PrefillWorker in this process with the in-process KV transfer backend (call shutdown())."""
+    from splitserve.prefill_worker.worker import PrefillWorker
+
+    return PrefillWorker(model_dir, engine_config or worker_engine_config(), "inprocess", lease_ttl_s,
+                         worker_id=worker_id)
+
+
+def make_decode_worker(model_dir: Path, engine_config: EngineConfig | None = None, worker_id: str = "decode-0",
+                       transfer_failure_policy: str = "recompute"):
+    """A DecodeWorker in this process with the in-process KV transfer backend, its output streams
+    on loopback (call shutdown())."""
+    from splitserve.decode_worker.worker import DecodeWorker
+
+    return DecodeWorker(model_dir, engine_config or worker_engine_config(), "inprocess", worker_id=worker_id,
+                        transfer_failure_policy=transfer_failure_policy, output_host="127.0.0.1")
+
+def _retrieve(future: asyncio.Future) -> None:
+    if not future.cancelled():
+        future.exception()
+
+
+class KillableWorker:
+    """A worker (prefill or decode) behind the worker protocols that can die or hang as a
+    Ray-backed one can: after kill(), every call, pending ones too, raises WorkerLostError as the
+    Ray proxy does for a dead actor. After freeze(), no call answers and its engine steps no
+    more (a hung process, or a cut network) until kill()."""
+
+    def __init__(self, worker) -> None:
+        self.worker = worker
+        self.worker_id = worker.worker_id
+        self._killed = asyncio.Event()
+        self._frozen = False
+
+    def freeze(self) -> None:
+        self._frozen = True
+        self.worker._loop.set_step_gate(lambda engine: False)
+
+    @property
+    def is_killed(self) -> bool:
+        return self._killed.is_set()
+
+    def kill(self) -> None:
+        self._killed.set()
+
+    async def info(self):
+        return await self._answer(self.worker.info())
+
+    async def abort(self, request_id: str) -> bool:
+        return await self._answer(self.worker.abort(request_id))
+
+    async def stats(self):
+        return await self._answer(self.worker.stats())
+
+    async def report(self, epoch, after_seq: int, max_wait_s: float):
+        return await self._answer(self.worker.report(epoch, after_seq, max_wait_s))
+
+    async def prefill(self, request):
+        return await self._answer(self.worker.prefill(request))
+
+    async def add_peer(self, peer) -> None:
+        await self._answer(self.worker.add_peer(peer))
+
+    async def remove_peer(self, agent_name: str) -> None:
+        await self._answer(self.worker.remove_peer(agent_name))
+
+    async def open_output_stream(self, router_id: str):
+        return await self._answer(self.worker.open_output_stream(router_id))
+
+    async def _answer(self, reply):
+        call = asyncio.ensure_future(reply)
+        killed = asyncio.ensure_future(self._killed.wait())
+        try:
+            await asyncio.wait({call, killed}, return_when=asyncio.FIRST_COMPLETED)
+        finally:  # also when this call is cancelled: the worker call is cancelled with it
+            killed.cancel()
+            if not call.done() or self.is_killed:
+                call.cancel()
+                call.add_done_callback(_retrieve)  # a dead worker's late error is nobody's business
+        if self._frozen and not self.is_killed:
+            await self._killed.wait()
+        if self.is_killed:
+            raise WorkerLostError(self.worker_id, "killed by the test")
+        return call.result()
+
+class InProcessCluster:
+    """Router orchestrator + prefill/decode workers in this process (in-process KV transfer).
+
+    Use inside a running event loop: `async with InProcessCluster(...) as cluster:`."""
+
+    def __init__(self, model_dir: Path, mode: str = "disaggregated", num_prefill: int = 1, num_decode: int = 1,
+                 lease_ttl_s: float = 30.0, transfer_failure_policy: str = "recompute", block_size: int = 8,
+                 routing=None, slo=None, observer=None, max_model_len: int | None = None, worker_link=None):
+        """`observer` gets every ended request's RequestRecord (e.g. a RouterMetrics' observe);
+        `max_model_len` caps every request's prompt + output (the model's limit by default);
+        `worker_link` (a WorkerLinkConfig) the router's report and stream timings."""
+        from splitserve.common.slo import SloConfig
+        from splitserve.router.policy import RoutingConfig
+
+        # Remote prefill for every request unless a test asks otherwise: most tests here are about
+        # the transfer path, which the default (auto) skips for short prompts.
+        self.model_dir, self.mode = model_dir, mode
+        self.routing = routing or RoutingConfig(disaggregation="always")
+        self.slo = slo or SloConfig()
+        self.num_prefill = num_prefill if mode == "disaggregated" else 0
+        self.num_decode, self.lease_ttl_s, self.policy = num_decode, lease_ttl_s, transfer_failure_policy
+        self.observer = observer
+        self.worker_link = worker_link
+        self.engine_config = worker_engine_config(block_size, max_model_len)
+
+    async def __aenter__(self) -> "InProcessCluster":
+        from splitserve.deploy.cluster_config import RouterConfig
+        from splitserve.deploy.router_app import build_orchestrator
+        from splitserve.router.worker_link import WorkerLinkConfig
+        from splitserve.router.tokenizer import RouterTokenizer
+
+        self.prefill_workers = [make_prefill_worker(self.model_dir, self.engine_config, f"prefill-{i}",
+                                                    self.lease_ttl_s) for i in range(self.num_prefill)]
+        self.decode_workers = [make_decode_worker(self.model_dir, self.engine_config, f"decode-{i}", self.policy)
+                               for i in range(self.num_decode)]
+        self.tokenizer = RouterTokenizer.from_model_dir(self.model_dir)
+        self.clients = {w.worker_id: KillableWorker(w)
+                        for w in [*self.prefill_workers, *self.decode_workers]}
+        router_config = RouterConfig(routing=self.routing, slo=self.slo,
+                                     worker_link=self.worker_link or WorkerLinkConfig())
+        self.orchestrator = build_orchestrator(
+            "router-test", router_config, self.mode, [self.clients[w.worker_id] for w in self.prefill_workers],
+            [self.clients[w.worker_id] for w in self.decode_workers], self.tokenizer, self.observer)
+        await self.orchestrator.start()
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        await self.orchestrator.stop()
+        for worker in [*self.prefill_workers, *self.decode_workers]:
+            worker.shutdown()
+
+    async def generate(self, request_id: str, prompt_token_ids, params: SamplingParams, deadline=None):
+        """All chunks of one request."""
+        from splitserve.router.api_types import GenerationInput
+
+        inp = GenerationInput(request_id, tuple(prompt_token_ids), params, deadline)
+        return [chunk async for chunk in self.orchestrator.generate(inp)]
+
+    async def add_worker(self, role: str) -> str:
+        """Start one more worker of the role (the planner's scale-up) and add it to the router's
+        pool; returns its id ('decode-2' after decode-0 and decode-1)."""
+        workers = self.prefill_workers if role == "prefill" else self.decode_workers
+        worker_id = f"{role}-{len(workers)}"
+        worker = (make_prefill_worker(self.model_dir, self.engine_config, worker_id, self.lease_ttl_s)
+                  if role == "prefill" else make_decode_worker(self.model_dir, self.engine_config, worker_id,
+                                                               self.policy))
+        workers.append(worker)
+        self.clients[worker_id] = KillableWorker(worker)
+        await self.orchestrator.add_worker(role, self.clients[worker_id])
+        return worker_id
+
+    async def retire_worker(self, worker_id: str, timeout_s: float) -> None:
+        """The planner's scale-down: the router drains the worker (its requests finish, or move
+        after timeout_s), then it shuts down."""
+        await self.orchestrator.retire_worker(worker_id, timeout_s)
+        for workers in (self.prefill_workers, self.decode_workers):
+            for worker in [w for w in workers if w.worker_id == worker_id]:
+                workers.remove(worker)
+                worker.shutdown()
+        del self.clients[worker_id]
+
+    def freeze(self, worker_id: str) -> None:
+        """The worker stops answering (its process hangs): calls to it wait until kill()."""
+        self.clients[worker_id].freeze()
+
+    def kill(self, worker_id: str) -> None:
+        """The worker dies as a process would: the router's calls to it fail from now on and its
+        engine stops (what it held dies with it)."""
+        self.clients[worker_id].kill()
+        next(w for w in [*self.prefill_workers, *self.decode_workers] if w.worker_id == worker_id).shutdown()
+
+    async def wait_idle(self, timeout_s: float = 10.0) -> None:
+        """Wait until every live worker is idle; then the router's own accounting must be back to zero."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while True:
+            stats = [await w.stats() for w in [*self.prefill_workers, *self.decode_workers]
+                     if not self.clients[w.worker_id].is_killed]
+            if all(s.is_idle for s in stats):
+                orchestrator = self.orchestrator
+                for pool in (orchestrator.prefill_pool, orchestrator.decode_pool):
+                    assert all(pool.num_requests(w) == pool.num_prefill_tokens(w) == 0 for w in pool.clients)
+                assert orchestrator.num_in_flight == 0
+                return
+            assert loop.time() < deadline, f"workers not idle: {stats}"
+            await asyncio.sleep(0.02)

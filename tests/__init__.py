@@ -1,0 +1,1 @@
+"""The test suite (a package: tests import their shared factories as `tests.factories`)."""
