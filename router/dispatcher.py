@@ -29,26 +29,39 @@ class OutputDispatcher:
         """`on_lost(worker_id, reason)` runs on the event loop when a worker's stream ends."""
         self.router_id = router_id
         self._link = link
-        self._workers = list(workers)
+        self._workers_at_start = list(workers)
         self._on_lost = on_lost
         self._streams: dict[str, asyncio.Queue] = {}
         self._writers: dict[str, asyncio.StreamWriter] = {}
         """worker id -> its open stream (while it is open)."""
-        self._tasks: list[asyncio.Task] = []
+        self._tasks: dict[str, asyncio.Task] = {}
+        """worker id -> the task that keeps its stream open and reads it."""
 
     async def start(self) -> None:
         """Open every worker's stream (a worker that cannot be reached is reported lost and
         retried in the background), then keep reading them."""
+        await asyncio.gather(*(self.add(worker) for worker in self._workers_at_start))
+
+    async def add(self, worker: DecodeWorkerAPI) -> None:
+        """Open the worker's stream and keep reading it; returns after the first connection try
+        (on failure the worker is reported lost and the connection retried in the background)."""
         loop = asyncio.get_running_loop()
-        connected = [loop.create_future() for _ in self._workers]
-        self._tasks = [loop.create_task(self._collect(worker, ready))
-                       for worker, ready in zip(self._workers, connected)]
-        await asyncio.wait(connected)
+        ready = loop.create_future()
+        self._tasks[worker.worker_id] = loop.create_task(self._collect(worker, ready))
+        await ready
+
+    async def remove(self, worker_id: str) -> None:
+        """Close the stream of a worker that left the pool (it ends whatever this router still
+        had there) and stop reading it."""
+        task = self._tasks.pop(worker_id, None)
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
 
     async def stop(self) -> None:
-        for task in self._tasks:
+        for task in self._tasks.values():
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*self._tasks.values(), return_exceptions=True)
 
     def open(self, request_id: str) -> asyncio.Queue:
         """The queue a request's deltas arrive on (open it before the request reaches a worker)."""

@@ -27,7 +27,7 @@ from splitserve.common.block_hash import BlockHasher
 from splitserve.common.detokenizer import Decoder
 from splitserve.common.errors import InvalidRequestError
 from splitserve.common.kv_events import LoadReport
-from splitserve.common.kv_transfer_types import KVLayoutMismatchError
+from splitserve.common.kv_transfer_types import KVLayout, KVLayoutMismatchError
 from splitserve.common.log_escape import quote_for_log
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.slo import SloConfig
@@ -84,6 +84,8 @@ class Orchestrator:
         self.max_model_len = 0
         self.vocab_size = 0
         self._hasher: BlockHasher | None = None
+        self.layout: KVLayout | None = None
+        """The KV layout every worker shares (known once started; a joining worker must match it)."""
         self._in_flight: set[str] = set()
         self._idle = asyncio.Event()
         """Set while no request is in flight (drain waits on it)."""
@@ -105,8 +107,8 @@ class Orchestrator:
         self.infos = {info.worker_id: info for info in infos}
         self.max_model_len = min(info.max_model_len for info in infos)
         self.vocab_size = min(info.vocab_size for info in infos)
-        layout = infos[0].layout  # the pools agree on block size and hash seed (the handshake checks)
-        self._hasher = BlockHasher(layout.block_size, layout.hash_seed)
+        self.layout = infos[0].layout  # the pools agree on it (the handshake checks)
+        self._hasher = BlockHasher(self.layout.block_size, self.layout.hash_seed)
         self.loop_lag.start()
         await self.monitor.start()
         await self.dispatcher.start()
@@ -123,7 +125,8 @@ class Orchestrator:
     @property
     def is_ready(self) -> bool:
         """New requests can be served: not draining, and some decode worker answers its polls."""
-        return self.accepting and any(self.monitor.load(worker_id) is not None for worker_id in self.decode_pool.clients)
+        return self.accepting and any(self.monitor.load(worker_id) is not None
+                                      for worker_id in self.decode_pool.routable())
 
     async def drain(self, timeout_s: float) -> int:
         """Stop admitting requests and wait up to timeout_s for those in flight to end; returns
@@ -204,7 +207,7 @@ class Orchestrator:
         return decision, cached
 
     def _reporting(self, pool: WorkerPool) -> list[tuple[str, LoadReport]]:
-        loads = ((worker_id, self.monitor.load(worker_id)) for worker_id in pool.clients)
+        loads = ((worker_id, self.monitor.load(worker_id)) for worker_id in pool.routable())
         return [(worker_id, load) for worker_id, load in loads if load is not None]
 
     def _prefill_candidate(self, worker_id: str, load: LoadReport, num_cached_tokens: int) -> PrefillCandidate:
@@ -252,6 +255,80 @@ class Orchestrator:
         for run in list(self._runs.values()):
             if run.active_worker_id == lost.worker_id:
                 run.lose(lost)
+
+    # ---- membership (the planner) ----------------------------------------------------------
+    async def add_worker(self, role: str, client: WorkerAPI) -> None:
+        """A worker joins the `role` pool while the router serves; it takes requests once its
+        output stream (decode) is open and its first report is in. Raises ValueError when it cannot
+        serve next to the others (layout, limits), or what its first calls raised (it is then not
+        in the pool)."""
+        pool = self._pool(role)
+        info = await client.info()
+        self._check_joins(info)
+        self.infos[client.worker_id] = info
+        pool.add(client)
+        try:
+            if pool is self.decode_pool:
+                await self.dispatcher.add(client)
+            await self.monitor.add(client)
+        except BaseException:
+            await self._forget_worker(pool, client.worker_id)
+            raise
+        logger.info("%s worker %s joined", role, client.worker_id)
+
+    async def retire_worker(self, worker_id: str, timeout_s: float) -> None:
+        """The worker leaves its pool: it gets no new request, the requests it serves finish (for
+        up to timeout_s; those still on it then move to other workers), and the router forgets it.
+        Returns once nothing of this router remains on the worker; the caller then ends it."""
+        pool = self.prefill_pool if worker_id in self.prefill_pool.clients else self.decode_pool
+        released = pool.retire(worker_id)
+        try:
+            await asyncio.wait_for(asyncio.shield(released.wait()), timeout_s)
+        except TimeoutError:
+            self._detach(worker_id)
+            await released.wait()
+        await self._forget_worker(pool, worker_id)
+        logger.info("worker %s left its pool", worker_id)
+
+    def _pool(self, role: str) -> WorkerPool:
+        if role == "decode":
+            return self.decode_pool
+        if role == "prefill" and self.mode == "disaggregated":
+            return self.prefill_pool
+        raise ValueError(f"a {self.mode} router has no {role!r} pool")
+
+    def _check_joins(self, info: WorkerInfo) -> None:
+        """A joining worker must hash blocks like the others and hold every request they can."""
+        mismatches = self.layout.mismatches(info.layout)
+        if mismatches:
+            raise ValueError(f"worker {info.worker_id}'s KV layout differs from the cluster's: {'; '.join(mismatches)}")
+        if info.max_model_len < self.max_model_len or info.vocab_size < self.vocab_size:
+            raise ValueError(f"worker {info.worker_id} serves max_model_len {info.max_model_len} and vocabulary "
+                             f"{info.vocab_size}; the cluster needs {self.max_model_len} and {self.vocab_size}")
+        if info.worker_id in self.infos:
+            raise ValueError(f"worker {info.worker_id} is already in the cluster")
+
+    def _detach(self, worker_id: str) -> None:
+        """After a retiring worker's grace: the requests it computes move elsewhere; a prefill
+        claim of a request that decodes elsewhere is dropped (its KV was handed over)."""
+        self._lose_runs_on(WorkerLostError(worker_id, "it is leaving the pool"))
+        for run in self._runs.values():
+            if run.prefill is not None and run.prefill.client.worker_id == worker_id and run.decode is not None:
+                run.prefill.pool.release(run.prefill)
+                run.prefill = None
+
+    async def _forget_worker(self, pool: WorkerPool, worker_id: str) -> None:
+        """Stop watching the worker and drop it from the pool and from every handshake."""
+        self.monitor.remove(worker_id)
+        if pool is self.decode_pool:
+            await self.dispatcher.remove(worker_id)
+        info = self.infos.pop(worker_id, None)
+        if info is not None:
+            self.peers.forget(worker_id, info.agent.agent_name)
+            if pool is self.prefill_pool:
+                for decode in self.decode_pool.clients.values():
+                    self._in_background(self._forget_peer(decode, info.agent.agent_name))
+        pool.remove(worker_id)
 
     # ---- a request's life ----------------------------------------------------------------
     async def generate(self, inp: GenerationInput) -> AsyncIterator[StreamChunk]:
@@ -399,7 +476,7 @@ class Orchestrator:
                 raise InvalidRequestError(delta.invalid_field, delta.error.removeprefix(f"{delta.invalid_field}: "))
             if delta.error is not None:
                 raise RouterError("INTERNAL", delta.error)
-            if delta.kv_transfer_failed:
+            if delta.kv_transfer_failed and run.prefill is not None:
                 # Decode recomputed the prompt; the producer may still hold the KV under lease.
                 self._abort_in_background(run.prefill.client, run.worker_request_id)
             if delta.token_ids:

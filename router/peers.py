@@ -30,6 +30,10 @@ class PeerHandshakes:
             self._handshakes.pop(key, None)
             raise
 
+    def __contains__(self, pair: tuple[str, str]) -> bool:
+        """A (decode worker id, agent name) pair whose handshake is running or done."""
+        return pair in self._handshakes
+
     def forget(self, worker_id: str, agent_name: str) -> None:
         """Drop every pair whose decode worker is `worker_id` or whose agent is `agent_name`."""
         for key in [key for key in self._handshakes if key[0] == worker_id or key[1] == agent_name]:

@@ -45,7 +45,8 @@ class WorkerMonitor:
         self._reports: dict[str, WorkerReport] = {}
         """Each answering worker's latest report (a worker that stops answering has none)."""
         self._epochs: dict[str, str] = {}
-        self._tasks: list[asyncio.Task] = []
+        self._tasks: dict[str, asyncio.Task] = {}
+        """worker id -> its poll loop (once started)."""
         for client in self._clients:
             index.add_worker(client.worker_id)
 
@@ -65,12 +66,34 @@ class WorkerMonitor:
         for client, report in zip(self._clients, reports):
             await self._observe(client.worker_id, report)
         loop = asyncio.get_running_loop()
-        self._tasks = [loop.create_task(self._watch(client)) for client in self._clients]
+        self._tasks = {client.worker_id: loop.create_task(self._watch(client)) for client in self._clients}
+
+    async def add(self, client: WorkerAPI) -> None:
+        """Watch a worker that joined after start: routable once this returns (its first report
+        is in). Raises what its first poll raised (the worker is then not watched)."""
+        self.index.add_worker(client.worker_id)
+        try:
+            await self._observe(client.worker_id, await self._poll(client, 0.0))
+        except BaseException:
+            self.remove(client.worker_id)
+            raise
+        self._clients.append(client)
+        self._tasks[client.worker_id] = asyncio.get_running_loop().create_task(self._watch(client))
+
+    def remove(self, worker_id: str) -> None:
+        """Stop watching a worker that left the pool: no load, no index entries, no poll."""
+        task = self._tasks.pop(worker_id, None)
+        if task is not None:
+            task.cancel()
+        self._clients = [client for client in self._clients if client.worker_id != worker_id]
+        self._reports.pop(worker_id, None)
+        self._epochs.pop(worker_id, None)
+        self.index.remove_worker(worker_id)
 
     async def stop(self) -> None:
-        for task in self._tasks:
+        for task in self._tasks.values():
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*self._tasks.values(), return_exceptions=True)
 
     async def _poll(self, client: WorkerAPI, max_wait_s: float) -> WorkerReport:
         epoch, after_seq = self.index.cursor(client.worker_id)

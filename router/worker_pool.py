@@ -3,6 +3,7 @@ finish, so routing sees its own assignments before the workers' reports do."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -11,12 +12,48 @@ from splitserve.common.worker_api import WorkerAPI
 
 class WorkerPool:
     """Worker clients of one role and what this router assigned to each and has not seen
-    finish, so routing sees its own assignments before the workers' reports do."""
+    finish, so routing sees its own assignments before the workers' reports do.
+
+    Membership changes at run time (the planner): a worker added takes requests at once; a
+    retiring worker takes no new request and is removed once no assignment on it is left.
+    Invariant: every worker in `clients` has a count; a removed worker has no assignment."""
 
     def __init__(self, clients: Sequence[WorkerAPI]) -> None:
-        self.clients = {client.worker_id: client for client in clients}
-        self._requests = dict.fromkeys(self.clients, 0)
-        self._prefill_tokens = dict.fromkeys(self.clients, 0)
+        self.clients: dict[str, WorkerAPI] = {}
+        self._requests: dict[str, int] = {}
+        self._prefill_tokens: dict[str, int] = {}
+        self._retiring: set[str] = set()
+        self._released: dict[str, asyncio.Event] = {}
+        """Retiring worker id -> set once it holds no assignment."""
+        for client in clients:
+            self.add(client)
+
+    def add(self, client: WorkerAPI) -> None:
+        if client.worker_id in self.clients:
+            raise ValueError(f"worker {client.worker_id} is already in the pool")
+        self.clients[client.worker_id] = client
+        self._requests[client.worker_id] = 0
+        self._prefill_tokens[client.worker_id] = 0
+
+    def routable(self) -> list[str]:
+        """Workers that may take new requests (not retiring), in the order they joined."""
+        return [worker_id for worker_id in self.clients if worker_id not in self._retiring]
+
+    def retire(self, worker_id: str) -> asyncio.Event:
+        """Take no new request on the worker; the event is set once it holds no assignment."""
+        self._retiring.add(worker_id)
+        released = self._released.setdefault(worker_id, asyncio.Event())
+        if self._requests[worker_id] == 0:
+            released.set()
+        return released
+
+    def remove(self, worker_id: str) -> None:
+        """Forget a retired worker that holds no assignment."""
+        if self._requests[worker_id]:
+            raise ValueError(f"worker {worker_id} still holds {self._requests[worker_id]} assignments")
+        for table in (self.clients, self._requests, self._prefill_tokens, self._released):
+            table.pop(worker_id, None)
+        self._retiring.discard(worker_id)
 
     def num_requests(self, worker_id: str) -> int:
         return self._requests[worker_id]
@@ -36,7 +73,10 @@ class WorkerPool:
 
     def release(self, assignment: Assignment) -> None:
         self.prefilled(assignment)
-        self._requests[assignment.client.worker_id] -= 1
+        worker_id = assignment.client.worker_id
+        self._requests[worker_id] -= 1
+        if self._requests[worker_id] == 0 and worker_id in self._released:
+            self._released[worker_id].set()
 
 
 @dataclass
