@@ -135,5 +135,16 @@ SLO_BOTH_MET = _counter("slo_met_requests", "Finished requests that met both tar
 GOODPUT_TOKENS = _counter("goodput_tokens", "Output tokens of requests that met both targets.")
 SLO_TARGET = _gauge("slo_target_seconds", "The configured default SLO targets (for dashboards).", ("slo",))
 
+PLANNER_REPLICAS = _gauge("planner_replicas", "Workers of each pool by state (routable, starting, draining).",
+                          ("pool", "state"))
+PLANNER_TARGET_REPLICAS = _gauge("planner_target_replicas", "The planner's last replica target per pool.", ("pool",))
+PLANNER_PREDICTED_SECONDS = _gauge("planner_predicted_seconds", "The planner's forecast for its targets: ttft_p99 "
+                                   "and itl_p99 (compare with the observed histograms).", ("metric",))
+PLANNER_DECISIONS = _counter("planner_decisions", "Planner decisions per pool by kind (scale_up, scale_down, hold, "
+                             "cooldown, at_max, at_min, bounded_step).", ("pool", "reason"))
+PLANNER_FAILED_STARTS = _counter("planner_failed_starts", "Workers the planner asked for that did not start.")
+PLANNER_DEVICE_SECONDS = _counter("planner_device_seconds", "Workers (any state) x seconds while the planner runs: "
+                                  "with generation_tokens, the cost per 1,000 output tokens.")
+
 ALL_METRICS = tuple(value for value in list(globals().values()) if isinstance(value, MetricDef))
 """Every definition, in declaration order."""

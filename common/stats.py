@@ -166,3 +166,23 @@ class RequestRecord:
     def tpot_s(self) -> float | None:
         """(e2e - TTFT) / (output tokens - 1); None with fewer than two output tokens."""
         return None if self.ttft_s is None else tpot_s(self.ttft_s, self.e2e_s, self.num_output_tokens)
+
+
+@dataclass(frozen=True)
+class PlannerStats:
+    """The autoscaling planner's state for metrics: pool sizes, its targets and forecasts, and
+    what it decided (cumulative since start)."""
+
+    replicas: tuple[tuple[str, str, int], ...]
+    """(pool, state, workers): state is routable, starting or draining."""
+    targets: tuple[tuple[str, int], ...]
+    """(pool, target replicas) of the last decision; empty before the first."""
+    predicted_ttft_p99_s: float | None
+    predicted_itl_p99_s: float | None
+    """The last decision's forecast for its targets (None before the first)."""
+    decisions: tuple[tuple[str, str, int], ...]
+    """(pool, reason kind, decisions): scale_up, scale_down, hold, cooldown, at_max, at_min, bounded_step."""
+    failed_starts: int
+    """Workers the planner asked for that did not start."""
+    device_seconds: float
+    """Workers (any state) x seconds, summed over the ticks: the cost side of goodput per device."""

@@ -12,7 +12,7 @@ import dataclasses
 import reprlib
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import get_args, get_type_hints
 
@@ -21,6 +21,7 @@ import yaml
 from splitserve.common.config import EngineConfig
 from splitserve.common.kv_transfer_types import TRANSFER_FAILURE_POLICIES
 from splitserve.common.slo import SloConfig
+from splitserve.planner.core.types import PlannerConfig
 from splitserve.router.policy import RoutingConfig
 from splitserve.router.tls import TlsConfig
 from splitserve.router.worker_link import WorkerLinkConfig
@@ -208,6 +209,8 @@ class ClusterConfig:
     worker_start_timeout_s: float = 600.0
     """How long every worker actor may take to be placed and load its model before serving gives
     up with an error naming the workers still missing (e.g. no node has their resources or labels)."""
+    planner: PlannerConfig = field(default_factory=PlannerConfig)
+    """Goodput-driven autoscaling of the two pools (disaggregated mode); off by default."""
 
     def __post_init__(self) -> None:
         _require(self.model != "", "model", "must not be empty")
@@ -227,6 +230,8 @@ class ClusterConfig:
                      f"must be 0 in colocated mode (decode workers do both phases), got {self.prefill.replicas}")
         else:
             self._check_disaggregated_pools()
+        if self.planner.enabled:
+            self._check_planner_bounds()
 
     def _check_local_labels(self) -> None:
         """A private local Ray is one node: it can carry the labels of both pools only if they agree."""
@@ -239,6 +244,15 @@ class ClusterConfig:
     def local_node_labels(self) -> dict[str, str]:
         """The labels a private local Ray's one node carries: every pool's."""
         return {**self.prefill.resources.label_selector, **self.decode.resources.label_selector}
+
+    def _check_planner_bounds(self) -> None:
+        """The planner sizes both pools of a disaggregated cluster, starting from the configured sizes."""
+        _require(self.mode == "disaggregated", "planner.enabled", "needs mode: disaggregated")
+        for role in ("prefill", "decode"):
+            replicas, bounds = getattr(self, role).replicas, getattr(self.planner, role)
+            _require(bounds.min_replicas >= 1, f"planner.{role}.min_replicas", f"must be >= 1, got {bounds.min_replicas}")
+            _require(bounds.min_replicas <= replicas <= bounds.max_replicas, f"{role}.replicas",
+                     f"must be within planner.{role}'s [{bounds.min_replicas}, {bounds.max_replicas}], got {replicas}")
 
     def _check_disaggregated_pools(self) -> None:
         _require(self.prefill.replicas >= 1, "prefill.replicas",

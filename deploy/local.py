@@ -16,6 +16,7 @@ import asyncio
 import logging
 import os
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,8 +28,12 @@ from ray._private import ray_constants  # noqa: E402
 
 from splitserve.decode_worker.worker import DecodeWorker  # noqa: E402
 from splitserve.deploy.cluster_config import ClusterConfig, PoolConfig  # noqa: E402
-from splitserve.deploy.router_app import RouterServers, build_orchestrator, start_servers  # noqa: E402
+from splitserve.deploy.router_app import RouterServers, build_orchestrator, each_of, start_servers  # noqa: E402
+from splitserve.common.stats import WorkerSnapshot  # noqa: E402
 from splitserve.engine.tiny_model import resolve_model_path  # noqa: E402
+from splitserve.planner.core.types import Role  # noqa: E402
+from splitserve.planner.observe import TrafficWindow  # noqa: E402
+from splitserve.planner.ray_adapter import RayPlanner  # noqa: E402
 from splitserve.prefill_worker.worker import PrefillWorker  # noqa: E402
 from splitserve.router.auth import api_key_from_env  # noqa: E402
 from splitserve.router.metrics_server import RouterMetrics  # noqa: E402
@@ -66,16 +71,31 @@ def start_ray(config: ClusterConfig) -> None:
 
 @dataclass
 class LocalCluster:
-    """Owns the actors and the router it starts; stop() ends them all."""
+    """Owns the actors and the router it starts; stop() ends them all. With the planner enabled it
+    also runs the planner, which grows and shrinks the pools through start_worker / stop_worker
+    (this class is its planner.ray_adapter.ClusterControl)."""
 
     config: ClusterConfig
     router_id: str = field(default_factory=lambda: f"router-{uuid.uuid4().hex[:8]}")
-    prefill_actors: list[Any] = field(default_factory=list)
-    decode_actors: list[Any] = field(default_factory=list)
+    actors: dict[str, Any] = field(default_factory=dict)
+    """Worker id ('prefill-0', 'decode-3', ...) -> its actor, for every worker started and not yet ended."""
     orchestrator: Orchestrator | None = None
     metrics: RouterMetrics | None = None
     """The router's metrics; None when router.metrics_port is None (disabled)."""
     servers: RouterServers | None = None
+    planner: RayPlanner | None = None
+    """None unless config.planner.enabled."""
+    _planner_task: asyncio.Task | None = None
+    _model_dir: str = ""
+    _next_index: dict[str, int] = field(default_factory=lambda: {"prefill": 0, "decode": 0})
+
+    @property
+    def prefill_actors(self) -> list[Any]:
+        return [actor for worker_id, actor in self.actors.items() if worker_id.startswith("prefill-")]
+
+    @property
+    def decode_actors(self) -> list[Any]:
+        return [actor for worker_id, actor in self.actors.items() if worker_id.startswith("decode-")]
 
     @property
     def port(self) -> int:
@@ -105,38 +125,100 @@ class LocalCluster:
         api_key = api_key_from_env(config.router.api_key_env) if config.router.api_key_env is not None else None
         if config.router.tls is not None:
             load_tls(config.router.tls)  # bad certificate files fail the start before any worker does
-        model_dir = str(resolve_model_path(config.model))
+        self._model_dir = model_dir = str(resolve_model_path(config.model))
         start_ray(config)
-        disaggregated = config.mode == "disaggregated"
-        if disaggregated:
-            self.prefill_actors = self._spawn(PrefillWorker, "prefill", config.prefill, model_dir,
-                                              lease_ttl_s=config.router.lease_ttl_s)
-        self.decode_actors = self._spawn(DecodeWorker, "decode", config.decode, model_dir,
-                                         transfer_failure_policy=config.kv_transfer_failure_policy)
-        prefill = [RayWorker(f"prefill-{i}", a) for i, a in enumerate(self.prefill_actors)]
-        decode = [RayWorker(f"decode-{i}", a) for i, a in enumerate(self.decode_actors)]
+        roles = ("prefill", "decode") if config.mode == "disaggregated" else ("decode",)
+        clients = {role: [self._spawn(role) for _ in range(self._pool(role).replicas)] for role in roles}
+        prefill, decode = clients.get("prefill", []), clients["decode"]
         await self._wait_started([*prefill, *decode])
         tokenizer = await asyncio.to_thread(RouterTokenizer.from_model_dir, model_dir)
         if config.router.metrics_port is not None:
             self.metrics = RouterMetrics(config.router.slo)
+        if config.planner.enabled:
+            self.planner = RayPlanner(config.planner, self, TrafficWindow(
+                config.planner.ttft_s, config.planner.itl_s, config.decode.engine.block_size))
+        observers = [observer.observe for observer in (self.metrics, self.planner) if observer is not None]
         self.orchestrator = build_orchestrator(self.router_id, config.router, config.mode, prefill, decode, tokenizer,
-                                               self.metrics.observe if self.metrics is not None else None)
+                                               each_of(observers))
         await self.orchestrator.start()
         self.servers = await start_servers(self.orchestrator, tokenizer, config.router, config.model, self.metrics,
                                            api_key)
-        logger.info("serving %s on %s:%d (%s, %d prefill + %d decode workers)", config.model, config.router.host,
-                    self.port, config.mode, len(self.prefill_actors), len(self.decode_actors))
+        if self.planner is not None:
+            if self.metrics is not None:
+                self.metrics.watch_planner(self.planner.stats)
+            self._planner_task = asyncio.get_running_loop().create_task(self.planner.run())
+        logger.info("serving %s on %s:%d (%s, %d prefill + %d decode workers%s)", config.model, config.router.host,
+                    self.port, config.mode, len(prefill), len(decode),
+                    ", planner on" if self.planner is not None else "")
         return self.port
 
-    def _spawn(self, worker_class: type, role: str, pool: PoolConfig, model_dir: str, **extra: Any) -> list[Any]:
+    def _pool(self, role: str) -> PoolConfig:
+        return self.config.prefill if role == "prefill" else self.config.decode
+
+    def _spawn(self, role: str) -> RayWorker:
+        """Create the next worker actor of the role (placed by its pool's resources and labels)."""
+        pool = self._pool(role)
         placement = {"label_selector": pool.resources.label_selector} if pool.resources.node_labels else {}
+        worker_class = PrefillWorker if role == "prefill" else DecodeWorker
         actor_class = ray.remote(worker_class).options(
             num_cpus=pool.resources.num_cpus, num_gpus=pool.resources.num_gpus, max_restarts=pool.max_restarts,
             max_concurrency=1000, **placement)
+        extra: dict[str, Any] = ({"lease_ttl_s": self.config.router.lease_ttl_s} if role == "prefill" else
+                                 {"transfer_failure_policy": self.config.kv_transfer_failure_policy})
         if pool.transfer_poll_s is not None:
-            extra = {**extra, "transfer_poll_s": pool.transfer_poll_s}
-        return [actor_class.remote(model_dir, pool.engine, self.config.kv_transfer_backend,
-                                   worker_id=f"{role}-{index}", **extra) for index in range(pool.replicas)]
+            extra["transfer_poll_s"] = pool.transfer_poll_s
+        worker_id = f"{role}-{self._next_index[role]}"
+        self._next_index[role] += 1
+        self.actors[worker_id] = actor_class.remote(self._model_dir, pool.engine, self.config.kv_transfer_backend,
+                                                    worker_id=worker_id, **extra)
+        return RayWorker(worker_id, self.actors[worker_id])
+
+    # ---- planner.ray_adapter.ClusterControl ----------------------------------------------
+    def workers(self, role: Role) -> list[str]:
+        pool = self.orchestrator.prefill_pool if role is Role.PREFILL else self.orchestrator.decode_pool
+        return pool.routable()
+
+    def requests_on(self, worker_id: str) -> int:
+        orchestrator = self.orchestrator
+        pool = orchestrator.prefill_pool if worker_id in orchestrator.prefill_pool.clients else orchestrator.decode_pool
+        return pool.num_requests(worker_id)
+
+    def num_in_flight(self) -> int:
+        return self.orchestrator.num_in_flight
+
+    def snapshots(self) -> Sequence[WorkerSnapshot]:
+        return self.orchestrator.worker_snapshots()
+
+    def worker_bundle(self, role: Role) -> dict[str, float]:
+        resources = self._pool(role.value).resources
+        return {"CPU": resources.num_cpus, **({"GPU": resources.num_gpus} if resources.num_gpus else {})}
+
+    async def start_worker(self, role: Role) -> str:
+        """Start a worker of the role and add it to the router's pool; on failure it is ended."""
+        client = self._spawn(role.value)
+        try:
+            await self._wait_started([client])
+            await self.orchestrator.add_worker(role.value, client)
+        except BaseException:
+            self._end_actor(client.worker_id)
+            raise
+        return client.worker_id
+
+    async def stop_worker(self, worker_id: str) -> None:
+        """Drain the worker at the router (router.drain_timeout_s for its requests to finish, then
+        they move), then shut it down and end its actor."""
+        await self.orchestrator.retire_worker(worker_id, self.config.router.drain_timeout_s)
+        await self._shutdown(worker_id, grace_s=2.0)
+
+    async def _shutdown(self, worker_id: str, grace_s: float) -> None:
+        try:
+            await asyncio.wait_for(self.actors[worker_id].shutdown.remote(), grace_s)
+        except Exception as error:  # a dead or stuck actor is killed below anyway
+            logger.warning("worker %s shutdown failed: %s", worker_id, error)
+        self._end_actor(worker_id)
+
+    def _end_actor(self, worker_id: str) -> None:
+        ray.kill(self.actors.pop(worker_id))
 
     async def _wait_started(self, clients: list[RayWorker]) -> None:
         """Every worker placed and answering, or an error naming those that are not."""
@@ -161,15 +243,14 @@ class LocalCluster:
         if self.servers is not None:
             await self.servers.stop(grace_s)
             self.servers = None
+        if self._planner_task is not None:
+            self._planner_task.cancel()
+            await asyncio.gather(self._planner_task, return_exceptions=True)
+            await self.planner.stop()
         if self.orchestrator is not None:
             await self.orchestrator.stop()
-        for actor in [*self.prefill_actors, *self.decode_actors]:
-            try:
-                await asyncio.wait_for(actor.shutdown.remote(), grace_s)
-            except Exception as error:  # a dead or stuck actor is killed below anyway
-                logger.warning("worker shutdown failed: %s", error)
-            ray.kill(actor)
-        self.prefill_actors, self.decode_actors = [], []
+        for worker_id in list(self.actors):
+            await self._shutdown(worker_id, grace_s)
 
     async def wait_idle(self, timeout_s: float = 10.0) -> None:
         """Wait until every live worker reports no request, lease, transfer or owned block (tests;

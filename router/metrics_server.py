@@ -32,7 +32,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from splitserve.common import metrics as m
 from splitserve.common.metrics import COUNTER, GAUGE, HISTOGRAM, MetricDef
 from splitserve.common.slo import SloConfig
-from splitserve.common.stats import LoopLagStats, RequestRecord, RoutingStats, WorkerSnapshot
+from splitserve.common.stats import LoopLagStats, PlannerStats, RequestRecord, RoutingStats, WorkerSnapshot
 from splitserve.router.orchestrator import Orchestrator
 
 T = TypeVar("T")
@@ -51,7 +51,8 @@ _WORKER_COUNTERS = ((m.PREFIX_CACHE_QUERIES, attrgetter("prefix_cache_queries"))
                     (m.GENERATION_TOKENS, attrgetter("generation_tokens")))
 """Per-worker counters and how each is read from WorkerCounters."""
 SCRAPED = (*(d for d, _ in _WORKER_GAUGES), *(d for d, _ in _WORKER_COUNTERS), m.KV_LEASES_EXPIRED, m.WORKER_UP,
-           m.ROUTING_DECISIONS, m.ADMISSION_REJECTIONS, m.EVENT_LOOP_LAG)
+           m.ROUTING_DECISIONS, m.ADMISSION_REJECTIONS, m.EVENT_LOOP_LAG, m.PLANNER_REPLICAS, m.PLANNER_TARGET_REPLICAS,
+           m.PLANNER_PREDICTED_SECONDS, m.PLANNER_DECISIONS, m.PLANNER_FAILED_STARTS, m.PLANNER_DEVICE_SECONDS)
 """Definitions read at scrape time; every other one is a live collector fed by observe()."""
 
 
@@ -71,6 +72,10 @@ class RouterMetrics:
     def watch(self, orchestrator: Orchestrator) -> None:
         """Export the orchestrator's workers and routing outcomes; call on its event loop."""
         self.registry.register(_ClusterCollector(orchestrator, asyncio.get_running_loop()))
+
+    def watch_planner(self, read: Callable[[], PlannerStats]) -> None:
+        """Export the planner's state, read() at scrape time on the calling event loop."""
+        self.registry.register(_PlannerCollector(read, asyncio.get_running_loop()))
 
     # ---- per request -------------------------------------------------------------------
     def observe(self, record: RequestRecord) -> None:
@@ -168,23 +173,14 @@ def _live_collector(definition: MetricDef, registry: CollectorRegistry) -> Metri
     raise ValueError(f"{definition.name}: unknown kind {definition.kind!r}")
 
 
-class _ClusterCollector(Collector):
-    """Reads the workers' latest reports and the routing outcomes at scrape time."""
+class _LoopCollector(Collector):
+    """A collector whose data lives on an event loop (the router's)."""
 
-    def __init__(self, orchestrator: Orchestrator, loop: asyncio.AbstractEventLoop) -> None:
-        self._orchestrator = orchestrator
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
 
-    def collect(self) -> Iterator[Metric]:
-        orchestrator = self._orchestrator
-        workers, routing, loop_lag = self._on_loop(lambda: (orchestrator.worker_snapshots(),
-                                                            orchestrator.routing_stats(), orchestrator.loop_lag.stats()))
-        yield from _worker_families(workers)
-        yield from _routing_families(routing)
-        yield _loop_lag_family(loop_lag)
-
     def _on_loop(self, read: Callable[[], T]) -> T:
-        """read() on the orchestrator's event loop (directly when already on it)."""
+        """read() on the event loop (directly when already on it)."""
         try:
             on_loop = asyncio.get_running_loop() is self._loop
         except RuntimeError:
@@ -196,6 +192,38 @@ class _ClusterCollector(Collector):
             return read()
 
         return asyncio.run_coroutine_threadsafe(call(), self._loop).result(SCRAPE_TIMEOUT_S)
+
+
+class _ClusterCollector(_LoopCollector):
+    """Reads the workers' latest reports and the routing outcomes at scrape time."""
+
+    def __init__(self, orchestrator: Orchestrator, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__(loop)
+        self._orchestrator = orchestrator
+
+    def collect(self) -> Iterator[Metric]:
+        orchestrator = self._orchestrator
+        workers, routing, loop_lag = self._on_loop(lambda: (orchestrator.worker_snapshots(),
+                                                            orchestrator.routing_stats(), orchestrator.loop_lag.stats()))
+        yield from _worker_families(workers)
+        yield from _routing_families(routing)
+        yield _loop_lag_family(loop_lag)
+
+
+class _PlannerCollector(_LoopCollector):
+    def __init__(self, read: Callable[[], PlannerStats], loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__(loop)
+        self._read = read
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._on_loop(self._read)
+        yield _family(m.PLANNER_REPLICAS, stats.replicas)
+        yield _family(m.PLANNER_TARGET_REPLICAS, stats.targets)
+        predicted = (("ttft_p99", stats.predicted_ttft_p99_s), ("itl_p99", stats.predicted_itl_p99_s))
+        yield _family(m.PLANNER_PREDICTED_SECONDS, ((name, value) for name, value in predicted if value is not None))
+        yield _family(m.PLANNER_DECISIONS, stats.decisions)
+        yield _family(m.PLANNER_FAILED_STARTS, [(stats.failed_starts,)])
+        yield _family(m.PLANNER_DEVICE_SECONDS, [(stats.device_seconds,)])
 
 
 def _worker_families(workers: Sequence[WorkerSnapshot]) -> Iterator[Metric]:

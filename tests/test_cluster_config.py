@@ -27,8 +27,8 @@ from splitserve.deploy.cluster_config import (
 )
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "deploy" / "configs" / "local.yaml"
-ROOT_KEYS = ("decode, kv_transfer_backend, kv_transfer_failure_policy, mode, model, prefill, ray_address, router, "
-             "worker_start_timeout_s")
+ROOT_KEYS = ("decode, kv_transfer_backend, kv_transfer_failure_policy, mode, model, planner, prefill, ray_address, "
+             "router, worker_start_timeout_s")
 POOL_KEYS = "engine, max_restarts, replicas, resources, transfer_poll_s"
 
 
@@ -110,6 +110,15 @@ BAD_FILES = [
     ("router_port: 1", f"router_port: unknown key (known: {ROOT_KEYS})"),
     ("router: {port: 1}", "router.port: unknown key (known: api_key_env, drain_timeout_s, grpc_port, host, http_port, lease_ttl_s, max_pending_tokenizations, max_prompt_bytes, metrics_port, request_timeout_s, routing, slo, tls, tokenizer_threads, worker_link)"),
     ("prefill: {resources: {gpus: 1}}", "prefill.resources.gpus: unknown key (known: node_labels, num_cpus, num_gpus)"),
+    ("planner: {attainment: 1}", "planner.attainment: must be in (0, 1), got 1.0"),
+    ("planner: {tick_s: 0}", "planner.tick_s: must be > 0, got 0.0"),
+    ("planner: {decode: {min_replicas: 3, max_replicas: 2}}",
+     "planner.decode: need 0 <= min_replicas <= max_replicas, got 3, 2"),
+    ("planner: {enabled: true, decode: {min_replicas: 2}}", "decode.replicas: must be within planner.decode's [2, 8], got 1"),
+    ("planner: {enabled: true, prefill: {min_replicas: 0}}", "planner.prefill.min_replicas: must be >= 1, got 0"),
+    ("mode: colocated\nprefill: {replicas: 0}\nplanner: {enabled: true}",
+     "planner.enabled: needs mode: disaggregated"),
+    ("planner: {profile: {decode_fixed_s: -1}}", "planner.profile.decode_fixed_s: must be a finite number >= 0, got -1.0"),
     ("prefill: {resources: {node_labels: 'a=b,c'}}",
      "prefill.resources.node_labels: must be comma-separated key=value pairs, got 'a=b,c'"),
     ("prefill: {resources: {node_labels: 'pool=p'}}\ndecode: {resources: {node_labels: 'pool=d'}}",

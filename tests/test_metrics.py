@@ -16,7 +16,7 @@ from splitserve.common import metrics as m
 from splitserve.common.kv_events import WorkerCounters
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.slo import SloConfig, SloOutcome
-from splitserve.common.stats import LoopLagStats, RoutingStats, WorkerSnapshot
+from splitserve.common.stats import LoopLagStats, PlannerStats, RoutingStats, WorkerSnapshot
 from splitserve.engine import LLM
 from splitserve.router.metrics_server import RouterMetrics
 from splitserve.router.api_types import GenerationInput, RouterError
@@ -56,6 +56,14 @@ async def _script(cluster: InProcessCluster, stop_params: SamplingParams) -> Non
                                                            SamplingParams(max_tokens=50, **GREEDY)))
     await stream.__anext__()  # the first token (from the prefill worker), then the client goes away
     await stream.aclose()
+
+
+PLANNER_STATS = PlannerStats(
+    replicas=(("prefill", "routable", 1), ("prefill", "starting", 0), ("prefill", "draining", 0),
+              ("decode", "routable", 2), ("decode", "starting", 1), ("decode", "draining", 1)),
+    targets=(("prefill", 1), ("decode", 3)), predicted_ttft_p99_s=0.25, predicted_itl_p99_s=None,
+    decisions=(("decode", "scale_up", 2), ("prefill", "hold", 5)), failed_starts=1, device_seconds=42.5)
+"""What a planner reports at the scrape (predicted ITL unknown: no series for it)."""
 
 
 def _samples(text: str) -> dict[tuple[str, frozenset], float]:
@@ -107,6 +115,7 @@ def scripted(tiny_llama_dir):
     async def scenario():
         async with InProcessCluster(tiny_llama_dir, slo=SLO, observer=observe) as cluster:
             metrics.watch(cluster.orchestrator)
+            metrics.watch_planner(lambda: PLANNER_STATS)
             port = metrics.serve("127.0.0.1", 0)
             try:
                 await _script(cluster, stop_params)
@@ -131,6 +140,18 @@ def test_the_endpoint_serves_every_defined_metric_with_its_buckets(scripted):
             assert buckets == {*definition.buckets, float("inf")}, definition.name
         elif definition not in (m.KV_TRANSFER_FAILURES,):  # no pull failed in this run: no series yet
             assert definition.exposed_name in names, definition.name
+
+
+def test_the_planners_state_is_exported_as_it_reports_it(scripted):
+    _, _, s, _, _, _ = scripted
+    assert [_value(s, "splitserve_planner_replicas", pool="decode", state=state)
+            for state in ("routable", "starting", "draining")] == [2, 1, 1]
+    assert _value(s, "splitserve_planner_target_replicas", pool="decode") == 3
+    assert _value(s, "splitserve_planner_predicted_seconds", metric="ttft_p99") == 0.25
+    assert not [key for key in s if key[0] == "splitserve_planner_predicted_seconds" and ("metric", "itl_p99") in key[1]]
+    assert _value(s, "splitserve_planner_decisions_total", pool="prefill", reason="hold") == 5
+    assert _value(s, "splitserve_planner_failed_starts_total") == 1
+    assert _value(s, "splitserve_planner_device_seconds_total") == 42.5
 
 
 def test_requests_by_outcome_and_routing(scripted):

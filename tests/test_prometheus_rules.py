@@ -182,8 +182,8 @@ def test_checked_in_dashboards_are_current(tmp_path):
     stale = sorted(name for name in fresh.keys() | checked_in.keys() if fresh.get(name) != checked_in.get(name))
     assert not stale, (f"dashboards are stale ({', '.join(stale)}): "
                        "run `.venv/bin/python deploy/grafana/build_dashboards.py`")
-    assert sorted(fresh) == ["splitserve-decode.json", "splitserve-kv-transfer.json", "splitserve-prefill.json",
-                             "splitserve-routing.json", "splitserve-slo.json"]
+    assert sorted(fresh) == ["splitserve-decode.json", "splitserve-kv-transfer.json", "splitserve-planner.json",
+                             "splitserve-prefill.json", "splitserve-routing.json", "splitserve-slo.json"]
 
 
 def test_dashboards_query_the_provisioned_datasource():
