@@ -78,8 +78,11 @@ class Orchestrator:
         self.index = PrefixIndex()
         self.loop_lag = LoopLagMonitor()
         """The router's own event loop: its lag (a metric) and stalls (which worker polls discount)."""
+        self.readiness_changed = asyncio.Event()
+        """Set whenever is_ready may have changed (a worker starts or stops answering, joins or
+        retires, a drain starts); its one reader, the gRPC health tracker, clears it."""
         self.monitor = WorkerMonitor([*self.prefill_pool.clients.values(), *decode], self.index, self._on_restart,
-                                     self._on_worker_lost, self.loop_lag, worker_link)
+                                     self._on_worker_lost, self.loop_lag, worker_link, self.readiness_changed.set)
         self.infos: dict[str, WorkerInfo] = {}
         self.max_model_len = 0
         self.vocab_size = 0
@@ -132,6 +135,7 @@ class Orchestrator:
         """Stop admitting requests and wait up to timeout_s for those in flight to end; returns
         how many are still in flight (the caller's shutdown cancels them, freeing their KV)."""
         self.accepting = False
+        self.readiness_changed.set()
         try:
             await asyncio.wait_for(self._idle.wait(), timeout_s)
         except TimeoutError:
@@ -282,6 +286,7 @@ class Orchestrator:
         Returns once nothing of this router remains on the worker; the caller then ends it."""
         pool = self.prefill_pool if worker_id in self.prefill_pool.clients else self.decode_pool
         released = pool.retire(worker_id)
+        self.readiness_changed.set()
         try:
             await asyncio.wait_for(asyncio.shield(released.wait()), timeout_s)
         except TimeoutError:

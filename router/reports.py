@@ -32,16 +32,19 @@ logger = logging.getLogger(__name__)
 class WorkerMonitor:
     def __init__(self, clients: Sequence[WorkerAPI], index: PrefixIndex,
                  on_restart: Callable[[str], Awaitable[None]], on_lost: Callable[[str, str], None],
-                 loop_lag: LoopLagMonitor, link: WorkerLinkConfig = WorkerLinkConfig()) -> None:
+                 loop_lag: LoopLagMonitor, link: WorkerLinkConfig = WorkerLinkConfig(),
+                 on_reporting_changed: Callable[[], None] = lambda: None) -> None:
         """`on_lost(worker_id, reason)` runs when a reporting worker's poll fails; `loop_lag`
         (running on the same loop) says how long the loop itself was stalled during a poll;
-        `link` holds the polls' timings."""
+        `link` holds the polls' timings; `on_reporting_changed()` runs whenever a worker starts or
+        stops answering (the set of workers with a load changed)."""
         self.index = index
         self._link = link
         self._loop_lag = loop_lag
         self._clients = list(clients)
         self._on_restart = on_restart
         self._on_lost = on_lost
+        self._on_reporting_changed = on_reporting_changed
         self._reports: dict[str, WorkerReport] = {}
         """Each answering worker's latest report (a worker that stops answering has none)."""
         self._epochs: dict[str, str] = {}
@@ -86,7 +89,8 @@ class WorkerMonitor:
         if task is not None:
             task.cancel()
         self._clients = [client for client in self._clients if client.worker_id != worker_id]
-        self._reports.pop(worker_id, None)
+        if self._reports.pop(worker_id, None) is not None:
+            self._on_reporting_changed()
         self._epochs.pop(worker_id, None)
         self.index.remove_worker(worker_id)
 
@@ -154,9 +158,15 @@ class WorkerMonitor:
             self._reports.pop(worker_id, None)
             await self._on_restart(worker_id)
         self._epochs[worker_id] = report.epoch
+        answering = worker_id in self._reports
         self._reports[worker_id] = report
+        if not answering:
+            self._on_reporting_changed()
 
     def forget(self, worker_id: str) -> bool:
         """Make the worker unroutable until its next report; True if it was routable."""
         self.index.add_worker(worker_id)  # purged; resyncs from a snapshot once it answers again
-        return self._reports.pop(worker_id, None) is not None
+        answering = self._reports.pop(worker_id, None) is not None
+        if answering:
+            self._on_reporting_changed()
+        return answering

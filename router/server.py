@@ -223,7 +223,6 @@ class GrpcServer:
         await self.server.stop(grace_s)
 
 
-READINESS_POLL_S = 0.5
 SERVED_APIS = (SERVICE_NAME, TRITON_SERVICE_NAME)
 
 
@@ -236,7 +235,8 @@ async def _set_readiness(health_servicer: health.aio.HealthServicer, ready: bool
 async def _track_readiness(orchestrator: Orchestrator, health_servicer: health.aio.HealthServicer,
                            ready: bool) -> None:
     while True:
-        await asyncio.sleep(READINESS_POLL_S)
+        await orchestrator.readiness_changed.wait()
+        orchestrator.readiness_changed.clear()
         now_ready = orchestrator.is_ready
         if now_ready != ready:
             ready = now_ready
