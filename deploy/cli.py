@@ -209,6 +209,8 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--http-port", type=int, default=None,
                         help="OpenAI-compatible HTTP API port on --host (default 8000); 0 picks a free port")
     parser.add_argument("--kv-transfer-backend", choices=("nixl", "inprocess"), default=None)
+    parser.add_argument("--log-format", choices=("text", "json"), default=None,
+                        help="log lines as text (default) or one JSON object per line")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="any config key in dotted form, e.g. decode.engine.max_num_seqs=64 (YAML value)")
     parser.set_defaults(handler=_serve)
@@ -217,7 +219,7 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
 _SERVE_FLAGS = {"model": "model", "mode": "mode", "prefill_workers": "prefill.replicas",
                 "decode_workers": "decode.replicas", "host": "router.host", "grpc_port": "router.grpc_port",
                 "metrics_port": "router.metrics_port", "http_port": "router.http_port",
-                "kv_transfer_backend": "kv_transfer_backend"}
+                "kv_transfer_backend": "kv_transfer_backend", "log_format": "log_format"}
 
 
 def serve_config(args: argparse.Namespace):
@@ -241,12 +243,12 @@ def serve_config(args: argparse.Namespace):
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import logging
-
+    from splitserve.common.log_format import configure_logging
     from splitserve.deploy.local import serve
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return serve(serve_config(args))
+    config = serve_config(args)
+    configure_logging(config.log_format)
+    return serve(config)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -20,6 +20,7 @@ import yaml
 
 from splitserve.common.config import EngineConfig
 from splitserve.common.kv_transfer_types import TRANSFER_FAILURE_POLICIES
+from splitserve.common.log_format import LOG_FORMATS
 from splitserve.common.slo import SloConfig
 from splitserve.planner.core.types import PlannerConfig
 from splitserve.router.policy import RoutingConfig
@@ -158,6 +159,8 @@ class RouterConfig:
     worker_link: WorkerLinkConfig = WorkerLinkConfig()
     """Timings of the router's report polls and the decode workers' output streams: when a silent
     worker counts as lost, how soon a lost stream is reopened (docs/configuration.md)."""
+    access_log: bool = True
+    """Log one line per request when it ends (logger `splitserve.access`): status, tokens, TTFT, latency."""
 
     def __post_init__(self) -> None:
         _require(self.host != "", "host", "must not be empty")
@@ -209,6 +212,9 @@ class ClusterConfig:
     worker_start_timeout_s: float = 600.0
     """How long every worker actor may take to be placed and load its model before serving gives
     up with an error naming the workers still missing (e.g. no node has their resources or labels)."""
+    log_format: str = "text"
+    """How the serving process writes its log lines: text, or json (one JSON object per line,
+    every field escaped; the access log's fields become keys). Ray workers' own lines stay Ray's."""
     planner: PlannerConfig = field(default_factory=PlannerConfig)
     """Goodput-driven autoscaling of the two pools (disaggregated mode); off by default."""
 
@@ -220,6 +226,7 @@ class ClusterConfig:
         _require(self.kv_transfer_failure_policy in TRANSFER_FAILURE_POLICIES, "kv_transfer_failure_policy",
                  f"must be one of {TRANSFER_FAILURE_POLICIES}, got {self.kv_transfer_failure_policy!r}")
         _require(self.ray_address != "", "ray_address", "must not be empty (null starts a local Ray)")
+        _require(self.log_format in LOG_FORMATS, "log_format", f"must be one of {LOG_FORMATS}, got {self.log_format!r}")
         _require(self.worker_start_timeout_s > 0, "worker_start_timeout_s",
                  f"must be > 0, got {self.worker_start_timeout_s}")
         _require(self.decode.replicas >= 1, "decode.replicas", f"must be >= 1, got {self.decode.replicas}")

@@ -35,6 +35,7 @@ from splitserve.planner.core.types import Role  # noqa: E402
 from splitserve.planner.observe import TrafficWindow  # noqa: E402
 from splitserve.planner.ray_adapter import RayPlanner  # noqa: E402
 from splitserve.prefill_worker.worker import PrefillWorker  # noqa: E402
+from splitserve.router.access_log import log_access  # noqa: E402
 from splitserve.router.auth import api_key_from_env  # noqa: E402
 from splitserve.router.metrics_server import RouterMetrics  # noqa: E402
 from splitserve.router.openai_server import HttpServer  # noqa: E402
@@ -138,6 +139,8 @@ class LocalCluster:
             self.planner = RayPlanner(config.planner, self, TrafficWindow(
                 config.planner.ttft_s, config.planner.itl_s, config.decode.engine.block_size))
         observers = [observer.observe for observer in (self.metrics, self.planner) if observer is not None]
+        if config.router.access_log:
+            observers.append(log_access)
         self.orchestrator = build_orchestrator(self.router_id, config.router, config.mode, prefill, decode, tokenizer,
                                                each_of(observers))
         await self.orchestrator.start()
