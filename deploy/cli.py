@@ -251,12 +251,48 @@ def _serve(args: argparse.Namespace) -> int:
     return serve(config)
 
 
+def _add_simulate(commands: argparse._SubParsersAction) -> None:
+    from splitserve.planner.sim.scenario import POLICY_NAMES
+    from splitserve.planner.sim.traces import TRACE_NAMES
+
+    parser = commands.add_parser("simulate", help="run a traffic trace through the simulated cluster under an "
+                                                  "autoscaling policy (docs/planner.md); writes JSON + PNG")
+    parser.add_argument("--trace", choices=TRACE_NAMES, default="bursty")
+    parser.add_argument("--devices", type=int, default=128, help="devices the trace's peak load is sized to")
+    parser.add_argument("--policy", choices=(*POLICY_NAMES, "all"), default="all",
+                        help="planner (ours), static, dynamo (averages, no queueing), rayserve (p99 TTFT +/-1)")
+    parser.add_argument("--duration", type=float, default=3600.0, help="seconds of arrivals")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=Path("simulation"), help="output folder (created)")
+    parser.set_defaults(handler=_simulate)
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    from splitserve.planner.sim.plot import write_png
+    from splitserve.planner.sim.report import write_json
+    from splitserve.planner.sim.scenario import POLICY_NAMES, run_simulation
+
+    if args.devices < 2 or args.duration <= 0:
+        raise ValueError(f"need --devices >= 2 and --duration > 0, got {args.devices} and {args.duration}")
+    policies = POLICY_NAMES if args.policy == "all" else (args.policy,)
+    results = [run_simulation(args.trace, args.devices, policy, args.seed, args.duration) for policy in policies]
+    print(f"{'policy':<10} {'attainment':>10} {'goodput/device':>15} {'device-hours':>13} {'TTFT p99':>9} {'TPOT p99':>9}")
+    for r in results:
+        print(f"{r.policy:<10} {r.attainment:>10.3f} {r.goodput_per_device:>15.4f} {r.device_hours:>13.1f} "
+              f"{r.ttft.p99_s:>8.2f}s {r.tpot.p99_s:>8.3f}s")
+    name = f"{args.trace}-{args.devices}"
+    print(f"wrote {write_json(results, args.out / f'{name}.json')} and "
+          f"{write_png(results, args.out / f'{name}.png', f'{args.devices} devices: ')}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="splitserve", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     _add_make_tiny_model(commands)
     _add_generate(commands)
     _add_serve(commands)
+    _add_simulate(commands)
     return parser
 
 

@@ -111,3 +111,25 @@ def test_wire_sampling_fields_match_the_engine_sampling_params():
     # sampling_to_proto copies fields by name and relies on equal defaults on both sides.
     assert [spec.name for spec in dataclasses.fields(SamplingParams)] == [
         field.name for field in generation_pb2.SamplingParams.DESCRIPTOR.fields]
+
+
+def test_simulate_writes_the_runs_it_prints(tmp_path, capsys):
+    import json
+
+    from splitserve.planner.sim.scenario import run_simulation
+
+    args = ["simulate", "--trace", "poisson", "--devices", "4", "--duration", "60", "--policy", "planner",
+            "--seed", "3", "--out", str(tmp_path)]
+    assert cli_main(args) == 0
+    [run] = json.loads((tmp_path / "poisson-4.json").read_text())["runs"]
+    expected = run_simulation("poisson", 4, "planner", 3, 60.0)  # seeded: the same run again
+    assert (run["policy"], run["trace"], run["requests"], run["good"]) == (
+        "planner", "poisson", expected.requests, expected.good)
+    assert (tmp_path / "poisson-4.png").stat().st_size > 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].split()[:2] == ["planner", f"{expected.attainment:.3f}"]
+
+
+def test_simulate_refuses_a_cluster_of_one_device(tmp_path, capsys):
+    assert cli_main(["simulate", "--devices", "1", "--out", str(tmp_path)]) == 2
+    assert "need --devices >= 2 and --duration > 0, got 1 and 3600.0" in capsys.readouterr().err
