@@ -181,7 +181,22 @@ def make_request_limits(max_model_len: int = 2048, vocab_size: int = 512, max_by
 
 
 # ---- KV events and load reports -------------------------------------------------------------
+import dataclasses  # noqa: E402
+
 from splitserve.common.kv_events import KVEventBatch, KVSnapshot, LoadReport, WorkerCounters, WorkerReport  # noqa: E402
+from splitserve.common.slo import SloOutcome  # noqa: E402
+from splitserve.common.stats import RequestRecord  # noqa: E402
+
+
+def make_request_record(request_id: str, **fields) -> RequestRecord:
+    """A finished request's record (64-token prompt, one output token, TTFT = e2e = 10 ms, both SLO
+    targets met, prefill-0 -> decode-0) with `fields` replaced."""
+    base = RequestRecord(
+        request_id=request_id, finish_reason="length", error_code=None, routing_reason="load", rejection_reason=None,
+        prefill_worker="prefill-0", decode_worker="decode-0", num_prompt_tokens=64, num_cached_tokens=0,
+        num_output_tokens=1, ttft_s=0.01, inter_token_latencies=(), e2e_s=0.01, queue_s=None, prefill_s=None,
+        decode_s=None, ttft_breakdown=(), kv_transfer=None, slo=SloOutcome(True, True))
+    return dataclasses.replace(base, **fields)
 
 
 def make_load_report(num_running: int = 0, num_waiting: int = 0, num_queued_prefill_tokens: int = 0,

@@ -10,18 +10,18 @@ from splitserve.common.log_format import JsonLinesFormatter, configure_logging
 from splitserve.common.slo import SloOutcome
 from splitserve.common.stats import RequestRecord
 from splitserve.router.access_log import access_fields, log_access, text_line
+from tests.factories import make_request_record
 
 
 def _record(request_id: str, finished: bool = True) -> RequestRecord:
-    return RequestRecord(
-        request_id=request_id, finish_reason="stop" if finished else None,
-        error_code=None if finished else "RESOURCE_EXHAUSTED", routing_reason="load" if finished else None,
-        rejection_reason=None if finished else "ttft_slo", prefill_worker="prefill-0" if finished else None,
-        decode_worker="decode-1" if finished else None, num_prompt_tokens=40, num_cached_tokens=16 if finished else 0,
-        num_output_tokens=5 if finished else 0, ttft_s=0.0125 if finished else None,
-        inter_token_latencies=(0.01, 0.01, 0.01, 0.01) if finished else (), e2e_s=0.0525 if finished else 0.001,
-        queue_s=None, prefill_s=None, decode_s=None, ttft_breakdown=(), kv_transfer=None,
-        slo=SloOutcome(True, True) if finished else None, num_migrations=1 if finished else 0)
+    return make_request_record(
+        request_id, finish_reason="stop" if finished else None, error_code=None if finished else "RESOURCE_EXHAUSTED",
+        routing_reason="load" if finished else None, rejection_reason=None if finished else "ttft_slo",
+        prefill_worker="prefill-0" if finished else None, decode_worker="decode-1" if finished else None,
+        num_prompt_tokens=40, num_cached_tokens=16 if finished else 0, num_output_tokens=5 if finished else 0,
+        ttft_s=0.0125 if finished else None, inter_token_latencies=(0.01,) * 4 if finished else (),
+        e2e_s=0.0525 if finished else 0.001, slo=SloOutcome(True, True) if finished else None,
+        num_migrations=1 if finished else 0)
 
 
 def test_a_finished_and_a_rejected_request_have_exact_fields():

@@ -8,11 +8,11 @@ import asyncio
 import pytest
 
 from splitserve.common.kv_events import LoadReport
-from splitserve.common.slo import SloOutcome
 from splitserve.common.stats import KVTransferRecord, RequestRecord, WorkerSnapshot
 from splitserve.planner.core.types import Decision, LengthHistogram, PlannerConfig, PoolTarget, Prediction, Role
 from splitserve.planner.observe import PoolMembers, TrafficWindow, cv2, percentile
 from splitserve.planner.ray_adapter import RayPlanner
+from tests.factories import make_request_record
 
 
 def _record(request_id: str, e2e_s: float, ttft_s: float | None, prompt: int = 100, cached: int = 0,
@@ -20,13 +20,12 @@ def _record(request_id: str, e2e_s: float, ttft_s: float | None, prompt: int = 1
             transfer_s: float | None = None, routing_reason: str = "load") -> RequestRecord:
     finished = ttft_s is not None
     gaps = (((e2e_s - ttft_s) / (output - 1),) * (output - 1)) if finished else ()
-    return RequestRecord(
-        request_id=request_id, finish_reason="length" if finished else None,
-        error_code=None if finished else "RESOURCE_EXHAUSTED", routing_reason=routing_reason if finished else None,
-        rejection_reason=None if finished else "ttft_slo", prefill_worker=prefill_worker, decode_worker="decode-0",
-        num_prompt_tokens=prompt, num_cached_tokens=cached, num_output_tokens=output if finished else 0,
-        ttft_s=ttft_s, inter_token_latencies=gaps, e2e_s=e2e_s, queue_s=queue_s, prefill_s=None, decode_s=None,
-        ttft_breakdown=(), slo=SloOutcome(True, True),
+    return make_request_record(
+        request_id, finish_reason="length" if finished else None, error_code=None if finished else "RESOURCE_EXHAUSTED",
+        routing_reason=routing_reason if finished else None, rejection_reason=None if finished else "ttft_slo",
+        prefill_worker=prefill_worker, num_prompt_tokens=prompt, num_cached_tokens=cached,
+        num_output_tokens=output if finished else 0, ttft_s=ttft_s, inter_token_latencies=gaps, e2e_s=e2e_s,
+        queue_s=queue_s,
         kv_transfer=None if transfer_s is None else KVTransferRecord("prefill-0", "decode-0", transfer_s, 4096))
 
 
