@@ -54,7 +54,7 @@ from splitserve.common.validation import require
 from splitserve.planner.core.perf_model import decode_features, nonnegative_quadratic, prefill_features
 from splitserve.planner.core.types import PerformanceProfile
 from splitserve.planner.sim.cluster import run_local, tpot_of
-from splitserve.planner.sim.config import ClusterConfig
+from splitserve.planner.sim.config import SimulatedCluster
 from splitserve.planner.sim.policies import StaticPolicy
 from splitserve.planner.sim.report import nearest_rank
 from splitserve.planner.sim.traces import LengthDistribution, Trace, Workload, make_trace
@@ -628,15 +628,15 @@ def phase_medians(records: Sequence) -> dict[str, float]:
 
 # ---- simulation ------------------------------------------------------------------------------
 def sim_config(profile: PerformanceProfile, kv_tokens: int, kv_bytes_per_token: int,
-               transfer: tuple[float, float]) -> ClusterConfig:
+               transfer: tuple[float, float]) -> SimulatedCluster:
     """1 prefill + 1 decode replica for the whole run (ticks only observe; targets are irrelevant)."""
     latency_s, bytes_per_s = transfer
-    return ClusterConfig(profile=profile, initial_prefill=1, initial_decode=1, scale_up_s=0.0,
+    return SimulatedCluster(profile=profile, initial_prefill=1, initial_decode=1, scale_up_s=0.0,
                          decode_kv_tokens=kv_tokens, prefix_cache_groups=0, kv_bytes_per_token=kv_bytes_per_token,
                          transfer_bytes_per_s=bytes_per_s, transfer_latency_s=latency_s)
 
 
-def simulated_latencies(config: ClusterConfig, trace: Trace) -> tuple[np.ndarray, np.ndarray]:
+def simulated_latencies(config: SimulatedCluster, trace: Trace) -> tuple[np.ndarray, np.ndarray]:
     """(TTFT [n], TPOT [n]) of every request of the trace under StaticPolicy(1, 1). run_local, not
     simulate: the SimulationResult keeps quantiles only, the simulator's request table has them all."""
     simulator, run = run_local(config, trace, StaticPolicy(1, 1), "static")

@@ -17,7 +17,7 @@ from splitserve.planner.core.types import (Decision, LengthHistogram, Observatio
                                            PoolBounds, PoolObservation, Role)
 from splitserve.planner.sim.balance import LeastLoaded
 from splitserve.planner.sim.cluster import Simulator, run_local
-from splitserve.planner.sim.config import ClusterConfig
+from splitserve.planner.sim.config import SimulatedCluster
 from splitserve.planner.sim.device import steps_duration, steps_to_reach, steps_within
 from splitserve.planner.sim.observe import arrival_cv2, length_histogram
 from splitserve.planner.sim.policies import DynamoLikePolicy, RayServeLikePolicy, StaticPolicy, decision, pool_target
@@ -32,7 +32,7 @@ HAND_PROFILE = PerformanceProfile(prefill_fixed_s=0.01, prefill_s_per_token=0.00
                                   decode_fixed_s=0.02, decode_s_per_request=0.005, decode_s_per_context_token=0.0001,
                                   max_batch_size=4, prefill_token_budget=512)
 """prefill step = 0.01 + 0.001 n; decode step = 0.02 + 0.005 batch + 0.0001 context."""
-HAND = ClusterConfig(profile=HAND_PROFILE, ttft_s=1.0, tpot_s=0.05, kv_bytes_per_token=1000,
+HAND = SimulatedCluster(profile=HAND_PROFILE, ttft_s=1.0, tpot_s=0.05, kv_bytes_per_token=1000,
                      transfer_bytes_per_s=1e6, transfer_latency_s=0.002, decode_kv_tokens=10_000,
                      prefix_cache_groups=1)
 """KV transfer = 0.002 + 0.001 s per prompt token."""
@@ -90,7 +90,7 @@ class HandRun:
         return self.simulator.decode
 
 
-def simulate_hand(rows: list[tuple], policy: Scripted | None = None, config: ClusterConfig = HAND,
+def simulate_hand(rows: list[tuple], policy: Scripted | None = None, config: SimulatedCluster = HAND,
                   duration_s: float = 20.0) -> HandRun:
     policy = policy or Scripted(config.initial_prefill, config.initial_decode)
     simulator, run = run_local(config, trace_of(rows, duration_s), policy, "scripted")

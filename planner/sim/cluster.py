@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from splitserve.planner.core.types import Decision
-from splitserve.planner.sim.config import ClusterConfig
+from splitserve.planner.sim.config import SimulatedCluster
 from splitserve.planner.sim.control import Controller, Policy
 from splitserve.planner.sim.decode import DecodePool
 from splitserve.planner.sim.device import DeviceModel
@@ -50,7 +50,7 @@ class SimulatorOutput:
 class Simulator:
     """One run of `trace` through the cluster, decided by `control` (single use: call run() once)."""
 
-    def __init__(self, config: ClusterConfig, trace: Trace, control: Control) -> None:
+    def __init__(self, config: SimulatedCluster, trace: Trace, control: Control) -> None:
         self.config, self.trace, self.control = config, trace, control
         self.events = EventQueue()
         self.requests = RequestTable(trace)
@@ -163,7 +163,7 @@ class Run:
     """Finished, and its TPOT met the target."""
 
 
-def assemble(config: ClusterConfig, trace: Trace, policy_name: str, outputs: Sequence[SimulatorOutput],
+def assemble(config: SimulatedCluster, trace: Trace, policy_name: str, outputs: Sequence[SimulatorOutput],
              shards: Sequence[np.ndarray], timeline: Sequence[TimelinePoint], wall_s: float) -> Run:
     """outputs[i] ran the requests trace[shards[i]]; device time counts to end_s = max(duration,
     last finish)."""
@@ -187,7 +187,7 @@ def assemble(config: ClusterConfig, trace: Trace, policy_name: str, outputs: Seq
     return Run(result, ttft_met, tpot_met)
 
 
-def run_local(config: ClusterConfig, trace: Trace, policy: Policy, policy_name: str) -> tuple[Simulator, Run]:
+def run_local(config: SimulatedCluster, trace: Trace, policy: Policy, policy_name: str) -> tuple[Simulator, Run]:
     """One simulator in this process (the simulator is returned for inspection)."""
     started = time.perf_counter()
     controller = Controller(config, policy, trace.duration_s)

@@ -9,7 +9,7 @@ from splitserve.planner.core.types import PerformanceProfile
 
 
 @dataclass(frozen=True)
-class ClusterConfig:
+class SimulatedCluster:
     """The simulated cluster and its goodput targets."""
 
     profile: PerformanceProfile = field(default_factory=PerformanceProfile)

@@ -7,7 +7,7 @@ from typing import Protocol
 
 from splitserve.common.validation import require
 from splitserve.planner.core.types import Decision, Observation
-from splitserve.planner.sim.config import ClusterConfig
+from splitserve.planner.sim.config import SimulatedCluster
 from splitserve.planner.sim.observe import observation_of, timeline_point
 from splitserve.planner.sim.report import TimelinePoint
 from splitserve.planner.sim.window import Window
@@ -26,7 +26,7 @@ class Controller:
     once the run is over: the trace's duration has passed and every request finished, or
     overtime_s more have passed (then unfinished requests count as misses)."""
 
-    def __init__(self, config: ClusterConfig, policy: Policy, duration_s: float) -> None:
+    def __init__(self, config: SimulatedCluster, policy: Policy, duration_s: float) -> None:
         self.config, self.policy, self.duration_s = config, policy, duration_s
         self.timeline: list[TimelinePoint] = []
 

@@ -14,7 +14,7 @@ import numpy as np
 
 from splitserve.planner.core.types import (Decision, DecodeStepSample, LengthHistogram, Observation,
                                            PoolObservation, PrefillStepSample)
-from splitserve.planner.sim.config import ClusterConfig
+from splitserve.planner.sim.config import SimulatedCluster
 from splitserve.planner.sim.report import PoolCounts, TimelinePoint, nearest_rank
 from splitserve.planner.sim.window import PoolState, Window
 
@@ -72,7 +72,7 @@ def _steps(windows: Sequence[Window], keep: int) -> tuple[tuple, tuple]:
             tuple(DecodeStepSample(b, c, s) for b, c, s in decode))
 
 
-def observation_of(windows: Sequence[Window], config: ClusterConfig) -> Observation:
+def observation_of(windows: Sequence[Window], config: SimulatedCluster) -> Observation:
     """One Observation of the whole cluster from its shards' windows (all at the same tick)."""
     window_s, bins = config.tick_s, config.histogram_bin_tokens
     arrivals, ttft, tpot = np.sort(merged(windows, "arrival_s")), merged(windows, "ttft_s"), merged(windows, "tpot_s")
@@ -99,7 +99,7 @@ def _counts(states: Sequence[PoolState]) -> PoolCounts:
 
 
 def timeline_point(windows: Sequence[Window], observation: Observation, decision: Decision,
-                   config: ClusterConfig) -> TimelinePoint:
+                   config: SimulatedCluster) -> TimelinePoint:
     ttft, tpot = merged(windows, "ttft_s"), merged(windows, "tpot_s")
     good = int(np.count_nonzero((ttft <= config.ttft_s) & (tpot <= config.tpot_s)))
     return TimelinePoint(observation.now_s, observation.arrival_rate, _counts([w.prefill for w in windows]),

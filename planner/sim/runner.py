@@ -22,7 +22,7 @@ import numpy as np
 
 from splitserve.planner.core.types import Decision
 from splitserve.planner.sim.cluster import Run, Simulator, SimulatorOutput, assemble, run_local
-from splitserve.planner.sim.config import ClusterConfig
+from splitserve.planner.sim.config import SimulatedCluster
 from splitserve.planner.sim.control import Controller, Policy
 from splitserve.planner.sim.report import SimulationResult
 from splitserve.planner.sim.traces import Trace
@@ -56,7 +56,7 @@ class ShardFailure:
     text: str
 
 
-def _shard_main(config: ClusterConfig, trace: Trace, connection: Connection) -> None:
+def _shard_main(config: SimulatedCluster, trace: Trace, connection: Connection) -> None:
     """A shard process: simulate, sending each window and receiving its share of the decision."""
     def control(window: Window) -> Decision | None:
         connection.send(window)
@@ -88,7 +88,7 @@ def _lockstep(controller: Controller, connections: list[Connection]) -> list[Sim
             connection.send(None if decision is None else shard_decision(decision, shard, shards))
 
 
-def run_sharded(config: ClusterConfig, trace: Trace, policy: Policy, policy_name: str, shards: int) -> Run:
+def run_sharded(config: SimulatedCluster, trace: Trace, policy: Policy, policy_name: str, shards: int) -> Run:
     started = time.perf_counter()
     context = multiprocessing.get_context("fork")
     controller = Controller(config, policy, trace.duration_s)
@@ -112,7 +112,7 @@ def run_sharded(config: ClusterConfig, trace: Trace, policy: Policy, policy_name
     return assemble(config, trace, policy_name, outputs, ids, controller.timeline, time.perf_counter() - started)
 
 
-def simulate_run(config: ClusterConfig, trace: Trace, policy: Policy, policy_name: str, shards: int = 1) -> Run:
+def simulate_run(config: SimulatedCluster, trace: Trace, policy: Policy, policy_name: str, shards: int = 1) -> Run:
     """Run `trace` through a fresh cluster under `policy` (policies keep state: pass a fresh one),
     in this process (shards = 1) or over `shards` processes."""
     if shards == 1:
@@ -120,6 +120,6 @@ def simulate_run(config: ClusterConfig, trace: Trace, policy: Policy, policy_nam
     return run_sharded(config, trace, policy, policy_name, shards)
 
 
-def simulate(config: ClusterConfig, trace: Trace, policy: Policy, policy_name: str,
+def simulate(config: SimulatedCluster, trace: Trace, policy: Policy, policy_name: str,
              shards: int = 1) -> SimulationResult:
     return simulate_run(config, trace, policy, policy_name, shards).result

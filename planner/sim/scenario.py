@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from splitserve.common.validation import require
 from splitserve.planner.core.planner import Planner
 from splitserve.planner.core.types import PerformanceProfile, PlannerConfig, PoolBounds
-from splitserve.planner.sim.config import ClusterConfig
+from splitserve.planner.sim.config import SimulatedCluster
 from splitserve.planner.sim.control import Policy
 from splitserve.planner.sim.policies import DynamoLikePolicy, RayServeLikePolicy, StaticPolicy, decode_tokens_per_s
 from splitserve.planner.sim.report import SimulationResult
@@ -86,10 +86,10 @@ class Scale:
         return self.peak_rate
 
 
-def cluster_config(scale: Scale, duration_s: float, initial: tuple[int, int] | None = None) -> ClusterConfig:
+def cluster_config(scale: Scale, duration_s: float, initial: tuple[int, int] | None = None) -> SimulatedCluster:
     """The reference cluster; `initial` pools default to the nominal split at the trace's initial rate."""
     prefill, decode = initial or scale.split(scale.initial_rate(duration_s))
-    return ClusterConfig(profile=BENCH_PROFILE, ttft_s=TTFT_S, tpot_s=TPOT_S, initial_prefill=prefill,
+    return SimulatedCluster(profile=BENCH_PROFILE, ttft_s=TTFT_S, tpot_s=TPOT_S, initial_prefill=prefill,
                          initial_decode=decode)
 
 
