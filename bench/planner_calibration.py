@@ -56,7 +56,7 @@ from splitserve.planner.core.types import PerformanceProfile
 from splitserve.planner.sim.cluster import run_local, tpot_of
 from splitserve.planner.sim.config import SimulatedCluster
 from splitserve.planner.sim.policies import StaticPolicy
-from splitserve.planner.sim.report import nearest_rank
+from splitserve.planner.samples import nearest_rank
 from splitserve.planner.sim.traces import LengthDistribution, Trace, Workload, make_trace
 
 RESULTS = Path(__file__).parent / "results"

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from splitserve.common.stats import RequestRecord, WorkerSnapshot
 from splitserve.planner.core.types import (DecodeStepSample, LengthHistogram, Observation, PoolObservation,
                                            PrefillStepSample, Role)
+from splitserve.planner.samples import gap_cv2, nearest_rank
 
 
 @dataclass(frozen=True)
@@ -40,22 +41,7 @@ class _Ended:
 
 def percentile(values: Sequence[float], q: float) -> float | None:
     """The nearest-rank q-quantile (q in [0, 1]); None for no values."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, int(q * len(ordered) + 0.999999) - 1))]
-
-
-def cv2(times: Sequence[float]) -> float:
-    """Squared coefficient of variation of the gaps between sorted event times (1.0 with < 3 events:
-    no evidence against Poisson)."""
-    gaps = [b - a for a, b in zip(times, times[1:])]
-    if len(gaps) < 2:
-        return 1.0
-    mean = sum(gaps) / len(gaps)
-    if mean <= 0:
-        return 1.0
-    return sum((g - mean) ** 2 for g in gaps) / len(gaps) / mean**2
+    return nearest_rank(sorted(values), q) if values else None
 
 
 class TrafficWindow:
@@ -88,7 +74,7 @@ class TrafficWindow:
         tpots = [r.tpot_s for r in records if r.tpot_s is not None]
         return Observation(
             now_s=now_s, window_s=window_s, arrival_rate=arrivals / window_s,
-            arrival_cv2=cv2(sorted(ended.arrival_s for ended in self._ended)),
+            arrival_cv2=gap_cv2(sorted(ended.arrival_s for ended in self._ended)),
             prompt_lengths=LengthHistogram.of([r.num_prompt_tokens for r in records]),
             output_lengths=LengthHistogram.of([r.num_output_tokens for r in records if r.finish_reason]),
             prefill=self._pool(Role.PREFILL, snapshots, members, records),

@@ -10,7 +10,8 @@ import pytest
 from splitserve.common.kv_events import LoadReport
 from splitserve.common.stats import KVTransferRecord, RequestRecord, WorkerSnapshot
 from splitserve.planner.core.types import Decision, LengthHistogram, PlannerConfig, PoolTarget, Prediction, Role
-from splitserve.planner.observe import PoolMembers, TrafficWindow, cv2, percentile
+from splitserve.planner.observe import PoolMembers, TrafficWindow, percentile
+from splitserve.planner.samples import gap_cv2
 from splitserve.planner.ray_adapter import RayPlanner
 from tests.factories import make_request_record
 
@@ -37,9 +38,9 @@ def test_helpers_are_exact():
     assert percentile([5.0, 1.0, 3.0, 2.0, 4.0], 0.5) == 3.0
     assert percentile([5.0, 1.0, 3.0, 2.0, 4.0], 0.99) == 5.0
     assert percentile([], 0.5) is None
-    assert cv2([0.0, 1.0, 2.0, 3.0]) == 0.0  # evenly spaced: no variation
-    assert cv2([0.0, 1.0, 3.0]) == pytest.approx(((1 - 1.5) ** 2 + (2 - 1.5) ** 2) / 2 / 1.5**2)
-    assert cv2([0.0, 1.0]) == 1.0
+    assert gap_cv2([0.0, 1.0, 2.0, 3.0]) == 0.0  # evenly spaced: no variation
+    assert gap_cv2([0.0, 1.0, 3.0]) == pytest.approx(((1 - 1.5) ** 2 + (2 - 1.5) ** 2) / 2 / 1.5**2)
+    assert gap_cv2([0.0, 1.0]) == 1.0
 
 
 def test_a_window_of_records_and_reports_becomes_an_exact_observation():

@@ -19,7 +19,8 @@ from splitserve.planner.sim.balance import LeastLoaded
 from splitserve.planner.sim.cluster import Simulator, run_local
 from splitserve.planner.sim.config import SimulatedCluster
 from splitserve.planner.sim.device import steps_duration, steps_to_reach, steps_within
-from splitserve.planner.sim.observe import arrival_cv2, length_histogram
+from splitserve.planner.samples import gap_cv2
+from splitserve.planner.sim.observe import length_histogram
 from splitserve.planner.sim.policies import DynamoLikePolicy, RayServeLikePolicy, StaticPolicy, decision, pool_target
 from splitserve.planner.sim.report import write_json
 from splitserve.planner.sim.runner import share
@@ -112,7 +113,7 @@ def test_poisson_rate_and_cv2_within_tolerance():
     100,000 exponential gaps has sd ~0.009; we allow 0.03."""
     arrivals = poisson_arrivals(np.random.default_rng(1), 50.0, 2000.0)
     assert abs(len(arrivals) / 2000.0 - 50.0) < 0.5
-    assert abs(arrival_cv2(arrivals) - 1.0) < 0.03
+    assert abs(gap_cv2(arrivals) - 1.0) < 0.03
     assert arrivals[0] >= 0 and arrivals[-1] < 2000.0 and np.all(np.diff(arrivals) >= 0)
 
 
@@ -120,14 +121,14 @@ def test_gamma_arrivals_are_bursty_at_the_asked_rate():
     """Gamma gaps of shape 1/4: cv^2 4 (heavier-tailed sample variance: allow 10%), rate within 2%."""
     arrivals = gamma_arrivals(np.random.default_rng(2), 50.0, 4.0, 2000.0)
     assert abs(len(arrivals) / 2000.0 - 50.0) < 1.0
-    assert 3.6 < arrival_cv2(arrivals) < 4.4
+    assert 3.6 < gap_cv2(arrivals) < 4.4
 
 
 def test_mmpp_alternates_rates_and_is_bursty():
     arrivals = mmpp_arrivals(np.random.default_rng(3), (10.0, 40.0), (100.0, 100.0), 1.0, 4000.0)
     per_window = np.bincount((arrivals // 50).astype(int), minlength=80)
     assert per_window.min() < 50 * 15 and per_window.max() > 50 * 35
-    assert arrival_cv2(arrivals) > 1.3
+    assert gap_cv2(arrivals) > 1.3
     assert 15.0 < len(arrivals) / 4000.0 < 35.0
 
 

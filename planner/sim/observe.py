@@ -15,16 +15,9 @@ import numpy as np
 from splitserve.planner.core.types import (Decision, DecodeStepSample, LengthHistogram, Observation,
                                            PoolObservation, PrefillStepSample)
 from splitserve.planner.sim.config import SimulatedCluster
-from splitserve.planner.sim.report import PoolCounts, TimelinePoint, nearest_rank
+from splitserve.planner.samples import gap_cv2, nearest_rank
+from splitserve.planner.sim.report import PoolCounts, TimelinePoint
 from splitserve.planner.sim.window import PoolState, Window
-
-
-def arrival_cv2(arrivals: np.ndarray) -> float:
-    """Squared coefficient of variation of the gaps between sorted arrival times; 1.0 (the
-    Poisson value, no evidence either way) with fewer than two gaps or a zero mean gap."""
-    gaps = np.diff(arrivals)
-    mean = float(gaps.mean()) if len(gaps) >= 2 else 0.0
-    return float(gaps.var()) / (mean * mean) if mean > 0 else 1.0
 
 
 def length_histogram(lengths: np.ndarray, bin_tokens: int) -> LengthHistogram:
@@ -80,7 +73,7 @@ def observation_of(windows: Sequence[Window], config: SimulatedCluster) -> Obser
     prefill_steps, decode_steps = _steps(windows, config.step_samples)
     return Observation(
         now_s=windows[0].now_s, window_s=window_s, arrival_rate=len(arrivals) / window_s,
-        arrival_cv2=arrival_cv2(arrivals), prompt_lengths=length_histogram(merged(windows, "prompt_tokens"), bins),
+        arrival_cv2=gap_cv2(arrivals), prompt_lengths=length_histogram(merged(windows, "prompt_tokens"), bins),
         output_lengths=length_histogram(merged(windows, "output_tokens"), bins),
         prefill=_pool([w.prefill for w in windows], merged(windows, "prefill_queue_s"), 0),
         decode=_pool([w.decode for w in windows], merged(windows, "decode_queue_s"), config.decode_kv_tokens),

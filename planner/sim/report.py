@@ -15,6 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
+from splitserve.planner.samples import nearest_rank
+
 
 @dataclass(frozen=True)
 class PoolCounts:
@@ -141,11 +143,6 @@ def latency_summary(values: np.ndarray) -> LatencySummary:
         return LatencySummary(math.nan, math.nan, math.nan)
     ordered = np.sort(values)
     return LatencySummary(*(float(nearest_rank(ordered, q)) for q in (0.5, 0.9, 0.99)))
-
-
-def nearest_rank(ordered: np.ndarray, q: float) -> float:
-    """The smallest sample with at least a fraction q of the samples at or below it (ordered ascending, non-empty)."""
-    return float(ordered[max(0, math.ceil(q * len(ordered)) - 1)])
 
 
 def _finite(value):
