@@ -178,13 +178,10 @@ class LocalCluster:
 
     # ---- planner.ray_adapter.ClusterControl ----------------------------------------------
     def workers(self, role: Role) -> list[str]:
-        pool = self.orchestrator.prefill_pool if role is Role.PREFILL else self.orchestrator.decode_pool
-        return pool.routable()
+        return self.orchestrator.pool(role.value).routable()
 
     def requests_on(self, worker_id: str) -> int:
-        orchestrator = self.orchestrator
-        pool = orchestrator.prefill_pool if worker_id in orchestrator.prefill_pool.clients else orchestrator.decode_pool
-        return pool.num_requests(worker_id)
+        return self.orchestrator.pool_of(worker_id).num_requests(worker_id)
 
     def num_in_flight(self) -> int:
         return self.orchestrator.num_in_flight

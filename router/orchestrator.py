@@ -231,7 +231,7 @@ class Orchestrator:
     async def _on_restart(self, worker_id: str) -> None:
         """A worker came back with a new engine: new limits and a new transfer agent. Raises when
         its info is unavailable (the monitor keeps it unroutable and retries)."""
-        client = self.prefill_pool.clients.get(worker_id) or self.decode_pool.clients[worker_id]
+        client = self.pool_of(worker_id).clients[worker_id]
         old_agent = self.infos[worker_id].agent.agent_name
         self.infos[worker_id] = await client.info()
         # What the worker ran before its restart is gone with its old engine.
@@ -266,7 +266,7 @@ class Orchestrator:
         output stream (decode) is open and its first report is in. Raises ValueError when it cannot
         serve next to the others (layout, limits), or what its first calls raised (it is then not
         in the pool)."""
-        pool = self._pool(role)
+        pool = self.pool(role)
         info = await client.info()
         self._check_joins(info)
         self.infos[client.worker_id] = info
@@ -284,7 +284,7 @@ class Orchestrator:
         """The worker leaves its pool: it gets no new request, the requests it serves finish (for
         up to timeout_s; those still on it then move to other workers), and the router forgets it.
         Returns once nothing of this router remains on the worker; the caller then ends it."""
-        pool = self.prefill_pool if worker_id in self.prefill_pool.clients else self.decode_pool
+        pool = self.pool_of(worker_id)
         released = pool.retire(worker_id)
         self.readiness_changed.set()
         try:
@@ -295,12 +295,17 @@ class Orchestrator:
         await self._forget_worker(pool, worker_id)
         logger.info("worker %s left its pool", worker_id)
 
-    def _pool(self, role: str) -> WorkerPool:
+    def pool(self, role: str) -> WorkerPool:
+        """The `role` pool ('prefill' or 'decode'); a colocated router has no prefill pool."""
         if role == "decode":
             return self.decode_pool
         if role == "prefill" and self.mode == "disaggregated":
             return self.prefill_pool
         raise ValueError(f"a {self.mode} router has no {role!r} pool")
+
+    def pool_of(self, worker_id: str) -> WorkerPool:
+        """The pool the worker is in (it must be in one)."""
+        return self.prefill_pool if worker_id in self.prefill_pool.clients else self.decode_pool
 
     def _check_joins(self, info: WorkerInfo) -> None:
         """A joining worker must hash blocks like the others and hold every request they can."""
