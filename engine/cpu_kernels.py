@@ -31,7 +31,7 @@ from splitserve.engine.tiny_model import default_cache_dir
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = (CSRC / "paged_attention.cpp", CSRC / "fused_ops.cpp")
+SOURCES = (CSRC / "paged_attention.cpp", CSRC / "prefill_attention.cpp", CSRC / "fused_ops.cpp")
 HEADERS = (CSRC / "vec16.h",)
 LIBRARY_NAME = "splitserve_cpu.so"
 # -ffp-contract=off: a multiply then an add stay two roundings, as in torch's separate ops.

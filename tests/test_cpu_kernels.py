@@ -1,10 +1,11 @@
-"""The CPU fast path against its references: the C++ paged decode attention against
-TorchReferenceAttention, the fused layer ops against TorchLayerOps, oneDNN-packed linears against
+"""The CPU fast path against its references: the C++ paged decode and bf16 prefill attention (and the
+split prefill after a prefix) against TorchReferenceAttention, the fused layer ops against TorchLayerOps, oneDNN-packed linears against
 F.linear, and whole-engine greedy output with and without the kernels.
 
 Tolerances: fp32 results differ from the reference only by summation order (1e-5 absolute on
 O(1) values); bf16 attention computes scores in float32 where the reference rounds them to
-bf16 first, so it may differ by a few bf16 ulps of the output (2e-2 on O(1) values).
+bf16 first, so it may differ by a few bf16 ulps of the output (2e-2 on O(1) values); the bf16
+prefill kernel also rounds the probabilities to bf16 before weighting the values, within the same bound.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch.nn.functional as F
 
 from splitserve.engine import LLM, SamplingParams
 from splitserve.engine.attention import CpuPagedAttention, TorchReferenceAttention
-from splitserve.engine.attention.base import AttentionMetadata, DecodeBatch
+from splitserve.engine.attention.base import AttentionMetadata, DecodeBatch, PrefillSpan
 from splitserve.engine.cpu_kernels import load_cpu_kernels
 from splitserve.engine.models.layer_ops import CpuKernelLayerOps, TorchLayerOps
 from splitserve.engine.models.packed_linear import PackedLinear, can_pack
@@ -81,6 +82,74 @@ def test_decode_attention_reads_only_the_context_positions():
             block = decode.block_tables[row, position // block_size]
             poisoned[block, :, position % block_size] = kv_cache[block, :, position % block_size]
     got = CpuPagedAttention()._decode(query, poisoned, decode, 0, _metadata(decode), None)
+    assert torch.equal(got, expected)
+
+
+def _prefix_chunk_case(generator, dtype, num_heads, num_kv_heads, head_dim, start, query_len, block_size=16,
+                       num_blocks=64):
+    """A chunk of query_len tokens after `start` positions, over random blocks; positions past the
+    context in the last block are NaN (never read). The chunk's keys/values are the pool's."""
+    context_len = start + query_len
+    table = torch.randperm(num_blocks, generator=generator)[:-(-context_len // block_size)]
+    kv_cache = torch.randn(num_blocks, 2, block_size, num_kv_heads, head_dim, generator=generator).to(dtype)
+    last_block, used = table[-1], context_len - (len(table) - 1) * block_size
+    kv_cache[last_block, :, used:] = float("nan")
+    positions = torch.arange(start, context_len)
+    rows = kv_cache[table[positions // block_size], :, positions % block_size]  # [q, 2, Hkv, D]
+    query = torch.randn(query_len, num_heads, head_dim, generator=generator).to(dtype)
+    span = PrefillSpan(query_start=0, query_len=query_len, context_len=context_len, block_table=table)
+    metadata = AttentionMetadata(positions=positions, key_slots=None, value_slots=None, prefills=(span,),
+                                 decodes=(), block_size=block_size)
+    return query, rows[:, 0], rows[:, 1], kv_cache, span, metadata
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2), (12, 4)], ids=lambda h: f"{h[0]}q{h[1]}kv")
+@pytest.mark.parametrize("head_dim", [32, 40, 64])
+@pytest.mark.parametrize("start, query_len", [(0, 2), (0, 97), (1, 2), (1, 300), (16, 17), (37, 5), (250, 90),
+                                              (700, 2)])
+@pytest.mark.parametrize("sliding_window", [None, 7])
+@pytest.mark.parametrize("use_kernels", [pytest.param(True, marks=needs_kernels), False], ids=["kernel", "torch"])
+def test_prefill_attention_equals_the_reference(dtype, heads, head_dim, start, query_len, sliding_window,
+                                                use_kernels):
+    """The bf16 kernel (head_dim a multiple of 16), and the prefix + causal chunk parts merged by
+    log-sum-exp, equal one masked call over the whole context."""
+    generator = torch.Generator().manual_seed(start * 7 + query_len + head_dim)
+    query, key, value, kv_cache, span, metadata = _prefix_chunk_case(generator, dtype, heads[0], heads[1],
+                                                                     head_dim, start, query_len)
+    expected = TorchReferenceAttention()._prefill(query, key, value, kv_cache, span, metadata, sliding_window)
+    got = CpuPagedAttention(use_kernels)._prefill(query, key, value, kv_cache, span, metadata, sliding_window)
+    assert got.dtype == dtype and got.shape == query.shape
+    assert not got.isnan().any()
+    torch.testing.assert_close(got.float(), expected.float(), atol=TOLERANCE[dtype], rtol=0)
+
+
+@needs_kernels
+@pytest.mark.parametrize("head_dim", [16, 48, 80, 96, 112, 256])
+def test_prefill_kernel_covers_every_multiple_of_16_head_size(head_dim):
+    generator = torch.Generator().manual_seed(head_dim)
+    query, key, value, kv_cache, span, metadata = _prefix_chunk_case(generator, torch.bfloat16, 6, 2, head_dim,
+                                                                     start=70, query_len=45)
+    expected = TorchReferenceAttention()._prefill(query, key, value, kv_cache, span, metadata, None)
+    got = CpuPagedAttention()._prefill(query, key, value, kv_cache, span, metadata, None)
+    torch.testing.assert_close(got.float(), expected.float(), atol=TOLERANCE[torch.bfloat16], rtol=0)
+
+
+@needs_kernels
+@pytest.mark.parametrize("threads", [1, 2])
+def test_prefill_kernel_results_do_not_depend_on_the_thread_count(threads):
+    """Tasks are taken from a shared counter in any order; each writes only its own rows."""
+    generator = torch.Generator().manual_seed(5)
+    query, key, value, kv_cache, span, metadata = _prefix_chunk_case(generator, torch.bfloat16, 8, 2, 64,
+                                                                     start=33, query_len=200)
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        expected = CpuPagedAttention()._prefill(query, key, value, kv_cache, span, metadata, None)
+        torch.set_num_threads(threads)
+        got = CpuPagedAttention()._prefill(query, key, value, kv_cache, span, metadata, None)
+    finally:
+        torch.set_num_threads(previous)
     assert torch.equal(got, expected)
 
 

@@ -12,21 +12,32 @@ What differs from the reference, and why (measured on the 2-core AVX-512 machine
   num_kv_heads query heads sharing a KV head form the rows of one [G, D] x [D, L] product per
   (sequence, KV head), in the model's dtype, with the softmax in float32 over an additive padding
   bias (what Hugging Face's eager attention does), over keys and values gathered head-major.
-- Prefill chunks use SDPA like the reference (its fused causal kernel is the fastest on CPU for
-  q > 1), one call per chunk.
+- Prefill chunks in bf16 run the C++ kernel of csrc/prefill_attention.cpp: flash-attention style
+  tiles on AVX512-BF16 dot instructions, keys and values read from the pool (a cached prefix
+  included), causal and sliding-window masks applied per tile. 2047-token prompt, one thread:
+  24.7 against 42.0 ms (8 heads / 4 KV heads of 32) and 58.9 against 106.9 ms (12 / 4 of 64) for
+  torch's fused causal SDPA. In fp32 (and without the kernels, or for head sizes that are not a
+  multiple of 16) prefill chunks use SDPA like the reference (its fused causal kernel is the
+  fastest in torch on CPU for q > 1), one call per chunk. A chunk that continues a prefix (a
+  cached prefix, or the rest of a prompt chunked at the step budget) is attended in two parts
+  merged by their log-sum-exp: the chunk's queries against the prefix's keys (no mask: every
+  prefix position is visible), and the chunk against its own keys, square and causal. The
+  reference's single call takes an explicit [q, ctx] mask, with which the fused kernel computes
+  every tile, masked or not (2x the work of the causal call, plus building the mask): 43 ms
+  against 21 ms for 2046 tokens after a 1-token prefix, 8 heads / 4 KV heads of 32.
 """
 
 from __future__ import annotations
 
 import torch
 
-from splitserve.engine.attention.base import AttentionMetadata, DecodeBatch
+from splitserve.engine.attention.base import AttentionMetadata, DecodeBatch, PrefillSpan
 from splitserve.engine.attention.torch_ref import TorchReferenceAttention, _cached
 from splitserve.engine.cpu_kernels import load_cpu_kernels
 
 
 class CpuPagedAttention(TorchReferenceAttention):
-    """The reference backend with a fast decode path (prefill is inherited)."""
+    """The reference backend with the C++ decode and bf16 prefill kernels, and the split prefill after a prefix."""
 
     def __init__(self, use_kernels: bool = True) -> None:
         """use_kernels=False keeps to pure torch (the path taken when the kernels cannot be built)."""
@@ -34,6 +45,37 @@ class CpuPagedAttention(TorchReferenceAttention):
         self.use_kernels = use_kernels and load_cpu_kernels()
         self.pads_decode_batches = not self.use_kernels  # the kernel reads each sequence's own context
         self._head_major = torch.empty(0)
+
+    def _prefill(self, query, key, value, kv_cache, span: PrefillSpan, metadata: AttentionMetadata,
+                 sliding_window):
+        if self.use_kernels and query.dtype == torch.bfloat16 and query.shape[-1] % 16 == 0:
+            out = torch.empty_like(query)  # [q, H, D]
+            torch.ops.splitserve_cpu.paged_prefill_attention(
+                query.contiguous(), kv_cache, span.block_table, span.start_position, sliding_window or 0,
+                query.shape[-1] ** -0.5, out)
+            return out
+        if span.start_position == 0 or sliding_window is not None:
+            return super()._prefill(query, key, value, kv_cache, span, metadata, sliding_window)
+        return self._prefill_after_prefix(query, key, value, kv_cache, span)
+
+    def _prefill_after_prefix(self, query, key, value, kv_cache, span: PrefillSpan) -> torch.Tensor:
+        """Attention of a chunk whose first position is span.start_position > 0, no sliding window.
+
+        softmax over [prefix, chunk] = the two parts' outputs weighted by exp(lse_part - lse_all),
+        with lse_all = logaddexp of the parts' log-sum-exps; the merge runs in float32.
+        """
+        queries = query.transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
+        block_size = kv_cache.shape[2]
+        prefix_blocks = span.block_table[:(span.start_position + block_size - 1) // block_size]
+        prefix_keys, prefix_values = self._gather(kv_cache, prefix_blocks.unsqueeze(0),
+                                                  span.start_position)  # [1, Hkv, start, D] each
+        prefix_out, prefix_lse = _flash_attention(queries, prefix_keys, prefix_values, is_causal=False)
+        chunk_out, chunk_lse = _flash_attention(queries, key.transpose(0, 1).unsqueeze(0),
+                                                value.transpose(0, 1).unsqueeze(0), is_causal=True)
+        total_lse = torch.logaddexp(prefix_lse, chunk_lse)  # [1, H, q] float32
+        merged = prefix_out.float().mul_((prefix_lse - total_lse).exp_().unsqueeze(-1))
+        merged.addcmul_(chunk_out.float(), (chunk_lse - total_lse).exp_().unsqueeze(-1))
+        return merged[0].transpose(0, 1).to(query.dtype)  # [q, H, D]
 
     def _decode(self, query, kv_cache, decode: DecodeBatch, index: int, metadata: AttentionMetadata,
                 sliding_window):
@@ -76,6 +118,14 @@ class CpuPagedAttention(TorchReferenceAttention):
         out_keys.copy_(keys)
         out_values.copy_(values)
         return out_keys, out_values
+
+
+def _flash_attention(query, key, value, is_causal: bool):
+    """torch's fused CPU attention with its log-sum-exp: ([1, H, q, D], [1, H, q] float32).
+
+    Keys and values may have fewer heads than the query (GQA: head h reads KV head h // G).
+    """
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, 0.0, is_causal)
 
 
 def _decode_bias(decode: DecodeBatch, max_len: int, sliding_window: int | None) -> torch.Tensor:
