@@ -15,10 +15,12 @@ What differs from the reference, and why (measured on the 2-core AVX-512 machine
 - Prefill chunks in bf16 run the C++ kernel of csrc/prefill_attention.cpp: flash-attention style
   tiles on AVX512-BF16 dot instructions, keys and values read from the pool (a cached prefix
   included), causal and sliding-window masks applied per tile. 2047-token prompt, one thread:
-  24.7 against 42.0 ms (8 heads / 4 KV heads of 32) and 58.9 against 106.9 ms (12 / 4 of 64) for
-  torch's fused causal SDPA. In fp32 (and without the kernels, or for head sizes that are not a
-  multiple of 16) prefill chunks use SDPA like the reference (its fused causal kernel is the
-  fastest in torch on CPU for q > 1), one call per chunk. A chunk that continues a prefix (a
+  24.6 against 41.7 ms (8 heads / 4 KV heads of 32) and 54.0 against 106.8 ms (12 / 4 of 64) for
+  torch's fused causal SDPA. In fp32 the same kernel (float FMAs) is slower than torch's for a
+  full causal chunk (50.8 / 119.7 ms for those two), so it runs only with a sliding window, whose
+  out-of-window tiles it skips (2047 tokens, window 256, 12 / 4 heads of 64: 28.8 against 217.3
+  ms for the masked SDPA call). Otherwise (fp32, no kernels, head sizes that are not a multiple
+  of 16) prefill chunks use SDPA like the reference, one call per chunk. A chunk that continues a prefix (a
   cached prefix, or the rest of a prompt chunked at the step budget) is attended in two parts
   merged by their log-sum-exp: the chunk's queries against the prefix's keys (no mask: every
   prefix position is visible), and the chunk against its own keys, square and causal. The
@@ -48,7 +50,7 @@ class CpuPagedAttention(TorchReferenceAttention):
 
     def _prefill(self, query, key, value, kv_cache, span: PrefillSpan, metadata: AttentionMetadata,
                  sliding_window):
-        if self.use_kernels and query.dtype == torch.bfloat16 and query.shape[-1] % 16 == 0:
+        if self.use_kernels and query.shape[-1] % 16 == 0 and (query.dtype == torch.bfloat16 or sliding_window):
             out = torch.empty_like(query)  # [q, H, D]
             torch.ops.splitserve_cpu.paged_prefill_attention(
                 query.contiguous(), kv_cache, span.block_table, span.start_position, sliding_window or 0,

@@ -1,8 +1,8 @@
-// Paged prefill attention for CPU in bf16: one request's chunk of query tokens attends, causally, to
-// every position before it (a cached prefix, earlier chunks) and to itself, reading keys and values
-// from the KV pool's blocks. Built at first use by engine/cpu_kernels.py.
+// Paged prefill attention for CPU: one request's chunk of query tokens attends, causally, to every
+// position before it (a cached prefix, earlier chunks) and to itself, reading keys and values from the
+// KV pool's blocks. Built at first use by engine/cpu_kernels.py.
 //
-// Shapes (all contiguous, bf16 unless stated):
+// Shapes (all contiguous, one dtype: float32 or bf16):
 //   query       [q, H, D]                             positions start .. start + q - 1
 //   kv_cache    [num_blocks, 2, block_size, Hkv, D]   [:, 0] keys, [:, 1] values; already holds the chunk's own
 //   block_table [ceil((start + q) / block_size)] int64
@@ -10,18 +10,19 @@
 // Query head h reads KV head h / (H / Hkv). Query position i attends key position j when j <= i and, with
 // sliding_window > 0, i - j < sliding_window. D must be a multiple of 16.
 //
-// Why a kernel (torch's fused SDPA for CPU is the alternative): it computes in float32 and, for a chunk
-// after a prefix, needs a gather of the prefix plus an explicit mask. Here the products run on AVX512-BF16
-// dot instructions (two bf16 products per float lane, summed in float32; emulated with two float FMAs on
-// AVX-512 CPUs without BF16), flash-attention style: per (KV head, tile of query positions) task, key
-// tiles of 64 positions update a running max, sum and float32 output per query row (online softmax).
-// The probabilities are rounded to bf16 before they weight the values, as fused GPU kernels do.
+// Flash-attention style: per (KV head, tile of query positions) task, key tiles of 64 positions update a
+// running max, sum and float32 output per query row (online softmax), so a chunk after a prefix needs
+// neither a gather of the prefix nor an explicit mask (torch's fused SDPA needs both, and computes the
+// masked tiles). In bf16 the products run on AVX512-BF16 dot instructions (two bf16 products per float
+// lane, summed in float32; emulated with two float FMAs on AVX-512 CPUs without BF16), where torch's
+// kernel widens to float32; the probabilities are rounded to bf16 before they weight the values, as
+// fused GPU kernels do. In float32 they are float FMAs.
 //
 // Layout of the work: the G = H / Hkv query heads sharing a KV head form the rows of one task (row
 // r = position * G + head), so each key and value tile serves G * kQueryTile rows. Keys and values are
-// first repacked, per KV head, into bf16 pairs: keys as [D/2][keys] words (word = dims 2d, 2d+1 of one
-// key), values as [keys/2][D] words (word = one dim of keys 2j, 2j+1), the operand layouts of the dot
-// instruction. Tasks run heaviest first (the last query tiles see the most keys) from a shared counter.
+// first repacked per KV head into 32-bit words of P = 4 / sizeof(dtype) elements (pack_tile), the operand
+// layouts of the dot instruction (P = 2) or of a broadcast FMA (P = 1). Tasks run heaviest first (the
+// last query tiles see the most keys), taken from a shared counter.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/cpu/vec/vec.h>
@@ -46,19 +47,36 @@ constexpr int64_t kQueryTile = 32;  // query positions per task
 constexpr int64_t kKeyTile = 64;    // key positions per step of a task: 4 vectors of 16 scores
 constexpr int64_t kRowBlock = 4;    // query rows per score micro-kernel (4 x 4 accumulators)
 
-inline uint32_t bits(bf16 v) {
-  uint16_t b;
-  std::memcpy(&b, &v, sizeof b);
-  return b;
+// The dtype's view of a 32-bit word: bf16 packs two elements per word (summed by one dot
+// instruction), float one (one FMA). Every packed operand below is a run of such words.
+template <typename T>
+struct Words {
+  static constexpr int64_t kPerWord = 4 / sizeof(T);
+
+  // acc + the products of the elements of a and b, lane by lane (a and b: 16 words each).
+  static __m512 dot(__m512 acc, __m512i a, __m512i b);
+
+  // The word holding elements low (and, for bf16, high) in memory order.
+  static uint32_t word(const T* low, const T* high);
+};
+
+template <>
+inline __m512 Words<float>::dot(__m512 acc, __m512i a, __m512i b) {
+  return _mm512_fmadd_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(b), acc);
 }
 
-inline uint32_t pair(bf16 low, bf16 high) { return bits(low) | (bits(high) << 16); }
+template <>
+inline uint32_t Words<float>::word(const float* low, const float*) {
+  uint32_t w = 0;
+  if (low) std::memcpy(&w, low, sizeof w);
+  return w;
+}
 
-// acc + a.even * b.even + a.odd * b.odd per float lane, where a and b each hold 16 pairs of bf16.
-inline __m512 dot_pairs(__m512 acc, __m512i a, __m512i b) {
+template <>
+inline __m512 Words<bf16>::dot(__m512 acc, __m512i a, __m512i b) {
 #if defined(__AVX512BF16__)
   return _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh>(a), reinterpret_cast<__m512bh>(b));
-#else
+#else  // two float FMAs on the widened halves
   const __m512i high = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
   const __m512 a_even = _mm512_castsi512_ps(_mm512_slli_epi32(a, 16));
   const __m512 b_even = _mm512_castsi512_ps(_mm512_slli_epi32(b, 16));
@@ -66,6 +84,14 @@ inline __m512 dot_pairs(__m512 acc, __m512i a, __m512i b) {
   const __m512 b_odd = _mm512_castsi512_ps(_mm512_and_si512(b, high));
   return _mm512_fmadd_ps(a_odd, b_odd, _mm512_fmadd_ps(a_even, b_even, acc));
 #endif
+}
+
+template <>
+inline uint32_t Words<bf16>::word(const bf16* low, const bf16* high) {
+  uint16_t l = 0, h = 0;
+  if (low) std::memcpy(&l, low, sizeof l);
+  if (high) std::memcpy(&h, high, sizeof h);
+  return l | (static_cast<uint32_t>(h) << 16);
 }
 
 struct Geometry {
@@ -76,64 +102,64 @@ struct Geometry {
   int64_t key_tiles;     // ceil(context_len / kKeyTile)
 };
 
-// One KV head's keys and values, repacked for the dot instruction; positions past context_len are 0.
-struct PackedHead {
-  const uint32_t* keys;    // [key_tiles][D/2][kKeyTile]
-  const uint32_t* values;  // [key_tiles][kKeyTile/2][D]
-};
-
-void pack_head(const bf16* cache, const int64_t* table, const Geometry& g, int64_t kv_head, int64_t tile,
-               uint32_t* keys, uint32_t* values) {
-  const int64_t half_dim = g.head_dim / 2, first = tile * kKeyTile;
-  const int64_t value_offset = g.block_size * g.row_stride;
-  const bf16 zero(0.f);
-  for (int64_t j = 0; j < kKeyTile; j += 2) {
-    const bf16* rows[2];
-    for (int64_t k = 0; k < 2; ++k) {
-      const int64_t p = first + j + k;
+// One key tile of one KV head, repacked; positions past context_len are 0. With P elements per word:
+//   keys   [D / P][kKeyTile] words: word (d, j) = dims P*d .. P*d + P-1 of key j
+//   values [kKeyTile / P][D] words: word (j, d) = dim d of keys P*j .. P*j + P-1
+template <typename T>
+void pack_tile(const T* cache, const int64_t* table, const Geometry& g, int64_t kv_head, int64_t tile, uint32_t* keys,
+               uint32_t* values) {
+  constexpr int64_t P = Words<T>::kPerWord;
+  const int64_t key_words = g.head_dim / P, value_offset = g.block_size * g.row_stride;
+  for (int64_t j = 0; j < kKeyTile; j += P) {
+    const T* rows[P];
+    for (int64_t k = 0; k < P; ++k) {
+      const int64_t p = tile * kKeyTile + j + k;
       rows[k] = p < g.context_len ? cache + table[p / g.block_size] * g.block_stride +
                                         (p % g.block_size) * g.row_stride + kv_head * g.head_dim
                                   : nullptr;
     }
-    for (int64_t k = 0; k < 2; ++k)
-      for (int64_t d = 0; d < half_dim; ++d)
-        keys[d * kKeyTile + j + k] = rows[k] ? pair(rows[k][2 * d], rows[k][2 * d + 1]) : 0;
+    for (int64_t k = 0; k < P; ++k)
+      for (int64_t d = 0; d < key_words; ++d)
+        keys[d * kKeyTile + j + k] = rows[k] ? Words<T>::word(rows[k] + P * d, rows[k] + P * d + P - 1) : 0;
     for (int64_t d = 0; d < g.head_dim; ++d)
-      values[(j / 2) * g.head_dim + d] = pair(rows[0] ? rows[0][value_offset + d] : zero,
-                                               rows[1] ? rows[1][value_offset + d] : zero);
+      values[(j / P) * g.head_dim + d] = Words<T>::word(rows[0] ? rows[0] + value_offset + d : nullptr,
+                                                        rows[P - 1] ? rows[P - 1] + value_offset + d : nullptr);
   }
 }
 
-// scores[r][0..64) = q_r . key_j for 4 rows; q_pairs rows hold D/2 words.
-inline void score_block(const uint32_t* q_pairs, const uint32_t* keys, int64_t half_dim, float* scores) {
+// scores[r][0..64) = q_r . key_j for 4 rows; q rows hold key_words words.
+template <typename T>
+inline void score_block(const uint32_t* q, const uint32_t* keys, int64_t key_words, float* scores) {
   __m512 acc[kRowBlock][4];
   for (auto& row : acc)
     for (auto& v : row) v = _mm512_setzero_ps();
-  for (int64_t d = 0; d < half_dim; ++d) {
+  for (int64_t d = 0; d < key_words; ++d) {
     __m512i k[4];
     for (int c = 0; c < 4; ++c) k[c] = _mm512_loadu_si512(keys + d * kKeyTile + 16 * c);
     for (int r = 0; r < kRowBlock; ++r) {
-      const __m512i q = _mm512_set1_epi32(static_cast<int>(q_pairs[r * half_dim + d]));
-      for (int c = 0; c < 4; ++c) acc[r][c] = dot_pairs(acc[r][c], q, k[c]);
+      const __m512i q_word = _mm512_set1_epi32(static_cast<int>(q[r * key_words + d]));
+      for (int c = 0; c < 4; ++c) acc[r][c] = Words<T>::dot(acc[r][c], q_word, k[c]);
     }
   }
   for (int r = 0; r < kRowBlock; ++r)
     for (int c = 0; c < 4; ++c) _mm512_storeu_ps(scores + r * kKeyTile + 16 * c, acc[r][c]);
 }
 
-// out[r][0..D) += sum_j p_r[j] * value_j for R rows, N = D / 16 vectors per row held in registers.
-template <int N, int R>
-inline void weigh_values(const uint32_t* p_pairs, const uint32_t* values, int64_t rows, float* out) {
+// out[r][0..D) += sum_j p_r[j] * value_j for R rows at a time, N = D / 16 vectors per row in registers;
+// probs rows hold kKeyTile / P words.
+template <typename T, int N, int R>
+inline void weigh_values(const uint32_t* probs, const uint32_t* values, int64_t rows, float* out) {
+  constexpr int64_t prob_words = kKeyTile / Words<T>::kPerWord;
   for (int64_t r0 = 0; r0 < rows; r0 += R) {
     __m512 acc[R][N];
     for (int r = 0; r < R; ++r)
       for (int n = 0; n < N; ++n) acc[r][n] = _mm512_loadu_ps(out + (r0 + r) * 16 * N + 16 * n);
-    for (int64_t j = 0; j < kKeyTile / 2; ++j) {
+    for (int64_t j = 0; j < prob_words; ++j) {
       __m512i v[N];
       for (int n = 0; n < N; ++n) v[n] = _mm512_loadu_si512(values + j * 16 * N + 16 * n);
       for (int r = 0; r < R; ++r) {
-        const __m512i p = _mm512_set1_epi32(static_cast<int>(p_pairs[(r0 + r) * (kKeyTile / 2) + j]));
-        for (int n = 0; n < N; ++n) acc[r][n] = dot_pairs(acc[r][n], p, v[n]);
+        const __m512i p = _mm512_set1_epi32(static_cast<int>(probs[(r0 + r) * prob_words + j]));
+        for (int n = 0; n < N; ++n) acc[r][n] = Words<T>::dot(acc[r][n], p, v[n]);
       }
     }
     for (int r = 0; r < R; ++r)
@@ -142,48 +168,51 @@ inline void weigh_values(const uint32_t* p_pairs, const uint32_t* values, int64_
 }
 
 // Rows are padded to a multiple of 4 (kRowBlock); R divides 4 in every case below.
-void weigh_values(const uint32_t* p_pairs, const uint32_t* values, int64_t rows, int64_t head_dim, float* out) {
+template <typename T>
+void weigh_values(const uint32_t* probs, const uint32_t* values, int64_t rows, int64_t head_dim, float* out) {
   switch (head_dim / 16) {
-    case 1: return weigh_values<1, 4>(p_pairs, values, rows, out);
-    case 2: return weigh_values<2, 4>(p_pairs, values, rows, out);
-    case 3: return weigh_values<3, 4>(p_pairs, values, rows, out);
-    case 4: return weigh_values<4, 4>(p_pairs, values, rows, out);
-    case 5: return weigh_values<5, 4>(p_pairs, values, rows, out);
-    case 6: return weigh_values<6, 2>(p_pairs, values, rows, out);
-    case 7: return weigh_values<7, 2>(p_pairs, values, rows, out);
-    case 8: return weigh_values<8, 2>(p_pairs, values, rows, out);
+    case 1: return weigh_values<T, 1, 4>(probs, values, rows, out);
+    case 2: return weigh_values<T, 2, 4>(probs, values, rows, out);
+    case 3: return weigh_values<T, 3, 4>(probs, values, rows, out);
+    case 4: return weigh_values<T, 4, 4>(probs, values, rows, out);
+    case 5: return weigh_values<T, 5, 4>(probs, values, rows, out);
+    case 6: return weigh_values<T, 6, 2>(probs, values, rows, out);
+    case 7: return weigh_values<T, 7, 2>(probs, values, rows, out);
+    case 8: return weigh_values<T, 8, 2>(probs, values, rows, out);
     default: break;
   }
+  constexpr int64_t prob_words = kKeyTile / Words<T>::kPerWord;
   for (int64_t d = 0; d < head_dim; d += 128)  // wider heads: 128-dim slices of the rows
     for (int64_t r = 0; r < rows; ++r) {
-      const int64_t width = std::min<int64_t>(128, head_dim - d);
+      const int64_t vectors = std::min<int64_t>(128, head_dim - d) / 16;
       __m512 acc[8];
-      for (int64_t n = 0; n < width / 16; ++n) acc[n] = _mm512_loadu_ps(out + r * head_dim + d + 16 * n);
-      for (int64_t j = 0; j < kKeyTile / 2; ++j) {
-        const __m512i p = _mm512_set1_epi32(static_cast<int>(p_pairs[r * (kKeyTile / 2) + j]));
-        for (int64_t n = 0; n < width / 16; ++n)
-          acc[n] = dot_pairs(acc[n], p, _mm512_loadu_si512(values + j * head_dim + d + 16 * n));
+      for (int64_t n = 0; n < vectors; ++n) acc[n] = _mm512_loadu_ps(out + r * head_dim + d + 16 * n);
+      for (int64_t j = 0; j < prob_words; ++j) {
+        const __m512i p = _mm512_set1_epi32(static_cast<int>(probs[r * prob_words + j]));
+        for (int64_t n = 0; n < vectors; ++n)
+          acc[n] = Words<T>::dot(acc[n], p, _mm512_loadu_si512(values + j * head_dim + d + 16 * n));
       }
-      for (int64_t n = 0; n < width / 16; ++n) _mm512_storeu_ps(out + r * head_dim + d + 16 * n, acc[n]);
+      for (int64_t n = 0; n < vectors; ++n) _mm512_storeu_ps(out + r * head_dim + d + 16 * n, acc[n]);
     }
 }
 
 // Per-thread buffers of one task: rows = G * kQueryTile rounded up to kRowBlock.
 struct TaskBuffers {
-  std::vector<uint32_t> q_pairs;  // [rows][D/2]
+  std::vector<uint32_t> queries;  // [rows][D / P] words
   std::vector<float> scores;      // [rows][kKeyTile]
-  std::vector<uint32_t> p_pairs;  // [rows][kKeyTile/2]
+  std::vector<uint32_t> probs;    // [rows][kKeyTile / P] words: the scores' probabilities in the dtype
   std::vector<float> out;         // [rows][D]
   std::vector<float> row_max, row_sum;
 
   TaskBuffers(int64_t rows, int64_t head_dim)
-      : q_pairs(rows * head_dim / 2), scores(rows * kKeyTile), p_pairs(rows * kKeyTile / 2),
-        out(rows * head_dim), row_max(rows), row_sum(rows) {}
+      : queries(rows * head_dim), scores(rows * kKeyTile), probs(rows * kKeyTile), out(rows * head_dim),
+        row_max(rows), row_sum(rows) {}
 };
 
 // Scores of one key tile -> masked, scaled, online-softmax update of the rows' max, sum and output
-// scale; leaves the tile's probabilities rounded to bf16 in p_pairs (in key order: word j holds keys
-// 2j and 2j + 1, the dot instruction's pair layout).
+// scale; leaves the tile's probabilities, in the dtype and key order, in buf.probs (for bf16, word j
+// holds keys 2j and 2j + 1: the dot instruction's pair layout).
+template <typename T>
 void softmax_tile(TaskBuffers& buf, const Geometry& g, int64_t first_position, int64_t rows, int64_t first_key,
                   float scale) {
   using Vec = at::vec::Vectorized<float>;
@@ -209,9 +238,9 @@ void softmax_tile(TaskBuffers& buf, const Geometry& g, int64_t first_position, i
       tile_max_v = _mm512_max_ps(tile_max_v, v[c]);
     }
     const float new_max = std::max(buf.row_max[r], _mm512_reduce_max_ps(tile_max_v));
-    bf16* p = reinterpret_cast<bf16*>(&buf.p_pairs[r * (kKeyTile / 2)]);
+    T* p = reinterpret_cast<T*>(&buf.probs[r * (kKeyTile / Words<T>::kPerWord)]);
     if (new_max == neg_inf) {  // nothing visible yet in this row
-      std::fill(p, p + kKeyTile, bf16(0.f));
+      std::fill(p, p + kKeyTile, T(0.f));
       continue;
     }
     const float correction = std::exp(buf.row_max[r] - new_max);  // 0 when the row had nothing
@@ -232,36 +261,73 @@ void softmax_tile(TaskBuffers& buf, const Geometry& g, int64_t first_position, i
   }
 }
 
-void run_task(TaskBuffers& buf, const bf16* query, const PackedHead& head, const Geometry& g, int64_t kv_head,
-              int64_t query_tile, float scale, bf16* out) {
-  const int64_t half_dim = g.head_dim / 2, row_width = g.num_heads * g.head_dim;
+// The packed keys and values of one KV head: key_tiles consecutive tiles of pack_tile's layout.
+struct PackedHead {
+  const uint32_t* keys;
+  const uint32_t* values;
+};
+
+template <typename T>
+void run_task(TaskBuffers& buf, const T* query, const PackedHead& head, const Geometry& g, int64_t kv_head,
+              int64_t query_tile, float scale, T* out) {
+  const int64_t key_words = g.head_dim / Words<T>::kPerWord, row_width = g.num_heads * g.head_dim;
   const int64_t first = query_tile * kQueryTile;  // index of the tile's first query in the chunk
   const int64_t positions = std::min(kQueryTile, g.query_len - first);
   const int64_t rows = positions * g.group, padded_rows = (rows + kRowBlock - 1) / kRowBlock * kRowBlock;
-  std::fill(buf.q_pairs.begin(), buf.q_pairs.begin() + padded_rows * half_dim, 0u);
-  for (int64_t r = 0; r < rows; ++r) {  // a bf16 row in memory already is its D/2 pairs
-    const bf16* q = query + (first + r / g.group) * row_width + (kv_head * g.group + r % g.group) * g.head_dim;
-    std::memcpy(&buf.q_pairs[r * half_dim], q, g.head_dim * sizeof(bf16));
+  std::fill(buf.queries.begin(), buf.queries.begin() + padded_rows * key_words, 0u);
+  for (int64_t r = 0; r < rows; ++r) {  // a row in memory already is its words
+    const T* q = query + (first + r / g.group) * row_width + (kv_head * g.group + r % g.group) * g.head_dim;
+    std::memcpy(&buf.queries[r * key_words], q, g.head_dim * sizeof(T));
   }
   std::fill(buf.out.begin(), buf.out.begin() + padded_rows * g.head_dim, 0.f);
   std::fill(buf.row_max.begin(), buf.row_max.end(), -std::numeric_limits<float>::infinity());
   std::fill(buf.row_sum.begin(), buf.row_sum.end(), 0.f);
   const int64_t first_position = g.start + first, last_position = first_position + positions - 1;
   const int64_t lowest_key = g.window > 0 ? std::max<int64_t>(0, first_position - g.window + 1) : 0;
+  const int64_t tile_words = kKeyTile * key_words;  // = kKeyTile * D / P, keys or values
   for (int64_t tile = lowest_key / kKeyTile; tile * kKeyTile <= last_position; ++tile) {
-    const uint32_t* keys = head.keys + tile * half_dim * kKeyTile;
     for (int64_t r = 0; r < padded_rows; r += kRowBlock)
-      score_block(&buf.q_pairs[r * half_dim], keys, half_dim, &buf.scores[r * kKeyTile]);
-    softmax_tile(buf, g, first_position, rows, tile * kKeyTile, scale);
-    weigh_values(buf.p_pairs.data(), head.values + tile * (kKeyTile / 2) * g.head_dim, padded_rows, g.head_dim,
-                 buf.out.data());
+      score_block<T>(&buf.queries[r * key_words], head.keys + tile * tile_words, key_words,
+                     &buf.scores[r * kKeyTile]);
+    softmax_tile<T>(buf, g, first_position, rows, tile * kKeyTile, scale);
+    weigh_values<T>(buf.probs.data(), head.values + tile * tile_words, padded_rows, g.head_dim, buf.out.data());
   }
   for (int64_t r = 0; r < rows; ++r) {
-    bf16* o = out + (first + r / g.group) * row_width + (kv_head * g.group + r % g.group) * g.head_dim;
+    T* o = out + (first + r / g.group) * row_width + (kv_head * g.group + r % g.group) * g.head_dim;
     const __m512 inv_sum = _mm512_set1_ps(1.f / buf.row_sum[r]);
     for (int64_t d = 0; d < g.head_dim; d += 16)
       store16(o + d, _mm512_mul_ps(inv_sum, _mm512_loadu_ps(&buf.out[r * g.head_dim + d])));
   }
+}
+
+template <typename T>
+void prefill(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_table,
+             const Geometry& g, double scale, at::Tensor& out) {
+  const T* cache = kv_cache.const_data_ptr<T>();
+  const int64_t* table = block_table.const_data_ptr<int64_t>();
+  const int64_t tile_words = kKeyTile * g.head_dim / Words<T>::kPerWord;
+  const int64_t head_words = g.key_tiles * tile_words;  // of one KV head, keys or values
+  std::vector<uint32_t> packed_keys(g.num_kv_heads * head_words), packed_values(g.num_kv_heads * head_words);
+  at::parallel_for(0, g.num_kv_heads * g.key_tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t kv_head = t / g.key_tiles, offset = kv_head * head_words + (t % g.key_tiles) * tile_words;
+      pack_tile<T>(cache, table, g, kv_head, t % g.key_tiles, &packed_keys[offset], &packed_values[offset]);
+    }
+  });
+  const int64_t query_tiles = (g.query_len + kQueryTile - 1) / kQueryTile;
+  const int64_t tasks = query_tiles * g.num_kv_heads;
+  const int64_t rows = (g.group * kQueryTile + kRowBlock - 1) / kRowBlock * kRowBlock;
+  const T* q = query.const_data_ptr<T>();
+  T* o = out.mutable_data_ptr<T>();
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    TaskBuffers buf(rows, g.head_dim);
+    for (int64_t task = next++; task < tasks; task = next++) {
+      const int64_t kv_head = task % g.num_kv_heads, query_tile = query_tiles - 1 - task / g.num_kv_heads;
+      const PackedHead head{&packed_keys[kv_head * head_words], &packed_values[kv_head * head_words]};
+      run_task<T>(buf, q, head, g, kv_head, query_tile, static_cast<float>(scale), o);
+    }
+  });
 }
 
 void paged_prefill_attention(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_table,
@@ -271,9 +337,8 @@ void paged_prefill_attention(const at::Tensor& query, const at::Tensor& kv_cache
   TORCH_CHECK(query.is_contiguous() && kv_cache.is_contiguous() && block_table.is_contiguous() &&
                   out.is_contiguous(),
               "paged_prefill_attention: inputs must be contiguous");
-  TORCH_CHECK(query.scalar_type() == at::kBFloat16 && kv_cache.scalar_type() == at::kBFloat16 &&
-                  out.scalar_type() == at::kBFloat16,
-              "paged_prefill_attention: query, kv_cache and out must be bfloat16");
+  TORCH_CHECK(query.scalar_type() == kv_cache.scalar_type() && out.scalar_type() == query.scalar_type(),
+              "paged_prefill_attention: query, kv_cache and out must share a dtype");
   TORCH_CHECK(block_table.scalar_type() == at::kLong, "paged_prefill_attention: block_table must be int64");
   TORCH_CHECK(query.size(1) % kv_cache.size(3) == 0 && query.size(2) == kv_cache.size(4) &&
                   query.size(2) % 16 == 0 && out.sizes() == query.sizes(),
@@ -281,34 +346,15 @@ void paged_prefill_attention(const at::Tensor& query, const at::Tensor& kv_cache
   const int64_t context_len = start_position + query.size(0);
   TORCH_CHECK(block_table.size(0) * kv_cache.size(2) >= context_len,
               "paged_prefill_attention: block_table is shorter than the context");
-  Geometry g{query.size(1), kv_cache.size(3), query.size(2), kv_cache.size(2), query.size(1) / kv_cache.size(3),
-             start_position, query.size(0), context_len, sliding_window, kv_cache.size(3) * kv_cache.size(4),
-             2 * kv_cache.size(2) * kv_cache.size(3) * kv_cache.size(4), (context_len + kKeyTile - 1) / kKeyTile};
-  const bf16* cache = kv_cache.const_data_ptr<bf16>();
-  const int64_t* table = block_table.const_data_ptr<int64_t>();
-  const int64_t head_words = g.key_tiles * kKeyTile * g.head_dim / 2;  // words of one KV head, keys or values
-  std::vector<uint32_t> packed_keys(g.num_kv_heads * head_words), packed_values(g.num_kv_heads * head_words);
-  at::parallel_for(0, g.num_kv_heads * g.key_tiles, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t kv_head = t / g.key_tiles, tile = t % g.key_tiles;
-      const int64_t offset = kv_head * head_words + tile * kKeyTile * g.head_dim / 2;
-      pack_head(cache, table, g, kv_head, tile, &packed_keys[offset], &packed_values[offset]);
-    }
-  });
-  const int64_t query_tiles = (g.query_len + kQueryTile - 1) / kQueryTile;
-  const int64_t tasks = query_tiles * g.num_kv_heads;
-  const int64_t rows = (g.group * kQueryTile + kRowBlock - 1) / kRowBlock * kRowBlock;
-  const bf16* q = query.const_data_ptr<bf16>();
-  bf16* o = out.mutable_data_ptr<bf16>();
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-    TaskBuffers buf(rows, g.head_dim);
-    for (int64_t task = next++; task < tasks; task = next++) {
-      const int64_t kv_head = task % g.num_kv_heads, query_tile = query_tiles - 1 - task / g.num_kv_heads;
-      const PackedHead head{&packed_keys[kv_head * head_words], &packed_values[kv_head * head_words]};
-      run_task(buf, q, head, g, kv_head, query_tile, static_cast<float>(scale), o);
-    }
-  });
+  const Geometry g{query.size(1), kv_cache.size(3), query.size(2), kv_cache.size(2),
+                   query.size(1) / kv_cache.size(3), start_position, query.size(0), context_len, sliding_window,
+                   kv_cache.size(3) * kv_cache.size(4), 2 * kv_cache.size(2) * kv_cache.size(3) * kv_cache.size(4),
+                   (context_len + kKeyTile - 1) / kKeyTile};
+  switch (query.scalar_type()) {
+    case at::kFloat: return prefill<float>(query, kv_cache, block_table, g, scale, out);
+    case at::kBFloat16: return prefill<bf16>(query, kv_cache, block_table, g, scale, out);
+    default: TORCH_CHECK(false, "paged_prefill_attention: dtype ", query.scalar_type(), " is not supported");
+  }
 }
 
 }  // namespace
