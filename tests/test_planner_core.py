@@ -20,9 +20,9 @@ from hypothesis import strategies as st
 from splitserve.planner.core.perf_model import (UNEXCITED_SHARE, FitConfig, LinearFit, PerformanceModel,
                                                 nonnegative_quadratic, prefill_features)
 from splitserve.planner.core.planner import (REASONS, Allocation, Planner, PlannerTuning, fewest_devices,
-                                             local_prefill_threshold, planning_rate)
+                                             local_prefill_threshold, planning_rate, rate_standard_error)
 from splitserve.planner.core.queueing import (DecodePool, DecodeWorkload, PrefillPool, PrefillWorkload,
-                                              allen_cunneen_wait_s, erlang_c)
+                                              PrefixScaledPrefillPool, allen_cunneen_wait_s, erlang_c)
 from splitserve.planner.core.types import (Decision, DecodeStepSample, LengthHistogram, Observation,
                                            PerformanceProfile, PlannerConfig, PoolBounds, PoolObservation,
                                            PrefillStepSample)
@@ -32,14 +32,15 @@ PROFILE = PerformanceProfile(prefill_fixed_s=0.0, prefill_s_per_token=0.001, pre
 CONFIG = PlannerConfig(ttft_s=1.0, itl_s=0.05, attainment=0.95, prefill=PoolBounds(1, 10), decode=PoolBounds(1, 4),
                        tick_s=10.0, scale_up_cooldown_s=30.0, scale_down_cooldown_s=60.0, max_step=2,
                        scale_down_margin=0.02, scale_down_ticks=3, profile=PROFILE)
-NO_TREND = PlannerTuning(trend_ticks=1)
-"""Policy replays size for the current rate only; the trend has its own replay."""
+NO_TREND = PlannerTuning(trend_ticks=1, rate_confidence_z=0.0)
+"""Policy replays size for the current rate only; the trend and the rate's sampling error have their own."""
 
 
 def observe(now_s: float, rate: float, prefill: int, prefill_starting: int = 0, decode: int = 1,
             output_tokens: int = 1, scale_up_s: float | None = None, ttft_p99_s: float | None = None,
-            arrival_cv2: float = 1.0) -> Observation:
+            arrival_cv2: float = 1.0, prefix_hit_rate: float = 0.0) -> Observation:
     return Observation(now_s=now_s, window_s=10.0, arrival_rate=rate, arrival_cv2=arrival_cv2,
+                       prefix_hit_rate=prefix_hit_rate,
                        prompt_lengths=LengthHistogram.of([100]), output_lengths=LengthHistogram.of([output_tokens]),
                        prefill=PoolObservation(prefill, starting=prefill_starting),
                        decode=PoolObservation(decode), scale_up_s=scale_up_s, ttft_p99_s=ttft_p99_s)
@@ -143,11 +144,43 @@ def test_bounds_are_hard_past_cooldown_and_max_step():
     assert got == [(6, -3, "at_max"), (2, 1, "at_min")]
 
 
-def test_trend_plans_for_the_rate_expected_scale_up_s_ahead():
-    """Rates 5 then 15 (window midpoints 5 s and 15 s): the line says 25 req/s at now + scale_up_s = 25 s."""
+def test_prefill_scale_down_keeps_the_prefix_hit_rate_that_carries_the_load():
+    """Hit rate 0.5 seen on 5 replicas at 45 req/s: a 100-token prompt costs 0.05 s, so 3 replicas would do
+    (utilisation 0.75) if the hit rate stayed; at 3 it is 0.5 * 3/5 = 0.3 (0.07 s: utilisation 1.05,
+    overloaded) and at 4 it is 0.4 (0.06 s: utilisation 0.675). The pool steps down to 4, not 3."""
+    got = replay(Planner(CONFIG, NO_TREND), [observe(10.0 * t, 45.0, prefill=5, prefix_hit_rate=0.5)
+                                             for t in range(1, 4)])
+    assert got == [(5, 0, "hold"), (5, 0, "hold"), (4, -1, "scale_down")]
+
+
+def test_scale_down_needs_room_beyond_the_window_rate_sampling_error():
+    """35 req/s over 10 s windows: 4 replicas carry the estimate (utilisation 0.875, P(wait > 0.9 s) ~ 1%),
+    but not 2 standard errors above it (35 + 2 sqrt(3.5) = 38.7 req/s: utilisation 0.97); the default
+    tuning keeps 5. Four times burstier than Poisson doubles the error: 35 + 4 sqrt(3.5) = 42.5 req/s."""
+    observations = [observe(10.0 * t, 35.0, prefill=5) for t in range(1, 4)]
+    assert replay(Planner(CONFIG, NO_TREND), observations)[-1] == (4, -1, "scale_down")
+    assert replay(Planner(CONFIG, PlannerTuning(trend_ticks=1)), observations) == [(5, 0, "hold")] * 3
+    bursty = [observe(10.0, 35.0, prefill=4, arrival_cv2=4.0)]
+    assert replay(Planner(dataclasses.replace(CONFIG, scale_up_cooldown_s=0.0), PlannerTuning(trend_ticks=1)),
+                  bursty) == [(5, 1, "scale_up")]
+    assert rate_standard_error(35.0, 0.25, 10.0) == rate_standard_error(35.0, 1.0, 10.0) == math.sqrt(3.5)
+
+
+def test_trend_plans_for_the_rate_when_the_next_scale_up_could_serve():
+    """Rates 5 then 15 (window midpoints 5 s and 15 s), slope 1 req/s per s. At 20 s with scale_up_s 5 and a
+    30 s cooldown, capacity asked for at the next chance serves from 55 s: the line says 55 req/s there,
+    clamped to twice the current rate (30), plus 2 standard errors (2 sqrt(3) = 3.46): 4 replicas wanted,
+    3 reached within max_step. Without the trend and the error margin: 15 req/s, 2 replicas."""
     windows = [observe(10.0, 5.0, prefill=1), observe(20.0, 15.0, prefill=1, scale_up_s=5.0)]
-    assert replay(Planner(CONFIG), windows) == [(1, 0, "at_min"), (3, 2, "scale_up")]
+    assert replay(Planner(CONFIG), windows) == [(1, 0, "at_min"), (3, 2, "bounded_step")]
+    planner = Planner(CONFIG)
+    planner.decide(windows[0])
+    assert planner.decide(windows[1]).prefill.reason.startswith(
+        "bounded_step: prefill 1 -> 3 toward 4 (max_step 2); at 1: TTFT attainment 0.000, p99 inf s vs 1 s, "
+        "utilisation 3.35 at 33.5 req/s")
     assert replay(Planner(CONFIG, NO_TREND), windows) == [(1, 0, "at_min"), (2, 1, "scale_up")]
+    assert planning_rate(((5.0, 5.0), (15.0, 15.0)), 55.0, max_factor=2.0) == 30.0
+    assert planning_rate(((5.0, 5.0), (15.0, 15.0)), 25.0, max_factor=2.0) == 25.0
 
 
 def test_decode_pool_sized_by_batch_capacity():
@@ -260,6 +293,16 @@ def test_planning_rate_follows_the_line_within_its_clamps():
     assert planning_rate(((15.0, 12.0),), 30.0, 2.0) == 12.0                  # one point: no trend
 
 
+def test_planning_rate_ignores_a_slope_within_the_windows_noise():
+    """Six windows around 13 req/s (variance 1.3 each over 10 s): least-squares slope 0.06/s, whose standard
+    error is sqrt(1.3 / 1750) = 0.027/s (2.2 of them). At z = 2 the slope counts (13 + 0.06 * 70 = 17.2 at
+    100 s); at z = 3 the line is flat at the mean, 13, and the plan is the current rate, 14.5."""
+    history = tuple((5.0 + 10 * i, rate) for i, rate in enumerate((11.5, 12.0, 13.0, 13.0, 14.0, 14.5)))
+    assert planning_rate(history, 100.0, 2.0, 1.3, significance_z=2.0) == pytest.approx(17.2)
+    assert planning_rate(history, 100.0, 2.0, 1.3, significance_z=3.0) == 14.5
+    assert planning_rate(history, 100.0, 2.0, 1.3) == planning_rate(history, 100.0, 2.0)
+
+
 def test_local_prefill_threshold_keeps_the_step_within_the_itl_target():
     """Idle decode pool: p99 step = 10 ms + 0.1 ms; 50 ms target leaves 39.9 ms = 39 tokens at 1 ms each."""
     model = PerformanceModel.from_profile(dataclasses.replace(PROFILE, decode_s_per_request=1e-4))
@@ -339,6 +382,21 @@ def _decode_pool(rate: float, itl_target_s: float, kv_capacity_tokens: int = 0, 
 
 def _poisson_cdf(mean: float, upto: int) -> float:
     return sum(math.exp(-mean) * mean ** k / math.factorial(k) for k in range(upto + 1))
+
+
+def test_prefix_hit_rate_scales_with_replicas_below_the_observed_count_only():
+    model = PerformanceModel.from_profile(PROFILE)
+
+    def pool_at(hit_rate: float) -> PrefillPool:
+        return PrefillPool(PrefillWorkload.build(45.0, 1.0, LengthHistogram.of([100]), hit_rate, model), 1.0)
+
+    pools = PrefixScaledPrefillPool(pool_at, observed_hit_rate=0.5, observed_replicas=5)
+    assert [pools.hit_rate(n) for n in range(8)] == [0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.5, 0.5]
+    assert pools.utilisation(3) == pytest.approx(45 * 0.07 / 3) and pools.attainment(3) == 0.0
+    assert pools.attainment(4) == pool_at(0.4).attainment(4)
+    assert pools.forecast(6) == pool_at(0.5).forecast(6)
+    assert pools.workload.arrival_rate == 45.0
+    assert PrefixScaledPrefillPool(pool_at, 0.5, observed_replicas=0).hit_rate(3) == 0.5  # nothing observed
 
 
 def test_decode_batch_fixed_point_and_poisson_tail_by_hand():

@@ -5,12 +5,16 @@ One decision (`plan`):
 2. Feedback: compare the observed TTFT / ITL p99 with what the model predicts for the routable replicas at
    the window's own load, and move a bounded latency correction (a multiplier on predicted latencies) part
    of the way toward their ratio.
-3. The load to plan for: the arrival rate expected `scale_up_s` ahead (a least-squares line through the
-   last `trend_ticks` windows' rates; never below the current rate, at most `max_trend_factor` times it),
-   plus each pool's queued requests drained within one tick.
+3. The load to plan for: the arrival rate expected when capacity asked for at the next chance could serve
+   (scale_up_cooldown_s + scale_up_s ahead; a least-squares line through the last `trend_ticks` windows'
+   rates, flat unless its slope is significant, never below the current rate, at most `max_trend_factor`
+   times it) plus `rate_confidence_z`
+   standard errors of one window's estimate, plus each pool's queued requests drained within one tick.
 4. Search (queueing): the fewest devices (prefill + decode) predicted to meet the attainment target, and
    the fewest meeting target + scale_down_margin (the scale-down side of the hysteresis band). When the
    target is out of reach within max_replicas, each pool takes the goodput-maximising count instead.
+   The prefill pool's prefix hit rate shrinks with it below the observed count
+   (queueing.PrefixScaledPrefillPool): fewer workers cache fewer tenants' prefixes.
 5. Policy per pool: starting replicas count as provisioned; scale up past a cooldown since the pool's last
    change, at most max_step at a time; scale down only after the margin held `scale_down_ticks`
    consecutive ticks and past the (longer) scale-down cooldown; min/max bounds are hard.
@@ -28,7 +32,8 @@ from dataclasses import dataclass, field, replace
 
 from splitserve.common.validation import require
 from splitserve.planner.core.perf_model import FitConfig, PerformanceModel
-from splitserve.planner.core.queueing import DecodePool, DecodeWorkload, PrefillPool, PrefillWorkload
+from splitserve.planner.core.queueing import (DecodePool, DecodeWorkload, PrefillPool, PrefillWorkload,
+                                              PrefixScaledPrefillPool)
 from splitserve.planner.core.types import (Decision, LengthHistogram, Observation, PlannerConfig, PoolBounds,
                                            PoolTarget, Prediction, Role)
 
@@ -44,6 +49,10 @@ class PlannerTuning:
     """Windows (newest last) the arrival-rate trend is fitted over; 1: no trend."""
     max_trend_factor: float = 2.0
     """The planned arrival rate is at most this multiple of the current one."""
+    trend_significance_z: float = 2.0
+    """The trend's slope counts only this many standard errors from 0 (planning_rate); 0: always."""
+    rate_confidence_z: float = 2.0
+    """Standard errors of the window's arrival count added to the planned rate (0: plan for the estimate)."""
     correction_gain: float = 0.3
     """Per tick, the latency correction moves this fraction of the way (in log space) to observed/predicted."""
     max_correction: float = 2.0
@@ -59,6 +68,8 @@ class PlannerTuning:
     def __post_init__(self) -> None:
         require(self.trend_ticks >= 1, f"trend_ticks must be >= 1, got {self.trend_ticks}")
         require(self.max_trend_factor >= 1, f"max_trend_factor must be >= 1, got {self.max_trend_factor}")
+        require(self.rate_confidence_z >= 0 and self.trend_significance_z >= 0,
+                "rate_confidence_z and trend_significance_z must be >= 0")
         require(0 <= self.correction_gain <= 1, f"correction_gain must be in [0, 1], got {self.correction_gain}")
         require(self.max_correction >= 1, f"max_correction must be >= 1, got {self.max_correction}")
         require(0 <= self.best_effort_tolerance < 1, "best_effort_tolerance must be in [0, 1)")
@@ -169,12 +180,29 @@ def plan(config: PlannerConfig, tuning: PlannerTuning, state: PlannerState,
 
 def _planned(observed: Traffic, config: PlannerConfig, tuning: PlannerTuning,
              history: tuple[tuple[float, float], ...], observation: Observation) -> Traffic:
-    """The load to size for: the trend's rate `scale_up_s` ahead (a tick ahead until scale_up_s is measured),
-    and each pool's queue drained within a tick."""
-    horizon_s = observation.scale_up_s if observation.scale_up_s is not None else config.tick_s
-    rate = planning_rate(history, observation.now_s + horizon_s, tuning.max_trend_factor)
+    """The load to size for: the trend's rate when capacity asked for after this decision could next arrive
+    (scale_up_cooldown_s + scale_up_s ahead; a tick stands in for scale_up_s until it is measured) plus its
+    sampling error, and each pool's queue drained within a tick. What this tick starts must carry the load
+    until then: the pool cannot change again before the cooldown ends, and what it asks for then takes
+    scale_up_s to serve."""
+    scale_up_s = observation.scale_up_s if observation.scale_up_s is not None else config.tick_s
+    horizon_s = config.scale_up_cooldown_s + scale_up_s
+    window_error = rate_standard_error(observation.arrival_rate, observation.arrival_cv2, observation.window_s)
+    rate = planning_rate(history, observation.now_s + horizon_s, tuning.max_trend_factor, window_error ** 2,
+                         tuning.trend_significance_z)
+    rate += tuning.rate_confidence_z * rate_standard_error(rate, observation.arrival_cv2, observation.window_s)
     return replace(observed, arrival_rate=rate, prefill_backlog_rps=observation.prefill.queue_depth / config.tick_s,
                    decode_backlog_rps=observation.decode.queue_depth / config.tick_s)
+
+
+def rate_standard_error(rate: float, arrival_cv2: float, window_s: float) -> float:
+    """Standard error of a rate estimated from one window's arrivals: the count of a renewal process over
+    a long window has variance ~ cv^2 * rate * window (Poisson: cv^2 = 1); a burstier than Poisson window
+    is noisier, a smoother one is taken as Poisson (no credit for regularity one window suggests).
+
+    Why it matters: a window that happens to run 10% light (one standard error at 10 req/s over 10 s)
+    otherwise reads as room to scale down, and the queue that builds takes minutes to drain."""
+    return math.sqrt(max(arrival_cv2, 1.0) * rate / window_s)
 
 
 def _remembered(seen: LengthHistogram, last: LengthHistogram, default_tokens: int) -> LengthHistogram:
@@ -186,16 +214,21 @@ def _remembered(seen: LengthHistogram, last: LengthHistogram, default_tokens: in
 
 
 def _pools(config: PlannerConfig, observation: Observation, model: PerformanceModel, traffic: Traffic,
-           correction: LatencyCorrection) -> tuple[PrefillPool, DecodePool]:
-    prefill = PrefillWorkload.build(traffic.arrival_rate + traffic.prefill_backlog_rps, observation.arrival_cv2,
-                                    traffic.prompt_lengths, observation.prefix_hit_rate, model)
+           correction: LatencyCorrection) -> tuple[PrefixScaledPrefillPool, DecodePool]:
+    def prefill_at(hit_rate: float) -> PrefillPool:
+        workload = PrefillWorkload.build(traffic.arrival_rate + traffic.prefill_backlog_rps, observation.arrival_cv2,
+                                         traffic.prompt_lengths, hit_rate, model)
+        return PrefillPool(workload, config.ttft_s, correction.ttft)
+
+    prefill = PrefixScaledPrefillPool(prefill_at, observation.prefix_hit_rate, observation.prefill.replicas)
     decode = DecodeWorkload.build(traffic.arrival_rate + traffic.decode_backlog_rps, traffic.output_lengths,
                                   traffic.prompt_lengths, observation.transfer_s_p50,
                                   observation.decode.kv_capacity_tokens, model)
-    return PrefillPool(prefill, config.ttft_s, correction.ttft), DecodePool(decode, config.itl_s, correction.itl)
+    return prefill, DecodePool(decode, config.itl_s, correction.itl)
 
 
-def _corrected(previous: LatencyCorrection, observation: Observation, observed_pools: tuple[PrefillPool, DecodePool],
+def _corrected(previous: LatencyCorrection, observation: Observation,
+               observed_pools: tuple[PrefixScaledPrefillPool, DecodePool],
                tuning: PlannerTuning) -> LatencyCorrection:
     """Nudge each correction toward observed p99 / predicted p99 for the replicas that served the window."""
     prefill_pool, decode_pool = observed_pools
@@ -216,9 +249,15 @@ def _nudged(previous: float, observed: float | None, predicted: float, tuning: P
     return math.exp(min(max(log_value, -bound), bound))
 
 
-def planning_rate(history: tuple[tuple[float, float], ...], at_s: float, max_factor: float) -> float:
+def planning_rate(history: tuple[tuple[float, float], ...], at_s: float, max_factor: float,
+                  window_rate_variance: float = 0.0, significance_z: float = 0.0) -> float:
     """The arrival rate to size for at time at_s: the least-squares line through history ((time, rate),
-    newest last, non-empty) evaluated there, clamped to [current rate, max_factor * current rate]."""
+    newest last, non-empty) evaluated there, clamped to [current rate, max_factor * current rate].
+
+    The slope counts only when it is at least significance_z standard errors from 0, each window's rate
+    having variance window_rate_variance; otherwise the line is flat at the windows' mean. Why: projected
+    tens of seconds ahead, the slope of a few noisy windows of a steady load says "rising" half the time,
+    and each such tick over-provisions."""
     current = history[-1][1]
     mean_time = sum(t for t, _ in history) / len(history)
     mean_rate = sum(r for _, r in history) / len(history)
@@ -226,6 +265,8 @@ def planning_rate(history: tuple[tuple[float, float], ...], at_s: float, max_fac
     if spread == 0:
         return current
     slope = sum((t - mean_time) * (r - mean_rate) for t, r in history) / spread
+    if abs(slope) < significance_z * math.sqrt(window_rate_variance / spread):
+        slope = 0.0
     projected = mean_rate + slope * (at_s - mean_time)
     return max(current, min(projected, max_factor * current))
 
@@ -302,7 +343,7 @@ class PoolView:
 
 
 def _targets(config: PlannerConfig, tuning: PlannerTuning, state: PlannerState, observation: Observation,
-             prefill_pool: PrefillPool, decode_pool: DecodePool) -> tuple[PoolOutcome, PoolOutcome]:
+             prefill_pool: PrefixScaledPrefillPool, decode_pool: DecodePool) -> tuple[PoolOutcome, PoolOutcome]:
     """Search, then apply the policy to each pool: (prefill, decode)."""
     prefill_attainment, decode_attainment = _memoised(prefill_pool.attainment), _memoised(decode_pool.attainment)
     current = Allocation(observation.prefill.replicas + observation.prefill.starting,
@@ -327,7 +368,7 @@ def _targets(config: PlannerConfig, tuning: PlannerTuning, state: PlannerState, 
     return prefill, decode
 
 
-def _describer(pool: PrefillPool | DecodePool, target_s: float) -> Callable[[int], str]:
+def _describer(pool: PrefixScaledPrefillPool | DecodePool, target_s: float) -> Callable[[int], str]:
     """n -> the pool's predicted numbers at n replicas and the load they are for."""
     return lambda n: f"{pool.forecast(n).summary(target_s)} at {pool.workload.arrival_rate:.3g} req/s"
 
@@ -445,7 +486,8 @@ def local_prefill_threshold(model: PerformanceModel, decode_pool: DecodePool, de
     return _first_meeting(lambda n: not fits(n), 0, budget) - 1
 
 
-def _prediction(prefill_pool: PrefillPool, decode_pool: DecodePool, chosen: Allocation, rate: float) -> Prediction:
+def _prediction(prefill_pool: PrefixScaledPrefillPool, decode_pool: DecodePool, chosen: Allocation,
+                rate: float) -> Prediction:
     attainment = prefill_pool.attainment(chosen.prefill) * decode_pool.attainment(chosen.decode)
     return Prediction(chosen.prefill, chosen.decode, prefill_pool.ttft_quantile_s(chosen.prefill),
                       decode_pool.itl_quantile_s(chosen.decode), attainment, rate * attainment)

@@ -31,6 +31,7 @@ targets are compared against the scaled latencies.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -188,6 +189,57 @@ class PrefillPool:
             self.workload.service_cv2) * self._scale)
         return PrefillForecast(replicas, utilisation, mean_wait, self.attainment(replicas),
                                self.ttft_quantile_s(replicas))
+
+
+class PrefixScaledPrefillPool:
+    """The prefill pool at each replica count when its prefix hit rate depends on that count.
+
+    The prefix caches of the pool's workers hold its tenants' shared prefixes; fewer workers hold fewer
+    of them, so shrinking the pool raises every remaining worker's uncached work (a multi-tenant load
+    sized from the hit rate its larger pool enjoyed collapses into cache thrashing). The model, from
+    what one window shows (the hit rate at the replicas that served it): at n replicas the hit rate is
+    observed * min(1, n / observed_replicas), proportional to the caches' total capacity below the
+    observed count (pessimistic when the working set fits in fewer workers: the planner then steps
+    down as each smaller pool shows its own hit rate), and the observed one at or above it (no credit
+    for a hit rate a larger pool has not shown).
+    """
+
+    def __init__(self, pool_at_hit_rate: Callable[[float], PrefillPool], observed_hit_rate: float,
+                 observed_replicas: int) -> None:
+        self._pool_at_hit_rate = pool_at_hit_rate
+        self._observed_hit_rate = observed_hit_rate
+        self._observed_replicas = observed_replicas
+        self._pools: dict[float, PrefillPool] = {}
+
+    def hit_rate(self, replicas: int) -> float:
+        if self._observed_replicas <= 0 or replicas >= self._observed_replicas:
+            return self._observed_hit_rate
+        return self._observed_hit_rate * replicas / self._observed_replicas
+
+    def at(self, replicas: int) -> PrefillPool:
+        """The G/G/c model for `replicas` workers (one per distinct hit rate, built on first use)."""
+        hit_rate = self.hit_rate(replicas)
+        pool = self._pools.get(hit_rate)
+        if pool is None:
+            pool = self._pools[hit_rate] = self._pool_at_hit_rate(hit_rate)
+        return pool
+
+    @property
+    def workload(self) -> PrefillWorkload:
+        """The load at the observed replica count (its arrival rate is every count's)."""
+        return self.at(max(self._observed_replicas, 1)).workload
+
+    def utilisation(self, replicas: int) -> float:
+        return self.at(replicas).utilisation(replicas)
+
+    def attainment(self, replicas: int) -> float:
+        return self.at(replicas).attainment(replicas)
+
+    def ttft_quantile_s(self, replicas: int, quantile: float = P99) -> float:
+        return self.at(replicas).ttft_quantile_s(replicas, quantile)
+
+    def forecast(self, replicas: int) -> PrefillForecast:
+        return self.at(replicas).forecast(replicas)
 
 
 @dataclass(frozen=True, eq=False)
