@@ -390,6 +390,16 @@ def _signed_leaf(ca_key, ca_cert, name: str, purpose, san):
 
 
 # ---- KV pools (transfer tests) ----------------------------------------------------------
+class FakeClock:
+    """A clock that moves only when a test sets `now` (inject it, or `lambda: clock.now + skew`)."""
+
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
 def make_pool(layout: KVLayout, num_blocks: int, offset: float = 0.0) -> list[torch.Tensor]:
     """layers[l]: [num_blocks, 2, block_size, kv_heads, head_dim] holding offset + l * 1e6 + arange:
     every element of every layer distinct (and distinct across pools with offsets 1e7 apart)."""

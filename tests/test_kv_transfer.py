@@ -19,19 +19,11 @@ from splitserve.kv_transfer import (BACKENDS, ConsumerConnector, ConsumerStats, 
                                     ProducerConnector, ProducerStats, PullOutcome, PullStatus, ReleasedLease,
                                     make_backend)
 from splitserve.kv_transfer.connector import _Lease, _Pull
-from tests.factories import assert_blocks_pulled, empty_pool, make_pool
+from tests.factories import FakeClock, assert_blocks_pulled, empty_pool, make_pool
 
 # ---- shared factories ------------------------------------------------------------------------
 TINY_LAYOUT = KVLayout(model_id="tiny-llama", dtype="float32", block_size=4, num_layers=3, num_kv_heads=2,
                        head_dim=8, hash_seed=0)
-
-
-class FakeClock:
-    def __init__(self, now: float) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
 
 
 # ---- fixtures --------------------------------------------------------------------------------
