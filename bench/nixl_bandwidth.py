@@ -2,8 +2,9 @@
 
 Two processes, as in a deployment (prefill and decode are different Ray actors): a producer
 process registers its KV pool with a NixlBackend and drains notifications; this process is
-the consumer and pulls N scattered blocks (every layer of each) with one READ per pull through
-NixlBackend.start_pull/poll_pull, for N in 16..1024. The baseline, timed in alternating rounds
+the consumer and pulls N scattered blocks (every layer of each) as a ConsumerConnector does: the
+data READ (NixlBackend.start_pull/poll_pull), then the check READ of the N generation words
+(start_check, which notifies the producer), for N in 16..1024. The baseline, timed in alternating rounds
 in this process on a local copy of the same pool, gathers the same blocks with
 torch.index_select into a preallocated buffer (one read + one write per byte, like the READ)
 on one thread (NIXL's copy also runs on one thread).
@@ -84,14 +85,18 @@ def serve_producer(conn, config: NixlConfig) -> None:
 
 
 def timed_pull(backend: NixlBackend, params: TransferParams, local_ids: tuple[int, ...]) -> float:
+    """Seconds for the data READ and then the check READ (both, as one pull needs them)."""
     start = time.perf_counter()
-    handle = backend.start_pull(params, local_ids)
-    while (state := backend.poll_pull(handle)) is PullState.PENDING:
-        pass
+    for start_read in (backend.start_pull, backend.start_check):
+        handle = start_read(params, local_ids)
+        while (state := backend.poll_pull(handle)) is PullState.PENDING:
+            pass
+        backend.release_pull(handle)
+        if state is not PullState.DONE:
+            raise RuntimeError(f"pull {params.request_id} failed: {handle.error}")
     elapsed = time.perf_counter() - start
-    backend.release_pull(handle)
-    if state is not PullState.DONE:
-        raise RuntimeError(f"pull {params.request_id} failed: {handle.error}")
+    if backend.checked_generations(local_ids) != params.block_generations:
+        raise RuntimeError(f"pull {params.request_id}: the producer's generations changed")
     return elapsed
 
 
@@ -112,7 +117,7 @@ def measure(backend: NixlBackend, producer: str, local: list[torch.Tensor], sour
         remote_ids = tuple(rng.sample(range(POOL_BLOCKS), num_blocks))
         local_ids = tuple(rng.sample(range(POOL_BLOCKS), num_blocks))
         params = TransferParams(f"pull-{num_blocks}-{len(nixl)}", producer, remote_ids, num_blocks * 16, LAYOUT,
-                                time.time() + 60)
+                                60.0, (0,) * num_blocks)  # the producer process never bumps a generation
         seconds = timed_pull(backend, params, local_ids)
         if nixl:  # the first pull of each size is the warm-up and the byte-exact check
             nixl.append(seconds)

@@ -57,11 +57,13 @@ _ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 @dataclass(frozen=True)
 class TransferParams:
-    """Where a request's prompt KV lives on its prefill worker, and until when.
+    """Where a request's prompt KV lives on its prefill worker, and what it looked like when held.
 
     Invariant: block_ids[i] holds tokens [i * block_size, (i + 1) * block_size) of the
-    prompt; the last block may be partial. The blocks stay pinned on the producer until
-    the consumer's pull completes or `lease_expires_at` passes, whichever comes first.
+    prompt; the last block may be partial. The blocks stay pinned on the producer until the
+    consumer's pull completes or `lease_ttl_s` passes on the producer's own monotonic clock,
+    whichever comes first. No field is a clock reading: nothing here assumes that the two
+    machines' clocks agree.
     """
 
     request_id: str
@@ -71,8 +73,19 @@ class TransferParams:
     num_tokens: int
     """Prompt tokens whose KV the blocks hold (all of the prompt)."""
     layout: KVLayout
-    lease_expires_at: float
-    """Wall-clock time (time.time()) after which the producer frees the blocks."""
+    lease_ttl_s: float
+    """How long the producer holds the blocks, measured from hold() on its monotonic clock. The
+    consumer uses it only as its own patience (a pull pending longer is abandoned)."""
+    block_generations: tuple[int, ...]
+    """block_generations[i]: the producer's generation of block_ids[i] at hold(). A pull is
+    valid only if the generations read after its data are still these (see kv_transfer.connector)."""
+
+    def __post_init__(self) -> None:
+        if len(self.block_generations) != len(self.block_ids):
+            raise ValueError(f"{self.request_id}: {len(self.block_generations)} block generations for "
+                             f"{len(self.block_ids)} blocks")
+        if not self.lease_ttl_s > 0:
+            raise ValueError(f"{self.request_id}: lease_ttl_s must be > 0, got {self.lease_ttl_s}")
 
     @property
     def num_bytes(self) -> int:

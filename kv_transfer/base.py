@@ -1,9 +1,16 @@
 """The transfer backend interface: one instance per worker, owning that worker's agent.
 
 A backend moves whole KV blocks (every layer, keys and values) from a remote worker's
-pool into this worker's pool. The consumer *pulls* (one READ per request covering all of
-its scattered blocks) and the producer learns of the completed pull through a
-notification carrying the request id.
+pool into this worker's pool. The consumer *pulls* with two one-sided READs per request:
+the data READ (all of its scattered blocks) and, once that completed, the check READ of the
+remote blocks' generation words, whose completion notification (the request id) tells the
+producer the pull is over.
+
+Generations: besides its KV pool every agent registers one int64 word per block, its
+generation. The producer bumps a block's generation before the block may be freed and reused
+(ProducerConnector decides when), and never lowers it. The consumer's check READ copies the
+remote words into a local scratch word per *local* block (a local block belongs to one pull at a
+time, so pulls never share scratch words).
 """
 
 from __future__ import annotations
@@ -37,7 +44,8 @@ class TransferBackend(ABC):
 
     @abstractmethod
     def register_kv_pool(self, layers: list[torch.Tensor], layout: KVLayout) -> None:
-        """Register this worker's pool: layers[l] is [num_blocks, 2, block_size, kv_heads, head_dim]."""
+        """Register this worker's pool: layers[l] is [num_blocks, 2, block_size, kv_heads, head_dim];
+        and its generation and scratch words (num_blocks each, generations starting at 0)."""
 
     @abstractmethod
     def metadata(self) -> AgentMetadata:
@@ -59,26 +67,50 @@ class TransferBackend(ABC):
 
     @abstractmethod
     def start_pull(self, params: TransferParams, local_block_ids: tuple[int, ...]) -> PullHandle:
-        """Start reading params.block_ids (remote) into local_block_ids (same order, same count).
+        """Start the data READ of params.block_ids (remote) into local_block_ids (same order, same
+        count). It notifies nobody: the check READ does (start_check).
 
         KVTransferError when the pull cannot be set up (unknown or removed peer, a layout other
         than the handshake's, remote ids outside the producer's pool, a dead producer);
         ValueError for the caller's bugs (block counts, local ids outside the pool)."""
 
     @abstractmethod
+    def start_check(self, params: TransferParams, local_block_ids: tuple[int, ...]) -> PullHandle:
+        """Start the check READ: the generation words of params.block_ids (remote) into the scratch
+        words of local_block_ids; its completion notifies the producer with the request id.
+
+        Call it only after the data READ of the same pull polled DONE (the check proves something
+        only about a READ that completed before it started). Raises as start_pull does."""
+
+    @abstractmethod
+    def checked_generations(self, local_block_ids: tuple[int, ...]) -> tuple[int, ...]:
+        """The scratch words of local_block_ids: what the last check READ into them read."""
+
+    @abstractmethod
+    def generations(self, block_ids: tuple[int, ...]) -> tuple[int, ...]:
+        """Producer side: the current generations of its own blocks."""
+
+    @abstractmethod
+    def bump_generations(self, block_ids: tuple[int, ...]) -> None:
+        """Producer side: add one to the generation of each of its own blocks (distinct ids).
+
+        Invariant: once this returns, a check READ that starts later reads the new values."""
+
+    @abstractmethod
     def poll_pull(self, handle: PullHandle) -> PullState:
-        """Non-blocking; DONE means the bytes are in the local pool and the producer was notified."""
+        """Non-blocking state of one READ (data or check); DONE means its bytes are in local memory
+        (and, for a check READ, the producer's notification is sent unless a fault hook dropped it)."""
 
     @abstractmethod
     def release_pull(self, handle: PullHandle) -> None:
-        """Free the handle's resources (after DONE/FAILED, or to abandon a PENDING pull).
+        """Free the handle's resources (after DONE/FAILED, or to abandon a PENDING READ).
 
-        Invariant: once this returns, the pull writes no more bytes into the local blocks, so
-        the caller may free and reuse them."""
+        Invariant: once this returns, the READ writes no more bytes into local memory, so
+        the caller may free and reuse the local blocks."""
 
     @abstractmethod
     def take_notifications(self) -> list[str]:
-        """Producer side: request ids whose pulls completed since the last call.
+        """Producer side: request ids whose check READs completed since the last call.
 
         Call it regularly while leases are held: NIXL (without a progress thread) receives
         notifications only inside this call."""
@@ -133,3 +165,27 @@ def check_pull_blocks(params: TransferParams, local_block_ids: tuple[int, ...], 
     if not all(0 <= block < num_remote_blocks for block in params.block_ids):
         raise KVTransferError(f"{params.request_id}: remote block ids {params.block_ids} outside the "
                               f"producer's pool [0, {num_remote_blocks})")
+
+
+GENERATIONS, SCRATCH = 0, 1
+"""Rows of an agent's generation words (see new_generation_words)."""
+
+
+def new_generation_words(num_blocks: int) -> torch.Tensor:
+    """[2, num_blocks] int64 zeros in host memory: row GENERATIONS[b] is this agent's generation of
+    block b (peers READ it), row SCRATCH[b] receives the check READ of the pull writing local block b.
+
+    Host memory even for a GPU pool: the producer bumps generations from its engine thread, and a
+    host store needs no stream synchronisation to be visible to a later READ."""
+    return torch.zeros(2, num_blocks, dtype=torch.int64)
+
+
+def bump_generation_words(words: torch.Tensor, block_ids: tuple[int, ...]) -> None:
+    """words[GENERATIONS, b] += 1 for each b in block_ids (distinct)."""
+    index = torch.tensor(block_ids, dtype=torch.long)
+    words[GENERATIONS].index_add_(0, index, torch.ones(len(block_ids), dtype=torch.int64))
+
+
+def read_generation_words(words: torch.Tensor, row: int, block_ids: tuple[int, ...]) -> tuple[int, ...]:
+    """words[row, b] for each b in block_ids, in order."""
+    return tuple(words[row, list(block_ids)].tolist())

@@ -1,21 +1,44 @@
 """Per-request transfer state machines on both sides of a KV transfer.
 
 Producer (prefill worker), one lease per request:
-    HELD --notification--> PULLED     (the consumer's pull completed)
-    HELD --deadline------> EXPIRED    (clock() > lease_expires_at)
+    HELD --notification--> PULLED     (the consumer's check READ completed)
+    HELD --TTL-----------> EXPIRED    (clock() > hold time + lease_ttl_s, the producer's clock)
     HELD --release()-----> FREED      (cancelled by the caller)
 Consumer (decode worker), one pull per request:
-    WAITING --start_pull--> PULLING --> DONE | FAILED
-    WAITING --refused-----> FAILED     (lease nearly over, unknown peer, backend refusal)
+    WAITING --start-------> PULLING    (data READ in flight)
+    WAITING --refused-----> FAILED     (unknown peer, backend refusal)
+    PULLING --READ done---> VERIFYING  (check READ of the blocks' generations in flight)
+    VERIFYING --match-----> DONE       (every generation read equals the snapshot)
+    PULLING | VERIFYING --> FAILED     (generations changed, a READ failed, or still pending
+                                        lease_ttl_s after start on the consumer's clock)
 
 The connectors never touch the engine: they report which requests ended and the worker frees
-or admits blocks. Time comes from an injected clock (wall clock by default, because a lease
-deadline crosses processes; both sides must share it, up to `min_lease_margin_s`).
+or admits blocks. Each side reads only its own injected clock (monotonic by default) and never
+compares it with the other side's: no clock value crosses the wire, only durations.
 
-Why a late pull fails: the producer frees a lease's blocks once clock() > lease_expires_at and
-may reuse them, so bytes whose pull was seen complete after the deadline cannot be trusted.
-With one clock this is safe: the consumer reports DONE only if it saw completion at a time
-<= the deadline, and the producer frees only at a time > the deadline.
+Why a pull that reports DONE read intact blocks, whatever the clocks say (a seqlock over
+one-sided READs):
+- Each producer block has a generation (an int64 word next to the KV pool, readable by peers)
+  that only grows. hold() snapshots the blocks' generations into TransferParams.
+- Before a block can go back to the engine, the producer bumps its generation: _end() bumps the
+  blocks of the ending lease that no other HELD lease holds (prefix-cached blocks are shared by
+  leases; the engine frees a block only when its last holder lets go), then reports the
+  ReleasedLease (or returns from release()), and only then does the worker free the blocks.
+  So a block's bytes change only after a bump that follows every snapshot of those bytes.
+- The consumer posts the check READ of the generations only after its data READ completed. If
+  the check reads the snapshot, no bump had happened when the check read the words, so none had
+  happened while the data READ ran either: the bytes were the held ones. If any generation
+  differs the pull FAILS (RECLAIMED_ERROR), whatever the bytes are, and the worker never uses them.
+- The producer's PULLED notification rides on the check READ, so a successful pull cannot make
+  the producer bump (and free) between the data READ and the check. (Were a notification ever
+  delivered before its READ read the words, the check would see the bump and fail: a spurious
+  failure, never a wrong DONE.)
+- Generations never decrease, so a block reclaimed and re-held (ABA) cannot look unchanged.
+Clock skew can only move *when* the two sides give up: the producer expires a lease lease_ttl_s
+after hold() on its monotonic clock; the consumer abandons a pull pending lease_ttl_s after
+start() on its own (by then the producer has reclaimed the blocks, in any case the generation
+check decides). Memory assumption: the bump is a host store made before the engine may reuse the
+block, and a READ posted after another completed reads memory no older than that completion.
 """
 
 from __future__ import annotations
@@ -30,7 +53,8 @@ from splitserve.common.kv_transfer_types import KVLayout, TransferParams
 from splitserve.kv_transfer.base import KVTransferError, PullHandle, PullState, TransferBackend
 
 Clock = Callable[[], float]
-LATE_PULL_ERROR = "lease expired before the pull completed"
+RECLAIMED_ERROR = "the producer reclaimed the blocks before the pull completed"
+PULL_TIMEOUT_ERROR = "the pull did not complete within the lease's {ttl:g} s TTL (measured on the consumer's clock)"
 
 
 class InvalidTransitionError(RuntimeError):
@@ -47,13 +71,15 @@ class LeaseState(enum.Enum):
 class PullStatus(enum.Enum):
     WAITING = "waiting"
     PULLING = "pulling"
+    VERIFYING = "verifying"
     DONE = "done"
     FAILED = "failed"
 
 
 _LEASE_EDGES = {LeaseState.HELD: {LeaseState.PULLED, LeaseState.FREED, LeaseState.EXPIRED}}
 _PULL_EDGES = {PullStatus.WAITING: {PullStatus.PULLING, PullStatus.FAILED},
-               PullStatus.PULLING: {PullStatus.DONE, PullStatus.FAILED}}
+               PullStatus.PULLING: {PullStatus.VERIFYING, PullStatus.FAILED},
+               PullStatus.VERIFYING: {PullStatus.DONE, PullStatus.FAILED}}
 
 
 def _check_edge(edges: dict, current: enum.Enum, new: enum.Enum, request_id: str) -> None:
@@ -64,7 +90,8 @@ def _check_edge(edges: dict, current: enum.Enum, new: enum.Enum, request_id: str
 # ---- producer ------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class ReleasedLease:
-    """A lease that ended (PULLED or EXPIRED): the worker frees its blocks now."""
+    """A lease that ended (PULLED, EXPIRED or FREED): the worker frees its blocks now (the
+    generations were bumped before this was made)."""
 
     request_id: str
     block_ids: tuple[int, ...]
@@ -89,6 +116,7 @@ class _Lease:
     request_id: str
     block_ids: tuple[int, ...]
     expires_at: float
+    """On the producer's clock only (never sent: the consumer gets lease_ttl_s)."""
     state: LeaseState = LeaseState.HELD
 
     def advance(self, new: LeaseState) -> None:
@@ -99,11 +127,13 @@ class _Lease:
 class ProducerConnector:
     """Holds prefilled requests' blocks under leases until pulled, expired or released.
 
-    Invariant: every lease that poll() reports is ended exactly once and forgotten; a request id
-    holds at most one lease at a time.
+    Invariants: every lease that poll() reports is ended exactly once and forgotten; a request id
+    holds at most one lease at a time; a block's generation is bumped when the last HELD lease
+    holding it ends, before that end is reported (see the module docstring).
     """
 
-    def __init__(self, backend: TransferBackend, layout: KVLayout, lease_ttl_s: float, clock: Clock = time.time):
+    def __init__(self, backend: TransferBackend, layout: KVLayout, lease_ttl_s: float,
+                 clock: Clock = time.monotonic):
         if lease_ttl_s <= 0:
             raise ValueError(f"lease_ttl_s must be > 0, got {lease_ttl_s}")
         self._backend = backend
@@ -111,34 +141,36 @@ class ProducerConnector:
         self._ttl = lease_ttl_s
         self._clock = clock
         self._leases: dict[str, _Lease] = {}
+        self._holders: Counter[int] = Counter()
+        """block id -> HELD leases holding it (only ids with at least one)."""
         self._ended: Counter[LeaseState] = Counter()
         self._late = 0
 
     def hold(self, request_id: str, block_ids: Iterable[int], num_tokens: int) -> TransferParams:
-        """HELD until clock() + lease_ttl_s; the blocks must cover num_tokens (0 < n <= blocks * block_size)."""
+        """HELD for lease_ttl_s from now on clock(); the blocks must cover num_tokens (0 < n <= blocks * block_size)."""
         if request_id in self._leases:
             raise InvalidTransitionError(f"request {request_id!r}: no transition HELD -> HELD")
         block_ids = tuple(block_ids)
         if not 0 < num_tokens <= len(block_ids) * self._layout.block_size:
             raise ValueError(f"request {request_id!r}: {len(block_ids)} blocks of {self._layout.block_size} "
                              f"tokens cannot hold {num_tokens} tokens")
-        lease = _Lease(request_id, block_ids, self._clock() + self._ttl)
-        self._leases[request_id] = lease
-        return TransferParams(request_id, self._backend.agent_name, block_ids, num_tokens, self._layout,
-                              lease.expires_at)
+        self._leases[request_id] = _Lease(request_id, block_ids, self._clock() + self._ttl)
+        self._holders.update(block_ids)
+        return TransferParams(request_id, self._backend.agent_name, block_ids, num_tokens, self._layout, self._ttl,
+                              self._backend.generations(block_ids))
 
     def poll(self) -> list[ReleasedLease]:
         """Leases that ended since the last poll: pulled ones (notification order), then expired ones.
 
-        Notifications are taken before the deadline check, so a pull notified by now counts as
-        PULLED even if its deadline has also passed."""
+        Notifications are taken before the expiry check, so a pull notified by now counts as
+        PULLED even if its TTL has also passed."""
         ended = [self._end(request_id, LeaseState.PULLED) for request_id in self._pulled_request_ids()]
         now = self._clock()
         expired = [lease.request_id for lease in self._leases.values() if now > lease.expires_at]
         return ended + [self._end(request_id, LeaseState.EXPIRED) for request_id in expired]
 
     def release(self, request_id: str) -> bool:
-        """Cancel (HELD -> FREED): the caller frees the blocks now. False if it holds no lease."""
+        """Cancel (HELD -> FREED): the caller frees the blocks once this returns. False if it holds no lease."""
         if request_id not in self._leases:
             return False
         self._end(request_id, LeaseState.FREED)
@@ -159,8 +191,15 @@ class ProducerConnector:
         return pulled
 
     def _end(self, request_id: str, state: LeaseState) -> ReleasedLease:
+        """End a lease; its blocks that no other lease holds get a new generation first."""
         lease = self._leases.pop(request_id)
         lease.advance(state)
+        self._holders.subtract(lease.block_ids)
+        last_held = tuple(block for block in lease.block_ids if self._holders[block] == 0)
+        for block in last_held:
+            del self._holders[block]
+        if last_held:
+            self._backend.bump_generations(last_held)
         self._ended[state] += 1
         return ReleasedLease(request_id, lease.block_ids, state)
 
@@ -198,7 +237,7 @@ class _Pull:
     started_at: float
     status: PullStatus = PullStatus.WAITING
     handle: PullHandle | None = None
-    """Held only while PULLING; released as soon as the pull ends."""
+    """The READ in flight: the data READ while PULLING, the check READ while VERIFYING; None otherwise."""
     error: str | None = None
     finished_at: float | None = None
 
@@ -217,23 +256,20 @@ class _Pull:
 class ConsumerConnector:
     """Pulls requests' KV blocks and reports each pull's outcome exactly once (unless aborted).
 
-    start() never raises for conditions a healthy cluster meets (lease nearly over, unknown or
-    removed peer, backend refusal): the pull is FAILED and the next poll() reports it. It raises
-    only for caller bugs (a request already pulling, mismatched block counts).
+    start() never raises for conditions a healthy cluster meets (unknown or removed peer, backend
+    refusal): the pull is FAILED and the next poll() reports it. It raises only for caller bugs
+    (a request already pulling, mismatched block counts).
     """
 
-    def __init__(self, backend: TransferBackend, clock: Clock = time.time, min_lease_margin_s: float = 0.05):
-        if min_lease_margin_s < 0:
-            raise ValueError(f"min_lease_margin_s must be >= 0, got {min_lease_margin_s}")
+    def __init__(self, backend: TransferBackend, clock: Clock = time.monotonic):
         self._backend = backend
         self._clock = clock
-        self._margin = min_lease_margin_s
         self._pulls: dict[str, _Pull] = {}
         """Started and not yet reported, in start order."""
         self._done = self._failed = self._aborted = self._bytes = 0
 
     def start(self, params: TransferParams, local_block_ids: Iterable[int]) -> PullStatus:
-        """WAITING -> PULLING (or DONE/FAILED already, for backends that finish or refuse at once)."""
+        """WAITING -> PULLING (or further already, for backends that finish or refuse at once)."""
         if params.request_id in self._pulls:
             raise InvalidTransitionError(f"request {params.request_id!r} is already pulling")
         local_block_ids = tuple(local_block_ids)
@@ -242,7 +278,7 @@ class ConsumerConnector:
                              f"{len(params.block_ids)} remote blocks")
         now = self._clock()
         pull = _Pull(params, local_block_ids, now)
-        refusal = self._refusal(params, now)
+        refusal = self._refusal(params)
         if refusal is None:
             try:
                 pull.handle = self._backend.start_pull(params, local_block_ids)
@@ -253,16 +289,16 @@ class ConsumerConnector:
             pull.advance(PullStatus.FAILED, now, refusal)
             return pull.status
         pull.advance(PullStatus.PULLING)
-        self._check(pull)  # a CPU/in-process pull is usually complete inside start_pull
+        self._progress(pull)  # a CPU/in-process READ is usually complete inside its start call
         return pull.status
 
     def poll(self) -> list[PullOutcome]:
-        """Pulls that ended since the last poll, in start order; a pending pull whose lease has
-        passed is abandoned (released) and FAILED, so no pull waits forever."""
+        """Pulls that ended since the last poll, in start order; a pull still pending lease_ttl_s
+        after its start is abandoned (released) and FAILED, so no pull waits forever."""
         outcomes = []
         for pull in list(self._pulls.values()):
-            if pull.status is PullStatus.PULLING:
-                self._check(pull)
+            if pull.status in (PullStatus.PULLING, PullStatus.VERIFYING):
+                self._progress(pull)
             if pull.status in (PullStatus.DONE, PullStatus.FAILED):
                 outcomes.append(self._report(pull))
         return outcomes
@@ -286,31 +322,44 @@ class ConsumerConnector:
     def stats(self) -> ConsumerStats:
         return ConsumerStats(len(self._pulls), self._done, self._failed, self._aborted, self._bytes)
 
-    def _refusal(self, params: TransferParams, now: float) -> str | None:
-        left = params.lease_expires_at - now
-        if left <= 0:
-            return f"the lease expired {-left:.3f}s before the pull could start"
-        if left < self._margin:
-            return f"lease has {left:.3f}s left, less than the {self._margin:.3f}s margin a pull needs"
+    def _refusal(self, params: TransferParams) -> str | None:
         if not self._backend.has_peer(params.producer_id):
             return f"unknown producer {params.producer_id!r}: no handshake, or it was removed"
         return None
 
-    def _check(self, pull: _Pull) -> None:
-        """PULLING -> DONE | FAILED when the backend says so or the lease has passed."""
+    def _progress(self, pull: _Pull) -> None:
+        """Move a PULLING or VERIFYING pull on as far as its READ allows."""
         state = self._backend.poll_pull(pull.handle)
         now = self._clock()
-        late = now > pull.params.lease_expires_at
-        if state is PullState.PENDING and not late:
-            return
-        if state is PullState.DONE and not late:
-            pull.advance(PullStatus.DONE, now)
-        elif state is PullState.FAILED:
-            pull.advance(PullStatus.FAILED, now, pull.handle.error or "the transfer backend reported a failed pull")
-        else:  # DONE or still PENDING after the deadline: the producer may have reused the blocks
-            pull.advance(PullStatus.FAILED, now, LATE_PULL_ERROR)
+        if state is PullState.FAILED:
+            error = pull.handle.error or "the transfer backend reported a failed pull"
+            self._finish(pull, PullStatus.FAILED, now, error)
+        elif state is PullState.PENDING:
+            if now - pull.started_at > pull.params.lease_ttl_s:
+                self._finish(pull, PullStatus.FAILED, now, PULL_TIMEOUT_ERROR.format(ttl=pull.params.lease_ttl_s))
+        elif pull.status is PullStatus.PULLING:
+            self._start_check(pull, now)
+        elif self._backend.checked_generations(pull.local_block_ids) == pull.params.block_generations:
+            self._finish(pull, PullStatus.DONE, now)
+        else:
+            self._finish(pull, PullStatus.FAILED, now, RECLAIMED_ERROR)
+
+    def _start_check(self, pull: _Pull, now: float) -> None:
+        """PULLING -> VERIFYING: the data READ completed, so the check READ may start."""
         self._backend.release_pull(pull.handle)
         pull.handle = None
+        try:
+            pull.handle = self._backend.start_check(pull.params, pull.local_block_ids)
+        except KVTransferError as error:
+            pull.advance(PullStatus.FAILED, now, str(error))
+            return
+        pull.advance(PullStatus.VERIFYING)
+        self._progress(pull)
+
+    def _finish(self, pull: _Pull, status: PullStatus, now: float, error: str | None = None) -> None:
+        self._backend.release_pull(pull.handle)
+        pull.handle = None
+        pull.advance(status, now, error)
 
     def _report(self, pull: _Pull) -> PullOutcome:
         del self._pulls[pull.params.request_id]

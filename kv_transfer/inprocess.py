@@ -1,12 +1,14 @@
 """In-process transfer backend: agents in one process share a registry and copy with torch.
 
-Same interface and semantics as the NIXL backend (a pull reads scattered remote blocks into
-local ones, then notifies the producer), so workers and connectors are tested without NIXL.
+Same interface and semantics as the NIXL backend (a data READ copies scattered remote blocks
+into local ones; a check READ then copies the remote blocks' generation words into local scratch
+words and notifies the producer), so workers and connectors are tested without NIXL.
 
-Pulls complete inside start_pull unless the backend is built with `defer_completion=True`
-(or `defer_completions()` is called); then they stay PENDING (nothing copied yet) until
-`complete_pending_pulls()`, which lets tests exercise in-flight aborts, peer removal and late
-completion. Fault hooks make the next pulls fail or complete without notifying the producer.
+READs complete inside start_pull / start_check unless the backend is built with
+`defer_completion=True` (or `defer_completions()` is called); then they stay PENDING (nothing
+copied yet) until `complete_pending_pulls()`, which lets tests exercise in-flight aborts, peer
+removal, late completion and a producer reclaiming blocks between a pull's two READs. Fault hooks
+make the next data READs fail, or the next check READs complete without notifying the producer.
 """
 
 from __future__ import annotations
@@ -17,17 +19,20 @@ from dataclasses import dataclass, field
 import torch
 
 from splitserve.common.kv_transfer_types import AgentMetadata, KVLayout, TransferParams
-from splitserve.kv_transfer.base import (KVTransferError, PullHandle, PullState, TransferBackend, check_kv_pool,
-                                         check_layouts_match, check_pull_blocks)
+from splitserve.kv_transfer.base import (GENERATIONS, SCRATCH, KVTransferError, PullHandle, PullState,
+                                         TransferBackend, bump_generation_words, check_kv_pool, check_layouts_match,
+                                         check_pull_blocks, new_generation_words, read_generation_words)
 
 
 @dataclass
 class _Endpoint:
-    """One registered agent: its pool and the request ids of pulls that read from it."""
+    """One registered agent: its pool, its generation words and the request ids of pulls that read from it."""
 
     layers: list[torch.Tensor]
     """layers[l]: [num_blocks, 2, block_size, kv_heads, head_dim]."""
     layout: KVLayout
+    words: torch.Tensor
+    """[2, num_blocks] int64: generations and check scratch (base.new_generation_words)."""
     notifications: deque[str] = field(default_factory=deque)
     """Appended by consumers' threads, drained by the owner's: deque append/popleft are atomic."""
 
@@ -41,9 +46,12 @@ _REGISTRY: dict[str, _Endpoint] = {}
 
 
 class _InProcessPull(PullHandle):
-    def __init__(self, params: TransferParams, local_block_ids: tuple[int, ...]) -> None:
+    """One READ: of the blocks' data (check=False) or of their generation words (check=True)."""
+
+    def __init__(self, params: TransferParams, local_block_ids: tuple[int, ...], check: bool) -> None:
         self.params = params
         self.local_block_ids = local_block_ids
+        self.check = check
         self.state = PullState.PENDING
 
     def fail(self, error: str) -> None:
@@ -62,26 +70,27 @@ class InProcessBackend(TransferBackend):
         self._defer = defer_completion
         self._peers: set[str] = set()
         self._pending: list[_InProcessPull] = []
-        """Started, not completed, not released (only with defer_completion)."""
+        """READs started, not completed, not released (only with defer_completion), in start order."""
         self._fail_next = 0
         self._drop_next = 0
 
     # ---- fault hooks ---------------------------------------------------------------------
     def fail_next_pulls(self, count: int = 1) -> None:
-        """The next `count` pulls to complete fail without copying (and notify nobody)."""
+        """The next `count` data READs to complete fail without copying (and their pulls notify nobody)."""
         self._fail_next += count
 
     def drop_next_notifications(self, count: int = 1) -> None:
-        """The next `count` pulls to complete copy their bytes but never notify the producer."""
+        """The next `count` check READs to complete read the generations but never notify the producer."""
         self._drop_next += count
 
     def defer_completions(self, enabled: bool = True) -> None:
-        """From the next start_pull on, pulls stay PENDING until complete_pending_pulls() (False:
-        they complete inside start_pull again). Lets a test hold a worker's pull in flight."""
+        """From the next start_pull / start_check on, READs stay PENDING until complete_pending_pulls()
+        (False: they complete inside the start call again). Lets a test hold a pull in flight."""
         self._defer = enabled
 
     def complete_pending_pulls(self) -> int:
-        """Complete every pending pull now (defer_completion only); returns how many."""
+        """Complete every pending READ now, in start order (defer_completion only); returns how many.
+        A check READ started by a connector's poll after this is pending again (while deferring)."""
         pending, self._pending = self._pending, []
         for pull in pending:
             self._complete(pull)
@@ -92,7 +101,7 @@ class InProcessBackend(TransferBackend):
         check_kv_pool(layers, layout)
         if self.agent_name in _REGISTRY:
             raise KVTransferError(f"agent {self.agent_name!r} already registered a KV pool")
-        _REGISTRY[self.agent_name] = _Endpoint(list(layers), layout)
+        _REGISTRY[self.agent_name] = _Endpoint(list(layers), layout, new_generation_words(layers[0].shape[0]))
 
     def metadata(self) -> AgentMetadata:
         return AgentMetadata(self.agent_name, self._own().layout, b"")
@@ -113,22 +122,26 @@ class InProcessBackend(TransferBackend):
         return agent_name in self._peers
 
     def start_pull(self, params: TransferParams, local_block_ids: tuple[int, ...]) -> PullHandle:
-        own = self._own()
-        remote = self._remote(params)
-        check_pull_blocks(params, tuple(local_block_ids), own.num_blocks, remote.num_blocks)
-        pull = _InProcessPull(params, tuple(local_block_ids))
-        if self._defer:
-            self._pending.append(pull)
-        else:
-            self._complete(pull)
-        return pull
+        return self._start(params, local_block_ids, check=False)
+
+    def start_check(self, params: TransferParams, local_block_ids: tuple[int, ...]) -> PullHandle:
+        return self._start(params, local_block_ids, check=True)
+
+    def checked_generations(self, local_block_ids: tuple[int, ...]) -> tuple[int, ...]:
+        return read_generation_words(self._own().words, SCRATCH, local_block_ids)
+
+    def generations(self, block_ids: tuple[int, ...]) -> tuple[int, ...]:
+        return read_generation_words(self._own().words, GENERATIONS, block_ids)
+
+    def bump_generations(self, block_ids: tuple[int, ...]) -> None:
+        bump_generation_words(self._own().words, block_ids)
 
     def poll_pull(self, handle: PullHandle) -> PullState:
         assert isinstance(handle, _InProcessPull)
         return handle.state
 
     def release_pull(self, handle: PullHandle) -> None:
-        """A pending pull is dropped before it copies anything (so nothing writes after this)."""
+        """A pending READ is dropped before it copies anything (so nothing writes after this)."""
         if handle in self._pending:
             self._pending.remove(handle)
 
@@ -157,17 +170,37 @@ class InProcessBackend(TransferBackend):
             raise KVTransferError(f"peer {params.producer_id!r} has closed")
         return remote
 
+    def _start(self, params: TransferParams, local_block_ids: tuple[int, ...], check: bool) -> _InProcessPull:
+        own = self._own()
+        remote = self._remote(params)
+        check_pull_blocks(params, tuple(local_block_ids), own.num_blocks, remote.num_blocks)
+        pull = _InProcessPull(params, tuple(local_block_ids), check)
+        if self._defer:
+            self._pending.append(pull)
+        else:
+            self._complete(pull)
+        return pull
+
     def _complete(self, pull: _InProcessPull) -> None:
-        """Copy every layer's blocks (or fail), then notify the producer unless told not to."""
+        """Land one READ now, reading the producer's memory as it is at this moment."""
         remote = _REGISTRY.get(pull.params.producer_id)
         if remote is None:
             pull.fail(f"peer {pull.params.producer_id!r} closed before the pull completed")
-            return
-        if self._fail_next:
+        elif pull.check:
+            self._complete_check(pull, remote)
+        elif self._fail_next:
             self._fail_next -= 1
             pull.fail("injected failure (InProcessBackend.fail_next_pulls)")
-            return
-        _copy_blocks(remote.layers, pull.params.block_ids, self._own().layers, pull.local_block_ids)
+        else:
+            _copy_blocks(remote.layers, pull.params.block_ids, self._own().layers, pull.local_block_ids)
+            pull.state = PullState.DONE
+
+    def _complete_check(self, pull: _InProcessPull, remote: _Endpoint) -> None:
+        """Copy the generation words, then notify the producer (unless told not to): the same order
+        as NIXL, which sends a READ's notification after the READ completed."""
+        local_index = torch.tensor(pull.local_block_ids, dtype=torch.long)
+        remote_index = torch.tensor(pull.params.block_ids, dtype=torch.long)
+        self._own().words[SCRATCH].index_copy_(0, local_index, remote.words[GENERATIONS].index_select(0, remote_index))
         pull.state = PullState.DONE
         if self._drop_next:
             self._drop_next -= 1

@@ -2,13 +2,16 @@
 
 Descriptors: every (layer, block) pair of a pool is one NIXL descriptor, numbered
 l * num_blocks + b (layer-major), so a pull's local and remote index lists line up element by
-element. The local descriptor list is prepared once at registration, a peer's once at its
-handshake; a pull is then one make_prepped_xfer("READ", ...) + transfer() whose notification
-(the request id) reaches the producer when the READ completes.
+element; every block's generation word (8 bytes of host memory, base.new_generation_words) is
+one more descriptor in a second list, numbered b. Both local lists (the pool, the scratch
+words) are prepared once at registration, a peer's (its pool, its generation words) once at
+its handshake. A pull is then two make_prepped_xfer("READ", ...) + transfer(): the data READ,
+without notification, and once it completed the check READ of the generations, whose
+notification (the request id) reaches the producer when that READ completes.
 
 What a peer needs besides NIXL's own agent metadata (the base address of each layer tensor,
-the pool's block count, memory type and device) travels inside AgentMetadata.backend_metadata
-as a small binary header in front of NIXL's bytes.
+the pool's block count, memory type and device, the address of its generation words) travels
+inside AgentMetadata.backend_metadata as a small binary header in front of NIXL's bytes.
 
 Measured on our CPU machines (NIXL 1.5.1 with its bundled UCX 1.23), which set NixlConfig's
 defaults:
@@ -44,8 +47,10 @@ except ImportError:
     from nixl_cu12._api import nixl_agent, nixl_agent_config, nixl_prepped_dlist_handle, nixl_xfer_handle  # noqa: E402
 
 from splitserve.common.kv_transfer_types import AgentMetadata, KVLayout, TransferParams  # noqa: E402
-from splitserve.kv_transfer.base import (KVTransferError, PullHandle, PullState, TransferBackend,  # noqa: E402
-                                         check_kv_pool, check_layouts_match, check_pull_blocks)
+from splitserve.kv_transfer.base import (GENERATIONS, SCRATCH, KVTransferError, PullHandle,  # noqa: E402
+                                         PullState, TransferBackend, bump_generation_words, check_kv_pool,
+                                         check_layouts_match, check_pull_blocks, new_generation_words,
+                                         read_generation_words)
 
 _LOCAL = "NIXL_INIT_AGENT"
 """prep_xfer_dlist's name for the initiator's own descriptors."""
@@ -70,32 +75,37 @@ class NixlConfig:
             raise ValueError(f"ucx_error_handling_mode must be 'none' or 'peer', got {self.ucx_error_handling_mode!r}")
 
 
-_HEADER = struct.Struct("<4sH4sIQI")
-"""magic, format version, memory type, device id, num_blocks, num_layers; then the layer
-addresses (num_layers x u64), then NIXL's agent metadata."""
-_MAGIC, _VERSION = b"SSKV", 1
+_HEADER = struct.Struct("<4sH4sIQQI")
+"""magic, format version, memory type, device id, num_blocks, generation words' address,
+num_layers; then the layer addresses (num_layers x u64), then NIXL's agent metadata."""
+_MAGIC, _VERSION = b"SSKV", 2
+_WORD_BYTES = 8
+"""One generation word: an int64."""
 
 
 @dataclass(frozen=True)
 class _PoolInfo:
     """Where one agent's KV pool lives: block b of layer l is bytes
-    [layer_addrs[l] + b * block_bytes, + block_bytes) of `mem_type` memory on `device_id`."""
+    [layer_addrs[l] + b * block_bytes, + block_bytes) of `mem_type` memory on `device_id`; the
+    generation of block b is the int64 at host (DRAM) address generations_addr + 8 * b."""
 
     mem_type: str
     """'DRAM' or 'VRAM' (NIXL's names)."""
     device_id: int
     num_blocks: int
+    generations_addr: int
     layer_addrs: tuple[int, ...]
 
     @classmethod
-    def of(cls, layers: list[torch.Tensor]) -> _PoolInfo:
+    def of(cls, layers: list[torch.Tensor], words: torch.Tensor) -> _PoolInfo:
         device = layers[0].device
         mem_type = "VRAM" if device.type == "cuda" else "DRAM"
-        return cls(mem_type, device.index or 0, layers[0].shape[0], tuple(layer.data_ptr() for layer in layers))
+        return cls(mem_type, device.index or 0, layers[0].shape[0], words[GENERATIONS].data_ptr(),
+                   tuple(layer.data_ptr() for layer in layers))
 
     def pack(self, agent_metadata: bytes) -> bytes:
         header = _HEADER.pack(_MAGIC, _VERSION, self.mem_type.encode(), self.device_id, self.num_blocks,
-                              len(self.layer_addrs))
+                              self.generations_addr, len(self.layer_addrs))
         return header + struct.pack(f"<{len(self.layer_addrs)}Q", *self.layer_addrs) + agent_metadata
 
     @classmethod
@@ -103,12 +113,12 @@ class _PoolInfo:
         """(pool info, NIXL agent metadata); KVTransferError if the blob is not ours."""
         if len(blob) < _HEADER.size:
             raise KVTransferError("peer metadata is too short to be NIXL backend metadata")
-        magic, version, mem_type, device_id, num_blocks, num_layers = _HEADER.unpack_from(blob)
+        magic, version, mem_type, device_id, num_blocks, generations_addr, num_layers = _HEADER.unpack_from(blob)
         if (magic, version) != (_MAGIC, _VERSION):
             raise KVTransferError(f"peer metadata has format {magic!r} v{version}, expected {_MAGIC!r} v{_VERSION}")
         addrs_end = _HEADER.size + 8 * num_layers
         layer_addrs = struct.unpack_from(f"<{num_layers}Q", blob, _HEADER.size)
-        return cls(mem_type.decode(), device_id, num_blocks, layer_addrs), blob[addrs_end:]
+        return cls(mem_type.decode(), device_id, num_blocks, generations_addr, layer_addrs), blob[addrs_end:]
 
     def descriptors(self, block_bytes: int) -> np.ndarray:
         """[num_layers * num_blocks, 3] uint64 rows (address, length, device); row l * num_blocks + b
@@ -120,6 +130,19 @@ class _PoolInfo:
         descs[:, 1] = block_bytes
         descs[:, 2] = self.device_id
         return descs
+
+    def generation_descriptors(self) -> np.ndarray:
+        """[num_blocks, 3] uint64 rows (address, 8, 0) of host memory; row b is block b's generation."""
+        return _word_descriptors(self.generations_addr, self.num_blocks)
+
+
+def _word_descriptors(base_addr: int, num_blocks: int) -> np.ndarray:
+    """[num_blocks, 3] uint64 rows (base_addr + 8 * b, 8, 0): consecutive int64 words in host memory."""
+    descs = np.empty((num_blocks, 3), dtype=np.uint64)
+    descs[:, 0] = np.uint64(base_addr) + np.arange(num_blocks, dtype=np.uint64) * np.uint64(_WORD_BYTES)
+    descs[:, 1] = _WORD_BYTES
+    descs[:, 2] = 0
+    return descs
 
 
 def _descriptor_indices(block_ids: tuple[int, ...], num_layers: int, num_blocks: int) -> np.ndarray:
@@ -144,11 +167,15 @@ def _nixl_errors(action: str) -> Iterator[None]:
 class _LocalPool:
     layers: list[torch.Tensor]
     """Kept alive while registered: layers[l] is [num_blocks, 2, block_size, kv_heads, head_dim]."""
+    words: torch.Tensor
+    """Kept alive while registered: [2, num_blocks] int64 generations and check scratch."""
     layout: KVLayout
     info: _PoolInfo
-    registration: object
-    """NIXL's registration descriptor list (for deregister_memory)."""
+    registrations: tuple[object, object]
+    """NIXL's registration descriptor lists of the pool and of the words (for deregister_memory)."""
     dlist: nixl_prepped_dlist_handle
+    scratch_dlist: nixl_prepped_dlist_handle
+    """The scratch words (row SCRATCH), descriptor b for local block b."""
 
 
 class _NixlPull(PullHandle):
@@ -168,6 +195,7 @@ class _Peer:
     name: str
     num_blocks: int
     dlist: nixl_prepped_dlist_handle
+    generation_dlist: nixl_prepped_dlist_handle
     pending: set[_NixlPull] = field(default_factory=set)
     """Pulls from this peer that are PENDING and not released."""
 
@@ -187,8 +215,8 @@ class NixlBackend(TransferBackend):
         self._drop_next = 0
 
     def drop_next_notifications(self, count: int = 1) -> None:
-        """Fault hook: the next `count` pulls post their READ with no notification (NIXL sends
-        none for an empty message), so the producer never learns of them and its lease expires."""
+        """Fault hook: the next `count` check READs are posted with no notification (NIXL sends
+        none for an empty message), so the producer never learns of those pulls and their leases expire."""
         self._drop_next += count
 
     def register_kv_pool(self, layers: list[torch.Tensor], layout: KVLayout) -> None:
@@ -196,11 +224,14 @@ class NixlBackend(TransferBackend):
         agent = self._open()
         if self._pool is not None:
             raise KVTransferError(f"agent {self.agent_name!r} already registered a KV pool")
-        info = _PoolInfo.of(layers)
-        with _nixl_errors("registering the KV pool"):
-            registration = agent.register_memory(list(layers))
+        words = new_generation_words(layers[0].shape[0])
+        info = _PoolInfo.of(layers, words)
+        with _nixl_errors("registering the KV pool and its generation words"):
+            registrations = (agent.register_memory(list(layers)), agent.register_memory([words]))
             dlist = agent.prep_xfer_dlist(_LOCAL, info.descriptors(layout.bytes_per_block_per_layer), info.mem_type)
-        self._pool = _LocalPool(list(layers), layout, info, registration, dlist)
+            scratch_dlist = agent.prep_xfer_dlist(_LOCAL, _word_descriptors(words[SCRATCH].data_ptr(),
+                                                                            info.num_blocks), "DRAM")
+        self._pool = _LocalPool(list(layers), words, layout, info, registrations, dlist, scratch_dlist)
 
     def metadata(self) -> AgentMetadata:
         pool = self._registered()
@@ -218,14 +249,18 @@ class NixlBackend(TransferBackend):
             raise KVTransferError(f"peer {peer.agent_name!r} registered {len(info.layer_addrs)} layers, "
                                   f"its layout says {pool.layout.num_layers}")
         self._load_remote_agent(peer.agent_name, agent_metadata)
+        dlist = None
         try:
             with _nixl_errors(f"preparing {peer.agent_name!r}'s descriptors"):
                 dlist = self._agent.prep_xfer_dlist(
                     peer.agent_name, info.descriptors(pool.layout.bytes_per_block_per_layer), info.mem_type)
+                generation_dlist = self._agent.prep_xfer_dlist(peer.agent_name, info.generation_descriptors(), "DRAM")
         except KVTransferError:
+            if dlist is not None:
+                dlist.release()
             self._agent.remove_remote_agent(peer.agent_name)
             raise
-        self._peers[peer.agent_name] = _Peer(peer.agent_name, info.num_blocks, dlist)
+        self._peers[peer.agent_name] = _Peer(peer.agent_name, info.num_blocks, dlist, generation_dlist)
 
     def remove_peer(self, agent_name: str) -> None:
         """Abandons the peer's pending pulls (FAILED), then drops its descriptors and connection."""
@@ -237,32 +272,39 @@ class NixlBackend(TransferBackend):
             pull.fail(f"peer {agent_name!r} was removed while the pull was in flight")
         with _nixl_errors(f"removing peer {agent_name!r}"):
             peer.dlist.release()
+            peer.generation_dlist.release()
             self._agent.remove_remote_agent(agent_name)
 
     def has_peer(self, agent_name: str) -> bool:
         return agent_name in self._peers
 
     def start_pull(self, params: TransferParams, local_block_ids: tuple[int, ...]) -> PullHandle:
-        """One READ of every layer of every block; the request id is the completion notification."""
-        pool = self._registered()
-        peer = self._peers.get(params.producer_id)
-        if peer is None:
-            raise KVTransferError(f"unknown peer {params.producer_id!r}: no handshake, or it was removed")
-        check_layouts_match(pool.layout, params.layout, params.producer_id)
-        check_pull_blocks(params, tuple(local_block_ids), pool.info.num_blocks, peer.num_blocks)
+        """The data READ: every layer of every block, one READ, no notification."""
+        pool, peer = self._pull_sides(params, local_block_ids)
         num_layers = pool.layout.num_layers
         local = _descriptor_indices(tuple(local_block_ids), num_layers, pool.info.num_blocks)
         remote = _descriptor_indices(params.block_ids, num_layers, peer.num_blocks)
-        with _nixl_errors(f"{params.request_id}: preparing the READ from {peer.name!r}"):
-            xfer = self._agent.make_prepped_xfer("READ", pool.dlist, local, peer.dlist, remote,
-                                                 notif_msg=self._notification(params.request_id))
-        try:
-            with _nixl_errors(f"{params.request_id}: posting the READ from {peer.name!r}"):
-                status = self._agent.transfer(xfer)
-        except KVTransferError:
-            xfer.release()
-            raise
-        return self._track(peer, _NixlPull(peer.name, xfer, _XFER_STATES[status]))
+        return self._post_read(f"the READ from {peer.name!r}", params.request_id, peer, pool.dlist, local,
+                               peer.dlist, remote, b"")
+
+    def start_check(self, params: TransferParams, local_block_ids: tuple[int, ...]) -> PullHandle:
+        """The check READ: one generation word per block; the request id is its completion notification."""
+        pool, peer = self._pull_sides(params, local_block_ids)
+        local = np.asarray(local_block_ids, dtype=np.int64)
+        remote = np.asarray(params.block_ids, dtype=np.int64)
+        return self._post_read(f"the generation READ from {peer.name!r}", params.request_id, peer,
+                               pool.scratch_dlist, local, peer.generation_dlist, remote,
+                               self._notification(params.request_id))
+
+    def checked_generations(self, local_block_ids: tuple[int, ...]) -> tuple[int, ...]:
+        return read_generation_words(self._registered().words, SCRATCH, local_block_ids)
+
+    def generations(self, block_ids: tuple[int, ...]) -> tuple[int, ...]:
+        return read_generation_words(self._registered().words, GENERATIONS, block_ids)
+
+    def bump_generations(self, block_ids: tuple[int, ...]) -> None:
+        """A plain host store: a READ posted after this returns reads the new words."""
+        bump_generation_words(self._registered().words, block_ids)
 
     def poll_pull(self, handle: PullHandle) -> PullState:
         assert isinstance(handle, _NixlPull)
@@ -299,7 +341,9 @@ class NixlBackend(TransferBackend):
         if self._pool is not None:
             with _nixl_errors("deregistering the KV pool"):
                 self._pool.dlist.release()
-                self._agent.deregister_memory(self._pool.registration)
+                self._pool.scratch_dlist.release()
+                for registration in self._pool.registrations:
+                    self._agent.deregister_memory(registration)
             self._pool = None
         self._closed = True
         del self._agent
@@ -324,8 +368,33 @@ class NixlBackend(TransferBackend):
             self._agent.remove_remote_agent(loaded)
             raise KVTransferError(f"peer metadata names agent {loaded!r}, the handshake said {name!r}")
 
+    def _pull_sides(self, params: TransferParams, local_block_ids: tuple[int, ...]) -> tuple[_LocalPool, _Peer]:
+        """Our pool and the producer's peer entry, after the checks every READ of a pull needs."""
+        pool = self._registered()
+        peer = self._peers.get(params.producer_id)
+        if peer is None:
+            raise KVTransferError(f"unknown peer {params.producer_id!r}: no handshake, or it was removed")
+        check_layouts_match(pool.layout, params.layout, params.producer_id)
+        check_pull_blocks(params, tuple(local_block_ids), pool.info.num_blocks, peer.num_blocks)
+        return pool, peer
+
+    def _post_read(self, what: str, request_id: str, peer: _Peer, local_dlist: nixl_prepped_dlist_handle,
+                   local: np.ndarray, remote_dlist: nixl_prepped_dlist_handle, remote: np.ndarray,
+                   notification: bytes) -> _NixlPull:
+        """make_prepped_xfer + transfer of one READ (an empty notification sends none)."""
+        with _nixl_errors(f"{request_id}: preparing {what}"):
+            xfer = self._agent.make_prepped_xfer("READ", local_dlist, local, remote_dlist, remote,
+                                                 notif_msg=notification)
+        try:
+            with _nixl_errors(f"{request_id}: posting {what}"):
+                status = self._agent.transfer(xfer)
+        except KVTransferError:
+            xfer.release()
+            raise
+        return self._track(peer, _NixlPull(peer.name, xfer, _XFER_STATES[status]))
+
     def _notification(self, request_id: str) -> bytes:
-        """The READ's completion message: the request id, or nothing while dropping is asked for."""
+        """The check READ's completion message: the request id, or nothing while dropping is asked for."""
         if self._drop_next:
             self._drop_next -= 1
             return b""

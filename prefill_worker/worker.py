@@ -130,6 +130,8 @@ class PrefillWorker:
                              held.generator_state if held is not None else None, compute_s, queue_s)
 
     def _poll_leases(self) -> float | None:
+        # poll() and release() bump the blocks' generations before they return, so a pull still
+        # reading these blocks fails its check instead of decoding from the reused blocks.
         for lease in self._leases.poll():
             self.engine.release_held_kv(lease.request_id)
             logger.debug("[%s] lease ended: %s", lease.request_id, lease.state.value)

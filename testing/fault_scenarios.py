@@ -9,7 +9,7 @@ never by sleeping and hoping:
 - a client stream that stops reading after its first chunk holds the request between the prefill
   worker's answer and the decode worker's submit: the prompt's KV waits under its lease;
 - `InProcessBackend.defer_completions` keeps a decode worker's pull in flight until the scenario
-  completes it (the READ landing), or until the lease passes.
+  completes it (the READ landing), or until the decode worker gives up after the lease's TTL.
 Faults: the in-process backend's `fail_next_pulls` / `drop_next_notifications`, short leases,
 `remove_peer` during a pull, a worker's shutdown; on Ray, `ray.kill` and the NIXL backend's
 `drop_next_notifications`.
@@ -53,6 +53,7 @@ from splitserve.decode_worker.worker import DecodeWorker
 from splitserve.engine.engine_core import EngineCore
 from splitserve.engine.engine_loop import EngineLoop
 from splitserve.kv_transfer import InProcessBackend
+from splitserve.kv_transfer.connector import PULL_TIMEOUT_ERROR, RECLAIMED_ERROR
 from splitserve.prefill_worker.worker import PrefillWorker
 from splitserve.router.api_types import GenerationInput, RouterError, StreamChunk
 from splitserve.router.orchestrator import Orchestrator
@@ -762,7 +763,7 @@ async def _no_lease_held(harness: Harness) -> bool:
 
 async def lease_expires_during_pull(harness: Harness) -> None:
     backend = harness.view.decode_backend
-    backend.defer_completions()  # the READ never lands: only the lease's deadline ends the pull
+    backend.defer_completions()  # the READ never lands: only the decode worker's patience (the TTL) ends the pull
     await harness.open(SHORT).ended()
     backend.defer_completions(False)
 
@@ -924,10 +925,12 @@ def _transfer_fault_scenarios() -> list[Scenario]:
                                                                               kv_transfers_failed=0),
                           (SHORT,), lease_ttl_s=SHORT_LEASE_S)]
     faults = [
-        ("lease-expired-before-pull", f"the {EXPIRING_LEASE_S:g} s lease expires before decode is asked to pull",
-         lease_expires_before_pull, f"{failed}the lease expired", 1, EXPIRING_LEASE_S),
-        ("lease-expired-during-pull", f"the READ never lands; the {SHORT_LEASE_S:g} s lease ends the pull",
-         lease_expires_during_pull, f"{failed}lease expired before the pull completed", None, SHORT_LEASE_S),
+        ("lease-expired-before-pull", f"the {EXPIRING_LEASE_S:g} s lease expires before decode is asked to pull; "
+         "the pull's generation check sees the reclaimed blocks",
+         lease_expires_before_pull, f"{failed}{RECLAIMED_ERROR}", 1, EXPIRING_LEASE_S),
+        ("lease-expired-during-pull", f"the READ never lands; decode abandons it after the lease's {SHORT_LEASE_S:g} s "
+         "TTL on its own clock", lease_expires_during_pull,
+         f"{failed}{PULL_TIMEOUT_ERROR.format(ttl=SHORT_LEASE_S)}", None, SHORT_LEASE_S),
         ("pull-failed", "the backend fails the pull", pull_fails, f"{failed}injected failure", 0, 30.0),
         ("peer-removed-during-pull", "decode drops the producer's agent while the READ is in flight",
          peer_removed_during_pull, "was removed while the pull was in flight", 0, 30.0),

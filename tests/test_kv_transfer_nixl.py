@@ -17,12 +17,13 @@ import pytest
 if importlib.util.find_spec("nixl") is None and importlib.util.find_spec("nixl_cu12") is None:
     pytest.skip("NIXL is not installed (neither `nixl` nor `nixl_cu12` can be imported)", allow_module_level=True)
 
-from tests.factories import assert_blocks_pulled, empty_pool, make_pool  # noqa: E402
+from tests.factories import FakeClock, assert_blocks_pulled, empty_pool, make_pool  # noqa: E402
 
 from splitserve.common.kv_transfer_types import KVLayout, TransferParams  # noqa: E402
 from splitserve.kv_transfer import (ConsumerConnector, KVLayoutMismatchError, KVTransferError,  # noqa: E402
                                     LeaseState, ProducerConnector, PullState, PullStatus, ReleasedLease,
                                     make_backend)
+from splitserve.kv_transfer.connector import RECLAIMED_ERROR  # noqa: E402
 from splitserve.kv_transfer.nixl_backend import NixlBackend, NixlConfig, _PoolInfo  # noqa: E402
 
 LAYOUT = KVLayout(model_id="tiny-llama", dtype="float32", block_size=16, num_layers=4, num_kv_heads=2, head_dim=8,
@@ -59,6 +60,25 @@ def producer():
 
 
 @pytest.fixture
+def make_producer(consumer):
+    """A producer of this test only (its generations and bytes may be changed), known to `consumer`."""
+    made: list[NixlBackend] = []
+
+    def make() -> tuple[NixlBackend, list]:
+        backend = new_backend("prefill")
+        layers = make_pool(LAYOUT, NUM_REMOTE, offset=PRODUCER_OFFSET)
+        backend.register_kv_pool(layers, LAYOUT)
+        consumer[0].add_peer(backend.metadata())
+        made.append(backend)
+        return backend, layers
+
+    yield make
+    for backend in made:
+        consumer[0].remove_peer(backend.agent_name)
+        backend.close()
+
+
+@pytest.fixture
 def consumer(producer):
     backend = new_backend("decode")
     layers = empty_pool(LAYOUT, NUM_LOCAL)
@@ -82,15 +102,36 @@ def test_pull_scattered_blocks_across_layers_and_notify(producer, consumer):
     assert wait_for(leases.poll) == [ReleasedLease("req-1", REMOTE_IDS, LeaseState.PULLED)]
 
 
-def test_backend_level_pull_and_notification(producer, consumer):
+def read(backend: NixlBackend, handle) -> PullState:
+    """Wait for one READ to settle, release it, return how it ended."""
+    wait_for(lambda: backend.poll_pull(handle) is not PullState.PENDING)
+    state = backend.poll_pull(handle)
+    backend.release_pull(handle)
+    return state
+
+
+def test_backend_level_reads_and_notification(producer, consumer):
     (producer_backend, remote), (consumer_backend, local) = producer, consumer
-    params = TransferParams("req-2", producer_backend.agent_name, (5, 6, 31), 40, LAYOUT, time.time() + 30)
-    handle = consumer_backend.start_pull(params, (23, 2, 7))
-    assert wait_for(lambda: consumer_backend.poll_pull(handle) is not PullState.PENDING)
-    assert consumer_backend.poll_pull(handle) is PullState.DONE
-    consumer_backend.release_pull(handle)
+    params = TransferParams("req-2", producer_backend.agent_name, (5, 6, 31), 40, LAYOUT, 30.0, (0, 0, 0))
+    assert read(consumer_backend, consumer_backend.start_pull(params, (23, 2, 7))) is PullState.DONE
     assert_blocks_pulled(local, (23, 2, 7), remote, (5, 6, 31))
+    time.sleep(0.05)
+    assert producer_backend.take_notifications() == []  # the data READ notifies nobody
+
+    assert read(consumer_backend, consumer_backend.start_check(params, (23, 2, 7))) is PullState.DONE
+    assert consumer_backend.checked_generations((23, 2, 7)) == (0, 0, 0)
     assert wait_for(producer_backend.take_notifications) == ["req-2"]
+
+
+def test_check_read_sees_the_producers_generations(make_producer, consumer):
+    (producer_backend, _), (consumer_backend, _) = make_producer(), consumer
+    producer_backend.bump_generations((3, 30))
+    producer_backend.bump_generations((30,))
+    params = TransferParams("req-g", producer_backend.agent_name, (30, 3, 17), 40, LAYOUT, 30.0, (0, 0, 0))
+    assert producer_backend.generations(params.block_ids) == (2, 1, 0)
+    assert read(consumer_backend, consumer_backend.start_check(params, (0, 9, 23))) is PullState.DONE
+    assert consumer_backend.checked_generations((0, 9, 23)) == (2, 1, 0)
+    assert consumer_backend.checked_generations((1, 2)) == (0, 0)  # scratch words of other blocks untouched
 
 
 def test_dropped_notification_pulls_the_bytes_and_tells_the_producer_nothing(producer, consumer):
@@ -99,11 +140,67 @@ def test_dropped_notification_pulls_the_bytes_and_tells_the_producer_nothing(pro
     pulls = ConsumerConnector(consumer_backend)
     for request_id, remote_ids, local_ids in (("req-dropped", (4, 9), (5, 6)), ("req-told", (10,), (7,))):
         pulls.start(TransferParams(request_id, producer_backend.agent_name, remote_ids, 16 * len(remote_ids),
-                                   LAYOUT, time.time() + 30), local_ids)
+                                   LAYOUT, 30.0, (0,) * len(remote_ids)), local_ids)
         assert [o.state for o in wait_for(pulls.poll)] == [PullStatus.DONE]
     assert_blocks_pulled(local, (5, 6, 7), remote, (4, 9, 10))
     # Notifications arrive in order: once the second is here, the first was never sent.
     assert wait_for(producer_backend.take_notifications) == ["req-told"]
+
+
+@pytest.mark.parametrize("reclaim", ["expiry", "release"])
+def test_blocks_reclaimed_between_the_data_read_and_the_check_fail_the_pull(make_producer, consumer, monkeypatch,
+                                                                             reclaim):
+    """Ordered deterministically: the data READ completes, then the producer's lease ends (its
+    clock jumps past the TTL, or it is released) and the blocks are overwritten, then the check
+    READ is posted."""
+    (producer_backend, remote), (consumer_backend, local) = make_producer(), consumer
+    clock = FakeClock(100.0)
+    leases = ProducerConnector(producer_backend, LAYOUT, lease_ttl_s=30.0, clock=clock)
+    pulls = ConsumerConnector(consumer_backend)
+    post_check = consumer_backend.start_check
+    ended = []
+
+    def reclaim_then_check(params, local_block_ids):
+        assert_blocks_pulled(local, LOCAL_IDS, remote, REMOTE_IDS)  # the data READ completed, intact
+        clock.now = 130.5
+        ended.extend(leases.poll() if reclaim == "expiry" else [leases.release("req-r")])
+        for layer in remote:
+            layer[list(REMOTE_IDS)] = -1.0  # the producer's engine reuses the freed blocks
+        return post_check(params, local_block_ids)
+
+    monkeypatch.setattr(consumer_backend, "start_check", reclaim_then_check)
+    pulls.start(leases.hold("req-r", REMOTE_IDS, 80), LOCAL_IDS)
+    [outcome] = wait_for(pulls.poll)
+
+    assert (outcome.request_id, outcome.state, outcome.error, outcome.num_bytes) == (
+        "req-r", PullStatus.FAILED, RECLAIMED_ERROR, 0)
+    assert ended == ([ReleasedLease("req-r", REMOTE_IDS, LeaseState.EXPIRED)] if reclaim == "expiry" else [True])
+    assert consumer_backend.checked_generations(LOCAL_IDS) == (1,) * 5
+    wait_for(lambda: leases.poll() == [] and leases.stats().num_late_notifications == 1)
+
+
+def test_pull_of_an_expired_lease_fails_and_an_unexpired_one_succeeds_under_skew(make_producer, consumer):
+    """Producer 10 s ahead of the consumer's real monotonic clock, or 10 s behind: neither matters."""
+    producer_backend, remote = make_producer()
+    consumer_backend, local = consumer
+    pulls = ConsumerConnector(consumer_backend)
+    for skew, request_id, local_ids in ((10.0, "ahead", (0, 1, 2, 3, 4)), (-10.0, "behind", (5, 6, 7, 8, 9))):
+        leases = ProducerConnector(producer_backend, LAYOUT, lease_ttl_s=30.0,
+                                   clock=lambda skew=skew: time.monotonic() + skew)
+        pulls.start(leases.hold(request_id, REMOTE_IDS, 80), local_ids)
+        [outcome] = wait_for(pulls.poll)
+        assert (outcome.request_id, outcome.state, outcome.error) == (request_id, PullStatus.DONE, None)
+        assert wait_for(leases.poll) == [ReleasedLease(request_id, REMOTE_IDS, LeaseState.PULLED)]
+
+    clock = FakeClock(100.0)
+    leases = ProducerConnector(producer_backend, LAYOUT, lease_ttl_s=30.0, clock=clock)
+    params = leases.hold("expired", REMOTE_IDS, 80)
+    clock.now = 130.25
+    assert leases.poll() == [ReleasedLease("expired", REMOTE_IDS, LeaseState.EXPIRED)]
+    pulls.start(params, (10, 11, 12, 13, 14))
+    [outcome] = wait_for(pulls.poll)
+    assert (outcome.request_id, outcome.state, outcome.error) == ("expired", PullStatus.FAILED, RECLAIMED_ERROR)
+    assert producer_backend.generations(REMOTE_IDS) == (3,) * 5
 
 
 def test_layout_mismatch_is_refused_before_nixl_sees_the_peer(producer):
@@ -121,19 +218,19 @@ def test_layout_mismatch_is_refused_before_nixl_sees_the_peer(producer):
 def test_unknown_and_removed_peers_fail_cleanly(producer, consumer):
     (producer_backend, remote), (consumer_backend, local) = producer, consumer
     pulls = ConsumerConnector(consumer_backend)
-    ghost = TransferParams("req-3", "prefill-ghost", (1,), 1, LAYOUT, time.time() + 30)
+    ghost = TransferParams("req-3", "prefill-ghost", (1,), 1, LAYOUT, 30.0, (0,))
     with pytest.raises(KVTransferError, match="unknown peer 'prefill-ghost'"):
         consumer_backend.start_pull(ghost, (1,))
 
     consumer_backend.remove_peer(producer_backend.agent_name)
-    removed = TransferParams("req-4", producer_backend.agent_name, (1,), 1, LAYOUT, time.time() + 30)
+    removed = TransferParams("req-4", producer_backend.agent_name, (1,), 1, LAYOUT, 30.0, (0,))
     assert pulls.start(removed, (1,)) is PullStatus.FAILED
     assert pulls.poll()[0].error == (f"unknown producer {producer_backend.agent_name!r}: no handshake, "
                                      "or it was removed")
 
     consumer_backend.add_peer(producer_backend.metadata())  # a fresh handshake works again
-    assert pulls.start(TransferParams("req-5", producer_backend.agent_name, (9,), 1, LAYOUT, time.time() + 30),
-                       (3,)) in (PullStatus.PULLING, PullStatus.DONE)
+    assert pulls.start(TransferParams("req-5", producer_backend.agent_name, (9,), 1, LAYOUT, 30.0, (0,)),
+                       (3,)) in (PullStatus.PULLING, PullStatus.VERIFYING, PullStatus.DONE)
     assert [o.state for o in wait_for(pulls.poll)] == [PullStatus.DONE]
     assert_blocks_pulled(local, (3,), remote, (9,))
     assert "req-5" in wait_for(producer_backend.take_notifications)
@@ -141,17 +238,19 @@ def test_unknown_and_removed_peers_fail_cleanly(producer, consumer):
 
 def test_out_of_range_remote_blocks_fail_before_nixl(producer, consumer):
     (producer_backend, _), (consumer_backend, _) = producer, consumer
-    params = TransferParams("req-6", producer_backend.agent_name, (0, 32), 20, LAYOUT, time.time() + 30)
+    params = TransferParams("req-6", producer_backend.agent_name, (0, 32), 20, LAYOUT, 30.0, (0, 0))
     with pytest.raises(KVTransferError, match=r"remote block ids \(0, 32\) outside the producer's pool \[0, 32\)"):
         consumer_backend.start_pull(params, (0, 1))
 
 
 def test_pool_metadata_round_trips_and_rejects_foreign_bytes():
-    info = _PoolInfo("DRAM", 0, 32, (0x7F0000001000, 0x7F0000101000))
+    info = _PoolInfo("VRAM", 1, 32, 0x7E0000000000, (0x7F0000001000, 0x7F0000101000))
     assert _PoolInfo.unpack(info.pack(b"nixl-bytes")) == (info, b"nixl-bytes")
-    assert info.descriptors(4096)[[0, 1, 32]].tolist() == [[0x7F0000001000, 4096, 0], [0x7F0000002000, 4096, 0],
-                                                            [0x7F0000101000, 4096, 0]]
-    with pytest.raises(KVTransferError, match="expected b'SSKV' v1"):
+    assert info.descriptors(4096)[[0, 1, 32]].tolist() == [[0x7F0000001000, 4096, 1], [0x7F0000002000, 4096, 1],
+                                                            [0x7F0000101000, 4096, 1]]
+    assert info.generation_descriptors()[[0, 1, 31]].tolist() == [[0x7E0000000000, 8, 0], [0x7E0000000008, 8, 0],
+                                                                   [0x7E00000000F8, 8, 0]]  # host memory
+    with pytest.raises(KVTransferError, match="expected b'SSKV' v2"):
         _PoolInfo.unpack(b"NIXL" + bytes(40))
     with pytest.raises(ValueError, match="ucx_error_handling_mode must be 'none' or 'peer'"):
         NixlConfig(ucx_error_handling_mode="abort")
@@ -196,7 +295,7 @@ def test_cross_process_pull_then_producer_death(consumer):
         metadata = parent.recv()
         consumer_backend.add_peer(metadata)
         pulls = ConsumerConnector(consumer_backend)
-        pulls.start(TransferParams("req-7", metadata.agent_name, REMOTE_IDS, 80, LAYOUT, time.time() + 30), LOCAL_IDS)
+        pulls.start(TransferParams("req-7", metadata.agent_name, REMOTE_IDS, 80, LAYOUT, 30.0, (0,) * 5), LOCAL_IDS)
         [outcome] = wait_for(pulls.poll)
         assert (outcome.state, outcome.num_bytes) == (PullStatus.DONE, 5 * BLOCK_BYTES)
         assert_blocks_pulled(local, LOCAL_IDS, make_pool(LAYOUT, NUM_REMOTE, offset=PRODUCER_OFFSET), REMOTE_IDS)
@@ -204,7 +303,7 @@ def test_cross_process_pull_then_producer_death(consumer):
 
         parent.send("die")
         process.join(10)
-        pulls.start(TransferParams("req-8", metadata.agent_name, (1,), 1, LAYOUT, time.time() + 30), (2,))
+        pulls.start(TransferParams("req-8", metadata.agent_name, (1,), 1, LAYOUT, 30.0, (0,)), (2,))
         [outcome] = wait_for(pulls.poll)
         assert outcome.state is PullStatus.FAILED
         assert "NIXL_ERR_REMOTE_DISCONNECT" in outcome.error

@@ -101,11 +101,28 @@ def test_cancel_mid_stream_frees_both_workers(tiny_llama_dir):
     asyncio.run(scenario())
 
 
+def _answer_after_the_lease_expired(worker) -> None:
+    """The prefill worker answers only once its lease expired (its poll reclaimed the blocks), so
+    the decode worker's pull always meets reclaimed blocks: its generation check fails it."""
+    prefill = worker.prefill
+
+    async def prefill_then_expire(request):
+        result = await prefill(request)
+        deadline = time.monotonic() + 5.0
+        while (await worker.stats()).num_held_leases:
+            assert time.monotonic() < deadline, "the prefill worker's lease did not expire"
+            await asyncio.sleep(0.001)
+        return result
+
+    worker.prefill = prefill_then_expire
+
+
 def test_expired_lease_makes_decode_recompute_with_the_same_output(tiny_llama_dir):
     case = mixed_workload(512, num_requests=1, seed=2, max_prompt=80, max_output=10)[0]
 
     async def scenario():
         async with InProcessCluster(tiny_llama_dir, lease_ttl_s=1e-6) as cluster:
+            _answer_after_the_lease_expired(cluster.prefill_workers[0])
             chunks = await cluster.generate("a", case.prompt_token_ids, case.params())
             await cluster.wait_idle()
             return _tokens(chunks), chunks[-1].timing.transfer_s
@@ -117,9 +134,11 @@ def test_expired_lease_makes_decode_recompute_with_the_same_output(tiny_llama_di
 def test_expired_lease_with_fail_policy_ends_with_internal(tiny_llama_dir):
     async def scenario():
         async with InProcessCluster(tiny_llama_dir, lease_ttl_s=1e-6, transfer_failure_policy="fail") as cluster:
+            _answer_after_the_lease_expired(cluster.prefill_workers[0])
             with pytest.raises(RouterError) as error:
                 await cluster.generate("a", PROMPT, SamplingParams(max_tokens=5))
-            assert error.value.code == "INTERNAL" and "KV transfer failed" in error.value.message
+            assert error.value.code == "INTERNAL" and error.value.message == (
+                "KV transfer failed: the producer reclaimed the blocks before the pull completed")
             await cluster.wait_idle()
 
     asyncio.run(scenario())
