@@ -129,7 +129,9 @@ class RouterConfig:
     request_timeout_s: float | None = None
     """Server-side limit on a request's total time; None = only the client's deadline applies."""
     lease_ttl_s: float = 30.0
-    """How long a prefill worker holds a request's KV blocks for decode to pull before freeing them."""
+    """How long a prefill worker holds a request's KV blocks for decode to pull before freeing them,
+    from the hold on the prefill worker's monotonic clock; a decode worker abandons a pull still in
+    flight this long after starting it, on its own clock (the machines' clocks need not agree)."""
     drain_timeout_s: float = 30.0
     """On SIGTERM/SIGINT: how long the router, already refusing new requests and reporting
     NOT_SERVING, waits for requests in flight to finish before it cancels the rest and stops."""
