@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 run: $(STAMP)
-	$(VENV)/bin/splitserve serve --model default --prefill-workers 1 --decode-workers 1
+	$(VENV)/bin/splitserve serve default --prefill-workers 1 --decode-workers 1
 
 test: $(STAMP)
 	$(PY) -m pytest -q

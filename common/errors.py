@@ -14,3 +14,8 @@ class InvalidRequestError(ValueError):
 
 class UnsupportedModelError(ValueError):
     """A model directory whose architecture or configuration the engine cannot run."""
+
+
+class StartupError(RuntimeError):
+    """A cluster that could not start (a worker failed to load, no node fits it); the message is
+    one line saying which part failed and why."""

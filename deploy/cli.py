@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import NoReturn
 
-from splitserve.common.errors import InvalidRequestError, UnsupportedModelError
+from splitserve.common.errors import InvalidRequestError, StartupError, UnsupportedModelError
 
 
 def _add_make_tiny_model(commands: argparse._SubParsersAction) -> None:
@@ -114,8 +116,11 @@ def _generate_offline(args: argparse.Namespace) -> int:
     from splitserve.engine import LLM
     from splitserve.engine.tiny_model import DEFAULT_MODEL_NAME, resolve_model_path
 
+    from splitserve.common.model_dir import check_tokenizer_files
+
     params = _sampling_params(args)
     model_dir = resolve_model_path(args.model or DEFAULT_MODEL_NAME)
+    check_tokenizer_files(model_dir)  # names the missing file, where transformers would ask for sentencepiece
     llm = LLM(model_dir, show_progress=sys.stderr.isatty(), block_size=args.block_size,
               max_model_len=args.max_model_len, dtype=args.dtype, device=args.device,
               kv_cache_memory_bytes=args.kv_cache_memory_bytes, num_kv_blocks=args.num_kv_blocks)
@@ -194,61 +199,200 @@ def _generate_remote(args: argparse.Namespace) -> int:
     return 0
 
 
+VLLM_DTYPES = {"auto": "auto", "half": "float16", "float16": "float16", "bfloat16": "bfloat16",
+               "float": "float32", "float32": "float32"}
+"""vLLM's --dtype spellings -> the engine's dtype names."""
+_SIZE_SUFFIXES = {"k": 1000, "m": 1000**2, "g": 1000**3, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def human_int(value: str) -> int:
+    """argparse type: an integer, optionally with vLLM's size suffix (k/m/g: powers of 1000,
+    K/M/G: powers of 1024), e.g. 32k = 32000, 1G = 1073741824."""
+    digits, suffix = (value[:-1], value[-1]) if value[-1:] in _SIZE_SUFFIXES else (value, "")
+    try:
+        number = float(digits) if suffix else int(digits)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer (optionally with k/m/g or K/M/G), got {value!r}")
+    return int(number * _SIZE_SUFFIXES[suffix]) if suffix else int(number)
+
+
+def _only_one(flag: str) -> Callable[[str], int]:
+    """argparse type of a parallelism flag splitserve accepts only as 1 (one device per worker)."""
+    def parse(value: str) -> int:
+        if value != "1":
+            raise argparse.ArgumentTypeError(
+                f"only 1 is supported, got {value!r}: each splitserve worker runs on one device; scale out "
+                "with --prefill-workers / --decode-workers instead")
+        return 1
+    parse.__name__ = flag
+    return parse
+
+
 def _add_serve(commands: argparse._SubParsersAction) -> None:
-    parser = commands.add_parser("serve", help="serve a model over gRPC and the OpenAI HTTP API on a local Ray "
-                                                   "cluster (Ctrl-C stops it)")
-    parser.add_argument("--config", type=Path, default=None, help="cluster config YAML (docs/configuration.md)")
-    parser.add_argument("--model", default=None, help="model directory or 'default' (overrides the config's)")
-    parser.add_argument("--mode", choices=("disaggregated", "colocated"), default=None)
-    parser.add_argument("--prefill-workers", type=int, default=None)
-    parser.add_argument("--decode-workers", type=int, default=None)
-    parser.add_argument("--host", default=None, help="gRPC, HTTP and /metrics listen address (default 127.0.0.1)")
-    parser.add_argument("--grpc-port", type=int, default=None, help="default 50051; 0 picks a free port")
-    parser.add_argument("--metrics-port", type=int, default=None,
-                        help="Prometheus /metrics port on --host (default 9400); 0 picks a free port")
-    parser.add_argument("--http-port", type=int, default=None,
-                        help="OpenAI-compatible HTTP API port on --host (default 8000); 0 picks a free port")
-    parser.add_argument("--kv-transfer-backend", choices=("nixl", "inprocess"), default=None)
-    parser.add_argument("--log-format", choices=("text", "json"), default=None,
-                        help="log lines as text (default) or one JSON object per line")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="any config key in dotted form, e.g. decode.engine.max_num_seqs=64 (YAML value)")
+    parser = commands.add_parser(
+        "serve", help="serve a model over gRPC and the OpenAI HTTP API on a local Ray cluster (Ctrl-C stops it)",
+        description="Serve MODEL (a Hugging Face model directory, or 'default' for the embedded model) the way "
+                    "`vllm serve` does: the same flag names and meanings wherever splitserve has a counterpart. "
+                    "Engine flags apply to both pools; --set prefill.engine.KEY=... / decode.engine.KEY=... sets "
+                    "one pool's value and wins over them. Precedence: the --config file, then these flags, then "
+                    "--set.")
+    parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                        help="model directory or 'default' (the config's model when left out)")
+    _add_frontend_flags(parser.add_argument_group("Frontend", "the router's listeners and the OpenAI API"))
+    _add_model_flags(parser.add_argument_group("ModelConfig"))
+    _add_cache_flags(parser.add_argument_group("CacheConfig", "the paged KV cache of every worker"))
+    _add_parallel_flags(parser.add_argument_group("ParallelConfig"))
+    _add_scheduler_flags(parser.add_argument_group("SchedulerConfig", "each worker's batch"))
+    _add_cluster_flags(parser.add_argument_group("Cluster (splitserve)", "the pools, Ray and the config file"))
     parser.set_defaults(handler=_serve)
 
 
-_SERVE_FLAGS = {"model": "model", "mode": "mode", "prefill_workers": "prefill.replicas",
-                "decode_workers": "decode.replicas", "host": "router.host", "grpc_port": "router.grpc_port",
-                "metrics_port": "router.metrics_port", "http_port": "router.http_port",
-                "kv_transfer_backend": "kv_transfer_backend", "log_format": "log_format"}
+def _add_frontend_flags(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--host", default=None,
+                       help="address the HTTP, gRPC and /metrics servers bind (default 127.0.0.1: unlike vLLM, "
+                            "splitserve stays on loopback until told 0.0.0.0)")
+    group.add_argument("--port", "--http-port", dest="port", type=int, default=None,
+                       help="OpenAI-compatible HTTP API port (default 8000; 0 picks a free port)")
+    group.add_argument("--grpc-port", type=int, default=None, help="gRPC API port (default 50051; 0 picks one)")
+    group.add_argument("--metrics-port", type=int, default=None,
+                       help="Prometheus /metrics port (default 9400; 0 picks one); /metrics is also on --port")
+    group.add_argument("--api-key", default=None,
+                       help="require `Authorization: Bearer KEY` on /v1/* and on the gRPC API (the key stays in "
+                            "this process; router.api_key_env names a variable instead)")
+    group.add_argument("--chat-template", default=None,
+                       help="chat template replacing the model's: a file's path, or the template itself")
+    group.add_argument("--ssl-certfile", default=None, help="PEM certificate chain: serve HTTPS and gRPC over TLS")
+    group.add_argument("--ssl-keyfile", default=None, help="PEM private key of --ssl-certfile")
+    group.add_argument("--ssl-ca-certs", default=None,
+                       help="PEM CA certificates; clients must present a certificate they signed (mutual TLS)")
 
 
-def serve_config(args: argparse.Namespace):
-    """The cluster config: the file (or the defaults), then --set, then the dedicated flags."""
+def _add_model_flags(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--model", default=None, help="the model, when not given as the positional MODEL")
+    group.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                       help="names clients may use for the model; the first is what /v1/models reports "
+                            "(default: MODEL as given)")
+    group.add_argument("--dtype", choices=tuple(VLLM_DTYPES), default=None,
+                       help="weights, activations and KV cache dtype; auto takes the model's (float16 is widened "
+                            "to float32 on CPU); half = float16, float = float32")
+    group.add_argument("--max-model-len", type=human_int, default=None,
+                       help="longest prompt + output in tokens (default: the model's max_position_embeddings); "
+                            "accepts 32k / 32K")
+    group.add_argument("--seed", type=int, default=None,
+                       help="seed of the random draws of requests that bring no seed of their own (default 0)")
+    group.add_argument("--enforce-eager", action="store_true",
+                       help="accepted for vLLM compatibility; no effect: the engine always runs eagerly (it "
+                            "captures no CUDA graphs and compiles no model)")
+    group.add_argument("--trust-remote-code", action="store_true",
+                       help="accepted for vLLM compatibility; no effect: splitserve runs its own implementation of "
+                            "the supported architectures and never runs code from the model directory")
+    group.add_argument("--device", choices=("auto", "cpu", "cuda"), default=None,
+                       help="where the workers run the model (default: the config's, auto = cuda when available)")
+
+
+def _add_cache_flags(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--block-size", type=int, default=None, help="tokens per KV block (default 16)")
+    group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                       help="reuse the KV blocks of identical prompt prefixes across requests (default: on)")
+    group.add_argument("--kv-cache-memory", "--kv-cache-memory-bytes", dest="kv_cache_memory", type=human_int,
+                       default=None, metavar="BYTES",
+                       help="KV cache size of each worker in bytes, e.g. 2G (default: 256 MiB per prefill "
+                            "worker, 2 GiB per decode worker)")
+
+
+def _add_parallel_flags(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--tensor-parallel-size", "-tp", type=_only_one("--tensor-parallel-size"), default=None,
+                       help="only 1: each worker runs on one device")
+    group.add_argument("--pipeline-parallel-size", "-pp", type=_only_one("--pipeline-parallel-size"),
+                       default=None, help="only 1: each worker runs on one device")
+
+
+def _add_scheduler_flags(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--max-num-seqs", type=int, default=None,
+                       help="most requests in a worker's running batch (default: prefill 16, decode 256)")
+    group.add_argument("--max-num-batched-tokens", type=int, default=None,
+                       help="token budget of one engine step (default: prefill 8192, decode 512)")
+    group.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
+                       help="split long prompts across steps to fit the token budget (default: on)")
+
+
+def _add_cluster_flags(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--config", default=None,
+                       help="cluster config: a YAML file, or the name of a packaged one (docs/configuration.md)")
+    group.add_argument("--mode", choices=("disaggregated", "colocated"), default=None)
+    group.add_argument("--prefill-workers", type=int, default=None)
+    group.add_argument("--decode-workers", type=int, default=None)
+    group.add_argument("--kv-transfer-backend", choices=("nixl", "inprocess"), default=None)
+    group.add_argument("--log-format", choices=("text", "json"), default=None,
+                       help="log lines as text (default) or one JSON object per line")
+    group.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                       help="any config key in dotted form, e.g. decode.engine.max_num_seqs=64 (YAML value)")
+
+
+_CLUSTER_FLAGS = {"mode": "mode", "prefill_workers": "prefill.replicas", "decode_workers": "decode.replicas",
+                  "host": "router.host", "grpc_port": "router.grpc_port", "metrics_port": "router.metrics_port",
+                  "port": "router.http_port", "kv_transfer_backend": "kv_transfer_backend",
+                  "log_format": "log_format", "chat_template": "router.chat_template",
+                  "ssl_certfile": "router.tls.cert_file", "ssl_keyfile": "router.tls.key_file",
+                  "ssl_ca_certs": "router.tls.client_ca_file", "served_model_name": "served_model_name"}
+"""serve flags -> the cluster config key they set."""
+_ENGINE_FLAGS = {"max_model_len": "max_model_len", "seed": "seed", "block_size": "block_size",
+                 "enable_prefix_caching": "enable_prefix_caching", "kv_cache_memory": "kv_cache_memory_bytes",
+                 "max_num_seqs": "max_num_seqs", "max_num_batched_tokens": "max_num_batched_tokens",
+                 "enable_chunked_prefill": "enable_chunked_prefill", "device": "device"}
+"""serve flags -> the EngineConfig field they set in both pools."""
+
+
+def serve_overrides(args: argparse.Namespace) -> dict[str, object]:
+    """The dotted config keys the flags set: engine flags in both pools, then --set (which wins,
+    so `--set decode.engine.max_num_seqs=64` beats --max-num-seqs for the decode pool)."""
     import yaml
 
-    from splitserve.deploy.cluster_config import apply_overrides, default_cluster_config, load_cluster_config
-
-    config = load_cluster_config(args.config) if args.config else default_cluster_config(args.model or "default")
-    overrides = {}
+    overrides: dict[str, object] = {}
+    for flag, key in _ENGINE_FLAGS.items():
+        if getattr(args, flag) is not None:
+            overrides.update({f"prefill.engine.{key}": getattr(args, flag), f"decode.engine.{key}": getattr(args, flag)})
+    if args.dtype is not None:
+        overrides.update({"prefill.engine.dtype": VLLM_DTYPES[args.dtype], "decode.engine.dtype": VLLM_DTYPES[args.dtype]})
+    overrides.update({key: getattr(args, flag) for flag, key in _CLUSTER_FLAGS.items() if getattr(args, flag) is not None})
     for item in args.set:
         key, sep, value = item.partition("=")
         if not sep:
             raise ValueError(f"--set {item!r}: expected KEY=VALUE")
         overrides[key] = yaml.safe_load(value)
-    overrides.update({key: getattr(args, flag) for flag, key in _SERVE_FLAGS.items()
-                      if getattr(args, flag) is not None})
     if overrides.get("mode") == "colocated" and "prefill.replicas" not in overrides:
         overrides["prefill.replicas"] = 0
+    return overrides
+
+
+def serve_config(args: argparse.Namespace):
+    """The cluster config: the file (or the defaults), then the flags, then --set (serve_overrides)."""
+    from splitserve.deploy.cluster_config import apply_overrides, default_cluster_config, load_cluster_config
+
+    if args.model_tag is not None and args.model is not None and args.model_tag != args.model:
+        raise ValueError(f"two models given: {args.model_tag!r} (positional) and --model {args.model!r}")
+    model = args.model_tag or args.model
+    config = load_cluster_config(args.config) if args.config else default_cluster_config(model or "default")
+    overrides = serve_overrides(args)
+    if model is not None:
+        overrides["model"] = model
     return apply_overrides(config, overrides)
 
 
 def _serve(args: argparse.Namespace) -> int:
     from splitserve.common.log_format import configure_logging
-    from splitserve.deploy.local import serve
+    from splitserve.deploy.preflight import preflight
 
     config = serve_config(args)
+    preflight(config, args.api_key)  # every mistake the files show, before Ray and the workers start
     configure_logging(config.log_format)
-    return serve(config)
+    from splitserve.deploy.local import serve  # imports Ray and torch: seconds
+
+    try:
+        return serve(config, args.api_key)
+    except (StartupError, OSError) as error:  # a worker's load, or a port taken since the preflight
+        print(f"splitserve: error: {one_line(str(error))}", file=sys.stderr)
+        return 1
 
 
 def _add_simulate(commands: argparse._SubParsersAction) -> None:
@@ -286,9 +430,17 @@ def _simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+class _OneLineErrors(argparse.ArgumentParser):
+    """Usage errors as one line (`splitserve serve: error: argument --dtype: invalid choice ...`),
+    exit status 2 as argparse's; --help still shows the whole usage."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {one_line(message)} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="splitserve", description=__doc__)
-    commands = parser.add_subparsers(dest="command", required=True)
+    parser = _OneLineErrors(prog="splitserve", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_OneLineErrors)
     _add_make_tiny_model(commands)
     _add_generate(commands)
     _add_serve(commands)
@@ -296,12 +448,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def one_line(message: str) -> str:
+    """A message as one line (YAML and jinja errors span several)."""
+    return " ".join(message.split())
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.handler(args)
     except (InvalidRequestError, UnsupportedModelError, FileNotFoundError, ValueError) as error:
-        print(f"splitserve: error: {error}", file=sys.stderr)
+        print(f"splitserve: error: {one_line(str(error))}", file=sys.stderr)
         return 2
 
 

@@ -14,7 +14,7 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import get_args, get_type_hints
+from typing import get_args, get_origin, get_type_hints
 
 import yaml
 
@@ -163,6 +163,9 @@ class RouterConfig:
     worker counts as lost, how soon a lost stream is reopened (docs/configuration.md)."""
     access_log: bool = True
     """Log one line per request when it ends (logger `splitserve.access`): status, tokens, TTFT, latency."""
+    chat_template: str | None = None
+    """A chat template replacing the model's own (vLLM's --chat-template): the path of a file
+    holding it, or the template text itself. None: the model directory's template."""
 
     def __post_init__(self) -> None:
         _require(self.host != "", "host", "must not be empty")
@@ -219,6 +222,10 @@ class ClusterConfig:
     every field escaped; the access log's fields become keys). Ray workers' own lines stay Ray's."""
     planner: PlannerConfig = field(default_factory=PlannerConfig)
     """Goodput-driven autoscaling of the two pools (disaggregated mode); off by default."""
+    served_model_name: tuple[str, ...] = ()
+    """Names clients may give as `model` (vLLM's --served-model-name): the first is the one
+    /v1/models reports and responses carry; a request naming another model is refused. Empty:
+    `model` itself is the one name."""
 
     def __post_init__(self) -> None:
         _require(self.model != "", "model", "must not be empty")
@@ -232,6 +239,8 @@ class ClusterConfig:
         _require(self.worker_start_timeout_s > 0, "worker_start_timeout_s",
                  f"must be > 0, got {self.worker_start_timeout_s}")
         _require(self.decode.replicas >= 1, "decode.replicas", f"must be >= 1, got {self.decode.replicas}")
+        _require(all(name.strip() for name in self.served_model_name), "served_model_name",
+                 f"must hold non-empty names, got {list(self.served_model_name)}")
         if self.ray_address is None:
             self._check_local_labels()
         if self.mode == "colocated":
@@ -248,6 +257,11 @@ class ClusterConfig:
         clash = sorted(key for key in prefill.keys() & decode.keys() if prefill[key] != decode[key])
         _require(not clash, "decode.resources.node_labels",
                  f"cannot differ from prefill's on {clash} when ray_address is null (a local Ray is one node)")
+
+    @property
+    def served_model_names(self) -> tuple[str, ...]:
+        """The names clients may use for the model, the reported one first."""
+        return self.served_model_name or (self.model,)
 
     @property
     def local_node_labels(self) -> dict[str, str]:
@@ -320,7 +334,12 @@ def apply_overrides(config: ClusterConfig, overrides: dict[str, object]) -> Clus
 
 def dump_cluster_config(config: ClusterConfig) -> str:
     """YAML of every setting; parse_cluster_config(dump_cluster_config(c)) == c."""
-    return yaml.safe_dump(dataclasses.asdict(config), sort_keys=False)
+    return yaml.safe_dump(dataclasses.asdict(config, dict_factory=_yaml_dict), sort_keys=False)
+
+
+def _yaml_dict(items: list[tuple[str, object]]) -> dict[str, object]:
+    """asdict's mappings with tuples as lists (safe_dump writes no tuples)."""
+    return {key: list(value) if isinstance(value, tuple) else value for key, value in items}
 
 
 class _Tree(dict):
@@ -413,12 +432,22 @@ _KINDS = {bool: "a boolean", int: "an integer", float: "a finite number", str: "
 
 
 def _convert(value: object, hint: object, path: str) -> object:
-    """value checked against a scalar field type (ints widen to float; bools are not numbers)."""
+    """value checked against a scalar field type (ints widen to float; bools are not numbers), or
+    against `tuple[str, ...]` (a list of strings, or one string)."""
+    if get_origin(hint) is tuple:
+        return _string_tuple(value, path)
     kinds = get_args(hint) or (hint,)
     for kind in kinds:
         if _is_kind(value, kind):
             return float(value) if kind is float else value
     raise ClusterConfigError(path, f"must be {' or '.join(_KINDS[kind] for kind in kinds)}, got {reprlib.repr(value)}")
+
+
+def _string_tuple(value: object, path: str) -> tuple[str, ...]:
+    items = [value] if isinstance(value, str) else value
+    _require(isinstance(items, (list, tuple)) and all(isinstance(item, str) for item in items), path,
+             f"must be a string or a list of strings, got {reprlib.repr(value)}")
+    return tuple(items)
 
 
 def _is_kind(value: object, kind: object) -> bool:

@@ -13,11 +13,16 @@ it to `lo`. tests/test_cluster.py checks every listening socket of the cluster's
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
+import re
+import shlex
+import sys
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
@@ -29,6 +34,7 @@ from ray._private import ray_constants  # noqa: E402
 from splitserve.decode_worker.worker import DecodeWorker  # noqa: E402
 from splitserve.deploy.cluster_config import ClusterConfig, PoolConfig  # noqa: E402
 from splitserve.deploy.router_app import RouterServers, build_orchestrator, each_of, start_servers  # noqa: E402
+from splitserve.common.errors import StartupError  # noqa: E402
 from splitserve.common.stats import WorkerSnapshot  # noqa: E402
 from splitserve.engine.tiny_model import resolve_model_path  # noqa: E402
 from splitserve.planner.core.types import Role  # noqa: E402
@@ -41,7 +47,7 @@ from splitserve.router.metrics_server import RouterMetrics  # noqa: E402
 from splitserve.router.openai_server import HttpServer  # noqa: E402
 from splitserve.router.orchestrator import Orchestrator  # noqa: E402
 from splitserve.router.tls import load_tls  # noqa: E402
-from splitserve.router.tokenizer import RouterTokenizer  # noqa: E402
+from splitserve.router.tokenizer import RouterTokenizer, read_chat_template_option  # noqa: E402
 from splitserve.router.worker_client import RayWorker  # noqa: E402
 
 logger = logging.getLogger(__name__)
@@ -77,6 +83,9 @@ class LocalCluster:
     (this class is its planner.ray_adapter.ClusterControl)."""
 
     config: ClusterConfig
+    api_key: str | None = field(default=None, repr=False)
+    """The key both APIs require (`splitserve serve --api-key`); None: the one router.api_key_env
+    names, if any."""
     router_id: str = field(default_factory=lambda: f"router-{uuid.uuid4().hex[:8]}")
     actors: dict[str, Any] = field(default_factory=dict)
     """Worker id ('prefill-0', 'decode-3', ...) -> its actor, for every worker started and not yet ended."""
@@ -123,7 +132,9 @@ class LocalCluster:
 
     async def _start(self) -> int:
         config = self.config
-        api_key = api_key_from_env(config.router.api_key_env) if config.router.api_key_env is not None else None
+        api_key = self.api_key
+        if api_key is None and config.router.api_key_env is not None:
+            api_key = api_key_from_env(config.router.api_key_env)
         if config.router.tls is not None:
             load_tls(config.router.tls)  # bad certificate files fail the start before any worker does
         self._model_dir = model_dir = str(resolve_model_path(config.model))
@@ -132,7 +143,9 @@ class LocalCluster:
         clients = {role: [self._spawn(role) for _ in range(self._pool(role).replicas)] for role in roles}
         prefill, decode = clients.get("prefill", []), clients["decode"]
         await self._wait_started([*prefill, *decode])
-        tokenizer = await asyncio.to_thread(RouterTokenizer.from_model_dir, model_dir)
+        chat_template = (None if config.router.chat_template is None
+                         else read_chat_template_option(config.router.chat_template))
+        tokenizer = await asyncio.to_thread(RouterTokenizer.from_model_dir, model_dir, chat_template)
         if config.router.metrics_port is not None:
             self.metrics = RouterMetrics(config.router.slo)
         if config.planner.enabled:
@@ -144,8 +157,9 @@ class LocalCluster:
         self.orchestrator = build_orchestrator(self.router_id, config.router, config.mode, prefill, decode, tokenizer,
                                                each_of(observers))
         await self.orchestrator.start()
-        self.servers = await start_servers(self.orchestrator, tokenizer, config.router, config.model, self.metrics,
-                                           api_key)
+        model_name, *aliases = config.served_model_names
+        self.servers = await start_servers(self.orchestrator, tokenizer, config.router, model_name, self.metrics,
+                                           api_key, tuple(aliases))
         if self.planner is not None:
             if self.metrics is not None:
                 self.metrics.watch_planner(self.planner.stats)
@@ -162,7 +176,7 @@ class LocalCluster:
         """Create the next worker actor of the role (placed by its pool's resources and labels)."""
         pool = self._pool(role)
         placement = {"label_selector": pool.resources.label_selector} if pool.resources.node_labels else {}
-        worker_class = PrefillWorker if role == "prefill" else DecodeWorker
+        worker_class = _GUARDED_WORKERS[role]
         actor_class = ray.remote(worker_class).options(
             num_cpus=pool.resources.num_cpus, num_gpus=pool.resources.num_gpus, max_restarts=pool.max_restarts,
             max_concurrency=1000, **placement)
@@ -213,26 +227,32 @@ class LocalCluster:
     async def _shutdown(self, worker_id: str, grace_s: float) -> None:
         try:
             await asyncio.wait_for(self.actors[worker_id].shutdown.remote(), grace_s)
-        except Exception as error:  # a dead or stuck actor is killed below anyway
-            logger.warning("worker %s shutdown failed: %s", worker_id, error)
+        except ray.exceptions.RayActorError:
+            pass  # already dead: nothing to shut down (why it died was reported when it died)
+        except Exception as error:  # a stuck actor is killed below anyway
+            logger.warning("worker %s shutdown failed: %s", worker_id, root_cause(error))
         self._end_actor(worker_id)
 
     def _end_actor(self, worker_id: str) -> None:
         ray.kill(self.actors.pop(worker_id))
 
     async def _wait_started(self, clients: list[RayWorker]) -> None:
-        """Every worker placed and answering, or an error naming those that are not."""
+        """Every worker placed and answering, or one StartupError: the first failure's cause (every
+        worker of a pool fails alike, so it is said once), or the workers still missing at the timeout."""
         calls = {asyncio.ensure_future(client.info()): client.worker_id for client in clients}
-        done, pending = await asyncio.wait(calls, timeout=self.config.worker_start_timeout_s)
+        done, pending = await asyncio.wait(calls, timeout=self.config.worker_start_timeout_s,
+                                           return_when=asyncio.FIRST_EXCEPTION)
         for call in pending:
             call.cancel()
+        failed = sorted((calls[call], call.exception()) for call in done if call.exception() is not None)
+        if failed:
+            worker_id, error = failed[0]
+            raise StartupError(f"worker {worker_id} failed to start: {root_cause(error)}") from None
         if pending:
             missing = sorted(calls[call] for call in pending)
-            raise RuntimeError(f"workers {missing} did not start within worker_start_timeout_s "
+            raise StartupError(f"workers {missing} did not start within worker_start_timeout_s "
                                f"({self.config.worker_start_timeout_s:g} s): no Ray node has the resources and "
                                "node_labels they ask for, or their model is still loading")
-        for call in done:
-            call.result()  # a worker that failed to start raises its error here
 
     async def drain(self) -> int:
         """Refuse new requests and report NOT_SERVING (gRPC health, HTTP /health 503), then wait
@@ -267,30 +287,117 @@ class LocalCluster:
             await asyncio.sleep(0.05)
 
 
-def serve(config: ClusterConfig) -> int:
+def _reports_start_failure(worker_class: type) -> type:
+    """worker_class whose first start never fails in Ray's constructor: it keeps the error and
+    raises it, as a one-line StartupError, from info() (the call the launcher waits on).
+
+    A failed actor constructor makes Ray print the remote traceback on the driver's console, once
+    per worker and again in every error that wraps it; the launcher reports the failure itself,
+    once. A restarted actor (Ray's max_restarts) fails in its constructor as before: the router
+    treats a worker whose restart failed as lost, and a live actor answering nothing would hang it."""
+
+    class Guarded(worker_class):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            self._start_error: str | None = None
+            try:
+                super().__init__(*args, **kwargs)
+            except Exception as error:
+                if ray.get_runtime_context().was_current_actor_reconstructed:
+                    raise
+                self._start_error = f"{type(error).__name__}: {' '.join(str(error).split())}"
+
+        async def info(self):
+            if self._start_error is not None:
+                raise StartupError(self._start_error)
+            return await super().info()
+
+        def shutdown(self) -> None:
+            if self._start_error is None:
+                super().shutdown()
+
+    Guarded.__name__ = Guarded.__qualname__ = worker_class.__name__  # Ray's log prefix names the role
+    return Guarded
+
+
+_GUARDED_WORKERS = {"prefill": _reports_start_failure(PrefillWorker), "decode": _reports_start_failure(DecodeWorker)}
+
+
+_ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
+_QUALIFIED_EXCEPTION = re.compile(r"^(?:[A-Za-z_]\w*\.)+(?=[A-Za-z_]\w*(?:Error|Exception)\b)")
+
+
+def root_cause(error: BaseException) -> str:
+    """The error a worker's constructor raised, as `Type: message` on one line. Ray delivers it as
+    text only (an actor's death cause carries the remote traceback, not the exception), so this is
+    the last unindented line of that text, the one a Python traceback ends with."""
+    if isinstance(getattr(error, "cause", None), StartupError):  # raised by a Guarded worker's info()
+        return str(error.cause)
+    text = _ANSI_ESCAPE.sub("", str(error))
+    lines = [line for line in text.splitlines() if line.strip() and not line[0].isspace()]
+    last = lines[-1] if lines else type(error).__name__
+    if len(lines) == 1 and not isinstance(error, ray.exceptions.RayError):
+        return f"{type(error).__name__}: {last}"
+    return _QUALIFIED_EXCEPTION.sub("", last)
+
+
+def serve(config: ClusterConfig, api_key: str | None = None) -> int:
     """Run the cluster until SIGINT/SIGTERM, then stop every worker and Ray. Returns an exit code."""
-    return asyncio.run(_serve(config))
+    return asyncio.run(_serve(config, api_key))
 
 
-async def _serve(config: ClusterConfig) -> int:
+@dataclass(frozen=True)
+class BoundPorts:
+    """Where a started cluster listens (None: that server is disabled)."""
+
+    grpc: int
+    http: int | None
+    metrics: int | None
+
+
+def splitserve_command(argv0: str, python: str) -> str:
+    """How the user can run splitserve again from the same shell: the script as they invoked it
+    (`.venv/bin/splitserve` is not on PATH), else through the interpreter."""
+    if Path(argv0).name == "splitserve":
+        return shlex.quote(argv0)
+    return f"{shlex.quote(python)} -m splitserve.deploy.cli"
+
+
+def serving_banner(config: ClusterConfig, ports: BoundPorts, command: str, needs_key: bool) -> str:
+    """What `splitserve serve` prints once it serves: its endpoints and two commands that work as
+    printed (a curl line for the OpenAI API, a generate line for gRPC)."""
+    host, tls = config.router.host, config.router.tls is not None
+    lines = [f"splitserve: serving {config.model} as {config.served_model_names[0]!r} ({config.mode}) on "
+             f"{host}:{ports.grpc} (gRPC)"]
+    auth = " -H 'Authorization: Bearer <your API key>'" if needs_key else ""
+    if ports.http is not None:
+        scheme = "https" if tls else "http"
+        body = json.dumps({"model": config.served_model_names[0], "prompt": "Tell me about the river.",
+                           "max_tokens": 32})
+        lines += [f"  OpenAI API: {scheme}://{host}:{ports.http}/v1",
+                  f"  try: curl {'--cacert CA_FILE ' if tls else ''}{scheme}://{host}:{ports.http}/v1/completions "
+                  f"-H 'Content-Type: application/json'{auth} -d {shlex.quote(body)}"]
+    if ports.metrics is not None:
+        lines.append(f"  metrics: http://{host}:{ports.metrics}/metrics")
+    key_flag = f" --api-key-env {config.router.api_key_env or 'VARIABLE_HOLDING_THE_KEY'}" if needs_key else ""
+    lines += [f"  or: {command} generate --target {host}:{ports.grpc}{' --tls-ca CA_FILE' if tls else ''}{key_flag} "
+              "\"Tell me about the river.\"",
+              "  Ctrl-C stops the cluster."]
+    return "\n".join(lines)
+
+
+async def _serve(config: ClusterConfig, api_key: str | None) -> int:
     import signal
 
     stop = asyncio.Event()
-    cluster = LocalCluster(config)
+    cluster = LocalCluster(config, api_key)
     try:
         port = await cluster.start()
         # After start: ray.init installs its own SIGTERM handler, which would abort the process.
         for signum in (signal.SIGINT, signal.SIGTERM):
             asyncio.get_running_loop().add_signal_handler(signum, stop.set)
-        metrics = (f"  metrics: http://{config.router.host}:{cluster.metrics_port}/metrics\n"
-                   if cluster.metrics_port is not None else "")
-        scheme, tls_flag = ("http", "") if config.router.tls is None else ("https", " --tls-ca CA_FILE")
-        api = (f"  OpenAI API: {scheme}://{config.router.host}:{cluster.http.port}/v1\n" if cluster.http is not None
-               else "")
-        print(f"splitserve: serving {config.model} ({config.mode}) on {config.router.host}:{port}\n{api}{metrics}"
-              f"  try: splitserve generate --target {config.router.host}:{port}{tls_flag} "
-              "\"Tell me about the river.\"\n"
-              "  Ctrl-C stops the cluster.", flush=True)
+        ports = BoundPorts(port, cluster.http.port if cluster.http is not None else None, cluster.metrics_port)
+        needs_key = api_key is not None or config.router.api_key_env is not None
+        print(serving_banner(config, ports, splitserve_command(sys.argv[0], sys.executable), needs_key), flush=True)
         await stop.wait()
         stop.clear()
         print(f"splitserve: draining (up to {config.router.drain_timeout_s:g} s; signal again to stop now)",

@@ -73,11 +73,13 @@ class RouterServers:
 
 
 async def start_servers(orchestrator: Orchestrator, tokenizer: RouterTokenizer, config: RouterConfig,
-                        model_name: str, metrics: RouterMetrics | None, api_key: str | None) -> RouterServers:
+                        model_name: str, metrics: RouterMetrics | None, api_key: str | None,
+                        aliases: tuple[str, ...] = ()) -> RouterServers:
     """Start the servers `config` asks for in front of a started orchestrator. `metrics` (already
     the orchestrator's observer) is watched, served on config.metrics_port when set, and on the
     HTTP API's /metrics; `api_key` (resolved from config.api_key_env by the caller) guards both
-    APIs. On failure, whatever started is stopped."""
+    APIs; requests may name the model `model_name` or any of `aliases`. On failure, whatever
+    started is stopped."""
     tokenizers = TokenizerPool.for_orchestrator(tokenizer, orchestrator, config.max_prompt_bytes,
                                                 config.tokenizer_threads, config.max_pending_tokenizations)
     grpc = http = None
@@ -88,11 +90,12 @@ async def start_servers(orchestrator: Orchestrator, tokenizer: RouterTokenizer, 
             if config.metrics_port is not None:
                 metrics_port = metrics.serve(config.host, config.metrics_port)
         grpc = await start_grpc_server(orchestrator, tokenizers, model_name, config.host, config.grpc_port,
-                                       config.request_timeout_s, api_key, config.tls)
+                                       config.request_timeout_s, api_key, config.tls, aliases)
         if config.http_port is not None:
             http = await start_http_server(orchestrator, tokenizers, model_name, config.host, config.http_port,
                                            config.request_timeout_s,
-                                           metrics.asgi_app() if metrics is not None else None, api_key, config.tls)
+                                           metrics.asgi_app() if metrics is not None else None, api_key, config.tls,
+                                           aliases)
     except BaseException:
         if grpc is not None:
             await grpc.stop(0)

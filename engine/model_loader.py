@@ -17,12 +17,12 @@ from transformers import AutoConfig, PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from splitserve.common.errors import UnsupportedModelError
+from splitserve.common.model_dir import (SUPPORTED_ARCHITECTURES, unsupported_activation_message,
+                                         unsupported_architecture_message)
 from splitserve.engine.attention import AttentionBackend
 from splitserve.engine.models.llama import LlamaFamilyArch, LlamaFamilyForCausalLM, RotaryEmbedding
 from splitserve.engine.models.layer_ops import LayerOps, TorchLayerOps
 from splitserve.engine.models.packed_linear import can_pack, pack_linears
-
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
 
 def model_fingerprint(model_dir: Path) -> str:
@@ -42,10 +42,9 @@ def load_hf_config(model_dir: Path) -> PretrainedConfig:
 def parse_arch(config: PretrainedConfig) -> LlamaFamilyArch:
     architecture = (config.architectures or ["?"])[0]
     if architecture not in SUPPORTED_ARCHITECTURES:
-        raise UnsupportedModelError(
-            f"architecture {architecture!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        raise UnsupportedModelError(unsupported_architecture_message(architecture))
     if getattr(config, "hidden_act", "silu") != "silu":
-        raise UnsupportedModelError(f"hidden_act {config.hidden_act!r} is not supported (only silu)")
+        raise UnsupportedModelError(unsupported_activation_message(config.hidden_act))
     num_heads = config.num_attention_heads
     return LlamaFamilyArch(
         architecture=architecture,

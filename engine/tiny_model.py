@@ -28,6 +28,8 @@ from transformers import (AutoModelForCausalLM, GenerationConfig, LlamaConfig, P
                           PreTrainedModel, PreTrainedTokenizerFast, Qwen2Config)
 from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX as QWEN2_PRETOKENIZE_REGEX
 
+from splitserve.common.model_dir import DEFAULT_MODEL_NAME
+
 # Bump whenever the builder's output changes for an unchanged spec, so cached default
 # models built by an older version are not silently reused.
 BUILDER_VERSION = 3
@@ -139,7 +141,6 @@ class TinyModelSpec:
         return hashlib.sha256(payload.encode()).hexdigest()[:12]
 
 
-DEFAULT_MODEL_NAME = "default"
 DEFAULT_MODEL_SPEC = TinyModelSpec(arch="llama", num_layers=4, hidden_size=256, num_heads=8, num_kv_heads=4,
                                    vocab_size=2048, seed=0)
 

@@ -114,11 +114,13 @@ class OpenAIServing:
     """The endpoints' handlers over one Orchestrator serving one model."""
 
     def __init__(self, orchestrator: Orchestrator, tokenizers: TokenizerPool, model_name: str,
-                 request_timeout_s: float | None = None) -> None:
+                 request_timeout_s: float | None = None, aliases: tuple[str, ...] = ()) -> None:
         self.orchestrator = orchestrator
         self.tokenizers = tokenizers
         self.model_name = model_name
-        """What clients pass as `model`, and what /v1/models lists."""
+        """What /v1/models lists and responses carry as `model`."""
+        self.model_names = frozenset((model_name, *aliases))
+        """Every name a request may give as `model` (--served-model-name)."""
         self.request_timeout_s = request_timeout_s
         """Server-side limit on a request's total time (router.request_timeout_s); None: no limit."""
         self.created = int(time.time())
@@ -201,7 +203,7 @@ class OpenAIServing:
         return _Job(inp, renderer, parsed.stream)
 
     def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
+        if model is not None and model not in self.model_names:
             raise ApiError(404, f"The model `{model}` does not exist; this server serves `{self.model_name}`.",
                            "model", "model_not_found")
 
@@ -437,10 +439,11 @@ def listening_socket(host: str, port: int) -> socket.socket:
 async def start_http_server(orchestrator: Orchestrator, tokenizers: TokenizerPool, model_name: str,
                             host: str = "127.0.0.1", port: int = 8000, request_timeout_s: float | None = None,
                             metrics_app: ASGIApp | None = None, api_key: str | None = None,
-                            tls: TlsConfig | None = None) -> HttpServer:
+                            tls: TlsConfig | None = None, aliases: tuple[str, ...] = ()) -> HttpServer:
     """Start the OpenAI-compatible API on the running loop; the server's `port` is the bound one.
-    With `api_key`, /v1/* needs `Authorization: Bearer <api_key>`; with `tls`, it is HTTPS only."""
-    server = HttpServer(build_app(OpenAIServing(orchestrator, tokenizers, model_name, request_timeout_s), metrics_app,
-                                  api_key), tls=tls)
+    With `api_key`, /v1/* needs `Authorization: Bearer <api_key>`; with `tls`, it is HTTPS only.
+    Requests may name the model `model_name` or one of `aliases`."""
+    serving = OpenAIServing(orchestrator, tokenizers, model_name, request_timeout_s, aliases)
+    server = HttpServer(build_app(serving, metrics_app, api_key), tls=tls)
     await server.start(host, port)
     return server

@@ -106,10 +106,12 @@ def chunk_to_proto(chunk: StreamChunk) -> pb.GenerateResponse:
 
 class GenerationServicer(pb_grpc.GenerationServicer):
     def __init__(self, orchestrator: Orchestrator, tokenizers: TokenizerPool, model_name: str,
-                 request_timeout_s: float | None = None) -> None:
+                 request_timeout_s: float | None = None, aliases: tuple[str, ...] = ()) -> None:
         self.orchestrator = orchestrator
         self.tokenizers = tokenizers
         self.model_name = model_name
+        self.model_names = frozenset((model_name, *aliases))
+        """Every name a request may give (--served-model-name)."""
         self.request_timeout_s = request_timeout_s
 
     async def Generate(self, request: pb.GenerateRequest,
@@ -127,7 +129,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     async def _input(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> GenerationInput:
         limits = self.tokenizers.limits
         limits.check_request_id(request.request_id, "request_id")
-        if request.model and request.model != self.model_name:
+        if request.model and request.model not in self.model_names:
             raise InvalidRequestError("model", f"unknown model {request.model!r}; this server serves "
                                                f"{self.model_name!r}")
         params = sampling_params_from_proto(request.sampling)
@@ -255,8 +257,10 @@ async def start_grpc_server(orchestrator: Orchestrator, tokenizers: TokenizerPoo
                             host: str = "127.0.0.1", port: int = 50051,
                             request_timeout_s: float | None = None,
                             api_key: str | None = None,
-                            tls: TlsConfig | None = None) -> GrpcServer:
-    """Start serving; returns the server with its bound port (port 0 picks a free one). With
+                            tls: TlsConfig | None = None, aliases: tuple[str, ...] = ()) -> GrpcServer:
+    """Start serving; returns the server with its bound port (port 0 picks a free one). A
+    Generate request may name the model `model_name` or one of `aliases` (Triton knows only
+    `model_name`: its model repository has one entry). With
     `api_key`, Generation and Triton calls need metadata `authorization: Bearer <api_key>` (health and
     reflection stay open). With `tls`, every service is served over TLS only (mutual TLS when
     it has a client CA)."""
@@ -266,7 +270,7 @@ async def start_grpc_server(orchestrator: Orchestrator, tokenizers: TokenizerPoo
                              options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                                       ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
     pb_grpc.add_GenerationServicer_to_server(
-        GenerationServicer(orchestrator, tokenizers, model_name, request_timeout_s), server)
+        GenerationServicer(orchestrator, tokenizers, model_name, request_timeout_s, aliases), server)
     triton_pb_grpc.add_GRPCInferenceServiceServicer_to_server(
         TritonServicer(orchestrator, tokenizers, model_name, request_timeout_s), server)
     health_servicer = health.aio.HealthServicer()

@@ -31,6 +31,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 from splitserve.common.errors import InvalidRequestError, UnsupportedModelError
+from splitserve.common.model_dir import TOKENIZER_FILE, check_tokenizer_files
 
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 """transformers 5 saves a single chat template here; it takes priority over tokenizer_config.json."""
@@ -102,6 +103,22 @@ def compile_chat_template(source: str) -> jinja2.Template:
     env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now, dict=_TemplateDict(),
                        namespace=_TemplateNamespace)
     return env.from_string(source)
+
+
+def read_chat_template_option(value: str) -> str:
+    """The template text of a --chat-template value (vLLM's meaning): the path of a file holding
+    it, or the template itself, told apart by its jinja markup. ValueError for a value that is
+    neither (most likely a mistyped path)."""
+    path = Path(value).expanduser()
+    if path.is_file():
+        try:
+            return path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as error:
+            raise ValueError(f"chat template file {value!r} is not readable: {error}") from None
+    if any(markup in value for markup in ("{{", "{%", "\n")):
+        return value
+    raise ValueError(f"chat template {value!r}: no such file, and not a template either (no {{{{ }}}} or "
+                     "{% %} markup)")
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -214,21 +231,24 @@ class RouterTokenizer:
         self._chat_template = compile_chat_template(chat_template) if chat_template is not None else None
 
     @classmethod
-    def from_model_dir(cls, path: str | Path) -> RouterTokenizer:
-        """Load a Hugging Face model directory; UnsupportedModelError without tokenizer.json or with a bad template."""
+    def from_model_dir(cls, path: str | Path, chat_template: str | None = None) -> RouterTokenizer:
+        """Load a Hugging Face model directory; `chat_template` (its text) replaces the model's own.
+        UnsupportedModelError without tokenizer.json, with an unreadable one, or with a bad template."""
         model_dir = Path(path).expanduser()
-        tokenizer_file = model_dir / "tokenizer.json"
-        if not tokenizer_file.is_file():
-            raise UnsupportedModelError(f"{model_dir}: no tokenizer.json (the router needs a fast tokenizer file)")
+        check_tokenizer_files(model_dir)
         config = _read_json(model_dir / "tokenizer_config.json")
-        backend = Tokenizer.from_file(str(tokenizer_file))
+        try:
+            backend = Tokenizer.from_file(str(model_dir / TOKENIZER_FILE))
+        except Exception as error:  # tokenizers raises plain Exception for a malformed file
+            raise UnsupportedModelError(f"{model_dir / TOKENIZER_FILE}: not a tokenizer file: {error}") from None
         backend.encode_special_tokens = bool(config.get("split_special_tokens", False))
         special_tokens = _named_special_tokens(config, _read_json(model_dir / "special_tokens_map.json"))
+        template = chat_template if chat_template is not None else _read_chat_template(model_dir, config)
         try:
-            return cls(backend, special_tokens, _read_chat_template(model_dir, config),
-                       read_eos_token_ids(model_dir), str(model_dir))
+            return cls(backend, special_tokens, template, read_eos_token_ids(model_dir), str(model_dir))
         except jinja2.TemplateSyntaxError as error:
-            raise UnsupportedModelError(f"{model_dir}: chat template does not compile: {error}") from error
+            source = "the chat template given" if chat_template is not None else f"{model_dir}: the chat template"
+            raise UnsupportedModelError(f"{source} does not compile: {error} (line {error.lineno})") from error
 
     @property
     def vocab_size(self) -> int:

@@ -28,7 +28,7 @@ from splitserve.deploy.cluster_config import (
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "deploy" / "configs" / "local.yaml"
 ROOT_KEYS = ("decode, kv_transfer_backend, kv_transfer_failure_policy, log_format, mode, model, planner, prefill, "
-             "ray_address, router, worker_start_timeout_s")
+             "ray_address, router, served_model_name, worker_start_timeout_s")
 POOL_KEYS = "engine, max_restarts, replicas, resources, transfer_poll_s"
 
 
@@ -105,10 +105,10 @@ BAD_FILES = [
     ("decode: {transfer_poll_s: 0}", "decode.transfer_poll_s: must be > 0 or null, got 0.0"),
     ("prefill: {engin: {}}", f"prefill.engin: unknown key (known: {POOL_KEYS})"),
     ("prefill: {1: x}", f"prefill.1: unknown key (known: {POOL_KEYS})"),
-    ("router: {'': x}", "router.'': unknown key (known: access_log, api_key_env, drain_timeout_s, grpc_port, host, http_port, lease_ttl_s, max_pending_tokenizations, max_prompt_bytes, metrics_port, request_timeout_s, routing, slo, tls, tokenizer_threads, worker_link)"),
+    ("router: {'': x}", "router.'': unknown key (known: access_log, api_key_env, chat_template, drain_timeout_s, grpc_port, host, http_port, lease_ttl_s, max_pending_tokenizations, max_prompt_bytes, metrics_port, request_timeout_s, routing, slo, tls, tokenizer_threads, worker_link)"),
     ("null: x", f"None: unknown key (known: {ROOT_KEYS})"),
     ("router_port: 1", f"router_port: unknown key (known: {ROOT_KEYS})"),
-    ("router: {port: 1}", "router.port: unknown key (known: access_log, api_key_env, drain_timeout_s, grpc_port, host, http_port, lease_ttl_s, max_pending_tokenizations, max_prompt_bytes, metrics_port, request_timeout_s, routing, slo, tls, tokenizer_threads, worker_link)"),
+    ("router: {port: 1}", "router.port: unknown key (known: access_log, api_key_env, chat_template, drain_timeout_s, grpc_port, host, http_port, lease_ttl_s, max_pending_tokenizations, max_prompt_bytes, metrics_port, request_timeout_s, routing, slo, tls, tokenizer_threads, worker_link)"),
     ("prefill: {resources: {gpus: 1}}", "prefill.resources.gpus: unknown key (known: node_labels, num_cpus, num_gpus)"),
     ("planner: {attainment: 1}", "planner.attainment: must be in (0, 1), got 1.0"),
     ("log_format: yaml", "log_format: must be one of ('text', 'json'), got 'yaml'"),

@@ -256,7 +256,7 @@ def test_model_without_chat_template_is_a_clear_error(no_template_dir):
 
 
 def test_missing_tokenizer_file_and_bad_template_are_unsupported(tmp_path, no_template_dir):
-    with pytest.raises(UnsupportedModelError, match="no tokenizer.json"):
+    with pytest.raises(UnsupportedModelError, match="missing tokenizer.json"):
         RouterTokenizer.from_model_dir(tmp_path)
     shutil.copy(no_template_dir / "tokenizer.json", tmp_path / "tokenizer.json")
     (tmp_path / "chat_template.jinja").write_text("{% for m in messages %}")

@@ -1,0 +1,84 @@
+"""What a model directory must hold for splitserve to serve it, judged from its files alone.
+
+Torch-free and without transformers (whose import takes seconds): the CLI checks a directory
+this way in milliseconds, before Ray or any worker starts, and the engine's loader refuses the
+same architectures with the same words.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from splitserve.common.errors import UnsupportedModelError
+
+DEFAULT_MODEL_NAME = "default"
+"""The model name that means the embedded tiny model, built on first use (always servable)."""
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+"""config.json `architectures[0]` values the engine runs."""
+TOKENIZER_FILE = "tokenizer.json"
+"""The fast-tokenizer file: the router and the workers read only this (through `tokenizers`)."""
+OTHER_TOKENIZER_FILES = ("tokenizer.model", "vocab.json", "merges.txt", "vocab.txt", "tiktoken.model")
+"""Slow-tokenizer files transformers can convert into tokenizer.json; named in the error so the
+user knows the conversion is all that is missing."""
+
+
+def unsupported_architecture_message(architecture: str) -> str:
+    return f"architecture {architecture!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+
+
+def check_model_dir(model_dir: Path) -> None:
+    """UnsupportedModelError (one line, naming the directory) unless `model_dir` has a config.json
+    of a supported architecture, safetensors weights and a tokenizer.json."""
+    if not model_dir.is_dir():
+        raise UnsupportedModelError(f"{model_dir}: no such model directory")
+    config = read_model_config(model_dir)
+    architecture = config_architecture(config, model_dir)
+    if architecture not in SUPPORTED_ARCHITECTURES:
+        raise UnsupportedModelError(f"{model_dir}: {unsupported_architecture_message(architecture)}")
+    if config.get("hidden_act", "silu") != "silu":
+        raise UnsupportedModelError(f"{model_dir}: {unsupported_activation_message(config['hidden_act'])}")
+    if not any(model_dir.glob("*.safetensors")):
+        raise UnsupportedModelError(f"{model_dir}: no *.safetensors weights (only safetensors checkpoints load)")
+    check_tokenizer_files(model_dir)
+
+
+def unsupported_activation_message(hidden_act: object) -> str:
+    return f"hidden_act {hidden_act!r} is not supported (only silu)"
+
+
+def read_model_config(model_dir: Path) -> dict:
+    """config.json as a mapping; UnsupportedModelError when it is missing or not a JSON object."""
+    path = model_dir / "config.json"
+    if not path.is_file():
+        raise UnsupportedModelError(f"{model_dir}: not a model directory: missing config.json")
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, OSError) as error:
+        raise UnsupportedModelError(f"{path}: not readable JSON: {error}") from None
+    if not isinstance(config, dict):
+        raise UnsupportedModelError(f"{path}: not a JSON object")
+    return config
+
+
+def config_architecture(config: dict, model_dir: Path) -> str:
+    """config.json's first architecture; UnsupportedModelError when it names none."""
+    architectures = config.get("architectures")
+    if not isinstance(architectures, list) or not architectures or not isinstance(architectures[0], str):
+        raise UnsupportedModelError(f"{model_dir / 'config.json'}: names no architecture (`architectures` is "
+                                    f"missing or empty); supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    return architectures[0]
+
+
+def check_tokenizer_files(model_dir: Path) -> None:
+    """UnsupportedModelError naming tokenizer.json when the directory lacks it (and what it has instead)."""
+    if (model_dir / TOKENIZER_FILE).is_file():
+        return
+    present = [name for name in OTHER_TOKENIZER_FILES if (model_dir / name).is_file()]
+    if present:
+        hint = (f"it has {', '.join(present)}: save the tokenizer once with transformers "
+                "(AutoTokenizer.from_pretrained(dir).save_pretrained(dir)) to write tokenizer.json")
+    else:
+        hint = "it has no tokenizer files at all"
+    raise UnsupportedModelError(f"{model_dir}: missing {TOKENIZER_FILE} (splitserve reads the fast tokenizer "
+                                f"file only); {hint}")

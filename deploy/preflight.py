@@ -1,0 +1,83 @@
+"""What `splitserve serve` checks before Ray starts: every mistake that the config and the files
+it names already show (the model directory, its tokenizer and chat template, TLS files, the API
+key's variable, ports in use), each reported as one line within milliseconds instead of after
+Ray, the workers and a model load.
+
+Only the standard library, the router's torch-free tokenizer and common/ are imported here, so
+the checks themselves take milliseconds.
+"""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+from splitserve.common.errors import UnsupportedModelError
+from splitserve.common.model_dir import DEFAULT_MODEL_NAME, check_model_dir
+from splitserve.deploy.cluster_config import ClusterConfig, RouterConfig
+from splitserve.router.auth import api_key_from_env
+from splitserve.router.tls import load_tls
+from splitserve.router.tokenizer import RouterTokenizer, compile_chat_template, read_chat_template_option
+
+PORT_KEYS = (("grpc_port", "--grpc-port"), ("http_port", "--port"), ("metrics_port", "--metrics-port"))
+"""The router's ports: (config key under router., the serve flag that sets it)."""
+
+
+class PreflightError(ValueError):
+    """A config that cannot serve; the message is one line naming the setting at fault."""
+
+
+def preflight(config: ClusterConfig, api_key: str | None = None) -> None:
+    """PreflightError (or UnsupportedModelError, both ValueErrors) for the first problem found;
+    `api_key`: the key given on the command line, which makes router.api_key_env unnecessary."""
+    check_model(config.model, config.router.chat_template)
+    if config.router.tls is not None:
+        load_tls(config.router.tls)
+    if api_key is None and config.router.api_key_env is not None:
+        api_key_from_env(config.router.api_key_env)
+    check_ports_free(config.router)
+
+
+def check_model(model: str, chat_template: str | None) -> None:
+    """The model directory serves (architecture, weights, tokenizer.json) and the chat template
+    compiles: the override when given, else the directory's own. The embedded model always serves."""
+    template = read_chat_template_option(chat_template) if chat_template is not None else None
+    if model == DEFAULT_MODEL_NAME:
+        if template is not None:
+            _compile(template)
+        return
+    model_dir = Path(model).expanduser()
+    check_model_dir(model_dir)
+    RouterTokenizer.from_model_dir(model_dir, template)
+
+
+def _compile(template: str) -> None:
+    try:
+        compile_chat_template(template)
+    except Exception as error:  # jinja2's TemplateSyntaxError and its kin
+        raise UnsupportedModelError(f"the chat template given does not compile: {error}") from None
+
+
+def check_ports_free(router: RouterConfig) -> None:
+    """PreflightError for the first fixed router port that another socket holds (port 0 picks a
+    free one when the server starts, so it cannot clash)."""
+    for key, flag in PORT_KEYS:
+        port = getattr(router, key)
+        if not port:
+            continue
+        problem = bind_problem(router.host, port)
+        if problem is not None:
+            raise PreflightError(f"router.{key} ({flag}): cannot listen on {router.host}:{port}: {problem}")
+
+
+def bind_problem(host: str, port: int) -> str | None:
+    """Why host:port cannot be listened on now (e.g. "Address already in use"), or None. Binds the
+    way the servers do (SO_REUSEADDR: a port left in TIME_WAIT by a stopped server is free)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, port))
+    except OSError as error:
+        return error.strerror or str(error)
+    return None

@@ -1,0 +1,263 @@
+"""`splitserve serve`: vLLM's flags parsed into the cluster config, and every mistake the config
+and its files show reported as one line within a second, exit status 2, without Ray."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from splitserve.deploy.cli import build_parser, human_int, main as cli_main, serve_config
+from splitserve.deploy.cluster_config import DEFAULT_DECODE_ENGINE, DEFAULT_PREFILL_ENGINE
+from splitserve.deploy.local import BoundPorts, root_cause, serving_banner, splitserve_command
+
+CHAT_TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+
+
+def parse(*argv: str):
+    return serve_config(build_parser().parse_args(["serve", *argv]))
+
+
+def test_every_vllm_flag_sets_both_pools_engines_and_the_router(tmp_path):
+    template = tmp_path / "t.jinja"
+    template.write_text(CHAT_TEMPLATE)
+    config = parse("/models/m", "--host", "0.0.0.0", "--port", "8100", "--served-model-name", "m1", "m2",
+                   "--max-model-len", "4k", "--dtype", "half", "--api-key", "k", "--chat-template", str(template),
+                   "--enforce-eager", "--trust-remote-code", "--max-num-seqs", "7", "--max-num-batched-tokens", "300",
+                   "--no-enable-prefix-caching", "--kv-cache-memory", "64M", "--block-size", "32", "--seed", "5",
+                   "--tensor-parallel-size", "1", "--pipeline-parallel-size", "1", "--no-enable-chunked-prefill",
+                   "--device", "cpu")
+    assert (config.model, config.served_model_names) == ("/models/m", ("m1", "m2"))
+    assert (config.router.host, config.router.http_port, config.router.chat_template) == ("0.0.0.0", 8100,
+                                                                                        str(template))
+    for engine in (config.prefill.engine, config.decode.engine):
+        assert (engine.max_model_len, engine.dtype, engine.max_num_seqs, engine.max_num_batched_tokens) == (
+            4000, "float16", 7, 300)
+        assert (engine.enable_prefix_caching, engine.enable_chunked_prefill, engine.block_size, engine.seed) == (
+            False, False, 32, 5)
+        assert (engine.kv_cache_memory_bytes, engine.num_kv_blocks, engine.device) == (64 << 20, None, "cpu")
+    assert config.router.api_key_env is None  # the key itself never enters the config
+
+
+def test_unset_flags_keep_each_pools_own_defaults():
+    config = parse("default")
+    assert (config.prefill.engine, config.decode.engine) == (DEFAULT_PREFILL_ENGINE, DEFAULT_DECODE_ENGINE)
+    assert config.served_model_names == ("default",)
+
+
+def test_set_for_one_pool_wins_over_the_flag_for_both():
+    config = parse("default", "--max-num-seqs", "8", "--set", "decode.engine.max_num_seqs=64")
+    assert (config.prefill.engine.max_num_seqs, config.decode.engine.max_num_seqs) == (8, 64)
+
+
+def test_flags_win_over_the_config_file(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("model: /from/file\nrouter:\n  http_port: 9000\ndecode:\n  engine:\n    max_num_seqs: 3\n")
+    config = parse("--config", str(path), "--max-num-seqs", "9")
+    assert (config.model, config.router.http_port, config.decode.engine.max_num_seqs) == ("/from/file", 9000, 9)
+    assert parse("/cli/model", "--config", str(path)).model == "/cli/model"
+
+
+def test_model_as_positional_or_flag_and_tls_flags(tmp_path):
+    assert parse("--model", "/m").model == "/m"
+    with pytest.raises(ValueError, match="two models given: '/a' .positional. and --model '/b'"):
+        parse("/a", "--model", "/b")
+    cert, key = tmp_path / "c.pem", tmp_path / "k.pem"
+    cert.write_text("x"), key.write_text("x")
+    tls = parse("default", "--ssl-certfile", str(cert), "--ssl-keyfile", str(key)).router.tls
+    assert (tls.cert_file, tls.key_file, tls.client_ca_file) == (str(cert), str(key), None)
+
+
+@pytest.mark.parametrize(("value", "expected"), [("2048", 2048), ("32k", 32000), ("32K", 32768), ("1G", 1 << 30),
+                                                 ("1.5k", 1500)])
+def test_sizes_take_vllms_suffixes(value, expected):
+    assert human_int(value) == expected
+
+
+def test_help_is_grouped_like_vllms():
+    text = build_parser()._subparsers._group_actions[0].choices["serve"].format_help()
+    for title in ("Frontend:", "ModelConfig:", "CacheConfig:", "ParallelConfig:", "SchedulerConfig:",
+                  "Cluster (splitserve):"):
+        assert title in text
+    assert "no effect: the engine always runs eagerly" in " ".join(text.split())
+
+
+# ---- fail fast ------------------------------------------------------------------------------
+
+_PROBE = """
+import json, sys, time
+from splitserve.deploy.cli import main
+start = time.monotonic()
+code = main(sys.argv[1:])
+print(json.dumps({"code": code, "seconds": time.monotonic() - start, "ray": "ray" in sys.modules,
+                  "torch": "torch" in sys.modules}))
+"""
+
+
+def run_serve(*argv: str, cwd: Path | None = None) -> tuple[dict, list[str]]:
+    """`splitserve serve ARGV` in a fresh interpreter: its outcome (exit code, seconds main() took,
+    whether Ray or torch were imported at all) and its stderr lines."""
+    done = subprocess.run([sys.executable, "-c", _PROBE, "serve", *argv], capture_output=True, text=True,
+                          timeout=60, cwd=cwd)
+    return json.loads(done.stdout.splitlines()[-1]), done.stderr.splitlines()
+
+
+def assert_fails_fast(argv: list[str], message: str) -> None:
+    outcome, lines = run_serve(*argv)
+    assert lines == [f"splitserve: error: {message}"]
+    assert outcome["code"] == 2 and outcome["seconds"] < 1.0
+    assert not outcome["ray"] and not outcome["torch"]  # Ray was not even imported, let alone started
+
+
+@pytest.fixture()
+def model_copy(tiny_llama_dir, tmp_path) -> Path:
+    return Path(shutil.copytree(tiny_llama_dir, tmp_path / "model"))
+
+
+def test_unsupported_architecture(model_copy):
+    config = json.loads((model_copy / "config.json").read_text())
+    (model_copy / "config.json").write_text(json.dumps({**config, "architectures": ["GPT2LMHeadModel"]}))
+    assert_fails_fast([str(model_copy)], f"{model_copy}: architecture 'GPT2LMHeadModel' is not supported; "
+                                         "supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, "
+                                         "Qwen3ForCausalLM")
+
+
+def test_missing_tokenizer_file_is_named(model_copy):
+    (model_copy / "tokenizer.json").unlink()
+    (model_copy / "tokenizer.model").write_bytes(b"")
+    assert_fails_fast([str(model_copy)], f"{model_copy}: missing tokenizer.json (splitserve reads the fast "
+                                         "tokenizer file only); it has tokenizer.model: save the tokenizer once "
+                                         "with transformers (AutoTokenizer.from_pretrained(dir).save_pretrained("
+                                         "dir)) to write tokenizer.json")
+
+
+def test_not_a_model_directory(tmp_path):
+    assert_fails_fast([str(tmp_path)], f"{tmp_path}: not a model directory: missing config.json")
+
+
+def test_bad_chat_templates(model_copy, tmp_path):
+    assert_fails_fast([str(model_copy), "--chat-template", "missing.jinja"],
+                      "chat template 'missing.jinja': no such file, and not a template either (no {{ }} or {% %} "
+                      "markup)")
+    assert_fails_fast([str(model_copy), "--chat-template", "{% for m in messages %}"],
+                      "the chat template given does not compile: Unexpected end of template. Jinja was looking "
+                      "for the following tags: 'endfor' or 'else'. The innermost block that needs to be closed "
+                      "is 'for'. (line 1)")
+    (model_copy / "chat_template.jinja").write_text("{{ unclosed")
+    assert_fails_fast([str(model_copy)], f"{model_copy}: the chat template does not compile: unexpected end of "
+                                         "template, expected 'end of print statement'. (line 1)")
+
+
+def test_bad_dtype_and_parallelism_are_usage_errors():
+    for argv, message in ((["--dtype", "float8"], "argument --dtype: invalid choice: 'float8' (choose from 'auto', "
+                                                  "'half', 'float16', 'bfloat16', 'float', 'float32')"),
+                          (["-tp", "2"], "argument --tensor-parallel-size/-tp: only 1 is supported, got '2': each "
+                                         "splitserve worker runs on one device; scale out with --prefill-workers / "
+                                         "--decode-workers instead")):
+        done = subprocess.run([sys.executable, "-m", "splitserve.deploy.cli", "serve", "default", *argv],
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 2
+        assert done.stderr.splitlines() == [f"splitserve serve: error: {message} (see splitserve serve --help)"]
+
+
+def test_ports_in_use_are_named():
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        for flag, key in (("--port", "http_port"), ("--grpc-port", "grpc_port"), ("--metrics-port", "metrics_port")):
+            ports = {"--port": "0", "--grpc-port": "0", "--metrics-port": "0", flag: str(port)}
+            assert_fails_fast(["default", *(item for pair in ports.items() for item in pair)],
+                              f"router.{key} ({flag}): cannot listen on 127.0.0.1:{port}: Address already in use")
+
+
+def test_tls_files_missing_or_not_pem(tmp_path):
+    assert_fails_fast(["default", "--ssl-certfile", str(tmp_path / "no.pem"), "--ssl-keyfile", str(tmp_path)],
+                      f"router.tls.cert_file: must name an existing file, got '{tmp_path / 'no.pem'}'")
+    junk = tmp_path / "junk.pem"
+    junk.write_text("not a certificate")
+    outcome, lines = run_serve("default", "--ssl-certfile", str(junk), "--ssl-keyfile", str(junk))
+    assert outcome["code"] == 2 and outcome["seconds"] < 1.0 and not outcome["ray"]
+    assert len(lines) == 1 and lines[0].startswith(
+        f"splitserve: error: TLS: cert_file '{junk}' and key_file '{junk}' are not a PEM certificate chain")
+
+
+def test_bad_config_files(tmp_path):
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("model: default\nrouter: [\n")
+    outcome, lines = run_serve("--config", str(broken))
+    assert outcome["code"] == 2 and not outcome["ray"] and len(lines) == 1
+    assert lines[0].startswith("splitserve: error: (top level): invalid YAML: while parsing a flow node")
+    wrong = tmp_path / "wrong.yaml"
+    wrong.write_text("model: default\ndecode:\n  engine:\n    max_num_seqs: 0\n")
+    assert_fails_fast(["--config", str(wrong)], "decode.engine.max_num_seqs: must be >= 1, got 0")
+    assert_fails_fast(["--config", str(tmp_path / "none.yaml")],
+                      f"[Errno 2] No such file or directory: '{tmp_path / 'none.yaml'}'")
+
+
+def test_api_key_variable_unset(monkeypatch):
+    monkeypatch.delenv("SPLITSERVE_TEST_NO_SUCH_KEY", raising=False)
+    assert_fails_fast(["default", "--set", "router.api_key_env=SPLITSERVE_TEST_NO_SUCH_KEY"],
+                      "API key auth is configured with api_key_env='SPLITSERVE_TEST_NO_SUCH_KEY', but the "
+                      "environment variable SPLITSERVE_TEST_NO_SUCH_KEY is not set")
+
+
+@pytest.mark.slow
+def test_a_worker_that_fails_to_load_is_reported_once(model_copy):
+    (model_copy / "model.safetensors").write_bytes(b"not safetensors")  # passes every file check
+    done = subprocess.run([sys.executable, "-m", "splitserve.deploy.cli", "serve", str(model_copy), "--port", "0",
+                           "--grpc-port", "0", "--metrics-port", "0"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1
+    ours = [line for line in done.stderr.splitlines() if "splitserve" in line and "error" in line.lower()]
+    assert len(ours) == 1 and ours[0].startswith("splitserve: error: worker ")
+    assert ours[0].endswith("failed to start: SafetensorError: Error while deserializing header: header too large")
+    assert "shutdown failed" not in done.stderr and "Traceback" not in done.stderr
+    assert "creation task" not in done.stderr  # Ray printed no copy of its own
+
+
+# ---- once it serves -------------------------------------------------------------------------
+
+def test_banner_commands_work_as_printed():
+    config = parse("default", "--served-model-name", "tiny")
+    banner = serving_banner(config, BoundPorts(50051, 8000, 9400), ".venv/bin/splitserve", needs_key=False)
+    assert banner.splitlines() == [
+        "splitserve: serving default as 'tiny' (disaggregated) on 127.0.0.1:50051 (gRPC)",
+        "  OpenAI API: http://127.0.0.1:8000/v1",
+        "  try: curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' -d "
+        "'{\"model\": \"tiny\", \"prompt\": \"Tell me about the river.\", \"max_tokens\": 32}'",
+        "  metrics: http://127.0.0.1:9400/metrics",
+        "  or: .venv/bin/splitserve generate --target 127.0.0.1:50051 \"Tell me about the river.\"",
+        "  Ctrl-C stops the cluster."]
+    keyed = serving_banner(config, BoundPorts(1, None, None), "splitserve", needs_key=True)
+    assert "--api-key-env VARIABLE_HOLDING_THE_KEY" in keyed and "curl" not in keyed
+
+
+def test_splitserve_command_is_runnable_from_the_same_shell():
+    assert splitserve_command(".venv/bin/splitserve", "/usr/bin/python3") == ".venv/bin/splitserve"
+    assert splitserve_command("/x/cli.py", "/v/bin/python") == "/v/bin/python -m splitserve.deploy.cli"
+
+
+def test_root_cause_is_the_last_line_of_a_remote_traceback():
+    remote = RuntimeError(textwrap.dedent("""\
+        worker decode-0 was lost: ActorDiedError: The actor died because of an error raised in its creation task
+          File "/w/engine/model_loader.py", line 46, in parse_arch
+            raise UnsupportedModelError(...)
+        splitserve.common.errors.UnsupportedModelError: hidden_act 'gelu' is not supported (only silu)"""))
+    assert root_cause(remote) == "UnsupportedModelError: hidden_act 'gelu' is not supported (only silu)"
+    assert root_cause(ValueError("plain")) == "ValueError: plain"
+
+
+def test_make_run_prints_a_runnable_hint():
+    makefile = (Path(__file__).parents[1] / "Makefile").read_text()
+    assert "$(VENV)/bin/splitserve serve" in makefile  # so the banner's generate line reads .venv/bin/splitserve
+
+
+def test_exit_code_convention(capsys):
+    assert cli_main(["serve", "default", "--set", "nonsense"]) == 2
+    assert capsys.readouterr().err == "splitserve: error: --set 'nonsense': expected KEY=VALUE\n"
