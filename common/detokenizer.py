@@ -34,8 +34,10 @@ class IncrementalDetokenizer:
         self.output_text = ""
         self._num_emitted = 0
 
-    def append(self, token_id: int) -> str | None:
-        """Add a token; returns the stop string it completed, if any (text is cut before it)."""
+    def append(self, token_id: int, find_stop: bool = True) -> str | None:
+        """Add a token; returns the stop string it completed, if any (text is cut before it).
+        With find_stop False (min_tokens not reached yet), stop strings are not looked for; one
+        that straddles the point where they start to count is still found by the next token."""
         self._ids.append(token_id)
         prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
         new_text = self._decode(self._ids[self._prefix_offset :])
@@ -44,7 +46,7 @@ class IncrementalDetokenizer:
         start = len(self.output_text)
         self.output_text += new_text[len(prefix_text) :]
         self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
-        return self._find_stop(start)
+        return self._find_stop(start) if find_stop else None
 
     def _find_stop(self, new_text_start: int) -> str | None:
         best: tuple[int, str] | None = None

@@ -75,6 +75,10 @@ class SamplingParams:
     """If set, return the sampled token's logprob plus this many top alternatives (0..20)."""
     skip_special_tokens: bool = field(default=True)
     """Leave special tokens out of the detokenized text."""
+    min_tokens: int = 0
+    """Generate at least this many tokens (<= max_tokens) before EOS, a stop token or a stop
+    string may end the request: until then EOS and stop_token_ids cannot be sampled and stop
+    strings are not looked for (vLLM's min_tokens)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else _as_tuple(self.stop, "stop"))
@@ -101,6 +105,8 @@ class SamplingParams:
     def _validate_stopping(self) -> None:
         _require(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens",
                  f"must be an integer >= 1, got {self.max_tokens!r}")
+        _require(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens",
+                 f"must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
         _require(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
         _require(len(self.stop) <= MAX_STOP_STRINGS, "stop",
                  f"must hold at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
@@ -112,6 +118,10 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+    def may_stop(self, num_output_tokens: int) -> bool:
+        """Whether EOS, a stop token or a stop string may end the output once it has this many tokens."""
+        return num_output_tokens >= self.min_tokens
 
     @property
     def effective_top_k(self) -> int:

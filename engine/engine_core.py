@@ -290,7 +290,17 @@ class EngineCore:
 
     def _sampling_row(self, request: Request) -> SamplingRow:
         generator = self._generators.get(request.request_id, self._shared_generator)
-        return SamplingRow(request.sampling_params, request.all_token_ids, request.num_prompt_tokens, generator)
+        return SamplingRow(request.sampling_params, request.all_token_ids, request.num_prompt_tokens, generator,
+                           self._banned_token_ids(request))
+
+    @staticmethod
+    def _banned_token_ids(request: Request) -> tuple[int, ...]:
+        """What the next token may not be: until min_tokens, the tokens that would end the output."""
+        params = request.sampling_params
+        if params.may_stop(request.num_output_tokens + 1):  # the token sampled now is output number n + 1
+            return ()
+        eos = () if params.ignore_eos else tuple(sorted(request.eos_token_ids))
+        return eos + params.stop_token_ids
 
     def _append_token(self, request: Request, token_id: int, logprobs) -> CompletionDelta:
         request.append_output_token(token_id)
@@ -308,11 +318,14 @@ class EngineCore:
 
     def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
         params = request.sampling_params
+        # Before min_tokens, EOS and stop tokens cannot be sampled (the sampler masks them) and
+        # stop strings are not looked for.
+        may_stop = params.may_stop(request.num_output_tokens)
         detokenizer = self._detokenizers.get(request.request_id)
-        stop_string = detokenizer.append(token_id) if detokenizer is not None else None
-        if not params.ignore_eos and token_id in request.eos_token_ids:
+        stop_string = detokenizer.append(token_id, may_stop) if detokenizer is not None else None
+        if may_stop and not params.ignore_eos and token_id in request.eos_token_ids:
             return RequestStatus.FINISHED_STOPPED
-        if token_id in params.stop_token_ids:
+        if may_stop and token_id in params.stop_token_ids:
             request.stop_reason = token_id
             return RequestStatus.FINISHED_STOPPED
         if stop_string is not None:

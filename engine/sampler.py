@@ -46,6 +46,9 @@ class SamplingRow:
     """Prompt followed by the output so far: the request's own list, read only for penalties."""
     num_prompt_tokens: int
     generator: torch.Generator
+    banned_token_ids: tuple[int, ...] = ()
+    """Tokens this row may not sample now (EOS and stop tokens before min_tokens): their logits
+    become -inf before any other processing."""
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -62,7 +65,7 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
         """logits: [len(rows), vocab]; returns one token (and optional logprobs) per row."""
         logits = logits.float()  # [B, vocab] float32; never modified
-        processed = [i for i, row in enumerate(rows) if not _is_plain_greedy(row.params)]
+        processed = [i for i, row in enumerate(rows) if not _is_plain_greedy(row)]
         # [B] int64. Greedy rows without penalties (the common case) cost only this argmax.
         token_ids = (torch.argmax(logits, dim=-1) if len(processed) < len(rows)
                      else torch.empty(len(rows), dtype=torch.long, device=logits.device))
@@ -71,9 +74,10 @@ class Sampler:
         return SamplerOutput(token_ids.tolist(), _logprobs(logits, rows, token_ids))
 
 
-def _is_plain_greedy(params: SamplingParams) -> bool:
+def _is_plain_greedy(row: SamplingRow) -> bool:
+    params = row.params
     return params.is_greedy and params.repetition_penalty == 1.0 and not (
-        params.frequency_penalty or params.presence_penalty)
+        params.frequency_penalty or params.presence_penalty or row.banned_token_ids)
 
 
 def _penalized_or_sampled(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
@@ -109,14 +113,17 @@ def _column(values: Sequence[float], like: torch.Tensor) -> torch.Tensor:
 # ---- penalties ---------------------------------------------------------------------------------
 
 def penalized(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-    """logits [n, vocab] after each row's repetition, then frequency and presence penalties: a new
-    tensor when any row has one, else logits itself."""
+    """logits [n, vocab] with each row's banned tokens at -inf, then its repetition, frequency and
+    presence penalties: a new tensor when any row has one, else logits itself."""
     repeated = [i for i, row in enumerate(rows) if row.params.repetition_penalty != 1.0]
     counted = [i for i, row in enumerate(rows) if (row.params.frequency_penalty or row.params.presence_penalty)
                and len(row.all_token_ids) > row.num_prompt_tokens]
-    if not (repeated or counted):
+    banned = [i for i, row in enumerate(rows) if row.banned_token_ids]
+    if not (repeated or counted or banned):
         return logits
     logits = logits.clone()
+    for i in banned:
+        logits[i, [t for t in rows[i].banned_token_ids if t < logits.shape[1]]] = float("-inf")
     if repeated:
         logits[repeated] = _repetition_penalized(logits[repeated], [rows[i] for i in repeated])
     if counted:

@@ -116,9 +116,11 @@ class RequestRun:
                   stop_reason: int | str | None) -> StreamChunk:
         """Detokenize new tokens, cutting at a stop string; a finish here ends the stream."""
         emitted = []
+        params = self.inp.sampling_params
         for token_id in token_ids:
             emitted.append(token_id)
-            stop_string = self.detokenizer.append(token_id)
+            may_stop = params.may_stop(len(self.output_token_ids) + len(emitted))
+            stop_string = self.detokenizer.append(token_id, may_stop)
             if stop_string is not None:
                 finish_reason, stop_reason = "stop", stop_string
                 break

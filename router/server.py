@@ -42,7 +42,8 @@ logger = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
 MAX_MESSAGE_BYTES = 16 << 20
 _SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "frequency_penalty",
-                    "presence_penalty", "seed", "max_tokens", "ignore_eos", "logprobs", "skip_special_tokens")
+                    "presence_penalty", "seed", "max_tokens", "ignore_eos", "logprobs", "skip_special_tokens",
+                    "min_tokens")
 
 
 def sampling_params_from_proto(message: pb.SamplingParams) -> SamplingParams:

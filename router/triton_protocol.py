@@ -58,7 +58,7 @@ _INTS = "a list of integers"
 _SAMPLING_KINDS = {"temperature": _FLOAT, "top_p": _FLOAT, "top_k": _INT, "min_p": _FLOAT, "max_tokens": _INT,
                    "seed": _INT, "stop": _STRINGS, "stop_token_ids": _INTS, "ignore_eos": _BOOL,
                    "repetition_penalty": _FLOAT, "frequency_penalty": _FLOAT, "presence_penalty": _FLOAT,
-                   "skip_special_tokens": _BOOL}
+                   "skip_special_tokens": _BOOL, "min_tokens": _INT}
 """The vLLM sampling parameters accepted (same names as SamplingParams' fields), by what each must be."""
 
 

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from tests.factories import assert_pool_idle, hf_greedy
+from tests.factories import _hf_model, assert_pool_idle, hf_greedy
 from splitserve.common.errors import InvalidRequestError
 from splitserve.engine import LLM, EngineConfig, EngineCore, SamplingParams
 from splitserve.testing.workloads import GreedyCase
@@ -200,3 +200,33 @@ def test_stream_yields_deltas_that_add_up(llm):
     assert [t for d in deltas for t in d.new_token_ids] == full.token_ids
     assert "".join(d.text_delta for d in deltas) == full.text
     assert [d.finished for d in deltas] == [False] * 11 + [True]
+
+
+def test_min_tokens_bans_stop_tokens_until_reached_like_transformers(llm, tiny_llama_dir):
+    full = llm.generate(PROMPT, greedy(20))[0]
+    stop_token = full.token_ids[0]  # greedy would stop at once
+    output = llm.generate(PROMPT, greedy(20, stop_token_ids=[stop_token], min_tokens=4))[0]
+    model = _hf_model(tiny_llama_dir)
+    with torch.inference_mode():
+        expected = model.generate(torch.tensor([full.prompt_token_ids]), max_new_tokens=20, min_new_tokens=4,
+                                  eos_token_id=stop_token, do_sample=False, pad_token_id=0)
+    assert output.token_ids == expected[0, len(full.prompt_token_ids):].tolist()
+    assert stop_token not in output.token_ids[:4] and len(output.token_ids) > 4
+
+
+def test_min_tokens_defers_eos_and_stop_strings(tiny_llama_dir):
+    engine = EngineCore(tiny_llama_dir, EngineConfig(block_size=16, num_kv_blocks=64, max_model_len=256))
+    probe = _run(engine, {"probe": ([5, 6, 7, 8], greedy(20))})["probe"]
+    engine.eos_token_ids = frozenset({probe[0]})
+    outputs = _run(engine, {"eos": ([5, 6, 7, 8], SamplingParams(temperature=0.0, max_tokens=20, min_tokens=3))})
+    assert probe[0] not in outputs["eos"][:3] and len(outputs["eos"]) >= 3
+    assert_pool_idle(engine.block_manager)
+
+
+def test_stop_strings_count_only_from_min_tokens(llm):
+    full = llm.generate(PROMPT, greedy(30))[0]
+    stop = full.text[:2]  # found in the first token's text without min_tokens
+    assert llm.generate(PROMPT, greedy(30, stop=[stop]))[0].text == ""
+    output = llm.generate(PROMPT, greedy(30, stop=[stop], min_tokens=5))[0]
+    assert len(output.token_ids) >= 5 and output.token_ids == full.token_ids[:len(output.token_ids)]
+    assert full.text.startswith(output.text) and output.text.startswith(stop)

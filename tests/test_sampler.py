@@ -507,3 +507,14 @@ def test_long_vocab_rows_equal_the_reference_and_do_not_depend_on_the_batch(torc
     probs = filtered_probs(logits, params)
     for index, row_params in enumerate(params):
         assert torch.equal(filtered_probs(logits[index:index + 1], [row_params])[0], probs[index])
+
+
+def test_banned_tokens_are_never_sampled_greedy_or_not():
+    logits = torch.tensor([[0.0, 5.0, 4.0, 1.0], [0.0, 5.0, 4.0, 1.0]])
+    greedy = make_sampling_row(SamplingParams(temperature=0.0))
+    banned = SamplingRow(greedy.params, [], 0, greedy.generator, banned_token_ids=(1, 2))
+    assert Sampler()(logits, [greedy, banned]).token_ids == [1, 3]
+    hot = make_sampling_row(SamplingParams(temperature=5.0, seed=3))
+    rows = [SamplingRow(hot.params, [], 0, torch.Generator().manual_seed(seed), banned_token_ids=(1, 2))
+            for seed in range(50)]
+    assert set(Sampler()(logits[:1].expand(50, 4), rows).token_ids) == {0, 3}

@@ -26,6 +26,7 @@ INVALID = [
     ("stop", [""]), ("stop", ""), ("stop", ["ok", ""]), ("stop", [3]), ("stop", None), ("stop", 3),
     ("stop_token_ids", [-1]), ("stop_token_ids", [1, -1]), ("stop_token_ids", ["a"]), ("stop_token_ids", [True]),
     ("stop_token_ids", [1.0]), ("stop_token_ids", None), ("stop_token_ids", 5),
+    ("min_tokens", -1), ("min_tokens", 17), ("min_tokens", True), ("min_tokens", 1.0), ("min_tokens", None),
     # ints beyond a float's range (a JSON body may carry any integer): rejected, not an OverflowError
     ("temperature", 10**400), ("top_p", 10**309), ("min_p", -10**400), ("repetition_penalty", 10**309),
     ("frequency_penalty", 10**400), ("presence_penalty", -10**309),
@@ -77,6 +78,7 @@ VALID_EDGES = [
     ("logprobs", None), ("logprobs", 0), ("logprobs", MAX_LOGPROBS),
     ("seed", None), ("seed", 0), ("seed", -1), ("seed", -2**63), ("seed", 2**64 - 1),
     ("stop_token_ids", (0,)),
+    ("min_tokens", 0), ("min_tokens", 16),
 ]
 
 
@@ -90,7 +92,7 @@ def test_defaults():
     assert (params.temperature, params.top_k, params.top_p, params.min_p) == (1.0, -1, 1.0, 0.0)
     assert (params.repetition_penalty, params.frequency_penalty, params.presence_penalty) == (1.0, 0.0, 0.0)
     assert (params.seed, params.stop, params.stop_token_ids, params.max_tokens) == (None, (), (), 16)
-    assert (params.ignore_eos, params.logprobs, params.skip_special_tokens) == (False, None, True)
+    assert (params.ignore_eos, params.logprobs, params.skip_special_tokens, params.min_tokens) == (False, None, True, 0)
     assert not params.is_greedy and params.effective_top_k == 0
 
 

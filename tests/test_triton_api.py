@@ -293,7 +293,7 @@ def test_cancelling_the_stream_aborts_its_requests(served):
                                     "double quotes: line 1 column 2 (char 1)"),
     (_inputs(sampling="[1]"), "sampling_parameters: must be a JSON object, got '[1]'"),
     (_inputs(sampling={"temprature": 0}), "sampling_parameters: unknown sampling parameter 'temprature'; supported: "
-                                          "frequency_penalty, ignore_eos, max_tokens, min_p, presence_penalty, "
+                                          "frequency_penalty, ignore_eos, max_tokens, min_p, min_tokens, presence_penalty, "
                                           "repetition_penalty, seed, skip_special_tokens, stop, stop_token_ids, "
                                           "temperature, top_k, top_p"),
     (_inputs(sampling={"temperature": -1}), "temperature: must be a finite number >= 0, got -1.0"),
@@ -384,7 +384,7 @@ def test_typed_contents_are_read_like_raw_contents():
     ({"inputs": [_tensor("text_input", "BYTES", bytes_contents=[b"a"])],
       "parameters": {"n": ipb.InferParameter(int64_param=2)}},
      "parameters: unknown sampling parameter 'n'; supported: frequency_penalty, ignore_eos, max_tokens, min_p, "
-     "presence_penalty, repetition_penalty, seed, skip_special_tokens, stop, stop_token_ids, temperature, top_k, "
+     "min_tokens, presence_penalty, repetition_penalty, seed, skip_special_tokens, stop, stop_token_ids, temperature, top_k, "
      "top_p"),
 ])
 def test_malformed_tensors_are_refused_naming_the_input(fields, message):
