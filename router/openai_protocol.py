@@ -18,14 +18,16 @@ from splitserve.common.errors import InvalidRequestError
 from splitserve.common.sampling_params import MAX_LOGPROBS, SamplingParams
 from splitserve.common.token_logprobs import TokenLogprobs
 from splitserve.router.api_types import StreamChunk, Usage
+from splitserve.router.openai_fields import CHAT_REFUSED, COMPLETION_REFUSED, refuse_unsupported
 from splitserve.router.request_limits import RequestLimits, utf8_length
+from splitserve.router.tokenizer import ChatTemplateOptions
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 """max_tokens of a completion request that sets none (the OpenAI and vLLM default)."""
 MIN_LOGPROB = -9999.0
 """JSON has no -inf: a logprob below this is reported as this (what vLLM does)."""
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-                    "repetition_penalty", "seed", "stop_token_ids")
+                    "repetition_penalty", "seed", "stop_token_ids", "min_tokens")
 """Request fields passed to SamplingParams under the same name, validated there."""
 _BOOL_SAMPLING_FIELDS = ("ignore_eos", "skip_special_tokens")
 
@@ -52,6 +54,10 @@ class CompletionRequest:
     """stream_options.include_usage: a last stream chunk with usage and no choices."""
     tokens_as_ids: bool
     """return_tokens_as_token_ids (vLLM extension): logprob tokens read "token_id:<id>"."""
+    request_id: str
+    """The client's id for the request (vLLM extension; "" : the router makes one)."""
+    add_special_tokens: bool
+    """Add the tokenizer's special tokens (a BOS) to a text prompt (vLLM extension, default true)."""
 
 
 @dataclass(frozen=True)
@@ -67,6 +73,9 @@ class ChatCompletionRequest:
     stream: bool
     include_usage: bool
     tokens_as_ids: bool
+    request_id: str
+    template: ChatTemplateOptions
+    """vLLM's chat extensions: continue_final_message, documents, chat_template_kwargs, add_special_tokens."""
 
 
 # ---- parsing --------------------------------------------------------------------------------
@@ -79,14 +88,6 @@ def _typed(body: Mapping[str, Any], name: str, kind: type, what: str, default: A
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
         raise InvalidRequestError(name, f"must be {what}, got {value!r}")
     return value
-
-
-def _reject_unsupported(body: Mapping[str, Any], names: Sequence[str]) -> None:
-    """Fields splitserve does not implement are refused when set, never silently ignored."""
-    for name in names:
-        value = body.get(name)
-        if value not in (None, False, "", {}, []):
-            raise InvalidRequestError(name, f"is not supported by this server (got {value!r})")
 
 
 def _require_one(body: Mapping[str, Any], name: str) -> None:
@@ -166,16 +167,23 @@ def _prompt(body: Mapping[str, Any], limits: RequestLimits) -> str | tuple[int, 
     raise InvalidRequestError("prompt", "must be a string or a non-empty list of token ids")
 
 
+def _request_id(body: Mapping[str, Any], limits: RequestLimits) -> str:
+    request_id = _typed(body, "request_id", str, "a string", "")
+    limits.check_request_id(request_id, "request_id")
+    return request_id
+
+
 def parse_completion_request(body: Mapping[str, Any], limits: RequestLimits) -> CompletionRequest:
     _require_one(body, "n")
     _require_one(body, "best_of")
-    _reject_unsupported(body, ("echo", "suffix", "logit_bias"))
+    refuse_unsupported(body, COMPLETION_REFUSED)
     logprobs = _typed(body, "logprobs", int, f"an integer in [0, {MAX_LOGPROBS}]")
     max_tokens, max_tokens_param = _max_tokens(body, ("max_tokens",), COMPLETION_DEFAULT_MAX_TOKENS)
     stream, include_usage = _stream_flags(body)
     sampling = _sampling(body, max_tokens, max_tokens_param, logprobs, limits)
     return CompletionRequest(_model(body), _prompt(body, limits), sampling, max_tokens_param, stream, include_usage,
-                             _typed(body, "return_tokens_as_token_ids", bool, "a boolean", False))
+                             _typed(body, "return_tokens_as_token_ids", bool, "a boolean", False),
+                             _request_id(body, limits), _typed(body, "add_special_tokens", bool, "a boolean", True))
 
 
 def _content(value: Any, field: str) -> str:
@@ -222,12 +230,30 @@ def _chat_logprobs(body: Mapping[str, Any]) -> int | None:
 
 def _check_chat_options(body: Mapping[str, Any]) -> None:
     _require_one(body, "n")
-    _reject_unsupported(body, ("tools", "functions", "logit_bias", "audio"))
+    refuse_unsupported(body, CHAT_REFUSED)
     if body.get("tool_choice") not in (None, "none", "auto"):
         raise InvalidRequestError("tool_choice", f"tool calling is not supported (got {body['tool_choice']!r})")
-    response_format = body.get("response_format")
-    if response_format not in (None, {"type": "text"}):
-        raise InvalidRequestError("response_format", f"only {{\"type\": \"text\"}} is supported, got {response_format!r}")
+
+
+def _documents(body: Mapping[str, Any]) -> tuple[Mapping[str, str], ...] | None:
+    documents = _typed(body, "documents", list, "a list of objects of strings")
+    if documents is None:
+        return None
+    for index, document in enumerate(documents):
+        if not (isinstance(document, dict) and all(isinstance(v, str) for v in document.values())):
+            raise InvalidRequestError(f"documents[{index}]", f"must be an object of strings, got {document!r}")
+    return tuple(documents)
+
+
+def parse_chat_template_options(body: Mapping[str, Any], add_generation_prompt: bool) -> ChatTemplateOptions:
+    """vLLM's chat template extensions (also taken by /tokenize)."""
+    continue_final = _typed(body, "continue_final_message", bool, "a boolean", False)
+    if continue_final and add_generation_prompt:
+        raise InvalidRequestError("continue_final_message", "cannot be true while add_generation_prompt is true "
+                                                            "(set add_generation_prompt to false)")
+    kwargs = _typed(body, "chat_template_kwargs", dict, "an object", {})
+    return ChatTemplateOptions(continue_final, _documents(body), kwargs,
+                               _typed(body, "add_special_tokens", bool, "a boolean", False))
 
 
 def parse_chat_request(body: Mapping[str, Any], limits: RequestLimits) -> ChatCompletionRequest:
@@ -235,12 +261,69 @@ def parse_chat_request(body: Mapping[str, Any], limits: RequestLimits) -> ChatCo
     (the engine ends it there with finish_reason "length"), as in vLLM."""
     _check_chat_options(body)
     messages = _messages(body, limits)
+    add_generation_prompt = _typed(body, "add_generation_prompt", bool, "a boolean", True)
+    template = parse_chat_template_options(body, add_generation_prompt)
     max_tokens, max_tokens_param = _max_tokens(body, ("max_completion_tokens", "max_tokens"), limits.max_model_len)
     stream, include_usage = _stream_flags(body)
     sampling = _sampling(body, max_tokens, max_tokens_param, _chat_logprobs(body), limits)
     return ChatCompletionRequest(
-        _model(body), messages, _typed(body, "add_generation_prompt", bool, "a boolean", True), sampling,
-        max_tokens_param, stream, include_usage, _typed(body, "return_tokens_as_token_ids", bool, "a boolean", False))
+        _model(body), messages, add_generation_prompt, sampling, max_tokens_param, stream, include_usage,
+        _typed(body, "return_tokens_as_token_ids", bool, "a boolean", False), _request_id(body, limits), template)
+
+
+@dataclass(frozen=True)
+class TokenizeRequest:
+    """POST /tokenize (vLLM's): a completion's prompt, or a chat's messages."""
+
+    model: str | None
+    prompt: str
+    """The text to tokenize ("" for a chat)."""
+    messages: tuple[ChatMessage, ...] | None
+    """The chat to render and tokenize; None for a prompt."""
+    add_generation_prompt: bool
+    template: ChatTemplateOptions
+    add_special_tokens: bool
+    """For a prompt (default true); a chat's is template.add_special_tokens (default false)."""
+    return_token_strs: bool
+    """Also return each token's vocabulary entry."""
+
+
+_TOKENIZE_REFUSED = tuple(rule for rule in CHAT_REFUSED if rule.name in ("tools", "chat_template",
+                                                                         "mm_processor_kwargs", "media_io_kwargs"))
+
+
+def parse_tokenize_request(body: Mapping[str, Any], limits: RequestLimits) -> TokenizeRequest:
+    refuse_unsupported(body, _TOKENIZE_REFUSED)
+    return_token_strs = _typed(body, "return_token_strs", bool, "a boolean", False)
+    if "messages" in body:
+        add_generation_prompt = _typed(body, "add_generation_prompt", bool, "a boolean", True)
+        template = parse_chat_template_options(body, add_generation_prompt)
+        return TokenizeRequest(_model(body), "", _messages(body, limits), add_generation_prompt, template,
+                               template.add_special_tokens, return_token_strs)
+    prompt = body.get("prompt")
+    if not isinstance(prompt, str):
+        raise InvalidRequestError("prompt", f"must be a string (or send messages), got {prompt!r}")
+    limits.check_prompt_bytes(utf8_length(prompt), "prompt")
+    return TokenizeRequest(_model(body), prompt, None, False, ChatTemplateOptions(),
+                           _typed(body, "add_special_tokens", bool, "a boolean", True), return_token_strs)
+
+
+@dataclass(frozen=True)
+class DetokenizeRequest:
+    """POST /detokenize (vLLM's)."""
+
+    model: str | None
+    tokens: tuple[int, ...]
+
+
+def parse_detokenize_request(body: Mapping[str, Any], limits: RequestLimits) -> DetokenizeRequest:
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list):
+        raise InvalidRequestError("tokens", f"must be a list of token ids, got {tokens!r}")
+    limits.check_prompt_token_count(len(tokens), "tokens")
+    if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < limits.vocab_size for t in tokens):
+        raise InvalidRequestError("tokens", f"must be token ids in [0, {limits.vocab_size})")
+    return DetokenizeRequest(_model(body), tuple(tokens))
 
 
 # ---- rendering ------------------------------------------------------------------------------
@@ -268,6 +351,9 @@ class ResponseHeader:
     created: int
     """Unix seconds."""
     model: str
+    system_fingerprint: str
+    """Identifies the serving configuration (version, model, KV layout): equal fingerprints, and
+    a seed, mean reproducible output (the OpenAI meaning)."""
 
 
 class _Renderer(ABC):
@@ -286,7 +372,8 @@ class _Renderer(ABC):
 
     def _envelope(self, object_name: str, choices: list[dict]) -> dict:
         h = self.header
-        return {"id": h.id, "object": object_name, "created": h.created, "model": h.model, "choices": choices}
+        return {"id": h.id, "object": object_name, "created": h.created, "model": h.model,
+                "system_fingerprint": h.system_fingerprint, "choices": choices}
 
     def _chunk(self, choice: dict) -> dict:
         body = self._envelope(self.chunk_object_name, [choice])

@@ -1,5 +1,6 @@
 """The router's OpenAI-compatible HTTP front: /v1/completions, /v1/chat/completions (JSON or
-server-sent events), /v1/models, /health, and optionally /metrics.
+server-sent events), /v1/models, vLLM's /tokenize, /detokenize and /version, /health, and
+optionally /metrics.
 
 A Starlette app served by uvicorn on the router's event loop, beside the gRPC server and over
 the same Orchestrator. Errors use the OpenAI error object with an HTTP status per cause:
@@ -16,6 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import hashlib
+import importlib.metadata
 import json
 import logging
 import socket
@@ -38,7 +42,8 @@ from splitserve.common.log_escape import quote_for_log
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.router.auth import check_authorization
 from splitserve.router.openai_protocol import (ChatRenderer, CompletionRenderer, ResponseHeader, error_body,
-                                               parse_chat_request, parse_completion_request)
+                                               parse_chat_request, parse_completion_request,
+                                               parse_detokenize_request, parse_tokenize_request)
 from splitserve.router.api_types import GenerationInput, RouterError, StreamChunk
 from splitserve.router.orchestrator import Orchestrator
 from splitserve.router.tls import TlsConfig, load_tls
@@ -47,6 +52,8 @@ from splitserve.router.tokenizer_pool import TokenizerPool
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
 
+SERVER_VERSION = importlib.metadata.version("splitserve")
+"""What /version reports: the installed distribution's version."""
 MAX_BODY_BYTES = 16 << 20
 """Largest request body accepted (the gRPC server's message limit too)."""
 _STATUS_BY_CODE = {"INVALID_ARGUMENT": 400, "RESOURCE_EXHAUSTED": 429, "UNAVAILABLE": 503, "DEADLINE_EXCEEDED": 504}
@@ -142,6 +149,41 @@ class OpenAIServing:
             return error.response()
         return JSONResponse(self._model_card())
 
+    async def version(self, request: Request) -> Response:
+        return JSONResponse({"version": SERVER_VERSION})
+
+    async def tokenize(self, request: Request) -> Response:
+        """vLLM's /tokenize: a completion's `prompt` or a chat's `messages` (through the chat
+        template, with the chat extensions) -> {count, max_model_len, tokens, token_strs}."""
+        try:
+            body = _object(await _read_json(request))
+            parsed = parse_tokenize_request(body, self.tokenizers.limits)
+            self._check_model(parsed.model)
+            if parsed.messages is None:
+                token_ids = await self.tokenizers.encode(parsed.prompt, parsed.add_special_tokens)
+            else:
+                messages = [{"role": m.role, "content": m.content} for m in parsed.messages]
+                token_ids = await self.tokenizers.apply_chat_template(messages, parsed.add_generation_prompt,
+                                                                      parsed.template)
+            strings = self.tokenizers.tokenizer.token_strings(token_ids) if parsed.return_token_strs else None
+            return JSONResponse({"count": len(token_ids), "max_model_len": self.orchestrator.max_model_len,
+                                 "tokens": list(token_ids), "token_strs": strings})
+        except ClientDisconnected:
+            return Response(status_code=CLIENT_CLOSED_STATUS)
+        except Exception as error:
+            return ApiError.of(error).response()
+
+    async def detokenize(self, request: Request) -> Response:
+        """vLLM's /detokenize: {tokens} -> {prompt}, the text of the ids (special tokens kept)."""
+        try:
+            parsed = parse_detokenize_request(_object(await _read_json(request)), self.tokenizers.limits)
+            self._check_model(parsed.model)
+            return JSONResponse({"prompt": self.tokenizers.tokenizer.decode(parsed.tokens, skip_special_tokens=False)})
+        except ClientDisconnected:
+            return Response(status_code=CLIENT_CLOSED_STATUS)
+        except Exception as error:
+            return ApiError.of(error).response()
+
     async def health(self, request: Request) -> Response:
         """200 while new requests can be served (Orchestrator.is_ready), else 503 saying why."""
         orchestrator = self.orchestrator
@@ -186,8 +228,9 @@ class OpenAIServing:
         parsed = parse_completion_request(_object(body), self.tokenizers.limits)
         self._check_model(parsed.model)
         prompt = parsed.prompt
-        token_ids = prompt if isinstance(prompt, tuple) else await self.tokenizers.encode(prompt)
-        inp = self._input(token_ids, parsed.sampling, parsed.max_tokens_param, "prompt")
+        token_ids = (prompt if isinstance(prompt, tuple)
+                     else await self.tokenizers.encode(prompt, parsed.add_special_tokens))
+        inp = self._input(token_ids, parsed.sampling, parsed.max_tokens_param, "prompt", parsed.request_id)
         renderer = CompletionRenderer(self._header("cmpl", inp), self._token_text(parsed.tokens_as_ids),
                                       parsed.include_usage, parsed.sampling.logprobs is not None)
         return _Job(inp, renderer, parsed.stream)
@@ -196,8 +239,8 @@ class OpenAIServing:
         parsed = parse_chat_request(_object(body), self.tokenizers.limits)
         self._check_model(parsed.model)
         messages = [{"role": m.role, "content": m.content} for m in parsed.messages]
-        token_ids = await self.tokenizers.apply_chat_template(messages, parsed.add_generation_prompt)
-        inp = self._input(token_ids, parsed.sampling, parsed.max_tokens_param, "messages")
+        token_ids = await self.tokenizers.apply_chat_template(messages, parsed.add_generation_prompt, parsed.template)
+        inp = self._input(token_ids, parsed.sampling, parsed.max_tokens_param, "messages", parsed.request_id)
         renderer = ChatRenderer(self._header("chatcmpl", inp), self._token_text(parsed.tokens_as_ids),
                                 parsed.include_usage, parsed.sampling.logprobs is not None)
         return _Job(inp, renderer, parsed.stream)
@@ -208,16 +251,25 @@ class OpenAIServing:
                            "model", "model_not_found")
 
     def _input(self, token_ids: tuple[int, ...], params: SamplingParams, max_tokens_param: str | None,
-               prompt_param: str) -> GenerationInput:
+               prompt_param: str, request_id: str) -> GenerationInput:
         """Check the prompt (`prompt_param`: the body field it came from) and, when the client set
-        max_tokens, that prompt + output fit the context."""
+        max_tokens, that prompt + output fit the context; `request_id`: the client's ("": new)."""
         self.orchestrator.validate_prompt(token_ids, prompt_param)
         self.tokenizers.limits.check_max_tokens(len(token_ids), params, max_tokens_param)
         deadline = None if self.request_timeout_s is None else time.monotonic() + self.request_timeout_s
-        return GenerationInput(self.orchestrator.new_request_id(""), token_ids, params, deadline)
+        return GenerationInput(self.orchestrator.new_request_id(request_id), token_ids, params, deadline)
 
     def _header(self, prefix: str, inp: GenerationInput) -> ResponseHeader:
-        return ResponseHeader(f"{prefix}-{inp.request_id}", int(time.time()), self.model_name)
+        return ResponseHeader(f"{prefix}-{inp.request_id}", int(time.time()), self.model_name,
+                              self.system_fingerprint)
+
+    @functools.cached_property
+    def system_fingerprint(self) -> str:
+        """`fp_` and a hash of what decides the output besides the request: the server's version
+        and the workers' KV layout (which names the model's fingerprint, dtype and block size)."""
+        layout = self.orchestrator.layout
+        digest = hashlib.sha256(f"{SERVER_VERSION}|{self.model_name}|{layout!r}".encode()).hexdigest()
+        return f"fp_{digest[:12]}"
 
     def _token_text(self, as_ids: bool) -> Callable[[int], str]:
         if as_ids:
@@ -335,16 +387,20 @@ class _AsgiRoute:
         await self.app(scope, receive, send)
 
 
+GUARDED_PATHS = frozenset({"/v1", "/tokenize", "/detokenize"})
+"""Paths outside /v1/ that need the API key: they run the tokenizer (vLLM leaves them open)."""
+
+
 class _ApiKeyGuard:
-    """Requires `Authorization: Bearer <key>` on /v1/* (401 with an OpenAI error object
-    otherwise); /health and /metrics stay open."""
+    """Requires `Authorization: Bearer <key>` on /v1/*, /tokenize and /detokenize (401 with an
+    OpenAI error object otherwise); /health, /version and /metrics stay open."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
         self._api_key = api_key
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and (scope["path"] == "/v1" or scope["path"].startswith("/v1/")):
+        if scope["type"] == "http" and (scope["path"] in GUARDED_PATHS or scope["path"].startswith("/v1/")):
             header = next((value for key, value in scope["headers"] if key == b"authorization"), None)
             reason = check_authorization(header, self._api_key)
             if reason is not None:
@@ -362,6 +418,9 @@ def build_app(serving: OpenAIServing, metrics_app: ASGIApp | None = None, api_ke
               Route("/v1/chat/completions", serving.chat_completions, methods=["POST"]),
               Route("/v1/models", serving.models, methods=["GET"]),
               Route("/v1/models/{model:path}", serving.model, methods=["GET"]),
+              Route("/tokenize", serving.tokenize, methods=["POST"]),
+              Route("/detokenize", serving.detokenize, methods=["POST"]),
+              Route("/version", serving.version, methods=["GET"]),
               Route("/health", serving.health, methods=["GET"])]
     if metrics_app is not None:
         routes.append(Route("/metrics", _AsgiRoute(metrics_app), methods=["GET"]))

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -195,6 +196,47 @@ def _validate_messages(messages: object) -> list[dict[str, str]]:
     return plain
 
 
+RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
+"""Template variables a request's chat_template_kwargs may not set (their own fields set them)."""
+
+
+@dataclass(frozen=True)
+class ChatTemplateOptions:
+    """How a chat request wants its template rendered, beyond add_generation_prompt (vLLM's
+    chat request extensions)."""
+
+    continue_final_message: bool = False
+    """Leave the last message open (no end-of-turn after it): the model continues it."""
+    documents: tuple[Mapping[str, str], ...] | None = None
+    """Retrieved documents for templates that render them (the `documents` variable)."""
+    template_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    """More template variables (e.g. enable_thinking); never one of RESERVED_TEMPLATE_VARIABLES."""
+    add_special_tokens: bool = False
+    """Also add the tokenizer's own special tokens (a BOS) to the rendered text."""
+
+    def __post_init__(self) -> None:
+        reserved = sorted(RESERVED_TEMPLATE_VARIABLES & self.template_kwargs.keys())
+        if reserved:
+            raise InvalidRequestError(f"chat_template_kwargs.{reserved[0]}", "is set by the request's own fields")
+
+
+DEFAULT_CHAT_OPTIONS = ChatTemplateOptions()
+
+
+def _open_final_message(text: str, final_content: str) -> str:
+    """`text` cut right after the last message's content, dropping what the template closes the
+    turn with (transformers' continue_final_message, including its handling of a template that
+    strips the message's trailing whitespace)."""
+    stripped = final_content.strip()
+    at = text.rfind(stripped)
+    if at < 0:
+        raise InvalidRequestError("continue_final_message", "the final message's content does not appear in "
+                                                            "the rendered chat")
+    if text[at:at + len(final_content.lstrip())] == final_content.lstrip():
+        return text[:at + len(final_content.lstrip())]
+    return text[:at + len(stripped)]
+
+
 NORMALIZER_SHRINK = 3
 """How many times shorter (in UTF-8 bytes) a normalizer can make text: NFC/NFKC compose up to three
 code points into one (Hangul jamo L+V+T, 9 bytes, into one 3-byte syllable), Lowercase maps the
@@ -260,32 +302,41 @@ class RouterTokenizer:
         """Whether apply_chat_template can work (else chat requests are rejected as invalid)."""
         return self._chat_template is not None
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of text, with the tokenizer's own special tokens (e.g. a BOS) added;
-        InvalidRequestError (field `prompt`) for text that is not valid Unicode."""
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of text, with the tokenizer's own special tokens (e.g. a BOS) added unless told
+        not to; InvalidRequestError (field `prompt`) for text that is not valid Unicode."""
         _check_unicode(text, "prompt")
-        return self.backend.encode_batch([text], add_special_tokens=True)[0].ids
+        return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
-    def render_chat_template(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True) -> str:
+    def render_chat_template(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True,
+                             options: ChatTemplateOptions = DEFAULT_CHAT_OPTIONS) -> str:
         """The chat as prompt text; InvalidRequestError for bad messages, no template, or a template's refusal."""
         if self._chat_template is None:
             raise InvalidRequestError("messages", f"model {self.name} has no chat template; "
                                                   "send a text prompt or token ids instead")
         plain = _validate_messages(messages)
+        variables = {**self.special_tokens, **options.template_kwargs}
         try:
-            return self._chat_template.render(messages=plain, tools=None, documents=None,
-                                              add_generation_prompt=add_generation_prompt, **self.special_tokens)
+            text = self._chat_template.render(messages=plain, tools=None, documents=options.documents,
+                                              add_generation_prompt=add_generation_prompt, **variables)
         except jinja2.TemplateError as error:  # raise_exception(...) and sandbox refusals
             raise InvalidRequestError("messages", f"rejected by the chat template: {error}") from error
+        return _open_final_message(text, plain[-1]["content"]) if options.continue_final_message else text
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, str]],
-                            add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of the rendered chat; the template writes every special token (none are added)."""
-        return self.encode_rendered(self.render_chat_template(messages, add_generation_prompt))
+    def apply_chat_template(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True,
+                            options: ChatTemplateOptions = DEFAULT_CHAT_OPTIONS) -> list[int]:
+        """Token ids of the rendered chat; the template writes every special token (none are
+        added unless options.add_special_tokens)."""
+        text = self.render_chat_template(messages, add_generation_prompt, options)
+        return self.encode(text, add_special_tokens=True) if options.add_special_tokens else self.encode_rendered(text)
 
     def encode_rendered(self, text: str) -> list[int]:
         """Token ids of a rendered chat (render_chat_template's text): no special tokens added."""
         return self.backend.encode_batch([text], add_special_tokens=False)[0].ids
+
+    def token_strings(self, ids: Sequence[int]) -> list[str]:
+        """Each id's vocabulary entry (`convert_ids_to_tokens`: "Ġthe", not " the")."""
+        return [self.backend.id_to_token(token_id) or "" for token_id in ids]
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of ids (no clean_up_tokenization_spaces: transformers 5's default, and what streaming emits)."""

@@ -20,7 +20,7 @@ from typing import TypeVar
 from splitserve.router.api_types import RouterError
 from splitserve.router.orchestrator import Orchestrator
 from splitserve.router.request_limits import RequestLimits, utf8_length
-from splitserve.router.tokenizer import RouterTokenizer
+from splitserve.router.tokenizer import DEFAULT_CHAT_OPTIONS, ChatTemplateOptions, RouterTokenizer
 
 T = TypeVar("T")
 INLINE_MAX_CHARS = 1024
@@ -60,29 +60,32 @@ class TokenizerPool:
                                          tokenizer.max_bytes_per_token, max_prompt_bytes)
         return cls(tokenizer, limits, orchestrator.count_rejection, num_threads, max_pending)
 
-    async def encode(self, text: str) -> tuple[int, ...]:
-        """Token ids of a text prompt (InvalidRequestError `prompt` if it is not valid Unicode)."""
+    async def encode(self, text: str, add_special_tokens: bool = True) -> tuple[int, ...]:
+        """Token ids of a text prompt, with the tokenizer's special tokens (a BOS) unless told not
+        to (InvalidRequestError `prompt` if it is not valid Unicode)."""
         if len(text) <= INLINE_MAX_CHARS:
-            return tuple(self.tokenizer.encode(text))
-        return tuple(await self._in_thread(self.tokenizer.encode, text))
+            return tuple(self.tokenizer.encode(text, add_special_tokens))
+        return tuple(await self._in_thread(self.tokenizer.encode, text, add_special_tokens))
 
-    async def apply_chat_template(self, messages: Sequence[Mapping[str, str]],
-                                  add_generation_prompt: bool) -> tuple[int, ...]:
+    async def apply_chat_template(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool,
+                                  options: ChatTemplateOptions = DEFAULT_CHAT_OPTIONS) -> tuple[int, ...]:
         """Token ids of the rendered chat; InvalidRequestError `messages` when the rendered prompt is
         over RequestLimits.max_prompt_bytes (found before encoding it)."""
         size = sum(len(message["content"]) for message in messages)
         if size <= INLINE_MAX_CHARS and len(messages) <= INLINE_MAX_MESSAGES:
-            return tuple(self._chat(messages, add_generation_prompt))
-        return tuple(await self._in_thread(self._chat, messages, add_generation_prompt))
+            return tuple(self._chat(messages, add_generation_prompt, options))
+        return tuple(await self._in_thread(self._chat, messages, add_generation_prompt, options))
 
     def close(self) -> None:
         """Drop queued jobs and let running ones end on their own (no new jobs afterwards)."""
         self._executor.shutdown(wait=False, cancel_futures=True)
 
-    def _chat(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool) -> list[int]:
-        text = self.tokenizer.render_chat_template(messages, add_generation_prompt)
+    def _chat(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool,
+              options: ChatTemplateOptions) -> list[int]:
+        text = self.tokenizer.render_chat_template(messages, add_generation_prompt, options)
         self.limits.check_prompt_bytes(utf8_length(text), "messages")
-        return self.tokenizer.encode_rendered(text)
+        return self.tokenizer.encode(text, add_special_tokens=True) if options.add_special_tokens \
+            else self.tokenizer.encode_rendered(text)
 
     async def _in_thread(self, work: Callable[..., T], *args: object) -> T:
         if not self._reserve():

@@ -270,11 +270,12 @@ class ServedApis:
 
 @contextmanager
 def served_apis(model_dir: Path, model_name: str, api_key: str | None = None,
-                served_class: type[ServedApis] = ServedApis, tls=None, **cluster_options):
+                served_class: type[ServedApis] = ServedApis, tls=None, aliases: tuple[str, ...] = (),
+                **cluster_options):
     """Start the cluster (InProcessCluster options: routing, slo, ...) and the router's servers as
     the local launcher does (deploy/router_app.py: gRPC and HTTP on free loopback ports over one
     TokenizerPool, the router's metrics on the HTTP API; over TLS with a router.tls.TlsConfig);
-    everything is stopped on the way out."""
+    everything is stopped on the way out. Requests may also name the model by `aliases`."""
     from splitserve.common.slo import SloConfig
     from splitserve.deploy.cluster_config import RouterConfig
     from splitserve.deploy.router_app import start_servers
@@ -285,7 +286,8 @@ def served_apis(model_dir: Path, model_name: str, api_key: str | None = None,
     cluster = InProcessCluster(model_dir, observer=metrics.observe, **cluster_options)
     loop.run(cluster.__aenter__())
     config = RouterConfig(grpc_port=0, http_port=0, metrics_port=None, tls=tls)
-    servers = loop.run(start_servers(cluster.orchestrator, cluster.tokenizer, config, model_name, metrics, api_key))
+    servers = loop.run(start_servers(cluster.orchestrator, cluster.tokenizer, config, model_name, metrics, api_key,
+                                     aliases))
     try:
         yield served_class(cluster, loop, servers.http.port, servers.grpc.port, servers.grpc, servers.tokenizers)
     finally:

@@ -388,7 +388,8 @@ def test_a_full_tokenization_pool_refuses_and_a_cancelled_job_frees_its_place(ti
     gate = threading.Event()
     real_encode = tokenizer.encode
     # The pool's jobs (long prompts) block their thread until the gate opens, and encode 5 characters.
-    tokenizer.encode = lambda text: (len(text) > INLINE_MAX_CHARS and gate.wait(30), real_encode(text[:5]))[1]
+    tokenizer.encode = lambda text, add_special_tokens=True: (len(text) > INLINE_MAX_CHARS and gate.wait(30),
+                                                          real_encode(text[:5]))[1]
     rejections: list[str] = []
     pool = TokenizerPool(tokenizer, make_request_limits(), rejections.append, num_threads=1, max_pending=2)
     long_text = "the river runs " * 100  # 1500 characters: the pool's work

@@ -1,0 +1,132 @@
+"""What the OpenAI front does with every request field of vLLM's completion and chat request
+models: the fields it implements, and the ones it refuses (400 naming the field) when they ask
+for anything but their default. Never silently ignored.
+
+A field in neither table is not one of vLLM's (nor one of the OpenAI fields listed here): it is
+ignored, as vLLM ignores fields its request models do not declare, so clients that send extra
+fields keep working. tests/test_openai_fields.py holds vLLM's field lists and checks that each
+one is in a table here.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from splitserve.common.errors import InvalidRequestError
+
+COMMON_HANDLED = frozenset({
+    "model", "frequency_penalty", "presence_penalty", "logprobs", "max_tokens", "n", "seed", "stop", "stream",
+    "stream_options", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "stop_token_ids",
+    "ignore_eos", "min_tokens", "skip_special_tokens", "add_special_tokens", "return_tokens_as_token_ids",
+    "request_id",
+    # No effect on the output, by definition: an end-user id for abuse monitoring and a session
+    # id that only steers routing (vLLM ignores both too); render-endpoint options that vLLM
+    # itself ignores on the generation endpoints.
+    "user", "session_id", "return_token_offsets", "return_mm_kwargs",
+})
+"""Fields both endpoints implement (n only as 1)."""
+COMPLETION_HANDLED = COMMON_HANDLED | {"prompt", "best_of"}
+CHAT_HANDLED = COMMON_HANDLED | {"messages", "top_logprobs", "max_completion_tokens", "tool_choice",
+                                 "add_generation_prompt", "continue_final_message", "chat_template_kwargs",
+                                 "documents",
+                                 "parallel_tool_calls"}  # moot: tools are refused
+
+
+@dataclass(frozen=True)
+class Refused:
+    """A field this server does not implement: any value but `accepted` (and null) is a 400."""
+
+    name: str
+    accepted: tuple[Any, ...]
+    """Values that ask for nothing: the field's default (and its equivalents)."""
+    reason: str
+    """Why it is refused, for the error message."""
+
+    def check(self, body: Mapping[str, Any]) -> None:
+        value = body.get(self.name)
+        if value is None or any(value == ok and type(value) is type(ok) for ok in self.accepted):
+            return
+        raise InvalidRequestError(self.name, f"is not supported by this server: {self.reason} (got "
+                                             f"{_json_excerpt(value)})")
+
+
+def _json_excerpt(value: Any, max_chars: int = 64) -> str:
+    """The client's value as JSON, cut (a refused field may hold a whole JSON schema)."""
+    text = json.dumps(value, ensure_ascii=True, default=str)
+    return text if len(text) <= max_chars else f"{text[:max_chars]}...(+{len(text) - max_chars} chars)"
+
+
+_STRUCTURED = "structured output (a grammar engine) is not implemented yet"
+_ONE_SEQUENCE = "one sequence per request (send several requests, with different seeds)"
+_NOT_IMPLEMENTED = "not implemented"
+_NO_TOOLS = "no tool calling"
+_TEXT_ONLY = "text models only"
+_OFF = (False,)
+_EMPTY = ([], {})
+
+
+def _structured(*names: str) -> tuple[Refused, ...]:
+    return tuple(Refused(name, (), _STRUCTURED) for name in names)
+
+
+COMMON_REFUSED = (
+    *_structured("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                 "guided_decoding_backend", "guided_whitespace_pattern", "structural_tag"),
+    Refused("response_format", ({"type": "text"},), _STRUCTURED + "; only {\"type\": \"text\"} is accepted"),
+    Refused("use_beam_search", _OFF, _ONE_SEQUENCE),
+    Refused("length_penalty", (1.0, 1), "it only applies to beam search, which is not implemented"),
+    Refused("logit_bias", _EMPTY, _NOT_IMPLEMENTED),
+    Refused("allowed_token_ids", (), _NOT_IMPLEMENTED),
+    Refused("bad_words", ([],), _NOT_IMPLEMENTED),
+    Refused("logprob_token_ids", (), _NOT_IMPLEMENTED),
+    Refused("prompt_logprobs", (), _NOT_IMPLEMENTED),
+    Refused("include_stop_str_in_output", _OFF, _NOT_IMPLEMENTED),
+    Refused("spaces_between_special_tokens", (True,), _NOT_IMPLEMENTED),
+    Refused("truncate_prompt_tokens", (), _NOT_IMPLEMENTED),
+    Refused("truncation_side", (), _NOT_IMPLEMENTED),
+    Refused("watermarking", _OFF, _NOT_IMPLEMENTED),
+    Refused("repetition_detection", (), _NOT_IMPLEMENTED),
+    Refused("thinking_token_budget", (-1,), "no reasoning parser"),
+    Refused("priority", (0,), "no priority scheduling"),
+    Refused("cache_salt", (), "the prefix cache is not salted per request"),
+    Refused("kv_transfer_params", _EMPTY, "KV transfer is the cluster's own"),
+    Refused("ec_transfer_params", _EMPTY, _NOT_IMPLEMENTED),
+    Refused("vllm_xargs", _EMPTY, "no custom extensions"),
+    Refused("logits_processors", ([],), "no custom extensions"),
+    Refused("stream_interval", (1,), "every engine step's tokens are streamed at once"),
+    Refused("return_token_ids", _OFF, _NOT_IMPLEMENTED),
+    Refused("routed_experts_prompt_start", (0,), "no mixture-of-experts models"),
+    Refused("prompt_embeds", (), _TEXT_ONLY),
+    Refused("mm_processor_kwargs", _EMPTY, _TEXT_ONLY),
+)
+COMPLETION_REFUSED = (
+    *COMMON_REFUSED,
+    Refused("echo", _OFF, _NOT_IMPLEMENTED),
+    Refused("suffix", ("",), _NOT_IMPLEMENTED),
+)
+CHAT_REFUSED = (
+    *COMMON_REFUSED,
+    Refused("echo", _OFF, _NOT_IMPLEMENTED),
+    Refused("tools", ([],), _NO_TOOLS),
+    Refused("functions", ([],), _NO_TOOLS),
+    Refused("function_call", ("none", "auto"), _NO_TOOLS),
+    Refused("reasoning_effort", (), "no reasoning parser"),
+    Refused("include_reasoning", (True,), "no reasoning parser: the output is never split"),
+    Refused("chat_template", (), "a request may not bring its own template (start the server with "
+                                 "--chat-template)"),
+    Refused("return_prompt_text", _OFF, _NOT_IMPLEMENTED),
+    Refused("media_io_kwargs", _EMPTY, _TEXT_ONLY),
+    Refused("audio", (), _TEXT_ONLY),
+    Refused("modalities", (["text"],), _TEXT_ONLY),
+    Refused("prediction", (), _NOT_IMPLEMENTED),
+    Refused("web_search_options", (), _NOT_IMPLEMENTED),
+)
+
+
+def refuse_unsupported(body: Mapping[str, Any], refused: tuple[Refused, ...]) -> None:
+    """InvalidRequestError naming the first refused field the body sets to something else than its default."""
+    for rule in refused:
+        rule.check(body)

@@ -1,0 +1,206 @@
+"""vLLM's additions to the OpenAI API: /tokenize, /detokenize, /version, system_fingerprint,
+--served-model-name aliases, and the request extensions implemented here (min_tokens,
+continue_final_message, chat_template_kwargs, documents, request_id, add_special_tokens)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import openai
+import pytest
+
+from splitserve.proto.splitserve.v1 import generation_pb2 as pb
+from splitserve.router.openai_server import SERVER_VERSION
+from tests.factories import ServedApis, http_request, served_apis, stream_tokens
+
+MODEL = "tiny-llama"
+ALIAS = "tiny-alias"
+PROMPT = "The river runs by the old mill"
+TEMPLATE = ("{% for document in documents or [] %}[doc {{ document['title'] }}]{% endfor %}"
+            "{% if greeting is defined %}{{ greeting }}|{% endif %}"
+            "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+"""ChatML that also renders documents and an optional `greeting` variable."""
+
+
+class Served(ServedApis):
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"http://127.0.0.1:{self.http_port}/v1", api_key="none", max_retries=0,
+                             timeout=60)
+
+    def post(self, path: str, body: dict) -> tuple[int, dict]:
+        status, _, raw = http_request(self.http_port, "POST", path, json.dumps(body).encode())
+        return status, json.loads(raw)
+
+
+@pytest.fixture(scope="module")
+def served(tiny_llama_dir, tmp_path_factory):
+    model_dir = shutil.copytree(tiny_llama_dir, tmp_path_factory.mktemp("model") / "m")
+    (model_dir / "chat_template.jinja").write_text(TEMPLATE)
+    with served_apis(model_dir, MODEL, served_class=Served, aliases=(ALIAS,)) as served:
+        yield served
+
+
+# ---- /tokenize, /detokenize, /version -----------------------------------------------------
+
+def test_tokenize_detokenize_round_trip_and_the_sdk_takes_the_ids(served):
+    tokenizer = served.cluster.tokenizer
+    status, body = served.post("/tokenize", {"model": MODEL, "prompt": PROMPT, "return_token_strs": True})
+    ids = tokenizer.encode(PROMPT)
+    assert status == 200
+    assert body == {"count": len(ids), "max_model_len": served.cluster.orchestrator.max_model_len, "tokens": ids,
+                    "token_strs": [tokenizer.backend.id_to_token(t) for t in ids]}
+    assert served.post("/detokenize", {"model": MODEL, "tokens": ids}) == (200, {"prompt": PROMPT})
+    client = served.client()
+    by_ids = client.completions.create(model=MODEL, prompt=body["tokens"], max_tokens=8, temperature=0)
+    by_text = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0)
+    assert by_ids.choices[0].text == by_text.choices[0].text
+    assert by_ids.usage.prompt_tokens == body["count"]
+
+
+def test_tokenize_a_chat_as_the_chat_endpoint_would(served):
+    messages = [{"role": "user", "content": "Hello"}]
+    status, body = served.post("/tokenize", {"messages": messages})
+    expected = served.cluster.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    assert status == 200 and body["tokens"] == expected and body["token_strs"] is None
+    chat = served.client().chat.completions.create(model=MODEL, messages=messages, max_tokens=2)
+    assert chat.usage.prompt_tokens == body["count"]
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    ("/tokenize", {"prompt": 5}, "prompt"),
+    ("/tokenize", {"prompt": "x", "tools": [{"type": "function"}]}, "tools"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "x"}], "continue_final_message": True}, "continue_final_message"),
+    ("/detokenize", {"tokens": [1, -1]}, "tokens"),
+    ("/detokenize", {"tokens": [10**6]}, "tokens"),
+    ("/detokenize", {"tokens": "abc"}, "tokens"),
+])
+def test_bad_tokenize_requests_are_400_naming_the_field(served, path, body, param):
+    status, reply = served.post(path, body)
+    assert status == 400 and reply["error"]["param"] == param
+
+
+def test_tokenize_knows_the_served_names(served):
+    assert served.post("/tokenize", {"model": ALIAS, "prompt": "x"})[0] == 200
+    status, reply = served.post("/detokenize", {"model": "other", "tokens": [1]})
+    assert (status, reply["error"]["code"]) == (404, "model_not_found")
+
+
+def test_version(served):
+    status, _, body = http_request(served.http_port, "GET", "/version")
+    assert (status, json.loads(body)) == (200, {"version": SERVER_VERSION}) and SERVER_VERSION == "0.1.0"
+
+
+# ---- responses ----------------------------------------------------------------------------
+
+def test_system_fingerprint_in_every_response_and_chunk(served):
+    client = served.client()
+    completion = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3)
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, stream=True,
+                                            stream_options={"include_usage": True}))
+    fingerprints = {completion.system_fingerprint, chat.system_fingerprint, *(c.system_fingerprint for c in chunks)}
+    assert fingerprints == {served.post("/v1/completions", {"prompt": "x", "max_tokens": 1})[1]["system_fingerprint"]}
+    (fingerprint,) = fingerprints
+    assert fingerprint.startswith("fp_") and len(fingerprint) == 15
+
+
+def test_served_model_names(served):
+    client = served.client()
+    assert [model.id for model in client.models.list()] == [MODEL]
+    completion = client.completions.create(model=ALIAS, prompt=PROMPT, max_tokens=2)
+    assert completion.model == MODEL
+    with pytest.raises(openai.NotFoundError) as error:
+        client.completions.create(model="other", prompt=PROMPT, max_tokens=2)
+    assert error.value.body["message"] == f"The model `other` does not exist; this server serves `{MODEL}`."
+    token_ids, _, _ = stream_tokens(served.grpc_port, pb.GenerateRequest(
+        model=ALIAS, text=PROMPT.encode(), sampling=pb.SamplingParams(max_tokens=2)))
+    assert len(token_ids) == 2
+
+
+def test_request_id_names_the_response(served):
+    completion = served.client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=1,
+                                                    extra_body={"request_id": "client-7"})
+    assert completion.id == "cmpl-client-7"
+    status, reply = served.post("/v1/completions", {"prompt": PROMPT, "request_id": "has space"})
+    assert status == 400 and reply["error"]["param"] == "request_id"
+
+
+# ---- request extensions -------------------------------------------------------------------
+
+def test_min_tokens_holds_back_a_stop_token_on_both_apis(served):
+    client = served.client()
+    first = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, temperature=0,
+                                      logprobs=0, extra_body={"return_tokens_as_token_ids": True})
+    stop_token = int(first.choices[0].logprobs.tokens[0].removeprefix("token_id:"))
+    stopped = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0,
+                                        extra_body={"stop_token_ids": [stop_token]})
+    assert (stopped.choices[0].finish_reason, stopped.usage.completion_tokens) == ("stop", 1)
+    held = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, logprobs=0,
+                                     extra_body={"stop_token_ids": [stop_token], "min_tokens": 4, "ignore_eos": True,
+                                                 "return_tokens_as_token_ids": True})
+    held_ids = [int(t.removeprefix("token_id:")) for t in held.choices[0].logprobs.tokens]
+    assert len(held_ids) >= 4 and stop_token not in held_ids[:4]
+    grpc_ids, _, _ = stream_tokens(served.grpc_port, pb.GenerateRequest(
+        text=PROMPT.encode(), sampling=pb.SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop_token],
+                                                         min_tokens=4, ignore_eos=True)))
+    assert grpc_ids == held_ids
+
+
+def test_min_tokens_defers_stop_strings_at_the_router(served):
+    client = served.client()
+    full = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    stop = full[:2]
+    assert client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, stop=[stop],
+                                     extra_body={"ignore_eos": True}).choices[0].text == ""
+    held = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, stop=[stop],
+                                     extra_body={"ignore_eos": True, "min_tokens": 6})
+    assert held.choices[0].text.startswith(stop) and full.startswith(held.choices[0].text)
+    assert held.usage.completion_tokens >= 6
+
+
+def test_min_tokens_above_max_tokens_is_400(served):
+    status, reply = served.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 2, "min_tokens": 3})
+    assert status == 400 and reply["error"]["param"] == "min_tokens"
+
+
+def test_continue_final_message_leaves_the_turn_open(served):
+    messages = [{"role": "user", "content": "Tell me"}, {"role": "assistant", "content": "The river "}]
+    status, body = served.post("/tokenize", {"messages": messages, "add_generation_prompt": False,
+                                             "continue_final_message": True})
+    text = "<|im_start|>user\nTell me<|im_end|>\n<|im_start|>assistant\nThe river "
+    assert status == 200 and body["tokens"] == served.cluster.tokenizer.encode_rendered(text)
+    chat = served.client().chat.completions.create(model=MODEL, messages=messages, max_tokens=2, extra_body={
+        "add_generation_prompt": False, "continue_final_message": True})
+    assert chat.usage.prompt_tokens == body["count"]
+
+
+def test_chat_template_kwargs_and_documents_reach_the_template(served):
+    messages = [{"role": "user", "content": "hi"}]
+    status, body = served.post("/tokenize", {"messages": messages, "chat_template_kwargs": {"greeting": "hello"},
+                                             "documents": [{"title": "a", "text": "b"}]})
+    text = "[doc a]hello|<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert status == 200 and body["tokens"] == served.cluster.tokenizer.encode_rendered(text)
+    chat = served.client().chat.completions.create(model=MODEL, messages=messages, max_tokens=1, extra_body={
+        "chat_template_kwargs": {"greeting": "hello"}, "documents": [{"title": "a", "text": "b"}]})
+    assert chat.usage.prompt_tokens == body["count"]
+    status, reply = served.post("/v1/chat/completions", {"messages": messages,
+                                                         "chat_template_kwargs": {"messages": []}})
+    assert status == 400 and reply["error"]["param"] == "chat_template_kwargs.messages"
+
+
+def test_add_special_tokens_chooses_the_encoding(served):
+    tokenizer = served.cluster.tokenizer
+    for add in (True, False):
+        status, body = served.post("/tokenize", {"prompt": PROMPT, "add_special_tokens": add})
+        assert status == 200 and body["tokens"] == tokenizer.encode(PROMPT, add_special_tokens=add)
+
+
+def test_tokenize_needs_the_api_key_and_version_does_not(tiny_llama_dir):
+    with served_apis(tiny_llama_dir, MODEL, api_key="sekret") as served:
+        for path in ("/tokenize", "/detokenize"):
+            status, _, body = http_request(served.http_port, "POST", path, b'{"prompt": "x", "tokens": [1]}')
+            assert (status, json.loads(body)["error"]["message"]) == (401, "missing API key")
+        assert http_request(served.http_port, "GET", "/version")[0] == 200
