@@ -1,5 +1,5 @@
 # Two commands do everything on a fresh machine: `make run` and `make test`.
-# Both (re)build .venv only when pyproject.toml changed since the last install.
+# Both (re)build .venv only when pyproject.toml or constraints.txt changed since the last install.
 PYTHON ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
@@ -9,12 +9,13 @@ PY := $(VENV)/bin/python
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	# torch first, pinned, so nothing resolves a multi-GB CUDA build
-	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[dev,bench]'
+	$(PY) -m pip install --quiet -c constraints.txt torch
+	# the exact versions CI tests (pyproject.toml's ranges allow others)
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev,bench]'
 	touch $(STAMP)
 
 run: $(STAMP)

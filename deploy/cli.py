@@ -318,7 +318,8 @@ def _add_scheduler_flags(group: argparse._ArgumentGroup) -> None:
 
 def _add_cluster_flags(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--config", default=None,
-                       help="cluster config: a YAML file, or the name of a packaged one (docs/configuration.md)")
+                       help="cluster config: a YAML file, or the name of one that ships with splitserve "
+                            "(`splitserve config --list`; docs/configuration.md)")
     group.add_argument("--mode", choices=("disaggregated", "colocated"), default=None)
     group.add_argument("--prefill-workers", type=int, default=None)
     group.add_argument("--decode-workers", type=int, default=None)
@@ -368,11 +369,13 @@ def serve_overrides(args: argparse.Namespace) -> dict[str, object]:
 def serve_config(args: argparse.Namespace):
     """The cluster config: the file (or the defaults), then the flags, then --set (serve_overrides)."""
     from splitserve.deploy.cluster_config import apply_overrides, default_cluster_config, load_cluster_config
+    from splitserve.deploy.packaged import resolve_config
 
     if args.model_tag is not None and args.model is not None and args.model_tag != args.model:
         raise ValueError(f"two models given: {args.model_tag!r} (positional) and --model {args.model!r}")
     model = args.model_tag or args.model
-    config = load_cluster_config(args.config) if args.config else default_cluster_config(model or "default")
+    config = (load_cluster_config(resolve_config(args.config)) if args.config
+              else default_cluster_config(model or "default"))
     overrides = serve_overrides(args)
     if model is not None:
         overrides["model"] = model
@@ -393,6 +396,31 @@ def _serve(args: argparse.Namespace) -> int:
     except (StartupError, OSError) as error:  # a worker's load, or a port taken since the preflight
         print(f"splitserve: error: {one_line(str(error))}", file=sys.stderr)
         return 1
+
+
+def _add_config(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser("config", help="print a cluster config: the defaults, or one that ships with "
+                                                "splitserve (docs/configuration.md)")
+    action = parser.add_mutually_exclusive_group(required=True)
+    action.add_argument("--print", dest="print_name", nargs="?", const="", metavar="NAME",
+                        help="write the default config (every key) to stdout, or the packaged config NAME")
+    action.add_argument("--list", action="store_true", help="list the packaged configs and where they are")
+    parser.add_argument("--model", default="default", help="the model of the default config (default: default)")
+    parser.set_defaults(handler=_config)
+
+
+def _config(args: argparse.Namespace) -> int:
+    from splitserve.deploy.cluster_config import default_cluster_config, dump_cluster_config
+    from splitserve.deploy.packaged import packaged_configs, resolve_config
+
+    if args.list:
+        for name, path in packaged_configs().items():
+            print(f"{name}\t{path}")
+    elif args.print_name:
+        sys.stdout.write(resolve_config(args.print_name).read_text(encoding="utf-8"))
+    else:
+        sys.stdout.write(dump_cluster_config(default_cluster_config(args.model)))
+    return 0
 
 
 def _add_simulate(commands: argparse._SubParsersAction) -> None:
@@ -444,6 +472,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_make_tiny_model(commands)
     _add_generate(commands)
     _add_serve(commands)
+    _add_config(commands)
     _add_simulate(commands)
     return parser
 

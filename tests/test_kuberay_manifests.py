@@ -59,9 +59,10 @@ def _docs(manifests: list) -> dict[str, dict]:
     return {m.kind: m.doc for m in manifests}
 
 
-def _pyproject_pin(name: str) -> str:
-    dependencies = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))["project"]["dependencies"]
-    return next(d.split("==")[1] for d in dependencies if d.split("==")[0] == name)
+def _pin(name: str) -> str:
+    """The exact version of `name` CI tests (constraints.txt)."""
+    lines = (REPO / "constraints.txt").read_text(encoding="utf-8").splitlines()
+    return next(line.split("==")[1] for line in lines if line.split("==")[0] == name)
 
 
 # ---- the shipped manifests --------------------------------------------------------------------
@@ -150,7 +151,7 @@ def test_worker_groups_get_gpus_and_kuberays_generated_command(manifests):
 
 
 def test_raycluster_ray_version_is_the_pinned_ray(manifests):
-    assert _docs(manifests)["RayCluster"]["spec"]["rayVersion"] == _pyproject_pin("ray")
+    assert _docs(manifests)["RayCluster"]["spec"]["rayVersion"] == _pin("ray")
 
 
 def test_pod_monitor_labels_match_the_prometheus_rules_and_scrape_config(manifests):
@@ -343,14 +344,14 @@ def test_dockerfile_keeps_the_projects_pins_and_runs_as_a_user():
     instructions = _dockerfile_instructions()
     args = dict(a.split("=", 1) for op, a in instructions if op == "ARG" and "=" in a)
     assert args["PYTHON_IMAGE"] == "python:3.11-slim-bookworm"
-    assert args["TORCH_VERSION"] == _pyproject_pin("torch")
-    assert args["RAY_VERSION"] == _pyproject_pin("ray")
+    assert args["TORCH_VERSION"] == _pin("torch")
+    assert args["RAY_VERSION"] == _pin("ray")
     assert [a for op, a in instructions if op == "FROM"] == ["${PYTHON_IMAGE} AS wheel", "${PYTHON_IMAGE}"]
     assert [a for op, a in instructions if op == "USER"] == ["1000:1000"]
     assert [op for op, _ in instructions][-1] == "CMD" and "ENTRYPOINT" not in dict(instructions)
     runs = " ".join(a for op, a in instructions if op == "RUN")
     assert 'pip install "torch==${TORCH_VERSION}"' in runs
-    assert 'pip install "ray[default]==${RAY_VERSION}"' in runs
+    assert 'pip install -c /tmp/constraints.txt "ray[default]==${RAY_VERSION}"' in runs
     assert "useradd --uid 1000 --gid 1000" in runs
 
 
@@ -360,7 +361,7 @@ def test_dockerfile_copies_every_package_folder_and_the_head_script():
     top_level = {d.split("/")[0] for d in package_dirs}
     copies = [a.split() for op, a in _dockerfile_instructions() if op == "COPY" and not a.startswith("--from")]
     copied = {src.rstrip("/") for *sources, _ in copies for src in sources}
-    assert top_level | {"pyproject.toml", "README.md", "deploy/kuberay/splitserve-ray-head.sh"} == copied
+    assert top_level | {"pyproject.toml", "README.md", "constraints.txt", "deploy/kuberay/splitserve-ray-head.sh"} == copied
     assert all((REPO / path).exists() for path in copied)
     assert os.access(HEAD_SCRIPT, os.X_OK)
 

@@ -198,7 +198,8 @@ def test_bad_config_files(tmp_path):
     wrong.write_text("model: default\ndecode:\n  engine:\n    max_num_seqs: 0\n")
     assert_fails_fast(["--config", str(wrong)], "decode.engine.max_num_seqs: must be >= 1, got 0")
     assert_fails_fast(["--config", str(tmp_path / "none.yaml")],
-                      f"[Errno 2] No such file or directory: '{tmp_path / 'none.yaml'}'")
+                      f"--config '{tmp_path / 'none.yaml'}': no such file, and not a packaged config (packaged: "
+                      "local)")
 
 
 def test_api_key_variable_unset(monkeypatch):
