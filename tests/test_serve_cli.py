@@ -68,10 +68,23 @@ def test_model_as_positional_or_flag_and_tls_flags(tmp_path):
     assert parse("--model", "/m").model == "/m"
     with pytest.raises(ValueError, match="two models given: '/a' .positional. and --model '/b'"):
         parse("/a", "--model", "/b")
-    cert, key = tmp_path / "c.pem", tmp_path / "k.pem"
-    cert.write_text("x"), key.write_text("x")
+    cert, key, ca = tmp_path / "c.pem", tmp_path / "k.pem", tmp_path / "ca.pem"
+    cert.write_text("x"), key.write_text("x"), ca.write_text("x")
     tls = parse("default", "--ssl-certfile", str(cert), "--ssl-keyfile", str(key)).router.tls
     assert (tls.cert_file, tls.key_file, tls.client_ca_file) == (str(cert), str(key), None)
+    assert parse("default", "--ssl-certfile", str(cert), "--ssl-keyfile", str(key), "--ssl-ca-certs",
+                 str(ca)).router.tls.client_ca_file == str(ca)
+
+
+def test_api_key_reaches_the_launcher_not_the_config(monkeypatch):
+    import splitserve.deploy.local as local
+
+    launched = []
+    monkeypatch.setattr(local, "serve", lambda config, api_key: launched.append((config, api_key)) or 0)
+    assert cli_main(["serve", "default", "--api-key", "k3y", "--port", "0", "--grpc-port", "0",
+                     "--metrics-port", "0"]) == 0
+    [(config, api_key)] = launched
+    assert api_key == "k3y" and config.router.api_key_env is None and "k3y" not in repr(config)
 
 
 @pytest.mark.parametrize(("value", "expected"), [("2048", 2048), ("32k", 32000), ("32K", 32768), ("1G", 1 << 30),
@@ -80,8 +93,11 @@ def test_sizes_take_vllms_suffixes(value, expected):
     assert human_int(value) == expected
 
 
-def test_help_is_grouped_like_vllms():
-    text = build_parser()._subparsers._group_actions[0].choices["serve"].format_help()
+def test_help_is_grouped_like_vllms(capsys):
+    with pytest.raises(SystemExit) as done:
+        cli_main(["serve", "--help"])
+    text = capsys.readouterr().out
+    assert done.value.code == 0
     for title in ("Frontend:", "ModelConfig:", "CacheConfig:", "ParallelConfig:", "SchedulerConfig:",
                   "Cluster (splitserve):"):
         assert title in text
