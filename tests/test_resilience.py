@@ -243,11 +243,14 @@ def test_a_decode_worker_aborts_the_requests_of_a_router_whose_output_stream_clo
             for router_id, stream in streams.items():
                 stream.submit(DecodeRequest(f"{router_id}-r", router_id, tuple(PROMPT), (), LONG, 0, None, None))
             streams["router-gone"].close()  # its process died: the OS closes its sockets
-            loop = asyncio.get_running_loop()
-            until, live = loop.time() + 0.5, []
-            while loop.time() < until:
-                live += await streams["router-live"].next(0.05)
-            stats = (await worker.stats()).engine
+            # Until the worker has let the gone router's request go (at once, or this times out), read
+            # the live one's deltas: it still runs then (400 tokens take the tiny model ~0.5 s).
+            live, stats = [], (await worker.stats()).engine
+            async with asyncio.timeout(5.0):
+                while stats.num_running != 1:
+                    live += await streams["router-live"].next(0.01)
+                    stats = (await worker.stats()).engine
+            live += await streams["router-live"].next(1.0)
             streams["router-live"].close()
             return stats.num_running, live
         finally:
