@@ -9,8 +9,8 @@ RouterError by its code (RESOURCE_EXHAUSTED 429, UNAVAILABLE 503, DEADLINE_EXCEE
 500). A streamed request reports errors before its first token as an HTTP status and errors
 after it as an error event. A client that disconnects cancels its request: the orchestrator's
 stream is closed, which aborts the request on the workers. A request is admitted (O(1), before its
-body is read) and held to router/request_limits.py's table before it is tokenized, in
-router/tokenizer_pool.py's pool.
+body is read: a full router answers 429 with Retry-After whatever the body holds) and held to
+router/request_limits.py's table before it is tokenized, in router/tokenizer_pool.py's pool.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from splitserve.common.errors import InvalidRequestError
 from splitserve.common.log_escape import quote_for_log
 from splitserve.common.sampling_params import SamplingParams
+from splitserve.router.admission import RETRY_AFTER_S, Admission
 from splitserve.router.auth import check_authorization
 from splitserve.router.openai_protocol import (ChatRenderer, CompletionRenderer, ResponseHeader, error_body,
                                                parse_chat_request, parse_completion_request,
@@ -92,7 +93,9 @@ class ApiError(Exception):
         return error_body(self.message, error_type, self.param, self.code)
 
     def response(self) -> JSONResponse:
-        return _AsciiJSONResponse(self.body(), status_code=self.status)
+        """A 429 carries Retry-After (as OpenAI's API does; its SDK and vLLM's clients back off by it)."""
+        headers = {"Retry-After": str(RETRY_AFTER_S)} if self.status == 429 else None
+        return _AsciiJSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
 class _AsciiJSONResponse(JSONResponse):
@@ -199,21 +202,29 @@ class OpenAIServing:
 
     # ---- one generation request --------------------------------------------------------
     async def _serve(self, request: Request, prepare: Callable[[Any], Awaitable[_Job]]) -> Response:
+        """Admit the request before its body is read (a rejection costs no parsing), then run it;
+        its admission slot is the orchestrator stream's to release once that stream started."""
         try:
-            self.orchestrator.check_admission()
+            admission = self.orchestrator.admit()
+        except RouterError as error:
+            return ApiError.of(error).response()
+        try:
             job = await prepare(await _read_json(request))
             logger.info("[%s] %s: %d prompt tokens", quote_for_log(job.inp.request_id), request.url.path,
                         len(job.inp.prompt_token_ids))
-            return await self._respond(request, job)
-        except ClientDisconnected:
-            return Response(status_code=CLIENT_CLOSED_STATUS)
-        except Exception as error:  # every failure is an OpenAI error response; the server carries on
-            return ApiError.of(error).response()
+            return await self._respond(request, job, admission)
+        except BaseException as error:
+            admission.release()  # refused while parsed, or its stream never started (else a no-op)
+            if isinstance(error, ClientDisconnected):
+                return Response(status_code=CLIENT_CLOSED_STATUS)
+            if isinstance(error, Exception):  # every failure is an OpenAI error response; the server carries on
+                return ApiError.of(error).response()
+            raise
 
-    async def _respond(self, request: Request, job: _Job) -> Response:
+    async def _respond(self, request: Request, job: _Job, admission: Admission) -> Response:
         """Run the request; a streamed one starts its response once the first chunk is in, so an
-        admission rejection or a bad prompt still gets its HTTP status."""
-        stream = self.orchestrator.generate(job.inp)
+        error before it (a bad prompt, a routing rejection) still gets its HTTP status."""
+        stream = self.orchestrator.generate(job.inp, admission)
         try:
             if not job.stream:
                 chunks = await _until_disconnect(request, _collect(stream))

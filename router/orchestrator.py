@@ -34,6 +34,7 @@ from splitserve.common.slo import SloConfig
 from splitserve.common.stats import RequestRecord, RoutingStats, WorkerSnapshot
 from splitserve.common.worker_api import DecodeWorkerAPI, PrefillWorkerAPI, WorkerAPI, WorkerLostError
 from splitserve.common.worker_messages import DecodeRequest, PrefillRequest, PrefillResult, TokenDelta, WorkerInfo
+from splitserve.router.admission import TOO_MANY_REQUESTS, Admission, AdmissionControl, AdmissionRejection
 from splitserve.router.api_types import GenerationInput, RouterError, StreamChunk
 from splitserve.router.dispatcher import OutputDispatcher
 from splitserve.router.loop_lag import LoopLagMonitor
@@ -90,13 +91,14 @@ class Orchestrator:
         self.layout: KVLayout | None = None
         """The KV layout every worker shares (known once started; a joining worker must match it)."""
         self._in_flight: set[str] = set()
+        """Client request ids of the requests in generate()."""
         self._idle = asyncio.Event()
-        """Set while no request is in flight (drain waits on it)."""
+        """Set while no request holds an admission slot (drain waits on it)."""
         self._idle.set()
+        self.admission = AdmissionControl(routing.max_in_flight_requests, self._idle.set)
+        """The requests admitted and not yet ended (from the API's first line, before parsing)."""
         self._runs: dict[str, RequestRun] = {}
         """Current attempts by worker-side request id."""
-        self.accepting = True
-        """False once drain() started: new requests get UNAVAILABLE, running ones finish."""
         self.peers = PeerHandshakes()
         self._background: set[asyncio.Task] = set()
         self._turn = 0
@@ -126,21 +128,27 @@ class Orchestrator:
         return len(self._in_flight)
 
     @property
+    def accepting(self) -> bool:
+        """False once drain() started: new requests get UNAVAILABLE, admitted ones finish."""
+        return self.admission.accepting
+
+    @property
     def is_ready(self) -> bool:
         """New requests can be served: not draining, and some decode worker answers its polls."""
         return self.accepting and any(self.monitor.load(worker_id) is not None
                                       for worker_id in self.decode_pool.routable())
 
     async def drain(self, timeout_s: float) -> int:
-        """Stop admitting requests and wait up to timeout_s for those in flight to end; returns
-        how many are still in flight (the caller's shutdown cancels them, freeing their KV)."""
-        self.accepting = False
+        """Stop admitting requests and wait up to timeout_s for those admitted to end (those
+        still being parsed or tokenized too); returns how many are left (the caller's shutdown
+        cancels them, freeing their KV)."""
+        self.admission.stop_accepting()
         self.readiness_changed.set()
         try:
             await asyncio.wait_for(self._idle.wait(), timeout_s)
         except TimeoutError:
             pass
-        return len(self._in_flight)
+        return self.admission.in_flight
 
     def routing_stats(self) -> RoutingStats:
         return RoutingStats(tuple(sorted(self._decisions.items())), tuple(sorted(self._rejections.items())))
@@ -341,58 +349,62 @@ class Orchestrator:
         pool.remove(worker_id)
 
     # ---- a request's life ----------------------------------------------------------------
-    async def generate(self, inp: GenerationInput) -> AsyncIterator[StreamChunk]:
-        """Stream a request's chunks; the last has finish_reason. Raises RouterError."""
-        arrival = time.monotonic()
-        self.validate_prompt(inp.prompt_token_ids)
-        if inp.request_id in self._in_flight:
-            raise InvalidRequestError("request_id", f"{inp.request_id!r} is already in flight")
-        run = RequestRun(inp, self.tokenizer, arrival)
-        self._in_flight.add(inp.request_id)
-        self._idle.clear()
-        try:
-            self._admit(run)
-            while True:
-                try:
-                    async for chunk in self._attempt(run):
-                        yield chunk
-                    return
-                except WorkerLostError as lost:
-                    self._migrate(run, lost)
-        except BaseException as error:  # GeneratorExit too: the consumer closed the stream early
-            run.error_code = _error_code(error)
-            raise
-        finally:
-            self._end(run)
+    async def generate(self, inp: GenerationInput, admission: Admission | None = None) -> AsyncIterator[StreamChunk]:
+        """Stream a request's chunks; the last has finish_reason. Raises RouterError.
 
-    def check_admission(self) -> None:
-        """O(1), for the APIs to call before a request is parsed or tokenized: UNAVAILABLE while
-        draining, RESOURCE_EXHAUSTED (a too_many_requests rejection) while the router is full.
-        generate() checks again, counting the request itself."""
-        self._check_capacity(len(self._in_flight))
+        `admission`: the request's slot from admit(), which the APIs take before parsing it;
+        generate() releases it when it ends (the caller too if it never started the stream:
+        release is idempotent). None: admitted here, and a rejection is recorded as the request's end."""
+        arrival = time.monotonic()
+        try:
+            self.validate_prompt(inp.prompt_token_ids)
+            if inp.request_id in self._in_flight:
+                raise InvalidRequestError("request_id", f"{inp.request_id!r} is already in flight")
+            run = RequestRun(inp, self.tokenizer, arrival)
+            self._in_flight.add(inp.request_id)
+            try:
+                if admission is None:
+                    admission = self._admit(run)
+                while True:
+                    try:
+                        async for chunk in self._attempt(run):
+                            yield chunk
+                        return
+                    except WorkerLostError as lost:
+                        self._migrate(run, lost)
+            except BaseException as error:  # GeneratorExit too: the consumer closed the stream early
+                run.error_code = _error_code(error)
+                raise
+            finally:
+                self._end(run)
+        finally:
+            if admission is not None:
+                admission.release()
+
+    def admit(self) -> Admission:
+        """O(1), for the APIs' first line, before a request is read, parsed or tokenized: its slot,
+        or RouterError UNAVAILABLE while draining, RESOURCE_EXHAUSTED (counted as a
+        too_many_requests rejection) while the router holds max_in_flight_requests."""
+        decision = self.admission.try_admit()
+        if isinstance(decision, AdmissionRejection):
+            if decision.reason == TOO_MANY_REQUESTS:
+                self.count_rejection(decision.reason)
+            raise RouterError(decision.code, decision.message)
+        self._idle.clear()
+        return decision
 
     def count_rejection(self, reason: str) -> None:
-        """A request refused before it reached generate() (by the APIs' own admission), for routing_stats."""
+        """A request refused by admission at the door (admit(), the tokenizer pool), for routing_stats."""
         self._rejections[reason] += 1
 
-    def _admit(self, run: RequestRun) -> None:
-        """Refuse the request at once while draining or when the router is full."""
+    def _admit(self, run: RequestRun) -> Admission:
+        """admit(), noting a too_many_requests rejection on the run (its record shows it)."""
         try:
-            self._check_capacity(len(self._in_flight) - 1)
+            return self.admit()
         except RouterError as error:
             if error.code == "RESOURCE_EXHAUSTED":
-                run.rejection_reason = "too_many_requests"
+                run.rejection_reason = TOO_MANY_REQUESTS
             raise
-
-    def _check_capacity(self, others: int) -> None:
-        """`others`: requests in flight besides the one being admitted."""
-        if not self.accepting:
-            raise RouterError("UNAVAILABLE", "the router is draining (shutting down): it takes no new requests")
-        limit = self.routing.max_in_flight_requests
-        if limit is not None and others >= limit:
-            self.count_rejection("too_many_requests")
-            raise RouterError("RESOURCE_EXHAUSTED", f"the router has {others} requests in flight, its limit "
-                                                    f"(router.routing.max_in_flight_requests); retry later")
 
     async def _attempt(self, run: RequestRun) -> AsyncIterator[StreamChunk]:
         """Route the request and run it from where it is (the prompt, or after a migration the
@@ -541,8 +553,6 @@ class Orchestrator:
         """Release the router's bookkeeping; abort what the workers still hold (not awaited:
         this also runs while the request's task is being cancelled)."""
         self._in_flight.discard(run.inp.request_id)
-        if not self._in_flight:
-            self._idle.set()
         self._end_attempt(run)
         if self.observer is not None:
             try:

@@ -3,7 +3,7 @@
 (INVALID_ARGUMENT / HTTP 400), so the three APIs refuse the same requests for the same reasons.
 
 Every API applies them in the same order, cheapest first and each before the work it protects:
-admission (Orchestrator.check_admission, O(1), before the request is parsed or tokenized), then
+admission (Orchestrator.admit, O(1), before the request is parsed or tokenized), then
 while parsing the sizes and values checked here (linear in what the client sent, never in
 tokens), then tokenization in a bounded pool (router/tokenizer_pool.py, which also checks a
 rendered chat's size before encoding it), then check_max_tokens against the prompt's token count.

@@ -117,15 +117,19 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
     async def Generate(self, request: pb.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+        admission = None
         try:
-            self.orchestrator.check_admission()
+            admission = self.orchestrator.admit()
             inp = await self._input(request, context)
             logger.info("[%s] generate: %d prompt tokens", quote_for_log(inp.request_id), len(inp.prompt_token_ids))
-            async for chunk in self.orchestrator.generate(inp):
+            async for chunk in self.orchestrator.generate(inp, admission):
                 yield chunk_to_proto(chunk)
         except (InvalidRequestError, RouterError) as error:
             logger.info("[%s] ended with %s", quote_for_log(request.request_id), quote_for_log(error))
             await context.abort(*grpc_status(error))
+        finally:
+            if admission is not None:
+                admission.release()  # refused while validated or tokenized, else already released
 
     async def _input(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> GenerationInput:
         limits = self.tokenizers.limits

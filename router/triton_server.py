@@ -74,15 +74,20 @@ class TritonServicer(pb_grpc.GRPCInferenceServiceServicer):
     # ---- inference -----------------------------------------------------------------------
     async def ModelInfer(self, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext
                          ) -> pb.ModelInferResponse:
+        admission = None
         try:
+            admission = self.orchestrator.admit()
             parsed, inp = await self._input(request, context)
             if parsed.stream:
                 raise InvalidRequestError("stream", "must be false in ModelInfer (one response per request); "
                                                     "stream with ModelStreamInfer")
-            chunks = [chunk async for chunk in self.orchestrator.generate(inp)]
+            chunks = [chunk async for chunk in self.orchestrator.generate(inp, admission)]
         except (InvalidRequestError, RouterError) as error:
             logger.info("[%s] ModelInfer ended with %s", quote_for_log(request.id), quote_for_log(error))
             await context.abort(*grpc_status(error))
+        finally:
+            if admission is not None:
+                admission.release()  # refused while parsed or tokenized, else already released
         return self._whole(parsed, chunks, final=None)
 
     async def ModelStreamInfer(self, request_iterator: AsyncIterator[pb.ModelInferRequest],
@@ -130,23 +135,27 @@ class TritonServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     async def _stream_responses(self, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext
                                 ) -> AsyncIterator[pb.ModelInferResponse]:
-        parsed, inp = await self._input(request, context)
-        flag_last = not parsed.empty_final_response
-        if parsed.stream:
-            async for chunk in self.orchestrator.generate(inp):
-                last = chunk.finish_reason is not None
-                if chunk.text or last:  # a token whose text is still held back is no delta
-                    yield infer_response(self.model, parsed, chunk.text, chunk.finish_reason, last and flag_last)
-        else:
-            chunks = [chunk async for chunk in self.orchestrator.generate(inp)]
-            yield self._whole(parsed, chunks, final=flag_last)
+        admission = self.orchestrator.admit()
+        try:
+            parsed, inp = await self._input(request, context)
+            flag_last = not parsed.empty_final_response
+            if parsed.stream:
+                async for chunk in self.orchestrator.generate(inp, admission):
+                    last = chunk.finish_reason is not None
+                    if chunk.text or last:  # a token whose text is still held back is no delta
+                        yield infer_response(self.model, parsed, chunk.text, chunk.finish_reason, last and flag_last)
+            else:
+                chunks = [chunk async for chunk in self.orchestrator.generate(inp, admission)]
+                yield self._whole(parsed, chunks, final=flag_last)
+        finally:
+            admission.release()  # refused while parsed or tokenized, else already released
         if parsed.empty_final_response:
             yield empty_final_response(self.model, parsed.id)
 
     # ---- shared steps --------------------------------------------------------------------
     async def _input(self, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext
                      ) -> tuple[InferRequest, GenerationInput]:
-        self.orchestrator.check_admission()
+        """After admission (the caller's): the request held to the limits and tokenized."""
         self._check_model(request.model_name, request.model_version)
         limits = self.tokenizers.limits
         parsed = parse_infer_request(request, limits)

@@ -360,25 +360,37 @@ def test_request_ids_are_escaped_and_bounded_in_logs(served, caplog):
 # ---- admission before tokenization ------------------------------------------------------------
 
 def test_a_full_router_refuses_before_reading_or_tokenizing_the_request(tiny_llama_dir):
-    """With the one in-flight slot taken, an oversized prompt is refused for capacity (429 /
-    RESOURCE_EXHAUSTED), not for its size: admission runs before the body is parsed."""
+    """With the one in-flight slot taken, every request is refused for capacity (429 with
+    Retry-After / RESOURCE_EXHAUSTED), not for what it holds: a body that is not JSON, a prompt
+    over the limits, an invalid request id. Admission runs before anything is parsed. Once the
+    stream ends, the slot is free again, and requests refused while being parsed free theirs."""
     routing = RoutingConfig(disaggregation="always", max_in_flight_requests=1)
     with served_apis(tiny_llama_dir, MODEL, served_class=Served, routing=routing) as served:
         stream = _Stream(served.http_port)
         stream.start()
         while not stream.events:
             time.sleep(0.01)
-        status, raw = _post(served.http_port, "/v1/completions", json.dumps(
-            {"model": MODEL, "prompt": LONG_TEXT}).encode())
-        grpc_outcome = served.grpc(pb.GenerateRequest(model=MODEL, text=LONG_TEXT.encode()))
-        triton_outcome = served.triton(_triton_request(Case("", {}, "", text=LONG_TEXT)))
+        refused_http = [http_request(served.http_port, "POST", path, body) for path, body in (
+            ("/v1/completions", b"{not json"),
+            ("/v1/chat/completions", b"[1, 2"),
+            ("/v1/completions", json.dumps({"model": MODEL, "prompt": LONG_TEXT}).encode()))]
+        refused_grpc = [served.grpc(pb.GenerateRequest(model=MODEL, text=LONG_TEXT.encode())),
+                        served.grpc(pb.GenerateRequest(model=MODEL, text=b"hi", request_id="a b")),
+                        served.triton(_triton_request(Case("", {}, "", text=LONG_TEXT)))]
         stream.join(120)
-        rejections = dict(served.cluster.orchestrator.routing_stats().rejections)
+        orchestrator = served.cluster.orchestrator
+        rejections = dict(orchestrator.routing_stats().rejections)
+        after = [served.http("/v1/completions", {"model": MODEL, "prompt": LONG_TEXT})[:2],
+                 served.grpc(pb.GenerateRequest(model=MODEL, text=b"hi", request_id="a b"))[0],
+                 served.http("/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 2})[0]]
+        slots_after = orchestrator.admission.in_flight
     message = "the router has 1 requests in flight, its limit (router.routing.max_in_flight_requests); retry later"
-    assert (status, json.loads(raw)["error"]) == (429, {"message": message, "type": "rate_limit_error",
-                                                        "param": None, "code": "resource_exhausted"})
-    assert grpc_outcome == triton_outcome == ("RESOURCE_EXHAUSTED", message)
-    assert rejections == {"too_many_requests": 3}
+    for status, headers, raw in refused_http:
+        assert (status, headers["retry-after"], json.loads(raw)) == (429, "1", {"error": {
+            "message": message, "type": "rate_limit_error", "param": None, "code": "resource_exhausted"}})
+    assert refused_grpc == [("RESOURCE_EXHAUSTED", message)] * 3
+    assert rejections == {"too_many_requests": 6}
+    assert after == [(400, "prompt"), "INVALID_ARGUMENT", 200] and slots_after == 0
 
 
 # ---- the tokenization pool -------------------------------------------------------------------
