@@ -461,7 +461,8 @@ class HttpServer:
             load_tls(tls)  # a bad file fails here with its name, not inside uvicorn's startup
             cert_file, key_file, client_ca_file = tls.cert_file, tls.key_file, tls.client_ca_file
         self._server = _EmbeddedUvicorn(uvicorn.Config(
-            app, lifespan="off", log_config=None, access_log=False, ws="none", timeout_graceful_shutdown=int(grace_s),
+            app, http="httptools", lifespan="off", log_config=None, access_log=False, ws="none",
+            timeout_graceful_shutdown=int(grace_s),
             ssl_certfile=cert_file, ssl_keyfile=key_file, ssl_ca_certs=client_ca_file,
             ssl_cert_reqs=ssl.CERT_NONE if client_ca_file is None else ssl.CERT_REQUIRED))
         self._task: asyncio.Task | None = None
