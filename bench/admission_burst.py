@@ -1,0 +1,353 @@
+"""Burst rejection latency: how long a client waits for its "too many requests" under a burst.
+
+N requests (default 2,500) hit the router's OpenAI HTTP API at once, over loopback, while its
+admission limit (router.routing.max_in_flight_requests, default here 16) lets only a few in. The
+cluster is the local launcher's on Ray, bound to loopback (the router in this process, 1 prefill +
+1 decode actor of the tests' tiny Llama, NIXL); the client is a spawned process with its own GIL
+that opens every connection at once (non-blocking sockets, one request each) and sends each
+request as soon as its connection is up. Each request is timed from its send to the kernel's receive timestamp of the
+reply's bytes (SO_TIMESTAMPNS), so the client's own backlog of 2,500 replies to read does not
+count as the router's latency (the JSON also holds that client-observed time, `seen_head`):
+
+- rejected (429): to its status line; every one must carry the admission message and a
+  Retry-After header;
+- admitted (200, streamed, max_tokens --max-tokens): to its first SSE event (TTFT) and its end.
+
+Then the same client bursts at a bare asyncio server in its own process that answers every request
+with a canned 429 (no HTTP framework, no router): the floor any single Python event loop reaches
+on this machine, measured in the same run.
+
+Writes bench/results/admission_burst.json and .png; exits 1 when the rejections' p99 misses the
+100 ms target. Bounded: one burst, every request with a timeout (--timeout-s), the client and the
+bare server are joined or killed, and the Ray session it started is shut down.
+
+Run: .venv/bin/python bench/admission_burst.py                  (about a minute on 2 cores)
+     .venv/bin/python bench/admission_burst.py --requests 500 --limit 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import multiprocessing
+import platform
+import selectors
+import socket
+import statistics
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "bench" / "results"
+PROMPT = "The river runs"
+TARGET_P99_S = 0.1
+"""Issue 20's target for the rejections' p99."""
+
+
+# ---- the client (a spawned process: only the standard library) ------------------------------
+SO_TIMESTAMPNS = 35
+"""Linux's SO_TIMESTAMPNS (asm-generic/socket.h; Python's socket module does not name it): each
+recvmsg carries the wall-clock time the kernel received the data, so a reply is timed when it
+arrived, not when this single-threaded client got round to reading it."""
+_TIMESPEC = struct.Struct("@qq")
+
+
+class _Connection:
+    """One request on its own non-blocking connection, and what arrived on it."""
+
+    def __init__(self, port: int, request: bytes) -> None:
+        self.request = request
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setblocking(False)
+        self.sock.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.connect_ns = time.time_ns()
+        self.sock.connect_ex(("127.0.0.1", port))
+        self.sent_ns: int | None = None
+        self.head_ns: int | None = None
+        """Kernel arrival of the reply's first bytes (its status line)."""
+        self.first_event_ns: int | None = None
+        """Kernel arrival of the bytes holding the first SSE event."""
+        self.end_ns: int | None = None
+        self.seen_head_ns: int | None = None
+        """When this client read the first bytes (what a client without kernel timestamps measures)."""
+        self.data = bytearray()
+        self.error: str | None = None
+
+    def send(self) -> None:
+        self.sent_ns = time.time_ns()
+        self.sock.sendall(self.request)  # a few hundred bytes: the socket buffer takes them at once
+
+    def receive(self) -> bool:
+        """Read what arrived; True once the server closed the connection."""
+        chunk, ancillary, _, _ = self.sock.recvmsg(1 << 16, socket.CMSG_SPACE(_TIMESPEC.size))
+        arrived_ns = next((sec * 10**9 + nsec for level, kind, value in ancillary
+                           if level == socket.SOL_SOCKET and kind == SO_TIMESTAMPNS
+                           for sec, nsec in [_TIMESPEC.unpack(value[:_TIMESPEC.size])]), time.time_ns())
+        if not chunk:
+            self.end_ns = self.end_ns or arrived_ns
+            return True
+        if self.head_ns is None:
+            self.head_ns, self.seen_head_ns = arrived_ns, time.time_ns()
+        self.data += chunk
+        if self.first_event_ns is None and b"data: " in self.data.partition(b"\r\n\r\n")[2]:
+            self.first_event_ns = arrived_ns
+        self.end_ns = arrived_ns
+        return False
+
+    def record(self) -> dict:
+        head, _, body = bytes(self.data).partition(b"\r\n\r\n")
+        lines = head.decode("latin-1").split("\r\n")
+        status = int(lines[0].split()[1]) if lines[0].startswith("HTTP/") else None
+        headers = {name.strip().lower(): value.strip() for name, _, value in (h.partition(":") for h in lines[1:])}
+        message = None
+        if status not in (None, 200):
+            try:
+                message = json.loads(body)["error"]["message"]
+            except (ValueError, KeyError, TypeError):
+                message = body[:200].decode("latin-1")
+        since = lambda ns: None if ns is None or self.sent_ns is None else (ns - self.sent_ns) / 1e9  # noqa: E731
+        return {"status": status, "head_s": since(self.head_ns), "ttft_s": since(self.first_event_ns),
+                "end_s": since(self.end_ns), "seen_head_s": since(self.seen_head_ns), "sent_ns": self.sent_ns,
+                "connect_ns": self.connect_ns, "message": message, "retry_after": headers.get("retry-after"),
+                "error": self.error}
+
+
+def burst(port: int, num_requests: int, max_tokens: int, timeout_s: float) -> list[dict]:
+    """Open every connection at once, send each request as soon as its connection is up, and read
+    every reply to its end (or until timeout_s)."""
+    body = json.dumps({"prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0,
+                       "ignore_eos": True, "stream": True}).encode()
+    request = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+               b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body))
+    selector = selectors.DefaultSelector()
+    connections = [_Connection(port, request) for _ in range(num_requests)]
+    for connection in connections:
+        selector.register(connection.sock, selectors.EVENT_WRITE, connection)
+    open_count, deadline = num_requests, time.monotonic() + timeout_s
+    while open_count and time.monotonic() < deadline:
+        for key, events in selector.select(timeout=0.5):
+            connection: _Connection = key.data
+            try:
+                if connection.sent_ns is None:
+                    connection.send()
+                    selector.modify(connection.sock, selectors.EVENT_READ, connection)
+                elif connection.receive():
+                    selector.unregister(connection.sock)
+                    open_count -= 1
+            except OSError as error:
+                connection.error = f"{type(error).__name__}: {error}"
+                selector.unregister(connection.sock)
+                open_count -= 1
+    for connection in connections:
+        if connection.end_ns is None and connection.error is None:
+            connection.error = "timed out"
+        connection.sock.close()
+    selector.close()
+    return [connection.record() for connection in connections]
+
+
+def client_main(port: int, num_requests: int, max_tokens: int, timeout_s: float, out: multiprocessing.Queue) -> None:
+    started = time.perf_counter()
+    records = burst(port, num_requests, max_tokens, timeout_s)
+    out.put((records, time.perf_counter() - started))
+
+
+def run_client(port: int, args: argparse.Namespace) -> tuple[list[dict], float]:
+    """One burst from a spawned client process (killed if it outlives its bound): (records, its wall seconds)."""
+    context = multiprocessing.get_context("spawn")
+    out = context.Queue()
+    client = context.Process(target=client_main, args=(port, args.requests, args.max_tokens, args.timeout_s, out))
+    client.start()
+    try:
+        result = out.get(timeout=args.timeout_s + 60)
+        client.join(10)
+        return result
+    finally:
+        if client.is_alive():
+            client.kill()
+            client.join(5)
+
+
+# ---- the floor: a bare asyncio server (a spawned process) ------------------------------------
+_CANNED_429 = (b"HTTP/1.1 429 Too Many Requests\r\ncontent-type: application/json\r\nretry-after: 1\r\n"
+               b"content-length: 28\r\nconnection: close\r\n\r\n{\"error\":{\"message\":\"full\"}}")
+
+
+def bare_server_main(ready: multiprocessing.Queue, stop: multiprocessing.Event) -> None:
+    """Answer every request with a canned 429 as soon as its head is in: what one Python event loop
+    on this machine costs per connection, with no HTTP framework and no router behind it."""
+    import asyncio
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(_CANNED_429)
+        writer.close()
+
+    async def serve() -> None:
+        server = await asyncio.start_server(answer, "127.0.0.1", 0, backlog=socket.SOMAXCONN)
+        ready.put(server.sockets[0].getsockname()[1])
+        await asyncio.get_running_loop().run_in_executor(None, stop.wait)
+        server.close()
+
+    asyncio.run(serve())
+
+
+def run_floor(args: argparse.Namespace) -> list[dict]:
+    """The same burst against bare_server_main."""
+    context = multiprocessing.get_context("spawn")
+    ready, stop = context.Queue(), context.Event()
+    server = context.Process(target=bare_server_main, args=(ready, stop))
+    server.start()
+    try:
+        records, _ = run_client(ready.get(timeout=60), args)
+    finally:
+        stop.set()
+        server.join(10)
+        if server.is_alive():
+            server.kill()
+            server.join(5)
+    return records
+
+
+# ---- the server side ---------------------------------------------------------------------
+def run_burst(args: argparse.Namespace, model_dir: Path) -> tuple[list[dict], float, dict]:
+    """Start the cluster (Ray on loopback: the router in this process, each worker an actor), run
+    the client process, and stop everything it started."""
+    from splitserve.testing.local_cluster import running_cluster, tiny_cluster_config
+
+    config = tiny_cluster_config(model_dir, **{"router.routing.max_in_flight_requests": args.limit})
+    with running_cluster(config) as (cluster, loop):
+        port = cluster.http.port
+        print(f"router on 127.0.0.1:{port} (max_in_flight_requests {args.limit}); sending {args.requests} "
+              "requests at once", flush=True)
+        records, wall_s = run_client(port, args)
+        orchestrator = cluster.orchestrator
+        lag = orchestrator.loop_lag.stats()
+        rejections = dict(orchestrator.routing_stats().rejections)
+    over_100ms = lag.count - lag.bucket_counts[lag.buckets.index(0.1)]
+    return records, wall_s, {"admission_rejections": rejections, "loop_lag_beats": lag.count,
+                             "loop_lag_mean_ms": _ms(lag.sum_s / lag.count if lag.count else None),
+                             "loop_lag_beats_over_100ms": over_100ms}
+
+
+# ---- statistics and output -----------------------------------------------------------------
+def percentile(values: list[float], q: float) -> float | None:
+    """Nearest-rank percentile (q in [0, 100]); None for no values."""
+    from splitserve.planner.samples import nearest_rank
+
+    return nearest_rank(sorted(values), q / 100) if values else None
+
+
+def summary(values: list[float]) -> dict:
+    return {"count": len(values), "p50_ms": _ms(percentile(values, 50)), "p90_ms": _ms(percentile(values, 90)),
+            "p99_ms": _ms(percentile(values, 99)), "max_ms": _ms(max(values, default=None)),
+            "mean_ms": _ms(statistics.fmean(values) if values else None)}
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000, 2)
+
+
+def summarize(args: argparse.Namespace, records: list[dict], wall_s: float, server: dict,
+              floor: list[dict]) -> dict:
+    rejected = [r for r in records if r["status"] == 429]
+    admitted = [r for r in records if r["status"] == 200]
+    by_status: dict[str, int] = {}
+    for record in records:
+        key = str(record["status"]) if record["status"] is not None else record["error"] or "no answer"
+        by_status[key] = by_status.get(key, 0) + 1
+    sent = [r["sent_ns"] for r in records if r["sent_ns"] is not None]
+    connects = [r["connect_ns"] for r in records]
+    return {
+        "date": datetime.date.today().isoformat(),
+        "machine": f"{platform.machine()}, {multiprocessing.cpu_count()} cores, Python {platform.python_version()}",
+        "commit": _commit(),
+        "config": {"requests": args.requests, "max_in_flight_requests": args.limit, "max_tokens": args.max_tokens,
+                   "api": "OpenAI HTTP /v1/completions, streamed, one connection per request"},
+        "by_status": by_status,
+        "sends_spread_ms": _ms((max(sent) - min(connects)) / 1e9) if sent else None,
+        "rejected_latency": summary([r["head_s"] for r in rejected]),
+        "rejected_seen_by_client": summary([r["seen_head_s"] for r in rejected]),
+        "floor_bare_asyncio_server": summary([r["head_s"] for r in floor if r["status"] == 429]),
+        "rejected_messages": sorted({r["message"] for r in rejected}),
+        "rejected_without_retry_after": sum(1 for r in rejected if r["retry_after"] is None),
+        "admitted_ttft": summary([r["ttft_s"] for r in admitted if r["ttft_s"] is not None]),
+        "admitted_e2e": summary([r["end_s"] for r in admitted if r["end_s"] is not None]),
+        "client_wall_s": round(wall_s, 3),
+        "server": server,
+        "target_rejected_p99_ms": TARGET_P99_S * 1000,
+    }
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def plot(records: list[dict], floor: list[dict], result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    series = [("rejected (429): to the status line", [r["head_s"] for r in records if r["status"] == 429]),
+              ("admitted (200): TTFT", [r["ttft_s"] for r in records if r["status"] == 200 and r["ttft_s"]]),
+              ("floor: a bare asyncio server's canned 429", [r["head_s"] for r in floor if r["status"] == 429])]
+    for label, values in series:
+        if values:
+            ordered = sorted(v * 1000 for v in values)
+            ax.plot(ordered, [(i + 1) / len(ordered) for i in range(len(ordered))], label=f"{label} (n={len(values)})")
+    ax.axvline(TARGET_P99_S * 1000, color="grey", linestyle="--", label="target p99 of rejections")
+    ax.set_xscale("log")
+    ax.set_xlabel("ms from the request's send to the reply's arrival")
+    ax.set_ylabel("fraction of requests")
+    config = result["config"]
+    ax.set_title(f"{config['requests']} requests at once, max_in_flight_requests {config['max_in_flight_requests']}")
+    ax.legend(loc="lower right")
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--requests", type=int, default=2500, help="requests in the burst")
+    parser.add_argument("--limit", type=int, default=16, help="router.routing.max_in_flight_requests")
+    parser.add_argument("--max-tokens", type=int, default=32, help="output tokens of each admitted request")
+    parser.add_argument("--timeout-s", type=float, default=120.0, help="bound on each request")
+    parser.add_argument("--out", type=Path, default=RESULTS / "admission_burst.json")
+    args = parser.parse_args()
+    if not 1 <= args.requests <= 10_000:
+        parser.error("--requests must be in [1, 10000]")
+
+    from splitserve.engine.tiny_model import build_tiny_model
+    from splitserve.testing.tiny_models import TINY_SPECS
+
+    with tempfile.TemporaryDirectory(prefix="admission-burst-") as tmp:
+        model_dir = build_tiny_model(Path(tmp) / "llama", TINY_SPECS["llama"])
+        records, wall_s, server = run_burst(args, model_dir)
+    floor = run_floor(args)
+    result = summarize(args, records, wall_s, server, floor)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    plot(records, floor, result, args.out.with_suffix(".png"))
+    print(json.dumps({key: result[key] for key in ("by_status", "sends_spread_ms", "rejected_latency",
+                                                   "floor_bare_asyncio_server", "admitted_ttft", "server")},
+                     indent=2))
+    p99 = result["rejected_latency"]["p99_ms"]
+    return 0 if p99 is not None and p99 < TARGET_P99_S * 1000 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
