@@ -339,6 +339,7 @@ def test_a_client_disconnecting_mid_stream_cancels_the_request(served):
     assert all(chunk.choices[0].finish_reason is None for chunk in received)
     assert served.decode_generation_tokens() - before < LONG // 2
     assert served.requests_ended("request_failure", code="CANCELLED") == cancelled + 1
+    assert served.cluster.orchestrator.admission.in_flight == 0  # the request's slot was released
 
 
 def test_a_client_disconnecting_before_a_whole_response_cancels_the_request(served):
@@ -354,6 +355,7 @@ def test_a_client_disconnecting_before_a_whole_response_cancels_the_request(serv
     served.wait_idle()
     assert served.decode_generation_tokens() - before < LONG // 2
     assert served.requests_ended("request_failure", code="CANCELLED") == cancelled + 1
+    assert served.cluster.orchestrator.admission.in_flight == 0  # the request's slot was released
 
 
 def test_a_chat_too_long_for_the_context_is_400_naming_messages(served):
