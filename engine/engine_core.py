@@ -29,7 +29,7 @@ from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.outputs import CompletionDelta
 from splitserve.engine.request import Request, RequestStatus
 from splitserve.engine.sampler import Sampler, SamplingRow
-from splitserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from splitserve.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
 from splitserve.engine.step_costs import StepCosts
 
 @dataclass(frozen=True)
@@ -362,6 +362,31 @@ class EngineCore:
             finish_reason=request.finish_reason, stop_reason=request.stop_reason,
             num_prompt_tokens=request.num_prompt_tokens, num_cached_tokens=max(request.num_cached_tokens, 0),
             first_scheduled_at=request.first_scheduled_at)
+
+    # ---- scoring ---------------------------------------------------------------------------
+    def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
+        """Next-token logits [len(token_ids), vocab] (float32) at every position of one sequence: row i is
+        the distribution after token_ids[: i + 1]. Runs the serving path (paged KV, chunks of at most
+        max_num_batched_tokens, this engine's dtype and kernels) outside the scheduler, in blocks it
+        frees before returning; nothing is sampled, cached or published."""
+        if not 0 < len(token_ids) <= self.max_model_len:
+            raise InvalidRequestError("prompt", f"must have 1 to max_model_len={self.max_model_len} tokens")
+        request = Request(f"score-{self._arrivals}", list(token_ids), SamplingParams(), frozenset(), self._arrivals)
+        self._arrivals += 1
+        if self.block_manager.allocate(request, len(token_ids)) is None:
+            raise InvalidRequestError("prompt", "the KV pool has no room to score it now")
+        try:
+            return torch.cat([self.runner.execute_all_positions(SchedulerOutput((chunk,), ()))
+                              for chunk in self._scoring_chunks(request)])  # [T, vocab]
+        finally:
+            self.block_manager.free(request.request_id)
+
+    def _scoring_chunks(self, request: Request) -> list[ScheduledChunk]:
+        budget = self.config.max_num_batched_tokens
+        table = tuple(self.block_manager.block_table(request.request_id))
+        tokens = request.prompt_token_ids
+        return [ScheduledChunk(request.request_id, tuple(tokens[start:start + budget]), start, table, samples=False)
+                for start in range(0, len(tokens), budget)]
 
     # ---- reports for routers -------------------------------------------------------------
     @property

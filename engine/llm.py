@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+import torch
 from tqdm import tqdm
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
@@ -94,6 +95,10 @@ class LLM:
             self.engine.abort_request(request_id)
             while self.engine.has_unfinished_requests():
                 self.engine.step()
+
+    def prompt_logits(self, prompt: Prompt) -> torch.Tensor:
+        """Next-token logits [num_prompt_tokens, vocab] (float32) at every prompt position (EngineCore.prompt_logits)."""
+        return self.engine.prompt_logits(self._encode(prompt))
 
     def stats(self) -> EngineStats:
         return self.engine.stats()

@@ -128,6 +128,14 @@ class ModelRunner:
     def execute(self, output: SchedulerOutput) -> torch.Tensor:
         """Logits [num_sampling_chunks, vocab] in chunk order (float32)."""
         model_input = self.inputs.build(output)
-        hidden = self.model(model_input.input_ids, model_input.positions, self.kv_cache.layers,
-                            model_input.metadata)  # [T, hidden]
-        return self.model.compute_logits(hidden[model_input.logits_indices]).float()
+        return self.model.compute_logits(self._forward(model_input)[model_input.logits_indices]).float()
+
+    @torch.inference_mode()
+    def execute_all_positions(self, output: SchedulerOutput) -> torch.Tensor:
+        """Logits [T, vocab] (float32) of every scheduled token in batch order, not only the sampling rows:
+        what scoring a prompt needs."""
+        return self.model.compute_logits(self._forward(self.inputs.build(output))).float()
+
+    def _forward(self, model_input: ModelInput) -> torch.Tensor:
+        return self.model(model_input.input_ids, model_input.positions, self.kv_cache.layers,
+                          model_input.metadata)  # [T, hidden]

@@ -230,3 +230,27 @@ def test_stop_strings_count_only_from_min_tokens(llm):
     output = llm.generate(PROMPT, greedy(30, stop=[stop], min_tokens=5))[0]
     assert len(output.token_ids) >= 5 and output.token_ids == full.token_ids[:len(output.token_ids)]
     assert full.text.startswith(output.text) and output.text.startswith(stop)
+
+
+@pytest.mark.parametrize("budget", [2048, 24], ids=["one-chunk", "chunks-of-24"])
+def test_prompt_logits_equal_transformers_at_every_position(tiny_llama_dir, budget):
+    from transformers import AutoModelForCausalLM
+
+    prompt = list(range(3, 103))
+    llm = LLM(tiny_llama_dir, block_size=16, dtype="float32", max_model_len=256, num_kv_blocks=16,
+              max_num_batched_tokens=budget)
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        expected = model(torch.tensor([prompt])).logits[0]  # [100, vocab]
+    got = llm.prompt_logits(prompt)
+    assert got.shape == (100, 512) and got.dtype == torch.float32
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-4)
+    assert_pool_idle(llm.engine.block_manager)
+    assert llm.engine.block_manager.take_events() == [] and llm.stats().prefix_cache_queries == 0
+
+
+def test_prompt_logits_refuse_a_prompt_longer_than_max_model_len(tiny_llama_dir):
+    llm = LLM(tiny_llama_dir, block_size=16, max_model_len=64, num_kv_blocks=8)
+    with pytest.raises(InvalidRequestError, match="max_model_len=64"):
+        llm.prompt_logits(list(range(3, 68)))
+    assert_pool_idle(llm.engine.block_manager)
