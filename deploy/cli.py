@@ -28,6 +28,59 @@ def _add_make_tiny_model(commands: argparse._SubParsersAction) -> None:
     parser.set_defaults(handler=_make_tiny_model)
 
 
+TRAINING_PRESETS = ("draft", "main")
+"""tiny_training.PRESETS' names, spelled out so building the parser does not import torch (a test checks)."""
+
+
+def _add_train_tiny_model(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser("train-tiny-model",
+                                 help="train a small Llama on this interpreter's standard library (docs/models.md)")
+    parser.add_argument("dir", type=Path, help="output model directory (replaced)")
+    parser.add_argument("--preset", choices=TRAINING_PRESETS, default="main",
+                        help="shape and schedule of a shipped model (the flags below override it)")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="optimizer steps (a preset's warmup longer than that shrinks to steps / 10)")
+    parser.add_argument("--batch-size", type=int, default=None, help="windows per step")
+    parser.add_argument("--context-len", type=int, default=None, help="tokens per window")
+    parser.add_argument("--lr", type=float, default=None, help="peak learning rate")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (recorded)")
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--stdlib", type=Path, default=None,
+                        help="train on the *.py files under this folder instead of the running stdlib")
+    parser.set_defaults(handler=_train_tiny_model)
+
+
+def _training_config(args: argparse.Namespace):
+    """The preset with the given flags replaced."""
+    import dataclasses
+
+    from splitserve.engine.tiny_training import PRESETS
+
+    preset = PRESETS[args.preset]
+    flags = {"steps": args.steps, "batch_size": args.batch_size, "context_len": args.context_len,
+             "peak_lr": args.lr, "threads": args.threads}
+    fields = {name: value for name, value in flags.items() if value is not None}
+    if args.seed is not None:
+        fields["model"] = dataclasses.replace(preset.model, seed=args.seed)
+    if fields.get("steps", preset.steps) <= preset.warmup_steps:
+        fields["warmup_steps"] = fields["steps"] // 10
+    return dataclasses.replace(preset, **fields)
+
+
+def _train_tiny_model(args: argparse.Namespace) -> int:
+    from splitserve.engine.stdlib_corpus import CorpusSplit, stdlib_root
+    from splitserve.engine.tiny_training import RECORD_FILE, train
+
+    config = _training_config(args)
+    split = CorpusSplit.of(args.stdlib or stdlib_root(), config.heldout_every)
+    print(f"training on {len(split.train)} files, holding out {len(split.heldout)} (under {split.root})")
+    record = train(config, split, args.dir, show_progress=True)
+    print(f"wrote {args.dir} ({record.num_parameters / 1e6:.2f}M parameters, {record.tokens_seen} tokens seen, "
+          f"{record.wall_time_s:.0f} s): train loss {record.final_train_loss:.3f}, held-out loss "
+          f"{record.heldout_loss:.3f} (perplexity {record.heldout_perplexity:.2f}); record in {RECORD_FILE}")
+    return 0
+
+
 def _add_sampling_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("sampling")
     group.add_argument("--max-tokens", type=int, default=64)
@@ -470,6 +523,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _OneLineErrors(prog="splitserve", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_OneLineErrors)
     _add_make_tiny_model(commands)
+    _add_train_tiny_model(commands)
     _add_generate(commands)
     _add_serve(commands)
     _add_config(commands)

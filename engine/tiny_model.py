@@ -210,6 +210,20 @@ def build_tokenizer(vocab_size: int, seed: int, arch: str = "llama") -> PreTrain
         num_invented *= 2
         tokenizer = _train_bpe(vocab_size, _synthetic_corpus(seed, num_invented), arch)
     assert tokenizer.get_vocab_size() == vocab_size, (tokenizer.get_vocab_size(), vocab_size)
+    return _with_chat_template(tokenizer)
+
+
+def train_tokenizer(vocab_size: int, corpus: list[str], arch: str = "llama") -> PreTrainedTokenizerFast:
+    """build_tokenizer's tokenizer, with merges learnt from `corpus` (which must be large enough to
+    yield exactly `vocab_size` tokens); a pure function of its arguments."""
+    _check_vocab_size(vocab_size)
+    tokenizer = _train_bpe(vocab_size, corpus, arch)
+    if tokenizer.get_vocab_size() != vocab_size:
+        raise ValueError(f"the corpus yields only {tokenizer.get_vocab_size()} tokens, fewer than {vocab_size}")
+    return _with_chat_template(tokenizer)
+
+
+def _with_chat_template(tokenizer: Tokenizer) -> PreTrainedTokenizerFast:
     # No BOS token (Qwen2 style): the backend has no post-processor, so nothing is prepended.
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=EOS_TOKEN, pad_token=EOS_TOKEN,
                                    chat_template=CHAT_TEMPLATE, clean_up_tokenization_spaces=False)
@@ -255,19 +269,32 @@ def _atomic_dir(out_dir: Path) -> Iterator[Path]:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def build_tiny_model(out_dir: str | Path, spec: TinyModelSpec) -> Path:
-    """Write a complete model directory for `spec` to `out_dir` (replacing it); a crash never leaves half a model."""
-    out_dir = Path(out_dir)
-    tokenizer = build_tokenizer(spec.vocab_size, spec.seed, spec.arch)
-    tokenizer.model_max_length = spec.max_position_embeddings
+def random_model(spec: TinyModelSpec, tokenizer: PreTrainedTokenizerFast) -> PreTrainedModel:
+    """`spec`'s model with random weights from spec.seed (float32), its generation config set for `tokenizer`."""
     eos_id, end_of_turn_id = tokenizer.convert_tokens_to_ids([EOS_TOKEN, END_OF_TURN_TOKEN])
     model = _random_model(spec, _hf_config(spec, eos_id))
     # Chat turns end with <|im_end|>, plain completions with <|endoftext|>: generation stops on either.
     model.generation_config = GenerationConfig(eos_token_id=[eos_id, end_of_turn_id], pad_token_id=eos_id)
+    return model
+
+
+def write_model_dir(out_dir: str | Path, model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast,
+                    extra_files: dict[str, str] | None = None) -> Path:
+    """Save model, tokenizer and `extra_files` (name -> text) as `out_dir`, replacing it atomically."""
+    out_dir = Path(out_dir)
     with _atomic_dir(out_dir) as staging:
         model.save_pretrained(staging, safe_serialization=True)
         tokenizer.save_pretrained(staging)
+        for name, text in (extra_files or {}).items():
+            (staging / name).write_text(text)
     return out_dir
+
+
+def build_tiny_model(out_dir: str | Path, spec: TinyModelSpec) -> Path:
+    """Write a complete model directory for `spec` to `out_dir` (replacing it); a crash never leaves half a model."""
+    tokenizer = build_tokenizer(spec.vocab_size, spec.seed, spec.arch)
+    tokenizer.model_max_length = spec.max_position_embeddings
+    return write_model_dir(out_dir, random_model(spec, tokenizer), tokenizer)
 
 
 def default_cache_dir() -> Path:
