@@ -424,3 +424,16 @@ def assert_blocks_pulled(local: list[torch.Tensor], local_ids: tuple[int, ...], 
     for layer, (dst, src) in enumerate(zip(local, remote)):
         assert torch.equal(dst[list(local_ids)], src[list(remote_ids)]), f"layer {layer}"
         assert dst[untouched].count_nonzero().item() == 0, f"layer {layer} wrote outside the pulled blocks"
+
+
+# ---- a training run in seconds ----------------------------------------------------------------
+from splitserve.engine.tiny_model import TinyModelSpec  # noqa: E402
+from splitserve.engine.tiny_training import TrainingConfig  # noqa: E402
+
+TINY_CORPUS = Path(__file__).parent / "fixtures" / "tiny_corpus"
+"""Five small Python files (one held out at heldout_every=3) and a test/ folder the corpus skips."""
+TINY_TRAINING = TrainingConfig(
+    model=TinyModelSpec(num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=1, vocab_size=300,
+                        max_position_embeddings=64, tie_word_embeddings=True, initializer_range=0.02, seed=3),
+    context_len=32, batch_size=2, steps=4, peak_lr=1e-2, warmup_steps=1, heldout_every=3, threads=1)
+"""Four steps on TINY_CORPUS: what the training and evaluation tests run."""

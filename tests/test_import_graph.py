@@ -35,7 +35,7 @@ REPO = Path(__file__).resolve().parents[1]
 DIST = "splitserve"
 
 PRODUCT_FOLDERS = ("common", "engine", "kv_transfer", "prefill_worker", "decode_worker", "router", "planner",
-                   "proto", "deploy", "testing")
+                   "proto", "eval", "deploy", "testing")
 FOLDERS = (*PRODUCT_FOLDERS, "bench", "tests")
 _EVERYTHING = frozenset(PRODUCT_FOLDERS)
 
@@ -48,6 +48,7 @@ ALLOWED: Mapping[str, frozenset[str]] = {
     "decode_worker": frozenset({"engine", "kv_transfer", "common"}),
     "router": frozenset({"common", "proto"}),
     "planner": frozenset({"common"}),
+    "eval": frozenset({"engine", "common"}),  # model quality through the engine (docs/models.md)
     "proto": frozenset(),
     "deploy": _EVERYTHING,
     "testing": _EVERYTHING,  # test infrastructure shipped with the product, shared by tests/ and bench/

@@ -3,23 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from tests.factories import TINY_CORPUS, TINY_TRAINING
 from splitserve.deploy.cli import TRAINING_PRESETS, main as cli_main
 from splitserve.engine.stdlib_corpus import CorpusSplit, is_heldout, list_sources, stdlib_root
-from splitserve.engine.tiny_model import TinyModelSpec
-from splitserve.engine.tiny_training import (PRESETS, TrainingConfig, eval_windows, learning_rate,
-                                             read_record, train)
+from splitserve.engine.tiny_training import PRESETS, eval_windows, learning_rate, read_record, train
 
-TINY_CORPUS = Path(__file__).parent / "fixtures" / "tiny_corpus"
-TINY_CONFIG = TrainingConfig(
-    model=TinyModelSpec(num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=1, vocab_size=300,
-                        max_position_embeddings=64, tie_word_embeddings=True, initializer_range=0.02, seed=3),
-    context_len=32, batch_size=2, steps=4, peak_lr=1e-2, warmup_steps=1, heldout_every=3, threads=1)
 # The losses of torch 2.13.0 on this project's CPUs (1 thread; bit-identical run to run). They pin the
 # recipe (init, data order, schedule, autocast): a change to any of them shows up here. The 1e-6
 # tolerance admits only last-bit differences of other CPUs' kernels, far below a recipe change's.
@@ -48,7 +41,7 @@ def test_a_split_that_overlaps_is_refused():
 
 
 def test_learning_rate_warms_up_then_decays_to_the_floor():
-    config = dataclasses.replace(TINY_CONFIG, steps=11, warmup_steps=2, peak_lr=1.0, min_lr_ratio=0.1)
+    config = dataclasses.replace(TINY_TRAINING, steps=11, warmup_steps=2, peak_lr=1.0, min_lr_ratio=0.1)
     rates = [learning_rate(config, step) for step in range(11)]
     assert rates[:3] == [0.5, 1.0, 1.0]
     assert rates[-1] == pytest.approx(0.1)
@@ -62,8 +55,8 @@ def test_eval_windows_cover_each_target_once():
 
 def test_training_is_deterministic_for_a_fixed_seed(tmp_path):
     split = CorpusSplit.of(TINY_CORPUS, heldout_every=3)
-    first = train(TINY_CONFIG, split, tmp_path / "a")
-    second = train(TINY_CONFIG, split, tmp_path / "b")
+    first = train(TINY_TRAINING, split, tmp_path / "a")
+    second = train(TINY_TRAINING, split, tmp_path / "b")
     assert first.step_losses == second.step_losses
     assert first.step_losses == pytest.approx(TINY_LOSSES, abs=1e-6)
     assert first.heldout_loss == second.heldout_loss
@@ -73,7 +66,7 @@ def test_training_is_deterministic_for_a_fixed_seed(tmp_path):
 
 
 def test_the_record_round_trips_and_the_model_loads_in_transformers(tmp_path):
-    record = train(TINY_CONFIG, CorpusSplit.of(TINY_CORPUS, heldout_every=3), tmp_path / "m")
+    record = train(TINY_TRAINING, CorpusSplit.of(TINY_CORPUS, heldout_every=3), tmp_path / "m")
     assert read_record(tmp_path / "m") == record
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "m")
     assert model.dtype == torch.bfloat16 and model.num_parameters() == record.num_parameters
