@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -82,3 +84,10 @@ def test_cli_trains_a_preset_with_overrides_on_the_stdlib(tmp_path, capsys):
     assert record.config.model == dataclasses.replace(PRESETS["draft"].model, seed=5)
     assert record.heldout_files == CorpusSplit.of(stdlib_root()).heldout
     assert "held-out loss" in capsys.readouterr().out
+
+
+def test_building_the_cli_parser_does_not_import_torch():
+    # TRAINING_PRESETS spells the preset names out so `splitserve --help` stays fast.
+    code = "import sys; from splitserve.deploy.cli import build_parser; build_parser(); print('torch' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "False"
