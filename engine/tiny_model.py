@@ -1,14 +1,16 @@
 """Tiny Hugging Face-format models built locally: random weights from a fixed seed, a
 byte-level BPE tokenizer trained in-process, and a ChatML chat template.
 
-Used by the tests, the benchmarks and as the embedded default model. The result is an
+Used by the tests and the benchmarks that need a model of a given shape. The result is an
 ordinary model directory, loaded by the same code path as a real checkpoint; nothing is
 downloaded. Building is deterministic: the same spec gives byte-identical files.
+
+The embedded models (`--model default`, `default-draft`) are not built here: they are trained
+by engine/tiny_training.py and shipped as package data (resolve_model_path finds them).
 """
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import os
@@ -30,8 +32,8 @@ from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX as QW
 
 from splitserve.common.model_dir import DEFAULT_MODEL_NAME
 
-# Bump whenever the builder's output changes for an unchanged spec, so cached default
-# models built by an older version are not silently reused.
+# Bump whenever the builder's output changes for an unchanged spec, so cached models built by
+# an older version (the benchmarks cache theirs by fingerprint) are not silently reused.
 BUILDER_VERSION = 3
 
 EOS_TOKEN = "<|endoftext|>"
@@ -141,8 +143,12 @@ class TinyModelSpec:
         return hashlib.sha256(payload.encode()).hexdigest()[:12]
 
 
-DEFAULT_MODEL_SPEC = TinyModelSpec(arch="llama", num_layers=4, hidden_size=256, num_heads=8, num_kv_heads=4,
-                                   vocab_size=2048, seed=0)
+EMBEDDED_MODELS_DIR = Path(__file__).resolve().parent / "default_models"
+"""The embedded trained models: DEFAULT_MODEL_NAME (what `--model default` serves, trained on the Python
+stdlib: docs/models.md) and DRAFT_MODEL_NAME."""
+DRAFT_MODEL_NAME = "default-draft"
+"""A ~10x smaller model with the default model's tokenizer, for speculative decoding."""
+EMBEDDED_MODELS = (DEFAULT_MODEL_NAME, DRAFT_MODEL_NAME)
 
 
 def _invented_words(rng: random.Random, count: int) -> list[str]:
@@ -306,25 +312,18 @@ def _is_model_dir(path: Path) -> bool:
     return (path / "config.json").is_file()
 
 
-def ensure_default_model(cache_dir: Path | None = None) -> Path:
-    """The embedded default model, built on first use and reused afterwards."""
-    cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    path = cache_dir / f"{DEFAULT_MODEL_NAME}-{DEFAULT_MODEL_SPEC.fingerprint()}"
-    if _is_model_dir(path):
-        return path
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    # Several workers starting at once build it once: the others wait on the lock, then reuse it.
-    with open(cache_dir / f".{path.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not _is_model_dir(path):
-            build_tiny_model(path, DEFAULT_MODEL_SPEC)
-    return path
+def embedded_model_path(name: str) -> Path:
+    """The shipped model directory of an EMBEDDED_MODELS name (package data of splitserve.engine)."""
+    if name not in EMBEDDED_MODELS:
+        raise ValueError(f"{name!r} is not an embedded model; those are {', '.join(EMBEDDED_MODELS)}")
+    return EMBEDDED_MODELS_DIR / name
 
 
 def resolve_model_path(name_or_path: str | Path) -> Path:
-    """The embedded model for "default" (built on first use), else `name_or_path` if it is a model directory."""
-    if str(name_or_path) == DEFAULT_MODEL_NAME:
-        return ensure_default_model()
+    """The shipped model for an EMBEDDED_MODELS name ("default", "default-draft"), else `name_or_path`
+    if it is a model directory."""
+    if str(name_or_path) in EMBEDDED_MODELS:
+        return embedded_model_path(str(name_or_path))
     path = Path(name_or_path).expanduser()
     if not _is_model_dir(path):
         raise FileNotFoundError(f"{str(name_or_path)!r} is not a model directory (no config.json in {path}); "

@@ -18,8 +18,8 @@ from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
 from splitserve.deploy.cli import main as cli_main
 from splitserve.engine import tiny_model
-from splitserve.engine.tiny_model import (DEFAULT_MODEL_SPEC, TinyModelSpec, build_tiny_model, build_tokenizer,
-                                          ensure_default_model, resolve_model_path)
+from splitserve.engine.tiny_model import (EMBEDDED_MODELS_DIR, TinyModelSpec, build_tiny_model, build_tokenizer,
+                                          embedded_model_path, resolve_model_path)
 from splitserve.testing.tiny_models import TINY_SPECS
 
 MODEL_FILES = ("model.safetensors", "tokenizer.json", "tokenizer_config.json", "config.json",
@@ -207,14 +207,12 @@ def test_rebuild_replaces_an_existing_directory(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]
 
 
-def test_default_model_is_built_once_into_the_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("SPLITSERVE_CACHE_DIR", str(tmp_path))
-    path = resolve_model_path("default")
-    assert path.parent == tmp_path and path.name == f"default-{DEFAULT_MODEL_SPEC.fingerprint()}"
-    config_mtime = (path / "config.json").stat().st_mtime_ns
-    assert ensure_default_model(tmp_path) == path
-    assert (path / "config.json").stat().st_mtime_ns == config_mtime
-    assert len(AutoTokenizer.from_pretrained(path)) == DEFAULT_MODEL_SPEC.vocab_size
+def test_embedded_model_names_resolve_to_the_shipped_directories():
+    for name in ("default", "default-draft"):
+        path = resolve_model_path(name)
+        assert path == EMBEDDED_MODELS_DIR / name and (path / "config.json").is_file()
+    with pytest.raises(ValueError, match="not an embedded model"):
+        embedded_model_path("default-large")
 
 
 def test_fingerprint_tracks_the_spec_and_the_builder(monkeypatch):

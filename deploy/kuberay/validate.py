@@ -421,7 +421,7 @@ def _probe_errors(head: RayPod, config) -> list[str]:
 def _model_errors(head: RayPod, workers: Mapping[str, tuple[RayPod, int]], config) -> list[str]:
     """The head resolves the model path and sends it to the workers: it must be the same volume in every pod."""
     if config.model == "default":
-        return []  # built into the image at the same path in every pod
+        return []  # package data of the installed wheel: the same path in every pod
     mounts = {pod.field: pod.mount_for(config.model) for pod in [head, *(pod for pod, _ in workers.values())]}
     missing = [field for field, mount in mounts.items() if mount is None]
     if missing:
