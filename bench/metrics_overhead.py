@@ -4,9 +4,9 @@ Metrics live at the router (a RequestRecord per request, turned into Prometheus 
 RouterMetrics.observe, and the scrape) and in the workers' reports (cumulative counters the
 router already polls for routing). So the bench runs what a user runs, router + prefill worker
 + decode worker, in one process (InProcessCluster: in-process KV transfer, so the router's work
-competes with the engines for the same GIL and cores: a pessimistic setting), on the embedded
-default model (the one `make run` serves; a small model makes the router's share of the work
-large, so the ratio is a worst case). "On" = the orchestrator's observer is RouterMetrics.observe
+competes with the engines for the same GIL and cores: a pessimistic setting), on the random
+serving model (RANDOM_SERVING_SPEC, the embedded default when these results were recorded; a
+small model makes the router's share of the work large, so the ratio is a worst case). "On" = the orchestrator's observer is RouterMetrics.observe
 and a client scrapes /metrics over HTTP once a second (Prometheus' default is every 15 s);
 "off" = no observer, no scrape. One cluster serves every round; rounds alternate off/on in an
 ABBA order so drift hits both alike; the ratio is median(on) / median(off) of output tokens/s.
@@ -38,7 +38,7 @@ from pathlib import Path
 
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.slo import SloConfig
-from splitserve.engine.tiny_model import DEFAULT_MODEL_SPEC, resolve_model_path
+from splitserve.testing.tiny_models import RANDOM_SERVING_SPEC, cached_tiny_model
 from splitserve.engine.worker_report import worker_counters
 from splitserve.router.metrics_server import RouterMetrics
 from splitserve.router.records import RequestTimeline
@@ -105,12 +105,12 @@ async def run_rounds(model_dir: Path, num_pairs: int, seed: int) -> tuple[list[d
         metrics.watch(cluster.orchestrator)
         scraper = Scraper(metrics.serve("127.0.0.1", 0))
         try:
-            await run_round(cluster, rng, DEFAULT_MODEL_SPEC.vocab_size, "warmup")
+            await run_round(cluster, rng, RANDOM_SERVING_SPEC.vocab_size, "warmup")
             rounds = []
             for index, on in enumerate(_abba(num_pairs)):
                 cluster.orchestrator.observer = observe if on else None
                 scraper.enabled.set() if on else scraper.enabled.clear()
-                result = await run_round(cluster, rng, DEFAULT_MODEL_SPEC.vocab_size, f"r{index}")
+                result = await run_round(cluster, rng, RANDOM_SERVING_SPEC.vocab_size, f"r{index}")
                 rounds.append({"metrics": on, **result})
                 print(f"  round {index:2d} metrics {'on ' if on else 'off'} {result['tokens_per_s']:7.1f} tok/s",
                       flush=True)
@@ -193,13 +193,13 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(1)
-    model_dir = resolve_model_path("default")
+    model_dir = cached_tiny_model(RANDOM_SERVING_SPEC)
     rounds, scrapes_s, micro = asyncio.run(run_rounds(model_dir, 2 if args.quick else args.pairs, args.seed))
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
     report = {"command": " ".join(sys.argv), "commit": commit, "platform": platform.platform(),
               "workload": {"concurrency": CONCURRENCY, "waves_per_round": WAVES_PER_ROUND, "prompt_tokens": PROMPT_TOKENS,
                            "output_tokens": OUTPUT_TOKENS, "scrape_interval_s": SCRAPE_INTERVAL_S,
-                           "model": "embedded default (llama, 4 layers, hidden 256)", "torch_threads": 1},
+                           "model": "random llama, 4 layers, hidden 256 (RANDOM_SERVING_SPEC)", "torch_threads": 1},
               "rounds": rounds, "summary": summarize(rounds, scrapes_s), "micro_costs": micro}
     out_dir = args.out_dir or (Path(tempfile.gettempdir()) if args.quick else RESULTS)
     out_dir.mkdir(parents=True, exist_ok=True)

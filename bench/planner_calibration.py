@@ -3,7 +3,7 @@
 1. Trace: a seeded steady Poisson trace (traces.make_trace "poisson", 4 requests/s for 60 s,
    CALIBRATION_WORKLOAD: prompts 64-512 tokens, outputs 32-128, no shared prefixes).
 2. Real: the trace replayed on testing.local_cluster's tiny cluster (1 prefill + 1 decode worker,
-   NIXL, `disaggregation: always`, the project's default model, CPU, 1 thread per worker): each
+   NIXL, `disaggregation: always`, the random serving model, CPU, 1 thread per worker): each
    request enters the router (Orchestrator.generate on its event loop; no gRPC front end and no
    client process on the 2 cores) at its arrival time with random token ids of its prompt length,
    greedy, ignore_eos, max_tokens = its output length. TTFT and TPOT come from the router's
@@ -81,7 +81,7 @@ OVERLAP_EDGES = (0.0, 0.1, 0.3, 1.0)
 FIRST_TOKEN_ID = 3
 """Random prompts use ids FIRST_TOKEN_ID..vocab-1 (0..2 are special tokens)."""
 DECODE_KV_BLOCKS = 2048
-"""The decode worker's KV pool (8-token blocks: 16,384 tokens, 64 MiB for the default model), 4x
+"""The decode worker's KV pool (8-token blocks: 16,384 tokens, 64 MiB for the random serving model), 4x
 tiny_cluster_config's, so that KV room never limits the batch here: the engine allocates blocks
 as requests grow and preempts when full, the simulator reserves prompt + output up front; the two
 differ exactly under KV pressure, which is not what this bench calibrates."""
@@ -673,7 +673,7 @@ def plot(report: dict, path: Path) -> None:
         axis.grid(alpha=0.3)
         axis.legend(loc="best", fontsize="small")
     trace = report["trace"]
-    figure.suptitle(f"Simulator vs local cluster (1P+1D, default model): {trace['requests']} requests, "
+    figure.suptitle(f"Simulator vs local cluster (1P+1D, random serving model): {trace['requests']} requests, "
                     f"Poisson {trace['rate']:.2g}/s over {trace['duration_s']:g} s")
     figure.tight_layout()
     figure.savefig(path, dpi=120)
@@ -729,10 +729,10 @@ def main() -> None:
     args = parser.parse_args()
     sizes = QUICK if args.quick else FULL
     start_bench()
-    from splitserve.engine.tiny_model import resolve_model_path
     from splitserve.testing.local_cluster import tiny_cluster_config
+    from splitserve.testing.tiny_models import RANDOM_SERVING_SPEC, cached_tiny_model
 
-    model_dir = resolve_model_path("default")
+    model_dir = cached_tiny_model(RANDOM_SERVING_SPEC)  # the random model its recorded results were measured with
     vocab_size = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     config = tiny_cluster_config(model_dir, **{"decode.engine.num_kv_blocks": DECODE_KV_BLOCKS})
     trace = calibration_trace(sizes, args.seed)

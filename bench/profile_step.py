@@ -20,8 +20,9 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from engine_throughput import MODELS, model_dir
+from engine_throughput import MODELS
 from splitserve.engine import LLM, SamplingParams
+from splitserve.testing.tiny_models import cached_tiny_model
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -46,7 +47,7 @@ def main() -> None:
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
-    llm = LLM(model_dir(MODELS[args.model]), dtype=args.dtype, num_threads=args.threads, max_num_seqs=256,
+    llm = LLM(cached_tiny_model(MODELS[args.model]), dtype=args.dtype, num_threads=args.threads, max_num_seqs=256,
               max_num_batched_tokens=2048, kv_cache_memory_bytes=1 << 30, enable_prefix_caching=False)
     engine, rng = llm.engine, random.Random(0)
     params = SamplingParams(temperature=0.0, max_tokens=1024, ignore_eos=True)

@@ -18,6 +18,7 @@ Writes bench/results/serve_overhead.json and .png (--quick: 5 requests, to the t
 
 from __future__ import annotations
 
+import functools
 import multiprocessing
 import random
 import time
@@ -28,13 +29,22 @@ from serving_common import (Cluster, bench_parser, client_sequential, cluster_co
                             start_bench, summary_ms, token_gaps, ttft_s, write_report)
 
 RESULTS = Path(__file__).parent / "results"
-MODEL = "default"
+
+
+@functools.cache
+def serving_model() -> str:
+    """The random-weight serving model (the embedded default before it was trained), so results stay comparable."""
+    from splitserve.testing.tiny_models import RANDOM_SERVING_SPEC, cached_tiny_model
+
+    return str(cached_tiny_model(RANDOM_SERVING_SPEC))
+
+
 SETUPS = {"colocated": ("colocated", {}),
           "1P+1D": ("disaggregated", {"router.routing.disaggregation": "always"})}
 
 
 def run_cluster(mode: str, overrides: dict, prompts: list[list[int]], max_tokens: int) -> dict:
-    with Cluster(cluster_config(MODEL, mode, **overrides)) as (cluster, _):
+    with Cluster(cluster_config(serving_model(), mode, **overrides)) as (cluster, _):
         with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as client:
             client.submit(client_sequential, cluster.port, [("warmup", "warmup", prompts[0], 4)]).result()
             records = client.submit(client_sequential, cluster.port,
@@ -47,9 +57,7 @@ def run_cluster(mode: str, overrides: dict, prompts: list[list[int]], max_tokens
 def run_in_process(prompts: list[list[int]], max_tokens: int) -> dict:
     from splitserve.common.sampling_params import SamplingParams
     from splitserve.engine.engine_core import EngineCore
-    from splitserve.engine.tiny_model import resolve_model_path
-
-    engine = EngineCore(resolve_model_path(MODEL), cluster_config(MODEL, "colocated").decode.engine)
+    engine = EngineCore(serving_model(), cluster_config(serving_model(), "colocated").decode.engine)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     ttfts, gaps = [], []
     for index, prompt in enumerate([prompts[0], *prompts]):  # the first is the warm-up
@@ -87,7 +95,7 @@ def plot(report: dict, path: Path) -> None:
         ax.set(ylabel="p50 ms", title=f"{title}: cluster vs in-process engine (one stream)",
                ylim=(0, 1.3 * max(values)))
     workload = report["workload"]
-    fig.suptitle(f"model '{MODEL}', fp32, {workload['requests']} requests of {workload['prompt_tokens']} prompt "
+    fig.suptitle(f"model '{Path(serving_model()).name}', fp32, {workload['requests']} requests of {workload['prompt_tokens']} prompt "
                  f"tokens / {workload['max_tokens']} outputs, one at a time; 2 CPU cores", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -99,11 +107,10 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--max-tokens", type=int, default=64)
     args = parser.parse_args()
-    from splitserve.engine.tiny_model import resolve_model_path
     from transformers import AutoConfig
 
     started = start_bench()
-    vocab_size = AutoConfig.from_pretrained(resolve_model_path(MODEL)).vocab_size
+    vocab_size = AutoConfig.from_pretrained(serving_model()).vocab_size
     rng = random.Random(args.seed)
     num_requests = 5 if args.quick else args.requests
     prompts = [random_prompt(rng, args.prompt_tokens, vocab_size) for _ in range(num_requests)]
