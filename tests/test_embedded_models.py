@@ -1,16 +1,19 @@
 """The shipped models (engine/default_models): complete Hugging Face directories, loadable by
-transformers and splitserve with identical greedy output, and whose recorded held-out loss a fresh
-evaluation reproduces."""
+transformers and splitserve with identical greedy output, whose recorded held-out loss a fresh
+evaluation reproduces, and whose quick-start output in the README is what they produce."""
 
 from __future__ import annotations
 
 import json
+import re
+import shlex
 from pathlib import Path
 
 import pytest
 from safetensors import safe_open
 
 from tests.factories import hf_greedy
+from splitserve.deploy.cli import main as cli_main
 from splitserve.engine import LLM
 from splitserve.engine.llm import load_tokenizer
 from splitserve.engine.stdlib_corpus import stdlib_root
@@ -23,6 +26,7 @@ from splitserve.testing.workloads import GreedyCase
 MODELS = (DEFAULT_MODEL_NAME, DRAFT_MODEL_NAME)
 FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
          "chat_template.jinja", "training_record.json")
+README = Path(__file__).resolve().parents[1] / "README.md"
 LOSS_TOLERANCE = 1e-4
 """Nats. The record's loss is transformers' float32 forward of the saved bf16 weights, batched 8 windows at a
 time; the fresh one runs window by window, so only float summation order differs (~1e-6)."""
@@ -84,3 +88,18 @@ def test_recorded_heldout_loss_equals_a_fresh_evaluation(name):
 
 def test_the_default_model_is_not_gibberish():
     assert read_record(resolve_model_path(DEFAULT_MODEL_NAME)).heldout_perplexity < DEFAULT_PERPLEXITY_BOUND
+
+
+def _readme_quickstart() -> tuple[str, str]:
+    """The command and its output from the README's quick-start block (between the marker comments)."""
+    block = re.search(r"<!-- quickstart -->\n```console\n(.*?)```\n<!-- /quickstart -->", README.read_text(), re.S)
+    command, _, output = block.group(1).partition("\n")
+    return command.removeprefix("$ "), output
+
+
+def test_readme_quickstart_output_is_the_default_models(capsys):
+    command, expected = _readme_quickstart()
+    args = shlex.split(command)
+    assert args[:3] == ["splitserve", "generate", _heldout_def_prompt()] and "--model" not in args
+    assert cli_main(args[1:]) == 0
+    assert capsys.readouterr().out == expected
