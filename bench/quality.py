@@ -24,7 +24,8 @@ from pathlib import Path
 
 import torch
 
-from splitserve.engine.tiny_model import DEFAULT_MODEL_NAME, DRAFT_MODEL_NAME, resolve_model_path
+from splitserve.common.model_dir import DEFAULT_MODEL_NAME, DRAFT_MODEL_NAME
+from splitserve.engine.tiny_model import resolve_model_path
 from splitserve.engine.tiny_training import read_record
 from splitserve.eval import EngineVariant, QualityResult, evaluate, heldout_windows, random_twin
 from splitserve.eval.quality import corpus_matches_record

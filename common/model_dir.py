@@ -13,7 +13,11 @@ from pathlib import Path
 from splitserve.common.errors import UnsupportedModelError
 
 DEFAULT_MODEL_NAME = "default"
-"""The model name that means the embedded tiny model, built on first use (always servable)."""
+"""The model name that means the embedded trained model (shipped with the package, always servable)."""
+DRAFT_MODEL_NAME = "default-draft"
+"""The embedded ~10x smaller model with the default model's tokenizer, for speculative decoding."""
+EMBEDDED_MODELS = (DEFAULT_MODEL_NAME, DRAFT_MODEL_NAME)
+"""Names `--model` accepts besides a directory."""
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 """config.json `architectures[0]` values the engine runs."""
 TOKENIZER_FILE = "tokenizer.json"

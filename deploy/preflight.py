@@ -13,7 +13,7 @@ import socket
 from pathlib import Path
 
 from splitserve.common.errors import UnsupportedModelError
-from splitserve.common.model_dir import DEFAULT_MODEL_NAME, check_model_dir
+from splitserve.common.model_dir import EMBEDDED_MODELS, check_model_dir
 from splitserve.deploy.cluster_config import ClusterConfig, RouterConfig
 from splitserve.router.auth import api_key_from_env
 from splitserve.router.tls import load_tls
@@ -40,9 +40,9 @@ def preflight(config: ClusterConfig, api_key: str | None = None) -> None:
 
 def check_model(model: str, chat_template: str | None) -> None:
     """The model directory serves (architecture, weights, tokenizer.json) and the chat template
-    compiles: the override when given, else the directory's own. The embedded model always serves."""
+    compiles: the override when given, else the directory's own. The embedded models always serve."""
     template = read_chat_template_option(chat_template) if chat_template is not None else None
-    if model == DEFAULT_MODEL_NAME:
+    if model in EMBEDDED_MODELS:
         if template is not None:
             _compile(template)
         return

@@ -30,7 +30,7 @@ from transformers import (AutoModelForCausalLM, GenerationConfig, LlamaConfig, P
                           PreTrainedModel, PreTrainedTokenizerFast, Qwen2Config)
 from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX as QWEN2_PRETOKENIZE_REGEX
 
-from splitserve.common.model_dir import DEFAULT_MODEL_NAME
+from splitserve.common.model_dir import DEFAULT_MODEL_NAME, EMBEDDED_MODELS
 
 # Bump whenever the builder's output changes for an unchanged spec, so cached models built by
 # an older version (the benchmarks cache theirs by fingerprint) are not silently reused.
@@ -146,9 +146,6 @@ class TinyModelSpec:
 EMBEDDED_MODELS_DIR = Path(__file__).resolve().parent / "default_models"
 """The embedded trained models: DEFAULT_MODEL_NAME (what `--model default` serves, trained on the Python
 stdlib: docs/models.md) and DRAFT_MODEL_NAME."""
-DRAFT_MODEL_NAME = "default-draft"
-"""A ~10x smaller model with the default model's tokenizer, for speculative decoding."""
-EMBEDDED_MODELS = (DEFAULT_MODEL_NAME, DRAFT_MODEL_NAME)
 
 
 def _invented_words(rng: random.Random, count: int) -> list[str]:

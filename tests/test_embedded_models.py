@@ -17,7 +17,8 @@ from splitserve.deploy.cli import main as cli_main
 from splitserve.engine import LLM
 from splitserve.engine.llm import load_tokenizer
 from splitserve.engine.stdlib_corpus import stdlib_root
-from splitserve.engine.tiny_model import DEFAULT_MODEL_NAME, DRAFT_MODEL_NAME, resolve_model_path
+from splitserve.common.model_dir import DEFAULT_MODEL_NAME, DRAFT_MODEL_NAME
+from splitserve.engine.tiny_model import resolve_model_path
 from splitserve.engine.tiny_training import read_record
 from splitserve.eval import EngineVariant, evaluate, heldout_windows
 from splitserve.eval.quality import corpus_matches_record
