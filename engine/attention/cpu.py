@@ -39,7 +39,8 @@ from splitserve.engine.cpu_kernels import load_cpu_kernels
 
 
 class CpuPagedAttention(TorchReferenceAttention):
-    """The reference backend with the C++ decode and bf16 prefill kernels, and the split prefill after a prefix."""
+    """The reference backend with the C++ kernels (decode; prefill in bf16, or with a sliding window) and, for
+    other fp32 prefill chunks after a prefix, the split into two fused calls."""
 
     def __init__(self, use_kernels: bool = True) -> None:
         """use_kernels=False keeps to pure torch (the path taken when the kernels cannot be built)."""
