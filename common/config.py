@@ -7,6 +7,7 @@ from dataclasses import dataclass
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu")
+SPECULATIVE_METHODS = ("ngram", "draft")
 DEFAULT_KV_CACHE_MEMORY_BYTES = 1 << 30
 """KV pool size when no sizing field is given: 1 GiB."""
 
@@ -14,6 +15,44 @@ DEFAULT_KV_CACHE_MEMORY_BYTES = 1 << 30
 def _check(ok: bool, message: str) -> None:
     if not ok:
         raise ValueError(message)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding of one engine: a proposer guesses tokens, the target model verifies
+    them in one forward pass, and the output distribution stays exactly the target's."""
+
+    method: str = "ngram"
+    """ngram (prompt lookup: the tokens that followed the latest earlier occurrence of the
+    context's last n tokens) or draft (a smaller model with the same tokenizer, run greedily)."""
+    num_speculative_tokens: int = 4
+    """Most draft tokens verified per request per step (k); the adaptive rule may use fewer."""
+    ngram_min: int = 1
+    """ngram: the shortest suffix looked up in the context."""
+    ngram_max: int = 4
+    """ngram: the longest suffix looked up (longer suffixes are tried first)."""
+    draft_model: str | None = None
+    """draft: the draft model's directory (or the embedded `default-draft`); it must share the
+    target's tokenizer. None with method draft is refused."""
+    disable_above_batch_size: int | None = 16
+    """Nobody speculates in a step that decodes more requests than this (verification costs
+    k + 1 tokens of compute per request, which stops paying once the batch fills the device);
+    None: always speculate. The default is the crossover bench/speculative.py measured on CPU."""
+    adaptive: bool = True
+    """Each request's k follows its recent acceptance (an average of its accepted lengths, plus
+    one), between 1 and num_speculative_tokens; False: always num_speculative_tokens."""
+
+    def __post_init__(self) -> None:
+        _check(self.method in SPECULATIVE_METHODS, f"speculative.method must be one of {SPECULATIVE_METHODS}, "
+                                                   f"got {self.method!r}")
+        _check(1 <= self.num_speculative_tokens <= 16,
+               f"speculative.num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}")
+        _check(1 <= self.ngram_min <= self.ngram_max,
+               f"speculative ngram sizes need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}")
+        _check(self.method != "draft" or bool(self.draft_model),
+               "speculative.draft_model must name a model directory when method is 'draft'")
+        _check(self.disable_above_batch_size is None or self.disable_above_batch_size >= 1,
+               f"speculative.disable_above_batch_size must be >= 1 or null, got {self.disable_above_batch_size}")
 
 
 @dataclass(frozen=True)
@@ -53,6 +92,8 @@ class EngineConfig:
     cpu_kernels: bool = True
     """On CPU, run the C++ kernels (paged decode attention, fused RMSNorm / SiLU-and-mul / RoPE), built
     on first use; False, or a machine where they cannot build, runs the pure-torch reference ops."""
+    speculative: SpeculativeConfig | None = None
+    """Speculative decoding (docs/speculative.md); None decodes one token per request per step."""
 
     def __post_init__(self) -> None:
         _check(self.block_size >= 1, f"block_size must be >= 1, got {self.block_size}")

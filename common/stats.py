@@ -10,6 +10,29 @@ from splitserve.common.slo import SloOutcome, tpot_s
 
 
 @dataclass(frozen=True)
+class SpecDecodeStats:
+    """Speculative decoding of one engine since start, with vLLM's semantics (cumulative counts)."""
+
+    num_drafts: int
+    """Verifications: one per speculating request per step."""
+    num_draft_tokens: int
+    """Draft tokens verified."""
+    num_accepted_tokens: int
+    """Draft tokens accepted (each verification also emits one token of the target's, not counted)."""
+    num_accepted_tokens_per_pos: tuple[int, ...]
+    """Entry j: verifications that accepted draft j + 1 (so it is at most entry j - 1)."""
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens emitted per verification (accepted drafts + the target's token); 0 before any."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+
+@dataclass(frozen=True)
 class EngineStats:
     """A snapshot of one engine's scheduler and KV pool (cumulative counters since start)."""
 
@@ -31,6 +54,8 @@ class EngineStats:
     KV was pulled from a producer does not count unless it was recomputed here)."""
     num_generation_tokens: int
     """Tokens sampled (a producer samples each request's first token)."""
+    spec_decode: SpecDecodeStats | None = None
+    """Speculative decoding counters; None when the engine does not speculate."""
 
     @property
     def kv_usage(self) -> float:

@@ -201,6 +201,20 @@ class BlockManager:
                 if block.block_hash is None:
                     self._free.move_to_end(block_id, last=False)
 
+    def truncate(self, request_id: str, num_tokens: int) -> None:
+        """Return the request's blocks past the first `num_tokens` tokens (a speculative step's
+        rejected tail). They were allocated for tokens whose KV was never accepted, so they carry
+        no hash and go to the front of the free list, as a freed unhashed block does."""
+        table = self._tables[request_id]
+        keep = self.blocks_needed(num_tokens)
+        for block_id in reversed(table[keep:]):
+            block = self._blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free[block_id] = None
+                self._free.move_to_end(block_id, last=False)
+        del table[keep:]
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; only possible when no block is owned."""
         if len(self._free) != self.num_blocks:

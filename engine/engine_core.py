@@ -29,6 +29,8 @@ from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.outputs import CompletionDelta
 from splitserve.engine.request import Request, RequestStatus
 from splitserve.engine.sampler import Sampler, SamplingRow
+from splitserve.engine.spec_decode.speculator import Speculator, build_proposer
+from splitserve.engine.spec_decode.verifier import SpeculativeRows, VerifiedRun, verify
 from splitserve.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
 from splitserve.engine.step_costs import StepCosts
 
@@ -83,8 +85,8 @@ class EngineCore:
             torch.set_num_threads(config.num_threads)
         dtype = resolve_dtype(config.dtype, getattr(hf_config, "dtype", None), self.device)
         attention = select_backend(config.attention_backend, self.device.type, config.cpu_kernels)
-        self.model = load_model(model_dir, dtype, self.device, attention, show_progress,
-                                select_layer_ops(self.device, dtype, config.cpu_kernels))
+        layer_ops = select_layer_ops(self.device, dtype, config.cpu_kernels)
+        self.model = load_model(model_dir, dtype, self.device, attention, show_progress, layer_ops)
         arch = self.model.arch
         self.vocab_size = arch.vocab_size
         self.max_model_len = self._resolve_max_model_len(arch.max_position_embeddings)
@@ -99,6 +101,10 @@ class EngineCore:
                                    self.block_manager)
         self.runner = ModelRunner(self.model, self.kv_cache, self.device, attention.pads_decode_batches)
         self.sampler = Sampler()
+        self.speculator = None if config.speculative is None else Speculator(
+            config.speculative, build_proposer(config.speculative, model_dir, self.kv_cache.num_blocks,
+                                              config.block_size, dtype, self.device, attention, layer_ops),
+            self.max_model_len)
         self.tokenizer = tokenizer
         self._shared_generator = torch.Generator(self.device).manual_seed(config.seed)
         self._generators: dict[str, torch.Generator] = {}
@@ -243,6 +249,8 @@ class EngineCore:
     def _forget(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
         self._detokenizers.pop(request_id, None)
+        if self.speculator is not None:
+            self.speculator.forget(request_id)
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request in any state; its final delta comes out of the next step()."""
@@ -274,13 +282,45 @@ class EngineCore:
         logits = self.runner.execute(output)
         deltas, self._pending = self._pending, []
         self.scheduler.advance(output)
-        sampling = [self.scheduler.requests[c.request_id] for c in output.chunks if c.samples]
-        result = self.sampler(logits, [self._sampling_row(r) for r in sampling])
+        sampling = [c for c in output.chunks if c.samples]
+        runs = self._sample(logits, sampling)
         self._step_costs.record(num_prefill_tokens, output.num_batched_tokens, time.perf_counter() - started)
-        for request, token_id, logprobs in zip(sampling, result.token_ids, result.logprobs):
-            deltas.append(self._append_token(request, token_id, logprobs))
+        for chunk, run in zip(sampling, runs):
+            deltas.append(self._append_tokens(self.scheduler.requests[chunk.request_id], chunk, run))
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
         self._publish_kv_events()
         return deltas
+
+    def _sample(self, logits: torch.Tensor, chunks: list[ScheduledChunk]) -> list[VerifiedRun]:
+        """Each sampling chunk's new tokens; logits [sum of num_sampled_rows, vocab]. A speculating
+        chunk's drafts are verified (engine/spec_decode/verifier.py), the others sample one token."""
+        requests = self.scheduler.requests
+        speculating = [i for i, c in enumerate(chunks) if c.num_spec_tokens]
+        if not speculating:
+            result = self.sampler(logits, [self._sampling_row(requests[c.request_id]) for c in chunks])
+            return [VerifiedRun((t,), () if lp is None else (lp,)) for t, lp in zip(result.token_ids, result.logprobs)]
+        starts = [0]
+        for chunk in chunks:
+            starts.append(starts[-1] + chunk.num_sampled_rows)
+        runs: list[VerifiedRun | None] = [None] * len(chunks)
+        plain = [i for i, c in enumerate(chunks) if not c.num_spec_tokens]
+        if plain:
+            result = self.sampler(logits[[starts[i] for i in plain]],
+                                  [self._sampling_row(requests[chunks[i].request_id]) for i in plain])
+            for i, t, lp in zip(plain, result.token_ids, result.logprobs):
+                runs[i] = VerifiedRun((t,), () if lp is None else (lp,))
+        rows = [self._speculative_rows(requests[chunks[i].request_id], chunks[i]) for i in speculating]
+        index = [row for i in speculating for row in range(starts[i], starts[i + 1])]
+        for i, run in zip(speculating, verify(self.sampler, logits[index], rows)):
+            runs[i] = run
+            self.speculator.record(chunks[i].request_id, chunks[i].num_spec_tokens, run.num_accepted)
+        return runs
+
+    def _speculative_rows(self, request: Request, chunk: ScheduledChunk) -> SpeculativeRows:
+        drafts = chunk.token_ids[chunk.num_tokens - chunk.num_spec_tokens:]
+        return SpeculativeRows(tuple(self._sampling_row(request, drafts[:j]) for j in range(len(drafts) + 1)),
+                               drafts)
 
     def _num_prefill_tokens(self, output: SchedulerOutput) -> int:
         """Scheduled tokens at prompt positions (the rest are decodes of generated tokens)."""
@@ -288,33 +328,45 @@ class EngineCore:
         return sum(max(0, min(c.context_len, requests[c.request_id].num_prompt_tokens) - c.start_position)
                    for c in output.chunks)
 
-    def _sampling_row(self, request: Request) -> SamplingRow:
+    def _sampling_row(self, request: Request, drafts: tuple[int, ...] = ()) -> SamplingRow:
+        """The row that samples the token after the request's tokens and then `drafts` (speculation)."""
         generator = self._generators.get(request.request_id, self._shared_generator)
-        return SamplingRow(request.sampling_params, request.all_token_ids, request.num_prompt_tokens, generator,
-                           self._banned_token_ids(request))
+        params = request.sampling_params
+        penalized = params.repetition_penalty != 1.0 or params.frequency_penalty or params.presence_penalty
+        token_ids = request.all_token_ids + list(drafts) if drafts and penalized else request.all_token_ids
+        return SamplingRow(params, token_ids, request.num_prompt_tokens, generator,
+                           self._banned_token_ids(request, len(drafts)))
 
     @staticmethod
-    def _banned_token_ids(request: Request) -> tuple[int, ...]:
+    def _banned_token_ids(request: Request, num_drafts: int = 0) -> tuple[int, ...]:
         """What the next token may not be: until min_tokens, the tokens that would end the output."""
         params = request.sampling_params
-        if params.may_stop(request.num_output_tokens + 1):  # the token sampled now is output number n + 1
+        # The token sampled now is output number n + 1 (after num_drafts more, n + num_drafts + 1).
+        if params.may_stop(request.num_output_tokens + num_drafts + 1):
             return ()
         eos = () if params.ignore_eos else tuple(sorted(request.eos_token_ids))
         return eos + params.stop_token_ids
 
-    def _append_token(self, request: Request, token_id: int, logprobs) -> CompletionDelta:
-        request.append_output_token(token_id)
-        self._num_generation_tokens += 1
-        new_logprobs = ()
-        if logprobs is not None:
-            request.logprobs.append(logprobs)
-            new_logprobs = (logprobs,)
-        status = self._check_stop(request, token_id)
+    def _append_tokens(self, request: Request, chunk: ScheduledChunk, run: VerifiedRun) -> CompletionDelta:
+        """Append the run's tokens one by one, each checked for a stop as if sampled alone; the tokens
+        after a stop are dropped. The emitted drafts' KV was computed this step (all but the last
+        emitted token's), and the rest of the drafts' slots are rolled back."""
+        status = None
+        for count, token_id in enumerate(run.token_ids, start=1):
+            request.append_output_token(token_id)
+            status = self._check_stop(request, token_id)
+            if status is not None:
+                break
+        token_ids, logprobs = run.token_ids[:count], run.logprobs[:count]
+        self._num_generation_tokens += count
+        request.logprobs.extend(logprobs)
+        if chunk.num_spec_tokens:
+            self.scheduler.accept_draft_tokens(request, count - 1)
         if status is None and request.hold_kv_after_prefill:
             status = RequestStatus.FINISHED_PREFILLED
         if status is not None:
-            return self._finish(request, status, (token_id,), new_logprobs)
-        return self._delta(request, (token_id,), new_logprobs)
+            return self._finish(request, status, token_ids, logprobs)
+        return self._delta(request, token_ids, logprobs)
 
     def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
         params = request.sampling_params
@@ -425,7 +477,8 @@ class EngineCore:
             num_cached_free_kv_blocks=self.block_manager.num_cached_free_blocks,
             prefix_cache_queries=scheduler.prefix_cache_queries, prefix_cache_hits=scheduler.prefix_cache_hits,
             num_preemptions=scheduler.num_preemptions, num_steps=self._num_steps,
-            num_prompt_tokens=self._num_prompt_tokens, num_generation_tokens=self._num_generation_tokens)
+            num_prompt_tokens=self._num_prompt_tokens, num_generation_tokens=self._num_generation_tokens,
+            spec_decode=None if self.speculator is None else self.speculator.stats())
 
 
 def _queued_prefill_tokens(request: Request) -> int:

@@ -18,7 +18,7 @@ class ModelInput:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
     metadata: AttentionMetadata
-    logits_indices: torch.Tensor  # [num_sampling_chunks] int64, last token of each sampling chunk
+    logits_indices: torch.Tensor  # [R] int64: each sampling chunk's last 1 + num_spec_tokens tokens
 
 
 def _key_slots(chunk: ScheduledChunk, block_size: int) -> np.ndarray:
@@ -82,7 +82,7 @@ class InputBuilder:
                 key_slots.append(_key_slots(chunk, self.block_size))
                 prefills.append(self._prefill_span(start, chunk))
             if chunk.samples:
-                logits_indices.append(len(input_ids) - 1)
+                logits_indices.extend(range(len(input_ids) - chunk.num_sampled_rows, len(input_ids)))
         keys = torch.from_numpy(np.hstack(key_slots).astype(np.int64, copy=False)).to(self.device)  # [T]
         metadata = AttentionMetadata(
             positions=self._tensor(positions), key_slots=keys,
@@ -126,7 +126,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> torch.Tensor:
-        """Logits [num_sampling_chunks, vocab] in chunk order (float32)."""
+        """Logits [R, vocab] (float32) in chunk order: one row per sampling chunk, 1 + num_spec_tokens
+        rows (last token, then each draft) for a speculating one."""
         model_input = self.inputs.build(output)
         return self.model.compute_logits(self._forward(model_input)[model_input.logits_indices]).float()
 

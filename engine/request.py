@@ -54,6 +54,9 @@ class Request:
     first_scheduled_at: float | None = None
     """time.monotonic() when the scheduler first put the request in the running batch (kept
     across preemptions); None until then. Splits a worker's queue time from its compute time."""
+    spec_token_ids: list[int] = field(default_factory=list)
+    """Draft tokens proposed to follow all_token_ids, verified by the next decode step (never
+    part of all_token_ids, never hashed); empty when the request does not speculate."""
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

@@ -7,6 +7,10 @@ requests in arrival order. When blocks run out, the most recently admitted runni
 request is preempted: its blocks are freed and it will recompute from scratch (usually
 hitting its own just-freed blocks in the prefix cache).
 
+A decoding request with draft tokens (speculative decoding) gets 1 + k tokens: its last token
+and the k drafts, trimmed to the budget left; the drafts' KV counts only when the engine's
+verification accepts them (`accept_draft_tokens`), and their blocks beyond that are returned.
+
 Requests whose prompt KV comes from another worker (consumer role) wait outside both
 queues in WAITING_FOR_REMOTE_KV with their blocks allocated; once the pull completes they
 join `ready` and are admitted ahead of waiting prompts (they only need decode steps).
@@ -43,6 +47,10 @@ class ScheduledChunk:
     block_table: tuple[int, ...]
     samples: bool
     """True when the chunk reaches the end of the known tokens, so a next token is sampled."""
+    num_spec_tokens: int = 0
+    """Draft tokens at the end of token_ids (a speculating decode: the last known token, then
+    these): their KV is written, but it counts only once the verification accepts them, and a
+    next token is sampled at each of the last 1 + num_spec_tokens positions."""
 
     @property
     def num_tokens(self) -> int:
@@ -51,6 +59,11 @@ class ScheduledChunk:
     @property
     def context_len(self) -> int:
         return self.start_position + len(self.token_ids)
+
+    @property
+    def num_sampled_rows(self) -> int:
+        """Logit rows this chunk produces: 0 (a prefill chunk short of the end), 1, or 1 + drafts."""
+        return 1 + self.num_spec_tokens if self.samples else 0
 
 
 @dataclass(frozen=True)
@@ -122,6 +135,9 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new == 1 and request.spec_token_ids:
+                del request.spec_token_ids[budget - 1:]  # drafts past the budget are dropped
+                num_new += len(request.spec_token_ids)
             if self._allocate_or_preempt(request, num_new, preempted):
                 scheduled.append((request, num_new))
                 budget -= num_new
@@ -192,6 +208,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.block_manager.free(request.request_id)
+        request.spec_token_ids.clear()
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
@@ -200,21 +217,33 @@ class Scheduler:
 
     def _make_chunk(self, request: Request, num_new: int) -> ScheduledChunk:
         start = request.num_computed_tokens
+        num_spec = max(0, start + num_new - request.num_tokens)  # only a decode (num_new = 1 + drafts) has some
         return ScheduledChunk(
             request_id=request.request_id,
-            token_ids=tuple(request.all_token_ids[start : start + num_new]),
+            token_ids=(tuple(request.all_token_ids[start : start + num_new - num_spec])
+                       + tuple(request.spec_token_ids[:num_spec])),
             start_position=start,
             block_table=tuple(self.block_manager.block_table(request.request_id)),
-            samples=start + num_new == request.num_tokens,
+            samples=start + num_new - num_spec == request.num_tokens,
+            num_spec_tokens=num_spec,
         )
 
     # ---- after the forward pass ----------------------------------------------------------
     def advance(self, output: SchedulerOutput) -> None:
-        """Record that every scheduled chunk's KV now exists."""
+        """Record that every scheduled chunk's KV now exists (draft tokens' KV only once accepted)."""
         for chunk in output.chunks:
             request = self.requests[chunk.request_id]
-            request.num_computed_tokens += chunk.num_tokens
+            request.num_computed_tokens += chunk.num_tokens - chunk.num_spec_tokens
+            request.spec_token_ids.clear()
             self.block_manager.cache_full_blocks(request)
+
+    def accept_draft_tokens(self, request: Request, num_accepted: int) -> None:
+        """After verification appended the request's output tokens: the first `num_accepted` drafts
+        (now output tokens) have KV. The rejected drafts' slots are rolled back: the blocks past the
+        computed tokens are returned, so no block holding a rejected token is ever hashed or kept."""
+        request.num_computed_tokens += num_accepted
+        self.block_manager.cache_full_blocks(request)
+        self.block_manager.truncate(request.request_id, request.num_computed_tokens)
 
     def finish(self, request_id: str, status: RequestStatus, keep_blocks: bool = False) -> Request | None:
         """Remove a request in any state and free its blocks at once (unless the caller keeps
