@@ -97,6 +97,15 @@ class WorkerCounters:
     """Requests preempted (KV freed, recomputed later)."""
     kv_leases_expired: int
     """Prefill workers: KV leases that expired before a decode worker pulled them (0 on decode)."""
+    spec_decode_num_drafts: int = 0
+    """Speculative decoding (decode workers that speculate; else 0): verifications, one per
+    speculating request per step."""
+    spec_decode_num_draft_tokens: int = 0
+    """Draft tokens verified."""
+    spec_decode_num_accepted_tokens: int = 0
+    """Draft tokens accepted."""
+    spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()
+    """Entry j: verifications that accepted draft j + 1 (empty when the worker does not speculate)."""
 
 
 @dataclass(frozen=True)

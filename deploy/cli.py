@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from collections.abc import Callable
@@ -367,6 +368,10 @@ def _add_scheduler_flags(group: argparse._ArgumentGroup) -> None:
                        help="token budget of one engine step (default: prefill 8192, decode 512)")
     group.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
                        help="split long prompts across steps to fit the token budget (default: on)")
+    group.add_argument("--speculative-config", type=json.loads, default=None, metavar="JSON",
+                       help="speculative decoding on the decode pool, e.g. '{\"method\": \"ngram\", "
+                            "\"num_speculative_tokens\": 4}' (keys: docs/speculative.md); sets "
+                            "decode.engine.speculative")
 
 
 def _add_cluster_flags(group: argparse._ArgumentGroup) -> None:
@@ -409,6 +414,8 @@ def serve_overrides(args: argparse.Namespace) -> dict[str, object]:
     if args.dtype is not None:
         overrides.update({"prefill.engine.dtype": VLLM_DTYPES[args.dtype], "decode.engine.dtype": VLLM_DTYPES[args.dtype]})
     overrides.update({key: getattr(args, flag) for flag, key in _CLUSTER_FLAGS.items() if getattr(args, flag) is not None})
+    if args.speculative_config is not None:
+        overrides["decode.engine.speculative"] = args.speculative_config
     for item in args.set:
         key, sep, value = item.partition("=")
         if not sep:

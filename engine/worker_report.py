@@ -6,6 +6,7 @@ The engine's state is read on its EngineLoop thread only; the caller's event loo
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 from splitserve.common.kv_events import WorkerCounters, WorkerReport
 from splitserve.engine.engine_core import EngineCore
@@ -14,8 +15,14 @@ from splitserve.engine.engine_loop import EngineLoop
 def worker_counters(engine: EngineCore, kv_leases_expired: int) -> WorkerCounters:
     """Engine thread: the cumulative counters (plain attribute reads: cheap enough for every poll)."""
     scheduler = engine.scheduler
-    return WorkerCounters(engine.num_prompt_tokens, engine.num_generation_tokens, scheduler.prefix_cache_queries,
-                          scheduler.prefix_cache_hits, scheduler.num_preemptions, kv_leases_expired)
+    counters = WorkerCounters(engine.num_prompt_tokens, engine.num_generation_tokens, scheduler.prefix_cache_queries,
+                              scheduler.prefix_cache_hits, scheduler.num_preemptions, kv_leases_expired)
+    if engine.speculator is None:
+        return counters
+    spec = engine.speculator.stats()
+    return replace(counters, spec_decode_num_drafts=spec.num_drafts, spec_decode_num_draft_tokens=spec.num_draft_tokens,
+                   spec_decode_num_accepted_tokens=spec.num_accepted_tokens,
+                   spec_decode_num_accepted_tokens_per_pos=spec.num_accepted_tokens_per_pos)
 
 
 def build_report(engine: EngineCore, worker_id: str, epoch: str | None, after_seq: int,

@@ -48,9 +48,13 @@ _WORKER_COUNTERS = ((m.PREFIX_CACHE_QUERIES, attrgetter("prefix_cache_queries"))
                     (m.PREFIX_CACHE_HITS, attrgetter("prefix_cache_hits")),
                     (m.NUM_PREEMPTIONS, attrgetter("num_preemptions")),
                     (m.PROMPT_TOKENS, attrgetter("prompt_tokens")),
-                    (m.GENERATION_TOKENS, attrgetter("generation_tokens")))
+                    (m.GENERATION_TOKENS, attrgetter("generation_tokens")),
+                    (m.SPEC_DECODE_NUM_DRAFTS, attrgetter("spec_decode_num_drafts")),
+                    (m.SPEC_DECODE_NUM_DRAFT_TOKENS, attrgetter("spec_decode_num_draft_tokens")),
+                    (m.SPEC_DECODE_NUM_ACCEPTED_TOKENS, attrgetter("spec_decode_num_accepted_tokens")))
 """Per-worker counters and how each is read from WorkerCounters."""
 SCRAPED = (*(d for d, _ in _WORKER_GAUGES), *(d for d, _ in _WORKER_COUNTERS), m.KV_LEASES_EXPIRED, m.WORKER_UP,
+           m.SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POS,
            m.ROUTING_DECISIONS, m.ADMISSION_REJECTIONS, m.EVENT_LOOP_LAG, m.PLANNER_REPLICAS, m.PLANNER_TARGET_REPLICAS,
            m.PLANNER_PREDICTED_SECONDS, m.PLANNER_DECISIONS, m.PLANNER_FAILED_STARTS, m.PLANNER_DEVICE_SECONDS)
 """Definitions read at scrape time; every other one is a live collector fed by observe()."""
@@ -237,6 +241,9 @@ def _worker_families(workers: Sequence[WorkerSnapshot]) -> Iterator[Metric]:
         yield _family(definition, ((w.worker_id, w.role, read(w.counters)) for w in reporting))
     yield _family(m.KV_LEASES_EXPIRED,
                   ((w.worker_id, w.counters.kv_leases_expired) for w in reporting if w.role == "prefill"))
+    yield _family(m.SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POS,
+                  ((w.worker_id, w.role, str(position), count) for w in reporting
+                   for position, count in enumerate(w.counters.spec_decode_num_accepted_tokens_per_pos)))
 
 
 def _routing_families(routing: RoutingStats) -> Iterator[Metric]:

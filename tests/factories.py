@@ -437,3 +437,40 @@ TINY_TRAINING = TrainingConfig(
                         max_position_embeddings=64, tie_word_embeddings=True, initializer_range=0.02, seed=3),
     context_len=32, batch_size=2, steps=4, peak_lr=1e-2, warmup_steps=1, heldout_every=3, threads=1)
 """Four steps on TINY_CORPUS: what the training and evaluation tests run."""
+
+
+# ---- speculative decoding --------------------------------------------------------------------
+import shutil  # noqa: E402
+
+
+def make_draft_model_dir(target_dir: Path, out_dir: Path, seed: int) -> Path:
+    """A random draft model (one layer, other weights) sharing the target's tokenizer and vocab."""
+    import json
+
+    vocab_size = json.loads((target_dir / "config.json").read_text())["vocab_size"]
+    save_random_hf_model(out_dir, "llama", seed=seed, vocab_size=vocab_size, num_hidden_layers=1)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(target_dir / name, out_dir / name)
+    return out_dir
+
+
+def chi_square_p_value(observed: list[int], expected: list[float]) -> float:
+    """Pearson's goodness-of-fit p-value of counts against expected counts (same total)."""
+    statistic = sum((o - e) ** 2 / e for o, e in zip(observed, expected))
+    degrees = len(observed) - 1
+    return float(torch.special.gammaincc(torch.tensor(degrees / 2, dtype=torch.float64),
+                                         torch.tensor(statistic / 2, dtype=torch.float64)))
+
+
+def two_sample_chi_square_p_value(first: list[int], second: list[int]) -> float:
+    """p-value that two samples of equal size come from one distribution, over the categories each
+    sample sees at least 5 times on average (the rest pooled into one)."""
+    categories = sorted(set(first) | set(second))
+    counts = [(first.count(c), second.count(c)) for c in categories]
+    frequent = [pair for pair in counts if pair[0] + pair[1] >= 10]
+    rare = (sum(a for a, b in counts if a + b < 10), sum(b for a, b in counts if a + b < 10))
+    table = frequent + ([rare] if sum(rare) else [])
+    statistic = sum((a - b) ** 2 / (a + b) for a, b in table)  # equal sizes: expected (a + b) / 2 each
+    degrees = len(table) - 1
+    return float(torch.special.gammaincc(torch.tensor(degrees / 2, dtype=torch.float64),
+                                         torch.tensor(statistic / 2, dtype=torch.float64)))

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from splitserve.common.config import EngineConfig
+from dataclasses import replace
+
+from splitserve.common.config import EngineConfig, SpeculativeConfig
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.engine_core import EngineCore
 from splitserve.testing.workloads import mixed_workload
@@ -63,6 +65,23 @@ def test_prefill_here_decode_there_matches_one_engine(tiny_llama_dir, params):
     producer, consumer = EngineCore(tiny_llama_dir, CONFIG), EngineCore(tiny_llama_dir, CONFIG)
     assert _disaggregated(producer, consumer, prompts, params) == expected
     assert_pool_idle(producer.block_manager)
+    assert_pool_idle(consumer.block_manager)
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_speculating_consumer_matches_one_engine(tiny_llama_dir, method):
+    """The consumer speculates on a prompt whose KV it pulled: a draft model rebuilds its own KV from the
+    prompt on the consumer (the producer ships only the target's blocks)."""
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    prompts = [list(case.prompt_token_ids) for case in mixed_workload(512, num_requests=6, max_prompt=60)]
+    whole = EngineCore(tiny_llama_dir, CONFIG)
+    for index, prompt in enumerate(prompts):
+        whole.add_request(f"r{index}", prompt, params)
+    expected = {rid: _tokens(deltas) for rid, deltas in _run_all(whole).items()}
+    speculative = SpeculativeConfig(method=method, draft_model=str(tiny_llama_dir), disable_above_batch_size=None)
+    consumer = EngineCore(tiny_llama_dir, replace(CONFIG, speculative=speculative))
+    assert _disaggregated(EngineCore(tiny_llama_dir, CONFIG), consumer, prompts, params) == expected
+    assert consumer.stats().spec_decode.num_accepted_tokens > 0
     assert_pool_idle(consumer.block_manager)
 
 
