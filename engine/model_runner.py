@@ -36,6 +36,16 @@ def _decode_key_slot(chunk: ScheduledChunk, block_size: int) -> int:
     return chunk.block_table[position // block_size] * 2 * block_size + position % block_size
 
 
+def _verification_decodes(start: int, chunk: ScheduledChunk) -> list[tuple[int, ScheduledChunk]]:
+    """A speculating chunk's tokens as one decode each (token j attends to its context of
+    start_position + j + 1 keys, all written by this step first): the decode kernel's numerics, so
+    that verifying a draft computes exactly the logits decoding it alone would (the prefill kernel
+    accumulates in another order, which flips near-tied argmaxes in bf16)."""
+    return [(start + j, ScheduledChunk(chunk.request_id, (token_id,), chunk.start_position + j, chunk.block_table,
+                                       samples=True))
+            for j, token_id in enumerate(chunk.token_ids)]
+
+
 MIN_BUCKET_FILL = 0.75
 """A decode joins a bucket while its block count is >= this fraction of the bucket's longest."""
 
@@ -77,6 +87,10 @@ class InputBuilder:
                 positions.append(chunk.start_position)
                 key_slots.append(_decode_key_slot(chunk, self.block_size))
                 decodes.append((start, chunk))
+            elif chunk.num_spec_tokens:
+                positions.extend(range(chunk.start_position, chunk.context_len))
+                key_slots.append(_key_slots(chunk, self.block_size))
+                decodes.extend(_verification_decodes(start, chunk))
             else:
                 positions.extend(range(chunk.start_position, chunk.context_len))
                 key_slots.append(_key_slots(chunk, self.block_size))
