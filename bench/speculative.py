@@ -5,14 +5,19 @@ Workloads (greedy, ignore_eos, OUTPUT_TOKENS new tokens each):
         (splitserve.eval.heldout_windows: files the model never trained on): code continuation
   chat  chat-template prompts (user questions about Python) through the model's ChatML template
 At batch 1, 8 and 32 (one wave of that many requests), each method runs in the same process,
-alternating in rounds (the machine's speed drifts); medians over rounds. Per run: ITL (a request's
-decode time / (its tokens - 1), averaged over requests; tokens of a verified run arrive together,
-so this is vLLM's mean TPOT), output tok/s (all tokens / wall time), acceptance rate (accepted /
-draft tokens) and mean accepted length (tokens emitted per verification, vLLM's definition).
+alternating in rounds (the machine's speed drifts); medians over rounds. The engine runs one torch
+thread and time is the process's CPU time (time.process_time): the development machine is shared
+(load average 10-16 on 2 cores while this was measured), which makes wall time meaningless, while
+a one-thread process's CPU time is what its wall time would be on an idle core. Per run: ITL (a
+request's decode time / (its tokens - 1), averaged over requests; tokens of a verified run arrive
+together, so this is vLLM's mean TPOT), output tok/s (all tokens / time), acceptance rate
+(accepted / draft tokens) and mean accepted length (tokens emitted per verification, vLLM's
+definition).
 Every run's token ids must equal `off`'s (greedy identity): the bench stops if not.
 
-`--crossover` also runs ngram and draft with no batch threshold at batch 1 .. 32, to find where
-speculation stops paying (the measured default of SpeculativeConfig.disable_above_batch_size).
+`--crossover` also runs ngram and draft with no batch threshold on code at batch 2, 4, 16 and 32, to
+find where speculation stops paying (config.DEFAULT_BATCH_LIMITS, the default of
+SpeculativeConfig.disable_above_batch_size).
 
 Writes bench/results/speculative.json and .png. Run: .venv/bin/python bench/speculative.py
 (--quick: batch 1 and 8, 1 round, to the temp directory).
@@ -42,16 +47,17 @@ from splitserve.eval import heldout_windows
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results"
-PROMPT_TOKENS, OUTPUT_TOKENS = 192, 96
+PROMPT_TOKENS, OUTPUT_TOKENS = 192, 64
 BATCH_SIZES = (1, 8, 32)
-CROSSOVER_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32)
+CROSSOVER_BATCH_SIZES = (2, 4, 16, 32)
 CHAT_QUESTIONS = (
     "How do I read a file line by line in Python?", "Write a function that reverses a list.",
     "What does the with statement do?", "Explain list comprehensions with an example.",
     "How do I parse command line arguments?", "Write a class for a stack with push and pop.",
     "How can I sort a dictionary by value?", "What is a generator in Python?",
 )
-ENGINE = EngineConfig(max_num_seqs=64, max_num_batched_tokens=2048, num_kv_blocks=2048, device="cpu")
+ENGINE = EngineConfig(max_num_seqs=64, max_num_batched_tokens=2048, num_kv_blocks=2048, device="cpu", num_threads=1)
+"""One torch thread: the process's CPU time is then its compute time, whatever else runs on the machine."""
 METHODS = {
     "off": None,
     "ngram": SpeculativeConfig(method="ngram", num_speculative_tokens=4, ngram_min=1, ngram_max=4),
@@ -65,7 +71,7 @@ class Run:
     method: str
     batch_size: int
     threshold: int | None
-    """The run's disable_above_batch_size (None: off, or always speculating)."""
+    """The run's effective disable_above_batch_size (None: off; 1024: always speculating)."""
     itl_ms: float
     output_tokens_per_s: float
     acceptance_rate: float
@@ -87,22 +93,22 @@ def chat_prompts(model_dir: Path, count: int) -> list[list[int]]:
 
 
 def generate(engine: EngineCore, prompts: list[list[int]]) -> tuple[list[list[int]], list[float], float]:
-    """(token ids per prompt, ITL seconds per request, wall seconds) of one wave."""
+    """(token ids per prompt, ITL seconds per request, seconds) of one wave, on the process's CPU clock."""
     params = SamplingParams(temperature=0.0, max_tokens=OUTPUT_TOKENS, ignore_eos=True)
     for index, prompt in enumerate(prompts):
         engine.add_request(f"b{index}", prompt, params)
     tokens: dict[str, list[int]] = {}
     first: dict[str, float] = {}
     last: dict[str, float] = {}
-    started = time.perf_counter()
+    started = time.process_time()
     while engine.has_unfinished_requests():
         deltas = engine.step()
-        now = time.perf_counter()
+        now = time.process_time()
         for delta in deltas:
             tokens.setdefault(delta.request_id, []).extend(delta.new_token_ids)
             first.setdefault(delta.request_id, now)
             last[delta.request_id] = now
-    wall = time.perf_counter() - started
+    wall = time.process_time() - started
     ids = [f"b{i}" for i in range(len(prompts))]
     itls = [(last[r] - first[r]) / (len(tokens[r]) - 1) for r in ids]
     return [tokens[r] for r in ids], itls, wall
@@ -177,7 +183,7 @@ def main() -> None:
     model_dir = resolve_model_path(DEFAULT_MODEL_NAME)
     runs: list[Run] = []
     engines = build_engines(model_dir, None, use_default_threshold=True)
-    thresholds = {name: (None if s is None else s.disable_above_batch_size) for name, s in METHODS.items()}
+    thresholds = {name: (None if s is None else s.batch_limit) for name, s in METHODS.items()}
     for workload, make in (("code", code_prompts), ("chat", chat_prompts)):
         for batch_size in batch_sizes:
             runs.extend(measure(engines, workload, make(model_dir, batch_size), rounds, thresholds))
@@ -185,7 +191,7 @@ def main() -> None:
                     f" accept {r.acceptance_rate:.2f}, len {r.mean_accepted_length:.2f}, same {r.identical_to_off}"
                     for r in runs[-len(engines):]), sep="\n", flush=True)
     if args.crossover:
-        engines = build_engines(model_dir, None, use_default_threshold=False)
+        engines = build_engines(model_dir, 1024, use_default_threshold=False)
         no_threshold = dict.fromkeys(engines)
         for batch_size in CROSSOVER_BATCH_SIZES:
             for run in measure(engines, "code", code_prompts(model_dir, batch_size), rounds, no_threshold):

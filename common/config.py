@@ -8,6 +8,10 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu")
 SPECULATIVE_METHODS = ("ngram", "draft")
+DEFAULT_BATCH_LIMITS = {"ngram": 16, "draft": 2}
+"""Per method, the most decoding requests a step speculates for by default (bench/speculative.py
+on the development CPU, code continuation: n-gram still paid at 16 and broke even at 32; the
+draft model paid at 1 and lost at 4)."""
 DEFAULT_KV_CACHE_MEMORY_BYTES = 1 << 30
 """KV pool size when no sizing field is given: 1 GiB."""
 
@@ -34,13 +38,21 @@ class SpeculativeConfig:
     draft_model: str | None = None
     """draft: the draft model's directory (or the embedded `default-draft`); it must share the
     target's tokenizer. None with method draft is refused."""
-    disable_above_batch_size: int | None = 16
+    disable_above_batch_size: int | None = None
     """Nobody speculates in a step that decodes more requests than this (verification costs
-    k + 1 tokens of compute per request, which stops paying once the batch fills the device);
-    None: always speculate. The default is the crossover bench/speculative.py measured on CPU."""
+    k + 1 tokens of compute per request, which stops paying once the batch fills the device).
+    None: the method's default, DEFAULT_BATCH_LIMITS, the crossover bench/speculative.py measured
+    on CPU (a draft model's own forward passes stop paying at smaller batches than n-gram lookup)."""
     adaptive: bool = True
     """Each request's k follows its recent acceptance (an average of its accepted lengths, plus
     one), between 1 and num_speculative_tokens; False: always num_speculative_tokens."""
+
+    @property
+    def batch_limit(self) -> int:
+        """The effective disable_above_batch_size."""
+        if self.disable_above_batch_size is not None:
+            return self.disable_above_batch_size
+        return DEFAULT_BATCH_LIMITS[self.method]
 
     def __post_init__(self) -> None:
         _check(self.method in SPECULATIVE_METHODS, f"speculative.method must be one of {SPECULATIVE_METHODS}, "
@@ -51,8 +63,8 @@ class SpeculativeConfig:
                f"speculative ngram sizes need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}")
         _check(self.method != "draft" or bool(self.draft_model),
                "speculative.draft_model must name a model directory when method is 'draft'")
-        _check(self.disable_above_batch_size is None or self.disable_above_batch_size >= 1,
-               f"speculative.disable_above_batch_size must be >= 1 or null, got {self.disable_above_batch_size}")
+        _check(self.disable_above_batch_size is None or self.disable_above_batch_size >= 0,
+               f"speculative.disable_above_batch_size must be >= 0 or null, got {self.disable_above_batch_size}")
 
 
 @dataclass(frozen=True)

@@ -78,7 +78,7 @@ def test_speculating_consumer_matches_one_engine(tiny_llama_dir, method):
     for index, prompt in enumerate(prompts):
         whole.add_request(f"r{index}", prompt, params)
     expected = {rid: _tokens(deltas) for rid, deltas in _run_all(whole).items()}
-    speculative = SpeculativeConfig(method=method, draft_model=str(tiny_llama_dir), disable_above_batch_size=None)
+    speculative = SpeculativeConfig(method=method, draft_model=str(tiny_llama_dir), disable_above_batch_size=1024)
     consumer = EngineCore(tiny_llama_dir, replace(CONFIG, speculative=speculative))
     assert _disaggregated(EngineCore(tiny_llama_dir, CONFIG), consumer, prompts, params) == expected
     assert consumer.stats().spec_decode.num_accepted_tokens > 0

@@ -23,7 +23,7 @@ from tests.factories import (assert_pool_idle, chi_square_p_value, make_draft_mo
 
 BASE = EngineConfig(block_size=4, num_kv_blocks=512, max_num_batched_tokens=256, dtype="float32", device="cpu")
 NGRAM = SpeculativeConfig(method="ngram", num_speculative_tokens=3, ngram_min=1, ngram_max=3,
-                          disable_above_batch_size=None)
+                          disable_above_batch_size=1024)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
 
@@ -34,7 +34,7 @@ def random_draft_dir(tiny_llama_dir, tmp_path_factory):
 
 def _draft(model_dir) -> SpeculativeConfig:
     return SpeculativeConfig(method="draft", draft_model=str(model_dir), num_speculative_tokens=3,
-                             disable_above_batch_size=None)
+                             disable_above_batch_size=1024)
 
 
 def _prompts(count: int, length: int, shared: int = 0) -> list[list[int]]:

@@ -42,8 +42,7 @@ class Speculator:
         decoding = [r for r in running if r.num_tokens - r.num_computed_tokens == 1]
         for request in decoding:
             request.spec_token_ids.clear()
-        limit = self.config.disable_above_batch_size
-        if limit is not None and len(decoding) > limit:
+        if len(decoding) > self.config.batch_limit:
             return
         slots, requests = [], []
         for request in decoding:
