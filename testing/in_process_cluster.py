@@ -4,6 +4,7 @@ the workers behind a double that can die or hang as a Ray actor can."""
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from pathlib import Path
 
 from splitserve.common.config import EngineConfig
@@ -110,10 +111,12 @@ class InProcessCluster:
 
     def __init__(self, model_dir: Path, mode: str = "disaggregated", num_prefill: int = 1, num_decode: int = 1,
                  lease_ttl_s: float = 30.0, transfer_failure_policy: str = "recompute", block_size: int = 8,
-                 routing=None, slo=None, observer=None, max_model_len: int | None = None, worker_link=None):
+                 routing=None, slo=None, observer=None, max_model_len: int | None = None, worker_link=None,
+                 decode_speculative=None):
         """`observer` gets every ended request's RequestRecord (e.g. a RouterMetrics' observe);
         `max_model_len` caps every request's prompt + output (the model's limit by default);
-        `worker_link` (a WorkerLinkConfig) the router's report and stream timings."""
+        `worker_link` (a WorkerLinkConfig) the router's report and stream timings;
+        `decode_speculative` (a SpeculativeConfig) makes the decode workers speculate."""
         from splitserve.common.slo import SloConfig
         from splitserve.router.policy import RoutingConfig
 
@@ -127,6 +130,7 @@ class InProcessCluster:
         self.observer = observer
         self.worker_link = worker_link
         self.engine_config = worker_engine_config(block_size, max_model_len)
+        self.decode_engine_config = replace(self.engine_config, speculative=decode_speculative)
 
     async def __aenter__(self) -> "InProcessCluster":
         from splitserve.deploy.cluster_config import RouterConfig
@@ -136,7 +140,7 @@ class InProcessCluster:
 
         self.prefill_workers = [make_prefill_worker(self.model_dir, self.engine_config, f"prefill-{i}",
                                                     self.lease_ttl_s) for i in range(self.num_prefill)]
-        self.decode_workers = [make_decode_worker(self.model_dir, self.engine_config, f"decode-{i}", self.policy)
+        self.decode_workers = [make_decode_worker(self.model_dir, self.decode_engine_config, f"decode-{i}", self.policy)
                                for i in range(self.num_decode)]
         self.tokenizer = RouterTokenizer.from_model_dir(self.model_dir)
         self.clients = {w.worker_id: KillableWorker(w)
@@ -167,7 +171,7 @@ class InProcessCluster:
         workers = self.prefill_workers if role == "prefill" else self.decode_workers
         worker_id = f"{role}-{len(workers)}"
         worker = (make_prefill_worker(self.model_dir, self.engine_config, worker_id, self.lease_ttl_s)
-                  if role == "prefill" else make_decode_worker(self.model_dir, self.engine_config, worker_id,
+                  if role == "prefill" else make_decode_worker(self.model_dir, self.decode_engine_config, worker_id,
                                                                self.policy))
         workers.append(worker)
         self.clients[worker_id] = KillableWorker(worker)

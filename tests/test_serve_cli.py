@@ -51,6 +51,16 @@ def test_unset_flags_keep_each_pools_own_defaults():
     assert config.served_model_names == ("default",)
 
 
+def test_speculative_config_flag_sets_the_decode_pool_only():
+    from splitserve.common.config import SpeculativeConfig
+
+    config = parse("default", "--speculative-config", '{"method": "draft", "draft_model": "default-draft", '
+                                                      '"num_speculative_tokens": 3}')
+    assert config.decode.engine.speculative == SpeculativeConfig(method="draft", draft_model="default-draft",
+                                                                 num_speculative_tokens=3)
+    assert config.prefill.engine.speculative is None
+
+
 def test_set_for_one_pool_wins_over_the_flag_for_both():
     config = parse("default", "--max-num-seqs", "8", "--set", "decode.engine.max_num_seqs=64")
     assert (config.prefill.engine.max_num_seqs, config.decode.engine.max_num_seqs) == (8, 64)

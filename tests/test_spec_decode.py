@@ -342,3 +342,28 @@ def test_speculative_config_is_validated():
 def test_draft_model_with_another_tokenizer_is_refused(tiny_llama_dir, tiny_qwen2_dir):
     with pytest.raises(ValueError, match="tokenizer"):
         _speculative(tiny_llama_dir, _draft(tiny_qwen2_dir))
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_disaggregated_cluster_greedy_output_is_identical_with_a_speculating_decode_worker(tiny_llama_dir, method):
+    """1 prefill + 1 decode worker (in-process transfer): the decode worker speculates on prompts whose
+    KV it pulled, its draft model rebuilding its own KV from the prompt."""
+    import asyncio
+
+    from splitserve.testing.in_process_cluster import InProcessCluster
+
+    prompts = _prompts(4, 20)
+    params = replace(GREEDY, max_tokens=20)
+    speculative = SpeculativeConfig(method=method, draft_model=str(tiny_llama_dir), disable_above_batch_size=1024)
+
+    async def run(decode_speculative):
+        async with InProcessCluster(tiny_llama_dir, decode_speculative=decode_speculative) as cluster:
+            chunks = await asyncio.gather(*(cluster.generate(f"c{i}", p, params) for i, p in enumerate(prompts)))
+            stats = await cluster.clients["decode-0"].stats()
+            return [[t for c in request for t in c.token_ids] for request in chunks], stats.engine.spec_decode
+
+    expected, none = asyncio.run(run(None))
+    actual, spec = asyncio.run(run(speculative))
+    assert none is None and actual == expected
+    assert all(len(tokens) == params.max_tokens for tokens in actual)
+    assert spec.num_accepted_tokens > 0
