@@ -217,6 +217,10 @@ class Scheduler:
 
     def _make_chunk(self, request: Request, num_new: int) -> ScheduledChunk:
         start = request.num_computed_tokens
+        if not request.spec_token_ids:
+            return ScheduledChunk(request.request_id, tuple(request.all_token_ids[start:start + num_new]), start,
+                                  tuple(self.block_manager.block_table(request.request_id)),
+                                  samples=start + num_new == request.num_tokens)
         num_spec = max(0, start + num_new - request.num_tokens)  # only a decode (num_new = 1 + drafts) has some
         return ScheduledChunk(
             request_id=request.request_id,
@@ -234,7 +238,8 @@ class Scheduler:
         for chunk in output.chunks:
             request = self.requests[chunk.request_id]
             request.num_computed_tokens += chunk.num_tokens - chunk.num_spec_tokens
-            request.spec_token_ids.clear()
+            if chunk.num_spec_tokens:
+                request.spec_token_ids.clear()
             self.block_manager.cache_full_blocks(request)
 
     def accept_draft_tokens(self, request: Request, num_accepted: int) -> None:
