@@ -16,6 +16,9 @@ class PrefillRequest:
     prompt_token_ids: tuple[int, ...]
     sampling_params: SamplingParams
     """Stop strings are the router's business: workers get params without them."""
+    router_id: str = ""
+    """The router that sent it: the worker ends the request when that router is gone
+    (`abort_router`). '': sent by no router (tests calling a worker directly)."""
 
 
 @dataclass(frozen=True)
