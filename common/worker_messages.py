@@ -109,6 +109,9 @@ class WorkerStats:
     """Prefill: requests whose KV waits for a pull."""
     num_transfers: int
     """Decode: requests waiting for blocks or pulling KV."""
+    routers: frozenset[str]
+    """The routers that have requests here (queued, running, holding KV or pulling it): a gone
+    router's are ended at once (`abort_router`)."""
 
     @property
     def is_idle(self) -> bool:

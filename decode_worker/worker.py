@@ -106,7 +106,8 @@ class DecodeWorker:
 
     async def stats(self) -> WorkerStats:
         return await self._loop.run(
-            lambda engine: WorkerStats(engine.stats(), 0, len(self._awaiting_blocks) + len(self._pulling)))
+            lambda engine: WorkerStats(engine.stats(), 0, len(self._awaiting_blocks) + len(self._pulling),
+                                       frozenset(self._routes.values())))
 
     async def report(self, epoch: str | None, after_seq: int, max_wait_s: float) -> WorkerReport:
         """Load and KV events after the router's cursor (epoch, after_seq), or a snapshot when the cursor

@@ -86,7 +86,8 @@ class PrefillWorker:
         return await self._loop.run(lambda engine: self._abort_router(engine, router_id))
 
     async def stats(self) -> WorkerStats:
-        return await self._loop.run(lambda engine: WorkerStats(engine.stats(), self._leases.stats().num_held, 0))
+        return await self._loop.run(lambda engine: WorkerStats(engine.stats(), self._leases.stats().num_held, 0,
+                                                               frozenset(self._routers.values())))
 
     async def report(self, epoch: str | None, after_seq: int, max_wait_s: float) -> WorkerReport:
         """Load and KV events after the router's cursor (epoch, after_seq), or a snapshot when the cursor
