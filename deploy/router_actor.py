@@ -69,6 +69,12 @@ class RouterActor:
         """Requests this router is serving (admitted and streaming)."""
         return self._servers.orchestrator.num_in_flight
 
+    async def routable_workers(self) -> list[str]:
+        """The workers this router would route a request to now (in a pool and answering)."""
+        orchestrator = self._servers.orchestrator
+        return [worker_id for pool in (orchestrator.prefill_pool, orchestrator.decode_pool)
+                for worker_id in pool.routable() if orchestrator.monitor.load(worker_id) is not None]
+
     async def index_hashes(self) -> dict[str, frozenset[int]]:
         """worker id -> the block hashes this router's prefix index holds for it."""
         orchestrator = self._servers.orchestrator
