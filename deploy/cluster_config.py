@@ -170,8 +170,9 @@ class RouterConfig:
     """Router processes sharing the workers, each with its own prefix index, admission slots and
     event loop. 1: the router runs in the `splitserve serve` process. More: each is a Ray actor
     (placed by `resources`) listening on the same gRPC and HTTP ports with SO_REUSEPORT, so the
-    kernel spreads connections over them; router i serves /metrics on metrics_port + i. A router
-    that dies loses only its own streams (docs/reliability.md)."""
+    kernel spreads connections over them; router i serves /metrics on metrics_port + i on a private
+    local Ray (on a Ray cluster each router has its own node, see `resources`, and metrics_port). A
+    router that dies loses only its own streams (docs/reliability.md)."""
     resources: RayResources = RayResources()
     """Ray resources of each router actor (only when replicas > 1); on KubeRay, node_labels
     `ray.io/node-group=router` puts one router on each pod of the router group."""

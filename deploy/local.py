@@ -191,7 +191,9 @@ class LocalCluster:
     async def _start_router_actors(self, prefill: list[RayWorker], decode: list[RayWorker],
                                    api_key: str | None) -> None:
         """router.replicas router actors on one address: router 0 binds the configured ports (0:
-        free ones), the others the ports it bound; router i's metrics on metrics_port + i."""
+        free ones), the others the ports it bound. Router i serves its metrics on metrics_port + i
+        on a private local Ray (one host); on a Ray cluster each router has a node of its own
+        (router.resources), so all use metrics_port."""
         router = self.config.router
         self._reaper = RouterReaper(self._watch, self.actors)
         resources = router.resources
@@ -203,13 +205,16 @@ class LocalCluster:
             config = dataclasses.replace(self.config, router=dataclasses.replace(
                 router, grpc_port=router.grpc_port if shared is None else shared.grpc,
                 http_port=router.http_port if shared is None else shared.http,
-                metrics_port=router.metrics_port and router.metrics_port + index))
+                metrics_port=router.metrics_port and router.metrics_port + self._metrics_offset(index)))
             router_id = f"{self.router_id}-{index}"
             handle = self.routers[router_id] = actor_class.remote(router_id, config, self._model_dir, prefill,
                                                                   decode, api_key)
             self._reaper.watch(router_id, handle)
             ports = await handle.start.remote()
             self.router_ports = self.router_ports or ports
+
+    def _metrics_offset(self, router_index: int) -> int:
+        return router_index if self.config.ray_address is None else 0
 
     def _pool(self, role: str) -> PoolConfig:
         return self.config.prefill if role == "prefill" else self.config.decode
