@@ -73,7 +73,8 @@ def start_ray(config: ClusterConfig) -> None:
     if config.router.replicas > 1:
         # Ray starts its worker processes at niceness 15 (RAY_worker_niceness). A router in the
         # serving process runs at 0; router actors at 15 lose the CPU to any busy process on the
-        # machine (a 2,500-request burst's rejections took 5x longer). The raylet reads the
+        # machine (bench/admission_burst.py --routers 2 on a loaded 2-core VM: rejections' p50
+        # 8.4 s at 15, 1.3 s at 0). The raylet reads the
         # variable when it starts, so it must be in this process's environment.
         os.environ.setdefault("RAY_worker_niceness", "0")
     actors = [(p.replicas, p.resources) for p in (config.prefill, config.decode)]
