@@ -115,8 +115,8 @@ class RouterReaper:
 
     async def _abort_everywhere(self, router_id: str) -> None:
         calls = {worker_id: actor.abort_router.remote(router_id) for worker_id, actor in self._workers.items()}
-        for (worker_id, _), outcome in zip(calls.items(), await asyncio.gather(*calls.values(),
-                                                                                return_exceptions=True)):
+        outcomes = await asyncio.gather(*calls.values(), return_exceptions=True)
+        for worker_id, outcome in zip(calls, outcomes):
             if isinstance(outcome, Exception):
                 logger.warning("worker %s could not end router %s's requests: %s", worker_id, router_id, outcome)
 
