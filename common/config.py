@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
-ATTENTION_BACKENDS = ("auto", "torch", "cpu")
+ATTENTION_BACKENDS = ("auto", "torch", "cpu", "flashinfer")
 DEFAULT_KV_CACHE_MEMORY_BYTES = 1 << 30
 """KV pool size when no sizing field is given: 1 GiB."""
 
@@ -43,7 +43,9 @@ class EngineConfig:
     device: str = "auto"
     """cpu, cuda, or auto (cuda when available)."""
     attention_backend: str = "auto"
-    """Attention implementation: torch (the reference, any device), cpu (tuned for CPU), or auto (cpu on CPU)."""
+    """Attention implementation: torch (the reference, any device), cpu (tuned for CPU), flashinfer (CUDA,
+    float16/bfloat16, the `splitserve[gpu]` extra), or auto (cpu on CPU; on CUDA flashinfer when installed and the
+    dtype is 16-bit, else torch)."""
     hash_seed: int = 0
     """Seed of the chained block hash; must match across router and workers."""
     seed: int = 0

@@ -82,7 +82,7 @@ class EngineCore:
         if config.num_threads is not None and self.device.type == "cpu":
             torch.set_num_threads(config.num_threads)
         dtype = resolve_dtype(config.dtype, getattr(hf_config, "dtype", None), self.device)
-        attention = select_backend(config.attention_backend, self.device.type, config.cpu_kernels)
+        attention = select_backend(config.attention_backend, self.device.type, config.cpu_kernels, dtype)
         self.model = load_model(model_dir, dtype, self.device, attention, show_progress,
                                 select_layer_ops(self.device, dtype, config.cpu_kernels))
         arch = self.model.arch
@@ -97,7 +97,8 @@ class EngineCore:
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                                                    self.max_model_len, config.enable_chunked_prefill),
                                    self.block_manager)
-        self.runner = ModelRunner(self.model, self.kv_cache, self.device, attention.pads_decode_batches)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.device, attention.pads_decode_batches,
+                                  attention.needs_paged_metadata)
         self.sampler = Sampler()
         self.tokenizer = tokenizer
         self._shared_generator = torch.Generator(self.device).manual_seed(config.seed)

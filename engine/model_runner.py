@@ -8,6 +8,8 @@ import numpy as np
 import torch
 
 from splitserve.engine.attention import AttentionMetadata, DecodeBatch, PrefillSpan
+from splitserve.engine.attention.paged_kv_metadata import ChunkPages, FlashInferMetadata, build_flashinfer_metadata
+from splitserve.engine.host_inputs import long_tensor, to_device
 from splitserve.engine.kv_cache import KVCache
 from splitserve.engine.models.llama import LlamaFamilyForCausalLM
 from splitserve.engine.scheduler import ScheduledChunk, SchedulerOutput
@@ -56,12 +58,15 @@ def bucket_by_length(items: list, length) -> list[list]:
 
 
 class InputBuilder:
-    def __init__(self, block_size: int, device: torch.device, bucket_decodes: bool = True) -> None:
+    def __init__(self, block_size: int, device: torch.device, bucket_decodes: bool = True,
+                 paged_metadata: bool = False) -> None:
         """bucket_decodes: split decodes into batches of similar length (for backends that pad a batch
-        to its longest context); otherwise all decodes form one batch."""
+        to its longest context); otherwise all decodes form one batch. paged_metadata: also describe the
+        step in FlashInfer's format (AttentionMetadata.paged)."""
         self.block_size = block_size
         self.device = device
         self.bucket_decodes = bucket_decodes
+        self.paged_metadata = paged_metadata
 
     def build(self, output: SchedulerOutput) -> ModelInput:
         input_ids: list[int] = []
@@ -83,12 +88,19 @@ class InputBuilder:
                 prefills.append(self._prefill_span(start, chunk))
             if chunk.samples:
                 logits_indices.append(len(input_ids) - 1)
-        keys = torch.from_numpy(np.hstack(key_slots).astype(np.int64, copy=False)).to(self.device)  # [T]
+        keys = to_device(torch.from_numpy(np.hstack(key_slots).astype(np.int64, copy=False)), self.device)  # [T]
         metadata = AttentionMetadata(
             positions=self._tensor(positions), key_slots=keys,
             value_slots=keys + self.block_size, prefills=tuple(prefills),
-            decodes=self._decode_batches(decodes), block_size=self.block_size)
+            decodes=self._decode_batches(decodes), block_size=self.block_size, paged=self._paged(output))
         return ModelInput(self._tensor(input_ids), metadata.positions, metadata, self._tensor(logits_indices))
+
+    def _paged(self, output: SchedulerOutput) -> FlashInferMetadata | None:
+        if not self.paged_metadata:
+            return None
+        starts = np.cumsum([0] + [chunk.num_tokens for chunk in output.chunks]).tolist()
+        return build_flashinfer_metadata([ChunkPages(start, chunk.num_tokens, chunk.context_len, chunk.block_table)
+                                          for start, chunk in zip(starts, output.chunks)], self.block_size)
 
     def _prefill_span(self, start: int, chunk: ScheduledChunk) -> PrefillSpan:
         num_blocks = -(-chunk.context_len // self.block_size)
@@ -112,17 +124,17 @@ class InputBuilder:
                            context_lens=self._tensor([chunk.context_len for _, chunk in decodes]))
 
     def _tensor(self, values: list) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.long, device=self.device)
+        return long_tensor(values, self.device)
 
 
 class ModelRunner:
     """Owns the model and the KV pool tensors for one device."""
 
     def __init__(self, model: LlamaFamilyForCausalLM, kv_cache: KVCache, device: torch.device,
-                 bucket_decodes: bool = True) -> None:
+                 bucket_decodes: bool = True, paged_metadata: bool = False) -> None:
         self.model = model
         self.kv_cache = kv_cache
-        self.inputs = InputBuilder(kv_cache.spec.block_size, device, bucket_decodes)
+        self.inputs = InputBuilder(kv_cache.spec.block_size, device, bucket_decodes, paged_metadata)
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> torch.Tensor:
