@@ -20,6 +20,7 @@ from splitserve.common.stats import EngineStats
 from splitserve.engine.attention import select_backend
 from splitserve.common.kv_transfer_types import KVLayout
 from splitserve.engine.block_manager import BlockManager
+from splitserve.engine.cuda_graphs import build_decode_graphs
 from splitserve.common.detokenizer import IncrementalDetokenizer
 from splitserve.engine.kv_cache import KVCache, KVCacheSpec, num_blocks_for
 from splitserve.engine.kv_event_log import KVEventLog
@@ -90,7 +91,7 @@ class EngineCore:
         self.max_model_len = self._resolve_max_model_len(arch.max_position_embeddings)
         self.eos_token_ids = read_eos_token_ids(model_dir, getattr(hf_config, "eos_token_id", None))
         spec = KVCacheSpec(arch.num_layers, config.block_size, arch.num_kv_heads, arch.head_dim, dtype)
-        self.kv_cache = KVCache(spec, self._num_blocks(spec), self.device)
+        self.kv_cache = KVCache(spec, self._num_blocks(spec), self.device, reserve_dummy_block=config.cuda_graphs)
         self.block_manager = BlockManager(self.kv_cache.num_blocks, config.block_size,
                                           BlockHasher(config.block_size, config.hash_seed),
                                           config.enable_prefix_caching)
@@ -98,7 +99,8 @@ class EngineCore:
                                                    self.max_model_len, config.enable_chunked_prefill),
                                    self.block_manager)
         self.runner = ModelRunner(self.model, self.kv_cache, self.device, attention.pads_decode_batches,
-                                  attention.needs_paged_metadata)
+                                  attention.needs_paged_metadata,
+                                  build_decode_graphs(config, self.model, self.kv_cache, attention, self.max_model_len))
         self.sampler = Sampler()
         self.tokenizer = tokenizer
         self._shared_generator = torch.Generator(self.device).manual_seed(config.seed)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -32,7 +33,7 @@ def _key_slots(chunk: ScheduledChunk, block_size: int) -> np.ndarray:
     return blocks * (2 * block_size) + positions % block_size
 
 
-def _decode_key_slot(chunk: ScheduledChunk, block_size: int) -> int:
+def decode_key_slot(chunk: ScheduledChunk, block_size: int) -> int:
     """_key_slots of a one-token chunk, without numpy's per-call cost."""
     position = chunk.start_position
     return chunk.block_table[position // block_size] * 2 * block_size + position % block_size
@@ -80,7 +81,7 @@ class InputBuilder:
             input_ids.extend(chunk.token_ids)
             if chunk.num_tokens == 1:
                 positions.append(chunk.start_position)
-                key_slots.append(_decode_key_slot(chunk, self.block_size))
+                key_slots.append(decode_key_slot(chunk, self.block_size))
                 decodes.append((start, chunk))
             else:
                 positions.extend(range(chunk.start_position, chunk.context_len))
@@ -127,18 +128,32 @@ class InputBuilder:
         return long_tensor(values, self.device)
 
 
+class DecodeGraphs(Protocol):
+    def can_run(self, output: SchedulerOutput) -> bool:
+        """Whether a captured graph computes this step (decodes only, each sampling, few enough)."""
+        ...
+
+    def execute(self, output: SchedulerOutput) -> torch.Tensor:
+        """Logits [len(output.chunks), vocab] (float32) of a step that can_run."""
+        ...
+
+
 class ModelRunner:
     """Owns the model and the KV pool tensors for one device."""
 
     def __init__(self, model: LlamaFamilyForCausalLM, kv_cache: KVCache, device: torch.device,
-                 bucket_decodes: bool = True, paged_metadata: bool = False) -> None:
+                 bucket_decodes: bool = True, paged_metadata: bool = False, graphs: DecodeGraphs | None = None) -> None:
+        """graphs: captured decode steps (engine/cuda_graphs.py), replayed for the steps they can run."""
         self.model = model
         self.kv_cache = kv_cache
         self.inputs = InputBuilder(kv_cache.spec.block_size, device, bucket_decodes, paged_metadata)
+        self.graphs = graphs
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> torch.Tensor:
         """Logits [num_sampling_chunks, vocab] in chunk order (float32)."""
+        if self.graphs is not None and self.graphs.can_run(output):
+            return self.graphs.execute(output)
         model_input = self.inputs.build(output)
         return self.model.compute_logits(self._forward(model_input)[model_input.logits_indices]).float()
 

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from splitserve.engine.attention import TorchReferenceAttention
+from splitserve.engine.attention import TorchReferenceAttention, flashinfer_installed, select_backend
 from splitserve.engine.attention.flashinfer import FlashInferAttention, window_left
 from splitserve.engine.attention.paged_kv_metadata import ChunkPages, build_paged_kv_batch
 from splitserve.engine.model_runner import InputBuilder
@@ -113,3 +113,16 @@ def test_flashinfer_backend_refuses_metadata_without_the_paged_part():
     with pytest.raises(ValueError, match="needs AttentionMetadata.paged"):
         FlashInferAttention(ReferencePagedKernels()).forward(
             torch.zeros(1, 1, 8), torch.zeros(1, 1, 8), torch.zeros(1, 1, 8), pool, metadata, None)
+
+
+def test_select_backend_takes_flashinfer_only_on_cuda_in_16_bit_and_installed():
+    with pytest.raises(ValueError, match="attention_backend 'flashinfer' needs device 'cuda', got 'cpu'"):
+        select_backend("flashinfer", "cpu", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="needs dtype float16 or bfloat16, got torch.float32"):
+        select_backend("flashinfer", "cuda", dtype=torch.float32)
+    # float32 on CUDA: FlashInfer has no kernels for it, auto takes the reference.
+    assert type(select_backend("auto", "cuda", dtype=torch.float32)) is TorchReferenceAttention
+    if not flashinfer_installed():
+        assert type(select_backend("auto", "cuda", dtype=torch.bfloat16)) is TorchReferenceAttention
+        with pytest.raises(ValueError, match=r"pip install 'splitserve\[gpu\]'"):
+            select_backend("flashinfer", "cuda", dtype=torch.bfloat16)
