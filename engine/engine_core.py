@@ -227,7 +227,7 @@ class EngineCore:
         spec = self.kv_cache.spec
         return KVLayout(model_id=model_id, dtype=str(spec.dtype).removeprefix("torch."), block_size=spec.block_size,
                         num_layers=spec.num_layers, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
-                        hash_seed=self.config.hash_seed)
+                        hash_seed=self.config.hash_seed, memory_kind="VRAM" if self.device.type == "cuda" else "DRAM")
 
     def _new_request(self, request_id: str, prompt_token_ids: list[int], output_token_ids: list[int],
                      params: SamplingParams) -> Request:
