@@ -14,6 +14,7 @@ from splitserve.engine.attention.paged_kv_metadata import ChunkPages, build_page
 from splitserve.engine.model_runner import InputBuilder
 from splitserve.engine.scheduler import ScheduledChunk, SchedulerOutput
 from splitserve.testing.paged_reference import ReferencePagedKernels
+from tests.factories import random_paged_step
 
 
 def _lists(batch) -> tuple:
@@ -60,29 +61,13 @@ def test_window_left_is_the_window_minus_one():
     assert (window_left(None), window_left(1), window_left(256)) == (-1, 0, 255)
 
 
-def _random_step(rng: random.Random, block_size: int, num_blocks: int) -> SchedulerOutput:
-    """A ragged batch: fresh prompts, chunks after a cached prefix, decodes, in random order, over distinct
-    random blocks."""
-    free = list(range(num_blocks))
-    rng.shuffle(free)
-    chunks = []
-    for index in range(rng.randint(1, 7)):
-        kind = rng.choice(("fresh", "continued", "decode"))
-        start = 0 if kind == "fresh" else rng.randint(1, 40)
-        num_tokens = 1 if kind == "decode" else rng.randint(2, 23)
-        context = start + num_tokens
-        table = tuple(free.pop() for _ in range(-(-context // block_size)))
-        chunks.append(ScheduledChunk(f"r{index}", tuple(range(num_tokens)), start, table, samples=True))
-    return SchedulerOutput(tuple(chunks), ())
-
-
 @pytest.mark.parametrize("seed", range(12))
 def test_flashinfer_backend_on_reference_kernels_equals_the_reference_backend(seed):
     rng = random.Random(seed)
     block_size, num_blocks, num_kv_heads, head_dim = rng.choice((4, 16)), 96, 2, 8
     num_heads = num_kv_heads * rng.choice((1, 3))
     sliding_window = rng.choice((None, 5, 17))
-    output = _random_step(rng, block_size, num_blocks)
+    output = random_paged_step(rng, block_size, num_blocks)
     generator = torch.Generator().manual_seed(seed)
     pool = torch.randn(num_blocks, 2, block_size, num_kv_heads, head_dim, generator=generator)
     num_tokens = sum(chunk.num_tokens for chunk in output.chunks)
