@@ -199,7 +199,7 @@ class _FlashInferPrefill:
                            q_data_type=shape.q_dtype, kv_data_type=shape.kv_dtype)
 
     def run(self, query: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
-        return self._wrapper.run(query, kv_cache)
+        return self._wrapper.run(query.contiguous(), kv_cache)  # query may be a head slice of the fused q/k tensor
 
 
 class _FlashInferDecode:
@@ -233,7 +233,7 @@ class _FlashInferDecode:
                    paged_kv_last_page_len_buffer=torch.empty(size, dtype=torch.int32, device=device))
 
     def run(self, query: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
-        return self._wrapper.run(query, kv_cache)
+        return self._wrapper.run(query.contiguous(), kv_cache)  # query may be a head slice of the fused q/k tensor
 
 
 class FlashInferGraphKernels:
