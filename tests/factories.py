@@ -20,6 +20,7 @@ from splitserve.engine.request import Request
 from splitserve.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
 from splitserve.testing.event_loop import EventLoopThread
 from splitserve.testing.in_process_cluster import InProcessCluster
+from splitserve.testing.paged_reference import ReferencePagedKernels
 from splitserve.testing.workloads import GreedyCase
 
 _arrivals = itertools.count()
@@ -446,6 +447,33 @@ TINY_TRAINING = TrainingConfig(
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (this machine has none)")
 requires_flashinfer = pytest.mark.skipif(importlib.util.find_spec("flashinfer") is None,
                                          reason="needs flashinfer: pip install -c constraints.txt '.[gpu]'")
+
+
+def use_flashinfer_on_cpu(monkeypatch, graphs: bool = False) -> ReferencePagedKernels:
+    """Engines built afterwards in the test run the FlashInfer backend over torch kernels that read only
+    FlashInfer's metadata; with `graphs`, EngineConfig.cuda_graphs gets a DecodeGraphRunner whose "graphs"
+    run eagerly (splitserve.testing.eager_graphs). Returns the eager kernels (their plan counts)."""
+    from splitserve.engine import engine_core
+    from splitserve.engine.attention.flashinfer import FlashInferAttention
+    from splitserve.engine.cuda_graphs import DecodeGraphRunner
+    from splitserve.engine.decode_buckets import DecodeBucketTable
+    from splitserve.testing.eager_graphs import EagerGraphs
+
+    kernels = ReferencePagedKernels()
+    monkeypatch.setattr(engine_core, "select_backend", lambda *args: FlashInferAttention(kernels))
+
+    def eager_graphs(config, model, kv_cache, attention, max_model_len):
+        if not config.cuda_graphs:
+            return None
+        runner = DecodeGraphRunner(model, kv_cache, DecodeBucketTable.up_to(config.max_num_seqs),
+                                   -(-max_model_len // kv_cache.spec.block_size), EagerGraphs(),
+                                   lambda size, max_pages: ReferencePagedKernels())
+        runner.capture()
+        return runner
+
+    if graphs:
+        monkeypatch.setattr(engine_core, "build_decode_graphs", eager_graphs)
+    return kernels
 
 
 def random_paged_step(rng: random.Random, block_size: int, num_blocks: int) -> SchedulerOutput:
