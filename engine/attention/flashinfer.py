@@ -128,11 +128,11 @@ class FlashInferAttention:
         self.kernels = kernels if kernels is not None else FlashInferKernels()
 
     def forward(self, query, key, value, kv_cache, metadata: AttentionMetadata, sliding_window):
+        if metadata.paged is None:
+            raise ValueError("FlashInferAttention needs AttentionMetadata.paged (an InputBuilder with paged_metadata)")
         flat_cache = kv_cache.view(-1, kv_cache.shape[-2], kv_cache.shape[-1])  # [num_blocks*2*block_size, H, D]
         flat_cache.index_copy_(0, metadata.key_slots, key)
         flat_cache.index_copy_(0, metadata.value_slots, value)
-        if metadata.paged is None:
-            raise ValueError("FlashInferAttention needs AttentionMetadata.paged (an InputBuilder with paged_metadata)")
         plan = metadata.step_cache.get(plan_key(sliding_window))
         if plan is None:
             plan = metadata.step_cache[plan_key(sliding_window)] = plan_step(
@@ -157,7 +157,8 @@ class FlashInferKernels:
     def __init__(self) -> None:
         import flashinfer  # noqa: PLC0415 - optional extra `splitserve[gpu]`; CUDA only
 
-        self._flashinfer = flashinfer
+        self.module = flashinfer
+        """The flashinfer package, imported here and nowhere else."""
         self._workspace: torch.Tensor | None = None
         self._wrappers: dict[tuple[str, int], PagedKernel] = {}
 
@@ -190,7 +191,7 @@ class _FlashInferPrefill:
     def plan(self, batch: PagedKVBatch, shape: AttentionShape, window_left: int) -> None:
         device = torch.device("cuda", torch.cuda.current_device())
         if self._wrapper is None:
-            self._wrapper = self._kernels._flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            self._wrapper = self._kernels.module.BatchPrefillWithPagedKVCacheWrapper(
                 self._kernels.workspace(device), KV_LAYOUT)
         # indptr arrays stay on the host (plan reads them there); the indices go to the device.
         self._wrapper.plan(batch.qo_indptr, batch.kv_indptr, to_device(batch.kv_indices, device),
@@ -222,7 +223,7 @@ class _FlashInferDecode:
                            kv_data_type=shape.kv_dtype)
 
     def _new_wrapper(self, device: torch.device):
-        cls = self._kernels._flashinfer.BatchDecodeWithPagedKVCacheWrapper
+        cls = self._kernels.module.BatchDecodeWithPagedKVCacheWrapper
         workspace = self._kernels.workspace(device)
         if not self._graph_batch_size:
             return cls(workspace, KV_LAYOUT)
