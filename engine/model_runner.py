@@ -73,7 +73,7 @@ class InputBuilder:
         input_ids: list[int] = []
         positions: list[int] = []
         key_slots: list[int | np.ndarray] = []  # an int per decode, an array per longer chunk
-        prefills: list[PrefillSpan] = []
+        prefills: list[tuple[int, ScheduledChunk]] = []
         decodes: list[tuple[int, ScheduledChunk]] = []
         logits_indices: list[int] = []
         for chunk in output.chunks:
@@ -86,22 +86,28 @@ class InputBuilder:
             else:
                 positions.extend(range(chunk.start_position, chunk.context_len))
                 key_slots.append(_key_slots(chunk, self.block_size))
-                prefills.append(self._prefill_span(start, chunk))
+                prefills.append((start, chunk))
             if chunk.samples:
                 logits_indices.append(len(input_ids) - 1)
         keys = to_device(torch.from_numpy(np.hstack(key_slots).astype(np.int64, copy=False)), self.device)  # [T]
-        metadata = AttentionMetadata(
-            positions=self._tensor(positions), key_slots=keys,
-            value_slots=keys + self.block_size, prefills=tuple(prefills),
-            decodes=self._decode_batches(decodes), block_size=self.block_size, paged=self._paged(output))
+        spans, batches, paged = self._attention_parts(prefills, decodes)
+        metadata = AttentionMetadata(positions=self._tensor(positions), key_slots=keys,
+                                     value_slots=keys + self.block_size, prefills=spans, decodes=batches,
+                                     block_size=self.block_size, paged=paged)
         return ModelInput(self._tensor(input_ids), metadata.positions, metadata, self._tensor(logits_indices))
 
-    def _paged(self, output: SchedulerOutput) -> FlashInferMetadata | None:
+    def _attention_parts(self, prefills: list[tuple[int, ScheduledChunk]],
+                         decodes: list[tuple[int, ScheduledChunk]]
+                         ) -> tuple[tuple[PrefillSpan, ...], tuple[DecodeBatch, ...], FlashInferMetadata | None]:
+        """AttentionMetadata's prefills, decodes (block tables as tensors) and paged: with paged_metadata only
+        the last, FlashInfer's format (the backend that asks for it reads nothing else)."""
         if not self.paged_metadata:
-            return None
-        starts = np.cumsum([0] + [chunk.num_tokens for chunk in output.chunks]).tolist()
-        return build_flashinfer_metadata([ChunkPages(start, chunk.num_tokens, chunk.context_len, chunk.block_table)
-                                          for start, chunk in zip(starts, output.chunks)], self.block_size)
+            spans = tuple(self._prefill_span(start, chunk) for start, chunk in prefills)
+            return spans, self._decode_batches(decodes), None
+        chunks = sorted(prefills + decodes, key=lambda item: item[0])  # step order
+        return (), (), build_flashinfer_metadata(
+            [ChunkPages(start, chunk.num_tokens, chunk.context_len, chunk.block_table) for start, chunk in chunks],
+            self.block_size)
 
     def _prefill_span(self, start: int, chunk: ScheduledChunk) -> PrefillSpan:
         num_blocks = -(-chunk.context_len // self.block_size)

@@ -56,8 +56,8 @@ class AttentionMetadata:
     decodes: tuple[DecodeBatch, ...]
     block_size: int
     paged: FlashInferMetadata | None = None
-    """The same step in FlashInfer's paged-KV format (host tensors), built only for backends that
-    set needs_paged_metadata."""
+    """The step in FlashInfer's paged-KV format (host tensors), built only for backends that set
+    needs_paged_metadata; prefills and decodes are then empty (such a backend reads only this)."""
     step_cache: dict = field(default_factory=dict, compare=False)
     """Backend tensors (gather rows, masks) built by the first layer and shared by the rest of the step."""
 
