@@ -61,10 +61,10 @@ class KVCache:
         self.spec = spec
         self.num_blocks = num_blocks
         self.dummy_block = num_blocks if reserve_dummy_block else None
+        rows = num_blocks + (1 if reserve_dummy_block else 0)
         # Zero-filled so padded (masked) gathers never read uninitialized NaN/Inf bit patterns.
-        self.layers = [torch.zeros((num_blocks + reserve_dummy_block, *spec.block_shape), dtype=spec.dtype,
-                                   device=device)
-                       for _ in range(spec.num_layers)]  # each [num_blocks (+ 1), 2, block_size, kv_heads, head_dim]
+        self.layers = [torch.zeros((rows, *spec.block_shape), dtype=spec.dtype, device=device)
+                       for _ in range(spec.num_layers)]  # each [rows, 2, block_size, kv_heads, head_dim]
 
     def block(self, layer: int, block_id: int) -> torch.Tensor:
         return self.layers[layer][block_id]  # [2, block_size, kv_heads, head_dim]
