@@ -20,6 +20,7 @@ from splitserve.common.stats import EngineStats
 from splitserve.engine.attention import select_backend
 from splitserve.common.kv_transfer_types import KVLayout
 from splitserve.engine.block_manager import BlockManager
+from splitserve.engine.cuda_graphs import build_decode_graphs
 from splitserve.common.detokenizer import IncrementalDetokenizer
 from splitserve.engine.kv_cache import KVCache, KVCacheSpec, num_blocks_for
 from splitserve.engine.kv_event_log import KVEventLog
@@ -82,7 +83,7 @@ class EngineCore:
         if config.num_threads is not None and self.device.type == "cpu":
             torch.set_num_threads(config.num_threads)
         dtype = resolve_dtype(config.dtype, getattr(hf_config, "dtype", None), self.device)
-        attention = select_backend(config.attention_backend, self.device.type, config.cpu_kernels)
+        attention = select_backend(config.attention_backend, self.device.type, config.cpu_kernels, dtype)
         self.model = load_model(model_dir, dtype, self.device, attention, show_progress,
                                 select_layer_ops(self.device, dtype, config.cpu_kernels))
         arch = self.model.arch
@@ -90,14 +91,16 @@ class EngineCore:
         self.max_model_len = self._resolve_max_model_len(arch.max_position_embeddings)
         self.eos_token_ids = read_eos_token_ids(model_dir, getattr(hf_config, "eos_token_id", None))
         spec = KVCacheSpec(arch.num_layers, config.block_size, arch.num_kv_heads, arch.head_dim, dtype)
-        self.kv_cache = KVCache(spec, self._num_blocks(spec), self.device)
+        self.kv_cache = KVCache(spec, self._num_blocks(spec), self.device, reserve_dummy_block=config.cuda_graphs)
         self.block_manager = BlockManager(self.kv_cache.num_blocks, config.block_size,
                                           BlockHasher(config.block_size, config.hash_seed),
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                                                    self.max_model_len, config.enable_chunked_prefill),
                                    self.block_manager)
-        self.runner = ModelRunner(self.model, self.kv_cache, self.device, attention.pads_decode_batches)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.device, attention.pads_decode_batches,
+                                  attention.needs_paged_metadata,
+                                  build_decode_graphs(config, self.model, self.kv_cache, attention, self.max_model_len))
         self.sampler = Sampler()
         self.tokenizer = tokenizer
         self._shared_generator = torch.Generator(self.device).manual_seed(config.seed)
@@ -224,7 +227,7 @@ class EngineCore:
         spec = self.kv_cache.spec
         return KVLayout(model_id=model_id, dtype=str(spec.dtype).removeprefix("torch."), block_size=spec.block_size,
                         num_layers=spec.num_layers, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
-                        hash_seed=self.config.hash_seed)
+                        hash_seed=self.config.hash_seed, memory_kind="VRAM" if self.device.type == "cuda" else "DRAM")
 
     def _new_request(self, request_id: str, prompt_token_ids: list[int], output_token_ids: list[int],
                      params: SamplingParams) -> Request:

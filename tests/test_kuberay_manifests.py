@@ -244,7 +244,7 @@ BROKEN: dict[str, tuple[Callable[[dict], None], list[str]]] = {
     "unknown config key": (
         lambda d: _config(d, "max_num_seqs: 16", "max_num_seq: 16"),
         ["configmap.yaml: ConfigMap/splitserve-config: data.cluster.yaml: prefill.engine.max_num_seq: unknown key "
-         "(known: attention_backend, block_size, cpu_kernels, device, dtype, enable_chunked_prefill, "
+         "(known: attention_backend, block_size, cpu_kernels, cuda_graphs, device, dtype, enable_chunked_prefill, "
          "enable_prefix_caching, hash_seed, kv_cache_memory_bytes, kv_cache_memory_fraction, max_model_len, max_num_batched_tokens, "
          "max_num_seqs, num_kv_blocks, num_threads, seed)"]),
     "router on loopback": (

@@ -42,7 +42,7 @@ def test_runtime_dependencies_are_ranges_that_admit_the_tested_pins():
 
 
 def test_constraints_pin_exactly_every_declared_dependency():
-    declared = {r.name: r for r in requirements("dev", "bench")}
+    declared = {r.name: r for r in requirements("dev", "bench", "gpu")}
     pins = constraint_pins()
     assert set(pins) == set(declared)
     assert all(declared[name].specifier.contains(version) for name, version in pins.items())
@@ -52,6 +52,15 @@ def test_make_installs_the_constraints():
     makefile = (REPO / "Makefile").read_text(encoding="utf-8")
     assert "$(STAMP): pyproject.toml constraints.txt" in makefile
     assert "pip install --quiet -c constraints.txt -e '.[dev,bench]'" in makefile
+
+
+def test_the_gpu_extra_is_optional_and_the_cpu_install_stays_lean():
+    """flashinfer only in `splitserve[gpu]`, which make never installs; the CPU torch pin is what it resolves."""
+    project = PYPROJECT["project"]
+    assert [Requirement(d).name for d in project["optional-dependencies"]["gpu"]] == ["flashinfer-python", "nixl-cu12"]
+    assert not any(Requirement(d).name.startswith("flashinfer") for d in project["dependencies"])
+    assert "[gpu" not in (REPO / "Makefile").read_text(encoding="utf-8")
+    assert constraint_pins()["torch"] == "2.13.0"
 
 
 def test_packaged_config_by_name_or_path(tmp_path):
