@@ -160,10 +160,12 @@ def test_pod_monitor_labels_match_the_prometheus_rules_and_scrape_config(manifes
     assert re.findall(r'up\{job="([^"]+)"\}', alerts) == [kv.PROMETHEUS_JOB]
     assert endpoint["relabelings"] == [
         {"targetLabel": "job", "replacement": kv.PROMETHEUS_JOB},
-        {"sourceLabels": ["__meta_kubernetes_pod_label_ray_io_cluster"], "targetLabel": "cluster"}]
+        {"sourceLabels": ["__meta_kubernetes_pod_label_ray_io_cluster"], "targetLabel": "cluster"},
+        {"sourceLabels": ["__meta_kubernetes_pod_label_splitserve_io_model"], "targetLabel": "model"}]
     scrape = yaml.safe_load((REPO / "deploy" / "prometheus" / "kuberay-scrape.yml").read_text(encoding="utf-8"))
     relabels = scrape["scrape_configs"][0]["relabel_configs"]
     assert {"source_labels": ["__meta_kubernetes_pod_label_ray_io_cluster"], "target_label": "cluster"} in relabels
+    assert {"source_labels": ["__meta_kubernetes_pod_label_splitserve_io_model"], "target_label": "model"} in relabels
     assert relabels[0]["regex"] == f"head;{endpoint['port']}"
 
 
