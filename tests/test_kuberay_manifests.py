@@ -72,7 +72,7 @@ def test_shipped_manifests_have_no_problems(manifests):
     assert kv.validate(manifests) == []
     assert [f"{m.kind}/{m.name}" for m in manifests] == [
         "Namespace/splitserve", "ConfigMap/splitserve-config", "RayCluster/splitserve", "Service/splitserve",
-        "PodMonitor/splitserve"]
+        "PodMonitor/splitserve", "PrometheusRule/splitserve"]
 
 
 @pytest.mark.parametrize("version", kv.KUBERNETES_VERSIONS)
@@ -307,6 +307,11 @@ BROKEN: dict[str, tuple[Callable[[dict], None], list[str]]] = {
         lambda d: d["PodMonitor"]["spec"]["podMetricsEndpoints"][0]["relabelings"].pop(0),
         ["podmonitor.yaml: PodMonitor/splitserve: spec.podMetricsEndpoints[0].relabelings: must set job to "
          "'splitserve' (the alerts' up{job=...}), got []"]),
+    "PrometheusRule rule without expr, with both record and alert": (
+        lambda d: d["PrometheusRule"]["spec"]["groups"][0]["rules"][0].update(alert="X", expr=""),
+        ["prometheusrule.yaml: PrometheusRule/splitserve: spec.groups[0].rules[0].(rule): needs exactly one of "
+         "record and alert",
+         "prometheusrule.yaml: PrometheusRule/splitserve: spec.groups[0].rules[0].expr: required PromQL string"]),
 }
 
 

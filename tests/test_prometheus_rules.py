@@ -161,6 +161,32 @@ def test_scrape_configs_pass_promtool_check(prometheus_bin, tmp_path):
         assert [job["job_name"] for job in config["scrape_configs"]] == ["splitserve"], name  # alerts use it
 
 
+# ---- the Prometheus Operator's PrometheusRule -------------------------------------------------
+PROMETHEUS_RULE = REPO / "deploy" / "kuberay" / "prometheusrule.yaml"
+
+
+def test_prometheus_rule_object_is_current(tmp_path):
+    out = tmp_path / "prometheusrule.yaml"
+    done = subprocess.run([sys.executable, str(PROMETHEUS_DIR / "build_prometheusrule.py"), "--out", str(out)],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert out.read_bytes() == PROMETHEUS_RULE.read_bytes(), \
+        "deploy/kuberay/prometheusrule.yaml is stale: run `.venv/bin/python deploy/prometheus/build_prometheusrule.py`"
+
+
+def test_prometheus_rule_object_holds_exactly_the_rule_files(prometheus_bin, tmp_path):
+    """Its groups are the rule files' groups, in order, and pass promtool as a rule file."""
+    rule = yaml.safe_load(PROMETHEUS_RULE.read_text(encoding="utf-8"))
+    assert (rule["apiVersion"], rule["kind"], rule["metadata"]["name"]) == (
+        "monitoring.coreos.com/v1", "PrometheusRule", "splitserve")
+    groups = [group for path in RULE_FILES for group in yaml.safe_load(path.read_text(encoding="utf-8"))["groups"]]
+    assert rule["spec"]["groups"] == groups
+    extracted = tmp_path / "groups.yml"
+    extracted.write_text(yaml.safe_dump({"groups": rule["spec"]["groups"]}))
+    assert f"SUCCESS: {len(RECORDING_RULES) + len(ALERTS)} rules found" in _promtool(
+        prometheus_bin, "check", "rules", str(extracted))
+
+
 # ---- names -------------------------------------------------------------------------------
 @pytest.mark.parametrize("source", ["panels", "recording rules", "alerts"])
 def test_every_query_names_only_exported_metrics_or_recording_rules(source):

@@ -10,8 +10,8 @@ kustomization.yaml). Prints one line per problem (file, object, field, reason); 
    operator's own CRDs). Those schemas accept unknown fields (the API server silently prunes
    them), so each pod template inside is also validated strictly as a core PodTemplate, and the
    object's metadata as ObjectMeta.
-3. monitoring.coreos.com PodMonitors get a structural check of the fields the Prometheus Operator
-   reads (its CRD is not available offline).
+3. monitoring.coreos.com PodMonitors and PrometheusRules get a structural check of the fields the
+   Prometheus Operator reads (its CRDs are not available offline).
 4. Once every object passes 1-3, the deployment as a whole: the cluster config embedded in the
    ConfigMap parses with `parse_cluster_config` and agrees with the RayCluster (ports, probes,
    volumes, GPUs and CPUs per pool, one image), and the Service and PodMonitor select the head pod
@@ -173,11 +173,54 @@ def schema_errors(manifest: Manifest) -> list[str]:
         f"metadata.name: must be a lowercase DNS subdomain, got {name!r}"]
     if manifest.group == "ray.io":
         errors += crd_errors(manifest)
+    elif manifest.group == "monitoring.coreos.com" and manifest.kind == "PrometheusRule":
+        errors += prometheus_rule_errors(manifest.doc)
     elif manifest.group == "monitoring.coreos.com":
         errors += pod_monitor_errors(manifest.doc)
     else:
         errors += kubernetes_errors(manifest.doc)
     return [manifest.where(error) for error in errors]
+
+
+# ---- PrometheusRule --------------------------------------------------------------------------
+
+_RULE_KEYS = frozenset({"record", "alert", "expr", "for", "keep_firing_for", "labels", "annotations"})
+"""Rule fields of the Prometheus Operator's monitoring.coreos.com/v1 PrometheusRule."""
+
+
+def prometheus_rule_errors(doc: Mapping[str, Any]) -> list[str]:
+    """The PrometheusRule fields the Prometheus Operator needs, checked by structure."""
+    if doc.get("apiVersion") != "monitoring.coreos.com/v1":
+        return [f"apiVersion: must be monitoring.coreos.com/v1, got {doc.get('apiVersion')!r}"]
+    groups = (doc.get("spec") or {}).get("groups")
+    if not isinstance(groups, list) or not groups:
+        return ["spec.groups: required non-empty list"]
+    errors = []
+    for index, group in enumerate(groups):
+        where = f"spec.groups[{index}]"
+        if not isinstance(group, Mapping) or not isinstance(group.get("name"), str):
+            errors.append(f"{where}.name: required string")
+            continue
+        rules = group.get("rules")
+        if not isinstance(rules, list) or not rules:
+            errors.append(f"{where}.rules: required non-empty list")
+            continue
+        for rule_index, rule in enumerate(rules):
+            errors += [f"{where}.rules[{rule_index}].{e}" for e in _rule_errors(rule)]
+    return errors
+
+
+def _rule_errors(rule: Any) -> list[str]:
+    if not isinstance(rule, Mapping):
+        return ["(rule): must be a mapping"]
+    errors = [f"{key}: unknown field" for key in rule if key not in _RULE_KEYS]
+    if ("record" in rule) == ("alert" in rule):
+        errors.append("(rule): needs exactly one of record and alert")
+    if not isinstance(rule.get("expr"), str) or not rule["expr"].strip():
+        errors.append("expr: required PromQL string")
+    if "for" in rule and not (isinstance(rule["for"], str) and _DURATION.match(rule["for"])):
+        errors.append(f"for: must be a Prometheus duration like 5m, got {rule['for']!r}")
+    return errors
 
 
 # ---- PodMonitor ------------------------------------------------------------------------------
