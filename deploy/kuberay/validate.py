@@ -96,12 +96,18 @@ def kustomization_resources() -> list[Path]:
     return [KUBERAY_DIR / name for name in data["resources"]]
 
 
+LOCAL_CONFIG = "config.kubernetes.io/local-config"
+"""kustomize's annotation for an object it reads (values.yaml) but never outputs."""
+
+
 def load_manifests(paths: Iterable[Path] | None = None) -> list[Manifest]:
-    """Every non-empty YAML document of the files (default: kustomization.yaml's resources)."""
+    """Every non-empty YAML document of the files (default: kustomization.yaml's resources) that
+    kustomize sends to the cluster (objects local to kustomize are skipped)."""
     manifests = []
     for path in kustomization_resources() if paths is None else paths:
         for doc in yaml.safe_load_all(Path(path).read_text(encoding="utf-8")):
-            if doc is not None:
+            annotations = (doc or {}).get("metadata", {}).get("annotations") or {}
+            if doc is not None and str(annotations.get(LOCAL_CONFIG, "")).lower() != "true":
                 manifests.append(Manifest(Path(path), doc))
     return manifests
 
@@ -367,6 +373,7 @@ def deployment_errors(manifests: list[Manifest]) -> list[str]:
     cluster = clusters[0]
     head, workers = ray_pods(cluster)
     errors = _head_errors(cluster, head) + _image_errors(cluster, head, workers)
+    errors += [cluster.where(e) for e in _shm_errors([head, *(pod for pod, _ in workers.values())])]
     config, config_errors = _cluster_config(cluster, head, manifests)
     errors += config_errors
     if config is not None:
@@ -376,6 +383,19 @@ def deployment_errors(manifests: list[Manifest]) -> list[str]:
             errors += _service_errors(manifest, head, workers)
         elif manifest.kind == "PodMonitor":
             errors += _pod_monitor_target_errors(manifest, head, workers, config)
+    return errors
+
+
+def _shm_errors(pods: Iterable[RayPod]) -> list[str]:
+    """Every Ray container needs a memory-backed /dev/shm: Kubernetes gives 64 MB, too little for
+    Ray's object store, torch and UCX's shared-memory transport."""
+    errors = []
+    for pod in pods:
+        found = pod.mount_for("/dev/shm")
+        empty_dir = (found[1].get("emptyDir") or {}) if found and found[0] == "/dev/shm" else {}
+        if empty_dir.get("medium") != "Memory":
+            errors.append(f"{pod.field}: the Ray container needs /dev/shm on an emptyDir volume with medium: Memory "
+                          f"(Kubernetes' default is 64 MB), got {found}")
     return errors
 
 
