@@ -305,7 +305,8 @@ def parse_chat_request(body: Mapping[str, Any], limits: RequestLimits) -> ChatCo
     sampling = _sampling(body, max_tokens, max_tokens_param, _chat_logprobs(body), limits)
     return ChatCompletionRequest(
         _model(body), messages, _count(body, "n", 1), add_generation_prompt, sampling, max_tokens_param, stream,
-        include_usage, _typed(body, "return_tokens_as_token_ids", bool, "a boolean", False), _request_id(body, limits), template)
+        include_usage, _typed(body, "return_tokens_as_token_ids", bool, "a boolean", False), _request_id(body, limits),
+        template)
 
 
 @dataclass(frozen=True)

@@ -258,9 +258,10 @@ class OpenAIServing:
         params = parsed.sampling
         if parsed.best_of > parsed.n and params.logprobs is None:  # best_of ranks by the sampled tokens' logprobs
             params = dataclasses.replace(params, logprobs=0)
-        inputs = self._inputs(prompts, params, parsed.max_tokens_param, "prompt", parsed.request_id, parsed.best_of)
+        request_id, inputs = self._inputs(prompts, params, parsed.max_tokens_param, "prompt", parsed.request_id,
+                                          parsed.best_of)
         echo = [self._prompt_text(p) for p in parsed.prompts] if parsed.echo else ()
-        renderer = CompletionRenderer(self._header("cmpl", inputs[0]), self._token_text(parsed.tokens_as_ids),
+        renderer = CompletionRenderer(self._header("cmpl", request_id), self._token_text(parsed.tokens_as_ids),
                                       parsed.include_usage, parsed.sampling.logprobs is not None, echo, parsed.n)
         return _Job(inputs, parsed.best_of, parsed.n, renderer, parsed.stream)
 
@@ -269,9 +270,9 @@ class OpenAIServing:
         self._check_model(parsed.model)
         messages = [{"role": m.role, "content": m.content} for m in parsed.messages]
         token_ids = await self.tokenizers.apply_chat_template(messages, parsed.add_generation_prompt, parsed.template)
-        inputs = self._inputs([token_ids], parsed.sampling, parsed.max_tokens_param, "messages", parsed.request_id,
-                              parsed.n)
-        renderer = ChatRenderer(self._header("chatcmpl", inputs[0]), self._token_text(parsed.tokens_as_ids),
+        request_id, inputs = self._inputs([token_ids], parsed.sampling, parsed.max_tokens_param, "messages",
+                                          parsed.request_id, parsed.n)
+        renderer = ChatRenderer(self._header("chatcmpl", request_id), self._token_text(parsed.tokens_as_ids),
                                 parsed.include_usage, parsed.sampling.logprobs is not None)
         return _Job(inputs, parsed.n, parsed.n, renderer, parsed.stream)
 
@@ -286,20 +287,21 @@ class OpenAIServing:
                            "model", "model_not_found")
 
     def _inputs(self, prompts: list[tuple[int, ...]], params: SamplingParams, max_tokens_param: str | None,
-                prompt_param: str, request_id: str, num_sequences: int) -> tuple[GenerationInput, ...]:
+                prompt_param: str, request_id: str,
+                num_sequences: int) -> tuple[str, tuple[GenerationInput, ...]]:
         """Check each prompt (`prompt_param`: the body field it came from; `[i]` names one of a
-        batch) and, when the client set max_tokens, that prompt + output fit the context; then one
-        input per sequence. `request_id`: the client's ("": new)."""
+        batch) and, when the client set max_tokens, that prompt + output fit the context; then
+        (the request's id, one input per sequence). `request_id`: the client's ("": new)."""
         for index, token_ids in enumerate(prompts):
             field = prompt_param if len(prompts) == 1 else f"{prompt_param}[{index}]"
             self.orchestrator.validate_prompt(token_ids, field)
             self.tokenizers.limits.check_max_tokens(len(token_ids), params, max_tokens_param)
         deadline = None if self.request_timeout_s is None else time.monotonic() + self.request_timeout_s
         base = GenerationInput(self.orchestrator.new_request_id(request_id), prompts[0], params, deadline)
-        return sequence_inputs(base, prompts, num_sequences)
+        return base.request_id, sequence_inputs(base, prompts, num_sequences)
 
-    def _header(self, prefix: str, inp: GenerationInput) -> ResponseHeader:
-        return ResponseHeader(f"{prefix}-{inp.request_id}", int(time.time()), self.model_name,
+    def _header(self, prefix: str, request_id: str) -> ResponseHeader:
+        return ResponseHeader(f"{prefix}-{request_id}", int(time.time()), self.model_name,
                               self.system_fingerprint)
 
     @functools.cached_property

@@ -72,7 +72,9 @@ def _stream_texts(stream) -> tuple[dict[int, str], list]:
 
 def test_greedy_n_choices_equal_one_request_and_usage_counts_the_prompt_once(served):
     single = served.single(PROMPT, max_tokens=6, **GREEDY)
-    completion = served.client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, n=3, **GREEDY)
+    completion = served.client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, n=3, temperature=0,
+                                                    extra_body={"ignore_eos": True, "request_id": "three"})
+    assert completion.id == "cmpl-three"  # the request's id, not one of its sequences'
     assert _texts(completion) == [(i, single.choices[0].text) for i in range(3)]
     assert [c.finish_reason for c in completion.choices] == ["length"] * 3
     usage = completion.usage

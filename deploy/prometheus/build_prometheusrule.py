@@ -55,7 +55,8 @@ def render(rule: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    parser.add_argument("--out", type=Path, default=OUTPUT, help="output file (default: deploy/kuberay/prometheusrule.yaml)")
+    parser.add_argument("--out", type=Path, default=OUTPUT,
+                        help="output file (default: deploy/kuberay/prometheusrule.yaml)")
     args = parser.parse_args(argv)
     args.out.write_text(render(prometheus_rule()), encoding="utf-8")
     print(f"wrote {args.out}")
