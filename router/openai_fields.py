@@ -4,8 +4,8 @@ for anything but their default. Never silently ignored.
 
 A field in neither table is not one of vLLM's (nor one of the OpenAI fields listed here): it is
 ignored, as vLLM ignores fields its request models do not declare, so clients that send extra
-fields keep working. tests/test_openai_fields.py holds vLLM's field lists and checks that each
-one is in a table here.
+fields keep working. tests/test_openai_fields.py checks that each field of vLLM 0.32's request
+models (tests/fixtures/vllm_request_fields.json, extracted from vLLM's sources) is in a table here.
 """
 
 from __future__ import annotations
