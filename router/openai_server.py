@@ -503,9 +503,10 @@ class HttpServer:
         self._task: asyncio.Task | None = None
         self.port = 0
 
-    async def start(self, host: str, port: int) -> int:
-        """Listen on host:port (0 picks a free port); returns the bound port."""
-        sock = listening_socket(host, port)
+    async def start(self, host: str, port: int, reuse_port: bool = False) -> int:
+        """Listen on host:port (0 picks a free port); returns the bound port. `reuse_port`: share
+        the port with other routers' listeners (SO_REUSEPORT; the kernel spreads connections)."""
+        sock = listening_socket(host, port, reuse_port)
         self.port = sock.getsockname()[1]
         self._task = asyncio.get_running_loop().create_task(self._server.serve(sockets=[sock]))
         while not self._server.started:
@@ -524,7 +525,7 @@ class HttpServer:
         self._task = None
 
 
-def listening_socket(host: str, port: int) -> socket.socket:
+def listening_socket(host: str, port: int, reuse_port: bool = False) -> socket.socket:
     """A TCP listening socket whose accepted connections get TCP_NODELAY.
 
     asyncio turns Nagle's algorithm off only on sockets whose proto is IPPROTO_TCP, and
@@ -534,6 +535,8 @@ def listening_socket(host: str, port: int) -> socket.socket:
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind((host, port))
         sock.listen(socket.SOMAXCONN)
     except BaseException:
@@ -545,11 +548,13 @@ def listening_socket(host: str, port: int) -> socket.socket:
 async def start_http_server(orchestrator: Orchestrator, tokenizers: TokenizerPool, model_name: str,
                             host: str = "127.0.0.1", port: int = 8000, request_timeout_s: float | None = None,
                             metrics_app: ASGIApp | None = None, api_key: str | None = None,
-                            tls: TlsConfig | None = None, aliases: tuple[str, ...] = ()) -> HttpServer:
+                            tls: TlsConfig | None = None, aliases: tuple[str, ...] = (),
+                            reuse_port: bool = False) -> HttpServer:
     """Start the OpenAI-compatible API on the running loop; the server's `port` is the bound one.
     With `api_key`, /v1/* needs `Authorization: Bearer <api_key>`; with `tls`, it is HTTPS only.
-    Requests may name the model `model_name` or one of `aliases`."""
+    Requests may name the model `model_name` or one of `aliases`. `reuse_port`: share the port
+    with other routers (SO_REUSEPORT)."""
     serving = OpenAIServing(orchestrator, tokenizers, model_name, request_timeout_s, aliases)
     server = HttpServer(build_app(serving, metrics_app, api_key), tls=tls)
-    await server.start(host, port)
+    await server.start(host, port, reuse_port)
     return server

@@ -260,6 +260,14 @@ class Orchestrator:
         except Exception as error:
             logger.warning("decode worker %s could not drop agent %s: %s", decode.worker_id, agent_name, error)
 
+    def worker_unavailable(self, worker_id: str, reason: str) -> None:
+        """The worker's runtime reports it dead or restarting (Ray's actor state): unroutable at
+        once, its requests move, without waiting for a call or a report poll to fail. A worker no
+        longer in a pool (retired) is ignored."""
+        if worker_id in self.prefill_pool.clients or worker_id in self.decode_pool.clients:
+            logger.warning("worker %s is unavailable: %s", worker_id, reason)
+            self._on_worker_lost(worker_id, reason)
+
     def _on_worker_lost(self, worker_id: str, reason: str) -> None:
         """A worker stopped answering: unroutable until it reports again; requests it was
         computing move elsewhere."""
@@ -477,7 +485,8 @@ class Orchestrator:
         return pool.assign(worker_id, prefill_tokens)
 
     async def _prefill(self, run: RequestRun, prefill: Assignment) -> PrefillResult:
-        request = PrefillRequest(run.worker_request_id, run.inp.prompt_token_ids, self._worker_params(run))
+        request = PrefillRequest(run.worker_request_id, run.inp.prompt_token_ids, self._worker_params(run),
+                                 self.router_id)
         run.active_worker_id = prefill.client.worker_id
         result: PrefillResult = await run.call(
             self._call(prefill.client, "prefill", lambda: prefill.client.prefill(request)))

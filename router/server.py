@@ -262,18 +262,21 @@ async def start_grpc_server(orchestrator: Orchestrator, tokenizers: TokenizerPoo
                             host: str = "127.0.0.1", port: int = 50051,
                             request_timeout_s: float | None = None,
                             api_key: str | None = None,
-                            tls: TlsConfig | None = None, aliases: tuple[str, ...] = ()) -> GrpcServer:
+                            tls: TlsConfig | None = None, aliases: tuple[str, ...] = (),
+                            reuse_port: bool = False) -> GrpcServer:
     """Start serving; returns the server with its bound port (port 0 picks a free one). A
     Generate request may name the model `model_name` or one of `aliases` (Triton knows only
     `model_name`: its model repository has one entry). With
     `api_key`, Generation and Triton calls need metadata `authorization: Bearer <api_key>` (health and
     reflection stay open). With `tls`, every service is served over TLS only (mutual TLS when
-    it has a client CA)."""
+    it has a client CA). `reuse_port`: share the port with other routers' servers (SO_REUSEPORT,
+    which grpc would otherwise set by default: off, a port in use is an error)."""
     # The key is checked first: a caller without it learns nothing, not even whether its bytes parse.
     interceptors = [*([ApiKeyInterceptor(api_key)] if api_key else []), MalformedRequestInterceptor()]
     server = grpc.aio.server(interceptors=interceptors,
                              options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                                      ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
+                                      ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                                      ("grpc.so_reuseport", int(reuse_port))])
     pb_grpc.add_GenerationServicer_to_server(
         GenerationServicer(orchestrator, tokenizers, model_name, request_timeout_s, aliases), server)
     triton_pb_grpc.add_GRPCInferenceServiceServicer_to_server(

@@ -538,3 +538,73 @@ def test_head_script_needs_kuberays_generated_command(tmp_path):
     status, output = _finish(process, tmp_path)
     assert (status, _log(log)) == (2, [])
     assert "KUBERAY_GEN_RAY_START_CMD is not set" in output
+
+
+# ---- several routers: the router group (deploy/README.md, "Several routers") ---------------------
+
+
+def with_router_group(docs: dict, routers: int = 2, pods: int = 2) -> None:
+    """The shipped manifests turned into the README's several-router deployment: router.replicas
+    router actors, one per pod of a CPU worker group `router` that carries the head's API ports
+    and probes; the Service and PodMonitor select those pods; the head only runs Ray and the launcher."""
+    _config(docs, "router:\n  host: 0.0.0.0", f"router:\n  replicas: {routers}\n  resources: "
+            "{num_cpus: 4, node_labels: ray.io/node-group=router}\n  host: 0.0.0.0")
+    head_template = docs["RayCluster"]["spec"]["headGroupSpec"]["template"]
+    head = head_template["spec"]["containers"][0]
+    api_ports = [port for port in head["ports"] if port["name"] in ("grpc", "http", "router-metrics")]
+    head["ports"] = [port for port in head["ports"] if port not in api_ports]
+    probes = {kind: head.pop(kind) for kind in ("startupProbe", "readinessProbe", "livenessProbe")}
+    head_template["metadata"]["labels"]["splitserve.io/component"] = "launcher"
+    group = copy.deepcopy(docs["RayCluster"]["spec"]["workerGroupSpecs"][0])
+    group.update(groupName="router", replicas=pods, minReplicas=0, maxReplicas=16)
+    template = group["template"]
+    template["metadata"]["labels"]["splitserve.io/component"] = "router"
+    for key in ("nodeSelector", "tolerations"):
+        template["spec"].pop(key)
+    container = template["spec"]["containers"][0]
+    container.update(ports=api_ports, resources={"requests": {"cpu": "4", "memory": "16Gi"},
+                                                 "limits": {"cpu": "4", "memory": "16Gi"}}, **probes)
+    docs["RayCluster"]["spec"]["workerGroupSpecs"].append(group)
+    selector = {"ray.io/cluster": "splitserve", "splitserve.io/component": "router"}
+    docs["Service"]["spec"]["selector"] = dict(selector)
+    docs["PodMonitor"]["spec"]["selector"]["matchLabels"] = dict(selector)
+
+
+def _variant(manifests: list, change: Callable[[dict], None]) -> list:
+    variant = [kv.Manifest(m.path, copy.deepcopy(m.doc)) for m in manifests]
+    change(_docs(variant))
+    return variant
+
+
+def test_several_routers_on_a_router_group_behind_one_service_validate(manifests):
+    variant = _variant(manifests, with_router_group)
+    assert kv.validate(variant) == []
+    config = parse_cluster_config(_docs(variant)["ConfigMap"]["data"]["cluster.yaml"])
+    assert (config.router.replicas, config.router.resources.label_selector) == (2, {"ray.io/node-group": "router"})
+
+
+ROUTER_GROUP_BROKEN: dict[str, tuple[Callable[[dict], None], list[str]]] = {
+    "fewer router pods than routers": (
+        lambda d: with_router_group(d, routers=3),
+        [f"{RC}: cluster config: router: 3 routers need 3 pods of worker group router, it has 2"]),
+    "two routers on one pod": (
+        lambda d: (with_router_group(d), _config(d, "{num_cpus: 4,", "{num_cpus: 2,")),
+        [f"{RC}: cluster config: router: resources (2 CPU, 0 GPU) must fit exactly one router per router pod "
+         "(4 CPU, 0 GPU): routers on one pod would share its ports"]),
+    "no router group": (
+        lambda d: (with_router_group(d), d["RayCluster"]["spec"]["workerGroupSpecs"].pop()),
+        [f"{RC}: cluster config: router.replicas 2 needs a worker group named router (one router per pod)"]),
+    "Service still on the head": (
+        lambda d: (with_router_group(d), d["Service"]["spec"].update(
+            selector={"ray.io/cluster": "splitserve", "ray.io/node-type": "head"})),
+        ["service.yaml: Service/splitserve: spec.selector: {'ray.io/cluster': 'splitserve', 'ray.io/node-type': "
+         "'head'} does not select the router group pod (labels {'app.kubernetes.io/name': 'splitserve', "
+         "'splitserve.io/component': 'router', 'ray.io/cluster': 'splitserve', 'ray.io/is-ray-node': 'yes', "
+         "'ray.io/node-type': 'worker', 'ray.io/group': 'router'})"]),
+}
+
+
+@pytest.mark.parametrize("case", ROUTER_GROUP_BROKEN)
+def test_validator_rejects_a_broken_router_group(manifests, case):
+    mutate, expected = ROUTER_GROUP_BROKEN[case]
+    assert kv.validate(_variant(manifests, mutate)) == expected
