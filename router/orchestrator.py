@@ -194,6 +194,9 @@ class Orchestrator:
         hashes = (await asyncio.to_thread(self._hasher.hash_prefix, context) if len(context) > HASH_IN_THREAD_TOKENS
                   else self._hasher.hash_prefix(context))
         cached = {worker_id: blocks * block_size for worker_id, blocks in self.index.matched_blocks(hashes).items()}
+        full_prompt = len(inp.prompt_token_ids) // block_size * block_size
+        for worker_id in inp.kv_cached_on:  # a sibling's prefill there, not reported yet
+            cached[worker_id] = max(cached.get(worker_id, 0), full_prompt)
         max_tokens = min(inp.sampling_params.max_tokens - len(run.output_token_ids), self.max_model_len - len(context))
         # A resumed request has had its first token: its TTFT target no longer applies.
         request = RoutingRequest(len(context), -(-(len(context) + max_tokens) // block_size),
@@ -424,7 +427,11 @@ class Orchestrator:
         run.decision = decision
         phases = (self._remote_prefill(run, run.stream, decision) if decision.prefill_worker_id is not None
                   else self._local_prefill(run, run.stream, decision))
+        first = not run.resumed
         async for chunk in phases:
+            if first:
+                first = False
+                chunk = dataclasses.replace(chunk, kv_holder=decision.prefill_worker_id or decision.decode_worker_id)
             yield chunk
 
     def _migrate(self, run: RequestRun, lost: WorkerLostError) -> None:

@@ -10,8 +10,8 @@ kustomization.yaml). Prints one line per problem (file, object, field, reason); 
    operator's own CRDs). Those schemas accept unknown fields (the API server silently prunes
    them), so each pod template inside is also validated strictly as a core PodTemplate, and the
    object's metadata as ObjectMeta.
-3. monitoring.coreos.com PodMonitors get a structural check of the fields the Prometheus Operator
-   reads (its CRD is not available offline).
+3. monitoring.coreos.com PodMonitors and PrometheusRules get a structural check of the fields the
+   Prometheus Operator reads (its CRDs are not available offline).
 4. Once every object passes 1-3, the deployment as a whole: the cluster config embedded in the
    ConfigMap parses with `parse_cluster_config` and agrees with the RayCluster (ports, probes,
    volumes, GPUs and CPUs per pool, one image), and the Service and PodMonitor select the pods that
@@ -100,12 +100,18 @@ def kustomization_resources() -> list[Path]:
     return [KUBERAY_DIR / name for name in data["resources"]]
 
 
+LOCAL_CONFIG = "config.kubernetes.io/local-config"
+"""kustomize's annotation for an object it reads (values.yaml) but never outputs."""
+
+
 def load_manifests(paths: Iterable[Path] | None = None) -> list[Manifest]:
-    """Every non-empty YAML document of the files (default: kustomization.yaml's resources)."""
+    """Every non-empty YAML document of the files (default: kustomization.yaml's resources) that
+    kustomize sends to the cluster (objects local to kustomize are skipped)."""
     manifests = []
     for path in kustomization_resources() if paths is None else paths:
         for doc in yaml.safe_load_all(Path(path).read_text(encoding="utf-8")):
-            if doc is not None:
+            annotations = (doc or {}).get("metadata", {}).get("annotations") or {}
+            if doc is not None and str(annotations.get(LOCAL_CONFIG, "")).lower() != "true":
                 manifests.append(Manifest(Path(path), doc))
     return manifests
 
@@ -177,11 +183,54 @@ def schema_errors(manifest: Manifest) -> list[str]:
         f"metadata.name: must be a lowercase DNS subdomain, got {name!r}"]
     if manifest.group == "ray.io":
         errors += crd_errors(manifest)
+    elif manifest.group == "monitoring.coreos.com" and manifest.kind == "PrometheusRule":
+        errors += prometheus_rule_errors(manifest.doc)
     elif manifest.group == "monitoring.coreos.com":
         errors += pod_monitor_errors(manifest.doc)
     else:
         errors += kubernetes_errors(manifest.doc)
     return [manifest.where(error) for error in errors]
+
+
+# ---- PrometheusRule --------------------------------------------------------------------------
+
+_RULE_KEYS = frozenset({"record", "alert", "expr", "for", "keep_firing_for", "labels", "annotations"})
+"""Rule fields of the Prometheus Operator's monitoring.coreos.com/v1 PrometheusRule."""
+
+
+def prometheus_rule_errors(doc: Mapping[str, Any]) -> list[str]:
+    """The PrometheusRule fields the Prometheus Operator needs, checked by structure."""
+    if doc.get("apiVersion") != "monitoring.coreos.com/v1":
+        return [f"apiVersion: must be monitoring.coreos.com/v1, got {doc.get('apiVersion')!r}"]
+    groups = (doc.get("spec") or {}).get("groups")
+    if not isinstance(groups, list) or not groups:
+        return ["spec.groups: required non-empty list"]
+    errors = []
+    for index, group in enumerate(groups):
+        where = f"spec.groups[{index}]"
+        if not isinstance(group, Mapping) or not isinstance(group.get("name"), str):
+            errors.append(f"{where}.name: required string")
+            continue
+        rules = group.get("rules")
+        if not isinstance(rules, list) or not rules:
+            errors.append(f"{where}.rules: required non-empty list")
+            continue
+        for rule_index, rule in enumerate(rules):
+            errors += [f"{where}.rules[{rule_index}].{e}" for e in _rule_errors(rule)]
+    return errors
+
+
+def _rule_errors(rule: Any) -> list[str]:
+    if not isinstance(rule, Mapping):
+        return ["(rule): must be a mapping"]
+    errors = [f"{key}: unknown field" for key in rule if key not in _RULE_KEYS]
+    if ("record" in rule) == ("alert" in rule):
+        errors.append("(rule): needs exactly one of record and alert")
+    if not isinstance(rule.get("expr"), str) or not rule["expr"].strip():
+        errors.append("expr: required PromQL string")
+    if "for" in rule and not (isinstance(rule["for"], str) and _DURATION.match(rule["for"])):
+        errors.append(f"for: must be a Prometheus duration like 5m, got {rule['for']!r}")
+    return errors
 
 
 # ---- PodMonitor ------------------------------------------------------------------------------
@@ -328,6 +377,7 @@ def deployment_errors(manifests: list[Manifest]) -> list[str]:
     cluster = clusters[0]
     head, workers = ray_pods(cluster)
     errors = _head_errors(cluster, head) + _image_errors(cluster, head, workers)
+    errors += [cluster.where(e) for e in _shm_errors([head, *(pod for pod, _ in workers.values())])]
     config, config_errors = _cluster_config(cluster, head, manifests)
     errors += config_errors
     serving = serving_pod(head, workers, config)
@@ -342,6 +392,19 @@ def deployment_errors(manifests: list[Manifest]) -> list[str]:
             errors += _service_errors(manifest, serving, others)
         elif manifest.kind == "PodMonitor":
             errors += _pod_monitor_target_errors(manifest, serving, others, config)
+    return errors
+
+
+def _shm_errors(pods: Iterable[RayPod]) -> list[str]:
+    """Every Ray container needs a memory-backed /dev/shm: Kubernetes gives 64 MB, too little for
+    Ray's object store, torch and UCX's shared-memory transport."""
+    errors = []
+    for pod in pods:
+        found = pod.mount_for("/dev/shm")
+        empty_dir = (found[1].get("emptyDir") or {}) if found and found[0] == "/dev/shm" else {}
+        if empty_dir.get("medium") != "Memory":
+            errors.append(f"{pod.field}: the Ray container needs /dev/shm on an emptyDir volume with medium: Memory "
+                          f"(Kubernetes' default is 64 MB), got {found}")
     return errors
 
 
