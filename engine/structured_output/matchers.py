@@ -53,7 +53,7 @@ class GrammarCache:
         if compiled is None:
             compiled = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
             if compiled.is_error():
-                raise InvalidRequestError(constraint.kind.value, compiled.get_error())
+                raise InvalidRequestError(constraint.kind.value, " ".join(compiled.get_error().split()))  # one line
             self._compiled[grammar] = compiled
             while len(self._compiled) > self._capacity:
                 self._compiled.popitem(last=False)
