@@ -282,12 +282,13 @@ class EngineCore:
         self._num_steps += 1
         num_prefill_tokens = self._num_prefill_tokens(output)
         started = time.perf_counter()
+        # structured-output rows' masks are filled while the model runs (matchers are not touched until .result())
+        masks = self.grammars.start_bitmask([c.request_id for c in output.chunks if c.samples])
         logits = self.runner.execute(output)
         deltas, self._pending = self._pending, []
         self.scheduler.advance(output)
         sampling = [self.scheduler.requests[c.request_id] for c in output.chunks if c.samples]
-        result = self.sampler(logits, [self._sampling_row(r) for r in sampling],
-                              self.grammars.bitmask([r.request_id for r in sampling]))
+        result = self.sampler(logits, [self._sampling_row(r) for r in sampling], masks.result())
         self._step_costs.record(num_prefill_tokens, output.num_batched_tokens, time.perf_counter() - started)
         for request, token_id, logprobs in zip(sampling, result.token_ids, result.logprobs):
             deltas.append(self._append_token(request, token_id, logprobs))

@@ -163,13 +163,13 @@ def test_compiled_grammars_are_cached_and_matchers_roll_back(llm):
     matchers.add("a", constraint, ())
     matchers.add("b", constraint, ())
     assert matchers.num_cached_grammars == cached
-    start = matchers.bitmask(["x", "a"])
+    start = matchers.start_bitmask(["x", "a"]).result()
     assert start.rows == (1,)
     token_a = llm.tokenizer.convert_tokens_to_ids("a")
     assert matchers.accept("a", token_a) == GrammarState.OPEN
-    assert not torch.equal(matchers.bitmask(["a"]).words, start.words)
+    assert not torch.equal(matchers.start_bitmask(["a"]).result().words, start.words)
     matchers.rollback("a", 1)
-    assert torch.equal(matchers.bitmask(["a"]).words, start.words)
+    assert torch.equal(matchers.start_bitmask(["a"]).result().words, start.words)
     assert matchers.accept("b", llm.tokenizer.convert_tokens_to_ids("b")) == GrammarState.REJECTED
     matchers.remove("a")
     matchers.remove("b")

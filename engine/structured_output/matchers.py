@@ -14,6 +14,7 @@ import enum
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import llguidance
 import torch
@@ -75,6 +76,7 @@ class GrammarMatchers:
         self._eos_token_ids = sorted(eos_token_ids)
         self._cache: GrammarCache | None = None
         self._executor: llguidance.LLExecutor | None = None
+        self._filler: ThreadPoolExecutor | None = None
         self._matchers: dict[str, llguidance.LLMatcher] = {}
 
     def _grammars(self) -> GrammarCache:
@@ -83,6 +85,7 @@ class GrammarMatchers:
                                                eos_token=self._eos_token_ids or None)
             self._cache = GrammarCache(tokenizer)
             self._executor = llguidance.LLExecutor()
+            self._filler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-masks")
         return self._cache
 
     @property
@@ -108,14 +111,21 @@ class GrammarMatchers:
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._matchers
 
-    def bitmask(self, request_ids: Sequence[str]) -> TokenBitmask | None:
+    def start_bitmask(self, request_ids: Sequence[str]) -> Future[TokenBitmask | None]:
         """The allowed tokens of the constrained ones among a batch's rows (request_ids[i] samples
-        logits row i), filled for all of them in one parallel call; None if no row is constrained."""
+        logits row i), filled for all of them in one parallel call on a thread of its own, so that
+        it runs while the model computes the logits (llguidance releases the GIL); None if no row
+        is constrained. No matcher may change until the future is done."""
         rows = tuple(i for i, request_id in enumerate(request_ids) if request_id in self._matchers)
         if not rows:
-            return None
-        words = torch.empty(len(rows), num_words(self._vocab_size), dtype=torch.int32)  # [m, W], filled below
+            done: Future[TokenBitmask | None] = Future()
+            done.set_result(None)
+            return done
         matchers = [(self._matchers[request_ids[row]], index) for index, row in enumerate(rows)]
+        return self._filler.submit(self._fill, rows, matchers)
+
+    def _fill(self, rows: tuple[int, ...], matchers: list[tuple[llguidance.LLMatcher, int]]) -> TokenBitmask:
+        words = torch.empty(len(rows), num_words(self._vocab_size), dtype=torch.int32)  # [m, W], filled below
         self._executor.unsafe_compute_mask_ptr(matchers, words.data_ptr(), words.shape[1] * words.element_size(),
                                                len(rows))
         return TokenBitmask(rows, words)
