@@ -187,9 +187,9 @@ def unsupported_keywords(schema: Any, path: str = "", depth: int = 0) -> Iterato
 def _bad_values(schema: dict, path: str) -> Iterator[tuple[str, str]]:
     types = schema.get("type", [])
     for name in [types] if isinstance(types, str) else types if isinstance(types, list) else [types]:
-        if name not in JSON_TYPES:
+        if not (isinstance(name, str) and name in JSON_TYPES):
             yield f"{path}/type", f"type {name!r}"
-    if "format" in schema and schema["format"] not in FORMATS:
+    if "format" in schema and not (isinstance(schema["format"], str) and schema["format"] in FORMATS):
         yield f"{path}/format", f"format {schema['format']!r}"
     if "$ref" in schema and not (isinstance(schema["$ref"], str) and schema["$ref"].startswith("#")):
         yield f"{path}/$ref", f"$ref {schema['$ref']!r} (only references inside the schema, '#...')"

@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import llguidance
-from llguidance.gbnf_to_lark import GbnfToLarkError, any_to_lark
+from llguidance.gbnf_to_lark import any_to_lark
 
 from splitserve.common.errors import InvalidRequestError
 from splitserve.common.structured_output import StructuredOutput, StructuredOutputKind
@@ -152,7 +152,7 @@ def _grammar(value: Any) -> StructuredOutput:
         raise InvalidRequestError("grammar", f"must be a string, got {_excerpt(value)}")
     try:
         return StructuredOutput(StructuredOutputKind.GRAMMAR, any_to_lark(value))
-    except GbnfToLarkError as error:
+    except Exception as error:  # GbnfToLarkError, and a bare Exception for some inputs (no root rule)
         raise InvalidRequestError("grammar", f"is not a valid GBNF grammar: {error}") from None
 
 
