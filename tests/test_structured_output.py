@@ -21,6 +21,7 @@ from splitserve.common.structured_output import StructuredOutput, StructuredOutp
 from splitserve.engine import LLM
 from splitserve.engine.structured_output import GrammarState, TokenBitmask
 from splitserve.engine.tiny_model import resolve_model_path
+from splitserve.router.structured_output import parse_structured_output
 
 PROMPT = "def main():\n"
 REGEX = r"[a-z]{3,8}@example\.com"
@@ -53,6 +54,9 @@ def generate(llm: LLM, constraints: list[StructuredOutput], temperature: float =
      "json_schema: unsupported keyword \"$ref 'http://example.com/s.json' (only references inside the schema, "
      "'#...')\" at /$ref"),
     ({"type": "object", "x-guidance": {"lenient": True}}, "json_schema: unsupported keyword 'x-guidance' at /"),
+    ({"type": {"a": 1}}, "json_schema: unsupported keyword \"type {'a': 1}\" at /type"),
+    ({"properties": {"a": [1]}}, "json_schema: unsupported keyword 'schema of type list (must be an object or a "
+                                 "boolean)' at /properties/a"),
 ])
 def test_a_schema_outside_the_subset_is_refused_naming_the_construct(schema, message):
     with pytest.raises(InvalidRequestError) as caught:
@@ -94,6 +98,56 @@ def test_json_grammar_is_compact():
 def test_sampling_params_refuse_a_loose_constraint():
     with pytest.raises(InvalidRequestError, match="structured_output: must be a StructuredOutput, got dict"):
         SamplingParams(structured_output={"type": "object"})
+
+
+# ---- the router's parsing -------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("body", "expected"), [
+    ({"response_format": {"type": "text"}}, None),
+    ({"response_format": {"type": "json_object"}}, StructuredOutput(StructuredOutputKind.JSON_OBJECT)),
+    ({"guided_json": '{"type": "integer"}'}, StructuredOutput.json_schema({"type": "integer"})),
+    ({"structured_outputs": {"choice": ["a", "b"], "disable_any_whitespace": True}},
+     StructuredOutput(StructuredOutputKind.CHOICE, '["a","b"]')),
+    ({"guided_grammar": 'root ::= "a" | "b"'},
+     StructuredOutput(StructuredOutputKind.GRAMMAR, '%llguidance {}\n\nstart: "a"\n     | "b"\n\n')),
+])
+def test_router_parses_each_field(body, expected):
+    assert parse_structured_output(body) == expected
+
+
+@pytest.mark.parametrize(("body", "message"), [
+    ({"guided_grammar": " "}, "guided_grammar: grammar: is not a valid GBNF grammar: No 'root' rule found"),
+    ({"guided_json": {"type": "integer", "minimum": 3, "maximum": 1}},
+     "guided_json: json_schema: Unsatisfiable schema: minimum (3) is greater than maximum (1)"),
+    ({"structured_outputs": {"regex": "a", "choice": ["a"]}},
+     "structured_outputs: must set exactly one of json, regex, choice, grammar, json_object, got ['regex', 'choice']"),
+    ({"structured_outputs": {"jsn": {}}}, "structured_outputs: unknown key 'jsn'"),
+    ({"response_format": {"type": "xml"}},
+     'response_format: must be {"type": "text" | "json_object" | "json_schema", ...}, got {"type": "xml"}'),
+])
+def test_router_refuses_naming_the_field(body, message):
+    with pytest.raises(InvalidRequestError) as caught:
+        parse_structured_output(body)
+    assert (caught.value.field, str(caught.value)) == (next(iter(body)), message)
+
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-5, 5) | st.floats(allow_nan=False) | st.sampled_from(
+        ["object", "string", "integer", "#/$defs/a", "a(", "email", "root ::= x", ""]),
+    lambda children: st.lists(children, max_size=3) | st.dictionaries(st.sampled_from(
+        ["type", "properties", "items", "required", "enum", "format", "$ref", "anyOf", "additionalProperties",
+         "minimum", "maxLength", "pattern", "$defs", "json", "regex", "choice", "grammar", "x"]), children, max_size=4),
+    max_leaves=12)
+
+
+@settings(max_examples=500, derandomize=True, deadline=None, database=None)
+@given(field=st.sampled_from(["guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
+                              "response_format"]), value=_JSON)
+def test_router_parsing_only_ever_refuses_with_a_named_field(field, value):
+    try:
+        parse_structured_output({field: value})
+    except InvalidRequestError as error:
+        assert error.field == field
 
 
 # ---- the bitmask -------------------------------------------------------------------------------
