@@ -160,6 +160,8 @@ def test_bitmask_sets_disallowed_tokens_of_its_rows_to_minus_inf():
     assert torch.isfinite(masked).nonzero().tolist() == (
         [[0, 0], [0, 5], [0, 33]] + [[1, t] for t in range(40)] + [[2, 31], [2, 39]])
     assert masked[2, 39].item() == logits[2, 39].item() and torch.isfinite(logits).all()
+    every_row = TokenBitmask((0, 1), words).applied_to(logits[:2])  # the one-pass path: no row unconstrained
+    assert torch.isfinite(every_row).nonzero().tolist() == [[0, 0], [0, 5], [0, 33], [1, 31], [1, 39]]
 
 
 # ---- the engine ----------------------------------------------------------------------------------

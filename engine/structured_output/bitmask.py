@@ -29,8 +29,10 @@ class TokenBitmask:
         vocab_size = logits.shape[1]
         shifts = torch.arange(BITS, dtype=torch.int32, device=logits.device)  # [32]
         words = self.words.to(logits.device)  # [m, W]
-        allowed = ((words.unsqueeze(-1) >> shifts) & 1).view(len(self.rows), -1)[:, :vocab_size]  # [m, vocab]
+        disallowed = ((words.unsqueeze(-1) >> shifts) & 1).view(len(self.rows), -1)[:, :vocab_size] == 0  # [m, vocab]
+        if len(self.rows) == logits.shape[0]:  # every row constrained (rows ascending): one pass, no gather
+            return logits.masked_fill(disallowed, float("-inf"))
         masked = logits.clone()
         rows = list(self.rows)
-        masked[rows] = logits[rows].masked_fill(allowed == 0, float("-inf"))
+        masked[rows] = logits[rows].masked_fill(disallowed, float("-inf"))
         return masked

@@ -49,6 +49,10 @@ class GrammarCache:
     def matcher(self, constraint: StructuredOutput) -> llguidance.LLMatcher:
         """A fresh matcher (at the grammar's start) for the constraint; InvalidRequestError naming
         the constraint's kind if its grammar does not compile."""
+        return self.compiled(constraint).deep_copy()
+
+    def compiled(self, constraint: StructuredOutput) -> llguidance.LLMatcher:
+        """The constraint's compiled matcher (never advanced: copy it), compiled on a miss."""
         grammar = constraint.grammar()
         compiled = self._compiled.get(grammar)
         if compiled is None:
@@ -59,7 +63,7 @@ class GrammarCache:
             while len(self._compiled) > self._capacity:
                 self._compiled.popitem(last=False)
         self._compiled.move_to_end(grammar)
-        return compiled.deep_copy()
+        return compiled
 
     def __len__(self) -> int:
         return len(self._compiled)
@@ -94,7 +98,7 @@ class GrammarMatchers:
 
     def check(self, constraint: StructuredOutput) -> None:
         """Compile the constraint's grammar (kept in the cache): InvalidRequestError if it cannot be."""
-        self._grammars().matcher(constraint)
+        self._grammars().compiled(constraint)
 
     def add(self, request_id: str, constraint: StructuredOutput, output_token_ids: Sequence[int]) -> None:
         """Start the request's matcher, advanced over the output it already has (InvalidRequestError
