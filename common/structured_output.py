@@ -146,8 +146,8 @@ def _check_choice(spec: str) -> None:
 
 def _check_schema(spec: str) -> None:
     schema = _parse(spec, "json_schema")
-    for path, keyword in unsupported_keywords(schema):
-        raise InvalidRequestError("json_schema", f"unsupported keyword {keyword!r} at {path or '/'}")
+    for path, construct in unsupported_constructs(schema):
+        raise InvalidRequestError("json_schema", f"unsupported {construct} at {path or '/'}")
 
 
 def _parse(spec: str, kind: str) -> Any:
@@ -166,22 +166,22 @@ _CHECKS = {
 }
 
 
-def unsupported_keywords(schema: Any, path: str = "", depth: int = 0) -> Iterator[tuple[str, str]]:
-    """(JSON pointer, keyword) of each construct outside the supported subset, depth first; a
-    malformed construct (a type that is not a JSON type, a subschema that is not an object) too."""
+def unsupported_constructs(schema: Any, path: str = "", depth: int = 0) -> Iterator[tuple[str, str]]:
+    """(JSON pointer, what) of each construct outside the supported subset, depth first: a keyword,
+    a type or format it does not know, a $ref outside the schema, a subschema that is not one."""
     if isinstance(schema, bool):
         return
     if not isinstance(schema, dict):
-        yield path, f"schema of type {type(schema).__name__} (must be an object or a boolean)"
+        yield path, f"subschema of type {type(schema).__name__} (must be an object or a boolean)"
         return
     if depth > MAX_SCHEMA_DEPTH:
         yield path, f"nesting deeper than {MAX_SCHEMA_DEPTH}"
         return
     for keyword in sorted(set(schema) - SUPPORTED_KEYWORDS):
-        yield path, keyword
+        yield path, f"keyword {keyword!r}"
     yield from _bad_values(schema, path)
     for child_path, child in _subschemas(schema, path):
-        yield from unsupported_keywords(child, child_path, depth + 1)
+        yield from unsupported_constructs(child, child_path, depth + 1)
 
 
 def _bad_values(schema: dict, path: str) -> Iterator[tuple[str, str]]:
