@@ -5,6 +5,7 @@ through the engine with the default model, every output parsed and validated wit
 from __future__ import annotations
 
 import json
+import pickle
 import re
 
 import jsonschema
@@ -195,6 +196,21 @@ def test_a_request_continues_from_tokens_generated_elsewhere(llm):
         tokens += [t for delta in engine.step() for t in delta.new_token_ids]
     assert tokens == whole.token_ids and json.loads(whole.text) == {"n": json.loads(whole.text)["n"]}
     assert "continued" not in engine.grammars
+
+
+def test_a_grammar_complete_after_the_first_token_ends_on_the_prefill_worker(llm):
+    """Producer role: the first token completes the choice, so the request stops there and no KV is held."""
+    engine = llm.engine
+    params = SamplingParams(temperature=0, structured_output=StructuredOutput.choice(["a", "b"]))
+    engine.add_request("producer", [5, 6, 7], params, hold_kv_after_prefill=True)
+    deltas = engine.step()
+    assert [(d.request_id, d.finish_reason) for d in deltas] == [("producer", "stop")]
+    assert engine.take_held_kv("producer") is None and "producer" not in engine.grammars
+
+
+def test_constrained_params_cross_processes_by_pickle():
+    params = SamplingParams(max_tokens=9, structured_output=StructuredOutput.json_schema({"type": "integer"}))
+    assert pickle.loads(pickle.dumps(params)) == params
 
 
 def test_tokens_the_grammar_refuses_are_an_invalid_request(llm):
