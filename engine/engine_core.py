@@ -32,6 +32,7 @@ from splitserve.engine.request import Request, RequestStatus
 from splitserve.engine.sampler import Sampler, SamplingRow
 from splitserve.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
 from splitserve.engine.step_costs import StepCosts
+from splitserve.engine.structured_output import GrammarMatchers, GrammarState
 
 @dataclass(frozen=True)
 class HeldKV:
@@ -103,6 +104,8 @@ class EngineCore:
                                   build_decode_graphs(config, self.model, self.kv_cache, attention, self.max_model_len))
         self.sampler = Sampler()
         self.tokenizer = tokenizer
+        self.grammars = GrammarMatchers(lambda: _tokenizer_json(model_dir, tokenizer), self.vocab_size,
+                                        self.eos_token_ids)
         self._shared_generator = torch.Generator(self.device).manual_seed(config.seed)
         self._generators: dict[str, torch.Generator] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
@@ -146,6 +149,8 @@ class EngineCore:
             raise InvalidRequestError("prompt_token_ids", f"out of vocabulary [0, {self.vocab_size}): {bad[:5]}")
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop", "stop strings need an engine with a tokenizer")
+        if params.structured_output is not None:
+            self.grammars.check(params.structured_output)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     hold_kv_after_prefill: bool = False, output_token_ids: Sequence[int] = ()) -> None:
@@ -234,6 +239,8 @@ class EngineCore:
         request = Request(request_id, prompt_token_ids, params, self.eos_token_ids, self._arrivals,
                           all_token_ids=prompt_token_ids + output_token_ids)
         self._arrivals += 1
+        if params.structured_output is not None:
+            self.grammars.add(request_id, params.structured_output, output_token_ids)
         if params.seed is not None:
             self._generators[request_id] = torch.Generator(self.device).manual_seed(params.seed)
         if self.tokenizer is not None:
@@ -245,6 +252,7 @@ class EngineCore:
 
     def _forget(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
+        self.grammars.remove(request_id)
         self._detokenizers.pop(request_id, None)
 
     def abort_request(self, request_id: str) -> bool:
@@ -274,11 +282,13 @@ class EngineCore:
         self._num_steps += 1
         num_prefill_tokens = self._num_prefill_tokens(output)
         started = time.perf_counter()
+        # structured-output rows' masks are filled while the model runs (matchers are not touched until .result())
+        masks = self.grammars.start_bitmask([c.request_id for c in output.chunks if c.samples])
         logits = self.runner.execute(output)
         deltas, self._pending = self._pending, []
         self.scheduler.advance(output)
         sampling = [self.scheduler.requests[c.request_id] for c in output.chunks if c.samples]
-        result = self.sampler(logits, [self._sampling_row(r) for r in sampling])
+        result = self.sampler(logits, [self._sampling_row(r) for r in sampling], masks.result())
         self._step_costs.record(num_prefill_tokens, output.num_batched_tokens, time.perf_counter() - started)
         for request, token_id, logprobs in zip(sampling, result.token_ids, result.logprobs):
             deltas.append(self._append_token(request, token_id, logprobs))
@@ -326,6 +336,9 @@ class EngineCore:
         may_stop = params.may_stop(request.num_output_tokens)
         detokenizer = self._detokenizers.get(request.request_id)
         stop_string = detokenizer.append(token_id, may_stop) if detokenizer is not None else None
+        grammar = self.grammars.accept(request.request_id, token_id)
+        if grammar == GrammarState.REJECTED:
+            return RequestStatus.FINISHED_ABORTED
         if may_stop and not params.ignore_eos and token_id in request.eos_token_ids:
             return RequestStatus.FINISHED_STOPPED
         if may_stop and token_id in params.stop_token_ids:
@@ -333,6 +346,8 @@ class EngineCore:
             return RequestStatus.FINISHED_STOPPED
         if stop_string is not None:
             request.stop_reason = stop_string
+            return RequestStatus.FINISHED_STOPPED
+        if grammar == GrammarState.COMPLETE:  # the grammar takes no more tokens (nor EOS, by then)
             return RequestStatus.FINISHED_STOPPED
         if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
@@ -429,6 +444,16 @@ class EngineCore:
             prefix_cache_queries=scheduler.prefix_cache_queries, prefix_cache_hits=scheduler.prefix_cache_hits,
             num_preemptions=scheduler.num_preemptions, num_steps=self._num_steps,
             num_prompt_tokens=self._num_prompt_tokens, num_generation_tokens=self._num_generation_tokens)
+
+
+def _tokenizer_json(model_dir: Path, tokenizer: Tokenizer | None) -> str:
+    """The tokenizer the grammar masks are computed for: the engine's own, else the model's tokenizer.json."""
+    if tokenizer is not None:
+        return tokenizer.to_str()
+    path = model_dir / "tokenizer.json"
+    if not path.is_file():
+        raise InvalidRequestError("structured_output", f"needs the model's tokenizer.json, not found in {model_dir}")
+    return path.read_text()
 
 
 def _queued_prefill_tokens(request: Request) -> int:

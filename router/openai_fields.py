@@ -26,6 +26,8 @@ COMMON_HANDLED = frozenset({
     # id that only steers routing (vLLM ignores both too); render-endpoint options that vLLM
     # itself ignores on the generation endpoints.
     "user", "session_id", "return_token_offsets", "return_mm_kwargs",
+    # structured output (router/structured_output.py)
+    "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
 })
 """Fields both endpoints implement."""
 COMPLETION_HANDLED = COMMON_HANDLED | {"prompt", "best_of", "echo"}
@@ -59,7 +61,7 @@ def _json_excerpt(value: Any, max_chars: int = 64) -> str:
     return text if len(text) <= max_chars else f"{text[:max_chars]}...(+{len(text) - max_chars} chars)"
 
 
-_STRUCTURED = "structured output (a grammar engine) is not implemented yet"
+_STRUCTURED = "structured output has one grammar engine (llguidance) and compact JSON"
 _NO_BEAM_SEARCH = "no beam search (parallel sampling: n, best_of)"
 _NOT_IMPLEMENTED = "not implemented"
 _NO_TOOLS = "no tool calling"
@@ -68,14 +70,10 @@ _OFF = (False,)
 _EMPTY = ([], {})
 
 
-def _structured(*names: str) -> tuple[Refused, ...]:
-    return tuple(Refused(name, (), _STRUCTURED) for name in names)
-
-
 COMMON_REFUSED = (
-    *_structured("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-                 "guided_decoding_backend", "guided_whitespace_pattern", "structural_tag"),
-    Refused("response_format", ({"type": "text"},), _STRUCTURED + "; only {\"type\": \"text\"} is accepted"),
+    Refused("guided_decoding_backend", ("auto", "guidance", "llguidance"), _STRUCTURED),
+    Refused("guided_whitespace_pattern", (), _STRUCTURED),
+    Refused("structural_tag", (), "structural tags are not implemented"),
     Refused("use_beam_search", _OFF, _NO_BEAM_SEARCH),
     Refused("length_penalty", (1.0, 1), "it only applies to beam search, which is not implemented"),
     Refused("logit_bias", _EMPTY, _NOT_IMPLEMENTED),

@@ -20,6 +20,7 @@ from splitserve.common.token_logprobs import TokenLogprobs
 from splitserve.router.api_types import StreamChunk, Usage
 from splitserve.router.openai_fields import CHAT_REFUSED, COMPLETION_REFUSED, refuse_unsupported
 from splitserve.router.request_limits import RequestLimits, utf8_length
+from splitserve.router.structured_output import parse_structured_output
 from splitserve.router.tokenizer import ChatTemplateOptions
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16
@@ -153,7 +154,8 @@ def _sampling(body: Mapping[str, Any], max_tokens: int, max_tokens_param: str | 
         value = _typed(body, name, bool, "a boolean")
         if value is not None:
             given[name] = value
-    params = SamplingParams(stop=_stop(body), max_tokens=max_tokens, logprobs=logprobs, **given)
+    params = SamplingParams(stop=_stop(body), max_tokens=max_tokens, logprobs=logprobs,
+                            structured_output=parse_structured_output(body), **given)
     limits.check_sampling(params, max_tokens_param)
     return params
 

@@ -32,6 +32,7 @@ from splitserve.router.auth import check_authorization
 from splitserve.router.malformed_requests import MalformedRequestInterceptor
 from splitserve.router.api_types import GenerationInput, RouterError, StreamChunk
 from splitserve.router.orchestrator import Orchestrator
+from splitserve.router.structured_output import structured_output_from_proto
 from splitserve.router.tokenizer_pool import TokenizerPool
 from splitserve.router.triton_server import SERVICE_NAME as TRITON_SERVICE_NAME
 from splitserve.router.triton_server import TritonServicer
@@ -49,7 +50,8 @@ _SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalt
 def sampling_params_from_proto(message: pb.SamplingParams) -> SamplingParams:
     """Unset optional fields keep SamplingParams' defaults; values are validated there."""
     given = {name: getattr(message, name) for name in _SAMPLING_FIELDS if message.HasField(name)}
-    return SamplingParams(stop=tuple(message.stop), stop_token_ids=tuple(message.stop_token_ids), **given)
+    return SamplingParams(stop=tuple(message.stop), stop_token_ids=tuple(message.stop_token_ids),
+                          structured_output=structured_output_from_proto(message.structured_output), **given)
 
 
 async def prompt_token_ids(request: pb.GenerateRequest, tokenizers: TokenizerPool) -> tuple[int, ...]:

@@ -75,17 +75,3 @@ def test_refused_fields_at_their_defaults_are_accepted(port, path):
     defaults = {rule.name: rule.accepted[0] for rule in REFUSED[path] if rule.accepted}
     status, reply = post(port, path, {**BASE[path], **defaults, "user": "u", "session_id": "s"})
     assert status == 200, reply
-
-
-@pytest.mark.parametrize(("body", "message"), [
-    ({"guided_json": {"type": "object"}}, "guided_json: is not supported by this server: structured output (a "
-                                          "grammar engine) is not implemented yet (got {\"type\": \"object\"})"),
-    ({"response_format": {"type": "json_object"}}, "response_format: is not supported by this server: structured "
-                                                   "output (a grammar engine) is not implemented yet; only {\"type\": "
-                                                   "\"text\"} is accepted (got {\"type\": \"json_object\"})"),
-    ({"guided_choice": ["a" * 100]}, "guided_choice: is not supported by this server: structured output (a grammar "
-                                     "engine) is not implemented yet (got [\"" + "a" * 62 + "...(+40 chars))"),
-])
-def test_structured_output_is_refused_by_name(port, body, message):
-    status, reply = post(port, "/v1/chat/completions", {**BASE["/v1/chat/completions"], **body})
-    assert (status, reply["error"]["message"]) == (400, message)
