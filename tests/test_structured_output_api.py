@@ -73,6 +73,26 @@ def test_completion_vllm_json_fields_validate(served, field):
         jsonschema.validate(json.loads(completion.choices[0].text), schema)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_every_one_of_n_sampled_choices_validates(served, stream):
+    """n = 3 sampled sequences (seeds 7, 8, 9), each constrained by the schema on its own."""
+    schema = SCHEMAS[0]
+    response = client(served).chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=200, n=3, temperature=0.8, seed=7, stream=stream,
+        response_format=response_format(schema))
+    texts, finish_reasons = {}, {}
+    for chunk in (response if stream else [response]):
+        for choice in chunk.choices:
+            content = choice.delta.content if stream else choice.message.content
+            texts[choice.index] = texts.get(choice.index, "") + (content or "")
+            if choice.finish_reason is not None:
+                finish_reasons[choice.index] = choice.finish_reason
+    assert sorted(texts) == [0, 1, 2]
+    assert finish_reasons == {0: "stop", 1: "stop", 2: "stop"}
+    for text in texts.values():
+        jsonschema.validate(json.loads(text), schema)
+
+
 def test_json_object_is_an_object(served):
     """Any object: the sampled ones that end (most of them, with this model) parse as objects."""
     choices = [client(served).completions.create(
