@@ -221,12 +221,15 @@ def run_burst(args: argparse.Namespace, model_dir: Path) -> tuple[list[dict], fl
     the client process, and stop everything it started."""
     from splitserve.testing.local_cluster import running_cluster, tiny_cluster_config
 
-    config = tiny_cluster_config(model_dir, **{"router.routing.max_in_flight_requests": args.limit})
+    config = tiny_cluster_config(model_dir, **{"router.routing.max_in_flight_requests": args.limit,
+                                               "router.replicas": args.routers, "router.resources.num_cpus": 0.25})
     with running_cluster(config) as (cluster, loop):
-        port = cluster.http.port
-        print(f"router on 127.0.0.1:{port} (max_in_flight_requests {args.limit}); sending {args.requests} "
-              "requests at once", flush=True)
+        port = cluster.router_ports.http
+        print(f"{args.routers} router(s) on 127.0.0.1:{port} (max_in_flight_requests {args.limit} each); sending "
+              f"{args.requests} requests at once", flush=True)
         records, wall_s = run_client(port, args)
+        if cluster.orchestrator is None:  # router actors: their loops' statistics stay in their processes
+            return records, wall_s, {}
         orchestrator = cluster.orchestrator
         lag = orchestrator.loop_lag.stats()
         rejections = dict(orchestrator.routing_stats().rejections)
@@ -268,7 +271,8 @@ def summarize(args: argparse.Namespace, records: list[dict], wall_s: float, serv
         "date": datetime.date.today().isoformat(),
         "machine": f"{platform.machine()}, {multiprocessing.cpu_count()} cores, Python {platform.python_version()}",
         "commit": _commit(),
-        "config": {"requests": args.requests, "max_in_flight_requests": args.limit, "max_tokens": args.max_tokens,
+        "config": {"requests": args.requests, "routers": args.routers, "max_in_flight_requests": args.limit,
+                   "max_tokens": args.max_tokens,
                    "api": "OpenAI HTTP /v1/completions, streamed, one connection per request"},
         "by_status": by_status,
         "sends_spread_ms": _ms((max(sent) - min(connects)) / 1e9) if sent else None,
@@ -323,7 +327,9 @@ def plot(records: list[dict], floor: list[dict], result: dict, path: Path) -> No
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=2500, help="requests in the burst")
-    parser.add_argument("--limit", type=int, default=16, help="router.routing.max_in_flight_requests")
+    parser.add_argument("--limit", type=int, default=16, help="router.routing.max_in_flight_requests (per router)")
+    parser.add_argument("--routers", type=int, default=1,
+                        help="router.replicas: routers sharing the port with SO_REUSEPORT (each a Ray actor when > 1)")
     parser.add_argument("--max-tokens", type=int, default=32, help="output tokens of each admitted request")
     parser.add_argument("--timeout-s", type=float, default=120.0, help="bound on each request")
     parser.add_argument("--out", type=Path, default=RESULTS / "admission_burst.json")

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
-ATTENTION_BACKENDS = ("auto", "torch", "cpu")
+ATTENTION_BACKENDS = ("auto", "torch", "cpu", "flashinfer")
 SPECULATIVE_METHODS = ("ngram", "draft")
 DEFAULT_BATCH_LIMITS = {"ngram": 16, "draft": 2}
 """Per method, the most decoding requests a step speculates for by default (bench/speculative.py
@@ -94,13 +94,19 @@ class EngineConfig:
     device: str = "auto"
     """cpu, cuda, or auto (cuda when available)."""
     attention_backend: str = "auto"
-    """Attention implementation: torch (the reference, any device), cpu (tuned for CPU), or auto (cpu on CPU)."""
+    """Attention implementation: torch (the reference, any device), cpu (tuned for CPU), flashinfer (CUDA,
+    float16/bfloat16, the `splitserve[gpu]` extra), or auto (cpu on CPU; on CUDA flashinfer when installed and the
+    dtype is 16-bit, else torch)."""
     hash_seed: int = 0
     """Seed of the chained block hash; must match across router and workers."""
     seed: int = 0
     """Seed of the shared RNG used by requests that bring no seed of their own."""
     num_threads: int | None = None
     """torch intra-op threads on CPU; None keeps torch's default."""
+    cuda_graphs: bool = False
+    """On CUDA with the flashinfer backend, capture decode steps as CUDA graphs, one per batch-size bucket up to
+    max_num_seqs (1, 2, 4, then multiples of 8), and replay them for decode-only steps; the pool gets one more
+    block, where the padding rows write. Anywhere else, True is refused when the engine starts."""
     cpu_kernels: bool = True
     """On CPU, run the C++ kernels (paged decode attention, fused RMSNorm / SiLU-and-mul / RoPE), built
     on first use; False, or a machine where they cannot build, runs the pure-torch reference ops."""

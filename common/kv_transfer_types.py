@@ -11,6 +11,8 @@ from dataclasses import dataclass, fields
 
 KV_POOL_LAYOUT = "layer[num_blocks, 2, block_size, num_kv_heads, head_dim]"
 """The only pool layout so far: one tensor per layer, keys then values inside each block."""
+MEMORY_KINDS = ("DRAM", "VRAM")
+"""Where a pool lives, in NIXL's names: host memory (a CPU pool) or GPU memory (a CUDA pool)."""
 TRANSFER_FAILURE_POLICIES = ("recompute", "fail")
 """What a decode worker does when a pull fails: recompute the prompt locally, or fail the request."""
 
@@ -41,6 +43,14 @@ class KVLayout:
     """Seed of the chained block hash (prefix-cache identities must agree)."""
     layout: str = KV_POOL_LAYOUT
     """How a block's bytes are arranged in the pool tensors."""
+    memory_kind: str = "DRAM"
+    """Where the pool lives (MEMORY_KINDS): peers must agree, so a decode pool on GPUs never pulls from a prefill
+    pool in host memory by accident (a READ across kinds would stage through host copies at a fraction of the
+    RDMA/NVLink bandwidth the deployment was sized for)."""
+
+    def __post_init__(self) -> None:
+        if self.memory_kind not in MEMORY_KINDS:
+            raise ValueError(f"memory_kind must be one of {MEMORY_KINDS}, got {self.memory_kind!r}")
 
     @property
     def bytes_per_block_per_layer(self) -> int:

@@ -38,6 +38,14 @@ TTFT_PHASES = ("router_queue", "prefill_queue", "prefill_compute", "transfer", "
 """Where a request's time to first token (and, for transfer and decode_queue, to its second
 token, since the first streams from the prefill worker) is spent; label `phase`."""
 
+ROUTING_REASONS = ("cache_hit", "load", "local_prefill", "round_robin")
+"""Every routing decision's reason (router/policy.py); label `reason` of routing_decisions."""
+REJECTION_REASONS = ("too_many_requests", "tokenizer_busy", "ttft_slo", "no_kv_capacity", "queue_full")
+"""Every reason admission control counts (router/admission.py, router/tokenizer_pool.py, router/policy.py)."""
+FAILURE_CODES = ("CANCELLED", "INVALID_ARGUMENT", "RESOURCE_EXHAUSTED", "UNAVAILABLE", "DEADLINE_EXCEEDED",
+                 "NOT_FOUND", "INTERNAL", "ABORTED")
+"""Every status code a request can fail with (label `code` of request_failure)."""
+
 
 @dataclass(frozen=True)
 class MetricDef:

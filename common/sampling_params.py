@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 from splitserve.common.errors import InvalidRequestError
+from splitserve.common.structured_output import StructuredOutput
 
 MAX_LOGPROBS = 20
 """Largest number of top alternatives a request may ask for per token."""
@@ -79,6 +80,9 @@ class SamplingParams:
     """Generate at least this many tokens (<= max_tokens) before EOS, a stop token or a stop
     string may end the request: until then EOS and stop_token_ids cannot be sampled and stop
     strings are not looked for (vLLM's min_tokens)."""
+    structured_output: StructuredOutput | None = None
+    """Constrain the output to a grammar (JSON schema, regex, choice, Lark): the engine masks every
+    token the grammar cannot take and ends the request when the grammar is complete."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else _as_tuple(self.stop, "stop"))
@@ -101,6 +105,8 @@ class SamplingParams:
                  f"must be an integer in [-2**63, 2**64), got {self.seed!r}")
         _require(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
                  "logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        _require(self.structured_output is None or isinstance(self.structured_output, StructuredOutput),
+                 "structured_output", f"must be a StructuredOutput, got {type(self.structured_output).__name__}")
 
     def _validate_stopping(self) -> None:
         _require(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens",

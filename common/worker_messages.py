@@ -16,6 +16,9 @@ class PrefillRequest:
     prompt_token_ids: tuple[int, ...]
     sampling_params: SamplingParams
     """Stop strings are the router's business: workers get params without them."""
+    router_id: str = ""
+    """The router that sent it: the worker ends the request when that router is gone
+    (`abort_router`). '': sent by no router (tests calling a worker directly)."""
 
 
 @dataclass(frozen=True)
@@ -106,6 +109,9 @@ class WorkerStats:
     """Prefill: requests whose KV waits for a pull."""
     num_transfers: int
     """Decode: requests waiting for blocks or pulling KV."""
+    routers: frozenset[str]
+    """The routers that have requests here (queued, running, holding KV or pulling it): a gone
+    router's are ended at once (`abort_router`)."""
 
     @property
     def is_idle(self) -> bool:

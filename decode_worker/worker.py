@@ -99,9 +99,15 @@ class DecodeWorker:
     async def abort(self, request_id: str) -> bool:
         return await self._loop.run(lambda engine: self._abort(engine, request_id))
 
+    async def abort_router(self, router_id: str) -> int:
+        """End every request of a router that is gone (Ray reports its actor dead; its output
+        stream's close usually says so first). Returns how many it ended."""
+        return await self._loop.run(lambda engine: self._abort_router(engine, router_id))
+
     async def stats(self) -> WorkerStats:
         return await self._loop.run(
-            lambda engine: WorkerStats(engine.stats(), 0, len(self._awaiting_blocks) + len(self._pulling)))
+            lambda engine: WorkerStats(engine.stats(), 0, len(self._awaiting_blocks) + len(self._pulling),
+                                       frozenset(self._routes.values())))
 
     async def report(self, epoch: str | None, after_seq: int, max_wait_s: float) -> WorkerReport:
         """Load and KV events after the router's cursor (epoch, after_seq), or a snapshot when the cursor
@@ -188,13 +194,11 @@ class DecodeWorker:
             return True
         return engine.abort_request(request_id)
 
-    def _abort_router(self, engine: EngineCore, router_id: str) -> None:
+    def _abort_router(self, engine: EngineCore, router_id: str) -> int:
         request_ids = [r for r, routed_to in self._routes.items() if routed_to == router_id]
         if request_ids:  # a router stopping cleanly has none left
-            logger.warning("router %s closed its output stream with %d requests in flight: aborting them",
-                           router_id, len(request_ids))
-        for request_id in request_ids:
-            self._abort(engine, request_id)
+            logger.warning("router %s is gone with %d requests in flight: aborting them", router_id, len(request_ids))
+        return sum(self._abort(engine, request_id) for request_id in request_ids)
 
     def _on_step_failure(self, engine: EngineCore) -> None:
         for request_id in [*engine.scheduler.requests, *(r.request_id for r in self._awaiting_blocks)]:

@@ -166,9 +166,20 @@ class RouterConfig:
     chat_template: str | None = None
     """A chat template replacing the model's own (vLLM's --chat-template): the path of a file
     holding it, or the template text itself. None: the model directory's template."""
+    replicas: int = 1
+    """Router processes sharing the workers, each with its own prefix index, admission slots and
+    event loop. 1: the router runs in the `splitserve serve` process. More: each is a Ray actor
+    (placed by `resources`) listening on the same gRPC and HTTP ports with SO_REUSEPORT, so the
+    kernel spreads connections over them; router i serves /metrics on metrics_port + i on a private
+    local Ray (on a Ray cluster each router has its own node, see `resources`, and metrics_port). A
+    router that dies loses only its own streams (docs/reliability.md)."""
+    resources: RayResources = RayResources()
+    """Ray resources of each router actor (only when replicas > 1); on KubeRay, node_labels
+    `ray.io/node-group=router` puts one router on each pod of the router group."""
 
     def __post_init__(self) -> None:
         _require(self.host != "", "host", "must not be empty")
+        _require(self.replicas >= 1, "replicas", f"must be >= 1, got {self.replicas}")
         _require(self.api_key_env is None or (self.api_key_env != "" and not any(
             c.isspace() or c in "=\0" for c in self.api_key_env)), "api_key_env",
             f"must name an environment variable (non-empty, no whitespace or '='), or be null; "
@@ -250,6 +261,8 @@ class ClusterConfig:
             self._check_disaggregated_pools()
         if self.planner.enabled:
             self._check_planner_bounds()
+        _require(self.router.replicas == 1 or not self.planner.enabled, "router.replicas",
+                 f"must be 1 with planner.enabled (the planner runs in the one router), got {self.router.replicas}")
 
     def _check_local_labels(self) -> None:
         """A private local Ray is one node: it can carry the labels of both pools only if they agree."""
@@ -257,6 +270,10 @@ class ClusterConfig:
         clash = sorted(key for key in prefill.keys() & decode.keys() if prefill[key] != decode[key])
         _require(not clash, "decode.resources.node_labels",
                  f"cannot differ from prefill's on {clash} when ray_address is null (a local Ray is one node)")
+        pools, router = {**prefill, **decode}, self.router.resources.label_selector
+        clash = sorted(key for key in pools.keys() & router.keys() if pools[key] != router[key])
+        _require(not clash, "router.resources.node_labels",
+                 f"cannot differ from the pools' on {clash} when ray_address is null (a local Ray is one node)")
 
     @property
     def served_model_names(self) -> tuple[str, ...]:
@@ -265,8 +282,9 @@ class ClusterConfig:
 
     @property
     def local_node_labels(self) -> dict[str, str]:
-        """The labels a private local Ray's one node carries: every pool's."""
-        return {**self.prefill.resources.label_selector, **self.decode.resources.label_selector}
+        """The labels a private local Ray's one node carries: every pool's and the routers'."""
+        return {**self.prefill.resources.label_selector, **self.decode.resources.label_selector,
+                **self.router.resources.label_selector}
 
     def _check_planner_bounds(self) -> None:
         """The planner sizes both pools of a disaggregated cluster, starting from the configured sizes."""

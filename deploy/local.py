@@ -13,6 +13,7 @@ it to `lo`. tests/test_cluster.py checks every listening socket of the cluster's
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -33,7 +34,9 @@ from ray._private import ray_constants  # noqa: E402
 
 from splitserve.decode_worker.worker import DecodeWorker  # noqa: E402
 from splitserve.deploy.cluster_config import ClusterConfig, PoolConfig  # noqa: E402
-from splitserve.deploy.router_app import RouterServers, build_orchestrator, each_of, start_servers  # noqa: E402
+from splitserve.deploy.actor_states import ActorStateWatch, actor_id_of  # noqa: E402
+from splitserve.deploy.router_actor import RouterActor, RouterReaper, watch_workers  # noqa: E402
+from splitserve.deploy.router_app import BoundPorts, RouterServers, start_router  # noqa: E402
 from splitserve.common.errors import StartupError  # noqa: E402
 from splitserve.common.stats import WorkerSnapshot  # noqa: E402
 from splitserve.engine.tiny_model import resolve_model_path  # noqa: E402
@@ -41,13 +44,11 @@ from splitserve.planner.core.types import Role  # noqa: E402
 from splitserve.planner.observe import TrafficWindow  # noqa: E402
 from splitserve.planner.ray_adapter import RayPlanner  # noqa: E402
 from splitserve.prefill_worker.worker import PrefillWorker  # noqa: E402
-from splitserve.router.access_log import log_access  # noqa: E402
 from splitserve.router.auth import api_key_from_env  # noqa: E402
 from splitserve.router.metrics_server import RouterMetrics  # noqa: E402
 from splitserve.router.openai_server import HttpServer  # noqa: E402
 from splitserve.router.orchestrator import Orchestrator  # noqa: E402
 from splitserve.router.tls import load_tls  # noqa: E402
-from splitserve.router.tokenizer import RouterTokenizer, read_chat_template_option  # noqa: E402
 from splitserve.router.worker_client import RayWorker  # noqa: E402
 
 logger = logging.getLogger(__name__)
@@ -69,9 +70,18 @@ def start_ray(config: ClusterConfig) -> None:
     ray_constants.ENABLE_RAY_CLUSTER = False
     # A local cluster never leaves this machine: keep UCX (NIXL's transport) on loopback too.
     env_vars.setdefault("UCX_NET_DEVICES", "lo")
-    pools = [config.prefill, config.decode]
-    num_cpus = max(os.cpu_count() or 1, sum(p.replicas * p.resources.num_cpus for p in pools))
-    num_gpus = sum(p.replicas * p.resources.num_gpus for p in pools)
+    if config.router.replicas > 1:
+        # Ray starts its worker processes at niceness 15 (RAY_worker_niceness). A router in the
+        # serving process runs at 0; router actors at 15 lose the CPU to any busy process on the
+        # machine (bench/admission_burst.py --routers 2 on a loaded 2-core VM: rejections' p50
+        # 8.4 s at 15, 1.3 s at 0). The raylet reads the
+        # variable when it starts, so it must be in this process's environment.
+        os.environ.setdefault("RAY_worker_niceness", "0")
+    actors = [(p.replicas, p.resources) for p in (config.prefill, config.decode)]
+    if config.router.replicas > 1:
+        actors.append((config.router.replicas, config.router.resources))
+    num_cpus = max(os.cpu_count() or 1, sum(replicas * resources.num_cpus for replicas, resources in actors))
+    num_gpus = sum(replicas * resources.num_gpus for replicas, resources in actors)
     ray.init(address="local", include_dashboard=False, num_cpus=int(num_cpus + 0.999), num_gpus=num_gpus,
              labels=config.local_node_labels, runtime_env={"env_vars": env_vars}, logging_level=logging.WARNING)
 
@@ -89,13 +99,18 @@ class LocalCluster:
     router_id: str = field(default_factory=lambda: f"router-{uuid.uuid4().hex[:8]}")
     actors: dict[str, Any] = field(default_factory=dict)
     """Worker id ('prefill-0', 'decode-3', ...) -> its actor, for every worker started and not yet ended."""
-    orchestrator: Orchestrator | None = None
-    metrics: RouterMetrics | None = None
-    """The router's metrics; None when router.metrics_port is None (disabled)."""
     servers: RouterServers | None = None
+    """The router in this process (router.replicas 1); None with several routers."""
+    routers: dict[str, Any] = field(default_factory=dict)
+    """With router.replicas > 1: router id -> its actor, for every router started and not yet ended."""
+    router_ports: BoundPorts | None = None
+    """Where the routers listen (router 0's metrics port with several)."""
     planner: RayPlanner | None = None
     """None unless config.planner.enabled."""
     _planner_task: asyncio.Task | None = None
+    _watch: ActorStateWatch | None = None
+    """Ray's actor states: the workers' for the router here, the router actors' with several."""
+    _reaper: RouterReaper | None = None
     _model_dir: str = ""
     _next_index: dict[str, int] = field(default_factory=lambda: {"prefill": 0, "decode": 0})
 
@@ -108,19 +123,30 @@ class LocalCluster:
         return [actor for worker_id, actor in self.actors.items() if worker_id.startswith("decode-")]
 
     @property
+    def orchestrator(self) -> Orchestrator | None:
+        """The router's orchestrator (router.replicas 1; None before start and with several)."""
+        return None if self.servers is None else self.servers.orchestrator
+
+    @property
+    def metrics(self) -> RouterMetrics | None:
+        """The router's metrics (router.replicas 1); None when router.metrics_port is None (disabled)."""
+        return None if self.servers is None else self.servers.metrics
+
+    @property
     def port(self) -> int:
         """The bound gRPC port."""
-        return self.servers.grpc.port
+        return self.router_ports.grpc
 
     @property
     def http(self) -> HttpServer | None:
-        """The OpenAI-compatible API (its `port` is the bound one); None when router.http_port is None."""
-        return self.servers.http
+        """The OpenAI-compatible API of the router here (its `port` is the bound one); None when
+        router.http_port is None or with several routers (then see router_ports)."""
+        return None if self.servers is None else self.servers.http
 
     @property
     def metrics_port(self) -> int | None:
-        """The bound /metrics port; None when router.metrics_port is None (disabled)."""
-        return self.servers.metrics_port
+        """The bound /metrics port (router 0's with several); None when router.metrics_port is None."""
+        return self.router_ports.metrics
 
     async def start(self) -> int:
         """Start everything; returns the gRPC port. On failure, whatever started is stopped."""
@@ -143,31 +169,59 @@ class LocalCluster:
         clients = {role: [self._spawn(role) for _ in range(self._pool(role).replicas)] for role in roles}
         prefill, decode = clients.get("prefill", []), clients["decode"]
         await self._wait_started([*prefill, *decode])
-        chat_template = (None if config.router.chat_template is None
-                         else read_chat_template_option(config.router.chat_template))
-        tokenizer = await asyncio.to_thread(RouterTokenizer.from_model_dir, model_dir, chat_template)
-        if config.router.metrics_port is not None:
-            self.metrics = RouterMetrics(config.router.slo)
+        self._watch = ActorStateWatch()
+        await self._watch.start()
+        if config.router.replicas == 1:
+            await self._start_router_here(prefill, decode, api_key)
+        else:
+            await self._start_router_actors(prefill, decode, api_key)
+        logger.info("serving %s on %s:%d (%s, %d prefill + %d decode workers, %d routers%s)", config.model,
+                    config.router.host, self.port, config.mode, len(prefill), len(decode), config.router.replicas,
+                    ", planner on" if self.planner is not None else "")
+        return self.port
+
+    async def _start_router_here(self, prefill: list[RayWorker], decode: list[RayWorker], api_key: str | None) -> None:
+        """The one router, in this process (with the planner, if enabled)."""
+        config = self.config
         if config.planner.enabled:
             self.planner = RayPlanner(config.planner, self, TrafficWindow(
                 config.planner.ttft_s, config.planner.itl_s, config.decode.engine.block_size))
-        observers = [observer.observe for observer in (self.metrics, self.planner) if observer is not None]
-        if config.router.access_log:
-            observers.append(log_access)
-        self.orchestrator = build_orchestrator(self.router_id, config.router, config.mode, prefill, decode, tokenizer,
-                                               each_of(observers))
-        await self.orchestrator.start()
-        model_name, *aliases = config.served_model_names
-        self.servers = await start_servers(self.orchestrator, tokenizer, config.router, model_name, self.metrics,
-                                           api_key, tuple(aliases))
+        self.servers = await start_router(self.router_id, config, self._model_dir, prefill, decode, api_key,
+                                          [self.planner.observe] if self.planner is not None else [])
+        self.router_ports = self.servers.ports
+        watch_workers(self._watch, self.servers.orchestrator, [*prefill, *decode])
         if self.planner is not None:
             if self.metrics is not None:
                 self.metrics.watch_planner(self.planner.stats)
             self._planner_task = asyncio.get_running_loop().create_task(self.planner.run())
-        logger.info("serving %s on %s:%d (%s, %d prefill + %d decode workers%s)", config.model, config.router.host,
-                    self.port, config.mode, len(prefill), len(decode),
-                    ", planner on" if self.planner is not None else "")
-        return self.port
+
+    async def _start_router_actors(self, prefill: list[RayWorker], decode: list[RayWorker],
+                                   api_key: str | None) -> None:
+        """router.replicas router actors on one address: router 0 binds the configured ports (0:
+        free ones), the others the ports it bound. Router i serves its metrics on metrics_port + i
+        on a private local Ray (one host); on a Ray cluster each router has a node of its own
+        (router.resources), so all use metrics_port."""
+        router = self.config.router
+        self._reaper = RouterReaper(self._watch, self.actors)
+        resources = router.resources
+        actor_class = ray.remote(RouterActor).options(
+            num_cpus=resources.num_cpus, num_gpus=resources.num_gpus, max_restarts=0, max_concurrency=1000,
+            **({"label_selector": resources.label_selector} if resources.node_labels else {}))
+        for index in range(router.replicas):
+            shared = self.router_ports
+            config = dataclasses.replace(self.config, router=dataclasses.replace(
+                router, grpc_port=router.grpc_port if shared is None else shared.grpc,
+                http_port=router.http_port if shared is None else shared.http,
+                metrics_port=router.metrics_port and router.metrics_port + self._metrics_offset(index)))
+            router_id = f"{self.router_id}-{index}"
+            handle = self.routers[router_id] = actor_class.remote(router_id, config, self._model_dir, prefill,
+                                                                  decode, api_key)
+            self._reaper.watch(router_id, handle)
+            ports = await handle.start.remote()
+            self.router_ports = self.router_ports or ports
+
+    def _metrics_offset(self, router_index: int) -> int:
+        return router_index if self.config.ray_address is None else 0
 
     def _pool(self, role: str) -> PoolConfig:
         return self.config.prefill if role == "prefill" else self.config.decode
@@ -216,6 +270,7 @@ class LocalCluster:
         except BaseException:
             self._end_actor(client.worker_id)
             raise
+        watch_workers(self._watch, self.orchestrator, [client])
         return client.worker_id
 
     async def stop_worker(self, worker_id: str) -> None:
@@ -234,7 +289,10 @@ class LocalCluster:
         self._end_actor(worker_id)
 
     def _end_actor(self, worker_id: str) -> None:
-        ray.kill(self.actors.pop(worker_id))
+        actor = self.actors.pop(worker_id)
+        if self._watch is not None:
+            self._watch.unwatch(actor_id_of(actor))
+        ray.kill(actor)
 
     async def _wait_started(self, clients: list[RayWorker]) -> None:
         """Every worker placed and answering, or one StartupError: the first failure's cause (every
@@ -255,22 +313,43 @@ class LocalCluster:
                                "node_labels they ask for, or their model is still loading")
 
     async def drain(self) -> int:
-        """Refuse new requests and report NOT_SERVING (gRPC health, HTTP /health 503), then wait
-        up to router.drain_timeout_s for the requests in flight; returns how many are left."""
-        return await self.servers.drain(self.config.router.drain_timeout_s)
+        """Refuse new requests and report NOT_SERVING (gRPC health, HTTP /health 503) on every
+        router, then wait up to router.drain_timeout_s for the requests in flight; returns how many
+        are left."""
+        timeout_s = self.config.router.drain_timeout_s
+        if self.servers is not None:
+            return await self.servers.drain(timeout_s)
+        return sum(await asyncio.gather(*(router.drain.remote(timeout_s) for router in self.routers.values())))
 
     async def stop(self, grace_s: float = 2.0) -> None:
         if self.servers is not None:
             await self.servers.stop(grace_s)
-            self.servers = None
         if self._planner_task is not None:
             self._planner_task.cancel()
             await asyncio.gather(self._planner_task, return_exceptions=True)
             await self.planner.stop()
-        if self.orchestrator is not None:
-            await self.orchestrator.stop()
+        if self.servers is not None:
+            await self.servers.orchestrator.stop()
+            self.servers = None
+        await self._stop_router_actors(grace_s)
+        if self._watch is not None:
+            await self._watch.stop()
+            self._watch = None
         for worker_id in list(self.actors):
             await self._shutdown(worker_id, grace_s)
+
+    async def _stop_router_actors(self, grace_s: float) -> None:
+        for router_id, router in list(self.routers.items()):
+            self._watch.unwatch(actor_id_of(router))  # a router stopped on purpose needs no reaping
+            try:
+                await asyncio.wait_for(router.stop.remote(grace_s), grace_s + 2.0)
+            except ray.exceptions.RayActorError:
+                pass  # already dead: its requests were reaped when it died
+            except Exception as error:
+                logger.warning("router %s did not stop cleanly: %s", router_id, root_cause(error))
+            ray.kill(self.routers.pop(router_id))
+        if self._reaper is not None:
+            await self._reaper.stop()
 
     async def wait_idle(self, timeout_s: float = 10.0) -> None:
         """Wait until every live worker reports no request, lease, transfer or owned block (tests;
@@ -345,15 +424,6 @@ def serve(config: ClusterConfig, api_key: str | None = None) -> int:
     return asyncio.run(_serve(config, api_key))
 
 
-@dataclass(frozen=True)
-class BoundPorts:
-    """Where a started cluster listens (None: that server is disabled)."""
-
-    grpc: int
-    http: int | None
-    metrics: int | None
-
-
 def splitserve_command(argv0: str, python: str) -> str:
     """How the user can run splitserve again from the same shell: the script as they invoked it
     (`.venv/bin/splitserve` is not on PATH), else through the interpreter."""
@@ -395,7 +465,7 @@ async def _serve(config: ClusterConfig, api_key: str | None) -> int:
         # After start: ray.init installs its own SIGTERM handler, which would abort the process.
         for signum in (signal.SIGINT, signal.SIGTERM):
             asyncio.get_running_loop().add_signal_handler(signum, stop.set)
-        ports = BoundPorts(port, cluster.http.port if cluster.http is not None else None, cluster.metrics_port)
+        ports = cluster.router_ports
         needs_key = api_key is not None or config.router.api_key_env is not None
         print(serving_banner(config, ports, splitserve_command(sys.argv[0], sys.executable), needs_key), flush=True)
         await stop.wait()
@@ -404,7 +474,9 @@ async def _serve(config: ClusterConfig, api_key: str | None) -> int:
               flush=True)
         draining, second_signal = asyncio.ensure_future(cluster.drain()), asyncio.ensure_future(stop.wait())
         await asyncio.wait([draining, second_signal], return_when=asyncio.FIRST_COMPLETED)
-        left = draining.result() if draining.done() else cluster.orchestrator.num_in_flight
+        # With several routers, only a finished drain knows how many requests were left.
+        left = (draining.result() if draining.done()
+                else cluster.orchestrator.num_in_flight if cluster.orchestrator is not None else "the")
         draining.cancel()
         second_signal.cancel()
         print(f"splitserve: shutting down ({left} requests still in flight are cancelled)", flush=True)

@@ -14,12 +14,13 @@ from dataclasses import dataclass
 
 from splitserve.common.stats import RequestRecord
 from splitserve.common.worker_api import DecodeWorkerAPI, PrefillWorkerAPI
-from splitserve.deploy.cluster_config import RouterConfig
+from splitserve.deploy.cluster_config import ClusterConfig, RouterConfig
+from splitserve.router.access_log import log_access
 from splitserve.router.metrics_server import RouterMetrics
 from splitserve.router.openai_server import HttpServer, start_http_server
 from splitserve.router.orchestrator import Orchestrator
 from splitserve.router.server import GrpcServer, drain, start_grpc_server
-from splitserve.router.tokenizer import RouterTokenizer
+from splitserve.router.tokenizer import RouterTokenizer, read_chat_template_option
 from splitserve.router.tokenizer_pool import TokenizerPool
 
 
@@ -45,6 +46,15 @@ def each_of(observers: Sequence[Callable[[RequestRecord], None]]) -> Callable[[R
     return observe
 
 
+@dataclass(frozen=True)
+class BoundPorts:
+    """Where a started router listens (None: that server is disabled)."""
+
+    grpc: int
+    http: int | None
+    metrics: int | None
+
+
 @dataclass
 class RouterServers:
     """What serves an orchestrator: the tokenizer pool both APIs share, the gRPC server, the
@@ -56,6 +66,10 @@ class RouterServers:
     http: HttpServer | None
     metrics: RouterMetrics | None
     metrics_port: int | None
+
+    @property
+    def ports(self) -> BoundPorts:
+        return BoundPorts(self.grpc.port, None if self.http is None else self.http.port, self.metrics_port)
 
     async def drain(self, timeout_s: float) -> int:
         """Refuse new requests and report NOT_SERVING, then wait up to timeout_s for the requests
@@ -74,12 +88,13 @@ class RouterServers:
 
 async def start_servers(orchestrator: Orchestrator, tokenizer: RouterTokenizer, config: RouterConfig,
                         model_name: str, metrics: RouterMetrics | None, api_key: str | None,
-                        aliases: tuple[str, ...] = ()) -> RouterServers:
+                        aliases: tuple[str, ...] = (), reuse_port: bool = False) -> RouterServers:
     """Start the servers `config` asks for in front of a started orchestrator. `metrics` (already
     the orchestrator's observer) is watched, served on config.metrics_port when set, and on the
     HTTP API's /metrics; `api_key` (resolved from config.api_key_env by the caller) guards both
-    APIs; requests may name the model `model_name` or any of `aliases`. On failure, whatever
-    started is stopped."""
+    APIs; requests may name the model `model_name` or any of `aliases`. `reuse_port`: the gRPC
+    and HTTP ports are shared with other routers (SO_REUSEPORT). On failure, whatever started is
+    stopped."""
     tokenizers = TokenizerPool.for_orchestrator(tokenizer, orchestrator, config.max_prompt_bytes,
                                                 config.tokenizer_threads, config.max_pending_tokenizations)
     grpc = http = None
@@ -90,12 +105,12 @@ async def start_servers(orchestrator: Orchestrator, tokenizer: RouterTokenizer, 
             if config.metrics_port is not None:
                 metrics_port = metrics.serve(config.host, config.metrics_port)
         grpc = await start_grpc_server(orchestrator, tokenizers, model_name, config.host, config.grpc_port,
-                                       config.request_timeout_s, api_key, config.tls, aliases)
+                                       config.request_timeout_s, api_key, config.tls, aliases, reuse_port)
         if config.http_port is not None:
             http = await start_http_server(orchestrator, tokenizers, model_name, config.host, config.http_port,
                                            config.request_timeout_s,
                                            metrics.asgi_app() if metrics is not None else None, api_key, config.tls,
-                                           aliases)
+                                           aliases, reuse_port)
     except BaseException:
         if grpc is not None:
             await grpc.stop(0)
@@ -104,3 +119,28 @@ async def start_servers(orchestrator: Orchestrator, tokenizer: RouterTokenizer, 
         tokenizers.close()
         raise
     return RouterServers(orchestrator, tokenizers, grpc, http, metrics, metrics_port)
+
+
+async def start_router(router_id: str, config: ClusterConfig, model_dir: str, prefill: Sequence[PrefillWorkerAPI],
+                       decode: Sequence[DecodeWorkerAPI], api_key: str | None,
+                       observers: Sequence[Callable[[RequestRecord], None]] = (),
+                       reuse_port: bool = False) -> RouterServers:
+    """One whole router over started workers, as config.router says: its tokenizer, metrics (when
+    config.router.metrics_port is set), access log, orchestrator and servers. `observers` also get
+    every ended request's record (the planner's); `reuse_port`: share the gRPC and HTTP ports with
+    other routers (SO_REUSEPORT). On failure, whatever started is stopped."""
+    router = config.router
+    chat_template = None if router.chat_template is None else read_chat_template_option(router.chat_template)
+    tokenizer = await asyncio.to_thread(RouterTokenizer.from_model_dir, model_dir, chat_template)
+    metrics = RouterMetrics(router.slo) if router.metrics_port is not None else None
+    observers = [*([metrics.observe] if metrics is not None else []), *observers,
+                 *([log_access] if router.access_log else [])]
+    orchestrator = build_orchestrator(router_id, router, config.mode, prefill, decode, tokenizer, each_of(observers))
+    await orchestrator.start()
+    model_name, *aliases = config.served_model_names
+    try:
+        return await start_servers(orchestrator, tokenizer, router, model_name, metrics, api_key, tuple(aliases),
+                                   reuse_port)
+    except BaseException:
+        await orchestrator.stop()
+        raise

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -20,6 +20,7 @@ from splitserve.common.stats import EngineStats
 from splitserve.engine.attention import select_backend
 from splitserve.common.kv_transfer_types import KVLayout
 from splitserve.engine.block_manager import BlockManager
+from splitserve.engine.cuda_graphs import build_decode_graphs
 from splitserve.common.detokenizer import IncrementalDetokenizer
 from splitserve.engine.kv_cache import KVCache, KVCacheSpec, num_blocks_for
 from splitserve.engine.kv_event_log import KVEventLog
@@ -33,6 +34,8 @@ from splitserve.engine.spec_decode.speculator import Speculator, build_proposer
 from splitserve.engine.spec_decode.verifier import SpeculativeRows, VerifiedRun, verify
 from splitserve.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
 from splitserve.engine.step_costs import StepCosts
+from splitserve.engine.structured_output import GrammarMatchers, GrammarState
+from splitserve.engine.structured_output.bitmask import TokenBitmask
 
 @dataclass(frozen=True)
 class HeldKV:
@@ -84,7 +87,7 @@ class EngineCore:
         if config.num_threads is not None and self.device.type == "cpu":
             torch.set_num_threads(config.num_threads)
         dtype = resolve_dtype(config.dtype, getattr(hf_config, "dtype", None), self.device)
-        attention = select_backend(config.attention_backend, self.device.type, config.cpu_kernels)
+        attention = select_backend(config.attention_backend, self.device.type, config.cpu_kernels, dtype)
         layer_ops = select_layer_ops(self.device, dtype, config.cpu_kernels)
         self.model = load_model(model_dir, dtype, self.device, attention, show_progress, layer_ops)
         arch = self.model.arch
@@ -92,20 +95,24 @@ class EngineCore:
         self.max_model_len = self._resolve_max_model_len(arch.max_position_embeddings)
         self.eos_token_ids = read_eos_token_ids(model_dir, getattr(hf_config, "eos_token_id", None))
         spec = KVCacheSpec(arch.num_layers, config.block_size, arch.num_kv_heads, arch.head_dim, dtype)
-        self.kv_cache = KVCache(spec, self._num_blocks(spec), self.device)
+        self.kv_cache = KVCache(spec, self._num_blocks(spec), self.device, reserve_dummy_block=config.cuda_graphs)
         self.block_manager = BlockManager(self.kv_cache.num_blocks, config.block_size,
                                           BlockHasher(config.block_size, config.hash_seed),
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                                                    self.max_model_len, config.enable_chunked_prefill),
                                    self.block_manager)
-        self.runner = ModelRunner(self.model, self.kv_cache, self.device, attention.pads_decode_batches)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.device, attention.pads_decode_batches,
+                                  attention.needs_paged_metadata,
+                                  build_decode_graphs(config, self.model, self.kv_cache, attention, self.max_model_len))
         self.sampler = Sampler()
         self.speculator = None if config.speculative is None else Speculator(
             config.speculative, build_proposer(config.speculative, model_dir, self.kv_cache.num_blocks,
                                               config.block_size, dtype, self.device, attention, layer_ops),
             self.max_model_len)
         self.tokenizer = tokenizer
+        self.grammars = GrammarMatchers(lambda: _tokenizer_json(model_dir, tokenizer), self.vocab_size,
+                                        self.eos_token_ids)
         self._shared_generator = torch.Generator(self.device).manual_seed(config.seed)
         self._generators: dict[str, torch.Generator] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
@@ -149,6 +156,8 @@ class EngineCore:
             raise InvalidRequestError("prompt_token_ids", f"out of vocabulary [0, {self.vocab_size}): {bad[:5]}")
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop", "stop strings need an engine with a tokenizer")
+        if params.structured_output is not None:
+            self.grammars.check(params.structured_output)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     hold_kv_after_prefill: bool = False, output_token_ids: Sequence[int] = ()) -> None:
@@ -230,13 +239,15 @@ class EngineCore:
         spec = self.kv_cache.spec
         return KVLayout(model_id=model_id, dtype=str(spec.dtype).removeprefix("torch."), block_size=spec.block_size,
                         num_layers=spec.num_layers, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
-                        hash_seed=self.config.hash_seed)
+                        hash_seed=self.config.hash_seed, memory_kind="VRAM" if self.device.type == "cuda" else "DRAM")
 
     def _new_request(self, request_id: str, prompt_token_ids: list[int], output_token_ids: list[int],
                      params: SamplingParams) -> Request:
         request = Request(request_id, prompt_token_ids, params, self.eos_token_ids, self._arrivals,
                           all_token_ids=prompt_token_ids + output_token_ids)
         self._arrivals += 1
+        if params.structured_output is not None:
+            self.grammars.add(request_id, params.structured_output, output_token_ids)
         if params.seed is not None:
             self._generators[request_id] = torch.Generator(self.device).manual_seed(params.seed)
         if self.tokenizer is not None:
@@ -248,6 +259,7 @@ class EngineCore:
 
     def _forget(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
+        self.grammars.remove(request_id)
         self._detokenizers.pop(request_id, None)
         if self.speculator is not None:
             self.speculator.forget(request_id)
@@ -279,11 +291,13 @@ class EngineCore:
         self._num_steps += 1
         num_prefill_tokens = self._num_prefill_tokens(output)
         started = time.perf_counter()
+        # structured-output rows' masks are filled while the model runs (matchers are not touched until .result())
+        masks = self.grammars.start_bitmask([c.request_id for c in output.chunks if c.samples])
         logits = self.runner.execute(output)
         deltas, self._pending = self._pending, []
         self.scheduler.advance(output)
         sampling = [c for c in output.chunks if c.samples]
-        runs = self._sample(logits, sampling)
+        runs = self._sample(logits, sampling, masks.result())
         self._step_costs.record(num_prefill_tokens, output.num_batched_tokens, time.perf_counter() - started)
         for chunk, run in zip(sampling, runs):
             deltas.append(self._append_tokens(self.scheduler.requests[chunk.request_id], chunk, run))
@@ -292,13 +306,15 @@ class EngineCore:
         self._publish_kv_events()
         return deltas
 
-    def _sample(self, logits: torch.Tensor, chunks: list[ScheduledChunk]) -> list[VerifiedRun]:
-        """Each sampling chunk's new tokens; logits [sum of num_sampled_rows, vocab]. A speculating
+    def _sample(self, logits: torch.Tensor, chunks: list[ScheduledChunk],
+                allowed: TokenBitmask | None) -> list[VerifiedRun]:
+        """Each sampling chunk's new tokens; logits [sum of num_sampled_rows, vocab]; `allowed`: the
+        grammar masks by chunk index (a structured-output request never speculates). A speculating
         chunk's drafts are verified (engine/spec_decode/verifier.py), the others sample one token."""
         requests = self.scheduler.requests
         speculating = [i for i, c in enumerate(chunks) if c.num_spec_tokens]
         if not speculating:
-            result = self.sampler(logits, [self._sampling_row(requests[c.request_id]) for c in chunks])
+            result = self.sampler(logits, [self._sampling_row(requests[c.request_id]) for c in chunks], allowed)
             return [VerifiedRun((t,), () if lp is None else (lp,)) for t, lp in zip(result.token_ids, result.logprobs)]
         starts = [0]
         for chunk in chunks:
@@ -306,8 +322,10 @@ class EngineCore:
         runs: list[VerifiedRun | None] = [None] * len(chunks)
         plain = [i for i, c in enumerate(chunks) if not c.num_spec_tokens]
         if plain:
+            if allowed is not None:  # its rows are chunk indices, all of them plain chunks
+                allowed = replace(allowed, rows=tuple(plain.index(row) for row in allowed.rows))
             result = self.sampler(logits[[starts[i] for i in plain]],
-                                  [self._sampling_row(requests[chunks[i].request_id]) for i in plain])
+                                  [self._sampling_row(requests[chunks[i].request_id]) for i in plain], allowed)
             for i, t, lp in zip(plain, result.token_ids, result.logprobs):
                 runs[i] = VerifiedRun((t,), () if lp is None else (lp,))
         rows = [self._speculative_rows(requests[chunks[i].request_id], chunks[i]) for i in speculating]
@@ -375,6 +393,9 @@ class EngineCore:
         may_stop = params.may_stop(request.num_output_tokens)
         detokenizer = self._detokenizers.get(request.request_id)
         stop_string = detokenizer.append(token_id, may_stop) if detokenizer is not None else None
+        grammar = self.grammars.accept(request.request_id, token_id)
+        if grammar == GrammarState.REJECTED:
+            return RequestStatus.FINISHED_ABORTED
         if may_stop and not params.ignore_eos and token_id in request.eos_token_ids:
             return RequestStatus.FINISHED_STOPPED
         if may_stop and token_id in params.stop_token_ids:
@@ -382,6 +403,8 @@ class EngineCore:
             return RequestStatus.FINISHED_STOPPED
         if stop_string is not None:
             request.stop_reason = stop_string
+            return RequestStatus.FINISHED_STOPPED
+        if grammar == GrammarState.COMPLETE:  # the grammar takes no more tokens (nor EOS, by then)
             return RequestStatus.FINISHED_STOPPED
         if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
@@ -479,6 +502,16 @@ class EngineCore:
             num_preemptions=scheduler.num_preemptions, num_steps=self._num_steps,
             num_prompt_tokens=self._num_prompt_tokens, num_generation_tokens=self._num_generation_tokens,
             spec_decode=None if self.speculator is None else self.speculator.stats())
+
+
+def _tokenizer_json(model_dir: Path, tokenizer: Tokenizer | None) -> str:
+    """The tokenizer the grammar masks are computed for: the engine's own, else the model's tokenizer.json."""
+    if tokenizer is not None:
+        return tokenizer.to_str()
+    path = model_dir / "tokenizer.json"
+    if not path.is_file():
+        raise InvalidRequestError("structured_output", f"needs the model's tokenizer.json, not found in {model_dir}")
+    return path.read_text()
 
 
 def _queued_prefill_tokens(request: Request) -> int:

@@ -54,12 +54,17 @@ def num_blocks_for(config: EngineConfig, spec: KVCacheSpec, device: torch.device
 class KVCache:
     """Owns the pool tensors; the block manager owns which blocks are in use."""
 
-    def __init__(self, spec: KVCacheSpec, num_blocks: int, device: torch.device) -> None:
+    def __init__(self, spec: KVCacheSpec, num_blocks: int, device: torch.device,
+                 reserve_dummy_block: bool = False) -> None:
+        """reserve_dummy_block: one more block, `dummy_block` = num_blocks, outside the block manager's
+        range, where the padding rows of captured decode steps write and read (engine/decode_buckets.py)."""
         self.spec = spec
         self.num_blocks = num_blocks
+        self.dummy_block = num_blocks if reserve_dummy_block else None
+        rows = num_blocks + (1 if reserve_dummy_block else 0)
         # Zero-filled so padded (masked) gathers never read uninitialized NaN/Inf bit patterns.
-        self.layers = [torch.zeros((num_blocks, *spec.block_shape), dtype=spec.dtype, device=device)
-                       for _ in range(spec.num_layers)]  # each [num_blocks, 2, block_size, kv_heads, head_dim]
+        self.layers = [torch.zeros((rows, *spec.block_shape), dtype=spec.dtype, device=device)
+                       for _ in range(spec.num_layers)]  # each [rows, 2, block_size, kv_heads, head_dim]
 
     def block(self, layer: int, block_id: int) -> torch.Tensor:
         return self.layers[layer][block_id]  # [2, block_size, kv_heads, head_dim]

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
 
 from splitserve.engine.attention import AttentionMetadata, DecodeBatch, PrefillSpan
+from splitserve.engine.attention.paged_kv_metadata import ChunkPages, FlashInferMetadata, build_flashinfer_metadata
+from splitserve.engine.host_inputs import long_tensor, to_device
 from splitserve.engine.kv_cache import KVCache
 from splitserve.engine.models.llama import LlamaFamilyForCausalLM
 from splitserve.engine.scheduler import ScheduledChunk, SchedulerOutput
@@ -30,7 +33,7 @@ def _key_slots(chunk: ScheduledChunk, block_size: int) -> np.ndarray:
     return blocks * (2 * block_size) + positions % block_size
 
 
-def _decode_key_slot(chunk: ScheduledChunk, block_size: int) -> int:
+def decode_key_slot(chunk: ScheduledChunk, block_size: int) -> int:
     """_key_slots of a one-token chunk, without numpy's per-call cost."""
     position = chunk.start_position
     return chunk.block_table[position // block_size] * 2 * block_size + position % block_size
@@ -66,18 +69,21 @@ def bucket_by_length(items: list, length) -> list[list]:
 
 
 class InputBuilder:
-    def __init__(self, block_size: int, device: torch.device, bucket_decodes: bool = True) -> None:
+    def __init__(self, block_size: int, device: torch.device, bucket_decodes: bool = True,
+                 paged_metadata: bool = False) -> None:
         """bucket_decodes: split decodes into batches of similar length (for backends that pad a batch
-        to its longest context); otherwise all decodes form one batch."""
+        to its longest context); otherwise all decodes form one batch. paged_metadata: also describe the
+        step in FlashInfer's format (AttentionMetadata.paged)."""
         self.block_size = block_size
         self.device = device
         self.bucket_decodes = bucket_decodes
+        self.paged_metadata = paged_metadata
 
     def build(self, output: SchedulerOutput) -> ModelInput:
         input_ids: list[int] = []
         positions: list[int] = []
         key_slots: list[int | np.ndarray] = []  # an int per decode, an array per longer chunk
-        prefills: list[PrefillSpan] = []
+        prefills: list[tuple[int, ScheduledChunk]] = []
         decodes: list[tuple[int, ScheduledChunk]] = []
         logits_indices: list[int] = []
         for chunk in output.chunks:
@@ -85,7 +91,7 @@ class InputBuilder:
             input_ids.extend(chunk.token_ids)
             if chunk.num_tokens == 1:
                 positions.append(chunk.start_position)
-                key_slots.append(_decode_key_slot(chunk, self.block_size))
+                key_slots.append(decode_key_slot(chunk, self.block_size))
                 decodes.append((start, chunk))
             elif chunk.num_spec_tokens:
                 positions.extend(range(chunk.start_position, chunk.context_len))
@@ -94,15 +100,28 @@ class InputBuilder:
             else:
                 positions.extend(range(chunk.start_position, chunk.context_len))
                 key_slots.append(_key_slots(chunk, self.block_size))
-                prefills.append(self._prefill_span(start, chunk))
+                prefills.append((start, chunk))
             if chunk.samples:
                 logits_indices.extend(range(len(input_ids) - chunk.num_sampled_rows, len(input_ids)))
-        keys = torch.from_numpy(np.hstack(key_slots).astype(np.int64, copy=False)).to(self.device)  # [T]
-        metadata = AttentionMetadata(
-            positions=self._tensor(positions), key_slots=keys,
-            value_slots=keys + self.block_size, prefills=tuple(prefills),
-            decodes=self._decode_batches(decodes), block_size=self.block_size)
+        keys = to_device(torch.from_numpy(np.hstack(key_slots).astype(np.int64, copy=False)), self.device)  # [T]
+        spans, batches, paged = self._attention_parts(prefills, decodes)
+        metadata = AttentionMetadata(positions=self._tensor(positions), key_slots=keys,
+                                     value_slots=keys + self.block_size, prefills=spans, decodes=batches,
+                                     block_size=self.block_size, paged=paged)
         return ModelInput(self._tensor(input_ids), metadata.positions, metadata, self._tensor(logits_indices))
+
+    def _attention_parts(self, prefills: list[tuple[int, ScheduledChunk]],
+                         decodes: list[tuple[int, ScheduledChunk]]
+                         ) -> tuple[tuple[PrefillSpan, ...], tuple[DecodeBatch, ...], FlashInferMetadata | None]:
+        """AttentionMetadata's prefills, decodes (block tables as tensors) and paged: with paged_metadata only
+        the last, FlashInfer's format (the backend that asks for it reads nothing else)."""
+        if not self.paged_metadata:
+            spans = tuple(self._prefill_span(start, chunk) for start, chunk in prefills)
+            return spans, self._decode_batches(decodes), None
+        chunks = sorted(prefills + decodes, key=lambda item: item[0])  # step order
+        return (), (), build_flashinfer_metadata(
+            [ChunkPages(start, chunk.num_tokens, chunk.context_len, chunk.block_table) for start, chunk in chunks],
+            self.block_size)
 
     def _prefill_span(self, start: int, chunk: ScheduledChunk) -> PrefillSpan:
         num_blocks = -(-chunk.context_len // self.block_size)
@@ -126,22 +145,37 @@ class InputBuilder:
                            context_lens=self._tensor([chunk.context_len for _, chunk in decodes]))
 
     def _tensor(self, values: list) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.long, device=self.device)
+        return long_tensor(values, self.device)
+
+
+class DecodeGraphs(Protocol):
+    def can_run(self, output: SchedulerOutput) -> bool:
+        """Whether a captured graph computes this step (decodes only, each sampling, few enough)."""
+        ...
+
+    def execute(self, output: SchedulerOutput) -> torch.Tensor:
+        """Logits [len(output.chunks), vocab] (float32) of a step that can_run."""
+        ...
 
 
 class ModelRunner:
     """Owns the model and the KV pool tensors for one device."""
 
     def __init__(self, model: LlamaFamilyForCausalLM, kv_cache: KVCache, device: torch.device,
-                 bucket_decodes: bool = True) -> None:
+                 bucket_decodes: bool = True, paged_metadata: bool = False, graphs: DecodeGraphs | None = None) -> None:
+        """graphs: captured decode steps (engine/cuda_graphs.py), replayed for the steps they can run."""
         self.model = model
         self.kv_cache = kv_cache
-        self.inputs = InputBuilder(kv_cache.spec.block_size, device, bucket_decodes)
+        self.inputs = InputBuilder(kv_cache.spec.block_size, device, bucket_decodes, paged_metadata)
+        self.graphs = graphs
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> torch.Tensor:
         """Logits [R, vocab] (float32) in chunk order: one row per sampling chunk, 1 + num_spec_tokens
-        rows (last token, then each draft) for a speculating one."""
+        rows (last token, then each draft) for a speculating one (never a captured graph: it takes
+        one-token decodes only)."""
+        if self.graphs is not None and self.graphs.can_run(output):
+            return self.graphs.execute(output)
         model_input = self.inputs.build(output)
         return self.model.compute_logits(self._forward(model_input)[model_input.logits_indices]).float()
 

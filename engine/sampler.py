@@ -7,7 +7,8 @@ Order of logit processing, per row:
   4. temperature, then top-k, top-p and min-p masks on the resulting distribution
   5. a draw by the exponential race (argmax of p / E, E ~ Exp(1)) from the row's own generator,
      so a seeded request's tokens do not depend on its batch mates.
-Logprobs are of the raw model distribution (before any processing), as in vLLM.
+Logprobs are of the raw model distribution (before any processing), as in vLLM; a structured-output
+row's grammar mask comes before everything (its disallowed tokens are -inf from the start).
 
 A step runs each stage as one set of tensor ops over the rows that need it (on CPU, per chunk of
 rows small enough to stay in cache, CPU_CHUNK_LOGITS): greedy rows without penalties cost one
@@ -30,6 +31,7 @@ import torch
 
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.token_logprobs import TokenLogprobs
+from splitserve.engine.structured_output.bitmask import TokenBitmask
 
 CPU_CHUNK_LOGITS = 1 << 20
 """On CPU, rows with a penalty or a draw go through in chunks of at most this many logits (4 MiB
@@ -62,9 +64,13 @@ class SamplerOutput:
 
 
 class Sampler:
-    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
-        """logits: [len(rows), vocab]; returns one token (and optional logprobs) per row."""
+    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow],
+                 allowed: TokenBitmask | None = None) -> SamplerOutput:
+        """logits: [len(rows), vocab]; returns one token (and optional logprobs) per row. `allowed`:
+        the grammar masks of structured-output rows, applied first (logprobs included, as in vLLM)."""
         logits = logits.float()  # [B, vocab] float32; never modified
+        if allowed is not None:
+            logits = allowed.applied_to(logits)
         processed = [i for i, row in enumerate(rows) if not _is_plain_greedy(row)]
         # [B] int64. Greedy rows without penalties (the common case) cost only this argmax.
         token_ids = (torch.argmax(logits, dim=-1) if len(processed) < len(rows)

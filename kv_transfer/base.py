@@ -139,7 +139,15 @@ def check_kv_pool(layers: list[torch.Tensor], layout: KVLayout) -> int:
             raise ValueError(f"KV layer {index} is not contiguous")
         if layer.device != layers[0].device:
             raise ValueError(f"KV layer {index} is on {layer.device}, layer 0 on {layers[0].device}")
+    kind = memory_kind(layers[0].device)
+    if kind != layout.memory_kind:
+        raise ValueError(f"KV pool is on {layers[0].device} ({kind}), layout says {layout.memory_kind}")
     return num_blocks
+
+
+def memory_kind(device: torch.device) -> str:
+    """NIXL's memory type of a pool on `device`: VRAM on CUDA, DRAM on the host."""
+    return "VRAM" if device.type == "cuda" else "DRAM"
 
 
 def check_layouts_match(ours: KVLayout, theirs: KVLayout, peer_name: str) -> None:

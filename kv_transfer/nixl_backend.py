@@ -49,8 +49,8 @@ except ImportError:
 from splitserve.common.kv_transfer_types import AgentMetadata, KVLayout, TransferParams  # noqa: E402
 from splitserve.kv_transfer.base import (GENERATIONS, SCRATCH, KVTransferError, PullHandle,  # noqa: E402
                                          PullState, TransferBackend, bump_generation_words, check_kv_pool,
-                                         check_layouts_match, check_pull_blocks, new_generation_words,
-                                         read_generation_words)
+                                         check_layouts_match, check_pull_blocks, memory_kind,
+                                         new_generation_words, read_generation_words)
 
 _LOCAL = "NIXL_INIT_AGENT"
 """prep_xfer_dlist's name for the initiator's own descriptors."""
@@ -99,8 +99,7 @@ class _PoolInfo:
     @classmethod
     def of(cls, layers: list[torch.Tensor], words: torch.Tensor) -> _PoolInfo:
         device = layers[0].device
-        mem_type = "VRAM" if device.type == "cuda" else "DRAM"
-        return cls(mem_type, device.index or 0, layers[0].shape[0], words[GENERATIONS].data_ptr(),
+        return cls(memory_kind(device), device.index or 0, layers[0].shape[0], words[GENERATIONS].data_ptr(),
                    tuple(layer.data_ptr() for layer in layers))
 
     def pack(self, agent_metadata: bytes) -> bytes:

@@ -53,6 +53,9 @@ class PrefillWorker:
                                 self._layout, self._backend.metadata(),
                                 max_num_seqs=engine_config.max_num_seqs)
         self._in_flight: dict[str, _InFlight] = {}
+        self._routers: dict[str, str] = {}
+        """request id -> the router that sent it, from admission until the request or its lease
+        ends (engine thread only)."""
         self._transfer_poll_s = transfer_poll_s
         self._loop = EngineLoop(self.engine, self._on_deltas, self._poll_leases, name=self.worker_id)
         self._loop.start()
@@ -77,8 +80,14 @@ class PrefillWorker:
         """Stop a request in any state here: queued, prefilling, or holding KV for a pull."""
         return await self._loop.run(lambda engine: self._abort(engine, request_id))
 
+    async def abort_router(self, router_id: str) -> int:
+        """End every request of a router that is gone (Ray reports its actor dead): queued,
+        prefilling, or holding KV for a pull nobody will ask for. Returns how many it ended."""
+        return await self._loop.run(lambda engine: self._abort_router(engine, router_id))
+
     async def stats(self) -> WorkerStats:
-        return await self._loop.run(lambda engine: WorkerStats(engine.stats(), self._leases.stats().num_held, 0))
+        return await self._loop.run(lambda engine: WorkerStats(engine.stats(), self._leases.stats().num_held, 0,
+                                                               frozenset(self._routers.values())))
 
     async def report(self, epoch: str | None, after_seq: int, max_wait_s: float) -> WorkerReport:
         """Load and KV events after the router's cursor (epoch, after_seq), or a snapshot when the cursor
@@ -95,15 +104,23 @@ class PrefillWorker:
         engine.add_request(request.request_id, list(request.prompt_token_ids), request.sampling_params,
                            hold_kv_after_prefill=True)
         self._in_flight[request.request_id] = _InFlight(future, time.monotonic())
+        self._routers[request.request_id] = request.router_id
         logger.debug("[%s] prefill admitted (%d prompt tokens)", request.request_id, len(request.prompt_token_ids))
 
     def _abort(self, engine: EngineCore, request_id: str) -> bool:
         if engine.abort_request(request_id):
-            return True
+            return True  # its final delta (an abort) ends it in _on_deltas
         if self._leases.release(request_id):
             engine.release_held_kv(request_id)
+            self._routers.pop(request_id, None)
             return True
         return False
+
+    def _abort_router(self, engine: EngineCore, router_id: str) -> int:
+        request_ids = [request_id for request_id, sender in self._routers.items() if sender == router_id]
+        if request_ids:
+            logger.warning("router %s is gone with %d requests here: aborting them", router_id, len(request_ids))
+        return sum(self._abort(engine, request_id) for request_id in request_ids)
 
     def _on_deltas(self, deltas: list[CompletionDelta]) -> None:
         now = time.monotonic()
@@ -112,6 +129,8 @@ class PrefillWorker:
             if in_flight is None:  # every prefill delta is final: the first token or an abort
                 continue
             result = self._result(delta, *delta.queue_and_compute_s(in_flight.admitted_at, now))
+            if result.transfer is None:  # nothing held: the request ends here
+                self._routers.pop(delta.request_id, None)
             if not in_flight.future.set_running_or_notify_cancel():
                 # The caller went away: nobody will pull these blocks.
                 self._abort(self.engine, delta.request_id)
@@ -134,5 +153,6 @@ class PrefillWorker:
         # reading these blocks fails its check instead of decoding from the reused blocks.
         for lease in self._leases.poll():
             self.engine.release_held_kv(lease.request_id)
+            self._routers.pop(lease.request_id, None)
             logger.debug("[%s] lease ended: %s", lease.request_id, lease.state.value)
         return self._transfer_poll_s if self._leases.stats().num_held else None

@@ -29,6 +29,10 @@ class GenerationInput:
     """The request's TTFT target (admission control, SLO accounting); None takes the router's default."""
     tpot_slo_s: float | None = None
     """The request's TPOT target (SLO accounting); None takes the router's default."""
+    kv_cached_on: tuple[str, ...] = ()
+    """Workers known to hold the prompt's full blocks in their prefix cache before their reports
+    say so (a parallel-sampling sibling was just prefilled there): routing counts those blocks as
+    cached on them, so the siblings of `n > 1` share the prompt's KV."""
 
 
 @dataclass(frozen=True)
@@ -57,3 +61,6 @@ class StreamChunk:
     stop_reason: int | str | None = None
     usage: Usage | None = None
     timing: Timing | None = None
+    kv_holder: str | None = None
+    """On a request's first chunk: the worker whose prefix cache now holds the prompt's KV (its
+    prefill worker, or the decode worker that prefilled it); None on every other chunk."""

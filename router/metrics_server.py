@@ -5,6 +5,11 @@ buckets are never repeated here). Metrics come from two sources:
 
 - per request (success/failure, latency histograms, KV transfers, SLO attainment, goodput):
   `observe()` takes each RequestRecord the orchestrator hands its observer when a request ends;
+Counters whose label values are known up front (request outcomes, routing reasons, rejection
+reasons, TTFT phases) are exported at 0 for every value from the start, so a dashboard shows 0,
+not "No data", for what has not happened yet (PromQL's rate() of a series that appears with its
+first increment misses that increment, too).
+
 - per worker (load gauges and cumulative counters from each worker's latest report, worker_up),
   routing outcomes (Orchestrator.routing_stats) and the router's event-loop lag
   (Orchestrator.loop_lag.stats()): read at scrape time by a collector.
@@ -32,7 +37,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from splitserve.common import metrics as m
 from splitserve.common.metrics import COUNTER, GAUGE, HISTOGRAM, MetricDef
 from splitserve.common.slo import SloConfig
-from splitserve.common.stats import LoopLagStats, PlannerStats, RequestRecord, RoutingStats, WorkerSnapshot
+from splitserve.common.stats import (FINISH_REASONS, LoopLagStats, PlannerStats, RequestRecord, RoutingStats,
+                                     WorkerSnapshot)
 from splitserve.router.orchestrator import Orchestrator
 
 T = TypeVar("T")
@@ -68,6 +74,10 @@ class RouterMetrics:
         """`slo`: the router's default targets, exported as splitserve_slo_target_seconds."""
         self.registry = CollectorRegistry()
         self._live = {d.name: _live_collector(d, self.registry) for d in m.ALL_METRICS if d not in SCRAPED}
+        for definition, values in ((m.REQUEST_FAILURE, m.FAILURE_CODES), (m.REQUEST_SUCCESS, FINISH_REASONS),
+                                   (m.TTFT_BREAKDOWN, m.TTFT_PHASES)):
+            for value in values:
+                self._get(definition).labels(value)  # the child exists (at 0) from now on
         for name, target in (("ttft", slo.ttft_s), ("tpot", slo.tpot_s)):
             if target is not None:
                 self._get(m.SLO_TARGET).labels(name).set(target)
@@ -247,8 +257,15 @@ def _worker_families(workers: Sequence[WorkerSnapshot]) -> Iterator[Metric]:
 
 
 def _routing_families(routing: RoutingStats) -> Iterator[Metric]:
-    yield _family(m.ROUTING_DECISIONS, routing.decisions)
-    yield _family(m.ADMISSION_REJECTIONS, routing.rejections)
+    yield _family(m.ROUTING_DECISIONS, _with_zeros(m.ROUTING_REASONS, routing.decisions))
+    yield _family(m.ADMISSION_REJECTIONS, _with_zeros(m.REJECTION_REASONS, routing.rejections))
+
+
+def _with_zeros(known: Sequence[str], counts: Iterable[tuple[str, int]]) -> list[tuple[str, int]]:
+    """(reason, count) for every known reason (0 when it never happened) and any other counted."""
+    merged = dict.fromkeys(known, 0)
+    merged.update(counts)
+    return sorted(merged.items())
 
 
 def _loop_lag_family(stats: LoopLagStats) -> Metric:

@@ -4,8 +4,8 @@ for anything but their default. Never silently ignored.
 
 A field in neither table is not one of vLLM's (nor one of the OpenAI fields listed here): it is
 ignored, as vLLM ignores fields its request models do not declare, so clients that send extra
-fields keep working. tests/test_openai_fields.py holds vLLM's field lists and checks that each
-one is in a table here.
+fields keep working. tests/test_openai_fields.py checks that each field of vLLM 0.32's request
+models (tests/fixtures/vllm_request_fields.json, extracted from vLLM's sources) is in a table here.
 """
 
 from __future__ import annotations
@@ -26,9 +26,11 @@ COMMON_HANDLED = frozenset({
     # id that only steers routing (vLLM ignores both too); render-endpoint options that vLLM
     # itself ignores on the generation endpoints.
     "user", "session_id", "return_token_offsets", "return_mm_kwargs",
+    # structured output (router/structured_output.py)
+    "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
 })
-"""Fields both endpoints implement (n only as 1)."""
-COMPLETION_HANDLED = COMMON_HANDLED | {"prompt", "best_of"}
+"""Fields both endpoints implement."""
+COMPLETION_HANDLED = COMMON_HANDLED | {"prompt", "best_of", "echo"}
 CHAT_HANDLED = COMMON_HANDLED | {"messages", "top_logprobs", "max_completion_tokens", "tool_choice",
                                  "add_generation_prompt", "continue_final_message", "chat_template_kwargs",
                                  "documents",
@@ -59,8 +61,8 @@ def _json_excerpt(value: Any, max_chars: int = 64) -> str:
     return text if len(text) <= max_chars else f"{text[:max_chars]}...(+{len(text) - max_chars} chars)"
 
 
-_STRUCTURED = "structured output (a grammar engine) is not implemented yet"
-_ONE_SEQUENCE = "one sequence per request (send several requests, with different seeds)"
+_STRUCTURED = "structured output has one grammar engine (llguidance) and compact JSON"
+_NO_BEAM_SEARCH = "no beam search (parallel sampling: n, best_of)"
 _NOT_IMPLEMENTED = "not implemented"
 _NO_TOOLS = "no tool calling"
 _TEXT_ONLY = "text models only"
@@ -68,15 +70,11 @@ _OFF = (False,)
 _EMPTY = ([], {})
 
 
-def _structured(*names: str) -> tuple[Refused, ...]:
-    return tuple(Refused(name, (), _STRUCTURED) for name in names)
-
-
 COMMON_REFUSED = (
-    *_structured("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-                 "guided_decoding_backend", "guided_whitespace_pattern", "structural_tag"),
-    Refused("response_format", ({"type": "text"},), _STRUCTURED + "; only {\"type\": \"text\"} is accepted"),
-    Refused("use_beam_search", _OFF, _ONE_SEQUENCE),
+    Refused("guided_decoding_backend", ("auto", "guidance", "llguidance"), _STRUCTURED),
+    Refused("guided_whitespace_pattern", (), _STRUCTURED),
+    Refused("structural_tag", (), "structural tags are not implemented"),
+    Refused("use_beam_search", _OFF, _NO_BEAM_SEARCH),
     Refused("length_penalty", (1.0, 1), "it only applies to beam search, which is not implemented"),
     Refused("logit_bias", _EMPTY, _NOT_IMPLEMENTED),
     Refused("allowed_token_ids", (), _NOT_IMPLEMENTED),
@@ -101,15 +99,15 @@ COMMON_REFUSED = (
     Refused("routed_experts_prompt_start", (0,), "no mixture-of-experts models"),
     Refused("prompt_embeds", (), _TEXT_ONLY),
     Refused("mm_processor_kwargs", _EMPTY, _TEXT_ONLY),
+    Refused("mm_payload", (), _TEXT_ONLY),
 )
 COMPLETION_REFUSED = (
     *COMMON_REFUSED,
-    Refused("echo", _OFF, _NOT_IMPLEMENTED),
     Refused("suffix", ("",), _NOT_IMPLEMENTED),
 )
 CHAT_REFUSED = (
     *COMMON_REFUSED,
-    Refused("echo", _OFF, _NOT_IMPLEMENTED),
+    Refused("echo", _OFF, "a chat's echo (the last message repeated) is not implemented"),
     Refused("tools", ([],), _NO_TOOLS),
     Refused("functions", ([],), _NO_TOOLS),
     Refused("function_call", ("none", "auto"), _NO_TOOLS),

@@ -20,10 +20,14 @@ from splitserve.common.token_logprobs import TokenLogprobs
 from splitserve.router.api_types import StreamChunk, Usage
 from splitserve.router.openai_fields import CHAT_REFUSED, COMPLETION_REFUSED, refuse_unsupported
 from splitserve.router.request_limits import RequestLimits, utf8_length
+from splitserve.router.structured_output import parse_structured_output
 from splitserve.router.tokenizer import ChatTemplateOptions
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 """max_tokens of a completion request that sets none (the OpenAI and vLLM default)."""
+MAX_SEQUENCES = 128
+"""Most sequences one request may ask for (prompts x best_of, or n): each is a request of the
+cluster's own, so an unbounded fan-out would let one client flood it."""
 MIN_LOGPROB = -9999.0
 """JSON has no -inf: a logprob below this is reported as this (what vLLM does)."""
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
@@ -45,7 +49,14 @@ class CompletionRequest:
 
     model: str | None
     """None: the request named no model (the served one is used, as vLLM does)."""
-    prompt: str | tuple[int, ...]
+    prompts: tuple[str | tuple[int, ...], ...]
+    """The prompt, or each prompt of a batch: text or token ids."""
+    n: int
+    """Choices returned per prompt."""
+    best_of: int
+    """Sequences generated per prompt (>= n): the n with the highest cumulative logprob are returned."""
+    echo: bool
+    """Each choice's text starts with its prompt's text."""
     sampling: SamplingParams
     max_tokens_param: str | None
     """The field that set sampling.max_tokens; None when defaulted (then only the context length bounds it)."""
@@ -66,6 +77,8 @@ class ChatCompletionRequest:
 
     model: str | None
     messages: tuple[ChatMessage, ...]
+    n: int
+    """Choices returned (parallel sampling)."""
     add_generation_prompt: bool
     sampling: SamplingParams
     """sampling.logprobs is top_logprobs when logprobs is true, else None."""
@@ -90,10 +103,12 @@ def _typed(body: Mapping[str, Any], name: str, kind: type, what: str, default: A
     return value
 
 
-def _require_one(body: Mapping[str, Any], name: str) -> None:
-    if body.get(name) not in (None, 1):
-        raise InvalidRequestError(name, f"only {name}=1 is supported, got {body[name]!r}; send one request per "
-                                        "sample (with different seeds for different samples)")
+def _count(body: Mapping[str, Any], name: str, default: int) -> int:
+    """A number of sequences: an integer in [1, MAX_SEQUENCES]."""
+    value = _typed(body, name, int, f"an integer in [1, {MAX_SEQUENCES}]", default)
+    if not 1 <= value <= MAX_SEQUENCES:
+        raise InvalidRequestError(name, f"must be an integer in [1, {MAX_SEQUENCES}], got {value}")
+    return value
 
 
 def _stream_flags(body: Mapping[str, Any]) -> tuple[bool, bool]:
@@ -139,7 +154,8 @@ def _sampling(body: Mapping[str, Any], max_tokens: int, max_tokens_param: str | 
         value = _typed(body, name, bool, "a boolean")
         if value is not None:
             given[name] = value
-    params = SamplingParams(stop=_stop(body), max_tokens=max_tokens, logprobs=logprobs, **given)
+    params = SamplingParams(stop=_stop(body), max_tokens=max_tokens, logprobs=logprobs,
+                            structured_output=parse_structured_output(body), **given)
     limits.check_sampling(params, max_tokens_param)
     return params
 
@@ -148,23 +164,45 @@ def _model(body: Mapping[str, Any]) -> str | None:
     return _typed(body, "model", str, "a string")
 
 
-def _prompt(body: Mapping[str, Any], limits: RequestLimits) -> str | tuple[int, ...]:
-    """A string or a list of token ids; a batch of exactly one of either is unwrapped. Its size is
-    checked before its ids are."""
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]
+def _prompt(prompt: Any, limits: RequestLimits, field: str) -> str | tuple[int, ...]:
+    """One prompt: a string or a non-empty list of token ids; its size is checked before its ids are."""
     if isinstance(prompt, str):
-        limits.check_prompt_bytes(utf8_length(prompt), "prompt")
+        limits.check_prompt_bytes(utf8_length(prompt), field)
         return prompt
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], (str, list)):  # token ids
-        limits.check_prompt_token_count(len(prompt), "prompt")
+        limits.check_prompt_token_count(len(prompt), field)
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         return tuple(prompt)
-    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-        raise InvalidRequestError("prompt", f"batched prompts ({len(prompt)}) are not supported; send one request "
-                                            "per prompt")
-    raise InvalidRequestError("prompt", "must be a string or a non-empty list of token ids")
+    raise InvalidRequestError(field, "must be a string or a non-empty list of token ids")
+
+
+def _prompts(body: Mapping[str, Any], limits: RequestLimits, best_of: int) -> tuple[str | tuple[int, ...], ...]:
+    """A prompt, or a batch: a list of strings or of token-id lists (vLLM's batched prompts)."""
+    prompt = body.get("prompt")
+    if not (isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt)):
+        return (_prompt(prompt, limits, "prompt"),)
+    if len(prompt) * best_of > MAX_SEQUENCES:
+        raise InvalidRequestError("prompt", f"{len(prompt)} prompts x {best_of} sequences each exceed "
+                                            f"{MAX_SEQUENCES} sequences per request")
+    return tuple(_prompt(p, limits, f"prompt[{i}]") for i, p in enumerate(prompt))
+
+
+def _best_of(body: Mapping[str, Any], n: int, stream: bool) -> int:
+    best_of = _count(body, "best_of", n)
+    if best_of < n:
+        raise InvalidRequestError("best_of", f"must be >= n ({n}), got {best_of}")
+    if stream and best_of > n:
+        raise InvalidRequestError("best_of", f"cannot stream: the best {n} of {best_of} sequences are known only "
+                                             "once all finished (set best_of to n, or stream to false)")
+    return best_of
+
+
+def _echo(body: Mapping[str, Any], logprobs: int | None) -> bool:
+    echo = _typed(body, "echo", bool, "a boolean", False)
+    if echo and logprobs is not None:
+        raise InvalidRequestError("echo", "with logprobs needs the prompt's logprobs, which this server does not "
+                                          "compute (drop logprobs, or echo)")
+    return echo
 
 
 def _request_id(body: Mapping[str, Any], limits: RequestLimits) -> str:
@@ -174,14 +212,16 @@ def _request_id(body: Mapping[str, Any], limits: RequestLimits) -> str:
 
 
 def parse_completion_request(body: Mapping[str, Any], limits: RequestLimits) -> CompletionRequest:
-    _require_one(body, "n")
-    _require_one(body, "best_of")
     refuse_unsupported(body, COMPLETION_REFUSED)
     logprobs = _typed(body, "logprobs", int, f"an integer in [0, {MAX_LOGPROBS}]")
     max_tokens, max_tokens_param = _max_tokens(body, ("max_tokens",), COMPLETION_DEFAULT_MAX_TOKENS)
     stream, include_usage = _stream_flags(body)
+    n = _count(body, "n", 1)
+    best_of = _best_of(body, n, stream)
+    echo = _echo(body, logprobs)
     sampling = _sampling(body, max_tokens, max_tokens_param, logprobs, limits)
-    return CompletionRequest(_model(body), _prompt(body, limits), sampling, max_tokens_param, stream, include_usage,
+    return CompletionRequest(_model(body), _prompts(body, limits, best_of), n, best_of, echo, sampling,
+                             max_tokens_param, stream, include_usage,
                              _typed(body, "return_tokens_as_token_ids", bool, "a boolean", False),
                              _request_id(body, limits), _typed(body, "add_special_tokens", bool, "a boolean", True))
 
@@ -229,7 +269,6 @@ def _chat_logprobs(body: Mapping[str, Any]) -> int | None:
 
 
 def _check_chat_options(body: Mapping[str, Any]) -> None:
-    _require_one(body, "n")
     refuse_unsupported(body, CHAT_REFUSED)
     if body.get("tool_choice") not in (None, "none", "auto"):
         raise InvalidRequestError("tool_choice", f"tool calling is not supported (got {body['tool_choice']!r})")
@@ -267,8 +306,9 @@ def parse_chat_request(body: Mapping[str, Any], limits: RequestLimits) -> ChatCo
     stream, include_usage = _stream_flags(body)
     sampling = _sampling(body, max_tokens, max_tokens_param, _chat_logprobs(body), limits)
     return ChatCompletionRequest(
-        _model(body), messages, add_generation_prompt, sampling, max_tokens_param, stream, include_usage,
-        _typed(body, "return_tokens_as_token_ids", bool, "a boolean", False), _request_id(body, limits), template)
+        _model(body), messages, _count(body, "n", 1), add_generation_prompt, sampling, max_tokens_param, stream,
+        include_usage, _typed(body, "return_tokens_as_token_ids", bool, "a boolean", False), _request_id(body, limits),
+        template)
 
 
 @dataclass(frozen=True)
@@ -357,8 +397,9 @@ class ResponseHeader:
 
 
 class _Renderer(ABC):
-    """Turns one request's StreamChunks into OpenAI JSON; `token_text` names a token id in
-    logprobs (its decoded text, or "token_id:<id>"), which are reported when `with_logprobs`."""
+    """Turns one request's StreamChunks into OpenAI JSON, each choice under its `index`;
+    `token_text` names a token id in logprobs (its decoded text, or "token_id:<id>"), which are
+    reported when `with_logprobs`."""
 
     object_name = ""
     chunk_object_name = ""
@@ -385,55 +426,72 @@ class _Renderer(ABC):
         """The stream's last data chunk under stream_options.include_usage."""
         return {**self._envelope(self.chunk_object_name, []), "usage": usage_body(usage)}
 
-    def response(self, chunks: Sequence[StreamChunk]) -> dict:
-        """The non-streaming response for a finished request's chunks (the last one has usage)."""
-        final = chunks[-1]
-        choice = {**self._message(chunks), "finish_reason": final.finish_reason, "stop_reason": final.stop_reason}
-        return {**self._envelope(self.object_name, [{"index": 0, **choice}]), "usage": usage_body(final.usage)}
+    def response(self, choices: Sequence[Sequence[StreamChunk]], usage: Usage) -> dict:
+        """The non-streaming response: each choice's chunks in choice order (the last of each has
+        its finish reason), and the whole request's usage."""
+        rendered = [{"index": index, **self._message(index, chunks), "finish_reason": chunks[-1].finish_reason,
+                     "stop_reason": chunks[-1].stop_reason} for index, chunks in enumerate(choices)]
+        return {**self._envelope(self.object_name, rendered), "usage": usage_body(usage)}
 
     @abstractmethod
-    def stream_chunks(self, chunk: StreamChunk) -> list[dict]:
-        """The stream chunks (in order) that carry one StreamChunk."""
+    def stream_chunks(self, index: int, chunk: StreamChunk) -> list[dict]:
+        """The stream chunks (in order) that carry choice `index`'s next StreamChunk."""
 
     @abstractmethod
-    def _message(self, chunks: Sequence[StreamChunk]) -> dict:
-        """The choice's content fields (text or message, logprobs) of the whole output."""
+    def _message(self, index: int, chunks: Sequence[StreamChunk]) -> dict:
+        """Choice `index`'s content fields (text or message, logprobs) of its whole output."""
 
 
 class CompletionRenderer(_Renderer):
-    """text_completion objects; logprobs as tokens / token_logprobs / top_logprobs / text_offset."""
+    """text_completion objects; logprobs as tokens / token_logprobs / top_logprobs / text_offset.
+    With `echo` (each prompt's text, prompt-major like the choices, `choices_per_prompt` choices
+    each), a choice's text starts with its prompt's."""
 
     object_name = chunk_object_name = "text_completion"
 
     def __init__(self, header: ResponseHeader, token_text: Callable[[int], str], include_usage: bool,
-                 with_logprobs: bool) -> None:
+                 with_logprobs: bool, echo: Sequence[str] = (), choices_per_prompt: int = 1) -> None:
         super().__init__(header, token_text, include_usage, with_logprobs)
-        self._text_offset = 0
-        """Characters of token text reported so far: where the next token's text_offset starts."""
+        self.echo = tuple(echo)
+        self.choices_per_prompt = choices_per_prompt
+        self._text_offset: dict[int, int] = {}
+        """Characters of token text reported so far per choice: where its next token's text_offset starts."""
+        self._echoed: set[int] = set()
+        """Choices whose stream carried their prompt's text already."""
 
-    def stream_chunks(self, chunk: StreamChunk) -> list[dict]:
-        return [self._chunk({"index": 0, "text": chunk.text, "logprobs": self._logprobs(chunk.logprobs),
-                             "finish_reason": chunk.finish_reason, "stop_reason": chunk.stop_reason})]
+    def stream_chunks(self, index: int, chunk: StreamChunk) -> list[dict]:
+        return [self._chunk({"index": index, "text": self._echo_once(index) + chunk.text,
+                             "logprobs": self._logprobs(index, chunk.logprobs), "finish_reason": chunk.finish_reason,
+                             "stop_reason": chunk.stop_reason})]
 
-    def _message(self, chunks: Sequence[StreamChunk]) -> dict:
+    def _echo_once(self, index: int) -> str:
+        if not self.echo or index in self._echoed:
+            return ""
+        self._echoed.add(index)
+        return self.echo[index // self.choices_per_prompt]
+
+    def _message(self, index: int, chunks: Sequence[StreamChunk]) -> dict:
         logprobs = [lp for chunk in chunks for lp in chunk.logprobs]
-        return {"text": "".join(chunk.text for chunk in chunks), "logprobs": self._logprobs(logprobs)}
+        return {"text": self._echo_once(index) + "".join(chunk.text for chunk in chunks),
+                "logprobs": self._logprobs(index, logprobs)}
 
-    def _logprobs(self, logprobs: Sequence[TokenLogprobs]) -> dict | None:
+    def _logprobs(self, index: int, logprobs: Sequence[TokenLogprobs]) -> dict | None:
         if not self.with_logprobs:
             return None
         tokens = [self.token_text(lp.token_id) for lp in logprobs]
         offsets = []
+        offset = self._text_offset.get(index, 0)
         for token in tokens:
-            offsets.append(self._text_offset)
-            self._text_offset += len(token)
+            offsets.append(offset)
+            offset += len(token)
+        self._text_offset[index] = offset
         return {"tokens": tokens, "token_logprobs": [_logprob(lp.logprob) for lp in logprobs],
                 "top_logprobs": [{self.token_text(t): _logprob(v) for t, v in lp.top} for lp in logprobs],
                 "text_offset": offsets}
 
 
 class ChatRenderer(_Renderer):
-    """chat.completion objects; the stream opens with the assistant role, then content deltas."""
+    """chat.completion objects; each choice's stream opens with the assistant role, then content deltas."""
 
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
@@ -441,20 +499,20 @@ class ChatRenderer(_Renderer):
     def __init__(self, header: ResponseHeader, token_text: Callable[[int], str], include_usage: bool,
                  with_logprobs: bool) -> None:
         super().__init__(header, token_text, include_usage, with_logprobs)
-        self._role_sent = False
+        self._role_sent: set[int] = set()
 
-    def stream_chunks(self, chunk: StreamChunk) -> list[dict]:
+    def stream_chunks(self, index: int, chunk: StreamChunk) -> list[dict]:
         chunks = []
-        if not self._role_sent:
-            self._role_sent = True
-            chunks.append(self._chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                       "finish_reason": None}))
-        chunks.append(self._chunk({"index": 0, "delta": {"content": chunk.text},
+        if index not in self._role_sent:
+            self._role_sent.add(index)
+            chunks.append(self._chunk({"index": index, "delta": {"role": "assistant", "content": ""},
+                                       "logprobs": None, "finish_reason": None}))
+        chunks.append(self._chunk({"index": index, "delta": {"content": chunk.text},
                                    "logprobs": self._logprobs(chunk.logprobs), "finish_reason": chunk.finish_reason,
                                    "stop_reason": chunk.stop_reason}))
         return chunks
 
-    def _message(self, chunks: Sequence[StreamChunk]) -> dict:
+    def _message(self, index: int, chunks: Sequence[StreamChunk]) -> dict:
         logprobs = [lp for chunk in chunks for lp in chunk.logprobs]
         return {"message": {"role": "assistant", "content": "".join(chunk.text for chunk in chunks)},
                 "logprobs": self._logprobs(logprobs)}
@@ -468,4 +526,3 @@ class ChatRenderer(_Renderer):
     def _token(self, token_id: int, logprob: float) -> dict:
         text = self.token_text(token_id)
         return {"token": text, "logprob": _logprob(logprob), "bytes": list(text.encode("utf-8", errors="replace"))}
-

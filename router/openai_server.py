@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import hashlib
 import importlib.metadata
@@ -45,7 +46,8 @@ from splitserve.router.auth import check_authorization
 from splitserve.router.openai_protocol import (ChatRenderer, CompletionRenderer, ResponseHeader, error_body,
                                                parse_chat_request, parse_completion_request,
                                                parse_detokenize_request, parse_tokenize_request)
-from splitserve.router.api_types import GenerationInput, RouterError, StreamChunk
+from splitserve.router.api_types import GenerationInput, RouterError, Usage
+from splitserve.router.fanout import FanOut, IndexedChunk, best_of, by_choice, merged_usage, sequence_inputs
 from splitserve.router.orchestrator import Orchestrator
 from splitserve.router.tls import TlsConfig, load_tls
 from splitserve.router.tokenizer_pool import TokenizerPool
@@ -115,9 +117,21 @@ class ClientDisconnected(Exception):
 class _Job:
     """A validated request, ready for the orchestrator."""
 
-    inp: GenerationInput
+    inputs: tuple[GenerationInput, ...]
+    """One per sequence, prompt-major (router/fanout.py)."""
+    num_sequences: int
+    """Sequences generated per prompt (best_of)."""
+    n: int
+    """Choices returned per prompt: the best n of its sequences when fewer than num_sequences."""
     renderer: CompletionRenderer | ChatRenderer
     stream: bool
+
+    def response(self, chunks: list[IndexedChunk]) -> dict:
+        """The non-streaming response from every sequence's chunks."""
+        sequences = by_choice(chunks, len(self.inputs))
+        usage = merged_usage([sequence[-1].usage for sequence in sequences], self.num_sequences)
+        choices = sequences if self.n == self.num_sequences else best_of(sequences, self.n, self.num_sequences)
+        return self.renderer.response(choices, usage)
 
 
 class OpenAIServing:
@@ -210,8 +224,9 @@ class OpenAIServing:
             return ApiError.of(error).response()
         try:
             job = await prepare(await _read_json(request))
-            logger.info("[%s] %s: %d prompt tokens", quote_for_log(job.inp.request_id), request.url.path,
-                        len(job.inp.prompt_token_ids))
+            logger.info("[%s] %s: %d prompt tokens, %d sequences", quote_for_log(job.inputs[0].request_id),
+                        request.url.path, sum(len(inp.prompt_token_ids) for inp in job.inputs[::job.num_sequences]),
+                        len(job.inputs))
             return await self._respond(request, job, admission)
         except BaseException as error:
             admission.release()  # refused while parsed, or its stream never started (else a no-op)
@@ -224,54 +239,69 @@ class OpenAIServing:
     async def _respond(self, request: Request, job: _Job, admission: Admission) -> Response:
         """Run the request; a streamed one starts its response once the first chunk is in, so an
         error before it (a bad prompt, a routing rejection) still gets its HTTP status."""
-        stream = self.orchestrator.generate(job.inp, admission)
+        stream = FanOut(self.orchestrator, job.inputs, job.num_sequences, admission).stream()
         try:
             if not job.stream:
                 chunks = await _until_disconnect(request, _collect(stream))
-                return JSONResponse(job.renderer.response(chunks))
+                return JSONResponse(job.response(chunks))
             first = await _until_disconnect(request, anext(stream))
         except BaseException:
             await stream.aclose()
             raise
-        return _EventStream(_events(first, stream, job.renderer))
+        return _EventStream(_events(first, stream, job))
 
     async def _completion_job(self, body: Any) -> _Job:
         parsed = parse_completion_request(_object(body), self.tokenizers.limits)
         self._check_model(parsed.model)
-        prompt = parsed.prompt
-        token_ids = (prompt if isinstance(prompt, tuple)
-                     else await self.tokenizers.encode(prompt, parsed.add_special_tokens))
-        inp = self._input(token_ids, parsed.sampling, parsed.max_tokens_param, "prompt", parsed.request_id)
-        renderer = CompletionRenderer(self._header("cmpl", inp), self._token_text(parsed.tokens_as_ids),
-                                      parsed.include_usage, parsed.sampling.logprobs is not None)
-        return _Job(inp, renderer, parsed.stream)
+        prompts = [prompt if isinstance(prompt, tuple)
+                   else await self.tokenizers.encode(prompt, parsed.add_special_tokens) for prompt in parsed.prompts]
+        params = parsed.sampling
+        if parsed.best_of > parsed.n and params.logprobs is None:  # best_of ranks by the sampled tokens' logprobs
+            params = dataclasses.replace(params, logprobs=0)
+        request_id, inputs = self._inputs(prompts, params, parsed.max_tokens_param, "prompt", parsed.request_id,
+                                          parsed.best_of)
+        echo = [self._prompt_text(p) for p in parsed.prompts] if parsed.echo else ()
+        renderer = CompletionRenderer(self._header("cmpl", request_id), self._token_text(parsed.tokens_as_ids),
+                                      parsed.include_usage, parsed.sampling.logprobs is not None, echo, parsed.n)
+        return _Job(inputs, parsed.best_of, parsed.n, renderer, parsed.stream)
 
     async def _chat_job(self, body: Any) -> _Job:
         parsed = parse_chat_request(_object(body), self.tokenizers.limits)
         self._check_model(parsed.model)
         messages = [{"role": m.role, "content": m.content} for m in parsed.messages]
         token_ids = await self.tokenizers.apply_chat_template(messages, parsed.add_generation_prompt, parsed.template)
-        inp = self._input(token_ids, parsed.sampling, parsed.max_tokens_param, "messages", parsed.request_id)
-        renderer = ChatRenderer(self._header("chatcmpl", inp), self._token_text(parsed.tokens_as_ids),
+        request_id, inputs = self._inputs([token_ids], parsed.sampling, parsed.max_tokens_param, "messages",
+                                          parsed.request_id, parsed.n)
+        renderer = ChatRenderer(self._header("chatcmpl", request_id), self._token_text(parsed.tokens_as_ids),
                                 parsed.include_usage, parsed.sampling.logprobs is not None)
-        return _Job(inp, renderer, parsed.stream)
+        return _Job(inputs, parsed.n, parsed.n, renderer, parsed.stream)
+
+    def _prompt_text(self, prompt: str | tuple[int, ...]) -> str:
+        """What echo repeats: a text prompt as sent, token ids as their text (special tokens kept)."""
+        return prompt if isinstance(prompt, str) else self.tokenizers.tokenizer.decode(prompt,
+                                                                                        skip_special_tokens=False)
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model not in self.model_names:
             raise ApiError(404, f"The model `{model}` does not exist; this server serves `{self.model_name}`.",
                            "model", "model_not_found")
 
-    def _input(self, token_ids: tuple[int, ...], params: SamplingParams, max_tokens_param: str | None,
-               prompt_param: str, request_id: str) -> GenerationInput:
-        """Check the prompt (`prompt_param`: the body field it came from) and, when the client set
-        max_tokens, that prompt + output fit the context; `request_id`: the client's ("": new)."""
-        self.orchestrator.validate_prompt(token_ids, prompt_param)
-        self.tokenizers.limits.check_max_tokens(len(token_ids), params, max_tokens_param)
+    def _inputs(self, prompts: list[tuple[int, ...]], params: SamplingParams, max_tokens_param: str | None,
+                prompt_param: str, request_id: str,
+                num_sequences: int) -> tuple[str, tuple[GenerationInput, ...]]:
+        """Check each prompt (`prompt_param`: the body field it came from; `[i]` names one of a
+        batch) and, when the client set max_tokens, that prompt + output fit the context; then
+        (the request's id, one input per sequence). `request_id`: the client's ("": new)."""
+        for index, token_ids in enumerate(prompts):
+            field = prompt_param if len(prompts) == 1 else f"{prompt_param}[{index}]"
+            self.orchestrator.validate_prompt(token_ids, field)
+            self.tokenizers.limits.check_max_tokens(len(token_ids), params, max_tokens_param)
         deadline = None if self.request_timeout_s is None else time.monotonic() + self.request_timeout_s
-        return GenerationInput(self.orchestrator.new_request_id(request_id), token_ids, params, deadline)
+        base = GenerationInput(self.orchestrator.new_request_id(request_id), prompts[0], params, deadline)
+        return base.request_id, sequence_inputs(base, prompts, num_sequences)
 
-    def _header(self, prefix: str, inp: GenerationInput) -> ResponseHeader:
-        return ResponseHeader(f"{prefix}-{inp.request_id}", int(time.time()), self.model_name,
+    def _header(self, prefix: str, request_id: str) -> ResponseHeader:
+        return ResponseHeader(f"{prefix}-{request_id}", int(time.time()), self.model_name,
                               self.system_fingerprint)
 
     @functools.cached_property
@@ -313,7 +343,7 @@ def _object(body: Any) -> dict:
     return body
 
 
-async def _collect(stream: AsyncIterator[StreamChunk]) -> list[StreamChunk]:
+async def _collect(stream: AsyncIterator[T]) -> list[T]:
     return [chunk async for chunk in stream]
 
 
@@ -343,19 +373,24 @@ def _sse(body: dict) -> bytes:
     return b"data: " + json.dumps(body, ensure_ascii=False, allow_nan=False).encode() + b"\n\n"
 
 
-async def _events(first: StreamChunk, stream: AsyncGenerator[StreamChunk, None],
-                  renderer: CompletionRenderer | ChatRenderer) -> AsyncGenerator[bytes, None]:
-    """The SSE body: chunk events, the usage event if asked for, an error event if the request
-    fails mid-stream, then [DONE]. Closing it closes the orchestrator's stream."""
-    last = first
+async def _events(first: IndexedChunk, stream: AsyncGenerator[IndexedChunk, None],
+                  job: _Job) -> AsyncGenerator[bytes, None]:
+    """The SSE body: every choice's chunk events as they come, the usage event if asked for, an
+    error event if the request fails mid-stream, then [DONE]. Closing it closes every sequence."""
+    renderer = job.renderer
+    usages: dict[int, Usage] = {}
     try:
-        for body in renderer.stream_chunks(first):
+        for body in renderer.stream_chunks(first.index, first.chunk):
             yield _sse(body)
-        async for last in stream:
-            for body in renderer.stream_chunks(last):
+        if first.chunk.usage is not None:
+            usages[first.index] = first.chunk.usage
+        async for item in stream:
+            for body in renderer.stream_chunks(item.index, item.chunk):
                 yield _sse(body)
+            if item.chunk.usage is not None:
+                usages[item.index] = item.chunk.usage
         if renderer.include_usage:
-            yield _sse(renderer.usage_chunk(last.usage))
+            yield _sse(renderer.usage_chunk(merged_usage([usages[i] for i in sorted(usages)], job.num_sequences)))
     except Exception as error:
         yield _sse(ApiError.of(error).body())
     finally:
@@ -468,9 +503,10 @@ class HttpServer:
         self._task: asyncio.Task | None = None
         self.port = 0
 
-    async def start(self, host: str, port: int) -> int:
-        """Listen on host:port (0 picks a free port); returns the bound port."""
-        sock = listening_socket(host, port)
+    async def start(self, host: str, port: int, reuse_port: bool = False) -> int:
+        """Listen on host:port (0 picks a free port); returns the bound port. `reuse_port`: share
+        the port with other routers' listeners (SO_REUSEPORT; the kernel spreads connections)."""
+        sock = listening_socket(host, port, reuse_port)
         self.port = sock.getsockname()[1]
         self._task = asyncio.get_running_loop().create_task(self._server.serve(sockets=[sock]))
         while not self._server.started:
@@ -489,7 +525,7 @@ class HttpServer:
         self._task = None
 
 
-def listening_socket(host: str, port: int) -> socket.socket:
+def listening_socket(host: str, port: int, reuse_port: bool = False) -> socket.socket:
     """A TCP listening socket whose accepted connections get TCP_NODELAY.
 
     asyncio turns Nagle's algorithm off only on sockets whose proto is IPPROTO_TCP, and
@@ -499,6 +535,8 @@ def listening_socket(host: str, port: int) -> socket.socket:
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind((host, port))
         sock.listen(socket.SOMAXCONN)
     except BaseException:
@@ -510,11 +548,13 @@ def listening_socket(host: str, port: int) -> socket.socket:
 async def start_http_server(orchestrator: Orchestrator, tokenizers: TokenizerPool, model_name: str,
                             host: str = "127.0.0.1", port: int = 8000, request_timeout_s: float | None = None,
                             metrics_app: ASGIApp | None = None, api_key: str | None = None,
-                            tls: TlsConfig | None = None, aliases: tuple[str, ...] = ()) -> HttpServer:
+                            tls: TlsConfig | None = None, aliases: tuple[str, ...] = (),
+                            reuse_port: bool = False) -> HttpServer:
     """Start the OpenAI-compatible API on the running loop; the server's `port` is the bound one.
     With `api_key`, /v1/* needs `Authorization: Bearer <api_key>`; with `tls`, it is HTTPS only.
-    Requests may name the model `model_name` or one of `aliases`."""
+    Requests may name the model `model_name` or one of `aliases`. `reuse_port`: share the port
+    with other routers (SO_REUSEPORT)."""
     serving = OpenAIServing(orchestrator, tokenizers, model_name, request_timeout_s, aliases)
     server = HttpServer(build_app(serving, metrics_app, api_key), tls=tls)
-    await server.start(host, port)
+    await server.start(host, port, reuse_port)
     return server

@@ -194,6 +194,9 @@ class Orchestrator:
         hashes = (await asyncio.to_thread(self._hasher.hash_prefix, context) if len(context) > HASH_IN_THREAD_TOKENS
                   else self._hasher.hash_prefix(context))
         cached = {worker_id: blocks * block_size for worker_id, blocks in self.index.matched_blocks(hashes).items()}
+        full_prompt = len(inp.prompt_token_ids) // block_size * block_size
+        for worker_id in inp.kv_cached_on:  # a sibling's prefill there, not reported yet
+            cached[worker_id] = max(cached.get(worker_id, 0), full_prompt)
         max_tokens = min(inp.sampling_params.max_tokens - len(run.output_token_ids), self.max_model_len - len(context))
         # A resumed request has had its first token: its TTFT target no longer applies.
         request = RoutingRequest(len(context), -(-(len(context) + max_tokens) // block_size),
@@ -256,6 +259,14 @@ class Orchestrator:
             await decode.remove_peer(agent_name)
         except Exception as error:
             logger.warning("decode worker %s could not drop agent %s: %s", decode.worker_id, agent_name, error)
+
+    def worker_unavailable(self, worker_id: str, reason: str) -> None:
+        """The worker's runtime reports it dead or restarting (Ray's actor state): unroutable at
+        once, its requests move, without waiting for a call or a report poll to fail. A worker no
+        longer in a pool (retired) is ignored."""
+        if worker_id in self.prefill_pool.clients or worker_id in self.decode_pool.clients:
+            logger.warning("worker %s is unavailable: %s", worker_id, reason)
+            self._on_worker_lost(worker_id, reason)
 
     def _on_worker_lost(self, worker_id: str, reason: str) -> None:
         """A worker stopped answering: unroutable until it reports again; requests it was
@@ -416,7 +427,11 @@ class Orchestrator:
         run.decision = decision
         phases = (self._remote_prefill(run, run.stream, decision) if decision.prefill_worker_id is not None
                   else self._local_prefill(run, run.stream, decision))
+        first = not run.resumed
         async for chunk in phases:
+            if first:
+                first = False
+                chunk = dataclasses.replace(chunk, kv_holder=decision.prefill_worker_id or decision.decode_worker_id)
             yield chunk
 
     def _migrate(self, run: RequestRun, lost: WorkerLostError) -> None:
@@ -470,7 +485,8 @@ class Orchestrator:
         return pool.assign(worker_id, prefill_tokens)
 
     async def _prefill(self, run: RequestRun, prefill: Assignment) -> PrefillResult:
-        request = PrefillRequest(run.worker_request_id, run.inp.prompt_token_ids, self._worker_params(run))
+        request = PrefillRequest(run.worker_request_id, run.inp.prompt_token_ids, self._worker_params(run),
+                                 self.router_id)
         run.active_worker_id = prefill.client.worker_id
         result: PrefillResult = await run.call(
             self._call(prefill.client, "prefill", lambda: prefill.client.prefill(request)))

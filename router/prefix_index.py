@@ -119,6 +119,10 @@ class PrefixIndex:
         """Block hashes the index believes the worker holds."""
         return len(self._workers[worker_id].hashes)
 
+    def block_hashes(self, worker_id: str) -> frozenset[BlockHash]:
+        """The block hashes the index believes the worker holds (to compare with the worker's own)."""
+        return frozenset(self._workers[worker_id].hashes)
+
     def stats(self) -> PrefixIndexStats:
         return PrefixIndexStats(num_workers=len(self._workers), num_hashes=len(self._holders),
                                 num_resyncs=self._num_resyncs, num_gaps=self._num_gaps,

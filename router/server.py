@@ -32,6 +32,7 @@ from splitserve.router.auth import check_authorization
 from splitserve.router.malformed_requests import MalformedRequestInterceptor
 from splitserve.router.api_types import GenerationInput, RouterError, StreamChunk
 from splitserve.router.orchestrator import Orchestrator
+from splitserve.router.structured_output import structured_output_from_proto
 from splitserve.router.tokenizer_pool import TokenizerPool
 from splitserve.router.triton_server import SERVICE_NAME as TRITON_SERVICE_NAME
 from splitserve.router.triton_server import TritonServicer
@@ -49,7 +50,8 @@ _SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalt
 def sampling_params_from_proto(message: pb.SamplingParams) -> SamplingParams:
     """Unset optional fields keep SamplingParams' defaults; values are validated there."""
     given = {name: getattr(message, name) for name in _SAMPLING_FIELDS if message.HasField(name)}
-    return SamplingParams(stop=tuple(message.stop), stop_token_ids=tuple(message.stop_token_ids), **given)
+    return SamplingParams(stop=tuple(message.stop), stop_token_ids=tuple(message.stop_token_ids),
+                          structured_output=structured_output_from_proto(message.structured_output), **given)
 
 
 async def prompt_token_ids(request: pb.GenerateRequest, tokenizers: TokenizerPool) -> tuple[int, ...]:
@@ -262,18 +264,21 @@ async def start_grpc_server(orchestrator: Orchestrator, tokenizers: TokenizerPoo
                             host: str = "127.0.0.1", port: int = 50051,
                             request_timeout_s: float | None = None,
                             api_key: str | None = None,
-                            tls: TlsConfig | None = None, aliases: tuple[str, ...] = ()) -> GrpcServer:
+                            tls: TlsConfig | None = None, aliases: tuple[str, ...] = (),
+                            reuse_port: bool = False) -> GrpcServer:
     """Start serving; returns the server with its bound port (port 0 picks a free one). A
     Generate request may name the model `model_name` or one of `aliases` (Triton knows only
     `model_name`: its model repository has one entry). With
     `api_key`, Generation and Triton calls need metadata `authorization: Bearer <api_key>` (health and
     reflection stay open). With `tls`, every service is served over TLS only (mutual TLS when
-    it has a client CA)."""
+    it has a client CA). `reuse_port`: share the port with other routers' servers (SO_REUSEPORT,
+    which grpc would otherwise set by default: off, a port in use is an error)."""
     # The key is checked first: a caller without it learns nothing, not even whether its bytes parse.
     interceptors = [*([ApiKeyInterceptor(api_key)] if api_key else []), MalformedRequestInterceptor()]
     server = grpc.aio.server(interceptors=interceptors,
                              options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                                      ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
+                                      ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                                      ("grpc.so_reuseport", int(reuse_port))])
     pb_grpc.add_GenerationServicer_to_server(
         GenerationServicer(orchestrator, tokenizers, model_name, request_timeout_s, aliases), server)
     triton_pb_grpc.add_GRPCInferenceServiceServicer_to_server(

@@ -24,6 +24,11 @@ class RayWorker:
         self.worker_id = worker_id
         self._handle = handle
 
+    @property
+    def handle(self) -> Any:
+        """The worker's Ray actor handle (for watching its actor's state)."""
+        return self._handle
+
     async def info(self) -> WorkerInfo:
         return await self._call(self._handle.info.remote())
 

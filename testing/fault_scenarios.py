@@ -396,6 +396,13 @@ class InProcessView:
         self.dead.add(worker.worker_id)
         self.cluster.kill(worker.worker_id)
 
+    @staticmethod
+    def skew_lease_clock(worker: PrefillWorker | DecodeWorker, seconds: float) -> None:
+        """From now on the worker's lease clock (the producer's leases, the consumer's pulls) reads
+        `seconds` off its monotonic clock: a step of the clock, as a skewed or resynced machine's."""
+        connector = worker._leases if isinstance(worker, PrefillWorker) else worker._pulls
+        connector._clock = lambda: time.monotonic() + seconds
+
     def _live(self) -> list[PrefillWorker | DecodeWorker]:
         return [w for w in [*self.cluster.prefill_workers, *self.cluster.decode_workers] if w.worker_id not in self.dead]
 
@@ -795,6 +802,68 @@ async def prefill_dies_holding_kv(harness: Harness, handshake_first: bool) -> No
     await stream.ended()
 
 
+# ---- clock skew: one side's lease clock steps by +-SKEW_S ----------------------------------------
+SKEW_S = 10.0
+SKEW_LEASE_S = 5.0
+"""Shorter than SKEW_S: a step forward ends the lease (or the pull) on that side at once."""
+
+
+async def skew_during_pull(harness: Harness, side: str, seconds: float) -> None:
+    """While the data READ is in flight (its completion deferred), the producer's or the consumer's
+    lease clock steps by `seconds`; then the READ lands."""
+    view = harness.view
+    view.decode_backend.defer_completions()
+    stream = harness.open(SHORT)
+    await harness.until(lambda: _pull_started(harness), "the decode worker's pull started")
+    view.skew_lease_clock(view.prefill if side == "producer" else view.decode, seconds)
+    if side == "producer":
+        await harness.until(lambda: _no_lease_held(harness), "the lease ended on the producer's stepped clock")
+        backend = view.decode_backend
+        backend.defer_completions(False)
+        # The data READ lands after its blocks were reclaimed; the check READ then sees new generations.
+        await view.on_engine_thread(view.decode, backend.complete_pending_pulls)
+        await stream.ended()
+    else:
+        await stream.ended()  # the consumer abandoned the pull and recomputed the prompt
+        view.decode_backend.defer_completions(False)
+
+
+async def skew_while_held(harness: Harness, side: str, seconds: float) -> None:
+    """While the prompt's KV waits under its lease (decode not yet asked to pull), one side's lease
+    clock steps back by `seconds`: that side only waits longer."""
+    view = harness.view
+    stream = harness.open(SHORT, pause_after=1)
+    await harness.paused(stream)
+    view.skew_lease_clock(view.prefill if side == "producer" else view.decode, seconds)
+    stream.resume()
+    await stream.ended()
+
+
+def _skew_scenarios() -> list[Scenario]:
+    ahead, behind = f"+{SKEW_S:g} s", f"-{SKEW_S:g} s"
+    lease = f"the {SKEW_LEASE_S:g} s lease"
+    return [
+        Scenario("skew-producer-ahead-during-pull", "clock skew",
+                 f"the producer's lease clock steps {ahead} while the READ is in flight: {lease} ends there and its "
+                 "blocks' generations are bumped; the READ then lands and the generation check fails; recompute",
+                 functools.partial(skew_during_pull, side="producer", seconds=SKEW_S),
+                 Expected(_one(OK), lease_expiries=1, kv_transfers_failed=1), (SHORT,), lease_ttl_s=SKEW_LEASE_S),
+        Scenario("skew-consumer-ahead-during-pull", "clock skew",
+                 f"the consumer's lease clock steps {ahead} while the READ is in flight: it abandons the pull "
+                 f"({lease}'s TTL is over on its clock); recompute",
+                 functools.partial(skew_during_pull, side="consumer", seconds=SKEW_S),
+                 Expected(_one(OK), lease_expiries=None, kv_transfers_failed=1), (SHORT,), lease_ttl_s=SKEW_LEASE_S),
+        Scenario("skew-producer-behind-while-held", "clock skew",
+                 f"the producer's lease clock steps {behind} while the KV is held: {lease} would only last longer; "
+                 "the pull completes", functools.partial(skew_while_held, side="producer", seconds=-SKEW_S),
+                 Expected(_one(OK), lease_expiries=0, kv_transfers_failed=0), (SHORT,), lease_ttl_s=SKEW_LEASE_S),
+        Scenario("skew-consumer-behind-while-held", "clock skew",
+                 f"the consumer's lease clock steps {behind} before it pulls: it would only wait longer; the pull "
+                 "completes", functools.partial(skew_while_held, side="consumer", seconds=-SKEW_S),
+                 Expected(_one(OK), lease_expiries=0, kv_transfers_failed=0), (SHORT,), lease_ttl_s=SKEW_LEASE_S),
+    ]
+
+
 # ---- worker loss: the request moves -------------------------------------------------------------
 async def decode_dies_while_decoding(harness: Harness) -> None:
     """The request's decode worker (decode-0: the first request's tie goes to it) dies after
@@ -957,6 +1026,7 @@ def _transfer_fault_scenarios() -> list[Scenario]:
 IN_PROCESS_SCENARIOS: tuple[Scenario, ...] = (
     *_state_scenarios(),
     *_transfer_fault_scenarios(),
+    *_skew_scenarios(),
     *_worker_loss_scenarios(),
     Scenario("load-random-cancels", "load",
              f"{len(LOAD_CASES)} requests, {LOAD_CONCURRENCY} at a time (seed {LOAD_SEED}); {LOAD_CANCELS} cancelled "
@@ -998,6 +1068,7 @@ GROUPS = {
     "cancel": ("Cancellation in each state", "in-process"),
     "deadline": ("Deadline expiry in each state", "in-process"),
     "transfer fault": ("Transfer faults", "in-process"),
+    "clock skew": ("Clock skew: one side's lease clock steps by 10 s", "in-process"),
     "worker loss": ("Worker loss: requests move", "in-process"),
     "load": ("Bounded load with random cancels", "in-process"),
     "nixl": ("NIXL between Ray actors", "ray"),

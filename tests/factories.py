@@ -5,8 +5,11 @@ clusters, the fault scenarios, the sampler's reference) is in splitserve.testing
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
+import random
 
+import pytest
 import torch
 
 from splitserve.common.block_hash import BlockHasher
@@ -14,9 +17,10 @@ from splitserve.common.kv_transfer_types import KVLayout
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.request import Request
-from splitserve.engine.scheduler import Scheduler, SchedulerConfig
+from splitserve.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
 from splitserve.testing.event_loop import EventLoopThread
 from splitserve.testing.in_process_cluster import InProcessCluster
+from splitserve.testing.paged_reference import ReferencePagedKernels
 from splitserve.testing.workloads import GreedyCase
 
 _arrivals = itertools.count()
@@ -474,3 +478,51 @@ def two_sample_chi_square_p_value(first: list[int], second: list[int]) -> float:
     degrees = len(table) - 1
     return float(torch.special.gammaincc(torch.tensor(degrees / 2, dtype=torch.float64),
                                          torch.tensor(statistic / 2, dtype=torch.float64)))
+
+
+# ---- paged attention steps and the GPU suite's skips ---------------------------------------------
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (this machine has none)")
+requires_flashinfer = pytest.mark.skipif(importlib.util.find_spec("flashinfer") is None,
+                                         reason="needs flashinfer: pip install -c constraints.txt '.[gpu]'")
+
+
+def use_flashinfer_on_cpu(monkeypatch, graphs: bool = False) -> ReferencePagedKernels:
+    """Engines built afterwards in the test run the FlashInfer backend over torch kernels that read only
+    FlashInfer's metadata; with `graphs`, EngineConfig.cuda_graphs gets a DecodeGraphRunner whose "graphs"
+    run eagerly (splitserve.testing.eager_graphs). Returns the eager kernels (their plan counts)."""
+    from splitserve.engine import engine_core
+    from splitserve.engine.attention.flashinfer import FlashInferAttention
+    from splitserve.engine.cuda_graphs import DecodeGraphRunner
+    from splitserve.engine.decode_buckets import DecodeBucketTable
+    from splitserve.testing.eager_graphs import EagerGraphs
+
+    kernels = ReferencePagedKernels()
+    monkeypatch.setattr(engine_core, "select_backend", lambda *args: FlashInferAttention(kernels))
+
+    def eager_graphs(config, model, kv_cache, attention, max_model_len):
+        if not config.cuda_graphs:
+            return None
+        runner = DecodeGraphRunner(model, kv_cache, DecodeBucketTable.up_to(config.max_num_seqs),
+                                   -(-max_model_len // kv_cache.spec.block_size), EagerGraphs(),
+                                   lambda size, max_pages: ReferencePagedKernels())
+        runner.capture()
+        return runner
+
+    if graphs:
+        monkeypatch.setattr(engine_core, "build_decode_graphs", eager_graphs)
+    return kernels
+
+
+def random_paged_step(rng: random.Random, block_size: int, num_blocks: int) -> SchedulerOutput:
+    """A ragged step: fresh prompts, chunks after a cached prefix and decodes, in random order, over distinct
+    random blocks (1-7 chunks, prefixes up to 40 tokens, chunks up to 23)."""
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    chunks = []
+    for index in range(rng.randint(1, 7)):
+        kind = rng.choice(("fresh", "continued", "decode"))
+        start = 0 if kind == "fresh" else rng.randint(1, 40)
+        num_tokens = 1 if kind == "decode" else rng.randint(2, 23)
+        table = tuple(free.pop() for _ in range(-(-(start + num_tokens) // block_size)))
+        chunks.append(ScheduledChunk(f"r{index}", tuple(range(num_tokens)), start, table, samples=True))
+    return SchedulerOutput(tuple(chunks), ())

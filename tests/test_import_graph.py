@@ -9,6 +9,8 @@ and literal `importlib.import_module("...")` / `__import__("...")` calls.
   it reaches (checked statically here, and at runtime in a fresh interpreter for third-party chains).
 - `common/` imports only the standard library and numpy; imports under `if TYPE_CHECKING:` are exempt.
 - Only `kv_transfer/nixl_backend.py` imports NIXL (`nixl`, `nixl_cu12`, ...), in any folder.
+- Only `engine/attention/flashinfer.py` imports flashinfer (an optional extra, CUDA only), and not at module
+  level, so every module imports on a CPU install (tests/ may import it, to skip without it).
 - Only the router's metrics server (`router/metrics_server.py`) imports prometheus_client; cores return
   stats dataclasses (tests and benchmarks, which observe servers from outside, are not held to this).
 - Only `tests/` imports its own modules (`tests.factories`, `conftest`, ...): what bench/ or the
@@ -59,6 +61,7 @@ ALLOWED: Mapping[str, frozenset[str]] = {
 ROUTER_FORBIDDEN = frozenset({"torch", "transformers"})
 COMMON_THIRD_PARTY = frozenset({"numpy"})
 NIXL_MODULE = "kv_transfer/nixl_backend.py"
+FLASHINFER_MODULE = "engine/attention/flashinfer.py"
 PROMETHEUS = "prometheus_client"
 PROMETHEUS_MODULE = "router/metrics_server.py"
 PROMETHEUS_OBSERVERS = frozenset({"bench", "tests"})
@@ -228,6 +231,9 @@ def direct_violations(path: str, imports: Iterable[Import]) -> list[str]:
                             "(third-party imports for annotations belong under `if TYPE_CHECKING:`)")
         if _is_nixl(top) and path != NIXL_MODULE:
             messages.append(f"{imp.where()} imports {top}: only {NIXL_MODULE} imports NIXL")
+        if top == "flashinfer" and path != FLASHINFER_MODULE and folder != "tests":
+            messages.append(f"{imp.where()} imports flashinfer: only {FLASHINFER_MODULE} does (the optional `gpu` "
+                            "extra)")
         if top == PROMETHEUS and path != PROMETHEUS_MODULE and folder not in PROMETHEUS_OBSERVERS:
             messages.append(f"{imp.where()} imports {PROMETHEUS}: only {PROMETHEUS_MODULE} (the router's metrics "
                             "server) does; cores return stats dataclasses")
@@ -459,6 +465,21 @@ def test_common_allows_stdlib_numpy_and_typing_only_imports():
         "(third-party imports for annotations belong under `if TYPE_CHECKING:`)",
         "common/x.py:10: `from tokenizers import Tokenizer` imports tokenizers: common/ imports only the standard "
         "library and numpy (third-party imports for annotations belong under `if TYPE_CHECKING:`)"]
+
+
+def test_flashinfer_has_one_home_and_is_imported_lazily():
+    assert _violations(FLASHINFER_MODULE, "def f():\n    import flashinfer\n") == []
+    assert _violations("engine/model_runner.py", "import flashinfer") == [
+        "engine/model_runner.py:1: `import flashinfer` imports flashinfer: only engine/attention/flashinfer.py does "
+        "(the optional `gpu` extra)"]
+    module_level = [node for node in ast.parse((REPO / FLASHINFER_MODULE).read_text(encoding="utf-8")).body
+                    if isinstance(node, (ast.Import, ast.ImportFrom))
+                    and any(name.startswith("flashinfer") for name in _imported_names(node))]
+    assert module_level == []
+
+
+def _imported_names(node: ast.Import | ast.ImportFrom) -> list[str]:
+    return [node.module or ""] if isinstance(node, ast.ImportFrom) else [alias.name for alias in node.names]
 
 
 def test_nixl_and_prometheus_have_one_home():

@@ -72,7 +72,7 @@ def test_shipped_manifests_have_no_problems(manifests):
     assert kv.validate(manifests) == []
     assert [f"{m.kind}/{m.name}" for m in manifests] == [
         "Namespace/splitserve", "ConfigMap/splitserve-config", "RayCluster/splitserve", "Service/splitserve",
-        "PodMonitor/splitserve"]
+        "PodMonitor/splitserve", "PrometheusRule/splitserve"]
 
 
 @pytest.mark.parametrize("version", kv.KUBERNETES_VERSIONS)
@@ -160,10 +160,12 @@ def test_pod_monitor_labels_match_the_prometheus_rules_and_scrape_config(manifes
     assert re.findall(r'up\{job="([^"]+)"\}', alerts) == [kv.PROMETHEUS_JOB]
     assert endpoint["relabelings"] == [
         {"targetLabel": "job", "replacement": kv.PROMETHEUS_JOB},
-        {"sourceLabels": ["__meta_kubernetes_pod_label_ray_io_cluster"], "targetLabel": "cluster"}]
+        {"sourceLabels": ["__meta_kubernetes_pod_label_ray_io_cluster"], "targetLabel": "cluster"},
+        {"sourceLabels": ["__meta_kubernetes_pod_label_splitserve_io_model"], "targetLabel": "model"}]
     scrape = yaml.safe_load((REPO / "deploy" / "prometheus" / "kuberay-scrape.yml").read_text(encoding="utf-8"))
     relabels = scrape["scrape_configs"][0]["relabel_configs"]
     assert {"source_labels": ["__meta_kubernetes_pod_label_ray_io_cluster"], "target_label": "cluster"} in relabels
+    assert {"source_labels": ["__meta_kubernetes_pod_label_splitserve_io_model"], "target_label": "model"} in relabels
     assert relabels[0]["regex"] == f"head;{endpoint['port']}"
 
 
@@ -183,6 +185,64 @@ def test_kustomize_build_sets_namespace_and_image():
     cluster = next(d for d in built if d["kind"] == "RayCluster")
     images = [t["spec"]["containers"][0]["image"] for _, t in kv.pod_templates(cluster)]
     assert images == ["registry.example.com/splitserve:0.1.0"] * 3
+
+
+def _kustomize(directory: Path) -> list[dict]:
+    done = subprocess.run(["kubectl", "kustomize", str(directory)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return [doc for doc in yaml.safe_load_all(done.stdout) if doc]
+
+
+def _built_raycluster(directory: Path) -> dict:
+    return next(d for d in _kustomize(directory) if d["kind"] == "RayCluster")
+
+
+def test_every_ray_pod_has_a_memory_backed_dev_shm(manifests):
+    head, workers = kv.ray_pods(_manifest(manifests, "RayCluster"))
+    for pod in [head, *(pod for pod, _ in workers.values())]:
+        mount_path, volume = pod.mount_for("/dev/shm")
+        assert (mount_path, volume["emptyDir"]["medium"]) == ("/dev/shm", "Memory"), pod.field
+
+
+def _manifest(manifests, kind: str):
+    return next(m for m in manifests if m.kind == kind)
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not installed")
+def test_values_file_holds_the_pools_and_raycluster_yaml_matches_it():
+    """kustomize applies values.yaml unchanged: the built RayCluster is raycluster.yaml itself (so
+    the validator, which reads the files, checks what is applied), and values.yaml is not applied."""
+    built = _kustomize(KUBERAY)
+    assert "PoolValues" not in {doc["kind"] for doc in built}
+    raw = yaml.safe_load((KUBERAY / "raycluster.yaml").read_text(encoding="utf-8"))
+    cluster = next(d for d in built if d["kind"] == "RayCluster")
+    cluster["metadata"].pop("namespace")
+    for _, template in kv.pod_templates(cluster):
+        template["spec"]["containers"][0]["image"] = "splitserve"
+    assert cluster == raw
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not installed")
+def test_changing_values_yaml_resizes_the_pools(tmp_path):
+    copy_dir = shutil.copytree(KUBERAY, tmp_path / "kuberay", ignore=shutil.ignore_patterns("crds"))
+    values_path = copy_dir / "values.yaml"
+    values = yaml.safe_load(values_path.read_text(encoding="utf-8"))
+    values["spec"]["head"].update(cpu="2", memory="8Gi", shm="1Gi")
+    values["spec"]["prefill"].update(replicas=3, cpu="16", memory="128Gi", gpus="2", shm="32Gi")
+    values["spec"]["decode"].update(replicas=5, cpu="6", memory="48Gi", gpus="4", shm="8Gi")
+    values_path.write_text(yaml.safe_dump(values))
+    cluster = _built_raycluster(copy_dir)
+    head, workers = kv.ray_pods(kv.Manifest(values_path, cluster))
+    seen = {"head": (head, None), **workers}
+    for name, (pod, replicas) in seen.items():
+        wanted = values["spec"][name]
+        resources = pod.container["resources"]
+        shm = next(v for v in pod.spec["volumes"] if v["name"] == "dshm")["emptyDir"]["sizeLimit"]
+        gpus = {kind: resources[kind].get("nvidia.com/gpu") for kind in ("requests", "limits")}
+        assert (replicas, resources["requests"]["cpu"], resources["limits"]["cpu"], resources["requests"]["memory"],
+                resources["limits"]["memory"], gpus, shm) == (
+            wanted.get("replicas"), wanted["cpu"], wanted["cpu"], wanted["memory"], wanted["memory"],
+            {"requests": wanted.get("gpus"), "limits": wanted.get("gpus")}, wanted["shm"]), name
 
 
 # ---- the validator rejects broken manifests ---------------------------------------------------
@@ -244,7 +304,7 @@ BROKEN: dict[str, tuple[Callable[[dict], None], list[str]]] = {
     "unknown config key": (
         lambda d: _config(d, "max_num_seqs: 16", "max_num_seq: 16"),
         ["configmap.yaml: ConfigMap/splitserve-config: data.cluster.yaml: prefill.engine.max_num_seq: unknown key "
-         "(known: attention_backend, block_size, cpu_kernels, device, dtype, enable_chunked_prefill, "
+         "(known: attention_backend, block_size, cpu_kernels, cuda_graphs, device, dtype, enable_chunked_prefill, "
          "enable_prefix_caching, hash_seed, kv_cache_memory_bytes, kv_cache_memory_fraction, max_model_len, max_num_batched_tokens, "
          "max_num_seqs, num_kv_blocks, num_threads, seed)"]),
     "router on loopback": (
@@ -290,7 +350,9 @@ BROKEN: dict[str, tuple[Callable[[dict], None], list[str]]] = {
     "model not mounted on decode pods": (
         lambda d: d["RayCluster"]["spec"]["workerGroupSpecs"][1]["template"]["spec"]["containers"][0].pop(
             "volumeMounts"),
-        [f"{RC}: cluster config: model /models/model is on no volume mounted in spec.workerGroupSpecs[1]"]),
+        [f"{RC}: spec.workerGroupSpecs[1]: the Ray container needs /dev/shm on an emptyDir volume with medium: "
+         "Memory (Kubernetes' default is 64 MB), got None",
+         f"{RC}: cluster config: model /models/model is on no volume mounted in spec.workerGroupSpecs[1]"]),
     "head without the overwrite annotation": (
         lambda d: d["RayCluster"]["spec"]["headGroupSpec"]["template"]["metadata"].pop("annotations"),
         [f"{RC}: spec.headGroupSpec.template.metadata.annotations: needs ray.io/overwrite-container-cmd: \"true\" "
@@ -305,6 +367,16 @@ BROKEN: dict[str, tuple[Callable[[dict], None], list[str]]] = {
         lambda d: d["PodMonitor"]["spec"]["podMetricsEndpoints"][0]["relabelings"].pop(0),
         ["podmonitor.yaml: PodMonitor/splitserve: spec.podMetricsEndpoints[0].relabelings: must set job to "
          "'splitserve' (the alerts' up{job=...}), got []"]),
+    "decode pods without /dev/shm": (
+        lambda d: d["RayCluster"]["spec"]["workerGroupSpecs"][1]["template"]["spec"]["containers"][0][
+            "volumeMounts"].pop(1),
+        [f"{RC}: spec.workerGroupSpecs[1]: the Ray container needs /dev/shm on an emptyDir volume with medium: "
+         "Memory (Kubernetes' default is 64 MB), got None"]),
+    "PrometheusRule rule without expr, with both record and alert": (
+        lambda d: d["PrometheusRule"]["spec"]["groups"][0]["rules"][0].update(alert="X", expr=""),
+        ["prometheusrule.yaml: PrometheusRule/splitserve: spec.groups[0].rules[0].(rule): needs exactly one of "
+         "record and alert",
+         "prometheusrule.yaml: PrometheusRule/splitserve: spec.groups[0].rules[0].expr: required PromQL string"]),
 }
 
 
@@ -466,3 +538,73 @@ def test_head_script_needs_kuberays_generated_command(tmp_path):
     status, output = _finish(process, tmp_path)
     assert (status, _log(log)) == (2, [])
     assert "KUBERAY_GEN_RAY_START_CMD is not set" in output
+
+
+# ---- several routers: the router group (deploy/README.md, "Several routers") ---------------------
+
+
+def with_router_group(docs: dict, routers: int = 2, pods: int = 2) -> None:
+    """The shipped manifests turned into the README's several-router deployment: router.replicas
+    router actors, one per pod of a CPU worker group `router` that carries the head's API ports
+    and probes; the Service and PodMonitor select those pods; the head only runs Ray and the launcher."""
+    _config(docs, "router:\n  host: 0.0.0.0", f"router:\n  replicas: {routers}\n  resources: "
+            "{num_cpus: 4, node_labels: ray.io/node-group=router}\n  host: 0.0.0.0")
+    head_template = docs["RayCluster"]["spec"]["headGroupSpec"]["template"]
+    head = head_template["spec"]["containers"][0]
+    api_ports = [port for port in head["ports"] if port["name"] in ("grpc", "http", "router-metrics")]
+    head["ports"] = [port for port in head["ports"] if port not in api_ports]
+    probes = {kind: head.pop(kind) for kind in ("startupProbe", "readinessProbe", "livenessProbe")}
+    head_template["metadata"]["labels"]["splitserve.io/component"] = "launcher"
+    group = copy.deepcopy(docs["RayCluster"]["spec"]["workerGroupSpecs"][0])
+    group.update(groupName="router", replicas=pods, minReplicas=0, maxReplicas=16)
+    template = group["template"]
+    template["metadata"]["labels"]["splitserve.io/component"] = "router"
+    for key in ("nodeSelector", "tolerations"):
+        template["spec"].pop(key)
+    container = template["spec"]["containers"][0]
+    container.update(ports=api_ports, resources={"requests": {"cpu": "4", "memory": "16Gi"},
+                                                 "limits": {"cpu": "4", "memory": "16Gi"}}, **probes)
+    docs["RayCluster"]["spec"]["workerGroupSpecs"].append(group)
+    selector = {"ray.io/cluster": "splitserve", "splitserve.io/component": "router"}
+    docs["Service"]["spec"]["selector"] = dict(selector)
+    docs["PodMonitor"]["spec"]["selector"]["matchLabels"] = dict(selector)
+
+
+def _variant(manifests: list, change: Callable[[dict], None]) -> list:
+    variant = [kv.Manifest(m.path, copy.deepcopy(m.doc)) for m in manifests]
+    change(_docs(variant))
+    return variant
+
+
+def test_several_routers_on_a_router_group_behind_one_service_validate(manifests):
+    variant = _variant(manifests, with_router_group)
+    assert kv.validate(variant) == []
+    config = parse_cluster_config(_docs(variant)["ConfigMap"]["data"]["cluster.yaml"])
+    assert (config.router.replicas, config.router.resources.label_selector) == (2, {"ray.io/node-group": "router"})
+
+
+ROUTER_GROUP_BROKEN: dict[str, tuple[Callable[[dict], None], list[str]]] = {
+    "fewer router pods than routers": (
+        lambda d: with_router_group(d, routers=3),
+        [f"{RC}: cluster config: router: 3 routers need 3 pods of worker group router, it has 2"]),
+    "two routers on one pod": (
+        lambda d: (with_router_group(d), _config(d, "{num_cpus: 4,", "{num_cpus: 2,")),
+        [f"{RC}: cluster config: router: resources (2 CPU, 0 GPU) must fit exactly one router per router pod "
+         "(4 CPU, 0 GPU): routers on one pod would share its ports"]),
+    "no router group": (
+        lambda d: (with_router_group(d), d["RayCluster"]["spec"]["workerGroupSpecs"].pop()),
+        [f"{RC}: cluster config: router.replicas 2 needs a worker group named router (one router per pod)"]),
+    "Service still on the head": (
+        lambda d: (with_router_group(d), d["Service"]["spec"].update(
+            selector={"ray.io/cluster": "splitserve", "ray.io/node-type": "head"})),
+        ["service.yaml: Service/splitserve: spec.selector: {'ray.io/cluster': 'splitserve', 'ray.io/node-type': "
+         "'head'} does not select the router group pod (labels {'app.kubernetes.io/name': 'splitserve', "
+         "'splitserve.io/component': 'router', 'ray.io/cluster': 'splitserve', 'ray.io/is-ray-node': 'yes', "
+         "'ray.io/node-type': 'worker', 'ray.io/group': 'router'})"]),
+}
+
+
+@pytest.mark.parametrize("case", ROUTER_GROUP_BROKEN)
+def test_validator_rejects_a_broken_router_group(manifests, case):
+    mutate, expected = ROUTER_GROUP_BROKEN[case]
+    assert kv.validate(_variant(manifests, mutate)) == expected

@@ -7,7 +7,7 @@ The pool factories at the top are shared with test_kv_transfer_nixl.py.
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
@@ -583,6 +583,25 @@ def test_layout_mismatch_names_every_field(make_side, producer):
     assert str(refused.value) == (f"refusing to pull from {producer.backend.agent_name!r}: KV layouts differ "
                                   "(ours != theirs): block_size: 8 != 4; hash_seed: 7 != 0")
     assert side.backend.has_peer(producer.backend.agent_name) is False
+
+
+def test_a_peer_in_another_kind_of_memory_is_refused_at_the_handshake(make_side, producer):
+    """A GPU (VRAM) producer's metadata reaching a host-memory (DRAM) consumer: refused, naming the field."""
+    side = make_side("decode", empty_pool(TINY_LAYOUT, 4))
+    vram = producer.backend.metadata()
+    vram = replace(vram, layout=replace(vram.layout, memory_kind="VRAM"))
+    with pytest.raises(KVLayoutMismatchError, match=r"\(ours != theirs\): memory_kind: 'DRAM' != 'VRAM'$"):
+        side.backend.add_peer(vram)
+    assert side.backend.has_peer(producer.backend.agent_name) is False
+
+
+def test_a_pool_must_live_where_its_layout_says():
+    backend = InProcessBackend(f"decode-{uuid.uuid4().hex[:8]}")
+    vram = replace(TINY_LAYOUT, memory_kind="VRAM")
+    with pytest.raises(ValueError, match=r"KV pool is on cpu \(DRAM\), layout says VRAM"):
+        backend.register_kv_pool(empty_pool(TINY_LAYOUT, 4), vram)
+    with pytest.raises(ValueError, match="memory_kind must be one of"):
+        replace(TINY_LAYOUT, memory_kind="HBM")
 
 
 def test_pull_with_a_different_layout_than_the_handshake_fails(producer, consumer, clock):

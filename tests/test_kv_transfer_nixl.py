@@ -7,6 +7,7 @@ Ray actors) and also covers a producer that dies.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import multiprocessing
 import time
@@ -213,6 +214,18 @@ def test_layout_mismatch_is_refused_before_nixl_sees_the_peer(producer):
         assert backend.has_peer(producer[0].agent_name) is False
     finally:
         backend.close()
+
+
+def test_a_peer_in_gpu_memory_is_refused_by_a_host_memory_agent(producer, consumer):
+    """NIXL on CPU cannot register VRAM; a peer that says it did (its layout's memory_kind) is refused before
+    NIXL loads its metadata."""
+    (producer_backend, _), (consumer_backend, _) = producer, consumer
+    consumer_backend.remove_peer(producer_backend.agent_name)
+    metadata = producer_backend.metadata()
+    vram = dataclasses.replace(metadata, layout=dataclasses.replace(metadata.layout, memory_kind="VRAM"))
+    with pytest.raises(KVLayoutMismatchError, match=r"\(ours != theirs\): memory_kind: 'DRAM' != 'VRAM'$"):
+        consumer_backend.add_peer(vram)
+    assert consumer_backend.has_peer(producer_backend.agent_name) is False
 
 
 def test_unknown_and_removed_peers_fail_cleanly(producer, consumer):

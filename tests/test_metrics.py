@@ -5,6 +5,8 @@ histogram counts, SLO/goodput counters and KV bytes, scraped over HTTP from the 
 from __future__ import annotations
 
 import asyncio
+import inspect
+import re
 import types
 import urllib.request
 
@@ -18,6 +20,7 @@ from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.slo import SloConfig, SloOutcome
 from splitserve.common.stats import LoopLagStats, PlannerStats, RoutingStats, WorkerSnapshot
 from splitserve.engine import LLM
+from splitserve.router import admission, policy, tokenizer_pool
 from splitserve.router.metrics_server import RouterMetrics
 from splitserve.router.api_types import GenerationInput, RouterError
 from splitserve.testing.in_process_cluster import InProcessCluster, make_prefill_worker
@@ -163,7 +166,32 @@ def test_requests_by_outcome_and_routing(scripted):
     assert _value(s, "splitserve_request_failure_total", code="CANCELLED") == 1
     assert _value(s, "splitserve_admission_rejections_total", reason="ttft_slo") == 1
     assert _value(s, "splitserve_routing_decisions_total", reason="load") == 5  # a, b, c, d, f
-    assert len([k for k in s if k[0] == "splitserve_routing_decisions_total"]) == 1
+    assert _counts(s, "splitserve_routing_decisions_total", "reason") == {
+        "cache_hit": 0, "load": 5, "local_prefill": 0, "round_robin": 0}
+
+
+def _counts(samples: dict, name: str, label: str) -> dict[str, float]:
+    return {dict(key[1])[label]: value for key, value in samples.items() if key[0] == name}
+
+
+def test_known_label_values_are_exported_at_zero(scripted):
+    """What did not happen reads 0 (a dashboard shows 0, not "No data")."""
+    _, _, s, _, _, _ = scripted
+    assert _counts(s, "splitserve_request_failure_total", "code") == {
+        "CANCELLED": 1, "INVALID_ARGUMENT": 0, "RESOURCE_EXHAUSTED": 1, "UNAVAILABLE": 0, "DEADLINE_EXCEEDED": 0,
+        "NOT_FOUND": 0, "INTERNAL": 0, "ABORTED": 0}
+    assert _counts(s, "splitserve_admission_rejections_total", "reason") == {
+        "too_many_requests": 0, "tokenizer_busy": 0, "ttft_slo": 1, "no_kv_capacity": 0, "queue_full": 0}
+    assert _counts(s, "splitserve_ttft_breakdown_seconds_count", "phase") == {
+        "router_queue": 5, "prefill_queue": 5, "prefill_compute": 5, "transfer": 3, "decode_queue": 3}
+
+
+def test_the_known_reasons_are_every_reason_the_router_counts():
+    """common/metrics.py's lists against the router's own constants and policy's literals."""
+    source = inspect.getsource(policy)
+    assert set(re.findall(r'Rejection\("(\w+)"', source)) | {admission.TOO_MANY_REQUESTS, tokenizer_pool.BUSY_REASON} \
+        == set(m.REJECTION_REASONS)
+    assert [reason for reason in m.ROUTING_REASONS if f'"{reason}"' not in source] == []
 
 
 def test_latency_histogram_counts(scripted):
@@ -285,7 +313,7 @@ def test_a_failed_pull_counts_a_transfer_failure(tiny_llama_dir, policy, outcome
     assert _value(s, "splitserve_kv_transfer_failures_total", **pair) == 1
     assert _value(s, "splitserve_kv_transfer_bytes_total", **pair) is None
     assert _value(s, "splitserve_kv_transfer_seconds_count", **pair) is None
-    assert _value(s, "splitserve_request_failure_total", code="INTERNAL") == (1 if policy == "fail" else None)
+    assert _value(s, "splitserve_request_failure_total", code="INTERNAL") == (1 if policy == "fail" else 0)
     assert "transfer" not in dict(record.ttft_breakdown)
     assert counters["prefill-0"].kv_leases_expired == 0  # the router released the lease (30 s TTL)
     # Recomputing makes the pulled prompt the decode worker's own prompt tokens.

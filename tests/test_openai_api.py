@@ -213,7 +213,7 @@ def test_models_and_health(served):
 @pytest.mark.parametrize(("kwargs", "param"), [
     ({"temperature": -1}, "temperature"),
     ({"top_p": 0}, "top_p"),
-    ({"n": 2}, "n"),
+    ({"n": 0}, "n"),
     ({"max_tokens": 5000}, "max_tokens"),
     ({"extra_body": {"top_k": -5}}, "top_k"),
     ({"stop": [""]}, "stop"),

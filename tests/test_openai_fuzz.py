@@ -66,31 +66,46 @@ def check_response(path: str, body: object, status: int, answer: bytes) -> str:
         if status == 404:
             assert (error["code"], param) == ("model_not_found", "model") and body["model"] != MODEL
         return f"{status} {param}"
+    num_prompts, n = _fan_out(body)
     if body.get("stream") is True:
-        return _check_stream(path, answer)
+        return _check_stream(path, answer, num_prompts * n)
     completion = json.loads(answer)
-    _check_choice(path, completion["choices"][0], completion["usage"])
-    return f"200 {completion['choices'][0]['finish_reason']}"
-
-
-def _check_choice(path: str, choice: dict, usage: dict) -> None:
-    assert choice["finish_reason"] in ("stop", "length")
-    assert usage["completion_tokens"] >= 1
-    assert usage["prompt_tokens"] + usage["completion_tokens"] <= MAX_MODEL_LEN
+    choices, usage = completion["choices"], completion["usage"]
+    assert [choice["index"] for choice in choices] == list(range(num_prompts * n))
+    for choice in choices:
+        _check_choice(path, choice)
+    # every prompt counted once, each at most the context; every choice generated >= 1 token
+    assert usage["prompt_tokens"] <= num_prompts * (MAX_MODEL_LEN - 1)
+    assert num_prompts * n <= usage["completion_tokens"] <= num_prompts * (body.get("best_of") or n) * MAX_MODEL_LEN
     assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    return f"200 {choices[0]['finish_reason']} x{len(choices)}"
+
+
+def _fan_out(body: dict) -> tuple[int, int]:
+    """(prompts, choices per prompt) of a request that was served."""
+    prompt = body.get("prompt")
+    batch = isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt)
+    return (len(prompt) if batch else 1), (body.get("n") or 1)
+
+
+def _check_choice(path: str, choice: dict) -> None:
+    assert choice["finish_reason"] in ("stop", "length")
     text = choice["message"]["content"] if path.endswith("chat/completions") else choice["text"]
     assert isinstance(text, str)
 
 
-def _check_stream(path: str, answer: bytes) -> str:
-    """data: events, each a JSON chunk (no error event), exactly one finish reason, then [DONE]."""
+def _check_stream(path: str, answer: bytes, num_choices: int) -> str:
+    """data: events, each a JSON chunk (no error event), exactly one finish reason per choice, then [DONE]."""
     events = [line for line in answer.decode().split("\n\n") if line]
     assert events[-1] == "data: [DONE]"
     chunks = [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
     assert all("error" not in chunk for chunk in chunks), chunks
+    finished = {c["choices"][0]["index"]: c["choices"][0]["finish_reason"] for c in chunks
+                if c["choices"] and c["choices"][0]["finish_reason"]}
     reasons = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
-    assert len(reasons) == 1 and reasons[0] in ("stop", "length"), reasons
-    return f"200 stream {reasons[0]}"
+    assert len(reasons) == num_choices and sorted(finished) == list(range(num_choices)), reasons
+    assert set(reasons) <= {"stop", "length"}, reasons
+    return f"200 stream {reasons[0]} x{num_choices}"
 
 
 # ---- strategies ---------------------------------------------------------------------------
@@ -113,14 +128,16 @@ _COMMON_FIELDS = {
     "stop": st.text(min_size=1, max_size=3) | st.lists(st.text(min_size=1, max_size=3), max_size=3),
     "stop_token_ids": st.lists(st.integers(0, 600), max_size=3), "ignore_eos": st.booleans(),
     "skip_special_tokens": st.booleans(), "stream": st.booleans(),
-    "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}), "n": st.just(1),
+    "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}), "n": st.integers(1, 3),
     "return_tokens_as_token_ids": st.booleans(),
 }
 _COMPLETION_FIELDS = {
     **_COMMON_FIELDS,
     "prompt": st.text(min_size=1, max_size=40) | st.lists(st.integers(0, 511), min_size=1, max_size=20)
-    | st.sampled_from([[[1, 2]], ["one"], "word " * 5_000]),
-    "logprobs": st.integers(0, 20), "echo": st.just(False), "best_of": st.just(1),
+    | st.sampled_from([[[1, 2]], ["one"], "word " * 5_000])
+    | st.lists(st.text(min_size=1, max_size=10) | st.lists(st.integers(0, 511), min_size=1, max_size=6), min_size=2,
+               max_size=3),
+    "logprobs": st.integers(0, 20), "echo": st.booleans(), "best_of": st.integers(1, 3),
 }
 _CHAT_FIELDS = {
     **_COMMON_FIELDS,

@@ -28,7 +28,7 @@ import yaml
 from splitserve.proto.splitserve.v1 import generation_pb2 as pb
 from splitserve.testing.local_cluster import running_cluster, tiny_cluster_config
 from tests.factories import stream_tokens
-from tests.test_prometheus_rules import ALERTS, PROMETHEUS_DIR, RECORDING_RULES, ValueRange, panels
+from tests.test_prometheus_rules import ALERTS, PROMETHEUS_DIR, RECORDING_RULES, ValueRange, dashboard_exprs, panels
 
 pytestmark = pytest.mark.slow
 
@@ -132,6 +132,14 @@ def _request(index: int, ttft_slo_s: float | None = None) -> pb.GenerateRequest:
     return request
 
 
+def _run_clean(port: int, first_index: int) -> None:
+    """REQUESTS_PER_HALF greedy requests, 4 at a time, that all succeed."""
+    indices = range(first_index, first_index + REQUESTS_PER_HALF)
+    with ThreadPoolExecutor(4) as pool:
+        outputs = list(pool.map(lambda i: stream_tokens(port, _request(i)), indices))
+    assert [len(tokens) for tokens, _, _ in outputs] == [2 + i % 7 for i in indices]
+
+
 def _run_half(port: int, first_index: int) -> None:
     """REQUESTS_PER_HALF greedy requests, 4 at a time, every other one with its own (generous)
     TTFT SLO, then one that admission control must reject."""
@@ -150,8 +158,9 @@ def _wait_for_scraped_totals(api: PrometheusApi, finished: int, rejected: int) -
                 30, f"a scrape showing {finished} finished and {rejected} rejected requests")
 
 
-def _target_problem(api: PrometheusApi, target: dict) -> str | None:
-    series = api.query(target["expr"])
+def _target_problem(api: PrometheusApi, target: dict, expr: str) -> str | None:
+    """`expr`: the target's query as its dashboard sends it."""
+    series = api.query(expr)
     if not series:
         return "no data"
     allowed = ValueRange.parse(target["range"])
@@ -159,9 +168,10 @@ def _target_problem(api: PrometheusApi, target: dict) -> str | None:
     return f"outside {target['range']}: {outside}" if outside else None
 
 
-def _quantile_problem(api: PrometheusApi, panel: dict) -> str | None:
+def _quantile_problem(api: PrometheusApi, panel: dict, exprs: list[str]) -> str | None:
     """The panel's quantile targets are ordered (p50 <= p90 <= p99) for each label set."""
-    by_quantile = sorted((target["quantile"], target["expr"]) for target in panel["targets"] if "quantile" in target)
+    by_quantile = sorted((target["quantile"], expr) for target, expr in zip(panel["targets"], exprs)
+                         if "quantile" in target)
     values = [(q, {_labels(s): float(s["value"][1]) for s in api.query(expr)}) for q, expr in by_quantile]
     for (low_q, low), (high_q, high) in pairwise(values):
         if low.keys() != high.keys():
@@ -177,14 +187,21 @@ def _labels(series: dict) -> tuple:
 
 
 def _panel_problems(api: PrometheusApi) -> dict[str, str]:
-    problems = {}
+    problems, sent = {}, dashboard_exprs()
     for uid, panel in panels():
-        for target in panel["targets"]:
-            if (problem := _target_problem(api, target)) is not None:
-                problems[f"{uid} / {panel['title']} / {target['expr']}"] = problem
-        if (problem := _quantile_problem(api, panel)) is not None:
+        exprs = sent[uid, panel["title"]]
+        for target, expr in zip(panel["targets"], exprs):
+            if (problem := _target_problem(api, target, expr)) is not None:
+                problems[f"{uid} / {panel['title']} / {expr}"] = problem
+        if (problem := _quantile_problem(api, panel, exprs)) is not None:
             problems[f"{uid} / {panel['title']}"] = problem
     return problems
+
+
+def _queries_without_data(api: PrometheusApi) -> list[str]:
+    """Every dashboard query that returns no series ("No data" on its panel)."""
+    return [f"{uid} / {title} / {expr}" for (uid, title), exprs in dashboard_exprs().items() for expr in exprs
+            if not api.query(expr)]
 
 
 def test_every_panel_query_returns_plausible_data(prometheus_bin, tiny_llama_dir, tmp_path):
@@ -195,10 +212,18 @@ def test_every_panel_query_returns_plausible_data(prometheus_bin, tiny_llama_dir
     with running_cluster(config) as (cluster, _), \
             running_prometheus(prometheus_bin.server, _prometheus_config(cluster.metrics_port), tmp_path) as api:
         _wait_until(lambda: api.scalar('up{job="splitserve"}') == 1, 30, "the first scrape of the router")
+        # A cluster that saw no error yet: every panel shows a value (0 where nothing happened), never "No data".
+        _run_clean(cluster.port, 100)
+        _wait_for_scraped_totals(api, REQUESTS_PER_HALF, 0)
+        missing, deadline = _queries_without_data(api), time.monotonic() + 15  # rules lag a scrape by one evaluation
+        while missing and time.monotonic() < deadline:
+            time.sleep(0.5)
+            missing = _queries_without_data(api)
+        assert not missing, "No data:\n" + "\n".join(missing)
         _run_half(cluster.port, 0)
-        _wait_for_scraped_totals(api, REQUESTS_PER_HALF, 1)
+        _wait_for_scraped_totals(api, 2 * REQUESTS_PER_HALF, 1)
         _run_half(cluster.port, REQUESTS_PER_HALF + 1)
-        _wait_for_scraped_totals(api, 2 * REQUESTS_PER_HALF, 2)
+        _wait_for_scraped_totals(api, 3 * REQUESTS_PER_HALF, 2)
         problems = _panel_problems(api)
         deadline = time.monotonic() + 15  # recording rules see the last scrape one evaluation later
         while problems and time.monotonic() < deadline:

@@ -4,6 +4,7 @@ metrics of common/metrics.py or recording rules, and every metric and rule is us
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 import subprocess
@@ -29,6 +30,18 @@ def panels() -> list[tuple[str, dict]]:
     """(dashboard uid, panel) for every panel of panels.yaml, in file order."""
     dashboards = yaml.safe_load(PANELS.read_text(encoding="utf-8"))["dashboards"]
     return [(dashboard["uid"], panel) for dashboard in dashboards for panel in dashboard["panels"]]
+
+
+def dashboard_exprs() -> dict[tuple[str, str], list[str]]:
+    """Each panel's queries as the generated dashboards send them with every variable at "All"
+    (cluster and model match anything), by (dashboard uid, panel title)."""
+    exprs = {}
+    for path in sorted((GRAFANA_DIR / "dashboards").glob("*.json")):
+        dashboard = json.loads(path.read_text(encoding="utf-8"))
+        for panel in dashboard["panels"]:
+            exprs[dashboard["uid"], panel["title"]] = [
+                target["expr"].replace('"$cluster"', '".*"').replace('"$model"', '".*"') for target in panel["targets"]]
+    return exprs
 
 
 @dataclass(frozen=True)
@@ -148,6 +161,32 @@ def test_scrape_configs_pass_promtool_check(prometheus_bin, tmp_path):
         assert [job["job_name"] for job in config["scrape_configs"]] == ["splitserve"], name  # alerts use it
 
 
+# ---- the Prometheus Operator's PrometheusRule -------------------------------------------------
+PROMETHEUS_RULE = REPO / "deploy" / "kuberay" / "prometheusrule.yaml"
+
+
+def test_prometheus_rule_object_is_current(tmp_path):
+    out = tmp_path / "prometheusrule.yaml"
+    done = subprocess.run([sys.executable, str(PROMETHEUS_DIR / "build_prometheusrule.py"), "--out", str(out)],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert out.read_bytes() == PROMETHEUS_RULE.read_bytes(), \
+        "deploy/kuberay/prometheusrule.yaml is stale: run `.venv/bin/python deploy/prometheus/build_prometheusrule.py`"
+
+
+def test_prometheus_rule_object_holds_exactly_the_rule_files(prometheus_bin, tmp_path):
+    """Its groups are the rule files' groups, in order, and pass promtool as a rule file."""
+    rule = yaml.safe_load(PROMETHEUS_RULE.read_text(encoding="utf-8"))
+    assert (rule["apiVersion"], rule["kind"], rule["metadata"]["name"]) == (
+        "monitoring.coreos.com/v1", "PrometheusRule", "splitserve")
+    groups = [group for path in RULE_FILES for group in yaml.safe_load(path.read_text(encoding="utf-8"))["groups"]]
+    assert rule["spec"]["groups"] == groups
+    extracted = tmp_path / "groups.yml"
+    extracted.write_text(yaml.safe_dump({"groups": rule["spec"]["groups"]}))
+    assert f"SUCCESS: {len(RECORDING_RULES) + len(ALERTS)} rules found" in _promtool(
+        prometheus_bin, "check", "rules", str(extracted))
+
+
 # ---- names -------------------------------------------------------------------------------
 @pytest.mark.parametrize("source", ["panels", "recording rules", "alerts"])
 def test_every_query_names_only_exported_metrics_or_recording_rules(source):
@@ -186,16 +225,55 @@ def test_checked_in_dashboards_are_current(tmp_path):
                              "splitserve-prefill.json", "splitserve-routing.json", "splitserve-slo.json"]
 
 
-def test_dashboards_query_the_provisioned_datasource():
+def test_dashboards_import_anywhere_and_filter_by_cluster_and_model():
+    """UI import: one `__inputs` datasource that sets the `datasource` variable, which every panel
+    and query uses; `cluster` and `model` variables (All by default) in every selector."""
     (datasource,) = yaml.safe_load((GRAFANA_DIR / "provisioning/datasources/splitserve.yml").read_text())["datasources"]
+    assert (datasource["type"], datasource["isDefault"]) == ("prometheus", True)  # the provisioned variable's pick
     for name, text in _json_files(GRAFANA_DIR / "dashboards").items():
         dashboard = json.loads(text)
         assert name == f"{dashboard['uid']}.json"
+        assert [(i["name"], i["type"], i["pluginId"]) for i in dashboard["__inputs"]] == [
+            ("DS_PROMETHEUS", "datasource", "prometheus")]
+        variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+        assert list(variables) == ["datasource", "cluster", "model"]
+        assert (variables["datasource"]["type"], variables["datasource"]["query"],
+                variables["datasource"]["current"]["value"]) == ("datasource", "prometheus", "${DS_PROMETHEUS}")
+        for label in ("cluster", "model"):
+            variable = variables[label]
+            assert (variable["type"], variable["includeAll"], variable["allValue"], variable["datasource"]["uid"],
+                    variable["definition"].startswith("label_values(splitserve_worker_up")) == (
+                "query", True, ".*", "${datasource}", True)
         ids = [panel["id"] for panel in dashboard["panels"]]
         assert ids == list(range(1, len(ids) + 1)), name
         for panel in dashboard["panels"]:
             sources = [panel["datasource"], *(target["datasource"] for target in panel["targets"])]
-            assert {source["uid"] for source in sources} == {datasource["uid"]}, (name, panel["title"])
+            assert {(source["type"], source["uid"]) for source in sources} == {("prometheus", "${datasource}")}
+            for target in panel["targets"]:
+                _assert_every_selector_scoped(target["expr"])
+
+
+_SELECTOR = re.compile(r'(?<![\w:"])([a-zA-Z_]\w*:[\w:]*|splitserve_\w+)(\{[^}]*\})?')
+
+
+def _assert_every_selector_scoped(expr: str) -> None:
+    selectors = _SELECTOR.findall(_STRINGS.sub(lambda m: m[0] if "$" in m[0] else '""', expr))
+    assert selectors, expr
+    for name, matchers in selectors:
+        assert matchers.startswith('{cluster=~"$cluster",model=~"$model"'), (name, expr)
+
+
+def test_scoped_adds_the_variables_to_every_selector():
+    spec = importlib.util.spec_from_file_location("build_dashboards", GRAFANA_DIR / "build_dashboards.py")
+    builder = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(builder)  # a script, not a package module
+    scoped = builder.scoped
+    expr = ('sum by (cluster, le) (rate(a:b:c{le="1"}[1m])) / on (cluster) splitserve_x_total'
+            ' or histogram_quantile(0.5, splitserve_y_bucket{})')
+    assert scoped(expr) == (
+        'sum by (cluster, le) (rate(a:b:c{cluster=~"$cluster",model=~"$model",le="1"}[1m])) / on (cluster) '
+        'splitserve_x_total{cluster=~"$cluster",model=~"$model"} or histogram_quantile(0.5, '
+        'splitserve_y_bucket{cluster=~"$cluster",model=~"$model"})')
 
 
 def test_every_panel_target_has_a_valid_range_and_quantile():
@@ -212,3 +290,28 @@ def test_value_range():
     assert [value in open_ for value in (0.0, 1e-9, 1e300, float("inf"))] == [False, True, True, False]
     with pytest.raises(ValueError, match="not an interval"):
         ValueRange.parse("0..1")
+
+
+def test_slo_panels_say_no_slo_set_instead_of_100_percent(prometheus_bin, tmp_path):
+    """Every SLO panel's queries, by promtool against two clusters whose every request "met" its
+    SLO: one with a default target (its value), one without (nothing: the panel's no_value)."""
+    slo_panels = [panel for _, panel in panels() if panel.get("no_value") == "no SLO set"]
+    assert [panel["title"] for panel in slo_panels] == [
+        "SLO attainment, both targets (5m)", "Goodput (5m)", "Goodput tokens (5m)", "SLO attainment (5m)"]
+    counters = ("slo_requests", "slo_ttft_met_requests", "slo_tpot_met_requests", "slo_met_requests", "goodput_tokens")
+    series = [{"series": f'splitserve_{name}_total{{cluster="{cluster}"}}', "values": "0+60x10"}
+              for cluster in ("set", "unset") for name in counters]
+    series += [{"series": f'splitserve_slo_target_seconds{{cluster="set", slo="{slo}"}}', "values": "1x10"}
+               for slo in ("ttft", "tpot")]
+    cases = [{"expr": target["expr"], "eval_time": "10m",
+              "exp_samples": [{"labels": _first_name(target["expr"]) + '{cluster="set"}', "value": 1.0}]}
+             for panel in slo_panels for target in panel["targets"]]
+    test_file = tmp_path / "slo_panels_test.yml"
+    test_file.write_text(yaml.safe_dump({"rule_files": [str(RULE_FILES[0])], "evaluation_interval": "1m",
+                                         "tests": [{"interval": "1m", "input_series": series,
+                                                    "promql_expr_test": cases}]}))
+    assert "SUCCESS" in _promtool(prometheus_bin, "test", "rules", str(test_file))
+
+
+def _first_name(expr: str) -> str:
+    return expr.split()[0]

@@ -369,3 +369,108 @@ def test_grpc_readiness_follows_the_decode_pool_and_liveness_stays_serving(tiny_
         after, http_health = statuses(channel), _http_health(served.http_port)
     assert before == [serving] * 3 and after == [serving, not_serving, not_serving]
     assert (http_health[0], json.loads(http_health[1])["error"]["message"]) == (503, "no decode worker is answering")
+
+
+def test_a_prefill_worker_ends_a_gone_routers_queued_and_held_requests_and_only_those(tiny_llama_dir):
+    """abort_router (called when Ray reports the router's actor dead) ends the router's requests in
+    every state: its KV held for a pull nobody will ask for, and its prompt still queued. The
+    other router's held KV stays; nothing of the gone router is left."""
+    from splitserve.common.worker_messages import PrefillRequest
+    from splitserve.testing.in_process_cluster import make_prefill_worker
+
+    two_tokens = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)  # the second is decode's
+
+    async def scenario():
+        worker = make_prefill_worker(tiny_llama_dir)
+        try:
+            gone_held = await worker.prefill(PrefillRequest("gone-held", tuple(PROMPT), two_tokens, "router-gone"))
+            live_held = await worker.prefill(PrefillRequest("live-held", tuple(range(50, 90)), two_tokens,
+                                                            "router-live"))
+            worker._loop.set_step_gate(lambda engine: False)  # the next prompt stays queued
+            queued = asyncio.ensure_future(worker.prefill(PrefillRequest("gone-queued", tuple(range(100, 140)),
+                                                                         two_tokens, "router-gone")))
+            while (await worker.stats()).engine.num_waiting != 1:
+                await asyncio.sleep(0.01)
+            before = await worker.stats()
+            ended = await worker.abort_router("router-gone")
+            worker._loop.set_step_gate(None)
+            queued_result = await asyncio.wait_for(queued, 5.0)
+            after = await worker.stats()
+            again = await worker.abort_router("router-gone")
+            await worker.abort("live-held")
+            return gone_held, live_held, before, ended, queued_result, after, again, await worker.stats()
+        finally:
+            worker.shutdown()
+
+    gone_held, live_held, before, ended, queued_result, after, again, last = asyncio.run(scenario())
+    assert gone_held.transfer is not None and live_held.transfer is not None
+    assert (before.num_held_leases, before.engine.num_waiting, before.routers) == (
+        2, 1, frozenset({"router-gone", "router-live"}))
+    assert ended == 2
+    assert (queued_result.request_id, queued_result.finish_reason, queued_result.transfer) == (
+        "gone-queued", "abort", None)
+    assert (after.num_held_leases, after.engine.num_waiting, after.routers) == (1, 0, frozenset({"router-live"}))
+    assert again == 0
+    assert last.is_idle and last.routers == frozenset()
+
+
+def test_a_decode_worker_ends_a_gone_routers_requests_when_told(tiny_llama_dir):
+    """abort_router on a decode worker: the gone router's request ends even while its output stream
+    is still open (Ray said so before the kernel did); the other router's request runs on."""
+    from splitserve.common.worker_messages import DecodeRequest
+    from splitserve.testing.in_process_cluster import make_decode_worker
+    from tests.factories import RouterOutputs
+
+    async def scenario():
+        worker = make_decode_worker(tiny_llama_dir)
+        try:
+            streams = {router_id: await RouterOutputs.open(worker, router_id) for router_id in ("router-gone", "router-live")}
+            for router_id, stream in streams.items():
+                stream.submit(DecodeRequest(f"{router_id}-r", router_id, tuple(PROMPT), (), LONG, 0, None, None))
+            while (await worker.stats()).routers != frozenset(streams):
+                await asyncio.sleep(0.01)
+            ended = await worker.abort_router("router-gone")
+            gone = []
+            async with asyncio.timeout(5.0):
+                while not any(d.finish_reason for d in gone):
+                    gone += await streams["router-gone"].next(0.5)
+            stats = await worker.stats()
+            for stream in streams.values():
+                stream.close()
+            return ended, gone[-1], stats
+        finally:
+            worker.shutdown()
+
+    ended, last_gone, stats = asyncio.run(scenario())
+    assert ended == 1
+    assert (last_gone.request_id, last_gone.finish_reason, last_gone.error) == ("router-gone-r", "abort", None)
+    assert (stats.routers, stats.engine.num_running) == (frozenset({"router-live"}), 1)
+
+
+def test_a_worker_ray_reports_unavailable_is_unroutable_at_once_and_its_request_moves(tiny_llama_dir):
+    """Orchestrator.worker_unavailable (Ray's actor state said RESTARTING or DEAD): the worker is
+    unroutable before any call to it failed, and the request it was decoding moves to the other
+    decode worker with output equal to Hugging Face's. (This worker still answers, so its next
+    report makes it routable again, as a restarted worker's does.)"""
+    records = []
+    routable_after = []
+
+    async def scenario():
+        async with InProcessCluster(tiny_llama_dir, num_decode=2, routing=ROUND_ROBIN,
+                                    observer=records.append) as cluster:
+            orchestrator = cluster.orchestrator
+
+            def unavailable(cluster: InProcessCluster, worker_id: str) -> None:
+                orchestrator.worker_unavailable(worker_id, "Ray reports its actor RESTARTING")
+                routable_after.extend(worker for worker, _ in orchestrator._reporting(orchestrator.decode_pool))
+
+            result = await _generate_killing_decode_after(cluster, 4, GenerationInput("a", tuple(PROMPT), GREEDY),
+                                                          fault=unavailable)
+            orchestrator.worker_unavailable("decode-9", "not in any pool")  # ignored
+            await cluster.wait_idle()
+            return result
+
+    tokens, moved_from = asyncio.run(scenario())
+    assert tokens == hf_greedy(tiny_llama_dir, GreedyCase(tuple(PROMPT), NUM_TOKENS, True))
+    assert routable_after == [worker_id for worker_id in ("decode-0", "decode-1") if worker_id != moved_from]
+    assert [record.num_migrations for record in records] == [1]

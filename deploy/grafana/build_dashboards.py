@@ -7,12 +7,19 @@ where they are checked in and where provisioning/dashboards/splitserve.yml point
 removes any other `.json` there. Panels are laid out left to right, top to bottom, in file order.
 The output is a pure function of panels.yaml: tests/test_prometheus_rules.py rebuilds into a
 temporary directory and requires byte-identical files.
+
+Every dashboard imports into any Grafana: it declares its Prometheus as an `__inputs` entry
+(DS_PROMETHEUS, which the import dialog asks for) that sets the `datasource` variable every panel
+and query uses; provisioned (provisioning/), the variable falls back to the default Prometheus.
+The `cluster` and `model` variables (the labels the scrape config sets; "All" by default) filter
+every selector of every query: `scoped()` adds the matchers, so panels.yaml stays plain PromQL.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -21,13 +28,19 @@ import yaml
 GRAFANA_DIR = Path(__file__).resolve().parent
 PANELS = GRAFANA_DIR / "panels.yaml"
 DASHBOARDS_DIR = GRAFANA_DIR / "dashboards"
-DATASOURCE = {"type": "prometheus", "uid": "splitserve-prometheus"}
-"""The datasource provisioning/datasources/splitserve.yml creates."""
+DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
+"""Every panel's and query's datasource: the `datasource` variable."""
+DATASOURCE_INPUT = "DS_PROMETHEUS"
+"""The `__inputs` entry a UI import asks for; it becomes the datasource variable's value."""
+SCOPE = 'cluster=~"$cluster",model=~"$model"'
+"""The matchers scoped() adds to every selector: the dashboard's cluster and model variables."""
+_SELECTOR = re.compile(r'(?<![\w:"])([a-zA-Z_]\w*:[\w:]*|splitserve_\w+)(\{[^}]*\})?')
+"""A metric (splitserve_*) or recording rule (level:metric:operations) and its matchers, if any."""
 GRID_COLUMNS = 24
 PANEL_HEIGHTS = {"timeseries": 8, "stat": 4}
 """Grid rows per panel type."""
 DASHBOARD_KEYS = {"uid", "title", "description", "panels"}
-PANEL_KEYS = {"title", "description", "unit", "type", "width", "stack", "targets"}
+PANEL_KEYS = {"title", "description", "unit", "type", "width", "stack", "no_value", "targets"}
 TARGET_KEYS = {"expr", "legend", "range", "quantile", "target_line"}
 """range and quantile are read by the tests only (see panels.yaml)."""
 
@@ -54,9 +67,42 @@ def _check_keys(item: dict, allowed: set[str], required: set[str], where: str | 
         raise ValueError(f"{where}: missing keys {sorted(missing)}")
 
 
+def scoped(expr: str) -> str:
+    """expr with the cluster and model matchers on every metric and recording-rule selector."""
+    def scope(match: re.Match) -> str:
+        name, matchers = match[1], (match[2] or "{}")[1:-1].strip()
+        return f"{name}{{{SCOPE}{',' + matchers if matchers else ''}}}"
+    return _SELECTOR.sub(scope, expr)
+
+
+def _inputs() -> list[dict]:
+    return [{"name": DATASOURCE_INPUT, "label": "Prometheus", "description": "The Prometheus that scrapes splitserve "
+             "(with deploy/prometheus/rules loaded)", "type": "datasource", "pluginId": "prometheus",
+             "pluginName": "Prometheus"}]
+
+
+def _templating() -> dict:
+    """The datasource, cluster and model variables (cluster and model: multi-select, All by default)."""
+    datasource = {"name": "datasource", "label": "Data source", "type": "datasource", "query": "prometheus",
+                  "current": {"text": f"${{{DATASOURCE_INPUT}}}", "value": f"${{{DATASOURCE_INPUT}}}"},
+                  "hide": 0, "refresh": 1, "regex": "", "options": []}
+    return {"list": [datasource, _label_variable("cluster", "splitserve_worker_up"),
+                     _label_variable("model", 'splitserve_worker_up{cluster=~"$cluster"}')]}
+
+
+def _label_variable(label: str, series: str) -> dict:
+    query = f"label_values({series}, {label})"
+    return {"name": label, "label": label, "type": "query", "datasource": DATASOURCE,
+            "query": {"query": query, "refId": f"{label}-values"}, "definition": query, "refresh": 2,
+            "includeAll": True, "multi": True, "allValue": ".*", "current": {"text": "All", "value": "$__all"},
+            "hide": 0, "sort": 1, "regex": "", "options": []}
+
+
 def build_dashboard(dashboard: dict) -> dict:
     """Grafana's dashboard JSON model (schema 39) for one entry of panels.yaml."""
     return {
+        "__inputs": _inputs(),
+        "__requires": [{"type": "datasource", "id": "prometheus", "name": "Prometheus", "version": "1.0.0"}],
         "uid": dashboard["uid"],
         "title": dashboard["title"],
         "description": dashboard.get("description", ""),
@@ -67,6 +113,7 @@ def build_dashboard(dashboard: dict) -> dict:
         "time": {"from": "now-1h", "to": "now"},
         "timezone": "browser",
         "schemaVersion": 39,
+        "templating": _templating(),
         "panels": [_panel(index + 1, panel, grid_pos) for index, (panel, grid_pos)
                    in enumerate(zip(dashboard["panels"], _layout(dashboard["panels"])))],
     }
@@ -98,7 +145,7 @@ def _panel(panel_id: int, panel: dict, grid_pos: dict) -> dict:
             _target_line_override(ref_id) for ref_id, target in zip(ref_ids, panel["targets"])
             if target.get("target_line")]},
         "options": _options(kind),
-        "targets": [{"refId": ref_id, "datasource": DATASOURCE, "expr": target["expr"].strip(),
+        "targets": [{"refId": ref_id, "datasource": DATASOURCE, "expr": scoped(target["expr"].strip()),
                      "legendFormat": target.get("legend", "")}
                     for ref_id, target in zip(ref_ids, panel["targets"])],
     }
@@ -106,6 +153,8 @@ def _panel(panel_id: int, panel: dict, grid_pos: dict) -> dict:
 
 def _field_defaults(panel: dict, kind: str) -> dict:
     defaults = {"unit": panel["unit"]}
+    if "no_value" in panel:
+        defaults["noValue"] = panel["no_value"]
     if kind == "timeseries":
         stacking = "normal" if panel.get("stack") else "none"
         defaults["custom"] = {"stacking": {"mode": stacking, "group": "A"}, "fillOpacity": 10 if stacking == "none"

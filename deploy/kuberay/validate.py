@@ -10,12 +10,14 @@ kustomization.yaml). Prints one line per problem (file, object, field, reason); 
    operator's own CRDs). Those schemas accept unknown fields (the API server silently prunes
    them), so each pod template inside is also validated strictly as a core PodTemplate, and the
    object's metadata as ObjectMeta.
-3. monitoring.coreos.com PodMonitors get a structural check of the fields the Prometheus Operator
-   reads (its CRD is not available offline).
+3. monitoring.coreos.com PodMonitors and PrometheusRules get a structural check of the fields the
+   Prometheus Operator reads (its CRDs are not available offline).
 4. Once every object passes 1-3, the deployment as a whole: the cluster config embedded in the
    ConfigMap parses with `parse_cluster_config` and agrees with the RayCluster (ports, probes,
-   volumes, GPUs and CPUs per pool, one image), and the Service and PodMonitor select the head pod
-   and name its ports.
+   volumes, GPUs and CPUs per pool, one image), and the Service and PodMonitor select the pods that
+   serve the APIs and name their ports: the head's (router.replicas 1: the router runs in
+   `splitserve serve` on the head), or those of the worker group `router` (router.replicas > 1: one
+   router actor per pod of that group, placed there by router.resources.node_labels).
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ PROMETHEUS_JOB = "splitserve"
 HEAD_ENTRYPOINT = "/usr/local/bin/splitserve-ray-head"
 OVERWRITE_CMD_ANNOTATION = "ray.io/overwrite-container-cmd"
 POOLS = ("prefill", "decode")
+ROUTER_GROUP = "router"
+"""The worker group whose pods run the router actors when router.replicas > 1 (one per pod)."""
 NODE_GROUP_LABEL = "ray.io/node-group"
 """The Ray node label holding a node's KubeRay worker group name."""
 """Cluster config pools; each runs on the worker group of the same name."""
@@ -96,12 +100,18 @@ def kustomization_resources() -> list[Path]:
     return [KUBERAY_DIR / name for name in data["resources"]]
 
 
+LOCAL_CONFIG = "config.kubernetes.io/local-config"
+"""kustomize's annotation for an object it reads (values.yaml) but never outputs."""
+
+
 def load_manifests(paths: Iterable[Path] | None = None) -> list[Manifest]:
-    """Every non-empty YAML document of the files (default: kustomization.yaml's resources)."""
+    """Every non-empty YAML document of the files (default: kustomization.yaml's resources) that
+    kustomize sends to the cluster (objects local to kustomize are skipped)."""
     manifests = []
     for path in kustomization_resources() if paths is None else paths:
         for doc in yaml.safe_load_all(Path(path).read_text(encoding="utf-8")):
-            if doc is not None:
+            annotations = (doc or {}).get("metadata", {}).get("annotations") or {}
+            if doc is not None and str(annotations.get(LOCAL_CONFIG, "")).lower() != "true":
                 manifests.append(Manifest(Path(path), doc))
     return manifests
 
@@ -173,11 +183,54 @@ def schema_errors(manifest: Manifest) -> list[str]:
         f"metadata.name: must be a lowercase DNS subdomain, got {name!r}"]
     if manifest.group == "ray.io":
         errors += crd_errors(manifest)
+    elif manifest.group == "monitoring.coreos.com" and manifest.kind == "PrometheusRule":
+        errors += prometheus_rule_errors(manifest.doc)
     elif manifest.group == "monitoring.coreos.com":
         errors += pod_monitor_errors(manifest.doc)
     else:
         errors += kubernetes_errors(manifest.doc)
     return [manifest.where(error) for error in errors]
+
+
+# ---- PrometheusRule --------------------------------------------------------------------------
+
+_RULE_KEYS = frozenset({"record", "alert", "expr", "for", "keep_firing_for", "labels", "annotations"})
+"""Rule fields of the Prometheus Operator's monitoring.coreos.com/v1 PrometheusRule."""
+
+
+def prometheus_rule_errors(doc: Mapping[str, Any]) -> list[str]:
+    """The PrometheusRule fields the Prometheus Operator needs, checked by structure."""
+    if doc.get("apiVersion") != "monitoring.coreos.com/v1":
+        return [f"apiVersion: must be monitoring.coreos.com/v1, got {doc.get('apiVersion')!r}"]
+    groups = (doc.get("spec") or {}).get("groups")
+    if not isinstance(groups, list) or not groups:
+        return ["spec.groups: required non-empty list"]
+    errors = []
+    for index, group in enumerate(groups):
+        where = f"spec.groups[{index}]"
+        if not isinstance(group, Mapping) or not isinstance(group.get("name"), str):
+            errors.append(f"{where}.name: required string")
+            continue
+        rules = group.get("rules")
+        if not isinstance(rules, list) or not rules:
+            errors.append(f"{where}.rules: required non-empty list")
+            continue
+        for rule_index, rule in enumerate(rules):
+            errors += [f"{where}.rules[{rule_index}].{e}" for e in _rule_errors(rule)]
+    return errors
+
+
+def _rule_errors(rule: Any) -> list[str]:
+    if not isinstance(rule, Mapping):
+        return ["(rule): must be a mapping"]
+    errors = [f"{key}: unknown field" for key in rule if key not in _RULE_KEYS]
+    if ("record" in rule) == ("alert" in rule):
+        errors.append("(rule): needs exactly one of record and alert")
+    if not isinstance(rule.get("expr"), str) or not rule["expr"].strip():
+        errors.append("expr: required PromQL string")
+    if "for" in rule and not (isinstance(rule["for"], str) and _DURATION.match(rule["for"])):
+        errors.append(f"for: must be a Prometheus duration like 5m, got {rule['for']!r}")
+    return errors
 
 
 # ---- PodMonitor ------------------------------------------------------------------------------
@@ -324,16 +377,47 @@ def deployment_errors(manifests: list[Manifest]) -> list[str]:
     cluster = clusters[0]
     head, workers = ray_pods(cluster)
     errors = _head_errors(cluster, head) + _image_errors(cluster, head, workers)
+    errors += [cluster.where(e) for e in _shm_errors([head, *(pod for pod, _ in workers.values())])]
     config, config_errors = _cluster_config(cluster, head, manifests)
     errors += config_errors
+    serving = serving_pod(head, workers, config)
+    if serving is None:
+        return errors + [cluster.where(f"cluster config: router.replicas {config.router.replicas} needs a worker "
+                                       f"group named {ROUTER_GROUP} (one router per pod)")]
     if config is not None:
-        errors += _config_errors(cluster, head, workers, config)
+        errors += _config_errors(cluster, head, workers, config, serving)
+    others = [pod for pod in [head, *(pod for pod, _ in workers.values())] if pod is not serving]
     for manifest in manifests:
         if manifest.kind == "Service":
-            errors += _service_errors(manifest, head, workers)
+            errors += _service_errors(manifest, serving, others)
         elif manifest.kind == "PodMonitor":
-            errors += _pod_monitor_target_errors(manifest, head, workers, config)
+            errors += _pod_monitor_target_errors(manifest, serving, others, config)
     return errors
+
+
+def _shm_errors(pods: Iterable[RayPod]) -> list[str]:
+    """Every Ray container needs a memory-backed /dev/shm: Kubernetes gives 64 MB, too little for
+    Ray's object store, torch and UCX's shared-memory transport."""
+    errors = []
+    for pod in pods:
+        found = pod.mount_for("/dev/shm")
+        empty_dir = (found[1].get("emptyDir") or {}) if found and found[0] == "/dev/shm" else {}
+        if empty_dir.get("medium") != "Memory":
+            errors.append(f"{pod.field}: the Ray container needs /dev/shm on an emptyDir volume with medium: Memory "
+                          f"(Kubernetes' default is 64 MB), got {found}")
+    return errors
+
+
+def serving_pod(head: RayPod, workers: Mapping[str, tuple[RayPod, int]], config) -> RayPod | None:
+    """The pod that serves the APIs: the head with one router (or no readable config), else the
+    router group's pod (None when there is no such group)."""
+    if config is None or config.router.replicas == 1:
+        return head
+    return workers.get(ROUTER_GROUP, (None, 0))[0]
+
+
+def _pod_name(pod: RayPod) -> str:
+    return "head" if pod.field == "spec.headGroupSpec" else f"{ROUTER_GROUP} group"
 
 
 def _head_errors(cluster: Manifest, head: RayPod) -> list[str]:
@@ -383,15 +467,38 @@ def _cluster_config(cluster: Manifest, head: RayPod, manifests: list[Manifest]):
         return None, [source.where(f"data.{key}: {error}")]
 
 
-def _config_errors(cluster: Manifest, head: RayPod, workers: Mapping[str, tuple[RayPod, int]], config) -> list[str]:
+def _config_errors(cluster: Manifest, head: RayPod, workers: Mapping[str, tuple[RayPod, int]], config,
+                   serving: RayPod) -> list[str]:
     errors = []
     if config.ray_address is None:
         errors.append("ray_address: must be `auto` (join the RayCluster); null starts a private Ray in the head pod")
     if config.router.host in LOOPBACK_HOSTS:
         errors.append(f"router.host: {config.router.host} is unreachable from the Service and the probes; use 0.0.0.0")
-    errors += _port_errors(head, config) + _probe_errors(head, config)
+    errors += _port_errors(serving, config) + _probe_errors(serving, config)
     errors += _model_errors(head, workers, config) + _capacity_errors(workers, config)
+    errors += _router_group_errors(workers, config)
     return [cluster.where(f"cluster config: {e}") for e in errors]
+
+
+def _router_group_errors(workers: Mapping[str, tuple[RayPod, int]], config) -> list[str]:
+    """router.replicas > 1: one router actor on each of enough pods of the router group (two on one
+    pod would share its metrics port), pinned there by node_labels."""
+    router = config.router
+    if router.replicas == 1 or ROUTER_GROUP not in workers:
+        return []
+    pod, replicas = workers[ROUTER_GROUP]
+    errors = []
+    if router.resources.label_selector.get(NODE_GROUP_LABEL) != ROUTER_GROUP:
+        errors.append(f"router: resources.node_labels must select worker group {ROUTER_GROUP} "
+                      f"({NODE_GROUP_LABEL}={ROUTER_GROUP}), got {router.resources.node_labels!r}")
+    if _actors_per_pod(pod, router.resources) != 1:
+        cpus, gpus = pod.ray_resources()
+        errors.append(f"router: resources ({_shape(router.resources)}) must fit exactly one router per {ROUTER_GROUP} "
+                      f"pod ({cpus:g} CPU, {gpus:g} GPU): routers on one pod would share its ports")
+    if replicas < router.replicas:
+        errors.append(f"router: {router.replicas} routers need {router.replicas} pods of worker group "
+                      f"{ROUTER_GROUP}, it has {replicas}")
+    return errors
 
 
 def _port_errors(head: RayPod, config) -> list[str]:
@@ -400,7 +507,7 @@ def _port_errors(head: RayPod, config) -> list[str]:
         wanted["router-metrics"] = config.router.metrics_port
     if config.router.http_port is not None:
         wanted["http"] = config.router.http_port
-    return [f"router port {port} needs a head container port named {name} with containerPort {port}, "
+    return [f"router port {port} needs a {_pod_name(head)} container port named {name} with containerPort {port}, "
             f"got {head.port(name)}" for name, port in wanted.items() if head.port(name) != port]
 
 
@@ -462,35 +569,38 @@ def _shape(resources) -> str:
     return f"{resources.num_cpus:g} CPU, {resources.num_gpus:g} GPU"
 
 
-def _service_errors(service: Manifest, head: RayPod, workers: Mapping[str, tuple[RayPod, int]]) -> list[str]:
+def _service_errors(service: Manifest, head: RayPod, others: list[RayPod]) -> list[str]:
+    """`head`: the pod that serves the APIs (see serving_pod); `others`: every other pod."""
     selector = (service.doc.get("spec") or {}).get("selector") or {}
-    errors = _target_selector_errors(selector, head, workers, "spec.selector")
+    errors = _target_selector_errors(selector, head, others, "spec.selector")
     for index, port in enumerate((service.doc.get("spec") or {}).get("ports") or []):
         target = port.get("targetPort", port.get("port"))
         named = isinstance(target, str) and head.port(target) is not None
         numbered = any(p.get("containerPort") == target for p in head.container.get("ports") or [])
         if not (named or numbered):
-            errors.append(f"spec.ports[{index}].targetPort: {target!r} is not a port of the head's Ray container")
+            errors.append(f"spec.ports[{index}].targetPort: {target!r} is not a port of the {_pod_name(head)}'s Ray "
+                          "container")
     return [service.where(e) for e in errors]
 
 
-def _target_selector_errors(selector: Mapping[str, str], head: RayPod, workers, field: str) -> list[str]:
+def _target_selector_errors(selector: Mapping[str, str], head: RayPod, others: list[RayPod], field: str) -> list[str]:
     if not _selects(selector, head.labels):
-        return [f"{field}: {dict(selector)} does not select the head pod (labels {dict(head.labels)})"]
-    chosen = [pod.field for pod, _ in workers.values() if _selects(selector, pod.labels)]
-    return [f"{field}: {dict(selector)} also selects worker pods ({', '.join(chosen)})"] if chosen else []
+        return [f"{field}: {dict(selector)} does not select the {_pod_name(head)} pod (labels {dict(head.labels)})"]
+    chosen = [pod.field for pod in others if _selects(selector, pod.labels)]
+    kind = "worker pods" if _pod_name(head) == "head" else "other pods"
+    return [f"{field}: {dict(selector)} also selects {kind} ({', '.join(chosen)})"] if chosen else []
 
 
-def _pod_monitor_target_errors(monitor: Manifest, head: RayPod, workers, config) -> list[str]:
+def _pod_monitor_target_errors(monitor: Manifest, head: RayPod, others: list[RayPod], config) -> list[str]:
     spec = monitor.doc.get("spec") or {}
-    errors = _target_selector_errors((spec.get("selector") or {}).get("matchLabels") or {}, head, workers,
+    errors = _target_selector_errors((spec.get("selector") or {}).get("matchLabels") or {}, head, others,
                                      "spec.selector.matchLabels")
     for index, endpoint in enumerate(spec.get("podMetricsEndpoints") or []):
         field = f"spec.podMetricsEndpoints[{index}]"
         name = endpoint.get("port")
         port = head.port(name) if isinstance(name, str) else endpoint.get("portNumber")
         if config is not None and port != config.router.metrics_port:
-            errors.append(f"{field}.port: {name!r} must name the head's router metrics port "
+            errors.append(f"{field}.port: {name!r} must name the {_pod_name(head)}'s router metrics port "
                           f"({config.router.metrics_port}), got {port}")
         jobs = [r.get("replacement") for r in endpoint.get("relabelings") or [] if r.get("targetLabel") == "job"]
         if jobs != [PROMETHEUS_JOB]:

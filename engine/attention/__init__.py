@@ -1,19 +1,47 @@
-"""Attention backends; `select_backend` picks one by name and device."""
+"""Attention backends; `select_backend` picks one by name, device and dtype."""
+
+import importlib.util
+
+import torch
 
 from splitserve.engine.attention.base import AttentionBackend, AttentionMetadata, DecodeBatch, PrefillSpan
 from splitserve.engine.attention.cpu import CpuPagedAttention
 from splitserve.engine.attention.torch_ref import TorchReferenceAttention
 
+FLASHINFER_DTYPES = (torch.float16, torch.bfloat16)
+"""FlashInfer's kernels are built for 16-bit queries and KV only."""
 
-def select_backend(name: str, device_type: str, cpu_kernels: bool = True) -> AttentionBackend:
+
+def flashinfer_installed() -> bool:
+    """Whether the optional `splitserve[gpu]` extra is there (without importing it)."""
+    return importlib.util.find_spec("flashinfer") is not None
+
+
+def select_backend(name: str, device_type: str, cpu_kernels: bool = True,
+                   dtype: torch.dtype = torch.float32) -> AttentionBackend:
     """`torch` is the reference (any device); `cpu` the CPU-tuned backend (its C++ decode kernel when
-    `cpu_kernels`); `auto` picks `cpu` on CPU and the reference elsewhere."""
+    `cpu_kernels`); `flashinfer` FlashInfer's paged kernels (CUDA, float16/bfloat16); `auto` picks `cpu`
+    on CPU, `flashinfer` on CUDA when it is installed and the dtype is 16-bit, else the reference."""
     if name == "cpu" or (name == "auto" and device_type == "cpu"):
         return CpuPagedAttention(use_kernels=cpu_kernels)
+    if name == "flashinfer" or (name == "auto" and dtype in FLASHINFER_DTYPES and flashinfer_installed()):
+        return _flashinfer(device_type, dtype)
     if name in ("auto", "torch"):
         return TorchReferenceAttention()
     raise ValueError(f"unknown attention backend {name!r}")
 
 
+def _flashinfer(device_type: str, dtype: torch.dtype) -> AttentionBackend:
+    if device_type != "cuda":
+        raise ValueError(f"attention_backend 'flashinfer' needs device 'cuda', got {device_type!r}")
+    if dtype not in FLASHINFER_DTYPES:
+        raise ValueError(f"attention_backend 'flashinfer' needs dtype float16 or bfloat16, got {dtype}")
+    if not flashinfer_installed():
+        raise ValueError("attention_backend 'flashinfer' needs the flashinfer package: pip install 'splitserve[gpu]'")
+    from splitserve.engine.attention.flashinfer import FlashInferAttention  # noqa: PLC0415 - imports flashinfer
+
+    return FlashInferAttention()
+
+
 __all__ = ["AttentionBackend", "AttentionMetadata", "CpuPagedAttention", "DecodeBatch", "PrefillSpan",
-           "TorchReferenceAttention", "select_backend"]
+           "TorchReferenceAttention", "flashinfer_installed", "select_backend"]

@@ -12,6 +12,8 @@ from typing import Protocol
 
 import torch
 
+from splitserve.engine.attention.paged_kv_metadata import FlashInferMetadata
+
 
 @dataclass(frozen=True)
 class PrefillSpan:
@@ -53,6 +55,9 @@ class AttentionMetadata:
     prefills: tuple[PrefillSpan, ...]
     decodes: tuple[DecodeBatch, ...]
     block_size: int
+    paged: FlashInferMetadata | None = None
+    """The step in FlashInfer's paged-KV format (host tensors), built only for backends that set
+    needs_paged_metadata; prefills and decodes are then empty (such a backend reads only this)."""
     step_cache: dict = field(default_factory=dict, compare=False)
     """Backend tensors (gather rows, masks) built by the first layer and shared by the rest of the step."""
 
@@ -61,6 +66,8 @@ class AttentionBackend(Protocol):
     pads_decode_batches: bool
     """True when a decode batch is computed padded to its longest context (the runner then groups
     decodes of similar length); False when each sequence costs only its own context."""
+    needs_paged_metadata: bool
+    """True when forward reads AttentionMetadata.paged (FlashInfer's format), which the runner then builds."""
 
     def forward(
         self,

@@ -15,6 +15,7 @@ from splitserve.engine.attention.base import AttentionMetadata, DecodeBatch, Pre
 
 class TorchReferenceAttention:
     pads_decode_batches = True
+    needs_paged_metadata = False
 
     def __init__(self) -> None:
         self._workspace = torch.empty(0)

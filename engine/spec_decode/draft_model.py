@@ -18,6 +18,7 @@ import torch
 
 from splitserve.common.block_hash import BlockHasher
 from splitserve.common.sampling_params import SamplingParams
+from splitserve.engine.attention import AttentionBackend
 from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.kv_cache import KVCache, KVCacheSpec
 from splitserve.engine.model_runner import ModelRunner
@@ -48,13 +49,14 @@ class _DraftSequence:
 
 class DraftModelProposer:
     def __init__(self, model: LlamaFamilyForCausalLM, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device, pads_decode_batches: bool) -> None:
-        """`model`: the loaded draft model; its pool holds num_blocks blocks of block_size tokens."""
+                 dtype: torch.dtype, device: torch.device, attention: AttentionBackend) -> None:
+        """`model`: the loaded draft model (on `attention`); its pool holds num_blocks blocks of block_size tokens."""
         arch = model.arch
         spec = KVCacheSpec(arch.num_layers, block_size, arch.num_kv_heads, arch.head_dim, dtype)
         self.max_model_len = arch.max_position_embeddings
         self.block_manager = BlockManager(num_blocks, block_size, BlockHasher(block_size, 0), False)
-        self.runner = ModelRunner(model, KVCache(spec, num_blocks, device), device, pads_decode_batches)
+        self.runner = ModelRunner(model, KVCache(spec, num_blocks, device), device, attention.pads_decode_batches,
+                                  attention.needs_paged_metadata)
         self._sequences: dict[str, _DraftSequence] = {}
 
     def propose(self, slots: Sequence[DraftSlot]) -> list[tuple[int, ...]]:

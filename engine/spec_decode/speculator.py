@@ -55,7 +55,10 @@ class Speculator:
 
     def num_speculative_tokens(self, request: Request) -> int:
         """k for the request's next step: its recent accepted length + 1 (adaptive), within what
-        max_tokens and max_model_len leave after the target's own token."""
+        max_tokens and max_model_len leave after the target's own token. 0 for structured output:
+        its grammar constrains each position, which the verification does not do."""
+        if request.sampling_params.structured_output is not None:
+            return 0
         k = self.config.num_speculative_tokens
         if self.config.adaptive:
             k = min(k, round(self._accepted_length.get(request.request_id, k)) + 1)
@@ -90,4 +93,4 @@ def build_proposer(config: SpeculativeConfig, target_dir: Path, num_blocks: int,
     draft_dir = resolve_model_path(config.draft_model)
     check_same_tokenizer(target_dir, draft_dir)
     model = load_model(draft_dir, dtype, device, attention, False, layer_ops)
-    return DraftModelProposer(model, num_blocks, block_size, dtype, device, attention.pads_decode_batches)
+    return DraftModelProposer(model, num_blocks, block_size, dtype, device, attention)

@@ -1,0 +1,211 @@
+"""Structured output: the typed request field that constrains a request's output to a grammar
+(torch-free; shared by the router, which validates it, and the engine, which enforces it).
+
+A StructuredOutput is a kind and a spec string; `grammar()` turns it into the grammar text of the
+grammar engine (llguidance's JSON grammar format: {"grammars": [{"json_schema" | "lark_grammar"}]}),
+built here with the standard library so that router and engine compile the very same grammar.
+
+JSON schemas are held to SUPPORTED_KEYWORDS: a keyword outside it is refused with its name (and
+where it is), never silently ignored, since an ignored keyword would produce output that does not
+validate against the client's schema.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from splitserve.common.errors import InvalidRequestError
+
+MAX_SPEC_CHARS = 1 << 20
+"""Longest spec (a schema's JSON text, a regex, a grammar): larger ones are refused before parsing."""
+MAX_SCHEMA_DEPTH = 32
+"""Deepest nesting of subschemas a JSON schema may have."""
+JSON_TYPES = frozenset({"object", "array", "string", "integer", "number", "boolean", "null"})
+ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$schema", "$id", "$comment", "deprecated",
+                         "readOnly", "writeOnly"})
+"""Keywords that describe a value without constraining it: accepted and ignored (as by any validator)."""
+SCHEMA_VALUED = frozenset({"additionalProperties", "items"})
+"""Keywords whose value is one subschema."""
+SCHEMA_MAP_VALUED = frozenset({"properties", "$defs", "definitions"})
+"""Keywords whose value maps names to subschemas."""
+SCHEMA_LIST_VALUED = frozenset({"anyOf", "allOf"})
+"""Keywords whose value is a list of subschemas."""
+SUPPORTED_KEYWORDS = ANNOTATIONS | SCHEMA_VALUED | SCHEMA_MAP_VALUED | SCHEMA_LIST_VALUED | frozenset({
+    "type", "enum", "const", "$ref", "required",
+    "minLength", "maxLength", "pattern", "format",
+    "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf",
+    "minItems", "maxItems",
+})
+"""The JSON schema subset the grammar engine enforces exactly. Not in it (refused by name):
+patternProperties, propertyNames, dependentRequired, dependentSchemas, if/then/else, not, oneOf
+(exactly one of), uniqueItems, contains, prefixItems, min/maxProperties, unevaluated*, x-guidance."""
+FORMATS = frozenset({"date-time", "time", "date", "duration", "email", "hostname", "ipv4", "ipv6", "uuid", "uri"})
+"""String formats the grammar engine enforces."""
+JSON_OPTIONS = {"whitespace_flexible": False}
+"""Compact JSON (no whitespace between tokens): the grammar leaves the model no way to spend its
+max_tokens on blank space, which an unconstrained whitespace rule allows."""
+
+
+class StructuredOutputKind(enum.Enum):
+    JSON_OBJECT = "json_object"
+    """Any JSON object (OpenAI's response_format {"type": "json_object"}); spec is ""."""
+    JSON_SCHEMA = "json_schema"
+    """spec: a JSON schema (JSON text) within SUPPORTED_KEYWORDS."""
+    REGEX = "regex"
+    """spec: a regular expression (Rust regex syntax, anchored at both ends; no look-around)."""
+    CHOICE = "choice"
+    """spec: a JSON list of strings; the output is exactly one of them."""
+    GRAMMAR = "grammar"
+    """spec: a Lark grammar (llguidance's dialect; the router converts GBNF / EBNF to it)."""
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on a request's whole output. Validated on construction; equal specs compile to
+    the same grammar (the engine caches compiled grammars by `grammar()`)."""
+
+    kind: StructuredOutputKind
+    """What `spec` is."""
+    spec: str = ""
+    """The constraint's text, as described by its kind."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.kind, StructuredOutputKind):
+            raise InvalidRequestError("structured_output", f"unknown kind {self.kind!r}")
+        if not isinstance(self.spec, str):
+            raise InvalidRequestError(self.kind.value, f"must be a string, got {type(self.spec).__name__}")
+        if len(self.spec) > MAX_SPEC_CHARS:
+            raise InvalidRequestError(self.kind.value, f"has {len(self.spec)} characters; at most {MAX_SPEC_CHARS}")
+        _CHECKS[self.kind](self.spec)
+
+    @classmethod
+    def json_schema(cls, schema: Any) -> StructuredOutput:
+        """From a parsed schema (a dict, or a boolean schema), kept as canonical JSON text."""
+        return cls(StructuredOutputKind.JSON_SCHEMA, json.dumps(schema, sort_keys=True, separators=(",", ":")))
+
+    @classmethod
+    def choice(cls, choices: Any) -> StructuredOutput:
+        return cls(StructuredOutputKind.CHOICE, json.dumps(choices, separators=(",", ":")))
+
+    def grammar(self) -> str:
+        """The grammar engine's text for this constraint (llguidance's JSON grammar format)."""
+        if self.kind == StructuredOutputKind.JSON_OBJECT:
+            return _json_grammar({"type": "object"})
+        if self.kind == StructuredOutputKind.JSON_SCHEMA:
+            return _json_grammar(json.loads(self.spec))
+        if self.kind == StructuredOutputKind.REGEX:
+            return _lark_grammar("start: " + _lark_regex(self.spec))
+        if self.kind == StructuredOutputKind.CHOICE:
+            return _lark_grammar("start: " + " | ".join(json.dumps(c) for c in json.loads(self.spec)))
+        return _lark_grammar(self.spec)
+
+
+def _json_grammar(schema: Any) -> str:
+    schema = {**schema, "x-guidance": JSON_OPTIONS} if isinstance(schema, dict) else schema
+    return json.dumps({"grammars": [{"name": "json_schema", "json_schema": schema, "lark_grammar": None}]})
+
+
+def _lark_grammar(lark: str) -> str:
+    return json.dumps({"grammars": [{"name": "lark", "json_schema": None, "lark_grammar": lark}]})
+
+
+def _lark_regex(regex: str) -> str:
+    """A Lark regex token of `regex`: its unescaped slashes (Lark's delimiter) escaped, escapes kept
+    as they are (what llguidance's own regex grammars do)."""
+    out: list[str] = []
+    escaped = False
+    for char in regex:
+        out.append("\\/" if char == "/" and not escaped else char)
+        escaped = char == "\\" and not escaped
+    return "/" + "".join(out) + "/"
+
+
+# ---- checks (cheap, torch-free: the grammar engine's own validation runs on the router) -------
+
+def _check_nothing(spec: str) -> None:
+    if spec:
+        raise InvalidRequestError("json_object", "takes no spec")
+
+
+def _check_non_empty(kind: str):
+    def check(spec: str) -> None:
+        if not spec:
+            raise InvalidRequestError(kind, "must not be empty")
+    return check
+
+
+def _check_choice(spec: str) -> None:
+    choices = _parse(spec, "choice")
+    if not (isinstance(choices, list) and choices and all(isinstance(c, str) and c for c in choices)):
+        raise InvalidRequestError("choice", "must be a non-empty list of non-empty strings")
+
+
+def _check_schema(spec: str) -> None:
+    schema = _parse(spec, "json_schema")
+    for path, construct in unsupported_constructs(schema):
+        raise InvalidRequestError("json_schema", f"unsupported {construct} at {path or '/'}")
+
+
+def _parse(spec: str, kind: str) -> Any:
+    try:
+        return json.loads(spec)
+    except ValueError as error:
+        raise InvalidRequestError(kind, f"is not valid JSON: {error}") from None
+
+
+_CHECKS = {
+    StructuredOutputKind.JSON_OBJECT: _check_nothing,
+    StructuredOutputKind.JSON_SCHEMA: _check_schema,
+    StructuredOutputKind.REGEX: _check_non_empty("regex"),
+    StructuredOutputKind.CHOICE: _check_choice,
+    StructuredOutputKind.GRAMMAR: _check_non_empty("grammar"),
+}
+
+
+def unsupported_constructs(schema: Any, path: str = "", depth: int = 0) -> Iterator[tuple[str, str]]:
+    """(JSON pointer, what) of each construct outside the supported subset, depth first: a keyword,
+    a type or format it does not know, a $ref outside the schema, a subschema that is not one."""
+    if isinstance(schema, bool):
+        return
+    if not isinstance(schema, dict):
+        yield path, f"subschema of type {type(schema).__name__} (must be an object or a boolean)"
+        return
+    if depth > MAX_SCHEMA_DEPTH:
+        yield path, f"nesting deeper than {MAX_SCHEMA_DEPTH}"
+        return
+    for keyword in sorted(set(schema) - SUPPORTED_KEYWORDS):
+        yield path, f"keyword {keyword!r}"
+    yield from _bad_values(schema, path)
+    for child_path, child in _subschemas(schema, path):
+        yield from unsupported_constructs(child, child_path, depth + 1)
+
+
+def _bad_values(schema: dict, path: str) -> Iterator[tuple[str, str]]:
+    types = schema.get("type", [])
+    for name in [types] if isinstance(types, str) else types if isinstance(types, list) else [types]:
+        if not (isinstance(name, str) and name in JSON_TYPES):
+            yield f"{path}/type", f"type {name!r}"
+    if "format" in schema and not (isinstance(schema["format"], str) and schema["format"] in FORMATS):
+        yield f"{path}/format", f"format {schema['format']!r}"
+    if "$ref" in schema and not (isinstance(schema["$ref"], str) and schema["$ref"].startswith("#")):
+        yield f"{path}/$ref", f"$ref {schema['$ref']!r} (only references inside the schema, '#...')"
+
+
+def _subschemas(schema: dict, path: str) -> Iterator[tuple[str, Any]]:
+    for keyword in SCHEMA_VALUED & schema.keys():
+        yield f"{path}/{keyword}", schema[keyword]
+    for keyword in SCHEMA_MAP_VALUED & schema.keys():
+        children = schema[keyword]
+        if not isinstance(children, dict):
+            yield f"{path}/{keyword}", None
+            continue
+        for name, child in children.items():
+            yield f"{path}/{keyword}/{name}", child
+    for keyword in SCHEMA_LIST_VALUED & schema.keys():
+        children = schema[keyword]
+        for index, child in enumerate(children if isinstance(children, list) else [None]):
+            yield f"{path}/{keyword}/{index}", child

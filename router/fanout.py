@@ -1,0 +1,161 @@
+"""Parallel sampling and batched prompts: one API request (prompts x n sequences) becomes one
+orchestrator request per sequence, their chunks merged into one stream tagged by choice index.
+
+Choice i is sequence i % num_sequences of prompt i // num_sequences (vLLM's indexing across a
+batch). A prompt's first sequence runs alone until its first chunk says which worker now holds
+the prompt's KV; its siblings then start with that worker in `kv_cached_on`, so routing sends
+them where their prompt's blocks are cached and they prefill only the last partial block. Seeds
+follow vLLM's parallel sampling: a seeded request's sequence i samples with seed + i (wrapped
+into the seed's range); unseeded sequences draw independently.
+
+Every path ends every sequence: a failing sequence fails the whole request (the others are
+cancelled, which aborts them on the workers), and closing the merged stream (the client went
+away) cancels all of them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+from splitserve.common.sampling_params import SamplingParams
+from splitserve.router.admission import Admission
+from splitserve.router.api_types import GenerationInput, StreamChunk, Usage
+from splitserve.router.orchestrator import Orchestrator
+
+SEED_LOW = -2**63
+SEED_SPAN = 2**64 + 2**63
+"""SamplingParams.seed's range is [SEED_LOW, SEED_LOW + SEED_SPAN)."""
+
+
+@dataclass(frozen=True)
+class IndexedChunk:
+    """One sequence's chunk and its choice index."""
+
+    index: int
+    chunk: StreamChunk
+
+
+@dataclass(frozen=True)
+class _Ended:
+    """A sequence's task is done: `error` is what ended it early, None when it finished."""
+
+    error: BaseException | None
+
+
+def sequence_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Sequence `index`'s sampling: the request's, with seed + index when it is seeded (vLLM)."""
+    if params.seed is None or index == 0:
+        return params
+    return dataclasses.replace(params, seed=(params.seed + index - SEED_LOW) % SEED_SPAN + SEED_LOW)
+
+
+def sequence_inputs(base: GenerationInput, prompts: Sequence[tuple[int, ...]],
+                    num_sequences: int) -> tuple[GenerationInput, ...]:
+    """One input per choice (prompt-major); a lone sequence keeps the request's id, others get
+    `<id>-<choice index>`."""
+    if len(prompts) * num_sequences == 1:
+        return (dataclasses.replace(base, prompt_token_ids=prompts[0]),)
+    return tuple(dataclasses.replace(base, request_id=f"{base.request_id}-{p * num_sequences + s}",
+                                     prompt_token_ids=prompt, sampling_params=sequence_params(base.sampling_params, s))
+                 for p, prompt in enumerate(prompts) for s in range(num_sequences))
+
+
+def by_choice(chunks: Sequence[IndexedChunk], num_choices: int) -> list[list[StreamChunk]]:
+    """Each choice's chunks in arrival order, in choice order."""
+    groups: list[list[StreamChunk]] = [[] for _ in range(num_choices)]
+    for item in chunks:
+        groups[item.index].append(item.chunk)
+    return groups
+
+
+def cumulative_logprob(chunks: Sequence[StreamChunk]) -> float:
+    """The sum of a sequence's sampled tokens' logprobs (the chunks must carry logprobs)."""
+    return sum(lp.logprob for chunk in chunks for lp in chunk.logprobs)
+
+
+def best_of(sequences: Sequence[list[StreamChunk]], n: int, num_sequences: int) -> list[list[StreamChunk]]:
+    """Per prompt (num_sequences sequences each, prompt-major), its n sequences of highest
+    cumulative logprob, best first (vLLM's best_of); ties keep generation order."""
+    chosen = []
+    for first in range(0, len(sequences), num_sequences):
+        group = sequences[first:first + num_sequences]
+        chosen.extend(sorted(group, key=cumulative_logprob, reverse=True)[:n])
+    return chosen
+
+
+def merged_usage(usages: Sequence[Usage], num_sequences: int) -> Usage:
+    """The request's usage from every sequence's (prompt-major): each prompt's tokens once (as
+    vLLM counts them) and its first sequence's cache hit; every generated token, including
+    those of sequences best_of dropped."""
+    firsts = usages[::num_sequences]
+    return Usage(sum(u.prompt_tokens for u in firsts), sum(u.cached_tokens for u in firsts),
+                 sum(u.completion_tokens for u in usages))
+
+
+class FanOut:
+    """Runs one request's sequences on the orchestrator and merges their chunks as they arrive.
+
+    `inputs` are prompt-major (sequence_inputs); the request's admission slot goes to its first
+    sequence, every other sequence is admitted by the orchestrator like a request of its own."""
+
+    def __init__(self, orchestrator: Orchestrator, inputs: Sequence[GenerationInput], num_sequences: int,
+                 admission: Admission) -> None:
+        self.orchestrator = orchestrator
+        self.inputs = tuple(inputs)
+        self.num_sequences = num_sequences
+        self.admission = admission
+        self._queue: asyncio.Queue[IndexedChunk | _Ended] = asyncio.Queue()
+        self._tasks: set[asyncio.Task] = set()
+
+    async def stream(self) -> AsyncIterator[IndexedChunk]:
+        """Every sequence's chunks until all finished; raises the first sequence error."""
+        for first in range(0, len(self.inputs), self.num_sequences):
+            self._start(first, (), self.admission if first == 0 else None)
+        running = len(self.inputs)
+        try:
+            while running:
+                item = await self._queue.get()
+                if isinstance(item, _Ended):
+                    if item.error is not None:
+                        raise item.error
+                    running -= 1
+                    continue
+                yield item
+        finally:
+            await self._cancel_all()
+
+    def _start(self, index: int, kv_cached_on: tuple[str, ...], admission: Admission | None) -> None:
+        inp = dataclasses.replace(self.inputs[index], kv_cached_on=kv_cached_on)
+        task = asyncio.get_running_loop().create_task(self._run(index, inp, admission))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _run(self, index: int, inp: GenerationInput, admission: Admission | None) -> None:
+        """Feed the queue with one sequence's chunks; a prompt's first sequence starts its
+        siblings once its first chunk names the worker holding the prompt's KV."""
+        starts_siblings = index % self.num_sequences == 0 and self.num_sequences > 1
+        try:
+            async for chunk in self.orchestrator.generate(inp, admission):
+                if starts_siblings:
+                    starts_siblings = False
+                    holder = () if chunk.kv_holder is None else (chunk.kv_holder,)
+                    for sibling in range(index + 1, index + self.num_sequences):
+                        self._start(sibling, holder, None)
+                self._queue.put_nowait(IndexedChunk(index, dataclasses.replace(chunk, kv_holder=None)))
+        except Exception as error:
+            self._queue.put_nowait(_Ended(error))
+            return
+        finally:
+            if admission is not None:  # generate() releases it, unless cancelled before it started
+                admission.release()
+        self._queue.put_nowait(_Ended(None))
+
+    async def _cancel_all(self) -> None:
+        """Cancel the sequences still running and wait until each has released its workers."""
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -1,0 +1,209 @@
+"""Parallel sampling (n, best_of), echo and batched prompts on the OpenAI API, through the official
+`openai` SDK: each choice equals the single request it stands for (seed + index when seeded, as
+vLLM derives per-sequence seeds), choices are indexed prompt-major, usage counts each prompt once
+and every generated token, the siblings of n share their prompt's KV on one prefill worker, and a
+client that goes away cancels every sequence."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+
+from splitserve.common.sampling_params import SamplingParams
+from splitserve.router.fanout import sequence_params
+from splitserve.router.policy import RoutingConfig
+from tests.factories import ServedApis, http_request, served_apis
+
+MODEL = "tiny-llama"
+PROMPT = "The river runs"
+OTHER = "A quiet town"
+SAMPLED = {"temperature": 1.0, "extra_body": {"ignore_eos": True}}
+GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
+LONG = 2000
+"""max_tokens of requests a test cancels (the tiny model decodes about 1000 tokens/s)."""
+
+
+class Served(ServedApis):
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"http://127.0.0.1:{self.http_port}/v1", api_key="none", max_retries=0,
+                             timeout=60)
+
+    def single(self, prompt: str | list[int], **kwargs) -> openai.types.Completion:
+        completion = self.client().completions.create(model=MODEL, prompt=prompt, **kwargs)
+        assert len(completion.choices) == 1
+        return completion
+
+    def engine_stats(self, workers) -> list:
+        return [self.loop.run(w.stats()).engine for w in workers]
+
+
+@pytest.fixture(scope="module")
+def served(tiny_llama_dir):
+    with served_apis(tiny_llama_dir, MODEL, served_class=Served) as served:
+        yield served
+
+
+@pytest.fixture(scope="module")
+def two_prefill(tiny_llama_dir):
+    """Two prefill workers and remote prefill for every prompt: where siblings prefill shows."""
+    with served_apis(tiny_llama_dir, MODEL, served_class=Served, num_prefill=2,
+                     routing=RoutingConfig(disaggregation="always")) as served:
+        yield served
+
+
+def _texts(completion) -> list[tuple[int, str]]:
+    return [(choice.index, choice.text) for choice in completion.choices]
+
+
+def _stream_texts(stream) -> tuple[dict[int, str], list]:
+    """Each choice's streamed text by index, and the chunks."""
+    chunks = list(stream)
+    texts: dict[int, str] = {}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            delta = choice.text if hasattr(choice, "text") else (choice.delta.content or "")
+            texts[choice.index] = texts.get(choice.index, "") + delta
+    return texts, chunks
+
+
+# ---- n -------------------------------------------------------------------------------------
+
+def test_greedy_n_choices_equal_one_request_and_usage_counts_the_prompt_once(served):
+    single = served.single(PROMPT, max_tokens=6, **GREEDY)
+    completion = served.client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, n=3, temperature=0,
+                                                    extra_body={"ignore_eos": True, "request_id": "three"})
+    assert completion.id == "cmpl-three"  # the request's id, not one of its sequences'
+    assert _texts(completion) == [(i, single.choices[0].text) for i in range(3)]
+    assert [c.finish_reason for c in completion.choices] == ["length"] * 3
+    usage = completion.usage
+    assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (
+        single.usage.prompt_tokens, 18, single.usage.prompt_tokens + 18)
+
+
+def test_seeded_sequence_i_samples_with_seed_plus_i(served):
+    singles = [served.single(PROMPT, max_tokens=8, seed=41 + i, **SAMPLED).choices[0].text for i in range(4)]
+    assert len(set(singles)) > 1  # the seeds sample different texts, so the mapping below is checked
+    completion = served.client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, n=4, seed=41,
+                                                    **SAMPLED)
+    assert _texts(completion) == list(enumerate(singles))
+
+
+def test_chat_n_streams_each_choice_under_its_index(served):
+    chat = [{"role": "user", "content": "Tell me about the river."}]
+    client = served.client()
+    singles = [client.chat.completions.create(model=MODEL, messages=chat, max_tokens=6, seed=7 + i, **SAMPLED)
+               .choices[0].message.content for i in range(3)]
+    stream = client.chat.completions.create(model=MODEL, messages=chat, max_tokens=6, seed=7, n=3, stream=True,
+                                            stream_options={"include_usage": True}, **SAMPLED)
+    texts, chunks = _stream_texts(stream)
+    assert texts == dict(enumerate(singles))
+    roles = [(c.choices[0].index, c.choices[0].delta.role) for c in chunks if c.choices and c.choices[0].delta.role]
+    assert sorted(roles) == [(0, "assistant"), (1, "assistant"), (2, "assistant")]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 18
+    whole = client.chat.completions.create(model=MODEL, messages=chat, max_tokens=6, seed=7, n=3, **SAMPLED)
+    assert [(c.index, c.message.content) for c in whole.choices] == list(enumerate(singles))
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+
+
+def test_n_siblings_prefill_where_the_first_left_the_prompts_kv(two_prefill):
+    prompt = list(range(5, 42))  # 37 tokens: 4 full blocks of 8, then 5 tokens to compute per sibling
+    workers = two_prefill.cluster.prefill_workers
+    before = two_prefill.engine_stats(workers)
+    completion = two_prefill.client().completions.create(model=MODEL, prompt=prompt, max_tokens=2, n=4, **GREEDY)
+    assert len(completion.choices) == 4
+    after = two_prefill.engine_stats(workers)
+    queries = [a.prefix_cache_queries - b.prefix_cache_queries for a, b in zip(after, before)]
+    hits = [a.prefix_cache_hits - b.prefix_cache_hits for a, b in zip(after, before)]
+    assert sorted(queries) == [0, 4 * 37]  # all four prefilled on one worker
+    assert sorted(hits) == [0, 3 * 32]  # the three siblings reused the first one's four full blocks
+    assert completion.usage.prompt_tokens_details.cached_tokens == 0  # the first sequence's own hit
+
+
+def test_a_client_disconnecting_cancels_every_sequence(served):
+    before = sum(s.num_generation_tokens for s in served.engine_stats(served.cluster.decode_workers))
+    stream = served.client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=LONG, n=3, stream=True,
+                                                **GREEDY)
+    indexes = {next(stream).choices[0].index for _ in range(12)}
+    stream.close()
+    served.loop.run(served.cluster.wait_idle())
+    generated = sum(s.num_generation_tokens for s in served.engine_stats(served.cluster.decode_workers)) - before
+    assert indexes == {0, 1, 2}
+    assert generated < 3 * LONG // 2
+    assert served.cluster.orchestrator.admission.in_flight == 0
+    assert served.cluster.orchestrator.num_in_flight == 0
+
+
+# ---- best_of ---------------------------------------------------------------------------------
+
+def test_best_of_returns_the_sequences_of_highest_cumulative_logprob(served):
+    singles = [served.single(PROMPT, max_tokens=5, seed=3 + i, logprobs=0, **SAMPLED).choices[0] for i in range(4)]
+    ranked = sorted(singles, key=lambda c: sum(c.logprobs.token_logprobs), reverse=True)
+    completion = served.client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, n=2, best_of=4, seed=3,
+                                                    **SAMPLED)
+    assert _texts(completion) == [(0, ranked[0].text), (1, ranked[1].text)]
+    assert completion.choices[0].logprobs is None  # ranked by logprobs the client did not ask for
+    assert completion.usage.completion_tokens == 20  # every generated sequence is counted
+
+
+@pytest.mark.parametrize(("body", "message"), [
+    ({"n": 2, "best_of": 1}, "best_of: must be >= n (2), got 1"),
+    ({"best_of": 2, "stream": True}, "best_of: cannot stream: the best 1 of 2 sequences are known only once all "
+                                     "finished (set best_of to n, or stream to false)"),
+    ({"n": 129}, "n: must be an integer in [1, 128], got 129"),
+    ({"prompt": ["a"] * 65, "best_of": 2}, "prompt: 65 prompts x 2 sequences each exceed 128 sequences per request"),
+    ({"echo": True, "logprobs": 1}, "echo: with logprobs needs the prompt's logprobs, which this server does not "
+                                    "compute (drop logprobs, or echo)"),
+    ({"prompt": ["a", 5]}, "prompt: must be a string or a non-empty list of token ids"),
+    ({"prompt": ["a", []]}, "prompt[1]: must be a string or a non-empty list of token ids"),
+])
+def test_bad_fan_outs_are_400_naming_the_field(served, body, message):
+    status, _, raw = http_request(served.http_port, "POST", "/v1/completions",
+                                  json.dumps({"prompt": PROMPT, "max_tokens": 2, **body}).encode())
+    assert (status, json.loads(raw)["error"]["message"]) == (400, message)
+
+
+# ---- batched prompts and echo ------------------------------------------------------------------
+
+def test_batched_prompts_index_choices_prompt_major(served, tiny_llama_dir):
+    token_prompt = served.cluster.tokenizer.encode(OTHER)
+    expected = [served.single(p, max_tokens=4, seed=5 + s, **SAMPLED) for p in (PROMPT, token_prompt) for s in (0, 1)]
+    completion = served.client().completions.create(model=MODEL, prompt=[PROMPT, OTHER], max_tokens=4, n=2, seed=5,
+                                                    **SAMPLED)
+    assert _texts(completion) == [(i, e.choices[0].text) for i, e in enumerate(expected)]
+    prompt_tokens = expected[0].usage.prompt_tokens + expected[2].usage.prompt_tokens
+    assert (completion.usage.prompt_tokens, completion.usage.completion_tokens) == (prompt_tokens, 16)
+    as_ids = served.client().completions.create(model=MODEL, prompt=[served.cluster.tokenizer.encode(PROMPT),
+                                                                     token_prompt], max_tokens=4, n=2, seed=5,
+                                                **SAMPLED)
+    assert _texts(as_ids) == _texts(completion)
+
+
+def test_batched_prompts_stream_with_their_usage(served):
+    body = {"model": MODEL, "prompt": [PROMPT, OTHER], "max_tokens": 3, **GREEDY}
+    whole = served.client().completions.create(**body)
+    texts, chunks = _stream_texts(served.client().completions.create(
+        **body, stream=True, stream_options={"include_usage": True}))
+    assert texts == dict(_texts(whole))
+    assert chunks[-1].usage == whole.usage
+
+
+def test_echo_prepends_each_prompt(served):
+    single = served.single(PROMPT, max_tokens=4, **GREEDY).choices[0].text
+    other = served.single(OTHER, max_tokens=4, **GREEDY).choices[0].text
+    completion = served.client().completions.create(model=MODEL, prompt=[PROMPT, OTHER], max_tokens=4, echo=True,
+                                                    **GREEDY)
+    assert _texts(completion) == [(0, PROMPT + single), (1, OTHER + other)]
+    texts, _ = _stream_texts(served.client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, echo=True,
+                                                                stream=True, **GREEDY))
+    assert texts == {0: PROMPT + single}
+    ids = served.cluster.tokenizer.encode(PROMPT)
+    by_ids = served.client().completions.create(model=MODEL, prompt=ids, max_tokens=4, echo=True, **GREEDY)
+    assert by_ids.choices[0].text == served.cluster.tokenizer.decode(ids, skip_special_tokens=False) + single
+
+
+def test_sequence_seeds_wrap_into_the_seed_range():
+    params = SamplingParams(seed=2**64 - 2)
+    assert [sequence_params(params, i).seed for i in range(4)] == [2**64 - 2, 2**64 - 1, -2**63, -2**63 + 1]
+    assert sequence_params(SamplingParams(), 3).seed is None

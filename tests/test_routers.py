@@ -1,0 +1,61 @@
+"""Several routers (router.replicas 2) over the same workers on a real Ray cluster: one address
+for both (SO_REUSEPORT), each router's prefix index exact; one router killed under load loses only
+its own streams, the other's all finish with Hugging Face's output, and every worker ends the dead
+router's requests (its held KV included) within 1 s of the kill, long before the 30 s lease
+would; a worker killed is reported by Ray's actor states and unroutable on every router."""
+
+from __future__ import annotations
+
+import pytest
+import ray
+
+from splitserve.testing.local_cluster import running_cluster
+from splitserve.testing.router_faults import (REAP_WITHIN_S, StreamResult, index_is_exact, kill_a_router_under_load,
+                                              kill_a_worker, load_cases, router_cluster_config,
+                                              stream_on_own_connection)
+from tests.factories import hf_greedy
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def two_routers(tiny_llama_dir):
+    with running_cluster(router_cluster_config(tiny_llama_dir)) as running:
+        yield running
+
+
+def test_both_routers_serve_one_address_with_exact_prefix_indexes(two_routers, tiny_llama_dir):
+    cluster, _ = two_routers
+    case = load_cases()[0]
+    assert len(cluster.routers) == 2
+    assert cluster.router_ports.http is not None
+    assert stream_on_own_connection(cluster.port, "warm", case) == StreamResult(
+        tuple(hf_greedy(tiny_llama_dir, case)), None)
+    assert [index_is_exact(cluster, router) for router in cluster.routers.values()] == [True, True]
+
+
+def test_killing_one_of_two_routers_under_load_loses_only_its_streams(two_routers, tiny_llama_dir):
+    cluster, loop = two_routers
+    cases = load_cases()
+    death = kill_a_router_under_load(cluster, cases)
+    in_flight = dict(death.in_flight)
+    assert death.held_on_prefill
+    assert {result.code for result in death.cut} == {"UNAVAILABLE"}
+    assert 1 <= len(death.cut) <= in_flight[death.victim]
+    finished = [(case, result) for case, result in zip(cases, death.results) if result.code is None]
+    assert len(finished) == len(cases) - len(death.cut)
+    assert [result.tokens for _, result in finished] == [tuple(hf_greedy(tiny_llama_dir, case)) for case, _ in finished]
+    assert death.reaped_s <= REAP_WITHIN_S, f"the dead router's requests left the workers {death.reaped_s:.2f} s after"
+    loop.run(cluster.wait_idle(timeout_s=30))
+    (survivor,) = cluster.routers.values()
+    assert ray.get(survivor.num_in_flight.remote()) == 0
+    assert index_is_exact(cluster, survivor)
+
+
+def test_a_killed_worker_is_reported_by_rays_actor_states_and_unroutable_on_every_router(two_routers):
+    cluster, loop = two_routers
+    kill = kill_a_worker(cluster, loop, "prefill-0")
+    assert kill.states == ("RESTARTING",)
+    assert kill.unroutable_s < kill.rejoined_s
+    print(f"killed worker unroutable on every router {kill.unroutable_s:.3f} s after the kill, routable again "
+          f"{kill.rejoined_s:.1f} s after")

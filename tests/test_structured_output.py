@@ -1,0 +1,313 @@
+"""Structured output: the typed constraint (common/structured_output.py), its grammar text, the
+bitmask, the engine's matchers (engine/structured_output/) and 200 random JSON schemas generated
+through the engine with the default model, every output parsed and validated with jsonschema."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import re
+
+import jsonschema
+import llguidance
+import pytest
+import torch
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+
+from splitserve.common.errors import InvalidRequestError
+from splitserve.common.model_dir import DEFAULT_MODEL_NAME
+from splitserve.common.sampling_params import SamplingParams
+from splitserve.common.structured_output import StructuredOutput, StructuredOutputKind
+from splitserve.engine import LLM
+from splitserve.engine.structured_output import GrammarState, TokenBitmask
+from splitserve.engine.tiny_model import resolve_model_path
+from splitserve.router.structured_output import parse_structured_output
+
+PROMPT = "def main():\n"
+REGEX = r"[a-z]{3,8}@example\.com"
+CHOICES = ["yes", "no", "maybe"]
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM(resolve_model_path(DEFAULT_MODEL_NAME), max_num_seqs=32)
+
+
+def generate(llm: LLM, constraints: list[StructuredOutput], temperature: float = 0.0, seed: int = 0,
+             max_tokens: int = 256):
+    params = [SamplingParams(temperature=temperature, seed=seed + i, max_tokens=max_tokens, structured_output=c)
+              for i, c in enumerate(constraints)]
+    return llm.generate([PROMPT] * len(constraints), params)
+
+
+# ---- the typed constraint ----------------------------------------------------------------------
+
+@pytest.mark.parametrize(("schema", "message"), [
+    ({"type": "object", "patternProperties": {"^a": {}}}, "json_schema: unsupported keyword 'patternProperties' at /"),
+    ({"type": "object", "properties": {"a": {"type": "array", "items": {"type": "string"}, "uniqueItems": True}}},
+     "json_schema: unsupported keyword 'uniqueItems' at /properties/a"),
+    ({"oneOf": [{"type": "string"}, {"type": "integer"}]}, "json_schema: unsupported keyword 'oneOf' at /"),
+    ({"anyOf": [{"type": "strin"}]}, "json_schema: unsupported type 'strin' at /anyOf/0/type"),
+    ({"type": "string", "format": "credit-card"},
+     "json_schema: unsupported format 'credit-card' at /format"),
+    ({"$ref": "http://example.com/s.json"},
+     "json_schema: unsupported $ref 'http://example.com/s.json' (only references inside the schema, '#...') at "
+     "/$ref"),
+    ({"type": "object", "x-guidance": {"lenient": True}}, "json_schema: unsupported keyword 'x-guidance' at /"),
+    ({"type": {"a": 1}}, "json_schema: unsupported type {'a': 1} at /type"),
+    ({"properties": {"a": [1]}}, "json_schema: unsupported subschema of type list (must be an object or a boolean) "
+                                 "at /properties/a"),
+])
+def test_a_schema_outside_the_subset_is_refused_naming_the_construct(schema, message):
+    with pytest.raises(InvalidRequestError) as caught:
+        StructuredOutput.json_schema(schema)
+    assert (caught.value.field, str(caught.value)) == ("json_schema", message)
+
+
+@pytest.mark.parametrize(("kind", "spec", "message"), [
+    (StructuredOutputKind.CHOICE, "[]", "choice: must be a non-empty list of non-empty strings"),
+    (StructuredOutputKind.CHOICE, '["a", 1]', "choice: must be a non-empty list of non-empty strings"),
+    (StructuredOutputKind.JSON_SCHEMA, "{", "json_schema: is not valid JSON: Expecting property name enclosed in "
+                                            "double quotes: line 1 column 2 (char 1)"),
+    (StructuredOutputKind.REGEX, "", "regex: must not be empty"),
+    (StructuredOutputKind.JSON_OBJECT, "{}", "json_object: takes no spec"),
+])
+def test_malformed_specs_are_refused(kind, spec, message):
+    with pytest.raises(InvalidRequestError, match=re.escape(message)):
+        StructuredOutput(kind, spec)
+
+
+@pytest.mark.parametrize("regex", ["a/b", r"a\/b", r"\d+\\/x", "[/]{2}"])
+def test_regex_grammar_is_llguidances_own(regex):
+    ours = json.loads(StructuredOutput(StructuredOutputKind.REGEX, regex).grammar())["grammars"][0]["lark_grammar"]
+    theirs = json.loads(llguidance.LLMatcher.grammar_from_regex(regex))["grammars"][0]["lark_grammar"]
+    assert ours == theirs
+
+
+def test_choice_grammar_is_llguidances_own():
+    ours = json.loads(StructuredOutput.choice(["a", 'b"c']).grammar())["grammars"][0]["lark_grammar"]
+    assert ours == llguidance.grammar_from("choice", json.dumps(["a", 'b"c']))
+
+
+def test_json_grammar_is_compact():
+    grammar = json.loads(StructuredOutput.json_schema({"type": "integer"}).grammar())
+    assert grammar == {"grammars": [{"name": "json_schema", "lark_grammar": None, "json_schema": {
+        "type": "integer", "x-guidance": {"whitespace_flexible": False}}}]}
+
+
+def test_sampling_params_refuse_a_loose_constraint():
+    with pytest.raises(InvalidRequestError, match="structured_output: must be a StructuredOutput, got dict"):
+        SamplingParams(structured_output={"type": "object"})
+
+
+# ---- the router's parsing -------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("body", "expected"), [
+    ({"response_format": {"type": "text"}}, None),
+    ({"response_format": {"type": "json_object"}}, StructuredOutput(StructuredOutputKind.JSON_OBJECT)),
+    ({"guided_json": '{"type": "integer"}'}, StructuredOutput.json_schema({"type": "integer"})),
+    ({"structured_outputs": {"choice": ["a", "b"], "disable_any_whitespace": True}},
+     StructuredOutput(StructuredOutputKind.CHOICE, '["a","b"]')),
+    ({"guided_grammar": 'root ::= "a" | "b"'},
+     StructuredOutput(StructuredOutputKind.GRAMMAR, '%llguidance {}\n\nstart: "a"\n     | "b"\n\n')),
+])
+def test_router_parses_each_field(body, expected):
+    assert parse_structured_output(body) == expected
+
+
+@pytest.mark.parametrize(("body", "message"), [
+    ({"guided_grammar": " "}, "guided_grammar: grammar: is not a valid GBNF grammar: No 'root' rule found"),
+    ({"guided_json": {"type": "integer", "minimum": 3, "maximum": 1}},
+     "guided_json: json_schema: Unsatisfiable schema: minimum (3) is greater than maximum (1)"),
+    ({"structured_outputs": {"regex": "a", "choice": ["a"]}},
+     "structured_outputs: must set exactly one of json, regex, choice, grammar, json_object, got ['regex', 'choice']"),
+    ({"structured_outputs": {"jsn": {}}}, "structured_outputs: unknown key 'jsn'"),
+    ({"response_format": {"type": "xml"}},
+     'response_format: must be {"type": "text" | "json_object" | "json_schema", ...}, got {"type": "xml"}'),
+])
+def test_router_refuses_naming_the_field(body, message):
+    with pytest.raises(InvalidRequestError) as caught:
+        parse_structured_output(body)
+    assert (caught.value.field, str(caught.value)) == (next(iter(body)), message)
+
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-5, 5) | st.floats(allow_nan=False) | st.sampled_from(
+        ["object", "string", "integer", "#/$defs/a", "a(", "email", "root ::= x", ""]),
+    lambda children: st.lists(children, max_size=3) | st.dictionaries(st.sampled_from(
+        ["type", "properties", "items", "required", "enum", "format", "$ref", "anyOf", "additionalProperties",
+         "minimum", "maxLength", "pattern", "$defs", "json", "regex", "choice", "grammar", "x"]), children, max_size=4),
+    max_leaves=12)
+
+
+@settings(max_examples=500, derandomize=True, deadline=None, database=None)
+@given(field=st.sampled_from(["guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
+                              "response_format"]), value=_JSON)
+def test_router_parsing_only_ever_refuses_with_a_named_field(field, value):
+    try:
+        parse_structured_output({field: value})
+    except InvalidRequestError as error:
+        assert error.field == field
+
+
+# ---- the bitmask -------------------------------------------------------------------------------
+
+def test_bitmask_sets_disallowed_tokens_of_its_rows_to_minus_inf():
+    logits = torch.arange(3 * 40, dtype=torch.float32).view(3, 40)  # [3, 40]
+    # row 0 allows tokens 0, 5 and 33; row 2 allows 31 and 39 (bit 31 is the int32 sign bit)
+    words = torch.tensor([[(1 << 0) | (1 << 5), 1 << 1], [-(1 << 31), 1 << 7]], dtype=torch.int32)  # [2, 2]
+    masked = TokenBitmask((0, 2), words).applied_to(logits)
+    assert torch.isfinite(masked).nonzero().tolist() == (
+        [[0, 0], [0, 5], [0, 33]] + [[1, t] for t in range(40)] + [[2, 31], [2, 39]])
+    assert masked[2, 39].item() == logits[2, 39].item() and torch.isfinite(logits).all()
+    every_row = TokenBitmask((0, 1), words).applied_to(logits[:2])  # the one-pass path: no row unconstrained
+    assert torch.isfinite(every_row).nonzero().tolist() == [[0, 0], [0, 5], [0, 33], [1, 31], [1, 39]]
+
+
+# ---- the engine ----------------------------------------------------------------------------------
+
+def test_choice_and_regex_outputs_greedy(llm):
+    choice, regex = generate(llm, [StructuredOutput.choice(CHOICES), StructuredOutput(StructuredOutputKind.REGEX,
+                                                                                       REGEX)])
+    assert (choice.text, choice.token_ids, choice.finish_reason) == ("maybe", [508, 91, 1438], "stop")
+    assert (regex.text, regex.finish_reason) == ("classpro@example.com", "stop")
+    assert re.fullmatch(REGEX, regex.text)
+
+
+def test_sampled_choices_are_always_one_of_them(llm):
+    outputs = generate(llm, [StructuredOutput.choice(CHOICES)] * 24, temperature=1.5)
+    assert {o.text for o in outputs} <= set(CHOICES) and len({o.text for o in outputs}) > 1
+    assert {o.finish_reason for o in outputs} == {"stop"}
+
+
+def test_a_request_continues_from_tokens_generated_elsewhere(llm):
+    """The decode worker's case: the matcher is advanced over the output already there."""
+    constraint = StructuredOutput.json_schema({"type": "object", "properties": {"n": {"type": "integer"}},
+                                               "required": ["n"], "additionalProperties": False})
+    whole = generate(llm, [constraint])[0]
+    engine = llm.engine
+    prompt = whole.prompt_token_ids
+    engine.add_request("continued", prompt, SamplingParams(temperature=0, max_tokens=256,
+                                                           structured_output=constraint),
+                       output_token_ids=whole.token_ids[:2])
+    tokens = list(whole.token_ids[:2])
+    while engine.has_unfinished_requests():
+        tokens += [t for delta in engine.step() for t in delta.new_token_ids]
+    assert tokens == whole.token_ids and json.loads(whole.text) == {"n": json.loads(whole.text)["n"]}
+    assert "continued" not in engine.grammars
+
+
+def test_a_grammar_complete_after_the_first_token_ends_on_the_prefill_worker(llm):
+    """Producer role: the first token completes the choice, so the request stops there and no KV is held."""
+    engine = llm.engine
+    params = SamplingParams(temperature=0, structured_output=StructuredOutput.choice(["a", "b"]))
+    engine.add_request("producer", [5, 6, 7], params, hold_kv_after_prefill=True)
+    deltas = engine.step()
+    assert [(d.request_id, d.finish_reason) for d in deltas] == [("producer", "stop")]
+    assert engine.take_held_kv("producer") is None and "producer" not in engine.grammars
+
+
+def test_constrained_params_cross_processes_by_pickle():
+    params = SamplingParams(max_tokens=9, structured_output=StructuredOutput.json_schema({"type": "integer"}))
+    assert pickle.loads(pickle.dumps(params)) == params
+
+
+def test_tokens_the_grammar_refuses_are_an_invalid_request(llm):
+    constraint = StructuredOutput.choice(CHOICES)
+    with pytest.raises(InvalidRequestError, match="output_token_ids: do not match the choice grammar"):
+        llm.engine.add_request("bad", [1, 2, 3], SamplingParams(structured_output=constraint),
+                               output_token_ids=[0, 0])
+    assert "bad" not in llm.engine.scheduler.requests and "bad" not in llm.engine.grammars
+
+
+def test_an_invalid_grammar_is_refused_by_the_engine(llm):
+    constraint = StructuredOutput(StructuredOutputKind.REGEX, "a(")
+    with pytest.raises(InvalidRequestError, match="regex: .*unclosed group"):
+        llm.engine.validate("r", [1, 2], SamplingParams(structured_output=constraint))
+
+
+def test_compiled_grammars_are_cached_and_matchers_roll_back(llm):
+    matchers = llm.engine.grammars
+    constraint = StructuredOutput(StructuredOutputKind.REGEX, "ab[0-9]+")
+    matchers.check(constraint)
+    cached = matchers.num_cached_grammars
+    matchers.add("a", constraint, ())
+    matchers.add("b", constraint, ())
+    assert matchers.num_cached_grammars == cached
+    start = matchers.start_bitmask(["x", "a"]).result()
+    assert start.rows == (1,)
+    token_a = llm.tokenizer.convert_tokens_to_ids("a")
+    assert matchers.accept("a", token_a) == GrammarState.OPEN
+    assert not torch.equal(matchers.start_bitmask(["a"]).result().words, start.words)
+    matchers.rollback("a", 1)
+    assert torch.equal(matchers.start_bitmask(["a"]).result().words, start.words)
+    assert matchers.accept("b", llm.tokenizer.convert_tokens_to_ids("b")) == GrammarState.REJECTED
+    matchers.remove("a")
+    matchers.remove("b")
+
+
+# ---- 200 random schemas from the supported subset -------------------------------------------------
+
+NAMES = st.sampled_from(["a", "b", "id", "name", "value", "items", "x_1", "ok"])
+
+
+def _leaf_schemas() -> st.SearchStrategy[dict]:
+    integer = st.tuples(st.integers(-1000, 0), st.integers(0, 1000)).map(
+        lambda r: {"type": "integer", "minimum": r[0], "maximum": r[1]})
+    return st.one_of(
+        st.integers(0, 12).flatmap(lambda n: st.integers(n, 12).map(
+            lambda m: {"type": "string", "minLength": n, "maxLength": m})),
+        integer,
+        # multipleOf bounds a number's decimals (without it a model may write digits until max_tokens);
+        # binary fractions, so that jsonschema's float division checks them exactly
+        st.sampled_from([0.5, 0.25, 0.125]).map(lambda step: {"type": "number", "minimum": -100, "maximum": 100,
+                                                            "multipleOf": step}),
+        st.just({"type": "boolean"}),
+        st.lists(st.sampled_from(["red", "green", "blue", 1, 2, True, None]), min_size=1, max_size=4,
+                 unique=True).map(lambda values: {"enum": values}),
+    )
+
+
+def _compound(children: st.SearchStrategy[dict]) -> st.SearchStrategy[dict]:
+    array = st.tuples(children, st.integers(0, 3)).map(
+        lambda a: {"type": "array", "items": a[0], "maxItems": a[1]})
+    obj = st.dictionaries(NAMES, children, min_size=0, max_size=4).flatmap(
+        lambda props: st.lists(st.sampled_from(sorted(props)), unique=True).map(
+            lambda required: {"type": "object", "properties": props, "required": required,
+                              "additionalProperties": False}) if props else st.just(
+            {"type": "object", "properties": {}, "additionalProperties": False}))
+    return st.one_of(array, obj)
+
+
+JSON_SCHEMAS = st.recursive(_leaf_schemas(), _compound, max_leaves=8)
+"""The supported subset: object / properties / required, string, integer, number, boolean, enum,
+array with items, nested; sizes bounded so an output fits in its max_tokens."""
+
+
+def _check(output, schema) -> None:
+    assert output.finish_reason == "stop", (schema, output.text)
+    jsonschema.validate(json.loads(output.text), schema)
+
+
+NUM_SCHEMAS = 200
+BATCH = 20
+"""The 200 schemas run BATCH at a time (one engine batch each, beside two unconstrained rows)."""
+NO_SHRINK = (Phase.explicit, Phase.reuse, Phase.generate)
+"""A failing batch is reported as drawn: shrinking re-runs the engine for minutes."""
+
+
+@settings(max_examples=NUM_SCHEMAS // BATCH, derandomize=True, deadline=None, database=None, phases=NO_SHRINK,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
+                                 HealthCheck.data_too_large])
+@given(schemas=st.lists(JSON_SCHEMAS, min_size=BATCH, max_size=BATCH), seed=st.integers(0, 1000))
+def test_200_random_schemas_every_output_validates(llm, schemas, seed):
+    """Every output parses and validates against its schema, greedy (even rows) and sampled (odd
+    rows), in batches where rows of different grammars run beside unconstrained ones."""
+    constraints = [StructuredOutput.json_schema(schema) for schema in schemas]
+    params = [SamplingParams(temperature=0.8 * (i % 2), seed=seed + i, max_tokens=256, structured_output=c)
+              for i, c in enumerate(constraints)]
+    outputs = llm.generate([PROMPT] * (BATCH + 2), params + [SamplingParams(temperature=0, max_tokens=8)] * 2)
+    for output, schema in zip(outputs, schemas):
+        _check(output, schema)
+    assert outputs[-1].token_ids == generate(llm, [None], max_tokens=8)[0].token_ids
