@@ -367,3 +367,27 @@ def test_disaggregated_cluster_greedy_output_is_identical_with_a_speculating_dec
     assert none is None and actual == expected
     assert all(len(tokens) == params.max_tokens for tokens in actual)
     assert spec.num_accepted_tokens > 0
+
+
+def test_structured_output_requests_do_not_speculate_next_to_speculating_ones(tiny_llama_dir):
+    """A regex-constrained request in the same batch as speculating ones: its grammar mask reaches its
+    own row (the masks are re-indexed to the plain rows), and every output equals the plain engine's."""
+    from splitserve.common.structured_output import StructuredOutput, StructuredOutputKind
+
+    constrained = replace(GREEDY, max_tokens=12,
+                          structured_output=StructuredOutput(StructuredOutputKind.REGEX, "[0-9]{3}-[a-z]{4}"))
+    prompts = _prompts(3, 12)
+
+    plain = EngineCore(tiny_llama_dir, BASE)
+    engine = _speculative(tiny_llama_dir, _draft(tiny_llama_dir))
+    expected = _run_with_constrained(plain, prompts, constrained)
+    actual = _run_with_constrained(engine, prompts, constrained)
+    assert actual == expected
+    assert engine.stats().spec_decode.num_accepted_tokens > 0
+    assert expected["g"][0]  # the constrained output is not empty
+
+
+def _run_with_constrained(engine: EngineCore, prompts: list[list[int]], constrained: SamplingParams) -> dict:
+    """_run over the prompts (greedy) plus one constrained request 'g' in the same batch."""
+    engine.add_request("g", prompts[0], constrained)
+    return _run(engine, prompts, GREEDY)
