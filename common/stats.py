@@ -31,6 +31,10 @@ class EngineStats:
     KV was pulled from a producer does not count unless it was recomputed here)."""
     num_generation_tokens: int
     """Tokens sampled (a producer samples each request's first token)."""
+    kv_cache_dtype: str
+    """What the KV pool stores: the model's dtype ('float32', 'bfloat16') or 'int8' / 'fp8_e4m3' codes."""
+    kv_bytes_per_token: int
+    """Pool bytes of one token's keys and values across all layers (a quantized pool's scales included)."""
 
     @property
     def kv_usage(self) -> float:
