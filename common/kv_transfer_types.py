@@ -69,6 +69,12 @@ class KVLayout:
         return 2 * self.block_size * self.num_kv_heads * self.row_width * _ELEMENT_BYTES[self.dtype]
 
     @property
+    def kv_cache_dtype(self) -> str:
+        """The pool's element type as EngineConfig.kv_cache_dtype spells it ('fp8_e4m3' for float8_e4m3fn codes),
+        else the dtype itself ('float32', 'bfloat16', 'int8')."""
+        return "fp8_e4m3" if self.dtype == "float8_e4m3fn" else self.dtype
+
+    @property
     def bytes_per_token(self) -> int:
         """KV bytes of one token across all layers: what a pull moves per prompt token (full blocks)."""
         return self.bytes_per_block_per_layer * self.num_layers // self.block_size

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from splitserve.common.kv_events import LoadReport, WorkerCounters
+from splitserve.common.kv_transfer_types import KVLayout
 from splitserve.common.metrics import TTFT_PHASES
 from splitserve.common.slo import SloOutcome, tpot_s
 
@@ -84,6 +85,8 @@ class WorkerSnapshot:
     """'prefill' or 'decode'."""
     load: LoadReport | None
     counters: WorkerCounters | None
+    layout: KVLayout | None = None
+    """The worker's KV pool layout from its info (KV dtype, bytes per token); None when not known."""
 
 
 @dataclass(frozen=True)
