@@ -12,6 +12,8 @@ results differ by summation order only (1e-5 absolute on O(1) values), bf16 ones
 from __future__ import annotations
 
 import asyncio
+import importlib.util
+import time
 import uuid
 
 import pytest
@@ -346,3 +348,44 @@ def test_a_decode_worker_refuses_a_prefill_worker_with_another_kv_dtype(tiny_lla
     finally:
         prefill.shutdown()
         decode.shutdown()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("nixl") is None and importlib.util.find_spec("nixl_cu12") is None,
+                    reason="NIXL is not installed")
+@QUANTIZATIONS
+def test_a_nixl_pull_moves_codes_and_scales_byte_for_byte(quantization):
+    """Two NIXL (UCX) agents in this process: a pull of scattered blocks of a quantized pool copies them
+    exactly (codes and scales) and moves (head_dim + 2) bytes per row, against 2 * head_dim for bf16."""
+    from splitserve.kv_transfer import ConsumerConnector, LeaseState, ProducerConnector, ReleasedLease, make_backend
+
+    layout = KVLayout(model_id="m", dtype=str(quantization.code_dtype)[6:], block_size=16, num_layers=3,
+                      num_kv_heads=2, head_dim=32, hash_seed=0, scales=KV_SCALES_PER_TOKEN_HEAD)
+    generator = torch.Generator().manual_seed(11)
+    remote = [quantization.quantize(torch.randn(12, 2, 16, 2, 32, generator=generator)) for _ in range(3)]
+    local = [torch.zeros(8, 2, 16, 2, 34, dtype=quantization.code_dtype) for _ in range(3)]
+    producer, consumer = make_backend("nixl", f"prefill-{uuid.uuid4().hex[:8]}"), \
+        make_backend("nixl", f"decode-{uuid.uuid4().hex[:8]}")
+    try:
+        producer.register_kv_pool(remote, layout)
+        consumer.register_kv_pool(local, layout)
+        consumer.add_peer(producer.metadata())
+        leases, pulls = ProducerConnector(producer, layout, lease_ttl_s=30.0), ConsumerConnector(consumer)
+        pulls.start(leases.hold("r", (9, 2, 5), num_tokens=40), (1, 7, 0))
+        [outcome] = _wait_for(pulls.poll)
+        assert (outcome.error, outcome.num_bytes) == (None, 3 * 3 * 2 * 16 * 2 * 34)  # bf16: 3*3*2*16*2*64
+        for dst, src in zip(local, remote):
+            assert torch.equal(dst.view(torch.uint8)[[1, 7, 0]], src.view(torch.uint8)[[9, 2, 5]])
+            assert not dst.view(torch.uint8)[[2, 3, 4, 5, 6]].any()
+        assert _wait_for(leases.poll) == [ReleasedLease("r", (9, 2, 5), LeaseState.PULLED)]
+    finally:
+        consumer.close()
+        producer.close()
+
+
+def _wait_for(condition, timeout_s: float = 5.0):
+    """Poll `condition()` until it returns something truthy (NIXL progresses inside our calls)."""
+    deadline = time.monotonic() + timeout_s
+    while not (result := condition()):
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.001)
+    return result
