@@ -7,6 +7,8 @@ from dataclasses import dataclass
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "flashinfer")
+KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")
+"""auto stores KV in the model's dtype; int8 / fp8_e4m3 store codes plus a scale per token per KV head."""
 SPECULATIVE_METHODS = ("ngram", "draft")
 DEFAULT_BATCH_LIMITS = {"ngram": 16, "draft": 2}
 """Per method, the most decoding requests a step speculates for by default (bench/speculative.py
@@ -91,6 +93,9 @@ class EngineConfig:
     """KV pool size as a fraction of the device's free memory after loading weights."""
     dtype: str = "auto"
     """Weights/activations/KV dtype; auto takes the model's, with float16 widened on CPU."""
+    kv_cache_dtype: str = "auto"
+    """KV pool element type: auto (the model's dtype) or int8 / fp8_e4m3 codes with a bfloat16 scale per token
+    per KV head, quantized when written and widened inside attention (docs/quantization.md#kv-cache)."""
     device: str = "auto"
     """cpu, cuda, or auto (cuda when available)."""
     attention_backend: str = "auto"
@@ -122,6 +127,8 @@ class EngineConfig:
                f"max_model_len must be >= 2, got {self.max_model_len}")
         self._check_kv_sizing()
         _check(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        _check(self.kv_cache_dtype in KV_CACHE_DTYPES,
+               f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         _check(self.device in DEVICES, f"device must be one of {DEVICES}, got {self.device!r}")
         _check(self.attention_backend in ATTENTION_BACKENDS,
                f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")

@@ -9,10 +9,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-KV_POOL_LAYOUT = "layer[num_blocks, 2, block_size, num_kv_heads, head_dim]"
-"""The only pool layout so far: one tensor per layer, keys then values inside each block."""
+KV_POOL_LAYOUT = "layer[num_blocks, 2, block_size, num_kv_heads, row_width]"
+"""The only pool layout so far: one tensor per layer, keys then values inside each block; a row is
+head_dim elements, plus a quantized pool's scale (see KVLayout.scales)."""
 MEMORY_KINDS = ("DRAM", "VRAM")
 """Where a pool lives, in NIXL's names: host memory (a CPU pool) or GPU memory (a CUDA pool)."""
+KV_SCALES_NONE = "none"
+"""KVLayout.scales of a plain pool: elements are the values themselves."""
+KV_SCALES_PER_TOKEN_HEAD = "bfloat16 per token per kv head, after its head_dim codes"
+"""KVLayout.scales of a quantized pool (int8 / float8_e4m3fn codes): row_width = head_dim + 2 elements."""
+SCALE_BYTES = {KV_SCALES_NONE: 0, KV_SCALES_PER_TOKEN_HEAD: 2}
+"""Elements (bytes) a row's scale adds after its head_dim codes."""
 TRANSFER_FAILURE_POLICIES = ("recompute", "fail")
 """What a decode worker does when a pull fails: recompute the prompt locally, or fail the request."""
 
@@ -33,7 +40,8 @@ class KVLayout:
     model_id: str
     """Fingerprint of the model (architecture + weights' config), not just its path."""
     dtype: str
-    """KV element type, e.g. 'float32' or 'bfloat16'."""
+    """KV element type in the pool, torch's name: 'float32', 'bfloat16', or the codes of a quantized
+    pool, 'int8' or 'float8_e4m3fn'."""
     block_size: int
     """Tokens per block."""
     num_layers: int
@@ -47,14 +55,37 @@ class KVLayout:
     """Where the pool lives (MEMORY_KINDS): peers must agree, so a decode pool on GPUs never pulls from a prefill
     pool in host memory by accident (a READ across kinds would stage through host copies at a fraction of the
     RDMA/NVLink bandwidth the deployment was sized for)."""
+    scales: str = KV_SCALES_NONE
+    """Where a quantized pool keeps its scales (KV_SCALES_PER_TOKEN_HEAD); KV_SCALES_NONE for a plain one."""
 
     def __post_init__(self) -> None:
         if self.memory_kind not in MEMORY_KINDS:
             raise ValueError(f"memory_kind must be one of {MEMORY_KINDS}, got {self.memory_kind!r}")
+        if self.dtype not in _ELEMENT_BYTES:
+            raise ValueError(f"KV layout dtype must be one of {tuple(_ELEMENT_BYTES)}, got {self.dtype!r}")
+        if self.scales not in SCALE_BYTES:
+            raise ValueError(f"KV layout scales must be one of {tuple(SCALE_BYTES)}, got {self.scales!r}")
+
+    @property
+    def row_width(self) -> int:
+        """Pool elements of one (token, KV head) row: head_dim, plus the scale's when quantized."""
+        return self.head_dim + SCALE_BYTES[self.scales]
 
     @property
     def bytes_per_block_per_layer(self) -> int:
-        return 2 * self.block_size * self.num_kv_heads * self.head_dim * _ELEMENT_BYTES[self.dtype]
+        """Bytes of one block of one layer, keys and values (and their scales)."""
+        return 2 * self.block_size * self.num_kv_heads * self.row_width * _ELEMENT_BYTES[self.dtype]
+
+    @property
+    def kv_cache_dtype(self) -> str:
+        """The pool's element type as EngineConfig.kv_cache_dtype spells it ('fp8_e4m3' for float8_e4m3fn codes),
+        else the dtype itself ('float32', 'bfloat16', 'int8')."""
+        return "fp8_e4m3" if self.dtype == "float8_e4m3fn" else self.dtype
+
+    @property
+    def bytes_per_token(self) -> int:
+        """KV bytes of one token across all layers: what a pull moves per prompt token (full blocks)."""
+        return self.bytes_per_block_per_layer * self.num_layers // self.block_size
 
     def mismatches(self, other: KVLayout) -> list[str]:
         """Human-readable differences, empty when the two layouts are compatible."""
@@ -62,7 +93,7 @@ class KVLayout:
                 for f in fields(self) if getattr(self, f.name) != getattr(other, f.name)]
 
 
-_ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+_ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1, "float8_e4m3fn": 1}
 
 
 @dataclass(frozen=True)

@@ -99,6 +99,10 @@ SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POS = _counter(
     (*WORKER_LABELS, "position"))
 KV_LEASES_EXPIRED = _counter("kv_leases_expired", "Prefill KV leases that expired before decode pulled them.",
                              ("worker",))
+KV_CACHE_BYTES_PER_TOKEN = _gauge("kv_cache_bytes_per_token", "Bytes of one token's KV in the worker's pool (all "
+                                  "layers, keys and values, a quantized pool's scales included).", WORKER_LABELS)
+KV_CACHE_DTYPE_INFO = _gauge("kv_cache_dtype_info", "1 per worker, labelled with what its KV pool stores: float32, "
+                             "bfloat16, or int8 / fp8_e4m3 codes.", (*WORKER_LABELS, "kv_cache_dtype"))
 WORKER_UP = _gauge("worker_up", "1 while the worker answers the router's report polls, else 0.", WORKER_LABELS)
 
 # ---- per request (measured at the router) -------------------------------------------------

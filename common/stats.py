@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from splitserve.common.kv_events import LoadReport, WorkerCounters
+from splitserve.common.kv_transfer_types import KVLayout
 from splitserve.common.metrics import TTFT_PHASES
 from splitserve.common.slo import SloOutcome, tpot_s
 
@@ -54,6 +55,10 @@ class EngineStats:
     KV was pulled from a producer does not count unless it was recomputed here)."""
     num_generation_tokens: int
     """Tokens sampled (a producer samples each request's first token)."""
+    kv_cache_dtype: str
+    """What the KV pool stores: the model's dtype ('float32', 'bfloat16') or 'int8' / 'fp8_e4m3' codes."""
+    kv_bytes_per_token: int
+    """Pool bytes of one token's keys and values across all layers (a quantized pool's scales included)."""
     spec_decode: SpecDecodeStats | None = None
     """Speculative decoding counters; None when the engine does not speculate."""
 
@@ -105,6 +110,8 @@ class WorkerSnapshot:
     """'prefill' or 'decode'."""
     load: LoadReport | None
     counters: WorkerCounters | None
+    layout: KVLayout | None = None
+    """The worker's KV pool layout from its info (KV dtype, bytes per token); None when not known."""
 
 
 @dataclass(frozen=True)

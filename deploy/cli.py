@@ -256,6 +256,8 @@ def _generate_remote(args: argparse.Namespace) -> int:
 VLLM_DTYPES = {"auto": "auto", "half": "float16", "float16": "float16", "bfloat16": "bfloat16",
                "float": "float32", "float32": "float32"}
 """vLLM's --dtype spellings -> the engine's dtype names."""
+VLLM_KV_CACHE_DTYPES = {"auto": "auto", "fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3", "int8": "int8"}
+"""--kv-cache-dtype spellings -> the engine's kv_cache_dtype (vLLM's fp8 is e4m3; int8 is splitserve's own)."""
 _SIZE_SUFFIXES = {"k": 1000, "m": 1000**2, "g": 1000**3, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
 
@@ -352,6 +354,10 @@ def _add_cache_flags(group: argparse._ArgumentGroup) -> None:
                        default=None, metavar="BYTES",
                        help="KV cache size of each worker in bytes, e.g. 2G (default: 256 MiB per prefill "
                             "worker, 2 GiB per decode worker)")
+    group.add_argument("--kv-cache-dtype", choices=tuple(VLLM_KV_CACHE_DTYPES), default=None,
+                       help="KV cache element type of both pools: auto (the model's dtype), or int8 / fp8 (= fp8_e4m3) "
+                            "codes with a scale per token per KV head: about half of bf16's bytes to hold and to "
+                            "move from prefill to decode")
 
 
 def _add_parallel_flags(group: argparse._ArgumentGroup) -> None:
@@ -413,6 +419,9 @@ def serve_overrides(args: argparse.Namespace) -> dict[str, object]:
             overrides.update({f"prefill.engine.{key}": getattr(args, flag), f"decode.engine.{key}": getattr(args, flag)})
     if args.dtype is not None:
         overrides.update({"prefill.engine.dtype": VLLM_DTYPES[args.dtype], "decode.engine.dtype": VLLM_DTYPES[args.dtype]})
+    if args.kv_cache_dtype is not None:
+        kv_cache_dtype = VLLM_KV_CACHE_DTYPES[args.kv_cache_dtype]
+        overrides.update({"prefill.engine.kv_cache_dtype": kv_cache_dtype, "decode.engine.kv_cache_dtype": kv_cache_dtype})
     overrides.update({key: getattr(args, flag) for flag, key in _CLUSTER_FLAGS.items() if getattr(args, flag) is not None})
     if args.speculative_config is not None:
         overrides["decode.engine.speculative"] = args.speculative_config

@@ -18,12 +18,13 @@ from splitserve.common.kv_events import KVEventBatch, KVSnapshot, LoadReport
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.stats import EngineStats
 from splitserve.engine.attention import select_backend
-from splitserve.common.kv_transfer_types import KVLayout
+from splitserve.common.kv_transfer_types import KV_SCALES_NONE, KV_SCALES_PER_TOKEN_HEAD, KVLayout
 from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.cuda_graphs import build_decode_graphs
 from splitserve.common.detokenizer import IncrementalDetokenizer
 from splitserve.engine.kv_cache import KVCache, KVCacheSpec, num_blocks_for
 from splitserve.engine.kv_event_log import KVEventLog
+from splitserve.engine.kv_quant import kv_quantization
 from splitserve.engine.model_loader import load_hf_config, load_model
 from splitserve.engine.models.layer_ops import select_layer_ops
 from splitserve.engine.model_runner import ModelRunner
@@ -94,7 +95,8 @@ class EngineCore:
         self.vocab_size = arch.vocab_size
         self.max_model_len = self._resolve_max_model_len(arch.max_position_embeddings)
         self.eos_token_ids = read_eos_token_ids(model_dir, getattr(hf_config, "eos_token_id", None))
-        spec = KVCacheSpec(arch.num_layers, config.block_size, arch.num_kv_heads, arch.head_dim, dtype)
+        spec = KVCacheSpec(arch.num_layers, config.block_size, arch.num_kv_heads, arch.head_dim, dtype,
+                           kv_quantization(config.kv_cache_dtype))
         self.kv_cache = KVCache(spec, self._num_blocks(spec), self.device, reserve_dummy_block=config.cuda_graphs)
         self.block_manager = BlockManager(self.kv_cache.num_blocks, config.block_size,
                                           BlockHasher(config.block_size, config.hash_seed),
@@ -237,9 +239,11 @@ class EngineCore:
 
     def kv_layout(self, model_id: str) -> KVLayout:
         spec = self.kv_cache.spec
-        return KVLayout(model_id=model_id, dtype=str(spec.dtype).removeprefix("torch."), block_size=spec.block_size,
-                        num_layers=spec.num_layers, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
-                        hash_seed=self.config.hash_seed, memory_kind="VRAM" if self.device.type == "cuda" else "DRAM")
+        scales = KV_SCALES_NONE if spec.quantization is None else KV_SCALES_PER_TOKEN_HEAD
+        return KVLayout(model_id=model_id, dtype=str(spec.storage_dtype).removeprefix("torch."),
+                        block_size=spec.block_size, num_layers=spec.num_layers, num_kv_heads=spec.num_kv_heads,
+                        head_dim=spec.head_dim, hash_seed=self.config.hash_seed, scales=scales,
+                        memory_kind="VRAM" if self.device.type == "cuda" else "DRAM")
 
     def _new_request(self, request_id: str, prompt_token_ids: list[int], output_token_ids: list[int],
                      params: SamplingParams) -> Request:
@@ -501,7 +505,14 @@ class EngineCore:
             prefix_cache_queries=scheduler.prefix_cache_queries, prefix_cache_hits=scheduler.prefix_cache_hits,
             num_preemptions=scheduler.num_preemptions, num_steps=self._num_steps,
             num_prompt_tokens=self._num_prompt_tokens, num_generation_tokens=self._num_generation_tokens,
+            kv_cache_dtype=self.kv_cache_dtype, kv_bytes_per_token=self.kv_cache.spec.bytes_per_token,
             spec_decode=None if self.speculator is None else self.speculator.stats())
+
+    @property
+    def kv_cache_dtype(self) -> str:
+        """The pool's element type: the model's dtype name, or the quantized format's (int8, fp8_e4m3)."""
+        spec = self.kv_cache.spec
+        return str(spec.dtype).removeprefix("torch.") if spec.quantization is None else spec.quantization.name
 
 
 def _tokenizer_json(model_dir: Path, tokenizer: Tokenizer | None) -> str:

@@ -1,4 +1,6 @@
-"""Paged KV pool: one tensor per layer, sized from an explicit block count or a memory budget."""
+"""Paged KV pool: one tensor per layer, sized from an explicit block count or a memory budget.
+
+A quantized pool (kv_cache_dtype int8 / fp8_e4m3) stores codes and a scale per row: see engine/kv_quant.py."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from splitserve.common.config import DEFAULT_KV_CACHE_MEMORY_BYTES, EngineConfig
+from splitserve.engine.kv_quant import KVQuantization
 
 
 @dataclass(frozen=True)
@@ -17,16 +20,39 @@ class KVCacheSpec:
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
+    """The model's compute dtype (what attention reads the KV as)."""
+    quantization: KVQuantization | None = None
+    """How the pool stores KV: None keeps `dtype`; otherwise codes and a scale per row."""
+
+    def __post_init__(self) -> None:
+        if self.quantization is not None and self.head_dim % 2:
+            raise ValueError(f"a quantized KV cache needs an even head_dim (got {self.head_dim}): each row's "
+                             f"bfloat16 scale must stay 2-byte aligned")
+
+    @property
+    def storage_dtype(self) -> torch.dtype:
+        """Element type of the pool tensors."""
+        return self.dtype if self.quantization is None else self.quantization.code_dtype
+
+    @property
+    def row_width(self) -> int:
+        """Pool elements of one (token, KV head) row: head_dim, plus the scale's bytes when quantized."""
+        return self.head_dim if self.quantization is None else self.quantization.row_width(self.head_dim)
 
     @property
     def block_shape(self) -> tuple[int, ...]:
-        return (2, self.block_size, self.num_kv_heads, self.head_dim)
+        return (2, self.block_size, self.num_kv_heads, self.row_width)
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes one token's keys and values occupy across all layers (scales included)."""
+        element_size = torch.empty((), dtype=self.storage_dtype).element_size()
+        return self.num_layers * 2 * self.num_kv_heads * self.row_width * element_size
 
     @property
     def bytes_per_block(self) -> int:
         """Bytes one block occupies across all layers (keys and values)."""
-        elements = 2 * self.block_size * self.num_kv_heads * self.head_dim
-        return self.num_layers * elements * torch.empty((), dtype=self.dtype).element_size()
+        return self.block_size * self.bytes_per_token
 
 
 def free_device_memory(device: torch.device) -> int:
@@ -63,8 +89,8 @@ class KVCache:
         self.dummy_block = num_blocks if reserve_dummy_block else None
         rows = num_blocks + (1 if reserve_dummy_block else 0)
         # Zero-filled so padded (masked) gathers never read uninitialized NaN/Inf bit patterns.
-        self.layers = [torch.zeros((rows, *spec.block_shape), dtype=spec.dtype, device=device)
-                       for _ in range(spec.num_layers)]  # each [rows, 2, block_size, kv_heads, head_dim]
+        self.layers = [torch.zeros((rows, *spec.block_shape), dtype=spec.storage_dtype, device=device)
+                       for _ in range(spec.num_layers)]  # each [rows, 2, block_size, kv_heads, row_width]
 
     def block(self, layer: int, block_id: int) -> torch.Tensor:
-        return self.layers[layer][block_id]  # [2, block_size, kv_heads, head_dim]
+        return self.layers[layer][block_id]  # [2, block_size, kv_heads, row_width]

@@ -40,10 +40,13 @@ class EngineVariant:
     """Compute and KV dtype (EngineConfig.dtype): float32, bfloat16, float16 or auto (the checkpoint's)."""
     cpu_kernels: bool = True
     """The engine's C++ CPU kernels (False: the pure-torch reference ops)."""
+    kv_cache_dtype: str = "auto"
+    """EngineConfig.kv_cache_dtype: auto (KV in `dtype`), int8 or fp8_e4m3 (a quantized KV cache)."""
 
     def engine_fields(self, max_model_len: int) -> dict:
         """EngineConfig fields: a KV pool of exactly one window, which is all scoring needs."""
-        return dict(dtype=self.dtype, cpu_kernels=self.cpu_kernels, block_size=BLOCK_SIZE,
+        return dict(dtype=self.dtype, cpu_kernels=self.cpu_kernels, kv_cache_dtype=self.kv_cache_dtype,
+                    block_size=BLOCK_SIZE,
                     max_model_len=max_model_len, num_kv_blocks=-(-max_model_len // BLOCK_SIZE),
                     enable_prefix_caching=False)
 

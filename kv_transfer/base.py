@@ -123,13 +123,13 @@ class TransferBackend(ABC):
 def check_kv_pool(layers: list[torch.Tensor], layout: KVLayout) -> int:
     """Validate a pool against its layout and return num_blocks (ValueError names the problem).
 
-    Every layer must be one contiguous [num_blocks, 2, block_size, kv_heads, head_dim] tensor of
+    Every layer must be one contiguous [num_blocks, 2, block_size, kv_heads, row_width] tensor of
     the layout's dtype, all on one device, so block b of layer l is one contiguous byte range.
     """
     if len(layers) != layout.num_layers:
         raise ValueError(f"KV pool has {len(layers)} layers, layout says {layout.num_layers}")
     num_blocks = layers[0].shape[0]
-    expected = (num_blocks, 2, layout.block_size, layout.num_kv_heads, layout.head_dim)
+    expected = (num_blocks, 2, layout.block_size, layout.num_kv_heads, layout.row_width)
     for index, layer in enumerate(layers):
         if tuple(layer.shape) != expected:
             raise ValueError(f"KV layer {index} has shape {tuple(layer.shape)}, expected {expected}")

@@ -210,9 +210,10 @@ class InProcessBackend(TransferBackend):
 
 def _copy_blocks(src_layers: list[torch.Tensor], src_ids: tuple[int, ...], dst_layers: list[torch.Tensor],
                  dst_ids: tuple[int, ...]) -> None:
-    """dst_layers[l][dst_ids[i]] = src_layers[l][src_ids[i]] for every layer l and index i."""
+    """dst_layers[l][dst_ids[i]] = src_layers[l][src_ids[i]] for every layer l and index i, as bytes (as NIXL
+    moves them: a quantized pool's codes and scales alike; torch has no float8 index_copy_ on CPU)."""
     for src, dst in zip(src_layers, dst_layers):
-        # src, dst: [num_blocks, 2, block_size, kv_heads, head_dim] (num_blocks may differ)
+        # src, dst: [num_blocks, 2, block_size, kv_heads, row_width] (num_blocks may differ), viewed as bytes
         src_index = torch.tensor(src_ids, dtype=torch.long, device=src.device)
         dst_index = torch.tensor(dst_ids, dtype=torch.long, device=dst.device)
-        dst.index_copy_(0, dst_index, src.index_select(0, src_index).to(dst.device))
+        dst.view(torch.uint8).index_copy_(0, dst_index, src.view(torch.uint8).index_select(0, src_index).to(dst.device))

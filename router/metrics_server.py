@@ -61,6 +61,7 @@ _WORKER_COUNTERS = ((m.PREFIX_CACHE_QUERIES, attrgetter("prefix_cache_queries"))
 """Per-worker counters and how each is read from WorkerCounters."""
 SCRAPED = (*(d for d, _ in _WORKER_GAUGES), *(d for d, _ in _WORKER_COUNTERS), m.KV_LEASES_EXPIRED, m.WORKER_UP,
            m.SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POS,
+           m.KV_CACHE_BYTES_PER_TOKEN, m.KV_CACHE_DTYPE_INFO,
            m.ROUTING_DECISIONS, m.ADMISSION_REJECTIONS, m.EVENT_LOOP_LAG, m.PLANNER_REPLICAS, m.PLANNER_TARGET_REPLICAS,
            m.PLANNER_PREDICTED_SECONDS, m.PLANNER_DECISIONS, m.PLANNER_FAILED_STARTS, m.PLANNER_DEVICE_SECONDS)
 """Definitions read at scrape time; every other one is a live collector fed by observe()."""
@@ -254,6 +255,9 @@ def _worker_families(workers: Sequence[WorkerSnapshot]) -> Iterator[Metric]:
     yield _family(m.SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POS,
                   ((w.worker_id, w.role, str(position), count) for w in reporting
                    for position, count in enumerate(w.counters.spec_decode_num_accepted_tokens_per_pos)))
+    known = [w for w in workers if w.layout is not None]
+    yield _family(m.KV_CACHE_BYTES_PER_TOKEN, ((w.worker_id, w.role, w.layout.bytes_per_token) for w in known))
+    yield _family(m.KV_CACHE_DTYPE_INFO, ((w.worker_id, w.role, w.layout.kv_cache_dtype, 1) for w in known))
 
 
 def _routing_families(routing: RoutingStats) -> Iterator[Metric]:

@@ -157,8 +157,12 @@ class Orchestrator:
         """Every worker's role and latest report (prefill pool first), for metrics."""
         roles = [*((worker_id, "prefill") for worker_id in self.prefill_pool.clients),
                  *((worker_id, "decode") for worker_id in self.decode_pool.clients)]
-        return tuple(WorkerSnapshot(worker_id, role, self.monitor.load(worker_id), self.monitor.counters(worker_id))
-                     for worker_id, role in roles)
+        return tuple(WorkerSnapshot(worker_id, role, self.monitor.load(worker_id), self.monitor.counters(worker_id),
+                                    self._layout_of(worker_id)) for worker_id, role in roles)
+
+    def _layout_of(self, worker_id: str) -> KVLayout | None:
+        info = self.infos.get(worker_id)
+        return None if info is None else info.layout
 
     def slo_targets(self, inp: GenerationInput) -> SloConfig:
         """The request's own targets, each falling back to the router's default."""

@@ -12,10 +12,12 @@ from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.worker_api import WorkerLostError
 
 
-def worker_engine_config(block_size: int = 8, max_model_len: int | None = None) -> EngineConfig:
-    """The in-process workers' engine: a 256-block fp32 pool on CPU (max_model_len: the model's unless given)."""
+def worker_engine_config(block_size: int = 8, max_model_len: int | None = None,
+                         kv_cache_dtype: str = "auto") -> EngineConfig:
+    """The in-process workers' engine: a 256-block fp32 pool on CPU (max_model_len: the model's unless given;
+    kv_cache_dtype int8 / fp8_e4m3 quantizes the pool)."""
     return EngineConfig(block_size=block_size, num_kv_blocks=256, max_num_batched_tokens=256, dtype="float32",
-                        device="cpu", max_model_len=max_model_len)
+                        device="cpu", max_model_len=max_model_len, kv_cache_dtype=kv_cache_dtype)
 
 
 def make_prefill_worker(model_dir: Path, engine_config: EngineConfig | None = None, worker_id: str = "prefill-0",
@@ -112,9 +114,10 @@ class InProcessCluster:
     def __init__(self, model_dir: Path, mode: str = "disaggregated", num_prefill: int = 1, num_decode: int = 1,
                  lease_ttl_s: float = 30.0, transfer_failure_policy: str = "recompute", block_size: int = 8,
                  routing=None, slo=None, observer=None, max_model_len: int | None = None, worker_link=None,
-                 decode_speculative=None):
+                 kv_cache_dtype: str = "auto", decode_speculative=None):
         """`observer` gets every ended request's RequestRecord (e.g. a RouterMetrics' observe);
         `max_model_len` caps every request's prompt + output (the model's limit by default);
+        `kv_cache_dtype` every worker's KV pool element type;
         `worker_link` (a WorkerLinkConfig) the router's report and stream timings;
         `decode_speculative` (a SpeculativeConfig) makes the decode workers speculate."""
         from splitserve.common.slo import SloConfig
@@ -129,7 +132,7 @@ class InProcessCluster:
         self.num_decode, self.lease_ttl_s, self.policy = num_decode, lease_ttl_s, transfer_failure_policy
         self.observer = observer
         self.worker_link = worker_link
-        self.engine_config = worker_engine_config(block_size, max_model_len)
+        self.engine_config = worker_engine_config(block_size, max_model_len, kv_cache_dtype)
         self.decode_engine_config = replace(self.engine_config, speculative=decode_speculative)
 
     async def __aenter__(self) -> "InProcessCluster":

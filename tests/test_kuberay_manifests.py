@@ -12,6 +12,7 @@ container's entry script starts Ray, then the router, and stops both in order.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import importlib.util
 import os
@@ -30,6 +31,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from splitserve.common.config import EngineConfig
 from splitserve.deploy.cluster_config import parse_cluster_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -304,9 +306,7 @@ BROKEN: dict[str, tuple[Callable[[dict], None], list[str]]] = {
     "unknown config key": (
         lambda d: _config(d, "max_num_seqs: 16", "max_num_seq: 16"),
         ["configmap.yaml: ConfigMap/splitserve-config: data.cluster.yaml: prefill.engine.max_num_seq: unknown key "
-         "(known: attention_backend, block_size, cpu_kernels, cuda_graphs, device, dtype, enable_chunked_prefill, "
-         "enable_prefix_caching, hash_seed, kv_cache_memory_bytes, kv_cache_memory_fraction, max_model_len, max_num_batched_tokens, "
-         "max_num_seqs, num_kv_blocks, num_threads, seed)"]),
+         f"(known: {', '.join(sorted(field.name for field in dataclasses.fields(EngineConfig)))})"]),
     "router on loopback": (
         lambda d: _config(d, "host: 0.0.0.0", "host: 127.0.0.1"),
         [f"{RC}: cluster config: router.host: 127.0.0.1 is unreachable from the Service and the probes; use 0.0.0.0"]),

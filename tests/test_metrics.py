@@ -253,6 +253,9 @@ def test_worker_metrics_come_from_their_reports(scripted):
         for gauge in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
                       "num_queued_prefill_tokens"):
             assert _value(s, f"splitserve_{gauge}", **worker) == 0, (worker, gauge)
+        # the tiny fp32 Llama: 2 layers x (keys, values) x 2 KV heads x 16 dims x 4 bytes
+        assert _value(s, "splitserve_kv_cache_bytes_per_token", **worker) == 2 * 2 * 2 * 16 * 4
+        assert _value(s, "splitserve_kv_cache_dtype_info", kv_cache_dtype="float32", **worker) == 1
 
 
 def test_http_and_in_process_scrapes_agree(scripted):

@@ -45,6 +45,13 @@ def test_every_vllm_flag_sets_both_pools_engines_and_the_router(tmp_path):
     assert config.router.api_key_env is None  # the key itself never enters the config
 
 
+@pytest.mark.parametrize("flag, kv_cache_dtype", [("auto", "auto"), ("int8", "int8"), ("fp8", "fp8_e4m3"),
+                                                  ("fp8_e4m3", "fp8_e4m3")])
+def test_kv_cache_dtype_sets_both_pools(flag, kv_cache_dtype):
+    config = parse("default", "--kv-cache-dtype", flag)
+    assert (config.prefill.engine.kv_cache_dtype, config.decode.engine.kv_cache_dtype) == (kv_cache_dtype,) * 2
+
+
 def test_unset_flags_keep_each_pools_own_defaults():
     config = parse("default")
     assert (config.prefill.engine, config.decode.engine) == (DEFAULT_PREFILL_ENGINE, DEFAULT_DECODE_ENGINE)

@@ -27,6 +27,10 @@ What differs from the reference, and why (measured on the 2-core AVX-512 machine
   reference's single call takes an explicit [q, ctx] mask, with which the fused kernel computes
   every tile, masked or not (2x the work of the causal call, plus building the mask): 43 ms
   against 21 ms for 2046 tokens after a 1-token prefix, 8 heads / 4 KV heads of 32.
+- A quantized pool (int8 / fp8_e4m3 codes with a bf16 scale per row, engine/kv_quant.py) takes the same
+  paths: both kernels read the codes in place (decode widens them in registers and folds each row's scale
+  into its score and its weight; prefill dequantizes them into its packed tiles), and the torch paths
+  attend what the reference's gather dequantizes.
 """
 
 from __future__ import annotations
@@ -70,8 +74,8 @@ class CpuPagedAttention(TorchReferenceAttention):
         queries = query.transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
         block_size = kv_cache.shape[2]
         prefix_blocks = span.block_table[:(span.start_position + block_size - 1) // block_size]
-        prefix_keys, prefix_values = self._gather(kv_cache, prefix_blocks.unsqueeze(0),
-                                                  span.start_position)  # [1, Hkv, start, D] each
+        prefix_keys, prefix_values = self._gather(kv_cache, prefix_blocks.unsqueeze(0), span.start_position,
+                                                  query.dtype)  # [1, Hkv, start, D] each
         prefix_out, prefix_lse = _flash_attention(queries, prefix_keys, prefix_values, is_causal=False)
         chunk_out, chunk_lse = _flash_attention(queries, key.transpose(0, 1).unsqueeze(0),
                                                 value.transpose(0, 1).unsqueeze(0), is_causal=True)
@@ -96,7 +100,7 @@ class CpuPagedAttention(TorchReferenceAttention):
         num_kv_heads = kv_cache.shape[-2]
         group = num_heads // num_kv_heads
         max_len = decode.block_tables.shape[1] * metadata.block_size
-        keys, values = self._gather_head_major(kv_cache, decode.block_tables)  # [B, Hkv, L, D] each
+        keys, values = self._gather_head_major(kv_cache, decode.block_tables, query.dtype)  # [B, Hkv, L, D] each
         bias = _cached(metadata, ("decode_bias", index, sliding_window),
                        lambda: _decode_bias(decode, max_len, sliding_window))  # [B, 1, 1, L] float32
         grouped = query.view(batch, num_kv_heads, group, head_dim)  # [B, Hkv, G, D]
@@ -105,17 +109,17 @@ class CpuPagedAttention(TorchReferenceAttention):
         probs = torch.softmax(scores, dim=-1).to(query.dtype)
         return torch.matmul(probs, values).view(batch, num_heads, head_dim)  # [B, H, D]
 
-    def _gather_head_major(self, kv_cache: torch.Tensor, block_tables: torch.Tensor):
-        """Keys and values of every position of the tables' blocks as two contiguous [B, Hkv, L, D].
+    def _gather_head_major(self, kv_cache: torch.Tensor, block_tables: torch.Tensor, dtype: torch.dtype):
+        """Keys and values of every position of the tables' blocks as two contiguous [B, Hkv, L, D] of dtype.
 
         One block-level index_select per side, then one transposing copy into a reused buffer
         (fresh buffers of this size cost page faults on every layer). Valid until the next call.
         """
-        keys, values = self._gather(kv_cache, block_tables, block_tables.shape[1] * kv_cache.shape[2])
+        keys, values = self._gather(kv_cache, block_tables, block_tables.shape[1] * kv_cache.shape[2], dtype)
         batch, num_kv_heads, length, head_dim = keys.shape
         numel = batch * num_kv_heads * length * head_dim
-        if self._head_major.numel() < 2 * numel or self._head_major.dtype != kv_cache.dtype:
-            self._head_major = torch.empty(2 * numel, dtype=kv_cache.dtype, device=kv_cache.device)
+        if self._head_major.numel() < 2 * numel or self._head_major.dtype != dtype:
+            self._head_major = torch.empty(2 * numel, dtype=dtype, device=kv_cache.device)
         out_keys = self._head_major[:numel].view(batch, num_kv_heads, length, head_dim)
         out_values = self._head_major[numel:2 * numel].view(batch, num_kv_heads, length, head_dim)
         out_keys.copy_(keys)

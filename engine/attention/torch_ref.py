@@ -3,6 +3,10 @@
 Decode tokens are attended in padded batches of similar context length; each prefill chunk
 gets its own call. A chunk starting at position 0 attends only to itself (causal, no
 gather from the pool).
+
+A quantized pool (engine/kv_quant.py) is written as codes and scales and read back dequantized
+to the query's dtype; the step's own keys and values are attended as the pool holds them (their
+round trip), so every path attends to exactly the KV a later step or a pulling worker sees.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from splitserve.engine.attention.base import AttentionMetadata, DecodeBatch, PrefillSpan
+from splitserve.engine.kv_quant import pool_quantization
 
 
 class TorchReferenceAttention:
@@ -21,9 +26,7 @@ class TorchReferenceAttention:
         self._workspace = torch.empty(0)
 
     def forward(self, query, key, value, kv_cache, metadata: AttentionMetadata, sliding_window):
-        flat_cache = kv_cache.view(-1, kv_cache.shape[-2], kv_cache.shape[-1])  # [num_blocks*2*block_size, H, D]
-        flat_cache.index_copy_(0, metadata.key_slots, key)
-        flat_cache.index_copy_(0, metadata.value_slots, value)
+        key, value = self._write(key, value, kv_cache, metadata)
         if not metadata.prefills and len(metadata.decodes) == 1:
             # A decode-only step in one bucket: its token indices are 0..T-1 in order.
             return self._decode(query, kv_cache, metadata.decodes[0], 0, metadata, sliding_window)
@@ -37,6 +40,22 @@ class TorchReferenceAttention:
                                                         metadata, sliding_window)
         return output
 
+    @staticmethod
+    def _write(key, value, kv_cache, metadata: AttentionMetadata):
+        """Store the step's keys and values at their slots; returns them as the pool now holds them."""
+        quantization = pool_quantization(kv_cache)
+        if quantization is None:
+            flat_cache = kv_cache.view(-1, kv_cache.shape[-2], kv_cache.shape[-1])  # [num_blocks*2*block_size, H, D]
+            flat_cache.index_copy_(0, metadata.key_slots, key)
+            flat_cache.index_copy_(0, metadata.value_slots, value)
+            return key, value
+        key_rows, value_rows = quantization.quantize(key), quantization.quantize(value)  # [T, Hkv, D + 2] each
+        # index_copy_ has no float8 kernel on CPU: copy the rows as bytes.
+        flat_cache = kv_cache.view(torch.uint8).view(-1, kv_cache.shape[-2], kv_cache.shape[-1])
+        flat_cache.index_copy_(0, metadata.key_slots, key_rows.view(torch.uint8))
+        flat_cache.index_copy_(0, metadata.value_slots, value_rows.view(torch.uint8))
+        return quantization.dequantize(key_rows, key.dtype), quantization.dequantize(value_rows, value.dtype)
+
     def _prefill(self, query, key, value, kv_cache, span: PrefillSpan, metadata, sliding_window):
         if span.start_position == 0 and sliding_window is None:
             # 4-D inputs: a 3-D call falls back to the unfused math kernel on CPU (3x slower).
@@ -44,7 +63,8 @@ class TorchReferenceAttention:
                 query.unsqueeze(0).transpose(1, 2), key.unsqueeze(0).transpose(1, 2),
                 value.unsqueeze(0).transpose(1, 2), is_causal=True, enable_gqa=True)  # [1, H, q, D]
             return out[0].transpose(0, 1)
-        keys, values = self._gather(kv_cache, span.block_table.unsqueeze(0), span.context_len)  # [1, Hkv, ctx, D]
+        keys, values = self._gather(kv_cache, span.block_table.unsqueeze(0), span.context_len,
+                                    query.dtype)  # [1, Hkv, ctx, D]
         mask = _cached(metadata, ("prefill", span.query_start, sliding_window),
                        lambda: _prefill_mask(span, sliding_window, query.device))
         out = F.scaled_dot_product_attention(query.transpose(0, 1).unsqueeze(0), keys, values,
@@ -53,7 +73,7 @@ class TorchReferenceAttention:
 
     def _decode(self, query, kv_cache, decode: DecodeBatch, index: int, metadata, sliding_window):
         max_len = decode.block_tables.shape[1] * metadata.block_size
-        keys, values = self._gather(kv_cache, decode.block_tables, max_len)  # [B, Hkv, L, D]
+        keys, values = self._gather(kv_cache, decode.block_tables, max_len, query.dtype)  # [B, Hkv, L, D]
         mask = _cached(metadata, ("decode", index, sliding_window),
                        lambda: _decode_mask(decode, max_len, sliding_window))
         out = F.scaled_dot_product_attention(query.unsqueeze(2), keys, values, attn_mask=mask,
@@ -61,24 +81,30 @@ class TorchReferenceAttention:
         return out.squeeze(2)
 
 
-    def _gather(self, kv_cache: torch.Tensor, block_tables: torch.Tensor, length: int):
-        """Keys and values of `length` leading positions: two [B, Hkv, length, D] tensors.
+    def _gather(self, kv_cache: torch.Tensor, block_tables: torch.Tensor, length: int, dtype: torch.dtype):
+        """Keys and values of `length` leading positions: two [B, Hkv, length, D] tensors of `dtype`.
 
         Whole blocks are copied with index_select into a reused workspace: allocating fresh
         tensors of this size each layer costs 4-5x the copy itself on CPU (page faults).
-        The returned views are valid until the next gather.
+        The returned views are valid until the next gather. A quantized pool's rows are gathered as
+        bytes and dequantized into new tensors.
         """
-        num_blocks_total, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+        quantization = pool_quantization(kv_cache)
+        pool_view = kv_cache if quantization is None else kv_cache.view(torch.uint8)
+        num_blocks_total, _, block_size, num_kv_heads, row_width = kv_cache.shape
         batch, num_blocks = block_tables.shape
-        block_numel = block_size * num_kv_heads * head_dim
-        workspace = self._reserve(2 * batch * num_blocks * block_numel, kv_cache)
-        pool = kv_cache.view(num_blocks_total, 2, block_numel)
-        shape = (batch, num_blocks * block_size, num_kv_heads, head_dim)
+        block_numel = block_size * num_kv_heads * row_width
+        workspace = self._reserve(2 * batch * num_blocks * block_numel, pool_view)
+        pool = pool_view.view(num_blocks_total, 2, block_numel)
+        shape = (batch, num_blocks * block_size, num_kv_heads, row_width)
         gathered = []
         for half, side in enumerate((0, 1)):
             out = workspace[half * batch * num_blocks * block_numel:][: batch * num_blocks * block_numel]
             torch.index_select(pool[:, side], 0, block_tables.reshape(-1), out=out.view(-1, block_numel))
-            gathered.append(out.view(shape)[:, :length].transpose(1, 2))
+            rows = out.view(shape)[:, :length].transpose(1, 2)  # [B, Hkv, length, row_width]
+            if quantization is not None:
+                rows = quantization.dequantize(rows.view(kv_cache.dtype), dtype)
+            gathered.append(rows)
         return gathered[0], gathered[1]
 
     def _reserve(self, numel: int, like: torch.Tensor) -> torch.Tensor:

@@ -3,12 +3,14 @@
 //
 // Shapes (all contiguous):
 //   query        [B, H, D]                        fp32 or bf16
-//   kv_cache     [num_blocks, 2, block_size, Hkv, D] same dtype; [:, 0] keys, [:, 1] values
+//   kv_cache     [num_blocks, 2, block_size, Hkv, W] query's dtype (W = D), or a quantized pool's int8 /
+//                float8_e4m3fn codes (W = D + 2: each row's codes, then its bfloat16 scale); [:, 0] keys, [:, 1] values
 //   block_tables [B, max_blocks] int64            block of position p: block_tables[b, p / block_size]
 //   context_lens [B] int64                        positions 0 .. context_lens[b] - 1 are attended
 //   out          [B, H, D]                        same dtype as query
 // sliding_window > 0 attends only the last sliding_window positions. Query head h reads KV head
-// h / (H / Hkv) (grouped-query attention). Scores, softmax and the weighted sum are float32.
+// h / (H / Hkv) (grouped-query attention). Scores, softmax and the weighted sum are float32. A quantized
+// pool's codes are widened in registers; a key row's scale multiplies its score, a value row's its weight.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/cpu/vec/vec.h>
@@ -25,23 +27,23 @@
 
 namespace {
 
-template <typename T>
-inline float dot(const float* q, const T* k, int64_t dim) {
+template <typename E>
+inline float dot(const float* q, const E* k, int64_t dim) {
   int64_t d = 0;
   __m512 acc = _mm512_setzero_ps();
   for (; d + 16 <= dim; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), load16(k + d), acc);
   float sum = _mm512_reduce_add_ps(acc);
-  for (; d < dim; ++d) sum += q[d] * static_cast<float>(k[d]);
+  for (; d < dim; ++d) sum += q[d] * to_float(k[d]);
   return sum;
 }
 
-template <typename T>
-inline void axpy(float weight, const T* v, float* acc, int64_t dim) {
+template <typename E>
+inline void axpy(float weight, const E* v, float* acc, int64_t dim) {
   int64_t d = 0;
   const __m512 w = _mm512_set1_ps(weight);
   for (; d + 16 <= dim; d += 16)
     _mm512_storeu_ps(acc + d, _mm512_fmadd_ps(w, load16(v + d), _mm512_loadu_ps(acc + d)));
-  for (; d < dim; ++d) acc[d] += weight * static_cast<float>(v[d]);
+  for (; d < dim; ++d) acc[d] += weight * to_float(v[d]);
 }
 
 // row = softmax(row) in place, exp vectorized (a scalar exp per score costs more than the dots).
@@ -65,8 +67,9 @@ inline void softmax(float* row, int64_t length) {
 
 struct Geometry {
   int64_t num_heads, num_kv_heads, head_dim, block_size, max_blocks;
-  int64_t row_stride;    // elements between consecutive positions of one block: Hkv * D
-  int64_t block_stride;  // elements of one block (keys and values): 2 * block_size * Hkv * D
+  int64_t head_stride;   // elements of one (position, KV head) row: W (D, or D + 2 when quantized)
+  int64_t row_stride;    // elements between consecutive positions of one block: Hkv * W
+  int64_t block_stride;  // elements of one block (keys and values): 2 * block_size * Hkv * W
 };
 
 // Sums of 8 vectors: [sum(v[0]), ..., sum(v[7])], about 2 instructions per sum where a
@@ -82,15 +85,15 @@ inline __m256 sum8(const __m512* v) {
 
 // Ask for the cache lines of a row needed soon (the positions of the next blocks are scattered
 // through the pool, so the hardware prefetcher cannot guess them).
-template <typename T>
-inline void prefetch_row(const T* row, int64_t dim) {
+template <typename E>
+inline void prefetch_row(const E* row, int64_t dim) {
   const char* bytes = reinterpret_cast<const char*>(row);
-  for (int64_t b = 0; b < dim * static_cast<int64_t>(sizeof(T)); b += 64) _mm_prefetch(bytes + b, _MM_HINT_T0);
+  for (int64_t b = 0; b < dim * static_cast<int64_t>(sizeof(E)); b += 64) _mm_prefetch(bytes + b, _MM_HINT_T0);
 }
 
 // scores[i] = q . rows[i][offset : offset + dim] for i < length, eight positions at a time.
-template <typename T>
-void score_row(const float* q, const std::vector<const T*>& rows, int64_t offset, int64_t length, int64_t dim,
+template <typename E>
+void score_row(const float* q, const std::vector<const E*>& rows, int64_t offset, int64_t length, int64_t dim,
                float* scores) {
   int64_t i = 0;
   if (dim % 16 == 0) {
@@ -106,25 +109,27 @@ void score_row(const float* q, const std::vector<const T*>& rows, int64_t offset
     }
   }
   for (; i < length; ++i) scores[i] = dot(q, rows[i] + offset, dim);
+  if constexpr (KVRow<E>::kQuantized)
+    for (i = 0; i < length; ++i) scores[i] *= KVRow<E>::scale(rows[i] + offset, dim);
 }
 
 // out = sum_i probs[i] * rows[i][offset : offset + D] with N = D / 16 accumulators held in registers.
-template <int N, typename T>
-void weighted_sum_fixed(const float* probs, const std::vector<const T*>& rows, int64_t offset, int64_t length,
+template <int N, typename E, typename T>
+void weighted_sum_fixed(const float* probs, const std::vector<const E*>& rows, int64_t offset, int64_t length,
                         T* out) {
   __m512 acc[N];
   for (int j = 0; j < N; ++j) acc[j] = _mm512_setzero_ps();
   for (int64_t i = 0; i < length; ++i) {
     if (i + 8 < length) prefetch_row(rows[i + 8] + offset, 16 * N);
     const __m512 w = _mm512_set1_ps(probs[i]);
-    const T* v = rows[i] + offset;
+    const E* v = rows[i] + offset;
     for (int j = 0; j < N; ++j) acc[j] = _mm512_fmadd_ps(w, load16(v + 16 * j), acc[j]);
   }
   for (int j = 0; j < N; ++j) store16(out + 16 * j, acc[j]);
 }
 
-template <typename T>
-void weighted_sum(const float* probs, const std::vector<const T*>& rows, int64_t offset, int64_t length, int64_t dim,
+template <typename E, typename T>
+void weighted_sum(const float* probs, const std::vector<const E*>& rows, int64_t offset, int64_t length, int64_t dim,
                   T* out) {
   switch (dim) {
     case 32: return weighted_sum_fixed<2>(probs, rows, offset, length, out);
@@ -141,28 +146,33 @@ void weighted_sum(const float* probs, const std::vector<const T*>& rows, int64_t
 
 // One sequence's KV heads [first_kv_head, first_kv_head + num_kv) and the G query heads of each.
 // Scores head by head over the positions' key rows (eight positions per reduction), a softmax
-// per head, then each head's weighted sum of value rows accumulated in registers.
-template <typename T>
-void attend(const T* query, const T* cache, const int64_t* table, int64_t context_len, int64_t window, float scale,
+// per head, then each head's weighted sum of value rows accumulated in registers. Cache rows hold E
+// (T itself, or quantized codes whose row scales fold into the scores and the weights).
+template <typename T, typename E>
+void attend(const T* query, const E* cache, const int64_t* table, int64_t context_len, int64_t window, float scale,
             const Geometry& g, int64_t first_kv_head, int64_t num_kv, T* out) {
   const int64_t group = g.num_heads / g.num_kv_heads;
   const int64_t heads = num_kv * group;  // query heads of this task, consecutive from first_kv_head * G
   const int64_t start = window > 0 ? std::max<int64_t>(0, context_len - window) : 0;
   const int64_t length = context_len - start;
   std::vector<float> q(heads * g.head_dim), scores(heads * length);
-  std::vector<const T*> rows(length);  // key row of each attended position, at this task's first KV head
+  std::vector<const E*> rows(length);  // key row of each attended position, at this task's first KV head
   const T* q_src = query + first_kv_head * group * g.head_dim;
   for (int64_t i = 0; i < heads * g.head_dim; ++i) q[i] = static_cast<float>(q_src[i]) * scale;
   for (int64_t p = start; p < context_len; ++p)
     rows[p - start] = cache + table[p / g.block_size] * g.block_stride + (p % g.block_size) * g.row_stride +
-                      first_kv_head * g.head_dim;
+                      first_kv_head * g.head_stride;
   for (int64_t h = 0; h < heads; ++h)
-    score_row(&q[h * g.head_dim], rows, (h / group) * g.head_dim, length, g.head_dim, &scores[h * length]);
+    score_row(&q[h * g.head_dim], rows, (h / group) * g.head_stride, length, g.head_dim, &scores[h * length]);
   for (int64_t h = 0; h < heads; ++h) softmax(&scores[h * length], length);
   const int64_t value_offset = g.block_size * g.row_stride;
+  if constexpr (KVRow<E>::kQuantized)  // probability x value scale: the weight of each value row's codes
+    for (int64_t h = 0; h < heads; ++h)
+      for (int64_t i = 0; i < length; ++i)
+        scores[h * length + i] *= KVRow<E>::scale(rows[i] + value_offset + (h / group) * g.head_stride, g.head_dim);
   T* out_dst = out + first_kv_head * group * g.head_dim;
   for (int64_t h = 0; h < heads; ++h)
-    weighted_sum(&scores[h * length], rows, value_offset + (h / group) * g.head_dim, length, g.head_dim,
+    weighted_sum(&scores[h * length], rows, value_offset + (h / group) * g.head_stride, length, g.head_dim,
                  out_dst + h * g.head_dim);
 }
 
@@ -177,16 +187,17 @@ int64_t kv_heads_per_task(int64_t batch, int64_t num_kv_heads) {
   return per_task;
 }
 
-template <typename T>
+template <typename T, typename E>
 void decode(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_tables,
             const at::Tensor& context_lens, int64_t window, double scale, at::Tensor& out) {
   const Geometry g{query.size(1), kv_cache.size(3), query.size(2), kv_cache.size(2), block_tables.size(1),
-                   kv_cache.size(3) * kv_cache.size(4), 2 * kv_cache.size(2) * kv_cache.size(3) * kv_cache.size(4)};
+                   kv_cache.size(4), kv_cache.size(3) * kv_cache.size(4),
+                   2 * kv_cache.size(2) * kv_cache.size(3) * kv_cache.size(4)};
   const int64_t batch = query.size(0);
   const int64_t per_task = kv_heads_per_task(batch, g.num_kv_heads);
   const int64_t tasks_per_seq = g.num_kv_heads / per_task;
   const T* q = query.const_data_ptr<T>();
-  const T* cache = kv_cache.const_data_ptr<T>();
+  const E* cache = static_cast<const E*>(kv_cache.const_data_ptr());
   const int64_t* tables = block_tables.const_data_ptr<int64_t>();
   const int64_t* lens = context_lens.const_data_ptr<int64_t>();
   T* o = out.mutable_data_ptr<T>();
@@ -194,10 +205,26 @@ void decode(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tenso
   at::parallel_for(0, batch * tasks_per_seq, 1, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / tasks_per_seq, first_kv_head = (task % tasks_per_seq) * per_task;
-      attend<T>(q + b * row, cache, tables + b * g.max_blocks, lens[b], window, static_cast<float>(scale), g,
-                first_kv_head, per_task, o + b * row);
+      attend<T, E>(q + b * row, cache, tables + b * g.max_blocks, lens[b], window, static_cast<float>(scale), g,
+                   first_kv_head, per_task, o + b * row);
     }
   });
+}
+
+// The cache's element type for a query of dtype T: T itself, or a quantized pool's codes.
+template <typename T>
+void decode_for_cache(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_tables,
+                      const at::Tensor& context_lens, int64_t window, double scale, at::Tensor& out) {
+  switch (kv_cache.scalar_type()) {
+    case at::kChar: return decode<T, int8_t>(query, kv_cache, block_tables, context_lens, window, scale, out);
+    case at::kFloat8_e4m3fn:
+      return decode<T, Fp8E4M3>(query, kv_cache, block_tables, context_lens, window, scale, out);
+    default: return decode<T, T>(query, kv_cache, block_tables, context_lens, window, scale, out);
+  }
+}
+
+bool is_quantized_kv(const at::Tensor& kv_cache) {
+  return kv_cache.scalar_type() == at::kChar || kv_cache.scalar_type() == at::kFloat8_e4m3fn;
 }
 
 void paged_decode_attention(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_tables,
@@ -207,18 +234,35 @@ void paged_decode_attention(const at::Tensor& query, const at::Tensor& kv_cache,
   TORCH_CHECK(query.is_contiguous() && kv_cache.is_contiguous() && block_tables.is_contiguous() &&
                   context_lens.is_contiguous() && out.is_contiguous(),
               "paged_decode_attention: inputs must be contiguous");
-  TORCH_CHECK(query.scalar_type() == kv_cache.scalar_type() && out.scalar_type() == query.scalar_type(),
-              "paged_decode_attention: query, kv_cache and out must share a dtype");
+  const bool quantized = is_quantized_kv(kv_cache);
+  TORCH_CHECK((quantized || query.scalar_type() == kv_cache.scalar_type()) && out.scalar_type() == query.scalar_type(),
+              "paged_decode_attention: query and out must share a dtype, and kv_cache have it or be int8 / fp8 codes");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong,
               "paged_decode_attention: block_tables and context_lens must be int64");
-  TORCH_CHECK(query.size(1) % kv_cache.size(3) == 0 && query.size(2) == kv_cache.size(4),
+  TORCH_CHECK(query.size(1) % kv_cache.size(3) == 0 && query.size(2) + (quantized ? 2 : 0) == kv_cache.size(4),
               "paged_decode_attention: head counts or head_dim do not match the cache");
   switch (query.scalar_type()) {
-    case at::kFloat: return decode<float>(query, kv_cache, block_tables, context_lens, sliding_window, scale, out);
+    case at::kFloat:
+      return decode_for_cache<float>(query, kv_cache, block_tables, context_lens, sliding_window, scale, out);
     case at::kBFloat16:
-      return decode<c10::BFloat16>(query, kv_cache, block_tables, context_lens, sliding_window, scale, out);
+      return decode_for_cache<c10::BFloat16>(query, kv_cache, block_tables, context_lens, sliding_window, scale, out);
     default: TORCH_CHECK(false, "paged_decode_attention: dtype ", query.scalar_type(), " is not supported");
   }
+}
+
+// out[i] = codes[i] (fp8 e4m3 bit patterns, uint8) widened to float32 by the kernels' conversion: 16 at a
+// time with widen_fp8_e4m3, the tail with fp8_e4m3_to_float (tests compare both with torch's).
+void fp8_e4m3_codes_to_float(const at::Tensor& codes, at::Tensor out) {
+  TORCH_CHECK(codes.dim() == 1 && codes.is_contiguous() && codes.scalar_type() == at::kByte,
+              "fp8_e4m3_to_float: codes must be a contiguous 1-D uint8 tensor");
+  TORCH_CHECK(out.is_contiguous() && out.scalar_type() == at::kFloat && out.sizes() == codes.sizes(),
+              "fp8_e4m3_to_float: out must be a contiguous float32 tensor shaped like codes");
+  const uint8_t* in = codes.const_data_ptr<uint8_t>();
+  float* o = out.mutable_data_ptr<float>();
+  int64_t i = 0;
+  for (; i + 16 <= codes.size(0); i += 16)
+    _mm512_storeu_ps(o + i, widen_fp8_e4m3(_mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i))));
+  for (; i < codes.size(0); ++i) o[i] = fp8_e4m3_to_float(in[i]);
 }
 
 }  // namespace
@@ -226,6 +270,10 @@ void paged_decode_attention(const at::Tensor& query, const at::Tensor& kv_cache,
 TORCH_LIBRARY(splitserve_cpu, m) {
   m.def("paged_decode_attention(Tensor query, Tensor kv_cache, Tensor block_tables, Tensor context_lens, "
         "int sliding_window, float scale, Tensor(a!) out) -> ()");
+  m.def("fp8_e4m3_to_float(Tensor codes, Tensor(a!) out) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(splitserve_cpu, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }
+TORCH_LIBRARY_IMPL(splitserve_cpu, CPU, m) {
+  m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("fp8_e4m3_to_float", &fp8_e4m3_codes_to_float);
+}

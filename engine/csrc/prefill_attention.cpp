@@ -2,9 +2,11 @@
 // position before it (a cached prefix, earlier chunks) and to itself, reading keys and values from the
 // KV pool's blocks. Built at first use by engine/cpu_kernels.py.
 //
-// Shapes (all contiguous, one dtype: float32 or bf16):
+// Shapes (all contiguous; query and out float32 or bf16):
 //   query       [q, H, D]                             positions start .. start + q - 1
-//   kv_cache    [num_blocks, 2, block_size, Hkv, D]   [:, 0] keys, [:, 1] values; already holds the chunk's own
+//   kv_cache    [num_blocks, 2, block_size, Hkv, W]   [:, 0] keys, [:, 1] values; already holds the chunk's own;
+//                                                     the query's dtype (W = D) or a quantized pool's int8 /
+//                                                     float8_e4m3fn codes (W = D + 2: codes, then a bf16 scale)
 //   block_table [ceil((start + q) / block_size)] int64
 //   out         [q, H, D]
 // Query head h reads KV head h / (H / Hkv). Query position i attends key position j when j <= i and, with
@@ -21,8 +23,10 @@
 // Layout of the work: the G = H / Hkv query heads sharing a KV head form the rows of one task (row
 // r = position * G + head), so each key and value tile serves G * kQueryTile rows. Keys and values are
 // first repacked per KV head into 32-bit words of P = 4 / sizeof(dtype) elements (pack_tile), the operand
-// layouts of the dot instruction (P = 2) or of a broadcast FMA (P = 1). Tasks run heaviest first (the
-// last query tiles see the most keys), taken from a shared counter.
+// layouts of the dot instruction (P = 2) or of a broadcast FMA (P = 1); a quantized pool's rows are
+// dequantized to the query's dtype on the way (code x scale, rounded as torch's .to(dtype) rounds), so
+// the tiles hold what the torch reference attends to. Tasks run heaviest first (the last query tiles see
+// the most keys), taken from a shared counter.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/cpu/vec/vec.h>
@@ -97,33 +101,53 @@ inline uint32_t Words<bf16>::word(const bf16* low, const bf16* high) {
 struct Geometry {
   int64_t num_heads, num_kv_heads, head_dim, block_size, group;
   int64_t start, query_len, context_len, window;
-  int64_t row_stride;    // elements between consecutive positions of one block: Hkv * D
-  int64_t block_stride;  // elements of one block (keys and values): 2 * block_size * Hkv * D
+  int64_t head_stride;   // elements of one (position, KV head) row: W (D, or D + 2 when quantized)
+  int64_t row_stride;    // elements between consecutive positions of one block: Hkv * W
+  int64_t block_stride;  // elements of one block (keys and values): 2 * block_size * Hkv * W
   int64_t key_tiles;     // ceil(context_len / kKeyTile)
 };
+
+// A key or value row of the pool as T values: the row itself when the pool holds T, else its codes
+// dequantized into `scratch` (D values).
+template <typename T, typename E>
+inline const T* row_as(const E* row, int64_t head_dim, T* scratch) {
+  if constexpr (KVRow<E>::kQuantized) {
+    const float scale = KVRow<E>::scale(row, head_dim);
+    for (int64_t d = 0; d < head_dim; ++d) scratch[d] = static_cast<T>(to_float(row[d]) * scale);
+    return scratch;
+  } else {
+    return row;
+  }
+}
 
 // One key tile of one KV head, repacked; positions past context_len are 0. With P elements per word:
 //   keys   [D / P][kKeyTile] words: word (d, j) = dims P*d .. P*d + P-1 of key j
 //   values [kKeyTile / P][D] words: word (j, d) = dim d of keys P*j .. P*j + P-1
-template <typename T>
-void pack_tile(const T* cache, const int64_t* table, const Geometry& g, int64_t kv_head, int64_t tile, uint32_t* keys,
+template <typename T, typename E>
+void pack_tile(const E* cache, const int64_t* table, const Geometry& g, int64_t kv_head, int64_t tile, uint32_t* keys,
                uint32_t* values) {
   constexpr int64_t P = Words<T>::kPerWord;
   const int64_t key_words = g.head_dim / P, value_offset = g.block_size * g.row_stride;
+  std::vector<T> scratch(KVRow<E>::kQuantized ? 2 * P * g.head_dim : 0);  // dequantized rows: P keys, P values
   for (int64_t j = 0; j < kKeyTile; j += P) {
-    const T* rows[P];
+    const T* key_rows[P];
+    const T* value_rows[P];
     for (int64_t k = 0; k < P; ++k) {
       const int64_t p = tile * kKeyTile + j + k;
-      rows[k] = p < g.context_len ? cache + table[p / g.block_size] * g.block_stride +
-                                        (p % g.block_size) * g.row_stride + kv_head * g.head_dim
-                                  : nullptr;
+      key_rows[k] = value_rows[k] = nullptr;
+      if (p >= g.context_len) continue;
+      const E* row = cache + table[p / g.block_size] * g.block_stride + (p % g.block_size) * g.row_stride +
+                     kv_head * g.head_stride;
+      key_rows[k] = row_as<T>(row, g.head_dim, scratch.data() + k * g.head_dim);
+      value_rows[k] = row_as<T>(row + value_offset, g.head_dim, scratch.data() + (P + k) * g.head_dim);
     }
     for (int64_t k = 0; k < P; ++k)
       for (int64_t d = 0; d < key_words; ++d)
-        keys[d * kKeyTile + j + k] = rows[k] ? Words<T>::word(rows[k] + P * d, rows[k] + P * d + P - 1) : 0;
+        keys[d * kKeyTile + j + k] =
+            key_rows[k] ? Words<T>::word(key_rows[k] + P * d, key_rows[k] + P * d + P - 1) : 0;
     for (int64_t d = 0; d < g.head_dim; ++d)
-      values[(j / P) * g.head_dim + d] = Words<T>::word(rows[0] ? rows[0] + value_offset + d : nullptr,
-                                                        rows[P - 1] ? rows[P - 1] + value_offset + d : nullptr);
+      values[(j / P) * g.head_dim + d] = Words<T>::word(value_rows[0] ? value_rows[0] + d : nullptr,
+                                                        value_rows[P - 1] ? value_rows[P - 1] + d : nullptr);
   }
 }
 
@@ -300,10 +324,10 @@ void run_task(TaskBuffers& buf, const T* query, const PackedHead& head, const Ge
   }
 }
 
-template <typename T>
+template <typename T, typename E>
 void prefill(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_table,
              const Geometry& g, double scale, at::Tensor& out) {
-  const T* cache = kv_cache.const_data_ptr<T>();
+  const E* cache = static_cast<const E*>(kv_cache.const_data_ptr());
   const int64_t* table = block_table.const_data_ptr<int64_t>();
   const int64_t tile_words = kKeyTile * g.head_dim / Words<T>::kPerWord;
   const int64_t head_words = g.key_tiles * tile_words;  // of one KV head, keys or values
@@ -311,7 +335,7 @@ void prefill(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tens
   at::parallel_for(0, g.num_kv_heads * g.key_tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t kv_head = t / g.key_tiles, offset = kv_head * head_words + (t % g.key_tiles) * tile_words;
-      pack_tile<T>(cache, table, g, kv_head, t % g.key_tiles, &packed_keys[offset], &packed_values[offset]);
+      pack_tile<T, E>(cache, table, g, kv_head, t % g.key_tiles, &packed_keys[offset], &packed_values[offset]);
     }
   });
   const int64_t query_tiles = (g.query_len + kQueryTile - 1) / kQueryTile;
@@ -330,6 +354,17 @@ void prefill(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tens
   });
 }
 
+// The cache's element type for a query of dtype T: T itself, or a quantized pool's codes.
+template <typename T>
+void prefill_for_cache(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_table,
+                       const Geometry& g, double scale, at::Tensor& out) {
+  switch (kv_cache.scalar_type()) {
+    case at::kChar: return prefill<T, int8_t>(query, kv_cache, block_table, g, scale, out);
+    case at::kFloat8_e4m3fn: return prefill<T, Fp8E4M3>(query, kv_cache, block_table, g, scale, out);
+    default: return prefill<T, T>(query, kv_cache, block_table, g, scale, out);
+  }
+}
+
 void paged_prefill_attention(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_table,
                              int64_t start_position, int64_t sliding_window, double scale, at::Tensor out) {
   TORCH_CHECK(query.dim() == 3 && kv_cache.dim() == 5 && block_table.dim() == 1 && out.dim() == 3,
@@ -337,10 +372,11 @@ void paged_prefill_attention(const at::Tensor& query, const at::Tensor& kv_cache
   TORCH_CHECK(query.is_contiguous() && kv_cache.is_contiguous() && block_table.is_contiguous() &&
                   out.is_contiguous(),
               "paged_prefill_attention: inputs must be contiguous");
-  TORCH_CHECK(query.scalar_type() == kv_cache.scalar_type() && out.scalar_type() == query.scalar_type(),
-              "paged_prefill_attention: query, kv_cache and out must share a dtype");
+  const bool quantized = kv_cache.scalar_type() == at::kChar || kv_cache.scalar_type() == at::kFloat8_e4m3fn;
+  TORCH_CHECK((quantized || query.scalar_type() == kv_cache.scalar_type()) && out.scalar_type() == query.scalar_type(),
+              "paged_prefill_attention: query and out must share a dtype, and kv_cache have it or be int8 / fp8 codes");
   TORCH_CHECK(block_table.scalar_type() == at::kLong, "paged_prefill_attention: block_table must be int64");
-  TORCH_CHECK(query.size(1) % kv_cache.size(3) == 0 && query.size(2) == kv_cache.size(4) &&
+  TORCH_CHECK(query.size(1) % kv_cache.size(3) == 0 && query.size(2) + (quantized ? 2 : 0) == kv_cache.size(4) &&
                   query.size(2) % 16 == 0 && out.sizes() == query.sizes(),
               "paged_prefill_attention: head counts or head_dim (a multiple of 16) do not match the cache");
   const int64_t context_len = start_position + query.size(0);
@@ -348,11 +384,11 @@ void paged_prefill_attention(const at::Tensor& query, const at::Tensor& kv_cache
               "paged_prefill_attention: block_table is shorter than the context");
   const Geometry g{query.size(1), kv_cache.size(3), query.size(2), kv_cache.size(2),
                    query.size(1) / kv_cache.size(3), start_position, query.size(0), context_len, sliding_window,
-                   kv_cache.size(3) * kv_cache.size(4), 2 * kv_cache.size(2) * kv_cache.size(3) * kv_cache.size(4),
-                   (context_len + kKeyTile - 1) / kKeyTile};
+                   kv_cache.size(4), kv_cache.size(3) * kv_cache.size(4),
+                   2 * kv_cache.size(2) * kv_cache.size(3) * kv_cache.size(4), (context_len + kKeyTile - 1) / kKeyTile};
   switch (query.scalar_type()) {
-    case at::kFloat: return prefill<float>(query, kv_cache, block_table, g, scale, out);
-    case at::kBFloat16: return prefill<bf16>(query, kv_cache, block_table, g, scale, out);
+    case at::kFloat: return prefill_for_cache<float>(query, kv_cache, block_table, g, scale, out);
+    case at::kBFloat16: return prefill_for_cache<bf16>(query, kv_cache, block_table, g, scale, out);
     default: TORCH_CHECK(false, "paged_prefill_attention: dtype ", query.scalar_type(), " is not supported");
   }
 }
