@@ -9,6 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
 
+from splitserve.common.config import QUANTIZATION_METHODS
 from splitserve.common.errors import InvalidRequestError, StartupError, UnsupportedModelError
 
 
@@ -104,6 +105,8 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     group.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     group.add_argument("--num-kv-blocks", type=int, default=None)
+    group.add_argument("--quantization", "-q", default="auto", choices=QUANTIZATION_METHODS,
+                       help="weight-only quantization (docs/quantization.md)")
 
 
 def _host_port(value: str) -> str:
@@ -176,7 +179,8 @@ def _generate_offline(args: argparse.Namespace) -> int:
     check_tokenizer_files(model_dir)  # names the missing file, where transformers would ask for sentencepiece
     llm = LLM(model_dir, show_progress=sys.stderr.isatty(), block_size=args.block_size,
               max_model_len=args.max_model_len, dtype=args.dtype, device=args.device,
-              kv_cache_memory_bytes=args.kv_cache_memory_bytes, num_kv_blocks=args.num_kv_blocks)
+              kv_cache_memory_bytes=args.kv_cache_memory_bytes, num_kv_blocks=args.num_kv_blocks,
+              quantization=args.quantization)
     prompt = args.prompt
     if args.chat:
         messages = [{"role": "user", "content": args.prompt}]
@@ -328,6 +332,10 @@ def _add_model_flags(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--dtype", choices=tuple(VLLM_DTYPES), default=None,
                        help="weights, activations and KV cache dtype; auto takes the model's (float16 is widened "
                             "to float32 on CPU); half = float16, float = float32")
+    group.add_argument("--quantization", "-q", choices=QUANTIZATION_METHODS, default=None,
+                       help="weight-only quantization of both pools: int8 / int4 quantize a float checkpoint at "
+                            "load, gptq / awq load such a checkpoint, auto (default) follows the checkpoint's "
+                            "quantization_config (docs/quantization.md); per pool: --set decode.engine.quantization=int4")
     group.add_argument("--max-model-len", type=human_int, default=None,
                        help="longest prompt + output in tokens (default: the model's max_position_embeddings); "
                             "accepts 32k / 32K")
@@ -393,7 +401,8 @@ _CLUSTER_FLAGS = {"mode": "mode", "prefill_workers": "prefill.replicas", "decode
 _ENGINE_FLAGS = {"max_model_len": "max_model_len", "seed": "seed", "block_size": "block_size",
                  "enable_prefix_caching": "enable_prefix_caching", "kv_cache_memory": "kv_cache_memory_bytes",
                  "max_num_seqs": "max_num_seqs", "max_num_batched_tokens": "max_num_batched_tokens",
-                 "enable_chunked_prefill": "enable_chunked_prefill", "device": "device"}
+                 "enable_chunked_prefill": "enable_chunked_prefill", "device": "device",
+                 "quantization": "quantization"}
 """serve flags -> the EngineConfig field they set in both pools."""
 
 
