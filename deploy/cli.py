@@ -9,7 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
 
-from splitserve.common.config import QUANTIZATION_METHODS
+from splitserve.common.config import QUANTIZATION_GROUP_SIZES, QUANTIZATION_METHODS
 from splitserve.common.errors import InvalidRequestError, StartupError, UnsupportedModelError
 
 
@@ -107,6 +107,36 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--num-kv-blocks", type=int, default=None)
     group.add_argument("--quantization", "-q", default="auto", choices=QUANTIZATION_METHODS,
                        help="weight-only quantization (docs/quantization.md)")
+
+
+def _add_quantize(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser("quantize", help="write a GPTQ or AWQ checkpoint of a model directory "
+                                                  "(docs/quantization.md)")
+    parser.add_argument("model", help="float model directory, or an embedded model's name (default, ...)")
+    parser.add_argument("out", type=Path, help="output model directory (created; files replaced)")
+    parser.add_argument("--method", choices=("gptq", "awq"), required=True)
+    parser.add_argument("--bits", type=int, choices=(4,), default=4, help="bits per weight (4)")
+    parser.add_argument("--group-size", type=int, choices=QUANTIZATION_GROUP_SIZES, default=128)
+    parser.add_argument("--act-order", action="store_true", help="GPTQ: desc_act (columns by Hessian diagonal)")
+    parser.add_argument("--num-samples", type=int, default=32, help="calibration windows")
+    parser.add_argument("--seq-len", type=int, default=512, help="tokens per calibration window")
+    parser.add_argument("--damp-percent", type=float, default=0.01, help="GPTQ: Hessian damping")
+    parser.add_argument("--calibration-dir", type=Path, default=None,
+                        help="*.py / *.txt files to calibrate on (default: the trained model's training split)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.set_defaults(handler=_quantize)
+
+
+def _quantize(args: argparse.Namespace) -> int:
+    from splitserve.engine.quantization.quantize import QuantizeConfig, quantize_model
+    from splitserve.engine.tiny_model import resolve_model_path
+
+    config = QuantizeConfig(args.method, args.group_size, args.act_order, args.num_samples, args.seq_len,
+                            args.damp_percent, args.seed)
+    out = quantize_model(resolve_model_path(args.model), args.out, config, args.calibration_dir,
+                         show_progress=sys.stderr.isatty())
+    print(f"wrote {out} ({args.method}, {args.bits} bits, group size {args.group_size})")
+    return 0
 
 
 def _host_port(value: str) -> str:
@@ -537,6 +567,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve(commands)
     _add_config(commands)
     _add_simulate(commands)
+    _add_quantize(commands)
     return parser
 
 
