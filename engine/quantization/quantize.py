@@ -25,7 +25,7 @@ from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from splitserve.common.config import QUANTIZATION_GROUP_SIZES
-from splitserve.engine.quantization.awq import search_scales
+from splitserve.engine.quantization.awq import search_clip, search_scales
 from splitserve.engine.quantization.formats import QuantizedWeight, awq_pack, gptq_pack
 from splitserve.engine.quantization.gptq import GptqConfig, HessianAccumulator, gptq_quantize
 from splitserve.engine.quantization.rtn import int4_grouped
@@ -113,17 +113,30 @@ def calibration_windows(tokenizer, texts: list[str], config: QuantizeConfig) -> 
     return torch.stack([stream[s:s + config.seq_len] for s in starts])
 
 
+class _LayerDone(Exception):
+    """Raised by a hook after the layer being calibrated: the rest of the forward pass is not needed."""
+
+
+def _stop(module: nn.Module, args: tuple, output: object) -> None:
+    raise _LayerDone
+
+
 def _capture_inputs(model: PreTrainedModel, layer: nn.Module, windows: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Inputs [num_tokens, K] of the layer's INPUT_SHARERS over all windows, the model in its current state."""
+    """Inputs [num_tokens, K] of the layer's projections, one per distinct input (INPUT_SHARERS' keys),
+    over all windows, the model in its current state; the forward pass stops after `layer`."""
     captured: dict[str, list[torch.Tensor]] = {name: [] for name in INPUT_SHARERS}
 
     def hook(name: str) -> Callable:
         return lambda module, args: captured[name].append(args[0].reshape(-1, args[0].shape[-1]).detach())
 
     handles = [layer.get_submodule(name).register_forward_pre_hook(hook(name)) for name in INPUT_SHARERS]
+    handles.append(layer.register_forward_hook(_stop))
     try:
         for batch in windows.split(CAPTURE_BATCH):
-            model(input_ids=batch)
+            try:
+                model(input_ids=batch)
+            except _LayerDone:
+                pass
     finally:
         for handle in handles:
             handle.remove()
@@ -154,21 +167,36 @@ def _gptq_layer(layer: nn.Module, inputs: dict[str, torch.Tensor], config: Quant
     return result
 
 
-def _awq_layer(layer: nn.Module, inputs: dict[str, torch.Tensor], config: QuantizeConfig) -> dict[str, QuantizedWeight]:
-    """Scale the layer (producers divided, consumers multiplied), then round-to-nearest the projections.
-    The layer keeps its scaled float weights: its outputs, hence later layers' inputs, are unchanged."""
-    get = layer.get_submodule
-    groups = (("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+AWQ_GROUPS = (("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
               ("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj")),
               ("mlp.up_proj", ("mlp.down_proj",)))
-    searched = [search_scales(inputs[_input_of(consumers[0])], [get(c).weight.detach() for c in consumers],
-                              config.group_size) for _, consumers in groups]
-    for (producer, consumers), scales in zip(groups, searched):
+"""AWQ: (producer, the projections reading its output); the producer absorbs 1 / scales."""
+UNCLIPPED = ("self_attn.q_proj", "self_attn.k_proj")
+"""AutoAWQ's auto-clip leaves q and k alone (the attention softmax amplifies their errors)."""
+
+
+def _awq_layer(layer: nn.Module, inputs: dict[str, torch.Tensor], config: QuantizeConfig) -> dict[str, QuantizedWeight]:
+    """Scale the layer (producers divided, consumers multiplied), clip, then round-to-nearest the
+    projections. The layer keeps its scaled float weights: its outputs, hence later layers' inputs,
+    are unchanged."""
+    get = layer.get_submodule
+    scales_of: dict[str, torch.Tensor] = {}  # projection -> the scales its input columns were multiplied by
+    for producer, consumers in AWQ_GROUPS:
+        scales = search_scales(inputs[_input_of(consumers[0])], [get(c).weight.detach() for c in consumers],
+                               config.group_size)
         producer_weight = get(producer).weight.data  # [K] for a norm, [K, in] for up_proj
         producer_weight.div_(scales if producer_weight.dim() == 1 else scales[:, None])
         for consumer in consumers:
             get(consumer).weight.data.mul_(scales[None, :])
-    return {name: int4_grouped(get(name).weight.detach(), config.group_size) for name in PROJECTIONS}
+            scales_of[consumer] = scales
+    result = {}
+    for name in PROJECTIONS:
+        weight = get(name).weight.detach()
+        if name not in UNCLIPPED:
+            x = inputs[_input_of(name)]
+            weight = search_clip(x / scales_of[name] if name in scales_of else x, weight, config.group_size)
+        result[name] = int4_grouped(weight, config.group_size)
+    return result
 
 
 @torch.inference_mode()
