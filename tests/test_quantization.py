@@ -135,15 +135,16 @@ def _layer_cases():
 @pytest.mark.parametrize("name, weight, group_size", list(_layer_cases()), ids=lambda v: v if isinstance(v, str) else "")
 def test_quantized_layers_match_dequantize_then_matmul_in_float32(name, weight, group_size):
     """Tolerance 2e-6 x max|y|: the kernels sum in another order ((code - 8) * s + offset for int4)."""
-    x = torch.randn(7, 704, generator=torch.Generator().manual_seed(9))
     bias = torch.randn(100, generator=torch.Generator().manual_seed(8))
-    expected = x @ weight.dequantize().t() + bias  # [7, 100]
     layer = make_quantized_linear(weight, bias, group_size, torch.float32, torch.device("cpu"))
     assert isinstance(layer, Int8CpuLinear if weight.bits == 8 else Int4CpuLinear)
     fallback = DequantizingLinear(weight, bias, torch.float32)
-    for got in (layer(x), fallback(x)):
-        assert got.shape == (7, 100)
-        torch.testing.assert_close(got, expected, rtol=0, atol=2e-6 * expected.abs().max().item())
+    for rows in (7, 40):  # int8: the packed kernel, then cast-and-GEMM above INT8_KERNEL_MAX_ROWS
+        x = torch.randn(rows, 704, generator=torch.Generator().manual_seed(9))
+        expected = x @ weight.dequantize().t() + bias  # [rows, 100]
+        for got in (layer(x), fallback(x)):
+            assert got.shape == (rows, 100)
+            torch.testing.assert_close(got, expected, rtol=0, atol=2e-6 * expected.abs().max().item())
 
 
 def test_bfloat16_layers_stay_within_bfloat16_rounding():
