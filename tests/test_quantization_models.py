@@ -10,7 +10,6 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from splitserve.common.sampling_params import SamplingParams
 from splitserve.deploy.cli import main
 from splitserve.engine.llm import LLM
 from splitserve.engine.tiny_model import resolve_model_path
