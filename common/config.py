@@ -14,6 +14,8 @@ DEFAULT_BATCH_LIMITS = {"ngram": 16, "draft": 2}
 """Per method, the most decoding requests a step speculates for by default (bench/speculative.py
 on the development CPU, code continuation: n-gram still paid at 16 and broke even at 32; the
 draft model paid at 1 and lost at 4)."""
+QUANTIZATION_METHODS = ("auto", "none", "int8", "int4", "gptq", "awq")
+QUANTIZATION_GROUP_SIZES = (32, 64, 128)
 DEFAULT_KV_CACHE_MEMORY_BYTES = 1 << 30
 """KV pool size when no sizing field is given: 1 GiB."""
 
@@ -117,6 +119,12 @@ class EngineConfig:
     on first use; False, or a machine where they cannot build, runs the pure-torch reference ops."""
     speculative: SpeculativeConfig | None = None
     """Speculative decoding (docs/speculative.md); None decodes one token per request per step."""
+    quantization: str = "auto"
+    """Weight-only quantization of the decoder's linear layers (docs/quantization.md): int8 (per output
+    channel) or int4 (group-wise) quantize a float checkpoint at load; gptq / awq load such a checkpoint;
+    none runs the checkpoint's float weights; auto is the checkpoint's quantization_config, else none."""
+    quantization_group_size: int = 128
+    """Input channels per scale of `int4` (32, 64 or 128); GPTQ/AWQ checkpoints bring their own."""
 
     def __post_init__(self) -> None:
         _check(self.block_size >= 1, f"block_size must be >= 1, got {self.block_size}")
@@ -133,6 +141,10 @@ class EngineConfig:
         _check(self.attention_backend in ATTENTION_BACKENDS,
                f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         _check(self.num_threads is None or self.num_threads >= 1, f"num_threads must be >= 1, got {self.num_threads}")
+        _check(self.quantization in QUANTIZATION_METHODS,
+               f"quantization must be one of {QUANTIZATION_METHODS}, got {self.quantization!r}")
+        _check(self.quantization_group_size in QUANTIZATION_GROUP_SIZES,
+               f"quantization_group_size must be one of {QUANTIZATION_GROUP_SIZES}, got {self.quantization_group_size}")
 
     def _check_kv_sizing(self) -> None:
         given = [name for name in ("num_kv_blocks", "kv_cache_memory_bytes", "kv_cache_memory_fraction")

@@ -55,6 +55,12 @@ class EngineStats:
     KV was pulled from a producer does not count unless it was recomputed here)."""
     num_generation_tokens: int
     """Tokens sampled (a producer samples each request's first token)."""
+    quantization: str
+    """How the decoder's linear weights are stored: none, int8, int4, gptq or awq (docs/quantization.md)."""
+    weight_bits: int | None
+    """Bits per quantized weight; None when not quantized."""
+    quantization_group_size: int | None
+    """Input channels sharing one scale; None when not quantized or one scale per output channel (int8)."""
     kv_cache_dtype: str
     """What the KV pool stores: the model's dtype ('float32', 'bfloat16') or 'int8' / 'fp8_e4m3' codes."""
     kv_bytes_per_token: int

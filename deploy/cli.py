@@ -10,6 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
 
+from splitserve.common.config import QUANTIZATION_GROUP_SIZES, QUANTIZATION_METHODS
 from splitserve.common.errors import InvalidRequestError, StartupError, UnsupportedModelError
 
 
@@ -105,6 +106,38 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     group.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     group.add_argument("--num-kv-blocks", type=int, default=None)
+    group.add_argument("--quantization", "-q", default="auto", choices=QUANTIZATION_METHODS,
+                       help="weight-only quantization (docs/quantization.md)")
+
+
+def _add_quantize(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser("quantize", help="write a GPTQ or AWQ checkpoint of a model directory "
+                                                  "(docs/quantization.md)")
+    parser.add_argument("model", help="float model directory, or an embedded model's name (default, ...)")
+    parser.add_argument("out", type=Path, help="output model directory (created; files replaced)")
+    parser.add_argument("--method", choices=("gptq", "awq"), required=True)
+    parser.add_argument("--bits", type=int, choices=(4,), default=4, help="bits per weight (4)")
+    parser.add_argument("--group-size", type=int, choices=QUANTIZATION_GROUP_SIZES, default=128)
+    parser.add_argument("--act-order", action="store_true", help="GPTQ: desc_act (columns by Hessian diagonal)")
+    parser.add_argument("--num-samples", type=int, default=32, help="calibration windows")
+    parser.add_argument("--seq-len", type=int, default=512, help="tokens per calibration window")
+    parser.add_argument("--damp-percent", type=float, default=0.01, help="GPTQ: Hessian damping")
+    parser.add_argument("--calibration-dir", type=Path, default=None,
+                        help="*.py / *.txt files to calibrate on (default: the trained model's training split)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.set_defaults(handler=_quantize)
+
+
+def _quantize(args: argparse.Namespace) -> int:
+    from splitserve.engine.quantization.quantize import QuantizeConfig, quantize_model
+    from splitserve.engine.tiny_model import resolve_model_path
+
+    config = QuantizeConfig(args.method, args.group_size, args.act_order, args.num_samples, args.seq_len,
+                            args.damp_percent, args.seed)
+    out = quantize_model(resolve_model_path(args.model), args.out, config, args.calibration_dir,
+                         show_progress=sys.stderr.isatty())
+    print(f"wrote {out} ({args.method}, {args.bits} bits, group size {args.group_size})")
+    return 0
 
 
 def _host_port(value: str) -> str:
@@ -177,7 +210,8 @@ def _generate_offline(args: argparse.Namespace) -> int:
     check_tokenizer_files(model_dir)  # names the missing file, where transformers would ask for sentencepiece
     llm = LLM(model_dir, show_progress=sys.stderr.isatty(), block_size=args.block_size,
               max_model_len=args.max_model_len, dtype=args.dtype, device=args.device,
-              kv_cache_memory_bytes=args.kv_cache_memory_bytes, num_kv_blocks=args.num_kv_blocks)
+              kv_cache_memory_bytes=args.kv_cache_memory_bytes, num_kv_blocks=args.num_kv_blocks,
+              quantization=args.quantization)
     prompt = args.prompt
     if args.chat:
         messages = [{"role": "user", "content": args.prompt}]
@@ -331,6 +365,10 @@ def _add_model_flags(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--dtype", choices=tuple(VLLM_DTYPES), default=None,
                        help="weights, activations and KV cache dtype; auto takes the model's (float16 is widened "
                             "to float32 on CPU); half = float16, float = float32")
+    group.add_argument("--quantization", "-q", choices=QUANTIZATION_METHODS, default=None,
+                       help="weight-only quantization of both pools: int8 / int4 quantize a float checkpoint at "
+                            "load, gptq / awq load such a checkpoint, auto (default) follows the checkpoint's "
+                            "quantization_config (docs/quantization.md); per pool: --set decode.engine.quantization=int4")
     group.add_argument("--max-model-len", type=human_int, default=None,
                        help="longest prompt + output in tokens (default: the model's max_position_embeddings); "
                             "accepts 32k / 32K")
@@ -404,7 +442,8 @@ _CLUSTER_FLAGS = {"mode": "mode", "prefill_workers": "prefill.replicas", "decode
 _ENGINE_FLAGS = {"max_model_len": "max_model_len", "seed": "seed", "block_size": "block_size",
                  "enable_prefix_caching": "enable_prefix_caching", "kv_cache_memory": "kv_cache_memory_bytes",
                  "max_num_seqs": "max_num_seqs", "max_num_batched_tokens": "max_num_batched_tokens",
-                 "enable_chunked_prefill": "enable_chunked_prefill", "device": "device"}
+                 "enable_chunked_prefill": "enable_chunked_prefill", "device": "device",
+                 "quantization": "quantization"}
 """serve flags -> the EngineConfig field they set in both pools."""
 
 
@@ -544,6 +583,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve(commands)
     _add_config(commands)
     _add_simulate(commands)
+    _add_quantize(commands)
     return parser
 
 

@@ -29,6 +29,7 @@ from splitserve.engine.model_loader import load_hf_config, load_model
 from splitserve.engine.models.layer_ops import select_layer_ops
 from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.outputs import CompletionDelta
+from splitserve.engine.quantization.spec import resolve_quantization
 from splitserve.engine.request import Request, RequestStatus
 from splitserve.engine.sampler import Sampler, SamplingRow
 from splitserve.engine.spec_decode.speculator import Speculator, build_proposer
@@ -89,8 +90,10 @@ class EngineCore:
             torch.set_num_threads(config.num_threads)
         dtype = resolve_dtype(config.dtype, getattr(hf_config, "dtype", None), self.device)
         attention = select_backend(config.attention_backend, self.device.type, config.cpu_kernels, dtype)
-        layer_ops = select_layer_ops(self.device, dtype, config.cpu_kernels)
-        self.model = load_model(model_dir, dtype, self.device, attention, show_progress, layer_ops)
+        self.quantization = resolve_quantization(config.quantization, config.quantization_group_size,
+                                                 getattr(hf_config, "quantization_config", None))
+        self.model = load_model(model_dir, dtype, self.device, attention, show_progress,
+                                select_layer_ops(self.device, dtype, config.cpu_kernels), self.quantization)
         arch = self.model.arch
         self.vocab_size = arch.vocab_size
         self.max_model_len = self._resolve_max_model_len(arch.max_position_embeddings)
@@ -506,6 +509,8 @@ class EngineCore:
             num_preemptions=scheduler.num_preemptions, num_steps=self._num_steps,
             num_prompt_tokens=self._num_prompt_tokens, num_generation_tokens=self._num_generation_tokens,
             kv_cache_dtype=self.kv_cache_dtype, kv_bytes_per_token=self.kv_cache.spec.bytes_per_token,
+            quantization=self.quantization.method, weight_bits=self.quantization.bits,
+            quantization_group_size=self.quantization.group_size,
             spec_decode=None if self.speculator is None else self.speculator.stats())
 
     @property

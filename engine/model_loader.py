@@ -23,6 +23,9 @@ from splitserve.engine.attention import AttentionBackend
 from splitserve.engine.models.llama import LlamaFamilyArch, LlamaFamilyForCausalLM, RotaryEmbedding
 from splitserve.engine.models.layer_ops import LayerOps, TorchLayerOps
 from splitserve.engine.models.packed_linear import can_pack, pack_linears
+from splitserve.engine.quantization.formats import concat_rows
+from splitserve.engine.quantization.loader import install_quantized_linears, unpack_checkpoint
+from splitserve.engine.quantization.spec import NONE, PACKED_METHODS, QuantizationSpec
 
 
 def model_fingerprint(model_dir: Path) -> str:
@@ -116,7 +119,8 @@ def read_checkpoint(model_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def fuse_checkpoint(checkpoint: dict[str, torch.Tensor], arch: LlamaFamilyArch) -> dict[str, torch.Tensor]:
-    """Map HF parameter names onto the fused module's state dict."""
+    """Map HF parameter names onto the fused module's state dict (a projection's weight may be a
+    QuantizedWeight: see engine/quantization/loader.py)."""
     state = {name: checkpoint.pop(name) for name in ("embed_tokens.weight", "norm.weight")}
     lm_head = checkpoint.pop("lm_head.weight", None)
     state["lm_head.weight"] = state["embed_tokens.weight"] if arch.tie_word_embeddings or lm_head is None else lm_head
@@ -133,9 +137,9 @@ def _fuse_layer(checkpoint: dict[str, torch.Tensor], prefix: str, arch: LlamaFam
     state = {
         prefix + "input_layernorm.weight": take("input_layernorm.weight"),
         prefix + "post_attention_layernorm.weight": take("post_attention_layernorm.weight"),
-        attn + "qkv_proj.weight": torch.cat([take(f"self_attn.{p}_proj.weight") for p in "qkv"]),
+        attn + "qkv_proj.weight": concat_rows([take(f"self_attn.{p}_proj.weight") for p in "qkv"]),
         attn + "o_proj.weight": take("self_attn.o_proj.weight"),
-        mlp + "gate_up_proj.weight": torch.cat([take("mlp.gate_proj.weight"), take("mlp.up_proj.weight")]),
+        mlp + "gate_up_proj.weight": concat_rows([take("mlp.gate_proj.weight"), take("mlp.up_proj.weight")]),
         mlp + "down_proj.weight": take("mlp.down_proj.weight"),
     }
     if arch.qkv_bias:
@@ -152,15 +156,21 @@ def _fuse_layer(checkpoint: dict[str, torch.Tensor], prefix: str, arch: LlamaFam
 
 
 def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, backend: AttentionBackend,
-               show_progress: bool = False, ops: LayerOps | None = None) -> LlamaFamilyForCausalLM:
-    """The model in `dtype` on `device`; `ops` defaults to the torch reference ops."""
+               show_progress: bool = False, ops: LayerOps | None = None,
+               quantization: QuantizationSpec = NONE) -> LlamaFamilyForCausalLM:
+    """The model in `dtype` on `device`; `ops` defaults to the torch reference ops; `quantization`
+    (engine/quantization/spec.py) says how the decoder's projections are stored and run."""
     config = load_hf_config(model_dir)
     arch = parse_arch(config)
     rotary = build_rotary(config, arch).to(device)
     with torch.device("meta"):
         model = LlamaFamilyForCausalLM(arch, rotary, backend, ops or TorchLayerOps())
     checkpoint = read_checkpoint(model_dir)
+    if quantization.method in PACKED_METHODS:
+        unpack_checkpoint(checkpoint, quantization)
     state = fuse_checkpoint(checkpoint, arch)
+    if quantization.quantized:
+        install_quantized_linears(model, state, quantization, dtype, device)
     tensors = tqdm(state.items(), desc=f"loading {model_dir.name}", disable=not show_progress, unit="tensor")
     state = {name: tensor.to(device=device, dtype=dtype) for name, tensor in tensors}
     model.load_state_dict(state, strict=True, assign=True)

@@ -42,10 +42,17 @@ class EngineVariant:
     """The engine's C++ CPU kernels (False: the pure-torch reference ops)."""
     kv_cache_dtype: str = "auto"
     """EngineConfig.kv_cache_dtype: auto (KV in `dtype`), int8 or fp8_e4m3 (a quantized KV cache)."""
+    quantization: str = "auto"
+    """EngineConfig.quantization: int8 / int4 quantize the weights at load; auto follows the checkpoint."""
+    quantization_group_size: int = 128
+    """EngineConfig.quantization_group_size (int4)."""
+    model_dir: Path | None = None
+    """Another directory holding the same model (a GPTQ / AWQ checkpoint of it); None: the evaluated one."""
 
     def engine_fields(self, max_model_len: int) -> dict:
         """EngineConfig fields: a KV pool of exactly one window, which is all scoring needs."""
         return dict(dtype=self.dtype, cpu_kernels=self.cpu_kernels, kv_cache_dtype=self.kv_cache_dtype,
+                    quantization=self.quantization, quantization_group_size=self.quantization_group_size,
                     block_size=BLOCK_SIZE,
                     max_model_len=max_model_len, num_kv_blocks=-(-max_model_len // BLOCK_SIZE),
                     enable_prefix_caching=False)
@@ -125,7 +132,7 @@ def evaluate(model_dir: str | Path, variants: list[EngineVariant], windows: torc
     model_dir = Path(model_dir)
     reference_model = _reference(model_dir)
     max_model_len = windows.shape[1] - 1
-    engines = [LLM(model_dir, **variant.engine_fields(max_model_len)) for variant in variants]
+    engines = [LLM(variant.model_dir or model_dir, **variant.engine_fields(max_model_len)) for variant in variants]
     reference_totals, totals = _Totals(), [_Totals() for _ in variants]
     for window in tqdm(windows, desc=f"evaluate {model_dir.name}", disable=not show_progress, unit="window"):
         inputs, targets = window[:-1], window[1:]  # [T] each

@@ -443,6 +443,42 @@ TINY_TRAINING = TrainingConfig(
 """Four steps on TINY_CORPUS: what the training and evaluation tests run."""
 
 
+def write_dequantized_model(model_dir: Path, out_dir: Path, quantization: str, group_size: int = 128) -> Path:
+    """The float32 checkpoint a quantized engine stands for: every projection replaced by its dequantized
+    weight ((code - zero) * scale, as the engine quantizes or unpacks it), no quantization_config.
+    The reference the quantized engine must agree with, runnable by transformers."""
+    import json
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from splitserve.engine.model_loader import load_hf_config, read_checkpoint
+    from splitserve.engine.quantization.formats import QuantizedWeight
+    from splitserve.engine.quantization.loader import quantize_float_weight, unpack_checkpoint
+    from splitserve.engine.quantization.spec import PACKED_METHODS, resolve_quantization
+
+    spec = resolve_quantization(quantization, group_size,
+                                getattr(load_hf_config(model_dir), "quantization_config", None))
+    checkpoint = read_checkpoint(model_dir)  # names without "model."
+    if spec.method in PACKED_METHODS:
+        unpack_checkpoint(checkpoint, spec)
+    tensors = {}
+    for name, tensor in checkpoint.items():
+        if not isinstance(tensor, QuantizedWeight) and "_proj.weight" in name:
+            tensor = quantize_float_weight(tensor, spec)
+        tensor = tensor.dequantize() if isinstance(tensor, QuantizedWeight) else tensor.float()
+        tensors[name if name == "lm_head.weight" else f"model.{name}"] = tensor.contiguous()
+    out_dir.mkdir(parents=True)
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    for path in model_dir.iterdir():
+        if path.is_file() and path.suffix != ".safetensors" and path.name != "config.json":
+            shutil.copy2(path, out_dir / path.name)
+    config = json.loads((model_dir / "config.json").read_text())
+    config.pop("quantization_config", None)
+    (out_dir / "config.json").write_text(json.dumps({**config, "dtype": "float32"}, indent=2))
+    return out_dir
+
+
 # ---- speculative decoding --------------------------------------------------------------------
 import shutil  # noqa: E402
 
