@@ -92,8 +92,8 @@ class EngineCore:
         attention = select_backend(config.attention_backend, self.device.type, config.cpu_kernels, dtype)
         self.quantization = resolve_quantization(config.quantization, config.quantization_group_size,
                                                  getattr(hf_config, "quantization_config", None))
-        self.model = load_model(model_dir, dtype, self.device, attention, show_progress,
-                                select_layer_ops(self.device, dtype, config.cpu_kernels), self.quantization)
+        layer_ops = select_layer_ops(self.device, dtype, config.cpu_kernels)
+        self.model = load_model(model_dir, dtype, self.device, attention, show_progress, layer_ops, self.quantization)
         arch = self.model.arch
         self.vocab_size = arch.vocab_size
         self.max_model_len = self._resolve_max_model_len(arch.max_position_embeddings)
