@@ -39,6 +39,16 @@ def requirements(*groups: str) -> list[Requirement]:
     return [Requirement(text) for text in listed]
 
 
+def test_every_source_package_is_in_the_distribution():
+    """Each folder with an __init__.py under a mapped folder is a listed package mapped to that folder
+    (an unlisted one is importable from the repository but missing from the wheel)."""
+    package_dir = PYPROJECT["tool"]["setuptools"]["package-dir"]
+    top_level = {d.split("/")[0] for d in package_dir.values()}
+    folders = {str(init.parent.relative_to(REPO)) for top in top_level for init in (REPO / top).rglob("__init__.py")}
+    assert folders == set(package_dir.values())
+    assert set(PYPROJECT["tool"]["setuptools"]["packages"]) == set(package_dir)
+
+
 def test_runtime_dependencies_are_ranges_that_admit_the_tested_pins():
     pins = constraint_pins()
     for requirement in requirements():
