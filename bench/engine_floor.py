@@ -153,11 +153,6 @@ def model_linears(llm: LLM) -> tuple[list[PackedLinear], PackedLinear]:
 
 
 # ---- cells ---------------------------------------------------------------------------------------
-def kv_bytes_per_token(llm: LLM) -> int:
-    spec = llm.engine.kv_cache.spec
-    return spec.bytes_per_block // spec.block_size
-
-
 def cell_floors(model: str, dtype: str, measured: dict, part) -> list[Floor]:
     llm = LLM(cached_tiny_model(MODELS[model]), dtype=dtype, **SPLITSERVE_ARGS)
     torch_dtype = getattr(torch, dtype)
@@ -165,7 +160,7 @@ def cell_floors(model: str, dtype: str, measured: dict, part) -> list[Floor]:
     with part(f"{model} {dtype} linear layers"):
         layer_s, head_s = linear_seconds(layers, torch_dtype), linear_seconds([lm_head], torch_dtype)
         bandwidth = statistics.median(memcpy_bandwidth() for _ in range(3))
-    per_token = kv_bytes_per_token(llm)
+    per_token = llm.engine.kv_cache.spec.bytes_per_token
     floors = []
     for name, workload in make_workloads(MODELS[model].vocab_size, 0, quick=False).items():
         shapes = step_shapes(llm, workload)

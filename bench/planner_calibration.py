@@ -453,7 +453,7 @@ def measure_offline(model_dir: Path, cluster_config, sizes: Sizes, vocab_size: i
     decode_shape(decode_engine, 2, 64, 8, vocab_size, rng)  # warm-up
     decode = [decode_shape(decode_engine, batch, prompt, sizes.decode_steps, vocab_size, rng)
               for batch, prompt in DECODE_SHAPES]
-    return Samples(tuple(prefill), tuple(decode)), spec.bytes_per_block // spec.block_size
+    return Samples(tuple(prefill), tuple(decode)), spec.bytes_per_token
 
 
 # ---- the real cluster ------------------------------------------------------------------------
