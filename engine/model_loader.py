@@ -175,7 +175,7 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, backen
     state = {name: tensor.to(device=device, dtype=dtype) for name, tensor in tensors}
     model.load_state_dict(state, strict=True, assign=True)
     if can_pack(dtype, device):
-        pack_linears(model)
+        pack_linears(model, dtype)
     else:
         _use_column_major_weights(model)
     model.rotary = rotary

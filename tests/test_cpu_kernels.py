@@ -1,6 +1,6 @@
 """The CPU fast path against its references: the C++ paged decode and bf16 prefill attention (and the
-split prefill after a prefix) against TorchReferenceAttention, the fused layer ops against TorchLayerOps, oneDNN-packed linears against
-F.linear, and whole-engine greedy output with and without the kernels.
+split prefill after a prefix) against TorchReferenceAttention, the fused layer ops against
+TorchLayerOps, and whole-engine greedy output with and without the kernels.
 
 Tolerances: fp32 results differ from the reference only by summation order (1e-5 absolute on
 O(1) values); bf16 attention computes scores in float32 where the reference rounds them to
@@ -19,7 +19,6 @@ from splitserve.engine.attention import CpuPagedAttention, TorchReferenceAttenti
 from splitserve.engine.attention.base import AttentionMetadata, DecodeBatch, PrefillSpan
 from splitserve.engine.cpu_kernels import load_cpu_kernels
 from splitserve.engine.models.layer_ops import CpuKernelLayerOps, TorchLayerOps
-from splitserve.engine.models.packed_linear import PackedLinear, can_pack
 
 needs_kernels = pytest.mark.skipif(not load_cpu_kernels(), reason="the CPU kernels need a C++ compiler and AVX-512")
 
@@ -187,21 +186,6 @@ def test_rms_norms_equal_the_reference_up_to_summation_order(dtype):
     assert torch.equal(kernel_residual, reference_residual)
     assert torch.equal(kernel_residual, residual + x)
     torch.testing.assert_close(got, expected, **tolerance)
-
-
-@pytest.mark.skipif(not can_pack(torch.bfloat16, torch.device("cpu")), reason="no oneDNN bf16 on this CPU")
-@pytest.mark.parametrize("rows", [1, 3, 64, 129])
-def test_packed_linear_equals_f_linear(rows):
-    generator = torch.Generator().manual_seed(rows)
-    for dtype in (torch.float32, torch.bfloat16):
-        linear = torch.nn.Linear(96, 80, bias=True).to(dtype)
-        x = torch.randn(rows, 96, generator=generator).to(dtype)
-        expected = F.linear(x, linear.weight, linear.bias)
-        got = PackedLinear(linear)(x)
-        if dtype == torch.bfloat16:
-            assert torch.equal(got, expected)
-        else:
-            torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
 @needs_kernels

@@ -6,6 +6,14 @@ the library repacks it into its blocked format each time. Packing once at load w
 for an [4096, 768] weight: bf16 2.5x faster at 1 row, 1.15x at 64 rows, 1.1x at 2048 rows
 (bitwise equal results); fp32 2.6x at 1 row, 1.75x at 64 rows (a different summation order:
 differences of ~1e-6 relative).
+
+A CPU without bf16 instructions (AVX2 machines: no AVX512_BF16 or AMX) has no oneDNN bf16 GEMM,
+and torch's fallback bf16 GEMM runs at a fraction of the fp32 rate (measured on a 2-core AMD EPYC
+with AVX2, [4096, 768] weight, 64 rows: 10-15x slower than the packed fp32 GEMM, and slower still
+on the column-major weights the unpacked path uses). There a bf16 model's weights are *widened*:
+packed once as fp32, the bf16 activations widened on the way in and the product rounded back to
+bf16 on the way out. Both GEMMs accumulate in fp32 and round once, so the results are the bf16
+GEMM's up to summation order (bitwise equal in the tests); the price is twice the weight memory.
 """
 
 from __future__ import annotations
@@ -20,32 +28,43 @@ BATCH_SIZE_HINT = 64
 
 
 def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
-    """oneDNN packing exists for fp32 and (on CPUs with bf16 support) bf16 weights on CPU."""
-    if device.type != "cpu" or dtype not in PACKABLE_DTYPES or not torch.backends.mkldnn.is_available():
-        return False
-    return dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    """oneDNN packing exists for fp32 and bf16 weights on CPU (bf16 natively or widened to fp32)."""
+    return device.type == "cpu" and dtype in PACKABLE_DTYPES and torch.backends.mkldnn.is_available()
+
+
+def packed_compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the packed GEMM runs in for `dtype` weights: bf16 only where oneDNN has bf16 GEMMs."""
+    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return torch.float32
+    return dtype
 
 
 class PackedLinear(nn.Module):
-    """y = x W^T + b with W held only in oneDNN's packed layout (an opaque mkldnn tensor)."""
+    """y = x W^T + b with W held only in oneDNN's packed layout (an opaque mkldnn tensor), in
+    `compute_dtype`; x and y keep the layer's dtype (widened and rounded around the GEMM when the
+    two differ)."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, compute_dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
-        weight = linear.weight.detach().contiguous()  # [out, in]
+        self.compute_dtype = compute_dtype or linear.weight.dtype
+        weight = linear.weight.detach().to(self.compute_dtype).contiguous()  # [out, in]
         self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(weight, BATCH_SIZE_HINT),
                              persistent=False)
-        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().contiguous(),
-                             persistent=False)
+        bias = None if linear.bias is None else linear.bias.detach().to(self.compute_dtype).contiguous()
+        self.register_buffer("bias", bias, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [N, in] -> [N, out]
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed_weight, self.bias, "none", [], "")
+        out = torch.ops.mkldnn._linear_pointwise(x.to(self.compute_dtype).contiguous(), self.packed_weight,
+                                                 self.bias, "none", [], "")
+        return out.to(x.dtype)
 
 
-def pack_linears(model: nn.Module) -> None:
-    """Replace every nn.Linear of `model` by a PackedLinear (in place)."""
+def pack_linears(model: nn.Module, dtype: torch.dtype) -> None:
+    """Replace every nn.Linear of `model` (weights in `dtype`) by a PackedLinear (in place)."""
+    compute_dtype = packed_compute_dtype(dtype)
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
-                setattr(parent, name, PackedLinear(child))
+                setattr(parent, name, PackedLinear(child, compute_dtype))
