@@ -8,10 +8,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from splitserve.engine.models.packed_linear import PackedLinear, can_pack, pack_linears, packed_compute_dtype
+from splitserve.engine.cpu_gemm import cpu_gemm_dtype, has_bf16_gemm
+from splitserve.engine.models.packed_linear import PackedLinear, can_pack, pack_linears
 
 needs_onednn = pytest.mark.skipif(not can_pack(torch.float32, torch.device("cpu")), reason="torch without oneDNN")
-NATIVE_BF16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+NATIVE_BF16 = has_bf16_gemm()
 
 
 def _case(rows: int, dtype: torch.dtype, bias: bool = True) -> tuple[torch.nn.Linear, torch.Tensor]:
@@ -57,8 +58,8 @@ def test_native_bf16_packed_linear_equals_f_linear(rows):
 
 
 def test_bf16_computes_natively_only_where_onednn_has_bf16_gemms():
-    assert packed_compute_dtype(torch.bfloat16) == (torch.bfloat16 if NATIVE_BF16 else torch.float32)
-    assert packed_compute_dtype(torch.float32) == torch.float32
+    assert cpu_gemm_dtype(torch.bfloat16) == (torch.bfloat16 if NATIVE_BF16 else torch.float32)
+    assert cpu_gemm_dtype(torch.float32) == torch.float32
 
 
 @needs_onednn
@@ -69,5 +70,5 @@ def test_pack_linears_replaces_every_linear_and_keeps_the_output():
     expected = model(x)
     pack_linears(model, torch.bfloat16)
     assert [type(m).__name__ for m in model] == ["PackedLinear", "SiLU", "PackedLinear"]
-    assert {m.compute_dtype for m in model if isinstance(m, PackedLinear)} == {packed_compute_dtype(torch.bfloat16)}
+    assert {m.compute_dtype for m in model if isinstance(m, PackedLinear)} == {cpu_gemm_dtype(torch.bfloat16)}
     torch.testing.assert_close(model(x), expected, rtol=2**-7, atol=0)  # at most one bf16 ulp apart

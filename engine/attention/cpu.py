@@ -10,8 +10,9 @@ What differs from the reference, and why (measured on the 2-core AVX-512 machine
   3.6 / 8.5 ms for the matmul path below; docs/performance.md has it within a whole step).
 - Without the kernel (no compiler), decode is attended as grouped matmuls: the G = num_heads /
   num_kv_heads query heads sharing a KV head form the rows of one [G, D] x [D, L] product per
-  (sequence, KV head), in the model's dtype, with the softmax in float32 over an additive padding
-  bias (what Hugging Face's eager attention does), over keys and values gathered head-major.
+  (sequence, KV head), in the model's dtype (fp32 for bf16 on a CPU without bf16 GEMMs,
+  engine/cpu_gemm.py), with the softmax in float32 over an additive padding bias (what Hugging
+  Face's eager attention does), over keys and values gathered head-major.
 - Prefill chunks in bf16 run the C++ kernel of csrc/prefill_attention.cpp: flash-attention style
   tiles on AVX512-BF16 dot instructions, keys and values read from the pool (a cached prefix
   included), causal and sliding-window masks applied per tile. 2047-token prompt, one thread:
@@ -39,6 +40,7 @@ import torch
 
 from splitserve.engine.attention.base import AttentionMetadata, DecodeBatch, PrefillSpan
 from splitserve.engine.attention.torch_ref import TorchReferenceAttention, _cached
+from splitserve.engine.cpu_gemm import cpu_gemm_dtype
 from splitserve.engine.cpu_kernels import load_cpu_kernels
 
 
@@ -100,14 +102,15 @@ class CpuPagedAttention(TorchReferenceAttention):
         num_kv_heads = kv_cache.shape[-2]
         group = num_heads // num_kv_heads
         max_len = decode.block_tables.shape[1] * metadata.block_size
-        keys, values = self._gather_head_major(kv_cache, decode.block_tables, query.dtype)  # [B, Hkv, L, D] each
+        compute = cpu_gemm_dtype(query.dtype)
+        keys, values = self._gather_head_major(kv_cache, decode.block_tables, compute)  # [B, Hkv, L, D] each
         bias = _cached(metadata, ("decode_bias", index, sliding_window),
                        lambda: _decode_bias(decode, max_len, sliding_window))  # [B, 1, 1, L] float32
-        grouped = query.view(batch, num_kv_heads, group, head_dim)  # [B, Hkv, G, D]
+        grouped = query.view(batch, num_kv_heads, group, head_dim).to(compute)  # [B, Hkv, G, D]
         scores = torch.matmul(grouped, keys.transpose(-1, -2)).float()  # [B, Hkv, G, L]
         scores.mul_(head_dim ** -0.5).add_(bias)
-        probs = torch.softmax(scores, dim=-1).to(query.dtype)
-        return torch.matmul(probs, values).view(batch, num_heads, head_dim)  # [B, H, D]
+        probs = torch.softmax(scores, dim=-1).to(query.dtype).to(compute)  # rounded as in the model's dtype
+        return torch.matmul(probs, values).view(batch, num_heads, head_dim).to(query.dtype)  # [B, H, D]
 
     def _gather_head_major(self, kv_cache: torch.Tensor, block_tables: torch.Tensor, dtype: torch.dtype):
         """Keys and values of every position of the tables' blocks as two contiguous [B, Hkv, L, D] of dtype.

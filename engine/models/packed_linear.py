@@ -7,19 +7,17 @@ for an [4096, 768] weight: bf16 2.5x faster at 1 row, 1.15x at 64 rows, 1.1x at 
 (bitwise equal results); fp32 2.6x at 1 row, 1.75x at 64 rows (a different summation order:
 differences of ~1e-6 relative).
 
-A CPU without bf16 instructions (AVX2 machines: no AVX512_BF16 or AMX) has no oneDNN bf16 GEMM,
-and torch's fallback bf16 GEMM runs at a fraction of the fp32 rate (measured on a 2-core AMD EPYC
-with AVX2, [4096, 768] weight, 64 rows: 10-15x slower than the packed fp32 GEMM, and slower still
-on the column-major weights the unpacked path uses). There a bf16 model's weights are *widened*:
-packed once as fp32, the bf16 activations widened on the way in and the product rounded back to
-bf16 on the way out. Both GEMMs accumulate in fp32 and round once, so the results are the bf16
-GEMM's up to summation order (bitwise equal in the tests); the price is twice the weight memory.
+On a CPU without bf16 GEMMs (engine/cpu_gemm.py) a bf16 model's weights are *widened*: packed
+once as fp32, the bf16 activations widened on the way in and the product rounded back to bf16 on
+the way out (results within one bf16 ulp of the bf16 GEMM's; the price is twice the weight memory).
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from splitserve.engine.cpu_gemm import cpu_gemm_dtype
 
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -30,13 +28,6 @@ BATCH_SIZE_HINT = 64
 def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
     """oneDNN packing exists for fp32 and bf16 weights on CPU (bf16 natively or widened to fp32)."""
     return device.type == "cpu" and dtype in PACKABLE_DTYPES and torch.backends.mkldnn.is_available()
-
-
-def packed_compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype the packed GEMM runs in for `dtype` weights: bf16 only where oneDNN has bf16 GEMMs."""
-    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        return torch.float32
-    return dtype
 
 
 class PackedLinear(nn.Module):
@@ -63,7 +54,7 @@ class PackedLinear(nn.Module):
 
 def pack_linears(model: nn.Module, dtype: torch.dtype) -> None:
     """Replace every nn.Linear of `model` (weights in `dtype`) by a PackedLinear (in place)."""
-    compute_dtype = packed_compute_dtype(dtype)
+    compute_dtype = cpu_gemm_dtype(dtype)
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
