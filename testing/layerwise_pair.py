@@ -8,13 +8,14 @@ and READs each announced layer. The consumer runs either inline (the announcer's
 so a layer's READ runs inside the forward, before the next layer is computed: deterministic, for
 tests) or on its own thread fed through a queue (the READs overlap the forward: for bench/).
 
-The consumer pool has the producer's shape; each pulled request gets fresh local blocks (never
-reused within a pair), so a test can compare the pools of two pairs block by block.
+The consumer pool has the producer's shape; pulled requests get local blocks in allocation order
+(0, 1, 2, ...), reused only after forget(), so a test can compare the pools of two pairs block by block.
 """
 
 from __future__ import annotations
 
 import queue
+from collections import deque
 import threading
 import time
 import uuid
@@ -28,7 +29,7 @@ from splitserve.common.kv_transfer_types import TransferParams
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.engine_core import EngineCore
 from splitserve.engine.model_loader import model_fingerprint
-from splitserve.kv_transfer import ConsumerConnector, ProducerConnector, PullOutcome, make_backend
+from splitserve.kv_transfer import ConsumerConnector, ProducerConnector, PullOutcome, PullStatus, make_backend
 from splitserve.prefill_worker.layerwise import LayerwiseAnnouncer, LayerwiseMessage
 
 
@@ -58,20 +59,24 @@ class _Consumer:
         self.backend.register_kv_pool(self.layers, layout)
         self.backend.add_peer(producer_metadata)
         self.pulls = ConsumerConnector(self.backend)
-        self._next_block = 0
+        self.free_blocks: deque[int] = deque(range(num_blocks))
         self.local_block_ids: dict[str, tuple[int, ...]] = {}
         self.done: dict[str, tuple[PullOutcome, float]] = {}
         """request id -> (its outcome, time.perf_counter() when it was seen)."""
 
     def receive(self, message: LayerwiseMessage, layerwise: bool) -> None:
         if isinstance(message, TransferParams):
-            local = tuple(range(self._next_block, self._next_block + len(message.block_ids)))
-            self._next_block += len(local)
+            local = tuple(self.free_blocks.popleft() for _ in message.block_ids)
             self.local_block_ids[message.request_id] = local
             self.pulls.start(message, local, layerwise=layerwise)
         else:
             self.pulls.announce(message)
         self.collect()
+
+    def reading(self) -> bool:
+        """Whether a READ is in flight (a pull AWAITING_LAYER has nothing to poll until its next message)."""
+        return any(self.pulls.status(request_id) in (PullStatus.PULLING, PullStatus.VERIFYING)
+                   for request_id in self.local_block_ids)
 
     def collect(self) -> None:
         now = time.perf_counter()
@@ -133,6 +138,11 @@ class LayerwisePair:
         return PulledPrompt(request_id, first_token_ids, held.block_ids, self.consumer.local_block_ids[request_id],
                             outcome, admitted_at, first_token_at, kv_ready_at)
 
+    def forget(self, pulled: PulledPrompt) -> None:
+        """Give a pulled request's local blocks back (a later pull may overwrite them)."""
+        del self.consumer.local_block_ids[pulled.request_id]
+        self.consumer.free_blocks.extend(pulled.local_block_ids)
+
     def close(self) -> None:
         if self.threaded:
             self._inbox.put(None)
@@ -154,10 +164,11 @@ class LayerwisePair:
             self.consumer.receive(message, self.layerwise)
 
     def _consume(self) -> None:
-        """Consumer thread: handle each message as it comes, poll pulls in flight between messages."""
+        """Consumer thread: handle each message as it comes; while a READ is in flight (NIXL may
+        complete it later), poll it every 0.5 ms between messages."""
         while True:
             try:
-                message = self._inbox.get(timeout=0.0005 if self.consumer.pulls.stats().num_pulling else None)
+                message = self._inbox.get(timeout=0.0005 if self.consumer.reading() else None)
             except queue.Empty:
                 message = _POLL
             if message is None:
