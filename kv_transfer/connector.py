@@ -20,9 +20,11 @@ per range, and checks once after the last:
     PULLING --READ done, all layers---> VERIFYING
     AWAITING_LAYER --TTL--------------> FAILED
 Ordering invariant (asserted in _read_layers): layer l is READ only after l and every layer below
-it were announced. The producer announces a layer after its forward wrote it, so a READ never
-sees a layer the final chunk has not written; the generation check after the last layer proves,
-as for a whole-request pull, that no block was reclaimed meanwhile.
+it were announced. A layer-wise hold snapshots the generations before the final chunk writes the
+blocks: those writes are the only ones not preceded by a bump, and each layer's happen before its
+announcement (the producer never writes a held block afterwards: it does not decode). So a READ
+never sees a layer the final chunk has not written, and the generation check after the last layer
+proves, as for a whole-request pull, that no block was reclaimed meanwhile.
 
 The connectors never touch the engine: they report which requests ended and the worker frees
 or admits blocks. Each side reads only its own injected clock (monotonic by default) and never
