@@ -309,3 +309,16 @@ def _settle_notifications(leases: ProducerConnector) -> list[str]:
             return ended
     raise AssertionError(f"only {ended} were notified")
 
+
+
+def test_a_layerwise_pull_from_an_unknown_producer_fails_at_start(sides):
+    producer, _, consumer, _, _ = sides
+    pulls = ConsumerConnector(consumer, clock=FakeClock(1.0))
+    params = ProducerConnector(producer, TINY_LAYOUT, 30.0).hold("r", REMOTE_IDS, 15, layerwise=True)
+    consumer.remove_peer(producer.agent_name)
+    assert pulls.start(params, LOCAL_IDS, layerwise=True) is PullStatus.FAILED
+    assert not pulls.announce(LayerAnnouncement("r", producer.agent_name, 0))
+    [outcome] = pulls.poll()
+    assert (outcome.state, outcome.error) == (
+        PullStatus.FAILED, f"unknown producer {producer.agent_name!r}: no handshake, or it was removed")
+    assert consumer.reads == []
