@@ -135,6 +135,28 @@ class TransferParams:
 
 
 @dataclass(frozen=True)
+class LayerAnnouncement:
+    """Layer-wise transfer: the producer has written `layer` of a request's held blocks.
+
+    A request held before its final prefill chunk runs (ProducerConnector.hold(..., layerwise=True))
+    is announced layer by layer as that chunk's forward writes it; the consumer READs a layer only
+    once it and every layer below it were announced. Layers of earlier chunks were complete
+    before the hold, so the final chunk's forward is the only thing an announcement waits for.
+    """
+
+    request_id: str
+    producer_id: str
+    """Transfer-agent name of the producer, new on every start: the announcement's epoch (one from a
+    previous incarnation of the producer never matches a pull of the current one)."""
+    layer: int
+    """In [0, num_layers): this layer's keys and values are in place in every held block."""
+
+    def __post_init__(self) -> None:
+        if self.layer < 0:
+            raise ValueError(f"{self.request_id}: layer must be >= 0, got {self.layer}")
+
+
+@dataclass(frozen=True)
 class AgentMetadata:
     """What a worker publishes so peers can read from it (exchanged once per worker pair)."""
 

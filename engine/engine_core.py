@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from tokenizers import Tokenizer
@@ -48,6 +49,29 @@ class HeldKV:
     """Prompt tokens whose KV the blocks hold."""
     generator_state: bytes | None
     """RNG state after the first sample (seeded requests), so the consumer continues the stream."""
+
+
+@dataclass(frozen=True)
+class FinalPrefillChunk:
+    """Producer role: a held prompt whose final prefill chunk the coming forward computes."""
+
+    request_id: str
+    block_ids: tuple[int, ...]
+    """The blocks it will hold (HeldKV.block_ids once its first token is sampled, unless it stops there)."""
+    num_tokens: int
+    """Prompt tokens whose KV the blocks hold once the forward ends."""
+
+
+class PrefillLayerListener(Protocol):
+    """Producer role, layer-wise transfer (EngineCore.set_layer_listener): follows the forwards
+    that finish held prompts, layer by layer. Both calls run on the engine's thread inside step()."""
+
+    def final_chunks_starting(self, chunks: tuple[FinalPrefillChunk, ...]) -> None:
+        """The coming forward computes these prompts' final chunks (their blocks are allocated and
+        stay allocated at least until step() returns)."""
+
+    def layer_written(self, layer: int) -> None:
+        """The forward wrote layer `layer` of every chunk of the step (layers come in order 0, 1, ...)."""
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -123,6 +147,7 @@ class EngineCore:
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._pending: list[CompletionDelta] = []
         self._held: dict[str, HeldKV] = {}
+        self._layer_listener: PrefillLayerListener | None = None
         self._kv_events = KVEventLog()
         self._step_costs = StepCosts()
         self._arrivals = 0
@@ -213,6 +238,16 @@ class EngineCore:
         """Producer role: the held blocks of a request that finished as 'prefilled'."""
         return self._held.get(request_id)
 
+    def set_layer_listener(self, listener: PrefillLayerListener | None) -> None:
+        """Producer role: follow every forward that finishes held prompts layer by layer (None: stop).
+
+        CPU only: a CUDA forward's host loop runs ahead of its kernels, so announcing a layer would
+        need an event per layer recorded on the stream and waited for (not built)."""
+        if listener is not None and self.device.type != "cpu":
+            raise ValueError(f"layer-wise transfer runs on CPU engines only (this one is on {self.device}): "
+                             "a CUDA forward would need an event per layer before a layer is announced")
+        self._layer_listener = listener
+
     def release_held_kv(self, request_id: str) -> bool:
         """Free a prefilled request's blocks (after the consumer's pull, a lease expiry or a cancel)."""
         if self._held.pop(request_id, None) is None:
@@ -300,7 +335,7 @@ class EngineCore:
         started = time.perf_counter()
         # structured-output rows' masks are filled while the model runs (matchers are not touched until .result())
         masks = self.grammars.start_bitmask([c.request_id for c in output.chunks if c.samples])
-        logits = self.runner.execute(output)
+        logits = self.runner.execute(output, self._layer_hook(output))
         deltas, self._pending = self._pending, []
         self.scheduler.advance(output)
         sampling = [c for c in output.chunks if c.samples]
@@ -312,6 +347,25 @@ class EngineCore:
             self.speculator.propose(self.scheduler.running)
         self._publish_kv_events()
         return deltas
+
+    def _layer_hook(self, output: SchedulerOutput) -> Callable[[int], None] | None:
+        """With a layer listener and held prompts finishing in this step: tell it which, and hand its
+        per-layer call to the forward; otherwise None (the forward runs without a hook)."""
+        if self._layer_listener is None:
+            return None
+        requests = self.scheduler.requests
+        # A held prompt samples only in its final chunk, and it stops holding at that sample.
+        final = tuple(self._final_chunk(requests[c.request_id]) for c in output.chunks
+                      if c.samples and requests[c.request_id].hold_kv_after_prefill)
+        if not final:
+            return None
+        self._layer_listener.final_chunks_starting(final)
+        return self._layer_listener.layer_written
+
+    def _final_chunk(self, request: Request) -> FinalPrefillChunk:
+        """What _hold will record for this request after its first sample."""
+        return FinalPrefillChunk(request.request_id, tuple(self.block_manager.block_table(request.request_id)),
+                                 request.num_prompt_tokens)
 
     def _sample(self, logits: torch.Tensor, chunks: list[ScheduledChunk],
                 allowed: TokenBitmask | None) -> list[VerifiedRun]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -170,14 +171,16 @@ class ModelRunner:
         self.graphs = graphs
 
     @torch.inference_mode()
-    def execute(self, output: SchedulerOutput) -> torch.Tensor:
+    def execute(self, output: SchedulerOutput, on_layer: Callable[[int], None] | None = None) -> torch.Tensor:
         """Logits [R, vocab] (float32) in chunk order: one row per sampling chunk, 1 + num_spec_tokens
         rows (last token, then each draft) for a speculating one (never a captured graph: it takes
-        one-token decodes only)."""
-        if self.graphs is not None and self.graphs.can_run(output):
+        one-token decodes only). on_layer(l) runs after layer l of the forward (eager steps only: a
+        step with a hook is never replayed from a graph)."""
+        if on_layer is None and self.graphs is not None and self.graphs.can_run(output):
             return self.graphs.execute(output)
         model_input = self.inputs.build(output)
-        return self.model.compute_logits(self._forward(model_input)[model_input.logits_indices]).float()
+        hidden = self._forward(model_input, on_layer)  # [T, hidden]
+        return self.model.compute_logits(hidden[model_input.logits_indices]).float()
 
     @torch.inference_mode()
     def execute_all_positions(self, output: SchedulerOutput) -> torch.Tensor:
@@ -185,6 +188,6 @@ class ModelRunner:
         what scoring a prompt needs."""
         return self.model.compute_logits(self._forward(self.inputs.build(output))).float()
 
-    def _forward(self, model_input: ModelInput) -> torch.Tensor:
+    def _forward(self, model_input: ModelInput, on_layer: Callable[[int], None] | None = None) -> torch.Tensor:
         return self.model(model_input.input_ids, model_input.positions, self.kv_cache.layers,
-                          model_input.metadata)  # [T, hidden]
+                          model_input.metadata, on_layer)  # [T, hidden]

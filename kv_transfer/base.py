@@ -66,9 +66,12 @@ class TransferBackend(ABC):
         """Whether add_peer accepted this agent and it was not removed since."""
 
     @abstractmethod
-    def start_pull(self, params: TransferParams, local_block_ids: tuple[int, ...]) -> PullHandle:
+    def start_pull(self, params: TransferParams, local_block_ids: tuple[int, ...],
+                   layers: range | None = None) -> PullHandle:
         """Start the data READ of params.block_ids (remote) into local_block_ids (same order, same
-        count). It notifies nobody: the check READ does (start_check).
+        count): of the layers in `layers` (consecutive, inside [0, num_layers)), or of every layer
+        when None (a layer-wise pull posts one READ per announced layer range). It notifies nobody:
+        the check READ does (start_check).
 
         KVTransferError when the pull cannot be set up (unknown or removed peer, a layout other
         than the handshake's, remote ids outside the producer's pool, a dead producer);
@@ -156,6 +159,16 @@ def check_layouts_match(ours: KVLayout, theirs: KVLayout, peer_name: str) -> Non
     if differences:
         raise KVLayoutMismatchError(f"refusing to pull from {peer_name!r}: KV layouts differ "
                                     f"(ours != theirs): {'; '.join(differences)}")
+
+
+def pull_layers(layers: range | None, num_layers: int) -> range:
+    """The layers one data READ covers: `layers`, or all of them for None; ValueError unless it is a
+    non-empty range of consecutive layers inside [0, num_layers) (the caller's bug)."""
+    if layers is None:
+        return range(num_layers)
+    if layers.step != 1 or not 0 <= layers.start < layers.stop <= num_layers:
+        raise ValueError(f"a READ covers a non-empty range of consecutive layers in [0, {num_layers}), got {layers}")
+    return layers
 
 
 def check_pull_blocks(params: TransferParams, local_block_ids: tuple[int, ...], num_local_blocks: int,

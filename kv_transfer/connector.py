@@ -11,6 +11,20 @@ Consumer (decode worker), one pull per request:
     VERIFYING --match-----> DONE       (every generation read equals the snapshot)
     PULLING | VERIFYING --> FAILED     (generations changed, a READ failed, or still pending
                                         lease_ttl_s after start on the consumer's clock)
+A layer-wise pull (start(..., layerwise=True)) reads its layers in announced ranges, one data READ
+per range, and checks once after the last:
+    WAITING --start-------------------> AWAITING_LAYER  (no layer announced yet)
+    AWAITING_LAYER --announcement-----> PULLING         (READ of the announced layers not yet read)
+    PULLING --READ done, next ready---> PULLING         (READ of the layers announced meanwhile)
+    PULLING --READ done, none ready---> AWAITING_LAYER
+    PULLING --READ done, all layers---> VERIFYING
+    AWAITING_LAYER --TTL--------------> FAILED
+Ordering invariant (asserted in _read_layers): layer l is READ only after l and every layer below
+it were announced. A layer-wise hold snapshots the generations before the final chunk writes the
+blocks: those writes are the only ones not preceded by a bump, and each layer's happen before its
+announcement (the producer never writes a held block afterwards: it does not decode). So a READ
+never sees a layer the final chunk has not written, and the generation check after the last layer
+proves, as for a whole-request pull, that no block was reclaimed meanwhile.
 
 The connectors never touch the engine: they report which requests ended and the worker frees
 or admits blocks. Each side reads only its own injected clock (monotonic by default) and never
@@ -47,9 +61,9 @@ import enum
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from splitserve.common.kv_transfer_types import KVLayout, TransferParams
+from splitserve.common.kv_transfer_types import KVLayout, LayerAnnouncement, TransferParams
 from splitserve.kv_transfer.base import KVTransferError, PullHandle, PullState, TransferBackend
 
 Clock = Callable[[], float]
@@ -70,6 +84,8 @@ class LeaseState(enum.Enum):
 
 class PullStatus(enum.Enum):
     WAITING = "waiting"
+    AWAITING_LAYER = "awaiting_layer"
+    """Layer-wise only: no READ in flight, layers remain, the next one is not announced yet."""
     PULLING = "pulling"
     VERIFYING = "verifying"
     DONE = "done"
@@ -77,8 +93,10 @@ class PullStatus(enum.Enum):
 
 
 _LEASE_EDGES = {LeaseState.HELD: {LeaseState.PULLED, LeaseState.FREED, LeaseState.EXPIRED}}
-_PULL_EDGES = {PullStatus.WAITING: {PullStatus.PULLING, PullStatus.FAILED},
-               PullStatus.PULLING: {PullStatus.VERIFYING, PullStatus.FAILED},
+_PULL_EDGES = {PullStatus.WAITING: {PullStatus.PULLING, PullStatus.AWAITING_LAYER, PullStatus.FAILED},
+               PullStatus.AWAITING_LAYER: {PullStatus.PULLING, PullStatus.FAILED},
+               PullStatus.PULLING: {PullStatus.PULLING, PullStatus.AWAITING_LAYER, PullStatus.VERIFYING,
+                                    PullStatus.FAILED},
                PullStatus.VERIFYING: {PullStatus.DONE, PullStatus.FAILED}}
 
 
@@ -117,6 +135,9 @@ class _Lease:
     block_ids: tuple[int, ...]
     expires_at: float
     """On the producer's clock only (never sent: the consumer gets lease_ttl_s)."""
+    layers_written: int
+    """Layers [0, layers_written) of the blocks are written: all of them for a whole-request hold;
+    a layer-wise hold starts at 0 and announce() counts up."""
     state: LeaseState = LeaseState.HELD
 
     def advance(self, new: LeaseState) -> None:
@@ -146,15 +167,20 @@ class ProducerConnector:
         self._ended: Counter[LeaseState] = Counter()
         self._late = 0
 
-    def hold(self, request_id: str, block_ids: Iterable[int], num_tokens: int) -> TransferParams:
-        """HELD for lease_ttl_s from now on clock(); the blocks must cover num_tokens (0 < n <= blocks * block_size)."""
+    def hold(self, request_id: str, block_ids: Iterable[int], num_tokens: int,
+             layerwise: bool = False) -> TransferParams:
+        """HELD for lease_ttl_s from now on clock(); the blocks must cover num_tokens (0 < n <= blocks * block_size).
+
+        layerwise: the blocks' final prefill chunk is about to run; announce() each layer once the
+        forward wrote it (the consumer READs only announced layers). Otherwise every layer is written."""
         if request_id in self._leases:
             raise InvalidTransitionError(f"request {request_id!r}: no transition HELD -> HELD")
         block_ids = tuple(block_ids)
         if not 0 < num_tokens <= len(block_ids) * self._layout.block_size:
             raise ValueError(f"request {request_id!r}: {len(block_ids)} blocks of {self._layout.block_size} "
                              f"tokens cannot hold {num_tokens} tokens")
-        self._leases[request_id] = _Lease(request_id, block_ids, self._clock() + self._ttl)
+        self._leases[request_id] = _Lease(request_id, block_ids, self._clock() + self._ttl,
+                                          0 if layerwise else self._layout.num_layers)
         self._holders.update(block_ids)
         return TransferParams(request_id, self._backend.agent_name, block_ids, num_tokens, self._layout, self._ttl,
                               self._backend.generations(block_ids))
@@ -168,6 +194,20 @@ class ProducerConnector:
         now = self._clock()
         expired = [lease.request_id for lease in self._leases.values() if now > lease.expires_at]
         return ended + [self._end(request_id, LeaseState.EXPIRED) for request_id in expired]
+
+    def announce(self, request_id: str, layer: int) -> LayerAnnouncement:
+        """Layer `layer` of a layer-wise lease is written: the announcement to deliver to the consumer.
+
+        Invariant: a lease's layers are announced in order, each once, while it is HELD
+        (InvalidTransitionError otherwise: the forward runs its layers in order)."""
+        lease = self._leases.get(request_id)
+        if lease is None:
+            raise InvalidTransitionError(f"request {request_id!r}: no HELD lease to announce layer {layer} of")
+        if layer != lease.layers_written or layer >= self._layout.num_layers:
+            raise InvalidTransitionError(f"request {request_id!r}: layer {layer} announced after layers "
+                                         f"[0, {lease.layers_written}) of {self._layout.num_layers}")
+        lease.layers_written += 1
+        return LayerAnnouncement(request_id, self._backend.agent_name, layer)
 
     def release(self, request_id: str) -> bool:
         """Cancel (HELD -> FREED): the caller frees the blocks once this returns. False if it holds no lease."""
@@ -228,6 +268,8 @@ class ConsumerStats:
     num_failed: int
     num_aborted: int
     bytes_pulled: int
+    num_unmatched_announcements: int = 0
+    """Since start: layer announcements no layer-wise pull in flight was waiting for (see announce())."""
 
 
 @dataclass
@@ -235,11 +277,31 @@ class _Pull:
     params: TransferParams
     local_block_ids: tuple[int, ...]
     started_at: float
+    layerwise: bool
+    ready: int
+    """Layers [0, ready) are announced (all of them for a whole-request pull)."""
     status: PullStatus = PullStatus.WAITING
     handle: PullHandle | None = None
     """The READ in flight: the data READ while PULLING, the check READ while VERIFYING; None otherwise."""
+    layers_read: int = 0
+    """Layers [0, layers_read) are READ or being READ; layers_read <= ready."""
+    announced_above: set[int] = field(default_factory=set)
+    """Layers announced out of order (each > ready): they join `ready` once the gap below them fills."""
     error: str | None = None
     finished_at: float | None = None
+
+    def note_announced(self, layer: int) -> bool:
+        """Record an announced layer; False if it was announced before."""
+        if not 0 <= layer < self.params.layout.num_layers:
+            raise ValueError(f"request {self.params.request_id!r}: layer {layer} outside "
+                             f"[0, {self.params.layout.num_layers})")
+        if layer < self.ready or layer in self.announced_above:
+            return False
+        self.announced_above.add(layer)
+        while self.ready in self.announced_above:
+            self.announced_above.remove(self.ready)
+            self.ready += 1
+        return True
 
     def advance(self, new: PullStatus, now: float | None = None, error: str | None = None) -> None:
         _check_edge(_PULL_EDGES, self.status, new, self.params.request_id)
@@ -266,10 +328,14 @@ class ConsumerConnector:
         self._clock = clock
         self._pulls: dict[str, _Pull] = {}
         """Started and not yet reported, in start order."""
-        self._done = self._failed = self._aborted = self._bytes = 0
+        self._done = self._failed = self._aborted = self._bytes = self._unmatched = 0
 
-    def start(self, params: TransferParams, local_block_ids: Iterable[int]) -> PullStatus:
-        """WAITING -> PULLING (or further already, for backends that finish or refuse at once)."""
+    def start(self, params: TransferParams, local_block_ids: Iterable[int], layerwise: bool = False) -> PullStatus:
+        """WAITING -> PULLING (or further already, for backends that finish or refuse at once).
+
+        layerwise: the producer announces the layers (announce()); until the first one it is
+        AWAITING_LAYER. Deliver a request's TransferParams (this call) before its announcements:
+        an announcement for a pull not started is dropped."""
         if params.request_id in self._pulls:
             raise InvalidTransitionError(f"request {params.request_id!r} is already pulling")
         local_block_ids = tuple(local_block_ids)
@@ -277,27 +343,41 @@ class ConsumerConnector:
             raise ValueError(f"request {params.request_id!r}: {len(local_block_ids)} local blocks for "
                              f"{len(params.block_ids)} remote blocks")
         now = self._clock()
-        pull = _Pull(params, local_block_ids, now)
+        pull = _Pull(params, local_block_ids, now, layerwise, 0 if layerwise else params.layout.num_layers)
         refusal = self._refusal(params)
-        if refusal is None:
-            try:
-                pull.handle = self._backend.start_pull(params, local_block_ids)
-            except KVTransferError as error:
-                refusal = str(error)
-        self._pulls[params.request_id] = pull  # not before: a caller bug raised above leaves no trace
+        self._pulls[params.request_id] = pull
         if refusal is not None:
             pull.advance(PullStatus.FAILED, now, refusal)
             return pull.status
-        pull.advance(PullStatus.PULLING)
-        self._progress(pull)  # a CPU/in-process READ is usually complete inside its start call
+        try:
+            self._read_ready_layers(pull, now)  # a CPU/in-process READ is usually complete inside its start call
+        except ValueError:  # a caller bug (local ids outside the pool) leaves no trace
+            del self._pulls[params.request_id]
+            raise
         return pull.status
+
+    def announce(self, announcement: LayerAnnouncement) -> bool:
+        """A layer of a layer-wise pull is written on the producer: READ every layer now ready.
+
+        False (counted in stats) for an announcement no layer-wise pull in flight waits for: an
+        unknown, aborted or ended request, a whole-request pull, another producer incarnation
+        (producer_id is the epoch), or a layer announced before. ValueError for a layer outside
+        the layout."""
+        pull = self._pulls.get(announcement.request_id)
+        if (pull is None or not pull.layerwise or pull.params.producer_id != announcement.producer_id
+                or pull.status in (PullStatus.DONE, PullStatus.FAILED) or not pull.note_announced(announcement.layer)):
+            self._unmatched += 1
+            return False
+        if pull.status is PullStatus.AWAITING_LAYER:
+            self._read_ready_layers(pull, self._clock())
+        return True  # a READ in flight: the newly ready layers follow once it completes (poll)
 
     def poll(self) -> list[PullOutcome]:
         """Pulls that ended since the last poll, in start order; a pull still pending lease_ttl_s
         after its start is abandoned (released) and FAILED, so no pull waits forever."""
         outcomes = []
         for pull in list(self._pulls.values()):
-            if pull.status in (PullStatus.PULLING, PullStatus.VERIFYING):
+            if pull.status in (PullStatus.AWAITING_LAYER, PullStatus.PULLING, PullStatus.VERIFYING):
                 self._progress(pull)
             if pull.status in (PullStatus.DONE, PullStatus.FAILED):
                 outcomes.append(self._report(pull))
@@ -320,7 +400,7 @@ class ConsumerConnector:
         return pull.status if pull is not None else None
 
     def stats(self) -> ConsumerStats:
-        return ConsumerStats(len(self._pulls), self._done, self._failed, self._aborted, self._bytes)
+        return ConsumerStats(len(self._pulls), self._done, self._failed, self._aborted, self._bytes, self._unmatched)
 
     def _refusal(self, params: TransferParams) -> str | None:
         if not self._backend.has_peer(params.producer_id):
@@ -328,26 +408,58 @@ class ConsumerConnector:
         return None
 
     def _progress(self, pull: _Pull) -> None:
-        """Move a PULLING or VERIFYING pull on as far as its READ allows."""
+        """Move an AWAITING_LAYER, PULLING or VERIFYING pull on as far as its READ allows."""
+        if pull.status is PullStatus.AWAITING_LAYER:
+            self._check_patience(pull, self._clock())
+            return
         state = self._backend.poll_pull(pull.handle)
         now = self._clock()
         if state is PullState.FAILED:
             error = pull.handle.error or "the transfer backend reported a failed pull"
             self._finish(pull, PullStatus.FAILED, now, error)
         elif state is PullState.PENDING:
-            if now - pull.started_at > pull.params.lease_ttl_s:
-                self._finish(pull, PullStatus.FAILED, now, PULL_TIMEOUT_ERROR.format(ttl=pull.params.lease_ttl_s))
+            self._check_patience(pull, now)
         elif pull.status is PullStatus.PULLING:
-            self._start_check(pull, now)
+            self._backend.release_pull(pull.handle)
+            pull.handle = None
+            self._read_ready_layers(pull, now)
         elif self._backend.checked_generations(pull.local_block_ids) == pull.params.block_generations:
             self._finish(pull, PullStatus.DONE, now)
         else:
             self._finish(pull, PullStatus.FAILED, now, RECLAIMED_ERROR)
 
+    def _check_patience(self, pull: _Pull, now: float) -> None:
+        """FAILED once a pull is still unfinished lease_ttl_s after its start (consumer's clock)."""
+        if now - pull.started_at > pull.params.lease_ttl_s:
+            self._finish(pull, PullStatus.FAILED, now, PULL_TIMEOUT_ERROR.format(ttl=pull.params.lease_ttl_s))
+
+    def _read_ready_layers(self, pull: _Pull, now: float) -> None:
+        """No READ in flight: READ the announced layers not yet read, else wait for the next
+        announcement, else (every layer read) start the check."""
+        if pull.layers_read == pull.params.layout.num_layers:
+            self._start_check(pull, now)
+        elif pull.ready > pull.layers_read:
+            self._read_layers(pull, range(pull.layers_read, pull.ready), now)
+        elif pull.status is not PullStatus.AWAITING_LAYER:
+            pull.advance(PullStatus.AWAITING_LAYER)
+
+    def _read_layers(self, pull: _Pull, layers: range, now: float) -> None:
+        """Post the data READ of `layers` (-> PULLING). The ordering invariant is checked here."""
+        if layers.start != pull.layers_read or layers.stop > pull.ready:
+            raise InvalidTransitionError(f"request {pull.params.request_id!r}: READ of layers [{layers.start}, "
+                                         f"{layers.stop}) with [0, {pull.layers_read}) read and [0, {pull.ready}) "
+                                         f"announced")
+        try:
+            pull.handle = self._backend.start_pull(pull.params, pull.local_block_ids, layers)
+        except KVTransferError as error:
+            pull.advance(PullStatus.FAILED, now, str(error))
+            return
+        pull.layers_read = layers.stop
+        pull.advance(PullStatus.PULLING)
+        self._progress(pull)
+
     def _start_check(self, pull: _Pull, now: float) -> None:
-        """PULLING -> VERIFYING: the data READ completed, so the check READ may start."""
-        self._backend.release_pull(pull.handle)
-        pull.handle = None
+        """PULLING -> VERIFYING: every data READ completed, so the check READ may start."""
         try:
             pull.handle = self._backend.start_check(pull.params, pull.local_block_ids)
         except KVTransferError as error:
@@ -357,7 +469,8 @@ class ConsumerConnector:
         self._progress(pull)
 
     def _finish(self, pull: _Pull, status: PullStatus, now: float, error: str | None = None) -> None:
-        self._backend.release_pull(pull.handle)
+        if pull.handle is not None:
+            self._backend.release_pull(pull.handle)
         pull.handle = None
         pull.advance(status, now, error)
 

@@ -21,7 +21,7 @@ import torch
 from splitserve.common.kv_transfer_types import AgentMetadata, KVLayout, TransferParams
 from splitserve.kv_transfer.base import (GENERATIONS, SCRATCH, KVTransferError, PullHandle, PullState,
                                          TransferBackend, bump_generation_words, check_kv_pool, check_layouts_match,
-                                         check_pull_blocks, new_generation_words, read_generation_words)
+                                         check_pull_blocks, new_generation_words, pull_layers, read_generation_words)
 
 
 @dataclass
@@ -46,12 +46,14 @@ _REGISTRY: dict[str, _Endpoint] = {}
 
 
 class _InProcessPull(PullHandle):
-    """One READ: of the blocks' data (check=False) or of their generation words (check=True)."""
+    """One READ: of the blocks' data in `layers` (check=False) or of their generation words (check=True)."""
 
-    def __init__(self, params: TransferParams, local_block_ids: tuple[int, ...], check: bool) -> None:
+    def __init__(self, params: TransferParams, local_block_ids: tuple[int, ...], check: bool,
+                 layers: range) -> None:
         self.params = params
         self.local_block_ids = local_block_ids
         self.check = check
+        self.layers = layers
         self.state = PullState.PENDING
 
     def fail(self, error: str) -> None:
@@ -121,11 +123,12 @@ class InProcessBackend(TransferBackend):
     def has_peer(self, agent_name: str) -> bool:
         return agent_name in self._peers
 
-    def start_pull(self, params: TransferParams, local_block_ids: tuple[int, ...]) -> PullHandle:
-        return self._start(params, local_block_ids, check=False)
+    def start_pull(self, params: TransferParams, local_block_ids: tuple[int, ...],
+                   layers: range | None = None) -> PullHandle:
+        return self._start(params, local_block_ids, False, pull_layers(layers, params.layout.num_layers))
 
     def start_check(self, params: TransferParams, local_block_ids: tuple[int, ...]) -> PullHandle:
-        return self._start(params, local_block_ids, check=True)
+        return self._start(params, local_block_ids, True, range(0))
 
     def checked_generations(self, local_block_ids: tuple[int, ...]) -> tuple[int, ...]:
         return read_generation_words(self._own().words, SCRATCH, local_block_ids)
@@ -170,11 +173,12 @@ class InProcessBackend(TransferBackend):
             raise KVTransferError(f"peer {params.producer_id!r} has closed")
         return remote
 
-    def _start(self, params: TransferParams, local_block_ids: tuple[int, ...], check: bool) -> _InProcessPull:
+    def _start(self, params: TransferParams, local_block_ids: tuple[int, ...], check: bool,
+               layers: range) -> _InProcessPull:
         own = self._own()
         remote = self._remote(params)
         check_pull_blocks(params, tuple(local_block_ids), own.num_blocks, remote.num_blocks)
-        pull = _InProcessPull(params, tuple(local_block_ids), check)
+        pull = _InProcessPull(params, tuple(local_block_ids), check, layers)
         if self._defer:
             self._pending.append(pull)
         else:
@@ -192,7 +196,9 @@ class InProcessBackend(TransferBackend):
             self._fail_next -= 1
             pull.fail("injected failure (InProcessBackend.fail_next_pulls)")
         else:
-            _copy_blocks(remote.layers, pull.params.block_ids, self._own().layers, pull.local_block_ids)
+            layers = pull.layers
+            _copy_blocks(remote.layers[layers.start:layers.stop], pull.params.block_ids,
+                         self._own().layers[layers.start:layers.stop], pull.local_block_ids)
             pull.state = PullState.DONE
 
     def _complete_check(self, pull: _InProcessPull, remote: _Endpoint) -> None:

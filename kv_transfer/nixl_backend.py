@@ -50,7 +50,7 @@ from splitserve.common.kv_transfer_types import AgentMetadata, KVLayout, Transfe
 from splitserve.kv_transfer.base import (GENERATIONS, SCRATCH, KVTransferError, PullHandle,  # noqa: E402
                                          PullState, TransferBackend, bump_generation_words, check_kv_pool,
                                          check_layouts_match, check_pull_blocks, memory_kind,
-                                         new_generation_words, read_generation_words)
+                                         new_generation_words, pull_layers, read_generation_words)
 
 _LOCAL = "NIXL_INIT_AGENT"
 """prep_xfer_dlist's name for the initiator's own descriptors."""
@@ -144,11 +144,11 @@ def _word_descriptors(base_addr: int, num_blocks: int) -> np.ndarray:
     return descs
 
 
-def _descriptor_indices(block_ids: tuple[int, ...], num_layers: int, num_blocks: int) -> np.ndarray:
-    """[num_layers * len(block_ids)] int64: element l * len(block_ids) + i is descriptor
-    l * num_blocks + block_ids[i] (layer-major, so local and remote lists pair up)."""
-    layers = np.arange(num_layers, dtype=np.int64)[:, None] * num_blocks  # [num_layers, 1]
-    return (layers + np.asarray(block_ids, dtype=np.int64)[None, :]).ravel()
+def _descriptor_indices(block_ids: tuple[int, ...], layers: range, num_blocks: int) -> np.ndarray:
+    """[len(layers) * len(block_ids)] int64: element j * len(block_ids) + i is descriptor
+    layers[j] * num_blocks + block_ids[i] (layer-major, so local and remote lists pair up)."""
+    rows = np.arange(layers.start, layers.stop, dtype=np.int64)[:, None] * num_blocks  # [len(layers), 1]
+    return (rows + np.asarray(block_ids, dtype=np.int64)[None, :]).ravel()
 
 
 @contextmanager
@@ -277,12 +277,13 @@ class NixlBackend(TransferBackend):
     def has_peer(self, agent_name: str) -> bool:
         return agent_name in self._peers
 
-    def start_pull(self, params: TransferParams, local_block_ids: tuple[int, ...]) -> PullHandle:
-        """The data READ: every layer of every block, one READ, no notification."""
+    def start_pull(self, params: TransferParams, local_block_ids: tuple[int, ...],
+                   layers: range | None = None) -> PullHandle:
+        """The data READ: the given layers (default: every layer) of every block, one READ, no notification."""
         pool, peer = self._pull_sides(params, local_block_ids)
-        num_layers = pool.layout.num_layers
-        local = _descriptor_indices(tuple(local_block_ids), num_layers, pool.info.num_blocks)
-        remote = _descriptor_indices(params.block_ids, num_layers, peer.num_blocks)
+        layers = pull_layers(layers, pool.layout.num_layers)
+        local = _descriptor_indices(tuple(local_block_ids), layers, pool.info.num_blocks)
+        remote = _descriptor_indices(params.block_ids, layers, peer.num_blocks)
         return self._post_read(f"the READ from {peer.name!r}", params.request_id, peer, pool.dlist, local,
                                peer.dlist, remote, b"")
 

@@ -563,15 +563,15 @@ def test_invalid_transitions_raise(producer, consumer, clock):
     with pytest.raises(InvalidTransitionError, match="'req-1' is already pulling"):
         pulls.start(params, LOCAL_IDS)
     with pytest.raises(InvalidTransitionError, match="no transition EXPIRED -> PULLED"):
-        _Lease("r", (1,), 0.0, LeaseState.EXPIRED).advance(LeaseState.PULLED)
+        _Lease("r", (1,), 0.0, 3, LeaseState.EXPIRED).advance(LeaseState.PULLED)
     with pytest.raises(InvalidTransitionError, match="no transition WAITING -> DONE"):
-        _Pull(params, LOCAL_IDS, 0.0).advance(PullStatus.DONE, 1.0)
+        _Pull(params, LOCAL_IDS, 0.0, False, 3).advance(PullStatus.DONE, 1.0)
     with pytest.raises(InvalidTransitionError, match="no transition DONE -> PULLING"):
-        _Pull(params, LOCAL_IDS, 0.0, status=PullStatus.DONE).advance(PullStatus.PULLING)
+        _Pull(params, LOCAL_IDS, 0.0, False, 3, status=PullStatus.DONE).advance(PullStatus.PULLING)
     with pytest.raises(InvalidTransitionError, match="no transition PULLING -> DONE"):
-        _Pull(params, LOCAL_IDS, 0.0, status=PullStatus.PULLING).advance(PullStatus.DONE, 1.0)
+        _Pull(params, LOCAL_IDS, 0.0, False, 3, status=PullStatus.PULLING).advance(PullStatus.DONE, 1.0)
     with pytest.raises(InvalidTransitionError, match="no transition WAITING -> VERIFYING"):
-        _Pull(params, LOCAL_IDS, 0.0).advance(PullStatus.VERIFYING)
+        _Pull(params, LOCAL_IDS, 0.0, False, 3).advance(PullStatus.VERIFYING)
 
 
 def test_layout_mismatch_names_every_field(make_side, producer):

@@ -7,6 +7,7 @@ transformers op for op so greedy outputs agree token for token.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -146,11 +147,16 @@ class LlamaFamilyForCausalLM(nn.Module):
         if arch.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
-    def forward(self, input_ids, positions, kv_caches: list[torch.Tensor], metadata: AttentionMetadata):
+    def forward(self, input_ids, positions, kv_caches: list[torch.Tensor], metadata: AttentionMetadata,
+                on_layer: Callable[[int], None] | None = None):
+        """on_layer(l) runs once layer l has written its keys and values for every token of the step
+        (host order: on CUDA the kernels may still be in flight)."""
         hidden = self.embed_tokens(input_ids)  # [T, hidden]
         rope = self.rotary(positions, hidden.dtype)
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             hidden = layer(hidden, rope, kv_cache, metadata)
+            if on_layer is not None:
+                on_layer(index)
         return self.norm(hidden)  # [T, hidden]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
