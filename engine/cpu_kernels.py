@@ -74,12 +74,17 @@ def detect_isa(capability: str, cpu_flags: frozenset[str]) -> CpuKernelIsa | Non
 
 
 def compile_flags(isa: CpuKernelIsa, march: str = "native") -> tuple[str, ...]:
-    """Flags that compile SOURCES for `isa` (without -shared: tests compile single objects with them).
+    """Flags that compile SOURCES for `isa` (without -shared: tests compile single objects with them; without
+    include_flags(), which name this installation's paths and stay out of the build key).
     -ffp-contract=off: a multiply then an add stay two roundings, as in torch's separate ops."""
     return ("-O3", f"-march={march}", *isa.machine_flags, "-ffp-contract=off", "-fopenmp", "-fPIC", "-std=c++20",
             f"-DCPU_CAPABILITY={isa.capability}", f"-DCPU_CAPABILITY_{isa.capability}",
-            f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
-            *(f"-I{path}" for path in cpp_extension.include_paths()))
+            f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}")
+
+
+def include_flags() -> tuple[str, ...]:
+    """-I flags for torch's headers."""
+    return tuple(f"-I{path}" for path in cpp_extension.include_paths())
 
 
 def cpu_flags() -> frozenset[str]:
@@ -108,7 +113,7 @@ def _compile(compiler: str, isa: CpuKernelIsa, target: Path) -> None:
     """Compile SOURCES into `target` atomically (a partial library is never visible)."""
     torch_lib = Path(torch.__file__).parent / "lib"
     with tempfile.NamedTemporaryFile(dir=target.parent, suffix=".so", delete=False) as staging:
-        command = [compiler, *compile_flags(isa), "-shared", *map(str, SOURCES), "-o", staging.name,
+        command = [compiler, *compile_flags(isa), *include_flags(), "-shared", *map(str, SOURCES), "-o", staging.name,
                    f"-L{torch_lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{torch_lib}"]
         done = subprocess.run(command, capture_output=True, text=True)
         if done.returncode != 0:

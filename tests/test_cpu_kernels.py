@@ -26,7 +26,7 @@ from splitserve.engine import LLM, SamplingParams
 from splitserve.engine.attention import CpuPagedAttention, TorchReferenceAttention
 from splitserve.engine.attention.base import AttentionMetadata, DecodeBatch, PrefillSpan
 from splitserve.engine.cpu_kernels import (AVX2, AVX512, AVX512_BF16, CSRC, SOURCES, compile_flags, cpu_flags,
-                                           cpu_kernel_isa, detect_isa, load_cpu_kernels)
+                                           cpu_kernel_isa, detect_isa, include_flags, load_cpu_kernels)
 from splitserve.engine.models.layer_ops import CpuKernelLayerOps, TorchLayerOps
 from splitserve.engine.models.packed_linear import PackedLinear, can_pack
 
@@ -70,7 +70,8 @@ def test_the_sources_compile_for_avx512(isa, march, sources, tmp_path):
     """Compiled, not run (this machine may lack AVX-512): the sources build for the target, on 512-bit
     registers, and the prefill kernel's bf16 dot instruction appears exactly where the target has it."""
     objects = [tmp_path / f"{source.stem}.o" for source in sources]
-    builds = [subprocess.Popen(["g++", *compile_flags(isa, march), "-O0", "-c", str(source), "-o", str(target)],
+    builds = [subprocess.Popen(["g++", *compile_flags(isa, march), *include_flags(), "-O0", "-c", str(source),
+                                "-o", str(target)],
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
               for source, target in zip(sources, objects)]
     errors = [build.communicate()[1] for build in builds]
