@@ -2,6 +2,11 @@
 split prefill after a prefix) against TorchReferenceAttention, the fused layer ops against
 TorchLayerOps, and whole-engine greedy output with and without the kernels.
 
+The kernels build for the CPU's instruction set (engine/cpu_kernels.py): on an AVX2 machine these tests run
+the AVX2 build, on an AVX-512 one the AVX-512 build; the other build is compiled here (not run) so that
+neither rots. The bf16 products of the prefill kernel run on AVX512-BF16 dot instructions where the CPU
+has them and on two float FMAs elsewhere: the same sums but for denormals (vec16.h), within the bounds below.
+
 Tolerances: fp32 results differ from the reference only by summation order (1e-5 absolute on
 O(1) values); bf16 attention computes scores in float32 where the reference rounds them to
 bf16 first, so it may differ by a few bf16 ulps of the output (2e-2 on O(1) values); the bf16
@@ -10,6 +15,9 @@ prefill kernel also rounds the probabilities to bf16 before weighting the values
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -17,12 +25,60 @@ import torch.nn.functional as F
 from splitserve.engine import LLM, SamplingParams
 from splitserve.engine.attention import CpuPagedAttention, TorchReferenceAttention
 from splitserve.engine.attention.base import AttentionMetadata, DecodeBatch, PrefillSpan
-from splitserve.engine.cpu_kernels import load_cpu_kernels
+from splitserve.engine.cpu_kernels import (AVX2, AVX512, AVX512_BF16, CSRC, SOURCES, compile_flags, cpu_flags,
+                                           cpu_kernel_isa, detect_isa, include_flags, load_cpu_kernels)
 from splitserve.engine.models.layer_ops import CpuKernelLayerOps, TorchLayerOps
 
-needs_kernels = pytest.mark.skipif(not load_cpu_kernels(), reason="the CPU kernels need a C++ compiler and AVX-512")
+needs_kernels = pytest.mark.skipif(not load_cpu_kernels(),
+                                   reason="the CPU kernels need a C++ compiler and AVX2+FMA or AVX-512")
+needs_compiler = pytest.mark.skipif(shutil.which("g++") is None or shutil.which("objdump") is None,
+                                    reason="needs g++ and objdump")
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+@pytest.mark.parametrize("capability, flags, expected", [
+    ("AVX512", {"avx2", "fma", "avx512f", "avx512_bf16"}, AVX512_BF16),
+    ("AVX512", {"avx2", "fma", "avx512f"}, AVX512),
+    ("AVX2", {"avx2", "fma", "avx512f", "avx512_bf16"}, AVX2),  # ATEN_CPU_CAPABILITY=avx2 on an AVX-512 CPU
+    ("AVX2", {"avx2", "fma"}, AVX2),
+    ("DEFAULT", {"sse4_2"}, None),
+    ("NEON", set(), None),
+])
+def test_the_kernels_build_for_aten_s_capability_and_the_bf16_flag(capability, flags, expected):
+    assert detect_isa(capability, frozenset(flags)) == expected
+
+
+@needs_compiler
+def test_the_kernels_load_wherever_the_cpu_has_avx2_or_avx512():
+    """A failing build fails here, where every other kernel test would only skip."""
+    expected = detect_isa(torch.backends.cpu.get_cpu_capability(), cpu_flags())
+    if expected is None:
+        pytest.skip("this CPU has neither AVX2+FMA nor AVX-512")
+    assert load_cpu_kernels()
+    assert cpu_kernel_isa() == expected
+
+
+@needs_compiler
+@pytest.mark.slow
+@pytest.mark.parametrize("isa, march, sources", [
+    (AVX512_BF16, "sapphirerapids", SOURCES),
+    (AVX512, "skylake-avx512", (CSRC / "prefill_attention.cpp",)),  # the one source that uses AVX512_BF16
+], ids=["avx512_bf16", "avx512"])
+def test_the_sources_compile_for_avx512(isa, march, sources, tmp_path):
+    """Compiled, not run (this machine may lack AVX-512): the sources build for the target, on 512-bit
+    registers, and the prefill kernel's bf16 dot instruction appears exactly where the target has it."""
+    objects = [tmp_path / f"{source.stem}.o" for source in sources]
+    builds = [subprocess.Popen(["g++", *compile_flags(isa, march), *include_flags(), "-O0", "-c", str(source),
+                                "-o", str(target)],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+              for source, target in zip(sources, objects)]
+    errors = [build.communicate()[1] for build in builds]
+    assert [build.returncode for build in builds] == [0] * len(sources), "\n".join(errors)[-3000:]
+    listings = {target.stem: subprocess.run(["objdump", "-d", str(target)], capture_output=True, text=True,
+                                            check=True).stdout for target in objects}
+    assert all("zmm" in listing for listing in listings.values())
+    assert ("vdpbf16ps" in listings["prefill_attention"]) == isa.bf16_dot
 
 
 def _decode_case(generator, dtype, batch, num_heads, num_kv_heads, head_dim, block_size=16, num_blocks=64):

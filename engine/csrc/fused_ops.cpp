@@ -10,7 +10,6 @@
 //                 any token stride, cos/sin [T, D]; rotate_half(x) = [-x2, x1] (non-interleaved RoPE)
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
 #include <cmath>
@@ -26,37 +25,35 @@ int64_t rows_per_task(int64_t row_elements) { return std::max<int64_t>(1, 65536 
 
 template <typename T>
 void rms_norm_row(const T* x, const T* weight, float eps, int64_t n, T* out) {
-  __m512 squares = _mm512_setzero_ps();
+  Vec16 squares = zero16();
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
-    const __m512 v = load16(x + i);
-    squares = _mm512_fmadd_ps(v, v, squares);
+    const Vec16 v = load16(x + i);
+    squares = fma16(v, v, squares);
   }
-  float sum = _mm512_reduce_add_ps(squares);
+  float sum = reduce_add(squares);
   for (int64_t j = i; j < n; ++j) sum += static_cast<float>(x[j]) * static_cast<float>(x[j]);
   const float scale = 1.f / std::sqrt(sum / static_cast<float>(n) + eps);
-  const __m512 scale16 = _mm512_set1_ps(scale);
-  for (i = 0; i + 16 <= n; i += 16)
-    store16(out + i, _mm512_mul_ps(load16(weight + i), round16<T>(_mm512_mul_ps(load16(x + i), scale16))));
+  const Vec16 scale16 = set16(scale);
+  for (i = 0; i + 16 <= n; i += 16) store16(out + i, load16(weight + i) * round16<T>(load16(x + i) * scale16));
   for (; i < n; ++i) out[i] = static_cast<T>(static_cast<float>(weight[i]) * round1<T>(static_cast<float>(x[i]) * scale));
 }
 
 template <typename T>
 void add_row(T* residual, const T* x, int64_t n) {
   int64_t i = 0;
-  for (; i + 16 <= n; i += 16) store16(residual + i, _mm512_add_ps(load16(residual + i), load16(x + i)));
+  for (; i + 16 <= n; i += 16) store16(residual + i, load16(residual + i) + load16(x + i));
   for (; i < n; ++i) residual[i] = static_cast<T>(static_cast<float>(residual[i]) + static_cast<float>(x[i]));
 }
 
 template <typename T>
 void silu_and_mul_row(const T* gate, const T* up, int64_t n, T* out) {
-  using Vec = at::vec::Vectorized<float>;
-  const __m512 one = _mm512_set1_ps(1.f);
+  const Vec16 one = set16(1.f);
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
-    const __m512 g = load16(gate + i);
-    const __m512 e = static_cast<__m512>(Vec(_mm512_sub_ps(_mm512_setzero_ps(), g)).exp());
-    store16(out + i, _mm512_mul_ps(round16<T>(_mm512_div_ps(g, _mm512_add_ps(one, e))), load16(up + i)));
+    const Vec16 g = load16(gate + i);
+    const Vec16 e = exp16(zero16() - g);
+    store16(out + i, round16<T>(g / (one + e)) * load16(up + i));
   }
   for (; i < n; ++i) {
     const float g = static_cast<float>(gate[i]);
@@ -68,11 +65,11 @@ template <typename T>
 void rotary_head(T* x, const T* cos, const T* sin, int64_t half) {
   int64_t i = 0;
   for (; i + 16 <= half; i += 16) {
-    const __m512 x1 = load16(x + i), x2 = load16(x + half + i);
-    const __m512 rotated1 = round16<T>(_mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), x2), load16(sin + i)));
-    const __m512 rotated2 = round16<T>(_mm512_mul_ps(x1, load16(sin + half + i)));
-    store16(x + i, _mm512_add_ps(round16<T>(_mm512_mul_ps(x1, load16(cos + i))), rotated1));
-    store16(x + half + i, _mm512_add_ps(round16<T>(_mm512_mul_ps(x2, load16(cos + half + i))), rotated2));
+    const Vec16 x1 = load16(x + i), x2 = load16(x + half + i);
+    const Vec16 rotated1 = round16<T>((zero16() - x2) * load16(sin + i));
+    const Vec16 rotated2 = round16<T>(x1 * load16(sin + half + i));
+    store16(x + i, round16<T>(x1 * load16(cos + i)) + rotated1);
+    store16(x + half + i, round16<T>(x2 * load16(cos + half + i)) + rotated2);
   }
   for (; i < half; ++i) {
     const float x1 = static_cast<float>(x[i]), x2 = static_cast<float>(x[half + i]);

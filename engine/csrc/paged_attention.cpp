@@ -13,7 +13,6 @@
 // pool's codes are widened in registers; a key row's scale multiplies its score, a value row's its weight.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/cpu/vec/vec.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
@@ -30,9 +29,9 @@ namespace {
 template <typename E>
 inline float dot(const float* q, const E* k, int64_t dim) {
   int64_t d = 0;
-  __m512 acc = _mm512_setzero_ps();
-  for (; d + 16 <= dim; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), load16(k + d), acc);
-  float sum = _mm512_reduce_add_ps(acc);
+  Vec16 acc = zero16();
+  for (; d + 16 <= dim; d += 16) acc = fma16(load16(q + d), load16(k + d), acc);
+  float sum = reduce_add(acc);
   for (; d < dim; ++d) sum += q[d] * to_float(k[d]);
   return sum;
 }
@@ -40,28 +39,26 @@ inline float dot(const float* q, const E* k, int64_t dim) {
 template <typename E>
 inline void axpy(float weight, const E* v, float* acc, int64_t dim) {
   int64_t d = 0;
-  const __m512 w = _mm512_set1_ps(weight);
-  for (; d + 16 <= dim; d += 16)
-    _mm512_storeu_ps(acc + d, _mm512_fmadd_ps(w, load16(v + d), _mm512_loadu_ps(acc + d)));
+  const Vec16 w = set16(weight);
+  for (; d + 16 <= dim; d += 16) store16(acc + d, fma16(w, load16(v + d), load16(acc + d)));
   for (; d < dim; ++d) acc[d] += weight * to_float(v[d]);
 }
 
 // row = softmax(row) in place, exp vectorized (a scalar exp per score costs more than the dots).
 inline void softmax(float* row, int64_t length) {
-  using Vec = at::vec::Vectorized<float>;
   const float max_score = *std::max_element(row, row + length);
-  const __m512 shift = _mm512_set1_ps(max_score);
-  __m512 sums = _mm512_setzero_ps();
+  const Vec16 shift = set16(max_score);
+  Vec16 sums = zero16();
   int64_t i = 0;
   for (; i + 16 <= length; i += 16) {
-    const __m512 e = static_cast<__m512>(Vec(_mm512_sub_ps(_mm512_loadu_ps(row + i), shift)).exp());
-    _mm512_storeu_ps(row + i, e);
-    sums = _mm512_add_ps(sums, e);
+    const Vec16 e = exp16(load16(row + i) - shift);
+    store16(row + i, e);
+    sums = sums + e;
   }
-  float total = _mm512_reduce_add_ps(sums);
+  float total = reduce_add(sums);
   for (; i < length; ++i) total += (row[i] = std::exp(row[i] - max_score));
-  const __m512 inv_total = _mm512_set1_ps(1.f / total);
-  for (i = 0; i + 16 <= length; i += 16) _mm512_storeu_ps(row + i, _mm512_mul_ps(_mm512_loadu_ps(row + i), inv_total));
+  const Vec16 inv_total = set16(1.f / total);
+  for (i = 0; i + 16 <= length; i += 16) store16(row + i, load16(row + i) * inv_total);
   for (; i < length; ++i) row[i] *= 1.f / total;
 }
 
@@ -71,17 +68,6 @@ struct Geometry {
   int64_t row_stride;    // elements between consecutive positions of one block: Hkv * W
   int64_t block_stride;  // elements of one block (keys and values): 2 * block_size * Hkv * W
 };
-
-// Sums of 8 vectors: [sum(v[0]), ..., sum(v[7])], about 2 instructions per sum where a
-// reduction per vector costs 7.
-inline __m256 sum8(const __m512* v) {
-  __m256 half[8];
-  for (int i = 0; i < 8; ++i)
-    half[i] = _mm256_add_ps(_mm512_castps512_ps256(v[i]), _mm512_extractf32x8_ps(v[i], 1));
-  const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(half[0], half[1]), _mm256_hadd_ps(half[2], half[3]));
-  const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(half[4], half[5]), _mm256_hadd_ps(half[6], half[7]));
-  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
-}
 
 // Ask for the cache lines of a row needed soon (the positions of the next blocks are scattered
 // through the pool, so the hardware prefetcher cannot guess them).
@@ -99,13 +85,13 @@ void score_row(const float* q, const std::vector<const E*>& rows, int64_t offset
   if (dim % 16 == 0) {
     for (; i + 8 <= length; i += 8) {
       for (int64_t j = i + 8; j < std::min(i + 16, length); ++j) prefetch_row(rows[j] + offset, dim);
-      __m512 acc[8];
-      for (int j = 0; j < 8; ++j) acc[j] = _mm512_setzero_ps();
+      Vec16 acc[8];
+      for (int j = 0; j < 8; ++j) acc[j] = zero16();
       for (int64_t d = 0; d < dim; d += 16) {
-        const __m512 qd = _mm512_loadu_ps(q + d);
-        for (int j = 0; j < 8; ++j) acc[j] = _mm512_fmadd_ps(qd, load16(rows[i + j] + offset + d), acc[j]);
+        const Vec16 qd = load16(q + d);
+        for (int j = 0; j < 8; ++j) acc[j] = fma16(qd, load16(rows[i + j] + offset + d), acc[j]);
       }
-      _mm256_storeu_ps(scores + i, sum8(acc));
+      store_sums8(acc, scores + i);
     }
   }
   for (; i < length; ++i) scores[i] = dot(q, rows[i] + offset, dim);
@@ -117,13 +103,13 @@ void score_row(const float* q, const std::vector<const E*>& rows, int64_t offset
 template <int N, typename E, typename T>
 void weighted_sum_fixed(const float* probs, const std::vector<const E*>& rows, int64_t offset, int64_t length,
                         T* out) {
-  __m512 acc[N];
-  for (int j = 0; j < N; ++j) acc[j] = _mm512_setzero_ps();
+  Vec16 acc[N];
+  for (int j = 0; j < N; ++j) acc[j] = zero16();
   for (int64_t i = 0; i < length; ++i) {
     if (i + 8 < length) prefetch_row(rows[i + 8] + offset, 16 * N);
-    const __m512 w = _mm512_set1_ps(probs[i]);
+    const Vec16 w = set16(probs[i]);
     const E* v = rows[i] + offset;
-    for (int j = 0; j < N; ++j) acc[j] = _mm512_fmadd_ps(w, load16(v + 16 * j), acc[j]);
+    for (int j = 0; j < N; ++j) acc[j] = fma16(w, load16(v + 16 * j), acc[j]);
   }
   for (int j = 0; j < N; ++j) store16(out + 16 * j, acc[j]);
 }
@@ -251,7 +237,7 @@ void paged_decode_attention(const at::Tensor& query, const at::Tensor& kv_cache,
 }
 
 // out[i] = codes[i] (fp8 e4m3 bit patterns, uint8) widened to float32 by the kernels' conversion: 16 at a
-// time with widen_fp8_e4m3, the tail with fp8_e4m3_to_float (tests compare both with torch's).
+// time with load16, the tail with fp8_e4m3_to_float (tests compare both with torch's).
 void fp8_e4m3_codes_to_float(const at::Tensor& codes, at::Tensor out) {
   TORCH_CHECK(codes.dim() == 1 && codes.is_contiguous() && codes.scalar_type() == at::kByte,
               "fp8_e4m3_to_float: codes must be a contiguous 1-D uint8 tensor");
@@ -261,7 +247,7 @@ void fp8_e4m3_codes_to_float(const at::Tensor& codes, at::Tensor out) {
   float* o = out.mutable_data_ptr<float>();
   int64_t i = 0;
   for (; i + 16 <= codes.size(0); i += 16)
-    _mm512_storeu_ps(o + i, widen_fp8_e4m3(_mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i))));
+    store16(o + i, load16(reinterpret_cast<const Fp8E4M3*>(in + i)));
   for (; i < codes.size(0); ++i) o[i] = fp8_e4m3_to_float(in[i]);
 }
 

@@ -16,9 +16,11 @@
 // running max, sum and float32 output per query row (online softmax), so a chunk after a prefix needs
 // neither a gather of the prefix nor an explicit mask (torch's fused SDPA needs both, and computes the
 // masked tiles). In bf16 the products run on AVX512-BF16 dot instructions (two bf16 products per float
-// lane, summed in float32; emulated with two float FMAs on AVX-512 CPUs without BF16), where torch's
-// kernel widens to float32; the probabilities are rounded to bf16 before they weight the values, as
-// fused GPU kernels do. In float32 they are float FMAs.
+// lane, summed in float32; the same sums from two float FMAs on CPUs without them: dot_bf16_pairs in
+// vec16.h), where torch's kernel widens to float32; the probabilities are rounded to bf16 before they
+// weight the values, as fused GPU kernels do. In float32 they are float FMAs. Written against vec16.h's
+// Vec16, so the one source builds for AVX-512 and for AVX2; only the register blocking differs (32 zmm
+// hold 4 x 4 score accumulators, 16 ymm hold a quarter of that).
 //
 // Layout of the work: the G = H / Hkv query heads sharing a KV head form the rows of one task (row
 // r = position * G + head), so each key and value tile serves G * kQueryTile rows. Keys and values are
@@ -29,7 +31,6 @@
 // the most keys), taken from a shared counter.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/cpu/vec/vec.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
@@ -49,7 +50,10 @@ using bf16 = c10::BFloat16;
 
 constexpr int64_t kQueryTile = 32;  // query positions per task
 constexpr int64_t kKeyTile = 64;    // key positions per step of a task: 4 vectors of 16 scores
-constexpr int64_t kRowBlock = 4;    // query rows per score micro-kernel (4 x 4 accumulators)
+constexpr int64_t kRowBlock = 4;    // query rows per score micro-kernel; rows are padded to a multiple of it
+// Vec16 columns (of the tile's 4) per pass of the score micro-kernel: kRowBlock x kScoreColumns
+// accumulators plus kScoreColumns key vectors stay in registers.
+constexpr int kScoreColumns = kVec16Registers >= 32 ? 4 : 1;
 
 // The dtype's view of a 32-bit word: bf16 packs two elements per word (summed by one dot
 // instruction), float one (one FMA). Every packed operand below is a run of such words.
@@ -58,15 +62,15 @@ struct Words {
   static constexpr int64_t kPerWord = 4 / sizeof(T);
 
   // acc + the products of the elements of a and b, lane by lane (a and b: 16 words each).
-  static __m512 dot(__m512 acc, __m512i a, __m512i b);
+  static Vec16 dot(Vec16 acc, Words16 a, Words16 b);
 
   // The word holding elements low (and, for bf16, high) in memory order.
   static uint32_t word(const T* low, const T* high);
 };
 
 template <>
-inline __m512 Words<float>::dot(__m512 acc, __m512i a, __m512i b) {
-  return _mm512_fmadd_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(b), acc);
+inline Vec16 Words<float>::dot(Vec16 acc, Words16 a, Words16 b) {
+  return fma16(as_floats(a), as_floats(b), acc);
 }
 
 template <>
@@ -77,17 +81,8 @@ inline uint32_t Words<float>::word(const float* low, const float*) {
 }
 
 template <>
-inline __m512 Words<bf16>::dot(__m512 acc, __m512i a, __m512i b) {
-#if defined(__AVX512BF16__)
-  return _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh>(a), reinterpret_cast<__m512bh>(b));
-#else  // two float FMAs on the widened halves
-  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
-  const __m512 a_even = _mm512_castsi512_ps(_mm512_slli_epi32(a, 16));
-  const __m512 b_even = _mm512_castsi512_ps(_mm512_slli_epi32(b, 16));
-  const __m512 a_odd = _mm512_castsi512_ps(_mm512_and_si512(a, high));
-  const __m512 b_odd = _mm512_castsi512_ps(_mm512_and_si512(b, high));
-  return _mm512_fmadd_ps(a_odd, b_odd, _mm512_fmadd_ps(a_even, b_even, acc));
-#endif
+inline Vec16 Words<bf16>::dot(Vec16 acc, Words16 a, Words16 b) {
+  return dot_bf16_pairs(acc, a, b);
 }
 
 template <>
@@ -151,73 +146,77 @@ void pack_tile(const E* cache, const int64_t* table, const Geometry& g, int64_t 
   }
 }
 
-// scores[r][0..64) = q_r . key_j for 4 rows; q rows hold key_words words.
+// scores[r][0..64) = q_r . key_j for 4 rows, kScoreColumns * 16 keys per pass; q rows hold key_words words.
 template <typename T>
 inline void score_block(const uint32_t* q, const uint32_t* keys, int64_t key_words, float* scores) {
-  __m512 acc[kRowBlock][4];
-  for (auto& row : acc)
-    for (auto& v : row) v = _mm512_setzero_ps();
-  for (int64_t d = 0; d < key_words; ++d) {
-    __m512i k[4];
-    for (int c = 0; c < 4; ++c) k[c] = _mm512_loadu_si512(keys + d * kKeyTile + 16 * c);
-    for (int r = 0; r < kRowBlock; ++r) {
-      const __m512i q_word = _mm512_set1_epi32(static_cast<int>(q[r * key_words + d]));
-      for (int c = 0; c < 4; ++c) acc[r][c] = Words<T>::dot(acc[r][c], q_word, k[c]);
+  constexpr int C = kScoreColumns;
+  for (int c0 = 0; c0 < 4; c0 += C) {
+    Vec16 acc[kRowBlock][C];
+    for (auto& row : acc)
+      for (auto& v : row) v = zero16();
+    for (int64_t d = 0; d < key_words; ++d) {
+      Words16 k[C];
+      for (int c = 0; c < C; ++c) k[c] = load_words(keys + d * kKeyTile + 16 * (c0 + c));
+      for (int r = 0; r < kRowBlock; ++r) {
+        const Words16 q_word = broadcast_word(q[r * key_words + d]);
+        for (int c = 0; c < C; ++c) acc[r][c] = Words<T>::dot(acc[r][c], q_word, k[c]);
+      }
     }
+    for (int r = 0; r < kRowBlock; ++r)
+      for (int c = 0; c < C; ++c) store16(scores + r * kKeyTile + 16 * (c0 + c), acc[r][c]);
   }
-  for (int r = 0; r < kRowBlock; ++r)
-    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(scores + r * kKeyTile + 16 * c, acc[r][c]);
 }
 
-// out[r][0..D) += sum_j p_r[j] * value_j for R rows at a time, N = D / 16 vectors per row in registers;
-// probs rows hold kKeyTile / P words.
+// out[r][d0 .. d0 + 16N) += sum_j p_r[j] * value_j[d0 .. d0 + 16N) for R rows at a time, the R x N
+// accumulators in registers; probs rows hold kKeyTile / P words, out rows head_dim floats.
 template <typename T, int N, int R>
-inline void weigh_values(const uint32_t* probs, const uint32_t* values, int64_t rows, float* out) {
+inline void weigh_slice(const uint32_t* probs, const uint32_t* values, int64_t rows, int64_t head_dim, int64_t d0,
+                        float* out) {
   constexpr int64_t prob_words = kKeyTile / Words<T>::kPerWord;
   for (int64_t r0 = 0; r0 < rows; r0 += R) {
-    __m512 acc[R][N];
+    Vec16 acc[R][N];
     for (int r = 0; r < R; ++r)
-      for (int n = 0; n < N; ++n) acc[r][n] = _mm512_loadu_ps(out + (r0 + r) * 16 * N + 16 * n);
+      for (int n = 0; n < N; ++n) acc[r][n] = load16(out + (r0 + r) * head_dim + d0 + 16 * n);
     for (int64_t j = 0; j < prob_words; ++j) {
-      __m512i v[N];
-      for (int n = 0; n < N; ++n) v[n] = _mm512_loadu_si512(values + j * 16 * N + 16 * n);
+      Words16 v[N];
+      for (int n = 0; n < N; ++n) v[n] = load_words(values + j * head_dim + d0 + 16 * n);
       for (int r = 0; r < R; ++r) {
-        const __m512i p = _mm512_set1_epi32(static_cast<int>(probs[(r0 + r) * prob_words + j]));
+        const Words16 p = broadcast_word(probs[(r0 + r) * prob_words + j]);
         for (int n = 0; n < N; ++n) acc[r][n] = Words<T>::dot(acc[r][n], p, v[n]);
       }
     }
     for (int r = 0; r < R; ++r)
-      for (int n = 0; n < N; ++n) _mm512_storeu_ps(out + (r0 + r) * 16 * N + 16 * n, acc[r][n]);
+      for (int n = 0; n < N; ++n) store16(out + (r0 + r) * head_dim + d0 + 16 * n, acc[r][n]);
   }
 }
 
-// Rows are padded to a multiple of 4 (kRowBlock); R divides 4 in every case below.
+// Vectors per slice of a value row, and rows per pass for a slice of N vectors, so that the R x N
+// accumulators and N value vectors stay in registers: on AVX-512 a whole row of up to 128 dims, 4 rows up
+// to 80 dims and 2 above; on AVX2 (a quarter of the register bytes) 16 dims, 4 rows (measured, bf16, 1024
+// tokens, 12 / 4 heads of 64: 32 ms against 41 ms for 32-dim slices of 2 rows). R divides kRowBlock.
+constexpr int kSliceVectors = kVec16Registers >= 32 ? 8 : 1;
+
+template <int N>
+constexpr int weigh_rows() {
+  return N <= 5 ? 4 : 2;
+}
+
+// weigh_slice for n vectors, 1 <= n <= N.
+template <typename T, int N>
+inline void weigh_slice_of(int64_t n, const uint32_t* probs, const uint32_t* values, int64_t rows, int64_t head_dim,
+                           int64_t d0, float* out) {
+  if constexpr (N > 1)
+    if (n < N) return weigh_slice_of<T, N - 1>(n, probs, values, rows, head_dim, d0, out);
+  weigh_slice<T, N, weigh_rows<N>()>(probs, values, rows, head_dim, d0, out);
+}
+
+// out[r][0..D) += sum_j p_r[j] * value_j, slice by slice; rows are padded to a multiple of kRowBlock.
 template <typename T>
 void weigh_values(const uint32_t* probs, const uint32_t* values, int64_t rows, int64_t head_dim, float* out) {
-  switch (head_dim / 16) {
-    case 1: return weigh_values<T, 1, 4>(probs, values, rows, out);
-    case 2: return weigh_values<T, 2, 4>(probs, values, rows, out);
-    case 3: return weigh_values<T, 3, 4>(probs, values, rows, out);
-    case 4: return weigh_values<T, 4, 4>(probs, values, rows, out);
-    case 5: return weigh_values<T, 5, 4>(probs, values, rows, out);
-    case 6: return weigh_values<T, 6, 2>(probs, values, rows, out);
-    case 7: return weigh_values<T, 7, 2>(probs, values, rows, out);
-    case 8: return weigh_values<T, 8, 2>(probs, values, rows, out);
-    default: break;
+  for (int64_t d0 = 0; d0 < head_dim; d0 += 16 * kSliceVectors) {
+    const int64_t n = std::min<int64_t>(kSliceVectors, (head_dim - d0) / 16);
+    weigh_slice_of<T, kSliceVectors>(n, probs, values, rows, head_dim, d0, out);
   }
-  constexpr int64_t prob_words = kKeyTile / Words<T>::kPerWord;
-  for (int64_t d = 0; d < head_dim; d += 128)  // wider heads: 128-dim slices of the rows
-    for (int64_t r = 0; r < rows; ++r) {
-      const int64_t vectors = std::min<int64_t>(128, head_dim - d) / 16;
-      __m512 acc[8];
-      for (int64_t n = 0; n < vectors; ++n) acc[n] = _mm512_loadu_ps(out + r * head_dim + d + 16 * n);
-      for (int64_t j = 0; j < prob_words; ++j) {
-        const __m512i p = _mm512_set1_epi32(static_cast<int>(probs[r * prob_words + j]));
-        for (int64_t n = 0; n < vectors; ++n)
-          acc[n] = Words<T>::dot(acc[n], p, _mm512_loadu_si512(values + j * head_dim + d + 16 * n));
-      }
-      for (int64_t n = 0; n < vectors; ++n) _mm512_storeu_ps(out + r * head_dim + d + 16 * n, acc[n]);
-    }
 }
 
 // Per-thread buffers of one task: rows = G * kQueryTile rounded up to kRowBlock.
@@ -239,29 +238,23 @@ struct TaskBuffers {
 template <typename T>
 void softmax_tile(TaskBuffers& buf, const Geometry& g, int64_t first_position, int64_t rows, int64_t first_key,
                   float scale) {
-  using Vec = at::vec::Vectorized<float>;
   const float neg_inf = -std::numeric_limits<float>::infinity();
-  const __m512 scale_v = _mm512_set1_ps(scale), neg_inf_v = _mm512_set1_ps(neg_inf);
-  const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const Vec16 scale_v = set16(scale), neg_inf_v = set16(neg_inf);
   for (int64_t r = 0; r < rows; ++r) {
     float* s = &buf.scores[r * kKeyTile];
     const int64_t position = first_position + r / g.group;
     const int64_t lo = g.window > 0 ? std::max<int64_t>(0, position - g.window + 1) : 0;
     const bool masked = first_key + kKeyTile - 1 > position || first_key < lo;
-    __m512 v[4];
-    __m512 tile_max_v = neg_inf_v;
+    Vec16 v[4];
+    Vec16 tile_max_v = neg_inf_v;
     for (int c = 0; c < 4; ++c) {
-      v[c] = _mm512_mul_ps(_mm512_loadu_ps(s + 16 * c), scale_v);
-      if (masked) {  // keys first_key + 16c + lane outside [lo, position] get -inf
-        const __m512i keys = _mm512_add_epi32(iota, _mm512_set1_epi32(static_cast<int>(first_key + 16 * c)));
-        const __mmask16 visible =
-            _mm512_cmple_epi32_mask(keys, _mm512_set1_epi32(static_cast<int>(position))) &
-            _mm512_cmpge_epi32_mask(keys, _mm512_set1_epi32(static_cast<int>(lo)));
-        v[c] = _mm512_mask_mov_ps(neg_inf_v, visible, v[c]);
-      }
-      tile_max_v = _mm512_max_ps(tile_max_v, v[c]);
+      v[c] = load16(s + 16 * c) * scale_v;
+      if (masked)  // keys first_key + 16c + lane outside [lo, position] get -inf
+        v[c] = keep_in_range(v[c], static_cast<int32_t>(first_key + 16 * c), static_cast<int32_t>(lo),
+                             static_cast<int32_t>(position), neg_inf_v);
+      tile_max_v = max16(tile_max_v, v[c]);
     }
-    const float new_max = std::max(buf.row_max[r], _mm512_reduce_max_ps(tile_max_v));
+    const float new_max = std::max(buf.row_max[r], reduce_max(tile_max_v));
     T* p = reinterpret_cast<T*>(&buf.probs[r * (kKeyTile / Words<T>::kPerWord)]);
     if (new_max == neg_inf) {  // nothing visible yet in this row
       std::fill(p, p + kKeyTile, T(0.f));
@@ -269,18 +262,18 @@ void softmax_tile(TaskBuffers& buf, const Geometry& g, int64_t first_position, i
     }
     const float correction = std::exp(buf.row_max[r] - new_max);  // 0 when the row had nothing
     buf.row_max[r] = new_max;
-    const __m512 shift = _mm512_set1_ps(new_max);
-    __m512 sums = _mm512_setzero_ps();
+    const Vec16 shift = set16(new_max);
+    Vec16 sums = zero16();
     for (int c = 0; c < 4; ++c) {
-      const __m512 e = static_cast<__m512>(Vec(_mm512_sub_ps(v[c], shift)).exp());
-      sums = _mm512_add_ps(sums, e);
+      const Vec16 e = exp16(v[c] - shift);
+      sums = sums + e;
       store16(p + 16 * c, e);
     }
-    buf.row_sum[r] = buf.row_sum[r] * correction + _mm512_reduce_add_ps(sums);
+    buf.row_sum[r] = buf.row_sum[r] * correction + reduce_add(sums);
     if (correction != 1.f) {
-      const __m512 c = _mm512_set1_ps(correction);
+      const Vec16 c = set16(correction);
       float* o = &buf.out[r * g.head_dim];
-      for (int64_t d = 0; d < g.head_dim; d += 16) _mm512_storeu_ps(o + d, _mm512_mul_ps(c, _mm512_loadu_ps(o + d)));
+      for (int64_t d = 0; d < g.head_dim; d += 16) store16(o + d, c * load16(o + d));
     }
   }
 }
@@ -318,9 +311,8 @@ void run_task(TaskBuffers& buf, const T* query, const PackedHead& head, const Ge
   }
   for (int64_t r = 0; r < rows; ++r) {
     T* o = out + (first + r / g.group) * row_width + (kv_head * g.group + r % g.group) * g.head_dim;
-    const __m512 inv_sum = _mm512_set1_ps(1.f / buf.row_sum[r]);
-    for (int64_t d = 0; d < g.head_dim; d += 16)
-      store16(o + d, _mm512_mul_ps(inv_sum, _mm512_loadu_ps(&buf.out[r * g.head_dim + d])));
+    const Vec16 inv_sum = set16(1.f / buf.row_sum[r]);
+    for (int64_t d = 0; d < g.head_dim; d += 16) store16(o + d, inv_sum * load16(&buf.out[r * g.head_dim + d]));
   }
 }
 
