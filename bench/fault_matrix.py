@@ -89,6 +89,7 @@ def run_router_faults(model_dir: Path, reference: Reference) -> dict:
             "victim_kv_held_on_prefill": death.held_on_prefill, "cut": len(death.cut),
             "cut_codes": sorted({r.code for r in death.cut}), "finished": len(finished),
             "finished_equal_to_reference": sum(r.tokens == reference.tokens(case) for case, r in finished),
+            "finished_reasons": sorted({r.finish_reason for _, r in finished}),  # 'abort': a worker ended one
             "reaped_s": round(death.reaped_s, 3), "workers_idle_after": idle, "survivor_index_exact": exact},
         "worker_kill": {"worker": kill.worker_id, "ray_states": list(kill.states),
                         "unroutable_on_every_router_s": round(kill.unroutable_s, 3),

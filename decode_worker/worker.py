@@ -72,6 +72,12 @@ class DecodeWorker:
         self._recomputed: set[str] = set()
         self._routes: dict[str, str] = {}
         """request id -> router id; engine thread only."""
+        self._unheard: set[str] = set()
+        """Requests of a router that is gone, until their final delta: they end without a word to it.
+        Its stream closed, or Ray reports its actor dead, which it does a few ms before the process
+        has exited: a plain abort sent then would reach the dying router's client as a stream that
+        finished (finish_reason 'abort'), where its other clients see the connection cut.
+        Engine thread only."""
         self._outputs = OutputServer(output_host or _reachable_host(), self._on_stream_frame, self._on_router_gone,
                                      max_unread_output_bytes)
         self._event_loop: asyncio.AbstractEventLoop | None = None
@@ -100,8 +106,8 @@ class DecodeWorker:
         return await self._loop.run(lambda engine: self._abort(engine, request_id))
 
     async def abort_router(self, router_id: str) -> int:
-        """End every request of a router that is gone (Ray reports its actor dead; its output
-        stream's close usually says so first). Returns how many it ended."""
+        """End every request of a router that is gone (Ray reports its actor dead, which may come
+        before its output stream closes), sending it nothing more. Returns how many it ended."""
         return await self._loop.run(lambda engine: self._abort_router(engine, router_id))
 
     async def stats(self) -> WorkerStats:
@@ -195,10 +201,14 @@ class DecodeWorker:
         return engine.abort_request(request_id)
 
     def _abort_router(self, engine: EngineCore, router_id: str) -> int:
+        """End the router's requests without sending it anything more (`_unheard`)."""
         request_ids = [r for r, routed_to in self._routes.items() if routed_to == router_id]
         if request_ids:  # a router stopping cleanly has none left
             logger.warning("router %s is gone with %d requests in flight: aborting them", router_id, len(request_ids))
-        return sum(self._abort(engine, request_id) for request_id in request_ids)
+        self._unheard.update(request_ids)  # before _abort: it publishes a waiting request's end at once
+        ended = [request_id for request_id in request_ids if self._abort(engine, request_id)]
+        self._unheard.difference_update(set(request_ids) - set(ended))
+        return len(ended)
 
     def _on_step_failure(self, engine: EngineCore) -> None:
         for request_id in [*engine.scheduler.requests, *(r.request_id for r in self._awaiting_blocks)]:
@@ -256,11 +266,12 @@ class DecodeWorker:
         by_router: dict[str, list[TokenDelta]] = {}
         for delta in deltas:
             router_id = self._routes.get(delta.request_id)
-            if router_id is not None:
+            if router_id is not None and delta.request_id not in self._unheard:
                 by_router.setdefault(router_id, []).append(delta)
             if delta.finish_reason is not None:
                 self._routes.pop(delta.request_id, None)
                 self._admitted_at.pop(delta.request_id, None)
+                self._unheard.discard(delta.request_id)
             self._recomputed.discard(delta.request_id)
         for router_id, batch in by_router.items():
             self._event_loop.call_soon_threadsafe(self._outputs.send, router_id, batch)

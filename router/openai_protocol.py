@@ -19,15 +19,12 @@ from splitserve.common.sampling_params import MAX_LOGPROBS, SamplingParams
 from splitserve.common.token_logprobs import TokenLogprobs
 from splitserve.router.api_types import StreamChunk, Usage
 from splitserve.router.openai_fields import CHAT_REFUSED, COMPLETION_REFUSED, refuse_unsupported
-from splitserve.router.request_limits import RequestLimits, utf8_length
+from splitserve.router.request_limits import MAX_SEQUENCES, RequestLimits, utf8_length
 from splitserve.router.structured_output import parse_structured_output
 from splitserve.router.tokenizer import ChatTemplateOptions
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 """max_tokens of a completion request that sets none (the OpenAI and vLLM default)."""
-MAX_SEQUENCES = 128
-"""Most sequences one request may ask for (prompts x best_of, or n): each is a request of the
-cluster's own, so an unbounded fan-out would let one client flood it."""
 MIN_LOGPROB = -9999.0
 """JSON has no -inf: a logprob below this is reported as this (what vLLM does)."""
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",

@@ -57,8 +57,6 @@ logger = logging.getLogger(__name__)
 
 SERVER_VERSION = importlib.metadata.version("splitserve")
 """What /version reports: the installed distribution's version."""
-MAX_BODY_BYTES = 16 << 20
-"""Largest request body accepted (the gRPC server's message limit too)."""
 _STATUS_BY_CODE = {"INVALID_ARGUMENT": 400, "RESOURCE_EXHAUSTED": 429, "UNAVAILABLE": 503, "DEADLINE_EXCEEDED": 504}
 """HTTP status of a RouterError by its gRPC code name; any other code is 500."""
 _ERROR_TYPES = {429: "rate_limit_error", 500: "server_error", 503: "server_error", 504: "server_error"}
@@ -173,7 +171,7 @@ class OpenAIServing:
         """vLLM's /tokenize: a completion's `prompt` or a chat's `messages` (through the chat
         template, with the chat extensions) -> {count, max_model_len, tokens, token_strs}."""
         try:
-            body = _object(await _read_json(request))
+            body = _object(await self._read_json(request))
             parsed = parse_tokenize_request(body, self.tokenizers.limits)
             self._check_model(parsed.model)
             if parsed.messages is None:
@@ -193,7 +191,7 @@ class OpenAIServing:
     async def detokenize(self, request: Request) -> Response:
         """vLLM's /detokenize: {tokens} -> {prompt}, the text of the ids (special tokens kept)."""
         try:
-            parsed = parse_detokenize_request(_object(await _read_json(request)), self.tokenizers.limits)
+            parsed = parse_detokenize_request(_object(await self._read_json(request)), self.tokenizers.limits)
             self._check_model(parsed.model)
             return JSONResponse({"prompt": self.tokenizers.tokenizer.decode(parsed.tokens, skip_special_tokens=False)})
         except ClientDisconnected:
@@ -210,6 +208,18 @@ class OpenAIServing:
             "no decode worker is answering"
         return ApiError(503, reason, code="unavailable").response()
 
+    async def _read_json(self, request: Request) -> Any:
+        """The body as JSON, refused by its size before it is read (RequestLimits.max_body_bytes).
+        Decoded on the event loop: json.loads holds the GIL throughout (about 3 ms per MB), so a
+        thread would stall the loop just as long."""
+        body = await _read_body(request, self.tokenizers.limits.max_body_bytes)
+        try:
+            return json.loads(body)
+        except (ValueError, RecursionError) as error:
+            # ValueError: not UTF-8, not JSON, or an integer literal past Python's 4300-digit limit;
+            # RecursionError: arrays or objects nested too deep to parse.
+            raise ApiError(400, f"request body is not valid JSON: {error}", code="invalid_json") from None
+
     def _model_card(self) -> dict:
         return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "splitserve",
                 "root": self.model_name, "parent": None, "max_model_len": self.orchestrator.max_model_len}
@@ -223,7 +233,7 @@ class OpenAIServing:
         except RouterError as error:
             return ApiError.of(error).response()
         try:
-            job = await prepare(await _read_json(request))
+            job = await prepare(await self._read_json(request))
             logger.info("[%s] %s: %d prompt tokens, %d sequences", quote_for_log(job.inputs[0].request_id),
                         request.url.path, sum(len(inp.prompt_token_ids) for inp in job.inputs[::job.num_sequences]),
                         len(job.inputs))
@@ -320,21 +330,26 @@ class OpenAIServing:
 
 # ---- request and response plumbing ----------------------------------------------------------
 
-async def _read_json(request: Request) -> Any:
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The body, refused (413) as soon as it is known to exceed `limit` bytes: by its
+    Content-Length before anything is read, else by the bytes received so far."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise _too_large(int(declared), limit)
     body = bytearray()
     try:
         async for part in request.stream():
             body += part
-            if len(body) > MAX_BODY_BYTES:
-                raise ApiError(413, f"request body exceeds {MAX_BODY_BYTES} bytes", code="request_too_large")
+            if len(body) > limit:
+                raise _too_large(len(body), limit)
     except ClientDisconnect:
         raise ClientDisconnected() from None
-    try:
-        return json.loads(body)
-    except (ValueError, RecursionError) as error:
-        # ValueError: not UTF-8, not JSON, or an integer literal past Python's 4300-digit limit;
-        # RecursionError: arrays or objects nested too deep to parse.
-        raise ApiError(400, f"request body is not valid JSON: {error}", code="invalid_json") from None
+    return bytes(body)
+
+
+def _too_large(num_bytes: int, limit: int) -> ApiError:
+    return ApiError(413, f"request body has {num_bytes} bytes; a servable request has at most {limit} (its prompts "
+                         "are bounded by router.max_prompt_bytes and max_model_len)", code="request_too_large")
 
 
 def _object(body: Any) -> dict:

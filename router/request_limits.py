@@ -26,6 +26,19 @@ REQUEST_ID_CHARS = frozenset(map(chr, range(0x21, 0x7F)))
 """Printable ASCII without the space: an id is one word of a log line and can never break one."""
 QUOTED_CHARS = 64
 """Characters of a client's value an error message quotes."""
+MAX_SEQUENCES = 128
+"""Most sequences one request may ask for (prompts x best_of, or n): each is a request of the
+cluster's own, so an unbounded fan-out would let one client flood it."""
+MAX_BODY_BYTES = 16 << 20
+"""Largest HTTP body or gRPC message accepted whatever the model (the gRPC server's message limit)."""
+JSON_BYTES_PER_STRING_BYTE = 6
+"""The most bytes a JSON string spends on one UTF-8 byte of its value: a control character is
+written \\u0001 (6 for 1); other characters take at most 12 bytes for 4 (a surrogate pair)."""
+JSON_BYTES_PER_MESSAGE = 256
+"""A chat message's JSON besides its content: braces, keys, the role, whitespace."""
+BODY_ALLOWANCE_BYTES = 1 << 20
+"""What a request body may hold besides its prompts or messages: the other fields, stop strings,
+a JSON schema or grammar, whitespace."""
 
 
 def prompt_bytes_bound(max_model_len: int, max_bytes_per_token: int) -> int:
@@ -96,6 +109,18 @@ class RequestLimits:
         if max_prompt_bytes is None:
             max_prompt_bytes = prompt_bytes_bound(max_model_len, max_bytes_per_token)
         return cls(max_model_len, vocab_size, max_prompt_bytes)
+
+    @property
+    def max_body_bytes(self) -> int:
+        """The largest HTTP body a servable request can have, so a larger one is refused (413)
+        before it is read: BODY_ALLOWANCE_BYTES and the largest of MAX_SEQUENCES text prompts of
+        max_prompt_bytes each (escaped as JSON), MAX_SEQUENCES prompts of max_model_len - 1 token
+        ids, and a chat whose contents hold max_prompt_bytes; at most MAX_BODY_BYTES."""
+        text_prompts = MAX_SEQUENCES * (JSON_BYTES_PER_STRING_BYTE * self.max_prompt_bytes + 4)
+        token_id_bytes = len(str(self.vocab_size - 1)) + 8  # ", " and a pretty-printer's newline and indent
+        token_prompts = MAX_SEQUENCES * ((self.max_model_len - 1) * token_id_bytes + 4)
+        chat = JSON_BYTES_PER_STRING_BYTE * self.max_prompt_bytes + self.max_chat_messages * JSON_BYTES_PER_MESSAGE
+        return min(MAX_BODY_BYTES, BODY_ALLOWANCE_BYTES + max(text_prompts, token_prompts, chat))
 
     # ---- the request's identity ------------------------------------------------------------
     def check_request_id(self, request_id: str, field: str) -> None:

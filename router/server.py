@@ -32,6 +32,7 @@ from splitserve.router.auth import check_authorization
 from splitserve.router.malformed_requests import MalformedRequestInterceptor
 from splitserve.router.api_types import GenerationInput, RouterError, StreamChunk
 from splitserve.router.orchestrator import Orchestrator
+from splitserve.router.request_limits import MAX_BODY_BYTES
 from splitserve.router.structured_output import structured_output_from_proto
 from splitserve.router.tokenizer_pool import TokenizerPool
 from splitserve.router.triton_server import SERVICE_NAME as TRITON_SERVICE_NAME
@@ -41,7 +42,7 @@ from splitserve.router.tls import TlsConfig, bind_grpc_port
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
-MAX_MESSAGE_BYTES = 16 << 20
+MAX_MESSAGE_BYTES = MAX_BODY_BYTES
 _SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "frequency_penalty",
                     "presence_penalty", "seed", "max_tokens", "ignore_eos", "logprobs", "skip_special_tokens",
                     "min_tokens")

@@ -43,6 +43,8 @@ class StreamResult:
     tokens: tuple[int, ...]
     code: str | None
     """The gRPC status code's name when the stream did not finish."""
+    finish_reason: str | None = None
+    """The last response's finish_reason ('length', 'stop', or 'abort': a worker ended the request)."""
 
 
 def stream_on_own_connection(port: int, request_id: str, case: GreedyCase,
@@ -58,19 +60,21 @@ def stream_on_own_connection(port: int, request_id: str, case: GreedyCase,
                                  sampling=pb.SamplingParams(temperature=0.0, max_tokens=case.max_tokens,
                                                             ignore_eos=case.ignore_eos))
     tokens: list[int] = []
+    finish_reason = None
     options = [("grpc.use_local_subchannel_pool", 1)]  # no connection shared with another channel
     with grpc.insecure_channel(f"127.0.0.1:{port}", options=options) as channel:
         try:
             for response in generation_pb2_grpc.GenerationStub(channel).Generate(request, timeout=120):
                 tokens.extend(response.token_ids)
+                finish_reason = response.finish_reason or finish_reason
                 if started is not None:
                     started.set()
         except grpc.RpcError as error:
-            return StreamResult(tuple(tokens), error.code().name)
+            return StreamResult(tuple(tokens), error.code().name, finish_reason)
         finally:
             if started is not None:
                 started.set()
-    return StreamResult(tuple(tokens), None)
+    return StreamResult(tuple(tokens), None, finish_reason)
 
 
 def worker_routers(cluster) -> dict[str, frozenset[str]]:
@@ -115,10 +119,15 @@ class RouterDeath:
         return tuple(result for result in self.results if result.code is not None)
 
 
-def kill_a_router_under_load(cluster, cases: Sequence[GreedyCase]) -> RouterDeath:
+def kill_a_router_under_load(cluster, cases: Sequence[GreedyCase], told_before_s: float = 0.0) -> RouterDeath:
     """Send every case on its own connection, kill (ray.kill: its process ends) the router with
     the most requests among those whose KV the prefill worker holds once every stream started,
-    and wait for the streams to end."""
+    and wait for the streams to end.
+
+    `told_before_s` > 0: every worker is first told the router is gone (abort_router, what
+    RouterReaper calls on Ray's DEAD) and the kill follows that much later. Ray publishes DEAD a
+    few ms before the killed process has exited (4-8 ms measured on loopback); this widens that
+    window, in which the router still serves its clients, so a test meets it every time."""
     import ray
 
     started = [threading.Event() for _ in cases]
@@ -130,6 +139,9 @@ def kill_a_router_under_load(cluster, cases: Sequence[GreedyCase]) -> RouterDeat
         in_flight = {router_id: ray.get(router.num_in_flight.remote()) for router_id, router in cluster.routers.items()}
         held = worker_routers(cluster)["prefill-0"] & set(in_flight)
         victim = max(held or in_flight, key=in_flight.get)
+        if told_before_s > 0:
+            ray.get([actor.abort_router.remote(victim) for actor in cluster.actors.values()], timeout=30)
+            time.sleep(told_before_s)
         ray.kill(cluster.routers.pop(victim))
         killed_at = time.monotonic()
         while any(victim in routers for routers in worker_routers(cluster).values()):

@@ -10,14 +10,16 @@ every worker is idle. Examples are derandomized so a run is reproducible and bou
 
 from __future__ import annotations
 
+import http.client
 import json
 import math
+import socket
 
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from splitserve.router.openai_server import MAX_BODY_BYTES
+from splitserve.router.request_limits import MAX_BODY_BYTES
 from tests.factories import ServedApis, http_request, served_apis
 
 MODEL = "tiny-llama"
@@ -255,6 +257,25 @@ def test_an_unknown_model_named_with_a_lone_surrogate_is_404(served):
 def test_body_over_the_limit_is_413(served):
     status, error = _error(served, "/v1/completions", b'{"prompt": "' + b"a" * MAX_BODY_BYTES + b'"}')
     assert (status, error["code"]) == (413, "request_too_large")
+
+
+def test_a_body_larger_than_any_servable_request_is_413_before_it_is_read(served):
+    """1 MiB + 128 prompts of 63 tokens x 13 bytes, escaped (6 bytes per byte): the largest body a
+    servable request has at max_model_len 64. Only the headers are sent: an answer proves the
+    server did not wait for the body."""
+    limit = served.tokenizers.limits.max_body_bytes
+    assert limit == (1 << 20) + 128 * (6 * 63 * 13 + 4)
+    with socket.create_connection(("127.0.0.1", served.http_port), timeout=TIMEOUT_S) as client:
+        client.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                       f"Content-Length: {limit + 1}\r\n\r\n".encode())
+        answer = http.client.HTTPResponse(client)
+        answer.begin()
+        status, body = answer.status, answer.read()
+    assert status == 413
+    assert json.loads(body)["error"] == {
+        "message": f"request body has {limit + 1} bytes; a servable request has at most {limit} (its prompts are "
+                   "bounded by router.max_prompt_bytes and max_model_len)",
+        "type": "invalid_request_error", "param": None, "code": "request_too_large"}
 
 
 def test_after_the_fuzz_the_server_serves_and_nothing_leaked(served):

@@ -2,7 +2,9 @@
 for both (SO_REUSEPORT), each router's prefix index exact; one router killed under load loses only
 its own streams, the other's all finish with Hugging Face's output, and every worker ends the dead
 router's requests (its held KV included) within 1 s of the kill, long before the 30 s lease
-would; a worker killed is reported by Ray's actor states and unroutable on every router."""
+would; its own streams end UNAVAILABLE, never as a finished stream, even when the workers hear of
+its death before its process has exited; a worker killed is reported by Ray's actor states and
+unroutable on every router."""
 
 from __future__ import annotations
 
@@ -18,6 +20,19 @@ from tests.factories import hf_greedy
 pytestmark = pytest.mark.slow
 
 
+def test_a_router_the_workers_hear_is_dead_before_it_exits_cuts_its_streams_with_unavailable(tiny_llama_dir):
+    """Ray publishes a killed router's DEAD a few ms before its process has exited, and the workers
+    end its requests then: the router, still running, must not receive a plain abort it would
+    pass on to its clients as a finished stream (finish_reason 'abort', status OK). Here the
+    workers hear 0.3 s before the kill. (First in the module: its cluster has ended before the
+    module's own starts.)"""
+    with running_cluster(router_cluster_config(tiny_llama_dir)) as (cluster, loop):
+        cases = load_cases()
+        death = kill_a_router_under_load(cluster, cases, told_before_s=0.3)
+        _assert_only_the_victims_streams_were_cut(death, cases, tiny_llama_dir)
+        loop.run(cluster.wait_idle(timeout_s=30))
+
+
 @pytest.fixture(scope="module")
 def two_routers(tiny_llama_dir):
     with running_cluster(router_cluster_config(tiny_llama_dir)) as running:
@@ -30,30 +45,35 @@ def test_both_routers_serve_one_address_with_exact_prefix_indexes(two_routers, t
     assert len(cluster.routers) == 2
     assert cluster.router_ports.http is not None
     assert stream_on_own_connection(cluster.port, "warm", case) == StreamResult(
-        tuple(hf_greedy(tiny_llama_dir, case)), None)
+        tuple(hf_greedy(tiny_llama_dir, case)), None, "length")
     assert [index_is_exact(cluster, router) for router in cluster.routers.values()] == [True, True]
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "known defect (issue 20): in 1 of 2 fresh-clone runs one stream ended without an error after its first "
-    "token (the gRPC stream's last chunk then carries finish_reason 'abort': a worker aborted a request the "
-    "test counts as the surviving router's); under investigation"))
 def test_killing_one_of_two_routers_under_load_loses_only_its_streams(two_routers, tiny_llama_dir):
     cluster, loop = two_routers
     cases = load_cases()
     death = kill_a_router_under_load(cluster, cases)
-    in_flight = dict(death.in_flight)
     assert death.held_on_prefill
-    assert {result.code for result in death.cut} == {"UNAVAILABLE"}
-    assert 1 <= len(death.cut) <= in_flight[death.victim]
-    finished = [(case, result) for case, result in zip(cases, death.results) if result.code is None]
-    assert len(finished) == len(cases) - len(death.cut)
-    assert [result.tokens for _, result in finished] == [tuple(hf_greedy(tiny_llama_dir, case)) for case, _ in finished]
+    _assert_only_the_victims_streams_were_cut(death, cases, tiny_llama_dir)
     assert death.reaped_s <= REAP_WITHIN_S, f"the dead router's requests left the workers {death.reaped_s:.2f} s after"
     loop.run(cluster.wait_idle(timeout_s=30))
     (survivor,) = cluster.routers.values()
     assert ray.get(survivor.num_in_flight.remote()) == 0
     assert index_is_exact(cluster, survivor)
+
+
+def _assert_only_the_victims_streams_were_cut(death, cases, model_dir) -> None:
+    """The cut streams ended UNAVAILABLE, at most as many as the dead router had in flight when it
+    was chosen (one may finish between that count and the kill); every other stream finished with
+    Hugging Face's output and finish_reason 'length', never 'abort' (what a stream a worker ended
+    finishes with)."""
+    in_flight = dict(death.in_flight)
+    assert {(result.code, result.finish_reason) for result in death.cut} == {("UNAVAILABLE", None)}
+    assert 1 <= len(death.cut) <= in_flight[death.victim]
+    finished = [(case, result) for case, result in zip(cases, death.results) if result.code is None]
+    assert len(finished) == len(cases) - len(death.cut)
+    assert [(result.tokens, result.finish_reason) for _, result in finished] == [
+        (tuple(hf_greedy(model_dir, case)), "length") for case, _ in finished]
 
 
 def test_a_killed_worker_is_reported_by_rays_actor_states_and_unroutable_on_every_router(two_routers):
