@@ -21,12 +21,26 @@ SpeculativeConfig.disable_above_batch_size).
 
 Writes bench/results/speculative.json and .png. Run: .venv/bin/python bench/speculative.py
 (--quick: batch 1 and 8, 1 round, to the temp directory).
+
+`--cluster` measures through a 1P+1D cluster instead (serving_common's bench cluster: Ray actors
+with one torch thread each on loopback, `disaggregation: always`, the prompt's KV pulled over NIXL,
+the decode pool speculating via `decode.engine.speculative`), one fresh cluster per method, the
+same workloads at batch 1 and 8 (CLUSTER_BATCH_SIZES), `--waves` waves each after a warm-up,
+medians. A gRPC client in its own process sends a wave's requests at once and times the
+messages: ITL = a request's time from its second message to its last / the tokens after its second
+message (the first gap holds the KV pull and the hand-off to the decode worker, which
+bench/serving_latency.py measures), averaged over requests; output tok/s = the wave's tokens / its
+wall time (send to last token). Wall time on the shared machine: the JSON records the CPU other
+processes used during each method (serving_common.ForeignCpu). Acceptance comes from the decode
+worker's counters. Every wave's token ids must equal `off`'s. Writes
+bench/results/speculative_cluster.json and .png (--quick: 1 wave, to the temp directory).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -172,12 +186,158 @@ def plot(runs: list[Run], path: Path) -> None:
     figure.savefig(path)
 
 
+# ---- through the cluster (--cluster) ----------------------------------------------------------
+CLUSTER_BATCH_SIZES = (1, 8)
+
+
+@dataclass(frozen=True)
+class ClusterRun:
+    workload: str
+    method: str
+    batch_size: int
+    threshold: int | None
+    itl_ms: float
+    """Median over waves of the requests' mean decode ITL (second message to last)."""
+    output_tokens_per_s: float
+    """Median over waves of the wave's tokens / its wall time."""
+    acceptance_rate: float
+    mean_accepted_length: float
+    identical_to_off: bool
+
+
+def client_wave(port: int, prompts: list[list[int]], max_tokens: int) -> list[dict]:
+    """Every prompt at once (greedy, ignore_eos); serving_common.stream_one's records with the output ids."""
+    import asyncio
+
+    from serving_common import stream_one, with_stub
+
+    async def body(stub):
+        origin = time.perf_counter()
+        return await asyncio.gather(*(stream_one(stub, f"w{i}", "wave", prompt, max_tokens, origin, keep_output=True)
+                                      for i, prompt in enumerate(prompts)))
+
+    return asyncio.run(with_stub(port, body))
+
+
+def decode_itl_s(arrivals: list[tuple[float, int]]) -> float:
+    """Seconds per token from a request's second message to its last (arrivals: (time, tokens) per message)."""
+    tokens = sum(count for _, count in arrivals[2:])
+    return (arrivals[-1][0] - arrivals[1][0]) / tokens
+
+
+def wave_numbers(records: list[dict]) -> tuple[float, float]:
+    """(mean decode ITL in seconds, output tokens per second) of one wave."""
+    tokens = sum(r["completion_tokens"] for r in records)
+    wall = max(r["arrivals"][-1][0] for r in records) - min(r["sent_s"] for r in records)
+    return statistics.mean(decode_itl_s(r["arrivals"]) for r in records), tokens / wall
+
+
+async def decode_spec_stats(cluster):
+    """The decode worker's SpecDecodeStats (None when it does not speculate)."""
+    (actor,) = cluster.decode_actors
+    return (await actor.stats.remote()).engine.spec_decode
+
+
+def cluster_method(client, method: str, workloads: dict[str, dict[int, list[list[int]]]], waves: int, part,
+                   reference: dict[tuple[str, int, int], list[list[int]]]) -> list[ClusterRun]:
+    """One fresh 1P+1D cluster whose decode pool runs `method`, every workload and batch size on it.
+    `reference`: (workload, batch size, wave) -> `off`'s token ids, which `off` (measured first)
+    fills and the other methods are compared with."""
+    from serving_common import Cluster, cluster_config
+
+    speculative = METHODS[method]
+    overrides = {"router.routing.disaggregation": "always", "prefill.engine.dtype": ENGINE.dtype,
+                 "decode.engine.dtype": ENGINE.dtype}
+    if speculative is not None:
+        overrides["decode.engine.speculative"] = asdict(speculative)
+    runs = []
+    with part(method), Cluster(cluster_config(DEFAULT_MODEL_NAME, "disaggregated", **overrides)) as (cluster, loop):
+        client.submit(client_wave, cluster.port, workloads["code"][1], 8).result()  # warm-up: handshake, first steps
+        for workload, by_batch in workloads.items():
+            for batch_size, prompts in by_batch.items():
+                before = loop.run(decode_spec_stats(cluster))
+                numbers, identical = [], True
+                for wave in range(waves):
+                    records = client.submit(client_wave, cluster.port, prompts, OUTPUT_TOKENS).result()
+                    numbers.append(wave_numbers(records))
+                    tokens = [r["output_token_ids"] for r in records]
+                    identical &= reference.setdefault((workload, batch_size, wave), tokens) == tokens
+                rate, length = _acceptance(before, loop.run(decode_spec_stats(cluster)))
+                runs.append(ClusterRun(workload, method, batch_size, speculative and speculative.batch_limit,
+                                       statistics.median(n[0] for n in numbers) * 1e3,
+                                       statistics.median(n[1] for n in numbers), rate, length, identical))
+                print_cluster_run(runs[-1])
+    return runs
+
+
+def print_cluster_run(run: ClusterRun) -> None:
+    print(f"  {run.workload} b{run.batch_size} {run.method}: ITL {run.itl_ms:.2f} ms, {run.output_tokens_per_s:.0f} "
+          f"tok/s, accept {run.acceptance_rate:.2f}, len {run.mean_accepted_length:.2f}, same {run.identical_to_off}",
+          flush=True)
+
+
+def run_cluster_bench(waves: int, quick: bool) -> None:
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    from serving_common import ForeignCpu, code_version, load_recorder, machine_info, warn_noisy_parts
+
+    model_dir = resolve_model_path(DEFAULT_MODEL_NAME)
+    workloads = {name: {b: make(model_dir, b) for b in CLUSTER_BATCH_SIZES}
+                 for name, make in (("code", code_prompts), ("chat", chat_prompts))}
+    report = {"machine": machine_info(), "code": code_version(),
+              "load": {"loadavg_1m_at_start": os.getloadavg()[0]}, "setup": "1P+1D, disaggregation always, NIXL",
+              "prompt_tokens": PROMPT_TOKENS, "output_tokens": OUTPUT_TOKENS, "waves": waves,
+              "methods": {name: (None if s is None else asdict(s)) for name, s in METHODS.items()}}
+    foreign = ForeignCpu()
+    part = load_recorder(report, foreign)
+    reference: dict[tuple[str, int, int], list[list[int]]] = {}
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as client:
+        runs = [run for method in METHODS
+                for run in cluster_method(client, method, workloads, waves, part, reference)]
+    foreign.stop()
+    report["runs"] = [asdict(r) for r in runs]
+    warn_noisy_parts(report["load"])
+    assert all(r.identical_to_off for r in runs), "speculative greedy output through the cluster differs from off"
+    out_dir = Path(tempfile.mkdtemp()) if quick else RESULTS
+    (out_dir / "speculative_cluster.json").write_text(json.dumps(report, indent=1) + "\n")
+    plot_cluster(runs, out_dir / "speculative_cluster.png")
+    print(f"wrote {out_dir / 'speculative_cluster.json'}")
+
+
+def plot_cluster(runs: list[ClusterRun], path: Path) -> None:
+    """ITL and output tok/s per workload and batch size, a bar per method."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cells = sorted({(r.workload, r.batch_size) for r in runs}, key=lambda c: (c[0] != "code", c[1]))
+    figure, axes = plt.subplots(1, 2, figsize=(11, 4))
+    width = 0.8 / len(METHODS)
+    panels = ((axes[0], "itl_ms", "decode ITL (ms)"), (axes[1], "output_tokens_per_s", "output tok/s"))
+    for axis, field, label in panels:
+        for index, method in enumerate(METHODS):
+            by_cell = {(r.workload, r.batch_size): getattr(r, field) for r in runs if r.method == method}
+            axis.bar([i + index * width for i in range(len(cells))], [by_cell[c] for c in cells], width, label=method)
+        axis.set_xticks([i + width for i in range(len(cells))], [f"{w} b{b}" for w, b in cells])
+        axis.set(ylabel=label, title=f"1P+1D cluster: {label}")
+        axis.legend()
+    figure.tight_layout()
+    figure.savefig(path)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--crossover", action="store_true")
+    parser.add_argument("--cluster", action="store_true", help="through a 1P+1D cluster instead of offline")
+    parser.add_argument("--waves", type=int, default=2, help="--cluster: waves per workload and batch size")
     args = parser.parse_args()
+    if args.cluster:
+        run_cluster_bench(1 if args.quick else args.waves, args.quick)
+        return
     rounds = 1 if args.quick else args.rounds
     batch_sizes = (1, 8) if args.quick else BATCH_SIZES
     model_dir = resolve_model_path(DEFAULT_MODEL_NAME)

@@ -121,17 +121,29 @@ def read_checkpoint(model_dir: Path) -> dict[str, torch.Tensor]:
 def fuse_checkpoint(checkpoint: dict[str, torch.Tensor], arch: LlamaFamilyArch) -> dict[str, torch.Tensor]:
     """Map HF parameter names onto the fused module's state dict (a projection's weight may be a
     QuantizedWeight: see engine/quantization/loader.py)."""
-    state = {name: checkpoint.pop(name) for name in ("embed_tokens.weight", "norm.weight")}
+    state = {name: _take(checkpoint, name, "outside the decoder layers") for name in ("embed_tokens.weight",
+                                                                                     "norm.weight")}
     lm_head = checkpoint.pop("lm_head.weight", None)
     state["lm_head.weight"] = state["embed_tokens.weight"] if arch.tie_word_embeddings or lm_head is None else lm_head
     for i in range(arch.num_layers):
-        state.update(_fuse_layer(checkpoint, f"layers.{i}.", arch))
+        state.update(_fuse_layer(checkpoint, i, arch))
     return state
 
 
-def _fuse_layer(checkpoint: dict[str, torch.Tensor], prefix: str, arch: LlamaFamilyArch) -> dict[str, torch.Tensor]:
+def _take(checkpoint: dict[str, torch.Tensor], name: str, where: str) -> torch.Tensor:
+    """Pop the tensor `name` (its checkpoint name without the `model.` prefix); a checkpoint without
+    it is one this architecture cannot run (`where` says which part of the model needs it)."""
+    tensor = checkpoint.pop(name, None)
+    if tensor is None:
+        raise UnsupportedModelError(f"the checkpoint has no tensor {name} ({where})")
+    return tensor
+
+
+def _fuse_layer(checkpoint: dict[str, torch.Tensor], index: int, arch: LlamaFamilyArch) -> dict[str, torch.Tensor]:
+    prefix = f"layers.{index}."
+
     def take(name: str) -> torch.Tensor:
-        return checkpoint.pop(prefix + name)
+        return _take(checkpoint, prefix + name, f"decoder layer {index} of {arch.num_layers}")
 
     attn, mlp = prefix + "self_attn.", prefix + "mlp."
     state = {

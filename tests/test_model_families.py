@@ -59,3 +59,20 @@ def test_unsupported_architecture_is_a_clear_error(tmp_path):
 def test_missing_model_directory_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="no config.json"):
         EngineCore(tmp_path, EngineConfig())
+
+
+@pytest.mark.parametrize("missing, where", [
+    ("model.layers.1.mlp.up_proj.weight", "layers.1.mlp.up_proj.weight (decoder layer 1 of 2)"),
+    ("model.norm.weight", "norm.weight (outside the decoder layers)"),
+])
+def test_a_checkpoint_missing_a_tensor_is_an_unsupported_model_naming_it(tmp_path, missing, where):
+    from safetensors.torch import load_file, save_file
+
+    model_dir = save_random_hf_model(tmp_path / "m", "llama", num_hidden_layers=2)
+    (weights,) = model_dir.glob("*.safetensors")
+    tensors = load_file(weights)
+    del tensors[missing]
+    save_file(tensors, weights, metadata={"format": "pt"})
+    with pytest.raises(UnsupportedModelError) as error:
+        EngineCore(model_dir, EngineConfig(device="cpu"))
+    assert str(error.value) == f"the checkpoint has no tensor {where}"

@@ -1,5 +1,6 @@
 """`splitserve serve`: vLLM's flags parsed into the cluster config, and every mistake the config
-and its files show reported as one line within a second, exit status 2, without Ray."""
+and its files show reported as one line, exit status 2, before anything expensive: the launch
+(Ray, the workers, the model's load) is never reached and Ray and torch are never imported."""
 
 from __future__ import annotations
 
@@ -124,28 +125,39 @@ def test_help_is_grouped_like_vllms(capsys):
 # ---- fail fast ------------------------------------------------------------------------------
 
 _PROBE = """
-import json, sys, time
+import json, sys, types
+# The launcher (Ray, the workers, the model's load) is the first expensive step; this stand-in
+# records whether serve() reached it, and keeps Ray and torch out of a run that does.
+launcher = types.ModuleType("splitserve.deploy.local")
+launched = []
+launcher.serve = lambda config, api_key: launched.append(config.model) or 0
+sys.modules["splitserve.deploy.local"] = launcher
 from splitserve.deploy.cli import main
-start = time.monotonic()
 code = main(sys.argv[1:])
-print(json.dumps({"code": code, "seconds": time.monotonic() - start, "ray": "ray" in sys.modules,
-                  "torch": "torch" in sys.modules}))
+print(json.dumps({"code": code, "launched": launched, "ray": "ray" in sys.modules, "torch": "torch" in sys.modules}))
 """
 
 
 def run_serve(*argv: str, cwd: Path | None = None) -> tuple[dict, list[str]]:
-    """`splitserve serve ARGV` in a fresh interpreter: its outcome (exit code, seconds main() took,
-    whether Ray or torch were imported at all) and its stderr lines."""
+    """`splitserve serve ARGV` in a fresh interpreter: its outcome (exit code, the models the launcher
+    was asked to serve, whether Ray or torch were imported at all) and its stderr lines."""
     done = subprocess.run([sys.executable, "-c", _PROBE, "serve", *argv], capture_output=True, text=True,
                           timeout=60, cwd=cwd)
     return json.loads(done.stdout.splitlines()[-1]), done.stderr.splitlines()
 
 
 def assert_fails_fast(argv: list[str], message: str) -> None:
+    """Refused before the launch: Ray was not even imported, let alone started, nor torch (no model load)."""
     outcome, lines = run_serve(*argv)
     assert lines == [f"splitserve: error: {message}"]
-    assert outcome["code"] == 2 and outcome["seconds"] < 1.0
-    assert not outcome["ray"] and not outcome["torch"]  # Ray was not even imported, let alone started
+    assert outcome == {"code": 2, "launched": [], "ray": False, "torch": False}
+
+
+def test_a_config_that_passes_the_checks_reaches_the_launch_and_only_then(tiny_llama_dir):
+    """The probe's control: the same run with nothing wrong gets to the launcher, without having
+    imported Ray or torch on the way (the checks themselves are cheap)."""
+    outcome, _ = run_serve(str(tiny_llama_dir), "--port", "0", "--grpc-port", "0", "--metrics-port", "0")
+    assert outcome == {"code": 0, "launched": [str(tiny_llama_dir)], "ray": False, "torch": False}
 
 
 @pytest.fixture()
@@ -216,7 +228,7 @@ def test_tls_files_missing_or_not_pem(tmp_path):
     junk = tmp_path / "junk.pem"
     junk.write_text("not a certificate")
     outcome, lines = run_serve("default", "--ssl-certfile", str(junk), "--ssl-keyfile", str(junk))
-    assert outcome["code"] == 2 and outcome["seconds"] < 1.0 and not outcome["ray"]
+    assert outcome == {"code": 2, "launched": [], "ray": False, "torch": False}
     assert len(lines) == 1 and lines[0].startswith(
         f"splitserve: error: TLS: cert_file '{junk}' and key_file '{junk}' are not a PEM certificate chain")
 
@@ -225,7 +237,7 @@ def test_bad_config_files(tmp_path):
     broken = tmp_path / "broken.yaml"
     broken.write_text("model: default\nrouter: [\n")
     outcome, lines = run_serve("--config", str(broken))
-    assert outcome["code"] == 2 and not outcome["ray"] and len(lines) == 1
+    assert outcome == {"code": 2, "launched": [], "ray": False, "torch": False} and len(lines) == 1
     assert lines[0].startswith("splitserve: error: (top level): invalid YAML: while parsing a flow node")
     wrong = tmp_path / "wrong.yaml"
     wrong.write_text("model: default\ndecode:\n  engine:\n    max_num_seqs: 0\n")

@@ -5,7 +5,8 @@ scheduler's speculating chunks."""
 
 from __future__ import annotations
 
-from dataclasses import replace
+import asyncio
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ import torch
 from splitserve.common.config import EngineConfig, SpeculativeConfig
 from splitserve.common.kv_events import BlocksRemoved, BlocksStored
 from splitserve.common.sampling_params import SamplingParams
+from splitserve.common.stats import SpecDecodeStats
 from splitserve.engine.engine_core import EngineCore
 from splitserve.engine.sampler import Sampler, filtered_probs
 from splitserve.engine.spec_decode.ngram import NgramProposer
@@ -348,8 +350,6 @@ def test_draft_model_with_another_tokenizer_is_refused(tiny_llama_dir, tiny_qwen
 def test_disaggregated_cluster_greedy_output_is_identical_with_a_speculating_decode_worker(tiny_llama_dir, method):
     """1 prefill + 1 decode worker (in-process transfer): the decode worker speculates on prompts whose
     KV it pulled, its draft model rebuilding its own KV from the prompt."""
-    import asyncio
-
     from splitserve.testing.in_process_cluster import InProcessCluster
 
     prompts = _prompts(4, 20)
@@ -391,3 +391,113 @@ def _run_with_constrained(engine: EngineCore, prompts: list[list[int]], constrai
     """_run over the prompts (greedy) plus one constrained request 'g' in the same batch."""
     engine.add_request("g", prompts[0], constrained)
     return _run(engine, prompts, GREEDY)
+
+
+# ---- a worker migration mid-speculation ---------------------------------------------------------
+MIGRATION_PROMPT = list(range(100, 113)) * 3
+"""A phrase said three times: n-grams match from the start; the greedy output varies (12 distinct
+tokens in 48)."""
+MIGRATION_GREEDY = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+HOLD_AT_OUTPUT_TOKENS = 12
+"""A decode worker stops stepping once a request of it has this many output tokens (a few
+verifications in), until the test has moved the request off it."""
+
+
+def _holds_enough_output(engine: EngineCore) -> bool:
+    return any(r.num_output_tokens >= HOLD_AT_OUTPUT_TOKENS for r in engine.scheduler.requests.values())
+
+
+@dataclass(frozen=True)
+class MigratedRun:
+    tokens: list[int]
+    left: str
+    """The decode worker the request moved off."""
+    left_spec: SpecDecodeStats | None
+    """That worker's counters when the request left it."""
+    survivor_spec: SpecDecodeStats | None
+    """The other decode worker's counters at the end."""
+    engines: dict[str, EngineCore]
+    """Both decode workers' engines (the left one's too, stopped or retired)."""
+
+
+async def _move_mid_stream(cluster, fault: str) -> tuple[list[int], str, SpecDecodeStats | None]:
+    """Stream the request; once the decode worker running it is held mid-stream, move the request
+    off it ('kill': the worker dies; 'drain': it is retired with no grace, its engine aborting the
+    request once it steps again, after the request resumed elsewhere)."""
+    from splitserve.router.api_types import GenerationInput
+    from splitserve.testing.fault_scenarios import InProcessView, StepHold
+
+    holds = {w.worker_id: StepHold(InProcessView.engine_loop(w), _holds_enough_output) for w in cluster.decode_workers}
+    tokens: list[int] = []
+    left, left_spec, retiring = "", None, None
+    inp = GenerationInput("a", tuple(MIGRATION_PROMPT), MIGRATION_GREEDY)
+    async for chunk in cluster.orchestrator.generate(inp):
+        tokens.extend(chunk.token_ids)
+        if left and holds:  # the first chunk of the resumed attempt: the request has left for good
+            holds.pop(left).release()
+        if not left and len(tokens) >= HOLD_AT_OUTPUT_TOKENS:
+            (left,) = [w.worker_id for w in cluster.decode_workers if (await w.stats()).engine.num_running]
+            left_spec = (await cluster.clients[left].stats()).engine.spec_decode
+            if fault == "kill":
+                cluster.kill(left)
+            else:
+                retiring = asyncio.ensure_future(cluster.retire_worker(left, timeout_s=0.0))
+            for worker_id in [w for w in holds if w != left]:
+                holds.pop(worker_id).release()
+    if retiring is not None:
+        await retiring
+    await cluster.wait_idle()
+    return tokens, left, left_spec
+
+
+def _migrated_run(model_dir, speculative: SpeculativeConfig | None, fault: str) -> MigratedRun:
+    from splitserve.router.policy import RoutingConfig
+    from splitserve.testing.in_process_cluster import InProcessCluster
+
+    records = []
+    routing = RoutingConfig(policy="round_robin", disaggregation="always")
+
+    async def scenario():
+        async with InProcessCluster(model_dir, num_decode=2, routing=routing, observer=records.append,
+                                    decode_speculative=speculative) as cluster:
+            engines = {w.worker_id: w.engine for w in cluster.decode_workers}
+            tokens, left, left_spec = await _move_mid_stream(cluster, fault)
+            (survivor,) = [w for w in cluster.decode_workers if w.worker_id != left]
+            return MigratedRun(tokens, left, left_spec, (await survivor.stats()).engine.spec_decode, engines)
+
+    run = asyncio.run(scenario())
+    (record,) = records
+    assert (record.finish_reason, record.error_code, record.num_migrations) == ("length", None, 1)
+    assert record.decode_worker != run.left and record.num_output_tokens == MIGRATION_GREEDY.max_tokens
+    return run
+
+
+@pytest.fixture(scope="module")
+def plain_migrated_tokens(tiny_llama_dir) -> list[int]:
+    run = _migrated_run(tiny_llama_dir, None, "kill")
+    assert run.left_spec is None and run.survivor_spec is None
+    return run.tokens
+
+
+@pytest.mark.parametrize("fault", ["kill", "drain"])
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_greedy_output_is_identical_across_a_worker_migration_mid_speculation(tiny_llama_dir, plain_migrated_tokens,
+                                                                              method, fault):
+    """Disaggregated, two speculating decode workers: the one decoding the request is held a few
+    verifications in, then dies or is drained; the router moves the request to the other, which
+    recomputes the prompt + the streamed tokens (its draft model rebuilding its own KV from them,
+    its adaptive k starting afresh) and speculates on. The client's tokens equal the run without
+    speculation, and no engine that still runs keeps speculative state of the request."""
+    speculative = SpeculativeConfig(method=method, draft_model=str(tiny_llama_dir), disable_above_batch_size=1024)
+    run = _migrated_run(tiny_llama_dir, speculative, fault)
+    assert run.tokens == plain_migrated_tokens
+    assert run.left_spec.num_drafts > 0 and run.left_spec.num_accepted_tokens > 0
+    assert run.survivor_spec.num_drafts > 0 and run.survivor_spec.num_accepted_tokens > 0
+    if method == "draft":  # the target drafting for itself: a draft KV rebuilt right proposes what it emits
+        assert run.survivor_spec.num_accepted_tokens == run.survivor_spec.num_draft_tokens
+    live = [worker_id for worker_id in run.engines if fault == "drain" or worker_id != run.left]
+    for worker_id in live:
+        speculator = run.engines[worker_id].speculator
+        assert speculator.tracked_request_ids() == frozenset()
+        if method == "draft":
+            assert_pool_idle(speculator.proposer.block_manager)

@@ -74,6 +74,10 @@ class Speculator:
         previous = self._accepted_length.get(request_id, float(num_accepted))
         self._accepted_length[request_id] = (1 - ACCEPTANCE_SMOOTHING) * previous + ACCEPTANCE_SMOOTHING * num_accepted
 
+    def tracked_request_ids(self) -> frozenset[str]:
+        """The requests whose acceptance this keeps (each running request that verified drafts)."""
+        return frozenset(self._accepted_length)
+
     def forget(self, request_id: str) -> None:
         self._accepted_length.pop(request_id, None)
         self.proposer.forget(request_id)
