@@ -15,9 +15,10 @@ from splitserve.deploy.cli import TRAINING_PRESETS, main as cli_main
 from splitserve.engine.stdlib_corpus import CorpusSplit, is_heldout, list_sources, stdlib_root
 from splitserve.engine.tiny_training import PRESETS, eval_windows, learning_rate, read_record, train
 
-# The losses of torch 2.13.0 on this project's CPUs (1 thread; bit-identical run to run). They pin the
-# recipe (init, data order, schedule, autocast): a change to any of them shows up here. The 1e-6
-# tolerance admits only last-bit differences of other CPUs' kernels, far below a recipe change's.
+# The losses of torch 2.13.0 on an AVX-512 CPU (1 thread; bit-identical run to run). They pin the
+# recipe (init, data order, schedule, autocast): a change to any of them shows up here. The 1e-4
+# tolerance admits the kernels of other CPUs, whose sums run in another order (an AVX2 CPU moved the
+# fourth loss by 2.3e-5 and the first three by under 1e-6), and stays far below a recipe change's.
 TINY_LOSSES = (5.754218101501465, 5.672914028167725, 5.5475335121154785, 5.375176429748535)
 
 
@@ -60,7 +61,7 @@ def test_training_is_deterministic_for_a_fixed_seed(tmp_path):
     first = train(TINY_TRAINING, split, tmp_path / "a")
     second = train(TINY_TRAINING, split, tmp_path / "b")
     assert first.step_losses == second.step_losses
-    assert first.step_losses == pytest.approx(TINY_LOSSES, abs=1e-6)
+    assert first.step_losses == pytest.approx(TINY_LOSSES, abs=1e-4)
     assert first.heldout_loss == second.heldout_loss
     assert (tmp_path / "a" / "model.safetensors").read_bytes() == (tmp_path / "b" / "model.safetensors").read_bytes()
     assert first.tokens_seen == 4 * 2 * 32
