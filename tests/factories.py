@@ -92,6 +92,15 @@ def save_random_hf_model(out_dir: Path, architecture: str, seed: int = 0, **conf
     return out_dir
 
 
+def engine_token_ids(engine) -> dict[str, list[int]]:
+    """Step an EngineCore until it has no work: each request's new token ids, in emission order."""
+    tokens: dict[str, list[int]] = {}
+    while engine.has_work():
+        for delta in engine.step():
+            tokens.setdefault(delta.request_id, []).extend(delta.new_token_ids)
+    return tokens
+
+
 def run_fake_step(scheduler: Scheduler, next_token=lambda request: 7):
     """One engine step without a model: schedule, mark KV computed, append a token to samplers."""
     output = scheduler.schedule()

@@ -16,7 +16,7 @@ from splitserve.engine.engine_core import EngineCore
 from splitserve.engine.kv_event_log import KVEventLog
 from splitserve.engine.step_costs import StepCosts
 from splitserve.testing.in_process_cluster import make_decode_worker, make_prefill_worker
-from tests.factories import RouterOutputs, make_block_manager, make_request
+from tests.factories import RouterOutputs, engine_token_ids, make_block_manager, make_request
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
 
@@ -112,21 +112,13 @@ SMALL_POOL = EngineConfig(block_size=8, num_kv_blocks=8, max_model_len=64, max_n
                           dtype="float32", device="cpu")
 
 
-def _run_all(engine: EngineCore) -> dict[str, list[int]]:
-    tokens: dict[str, list[int]] = {}
-    while engine.has_work():
-        for delta in engine.step():
-            tokens.setdefault(delta.request_id, []).extend(delta.new_token_ids)
-    return tokens
-
-
 def test_engine_batches_replay_to_its_prefix_cache(tiny_llama_dir):
     engine = EngineCore(tiny_llama_dir, SMALL_POOL)
     prompt_a = list(range(3, 23))  # 20 tokens: blocks 0-2
     prompt_b = prompt_a[:16] + [100, 101, 102, 103, 104]  # shares 2 blocks; admitted with a, so duplicates
     engine.add_request("a", prompt_a, GREEDY)
     engine.add_request("b", prompt_b, GREEDY)
-    outputs = _run_all(engine)
+    outputs = engine_token_ids(engine)
     hasher = BlockHasher(SMALL_POOL.block_size, SMALL_POOL.hash_seed)
     # KV exists for every token but the last sampled one: 24 tokens (3 blocks) of each.
     a = hasher.hash_prefix(prompt_a + outputs["a"][:-1])
@@ -144,7 +136,7 @@ def test_events_between_steps_are_reported_without_a_step(tiny_llama_dir):
     engine = EngineCore(tiny_llama_dir, SMALL_POOL)
     prompt = list(range(3, 23))
     engine.add_request("a", prompt, GREEDY)
-    outputs = _run_all(engine)
+    outputs = engine_token_ids(engine)
     hashes = BlockHasher(SMALL_POOL.block_size, SMALL_POOL.hash_seed).hash_prefix(prompt + outputs["a"][:-1])
     seq = engine.kv_report(None, 0)[1].seq
     # A pulled request needs 6 of the 8 blocks: the free list [3..7, 2, 1, 0] gives up blocks 3-7 and 2.

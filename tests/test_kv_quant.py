@@ -37,6 +37,8 @@ from splitserve.testing.in_process_cluster import (InProcessCluster, make_decode
                                                    worker_engine_config)
 from splitserve.testing.workloads import mixed_workload
 
+from tests.factories import engine_token_ids
+
 needs_kernels = pytest.mark.skipif(not load_cpu_kernels(),
                                    reason="the CPU kernels need a C++ compiler and AVX2+FMA or AVX-512")
 
@@ -249,11 +251,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 def _generate(engine: EngineCore, prompts) -> dict[str, list[int]]:
     for index, prompt in enumerate(prompts):
         engine.add_request(f"r{index}", prompt, GREEDY)
-    tokens: dict[str, list[int]] = {}
-    while engine.has_work():
-        for delta in engine.step():
-            tokens.setdefault(delta.request_id, []).extend(delta.new_token_ids)
-    return tokens
+    return engine_token_ids(engine)
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])

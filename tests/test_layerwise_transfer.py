@@ -16,7 +16,7 @@ from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.engine_core import EngineCore, FinalPrefillChunk
 from splitserve.kv_transfer import PullStatus
 from splitserve.testing.layerwise_pair import LayerwisePair, pulled_bytes
-from tests.factories import assert_pool_idle
+from tests.factories import assert_pool_idle, engine_token_ids
 
 CONFIG = EngineConfig(block_size=8, num_kv_blocks=128, max_num_batched_tokens=32, max_model_len=256, dtype="float32",
                       device="cpu")
@@ -107,7 +107,7 @@ def test_layerwise_pulled_kv_decodes_to_the_same_greedy_tokens(tiny_llama_dir, b
     one = EngineCore(tiny_llama_dir, CONFIG)
     for request_id, prompt in prompts.items():
         one.add_request(request_id, prompt, GREEDY)
-    expected = _run_all(one)
+    expected = engine_token_ids(one)
     consumer = EngineCore(tiny_llama_dir, CONFIG)
     with LayerwisePair(tiny_llama_dir, CONFIG, backend, layerwise=True) as pair:
         for request_id, pulled in _pull_all(pair).items():
@@ -117,16 +117,8 @@ def test_layerwise_pulled_kv_decodes_to_the_same_greedy_tokens(tiny_llama_dir, b
                 dst[list(local)] = src[list(pulled.local_block_ids)]
             consumer.remote_kv_ready(request_id)
             assert list(pulled.first_token_ids) == expected[request_id][:1]
-        decoded = _run_all(consumer)
+        decoded = engine_token_ids(consumer)
     assert {r: expected[r][:1] + decoded[r] for r in prompts} == expected
-
-
-def _run_all(engine: EngineCore) -> dict[str, list[int]]:
-    tokens: dict[str, list[int]] = {}
-    while engine.has_work():
-        for delta in engine.step():
-            tokens.setdefault(delta.request_id, []).extend(delta.new_token_ids)
-    return tokens
 
 
 class RecordingListener:
