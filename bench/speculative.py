@@ -87,7 +87,10 @@ class Run:
     threshold: int | None
     """The run's effective disable_above_batch_size (None: off; 1024: always speculating)."""
     itl_ms: float
+    """The median over rounds (offline; in process CPU time, first token to last) or waves (--cluster;
+    wall time at the client, second message to last) of the requests' mean ITL."""
     output_tokens_per_s: float
+    """The median over rounds / waves of the tokens over the process CPU time / the wave's wall time."""
     acceptance_rate: float
     mean_accepted_length: float
     identical_to_off: bool
@@ -190,21 +193,6 @@ def plot(runs: list[Run], path: Path) -> None:
 CLUSTER_BATCH_SIZES = (1, 8)
 
 
-@dataclass(frozen=True)
-class ClusterRun:
-    workload: str
-    method: str
-    batch_size: int
-    threshold: int | None
-    itl_ms: float
-    """Median over waves of the requests' mean decode ITL (second message to last)."""
-    output_tokens_per_s: float
-    """Median over waves of the wave's tokens / its wall time."""
-    acceptance_rate: float
-    mean_accepted_length: float
-    identical_to_off: bool
-
-
 def client_wave(port: int, prompts: list[list[int]], max_tokens: int) -> list[dict]:
     """Every prompt at once (greedy, ignore_eos); serving_common.stream_one's records with the output ids."""
     import asyncio
@@ -239,7 +227,7 @@ async def decode_spec_stats(cluster):
 
 
 def cluster_method(client, method: str, workloads: dict[str, dict[int, list[list[int]]]], waves: int, part,
-                   reference: dict[tuple[str, int, int], list[list[int]]]) -> list[ClusterRun]:
+                   reference: dict[tuple[str, int, int], list[list[int]]]) -> list[Run]:
     """One fresh 1P+1D cluster whose decode pool runs `method`, every workload and batch size on it.
     `reference`: (workload, batch size, wave) -> `off`'s token ids, which `off` (measured first)
     fills and the other methods are compared with."""
@@ -263,14 +251,14 @@ def cluster_method(client, method: str, workloads: dict[str, dict[int, list[list
                     tokens = [r["output_token_ids"] for r in records]
                     identical &= reference.setdefault((workload, batch_size, wave), tokens) == tokens
                 rate, length = _acceptance(before, loop.run(decode_spec_stats(cluster)))
-                runs.append(ClusterRun(workload, method, batch_size, speculative and speculative.batch_limit,
+                runs.append(Run(workload, method, batch_size, speculative and speculative.batch_limit,
                                        statistics.median(n[0] for n in numbers) * 1e3,
                                        statistics.median(n[1] for n in numbers), rate, length, identical))
                 print_cluster_run(runs[-1])
     return runs
 
 
-def print_cluster_run(run: ClusterRun) -> None:
+def print_cluster_run(run: Run) -> None:
     print(f"  {run.workload} b{run.batch_size} {run.method}: ITL {run.itl_ms:.2f} ms, {run.output_tokens_per_s:.0f} "
           f"tok/s, accept {run.acceptance_rate:.2f}, len {run.mean_accepted_length:.2f}, same {run.identical_to_off}",
           flush=True)
@@ -305,7 +293,7 @@ def run_cluster_bench(waves: int, quick: bool) -> None:
     print(f"wrote {out_dir / 'speculative_cluster.json'}")
 
 
-def plot_cluster(runs: list[ClusterRun], path: Path) -> None:
+def plot_cluster(runs: list[Run], path: Path) -> None:
     """ITL and output tok/s per workload and batch size, a bar per method."""
     import matplotlib
 
