@@ -90,7 +90,10 @@ def _lockstep(controller: Controller, connections: list[Connection]) -> list[Sim
 
 def run_sharded(config: SimulatedCluster, trace: Trace, policy: Policy, policy_name: str, shards: int) -> Run:
     started = time.perf_counter()
-    context = multiprocessing.get_context("fork")
+    # spawn, never fork: forking a process that runs other threads (torch's OpenMP pool, gRPC, Ray
+    # clients in a test session) can leave a lock held forever in the child, which then never
+    # sends its first window while this process waits for it.
+    context = multiprocessing.get_context("spawn")
     controller = Controller(config, policy, trace.duration_s)
     pipes = [context.Pipe() for _ in range(shards)]
     processes = []
