@@ -37,7 +37,8 @@ from splitserve.engine.tiny_model import default_cache_dir
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = (CSRC / "paged_attention.cpp", CSRC / "prefill_attention.cpp", CSRC / "fused_ops.cpp")
+SOURCES = (CSRC / "paged_attention.cpp", CSRC / "prefill_attention.cpp", CSRC / "fused_ops.cpp",
+           CSRC / "panel_linear.cpp")
 HEADERS = (CSRC / "vec16.h",)
 LIBRARY_NAME = "splitserve_cpu.so"
 

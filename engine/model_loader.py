@@ -20,8 +20,9 @@ from splitserve.common.errors import UnsupportedModelError
 from splitserve.common.model_dir import (SUPPORTED_ARCHITECTURES, unsupported_activation_message,
                                          unsupported_architecture_message)
 from splitserve.engine.attention import AttentionBackend
+from splitserve.engine.cpu_kernels import cpu_kernel_isa
 from splitserve.engine.models.llama import LlamaFamilyArch, LlamaFamilyForCausalLM, RotaryEmbedding
-from splitserve.engine.models.layer_ops import LayerOps, TorchLayerOps
+from splitserve.engine.models.layer_ops import CpuKernelLayerOps, LayerOps, TorchLayerOps
 from splitserve.engine.models.packed_linear import can_pack, pack_linears
 from splitserve.engine.quantization.formats import concat_rows
 from splitserve.engine.quantization.loader import install_quantized_linears, unpack_checkpoint
@@ -187,7 +188,7 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, backen
     state = {name: tensor.to(device=device, dtype=dtype) for name, tensor in tensors}
     model.load_state_dict(state, strict=True, assign=True)
     if can_pack(dtype, device):
-        pack_linears(model, dtype)
+        pack_linears(model, dtype, cpu_kernel_isa() if isinstance(ops, CpuKernelLayerOps) else None)
     else:
         _use_column_major_weights(model)
     model.rotary = rotary

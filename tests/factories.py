@@ -16,6 +16,7 @@ from splitserve.common.block_hash import BlockHasher
 from splitserve.common.kv_transfer_types import KVLayout
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.block_manager import BlockManager
+from splitserve.engine.cpu_kernels import load_cpu_kernels
 from splitserve.engine.request import Request
 from splitserve.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
 from splitserve.testing.event_loop import EventLoopThread
@@ -526,6 +527,8 @@ def two_sample_chi_square_p_value(first: list[int], second: list[int]) -> float:
 
 
 # ---- paged attention steps and the GPU suite's skips ---------------------------------------------
+needs_kernels = pytest.mark.skipif(not load_cpu_kernels(),
+                                   reason="the CPU kernels need a C++ compiler and AVX2+FMA or AVX-512")
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (this machine has none)")
 requires_flashinfer = pytest.mark.skipif(importlib.util.find_spec("flashinfer") is None,
                                          reason="needs flashinfer: pip install -c constraints.txt '.[gpu]'")

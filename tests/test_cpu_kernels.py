@@ -29,8 +29,8 @@ from splitserve.engine.cpu_kernels import (AVX2, AVX512, AVX512_BF16, CSRC, SOUR
                                            cpu_kernel_isa, detect_isa, include_flags, load_cpu_kernels)
 from splitserve.engine.models.layer_ops import CpuKernelLayerOps, TorchLayerOps
 
-needs_kernels = pytest.mark.skipif(not load_cpu_kernels(),
-                                   reason="the CPU kernels need a C++ compiler and AVX2+FMA or AVX-512")
+from tests.factories import needs_kernels
+
 needs_compiler = pytest.mark.skipif(shutil.which("g++") is None or shutil.which("objdump") is None,
                                     reason="needs g++ and objdump")
 

@@ -37,10 +37,8 @@ from splitserve.testing.in_process_cluster import (InProcessCluster, make_decode
                                                    worker_engine_config)
 from splitserve.testing.workloads import mixed_workload
 
-from tests.factories import engine_token_ids
+from tests.factories import engine_token_ids, needs_kernels
 
-needs_kernels = pytest.mark.skipif(not load_cpu_kernels(),
-                                   reason="the CPU kernels need a C++ compiler and AVX2+FMA or AVX-512")
 
 INT8, FP8 = KV_QUANTIZATIONS["int8"], KV_QUANTIZATIONS["fp8_e4m3"]
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}

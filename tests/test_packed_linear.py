@@ -1,6 +1,7 @@
 """oneDNN-packed linear layers against F.linear, in fp32 and bf16, with bf16 computed natively where
 the CPU has bf16 GEMMs and widened to fp32 where it has not (both paths run on every CPU: the widened
-one is chosen explicitly here)."""
+one is chosen explicitly here); and the C++ panel kernel (PanelLinear) bit for bit against its float32
+summation emulated in torch."""
 
 from __future__ import annotations
 
@@ -9,7 +10,11 @@ import torch
 import torch.nn.functional as F
 
 from splitserve.engine.cpu_gemm import cpu_gemm_dtype, has_bf16_gemm
-from splitserve.engine.models.packed_linear import PackedLinear, can_pack, pack_linears
+from splitserve.engine.cpu_kernels import AVX2, AVX512, AVX512_BF16
+from splitserve.engine.models.packed_linear import (PANEL_COLUMNS, PackedLinear, PanelLinear, can_pack, pack_linears,
+                                                    pack_panels, uses_panels)
+
+from tests.factories import needs_kernels
 
 needs_onednn = pytest.mark.skipif(not can_pack(torch.float32, torch.device("cpu")), reason="torch without oneDNN")
 NATIVE_BF16 = has_bf16_gemm()
@@ -68,7 +73,149 @@ def test_pack_linears_replaces_every_linear_and_keeps_the_output():
     model = model.to(torch.bfloat16)
     x = torch.randn(5, 16).to(torch.bfloat16)
     expected = model(x)
-    pack_linears(model, torch.bfloat16)
+    pack_linears(model, torch.bfloat16, kernel_isa=None)
     assert [type(m).__name__ for m in model] == ["PackedLinear", "SiLU", "PackedLinear"]
     assert {m.compute_dtype for m in model if isinstance(m, PackedLinear)} == {cpu_gemm_dtype(torch.bfloat16)}
     torch.testing.assert_close(model(x), expected, rtol=2**-7, atol=0)  # at most one bf16 ulp apart
+
+
+# ---- PanelLinear (csrc/panel_linear.cpp) ------------------------------------------------------------------
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int16).to(torch.int64) & 0xFFFF
+
+
+def test_bf16_panels_pair_consecutive_inputs_of_each_column_in_one_word():
+    weight = torch.randn(17, 5).to(torch.bfloat16)  # 2 panels (the second 1 column wide), 3 pairs (the last half)
+    panels = pack_panels(weight)
+    assert panels.shape == (2, 3, PANEL_COLUMNS) and panels.dtype == torch.int32
+    words = panels.to(torch.int64) & 0xFFFFFFFF
+    padded = torch.zeros(2 * PANEL_COLUMNS, 6, dtype=torch.bfloat16)
+    padded[:17, :5] = weight
+    for p, k2, j in [(0, 0, 0), (0, 2, 15), (1, 1, 0), (1, 2, 0), (1, 0, 7)]:
+        column = PANEL_COLUMNS * p + j
+        low, high = _bits(padded[column, 2 * k2]), _bits(padded[column, 2 * k2 + 1])
+        assert words[p, k2, j] == low | (high << 16)
+    assert torch.equal(words[1, :, 1:], torch.zeros(3, PANEL_COLUMNS - 1, dtype=torch.int64))  # columns 17..31
+    assert torch.equal(words[:, 2] >> 16, torch.zeros(2, PANEL_COLUMNS, dtype=torch.int64))  # input 5 of 5
+
+
+def test_fp32_panels_hold_sixteen_columns_per_input():
+    weight = torch.randn(17, 5)
+    panels = pack_panels(weight)
+    assert panels.shape == (2, 5, PANEL_COLUMNS) and panels.dtype == torch.float32
+    assert torch.equal(panels[0], weight[:16].T)
+    assert torch.equal(panels[1, :, 0], weight[16])
+    assert torch.equal(panels[1, :, 1:], torch.zeros(5, PANEL_COLUMNS - 1))
+
+
+def _emulated(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The kernel's arithmetic in torch: float32 sums in ascending k, one rounding per term (a bf16 x bf16
+    product is exact in float32, so the kernel's fused multiply-add rounds exactly where this add does)."""
+    acc = torch.zeros(x.shape[0], weight.shape[0])
+    for k in range(x.shape[1]):
+        acc = acc + x[:, k:k + 1].float() * weight[:, k].float()
+    if bias is not None:
+        acc = acc + bias.float()
+    return acc.to(x.dtype)
+
+
+CASES = [(1, 80, 96), (5, 17, 7), (6, 16, 2), (7, 1, 1), (13, 33, 64), (64, 80, 96), (129, 48, 31)]
+"""(rows, out_features, in_features): 1 to 2 tiles of rows and their tails, partial panels, odd inputs."""
+
+
+def _linear(out_features: int, in_features: int, bias: bool, dtype: torch.dtype, seed: int) -> torch.nn.Linear:
+    generator = torch.Generator().manual_seed(seed)
+    linear = torch.nn.Linear(in_features, out_features, bias=bias)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(out_features, in_features, generator=generator))
+        if bias:
+            linear.bias.copy_(torch.randn(out_features, generator=generator))
+    return linear.to(dtype)
+
+
+@needs_kernels
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
+@pytest.mark.parametrize("rows, out_features, in_features", CASES)
+def test_bf16_panel_linear_computes_the_float32_sum_in_k_order_bit_for_bit(rows, out_features, in_features, bias):
+    linear = _linear(out_features, in_features, bias, torch.bfloat16, rows * 1000 + out_features)
+    x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
+    got = PanelLinear(linear)(x)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, out_features)
+    assert torch.equal(got, _emulated(x, linear.weight, linear.bias))
+    # float32 activations holding bf16 values: the same sums, not rounded to bf16 at the end
+    assert torch.equal(PanelLinear(linear)(x.float()), _emulated(x.float(), linear.weight, linear.bias))
+
+
+@needs_kernels
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
+@pytest.mark.parametrize("rows, out_features, in_features", CASES)
+def test_fp32_panel_linear_equals_the_float64_product_within_float32_rounding(rows, out_features, in_features, bias):
+    """fp32 x fp32 products are not exact in float32, so the fused multiply-adds round differently from torch's
+    mul-then-add: compared against float64 within the error bound of an in_features-term float32 sum."""
+    linear = _linear(out_features, in_features, bias, torch.float32, rows * 1000 + out_features)
+    x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows))
+    got = PanelLinear(linear)(x)
+    assert got.dtype == torch.float32 and got.shape == (rows, out_features)
+    exact = F.linear(x.double(), linear.weight.double(), None if linear.bias is None else linear.bias.double())
+    magnitude = x.double().abs() @ linear.weight.double().abs().T + 1
+    assert ((got.double() - exact).abs() <= (in_features + 1) * 2 ** -24 * magnitude).all()
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_panel_linear_gives_a_row_the_same_result_in_any_batch(dtype):
+    linear = torch.nn.Linear(96, 80).to(dtype)
+    x = torch.randn(13, 96).to(dtype)
+    layer = PanelLinear(linear)
+    batch = layer(x)
+    for row in (0, 5, 6, 12):
+        assert torch.equal(layer(x[row:row + 1]), batch[row:row + 1])
+        assert torch.equal(layer(x[row:]), batch[row:])
+
+
+@needs_kernels
+def test_bf16_panel_linear_sums_float32_activations_within_float32_rounding():
+    linear = torch.nn.Linear(200, 40).to(torch.bfloat16)
+    x = torch.randn(9, 200)
+    exact = x.double() @ linear.weight.double().T + linear.bias.double()
+    torch.testing.assert_close(PanelLinear(linear)(x).double(), exact, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernels
+@pytest.mark.parametrize("call, message", [
+    (lambda layer: layer(torch.randn(2, 94).to(torch.bfloat16)), "x has 94 features, the panels 48 pairs"),
+    (lambda layer: layer(torch.randn(2, 96).half()), "x must be float32 or bfloat16"),
+    (lambda layer: torch.ops.splitserve_cpu.panel_linear(torch.randn(2, 96), layer.panels, None, 97),
+     "97 output features do not fill 5 panels"),
+    (lambda layer: torch.ops.splitserve_cpu.panel_linear(torch.randn(2, 96), layer.panels.double(), None, 80),
+     "panels must be a contiguous int32"),
+])
+def test_panel_linear_refuses_mismatched_inputs_with_a_message(call, message):
+    layer = PanelLinear(torch.nn.Linear(96, 80).to(torch.bfloat16))
+    with pytest.raises(RuntimeError, match=message):
+        call(layer)
+
+
+@pytest.mark.parametrize("dtype, isa, bf16_gemm, expected", [
+    (torch.float32, AVX2, False, True),
+    (torch.bfloat16, AVX2, False, True),
+    (torch.bfloat16, AVX512, False, True),
+    (torch.float32, AVX512, False, False),
+    (torch.bfloat16, AVX512_BF16, True, False),
+    (torch.float32, AVX512_BF16, True, False),
+    (torch.float32, None, False, False),
+    (torch.bfloat16, None, False, False),
+    (torch.float16, AVX2, False, False),
+])
+def test_panels_run_where_they_were_measured_faster(dtype, isa, bf16_gemm, expected):
+    assert uses_panels(dtype, isa, bf16_gemm) == expected
+
+
+@needs_onednn
+@pytest.mark.parametrize("kernel_isa", [AVX2, None], ids=["avx2-kernels", "no-kernels"])
+def test_pack_linears_replaces_every_linear_by_what_uses_panels_says(kernel_isa):
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 8)).to(torch.bfloat16)
+    pack_linears(model, torch.bfloat16, kernel_isa)
+    panels = uses_panels(torch.bfloat16, kernel_isa, NATIVE_BF16)
+    assert [type(m) for m in model] == [PanelLinear if panels else PackedLinear] * 2

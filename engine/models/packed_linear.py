@@ -1,4 +1,4 @@
-"""Linear layers whose weights oneDNN reorders once at load (CPU).
+"""Linear layers whose weights are packed once at load (CPU): for oneDNN, or for the panel kernel.
 
 `F.linear` on CPU hands the weight to the GEMM library in its stored layout on every call, so
 the library repacks it into its blocked format each time. Packing once at load with oneDNN
@@ -7,9 +7,13 @@ for an [4096, 768] weight: bf16 2.5x faster at 1 row, 1.15x at 64 rows, 1.1x at 
 (bitwise equal results); fp32 2.6x at 1 row, 1.75x at 64 rows (a different summation order:
 differences of ~1e-6 relative).
 
-On a CPU without bf16 GEMMs (engine/cpu_gemm.py) a bf16 model's weights are *widened*: packed
-once as fp32, the bf16 activations widened on the way in and the product rounded back to bf16 on
-the way out (results within one bf16 ulp of the bf16 GEMM's; the price is twice the weight memory).
+Where the C++ kernels run, the linears may instead run on engine/csrc/panel_linear.cpp (`PanelLinear`,
+`uses_panels` says where): weights in panels of 16 columns, bf16 ones kept bf16 and widened in registers,
+which streams the weights at a higher bandwidth than oneDNN does at a few rows. On a CPU without bf16
+GEMMs (engine/cpu_gemm.py) and without the C++ kernels, a bf16 model's weights are *widened* at
+load: packed once as fp32, the bf16 activations widened on the way in and the product rounded back
+to bf16 on the way out (results within one bf16 ulp of the bf16 GEMM's; the price is twice the
+weight memory, and twice the bytes a decode step streams).
 """
 
 from __future__ import annotations
@@ -17,7 +21,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from splitserve.engine.cpu_gemm import cpu_gemm_dtype
+from splitserve.engine.cpu_gemm import cpu_gemm_dtype, has_bf16_gemm
+from splitserve.engine.cpu_kernels import AVX2, CpuKernelIsa
 
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -52,10 +57,65 @@ class PackedLinear(nn.Module):
         return out.to(x.dtype)
 
 
-def pack_linears(model: nn.Module, dtype: torch.dtype) -> None:
-    """Replace every nn.Linear of `model` (weights in `dtype`) by a PackedLinear (in place)."""
+PANEL_COLUMNS = 16
+"""Output columns per panel of csrc/panel_linear.cpp."""
+
+
+def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+    """W [N, K] in csrc/panel_linear.cpp's layout, padded with zeros to whole panels:
+    bf16 -> int32 [ceil(N / 16), ceil(K / 2), 16], word (p, k2, j) holding W[16 p + j, 2 k2] in its low half
+    and W[16 p + j, 2 k2 + 1] in its high half; fp32 -> float32 [ceil(N / 16), K, 16], (p, k, j) = W[16 p + j, k]."""
+    out_features, in_features = weight.shape
+    panels, per_word = -(-out_features // PANEL_COLUMNS), 2 if weight.dtype == torch.bfloat16 else 1
+    steps = -(-in_features // per_word)
+    padded = torch.zeros(panels * PANEL_COLUMNS, steps * per_word, dtype=weight.dtype)
+    padded[:out_features, :in_features] = weight
+    # [P, 16, steps, per_word] -> [P, steps, 16, per_word]; a bf16 column's (2 k2, 2 k2 + 1) is one word
+    stepped = padded.view(panels, PANEL_COLUMNS, steps, per_word).transpose(1, 2).contiguous()
+    if per_word == 2:
+        stepped = stepped.view(torch.int32)
+    return stepped.view(panels, steps, PANEL_COLUMNS)
+
+
+class PanelLinear(nn.Module):
+    """y = x W^T + b with W (bf16 or fp32) in csrc/panel_linear.cpp's panels; bf16 weights stay bf16 (half the
+    memory of widened fp32 on CPUs without a bf16 GEMM). Each output is summed in float32 in ascending k and
+    rounded once to x's dtype, independently of the other rows of x."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        self.register_buffer("panels", pack_panels(linear.weight.detach()), persistent=False)
+        bias = None
+        if linear.bias is not None:
+            bias = torch.zeros(self.panels.shape[0] * PANEL_COLUMNS)
+            bias[:self.out_features] = linear.bias.detach()
+        self.register_buffer("bias", bias, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [N, in] -> [N, out]
+        return torch.ops.splitserve_cpu.panel_linear(x.contiguous(), self.panels, self.bias, self.out_features)
+
+
+def uses_panels(dtype: torch.dtype, kernel_isa: CpuKernelIsa | None, bf16_gemm: bool) -> bool:
+    """Whether a CPU model's linears run on the panel kernel (else oneDNN), where bench/panel_linear.py measured
+    it faster: on AVX2 for fp32 and bf16 (88M shapes, 1 thread: 1.9-2.2x at 1 row, 1.01-1.13x at 64-256),
+    and for bf16 wherever there is no bf16 GEMM (oneDNN's alternative widens the weights: twice the memory).
+    Not for fp32 on AVX-512, nor for bf16 with a bf16 GEMM (oneDNN's vdpbf16ps runs twice the kernel's FMA rate)."""
+    if kernel_isa is None or dtype not in PACKABLE_DTYPES:
+        return False
+    if dtype == torch.bfloat16:
+        return not bf16_gemm
+    return kernel_isa == AVX2
+
+
+def pack_linears(model: nn.Module, dtype: torch.dtype, kernel_isa: CpuKernelIsa | None) -> None:
+    """Replace every nn.Linear of `model` (weights in `dtype`) by a PanelLinear where `uses_panels` says so
+    (`kernel_isa`: the loaded C++ kernels' ISA, None when the model runs without them), else by a PackedLinear,
+    in place."""
+    panels = uses_panels(dtype, kernel_isa, has_bf16_gemm())
     compute_dtype = cpu_gemm_dtype(dtype)
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
-                setattr(parent, name, PackedLinear(child, compute_dtype))
+                setattr(parent, name, PanelLinear(child) if panels else PackedLinear(child, compute_dtype))

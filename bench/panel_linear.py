@@ -1,0 +1,140 @@
+"""Linear layers, bf16 and fp32: the C++ panel kernel (PanelLinear, engine/csrc/panel_linear.cpp) against
+oneDNN's GEMM over weights packed at load (PackedLinear), which for bf16 on a CPU without a bf16 GEMM means
+weights widened to fp32 at load.
+
+Shapes: the 88M model's projections (hidden 768, intermediate 2048, 12 heads / 4 KV heads of 64, vocab 8192):
+qkv 768->1280, o 768->768, gate_up 768->4096, down 2048->768, lm_head 768->8192; a forward's linear time is
+12 x (qkv + o + gate_up + down) + lm_head. Rows (tokens in the step) 1 to 512: 1 is batch-1 decode, 64 a
+decode batch, 256-512 a prefill chunk. One torch thread; each case checks the paths agree (within a bf16
+rounding; 1e-4 in fp32), then alternates them for `rounds` rounds and keeps each one's median thread CPU time
+(time.thread_time: other processes taking the cores do not inflate it).
+
+Writes bench/results/panel_linear.json and .png. Run: .venv/bin/python bench/panel_linear.py (about 4 minutes;
+--quick: 3 rounds, 3 row counts, written to the temp directory).
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from serving_common import bench_parser, report_header, start_bench, write_report
+from splitserve.engine.cpu_gemm import cpu_gemm_dtype, has_bf16_gemm
+from splitserve.engine.cpu_kernels import cpu_kernel_isa
+from splitserve.engine.models.packed_linear import PanelLinear, PackedLinear
+
+RESULTS = Path(__file__).resolve().parent / "results"
+SHAPES = {"qkv": (768, 1280), "o": (768, 768), "gate_up": (768, 4096), "down": (2048, 768), "lm_head": (768, 8192)}
+"""name -> (in_features, out_features) of the 88M model."""
+LAYERS = 12
+ROWS = (1, 2, 4, 8, 16, 64, 256, 512)
+QUICK_ROWS = (1, 64, 256)
+
+
+DTYPES = (torch.bfloat16, torch.float32)
+TOLERANCE = {torch.bfloat16: 2 ** -7, torch.float32: 1e-4}
+
+
+def layer_paths(dtype: torch.dtype, in_features: int, out_features: int, seed: int) -> dict[str, torch.nn.Module]:
+    """The kernel and what the engine runs without it (oneDNN: native bf16, or widened to fp32)."""
+    generator = torch.Generator().manual_seed(seed)
+    linear = torch.nn.Linear(in_features, out_features, bias=False)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(out_features, in_features, generator=generator) / in_features ** 0.5)
+    linear = linear.to(dtype)
+    return {"panels": PanelLinear(linear), "onednn": PackedLinear(linear, compute_dtype=cpu_gemm_dtype(dtype))}
+
+
+def median_ms(call, rounds: int) -> float:
+    times = []
+    for _ in range(rounds):
+        started = time.thread_time()
+        call()
+        times.append(time.thread_time() - started)
+    return 1e3 * statistics.median(times)
+
+
+def measure(dtype: torch.dtype, name: str, rows: int, rounds: int, seed: int) -> dict:
+    in_features, out_features = SHAPES[name]
+    paths = layer_paths(dtype, in_features, out_features, seed)
+    x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(seed + rows)).to(dtype)
+    outputs = {path: layer(x).float() for path, layer in paths.items()}
+    torch.testing.assert_close(outputs["panels"], outputs["onednn"], rtol=TOLERANCE[dtype], atol=1e-3)
+    times = {path: [] for path in paths}
+    for _ in range(rounds):
+        for path, layer in paths.items():
+            times[path].append(median_ms(lambda: layer(x), 3))
+    return {"dtype": str(dtype).removeprefix("torch."), "shape": name, "rows": rows,
+            **{f"{path}_ms": statistics.median(t) for path, t in times.items()}}
+
+
+def forward_totals(results: list[dict]) -> list[dict]:
+    """Per dtype and row count: the linear time of one forward (LAYERS decoder layers + the LM head) per path."""
+    totals = []
+    for dtype, rows in sorted({(r["dtype"], r["rows"]) for r in results}):
+        at_rows = {r["shape"]: r for r in results if r["rows"] == rows and r["dtype"] == dtype}
+        total = {"dtype": dtype, "rows": rows}
+        for path in ("panels", "onednn"):
+            decoder = sum(at_rows[name][f"{path}_ms"] for name in SHAPES if name != "lm_head")
+            total[f"{path}_ms"] = LAYERS * decoder + at_rows["lm_head"][f"{path}_ms"]
+        total["speedup"] = total["onednn_ms"] / total["panels_ms"]
+        totals.append(total)
+    return totals
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    onednn_bf16 = "oneDNN bf16" if report["bf16_gemm"] else "oneDNN fp32 on widened weights"
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for dtype, style in (("bfloat16", "-"), ("float32", "--")):
+        totals = [t for t in report["forward"] if t["dtype"] == dtype]
+        rows = [t["rows"] for t in totals]
+        ax.plot(rows, [t["panels_ms"] / t["rows"] for t in totals], style, marker="o",
+                label=f"{dtype}: C++ panel kernel ({report['kernel_isa']})")
+        ax.plot(rows, [t["onednn_ms"] / t["rows"] for t in totals], style, marker="s",
+                label=f"{dtype}: {onednn_bf16 if dtype == 'bfloat16' else 'oneDNN fp32'}")
+        for t in totals:
+            ax.annotate(f"x{t['speedup']:.2f}", (t["rows"], t["panels_ms"] / t["rows"]), textcoords="offset points",
+                        xytext=(0, -12), ha="center", fontsize=7)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("rows (tokens in the step)")
+    ax.set_ylabel("ms per row, one forward's linears")
+    ax.set_title("88M model's linear layers, 1 thread (x: oneDNN / kernel)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = bench_parser(__doc__, "3 rounds, 3 row counts, written to the temp directory", RESULTS)
+    parser.add_argument("--rounds", type=int, default=7)
+    args = parser.parse_args()
+    start_bench()
+    isa = cpu_kernel_isa()
+    if isa is None:
+        sys.exit("the CPU kernels did not load on this machine (see the log): nothing to compare")
+    rounds = 3 if args.quick else args.rounds
+    report = report_header("bench/panel_linear.py", args)
+    report["kernel_isa"], report["bf16_gemm"] = isa.name, has_bf16_gemm()
+    report["results"] = [measure(dtype, name, rows, rounds, args.seed) for dtype in DTYPES
+                         for rows in (QUICK_ROWS if args.quick else ROWS) for name in SHAPES]
+    report["forward"] = forward_totals(report["results"])
+    for t in report["forward"]:
+        print(f"{t['dtype']:9s} {t['rows']:4d} rows: kernel {t['panels_ms']:8.2f} ms, oneDNN {t['onednn_ms']:8.2f} ms "
+              f"(x{t['speedup']:.2f})")
+    out_dir = write_report(report, "panel_linear", args, RESULTS, plot)
+    print(f"wrote {out_dir / 'panel_linear.json'} and .png ({isa.name})")
+
+
+if __name__ == "__main__":
+    main()

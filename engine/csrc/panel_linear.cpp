@@ -1,0 +1,167 @@
+// y = x W^T + b with W in panels of 16 output columns (engine/models/packed_linear.py packs them once at
+// load), bf16 or fp32.
+//
+// bf16 is for CPUs without a bf16 GEMM (AVX2, AVX-512 without AVX512_BF16): there oneDNN's only fast
+// path widens the weights to fp32 at load, twice the memory and twice the bytes a small-batch decode step
+// streams from memory, which is what bounds it. This kernel keeps them bf16 and widens them in registers
+// (a bf16 is the high half of a float: one AND or one shift per 8 weights).
+//
+// Layouts, W [N, K], panel p = output columns [16 p, 16 p + 16), columns past N zero:
+//   bf16: int32 [P][ceil(K/2)][16]; word (k2, j) holds W[16p + j, 2 k2] in its low half and
+//         W[16p + j, 2 k2 + 1] in its high half (0 past an odd K): one Words16 load = 16 columns at 2 k.
+//   fp32: float [P][K][16]; (k, j) holds W[16p + j, k].
+//
+// Arithmetic: x widened to float32 once per call; every output is sum_k x[m, k] * W[n, k] accumulated in
+// float32 in ascending k, one fused multiply-add per term, plus the bias, rounded once to x's dtype. The
+// order depends on nothing but k, so a row's result is the same whichever rows share its batch.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <optional>
+#include <type_traits>
+
+#include "vec16.h"
+
+namespace {
+
+constexpr int64_t kPanelColumns = 16;
+
+// Rows per micro-tile: 2 registers per row on AVX2 (Vec16 is two ymm), plus the widened weights and a
+// broadcast, within the 16 ymm; AVX-512's 32 zmm leave room for more, 8 keeps the tile small for decode.
+constexpr int kTileRows = kVec16Registers >= 32 ? 8 : 6;
+
+// acc[r] = sum over k of x[r, k] * panel[k] for R rows of x (row stride x_stride); steps = the panel's
+// rows: pairs of k for bf16 words (uint32_t), single k for float.
+template <int R>
+inline void panel_tile(const float* x, int64_t x_stride, const uint32_t* panel, int64_t pairs, Vec16* acc) {
+  for (int r = 0; r < R; ++r) acc[r] = zero16();
+  for (int64_t k2 = 0; k2 < pairs; ++k2) {
+    const Words16 words = load_words(panel + kPanelColumns * k2);
+    const Vec16 even = low_bf16(words);  // W[., 2 k2]
+    for (int r = 0; r < R; ++r) acc[r] = fma16(set16(x[r * x_stride + 2 * k2]), even, acc[r]);
+    const Vec16 odd = high_bf16(words);  // W[., 2 k2 + 1]
+    for (int r = 0; r < R; ++r) acc[r] = fma16(set16(x[r * x_stride + 2 * k2 + 1]), odd, acc[r]);
+  }
+}
+
+template <int R>
+inline void panel_tile(const float* x, int64_t x_stride, const float* panel, int64_t steps, Vec16* acc) {
+  for (int r = 0; r < R; ++r) acc[r] = zero16();
+  for (int64_t k = 0; k < steps; ++k) {
+    const Vec16 w = load16(panel + kPanelColumns * k);
+    for (int r = 0; r < R; ++r) acc[r] = fma16(set16(x[r * x_stride + k]), w, acc[r]);
+  }
+}
+
+// Inputs (k) per panel row.
+template <typename W>
+constexpr int64_t kInputsPerStep = std::is_same_v<W, uint32_t> ? 2 : 1;
+
+template <typename T>
+inline void store_columns(Vec16 value, int64_t columns, T* out) {
+  if (columns == kPanelColumns) {
+    store16(out, value);
+    return;
+  }
+  alignas(64) T staged[kPanelColumns];
+  store16(staged, value);
+  std::copy(staged, staged + columns, out);
+}
+
+struct LinearShape {
+  int64_t rows, steps, out_features;  // steps: rows of a panel
+};
+
+// Rows [row, row + R) of the output's columns [16 p, 16 p + 16) that exist.
+template <typename T, typename W, int R>
+void tile(const float* x, const W* panels, const float* bias, const LinearShape& shape, int64_t p, int64_t row,
+          T* out) {
+  const int64_t x_stride = kInputsPerStep<W> * shape.steps;
+  Vec16 acc[R];
+  panel_tile<R>(x + row * x_stride, x_stride, panels + p * shape.steps * kPanelColumns, shape.steps, acc);
+  const int64_t first = p * kPanelColumns, columns = std::min(kPanelColumns, shape.out_features - first);
+  for (int r = 0; r < R; ++r) {
+    const Vec16 value = bias == nullptr ? acc[r] : acc[r] + load16(bias + first);
+    store_columns(value, columns, out + (row + r) * shape.out_features + first);
+  }
+}
+
+template <typename T, typename W, int R = kTileRows>
+void tail_tile(int rows, const float* x, const W* panels, const float* bias, const LinearShape& shape, int64_t p,
+               int64_t row, T* out) {
+  if constexpr (R > 1) {
+    if (rows < R) return tail_tile<T, W, R - 1>(rows, x, panels, bias, shape, p, row, out);
+  }
+  tile<T, W, R>(x, panels, bias, shape, p, row, out);
+}
+
+template <typename T, typename W>
+void linear_panels(const float* x, const W* panels, const float* bias, const LinearShape& shape, int64_t num_panels,
+                   T* out) {
+  // About 256K multiply-adds per task: a decode step's small layers run on one thread, where waking the
+  // others would cost more than the layer.
+  const int64_t per_panel = std::max<int64_t>(1, shape.rows * shape.steps * kInputsPerStep<W> * kPanelColumns);
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 18) / per_panel);
+  at::parallel_for(0, num_panels, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      int64_t row = 0;
+      for (; row + kTileRows <= shape.rows; row += kTileRows) tile<T, W, kTileRows>(x, panels, bias, shape, p, row, out);
+      if (row < shape.rows) tail_tile<T, W>(static_cast<int>(shape.rows - row), x, panels, bias, shape, p, row, out);
+    }
+  });
+}
+
+template <typename W>
+void dispatch_output(const at::Tensor& wide, const W* panels, const float* bias, const LinearShape& shape,
+                     int64_t num_panels, at::Tensor& out) {
+  if (out.scalar_type() == at::kFloat)
+    linear_panels(wide.data_ptr<float>(), panels, bias, shape, num_panels, out.data_ptr<float>());
+  else
+    linear_panels(wide.data_ptr<float>(), panels, bias, shape, num_panels, out.data_ptr<c10::BFloat16>());
+}
+
+// x [M, K] (float32 or bfloat16), panels int32 [P, ceil(K/2), 16] (bf16 pairs) or float32 [P, K, 16], bias
+// float32 [16 P] or None -> [M, out_features] in x's dtype, out_features in (16 (P - 1), 16 P].
+at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, const std::optional<at::Tensor>& bias,
+                        int64_t out_features) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "panel_linear: x must be a contiguous [rows, in_features] matrix");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "panel_linear: x must be float32 or bfloat16");
+  const bool bf16 = panels.scalar_type() == at::kInt;
+  TORCH_CHECK(panels.dim() == 3 && panels.size(2) == kPanelColumns && (bf16 || panels.scalar_type() == at::kFloat) &&
+                  panels.is_contiguous(),
+              "panel_linear: panels must be a contiguous int32 [P, ceil(K/2), 16] or float32 [P, K, 16] tensor");
+  const int64_t in_features = x.size(1), steps = panels.size(1), num_panels = panels.size(0);
+  const int64_t per_step = bf16 ? 2 : 1;
+  TORCH_CHECK(steps == (in_features + per_step - 1) / per_step, "panel_linear: x has ", in_features,
+              " features, the panels ", steps, bf16 ? " pairs" : " inputs");
+  TORCH_CHECK(out_features > kPanelColumns * (num_panels - 1) && out_features <= kPanelColumns * num_panels,
+              "panel_linear: ", out_features, " output features do not fill ", num_panels, " panels");
+  if (bias.has_value())
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == kPanelColumns * num_panels,
+                "panel_linear: bias must be contiguous float32 of 16 per panel");
+  // x widened to float32, rows padded with zeros to the panels' inputs (paired with their zero k).
+  at::Tensor wide = x;
+  if (x.scalar_type() != at::kFloat || in_features != steps * per_step) {
+    wide = at::zeros({x.size(0), steps * per_step}, x.options().dtype(at::kFloat));
+    wide.narrow(1, 0, in_features).copy_(x);
+  }
+  at::Tensor out = at::empty({x.size(0), out_features}, x.options());
+  const LinearShape shape{x.size(0), steps, out_features};
+  const float* bias_data = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  if (bf16)
+    dispatch_output(wide, reinterpret_cast<const uint32_t*>(panels.data_ptr<int32_t>()), bias_data, shape, num_panels, out);
+  else
+    dispatch_output(wide, panels.data_ptr<float>(), bias_data, shape, num_panels, out);
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(splitserve_cpu, m) {
+  m.def("panel_linear(Tensor x, Tensor panels, Tensor? bias, int out_features) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(splitserve_cpu, CPU, m) { m.impl("panel_linear", &panel_linear); }
