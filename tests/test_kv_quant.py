@@ -26,7 +26,6 @@ from splitserve.common.kv_transfer_types import (KV_SCALES_NONE, KV_SCALES_PER_T
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.attention import CpuPagedAttention, TorchReferenceAttention
 from splitserve.engine.attention.base import AttentionMetadata, DecodeBatch, PrefillSpan
-from splitserve.engine.cpu_kernels import load_cpu_kernels
 from splitserve.engine.engine_core import EngineCore
 from splitserve.engine.kv_cache import KVCacheSpec, num_blocks_for
 from splitserve.engine.kv_quant import KV_QUANTIZATIONS, kv_quantization, pool_quantization
