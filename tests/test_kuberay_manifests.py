@@ -15,6 +15,7 @@ import copy
 import dataclasses
 import hashlib
 import importlib.util
+import io
 import os
 import re
 import shutil
@@ -168,7 +169,9 @@ def test_pod_monitor_labels_match_the_prometheus_rules_and_scrape_config(manifes
     relabels = scrape["scrape_configs"][0]["relabel_configs"]
     assert {"source_labels": ["__meta_kubernetes_pod_label_ray_io_cluster"], "target_label": "cluster"} in relabels
     assert {"source_labels": ["__meta_kubernetes_pod_label_splitserve_io_model"], "target_label": "model"} in relabels
-    assert relabels[0]["regex"] == f"head;{endpoint['port']}"
+    assert relabels[0] == {"source_labels": ["__meta_kubernetes_pod_label_splitserve_io_component",
+                                             "__meta_kubernetes_pod_container_port_name"],
+                           "regex": f"router;{endpoint['port']}", "action": "keep"}
 
 
 def test_kustomization_lists_every_manifest():
@@ -540,34 +543,40 @@ def test_head_script_needs_kuberays_generated_command(tmp_path):
     assert "KUBERAY_GEN_RAY_START_CMD is not set" in output
 
 
-# ---- several routers: the router group (deploy/README.md, "Several routers") ---------------------
+# ---- several routers: deploy/kuberay-several-routers (deploy/README.md, "Several routers") ---------
+
+SEVERAL = REPO / "deploy" / "kuberay-several-routers"
+ROUTER_ARGS = ["--config", "/etc/splitserve/cluster.yaml", "--set", "router.replicas=2", "--set",
+               "router.resources.num_cpus=4", "--set", "router.resources.node_labels=ray.io/node-group=router"]
 
 
-def with_router_group(docs: dict, routers: int = 2, pods: int = 2) -> None:
-    """The shipped manifests turned into the README's several-router deployment: router.replicas
-    router actors, one per pod of a CPU worker group `router` that carries the head's API ports
-    and probes; the Service and PodMonitor select those pods; the head only runs Ray and the launcher."""
-    _config(docs, "router:\n  host: 0.0.0.0", f"router:\n  replicas: {routers}\n  resources: "
-            "{num_cpus: 4, node_labels: ray.io/node-group=router}\n  host: 0.0.0.0")
-    head_template = docs["RayCluster"]["spec"]["headGroupSpec"]["template"]
-    head = head_template["spec"]["containers"][0]
-    api_ports = [port for port in head["ports"] if port["name"] in ("grpc", "http", "router-metrics")]
-    head["ports"] = [port for port in head["ports"] if port not in api_ports]
-    probes = {kind: head.pop(kind) for kind in ("startupProbe", "readinessProbe", "livenessProbe")}
-    head_template["metadata"]["labels"]["splitserve.io/component"] = "launcher"
-    group = copy.deepcopy(docs["RayCluster"]["spec"]["workerGroupSpecs"][0])
-    group.update(groupName="router", replicas=pods, minReplicas=0, maxReplicas=16)
-    template = group["template"]
-    template["metadata"]["labels"]["splitserve.io/component"] = "router"
-    for key in ("nodeSelector", "tolerations"):
-        template["spec"].pop(key)
-    container = template["spec"]["containers"][0]
-    container.update(ports=api_ports, resources={"requests": {"cpu": "4", "memory": "16Gi"},
-                                                 "limits": {"cpu": "4", "memory": "16Gi"}}, **probes)
-    docs["RayCluster"]["spec"]["workerGroupSpecs"].append(group)
-    selector = {"ray.io/cluster": "splitserve", "splitserve.io/component": "router"}
-    docs["Service"]["spec"]["selector"] = dict(selector)
-    docs["PodMonitor"]["spec"]["selector"]["matchLabels"] = dict(selector)
+def _apply_json_patch(doc: dict, operations: list[dict]) -> None:
+    """The add / replace / remove operations of a JSON patch (RFC 6902) that the overlay uses."""
+    for operation in operations:
+        *parents, last = [part.replace("~1", "/").replace("~0", "~") for part in operation["path"].split("/")[1:]]
+        target = doc
+        for part in parents:
+            target = target[int(part)] if isinstance(target, list) else target[part]
+        if operation["op"] == "remove":
+            del target[last]
+        elif isinstance(target, list) and last == "-":
+            target.append(copy.deepcopy(operation["value"]))
+        else:
+            target[int(last) if isinstance(target, list) else last] = copy.deepcopy(operation["value"])
+
+
+def with_router_group(docs: dict, routers: int = 2, pods: int = 2, router_cpus: str = "4") -> None:
+    """The overlay applied to the shipped manifests without kustomize: its RayCluster patch, with
+    routers.yaml's replicas written as the head's --set router.replicas=`routers` and the router
+    group's `pods`, its cpu as --set router.resources.num_cpus=`router_cpus` (one router per 4-CPU
+    pod when they agree). test_several_routers_overlay_builds_what_the_tests_validate holds it to
+    the kustomize build."""
+    operations = yaml.safe_load((SEVERAL / "raycluster-patch.yaml").read_text(encoding="utf-8"))
+    _apply_json_patch(docs["RayCluster"], operations)
+    spec = docs["RayCluster"]["spec"]
+    args = spec["headGroupSpec"]["template"]["spec"]["containers"][0]["args"]
+    args[3], args[5] = f"router.replicas={routers}", f"router.resources.num_cpus={router_cpus}"
+    spec["workerGroupSpecs"][-1]["replicas"] = pods
 
 
 def _variant(manifests: list, change: Callable[[dict], None]) -> list:
@@ -579,28 +588,76 @@ def _variant(manifests: list, change: Callable[[dict], None]) -> list:
 def test_several_routers_on_a_router_group_behind_one_service_validate(manifests):
     variant = _variant(manifests, with_router_group)
     assert kv.validate(variant) == []
-    config = parse_cluster_config(_docs(variant)["ConfigMap"]["data"]["cluster.yaml"])
-    assert (config.router.replicas, config.router.resources.label_selector) == (2, {"ray.io/node-group": "router"})
+    docs = _docs(variant)
+    head = docs["RayCluster"]["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+    assert head["args"] == ROUTER_ARGS
+    assert kv.serve_arguments(head["args"][2:]) == {
+        "router.replicas": 2, "router.resources.num_cpus": 4,
+        "router.resources.node_labels": "ray.io/node-group=router"}
+    assert "replicas" not in yaml.safe_load(docs["ConfigMap"]["data"]["cluster.yaml"])["router"]
+    # The Service and PodMonitor are the base's: they select the router pods in both layouts.
+    selector = {"ray.io/cluster": "splitserve", "splitserve.io/component": "router"}
+    assert (docs["Service"]["spec"]["selector"], docs["PodMonitor"]["spec"]["selector"]["matchLabels"]) == (
+        selector, selector)
+    group = docs["RayCluster"]["spec"]["workerGroupSpecs"][2]
+    container = group["template"]["spec"]["containers"][0]
+    assert (group["groupName"], group["replicas"], container["resources"]) == (
+        "router", 2, {"requests": {"cpu": "4", "memory": "16Gi"}, "limits": {"cpu": "4", "memory": "16Gi"}})
+    assert {p["name"]: p["containerPort"] for p in container["ports"]} == {
+        "grpc": 50051, "http": 8000, "router-metrics": 9400}
+
+
+def test_cluster_config_value_agreeing_with_the_head_arguments_passes(manifests):
+    variant = _variant(manifests, lambda d: (with_router_group(d), _config(d, "router:\n", "router:\n  replicas: 2\n")))
+    assert kv.validate(variant) == []
 
 
 ROUTER_GROUP_BROKEN: dict[str, tuple[Callable[[dict], None], list[str]]] = {
     "fewer router pods than routers": (
         lambda d: with_router_group(d, routers=3),
-        [f"{RC}: cluster config: router: 3 routers need 3 pods of worker group router, it has 2"]),
+        [f"{RC}: cluster config: router: 3 routers need exactly 3 pods of worker group router (one router each), "
+         "it has 2"]),
+    "more router pods than routers": (
+        lambda d: with_router_group(d, pods=3),
+        [f"{RC}: cluster config: router: 2 routers need exactly 2 pods of worker group router (one router each), "
+         "it has 3"]),
     "two routers on one pod": (
-        lambda d: (with_router_group(d), _config(d, "{num_cpus: 4,", "{num_cpus: 2,")),
+        lambda d: with_router_group(d, router_cpus="2"),
         [f"{RC}: cluster config: router: resources (2 CPU, 0 GPU) must fit exactly one router per router pod "
          "(4 CPU, 0 GPU): routers on one pod would share its ports"]),
     "no router group": (
         lambda d: (with_router_group(d), d["RayCluster"]["spec"]["workerGroupSpecs"].pop()),
-        [f"{RC}: cluster config: router.replicas 2 needs a worker group named router (one router per pod)"]),
+        [f"{RC}: cluster config: router.replicas 2 needs a worker group named router (one router per pod; "
+         "deploy/kuberay-several-routers builds it)"]),
+    "several routers in the file, base manifests": (
+        lambda d: _config(d, "router:\n", "router:\n  replicas: 2\n"),
+        [f"{RC}: cluster config: router.replicas 2 needs a worker group named router (one router per pod; "
+         "deploy/kuberay-several-routers builds it)"]),
+    "file disagrees with the head's arguments": (
+        lambda d: (with_router_group(d), _config(d, "router:\n", "router:\n  replicas: 3\n")),
+        ["configmap.yaml: ConfigMap/splitserve-config: data.cluster.yaml: router.replicas: 3 here, but the head's "
+         "`splitserve serve` arguments set router.replicas=2, which wins (the value the manifests use): remove it "
+         "here or make the two agree"]),
+    "one router with a router group": (
+        lambda d: with_router_group(d, routers=1, pods=1),
+        [f"{RC}: cluster config: router.replicas is 1, so the router runs in the head's `splitserve serve`, but "
+         "worker group router has 1 pods that would never serve: use router.replicas >= 2 "
+         "(deploy/kuberay-several-routers/routers.yaml), or the base deploy/kuberay for one router"]),
+    "a head argument splitserve serve refuses": (
+        lambda d: (with_router_group(d), _head(d)["args"].__setitem__(3, "router.replicas")),
+        [f"{RC}: spec.headGroupSpec: the head container's args "
+         f"{[*ROUTER_ARGS[:3], 'router.replicas', *ROUTER_ARGS[4:]]}: --set 'router.replicas': expected KEY=VALUE"]),
+    "an invalid router count": (
+        lambda d: with_router_group(d, routers=0),
+        [f"{RC}: spec.headGroupSpec: the head container's args "
+         f"{[*ROUTER_ARGS[:3], 'router.replicas=0', *ROUTER_ARGS[4:]]}: router.replicas: must be >= 1, got 0"]),
     "Service still on the head": (
         lambda d: (with_router_group(d), d["Service"]["spec"].update(
             selector={"ray.io/cluster": "splitserve", "ray.io/node-type": "head"})),
         ["service.yaml: Service/splitserve: spec.selector: {'ray.io/cluster': 'splitserve', 'ray.io/node-type': "
          "'head'} does not select the router group pod (labels {'app.kubernetes.io/name': 'splitserve', "
-         "'splitserve.io/component': 'router', 'ray.io/cluster': 'splitserve', 'ray.io/is-ray-node': 'yes', "
-         "'ray.io/node-type': 'worker', 'ray.io/group': 'router'})"]),
+         "'splitserve.io/component': 'router', 'splitserve.io/model': 'model', 'ray.io/cluster': 'splitserve', "
+         "'ray.io/is-ray-node': 'yes', 'ray.io/node-type': 'worker', 'ray.io/group': 'router'})"]),
 }
 
 
@@ -608,3 +665,50 @@ ROUTER_GROUP_BROKEN: dict[str, tuple[Callable[[dict], None], list[str]]] = {
 def test_validator_rejects_a_broken_router_group(manifests, case):
     mutate, expected = ROUTER_GROUP_BROKEN[case]
     assert kv.validate(_variant(manifests, mutate)) == expected
+
+
+def _without_build_changes(cluster: dict) -> dict:
+    """A built RayCluster as its files read: no namespace, the image placeholder in every pod."""
+    cluster = copy.deepcopy(cluster)
+    cluster["metadata"].pop("namespace")
+    for _, template in kv.pod_templates(cluster):
+        template["spec"]["containers"][0]["image"] = "splitserve"
+    return cluster
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not installed")
+def test_several_routers_overlay_builds_what_the_tests_validate(manifests, monkeypatch, capsys):
+    done = subprocess.run(["kubectl", "kustomize", str(SEVERAL)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    built = [doc for doc in yaml.safe_load_all(done.stdout) if doc]
+    assert "RouterValues" not in {doc["kind"] for doc in built}
+    variant = _docs(_variant(manifests, with_router_group))
+    assert _without_build_changes(next(d for d in built if d["kind"] == "RayCluster")) == variant["RayCluster"]
+    monkeypatch.setattr(sys, "stdin", io.StringIO(done.stdout))
+    assert kv.main(["-"]) == 0
+    assert capsys.readouterr().err == (
+        "0 problem(s) in 6 object(s): Namespace/splitserve, ConfigMap/splitserve-config, Service/splitserve, "
+        "PodMonitor/splitserve, PrometheusRule/splitserve, RayCluster/splitserve\n")
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not installed")
+def test_changing_routers_yaml_resizes_the_router_group_and_the_routers(tmp_path):
+    for name in ("kuberay", "kuberay-several-routers"):
+        shutil.copytree(REPO / "deploy" / name, tmp_path / name, ignore=shutil.ignore_patterns("crds"))
+    values_path = tmp_path / "kuberay-several-routers" / "routers.yaml"
+    values = yaml.safe_load(values_path.read_text(encoding="utf-8"))
+    assert values["spec"] == {"replicas": 2, "cpu": "4", "memory": "16Gi", "shm": "4Gi"}
+    values["spec"].update(replicas=3, cpu="6", memory="24Gi", shm="2Gi")
+    values_path.write_text(yaml.safe_dump(values))
+    built = _kustomize(tmp_path / "kuberay-several-routers")
+    cluster = next(d for d in built if d["kind"] == "RayCluster")
+    head, workers = kv.ray_pods(kv.Manifest(values_path, cluster))
+    pod, replicas = workers["router"]
+    shm = next(v for v in pod.spec["volumes"] if v["name"] == "dshm")["emptyDir"]["sizeLimit"]
+    assert (replicas, pod.container["resources"], shm) == (
+        3, {"requests": {"cpu": "6", "memory": "24Gi"}, "limits": {"cpu": "6", "memory": "24Gi"}}, "2Gi")
+    assert head.container["args"] == [*ROUTER_ARGS[:3], "router.replicas=3", "--set", "router.resources.num_cpus=6",
+                                      *ROUTER_ARGS[6:]]
+    assert (pod.labels["splitserve.io/model"], pod.container["image"]) == (
+        "model", "registry.example.com/splitserve:0.1.0")
+    assert kv.validate([kv.Manifest(kv.STDIN, doc) for doc in built]) == []

@@ -101,7 +101,7 @@ PACKAGE_DATA = ("splitserve/deploy/configs/local.yaml", "splitserve/deploy/prome
                 "splitserve/deploy/prometheus/rules/splitserve-recording.yml",
                 "splitserve/deploy/grafana/dashboards/splitserve-slo.json",
                 "splitserve/deploy/grafana/provisioning/datasources/splitserve.yml",
-                "splitserve/deploy/kuberay/raycluster.yaml",
+                "splitserve/deploy/kuberay/raycluster.yaml", "splitserve/deploy/kuberay-several-routers/routers.yaml",
                 "splitserve/proto/splitserve/v1/generation.proto", "splitserve/proto/inference/grpc_service.proto",
                 "splitserve/engine/csrc/paged_attention.cpp")
 

@@ -1,7 +1,9 @@
 """Offline checks of the KubeRay manifests in this folder; run them before `kubectl apply -k`.
 
 Usage: `.venv/bin/python deploy/kuberay/validate.py [FILE ...]` (default: the resources listed in
-kustomization.yaml). Prints one line per problem (file, object, field, reason); exits 1 if any.
+kustomization.yaml; `-`: a YAML stream on stdin, e.g. `kubectl kustomize deploy/kuberay-several-routers
+| .venv/bin/python deploy/kuberay/validate.py -`). Prints one line per problem (file, object, field,
+reason); exits 1 if any.
 
 1. Core Kubernetes objects (Namespace, ConfigMap, Service) are validated against the OpenAPI
    schemas bundled by `kubernetes-validate`, in strict mode (an unknown field is an error), for
@@ -12,17 +14,21 @@ kustomization.yaml). Prints one line per problem (file, object, field, reason); 
    object's metadata as ObjectMeta.
 3. monitoring.coreos.com PodMonitors and PrometheusRules get a structural check of the fields the
    Prometheus Operator reads (its CRDs are not available offline).
-4. Once every object passes 1-3, the deployment as a whole: the cluster config embedded in the
-   ConfigMap parses with `parse_cluster_config` and agrees with the RayCluster (ports, probes,
-   volumes, GPUs and CPUs per pool, one image), and the Service and PodMonitor select the pods that
-   serve the APIs and name their ports: the head's (router.replicas 1: the router runs in
-   `splitserve serve` on the head), or those of the worker group `router` (router.replicas > 1: one
-   router actor per pod of that group, placed there by router.resources.node_labels).
+4. Once every object passes 1-3, the deployment as a whole: the cluster config the head runs with
+   (the ConfigMap's file, parsed with `parse_cluster_config`, then the head container's
+   `splitserve serve` arguments after --config, parsed as the CLI parses them) agrees with the
+   RayCluster (ports, probes, volumes, GPUs and CPUs per pool, one image), a key set both in the file
+   and in those arguments holds one value, and the Service and PodMonitor select the pods that serve
+   the APIs and name their ports: the head's (router.replicas 1: the router runs in `splitserve
+   serve` on the head), or those of the worker group `router` (router.replicas > 1: one router actor
+   on each pod of that group, as many pods as routers; deploy/kuberay-several-routers builds it).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import math
 import re
 import sys
@@ -46,11 +52,15 @@ PROMETHEUS_JOB = "splitserve"
 HEAD_ENTRYPOINT = "/usr/local/bin/splitserve-ray-head"
 OVERWRITE_CMD_ANNOTATION = "ray.io/overwrite-container-cmd"
 POOLS = ("prefill", "decode")
+"""Cluster config pools; each runs on the worker group of the same name."""
 ROUTER_GROUP = "router"
 """The worker group whose pods run the router actors when router.replicas > 1 (one per pod)."""
+SEVERAL_ROUTERS = "deploy/kuberay-several-routers"
+"""The overlay that builds the router group from one count (its routers.yaml)."""
 NODE_GROUP_LABEL = "ray.io/node-group"
 """The Ray node label holding a node's KubeRay worker group name."""
-"""Cluster config pools; each runs on the worker group of the same name."""
+STDIN = Path("<stdin>")
+"""The `path` of manifests read from standard input (validate.py -)."""
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
 _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 _DURATION = re.compile(r"^(0|(([0-9]+)y)?(([0-9]+)w)?(([0-9]+)d)?(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$")
@@ -105,11 +115,13 @@ LOCAL_CONFIG = "config.kubernetes.io/local-config"
 
 
 def load_manifests(paths: Iterable[Path] | None = None) -> list[Manifest]:
-    """Every non-empty YAML document of the files (default: kustomization.yaml's resources) that
-    kustomize sends to the cluster (objects local to kustomize are skipped)."""
+    """Every non-empty YAML document of the files (default: kustomization.yaml's resources; `-`:
+    standard input) that kustomize sends to the cluster (objects local to kustomize are skipped)."""
     manifests = []
     for path in kustomization_resources() if paths is None else paths:
-        for doc in yaml.safe_load_all(Path(path).read_text(encoding="utf-8")):
+        path = STDIN if str(path) == "-" else Path(path)
+        text = sys.stdin.read() if path == STDIN else path.read_text(encoding="utf-8")
+        for doc in yaml.safe_load_all(text):
             annotations = (doc or {}).get("metadata", {}).get("annotations") or {}
             if doc is not None and str(annotations.get(LOCAL_CONFIG, "")).lower() != "true":
                 manifests.append(Manifest(Path(path), doc))
@@ -380,10 +392,10 @@ def deployment_errors(manifests: list[Manifest]) -> list[str]:
     errors += [cluster.where(e) for e in _shm_errors([head, *(pod for pod, _ in workers.values())])]
     config, config_errors = _cluster_config(cluster, head, manifests)
     errors += config_errors
+    layout = _router_layout_error(workers, config)
+    if layout is not None:  # every check below would report a consequence of it
+        return errors + [cluster.where(f"cluster config: {layout}")]
     serving = serving_pod(head, workers, config)
-    if serving is None:
-        return errors + [cluster.where(f"cluster config: router.replicas {config.router.replicas} needs a worker "
-                                       f"group named {ROUTER_GROUP} (one router per pod)")]
     if config is not None:
         errors += _config_errors(cluster, head, workers, config, serving)
     others = [pod for pod in [head, *(pod for pod, _ in workers.values())] if pod is not serving]
@@ -408,12 +420,28 @@ def _shm_errors(pods: Iterable[RayPod]) -> list[str]:
     return errors
 
 
-def serving_pod(head: RayPod, workers: Mapping[str, tuple[RayPod, int]], config) -> RayPod | None:
-    """The pod that serves the APIs: the head with one router (or no readable config), else the
-    router group's pod (None when there is no such group)."""
-    if config is None or config.router.replicas == 1:
-        return head
-    return workers.get(ROUTER_GROUP, (None, 0))[0]
+def _router_layout_error(workers: Mapping[str, tuple[RayPod, int]], config) -> str | None:
+    """Where the routers run must match router.replicas: one router runs in the head's `splitserve
+    serve`, several as actors on the router group's pods (deploy/kuberay-several-routers)."""
+    if config is None:
+        return None
+    routers = config.router.replicas
+    if routers > 1 and ROUTER_GROUP not in workers:
+        return f"router.replicas {routers} needs a worker group named {ROUTER_GROUP} (one router per pod; " \
+               f"{SEVERAL_ROUTERS} builds it)"
+    if routers == 1 and ROUTER_GROUP in workers:
+        return f"router.replicas is 1, so the router runs in the head's `splitserve serve`, but worker group " \
+               f"{ROUTER_GROUP} has {workers[ROUTER_GROUP][1]} pods that would never serve: use router.replicas " \
+               f">= 2 ({SEVERAL_ROUTERS}/routers.yaml), or the base deploy/kuberay for one router"
+    return None
+
+
+def serving_pod(head: RayPod, workers: Mapping[str, tuple[RayPod, int]], config) -> RayPod:
+    """The pod that serves the APIs: the head with one router, else the router group's pod
+    (_router_layout_error has checked that there is one); without a readable config, the router
+    group's pod if there is that group."""
+    several = ROUTER_GROUP in workers if config is None else config.router.replicas > 1
+    return workers[ROUTER_GROUP][0] if several else head
 
 
 def _pod_name(pod: RayPod) -> str:
@@ -443,8 +471,9 @@ def _image_errors(cluster: Manifest, head: RayPod, workers: Mapping[str, tuple[R
 
 
 def _cluster_config(cluster: Manifest, head: RayPod, manifests: list[Manifest]):
-    """(ClusterConfig or None, errors): the file the head's `--config` names, read from its ConfigMap."""
-    from splitserve.deploy.cluster_config import ClusterConfigError, parse_cluster_config
+    """(ClusterConfig or None, errors): the config `splitserve serve` runs with on the head: the file
+    its `--config` names, read from its ConfigMap, then the rest of its arguments (which win)."""
+    from splitserve.deploy.cluster_config import ClusterConfigError, apply_overrides, parse_cluster_config
 
     args = list(head.container.get("args") or [])
     if "--config" not in args[:-1]:
@@ -462,9 +491,48 @@ def _cluster_config(cluster: Manifest, head: RayPod, manifests: list[Manifest]):
     if text is None:
         return None, [source.where(f"data.{key}: missing (the head reads --config {path})")]
     try:
-        return parse_cluster_config(text), []
+        config = parse_cluster_config(text)
     except ClusterConfigError as error:
         return None, [source.where(f"data.{key}: {error}")]
+    try:
+        overrides = serve_arguments(args)
+        config = apply_overrides(config, overrides)
+    except (ValueError, ClusterConfigError) as error:
+        return None, [cluster.where(f"{head.field}: the head container's args {args}: {error}")]
+    return config, [source.where(f"data.{key}: {e}") for e in _argument_conflicts(text, overrides)]
+
+
+def serve_arguments(args: list[str]) -> dict[str, object]:
+    """The config keys the head's `splitserve serve ARGS` sets on top of its --config file, parsed
+    by the CLI's own parser; ValueError naming the problem when `splitserve serve` would refuse them."""
+    from splitserve.deploy.cli import build_parser, serve_overrides
+
+    usage = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(usage):
+            parsed = build_parser().parse_args(["serve", *args])
+    except SystemExit:
+        raise ValueError(usage.getvalue().strip()) from None
+    return serve_overrides(parsed)
+
+
+_ABSENT = object()
+
+
+def _argument_conflicts(text: str, overrides: Mapping[str, object]) -> list[str]:
+    """A key both the file and the head's arguments set, to different values: the arguments win
+    (deploy/kuberay-several-routers writes router.replicas there from routers.yaml), so the file's
+    value is never used and misleads whoever reads it."""
+    errors = []
+    data = yaml.safe_load(text)
+    for key, value in overrides.items():
+        found: Any = data
+        for part in key.split("."):
+            found = found.get(part, _ABSENT) if isinstance(found, Mapping) else _ABSENT
+        if found is not _ABSENT and found != value:
+            errors.append(f"{key}: {found!r} here, but the head's `splitserve serve` arguments set {key}={value}, "
+                          "which wins (the value the manifests use): remove it here or make the two agree")
+    return errors
 
 
 def _config_errors(cluster: Manifest, head: RayPod, workers: Mapping[str, tuple[RayPod, int]], config,
@@ -481,10 +549,11 @@ def _config_errors(cluster: Manifest, head: RayPod, workers: Mapping[str, tuple[
 
 
 def _router_group_errors(workers: Mapping[str, tuple[RayPod, int]], config) -> list[str]:
-    """router.replicas > 1: one router actor on each of enough pods of the router group (two on one
-    pod would share its metrics port), pinned there by node_labels."""
+    """router.replicas > 1: one router actor on each pod of the router group (two on one pod would
+    share its metrics port), pinned there by node_labels, and no pod without one (it would never pass
+    its probes: a startup probe that fails for 30 minutes restarts the pod, forever)."""
     router = config.router
-    if router.replicas == 1 or ROUTER_GROUP not in workers:
+    if router.replicas == 1:
         return []
     pod, replicas = workers[ROUTER_GROUP]
     errors = []
@@ -495,9 +564,9 @@ def _router_group_errors(workers: Mapping[str, tuple[RayPod, int]], config) -> l
         cpus, gpus = pod.ray_resources()
         errors.append(f"router: resources ({_shape(router.resources)}) must fit exactly one router per {ROUTER_GROUP} "
                       f"pod ({cpus:g} CPU, {gpus:g} GPU): routers on one pod would share its ports")
-    if replicas < router.replicas:
-        errors.append(f"router: {router.replicas} routers need {router.replicas} pods of worker group "
-                      f"{ROUTER_GROUP}, it has {replicas}")
+    if replicas != router.replicas:
+        errors.append(f"router: {router.replicas} routers need exactly {router.replicas} pods of worker group "
+                      f"{ROUTER_GROUP} (one router each), it has {replicas}")
     return errors
 
 
