@@ -120,8 +120,10 @@ def _emulated(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) 
     return acc.to(x.dtype)
 
 
-CASES = [(1, 80, 96), (5, 17, 7), (6, 16, 2), (7, 1, 1), (13, 33, 64), (64, 80, 96), (129, 48, 31)]
-"""(rows, out_features, in_features): 1 to 2 tiles of rows and their tails, partial panels, odd inputs."""
+CASES = [(1, 80, 96), (1, 48, 8), (2, 80, 96), (3, 48, 31), (5, 17, 7), (6, 16, 2), (7, 1, 1), (13, 33, 64),
+         (64, 80, 96), (129, 48, 31)]
+"""(rows, out_features, in_features): fewer rows than a tile (1-2 rows: 4 / 2 panels per tile and the panels
+left over), 1 to 2 tiles of rows and their tails, partial panels, odd inputs."""
 
 
 def _linear(out_features: int, in_features: int, bias: bool, dtype: torch.dtype, seed: int) -> torch.nn.Linear:

@@ -32,26 +32,41 @@ constexpr int64_t kPanelColumns = 16;
 // broadcast, within the 16 ymm; AVX-512's 32 zmm leave room for more, 8 keeps the tile small for decode.
 constexpr int kTileRows = kVec16Registers >= 32 ? 8 : 6;
 
-// acc[r] = sum over k of x[r, k] * panel[k] for R rows of x (row stride x_stride); steps = the panel's
-// rows: pairs of k for bf16 words (uint32_t), single k for float.
+// Panels per micro-tile, so that a tile has 3 or more independent accumulators: with one row and one
+// panel, each fused multiply-add waits for the previous one (4-5 cycles), and a batch-1 decode step ran
+// at that latency instead of at memory bandwidth. A panel's own k order is unchanged. (3 rows x 2 panels
+// would need 17 ymm registers on AVX2.)
 template <int R>
-inline void panel_tile(const float* x, int64_t x_stride, const uint32_t* panel, int64_t pairs, Vec16* acc) {
-  for (int r = 0; r < R; ++r) acc[r] = zero16();
+constexpr int kTilePanels = R >= 3 ? 1 : (R == 1 ? 4 : 2);
+
+// acc[r][c] = sum over k of x[r, k] * panel_c[k] for R rows of x (row stride x_stride) and C panels (stride
+// panel_stride words); steps = a panel's rows: pairs of k for bf16 words (uint32_t), single k for float.
+template <int R, int C>
+inline void panel_tile(const float* x, int64_t x_stride, const uint32_t* panel, int64_t panel_stride, int64_t pairs,
+                       Vec16 (&acc)[R][C]) {
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = zero16();
   for (int64_t k2 = 0; k2 < pairs; ++k2) {
-    const Words16 words = load_words(panel + kPanelColumns * k2);
-    const Vec16 even = low_bf16(words);  // W[., 2 k2]
-    for (int r = 0; r < R; ++r) acc[r] = fma16(set16(x[r * x_stride + 2 * k2]), even, acc[r]);
-    const Vec16 odd = high_bf16(words);  // W[., 2 k2 + 1]
-    for (int r = 0; r < R; ++r) acc[r] = fma16(set16(x[r * x_stride + 2 * k2 + 1]), odd, acc[r]);
+    for (int c = 0; c < C; ++c) {
+      const Words16 words = load_words(panel + c * panel_stride + kPanelColumns * k2);
+      const Vec16 even = low_bf16(words);  // W[., 2 k2]
+      for (int r = 0; r < R; ++r) acc[r][c] = fma16(set16(x[r * x_stride + 2 * k2]), even, acc[r][c]);
+      const Vec16 odd = high_bf16(words);  // W[., 2 k2 + 1]
+      for (int r = 0; r < R; ++r) acc[r][c] = fma16(set16(x[r * x_stride + 2 * k2 + 1]), odd, acc[r][c]);
+    }
   }
 }
 
-template <int R>
-inline void panel_tile(const float* x, int64_t x_stride, const float* panel, int64_t steps, Vec16* acc) {
-  for (int r = 0; r < R; ++r) acc[r] = zero16();
+template <int R, int C>
+inline void panel_tile(const float* x, int64_t x_stride, const float* panel, int64_t panel_stride, int64_t steps,
+                       Vec16 (&acc)[R][C]) {
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = zero16();
   for (int64_t k = 0; k < steps; ++k) {
-    const Vec16 w = load16(panel + kPanelColumns * k);
-    for (int r = 0; r < R; ++r) acc[r] = fma16(set16(x[r * x_stride + k]), w, acc[r]);
+    for (int c = 0; c < C; ++c) {
+      const Vec16 w = load16(panel + c * panel_stride + kPanelColumns * k);
+      for (int r = 0; r < R; ++r) acc[r][c] = fma16(set16(x[r * x_stride + k]), w, acc[r][c]);
+    }
   }
 }
 
@@ -74,21 +89,37 @@ struct LinearShape {
   int64_t rows, steps, out_features;  // steps: rows of a panel
 };
 
-// Rows [row, row + R) of the output's columns [16 p, 16 p + 16) that exist.
-template <typename T, typename W, int R>
+// Rows [row, row + R) of the output's columns [16 p, 16 (p + C)) that exist.
+template <typename T, typename W, int R, int C = 1>
 void tile(const float* x, const W* panels, const float* bias, const LinearShape& shape, int64_t p, int64_t row,
           T* out) {
-  const int64_t x_stride = kInputsPerStep<W> * shape.steps;
-  Vec16 acc[R];
-  panel_tile<R>(x + row * x_stride, x_stride, panels + p * shape.steps * kPanelColumns, shape.steps, acc);
-  const int64_t first = p * kPanelColumns, columns = std::min(kPanelColumns, shape.out_features - first);
-  for (int r = 0; r < R; ++r) {
-    const Vec16 value = bias == nullptr ? acc[r] : acc[r] + load16(bias + first);
-    store_columns(value, columns, out + (row + r) * shape.out_features + first);
+  const int64_t x_stride = kInputsPerStep<W> * shape.steps, panel_stride = shape.steps * kPanelColumns;
+  Vec16 acc[R][C];
+  panel_tile<R, C>(x + row * x_stride, x_stride, panels + p * panel_stride, panel_stride, shape.steps, acc);
+  for (int c = 0; c < C; ++c) {
+    const int64_t first = (p + c) * kPanelColumns, columns = std::min(kPanelColumns, shape.out_features - first);
+    for (int r = 0; r < R; ++r) {
+      const Vec16 value = bias == nullptr ? acc[r][c] : acc[r][c] + load16(bias + first);
+      store_columns(value, columns, out + (row + r) * shape.out_features + first);
+    }
   }
 }
 
-template <typename T, typename W, int R = kTileRows>
+// Fewer rows than a tile (rows < kTileRows), all of them: panels [begin, end) C at a time.
+template <typename T, typename W, int R = kTileRows - 1>
+void few_rows(int rows, const float* x, const W* panels, const float* bias, const LinearShape& shape, int64_t begin,
+              int64_t end, T* out) {
+  if constexpr (R > 1) {
+    if (rows < R) return few_rows<T, W, R - 1>(rows, x, panels, bias, shape, begin, end, out);
+  }
+  constexpr int C = kTilePanels<R>;
+  int64_t p = begin;
+  for (; p + C <= end; p += C) tile<T, W, R, C>(x, panels, bias, shape, p, 0, out);
+  for (; p < end; ++p) tile<T, W, R>(x, panels, bias, shape, p, 0, out);
+}
+
+// The last rows % kTileRows rows of many, one panel.
+template <typename T, typename W, int R = kTileRows - 1>
 void tail_tile(int rows, const float* x, const W* panels, const float* bias, const LinearShape& shape, int64_t p,
                int64_t row, T* out) {
   if constexpr (R > 1) {
@@ -105,6 +136,8 @@ void linear_panels(const float* x, const W* panels, const float* bias, const Lin
   const int64_t per_panel = std::max<int64_t>(1, shape.rows * shape.steps * kInputsPerStep<W> * kPanelColumns);
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 18) / per_panel);
   at::parallel_for(0, num_panels, grain, [&](int64_t begin, int64_t end) {
+    if (shape.rows < kTileRows) return few_rows<T, W>(static_cast<int>(shape.rows), x, panels, bias, shape, begin, end, out);
+    // Many rows: a panel at a time, all its row tiles while its weights are in cache.
     for (int64_t p = begin; p < end; ++p) {
       int64_t row = 0;
       for (; row + kTileRows <= shape.rows; row += kTileRows) tile<T, W, kTileRows>(x, panels, bias, shape, p, row, out);
