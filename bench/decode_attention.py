@@ -16,16 +16,14 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-from serving_common import bench_parser, report_header, start_bench, write_report
+from serving_common import bench_parser, loaded_kernel_isa, report_header, start_bench, write_report
 from splitserve.engine.attention import CpuPagedAttention
 from splitserve.engine.attention.base import AttentionMetadata, DecodeBatch
-from splitserve.engine.cpu_kernels import cpu_kernel_isa
 
 RESULTS = Path(__file__).resolve().parent / "results"
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 12, 4, 64, 16, 1024
@@ -107,9 +105,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=30)
     args = parser.parse_args()
     start_bench()
-    isa = cpu_kernel_isa()
-    if isa is None:
-        sys.exit("the CPU kernels did not load on this machine (see the log): nothing to compare")
+    isa = loaded_kernel_isa()
     rounds = 3 if args.quick else args.rounds
     report = report_header("bench/decode_attention.py", args)
     report["kernel_isa"] = isa.name

@@ -333,6 +333,17 @@ def start_bench() -> float:
     return time.perf_counter()
 
 
+def loaded_kernel_isa():
+    """The ISA of the loaded C++ CPU kernels (engine/cpu_kernels.py); exits with the reason when they did
+    not load, for benches that compare them with something."""
+    from splitserve.engine.cpu_kernels import cpu_kernel_isa
+
+    isa = cpu_kernel_isa()
+    if isa is None:
+        sys.exit("the CPU kernels did not load on this machine (see the log): nothing to compare")
+    return isa
+
+
 def report_header(script: str, args: argparse.Namespace) -> dict:
     """What every result starts with: how it was run, on what machine and code, how busy the machine was."""
     return {"command": " ".join([script, *sys.argv[1:]]), "quick": args.quick, "seed": args.seed,
