@@ -99,9 +99,10 @@ class PanelLinear(nn.Module):
 
 def uses_panels(dtype: torch.dtype, kernel_isa: CpuKernelIsa | None, bf16_gemm: bool) -> bool:
     """Whether a CPU model's linears run on the panel kernel (else oneDNN), where bench/panel_linear.py measured
-    it faster: on AVX2 for fp32 and bf16 (88M shapes, 1 thread: 1.9-2.2x at 1 row, 1.01-1.13x at 64-256),
-    and for bf16 wherever there is no bf16 GEMM (oneDNN's alternative widens the weights: twice the memory).
-    Not for fp32 on AVX-512, nor for bf16 with a bf16 GEMM (oneDNN's vdpbf16ps runs twice the kernel's FMA rate)."""
+    it at least as fast (88M shapes, 1 thread, AVX2): bf16 on CPUs without a bf16 GEMM, 1.6-2.7x at 1-4 rows and
+    1.03-1.2x at 8-512 rows against oneDNN on widened weights (which also hold twice the memory); fp32 on AVX2,
+    1.2-1.65x at 1-4 rows, 0.94-1.02x at 8-512. Not for fp32 on AVX-512 (not measured there), nor for bf16 with
+    a bf16 GEMM (oneDNN's vdpbf16ps runs twice the kernel's multiply-add rate)."""
     if kernel_isa is None or dtype not in PACKABLE_DTYPES:
         return False
     if dtype == torch.bfloat16:
