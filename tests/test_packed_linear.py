@@ -166,6 +166,15 @@ def test_fp32_panel_linear_equals_the_float64_product_within_float32_rounding(ro
 
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_panel_linear_of_no_rows_is_empty(dtype):
+    """A step can ask the LM head for no rows (only non-final prefill chunks): an empty result, no tile runs."""
+    layer = PanelLinear(torch.nn.Linear(96, 80).to(dtype))
+    out = layer(torch.empty(0, 96, dtype=dtype))
+    assert out.shape == (0, 80) and out.dtype == dtype
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_panel_linear_gives_a_row_the_same_result_in_any_batch(dtype):
     linear = torch.nn.Linear(96, 80).to(dtype)
     x = torch.randn(13, 96).to(dtype)

@@ -182,6 +182,7 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, const std
     wide.narrow(1, 0, in_features).copy_(x);
   }
   at::Tensor out = at::empty({x.size(0), out_features}, x.options());
+  if (x.size(0) == 0) return out;  // a step with no row to compute (no logits wanted): the tiles assume >= 1
   const LinearShape shape{x.size(0), steps, out_features};
   const float* bias_data = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   if (bf16)
