@@ -2,9 +2,10 @@
 
 For each (model, dtype, workload) of bench/engine_throughput.py, the time no engine running that model in that
 dtype on this CPU can go below:
-  - linear layers: every step's rows through the model's packed (oneDNN) linear layers, and its sampled rows
+  - linear layers: every step's rows through the model's packed linear layers, and its sampled rows
     through lm_head, at the rates those same layers reach here (measured per row count, best of several runs,
-    2 threads; vLLM's CPU backend runs its linear layers on the same library);
+    2 threads): oneDNN, the library vLLM's CPU backend runs its linear layers on, or where the engine uses it
+    (`uses_panels`) the C++ panel kernel, measured at oneDNN's rate or faster (bench/panel_linear.py);
   - decode KV reads: the keys and values every decode step's attention reads, at this machine's memcpy
     bandwidth (the kernels read them in place; a read of the pool cannot beat a copy).
 Attention arithmetic, elementwise ops, sampling and scheduling come on top and are left out, so the floor is
@@ -34,7 +35,7 @@ from engine_throughput import DTYPES, MODELS, RESULTS, SPLITSERVE_ARGS, Workload
     target
 from serving_common import ForeignCpu, bench_parser, load_recorder, report_header, warn_noisy_parts, write_report
 from splitserve.engine import LLM, SamplingParams
-from splitserve.engine.models.packed_linear import PackedLinear
+from splitserve.engine.models.packed_linear import PackedLinear, PanelLinear
 from splitserve.engine.scheduler import SchedulerOutput
 from splitserve.testing.tiny_models import cached_tiny_model
 
@@ -90,7 +91,7 @@ def step_shapes(llm: LLM, workload: Workload) -> list[StepShape]:
     engine, shapes = llm.engine, []
     real_execute = engine.runner.execute
 
-    def shape_only(output: SchedulerOutput) -> torch.Tensor:
+    def shape_only(output: SchedulerOutput, on_layer=None) -> torch.Tensor:  # ModelRunner.execute's signature
         sampled = sum(chunk.samples for chunk in output.chunks)
         shapes.append(StepShape(output.num_batched_tokens, sampled,
                                 sum(chunk.context_len for chunk in output.chunks if chunk.num_tokens == 1)))
@@ -116,7 +117,11 @@ def _best_time(fn, repeats: int = REPEATS) -> float:
     return min(times)
 
 
-def linear_seconds(layers: list[PackedLinear], dtype: torch.dtype) -> dict[int, float]:
+LINEARS = (PackedLinear, PanelLinear)
+"""The engine's packed linear layers: oneDNN's or the panel kernel's."""
+
+
+def linear_seconds(layers: list[torch.nn.Module], dtype: torch.dtype) -> dict[int, float]:
     """Seconds for ROW_COUNTS rows through `layers` in order (each layer its own weights, as in a step)."""
     result = {}
     for rows in ROW_COUNTS:
@@ -142,12 +147,12 @@ def interpolate(table: dict[int, float], rows: int) -> float:
     return high_s + (high_s - low_s) * (rows - high) / (high - low)
 
 
-def model_linears(llm: LLM) -> tuple[list[PackedLinear], PackedLinear]:
+def model_linears(llm: LLM) -> tuple[list[torch.nn.Module], torch.nn.Module]:
     """The packed linear layers of every decoder layer in order, and lm_head."""
     model = llm.engine.model
     lm_head = model.lm_head
-    layers = [module for module in model.modules() if isinstance(module, PackedLinear) and module is not lm_head]
-    if not isinstance(lm_head, PackedLinear) or not layers:
+    layers = [module for module in model.modules() if isinstance(module, LINEARS) and module is not lm_head]
+    if not isinstance(lm_head, LINEARS) or not layers:
         raise SystemExit("the engine did not pack its linear layers (no oneDNN here?): nothing to measure")
     return layers, lm_head
 
