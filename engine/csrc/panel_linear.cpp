@@ -105,27 +105,13 @@ void tile(const float* x, const W* panels, const float* bias, const LinearShape&
   }
 }
 
-// Fewer rows than a tile (rows < kTileRows), all of them: panels [begin, end) C at a time.
-template <typename T, typename W, int R = kTileRows - 1>
-void few_rows(int rows, const float* x, const W* panels, const float* bias, const LinearShape& shape, int64_t begin,
-              int64_t end, T* out) {
-  if constexpr (R > 1) {
-    if (rows < R) return few_rows<T, W, R - 1>(rows, x, panels, bias, shape, begin, end, out);
+// f.template operator()<R>() for R = rows, 1 <= rows <= R0: the tile height as a compile-time constant.
+template <int R0 = kTileRows - 1, typename F>
+void with_rows(int rows, F&& f) {
+  if constexpr (R0 > 1) {
+    if (rows < R0) return with_rows<R0 - 1>(rows, f);
   }
-  constexpr int C = kTilePanels<R>;
-  int64_t p = begin;
-  for (; p + C <= end; p += C) tile<T, W, R, C>(x, panels, bias, shape, p, 0, out);
-  for (; p < end; ++p) tile<T, W, R>(x, panels, bias, shape, p, 0, out);
-}
-
-// The last rows % kTileRows rows of many, one panel.
-template <typename T, typename W, int R = kTileRows - 1>
-void tail_tile(int rows, const float* x, const W* panels, const float* bias, const LinearShape& shape, int64_t p,
-               int64_t row, T* out) {
-  if constexpr (R > 1) {
-    if (rows < R) return tail_tile<T, W, R - 1>(rows, x, panels, bias, shape, p, row, out);
-  }
-  tile<T, W, R>(x, panels, bias, shape, p, row, out);
+  f.template operator()<R0>();
 }
 
 template <typename T, typename W>
@@ -136,12 +122,20 @@ void linear_panels(const float* x, const W* panels, const float* bias, const Lin
   const int64_t per_panel = std::max<int64_t>(1, shape.rows * shape.steps * kInputsPerStep<W> * kPanelColumns);
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 18) / per_panel);
   at::parallel_for(0, num_panels, grain, [&](int64_t begin, int64_t end) {
-    if (shape.rows < kTileRows) return few_rows<T, W>(static_cast<int>(shape.rows), x, panels, bias, shape, begin, end, out);
+    if (shape.rows < kTileRows) {  // all the rows in one tile, C panels at a time
+      return with_rows(static_cast<int>(shape.rows), [&]<int R>() {
+        constexpr int C = kTilePanels<R>;
+        int64_t p = begin;
+        for (; p + C <= end; p += C) tile<T, W, R, C>(x, panels, bias, shape, p, 0, out);
+        for (; p < end; ++p) tile<T, W, R>(x, panels, bias, shape, p, 0, out);
+      });
+    }
     // Many rows: a panel at a time, all its row tiles while its weights are in cache.
     for (int64_t p = begin; p < end; ++p) {
       int64_t row = 0;
       for (; row + kTileRows <= shape.rows; row += kTileRows) tile<T, W, kTileRows>(x, panels, bias, shape, p, row, out);
-      if (row < shape.rows) tail_tile<T, W>(static_cast<int>(shape.rows - row), x, panels, bias, shape, p, row, out);
+      if (row < shape.rows)
+        with_rows(static_cast<int>(shape.rows - row), [&]<int R>() { tile<T, W, R>(x, panels, bias, shape, p, row, out); });
     }
   });
 }
@@ -175,12 +169,10 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, const std
   if (bias.has_value())
     TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == kPanelColumns * num_panels,
                 "panel_linear: bias must be contiguous float32 of 16 per panel");
-  // x widened to float32, rows padded with zeros to the panels' inputs (paired with their zero k).
-  at::Tensor wide = x;
-  if (x.scalar_type() != at::kFloat || in_features != steps * per_step) {
-    wide = at::zeros({x.size(0), steps * per_step}, x.options().dtype(at::kFloat));
-    wide.narrow(1, 0, in_features).copy_(x);
-  }
+  // x widened to float32 (x itself when it is), rows padded with a zero to the panels' inputs where K is odd
+  // (paired with the panels' zero k).
+  at::Tensor wide = x.to(at::kFloat);
+  if (in_features != steps * per_step) wide = at::constant_pad_nd(wide, {0, steps * per_step - in_features});
   at::Tensor out = at::empty({x.size(0), out_features}, x.options());
   if (x.size(0) == 0) return out;  // a step with no row to compute (no logits wanted): the tiles assume >= 1
   const LinearShape shape{x.size(0), steps, out_features};
