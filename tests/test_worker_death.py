@@ -89,6 +89,8 @@ def run_worker_death(model_dir, role: str, signum: int) -> tuple[WorkerDeathOutc
             for index, case in enumerate(cases):
                 futures.append(pool.submit(_stream, cluster.port, index, case))
                 if index + 1 == KILL_AFTER_REQUESTS:
+                    if role == "decode":  # the premise of the migration check: a stream is on it when it dies
+                        _wait_for_a_request_on(cluster.orchestrator.decode_pool, worker_id)
                     os.kill(pid, signum)
                     killed_at = time.monotonic()
                 time.sleep(ARRIVAL_GAP_S)
@@ -101,6 +103,15 @@ def run_worker_death(model_dir, role: str, signum: int) -> tuple[WorkerDeathOutc
                                  len(cases) - len(failures), len(failures), int(migrated),
                                  round(max(stall for _, stall, _ in results), 3), round(rejoined_s, 2), failures)
     return outcome, [tokens for tokens, _, _ in results]
+
+
+def _wait_for_a_request_on(pool, worker_id: str, timeout_s: float = 10.0) -> None:
+    """Until the router holds a request on the worker. Which of the requests sent so far land on it, and
+    whether they are still running when the kill comes, depends on routing and on how fast the engine is."""
+    deadline = time.monotonic() + timeout_s
+    while pool.num_requests(worker_id) == 0:
+        assert time.monotonic() < deadline, f"no request reached {worker_id} within {timeout_s} s"
+        time.sleep(0.005)
 
 
 async def _rejoined(orchestrator, worker_id: str, old_epoch: str, timeout_s: float = 120.0) -> float:
