@@ -10,6 +10,12 @@ class InvalidRequestError(ValueError):
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}")
         self.field = field
+        self.message = message
+
+    def __reduce__(self) -> tuple[type, tuple[str, str]]:
+        # Raised in the router's body-parsing process (router/request_body.py) and re-raised here:
+        # pickle rebuilds an exception from its args, which hold the joined text, not (field, message).
+        return type(self), (self.field, self.message)
 
 
 class UnsupportedModelError(ValueError):

@@ -43,12 +43,13 @@ from splitserve.common.log_escape import quote_for_log
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.router.admission import RETRY_AFTER_S, Admission
 from splitserve.router.auth import check_authorization
-from splitserve.router.openai_protocol import (ChatRenderer, CompletionRenderer, ResponseHeader, error_body,
-                                               parse_chat_request, parse_completion_request,
+from splitserve.router.openai_protocol import (ChatCompletionRequest, ChatRenderer, CompletionRenderer,
+                                               CompletionRequest, ResponseHeader, error_body, parse_chat_request, parse_completion_request,
                                                parse_detokenize_request, parse_tokenize_request)
 from splitserve.router.api_types import GenerationInput, RouterError, Usage
 from splitserve.router.fanout import FanOut, IndexedChunk, best_of, by_choice, merged_usage, sequence_inputs
 from splitserve.router.orchestrator import Orchestrator
+from splitserve.router.request_body import BodyParser, MalformedBodyError, Parse
 from splitserve.router.tls import TlsConfig, load_tls
 from splitserve.router.tokenizer_pool import TokenizerPool
 
@@ -81,6 +82,8 @@ class ApiError(Exception):
         """The API error for anything a request's handling raised (unexpected ones are logged: 500)."""
         if isinstance(error, ApiError):
             return error
+        if isinstance(error, MalformedBodyError):
+            return cls(400, str(error), code="invalid_json")
         if isinstance(error, InvalidRequestError):
             return cls(400, str(error), error.field)
         if isinstance(error, RouterError):
@@ -135,10 +138,12 @@ class _Job:
 class OpenAIServing:
     """The endpoints' handlers over one Orchestrator serving one model."""
 
-    def __init__(self, orchestrator: Orchestrator, tokenizers: TokenizerPool, model_name: str,
+    def __init__(self, orchestrator: Orchestrator, tokenizers: TokenizerPool, bodies: BodyParser, model_name: str,
                  request_timeout_s: float | None = None, aliases: tuple[str, ...] = ()) -> None:
         self.orchestrator = orchestrator
         self.tokenizers = tokenizers
+        self.bodies = bodies
+        """Parses request bodies within the tokenizers' limits (the large ones in its process)."""
         self.model_name = model_name
         """What /v1/models lists and responses carry as `model`."""
         self.model_names = frozenset((model_name, *aliases))
@@ -149,10 +154,10 @@ class OpenAIServing:
 
     # ---- endpoints ---------------------------------------------------------------------
     async def completions(self, request: Request) -> Response:
-        return await self._serve(request, self._completion_job)
+        return await self._serve(request, parse_completion_request, self._completion_job)
 
     async def chat_completions(self, request: Request) -> Response:
-        return await self._serve(request, self._chat_job)
+        return await self._serve(request, parse_chat_request, self._chat_job)
 
     async def models(self, request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [self._model_card()]})
@@ -171,8 +176,7 @@ class OpenAIServing:
         """vLLM's /tokenize: a completion's `prompt` or a chat's `messages` (through the chat
         template, with the chat extensions) -> {count, max_model_len, tokens, token_strs}."""
         try:
-            body = _object(await self._read_json(request))
-            parsed = parse_tokenize_request(body, self.tokenizers.limits)
+            parsed = await self._read_request(request, parse_tokenize_request)
             self._check_model(parsed.model)
             if parsed.messages is None:
                 token_ids = await self.tokenizers.encode(parsed.prompt, parsed.add_special_tokens)
@@ -191,7 +195,7 @@ class OpenAIServing:
     async def detokenize(self, request: Request) -> Response:
         """vLLM's /detokenize: {tokens} -> {prompt}, the text of the ids (special tokens kept)."""
         try:
-            parsed = parse_detokenize_request(_object(await self._read_json(request)), self.tokenizers.limits)
+            parsed = await self._read_request(request, parse_detokenize_request)
             self._check_model(parsed.model)
             return JSONResponse({"prompt": self.tokenizers.tokenizer.decode(parsed.tokens, skip_special_tokens=False)})
         except ClientDisconnected:
@@ -208,24 +212,18 @@ class OpenAIServing:
             "no decode worker is answering"
         return ApiError(503, reason, code="unavailable").response()
 
-    async def _read_json(self, request: Request) -> Any:
-        """The body as JSON, refused by its size before it is read (RequestLimits.max_body_bytes).
-        Decoded on the event loop: json.loads holds the GIL throughout (about 3 ms per MB), so a
-        thread would stall the loop just as long."""
-        body = await _read_body(request, self.tokenizers.limits.max_body_bytes)
-        try:
-            return json.loads(body)
-        except (ValueError, RecursionError) as error:
-            # ValueError: not UTF-8, not JSON, or an integer literal past Python's 4300-digit limit;
-            # RecursionError: arrays or objects nested too deep to parse.
-            raise ApiError(400, f"request body is not valid JSON: {error}", code="invalid_json") from None
+    async def _read_request(self, request: Request, parse: Parse[T]) -> T:
+        """The body parsed by `parse`, refused by its size before it is read (RequestLimits.max_body_bytes);
+        a large body is decoded and parsed in the body parser's process (router/request_body.py)."""
+        body = await _read_body(request, self.bodies.limits.max_body_bytes)
+        return await self.bodies.parse(parse, body)
 
     def _model_card(self) -> dict:
         return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "splitserve",
                 "root": self.model_name, "parent": None, "max_model_len": self.orchestrator.max_model_len}
 
     # ---- one generation request --------------------------------------------------------
-    async def _serve(self, request: Request, prepare: Callable[[Any], Awaitable[_Job]]) -> Response:
+    async def _serve(self, request: Request, parse: Parse[T], prepare: Callable[[T], Awaitable[_Job]]) -> Response:
         """Admit the request before its body is read (a rejection costs no parsing), then run it;
         its admission slot is the orchestrator stream's to release once that stream started."""
         try:
@@ -233,7 +231,7 @@ class OpenAIServing:
         except RouterError as error:
             return ApiError.of(error).response()
         try:
-            job = await prepare(await self._read_json(request))
+            job = await prepare(await self._read_request(request, parse))
             logger.info("[%s] %s: %d prompt tokens, %d sequences", quote_for_log(job.inputs[0].request_id),
                         request.url.path, sum(len(inp.prompt_token_ids) for inp in job.inputs[::job.num_sequences]),
                         len(job.inputs))
@@ -260,8 +258,7 @@ class OpenAIServing:
             raise
         return _EventStream(_events(first, stream, job))
 
-    async def _completion_job(self, body: Any) -> _Job:
-        parsed = parse_completion_request(_object(body), self.tokenizers.limits)
+    async def _completion_job(self, parsed: CompletionRequest) -> _Job:
         self._check_model(parsed.model)
         prompts = [prompt if isinstance(prompt, tuple)
                    else await self.tokenizers.encode(prompt, parsed.add_special_tokens) for prompt in parsed.prompts]
@@ -275,8 +272,7 @@ class OpenAIServing:
                                       parsed.include_usage, parsed.sampling.logprobs is not None, echo, parsed.n)
         return _Job(inputs, parsed.best_of, parsed.n, renderer, parsed.stream)
 
-    async def _chat_job(self, body: Any) -> _Job:
-        parsed = parse_chat_request(_object(body), self.tokenizers.limits)
+    async def _chat_job(self, parsed: ChatCompletionRequest) -> _Job:
         self._check_model(parsed.model)
         messages = [{"role": m.role, "content": m.content} for m in parsed.messages]
         token_ids = await self.tokenizers.apply_chat_template(messages, parsed.add_generation_prompt, parsed.template)
@@ -350,12 +346,6 @@ async def _read_body(request: Request, limit: int) -> bytes:
 def _too_large(num_bytes: int, limit: int) -> ApiError:
     return ApiError(413, f"request body has {num_bytes} bytes; a servable request has at most {limit} (its prompts "
                          "are bounded by router.max_prompt_bytes and max_model_len)", code="request_too_large")
-
-
-def _object(body: Any) -> dict:
-    if not isinstance(body, dict):
-        raise ApiError(400, f"request body must be a JSON object, got {type(body).__name__}", code="invalid_json")
-    return body
 
 
 async def _collect(stream: AsyncIterator[T]) -> list[T]:
@@ -503,9 +493,11 @@ class _EmbeddedUvicorn(uvicorn.Server):
 class HttpServer:
     """Serves an ASGI app on the running event loop until stop()."""
 
-    def __init__(self, app: ASGIApp, grace_s: float = 2.0, tls: TlsConfig | None = None) -> None:
+    def __init__(self, app: ASGIApp, grace_s: float = 2.0, tls: TlsConfig | None = None,
+                 on_stop: Callable[[], None] | None = None) -> None:
         """With `tls`, HTTPS only (the gRPC server's certificate; client certificates required when
-        it has a client CA)."""
+        it has a client CA). `on_stop` releases what the app holds, once it stopped serving."""
+        self._on_stop = on_stop
         cert_file = key_file = client_ca_file = None
         if tls is not None:
             load_tls(tls)  # a bad file fails here with its name, not inside uvicorn's startup
@@ -536,8 +528,12 @@ class HttpServer:
         if self._task is None:
             return
         self._server.should_exit = True
-        await self._task
-        self._task = None
+        try:
+            await self._task
+        finally:
+            self._task = None
+            if self._on_stop is not None:
+                self._on_stop()
 
 
 def listening_socket(host: str, port: int, reuse_port: bool = False) -> socket.socket:
@@ -569,7 +565,12 @@ async def start_http_server(orchestrator: Orchestrator, tokenizers: TokenizerPoo
     With `api_key`, /v1/* needs `Authorization: Bearer <api_key>`; with `tls`, it is HTTPS only.
     Requests may name the model `model_name` or one of `aliases`. `reuse_port`: share the port
     with other routers (SO_REUSEPORT)."""
-    serving = OpenAIServing(orchestrator, tokenizers, model_name, request_timeout_s, aliases)
-    server = HttpServer(build_app(serving, metrics_app, api_key), tls=tls)
-    await server.start(host, port, reuse_port)
+    bodies = BodyParser(tokenizers.limits)
+    serving = OpenAIServing(orchestrator, tokenizers, bodies, model_name, request_timeout_s, aliases)
+    server = HttpServer(build_app(serving, metrics_app, api_key), tls=tls, on_stop=bodies.close)
+    try:
+        await server.start(host, port, reuse_port)
+    except BaseException:
+        bodies.close()
+        raise
     return server
