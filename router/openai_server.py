@@ -224,12 +224,9 @@ class OpenAIServing:
 
     # ---- one generation request --------------------------------------------------------
     async def _serve(self, request: Request, parse: Parse[T], prepare: Callable[[T], Awaitable[_Job]]) -> Response:
-        """Admit the request before its body is read (a rejection costs no parsing), then run it;
-        its admission slot is the orchestrator stream's to release once that stream started."""
-        try:
-            admission = self.orchestrator.admit()
-        except RouterError as error:
-            return ApiError.of(error).response()
+        """Run a request _AdmissionGate admitted; its admission slot is the orchestrator stream's to
+        release once that stream started."""
+        admission: Admission = request.scope[ADMISSION_SCOPE_KEY]
         try:
             job = await prepare(await self._read_request(request, parse))
             logger.info("[%s] %s: %d prompt tokens, %d sequences", quote_for_log(job.inputs[0].request_id),
@@ -438,6 +435,41 @@ class _AsgiRoute:
         await self.app(scope, receive, send)
 
 
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+ADMISSION_SCOPE_KEY = "splitserve.admission"
+"""The ASGI scope key under which _AdmissionGate hands an admitted request's slot to its handler."""
+
+
+class _AdmissionGate:
+    """Admits a generation request (POST on GENERATION_PATHS) before any framework work: a full or
+    draining router answers 429 / 503 from here, without routing, a Request object or reading the
+    body, which is most of what a rejection cost under a burst (bench/admission_burst.py).
+
+    An admitted request's slot rides in the scope to OpenAIServing._serve, which hands it to the
+    request's stream. The release when the app returns is a backstop that does nothing on any path
+    the handler ran (its stream, or its failure, released the slot already; release is idempotent)
+    and frees the slot on one it never did."""
+
+    def __init__(self, app: ASGIApp, orchestrator: Orchestrator) -> None:
+        self.app = app
+        self._orchestrator = orchestrator
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in GENERATION_PATHS:
+            await self.app(scope, receive, send)
+            return
+        try:
+            admission = self._orchestrator.admit()
+        except RouterError as error:
+            await ApiError.of(error).response()(scope, receive, send)
+            return
+        scope[ADMISSION_SCOPE_KEY] = admission
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            admission.release()
+
+
 GUARDED_PATHS = frozenset({"/v1", "/tokenize", "/detokenize"})
 """Paths outside /v1/ that need the API key: they run the tokenizer (vLLM leaves them open)."""
 
@@ -475,7 +507,8 @@ def build_app(serving: OpenAIServing, metrics_app: ASGIApp | None = None, api_ke
               Route("/health", serving.health, methods=["GET"])]
     if metrics_app is not None:
         routes.append(Route("/metrics", _AsgiRoute(metrics_app), methods=["GET"]))
-    app = Starlette(routes=routes, exception_handlers={HTTPException: _http_error})
+    app = _AdmissionGate(Starlette(routes=routes, exception_handlers={HTTPException: _http_error}),
+                         serving.orchestrator)
     return _ApiKeyGuard(app, api_key) if api_key else app
 
 
