@@ -6,7 +6,10 @@ Cases: batch 1 and 64, contexts drawn in [100, 272] (issue 13's decode steps), f
 16 scattered through a 1024-block pool. One torch thread. Each case checks the two paths agree (the bounds of
 tests/test_cpu_kernels.py), then alternates them for `rounds` rounds and keeps each one's median; the time is the
 thread's CPU time (time.thread_time), which other processes taking the cores do not inflate, with wall time
-beside it.
+beside it. The pool of one layer (32 MiB in fp32) stays in the L3 cache between calls, so the kernel is also
+timed over LAYERS pools in turn, as a decode step's layers follow each other, where its keys and values come
+from DRAM ("cold"); effective bandwidth is the batch's KV bytes (each attended position's key and value rows)
+over that time.
 
 Writes bench/results/decode_attention.json and .png. Run: .venv/bin/python bench/decode_attention.py (under a
 minute; --quick: 3 rounds, written to the temp directory).
@@ -28,6 +31,7 @@ from splitserve.engine.attention.base import AttentionMetadata, DecodeBatch
 RESULTS = Path(__file__).resolve().parent / "results"
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 12, 4, 64, 16, 1024
 CONTEXT_RANGE = (100, 272)
+LAYERS = 12  # the 88M model's
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
 
@@ -51,6 +55,23 @@ def decode_inputs(case: Case, seed: int) -> tuple[torch.Tensor, torch.Tensor, At
     return query, pool, metadata
 
 
+def kv_bytes(pool: torch.Tensor, metadata: AttentionMetadata) -> int:
+    """Bytes of the key and value rows the batch attends (what the kernel must read from memory)."""
+    return int(metadata.decodes[0].context_lens.sum()) * 2 * NUM_KV_HEADS * HEAD_DIM * pool.element_size()
+
+
+def cold_kernel_ms(layers: list[tuple[torch.Tensor, torch.Tensor, AttentionMetadata]], rounds: int) -> float:
+    """Median thread CPU time of the kernel over the layers' pools in turn (none left in cache by the last)."""
+    attention = CpuPagedAttention(use_kernels=True)
+    times = []
+    for _ in range(rounds):
+        for query, pool, metadata in layers:
+            started = time.thread_time()
+            attention._decode(query, pool, metadata.decodes[0], 0, metadata, None)
+            times.append(time.thread_time() - started)
+    return 1e3 * statistics.median(times)
+
+
 def measure(case: Case, rounds: int, seed: int) -> dict:
     query, pool, metadata = decode_inputs(case, seed)
     paths = {"kernel": CpuPagedAttention(use_kernels=True), "torch": CpuPagedAttention(use_kernels=False)}
@@ -71,6 +92,11 @@ def measure(case: Case, rounds: int, seed: int) -> dict:
         result[f"{name}_cpu_ms"] = 1e3 * statistics.median(cpu[name])
         result[f"{name}_wall_ms"] = 1e3 * statistics.median(wall[name])
     result["speedup"] = result["torch_cpu_ms"] / result["kernel_cpu_ms"]
+    layers = [(query, pool, metadata)] + [decode_inputs(case, seed + layer) for layer in range(1, LAYERS)]
+    result["kernel_cold_cpu_ms"] = cold_kernel_ms(layers, rounds)
+    result["kv_mb"] = kv_bytes(pool, metadata) / 1e6
+    result["kernel_gb_per_s"] = result["kv_mb"] / result["kernel_cpu_ms"]
+    result["kernel_cold_gb_per_s"] = result["kv_mb"] / result["kernel_cold_cpu_ms"]
     return result
 
 
@@ -83,18 +109,21 @@ def plot(report: dict, path: Path) -> None:
     rows = report["results"]
     labels = [f"{r['dtype']}\nbatch {r['batch']}" for r in rows]
     positions = range(len(rows))
-    fig, ax = plt.subplots(figsize=(8, 4))
-    ax.bar([p - 0.2 for p in positions], [r["torch_cpu_ms"] for r in rows], 0.4, label="pure torch (gather + matmuls)")
-    ax.bar([p + 0.2 for p in positions], [r["kernel_cpu_ms"] for r in rows], 0.4,
-           label=f"C++ kernel ({report['kernel_isa']})")
+    fig, ax = plt.subplots(figsize=(9, 4.8))
+    ax.bar([p - 0.27 for p in positions], [r["torch_cpu_ms"] for r in rows], 0.27, label="pure torch (gather + matmuls)")
+    ax.bar(list(positions), [r["kernel_cpu_ms"] for r in rows], 0.27, label=f"C++ kernel ({report['kernel_isa']})")
+    ax.bar([p + 0.27 for p in positions], [r["kernel_cold_cpu_ms"] for r in rows], 0.27,
+           label=f"C++ kernel, {LAYERS} layers' pools in turn (KV from DRAM)")
     for p, r in zip(positions, rows):
-        ax.annotate(f"x{r['speedup']:.1f}", (p + 0.2, r["kernel_cpu_ms"]), textcoords="offset points", xytext=(0, 3),
+        ax.annotate(f"x{r['speedup']:.1f}", (p, r["kernel_cpu_ms"]), textcoords="offset points", xytext=(0, 3),
                     ha="center", fontsize=8)
+        ax.annotate(f"{r['kernel_cold_gb_per_s']:.1f} GB/s", (p + 0.27, r["kernel_cold_cpu_ms"]),
+                    textcoords="offset points", xytext=(0, 3), ha="center", fontsize=7)
     ax.set_xticks(list(positions), labels)
     ax.set_yscale("log")
     ax.set_ylabel("ms per layer (thread CPU time, median)")
     ax.set_title("decode attention, one layer, 88M shape (12 / 4 heads of 64), context 100-272, 1 thread")
-    ax.legend(loc="upper left")
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=3, fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -114,7 +143,8 @@ def main() -> None:
     for r in report["results"]:
         print(f"{r['dtype']:9s} batch {r['batch']:3d}: kernel {r['kernel_cpu_ms']:7.3f} ms, torch "
               f"{r['torch_cpu_ms']:7.3f} ms (x{r['speedup']:.1f}; wall {r['kernel_wall_ms']:.3f} / "
-              f"{r['torch_wall_ms']:.3f} ms)")
+              f"{r['torch_wall_ms']:.3f} ms); cold kernel {r['kernel_cold_cpu_ms']:7.3f} ms, "
+              f"{r['kv_mb']:.1f} MB of KV at {r['kernel_gb_per_s']:.1f} / {r['kernel_cold_gb_per_s']:.1f} GB/s")
     out_dir = write_report(report, "decode_attention", args, RESULTS, plot)
     print(f"wrote {out_dir / 'decode_attention.json'} and .png ({isa.name})")
 

@@ -114,6 +114,24 @@ def test_decode_attention_equals_the_reference(dtype, heads, head_dim, sliding_w
 
 
 @needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("heads", [(3, 3), (6, 3), (9, 3), (8, 2), (10, 2), (14, 2), (16, 2), (12, 1)],
+                         ids=lambda h: f"G{h[0] // h[1]}")
+@pytest.mark.parametrize("head_dim", [72, 80])
+@pytest.mark.parametrize("sliding_window", [None, 23])
+def test_decode_kernel_tiles_every_group_size_and_head_dim(dtype, heads, head_dim, sliding_window):
+    """The kernel reads each KV row once for its G query heads, in tiles of G's largest divisor that fits
+    the registers (G = 1 MHA, 2, 3, 4, 5, 7 (prime: tiles of 1 head on AVX2), 8, 12 = H MQA), over whole
+    and partial 16-float chunks of head_dim (72: a tail of 8; 80: five chunks, an odd one out)."""
+    generator = torch.Generator().manual_seed(head_dim + heads[0] * 7 + heads[1])
+    query, kv_cache, decode = _decode_case(generator, dtype, batch=4, num_heads=heads[0], num_kv_heads=heads[1],
+                                           head_dim=head_dim)
+    expected = TorchReferenceAttention()._decode(query, kv_cache, decode, 0, _metadata(decode), sliding_window)
+    got = CpuPagedAttention()._decode(query, kv_cache, decode, 0, _metadata(decode), sliding_window)
+    torch.testing.assert_close(got.float(), expected.float(), atol=TOLERANCE[dtype], rtol=0)
+
+
+@needs_kernels
 @pytest.mark.parametrize("batch", [1, 2, 3, 64])
 def test_decode_attention_splits_heads_for_small_batches_without_changing_results(batch):
     """One sequence spreads its KV heads over the threads; 64 give each task all of a sequence's heads."""

@@ -11,6 +11,15 @@
 // sliding_window > 0 attends only the last sliding_window positions. Query head h reads KV head
 // h / (H / Hkv) (grouped-query attention). Scores, softmax and the weighted sum are float32. A quantized
 // pool's codes are widened in registers; a key row's scale multiplies its score, a value row's its weight.
+//
+// How KV is read (at decode contexts the rows come from DRAM, each once per step): a task (a sequence's
+// KV heads, see kv_heads_per_task) makes two passes over its positions in ascending order, keys then
+// values. Each pass reads a position's rows of all the task's KV heads (adjacent in the pool: one 1 KiB run
+// per position for 4 heads of 64 floats) before the next position's, and each (position, KV head) row
+// exactly once for all G query heads of that KV head: the row's 16-element pieces are widened once and
+// multiplied into G accumulators held in registers (kTileAccumulators). Rows kPrefetchPositions ahead are
+// prefetched into L2, which keeps DRAM busy across the scattered blocks; prefetching into L1 was slower
+// than no prefetch at all (measured; likely L1's few miss buffers filling up ahead of the loads).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
@@ -22,31 +31,18 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
 
-template <typename E>
-inline float dot(const float* q, const E* k, int64_t dim) {
-  int64_t d = 0;
-  Vec16 acc = zero16();
-  for (; d + 16 <= dim; d += 16) acc = fma16(load16(q + d), load16(k + d), acc);
-  float sum = reduce_add(acc);
-  for (; d < dim; ++d) sum += q[d] * to_float(k[d]);
-  return sum;
-}
-
-template <typename E>
-inline void axpy(float weight, const E* v, float* acc, int64_t dim) {
-  int64_t d = 0;
-  const Vec16 w = set16(weight);
-  for (; d + 16 <= dim; d += 16) store16(acc + d, fma16(w, load16(v + d), load16(acc + d)));
-  for (; d < dim; ++d) acc[d] += weight * to_float(v[d]);
-}
-
 // row = softmax(row) in place, exp vectorized (a scalar exp per score costs more than the dots).
 inline void softmax(float* row, int64_t length) {
-  const float max_score = *std::max_element(row, row + length);
+  Vec16 maxima = set16(-std::numeric_limits<float>::infinity());
+  int64_t m = 0;
+  for (; m + 16 <= length; m += 16) maxima = max16(maxima, load16(row + m));
+  float max_score = reduce_max(maxima);
+  for (; m < length; ++m) max_score = std::max(max_score, row[m]);
   const Vec16 shift = set16(max_score);
   Vec16 sums = zero16();
   int64_t i = 0;
@@ -62,6 +58,18 @@ inline void softmax(float* row, int64_t length) {
   for (; i < length; ++i) row[i] *= 1.f / total;
 }
 
+// Accumulators one tile holds in registers, as Vec16s: (query head, position) dot products while reading
+// keys, (query head, 16 floats of head_dim) sums while reading values. AVX2: 6 of the 8 Vec16 the 16 ymm
+// hold, leaving room for the row being widened; AVX-512: 8, what store_sums8 reduces at once.
+constexpr int kTileAccumulators = kVec16Registers == 8 ? 6 : 8;
+
+// Positions read per run of the value pass (its sums go through memory once per run), and how far ahead
+// the rows are prefetched: block tables scatter a sequence's blocks through the pool, so the hardware
+// prefetcher loses the stream at every block boundary. Measured on the AVX2 EPYC (88M shape): 16 ahead
+// beat 6, 8 and 32-40; runs of 8 beat 16.
+constexpr int64_t kRunPositions = 8;
+constexpr int64_t kPrefetchPositions = 16;
+
 struct Geometry {
   int64_t num_heads, num_kv_heads, head_dim, block_size, max_blocks;
   int64_t head_stride;   // elements of one (position, KV head) row: W (D, or D + 2 when quantized)
@@ -69,97 +77,188 @@ struct Geometry {
   int64_t block_stride;  // elements of one block (keys and values): 2 * block_size * Hkv * W
 };
 
-// Ask for the cache lines of a row needed soon (the positions of the next blocks are scattered
-// through the pool, so the hardware prefetcher cannot guess them).
-template <typename E>
-inline void prefetch_row(const E* row, int64_t dim) {
-  const char* bytes = reinterpret_cast<const char*>(row);
-  for (int64_t b = 0; b < dim * static_cast<int64_t>(sizeof(E)); b += 64) _mm_prefetch(bytes + b, _MM_HINT_T0);
+// Ask for every cache line of [row, row + bytes) in L2 (T1; L1 is too small to hold a prefetch distance).
+inline void prefetch_span(const void* row, int64_t bytes) {
+  const char* first = static_cast<const char*>(row);
+  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(first + b, _MM_HINT_T1);
 }
 
-// scores[i] = q . rows[i][offset : offset + dim] for i < length, eight positions at a time.
-template <typename E>
-void score_row(const float* q, const std::vector<const E*>& rows, int64_t offset, int64_t length, int64_t dim,
-               float* scores) {
-  int64_t i = 0;
-  if (dim % 16 == 0) {
-    for (; i + 8 <= length; i += 8) {
-      for (int64_t j = i + 8; j < std::min(i + 16, length); ++j) prefetch_row(rows[j] + offset, dim);
-      Vec16 acc[8];
-      for (int j = 0; j < 8; ++j) acc[j] = zero16();
-      for (int64_t d = 0; d < dim; d += 16) {
-        const Vec16 qd = load16(q + d);
-        for (int j = 0; j < 8; ++j) acc[j] = fma16(qd, load16(rows[i + j] + offset + d), acc[j]);
-      }
-      store_sums8(acc, scores + i);
+// scores[h * score_stride + p] = q_h . k_p for Heads query rows (q, `dim` apart) and Positions key rows
+// (rows[p] + offset): each 16 elements of a key row are loaded and widened once for all Heads. Every
+// score is reduced by store_sums8's tree (then a scalar tail past the last multiple of 16), so a score
+// does not depend on the tile it was computed in.
+template <int Heads, int Positions, typename E>
+inline void key_tile(const float* q, const E* const* rows, int64_t offset, int64_t dim, float* scores,
+                     int64_t score_stride) {
+  static_assert(Heads * Positions <= kTileAccumulators);
+  Vec16 acc[8];
+  for (int j = 0; j < 8; ++j) acc[j] = zero16();
+  const int64_t vector_dim = dim - dim % 16;
+  for (int64_t d = 0; d < vector_dim; d += 16)
+    for (int p = 0; p < Positions; ++p) {
+      const Vec16 k = load16(rows[p] + offset + d);
+      for (int h = 0; h < Heads; ++h) acc[h * Positions + p] = fma16(load16(q + h * dim + d), k, acc[h * Positions + p]);
+    }
+  float sums[8];
+  store_sums8(acc, sums);
+  for (int h = 0; h < Heads; ++h)
+    for (int p = 0; p < Positions; ++p) {
+      float sum = sums[h * Positions + p];
+      for (int64_t d = vector_dim; d < dim; ++d) sum += q[h * dim + d] * to_float(rows[p][offset + d]);
+      scores[h * score_stride + p] = sum;
+    }
+}
+
+// acc[h * dim + first + j] += sum_p weights[h * weight_stride + p] * v_p[first + j] for Heads query heads,
+// j < 16 * Chunks, p < count (v_p = rows[p] + offset): each 16 elements of a value row are loaded and
+// widened once for all Heads; the sums stay in registers over the positions. Always inlined: GCC kept it
+// out of line, and the calls cost 14% of the kernel's time with the rows in L2.
+template <int Heads, int Chunks, typename E>
+[[gnu::always_inline]] inline void value_tile(const float* weights, int64_t weight_stride, const E* const* rows, int64_t count,
+                       int64_t offset, int64_t first, int64_t dim, float* acc) {
+  static_assert(Heads * Chunks <= kTileAccumulators);
+  Vec16 sum[Heads * Chunks];
+  for (int h = 0; h < Heads; ++h)
+    for (int c = 0; c < Chunks; ++c) sum[h * Chunks + c] = load16(acc + h * dim + first + 16 * c);
+  for (int64_t p = 0; p < count; ++p) {
+    const E* v = rows[p] + offset + first;
+    for (int c = 0; c < Chunks; ++c) {
+      const Vec16 x = load16(v + 16 * c);
+      for (int h = 0; h < Heads; ++h)
+        sum[h * Chunks + c] = fma16(set16(weights[h * weight_stride + p]), x, sum[h * Chunks + c]);
     }
   }
-  for (; i < length; ++i) scores[i] = dot(q, rows[i] + offset, dim);
-  if constexpr (KVRow<E>::kQuantized)
-    for (i = 0; i < length; ++i) scores[i] *= KVRow<E>::scale(rows[i] + offset, dim);
+  for (int h = 0; h < Heads; ++h)
+    for (int c = 0; c < Chunks; ++c) store16(acc + h * dim + first + 16 * c, sum[h * Chunks + c]);
 }
 
-// out = sum_i probs[i] * rows[i][offset : offset + D] with N = D / 16 accumulators held in registers.
-template <int N, typename E, typename T>
-void weighted_sum_fixed(const float* probs, const std::vector<const E*>& rows, int64_t offset, int64_t length,
-                        T* out) {
-  Vec16 acc[N];
-  for (int j = 0; j < N; ++j) acc[j] = zero16();
-  for (int64_t i = 0; i < length; ++i) {
-    if (i + 8 < length) prefetch_row(rows[i + 8] + offset, 16 * N);
-    const Vec16 w = set16(probs[i]);
-    const E* v = rows[i] + offset;
-    for (int j = 0; j < N; ++j) acc[j] = fma16(w, load16(v + 16 * j), acc[j]);
+// One task's view of a sequence: its attended positions' rows and the sizes the passes share.
+template <typename E>
+struct TaskRows {
+  const std::vector<const E*>& rows;  // key row of each attended position, at the task's first KV head
+  int64_t length, num_kv, group, dim, width;
+  int64_t span_bytes;                 // one position's rows of the task's KV heads (adjacent in the pool)
+
+  void prefetch(int64_t from, int64_t to, int64_t offset) const {
+    for (int64_t j = from; j < std::min(to, length); ++j) prefetch_span(rows[j] + offset, span_bytes);
   }
-  for (int j = 0; j < N; ++j) store16(out + 16 * j, acc[j]);
+};
+
+// scores [heads, length] = the task's scaled queries q [heads, dim] . its key rows, Heads query heads
+// (dividing G) x kTileAccumulators / Heads positions per tile, positions in ascending order, all KV heads
+// of a position before the next.
+template <int Heads, typename E>
+void key_pass(const TaskRows<E>& t, const float* q, float* scores) {
+  constexpr int kPositions = kTileAccumulators / Heads;
+  t.prefetch(0, kPrefetchPositions, 0);
+  int64_t i = 0;
+  const auto step = [&](auto positions) {
+    constexpr int n = decltype(positions)::value;
+    t.prefetch(i + kPrefetchPositions, i + kPrefetchPositions + n, 0);
+    for (int64_t kv = 0; kv < t.num_kv; ++kv)
+      for (int64_t h = kv * t.group; h < (kv + 1) * t.group; h += Heads)
+        key_tile<Heads, n>(q + h * t.dim, &t.rows[i], kv * t.width, t.dim, scores + h * t.length + i, t.length);
+    i += n;
+  };
+  while (i + kPositions <= t.length) step(std::integral_constant<int, kPositions>{});
+  while (i < t.length) step(std::integral_constant<int, 1>{});
 }
 
-template <typename E, typename T>
-void weighted_sum(const float* probs, const std::vector<const E*>& rows, int64_t offset, int64_t length, int64_t dim,
-                  T* out) {
-  switch (dim) {
-    case 32: return weighted_sum_fixed<2>(probs, rows, offset, length, out);
-    case 64: return weighted_sum_fixed<4>(probs, rows, offset, length, out);
-    case 80: return weighted_sum_fixed<5>(probs, rows, offset, length, out);
-    case 96: return weighted_sum_fixed<6>(probs, rows, offset, length, out);
-    case 128: return weighted_sum_fixed<8>(probs, rows, offset, length, out);
-    default: break;
+// acc [heads, dim] = sum over positions of weights [heads, length] x the task's value rows (at
+// value_offset from the key rows), in runs of kRunPositions positions in ascending order; per run, each
+// KV head's rows are read once for its G query heads, Heads of them x kTileAccumulators / Heads chunks of
+// 16 floats per tile.
+template <int Heads, typename E>
+void value_pass(const TaskRows<E>& t, const float* weights, int64_t value_offset, float* acc) {
+  constexpr int kChunks = kTileAccumulators / Heads;
+  const int64_t chunks = t.dim / 16, vector_dim = 16 * chunks;
+  t.prefetch(0, kPrefetchPositions, value_offset);
+  for (int64_t i = 0; i < t.length; i += kRunPositions) {
+    const int64_t n = std::min(kRunPositions, t.length - i);
+    t.prefetch(i + kPrefetchPositions, i + kPrefetchPositions + n, value_offset);
+    for (int64_t kv = 0; kv < t.num_kv; ++kv) {
+      const int64_t offset = value_offset + kv * t.width;
+      for (int64_t h = kv * t.group; h < (kv + 1) * t.group; h += Heads) {
+        const float* w = weights + h * t.length + i;
+        int64_t c = 0;
+        for (; c + kChunks <= chunks; c += kChunks)
+          value_tile<Heads, kChunks>(w, t.length, &t.rows[i], n, offset, 16 * c, t.dim, acc + h * t.dim);
+        for (; c < chunks; ++c) value_tile<Heads, 1>(w, t.length, &t.rows[i], n, offset, 16 * c, t.dim, acc + h * t.dim);
+        for (int64_t k = 0; k < Heads; ++k)
+          for (int64_t p = 0; p < n; ++p)
+            for (int64_t d = vector_dim; d < t.dim; ++d)
+              acc[(h + k) * t.dim + d] += w[k * t.length + p] * to_float(t.rows[i + p][offset + d]);
+      }
+    }
   }
-  std::vector<float> acc(dim, 0.f);
-  for (int64_t i = 0; i < length; ++i) axpy(probs[i], rows[i] + offset, acc.data(), dim);
-  for (int64_t d = 0; d < dim; ++d) out[d] = static_cast<T>(acc[d]);
 }
 
-// One sequence's KV heads [first_kv_head, first_kv_head + num_kv) and the G query heads of each.
-// Scores head by head over the positions' key rows (eight positions per reduction), a softmax
-// per head, then each head's weighted sum of value rows accumulated in registers. Cache rows hold E
-// (T itself, or quantized codes whose row scales fold into the scores and the weights).
+// Query heads per tile: the largest divisor of G that fits the accumulators.
+inline int head_tile(int64_t group) {
+  int heads = static_cast<int>(std::min<int64_t>(group, kTileAccumulators));
+  while (group % heads != 0) --heads;
+  return heads;
+}
+
+// Runs pass<Heads>() for Heads = heads (1 .. kTileAccumulators).
+template <typename Pass>
+void with_head_tile(int heads, Pass pass) {
+  switch (heads) {
+    case 1: return pass(std::integral_constant<int, 1>{});
+    case 2: return pass(std::integral_constant<int, 2>{});
+    case 3: return pass(std::integral_constant<int, 3>{});
+    case 4: return pass(std::integral_constant<int, 4>{});
+    case 5: return pass(std::integral_constant<int, 5>{});
+    case 6: return pass(std::integral_constant<int, 6>{});
+    default:
+      if constexpr (kTileAccumulators >= 8) {
+        if (heads == 7) return pass(std::integral_constant<int, 7>{});
+        return pass(std::integral_constant<int, 8>{});
+      }
+  }
+}
+
+// One sequence's KV heads [first_kv_head, first_kv_head + num_kv) and the G query heads of each, in two
+// passes over the attended positions in ascending order: the keys, a softmax per query head, then the
+// values. Each pass reads a position's rows of all the task's KV heads (adjacent in the pool) before the
+// next position's, each (position, KV head) row once for all G of its query heads, and prefetches rows
+// kPrefetchPositions ahead. Cache rows hold E (T itself, or quantized codes whose row scales fold into
+// the scores and the weights).
 template <typename T, typename E>
 void attend(const T* query, const E* cache, const int64_t* table, int64_t context_len, int64_t window, float scale,
             const Geometry& g, int64_t first_kv_head, int64_t num_kv, T* out) {
-  const int64_t group = g.num_heads / g.num_kv_heads;
+  const int64_t group = g.num_heads / g.num_kv_heads, dim = g.head_dim, width = g.head_stride;
   const int64_t heads = num_kv * group;  // query heads of this task, consecutive from first_kv_head * G
   const int64_t start = window > 0 ? std::max<int64_t>(0, context_len - window) : 0;
   const int64_t length = context_len - start;
-  std::vector<float> q(heads * g.head_dim), scores(heads * length);
-  std::vector<const E*> rows(length);  // key row of each attended position, at this task's first KV head
-  const T* q_src = query + first_kv_head * group * g.head_dim;
-  for (int64_t i = 0; i < heads * g.head_dim; ++i) q[i] = static_cast<float>(q_src[i]) * scale;
+  std::vector<float> q(heads * dim), scores(heads * length), acc(heads * dim, 0.f);  // scores [heads, length]
+  std::vector<const E*> rows(length);
+  const T* q_src = query + first_kv_head * group * dim;
+  for (int64_t i = 0; i < heads * dim; ++i) q[i] = static_cast<float>(q_src[i]) * scale;
   for (int64_t p = start; p < context_len; ++p)
     rows[p - start] = cache + table[p / g.block_size] * g.block_stride + (p % g.block_size) * g.row_stride +
                       first_kv_head * g.head_stride;
-  for (int64_t h = 0; h < heads; ++h)
-    score_row(&q[h * g.head_dim], rows, (h / group) * g.head_stride, length, g.head_dim, &scores[h * length]);
-  for (int64_t h = 0; h < heads; ++h) softmax(&scores[h * length], length);
+  const TaskRows<E> task{rows, length, num_kv, group, dim, width, num_kv * width * static_cast<int64_t>(sizeof(E))};
   const int64_t value_offset = g.block_size * g.row_stride;
+  const int tile = head_tile(group);
+
+  with_head_tile(tile, [&](auto h) { key_pass<decltype(h)::value>(task, q.data(), scores.data()); });
+  if constexpr (KVRow<E>::kQuantized)  // a key row's scale multiplies its scores
+    for (int64_t h = 0; h < heads; ++h)
+      for (int64_t i = 0; i < length; ++i) scores[h * length + i] *= KVRow<E>::scale(rows[i] + (h / group) * width, dim);
+  for (int64_t h = 0; h < heads; ++h) softmax(&scores[h * length], length);
   if constexpr (KVRow<E>::kQuantized)  // probability x value scale: the weight of each value row's codes
     for (int64_t h = 0; h < heads; ++h)
       for (int64_t i = 0; i < length; ++i)
-        scores[h * length + i] *= KVRow<E>::scale(rows[i] + value_offset + (h / group) * g.head_stride, g.head_dim);
-  T* out_dst = out + first_kv_head * group * g.head_dim;
-  for (int64_t h = 0; h < heads; ++h)
-    weighted_sum(&scores[h * length], rows, value_offset + (h / group) * g.head_stride, length, g.head_dim,
-                 out_dst + h * g.head_dim);
+        scores[h * length + i] *= KVRow<E>::scale(rows[i] + value_offset + (h / group) * width, dim);
+  with_head_tile(tile, [&](auto h) { value_pass<decltype(h)::value>(task, scores.data(), value_offset, acc.data()); });
+
+  T* out_dst = out + first_kv_head * group * dim;
+  const int64_t vector_dim = dim - dim % 16;
+  for (int64_t h = 0; h < heads; ++h) {
+    for (int64_t d = 0; d < vector_dim; d += 16) store16(out_dst + h * dim + d, load16(&acc[h * dim + d]));
+    for (int64_t d = vector_dim; d < dim; ++d) out_dst[h * dim + d] = static_cast<T>(acc[h * dim + d]);
+  }
 }
 
 // KV heads per task: all of a sequence's (streaming reads) unless there are too few sequences to

@@ -103,7 +103,7 @@ inline Vec16 load16(const Fp8E4M3* p) {
 }
 
 // out[0..8) = the sums of v[0..8), about 2 instructions per sum where a reduce_add per vector costs 7.
-inline void store_sums8(const Vec16* v, float* out) {
+[[gnu::always_inline]] inline void store_sums8(const Vec16* v, float* out) {
   __m256 half[8];
   for (int i = 0; i < 8; ++i)
     half[i] = _mm256_add_ps(_mm512_castps512_ps256(v[i].v), _mm512_extractf32x8_ps(v[i].v, 1));
@@ -234,7 +234,7 @@ inline __m256 widen_fp8_e4m3x8(const Fp8E4M3* p) {
 inline Vec16 load16(const Fp8E4M3* p) { return {widen_fp8_e4m3x8(p), widen_fp8_e4m3x8(p + 8)}; }
 
 // out[0..8) = the sums of v[0..8) (the AVX-512 tree: halves first, then pairwise).
-inline void store_sums8(const Vec16* v, float* out) {
+[[gnu::always_inline]] inline void store_sums8(const Vec16* v, float* out) {
   __m256 half[8];
   for (int i = 0; i < 8; ++i) half[i] = _mm256_add_ps(v[i].lo, v[i].hi);
   const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(half[0], half[1]), _mm256_hadd_ps(half[2], half[3]));
