@@ -8,6 +8,8 @@ unroutable on every router."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import ray
 
@@ -15,7 +17,9 @@ from splitserve.testing.local_cluster import running_cluster
 from splitserve.testing.router_faults import (REAP_WITHIN_S, StreamResult, index_is_exact, kill_a_router_under_load,
                                               kill_a_worker, load_cases, router_cluster_config,
                                               stream_on_own_connection)
-from tests.factories import hf_greedy
+from splitserve.router.request_body import LARGE_BODY_BYTES
+from splitserve.testing.workloads import GreedyCase
+from tests.factories import hf_greedy, http_request
 
 pytestmark = pytest.mark.slow
 
@@ -47,6 +51,22 @@ def test_both_routers_serve_one_address_with_exact_prefix_indexes(two_routers, t
     assert stream_on_own_connection(cluster.port, "warm", case) == StreamResult(
         tuple(hf_greedy(tiny_llama_dir, case)), None, "length")
     assert [index_is_exact(cluster, router) for router in cluster.routers.values()] == [True, True]
+
+
+def test_router_actors_parse_large_bodies_in_their_parser_process(two_routers, tiny_llama_dir):
+    """A body over LARGE_BODY_BYTES goes to the router's parser process, which a router actor spawns
+    from Ray's worker process (its main module is Ray's); each of several connections (spread over
+    both routers by SO_REUSEPORT) gets Hugging Face's tokens."""
+    cluster, _ = two_routers
+    case = GreedyCase(load_cases()[1].prompt_token_ids, 8, True)
+    request = {"prompt": list(case.prompt_token_ids), "max_tokens": case.max_tokens, "temperature": 0,
+               "ignore_eos": True, "logprobs": 0, "return_tokens_as_token_ids": True}
+    body = json.dumps(request).encode() + b" " * LARGE_BODY_BYTES
+    expected = [f"token_id:{token}" for token in hf_greedy(tiny_llama_dir, case)]
+    for _ in range(4):
+        status, _, raw = http_request(cluster.router_ports.http, "POST", "/v1/completions", body)
+        assert status == 200, raw
+        assert json.loads(raw)["choices"][0]["logprobs"]["tokens"] == expected
 
 
 def test_killing_one_of_two_routers_under_load_loses_only_its_streams(two_routers, tiny_llama_dir):
