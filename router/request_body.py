@@ -79,13 +79,17 @@ class BodyParser:
         Cancelling the await (the client went away) lets a running parse end in its process."""
         if len(body) <= self._large_body_bytes:
             return parse_body(parse, body, self.limits)
+        executor = self._executor
         try:
-            return await asyncio.wrap_future(self._executor.submit(parse_body, parse, body, self.limits))
+            return await asyncio.wrap_future(executor.submit(parse_body, parse, body, self.limits))
         except BrokenProcessPool:
             # The process died (killed, out of memory): this body is parsed here, later ones in a new process.
-            logger.warning("the request body parser process died; starting another")
-            self._executor.shutdown(wait=False, cancel_futures=True)
-            self._executor = self._start_process()
+            # Every body that was with the dead process ends here; only the first replaces it (shutting down
+            # a replacement would cancel the bodies already sent to it).
+            if self._executor is executor:
+                logger.warning("the request body parser process died; starting another")
+                executor.shutdown(wait=False, cancel_futures=True)
+                self._executor = self._start_process()
             return parse_body(parse, body, self.limits)
 
     def close(self) -> None:
