@@ -44,8 +44,9 @@ from splitserve.common.sampling_params import SamplingParams
 from splitserve.router.admission import RETRY_AFTER_S, Admission
 from splitserve.router.auth import check_authorization
 from splitserve.router.openai_protocol import (ChatCompletionRequest, ChatRenderer, CompletionRenderer,
-                                               CompletionRequest, ResponseHeader, error_body, parse_chat_request, parse_completion_request,
-                                               parse_detokenize_request, parse_tokenize_request)
+                                               CompletionRequest, ResponseHeader, error_body, parse_chat_request,
+                                               parse_completion_request, parse_detokenize_request,
+                                               parse_tokenize_request)
 from splitserve.router.api_types import GenerationInput, RouterError, Usage
 from splitserve.router.fanout import FanOut, IndexedChunk, best_of, by_choice, merged_usage, sequence_inputs
 from splitserve.router.orchestrator import Orchestrator

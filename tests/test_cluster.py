@@ -141,15 +141,26 @@ def test_deadline_ends_the_stream_and_frees_everything(disaggregated):
     loop.run(cluster.wait_idle())
 
 
+def _stat(pid: int | str) -> list[str] | None:
+    """/proc/<pid>/stat's fields after the command name (state, ppid, ...); None once the pid is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+
+
 def _living(pids: set[int]) -> dict[int, str]:
     """The command line of each of `pids` still running. A zombie (state Z: exited, not yet reaped by
     PID 1, which on these VMs reaps orphans up to a second or so late) is not running."""
     living = {}
     for pid in pids:
+        fields = _stat(pid)
+        if fields is None or fields[0] == "Z":
+            continue
         try:
-            with open(f"/proc/{pid}/stat") as stat, open(f"/proc/{pid}/cmdline", "rb") as cmdline:
-                if stat.read().rsplit(")", 1)[1].split()[0] != "Z":
-                    living[pid] = cmdline.read().replace(b"\0", b" ").decode(errors="replace")[:120]
+            with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+                living[pid] = cmdline.read().replace(b"\0", b" ").decode(errors="replace")[:120]
         except OSError:
             continue
     return living
@@ -158,13 +169,8 @@ def _living(pids: set[int]) -> dict[int, str]:
 def _descendants(pid: int) -> set[int]:
     children = {pid}
     for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = open(f"/proc/{entry}/stat").read()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) in children:
-                children.add(int(entry))
+        if entry.isdigit() and (fields := _stat(entry)) is not None and int(fields[1]) in children:
+            children.add(int(entry))
     return children
 
 
