@@ -11,8 +11,10 @@ import torch.nn.functional as F
 
 from splitserve.engine.cpu_gemm import cpu_gemm_dtype, has_bf16_gemm
 from splitserve.engine.cpu_kernels import AVX2, AVX512, AVX512_BF16
-from splitserve.engine.models.packed_linear import (PANEL_COLUMNS, PackedLinear, PanelLinear, can_pack, pack_linears,
-                                                    pack_panels, uses_panels)
+from splitserve.engine.models.layer_ops import CpuKernelLayerOps
+from splitserve.engine.models.llama import MLP
+from splitserve.engine.models.packed_linear import (PANEL_COLUMNS, PackedLinear, PanelLinear, PanelSiluMulLinear,
+                                                    can_pack, pack_linears, pack_panels, uses_panels)
 
 from tests.factories import needs_kernels
 
@@ -206,6 +208,71 @@ def test_panel_linear_refuses_mismatched_inputs_with_a_message(call, message):
     layer = PanelLinear(torch.nn.Linear(96, 80).to(torch.bfloat16))
     with pytest.raises(RuntimeError, match=message):
         call(layer)
+
+
+# ---- PanelSiluMulLinear (csrc/panel_linear.cpp's panel_linear_silu_mul) -------------------------------------
+
+GATED_CASES = [(1, 80, 96), (2, 48, 31), (3, 17, 7), (5, 7, 64), (6, 16, 2), (7, 40, 97), (13, 33, 64), (64, 80, 96)]
+"""(rows, intermediate, in_features): one and two rows (gate and up panels in one tile), taller tiles and their
+tails, a partial last pair (intermediate not a multiple of 16: silu_and_mul's scalar tail), odd inputs."""
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
+@pytest.mark.parametrize("rows, intermediate, in_features", GATED_CASES)
+def test_fused_gate_up_equals_panel_linear_then_silu_and_mul_bit_for_bit(rows, intermediate, in_features, bias, dtype):
+    gate_up = _linear(2 * intermediate, in_features, bias, dtype, rows * 1000 + intermediate)
+    x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows)).to(dtype)
+    got = PanelSiluMulLinear(gate_up)(x)
+    assert got.dtype == dtype and got.shape == (rows, intermediate)
+    assert torch.equal(got, CpuKernelLayerOps().silu_and_mul(PanelLinear(gate_up)(x)))
+
+
+@needs_kernels
+def test_fused_gate_up_interleaves_gate_and_up_panels_and_their_biases():
+    gate_up = _linear(2 * 17, 5, True, torch.float32, 7)  # I = 17: two pairs, the second 1 column wide
+    layer = PanelSiluMulLinear(gate_up)
+    gate, up = pack_panels(gate_up.weight[:17]), pack_panels(gate_up.weight[17:])
+    assert layer.panels.shape == (4, 5, PANEL_COLUMNS)
+    assert [torch.equal(layer.panels[i], part[i // 2]) for i, part in enumerate((gate, up, gate, up))] == [True] * 4
+    bias = layer.bias.view(4, PANEL_COLUMNS)
+    assert torch.equal(bias[0], gate_up.bias[:16]) and torch.equal(bias[1], gate_up.bias[17:33])
+    assert bias[2, 0] == gate_up.bias[16] and bias[3, 0] == gate_up.bias[33]
+    assert torch.equal(bias[2:, 1:], torch.zeros(2, PANEL_COLUMNS - 1))
+
+
+@needs_kernels
+def test_fused_gate_up_refuses_panels_that_are_not_pairs():
+    layer = PanelLinear(torch.nn.Linear(96, 80))  # 5 panels
+    with pytest.raises(RuntimeError, match="40 features do not fill 5 panels in pairs"):
+        torch.ops.splitserve_cpu.panel_linear_silu_mul(torch.randn(2, 96), layer.panels, None, 40)
+
+
+def _mlp(dtype: torch.dtype) -> MLP:
+    arch = type("Arch", (), {"hidden_size": 32, "intermediate_size": 24, "mlp_bias": False})()
+    mlp = MLP(arch, CpuKernelLayerOps())
+    with torch.no_grad():
+        for parameter in mlp.parameters():
+            parameter.copy_(torch.randn(parameter.shape, generator=torch.Generator().manual_seed(parameter.numel())))
+    return mlp.to(dtype)
+
+
+@needs_onednn
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_pack_linears_fuses_an_mlps_silu_and_mul_where_it_packs_panels(dtype):
+    mlp = _mlp(dtype)
+    x = torch.randn(5, 32).to(dtype)
+    unfused = _mlp(dtype)
+    pack_linears(unfused, dtype, None)  # no kernels: oneDNN, the MLP's own SiLU-and-mul
+    assert type(unfused.gate_up_proj) is PackedLinear and not unfused.gate_up_applies_silu
+    pack_linears(mlp, dtype, AVX2)
+    assert type(mlp.gate_up_proj) is PanelSiluMulLinear and type(mlp.down_proj) is PanelLinear
+    reference = _mlp(dtype)
+    gated = CpuKernelLayerOps().silu_and_mul(PanelLinear(reference.gate_up_proj)(x))
+    expected = PanelLinear(reference.down_proj)(gated)
+    assert torch.equal(mlp(x), expected)
 
 
 @pytest.mark.parametrize("dtype, isa, bf16_gemm, expected", [

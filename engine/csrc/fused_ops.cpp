@@ -48,17 +48,9 @@ void add_row(T* residual, const T* x, int64_t n) {
 
 template <typename T>
 void silu_and_mul_row(const T* gate, const T* up, int64_t n, T* out) {
-  const Vec16 one = set16(1.f);
   int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    const Vec16 g = load16(gate + i);
-    const Vec16 e = exp16(zero16() - g);
-    store16(out + i, round16<T>(g / (one + e)) * load16(up + i));
-  }
-  for (; i < n; ++i) {
-    const float g = static_cast<float>(gate[i]);
-    out[i] = static_cast<T>(round1<T>(g / (1.f + std::exp(-g))) * static_cast<float>(up[i]));
-  }
+  for (; i + 16 <= n; i += 16) store16(out + i, silu_mul16<T>(load16(gate + i), load16(up + i)));
+  for (; i < n; ++i) out[i] = static_cast<T>(silu_mul1<T>(static_cast<float>(gate[i]), static_cast<float>(up[i])));
 }
 
 template <typename T>

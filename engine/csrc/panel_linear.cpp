@@ -11,6 +11,12 @@
 //         W[16p + j, 2 k2 + 1] in its high half (0 past an odd K): one Words16 load = 16 columns at 2 k.
 //   fp32: float [P][K][16]; (k, j) holds W[16p + j, k].
 //
+// panel_linear_silu_mul: the MLP's gate and up projections and silu(gate) * up in one pass, for W = [G | U]
+// packed as pairs: panel 2q = G's output columns [16 q, 16 q + 16), panel 2q + 1 = U's same columns (each
+// padded with zeros past I on its own). Each 16-column tile's gate and up sums are rounded to x's dtype, then
+// silu(gate) * up is computed and rounded where fused_ops.cpp's silu_and_mul rounds it: the result equals
+// silu_and_mul(panel_linear(x, [G | U])) bit for bit without writing or reading back the [M, 2I] gate_up.
+//
 // Arithmetic: x widened to float32 once per call; every output is sum_k x[m, k] * W[n, k] accumulated in
 // float32 in ascending k, one fused multiply-add per term, plus the bias, rounded once to x's dtype. The
 // order depends on nothing but k, so a row's result is the same whichever rows share its batch.
@@ -140,6 +146,62 @@ void linear_panels(const float* x, const W* panels, const float* bias, const Lin
   });
 }
 
+// out[row + r, 16 q + j] = silu(gate) * up over rows [row, row + R) and pair q's columns that exist (I in
+// shape.out_features). Two rows or fewer run both panels in one tile (more independent accumulators); taller
+// tiles run the gate panel, park its sums in L1, then the up panel (both tiles' accumulators at once would
+// not fit the registers).
+template <typename T, typename W, int R>
+void gated_tile(const float* x, const W* panels, const float* bias, const LinearShape& shape, int64_t q, int64_t row,
+                T* out) {
+  const int64_t x_stride = kInputsPerStep<W> * shape.steps, panel_stride = shape.steps * kPanelColumns;
+  const int64_t first = q * kPanelColumns;
+  const float* rows = x + row * x_stride;
+  const W* gate_panel = panels + 2 * q * panel_stride;
+  alignas(64) float gates[R][kPanelColumns], ups[R][kPanelColumns];
+  if constexpr (R <= 2) {
+    Vec16 acc[R][2];
+    panel_tile<R, 2>(rows, x_stride, gate_panel, panel_stride, shape.steps, acc);
+    for (int r = 0; r < R; ++r) store16(gates[r], acc[r][0]), store16(ups[r], acc[r][1]);
+  } else {
+    Vec16 acc[R][1];
+    panel_tile<R, 1>(rows, x_stride, gate_panel, panel_stride, shape.steps, acc);
+    for (int r = 0; r < R; ++r) store16(gates[r], acc[r][0]);
+    panel_tile<R, 1>(rows, x_stride, gate_panel + panel_stride, panel_stride, shape.steps, acc);
+    for (int r = 0; r < R; ++r) store16(ups[r], acc[r][0]);
+  }
+  const int64_t columns = std::min(kPanelColumns, shape.out_features - first);
+  for (int r = 0; r < R; ++r) {
+    Vec16 gate = load16(gates[r]), up = load16(ups[r]);
+    if (bias != nullptr) gate = gate + load16(bias + 2 * first), up = up + load16(bias + 2 * first + kPanelColumns);
+    gate = round16<T>(gate), up = round16<T>(up);
+    T* target = out + (row + r) * shape.out_features + first;
+    if (columns == kPanelColumns) {
+      store16(target, silu_mul16<T>(gate, up));
+      continue;
+    }
+    store16(gates[r], gate), store16(ups[r], up);  // a partial last pair: silu_and_mul's scalar tail
+    for (int64_t j = 0; j < columns; ++j) target[j] = static_cast<T>(silu_mul1<T>(gates[r][j], ups[r][j]));
+  }
+}
+
+template <typename T, typename W>
+void gated_pairs(const float* x, const W* panels, const float* bias, const LinearShape& shape, int64_t num_pairs,
+                 T* out) {
+  // Same task size and loop order as linear_panels, a pair of panels standing for one.
+  const int64_t per_pair = std::max<int64_t>(1, 2 * shape.rows * shape.steps * kInputsPerStep<W> * kPanelColumns);
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 18) / per_pair);
+  at::parallel_for(0, num_pairs, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t q = begin; q < end; ++q) {
+      int64_t row = 0;
+      for (; row + kTileRows <= shape.rows; row += kTileRows)
+        gated_tile<T, W, kTileRows>(x, panels, bias, shape, q, row, out);
+      if (row < shape.rows)
+        with_rows(static_cast<int>(shape.rows - row),
+                  [&]<int R>() { gated_tile<T, W, R>(x, panels, bias, shape, q, row, out); });
+    }
+  });
+}
+
 template <typename W>
 void dispatch_output(const at::Tensor& wide, const W* panels, const float* bias, const LinearShape& shape,
                      int64_t num_panels, at::Tensor& out) {
@@ -149,38 +211,75 @@ void dispatch_output(const at::Tensor& wide, const W* panels, const float* bias,
     linear_panels(wide.data_ptr<float>(), panels, bias, shape, num_panels, out.data_ptr<c10::BFloat16>());
 }
 
-// x [M, K] (float32 or bfloat16), panels int32 [P, ceil(K/2), 16] (bf16 pairs) or float32 [P, K, 16], bias
-// float32 [16 P] or None -> [M, out_features] in x's dtype, out_features in (16 (P - 1), 16 P].
-at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, const std::optional<at::Tensor>& bias,
-                        int64_t out_features) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "panel_linear: x must be a contiguous [rows, in_features] matrix");
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
-              "panel_linear: x must be float32 or bfloat16");
+// Checks x [M, K] (float32 or bfloat16) against panels int32 [P, ceil(K/2), 16] (bf16 pairs) or float32
+// [P, K, 16] and bias float32 [16 P] or None; returns x widened to float32 (x itself when it is), rows padded
+// with a zero to the panels' inputs where K is odd (paired with the panels' zero k).
+at::Tensor checked_input(const char* op, const at::Tensor& x, const at::Tensor& panels,
+                         const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), op, ": x must be a contiguous [rows, in_features] matrix");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, op, ": x must be float32 or bfloat16");
   const bool bf16 = panels.scalar_type() == at::kInt;
   TORCH_CHECK(panels.dim() == 3 && panels.size(2) == kPanelColumns && (bf16 || panels.scalar_type() == at::kFloat) &&
                   panels.is_contiguous(),
-              "panel_linear: panels must be a contiguous int32 [P, ceil(K/2), 16] or float32 [P, K, 16] tensor");
-  const int64_t in_features = x.size(1), steps = panels.size(1), num_panels = panels.size(0);
-  const int64_t per_step = bf16 ? 2 : 1;
-  TORCH_CHECK(steps == (in_features + per_step - 1) / per_step, "panel_linear: x has ", in_features,
-              " features, the panels ", steps, bf16 ? " pairs" : " inputs");
-  TORCH_CHECK(out_features > kPanelColumns * (num_panels - 1) && out_features <= kPanelColumns * num_panels,
-              "panel_linear: ", out_features, " output features do not fill ", num_panels, " panels");
+              op, ": panels must be a contiguous int32 [P, ceil(K/2), 16] or float32 [P, K, 16] tensor");
+  const int64_t in_features = x.size(1), steps = panels.size(1), per_step = bf16 ? 2 : 1;
+  TORCH_CHECK(steps == (in_features + per_step - 1) / per_step, op, ": x has ", in_features, " features, the panels ",
+              steps, bf16 ? " pairs" : " inputs");
   if (bias.has_value())
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == kPanelColumns * num_panels,
-                "panel_linear: bias must be contiguous float32 of 16 per panel");
-  // x widened to float32 (x itself when it is), rows padded with a zero to the panels' inputs where K is odd
-  // (paired with the panels' zero k).
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
+                    bias->numel() == kPanelColumns * panels.size(0),
+                op, ": bias must be contiguous float32 of 16 per panel");
   at::Tensor wide = x.to(at::kFloat);
   if (in_features != steps * per_step) wide = at::constant_pad_nd(wide, {0, steps * per_step - in_features});
+  return wide;
+}
+
+// Runs body(W* panels) with the panels' word type (uint32_t bf16 pairs or float).
+template <typename F>
+void with_panel_words(const at::Tensor& panels, F&& body) {
+  if (panels.scalar_type() == at::kInt)
+    body(reinterpret_cast<const uint32_t*>(panels.data_ptr<int32_t>()));
+  else
+    body(panels.data_ptr<float>());
+}
+
+const float* bias_pointer(const std::optional<at::Tensor>& bias) {
+  return bias.has_value() ? bias->data_ptr<float>() : nullptr;
+}
+
+// x [M, K], panels as checked_input says -> [M, out_features] in x's dtype, out_features in (16 (P - 1), 16 P].
+at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, const std::optional<at::Tensor>& bias,
+                        int64_t out_features) {
+  const at::Tensor wide = checked_input("panel_linear", x, panels, bias);
+  const int64_t num_panels = panels.size(0);
+  TORCH_CHECK(out_features > kPanelColumns * (num_panels - 1) && out_features <= kPanelColumns * num_panels,
+              "panel_linear: ", out_features, " output features do not fill ", num_panels, " panels");
   at::Tensor out = at::empty({x.size(0), out_features}, x.options());
   if (x.size(0) == 0) return out;  // a step with no row to compute (no logits wanted): the tiles assume >= 1
-  const LinearShape shape{x.size(0), steps, out_features};
-  const float* bias_data = bias.has_value() ? bias->data_ptr<float>() : nullptr;
-  if (bf16)
-    dispatch_output(wide, reinterpret_cast<const uint32_t*>(panels.data_ptr<int32_t>()), bias_data, shape, num_panels, out);
-  else
-    dispatch_output(wide, panels.data_ptr<float>(), bias_data, shape, num_panels, out);
+  const LinearShape shape{x.size(0), panels.size(1), out_features};
+  with_panel_words(panels,
+                   [&](auto words) { dispatch_output(wide, words, bias_pointer(bias), shape, num_panels, out); });
+  return out;
+}
+
+// x [M, K], panels [2 Q, ., 16] in pairs (gate, up) -> silu(gate) * up [M, intermediate] in x's dtype,
+// intermediate in (16 (Q - 1), 16 Q].
+at::Tensor panel_linear_silu_mul(const at::Tensor& x, const at::Tensor& panels, const std::optional<at::Tensor>& bias,
+                                 int64_t intermediate) {
+  const at::Tensor wide = checked_input("panel_linear_silu_mul", x, panels, bias);
+  const int64_t num_pairs = panels.size(0) / 2;
+  TORCH_CHECK(panels.size(0) % 2 == 0 && intermediate > kPanelColumns * (num_pairs - 1) &&
+                  intermediate <= kPanelColumns * num_pairs,
+              "panel_linear_silu_mul: ", intermediate, " features do not fill ", panels.size(0), " panels in pairs");
+  at::Tensor out = at::empty({x.size(0), intermediate}, x.options());
+  if (x.size(0) == 0) return out;
+  const LinearShape shape{x.size(0), panels.size(1), intermediate};
+  with_panel_words(panels, [&](auto words) {
+    if (out.scalar_type() == at::kFloat)
+      gated_pairs(wide.data_ptr<float>(), words, bias_pointer(bias), shape, num_pairs, out.data_ptr<float>());
+    else
+      gated_pairs(wide.data_ptr<float>(), words, bias_pointer(bias), shape, num_pairs, out.data_ptr<c10::BFloat16>());
+  });
   return out;
 }
 
@@ -188,6 +287,10 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, const std
 
 TORCH_LIBRARY_FRAGMENT(splitserve_cpu, m) {
   m.def("panel_linear(Tensor x, Tensor panels, Tensor? bias, int out_features) -> Tensor");
+  m.def("panel_linear_silu_mul(Tensor x, Tensor panels, Tensor? bias, int intermediate) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(splitserve_cpu, CPU, m) { m.impl("panel_linear", &panel_linear); }
+TORCH_LIBRARY_IMPL(splitserve_cpu, CPU, m) {
+  m.impl("panel_linear", &panel_linear);
+  m.impl("panel_linear_silu_mul", &panel_linear_silu_mul);
+}

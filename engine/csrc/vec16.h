@@ -16,6 +16,7 @@
 #include <ATen/cpu/vec/vec.h>
 #include <c10/util/BFloat16.h>
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -301,6 +302,16 @@ inline Vec16 round16<float>(Vec16 v) { return v; }
 // The scalar counterpart for tails shorter than 16.
 template <typename T>
 inline float round1(float v) { return static_cast<float>(static_cast<T>(v)); }
+
+// silu(gate) * up rounded where torch's F.silu(gate) * up rounds (the silu to T), for gate and up already
+// values of T; the caller's store rounds the product. The scalar form for tails (std::exp, as torch's).
+template <typename T>
+inline Vec16 silu_mul16(Vec16 gate, Vec16 up) {
+  return round16<T>(gate / (set16(1.f) + exp16(zero16() - gate))) * up;
+}
+
+template <typename T>
+inline float silu_mul1(float gate, float up) { return round1<T>(gate / (1.f + std::exp(-gate))) * up; }
 
 // The scalar counterpart of load16(const Fp8E4M3*) (same cases, same results).
 inline float fp8_e4m3_to_float(uint8_t code) {

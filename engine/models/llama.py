@@ -114,9 +114,19 @@ class MLP(nn.Module):
         self.ops = ops
         self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=arch.mlp_bias)
         self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=arch.mlp_bias)
+        self.gate_up_applies_silu = False
+        """True once gate_up_proj returns silu(gate) * up itself (fuse_silu_and_mul)."""
+
+    def fuse_silu_and_mul(self, projection: nn.Module) -> None:
+        """Replace gate_up_proj by `projection`, which maps x [T, hidden] to silu(gate) * up [T, I] in one pass."""
+        self.gate_up_proj = projection
+        self.gate_up_applies_silu = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))  # [T, 2I] -> [T, I] -> [T, hidden]
+        gated = self.gate_up_proj(x)  # [T, I] when fused, else [T, 2I]
+        if not self.gate_up_applies_silu:
+            gated = self.ops.silu_and_mul(gated)  # -> [T, I]
+        return self.down_proj(gated)  # [T, hidden]
 
 
 class DecoderLayer(nn.Module):

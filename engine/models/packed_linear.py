@@ -9,7 +9,9 @@ differences of ~1e-6 relative).
 
 Where the C++ kernels run, the linears may instead run on engine/csrc/panel_linear.cpp (`PanelLinear`,
 `uses_panels` says where): weights in panels of 16 columns, bf16 ones kept bf16 and widened in registers,
-which streams the weights at a higher bandwidth than oneDNN does at a few rows. On a CPU without bf16
+which streams the weights at a higher bandwidth than oneDNN does at a few rows. There an MLP's gate and up
+projections also run with its SiLU-and-mul in one pass (`PanelSiluMulLinear`): the [N, 2I] gate_up product
+is never written to memory and read back. On a CPU without bf16
 GEMMs (engine/cpu_gemm.py) and without the C++ kernels, a bf16 model's weights are *widened* at
 load: packed once as fp32, the bf16 activations widened on the way in and the product rounded back
 to bf16 on the way out (results within one bf16 ulp of the bf16 GEMM's; the price is twice the
@@ -17,6 +19,8 @@ weight memory, and twice the bytes a decode step streams).
 """
 
 from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -87,14 +91,43 @@ class PanelLinear(nn.Module):
         self.in_features = linear.in_features
         self.out_features = linear.out_features
         self.register_buffer("panels", pack_panels(linear.weight.detach()), persistent=False)
-        bias = None
-        if linear.bias is not None:
-            bias = torch.zeros(self.panels.shape[0] * PANEL_COLUMNS)
-            bias[:self.out_features] = linear.bias.detach()
+        bias = None if linear.bias is None else _padded_bias(linear.bias.detach(), self.panels.shape[0]).flatten()
         self.register_buffer("bias", bias, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [N, in] -> [N, out]
         return torch.ops.splitserve_cpu.panel_linear(x.contiguous(), self.panels, self.bias, self.out_features)
+
+
+class PanelSiluMulLinear(nn.Module):
+    """silu(x G^T + b_G) * (x U^T + b_U) for an MLP's fused [G | U] projection (an nn.Linear [2I, K]) on
+    csrc/panel_linear.cpp's panel_linear_silu_mul: G's and U's panels interleaved (gate panel q, then up panel
+    q), each padded past I on its own. Equal bit for bit to silu_and_mul(PanelLinear(gate_up)(x))."""
+
+    def __init__(self, gate_up: nn.Linear) -> None:
+        super().__init__()
+        self.intermediate = gate_up.out_features // 2
+        gate, up = gate_up.weight.detach().split(self.intermediate)  # [I, K] each
+        self.register_buffer("panels", _pairs(pack_panels(gate), pack_panels(up)), persistent=False)
+        bias = None
+        if gate_up.bias is not None:
+            gate_bias, up_bias = gate_up.bias.detach().split(self.intermediate)
+            bias = _pairs(*(_padded_bias(b, self.panels.shape[0] // 2) for b in (gate_bias, up_bias))).flatten()
+        self.register_buffer("bias", bias, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [N, K] -> [N, I]
+        return torch.ops.splitserve_cpu.panel_linear_silu_mul(x.contiguous(), self.panels, self.bias, self.intermediate)
+
+
+def _padded_bias(bias: torch.Tensor, num_panels: int) -> torch.Tensor:
+    """bias [N] as float32 [num_panels, 16], zero past N."""
+    padded = torch.zeros(num_panels * PANEL_COLUMNS)
+    padded[:bias.numel()] = bias
+    return padded.view(num_panels, PANEL_COLUMNS)
+
+
+def _pairs(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """[Q, ...] twice -> [2 Q, ...]: gate row q at 2 q, up row q at 2 q + 1."""
+    return torch.stack((gate, up), dim=1).flatten(0, 1).contiguous()
 
 
 def uses_panels(dtype: torch.dtype, kernel_isa: CpuKernelIsa | None, bf16_gemm: bool) -> bool:
@@ -110,13 +143,26 @@ def uses_panels(dtype: torch.dtype, kernel_isa: CpuKernelIsa | None, bf16_gemm: 
     return kernel_isa == AVX2
 
 
+@runtime_checkable
+class SiluGatedMLP(Protocol):
+    """An MLP computing silu(gate) * up from its fused [gate | up] projection (the Llama family's)."""
+
+    gate_up_proj: nn.Module
+
+    def fuse_silu_and_mul(self, projection: nn.Module) -> None:
+        """Make `projection` (x -> silu(gate) * up) its gate_up_proj; it then skips its own SiLU-and-mul."""
+        ...
+
+
 def pack_linears(model: nn.Module, dtype: torch.dtype, kernel_isa: CpuKernelIsa | None) -> None:
     """Replace every nn.Linear of `model` (weights in `dtype`) by a PanelLinear where `uses_panels` says so
-    (`kernel_isa`: the loaded C++ kernels' ISA, None when the model runs without them), else by a PackedLinear,
-    in place."""
+    (`kernel_isa`: the loaded C++ kernels' ISA, None when the model runs without them), an MLP's gate_up_proj
+    then by a PanelSiluMulLinear, else by a PackedLinear, in place."""
     panels = uses_panels(dtype, kernel_isa, has_bf16_gemm())
     compute_dtype = cpu_gemm_dtype(dtype)
     for parent in list(model.modules()):
+        if panels and isinstance(parent, SiluGatedMLP) and isinstance(parent.gate_up_proj, nn.Linear):
+            parent.fuse_silu_and_mul(PanelSiluMulLinear(parent.gate_up_proj))
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
                 setattr(parent, name, PanelLinear(child) if panels else PackedLinear(child, compute_dtype))
