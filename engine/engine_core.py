@@ -265,11 +265,8 @@ class EngineCore:
     def set_layer_listener(self, listener: PrefillLayerListener | None) -> None:
         """Producer role: follow every forward that finishes held prompts layer by layer (None: stop).
 
-        CPU only: a CUDA forward's host loop runs ahead of its kernels, so announcing a layer would
-        need an event per layer recorded on the stream and waited for (not built)."""
-        if listener is not None and self.device.type != "cpu":
-            raise ValueError(f"layer-wise transfer runs on CPU engines only (this one is on {self.device}): "
-                             "a CUDA forward would need an event per layer before a layer is announced")
+        On CUDA `layer_written(l)` runs when layer l's kernels are queued, not done: a listener that
+        tells another process must first wait for an event recorded then (prefill_worker/layer_fences.py)."""
         self._layer_listener = listener
 
     def release_held_kv(self, request_id: str) -> bool:
