@@ -15,6 +15,7 @@ from contextlib import suppress
 import pytest
 
 from splitserve.common.sampling_params import SamplingParams
+from splitserve.kv_transfer import PullStatus
 from splitserve.kv_transfer.connector import ProducerStats
 from splitserve.router.api_types import RouterError
 from splitserve.testing.in_process_cluster import InProcessCluster
@@ -67,20 +68,27 @@ class LayerGate:
         self._released.set()
 
 
-async def _decode_layers_read(decode, num_layers: int, timeout_s: float = 10.0) -> str:
-    """Wait until the decode worker's one request has READ exactly `num_layers` layers; its id."""
-    def read(engine):
-        request_ids = list(decode._routes)
-        return (request_ids[0], decode._pulls.layers_read(request_ids[0])) if request_ids else (None, None)
-
+async def _until(worker, read, expected, timeout_s: float = 10.0) -> None:
+    """Wait until read(engine), run on the worker's engine thread, returns `expected`."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
-    while True:
-        request_id, layers = await decode._loop.run(read)
-        if layers == num_layers:
-            return request_id
-        assert loop.time() < deadline, f"the decode worker read {layers} layers of {request_id}"
+    while (value := await worker._loop.run(read)) != expected:
+        assert loop.time() < deadline, f"{value!r} != {expected!r}"
         await asyncio.sleep(0.005)
+
+
+def _pull_of_the_one_request(decode):
+    """What the decode worker's one request's pull is at: (status, layers READ or being READ)."""
+    def read(engine):
+        (request_id,) = decode._routes
+        return decode._pulls.status(request_id), decode._pulls.layers_read(request_id)
+
+    return read
+
+
+async def _decode_layers_read(decode, num_layers: int) -> None:
+    """Wait until the decode worker's one request has READ `num_layers` layers and waits for the next."""
+    await _until(decode, _pull_of_the_one_request(decode), (PullStatus.AWAITING_LAYER, num_layers))
 
 
 def test_a_layerwise_cluster_matches_hugging_face(tiny_llama_dir):
@@ -148,6 +156,39 @@ def test_a_cancel_mid_transfer_releases_every_block_on_both_sides(tiny_llama_dir
             task.cancel()
             with suppress(asyncio.CancelledError):
                 await task
+            gate.release()
+            await cluster.wait_idle()
+            return during, await prefill.stats(), await decode.stats(), prefill._leases.stats(), decode._pulls.stats()
+
+    during, prefill, decode, leases, pulls = asyncio.run(scenario())
+    assert during == NUM_KV_BLOCKS - _blocks(len(prompt) + 1)
+    for stats in (prefill, decode):
+        assert stats.engine.num_free_kv_blocks == stats.engine.num_kv_blocks == NUM_KV_BLOCKS
+    assert leases == ProducerStats(num_held=0, num_pulled=0, num_expired=0, num_released=1, num_late_notifications=0)
+    assert (pulls.num_pulling, pulls.num_done, pulls.num_failed, pulls.num_aborted) == (0, 0, 0, 1)
+
+
+def test_a_cancel_during_a_layers_read_frees_the_decode_side_when_that_read_completes(tiny_llama_dir):
+    """The READ of layer 0 is in flight when the request is cancelled: its blocks are freed once that
+    READ completes, while the prefill is still held before layer 1 (no wait for layers that will never come)."""
+    prompt = tuple(range(1, 30))
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+    async def scenario():
+        async with InProcessCluster(tiny_llama_dir, layerwise=True) as cluster:
+            prefill, decode = cluster.prefill_workers[0], cluster.decode_workers[0]
+            await decode._loop.run(lambda engine: decode._backend.defer_completions())
+            gate = LayerGate(prefill, layer=0)
+            task = asyncio.ensure_future(cluster.generate("c", prompt, params))
+            assert await asyncio.to_thread(gate.reached.wait, 30.0)
+            await _until(decode, _pull_of_the_one_request(decode), (PullStatus.PULLING, 1))
+            task.cancel()
+            with suppress(asyncio.CancelledError):
+                await task
+            await _until(decode, lambda engine: len(decode._abort_after_pull), 1)
+            during = (await decode.stats()).engine.num_free_kv_blocks
+            assert await decode._loop.run(lambda engine: decode._backend.complete_pending_pulls()) == 1
+            await _until(decode, lambda engine: engine.block_manager.num_free_blocks, NUM_KV_BLOCKS)
             gate.release()
             await cluster.wait_idle()
             return during, await prefill.stats(), await decode.stats(), prefill._leases.stats(), decode._pulls.stats()
