@@ -233,8 +233,9 @@ class DecodeWorker:
     def _on_progress(self, router_id: str, progress: LayerwiseProgress) -> None:
         """A first_token_pending request's TransferParams and layers, relayed by its router."""
         pending = self._pending.get(progress.request_id)
-        if pending is None or self._routes.get(progress.request_id) != router_id:
-            return  # it ended here already (an abort crossed the relay)
+        if (pending is None or self._routes.get(progress.request_id) != router_id
+                or progress.request_id in self._abort_after_pull):
+            return  # it ended here, or ends once its READ in flight completes (an abort crossed the relay)
         for message in progress.messages:
             if isinstance(message, TransferParams):
                 pending.transfer = message

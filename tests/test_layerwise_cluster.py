@@ -235,7 +235,8 @@ def test_the_whole_request_path_is_unchanged_with_the_switch_off(tiny_llama_dir)
             outputs = [_tokens(await cluster.generate(f"r{i}", case.prompt_token_ids, case.params()))
                        for i, case in enumerate(CASES)]
             await cluster.wait_idle()
-            return outputs, (await cluster.prefill_workers[0].info()).layerwise, cluster.decode_workers[0]._pulls.stats()
+            info = await cluster.prefill_workers[0].info()
+            return outputs, info.layerwise, cluster.decode_workers[0]._pulls.stats()
 
     outputs, layerwise, pulls = asyncio.run(scenario())
     assert outputs == [hf_greedy(tiny_llama_dir, case) for case in CASES]
