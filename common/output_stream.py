@@ -13,8 +13,9 @@ the worker checks the token before it sends anything, so only a peer that learne
 from the worker's own `open_output_stream` answer (a Ray call) gets a stream. The worker answers
 a valid hello with one ACK byte once the stream is registered (a request submitted after the ACK
 always has somewhere to stream to). Then both ways carry frames of `[u32 length][pickle]`:
-router -> worker a `DecodeRequest` (submit) or a `StreamAbort`, in the order the router sent
-them; worker -> router a `list[TokenDelta]` per step. Each side unpickles only what comes from a
+router -> worker a `DecodeRequest` (submit), a `StreamAbort`, or, for a layer-wise request, its
+`LayerwiseProgress` and `PrefillFirstToken` (relayed from its prefill worker), in the order the
+router sent them; worker -> router a `list[TokenDelta]` per step. Each side unpickles only what comes from a
 peer that proved the token (the router: the address and token its worker gave it over Ray; the
 worker: a peer whose hello carried its token) — the trust model of Ray's own pickled calls.
 """
@@ -27,7 +28,7 @@ import pickle
 import struct
 from dataclasses import dataclass
 
-from splitserve.common.worker_messages import DecodeRequest, TokenDelta
+from splitserve.common.worker_messages import DecodeRequest, LayerwiseProgress, PrefillFirstToken, TokenDelta
 
 _LENGTH = struct.Struct("!I")
 MAX_ROUTER_ID_BYTES = 256
@@ -80,12 +81,17 @@ class StreamAbort:
     request_id: str
 
 
-def encode_frame(payload: list[TokenDelta] | DecodeRequest | StreamAbort) -> bytes:
+RouterFrame = DecodeRequest | StreamAbort | LayerwiseProgress | PrefillFirstToken
+"""What a router sends a decode worker on its stream."""
+ROUTER_FRAME_TYPES = (DecodeRequest, StreamAbort, LayerwiseProgress, PrefillFirstToken)
+
+
+def encode_frame(payload: list[TokenDelta] | RouterFrame) -> bytes:
     data = pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL)
     return _LENGTH.pack(len(data)) + data
 
 
-async def read_frame(reader: asyncio.StreamReader) -> list[TokenDelta] | DecodeRequest | StreamAbort:
+async def read_frame(reader: asyncio.StreamReader) -> list[TokenDelta] | RouterFrame:
     """The next frame's payload; raises asyncio.IncompleteReadError at the end of the stream."""
     (length,) = _LENGTH.unpack(await reader.readexactly(_LENGTH.size))
     if length > MAX_FRAME_BYTES:

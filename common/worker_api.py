@@ -8,12 +8,13 @@ these. A lost worker surfaces as WorkerLostError from any method.
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from typing import Protocol
 
 from splitserve.common.kv_events import WorkerReport
 from splitserve.common.kv_transfer_types import AgentMetadata
 from splitserve.common.output_stream import OutputStreamAddress
-from splitserve.common.worker_messages import PrefillRequest, PrefillResult, WorkerInfo, WorkerStats
+from splitserve.common.worker_messages import LayerwiseProgress, PrefillRequest, PrefillResult, WorkerInfo, WorkerStats
 
 
 class WorkerLostError(Exception):
@@ -46,6 +47,11 @@ class WorkerAPI(Protocol):
 class PrefillWorkerAPI(WorkerAPI, Protocol):
     async def prefill(self, request: PrefillRequest) -> PrefillResult:
         """Returns once the prompt's first token exists; its KV waits under a lease for a pull."""
+
+    def prefill_layerwise(self, request: PrefillRequest) -> AsyncIterator[LayerwiseProgress | PrefillResult]:
+        """A layer-wise prefill worker (WorkerInfo.layerwise): the request's LayerwiseProgress as the
+        forward of its final chunk writes each layer, then its PrefillResult, which ends the stream.
+        Closing the stream before its result aborts the request there."""
 
 
 class DecodeWorkerAPI(WorkerAPI, Protocol):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from splitserve.common.kv_transfer_types import AgentMetadata, KVLayout, TransferParams
+from splitserve.common.kv_transfer_types import AgentMetadata, KVLayout, LayerAnnouncement, TransferParams
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.stats import EngineStats
 from splitserve.common.token_logprobs import TokenLogprobs
@@ -54,8 +54,37 @@ class DecodeRequest:
     sampling_params: SamplingParams
     num_cached_tokens: int
     transfer: TransferParams | None
-    """None: prefill locally (colocated mode), else pull this KV first."""
+    """None: prefill locally (colocated mode) unless first_token_pending, else pull this KV first."""
     generator_state: bytes | None
+    first_token_pending: bool = False
+    """Layer-wise transfer: a prefill worker is computing the prompt now (output_token_ids is empty,
+    transfer and generator_state None). The worker admits the request and allocates its blocks at
+    once; its LayerwiseProgress (TransferParams, then LayerAnnouncements) and then its
+    PrefillFirstToken follow on the same stream, and it decodes once both its pull and its first
+    token are in."""
+
+
+@dataclass(frozen=True)
+class LayerwiseProgress:
+    """Prefill worker -> router -> decode worker, layer-wise transfer: what the producer sent for
+    one request since the last progress, in order (its TransferParams first, then its layers;
+    announcements that queued up while the previous item was delivered travel together)."""
+
+    request_id: str
+    messages: tuple[TransferParams | LayerAnnouncement, ...]
+
+
+@dataclass(frozen=True)
+class PrefillFirstToken:
+    """Router -> decode worker, layer-wise transfer: the prefill of a first_token_pending request
+    returned and the request goes on here (a prefill that ended the request is sent as a
+    StreamAbort instead)."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    num_cached_tokens: int
+    generator_state: bytes | None
+    """Seeded requests: RNG state after the first sample."""
 
 
 @dataclass(frozen=True)
@@ -100,6 +129,9 @@ class WorkerInfo:
     """Transfer-agent metadata for the handshake (new on every worker start)."""
     max_num_seqs: int
     """The most requests the worker's engine runs in one batch."""
+    layerwise: bool = False
+    """Prefill: it announces each layer's KV as the forward writes it (kv_transfer_layerwise), so
+    the router hands the decode worker its request when the prefill starts (prefill_layerwise)."""
 
 
 @dataclass(frozen=True)
@@ -112,6 +144,8 @@ class WorkerStats:
     routers: frozenset[str]
     """The routers that have requests here (queued, running, holding KV or pulling it): a gone
     router's are ended at once (`abort_router`)."""
+    num_layerwise_pulls: int = 0
+    """Decode: layer-wise pulls completed (DONE) since the worker started."""
 
     @property
     def is_idle(self) -> bool:

@@ -1,6 +1,7 @@
 """A decode worker's end of the streams: one TCP server, one connection per router.
 
-Lives on the worker's event loop. Each router's requests and aborts arrive as frames and go to
+Lives on the worker's event loop. Each router's requests, aborts and relayed layer-wise
+progress arrive as frames and go to
 `on_frame(router_id, payload)` in order. The engine thread hands each step's deltas over once
 (`loop.call_soon_threadsafe(server.send, ...)`); `send` writes them as one frame without
 waiting. A router whose connection closes, breaks the protocol, or stops reading until
@@ -15,9 +16,9 @@ import logging
 import secrets
 from collections.abc import Callable
 
-from splitserve.common.output_stream import (ACK, TOKEN_BYTES, OutputStreamAddress, OutputStreamError, StreamAbort,
-                                             encode_frame, read_frame, read_hello)
-from splitserve.common.worker_messages import DecodeRequest, TokenDelta
+from splitserve.common.output_stream import (ACK, ROUTER_FRAME_TYPES, TOKEN_BYTES, OutputStreamAddress,
+                                             OutputStreamError, RouterFrame, encode_frame, read_frame, read_hello)
+from splitserve.common.worker_messages import TokenDelta
 
 logger = logging.getLogger(__name__)
 
@@ -26,7 +27,7 @@ HELLO_TIMEOUT_S = 10.0
 
 
 class OutputServer:
-    def __init__(self, host: str, on_frame: Callable[[str, DecodeRequest | StreamAbort], None],
+    def __init__(self, host: str, on_frame: Callable[[str, RouterFrame], None],
                  on_router_gone: Callable[[str], None], max_buffered_bytes: int) -> None:
         self._host = host
         self._on_frame = on_frame
@@ -89,7 +90,7 @@ class OutputServer:
         try:
             while True:
                 payload = await read_frame(reader)
-                if not isinstance(payload, (DecodeRequest, StreamAbort)):
+                if not isinstance(payload, ROUTER_FRAME_TYPES):
                     raise OutputStreamError(f"unexpected {type(payload).__name__} frame from a router")
                 self._on_frame(router_id, payload)
         except (asyncio.IncompleteReadError, ConnectionError):

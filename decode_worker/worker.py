@@ -5,6 +5,11 @@ Outputs are pushed: every engine step's deltas for a router go out as one frame 
 output stream (decode_worker/output_server.py) the moment the step ends, with one hand-off from
 the engine thread to the event loop. It also prefills locally when a request brings no transfer
 (colocated mode). A plain class so it can be tested without Ray.
+
+Layer-wise transfer: a request that comes `first_token_pending` is admitted (its blocks allocated)
+while a prefill worker computes it; its pull starts when its TransferParams are relayed and reads
+each layer as its announcement is relayed (ConsumerConnector, layer-wise); it joins the batch once
+both its pull is DONE and its first token (PrefillFirstToken) has come.
 """
 
 from __future__ import annotations
@@ -14,20 +19,23 @@ import logging
 import time
 import uuid
 from collections import deque
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from splitserve.common.config import EngineConfig
 from splitserve.common.errors import InvalidRequestError
 from splitserve.common.kv_events import WorkerReport
-from splitserve.common.kv_transfer_types import TRANSFER_FAILURE_POLICIES, AgentMetadata
-from splitserve.common.output_stream import OutputStreamAddress, StreamAbort
-from splitserve.common.worker_messages import DecodeRequest, TokenDelta, WorkerInfo, WorkerStats
+from splitserve.common.kv_transfer_types import (TRANSFER_FAILURE_POLICIES, AgentMetadata, LayerAnnouncement,
+                                                 TransferParams)
+from splitserve.common.output_stream import OutputStreamAddress, RouterFrame, StreamAbort
+from splitserve.common.worker_messages import (DecodeRequest, LayerwiseProgress, PrefillFirstToken, TokenDelta,
+                                               WorkerInfo, WorkerStats)
 from splitserve.engine.engine_core import EngineCore
 from splitserve.engine.engine_loop import EngineLoop
 from splitserve.engine.model_loader import model_fingerprint
 from splitserve.engine.outputs import CompletionDelta
 from splitserve.engine.worker_report import wait_for_report
-from splitserve.kv_transfer import ConsumerConnector, PullStatus, make_backend
+from splitserve.kv_transfer import ConsumerConnector, PullOutcome, PullStatus, make_backend
 from splitserve.decode_worker.output_server import OutputServer
 
 logger = logging.getLogger(__name__)
@@ -37,6 +45,19 @@ PULL_POLL_S = 0.0005
 the decode pool's transfer_poll_s)."""
 MAX_UNREAD_OUTPUT_BYTES = 64 << 20
 """A router that leaves this much of its output stream unread is gone (hung): its requests end."""
+
+
+@dataclass
+class _PendingPrefill:
+    """A first_token_pending request, from its admission until its KV and its first token are both in."""
+
+    local_block_ids: tuple[int, ...] | None = None
+    """Its prompt's blocks here, once allocated."""
+    transfer: TransferParams | None = None
+    early_announcements: list[LayerAnnouncement] = field(default_factory=list)
+    """Relayed before its pull could start (no blocks yet): announced to the pull when it starts."""
+    first_token: PrefillFirstToken | None = None
+    outcome: PullOutcome | None = None
 
 
 class DecodeWorker:
@@ -70,6 +91,8 @@ class DecodeWorker:
         self._admitted_at: dict[str, float] = {}
         """request id -> time.monotonic() of its admission, until its first delta with tokens."""
         self._recomputed: set[str] = set()
+        self._pending: dict[str, _PendingPrefill] = {}
+        """first_token_pending requests until they join the engine's batch (or end)."""
         self._routes: dict[str, str] = {}
         """request id -> router id; engine thread only."""
         self._unheard: set[str] = set()
@@ -112,8 +135,8 @@ class DecodeWorker:
 
     async def stats(self) -> WorkerStats:
         return await self._loop.run(
-            lambda engine: WorkerStats(engine.stats(), 0, len(self._awaiting_blocks) + len(self._pulling),
-                                       frozenset(self._routes.values())))
+            lambda engine: WorkerStats(engine.stats(), 0, len(self._transfers()), frozenset(self._routes.values()),
+                                       self._pulls.stats().num_layerwise_done))
 
     async def report(self, epoch: str | None, after_seq: int, max_wait_s: float) -> WorkerReport:
         """Load and KV events after the router's cursor (epoch, after_seq), or a snapshot when the cursor
@@ -132,12 +155,16 @@ class DecodeWorker:
             loop.call_soon_threadsafe(self._outputs.close)
 
     # ---- event loop ----------------------------------------------------------------------
-    def _on_stream_frame(self, router_id: str, payload: DecodeRequest | StreamAbort) -> None:
-        """A router's request or abort, handed to the engine thread in the order it was sent."""
+    def _on_stream_frame(self, router_id: str, payload: RouterFrame) -> None:
+        """A router's frame, handed to the engine thread in the order it was sent."""
         if isinstance(payload, StreamAbort):
             self._loop.call(lambda engine: self._abort(engine, payload.request_id))
-        else:
+        elif isinstance(payload, DecodeRequest):
             self._loop.call(lambda engine: self._admit_from(engine, router_id, payload))
+        elif isinstance(payload, LayerwiseProgress):
+            self._loop.call(lambda engine: self._on_progress(router_id, payload))
+        else:
+            self._loop.call(lambda engine: self._on_first_token(router_id, payload))
 
     def _on_router_gone(self, router_id: str) -> None:
         """Its output stream closed: end its requests (one hand-off to the engine thread)."""
@@ -161,7 +188,11 @@ class DecodeWorker:
     def _admit(self, engine: EngineCore, request: DecodeRequest) -> None:
         if request.request_id in self._routes:
             raise InvalidRequestError("request_id", f"{request.request_id!r} is already in flight")
-        if request.transfer is None:
+        if request.first_token_pending:
+            engine.validate(request.request_id, list(request.prompt_token_ids), request.sampling_params)
+            self._awaiting_blocks.append(request)
+            self._pending[request.request_id] = _PendingPrefill()
+        elif request.transfer is None:
             engine.add_request(request.request_id, list(request.prompt_token_ids), request.sampling_params,
                                output_token_ids=request.output_token_ids)
         else:
@@ -177,19 +208,80 @@ class DecodeWorker:
             request = self._awaiting_blocks[0]
             local_block_ids = engine.add_remote_request(
                 request.request_id, list(request.prompt_token_ids), list(request.output_token_ids),
-                request.sampling_params, request.num_cached_tokens, request.generator_state)
+                request.sampling_params, request.num_cached_tokens, request.generator_state,
+                first_token_pending=request.first_token_pending)
             if local_block_ids is None:
                 return
             self._awaiting_blocks.popleft()
-            self._pulls.start(request.transfer, local_block_ids)
-            self._pulling.add(request.request_id)
+            pending = self._pending.get(request.request_id)
+            if pending is None:
+                self._pulls.start(request.transfer, local_block_ids)
+                self._pulling.add(request.request_id)
+                continue
+            pending.local_block_ids = local_block_ids
+            if pending.transfer is not None:
+                self._start_layerwise_pull(request.request_id, pending)
+
+    def _start_layerwise_pull(self, request_id: str, pending: _PendingPrefill) -> None:
+        """Its blocks and its TransferParams are here: start the pull, with the layers already announced."""
+        self._pulls.start(pending.transfer, pending.local_block_ids, layerwise=True)
+        self._pulling.add(request_id)
+        for announcement in pending.early_announcements:
+            self._pulls.announce(announcement)
+        pending.early_announcements.clear()
+
+    def _on_progress(self, router_id: str, progress: LayerwiseProgress) -> None:
+        """A first_token_pending request's TransferParams and layers, relayed by its router."""
+        pending = self._pending.get(progress.request_id)
+        if (pending is None or self._routes.get(progress.request_id) != router_id
+                or progress.request_id in self._abort_after_pull):
+            return  # it ended here, or ends once its READ in flight completes (an abort crossed the relay)
+        for message in progress.messages:
+            if isinstance(message, TransferParams):
+                pending.transfer = message
+                if pending.local_block_ids is not None:
+                    self._start_layerwise_pull(progress.request_id, pending)
+            elif progress.request_id in self._pulling:
+                self._pulls.announce(message)
+            else:
+                pending.early_announcements.append(message)
+
+    def _on_first_token(self, router_id: str, first: PrefillFirstToken) -> None:
+        pending = self._pending.get(first.request_id)
+        if pending is None or self._routes.get(first.request_id) != router_id:
+            return
+        pending.first_token = first
+        self._join(first.request_id, pending)
+
+    def _join(self, request_id: str, pending: _PendingPrefill) -> None:
+        """Once both its pull's outcome and its first token are in, the request goes on as a
+        whole-request pull's would (a failed pull under policy 'fail' ends it without waiting)."""
+        outcome = pending.outcome
+        if outcome is None:
+            return
+        failing = outcome.state is not PullStatus.DONE and self._failure_policy == "fail"
+        if pending.first_token is None and not failing:
+            return
+        del self._pending[request_id]
+        if pending.first_token is not None:
+            first = pending.first_token
+            self.engine.remote_first_token(request_id, first.token_ids, first.num_cached_tokens, first.generator_state)
+            self._admitted_at[request_id] = time.monotonic()  # its life here starts with its first token
+        self._use_pull(outcome)
+
+    def _transfers(self) -> set[str]:
+        """Requests waiting for blocks, pulling KV, or (layer-wise) waiting for their first token."""
+        return {request.request_id for request in self._awaiting_blocks} | self._pulling | self._pending.keys()
 
     def _abort(self, engine: EngineCore, request_id: str, error: str | None = None) -> bool:
         """End a request in any state; one being pulled ends when its pull does (its blocks are
         being written). With `error`, its router gets an error delta instead of a plain abort."""
         if request_id in self._pulling:
-            self._abort_after_pull[request_id] = error
-            return True
+            if self._pulls.status(request_id) is not PullStatus.AWAITING_LAYER:
+                self._abort_after_pull[request_id] = error
+                return True
+            self._pulls.abort(request_id)  # no READ in flight: nothing writes its blocks any more
+            self._pulling.discard(request_id)
         for request in self._awaiting_blocks:
             if request.request_id == request_id:
                 self._awaiting_blocks.remove(request)
@@ -218,18 +310,41 @@ class DecodeWorker:
         for outcome in self._pulls.poll():
             self._pulling.discard(outcome.request_id)
             self._finish_pull(outcome)
+        self._end_aborted_between_layers()
         self._start_pulls(self.engine)
         return self._transfer_poll_s if self._pulling or self._awaiting_blocks else None
 
-    def _finish_pull(self, outcome) -> None:
+    def _end_aborted_between_layers(self) -> None:
+        """A layer-wise pull aborted during a READ ends once that READ is done and no other is in
+        flight: the layers still to come may never be announced (its prefill was aborted too)."""
+        idle = [request_id for request_id in self._abort_after_pull
+                if self._pulls.status(request_id) is PullStatus.AWAITING_LAYER]
+        for request_id in idle:
+            self._pulls.abort(request_id)
+            self._pulling.discard(request_id)
+            self._end_aborted(request_id, self._abort_after_pull.pop(request_id))
+
+    def _finish_pull(self, outcome: PullOutcome) -> None:
         request_id = outcome.request_id
         if request_id in self._abort_after_pull:
-            error = self._abort_after_pull.pop(request_id)
-            if error is None:
-                self.engine.abort_request(request_id)
-            else:
-                self._fail(request_id, error)
-        elif outcome.state is PullStatus.DONE:
+            self._end_aborted(request_id, self._abort_after_pull.pop(request_id))
+        elif request_id in self._pending:
+            self._pending[request_id].outcome = outcome
+            self._join(request_id, self._pending[request_id])
+        else:
+            self._use_pull(outcome)
+
+    def _end_aborted(self, request_id: str, error: str | None) -> None:
+        if error is None:
+            self.engine.abort_request(request_id)
+        else:
+            self._fail(request_id, error)
+
+    def _use_pull(self, outcome: PullOutcome) -> None:
+        """The pull ended and the request has its first token: decode from the pulled KV, recompute
+        the prompt, or fail (transfer_failure_policy)."""
+        request_id = outcome.request_id
+        if outcome.state is PullStatus.DONE:
             self._transfer_s[request_id] = outcome.seconds
             self.engine.remote_kv_ready(request_id)
         elif self._failure_policy == "recompute":
@@ -271,6 +386,7 @@ class DecodeWorker:
             if delta.finish_reason is not None:
                 self._routes.pop(delta.request_id, None)
                 self._admitted_at.pop(delta.request_id, None)
+                self._pending.pop(delta.request_id, None)
                 self._unheard.discard(delta.request_id)
             self._recomputed.discard(delta.request_id)
         for router_id, batch in by_router.items():

@@ -223,6 +223,11 @@ class ClusterConfig:
     kv_transfer_failure_policy: str = "recompute"
     """What a decode worker does when a pull fails (lease expired, prefill worker gone):
     recompute the prompt itself (the stream goes on, same greedy output) or fail the request."""
+    kv_transfer_layerwise: bool = False
+    """Layer-wise transfer: prefill workers announce each layer of a prompt's KV as the forward writes
+    it, and the decode worker (handed the request when its prefill starts) READs that layer while
+    the forward computes the next ones. Off: the decode worker pulls the whole prompt after its
+    first token. Disaggregated mode only."""
     ray_address: str | None = None
     """Ray cluster to join; None starts a local Ray bound to 127.0.0.1."""
     worker_start_timeout_s: float = 600.0
@@ -245,6 +250,10 @@ class ClusterConfig:
                  f"must be one of {KV_TRANSFER_BACKENDS}, got {self.kv_transfer_backend!r}")
         _require(self.kv_transfer_failure_policy in TRANSFER_FAILURE_POLICIES, "kv_transfer_failure_policy",
                  f"must be one of {TRANSFER_FAILURE_POLICIES}, got {self.kv_transfer_failure_policy!r}")
+        _require(isinstance(self.kv_transfer_layerwise, bool), "kv_transfer_layerwise",
+                 f"must be true or false, got {self.kv_transfer_layerwise!r}")
+        _require(not self.kv_transfer_layerwise or self.mode == "disaggregated", "kv_transfer_layerwise",
+                 "needs mode: disaggregated (a colocated cluster moves no KV)")
         _require(self.ray_address != "", "ray_address", "must not be empty (null starts a local Ray)")
         _require(self.log_format in LOG_FORMATS, "log_format", f"must be one of {LOG_FORMATS}, got {self.log_format!r}")
         _require(self.worker_start_timeout_s > 0, "worker_start_timeout_s",

@@ -234,7 +234,8 @@ class LocalCluster:
         actor_class = ray.remote(worker_class).options(
             num_cpus=pool.resources.num_cpus, num_gpus=pool.resources.num_gpus, max_restarts=pool.max_restarts,
             max_concurrency=1000, **placement)
-        extra: dict[str, Any] = ({"lease_ttl_s": self.config.router.lease_ttl_s} if role == "prefill" else
+        extra: dict[str, Any] = ({"lease_ttl_s": self.config.router.lease_ttl_s,
+                                  "layerwise": self.config.kv_transfer_layerwise} if role == "prefill" else
                                  {"transfer_failure_policy": self.config.kv_transfer_failure_policy})
         if pool.transfer_poll_s is not None:
             extra["transfer_poll_s"] = pool.transfer_poll_s

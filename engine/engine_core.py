@@ -205,26 +205,50 @@ class EngineCore:
 
     def add_remote_request(self, request_id: str, prompt_token_ids: list[int], output_token_ids: list[int],
                            params: SamplingParams, num_cached_tokens: int,
-                           generator_state: bytes | None) -> tuple[int, ...] | None:
+                           generator_state: bytes | None, first_token_pending: bool = False) -> tuple[int, ...] | None:
         """Consumer role: admit a request whose prompt KV lives on a producer.
 
         Allocates blocks for the prompt and the tokens generated elsewhere, and returns the
-        prompt's blocks in order: the caller pulls the producer's blocks into them, then calls remote_kv_ready() or remote_kv_failed(). Returns
-        None (nothing changed) when the pool has no room yet.
+        prompt's blocks in order: the caller pulls the producer's blocks into them, then calls
+        remote_kv_ready() or remote_kv_failed(). Returns None (nothing changed) when the pool has no
+        room yet. `first_token_pending` (layer-wise transfer): the producer is still prefilling, so
+        output_token_ids is empty and one more token's room is allocated; the caller hands the first
+        token over (remote_first_token) before remote_kv_ready() or remote_kv_failed().
         """
         self.validate(request_id, prompt_token_ids, params)
         request = self._new_request(request_id, list(prompt_token_ids), list(output_token_ids), params)
         # Room for the tokens generated elsewhere too, so the first decode step never waits
         # for a block (a ready request is never preempted to make room for itself).
-        if self.block_manager.allocate(request, request.num_tokens) is None:
+        if self.block_manager.allocate(request, request.num_tokens + int(first_token_pending)) is None:
             self._forget(request_id)
             return None
-        request.num_cached_tokens = num_cached_tokens
-        if generator_state is not None:
-            self._generators[request_id].set_state(torch.frombuffer(bytearray(generator_state), dtype=torch.uint8))
+        self._continue_remote(request, num_cached_tokens, generator_state)
         self.scheduler.add_remote(request)
         num_prompt_blocks = self.block_manager.blocks_needed(request.num_prompt_tokens)
         return tuple(self.block_manager.block_table(request_id)[:num_prompt_blocks])
+
+    def remote_first_token(self, request_id: str, token_ids: Sequence[int], num_cached_tokens: int,
+                           generator_state: bytes | None) -> None:
+        """Consumer role, layer-wise transfer: the first token (and RNG state) the producer sampled
+        for a request admitted with first_token_pending; it still waits for its KV."""
+        request = self.scheduler.requests[request_id]
+        if request.status is not RequestStatus.WAITING_FOR_REMOTE_KV or request.num_output_tokens:
+            raise ValueError(f"{request_id!r} is not waiting for its first token (status {request.status.value}, "
+                             f"{request.num_output_tokens} output tokens)")
+        for token_id in token_ids:
+            request.append_output_token(token_id)
+            self.grammars.accept(request_id, token_id)
+            detokenizer = self._detokenizers.get(request_id)
+            if detokenizer is not None:
+                detokenizer.append(token_id)
+        self._continue_remote(request, num_cached_tokens, generator_state)
+
+    def _continue_remote(self, request: Request, num_cached_tokens: int, generator_state: bytes | None) -> None:
+        """Carry over what the producer's prefill left: its prefix-cache hit and the RNG state after its sample."""
+        request.num_cached_tokens = num_cached_tokens
+        if generator_state is not None:
+            self._generators[request.request_id].set_state(
+                torch.frombuffer(bytearray(generator_state), dtype=torch.uint8))
 
     def remote_kv_ready(self, request_id: str) -> None:
         self.scheduler.remote_kv_ready(request_id)
@@ -241,11 +265,8 @@ class EngineCore:
     def set_layer_listener(self, listener: PrefillLayerListener | None) -> None:
         """Producer role: follow every forward that finishes held prompts layer by layer (None: stop).
 
-        CPU only: a CUDA forward's host loop runs ahead of its kernels, so announcing a layer would
-        need an event per layer recorded on the stream and waited for (not built)."""
-        if listener is not None and self.device.type != "cpu":
-            raise ValueError(f"layer-wise transfer runs on CPU engines only (this one is on {self.device}): "
-                             "a CUDA forward would need an event per layer before a layer is announced")
+        On CUDA `layer_written(l)` runs when layer l's kernels are queued, not done: a listener that
+        tells another process must first wait for an event recorded then (prefill_worker/layer_fences.py)."""
         self._layer_listener = listener
 
     def release_held_kv(self, request_id: str) -> bool:

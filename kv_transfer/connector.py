@@ -270,6 +270,8 @@ class ConsumerStats:
     bytes_pulled: int
     num_unmatched_announcements: int = 0
     """Since start: layer announcements no layer-wise pull in flight was waiting for (see announce())."""
+    num_layerwise_done: int = 0
+    """Of num_done: the layer-wise pulls (each READ only announced layers)."""
 
 
 @dataclass
@@ -328,7 +330,7 @@ class ConsumerConnector:
         self._clock = clock
         self._pulls: dict[str, _Pull] = {}
         """Started and not yet reported, in start order."""
-        self._done = self._failed = self._aborted = self._bytes = self._unmatched = 0
+        self._done = self._failed = self._aborted = self._bytes = self._unmatched = self._layerwise_done = 0
 
     def start(self, params: TransferParams, local_block_ids: Iterable[int], layerwise: bool = False) -> PullStatus:
         """WAITING -> PULLING (or further already, for backends that finish or refuse at once).
@@ -399,8 +401,14 @@ class ConsumerConnector:
         pull = self._pulls.get(request_id)
         return pull.status if pull is not None else None
 
+    def layers_read(self, request_id: str) -> int | None:
+        """How many layers of a pull not yet reported are READ or being READ (None if unknown)."""
+        pull = self._pulls.get(request_id)
+        return pull.layers_read if pull is not None else None
+
     def stats(self) -> ConsumerStats:
-        return ConsumerStats(len(self._pulls), self._done, self._failed, self._aborted, self._bytes, self._unmatched)
+        return ConsumerStats(len(self._pulls), self._done, self._failed, self._aborted, self._bytes, self._unmatched,
+                             self._layerwise_done)
 
     def _refusal(self, params: TransferParams) -> str | None:
         if not self._backend.has_peer(params.producer_id):
@@ -479,6 +487,7 @@ class ConsumerConnector:
         seconds = pull.finished_at - pull.started_at
         if pull.status is PullStatus.DONE:
             self._done += 1
+            self._layerwise_done += pull.layerwise
             self._bytes += pull.num_bytes
             return PullOutcome(pull.params.request_id, PullStatus.DONE, None, pull.num_bytes, seconds)
         self._failed += 1

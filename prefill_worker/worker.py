@@ -1,6 +1,11 @@
 """The prefill worker (producer role): computes prompts' KV, returns the first token and
 holds the blocks under a lease until a decode worker pulls them.
 
+Layer-wise (`layerwise=True`, the cluster's kv_transfer_layerwise): the worker holds a prompt's
+blocks as its final chunk's forward starts and announces each layer as it is written
+(LayerwiseAnnouncer); `prefill_layerwise` streams that progress, then the first token, to the
+router, which relays it to the decode worker that is already pulling.
+
 A plain class so it can be tested without Ray; deploy/ wraps it with `ray.remote`. Its async
 methods run on the actor's event loop; the engine runs on its own thread (EngineLoop).
 """
@@ -11,19 +16,23 @@ import asyncio
 import logging
 import time
 import uuid
+from collections.abc import AsyncIterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
 from splitserve.common.config import EngineConfig
 from splitserve.common.kv_events import WorkerReport
-from splitserve.common.worker_messages import PrefillRequest, PrefillResult, WorkerInfo, WorkerStats
+from splitserve.common.worker_messages import (LayerwiseProgress, PrefillRequest, PrefillResult, WorkerInfo,
+                                               WorkerStats)
 from splitserve.engine.engine_core import EngineCore
-from splitserve.engine.engine_loop import EngineLoop
+from splitserve.engine.engine_loop import EngineLoop, abort_all
 from splitserve.engine.model_loader import model_fingerprint
 from splitserve.engine.outputs import CompletionDelta
 from splitserve.engine.worker_report import wait_for_report
 from splitserve.kv_transfer import ProducerConnector, make_backend
+from splitserve.prefill_worker.layer_fences import FencedSender, device_fences
+from splitserve.prefill_worker.layerwise import LayerwiseAnnouncer, LayerwiseMessage
 
 logger = logging.getLogger(__name__)
 
@@ -34,14 +43,29 @@ prefill pool's transfer_poll_s)."""
 
 @dataclass
 class _InFlight:
-    future: Future
+    future: Future | None
+    """Where prefill() waits for the result; None: a prefill_layerwise() stream (its outbox)."""
     admitted_at: float
+
+
+@dataclass
+class _Outbox:
+    """A prefill_layerwise() stream's queue on the actor's event loop."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[LayerwiseMessage | PrefillResult]
+
+    def put(self, item: LayerwiseMessage | PrefillResult) -> None:
+        """Any thread; dropped once the loop is closed (the worker is shutting down)."""
+        if not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
 
 class PrefillWorker:
     def __init__(self, model_dir: str | Path, engine_config: EngineConfig, transfer_backend: str = "nixl",
                  lease_ttl_s: float = 30.0, worker_id: str | None = None,
-                 transfer_poll_s: float = LEASE_POLL_S) -> None:
+                 transfer_poll_s: float = LEASE_POLL_S, layerwise: bool = False) -> None:
+        """`layerwise`: announce each layer as it is written (prefill_layerwise streams it)."""
         self.worker_id = worker_id or f"prefill-{uuid.uuid4().hex[:8]}"
         self.engine = EngineCore(model_dir, engine_config, show_progress=True)
         self._layout = self.engine.kv_layout(model_fingerprint(Path(model_dir)))
@@ -51,13 +75,25 @@ class PrefillWorker:
         self._leases = ProducerConnector(self._backend, self._layout, lease_ttl_s)
         self._info = WorkerInfo(self.worker_id, "prefill", self.engine.max_model_len, self.engine.vocab_size,
                                 self._layout, self._backend.metadata(),
-                                max_num_seqs=engine_config.max_num_seqs)
+                                max_num_seqs=engine_config.max_num_seqs, layerwise=layerwise)
+        self._outboxes: dict[str, _Outbox] = {}
+        """request id -> its prefill_layerwise() stream: added and removed on the event loop, read by
+        the thread that delivers (the engine thread, or on CUDA the fence thread)."""
+        self._sender: FencedSender[LayerwiseMessage | PrefillResult] | None = None
+        """Layer-wise: the one ordered path of a request's progress and result to its stream."""
+        self._announcer: LayerwiseAnnouncer | None = None
+        if layerwise:
+            self._sender = FencedSender(self._deliver, device_fences(self.engine.device),
+                                        name=f"{self.worker_id}-fences")
+            self._announcer = LayerwiseAnnouncer(self._leases, self._sender.send)
+            self.engine.set_layer_listener(self._announcer)
         self._in_flight: dict[str, _InFlight] = {}
         self._routers: dict[str, str] = {}
         """request id -> the router that sent it, from admission until the request or its lease
         ends (engine thread only)."""
         self._transfer_poll_s = transfer_poll_s
-        self._loop = EngineLoop(self.engine, self._on_deltas, self._poll_leases, name=self.worker_id)
+        self._loop = EngineLoop(self.engine, self._on_deltas, self._poll_leases, self._on_step_failure,
+                                name=self.worker_id)
         self._loop.start()
 
     # ---- actor API -----------------------------------------------------------------------
@@ -75,6 +111,31 @@ class PrefillWorker:
             future.cancel()  # if the engine thread admitted it anyway, the result is dropped and the KV freed
             self._loop.call(lambda engine: self._abort(engine, request.request_id))
             raise
+
+    async def prefill_layerwise(self, request: PrefillRequest) -> AsyncIterator[LayerwiseProgress | PrefillResult]:
+        """Prefill one prompt on a layer-wise worker: its LayerwiseProgress (TransferParams as its final
+        chunk starts, then each layer written; what queued meanwhile travels as one item), then its
+        PrefillResult, which ends the stream. Closing the stream early aborts the request here."""
+        if self._announcer is None:
+            raise RuntimeError(f"prefill worker {self.worker_id} is not layer-wise (kv_transfer_layerwise is off)")
+        outbox = self._outboxes[request.request_id] = _Outbox(asyncio.get_running_loop(), asyncio.Queue())
+        ended = False
+        try:
+            await self._loop.run(lambda engine: self._admit(engine, request, None))
+            while not ended:
+                items = [await outbox.queue.get()]
+                while not outbox.queue.empty():
+                    items.append(outbox.queue.get_nowait())
+                progress = tuple(item for item in items if not isinstance(item, PrefillResult))
+                if progress:
+                    yield LayerwiseProgress(request.request_id, progress)
+                for result in (item for item in items if isinstance(item, PrefillResult)):
+                    ended = True
+                    yield result
+        finally:
+            del self._outboxes[request.request_id]
+            if not ended:  # nobody will pull its KV: ends it in any state (a no-op once it ended)
+                self._loop.call(lambda engine: self._abort(engine, request.request_id))
 
     async def abort(self, request_id: str) -> bool:
         """Stop a request in any state here: queued, prefilling, or holding KV for a pull."""
@@ -97,10 +158,12 @@ class PrefillWorker:
 
     def shutdown(self) -> None:
         self._loop.stop()
+        if self._sender is not None:
+            self._sender.close()
         self._backend.close()
 
     # ---- engine thread -------------------------------------------------------------------
-    def _admit(self, engine: EngineCore, request: PrefillRequest, future: Future) -> None:
+    def _admit(self, engine: EngineCore, request: PrefillRequest, future: Future | None) -> None:
         engine.add_request(request.request_id, list(request.prompt_token_ids), request.sampling_params,
                            hold_kv_after_prefill=True)
         self._in_flight[request.request_id] = _InFlight(future, time.monotonic())
@@ -131,6 +194,9 @@ class PrefillWorker:
             result = self._result(delta, *delta.queue_and_compute_s(in_flight.admitted_at, now))
             if result.transfer is None:  # nothing held: the request ends here
                 self._routers.pop(delta.request_id, None)
+            if in_flight.future is None:
+                self._sender.send(result)  # after the request's announcements
+                continue
             if not in_flight.future.set_running_or_notify_cancel():
                 # The caller went away: nobody will pull these blocks.
                 self._abort(self.engine, delta.request_id)
@@ -141,12 +207,31 @@ class PrefillWorker:
         held = self.engine.take_held_kv(delta.request_id)
         transfer = None
         finish_reason = delta.finish_reason
-        if held is not None:
+        if self._announcer is not None:  # held (or released) as its final chunk started
+            transfer = self._announcer.settle(delta.request_id, held)
+        elif held is not None:
             transfer = self._leases.hold(delta.request_id, held.block_ids, held.num_tokens)
+        if held is not None:
             finish_reason = None
         return PrefillResult(delta.request_id, delta.new_token_ids, delta.new_logprobs, finish_reason,
                              delta.stop_reason, delta.num_cached_tokens, transfer,
                              held.generator_state if held is not None else None, compute_s, queue_s)
+
+    def _deliver(self, item: LayerwiseMessage | PrefillResult) -> None:
+        """To the request's prefill_layerwise() stream. A result nobody waits for any more (the stream
+        closed) has its lease and blocks released; progress for it is dropped."""
+        outbox = self._outboxes.get(item.request_id)
+        if outbox is not None:
+            outbox.put(item)
+        elif isinstance(item, PrefillResult) and item.transfer is not None:
+            self._loop.call(lambda engine: self._abort(engine, item.request_id))
+
+    def _on_step_failure(self, engine: EngineCore) -> None:
+        """Release the leases held as final chunks started (their generations are bumped before the
+        blocks can be reused), then end every request (their abort results reach their callers)."""
+        if self._announcer is not None:
+            self._announcer.abandon()
+        abort_all(engine)
 
     def _poll_leases(self) -> float | None:
         # poll() and release() bump the blocks' generations before they return, so a pull still

@@ -14,10 +14,10 @@ import asyncio
 import logging
 from collections.abc import Callable, Sequence
 
-from splitserve.common.output_stream import (OutputStreamError, StreamAbort, encode_frame, encode_hello, read_ack,
-                                             read_frame)
+from splitserve.common.output_stream import (OutputStreamError, RouterFrame, StreamAbort, encode_frame, encode_hello,
+                                             read_ack, read_frame)
 from splitserve.common.worker_api import DecodeWorkerAPI, WorkerLostError
-from splitserve.common.worker_messages import DecodeRequest
+from splitserve.common.worker_messages import DecodeRequest, LayerwiseProgress, PrefillFirstToken
 from splitserve.router.worker_link import WorkerLinkConfig
 
 logger = logging.getLogger(__name__)
@@ -75,13 +75,19 @@ class OutputDispatcher:
         raises WorkerLostError while the worker's stream is not open."""
         self._send(worker_id, request)
 
+    def relay(self, worker_id: str, message: LayerwiseProgress | PrefillFirstToken) -> None:
+        """Send a layer-wise request's progress or first token to the worker it was submitted to
+        (after its DecodeRequest, on the same stream: the worker sees them in this order); raises
+        WorkerLostError while the worker's stream is not open."""
+        self._send(worker_id, message)
+
     def abort(self, worker_id: str, request_id: str) -> None:
         """End the request on the worker; nothing to do when its stream is closed (the worker
         ended this router's requests when it closed)."""
         if worker_id in self._writers:
             self._send(worker_id, StreamAbort(request_id))
 
-    def _send(self, worker_id: str, payload: DecodeRequest | StreamAbort) -> None:
+    def _send(self, worker_id: str, payload: RouterFrame) -> None:
         writer = self._writers.get(worker_id)
         if writer is None:
             raise WorkerLostError(worker_id, "its stream is not open")

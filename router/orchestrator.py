@@ -15,6 +15,7 @@ still sends can reach the stream; after routing.max_migrations moves the request
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
@@ -33,7 +34,8 @@ from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.slo import SloConfig
 from splitserve.common.stats import RequestRecord, RoutingStats, WorkerSnapshot
 from splitserve.common.worker_api import DecodeWorkerAPI, PrefillWorkerAPI, WorkerAPI, WorkerLostError
-from splitserve.common.worker_messages import DecodeRequest, PrefillRequest, PrefillResult, TokenDelta, WorkerInfo
+from splitserve.common.worker_messages import (DecodeRequest, LayerwiseProgress, PrefillFirstToken, PrefillRequest,
+                                               PrefillResult, TokenDelta, WorkerInfo)
 from splitserve.router.admission import TOO_MANY_REQUESTS, Admission, AdmissionControl, AdmissionRejection
 from splitserve.router.api_types import GenerationInput, RouterError, StreamChunk
 from splitserve.router.dispatcher import OutputDispatcher
@@ -429,8 +431,12 @@ class Orchestrator:
         self._runs[worker_request_id] = run
         decision, run.cached_tokens = await self._route(run)
         run.decision = decision
-        phases = (self._remote_prefill(run, run.stream, decision) if decision.prefill_worker_id is not None
-                  else self._local_prefill(run, run.stream, decision))
+        if decision.prefill_worker_id is None:
+            phases = self._local_prefill(run, run.stream, decision)
+        elif self.infos[decision.prefill_worker_id].layerwise:
+            phases = self._layerwise_prefill(run, run.stream, decision)
+        else:
+            phases = self._remote_prefill(run, run.stream, decision)
         first = not run.resumed
         async for chunk in phases:
             if first:
@@ -467,6 +473,37 @@ class Orchestrator:
         async for chunk in self._stream(run, stream):
             yield chunk
 
+    async def _layerwise_prefill(self, run: RequestRun, stream: asyncio.Queue[TokenDelta],
+                                 decision: RouteDecision) -> AsyncIterator[StreamChunk]:
+        """Layer-wise transfer (the prefill worker's WorkerInfo.layerwise): the decode worker gets
+        the request when the prefill starts, and this relays the prefill's progress to it on the
+        request's decode stream (TransferParams, then the layers as they are written: its pull
+        overlaps the forward), then the first token. One ordered path (a Ray stream in, the
+        decode worker's stream out) carries every message of the request, so the decode worker
+        sees its TransferParams before its layers, and both before its first token."""
+        prefill = run.prefill = self._assign(run, self.prefill_pool, decision.prefill_worker_id)
+        decode = run.decode = self._assign(run, self.decode_pool, decision.decode_worker_id, prefill_tokens=0)
+        decode_id = decode.client.worker_id
+        run.active_worker_id = decode_id
+        await run.call(self._handshake(decode.client, prefill.client))
+        self.dispatcher.submit(decode_id, DecodeRequest(
+            run.worker_request_id, self.router_id, run.inp.prompt_token_ids, (), self._worker_params(run), 0, None,
+            None, first_token_pending=True))
+        result = await self._prefill(run, prefill, decode_id)
+        chunk = run.on_tokens(result.token_ids, result.logprobs, result.finish_reason, result.stop_reason)
+        if chunk.finish_reason is not None:
+            run.worker_finished = result.finish_reason is not None
+            if run.worker_finished:  # the prefill worker holds nothing; the decode worker's request ends
+                self.dispatcher.abort(decode_id, run.worker_request_id)
+            yield chunk  # (a stop string: _end_attempt aborts it on both workers)
+            return
+        run.active_worker_id = decode_id
+        self.dispatcher.relay(decode_id, PrefillFirstToken(run.worker_request_id, result.token_ids,
+                                                           result.num_cached_tokens, result.generator_state))
+        yield chunk
+        async for chunk in self._stream(run, stream):
+            yield chunk
+
     async def _local_prefill(self, run: RequestRun, stream: asyncio.Queue[TokenDelta],
                              decision: RouteDecision) -> AsyncIterator[StreamChunk]:
         """The decode worker prefills the prompt itself: no KV moves (colocated mode, or a
@@ -488,18 +525,33 @@ class Orchestrator:
             prefill_tokens = len(run.context_token_ids) - run.cached_tokens.get(worker_id, 0)
         return pool.assign(worker_id, prefill_tokens)
 
-    async def _prefill(self, run: RequestRun, prefill: Assignment) -> PrefillResult:
+    async def _prefill(self, run: RequestRun, prefill: Assignment, relay_to: str | None = None) -> PrefillResult:
+        """The prefill's result; `relay_to`: a layer-wise prefill, whose progress goes to that decode worker."""
         request = PrefillRequest(run.worker_request_id, run.inp.prompt_token_ids, self._worker_params(run),
                                  self.router_id)
         run.active_worker_id = prefill.client.worker_id
-        result: PrefillResult = await run.call(
-            self._call(prefill.client, "prefill", lambda: prefill.client.prefill(request)))
+        call = ((lambda: prefill.client.prefill(request)) if relay_to is None
+                else (lambda: self._relay_prefill(prefill.client, request, relay_to)))
+        result: PrefillResult = await run.call(self._call(prefill.client, "prefill", call))
         prefill.pool.prefilled(prefill)
         if result.finish_reason == "abort":
             raise RouterError("UNAVAILABLE", f"prefill worker {prefill.client.worker_id} aborted the request")
         run.timeline.on_prefilled(result.queue_s, result.compute_s, time.monotonic())
         run.num_cached_tokens = result.num_cached_tokens
         run.transfer = result.transfer
+        return result
+
+    async def _relay_prefill(self, prefill: PrefillWorkerAPI, request: PrefillRequest, decode_id: str) -> PrefillResult:
+        """Run a layer-wise prefill, relaying each LayerwiseProgress to the decode worker as it comes."""
+        result: PrefillResult | None = None
+        async with contextlib.aclosing(prefill.prefill_layerwise(request)) as items:  # closed early: aborted there
+            async for item in items:
+                if isinstance(item, LayerwiseProgress):
+                    self.dispatcher.relay(decode_id, item)
+                else:
+                    result = item
+        if result is None:
+            raise RuntimeError(f"prefill worker {prefill.worker_id}'s stream ended without a result")
         return result
 
     def _decode_request(self, run: RequestRun, result: PrefillResult) -> DecodeRequest:

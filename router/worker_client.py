@@ -5,14 +5,14 @@ protocols."""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
 from splitserve.common.kv_events import WorkerReport
 from splitserve.common.kv_transfer_types import AgentMetadata
 from splitserve.common.output_stream import OutputStreamAddress
 from splitserve.common.worker_api import WorkerLostError
-from splitserve.common.worker_messages import PrefillRequest, PrefillResult, WorkerInfo, WorkerStats
+from splitserve.common.worker_messages import LayerwiseProgress, PrefillRequest, PrefillResult, WorkerInfo, WorkerStats
 
 T = TypeVar("T")
 
@@ -44,6 +44,18 @@ class RayWorker:
     async def prefill(self, request: PrefillRequest) -> PrefillResult:
         return await self._call(self._handle.prefill.remote(request))
 
+    async def prefill_layerwise(self, request: PrefillRequest) -> AsyncIterator[LayerwiseProgress | PrefillResult]:
+        """One Ray streaming-generator call: each item is awaited as it comes (about 0.6 ms each)."""
+        items = self._handle.prefill_layerwise.options(num_returns="streaming").remote(request)
+        ended = False
+        try:
+            async for item in self._call_each(items):
+                yield item
+            ended = True
+        finally:
+            if not ended:  # closed early: cancelling the actor task aborts the request there
+                _cancel(items)
+
     async def add_peer(self, peer: AgentMetadata) -> None:
         await self._call(self._handle.add_peer.remote(peer))
 
@@ -53,6 +65,16 @@ class RayWorker:
     async def open_output_stream(self, router_id: str) -> OutputStreamAddress:
         return await self._call(self._handle.open_output_stream.remote(router_id))
 
+    async def _call_each(self, items: Any) -> AsyncIterator[Any]:
+        """A streaming call's items; raises WorkerLostError when the actor is gone."""
+        try:
+            async for item in items:
+                yield await item
+        except Exception as error:
+            if _is_actor_loss(error):
+                raise WorkerLostError(self.worker_id, f"{type(error).__name__}: {error}") from error
+            raise
+
     async def _call(self, reply: Awaitable[T]) -> T:
         """Raises WorkerLostError when the actor is gone, else what the method raised."""
         try:
@@ -61,6 +83,13 @@ class RayWorker:
             if _is_actor_loss(error):
                 raise WorkerLostError(self.worker_id, f"{type(error).__name__}: {error}") from error
             raise
+
+
+def _cancel(items: Any) -> None:
+    """Cancel a streaming call's actor task (nothing if it already ended)."""
+    import ray
+
+    ray.cancel(items)
 
 
 def _is_actor_loss(error: Exception) -> bool:

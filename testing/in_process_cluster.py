@@ -21,12 +21,13 @@ def worker_engine_config(block_size: int = 8, max_model_len: int | None = None,
 
 
 def make_prefill_worker(model_dir: Path, engine_config: EngineConfig | None = None, worker_id: str = "prefill-0",
-                        lease_ttl_s: float = 30.0):
-    """A PrefillWorker in this process with the in-process KV transfer backend (call shutdown())."""
+                        lease_ttl_s: float = 30.0, layerwise: bool = False):
+    """A PrefillWorker in this process with the in-process KV transfer backend (call shutdown());
+    `layerwise`: it announces each layer (kv_transfer_layerwise)."""
     from splitserve.prefill_worker.worker import PrefillWorker
 
     return PrefillWorker(model_dir, engine_config or worker_engine_config(), "inprocess", lease_ttl_s,
-                         worker_id=worker_id)
+                         worker_id=worker_id, layerwise=layerwise)
 
 
 def make_decode_worker(model_dir: Path, engine_config: EngineConfig | None = None, worker_id: str = "decode-0",
@@ -81,6 +82,20 @@ class KillableWorker:
     async def prefill(self, request):
         return await self._answer(self.worker.prefill(request))
 
+    async def prefill_layerwise(self, request):
+        """The worker's stream, each item answered as a call is (a kill ends it with WorkerLostError)."""
+        items = self.worker.prefill_layerwise(request)
+        try:
+            while True:
+                try:
+                    item = await self._answer(anext(items))
+                except StopAsyncIteration:
+                    return
+                yield item
+        finally:
+            if not items.ag_running:  # else its cancelled step ends it (and aborts the request there)
+                await items.aclose()
+
     async def add_peer(self, peer) -> None:
         await self._answer(self.worker.add_peer(peer))
 
@@ -114,12 +129,13 @@ class InProcessCluster:
     def __init__(self, model_dir: Path, mode: str = "disaggregated", num_prefill: int = 1, num_decode: int = 1,
                  lease_ttl_s: float = 30.0, transfer_failure_policy: str = "recompute", block_size: int = 8,
                  routing=None, slo=None, observer=None, max_model_len: int | None = None, worker_link=None,
-                 kv_cache_dtype: str = "auto", decode_speculative=None):
+                 kv_cache_dtype: str = "auto", decode_speculative=None, layerwise: bool = False):
         """`observer` gets every ended request's RequestRecord (e.g. a RouterMetrics' observe);
         `max_model_len` caps every request's prompt + output (the model's limit by default);
         `kv_cache_dtype` every worker's KV pool element type;
         `worker_link` (a WorkerLinkConfig) the router's report and stream timings;
-        `decode_speculative` (a SpeculativeConfig) makes the decode workers speculate."""
+        `decode_speculative` (a SpeculativeConfig) makes the decode workers speculate;
+        `layerwise` makes the prefill workers announce each layer (kv_transfer_layerwise)."""
         from splitserve.common.slo import SloConfig
         from splitserve.router.policy import RoutingConfig
 
@@ -130,6 +146,7 @@ class InProcessCluster:
         self.slo = slo or SloConfig()
         self.num_prefill = num_prefill if mode == "disaggregated" else 0
         self.num_decode, self.lease_ttl_s, self.policy = num_decode, lease_ttl_s, transfer_failure_policy
+        self.layerwise = layerwise
         self.observer = observer
         self.worker_link = worker_link
         self.engine_config = worker_engine_config(block_size, max_model_len, kv_cache_dtype)
@@ -142,7 +159,7 @@ class InProcessCluster:
         from splitserve.router.tokenizer import RouterTokenizer
 
         self.prefill_workers = [make_prefill_worker(self.model_dir, self.engine_config, f"prefill-{i}",
-                                                    self.lease_ttl_s) for i in range(self.num_prefill)]
+                                                    self.lease_ttl_s, self.layerwise) for i in range(self.num_prefill)]
         self.decode_workers = [make_decode_worker(self.model_dir, self.decode_engine_config, f"decode-{i}", self.policy)
                                for i in range(self.num_decode)]
         self.tokenizer = RouterTokenizer.from_model_dir(self.model_dir)
@@ -173,7 +190,7 @@ class InProcessCluster:
         pool; returns its id ('decode-2' after decode-0 and decode-1)."""
         workers = self.prefill_workers if role == "prefill" else self.decode_workers
         worker_id = f"{role}-{len(workers)}"
-        worker = (make_prefill_worker(self.model_dir, self.engine_config, worker_id, self.lease_ttl_s)
+        worker = (make_prefill_worker(self.model_dir, self.engine_config, worker_id, self.lease_ttl_s, self.layerwise)
                   if role == "prefill" else make_decode_worker(self.model_dir, self.decode_engine_config, worker_id,
                                                                self.policy))
         workers.append(worker)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import re
 import subprocess
@@ -236,3 +237,20 @@ def test_serve_command_drains_and_stops_cleanly_on_sigterm(tiny_llama_dir):
         if server.poll() is None:
             server.kill()
 
+
+
+def test_layerwise_transfer_matches_hf_1p1d(tiny_llama_dir):
+    """kv_transfer_layerwise over NIXL: the router relays each prefill's TransferParams and layers (a
+    Ray stream in, the decode worker's stream out) and every request's KV is pulled layer by layer."""
+    cases = [dataclasses.replace(case, max_tokens=max(case.max_tokens, 2), ignore_eos=True)  # none ends at token 1
+             for case in mixed_workload(512, num_requests=12, seed=7, max_prompt=120, max_output=16)]
+    config = tiny_cluster_config(tiny_llama_dir, kv_transfer_layerwise=True)
+    with running_cluster(config) as (cluster, loop):
+        _assert_matches_hf(tiny_llama_dir, cases, _run_concurrently(cluster.port, cases))
+        loop.run(cluster.wait_idle())
+        stats = loop.run(_stats(cluster.decode_actors[0]))
+    assert stats.num_layerwise_pulls == len(cases)
+
+
+async def _stats(actor):
+    return await actor.stats.remote()

@@ -27,8 +27,8 @@ from splitserve.deploy.cluster_config import (
 )
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "deploy" / "configs" / "local.yaml"
-ROOT_KEYS = ("decode, kv_transfer_backend, kv_transfer_failure_policy, log_format, mode, model, planner, prefill, "
-             "ray_address, router, served_model_name, worker_start_timeout_s")
+ROOT_KEYS = ("decode, kv_transfer_backend, kv_transfer_failure_policy, kv_transfer_layerwise, log_format, mode, model, "
+             "planner, prefill, ray_address, router, served_model_name, worker_start_timeout_s")
 POOL_KEYS = "engine, max_restarts, replicas, resources, transfer_poll_s"
 
 
@@ -127,6 +127,9 @@ BAD_FILES = [
      "is one node)"),
     ("kv_transfer_failure_policy: retry",
      "kv_transfer_failure_policy: must be one of ('recompute', 'fail'), got 'retry'"),
+    ("kv_transfer_layerwise: 1", "kv_transfer_layerwise: must be a boolean, got 1"),
+    ("mode: colocated\nprefill: {replicas: 0}\nkv_transfer_layerwise: true",
+     "kv_transfer_layerwise: needs mode: disaggregated (a colocated cluster moves no KV)"),
     ("worker_start_timeout_s: 0", "worker_start_timeout_s: must be > 0, got 0.0"),
     ("decode: {engine: {max_num_seqs: '8'}}", "decode.engine.max_num_seqs: must be an integer, got '8'"),
     ("prefill: {replicas: true}", "prefill.replicas: must be an integer, got True"),

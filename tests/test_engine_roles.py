@@ -153,3 +153,30 @@ def test_remote_request_with_block_aligned_prompt_decodes_in_a_full_pool(tiny_ll
     engine.remote_kv_ready("a")
     assert len(_tokens(_run_all(engine)["a"])) == 2
     assert_pool_idle(engine.block_manager)
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
+                                    SamplingParams(temperature=0.9, seed=11, max_tokens=6, ignore_eos=True)],
+                         ids=["greedy", "seeded"])
+def test_a_request_admitted_before_its_first_token_decodes_as_one_engine(tiny_llama_dir, params):
+    """Layer-wise transfer: the consumer admits the request (room for the coming first token too)
+    while the producer still prefills, and takes its first token and RNG state afterwards."""
+    prompt = list(range(3, 27))  # 3 full blocks: the first token starts a fourth
+    whole = EngineCore(tiny_llama_dir, CONFIG)
+    whole.add_request("a", prompt, params)
+    expected = _tokens(_run_all(whole)["a"])
+    producer, consumer = EngineCore(tiny_llama_dir, CONFIG), EngineCore(tiny_llama_dir, CONFIG)
+    local = consumer.add_remote_request("a", prompt, [], params, 0, None, first_token_pending=True)
+    assert len(local) == 3 and consumer.block_manager.num_free_blocks == 252 and not consumer.has_work()
+    producer.add_request("a", prompt, params, hold_kv_after_prefill=True)
+    (first,) = _run_all(producer)["a"]
+    held = producer.take_held_kv("a")
+    _copy_blocks(producer, consumer, held.block_ids, local)
+    consumer.remote_first_token("a", first.new_token_ids, first.num_cached_tokens, held.generator_state)
+    with pytest.raises(ValueError, match="'a' is not waiting for its first token"):
+        consumer.remote_first_token("a", first.new_token_ids, 0, None)
+    consumer.remote_kv_ready("a")
+    assert list(first.new_token_ids) + _tokens(_run_all(consumer)["a"]) == expected
+    assert producer.release_held_kv("a")
+    assert_pool_idle(producer.block_manager)
+    assert_pool_idle(consumer.block_manager)

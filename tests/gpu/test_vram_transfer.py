@@ -96,12 +96,15 @@ def test_a_host_memory_pool_refuses_a_gpu_peer():
         gpu.close()
 
 
-def test_one_prefill_and_one_decode_worker_on_one_gpu_match_transformers(tiny_llama_dir):
-    """Two Ray actors (two processes) sharing the GPU, fp32, the KV pulled over NIXL from the prefill worker's VRAM."""
+@pytest.mark.parametrize("layerwise", [False, True], ids=["whole-request", "layerwise"])
+def test_one_prefill_and_one_decode_worker_on_one_gpu_match_transformers(tiny_llama_dir, layerwise):
+    """Two Ray actors (two processes) sharing the GPU, fp32, the KV pulled over NIXL from the prefill worker's VRAM
+    (layer-wise: each layer announced once a CUDA event recorded after it completed)."""
     gpu = {f"{pool}.{key}": value for pool in ("prefill", "decode")
            for key, value in (("engine.device", "cuda"), ("engine.dtype", "float32"), ("resources.num_gpus", 0.5))}
     cases = mixed_workload(512, num_requests=8, seed=3, max_prompt=200, max_output=16)
-    with running_cluster(tiny_cluster_config(tiny_llama_dir, **gpu)) as (cluster, loop):
+    config = tiny_cluster_config(tiny_llama_dir, kv_transfer_layerwise=layerwise, **gpu)
+    with running_cluster(config) as (cluster, loop):
         outputs = [stream_tokens(cluster.port, _request(index, case))[0] for index, case in enumerate(cases)]
         loop.run(cluster.wait_idle())
     assert outputs == [hf_greedy(tiny_llama_dir, case) for case in cases]

@@ -1,0 +1,255 @@
+"""Layer-wise transfer in the cluster's request path (kv_transfer_layerwise), on in-process clusters:
+the router hands the decode worker the request when the prefill starts and relays the prefill's
+TransferParams, layer announcements and first token; the decode worker's pull READs each layer as
+it is announced (ConsumerConnector's layer-wise pull, which refuses an unannounced READ).
+
+Ray + NIXL: tests/test_cluster.py::test_layerwise_transfer_matches_hf_1p1d.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from contextlib import suppress
+
+import pytest
+
+from splitserve.common.sampling_params import SamplingParams
+from splitserve.kv_transfer import PullStatus
+from splitserve.kv_transfer.connector import ProducerStats
+from splitserve.router.api_types import RouterError
+from splitserve.testing.in_process_cluster import InProcessCluster
+from splitserve.testing.workloads import GreedyCase
+from tests.factories import hf_greedy
+
+NUM_KV_BLOCKS = 256  # worker_engine_config's pool
+BLOCK_SIZE = 8
+CASES = [
+    GreedyCase(tuple(range(3, 8)), 6, True),  # one partial block
+    GreedyCase(tuple(range(10, 26)), 6, True),  # two full blocks: the first token starts a third
+    GreedyCase(tuple((7 * i) % 500 + 1 for i in range(300)), 5, True),  # two chunks (256-token budget)
+    GreedyCase(tuple((7 * i) % 500 + 1 for i in range(300)), 4, True),  # the same prompt: a prefix-cache hit
+]
+
+
+def _blocks(num_tokens: int) -> int:
+    return -(-num_tokens // BLOCK_SIZE)
+
+
+def _tokens(chunks) -> list[int]:
+    return [token for chunk in chunks for token in chunk.token_ids]
+
+
+class LayerGate:
+    """Stands between a layer-wise prefill worker's engine and its announcer: after the announcer
+    announced layer `layer` of the first forward it follows, it holds the engine thread until
+    release(); with `fail`, the forward then raises (a step that fails mid-forward)."""
+
+    def __init__(self, worker, layer: int, fail: bool = False) -> None:
+        self._announcer = worker._announcer
+        self._layer, self._fail = layer, fail
+        self.reached = threading.Event()
+        self._released = threading.Event()
+        worker.engine.set_layer_listener(self)
+
+    def final_chunks_starting(self, chunks) -> None:
+        self._announcer.final_chunks_starting(chunks)
+
+    def layer_written(self, layer: int) -> None:
+        self._announcer.layer_written(layer)
+        if layer != self._layer or self.reached.is_set():
+            return
+        self.reached.set()
+        assert self._released.wait(30.0), "the test never released the gate"
+        if self._fail:
+            raise RuntimeError("injected: the forward failed after layer 0")
+
+    def release(self) -> None:
+        self._released.set()
+
+
+async def _until(worker, read, expected, timeout_s: float = 10.0) -> None:
+    """Wait until read(engine), run on the worker's engine thread, returns `expected`."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while (value := await worker._loop.run(read)) != expected:
+        assert loop.time() < deadline, f"{value!r} != {expected!r}"
+        await asyncio.sleep(0.005)
+
+
+def _pull_of_the_one_request(decode):
+    """What the decode worker's one request's pull is at: (status, layers READ or being READ)."""
+    def read(engine):
+        (request_id,) = decode._routes
+        return decode._pulls.status(request_id), decode._pulls.layers_read(request_id)
+
+    return read
+
+
+async def _decode_layers_read(decode, num_layers: int) -> None:
+    """Wait until the decode worker's one request has READ `num_layers` layers and waits for the next."""
+    await _until(decode, _pull_of_the_one_request(decode), (PullStatus.AWAITING_LAYER, num_layers))
+
+
+def test_a_layerwise_cluster_matches_hugging_face(tiny_llama_dir):
+    async def scenario():
+        async with InProcessCluster(tiny_llama_dir, layerwise=True) as cluster:
+            outputs = [_tokens(await cluster.generate(f"r{i}", case.prompt_token_ids, case.params()))
+                       for i, case in enumerate(CASES)]
+            await cluster.wait_idle()
+            return outputs, await cluster.decode_workers[0].stats(), cluster.decode_workers[0]._pulls.stats()
+
+    outputs, stats, pulls = asyncio.run(scenario())
+    assert outputs == [hf_greedy(tiny_llama_dir, case) for case in CASES]
+    # Every request that went on past its first token was pulled layer-wise, reading announced layers only.
+    assert (stats.num_layerwise_pulls, pulls.num_done, pulls.num_failed) == (4, 4, 0)
+    assert pulls.num_unmatched_announcements == 0
+    assert stats.engine.num_free_kv_blocks == stats.engine.num_kv_blocks == NUM_KV_BLOCKS
+
+
+def test_a_request_that_ends_at_its_first_token_frees_the_decode_workers_admitted_blocks(tiny_llama_dir):
+    """The decode worker was handed the request (and may have pulled some or all of its layers, or
+    had its pull fail as the producer released the lease) before the first token ended it."""
+    case = GreedyCase(tuple(range(40, 60)), 1, True)
+
+    async def scenario():
+        async with InProcessCluster(tiny_llama_dir, layerwise=True) as cluster:
+            chunks = await cluster.generate("one", case.prompt_token_ids, case.params())
+            await cluster.wait_idle()
+            return chunks, await cluster.decode_workers[0].stats(), cluster.decode_workers[0]._pulls.stats()
+
+    chunks, stats, pulls = asyncio.run(scenario())
+    assert (_tokens(chunks), chunks[-1].finish_reason) == (hf_greedy(tiny_llama_dir, case), "length")
+    assert pulls.num_pulling == 0 and pulls.num_done + pulls.num_failed + pulls.num_aborted == 1
+    assert stats.engine.num_free_kv_blocks == stats.engine.num_kv_blocks == NUM_KV_BLOCKS
+    assert stats.engine.num_running == stats.engine.num_waiting == stats.num_transfers == 0
+
+
+def test_seeded_sampling_continues_the_prefill_workers_random_stream(tiny_llama_dir):
+    """The generator state after the first sample travels with the first token: a layer-wise cluster
+    samples what a whole-request one does."""
+    params = SamplingParams(temperature=1.0, max_tokens=12, seed=1234, ignore_eos=True)
+    prompt = tuple(range(5, 30))
+
+    async def run(layerwise: bool) -> tuple[list[int], int]:
+        async with InProcessCluster(tiny_llama_dir, layerwise=layerwise) as cluster:
+            tokens = _tokens(await cluster.generate("s", prompt, params))
+            await cluster.wait_idle()
+            return tokens, (await cluster.decode_workers[0].stats()).num_layerwise_pulls
+
+    whole, layerwise = asyncio.run(run(False)), asyncio.run(run(True))
+    assert layerwise == (whole[0], 1) and whole[1] == 0 and len(whole[0]) == 12
+
+
+def test_a_cancel_mid_transfer_releases_every_block_on_both_sides(tiny_llama_dir):
+    prompt = tuple(range(1, 30))  # 29 tokens: 4 blocks on the prefill worker, 4 (room for token 30) on decode
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+    async def scenario():
+        async with InProcessCluster(tiny_llama_dir, layerwise=True) as cluster:
+            prefill, decode = cluster.prefill_workers[0], cluster.decode_workers[0]
+            gate = LayerGate(prefill, layer=0)
+            task = asyncio.ensure_future(cluster.generate("c", prompt, params))
+            assert await asyncio.to_thread(gate.reached.wait, 30.0)
+            await _decode_layers_read(decode, 1)  # layer 0 READ, layer 1 not announced yet
+            during = (await decode.stats()).engine.num_free_kv_blocks
+            task.cancel()
+            with suppress(asyncio.CancelledError):
+                await task
+            gate.release()
+            await cluster.wait_idle()
+            return during, await prefill.stats(), await decode.stats(), prefill._leases.stats(), decode._pulls.stats()
+
+    during, prefill, decode, leases, pulls = asyncio.run(scenario())
+    assert during == NUM_KV_BLOCKS - _blocks(len(prompt) + 1)
+    for stats in (prefill, decode):
+        assert stats.engine.num_free_kv_blocks == stats.engine.num_kv_blocks == NUM_KV_BLOCKS
+    assert leases == ProducerStats(num_held=0, num_pulled=0, num_expired=0, num_released=1, num_late_notifications=0)
+    assert (pulls.num_pulling, pulls.num_done, pulls.num_failed, pulls.num_aborted) == (0, 0, 0, 1)
+
+
+def test_a_cancel_during_a_layers_read_frees_the_decode_side_when_that_read_completes(tiny_llama_dir):
+    """The READ of layer 0 is in flight when the request is cancelled: its blocks are freed once that
+    READ completes, while the prefill is still held before layer 1 (no wait for layers that will never come)."""
+    prompt = tuple(range(1, 30))
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+    async def scenario():
+        async with InProcessCluster(tiny_llama_dir, layerwise=True) as cluster:
+            prefill, decode = cluster.prefill_workers[0], cluster.decode_workers[0]
+            await decode._loop.run(lambda engine: decode._backend.defer_completions())
+            gate = LayerGate(prefill, layer=0)
+            task = asyncio.ensure_future(cluster.generate("c", prompt, params))
+            assert await asyncio.to_thread(gate.reached.wait, 30.0)
+            await _until(decode, _pull_of_the_one_request(decode), (PullStatus.PULLING, 1))
+            task.cancel()
+            with suppress(asyncio.CancelledError):
+                await task
+            await _until(decode, lambda engine: len(decode._abort_after_pull), 1)
+            during = (await decode.stats()).engine.num_free_kv_blocks
+            assert await decode._loop.run(lambda engine: decode._backend.complete_pending_pulls()) == 1
+            await _until(decode, lambda engine: engine.block_manager.num_free_blocks, NUM_KV_BLOCKS)
+            gate.release()
+            await cluster.wait_idle()
+            return during, await prefill.stats(), await decode.stats(), prefill._leases.stats(), decode._pulls.stats()
+
+    during, prefill, decode, leases, pulls = asyncio.run(scenario())
+    assert during == NUM_KV_BLOCKS - _blocks(len(prompt) + 1)
+    for stats in (prefill, decode):
+        assert stats.engine.num_free_kv_blocks == stats.engine.num_kv_blocks == NUM_KV_BLOCKS
+    assert leases == ProducerStats(num_held=0, num_pulled=0, num_expired=0, num_released=1, num_late_notifications=0)
+    assert (pulls.num_pulling, pulls.num_done, pulls.num_failed, pulls.num_aborted) == (0, 0, 0, 1)
+
+
+def test_a_prefill_that_fails_mid_forward_releases_the_decode_workers_blocks(tiny_llama_dir):
+    prompt = tuple(range(1, 30))
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+    async def scenario():
+        async with InProcessCluster(tiny_llama_dir, layerwise=True) as cluster:
+            prefill, decode = cluster.prefill_workers[0], cluster.decode_workers[0]
+            gate = LayerGate(prefill, layer=0, fail=True)
+            task = asyncio.ensure_future(cluster.generate("f", prompt, params))
+            assert await asyncio.to_thread(gate.reached.wait, 30.0)
+            await _decode_layers_read(decode, 1)
+            during = (await decode.stats()).engine.num_free_kv_blocks
+            gate.release()
+            with pytest.raises(RouterError) as failure:
+                await task
+            await cluster.wait_idle()
+            return (failure.value, during, await prefill.stats(), await decode.stats(), prefill._leases.stats(),
+                    decode._pulls.stats())
+
+    error, during, prefill, decode, leases, pulls = asyncio.run(scenario())
+    assert (error.code, error.message) == ("UNAVAILABLE", "prefill worker prefill-0 aborted the request")
+    assert during == NUM_KV_BLOCKS - _blocks(len(prompt) + 1)
+    for stats in (prefill, decode):
+        assert stats.engine.num_free_kv_blocks == stats.engine.num_kv_blocks == NUM_KV_BLOCKS
+    assert leases == ProducerStats(num_held=0, num_pulled=0, num_expired=0, num_released=1, num_late_notifications=0)
+    assert (pulls.num_pulling, pulls.num_done, pulls.num_failed, pulls.num_aborted) == (0, 0, 0, 1)
+
+
+def test_the_whole_request_path_is_unchanged_with_the_switch_off(tiny_llama_dir):
+    async def scenario():
+        async with InProcessCluster(tiny_llama_dir) as cluster:
+            outputs = [_tokens(await cluster.generate(f"r{i}", case.prompt_token_ids, case.params()))
+                       for i, case in enumerate(CASES)]
+            await cluster.wait_idle()
+            info = await cluster.prefill_workers[0].info()
+            return outputs, info.layerwise, cluster.decode_workers[0]._pulls.stats()
+
+    outputs, layerwise, pulls = asyncio.run(scenario())
+    assert outputs == [hf_greedy(tiny_llama_dir, case) for case in CASES]
+    assert not layerwise and (pulls.num_done, pulls.num_layerwise_done) == (4, 0)
+
+
+def test_a_worker_that_is_not_layerwise_refuses_a_layerwise_prefill(tiny_llama_dir):
+    from splitserve.common.worker_messages import PrefillRequest
+
+    async def scenario():
+        async with InProcessCluster(tiny_llama_dir) as cluster:
+            stream = cluster.prefill_workers[0].prefill_layerwise(PrefillRequest("x", (1, 2, 3), SamplingParams()))
+            with pytest.raises(RuntimeError, match="prefill worker prefill-0 is not layer-wise"):
+                await anext(stream)
+
+    asyncio.run(scenario())
