@@ -9,6 +9,10 @@ decode batch, 256-512 a prefill chunk. One torch thread; each case checks the pa
 rounding; 1e-4 in fp32), then alternates them for `rounds` rounds and keeps each one's median thread CPU time
 (time.thread_time: other processes taking the cores do not inflate it).
 
+Also the MLP's gate and up projections and SiLU-and-mul as the engine runs them where it uses panels: one pass
+(PanelSiluMulLinear) against two (PanelLinear, then the fused_ops silu_and_mul kernel), bit-identical, at 1 to
+2048 rows (a 2048-token prefill step).
+
 Writes bench/results/panel_linear.json and .png. Run: .venv/bin/python bench/panel_linear.py (about 4 minutes;
 --quick: 3 rounds, 3 row counts, written to the temp directory).
 """
@@ -23,7 +27,8 @@ import torch
 
 from serving_common import bench_parser, loaded_kernel_isa, report_header, start_bench, write_report
 from splitserve.engine.cpu_gemm import cpu_gemm_dtype, has_bf16_gemm
-from splitserve.engine.models.packed_linear import PanelLinear, PackedLinear
+from splitserve.engine.models.layer_ops import CpuKernelLayerOps
+from splitserve.engine.models.packed_linear import PanelLinear, PanelSiluMulLinear, PackedLinear
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SHAPES = {"qkv": (768, 1280), "o": (768, 768), "gate_up": (768, 4096), "down": (2048, 768), "lm_head": (768, 8192)}
@@ -31,19 +36,25 @@ SHAPES = {"qkv": (768, 1280), "o": (768, 768), "gate_up": (768, 4096), "down": (
 LAYERS = 12
 ROWS = (1, 2, 4, 8, 16, 64, 256, 512)
 QUICK_ROWS = (1, 64, 256)
+GATED_ROWS = (1, 64, 512, 2048)
+QUICK_GATED_ROWS = (64, 2048)
 
 
 DTYPES = (torch.bfloat16, torch.float32)
 TOLERANCE = {torch.bfloat16: 2 ** -7, torch.float32: 1e-4}
 
 
-def layer_paths(dtype: torch.dtype, in_features: int, out_features: int, seed: int) -> dict[str, torch.nn.Module]:
-    """The kernel and what the engine runs without it (oneDNN: native bf16, or widened to fp32)."""
+def random_linear(dtype: torch.dtype, in_features: int, out_features: int, seed: int) -> torch.nn.Linear:
     generator = torch.Generator().manual_seed(seed)
     linear = torch.nn.Linear(in_features, out_features, bias=False)
     with torch.no_grad():
         linear.weight.copy_(torch.randn(out_features, in_features, generator=generator) / in_features ** 0.5)
-    linear = linear.to(dtype)
+    return linear.to(dtype)
+
+
+def layer_paths(dtype: torch.dtype, in_features: int, out_features: int, seed: int) -> dict[str, torch.nn.Module]:
+    """The kernel and what the engine runs without it (oneDNN: native bf16, or widened to fp32)."""
+    linear = random_linear(dtype, in_features, out_features, seed)
     return {"panels": PanelLinear(linear), "onednn": PackedLinear(linear, compute_dtype=cpu_gemm_dtype(dtype))}
 
 
@@ -70,6 +81,23 @@ def measure(dtype: torch.dtype, name: str, rows: int, rounds: int, seed: int) ->
             **{f"{path}_ms": statistics.median(t) for path, t in times.items()}}
 
 
+def measure_gated(dtype: torch.dtype, rows: int, rounds: int, seed: int) -> dict:
+    """gate_up then SiLU-and-mul: two passes against one (the same bits)."""
+    gate_up = random_linear(dtype, *SHAPES["gate_up"], seed)
+    projection, fused, ops = PanelLinear(gate_up), PanelSiluMulLinear(gate_up), CpuKernelLayerOps()
+    x = torch.randn(rows, gate_up.in_features, generator=torch.Generator().manual_seed(seed + rows)).to(dtype)
+    paths = {"two_passes": lambda: ops.silu_and_mul(projection(x)), "fused": lambda: fused(x)}
+    assert torch.equal(paths["two_passes"](), paths["fused"]())
+    times = {path: [] for path in paths}
+    for _ in range(rounds):
+        for path, call in paths.items():
+            times[path].append(median_ms(call, 3))
+    result = {"dtype": str(dtype).removeprefix("torch."), "rows": rows,
+              **{f"{path}_ms": statistics.median(t) for path, t in times.items()}}
+    result["speedup"] = result["two_passes_ms"] / result["fused_ms"]
+    return result
+
+
 def forward_totals(results: list[dict]) -> list[dict]:
     """Per dtype and row count: the linear time of one forward (LAYERS decoder layers + the LM head) per path."""
     totals = []
@@ -91,7 +119,7 @@ def plot(report: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     onednn_bf16 = "oneDNN bf16" if report["bf16_gemm"] else "oneDNN fp32 on widened weights"
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    fig, (ax, gated_ax) = plt.subplots(1, 2, figsize=(13, 4.5))
     for dtype, style in (("bfloat16", "-"), ("float32", "--")):
         totals = [t for t in report["forward"] if t["dtype"] == dtype]
         rows = [t["rows"] for t in totals]
@@ -108,9 +136,28 @@ def plot(report: dict, path: Path) -> None:
     ax.set_ylabel("ms per row, one forward's linears")
     ax.set_title("88M model's linear layers, 1 thread (x: oneDNN / kernel)")
     ax.legend(fontsize=8)
+    plot_gated(gated_ax, report["gated"])
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def plot_gated(ax, results: list[dict]) -> None:
+    for dtype, style in (("bfloat16", "-"), ("float32", "--")):
+        cells = [r for r in results if r["dtype"] == dtype]
+        rows = [r["rows"] for r in cells]
+        ax.plot(rows, [r["two_passes_ms"] / r["rows"] for r in cells], style, marker="s",
+                label=f"{dtype}: gate_up, then SiLU-and-mul")
+        ax.plot(rows, [r["fused_ms"] / r["rows"] for r in cells], style, marker="o", label=f"{dtype}: one pass")
+        for r in cells:
+            ax.annotate(f"x{r['speedup']:.2f}", (r["rows"], r["fused_ms"] / r["rows"]), textcoords="offset points",
+                        xytext=(0, -12), ha="center", fontsize=7)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("rows (tokens in the step)")
+    ax.set_ylabel("ms per row, one layer")
+    ax.set_title("MLP gate/up + SiLU-and-mul, 1 thread (x: two passes / one)")
+    ax.legend(fontsize=8)
 
 
 def main() -> None:
@@ -125,9 +172,14 @@ def main() -> None:
     report["results"] = [measure(dtype, name, rows, rounds, args.seed) for dtype in DTYPES
                          for rows in (QUICK_ROWS if args.quick else ROWS) for name in SHAPES]
     report["forward"] = forward_totals(report["results"])
+    report["gated"] = [measure_gated(dtype, rows, rounds, args.seed) for dtype in DTYPES
+                       for rows in (QUICK_GATED_ROWS if args.quick else GATED_ROWS)]
     for t in report["forward"]:
         print(f"{t['dtype']:9s} {t['rows']:4d} rows: kernel {t['panels_ms']:8.2f} ms, oneDNN {t['onednn_ms']:8.2f} ms "
               f"(x{t['speedup']:.2f})")
+    for r in report["gated"]:
+        print(f"{r['dtype']:9s} {r['rows']:4d} rows: gate_up + SiLU-and-mul {r['two_passes_ms']:8.2f} ms, "
+              f"one pass {r['fused_ms']:8.2f} ms (x{r['speedup']:.2f})")
     out_dir = write_report(report, "panel_linear", args, RESULTS, plot)
     print(f"wrote {out_dir / 'panel_linear.json'} and .png ({isa.name})")
 

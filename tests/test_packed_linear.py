@@ -212,9 +212,10 @@ def test_panel_linear_refuses_mismatched_inputs_with_a_message(call, message):
 
 # ---- PanelSiluMulLinear (csrc/panel_linear.cpp's panel_linear_silu_mul) -------------------------------------
 
-GATED_CASES = [(1, 80, 96), (2, 48, 31), (3, 17, 7), (5, 7, 64), (6, 16, 2), (7, 40, 97), (13, 33, 64), (64, 80, 96)]
-"""(rows, intermediate, in_features): one and two rows (gate and up panels in one tile), taller tiles and their
-tails, a partial last pair (intermediate not a multiple of 16: silu_and_mul's scalar tail), odd inputs."""
+GATED_CASES = [(1, 80, 96), (1, 33, 5), (2, 48, 31), (3, 17, 7), (5, 7, 64), (6, 16, 2), (7, 40, 97), (13, 33, 64), (64, 80, 96)]
+"""(rows, intermediate, in_features): one row (two pairs per tile, and the pair left over), two rows (gate and up
+panels in one tile), taller tiles and their tails, a partial last pair (intermediate not a multiple of 16:
+silu_and_mul's scalar tail), odd inputs."""
 
 
 @needs_kernels
