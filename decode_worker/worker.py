@@ -233,8 +233,7 @@ class DecodeWorker:
     def _on_progress(self, router_id: str, progress: LayerwiseProgress) -> None:
         """A first_token_pending request's TransferParams and layers, relayed by its router."""
         pending = self._pending.get(progress.request_id)
-        if (pending is None or self._routes.get(progress.request_id) != router_id
-                or progress.request_id in self._abort_after_pull):
+        if pending is None or self._routes.get(progress.request_id) != router_id:
             return  # it ended here, or ends once its READ in flight completes (an abort crossed the relay)
         for message in progress.messages:
             if isinstance(message, TransferParams):
@@ -276,6 +275,10 @@ class DecodeWorker:
     def _abort(self, engine: EngineCore, request_id: str, error: str | None = None) -> bool:
         """End a request in any state; one being pulled ends when its pull does (its blocks are
         being written). With `error`, its router gets an error delta instead of a plain abort."""
+        # A layer-wise request takes nothing relayed after this: an abort that is not its router's
+        # (abort_router, when Ray reports the router dead while its relayed frames are still coming)
+        # may come before its TransferParams, which would start a pull into the blocks freed here.
+        self._pending.pop(request_id, None)
         if request_id in self._pulling:
             if self._pulls.status(request_id) is not PullStatus.AWAITING_LAYER:
                 self._abort_after_pull[request_id] = error

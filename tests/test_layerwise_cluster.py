@@ -253,3 +253,51 @@ def test_a_worker_that_is_not_layerwise_refuses_a_layerwise_prefill(tiny_llama_d
                 await anext(stream)
 
     asyncio.run(scenario())
+
+
+def test_relayed_progress_that_comes_after_an_abort_starts_no_pull_into_the_freed_blocks(tiny_llama_dir):
+    """Ray reports a router dead (abort_router) a few ms before its process exits, so frames it
+    relayed meanwhile still reach the decode worker: the request's TransferParams, its layers and its
+    first token come after its blocks were freed, before the step that reports its end. They must
+    start no pull: its READs would write blocks another request may already hold."""
+    from splitserve.common.worker_messages import (DecodeRequest, LayerwiseProgress, PrefillFirstToken,
+                                                   PrefillRequest)
+    from splitserve.testing.in_process_cluster import make_decode_worker, make_prefill_worker
+
+    prompt = tuple(range(1, 30))
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+    async def scenario():
+        prefill, decode = make_prefill_worker(tiny_llama_dir, layerwise=True), make_decode_worker(tiny_llama_dir)
+        try:
+            await decode.open_output_stream("router-gone")
+            await decode.add_peer((await prefill.info()).agent)
+            decode._on_stream_frame("router-gone", DecodeRequest("r", "router-gone", prompt, (), params, 0, None, None,
+                                                                 first_token_pending=True))
+            items = [item async for item in prefill.prefill_layerwise(PrefillRequest("r", prompt, params,
+                                                                                     "router-gone"))]
+            *progress, result = items
+            admitted = await decode._loop.run(lambda engine: engine.block_manager.num_free_blocks)
+            decode._loop.set_step_gate(lambda engine: False)  # the step that would report its end waits
+            ended = await decode.abort_router("router-gone")
+            for frame in [*progress, PrefillFirstToken("r", result.token_ids, result.num_cached_tokens,
+                                                       result.generator_state)]:
+                decode._on_stream_frame("router-gone", frame)
+            after = await decode._loop.run(lambda engine: (engine.block_manager.num_free_blocks,
+                                                           decode._pulls.stats()))
+            decode._loop.set_step_gate(None)
+            await prefill.abort("r")
+            await _until(decode, lambda engine: decode._transfers() | decode._routes.keys(), set())
+            return ([type(item) for item in progress], admitted, ended, after, await prefill.stats(),
+                    await decode.stats())
+        finally:
+            prefill.shutdown()
+            decode.shutdown()
+
+    progress_types, admitted, ended, (free_after, pulls), prefill_stats, decode_stats = asyncio.run(scenario())
+    assert progress_types and set(progress_types) == {LayerwiseProgress}
+    assert (admitted, ended, free_after) == (NUM_KV_BLOCKS - _blocks(len(prompt) + 1), 1, NUM_KV_BLOCKS)
+    assert (pulls.num_pulling, pulls.num_done, pulls.num_failed, pulls.num_aborted, pulls.bytes_pulled) == (
+        0, 0, 0, 0, 0)
+    for stats in (prefill_stats, decode_stats):
+        assert stats.is_idle and stats.engine.num_free_kv_blocks == NUM_KV_BLOCKS
