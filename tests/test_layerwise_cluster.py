@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from contextlib import suppress
 
 import pytest
@@ -301,3 +302,39 @@ def test_relayed_progress_that_comes_after_an_abort_starts_no_pull_into_the_free
         0, 0, 0, 0, 0)
     for stats in (prefill_stats, decode_stats):
         assert stats.is_idle and stats.engine.num_free_kv_blocks == NUM_KV_BLOCKS
+
+
+def test_a_decode_stream_that_breaks_during_the_prefill_moves_the_request(tiny_llama_dir):
+    """The decode worker holds the request from the start of its prefill, so when that worker's stream
+    breaks meanwhile (here it drops the router, as it drops one that stops reading; the router
+    reconnects at once), the request it ended there must move: relaying the rest of the prefill to
+    the reconnected stream would leave the client waiting for tokens nobody computes."""
+    from splitserve.router.policy import RoutingConfig
+
+    prompt = tuple(range(1, 30))
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    records = []
+
+    async def scenario():
+        async with InProcessCluster(tiny_llama_dir, layerwise=True, num_decode=2, observer=records.append,
+                                    routing=RoutingConfig(policy="round_robin", disaggregation="always")) as cluster:
+            prefill, decode = cluster.prefill_workers[0], cluster.decode_workers[0]
+            gate = LayerGate(prefill, layer=0)
+            task = asyncio.ensure_future(cluster.generate("m", prompt, params, deadline=time.monotonic() + 20.0))
+            assert await asyncio.to_thread(gate.reached.wait, 30.0)
+            await _decode_layers_read(decode, 1)
+            outputs = decode._outputs
+            outputs._drop(cluster.orchestrator.router_id, outputs._outboxes[cluster.orchestrator.router_id])
+            await _until(decode, lambda engine: (decode._transfers() | decode._routes.keys(),
+                                                 outputs.is_connected(cluster.orchestrator.router_id)), (set(), True))
+            gate.release()
+            chunks = await task
+            await cluster.wait_idle()
+            return chunks, [await worker.stats() for worker in [*cluster.prefill_workers, *cluster.decode_workers]]
+
+    chunks, stats = asyncio.run(scenario())
+    assert _tokens(chunks) == hf_greedy(tiny_llama_dir, GreedyCase(prompt, 8, True))
+    ((record),) = records
+    assert (record.finish_reason, record.num_migrations, record.decode_worker) == ("length", 1, "decode-1")
+    for worker_stats in stats:
+        assert worker_stats.engine.num_free_kv_blocks == NUM_KV_BLOCKS
