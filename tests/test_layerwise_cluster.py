@@ -33,6 +33,11 @@ CASES = [
 ]
 
 
+MID_PROMPT = tuple(range(1, 30))  # 29 tokens: 4 blocks on the prefill worker, 4 (room for token 30) on decode
+MID_PARAMS = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+"""The request the tests that interrupt a transfer run."""
+
+
 def _blocks(num_tokens: int) -> int:
     return -(-num_tokens // BLOCK_SIZE)
 
@@ -70,12 +75,10 @@ class LayerGate:
 
 
 async def _until(worker, read, expected, timeout_s: float = 10.0) -> None:
-    """Wait until read(engine), run on the worker's engine thread, returns `expected`."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while (value := await worker._loop.run(read)) != expected:
-        assert loop.time() < deadline, f"{value!r} != {expected!r}"
-        await asyncio.sleep(0.005)
+    """Wait until read(engine), run on the worker's engine thread, returns `expected` (checked after
+    every call and step there: EngineLoop.wait_until)."""
+    if not await worker._loop.wait_until(lambda engine: read(engine) == expected, timeout_s):
+        raise AssertionError(f"{await worker._loop.run(read)!r} != {expected!r}")
 
 
 def _pull_of_the_one_request(decode):
@@ -85,6 +88,24 @@ def _pull_of_the_one_request(decode):
         return decode._pulls.status(request_id), decode._pulls.layers_read(request_id)
 
     return read
+
+
+async def _end_state(cluster):
+    """Once every worker is idle: both workers' stats, the prefill's leases, the decode worker's pulls."""
+    prefill, decode = cluster.prefill_workers[0], cluster.decode_workers[0]
+    await cluster.wait_idle()
+    return await prefill.stats(), await decode.stats(), prefill._leases.stats(), decode._pulls.stats()
+
+
+def _assert_ended_mid_transfer(num_free_during: int, end_state) -> None:
+    """The decode worker held MID_PROMPT's blocks and one more token's while the request ran; after it
+    ended every block is free on both workers, its one lease was released and its one pull aborted."""
+    prefill, decode, leases, pulls = end_state
+    assert num_free_during == NUM_KV_BLOCKS - _blocks(len(MID_PROMPT) + 1)
+    for stats in (prefill, decode):
+        assert stats.engine.num_free_kv_blocks == stats.engine.num_kv_blocks == NUM_KV_BLOCKS
+    assert leases == ProducerStats(num_held=0, num_pulled=0, num_expired=0, num_released=1, num_late_notifications=0)
+    assert (pulls.num_pulling, pulls.num_done, pulls.num_failed, pulls.num_aborted) == (0, 0, 0, 1)
 
 
 async def _decode_layers_read(decode, num_layers: int) -> None:
@@ -143,14 +164,12 @@ def test_seeded_sampling_continues_the_prefill_workers_random_stream(tiny_llama_
 
 
 def test_a_cancel_mid_transfer_releases_every_block_on_both_sides(tiny_llama_dir):
-    prompt = tuple(range(1, 30))  # 29 tokens: 4 blocks on the prefill worker, 4 (room for token 30) on decode
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
     async def scenario():
         async with InProcessCluster(tiny_llama_dir, layerwise=True) as cluster:
             prefill, decode = cluster.prefill_workers[0], cluster.decode_workers[0]
             gate = LayerGate(prefill, layer=0)
-            task = asyncio.ensure_future(cluster.generate("c", prompt, params))
+            task = asyncio.ensure_future(cluster.generate("c", MID_PROMPT, MID_PARAMS))
             assert await asyncio.to_thread(gate.reached.wait, 30.0)
             await _decode_layers_read(decode, 1)  # layer 0 READ, layer 1 not announced yet
             during = (await decode.stats()).engine.num_free_kv_blocks
@@ -158,29 +177,21 @@ def test_a_cancel_mid_transfer_releases_every_block_on_both_sides(tiny_llama_dir
             with suppress(asyncio.CancelledError):
                 await task
             gate.release()
-            await cluster.wait_idle()
-            return during, await prefill.stats(), await decode.stats(), prefill._leases.stats(), decode._pulls.stats()
+            return during, await _end_state(cluster)
 
-    during, prefill, decode, leases, pulls = asyncio.run(scenario())
-    assert during == NUM_KV_BLOCKS - _blocks(len(prompt) + 1)
-    for stats in (prefill, decode):
-        assert stats.engine.num_free_kv_blocks == stats.engine.num_kv_blocks == NUM_KV_BLOCKS
-    assert leases == ProducerStats(num_held=0, num_pulled=0, num_expired=0, num_released=1, num_late_notifications=0)
-    assert (pulls.num_pulling, pulls.num_done, pulls.num_failed, pulls.num_aborted) == (0, 0, 0, 1)
+    _assert_ended_mid_transfer(*asyncio.run(scenario()))
 
 
 def test_a_cancel_during_a_layers_read_frees_the_decode_side_when_that_read_completes(tiny_llama_dir):
     """The READ of layer 0 is in flight when the request is cancelled: its blocks are freed once that
     READ completes, while the prefill is still held before layer 1 (no wait for layers that will never come)."""
-    prompt = tuple(range(1, 30))
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
     async def scenario():
         async with InProcessCluster(tiny_llama_dir, layerwise=True) as cluster:
             prefill, decode = cluster.prefill_workers[0], cluster.decode_workers[0]
             await decode._loop.run(lambda engine: decode._backend.defer_completions())
             gate = LayerGate(prefill, layer=0)
-            task = asyncio.ensure_future(cluster.generate("c", prompt, params))
+            task = asyncio.ensure_future(cluster.generate("c", MID_PROMPT, MID_PARAMS))
             assert await asyncio.to_thread(gate.reached.wait, 30.0)
             await _until(decode, _pull_of_the_one_request(decode), (PullStatus.PULLING, 1))
             task.cancel()
@@ -191,43 +202,29 @@ def test_a_cancel_during_a_layers_read_frees_the_decode_side_when_that_read_comp
             assert await decode._loop.run(lambda engine: decode._backend.complete_pending_pulls()) == 1
             await _until(decode, lambda engine: engine.block_manager.num_free_blocks, NUM_KV_BLOCKS)
             gate.release()
-            await cluster.wait_idle()
-            return during, await prefill.stats(), await decode.stats(), prefill._leases.stats(), decode._pulls.stats()
+            return during, await _end_state(cluster)
 
-    during, prefill, decode, leases, pulls = asyncio.run(scenario())
-    assert during == NUM_KV_BLOCKS - _blocks(len(prompt) + 1)
-    for stats in (prefill, decode):
-        assert stats.engine.num_free_kv_blocks == stats.engine.num_kv_blocks == NUM_KV_BLOCKS
-    assert leases == ProducerStats(num_held=0, num_pulled=0, num_expired=0, num_released=1, num_late_notifications=0)
-    assert (pulls.num_pulling, pulls.num_done, pulls.num_failed, pulls.num_aborted) == (0, 0, 0, 1)
+    _assert_ended_mid_transfer(*asyncio.run(scenario()))
 
 
 def test_a_prefill_that_fails_mid_forward_releases_the_decode_workers_blocks(tiny_llama_dir):
-    prompt = tuple(range(1, 30))
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
     async def scenario():
         async with InProcessCluster(tiny_llama_dir, layerwise=True) as cluster:
             prefill, decode = cluster.prefill_workers[0], cluster.decode_workers[0]
             gate = LayerGate(prefill, layer=0, fail=True)
-            task = asyncio.ensure_future(cluster.generate("f", prompt, params))
+            task = asyncio.ensure_future(cluster.generate("f", MID_PROMPT, MID_PARAMS))
             assert await asyncio.to_thread(gate.reached.wait, 30.0)
             await _decode_layers_read(decode, 1)
             during = (await decode.stats()).engine.num_free_kv_blocks
             gate.release()
             with pytest.raises(RouterError) as failure:
                 await task
-            await cluster.wait_idle()
-            return (failure.value, during, await prefill.stats(), await decode.stats(), prefill._leases.stats(),
-                    decode._pulls.stats())
+            return failure.value, during, await _end_state(cluster)
 
-    error, during, prefill, decode, leases, pulls = asyncio.run(scenario())
+    error, during, end_state = asyncio.run(scenario())
     assert (error.code, error.message) == ("UNAVAILABLE", "prefill worker prefill-0 aborted the request")
-    assert during == NUM_KV_BLOCKS - _blocks(len(prompt) + 1)
-    for stats in (prefill, decode):
-        assert stats.engine.num_free_kv_blocks == stats.engine.num_kv_blocks == NUM_KV_BLOCKS
-    assert leases == ProducerStats(num_held=0, num_pulled=0, num_expired=0, num_released=1, num_late_notifications=0)
-    assert (pulls.num_pulling, pulls.num_done, pulls.num_failed, pulls.num_aborted) == (0, 0, 0, 1)
+    _assert_ended_mid_transfer(during, end_state)
 
 
 def test_the_whole_request_path_is_unchanged_with_the_switch_off(tiny_llama_dir):
@@ -265,17 +262,15 @@ def test_relayed_progress_that_comes_after_an_abort_starts_no_pull_into_the_free
                                                    PrefillRequest)
     from splitserve.testing.in_process_cluster import make_decode_worker, make_prefill_worker
 
-    prompt = tuple(range(1, 30))
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
     async def scenario():
         prefill, decode = make_prefill_worker(tiny_llama_dir, layerwise=True), make_decode_worker(tiny_llama_dir)
         try:
             await decode.open_output_stream("router-gone")
             await decode.add_peer((await prefill.info()).agent)
-            decode._on_stream_frame("router-gone", DecodeRequest("r", "router-gone", prompt, (), params, 0, None, None,
-                                                                 first_token_pending=True))
-            items = [item async for item in prefill.prefill_layerwise(PrefillRequest("r", prompt, params,
+            decode._on_stream_frame("router-gone", DecodeRequest("r", "router-gone", MID_PROMPT, (), MID_PARAMS, 0,
+                                                                 None, None, first_token_pending=True))
+            items = [item async for item in prefill.prefill_layerwise(PrefillRequest("r", MID_PROMPT, MID_PARAMS,
                                                                                      "router-gone"))]
             *progress, result = items
             admitted = await decode._loop.run(lambda engine: engine.block_manager.num_free_blocks)
@@ -297,7 +292,7 @@ def test_relayed_progress_that_comes_after_an_abort_starts_no_pull_into_the_free
 
     progress_types, admitted, ended, (free_after, pulls), prefill_stats, decode_stats = asyncio.run(scenario())
     assert progress_types and set(progress_types) == {LayerwiseProgress}
-    assert (admitted, ended, free_after) == (NUM_KV_BLOCKS - _blocks(len(prompt) + 1), 1, NUM_KV_BLOCKS)
+    assert (admitted, ended, free_after) == (NUM_KV_BLOCKS - _blocks(len(MID_PROMPT) + 1), 1, NUM_KV_BLOCKS)
     assert (pulls.num_pulling, pulls.num_done, pulls.num_failed, pulls.num_aborted, pulls.bytes_pulled) == (
         0, 0, 0, 0, 0)
     for stats in (prefill_stats, decode_stats):
@@ -311,8 +306,6 @@ def test_a_decode_stream_that_breaks_during_the_prefill_moves_the_request(tiny_l
     the reconnected stream would leave the client waiting for tokens nobody computes."""
     from splitserve.router.policy import RoutingConfig
 
-    prompt = tuple(range(1, 30))
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     records = []
 
     async def scenario():
@@ -320,20 +313,23 @@ def test_a_decode_stream_that_breaks_during_the_prefill_moves_the_request(tiny_l
                                     routing=RoutingConfig(policy="round_robin", disaggregation="always")) as cluster:
             prefill, decode = cluster.prefill_workers[0], cluster.decode_workers[0]
             gate = LayerGate(prefill, layer=0)
-            task = asyncio.ensure_future(cluster.generate("m", prompt, params, deadline=time.monotonic() + 20.0))
+            deadline = time.monotonic() + 20.0  # without the move, the request would wait for its tokens until then
+            task = asyncio.ensure_future(cluster.generate("m", MID_PROMPT, MID_PARAMS, deadline))
             assert await asyncio.to_thread(gate.reached.wait, 30.0)
             await _decode_layers_read(decode, 1)
-            outputs = decode._outputs
-            outputs._drop(cluster.orchestrator.router_id, outputs._outboxes[cluster.orchestrator.router_id])
-            await _until(decode, lambda engine: (decode._transfers() | decode._routes.keys(),
-                                                 outputs.is_connected(cluster.orchestrator.router_id)), (set(), True))
+            outputs, router_id = decode._outputs, cluster.orchestrator.router_id
+            outputs._drop(router_id, outputs._outboxes[router_id])
+            await _until(decode, lambda engine: decode._transfers() | decode._routes.keys(), set())
+            async with asyncio.timeout(10.0):
+                while not outputs.is_connected(router_id):  # event-loop state: no engine round follows it
+                    await asyncio.sleep(0.01)
             gate.release()
             chunks = await task
             await cluster.wait_idle()
             return chunks, [await worker.stats() for worker in [*cluster.prefill_workers, *cluster.decode_workers]]
 
     chunks, stats = asyncio.run(scenario())
-    assert _tokens(chunks) == hf_greedy(tiny_llama_dir, GreedyCase(prompt, 8, True))
+    assert _tokens(chunks) == hf_greedy(tiny_llama_dir, GreedyCase(MID_PROMPT, 8, True))
     ((record),) = records
     assert (record.finish_reason, record.num_migrations, record.decode_worker) == ("length", 1, "decode-1")
     for worker_stats in stats:
