@@ -41,8 +41,8 @@ from splitserve.decode_worker.output_server import OutputServer
 logger = logging.getLogger(__name__)
 
 PULL_POLL_S = 0.0005
-"""How often in-flight pulls are polled while the engine has nothing else to do (the default of
-the decode pool's transfer_poll_s)."""
+"""How often pulls with a READ in flight are polled while the engine has nothing else to do (the
+default of the decode pool's transfer_poll_s)."""
 MAX_UNREAD_OUTPUT_BYTES = 64 << 20
 """A router that leaves this much of its output stream unread is gone (hung): its requests end."""
 
@@ -315,7 +315,10 @@ class DecodeWorker:
             self._finish_pull(outcome)
         self._end_aborted_between_layers()
         self._start_pulls(self.engine)
-        return self._transfer_poll_s if self._pulling or self._awaiting_blocks else None
+        # A layer-wise pull waiting for its next layer moves only when that layer is relayed (a call,
+        # which wakes the loop) or its lease_ttl_s runs out (seen on the loop's idle wake-ups).
+        reading = any(self._pulls.status(request_id) is not PullStatus.AWAITING_LAYER for request_id in self._pulling)
+        return self._transfer_poll_s if reading or self._awaiting_blocks else None
 
     def _end_aborted_between_layers(self) -> None:
         """A layer-wise pull aborted during a READ ends once that READ is done and no other is in

@@ -207,6 +207,36 @@ def test_a_cancel_during_a_layers_read_frees_the_decode_side_when_that_read_comp
     _assert_ended_mid_transfer(*asyncio.run(scenario()))
 
 
+def test_the_decode_worker_polls_a_pull_only_while_one_of_its_reads_is_in_flight(tiny_llama_dir):
+    """A pull waiting for its next layer moves only when that layer is relayed (a call, which wakes
+    the engine loop) or its lease_ttl_s runs out: between the layers of a long forward, the loop
+    must not wake every transfer_poll_s for it."""
+    from splitserve.decode_worker.worker import PULL_POLL_S
+
+    async def scenario():
+        async with InProcessCluster(tiny_llama_dir, layerwise=True) as cluster:
+            prefill, decode = cluster.prefill_workers[0], cluster.decode_workers[0]
+            await decode._loop.run(lambda engine: decode._backend.defer_completions())
+            gate = LayerGate(prefill, layer=0)
+            task = asyncio.ensure_future(cluster.generate("p", MID_PROMPT, MID_PARAMS))
+            assert await asyncio.to_thread(gate.reached.wait, 30.0)
+            await _until(decode, _pull_of_the_one_request(decode), (PullStatus.PULLING, 1))
+            reading = await decode._loop.run(lambda engine: decode._poll_transfers())
+            assert await decode._loop.run(lambda engine: decode._backend.complete_pending_pulls()) == 1
+            await _decode_layers_read(decode, 1)
+            waiting = await decode._loop.run(lambda engine: decode._poll_transfers())
+            during = (await decode.stats()).engine.num_free_kv_blocks
+            task.cancel()
+            with suppress(asyncio.CancelledError):
+                await task
+            gate.release()
+            return (reading, waiting), during, await _end_state(cluster)
+
+    poll_again_s, during, end_state = asyncio.run(scenario())
+    assert poll_again_s == (PULL_POLL_S, None)
+    _assert_ended_mid_transfer(during, end_state)
+
+
 def test_a_prefill_that_fails_mid_forward_releases_the_decode_workers_blocks(tiny_llama_dir):
 
     async def scenario():
