@@ -41,8 +41,8 @@ from splitserve.decode_worker.output_server import OutputServer
 logger = logging.getLogger(__name__)
 
 PULL_POLL_S = 0.0005
-"""How often in-flight pulls are polled while the engine has nothing else to do (the default of
-the decode pool's transfer_poll_s)."""
+"""How often pulls with a READ in flight are polled while the engine has nothing else to do (the
+default of the decode pool's transfer_poll_s)."""
 MAX_UNREAD_OUTPUT_BYTES = 64 << 20
 """A router that leaves this much of its output stream unread is gone (hung): its requests end."""
 
@@ -233,8 +233,7 @@ class DecodeWorker:
     def _on_progress(self, router_id: str, progress: LayerwiseProgress) -> None:
         """A first_token_pending request's TransferParams and layers, relayed by its router."""
         pending = self._pending.get(progress.request_id)
-        if (pending is None or self._routes.get(progress.request_id) != router_id
-                or progress.request_id in self._abort_after_pull):
+        if pending is None or self._routes.get(progress.request_id) != router_id:
             return  # it ended here, or ends once its READ in flight completes (an abort crossed the relay)
         for message in progress.messages:
             if isinstance(message, TransferParams):
@@ -276,6 +275,10 @@ class DecodeWorker:
     def _abort(self, engine: EngineCore, request_id: str, error: str | None = None) -> bool:
         """End a request in any state; one being pulled ends when its pull does (its blocks are
         being written). With `error`, its router gets an error delta instead of a plain abort."""
+        # A layer-wise request takes nothing relayed after this: an abort that is not its router's
+        # (abort_router, when Ray reports the router dead while its relayed frames are still coming)
+        # may come before its TransferParams, which would start a pull into the blocks freed here.
+        self._pending.pop(request_id, None)
         if request_id in self._pulling:
             if self._pulls.status(request_id) is not PullStatus.AWAITING_LAYER:
                 self._abort_after_pull[request_id] = error
@@ -312,7 +315,10 @@ class DecodeWorker:
             self._finish_pull(outcome)
         self._end_aborted_between_layers()
         self._start_pulls(self.engine)
-        return self._transfer_poll_s if self._pulling or self._awaiting_blocks else None
+        # A layer-wise pull waiting for its next layer moves only when that layer is relayed (a call,
+        # which wakes the loop) or its lease_ttl_s runs out (seen on the loop's idle wake-ups).
+        reading = any(self._pulls.status(request_id) is not PullStatus.AWAITING_LAYER for request_id in self._pulling)
+        return self._transfer_poll_s if reading or self._awaiting_blocks else None
 
     def _end_aborted_between_layers(self) -> None:
         """A layer-wise pull aborted during a READ ends once that READ is done and no other is in

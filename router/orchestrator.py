@@ -282,7 +282,7 @@ class Orchestrator:
 
     def _lose_runs_on(self, lost: WorkerLostError) -> None:
         for run in list(self._runs.values()):
-            if run.active_worker_id == lost.worker_id:
+            if run.depends_on(lost.worker_id):
                 run.lose(lost)
 
     # ---- membership (the planner) ----------------------------------------------------------
@@ -530,9 +530,11 @@ class Orchestrator:
         request = PrefillRequest(run.worker_request_id, run.inp.prompt_token_ids, self._worker_params(run),
                                  self.router_id)
         run.active_worker_id = prefill.client.worker_id
+        run.relay_worker_id = relay_to
         call = ((lambda: prefill.client.prefill(request)) if relay_to is None
                 else (lambda: self._relay_prefill(prefill.client, request, relay_to)))
         result: PrefillResult = await run.call(self._call(prefill.client, "prefill", call))
+        run.relay_worker_id = None
         prefill.pool.prefilled(prefill)
         if result.finish_reason == "abort":
             raise RouterError("UNAVAILABLE", f"prefill worker {prefill.client.worker_id} aborted the request")
@@ -645,7 +647,7 @@ class Orchestrator:
             if run.decode is not None:  # on its stream, after the request itself
                 self.dispatcher.abort(run.decode.client.worker_id, request_id)
         run.prefill = run.decode = None
-        run.active_worker_id = None
+        run.active_worker_id = run.relay_worker_id = None
 
     def _abort_in_background(self, client: WorkerAPI, request_id: str) -> None:
         self._in_background(self._abort(client, request_id))

@@ -42,6 +42,10 @@ class RequestRun:
         self.active_worker_id: str | None = None
         """The worker computing for the request now (prefill worker during the prefill call, then
         the decode worker): its loss interrupts the attempt."""
+        self.relay_worker_id: str | None = None
+        """Layer-wise transfer, during the prefill call: the decode worker that already holds the
+        request and is relayed its progress; its loss interrupts the attempt too (what it held is
+        gone, and nothing else would end the wait for its tokens)."""
         self.lost: WorkerLostError | None = None
         self.stream: asyncio.Queue | None = None
         """The current attempt's deltas (TokenDelta), or the WorkerLostError that ends it."""
@@ -78,6 +82,10 @@ class RequestRun:
     def context_token_ids(self) -> tuple[int, ...]:
         """What a worker must hold KV for to go on: the prompt and the tokens streamed so far."""
         return self.inp.prompt_token_ids + tuple(self.output_token_ids)
+
+    def depends_on(self, worker_id: str) -> bool:
+        """The attempt cannot go on without this worker (see active_worker_id, relay_worker_id)."""
+        return worker_id in (self.active_worker_id, self.relay_worker_id)
 
     def lose(self, lost: WorkerLostError) -> None:
         """The active worker is gone: interrupt the pending worker call or the stream wait."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from contextlib import suppress
 
 import pytest
@@ -30,6 +31,11 @@ CASES = [
     GreedyCase(tuple((7 * i) % 500 + 1 for i in range(300)), 5, True),  # two chunks (256-token budget)
     GreedyCase(tuple((7 * i) % 500 + 1 for i in range(300)), 4, True),  # the same prompt: a prefix-cache hit
 ]
+
+
+MID_PROMPT = tuple(range(1, 30))  # 29 tokens: 4 blocks on the prefill worker, 4 (room for token 30) on decode
+MID_PARAMS = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+"""The request the tests that interrupt a transfer run."""
 
 
 def _blocks(num_tokens: int) -> int:
@@ -69,12 +75,10 @@ class LayerGate:
 
 
 async def _until(worker, read, expected, timeout_s: float = 10.0) -> None:
-    """Wait until read(engine), run on the worker's engine thread, returns `expected`."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while (value := await worker._loop.run(read)) != expected:
-        assert loop.time() < deadline, f"{value!r} != {expected!r}"
-        await asyncio.sleep(0.005)
+    """Wait until read(engine), run on the worker's engine thread, returns `expected` (checked after
+    every call and step there: EngineLoop.wait_until)."""
+    if not await worker._loop.wait_until(lambda engine: read(engine) == expected, timeout_s):
+        raise AssertionError(f"{await worker._loop.run(read)!r} != {expected!r}")
 
 
 def _pull_of_the_one_request(decode):
@@ -84,6 +88,24 @@ def _pull_of_the_one_request(decode):
         return decode._pulls.status(request_id), decode._pulls.layers_read(request_id)
 
     return read
+
+
+async def _end_state(cluster):
+    """Once every worker is idle: both workers' stats, the prefill's leases, the decode worker's pulls."""
+    prefill, decode = cluster.prefill_workers[0], cluster.decode_workers[0]
+    await cluster.wait_idle()
+    return await prefill.stats(), await decode.stats(), prefill._leases.stats(), decode._pulls.stats()
+
+
+def _assert_ended_mid_transfer(num_free_during: int, end_state) -> None:
+    """The decode worker held MID_PROMPT's blocks and one more token's while the request ran; after it
+    ended every block is free on both workers, its one lease was released and its one pull aborted."""
+    prefill, decode, leases, pulls = end_state
+    assert num_free_during == NUM_KV_BLOCKS - _blocks(len(MID_PROMPT) + 1)
+    for stats in (prefill, decode):
+        assert stats.engine.num_free_kv_blocks == stats.engine.num_kv_blocks == NUM_KV_BLOCKS
+    assert leases == ProducerStats(num_held=0, num_pulled=0, num_expired=0, num_released=1, num_late_notifications=0)
+    assert (pulls.num_pulling, pulls.num_done, pulls.num_failed, pulls.num_aborted) == (0, 0, 0, 1)
 
 
 async def _decode_layers_read(decode, num_layers: int) -> None:
@@ -142,14 +164,12 @@ def test_seeded_sampling_continues_the_prefill_workers_random_stream(tiny_llama_
 
 
 def test_a_cancel_mid_transfer_releases_every_block_on_both_sides(tiny_llama_dir):
-    prompt = tuple(range(1, 30))  # 29 tokens: 4 blocks on the prefill worker, 4 (room for token 30) on decode
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
     async def scenario():
         async with InProcessCluster(tiny_llama_dir, layerwise=True) as cluster:
             prefill, decode = cluster.prefill_workers[0], cluster.decode_workers[0]
             gate = LayerGate(prefill, layer=0)
-            task = asyncio.ensure_future(cluster.generate("c", prompt, params))
+            task = asyncio.ensure_future(cluster.generate("c", MID_PROMPT, MID_PARAMS))
             assert await asyncio.to_thread(gate.reached.wait, 30.0)
             await _decode_layers_read(decode, 1)  # layer 0 READ, layer 1 not announced yet
             during = (await decode.stats()).engine.num_free_kv_blocks
@@ -157,29 +177,21 @@ def test_a_cancel_mid_transfer_releases_every_block_on_both_sides(tiny_llama_dir
             with suppress(asyncio.CancelledError):
                 await task
             gate.release()
-            await cluster.wait_idle()
-            return during, await prefill.stats(), await decode.stats(), prefill._leases.stats(), decode._pulls.stats()
+            return during, await _end_state(cluster)
 
-    during, prefill, decode, leases, pulls = asyncio.run(scenario())
-    assert during == NUM_KV_BLOCKS - _blocks(len(prompt) + 1)
-    for stats in (prefill, decode):
-        assert stats.engine.num_free_kv_blocks == stats.engine.num_kv_blocks == NUM_KV_BLOCKS
-    assert leases == ProducerStats(num_held=0, num_pulled=0, num_expired=0, num_released=1, num_late_notifications=0)
-    assert (pulls.num_pulling, pulls.num_done, pulls.num_failed, pulls.num_aborted) == (0, 0, 0, 1)
+    _assert_ended_mid_transfer(*asyncio.run(scenario()))
 
 
 def test_a_cancel_during_a_layers_read_frees_the_decode_side_when_that_read_completes(tiny_llama_dir):
     """The READ of layer 0 is in flight when the request is cancelled: its blocks are freed once that
     READ completes, while the prefill is still held before layer 1 (no wait for layers that will never come)."""
-    prompt = tuple(range(1, 30))
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
     async def scenario():
         async with InProcessCluster(tiny_llama_dir, layerwise=True) as cluster:
             prefill, decode = cluster.prefill_workers[0], cluster.decode_workers[0]
             await decode._loop.run(lambda engine: decode._backend.defer_completions())
             gate = LayerGate(prefill, layer=0)
-            task = asyncio.ensure_future(cluster.generate("c", prompt, params))
+            task = asyncio.ensure_future(cluster.generate("c", MID_PROMPT, MID_PARAMS))
             assert await asyncio.to_thread(gate.reached.wait, 30.0)
             await _until(decode, _pull_of_the_one_request(decode), (PullStatus.PULLING, 1))
             task.cancel()
@@ -190,43 +202,59 @@ def test_a_cancel_during_a_layers_read_frees_the_decode_side_when_that_read_comp
             assert await decode._loop.run(lambda engine: decode._backend.complete_pending_pulls()) == 1
             await _until(decode, lambda engine: engine.block_manager.num_free_blocks, NUM_KV_BLOCKS)
             gate.release()
-            await cluster.wait_idle()
-            return during, await prefill.stats(), await decode.stats(), prefill._leases.stats(), decode._pulls.stats()
+            return during, await _end_state(cluster)
 
-    during, prefill, decode, leases, pulls = asyncio.run(scenario())
-    assert during == NUM_KV_BLOCKS - _blocks(len(prompt) + 1)
-    for stats in (prefill, decode):
-        assert stats.engine.num_free_kv_blocks == stats.engine.num_kv_blocks == NUM_KV_BLOCKS
-    assert leases == ProducerStats(num_held=0, num_pulled=0, num_expired=0, num_released=1, num_late_notifications=0)
-    assert (pulls.num_pulling, pulls.num_done, pulls.num_failed, pulls.num_aborted) == (0, 0, 0, 1)
+    _assert_ended_mid_transfer(*asyncio.run(scenario()))
+
+
+def test_the_decode_worker_polls_a_pull_only_while_one_of_its_reads_is_in_flight(tiny_llama_dir):
+    """A pull waiting for its next layer moves only when that layer is relayed (a call, which wakes
+    the engine loop) or its lease_ttl_s runs out: between the layers of a long forward, the loop
+    must not wake every transfer_poll_s for it."""
+    from splitserve.decode_worker.worker import PULL_POLL_S
+
+    async def scenario():
+        async with InProcessCluster(tiny_llama_dir, layerwise=True) as cluster:
+            prefill, decode = cluster.prefill_workers[0], cluster.decode_workers[0]
+            await decode._loop.run(lambda engine: decode._backend.defer_completions())
+            gate = LayerGate(prefill, layer=0)
+            task = asyncio.ensure_future(cluster.generate("p", MID_PROMPT, MID_PARAMS))
+            assert await asyncio.to_thread(gate.reached.wait, 30.0)
+            await _until(decode, _pull_of_the_one_request(decode), (PullStatus.PULLING, 1))
+            reading = await decode._loop.run(lambda engine: decode._poll_transfers())
+            assert await decode._loop.run(lambda engine: decode._backend.complete_pending_pulls()) == 1
+            await _decode_layers_read(decode, 1)
+            waiting = await decode._loop.run(lambda engine: decode._poll_transfers())
+            during = (await decode.stats()).engine.num_free_kv_blocks
+            task.cancel()
+            with suppress(asyncio.CancelledError):
+                await task
+            gate.release()
+            return (reading, waiting), during, await _end_state(cluster)
+
+    poll_again_s, during, end_state = asyncio.run(scenario())
+    assert poll_again_s == (PULL_POLL_S, None)
+    _assert_ended_mid_transfer(during, end_state)
 
 
 def test_a_prefill_that_fails_mid_forward_releases_the_decode_workers_blocks(tiny_llama_dir):
-    prompt = tuple(range(1, 30))
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
     async def scenario():
         async with InProcessCluster(tiny_llama_dir, layerwise=True) as cluster:
             prefill, decode = cluster.prefill_workers[0], cluster.decode_workers[0]
             gate = LayerGate(prefill, layer=0, fail=True)
-            task = asyncio.ensure_future(cluster.generate("f", prompt, params))
+            task = asyncio.ensure_future(cluster.generate("f", MID_PROMPT, MID_PARAMS))
             assert await asyncio.to_thread(gate.reached.wait, 30.0)
             await _decode_layers_read(decode, 1)
             during = (await decode.stats()).engine.num_free_kv_blocks
             gate.release()
             with pytest.raises(RouterError) as failure:
                 await task
-            await cluster.wait_idle()
-            return (failure.value, during, await prefill.stats(), await decode.stats(), prefill._leases.stats(),
-                    decode._pulls.stats())
+            return failure.value, during, await _end_state(cluster)
 
-    error, during, prefill, decode, leases, pulls = asyncio.run(scenario())
+    error, during, end_state = asyncio.run(scenario())
     assert (error.code, error.message) == ("UNAVAILABLE", "prefill worker prefill-0 aborted the request")
-    assert during == NUM_KV_BLOCKS - _blocks(len(prompt) + 1)
-    for stats in (prefill, decode):
-        assert stats.engine.num_free_kv_blocks == stats.engine.num_kv_blocks == NUM_KV_BLOCKS
-    assert leases == ProducerStats(num_held=0, num_pulled=0, num_expired=0, num_released=1, num_late_notifications=0)
-    assert (pulls.num_pulling, pulls.num_done, pulls.num_failed, pulls.num_aborted) == (0, 0, 0, 1)
+    _assert_ended_mid_transfer(during, end_state)
 
 
 def test_the_whole_request_path_is_unchanged_with_the_switch_off(tiny_llama_dir):
@@ -253,3 +281,86 @@ def test_a_worker_that_is_not_layerwise_refuses_a_layerwise_prefill(tiny_llama_d
                 await anext(stream)
 
     asyncio.run(scenario())
+
+
+def test_relayed_progress_that_comes_after_an_abort_starts_no_pull_into_the_freed_blocks(tiny_llama_dir):
+    """Ray reports a router dead (abort_router) a few ms before its process exits, so frames it
+    relayed meanwhile still reach the decode worker: the request's TransferParams, its layers and its
+    first token come after its blocks were freed, before the step that reports its end. They must
+    start no pull: its READs would write blocks another request may already hold."""
+    from splitserve.common.worker_messages import (DecodeRequest, LayerwiseProgress, PrefillFirstToken,
+                                                   PrefillRequest)
+    from splitserve.testing.in_process_cluster import make_decode_worker, make_prefill_worker
+
+
+    async def scenario():
+        prefill, decode = make_prefill_worker(tiny_llama_dir, layerwise=True), make_decode_worker(tiny_llama_dir)
+        try:
+            await decode.open_output_stream("router-gone")
+            await decode.add_peer((await prefill.info()).agent)
+            decode._on_stream_frame("router-gone", DecodeRequest("r", "router-gone", MID_PROMPT, (), MID_PARAMS, 0,
+                                                                 None, None, first_token_pending=True))
+            items = [item async for item in prefill.prefill_layerwise(PrefillRequest("r", MID_PROMPT, MID_PARAMS,
+                                                                                     "router-gone"))]
+            *progress, result = items
+            admitted = await decode._loop.run(lambda engine: engine.block_manager.num_free_blocks)
+            decode._loop.set_step_gate(lambda engine: False)  # the step that would report its end waits
+            ended = await decode.abort_router("router-gone")
+            for frame in [*progress, PrefillFirstToken("r", result.token_ids, result.num_cached_tokens,
+                                                       result.generator_state)]:
+                decode._on_stream_frame("router-gone", frame)
+            after = await decode._loop.run(lambda engine: (engine.block_manager.num_free_blocks,
+                                                           decode._pulls.stats()))
+            decode._loop.set_step_gate(None)
+            await prefill.abort("r")
+            await _until(decode, lambda engine: decode._transfers() | decode._routes.keys(), set())
+            return ([type(item) for item in progress], admitted, ended, after, await prefill.stats(),
+                    await decode.stats())
+        finally:
+            prefill.shutdown()
+            decode.shutdown()
+
+    progress_types, admitted, ended, (free_after, pulls), prefill_stats, decode_stats = asyncio.run(scenario())
+    assert progress_types and set(progress_types) == {LayerwiseProgress}
+    assert (admitted, ended, free_after) == (NUM_KV_BLOCKS - _blocks(len(MID_PROMPT) + 1), 1, NUM_KV_BLOCKS)
+    assert (pulls.num_pulling, pulls.num_done, pulls.num_failed, pulls.num_aborted, pulls.bytes_pulled) == (
+        0, 0, 0, 0, 0)
+    for stats in (prefill_stats, decode_stats):
+        assert stats.is_idle and stats.engine.num_free_kv_blocks == NUM_KV_BLOCKS
+
+
+def test_a_decode_stream_that_breaks_during_the_prefill_moves_the_request(tiny_llama_dir):
+    """The decode worker holds the request from the start of its prefill, so when that worker's stream
+    breaks meanwhile (here it drops the router, as it drops one that stops reading; the router
+    reconnects at once), the request it ended there must move: relaying the rest of the prefill to
+    the reconnected stream would leave the client waiting for tokens nobody computes."""
+    from splitserve.router.policy import RoutingConfig
+
+    records = []
+
+    async def scenario():
+        async with InProcessCluster(tiny_llama_dir, layerwise=True, num_decode=2, observer=records.append,
+                                    routing=RoutingConfig(policy="round_robin", disaggregation="always")) as cluster:
+            prefill, decode = cluster.prefill_workers[0], cluster.decode_workers[0]
+            gate = LayerGate(prefill, layer=0)
+            deadline = time.monotonic() + 20.0  # without the move, the request would wait for its tokens until then
+            task = asyncio.ensure_future(cluster.generate("m", MID_PROMPT, MID_PARAMS, deadline))
+            assert await asyncio.to_thread(gate.reached.wait, 30.0)
+            await _decode_layers_read(decode, 1)
+            outputs, router_id = decode._outputs, cluster.orchestrator.router_id
+            outputs._drop(router_id, outputs._outboxes[router_id])
+            await _until(decode, lambda engine: decode._transfers() | decode._routes.keys(), set())
+            async with asyncio.timeout(10.0):
+                while not outputs.is_connected(router_id):  # event-loop state: no engine round follows it
+                    await asyncio.sleep(0.01)
+            gate.release()
+            chunks = await task
+            await cluster.wait_idle()
+            return chunks, [await worker.stats() for worker in [*cluster.prefill_workers, *cluster.decode_workers]]
+
+    chunks, stats = asyncio.run(scenario())
+    assert _tokens(chunks) == hf_greedy(tiny_llama_dir, GreedyCase(MID_PROMPT, 8, True))
+    ((record),) = records
+    assert (record.finish_reason, record.num_migrations, record.decode_worker) == ("length", 1, "decode-1")
+    for worker_stats in stats:
+        assert worker_stats.engine.num_free_kv_blocks == NUM_KV_BLOCKS
