@@ -60,6 +60,16 @@ class _PendingPrefill:
     outcome: PullOutcome | None = None
 
 
+def queue_without_pull(queue_s: float, admitted_at: float, pull_s: float | None, pull_ended_at: float | None) -> float:
+    """A request's time queued here, from admitted_at to its first scheduling (queue_s), less the part of
+    its pull in that window: all of a whole-request pull (it starts at admission); none of a layer-wise
+    one, which ended before the request was admitted with its first token."""
+    if pull_s is None or pull_ended_at is None:
+        return queue_s
+    pulled_in_window = min(pull_s, max(pull_ended_at - admitted_at, 0.0))
+    return max(queue_s - pulled_in_window, 0.0)
+
+
 class DecodeWorker:
     def __init__(self, model_dir: str | Path, engine_config: EngineConfig, transfer_backend: str = "nixl",
                  worker_id: str | None = None, transfer_failure_policy: str = "recompute",
@@ -89,6 +99,7 @@ class DecodeWorker:
         """Requests to end once their pull ends, with the error to report (None: a plain abort)."""
         self._transfer_s: dict[str, float] = {}
         self._admitted_at: dict[str, float] = {}
+        self._pull_ended_at: dict[str, float] = {}
         """request id -> time.monotonic() of its admission, until its first delta with tokens."""
         self._recomputed: set[str] = set()
         self._pending: dict[str, _PendingPrefill] = {}
@@ -352,6 +363,7 @@ class DecodeWorker:
         request_id = outcome.request_id
         if outcome.state is PullStatus.DONE:
             self._transfer_s[request_id] = outcome.seconds
+            self._pull_ended_at[request_id] = time.monotonic()
             self.engine.remote_kv_ready(request_id)
         elif self._failure_policy == "recompute":
             logger.warning("[%s] KV pull failed (%s); recomputing the prompt locally", request_id, outcome.error)
@@ -372,11 +384,12 @@ class DecodeWorker:
 
     def _token_delta(self, delta: CompletionDelta) -> TokenDelta:
         transfer_s = self._transfer_s.pop(delta.request_id, None)
+        pull_ended_at = self._pull_ended_at.pop(delta.request_id, None)
         queue_s = compute_s = None
         admitted_at = self._admitted_at.pop(delta.request_id, None) if delta.new_token_ids else None
         if admitted_at is not None:  # the first delta with tokens; the pull is no queueing
             queue_s, compute_s = delta.queue_and_compute_s(admitted_at, time.monotonic())
-            queue_s = max(queue_s - (transfer_s or 0.0), 0.0)
+            queue_s = queue_without_pull(queue_s, admitted_at, transfer_s, pull_ended_at)
         return TokenDelta(delta.request_id, delta.new_token_ids, delta.new_logprobs, delta.finish_reason,
                           delta.stop_reason, delta.num_cached_tokens, transfer_s,
                           kv_transfer_failed=delta.request_id in self._recomputed, queue_s=queue_s,
@@ -392,6 +405,7 @@ class DecodeWorker:
             if delta.finish_reason is not None:
                 self._routes.pop(delta.request_id, None)
                 self._admitted_at.pop(delta.request_id, None)
+                self._pull_ended_at.pop(delta.request_id, None)
                 self._pending.pop(delta.request_id, None)
                 self._unheard.discard(delta.request_id)
             self._recomputed.discard(delta.request_id)

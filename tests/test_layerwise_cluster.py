@@ -16,6 +16,7 @@ from contextlib import suppress
 import pytest
 
 from splitserve.common.sampling_params import SamplingParams
+from splitserve.decode_worker.worker import queue_without_pull
 from splitserve.kv_transfer import PullStatus
 from splitserve.kv_transfer.connector import ProducerStats
 from splitserve.router.api_types import RouterError
@@ -364,3 +365,14 @@ def test_a_decode_stream_that_breaks_during_the_prefill_moves_the_request(tiny_l
     assert (record.finish_reason, record.num_migrations, record.decode_worker) == ("length", 1, "decode-1")
     for worker_stats in stats:
         assert worker_stats.engine.num_free_kv_blocks == NUM_KV_BLOCKS
+
+
+@pytest.mark.parametrize("admitted_at, pull_s, pull_ended_at, expected", [
+    (10.0, 0.25, 10.5, 0.5),    # whole-request: admitted at 10.0, pulled 10.25-10.5, scheduled at 10.75
+    (10.0, 0.25, 10.125, 0.625),  # a pull begun before admission: only its 0.125 s after it
+    (10.0, 0.25, 10.0, 0.75),   # layer-wise: the pull ended as the first token admitted it
+    (10.0, 0.25, 9.5, 0.75),    # ... or before
+    (10.0, None, None, 0.75),   # no pull (a local prefill)
+])
+def test_queue_time_leaves_out_only_the_part_of_the_pull_after_admission(admitted_at, pull_s, pull_ended_at, expected):
+    assert queue_without_pull(0.75, admitted_at, pull_s, pull_ended_at) == expected
