@@ -120,43 +120,34 @@ def plot(report: dict, path: Path) -> None:
 
     onednn_bf16 = "oneDNN bf16" if report["bf16_gemm"] else "oneDNN fp32 on widened weights"
     fig, (ax, gated_ax) = plt.subplots(1, 2, figsize=(13, 4.5))
-    for dtype, style in (("bfloat16", "-"), ("float32", "--")):
-        totals = [t for t in report["forward"] if t["dtype"] == dtype]
-        rows = [t["rows"] for t in totals]
-        ax.plot(rows, [t["panels_ms"] / t["rows"] for t in totals], style, marker="o",
-                label=f"{dtype}: C++ panel kernel ({report['kernel_isa']})")
-        ax.plot(rows, [t["onednn_ms"] / t["rows"] for t in totals], style, marker="s",
-                label=f"{dtype}: {onednn_bf16 if dtype == 'bfloat16' else 'oneDNN fp32'}")
-        for t in totals:
-            ax.annotate(f"x{t['speedup']:.2f}", (t["rows"], t["panels_ms"] / t["rows"]), textcoords="offset points",
-                        xytext=(0, -12), ha="center", fontsize=7)
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("rows (tokens in the step)")
+    plot_per_row(ax, report["forward"], ("panels_ms", "onednn_ms"),
+                 lambda dtype: (f"C++ panel kernel ({report['kernel_isa']})",
+                                onednn_bf16 if dtype == "bfloat16" else "oneDNN fp32"))
     ax.set_ylabel("ms per row, one forward's linears")
     ax.set_title("88M model's linear layers, 1 thread (x: oneDNN / kernel)")
-    ax.legend(fontsize=8)
-    plot_gated(gated_ax, report["gated"])
+    plot_per_row(gated_ax, report["gated"], ("fused_ms", "two_passes_ms"),
+                 lambda dtype: ("one pass", "gate_up, then SiLU-and-mul"))
+    gated_ax.set_ylabel("ms per row, one layer")
+    gated_ax.set_title("MLP gate/up + SiLU-and-mul, 1 thread (x: two passes / one)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
-def plot_gated(ax, results: list[dict]) -> None:
+def plot_per_row(ax, cells: list[dict], keys: tuple[str, str], names) -> None:
+    """ms per row of the faster path (keys[0], annotated with its speedup) and the other one, per dtype;
+    names(dtype) -> their legend names."""
     for dtype, style in (("bfloat16", "-"), ("float32", "--")):
-        cells = [r for r in results if r["dtype"] == dtype]
-        rows = [r["rows"] for r in cells]
-        ax.plot(rows, [r["two_passes_ms"] / r["rows"] for r in cells], style, marker="s",
-                label=f"{dtype}: gate_up, then SiLU-and-mul")
-        ax.plot(rows, [r["fused_ms"] / r["rows"] for r in cells], style, marker="o", label=f"{dtype}: one pass")
-        for r in cells:
-            ax.annotate(f"x{r['speedup']:.2f}", (r["rows"], r["fused_ms"] / r["rows"]), textcoords="offset points",
+        at_dtype = [c for c in cells if c["dtype"] == dtype]
+        rows = [c["rows"] for c in at_dtype]
+        for key, marker, name in zip(keys, ("o", "s"), names(dtype)):
+            ax.plot(rows, [c[key] / c["rows"] for c in at_dtype], style, marker=marker, label=f"{dtype}: {name}")
+        for c in at_dtype:
+            ax.annotate(f"x{c['speedup']:.2f}", (c["rows"], c[keys[0]] / c["rows"]), textcoords="offset points",
                         xytext=(0, -12), ha="center", fontsize=7)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("rows (tokens in the step)")
-    ax.set_ylabel("ms per row, one layer")
-    ax.set_title("MLP gate/up + SiLU-and-mul, 1 thread (x: two passes / one)")
     ax.legend(fontsize=8)
 
 

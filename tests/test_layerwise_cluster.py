@@ -183,18 +183,25 @@ def test_a_cancel_mid_transfer_releases_every_block_on_both_sides(tiny_llama_dir
     _assert_ended_mid_transfer(*asyncio.run(scenario()))
 
 
+async def _reading_layer_0(cluster: InProcessCluster, request_id: str):
+    """Starts a request and returns once its prefill is held before layer 1 and the decode worker's READ of
+    layer 0 is in flight (pull completions deferred): (the decode worker, the layer gate, the request's task)."""
+    prefill, decode = cluster.prefill_workers[0], cluster.decode_workers[0]
+    await decode._loop.run(lambda engine: decode._backend.defer_completions())
+    gate = LayerGate(prefill, layer=0)
+    task = asyncio.ensure_future(cluster.generate(request_id, MID_PROMPT, MID_PARAMS))
+    assert await asyncio.to_thread(gate.reached.wait, 30.0)
+    await _until(decode, _pull_of_the_one_request(decode), (PullStatus.PULLING, 1))
+    return decode, gate, task
+
+
 def test_a_cancel_during_a_layers_read_frees_the_decode_side_when_that_read_completes(tiny_llama_dir):
     """The READ of layer 0 is in flight when the request is cancelled: its blocks are freed once that
     READ completes, while the prefill is still held before layer 1 (no wait for layers that will never come)."""
 
     async def scenario():
         async with InProcessCluster(tiny_llama_dir, layerwise=True) as cluster:
-            prefill, decode = cluster.prefill_workers[0], cluster.decode_workers[0]
-            await decode._loop.run(lambda engine: decode._backend.defer_completions())
-            gate = LayerGate(prefill, layer=0)
-            task = asyncio.ensure_future(cluster.generate("c", MID_PROMPT, MID_PARAMS))
-            assert await asyncio.to_thread(gate.reached.wait, 30.0)
-            await _until(decode, _pull_of_the_one_request(decode), (PullStatus.PULLING, 1))
+            decode, gate, task = await _reading_layer_0(cluster, "c")
             task.cancel()
             with suppress(asyncio.CancelledError):
                 await task
@@ -216,12 +223,7 @@ def test_the_decode_worker_polls_a_pull_only_while_one_of_its_reads_is_in_flight
 
     async def scenario():
         async with InProcessCluster(tiny_llama_dir, layerwise=True) as cluster:
-            prefill, decode = cluster.prefill_workers[0], cluster.decode_workers[0]
-            await decode._loop.run(lambda engine: decode._backend.defer_completions())
-            gate = LayerGate(prefill, layer=0)
-            task = asyncio.ensure_future(cluster.generate("p", MID_PROMPT, MID_PARAMS))
-            assert await asyncio.to_thread(gate.reached.wait, 30.0)
-            await _until(decode, _pull_of_the_one_request(decode), (PullStatus.PULLING, 1))
+            decode, gate, task = await _reading_layer_0(cluster, "p")
             reading = await decode._loop.run(lambda engine: decode._poll_transfers())
             assert await decode._loop.run(lambda engine: decode._backend.complete_pending_pulls()) == 1
             await _decode_layers_read(decode, 1)
