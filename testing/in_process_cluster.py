@@ -1,5 +1,5 @@
-"""The router's orchestrator and prefill/decode workers in one process (in-process KV transfer),
-the workers behind a double that can die or hang as a Ray actor can."""
+"""The router's orchestrator and prefill/decode workers in one process (in-process KV transfer unless
+asked for NIXL), the workers behind a double that can die or hang as a Ray actor can."""
 
 from __future__ import annotations
 
@@ -21,22 +21,22 @@ def worker_engine_config(block_size: int = 8, max_model_len: int | None = None,
 
 
 def make_prefill_worker(model_dir: Path, engine_config: EngineConfig | None = None, worker_id: str = "prefill-0",
-                        lease_ttl_s: float = 30.0, layerwise: bool = False):
-    """A PrefillWorker in this process with the in-process KV transfer backend (call shutdown());
-    `layerwise`: it announces each layer (kv_transfer_layerwise)."""
+                        lease_ttl_s: float = 30.0, layerwise: bool = False, transfer_backend: str = "inprocess"):
+    """A PrefillWorker in this process with the in-process KV transfer backend unless `transfer_backend`
+    says "nixl" (call shutdown()); `layerwise`: it announces each layer (kv_transfer_layerwise)."""
     from splitserve.prefill_worker.worker import PrefillWorker
 
-    return PrefillWorker(model_dir, engine_config or worker_engine_config(), "inprocess", lease_ttl_s,
+    return PrefillWorker(model_dir, engine_config or worker_engine_config(), transfer_backend, lease_ttl_s,
                          worker_id=worker_id, layerwise=layerwise)
 
 
 def make_decode_worker(model_dir: Path, engine_config: EngineConfig | None = None, worker_id: str = "decode-0",
-                       transfer_failure_policy: str = "recompute"):
-    """A DecodeWorker in this process with the in-process KV transfer backend, its output streams
-    on loopback (call shutdown())."""
+                       transfer_failure_policy: str = "recompute", transfer_backend: str = "inprocess"):
+    """A DecodeWorker in this process with the in-process KV transfer backend unless `transfer_backend`
+    says "nixl", its output streams on loopback (call shutdown())."""
     from splitserve.decode_worker.worker import DecodeWorker
 
-    return DecodeWorker(model_dir, engine_config or worker_engine_config(), "inprocess", worker_id=worker_id,
+    return DecodeWorker(model_dir, engine_config or worker_engine_config(), transfer_backend, worker_id=worker_id,
                         transfer_failure_policy=transfer_failure_policy, output_host="127.0.0.1")
 
 def _retrieve(future: asyncio.Future) -> None:
@@ -122,17 +122,22 @@ class KillableWorker:
         return call.result()
 
 class InProcessCluster:
-    """Router orchestrator + prefill/decode workers in this process (in-process KV transfer).
+    """Router orchestrator + prefill/decode workers in this process (in-process KV transfer unless
+    `transfer_backend` is "nixl").
 
     Use inside a running event loop: `async with InProcessCluster(...) as cluster:`."""
 
     def __init__(self, model_dir: Path, mode: str = "disaggregated", num_prefill: int = 1, num_decode: int = 1,
                  lease_ttl_s: float = 30.0, transfer_failure_policy: str = "recompute", block_size: int = 8,
                  routing=None, slo=None, observer=None, max_model_len: int | None = None, worker_link=None,
-                 kv_cache_dtype: str = "auto", decode_speculative=None, layerwise: bool = False):
+                 kv_cache_dtype: str = "auto", decode_speculative=None, layerwise: bool = False,
+                 engine_config: EngineConfig | None = None, transfer_backend: str = "inprocess"):
         """`observer` gets every ended request's RequestRecord (e.g. a RouterMetrics' observe);
         `max_model_len` caps every request's prompt + output (the model's limit by default);
         `kv_cache_dtype` every worker's KV pool element type;
+        `engine_config` every worker's engine, in place of worker_engine_config(block_size, max_model_len,
+        kv_cache_dtype) (a bench's pool size and chunk budget);
+        `transfer_backend` every worker's KV transfer backend (kv_transfer.BACKENDS);
         `worker_link` (a WorkerLinkConfig) the router's report and stream timings;
         `decode_speculative` (a SpeculativeConfig) makes the decode workers speculate;
         `layerwise` makes the prefill workers announce each layer (kv_transfer_layerwise)."""
@@ -146,10 +151,10 @@ class InProcessCluster:
         self.slo = slo or SloConfig()
         self.num_prefill = num_prefill if mode == "disaggregated" else 0
         self.num_decode, self.lease_ttl_s, self.policy = num_decode, lease_ttl_s, transfer_failure_policy
-        self.layerwise = layerwise
+        self.layerwise, self.transfer_backend = layerwise, transfer_backend
         self.observer = observer
         self.worker_link = worker_link
-        self.engine_config = worker_engine_config(block_size, max_model_len, kv_cache_dtype)
+        self.engine_config = engine_config or worker_engine_config(block_size, max_model_len, kv_cache_dtype)
         self.decode_engine_config = replace(self.engine_config, speculative=decode_speculative)
 
     async def __aenter__(self) -> "InProcessCluster":
@@ -158,10 +163,8 @@ class InProcessCluster:
         from splitserve.router.worker_link import WorkerLinkConfig
         from splitserve.router.tokenizer import RouterTokenizer
 
-        self.prefill_workers = [make_prefill_worker(self.model_dir, self.engine_config, f"prefill-{i}",
-                                                    self.lease_ttl_s, self.layerwise) for i in range(self.num_prefill)]
-        self.decode_workers = [make_decode_worker(self.model_dir, self.decode_engine_config, f"decode-{i}", self.policy)
-                               for i in range(self.num_decode)]
+        self.prefill_workers = [self._prefill_worker(f"prefill-{i}") for i in range(self.num_prefill)]
+        self.decode_workers = [self._decode_worker(f"decode-{i}") for i in range(self.num_decode)]
         self.tokenizer = RouterTokenizer.from_model_dir(self.model_dir)
         self.clients = {w.worker_id: KillableWorker(w)
                         for w in [*self.prefill_workers, *self.decode_workers]}
@@ -172,6 +175,14 @@ class InProcessCluster:
             [self.clients[w.worker_id] for w in self.decode_workers], self.tokenizer, self.observer)
         await self.orchestrator.start()
         return self
+
+    def _prefill_worker(self, worker_id: str):
+        return make_prefill_worker(self.model_dir, self.engine_config, worker_id, self.lease_ttl_s, self.layerwise,
+                                   self.transfer_backend)
+
+    def _decode_worker(self, worker_id: str):
+        return make_decode_worker(self.model_dir, self.decode_engine_config, worker_id, self.policy,
+                                  self.transfer_backend)
 
     async def __aexit__(self, *exc_info) -> None:
         await self.orchestrator.stop()
@@ -190,9 +201,7 @@ class InProcessCluster:
         pool; returns its id ('decode-2' after decode-0 and decode-1)."""
         workers = self.prefill_workers if role == "prefill" else self.decode_workers
         worker_id = f"{role}-{len(workers)}"
-        worker = (make_prefill_worker(self.model_dir, self.engine_config, worker_id, self.lease_ttl_s, self.layerwise)
-                  if role == "prefill" else make_decode_worker(self.model_dir, self.decode_engine_config, worker_id,
-                                                               self.policy))
+        worker = self._prefill_worker(worker_id) if role == "prefill" else self._decode_worker(worker_id)
         workers.append(worker)
         self.clients[worker_id] = KillableWorker(worker)
         await self.orchestrator.add_worker(role, self.clients[worker_id])
