@@ -244,6 +244,13 @@ def test_fused_gate_up_interleaves_gate_and_up_panels_and_their_biases():
 
 
 @needs_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_fused_gate_up_of_no_rows_is_empty(dtype):
+    out = PanelSiluMulLinear(torch.nn.Linear(96, 2 * 40).to(dtype))(torch.empty(0, 96, dtype=dtype))
+    assert out.shape == (0, 40) and out.dtype == dtype
+
+
+@needs_kernels
 def test_fused_gate_up_refuses_panels_that_are_not_pairs():
     layer = PanelLinear(torch.nn.Linear(96, 80))  # 5 panels
     with pytest.raises(RuntimeError, match="40 features do not fill 5 panels in pairs"):
