@@ -83,7 +83,6 @@ class StreamAbort:
 
 RouterFrame = DecodeRequest | StreamAbort | LayerwiseProgress | PrefillFirstToken
 """What a router sends a decode worker on its stream."""
-ROUTER_FRAME_TYPES = (DecodeRequest, StreamAbort, LayerwiseProgress, PrefillFirstToken)
 
 
 def encode_frame(payload: list[TokenDelta] | RouterFrame) -> bytes:

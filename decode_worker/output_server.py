@@ -16,7 +16,7 @@ import logging
 import secrets
 from collections.abc import Callable
 
-from splitserve.common.output_stream import (ACK, ROUTER_FRAME_TYPES, TOKEN_BYTES, OutputStreamAddress,
+from splitserve.common.output_stream import (ACK, TOKEN_BYTES, OutputStreamAddress,
                                              OutputStreamError, RouterFrame, encode_frame, read_frame, read_hello)
 from splitserve.common.worker_messages import TokenDelta
 
@@ -90,7 +90,7 @@ class OutputServer:
         try:
             while True:
                 payload = await read_frame(reader)
-                if not isinstance(payload, ROUTER_FRAME_TYPES):
+                if not isinstance(payload, RouterFrame):
                     raise OutputStreamError(f"unexpected {type(payload).__name__} frame from a router")
                 self._on_frame(router_id, payload)
         except (asyncio.IncompleteReadError, ConnectionError):
