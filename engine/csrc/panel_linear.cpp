@@ -120,29 +120,47 @@ void with_rows(int rows, F&& f) {
   f.template operator()<R0>();
 }
 
+// Units per tile when all the rows fit one tile: a unit is a panel of panel_linear, a (gate, up) pair of
+// panel_linear_silu_mul.
+struct PanelUnits {
+  template <int R>
+  static constexpr int kPerTile = kTilePanels<R>;
+};
+
+// Runs `tile` over every (unit, row tile) of a product, in parallel over its num_units units of unit_panels
+// panels each: tile.template operator()<R, U>(unit, row) computes rows [row, row + R) of units [unit, unit + U).
+// Fewer rows than a tile: all of them in one tile, Units::kPerTile<R> units at a time (the rest one by one);
+// more: a unit at a time, all its row tiles while its weights are in cache.
+template <typename W, typename Units, typename F>
+void for_each_tile(const LinearShape& shape, int64_t num_units, int64_t unit_panels, F&& tile) {
+  // About 256K multiply-adds per task: a decode step's small layers run on one thread, where waking the
+  // others would cost more than the layer.
+  const int64_t per_unit =
+      std::max<int64_t>(1, unit_panels * shape.rows * shape.steps * kInputsPerStep<W> * kPanelColumns);
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 18) / per_unit);
+  at::parallel_for(0, num_units, grain, [&](int64_t begin, int64_t end) {
+    if (shape.rows < kTileRows) {
+      return with_rows(static_cast<int>(shape.rows), [&]<int R>() {
+        constexpr int U = Units::template kPerTile<R>;
+        int64_t unit = begin;
+        for (; unit + U <= end; unit += U) tile.template operator()<R, U>(unit, 0);
+        for (; unit < end; ++unit) tile.template operator()<R, 1>(unit, 0);
+      });
+    }
+    for (int64_t unit = begin; unit < end; ++unit) {
+      int64_t row = 0;
+      for (; row + kTileRows <= shape.rows; row += kTileRows) tile.template operator()<kTileRows, 1>(unit, row);
+      if (row < shape.rows)
+        with_rows(static_cast<int>(shape.rows - row), [&]<int R>() { tile.template operator()<R, 1>(unit, row); });
+    }
+  });
+}
+
 template <typename T, typename W>
 void linear_panels(const float* x, const W* panels, const float* bias, const LinearShape& shape, int64_t num_panels,
                    T* out) {
-  // About 256K multiply-adds per task: a decode step's small layers run on one thread, where waking the
-  // others would cost more than the layer.
-  const int64_t per_panel = std::max<int64_t>(1, shape.rows * shape.steps * kInputsPerStep<W> * kPanelColumns);
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 18) / per_panel);
-  at::parallel_for(0, num_panels, grain, [&](int64_t begin, int64_t end) {
-    if (shape.rows < kTileRows) {  // all the rows in one tile, C panels at a time
-      return with_rows(static_cast<int>(shape.rows), [&]<int R>() {
-        constexpr int C = kTilePanels<R>;
-        int64_t p = begin;
-        for (; p + C <= end; p += C) tile<T, W, R, C>(x, panels, bias, shape, p, 0, out);
-        for (; p < end; ++p) tile<T, W, R>(x, panels, bias, shape, p, 0, out);
-      });
-    }
-    // Many rows: a panel at a time, all its row tiles while its weights are in cache.
-    for (int64_t p = begin; p < end; ++p) {
-      int64_t row = 0;
-      for (; row + kTileRows <= shape.rows; row += kTileRows) tile<T, W, kTileRows>(x, panels, bias, shape, p, row, out);
-      if (row < shape.rows)
-        with_rows(static_cast<int>(shape.rows - row), [&]<int R>() { tile<T, W, R>(x, panels, bias, shape, p, row, out); });
-    }
+  for_each_tile<W, PanelUnits>(shape, num_panels, 1, [&]<int R, int C>(int64_t p, int64_t row) {
+    tile<T, W, R, C>(x, panels, bias, shape, p, row, out);
   });
 }
 
@@ -194,29 +212,16 @@ void gated_tile(const float* x, const W* panels, const float* bias, const Linear
   }
 }
 
+struct PairUnits {
+  template <int R>
+  static constexpr int kPerTile = kTilePairs<R>;
+};
+
 template <typename T, typename W>
 void gated_pairs(const float* x, const W* panels, const float* bias, const LinearShape& shape, int64_t num_pairs,
                  T* out) {
-  // Same task size and loop order as linear_panels, a pair of panels standing for one.
-  const int64_t per_pair = std::max<int64_t>(1, 2 * shape.rows * shape.steps * kInputsPerStep<W> * kPanelColumns);
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 18) / per_pair);
-  at::parallel_for(0, num_pairs, grain, [&](int64_t begin, int64_t end) {
-    if (shape.rows < kTileRows) {  // all the rows in one tile, Q pairs at a time
-      return with_rows(static_cast<int>(shape.rows), [&]<int R>() {
-        constexpr int Q = kTilePairs<R>;
-        int64_t q = begin;
-        for (; q + Q <= end; q += Q) gated_tile<T, W, R, Q>(x, panels, bias, shape, q, 0, out);
-        for (; q < end; ++q) gated_tile<T, W, R>(x, panels, bias, shape, q, 0, out);
-      });
-    }
-    for (int64_t q = begin; q < end; ++q) {
-      int64_t row = 0;
-      for (; row + kTileRows <= shape.rows; row += kTileRows)
-        gated_tile<T, W, kTileRows>(x, panels, bias, shape, q, row, out);
-      if (row < shape.rows)
-        with_rows(static_cast<int>(shape.rows - row),
-                  [&]<int R>() { gated_tile<T, W, R>(x, panels, bias, shape, q, row, out); });
-    }
+  for_each_tile<W, PairUnits>(shape, num_pairs, 2, [&]<int R, int Q>(int64_t q, int64_t row) {
+    gated_tile<T, W, R, Q>(x, panels, bias, shape, q, row, out);
   });
 }
 
