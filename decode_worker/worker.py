@@ -60,6 +60,13 @@ class _PendingPrefill:
     outcome: PullOutcome | None = None
 
 
+@dataclass(frozen=True)
+class _PullDone:
+    seconds: float
+    ended_at: float
+    """time.monotonic() when the pull's outcome was used."""
+
+
 def queue_without_pull(queue_s: float, admitted_at: float, pull_s: float | None, pull_ended_at: float | None) -> float:
     """A request's time queued here, from admitted_at to its first scheduling (queue_s), less the part of
     its pull in that window: all of a whole-request pull (it starts at admission); none of a layer-wise
@@ -97,9 +104,9 @@ class DecodeWorker:
         self._pulling: set[str] = set()
         self._abort_after_pull: dict[str, str | None] = {}
         """Requests to end once their pull ends, with the error to report (None: a plain abort)."""
-        self._transfer_s: dict[str, float] = {}
+        self._pulls_done: dict[str, _PullDone] = {}
+        """request id -> its pull's time, from the pull's end until its first delta."""
         self._admitted_at: dict[str, float] = {}
-        self._pull_ended_at: dict[str, float] = {}
         """request id -> time.monotonic() of its admission, until its first delta with tokens."""
         self._recomputed: set[str] = set()
         self._pending: dict[str, _PendingPrefill] = {}
@@ -362,8 +369,7 @@ class DecodeWorker:
         the prompt, or fail (transfer_failure_policy)."""
         request_id = outcome.request_id
         if outcome.state is PullStatus.DONE:
-            self._transfer_s[request_id] = outcome.seconds
-            self._pull_ended_at[request_id] = time.monotonic()
+            self._pulls_done[request_id] = _PullDone(outcome.seconds, time.monotonic())
             self.engine.remote_kv_ready(request_id)
         elif self._failure_policy == "recompute":
             logger.warning("[%s] KV pull failed (%s); recomputing the prompt locally", request_id, outcome.error)
@@ -383,13 +389,13 @@ class DecodeWorker:
         self._publish([self._token_delta(delta) for delta in deltas if delta.request_id in self._routes])
 
     def _token_delta(self, delta: CompletionDelta) -> TokenDelta:
-        transfer_s = self._transfer_s.pop(delta.request_id, None)
-        pull_ended_at = self._pull_ended_at.pop(delta.request_id, None)
+        pull = self._pulls_done.pop(delta.request_id, None)
+        transfer_s = pull.seconds if pull is not None else None
         queue_s = compute_s = None
         admitted_at = self._admitted_at.pop(delta.request_id, None) if delta.new_token_ids else None
         if admitted_at is not None:  # the first delta with tokens; the pull is no queueing
             queue_s, compute_s = delta.queue_and_compute_s(admitted_at, time.monotonic())
-            queue_s = queue_without_pull(queue_s, admitted_at, transfer_s, pull_ended_at)
+            queue_s = queue_without_pull(queue_s, admitted_at, transfer_s, pull.ended_at if pull is not None else None)
         return TokenDelta(delta.request_id, delta.new_token_ids, delta.new_logprobs, delta.finish_reason,
                           delta.stop_reason, delta.num_cached_tokens, transfer_s,
                           kv_transfer_failed=delta.request_id in self._recomputed, queue_s=queue_s,
@@ -405,7 +411,7 @@ class DecodeWorker:
             if delta.finish_reason is not None:
                 self._routes.pop(delta.request_id, None)
                 self._admitted_at.pop(delta.request_id, None)
-                self._pull_ended_at.pop(delta.request_id, None)
+                self._pulls_done.pop(delta.request_id, None)
                 self._pending.pop(delta.request_id, None)
                 self._unheard.discard(delta.request_id)
             self._recomputed.discard(delta.request_id)
