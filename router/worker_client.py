@@ -5,7 +5,8 @@ protocols."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Iterator
 from typing import Any, TypeVar
 
 from splitserve.common.kv_events import WorkerReport
@@ -67,18 +68,19 @@ class RayWorker:
 
     async def _call_each(self, items: Any) -> AsyncIterator[Any]:
         """A streaming call's items; raises WorkerLostError when the actor is gone."""
-        try:
+        with self._actor_loss_as_worker_lost():
             async for item in items:
                 yield await item
-        except Exception as error:
-            if _is_actor_loss(error):
-                raise WorkerLostError(self.worker_id, f"{type(error).__name__}: {error}") from error
-            raise
 
     async def _call(self, reply: Awaitable[T]) -> T:
         """Raises WorkerLostError when the actor is gone, else what the method raised."""
-        try:
+        with self._actor_loss_as_worker_lost():
             return await reply
+
+    @contextlib.contextmanager
+    def _actor_loss_as_worker_lost(self) -> Iterator[None]:
+        try:
+            yield
         except Exception as error:
             if _is_actor_loss(error):
                 raise WorkerLostError(self.worker_id, f"{type(error).__name__}: {error}") from error
