@@ -28,9 +28,18 @@ from splitserve.engine.host_inputs import to_device
 
 WORKSPACE_BYTES = 128 << 20
 """FlashInfer's float workspace (split-KV partial results), allocated once per device and shared by
-every wrapper: the size FlashInfer's documentation recommends."""
+every wrapper: the size FlashInfer's documentation recommends. Zero-filled: the decode wrapper's
+documentation requires it to be zero on first use."""
 KV_LAYOUT = "NHD"
 """FlashInfer's name for the pool layout (see the module docstring)."""
+BACKEND = "fa2"
+"""FlashInfer's kernel family for both wrappers. Its default, "auto", takes fa3 for prefill on Hopper
+(sm90): a second set of kernels to compile or ship (prebuilt kernel sets are built per family) that
+no test here has compared. fa2 runs on every GPU FlashInfer supports, and pinning it also keeps the
+decode wrapper off cuDNN, which "auto" may pick on Blackwell."""
+DECODE_GROUP_SIZES = frozenset({1, 2, 3, 4, 6, 8, 16})
+"""Query heads per KV head that FlashInfer's CUDA-core decode kernel is compiled for
+(DISPATCH_GQA_GROUP_SIZE in include/flashinfer/utils.cuh); it raises "Unsupported group_size" for others."""
 
 
 @dataclass(frozen=True)
@@ -90,6 +99,12 @@ class StepPlan:
     """A step's planned kernels for one sliding window (each layer of that window runs them)."""
 
     parts: tuple[PlannedPart, ...]
+
+
+def decode_uses_tensor_cores(shape: AttentionShape) -> bool:
+    """Whether the decode wrapper runs FlashInfer's tensor-core decode (its prefill kernels): for the
+    groups the CUDA-core decode kernel has no instance of (e.g. 7, Qwen2.5-7B's 28 / 4 heads)."""
+    return shape.num_qo_heads // shape.num_kv_heads not in DECODE_GROUP_SIZES
 
 
 def window_left(sliding_window: int | None) -> int:
@@ -154,13 +169,23 @@ class FlashInferKernels:
     """FlashInfer's wrappers on one CUDA device (CUDA-only): one workspace, one wrapper per part and
     window, created on first use and planned again every step."""
 
-    def __init__(self) -> None:
-        import flashinfer  # noqa: PLC0415 - optional extra `splitserve[gpu]`; CUDA only
+    def __init__(self, module=None, device: torch.device | None = None) -> None:
+        """module: the flashinfer package, imported here (and nowhere else) when None; device: where the
+        wrappers run, the current CUDA device at the first plan when None. Only tests pass either: they
+        check the wrappers' calls on CPU with a stand-in module."""
+        if module is None:
+            import flashinfer  # noqa: PLC0415 - optional extra `splitserve[gpu]`; CUDA only
 
-        self.module = flashinfer
-        """The flashinfer package, imported here and nowhere else."""
+            module = flashinfer
+        self.module = module
+        self._device = device
         self._workspace: torch.Tensor | None = None
         self._wrappers: dict[tuple[str, int], PagedKernel] = {}
+
+    def device(self) -> torch.device:
+        if self._device is None:
+            self._device = torch.device("cuda", torch.cuda.current_device())
+        return self._device
 
     def prefill(self, window_left: int) -> PagedKernel:
         return self._wrapper("prefill", window_left)
@@ -168,9 +193,9 @@ class FlashInferKernels:
     def decode(self, window_left: int) -> PagedKernel:
         return self._wrapper("decode", window_left)
 
-    def workspace(self, device: torch.device) -> torch.Tensor:
+    def workspace(self) -> torch.Tensor:
         if self._workspace is None:
-            self._workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+            self._workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device())
         return self._workspace
 
     def _wrapper(self, part: str, window: int) -> PagedKernel:
@@ -189,10 +214,10 @@ class _FlashInferPrefill:
         self._wrapper = None
 
     def plan(self, batch: PagedKVBatch, shape: AttentionShape, window_left: int) -> None:
-        device = torch.device("cuda", torch.cuda.current_device())
+        device = self._kernels.device()
         if self._wrapper is None:
             self._wrapper = self._kernels.module.BatchPrefillWithPagedKVCacheWrapper(
-                self._kernels.workspace(device), KV_LAYOUT)
+                self._kernels.workspace(), KV_LAYOUT, backend=BACKEND)
         # indptr arrays stay on the host (plan reads them there); the indices go to the device.
         self._wrapper.plan(batch.qo_indptr, batch.kv_indptr, to_device(batch.kv_indices, device),
                            batch.kv_last_page_len, shape.num_qo_heads, shape.num_kv_heads, shape.head_dim,
@@ -214,21 +239,21 @@ class _FlashInferDecode:
         self._wrapper = None
 
     def plan(self, batch: PagedKVBatch, shape: AttentionShape, window_left: int) -> None:
-        device = torch.device("cuda", torch.cuda.current_device())
+        device = self._kernels.device()
         if self._wrapper is None:
-            self._wrapper = self._new_wrapper(device)
+            self._wrapper = self._new_wrapper(device, decode_uses_tensor_cores(shape))
         self._wrapper.plan(batch.kv_indptr, to_device(batch.kv_indices, device), batch.kv_last_page_len,
                            shape.num_qo_heads, shape.num_kv_heads, shape.head_dim, shape.page_size,
                            window_left=window_left, sm_scale=shape.sm_scale, q_data_type=shape.q_dtype,
                            kv_data_type=shape.kv_dtype)
 
-    def _new_wrapper(self, device: torch.device):
+    def _new_wrapper(self, device: torch.device, use_tensor_cores: bool):
         cls = self._kernels.module.BatchDecodeWithPagedKVCacheWrapper
-        workspace = self._kernels.workspace(device)
+        workspace = self._kernels.workspace()
         if not self._graph_batch_size:
-            return cls(workspace, KV_LAYOUT)
+            return cls(workspace, KV_LAYOUT, use_tensor_cores=use_tensor_cores, backend=BACKEND)
         size = self._graph_batch_size
-        return cls(workspace, KV_LAYOUT, use_cuda_graph=True,
+        return cls(workspace, KV_LAYOUT, use_cuda_graph=True, use_tensor_cores=use_tensor_cores, backend=BACKEND,
                    paged_kv_indptr_buffer=torch.empty(size + 1, dtype=torch.int32, device=device),
                    paged_kv_indices_buffer=torch.empty(self._max_pages, dtype=torch.int32, device=device),
                    paged_kv_last_page_len_buffer=torch.empty(size, dtype=torch.int32, device=device))
