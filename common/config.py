@@ -102,8 +102,8 @@ class EngineConfig:
     """cpu, cuda, or auto (cuda when available)."""
     attention_backend: str = "auto"
     """Attention implementation: torch (the reference, any device), cpu (tuned for CPU), flashinfer (CUDA,
-    float16/bfloat16, the `splitserve[gpu]` extra), or auto (cpu on CPU; on CUDA flashinfer when installed and the
-    dtype is 16-bit, else torch)."""
+    float16/bfloat16, the `splitserve[gpu]` extra), or auto (cpu on CPU; on CUDA flashinfer when installed, the
+    dtype is 16-bit and kv_cache_dtype is auto, else torch)."""
     hash_seed: int = 0
     """Seed of the chained block hash; must match across router and workers."""
     seed: int = 0

@@ -113,7 +113,8 @@ class EngineCore:
         if config.num_threads is not None and self.device.type == "cpu":
             torch.set_num_threads(config.num_threads)
         dtype = resolve_dtype(config.dtype, getattr(hf_config, "dtype", None), self.device)
-        attention = select_backend(config.attention_backend, self.device.type, config.cpu_kernels, dtype)
+        attention = select_backend(config.attention_backend, self.device.type, config.cpu_kernels, dtype,
+                                   quantized_kv=kv_quantization(config.kv_cache_dtype) is not None)
         self.quantization = resolve_quantization(config.quantization, config.quantization_group_size,
                                                  getattr(hf_config, "quantization_config", None))
         layer_ops = select_layer_ops(self.device, dtype, config.cpu_kernels)

@@ -111,3 +111,11 @@ def test_select_backend_takes_flashinfer_only_on_cuda_in_16_bit_and_installed():
         assert type(select_backend("auto", "cuda", dtype=torch.bfloat16)) is TorchReferenceAttention
         with pytest.raises(ValueError, match=r"pip install 'splitserve\[gpu\]'"):
             select_backend("flashinfer", "cuda", dtype=torch.bfloat16)
+
+
+def test_a_quantized_kv_pool_never_gets_flashinfer(monkeypatch):
+    """FlashInfer reads plain [.., head_dim] rows of the model dtype; an int8 / fp8 pool holds codes and scales."""
+    monkeypatch.setattr("splitserve.engine.attention.flashinfer_installed", lambda: True)
+    assert type(select_backend("auto", "cuda", dtype=torch.bfloat16, quantized_kv=True)) is TorchReferenceAttention
+    with pytest.raises(ValueError, match="'flashinfer' needs kv_cache_dtype auto"):
+        select_backend("flashinfer", "cuda", dtype=torch.bfloat16, quantized_kv=True)
