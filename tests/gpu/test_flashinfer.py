@@ -26,6 +26,8 @@ pytestmark = [requires_cuda, requires_flashinfer]
 
 CUDA = torch.device("cuda")
 HEAD_DIM_64 = TinyModelSpec(hidden_size=256, num_heads=4, num_kv_heads=2, seed=5)
+BF16_TIE_MARGIN = 0.05
+"""bf16 logits whose top two are closer than this are near-ties: one rounding apart, either token is right."""
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -103,7 +105,10 @@ def test_a_replayed_decode_step_equals_the_eager_one(num_requests):
     engine.runner.graphs = None  # the same step, eagerly (it rewrites the same slots with the same values)
     eager = engine.runner.execute(output)
     torch.testing.assert_close(replayed, eager, atol=1e-2, rtol=1e-2)
-    assert torch.equal(replayed.argmax(-1), eager.argmax(-1))
+    # bf16 logits tie often (a few ulps apart at most): rows whose top two are that close may pick either.
+    top = eager.topk(2, dim=-1).values
+    clear = top[:, 0] - top[:, 1] >= BF16_TIE_MARGIN
+    assert torch.equal(replayed.argmax(-1)[clear], eager.argmax(-1)[clear])
 
 
 def test_greedy_output_with_cuda_graphs_equals_without():
