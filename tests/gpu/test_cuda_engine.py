@@ -68,11 +68,11 @@ def test_a_forward_makes_no_host_sync(backend, monkeypatch):
         device="cuda", dtype="bfloat16", attention_backend=backend, num_kv_blocks=256, max_model_len=512))
     execute = engine.runner.execute
 
-    def strict(output):
+    def strict(output, on_layer):  # EngineCore.step passes its layer hook (None here) positionally
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
-            return execute(output)
+            return execute(output, on_layer)
         finally:
             torch.cuda.set_sync_debug_mode("default")
 
