@@ -545,7 +545,7 @@ def use_flashinfer_on_cpu(monkeypatch, graphs: bool = False) -> ReferencePagedKe
     from splitserve.testing.eager_graphs import EagerGraphs
 
     kernels = ReferencePagedKernels()
-    monkeypatch.setattr(engine_core, "select_backend", lambda *args: FlashInferAttention(kernels))
+    monkeypatch.setattr(engine_core, "select_backend", lambda *args, **kwargs: FlashInferAttention(kernels))
 
     def eager_graphs(config, model, kv_cache, attention, max_model_len):
         if not config.cuda_graphs:
