@@ -94,14 +94,16 @@ def test_a_replayed_decode_step_equals_the_eager_one(num_requests):
     graphs = engine.runner.graphs
     output = _decode_step(engine, num_requests)
     assert graphs.can_run(output)
-    # Capturing wrote padding rows (token 0 at position 0) into the dummy block already; a replay's padding
-    # rows write the same token there, so only a cleared block shows that they wrote.
-    dummy = engine.kv_cache.dummy_block
+    # Capture already wrote padding rows (token 0 at position 0, whose keys and values may be all zero) into the
+    # dummy block: a sentinel shows what a replay writes there, slot 0 and only when the step is padded.
+    dummy, sentinel = engine.kv_cache.dummy_block, 7.0
     for layer in engine.kv_cache.layers:
-        layer[dummy].zero_()
+        layer[dummy].fill_(sentinel)
     replayed = graphs.execute(output)
     padded = graphs.table.bucket_for(num_requests) > num_requests
-    assert [bool(layer[dummy].any()) for layer in engine.kv_cache.layers] == [padded] * len(engine.kv_cache.layers)
+    for layer in engine.kv_cache.layers:  # [rows, 2, block_size, kv_heads, head_dim]
+        assert bool((layer[dummy, :, 0] != sentinel).all()) is padded
+        assert bool((layer[dummy, :, 1:] == sentinel).all())
     engine.runner.graphs = None  # the same step, eagerly (it rewrites the same slots with the same values)
     eager = engine.runner.execute(output)
     torch.testing.assert_close(replayed, eager, atol=1e-2, rtol=1e-2)
