@@ -17,6 +17,7 @@ and the KV handshake already use (common.kv_transfer_types.KV_POOL_LAYOUT).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -206,12 +207,33 @@ class FlashInferKernels:
         return wrapper
 
 
+class _StagedPlan:
+    """One wrapper's plan() stages its schedule in the wrapper's one pinned host buffer and queues its copy to
+    the device without waiting (the cudaMemcpyAsync that ends PrefillPlan / DecodePlan in FlashInfer's
+    include/flashinfer/attention/scheduler.cuh); the wrapper's next plan() rewrites that buffer. A step that
+    samples nothing (a chunk of a long prompt) never waits for the GPU, so the host may run a step ahead of it:
+    the next plan() first waits for an event recorded after the previous one. The wait returns at once when
+    the previous step sampled (its sampled ids already waited for the GPU)."""
+
+    def __init__(self) -> None:
+        self._copied = None  # torch.cuda.Event after the last plan's copy; None before the first (or on CPU)
+
+    def replan(self, device: torch.device, plan: Callable[[], None]) -> None:
+        if self._copied is not None:
+            self._copied.synchronize()
+        plan()
+        if device.type == "cuda":
+            self._copied = torch.cuda.Event()
+            self._copied.record(torch.cuda.current_stream(device))
+
+
 class _FlashInferPrefill:
     """BatchPrefillWithPagedKVCacheWrapper, causal (CUDA-only)."""
 
     def __init__(self, kernels: FlashInferKernels) -> None:
         self._kernels = kernels
         self._wrapper = None
+        self._staged = _StagedPlan()
 
     def plan(self, batch: PagedKVBatch, shape: AttentionShape, window_left: int) -> None:
         device = self._kernels.device()
@@ -219,10 +241,11 @@ class _FlashInferPrefill:
             self._wrapper = self._kernels.module.BatchPrefillWithPagedKVCacheWrapper(
                 self._kernels.workspace(), KV_LAYOUT, backend=BACKEND)
         # indptr arrays stay on the host (plan reads them there); the indices go to the device.
-        self._wrapper.plan(batch.qo_indptr, batch.kv_indptr, to_device(batch.kv_indices, device),
-                           batch.kv_last_page_len, shape.num_qo_heads, shape.num_kv_heads, shape.head_dim,
-                           shape.page_size, causal=True, sm_scale=shape.sm_scale, window_left=window_left,
-                           q_data_type=shape.q_dtype, kv_data_type=shape.kv_dtype)
+        kv_indices = to_device(batch.kv_indices, device)
+        self._staged.replan(device, lambda: self._wrapper.plan(
+            batch.qo_indptr, batch.kv_indptr, kv_indices, batch.kv_last_page_len, shape.num_qo_heads,
+            shape.num_kv_heads, shape.head_dim, shape.page_size, causal=True, sm_scale=shape.sm_scale,
+            window_left=window_left, q_data_type=shape.q_dtype, kv_data_type=shape.kv_dtype))
 
     def run(self, query: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
         return self._wrapper.run(query.contiguous(), kv_cache)  # query may be a head slice of the fused q/k tensor
@@ -237,15 +260,17 @@ class _FlashInferDecode:
         self._graph_batch_size = graph_batch_size
         self._max_pages = max_pages
         self._wrapper = None
+        self._staged = _StagedPlan()
 
     def plan(self, batch: PagedKVBatch, shape: AttentionShape, window_left: int) -> None:
         device = self._kernels.device()
         if self._wrapper is None:
             self._wrapper = self._new_wrapper(device, decode_uses_tensor_cores(shape))
-        self._wrapper.plan(batch.kv_indptr, to_device(batch.kv_indices, device), batch.kv_last_page_len,
-                           shape.num_qo_heads, shape.num_kv_heads, shape.head_dim, shape.page_size,
-                           window_left=window_left, sm_scale=shape.sm_scale, q_data_type=shape.q_dtype,
-                           kv_data_type=shape.kv_dtype)
+        kv_indices = to_device(batch.kv_indices, device)
+        self._staged.replan(device, lambda: self._wrapper.plan(
+            batch.kv_indptr, kv_indices, batch.kv_last_page_len, shape.num_qo_heads, shape.num_kv_heads,
+            shape.head_dim, shape.page_size, window_left=window_left, sm_scale=shape.sm_scale,
+            q_data_type=shape.q_dtype, kv_data_type=shape.kv_dtype))
 
     def _new_wrapper(self, device: torch.device, use_tensor_cores: bool):
         cls = self._kernels.module.BatchDecodeWithPagedKVCacheWrapper
