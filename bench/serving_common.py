@@ -288,14 +288,22 @@ class Cluster:
 
 
 # ---- report -----------------------------------------------------------------------------
-def machine_info() -> dict:
-    from importlib.metadata import version
+def _version(distribution: str) -> str | None:
+    """The installed version, None where it is not installed (e.g. Ray on a GPU machine given only the engine)."""
+    from importlib.metadata import PackageNotFoundError, version
 
+    try:
+        return version(distribution)
+    except PackageNotFoundError:
+        return None
+
+
+def machine_info() -> dict:
     import torch
 
     return {"cpu_count": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-            "torch": torch.__version__, "ray": version("ray"), "nixl_cu12": version("nixl-cu12"),
-            "grpcio": version("grpcio"), "worker_torch_threads": 1, "bench_process_torch_threads": 1,
+            "torch": torch.__version__, "ray": _version("ray"), "nixl_cu12": _version("nixl-cu12"),
+            "grpcio": _version("grpcio"), "worker_torch_threads": 1, "bench_process_torch_threads": 1,
             "ray_num_cpus_per_actor": POOL_NUM_CPUS,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 
@@ -305,7 +313,10 @@ def code_version() -> dict:
     import subprocess
 
     def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True).stdout
+        try:
+            return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True).stdout
+        except FileNotFoundError:  # a machine without git (a GPU machine given a copy of the tree)
+            return ""
 
     dirty = [line[3:] for line in git("status", "--porcelain", "--untracked-files=no").splitlines()]
     return {"commit": git("rev-parse", "HEAD").strip(), "modified_files": dirty}
