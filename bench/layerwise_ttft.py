@@ -1,4 +1,4 @@
-"""Layer-wise vs whole-request KV transfer on CPU: TTFT, the time until the decode side's KV is ready,
+"""Layer-wise vs whole-request KV transfer: TTFT, the time until the decode side's KV is ready,
 and the first two tokens through the cluster's request path.
 
 Two parts (`--parts`), on one model, the two modes alternating in one process.
@@ -39,7 +39,10 @@ follows only the final chunk's forward). Modes alternate per prompt, every promp
 prefix-cache hit), the first round is a warm-up. Numbers from a shared 2-core machine are noisy:
 compare the modes within one run only.
 
-Writes bench/results/layerwise_ttft.json and .png.
+`--device cuda` puts both engines and their KV pools on the GPU (the NIXL backend registers them as VRAM, and
+every layer announcement waits for a CUDA event recorded after the layer).
+
+Writes bench/results/layerwise_ttft.json and .png (`--device cuda`: layerwise_ttft_cuda.*).
 """
 
 from __future__ import annotations
@@ -51,6 +54,8 @@ import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+import torch
 
 from serving_common import bench_parser, report_header, start_bench, write_report
 from splitserve.common.config import EngineConfig
@@ -71,12 +76,12 @@ PARAMS = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 """Greedy, so the two modes' token ids must be equal; the first two tokens are timed."""
 
 
-def engine_config(threads: int, max_prompt: int) -> EngineConfig:
-    """fp32 on CPU; the whole prompt in one chunk (the final chunk is the whole forward)."""
+def engine_config(threads: int, max_prompt: int, device: str) -> EngineConfig:
+    """fp32; the whole prompt in one chunk (the final chunk is the whole forward)."""
     max_model_len = min(max_prompt + 64, SPEC.max_position_embeddings)
     return EngineConfig(block_size=BLOCK_SIZE, num_kv_blocks=2 * -(-max_model_len // BLOCK_SIZE),
                         max_num_batched_tokens=max_model_len, max_model_len=max_model_len, dtype="float32",
-                        device="cpu", num_threads=threads)
+                        device=device, num_threads=threads)
 
 
 def _ms(values: list[float]) -> float:
@@ -91,8 +96,8 @@ def _rounds(repeats: int, lengths: list[int]):
 
 
 # ---- the transfer pair ----------------------------------------------------------------------
-def run_pair(model_dir: Path, backend: str, lengths: list[int], repeats: int, threads: int, rng: random.Random) -> dict:
-    config = engine_config(threads, max(lengths))
+def run_pair(model_dir: Path, config: EngineConfig, backend: str, lengths: list[int], repeats: int,
+             rng: random.Random) -> dict:
     samples: dict[str, dict[int, list[PulledPrompt]]] = {mode: {n: [] for n in lengths} for mode in MODES}
     pairs = {mode: LayerwisePair(model_dir, config, backend, layerwise=mode == "layerwise", threaded=True,
                                  consumer_blocks=config.num_kv_blocks) for mode in MODES}
@@ -220,7 +225,7 @@ def plot(report: dict, path: Path) -> None:
         bottom.axhline(0.0, color="tab:gray", linewidth=0.8)
         bottom.set(xlabel="prompt tokens", ylabel=f"{gap_label}, ms (median)")
         bottom.legend(fontsize=8)
-    fig.suptitle("layer-wise vs whole-request KV transfer (CPU)")
+    fig.suptitle(f"layer-wise vs whole-request KV transfer ({report.get('device', 'cpu')})")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -246,6 +251,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads of each engine")
     parser.add_argument("--backends", nargs="+", default=["inprocess", "nixl"], help="KV transfer backends")
     parser.add_argument("--parts", nargs="+", choices=["pair", "cluster"], default=["pair", "cluster"])
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where both engines run")
     args = parser.parse_args()
     lengths, repeats = ([256, 1024], 1) if args.quick else (args.lengths, args.repeats)
     start_bench()
@@ -258,16 +264,17 @@ def main() -> None:
                        "num_kv_heads": SPEC.num_kv_heads, "head_dim": SPEC.hidden_size // SPEC.num_heads,
                        "dtype": "float32", "block_size": BLOCK_SIZE}
     report["threads"], report["lengths"], report["repeats"] = args.threads, lengths, repeats
+    report["device"] = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    config = engine_config(args.threads, max(lengths), args.device)
     if "pair" in args.parts:
-        report["pair"] = {backend: run_pair(model_dir, backend, lengths, repeats, args.threads, rng)
-                          for backend in backends}
+        report["pair"] = {backend: run_pair(model_dir, config, backend, lengths, repeats, rng) for backend in backends}
     if "cluster" in args.parts:
-        config = engine_config(args.threads, max(lengths))
         report["cluster"] = {backend: asyncio.run(ClusterBench(model_dir, config, backend).run(lengths, repeats, rng))
                              for backend in backends}
-    out_dir = write_report(report, "layerwise_ttft", args, RESULTS, plot)
+    name = "layerwise_ttft" if args.device == "cpu" else f"layerwise_ttft_{args.device}"
+    out_dir = write_report(report, name, args, RESULTS, plot)
     print_rows(report)
-    print(f"wrote {out_dir}/layerwise_ttft.json and .png")
+    print(f"wrote {out_dir}/{name}.json and .png")
 
 
 if __name__ == "__main__":
