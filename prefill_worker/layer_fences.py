@@ -44,7 +44,8 @@ class CudaFences:
         self._device = device
 
     def record(self) -> LayerFence:
-        event = torch.cuda.Event()
+        # blocking: the announcing thread sleeps in synchronize() instead of spinning a core for the whole forward.
+        event = torch.cuda.Event(blocking=True)
         event.record(torch.cuda.current_stream(self._device))
         return _CudaFence(event)
 
