@@ -3,6 +3,7 @@ captured decode steps (CUDA graphs) against the eager forward."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -59,16 +60,26 @@ def test_flashinfer_equals_the_reference_on_random_ragged_steps(seed, dtype):
 
 
 def test_engine_on_flashinfer_generates_what_the_reference_engine_generates():
-    """bf16 greedy, 24 tokens per request: the first tokens must agree; later ones may part at a bf16 near-tie,
-    so at least 90% of the requests must agree in full."""
+    """bf16 greedy, up to 40 tokens per request. The two attention kernels round differently, so a request's tokens
+    may part where the reference's two best tokens were tied in bf16: where they part, FlashInfer's token must be the
+    reference's other best token, less than BF16_TIE_MARGIN behind. (On an H200, 7 of the 32 requests parted, each
+    where the reference's top two were 0 or 0.03125 apart: one bf16 step at that magnitude.)"""
     model_dir = cached_tiny_model(HEAD_DIM_64)
     cases = mixed_workload(vocab_size=512, seed=5)
-    prompts, params = [list(c.prompt_token_ids) for c in cases], [c.params() for c in cases]
+    prompts = [list(c.prompt_token_ids) for c in cases]
+    params = [dataclasses.replace(c.params(), logprobs=2) for c in cases]
     outputs = {backend: LLM(model_dir, device="cuda", dtype="bfloat16", attention_backend=backend,
                             block_size=16).generate(prompts, params) for backend in ("torch", "flashinfer")}
-    pairs = list(zip(outputs["torch"], outputs["flashinfer"]))
-    assert [a.token_ids[:1] for a, _ in pairs] == [b.token_ids[:1] for _, b in pairs]
-    assert sum(a.token_ids == b.token_ids for a, b in pairs) >= 0.9 * len(pairs)
+    partings = []  # (request, index, the reference's top-2 gap there, FlashInfer's token is one of those two)
+    for index, (reference, got) in enumerate(zip(outputs["torch"], outputs["flashinfer"])):
+        part = next((i for i, (a, b) in enumerate(zip(reference.token_ids, got.token_ids)) if a != b), None)
+        if part is None:
+            assert len(reference.token_ids) == len(got.token_ids)
+            continue
+        (first, best), (second, runner_up) = reference.logprobs[part].top
+        partings.append((index, part, best - runner_up, got.token_ids[part] in (first, second)))
+    print(f"{len(partings)} of {len(cases)} requests parted (request, index, gap, a top-2 token): {partings}")
+    assert [parting for parting in partings if not (parting[2] < BF16_TIE_MARGIN and parting[3])] == []
 
 
 def _decode_step(engine: EngineCore, num_requests: int) -> SchedulerOutput:

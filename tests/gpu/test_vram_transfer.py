@@ -1,8 +1,10 @@
 """KV pulled from GPU memory: a NIXL READ between two processes' CUDA pools (VRAM, registered as such), and a
-1 prefill + 1 decode cluster sharing one GPU whose greedy output equals transformers'."""
+1 prefill + 1 decode cluster sharing one GPU whose greedy output equals transformers' (in one process, and as
+two Ray actors)."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import multiprocessing
 import time
@@ -15,6 +17,7 @@ from splitserve.common.kv_transfer_types import KVLayout, TransferParams
 from splitserve.kv_transfer import ConsumerConnector, KVLayoutMismatchError, PullStatus
 from splitserve.kv_transfer.nixl_backend import NixlBackend
 from splitserve.proto.splitserve.v1 import generation_pb2 as pb
+from splitserve.testing.in_process_cluster import InProcessCluster, worker_engine_config
 from splitserve.testing.local_cluster import running_cluster, tiny_cluster_config
 from splitserve.testing.workloads import mixed_workload
 from tests.factories import assert_blocks_pulled, empty_pool, hf_greedy, make_pool, requires_cuda, stream_tokens
@@ -94,6 +97,31 @@ def test_a_host_memory_pool_refuses_a_gpu_peer():
     finally:
         host.close()
         gpu.close()
+
+
+@pytest.mark.parametrize("layerwise", [False, True], ids=["whole-request", "layerwise"])
+def test_an_in_process_cluster_on_the_gpu_matches_transformers(tiny_llama_dir, layerwise):
+    """Router + prefill worker + decode worker in this process (no Ray), fp32 pools on the GPU, every request's KV
+    pulled over NIXL from the prefill worker's VRAM into the decode worker's (layer-wise: each layer announced once
+    a CUDA event recorded after it completed); every block back on both sides at the end."""
+    cases = mixed_workload(512, num_requests=8, seed=3, max_prompt=200, max_output=16)
+    config = dataclasses.replace(worker_engine_config(), device="cuda")
+
+    async def scenario():
+        async with InProcessCluster(tiny_llama_dir, layerwise=layerwise, engine_config=config,
+                                    transfer_backend="nixl") as cluster:
+            outputs = [[token for chunk in await cluster.generate(f"r{index}", case.prompt_token_ids, case.params())
+                        for token in chunk.token_ids] for index, case in enumerate(cases)]
+            await cluster.wait_idle()
+            stats = [await worker.stats() for worker in (*cluster.prefill_workers, *cluster.decode_workers)]
+            return outputs, stats, stats[-1]
+
+    outputs, stats, decode = asyncio.run(scenario())
+    expected = [hf_greedy(tiny_llama_dir, case) for case in cases]
+    assert outputs == expected
+    assert [s.engine.num_free_kv_blocks for s in stats] == [s.engine.num_kv_blocks for s in stats]
+    # A request that ends at its first token (from the prefill worker) has nothing to decode and is not pulled.
+    assert decode.num_layerwise_pulls == (sum(len(tokens) > 1 for tokens in expected) if layerwise else 0)
 
 
 @pytest.mark.parametrize("layerwise", [False, True], ids=["whole-request", "layerwise"])
