@@ -48,7 +48,6 @@ Writes bench/results/layerwise_ttft.json and .png (`--device cuda`: layerwise_tt
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import random
 import statistics
 import time
@@ -62,6 +61,7 @@ from splitserve.common.config import EngineConfig
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.stats import RequestRecord
 from splitserve.engine.tiny_model import TinyModelSpec
+from splitserve.kv_transfer import nixl_module
 from splitserve.router.api_types import GenerationInput
 from splitserve.testing.in_process_cluster import InProcessCluster
 from splitserve.testing.layerwise_pair import LayerwisePair, PulledPrompt
@@ -255,8 +255,7 @@ def main() -> None:
     args = parser.parse_args()
     lengths, repeats = ([256, 1024], 1) if args.quick else (args.lengths, args.repeats)
     start_bench()
-    backends = [b for b in args.backends if b != "nixl" or importlib.util.find_spec("nixl_cu12") is not None
-                or importlib.util.find_spec("nixl") is not None]
+    backends = [b for b in args.backends if b != "nixl" or nixl_module() is not None]
     model_dir = cached_tiny_model(SPEC)
     rng = random.Random(args.seed)
     report = report_header("bench/layerwise_ttft.py", args)

@@ -29,6 +29,7 @@ defaults:
 
 from __future__ import annotations
 
+import importlib
 import os
 import struct
 import time
@@ -39,18 +40,19 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from splitserve.common.kv_transfer_types import AgentMetadata, KVLayout, TransferParams
+from splitserve.kv_transfer import NIXL_MODULES, nixl_module
+from splitserve.kv_transfer.base import (GENERATIONS, SCRATCH, KVTransferError, PullHandle, PullState,
+                                         TransferBackend, bump_generation_words, check_kv_pool, check_layouts_match,
+                                         check_pull_blocks, memory_kind, new_generation_words, pull_layers,
+                                         read_generation_words)
+
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # read once, when nixl is imported
-
-try:  # the `nixl` meta package (GPU machines) picks a CUDA variant; we install nixl-cu12 alone
-    from nixl._api import nixl_agent, nixl_agent_config, nixl_prepped_dlist_handle, nixl_xfer_handle  # noqa: E402
-except ImportError:
-    from nixl_cu12._api import nixl_agent, nixl_agent_config, nixl_prepped_dlist_handle, nixl_xfer_handle  # noqa: E402
-
-from splitserve.common.kv_transfer_types import AgentMetadata, KVLayout, TransferParams  # noqa: E402
-from splitserve.kv_transfer.base import (GENERATIONS, SCRATCH, KVTransferError, PullHandle,  # noqa: E402
-                                         PullState, TransferBackend, bump_generation_words, check_kv_pool,
-                                         check_layouts_match, check_pull_blocks, memory_kind,
-                                         new_generation_words, pull_layers, read_generation_words)
+if (_NIXL := nixl_module()) is None:
+    raise ImportError(f"NIXL is not installed: none of {', '.join(NIXL_MODULES)} can be imported")
+_api = importlib.import_module(f"{_NIXL}._api")
+nixl_agent, nixl_agent_config = _api.nixl_agent, _api.nixl_agent_config
+nixl_prepped_dlist_handle, nixl_xfer_handle = _api.nixl_prepped_dlist_handle, _api.nixl_xfer_handle
 
 _LOCAL = "NIXL_INIT_AGENT"
 """prep_xfer_dlist's name for the initiator's own descriptors."""

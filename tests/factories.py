@@ -19,6 +19,7 @@ from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.cpu_kernels import load_cpu_kernels
 from splitserve.engine.request import Request
 from splitserve.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
+from splitserve.kv_transfer import NIXL_MODULES, nixl_module
 from splitserve.testing.event_loop import EventLoopThread
 from splitserve.testing.in_process_cluster import InProcessCluster
 from splitserve.testing.paged_reference import ReferencePagedKernels
@@ -530,6 +531,8 @@ def two_sample_chi_square_p_value(first: list[int], second: list[int]) -> float:
 needs_kernels = pytest.mark.skipif(not load_cpu_kernels(),
                                    reason="the CPU kernels need a C++ compiler and AVX2+FMA or AVX-512")
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (this machine has none)")
+NIXL_MISSING = f"NIXL is not installed (none of {', '.join(NIXL_MODULES)} can be imported)"
+requires_nixl = pytest.mark.skipif(nixl_module() is None, reason=NIXL_MISSING)
 requires_flashinfer = pytest.mark.skipif(importlib.util.find_spec("flashinfer") is None,
                                          reason="needs flashinfer: pip install -c constraints.txt '.[gpu]'")
 

@@ -6,16 +6,16 @@ tokens, within a bounded time, and the decode worker ends idle."""
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 
 from splitserve.testing.fault_scenarios import (RAY_SCENARIOS, Reference, ray_cluster_config, run_on_ray,
                                                unmet_expectations)
+from splitserve.kv_transfer import nixl_module
 from splitserve.testing.local_cluster import running_cluster
+from tests.factories import NIXL_MISSING
 
-if importlib.util.find_spec("nixl") is None and importlib.util.find_spec("nixl_cu12") is None:
-    pytest.skip("NIXL is not installed (neither `nixl` nor `nixl_cu12` can be imported)", allow_module_level=True)
+if nixl_module() is None:
+    pytest.skip(NIXL_MISSING, allow_module_level=True)
 
 pytestmark = pytest.mark.slow
 

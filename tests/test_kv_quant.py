@@ -12,7 +12,6 @@ results differ by summation order only (1e-5 absolute on O(1) values), bf16 ones
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import time
 import uuid
 
@@ -36,7 +35,7 @@ from splitserve.testing.in_process_cluster import (InProcessCluster, make_decode
                                                    worker_engine_config)
 from splitserve.testing.workloads import mixed_workload
 
-from tests.factories import engine_token_ids, needs_kernels
+from tests.factories import engine_token_ids, needs_kernels, requires_nixl
 
 
 INT8, FP8 = KV_QUANTIZATIONS["int8"], KV_QUANTIZATIONS["fp8_e4m3"]
@@ -349,8 +348,7 @@ def test_a_decode_worker_refuses_a_prefill_worker_with_another_kv_dtype(tiny_lla
         decode.shutdown()
 
 
-@pytest.mark.skipif(importlib.util.find_spec("nixl") is None and importlib.util.find_spec("nixl_cu12") is None,
-                    reason="NIXL is not installed")
+@requires_nixl
 @QUANTIZATIONS
 def test_a_nixl_pull_moves_codes_and_scales_byte_for_byte(quantization):
     """Two NIXL (UCX) agents in this process: a pull of scattered blocks of a quantized pool copies them

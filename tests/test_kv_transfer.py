@@ -6,6 +6,7 @@ The pool factories at the top are shared with test_kv_transfer_nixl.py.
 
 from __future__ import annotations
 
+import importlib.util
 import uuid
 from dataclasses import dataclass, replace
 
@@ -18,7 +19,7 @@ from splitserve.common.kv_transfer_types import KVLayout, TransferParams
 from splitserve.kv_transfer import (BACKENDS, ConsumerConnector, ConsumerStats, InProcessBackend,
                                     InvalidTransitionError, KVLayoutMismatchError, KVTransferError, LeaseState,
                                     ProducerConnector, ProducerStats, PullOutcome, PullStatus, ReleasedLease,
-                                    make_backend)
+                                    make_backend, nixl_module)
 from splitserve.kv_transfer.connector import PULL_TIMEOUT_ERROR, RECLAIMED_ERROR, _Lease, _Pull
 from tests.factories import FakeClock, assert_blocks_pulled, empty_pool, make_pool
 
@@ -634,3 +635,13 @@ def test_make_backend():
     assert BACKENDS == ("nixl", "inprocess")
     with pytest.raises(ValueError, match="unknown transfer backend 'rdma': expected one of nixl, inprocess"):
         make_backend("rdma", "x")
+
+
+def test_nixl_comes_from_the_meta_package_first_then_from_either_cuda_build(monkeypatch):
+    installed: set[str] = set()
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object() if name in installed else None)
+    found = []
+    for present in ((), ("nixl_cu13",), ("nixl_cu12", "nixl_cu13"), ("nixl", "nixl_cu12")):
+        installed = set(present)
+        found.append(nixl_module())
+    assert found == [None, "nixl_cu13", "nixl_cu12", "nixl"]

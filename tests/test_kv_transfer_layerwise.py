@@ -6,7 +6,6 @@ In-process backend here (exact READ ranges recorded); NIXL (UCX) in the last sec
 
 from __future__ import annotations
 
-import importlib.util
 import uuid
 
 import pytest
@@ -19,7 +18,7 @@ from splitserve.kv_transfer import (ConsumerConnector, InProcessBackend, Invalid
                                     ProducerConnector, PullOutcome, PullStatus, ReleasedLease, make_backend)
 from splitserve.kv_transfer.base import pull_layers
 from splitserve.kv_transfer.connector import PULL_TIMEOUT_ERROR, RECLAIMED_ERROR
-from tests.factories import FakeClock, assert_blocks_pulled, empty_pool, make_pool
+from tests.factories import FakeClock, assert_blocks_pulled, empty_pool, make_pool, requires_nixl
 from tests.test_kv_transfer import BLOCK_BYTES, LOCAL_IDS, REMOTE_IDS, TINY_LAYOUT
 
 NUM_LAYERS = TINY_LAYOUT.num_layers  # 3
@@ -262,10 +261,7 @@ def test_the_producer_announces_each_layer_once_in_order(sides):
 
 
 # ---- NIXL (UCX) ------------------------------------------------------------------------------------
-nixl_missing = importlib.util.find_spec("nixl") is None and importlib.util.find_spec("nixl_cu12") is None
-
-
-@pytest.mark.skipif(nixl_missing, reason="NIXL is not installed (neither `nixl` nor `nixl_cu12` can be imported)")
+@requires_nixl
 @pytest.mark.parametrize("order", [(0, 1, 2), (2, 0, 1)])
 def test_nixl_layerwise_pull_equals_the_whole_request_pull(order):
     producer, whole_side, layer_side = (make_backend("nixl", f"{role}-{uuid.uuid4().hex[:8]}")

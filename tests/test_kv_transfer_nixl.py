@@ -8,17 +8,17 @@ Ray actors) and also covers a producer that dies.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import multiprocessing
 import time
 import uuid
 
 import pytest
 
-if importlib.util.find_spec("nixl") is None and importlib.util.find_spec("nixl_cu12") is None:
-    pytest.skip("NIXL is not installed (neither `nixl` nor `nixl_cu12` can be imported)", allow_module_level=True)
+from splitserve.kv_transfer import nixl_module
+from tests.factories import NIXL_MISSING, FakeClock, assert_blocks_pulled, empty_pool, make_pool
 
-from tests.factories import FakeClock, assert_blocks_pulled, empty_pool, make_pool  # noqa: E402
+if nixl_module() is None:
+    pytest.skip(NIXL_MISSING, allow_module_level=True)
 
 from splitserve.common.kv_transfer_types import KVLayout, TransferParams  # noqa: E402
 from splitserve.kv_transfer import (ConsumerConnector, KVLayoutMismatchError, KVTransferError,  # noqa: E402
