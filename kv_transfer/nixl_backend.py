@@ -25,6 +25,13 @@ defaults:
   one process driven by one thread never complete. `UCX_TLS=shm` alone fails in this mode.
 - NIXL's progress thread busy-polls one core per agent, even when idle.
 - A READ from a producer that died raises NIXL_ERR_REMOTE_DISCONNECT in transfer() (both modes).
+
+Measured on one NVIDIA H200 (NIXL's CUDA-13 build, two processes on the one GPU, 2026-11-28): READs of
+VRAM ran at 0.7 GB/s, UCX's protocol table saying "software emulation" over host shared memory. UCX's
+cuda_ipc transport turns its GETs off (`UCX_CUDA_IPC_ENABLE_GET_ZCOPY=auto`) wherever NVML reports no
+active NVLink, which a single GPU, a PCIe-only machine or a VM all do, and a pull is all GETs; so this
+module defaults that setting to "y" on machines with CUDA (an operator's own value wins). Not yet measured
+with it on a GPU.
 """
 
 from __future__ import annotations
@@ -47,7 +54,13 @@ from splitserve.kv_transfer.base import (GENERATIONS, SCRATCH, KVTransferError, 
                                          check_pull_blocks, memory_kind, new_generation_words, pull_layers,
                                          read_generation_words)
 
-os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # read once, when nixl is imported
+_CUDA_IPC_GETS = {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "y"}
+ENV_DEFAULTS = {"NIXL_LOG_LEVEL": "WARN", **(_CUDA_IPC_GETS if torch.cuda.is_available() else {})}
+"""Set unless the environment sets them, before NIXL is imported (it and UCX read them once): a quiet log,
+and cuda_ipc GETs for VRAM pulls on machines without NVLink (see the module docstring); the latter only where
+CUDA is, since UCX warns about a setting of a transport it did not load."""
+for _name, _value in ENV_DEFAULTS.items():
+    os.environ.setdefault(_name, _value)
 if (_NIXL := nixl_module()) is None:
     raise ImportError(f"NIXL is not installed: none of {', '.join(NIXL_MODULES)} can be imported")
 _api = importlib.import_module(f"{_NIXL}._api")

@@ -13,6 +13,7 @@ import time
 import uuid
 
 import pytest
+import torch
 
 from splitserve.kv_transfer import nixl_module
 from tests.factories import NIXL_MISSING, FakeClock, assert_blocks_pulled, empty_pool, make_pool
@@ -25,7 +26,7 @@ from splitserve.kv_transfer import (ConsumerConnector, KVLayoutMismatchError, KV
                                     LeaseState, ProducerConnector, PullState, PullStatus, ReleasedLease,
                                     make_backend)
 from splitserve.kv_transfer.connector import RECLAIMED_ERROR  # noqa: E402
-from splitserve.kv_transfer.nixl_backend import NixlBackend, NixlConfig, _PoolInfo  # noqa: E402
+from splitserve.kv_transfer.nixl_backend import ENV_DEFAULTS, NixlBackend, NixlConfig, _PoolInfo  # noqa: E402
 
 LAYOUT = KVLayout(model_id="tiny-llama", dtype="float32", block_size=16, num_layers=4, num_kv_heads=2, head_dim=8,
                   hash_seed=0)
@@ -324,3 +325,9 @@ def test_cross_process_pull_then_producer_death(consumer):
     finally:
         process.kill()
         process.join()
+
+
+def test_cuda_ipc_gets_are_turned_on_only_where_cuda_is():
+    """A VRAM pull is all GETs, which UCX's cuda_ipc refuses without NVLink unless told; on a machine without
+    CUDA the setting would only make UCX warn that it is unused."""
+    assert ENV_DEFAULTS.get("UCX_CUDA_IPC_ENABLE_GET_ZCOPY") == ("y" if torch.cuda.is_available() else None)
