@@ -110,10 +110,11 @@ class EngineConfig:
     """Seed of the shared RNG used by requests that bring no seed of their own."""
     num_threads: int | None = None
     """torch intra-op threads on CPU; None keeps torch's default."""
-    cuda_graphs: bool = False
-    """On CUDA with the flashinfer backend, capture decode steps as CUDA graphs, one per batch-size bucket up to
-    max_num_seqs (1, 2, 4, then multiples of 8), and replay them for decode-only steps; the pool gets one more
-    block, where the padding rows write. Anywhere else, True is refused when the engine starts."""
+    cuda_graphs: bool | None = None
+    """Capture decode steps as CUDA graphs, one per batch-size bucket up to max_num_seqs (1, 2, 4, then multiples
+    of 8), and replay them for decode-only steps; the pool gets one more block, where the padding rows write.
+    None (auto): wherever the engine runs the flashinfer backend on CUDA, the only place it can. True: the same,
+    refused when the engine starts anywhere else. False: never (`--enforce-eager`)."""
     cpu_kernels: bool = True
     """On CPU, run the C++ kernels (paged decode attention, fused RMSNorm / SiLU-and-mul / RoPE), built
     on first use; False, or a machine where they cannot build, runs the pure-torch reference ops."""

@@ -375,8 +375,8 @@ def _add_model_flags(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--seed", type=int, default=None,
                        help="seed of the random draws of requests that bring no seed of their own (default 0)")
     group.add_argument("--enforce-eager", action="store_true",
-                       help="accepted for vLLM compatibility; no effect: the engine always runs eagerly (it "
-                            "captures no CUDA graphs and compiles no model)")
+                       help="no CUDA graphs: both pools run every step eagerly (engine.cuda_graphs: false); by "
+                            "default a pool captures its decode steps wherever it runs FlashInfer on CUDA")
     group.add_argument("--trust-remote-code", action="store_true",
                        help="accepted for vLLM compatibility; no effect: splitserve runs its own implementation of "
                             "the supported architectures and never runs code from the model directory")
@@ -458,6 +458,8 @@ def serve_overrides(args: argparse.Namespace) -> dict[str, object]:
             overrides.update({f"prefill.engine.{key}": getattr(args, flag), f"decode.engine.{key}": getattr(args, flag)})
     if args.dtype is not None:
         overrides.update({"prefill.engine.dtype": VLLM_DTYPES[args.dtype], "decode.engine.dtype": VLLM_DTYPES[args.dtype]})
+    if args.enforce_eager:
+        overrides.update({"prefill.engine.cuda_graphs": False, "decode.engine.cuda_graphs": False})
     if args.kv_cache_dtype is not None:
         kv_cache_dtype = VLLM_KV_CACHE_DTYPES[args.kv_cache_dtype]
         overrides.update({"prefill.engine.kv_cache_dtype": kv_cache_dtype, "decode.engine.kv_cache_dtype": kv_cache_dtype})

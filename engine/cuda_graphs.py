@@ -162,15 +162,20 @@ class DecodeGraphRunner:
         return self.model.compute_logits(hidden)  # [bucket, vocab]
 
 
-def build_decode_graphs(config: EngineConfig, model: LlamaFamilyForCausalLM, kv_cache: KVCache, attention,
-                        max_model_len: int) -> DecodeGraphRunner | None:
-    """The captured decode steps when config.cuda_graphs (ValueError unless the backend is FlashInfer on CUDA)."""
-    if not config.cuda_graphs:
-        return None
-    device = kv_cache.layers[0].device
-    if not isinstance(attention, FlashInferAttention) or device.type != "cuda":
+def uses_cuda_graphs(requested: bool | None, device: torch.device, attention) -> bool:
+    """Whether an engine captures its decode steps: EngineConfig.cuda_graphs where set (True is refused unless the
+    backend is FlashInfer on CUDA), else exactly where it can."""
+    capturable = isinstance(attention, FlashInferAttention) and device.type == "cuda"
+    if requested and not capturable:
         raise ValueError("cuda_graphs needs device 'cuda' and the flashinfer attention backend "
                          "(attention_backend flashinfer or auto, dtype float16 or bfloat16)")
+    return capturable if requested is None else requested
+
+
+def build_decode_graphs(config: EngineConfig, model: LlamaFamilyForCausalLM, kv_cache: KVCache, attention,
+                        max_model_len: int) -> DecodeGraphRunner:
+    """The captured decode steps (an engine for which uses_cuda_graphs)."""
+    device = kv_cache.layers[0].device
     runner = DecodeGraphRunner(model, kv_cache, DecodeBucketTable.up_to(config.max_num_seqs),
                                -(-max_model_len // kv_cache.spec.block_size), CudaGraphs(device),
                                lambda size, max_pages: FlashInferGraphKernels(attention.kernels, size, max_pages))

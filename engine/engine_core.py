@@ -21,7 +21,7 @@ from splitserve.common.stats import EngineStats
 from splitserve.engine.attention import select_backend
 from splitserve.common.kv_transfer_types import KV_SCALES_NONE, KV_SCALES_PER_TOKEN_HEAD, KVLayout
 from splitserve.engine.block_manager import BlockManager
-from splitserve.engine.cuda_graphs import build_decode_graphs
+from splitserve.engine.cuda_graphs import build_decode_graphs, uses_cuda_graphs
 from splitserve.common.detokenizer import IncrementalDetokenizer
 from splitserve.engine.kv_cache import KVCache, KVCacheSpec, num_blocks_for
 from splitserve.engine.kv_event_log import KVEventLog
@@ -125,7 +125,8 @@ class EngineCore:
         self.eos_token_ids = read_eos_token_ids(model_dir, getattr(hf_config, "eos_token_id", None))
         spec = KVCacheSpec(arch.num_layers, config.block_size, arch.num_kv_heads, arch.head_dim, dtype,
                            kv_quantization(config.kv_cache_dtype))
-        self.kv_cache = KVCache(spec, self._num_blocks(spec), self.device, reserve_dummy_block=config.cuda_graphs)
+        graphs = uses_cuda_graphs(config.cuda_graphs, self.device, attention)
+        self.kv_cache = KVCache(spec, self._num_blocks(spec), self.device, reserve_dummy_block=graphs)
         self.block_manager = BlockManager(self.kv_cache.num_blocks, config.block_size,
                                           BlockHasher(config.block_size, config.hash_seed),
                                           config.enable_prefix_caching)
@@ -134,7 +135,8 @@ class EngineCore:
                                    self.block_manager)
         self.runner = ModelRunner(self.model, self.kv_cache, self.device, attention.pads_decode_batches,
                                   attention.needs_paged_metadata,
-                                  build_decode_graphs(config, self.model, self.kv_cache, attention, self.max_model_len))
+                                  build_decode_graphs(config, self.model, self.kv_cache, attention, self.max_model_len)
+                                  if graphs else None)
         self.sampler = Sampler()
         self.speculator = None if config.speculative is None else Speculator(
             config.speculative, build_proposer(config.speculative, model_dir, self.kv_cache.num_blocks,

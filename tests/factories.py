@@ -551,15 +551,14 @@ def use_flashinfer_on_cpu(monkeypatch, graphs: bool = False) -> ReferencePagedKe
     monkeypatch.setattr(engine_core, "select_backend", lambda *args, **kwargs: FlashInferAttention(kernels))
 
     def eager_graphs(config, model, kv_cache, attention, max_model_len):
-        if not config.cuda_graphs:
-            return None
         runner = DecodeGraphRunner(model, kv_cache, DecodeBucketTable.up_to(config.max_num_seqs),
                                    -(-max_model_len // kv_cache.spec.block_size), EagerGraphs(),
                                    lambda size, max_pages: ReferencePagedKernels())
         runner.capture()
         return runner
 
-    if graphs:
+    if graphs:  # as on CUDA: captured wherever EngineConfig.cuda_graphs does not say no
+        monkeypatch.setattr(engine_core, "uses_cuda_graphs", lambda requested, device, attention: requested is not False)
         monkeypatch.setattr(engine_core, "build_decode_graphs", eager_graphs)
     return kernels
 

@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from splitserve.common.config import EngineConfig
+from splitserve.engine.attention import TorchReferenceAttention
 from splitserve.engine.attention.flashinfer import FlashInferAttention
+from splitserve.engine.cuda_graphs import uses_cuda_graphs
 from splitserve.engine.decode_buckets import DecodeBucketTable, pad_decode_step
 from splitserve.engine.engine_core import EngineCore
 from splitserve.engine.model_runner import InputBuilder
@@ -102,3 +104,19 @@ def test_a_padded_step_computes_the_real_rows_as_the_unpadded_one_and_keeps_real
 def test_cuda_graphs_are_refused_off_cuda(tiny_llama_dir):
     with pytest.raises(ValueError, match="cuda_graphs needs device 'cuda' and the flashinfer attention backend"):
         EngineCore(tiny_llama_dir, EngineConfig(device="cpu", num_kv_blocks=64, max_model_len=128, cuda_graphs=True))
+
+
+def test_cuda_graphs_default_to_exactly_where_they_can_be_captured():
+    flashinfer, reference = FlashInferAttention(ReferencePagedKernels()), TorchReferenceAttention()
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert [uses_cuda_graphs(None, device, attention)
+            for device, attention in ((cuda, flashinfer), (cpu, flashinfer), (cuda, reference))] == [True, False, False]
+    assert [uses_cuda_graphs(requested, cuda, flashinfer) for requested in (True, False)] == [True, False]
+    assert uses_cuda_graphs(False, cpu, reference) is False
+    with pytest.raises(ValueError, match="cuda_graphs needs device 'cuda'"):
+        uses_cuda_graphs(True, cuda, reference)
+
+
+def test_an_engine_on_cpu_captures_nothing_by_default(tiny_llama_dir):
+    engine = EngineCore(tiny_llama_dir, EngineConfig(device="cpu", num_kv_blocks=64, max_model_len=128))
+    assert (engine.config.cuda_graphs, engine.runner.graphs, engine.kv_cache.dummy_block) == (None, None, None)

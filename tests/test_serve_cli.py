@@ -43,6 +43,7 @@ def test_every_vllm_flag_sets_both_pools_engines_and_the_router(tmp_path):
         assert (engine.enable_prefix_caching, engine.enable_chunked_prefill, engine.block_size, engine.seed) == (
             False, False, 32, 5)
         assert (engine.kv_cache_memory_bytes, engine.num_kv_blocks, engine.device) == (64 << 20, None, "cpu")
+        assert engine.cuda_graphs is False  # --enforce-eager
     assert config.router.api_key_env is None  # the key itself never enters the config
 
 
@@ -119,7 +120,7 @@ def test_help_is_grouped_like_vllms(capsys):
     for title in ("Frontend:", "ModelConfig:", "CacheConfig:", "ParallelConfig:", "SchedulerConfig:",
                   "Cluster (splitserve):"):
         assert title in text
-    assert "no effect: the engine always runs eagerly" in " ".join(text.split())
+    assert "no CUDA graphs: both pools run every step eagerly" in " ".join(text.split())
 
 
 # ---- fail fast ------------------------------------------------------------------------------
