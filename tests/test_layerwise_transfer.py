@@ -4,7 +4,6 @@ pull byte for byte and decodes to the same greedy tokens (in-process and NIXL/UC
 
 from __future__ import annotations
 
-import importlib.util
 import random
 
 import pytest
@@ -16,13 +15,12 @@ from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.engine_core import EngineCore, FinalPrefillChunk
 from splitserve.kv_transfer import PullStatus
 from splitserve.testing.layerwise_pair import LayerwisePair, pulled_bytes
-from tests.factories import assert_pool_idle, engine_token_ids
+from tests.factories import assert_pool_idle, engine_token_ids, requires_nixl
 
 CONFIG = EngineConfig(block_size=8, num_kv_blocks=128, max_num_batched_tokens=32, max_model_len=256, dtype="float32",
                       device="cpu")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-NIXL = importlib.util.find_spec("nixl") is not None or importlib.util.find_spec("nixl_cu12") is not None
-BACKENDS = ["inprocess", pytest.param("nixl", marks=pytest.mark.skipif(not NIXL, reason="NIXL is not installed"))]
+BACKENDS = ["inprocess", pytest.param("nixl", marks=requires_nixl)]
 
 
 def _prompts() -> dict[str, list[int]]:
