@@ -61,19 +61,19 @@ class _PendingPrefill:
 
 
 @dataclass(frozen=True)
-class _PullDone:
+class PullDone:
     seconds: float
     ended_at: float
     """time.monotonic() when the pull's outcome was used."""
 
 
-def queue_without_pull(queue_s: float, admitted_at: float, pull_s: float | None, pull_ended_at: float | None) -> float:
+def queue_without_pull(queue_s: float, admitted_at: float, pull: PullDone | None) -> float:
     """A request's time queued here, from admitted_at to its first scheduling (queue_s), less the part of
     its pull in that window: all of a whole-request pull (it starts at admission); none of a layer-wise
-    one, which ended before the request was admitted with its first token."""
-    if pull_s is None or pull_ended_at is None:
+    one, which ended before the request was admitted with its first token; nothing without a pull."""
+    if pull is None:
         return queue_s
-    pulled_in_window = min(pull_s, max(pull_ended_at - admitted_at, 0.0))
+    pulled_in_window = min(pull.seconds, max(pull.ended_at - admitted_at, 0.0))
     return max(queue_s - pulled_in_window, 0.0)
 
 
@@ -104,7 +104,7 @@ class DecodeWorker:
         self._pulling: set[str] = set()
         self._abort_after_pull: dict[str, str | None] = {}
         """Requests to end once their pull ends, with the error to report (None: a plain abort)."""
-        self._pulls_done: dict[str, _PullDone] = {}
+        self._pulls_done: dict[str, PullDone] = {}
         """request id -> its pull's time, from the pull's end until its first delta."""
         self._admitted_at: dict[str, float] = {}
         """request id -> time.monotonic() of its admission, until its first delta with tokens."""
@@ -369,7 +369,7 @@ class DecodeWorker:
         the prompt, or fail (transfer_failure_policy)."""
         request_id = outcome.request_id
         if outcome.state is PullStatus.DONE:
-            self._pulls_done[request_id] = _PullDone(outcome.seconds, time.monotonic())
+            self._pulls_done[request_id] = PullDone(outcome.seconds, time.monotonic())
             self.engine.remote_kv_ready(request_id)
         elif self._failure_policy == "recompute":
             logger.warning("[%s] KV pull failed (%s); recomputing the prompt locally", request_id, outcome.error)
@@ -395,7 +395,7 @@ class DecodeWorker:
         admitted_at = self._admitted_at.pop(delta.request_id, None) if delta.new_token_ids else None
         if admitted_at is not None:  # the first delta with tokens; the pull is no queueing
             queue_s, compute_s = delta.queue_and_compute_s(admitted_at, time.monotonic())
-            queue_s = queue_without_pull(queue_s, admitted_at, transfer_s, pull.ended_at if pull is not None else None)
+            queue_s = queue_without_pull(queue_s, admitted_at, pull)
         return TokenDelta(delta.request_id, delta.new_token_ids, delta.new_logprobs, delta.finish_reason,
                           delta.stop_reason, delta.num_cached_tokens, transfer_s,
                           kv_transfer_failed=delta.request_id in self._recomputed, queue_s=queue_s,

@@ -16,7 +16,7 @@ from contextlib import suppress
 import pytest
 
 from splitserve.common.sampling_params import SamplingParams
-from splitserve.decode_worker.worker import queue_without_pull
+from splitserve.decode_worker.worker import PullDone, queue_without_pull
 from splitserve.kv_transfer import PullStatus
 from splitserve.kv_transfer.connector import ProducerStats
 from splitserve.router.api_types import RouterError
@@ -377,4 +377,5 @@ def test_a_decode_stream_that_breaks_during_the_prefill_moves_the_request(tiny_l
     (10.0, None, None, 0.75),   # no pull (a local prefill)
 ])
 def test_queue_time_leaves_out_only_the_part_of_the_pull_after_admission(admitted_at, pull_s, pull_ended_at, expected):
-    assert queue_without_pull(0.75, admitted_at, pull_s, pull_ended_at) == expected
+    pull = None if pull_s is None else PullDone(pull_s, pull_ended_at)
+    assert queue_without_pull(0.75, admitted_at, pull) == expected
