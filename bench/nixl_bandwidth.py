@@ -227,7 +227,7 @@ def nixl_version() -> str:
 def write_report(rows: list[Row], notified: int, config: NixlConfig, args: argparse.Namespace) -> None:
     expected = sum(row.repeats + 1 for row in rows)
     report = {
-        "layout": asdict(LAYOUT), "bytes_per_block": LAYOUT.num_layers * LAYOUT.bytes_per_block_per_layer,
+        "layout": asdict(layout_on(torch.device(args.device))), "bytes_per_block": LAYOUT.num_layers * LAYOUT.bytes_per_block_per_layer,
         "pool_blocks": POOL_BLOCKS, "nixl": asdict(config), "seed": args.seed,
         "device": args.device,
         "machine": {"platform": platform.platform(), "nixl": nixl_version(), "torch": torch.__version__,
