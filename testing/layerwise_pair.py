@@ -7,6 +7,9 @@ announces each layer as the forward writes it; the consumer starts its pull on t
 and READs each announced layer. The consumer runs either inline (the announcer's send calls it,
 so a layer's READ runs inside the forward, before the next layer is computed: deterministic, for
 tests) or on its own thread fed through a queue (the READs overlap the forward: for bench/).
+On CUDA a layer is announced only once the device wrote it (prefill_worker.layer_fences, as in the
+prefill worker): threaded, a FencedSender's thread waits for each layer's fence before queueing the
+announcement; inline, the announcing thread waits for it.
 
 The consumer pool has the producer's shape; pulled requests get local blocks in allocation order
 (0, 1, 2, ...), reused only after forget(), so a test can compare the pools of two pairs block by block.
@@ -30,6 +33,8 @@ from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.engine_core import EngineCore
 from splitserve.engine.model_loader import model_fingerprint
 from splitserve.kv_transfer import ConsumerConnector, ProducerConnector, PullOutcome, PullStatus, make_backend
+from splitserve.common.kv_transfer_types import LayerAnnouncement
+from splitserve.prefill_worker.layer_fences import FencedSender, device_fences
 from splitserve.prefill_worker.layerwise import LayerwiseAnnouncer, LayerwiseMessage
 
 
@@ -52,9 +57,9 @@ class PulledPrompt:
 class _Consumer:
     """The consumer side: a pool, an agent, a ConsumerConnector, driven by one thread at a time."""
 
-    def __init__(self, kind: str, layout, shape: tuple[int, ...], dtype: torch.dtype, num_blocks: int,
-                 producer_metadata) -> None:
-        self.layers = [torch.zeros((num_blocks, *shape), dtype=dtype) for _ in range(layout.num_layers)]
+    def __init__(self, kind: str, layout, like: torch.Tensor, num_blocks: int, producer_metadata) -> None:
+        # each layer: [num_blocks, *like.shape[1:]], like's dtype and device
+        self.layers = [like.new_zeros((num_blocks, *like.shape[1:])) for _ in range(layout.num_layers)]
         self.backend = make_backend(kind, f"decode-{uuid.uuid4().hex[:8]}")
         self.backend.register_kv_pool(self.layers, layout)
         self.backend.add_peer(producer_metadata)
@@ -98,14 +103,15 @@ class LayerwisePair:
         self.producer = make_backend(backend, f"prefill-{uuid.uuid4().hex[:8]}")
         self.producer.register_kv_pool(self.engine.kv_cache.layers, layout)
         self.leases = ProducerConnector(self.producer, layout, lease_ttl_s)
-        pool = self.engine.kv_cache.layers[0]
-        self.consumer = _Consumer(backend, layout, tuple(pool.shape[1:]), pool.dtype, consumer_blocks,
+        self.consumer = _Consumer(backend, layout, self.engine.kv_cache.layers[0], consumer_blocks,
                                   self.producer.metadata())
+        self._fences = device_fences(self.engine.device)
         self.announcer = LayerwiseAnnouncer(self.leases, self._send)
         if layerwise:
             self.engine.set_layer_listener(self.announcer)
         self._inbox: queue.SimpleQueue[LayerwiseMessage | None] = queue.SimpleQueue()
         """Messages for the consumer thread (threaded only); None stops it."""
+        self._sender = FencedSender(self._inbox.put, self._fences) if threaded else None
         self._done = threading.Condition()
         self._thread = threading.Thread(target=self._consume, name="layerwise-consumer", daemon=True)
         if threaded:
@@ -144,7 +150,8 @@ class LayerwisePair:
         self.consumer.free_blocks.extend(pulled.local_block_ids)
 
     def close(self) -> None:
-        if self.threaded:
+        if self._sender is not None:
+            self._sender.close()
             self._inbox.put(None)
             self._thread.join(10.0)
         self.consumer.close()
@@ -158,14 +165,20 @@ class LayerwisePair:
 
     # ---- internals -----------------------------------------------------------------------
     def _send(self, message: LayerwiseMessage) -> None:
-        if self.threaded:
-            self._inbox.put(message)
-        else:
-            self.consumer.receive(message, self.layerwise)
+        if self._sender is not None:
+            self._sender.send(message)
+            return
+        if self._fences is not None and isinstance(message, LayerAnnouncement):
+            self._fences.record().wait()
+        self.consumer.receive(message, self.layerwise)
 
     def _consume(self) -> None:
         """Consumer thread: handle each message as it comes; while a READ is in flight (NIXL may
         complete it later), poll it every 0.5 ms between messages."""
+        if self.engine.device.type == "cuda":
+            # The CUDA runtime makes a device current per thread; UCX's cuda_ipc READs call the driver on this
+            # thread, which never ran a CUDA op (an unconfirmed cause of this pair hanging over NIXL on an H200).
+            torch.cuda.set_device(self.engine.device)
         while True:
             try:
                 message = self._inbox.get(timeout=0.0005 if self.consumer.reading() else None)
