@@ -11,19 +11,21 @@ on one thread (NIXL's copy also runs on one thread).
 
 Layout: Llama-8B-like KV per layer (8 KV heads x 128 head dim, fp32, 16-token blocks) on 8
 layers: 128 KiB per block per layer, 1 MiB per block. Bandwidth = bytes pulled per second.
-The first pull of every N is checked byte for byte against the local copy.
+The first pull of every N is checked byte for byte against the local copy. `--block-size T` makes each
+block T tokens (T / 16 times the bytes per descriptor; the pools grow with it): whether a pull is bound by
+bytes or by the number of descriptors.
 
 `--device cuda` puts both pools in GPU memory (registered as VRAM; UCX picks cuda_ipc between the two
 processes on one GPU) and times the baseline gather on the GPU (CUDA-synchronised): the KV pull from VRAM
 against a device memcpy of the same blocks.
 
-Writes bench/results/nixl_bandwidth.json and .png (`--device cuda`: nixl_bandwidth_cuda.*).
+Writes bench/results/nixl_bandwidth.json and .png (`--device cuda`: nixl_bandwidth_cuda.*; another
+--block-size T adds _blockT).
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import multiprocessing
 import platform
@@ -38,13 +40,12 @@ from pathlib import Path
 import torch
 
 from splitserve.common.kv_transfer_types import KVLayout, TransferParams
-from splitserve.kv_transfer.base import PullState
+from splitserve.kv_transfer.base import PullState, memory_kind
 from splitserve.kv_transfer.nixl_backend import NixlBackend, NixlConfig
 
-LAYOUT = KVLayout(model_id="bench-llama-like", dtype="float32", block_size=16, num_layers=8, num_kv_heads=8,
-                  head_dim=128, hash_seed=0)
+DEFAULT_BLOCK_SIZE = 16
 POOL_BLOCKS = 1536
-"""Blocks per pool (1.5 GiB): pulls of up to 1024 blocks are still scattered."""
+"""Blocks per pool (1.5 GiB at 16 tokens per block): pulls of up to 1024 blocks are still scattered."""
 BLOCK_COUNTS = (16, 32, 64, 128, 256, 512, 1024)
 RESULTS = Path(__file__).parent / "results"
 
@@ -68,22 +69,24 @@ class Row:
         return self.num_bytes / self.memcpy_s / 1e9
 
 
-def layout_on(device: torch.device) -> KVLayout:
-    return dataclasses.replace(LAYOUT, memory_kind="VRAM" if device.type == "cuda" else "DRAM")
+def bench_layout(device: torch.device, block_size: int) -> KVLayout:
+    return KVLayout(model_id="bench-llama-like", dtype="float32", block_size=block_size, num_layers=8,
+                    num_kv_heads=8, head_dim=128, hash_seed=0, memory_kind=memory_kind(device))
 
 
-def make_pool(num_blocks: int, device: torch.device) -> list[torch.Tensor]:
-    """layers[l]: [num_blocks, 2, 16, 8, 128] fp32, deterministic and different in every block and layer."""
-    shape = (num_blocks, 2, LAYOUT.block_size, LAYOUT.num_kv_heads, LAYOUT.head_dim)
-    numel = num_blocks * 2 * LAYOUT.block_size * LAYOUT.num_kv_heads * LAYOUT.head_dim
+def make_pool(num_blocks: int, device: torch.device, layout: KVLayout) -> list[torch.Tensor]:
+    """layers[l]: [num_blocks, 2, block_size, 8, 128] fp32, deterministic and different in every block and layer."""
+    shape = (num_blocks, 2, layout.block_size, layout.num_kv_heads, layout.head_dim)
+    numel = num_blocks * 2 * layout.block_size * layout.num_kv_heads * layout.head_dim
     return [torch.arange(numel, dtype=torch.float32, device=device).add_(layer * 0.5).reshape(shape)
-            for layer in range(LAYOUT.num_layers)]
+            for layer in range(layout.num_layers)]
 
 
-def serve_producer(conn, config: NixlConfig, device: torch.device) -> None:
+def serve_producer(conn, config: NixlConfig, device: torch.device, block_size: int) -> None:
     """Producer process: register the pool, publish metadata, drain notifications until 'stop'."""
     backend = NixlBackend(f"bench-prefill-{uuid.uuid4().hex[:8]}", config)
-    backend.register_kv_pool(make_pool(POOL_BLOCKS, device), layout_on(device))
+    layout = bench_layout(device, block_size)
+    backend.register_kv_pool(make_pool(POOL_BLOCKS, device, layout), layout)
     conn.send(backend.metadata())
     notified = 0
     while not conn.poll(0.001):
@@ -114,7 +117,7 @@ def timed_memcpy(source: list[torch.Tensor], block_ids: tuple[int, ...], out: li
     synchronize(source[0].device)
     start = time.perf_counter()
     for layer, buffer in zip(source, out):
-        torch.index_select(layer, 0, index, out=buffer[:len(block_ids)])  # buffer: [N, 2, 16, 8, 128]
+        torch.index_select(layer, 0, index, out=buffer[:len(block_ids)])  # buffer: [N, 2, block_size, 8, 128]
     synchronize(source[0].device)
     return time.perf_counter() - start
 
@@ -124,17 +127,16 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def measure(backend: NixlBackend, producer: str, local: list[torch.Tensor], source: list[torch.Tensor],
-            out: list[torch.Tensor], num_blocks: int, min_repeats: int, min_seconds: float,
-            rng: random.Random) -> Row:
+def measure(backend: NixlBackend, producer: str, layout: KVLayout, local: list[torch.Tensor],
+            source: list[torch.Tensor], out: list[torch.Tensor], num_blocks: int, min_repeats: int,
+            min_seconds: float, rng: random.Random) -> Row:
     """Alternate NIXL pulls and memcpy gathers of fresh scattered block sets; medians of each."""
     nixl, memcpy = [], []
     while len(nixl) < min_repeats or sum(nixl) + sum(memcpy) < min_seconds:
         remote_ids = tuple(rng.sample(range(POOL_BLOCKS), num_blocks))
         local_ids = tuple(rng.sample(range(POOL_BLOCKS), num_blocks))
-        params = TransferParams(f"pull-{num_blocks}-{len(nixl)}", producer, remote_ids, num_blocks * 16,
-                                layout_on(local[0].device),
-                                60.0, (0,) * num_blocks)  # the producer process never bumps a generation
+        params = TransferParams(f"pull-{num_blocks}-{len(nixl)}", producer, remote_ids,
+                                num_blocks * layout.block_size, layout, 60.0, (0,) * num_blocks)  # the producer process never bumps a generation
         seconds = timed_pull(backend, params, local_ids)
         if nixl:  # the first pull of each size is the warm-up and the byte-exact check
             nixl.append(seconds)
@@ -142,7 +144,7 @@ def measure(backend: NixlBackend, producer: str, local: list[torch.Tensor], sour
             check_pulled(local, local_ids, source, remote_ids)
             nixl.append(timed_pull(backend, params, local_ids))
         memcpy.append(timed_memcpy(source, remote_ids, out))
-    num_bytes = num_blocks * LAYOUT.num_layers * LAYOUT.bytes_per_block_per_layer
+    num_bytes = num_blocks * layout.num_layers * layout.bytes_per_block_per_layer
     return Row(num_blocks, num_bytes, statistics.median(nixl), statistics.median(memcpy), len(nixl))
 
 
@@ -187,31 +189,33 @@ def main() -> None:
     parser.add_argument("--min-seconds", type=float, default=0.5, help="per block count, NIXL + memcpy")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where both KV pools live")
+    parser.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="tokens per KV block")
     args = parser.parse_args()
     device = torch.device(args.device)
     torch.set_num_threads(1)
     config = NixlConfig(ucx_error_handling_mode=args.ucx_error_handling_mode)
     context = multiprocessing.get_context("spawn")
     parent, child = context.Pipe()
-    process = context.Process(target=serve_producer, args=(child, config, device), daemon=True)
+    layout = bench_layout(device, args.block_size)
+    process = context.Process(target=serve_producer, args=(child, config, device, args.block_size), daemon=True)
     process.start()
     backend = NixlBackend(f"bench-decode-{uuid.uuid4().hex[:8]}", config)
     try:
-        local = [layer.zero_() for layer in make_pool(POOL_BLOCKS, device)]
-        backend.register_kv_pool(local, layout_on(device))
+        local = [layer.zero_() for layer in make_pool(POOL_BLOCKS, device, layout)]
+        backend.register_kv_pool(local, layout)
         metadata = parent.recv()
         backend.add_peer(metadata)
-        source = make_pool(POOL_BLOCKS, device)
+        source = make_pool(POOL_BLOCKS, device, layout)
         out = [torch.empty_like(layer[:max(BLOCK_COUNTS)]).zero_() for layer in source]
         rng = random.Random(args.seed)
-        rows = [measure(backend, metadata.agent_name, local, source, out, n, args.min_repeats, args.min_seconds, rng)
-                for n in BLOCK_COUNTS]
+        rows = [measure(backend, metadata.agent_name, layout, local, source, out, n, args.min_repeats,
+                        args.min_seconds, rng) for n in BLOCK_COUNTS]
         parent.send("stop")
         notified = parent.recv()
     finally:
         backend.close()
         process.join(30)
-    write_report(rows, notified, config, args)
+    write_report(rows, notified, config, layout, args)
 
 
 def nixl_version() -> str:
@@ -224,10 +228,11 @@ def nixl_version() -> str:
     return "unknown"
 
 
-def write_report(rows: list[Row], notified: int, config: NixlConfig, args: argparse.Namespace) -> None:
+def write_report(rows: list[Row], notified: int, config: NixlConfig, layout: KVLayout,
+                 args: argparse.Namespace) -> None:
     expected = sum(row.repeats + 1 for row in rows)
     report = {
-        "layout": asdict(layout_on(torch.device(args.device))), "bytes_per_block": LAYOUT.num_layers * LAYOUT.bytes_per_block_per_layer,
+        "layout": asdict(layout), "bytes_per_block": layout.num_layers * layout.bytes_per_block_per_layer,
         "pool_blocks": POOL_BLOCKS, "nixl": asdict(config), "seed": args.seed,
         "device": args.device,
         "machine": {"platform": platform.platform(), "nixl": nixl_version(), "torch": torch.__version__,
@@ -239,7 +244,8 @@ def write_report(rows: list[Row], notified: int, config: NixlConfig, args: argpa
     }
     RESULTS.mkdir(exist_ok=True)
     suffix = ("" if config.ucx_error_handling_mode == "none" else f"_{config.ucx_error_handling_mode}") + (
-        "_cuda" if args.device == "cuda" else "")
+        "_cuda" if args.device == "cuda" else "") + (
+        "" if layout.block_size == DEFAULT_BLOCK_SIZE else f"_block{layout.block_size}")
     (RESULTS / f"nixl_bandwidth{suffix}.json").write_text(json.dumps(report, indent=2) + "\n")
     plot(rows, RESULTS / f"nixl_bandwidth{suffix}.png",
          "device memcpy (index_select on the GPU)" if args.device == "cuda" else "memcpy (index_select, 1 thread)")
