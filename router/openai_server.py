@@ -57,7 +57,19 @@ from splitserve.router.tokenizer_pool import TokenizerPool
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
 
-SERVER_VERSION = importlib.metadata.version("splitserve")
+UNINSTALLED_VERSION = "0+unknown"
+
+
+def installed_version() -> str:
+    """The installed distribution's version; UNINSTALLED_VERSION for a source tree put on the path
+    without installing it (which has no distribution metadata)."""
+    try:
+        return importlib.metadata.version("splitserve")
+    except importlib.metadata.PackageNotFoundError:
+        return UNINSTALLED_VERSION
+
+
+SERVER_VERSION = installed_version()
 """What /version reports: the installed distribution's version."""
 _STATUS_BY_CODE = {"INVALID_ARGUMENT": 400, "RESOURCE_EXHAUSTED": 429, "UNAVAILABLE": 503, "DEADLINE_EXCEEDED": 504}
 """HTTP status of a RouterError by its gRPC code name; any other code is 500."""

@@ -4,6 +4,7 @@ continue_final_message, chat_template_kwargs, documents, request_id, add_special
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import shutil
 
@@ -11,7 +12,7 @@ import openai
 import pytest
 
 from splitserve.proto.splitserve.v1 import generation_pb2 as pb
-from splitserve.router.openai_server import SERVER_VERSION
+from splitserve.router.openai_server import SERVER_VERSION, UNINSTALLED_VERSION, installed_version
 from tests.factories import ServedApis, http_request, served_apis, stream_tokens
 
 MODEL = "tiny-llama"
@@ -90,6 +91,14 @@ def test_tokenize_knows_the_served_names(served):
 def test_version(served):
     status, _, body = http_request(served.http_port, "GET", "/version")
     assert (status, json.loads(body)) == (200, {"version": SERVER_VERSION}) and SERVER_VERSION == "0.1.0"
+
+
+def test_a_source_tree_without_distribution_metadata_reports_an_unknown_version(monkeypatch):
+    def not_installed(name: str) -> str:
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", not_installed)
+    assert installed_version() == UNINSTALLED_VERSION == "0+unknown"
 
 
 # ---- responses ----------------------------------------------------------------------------
