@@ -30,8 +30,9 @@ Measured on one NVIDIA H200 (NIXL's CUDA-13 build, two processes on the one GPU,
 VRAM ran at 0.7 GB/s, UCX's protocol table saying "software emulation" over host shared memory. UCX's
 cuda_ipc transport turns its GETs off (`UCX_CUDA_IPC_ENABLE_GET_ZCOPY=auto`) wherever NVML reports no
 active NVLink, which a single GPU, a PCIe-only machine or a VM all do, and a pull is all GETs; so this
-module defaults that setting to "y" on machines with CUDA (an operator's own value wins). Not yet measured
-with it on a GPU.
+module defaults that setting to "y" on machines with CUDA (an operator's own value wins). With it the same
+bench read "zero-copy" over cuda_ipc at 15-16.6 GB/s, about 5.4 us per descriptor whatever its size
+(bench/README.md, nixl_bandwidth.py).
 """
 
 from __future__ import annotations
