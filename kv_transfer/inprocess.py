@@ -214,12 +214,21 @@ class InProcessBackend(TransferBackend):
             remote.notifications.append(pull.params.request_id)
 
 
+def _block_index(block_ids: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """[len(block_ids)] int64 on `device`. On CUDA through pinned memory without blocking: torch.tensor(...,
+    device="cuda") copies from pageable memory, which waits for everything queued on the stream before it
+    (in a layer-wise pull, the rest of the producer's forward), so no READ would overlap the forward."""
+    index = torch.tensor(block_ids, dtype=torch.long)
+    if device.type != "cuda":
+        return index
+    return index.pin_memory().to(device, non_blocking=True)
+
+
 def _copy_blocks(src_layers: list[torch.Tensor], src_ids: tuple[int, ...], dst_layers: list[torch.Tensor],
                  dst_ids: tuple[int, ...]) -> None:
     """dst_layers[l][dst_ids[i]] = src_layers[l][src_ids[i]] for every layer l and index i, as bytes (as NIXL
     moves them: a quantized pool's codes and scales alike; torch has no float8 index_copy_ on CPU)."""
     for src, dst in zip(src_layers, dst_layers):
         # src, dst: [num_blocks, 2, block_size, kv_heads, row_width] (num_blocks may differ), viewed as bytes
-        src_index = torch.tensor(src_ids, dtype=torch.long, device=src.device)
-        dst_index = torch.tensor(dst_ids, dtype=torch.long, device=dst.device)
+        src_index, dst_index = _block_index(src_ids, src.device), _block_index(dst_ids, dst.device)
         dst.view(torch.uint8).index_copy_(0, dst_index, src.view(torch.uint8).index_select(0, src_index).to(dst.device))
