@@ -483,8 +483,16 @@ class CompletionRenderer(_Renderer):
             offset += len(token)
         self._text_offset[index] = offset
         return {"tokens": tokens, "token_logprobs": [_logprob(lp.logprob) for lp in logprobs],
-                "top_logprobs": [{self.token_text(t): _logprob(v) for t, v in lp.top} for lp in logprobs],
-                "text_offset": offsets}
+                "top_logprobs": [self._top_logprobs(lp) for lp in logprobs], "text_offset": offsets}
+
+    def _top_logprobs(self, logprobs: TokenLogprobs) -> dict[str, float]:
+        """The `logprobs` most likely tokens, best first, and the sampled token when it is not one
+        of them: OpenAI's API always returns the sampled token's logprob here ("up to logprobs + 1
+        elements"), as vLLM does. Two tokens with the same text share one key (the first kept)."""
+        top = {}
+        for token_id, logprob in (*logprobs.top, (logprobs.token_id, logprobs.logprob)):
+            top.setdefault(self.token_text(token_id), _logprob(logprob))
+        return top
 
 
 class ChatRenderer(_Renderer):

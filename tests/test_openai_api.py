@@ -164,6 +164,26 @@ def test_completion_logprobs_follow_the_openai_shape(served):
         assert top[token] == logprob
 
 
+@pytest.mark.parametrize("top", [0, 1])
+def test_completion_top_logprobs_always_hold_the_sampled_token(served, top):
+    """OpenAI: "The API will always return the logprob of the sampled token, so there may be up to
+    logprobs+1 elements"; a sampled token outside the top `logprobs` is added after them."""
+    prompt = served.cluster.tokenizer.encode(PROMPT)
+    params = {"temperature": 1.0, "seed": 11, "max_tokens": 8}
+    logprobs = served.client().completions.create(
+        model=MODEL, prompt=prompt, logprobs=top, **params,
+        extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True}).choices[0].logprobs
+    chunks = served.loop.run(served.cluster.generate(
+        "reference", tuple(prompt), SamplingParams(ignore_eos=True, logprobs=top, **params)))
+    expected = [lp for chunk in chunks for lp in chunk.logprobs]
+    assert any(lp.token_id not in [t for t, _ in lp.top] for lp in expected)  # a sample outside the top
+    assert _ids(logprobs.tokens) == [lp.token_id for lp in expected]
+    for entry, lp in zip(logprobs.top_logprobs, expected):
+        ranked = [t for t, _ in lp.top] + ([] if lp.token_id in [t for t, _ in lp.top] else [lp.token_id])
+        assert _ids(list(entry)) == ranked
+        assert entry[f"token_id:{lp.token_id}"] == pytest.approx(lp.logprob, abs=1e-5)
+
+
 def test_chat_logprobs_equal_the_orchestrators(served):
     response = served.client().chat.completions.create(
         model=MODEL, messages=CHAT, max_tokens=6, logprobs=True, top_logprobs=3,
