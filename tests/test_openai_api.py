@@ -10,7 +10,6 @@ import time
 
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.slo import SloConfig
@@ -40,14 +39,6 @@ class Served(ServedApis):
 
     def wait_idle(self) -> None:
         self.loop.run(self.cluster.wait_idle())
-
-    def requests_ended(self, metric: str, **labels: str) -> float:
-        """A request counter's value from GET /metrics (on the HTTP API's port)."""
-        status, _, body = http_request(self.http_port, "GET", "/metrics")
-        assert status == 200
-        samples = [s for family in text_string_to_metric_families(body.decode()) for s in family.samples
-                   if s.name == f"splitserve_{metric}_total" and s.labels == labels]
-        return samples[0].value if samples else 0.0
 
 
 @pytest.fixture(scope="module")
