@@ -390,7 +390,7 @@ class Orchestrator:
                     except WorkerLostError as lost:
                         self._migrate(run, lost)
             except BaseException as error:  # GeneratorExit too: the consumer closed the stream early
-                run.error_code = _error_code(error)
+                run.error_code = _error_code(error, inp.deadline)
                 raise
             finally:
                 self._end(run)
@@ -664,12 +664,15 @@ class Orchestrator:
             logger.warning("[%s] abort on %s failed: %s", request_id, client.worker_id, error)
 
 
-def _error_code(error: BaseException) -> str:
-    """The gRPC status code name a request ends with when `error` ends it."""
+def _error_code(error: BaseException, deadline: float | None) -> str:
+    """The gRPC status code name a request ends with when `error` ends it; `deadline`: the request's
+    (time.monotonic()), None if it has none."""
     if isinstance(error, RouterError):
         return error.code
     if isinstance(error, InvalidRequestError):
         return "INVALID_ARGUMENT"
     if isinstance(error, (asyncio.CancelledError, GeneratorExit)):
-        return "CANCELLED"
+        # A gRPC call's deadline is the request's, and gRPC cancels the call by its own timer, which
+        # may run before the request's: closed once its deadline passed, it ran out of time.
+        return "DEADLINE_EXCEEDED" if deadline is not None and time.monotonic() >= deadline else "CANCELLED"
     return "INTERNAL"

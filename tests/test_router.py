@@ -101,6 +101,32 @@ def test_cancel_mid_stream_frees_both_workers(tiny_llama_dir):
     asyncio.run(scenario())
 
 
+def test_a_stream_closed_after_its_deadline_passed_ran_out_of_time(tiny_llama_dir):
+    """gRPC cancels a call whose deadline passed by its own timer, which can run before the
+    request's own (the same instant): a stream closed once its deadline passed ends as
+    DEADLINE_EXCEEDED (it counts against the SLO), one closed before as CANCELLED (it does not)."""
+    from splitserve.router.api_types import GenerationInput
+
+    records = []
+    params = SamplingParams(max_tokens=2000, ignore_eos=True)
+
+    async def close_after_first_chunk(cluster, request_id: str, deadline: float, block_until_deadline: bool):
+        stream = cluster.orchestrator.generate(GenerationInput(request_id, tuple(PROMPT), params, deadline))
+        await anext(stream)
+        if block_until_deadline:  # the loop cannot run the request's timer: gRPC's cancel comes first
+            time.sleep(max(0.0, deadline - time.monotonic()))
+        await stream.aclose()
+
+    async def scenario():
+        async with InProcessCluster(tiny_llama_dir, observer=records.append) as cluster:
+            await close_after_first_chunk(cluster, "late", time.monotonic() + 0.3, True)
+            await close_after_first_chunk(cluster, "early", time.monotonic() + 60, False)
+            await cluster.wait_idle()
+
+    asyncio.run(scenario())
+    assert [(r.request_id, r.error_code) for r in records] == [("late", "DEADLINE_EXCEEDED"), ("early", "CANCELLED")]
+
+
 def _answer_after_the_lease_expired(worker) -> None:
     """The prefill worker answers only once its lease expired (its poll reclaimed the blocks), so
     the decode worker's pull always meets reclaimed blocks: its generation check fails it."""
