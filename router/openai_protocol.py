@@ -521,14 +521,17 @@ class CompletionRenderer(_Renderer):
 
 
 class ChatRenderer(_Renderer):
-    """chat.completion objects; each choice's stream opens with the assistant role, then content deltas."""
+    """chat.completion objects; each choice's stream opens with the assistant role, then content
+    deltas. A logprob entry's `bytes` are its token's own bytes (`token_bytes`), which put together
+    a character split across tokens (OpenAI's meaning; the text of such a token alone is U+FFFD)."""
 
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
 
-    def __init__(self, header: ResponseHeader, token_text: Callable[[int], str], include_usage: bool,
-                 with_logprobs: bool, prompt_tokens: Sequence[int] | None = None) -> None:
+    def __init__(self, header: ResponseHeader, token_text: Callable[[int], str], token_bytes: Callable[[int], bytes],
+                 include_usage: bool, with_logprobs: bool, prompt_tokens: Sequence[int] | None = None) -> None:
         super().__init__(header, token_text, include_usage, with_logprobs, prompt_tokens)
+        self.token_bytes = token_bytes
         self._role_sent: set[int] = set()
 
     def stream_chunks(self, index: int, chunk: StreamChunk) -> list[dict]:
@@ -555,5 +558,5 @@ class ChatRenderer(_Renderer):
                              "top_logprobs": [self._token(t, v) for t, v in lp.top]} for lp in logprobs]}
 
     def _token(self, token_id: int, logprob: float) -> dict:
-        text = self.token_text(token_id)
-        return {"token": text, "logprob": _logprob(logprob), "bytes": list(text.encode("utf-8", errors="replace"))}
+        return {"token": self.token_text(token_id), "logprob": _logprob(logprob),
+                "bytes": list(self.token_bytes(token_id))}

@@ -290,7 +290,8 @@ class OpenAIServing:
         request_id, inputs = self._inputs([token_ids], parsed.sampling, parsed.max_tokens_param, "messages",
                                           parsed.request_id, parsed.n)
         renderer = ChatRenderer(self._header("chatcmpl", request_id), self._token_text(parsed.tokens_as_ids),
-                                parsed.include_usage, parsed.sampling.logprobs is not None,
+                                self.tokenizers.tokenizer.token_bytes, parsed.include_usage,
+                                parsed.sampling.logprobs is not None,
                                 _prompt_lengths(inputs) if parsed.continuous_usage else None)
         return _Job(inputs, parsed.n, parsed.n, renderer, parsed.stream)
 

@@ -186,9 +186,26 @@ def test_chat_logprobs_equal_the_orchestrators(served):
     expected = [lp for chunk in chunks for lp in chunk.logprobs]
     assert _ids([entry.token for entry in content]) == [lp.token_id for lp in expected]
     assert [entry.logprob for entry in content] == pytest.approx([lp.logprob for lp in expected], abs=1e-5)
+    token_bytes = served.cluster.tokenizer.token_bytes
     for entry, lp in zip(content, expected):
         assert _ids([t.token for t in entry.top_logprobs]) == [t for t, _ in lp.top]
-        assert entry.bytes == list(entry.token.encode())
+        assert entry.bytes == list(token_bytes(lp.token_id))  # the token's bytes, not its "token_id:" name
+        assert [t.bytes for t in entry.top_logprobs] == [list(token_bytes(t)) for t, _ in lp.top]
+
+
+def test_chat_logprob_bytes_join_into_the_text_where_characters_span_tokens(served):
+    """OpenAI's `bytes` exist for characters split across tokens: each entry has its token's own
+    bytes (one byte of a UTF-8 sequence for a byte-level piece, whose `token` reads U+FFFD), so
+    joined they are the output's UTF-8 (here: every token's, none of them a stop token)."""
+    response = served.client().chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=24, logprobs=True, temperature=1.0, seed=3,
+        extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+    content = response.choices[0].logprobs.content
+    ids = _ids([entry.token for entry in content])
+    joined = b"".join(bytes(entry.bytes) for entry in content)
+    assert joined.decode("utf-8", errors="replace") == served.cluster.tokenizer.decode(ids)
+    partial = [bytes(entry.bytes) for entry in content if len(entry.bytes) == 1 and entry.bytes[0] >= 0x80]
+    assert partial  # the sample holds pieces of multi-byte characters (a random model: many)
 
 
 def test_a_seed_reproduces_the_sample_and_matches_grpc(served):
