@@ -137,6 +137,26 @@ def test_a_client_disconnecting_cancels_every_sequence(served):
 
 # ---- best_of ---------------------------------------------------------------------------------
 
+def test_a_fan_out_the_router_cannot_hold_whole_is_a_429_before_any_sequence_runs(tiny_llama_dir):
+    """Every sequence takes an admission slot before the first one starts: with room for two, n=3
+    is refused whole (streamed too: a 429 with Retry-After, not a 200 whose stream fails after the
+    first sequence's tokens), nothing runs, no slot leaks, and n=2 is served."""
+    routing = RoutingConfig(disaggregation="always", max_in_flight_requests=2)
+    with served_apis(tiny_llama_dir, MODEL, served_class=Served, routing=routing) as served:
+        workers = [*served.cluster.prefill_workers, *served.cluster.decode_workers]
+        for stream in (False, True):
+            status, headers, raw = http_request(served.http_port, "POST", "/v1/completions", json.dumps(
+                {"prompt": PROMPT, "max_tokens": 3, "n": 3, "stream": stream}).encode())
+            assert (status, headers["retry-after"], json.loads(raw)["error"]["code"]) == (
+                429, "1", "resource_exhausted")
+        assert [s.num_generation_tokens for s in served.engine_stats(workers)] == [0, 0]
+        assert dict(served.cluster.orchestrator.routing_stats().rejections) == {"too_many_requests": 2}
+        assert served.cluster.orchestrator.admission.in_flight == 0
+        texts, _ = _stream_texts(served.client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, n=2,
+                                                                    stream=True, **GREEDY))
+        assert sorted(texts) == [0, 1] and texts[0] == texts[1]
+
+
 def test_best_of_returns_the_sequences_of_highest_cumulative_logprob(served):
     singles = [served.single(PROMPT, max_tokens=5, seed=3 + i, logprobs=0, **SAMPLED).choices[0] for i in range(4)]
     ranked = sorted(singles, key=lambda c: sum(c.logprobs.token_logprobs), reverse=True)
