@@ -434,13 +434,16 @@ class _Renderer(ABC):
     def _chunk(self, choice: dict) -> dict:
         body = self._envelope(self.chunk_object_name, [choice])
         if self.prompt_tokens is not None:
-            prompt_tokens, completion_tokens = self.prompt_tokens[choice["index"]], \
-                self._completion_tokens.get(choice["index"], 0)
-            body["usage"] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                             "total_tokens": prompt_tokens + completion_tokens}
+            body["usage"] = self._usage_so_far(choice["index"])
         elif self.include_usage:
             body["usage"] = None  # every chunk but the last usage one (the OpenAI convention)
         return body
+
+    def _usage_so_far(self, index: int) -> dict:
+        """Choice `index`'s usage up to its latest counted chunk (vLLM's continuous usage stats)."""
+        prompt_tokens, completion_tokens = self.prompt_tokens[index], self._completion_tokens.get(index, 0)
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens}
 
     def usage_chunk(self, usage: Usage) -> dict:
         """The stream's last data chunk under stream_options.include_usage."""
