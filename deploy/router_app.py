@@ -30,7 +30,7 @@ def build_orchestrator(router_id: str, config: RouterConfig, mode: str, prefill:
     """The orchestrator over the workers, with the router config's routing, SLO and worker-link
     settings; `observer` gets every ended request's record (RouterMetrics.observe)."""
     return Orchestrator(router_id, prefill, decode, tokenizer.backend, mode, config.routing, config.slo, observer,
-                        config.worker_link)
+                        config.worker_link, tokenizer.eos_token_ids)
 
 
 def each_of(observers: Sequence[Callable[[RequestRecord], None]]) -> Callable[[RequestRecord], None] | None:

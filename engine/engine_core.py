@@ -476,14 +476,17 @@ class EngineCore:
         # Before min_tokens, EOS and stop tokens cannot be sampled (the sampler masks them) and
         # stop strings are not looked for.
         may_stop = params.may_stop(request.num_output_tokens)
+        is_eos = may_stop and not params.ignore_eos and token_id in request.eos_token_ids
+        is_stop_token = may_stop and token_id in params.stop_token_ids
         detokenizer = self._detokenizers.get(request.request_id)
-        stop_string = detokenizer.append(token_id, may_stop) if detokenizer is not None else None
+        # A stop token ends the output without its text (vLLM's, with include_stop_str_in_output false).
+        stop_string = None if detokenizer is None or is_eos or is_stop_token else detokenizer.append(token_id, may_stop)
         grammar = self.grammars.accept(request.request_id, token_id)
         if grammar == GrammarState.REJECTED:
             return RequestStatus.FINISHED_ABORTED
-        if may_stop and not params.ignore_eos and token_id in request.eos_token_ids:
+        if is_eos:
             return RequestStatus.FINISHED_STOPPED
-        if may_stop and token_id in params.stop_token_ids:
+        if is_stop_token:
             request.stop_reason = token_id
             return RequestStatus.FINISHED_STOPPED
         if stop_string is not None:

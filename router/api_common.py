@@ -14,8 +14,9 @@ from splitserve.router.api_types import RouterError
 def grpc_deadline(context: grpc.aio.ServicerContext, request_timeout_s: float | None) -> float | None:
     """The time.monotonic() by which a request must end: the earlier of the call's gRPC deadline
     (for a stream: the whole stream's) and now + request_timeout_s; None when neither is set."""
+    now = time.monotonic()  # read first: the request's deadline is then never after the call's
     remaining = [s for s in (context.time_remaining(), request_timeout_s) if s is not None]
-    return time.monotonic() + min(remaining) if remaining else None
+    return now + min(remaining) if remaining else None
 
 
 def grpc_status(error: InvalidRequestError | RouterError) -> tuple[grpc.StatusCode, str]:

@@ -99,7 +99,9 @@ class FanOut:
     """Runs one request's sequences on the orchestrator and merges their chunks as they arrive.
 
     `inputs` are prompt-major (sequence_inputs); the request's admission slot goes to its first
-    sequence, every other sequence is admitted by the orchestrator like a request of its own."""
+    sequence, and every other sequence takes a slot of its own before any sequence starts: a
+    request the router cannot hold whole is refused at once (RESOURCE_EXHAUSTED, an HTTP 429
+    before a streamed response starts), never after some sequences streamed."""
 
     def __init__(self, orchestrator: Orchestrator, inputs: Sequence[GenerationInput], num_sequences: int,
                  admission: Admission) -> None:
@@ -109,11 +111,15 @@ class FanOut:
         self.admission = admission
         self._queue: asyncio.Queue[IndexedChunk | _Ended] = asyncio.Queue()
         self._tasks: set[asyncio.Task] = set()
+        self._admissions: list[Admission] = []
+        """Each sequence's slot (by choice index), taken when the stream starts."""
 
     async def stream(self) -> AsyncIterator[IndexedChunk]:
-        """Every sequence's chunks until all finished; raises the first sequence error."""
+        """Every sequence's chunks until all finished; raises the first sequence error (a
+        RouterError before any chunk when the router cannot admit every sequence)."""
+        self._admissions = [self.admission, *self._admit_others()]
         for first in range(0, len(self.inputs), self.num_sequences):
-            self._start(first, (), self.admission if first == 0 else None)
+            self._start(first, ())
         running = len(self.inputs)
         try:
             while running:
@@ -126,14 +132,28 @@ class FanOut:
                 yield item
         finally:
             await self._cancel_all()
+            for admission in self._admissions:  # the slots of sequences that never started
+                admission.release()
 
-    def _start(self, index: int, kv_cached_on: tuple[str, ...], admission: Admission | None) -> None:
+    def _admit_others(self) -> list[Admission]:
+        """A slot for every sequence but the first (which has the request's), all or none."""
+        admissions: list[Admission] = []
+        try:
+            for _ in self.inputs[1:]:
+                admissions.append(self.orchestrator.admit())
+        except BaseException:
+            for admission in admissions:
+                admission.release()
+            raise
+        return admissions
+
+    def _start(self, index: int, kv_cached_on: tuple[str, ...]) -> None:
         inp = dataclasses.replace(self.inputs[index], kv_cached_on=kv_cached_on)
-        task = asyncio.get_running_loop().create_task(self._run(index, inp, admission))
+        task = asyncio.get_running_loop().create_task(self._run(index, inp, self._admissions[index]))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _run(self, index: int, inp: GenerationInput, admission: Admission | None) -> None:
+    async def _run(self, index: int, inp: GenerationInput, admission: Admission) -> None:
         """Feed the queue with one sequence's chunks; a prompt's first sequence starts its
         siblings once its first chunk names the worker holding the prompt's KV."""
         starts_siblings = index % self.num_sequences == 0 and self.num_sequences > 1
@@ -143,14 +163,13 @@ class FanOut:
                     starts_siblings = False
                     holder = () if chunk.kv_holder is None else (chunk.kv_holder,)
                     for sibling in range(index + 1, index + self.num_sequences):
-                        self._start(sibling, holder, None)
+                        self._start(sibling, holder)
                 self._queue.put_nowait(IndexedChunk(index, dataclasses.replace(chunk, kv_holder=None)))
         except Exception as error:
             self._queue.put_nowait(_Ended(error))
             return
         finally:
-            if admission is not None:  # generate() releases it, unless cancelled before it started
-                admission.release()
+            admission.release()  # generate() released it, unless cancelled before it started
         self._queue.put_nowait(_Ended(None))
 
     async def _cancel_all(self) -> None:

@@ -60,6 +60,9 @@ class CompletionRequest:
     stream: bool
     include_usage: bool
     """stream_options.include_usage: a last stream chunk with usage and no choices."""
+    continuous_usage: bool
+    """stream_options.continuous_usage_stats with include_usage (vLLM extension): every stream chunk
+    also carries its choice's usage so far."""
     tokens_as_ids: bool
     """return_tokens_as_token_ids (vLLM extension): logprob tokens read "token_id:<id>"."""
     request_id: str
@@ -82,6 +85,7 @@ class ChatCompletionRequest:
     max_tokens_param: str | None
     stream: bool
     include_usage: bool
+    continuous_usage: bool
     tokens_as_ids: bool
     request_id: str
     template: ChatTemplateOptions
@@ -108,18 +112,24 @@ def _count(body: Mapping[str, Any], name: str, default: int) -> int:
     return value
 
 
-def _stream_flags(body: Mapping[str, Any]) -> tuple[bool, bool]:
-    """(stream, stream_options.include_usage)."""
+def _stream_flags(body: Mapping[str, Any]) -> tuple[bool, bool, bool]:
+    """(stream, stream_options.include_usage, continuous usage): vLLM's continuous_usage_stats
+    counts only with include_usage (as in vLLM)."""
     stream = _typed(body, "stream", bool, "a boolean", False)
     options = _typed(body, "stream_options", dict, "an object")
     if options is None:
-        return stream, False
+        return stream, False, False
     if not stream:
         raise InvalidRequestError("stream_options", "is only allowed when stream is true")
-    include_usage = options.get("include_usage")
-    if include_usage is not None and not isinstance(include_usage, bool):
-        raise InvalidRequestError("stream_options.include_usage", f"must be a boolean, got {include_usage!r}")
-    return stream, bool(include_usage)
+    include_usage, continuous = (_stream_option(options, name) for name in ("include_usage", "continuous_usage_stats"))
+    return stream, include_usage, include_usage and continuous
+
+
+def _stream_option(options: Mapping[str, Any], name: str) -> bool:
+    value = options.get(name)
+    if value is not None and not isinstance(value, bool):
+        raise InvalidRequestError(f"stream_options.{name}", f"must be a boolean, got {value!r}")
+    return bool(value)
 
 
 def _stop(body: Mapping[str, Any]) -> tuple[str, ...]:
@@ -212,13 +222,13 @@ def parse_completion_request(body: Mapping[str, Any], limits: RequestLimits) -> 
     refuse_unsupported(body, COMPLETION_REFUSED)
     logprobs = _typed(body, "logprobs", int, f"an integer in [0, {MAX_LOGPROBS}]")
     max_tokens, max_tokens_param = _max_tokens(body, ("max_tokens",), COMPLETION_DEFAULT_MAX_TOKENS)
-    stream, include_usage = _stream_flags(body)
+    stream, include_usage, continuous_usage = _stream_flags(body)
     n = _count(body, "n", 1)
     best_of = _best_of(body, n, stream)
     echo = _echo(body, logprobs)
     sampling = _sampling(body, max_tokens, max_tokens_param, logprobs, limits)
     return CompletionRequest(_model(body), _prompts(body, limits, best_of), n, best_of, echo, sampling,
-                             max_tokens_param, stream, include_usage,
+                             max_tokens_param, stream, include_usage, continuous_usage,
                              _typed(body, "return_tokens_as_token_ids", bool, "a boolean", False),
                              _request_id(body, limits), _typed(body, "add_special_tokens", bool, "a boolean", True))
 
@@ -300,12 +310,12 @@ def parse_chat_request(body: Mapping[str, Any], limits: RequestLimits) -> ChatCo
     add_generation_prompt = _typed(body, "add_generation_prompt", bool, "a boolean", True)
     template = parse_chat_template_options(body, add_generation_prompt)
     max_tokens, max_tokens_param = _max_tokens(body, ("max_completion_tokens", "max_tokens"), limits.max_model_len)
-    stream, include_usage = _stream_flags(body)
+    stream, include_usage, continuous_usage = _stream_flags(body)
     sampling = _sampling(body, max_tokens, max_tokens_param, _chat_logprobs(body), limits)
     return ChatCompletionRequest(
         _model(body), messages, _count(body, "n", 1), add_generation_prompt, sampling, max_tokens_param, stream,
-        include_usage, _typed(body, "return_tokens_as_token_ids", bool, "a boolean", False), _request_id(body, limits),
-        template)
+        include_usage, continuous_usage, _typed(body, "return_tokens_as_token_ids", bool, "a boolean", False),
+        _request_id(body, limits), template)
 
 
 @dataclass(frozen=True)
@@ -396,17 +406,25 @@ class ResponseHeader:
 class _Renderer(ABC):
     """Turns one request's StreamChunks into OpenAI JSON, each choice under its `index`;
     `token_text` names a token id in logprobs (its decoded text, or "token_id:<id>"), which are
-    reported when `with_logprobs`."""
+    reported when `with_logprobs`. With `prompt_tokens` (each choice's prompt length), every stream
+    chunk carries its choice's usage so far (vLLM's stream_options.continuous_usage_stats)."""
 
     object_name = ""
     chunk_object_name = ""
 
     def __init__(self, header: ResponseHeader, token_text: Callable[[int], str], include_usage: bool,
-                 with_logprobs: bool) -> None:
+                 with_logprobs: bool, prompt_tokens: Sequence[int] | None = None) -> None:
         self.header = header
         self.token_text = token_text
         self.include_usage = include_usage
         self.with_logprobs = with_logprobs
+        self.prompt_tokens = None if prompt_tokens is None else tuple(prompt_tokens)
+        self._completion_tokens: dict[int, int] = {}
+        """Tokens streamed so far per choice (for continuous usage)."""
+
+    def _count_tokens(self, index: int, chunk: StreamChunk) -> None:
+        """Note choice `index`'s tokens in `chunk`: the stream chunks built next carry them in their usage."""
+        self._completion_tokens[index] = self._completion_tokens.get(index, 0) + len(chunk.token_ids)
 
     def _envelope(self, object_name: str, choices: list[dict]) -> dict:
         h = self.header
@@ -415,9 +433,17 @@ class _Renderer(ABC):
 
     def _chunk(self, choice: dict) -> dict:
         body = self._envelope(self.chunk_object_name, [choice])
-        if self.include_usage:
+        if self.prompt_tokens is not None:
+            body["usage"] = self._usage_so_far(choice["index"])
+        elif self.include_usage:
             body["usage"] = None  # every chunk but the last usage one (the OpenAI convention)
         return body
+
+    def _usage_so_far(self, index: int) -> dict:
+        """Choice `index`'s usage up to its latest counted chunk (vLLM's continuous usage stats)."""
+        prompt_tokens, completion_tokens = self.prompt_tokens[index], self._completion_tokens.get(index, 0)
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens}
 
     def usage_chunk(self, usage: Usage) -> dict:
         """The stream's last data chunk under stream_options.include_usage."""
@@ -447,8 +473,9 @@ class CompletionRenderer(_Renderer):
     object_name = chunk_object_name = "text_completion"
 
     def __init__(self, header: ResponseHeader, token_text: Callable[[int], str], include_usage: bool,
-                 with_logprobs: bool, echo: Sequence[str] = (), choices_per_prompt: int = 1) -> None:
-        super().__init__(header, token_text, include_usage, with_logprobs)
+                 with_logprobs: bool, echo: Sequence[str] = (), choices_per_prompt: int = 1,
+                 prompt_tokens: Sequence[int] | None = None) -> None:
+        super().__init__(header, token_text, include_usage, with_logprobs, prompt_tokens)
         self.echo = tuple(echo)
         self.choices_per_prompt = choices_per_prompt
         self._text_offset: dict[int, int] = {}
@@ -457,6 +484,7 @@ class CompletionRenderer(_Renderer):
         """Choices whose stream carried their prompt's text already."""
 
     def stream_chunks(self, index: int, chunk: StreamChunk) -> list[dict]:
+        self._count_tokens(index, chunk)
         return [self._chunk({"index": index, "text": self._echo_once(index) + chunk.text,
                              "logprobs": self._logprobs(index, chunk.logprobs), "finish_reason": chunk.finish_reason,
                              "stop_reason": chunk.stop_reason})]
@@ -483,19 +511,30 @@ class CompletionRenderer(_Renderer):
             offset += len(token)
         self._text_offset[index] = offset
         return {"tokens": tokens, "token_logprobs": [_logprob(lp.logprob) for lp in logprobs],
-                "top_logprobs": [{self.token_text(t): _logprob(v) for t, v in lp.top} for lp in logprobs],
-                "text_offset": offsets}
+                "top_logprobs": [self._top_logprobs(lp) for lp in logprobs], "text_offset": offsets}
+
+    def _top_logprobs(self, logprobs: TokenLogprobs) -> dict[str, float]:
+        """The `logprobs` most likely tokens, best first, and the sampled token when it is not one
+        of them: OpenAI's API always returns the sampled token's logprob here ("up to logprobs + 1
+        elements"), as vLLM does. Two tokens with the same text share one key (the first kept)."""
+        top = {}
+        for token_id, logprob in (*logprobs.top, (logprobs.token_id, logprobs.logprob)):
+            top.setdefault(self.token_text(token_id), _logprob(logprob))
+        return top
 
 
 class ChatRenderer(_Renderer):
-    """chat.completion objects; each choice's stream opens with the assistant role, then content deltas."""
+    """chat.completion objects; each choice's stream opens with the assistant role, then content
+    deltas. A logprob entry's `bytes` are its token's own bytes (`token_bytes`), which put together
+    a character split across tokens (OpenAI's meaning; the text of such a token alone is U+FFFD)."""
 
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
 
-    def __init__(self, header: ResponseHeader, token_text: Callable[[int], str], include_usage: bool,
-                 with_logprobs: bool) -> None:
-        super().__init__(header, token_text, include_usage, with_logprobs)
+    def __init__(self, header: ResponseHeader, token_text: Callable[[int], str], token_bytes: Callable[[int], bytes],
+                 include_usage: bool, with_logprobs: bool, prompt_tokens: Sequence[int] | None = None) -> None:
+        super().__init__(header, token_text, include_usage, with_logprobs, prompt_tokens)
+        self.token_bytes = token_bytes
         self._role_sent: set[int] = set()
 
     def stream_chunks(self, index: int, chunk: StreamChunk) -> list[dict]:
@@ -504,6 +543,7 @@ class ChatRenderer(_Renderer):
             self._role_sent.add(index)
             chunks.append(self._chunk({"index": index, "delta": {"role": "assistant", "content": ""},
                                        "logprobs": None, "finish_reason": None}))
+        self._count_tokens(index, chunk)  # after the role chunk: it carries no tokens
         chunks.append(self._chunk({"index": index, "delta": {"content": chunk.text},
                                    "logprobs": self._logprobs(chunk.logprobs), "finish_reason": chunk.finish_reason,
                                    "stop_reason": chunk.stop_reason}))
@@ -521,5 +561,5 @@ class ChatRenderer(_Renderer):
                              "top_logprobs": [self._token(t, v) for t, v in lp.top]} for lp in logprobs]}
 
     def _token(self, token_id: int, logprob: float) -> dict:
-        text = self.token_text(token_id)
-        return {"token": text, "logprob": _logprob(logprob), "bytes": list(text.encode("utf-8", errors="replace"))}
+        return {"token": self.token_text(token_id), "logprob": _logprob(logprob),
+                "bytes": list(self.token_bytes(token_id))}

@@ -26,7 +26,7 @@ import logging
 import socket
 import ssl
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -279,7 +279,8 @@ class OpenAIServing:
                                           parsed.best_of)
         echo = [self._prompt_text(p) for p in parsed.prompts] if parsed.echo else ()
         renderer = CompletionRenderer(self._header("cmpl", request_id), self._token_text(parsed.tokens_as_ids),
-                                      parsed.include_usage, parsed.sampling.logprobs is not None, echo, parsed.n)
+                                      parsed.include_usage, parsed.sampling.logprobs is not None, echo, parsed.n,
+                                      _prompt_lengths(inputs) if parsed.continuous_usage else None)
         return _Job(inputs, parsed.best_of, parsed.n, renderer, parsed.stream)
 
     async def _chat_job(self, parsed: ChatCompletionRequest) -> _Job:
@@ -289,7 +290,9 @@ class OpenAIServing:
         request_id, inputs = self._inputs([token_ids], parsed.sampling, parsed.max_tokens_param, "messages",
                                           parsed.request_id, parsed.n)
         renderer = ChatRenderer(self._header("chatcmpl", request_id), self._token_text(parsed.tokens_as_ids),
-                                parsed.include_usage, parsed.sampling.logprobs is not None)
+                                self.tokenizers.tokenizer.token_bytes, parsed.include_usage,
+                                parsed.sampling.logprobs is not None,
+                                _prompt_lengths(inputs) if parsed.continuous_usage else None)
         return _Job(inputs, parsed.n, parsed.n, renderer, parsed.stream)
 
     def _prompt_text(self, prompt: str | tuple[int, ...]) -> str:
@@ -335,6 +338,12 @@ class OpenAIServing:
 
 
 # ---- request and response plumbing ----------------------------------------------------------
+
+def _prompt_lengths(inputs: Sequence[GenerationInput]) -> list[int]:
+    """Each choice's prompt tokens (inputs are one per choice when a stream reports usage per chunk:
+    best_of above n does not stream)."""
+    return [len(inp.prompt_token_ids) for inp in inputs]
+
 
 async def _read_body(request: Request, limit: int) -> bytes:
     """The body, refused (413) as soon as it is known to exceed `limit` bytes: by its

@@ -60,10 +60,12 @@ class Orchestrator:
     def __init__(self, router_id: str, prefill: Sequence[PrefillWorkerAPI], decode: Sequence[DecodeWorkerAPI],
                  tokenizer: Decoder, mode: str = "disaggregated", routing: RoutingConfig = RoutingConfig(),
                  slo: SloConfig = SloConfig(), observer: Callable[[RequestRecord], None] | None = None,
-                 worker_link: WorkerLinkConfig = WorkerLinkConfig()) -> None:
+                 worker_link: WorkerLinkConfig = WorkerLinkConfig(),
+                 eos_token_ids: frozenset[int] = frozenset()) -> None:
         """`observer` gets every request's RequestRecord when it ends (after validation, on any
         path), on the event loop; it must not block (the metrics server's observe). `worker_link`:
-        the timings of report polls and output streams."""
+        the timings of report polls and output streams. `eos_token_ids`: the model's (a request
+        that ends on one has its text detokenized without it)."""
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if not decode or (mode == "disaggregated" and not prefill):
@@ -75,6 +77,7 @@ class Orchestrator:
         self.slo = slo
         self.observer = observer
         self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
         self.prefill_pool = WorkerPool(prefill if mode == "disaggregated" else ())
         self.decode_pool = WorkerPool(decode)
         self.dispatcher = OutputDispatcher(router_id, decode, self._on_worker_lost, worker_link)
@@ -377,7 +380,7 @@ class Orchestrator:
             self.validate_prompt(inp.prompt_token_ids)
             if inp.request_id in self._in_flight:
                 raise InvalidRequestError("request_id", f"{inp.request_id!r} is already in flight")
-            run = RequestRun(inp, self.tokenizer, arrival)
+            run = RequestRun(inp, self.tokenizer, arrival, self.eos_token_ids)
             self._in_flight.add(inp.request_id)
             try:
                 if admission is None:
@@ -390,7 +393,7 @@ class Orchestrator:
                     except WorkerLostError as lost:
                         self._migrate(run, lost)
             except BaseException as error:  # GeneratorExit too: the consumer closed the stream early
-                run.error_code = _error_code(error)
+                run.error_code = _error_code(error, inp.deadline)
                 raise
             finally:
                 self._end(run)
@@ -664,12 +667,15 @@ class Orchestrator:
             logger.warning("[%s] abort on %s failed: %s", request_id, client.worker_id, error)
 
 
-def _error_code(error: BaseException) -> str:
-    """The gRPC status code name a request ends with when `error` ends it."""
+def _error_code(error: BaseException, deadline: float | None) -> str:
+    """The gRPC status code name a request ends with when `error` ends it; `deadline`: the request's
+    (time.monotonic()), None if it has none."""
     if isinstance(error, RouterError):
         return error.code
     if isinstance(error, InvalidRequestError):
         return "INVALID_ARGUMENT"
     if isinstance(error, (asyncio.CancelledError, GeneratorExit)):
-        return "CANCELLED"
+        # A gRPC call's deadline is the request's, and gRPC cancels the call by its own timer, which
+        # may run before the request's: closed once its deadline passed, it ran out of time.
+        return "DEADLINE_EXCEEDED" if deadline is not None and time.monotonic() >= deadline else "CANCELLED"
     return "INTERNAL"

@@ -27,8 +27,11 @@ T = TypeVar("T")
 class RequestRun:
     """One request's progress at the router."""
 
-    def __init__(self, inp: GenerationInput, tokenizer: Decoder, arrival: float) -> None:
+    def __init__(self, inp: GenerationInput, tokenizer: Decoder, arrival: float,
+                 eos_token_ids: frozenset[int] = frozenset()) -> None:
+        """`eos_token_ids`: the model's, which end the output (unless ignore_eos) like a stop token."""
         self.inp = inp
+        self.eos_token_ids = eos_token_ids
         self.decision: RouteDecision | None = None
         self.rejection_reason: str | None = None
         self.cached_tokens: dict[str, int] = {}
@@ -122,11 +125,16 @@ class RequestRun:
 
     def on_tokens(self, token_ids: Sequence[int], logprobs: Sequence[TokenLogprobs], finish_reason: str | None,
                   stop_reason: int | str | None) -> StreamChunk:
-        """Detokenize new tokens, cutting at a stop string; a finish here ends the stream."""
+        """Detokenize new tokens, cutting at a stop string; a finish here ends the stream. A stop token
+        that ended the request is counted and reported but its text is not part of the output (as in
+        vLLM: include_stop_str_in_output is false)."""
         emitted = []
         params = self.inp.sampling_params
-        for token_id in token_ids:
+        stop_token_at = len(token_ids) - 1 if self._ends_on_stop_token(token_ids, finish_reason, stop_reason) else None
+        for position, token_id in enumerate(token_ids):
             emitted.append(token_id)
+            if position == stop_token_at:
+                break
             may_stop = params.may_stop(len(self.output_token_ids) + len(emitted))
             stop_string = self.detokenizer.append(token_id, may_stop)
             if stop_string is not None:
@@ -141,6 +149,15 @@ class RequestRun:
             return StreamChunk(self.inp.request_id, tuple(emitted), text, tuple(logprobs[:len(emitted)]))
         return StreamChunk(self.inp.request_id, tuple(emitted), text, tuple(logprobs[:len(emitted)]),
                            finish_reason, stop_reason, self._usage(), self._timing(now))
+
+    def _ends_on_stop_token(self, token_ids: Sequence[int], finish_reason: str | None,
+                            stop_reason: int | str | None) -> bool:
+        """Whether the last of `token_ids` is the token that stopped the request: one of its stop
+        token ids (the stop reason), or EOS (no stop reason: an ending grammar stops on text tokens)."""
+        if finish_reason != "stop" or not token_ids:
+            return False
+        return isinstance(stop_reason, int) or (stop_reason is None and not self.inp.sampling_params.ignore_eos
+                                                and token_ids[-1] in self.eos_token_ids)
 
     def on_decode_timing(self, delta: TokenDelta) -> None:
         """Note what a decode worker's delta says about the KV pull and the worker's first output

@@ -17,8 +17,10 @@ long prompt encoded in a thread no longer stalls the router's event loop.
 
 from __future__ import annotations
 
+import functools
 import json
-from collections.abc import Mapping, Sequence
+import re
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -254,6 +256,85 @@ def max_bytes_per_token(backend: Tokenizer) -> int:
     return longest * (NORMALIZER_SHRINK if backend.normalizer is not None else 1)
 
 
+def _byte_level_alphabet() -> dict[str, int]:
+    """The byte each character of a byte-level vocabulary stands for (GPT-2's alphabet, which
+    `tokenizers`' ByteLevel uses): printable Latin-1 bytes as themselves, the other bytes as the
+    characters from U+0100 on, in byte order."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(0x100 + i): b for i, b in enumerate(others)}}
+
+
+_BYTE_LEVEL_ALPHABET = _byte_level_alphabet()
+_BYTE_FALLBACK_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+"""SentencePiece's byte-fallback piece: one byte of a character the vocabulary does not hold."""
+_LAYOUT_ONLY_DECODERS = frozenset({"Fuse", "Strip"})
+"""Decoder steps that only join pieces or trim the whole text's ends: no piece's bytes change."""
+
+
+class TokenBytes:
+    """Each token's bytes in the output text: what OpenAI's logprobs report as `bytes`, so that a
+    client can put back a character split across tokens (a token that holds part of a multi-byte
+    UTF-8 character decodes alone to U+FFFD, whose bytes say nothing).
+
+    Read from the vocabulary entry with the decoder's own rules: byte-level BPE (GPT-2's alphabet),
+    SentencePiece (a `Replace` of "▁" by a space, byte-fallback pieces `<0xNN>`, a `Metaspace`).
+    An added token is its content. A tokenizer with another decoder (WordPiece, CTC, ...) gets the
+    UTF-8 of the token decoded alone."""
+
+    def __init__(self, backend: Tokenizer) -> None:
+        self._backend = backend
+        self._added = {token_id: token.content.encode() for token_id, token
+                       in backend.get_added_tokens_decoder().items()}
+        decoder = json.loads(backend.decoder.__getstate__()) if backend.decoder is not None else {}
+        steps = decoder.get("decoders", [decoder]) if decoder.get("type") == "Sequence" else [decoder]
+        rules = [_piece_rule(step) for step in steps if step.get("type") not in _LAYOUT_ONLY_DECODERS]
+        self._rules = None if None in rules else rules
+        """The decoder's steps as read on one piece, in order; None: a step not known here."""
+
+    def __call__(self, token_id: int) -> bytes:
+        if token_id in self._added:
+            return self._added[token_id]
+        piece = self._backend.id_to_token(token_id)
+        if piece is None or self._rules is None:
+            return self._backend.decode([token_id], skip_special_tokens=False).encode()
+        for rule in self._rules:
+            piece = rule(piece)
+            if isinstance(piece, bytes):
+                return piece
+        return piece.encode()
+
+
+def _piece_rule(step: Mapping[str, Any]) -> Callable[[str], str | bytes] | None:
+    """What one decoder step does to a lone vocabulary piece: text for the next step, or its final
+    bytes; None for a step this reading does not know. (Module functions and partials: picklable.)"""
+    kind = step.get("type")
+    if kind == "ByteLevel":
+        return _byte_level_piece
+    if kind == "ByteFallback":
+        return _byte_fallback_piece
+    if kind == "Replace" and isinstance(step.get("pattern", {}).get("String"), str):
+        return functools.partial(_replaced, step["pattern"]["String"], step["content"])
+    if kind == "Metaspace":
+        return functools.partial(_replaced, step.get("replacement", "\u2581"), " ")
+    return None
+
+
+def _byte_level_piece(piece: str) -> str | bytes:
+    if all(c in _BYTE_LEVEL_ALPHABET for c in piece):
+        return bytes(_BYTE_LEVEL_ALPHABET[c] for c in piece)
+    return piece
+
+
+def _byte_fallback_piece(piece: str) -> str | bytes:
+    match = _BYTE_FALLBACK_PIECE.fullmatch(piece)
+    return bytes([int(match[1], 16)]) if match else piece
+
+
+def _replaced(old: str, new: str, piece: str) -> str:
+    return piece.replace(old, new)
+
+
 class RouterTokenizer:
     """One model directory's tokenizer and chat template; immutable and safe to share across requests."""
 
@@ -271,6 +352,8 @@ class RouterTokenizer:
         """The most prompt bytes one token can stand for: a prompt of more than n times this many
         bytes has more than n tokens (router/request_limits.py)."""
         self._chat_template = compile_chat_template(chat_template) if chat_template is not None else None
+        self.token_bytes = TokenBytes(backend)
+        """Each token's bytes in the output (OpenAI's logprobs `bytes`)."""
 
     @classmethod
     def from_model_dir(cls, path: str | Path, chat_template: str | None = None) -> RouterTokenizer:

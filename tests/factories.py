@@ -276,6 +276,17 @@ class ServedApis:
     tokenizers: object
     """router.tokenizer_pool.TokenizerPool both APIs share (its `limits`: the request limits)."""
 
+    def requests_ended(self, metric: str, **labels: str) -> float:
+        """A request counter's value from GET /metrics on the HTTP API's port (`request_success`,
+        `request_failure` with its `code`, ...)."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        status, _, body = http_request(self.http_port, "GET", "/metrics")
+        assert status == 200
+        samples = [s for family in text_string_to_metric_families(body.decode()) for s in family.samples
+                   if s.name == f"splitserve_{metric}_total" and s.labels == labels]
+        return samples[0].value if samples else 0.0
+
     def drain(self, timeout_s: float = 30.0) -> int:
         """Drain the router as SIGTERM does (router.server.drain); returns requests left in flight."""
         from splitserve.router.server import drain

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from tokenizers import Tokenizer
 
 from tests.factories import _hf_model, assert_pool_idle, hf_greedy
 from splitserve.common.errors import InvalidRequestError
@@ -61,26 +62,38 @@ def test_stop_token_id_ends_at_first_occurrence(llm):
     output = llm.generate(PROMPT, greedy(30, stop_token_ids=[stop_token]))[0]
     assert output.token_ids == full.token_ids[: first + 1]
     assert output.finish_reason == "stop" and output.stop_reason == stop_token
+    # The stop token's text is not output (vLLM's include_stop_str_in_output false), whatever it decodes to.
+    assert output.text == llm.tokenizer.decode(full.token_ids[:first]) != llm.tokenizer.decode(output.token_ids)
 
 
 def test_eos_stops_unless_ignored(tiny_llama_dir):
-    engine = EngineCore(tiny_llama_dir, EngineConfig(block_size=16, num_kv_blocks=64, max_model_len=256))
+    engine = EngineCore(tiny_llama_dir, EngineConfig(block_size=16, num_kv_blocks=64, max_model_len=256),
+                        Tokenizer.from_file(str(tiny_llama_dir / "tokenizer.json")))
     probe = _run(engine, {"probe": ([5, 6, 7, 8], greedy(20))})["probe"]
     engine.eos_token_ids = frozenset({probe[6]})
+    texts = {}
     outputs = _run(engine, {"eos": ([5, 6, 7, 8], SamplingParams(temperature=0.0, max_tokens=20)),
-                            "ignore": ([5, 6, 7, 8], greedy(20))})
-    assert outputs["eos"] == probe[: probe.index(probe[6]) + 1]
+                            "ignore": ([5, 6, 7, 8], greedy(20))}, texts)
+    end = probe.index(probe[6])
+    assert outputs["eos"] == probe[: end + 1]
+    assert texts["eos"] == engine.tokenizer.decode(probe[:end])  # EOS ends the text without its own
     assert outputs["ignore"] == probe
     assert_pool_idle(engine.block_manager)
 
 
-def _run(engine: EngineCore, requests: dict[str, tuple[list[int], SamplingParams]]) -> dict[str, list[int]]:
+def _run(engine: EngineCore, requests: dict[str, tuple[list[int], SamplingParams]],
+         texts: dict[str, str] | None = None) -> dict[str, list[int]]:
+    """Each request's output token ids; `texts` gets each one's text."""
     for request_id, (prompt, params) in requests.items():
         engine.add_request(request_id, prompt, params)
     outputs = {request_id: [] for request_id in requests}
+    text = dict.fromkeys(requests, "")
     while engine.has_unfinished_requests():
         for delta in engine.step():
             outputs[delta.request_id].extend(delta.new_token_ids)
+            text[delta.request_id] += delta.text_delta
+    if texts is not None:
+        texts.update(text)
     return outputs
 
 
@@ -215,7 +228,8 @@ def test_min_tokens_bans_stop_tokens_until_reached_like_transformers(llm, tiny_l
 
 
 def test_min_tokens_defers_eos_and_stop_strings(tiny_llama_dir):
-    engine = EngineCore(tiny_llama_dir, EngineConfig(block_size=16, num_kv_blocks=64, max_model_len=256))
+    engine = EngineCore(tiny_llama_dir, EngineConfig(block_size=16, num_kv_blocks=64, max_model_len=256),
+                        Tokenizer.from_file(str(tiny_llama_dir / "tokenizer.json")))
     probe = _run(engine, {"probe": ([5, 6, 7, 8], greedy(20))})["probe"]
     engine.eos_token_ids = frozenset({probe[0]})
     outputs = _run(engine, {"eos": ([5, 6, 7, 8], SamplingParams(temperature=0.0, max_tokens=20, min_tokens=3))})

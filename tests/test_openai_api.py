@@ -10,7 +10,6 @@ import time
 
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.slo import SloConfig
@@ -40,14 +39,6 @@ class Served(ServedApis):
 
     def wait_idle(self) -> None:
         self.loop.run(self.cluster.wait_idle())
-
-    def requests_ended(self, metric: str, **labels: str) -> float:
-        """A request counter's value from GET /metrics (on the HTTP API's port)."""
-        status, _, body = http_request(self.http_port, "GET", "/metrics")
-        assert status == 200
-        samples = [s for family in text_string_to_metric_families(body.decode()) for s in family.samples
-                   if s.name == f"splitserve_{metric}_total" and s.labels == labels]
-        return samples[0].value if samples else 0.0
 
 
 @pytest.fixture(scope="module")
@@ -164,6 +155,26 @@ def test_completion_logprobs_follow_the_openai_shape(served):
         assert top[token] == logprob
 
 
+@pytest.mark.parametrize("top", [0, 1])
+def test_completion_top_logprobs_always_hold_the_sampled_token(served, top):
+    """OpenAI: "The API will always return the logprob of the sampled token, so there may be up to
+    logprobs+1 elements"; a sampled token outside the top `logprobs` is added after them."""
+    prompt = served.cluster.tokenizer.encode(PROMPT)
+    params = {"temperature": 1.0, "seed": 11, "max_tokens": 8}
+    logprobs = served.client().completions.create(
+        model=MODEL, prompt=prompt, logprobs=top, **params,
+        extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True}).choices[0].logprobs
+    chunks = served.loop.run(served.cluster.generate(
+        "reference", tuple(prompt), SamplingParams(ignore_eos=True, logprobs=top, **params)))
+    expected = [lp for chunk in chunks for lp in chunk.logprobs]
+    assert any(lp.token_id not in [t for t, _ in lp.top] for lp in expected)  # a sample outside the top
+    assert _ids(logprobs.tokens) == [lp.token_id for lp in expected]
+    for entry, lp in zip(logprobs.top_logprobs, expected):
+        ranked = [t for t, _ in lp.top] + ([] if lp.token_id in [t for t, _ in lp.top] else [lp.token_id])
+        assert _ids(list(entry)) == ranked
+        assert entry[f"token_id:{lp.token_id}"] == pytest.approx(lp.logprob, abs=1e-5)
+
+
 def test_chat_logprobs_equal_the_orchestrators(served):
     response = served.client().chat.completions.create(
         model=MODEL, messages=CHAT, max_tokens=6, logprobs=True, top_logprobs=3,
@@ -175,9 +186,26 @@ def test_chat_logprobs_equal_the_orchestrators(served):
     expected = [lp for chunk in chunks for lp in chunk.logprobs]
     assert _ids([entry.token for entry in content]) == [lp.token_id for lp in expected]
     assert [entry.logprob for entry in content] == pytest.approx([lp.logprob for lp in expected], abs=1e-5)
+    token_bytes = served.cluster.tokenizer.token_bytes
     for entry, lp in zip(content, expected):
         assert _ids([t.token for t in entry.top_logprobs]) == [t for t, _ in lp.top]
-        assert entry.bytes == list(entry.token.encode())
+        assert entry.bytes == list(token_bytes(lp.token_id))  # the token's bytes, not its "token_id:" name
+        assert [t.bytes for t in entry.top_logprobs] == [list(token_bytes(t)) for t, _ in lp.top]
+
+
+def test_chat_logprob_bytes_join_into_the_text_where_characters_span_tokens(served):
+    """OpenAI's `bytes` exist for characters split across tokens: each entry has its token's own
+    bytes (one byte of a UTF-8 sequence for a byte-level piece, whose `token` reads U+FFFD), so
+    joined they are the output's UTF-8 (here: every token's, none of them a stop token)."""
+    response = served.client().chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=24, logprobs=True, temperature=1.0, seed=3,
+        extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+    content = response.choices[0].logprobs.content
+    ids = _ids([entry.token for entry in content])
+    joined = b"".join(bytes(entry.bytes) for entry in content)
+    assert joined.decode("utf-8", errors="replace") == served.cluster.tokenizer.decode(ids)
+    partial = [bytes(entry.bytes) for entry in content if len(entry.bytes) == 1 and entry.bytes[0] >= 0x80]
+    assert partial  # the sample holds pieces of multi-byte characters (a random model: many)
 
 
 def test_a_seed_reproduces_the_sample_and_matches_grpc(served):

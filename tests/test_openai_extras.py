@@ -157,6 +157,29 @@ def test_min_tokens_holds_back_a_stop_token_on_both_apis(served):
     assert grpc_ids == held_ids
 
 
+def test_a_stop_token_ends_the_output_without_its_text(served):
+    """vLLM's stop_token_ids (and EOS): the token is counted, streamed as an id and has its logprob,
+    but its text is not output (include_stop_str_in_output false), on every API."""
+    client, tokenizer = served.client(), served.cluster.tokenizer
+    full = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=0,
+                                     extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+    ids = [int(t.removeprefix("token_id:")) for t in full.choices[0].logprobs.tokens]
+    stop_at = next(i for i in range(1, 6) if ids[i] not in ids[:i] and tokenizer.decode([ids[i]]))
+    expected = tokenizer.decode(ids[:stop_at])
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 6, "temperature": 0,
+            "extra_body": {"stop_token_ids": [ids[stop_at]], "skip_special_tokens": False}}
+    whole = client.completions.create(**body, logprobs=0)
+    (choice,) = whole.choices
+    assert (choice.text, choice.finish_reason, choice.model_extra["stop_reason"]) == (expected, "stop", ids[stop_at])
+    assert (len(choice.logprobs.tokens), whole.usage.completion_tokens) == (stop_at + 1, stop_at + 1)
+    streamed = list(client.completions.create(**body, stream=True))
+    assert "".join(c.choices[0].text for c in streamed) == expected
+    grpc_ids, grpc_text, _ = stream_tokens(served.grpc_port, pb.GenerateRequest(
+        text=PROMPT.encode(), sampling=pb.SamplingParams(temperature=0, max_tokens=6, stop_token_ids=[ids[stop_at]])))
+    assert (grpc_ids, grpc_text) == (ids[:stop_at + 1], expected)
+    assert served.cluster.orchestrator.eos_token_ids == tokenizer.eos_token_ids != frozenset()
+
+
 def test_min_tokens_defers_stop_strings_at_the_router(served):
     client = served.client()
     full = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0,

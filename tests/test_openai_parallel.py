@@ -137,6 +137,26 @@ def test_a_client_disconnecting_cancels_every_sequence(served):
 
 # ---- best_of ---------------------------------------------------------------------------------
 
+def test_a_fan_out_the_router_cannot_hold_whole_is_a_429_before_any_sequence_runs(tiny_llama_dir):
+    """Every sequence takes an admission slot before the first one starts: with room for two, n=3
+    is refused whole (streamed too: a 429 with Retry-After, not a 200 whose stream fails after the
+    first sequence's tokens), nothing runs, no slot leaks, and n=2 is served."""
+    routing = RoutingConfig(disaggregation="always", max_in_flight_requests=2)
+    with served_apis(tiny_llama_dir, MODEL, served_class=Served, routing=routing) as served:
+        workers = [*served.cluster.prefill_workers, *served.cluster.decode_workers]
+        for stream in (False, True):
+            status, headers, raw = http_request(served.http_port, "POST", "/v1/completions", json.dumps(
+                {"prompt": PROMPT, "max_tokens": 3, "n": 3, "stream": stream}).encode())
+            assert (status, headers["retry-after"], json.loads(raw)["error"]["code"]) == (
+                429, "1", "resource_exhausted")
+        assert [s.num_generation_tokens for s in served.engine_stats(workers)] == [0, 0]
+        assert dict(served.cluster.orchestrator.routing_stats().rejections) == {"too_many_requests": 2}
+        assert served.cluster.orchestrator.admission.in_flight == 0
+        texts, _ = _stream_texts(served.client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, n=2,
+                                                                    stream=True, **GREEDY))
+        assert sorted(texts) == [0, 1] and texts[0] == texts[1]
+
+
 def test_best_of_returns_the_sequences_of_highest_cumulative_logprob(served):
     singles = [served.single(PROMPT, max_tokens=5, seed=3 + i, logprobs=0, **SAMPLED).choices[0] for i in range(4)]
     ranked = sorted(singles, key=lambda c: sum(c.logprobs.token_logprobs), reverse=True)
@@ -187,6 +207,55 @@ def test_batched_prompts_stream_with_their_usage(served):
         **body, stream=True, stream_options={"include_usage": True}))
     assert texts == dict(_texts(whole))
     assert chunks[-1].usage == whole.usage
+
+
+def _usage_so_far(chunks, tokens_in) -> list[tuple[int, int, int, int]]:
+    """(choice index, tokens streamed for it so far, the chunk's usage: completion and prompt tokens)
+    of every chunk that has choices; `tokens_in(choice)` counts a chunk choice's tokens."""
+    streamed: dict[int, int] = {}
+    rows = []
+    for chunk in chunks:
+        for choice in chunk.choices:
+            streamed[choice.index] = streamed.get(choice.index, 0) + tokens_in(choice)
+            rows.append((choice.index, streamed[choice.index], chunk.usage.completion_tokens,
+                         chunk.usage.prompt_tokens))
+            assert chunk.usage.total_tokens == chunk.usage.prompt_tokens + chunk.usage.completion_tokens
+    return rows
+
+
+def test_continuous_usage_stats_give_each_chunk_its_choices_usage_so_far(served):
+    """vLLM's stream_options.continuous_usage_stats: every chunk's usage counts its own choice's
+    prompt and the tokens streamed for that choice up to and including the chunk."""
+    prompt_tokens = [served.single(p, max_tokens=1).usage.prompt_tokens for p in (PROMPT, OTHER)]
+    chunks = list(served.client().completions.create(
+        model=MODEL, prompt=[PROMPT, OTHER], max_tokens=5, n=2, logprobs=0, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}, **GREEDY))
+    rows = _usage_so_far(chunks[:-1], lambda choice: len(choice.logprobs.tokens))
+    assert {index for index, *_ in rows} == {0, 1, 2, 3}
+    assert all(streamed == completion and prompt == prompt_tokens[index // 2]
+               for index, streamed, completion, prompt in rows)
+    assert {index: streamed for index, streamed, *_ in rows} == {0: 5, 1: 5, 2: 5, 3: 5}  # each choice's last
+    assert (chunks[-1].choices, chunks[-1].usage.completion_tokens) == ([], 20)  # the usage chunk as before
+
+
+def test_continuous_usage_stats_in_a_chat_stream(served):
+    chat = [{"role": "user", "content": "Tell me about the river."}]
+    client = served.client()
+    prompt_tokens = client.chat.completions.create(model=MODEL, messages=chat, max_tokens=1).usage.prompt_tokens
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=chat, max_tokens=4, logprobs=True, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}, **GREEDY))
+    rows = _usage_so_far(chunks[:-1], lambda choice: len(choice.logprobs.content) if choice.logprobs else 0)
+    assert rows[0] == (0, 0, 0, prompt_tokens)  # the role chunk: no token yet
+    assert all(streamed == completion and prompt == prompt_tokens for _, streamed, completion, prompt in rows)
+    assert rows[-1][1] == 4 and chunks[-1].usage.completion_tokens == 4
+    # Without include_usage, vLLM sends no usage at all.
+    plain = list(client.chat.completions.create(model=MODEL, messages=chat, max_tokens=2, stream=True,
+                                                stream_options={"continuous_usage_stats": True}, **GREEDY))
+    assert all(chunk.usage is None for chunk in plain)
+    status, _, raw = http_request(served.http_port, "POST", "/v1/chat/completions", json.dumps(
+        {"messages": chat, "stream": True, "stream_options": {"continuous_usage_stats": 1}}).encode())
+    assert (status, json.loads(raw)["error"]["param"]) == (400, "stream_options.continuous_usage_stats")
 
 
 def test_echo_prepends_each_prompt(served):

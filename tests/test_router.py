@@ -101,6 +101,55 @@ def test_cancel_mid_stream_frees_both_workers(tiny_llama_dir):
     asyncio.run(scenario())
 
 
+def test_a_stream_closed_after_its_deadline_passed_ran_out_of_time(tiny_llama_dir):
+    """gRPC cancels a call whose deadline passed by its own timer, which can run before the
+    request's own (the same instant): a stream closed once its deadline passed ends as
+    DEADLINE_EXCEEDED (it counts against the SLO), one closed before as CANCELLED (it does not)."""
+    from splitserve.router.api_types import GenerationInput
+
+    records = []
+    params = SamplingParams(max_tokens=2000, ignore_eos=True)
+
+    async def close_after_first_chunk(cluster, request_id: str, deadline: float, block_until_deadline: bool):
+        stream = cluster.orchestrator.generate(GenerationInput(request_id, tuple(PROMPT), params, deadline))
+        await anext(stream)
+        if block_until_deadline:  # the loop cannot run the request's timer: gRPC's cancel comes first
+            time.sleep(max(0.0, deadline - time.monotonic()))
+        await stream.aclose()
+
+    async def scenario():
+        async with InProcessCluster(tiny_llama_dir, observer=records.append) as cluster:
+            await close_after_first_chunk(cluster, "late", time.monotonic() + 0.3, True)
+            await close_after_first_chunk(cluster, "early", time.monotonic() + 60, False)
+            await cluster.wait_idle()
+
+    asyncio.run(scenario())
+    assert [(r.request_id, r.error_code) for r in records] == [("late", "DEADLINE_EXCEEDED"), ("early", "CANCELLED")]
+
+
+@pytest.mark.parametrize(("finish_reason", "stop_reason", "ignore_eos", "text_tokens"), [
+    ("stop", None, False, [5, 6]),  # EOS: counted, its text left out
+    ("stop", 40, False, [5, 6]),  # a stop token id (its stop reason)
+    ("stop", None, True, [5, 6, 0]),  # under ignore_eos the EOS id is text (a grammar's last token)
+    ("length", None, False, [5, 6, 0]),
+])
+def test_the_token_that_stopped_a_request_is_not_in_its_text(tiny_llama_dir, finish_reason, stop_reason, ignore_eos,
+                                                              text_tokens):
+    from splitserve.router.api_types import GenerationInput
+    from splitserve.router.request_run import RequestRun
+    from splitserve.router.tokenizer import RouterTokenizer
+
+    tokenizer = RouterTokenizer.from_model_dir(tiny_llama_dir)
+    last = 0 if stop_reason is None else stop_reason
+    params = SamplingParams(skip_special_tokens=False, ignore_eos=ignore_eos)
+    run = RequestRun(GenerationInput("a", (7, 8), params), tokenizer.backend, time.monotonic(),
+                     tokenizer.eos_token_ids)
+    chunk = run.on_tokens([5, 6, last], [], finish_reason, stop_reason)
+    assert 0 in tokenizer.eos_token_ids  # <|endoftext|>
+    assert (chunk.token_ids, chunk.usage.completion_tokens) == ((5, 6, last), 3)
+    assert chunk.text == tokenizer.decode(text_tokens, skip_special_tokens=False)
+
+
 def _answer_after_the_lease_expired(worker) -> None:
     """The prefill worker answers only once its lease expired (its poll reclaimed the blocks), so
     the decode worker's pull always meets reclaimed blocks: its generation check fails it."""

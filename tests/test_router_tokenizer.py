@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from tokenizers import Tokenizer, models, normalizers, processors
+from tokenizers import Tokenizer, decoders, models, normalizers, processors
 from transformers import AutoTokenizer
 
 from splitserve.common.detokenizer import IncrementalDetokenizer
@@ -284,6 +284,40 @@ def test_a_normalizing_tokenizer_bounds_three_times_as_many_bytes_per_token():
     plain = max_bytes_per_token(backend)
     backend.normalizer = normalizers.NFC()
     assert (plain, max_bytes_per_token(backend)) == (5, 15)
+
+
+def _sentencepiece_byte_fallback() -> Tokenizer:
+    """A Llama-2-style SentencePiece BPE: "▁" for spaces (and one before the text), `<0xNN>` pieces
+    for characters outside the vocabulary, and Llama's decoder (Replace, ByteFallback, Fuse, Strip)."""
+    vocab = {"<unk>": 0, "<s>": 1, **{f"<0x{b:02X}>": 2 + b for b in range(256)}}
+    vocab.update({piece: len(vocab) + i for i, piece in enumerate("▁abcdefghijklmnopqrstuvwxyz")})
+    backend = Tokenizer(models.BPE(vocab, [], unk_token="<unk>", byte_fallback=True))
+    backend.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                         decoders.Strip(" ", 1, 0)])
+    backend.add_special_tokens(["</s>"])
+    return backend
+
+
+def test_token_bytes_put_characters_split_across_tokens_back_together(tiny_llama_dir):
+    """OpenAI's logprobs `bytes`: each token's own bytes, so a character spread over several tokens
+    (each U+FFFD when decoded alone) is whole again once its tokens' bytes are joined."""
+    text = "é river 日本 😀"
+    byte_level = RouterTokenizer.from_model_dir(tiny_llama_dir)
+    ids = byte_level.encode(text, add_special_tokens=False)
+    pieces = [byte_level.token_bytes(t) for t in ids]
+    assert b"".join(pieces) == text.encode()
+    assert pieces[:2] == [b"\xc3", b"\xa9"] and byte_level.decode(ids[:1]) == "\ufffd"  # é is two tokens
+    assert byte_level.token_bytes(0) == b"<|endoftext|>"  # an added token: its content
+    sentencepiece = _sentencepiece_byte_fallback()
+    ids = sentencepiece.encode(text, add_special_tokens=False).ids
+    spm = RouterTokenizer(sentencepiece, {}, None, frozenset(), "spm")
+    assert [spm.token_bytes(t) for t in ids[:3]] == [b" ", b"\xc3", b"\xa9"]  # "▁", "<0xC3>", "<0xA9>"
+    assert b"".join(spm.token_bytes(t) for t in ids) == b" " + text.encode()  # the "▁" put before the text
+    assert spm.token_bytes(sentencepiece.token_to_id("</s>")) == b"</s>"
+    sentencepiece.decoder = decoders.WordPiece()  # a decoder not read here: the token decoded alone
+    wordpiece = RouterTokenizer(sentencepiece, {}, None, frozenset(), "wordpiece")
+    assert wordpiece.token_bytes(sentencepiece.token_to_id("<0xC3>")) == b"<0xC3>"
 
 
 def test_encoding_in_a_thread_leaves_the_event_loop_running(tiny_llama_dir):
