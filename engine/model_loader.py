@@ -50,6 +50,7 @@ def parse_arch(config: PretrainedConfig) -> LlamaFamilyArch:
     if getattr(config, "hidden_act", "silu") != "silu":
         raise UnsupportedModelError(unsupported_activation_message(config.hidden_act))
     num_heads = config.num_attention_heads
+    qkv_bias, o_bias, mlp_bias = _biases(config, architecture)
     return LlamaFamilyArch(
         architecture=architecture,
         vocab_size=config.vocab_size,
@@ -61,16 +62,35 @@ def parse_arch(config: PretrainedConfig) -> LlamaFamilyArch:
         intermediate_size=config.intermediate_size,
         rms_norm_eps=config.rms_norm_eps,
         max_position_embeddings=config.max_position_embeddings,
-        qkv_bias=architecture == "Qwen2ForCausalLM" or bool(getattr(config, "attention_bias", False)),
-        o_bias=architecture != "Qwen2ForCausalLM" and bool(getattr(config, "attention_bias", False)),
-        mlp_bias=bool(getattr(config, "mlp_bias", False)),
+        qkv_bias=qkv_bias,
+        o_bias=o_bias,
+        mlp_bias=mlp_bias,
         qk_norm=architecture == "Qwen3ForCausalLM",
         tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-        sliding_windows=_sliding_windows(config),
+        sliding_windows=_sliding_windows(config, architecture),
     )
 
 
-def _sliding_windows(config: PretrainedConfig) -> tuple[int | None, ...]:
+def _biases(config: PretrainedConfig, architecture: str) -> tuple[bool, bool, bool]:
+    """(q/k/v, o, MLP) biases as transformers' modules of `architecture` build them: Llama reads
+    attention_bias (q/k/v and o) and mlp_bias, Qwen3 attention_bias only, Qwen2 always biases q/k/v
+    and nothing else, Mistral biases nothing. A field an architecture's modules never read (mlp_bias
+    in a Qwen2 config.json, attention_bias in a Mistral one) is ignored, as transformers ignores it."""
+    attention_bias = bool(getattr(config, "attention_bias", False))
+    if architecture == "Qwen2ForCausalLM":
+        return True, False, False
+    if architecture == "MistralForCausalLM":
+        return False, False, False
+    if architecture == "Qwen3ForCausalLM":
+        return attention_bias, attention_bias, False
+    return attention_bias, attention_bias, bool(getattr(config, "mlp_bias", False))
+
+
+def _sliding_windows(config: PretrainedConfig, architecture: str) -> tuple[int | None, ...]:
+    """Per layer: the attention window, or None. Llama attends fully in every layer whatever its
+    config.json says (transformers' Llama reads neither sliding_window nor layer_types)."""
+    if architecture == "LlamaForCausalLM":
+        return (None,) * config.num_hidden_layers
     window = getattr(config, "sliding_window", None)
     layer_types = getattr(config, "layer_types", None)
     if layer_types is not None:

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import shutil
+from pathlib import Path
+
 import pytest
 
 from tests.factories import assert_pool_idle, hf_greedy, save_random_hf_model
@@ -76,3 +80,32 @@ def test_a_checkpoint_missing_a_tensor_is_an_unsupported_model_naming_it(tmp_pat
     with pytest.raises(UnsupportedModelError) as error:
         EngineCore(model_dir, EngineConfig(device="cpu"))
     assert str(error.value) == f"the checkpoint has no tensor {where}"
+
+
+# Fields a config.json may carry that transformers' modules of its architecture never read (a
+# Llama-converted Mistral keeps its sliding_window; Qwen2 and Mistral build no o / MLP biases whatever
+# attention_bias or mlp_bias say): with them the engine serves what transformers' model computes
+# without them. The reference is the directory without the fields: transformers' generate on a Llama
+# config with sliding_window keeps only the last window of each layer's cache (its cache reads the
+# field, its model does not), so after the prompt it attends through neither a full nor a sliding mask.
+NEUTRAL_FIELDS = {
+    "llama-sliding-window": ("llama", dict(sliding_window=8)),
+    "llama-layer-types": ("llama", dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"])),
+    "qwen2-mlp-bias": ("qwen2", dict(mlp_bias=True)),
+    "mistral-attention-and-mlp-bias": ("mistral", dict(attention_bias=True, mlp_bias=True)),
+    "qwen3-mlp-bias": ("qwen3", dict(mlp_bias=True)),
+}
+SHORT_CASES = [GreedyCase(c.prompt_token_ids, c.max_tokens, ignore_eos=True)
+               for c in mixed_workload(vocab_size=384, num_requests=3, seed=5, max_prompt=60, max_output=6)]
+
+
+@pytest.mark.parametrize("variant", sorted(NEUTRAL_FIELDS))
+def test_config_fields_transformers_does_not_read_do_not_change_the_model(variant, tmp_path):
+    architecture, fields = NEUTRAL_FIELDS[variant]
+    reference_dir = save_random_hf_model(tmp_path / "reference", architecture, seed=3, sliding_window=None)
+    model_dir = Path(shutil.copytree(reference_dir, tmp_path / variant))
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, **fields}))
+    outputs, engine = run_engine(model_dir, SHORT_CASES, max_num_batched_tokens=16)
+    assert outputs == [hf_greedy(reference_dir, case) for case in SHORT_CASES]
+    assert_pool_idle(engine.block_manager)
