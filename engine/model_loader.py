@@ -17,7 +17,7 @@ from transformers import AutoConfig, PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from splitserve.common.errors import UnsupportedModelError
-from splitserve.common.model_dir import (SUPPORTED_ARCHITECTURES, unsupported_activation_message,
+from splitserve.common.model_dir import (SILU_ACTIVATIONS, SUPPORTED_ARCHITECTURES, unsupported_activation_message,
                                          unsupported_architecture_message)
 from splitserve.engine.attention import AttentionBackend
 from splitserve.engine.cpu_kernels import cpu_kernel_isa
@@ -47,7 +47,7 @@ def parse_arch(config: PretrainedConfig) -> LlamaFamilyArch:
     architecture = (config.architectures or ["?"])[0]
     if architecture not in SUPPORTED_ARCHITECTURES:
         raise UnsupportedModelError(unsupported_architecture_message(architecture))
-    if getattr(config, "hidden_act", "silu") != "silu":
+    if getattr(config, "hidden_act", "silu") not in SILU_ACTIVATIONS:
         raise UnsupportedModelError(unsupported_activation_message(config.hidden_act))
     num_heads = config.num_attention_heads
     qkv_bias, o_bias, mlp_bias = _biases(config, architecture)

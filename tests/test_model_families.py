@@ -11,6 +11,7 @@ import pytest
 from tests.factories import assert_pool_idle, hf_greedy, save_random_hf_model
 from splitserve.common.config import EngineConfig
 from splitserve.common.errors import UnsupportedModelError
+from splitserve.common.model_dir import check_model_dir
 from splitserve.engine import EngineCore
 from splitserve.testing.workloads import GreedyCase, mixed_workload
 
@@ -84,8 +85,8 @@ def test_a_checkpoint_missing_a_tensor_is_an_unsupported_model_naming_it(tmp_pat
 
 # Fields a config.json may carry that transformers' modules of its architecture never read (a
 # Llama-converted Mistral keeps its sliding_window; Qwen2 and Mistral build no o / MLP biases whatever
-# attention_bias or mlp_bias say): with them the engine serves what transformers' model computes
-# without them. The reference is the directory without the fields: transformers' generate on a Llama
+# attention_bias or mlp_bias say), or read as what the engine runs (transformers' swish is its SiLU):
+# with them the engine serves what transformers' model computes without them. The reference is the directory without the fields: transformers' generate on a Llama
 # config with sliding_window keeps only the last window of each layer's cache (its cache reads the
 # field, its model does not), so after the prompt it attends through neither a full nor a sliding mask.
 NEUTRAL_FIELDS = {
@@ -94,6 +95,7 @@ NEUTRAL_FIELDS = {
     "qwen2-mlp-bias": ("qwen2", dict(mlp_bias=True)),
     "mistral-attention-and-mlp-bias": ("mistral", dict(attention_bias=True, mlp_bias=True)),
     "qwen3-mlp-bias": ("qwen3", dict(mlp_bias=True)),
+    "llama-hidden-act-swish": ("llama", dict(hidden_act="swish")),
 }
 SHORT_CASES = [GreedyCase(c.prompt_token_ids, c.max_tokens, ignore_eos=True)
                for c in mixed_workload(vocab_size=384, num_requests=3, seed=5, max_prompt=60, max_output=6)]
@@ -109,3 +111,14 @@ def test_config_fields_transformers_does_not_read_do_not_change_the_model(varian
     outputs, engine = run_engine(model_dir, SHORT_CASES, max_num_batched_tokens=16)
     assert outputs == [hf_greedy(reference_dir, case) for case in SHORT_CASES]
     assert_pool_idle(engine.block_manager)
+
+
+def test_an_unsupported_activation_is_refused_naming_the_field(tmp_path):
+    model_dir = save_random_hf_model(tmp_path / "m", "llama", hidden_act="gelu")
+    with pytest.raises(UnsupportedModelError) as error:
+        EngineCore(model_dir, EngineConfig(device="cpu"))
+    assert str(error.value) == "hidden_act 'gelu' is not supported (only silu / swish)"
+    (model_dir / "tokenizer.json").write_text("{}")
+    with pytest.raises(UnsupportedModelError) as error:
+        check_model_dir(model_dir)
+    assert str(error.value) == f"{model_dir}: hidden_act 'gelu' is not supported (only silu / swish)"
