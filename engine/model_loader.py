@@ -68,6 +68,7 @@ def parse_arch(config: PretrainedConfig) -> LlamaFamilyArch:
         qk_norm=architecture == "Qwen3ForCausalLM",
         tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
         sliding_windows=_sliding_windows(config, architecture),
+        rope_length_limit=_rope_length_limit(config),
     )
 
 
@@ -97,6 +98,19 @@ def _sliding_windows(config: PretrainedConfig, architecture: str) -> tuple[int |
         return tuple(window if kind == "sliding_attention" else None for kind in layer_types)
     enabled = window is not None and getattr(config, "use_sliding_window", True)
     return tuple(window if enabled else None for _ in range(config.num_hidden_layers))
+
+
+def _rope_length_limit(config: PretrainedConfig) -> int | None:
+    """original_max_position_embeddings of a `longrope` model whose max_position_embeddings is larger.
+
+    transformers rotates every position of a forward pass with long_factor once the sequence is longer
+    than original_max_position_embeddings (short_factor below), so the keys already cached would have
+    to be rotated again; up to that length its frequencies are fixed and the engine matches it."""
+    params = getattr(config, "rope_parameters", None) or {}
+    if params.get("rope_type") != "longrope":
+        return None
+    original = params.get("original_max_position_embeddings", config.max_position_embeddings)
+    return original if original < config.max_position_embeddings else None
 
 
 def build_rotary(config: PretrainedConfig, arch: LlamaFamilyArch) -> RotaryEmbedding:

@@ -10,7 +10,7 @@ import pytest
 
 from tests.factories import assert_pool_idle, hf_greedy, save_random_hf_model
 from splitserve.common.config import EngineConfig
-from splitserve.common.errors import UnsupportedModelError
+from splitserve.common.errors import InvalidRequestError, UnsupportedModelError
 from splitserve.common.model_dir import check_model_dir
 from splitserve.engine import EngineCore
 from splitserve.testing.workloads import GreedyCase, mixed_workload
@@ -122,3 +122,32 @@ def test_an_unsupported_activation_is_refused_naming_the_field(tmp_path):
     with pytest.raises(UnsupportedModelError) as error:
         check_model_dir(model_dir)
     assert str(error.value) == f"{model_dir}: hidden_act 'gelu' is not supported (only silu / swish)"
+
+
+LONGROPE = dict(max_position_embeddings=256, rope_parameters={
+    "rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 64,
+    "short_factor": [1.0 + 0.1 * i for i in range(8)], "long_factor": [1.0 + 0.9 * i for i in range(8)]})
+
+
+def test_longrope_is_served_up_to_its_original_length_exactly(tmp_path):
+    """transformers rotates a sequence longer than original_max_position_embeddings (64) with long_factor
+    at every position, the cached ones included: the engine serves such a model up to 64 tokens, where
+    its frequencies are fixed, and matches it there (sequences ending at 64, after a chunked prefill)."""
+    model_dir = save_random_hf_model(tmp_path / "longrope", "llama", seed=3, **LONGROPE)
+    cases = [GreedyCase(tuple(range(3, 3 + n)), 64 - n, ignore_eos=True) for n in (5, 40, 63)]
+    outputs, engine = run_engine(model_dir, cases, max_num_batched_tokens=16)
+    assert engine.max_model_len == 64
+    assert outputs == [hf_greedy(model_dir, case) for case in cases]
+    with pytest.raises(InvalidRequestError) as error:
+        engine.validate("long", list(range(3, 3 + 64)), cases[0].params())
+    assert str(error.value) == "prompt: has 64 tokens; max_model_len is 64 (including at least one output token)"
+
+
+def test_longrope_past_its_original_length_is_refused_naming_max_model_len(tmp_path):
+    model_dir = save_random_hf_model(tmp_path / "longrope", "llama", **LONGROPE)
+    with pytest.raises(ValueError) as error:
+        EngineCore(model_dir, EngineConfig(device="cpu", max_model_len=65))
+    assert str(error.value) == (
+        "max_model_len 65 exceeds original_max_position_embeddings 64 of this rope_type 'longrope' model: past it "
+        "transformers rotates every position with long_factor instead of short_factor, which keys already in the KV "
+        "cache cannot follow; set max_model_len <= 64")
