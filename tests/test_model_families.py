@@ -32,7 +32,7 @@ FAMILIES = {
 
 
 def run_engine(model_dir, cases: list[GreedyCase], **config) -> tuple[list[list[int]], EngineCore]:
-    engine = EngineCore(model_dir, EngineConfig(block_size=16, **config))
+    engine = EngineCore(model_dir, EngineConfig(**{"block_size": 16, **config}))
     for index, case in enumerate(cases):
         engine.add_request(str(index), list(case.prompt_token_ids), case.params())
     outputs: dict[str, list[int]] = {str(i): [] for i in range(len(cases))}
@@ -50,6 +50,48 @@ def test_family_matches_transformers(family, tmp_path):
              for c in mixed_workload(vocab_size=384, num_requests=8, seed=11, max_prompt=200, max_output=12)]
     outputs, engine = run_engine(model_dir, cases, max_num_batched_tokens=64)
     assert outputs == [hf_greedy(model_dir, case) for case in cases]
+    assert_pool_idle(engine.block_manager)
+
+
+SHORT_CASES = [GreedyCase(c.prompt_token_ids, c.max_tokens, ignore_eos=True)
+               for c in mixed_workload(vocab_size=384, num_requests=3, seed=5, max_prompt=60, max_output=6)]
+
+
+def short_run_config(block_size: int = 16) -> dict:
+    """A 16-token step budget (chunked prefill) and a pool of 384 tokens, room for SHORT_CASES at once: a pool
+    sized from memory would hold a million one-token blocks and take seconds to set up."""
+    return dict(block_size=block_size, max_num_batched_tokens=16, max_model_len=128,
+                num_kv_blocks=-(-384 // block_size))
+
+
+# Shapes the families above do not take, each at a block size of its own: (architecture, config
+# overrides, block_size).
+SHAPES = {
+    # head_dim 40 (not hidden / heads, not a multiple of the kernels' 16 lanes), one KV head for 7 query
+    # heads, a vocabulary that is no multiple of 8
+    "llama-head-dim-40-mqa-7-vocab-389": ("llama", dict(hidden_size=70, num_attention_heads=7,
+                                                        num_key_value_heads=1, head_dim=40,
+                                                        intermediate_size=90, vocab_size=389), 3),
+    # a window shorter than one block and no multiple of it; 3 query heads per KV head of 80
+    "mistral-window-5-block-16-gqa-3": ("mistral", dict(hidden_size=48, num_attention_heads=6,
+                                                        num_key_value_heads=2, head_dim=80, sliding_window=5), 16),
+    # full attention in layer 0, a 7-token window in layers 1-2, blocks of one token
+    "qwen2-max-window-layers-block-1": ("qwen2", dict(num_hidden_layers=3, use_sliding_window=True,
+                                                      sliding_window=7, max_window_layers=1), 1),
+    "qwen3-tied-head-dim-256": ("qwen3", dict(num_attention_heads=2, num_key_value_heads=1, head_dim=256,
+                                              tie_word_embeddings=True), 16),
+    # transformers rescales `dynamic` only past max_position_embeddings, which max_model_len never passes
+    "llama-rope-dynamic": ("llama", dict(max_position_embeddings=128, rope_parameters={
+        "rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0}), 3),
+}
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_shape_matches_transformers(shape, tmp_path):
+    architecture, overrides, block_size = SHAPES[shape]
+    model_dir = save_random_hf_model(tmp_path / shape, architecture, seed=3, **overrides)
+    outputs, engine = run_engine(model_dir, SHORT_CASES, **short_run_config(block_size))
+    assert outputs == [hf_greedy(model_dir, case) for case in SHORT_CASES]
     assert_pool_idle(engine.block_manager)
 
 
@@ -97,8 +139,6 @@ NEUTRAL_FIELDS = {
     "qwen3-mlp-bias": ("qwen3", dict(mlp_bias=True)),
     "llama-hidden-act-swish": ("llama", dict(hidden_act="swish")),
 }
-SHORT_CASES = [GreedyCase(c.prompt_token_ids, c.max_tokens, ignore_eos=True)
-               for c in mixed_workload(vocab_size=384, num_requests=3, seed=5, max_prompt=60, max_output=6)]
 
 
 @pytest.mark.parametrize("variant", sorted(NEUTRAL_FIELDS))
@@ -108,7 +148,7 @@ def test_config_fields_transformers_does_not_read_do_not_change_the_model(varian
     model_dir = Path(shutil.copytree(reference_dir, tmp_path / variant))
     config = json.loads((model_dir / "config.json").read_text())
     (model_dir / "config.json").write_text(json.dumps({**config, **fields}))
-    outputs, engine = run_engine(model_dir, SHORT_CASES, max_num_batched_tokens=16)
+    outputs, engine = run_engine(model_dir, SHORT_CASES, **short_run_config())
     assert outputs == [hf_greedy(reference_dir, case) for case in SHORT_CASES]
     assert_pool_idle(engine.block_manager)
 
