@@ -48,7 +48,8 @@ def test_family_matches_transformers(family, tmp_path):
     model_dir = save_random_hf_model(tmp_path / family, architecture, seed=3, **overrides)
     cases = [GreedyCase(c.prompt_token_ids, c.max_tokens, ignore_eos=True)
              for c in mixed_workload(vocab_size=384, num_requests=8, seed=11, max_prompt=200, max_output=12)]
-    outputs, engine = run_engine(model_dir, cases, max_num_batched_tokens=64)
+    # A pool for all 8 at once (at most 212 tokens each): one sized from memory takes ~1 s to set up.
+    outputs, engine = run_engine(model_dir, cases, max_num_batched_tokens=64, max_model_len=256, num_kv_blocks=112)
     assert outputs == [hf_greedy(model_dir, case) for case in cases]
     assert_pool_idle(engine.block_manager)
 
@@ -175,7 +176,7 @@ def test_longrope_is_served_up_to_its_original_length_exactly(tmp_path):
     its frequencies are fixed, and matches it there (sequences ending at 64, after a chunked prefill)."""
     model_dir = save_random_hf_model(tmp_path / "longrope", "llama", seed=3, **LONGROPE)
     cases = [GreedyCase(tuple(range(3, 3 + n)), 64 - n, ignore_eos=True) for n in (5, 40, 63)]
-    outputs, engine = run_engine(model_dir, cases, max_num_batched_tokens=16)
+    outputs, engine = run_engine(model_dir, cases, max_num_batched_tokens=16, num_kv_blocks=12)
     assert engine.max_model_len == 64
     assert outputs == [hf_greedy(model_dir, case) for case in cases]
     with pytest.raises(InvalidRequestError) as error:
