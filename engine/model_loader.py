@@ -158,11 +158,22 @@ def fuse_checkpoint(checkpoint: dict[str, torch.Tensor], arch: LlamaFamilyArch) 
     QuantizedWeight: see engine/quantization/loader.py)."""
     state = {name: _take(checkpoint, name, "outside the decoder layers") for name in ("embed_tokens.weight",
                                                                                      "norm.weight")}
-    lm_head = checkpoint.pop("lm_head.weight", None)
-    state["lm_head.weight"] = state["embed_tokens.weight"] if arch.tie_word_embeddings or lm_head is None else lm_head
+    state["lm_head.weight"] = _lm_head(checkpoint, state["embed_tokens.weight"], arch.tie_word_embeddings)
     for i in range(arch.num_layers):
         state.update(_fuse_layer(checkpoint, i, arch))
     return state
+
+
+def _lm_head(checkpoint: dict[str, torch.Tensor], embedding: torch.Tensor, tied: bool) -> torch.Tensor:
+    """The output projection as transformers loads it: the checkpoint's lm_head.weight whenever it has one
+    (transformers unties a tied config's two tensors when the checkpoint stores both with different values),
+    else the embedding when tie_word_embeddings says so; otherwise the checkpoint cannot run (transformers
+    would give the model a random output projection)."""
+    if tied and "lm_head.weight" not in checkpoint:
+        return embedding
+    lm_head = _take(checkpoint, "lm_head.weight", "the output projection; config.json does not set tie_word_embeddings")
+    # A tied checkpoint that stores both equal tensors keeps one (on CUDA nothing else copies it).
+    return embedding if tied and torch.equal(lm_head, embedding) else lm_head
 
 
 def _take(checkpoint: dict[str, torch.Tensor], name: str, where: str) -> torch.Tensor:

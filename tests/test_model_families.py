@@ -192,3 +192,24 @@ def test_longrope_past_its_original_length_is_refused_naming_max_model_len(tmp_p
         "max_model_len 65 exceeds original_max_position_embeddings 64 of this rope_type 'longrope' model: past it "
         "transformers rotates every position with long_factor instead of short_factor, which keys already in the KV "
         "cache cannot follow; set max_model_len <= 64")
+
+
+def test_a_tied_config_whose_checkpoint_stores_another_lm_head_runs_that_lm_head(tmp_path):
+    """transformers unties tie_word_embeddings when the checkpoint holds both tensors with different values."""
+    reference_dir = save_random_hf_model(tmp_path / "reference", "llama", seed=3)
+    model_dir = Path(shutil.copytree(reference_dir, tmp_path / "tied"))
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    outputs, engine = run_engine(model_dir, SHORT_CASES, **short_run_config())
+    assert outputs == [hf_greedy(model_dir, case) for case in SHORT_CASES]
+    assert outputs == [hf_greedy(reference_dir, case) for case in SHORT_CASES]
+
+
+def test_an_untied_checkpoint_without_lm_head_is_refused_naming_it(tmp_path):
+    model_dir = save_random_hf_model(tmp_path / "m", "llama", tie_word_embeddings=True)
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": False}))
+    with pytest.raises(UnsupportedModelError) as error:
+        EngineCore(model_dir, EngineConfig(device="cpu"))
+    assert str(error.value) == ("the checkpoint has no tensor lm_head.weight (the output projection; config.json "
+                                "does not set tie_word_embeddings)")
