@@ -88,16 +88,16 @@ def _biases(config: PretrainedConfig, architecture: str) -> tuple[bool, bool, bo
 
 
 def _sliding_windows(config: PretrainedConfig, architecture: str) -> tuple[int | None, ...]:
-    """Per layer: the attention window, or None. Llama attends fully in every layer whatever its
-    config.json says (transformers' Llama reads neither sliding_window nor layer_types)."""
+    """Per layer: the attention window, or None, as transformers' modules read config.json: Llama attends
+    fully in every layer whatever sliding_window or layer_types say; Mistral windows every layer (those
+    layer_types names, when it has them) and reads no use_sliding_window; Qwen2 and Qwen3 window the
+    layers of their layer_types, which their configs derive from use_sliding_window and max_window_layers
+    (dropping sliding_window when use_sliding_window is false)."""
     if architecture == "LlamaForCausalLM":
         return (None,) * config.num_hidden_layers
     window = getattr(config, "sliding_window", None)
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types is not None:
-        return tuple(window if kind == "sliding_attention" else None for kind in layer_types)
-    enabled = window is not None and getattr(config, "use_sliding_window", True)
-    return tuple(window if enabled else None for _ in range(config.num_hidden_layers))
+    layer_types = getattr(config, "layer_types", None) or ["sliding_attention"] * config.num_hidden_layers
+    return tuple(window if kind == "sliding_attention" else None for kind in layer_types)
 
 
 def _rope_length_limit(config: PretrainedConfig) -> int | None:

@@ -127,25 +127,29 @@ def test_a_checkpoint_missing_a_tensor_is_an_unsupported_model_naming_it(tmp_pat
 
 
 # Fields a config.json may carry that transformers' modules of its architecture never read (a
-# Llama-converted Mistral keeps its sliding_window; Qwen2 and Mistral build no o / MLP biases whatever
-# attention_bias or mlp_bias say), or read as what the engine runs (transformers' swish is its SiLU):
-# with them the engine serves what transformers' model computes without them. The reference is the directory without the fields: transformers' generate on a Llama
-# config with sliding_window keeps only the last window of each layer's cache (its cache reads the
-# field, its model does not), so after the prompt it attends through neither a full nor a sliding mask.
-NEUTRAL_FIELDS = {
-    "llama-sliding-window": ("llama", dict(sliding_window=8)),
-    "llama-layer-types": ("llama", dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"])),
-    "qwen2-mlp-bias": ("qwen2", dict(mlp_bias=True)),
-    "mistral-attention-and-mlp-bias": ("mistral", dict(attention_bias=True, mlp_bias=True)),
-    "qwen3-mlp-bias": ("qwen3", dict(mlp_bias=True)),
-    "llama-hidden-act-swish": ("llama", dict(hidden_act="swish")),
+# Llama-converted Mistral keeps its sliding_window; Mistral windows whatever a Qwen-style
+# use_sliding_window says; Qwen2 and Mistral build no o / MLP biases whatever attention_bias or
+# mlp_bias say), or read as what the engine runs (transformers' swish is its SiLU): with them the engine
+# serves what transformers' model computes without them. The reference is the directory without the
+# fields: transformers' generate on a Llama config with sliding_window keeps only the last window of
+# each layer's cache (its cache reads the field, its model does not), so after the prompt it attends
+# through neither a full nor a sliding mask.
+NEUTRAL_FIELDS = {  # variant: (architecture, the reference's config overrides, fields added to its config.json)
+    "llama-sliding-window": ("llama", dict(), dict(sliding_window=8)),
+    "llama-layer-types": ("llama", dict(), dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"])),
+    "qwen2-mlp-bias": ("qwen2", dict(), dict(mlp_bias=True)),
+    "mistral-attention-and-mlp-bias": ("mistral", dict(), dict(attention_bias=True, mlp_bias=True)),
+    "mistral-use-sliding-window": ("mistral", dict(sliding_window=5), dict(use_sliding_window=False)),
+    "qwen3-mlp-bias": ("qwen3", dict(), dict(mlp_bias=True)),
+    "llama-hidden-act-swish": ("llama", dict(), dict(hidden_act="swish")),
 }
 
 
 @pytest.mark.parametrize("variant", sorted(NEUTRAL_FIELDS))
 def test_config_fields_transformers_does_not_read_do_not_change_the_model(variant, tmp_path):
-    architecture, fields = NEUTRAL_FIELDS[variant]
-    reference_dir = save_random_hf_model(tmp_path / "reference", architecture, seed=3, sliding_window=None)
+    architecture, reference_overrides, fields = NEUTRAL_FIELDS[variant]
+    reference_dir = save_random_hf_model(tmp_path / "reference", architecture, seed=3,
+                                         **{"sliding_window": None, **reference_overrides})
     model_dir = Path(shutil.copytree(reference_dir, tmp_path / variant))
     config = json.loads((model_dir / "config.json").read_text())
     (model_dir / "config.json").write_text(json.dumps({**config, **fields}))
