@@ -172,8 +172,11 @@ def _lm_head(checkpoint: dict[str, torch.Tensor], embedding: torch.Tensor, tied:
     if tied and "lm_head.weight" not in checkpoint:
         return embedding
     lm_head = _take(checkpoint, "lm_head.weight", "the output projection; config.json does not set tie_word_embeddings")
-    # A tied checkpoint that stores both equal tensors keeps one (on CUDA nothing else copies it).
-    return embedding if tied and torch.equal(lm_head, embedding) else lm_head
+    # A tied checkpoint that stores both equal tensors keeps one (on CUDA nothing else copies it); a tied
+    # quantized one (a QuantizedWeight: lm_head is never run quantized) ties as before.
+    if tied and (not isinstance(lm_head, torch.Tensor) or torch.equal(lm_head, embedding)):
+        return embedding
+    return lm_head
 
 
 def _take(checkpoint: dict[str, torch.Tensor], name: str, where: str) -> torch.Tensor:
