@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-import json
-import shutil
-from pathlib import Path
-
 import pytest
 
-from tests.factories import assert_pool_idle, hf_greedy, save_random_hf_model
+from tests.factories import assert_pool_idle, copy_with_config_fields, hf_greedy, save_random_hf_model
 from splitserve.common.config import EngineConfig
 from splitserve.common.errors import InvalidRequestError, UnsupportedModelError
 from splitserve.common.model_dir import check_model_dir
@@ -150,9 +146,7 @@ def test_config_fields_transformers_does_not_read_do_not_change_the_model(varian
     architecture, reference_overrides, fields = NEUTRAL_FIELDS[variant]
     reference_dir = save_random_hf_model(tmp_path / "reference", architecture, seed=3,
                                          **{"sliding_window": None, **reference_overrides})
-    model_dir = Path(shutil.copytree(reference_dir, tmp_path / variant))
-    config = json.loads((model_dir / "config.json").read_text())
-    (model_dir / "config.json").write_text(json.dumps({**config, **fields}))
+    model_dir = copy_with_config_fields(reference_dir, tmp_path / variant, **fields)
     outputs, engine = run_engine(model_dir, SHORT_CASES, **short_run_config())
     assert outputs == [hf_greedy(reference_dir, case) for case in SHORT_CASES]
     assert_pool_idle(engine.block_manager)
@@ -201,18 +195,15 @@ def test_longrope_past_its_original_length_is_refused_naming_max_model_len(tmp_p
 def test_a_tied_config_whose_checkpoint_stores_another_lm_head_runs_that_lm_head(tmp_path):
     """transformers unties tie_word_embeddings when the checkpoint holds both tensors with different values."""
     reference_dir = save_random_hf_model(tmp_path / "reference", "llama", seed=3)
-    model_dir = Path(shutil.copytree(reference_dir, tmp_path / "tied"))
-    config = json.loads((model_dir / "config.json").read_text())
-    (model_dir / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    model_dir = copy_with_config_fields(reference_dir, tmp_path / "tied", tie_word_embeddings=True)
     outputs, engine = run_engine(model_dir, SHORT_CASES, **short_run_config())
     assert outputs == [hf_greedy(model_dir, case) for case in SHORT_CASES]
     assert outputs == [hf_greedy(reference_dir, case) for case in SHORT_CASES]
 
 
 def test_an_untied_checkpoint_without_lm_head_is_refused_naming_it(tmp_path):
-    model_dir = save_random_hf_model(tmp_path / "m", "llama", tie_word_embeddings=True)
-    config = json.loads((model_dir / "config.json").read_text())
-    (model_dir / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": False}))
+    tied_dir = save_random_hf_model(tmp_path / "tied", "llama", tie_word_embeddings=True)
+    model_dir = copy_with_config_fields(tied_dir, tmp_path / "untied", tie_word_embeddings=False)
     with pytest.raises(UnsupportedModelError) as error:
         EngineCore(model_dir, EngineConfig(device="cpu"))
     assert str(error.value) == ("the checkpoint has no tensor lm_head.weight (the output projection; config.json "
