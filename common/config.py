@@ -82,7 +82,8 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     """Token budget of one step, shared by decodes (1 each) and prefill chunks."""
     max_model_len: int | None = None
-    """Longest prompt + output; None means the model's max_position_embeddings."""
+    """Longest prompt + output; None means the model's max_position_embeddings (a `longrope` model's
+    original_max_position_embeddings, the longest it can be served exactly: docs/engine.md#models)."""
     enable_prefix_caching: bool = True
     """Reuse KV blocks of identical token prefixes across requests."""
     enable_chunked_prefill: bool = True

@@ -20,6 +20,8 @@ EMBEDDED_MODELS = (DEFAULT_MODEL_NAME, DRAFT_MODEL_NAME)
 """Names `--model` accepts besides a directory."""
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 """config.json `architectures[0]` values the engine runs."""
+SILU_ACTIVATIONS = ("silu", "swish")
+"""config.json `hidden_act` values the engine runs: transformers maps both names to the same SiLU."""
 TOKENIZER_FILE = "tokenizer.json"
 """The fast-tokenizer file: the router and the workers read only this (through `tokenizers`)."""
 OTHER_TOKENIZER_FILES = ("tokenizer.model", "vocab.json", "merges.txt", "vocab.txt", "tiktoken.model")
@@ -40,7 +42,7 @@ def check_model_dir(model_dir: Path) -> None:
     architecture = config_architecture(config, model_dir)
     if architecture not in SUPPORTED_ARCHITECTURES:
         raise UnsupportedModelError(f"{model_dir}: {unsupported_architecture_message(architecture)}")
-    if config.get("hidden_act", "silu") != "silu":
+    if config.get("hidden_act", "silu") not in SILU_ACTIVATIONS:
         raise UnsupportedModelError(f"{model_dir}: {unsupported_activation_message(config['hidden_act'])}")
     if not any(model_dir.glob("*.safetensors")):
         raise UnsupportedModelError(f"{model_dir}: no *.safetensors weights (only safetensors checkpoints load)")
@@ -48,7 +50,7 @@ def check_model_dir(model_dir: Path) -> None:
 
 
 def unsupported_activation_message(hidden_act: object) -> str:
-    return f"hidden_act {hidden_act!r} is not supported (only silu)"
+    return f"hidden_act {hidden_act!r} is not supported (only {' / '.join(SILU_ACTIVATIONS)})"
 
 
 def read_model_config(model_dir: Path) -> dict:

@@ -370,7 +370,8 @@ def _add_model_flags(group: argparse._ArgumentGroup) -> None:
                             "load, gptq / awq load such a checkpoint, auto (default) follows the checkpoint's "
                             "quantization_config (docs/quantization.md); per pool: --set decode.engine.quantization=int4")
     group.add_argument("--max-model-len", type=human_int, default=None,
-                       help="longest prompt + output in tokens (default: the model's max_position_embeddings); "
+                       help="longest prompt + output in tokens (default: the model's max_position_embeddings; a "
+                            "longrope model's original_max_position_embeddings); "
                             "accepts 32k / 32K")
     group.add_argument("--seed", type=int, default=None,
                        help="seed of the random draws of requests that bring no seed of their own (default 0)")

@@ -121,7 +121,7 @@ class EngineCore:
         self.model = load_model(model_dir, dtype, self.device, attention, show_progress, layer_ops, self.quantization)
         arch = self.model.arch
         self.vocab_size = arch.vocab_size
-        self.max_model_len = self._resolve_max_model_len(arch.max_position_embeddings)
+        self.max_model_len = self._resolve_max_model_len(arch.max_position_embeddings, arch.rope_length_limit)
         self.eos_token_ids = read_eos_token_ids(model_dir, getattr(hf_config, "eos_token_id", None))
         spec = KVCacheSpec(arch.num_layers, config.block_size, arch.num_kv_heads, arch.head_dim, dtype,
                            kv_quantization(config.kv_cache_dtype))
@@ -158,10 +158,17 @@ class EngineCore:
         self._num_prompt_tokens = 0
         self._num_generation_tokens = 0
 
-    def _resolve_max_model_len(self, max_positions: int) -> int:
-        length = self.config.max_model_len or max_positions
+    def _resolve_max_model_len(self, max_positions: int, rope_length_limit: int | None) -> int:
+        """config.max_model_len, else the longest sequence the model serves exactly: max_positions, or
+        rope_length_limit where the RoPE tables hold only that far (LlamaFamilyArch.rope_length_limit)."""
+        length = self.config.max_model_len or min(max_positions, rope_length_limit or max_positions)
         if length > max_positions:
             raise ValueError(f"max_model_len {length} exceeds the model's max_position_embeddings {max_positions}")
+        if rope_length_limit is not None and length > rope_length_limit:
+            raise ValueError(f"max_model_len {length} exceeds original_max_position_embeddings {rope_length_limit} of "
+                             "this rope_type 'longrope' model: past it transformers rotates every position with "
+                             "long_factor instead of short_factor, which keys already in the KV cache cannot follow; "
+                             f"set max_model_len <= {rope_length_limit}")
         if not self.config.enable_chunked_prefill and self.config.max_num_batched_tokens < length:
             raise ValueError(f"without chunked prefill, max_num_batched_tokens "
                              f"({self.config.max_num_batched_tokens}) must be >= max_model_len ({length})")

@@ -17,7 +17,7 @@ from transformers import AutoConfig, PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from splitserve.common.errors import UnsupportedModelError
-from splitserve.common.model_dir import (SUPPORTED_ARCHITECTURES, unsupported_activation_message,
+from splitserve.common.model_dir import (SILU_ACTIVATIONS, SUPPORTED_ARCHITECTURES, unsupported_activation_message,
                                          unsupported_architecture_message)
 from splitserve.engine.attention import AttentionBackend
 from splitserve.engine.cpu_kernels import cpu_kernel_isa
@@ -47,9 +47,10 @@ def parse_arch(config: PretrainedConfig) -> LlamaFamilyArch:
     architecture = (config.architectures or ["?"])[0]
     if architecture not in SUPPORTED_ARCHITECTURES:
         raise UnsupportedModelError(unsupported_architecture_message(architecture))
-    if getattr(config, "hidden_act", "silu") != "silu":
+    if getattr(config, "hidden_act", "silu") not in SILU_ACTIVATIONS:
         raise UnsupportedModelError(unsupported_activation_message(config.hidden_act))
     num_heads = config.num_attention_heads
+    qkv_bias, o_bias, mlp_bias = _biases(config, architecture)
     return LlamaFamilyArch(
         architecture=architecture,
         vocab_size=config.vocab_size,
@@ -61,22 +62,55 @@ def parse_arch(config: PretrainedConfig) -> LlamaFamilyArch:
         intermediate_size=config.intermediate_size,
         rms_norm_eps=config.rms_norm_eps,
         max_position_embeddings=config.max_position_embeddings,
-        qkv_bias=architecture == "Qwen2ForCausalLM" or bool(getattr(config, "attention_bias", False)),
-        o_bias=architecture != "Qwen2ForCausalLM" and bool(getattr(config, "attention_bias", False)),
-        mlp_bias=bool(getattr(config, "mlp_bias", False)),
+        qkv_bias=qkv_bias,
+        o_bias=o_bias,
+        mlp_bias=mlp_bias,
         qk_norm=architecture == "Qwen3ForCausalLM",
         tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-        sliding_windows=_sliding_windows(config),
+        sliding_windows=_sliding_windows(config, architecture),
+        rope_length_limit=_rope_length_limit(config),
     )
 
 
-def _sliding_windows(config: PretrainedConfig) -> tuple[int | None, ...]:
+def _biases(config: PretrainedConfig, architecture: str) -> tuple[bool, bool, bool]:
+    """(q/k/v, o, MLP) biases as transformers' modules of `architecture` build them: Llama reads
+    attention_bias (q/k/v and o) and mlp_bias, Qwen3 attention_bias only, Qwen2 always biases q/k/v
+    and nothing else, Mistral biases nothing. A field an architecture's modules never read (mlp_bias
+    in a Qwen2 config.json, attention_bias in a Mistral one) is ignored, as transformers ignores it."""
+    attention_bias = bool(getattr(config, "attention_bias", False))
+    if architecture == "Qwen2ForCausalLM":
+        return True, False, False
+    if architecture == "MistralForCausalLM":
+        return False, False, False
+    if architecture == "Qwen3ForCausalLM":
+        return attention_bias, attention_bias, False
+    return attention_bias, attention_bias, bool(getattr(config, "mlp_bias", False))
+
+
+def _sliding_windows(config: PretrainedConfig, architecture: str) -> tuple[int | None, ...]:
+    """Per layer: the attention window, or None, as transformers' modules read config.json: Llama attends
+    fully in every layer whatever sliding_window or layer_types say; Mistral windows every layer (those
+    layer_types names, when it has them) and reads no use_sliding_window; Qwen2 and Qwen3 window the
+    layers of their layer_types, which their configs derive from use_sliding_window and max_window_layers
+    (dropping sliding_window when use_sliding_window is false)."""
+    if architecture == "LlamaForCausalLM":
+        return (None,) * config.num_hidden_layers
     window = getattr(config, "sliding_window", None)
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types is not None:
-        return tuple(window if kind == "sliding_attention" else None for kind in layer_types)
-    enabled = window is not None and getattr(config, "use_sliding_window", True)
-    return tuple(window if enabled else None for _ in range(config.num_hidden_layers))
+    layer_types = getattr(config, "layer_types", None) or ["sliding_attention"] * config.num_hidden_layers
+    return tuple(window if kind == "sliding_attention" else None for kind in layer_types)
+
+
+def _rope_length_limit(config: PretrainedConfig) -> int | None:
+    """original_max_position_embeddings of a `longrope` model whose max_position_embeddings is larger.
+
+    transformers rotates every position of a forward pass with long_factor once the sequence is longer
+    than original_max_position_embeddings (short_factor below), so the keys already cached would have
+    to be rotated again; up to that length its frequencies are fixed and the engine matches it."""
+    params = getattr(config, "rope_parameters", None) or {}
+    if params.get("rope_type") != "longrope":
+        return None
+    original = params.get("original_max_position_embeddings", config.max_position_embeddings)
+    return original if original < config.max_position_embeddings else None
 
 
 def build_rotary(config: PretrainedConfig, arch: LlamaFamilyArch) -> RotaryEmbedding:
@@ -124,11 +158,25 @@ def fuse_checkpoint(checkpoint: dict[str, torch.Tensor], arch: LlamaFamilyArch) 
     QuantizedWeight: see engine/quantization/loader.py)."""
     state = {name: _take(checkpoint, name, "outside the decoder layers") for name in ("embed_tokens.weight",
                                                                                      "norm.weight")}
-    lm_head = checkpoint.pop("lm_head.weight", None)
-    state["lm_head.weight"] = state["embed_tokens.weight"] if arch.tie_word_embeddings or lm_head is None else lm_head
+    state["lm_head.weight"] = _lm_head(checkpoint, state["embed_tokens.weight"], arch.tie_word_embeddings)
     for i in range(arch.num_layers):
         state.update(_fuse_layer(checkpoint, i, arch))
     return state
+
+
+def _lm_head(checkpoint: dict[str, torch.Tensor], embedding: torch.Tensor, tied: bool) -> torch.Tensor:
+    """The output projection as transformers loads it: the checkpoint's lm_head.weight whenever it has one
+    (transformers unties a tied config's two tensors when the checkpoint stores both with different values),
+    else the embedding when tie_word_embeddings says so; otherwise the checkpoint cannot run (transformers
+    would give the model a random output projection)."""
+    if tied and "lm_head.weight" not in checkpoint:
+        return embedding
+    lm_head = _take(checkpoint, "lm_head.weight", "the output projection; config.json does not set tie_word_embeddings")
+    # A tied checkpoint that stores both equal tensors keeps one (on CUDA nothing else copies it); a tied
+    # quantized one (a QuantizedWeight: lm_head is never run quantized) ties as before.
+    if tied and (not isinstance(lm_head, torch.Tensor) or torch.equal(lm_head, embedding)):
+        return embedding
+    return lm_head
 
 
 def _take(checkpoint: dict[str, torch.Tensor], name: str, where: str) -> torch.Tensor:

@@ -94,6 +94,18 @@ def save_random_hf_model(out_dir: Path, architecture: str, seed: int = 0, **conf
     return out_dir
 
 
+def copy_with_config_fields(model_dir: Path, out_dir: Path, **fields) -> Path:
+    """A copy of `model_dir` whose config.json also holds `fields` (written into the file as a user's would be,
+    not through a config class that could drop or rename them)."""
+    import json
+    import shutil
+
+    shutil.copytree(model_dir, out_dir)
+    config = json.loads((out_dir / "config.json").read_text())
+    (out_dir / "config.json").write_text(json.dumps({**config, **fields}))
+    return out_dir
+
+
 def engine_token_ids(engine) -> dict[str, list[int]]:
     """Step an EngineCore until it has no work: each request's new token ids, in emission order."""
     tokens: dict[str, list[int]] = {}

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from tests.factories import assert_pool_idle, hf_greedy, save_random_hf_model
+from tests.factories import assert_pool_idle, copy_with_config_fields, hf_greedy, save_random_hf_model
 from splitserve.common.config import EngineConfig
-from splitserve.common.errors import UnsupportedModelError
+from splitserve.common.errors import InvalidRequestError, UnsupportedModelError
+from splitserve.common.model_dir import check_model_dir
 from splitserve.engine import EngineCore
 from splitserve.testing.workloads import GreedyCase, mixed_workload
 
@@ -27,7 +28,7 @@ FAMILIES = {
 
 
 def run_engine(model_dir, cases: list[GreedyCase], **config) -> tuple[list[list[int]], EngineCore]:
-    engine = EngineCore(model_dir, EngineConfig(block_size=16, **config))
+    engine = EngineCore(model_dir, EngineConfig(**{"block_size": 16, **config}))
     for index, case in enumerate(cases):
         engine.add_request(str(index), list(case.prompt_token_ids), case.params())
     outputs: dict[str, list[int]] = {str(i): [] for i in range(len(cases))}
@@ -43,8 +44,51 @@ def test_family_matches_transformers(family, tmp_path):
     model_dir = save_random_hf_model(tmp_path / family, architecture, seed=3, **overrides)
     cases = [GreedyCase(c.prompt_token_ids, c.max_tokens, ignore_eos=True)
              for c in mixed_workload(vocab_size=384, num_requests=8, seed=11, max_prompt=200, max_output=12)]
-    outputs, engine = run_engine(model_dir, cases, max_num_batched_tokens=64)
+    # A pool for all 8 at once (at most 212 tokens each): one sized from memory takes ~1 s to set up.
+    outputs, engine = run_engine(model_dir, cases, max_num_batched_tokens=64, max_model_len=256, num_kv_blocks=112)
     assert outputs == [hf_greedy(model_dir, case) for case in cases]
+    assert_pool_idle(engine.block_manager)
+
+
+SHORT_CASES = [GreedyCase(c.prompt_token_ids, c.max_tokens, ignore_eos=True)
+               for c in mixed_workload(vocab_size=384, num_requests=3, seed=5, max_prompt=60, max_output=6)]
+
+
+def short_run_config(block_size: int = 16) -> dict:
+    """A 16-token step budget (chunked prefill) and a pool of 384 tokens, room for SHORT_CASES at once: a pool
+    sized from memory would hold a million one-token blocks and take seconds to set up."""
+    return dict(block_size=block_size, max_num_batched_tokens=16, max_model_len=128,
+                num_kv_blocks=-(-384 // block_size))
+
+
+# Shapes the families above do not take, each at a block size of its own: (architecture, config
+# overrides, block_size).
+SHAPES = {
+    # head_dim 40 (not hidden / heads, not a multiple of the kernels' 16 lanes), one KV head for 7 query
+    # heads, a vocabulary that is no multiple of 8
+    "llama-head-dim-40-mqa-7-vocab-389": ("llama", dict(hidden_size=70, num_attention_heads=7,
+                                                        num_key_value_heads=1, head_dim=40,
+                                                        intermediate_size=90, vocab_size=389), 3),
+    # a window shorter than one block and no multiple of it; 3 query heads per KV head of 80
+    "mistral-window-5-block-16-gqa-3": ("mistral", dict(hidden_size=48, num_attention_heads=6,
+                                                        num_key_value_heads=2, head_dim=80, sliding_window=5), 16),
+    # full attention in layer 0, a 7-token window in layers 1-2, blocks of one token
+    "qwen2-max-window-layers-block-1": ("qwen2", dict(num_hidden_layers=3, use_sliding_window=True,
+                                                      sliding_window=7, max_window_layers=1), 1),
+    "qwen3-tied-head-dim-256": ("qwen3", dict(num_attention_heads=2, num_key_value_heads=1, head_dim=256,
+                                              tie_word_embeddings=True), 16),
+    # transformers rescales `dynamic` only past max_position_embeddings, which max_model_len never passes
+    "llama-rope-dynamic": ("llama", dict(max_position_embeddings=128, rope_parameters={
+        "rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0}), 3),
+}
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_shape_matches_transformers(shape, tmp_path):
+    architecture, overrides, block_size = SHAPES[shape]
+    model_dir = save_random_hf_model(tmp_path / shape, architecture, seed=3, **overrides)
+    outputs, engine = run_engine(model_dir, SHORT_CASES, **short_run_config(block_size))
+    assert outputs == [hf_greedy(model_dir, case) for case in SHORT_CASES]
     assert_pool_idle(engine.block_manager)
 
 
@@ -76,3 +120,91 @@ def test_a_checkpoint_missing_a_tensor_is_an_unsupported_model_naming_it(tmp_pat
     with pytest.raises(UnsupportedModelError) as error:
         EngineCore(model_dir, EngineConfig(device="cpu"))
     assert str(error.value) == f"the checkpoint has no tensor {where}"
+
+
+# Fields a config.json may carry that transformers' modules of its architecture never read (a
+# Llama-converted Mistral keeps its sliding_window; Mistral windows whatever a Qwen-style
+# use_sliding_window says; Qwen2 and Mistral build no o / MLP biases whatever attention_bias or
+# mlp_bias say), or read as what the engine runs (transformers' swish is its SiLU): with them the engine
+# serves what transformers' model computes without them. The reference is the directory without the
+# fields: transformers' generate on a Llama config with sliding_window keeps only the last window of
+# each layer's cache (its cache reads the field, its model does not), so after the prompt it attends
+# through neither a full nor a sliding mask.
+NEUTRAL_FIELDS = {  # variant: (architecture, the reference's config overrides, fields added to its config.json)
+    "llama-sliding-window": ("llama", dict(), dict(sliding_window=8)),
+    "llama-layer-types": ("llama", dict(), dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"])),
+    "qwen2-mlp-bias": ("qwen2", dict(), dict(mlp_bias=True)),
+    "mistral-attention-and-mlp-bias": ("mistral", dict(), dict(attention_bias=True, mlp_bias=True)),
+    "mistral-use-sliding-window": ("mistral", dict(sliding_window=5), dict(use_sliding_window=False)),
+    "qwen3-mlp-bias": ("qwen3", dict(), dict(mlp_bias=True)),
+    "llama-hidden-act-swish": ("llama", dict(), dict(hidden_act="swish")),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(NEUTRAL_FIELDS))
+def test_config_fields_transformers_does_not_read_do_not_change_the_model(variant, tmp_path):
+    architecture, reference_overrides, fields = NEUTRAL_FIELDS[variant]
+    reference_dir = save_random_hf_model(tmp_path / "reference", architecture, seed=3,
+                                         **{"sliding_window": None, **reference_overrides})
+    model_dir = copy_with_config_fields(reference_dir, tmp_path / variant, **fields)
+    outputs, engine = run_engine(model_dir, SHORT_CASES, **short_run_config())
+    assert outputs == [hf_greedy(reference_dir, case) for case in SHORT_CASES]
+    assert_pool_idle(engine.block_manager)
+
+
+def test_an_unsupported_activation_is_refused_naming_the_field(tmp_path):
+    model_dir = save_random_hf_model(tmp_path / "m", "llama", hidden_act="gelu")
+    with pytest.raises(UnsupportedModelError) as error:
+        EngineCore(model_dir, EngineConfig(device="cpu"))
+    assert str(error.value) == "hidden_act 'gelu' is not supported (only silu / swish)"
+    (model_dir / "tokenizer.json").write_text("{}")
+    with pytest.raises(UnsupportedModelError) as error:
+        check_model_dir(model_dir)
+    assert str(error.value) == f"{model_dir}: hidden_act 'gelu' is not supported (only silu / swish)"
+
+
+LONGROPE = dict(max_position_embeddings=256, rope_parameters={
+    "rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 64,
+    "short_factor": [1.0 + 0.1 * i for i in range(8)], "long_factor": [1.0 + 0.9 * i for i in range(8)]})
+
+
+def test_longrope_is_served_up_to_its_original_length_exactly(tmp_path):
+    """transformers rotates a sequence longer than original_max_position_embeddings (64) with long_factor
+    at every position, the cached ones included: the engine serves such a model up to 64 tokens, where
+    its frequencies are fixed, and matches it there (sequences ending at 64, after a chunked prefill)."""
+    model_dir = save_random_hf_model(tmp_path / "longrope", "llama", seed=3, **LONGROPE)
+    cases = [GreedyCase(tuple(range(3, 3 + n)), 64 - n, ignore_eos=True) for n in (5, 40, 63)]
+    outputs, engine = run_engine(model_dir, cases, max_num_batched_tokens=16, num_kv_blocks=12)
+    assert engine.max_model_len == 64
+    assert outputs == [hf_greedy(model_dir, case) for case in cases]
+    with pytest.raises(InvalidRequestError) as error:
+        engine.validate("long", list(range(3, 3 + 64)), cases[0].params())
+    assert str(error.value) == "prompt: has 64 tokens; max_model_len is 64 (including at least one output token)"
+
+
+def test_longrope_past_its_original_length_is_refused_naming_max_model_len(tmp_path):
+    model_dir = save_random_hf_model(tmp_path / "longrope", "llama", **LONGROPE)
+    with pytest.raises(ValueError) as error:
+        EngineCore(model_dir, EngineConfig(device="cpu", max_model_len=65))
+    assert str(error.value) == (
+        "max_model_len 65 exceeds original_max_position_embeddings 64 of this rope_type 'longrope' model: past it "
+        "transformers rotates every position with long_factor instead of short_factor, which keys already in the KV "
+        "cache cannot follow; set max_model_len <= 64")
+
+
+def test_a_tied_config_whose_checkpoint_stores_another_lm_head_runs_that_lm_head(tmp_path):
+    """transformers unties tie_word_embeddings when the checkpoint holds both tensors with different values."""
+    reference_dir = save_random_hf_model(tmp_path / "reference", "llama", seed=3)
+    model_dir = copy_with_config_fields(reference_dir, tmp_path / "tied", tie_word_embeddings=True)
+    outputs, engine = run_engine(model_dir, SHORT_CASES, **short_run_config())
+    assert outputs == [hf_greedy(model_dir, case) for case in SHORT_CASES]
+    assert outputs == [hf_greedy(reference_dir, case) for case in SHORT_CASES]
+
+
+def test_an_untied_checkpoint_without_lm_head_is_refused_naming_it(tmp_path):
+    tied_dir = save_random_hf_model(tmp_path / "tied", "llama", tie_word_embeddings=True)
+    model_dir = copy_with_config_fields(tied_dir, tmp_path / "untied", tie_word_embeddings=False)
+    with pytest.raises(UnsupportedModelError) as error:
+        EngineCore(model_dir, EngineConfig(device="cpu"))
+    assert str(error.value) == ("the checkpoint has no tensor lm_head.weight (the output projection; config.json "
+                                "does not set tie_word_embeddings)")

@@ -295,8 +295,8 @@ def test_root_cause_is_the_last_line_of_a_remote_traceback():
         worker decode-0 was lost: ActorDiedError: The actor died because of an error raised in its creation task
           File "/w/engine/model_loader.py", line 46, in parse_arch
             raise UnsupportedModelError(...)
-        splitserve.common.errors.UnsupportedModelError: hidden_act 'gelu' is not supported (only silu)"""))
-    assert root_cause(remote) == "UnsupportedModelError: hidden_act 'gelu' is not supported (only silu)"
+        splitserve.common.errors.UnsupportedModelError: hidden_act 'gelu' is not supported (only silu / swish)"""))
+    assert root_cause(remote) == "UnsupportedModelError: hidden_act 'gelu' is not supported (only silu / swish)"
     assert root_cause(ValueError("plain")) == "ValueError: plain"
 
 

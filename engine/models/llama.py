@@ -37,6 +37,9 @@ class LlamaFamilyArch:
     tie_word_embeddings: bool
     sliding_windows: tuple[int | None, ...]
     """Per layer: attention window in tokens, or None for full attention."""
+    rope_length_limit: int | None = None
+    """Longest sequence the RoPE tables hold for, when below max_position_embeddings (rope_type longrope:
+    original_max_position_embeddings, past which transformers switches every position to other frequencies)."""
 
     @property
     def q_size(self) -> int:
