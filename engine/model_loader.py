@@ -156,22 +156,26 @@ def read_checkpoint(model_dir: Path) -> dict[str, torch.Tensor]:
 def fuse_checkpoint(checkpoint: dict[str, torch.Tensor], arch: LlamaFamilyArch) -> dict[str, torch.Tensor]:
     """Map HF parameter names onto the fused module's state dict (a projection's weight may be a
     QuantizedWeight: see engine/quantization/loader.py)."""
-    state = {name: _take(checkpoint, name, "outside the decoder layers") for name in ("embed_tokens.weight",
-                                                                                     "norm.weight")}
-    state["lm_head.weight"] = _lm_head(checkpoint, state["embed_tokens.weight"], arch.tie_word_embeddings)
+    outside = "outside the decoder layers"
+    state = {"embed_tokens.weight": _take(checkpoint, "embed_tokens.weight", outside, arch, (arch.vocab_size,
+                                                                                              arch.hidden_size)),
+             "norm.weight": _take(checkpoint, "norm.weight", outside, arch, (arch.hidden_size,))}
+    state["lm_head.weight"] = _lm_head(checkpoint, state["embed_tokens.weight"], arch)
     for i in range(arch.num_layers):
         state.update(_fuse_layer(checkpoint, i, arch))
     return state
 
 
-def _lm_head(checkpoint: dict[str, torch.Tensor], embedding: torch.Tensor, tied: bool) -> torch.Tensor:
+def _lm_head(checkpoint: dict[str, torch.Tensor], embedding: torch.Tensor, arch: LlamaFamilyArch) -> torch.Tensor:
     """The output projection as transformers loads it: the checkpoint's lm_head.weight whenever it has one
     (transformers unties a tied config's two tensors when the checkpoint stores both with different values),
     else the embedding when tie_word_embeddings says so; otherwise the checkpoint cannot run (transformers
     would give the model a random output projection)."""
+    tied = arch.tie_word_embeddings
     if tied and "lm_head.weight" not in checkpoint:
         return embedding
-    lm_head = _take(checkpoint, "lm_head.weight", "the output projection; config.json does not set tie_word_embeddings")
+    lm_head = _take(checkpoint, "lm_head.weight", "the output projection; config.json does not set tie_word_embeddings",
+                    arch, (arch.vocab_size, arch.hidden_size))
     # A tied checkpoint that stores both equal tensors keeps one (on CUDA nothing else copies it); a tied
     # quantized one (a QuantizedWeight: lm_head is never run quantized) ties as before.
     if tied and (not isinstance(lm_head, torch.Tensor) or torch.equal(lm_head, embedding)):
@@ -179,20 +183,46 @@ def _lm_head(checkpoint: dict[str, torch.Tensor], embedding: torch.Tensor, tied:
     return lm_head
 
 
-def _take(checkpoint: dict[str, torch.Tensor], name: str, where: str) -> torch.Tensor:
+def _take(checkpoint: dict[str, torch.Tensor], name: str, where: str, arch: LlamaFamilyArch,
+          shape: tuple[int, ...]) -> torch.Tensor:
     """Pop the tensor `name` (its checkpoint name without the `model.` prefix); a checkpoint without
-    it is one this architecture cannot run (`where` says which part of the model needs it)."""
+    it, or with it in another shape than config.json implies, is one this model cannot run (`where`
+    says which part of the model needs it). A QuantizedWeight (engine/quantization) is not checked here."""
     tensor = checkpoint.pop(name, None)
     if tensor is None:
         raise UnsupportedModelError(f"the checkpoint has no tensor {name} ({where})")
+    if isinstance(tensor, torch.Tensor) and tuple(tensor.shape) != shape:
+        raise UnsupportedModelError(f"the checkpoint's {name} has shape {list(tensor.shape)}, config.json implies "
+                                    f"{list(shape)} ({_shape_fields(arch)})")
     return tensor
+
+
+def _shape_fields(arch: LlamaFamilyArch) -> str:
+    return (f"vocab_size {arch.vocab_size}, hidden_size {arch.hidden_size}, num_attention_heads {arch.num_heads}, "
+            f"num_key_value_heads {arch.num_kv_heads}, head_dim {arch.head_dim}, "
+            f"intermediate_size {arch.intermediate_size}")
+
+
+def _layer_shapes(arch: LlamaFamilyArch) -> dict[str, tuple[int, ...]]:
+    """Each decoder-layer tensor's shape as config.json implies it, by its name inside the layer."""
+    hidden, inner, q_size, kv_size = arch.hidden_size, arch.intermediate_size, arch.q_size, arch.kv_size
+    return {"input_layernorm.weight": (hidden,), "post_attention_layernorm.weight": (hidden,),
+            "self_attn.q_proj.weight": (q_size, hidden), "self_attn.k_proj.weight": (kv_size, hidden),
+            "self_attn.v_proj.weight": (kv_size, hidden), "self_attn.o_proj.weight": (hidden, q_size),
+            "self_attn.q_proj.bias": (q_size,), "self_attn.k_proj.bias": (kv_size,),
+            "self_attn.v_proj.bias": (kv_size,), "self_attn.o_proj.bias": (hidden,),
+            "mlp.gate_proj.weight": (inner, hidden), "mlp.up_proj.weight": (inner, hidden),
+            "mlp.down_proj.weight": (hidden, inner), "mlp.gate_proj.bias": (inner,), "mlp.up_proj.bias": (inner,),
+            "mlp.down_proj.bias": (hidden,), "self_attn.q_norm.weight": (arch.head_dim,),
+            "self_attn.k_norm.weight": (arch.head_dim,)}
 
 
 def _fuse_layer(checkpoint: dict[str, torch.Tensor], index: int, arch: LlamaFamilyArch) -> dict[str, torch.Tensor]:
     prefix = f"layers.{index}."
+    shapes = _layer_shapes(arch)
 
     def take(name: str) -> torch.Tensor:
-        return _take(checkpoint, prefix + name, f"decoder layer {index} of {arch.num_layers}")
+        return _take(checkpoint, prefix + name, f"decoder layer {index} of {arch.num_layers}", arch, shapes[name])
 
     attn, mlp = prefix + "self_attn.", prefix + "mlp."
     state = {

@@ -122,6 +122,23 @@ def test_a_checkpoint_missing_a_tensor_is_an_unsupported_model_naming_it(tmp_pat
     assert str(error.value) == f"the checkpoint has no tensor {where}"
 
 
+@pytest.mark.parametrize("field, value, tensor, shapes", [
+    ("num_key_value_heads", 1, "layers.0.self_attn.k_proj.weight", "[32, 64], config.json implies [16, 64]"),
+    ("intermediate_size", 96, "layers.0.mlp.gate_proj.weight", "[128, 64], config.json implies [96, 64]"),
+    ("vocab_size", 400, "embed_tokens.weight", "[384, 64], config.json implies [400, 64]"),
+])
+def test_a_config_that_disagrees_with_its_checkpoint_is_refused_naming_the_tensor(tmp_path, field, value, tensor,
+                                                                                     shapes):
+    model_dir = copy_with_config_fields(save_random_hf_model(tmp_path / "m", "llama"), tmp_path / "edited",
+                                        **{field: value})
+    fields = {"vocab_size": 384, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "head_dim": 16, "intermediate_size": 128, field: value}
+    with pytest.raises(UnsupportedModelError) as error:
+        EngineCore(model_dir, EngineConfig(device="cpu"))
+    assert str(error.value) == (f"the checkpoint's {tensor} has shape {shapes} ("
+                                + ", ".join(f"{name} {number}" for name, number in fields.items()) + ")")
+
+
 # Fields a config.json may carry that transformers' modules of its architecture never read (a
 # Llama-converted Mistral keeps its sliding_window; Mistral windows whatever a Qwen-style
 # use_sliding_window says; Qwen2 and Mistral build no o / MLP biases whatever attention_bias or
