@@ -144,6 +144,11 @@ class RouterConfig:
     """Name of the environment variable holding the API key (never the key itself); when set, the
     gRPC Generation service and the HTTP /v1/* endpoints need `authorization: Bearer <key>`, and
     serving refuses to start if the variable is unset or empty. None: no auth."""
+    cors_allowed_origins: tuple[str, ...] = ("*",)
+    """Origins whose web pages may call the HTTP API from a browser (CORS; vLLM's --allowed-origins):
+    any by default, as vLLM; () sends no CORS headers. Any method and request header is allowed, cookies
+    are not (an API key travels in the Authorization header), and a preflight is answered before the
+    API-key check (browsers send no credentials on it)."""
     tls: TlsConfig | None = None
     """TLS for the gRPC and OpenAI HTTP APIs (`cert_file`, `key_file`, and `client_ca_file` to
     require client certificates); None: plaintext. The /metrics endpoint stays plaintext."""
@@ -185,6 +190,8 @@ class RouterConfig:
             f"must name an environment variable (non-empty, no whitespace or '='), or be null; "
             f"got {self.api_key_env!r}")
         _require(0 <= self.grpc_port <= 65535, "grpc_port", f"must be in [0, 65535], got {self.grpc_port}")
+        _require(all(origin.strip() for origin in self.cors_allowed_origins), "cors_allowed_origins",
+                 f"must hold non-empty origins, got {list(self.cors_allowed_origins)}")
         _require(self.metrics_port is None or 0 <= self.metrics_port <= 65535, "metrics_port",
                  f"must be in [0, 65535] or null, got {self.metrics_port}")
         _require(not self.metrics_port or self.metrics_port != self.grpc_port, "metrics_port",

@@ -33,6 +33,7 @@ from typing import Any, TypeVar
 import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -516,9 +517,12 @@ class _ApiKeyGuard:
         await self.app(scope, receive, send)
 
 
-def build_app(serving: OpenAIServing, metrics_app: ASGIApp | None = None, api_key: str | None = None) -> ASGIApp:
+def build_app(serving: OpenAIServing, metrics_app: ASGIApp | None = None, api_key: str | None = None,
+              cors_allowed_origins: tuple[str, ...] = ()) -> ASGIApp:
     """The HTTP API's routes; `metrics_app` (the router's Prometheus exposition) is served on /metrics.
-    With `api_key`, /v1/* needs `Authorization: Bearer <api_key>`."""
+    With `api_key`, /v1/* needs `Authorization: Bearer <api_key>`. With `cors_allowed_origins` ("*": any),
+    browsers may call it from those origins (any method and header, no cookies); CORS is outermost, so a
+    preflight is answered before the API-key check and even a 401 or 429 carries the CORS headers."""
     routes = [Route("/v1/completions", serving.completions, methods=["POST"]),
               Route("/v1/chat/completions", serving.chat_completions, methods=["POST"]),
               Route("/v1/models", serving.models, methods=["GET"]),
@@ -531,7 +535,10 @@ def build_app(serving: OpenAIServing, metrics_app: ASGIApp | None = None, api_ke
         routes.append(Route("/metrics", _AsgiRoute(metrics_app), methods=["GET"]))
     app = _AdmissionGate(Starlette(routes=routes, exception_handlers={HTTPException: _http_error}),
                          serving.orchestrator)
-    return _ApiKeyGuard(app, api_key) if api_key else app
+    app = _ApiKeyGuard(app, api_key) if api_key else app
+    if not cors_allowed_origins:
+        return app
+    return CORSMiddleware(app, allow_origins=list(cors_allowed_origins), allow_methods=["*"], allow_headers=["*"])
 
 
 # ---- the server on the router's event loop --------------------------------------------------
@@ -615,14 +622,14 @@ async def start_http_server(orchestrator: Orchestrator, tokenizers: TokenizerPoo
                             host: str = "127.0.0.1", port: int = 8000, request_timeout_s: float | None = None,
                             metrics_app: ASGIApp | None = None, api_key: str | None = None,
                             tls: TlsConfig | None = None, aliases: tuple[str, ...] = (),
-                            reuse_port: bool = False) -> HttpServer:
+                            reuse_port: bool = False, cors_allowed_origins: tuple[str, ...] = ()) -> HttpServer:
     """Start the OpenAI-compatible API on the running loop; the server's `port` is the bound one.
     With `api_key`, /v1/* needs `Authorization: Bearer <api_key>`; with `tls`, it is HTTPS only.
     Requests may name the model `model_name` or one of `aliases`. `reuse_port`: share the port
-    with other routers (SO_REUSEPORT)."""
+    with other routers (SO_REUSEPORT). `cors_allowed_origins`: see build_app."""
     bodies = BodyParser(tokenizers.limits)
     serving = OpenAIServing(orchestrator, tokenizers, bodies, model_name, request_timeout_s, aliases)
-    server = HttpServer(build_app(serving, metrics_app, api_key), tls=tls, on_stop=bodies.close)
+    server = HttpServer(build_app(serving, metrics_app, api_key, cors_allowed_origins), tls=tls, on_stop=bodies.close)
     try:
         await server.start(host, port, reuse_port)
     except BaseException:

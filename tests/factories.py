@@ -260,13 +260,13 @@ class ScriptedReporter:
 
 
 def http_request(port: int, method: str, path: str, body: bytes | None = None,
-                 timeout_s: float = 60.0) -> tuple[int, dict[str, str], bytes]:
-    """(status, headers, body) of one plain HTTP request to a server on 127.0.0.1 (a JSON body)."""
+                 timeout_s: float = 60.0, headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
+    """(status, headers, body) of one plain HTTP request to a server on 127.0.0.1 (a JSON body; `headers` added)."""
     import http.client
 
     connection = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout_s)
     try:
-        headers = {"Content-Type": "application/json"} if body is not None else {}
+        headers = {**({"Content-Type": "application/json"} if body is not None else {}), **(headers or {})}
         connection.request(method, path, body=body, headers=headers)
         response = connection.getresponse()
         return response.status, dict(response.getheaders()), response.read()
@@ -309,11 +309,12 @@ class ServedApis:
 @contextmanager
 def served_apis(model_dir: Path, model_name: str, api_key: str | None = None,
                 served_class: type[ServedApis] = ServedApis, tls=None, aliases: tuple[str, ...] = (),
-                **cluster_options):
+                cors_allowed_origins: tuple[str, ...] = ("*",), **cluster_options):
     """Start the cluster (InProcessCluster options: routing, slo, ...) and the router's servers as
     the local launcher does (deploy/router_app.py: gRPC and HTTP on free loopback ports over one
     TokenizerPool, the router's metrics on the HTTP API; over TLS with a router.tls.TlsConfig);
-    everything is stopped on the way out. Requests may also name the model by `aliases`."""
+    everything is stopped on the way out. Requests may also name the model by `aliases`; browsers may call
+    the HTTP API from `cors_allowed_origins` (router.cors_allowed_origins)."""
     from splitserve.common.slo import SloConfig
     from splitserve.deploy.cluster_config import RouterConfig
     from splitserve.deploy.router_app import start_servers
@@ -323,7 +324,7 @@ def served_apis(model_dir: Path, model_name: str, api_key: str | None = None,
     metrics = RouterMetrics(SloConfig())
     cluster = InProcessCluster(model_dir, observer=metrics.observe, **cluster_options)
     loop.run(cluster.__aenter__())
-    config = RouterConfig(grpc_port=0, http_port=0, metrics_port=None, tls=tls)
+    config = RouterConfig(grpc_port=0, http_port=0, metrics_port=None, tls=tls, cors_allowed_origins=cors_allowed_origins)
     servers = loop.run(start_servers(cluster.orchestrator, cluster.tokenizer, config, model_name, metrics, api_key,
                                      aliases))
     try:

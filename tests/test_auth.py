@@ -22,7 +22,7 @@ from splitserve.deploy.cluster_config import ClusterConfigError, parse_cluster_c
 from splitserve.proto.splitserve.v1 import generation_pb2 as pb
 from splitserve.proto.splitserve.v1 import generation_pb2_grpc as pb_grpc
 from splitserve.router.auth import INVALID, MISSING, api_key_from_env, check_authorization
-from tests.factories import ServedApis, served_apis
+from tests.factories import ServedApis, http_request, served_apis
 
 MODEL = "tiny-llama"
 KEY = "sk-test-0123456789"
@@ -218,3 +218,50 @@ def test_serving_refuses_to_start_without_the_key(monkeypatch):
     config = apply_overrides(default_cluster_config("default"), {"router.api_key_env": ENV})
     with pytest.raises(ValueError, match=rf"environment variable {ENV} is not set$"):
         asyncio.run(LocalCluster(config).start())
+
+
+# ---- browsers (CORS, router.cors_allowed_origins) -----------------------------------------
+
+PAGE = "http://chat-ui.example:3000"
+
+
+def _lowercase(headers: dict[str, str]) -> dict[str, str]:
+    return {name.lower(): value for name, value in headers.items()}
+
+
+def test_a_browser_preflight_is_answered_before_the_key_check(served):
+    status, headers, _ = http_request(served.http_port, "OPTIONS", "/v1/chat/completions", headers={
+        "Origin": PAGE, "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization, content-type"})
+    headers = _lowercase(headers)
+    assert (status, headers["access-control-allow-origin"]) == (200, "*")
+    assert "POST" in headers["access-control-allow-methods"].split(", ")
+    assert headers["access-control-allow-headers"] == "authorization, content-type"
+    assert "access-control-allow-credentials" not in headers
+
+
+@pytest.mark.parametrize(("authorization", "expected"), [(None, 401), (f"Bearer {KEY}", 200)])
+def test_a_cross_origin_answer_carries_the_cors_header_refused_or_not(served, authorization, expected):
+    headers = {"Origin": PAGE, **({"Authorization": authorization} if authorization else {})}
+    status, answer, body = http_request(served.http_port, "GET", "/v1/models", headers=headers)
+    assert (status, _lowercase(answer)["access-control-allow-origin"]) == (expected, "*")
+    if expected == 200:
+        assert [model["id"] for model in json.loads(body)["data"]] == [MODEL]
+
+
+def test_without_allowed_origins_there_is_no_cors(tiny_llama_dir):
+    with served_apis(tiny_llama_dir, MODEL, cors_allowed_origins=()) as served:
+        status, headers, _ = http_request(served.http_port, "GET", "/v1/models", headers={"Origin": PAGE})
+        preflight, _, _ = http_request(served.http_port, "OPTIONS", "/v1/models", headers={
+            "Origin": PAGE, "Access-Control-Request-Method": "GET"})
+    assert (status, "access-control-allow-origin" in _lowercase(headers), preflight) == (200, False, 405)
+
+
+def test_config_allowed_origins():
+    assert parse_cluster_config("model: m\n").router.cors_allowed_origins == ("*",)
+    assert parse_cluster_config("model: m\nrouter: {cors_allowed_origins: []}\n").router.cors_allowed_origins == ()
+    assert parse_cluster_config(f"model: m\nrouter: {{cors_allowed_origins: ['{PAGE}']}}\n"
+                                ).router.cors_allowed_origins == (PAGE,)
+    with pytest.raises(ClusterConfigError) as caught:
+        parse_cluster_config("model: m\nrouter: {cors_allowed_origins: [' ']}\n")
+    assert str(caught.value) == "router.cors_allowed_origins: must hold non-empty origins, got [' ']"
