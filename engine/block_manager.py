@@ -5,6 +5,8 @@ Invariants:
 - The free list is the eviction order: allocation takes blocks from its front.
   Freed blocks that carry a hash go to the back (most recently used, evicted last);
   freed blocks without a hash go to the front (nothing worth keeping).
+- Blocks never allocated sit in the free list between those two groups, in id order, without
+  objects of their own (`FreeBlockList`): a pool of millions of blocks costs nothing until used.
 - A free block keeps its hash (and its entry in the hash map) until it is reused,
   so a later request with the same prefix can revive it.
 - The hash map points only at blocks whose contents match the hash, and a block carries a
@@ -28,6 +30,49 @@ class KVBlock:
     block_id: int
     ref_count: int = 0
     block_hash: BlockHash | None = None
+
+
+class FreeBlockList:
+    """The free blocks in eviction order: `front` (most recently pushed first), then the ids never
+    handed out (`next_fresh_id` up to `num_blocks`, ascending), then `back` (oldest first).
+
+    Every operation is O(1). Fresh ids leave in ascending order, so the caller can keep one object
+    per block ever handed out in a list indexed by block id."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self.next_fresh_id = 0
+        self._front: OrderedDict[int, None] = OrderedDict()
+        self._back: OrderedDict[int, None] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._front) + (self.num_blocks - self.next_fresh_id) + len(self._back)
+
+    def order(self) -> list[int]:
+        return [*self._front, *range(self.next_fresh_id, self.num_blocks), *self._back]
+
+    def push_front(self, block_id: int) -> None:
+        self._front[block_id] = None
+        self._front.move_to_end(block_id, last=False)
+
+    def push_back(self, block_id: int) -> None:
+        self._back[block_id] = None
+
+    def pop_first(self) -> int:
+        """The first block in eviction order (KeyError when empty)."""
+        if self._front:
+            return self._front.popitem(last=False)[0]
+        if self.next_fresh_id < self.num_blocks:
+            self.next_fresh_id += 1
+            return self.next_fresh_id - 1
+        return self._back.popitem(last=False)[0]
+
+    def remove(self, block_id: int) -> None:
+        """Take a block that was handed out before out of the list, wherever it is."""
+        if block_id in self._back:
+            del self._back[block_id]
+        else:
+            del self._front[block_id]
 
 
 @dataclass(frozen=True)
@@ -60,8 +105,11 @@ class BlockManager:
         self.block_size = block_size
         self.hasher = hasher
         self.enable_prefix_caching = enable_prefix_caching
-        self._blocks = [KVBlock(i) for i in range(num_blocks)]
-        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._blocks: list[KVBlock] = []
+        """Every block handed out at least once: `_blocks[i].block_id == i`."""
+        self._free = FreeBlockList(num_blocks)
+        self._num_cached_free = 0
+        """Free blocks that carry a hash (kept up to date so stats never scan the pool)."""
         self._cached: dict[BlockHash, int] = {}
         self._tables: dict[str, list[int]] = {}
         self._num_hashed: dict[str, int] = {}
@@ -75,7 +123,7 @@ class BlockManager:
 
     @property
     def num_cached_free_blocks(self) -> int:
-        return sum(1 for block_id in self._free if self._blocks[block_id].block_hash is not None)
+        return self._num_cached_free
 
     @property
     def usage(self) -> float:
@@ -83,7 +131,7 @@ class BlockManager:
 
     def free_block_order(self) -> list[int]:
         """Free block ids in eviction order (first is reused first)."""
-        return list(self._free)
+        return self._free.order()
 
     def block_table(self, request_id: str) -> list[int]:
         return self._tables.get(request_id, [])
@@ -92,7 +140,9 @@ class BlockManager:
         return request_id in self._tables
 
     def ref_count(self, block_id: int) -> int:
-        return self._blocks[block_id].ref_count
+        if not 0 <= block_id < self.num_blocks:
+            raise IndexError(f"block {block_id} is outside the pool of {self.num_blocks}")
+        return self._blocks[block_id].ref_count if block_id < len(self._blocks) else 0
 
     def cached_block_id(self, block_hash: BlockHash) -> int | None:
         return self._cached.get(block_hash)
@@ -195,11 +245,7 @@ class BlockManager:
         self._num_hashed.pop(request_id, None)
         for block_id in reversed(table):
             block = self._blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self._free[block_id] = None
-                if block.block_hash is None:
-                    self._free.move_to_end(block_id, last=False)
+            self._release(block, evict_first=block.block_hash is None)
 
     def truncate(self, request_id: str, num_tokens: int) -> None:
         """Return the request's blocks past the first `num_tokens` tokens (a speculative step's
@@ -208,11 +254,7 @@ class BlockManager:
         table = self._tables[request_id]
         keep = self.blocks_needed(num_tokens)
         for block_id in reversed(table[keep:]):
-            block = self._blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self._free[block_id] = None
-                self._free.move_to_end(block_id, last=False)
+            self._release(self._blocks[block_id], evict_first=True)
         del table[keep:]
 
     def reset_prefix_cache(self) -> bool:
@@ -223,18 +265,36 @@ class BlockManager:
         self._cached.clear()
         for block in self._blocks:
             block.block_hash = None
+        self._num_cached_free = 0
         return True
+
+    def _release(self, block: KVBlock, evict_first: bool) -> None:
+        """Drop one reference; at zero the block joins the free list's front or back."""
+        block.ref_count -= 1
+        if block.ref_count > 0:
+            return
+        if evict_first:
+            self._free.push_front(block.block_id)
+        else:
+            self._free.push_back(block.block_id)
+        if block.block_hash is not None:
+            self._num_cached_free += 1
 
     def _claim(self, block_id: int) -> None:
         block = self._blocks[block_id]
         if block.ref_count == 0:
-            del self._free[block_id]
+            self._free.remove(block_id)
+            if block.block_hash is not None:
+                self._num_cached_free -= 1
         block.ref_count += 1
 
     def _pop_free(self) -> int:
-        block_id, _ = self._free.popitem(last=False)
+        block_id = self._free.pop_first()
+        if block_id == len(self._blocks):
+            self._blocks.append(KVBlock(block_id))
         block = self._blocks[block_id]
         if block.block_hash is not None:  # evicted: the map points at this block (invariant)
+            self._num_cached_free -= 1
             del self._cached[block.block_hash]
             self._record_removed((block.block_hash,))
             block.block_hash = None

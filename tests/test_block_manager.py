@@ -6,6 +6,8 @@ import hashlib
 import struct
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tests.factories import assert_pool_idle, make_block_manager, make_request
 from splitserve.common.block_hash import BlockHasher, hash_block, root_hash
@@ -262,3 +264,93 @@ def test_prefix_caching_disabled_records_no_events():
     manager.free("hog")
     assert manager.reset_prefix_cache()
     assert manager.take_events() == [] and manager.cached_block_hashes() == frozenset()
+
+
+# ---- pool size -------------------------------------------------------------------------------
+def test_a_pool_of_any_size_costs_nothing_until_its_blocks_are_used():
+    num_blocks = 1 << 40  # a Python object per block would need hundreds of terabytes
+    manager = make_block_manager(num_blocks=num_blocks, block_size=4)
+    request = prefilled(manager, "a", list(range(10)))
+    assert manager.block_table("a") == [0, 1, 2]
+    assert manager.num_free_blocks == num_blocks - 3 and manager.ref_count(num_blocks - 1) == 0
+    with pytest.raises(IndexError, match="outside the pool"):
+        manager.ref_count(num_blocks)
+    manager.free(request.request_id)
+    assert (manager.num_free_blocks, manager.num_cached_free_blocks) == (num_blocks, 2)
+    assert manager.allocate(make_request("b", [1]), 1).new_block_ids == (2,)  # the unhashed partial block
+
+
+# ---- random operations against a plain list of the free order ----------------------------------
+class _FreeOrderModel:
+    """The eviction order the module docstring states, kept as one plain list (the oracle)."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.order = list(range(num_blocks))
+        self.ref_counts = [0] * num_blocks
+
+    def allocate(self, num_blocks: int) -> tuple[int, ...]:
+        """Blocks for new tokens: the first of the free order."""
+        new_ids = tuple(self.order[:num_blocks])
+        for block_id in new_ids:
+            self.take(block_id)
+        return new_ids
+
+    def take(self, block_id: int) -> None:
+        if self.ref_counts[block_id] == 0:
+            self.order.remove(block_id)
+        self.ref_counts[block_id] += 1
+
+    def release(self, block_id: int, to_front: bool) -> None:
+        self.ref_counts[block_id] -= 1
+        if self.ref_counts[block_id] == 0:
+            self.order.insert(0, block_id) if to_front else self.order.append(block_id)
+
+
+def _hashed_blocks(manager) -> set[int]:
+    return {manager.cached_block_id(block_hash) for block_hash in manager.cached_block_hashes()}
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["admit", "grow", "reserve", "truncate", "free"]), st.integers(0, 3),
+                          st.integers(1, 9)), max_size=40))
+def test_random_operations_keep_the_stated_eviction_order(operations):
+    num_blocks, block_size = 12, 2
+    manager, model = make_block_manager(num_blocks=num_blocks, block_size=block_size), _FreeOrderModel(num_blocks)
+    live = {}
+    for operation, slot, num_tokens in operations:
+        request_id = f"r{slot}"
+        request = live.get(request_id)
+        if operation == "admit" and request is None:
+            # prompts share their first tokens across slots, so prefix hits revive cached-free blocks
+            request = make_request(request_id, [t % 5 for t in range(num_tokens)] + [slot])
+            match = manager.match_prefix(request)
+            allocation = manager.allocate(request, request.num_tokens - match.num_tokens, match)
+            if allocation is not None:
+                for block_id in allocation.reused_block_ids:
+                    model.take(block_id)
+                assert allocation.new_block_ids == model.allocate(len(allocation.new_block_ids))
+                manager.cache_full_blocks(computed(request, request.num_tokens))
+                live[request_id] = request
+        elif operation in ("grow", "reserve") and request is not None:
+            allocation = manager.allocate(request, num_tokens)
+            if allocation is not None:
+                assert allocation.new_block_ids == model.allocate(len(allocation.new_block_ids))
+            if allocation is not None and operation == "grow":
+                request.all_token_ids.extend([7] * num_tokens)
+                manager.cache_full_blocks(computed(request, request.num_computed_tokens + num_tokens))
+        elif operation == "free" and request is not None:
+            hashed = _hashed_blocks(manager)
+            for block_id in reversed(manager.block_table(request_id)):
+                model.release(block_id, to_front=block_id not in hashed)
+            manager.free(request_id)
+            del live[request_id]
+        elif operation == "truncate" and request is not None:  # a speculative step's reserved tail
+            keep = request.num_computed_tokens
+            for block_id in reversed(manager.block_table(request_id)[manager.blocks_needed(keep):]):
+                model.release(block_id, to_front=True)
+            manager.truncate(request_id, keep)
+        free_order = manager.free_block_order()
+        assert free_order == model.order
+        assert [manager.ref_count(b) for b in range(num_blocks)] == model.ref_counts
+        assert manager.num_free_blocks == len(free_order)
+        assert manager.num_cached_free_blocks == len(_hashed_blocks(manager) & set(free_order))
