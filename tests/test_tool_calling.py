@@ -263,15 +263,17 @@ choice "auto" sees a call to parse."""
     ("auto", {"structured_outputs": {"regex": FORCED_CALL}}),
 ])
 def test_a_streamed_answer_accumulates_to_the_unstreamed_one(served, tool_choice, extra):
-    """The openai SDK's own accumulation of the stream equals the response, call for call (ids aside)."""
+    """The openai SDK's own accumulation of the stream equals the response, call for call (ids
+    aside), for each of two choices (each read by a parser of its own)."""
     request = dict(model=MODEL, messages=USER, tools=TOOLS, tool_choice=tool_choice, max_tokens=120, temperature=1.0,
-                   seed=11, extra_body=extra)
-    whole = client(served).chat.completions.create(**request).choices[0]
+                   seed=11, n=2, extra_body=extra)
+    whole = client(served).chat.completions.create(**request).choices
     with client(served).chat.completions.stream(**request) as stream:
-        streamed = stream.get_final_completion().choices[0]
-    assert calls_of(streamed.message) == calls_of(whole.message) and whole.message.tool_calls
-    assert (streamed.message.content or "", streamed.finish_reason) == (whole.message.content or "",
-                                                                        whole.finish_reason)
+        streamed = stream.get_final_completion().choices
+    assert [calls_of(choice.message) for choice in streamed] == [calls_of(choice.message) for choice in whole]
+    assert all(choice.message.tool_calls for choice in whole)
+    assert [(choice.message.content or "", choice.finish_reason) for choice in streamed] == \
+        [(choice.message.content or "", choice.finish_reason) for choice in whole]
 
 
 def test_auto_tool_choice_splits_content_and_calls(served):

@@ -211,3 +211,13 @@ def test_call_ids_look_like_vllms():
     call_id = make_tool_call_id()
     assert call_id.startswith("chatcmpl-tool-") and len(call_id) == 46 and int(call_id[14:], 16) >= 0
     assert make_tool_call_id() != call_id
+
+
+def test_auto_reads_with_the_servers_parser_and_honours_parallel_tool_calls():
+    tools = (FunctionTool("f", None, {"type": "function", "function": {"name": "f"}}),)
+    text = '{"name": "f", "parameters": {}}; {"name": "g", "parameters": {}}'
+    one = ToolOutput.for_request(ToolCalling(tools, ToolChoice.AUTO, parallel_tool_calls=False), "llama3_json")
+    many = ToolOutput.for_request(ToolCalling(tools, ToolChoice.AUTO), "llama3_json")
+    assert [call.name for call in parse_output(one.new_parser(), text).tool_calls] == ["f"]
+    assert [call.name for call in parse_output(many.new_parser(), text).tool_calls] == ["f", "g"]
+    assert isinstance(ToolOutput.for_request(ToolCalling(tools, ToolChoice.AUTO), "hermes").new_parser(), HermesParser)
