@@ -25,6 +25,7 @@ from splitserve.common.slo import SloConfig
 from splitserve.planner.core.types import PlannerConfig
 from splitserve.router.policy import RoutingConfig
 from splitserve.router.tls import TlsConfig
+from splitserve.router.tool_parsers import TOOL_CALL_PARSERS
 from splitserve.router.worker_link import WorkerLinkConfig
 
 MODES = ("disaggregated", "colocated")
@@ -171,6 +172,13 @@ class RouterConfig:
     chat_template: str | None = None
     """A chat template replacing the model's own (vLLM's --chat-template): the path of a file
     holding it, or the template text itself. None: the model directory's template."""
+    enable_auto_tool_choice: bool = False
+    """Serve tool_choice "auto" (the default when a chat request sends tools): the output is split
+    into content and tool calls by `tool_call_parser`, which it needs (vLLM's --enable-auto-tool-choice).
+    Off: such a request is a 400; "none", "required" and a named function need no parser."""
+    tool_call_parser: str | None = None
+    """How the model writes tool calls (vLLM's --tool-call-parser): `hermes` (<tool_call>{...}</tool_call>:
+    Hermes 2 Pro, Qwen 2.5 / 3) or `llama3_json` (Llama 3.1+ JSON calls)."""
     replicas: int = 1
     """Router processes sharing the workers, each with its own prefix index, admission slots and
     event loop. 1: the router runs in the `splitserve serve` process. More: each is a Ray actor
@@ -181,6 +189,11 @@ class RouterConfig:
     resources: RayResources = RayResources()
     """Ray resources of each router actor (only when replicas > 1); on KubeRay, node_labels
     `ray.io/node-group=router` puts one router on each pod of the router group."""
+
+    @property
+    def auto_tool_call_parser(self) -> str | None:
+        """The parser of tool_choice "auto" outputs; None when auto tool choice is off."""
+        return self.tool_call_parser if self.enable_auto_tool_choice else None
 
     def __post_init__(self) -> None:
         _require(self.host != "", "host", "must not be empty")
@@ -206,6 +219,10 @@ class RouterConfig:
         _require(self.drain_timeout_s >= 0, "drain_timeout_s", f"must be >= 0, got {self.drain_timeout_s}")
         _require(self.max_prompt_bytes is None or self.max_prompt_bytes >= 1, "max_prompt_bytes",
                  f"must be >= 1 or null, got {self.max_prompt_bytes}")
+        _require(self.tool_call_parser is None or self.tool_call_parser in TOOL_CALL_PARSERS, "tool_call_parser",
+                 f"must be one of {', '.join(TOOL_CALL_PARSERS)} or null, got {self.tool_call_parser!r}")
+        _require(not self.enable_auto_tool_choice or self.tool_call_parser is not None, "enable_auto_tool_choice",
+                 "needs tool_call_parser (how the model writes its calls)")
         _require(self.tokenizer_threads >= 1, "tokenizer_threads", f"must be >= 1, got {self.tokenizer_threads}")
         _require(self.max_pending_tokenizations >= 1, "max_pending_tokenizations",
                  f"must be >= 1, got {self.max_pending_tokenizations}")

@@ -31,10 +31,10 @@ COMMON_HANDLED = frozenset({
 })
 """Fields both endpoints implement."""
 COMPLETION_HANDLED = COMMON_HANDLED | {"prompt", "best_of", "echo"}
-CHAT_HANDLED = COMMON_HANDLED | {"messages", "top_logprobs", "max_completion_tokens", "tool_choice",
-                                 "add_generation_prompt", "continue_final_message", "chat_template_kwargs",
-                                 "documents",
-                                 "parallel_tool_calls"}  # moot: tools are refused
+CHAT_HANDLED = COMMON_HANDLED | {"messages", "top_logprobs", "max_completion_tokens", "add_generation_prompt",
+                                 "continue_final_message", "chat_template_kwargs", "documents",
+                                 # tool calling (router/tool_calling.py)
+                                 "tools", "tool_choice", "parallel_tool_calls"}
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,7 @@ def _json_excerpt(value: Any, max_chars: int = 64) -> str:
 _STRUCTURED = "structured output has one grammar engine (llguidance) and compact JSON"
 _NO_BEAM_SEARCH = "no beam search (parallel sampling: n, best_of)"
 _NOT_IMPLEMENTED = "not implemented"
-_NO_TOOLS = "no tool calling"
+_FUNCTIONS = "the deprecated functions API is not implemented (send tools and tool_choice)"
 _TEXT_ONLY = "text models only"
 _OFF = (False,)
 _EMPTY = ([], {})
@@ -108,9 +108,8 @@ COMPLETION_REFUSED = (
 CHAT_REFUSED = (
     *COMMON_REFUSED,
     Refused("echo", _OFF, "a chat's echo (the last message repeated) is not implemented"),
-    Refused("tools", ([],), _NO_TOOLS),
-    Refused("functions", ([],), _NO_TOOLS),
-    Refused("function_call", ("none", "auto"), _NO_TOOLS),
+    Refused("functions", ([],), _FUNCTIONS),
+    Refused("function_call", ("none", "auto"), _FUNCTIONS),
     Refused("reasoning_effort", (), "no reasoning parser"),
     Refused("include_reasoning", (True,), "no reasoning parser: the output is never split"),
     Refused("chat_template", (), "a request may not bring its own template (start the server with "

@@ -9,6 +9,8 @@ read), so every API accepts and refuses the same values.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -16,12 +18,16 @@ from typing import Any
 
 from splitserve.common.errors import InvalidRequestError
 from splitserve.common.sampling_params import MAX_LOGPROBS, SamplingParams
+from splitserve.common.structured_output import StructuredOutput
 from splitserve.common.token_logprobs import TokenLogprobs
 from splitserve.router.api_types import StreamChunk, Usage
-from splitserve.router.openai_fields import CHAT_REFUSED, COMPLETION_REFUSED, refuse_unsupported
+from splitserve.router.openai_fields import CHAT_REFUSED, COMPLETION_REFUSED, Refused, refuse_unsupported
 from splitserve.router.request_limits import MAX_SEQUENCES, RequestLimits, utf8_length
 from splitserve.router.structured_output import parse_structured_output
 from splitserve.router.tokenizer import ChatTemplateOptions
+from splitserve.router.tool_calling import (HistoryToolCall, ToolCalling, parse_history_tool_calls,
+                                            parse_tool_calling, parse_tools)
+from splitserve.router.tool_parsers import OutputParser, ToolCallDelta, ToolOutput, parse_output
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 """max_tokens of a completion request that sets none (the OpenAI and vLLM default)."""
@@ -37,7 +43,29 @@ _BOOL_SAMPLING_FIELDS = ("ignore_eos", "skip_special_tokens")
 class ChatMessage:
     role: str
     content: str
-    """Text parts of a multi-part content list are joined with newlines."""
+    """Text parts of a multi-part content list are joined with newlines; null is ""."""
+    tool_calls: tuple[HistoryToolCall, ...] = ()
+    """An assistant message's tool calls."""
+    tool_call_id: str | None = None
+    """A tool message's: the call whose result it holds."""
+    name: str | None = None
+    """The message's author or tool name (any role), for templates that render it."""
+
+    def template_message(self) -> dict[str, Any]:
+        """The message as the chat template sees it (vLLM's keys; absent ones left out)."""
+        message: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            message["tool_calls"] = [call.template_value() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            message["name"] = self.name
+        return message
+
+    def tool_call_bytes(self) -> int:
+        """UTF-8 bytes the tool calls add to the rendered chat (their names and arguments as JSON)."""
+        return sum(utf8_length(call.name) + utf8_length(json.dumps(call.arguments, ensure_ascii=False))
+                   for call in self.tool_calls)
 
 
 @dataclass(frozen=True)
@@ -89,7 +117,10 @@ class ChatCompletionRequest:
     tokens_as_ids: bool
     request_id: str
     template: ChatTemplateOptions
-    """vLLM's chat extensions: continue_final_message, documents, chat_template_kwargs, add_special_tokens."""
+    """vLLM's chat extensions: continue_final_message, documents, chat_template_kwargs, add_special_tokens;
+    and the tools the template renders."""
+    tool_calling: ToolCalling | None = None
+    """The request's tools and tool_choice; None: it sent no tools."""
 
 
 # ---- parsing --------------------------------------------------------------------------------
@@ -155,14 +186,16 @@ def _max_tokens(body: Mapping[str, Any], names: Sequence[str], default: int) -> 
 
 
 def _sampling(body: Mapping[str, Any], max_tokens: int, max_tokens_param: str | None, logprobs: int | None,
-              limits: RequestLimits) -> SamplingParams:
+              limits: RequestLimits, constraint: StructuredOutput | None = None) -> SamplingParams:
+    """`constraint`: a forced tool choice's grammar, in place of the request's structured output fields."""
     given = {name: body[name] for name in _SAMPLING_FIELDS if body.get(name) is not None}
     for name in _BOOL_SAMPLING_FIELDS:
         value = _typed(body, name, bool, "a boolean")
         if value is not None:
             given[name] = value
     params = SamplingParams(stop=_stop(body), max_tokens=max_tokens, logprobs=logprobs,
-                            structured_output=parse_structured_output(body), **given)
+                            structured_output=parse_structured_output(body) if constraint is None else constraint,
+                            **given)
     limits.check_sampling(params, max_tokens_param)
     return params
 
@@ -255,13 +288,29 @@ def _messages(body: Mapping[str, Any], limits: RequestLimits) -> tuple[ChatMessa
     if not isinstance(messages, list) or not messages:
         raise InvalidRequestError("messages", "must be a non-empty list of {role, content} objects")
     limits.check_message_count(len(messages))
-    parsed = []
-    for index, message in enumerate(messages):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise InvalidRequestError(f"messages[{index}]", f"must be an object with a string role, got {message!r}")
-        parsed.append(ChatMessage(message["role"], _content(message.get("content"), f"messages[{index}].content")))
+    parsed = tuple(_message(message, f"messages[{index}]") for index, message in enumerate(messages))
     limits.check_chat(parsed)
-    return tuple(parsed)
+    if any(message.tool_calls for message in parsed):
+        limits.check_prompt_bytes(sum(utf8_length(m.content) + m.tool_call_bytes() for m in parsed), "messages")
+    return parsed
+
+
+def _message(message: Any, field: str) -> ChatMessage:
+    """One message; as in vLLM, only an assistant's tool_calls and a tool message's tool_call_id are read."""
+    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+        raise InvalidRequestError(field, f"must be an object with a string role, got {message!r}")
+    role = message["role"]
+    calls = parse_history_tool_calls(message.get("tool_calls"), f"{field}.tool_calls") if role == "assistant" else ()
+    call_id = _optional_string(message, "tool_call_id", field) if role == "tool" else None
+    return ChatMessage(role, _content(message.get("content"), f"{field}.content"), calls, call_id,
+                       _optional_string(message, "name", field))
+
+
+def _optional_string(message: Mapping[str, Any], key: str, field: str) -> str | None:
+    value = message.get(key)
+    if value is not None and not isinstance(value, str):
+        raise InvalidRequestError(f"{field}.{key}", f"must be a string, got {value!r}")
+    return value
 
 
 def _chat_logprobs(body: Mapping[str, Any]) -> int | None:
@@ -273,12 +322,6 @@ def _chat_logprobs(body: Mapping[str, Any]) -> int | None:
     if top is not None and not wanted:
         raise InvalidRequestError("top_logprobs", "requires logprobs to be true")
     return (top or 0) if wanted else None
-
-
-def _check_chat_options(body: Mapping[str, Any]) -> None:
-    refuse_unsupported(body, CHAT_REFUSED)
-    if body.get("tool_choice") not in (None, "none", "auto"):
-        raise InvalidRequestError("tool_choice", f"tool calling is not supported (got {body['tool_choice']!r})")
 
 
 def _documents(body: Mapping[str, Any]) -> tuple[Mapping[str, str], ...] | None:
@@ -305,17 +348,21 @@ def parse_chat_template_options(body: Mapping[str, Any], add_generation_prompt: 
 def parse_chat_request(body: Mapping[str, Any], limits: RequestLimits) -> ChatCompletionRequest:
     """The default max_tokens is max_model_len: generation may then run to the end of the context
     (the engine ends it there with finish_reason "length"), as in vLLM."""
-    _check_chat_options(body)
+    refuse_unsupported(body, CHAT_REFUSED)
     messages = _messages(body, limits)
     add_generation_prompt = _typed(body, "add_generation_prompt", bool, "a boolean", True)
     template = parse_chat_template_options(body, add_generation_prompt)
+    tool_calling = parse_tool_calling(body, limits)
+    if tool_calling is not None:
+        template = dataclasses.replace(template, tools=tool_calling.template_tools())
     max_tokens, max_tokens_param = _max_tokens(body, ("max_completion_tokens", "max_tokens"), limits.max_model_len)
     stream, include_usage, continuous_usage = _stream_flags(body)
-    sampling = _sampling(body, max_tokens, max_tokens_param, _chat_logprobs(body), limits)
+    sampling = _sampling(body, max_tokens, max_tokens_param, _chat_logprobs(body), limits,
+                         None if tool_calling is None else tool_calling.constraint())
     return ChatCompletionRequest(
         _model(body), messages, _count(body, "n", 1), add_generation_prompt, sampling, max_tokens_param, stream,
         include_usage, continuous_usage, _typed(body, "return_tokens_as_token_ids", bool, "a boolean", False),
-        _request_id(body, limits), template)
+        _request_id(body, limits), template, tool_calling)
 
 
 @dataclass(frozen=True)
@@ -335,18 +382,24 @@ class TokenizeRequest:
     """Also return each token's vocabulary entry."""
 
 
-_TOKENIZE_REFUSED = tuple(rule for rule in CHAT_REFUSED if rule.name in ("tools", "chat_template",
-                                                                         "mm_processor_kwargs", "media_io_kwargs"))
+_TOKENIZE_REFUSED = tuple(rule for rule in CHAT_REFUSED if rule.name in ("chat_template", "mm_processor_kwargs",
+                                                                         "media_io_kwargs"))
+_PROMPT_TOOLS = Refused("tools", (), "a prompt is tokenized as it is (send messages: the template renders tools)")
 
 
 def parse_tokenize_request(body: Mapping[str, Any], limits: RequestLimits) -> TokenizeRequest:
+    """A chat's `tools` are rendered as the chat endpoint renders them."""
     refuse_unsupported(body, _TOKENIZE_REFUSED)
     return_token_strs = _typed(body, "return_token_strs", bool, "a boolean", False)
     if "messages" in body:
         add_generation_prompt = _typed(body, "add_generation_prompt", bool, "a boolean", True)
         template = parse_chat_template_options(body, add_generation_prompt)
+        tools = parse_tools(body, limits)
+        if tools is not None:
+            template = dataclasses.replace(template, tools=tuple(tool.definition for tool in tools))
         return TokenizeRequest(_model(body), "", _messages(body, limits), add_generation_prompt, template,
                                template.add_special_tokens, return_token_strs)
+    _PROMPT_TOOLS.check(body)
     prompt = body.get("prompt")
     if not isinstance(prompt, str):
         raise InvalidRequestError("prompt", f"must be a string (or send messages), got {prompt!r}")
@@ -452,9 +505,16 @@ class _Renderer(ABC):
     def response(self, choices: Sequence[Sequence[StreamChunk]], usage: Usage) -> dict:
         """The non-streaming response: each choice's chunks in choice order (the last of each has
         its finish reason), and the whole request's usage."""
-        rendered = [{"index": index, **self._message(index, chunks), "finish_reason": chunks[-1].finish_reason,
-                     "stop_reason": chunks[-1].stop_reason} for index, chunks in enumerate(choices)]
+        rendered = []
+        for index, chunks in enumerate(choices):
+            message = self._message(index, chunks)  # before the finish reason, which may depend on what it read
+            rendered.append({"index": index, **message, "finish_reason": self._finish_reason(index, chunks[-1]),
+                             "stop_reason": chunks[-1].stop_reason})
         return {**self._envelope(self.object_name, rendered), "usage": usage_body(usage)}
+
+    def _finish_reason(self, index: int, last: StreamChunk) -> str | None:
+        """Choice `index`'s finish reason, given its last chunk (None while it runs)."""
+        return last.finish_reason
 
     @abstractmethod
     def stream_chunks(self, index: int, chunk: StreamChunk) -> list[dict]:
@@ -532,10 +592,15 @@ class ChatRenderer(_Renderer):
     chunk_object_name = "chat.completion.chunk"
 
     def __init__(self, header: ResponseHeader, token_text: Callable[[int], str], token_bytes: Callable[[int], bytes],
-                 include_usage: bool, with_logprobs: bool, prompt_tokens: Sequence[int] | None = None) -> None:
+                 include_usage: bool, with_logprobs: bool, prompt_tokens: Sequence[int] | None = None,
+                 tool_output: ToolOutput | None = None) -> None:
+        """`tool_output`: how each choice's text is split into content and tool calls (None: all content)."""
         super().__init__(header, token_text, include_usage, with_logprobs, prompt_tokens)
         self.token_bytes = token_bytes
+        self.tool_output = tool_output
         self._role_sent: set[int] = set()
+        self._parsers: dict[int, OutputParser] = {}
+        """Each choice's parser (with tool_output): its stream's, or the one that read its whole output."""
 
     def stream_chunks(self, index: int, chunk: StreamChunk) -> list[dict]:
         chunks = []
@@ -544,15 +609,43 @@ class ChatRenderer(_Renderer):
             chunks.append(self._chunk({"index": index, "delta": {"role": "assistant", "content": ""},
                                        "logprobs": None, "finish_reason": None}))
         self._count_tokens(index, chunk)  # after the role chunk: it carries no tokens
-        chunks.append(self._chunk({"index": index, "delta": {"content": chunk.text},
-                                   "logprobs": self._logprobs(chunk.logprobs), "finish_reason": chunk.finish_reason,
-                                   "stop_reason": chunk.stop_reason}))
+        delta, logprobs = self._delta(index, chunk), self._logprobs(chunk.logprobs)
+        finish_reason = self._finish_reason(index, chunk)
+        if delta or logprobs is not None or finish_reason is not None:  # a tool call's held text sends nothing yet
+            chunks.append(self._chunk({"index": index, "delta": delta, "logprobs": logprobs,
+                                       "finish_reason": finish_reason, "stop_reason": chunk.stop_reason}))
         return chunks
+
+    def _delta(self, index: int, chunk: StreamChunk) -> dict:
+        if self.tool_output is None:
+            return {"content": chunk.text}
+        parser = self._parsers.setdefault(index, self.tool_output.new_parser())
+        parsed = parser.feed(chunk.text)
+        if chunk.finish_reason is not None:
+            parsed += parser.finish()
+        delta: dict[str, Any] = {"content": parsed.content} if parsed.content else {}
+        if parsed.tool_calls:
+            delta["tool_calls"] = [_tool_call_delta(call) for call in parsed.tool_calls]
+        return delta
+
+    def _finish_reason(self, index: int, last: StreamChunk) -> str | None:
+        if self.tool_output is None:
+            return last.finish_reason
+        return self.tool_output.finish_reason(last.finish_reason, self._parsers[index])
 
     def _message(self, index: int, chunks: Sequence[StreamChunk]) -> dict:
         logprobs = [lp for chunk in chunks for lp in chunk.logprobs]
-        return {"message": {"role": "assistant", "content": "".join(chunk.text for chunk in chunks)},
-                "logprobs": self._logprobs(logprobs)}
+        text = "".join(chunk.text for chunk in chunks)
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if self.tool_output is not None:
+            self._parsers[index] = self.tool_output.new_parser()
+            parsed = parse_output(self._parsers[index], text)
+            message["content"] = parsed.content
+            if parsed.tool_calls:
+                message["tool_calls"] = [{"id": call.id, "type": "function",
+                                          "function": {"name": call.name, "arguments": call.arguments}}
+                                         for call in parsed.tool_calls]
+        return {"message": message, "logprobs": self._logprobs(logprobs)}
 
     def _logprobs(self, logprobs: Sequence[TokenLogprobs]) -> dict | None:
         if not self.with_logprobs:
@@ -563,3 +656,12 @@ class ChatRenderer(_Renderer):
     def _token(self, token_id: int, logprob: float) -> dict:
         return {"token": self.token_text(token_id), "logprob": _logprob(logprob),
                 "bytes": list(self.token_bytes(token_id))}
+
+
+def _tool_call_delta(call: ToolCallDelta) -> dict:
+    """A stream's piece of a tool call: the first carries id, type and name (sent once: the openai
+    SDK joins string fields of pieces with the same index), every one an arguments fragment."""
+    if call.id is None:
+        return {"index": call.index, "function": {"arguments": call.arguments}}
+    return {"index": call.index, "id": call.id, "type": "function",
+            "function": {"name": call.name, "arguments": call.arguments}}

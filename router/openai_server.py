@@ -54,6 +54,7 @@ from splitserve.router.orchestrator import Orchestrator
 from splitserve.router.request_body import BodyParser, MalformedBodyError, Parse
 from splitserve.router.tls import TlsConfig, load_tls
 from splitserve.router.tokenizer_pool import TokenizerPool
+from splitserve.router.tool_parsers import ToolOutput
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
@@ -153,7 +154,8 @@ class OpenAIServing:
     """The endpoints' handlers over one Orchestrator serving one model."""
 
     def __init__(self, orchestrator: Orchestrator, tokenizers: TokenizerPool, bodies: BodyParser, model_name: str,
-                 request_timeout_s: float | None = None, aliases: tuple[str, ...] = ()) -> None:
+                 request_timeout_s: float | None = None, aliases: tuple[str, ...] = (),
+                 tool_call_parser: str | None = None) -> None:
         self.orchestrator = orchestrator
         self.tokenizers = tokenizers
         self.bodies = bodies
@@ -164,6 +166,9 @@ class OpenAIServing:
         """Every name a request may give as `model` (--served-model-name)."""
         self.request_timeout_s = request_timeout_s
         """Server-side limit on a request's total time (router.request_timeout_s); None: no limit."""
+        self.tool_call_parser = tool_call_parser
+        """What reads tool calls out of a tool_choice "auto" output (a TOOL_CALL_PARSERS name); None:
+        auto tool choice is off (a request asking for it is a 400, as in vLLM)."""
         self.created = int(time.time())
 
     # ---- endpoints ---------------------------------------------------------------------
@@ -195,7 +200,7 @@ class OpenAIServing:
             if parsed.messages is None:
                 token_ids = await self.tokenizers.encode(parsed.prompt, parsed.add_special_tokens)
             else:
-                messages = [{"role": m.role, "content": m.content} for m in parsed.messages]
+                messages = [m.template_message() for m in parsed.messages]
                 token_ids = await self.tokenizers.apply_chat_template(messages, parsed.add_generation_prompt,
                                                                       parsed.template)
             strings = self.tokenizers.tokenizer.token_strings(token_ids) if parsed.return_token_strs else None
@@ -286,14 +291,16 @@ class OpenAIServing:
 
     async def _chat_job(self, parsed: ChatCompletionRequest) -> _Job:
         self._check_model(parsed.model)
-        messages = [{"role": m.role, "content": m.content} for m in parsed.messages]
+        tool_output = None if parsed.tool_calling is None else ToolOutput.for_request(parsed.tool_calling,
+                                                                                      self.tool_call_parser)
+        messages = [m.template_message() for m in parsed.messages]
         token_ids = await self.tokenizers.apply_chat_template(messages, parsed.add_generation_prompt, parsed.template)
         request_id, inputs = self._inputs([token_ids], parsed.sampling, parsed.max_tokens_param, "messages",
                                           parsed.request_id, parsed.n)
         renderer = ChatRenderer(self._header("chatcmpl", request_id), self._token_text(parsed.tokens_as_ids),
                                 self.tokenizers.tokenizer.token_bytes, parsed.include_usage,
                                 parsed.sampling.logprobs is not None,
-                                _prompt_lengths(inputs) if parsed.continuous_usage else None)
+                                _prompt_lengths(inputs) if parsed.continuous_usage else None, tool_output)
         return _Job(inputs, parsed.n, parsed.n, renderer, parsed.stream)
 
     def _prompt_text(self, prompt: str | tuple[int, ...]) -> str:
@@ -622,13 +629,15 @@ async def start_http_server(orchestrator: Orchestrator, tokenizers: TokenizerPoo
                             host: str = "127.0.0.1", port: int = 8000, request_timeout_s: float | None = None,
                             metrics_app: ASGIApp | None = None, api_key: str | None = None,
                             tls: TlsConfig | None = None, aliases: tuple[str, ...] = (),
-                            reuse_port: bool = False, cors_allowed_origins: tuple[str, ...] = ()) -> HttpServer:
+                            reuse_port: bool = False, cors_allowed_origins: tuple[str, ...] = (),
+                            tool_call_parser: str | None = None) -> HttpServer:
     """Start the OpenAI-compatible API on the running loop; the server's `port` is the bound one.
     With `api_key`, /v1/* needs `Authorization: Bearer <api_key>`; with `tls`, it is HTTPS only.
     Requests may name the model `model_name` or one of `aliases`. `reuse_port`: share the port
-    with other routers (SO_REUSEPORT). `cors_allowed_origins`: see build_app."""
+    with other routers (SO_REUSEPORT). `cors_allowed_origins`: see build_app. `tool_call_parser`: the
+    parser of tool_choice "auto" outputs (router/tool_parsers.py); None turns auto tool choice off."""
     bodies = BodyParser(tokenizers.limits)
-    serving = OpenAIServing(orchestrator, tokenizers, bodies, model_name, request_timeout_s, aliases)
+    serving = OpenAIServing(orchestrator, tokenizers, bodies, model_name, request_timeout_s, aliases, tool_call_parser)
     server = HttpServer(build_app(serving, metrics_app, api_key, cors_allowed_origins), tls=tls, on_stop=bodies.close)
     try:
         await server.start(host, port, reuse_port)

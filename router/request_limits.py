@@ -90,10 +90,16 @@ class RequestLimits:
     max_request_id_chars: int = 256
     """Characters of a client's request id (REQUEST_ID_CHARS only); it appears in every log line
     about the request."""
+    max_tools: int = 128
+    """Tools (function definitions) of one chat request (OpenAI's limit): each is rendered into the
+    prompt, and `tool_choice: "required"` compiles a grammar over all of them."""
+    max_tools_bytes: int = 1 << 19
+    """Bytes of a chat request's tools together, as compact JSON: part of the body's allowance for
+    fields besides the messages (BODY_ALLOWANCE_BYTES), and of the grammar a forced tool choice compiles."""
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "vocab_size", "max_prompt_bytes", "max_chat_messages", "max_stop_string_chars",
-                     "max_request_id_chars"):
+                     "max_request_id_chars", "max_tools", "max_tools_bytes"):
             require(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
         require(0 <= self.max_stop_strings <= MAX_STOP_STRINGS,
                 f"max_stop_strings must be in [0, {MAX_STOP_STRINGS}] (SamplingParams' own limit), "
@@ -160,6 +166,14 @@ class RequestLimits:
                                                                      f"{quote_for_log(message.role, QUOTED_CHARS)}")
             num_bytes += utf8_length(message.content)
         self.check_prompt_bytes(num_bytes, "messages")
+
+    # ---- tools ---------------------------------------------------------------------------------
+    def check_tools(self, num_tools: int, num_bytes: int) -> None:
+        """A chat request's tools: their count, and their size as compact JSON (checked before each is read)."""
+        if num_tools > self.max_tools:
+            raise InvalidRequestError("tools", f"holds {num_tools} tools; at most {self.max_tools}")
+        if num_bytes > self.max_tools_bytes:
+            raise InvalidRequestError("tools", f"has {num_bytes} bytes as compact JSON; at most {self.max_tools_bytes}")
 
     # ---- sampling and output length ----------------------------------------------------------
     def check_sampling(self, params: SamplingParams, max_tokens_field: str | None) -> None:

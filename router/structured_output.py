@@ -26,6 +26,8 @@ from splitserve.proto.splitserve.v1 import generation_pb2 as pb
 
 GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 """vLLM's guided decoding fields before structured_outputs (still sent by many clients)."""
+STRUCTURED_OUTPUT_FIELDS = ("response_format", "structured_outputs", *GUIDED_FIELDS)
+"""Every request field that asks for structured output (at most one may be set)."""
 STRUCTURED_OUTPUTS_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 """The constraint keys of vLLM's structured_outputs object."""
 STRUCTURED_OUTPUTS_OPTIONS = {"disable_any_whitespace": (False, True), "disable_additional_properties": (False,),

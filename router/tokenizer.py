@@ -182,8 +182,14 @@ def _check_unicode(text: str, field: str) -> None:
                                          f"{error.start})") from None
 
 
-def _validate_messages(messages: object) -> list[dict[str, str]]:
-    """Plain {"role", "content"} dicts (the only keys a template sees); raises InvalidRequestError."""
+TOOL_MESSAGE_KEYS = ("tool_calls", "tool_call_id", "name")
+"""Message keys a template also sees when set (an assistant's calls, a tool result's call id and
+name), passed as the OpenAI front parsed them (router/tool_calling.py)."""
+
+
+def _validate_messages(messages: object) -> list[dict[str, Any]]:
+    """{"role", "content"} dicts, with TOOL_MESSAGE_KEYS where set (the only keys a template sees);
+    raises InvalidRequestError."""
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
         raise InvalidRequestError("messages", "must be a non-empty list of {role, content} messages")
     plain = []
@@ -194,7 +200,8 @@ def _validate_messages(messages: object) -> list[dict[str, str]]:
             if not isinstance(message.get(key), str):
                 raise InvalidRequestError(f"messages[{index}].{key}", "missing or not a string")
             _check_unicode(message[key], f"messages[{index}].{key}")
-        plain.append({"role": message["role"], "content": message["content"]})
+        plain.append({"role": message["role"], "content": message["content"],
+                      **{key: message[key] for key in TOOL_MESSAGE_KEYS if message.get(key) is not None}})
     return plain
 
 
@@ -215,6 +222,9 @@ class ChatTemplateOptions:
     """More template variables (e.g. enable_thinking); never one of RESERVED_TEMPLATE_VARIABLES."""
     add_special_tokens: bool = False
     """Also add the tokenizer's own special tokens (a BOS) to the rendered text."""
+    tools: tuple[Mapping[str, Any], ...] | None = None
+    """The request's tools as the client sent them ({"type": "function", "function": {...}}), the
+    `tools` variable (the Hugging Face convention); None: the template gets none."""
 
     def __post_init__(self) -> None:
         reserved = sorted(RESERVED_TEMPLATE_VARIABLES & self.template_kwargs.keys())
@@ -391,7 +401,7 @@ class RouterTokenizer:
         _check_unicode(text, "prompt")
         return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
-    def render_chat_template(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True,
+    def render_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
                              options: ChatTemplateOptions = DEFAULT_CHAT_OPTIONS) -> str:
         """The chat as prompt text; InvalidRequestError for bad messages, no template, or a template's refusal."""
         if self._chat_template is None:
@@ -400,13 +410,14 @@ class RouterTokenizer:
         plain = _validate_messages(messages)
         variables = {**self.special_tokens, **options.template_kwargs}
         try:
-            text = self._chat_template.render(messages=plain, tools=None, documents=options.documents,
+            tools = None if options.tools is None else list(options.tools)
+            text = self._chat_template.render(messages=plain, tools=tools, documents=options.documents,
                                               add_generation_prompt=add_generation_prompt, **variables)
         except jinja2.TemplateError as error:  # raise_exception(...) and sandbox refusals
             raise InvalidRequestError("messages", f"rejected by the chat template: {error}") from error
         return _open_final_message(text, plain[-1]["content"]) if options.continue_final_message else text
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True,
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
                             options: ChatTemplateOptions = DEFAULT_CHAT_OPTIONS) -> list[int]:
         """Token ids of the rendered chat; the template writes every special token (none are
         added unless options.add_special_tokens)."""

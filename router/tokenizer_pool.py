@@ -12,10 +12,11 @@ before it is encoded.
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from splitserve.router.api_types import RouterError
 from splitserve.router.orchestrator import Orchestrator
@@ -67,11 +68,11 @@ class TokenizerPool:
             return tuple(self.tokenizer.encode(text, add_special_tokens))
         return tuple(await self._in_thread(self.tokenizer.encode, text, add_special_tokens))
 
-    async def apply_chat_template(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool,
+    async def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool,
                                   options: ChatTemplateOptions = DEFAULT_CHAT_OPTIONS) -> tuple[int, ...]:
         """Token ids of the rendered chat; InvalidRequestError `messages` when the rendered prompt is
         over RequestLimits.max_prompt_bytes (found before encoding it)."""
-        size = sum(len(message["content"]) for message in messages)
+        size = _render_size(messages, options)
         if size <= INLINE_MAX_CHARS and len(messages) <= INLINE_MAX_MESSAGES:
             return tuple(self._chat(messages, add_generation_prompt, options))
         return tuple(await self._in_thread(self._chat, messages, add_generation_prompt, options))
@@ -80,7 +81,7 @@ class TokenizerPool:
         """Drop queued jobs and let running ones end on their own (no new jobs afterwards)."""
         self._executor.shutdown(wait=False, cancel_futures=True)
 
-    def _chat(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool,
+    def _chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool,
               options: ChatTemplateOptions) -> list[int]:
         text = self.tokenizer.render_chat_template(messages, add_generation_prompt, options)
         self.limits.check_prompt_bytes(utf8_length(text), "messages")
@@ -108,3 +109,13 @@ class TokenizerPool:
     def _release(self, _job: object) -> None:
         with self._lock:
             self._pending -= 1
+
+
+def _render_size(messages: Sequence[Mapping[str, Any]], options: ChatTemplateOptions) -> int:
+    """Characters of what a chat's template renders besides its own text: the contents, and the
+    tools and tool calls (as JSON), which templates write into the prompt."""
+    size = sum(len(message["content"]) for message in messages)
+    calls = [message["tool_calls"] for message in messages if message.get("tool_calls")]
+    if calls:
+        size += len(json.dumps(calls, default=str))
+    return size + (len(json.dumps(options.tools, default=str)) if options.tools else 0)

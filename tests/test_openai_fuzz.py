@@ -62,8 +62,10 @@ def check_response(path: str, body: object, status: int, answer: bytes) -> str:
             assert error["code"] in ("invalid_json", "request_too_large", "unknown_url"), error
         else:
             # A missing required field is named too; a chat whose rendered prompt is too long is
-            # refused at `prompt`.
+            # refused at `prompt`; tools without a tool_choice ask for "auto", which this server
+            # (no tool call parser) refuses at `tool_choice`.
             keys = set(body) | ({"messages", "prompt"} if path.endswith("chat/completions") else {"prompt"})
+            keys |= {"tool_choice"} if isinstance(body, dict) and "tools" in body else set()
             assert isinstance(body, dict) and _root(param) in keys, (param, body)
         if status == 404:
             assert (error["code"], param) == ("model_not_found", "model") and body["model"] != MODEL
@@ -91,9 +93,9 @@ def _fan_out(body: dict) -> tuple[int, int]:
 
 
 def _check_choice(path: str, choice: dict) -> None:
-    assert choice["finish_reason"] in ("stop", "length")
+    assert choice["finish_reason"] in ("stop", "length", "tool_calls")
     text = choice["message"]["content"] if path.endswith("chat/completions") else choice["text"]
-    assert isinstance(text, str)
+    assert isinstance(text, str) or (text is None and choice["message"]["tool_calls"])
 
 
 def _check_stream(path: str, answer: bytes, num_choices: int) -> str:
@@ -106,7 +108,7 @@ def _check_stream(path: str, answer: bytes, num_choices: int) -> str:
                 if c["choices"] and c["choices"][0]["finish_reason"]}
     reasons = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
     assert len(reasons) == num_choices and sorted(finished) == list(range(num_choices)), reasons
-    assert set(reasons) <= {"stop", "length"}, reasons
+    assert set(reasons) <= {"stop", "length", "tool_calls"}, reasons
     return f"200 stream {reasons[0]} x{num_choices}"
 
 
@@ -149,7 +151,13 @@ _CHAT_FIELDS = {
          | st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": st.text(max_size=10)}), max_size=2)}),
         min_size=1, max_size=3),
     "logprobs": st.booleans(), "top_logprobs": st.integers(0, 20), "max_completion_tokens": st.integers(1, 8),
-    "add_generation_prompt": st.booleans(), "tool_choice": st.sampled_from(["none", "auto"]),
+    "add_generation_prompt": st.booleans(),
+    "tools": st.lists(st.fixed_dictionaries({"type": st.just("function"), "function": st.fixed_dictionaries(
+        {"name": st.sampled_from(["f", "g"])},
+        optional={"parameters": st.sampled_from([{"type": "object", "properties": {"a": {"type": "integer"}}},
+                                                  {"type": "object"}, {}])})}), min_size=1, max_size=2),
+    "tool_choice": st.sampled_from(["none", "auto", "required", {"type": "function", "function": {"name": "f"}}]),
+    "parallel_tool_calls": st.booleans(),
     "response_format": st.just({"type": "text"}),
 }
 

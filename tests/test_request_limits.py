@@ -82,7 +82,7 @@ def test_the_limits_of_the_served_model():
     assert make_request_limits() == RequestLimits(
         max_model_len=MAX_MODEL_LEN, vocab_size=512, max_prompt_bytes=(MAX_MODEL_LEN - 1) * tokenizer_bytes,
         max_chat_messages=1024, max_stop_strings=64, max_stop_string_chars=1024, max_stop_token_ids=1024,
-        max_request_id_chars=256)
+        max_request_id_chars=256, max_tools=128, max_tools_bytes=524288)
     assert RequestLimits.for_model(100, 512, 13, max_prompt_bytes=5000).max_prompt_bytes == 5000
     assert prompt_bytes_bound(MAX_MODEL_LEN, tokenizer_bytes) == 26611
 

@@ -14,15 +14,24 @@ from pathlib import Path
 
 import pytest
 
-from splitserve.deploy.cli import build_parser, human_int, main as cli_main, serve_config
+from splitserve.deploy.cli import TOOL_CALL_PARSER_NAMES, build_parser, human_int, main as cli_main, serve_config
 from splitserve.deploy.cluster_config import DEFAULT_DECODE_ENGINE, DEFAULT_PREFILL_ENGINE
 from splitserve.deploy.local import BoundPorts, root_cause, serving_banner, splitserve_command
+from splitserve.router.tool_parsers import TOOL_CALL_PARSERS
 
 CHAT_TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
 
 
 def parse(*argv: str):
     return serve_config(build_parser().parse_args(["serve", *argv]))
+
+
+def test_tool_calling_flags_are_vllms():
+    config = parse("/models/m", "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+    assert (config.router.enable_auto_tool_choice, config.router.auto_tool_call_parser) == (True, "hermes")
+    parser_only = parse("/models/m", "--tool-call-parser", "llama3_json").router
+    assert (parser_only.tool_call_parser, parser_only.auto_tool_call_parser) == ("llama3_json", None)
+    assert TOOL_CALL_PARSER_NAMES == tuple(TOOL_CALL_PARSERS)
 
 
 def test_every_vllm_flag_sets_both_pools_engines_and_the_router(tmp_path):
