@@ -1,5 +1,17 @@
 """Errors that cross package boundaries (torch-free)."""
 
+from __future__ import annotations
+
+import json
+from typing import Any
+
+
+def json_excerpt(value: Any, max_chars: int = 64) -> str:
+    """A client's value as JSON, cut to `max_chars` for an error message (a refused field may hold a
+    whole JSON schema)."""
+    text = json.dumps(value, default=str)
+    return text if len(text) <= max_chars else f"{text[:max_chars]}...(+{len(text) - max_chars} chars)"
+
 
 class InvalidRequestError(ValueError):
     """A request that can never be served as given; the message names the offending field.

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from splitserve.common.errors import InvalidRequestError
+from splitserve.common.errors import InvalidRequestError, json_excerpt
 
 COMMON_HANDLED = frozenset({
     "model", "frequency_penalty", "presence_penalty", "logprobs", "max_tokens", "n", "seed", "stop", "stream",
@@ -52,13 +52,8 @@ class Refused:
         if value is None or any(value == ok and type(value) is type(ok) for ok in self.accepted):
             return
         raise InvalidRequestError(self.name, f"is not supported by this server: {self.reason} (got "
-                                             f"{_json_excerpt(value)})")
+                                             f"{json_excerpt(value)})")
 
-
-def _json_excerpt(value: Any, max_chars: int = 64) -> str:
-    """The client's value as JSON, cut (a refused field may hold a whole JSON schema)."""
-    text = json.dumps(value, ensure_ascii=True, default=str)
-    return text if len(text) <= max_chars else f"{text[:max_chars]}...(+{len(text) - max_chars} chars)"
 
 
 _STRUCTURED = "structured output has one grammar engine (llguidance) and compact JSON"

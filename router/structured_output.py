@@ -20,7 +20,7 @@ from typing import Any
 import llguidance
 from llguidance.gbnf_to_lark import any_to_lark
 
-from splitserve.common.errors import InvalidRequestError
+from splitserve.common.errors import InvalidRequestError, json_excerpt
 from splitserve.common.structured_output import StructuredOutput, StructuredOutputKind
 from splitserve.proto.splitserve.v1 import generation_pb2 as pb
 
@@ -92,7 +92,7 @@ def _is_set(body: Mapping[str, Any], name: str) -> bool:
 def _response_format(value: Any) -> StructuredOutput | None:
     if not isinstance(value, dict) or value.get("type") not in ("text", "json_object", "json_schema"):
         raise InvalidRequestError("response_format", "must be {\"type\": \"text\" | \"json_object\" | "
-                                                     f"\"json_schema\", ...}}, got {_excerpt(value)}")
+                                                     f"\"json_schema\", ...}}, got {json_excerpt(value)}")
     if value["type"] == "json_object":
         return StructuredOutput(StructuredOutputKind.JSON_OBJECT)
     if value["type"] == "text":
@@ -100,7 +100,7 @@ def _response_format(value: Any) -> StructuredOutput | None:
     spec = value.get("json_schema")
     if not isinstance(spec, dict) or "schema" not in spec:
         raise InvalidRequestError("response_format", "json_schema must be an object with a \"schema\", got "
-                                                     f"{_excerpt(spec)}")
+                                                     f"{json_excerpt(spec)}")
     if not isinstance(spec.get("strict", False), (bool, type(None))):
         raise InvalidRequestError("response_format", f"json_schema.strict must be a boolean, got {spec['strict']!r}")
     return _schema(spec["schema"])
@@ -108,7 +108,7 @@ def _response_format(value: Any) -> StructuredOutput | None:
 
 def _structured_outputs(value: Any) -> StructuredOutput:
     if not isinstance(value, dict):
-        raise InvalidRequestError("structured_outputs", f"must be an object, got {_excerpt(value)}")
+        raise InvalidRequestError("structured_outputs", f"must be an object, got {json_excerpt(value)}")
     unknown = set(value) - set(STRUCTURED_OUTPUTS_KINDS) - set(STRUCTURED_OUTPUTS_OPTIONS)
     if unknown:
         raise InvalidRequestError("structured_outputs", f"unknown key {sorted(unknown)[0]!r}")
@@ -134,13 +134,13 @@ def _schema(value: Any) -> StructuredOutput:
         except ValueError as error:
             raise InvalidRequestError("json_schema", f"is not valid JSON: {error}") from None
     if not isinstance(value, (dict, bool)):
-        raise InvalidRequestError("json_schema", f"must be an object, got {_excerpt(value)}")
+        raise InvalidRequestError("json_schema", f"must be an object, got {json_excerpt(value)}")
     return StructuredOutput.json_schema(value)
 
 
 def _regex(value: Any) -> StructuredOutput:
     if not isinstance(value, str):
-        raise InvalidRequestError("regex", f"must be a string, got {_excerpt(value)}")
+        raise InvalidRequestError("regex", f"must be a string, got {json_excerpt(value)}")
     return StructuredOutput(StructuredOutputKind.REGEX, value)
 
 
@@ -151,16 +151,12 @@ def _choice(value: Any) -> StructuredOutput:
 def _grammar(value: Any) -> StructuredOutput:
     """A Lark grammar, or a GBNF / EBNF one (llama.cpp's, what xgrammar takes), converted to Lark."""
     if not isinstance(value, str):
-        raise InvalidRequestError("grammar", f"must be a string, got {_excerpt(value)}")
+        raise InvalidRequestError("grammar", f"must be a string, got {json_excerpt(value)}")
     try:
         return StructuredOutput(StructuredOutputKind.GRAMMAR, any_to_lark(value))
     except Exception as error:  # GbnfToLarkError, and a bare Exception for some inputs (no root rule)
         raise InvalidRequestError("grammar", f"is not a valid GBNF grammar: {error}") from None
 
-
-def _excerpt(value: Any, max_chars: int = 64) -> str:
-    text = json.dumps(value, default=str)
-    return text if len(text) <= max_chars else f"{text[:max_chars]}...(+{len(text) - max_chars} chars)"
 
 
 _GUIDED: dict[str, Callable[[Any], StructuredOutput]] = {

@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from splitserve.common.errors import InvalidRequestError
+from splitserve.common.errors import InvalidRequestError, json_excerpt
 from splitserve.common.structured_output import StructuredOutput
 from splitserve.router.request_limits import RequestLimits
 from splitserve.router.structured_output import STRUCTURED_OUTPUT_FIELDS, check_grammar
@@ -157,7 +157,7 @@ def parse_tools(body: Mapping[str, Any], limits: RequestLimits) -> tuple[Functio
     if tools is None:
         return None
     if not isinstance(tools, list):
-        raise InvalidRequestError("tools", f"must be a list of function tools, got {_excerpt(tools)}")
+        raise InvalidRequestError("tools", f"must be a list of function tools, got {json_excerpt(tools)}")
     if not tools:
         raise InvalidRequestError("tools", "must not be an empty list (send at least one tool, or leave tools out)")
     limits.check_tools(len(tools), len(json.dumps(tools, separators=(",", ":"), default=str).encode()))
@@ -172,12 +172,12 @@ def parse_tools(body: Mapping[str, Any], limits: RequestLimits) -> tuple[Functio
 def _tool(tool: Any, field: str) -> FunctionTool:
     if not isinstance(tool, dict):
         raise InvalidRequestError(field, f"must be an object {{\"type\": \"function\", \"function\": {{...}}}}, got "
-                                         f"{_excerpt(tool)}")
+                                         f"{json_excerpt(tool)}")
     if tool.get("type", "function") != "function":
         raise InvalidRequestError(f"{field}.type", f"must be \"function\" (the only tool type), got {tool['type']!r}")
     function = tool.get("function")
     if not isinstance(function, dict):
-        raise InvalidRequestError(f"{field}.function", f"must be an object with a name, got {_excerpt(function)}")
+        raise InvalidRequestError(f"{field}.function", f"must be an object with a name, got {json_excerpt(function)}")
     name = function.get("name")
     if not isinstance(name, str) or not name:
         raise InvalidRequestError(f"{field}.function.name", f"must be a non-empty string, got {name!r}")
@@ -186,7 +186,7 @@ def _tool(tool: Any, field: str) -> FunctionTool:
     parameters = function.get("parameters")
     if parameters is not None and not isinstance(parameters, dict):
         raise InvalidRequestError(f"{field}.function.parameters", f"must be a JSON schema object, got "
-                                                                  f"{_excerpt(parameters)}")
+                                                                  f"{json_excerpt(parameters)}")
     if function.get("strict") is not None and not isinstance(function["strict"], bool):
         raise InvalidRequestError(f"{field}.function.strict", f"must be a boolean, got {function['strict']!r}")
     return FunctionTool(name, parameters, tool)
@@ -204,12 +204,12 @@ def _tool_choice(value: Any, tools: tuple[FunctionTool, ...] | None) -> tuple[To
         return ToolChoice(value), None
     usage = "must be \"none\", \"auto\", \"required\" or {\"type\": \"function\", \"function\": {\"name\": ...}}"
     if not isinstance(value, dict):
-        raise InvalidRequestError("tool_choice", f"{usage}, got {_excerpt(value)}")
+        raise InvalidRequestError("tool_choice", f"{usage}, got {json_excerpt(value)}")
     if value.get("type", "function") != "function":
         raise InvalidRequestError("tool_choice.type", f"must be \"function\", got {value['type']!r}")
     function = value.get("function")
     if not isinstance(function, dict):
-        raise InvalidRequestError("tool_choice.function", f"{usage}, got {_excerpt(value)}")
+        raise InvalidRequestError("tool_choice.function", f"{usage}, got {json_excerpt(value)}")
     name = function.get("name")
     if not isinstance(name, str) or not name:
         raise InvalidRequestError("tool_choice.function.name", f"must be a non-empty string, got {name!r}")
@@ -237,13 +237,13 @@ def parse_history_tool_calls(value: Any, field: str) -> tuple[HistoryToolCall, .
     if value is None:
         return ()
     if not isinstance(value, list):
-        raise InvalidRequestError(field, f"must be a list of tool calls, got {_excerpt(value)}")
+        raise InvalidRequestError(field, f"must be a list of tool calls, got {json_excerpt(value)}")
     return tuple(_history_call(call, f"{field}[{index}]") for index, call in enumerate(value))
 
 
 def _history_call(call: Any, field: str) -> HistoryToolCall:
     if not isinstance(call, dict):
-        raise InvalidRequestError(field, f"must be an object {{id, type, function}}, got {_excerpt(call)}")
+        raise InvalidRequestError(field, f"must be an object {{id, type, function}}, got {json_excerpt(call)}")
     if call.get("type", "function") != "function":
         raise InvalidRequestError(f"{field}.type", f"must be \"function\", got {call['type']!r}")
     call_id = call.get("id", "")
@@ -252,7 +252,7 @@ def _history_call(call: Any, field: str) -> HistoryToolCall:
     function = call.get("function")
     if not isinstance(function, dict) or not isinstance(function.get("name"), str):
         raise InvalidRequestError(f"{field}.function", f"must be an object with a string name, got "
-                                                       f"{_excerpt(function)}")
+                                                       f"{json_excerpt(function)}")
     return HistoryToolCall(call_id, function["name"], _arguments(function.get("arguments"), f"{field}.function"))
 
 
@@ -263,13 +263,9 @@ def _arguments(value: Any, field: str) -> Any:
     if isinstance(value, (dict, list)):
         return value
     if not isinstance(value, str):
-        raise InvalidRequestError(f"{field}.arguments", f"must be a JSON string, got {_excerpt(value)}")
+        raise InvalidRequestError(f"{field}.arguments", f"must be a JSON string, got {json_excerpt(value)}")
     try:
         return json.loads(value)
     except ValueError as error:
         raise InvalidRequestError(f"{field}.arguments", f"is not valid JSON: {error}") from None
 
-
-def _excerpt(value: Any, max_chars: int = 64) -> str:
-    text = json.dumps(value, default=str)
-    return text if len(text) <= max_chars else f"{text[:max_chars]}...(+{len(text) - max_chars} chars)"
