@@ -156,6 +156,19 @@ def test_named_tool_choice_generates_under_the_functions_schema():
     assert json.loads(bare.sampling.structured_output.spec) == {"type": "object", "properties": {}}
 
 
+@pytest.mark.parametrize("parameters", [None, {}])
+def test_a_function_without_a_parameters_schema_is_called_with_an_object(parameters):
+    """An empty schema accepts any JSON value; a call's arguments are an object (vLLM constrains
+    both to one), else a named call's arguments could be `-1.09`, which the openai SDK's parsed
+    tools and LangChain (a ValidationError building the AIMessage) refuse."""
+    tools = [{"type": "function", "function": {"name": "ping", "parameters": parameters}}]
+    named = parse(chat(tools=tools, tool_choice={"type": "function", "function": {"name": "ping"}}))
+    required = parse(chat(tools=tools, tool_choice="required"))
+    assert json.loads(named.sampling.structured_output.spec) == {"type": "object", "properties": {}}
+    assert json.loads(required.sampling.structured_output.spec)["items"]["anyOf"][0]["properties"]["parameters"] == \
+        {"type": "object", "properties": {}}
+
+
 def test_required_tool_choice_generates_vllms_array_of_calls():
     with_defs = {"type": "object", "properties": {"at": {"$ref": "#/$defs/place"}}, "required": ["at"],
                  "$defs": {"place": {"type": "string"}}}
