@@ -305,6 +305,21 @@ def test_auto_tool_choice_splits_content_and_calls(served):
         (True, None, "stop")
 
 
+def test_auto_tool_choice_with_hermes_keeps_special_tokens_in_the_text(served):
+    """vLLM's hermes parser turns skip_special_tokens off whenever tools are used: some models
+    mark <tool_call> special (vLLM's reason), and with it skipped a call reaches the client as plain
+    content (agent frameworks never send the field). The test model's tags are plain text; its
+    special <|im_start|>, forced by a grammar, shows what the parser is given."""
+    def content(tool_choice: str, **extra) -> str:
+        return client(served).chat.completions.create(
+            model=MODEL, messages=USER, tools=TOOLS, tool_choice=tool_choice, max_tokens=8, temperature=0.0,
+            extra_body={"structured_outputs": {"grammar": 'start: <|im_start|> "Sunny."'}, **extra},
+        ).choices[0].message.content
+    assert content("auto") == "<|im_start|>Sunny."
+    assert content("auto", skip_special_tokens=True) == "<|im_start|>Sunny."  # as vLLM: the parser's need wins
+    assert content("none") == "Sunny."
+
+
 def test_auto_tool_choice_needs_the_server_flags(served):
     server = served.loop.run(start_http_server(served.cluster.orchestrator, served.tokenizers, MODEL, port=0))
     try:
