@@ -295,7 +295,8 @@ class OpenAIServing:
                                                                                       self.tool_call_parser)
         messages = [m.template_message() for m in parsed.messages]
         token_ids = await self.tokenizers.apply_chat_template(messages, parsed.add_generation_prompt, parsed.template)
-        request_id, inputs = self._inputs([token_ids], parsed.sampling, parsed.max_tokens_param, "messages",
+        sampling = parsed.sampling if tool_output is None else tool_output.sampling(parsed.sampling)
+        request_id, inputs = self._inputs([token_ids], sampling, parsed.max_tokens_param, "messages",
                                           parsed.request_id, parsed.n)
         renderer = ChatRenderer(self._header("chatcmpl", request_id), self._token_text(parsed.tokens_as_ids),
                                 self.tokenizers.tokenizer.token_bytes, parsed.include_usage,

@@ -31,7 +31,8 @@ from splitserve.router.structured_output import STRUCTURED_OUTPUT_FIELDS, check_
 
 TOOL_CALL_ID_PREFIX = "chatcmpl-tool-"
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
-"""The parameters schema of a function that declares none (what vLLM constrains it to)."""
+"""The parameters schema of a function that declares none or sends `{}` (what vLLM constrains
+both to): `{}` alone would accept any JSON value, and a call's arguments are an object."""
 _DEFINITION_KEYWORDS = ("$defs", "definitions")
 """Where a schema keeps the subschemas its `$ref`s name ("#/$defs/X"): "required"'s combined schema
 hoists each tool's to its own root, where those references then resolve."""
@@ -56,7 +57,7 @@ class FunctionTool:
 
     name: str
     parameters: Mapping[str, Any] | None
-    """The arguments' JSON schema; None: the function declares none."""
+    """The arguments' JSON schema as sent; None: the function declares none."""
     definition: Mapping[str, Any]
     """The tool as the client sent it ({"type": "function", "function": {...}}): what the chat
     template renders (the Hugging Face convention for `tools`)."""
@@ -106,7 +107,7 @@ class ToolCalling:
 
 
 def _parameters(tool: FunctionTool) -> Mapping[str, Any]:
-    return EMPTY_PARAMETERS if tool.parameters is None else tool.parameters
+    return tool.parameters or EMPTY_PARAMETERS
 
 
 def _hoist_definitions(parameters: dict[str, Any], into: dict[str, dict[str, Any]], field: str) -> None:

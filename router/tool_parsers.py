@@ -25,6 +25,7 @@ stream before the call is complete. (A key the model repeats stays repeated; jso
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import re
@@ -33,6 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from splitserve.common.errors import InvalidRequestError
+from splitserve.common.sampling_params import SamplingParams
 from splitserve.router.tool_calling import ToolCalling, ToolChoice, make_tool_call_id
 
 AUTO_TOOL_CHOICE_OFF = ("\"auto\" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set "
@@ -90,6 +92,9 @@ class OutputParser(ABC):
 
     content_with_calls: str | None = None
     """A whole output's content when it made calls and said nothing else (vLLM's: null for auto)."""
+    reads_special_tokens = False
+    """Its format's tags may be special tokens, which the output text must then keep
+    (skip_special_tokens off, whatever the request says)."""
 
     def __init__(self, new_id: Callable[[], str] = make_tool_call_id) -> None:
         self._new_id = new_id
@@ -483,6 +488,8 @@ class HermesParser(OutputParser):
     text before the first call and any text between or after calls that is not only whitespace. A
     call whose closing tag never came is still a call if its JSON is complete (as vLLM)."""
 
+    reads_special_tokens = True  # some models mark <tool_call> special (why vLLM's hermes parser keeps them)
+
     def __init__(self, max_calls: int | None = None, new_id: Callable[[], str] = make_tool_call_id) -> None:
         """`max_calls`: calls sent at most (1 for parallel_tool_calls false; later ones are dropped)."""
         super().__init__(new_id)
@@ -668,12 +675,12 @@ class Llama3JsonParser(OutputParser):
         return OutputDelta(self._text)
 
 
-TOOL_CALL_PARSERS: dict[str, Callable[[int | None], OutputParser]] = {
+TOOL_CALL_PARSERS: dict[str, type[HermesParser | Llama3JsonParser]] = {
     "hermes": HermesParser,
     "llama3_json": Llama3JsonParser,
 }
-"""--tool-call-parser's choices: each makes a parser for tool_choice "auto" given the most calls
-to send (None: any number)."""
+"""--tool-call-parser's choices: each parser class, for tool_choice "auto", is made with the most
+calls to send (None: any number)."""
 
 
 @dataclass(frozen=True)
@@ -682,6 +689,8 @@ class ToolOutput:
 
     choice: ToolChoice
     new_parser: Callable[[], OutputParser]
+    keeps_special_tokens: bool = False
+    """The parser reads tags that may be special tokens: the request runs with skip_special_tokens off."""
 
     @classmethod
     def for_request(cls, calling: ToolCalling, auto_parser: str | None) -> ToolOutput | None:
@@ -695,8 +704,13 @@ class ToolOutput:
             if auto_parser is None:
                 raise InvalidRequestError("tool_choice", AUTO_TOOL_CHOICE_OFF)
             max_calls = None if calling.parallel_tool_calls else 1
-            return cls(calling.choice, functools.partial(TOOL_CALL_PARSERS[auto_parser], max_calls))
+            parser = TOOL_CALL_PARSERS[auto_parser]
+            return cls(calling.choice, functools.partial(parser, max_calls), parser.reads_special_tokens)
         return None
+
+    def sampling(self, params: SamplingParams) -> SamplingParams:
+        """The request's sampling as this output's parser needs it."""
+        return dataclasses.replace(params, skip_special_tokens=False) if self.keeps_special_tokens else params
 
     def finish_reason(self, engine_reason: str | None, parser: OutputParser) -> str | None:
         """vLLM's: "tool_calls" when "auto" made calls, or "required" made them and stopped on its

@@ -156,6 +156,19 @@ def test_named_tool_choice_generates_under_the_functions_schema():
     assert json.loads(bare.sampling.structured_output.spec) == {"type": "object", "properties": {}}
 
 
+@pytest.mark.parametrize("parameters", [None, {}])
+def test_a_function_without_a_parameters_schema_is_called_with_an_object(parameters):
+    """An empty schema accepts any JSON value; a call's arguments are an object (vLLM constrains
+    both to one), else a named call's arguments could be `-1.09`, which the openai SDK's parsed
+    tools and LangChain (a ValidationError building the AIMessage) refuse."""
+    tools = [{"type": "function", "function": {"name": "ping", "parameters": parameters}}]
+    named = parse(chat(tools=tools, tool_choice={"type": "function", "function": {"name": "ping"}}))
+    required = parse(chat(tools=tools, tool_choice="required"))
+    assert json.loads(named.sampling.structured_output.spec) == {"type": "object", "properties": {}}
+    assert json.loads(required.sampling.structured_output.spec)["items"]["anyOf"][0]["properties"]["parameters"] == \
+        {"type": "object", "properties": {}}
+
+
 def test_required_tool_choice_generates_vllms_array_of_calls():
     with_defs = {"type": "object", "properties": {"at": {"$ref": "#/$defs/place"}}, "required": ["at"],
                  "$defs": {"place": {"type": "string"}}}
@@ -290,6 +303,21 @@ def test_auto_tool_choice_splits_content_and_calls(served):
         extra_body={"structured_outputs": {"choice": ["Sunny.", "Rain."]}}).choices[0]
     assert (plain.message.content in ("Sunny.", "Rain."), plain.message.tool_calls, plain.finish_reason) == \
         (True, None, "stop")
+
+
+def test_auto_tool_choice_with_hermes_keeps_special_tokens_in_the_text(served):
+    """vLLM's hermes parser turns skip_special_tokens off whenever tools are used: some models
+    mark <tool_call> special (vLLM's reason), and with it skipped a call reaches the client as plain
+    content (agent frameworks never send the field). The test model's tags are plain text; its
+    special <|im_start|>, forced by a grammar, shows what the parser is given."""
+    def content(tool_choice: str, **extra) -> str:
+        return client(served).chat.completions.create(
+            model=MODEL, messages=USER, tools=TOOLS, tool_choice=tool_choice, max_tokens=8, temperature=0.0,
+            extra_body={"structured_outputs": {"grammar": 'start: <|im_start|> "Sunny."'}, **extra},
+        ).choices[0].message.content
+    assert content("auto") == "<|im_start|>Sunny."
+    assert content("auto", skip_special_tokens=True) == "<|im_start|>Sunny."  # as vLLM: the parser's need wins
+    assert content("none") == "Sunny."
 
 
 def test_auto_tool_choice_needs_the_server_flags(served):
