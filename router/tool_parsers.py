@@ -7,6 +7,9 @@ equal the non-streamed message for every well-formed output by construction. A m
 (JSON that does not parse, a call without a name) is, non-streamed, all content with no calls (as
 vLLM); streamed, what was sent of the broken call stays and the rest of the output, from its
 opening tag, arrives as content.
+A forced choice's output (named, "required") follows its grammar, so one that ends early was cut
+short (finish reason "length", a stop string): its calls are kept as far as they got, streamed and
+whole alike.
 
 Parsers:
 - NamedCallParser (tool_choice naming a function): the whole output is that call's arguments,
@@ -468,12 +471,15 @@ class RequiredCallsParser(OutputParser):
         return OutputDelta(tool_calls=self._calls.deltas())
 
     def finish(self) -> OutputDelta:
+        """An array that ended early was cut short (max_tokens, a stop string; its grammar allows nothing
+        else): its calls stay as far as they got, as a named call's arguments do, and the finish reason
+        says so; the text is not sent again as content."""
         if self.malformed:
             return OutputDelta()
         try:
             self._calls.scanner.finish()
         except MalformedJson:
-            return self._fail()
+            pass
         return OutputDelta(tool_calls=self._calls.deltas())
 
     def _fail(self) -> OutputDelta:

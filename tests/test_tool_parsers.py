@@ -145,10 +145,22 @@ def test_text_after_the_required_calls_is_whitespace_or_malformed():
     assert parser.malformed
 
 
-@pytest.mark.parametrize("text", ['[{"name":"f","parameters":{"a":', '[]x', '{"name":"f","parameters":{}}',
-                                  '[{"name":"f","parameters":{}}] x', '["f"]'])
+@pytest.mark.parametrize("text", ['[]x', '{"name":"f","parameters":{}}', '[{"name":"f","parameters":{}}] x', '["f"]'])
 def test_malformed_required_output_is_content(text):
     assert parse_output(RequiredCallsParser(new_id=ids()), text) == ParsedOutput(text, ())
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ('[{"name":"f","parameters":{"a":1}},{"name":"g","parameters":{"b":"x', ParsedOutput("", (
+        ToolCall("call-0", "f", '{"a": 1}'), ToolCall("call-1", "g", '{"b": "x')))),
+    ('[{"name":"f","parameters":{"a":', ParsedOutput("", (ToolCall("call-0", "f", '{"a": '),))),
+    ('[{"name":"f', ParsedOutput("", ())),
+])
+def test_required_output_cut_short_keeps_its_calls_as_far_as_they_got(text, expected):
+    """max_tokens ended the array: streamed and whole give the same calls, and no content (the
+    stream used to send every call, then the whole array again as content)."""
+    assert parse_output(RequiredCallsParser(new_id=ids()), text) == expected
+    assert accumulated(streamed(RequiredCallsParser(new_id=ids()), list(text))) == ("", expected.tool_calls)
 
 
 def test_named_call_is_the_whole_output_as_generated():
