@@ -96,12 +96,38 @@ class StructuredOutput:
         if self.kind == StructuredOutputKind.JSON_OBJECT:
             return _json_grammar({"type": "object"})
         if self.kind == StructuredOutputKind.JSON_SCHEMA:
-            return _json_grammar(json.loads(self.spec))
+            return _json_grammar(closed_objects(json.loads(self.spec)))
         if self.kind == StructuredOutputKind.REGEX:
             return _lark_grammar("start: " + _lark_regex(self.spec))
         if self.kind == StructuredOutputKind.CHOICE:
             return _lark_grammar("start: " + " | ".join(json.dumps(c) for c in json.loads(self.spec)))
         return _lark_grammar(self.spec)
+
+
+def closed_objects(schema: Any) -> Any:
+    """`schema` with `"additionalProperties": false` added to every (sub)schema that lists
+    `properties` and says nothing of `additionalProperties`: its objects get only the keys it lists.
+
+    vLLM's default grammar backend (xgrammar, strict mode) does this, as does its guidance backend
+    with disable_additional_properties; a client writes `"additionalProperties": true` (or a schema)
+    to allow other keys. Without it, a weak model takes the open object's way out and writes keys
+    of its own until max_tokens."""
+    if not isinstance(schema, dict):
+        return schema
+    closed = {keyword: _closed_subschemas(keyword, value) for keyword, value in schema.items()}
+    if isinstance(schema.get("properties"), dict) and "additionalProperties" not in schema:
+        closed["additionalProperties"] = False
+    return closed
+
+
+def _closed_subschemas(keyword: str, value: Any) -> Any:
+    if keyword in SCHEMA_VALUED:
+        return closed_objects(value)
+    if keyword in SCHEMA_MAP_VALUED and isinstance(value, dict):
+        return {name: closed_objects(child) for name, child in value.items()}
+    if keyword in SCHEMA_LIST_VALUED and isinstance(value, list):
+        return [closed_objects(child) for child in value]
+    return value
 
 
 def _json_grammar(schema: Any) -> str:

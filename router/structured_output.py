@@ -30,10 +30,12 @@ STRUCTURED_OUTPUT_FIELDS = ("response_format", "structured_outputs", *GUIDED_FIE
 """Every request field that asks for structured output (at most one may be set)."""
 STRUCTURED_OUTPUTS_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 """The constraint keys of vLLM's structured_outputs object."""
-STRUCTURED_OUTPUTS_OPTIONS = {"disable_any_whitespace": (False, True), "disable_additional_properties": (False,),
+STRUCTURED_OUTPUTS_OPTIONS = {"disable_any_whitespace": (False, True), "disable_additional_properties": (False, True),
                               "whitespace_pattern": (), "structural_tag": ()}
 """structured_outputs' other keys and the values accepted besides null: JSON output is always
-compact (so either whitespace setting is honoured), the rest is not implemented."""
+compact (so either whitespace setting is honoured) and objects that list their properties are
+always closed (common/structured_output.closed_objects: what vLLM's default backend does, where the
+option has no effect either); the rest is not implemented."""
 
 
 def parse_structured_output(body: Mapping[str, Any]) -> StructuredOutput | None:

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from splitserve.common.errors import InvalidRequestError
 from splitserve.common.model_dir import DEFAULT_MODEL_NAME
 from splitserve.common.sampling_params import SamplingParams
-from splitserve.common.structured_output import StructuredOutput, StructuredOutputKind
+from splitserve.common.structured_output import StructuredOutput, StructuredOutputKind, closed_objects
 from splitserve.engine import LLM
 from splitserve.engine.structured_output import GrammarState, TokenBitmask
 from splitserve.engine.tiny_model import resolve_model_path
@@ -88,6 +88,22 @@ def test_regex_grammar_is_llguidances_own(regex):
 def test_choice_grammar_is_llguidances_own():
     ours = json.loads(StructuredOutput.choice(["a", 'b"c']).grammar())["grammars"][0]["lark_grammar"]
     assert ours == llguidance.grammar_from("choice", json.dumps(["a", 'b"c']))
+
+
+def test_objects_listing_properties_are_closed_unless_the_schema_says_otherwise():
+    point = {"type": "object", "properties": {"x": {"type": "integer"}}}
+    schema = {"properties": {"p": point, "open": {**point, "additionalProperties": True},
+                             "extra": {**point, "additionalProperties": point}},
+              "$defs": {"P": point}, "items": point, "anyOf": [point, {"type": "object"}], "const": {"properties": {}}}
+    closed_point = {**point, "additionalProperties": False}
+    assert closed_objects(schema) == {
+        "properties": {"p": closed_point, "open": {**point, "additionalProperties": True},
+                       "extra": {**point, "additionalProperties": closed_point}},
+        "$defs": {"P": closed_point}, "items": closed_point, "anyOf": [closed_point, {"type": "object"}],
+        "const": {"properties": {}}, "additionalProperties": False}
+    assert closed_objects(True) is True and schema["properties"]["p"] == point  # the client's schema untouched
+    grammar = json.loads(StructuredOutput.json_schema(point).grammar())
+    assert grammar["grammars"][0]["json_schema"]["additionalProperties"] is False
 
 
 def test_json_grammar_is_compact():
@@ -311,3 +327,18 @@ def test_200_random_schemas_every_output_validates(llm, schemas, seed):
     for output, schema in zip(outputs, schemas):
         _check(output, schema)
     assert outputs[-1].token_ids == generate(llm, [None], max_tokens=8)[0].token_ids
+
+
+def test_objects_that_list_their_properties_get_no_other_keys(llm):
+    """As vLLM's default grammar backend (xgrammar, strict mode) and its guidance backend with
+    disable_additional_properties: a schema that lists `properties` and says nothing of
+    `additionalProperties` gets only those keys. Sampled at temperature 1.5, a random model took the
+    open object's way out and wrote keys of its own."""
+    schema = {"type": "object", "properties": {
+        "digit": {"type": "integer", "minimum": 0, "maximum": 9},
+        "point": {"type": "object", "properties": {"x": {"type": "boolean"}}}}}
+    outputs = generate(llm, [StructuredOutput.json_schema(schema)] * 12, temperature=1.5)
+    values = [json.loads(output.text) for output in outputs]
+    assert {output.finish_reason for output in outputs} == {"stop"}
+    assert all(set(value) <= {"digit", "point"} and set(value.get("point", {})) <= {"x"} for value in values)
+    assert any(values), values  # not only {}
