@@ -19,7 +19,7 @@ from splitserve.engine.engine_core import EngineCore
 from splitserve.engine.sampler import Sampler, filtered_probs
 from splitserve.engine.spec_decode.ngram import NgramProposer
 from splitserve.engine.spec_decode.proposer import DraftSlot
-from splitserve.engine.spec_decode.verifier import SpeculativeRows, rejection_sample, verify
+from splitserve.engine.spec_decode.verifier import SpeculativeRows, verify, verify_sampled
 from tests.factories import (assert_pool_idle, chi_square_p_value, make_draft_model_dir, make_request,
                              make_sampling_row, make_scheduler, two_sample_chi_square_p_value)
 
@@ -232,7 +232,7 @@ SAMPLED = [SamplingParams(temperature=0.8), SamplingParams(temperature=1.0, top_
 
 
 @pytest.mark.parametrize("params", SAMPLED, ids=["temperature", "top-k", "top-p"])
-def test_rejection_sampling_emits_the_target_distribution_at_each_position(params):
+def test_sampled_verification_emits_the_target_distribution_at_each_position(params):
     """Small vocab (8), fixed logits, drafts the target likes (accepted often) and dislikes (mostly
     rejected: the residual draw): the first emitted token is distributed as p_0, the second (after an
     accepted draft) as p_1."""
@@ -247,7 +247,7 @@ def test_rejection_sampling_emits_the_target_distribution_at_each_position(param
         first, second = [0] * 8, [0] * 8
         num_samples = 2000
         for _ in range(num_samples):
-            run = rejection_sample(logits, SpeculativeRows(rows, drafts))
+            run = verify_sampled(logits, SpeculativeRows(rows, drafts))
             first[run.token_ids[0]] += 1
             if run.num_accepted >= 1:
                 second[run.token_ids[1]] += 1
@@ -309,6 +309,26 @@ def test_seeded_speculative_requests_are_reproducible(tiny_llama_dir):
     first = _run(_speculative(tiny_llama_dir, _draft(tiny_llama_dir)), prompts, params)
     again = _run(_speculative(tiny_llama_dir, _draft(tiny_llama_dir)), prompts + _prompts(2, 7), params)
     assert {rid: first[rid] for rid in first} == {rid: again[rid] for rid in first}
+
+
+@pytest.mark.parametrize("proposer", ["ngram", "draft-self"])
+def test_a_seeded_sampled_request_emits_the_same_tokens_with_or_without_speculation_in_any_batch(tiny_llama_dir,
+                                                                                                 proposer):
+    """The verification draws each position's token as the sampler would without speculation (the same
+    noise from the request's own generator) and accepts a draft equal to it: a seeded request's tokens do
+    not depend on whether it speculated, so neither on batch mates that turn speculation off (a batch above
+    disable_above_batch_size) nor on how many drafts a step verified."""
+    params = SamplingParams(temperature=0.2, seed=42, max_tokens=32, ignore_eos=True)
+    prompt = _prompts(1, 24)[0]
+    expected = _run(EngineCore(tiny_llama_dir, BASE), [prompt], params)["r0"]
+    config = replace(_proposers(tiny_llama_dir, None)[proposer], disable_above_batch_size=2, adaptive=False)
+    alone = _speculative(tiny_llama_dir, config)
+    assert _run(alone, [prompt], params)["r0"] == expected
+    spec = alone.stats().spec_decode
+    assert 0 < spec.num_accepted_tokens < spec.num_draft_tokens
+    in_batch = _speculative(tiny_llama_dir, config)
+    assert _run(in_batch, [prompt, *_prompts(2, 9)], params)["r0"] == expected
+    assert in_batch.stats().spec_decode.num_drafts == 0
 
 
 def test_batch_above_the_threshold_does_not_speculate(tiny_llama_dir):
