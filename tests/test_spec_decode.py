@@ -361,6 +361,13 @@ def test_speculative_config_is_validated():
         SpeculativeConfig(ngram_min=3, ngram_max=2)
 
 
+def test_an_engine_config_refuses_speculative_settings_that_are_not_a_speculative_config():
+    """vLLM's offline API takes a dict here; this one names the class to use instead of failing later with an
+    AttributeError deep in the engine."""
+    with pytest.raises(ValueError, match="speculative must be a SpeculativeConfig .*got dict"):
+        EngineConfig(speculative={"method": "ngram", "num_speculative_tokens": 3})
+
+
 def test_draft_model_with_another_tokenizer_is_refused(tiny_llama_dir, tiny_qwen2_dir):
     with pytest.raises(ValueError, match="tokenizer"):
         _speculative(tiny_llama_dir, _draft(tiny_qwen2_dir))
