@@ -15,6 +15,7 @@ from splitserve.common.config import EngineConfig, SpeculativeConfig
 from splitserve.common.kv_events import BlocksRemoved, BlocksStored
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.stats import SpecDecodeStats
+from splitserve.deploy.cli import main
 from splitserve.engine.engine_core import EngineCore
 from splitserve.engine.sampler import Sampler, filtered_probs
 from splitserve.engine.spec_decode.ngram import NgramProposer
@@ -366,6 +367,22 @@ def test_an_engine_config_refuses_speculative_settings_that_are_not_a_speculativ
     AttributeError deep in the engine."""
     with pytest.raises(ValueError, match="speculative must be a SpeculativeConfig .*got dict"):
         EngineConfig(speculative={"method": "ngram", "num_speculative_tokens": 3})
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_a_gptq_or_awq_draft_model_is_read_as_its_checkpoint_says(tiny_llama_dir, tmp_path, method):
+    """A draft checkpoint made by `splitserve quantize` (of the target itself here, so its drafts are
+    mostly accepted) is loaded with its own quantization_config, as the target would be."""
+    calibration = tmp_path / "calibration"
+    calibration.mkdir()
+    (calibration / "river.txt").write_text("Tell me about the river and the old mill by the village road. " * 40)
+    draft_dir = tmp_path / method
+    assert main(["quantize", str(tiny_llama_dir), str(draft_dir), "--method", method, "--group-size", "32",
+                 "--calibration-dir", str(calibration), "--num-samples", "2", "--seq-len", "64"]) == 0
+    prompts = _prompts(3, 12)
+    engine = _speculative(tiny_llama_dir, _draft(draft_dir))
+    assert _run(engine, prompts, GREEDY) == _run(EngineCore(tiny_llama_dir, BASE), prompts, GREEDY)
+    assert engine.stats().spec_decode.num_accepted_tokens > 0
 
 
 def test_draft_model_with_another_tokenizer_is_refused(tiny_llama_dir, tiny_qwen2_dir):
