@@ -385,6 +385,21 @@ def test_a_gptq_or_awq_draft_model_is_read_as_its_checkpoint_says(tiny_llama_dir
     assert engine.stats().spec_decode.num_accepted_tokens > 0
 
 
+@pytest.mark.parametrize("extra_rows", [64, -64], ids=["larger", "smaller"])
+def test_a_draft_model_with_another_vocab_size_never_feeds_either_model_an_id_it_has_no_row_for(
+        tiny_llama_dir, tmp_path, extra_rows):
+    """Same tokenizer, embeddings padded differently (Qwen2.5-0.5B's 151936 rows drafting for 7B's 152064):
+    a draft id past the target's rows ends that request's drafts there, and a request holding an id past
+    the draft's rows does not speculate; greedy output is unchanged."""
+    draft_dir = make_draft_model_dir(tiny_llama_dir, tmp_path / "draft", seed=5, vocab_size=512 + extra_rows)
+    prompts = [[*prompt, 500, 505] for prompt in _prompts(3, 12)]  # ids the smaller draft has no row for
+    prompts.append(_prompts(4, 12)[3])  # ids all below 448: the smaller draft speculates on this one
+    engine = _speculative(tiny_llama_dir, _draft(draft_dir))
+    assert _run(engine, prompts, GREEDY) == _run(EngineCore(tiny_llama_dir, BASE), prompts, GREEDY)
+    assert engine.stats().spec_decode.num_drafts > 0
+    assert_pool_idle(engine.speculator.proposer.block_manager)
+
+
 def test_draft_model_with_another_tokenizer_is_refused(tiny_llama_dir, tiny_qwen2_dir):
     with pytest.raises(ValueError, match="tokenizer"):
         _speculative(tiny_llama_dir, _draft(tiny_qwen2_dir))

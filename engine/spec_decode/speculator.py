@@ -88,8 +88,8 @@ class Speculator:
                                tuple(self._num_accepted_per_pos))
 
 
-def build_proposer(config: SpeculativeConfig, target_dir: Path, num_blocks: int, block_size: int,
-                   dtype: torch.dtype, device: torch.device, attention: AttentionBackend,
+def build_proposer(config: SpeculativeConfig, target_dir: Path, target_vocab_size: int, num_blocks: int,
+                   block_size: int, dtype: torch.dtype, device: torch.device, attention: AttentionBackend,
                    layer_ops: LayerOps) -> Proposer:
     """The configured proposer; a draft model is loaded in the target's dtype on its device, its weights
     as its own checkpoint says (a GPTQ / AWQ draft; the target's `quantization` is about the target),
@@ -100,4 +100,4 @@ def build_proposer(config: SpeculativeConfig, target_dir: Path, num_blocks: int,
     check_same_tokenizer(target_dir, draft_dir)
     quantization = checkpoint_quantization(getattr(load_hf_config(draft_dir), "quantization_config", None))
     model = load_model(draft_dir, dtype, device, attention, False, layer_ops, quantization)
-    return DraftModelProposer(model, num_blocks, block_size, dtype, device, attention)
+    return DraftModelProposer(model, num_blocks, block_size, dtype, device, attention, target_vocab_size)
