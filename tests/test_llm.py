@@ -219,7 +219,8 @@ STREAMED = [PROMPT, "The old mill by the river.", "Hello there"]
 
 
 def _tokens_and_text(deltas) -> tuple[list[int], str, list[bool]]:
-    return [t for d in deltas for t in d.new_token_ids], "".join(d.text_delta for d in deltas), [d.finished for d in deltas]
+    tokens = [t for d in deltas for t in d.new_token_ids]
+    return tokens, "".join(d.text_delta for d in deltas), [d.finished for d in deltas]
 
 
 def test_streams_read_in_turns_and_a_generate_between_them_each_get_all_their_deltas(llm):
@@ -232,7 +233,8 @@ def test_streams_read_in_turns_and_a_generate_between_them_each_get_all_their_de
     deltas[0].extend(first)
     deltas[1].extend(second)
     for index in (0, 1):
-        assert _tokens_and_text(deltas[index]) == (expected[index].token_ids, expected[index].text, [False] * 11 + [True])
+        want = expected[index]
+        assert _tokens_and_text(deltas[index]) == (want.token_ids, want.text, [False] * 11 + [True])
 
 
 def test_closing_a_stream_aborts_only_its_own_request(llm):

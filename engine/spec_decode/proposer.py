@@ -21,9 +21,9 @@ class DraftSlot:
 class Proposer(Protocol):
     """Proposes draft tokens, deterministically: a draft is a point mass, so the verification needs
     only the target's probabilities (a draft d is accepted when the token drawn from p equals it: with
-    probability p(d), else the draw is from p with d removed). A proposer that samples its drafts (an EAGLE head on the target's hidden
-    states, a sampled draft model) would add its draft probabilities to what it returns and to the
-    verification; the slots and the engine's calls stay as they are."""
+    probability p(d), else the draw is from p with d removed). A proposer that samples its drafts (an
+    EAGLE head on the target's hidden states, a sampled draft model) would add its draft probabilities
+    to what it returns and to the verification; the slots and the engine's calls stay as they are."""
 
     def propose(self, slots: Sequence[DraftSlot]) -> list[tuple[int, ...]]:
         """Draft tokens for each slot, in slot order (at most slot.num_tokens each)."""
