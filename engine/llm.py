@@ -74,14 +74,14 @@ class LLM:
             self.engine.validate(request_id, token_ids, sp)
         accumulators = {rid: _Accumulator(rid, p if isinstance(p, str) else None, ids, sp.logprobs is not None)
                         for rid, p, ids, sp in requests}
-        for request_id, _, token_ids, sp in requests:
-            self.engine.add_request(request_id, token_ids, sp)
         try:
+            for request_id, _, token_ids, sp in requests:
+                self.engine.add_request(request_id, token_ids, sp)
             with tqdm(total=len(requests), disable=not use_tqdm, desc="generate") as progress:
                 for delta in self._deltas(set(accumulators)):
                     accumulators[delta.request_id].add(delta)
                     progress.update(int(delta.finished))
-        finally:  # an interrupt or an error: nothing of this call stays running
+        finally:  # an interrupt or an error (queueing included): nothing of this call stays running
             self._abandon(accumulators)
         return [accumulators[rid].output() for rid, *_ in requests]
 

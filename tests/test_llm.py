@@ -260,6 +260,19 @@ def test_an_interrupted_generate_leaves_nothing_running(llm, monkeypatch):
     assert [o.token_ids for o in llm.generate(STREAMED, greedy(12))] == [o.token_ids for o in expected]
 
 
+def test_a_generate_interrupted_while_queueing_leaves_nothing_running(llm, monkeypatch):
+    expected = llm.generate(STREAMED, greedy(12))
+    add_request = llm.engine.add_request
+    calls = iter(range(1))
+    monkeypatch.setattr(llm.engine, "add_request",
+                        lambda *args: add_request(*args) if next(calls, None) is not None else _interrupt())
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(STREAMED, greedy(12))
+    monkeypatch.setattr(llm.engine, "add_request", add_request)
+    assert not llm.engine.scheduler.requests
+    assert [o.token_ids for o in llm.generate(STREAMED, greedy(12))] == [o.token_ids for o in expected]
+
+
 def _interrupt():
     raise KeyboardInterrupt
 
