@@ -143,6 +143,9 @@ class EngineConfig:
         _check(self.attention_backend in ATTENTION_BACKENDS,
                f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         _check(self.num_threads is None or self.num_threads >= 1, f"num_threads must be >= 1, got {self.num_threads}")
+        _check(self.speculative is None or isinstance(self.speculative, SpeculativeConfig),
+               f"speculative must be a SpeculativeConfig (splitserve.common.config) or None, "
+               f"got {type(self.speculative).__name__}")
         _check(self.quantization in QUANTIZATION_METHODS,
                f"quantization must be one of {QUANTIZATION_METHODS}, got {self.quantization!r}")
         _check(self.quantization_group_size in QUANTIZATION_GROUP_SIZES,

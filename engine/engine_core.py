@@ -139,8 +139,9 @@ class EngineCore:
                                   if graphs else None)
         self.sampler = Sampler()
         self.speculator = None if config.speculative is None else Speculator(
-            config.speculative, build_proposer(config.speculative, model_dir, self.kv_cache.num_blocks,
-                                              config.block_size, dtype, self.device, attention, layer_ops),
+            config.speculative, build_proposer(config.speculative, model_dir, self.vocab_size,
+                                              self.kv_cache.num_blocks, config.block_size, dtype, self.device,
+                                              attention, layer_ops),
             self.max_model_len)
         self.tokenizer = tokenizer
         self.grammars = GrammarMatchers(lambda: _tokenizer_json(model_dir, tokenizer), self.vocab_size,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -54,6 +54,11 @@ class LLM:
         self.engine = EngineCore(model, EngineConfig(**engine_config), self.tokenizer.backend_tokenizer,
                                  show_progress)
         self._counter = 0
+        self._kept: dict[str, list[CompletionDelta]] = {}
+        """Deltas a step made for requests that another call on this LLM consumes (a stream open while
+        generate() or another stream steps the engine), in order, until that call takes them."""
+        self._abandoned: set[str] = set()
+        """Requests aborted because their call ended early: their final (abort) deltas are dropped."""
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -69,12 +74,15 @@ class LLM:
             self.engine.validate(request_id, token_ids, sp)
         accumulators = {rid: _Accumulator(rid, p if isinstance(p, str) else None, ids, sp.logprobs is not None)
                         for rid, p, ids, sp in requests}
-        for request_id, _, token_ids, sp in requests:
-            self.engine.add_request(request_id, token_ids, sp)
-        with tqdm(total=len(requests), disable=not use_tqdm, desc="generate") as progress:
-            for delta in self._deltas():
-                accumulators[delta.request_id].add(delta)
-                progress.update(int(delta.finished))
+        try:
+            for request_id, _, token_ids, sp in requests:
+                self.engine.add_request(request_id, token_ids, sp)
+            with tqdm(total=len(requests), disable=not use_tqdm, desc="generate") as progress:
+                for delta in self._deltas(set(accumulators)):
+                    accumulators[delta.request_id].add(delta)
+                    progress.update(int(delta.finished))
+        finally:  # an interrupt or an error (queueing included): nothing of this call stays running
+            self._abandon(accumulators)
         return [accumulators[rid].output() for rid, *_ in requests]
 
     def chat(self, messages: list[dict[str, str]], sampling_params: SamplingParams | None = None) -> RequestOutput:
@@ -84,17 +92,15 @@ class LLM:
         return self.generate([list(token_ids)], sampling_params)[0]
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[CompletionDelta]:
-        """Deltas of one request as the engine produces them."""
+        """Deltas of one request as the engine produces them. Several streams (and generate() calls)
+        may be open at once: each step serves all their requests, and each gets its own deltas.
+        Closing the stream early aborts its request."""
         request_id, token_ids = self._next_id(), self._encode(prompt)
         self.engine.add_request(request_id, token_ids, sampling_params or SamplingParams())
         try:
-            for delta in self._deltas():
-                if delta.request_id == request_id:
-                    yield delta
+            yield from self._deltas({request_id})
         finally:
-            self.engine.abort_request(request_id)
-            while self.engine.has_unfinished_requests():
-                self.engine.step()
+            self._abandon([request_id])
 
     def prompt_logits(self, prompt: Prompt) -> torch.Tensor:
         """Next-token logits [num_prompt_tokens, vocab] (float32) at every prompt position (EngineCore.prompt_logits)."""
@@ -103,9 +109,36 @@ class LLM:
     def stats(self) -> EngineStats:
         return self.engine.stats()
 
-    def _deltas(self) -> Iterator[CompletionDelta]:
-        while self.engine.has_unfinished_requests():
-            yield from self.engine.step()
+    def _deltas(self, request_ids: set[str]) -> Iterator[CompletionDelta]:
+        """The deltas of `request_ids` (each request's in order) until all have finished, stepping the
+        engine when none is kept for them; a step's deltas of other requests are kept for their calls."""
+        unfinished = set(request_ids)
+        while unfinished:
+            owned = [request_id for request_id in self._kept if request_id in unfinished]
+            ready = [delta for request_id in owned for delta in self._kept.pop(request_id)]
+            if not ready and not self.engine.has_unfinished_requests():
+                return
+            if not ready:
+                for delta in self.engine.step():  # all kept before any is yielded: a caller may stop at a yield
+                    self._keep(delta)
+            for delta in ready:
+                if delta.finished:
+                    unfinished.discard(delta.request_id)
+                yield delta
+
+    def _keep(self, delta: CompletionDelta) -> None:
+        if delta.request_id not in self._abandoned:
+            self._kept.setdefault(delta.request_id, []).append(delta)
+        elif delta.finished:
+            self._abandoned.discard(delta.request_id)
+
+    def _abandon(self, request_ids: Iterable[str]) -> None:
+        """Abort those of `request_ids` still in the engine (their call ended early) and drop what is
+        kept for them; a later step's abort delta is dropped too."""
+        for request_id in request_ids:
+            self._kept.pop(request_id, None)
+            if self.engine.abort_request(request_id):
+                self._abandoned.add(request_id)
 
     def _encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):

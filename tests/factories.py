@@ -521,11 +521,12 @@ def write_dequantized_model(model_dir: Path, out_dir: Path, quantization: str, g
 import shutil  # noqa: E402
 
 
-def make_draft_model_dir(target_dir: Path, out_dir: Path, seed: int) -> Path:
-    """A random draft model (one layer, other weights) sharing the target's tokenizer and vocab."""
+def make_draft_model_dir(target_dir: Path, out_dir: Path, seed: int, vocab_size: int | None = None) -> Path:
+    """A random draft model (one layer, other weights) sharing the target's tokenizer, with the target's
+    vocab unless `vocab_size` says otherwise (embedding rows padded past the tokenizer, or fewer)."""
     import json
 
-    vocab_size = json.loads((target_dir / "config.json").read_text())["vocab_size"]
+    vocab_size = vocab_size or json.loads((target_dir / "config.json").read_text())["vocab_size"]
     save_random_hf_model(out_dir, "llama", seed=seed, vocab_size=vocab_size, num_hidden_layers=1)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(target_dir / name, out_dir / name)

@@ -215,6 +215,68 @@ def test_stream_yields_deltas_that_add_up(llm):
     assert [d.finished for d in deltas] == [False] * 11 + [True]
 
 
+STREAMED = [PROMPT, "The old mill by the river.", "Hello there"]
+
+
+def _tokens_and_text(deltas) -> tuple[list[int], str, list[bool]]:
+    tokens = [t for d in deltas for t in d.new_token_ids]
+    return tokens, "".join(d.text_delta for d in deltas), [d.finished for d in deltas]
+
+
+def test_streams_read_in_turns_and_a_generate_between_them_each_get_all_their_deltas(llm):
+    """A step serves every open request; each call gets exactly its own deltas, those a step made
+    for another call's request are kept for it (none dropped, none crossing)."""
+    expected = llm.generate(STREAMED, greedy(12))
+    first, second = llm.stream(STREAMED[0], greedy(12)), llm.stream(STREAMED[1], greedy(12))
+    deltas = {0: [next(first)], 1: [next(second)]}
+    assert llm.generate(STREAMED[2], greedy(12))[0].token_ids == expected[2].token_ids
+    deltas[0].extend(first)
+    deltas[1].extend(second)
+    for index in (0, 1):
+        want = expected[index]
+        assert _tokens_and_text(deltas[index]) == (want.token_ids, want.text, [False] * 11 + [True])
+
+
+def test_closing_a_stream_aborts_only_its_own_request(llm):
+    expected = llm.generate(STREAMED[1], greedy(12))[0]
+    first, second = llm.stream(STREAMED[0], greedy(12)), llm.stream(STREAMED[1], greedy(12))
+    next(first)
+    deltas = [next(second)]
+    first.close()
+    deltas.extend(second)
+    assert _tokens_and_text(deltas) == (expected.token_ids, expected.text, [False] * 11 + [True])
+
+
+def test_an_interrupted_generate_leaves_nothing_running(llm, monkeypatch):
+    """Ctrl-C during generate(): its requests are aborted, and the next call runs as on a fresh engine."""
+    expected = llm.generate(STREAMED, greedy(12))
+    step = llm.engine.step
+    calls = iter(range(3))
+    monkeypatch.setattr(llm.engine, "step", lambda: step() if next(calls, None) is not None else _interrupt())
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(STREAMED, greedy(12))
+    monkeypatch.setattr(llm.engine, "step", step)
+    assert not llm.engine.scheduler.requests
+    assert [o.token_ids for o in llm.generate(STREAMED, greedy(12))] == [o.token_ids for o in expected]
+
+
+def test_a_generate_interrupted_while_queueing_leaves_nothing_running(llm, monkeypatch):
+    expected = llm.generate(STREAMED, greedy(12))
+    add_request = llm.engine.add_request
+    calls = iter(range(1))
+    monkeypatch.setattr(llm.engine, "add_request",
+                        lambda *args: add_request(*args) if next(calls, None) is not None else _interrupt())
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(STREAMED, greedy(12))
+    monkeypatch.setattr(llm.engine, "add_request", add_request)
+    assert not llm.engine.scheduler.requests
+    assert [o.token_ids for o in llm.generate(STREAMED, greedy(12))] == [o.token_ids for o in expected]
+
+
+def _interrupt():
+    raise KeyboardInterrupt
+
+
 def test_min_tokens_bans_stop_tokens_until_reached_like_transformers(llm, tiny_llama_dir):
     full = llm.generate(PROMPT, greedy(20))[0]
     stop_token = full.token_ids[0]  # greedy would stop at once

@@ -8,12 +8,14 @@ import torch
 
 from splitserve.common.config import EngineConfig
 from splitserve.common.errors import UnsupportedModelError
+from splitserve.deploy.cli import main
 from splitserve.engine.quantization.formats import (AWQ_PACK_ORDER, PackedTensors, QuantizedWeight, awq_pack,
                                                     awq_unpack, gptq_pack, gptq_unpack, pack_int4, unpack_int4)
 from splitserve.engine.quantization.linear import (DequantizingLinear, Int4CpuLinear, Int8CpuLinear,
                                                    make_quantized_linear)
 from splitserve.engine.quantization.rtn import int4_grouped, int8_per_channel
 from splitserve.engine.quantization.spec import QuantizationSpec, resolve_quantization
+from splitserve.engine.tiny_model import TinyModelSpec, build_tiny_model
 
 
 def _nibble(words: torch.Tensor, index) -> torch.Tensor:
@@ -184,3 +186,20 @@ def test_engine_config_validates_quantization_fields():
         EngineConfig(quantization="fp8")
     with pytest.raises(ValueError, match="quantization_group_size must be one of"):
         EngineConfig(quantization_group_size=100)
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_quantize_refuses_a_projection_the_format_cannot_pack_naming_it(method, tmp_path, capsys):
+    """Both formats pack 8 codes per int32 across output channels (qzeros; AWQ's qweight too): a
+    100-wide MLP is refused in one line before any calibration, not by a reshape error at the end."""
+    model_dir = build_tiny_model(tmp_path / "model", TinyModelSpec(intermediate_size=100))
+    calibration = tmp_path / "calibration"
+    calibration.mkdir()
+    (calibration / "river.txt").write_text("Tell me about the river and the old mill by the village road. " * 40)
+    argv = ["quantize", str(model_dir), str(tmp_path / "out"), "--method", method, "--group-size", "32",
+            "--calibration-dir", str(calibration), "--num-samples", "2", "--seq-len", "64"]
+    assert main(argv) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (  # after transformers' loading bar
+        f"splitserve: error: {method} packs 8 4-bit codes per int32 along the output channels: "
+        "model.layers.0.mlp.gate_proj has 100 (a multiple of 8 is needed)")
+    assert not (tmp_path / "out").exists()

@@ -15,11 +15,12 @@ from splitserve.common.config import EngineConfig, SpeculativeConfig
 from splitserve.common.kv_events import BlocksRemoved, BlocksStored
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.stats import SpecDecodeStats
+from splitserve.deploy.cli import main
 from splitserve.engine.engine_core import EngineCore
 from splitserve.engine.sampler import Sampler, filtered_probs
 from splitserve.engine.spec_decode.ngram import NgramProposer
 from splitserve.engine.spec_decode.proposer import DraftSlot
-from splitserve.engine.spec_decode.verifier import SpeculativeRows, rejection_sample, verify
+from splitserve.engine.spec_decode.verifier import SpeculativeRows, verify, verify_sampled
 from tests.factories import (assert_pool_idle, chi_square_p_value, make_draft_model_dir, make_request,
                              make_sampling_row, make_scheduler, two_sample_chi_square_p_value)
 
@@ -232,7 +233,7 @@ SAMPLED = [SamplingParams(temperature=0.8), SamplingParams(temperature=1.0, top_
 
 
 @pytest.mark.parametrize("params", SAMPLED, ids=["temperature", "top-k", "top-p"])
-def test_rejection_sampling_emits_the_target_distribution_at_each_position(params):
+def test_sampled_verification_emits_the_target_distribution_at_each_position(params):
     """Small vocab (8), fixed logits, drafts the target likes (accepted often) and dislikes (mostly
     rejected: the residual draw): the first emitted token is distributed as p_0, the second (after an
     accepted draft) as p_1."""
@@ -247,7 +248,7 @@ def test_rejection_sampling_emits_the_target_distribution_at_each_position(param
         first, second = [0] * 8, [0] * 8
         num_samples = 2000
         for _ in range(num_samples):
-            run = rejection_sample(logits, SpeculativeRows(rows, drafts))
+            run = verify_sampled(logits, SpeculativeRows(rows, drafts))
             first[run.token_ids[0]] += 1
             if run.num_accepted >= 1:
                 second[run.token_ids[1]] += 1
@@ -311,6 +312,26 @@ def test_seeded_speculative_requests_are_reproducible(tiny_llama_dir):
     assert {rid: first[rid] for rid in first} == {rid: again[rid] for rid in first}
 
 
+@pytest.mark.parametrize("proposer", ["ngram", "draft-self"])
+def test_a_seeded_sampled_request_emits_the_same_tokens_with_or_without_speculation_in_any_batch(tiny_llama_dir,
+                                                                                                 proposer):
+    """The verification draws each position's token as the sampler would without speculation (the same
+    noise from the request's own generator) and accepts a draft equal to it: a seeded request's tokens do
+    not depend on whether it speculated, so neither on batch mates that turn speculation off (a batch above
+    disable_above_batch_size) nor on how many drafts a step verified."""
+    params = SamplingParams(temperature=0.2, seed=42, max_tokens=32, ignore_eos=True)
+    prompt = _prompts(1, 24)[0]
+    expected = _run(EngineCore(tiny_llama_dir, BASE), [prompt], params)["r0"]
+    config = replace(_proposers(tiny_llama_dir, None)[proposer], disable_above_batch_size=2, adaptive=False)
+    alone = _speculative(tiny_llama_dir, config)
+    assert _run(alone, [prompt], params)["r0"] == expected
+    spec = alone.stats().spec_decode
+    assert 0 < spec.num_accepted_tokens < spec.num_draft_tokens
+    in_batch = _speculative(tiny_llama_dir, config)
+    assert _run(in_batch, [prompt, *_prompts(2, 9)], params)["r0"] == expected
+    assert in_batch.stats().spec_decode.num_drafts == 0
+
+
 def test_batch_above_the_threshold_does_not_speculate(tiny_llama_dir):
     engine = _speculative(tiny_llama_dir, replace(NGRAM, disable_above_batch_size=2))
     _run(engine, _prompts(3, 12), GREEDY)
@@ -339,6 +360,44 @@ def test_speculative_config_is_validated():
         SpeculativeConfig(num_speculative_tokens=0)
     with pytest.raises(ValueError, match="ngram_min"):
         SpeculativeConfig(ngram_min=3, ngram_max=2)
+
+
+def test_an_engine_config_refuses_speculative_settings_that_are_not_a_speculative_config():
+    """vLLM's offline API takes a dict here; this one names the class to use instead of failing later with an
+    AttributeError deep in the engine."""
+    with pytest.raises(ValueError, match="speculative must be a SpeculativeConfig .*got dict"):
+        EngineConfig(speculative={"method": "ngram", "num_speculative_tokens": 3})
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_a_gptq_or_awq_draft_model_is_read_as_its_checkpoint_says(tiny_llama_dir, tmp_path, method):
+    """A draft checkpoint made by `splitserve quantize` (of the target itself here, so its drafts are
+    mostly accepted) is loaded with its own quantization_config, as the target would be."""
+    calibration = tmp_path / "calibration"
+    calibration.mkdir()
+    (calibration / "river.txt").write_text("Tell me about the river and the old mill by the village road. " * 40)
+    draft_dir = tmp_path / method
+    assert main(["quantize", str(tiny_llama_dir), str(draft_dir), "--method", method, "--group-size", "32",
+                 "--calibration-dir", str(calibration), "--num-samples", "2", "--seq-len", "64"]) == 0
+    prompts = _prompts(3, 12)
+    engine = _speculative(tiny_llama_dir, _draft(draft_dir))
+    assert _run(engine, prompts, GREEDY) == _run(EngineCore(tiny_llama_dir, BASE), prompts, GREEDY)
+    assert engine.stats().spec_decode.num_accepted_tokens > 0
+
+
+@pytest.mark.parametrize("extra_rows", [64, -64], ids=["larger", "smaller"])
+def test_a_draft_model_with_another_vocab_size_never_feeds_either_model_an_id_it_has_no_row_for(
+        tiny_llama_dir, tmp_path, extra_rows):
+    """Same tokenizer, embeddings padded differently (Qwen2.5-0.5B's 151936 rows drafting for 7B's 152064):
+    a draft id past the target's rows ends that request's drafts there, and a request holding an id past
+    the draft's rows does not speculate; greedy output is unchanged."""
+    draft_dir = make_draft_model_dir(tiny_llama_dir, tmp_path / "draft", seed=5, vocab_size=512 + extra_rows)
+    prompts = [[*prompt, 500, 505] for prompt in _prompts(3, 12)]  # ids the smaller draft has no row for
+    prompts.append(_prompts(4, 12)[3])  # ids all below 448: the smaller draft speculates on this one
+    engine = _speculative(tiny_llama_dir, _draft(draft_dir))
+    assert _run(engine, prompts, GREEDY) == _run(EngineCore(tiny_llama_dir, BASE), prompts, GREEDY)
+    assert engine.stats().spec_decode.num_drafts > 0
+    assert_pool_idle(engine.speculator.proposer.block_manager)
 
 
 def test_draft_model_with_another_tokenizer_is_refused(tiny_llama_dir, tiny_qwen2_dir):

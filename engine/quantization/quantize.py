@@ -26,7 +26,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from splitserve.common.config import QUANTIZATION_GROUP_SIZES
 from splitserve.engine.quantization.awq import search_clip, search_scales
-from splitserve.engine.quantization.formats import QuantizedWeight, awq_pack, gptq_pack
+from splitserve.engine.quantization.formats import PACK_FACTOR, QuantizedWeight, awq_pack, gptq_pack
 from splitserve.engine.quantization.gptq import GptqConfig, HessianAccumulator, gptq_quantize
 from splitserve.engine.quantization.rtn import int4_grouped
 from splitserve.engine.stdlib_corpus import CorpusSplit, stdlib_root
@@ -203,9 +203,10 @@ def _awq_layer(layer: nn.Module, inputs: dict[str, torch.Tensor], config: Quanti
 def quantize_model(model_dir: Path, out_dir: Path, config: QuantizeConfig, calibration_dir: Path | None = None,
                    show_progress: bool = False) -> Path:
     """Write `out_dir`: the model of `model_dir` with every decoder projection quantized by `config`."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    check_packable(model, config.method)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     windows = calibration_windows(tokenizer, calibration_texts(model_dir, calibration_dir), config)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     quantize_layer = _gptq_layer if config.method == "gptq" else _awq_layer
     quantized: dict[str, QuantizedWeight] = {}
     layers = model.model.layers
@@ -213,6 +214,21 @@ def quantize_model(model_dir: Path, out_dir: Path, config: QuantizeConfig, calib
         for name, weight in quantize_layer(layer, _capture_inputs(model, layer, windows), config).items():
             quantized[f"model.layers.{index}.{name}"] = weight
     return write_checkpoint(model_dir, out_dir, model, quantized, config)
+
+
+def check_packable(model: PreTrainedModel, method: str) -> None:
+    """ValueError naming the first decoder projection the format cannot pack, before any calibration:
+    both pack PACK_FACTOR 4-bit codes per int32 along the output channels (the zero points; AWQ's
+    codes too), GPTQ its codes along the input channels."""
+    packed_dims = (("output channels", 0), ("input channels", 1)) if method == "gptq" else (("output channels", 0),)
+    for index, layer in enumerate(model.model.layers):
+        for name in PROJECTIONS:
+            shape = layer.get_submodule(name).weight.shape  # [out_features, in_features]
+            for what, dim in packed_dims:
+                if shape[dim] % PACK_FACTOR:
+                    raise ValueError(f"{method} packs {PACK_FACTOR} 4-bit codes per int32 along the {what}: "
+                                     f"model.layers.{index}.{name} has {shape[dim]} (a multiple of {PACK_FACTOR} "
+                                     f"is needed)")
 
 
 def write_checkpoint(model_dir: Path, out_dir: Path, model: PreTrainedModel, quantized: dict[str, QuantizedWeight],

@@ -52,6 +52,14 @@ def resolve_quantization(requested: str, group_size: int, checkpoint_config: dic
     return _packed_spec(method, checkpoint_config)
 
 
+def checkpoint_quantization(checkpoint_config: dict | None) -> QuantizationSpec:
+    """What a checkpoint's own quantization_config says (a GPTQ / AWQ checkpoint, refused as
+    resolve_quantization refuses it), NONE for float weights: a model loaded without a setting of
+    its own (a draft model)."""
+    # `auto` never reads the group size argument: a packed checkpoint brings its own.
+    return resolve_quantization("auto", QUANTIZATION_GROUP_SIZES[-1], checkpoint_config)
+
+
 def _packed_spec(method: str, config: dict) -> QuantizationSpec:
     bits, group_size = config.get("bits"), config.get("group_size")
     if bits != 4:

@@ -6,7 +6,11 @@ tokens it has not seen (the whole prompt the first time, on a decode worker too:
 rebuilt from the prompt locally rather than shipped, since the draft model is ~10x smaller than the
 target and its prefill costs less than a second transfer and handshake), then k - 1 more steps of
 one token. Drafts the target rejected are rolled back by comparing what was fed with the tokens the
-request really has."""
+request really has.
+
+The two models share a tokenizer but may pad their embeddings to different sizes (Qwen2.5-0.5B has
+151936 rows, 7B 152064): a request holding an id past the draft's rows gets no drafts, and a draft
+past the target's rows ends that request's drafts, so neither model is ever fed an id it has no row for."""
 
 from __future__ import annotations
 
@@ -49,9 +53,12 @@ class _DraftSequence:
 
 class DraftModelProposer:
     def __init__(self, model: LlamaFamilyForCausalLM, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device, attention: AttentionBackend) -> None:
-        """`model`: the loaded draft model (on `attention`); its pool holds num_blocks blocks of block_size tokens."""
+                 dtype: torch.dtype, device: torch.device, attention: AttentionBackend, target_vocab_size: int) -> None:
+        """`model`: the loaded draft model (on `attention`); its pool holds num_blocks blocks of block_size tokens;
+        `target_vocab_size`: the target's embedding rows (no draft is at or past it)."""
         arch = model.arch
+        self.vocab_size = arch.vocab_size
+        self.target_vocab_size = target_vocab_size
         spec = KVCacheSpec(arch.num_layers, block_size, arch.num_kv_heads, arch.head_dim, dtype)
         self.max_model_len = arch.max_position_embeddings
         self.block_manager = BlockManager(num_blocks, block_size, BlockHasher(block_size, 0), False)
@@ -73,7 +80,12 @@ class DraftModelProposer:
         for slot, k, tokens in zip(slots, budgets, drafts):
             if k > 0:
                 self._fed(slot, tuple(tokens[:-1]))
-        return [tuple(tokens) for tokens in drafts]
+        return [self._for_target(tokens) for tokens in drafts]
+
+    def _for_target(self, drafts: list[int]) -> tuple[int, ...]:
+        """The drafts before the first one the target has no row for (a padded draft vocabulary)."""
+        cut = next((j for j, token_id in enumerate(drafts) if token_id >= self.target_vocab_size), len(drafts))
+        return tuple(drafts[:cut])
 
     def forget(self, request_id: str) -> None:
         if self._sequences.pop(request_id, None) is not None:
@@ -87,6 +99,8 @@ class DraftModelProposer:
             blocks = Request(slot.request_id, [], SamplingParams(), frozenset(), 0)
             sequence = self._sequences[slot.request_id] = _DraftSequence(blocks)
         self._roll_back(sequence, slot.token_ids)
+        if max(slot.token_ids[sequence.blocks.num_computed_tokens:]) >= self.vocab_size:
+            return 0  # a token the draft has no row for (a padded target vocabulary): no drafts
         num_tokens = len(slot.token_ids)
         # Drafts 1 .. k - 1 are fed at positions num_tokens .. num_tokens + k - 2.
         k = min(slot.num_tokens, self.max_model_len - num_tokens + 1)

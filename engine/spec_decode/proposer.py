@@ -19,11 +19,11 @@ class DraftSlot:
 
 
 class Proposer(Protocol):
-    """Proposes draft tokens, deterministically: a draft is a point mass, so the verification's
-    rejection sampling needs only the target's probabilities (accept a draft d with p(d), else draw
-    from p with d removed). A proposer that samples its drafts (an EAGLE head on the target's hidden
-    states, a sampled draft model) would add its draft probabilities to what it returns and to the
-    verification; the slots and the engine's calls stay as they are."""
+    """Proposes draft tokens, deterministically: a draft is a point mass, so the verification needs
+    only the target's probabilities (a draft d is accepted when the token drawn from p equals it: with
+    probability p(d), else the draw is from p with d removed). A proposer that samples its drafts (an
+    EAGLE head on the target's hidden states, a sampled draft model) would add its draft probabilities
+    to what it returns and to the verification; the slots and the engine's calls stay as they are."""
 
     def propose(self, slots: Sequence[DraftSlot]) -> list[tuple[int, ...]]:
         """Draft tokens for each slot, in slot order (at most slot.num_tokens each)."""

@@ -10,8 +10,9 @@ import torch
 from splitserve.common.config import SpeculativeConfig
 from splitserve.common.stats import SpecDecodeStats
 from splitserve.engine.attention import AttentionBackend
-from splitserve.engine.model_loader import load_model
+from splitserve.engine.model_loader import load_hf_config, load_model
 from splitserve.engine.models.layer_ops import LayerOps
+from splitserve.engine.quantization.spec import checkpoint_quantization
 from splitserve.engine.request import Request
 from splitserve.engine.spec_decode.draft_model import DraftModelProposer, check_same_tokenizer
 from splitserve.engine.spec_decode.ngram import NgramProposer
@@ -87,14 +88,16 @@ class Speculator:
                                tuple(self._num_accepted_per_pos))
 
 
-def build_proposer(config: SpeculativeConfig, target_dir: Path, num_blocks: int, block_size: int,
-                   dtype: torch.dtype, device: torch.device, attention: AttentionBackend,
+def build_proposer(config: SpeculativeConfig, target_dir: Path, target_vocab_size: int, num_blocks: int,
+                   block_size: int, dtype: torch.dtype, device: torch.device, attention: AttentionBackend,
                    layer_ops: LayerOps) -> Proposer:
-    """The configured proposer; a draft model is loaded in the target's dtype on its device, with
-    as many KV blocks as the target's pool (a draft block is smaller than a target block)."""
+    """The configured proposer; a draft model is loaded in the target's dtype on its device, its weights
+    as its own checkpoint says (a GPTQ / AWQ draft; the target's `quantization` is about the target),
+    with as many KV blocks as the target's pool (a draft block is smaller than a target block)."""
     if config.method == "ngram":
         return NgramProposer(config.ngram_min, config.ngram_max)
     draft_dir = resolve_model_path(config.draft_model)
     check_same_tokenizer(target_dir, draft_dir)
-    model = load_model(draft_dir, dtype, device, attention, False, layer_ops)
-    return DraftModelProposer(model, num_blocks, block_size, dtype, device, attention)
+    quantization = checkpoint_quantization(getattr(load_hf_config(draft_dir), "quantization_config", None))
+    model = load_model(draft_dir, dtype, device, attention, False, layer_ops, quantization)
+    return DraftModelProposer(model, num_blocks, block_size, dtype, device, attention, target_vocab_size)

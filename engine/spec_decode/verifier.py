@@ -7,11 +7,14 @@ bans by the output length there; then temperature / top-k / top-p / min-p), givi
 
 - Greedy: draft j is accepted while it equals argmax p_j; the first mismatch emits argmax p_j, so the
   output is token for token what non-speculative greedy decoding emits.
-- Sampled: the drafts are point masses (every proposer here is deterministic), so rejection sampling
-  accepts draft d with probability p_j(d) and, on rejection, draws from p_j with d removed
-  (renormalized max(0, p_j - q_j)); when all k are accepted a bonus token is drawn from p_k. Each
-  emitted token is then distributed exactly as the target's. The uniforms and draws come from the
-  request's own generator, so a seeded request is reproducible.
+- Sampled: row j's token is drawn from p_j exactly as the sampler draws it without speculation (one
+  row of noise from the request's own generator per emitted token, in order); draft j is accepted
+  when it equals that draw, and the first draw that differs (or the draw after the last draft) is
+  the run's last token. The drafts are point masses (every proposer here is deterministic), so this
+  accepts d with probability p_j(d) and otherwise emits a draw from p_j with d removed: rejection
+  sampling's acceptance and residual (renormalized max(0, p_j - q_j)). And each emitted token is the
+  token decoding without speculation would emit: a seeded request's output does not depend on
+  whether, or how far, it speculated, hence not on its batch mates either.
 """
 
 from __future__ import annotations
@@ -62,7 +65,7 @@ def verify(sampler: Sampler, logits: torch.Tensor, requests: Sequence[Speculativ
             runs[i] = run
     for i, spec in enumerate(requests):
         if runs[i] is None:
-            runs[i] = rejection_sample(logits[starts[i]:starts[i + 1]], spec)
+            runs[i] = verify_sampled(logits[starts[i]:starts[i + 1]], spec)
     return runs
 
 
@@ -89,23 +92,16 @@ def _matching_prefix(drafts: Sequence[int], targets: Sequence[int]) -> int:
     return len(drafts)
 
 
-def rejection_sample(logits: torch.Tensor, spec: SpeculativeRows) -> VerifiedRun:
+def verify_sampled(logits: torch.Tensor, spec: SpeculativeRows) -> VerifiedRun:
     """One sampled request's run; logits [1 + k, vocab] float32."""
     params = spec.rows[0].params
     generator = spec.rows[0].generator
     probs = filtered_probs(penalized(logits, spec.rows), [params] * len(spec.rows))  # [1 + k, vocab]
     tokens: list[int] = []
-    for j, draft in enumerate(spec.drafts):
-        uniform = torch.rand((), generator=generator, device=probs.device)
-        if uniform < probs[j, draft]:
-            tokens.append(draft)
-            continue
-        residual = probs[j:j + 1].clone()  # [1, vocab]: p_j without the rejected draft
-        residual[0, draft] = 0.0
-        tokens.append(int(draw(residual, [generator])[0]))
-        break
-    else:
-        tokens.append(int(draw(probs[-1:], [generator])[0]))
+    for j in range(len(spec.rows)):
+        tokens.append(int(draw(probs[j:j + 1], [generator])[0]))
+        if j == len(spec.drafts) or tokens[-1] != spec.drafts[j]:
+            break
     logprobs: tuple[TokenLogprobs, ...] = ()
     if params.logprobs is not None:
         raw = torch.log_softmax(logits[:len(tokens)], dim=-1)  # [len(tokens), vocab]
