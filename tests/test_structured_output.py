@@ -27,6 +27,8 @@ from splitserve.router.structured_output import parse_structured_output
 PROMPT = "def main():\n"
 REGEX = r"[a-z]{3,8}@example\.com"
 CHOICES = ["yes", "no", "maybe"]
+INEXACT = ("(numbers must be finite integers within +-2**53, or decimals of at most 14 significant digits and 20 "
+           "after the point)")
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +60,16 @@ def generate(llm: LLM, constraints: list[StructuredOutput], temperature: float =
     ({"type": {"a": 1}}, "json_schema: unsupported type {'a': 1} at /type"),
     ({"properties": {"a": [1]}}, "json_schema: unsupported subschema of type list (must be an object or a boolean) "
                                  "at /properties/a"),
+    # numbers the grammar engine would round (it wrote const 2**53 + 1 as 2**53, and 123456789.12345679
+    # as 123456789.1234568), or cannot hold
+    ({"const": 2 ** 53 + 1}, f"json_schema: unsupported number 9007199254740993 {INEXACT} at /const"),
+    ({"type": "integer", "minimum": -(2 ** 53) - 1},
+     f"json_schema: unsupported number -9007199254740993 {INEXACT} at /minimum"),
+    ({"enum": ["a", {"b": [1, 123456789.12345679]}]},
+     f"json_schema: unsupported number 123456789.12345679 {INEXACT} at /enum/1/b/1"),
+    ({"type": "number", "exclusiveMaximum": 1.5e-21},
+     f"json_schema: unsupported number 1.5e-21 {INEXACT} at /exclusiveMaximum"),
+    ({"type": "number", "maximum": float("inf")}, f"json_schema: unsupported number inf {INEXACT} at /maximum"),
 ])
 def test_a_schema_outside_the_subset_is_refused_naming_the_construct(schema, message):
     with pytest.raises(InvalidRequestError) as caught:
@@ -173,6 +185,16 @@ def test_choice_and_regex_outputs_greedy(llm):
     assert (choice.text, choice.token_ids, choice.finish_reason) == ("maybe", [508, 91, 1438], "stop")
     assert (regex.text, regex.finish_reason) == ("classpro@example.com", "stop")
     assert re.fullmatch(REGEX, regex.text)
+
+
+def test_numbers_at_the_exactness_limits_are_written_exactly(llm):
+    """enum numbers at the limits the schema check allows come out exactly (before the check,
+    2**53 + 1 came out as 2**53: a value outside the enum)."""
+    values = [2 ** 53, -(2 ** 53), 1234567.8901234, 1.2e-19, 1e21]
+    schema = {"enum": values}
+    outputs = generate(llm, [StructuredOutput.json_schema(schema)] * 10, temperature=1.0, max_tokens=400)
+    assert {o.finish_reason for o in outputs} == {"stop"}
+    assert {json.loads(o.text) for o in outputs} <= set(values) and len({o.text for o in outputs}) > 1
 
 
 def test_sampled_choices_are_always_one_of_them(llm):
