@@ -500,8 +500,11 @@ def _serve(args: argparse.Namespace) -> int:
     config = serve_config(args)
     preflight(config, args.api_key)  # every mistake the files show, before Ray and the workers start
     configure_logging(config.log_format)
-    from splitserve.deploy.local import serve  # imports Ray and torch: seconds
-
+    try:
+        from splitserve.deploy.local import serve  # imports Ray and torch: seconds
+    except KeyboardInterrupt:  # Ctrl-C before anything started; serve() handles the signals from Ray's start on
+        print("splitserve: stopped before serving", flush=True)
+        return 0
     try:
         return serve(config, args.api_key)
     except (StartupError, OSError) as error:  # a worker's load, or a port taken since the preflight
