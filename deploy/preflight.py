@@ -1,6 +1,6 @@
 """What `splitserve serve` checks before Ray starts: every mistake that the config and the files
 it names already show (the model directory, its tokenizer and chat template, TLS files, the API
-key's variable, ports in use), each reported as one line within milliseconds instead of after
+key's variable, a host that is not this machine's, ports in use), each reported as one line within milliseconds instead of after
 Ray, the workers and a model load.
 
 Only the standard library, the router's torch-free tokenizer and common/ are imported here, so
@@ -59,8 +59,12 @@ def _compile(template: str) -> None:
 
 
 def check_ports_free(router: RouterConfig) -> None:
-    """PreflightError for the first fixed router port that another socket holds (port 0 picks a
-    free one when the server starts, so it cannot clash)."""
+    """PreflightError when router.host is no address of this machine (whatever the ports, 0
+    included), else for the first fixed router port that another socket holds (port 0 picks a free
+    one when the server starts, so it cannot clash)."""
+    problem = bind_problem(router.host, 0)
+    if problem is not None:
+        raise PreflightError(f"router.host (--host): cannot listen on {router.host}: {problem}")
     for key, flag in PORT_KEYS:
         port = getattr(router, key)
         if not port:

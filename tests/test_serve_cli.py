@@ -223,6 +223,14 @@ def test_ports_in_use_are_named():
                               f"router.{key} ({flag}): cannot listen on 127.0.0.1:{port}: Address already in use")
 
 
+def test_a_host_that_is_not_this_machines_is_named_even_with_every_port_picked():
+    """192.0.2.1 is a documentation address (RFC 5737), never a local one. Before, the first fixed
+    port took the blame (`router.grpc_port (--grpc-port): cannot listen on ...`), and with every
+    port 0 nothing was checked: the servers failed to bind after Ray and the workers had started."""
+    assert_fails_fast(["default", "--host", "192.0.2.1", "--port", "0", "--grpc-port", "0", "--metrics-port", "0"],
+                      "router.host (--host): cannot listen on 192.0.2.1: Cannot assign requested address")
+
+
 def test_tls_files_missing_or_not_pem(tmp_path):
     assert_fails_fast(["default", "--ssl-certfile", str(tmp_path / "no.pem"), "--ssl-keyfile", str(tmp_path)],
                       f"router.tls.cert_file: must name an existing file, got '{tmp_path / 'no.pem'}'")
