@@ -223,6 +223,21 @@ def test_ports_in_use_are_named():
                               f"router.{key} ({flag}): cannot listen on 127.0.0.1:{port}: Address already in use")
 
 
+def test_a_max_model_len_longer_than_the_models_positions_is_named(tiny_llama_dir):
+    """Before, the workers refused it, once Ray had started and the model had loaded (exit 1)."""
+    positions = json.loads((tiny_llama_dir / "config.json").read_text())["max_position_embeddings"]
+    assert_fails_fast([str(tiny_llama_dir), "--max-model-len", str(positions + 1)],
+                      f"prefill.engine.max_model_len (--max-model-len): {positions + 1} exceeds the model's "
+                      f"max_position_embeddings {positions} ({tiny_llama_dir / 'config.json'})")
+    assert_fails_fast([str(tiny_llama_dir), "--mode", "colocated", "--set",
+                       f"decode.engine.max_model_len={positions + 1}"],
+                      f"decode.engine.max_model_len (--max-model-len): {positions + 1} exceeds the model's "
+                      f"max_position_embeddings {positions} ({tiny_llama_dir / 'config.json'})")
+    outcome, _ = run_serve(str(tiny_llama_dir), "--max-model-len", str(positions), "--port", "0", "--grpc-port", "0",
+                           "--metrics-port", "0")
+    assert outcome["code"] == 0 and outcome["launched"] == [str(tiny_llama_dir)]
+
+
 def test_a_host_that_is_not_this_machines_is_named_even_with_every_port_picked():
     """192.0.2.1 is a documentation address (RFC 5737), never a local one. Before, the first fixed
     port took the blame (`router.grpc_port (--grpc-port): cannot listen on ...`), and with every
