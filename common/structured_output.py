@@ -114,7 +114,10 @@ class StructuredOutput:
         if self.kind == StructuredOutputKind.REGEX:
             return _lark_grammar("start: " + _lark_regex(self.spec))
         if self.kind == StructuredOutputKind.CHOICE:
-            return _lark_grammar("start: " + " | ".join(json.dumps(c) for c in json.loads(self.spec)))
+            # One terminal (a single lexeme), not `start: "a" | "b" | ...` as llguidance's own builder
+            # writes it: as parser alternatives, more than 2000 choices sharing a prefix overflow the
+            # parser's row ("Current row has 2001 items; max is 2000") after the first token.
+            return _lark_grammar("start: CHOICE\nCHOICE: " + " | ".join(json.dumps(c) for c in json.loads(self.spec)))
         return _lark_grammar(self.spec)
 
 
