@@ -5,6 +5,7 @@ through the engine with the default model, every output parsed and validated wit
 from __future__ import annotations
 
 import json
+import logging
 import pickle
 import re
 
@@ -256,6 +257,22 @@ def test_an_invalid_grammar_is_refused_by_the_engine(llm):
     constraint = StructuredOutput(StructuredOutputKind.REGEX, "a(")
     with pytest.raises(InvalidRequestError, match="regex: .*unclosed group"):
         llm.engine.validate("r", [1, 2], SamplingParams(structured_output=constraint))
+
+
+def test_a_grammar_the_parser_outgrows_is_logged_in_one_bounded_line(llm, caplog):
+    """600 optional properties: after "{" the parser's row holds 2399 items, past llguidance's 2000,
+    and the request's matcher fails. The warning quotes llguidance's error without the parser state
+    and the whole grammar (the client's schema: 18,000 characters here), and bounded."""
+    schema = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(600)},
+              "additionalProperties": False}
+    brace = llm.engine.tokenizer.encode("{", add_special_tokens=False).ids
+    llm.engine.grammars.add("wide", StructuredOutput.json_schema(schema), [])
+    with caplog.at_level(logging.WARNING, logger="splitserve.engine.structured_output.matchers"):
+        assert llm.engine.grammars.accept("wide", brace[0]) == GrammarState.REJECTED
+    llm.engine.grammars.remove("wide")
+    assert [record.getMessage() for record in caplog.records] == [
+        f'[wide] token {brace[0]} rejected by its grammar: "Parser Error: Current row has 2399 items; max is 2000; '
+        "consider making your grammar left-recursive if it's right-recursive\\n<non-verbose/>\""]
 
 
 def test_compiled_grammars_are_cached_and_matchers_roll_back(llm):
