@@ -271,6 +271,18 @@ def test_bad_config_files(tmp_path):
                       "local)")
 
 
+@pytest.mark.parametrize("key", ["", "\t"])
+def test_an_empty_api_key_is_refused(key):
+    """`--api-key "$KEY"` with KEY unset: before, the server started without auth (an empty key
+    turns the check off) while its banner asked for the key."""
+    done = subprocess.run([sys.executable, "-c", _PROBE, "serve", "default", "--api-key", key], capture_output=True,
+                          text=True, timeout=60)  # the launcher stubbed out: before, the probe reached it
+    assert done.returncode == 2
+    assert done.stderr.splitlines() == [
+        f"splitserve serve: error: argument --api-key: must not be empty, got {key!r}: an empty key would leave the "
+        "server open (leave --api-key out to serve without a key) (see splitserve serve --help)"]
+
+
 def test_api_key_variable_unset(monkeypatch):
     monkeypatch.delenv("SPLITSERVE_TEST_NO_SUCH_KEY", raising=False)
     assert_fails_fast(["default", "--set", "router.api_key_env=SPLITSERVE_TEST_NO_SUCH_KEY"],
