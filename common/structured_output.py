@@ -224,7 +224,7 @@ def _inexact_numbers(value: Any, path: str) -> Iterator[tuple[str, str]]:
             yield from _inexact_numbers(item, f"{path}/{index}")
     elif isinstance(value, dict):
         for name, item in value.items():
-            yield from _inexact_numbers(item, f"{path}/{name}")
+            yield from _inexact_numbers(item, f"{path}/{_pointer_token(name)}")
     elif isinstance(value, (int, float)) and not isinstance(value, bool) and not _is_exact(value):
         yield path, (f"number {value!r} (numbers must be finite integers within +-2**53, or decimals of at most "
                      f"{MAX_SIGNIFICANT_DIGITS} significant digits and {MAX_FRACTION_DIGITS} after the point)")
@@ -239,6 +239,11 @@ def _is_exact(number: int | float) -> bool:
     return len(digits) <= MAX_SIGNIFICANT_DIGITS and -exponent <= MAX_FRACTION_DIGITS
 
 
+def _pointer_token(name: str) -> str:
+    """A property name as one JSON pointer token (RFC 6901): "a/b" is a~1b, so a path names one place."""
+    return name.replace("~", "~0").replace("/", "~1")
+
+
 def _subschemas(schema: dict, path: str) -> Iterator[tuple[str, Any]]:
     for keyword in SCHEMA_VALUED & schema.keys():
         yield f"{path}/{keyword}", schema[keyword]
@@ -248,7 +253,7 @@ def _subschemas(schema: dict, path: str) -> Iterator[tuple[str, Any]]:
             yield f"{path}/{keyword}", None
             continue
         for name, child in children.items():
-            yield f"{path}/{keyword}/{name}", child
+            yield f"{path}/{keyword}/{_pointer_token(name)}", child
     for keyword in SCHEMA_LIST_VALUED & schema.keys():
         children = schema[keyword]
         for index, child in enumerate(children if isinstance(children, list) else [None]):

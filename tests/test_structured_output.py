@@ -71,6 +71,10 @@ def generate(llm: LLM, constraints: list[StructuredOutput], temperature: float =
     ({"type": "number", "exclusiveMaximum": 1.5e-21},
      f"json_schema: unsupported number 1.5e-21 {INEXACT} at /exclusiveMaximum"),
     ({"type": "number", "maximum": float("inf")}, f"json_schema: unsupported number inf {INEXACT} at /maximum"),
+    # property names as JSON pointer tokens: "a/b" was written as two (/properties/a/b/type)
+    ({"properties": {"a/b": {"type": "strin"}}}, "json_schema: unsupported type 'strin' at /properties/a~1b/type"),
+    ({"$defs": {"~x": {"const": {"p/q": 2 ** 60}}}},
+     f"json_schema: unsupported number 1152921504606846976 {INEXACT} at /$defs/~0x/const/p~1q"),
 ])
 def test_a_schema_outside_the_subset_is_refused_naming_the_construct(schema, message):
     with pytest.raises(InvalidRequestError) as caught:
