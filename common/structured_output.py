@@ -12,8 +12,10 @@ validate against the client's schema.
 
 from __future__ import annotations
 
+import decimal
 import enum
 import json
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -43,6 +45,18 @@ SUPPORTED_KEYWORDS = ANNOTATIONS | SCHEMA_VALUED | SCHEMA_MAP_VALUED | SCHEMA_LI
 """The JSON schema subset the grammar engine enforces exactly. Not in it (refused by name):
 patternProperties, propertyNames, dependentRequired, dependentSchemas, if/then/else, not, oneOf
 (exactly one of), uniqueItems, contains, prefixItems, min/maxProperties, unevaluated*, x-guidance."""
+NUMERIC_KEYWORDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
+"""Keywords whose value is a number (the others hold counts)."""
+MAX_EXACT_INTEGER = 2 ** 53
+"""Largest integer magnitude a schema number may have: the grammar engine holds every schema number
+as a 64-bit float, so 2**53 + 1 would be written (or bounded) as 2**53."""
+MAX_SIGNIFICANT_DIGITS = 14
+MAX_FRACTION_DIGITS = 20
+"""Most significant digits, and digits after the point, of a schema number written with a point or
+an exponent (a float): the grammar engine writes an enum or const number, and bounds a number, from
+a decimal rendering of its float that loses digits beyond these (measured on llguidance 1.9: const
+123456789.12345679 was written 123456789.1234568; a maximum with 23 digits after the point let a
+larger number through; none of 6,000 random numbers within both limits was off)."""
 FORMATS = frozenset({"date-time", "time", "date", "duration", "email", "hostname", "ipv4", "ipv6", "uuid", "uri"})
 """String formats the grammar engine enforces."""
 JSON_OPTIONS = {"whitespace_flexible": False}
@@ -100,7 +114,10 @@ class StructuredOutput:
         if self.kind == StructuredOutputKind.REGEX:
             return _lark_grammar("start: " + _lark_regex(self.spec))
         if self.kind == StructuredOutputKind.CHOICE:
-            return _lark_grammar("start: " + " | ".join(json.dumps(c) for c in json.loads(self.spec)))
+            # One terminal (a single lexeme), not `start: "a" | "b" | ...` as llguidance's own builder
+            # writes it: as parser alternatives, more than 2000 choices sharing a prefix overflow the
+            # parser's row ("Current row has 2001 items; max is 2000") after the first token.
+            return _lark_grammar("start: CHOICE\nCHOICE: " + " | ".join(json.dumps(c) for c in json.loads(self.spec)))
         return _lark_grammar(self.spec)
 
 
@@ -217,8 +234,40 @@ def _bad_values(schema: dict, path: str) -> Iterator[tuple[str, str]]:
             yield f"{path}/type", f"type {name!r}"
     if "format" in schema and not (isinstance(schema["format"], str) and schema["format"] in FORMATS):
         yield f"{path}/format", f"format {schema['format']!r}"
+    for keyword in NUMERIC_KEYWORDS:
+        yield from _inexact_numbers(schema.get(keyword), f"{path}/{keyword}")
+    yield from _inexact_numbers(schema.get("enum"), f"{path}/enum")
+    yield from _inexact_numbers(schema.get("const"), f"{path}/const")
     if "$ref" in schema and not (isinstance(schema["$ref"], str) and schema["$ref"].startswith("#")):
         yield f"{path}/$ref", f"$ref {schema['$ref']!r} (only references inside the schema, '#...')"
+
+
+def _inexact_numbers(value: Any, path: str) -> Iterator[tuple[str, str]]:
+    """(JSON pointer, what) of each number in value (a keyword's value, or an enum's or const's JSON
+    value at any depth) that the grammar engine would not write or compare exactly."""
+    if isinstance(value, list):
+        for index, item in enumerate(value):
+            yield from _inexact_numbers(item, f"{path}/{index}")
+    elif isinstance(value, dict):
+        for name, item in value.items():
+            yield from _inexact_numbers(item, f"{path}/{_pointer_token(name)}")
+    elif isinstance(value, (int, float)) and not isinstance(value, bool) and not _is_exact(value):
+        yield path, (f"number {value!r} (numbers must be finite integers within +-2**53, or decimals of at most "
+                     f"{MAX_SIGNIFICANT_DIGITS} significant digits and {MAX_FRACTION_DIGITS} after the point)")
+
+
+def _is_exact(number: int | float) -> bool:
+    if isinstance(number, int):
+        return abs(number) <= MAX_EXACT_INTEGER
+    if not math.isfinite(number):
+        return False
+    _, digits, exponent = decimal.Decimal(repr(number)).normalize().as_tuple()
+    return len(digits) <= MAX_SIGNIFICANT_DIGITS and -exponent <= MAX_FRACTION_DIGITS
+
+
+def _pointer_token(name: str) -> str:
+    """A property name as one JSON pointer token (RFC 6901): "a/b" is a~1b, so a path names one place."""
+    return name.replace("~", "~0").replace("/", "~1")
 
 
 def _subschemas(schema: dict, path: str) -> Iterator[tuple[str, Any]]:
@@ -230,7 +279,7 @@ def _subschemas(schema: dict, path: str) -> Iterator[tuple[str, Any]]:
             yield f"{path}/{keyword}", None
             continue
         for name, child in children.items():
-            yield f"{path}/{keyword}/{name}", child
+            yield f"{path}/{keyword}/{_pointer_token(name)}", child
     for keyword in SCHEMA_LIST_VALUED & schema.keys():
         children = schema[keyword]
         for index, child in enumerate(children if isinstance(children, list) else [None]):

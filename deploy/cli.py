@@ -309,6 +309,16 @@ def human_int(value: str) -> int:
     return int(number * _SIZE_SUFFIXES[suffix]) if suffix else int(number)
 
 
+def api_key(value: str) -> str:
+    """argparse type of --api-key: a key with a character other than whitespace. An empty key (a
+    shell variable that was not set: `--api-key "$KEY"`) would start the server open by accident,
+    as api_key_from_env refuses for router.api_key_env."""
+    if not value.strip():
+        raise argparse.ArgumentTypeError(f"must not be empty, got {value!r}: an empty key would leave the server "
+                                         "open (leave --api-key out to serve without a key)")
+    return value
+
+
 def _only_one(flag: str) -> Callable[[str], int]:
     """argparse type of a parallelism flag splitserve accepts only as 1 (one device per worker)."""
     def parse(value: str) -> int:
@@ -349,7 +359,7 @@ def _add_frontend_flags(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--grpc-port", type=int, default=None, help="gRPC API port (default 50051; 0 picks one)")
     group.add_argument("--metrics-port", type=int, default=None,
                        help="Prometheus /metrics port (default 9400; 0 picks one); /metrics is also on --port")
-    group.add_argument("--api-key", default=None,
+    group.add_argument("--api-key", type=api_key, default=None,
                        help="require `Authorization: Bearer KEY` on /v1/* and on the gRPC API (the key stays in "
                             "this process; router.api_key_env names a variable instead)")
     group.add_argument("--chat-template", default=None,
@@ -511,8 +521,11 @@ def _serve(args: argparse.Namespace) -> int:
     config = serve_config(args)
     preflight(config, args.api_key)  # every mistake the files show, before Ray and the workers start
     configure_logging(config.log_format)
-    from splitserve.deploy.local import serve  # imports Ray and torch: seconds
-
+    try:
+        from splitserve.deploy.local import serve  # imports Ray and torch: seconds
+    except KeyboardInterrupt:  # Ctrl-C before anything started; serve() handles the signals from Ray's start on
+        print("splitserve: stopped before serving", flush=True)
+        return 0
     try:
         return serve(config, args.api_key)
     except (StartupError, OSError) as error:  # a worker's load, or a port taken since the preflight

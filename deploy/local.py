@@ -299,10 +299,12 @@ class LocalCluster:
         """Every worker placed and answering, or one StartupError: the first failure's cause (every
         worker of a pool fails alike, so it is said once), or the workers still missing at the timeout."""
         calls = {asyncio.ensure_future(client.info()): client.worker_id for client in clients}
-        done, pending = await asyncio.wait(calls, timeout=self.config.worker_start_timeout_s,
-                                           return_when=asyncio.FIRST_EXCEPTION)
-        for call in pending:
-            call.cancel()
+        try:
+            done, pending = await asyncio.wait(calls, timeout=self.config.worker_start_timeout_s,
+                                               return_when=asyncio.FIRST_EXCEPTION)
+        finally:
+            for call in calls:  # those still waiting at the timeout, or when the start is cancelled
+                call.cancel()
         failed = sorted((calls[call], call.exception()) for call in done if call.exception() is not None)
         if failed:
             worker_id, error = failed[0]
@@ -456,16 +458,42 @@ def serving_banner(config: ClusterConfig, ports: BoundPorts, command: str, needs
     return "\n".join(lines)
 
 
-async def _serve(config: ClusterConfig, api_key: str | None) -> int:
+def _stop_on_signals(stop: asyncio.Event) -> None:
+    """SIGINT and SIGTERM set `stop`, whether the cluster is starting or serving."""
     import signal
 
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        asyncio.get_running_loop().add_signal_handler(signum, stop.set)
+
+
+async def _start_unless_stopped(cluster: LocalCluster, stop: asyncio.Event) -> bool:
+    """Start the cluster; False if `stop` was set first (the start is cancelled, and stops what it
+    started). A failed start raises its error."""
+    starting, stopped = asyncio.ensure_future(cluster.start()), asyncio.ensure_future(stop.wait())
+    await asyncio.wait([starting, stopped], return_when=asyncio.FIRST_COMPLETED)
+    stopped.cancel()
+    if starting.done():
+        starting.result()
+        return True
+    starting.cancel()
+    await asyncio.gather(starting, return_exceptions=True)
+    return False
+
+
+async def _serve(config: ClusterConfig, api_key: str | None) -> int:
     stop = asyncio.Event()
+    _stop_on_signals(stop)
     cluster = LocalCluster(config, api_key)
     try:
-        port = await cluster.start()
-        # After start: ray.init installs its own SIGTERM handler, which would abort the process.
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            asyncio.get_running_loop().add_signal_handler(signum, stop.set)
+        try:
+            start_ray(config)
+        except SystemExit:  # ray.init's own SIGTERM handler, which it installs for the time it starts Ray
+            stop.set()
+        # Again: ray.init leaves a SIGTERM handler that would abort the process.
+        _stop_on_signals(stop)
+        if stop.is_set() or not await _start_unless_stopped(cluster, stop):
+            print("splitserve: stopped before serving", flush=True)
+            return 0
         ports = cluster.router_ports
         needs_key = api_key is not None or config.router.api_key_env is not None
         print(serving_banner(config, ports, splitserve_command(sys.argv[0], sys.executable), needs_key), flush=True)
@@ -483,6 +511,6 @@ async def _serve(config: ClusterConfig, api_key: str | None) -> int:
         print(f"splitserve: shutting down ({left} requests still in flight are cancelled)", flush=True)
     finally:
         await cluster.stop()
-        if config.ray_address is None and ray.is_initialized():
-            ray.shutdown()
+        if config.ray_address is None:
+            ray.shutdown()  # also the processes of a Ray start that a signal interrupted
     return 0

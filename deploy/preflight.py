@@ -1,6 +1,7 @@
 """What `splitserve serve` checks before Ray starts: every mistake that the config and the files
-it names already show (the model directory, its tokenizer and chat template, TLS files, the API
-key's variable, ports in use), each reported as one line within milliseconds instead of after
+it names already show (the model directory, its tokenizer and chat template, a max_model_len
+longer than its positions, TLS files, the API key's variable, a host that is not this machine's,
+ports in use), each reported as one line within milliseconds instead of after
 Ray, the workers and a model load.
 
 Only the standard library, the router's torch-free tokenizer and common/ are imported here, so
@@ -9,11 +10,12 @@ the checks themselves take milliseconds.
 
 from __future__ import annotations
 
+import importlib.util
 import socket
 from pathlib import Path
 
 from splitserve.common.errors import UnsupportedModelError
-from splitserve.common.model_dir import EMBEDDED_MODELS, check_model_dir
+from splitserve.common.model_dir import EMBEDDED_MODELS, check_model_dir, read_model_config
 from splitserve.deploy.cluster_config import ClusterConfig, RouterConfig
 from splitserve.router.auth import api_key_from_env
 from splitserve.router.tls import load_tls
@@ -31,6 +33,7 @@ def preflight(config: ClusterConfig, api_key: str | None = None) -> None:
     """PreflightError (or UnsupportedModelError, both ValueErrors) for the first problem found;
     `api_key`: the key given on the command line, which makes router.api_key_env unnecessary."""
     check_model(config.model, config.router.chat_template)
+    check_max_model_len(config)
     if config.router.tls is not None:
         load_tls(config.router.tls)
     if api_key is None and config.router.api_key_env is not None:
@@ -51,6 +54,29 @@ def check_model(model: str, chat_template: str | None) -> None:
     RouterTokenizer.from_model_dir(model_dir, template)
 
 
+def check_max_model_len(config: ClusterConfig) -> None:
+    """PreflightError when a serving pool's engine.max_model_len is longer than config.json's
+    max_position_embeddings (the engine refuses it too, but only once Ray and the workers started)."""
+    model_dir = _model_dir(config.model)
+    max_positions = read_model_config(model_dir).get("max_position_embeddings")
+    if not isinstance(max_positions, int):
+        return  # transformers' default for the architecture applies: the engine checks it
+    for role in ("prefill", "decode") if config.mode == "disaggregated" else ("decode",):
+        length = getattr(config, role).engine.max_model_len
+        if length is not None and length > max_positions:
+            raise PreflightError(f"{role}.engine.max_model_len (--max-model-len): {length} exceeds the model's "
+                                 f"max_position_embeddings {max_positions} ({model_dir / 'config.json'})")
+
+
+def _model_dir(model: str) -> Path:
+    """The directory of `model`: an embedded model's is package data of splitserve.engine, found
+    without importing that package (it imports torch)."""
+    if model not in EMBEDDED_MODELS:
+        return Path(model).expanduser()
+    engine_dir = importlib.util.find_spec("splitserve.engine").submodule_search_locations[0]
+    return Path(engine_dir) / "default_models" / model
+
+
 def _compile(template: str) -> None:
     try:
         compile_chat_template(template)
@@ -59,8 +85,12 @@ def _compile(template: str) -> None:
 
 
 def check_ports_free(router: RouterConfig) -> None:
-    """PreflightError for the first fixed router port that another socket holds (port 0 picks a
-    free one when the server starts, so it cannot clash)."""
+    """PreflightError when router.host is no address of this machine (whatever the ports, 0
+    included), else for the first fixed router port that another socket holds (port 0 picks a free
+    one when the server starts, so it cannot clash)."""
+    problem = bind_problem(router.host, 0)
+    if problem is not None:
+        raise PreflightError(f"router.host (--host): cannot listen on {router.host}: {problem}")
     for key, flag in PORT_KEYS:
         port = getattr(router, key)
         if not port:

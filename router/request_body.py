@@ -16,10 +16,13 @@ RequestLimits.max_body_bytes.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import json
 import logging
 import multiprocessing
 import os
+import signal
+import sys
 from collections.abc import Callable, Mapping
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -38,6 +41,8 @@ LARGE_BODY_BYTES = 128 << 10
 """A body of more bytes is decoded in the process: on the loop it would hold the GIL for about
 0.4 ms or more, while the trip to the process and back costs about that much."""
 
+PR_SET_PDEATHSIG = 1
+"""prctl(2) option: the signal the kernel sends this process when its parent ends (Linux)."""
 PARSER_NICENESS = 10
 """The parser process's CPU priority below the router's: where cores are scarce, parsing a large
 body waits for the streams' work, not the other way round."""
@@ -100,7 +105,21 @@ class BodyParser:
     def _start_process() -> ProcessPoolExecutor:
         # spawn, not fork: the router's process runs threads (gRPC, Ray, the tokenizer pool), and a
         # forked child can inherit a lock one of them held and block forever.
-        executor = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"), initializer=os.nice,
-                                       initargs=(PARSER_NICENESS,))
+        executor = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
+                                       initializer=_start_parser_process, initargs=(os.getpid(),))
         executor.submit(int)  # starts the process now, not on the first large body
         return executor
+
+
+def _start_parser_process(router_pid: int) -> None:
+    """In the parser process: below the router's CPU priority, and ended by the kernel when the
+    router's process ends, however it ends (SIGKILL, the OOM killer: it cannot close the pool).
+    The death signal follows the thread that started the process: the router's event loop thread
+    (start_http_server), which lives as long as the router."""
+    os.nice(PARSER_NICENESS)
+    if sys.platform == "linux":
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+        if os.getppid() != router_pid:  # the router ended before the request was in place
+            os._exit(1)

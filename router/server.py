@@ -48,6 +48,20 @@ _SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalt
                     "min_tokens")
 
 
+LARGE_STRUCTURED_OUTPUT_BYTES = 16 << 10
+"""A structured output constraint larger than this (its message's bytes) is checked in a thread:
+llguidance compiles its grammar in about 2 ms per KB (a 780 KB schema: 1.6 s), which on the event
+loop would stall every stream the router serves. (The HTTP API parses such bodies in its body
+parser's process: router/request_body.py.)"""
+
+
+async def sampling_params_of(message: pb.SamplingParams) -> SamplingParams:
+    """sampling_params_from_proto, off the event loop when the structured output is large."""
+    if message.structured_output.ByteSize() > LARGE_STRUCTURED_OUTPUT_BYTES:
+        return await asyncio.to_thread(sampling_params_from_proto, message)
+    return sampling_params_from_proto(message)
+
+
 def sampling_params_from_proto(message: pb.SamplingParams) -> SamplingParams:
     """Unset optional fields keep SamplingParams' defaults; values are validated there."""
     given = {name: getattr(message, name) for name in _SAMPLING_FIELDS if message.HasField(name)}
@@ -140,7 +154,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         if request.model and request.model not in self.model_names:
             raise InvalidRequestError("model", f"unknown model {request.model!r}; this server serves "
                                                f"{self.model_name!r}")
-        params = sampling_params_from_proto(request.sampling)
+        params = await sampling_params_of(request.sampling)
         max_tokens_field = "max_tokens" if request.sampling.HasField("max_tokens") else None
         limits.check_sampling(params, max_tokens_field)
         ttft_slo_s, tpot_slo_s = slo_target(request, "ttft_slo_s"), slo_target(request, "tpot_slo_s")

@@ -238,6 +238,43 @@ def test_serve_command_drains_and_stops_cleanly_on_sigterm(tiny_llama_dir):
             server.kill()
 
 
+@pytest.mark.parametrize("signum", ["SIGTERM", "SIGINT"])
+def test_serve_command_stopped_while_its_workers_start_stops_cleanly(tiny_llama_dir, tmp_path, signum):
+    """A signal while the workers load (Kubernetes stopping a starting pod, Ctrl-C): everything
+    started stops and serve exits 0 with one line. Before, SIGTERM there met Ray's own handler
+    (an abort with a native stack trace) and SIGINT a Python traceback."""
+    import shutil
+    import signal
+    import sys
+    import time
+
+    model = shutil.copytree(tiny_llama_dir, tmp_path / "model")
+    os.mkfifo(model / "zz-never-written.safetensors")  # its load blocks in open(): the workers never finish starting
+    command = [sys.executable, "-m", "splitserve.deploy.cli", "serve", "--model", str(model), "--grpc-port", "0",
+               "--metrics-port", "0", "--http-port", "0", "--set", "prefill.resources.num_cpus=0.5", "--set",
+               "decode.resources.num_cpus=0.5"]
+    with open(tmp_path / "stderr", "w") as stderr:
+        server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not any(process.startswith(("ray::PrefillWorker", "ray::DecodeWorker"))
+                      for process in _living(_descendants(server.pid)).values()):
+            assert server.poll() is None and time.monotonic() < deadline, "no worker started"
+            time.sleep(0.1)
+        children = _descendants(server.pid) - {server.pid}
+        server.send_signal(getattr(signal, signum))
+        assert server.wait(timeout=60) == 0
+        assert server.stdout.read().splitlines()[-1] == "splitserve: stopped before serving"
+        assert not [line for line in (tmp_path / "stderr").read_text().splitlines()
+                    if "Traceback" in line or "SIGTERM received" in line]
+        deadline = time.monotonic() + 15
+        while (alive := _living(children)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not alive, f"processes outlived serve: {alive}"
+    finally:
+        if server.poll() is None:
+            server.kill()
+
 
 def test_layerwise_transfer_matches_hf_1p1d(tiny_llama_dir):
     """kv_transfer_layerwise over NIXL: the router relays each prefill's TransferParams and layers (a

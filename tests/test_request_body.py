@@ -9,6 +9,11 @@ import json
 import os
 import pickle
 import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
 import pytest
 
 from splitserve.common.errors import InvalidRequestError
@@ -113,3 +118,39 @@ def test_a_dead_parser_process_is_replaced_and_the_body_still_parsed():
             parse_completion_request(COMPLETION, LIMITS)
     finally:
         parser.close()
+
+
+_KILLED_ROUTER = f"""
+import asyncio
+from splitserve.router.request_body import BodyParser
+from tests.factories import make_request_limits
+from tests.process_probe import process_id
+parser = BodyParser(make_request_limits())
+print(asyncio.run(parser.parse(process_id, b"{{}}" + b" " * {LARGE_BODY_BYTES})), flush=True)
+input()
+"""
+
+
+def test_the_parser_process_ends_with_a_router_that_is_killed():
+    """A router's process killed outright (SIGKILL, the OOM killer) cannot close its parser: before,
+    the parser process (and multiprocessing's resource tracker, which waits on it) lived on."""
+    router = subprocess.Popen([sys.executable, "-c", _KILLED_ROUTER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True, cwd=Path(__file__).parents[1])
+    try:
+        parser_pid = int(router.stdout.readline())
+    finally:
+        router.kill()
+        router.wait(timeout=10)
+    deadline = time.monotonic() + 10
+    while _running(parser_pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _running(parser_pid)
+
+
+def _running(pid: int) -> bool:
+    """Whether pid runs (a zombie, exited and waiting for PID 1 to reap it, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

@@ -27,7 +27,7 @@ from splitserve.router.policy import RoutingConfig
 from splitserve.router.request_limits import RequestLimits, prompt_bytes_bound
 from splitserve.router.tokenizer import RouterTokenizer
 from splitserve.router.tokenizer_pool import INLINE_MAX_CHARS, TokenizerPool
-from tests.factories import ServedApis, http_request, make_request_limits, served_apis
+from tests.factories import ServedApis, http_request, make_request_limits, served_apis, stream_tokens
 
 MODEL = "tiny-llama"
 MAX_MODEL_LEN = 2048
@@ -427,3 +427,34 @@ def test_a_full_tokenization_pool_refuses_and_a_cancelled_job_frees_its_place(ti
     assert rejections == ["tokenizer_busy"]
     assert (inline, running, again) == (tuple(real_encode("hi")), tuple(real_encode("the r")),
                                         tuple(real_encode("the r")))
+
+
+@pytest.mark.parametrize(("values", "on_loop"), [(3000, [False]), (3, [True])])
+def test_a_large_grpc_structured_output_is_checked_off_the_event_loop(served, monkeypatch, values, on_loop):
+    """llguidance compiles a grammar in about 2 ms per KB: a schema over
+    LARGE_STRUCTURED_OUTPUT_BYTES (3000 enum values: 62 KB) is checked in a thread, a small one on
+    the loop. Before, every gRPC schema was checked on the router's event loop (a 780 KB one held
+    it 1.6 s, and every stream with it); the HTTP API parses such bodies in its parser's process."""
+    from splitserve.router import structured_output
+
+    checked_on_loop, check_grammar = [], structured_output.check_grammar
+
+    def check(constraint):
+        checked_on_loop.append(_has_running_loop())
+        check_grammar(constraint)
+
+    monkeypatch.setattr(structured_output, "check_grammar", check)
+    schema = {"enum": [f"value number {i}" for i in range(values)]}
+    request = pb.GenerateRequest(text=PROMPT.encode(), sampling=pb.SamplingParams(
+        max_tokens=2, structured_output=pb.StructuredOutput(json_schema=json.dumps(schema))))
+    _, text, _ = stream_tokens(served.grpc_port, request)
+    assert checked_on_loop == on_loop
+    assert text == '"v'  # max_tokens 2: the request was served under its schema
+
+
+def _has_running_loop() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True

@@ -232,6 +232,29 @@ def test_ports_in_use_are_named():
                               f"router.{key} ({flag}): cannot listen on 127.0.0.1:{port}: Address already in use")
 
 
+def test_a_max_model_len_longer_than_the_models_positions_is_named(tiny_llama_dir):
+    """Before, the workers refused it, once Ray had started and the model had loaded (exit 1)."""
+    positions = json.loads((tiny_llama_dir / "config.json").read_text())["max_position_embeddings"]
+    assert_fails_fast([str(tiny_llama_dir), "--max-model-len", str(positions + 1)],
+                      f"prefill.engine.max_model_len (--max-model-len): {positions + 1} exceeds the model's "
+                      f"max_position_embeddings {positions} ({tiny_llama_dir / 'config.json'})")
+    assert_fails_fast([str(tiny_llama_dir), "--mode", "colocated", "--set",
+                       f"decode.engine.max_model_len={positions + 1}"],
+                      f"decode.engine.max_model_len (--max-model-len): {positions + 1} exceeds the model's "
+                      f"max_position_embeddings {positions} ({tiny_llama_dir / 'config.json'})")
+    outcome, _ = run_serve(str(tiny_llama_dir), "--max-model-len", str(positions), "--port", "0", "--grpc-port", "0",
+                           "--metrics-port", "0")
+    assert outcome["code"] == 0 and outcome["launched"] == [str(tiny_llama_dir)]
+
+
+def test_a_host_that_is_not_this_machines_is_named_even_with_every_port_picked():
+    """192.0.2.1 is a documentation address (RFC 5737), never a local one. Before, the first fixed
+    port took the blame (`router.grpc_port (--grpc-port): cannot listen on ...`), and with every
+    port 0 nothing was checked: the servers failed to bind after Ray and the workers had started."""
+    assert_fails_fast(["default", "--host", "192.0.2.1", "--port", "0", "--grpc-port", "0", "--metrics-port", "0"],
+                      "router.host (--host): cannot listen on 192.0.2.1: Cannot assign requested address")
+
+
 def test_tls_files_missing_or_not_pem(tmp_path):
     assert_fails_fast(["default", "--ssl-certfile", str(tmp_path / "no.pem"), "--ssl-keyfile", str(tmp_path)],
                       f"router.tls.cert_file: must name an existing file, got '{tmp_path / 'no.pem'}'")
@@ -255,6 +278,18 @@ def test_bad_config_files(tmp_path):
     assert_fails_fast(["--config", str(tmp_path / "none.yaml")],
                       f"--config '{tmp_path / 'none.yaml'}': no such file, and not a packaged config (packaged: "
                       "local)")
+
+
+@pytest.mark.parametrize("key", ["", "\t"])
+def test_an_empty_api_key_is_refused(key):
+    """`--api-key "$KEY"` with KEY unset: before, the server started without auth (an empty key
+    turns the check off) while its banner asked for the key."""
+    done = subprocess.run([sys.executable, "-c", _PROBE, "serve", "default", "--api-key", key], capture_output=True,
+                          text=True, timeout=60)  # the launcher stubbed out: before, the probe reached it
+    assert done.returncode == 2
+    assert done.stderr.splitlines() == [
+        f"splitserve serve: error: argument --api-key: must not be empty, got {key!r}: an empty key would leave the "
+        "server open (leave --api-key out to serve without a key) (see splitserve serve --help)"]
 
 
 def test_api_key_variable_unset(monkeypatch):

@@ -5,6 +5,7 @@ through the engine with the default model, every output parsed and validated wit
 from __future__ import annotations
 
 import json
+import logging
 import pickle
 import re
 
@@ -27,6 +28,8 @@ from splitserve.router.structured_output import parse_structured_output
 PROMPT = "def main():\n"
 REGEX = r"[a-z]{3,8}@example\.com"
 CHOICES = ["yes", "no", "maybe"]
+INEXACT = ("(numbers must be finite integers within +-2**53, or decimals of at most 14 significant digits and 20 "
+           "after the point)")
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +61,20 @@ def generate(llm: LLM, constraints: list[StructuredOutput], temperature: float =
     ({"type": {"a": 1}}, "json_schema: unsupported type {'a': 1} at /type"),
     ({"properties": {"a": [1]}}, "json_schema: unsupported subschema of type list (must be an object or a boolean) "
                                  "at /properties/a"),
+    # numbers the grammar engine would round (it wrote const 2**53 + 1 as 2**53, and 123456789.12345679
+    # as 123456789.1234568), or cannot hold
+    ({"const": 2 ** 53 + 1}, f"json_schema: unsupported number 9007199254740993 {INEXACT} at /const"),
+    ({"type": "integer", "minimum": -(2 ** 53) - 1},
+     f"json_schema: unsupported number -9007199254740993 {INEXACT} at /minimum"),
+    ({"enum": ["a", {"b": [1, 123456789.12345679]}]},
+     f"json_schema: unsupported number 123456789.12345679 {INEXACT} at /enum/1/b/1"),
+    ({"type": "number", "exclusiveMaximum": 1.5e-21},
+     f"json_schema: unsupported number 1.5e-21 {INEXACT} at /exclusiveMaximum"),
+    ({"type": "number", "maximum": float("inf")}, f"json_schema: unsupported number inf {INEXACT} at /maximum"),
+    # property names as JSON pointer tokens: "a/b" was written as two (/properties/a/b/type)
+    ({"properties": {"a/b": {"type": "strin"}}}, "json_schema: unsupported type 'strin' at /properties/a~1b/type"),
+    ({"$defs": {"~x": {"const": {"p/q": 2 ** 60}}}},
+     f"json_schema: unsupported number 1152921504606846976 {INEXACT} at /$defs/~0x/const/p~1q"),
 ])
 def test_a_schema_outside_the_subset_is_refused_naming_the_construct(schema, message):
     with pytest.raises(InvalidRequestError) as caught:
@@ -85,9 +102,9 @@ def test_regex_grammar_is_llguidances_own(regex):
     assert ours == theirs
 
 
-def test_choice_grammar_is_llguidances_own():
+def test_choice_grammar_is_one_terminal():
     ours = json.loads(StructuredOutput.choice(["a", 'b"c']).grammar())["grammars"][0]["lark_grammar"]
-    assert ours == llguidance.grammar_from("choice", json.dumps(["a", 'b"c']))
+    assert ours == 'start: CHOICE\nCHOICE: "a" | "b\\"c"'
 
 
 def test_objects_listing_properties_are_closed_unless_the_schema_says_otherwise():
@@ -191,6 +208,25 @@ def test_choice_and_regex_outputs_greedy(llm):
     assert re.fullmatch(REGEX, regex.text)
 
 
+def test_thousands_of_choices_sharing_a_prefix(llm):
+    """3000 choices: as parser alternatives (llguidance's own choice grammar) the parser overflowed
+    once the shared prefix was sampled and every request ended by "abort" after one token."""
+    choices = [f"option{i}" for i in range(3000)]
+    outputs = generate(llm, [StructuredOutput.choice(choices)] * 6, temperature=1.0)
+    assert {o.finish_reason for o in outputs} == {"stop"}
+    assert {o.text for o in outputs} <= set(choices)
+
+
+def test_numbers_at_the_exactness_limits_are_written_exactly(llm):
+    """enum numbers at the limits the schema check allows come out exactly (before the check,
+    2**53 + 1 came out as 2**53: a value outside the enum)."""
+    values = [2 ** 53, -(2 ** 53), 1234567.8901234, 1.2e-19, 1e21]
+    schema = {"enum": values}
+    outputs = generate(llm, [StructuredOutput.json_schema(schema)] * 10, temperature=1.0, max_tokens=400)
+    assert {o.finish_reason for o in outputs} == {"stop"}
+    assert {json.loads(o.text) for o in outputs} <= set(values) and len({o.text for o in outputs}) > 1
+
+
 def test_sampled_choices_are_always_one_of_them(llm):
     outputs = generate(llm, [StructuredOutput.choice(CHOICES)] * 24, temperature=1.5)
     assert {o.text for o in outputs} <= set(CHOICES) and len({o.text for o in outputs}) > 1
@@ -241,6 +277,22 @@ def test_an_invalid_grammar_is_refused_by_the_engine(llm):
     constraint = StructuredOutput(StructuredOutputKind.REGEX, "a(")
     with pytest.raises(InvalidRequestError, match="regex: .*unclosed group"):
         llm.engine.validate("r", [1, 2], SamplingParams(structured_output=constraint))
+
+
+def test_a_grammar_the_parser_outgrows_is_logged_in_one_bounded_line(llm, caplog):
+    """600 optional properties: after "{" the parser's row holds 2399 items, past llguidance's 2000,
+    and the request's matcher fails. The warning quotes llguidance's error without the parser state
+    and the whole grammar (the client's schema: 18,000 characters here), and bounded."""
+    schema = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(600)},
+              "additionalProperties": False}
+    brace = llm.engine.tokenizer.encode("{", add_special_tokens=False).ids
+    llm.engine.grammars.add("wide", StructuredOutput.json_schema(schema), [])
+    with caplog.at_level(logging.WARNING, logger="splitserve.engine.structured_output.matchers"):
+        assert llm.engine.grammars.accept("wide", brace[0]) == GrammarState.REJECTED
+    llm.engine.grammars.remove("wide")
+    assert [record.getMessage() for record in caplog.records] == [
+        f'[wide] token {brace[0]} rejected by its grammar: "Parser Error: Current row has 2399 items; max is 2000; '
+        "consider making your grammar left-recursive if it's right-recursive\\n<non-verbose/>\""]
 
 
 def test_compiled_grammars_are_cached_and_matchers_roll_back(llm):

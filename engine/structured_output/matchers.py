@@ -20,6 +20,7 @@ import llguidance
 import torch
 
 from splitserve.common.errors import InvalidRequestError
+from splitserve.common.log_escape import quote_for_log
 from splitserve.common.structured_output import StructuredOutput
 from splitserve.engine.structured_output.bitmask import TokenBitmask, num_words
 
@@ -27,6 +28,9 @@ logger = logging.getLogger(__name__)
 
 MAX_CACHED_GRAMMARS = 256
 """Compiled grammars kept for reuse (least recently used dropped first)."""
+PARSER_LIMITS = llguidance.LLParserLimits(verbose_errors=False)
+"""llguidance's default limits, with errors that say what failed without the parser state and the
+whole grammar (the client's schema, thousands of characters) appended."""
 MIN_ROWS_FOR_THREAD = 8
 """Fewer constrained rows than this are filled inline: their fill (about 10 us a row) is shorter
 than handing it to another thread."""
@@ -59,7 +63,7 @@ class GrammarCache:
         grammar = constraint.grammar()
         compiled = self._compiled.get(grammar)
         if compiled is None:
-            compiled = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
+            compiled = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0, limits=PARSER_LIMITS)
             if compiled.is_error():
                 raise InvalidRequestError(constraint.kind.value, " ".join(compiled.get_error().split()))  # one line
             self._compiled[grammar] = compiled
@@ -143,7 +147,9 @@ class GrammarMatchers:
         if matcher is None:
             return GrammarState.OPEN
         if not matcher.consume_token(token_id):
-            logger.warning("[%s] token %d rejected by its grammar: %s", request_id, token_id, matcher.get_error())
+            # The error may quote the client's grammar: bounded.
+            logger.warning("[%s] token %d rejected by its grammar: %s", request_id, token_id,
+                           quote_for_log(matcher.get_error()))
             return GrammarState.REJECTED
         return GrammarState.COMPLETE if matcher.is_stopped() else GrammarState.OPEN
 
