@@ -1,5 +1,6 @@
 """A request body, bytes in, parsed request out: JSON decoding and the API's field parser, small
-bodies on the event loop, large ones in a separate process.
+bodies on the event loop, large ones (and middling ones that may carry a grammar to compile) in a
+separate process.
 
 Why a process: `json.loads` holds the GIL for the whole body (about 3 ms per MB here), and so does
 the parser's size check of each prompt, so in a thread it stalls the event loop just as long. A
@@ -29,6 +30,7 @@ from concurrent.futures.process import BrokenProcessPool
 from typing import Any, TypeVar
 
 from splitserve.router.request_limits import RequestLimits
+from splitserve.router.structured_output import STRUCTURED_OUTPUT_FIELDS
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +42,13 @@ so the process can be told which one by name."""
 LARGE_BODY_BYTES = 128 << 10
 """A body of more bytes is decoded in the process: on the loop it would hold the GIL for about
 0.4 ms or more, while the trip to the process and back costs about that much."""
+LARGE_GRAMMAR_BODY_BYTES = 16 << 10
+"""A body of more bytes that may carry a grammar goes to the process too: parsing checks a
+structured output constraint (or the grammar a forced tool choice implies) by compiling it with
+llguidance, about 2 ms per KB of schema, so 128 KiB of schema would hold the loop ~0.25 s."""
+GRAMMAR_FIELD_NAMES = tuple(f'"{name}"'.encode() for name in (*STRUCTURED_OUTPUT_FIELDS, "tools"))
+"""A body that names none of these fields (as JSON keys, quoted) asks for no grammar. The test is
+on the raw bytes, before decoding, so a prompt that quotes one of them only costs the trip."""
 
 PR_SET_PDEATHSIG = 1
 """prctl(2) option: the signal the kernel sends this process when its parent ends (Linux)."""
@@ -82,7 +91,7 @@ class BodyParser:
     async def parse(self, parse: Parse[T], body: bytes) -> T:
         """The parsed request; MalformedBodyError or InvalidRequestError when it is not one.
         Cancelling the await (the client went away) lets a running parse end in its process."""
-        if len(body) <= self._large_body_bytes:
+        if not self._is_costly(body):
             return parse_body(parse, body, self.limits)
         executor = self._executor
         try:
@@ -96,6 +105,12 @@ class BodyParser:
                 executor.shutdown(wait=False, cancel_futures=True)
                 self._executor = self._start_process()
             return parse_body(parse, body, self.limits)
+
+    def _is_costly(self, body: bytes) -> bool:
+        """Whether parsing `body` could hold the loop long enough to be worth the process's trip."""
+        if len(body) > self._large_body_bytes:
+            return True
+        return len(body) > LARGE_GRAMMAR_BODY_BYTES and any(name in body for name in GRAMMAR_FIELD_NAMES)
 
     def close(self) -> None:
         """Drop queued bodies and end the process once its current one is parsed."""
