@@ -50,6 +50,9 @@ RESPONSES_REFUSED = (
     Refused("moderation", (), "no moderation"),
     Refused("access_programs", (), "not implemented"),
     Refused("image", (), "text models only"),
+    # vLLM's extensions of its own Responses endpoint
+    Refused("previous_input_messages", (), _NOT_STORED),
+    Refused("enable_response_messages", (False,), "not implemented"),
 )
 """Responses fields that ask for behaviour this server does not have unless left at their default."""
 RESPONSES_HANDLED = frozenset({
@@ -61,9 +64,14 @@ RESPONSES_HANDLED = frozenset({
 })
 """The OpenAI Responses fields this endpoint implements (with PASSED_TO_CHAT's vLLM extensions)."""
 PASSED_TO_CHAT = ("model", "temperature", "top_p", "parallel_tool_calls", "stream", "user",
-                  # vLLM's sampling extensions, which its Responses endpoint also takes
+                  # vLLM's extensions that its Responses endpoint also takes: the chat parser implements
+                  # them, or refuses them as it does on the chat endpoint
                   "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed", "stop",
-                  "stop_token_ids", "min_tokens", "ignore_eos", "skip_special_tokens", "request_id")
+                  "stop_token_ids", "min_tokens", "ignore_eos", "skip_special_tokens", "request_id", "session_id",
+                  "structured_outputs", "chat_template_kwargs", "logit_bias", "include_reasoning",
+                  "include_stop_str_in_output", "watermarking", "priority", "cache_salt", "vllm_xargs",
+                  "kv_transfer_params", "ec_transfer_params", "media_io_kwargs", "mm_processor_kwargs", "mm_payload",
+                  "return_mm_kwargs")
 """Fields the chat request takes under the same name and meaning."""
 _INPUT_ROLES = ("user", "system", "developer", "assistant")
 """A message item's roles: each is the chat message's role as it is (the chat endpoint hands a

@@ -23,8 +23,9 @@ from splitserve.router.api_types import RouterError, StreamChunk
 from splitserve.router.fanout import IndexedChunk
 from splitserve.router.openai_protocol import ResponseHeader, parse_chat_request
 from splitserve.router.openai_server import _response_events
-from splitserve.router.responses_protocol import (RESPONSES_HANDLED, RESPONSES_REFUSED, ResponsesRenderer,
-                                                  parse_responses_request)
+from splitserve.router.openai_fields import CHAT_HANDLED, CHAT_REFUSED
+from splitserve.router.responses_protocol import (PASSED_TO_CHAT, RESPONSES_HANDLED, RESPONSES_REFUSED,
+                                                  ResponsesRenderer, parse_responses_request)
 from splitserve.router.tokenizer import RouterTokenizer
 from splitserve.testing.tiny_models import TOOLS_CHAT_TEMPLATE
 from tests.factories import http_request, make_request_limits, served_apis
@@ -108,6 +109,9 @@ _NOT_STORED = "is not supported by this server: responses are not stored (send t
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format",
      'json_schema must be an object with a "schema", got {"name": "x"}'),
     ({"temperature": -1}, "temperature", "must be a finite number >= 0, got -1"),
+    ({"logit_bias": {"1": 2}}, "logit_bias", 'is not supported by this server: not implemented (got {"1": 2})'),
+    ({"structured_outputs": {"regex": "a"}, "text": {"format": {"type": "json_object"}}}, "structured_outputs",
+     "only one structured output field may be set, got response_format, structured_outputs"),
 ])
 def test_bad_requests_are_refused_naming_the_responses_field(fields, field, message):
     with pytest.raises(InvalidRequestError) as error:
@@ -115,10 +119,25 @@ def test_bad_requests_are_refused_naming_the_responses_field(fields, field, mess
     assert (error.value.field, error.value.message) == (field, message)
 
 
-def test_every_field_of_the_openai_sdks_request_is_handled_or_refused():
-    fields = set(typing.get_type_hints(response_create_params.ResponseCreateParamsStreaming))
+VLLM_RESPONSES_FIELDS = {
+    "background", "include", "input", "instructions", "max_output_tokens", "max_tool_calls", "metadata", "model",
+    "logit_bias", "parallel_tool_calls", "previous_response_id", "prompt", "reasoning", "include_reasoning",
+    "service_tier", "store", "stream", "temperature", "text", "tool_choice", "tools", "top_logprobs", "top_p", "top_k",
+    "min_p", "truncation", "user", "skip_special_tokens", "include_stop_str_in_output", "presence_penalty",
+    "frequency_penalty", "prompt_cache_key", "watermarking", "request_id", "session_id", "media_io_kwargs",
+    "mm_processor_kwargs", "priority", "mm_payload", "return_mm_kwargs", "cache_salt", "enable_response_messages",
+    "previous_input_messages", "structured_outputs", "repetition_penalty", "seed", "stop", "stop_token_ids",
+    "ignore_eos", "vllm_xargs", "kv_transfer_params", "ec_transfer_params", "chat_template_kwargs"}
+"""The fields of vLLM 0.32's ResponsesRequest (vllm/entrypoints/openai/responses/protocol.py)."""
+
+
+def test_every_field_of_the_openai_sdks_and_vllms_requests_is_handled_or_refused():
+    """Each is this endpoint's, refused here, or passed to the chat parser, which implements or refuses it."""
+    fields = set(typing.get_type_hints(response_create_params.ResponseCreateParamsStreaming)) | VLLM_RESPONSES_FIELDS
     handled, refused = set(RESPONSES_HANDLED), {rule.name for rule in RESPONSES_REFUSED}
-    assert (fields - handled - refused, handled & refused) == (set(), set())
+    passed = set(PASSED_TO_CHAT)
+    chat_known = CHAT_HANDLED | {rule.name for rule in CHAT_REFUSED}
+    assert (fields - handled - refused - passed, handled & refused, passed - chat_known) == (set(), set(), set())
 
 
 def test_default_valued_fields_that_clients_send_are_accepted():
