@@ -1,6 +1,6 @@
-"""The router's OpenAI-compatible HTTP front: /v1/completions, /v1/chat/completions (JSON or
-server-sent events), /v1/models, vLLM's /tokenize, /detokenize and /version, /health, and
-optionally /metrics.
+"""The router's OpenAI-compatible HTTP front: /v1/completions, /v1/chat/completions and
+/v1/responses (JSON or server-sent events), /v1/models, vLLM's /tokenize, /detokenize and
+/version, /health, and optionally /metrics.
 
 A Starlette app served by uvicorn on the router's event loop, beside the gRPC server and over
 the same Orchestrator. Errors use the OpenAI error object with an HTTP status per cause:
@@ -52,6 +52,7 @@ from splitserve.router.api_types import GenerationInput, RouterError, Usage
 from splitserve.router.fanout import FanOut, IndexedChunk, best_of, by_choice, merged_usage, sequence_inputs
 from splitserve.router.orchestrator import Orchestrator
 from splitserve.router.request_body import BodyParser, MalformedBodyError, Parse
+from splitserve.router.responses_protocol import ResponsesRenderer, ResponsesRequest, parse_responses_request
 from splitserve.router.tls import TlsConfig, load_tls
 from splitserve.router.tokenizer_pool import TokenizerPool
 from splitserve.router.tool_parsers import ToolOutput
@@ -139,7 +140,7 @@ class _Job:
     """Sequences generated per prompt (best_of)."""
     n: int
     """Choices returned per prompt: the best n of its sequences when fewer than num_sequences."""
-    renderer: CompletionRenderer | ChatRenderer
+    renderer: CompletionRenderer | ChatRenderer | ResponsesRenderer
     stream: bool
 
     def response(self, chunks: list[IndexedChunk]) -> dict:
@@ -148,6 +149,12 @@ class _Job:
         usage = merged_usage([sequence[-1].usage for sequence in sequences], self.num_sequences)
         choices = sequences if self.n == self.num_sequences else best_of(sequences, self.n, self.num_sequences)
         return self.renderer.response(choices, usage)
+
+    def events(self, first: IndexedChunk, stream: AsyncGenerator[IndexedChunk, None]) -> AsyncGenerator[bytes, None]:
+        """The streamed response's SSE body: Responses API events, or chat / completion chunks."""
+        if isinstance(self.renderer, ResponsesRenderer):
+            return _response_events(first, stream, self.renderer)
+        return _events(first, stream, self)
 
 
 class OpenAIServing:
@@ -177,6 +184,9 @@ class OpenAIServing:
 
     async def chat_completions(self, request: Request) -> Response:
         return await self._serve(request, parse_chat_request, self._chat_job)
+
+    async def responses(self, request: Request) -> Response:
+        return await self._serve(request, parse_responses_request, self._responses_job)
 
     async def models(self, request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [self._model_card()]})
@@ -272,7 +282,7 @@ class OpenAIServing:
         except BaseException:
             await stream.aclose()
             raise
-        return _EventStream(_events(first, stream, job))
+        return _EventStream(job.events(first, stream))
 
     async def _completion_job(self, parsed: CompletionRequest) -> _Job:
         self._check_model(parsed.model)
@@ -290,19 +300,32 @@ class OpenAIServing:
         return _Job(inputs, parsed.best_of, parsed.n, renderer, parsed.stream)
 
     async def _chat_job(self, parsed: ChatCompletionRequest) -> _Job:
+        request_id, inputs, tool_output = await self._chat_inputs(parsed, "messages")
+        renderer = ChatRenderer(self._header("chatcmpl", request_id), self._token_text(parsed.tokens_as_ids),
+                                self.tokenizers.tokenizer.token_bytes, parsed.include_usage,
+                                parsed.sampling.logprobs is not None,
+                                _prompt_lengths(inputs) if parsed.continuous_usage else None, tool_output)
+        return _Job(inputs, parsed.n, parsed.n, renderer, parsed.stream)
+
+    async def _responses_job(self, parsed: ResponsesRequest) -> _Job:
+        request_id, inputs, tool_output = await self._chat_inputs(parsed.chat, "input")
+        header = ResponseHeader(f"resp_{request_id}", int(time.time()), self.model_name, self.system_fingerprint)
+        renderer = ResponsesRenderer(header, parsed.chat, parsed.settings, tool_output)
+        return _Job(inputs, 1, 1, renderer, parsed.chat.stream)
+
+    async def _chat_inputs(self, parsed: ChatCompletionRequest,
+                           prompt_param: str) -> tuple[str, tuple[GenerationInput, ...], ToolOutput | None]:
+        """(request id, inputs, how the output is read) of a chat; `prompt_param`: the field its
+        messages came from, named by a prompt that does not fit."""
         self._check_model(parsed.model)
         tool_output = None if parsed.tool_calling is None else ToolOutput.for_request(parsed.tool_calling,
                                                                                       self.tool_call_parser)
         messages = [m.template_message() for m in parsed.messages]
         token_ids = await self.tokenizers.apply_chat_template(messages, parsed.add_generation_prompt, parsed.template)
         sampling = parsed.sampling if tool_output is None else tool_output.sampling(parsed.sampling)
-        request_id, inputs = self._inputs([token_ids], sampling, parsed.max_tokens_param, "messages",
+        request_id, inputs = self._inputs([token_ids], sampling, parsed.max_tokens_param, prompt_param,
                                           parsed.request_id, parsed.n)
-        renderer = ChatRenderer(self._header("chatcmpl", request_id), self._token_text(parsed.tokens_as_ids),
-                                self.tokenizers.tokenizer.token_bytes, parsed.include_usage,
-                                parsed.sampling.logprobs is not None,
-                                _prompt_lengths(inputs) if parsed.continuous_usage else None, tool_output)
-        return _Job(inputs, parsed.n, parsed.n, renderer, parsed.stream)
+        return request_id, inputs, tool_output
 
     def _prompt_text(self, prompt: str | tuple[int, ...]) -> str:
         """What echo repeats: a text prompt as sent, token ids as their text (special tokens kept)."""
@@ -431,6 +454,30 @@ async def _events(first: IndexedChunk, stream: AsyncGenerator[IndexedChunk, None
     yield _DONE
 
 
+def _named_sse(event: dict) -> bytes:
+    """A Responses API event: its type as the SSE event name (OpenAI's framing)."""
+    return f"event: {event['type']}\n".encode() + _sse(event)
+
+
+async def _response_events(first: IndexedChunk, stream: AsyncGenerator[IndexedChunk, None],
+                           renderer: ResponsesRenderer) -> AsyncGenerator[bytes, None]:
+    """The Responses API's SSE body: the response's opening events, its chunks' events (the last
+    ends with response.completed), or an error event if the request fails mid-stream. No [DONE]
+    (OpenAI sends none here). Closing it closes the request's stream."""
+    try:
+        for event in renderer.opening_events() + renderer.stream_events(first.chunk):
+            yield _named_sse(event)
+        async for item in stream:
+            for event in renderer.stream_events(item.chunk):
+                yield _named_sse(event)
+    except Exception as error:
+        api_error = ApiError.of(error)
+        yield _named_sse({"type": "error", "code": api_error.code, "message": api_error.message,
+                          "param": api_error.param, "sequence_number": renderer.next_sequence_number})
+    finally:
+        await stream.aclose()
+
+
 class _EventStream(StreamingResponse):
     """text/event-stream whose body is always closed, however the response ends: on a client
     disconnect Starlette cancels the sending loop, which would otherwise leave the body (and the
@@ -466,7 +513,7 @@ class _AsgiRoute:
         await self.app(scope, receive, send)
 
 
-GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses"})
 ADMISSION_SCOPE_KEY = "splitserve.admission"
 """The ASGI scope key under which _AdmissionGate hands an admitted request's slot to its handler."""
 
@@ -533,6 +580,7 @@ def build_app(serving: OpenAIServing, metrics_app: ASGIApp | None = None, api_ke
     preflight is answered before the API-key check and even a 401 or 429 carries the CORS headers."""
     routes = [Route("/v1/completions", serving.completions, methods=["POST"]),
               Route("/v1/chat/completions", serving.chat_completions, methods=["POST"]),
+              Route("/v1/responses", serving.responses, methods=["POST"]),
               Route("/v1/models", serving.models, methods=["GET"]),
               Route("/v1/models/{model:path}", serving.model, methods=["GET"]),
               Route("/tokenize", serving.tokenize, methods=["POST"]),

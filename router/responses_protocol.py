@@ -1,0 +1,472 @@
+"""The OpenAI Responses API's wire format (POST /v1/responses), over the chat path.
+
+A request is translated into the chat request that asks for the same generation (instructions
+first as a system message, input items as chat messages, Responses' flat function tools in the
+chat's nesting, text.format as response_format, max_output_tokens as max_completion_tokens) and
+parsed by the chat endpoint's parser, so both endpoints validate, template, constrain and call
+tools alike; an InvalidRequestError it raises is renamed to the Responses field it came from.
+Fields that ask for what this server does not have (stored responses, background mode,
+reasoning, built-in tools, extra output data) are refused with a 400 naming them.
+
+A response's output is its text read through the chat's tool call parser (router/tool_parsers.py):
+a `message` item for the content and a `function_call` item per call. The streamed events and
+the non-streamed response come from one ResponsesRenderer fed the same chunks, so a stream
+accumulates to the response. This module is the HTTP edge: JSON dicts exist only here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from splitserve.common.errors import InvalidRequestError, json_excerpt
+from splitserve.router.api_types import StreamChunk, Usage
+from splitserve.router.openai_fields import Refused, refuse_unsupported
+from splitserve.router.openai_protocol import ChatCompletionRequest, ResponseHeader, parse_chat_request
+from splitserve.router.request_limits import RequestLimits
+from splitserve.router.tool_calling import ToolChoice
+from splitserve.router.tool_parsers import OutputDelta, OutputParser, ToolCallDelta, ToolOutput
+
+_NOT_STORED = "responses are not stored (send the whole conversation as input)"
+RESPONSES_REFUSED = (
+    Refused("previous_response_id", (), _NOT_STORED),
+    Refused("conversation", (), _NOT_STORED),
+    Refused("store", (False,), f"{_NOT_STORED}; send store false or leave it out"),
+    Refused("background", (False,), "no background mode (responses are not stored)"),
+    Refused("prompt", (), "stored prompt templates are not implemented"),
+    Refused("reasoning", ({},), "no reasoning parser"),
+    Refused("include", ([],), "no extra output data (logprobs, reasoning, tool sources) is implemented"),
+    Refused("top_logprobs", (0,), "logprobs are not implemented on this endpoint"),
+    Refused("truncation", ("disabled",), "a conversation longer than the context is refused, never truncated"),
+    Refused("max_tool_calls", (), "not implemented"),
+    Refused("service_tier", ("auto", "default"), "one service tier"),
+    Refused("stream_options", ({}, {"include_obfuscation": False}), "stream obfuscation is not implemented"),
+    Refused("background_options", (), "no background mode (responses are not stored)"),
+    Refused("context_management", ([],), "no context compaction"),
+    Refused("moderation", (), "no moderation"),
+    Refused("access_programs", (), "not implemented"),
+    Refused("image", (), "text models only"),
+    # vLLM's extensions of its own Responses endpoint
+    Refused("previous_input_messages", (), _NOT_STORED),
+    Refused("enable_response_messages", (False,), "not implemented"),
+)
+"""Responses fields that ask for behaviour this server does not have unless left at their default."""
+RESPONSES_HANDLED = frozenset({
+    "model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "tools", "tool_choice",
+    "parallel_tool_calls", "text", "stream", "metadata",
+    # No effect on the output, by definition: end-user ids for abuse monitoring, and prompt caching
+    # hints (the prefix cache is automatic).
+    "user", "safety_identifier", "prompt_cache_key", "prompt_cache_retention", "prompt_cache_options",
+})
+"""The OpenAI Responses fields this endpoint implements (with PASSED_TO_CHAT's vLLM extensions)."""
+PASSED_TO_CHAT = ("model", "temperature", "top_p", "parallel_tool_calls", "stream", "user",
+                  # vLLM's extensions that its Responses endpoint also takes: the chat parser implements
+                  # them, or refuses them as it does on the chat endpoint
+                  "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed", "stop",
+                  "stop_token_ids", "min_tokens", "ignore_eos", "skip_special_tokens", "request_id", "session_id",
+                  "structured_outputs", "chat_template_kwargs", "logit_bias", "include_reasoning",
+                  "include_stop_str_in_output", "watermarking", "priority", "cache_salt", "vllm_xargs",
+                  "kv_transfer_params", "ec_transfer_params", "media_io_kwargs", "mm_processor_kwargs", "mm_payload",
+                  "return_mm_kwargs")
+"""Fields the chat request takes under the same name and meaning."""
+_INPUT_ROLES = ("user", "system", "developer", "assistant")
+"""A message item's roles: each is the chat message's role as it is (the chat endpoint hands a
+developer message to the template as one, as vLLM does)."""
+_TEXT_PARTS = ("input_text", "output_text")
+_CHAT_FIELD_RENAMES = (("max_completion_tokens", "max_output_tokens"), ("response_format", "text.format"),
+                       ("tool_choice.function.", "tool_choice."))
+_CHAT_MESSAGE_FIELD = re.compile(r"messages\[(\d+)\]")
+_CHAT_TOOL_FIELD = re.compile(r"tools\[(\d+)\]\.function")
+
+
+@dataclass(frozen=True)
+class ResponseSettings:
+    """What a response object repeats of its request (OpenAI's echo of the request's settings)."""
+
+    instructions: str | None
+    max_output_tokens: int | None
+    metadata: Mapping[str, str]
+    tools: tuple[Mapping[str, Any], ...]
+    """The function tools as sent (Responses' flat shape)."""
+    text_format: Mapping[str, Any]
+    """text.format as sent; {"type": "text"} when absent."""
+    user: str | None
+
+
+@dataclass(frozen=True)
+class ResponsesRequest:
+    """POST /v1/responses."""
+
+    chat: ChatCompletionRequest
+    """The chat request for the same generation (its max_tokens_param renamed to max_output_tokens)."""
+    settings: ResponseSettings
+
+
+# ---- parsing --------------------------------------------------------------------------------
+
+def parse_responses_request(body: Mapping[str, Any], limits: RequestLimits) -> ResponsesRequest:
+    refuse_unsupported(body, RESPONSES_REFUSED)
+    messages, sources = _conversation(body)
+    tools = _tools(body.get("tools"))
+    text_format = _text_format(body.get("text"))
+    chat_body: dict[str, Any] = {name: body[name] for name in PASSED_TO_CHAT if name in body}
+    chat_body.update(messages=messages, max_completion_tokens=body.get("max_output_tokens"))
+    if tools:
+        chat_body["tools"] = [_chat_tool(tool) for tool in tools]
+    if body.get("tool_choice") is not None:
+        chat_body["tool_choice"] = _chat_tool_choice(body["tool_choice"])
+    if text_format["type"] != "text":
+        chat_body["response_format"] = _chat_response_format(text_format)
+    try:
+        chat = parse_chat_request(chat_body, limits)
+    except InvalidRequestError as error:
+        raise InvalidRequestError(_responses_field(error.field, sources), error.message) from None
+    if chat.max_tokens_param is not None:
+        chat = dataclasses.replace(chat, max_tokens_param="max_output_tokens")
+    return ResponsesRequest(chat, ResponseSettings(
+        _optional_string(body, "instructions"), chat.sampling.max_tokens if chat.max_tokens_param else None,
+        _metadata(body.get("metadata")), tuple(tools), text_format, _optional_string(body, "user")))
+
+
+def _optional_string(body: Mapping[str, Any], name: str) -> str | None:
+    value = body.get(name)
+    if value is not None and not isinstance(value, str):
+        raise InvalidRequestError(name, f"must be a string, got {json_excerpt(value)}")
+    return value
+
+
+def _metadata(value: Any) -> Mapping[str, str]:
+    if value is None:
+        return {}
+    if not (isinstance(value, dict) and all(isinstance(v, str) for v in value.values())):
+        raise InvalidRequestError("metadata", f"must be an object of strings, got {json_excerpt(value)}")
+    return value
+
+
+def _responses_field(chat_field: str, sources: Sequence[str]) -> str:
+    """The Responses field a chat request's field came from: messages[i] -> its input item (or
+    instructions), tools[i].function.x -> tools[i].x, and the renamed fields."""
+    message = _CHAT_MESSAGE_FIELD.match(chat_field)
+    if message is not None:
+        return sources[int(message[1])]
+    if chat_field == "messages":
+        return "input"
+    chat_field = _CHAT_TOOL_FIELD.sub(r"tools[\1]", chat_field)
+    for chat_name, name in _CHAT_FIELD_RENAMES:
+        if chat_field.startswith(chat_name):
+            return name + chat_field[len(chat_name):]
+    return chat_field
+
+
+def _conversation(body: Mapping[str, Any]) -> tuple[list[dict[str, Any]], list[str]]:
+    """(the chat messages, the Responses field each came from): the instructions as a system
+    message, then the input. Consecutive function_call items join the assistant message before
+    them (one assistant turn that called several tools, as the chat format has it)."""
+    messages: list[dict[str, Any]] = []
+    sources: list[str] = []
+    instructions = _optional_string(body, "instructions")
+    if instructions is not None:
+        messages.append({"role": "system", "content": instructions})
+        sources.append("instructions")
+    value = body.get("input")
+    if isinstance(value, str):
+        return [*messages, {"role": "user", "content": value}], [*sources, "input"]
+    if not isinstance(value, list) or not value:
+        raise InvalidRequestError("input", f"must be a string or a non-empty list of input items, got "
+                                           f"{json_excerpt(value)}")
+    for index, item in enumerate(value):
+        _add_item(item, f"input[{index}]", messages, sources)
+    return messages, sources
+
+
+def _add_item(item: Any, field: str, messages: list[dict[str, Any]], sources: list[str]) -> None:
+    if not isinstance(item, dict):
+        raise InvalidRequestError(field, f"must be an input item object, got {json_excerpt(item)}")
+    kind = item.get("type", "message")
+    if kind == "message":
+        messages.append(_message_item(item, field))
+    elif kind == "function_call":
+        call = _function_call_item(item, field)
+        if messages and messages[-1]["role"] == "assistant":
+            messages[-1].setdefault("tool_calls", []).append(call)
+            return
+        messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+    elif kind == "function_call_output":
+        messages.append({"role": "tool", "tool_call_id": _item_string(item, "call_id", field),
+                         "content": _text(item.get("output"), f"{field}.output")})
+    else:
+        raise InvalidRequestError(f"{field}.type", "only message, function_call and function_call_output items are "
+                                                   f"supported, got {json_excerpt(kind)}")
+    sources.append(field)
+
+
+def _message_item(item: Mapping[str, Any], field: str) -> dict[str, Any]:
+    role = item.get("role")
+    if role not in _INPUT_ROLES:
+        raise InvalidRequestError(f"{field}.role", f"must be one of {', '.join(_INPUT_ROLES)}, got "
+                                                   f"{json_excerpt(role)}")
+    return {"role": role, "content": _text(item.get("content"), f"{field}.content")}
+
+
+def _text(content: Any, field: str) -> str | list[dict[str, str]]:
+    """A string, or a list of input_text / output_text parts as the chat's text parts (which it
+    joins with newlines)."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise InvalidRequestError(field, f"must be a string or a list of text parts, got {json_excerpt(content)}")
+    parts = []
+    for index, part in enumerate(content):
+        if not (isinstance(part, dict) and part.get("type") in _TEXT_PARTS and isinstance(part.get("text"), str)):
+            raise InvalidRequestError(f"{field}[{index}]", "only input_text and output_text parts are supported "
+                                                           f"(text models only), got {json_excerpt(part)}")
+        parts.append({"type": "text", "text": part["text"]})
+    return parts
+
+
+def _function_call_item(item: Mapping[str, Any], field: str) -> dict[str, Any]:
+    """The chat's tool call of an earlier function_call output item (its arguments JSON text)."""
+    arguments = item.get("arguments", "")
+    if not isinstance(arguments, str):
+        raise InvalidRequestError(f"{field}.arguments", f"must be a JSON string, got {json_excerpt(arguments)}")
+    return {"id": _item_string(item, "call_id", field), "type": "function",
+            "function": {"name": _item_string(item, "name", field), "arguments": arguments}}
+
+
+def _item_string(item: Mapping[str, Any], key: str, field: str) -> str:
+    value = item.get(key)
+    if not isinstance(value, str) or not value:
+        raise InvalidRequestError(f"{field}.{key}", f"must be a non-empty string, got {json_excerpt(value)}")
+    return value
+
+
+def _tools(value: Any) -> list[Mapping[str, Any]]:
+    """The function tools; an empty list is none (the Agents SDK sends one for an agent without tools)."""
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise InvalidRequestError("tools", f"must be a list of function tools, got {json_excerpt(value)}")
+    for index, tool in enumerate(value):
+        if not isinstance(tool, dict):
+            raise InvalidRequestError(f"tools[{index}]", f"must be a function tool object, got {json_excerpt(tool)}")
+        kind = tool.get("type")
+        if kind != "function":
+            raise InvalidRequestError(f"tools[{index}].type", "only function tools are supported (built-in tools "
+                                                              f"are not implemented), got {json_excerpt(kind)}")
+    return value
+
+
+def _chat_tool(tool: Mapping[str, Any]) -> dict[str, Any]:
+    function = {key: tool[key] for key in ("name", "description", "parameters", "strict") if key in tool}
+    return {"type": "function", "function": function}
+
+
+def _chat_tool_choice(value: Any) -> Any:
+    """"none" / "auto" / "required" as they are; {"type": "function", "name"} in the chat's nesting."""
+    if not isinstance(value, dict):
+        return value
+    if value.get("type") != "function":
+        raise InvalidRequestError("tool_choice.type", "must be \"function\" (built-in tools are not implemented), got "
+                                                      f"{json_excerpt(value.get('type'))}")
+    return {"type": "function", "function": {"name": value.get("name")}}
+
+
+def _text_format(value: Any) -> Mapping[str, Any]:
+    if value is None:
+        return {"type": "text"}
+    if not isinstance(value, dict):
+        raise InvalidRequestError("text", f"must be an object, got {json_excerpt(value)}")
+    if value.get("verbosity") not in (None, "medium"):
+        raise InvalidRequestError("text.verbosity", f"is not supported by this server: not implemented (got "
+                                                    f"{json_excerpt(value['verbosity'])})")
+    text_format = value.get("format") or {"type": "text"}
+    if not isinstance(text_format, dict) or text_format.get("type") not in ("text", "json_object", "json_schema"):
+        raise InvalidRequestError("text.format", "must be {\"type\": \"text\" | \"json_object\" | \"json_schema\", "
+                                                 f"...}}, got {json_excerpt(text_format)}")
+    return text_format
+
+
+def _chat_response_format(text_format: Mapping[str, Any]) -> dict[str, Any]:
+    """Responses' flat json_schema format in the chat's nesting."""
+    if text_format["type"] == "json_object":
+        return {"type": "json_object"}
+    spec = {key: text_format[key] for key in ("name", "schema", "strict", "description") if key in text_format}
+    return {"type": "json_schema", "json_schema": spec}
+
+
+# ---- rendering ------------------------------------------------------------------------------
+
+def usage_body(usage: Usage) -> dict:
+    return {"input_tokens": usage.prompt_tokens, "input_tokens_details": {"cached_tokens": usage.cached_tokens},
+            "output_tokens": usage.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": usage.prompt_tokens + usage.completion_tokens}
+
+
+def _new_item_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+@dataclass
+class _MessageItem:
+    """The output's text (its only content part)."""
+
+    id: str
+    text: list[str] = field(default_factory=list)
+
+    def body(self, status: str) -> dict:
+        return {"id": self.id, "type": "message", "status": status, "role": "assistant",
+                "content": [self.part("".join(self.text))] if status != "in_progress" else []}
+
+    @staticmethod
+    def part(text: str) -> dict:
+        return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+@dataclass
+class _CallItem:
+    id: str
+    call_id: str
+    name: str
+    arguments: list[str] = field(default_factory=list)
+
+    def body(self, status: str) -> dict:
+        return {"id": self.id, "type": "function_call", "status": status, "call_id": self.call_id,
+                "name": self.name, "arguments": "".join(self.arguments) if status != "in_progress" else ""}
+
+
+class ResponsesRenderer:
+    """One response's output items and events as its chunks arrive: text opens a message item
+    (one output_text part), each call the tool output parser reads a function_call item, in
+    the order they open. The last chunk (it has a finish reason) closes every item and the
+    response (status "incomplete" when generation hit max_output_tokens or the context's end,
+    as vLLM reports it, still in a response.completed event). Every event carries the next
+    sequence number."""
+
+    def __init__(self, header: ResponseHeader, chat: ChatCompletionRequest, settings: ResponseSettings,
+                 tool_output: ToolOutput | None) -> None:
+        self.header = header
+        self.chat = chat
+        self.settings = settings
+        self._parser: OutputParser | None = None if tool_output is None else tool_output.new_parser()
+        self._items: list[_MessageItem | _CallItem] = []
+        """Output items in output order (an item's output_index is its position)."""
+        self._message: _MessageItem | None = None
+        self._calls: dict[int, _CallItem] = {}
+        """Call items by the parser's call index."""
+        self._sequence_number = 0
+
+    def opening_events(self) -> list[dict]:
+        """response.created and response.in_progress: the response without output yet."""
+        return [self._event("response.created", response=self._body("in_progress", None)),
+                self._event("response.in_progress", response=self._body("in_progress", None))]
+
+    def stream_events(self, chunk: StreamChunk) -> list[dict]:
+        """The events that carry `chunk`; the last chunk's end with response.completed."""
+        delta = OutputDelta(chunk.text) if self._parser is None else self._parser.feed(chunk.text)
+        if chunk.finish_reason is not None and self._parser is not None:
+            delta += self._parser.finish()
+        events = self._content_events(delta.content) if delta.content else []
+        for call in delta.tool_calls:
+            events += self._call_events(call)
+        if chunk.finish_reason is not None:
+            events += self._closing_events(chunk.finish_reason, chunk.usage)
+        return events
+
+    def response(self, choices: Sequence[Sequence[StreamChunk]], usage: Usage) -> dict:
+        """The non-streamed response: the one choice's chunks fed as a stream would be."""
+        [chunks] = choices
+        for chunk in chunks[:-1]:
+            self.stream_events(chunk)
+        return self.stream_events(dataclasses.replace(chunks[-1], usage=usage))[-1]["response"]
+
+    def _content_events(self, text: str) -> list[dict]:
+        events = []
+        if self._message is None:
+            self._message = _MessageItem(_new_item_id("msg"))
+            self._items.append(self._message)
+            events.append(self._item_event("response.output_item.added", self._message, "in_progress"))
+            events.append(self._event("response.content_part.added", **self._part_ids(self._message),
+                                      part=_MessageItem.part("")))
+        self._message.text.append(text)
+        events.append(self._event("response.output_text.delta", **self._part_ids(self._message), delta=text,
+                                  logprobs=[]))
+        return events
+
+    def _call_events(self, delta: ToolCallDelta) -> list[dict]:
+        events = []
+        if delta.id is not None:
+            item = self._calls[delta.index] = _CallItem(_new_item_id("fc"), delta.id, delta.name or "")
+            self._items.append(item)
+            events.append(self._item_event("response.output_item.added", item, "in_progress"))
+        item = self._calls[delta.index]
+        if delta.arguments:
+            item.arguments.append(delta.arguments)
+            events.append(self._event("response.function_call_arguments.delta", **self._item_ids(item),
+                                      delta=delta.arguments))
+        return events
+
+    def _closing_events(self, finish_reason: str, usage: Usage | None) -> list[dict]:
+        status = "incomplete" if finish_reason == "length" else "completed"
+        events = []
+        for item in self._items:
+            if isinstance(item, _MessageItem):
+                text = "".join(item.text)
+                events.append(self._event("response.output_text.done", **self._part_ids(item), text=text,
+                                          logprobs=[]))
+                events.append(self._event("response.content_part.done", **self._part_ids(item),
+                                          part=_MessageItem.part(text)))
+            else:
+                events.append(self._event("response.function_call_arguments.done", **self._item_ids(item),
+                                          name=item.name, arguments="".join(item.arguments)))
+            events.append(self._item_event("response.output_item.done", item, status))
+        events.append(self._event("response.completed", response=self._body(status, usage)))
+        return events
+
+    def _body(self, status: str, usage: Usage | None) -> dict:
+        """The response object; its items have its status."""
+        chat, settings, h = self.chat, self.settings, self.header
+        return {
+            "id": h.id, "object": "response", "created_at": h.created, "status": status, "background": False,
+            "error": None,
+            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+            "instructions": settings.instructions, "max_output_tokens": settings.max_output_tokens,
+            "metadata": dict(settings.metadata), "model": h.model,
+            "output": [item.body(status) for item in self._items],
+            "parallel_tool_calls": chat.tool_calling is None or chat.tool_calling.parallel_tool_calls,
+            "previous_response_id": None, "reasoning": None, "service_tier": "auto", "store": False,
+            "temperature": chat.sampling.temperature, "text": {"format": dict(settings.text_format)},
+            "tool_choice": self._tool_choice(), "tools": [dict(tool) for tool in settings.tools],
+            "top_p": chat.sampling.top_p, "truncation": "disabled",
+            "usage": None if usage is None else usage_body(usage), "user": settings.user,
+        }
+
+    def _tool_choice(self) -> str | dict:
+        calling = self.chat.tool_calling
+        if calling is None:  # no tools: OpenAI's default choice
+            return "auto"
+        if calling.choice == ToolChoice.NAMED:
+            return {"type": "function", "name": calling.function_name}
+        return calling.choice.value
+
+    @property
+    def next_sequence_number(self) -> int:
+        """The sequence number of the stream's next event (an error event's)."""
+        return self._sequence_number
+
+    def _event(self, kind: str, **fields: Any) -> dict:
+        event = {"type": kind, "sequence_number": self._sequence_number, **fields}
+        self._sequence_number += 1
+        return event
+
+    def _item_event(self, kind: str, item: _MessageItem | _CallItem, status: str) -> dict:
+        return self._event(kind, output_index=self._items.index(item), item=item.body(status))
+
+    def _item_ids(self, item: _MessageItem | _CallItem) -> dict:
+        return {"item_id": item.id, "output_index": self._items.index(item)}
+
+    def _part_ids(self, item: _MessageItem) -> dict:
+        return {**self._item_ids(item), "content_index": 0}
