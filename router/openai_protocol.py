@@ -266,6 +266,11 @@ def parse_completion_request(body: Mapping[str, Any], limits: RequestLimits) -> 
                              _request_id(body, limits), _typed(body, "add_special_tokens", bool, "a boolean", True))
 
 
+TEXT_PART_KEYS = {"text": "text", "refusal": "refusal"}
+"""Content part types read as text, and the key holding it: an assistant message's `refusal` part
+(what the openai SDK sends back for a refused answer) is its text, as vLLM reads it."""
+
+
 def _content(value: Any, field: str) -> str:
     """A message's content: a string, null (""), or a list of text parts (joined with newlines)."""
     if value is None:
@@ -275,10 +280,12 @@ def _content(value: Any, field: str) -> str:
     if isinstance(value, list):
         texts = []
         for index, part in enumerate(value):
-            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-                raise InvalidRequestError(f"{field}[{index}]", "only {\"type\": \"text\", \"text\": ...} content "
-                                                               f"parts are supported, got {part!r}")
-            texts.append(part["text"])
+            key = TEXT_PART_KEYS.get(part.get("type")) if isinstance(part, dict) else None
+            if key is None or not isinstance(part.get(key), str):
+                raise InvalidRequestError(f"{field}[{index}]", "only {\"type\": \"text\", \"text\": ...} (or "
+                                                               "\"refusal\") content parts are supported, got "
+                                                               f"{part!r}")
+            texts.append(part[key])
         return "\n".join(texts)
     raise InvalidRequestError(field, f"must be a string or a list of text parts, got {value!r}")
 

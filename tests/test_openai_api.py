@@ -11,14 +11,16 @@ import time
 import openai
 import pytest
 
+from splitserve.common.errors import InvalidRequestError
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.slo import SloConfig
 from splitserve.proto.splitserve.v1 import generation_pb2 as pb
+from splitserve.router.openai_protocol import parse_chat_request
 from splitserve.router.openai_server import ApiError, start_http_server
 from splitserve.router.api_types import RouterError
 from splitserve.router.policy import RoutingConfig
 from splitserve.testing.workloads import GreedyCase
-from tests.factories import ServedApis, hf_greedy, http_request, served_apis, stream_tokens
+from tests.factories import ServedApis, hf_greedy, http_request, make_request_limits, served_apis, stream_tokens
 
 MODEL = "tiny-llama"
 PROMPT = "The river runs"
@@ -262,6 +264,19 @@ def test_bad_chat_parameters_are_400_naming_the_field(served):
         with pytest.raises(openai.BadRequestError) as error:
             client.chat.completions.create(**{"model": MODEL, "messages": CHAT, **kwargs})
         assert error.value.param == param, kwargs
+
+
+def test_a_refusal_content_part_is_read_as_its_text():
+    """What the openai SDK sends back for an answer the model refused (vLLM reads it as text)."""
+    history = [{"role": "user", "content": "Hi"},
+               {"role": "assistant", "content": [{"type": "refusal", "refusal": "I can't."},
+                                                 {"type": "text", "text": "Ask again."}]}]
+    request = parse_chat_request({"messages": history}, make_request_limits())
+    assert [message.content for message in request.messages] == ["Hi", "I can't.\nAsk again."]
+    with pytest.raises(InvalidRequestError) as error:
+        parse_chat_request({"messages": [{"role": "assistant", "content": [{"type": "refusal", "text": "x"}]}]},
+                           make_request_limits())
+    assert error.value.field == "messages[0].content[0]"
 
 
 def test_an_unknown_model_is_404_model_not_found(served):
