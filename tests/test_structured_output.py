@@ -144,6 +144,10 @@ def test_sampling_params_refuse_a_loose_constraint():
      StructuredOutput(StructuredOutputKind.CHOICE, '["a","b"]')),
     ({"guided_grammar": 'root ::= "a" | "b"'},
      StructuredOutput(StructuredOutputKind.GRAMMAR, '%llguidance {}\n\nstart: "a"\n     | "b"\n\n')),
+    # GBNF's unicode escapes as llguidance's Lark reads them (its converter wrote \u0041 as \u41, refused)
+    ({"guided_grammar": 'root ::= "\\u0041" [\\u0061-\\u0063] "\\U0001F600" "\\\\u0041"'},
+     StructuredOutput(StructuredOutputKind.GRAMMAR,
+                      '%llguidance {}\n\nstart: "\\x41" /[\\x61-\\x63]/ "\U0001F600" "\\\\u0041"\n')),
 ])
 def test_router_parses_each_field(body, expected):
     assert parse_structured_output(body) == expected
