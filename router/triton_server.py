@@ -2,7 +2,7 @@
 port, so unmodified `tritonclient[grpc]` clients of Triton's vLLM backend work.
 
 A thin adapter over the same Orchestrator as the other APIs; tensors are parsed and rendered by
-router/triton_protocol.py. RPCs: ServerLive, ServerReady, ModelReady, ModelMetadata, ModelInfer
+router/triton_protocol.py. RPCs: ServerLive, ServerReady, ServerMetadata, ModelReady, ModelMetadata, ModelInfer
 (one response with the whole output) and ModelStreamInfer (decoupled: a stream's requests run
 concurrently; with `stream` true each gets one response per text delta, else one with the whole
 output; the last response to a request carries the parameter triton_final_response = true, or,
@@ -17,6 +17,7 @@ reads "<CODE>: <message>" and the stream carries on.
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import logging
 from collections.abc import AsyncIterator
 
@@ -38,6 +39,10 @@ logger = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
 MODEL_VERSION = "1"
 PLATFORM = "splitserve"
+SERVER_NAME = "splitserve"
+EXTENSIONS = ("parameters",)
+"""The KServe v2 protocol extensions served: request and response parameters (sampling options,
+triton_final_response); not the model repository, statistics, trace, logging or shared memory."""
 
 
 class TritonServicer(pb_grpc.GRPCInferenceServiceServicer):
@@ -57,6 +62,11 @@ class TritonServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def ServerReady(self, request: pb.ServerReadyRequest, context: grpc.aio.ServicerContext
                           ) -> pb.ServerReadyResponse:
         return pb.ServerReadyResponse(ready=self.orchestrator.is_ready)
+
+    async def ServerMetadata(self, request: pb.ServerMetadataRequest, context: grpc.aio.ServicerContext
+                             ) -> pb.ServerMetadataResponse:
+        return pb.ServerMetadataResponse(name=SERVER_NAME, version=importlib.metadata.version("splitserve"),
+                                         extensions=EXTENSIONS)
 
     async def ModelReady(self, request: pb.ModelReadyRequest, context: grpc.aio.ServicerContext
                          ) -> pb.ModelReadyResponse:

@@ -6,6 +6,7 @@ the splitserve gRPC API's greedy text, sampling parameters, errors, and cancella
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import queue
 
@@ -119,13 +120,13 @@ def _messages(file) -> dict:
 
 def test_every_message_and_method_matches_tritonclients_protocol():
     ours, theirs = _messages(ipb.DESCRIPTOR), _messages(triton_service_pb2.DESCRIPTOR)
-    assert len(ours) == 22
+    assert len(ours) == 24
     for name, message in ours.items():
         assert _fields(message) == _fields(theirs[name]), name
     service = ipb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
     reference = triton_service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"]
-    assert [m.name for m in service.methods] == ["ServerLive", "ServerReady", "ModelReady", "ModelMetadata",
-                                                 "ModelInfer", "ModelStreamInfer"]
+    assert [m.name for m in service.methods] == ["ServerLive", "ServerReady", "ServerMetadata", "ModelReady",
+                                                 "ModelMetadata", "ModelInfer", "ModelStreamInfer"]
     for method in service.methods:
         other = reference.methods_by_name[method.name]
         assert (method.input_type.full_name, method.output_type.full_name, method.client_streaming,
@@ -140,6 +141,14 @@ def test_server_and_model_readiness(served):
         assert client.is_server_live() and client.is_server_ready()
         assert [client.is_model_ready(MODEL), client.is_model_ready(MODEL, "1"), client.is_model_ready(MODEL, "2"),
                 client.is_model_ready("llama-70b")] == [True, True, False, False]
+
+
+def test_server_metadata_names_splitserve_and_its_version(served):
+    # tritonclient's get_server_metadata, often a new client's first call, was UNIMPLEMENTED.
+    with served.client() as client:
+        metadata = client.get_server_metadata(as_json=True)
+    assert metadata == {"name": "splitserve", "version": importlib.metadata.version("splitserve"),
+                        "extensions": ["parameters"]}
 
 
 def test_model_metadata_lists_the_tensors(served):

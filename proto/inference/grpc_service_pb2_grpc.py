@@ -45,6 +45,11 @@ class GRPCInferenceServiceStub:
                 request_serializer=inference_dot_grpc__service__pb2.ServerReadyRequest.SerializeToString,
                 response_deserializer=inference_dot_grpc__service__pb2.ServerReadyResponse.FromString,
                 _registered_method=True)
+        self.ServerMetadata = channel.unary_unary(
+                '/inference.GRPCInferenceService/ServerMetadata',
+                request_serializer=inference_dot_grpc__service__pb2.ServerMetadataRequest.SerializeToString,
+                response_deserializer=inference_dot_grpc__service__pb2.ServerMetadataResponse.FromString,
+                _registered_method=True)
         self.ModelReady = channel.unary_unary(
                 '/inference.GRPCInferenceService/ModelReady',
                 request_serializer=inference_dot_grpc__service__pb2.ModelReadyRequest.SerializeToString,
@@ -80,6 +85,13 @@ class GRPCInferenceServiceServicer:
 
     def ServerReady(self, request, context):
         """Whether the server can take inference requests now.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ServerMetadata(self, request, context):
+        """The server's name, version and the protocol extensions it supports.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -127,6 +139,11 @@ def add_GRPCInferenceServiceServicer_to_server(servicer, server):
                     servicer.ServerReady,
                     request_deserializer=inference_dot_grpc__service__pb2.ServerReadyRequest.FromString,
                     response_serializer=inference_dot_grpc__service__pb2.ServerReadyResponse.SerializeToString,
+            ),
+            'ServerMetadata': grpc.unary_unary_rpc_method_handler(
+                    servicer.ServerMetadata,
+                    request_deserializer=inference_dot_grpc__service__pb2.ServerMetadataRequest.FromString,
+                    response_serializer=inference_dot_grpc__service__pb2.ServerMetadataResponse.SerializeToString,
             ),
             'ModelReady': grpc.unary_unary_rpc_method_handler(
                     servicer.ModelReady,
@@ -204,6 +221,33 @@ class GRPCInferenceService:
             '/inference.GRPCInferenceService/ServerReady',
             inference_dot_grpc__service__pb2.ServerReadyRequest.SerializeToString,
             inference_dot_grpc__service__pb2.ServerReadyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ServerMetadata(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inference.GRPCInferenceService/ServerMetadata',
+            inference_dot_grpc__service__pb2.ServerMetadataRequest.SerializeToString,
+            inference_dot_grpc__service__pb2.ServerMetadataResponse.FromString,
             options,
             channel_credentials,
             insecure,
