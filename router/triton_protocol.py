@@ -42,12 +42,17 @@ class TensorSpec:
     name: str
     datatype: str
     shape: tuple[int, ...]
+    optional: bool = False
+    """An input a request may leave out."""
 
 
-INPUTS = (TensorSpec("text_input", "BYTES", (1,)), TensorSpec("stream", "BOOL", (1,)),
-          TensorSpec("sampling_parameters", "BYTES", (1,)), TensorSpec("exclude_input_in_output", "BOOL", (1,)))
+INPUTS = (TensorSpec("text_input", "BYTES", (1,)), TensorSpec("stream", "BOOL", (1,), optional=True),
+          TensorSpec("sampling_parameters", "BYTES", (1,), optional=True),
+          TensorSpec("exclude_input_in_output", "BOOL", (1,), optional=True))
 OUTPUTS = (TensorSpec("text_output", "BYTES", (1,)), TensorSpec("finish_reason", "BYTES", (1,)))
 _INPUTS = {spec.name: spec for spec in INPUTS}
+_CONFIG_DATATYPES = {"BYTES": pb.TYPE_STRING, "BOOL": pb.TYPE_BOOL}
+"""The model configuration's DataType of each tensor datatype used (Triton's TYPE_STRING is BYTES)."""
 _OUTPUT_NAMES = tuple(spec.name for spec in OUTPUTS)
 
 _FLOAT = "a number"
@@ -285,6 +290,17 @@ def stream_error(model: ServedModel, request_id: str, message: str) -> pb.ModelS
 def model_metadata(model: ServedModel) -> pb.ModelMetadataResponse:
     return pb.ModelMetadataResponse(name=model.name, versions=[model.version], platform=model.platform,
                                     inputs=_tensor_metadata(INPUTS), outputs=_tensor_metadata(OUTPUTS))
+
+
+def model_config(model: ServedModel) -> pb.ModelConfigResponse:
+    """The configuration a Triton vLLM-backend model states: no batch dimension (max_batch_size 0,
+    each request one prompt), decoupled (any number of responses per request in ModelStreamInfer)."""
+    inputs = [pb.ModelInput(name=s.name, data_type=_CONFIG_DATATYPES[s.datatype], dims=s.shape, optional=s.optional)
+              for s in INPUTS]
+    outputs = [pb.ModelOutput(name=s.name, data_type=_CONFIG_DATATYPES[s.datatype], dims=s.shape) for s in OUTPUTS]
+    config = pb.ModelConfig(name=model.name, platform=model.platform, max_batch_size=0, input=inputs, output=outputs,
+                            model_transaction_policy=pb.ModelTransactionPolicy(decoupled=True))
+    return pb.ModelConfigResponse(config=config)
 
 
 def _tensor_metadata(specs: Sequence[TensorSpec]) -> list[pb.ModelMetadataResponse.TensorMetadata]:

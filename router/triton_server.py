@@ -2,8 +2,8 @@
 port, so unmodified `tritonclient[grpc]` clients of Triton's vLLM backend work.
 
 A thin adapter over the same Orchestrator as the other APIs; tensors are parsed and rendered by
-router/triton_protocol.py. RPCs: ServerLive, ServerReady, ServerMetadata, ModelReady, ModelMetadata, ModelInfer
-(one response with the whole output) and ModelStreamInfer (decoupled: a stream's requests run
+router/triton_protocol.py. RPCs: ServerLive, ServerReady, ServerMetadata, ModelReady, ModelMetadata,
+ModelConfig, ModelInfer (one response with the whole output) and ModelStreamInfer (decoupled: a stream's requests run
 concurrently; with `stream` true each gets one response per text delta, else one with the whole
 output; the last response to a request carries the parameter triton_final_response = true, or,
 when the request set triton_enable_empty_final_response, an empty response does).
@@ -32,7 +32,7 @@ from splitserve.router.api_types import GenerationInput, RouterError, StreamChun
 from splitserve.router.orchestrator import Orchestrator
 from splitserve.router.tokenizer_pool import TokenizerPool
 from splitserve.router.triton_protocol import (InferRequest, ServedModel, empty_final_response, infer_response,
-                                               model_metadata, parse_infer_request, stream_error)
+                                               model_config, model_metadata, parse_infer_request, stream_error)
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +80,14 @@ class TritonServicer(pb_grpc.GRPCInferenceServiceServicer):
         except RouterError as error:
             await context.abort(*grpc_status(error))
         return model_metadata(self.model)
+
+    async def ModelConfig(self, request: pb.ModelConfigRequest, context: grpc.aio.ServicerContext
+                          ) -> pb.ModelConfigResponse:
+        try:
+            self._check_model(request.name, request.version)
+        except RouterError as error:
+            await context.abort(*grpc_status(error))
+        return model_config(self.model)
 
     # ---- inference -----------------------------------------------------------------------
     async def ModelInfer(self, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext

@@ -17,6 +17,7 @@ import tritonclient.grpc as triton
 from google.protobuf import descriptor_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+from tritonclient.grpc import model_config_pb2 as triton_model_config_pb2
 from tritonclient.grpc import service_pb2 as triton_service_pb2
 from tritonclient.utils import InferenceServerException
 
@@ -108,6 +109,10 @@ def _fields(descriptor) -> list[tuple]:
     return [(f.name, f.number, f.type, f.label, f.type_name) for f in proto.field]
 
 
+SENT_ONLY = {"inference.ModelConfig", "inference.ModelInput", "inference.ModelOutput"}
+"""Parts of model_config.proto declared as a subset (the server only sends them)."""
+
+
 def _messages(file) -> dict:
     """Every message of a file (nested ones too) by full name."""
     found, pending = {}, list(file.message_types_by_name.values())
@@ -119,14 +124,21 @@ def _messages(file) -> dict:
 
 
 def test_every_message_and_method_matches_tritonclients_protocol():
-    ours, theirs = _messages(ipb.DESCRIPTOR), _messages(triton_service_pb2.DESCRIPTOR)
-    assert len(ours) == 24
+    ours = _messages(ipb.DESCRIPTOR)
+    theirs = {**_messages(triton_service_pb2.DESCRIPTOR), **_messages(triton_model_config_pb2.DESCRIPTOR)}
+    assert len(ours) == 30
     for name, message in ours.items():
-        assert _fields(message) == _fields(theirs[name]), name
+        if name in SENT_ONLY:  # declared with the fields the server sets, each as the protocol numbers it
+            assert set(_fields(message)) < set(_fields(theirs[name])), name
+        else:
+            assert _fields(message) == _fields(theirs[name]), name
+    data_type = triton_model_config_pb2.DESCRIPTOR.enum_types_by_name["DataType"]
+    assert [(v.name, v.number) for v in ipb.DataType.DESCRIPTOR.values] == [(v.name, v.number)
+                                                                           for v in data_type.values]
     service = ipb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
     reference = triton_service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"]
     assert [m.name for m in service.methods] == ["ServerLive", "ServerReady", "ServerMetadata", "ModelReady",
-                                                 "ModelMetadata", "ModelInfer", "ModelStreamInfer"]
+                                                 "ModelMetadata", "ModelConfig", "ModelInfer", "ModelStreamInfer"]
     for method in service.methods:
         other = reference.methods_by_name[method.name]
         assert (method.input_type.full_name, method.output_type.full_name, method.client_streaming,
@@ -164,16 +176,37 @@ def test_model_metadata_lists_the_tensors(served):
                     {"name": "finish_reason", "datatype": "BYTES", "shape": ["1"]}]}
 
 
+def test_model_config_states_the_vllm_backends_tensors_and_decoupling(served):
+    # tritonclient's get_model_config (which perf_analyzer and genai-perf read for the tensors and
+    # decoupling) was UNIMPLEMENTED.
+    with served.client() as client:
+        config = client.get_model_config(MODEL, as_json=True)
+        versioned = client.get_model_config(MODEL, "1", as_json=True)
+    assert config == versioned == {"config": {
+        "name": MODEL, "platform": "splitserve",
+        "input": [{"name": "text_input", "data_type": "TYPE_STRING", "dims": ["1"]},
+                  {"name": "stream", "data_type": "TYPE_BOOL", "dims": ["1"], "optional": True},
+                  {"name": "sampling_parameters", "data_type": "TYPE_STRING", "dims": ["1"], "optional": True},
+                  {"name": "exclude_input_in_output", "data_type": "TYPE_BOOL", "dims": ["1"], "optional": True}],
+        "output": [{"name": "text_output", "data_type": "TYPE_STRING", "dims": ["1"]},
+                   {"name": "finish_reason", "data_type": "TYPE_STRING", "dims": ["1"]}],
+        "model_transaction_policy": {"decoupled": True}}}
+
+
 def test_an_unknown_model_is_not_found(served):
     with served.client() as client:
         with pytest.raises(InferenceServerException) as metadata_error:
             client.get_model_metadata("llama-70b")
+        with pytest.raises(InferenceServerException) as config_error:
+            client.get_model_config(MODEL, "2")
     with pytest.raises(InferenceServerException) as infer_error:
         served.infer(_inputs(), model_version="7")
     assert (metadata_error.value.status(), metadata_error.value.message()) == (
         "StatusCode.NOT_FOUND", "unknown model 'llama-70b'; this server serves 'tiny-llama' version '1'")
     assert (infer_error.value.status(), infer_error.value.message()) == (
         "StatusCode.NOT_FOUND", "unknown model 'tiny-llama' version '7'; this server serves 'tiny-llama' version '1'")
+    assert (config_error.value.status(), config_error.value.message()) == (
+        "StatusCode.NOT_FOUND", "unknown model 'tiny-llama' version '2'; this server serves 'tiny-llama' version '1'")
 
 
 def test_health_and_reflection_know_the_service(served):

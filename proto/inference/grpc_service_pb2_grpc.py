@@ -60,6 +60,11 @@ class GRPCInferenceServiceStub:
                 request_serializer=inference_dot_grpc__service__pb2.ModelMetadataRequest.SerializeToString,
                 response_deserializer=inference_dot_grpc__service__pb2.ModelMetadataResponse.FromString,
                 _registered_method=True)
+        self.ModelConfig = channel.unary_unary(
+                '/inference.GRPCInferenceService/ModelConfig',
+                request_serializer=inference_dot_grpc__service__pb2.ModelConfigRequest.SerializeToString,
+                response_deserializer=inference_dot_grpc__service__pb2.ModelConfigResponse.FromString,
+                _registered_method=True)
         self.ModelInfer = channel.unary_unary(
                 '/inference.GRPCInferenceService/ModelInfer',
                 request_serializer=inference_dot_grpc__service__pb2.ModelInferRequest.SerializeToString,
@@ -111,6 +116,13 @@ class GRPCInferenceServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ModelConfig(self, request, context):
+        """A model's configuration, as Triton's model configuration (config.pbtxt) states it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ModelInfer(self, request, context):
         """One request, one response holding the whole output.
         """
@@ -154,6 +166,11 @@ def add_GRPCInferenceServiceServicer_to_server(servicer, server):
                     servicer.ModelMetadata,
                     request_deserializer=inference_dot_grpc__service__pb2.ModelMetadataRequest.FromString,
                     response_serializer=inference_dot_grpc__service__pb2.ModelMetadataResponse.SerializeToString,
+            ),
+            'ModelConfig': grpc.unary_unary_rpc_method_handler(
+                    servicer.ModelConfig,
+                    request_deserializer=inference_dot_grpc__service__pb2.ModelConfigRequest.FromString,
+                    response_serializer=inference_dot_grpc__service__pb2.ModelConfigResponse.SerializeToString,
             ),
             'ModelInfer': grpc.unary_unary_rpc_method_handler(
                     servicer.ModelInfer,
@@ -302,6 +319,33 @@ class GRPCInferenceService:
             '/inference.GRPCInferenceService/ModelMetadata',
             inference_dot_grpc__service__pb2.ModelMetadataRequest.SerializeToString,
             inference_dot_grpc__service__pb2.ModelMetadataResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ModelConfig(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inference.GRPCInferenceService/ModelConfig',
+            inference_dot_grpc__service__pb2.ModelConfigRequest.SerializeToString,
+            inference_dot_grpc__service__pb2.ModelConfigResponse.FromString,
             options,
             channel_credentials,
             insecure,
