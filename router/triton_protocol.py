@@ -3,10 +3,12 @@ ModelInferRequests parsed into typed requests, and text rendered as ModelInferRe
 
 Inputs (each of shape [1]): `text_input` (BYTES, the prompt, UTF-8; required), `stream` (BOOL:
 one response per text delta), `sampling_parameters` (BYTES: a JSON object of vLLM sampling
-parameters) and `exclude_input_in_output` (BOOL). Outputs: `text_output` and `finish_reason`
-(BYTES, shape [1]). Sampling values may be JSON numbers/booleans or strings holding them (the
-vLLM backend's sample client sends `{"temperature": "0.1"}`); without the sampling_parameters
-tensor, the request's own parameters are read the same way (as the vLLM backend does).
+parameters), `exclude_input_in_output` (BOOL) and the vLLM backend's additional-output switches
+`return_finish_reason` and `return_num_output_tokens` (BOOL). Outputs (shape [1]): `text_output`
+and `finish_reason` (BYTES), and `num_output_tokens` (UINT32) when asked for. Sampling values
+may be JSON numbers/booleans or strings holding them (the vLLM backend's sample client sends
+`{"temperature": "0.1"}`); without the sampling_parameters tensor, the request's own parameters
+are read the same way (as the vLLM backend does).
 
 This module is the gRPC edge of the Triton API: protocol messages exist only here and in the
 servicer. Parsing raises InvalidRequestError naming the offending input or parameter; sampling
@@ -35,6 +37,8 @@ UNSUPPORTED_PARAMETERS = ("sequence_id", "sequence_start", "sequence_end", "prio
 """Triton's reserved request parameters this server does not implement (refused when set)."""
 _LENGTH = struct.Struct("<I")
 """The length prefix of each element of a raw BYTES tensor."""
+_UINT32 = struct.Struct("<I")
+"""A raw UINT32 element."""
 
 
 @dataclass(frozen=True)
@@ -48,10 +52,17 @@ class TensorSpec:
 
 INPUTS = (TensorSpec("text_input", "BYTES", (1,)), TensorSpec("stream", "BOOL", (1,), optional=True),
           TensorSpec("sampling_parameters", "BYTES", (1,), optional=True),
-          TensorSpec("exclude_input_in_output", "BOOL", (1,), optional=True))
-OUTPUTS = (TensorSpec("text_output", "BYTES", (1,)), TensorSpec("finish_reason", "BYTES", (1,)))
+          TensorSpec("exclude_input_in_output", "BOOL", (1,), optional=True),
+          TensorSpec("return_finish_reason", "BOOL", (1,), optional=True),
+          TensorSpec("return_num_output_tokens", "BOOL", (1,), optional=True))
+OUTPUTS = (TensorSpec("text_output", "BYTES", (1,)), TensorSpec("finish_reason", "BYTES", (1,)),
+           TensorSpec("num_output_tokens", "UINT32", (1,)))
+_OUTPUT_SWITCHES = {"finish_reason": ("return_finish_reason", True),
+                    "num_output_tokens": ("return_num_output_tokens", False)}
+"""The optional outputs (the vLLM backend's additional outputs): the BOOL input that turns each on or
+off, and whether it is on when that input is left out (finish_reason was always returned here)."""
 _INPUTS = {spec.name: spec for spec in INPUTS}
-_CONFIG_DATATYPES = {"BYTES": pb.TYPE_STRING, "BOOL": pb.TYPE_BOOL}
+_CONFIG_DATATYPES = {"BYTES": pb.TYPE_STRING, "BOOL": pb.TYPE_BOOL, "UINT32": pb.TYPE_UINT32}
 """The model configuration's DataType of each tensor datatype used (Triton's TYPE_STRING is BYTES)."""
 _OUTPUT_NAMES = tuple(spec.name for spec in OUTPUTS)
 
@@ -95,7 +106,8 @@ class InferRequest:
     max_tokens_field: str | None
     """"max_tokens" when the request set it, None when it took the default (RequestLimits.check_max_tokens)."""
     outputs: tuple[str, ...]
-    """The output tensors to return, in OUTPUTS order (all unless the request names some)."""
+    """The output tensors to return, in OUTPUTS order: text_output and each optional output its switch
+    turns on, narrowed to those the request names, if it names some."""
     empty_final_response: bool
     """End a stream's responses to this request with an empty one flagged final."""
 
@@ -124,7 +136,7 @@ def parse_infer_request(request: pb.ModelInferRequest, limits: RequestLimits) ->
     sampling = _sampling_params(options, source)
     max_tokens_field = "max_tokens" if options.get("max_tokens") is not None else None
     limits.check_sampling(sampling, max_tokens_field)
-    return InferRequest(request.id, text, stream, prepend, sampling, max_tokens_field, _requested_outputs(request),
+    return InferRequest(request.id, text, stream, prepend, sampling, max_tokens_field, _outputs(request, values),
                         empty_final)
 
 
@@ -251,28 +263,37 @@ def _typed_list(value: Any, kind: type) -> list:
     return value
 
 
-def _requested_outputs(request: pb.ModelInferRequest) -> tuple[str, ...]:
+def _outputs(request: pb.ModelInferRequest, values: Mapping[str, bytes | bool]) -> tuple[str, ...]:
+    """The outputs produced (as the vLLM backend: text_output, and each optional one its switch input
+    turns on), narrowed to those the request names; naming one that is switched off is refused."""
+    produced = [name for name in _OUTPUT_NAMES
+                if name not in _OUTPUT_SWITCHES or values.get(*_OUTPUT_SWITCHES[name])]
     names = [output.name for output in request.outputs]
-    unknown = [name for name in names if name not in _OUTPUT_NAMES]
-    if unknown:
-        raise InvalidRequestError("outputs", f"unexpected output {unknown[0]!r}; this model returns "
-                                             f"{', '.join(_OUTPUT_NAMES)}")
-    return tuple(name for name in _OUTPUT_NAMES if not names or name in names)
+    for name in names:
+        if name not in _OUTPUT_NAMES:
+            raise InvalidRequestError("outputs", f"unexpected output {name!r}; this model returns "
+                                                 f"{', '.join(_OUTPUT_NAMES)}")
+        if name not in produced:
+            raise InvalidRequestError("outputs", f"{name!r} is returned only with {_OUTPUT_SWITCHES[name][0]} true")
+    return tuple(name for name in produced if not names or name in names)
 
 
 # ---- responses ------------------------------------------------------------------------------
 
 def infer_response(model: ServedModel, request: InferRequest, text: str, finish_reason: str | None,
-                   final: bool | None = None) -> pb.ModelInferResponse:
-    """A response carrying the requested outputs (text_output, finish_reason: "" until the last
-    response), as raw contents like Triton's; `final` sets the triton_final_response parameter
-    (streams only)."""
+                   num_output_tokens: int, final: bool | None = None) -> pb.ModelInferResponse:
+    """A response carrying the requested outputs (text_output; finish_reason: "" until the last
+    response; num_output_tokens: the tokens generated since the request's previous response, whose
+    text this one carries), as raw contents like Triton's; `final` sets the triton_final_response
+    parameter (streams only)."""
     response = _header(model, request.id, final)
-    values = {"text_output": text, "finish_reason": finish_reason or ""}
+    values = {"text_output": _bytes_element(text.encode("utf-8")),
+              "finish_reason": _bytes_element((finish_reason or "").encode("utf-8")),
+              "num_output_tokens": _UINT32.pack(num_output_tokens)}
     for spec in OUTPUTS:
         if spec.name in request.outputs:
             response.outputs.add(name=spec.name, datatype=spec.datatype, shape=spec.shape)
-            response.raw_output_contents.append(_bytes_element(values[spec.name].encode("utf-8")))
+            response.raw_output_contents.append(values[spec.name])
     return response
 
 

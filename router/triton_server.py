@@ -158,10 +158,14 @@ class TritonServicer(pb_grpc.GRPCInferenceServiceServicer):
             parsed, inp = await self._input(request, context)
             flag_last = not parsed.empty_final_response
             if parsed.stream:
+                tokens = 0  # generated since the last response (whose text may have been held back)
                 async for chunk in self.orchestrator.generate(inp, admission):
                     last = chunk.finish_reason is not None
+                    tokens += len(chunk.token_ids)
                     if chunk.text or last:  # a token whose text is still held back is no delta
-                        yield infer_response(self.model, parsed, chunk.text, chunk.finish_reason, last and flag_last)
+                        yield infer_response(self.model, parsed, chunk.text, chunk.finish_reason, tokens,
+                                             last and flag_last)
+                        tokens = 0
             else:
                 chunks = [chunk async for chunk in self.orchestrator.generate(inp, admission)]
                 yield self._whole(parsed, chunks, final=flag_last)
@@ -193,7 +197,8 @@ class TritonServicer(pb_grpc.GRPCInferenceServiceServicer):
         text = "".join(chunk.text for chunk in chunks)
         if parsed.prepend_prompt:
             text = parsed.text + text
-        return infer_response(self.model, parsed, text, chunks[-1].finish_reason, final)
+        tokens = sum(len(chunk.token_ids) for chunk in chunks)
+        return infer_response(self.model, parsed, text, chunks[-1].finish_reason, tokens, final)
 
 
 class _StreamResponses:

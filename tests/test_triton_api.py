@@ -171,9 +171,12 @@ def test_model_metadata_lists_the_tensors(served):
         "inputs": [{"name": "text_input", "datatype": "BYTES", "shape": ["1"]},
                    {"name": "stream", "datatype": "BOOL", "shape": ["1"]},
                    {"name": "sampling_parameters", "datatype": "BYTES", "shape": ["1"]},
-                   {"name": "exclude_input_in_output", "datatype": "BOOL", "shape": ["1"]}],
+                   {"name": "exclude_input_in_output", "datatype": "BOOL", "shape": ["1"]},
+                   {"name": "return_finish_reason", "datatype": "BOOL", "shape": ["1"]},
+                   {"name": "return_num_output_tokens", "datatype": "BOOL", "shape": ["1"]}],
         "outputs": [{"name": "text_output", "datatype": "BYTES", "shape": ["1"]},
-                    {"name": "finish_reason", "datatype": "BYTES", "shape": ["1"]}]}
+                    {"name": "finish_reason", "datatype": "BYTES", "shape": ["1"]},
+                    {"name": "num_output_tokens", "datatype": "UINT32", "shape": ["1"]}]}
 
 
 def test_model_config_states_the_vllm_backends_tensors_and_decoupling(served):
@@ -187,9 +190,12 @@ def test_model_config_states_the_vllm_backends_tensors_and_decoupling(served):
         "input": [{"name": "text_input", "data_type": "TYPE_STRING", "dims": ["1"]},
                   {"name": "stream", "data_type": "TYPE_BOOL", "dims": ["1"], "optional": True},
                   {"name": "sampling_parameters", "data_type": "TYPE_STRING", "dims": ["1"], "optional": True},
-                  {"name": "exclude_input_in_output", "data_type": "TYPE_BOOL", "dims": ["1"], "optional": True}],
+                  {"name": "exclude_input_in_output", "data_type": "TYPE_BOOL", "dims": ["1"], "optional": True},
+                  {"name": "return_finish_reason", "data_type": "TYPE_BOOL", "dims": ["1"], "optional": True},
+                  {"name": "return_num_output_tokens", "data_type": "TYPE_BOOL", "dims": ["1"], "optional": True}],
         "output": [{"name": "text_output", "data_type": "TYPE_STRING", "dims": ["1"]},
-                   {"name": "finish_reason", "data_type": "TYPE_STRING", "dims": ["1"]}],
+                   {"name": "finish_reason", "data_type": "TYPE_STRING", "dims": ["1"]},
+                   {"name": "num_output_tokens", "data_type": "TYPE_UINT32", "dims": ["1"]}],
         "model_transaction_policy": {"decoupled": True}}}
 
 
@@ -316,6 +322,35 @@ def test_only_the_requested_outputs_are_returned(served):
     assert result.as_numpy("finish_reason") is None
 
 
+def _switch(name: str, value: bool) -> triton.InferInput:
+    tensor = triton.InferInput(name, [1], "BOOL")
+    tensor.set_data_from_numpy(np.array([value], dtype=bool))
+    return tensor
+
+
+def test_the_vllm_backends_additional_outputs_example_streams(served):
+    # The vLLM backend's documented example (docs/additional_outputs.md) sends return_finish_reason
+    # and return_num_output_tokens; both inputs were refused as unexpected.
+    token_ids, expected = served.grpc_text(temperature=0, max_tokens=12, ignore_eos=True)
+    inputs = [*_inputs(stream=True, sampling={**GREEDY, "max_tokens": 12}),
+              _switch("return_finish_reason", True), _switch("return_num_output_tokens", True)]
+    results = served.stream({"inputs": inputs})
+    counts = [int(result.as_numpy("num_output_tokens")[0]) for result in results]
+    assert [o.name for o in results[0].get_response().outputs] == ["text_output", "finish_reason",
+                                                                   "num_output_tokens"]
+    assert "".join(_text(result) for result in results) == expected
+    assert [_text(result, "finish_reason") for result in results] == [""] * (len(results) - 1) + ["length"]
+    assert (sum(counts), min(counts) >= 1, results[0].as_numpy("num_output_tokens").dtype) == (
+        len(token_ids), True, np.uint32)
+
+
+def test_an_additional_output_switched_off_is_not_returned(served):
+    result = served.infer([*_inputs(sampling={**GREEDY, "max_tokens": 3}, exclude_input=True),
+                           _switch("return_finish_reason", False), _switch("return_num_output_tokens", True)])
+    assert [o.name for o in result.get_response().outputs] == ["text_output", "num_output_tokens"]
+    assert result.as_numpy("num_output_tokens").tolist() == [3]
+
+
 def test_cancelling_the_stream_aborts_its_requests(served):
     before = served.decode_generation_tokens()
     first = queue.Queue()
@@ -407,7 +442,7 @@ def test_typed_contents_are_read_like_raw_contents():
      "text_input: is not valid UTF-8 (invalid start byte at byte 0)"),
     ({"inputs": [_tensor("image", "BYTES", bytes_contents=[b"a"])]},
      "inputs: unexpected input 'image'; this model takes text_input, stream, sampling_parameters, "
-     "exclude_input_in_output"),
+     "exclude_input_in_output, return_finish_reason, return_num_output_tokens"),
     ({"inputs": [_tensor("text_input", "BYTES", bytes_contents=[b"a"])] * 2}, "text_input: is given twice"),
     ({"inputs": [_tensor("text_input", "BYTES", bytes_contents=[b"a"]),
                  _tensor("sampling_parameters", "BYTES", bytes_contents=[b"[" * 100_000])]},
@@ -419,7 +454,10 @@ def test_typed_contents_are_read_like_raw_contents():
      "has 5000 digits; use sys.set_int_max_str_digits() to increase the limit"),
     ({"inputs": [_tensor("text_input", "BYTES", bytes_contents=[b"a"])],
       "outputs": [ipb.ModelInferRequest.InferRequestedOutputTensor(name="logprobs")]},
-     "outputs: unexpected output 'logprobs'; this model returns text_output, finish_reason"),
+     "outputs: unexpected output 'logprobs'; this model returns text_output, finish_reason, num_output_tokens"),
+    ({"inputs": [_tensor("text_input", "BYTES", bytes_contents=[b"a"])],
+      "outputs": [ipb.ModelInferRequest.InferRequestedOutputTensor(name="num_output_tokens")]},
+     "outputs: 'num_output_tokens' is returned only with return_num_output_tokens true"),
     ({"inputs": [_tensor("text_input", "BYTES", bytes_contents=[b"a"])],
       "parameters": {"sequence_id": ipb.InferParameter(int64_param=4)}},
      "parameters.sequence_id: is not supported by this server"),
