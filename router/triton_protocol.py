@@ -34,7 +34,8 @@ FINAL_RESPONSE = "triton_final_response"
 EMPTY_FINAL_RESPONSE = "triton_enable_empty_final_response"
 """Request parameter (bool): end the request's responses with an empty one flagged final."""
 UNSUPPORTED_PARAMETERS = ("sequence_id", "sequence_start", "sequence_end", "priority", "timeout")
-"""Triton's reserved request parameters this server does not implement (refused when set)."""
+"""Triton's reserved request parameters this server does not implement (refused when set; the first
+one set, in this order, is named)."""
 _LENGTH = struct.Struct("<I")
 """The length prefix of each element of a raw BYTES tensor."""
 _UINT32 = struct.Struct("<I")
@@ -212,13 +213,18 @@ def _json_object(text: str, name: str) -> dict[str, Any]:
 
 def _request_parameters(parameters: Mapping[str, pb.InferParameter]) -> tuple[dict[str, Any], bool]:
     """(sampling options given as request parameters, whether an empty final response was asked for)."""
+    # tritonclient sends sequence_start and sequence_end with every sequence_id; name the one the
+    # caller set (the map's order is not the client's).
+    for key in UNSUPPORTED_PARAMETERS:
+        if key in parameters:
+            raise InvalidRequestError(f"parameters.{key}", "is not supported by this server")
     options: dict[str, Any] = {}
     empty_final = False
     for key, parameter in parameters.items():
         value = getattr(parameter, parameter.WhichOneof("parameter_choice") or "string_param")
         if key == EMPTY_FINAL_RESPONSE:
             empty_final = _coerce(f"parameters.{key}", value, _BOOL)
-        elif key in UNSUPPORTED_PARAMETERS or key.startswith("triton_"):
+        elif key.startswith("triton_"):
             raise InvalidRequestError(f"parameters.{key}", "is not supported by this server")
         else:
             options[key] = value

@@ -406,6 +406,15 @@ def test_unsupported_triton_parameters_are_refused(served):
     assert error.value.message() == "parameters.priority: is not supported by this server"
 
 
+def test_a_sequence_id_is_refused_by_its_own_name(served):
+    # tritonclient sends sequence_start and sequence_end beside sequence_id; the error named
+    # whichever the parameter map listed first (sequence_end).
+    with pytest.raises(InferenceServerException) as error:
+        served.infer(_inputs(), sequence_id=5, sequence_start=True)
+    assert (error.value.status(), error.value.message()) == (
+        "StatusCode.INVALID_ARGUMENT", "parameters.sequence_id: is not supported by this server")
+
+
 # ---- parsing, below the client ------------------------------------------------------------
 
 def _request(**fields) -> ipb.ModelInferRequest:
