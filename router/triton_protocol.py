@@ -4,8 +4,9 @@ ModelInferRequests parsed into typed requests, and text rendered as ModelInferRe
 Inputs (each of shape [1]): `text_input` (BYTES, the prompt, UTF-8; required), `stream` (BOOL:
 one response per text delta), `sampling_parameters` (BYTES: a JSON object of vLLM sampling
 parameters), `exclude_input_in_output` (BOOL) and the vLLM backend's additional-output switches
-`return_finish_reason` and `return_num_output_tokens` (BOOL). Outputs (shape [1]): `text_output`
-and `finish_reason` (BYTES), and `num_output_tokens` (UINT32) when asked for. Sampling values
+`return_finish_reason`, `return_num_input_tokens` and `return_num_output_tokens` (BOOL). Outputs
+(shape [1]): `text_output` and `finish_reason` (BYTES), `num_input_tokens` and `num_output_tokens`
+(UINT32) when asked for. Sampling values
 may be JSON numbers/booleans or strings holding them (the vLLM backend's sample client sends
 `{"temperature": "0.1"}`); without the sampling_parameters tensor, the request's own parameters
 are read the same way (as the vLLM backend does).
@@ -55,10 +56,12 @@ INPUTS = (TensorSpec("text_input", "BYTES", (1,)), TensorSpec("stream", "BOOL", 
           TensorSpec("sampling_parameters", "BYTES", (1,), optional=True),
           TensorSpec("exclude_input_in_output", "BOOL", (1,), optional=True),
           TensorSpec("return_finish_reason", "BOOL", (1,), optional=True),
+          TensorSpec("return_num_input_tokens", "BOOL", (1,), optional=True),
           TensorSpec("return_num_output_tokens", "BOOL", (1,), optional=True))
 OUTPUTS = (TensorSpec("text_output", "BYTES", (1,)), TensorSpec("finish_reason", "BYTES", (1,)),
-           TensorSpec("num_output_tokens", "UINT32", (1,)))
+           TensorSpec("num_input_tokens", "UINT32", (1,)), TensorSpec("num_output_tokens", "UINT32", (1,)))
 _OUTPUT_SWITCHES = {"finish_reason": ("return_finish_reason", True),
+                    "num_input_tokens": ("return_num_input_tokens", False),
                     "num_output_tokens": ("return_num_output_tokens", False)}
 """The optional outputs (the vLLM backend's additional outputs): the BOOL input that turns each on or
 off, and whether it is on when that input is left out (finish_reason was always returned here)."""
@@ -90,6 +93,19 @@ class ServedModel:
 
     def serves(self, name: str, version: str) -> bool:
         return name == self.name and version in ("", self.version)
+
+
+@dataclass(frozen=True)
+class OutputValues:
+    """What one response reports of its request (each value goes out only if its output is requested)."""
+
+    text: str
+    finish_reason: str | None
+    """None until the request's last response."""
+    num_input_tokens: int
+    """The prompt's tokens."""
+    num_output_tokens: int
+    """The tokens generated since the request's previous response, whose text this one carries."""
 
 
 @dataclass(frozen=True)
@@ -286,16 +302,15 @@ def _outputs(request: pb.ModelInferRequest, values: Mapping[str, bytes | bool]) 
 
 # ---- responses ------------------------------------------------------------------------------
 
-def infer_response(model: ServedModel, request: InferRequest, text: str, finish_reason: str | None,
-                   num_output_tokens: int, final: bool | None = None) -> pb.ModelInferResponse:
-    """A response carrying the requested outputs (text_output; finish_reason: "" until the last
-    response; num_output_tokens: the tokens generated since the request's previous response, whose
-    text this one carries), as raw contents like Triton's; `final` sets the triton_final_response
-    parameter (streams only)."""
+def infer_response(model: ServedModel, request: InferRequest, output: OutputValues,
+                   final: bool | None = None) -> pb.ModelInferResponse:
+    """A response carrying the requested outputs (finish_reason "" until the last response), as raw
+    contents like Triton's; `final` sets the triton_final_response parameter (streams only)."""
     response = _header(model, request.id, final)
-    values = {"text_output": _bytes_element(text.encode("utf-8")),
-              "finish_reason": _bytes_element((finish_reason or "").encode("utf-8")),
-              "num_output_tokens": _UINT32.pack(num_output_tokens)}
+    values = {"text_output": _bytes_element(output.text.encode("utf-8")),
+              "finish_reason": _bytes_element((output.finish_reason or "").encode("utf-8")),
+              "num_input_tokens": _UINT32.pack(output.num_input_tokens),
+              "num_output_tokens": _UINT32.pack(output.num_output_tokens)}
     for spec in OUTPUTS:
         if spec.name in request.outputs:
             response.outputs.add(name=spec.name, datatype=spec.datatype, shape=spec.shape)

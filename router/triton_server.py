@@ -31,8 +31,9 @@ from splitserve.router.api_common import grpc_deadline, grpc_status
 from splitserve.router.api_types import GenerationInput, RouterError, StreamChunk
 from splitserve.router.orchestrator import Orchestrator
 from splitserve.router.tokenizer_pool import TokenizerPool
-from splitserve.router.triton_protocol import (InferRequest, ServedModel, empty_final_response, infer_response,
-                                               model_config, model_metadata, parse_infer_request, stream_error)
+from splitserve.router.triton_protocol import (InferRequest, OutputValues, ServedModel, empty_final_response,
+                                               infer_response, model_config, model_metadata, parse_infer_request,
+                                               stream_error)
 
 logger = logging.getLogger(__name__)
 
@@ -106,7 +107,7 @@ class TritonServicer(pb_grpc.GRPCInferenceServiceServicer):
         finally:
             if admission is not None:
                 admission.release()  # refused while parsed or tokenized, else already released
-        return self._whole(parsed, chunks, final=None)
+        return self._whole(parsed, inp, chunks, final=None)
 
     async def ModelStreamInfer(self, request_iterator: AsyncIterator[pb.ModelInferRequest],
                                context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ModelStreamInferResponse]:
@@ -163,12 +164,12 @@ class TritonServicer(pb_grpc.GRPCInferenceServiceServicer):
                     last = chunk.finish_reason is not None
                     tokens += len(chunk.token_ids)
                     if chunk.text or last:  # a token whose text is still held back is no delta
-                        yield infer_response(self.model, parsed, chunk.text, chunk.finish_reason, tokens,
-                                             last and flag_last)
+                        output = OutputValues(chunk.text, chunk.finish_reason, len(inp.prompt_token_ids), tokens)
+                        yield infer_response(self.model, parsed, output, last and flag_last)
                         tokens = 0
             else:
                 chunks = [chunk async for chunk in self.orchestrator.generate(inp, admission)]
-                yield self._whole(parsed, chunks, final=flag_last)
+                yield self._whole(parsed, inp, chunks, final=flag_last)
         finally:
             admission.release()  # refused while parsed or tokenized, else already released
         if parsed.empty_final_response:
@@ -193,12 +194,14 @@ class TritonServicer(pb_grpc.GRPCInferenceServiceServicer):
             raise RouterError("NOT_FOUND", f"unknown model {wanted}; this server serves {self.model.name!r} "
                                            f"version {self.model.version!r}")
 
-    def _whole(self, parsed: InferRequest, chunks: list[StreamChunk], final: bool | None) -> pb.ModelInferResponse:
+    def _whole(self, parsed: InferRequest, inp: GenerationInput, chunks: list[StreamChunk], final: bool | None
+               ) -> pb.ModelInferResponse:
         text = "".join(chunk.text for chunk in chunks)
         if parsed.prepend_prompt:
             text = parsed.text + text
-        tokens = sum(len(chunk.token_ids) for chunk in chunks)
-        return infer_response(self.model, parsed, text, chunks[-1].finish_reason, tokens, final)
+        output = OutputValues(text, chunks[-1].finish_reason, len(inp.prompt_token_ids),
+                              sum(len(chunk.token_ids) for chunk in chunks))
+        return infer_response(self.model, parsed, output, final)
 
 
 class _StreamResponses:

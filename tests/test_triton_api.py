@@ -17,6 +17,7 @@ import tritonclient.grpc as triton
 from google.protobuf import descriptor_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+from transformers import AutoTokenizer
 from tritonclient.grpc import model_config_pb2 as triton_model_config_pb2
 from tritonclient.grpc import service_pb2 as triton_service_pb2
 from tritonclient.utils import InferenceServerException
@@ -173,9 +174,11 @@ def test_model_metadata_lists_the_tensors(served):
                    {"name": "sampling_parameters", "datatype": "BYTES", "shape": ["1"]},
                    {"name": "exclude_input_in_output", "datatype": "BOOL", "shape": ["1"]},
                    {"name": "return_finish_reason", "datatype": "BOOL", "shape": ["1"]},
+                   {"name": "return_num_input_tokens", "datatype": "BOOL", "shape": ["1"]},
                    {"name": "return_num_output_tokens", "datatype": "BOOL", "shape": ["1"]}],
         "outputs": [{"name": "text_output", "datatype": "BYTES", "shape": ["1"]},
                     {"name": "finish_reason", "datatype": "BYTES", "shape": ["1"]},
+                    {"name": "num_input_tokens", "datatype": "UINT32", "shape": ["1"]},
                     {"name": "num_output_tokens", "datatype": "UINT32", "shape": ["1"]}]}
 
 
@@ -192,9 +195,11 @@ def test_model_config_states_the_vllm_backends_tensors_and_decoupling(served):
                   {"name": "sampling_parameters", "data_type": "TYPE_STRING", "dims": ["1"], "optional": True},
                   {"name": "exclude_input_in_output", "data_type": "TYPE_BOOL", "dims": ["1"], "optional": True},
                   {"name": "return_finish_reason", "data_type": "TYPE_BOOL", "dims": ["1"], "optional": True},
+                  {"name": "return_num_input_tokens", "data_type": "TYPE_BOOL", "dims": ["1"], "optional": True},
                   {"name": "return_num_output_tokens", "data_type": "TYPE_BOOL", "dims": ["1"], "optional": True}],
         "output": [{"name": "text_output", "data_type": "TYPE_STRING", "dims": ["1"]},
                    {"name": "finish_reason", "data_type": "TYPE_STRING", "dims": ["1"]},
+                   {"name": "num_input_tokens", "data_type": "TYPE_UINT32", "dims": ["1"]},
                    {"name": "num_output_tokens", "data_type": "TYPE_UINT32", "dims": ["1"]}],
         "model_transaction_policy": {"decoupled": True}}}
 
@@ -351,6 +356,17 @@ def test_an_additional_output_switched_off_is_not_returned(served):
     assert result.as_numpy("num_output_tokens").tolist() == [3]
 
 
+def test_num_input_tokens_counts_the_prompts_tokens_on_every_response(served, tiny_llama_dir):
+    # return_num_input_tokens, the vLLM backend's third counting switch, was refused as unexpected.
+    prompt_tokens = len(AutoTokenizer.from_pretrained(tiny_llama_dir)(PROMPT)["input_ids"])
+    results = served.stream({"inputs": [*_inputs(stream=True, sampling={**GREEDY, "max_tokens": 4}),
+                                        _switch("return_num_input_tokens", True)]})
+    whole = served.infer([*_inputs(sampling={**GREEDY, "max_tokens": 4}), _switch("return_num_input_tokens", True)])
+    assert [int(result.as_numpy("num_input_tokens")[0]) for result in results] == [prompt_tokens] * len(results)
+    assert (whole.as_numpy("num_input_tokens").tolist(), [o.name for o in whole.get_response().outputs]) == (
+        [prompt_tokens], ["text_output", "finish_reason", "num_input_tokens"])
+
+
 def test_cancelling_the_stream_aborts_its_requests(served):
     before = served.decode_generation_tokens()
     first = queue.Queue()
@@ -451,7 +467,7 @@ def test_typed_contents_are_read_like_raw_contents():
      "text_input: is not valid UTF-8 (invalid start byte at byte 0)"),
     ({"inputs": [_tensor("image", "BYTES", bytes_contents=[b"a"])]},
      "inputs: unexpected input 'image'; this model takes text_input, stream, sampling_parameters, "
-     "exclude_input_in_output, return_finish_reason, return_num_output_tokens"),
+     "exclude_input_in_output, return_finish_reason, return_num_input_tokens, return_num_output_tokens"),
     ({"inputs": [_tensor("text_input", "BYTES", bytes_contents=[b"a"])] * 2}, "text_input: is given twice"),
     ({"inputs": [_tensor("text_input", "BYTES", bytes_contents=[b"a"]),
                  _tensor("sampling_parameters", "BYTES", bytes_contents=[b"[" * 100_000])]},
@@ -463,7 +479,8 @@ def test_typed_contents_are_read_like_raw_contents():
      "has 5000 digits; use sys.set_int_max_str_digits() to increase the limit"),
     ({"inputs": [_tensor("text_input", "BYTES", bytes_contents=[b"a"])],
       "outputs": [ipb.ModelInferRequest.InferRequestedOutputTensor(name="logprobs")]},
-     "outputs: unexpected output 'logprobs'; this model returns text_output, finish_reason, num_output_tokens"),
+     "outputs: unexpected output 'logprobs'; this model returns text_output, finish_reason, num_input_tokens, "
+     "num_output_tokens"),
     ({"inputs": [_tensor("text_input", "BYTES", bytes_contents=[b"a"])],
       "outputs": [ipb.ModelInferRequest.InferRequestedOutputTensor(name="num_output_tokens")]},
      "outputs: 'num_output_tokens' is returned only with return_num_output_tokens true"),
