@@ -395,7 +395,7 @@ def test_cancelling_the_stream_aborts_its_requests(served):
     (_inputs(sampling={"ignore_eos": "yes"}), "ignore_eos: must be a boolean, got 'yes'"),
     (_inputs(sampling={"stop": [1]}), "stop: must be a string or a list of strings, got [1]"),
     (_inputs(prompt=None), "text_input: is required (BYTES, shape [1]: the prompt)"),
-    (_inputs(prompt=""), "prompt: must not be empty"),
+    (_inputs(prompt=""), "text_input: must not be empty"),
     (_inputs(stream=True), "stream: must be false in ModelInfer (one response per request); stream with "
                            "ModelStreamInfer"),
 ])
@@ -403,6 +403,18 @@ def test_bad_requests_are_invalid_argument_naming_the_input(served, inputs, mess
     with pytest.raises(InferenceServerException) as error:
         served.infer(inputs)
     assert (error.value.status(), error.value.message()) == ("StatusCode.INVALID_ARGUMENT", message)
+
+
+def test_a_prompt_over_max_model_len_is_refused_naming_text_input(served, tiny_llama_dir):
+    # The error named "prompt", an OpenAI field, not the tensor the client sent.
+    max_model_len = served.tokenizers.limits.max_model_len
+    prompt = PROMPT * (max_model_len // 4)  # several tokens per copy, and within router.max_prompt_bytes
+    tokens = len(AutoTokenizer.from_pretrained(tiny_llama_dir)(prompt)["input_ids"])
+    with pytest.raises(InferenceServerException) as error:
+        served.infer(_inputs(prompt=prompt))
+    assert (error.value.status(), error.value.message()) == (
+        "StatusCode.INVALID_ARGUMENT",
+        f"text_input: has {tokens} tokens; max_model_len is {max_model_len} (including at least one output token)")
 
 
 def test_a_failed_request_in_a_stream_is_an_error_message_and_the_stream_goes_on(served):
