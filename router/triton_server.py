@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import importlib.metadata
 import logging
+import uuid
 from collections.abc import AsyncIterator
 
 import grpc
@@ -182,7 +183,7 @@ class TritonServicer(pb_grpc.GRPCInferenceServiceServicer):
         self._check_model(request.model_name, request.model_version)
         limits = self.tokenizers.limits
         parsed = parse_infer_request(request, limits)
-        request_id = self.orchestrator.new_request_id(request.id)
+        request_id = _router_request_id(request.id)
         token_ids = await self.tokenizers.encode(parsed.text)
         self.orchestrator.validate_prompt(token_ids, "text_input")  # else the error would name "prompt"
         limits.check_max_tokens(len(token_ids), parsed.sampling, parsed.max_tokens_field)
@@ -203,6 +204,15 @@ class TritonServicer(pb_grpc.GRPCInferenceServiceServicer):
         output = OutputValues(text, chunks[-1].finish_reason, len(inp.prompt_token_ids),
                               sum(len(chunk.token_ids) for chunk in chunks))
         return infer_response(self.model, parsed, output, final)
+
+
+def _router_request_id(client_id: str) -> str:
+    """The id the router knows a request by: unique, because a Triton request id is the client's tag
+    and several in flight may share one (the vLLM backend's sample client numbers its requests from
+    "0", so two of them send the same ids at once); led by the client's id so the router's logs
+    still name it."""
+    unique = uuid.uuid4().hex
+    return f"{client_id}-{unique}" if client_id else unique
 
 
 class _StreamResponses:

@@ -290,6 +290,17 @@ def test_concurrent_requests_on_one_stream_are_told_apart_by_id(served):
     assert sorted(r.get_response().id for r in results if _final(r)) == ["a", "b"]
 
 
+def test_requests_in_flight_may_share_an_id(served):
+    # Triton request ids are the client's tags: the vLLM backend's sample client numbers its requests
+    # from "0", so two such clients send the same ids at once. The second request with an id in
+    # flight was refused (INVALID_ARGUMENT: request_id: '0' is already in flight).
+    _, expected = served.grpc_text(temperature=0, max_tokens=LONG // 10, ignore_eos=True)
+    request = {"inputs": _inputs(sampling={**GREEDY, "max_tokens": LONG // 10}, exclude_input=True), "request_id": "0"}
+    results = served.stream(request, request, request)  # run concurrently; one response each
+    assert [(r.get_response().id, _text(r), _text(r, "finish_reason"), _final(r)) for r in results] == [
+        ("0", expected, "length", True)] * 3
+
+
 def test_max_tokens_given_as_strings_like_the_vllm_sample_client(served):
     token_ids, expected = served.grpc_text(temperature=0, max_tokens=5, ignore_eos=True)
     _, longer = served.grpc_text(temperature=0, max_tokens=12, ignore_eos=True)
