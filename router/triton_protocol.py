@@ -3,10 +3,13 @@ ModelInferRequests parsed into typed requests, and text rendered as ModelInferRe
 
 Inputs (each of shape [1]): `text_input` (BYTES, the prompt, UTF-8; required), `stream` (BOOL:
 one response per text delta), `sampling_parameters` (BYTES: a JSON object of vLLM sampling
-parameters) and `exclude_input_in_output` (BOOL). Outputs: `text_output` and `finish_reason`
-(BYTES, shape [1]). Sampling values may be JSON numbers/booleans or strings holding them (the
-vLLM backend's sample client sends `{"temperature": "0.1"}`); without the sampling_parameters
-tensor, the request's own parameters are read the same way (as the vLLM backend does).
+parameters), `exclude_input_in_output` (BOOL) and the vLLM backend's additional-output switches
+`return_finish_reason`, `return_num_input_tokens` and `return_num_output_tokens` (BOOL). Outputs
+(shape [1]): `text_output` and `finish_reason` (BYTES), `num_input_tokens` and `num_output_tokens`
+(UINT32) when asked for. Sampling values
+may be JSON numbers/booleans or strings holding them (the vLLM backend's sample client sends
+`{"temperature": "0.1"}`); without the sampling_parameters tensor, the request's own parameters
+are read the same way (as the vLLM backend does).
 
 This module is the gRPC edge of the Triton API: protocol messages exist only here and in the
 servicer. Parsing raises InvalidRequestError naming the offending input or parameter; sampling
@@ -32,9 +35,12 @@ FINAL_RESPONSE = "triton_final_response"
 EMPTY_FINAL_RESPONSE = "triton_enable_empty_final_response"
 """Request parameter (bool): end the request's responses with an empty one flagged final."""
 UNSUPPORTED_PARAMETERS = ("sequence_id", "sequence_start", "sequence_end", "priority", "timeout")
-"""Triton's reserved request parameters this server does not implement (refused when set)."""
+"""Triton's reserved request parameters this server does not implement (refused when set; the first
+one set, in this order, is named)."""
 _LENGTH = struct.Struct("<I")
 """The length prefix of each element of a raw BYTES tensor."""
+_UINT32 = struct.Struct("<I")
+"""A raw UINT32 element."""
 
 
 @dataclass(frozen=True)
@@ -42,12 +48,26 @@ class TensorSpec:
     name: str
     datatype: str
     shape: tuple[int, ...]
+    optional: bool = False
+    """An input a request may leave out."""
 
 
-INPUTS = (TensorSpec("text_input", "BYTES", (1,)), TensorSpec("stream", "BOOL", (1,)),
-          TensorSpec("sampling_parameters", "BYTES", (1,)), TensorSpec("exclude_input_in_output", "BOOL", (1,)))
-OUTPUTS = (TensorSpec("text_output", "BYTES", (1,)), TensorSpec("finish_reason", "BYTES", (1,)))
+INPUTS = (TensorSpec("text_input", "BYTES", (1,)), TensorSpec("stream", "BOOL", (1,), optional=True),
+          TensorSpec("sampling_parameters", "BYTES", (1,), optional=True),
+          TensorSpec("exclude_input_in_output", "BOOL", (1,), optional=True),
+          TensorSpec("return_finish_reason", "BOOL", (1,), optional=True),
+          TensorSpec("return_num_input_tokens", "BOOL", (1,), optional=True),
+          TensorSpec("return_num_output_tokens", "BOOL", (1,), optional=True))
+OUTPUTS = (TensorSpec("text_output", "BYTES", (1,)), TensorSpec("finish_reason", "BYTES", (1,)),
+           TensorSpec("num_input_tokens", "UINT32", (1,)), TensorSpec("num_output_tokens", "UINT32", (1,)))
+_OUTPUT_SWITCHES = {"finish_reason": ("return_finish_reason", True),
+                    "num_input_tokens": ("return_num_input_tokens", False),
+                    "num_output_tokens": ("return_num_output_tokens", False)}
+"""The optional outputs (the vLLM backend's additional outputs): the BOOL input that turns each on or
+off, and whether it is on when that input is left out (finish_reason was always returned here)."""
 _INPUTS = {spec.name: spec for spec in INPUTS}
+_CONFIG_DATATYPES = {"BYTES": pb.TYPE_STRING, "BOOL": pb.TYPE_BOOL, "UINT32": pb.TYPE_UINT32}
+"""The model configuration's DataType of each tensor datatype used (Triton's TYPE_STRING is BYTES)."""
 _OUTPUT_NAMES = tuple(spec.name for spec in OUTPUTS)
 
 _FLOAT = "a number"
@@ -76,6 +96,19 @@ class ServedModel:
 
 
 @dataclass(frozen=True)
+class OutputValues:
+    """What one response reports of its request (each value goes out only if its output is requested)."""
+
+    text: str
+    finish_reason: str | None
+    """None until the request's last response."""
+    num_input_tokens: int
+    """The prompt's tokens."""
+    num_output_tokens: int
+    """The tokens generated since the request's previous response, whose text this one carries."""
+
+
+@dataclass(frozen=True)
 class InferRequest:
     """A validated ModelInferRequest."""
 
@@ -90,7 +123,8 @@ class InferRequest:
     max_tokens_field: str | None
     """"max_tokens" when the request set it, None when it took the default (RequestLimits.check_max_tokens)."""
     outputs: tuple[str, ...]
-    """The output tensors to return, in OUTPUTS order (all unless the request names some)."""
+    """The output tensors to return, in OUTPUTS order: text_output and each optional output its switch
+    turns on, narrowed to those the request names, if it names some."""
     empty_final_response: bool
     """End a stream's responses to this request with an empty one flagged final."""
 
@@ -119,7 +153,7 @@ def parse_infer_request(request: pb.ModelInferRequest, limits: RequestLimits) ->
     sampling = _sampling_params(options, source)
     max_tokens_field = "max_tokens" if options.get("max_tokens") is not None else None
     limits.check_sampling(sampling, max_tokens_field)
-    return InferRequest(request.id, text, stream, prepend, sampling, max_tokens_field, _requested_outputs(request),
+    return InferRequest(request.id, text, stream, prepend, sampling, max_tokens_field, _outputs(request, values),
                         empty_final)
 
 
@@ -195,13 +229,18 @@ def _json_object(text: str, name: str) -> dict[str, Any]:
 
 def _request_parameters(parameters: Mapping[str, pb.InferParameter]) -> tuple[dict[str, Any], bool]:
     """(sampling options given as request parameters, whether an empty final response was asked for)."""
+    # tritonclient sends sequence_start and sequence_end with every sequence_id; name the one the
+    # caller set (the map's order is not the client's).
+    for key in UNSUPPORTED_PARAMETERS:
+        if key in parameters:
+            raise InvalidRequestError(f"parameters.{key}", "is not supported by this server")
     options: dict[str, Any] = {}
     empty_final = False
     for key, parameter in parameters.items():
         value = getattr(parameter, parameter.WhichOneof("parameter_choice") or "string_param")
         if key == EMPTY_FINAL_RESPONSE:
             empty_final = _coerce(f"parameters.{key}", value, _BOOL)
-        elif key in UNSUPPORTED_PARAMETERS or key.startswith("triton_"):
+        elif key.startswith("triton_"):
             raise InvalidRequestError(f"parameters.{key}", "is not supported by this server")
         else:
             options[key] = value
@@ -246,28 +285,36 @@ def _typed_list(value: Any, kind: type) -> list:
     return value
 
 
-def _requested_outputs(request: pb.ModelInferRequest) -> tuple[str, ...]:
+def _outputs(request: pb.ModelInferRequest, values: Mapping[str, bytes | bool]) -> tuple[str, ...]:
+    """The outputs produced (as the vLLM backend: text_output, and each optional one its switch input
+    turns on), narrowed to those the request names; naming one that is switched off is refused."""
+    produced = [name for name in _OUTPUT_NAMES
+                if name not in _OUTPUT_SWITCHES or values.get(*_OUTPUT_SWITCHES[name])]
     names = [output.name for output in request.outputs]
-    unknown = [name for name in names if name not in _OUTPUT_NAMES]
-    if unknown:
-        raise InvalidRequestError("outputs", f"unexpected output {unknown[0]!r}; this model returns "
-                                             f"{', '.join(_OUTPUT_NAMES)}")
-    return tuple(name for name in _OUTPUT_NAMES if not names or name in names)
+    for name in names:
+        if name not in _OUTPUT_NAMES:
+            raise InvalidRequestError("outputs", f"unexpected output {name!r}; this model returns "
+                                                 f"{', '.join(_OUTPUT_NAMES)}")
+        if name not in produced:
+            raise InvalidRequestError("outputs", f"{name!r} is returned only with {_OUTPUT_SWITCHES[name][0]} true")
+    return tuple(name for name in produced if not names or name in names)
 
 
 # ---- responses ------------------------------------------------------------------------------
 
-def infer_response(model: ServedModel, request: InferRequest, text: str, finish_reason: str | None,
+def infer_response(model: ServedModel, request: InferRequest, output: OutputValues,
                    final: bool | None = None) -> pb.ModelInferResponse:
-    """A response carrying the requested outputs (text_output, finish_reason: "" until the last
-    response), as raw contents like Triton's; `final` sets the triton_final_response parameter
-    (streams only)."""
+    """A response carrying the requested outputs (finish_reason "" until the last response), as raw
+    contents like Triton's; `final` sets the triton_final_response parameter (streams only)."""
     response = _header(model, request.id, final)
-    values = {"text_output": text, "finish_reason": finish_reason or ""}
+    values = {"text_output": _bytes_element(output.text.encode("utf-8")),
+              "finish_reason": _bytes_element((output.finish_reason or "").encode("utf-8")),
+              "num_input_tokens": _UINT32.pack(output.num_input_tokens),
+              "num_output_tokens": _UINT32.pack(output.num_output_tokens)}
     for spec in OUTPUTS:
         if spec.name in request.outputs:
             response.outputs.add(name=spec.name, datatype=spec.datatype, shape=spec.shape)
-            response.raw_output_contents.append(_bytes_element(values[spec.name].encode("utf-8")))
+            response.raw_output_contents.append(values[spec.name])
     return response
 
 
@@ -285,6 +332,17 @@ def stream_error(model: ServedModel, request_id: str, message: str) -> pb.ModelS
 def model_metadata(model: ServedModel) -> pb.ModelMetadataResponse:
     return pb.ModelMetadataResponse(name=model.name, versions=[model.version], platform=model.platform,
                                     inputs=_tensor_metadata(INPUTS), outputs=_tensor_metadata(OUTPUTS))
+
+
+def model_config(model: ServedModel) -> pb.ModelConfigResponse:
+    """The configuration a Triton vLLM-backend model states: no batch dimension (max_batch_size 0,
+    each request one prompt), decoupled (any number of responses per request in ModelStreamInfer)."""
+    inputs = [pb.ModelInput(name=s.name, data_type=_CONFIG_DATATYPES[s.datatype], dims=s.shape, optional=s.optional)
+              for s in INPUTS]
+    outputs = [pb.ModelOutput(name=s.name, data_type=_CONFIG_DATATYPES[s.datatype], dims=s.shape) for s in OUTPUTS]
+    config = pb.ModelConfig(name=model.name, platform=model.platform, max_batch_size=0, input=inputs, output=outputs,
+                            model_transaction_policy=pb.ModelTransactionPolicy(decoupled=True))
+    return pb.ModelConfigResponse(config=config)
 
 
 def _tensor_metadata(specs: Sequence[TensorSpec]) -> list[pb.ModelMetadataResponse.TensorMetadata]:

@@ -2,8 +2,8 @@
 port, so unmodified `tritonclient[grpc]` clients of Triton's vLLM backend work.
 
 A thin adapter over the same Orchestrator as the other APIs; tensors are parsed and rendered by
-router/triton_protocol.py. RPCs: ServerLive, ServerReady, ModelReady, ModelMetadata, ModelInfer
-(one response with the whole output) and ModelStreamInfer (decoupled: a stream's requests run
+router/triton_protocol.py. RPCs: ServerLive, ServerReady, ServerMetadata, ModelReady, ModelMetadata,
+ModelConfig, ModelInfer (one response with the whole output) and ModelStreamInfer (decoupled: a stream's requests run
 concurrently; with `stream` true each gets one response per text delta, else one with the whole
 output; the last response to a request carries the parameter triton_final_response = true, or,
 when the request set triton_enable_empty_final_response, an empty response does).
@@ -17,7 +17,9 @@ reads "<CODE>: <message>" and the stream carries on.
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import logging
+import uuid
 from collections.abc import AsyncIterator
 
 import grpc
@@ -30,14 +32,19 @@ from splitserve.router.api_common import grpc_deadline, grpc_status
 from splitserve.router.api_types import GenerationInput, RouterError, StreamChunk
 from splitserve.router.orchestrator import Orchestrator
 from splitserve.router.tokenizer_pool import TokenizerPool
-from splitserve.router.triton_protocol import (InferRequest, ServedModel, empty_final_response, infer_response,
-                                               model_metadata, parse_infer_request, stream_error)
+from splitserve.router.triton_protocol import (InferRequest, OutputValues, ServedModel, empty_final_response,
+                                               infer_response, model_config, model_metadata, parse_infer_request,
+                                               stream_error)
 
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
 MODEL_VERSION = "1"
 PLATFORM = "splitserve"
+SERVER_NAME = "splitserve"
+EXTENSIONS = ("parameters",)
+"""The KServe v2 protocol extensions served: request and response parameters (sampling options,
+triton_final_response); not the model repository, statistics, trace, logging or shared memory."""
 
 
 class TritonServicer(pb_grpc.GRPCInferenceServiceServicer):
@@ -58,6 +65,11 @@ class TritonServicer(pb_grpc.GRPCInferenceServiceServicer):
                           ) -> pb.ServerReadyResponse:
         return pb.ServerReadyResponse(ready=self.orchestrator.is_ready)
 
+    async def ServerMetadata(self, request: pb.ServerMetadataRequest, context: grpc.aio.ServicerContext
+                             ) -> pb.ServerMetadataResponse:
+        return pb.ServerMetadataResponse(name=SERVER_NAME, version=importlib.metadata.version("splitserve"),
+                                         extensions=EXTENSIONS)
+
     async def ModelReady(self, request: pb.ModelReadyRequest, context: grpc.aio.ServicerContext
                          ) -> pb.ModelReadyResponse:
         return pb.ModelReadyResponse(ready=self.model.serves(request.name, request.version)
@@ -70,6 +82,14 @@ class TritonServicer(pb_grpc.GRPCInferenceServiceServicer):
         except RouterError as error:
             await context.abort(*grpc_status(error))
         return model_metadata(self.model)
+
+    async def ModelConfig(self, request: pb.ModelConfigRequest, context: grpc.aio.ServicerContext
+                          ) -> pb.ModelConfigResponse:
+        try:
+            self._check_model(request.name, request.version)
+        except RouterError as error:
+            await context.abort(*grpc_status(error))
+        return model_config(self.model)
 
     # ---- inference -----------------------------------------------------------------------
     async def ModelInfer(self, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext
@@ -88,7 +108,7 @@ class TritonServicer(pb_grpc.GRPCInferenceServiceServicer):
         finally:
             if admission is not None:
                 admission.release()  # refused while parsed or tokenized, else already released
-        return self._whole(parsed, chunks, final=None)
+        return self._whole(parsed, inp, chunks, final=None)
 
     async def ModelStreamInfer(self, request_iterator: AsyncIterator[pb.ModelInferRequest],
                                context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ModelStreamInferResponse]:
@@ -140,13 +160,17 @@ class TritonServicer(pb_grpc.GRPCInferenceServiceServicer):
             parsed, inp = await self._input(request, context)
             flag_last = not parsed.empty_final_response
             if parsed.stream:
+                tokens = 0  # generated since the last response (whose text may have been held back)
                 async for chunk in self.orchestrator.generate(inp, admission):
                     last = chunk.finish_reason is not None
+                    tokens += len(chunk.token_ids)
                     if chunk.text or last:  # a token whose text is still held back is no delta
-                        yield infer_response(self.model, parsed, chunk.text, chunk.finish_reason, last and flag_last)
+                        output = OutputValues(chunk.text, chunk.finish_reason, len(inp.prompt_token_ids), tokens)
+                        yield infer_response(self.model, parsed, output, last and flag_last)
+                        tokens = 0
             else:
                 chunks = [chunk async for chunk in self.orchestrator.generate(inp, admission)]
-                yield self._whole(parsed, chunks, final=flag_last)
+                yield self._whole(parsed, inp, chunks, final=flag_last)
         finally:
             admission.release()  # refused while parsed or tokenized, else already released
         if parsed.empty_final_response:
@@ -159,8 +183,9 @@ class TritonServicer(pb_grpc.GRPCInferenceServiceServicer):
         self._check_model(request.model_name, request.model_version)
         limits = self.tokenizers.limits
         parsed = parse_infer_request(request, limits)
-        request_id = self.orchestrator.new_request_id(request.id)
+        request_id = _router_request_id(request.id)
         token_ids = await self.tokenizers.encode(parsed.text)
+        self.orchestrator.validate_prompt(token_ids, "text_input")  # else the error would name "prompt"
         limits.check_max_tokens(len(token_ids), parsed.sampling, parsed.max_tokens_field)
         return parsed, GenerationInput(request_id, token_ids, parsed.sampling,
                                        grpc_deadline(context, self.request_timeout_s))
@@ -171,11 +196,23 @@ class TritonServicer(pb_grpc.GRPCInferenceServiceServicer):
             raise RouterError("NOT_FOUND", f"unknown model {wanted}; this server serves {self.model.name!r} "
                                            f"version {self.model.version!r}")
 
-    def _whole(self, parsed: InferRequest, chunks: list[StreamChunk], final: bool | None) -> pb.ModelInferResponse:
+    def _whole(self, parsed: InferRequest, inp: GenerationInput, chunks: list[StreamChunk], final: bool | None
+               ) -> pb.ModelInferResponse:
         text = "".join(chunk.text for chunk in chunks)
         if parsed.prepend_prompt:
             text = parsed.text + text
-        return infer_response(self.model, parsed, text, chunks[-1].finish_reason, final)
+        output = OutputValues(text, chunks[-1].finish_reason, len(inp.prompt_token_ids),
+                              sum(len(chunk.token_ids) for chunk in chunks))
+        return infer_response(self.model, parsed, output, final)
+
+
+def _router_request_id(client_id: str) -> str:
+    """The id the router knows a request by: unique, because a Triton request id is the client's tag
+    and several in flight may share one (the vLLM backend's sample client numbers its requests from
+    "0", so two of them send the same ids at once); led by the client's id so the router's logs
+    still name it."""
+    unique = uuid.uuid4().hex
+    return f"{client_id}-{unique}" if client_id else unique
 
 
 class _StreamResponses:

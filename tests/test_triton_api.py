@@ -6,6 +6,7 @@ the splitserve gRPC API's greedy text, sampling parameters, errors, and cancella
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import queue
 
@@ -16,6 +17,8 @@ import tritonclient.grpc as triton
 from google.protobuf import descriptor_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+from transformers import AutoTokenizer
+from tritonclient.grpc import model_config_pb2 as triton_model_config_pb2
 from tritonclient.grpc import service_pb2 as triton_service_pb2
 from tritonclient.utils import InferenceServerException
 
@@ -107,6 +110,10 @@ def _fields(descriptor) -> list[tuple]:
     return [(f.name, f.number, f.type, f.label, f.type_name) for f in proto.field]
 
 
+SENT_ONLY = {"inference.ModelConfig", "inference.ModelInput", "inference.ModelOutput"}
+"""Parts of model_config.proto declared as a subset (the server only sends them)."""
+
+
 def _messages(file) -> dict:
     """Every message of a file (nested ones too) by full name."""
     found, pending = {}, list(file.message_types_by_name.values())
@@ -118,14 +125,21 @@ def _messages(file) -> dict:
 
 
 def test_every_message_and_method_matches_tritonclients_protocol():
-    ours, theirs = _messages(ipb.DESCRIPTOR), _messages(triton_service_pb2.DESCRIPTOR)
-    assert len(ours) == 22
+    ours = _messages(ipb.DESCRIPTOR)
+    theirs = {**_messages(triton_service_pb2.DESCRIPTOR), **_messages(triton_model_config_pb2.DESCRIPTOR)}
+    assert len(ours) == 30
     for name, message in ours.items():
-        assert _fields(message) == _fields(theirs[name]), name
+        if name in SENT_ONLY:  # declared with the fields the server sets, each as the protocol numbers it
+            assert set(_fields(message)) < set(_fields(theirs[name])), name
+        else:
+            assert _fields(message) == _fields(theirs[name]), name
+    data_type = triton_model_config_pb2.DESCRIPTOR.enum_types_by_name["DataType"]
+    assert [(v.name, v.number) for v in ipb.DataType.DESCRIPTOR.values] == [(v.name, v.number)
+                                                                           for v in data_type.values]
     service = ipb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
     reference = triton_service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"]
-    assert [m.name for m in service.methods] == ["ServerLive", "ServerReady", "ModelReady", "ModelMetadata",
-                                                 "ModelInfer", "ModelStreamInfer"]
+    assert [m.name for m in service.methods] == ["ServerLive", "ServerReady", "ServerMetadata", "ModelReady",
+                                                 "ModelMetadata", "ModelConfig", "ModelInfer", "ModelStreamInfer"]
     for method in service.methods:
         other = reference.methods_by_name[method.name]
         assert (method.input_type.full_name, method.output_type.full_name, method.client_streaming,
@@ -142,6 +156,14 @@ def test_server_and_model_readiness(served):
                 client.is_model_ready("llama-70b")] == [True, True, False, False]
 
 
+def test_server_metadata_names_splitserve_and_its_version(served):
+    # tritonclient's get_server_metadata, often a new client's first call, was UNIMPLEMENTED.
+    with served.client() as client:
+        metadata = client.get_server_metadata(as_json=True)
+    assert metadata == {"name": "splitserve", "version": importlib.metadata.version("splitserve"),
+                        "extensions": ["parameters"]}
+
+
 def test_model_metadata_lists_the_tensors(served):
     with served.client() as client:
         metadata = client.get_model_metadata(MODEL, as_json=True)
@@ -150,21 +172,52 @@ def test_model_metadata_lists_the_tensors(served):
         "inputs": [{"name": "text_input", "datatype": "BYTES", "shape": ["1"]},
                    {"name": "stream", "datatype": "BOOL", "shape": ["1"]},
                    {"name": "sampling_parameters", "datatype": "BYTES", "shape": ["1"]},
-                   {"name": "exclude_input_in_output", "datatype": "BOOL", "shape": ["1"]}],
+                   {"name": "exclude_input_in_output", "datatype": "BOOL", "shape": ["1"]},
+                   {"name": "return_finish_reason", "datatype": "BOOL", "shape": ["1"]},
+                   {"name": "return_num_input_tokens", "datatype": "BOOL", "shape": ["1"]},
+                   {"name": "return_num_output_tokens", "datatype": "BOOL", "shape": ["1"]}],
         "outputs": [{"name": "text_output", "datatype": "BYTES", "shape": ["1"]},
-                    {"name": "finish_reason", "datatype": "BYTES", "shape": ["1"]}]}
+                    {"name": "finish_reason", "datatype": "BYTES", "shape": ["1"]},
+                    {"name": "num_input_tokens", "datatype": "UINT32", "shape": ["1"]},
+                    {"name": "num_output_tokens", "datatype": "UINT32", "shape": ["1"]}]}
+
+
+def test_model_config_states_the_vllm_backends_tensors_and_decoupling(served):
+    # tritonclient's get_model_config (which perf_analyzer and genai-perf read for the tensors and
+    # decoupling) was UNIMPLEMENTED.
+    with served.client() as client:
+        config = client.get_model_config(MODEL, as_json=True)
+        versioned = client.get_model_config(MODEL, "1", as_json=True)
+    assert config == versioned == {"config": {
+        "name": MODEL, "platform": "splitserve",
+        "input": [{"name": "text_input", "data_type": "TYPE_STRING", "dims": ["1"]},
+                  {"name": "stream", "data_type": "TYPE_BOOL", "dims": ["1"], "optional": True},
+                  {"name": "sampling_parameters", "data_type": "TYPE_STRING", "dims": ["1"], "optional": True},
+                  {"name": "exclude_input_in_output", "data_type": "TYPE_BOOL", "dims": ["1"], "optional": True},
+                  {"name": "return_finish_reason", "data_type": "TYPE_BOOL", "dims": ["1"], "optional": True},
+                  {"name": "return_num_input_tokens", "data_type": "TYPE_BOOL", "dims": ["1"], "optional": True},
+                  {"name": "return_num_output_tokens", "data_type": "TYPE_BOOL", "dims": ["1"], "optional": True}],
+        "output": [{"name": "text_output", "data_type": "TYPE_STRING", "dims": ["1"]},
+                   {"name": "finish_reason", "data_type": "TYPE_STRING", "dims": ["1"]},
+                   {"name": "num_input_tokens", "data_type": "TYPE_UINT32", "dims": ["1"]},
+                   {"name": "num_output_tokens", "data_type": "TYPE_UINT32", "dims": ["1"]}],
+        "model_transaction_policy": {"decoupled": True}}}
 
 
 def test_an_unknown_model_is_not_found(served):
     with served.client() as client:
         with pytest.raises(InferenceServerException) as metadata_error:
             client.get_model_metadata("llama-70b")
+        with pytest.raises(InferenceServerException) as config_error:
+            client.get_model_config(MODEL, "2")
     with pytest.raises(InferenceServerException) as infer_error:
         served.infer(_inputs(), model_version="7")
     assert (metadata_error.value.status(), metadata_error.value.message()) == (
         "StatusCode.NOT_FOUND", "unknown model 'llama-70b'; this server serves 'tiny-llama' version '1'")
     assert (infer_error.value.status(), infer_error.value.message()) == (
         "StatusCode.NOT_FOUND", "unknown model 'tiny-llama' version '7'; this server serves 'tiny-llama' version '1'")
+    assert (config_error.value.status(), config_error.value.message()) == (
+        "StatusCode.NOT_FOUND", "unknown model 'tiny-llama' version '2'; this server serves 'tiny-llama' version '1'")
 
 
 def test_health_and_reflection_know_the_service(served):
@@ -237,6 +290,17 @@ def test_concurrent_requests_on_one_stream_are_told_apart_by_id(served):
     assert sorted(r.get_response().id for r in results if _final(r)) == ["a", "b"]
 
 
+def test_requests_in_flight_may_share_an_id(served):
+    # Triton request ids are the client's tags: the vLLM backend's sample client numbers its requests
+    # from "0", so two such clients send the same ids at once. The second request with an id in
+    # flight was refused (INVALID_ARGUMENT: request_id: '0' is already in flight).
+    _, expected = served.grpc_text(temperature=0, max_tokens=LONG // 10, ignore_eos=True)
+    request = {"inputs": _inputs(sampling={**GREEDY, "max_tokens": LONG // 10}, exclude_input=True), "request_id": "0"}
+    results = served.stream(request, request, request)  # run concurrently; one response each
+    assert [(r.get_response().id, _text(r), _text(r, "finish_reason"), _final(r)) for r in results] == [
+        ("0", expected, "length", True)] * 3
+
+
 def test_max_tokens_given_as_strings_like_the_vllm_sample_client(served):
     token_ids, expected = served.grpc_text(temperature=0, max_tokens=5, ignore_eos=True)
     _, longer = served.grpc_text(temperature=0, max_tokens=12, ignore_eos=True)
@@ -274,6 +338,46 @@ def test_only_the_requested_outputs_are_returned(served):
     assert result.as_numpy("finish_reason") is None
 
 
+def _switch(name: str, value: bool) -> triton.InferInput:
+    tensor = triton.InferInput(name, [1], "BOOL")
+    tensor.set_data_from_numpy(np.array([value], dtype=bool))
+    return tensor
+
+
+def test_the_vllm_backends_additional_outputs_example_streams(served):
+    # The vLLM backend's documented example (docs/additional_outputs.md) sends return_finish_reason
+    # and return_num_output_tokens; both inputs were refused as unexpected.
+    token_ids, expected = served.grpc_text(temperature=0, max_tokens=12, ignore_eos=True)
+    inputs = [*_inputs(stream=True, sampling={**GREEDY, "max_tokens": 12}),
+              _switch("return_finish_reason", True), _switch("return_num_output_tokens", True)]
+    results = served.stream({"inputs": inputs})
+    counts = [int(result.as_numpy("num_output_tokens")[0]) for result in results]
+    assert [o.name for o in results[0].get_response().outputs] == ["text_output", "finish_reason",
+                                                                   "num_output_tokens"]
+    assert "".join(_text(result) for result in results) == expected
+    assert [_text(result, "finish_reason") for result in results] == [""] * (len(results) - 1) + ["length"]
+    assert (sum(counts), min(counts) >= 1, results[0].as_numpy("num_output_tokens").dtype) == (
+        len(token_ids), True, np.uint32)
+
+
+def test_an_additional_output_switched_off_is_not_returned(served):
+    result = served.infer([*_inputs(sampling={**GREEDY, "max_tokens": 3}, exclude_input=True),
+                           _switch("return_finish_reason", False), _switch("return_num_output_tokens", True)])
+    assert [o.name for o in result.get_response().outputs] == ["text_output", "num_output_tokens"]
+    assert result.as_numpy("num_output_tokens").tolist() == [3]
+
+
+def test_num_input_tokens_counts_the_prompts_tokens_on_every_response(served, tiny_llama_dir):
+    # return_num_input_tokens, the vLLM backend's third counting switch, was refused as unexpected.
+    prompt_tokens = len(AutoTokenizer.from_pretrained(tiny_llama_dir)(PROMPT)["input_ids"])
+    results = served.stream({"inputs": [*_inputs(stream=True, sampling={**GREEDY, "max_tokens": 4}),
+                                        _switch("return_num_input_tokens", True)]})
+    whole = served.infer([*_inputs(sampling={**GREEDY, "max_tokens": 4}), _switch("return_num_input_tokens", True)])
+    assert [int(result.as_numpy("num_input_tokens")[0]) for result in results] == [prompt_tokens] * len(results)
+    assert (whole.as_numpy("num_input_tokens").tolist(), [o.name for o in whole.get_response().outputs]) == (
+        [prompt_tokens], ["text_output", "finish_reason", "num_input_tokens"])
+
+
 def test_cancelling_the_stream_aborts_its_requests(served):
     before = served.decode_generation_tokens()
     first = queue.Queue()
@@ -302,7 +406,7 @@ def test_cancelling_the_stream_aborts_its_requests(served):
     (_inputs(sampling={"ignore_eos": "yes"}), "ignore_eos: must be a boolean, got 'yes'"),
     (_inputs(sampling={"stop": [1]}), "stop: must be a string or a list of strings, got [1]"),
     (_inputs(prompt=None), "text_input: is required (BYTES, shape [1]: the prompt)"),
-    (_inputs(prompt=""), "prompt: must not be empty"),
+    (_inputs(prompt=""), "text_input: must not be empty"),
     (_inputs(stream=True), "stream: must be false in ModelInfer (one response per request); stream with "
                            "ModelStreamInfer"),
 ])
@@ -310,6 +414,18 @@ def test_bad_requests_are_invalid_argument_naming_the_input(served, inputs, mess
     with pytest.raises(InferenceServerException) as error:
         served.infer(inputs)
     assert (error.value.status(), error.value.message()) == ("StatusCode.INVALID_ARGUMENT", message)
+
+
+def test_a_prompt_over_max_model_len_is_refused_naming_text_input(served, tiny_llama_dir):
+    # The error named "prompt", an OpenAI field, not the tensor the client sent.
+    max_model_len = served.tokenizers.limits.max_model_len
+    prompt = PROMPT * (max_model_len // 4)  # several tokens per copy, and within router.max_prompt_bytes
+    tokens = len(AutoTokenizer.from_pretrained(tiny_llama_dir)(prompt)["input_ids"])
+    with pytest.raises(InferenceServerException) as error:
+        served.infer(_inputs(prompt=prompt))
+    assert (error.value.status(), error.value.message()) == (
+        "StatusCode.INVALID_ARGUMENT",
+        f"text_input: has {tokens} tokens; max_model_len is {max_model_len} (including at least one output token)")
 
 
 def test_a_failed_request_in_a_stream_is_an_error_message_and_the_stream_goes_on(served):
@@ -327,6 +443,15 @@ def test_unsupported_triton_parameters_are_refused(served):
     with pytest.raises(InferenceServerException) as error:
         served.infer(_inputs(), priority=3)
     assert error.value.message() == "parameters.priority: is not supported by this server"
+
+
+def test_a_sequence_id_is_refused_by_its_own_name(served):
+    # tritonclient sends sequence_start and sequence_end beside sequence_id; the error named
+    # whichever the parameter map listed first (sequence_end).
+    with pytest.raises(InferenceServerException) as error:
+        served.infer(_inputs(), sequence_id=5, sequence_start=True)
+    assert (error.value.status(), error.value.message()) == (
+        "StatusCode.INVALID_ARGUMENT", "parameters.sequence_id: is not supported by this server")
 
 
 # ---- parsing, below the client ------------------------------------------------------------
@@ -365,7 +490,7 @@ def test_typed_contents_are_read_like_raw_contents():
      "text_input: is not valid UTF-8 (invalid start byte at byte 0)"),
     ({"inputs": [_tensor("image", "BYTES", bytes_contents=[b"a"])]},
      "inputs: unexpected input 'image'; this model takes text_input, stream, sampling_parameters, "
-     "exclude_input_in_output"),
+     "exclude_input_in_output, return_finish_reason, return_num_input_tokens, return_num_output_tokens"),
     ({"inputs": [_tensor("text_input", "BYTES", bytes_contents=[b"a"])] * 2}, "text_input: is given twice"),
     ({"inputs": [_tensor("text_input", "BYTES", bytes_contents=[b"a"]),
                  _tensor("sampling_parameters", "BYTES", bytes_contents=[b"[" * 100_000])]},
@@ -377,7 +502,11 @@ def test_typed_contents_are_read_like_raw_contents():
      "has 5000 digits; use sys.set_int_max_str_digits() to increase the limit"),
     ({"inputs": [_tensor("text_input", "BYTES", bytes_contents=[b"a"])],
       "outputs": [ipb.ModelInferRequest.InferRequestedOutputTensor(name="logprobs")]},
-     "outputs: unexpected output 'logprobs'; this model returns text_output, finish_reason"),
+     "outputs: unexpected output 'logprobs'; this model returns text_output, finish_reason, num_input_tokens, "
+     "num_output_tokens"),
+    ({"inputs": [_tensor("text_input", "BYTES", bytes_contents=[b"a"])],
+      "outputs": [ipb.ModelInferRequest.InferRequestedOutputTensor(name="num_output_tokens")]},
+     "outputs: 'num_output_tokens' is returned only with return_num_output_tokens true"),
     ({"inputs": [_tensor("text_input", "BYTES", bytes_contents=[b"a"])],
       "parameters": {"sequence_id": ipb.InferParameter(int64_param=4)}},
      "parameters.sequence_id: is not supported by this server"),

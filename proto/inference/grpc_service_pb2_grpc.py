@@ -45,6 +45,11 @@ class GRPCInferenceServiceStub:
                 request_serializer=inference_dot_grpc__service__pb2.ServerReadyRequest.SerializeToString,
                 response_deserializer=inference_dot_grpc__service__pb2.ServerReadyResponse.FromString,
                 _registered_method=True)
+        self.ServerMetadata = channel.unary_unary(
+                '/inference.GRPCInferenceService/ServerMetadata',
+                request_serializer=inference_dot_grpc__service__pb2.ServerMetadataRequest.SerializeToString,
+                response_deserializer=inference_dot_grpc__service__pb2.ServerMetadataResponse.FromString,
+                _registered_method=True)
         self.ModelReady = channel.unary_unary(
                 '/inference.GRPCInferenceService/ModelReady',
                 request_serializer=inference_dot_grpc__service__pb2.ModelReadyRequest.SerializeToString,
@@ -54,6 +59,11 @@ class GRPCInferenceServiceStub:
                 '/inference.GRPCInferenceService/ModelMetadata',
                 request_serializer=inference_dot_grpc__service__pb2.ModelMetadataRequest.SerializeToString,
                 response_deserializer=inference_dot_grpc__service__pb2.ModelMetadataResponse.FromString,
+                _registered_method=True)
+        self.ModelConfig = channel.unary_unary(
+                '/inference.GRPCInferenceService/ModelConfig',
+                request_serializer=inference_dot_grpc__service__pb2.ModelConfigRequest.SerializeToString,
+                response_deserializer=inference_dot_grpc__service__pb2.ModelConfigResponse.FromString,
                 _registered_method=True)
         self.ModelInfer = channel.unary_unary(
                 '/inference.GRPCInferenceService/ModelInfer',
@@ -85,6 +95,13 @@ class GRPCInferenceServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ServerMetadata(self, request, context):
+        """The server's name, version and the protocol extensions it supports.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ModelReady(self, request, context):
         """Whether one model (and version) can take inference requests now.
         """
@@ -94,6 +111,13 @@ class GRPCInferenceServiceServicer:
 
     def ModelMetadata(self, request, context):
         """A model's name, versions, platform and the tensors it takes and returns.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ModelConfig(self, request, context):
+        """A model's configuration, as Triton's model configuration (config.pbtxt) states it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -128,6 +152,11 @@ def add_GRPCInferenceServiceServicer_to_server(servicer, server):
                     request_deserializer=inference_dot_grpc__service__pb2.ServerReadyRequest.FromString,
                     response_serializer=inference_dot_grpc__service__pb2.ServerReadyResponse.SerializeToString,
             ),
+            'ServerMetadata': grpc.unary_unary_rpc_method_handler(
+                    servicer.ServerMetadata,
+                    request_deserializer=inference_dot_grpc__service__pb2.ServerMetadataRequest.FromString,
+                    response_serializer=inference_dot_grpc__service__pb2.ServerMetadataResponse.SerializeToString,
+            ),
             'ModelReady': grpc.unary_unary_rpc_method_handler(
                     servicer.ModelReady,
                     request_deserializer=inference_dot_grpc__service__pb2.ModelReadyRequest.FromString,
@@ -137,6 +166,11 @@ def add_GRPCInferenceServiceServicer_to_server(servicer, server):
                     servicer.ModelMetadata,
                     request_deserializer=inference_dot_grpc__service__pb2.ModelMetadataRequest.FromString,
                     response_serializer=inference_dot_grpc__service__pb2.ModelMetadataResponse.SerializeToString,
+            ),
+            'ModelConfig': grpc.unary_unary_rpc_method_handler(
+                    servicer.ModelConfig,
+                    request_deserializer=inference_dot_grpc__service__pb2.ModelConfigRequest.FromString,
+                    response_serializer=inference_dot_grpc__service__pb2.ModelConfigResponse.SerializeToString,
             ),
             'ModelInfer': grpc.unary_unary_rpc_method_handler(
                     servicer.ModelInfer,
@@ -215,6 +249,33 @@ class GRPCInferenceService:
             _registered_method=True)
 
     @staticmethod
+    def ServerMetadata(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inference.GRPCInferenceService/ServerMetadata',
+            inference_dot_grpc__service__pb2.ServerMetadataRequest.SerializeToString,
+            inference_dot_grpc__service__pb2.ServerMetadataResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
     def ModelReady(request,
             target,
             options=(),
@@ -258,6 +319,33 @@ class GRPCInferenceService:
             '/inference.GRPCInferenceService/ModelMetadata',
             inference_dot_grpc__service__pb2.ModelMetadataRequest.SerializeToString,
             inference_dot_grpc__service__pb2.ModelMetadataResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ModelConfig(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inference.GRPCInferenceService/ModelConfig',
+            inference_dot_grpc__service__pb2.ModelConfigRequest.SerializeToString,
+            inference_dot_grpc__service__pb2.ModelConfigResponse.FromString,
             options,
             channel_credentials,
             insecure,
