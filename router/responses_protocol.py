@@ -11,7 +11,8 @@ reasoning, built-in tools, extra output data) are refused with a 400 naming them
 A response's output is its text read through the chat's tool call parser (router/tool_parsers.py):
 a `message` item for the content and a `function_call` item per call. The streamed events and
 the non-streamed response come from one ResponsesRenderer fed the same chunks, so a stream
-accumulates to the response. This module is the HTTP edge: JSON dicts exist only here.
+accumulates to the response (a call that turns malformed aside: ResponsesRenderer.response).
+This module is the HTTP edge: JSON dicts exist only here.
 """
 
 from __future__ import annotations
@@ -377,11 +378,18 @@ class ResponsesRenderer:
         return events
 
     def response(self, choices: Sequence[Sequence[StreamChunk]], usage: Usage) -> dict:
-        """The non-streamed response: the one choice's chunks fed as a stream would be."""
+        """The non-streamed response: the one choice's chunks fed as a stream would be, except an
+        output that turned out malformed, which is one message of the whole text and no calls (the
+        chat's non-streamed message, vLLM's): a stream keeps what it sent of the broken call."""
         [chunks] = choices
+        last = dataclasses.replace(chunks[-1], usage=usage)
         for chunk in chunks[:-1]:
             self.stream_events(chunk)
-        return self.stream_events(dataclasses.replace(chunks[-1], usage=usage))[-1]["response"]
+        response = self.stream_events(last)[-1]["response"]
+        if self._parser is None or not self._parser.malformed:
+            return response
+        as_text = ResponsesRenderer(self.header, self.chat, self.settings, None)
+        return as_text.stream_events(dataclasses.replace(last, text="".join(c.text for c in chunks)))[-1]["response"]
 
     def _content_events(self, text: str) -> list[dict]:
         events = []

@@ -19,7 +19,7 @@ from openai.types.responses import response_create_params
 from splitserve.common.errors import InvalidRequestError
 from splitserve.common.model_dir import DEFAULT_MODEL_NAME
 from splitserve.engine.tiny_model import resolve_model_path
-from splitserve.router.api_types import RouterError, StreamChunk
+from splitserve.router.api_types import RouterError, StreamChunk, Usage
 from splitserve.router.fanout import IndexedChunk
 from splitserve.router.openai_protocol import ResponseHeader, parse_chat_request
 from splitserve.router.openai_server import _response_events
@@ -27,6 +27,7 @@ from splitserve.router.openai_fields import CHAT_HANDLED, CHAT_REFUSED
 from splitserve.router.responses_protocol import (PASSED_TO_CHAT, RESPONSES_HANDLED, RESPONSES_REFUSED,
                                                   ResponsesRenderer, parse_responses_request)
 from splitserve.router.tokenizer import RouterTokenizer
+from splitserve.router.tool_parsers import ToolOutput
 from splitserve.testing.tiny_models import TOOLS_CHAT_TEMPLATE
 from tests.factories import http_request, make_request_limits, served_apis
 
@@ -199,6 +200,21 @@ def test_a_failure_mid_stream_ends_it_with_an_error_event():
     assert json.loads(sent[-1].split(b"data: ")[1]) == {
         "type": "error", "code": "unavailable", "message": "the decode worker died", "param": None,
         "sequence_number": 5}
+
+
+def test_an_unstreamed_malformed_call_is_all_text_as_the_chats_message():
+    """A call that turns malformed after its name was read: the unstreamed response is the chat's
+    non-streamed message (vLLM's), one message item with the whole output and no function_call
+    item (a stream keeps what it sent of the call, the one documented difference)."""
+    parsed = parse(tools=TOOLS)
+    tool_output = ToolOutput.for_request(parsed.chat.tool_calling, "hermes")
+    text = 'Hi <tool_call>{"name": "get_weather", "arguments": {"city": oops}}</tool_call>'
+    chunks = [StreamChunk("1", (5,), text[:40], ()), StreamChunk("1", (6,), text[40:], (), "stop")]
+    renderer = ResponsesRenderer(ResponseHeader("resp_1", 0, MODEL, "fp_0"), parsed.chat, parsed.settings,
+                                 tool_output)
+    output = renderer.response([chunks], Usage(3, 0, 2))["output"]
+    assert [(item["type"], item["status"], item.get("content")) for item in output] == [
+        ("message", "completed", [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}])]
 
 
 # ---- served -----------------------------------------------------------------------------------
