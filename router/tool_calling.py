@@ -267,6 +267,6 @@ def _arguments(value: Any, field: str) -> Any:
         raise InvalidRequestError(f"{field}.arguments", f"must be a JSON string, got {json_excerpt(value)}")
     try:
         return json.loads(value)
-    except ValueError as error:
+    except (ValueError, RecursionError) as error:  # RecursionError: nested deeper than the decoder goes
         raise InvalidRequestError(f"{field}.arguments", f"is not valid JSON: {error}") from None
 
