@@ -19,7 +19,8 @@ Parsers:
 - HermesParser (`--tool-call-parser hermes`, tool_choice "auto"): `<tool_call>{"name": ..,
   "arguments": ..}</tool_call>` blocks (Hermes 2 Pro, Qwen 2.5 / 3); the text around them is content.
 - Llama3JsonParser (`--tool-call-parser llama3_json`): an output that starts (after an optional
-  `<|python_tag|>`) with `{` is calls: `{"name": .., "parameters": ..}` objects separated by `;`.
+  `<|python_tag|>`) with `{` is calls: `{"name": .., "parameters": ..}` objects separated by `;`
+  ("arguments" in place of "parameters" too, as vLLM reads them).
 
 Arguments of parsed calls (not NamedCallParser's) are the model's JSON re-written as Python's
 `json.dumps(value, ensure_ascii=False)` writes it (what vLLM returns), token by token, so they can
@@ -198,12 +199,13 @@ def _canonical_char(char: str) -> str:
 class CallsScanner:
     """Reads one JSON value as it arrives and re-writes it canonically (json.dumps' separators and
     escapes, token by token), collecting the calls in it: each object at `call_depth` (0: the value
-    itself, 1: each element of an array) is a call with a string `name` and an `arguments_key`
+    itself, 1: each element of an array) is a call with a string `name` and one of `arguments_keys`
     member. Raises MalformedJson as soon as the text cannot be such a value."""
 
-    def __init__(self, call_depth: int, arguments_key: str) -> None:
+    def __init__(self, call_depth: int, *arguments_keys: str) -> None:
         self.call_depth = call_depth
-        self.arguments_key = arguments_key
+        self.arguments_keys = frozenset(arguments_keys)
+        """The member names a call's arguments may have (a call has exactly one of them)."""
         self.calls: list[_Call] = []
         self.done = False
         """The value is complete; text after it is not read."""
@@ -281,8 +283,8 @@ class CallsScanner:
     def _close_container(self, char: str) -> None:
         if char == "}" and len(self._stack) == self.call_depth + 1:
             call = self.calls[-1]
-            if call.name is None or self.arguments_key not in call.keys:
-                raise MalformedJson(f"a call without a name or {self.arguments_key}")
+            if call.name is None or not call.keys & self.arguments_keys:
+                raise MalformedJson(f"a call without a name or {' / '.join(sorted(self.arguments_keys))}")
         self._emit(char)
         self._stack.pop()
         self._end_value()
@@ -384,8 +386,9 @@ class CallsScanner:
         frame[1], frame[2] = "colon", value
         if len(self._stack) == self.call_depth + 1:
             call = self.calls[-1]
-            if value in call.keys and value in ("name", self.arguments_key):
-                raise MalformedJson(f"{value!r} twice in a call")
+            if (value == "name" and value in call.keys) or (value in self.arguments_keys and
+                                                            call.keys & self.arguments_keys):
+                raise MalformedJson(f"{value!r} twice in a call, or its arguments under two names")
             call.keys.add(value)
 
     # ---- where values go ----------------------------------------------------------------------
@@ -403,7 +406,7 @@ class CallsScanner:
             self._capture_name = key == "name"
             if self._capture_name and kind != "string":
                 raise MalformedJson(f"a call's name must be a string, got a {kind}")
-            self._target = self.calls[-1].arguments if key == self.arguments_key else None
+            self._target = self.calls[-1].arguments if key in self.arguments_keys else None
 
     def _end_value(self) -> None:
         if not self._stack:
@@ -597,7 +600,8 @@ def _partial_tag_length(text: str, tag: str) -> int:
 class Llama3JsonParser(OutputParser):
     """Llama 3.1+ JSON tool calls: an output that starts (after whitespace and an optional
     `<|python_tag|>`) with `{` is one or more `{"name": .., "parameters": ..}` objects separated by
-    `;`, with no content; any other output is all content."""
+    `;`, with no content; any other output is all content. A call's arguments may be named
+    "arguments" instead (vLLM reads either; models write either), not both."""
 
     def __init__(self, max_calls: int | None = None, new_id: Callable[[], str] = make_tool_call_id) -> None:
         super().__init__(new_id)
@@ -673,7 +677,8 @@ class Llama3JsonParser(OutputParser):
         if not rest.startswith("{"):
             raise MalformedJson("expected a call")
         self._between = ""
-        self._call = _CallsStreamer(CallsScanner(0, "parameters"), self._open_call, self._calls_sent, self._max_calls)
+        self._call = _CallsStreamer(CallsScanner(0, "parameters", "arguments"), self._open_call, self._calls_sent,
+                                    self._max_calls)
         return rest
 
     def _fail(self) -> OutputDelta:
