@@ -196,6 +196,16 @@ def _canonical_char(char: str) -> str:
     return json.dumps(char, ensure_ascii=False)[1:-1]
 
 
+def _canonical_number(number: str) -> str:
+    """A JSON number (matching _NUMBER) as json.dumps(json.loads(number)) writes it, or as written
+    where that has no JSON form (a float too large: Infinity) or json.loads refuses it (an integer of
+    over 4300 digits, int()'s limit)."""
+    if number.lstrip("-").isdigit():  # an integer: written as is (no leading zeros), but for -0
+        return "0" if number == "-0" else number
+    canonical = json.dumps(float(number))
+    return number if canonical.endswith("Infinity") else canonical
+
+
 class CallsScanner:
     """Reads one JSON value as it arrives and re-writes it canonically (json.dumps' separators and
     escapes, token by token), collecting the calls in it: each object at `call_depth` (0: the value
@@ -312,8 +322,7 @@ class CallsScanner:
         if not _NUMBER.fullmatch(number):
             raise MalformedJson(f"unexpected {number or char!r}")
         self._pos = end
-        canonical = json.dumps(json.loads(number))
-        self._scalar_value(number if canonical.endswith("Infinity") else canonical, "number")
+        self._scalar_value(_canonical_number(number), "number")
         return True
 
     def _scalar_value(self, text: str, kind: str) -> None:

@@ -192,6 +192,17 @@ def test_llama3_json(text, expected):
         assert (content, calls if expected.tool_calls else ()) == (expected.content or "", expected.tool_calls), cut
 
 
+
+def test_an_integer_longer_than_int_reads_stays_as_written():
+    """A model can run on writing digits: past 4300 of them int() (hence json.loads) refuses the
+    number with a ValueError, which was a 500 (a stream's error event); the call keeps it as written."""
+    digits = "7" * 5000
+    text = f'<tool_call>{{"name": "f", "arguments": {{"a": -{digits}, "b": -0}}}}</tool_call>'
+    expected = ParsedOutput(None, (ToolCall("call-0", "f", f'{{"a": -{digits}, "b": 0}}'),))
+    assert parse_output(HermesParser(new_id=ids()), text) == expected
+    assert accumulated(streamed(HermesParser(new_id=ids()), [text[:2000], text[2000:]])) == (
+        "", expected.tool_calls)
+
 def test_the_scanner_canonicalizes_numbers_and_escapes_like_json_dumps():
     value = '{"name": "f", "arguments": {"n": [1E2, -0, 1.0, 12345678901234567890, 1e400], "s": "\\/\\u0001\\ud800x"}}'
     scanner = CallsScanner(0, "arguments")
