@@ -186,6 +186,7 @@ _LITERALS = {"t": "true", "f": "false", "n": "null"}
 _HEX = frozenset("0123456789abcdefABCDEF")
 _NEEDS_ESCAPE = re.compile(r'["\\\x00-\x1f\ud800-\udfff]')
 """Characters json.dumps(ensure_ascii=False) escapes, and surrogates (kept as escapes here)."""
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def _canonical_char(char: str) -> str:
@@ -388,6 +389,8 @@ class CallsScanner:
         self._emit('"')
         if not self._string_is_key:
             if self._capture_name:
+                if _SURROGATE.search(value):  # no UTF-8 form: the response could not be written
+                    raise MalformedJson("a name with a lone surrogate")
                 self.calls[-1].name = value
             self._end_value()
             return

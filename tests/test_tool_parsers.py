@@ -101,6 +101,7 @@ def test_hermes_outputs(text, expected):
     '<tool_call>{"name": "f", "arguments": {"a": "line\nbreak"}}</tool_call>',  # a raw control character
     '<tool_call>{"name": "f", "arguments": {"a": 01}}</tool_call>',
     '<tool_call>{"name": "f", "arguments": {"a": tru}}</tool_call>',
+    '<tool_call>{"name": "f\\ud800", "arguments": {}}</tool_call>',  # a name no UTF-8 response can carry
 ])
 def test_malformed_hermes_output_is_all_content(text):
     parser = HermesParser(new_id=ids())
