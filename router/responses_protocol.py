@@ -77,7 +77,9 @@ PASSED_TO_CHAT = ("model", "temperature", "top_p", "parallel_tool_calls", "strea
 _INPUT_ROLES = ("user", "system", "developer", "assistant")
 """A message item's roles: each is the chat message's role as it is (the chat endpoint hands a
 developer message to the template as one, as vLLM does)."""
-_TEXT_PARTS = ("input_text", "output_text")
+_TEXT_PARTS = {"input_text": "text", "output_text": "text", "refusal": "refusal"}
+"""Content part types read as text, and the key holding it (an output message's refusal part, which
+the openai SDK sends back, is its text, as the chat endpoint and vLLM read it)."""
 _CHAT_FIELD_RENAMES = (("max_completion_tokens", "max_output_tokens"), ("response_format", "text.format"),
                        ("tool_choice.function.", "tool_choice."))
 _CHAT_MESSAGE_FIELD = re.compile(r"messages\[(\d+)\]")
@@ -214,18 +216,19 @@ def _message_item(item: Mapping[str, Any], field: str) -> dict[str, Any]:
 
 
 def _text(content: Any, field: str) -> str | list[dict[str, str]]:
-    """A string, or a list of input_text / output_text parts as the chat's text parts (which it
-    joins with newlines)."""
+    """A string, or a list of _TEXT_PARTS as the chat's text parts (which it joins with newlines)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise InvalidRequestError(field, f"must be a string or a list of text parts, got {json_excerpt(content)}")
     parts = []
     for index, part in enumerate(content):
-        if not (isinstance(part, dict) and part.get("type") in _TEXT_PARTS and isinstance(part.get("text"), str)):
-            raise InvalidRequestError(f"{field}[{index}]", "only input_text and output_text parts are supported "
-                                                           f"(text models only), got {json_excerpt(part)}")
-        parts.append({"type": "text", "text": part["text"]})
+        kind = part.get("type") if isinstance(part, dict) else None
+        key = _TEXT_PARTS.get(kind) if isinstance(kind, str) else None
+        if key is None or not isinstance(part.get(key), str):
+            raise InvalidRequestError(f"{field}[{index}]", "only input_text, output_text and refusal parts are "
+                                                           f"supported (text models only), got {json_excerpt(part)}")
+        parts.append({"type": "text", "text": part[key]})
     return parts
 
 

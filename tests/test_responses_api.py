@@ -99,8 +99,8 @@ _NOT_STORED = "is not supported by this server: responses are not stored (send t
     ({"input": [{"role": "user", "content": "x"}, {"type": "reasoning", "summary": []}]}, "input[1].type",
      'only message, function_call and function_call_output items are supported, got "reasoning"'),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0]",
-     'only input_text and output_text parts are supported (text models only), got {"type": "input_image", '
-     '"image_url": "x"}'),
+     'only input_text, output_text and refusal parts are supported (text models only), got {"type": '
+     '"input_image", "image_url": "x"}'),
     ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role",
      'must be one of user, system, developer, assistant, got "tool"'),
     ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].call_id",
@@ -180,6 +180,14 @@ def test_input_items_render_the_prompt_of_the_equivalent_chat(tiny_qwen2_dir):
     assert rendered == expected
     assert tokenizer.decode(rendered, skip_special_tokens=False).count("get_weather") == 2  # the tool and the call
 
+
+
+def test_a_refusal_part_is_read_as_its_text_as_the_chats():
+    """An output message the openai SDK sends back may hold a refusal part (vLLM reads it as text)."""
+    parsed = parse(input=[{"role": "user", "content": "Hi"}, {"type": "message", "role": "assistant", "content": [
+        {"type": "refusal", "refusal": "I can't."}, {"type": "output_text", "text": "Ask again.", "annotations": []}]}])
+    assert [(message.role, message.content) for message in parsed.chat.messages] == [
+        ("user", "Hi"), ("assistant", "I can't.\nAsk again.")]
 
 def test_a_failure_mid_stream_ends_it_with_an_error_event():
     parsed = parse()
