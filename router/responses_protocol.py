@@ -29,7 +29,7 @@ from splitserve.router.api_types import StreamChunk, Usage
 from splitserve.router.openai_fields import Refused, refuse_unsupported
 from splitserve.router.openai_protocol import ChatCompletionRequest, ResponseHeader, parse_chat_request
 from splitserve.router.request_limits import RequestLimits
-from splitserve.router.tool_calling import ToolChoice
+from splitserve.router.tool_calling import ToolChoice, parse_call_arguments
 from splitserve.router.tool_parsers import OutputDelta, OutputParser, ToolCallDelta, ToolOutput
 
 _NOT_STORED = "responses are not stored (send the whole conversation as input)"
@@ -233,10 +233,12 @@ def _text(content: Any, field: str) -> str | list[dict[str, str]]:
 
 
 def _function_call_item(item: Mapping[str, Any], field: str) -> dict[str, Any]:
-    """The chat's tool call of an earlier function_call output item (its arguments JSON text)."""
+    """The chat's tool call of an earlier function_call output item (its arguments JSON text, read
+    here: the chat's error would name the assistant message the call joined, not this item)."""
     arguments = item.get("arguments", "")
     if not isinstance(arguments, str):
         raise InvalidRequestError(f"{field}.arguments", f"must be a JSON string, got {json_excerpt(arguments)}")
+    parse_call_arguments(arguments, field)
     return {"id": _item_string(item, "call_id", field), "type": "function",
             "function": {"name": _item_string(item, "name", field), "arguments": arguments}}
 

@@ -96,6 +96,11 @@ _NOT_STORED = "is not supported by this server: responses are not stored (send t
     ({"tools": [{**TOOLS[0], "parameters": {"type": "objec"}}], "tool_choice": {"type": "function",
                                                                               "name": "get_weather"}},
      "tools[0].parameters", "json_schema: unsupported type 'objec' at /type"),
+    ({"input": [{"role": "user", "content": "x"},  # the second call joins the first's assistant message
+                {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"},
+                {"type": "function_call", "call_id": "c2", "name": "get_weather", "arguments": "{oops"}]},
+     "input[2].arguments", "is not valid JSON: Expecting property name enclosed in double quotes: line 1 column 2 "
+                           "(char 1)"),
     ({"input": [{"role": "user", "content": "x"}, {"type": "reasoning", "summary": []}]}, "input[1].type",
      'only message, function_call and function_call_output items are supported, got "reasoning"'),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0]",
