@@ -182,8 +182,8 @@ def test_named_call_is_the_whole_output_as_generated():
     # vLLM's llama3_json reads "arguments" as "parameters" (models write either); a call with both is ambiguous
     ('{"name": "f", "arguments": {"a": 1}}; {"parameters": {}, "name": "g"}',
      ParsedOutput(None, (ToolCall("call-0", "f", '{"a": 1}'), ToolCall("call-1", "g", "{}")))),
-    ('{"name": "f", "parameters": {}, "arguments": {}}', ParsedOutput('{"name": "f", "parameters": {}, "arguments": {}}',
-                                                                     ())),
+    ('{"name": "f", "parameters": {}, "arguments": {}}',
+     ParsedOutput('{"name": "f", "parameters": {}, "arguments": {}}', ())),
 ])
 def test_llama3_json(text, expected):
     assert parse_output(Llama3JsonParser(new_id=ids()), text) == expected
