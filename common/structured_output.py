@@ -196,7 +196,7 @@ def _check_schema(spec: str) -> None:
 def _parse(spec: str, kind: str) -> Any:
     try:
         return json.loads(spec)
-    except ValueError as error:
+    except (ValueError, RecursionError) as error:  # RecursionError: nested deeper than the decoder goes
         raise InvalidRequestError(kind, f"is not valid JSON: {error}") from None
 
 

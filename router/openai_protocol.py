@@ -280,7 +280,8 @@ def _content(value: Any, field: str) -> str:
     if isinstance(value, list):
         texts = []
         for index, part in enumerate(value):
-            key = TEXT_PART_KEYS.get(part.get("type")) if isinstance(part, dict) else None
+            kind = part.get("type") if isinstance(part, dict) else None
+            key = TEXT_PART_KEYS.get(kind) if isinstance(kind, str) else None  # a JSON list or object: unhashable
             if key is None or not isinstance(part.get(key), str):
                 raise InvalidRequestError(f"{field}[{index}]", "only {\"type\": \"text\", \"text\": ...} (or "
                                                                "\"refusal\") content parts are supported, got "

@@ -46,9 +46,10 @@ LARGE_GRAMMAR_BODY_BYTES = 16 << 10
 """A body of more bytes that may carry a grammar goes to the process too: parsing checks a
 structured output constraint (or the grammar a forced tool choice implies) by compiling it with
 llguidance, about 2 ms per KB of schema, so 128 KiB of schema would hold the loop ~0.25 s."""
-GRAMMAR_FIELD_NAMES = tuple(f'"{name}"'.encode() for name in (*STRUCTURED_OUTPUT_FIELDS, "tools"))
-"""A body that names none of these fields (as JSON keys, quoted) asks for no grammar. The test is
-on the raw bytes, before decoding, so a prompt that quotes one of them only costs the trip."""
+GRAMMAR_FIELD_NAMES = tuple(f'"{name}"'.encode() for name in (*STRUCTURED_OUTPUT_FIELDS, "tools", "format"))
+"""A body that names none of these fields (as JSON keys, quoted; "format": the Responses API's
+text.format) asks for no grammar. The test is on the raw bytes, before decoding, so a prompt that
+quotes one of them (or a schema's "format" keyword) only costs the trip."""
 
 PR_SET_PDEATHSIG = 1
 """prctl(2) option: the signal the kernel sends this process when its parent ends (Linux)."""

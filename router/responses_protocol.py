@@ -11,7 +11,8 @@ reasoning, built-in tools, extra output data) are refused with a 400 naming them
 A response's output is its text read through the chat's tool call parser (router/tool_parsers.py):
 a `message` item for the content and a `function_call` item per call. The streamed events and
 the non-streamed response come from one ResponsesRenderer fed the same chunks, so a stream
-accumulates to the response. This module is the HTTP edge: JSON dicts exist only here.
+accumulates to the response (a call that turns malformed aside: ResponsesRenderer.response).
+This module is the HTTP edge: JSON dicts exist only here.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from splitserve.router.api_types import StreamChunk, Usage
 from splitserve.router.openai_fields import Refused, refuse_unsupported
 from splitserve.router.openai_protocol import ChatCompletionRequest, ResponseHeader, parse_chat_request
 from splitserve.router.request_limits import RequestLimits
-from splitserve.router.tool_calling import ToolChoice
+from splitserve.router.tool_calling import ToolChoice, parse_call_arguments
 from splitserve.router.tool_parsers import OutputDelta, OutputParser, ToolCallDelta, ToolOutput
 
 _NOT_STORED = "responses are not stored (send the whole conversation as input)"
@@ -76,7 +77,9 @@ PASSED_TO_CHAT = ("model", "temperature", "top_p", "parallel_tool_calls", "strea
 _INPUT_ROLES = ("user", "system", "developer", "assistant")
 """A message item's roles: each is the chat message's role as it is (the chat endpoint hands a
 developer message to the template as one, as vLLM does)."""
-_TEXT_PARTS = ("input_text", "output_text")
+_TEXT_PARTS = {"input_text": "text", "output_text": "text", "refusal": "refusal"}
+"""Content part types read as text, and the key holding it (an output message's refusal part, which
+the openai SDK sends back, is its text, as the chat endpoint and vLLM read it)."""
 _CHAT_FIELD_RENAMES = (("max_completion_tokens", "max_output_tokens"), ("response_format", "text.format"),
                        ("tool_choice.function.", "tool_choice."))
 _CHAT_MESSAGE_FIELD = re.compile(r"messages\[(\d+)\]")
@@ -213,26 +216,29 @@ def _message_item(item: Mapping[str, Any], field: str) -> dict[str, Any]:
 
 
 def _text(content: Any, field: str) -> str | list[dict[str, str]]:
-    """A string, or a list of input_text / output_text parts as the chat's text parts (which it
-    joins with newlines)."""
+    """A string, or a list of _TEXT_PARTS as the chat's text parts (which it joins with newlines)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise InvalidRequestError(field, f"must be a string or a list of text parts, got {json_excerpt(content)}")
     parts = []
     for index, part in enumerate(content):
-        if not (isinstance(part, dict) and part.get("type") in _TEXT_PARTS and isinstance(part.get("text"), str)):
-            raise InvalidRequestError(f"{field}[{index}]", "only input_text and output_text parts are supported "
-                                                           f"(text models only), got {json_excerpt(part)}")
-        parts.append({"type": "text", "text": part["text"]})
+        kind = part.get("type") if isinstance(part, dict) else None
+        key = _TEXT_PARTS.get(kind) if isinstance(kind, str) else None
+        if key is None or not isinstance(part.get(key), str):
+            raise InvalidRequestError(f"{field}[{index}]", "only input_text, output_text and refusal parts are "
+                                                           f"supported (text models only), got {json_excerpt(part)}")
+        parts.append({"type": "text", "text": part[key]})
     return parts
 
 
 def _function_call_item(item: Mapping[str, Any], field: str) -> dict[str, Any]:
-    """The chat's tool call of an earlier function_call output item (its arguments JSON text)."""
+    """The chat's tool call of an earlier function_call output item (its arguments JSON text, read
+    here: the chat's error would name the assistant message the call joined, not this item)."""
     arguments = item.get("arguments", "")
     if not isinstance(arguments, str):
         raise InvalidRequestError(f"{field}.arguments", f"must be a JSON string, got {json_excerpt(arguments)}")
+    parse_call_arguments(arguments, field)
     return {"id": _item_string(item, "call_id", field), "type": "function",
             "function": {"name": _item_string(item, "name", field), "arguments": arguments}}
 
@@ -377,11 +383,18 @@ class ResponsesRenderer:
         return events
 
     def response(self, choices: Sequence[Sequence[StreamChunk]], usage: Usage) -> dict:
-        """The non-streamed response: the one choice's chunks fed as a stream would be."""
+        """The non-streamed response: the one choice's chunks fed as a stream would be, except an
+        output that turned out malformed, which is one message of the whole text and no calls (the
+        chat's non-streamed message, vLLM's): a stream keeps what it sent of the broken call."""
         [chunks] = choices
+        last = dataclasses.replace(chunks[-1], usage=usage)
         for chunk in chunks[:-1]:
             self.stream_events(chunk)
-        return self.stream_events(dataclasses.replace(chunks[-1], usage=usage))[-1]["response"]
+        response = self.stream_events(last)[-1]["response"]
+        if self._parser is None or not self._parser.malformed:
+            return response
+        as_text = ResponsesRenderer(self.header, self.chat, self.settings, None)
+        return as_text.stream_events(dataclasses.replace(last, text="".join(c.text for c in chunks)))[-1]["response"]
 
     def _content_events(self, text: str) -> list[dict]:
         events = []

@@ -134,7 +134,7 @@ def _schema(value: Any) -> StructuredOutput:
     if isinstance(value, str):
         try:
             value = json.loads(value)
-        except ValueError as error:
+        except (ValueError, RecursionError) as error:  # nested deeper than the decoder goes
             raise InvalidRequestError("json_schema", f"is not valid JSON: {error}") from None
     if not isinstance(value, (dict, bool)):
         raise InvalidRequestError("json_schema", f"must be an object, got {json_excerpt(value)}")

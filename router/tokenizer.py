@@ -182,6 +182,20 @@ def _check_unicode(text: str, field: str) -> None:
                                          f"{error.start})") from None
 
 
+def _check_rendered_unicode(text: str, tools: Sequence[Mapping[str, Any]] | None) -> None:
+    """InvalidRequestError unless the rendered chat is valid Unicode: contents are checked by name
+    (_validate_messages), but a template also writes tools, tool calls, ids and names, where a lone
+    surrogate would reach the tokenizer (a TypeError). Blamed on `tools` when it is there."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        surrogate = text[error.start]
+        if tools is not None and surrogate in json.dumps(tools, ensure_ascii=False):
+            raise InvalidRequestError("tools", f"is not valid Unicode (lone surrogate {surrogate!r})") from None
+        raise InvalidRequestError("messages", f"the chat as rendered is not valid Unicode (lone surrogate "
+                                              f"{surrogate!r})") from None
+
+
 TOOL_MESSAGE_KEYS = ("tool_calls", "tool_call_id", "name")
 """Message keys a template also sees when set (an assistant's calls, a tool result's call id and
 name), passed as the OpenAI front parsed them (router/tool_calling.py)."""
@@ -415,6 +429,7 @@ class RouterTokenizer:
                                               add_generation_prompt=add_generation_prompt, **variables)
         except jinja2.TemplateError as error:  # raise_exception(...) and sandbox refusals
             raise InvalidRequestError("messages", f"rejected by the chat template: {error}") from error
+        _check_rendered_unicode(text, options.tools)
         return _open_final_message(text, plain[-1]["content"]) if options.continue_final_message else text
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,

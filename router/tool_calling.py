@@ -254,11 +254,13 @@ def _history_call(call: Any, field: str) -> HistoryToolCall:
     if not isinstance(function, dict) or not isinstance(function.get("name"), str):
         raise InvalidRequestError(f"{field}.function", f"must be an object with a string name, got "
                                                        f"{json_excerpt(function)}")
-    return HistoryToolCall(call_id, function["name"], _arguments(function.get("arguments"), f"{field}.function"))
+    arguments = parse_call_arguments(function.get("arguments"), f"{field}.function")
+    return HistoryToolCall(call_id, function["name"], arguments)
 
 
-def _arguments(value: Any, field: str) -> Any:
-    """JSON text parsed (vLLM's rule: null or "" is {}; an object already parsed is taken as it is)."""
+def parse_call_arguments(value: Any, field: str) -> Any:
+    """A call's arguments: JSON text parsed (vLLM's rule: null or "" is {}; an object already parsed
+    is taken as it is); InvalidRequestError naming `field`.arguments otherwise."""
     if not value:
         return {}
     if isinstance(value, (dict, list)):
@@ -267,6 +269,6 @@ def _arguments(value: Any, field: str) -> Any:
         raise InvalidRequestError(f"{field}.arguments", f"must be a JSON string, got {json_excerpt(value)}")
     try:
         return json.loads(value)
-    except ValueError as error:
+    except (ValueError, RecursionError) as error:  # RecursionError: nested deeper than the decoder goes
         raise InvalidRequestError(f"{field}.arguments", f"is not valid JSON: {error}") from None
 

@@ -19,7 +19,8 @@ Parsers:
 - HermesParser (`--tool-call-parser hermes`, tool_choice "auto"): `<tool_call>{"name": ..,
   "arguments": ..}</tool_call>` blocks (Hermes 2 Pro, Qwen 2.5 / 3); the text around them is content.
 - Llama3JsonParser (`--tool-call-parser llama3_json`): an output that starts (after an optional
-  `<|python_tag|>`) with `{` is calls: `{"name": .., "parameters": ..}` objects separated by `;`.
+  `<|python_tag|>`) with `{` is calls: `{"name": .., "parameters": ..}` objects separated by `;`
+  ("arguments" in place of "parameters" too, as vLLM reads them).
 
 Arguments of parsed calls (not NamedCallParser's) are the model's JSON re-written as Python's
 `json.dumps(value, ensure_ascii=False)` writes it (what vLLM returns), token by token, so they can
@@ -185,6 +186,7 @@ _LITERALS = {"t": "true", "f": "false", "n": "null"}
 _HEX = frozenset("0123456789abcdefABCDEF")
 _NEEDS_ESCAPE = re.compile(r'["\\\x00-\x1f\ud800-\udfff]')
 """Characters json.dumps(ensure_ascii=False) escapes, and surrogates (kept as escapes here)."""
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def _canonical_char(char: str) -> str:
@@ -195,15 +197,26 @@ def _canonical_char(char: str) -> str:
     return json.dumps(char, ensure_ascii=False)[1:-1]
 
 
+def _canonical_number(number: str) -> str:
+    """A JSON number (matching _NUMBER) as json.dumps(json.loads(number)) writes it, or as written
+    where that has no JSON form (a float too large: Infinity) or json.loads refuses it (an integer of
+    over 4300 digits, int()'s limit)."""
+    if number.lstrip("-").isdigit():  # an integer: written as is (no leading zeros), but for -0
+        return "0" if number == "-0" else number
+    canonical = json.dumps(float(number))
+    return number if canonical.endswith("Infinity") else canonical
+
+
 class CallsScanner:
     """Reads one JSON value as it arrives and re-writes it canonically (json.dumps' separators and
     escapes, token by token), collecting the calls in it: each object at `call_depth` (0: the value
-    itself, 1: each element of an array) is a call with a string `name` and an `arguments_key`
+    itself, 1: each element of an array) is a call with a string `name` and one of `arguments_keys`
     member. Raises MalformedJson as soon as the text cannot be such a value."""
 
-    def __init__(self, call_depth: int, arguments_key: str) -> None:
+    def __init__(self, call_depth: int, *arguments_keys: str) -> None:
         self.call_depth = call_depth
-        self.arguments_key = arguments_key
+        self.arguments_keys = frozenset(arguments_keys)
+        """The member names a call's arguments may have (a call has exactly one of them)."""
         self.calls: list[_Call] = []
         self.done = False
         """The value is complete; text after it is not read."""
@@ -281,8 +294,8 @@ class CallsScanner:
     def _close_container(self, char: str) -> None:
         if char == "}" and len(self._stack) == self.call_depth + 1:
             call = self.calls[-1]
-            if call.name is None or self.arguments_key not in call.keys:
-                raise MalformedJson(f"a call without a name or {self.arguments_key}")
+            if call.name is None or not call.keys & self.arguments_keys:
+                raise MalformedJson(f"a call without a name or {' / '.join(sorted(self.arguments_keys))}")
         self._emit(char)
         self._stack.pop()
         self._end_value()
@@ -310,8 +323,7 @@ class CallsScanner:
         if not _NUMBER.fullmatch(number):
             raise MalformedJson(f"unexpected {number or char!r}")
         self._pos = end
-        canonical = json.dumps(json.loads(number))
-        self._scalar_value(number if canonical.endswith("Infinity") else canonical, "number")
+        self._scalar_value(_canonical_number(number), "number")
         return True
 
     def _scalar_value(self, text: str, kind: str) -> None:
@@ -377,6 +389,8 @@ class CallsScanner:
         self._emit('"')
         if not self._string_is_key:
             if self._capture_name:
+                if _SURROGATE.search(value):  # no UTF-8 form: the response could not be written
+                    raise MalformedJson("a name with a lone surrogate")
                 self.calls[-1].name = value
             self._end_value()
             return
@@ -384,8 +398,9 @@ class CallsScanner:
         frame[1], frame[2] = "colon", value
         if len(self._stack) == self.call_depth + 1:
             call = self.calls[-1]
-            if value in call.keys and value in ("name", self.arguments_key):
-                raise MalformedJson(f"{value!r} twice in a call")
+            if (value == "name" and value in call.keys) or (value in self.arguments_keys and
+                                                            call.keys & self.arguments_keys):
+                raise MalformedJson(f"{value!r} twice in a call, or its arguments under two names")
             call.keys.add(value)
 
     # ---- where values go ----------------------------------------------------------------------
@@ -403,7 +418,7 @@ class CallsScanner:
             self._capture_name = key == "name"
             if self._capture_name and kind != "string":
                 raise MalformedJson(f"a call's name must be a string, got a {kind}")
-            self._target = self.calls[-1].arguments if key == self.arguments_key else None
+            self._target = self.calls[-1].arguments if key in self.arguments_keys else None
 
     def _end_value(self) -> None:
         if not self._stack:
@@ -597,7 +612,8 @@ def _partial_tag_length(text: str, tag: str) -> int:
 class Llama3JsonParser(OutputParser):
     """Llama 3.1+ JSON tool calls: an output that starts (after whitespace and an optional
     `<|python_tag|>`) with `{` is one or more `{"name": .., "parameters": ..}` objects separated by
-    `;`, with no content; any other output is all content."""
+    `;`, with no content; any other output is all content. A call's arguments may be named
+    "arguments" instead (vLLM reads either; models write either), not both."""
 
     def __init__(self, max_calls: int | None = None, new_id: Callable[[], str] = make_tool_call_id) -> None:
         super().__init__(new_id)
@@ -673,7 +689,8 @@ class Llama3JsonParser(OutputParser):
         if not rest.startswith("{"):
             raise MalformedJson("expected a call")
         self._between = ""
-        self._call = _CallsStreamer(CallsScanner(0, "parameters"), self._open_call, self._calls_sent, self._max_calls)
+        self._call = _CallsStreamer(CallsScanner(0, "parameters", "arguments"), self._open_call, self._calls_sent,
+                                    self._max_calls)
         return rest
 
     def _fail(self) -> OutputDelta:

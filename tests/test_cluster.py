@@ -167,6 +167,16 @@ def _living(pids: set[int]) -> dict[int, str]:
     return living
 
 
+def _still_living_after(pids: set[int], timeout_s: float) -> dict[int, str]:
+    """_living(pids) once none is left or `timeout_s` has passed (each ends by itself, soon)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while (alive := _living(pids)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return alive
+
+
 def _descendants(pid: int) -> set[int]:
     children = {pid}
     for entry in os.listdir("/proc"):
@@ -199,7 +209,6 @@ def test_other_shapes_match_hf(tiny_llama_dir, mode, prefill, decode):
 def test_serve_command_drains_and_stops_cleanly_on_sigterm(tiny_llama_dir):
     import signal
     import sys
-    import time
 
     command = [sys.executable, "-m", "splitserve.deploy.cli", "serve", "--model", str(tiny_llama_dir),
                "--grpc-port", "0", "--metrics-port", "0", "--http-port", "0", "--set",
@@ -229,10 +238,7 @@ def test_serve_command_drains_and_stops_cleanly_on_sigterm(tiny_llama_dir):
         # Every child ends by itself, soon: Ray's processes, the router's body parser, and the
         # resource tracker multiprocessing starts for the parser (it exits at EOF once serve has
         # exited). A process still running after 15 s leaked.
-        deadline = time.monotonic() + 15
-        while (alive := _living(children)) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not alive, f"processes outlived serve: {alive}"
+        assert not (alive := _still_living_after(children, 15)), f"processes outlived serve: {alive}"
     finally:
         if server.poll() is None:
             server.kill()
@@ -267,10 +273,7 @@ def test_serve_command_stopped_while_its_workers_start_stops_cleanly(tiny_llama_
         assert server.stdout.read().splitlines()[-1] == "splitserve: stopped before serving"
         assert not [line for line in (tmp_path / "stderr").read_text().splitlines()
                     if "Traceback" in line or "SIGTERM received" in line]
-        deadline = time.monotonic() + 15
-        while (alive := _living(children)) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not alive, f"processes outlived serve: {alive}"
+        assert not (alive := _still_living_after(children, 15)), f"processes outlived serve: {alive}"
     finally:
         if server.poll() is None:
             server.kill()

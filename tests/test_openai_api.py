@@ -279,6 +279,17 @@ def test_a_refusal_content_part_is_read_as_its_text():
     assert error.value.field == "messages[0].content[0]"
 
 
+
+@pytest.mark.parametrize("part_type", [["text"], {"text": 1}])
+def test_a_content_part_whose_type_is_not_a_string_is_refused_naming_it(part_type):
+    """A JSON list or object as a part's type (unhashable): a field error, not a TypeError (a 500)."""
+    with pytest.raises(InvalidRequestError) as error:
+        parse_chat_request({"messages": [{"role": "user", "content": [{"type": part_type, "text": "x"}]}]},
+                           make_request_limits())
+    assert (error.value.field, error.value.message) == (
+        "messages[0].content[0]", 'only {"type": "text", "text": ...} (or "refusal") content parts are supported, '
+                                  f"got {{'type': {part_type!r}, 'text': 'x'}}")
+
 def test_an_unknown_model_is_404_model_not_found(served):
     with pytest.raises(openai.NotFoundError) as error:
         served.client().chat.completions.create(model="gpt-4o", messages=CHAT)

@@ -79,7 +79,8 @@ def test_small_bodies_are_parsed_here_and_large_ones_in_the_parsers_process(bodi
     assert parse(bodies, process_id, b"{}" + PADDING.encode()) != os.getpid()
 
 
-@pytest.mark.parametrize("field", ["response_format", "structured_outputs", "guided_json", "guided_grammar", "tools"])
+@pytest.mark.parametrize("field", ["response_format", "structured_outputs", "guided_json", "guided_grammar", "tools",
+                                   "format"])
 def test_a_middling_body_that_may_carry_a_grammar_is_parsed_in_the_parsers_process(bodies, field):
     """Its grammar is compiled while it is parsed (about 2 ms per KB of schema): off the event loop."""
     middling = b" " * LARGE_GRAMMAR_BODY_BYTES

@@ -19,7 +19,7 @@ from openai.types.responses import response_create_params
 from splitserve.common.errors import InvalidRequestError
 from splitserve.common.model_dir import DEFAULT_MODEL_NAME
 from splitserve.engine.tiny_model import resolve_model_path
-from splitserve.router.api_types import RouterError, StreamChunk
+from splitserve.router.api_types import RouterError, StreamChunk, Usage
 from splitserve.router.fanout import IndexedChunk
 from splitserve.router.openai_protocol import ResponseHeader, parse_chat_request
 from splitserve.router.openai_server import _response_events
@@ -27,6 +27,7 @@ from splitserve.router.openai_fields import CHAT_HANDLED, CHAT_REFUSED
 from splitserve.router.responses_protocol import (PASSED_TO_CHAT, RESPONSES_HANDLED, RESPONSES_REFUSED,
                                                   ResponsesRenderer, parse_responses_request)
 from splitserve.router.tokenizer import RouterTokenizer
+from splitserve.router.tool_parsers import ToolOutput
 from splitserve.testing.tiny_models import TOOLS_CHAT_TEMPLATE
 from tests.factories import http_request, make_request_limits, served_apis
 
@@ -95,11 +96,16 @@ _NOT_STORED = "is not supported by this server: responses are not stored (send t
     ({"tools": [{**TOOLS[0], "parameters": {"type": "objec"}}], "tool_choice": {"type": "function",
                                                                               "name": "get_weather"}},
      "tools[0].parameters", "json_schema: unsupported type 'objec' at /type"),
+    ({"input": [{"role": "user", "content": "x"},  # the second call joins the first's assistant message
+                {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"},
+                {"type": "function_call", "call_id": "c2", "name": "get_weather", "arguments": "{oops"}]},
+     "input[2].arguments", "is not valid JSON: Expecting property name enclosed in double quotes: line 1 column 2 "
+                           "(char 1)"),
     ({"input": [{"role": "user", "content": "x"}, {"type": "reasoning", "summary": []}]}, "input[1].type",
      'only message, function_call and function_call_output items are supported, got "reasoning"'),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0]",
-     'only input_text and output_text parts are supported (text models only), got {"type": "input_image", '
-     '"image_url": "x"}'),
+     'only input_text, output_text and refusal parts are supported (text models only), got {"type": '
+     '"input_image", "image_url": "x"}'),
     ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role",
      'must be one of user, system, developer, assistant, got "tool"'),
     ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].call_id",
@@ -180,6 +186,14 @@ def test_input_items_render_the_prompt_of_the_equivalent_chat(tiny_qwen2_dir):
     assert tokenizer.decode(rendered, skip_special_tokens=False).count("get_weather") == 2  # the tool and the call
 
 
+
+def test_a_refusal_part_is_read_as_its_text_as_the_chats():
+    """An output message the openai SDK sends back may hold a refusal part (vLLM reads it as text)."""
+    parsed = parse(input=[{"role": "user", "content": "Hi"}, {"type": "message", "role": "assistant", "content": [
+        {"type": "refusal", "refusal": "I can't."}, {"type": "output_text", "text": "Ask again.", "annotations": []}]}])
+    assert [(message.role, message.content) for message in parsed.chat.messages] == [
+        ("user", "Hi"), ("assistant", "I can't.\nAsk again.")]
+
 def test_a_failure_mid_stream_ends_it_with_an_error_event():
     parsed = parse()
     renderer = ResponsesRenderer(ResponseHeader("resp_1", 0, MODEL, "fp_0"), parsed.chat, parsed.settings, None)
@@ -199,6 +213,21 @@ def test_a_failure_mid_stream_ends_it_with_an_error_event():
     assert json.loads(sent[-1].split(b"data: ")[1]) == {
         "type": "error", "code": "unavailable", "message": "the decode worker died", "param": None,
         "sequence_number": 5}
+
+
+def test_an_unstreamed_malformed_call_is_all_text_as_the_chats_message():
+    """A call that turns malformed after its name was read: the unstreamed response is the chat's
+    non-streamed message (vLLM's), one message item with the whole output and no function_call
+    item (a stream keeps what it sent of the call, the one documented difference)."""
+    parsed = parse(tools=TOOLS)
+    tool_output = ToolOutput.for_request(parsed.chat.tool_calling, "hermes")
+    text = 'Hi <tool_call>{"name": "get_weather", "arguments": {"city": oops}}</tool_call>'
+    chunks = [StreamChunk("1", (5,), text[:40], ()), StreamChunk("1", (6,), text[40:], (), "stop")]
+    renderer = ResponsesRenderer(ResponseHeader("resp_1", 0, MODEL, "fp_0"), parsed.chat, parsed.settings,
+                                 tool_output)
+    output = renderer.response([chunks], Usage(3, 0, 2))["output"]
+    assert [(item["type"], item["status"], item.get("content")) for item in output] == [
+        ("message", "completed", [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}])]
 
 
 # ---- served -----------------------------------------------------------------------------------

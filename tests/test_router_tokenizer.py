@@ -16,7 +16,8 @@ from transformers import AutoTokenizer
 
 from splitserve.common.detokenizer import IncrementalDetokenizer
 from splitserve.common.errors import InvalidRequestError, UnsupportedModelError
-from splitserve.router.tokenizer import RouterTokenizer, max_bytes_per_token
+from splitserve.router.tokenizer import ChatTemplateOptions, RouterTokenizer, max_bytes_per_token
+from splitserve.testing.tiny_models import TOOLS_CHAT_TEMPLATE
 
 TEXTS = (
     "the old mill by the river",
@@ -234,6 +235,25 @@ def test_lone_surrogates_are_invalid_requests(tiny_llama_dir):
         tokenizer.apply_chat_template([{"role": "user", "content": "\udc80"}])
     assert str(raised.value) == "messages[0].content: is not valid Unicode (lone surrogate '\\udc80' at index 0)"
 
+
+
+@pytest.mark.parametrize(("message", "tools", "error"), [
+    ({"role": "assistant", "content": "", "tool_calls": [{"id": "c", "type": "function",
+                                                          "function": {"name": "f", "arguments": {"a": "\ud800"}}}]},
+     None, "messages: the chat as rendered is not valid Unicode (lone surrogate '\\ud800')"),
+    ({"role": "tool", "content": "4", "tool_call_id": "\udc80"}, None,
+     "messages: the chat as rendered is not valid Unicode (lone surrogate '\\udc80')"),
+    ({"role": "user", "content": "Hi"}, ({"type": "function", "function": {"name": "f", "description": "\ud800"}},),
+     "tools: is not valid Unicode (lone surrogate '\\ud800')"),
+])
+def test_lone_surrogates_the_template_renders_are_invalid_requests(tiny_qwen2_dir, message, tools, error):
+    """Besides the contents, a template writes tools, tool calls and their ids: the tokenizer would
+    raise TypeError on a lone surrogate there too (a 500)."""
+    tokenizer = RouterTokenizer.from_model_dir(tiny_qwen2_dir, TOOLS_CHAT_TEMPLATE)
+    with pytest.raises(InvalidRequestError) as raised:
+        tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}, message], True,
+                                      ChatTemplateOptions(tools=tools))
+    assert str(raised.value) == error
 
 def test_template_refusal_is_an_invalid_request(custom_dir):
     with pytest.raises(InvalidRequestError, match="unknown role: tool") as raised:

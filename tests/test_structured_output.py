@@ -87,6 +87,8 @@ def test_a_schema_outside_the_subset_is_refused_naming_the_construct(schema, mes
     (StructuredOutputKind.CHOICE, '["a", 1]', "choice: must be a non-empty list of non-empty strings"),
     (StructuredOutputKind.JSON_SCHEMA, "{", "json_schema: is not valid JSON: Expecting property name enclosed in "
                                             "double quotes: line 1 column 2 (char 1)"),
+    (StructuredOutputKind.JSON_SCHEMA, "[" * 100_000, "json_schema: is not valid JSON: maximum recursion depth "
+                                                       "exceeded while decoding a JSON array from a unicode string"),
     (StructuredOutputKind.REGEX, "", "regex: must not be empty"),
     (StructuredOutputKind.JSON_OBJECT, "{}", "json_object: takes no spec"),
 ])
@@ -160,6 +162,8 @@ def test_router_parses_each_field(body, expected):
     ({"structured_outputs": {"regex": "a", "choice": ["a"]}},
      "structured_outputs: must set exactly one of json, regex, choice, grammar, json_object, got ['regex', 'choice']"),
     ({"structured_outputs": {"jsn": {}}}, "structured_outputs: unknown key 'jsn'"),
+    ({"guided_json": "[" * 100_000}, "guided_json: json_schema: is not valid JSON: maximum recursion depth exceeded "
+                                     "while decoding a JSON array from a unicode string"),
     ({"response_format": {"type": "xml"}},
      'response_format: must be {"type": "text" | "json_object" | "json_schema", ...}, got {"type": "xml"}'),
 ])

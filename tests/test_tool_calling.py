@@ -124,6 +124,9 @@ NAMED = {"type": "function", "function": {"name": "get_time"}}
     (chat(messages=[{"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {
         "name": "f", "arguments": "{oops"}}]}]), "messages[0].tool_calls[0].function.arguments",
      "is not valid JSON: Expecting property name enclosed in double quotes: line 1 column 2 (char 1)"),
+    (chat(messages=[{"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {
+        "name": "f", "arguments": "[" * 100_000}}]}]), "messages[0].tool_calls[0].function.arguments",
+     "is not valid JSON: maximum recursion depth exceeded while decoding a JSON array from a unicode string"),
     (chat(messages=[{"role": "assistant", "tool_calls": [{"id": "c", "function": {"arguments": "{}"}}]}]),
      "messages[0].tool_calls[0].function", 'must be an object with a string name, got {"arguments": "{}"}'),
     (chat(messages=[{"role": "tool", "tool_call_id": 7, "content": "x"}]), "messages[0].tool_call_id",

@@ -101,6 +101,7 @@ def test_hermes_outputs(text, expected):
     '<tool_call>{"name": "f", "arguments": {"a": "line\nbreak"}}</tool_call>',  # a raw control character
     '<tool_call>{"name": "f", "arguments": {"a": 01}}</tool_call>',
     '<tool_call>{"name": "f", "arguments": {"a": tru}}</tool_call>',
+    '<tool_call>{"name": "f\\ud800", "arguments": {}}</tool_call>',  # a name no UTF-8 response can carry
 ])
 def test_malformed_hermes_output_is_all_content(text):
     parser = HermesParser(new_id=ids())
@@ -178,6 +179,11 @@ def test_named_call_is_the_whole_output_as_generated():
     ("The answer is 4.", ParsedOutput("The answer is 4.", ())),
     ('{"name": "f", "parameters": {}} and text', ParsedOutput('{"name": "f", "parameters": {}} and text', ())),
     ('{"name": "f"', ParsedOutput('{"name": "f"', ())),
+    # vLLM's llama3_json reads "arguments" as "parameters" (models write either); a call with both is ambiguous
+    ('{"name": "f", "arguments": {"a": 1}}; {"parameters": {}, "name": "g"}',
+     ParsedOutput(None, (ToolCall("call-0", "f", '{"a": 1}'), ToolCall("call-1", "g", "{}")))),
+    ('{"name": "f", "parameters": {}, "arguments": {}}',
+     ParsedOutput('{"name": "f", "parameters": {}, "arguments": {}}', ())),
 ])
 def test_llama3_json(text, expected):
     assert parse_output(Llama3JsonParser(new_id=ids()), text) == expected
@@ -186,6 +192,17 @@ def test_llama3_json(text, expected):
         # a stream that turns out not to be calls sends all of the output as content
         assert (content, calls if expected.tool_calls else ()) == (expected.content or "", expected.tool_calls), cut
 
+
+
+def test_an_integer_longer_than_int_reads_stays_as_written():
+    """A model can run on writing digits: past 4300 of them int() (hence json.loads) refuses the
+    number with a ValueError, which was a 500 (a stream's error event); the call keeps it as written."""
+    digits = "7" * 5000
+    text = f'<tool_call>{{"name": "f", "arguments": {{"a": -{digits}, "b": -0}}}}</tool_call>'
+    expected = ParsedOutput(None, (ToolCall("call-0", "f", f'{{"a": -{digits}, "b": 0}}'),))
+    assert parse_output(HermesParser(new_id=ids()), text) == expected
+    assert accumulated(streamed(HermesParser(new_id=ids()), [text[:2000], text[2000:]])) == (
+        "", expected.tool_calls)
 
 def test_the_scanner_canonicalizes_numbers_and_escapes_like_json_dumps():
     value = '{"name": "f", "arguments": {"n": [1E2, -0, 1.0, 12345678901234567890, 1e400], "s": "\\/\\u0001\\ud800x"}}'
