@@ -128,7 +128,23 @@ def closed_objects(schema: Any) -> Any:
     vLLM's default grammar backend (xgrammar, strict mode) does this, as does its guidance backend
     with disable_additional_properties; a client writes `"additionalProperties": true` (or a schema)
     to allow other keys. Without it, a weak model takes the open object's way out and writes keys
-    of its own until max_tokens."""
+    of its own until max_tokens.
+
+    A schema with an intersection anywhere (`allOf` of two or more subschemas) is left as written:
+    closing each part would refuse the keys the other parts list (only unevaluatedProperties, which
+    the grammar engine lacks, closes an intersection), and a part may be a `$ref` to a definition."""
+    return schema if _has_intersection(schema) else _closed(schema)
+
+
+def _has_intersection(schema: Any) -> bool:
+    if not isinstance(schema, dict):
+        return False
+    if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
+        return True
+    return any(_has_intersection(child) for _, child in _subschemas(schema, ""))
+
+
+def _closed(schema: Any) -> Any:
     if not isinstance(schema, dict):
         return schema
     closed = {keyword: _closed_subschemas(keyword, value) for keyword, value in schema.items()}
@@ -139,11 +155,11 @@ def closed_objects(schema: Any) -> Any:
 
 def _closed_subschemas(keyword: str, value: Any) -> Any:
     if keyword in SCHEMA_VALUED:
-        return closed_objects(value)
+        return _closed(value)
     if keyword in SCHEMA_MAP_VALUED and isinstance(value, dict):
-        return {name: closed_objects(child) for name, child in value.items()}
+        return {name: _closed(child) for name, child in value.items()}
     if keyword in SCHEMA_LIST_VALUED and isinstance(value, list):
-        return [closed_objects(child) for child in value]
+        return [_closed(child) for child in value]
     return value
 
 

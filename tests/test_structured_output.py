@@ -125,6 +125,16 @@ def test_objects_listing_properties_are_closed_unless_the_schema_says_otherwise(
     assert grammar["grammars"][0]["json_schema"]["additionalProperties"] is False
 
 
+def test_a_schema_with_an_intersection_is_left_open():
+    """Closed, {"a": 1, "b": 2} would break each part's closing: only {} would satisfy both."""
+    both = {"properties": {"outer": {"allOf": [{"$ref": "#/$defs/A"}, {"properties": {"b": {"type": "integer"}}}]}},
+            "$defs": {"A": {"properties": {"a": {"type": "integer"}}}}}
+    assert closed_objects(both) == both
+    single = {"allOf": [{"properties": {"a": {"type": "integer"}}}]}  # one part: nothing to intersect
+    assert closed_objects(single) == {"allOf": [{"properties": {"a": {"type": "integer"}},
+                                                 "additionalProperties": False}]}
+
+
 def test_json_grammar_is_compact():
     grammar = json.loads(StructuredOutput.json_schema({"type": "integer"}).grammar())
     assert grammar == {"grammars": [{"name": "json_schema", "lark_grammar": None, "json_schema": {
