@@ -153,14 +153,15 @@ def parse_tool_calling(body: Mapping[str, Any], limits: RequestLimits) -> ToolCa
 
 
 def parse_tools(body: Mapping[str, Any], limits: RequestLimits) -> tuple[FunctionTool, ...] | None:
-    """The request's `tools` (None when absent), each validated; InvalidRequestError naming the entry."""
+    """The request's `tools` (None when absent or empty: clients send `[]` for "no tools", and vLLM
+    takes it so), each validated; InvalidRequestError naming the entry."""
     tools = body.get("tools")
     if tools is None:
         return None
     if not isinstance(tools, list):
         raise InvalidRequestError("tools", f"must be a list of function tools, got {json_excerpt(tools)}")
     if not tools:
-        raise InvalidRequestError("tools", "must not be an empty list (send at least one tool, or leave tools out)")
+        return None
     limits.check_tools(len(tools), len(json.dumps(tools, separators=(",", ":"), default=str).encode()))
     parsed = tuple(_tool(tool, f"tools[{index}]") for index, tool in enumerate(tools))
     names = [tool.name for tool in parsed]

@@ -259,7 +259,7 @@ def test_bad_chat_parameters_are_400_naming_the_field(served):
     client = served.client()
     cases = [({"top_logprobs": 2}, "top_logprobs"), ({"max_completion_tokens": 0}, "max_completion_tokens"),
              ({"messages": []}, "messages"), ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
-             ({"tools": []}, "tools")]
+             ({"tools": {}}, "tools")]
     for kwargs, param in cases:
         with pytest.raises(openai.BadRequestError) as error:
             client.chat.completions.create(**{"model": MODEL, "messages": CHAT, **kwargs})

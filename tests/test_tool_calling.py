@@ -71,12 +71,17 @@ def parse(body: dict):
 
 # ---- the request ------------------------------------------------------------------------------
 
+def test_an_empty_tools_list_is_no_tools():
+    """As vLLM (OpenAI refuses it): clients send `tools: []` for an agent without tools."""
+    assert parse(chat(tools=[])).tool_calling is None
+    assert parse(chat(tools=[], tool_choice="none")) == parse(chat())
+
+
 NAMED = {"type": "function", "function": {"name": "get_time"}}
 
 
 @pytest.mark.parametrize(("body", "field", "message"), [
     (chat(tools={}), "tools", "must be a list of function tools, got {}"),
-    (chat(tools=[]), "tools", "must not be an empty list (send at least one tool, or leave tools out)"),
     (chat(tools=[5]), "tools[0]", 'must be an object {"type": "function", "function": {...}}, got 5'),
     (chat(tools=[{"type": "retrieval"}]), "tools[0].type", "must be \"function\" (the only tool type), got 'retrieval'"),
     (chat(tools=[{"type": "function"}]), "tools[0].function", "must be an object with a name, got null"),
@@ -94,6 +99,7 @@ NAMED = {"type": "function", "function": {"name": "get_time"}}
     (chat(tools=[{"type": "function", "function": {"name": "f", "description": "x" * (1 << 19)}}]), "tools",
      "has 524350 bytes as compact JSON; at most 524288"),
     (chat(tool_choice="required"), "tool_choice", "needs tools (send the tools it chooses from)"),
+    (chat(tools=[], tool_choice="required"), "tool_choice", "needs tools (send the tools it chooses from)"),
     (chat(tools=TOOLS, tool_choice="always"), "tool_choice",
      'must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}, got "always"'),
     (chat(tools=TOOLS, tool_choice={"type": "function"}), "tool_choice.function",
