@@ -30,7 +30,7 @@ from concurrent.futures.process import BrokenProcessPool
 from typing import Any, TypeVar
 
 from splitserve.router.request_limits import RequestLimits
-from splitserve.router.structured_output import STRUCTURED_OUTPUT_FIELDS
+from splitserve.router.structured_output import LARGE_GRAMMAR_BYTES, STRUCTURED_OUTPUT_FIELDS
 
 logger = logging.getLogger(__name__)
 
@@ -42,14 +42,11 @@ so the process can be told which one by name."""
 LARGE_BODY_BYTES = 128 << 10
 """A body of more bytes is decoded in the process: on the loop it would hold the GIL for about
 0.4 ms or more, while the trip to the process and back costs about that much."""
-LARGE_GRAMMAR_BODY_BYTES = 16 << 10
-"""A body of more bytes that may carry a grammar goes to the process too: parsing checks a
-structured output constraint (or the grammar a forced tool choice implies) by compiling it with
-llguidance, about 2 ms per KB of schema, so 128 KiB of schema would hold the loop ~0.25 s."""
 GRAMMAR_FIELD_NAMES = tuple(f'"{name}"'.encode() for name in (*STRUCTURED_OUTPUT_FIELDS, "tools", "format"))
-"""A body that names none of these fields (as JSON keys, quoted; "format": the Responses API's
-text.format) asks for no grammar. The test is on the raw bytes, before decoding, so a prompt that
-quotes one of them (or a schema's "format" keyword) only costs the trip."""
+"""A body over LARGE_GRAMMAR_BYTES that names one of these fields (as JSON keys, quoted; "format":
+the Responses API's text.format) may carry a grammar to compile, and goes to the process too. The
+test is on the raw bytes, before decoding, so a prompt that quotes one of them (or a schema's
+"format" keyword) only costs the trip."""
 
 PR_SET_PDEATHSIG = 1
 """prctl(2) option: the signal the kernel sends this process when its parent ends (Linux)."""
@@ -111,7 +108,7 @@ class BodyParser:
         """Whether parsing `body` could hold the loop long enough to be worth the process's trip."""
         if len(body) > self._large_body_bytes:
             return True
-        return len(body) > LARGE_GRAMMAR_BODY_BYTES and any(name in body for name in GRAMMAR_FIELD_NAMES)
+        return len(body) > LARGE_GRAMMAR_BYTES and any(name in body for name in GRAMMAR_FIELD_NAMES)
 
     def close(self) -> None:
         """Drop queued bodies and end the process once its current one is parsed."""

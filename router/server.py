@@ -33,7 +33,7 @@ from splitserve.router.malformed_requests import MalformedRequestInterceptor
 from splitserve.router.api_types import GenerationInput, RouterError, StreamChunk
 from splitserve.router.orchestrator import Orchestrator
 from splitserve.router.request_limits import MAX_BODY_BYTES
-from splitserve.router.structured_output import structured_output_from_proto
+from splitserve.router.structured_output import LARGE_GRAMMAR_BYTES, structured_output_from_proto
 from splitserve.router.tokenizer_pool import TokenizerPool
 from splitserve.router.triton_server import SERVICE_NAME as TRITON_SERVICE_NAME
 from splitserve.router.triton_server import TritonServicer
@@ -48,16 +48,9 @@ _SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalt
                     "min_tokens")
 
 
-LARGE_STRUCTURED_OUTPUT_BYTES = 16 << 10
-"""A structured output constraint larger than this (its message's bytes) is checked in a thread:
-llguidance compiles its grammar in about 2 ms per KB (a 780 KB schema: 1.6 s), which on the event
-loop would stall every stream the router serves. (The HTTP API parses such bodies in its body
-parser's process: router/request_body.py.)"""
-
-
 async def sampling_params_of(message: pb.SamplingParams) -> SamplingParams:
-    """sampling_params_from_proto, off the event loop when the structured output is large."""
-    if message.structured_output.ByteSize() > LARGE_STRUCTURED_OUTPUT_BYTES:
+    """sampling_params_from_proto, in a thread when the structured output is large (LARGE_GRAMMAR_BYTES)."""
+    if message.structured_output.ByteSize() > LARGE_GRAMMAR_BYTES:
         return await asyncio.to_thread(sampling_params_from_proto, message)
     return sampling_params_from_proto(message)
 

@@ -29,6 +29,11 @@ GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar
 """vLLM's guided decoding fields before structured_outputs (still sent by many clients)."""
 STRUCTURED_OUTPUT_FIELDS = ("response_format", "structured_outputs", *GUIDED_FIELDS)
 """Every request field that asks for structured output (at most one may be set)."""
+LARGE_GRAMMAR_BYTES = 16 << 10
+"""A constraint (or a request carrying one) of more bytes is checked off the router's event loop:
+llguidance compiles a grammar in about 2 ms per KB (a 780 KB schema: 1.6 s), which on the loop
+would stall every stream the router serves (gRPC: a thread, router/server.py; HTTP: the body
+parser's process, router/request_body.py)."""
 STRUCTURED_OUTPUTS_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 """The constraint keys of vLLM's structured_outputs object."""
 STRUCTURED_OUTPUTS_OPTIONS = {"disable_any_whitespace": (False, True), "disable_additional_properties": (False, True),

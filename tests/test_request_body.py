@@ -18,8 +18,8 @@ import pytest
 
 from splitserve.common.errors import InvalidRequestError
 from splitserve.router.openai_protocol import parse_chat_request, parse_completion_request
-from splitserve.router.request_body import (LARGE_BODY_BYTES, LARGE_GRAMMAR_BODY_BYTES, BodyParser, MalformedBodyError,
-                                            json_object)
+from splitserve.router.request_body import LARGE_BODY_BYTES, BodyParser, MalformedBodyError, json_object
+from splitserve.router.structured_output import LARGE_GRAMMAR_BYTES
 from tests.factories import make_request_limits
 from tests.process_probe import process_id
 
@@ -83,7 +83,7 @@ def test_small_bodies_are_parsed_here_and_large_ones_in_the_parsers_process(bodi
                                    "format"])
 def test_a_middling_body_that_may_carry_a_grammar_is_parsed_in_the_parsers_process(bodies, field):
     """Its grammar is compiled while it is parsed (about 2 ms per KB of schema): off the event loop."""
-    middling = b" " * LARGE_GRAMMAR_BODY_BYTES
+    middling = b" " * LARGE_GRAMMAR_BYTES
     assert parse(bodies, process_id, b'{"%s": 1}' % field.encode() + middling) != os.getpid()
     assert parse(bodies, process_id, b'{"prompt": 1}' + middling) == os.getpid()
     assert parse(bodies, process_id, b'{"%s": 1}' % field.encode()) == os.getpid()

@@ -432,7 +432,7 @@ def test_a_full_tokenization_pool_refuses_and_a_cancelled_job_frees_its_place(ti
 @pytest.mark.parametrize(("values", "on_loop"), [(3000, [False]), (3, [True])])
 def test_a_large_grpc_structured_output_is_checked_off_the_event_loop(served, monkeypatch, values, on_loop):
     """llguidance compiles a grammar in about 2 ms per KB: a schema over
-    LARGE_STRUCTURED_OUTPUT_BYTES (3000 enum values: 62 KB) is checked in a thread, a small one on
+    LARGE_GRAMMAR_BYTES (3000 enum values: 62 KB) is checked in a thread, a small one on
     the loop. Before, every gRPC schema was checked on the router's event loop (a 780 KB one held
     it 1.6 s, and every stream with it); the HTTP API parses such bodies in its parser's process."""
     from splitserve.router import structured_output
