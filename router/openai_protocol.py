@@ -125,13 +125,15 @@ class ChatCompletionRequest:
 
 # ---- parsing --------------------------------------------------------------------------------
 
-def _typed(body: Mapping[str, Any], name: str, kind: type, what: str, default: Any = None) -> Any:
-    """body[name] if it is a `kind` (never a bool where a number is wanted); absent or null: default."""
+def _typed(body: Mapping[str, Any], name: str, kind: type, what: str, default: Any = None,
+           field: str | None = None) -> Any:
+    """body[name] if it is a `kind` (never a bool where a number is wanted); absent or null: default.
+    `field`: what an error names (default `name`: a top-level field)."""
     value = body.get(name)
     if value is None:
         return default
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise InvalidRequestError(name, f"must be {what}, got {value!r}")
+        raise InvalidRequestError(field or name, f"must be {what}, got {value!r}")
     return value
 
 
@@ -309,16 +311,10 @@ def _message(message: Any, field: str) -> ChatMessage:
         raise InvalidRequestError(field, f"must be an object with a string role, got {message!r}")
     role = message["role"]
     calls = parse_history_tool_calls(message.get("tool_calls"), f"{field}.tool_calls") if role == "assistant" else ()
-    call_id = _optional_string(message, "tool_call_id", field) if role == "tool" else None
+    call_id = None if role != "tool" else _typed(message, "tool_call_id", str, "a string",
+                                                 field=f"{field}.tool_call_id")
     return ChatMessage(role, _content(message.get("content"), f"{field}.content"), calls, call_id,
-                       _optional_string(message, "name", field))
-
-
-def _optional_string(message: Mapping[str, Any], key: str, field: str) -> str | None:
-    value = message.get(key)
-    if value is not None and not isinstance(value, str):
-        raise InvalidRequestError(f"{field}.{key}", f"must be a string, got {value!r}")
-    return value
+                       _typed(message, "name", str, "a string", field=f"{field}.name"))
 
 
 def _chat_logprobs(body: Mapping[str, Any]) -> int | None:
