@@ -20,7 +20,6 @@ import contextlib
 import dataclasses
 import functools
 import hashlib
-import importlib.metadata
 import json
 import logging
 import socket
@@ -56,24 +55,11 @@ from splitserve.router.responses_protocol import ResponsesRenderer, ResponsesReq
 from splitserve.router.tls import TlsConfig, load_tls
 from splitserve.router.tokenizer_pool import TokenizerPool
 from splitserve.router.tool_parsers import ToolOutput
+from splitserve.router.version import SERVER_VERSION
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
 
-UNINSTALLED_VERSION = "0+unknown"
-
-
-def installed_version() -> str:
-    """The installed distribution's version; UNINSTALLED_VERSION for a source tree put on the path
-    without installing it (which has no distribution metadata)."""
-    try:
-        return importlib.metadata.version("splitserve")
-    except importlib.metadata.PackageNotFoundError:
-        return UNINSTALLED_VERSION
-
-
-SERVER_VERSION = installed_version()
-"""What /version reports: the installed distribution's version."""
 _STATUS_BY_CODE = {"INVALID_ARGUMENT": 400, "RESOURCE_EXHAUSTED": 429, "UNAVAILABLE": 503, "DEADLINE_EXCEEDED": 504}
 """HTTP status of a RouterError by its gRPC code name; any other code is 500."""
 _ERROR_TYPES = {429: "rate_limit_error", 500: "server_error", 503: "server_error", 504: "server_error"}

@@ -17,7 +17,6 @@ reads "<CODE>: <message>" and the stream carries on.
 from __future__ import annotations
 
 import asyncio
-import importlib.metadata
 import logging
 import uuid
 from collections.abc import AsyncIterator
@@ -35,6 +34,7 @@ from splitserve.router.tokenizer_pool import TokenizerPool
 from splitserve.router.triton_protocol import (InferRequest, OutputValues, ServedModel, empty_final_response,
                                                infer_response, model_config, model_metadata, parse_infer_request,
                                                stream_error)
+from splitserve.router.version import SERVER_VERSION
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ class TritonServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     async def ServerMetadata(self, request: pb.ServerMetadataRequest, context: grpc.aio.ServicerContext
                              ) -> pb.ServerMetadataResponse:
-        return pb.ServerMetadataResponse(name=SERVER_NAME, version=importlib.metadata.version("splitserve"),
+        return pb.ServerMetadataResponse(name=SERVER_NAME, version=SERVER_VERSION,
                                          extensions=EXTENSIONS)
 
     async def ModelReady(self, request: pb.ModelReadyRequest, context: grpc.aio.ServicerContext

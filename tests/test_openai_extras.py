@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from splitserve.proto.splitserve.v1 import generation_pb2 as pb
-from splitserve.router.openai_server import SERVER_VERSION, UNINSTALLED_VERSION, installed_version
+from splitserve.router.version import SERVER_VERSION, UNINSTALLED_VERSION, installed_version
 from tests.factories import ServedApis, http_request, served_apis, stream_tokens
 
 MODEL = "tiny-llama"
