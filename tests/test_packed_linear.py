@@ -123,9 +123,10 @@ def _emulated(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) 
 
 
 CASES = [(1, 80, 96), (1, 48, 8), (2, 80, 96), (3, 48, 31), (5, 17, 7), (6, 16, 2), (7, 1, 1), (13, 33, 64),
-         (64, 80, 96), (129, 48, 31)]
+         (64, 80, 96), (129, 48, 31), (1100, 40, 251)]
 """(rows, out_features, in_features): fewer rows than a tile (1-2 rows: 4 / 2 panels per tile and the panels
-left over), 1 to 2 tiles of rows and their tails, partial panels, odd inputs."""
+left over), 1 to 2 tiles of rows and their tails, partial panels, odd inputs; 1100 x 251 inputs are over the
+1 MiB of float32 inputs up to which the tiles read x packed (csrc/panel_linear.cpp's kMaxTiledBytes)."""
 
 
 def _linear(out_features: int, in_features: int, bias: bool, dtype: torch.dtype, seed: int) -> torch.nn.Linear:
@@ -188,6 +189,19 @@ def test_panel_linear_gives_a_row_the_same_result_in_any_batch(dtype):
 
 
 @needs_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("layer_type", [PanelLinear, PanelSiluMulLinear])
+def test_a_row_gets_the_same_result_whether_x_is_read_packed_or_in_place(layer_type, dtype):
+    """1100 rows of 251 inputs (1.1 MB in float32) are read in place, any 200 of them packed in row tiles: the
+    same sums in the same k order."""
+    layer = layer_type(_linear(48, 251, True, dtype, 11))
+    x = torch.randn(1100, 251, generator=torch.Generator().manual_seed(3)).to(dtype)
+    batch = layer(x)
+    for first in (0, 5, 897):
+        assert torch.equal(layer(x[first:first + 200]), batch[first:first + 200])
+
+
+@needs_kernels
 def test_bf16_panel_linear_sums_float32_activations_within_float32_rounding():
     linear = torch.nn.Linear(200, 40).to(torch.bfloat16)
     x = torch.randn(9, 200)
@@ -212,10 +226,11 @@ def test_panel_linear_refuses_mismatched_inputs_with_a_message(call, message):
 
 # ---- PanelSiluMulLinear (csrc/panel_linear.cpp's panel_linear_silu_mul) -------------------------------------
 
-GATED_CASES = [(1, 80, 96), (1, 33, 5), (2, 48, 31), (3, 17, 7), (5, 7, 64), (6, 16, 2), (7, 40, 97), (13, 33, 64), (64, 80, 96)]
+GATED_CASES = [(1, 80, 96), (1, 33, 5), (2, 48, 31), (3, 17, 7), (5, 7, 64), (6, 16, 2), (7, 40, 97), (13, 33, 64),
+               (64, 80, 96), (1100, 24, 251)]
 """(rows, intermediate, in_features): one row (two pairs per tile, and the pair left over), two rows (gate and up
 panels in one tile), taller tiles and their tails, a partial last pair (intermediate not a multiple of 16:
-silu_and_mul's scalar tail), odd inputs."""
+silu_and_mul's scalar tail), odd inputs, inputs over the packed-x bound (x read in place)."""
 
 
 @needs_kernels

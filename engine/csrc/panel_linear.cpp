@@ -17,9 +17,10 @@
 // silu(gate) * up is computed and rounded where fused_ops.cpp's silu_and_mul rounds it: the result equals
 // silu_and_mul(panel_linear(x, [G | U])) bit for bit without writing or reading back the [M, 2I] gate_up.
 //
-// Arithmetic: x widened to float32 once per call; every output is sum_k x[m, k] * W[n, k] accumulated in
-// float32 in ascending k, one fused multiply-add per term, plus the bias, rounded once to x's dtype. The
-// order depends on nothing but k, so a row's result is the same whichever rows share its batch.
+// Arithmetic: x widened to float32 (and packed in row tiles) once per call; every output is
+// sum_k x[m, k] * W[n, k] accumulated in float32 in ascending k, one fused multiply-add per term, plus the
+// bias, rounded once to x's dtype. The order depends on nothing but k, so a row's result is the same
+// whichever rows share its batch.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -45,33 +46,49 @@ constexpr int kTileRows = kVec16Registers >= 32 ? 8 : 6;
 template <int R>
 constexpr int kTilePanels = R >= 3 ? 1 : (R == 1 ? 4 : 2);
 
-// acc[r][c] = sum over k of x[r, k] * panel_c[k] for R rows of x (row stride x_stride) and C panels (stride
-// panel_stride words); steps = a panel's rows: pairs of k for bf16 words (uint32_t), single k for float.
-template <int R, int C>
-inline void panel_tile(const float* x, int64_t x_stride, const uint32_t* panel, int64_t panel_stride, int64_t pairs,
-                       Vec16 (&acc)[R][C]) {
+// Where a row tile finds input k of its row r: x's rows as they are (x + r width + k), or packed in tiles
+// (x + R k + r, pack_row_tiles): a tile's broadcasts then read one sequential stream instead of R rows
+// width apart, 7-10% faster tiles at 64 rows of the 88M shapes (AVX2, weights from DRAM), but slower once
+// the packed x no longer stays in L2 (from ~512 rows of those shapes: it streams from L3 as one stream
+// instead of R).
+template <bool kTiled, int R>
+inline const float* tile_input(const float* x, int64_t width, int64_t k, int r) {
+  return kTiled ? x + R * k + r : x + r * width + k;
+}
+
+// acc[r][c] = sum over k of x[r, k] * panel_c[k] for the R rows of a row tile x (rows width inputs long, as
+// tile_input finds them) and C panels (stride panel_stride words); steps = a panel's rows: pairs of k for
+// bf16 words (uint32_t), single k for float. `ahead` (or nullptr): a panel to prefetch into L2 meanwhile, the
+// line at the same step (one line per step: a panel row is 16 words).
+template <bool kTiled, int R, int C>
+inline void panel_tile(const float* x, int64_t width, const uint32_t* panel, int64_t panel_stride, int64_t pairs,
+                       const uint32_t* ahead, Vec16 (&acc)[R][C]) {
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = zero16();
   for (int64_t k2 = 0; k2 < pairs; ++k2) {
+    if (ahead != nullptr) _mm_prefetch(reinterpret_cast<const char*>(ahead + kPanelColumns * k2), _MM_HINT_T1);
     for (int c = 0; c < C; ++c) {
       const Words16 words = load_words(panel + c * panel_stride + kPanelColumns * k2);
       const Vec16 even = low_bf16(words);  // W[., 2 k2]
-      for (int r = 0; r < R; ++r) acc[r][c] = fma16(set16(x[r * x_stride + 2 * k2]), even, acc[r][c]);
+      for (int r = 0; r < R; ++r)
+        acc[r][c] = fma16(set16(*tile_input<kTiled, R>(x, width, 2 * k2, r)), even, acc[r][c]);
       const Vec16 odd = high_bf16(words);  // W[., 2 k2 + 1]
-      for (int r = 0; r < R; ++r) acc[r][c] = fma16(set16(x[r * x_stride + 2 * k2 + 1]), odd, acc[r][c]);
+      for (int r = 0; r < R; ++r)
+        acc[r][c] = fma16(set16(*tile_input<kTiled, R>(x, width, 2 * k2 + 1, r)), odd, acc[r][c]);
     }
   }
 }
 
-template <int R, int C>
-inline void panel_tile(const float* x, int64_t x_stride, const float* panel, int64_t panel_stride, int64_t steps,
-                       Vec16 (&acc)[R][C]) {
+template <bool kTiled, int R, int C>
+inline void panel_tile(const float* x, int64_t width, const float* panel, int64_t panel_stride, int64_t steps,
+                       const float* ahead, Vec16 (&acc)[R][C]) {
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = zero16();
   for (int64_t k = 0; k < steps; ++k) {
+    if (ahead != nullptr) _mm_prefetch(reinterpret_cast<const char*>(ahead + kPanelColumns * k), _MM_HINT_T1);
     for (int c = 0; c < C; ++c) {
       const Vec16 w = load16(panel + c * panel_stride + kPanelColumns * k);
-      for (int r = 0; r < R; ++r) acc[r][c] = fma16(set16(x[r * x_stride + k]), w, acc[r][c]);
+      for (int r = 0; r < R; ++r) acc[r][c] = fma16(set16(*tile_input<kTiled, R>(x, width, k, r)), w, acc[r][c]);
     }
   }
 }
@@ -95,13 +112,16 @@ struct LinearShape {
   int64_t rows, steps, out_features;  // steps: rows of a panel
 };
 
-// Rows [row, row + R) of the output's columns [16 p, 16 (p + C)) that exist.
-template <typename T, typename W, int R, int C = 1>
+// Rows [row, row + R) of the output's columns [16 p, 16 (p + C)) that exist; with prefetch_next, the next C
+// panels are prefetched meanwhile (C = 1).
+template <typename T, typename W, bool kTiled, int R, int C = 1>
 void tile(const float* x, const W* panels, const float* bias, const LinearShape& shape, int64_t p, int64_t row,
-          T* out) {
-  const int64_t x_stride = kInputsPerStep<W> * shape.steps, panel_stride = shape.steps * kPanelColumns;
+          bool prefetch_next, T* out) {
+  const int64_t width = kInputsPerStep<W> * shape.steps, panel_stride = shape.steps * kPanelColumns;
+  const W* panel = panels + p * panel_stride;
   Vec16 acc[R][C];
-  panel_tile<R, C>(x + row * x_stride, x_stride, panels + p * panel_stride, panel_stride, shape.steps, acc);
+  const W* ahead = prefetch_next ? panel + C * panel_stride : nullptr;
+  panel_tile<kTiled, R, C>(x + row * width, width, panel, panel_stride, shape.steps, ahead, acc);
   for (int c = 0; c < C; ++c) {
     const int64_t first = (p + c) * kPanelColumns, columns = std::min(kPanelColumns, shape.out_features - first);
     for (int r = 0; r < R; ++r) {
@@ -128,9 +148,11 @@ struct PanelUnits {
 };
 
 // Runs `tile` over every (unit, row tile) of a product, in parallel over its num_units units of unit_panels
-// panels each: tile.template operator()<R, U>(unit, row) computes rows [row, row + R) of units [unit, unit + U).
+// panels each: tile.template operator()<R, U>(unit, row, prefetch_next) computes rows [row, row + R) of units
+// [unit, unit + U), and with prefetch_next prefetches the next unit's panels into L2 meanwhile.
 // Fewer rows than a tile: all of them in one tile, Units::kPerTile<R> units at a time (the rest one by one);
-// more: a unit at a time, all its row tiles while its weights are in cache.
+// more: a unit at a time, all its row tiles while its weights are in cache, the first of them prefetching the
+// next unit's weights (else each unit's first tile waits on DRAM: a decode step's weights are not in cache).
 template <typename W, typename Units, typename F>
 void for_each_tile(const LinearShape& shape, int64_t num_units, int64_t unit_panels, F&& tile) {
   // About 256K multiply-adds per task: a decode step's small layers run on one thread, where waking the
@@ -143,24 +165,28 @@ void for_each_tile(const LinearShape& shape, int64_t num_units, int64_t unit_pan
       return with_rows(static_cast<int>(shape.rows), [&]<int R>() {
         constexpr int U = Units::template kPerTile<R>;
         int64_t unit = begin;
-        for (; unit + U <= end; unit += U) tile.template operator()<R, U>(unit, 0);
-        for (; unit < end; ++unit) tile.template operator()<R, 1>(unit, 0);
+        for (; unit + U <= end; unit += U) tile.template operator()<R, U>(unit, 0, false);
+        for (; unit < end; ++unit) tile.template operator()<R, 1>(unit, 0, false);
       });
     }
     for (int64_t unit = begin; unit < end; ++unit) {
-      int64_t row = 0;
-      for (; row + kTileRows <= shape.rows; row += kTileRows) tile.template operator()<kTileRows, 1>(unit, row);
+      const bool has_next = unit + 1 < end;
+      tile.template operator()<kTileRows, 1>(unit, 0, has_next);
+      int64_t row = kTileRows;
+      for (; row + kTileRows <= shape.rows; row += kTileRows)
+        tile.template operator()<kTileRows, 1>(unit, row, false);
       if (row < shape.rows)
-        with_rows(static_cast<int>(shape.rows - row), [&]<int R>() { tile.template operator()<R, 1>(unit, row); });
+        with_rows(static_cast<int>(shape.rows - row),
+                  [&]<int R>() { tile.template operator()<R, 1>(unit, row, false); });
     }
   });
 }
 
-template <typename T, typename W>
+template <bool kTiled, typename T, typename W>
 void linear_panels(const float* x, const W* panels, const float* bias, const LinearShape& shape, int64_t num_panels,
                    T* out) {
-  for_each_tile<W, PanelUnits>(shape, num_panels, 1, [&]<int R, int C>(int64_t p, int64_t row) {
-    tile<T, W, R, C>(x, panels, bias, shape, p, row, out);
+  for_each_tile<W, PanelUnits>(shape, num_panels, 1, [&]<int R, int C>(int64_t p, int64_t row, bool prefetch_next) {
+    tile<T, W, kTiled, R, C>(x, panels, bias, shape, p, row, prefetch_next, out);
   });
 }
 
@@ -172,24 +198,27 @@ constexpr int kTilePairs = R == 1 ? 2 : 1;
 // out[row + r, 16 q' + j] = silu(gate) * up over rows [row, row + R) and the columns that exist of pairs
 // q' in [q, q + Q) (I in shape.out_features). Tiles of two rows or fewer run all their panels at once;
 // taller tiles run the gate panel, park its sums in L1, then the up panel (both tiles' accumulators at once
-// would not fit the registers).
-template <typename T, typename W, int R, int Q = 1>
+// would not fit the registers), each prefetching its counterpart in the next pair with prefetch_next.
+template <typename T, typename W, bool kTiled, int R, int Q = 1>
 void gated_tile(const float* x, const W* panels, const float* bias, const LinearShape& shape, int64_t q, int64_t row,
-                T* out) {
-  const int64_t x_stride = kInputsPerStep<W> * shape.steps, panel_stride = shape.steps * kPanelColumns;
-  const float* rows = x + row * x_stride;
+                bool prefetch_next, T* out) {
+  const int64_t width = kInputsPerStep<W> * shape.steps, panel_stride = shape.steps * kPanelColumns;
+  const float* rows = x + row * width;
   const W* first_panel = panels + 2 * q * panel_stride;
   alignas(64) float sums[Q][2][R][kPanelColumns];  // [pair][gate, up][row]
   if constexpr (R <= 2) {
     Vec16 acc[R][2 * Q];
-    panel_tile<R, 2 * Q>(rows, x_stride, first_panel, panel_stride, shape.steps, acc);
+    const W* no_prefetch = nullptr;
+    panel_tile<kTiled, R, 2 * Q>(rows, width, first_panel, panel_stride, shape.steps, no_prefetch, acc);
     for (int c = 0; c < 2 * Q; ++c)
       for (int r = 0; r < R; ++r) store16(sums[c / 2][c % 2][r], acc[r][c]);
   } else {
     static_assert(Q == 1, "taller tiles run one pair");
     Vec16 acc[R][1];
     for (int c = 0; c < 2; ++c) {
-      panel_tile<R, 1>(rows, x_stride, first_panel + c * panel_stride, panel_stride, shape.steps, acc);
+      const W* panel = first_panel + c * panel_stride;
+      const W* ahead = prefetch_next ? panel + 2 * panel_stride : nullptr;  // the next pair's same panel
+      panel_tile<kTiled, R, 1>(rows, width, panel, panel_stride, shape.steps, ahead, acc);
       for (int r = 0; r < R; ++r) store16(sums[0][c][r], acc[r][0]);
     }
   }
@@ -217,44 +246,85 @@ struct PairUnits {
   static constexpr int kPerTile = kTilePairs<R>;
 };
 
-template <typename T, typename W>
+template <bool kTiled, typename T, typename W>
 void gated_pairs(const float* x, const W* panels, const float* bias, const LinearShape& shape, int64_t num_pairs,
                  T* out) {
-  for_each_tile<W, PairUnits>(shape, num_pairs, 2, [&]<int R, int Q>(int64_t q, int64_t row) {
-    gated_tile<T, W, R, Q>(x, panels, bias, shape, q, row, out);
+  for_each_tile<W, PairUnits>(shape, num_pairs, 2, [&]<int R, int Q>(int64_t q, int64_t row, bool prefetch_next) {
+    gated_tile<T, W, kTiled, R, Q>(x, panels, bias, shape, q, row, prefetch_next, out);
   });
 }
 
-template <typename W>
-void dispatch_output(const at::Tensor& wide, const W* panels, const float* bias, const LinearShape& shape,
-                     int64_t num_panels, at::Tensor& out) {
-  if (out.scalar_type() == at::kFloat)
-    linear_panels(wide.data_ptr<float>(), panels, bias, shape, num_panels, out.data_ptr<float>());
-  else
-    linear_panels(wide.data_ptr<float>(), panels, bias, shape, num_panels, out.data_ptr<c10::BFloat16>());
+// Rows [row, row + R) of x [rows, in_features] as their tile reads them: input k of row r at out[R k + r], in
+// float32, zeros for k in [in_features, width) (an odd K's pair with the panels' zero input).
+template <int R, typename T>
+void pack_tile_rows(const T* x, int64_t in_features, int64_t width, float* out) {
+  for (int64_t k = 0; k < in_features; ++k)
+    for (int r = 0; r < R; ++r) out[R * k + r] = static_cast<float>(x[r * in_features + k]);
+  std::fill(out + R * in_features, out + R * width, 0.0f);
 }
 
+// x [rows, in_features] -> float32 row tiles (tile_input): the tile of rows [row, row + R) (R = kTileRows, fewer
+// for the last, as for_each_tile cuts them) at packed[row * width, (row + R) * width). On the calling thread: at
+// most kMaxTiledBytes, tens of microseconds, less than waking the other threads would cost.
+template <typename T>
+void pack_row_tiles(const T* x, int64_t rows, int64_t in_features, int64_t width, float* packed) {
+  for (int64_t row = 0; row < rows; row += kTileRows) {
+    with_rows<kTileRows>(static_cast<int>(std::min<int64_t>(kTileRows, rows - row)), [&]<int R>() {
+      pack_tile_rows<R>(x + row * in_features, in_features, width, packed + row * width);
+    });
+  }
+}
+
+// Bytes of float32 inputs up to which the tiles read them packed (tile_input): 1 MiB, the L2 of the AVX2 CPU
+// measured, where 256 rows of 768 inputs (768 KiB) ran 5-15% faster packed and 512 rows (1.5 MiB) 5-10%
+// slower. Covers decode batches; prefill chunks read x's rows as they are.
+constexpr int64_t kMaxTiledBytes = int64_t{1} << 20;
+
+// x as the tiles read it: float32 [M, width] (width: the panels' inputs, K rounded up to whole bf16 pairs),
+// packed in row tiles when `tiled`.
+struct TileInputs {
+  at::Tensor x;
+  bool tiled;
+};
+
 // Checks x [M, K] (float32 or bfloat16) against panels int32 [P, ceil(K/2), 16] (bf16 pairs) or float32
-// [P, K, 16] and bias float32 [16 P] or None; returns x widened to float32 (x itself when it is), rows padded
-// with a zero to the panels' inputs where K is odd (paired with the panels' zero k).
-at::Tensor checked_input(const char* op, const at::Tensor& x, const at::Tensor& panels,
-                         const std::optional<at::Tensor>& bias) {
+// [P, K, 16] and bias float32 [16 P] or None; returns x as the tiles read it.
+TileInputs tile_inputs(const char* op, const at::Tensor& x, const at::Tensor& panels,
+                       const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), op, ": x must be a contiguous [rows, in_features] matrix");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, op, ": x must be float32 or bfloat16");
   const bool bf16 = panels.scalar_type() == at::kInt;
   TORCH_CHECK(panels.dim() == 3 && panels.size(2) == kPanelColumns && (bf16 || panels.scalar_type() == at::kFloat) &&
                   panels.is_contiguous(),
               op, ": panels must be a contiguous int32 [P, ceil(K/2), 16] or float32 [P, K, 16] tensor");
-  const int64_t in_features = x.size(1), steps = panels.size(1), per_step = bf16 ? 2 : 1;
+  const int64_t rows = x.size(0), in_features = x.size(1), steps = panels.size(1), per_step = bf16 ? 2 : 1;
   TORCH_CHECK(steps == (in_features + per_step - 1) / per_step, op, ": x has ", in_features, " features, the panels ",
               steps, bf16 ? " pairs" : " inputs");
   if (bias.has_value())
     TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
                     bias->numel() == kPanelColumns * panels.size(0),
                 op, ": bias must be contiguous float32 of 16 per panel");
-  at::Tensor wide = x.to(at::kFloat);
-  if (in_features != steps * per_step) wide = at::constant_pad_nd(wide, {0, steps * per_step - in_features});
-  return wide;
+  const int64_t width = steps * per_step;
+  if (rows * width * static_cast<int64_t>(sizeof(float)) > kMaxTiledBytes) {
+    at::Tensor wide = x.to(at::kFloat);
+    if (in_features != width) wide = at::constant_pad_nd(wide, {0, width - in_features});
+    return {wide, false};
+  }
+  at::Tensor packed = at::empty({rows, width}, x.options().dtype(at::kFloat));
+  if (x.scalar_type() == at::kFloat)
+    pack_row_tiles(x.data_ptr<float>(), rows, in_features, width, packed.data_ptr<float>());
+  else
+    pack_row_tiles(x.data_ptr<c10::BFloat16>(), rows, in_features, width, packed.data_ptr<float>());
+  return {packed, true};
+}
+
+// f.template operator()<kTiled>() for the inputs' layout.
+template <typename F>
+void with_layout(bool tiled, F&& f) {
+  if (tiled)
+    f.template operator()<true>();
+  else
+    f.template operator()<false>();
 }
 
 // Runs body(W* panels) with the panels' word type (uint32_t bf16 pairs or float).
@@ -270,18 +340,25 @@ const float* bias_pointer(const std::optional<at::Tensor>& bias) {
   return bias.has_value() ? bias->data_ptr<float>() : nullptr;
 }
 
-// x [M, K], panels as checked_input says -> [M, out_features] in x's dtype, out_features in (16 (P - 1), 16 P].
+// x [M, K], panels as tile_inputs says -> [M, out_features] in x's dtype, out_features in (16 (P - 1), 16 P].
 at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, const std::optional<at::Tensor>& bias,
                         int64_t out_features) {
-  const at::Tensor wide = checked_input("panel_linear", x, panels, bias);
+  const TileInputs inputs = tile_inputs("panel_linear", x, panels, bias);
   const int64_t num_panels = panels.size(0);
   TORCH_CHECK(out_features > kPanelColumns * (num_panels - 1) && out_features <= kPanelColumns * num_panels,
               "panel_linear: ", out_features, " output features do not fill ", num_panels, " panels");
   at::Tensor out = at::empty({x.size(0), out_features}, x.options());
   if (x.size(0) == 0) return out;  // a step with no row to compute (no logits wanted): the tiles assume >= 1
   const LinearShape shape{x.size(0), panels.size(1), out_features};
-  with_panel_words(panels,
-                   [&](auto words) { dispatch_output(wide, words, bias_pointer(bias), shape, num_panels, out); });
+  with_panel_words(panels, [&](auto words) {
+    with_layout(inputs.tiled, [&]<bool kTiled>() {
+      const float* rows = inputs.x.data_ptr<float>();
+      if (out.scalar_type() == at::kFloat)
+        linear_panels<kTiled>(rows, words, bias_pointer(bias), shape, num_panels, out.data_ptr<float>());
+      else
+        linear_panels<kTiled>(rows, words, bias_pointer(bias), shape, num_panels, out.data_ptr<c10::BFloat16>());
+    });
+  });
   return out;
 }
 
@@ -289,7 +366,7 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, const std
 // intermediate in (16 (Q - 1), 16 Q].
 at::Tensor panel_linear_silu_mul(const at::Tensor& x, const at::Tensor& panels, const std::optional<at::Tensor>& bias,
                                  int64_t intermediate) {
-  const at::Tensor wide = checked_input("panel_linear_silu_mul", x, panels, bias);
+  const TileInputs inputs = tile_inputs("panel_linear_silu_mul", x, panels, bias);
   const int64_t num_pairs = panels.size(0) / 2;
   TORCH_CHECK(panels.size(0) % 2 == 0 && intermediate > kPanelColumns * (num_pairs - 1) &&
                   intermediate <= kPanelColumns * num_pairs,
@@ -298,10 +375,13 @@ at::Tensor panel_linear_silu_mul(const at::Tensor& x, const at::Tensor& panels, 
   if (x.size(0) == 0) return out;
   const LinearShape shape{x.size(0), panels.size(1), intermediate};
   with_panel_words(panels, [&](auto words) {
-    if (out.scalar_type() == at::kFloat)
-      gated_pairs(wide.data_ptr<float>(), words, bias_pointer(bias), shape, num_pairs, out.data_ptr<float>());
-    else
-      gated_pairs(wide.data_ptr<float>(), words, bias_pointer(bias), shape, num_pairs, out.data_ptr<c10::BFloat16>());
+    with_layout(inputs.tiled, [&]<bool kTiled>() {
+      const float* rows = inputs.x.data_ptr<float>();
+      if (out.scalar_type() == at::kFloat)
+        gated_pairs<kTiled>(rows, words, bias_pointer(bias), shape, num_pairs, out.data_ptr<float>());
+      else
+        gated_pairs<kTiled>(rows, words, bias_pointer(bias), shape, num_pairs, out.data_ptr<c10::BFloat16>());
+    });
   });
   return out;
 }
