@@ -318,15 +318,6 @@ TileInputs tile_inputs(const char* op, const at::Tensor& x, const at::Tensor& pa
   return {packed, true};
 }
 
-// f.template operator()<kTiled>() for the inputs' layout.
-template <typename F>
-void with_layout(bool tiled, F&& f) {
-  if (tiled)
-    f.template operator()<true>();
-  else
-    f.template operator()<false>();
-}
-
 // Runs body(W* panels) with the panels' word type (uint32_t bf16 pairs or float).
 template <typename F>
 void with_panel_words(const at::Tensor& panels, F&& body) {
@@ -340,6 +331,25 @@ const float* bias_pointer(const std::optional<at::Tensor>& bias) {
   return bias.has_value() ? bias->data_ptr<float>() : nullptr;
 }
 
+// body.template operator()<kTiled>(rows, words, target) with the inputs' layout and float32 rows, the panels'
+// word type (with_panel_words) and out's element type (float or c10::BFloat16).
+template <typename F>
+void dispatch_product(const TileInputs& inputs, const at::Tensor& panels, at::Tensor& out, F&& body) {
+  const float* rows = inputs.x.data_ptr<float>();
+  with_panel_words(panels, [&](auto words) {
+    const auto run = [&]<bool kTiled>() {
+      if (out.scalar_type() == at::kFloat)
+        body.template operator()<kTiled>(rows, words, out.data_ptr<float>());
+      else
+        body.template operator()<kTiled>(rows, words, out.data_ptr<c10::BFloat16>());
+    };
+    if (inputs.tiled)
+      run.template operator()<true>();
+    else
+      run.template operator()<false>();
+  });
+}
+
 // x [M, K], panels as tile_inputs says -> [M, out_features] in x's dtype, out_features in (16 (P - 1), 16 P].
 at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, const std::optional<at::Tensor>& bias,
                         int64_t out_features) {
@@ -350,14 +360,8 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, const std
   at::Tensor out = at::empty({x.size(0), out_features}, x.options());
   if (x.size(0) == 0) return out;  // a step with no row to compute (no logits wanted): the tiles assume >= 1
   const LinearShape shape{x.size(0), panels.size(1), out_features};
-  with_panel_words(panels, [&](auto words) {
-    with_layout(inputs.tiled, [&]<bool kTiled>() {
-      const float* rows = inputs.x.data_ptr<float>();
-      if (out.scalar_type() == at::kFloat)
-        linear_panels<kTiled>(rows, words, bias_pointer(bias), shape, num_panels, out.data_ptr<float>());
-      else
-        linear_panels<kTiled>(rows, words, bias_pointer(bias), shape, num_panels, out.data_ptr<c10::BFloat16>());
-    });
+  dispatch_product(inputs, panels, out, [&]<bool kTiled>(const float* rows, auto words, auto* target) {
+    linear_panels<kTiled>(rows, words, bias_pointer(bias), shape, num_panels, target);
   });
   return out;
 }
@@ -374,14 +378,8 @@ at::Tensor panel_linear_silu_mul(const at::Tensor& x, const at::Tensor& panels, 
   at::Tensor out = at::empty({x.size(0), intermediate}, x.options());
   if (x.size(0) == 0) return out;
   const LinearShape shape{x.size(0), panels.size(1), intermediate};
-  with_panel_words(panels, [&](auto words) {
-    with_layout(inputs.tiled, [&]<bool kTiled>() {
-      const float* rows = inputs.x.data_ptr<float>();
-      if (out.scalar_type() == at::kFloat)
-        gated_pairs<kTiled>(rows, words, bias_pointer(bias), shape, num_pairs, out.data_ptr<float>());
-      else
-        gated_pairs<kTiled>(rows, words, bias_pointer(bias), shape, num_pairs, out.data_ptr<c10::BFloat16>());
-    });
+  dispatch_product(inputs, panels, out, [&]<bool kTiled>(const float* rows, auto words, auto* target) {
+    gated_pairs<kTiled>(rows, words, bias_pointer(bias), shape, num_pairs, target);
   });
   return out;
 }
