@@ -34,7 +34,9 @@ COMPLETION_HANDLED = COMMON_HANDLED | {"prompt", "best_of", "echo"}
 CHAT_HANDLED = COMMON_HANDLED | {"messages", "top_logprobs", "max_completion_tokens", "add_generation_prompt",
                                  "continue_final_message", "chat_template_kwargs", "documents",
                                  # tool calling (router/tool_calling.py)
-                                 "tools", "tool_choice", "parallel_tool_calls"}
+                                 "tools", "tool_choice", "parallel_tool_calls",
+                                 # reasoning (router/reasoning_parsers.py)
+                                 "include_reasoning", "reasoning_effort"}
 
 
 @dataclass(frozen=True)
@@ -82,7 +84,7 @@ COMMON_REFUSED = (
     Refused("truncation_side", (), _NOT_IMPLEMENTED),
     Refused("watermarking", _OFF, _NOT_IMPLEMENTED),
     Refused("repetition_detection", (), _NOT_IMPLEMENTED),
-    Refused("thinking_token_budget", (-1,), "no reasoning parser"),
+    Refused("thinking_token_budget", (-1,), "reasoning is never cut short (no thinking budgets)"),
     Refused("priority", (0,), "no priority scheduling"),
     Refused("cache_salt", (), "the prefix cache is not salted per request"),
     Refused("kv_transfer_params", _EMPTY, "KV transfer is the cluster's own"),
@@ -105,8 +107,6 @@ CHAT_REFUSED = (
     Refused("echo", _OFF, "a chat's echo (the last message repeated) is not implemented"),
     Refused("functions", ([],), _FUNCTIONS),
     Refused("function_call", ("none", "auto"), _FUNCTIONS),
-    Refused("reasoning_effort", (), "no reasoning parser"),
-    Refused("include_reasoning", (True,), "no reasoning parser: the output is never split"),
     Refused("chat_template", (), "a request may not bring its own template (start the server with "
                                  "--chat-template)"),
     Refused("return_prompt_text", _OFF, _NOT_IMPLEMENTED),

@@ -16,12 +16,13 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from splitserve.common.errors import InvalidRequestError
+from splitserve.common.errors import InvalidRequestError, json_excerpt
 from splitserve.common.sampling_params import MAX_LOGPROBS, SamplingParams
 from splitserve.common.structured_output import StructuredOutput
 from splitserve.common.token_logprobs import TokenLogprobs
 from splitserve.router.api_types import StreamChunk, Usage
 from splitserve.router.openai_fields import CHAT_REFUSED, COMPLETION_REFUSED, Refused, refuse_unsupported
+from splitserve.router.reasoning_parsers import ReasoningOutput, ReasoningParser, parse_reasoning
 from splitserve.router.request_limits import MAX_SEQUENCES, RequestLimits, utf8_length
 from splitserve.router.structured_output import parse_structured_output
 from splitserve.router.tokenizer import ChatTemplateOptions
@@ -121,6 +122,9 @@ class ChatCompletionRequest:
     and the tools the template renders."""
     tool_calling: ToolCalling | None = None
     """The request's tools and tool_choice; None: it sent no tools."""
+    include_reasoning: bool = True
+    """With a reasoning parser, return the reasoning (vLLM's include_reasoning); without one there is
+    none to return either way."""
 
 
 # ---- parsing --------------------------------------------------------------------------------
@@ -349,13 +353,30 @@ def parse_chat_template_options(body: Mapping[str, Any], add_generation_prompt: 
                                _typed(body, "add_special_tokens", bool, "a boolean", False))
 
 
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+"""vLLM's reasoning_effort values."""
+
+
+def _with_reasoning_effort(body: Mapping[str, Any], template: ChatTemplateOptions) -> ChatTemplateOptions:
+    """vLLM's reasoning_effort: the template variable of that name, and enable_thinking (false for
+    "none") unless chat_template_kwargs sets it (templates that declare neither ignore both)."""
+    effort = body.get("reasoning_effort")
+    if effort is None:
+        return template
+    if effort not in REASONING_EFFORTS:
+        raise InvalidRequestError("reasoning_effort", f"must be one of {', '.join(REASONING_EFFORTS)}, got "
+                                                      f"{json_excerpt(effort)}")
+    kwargs = {"reasoning_effort": effort, "enable_thinking": effort != "none", **template.template_kwargs}
+    return dataclasses.replace(template, template_kwargs=kwargs)
+
+
 def parse_chat_request(body: Mapping[str, Any], limits: RequestLimits) -> ChatCompletionRequest:
     """The default max_tokens is max_model_len: generation may then run to the end of the context
     (the engine ends it there with finish_reason "length"), as in vLLM."""
     refuse_unsupported(body, CHAT_REFUSED)
     messages = _messages(body, limits)
     add_generation_prompt = _typed(body, "add_generation_prompt", bool, "a boolean", True)
-    template = parse_chat_template_options(body, add_generation_prompt)
+    template = _with_reasoning_effort(body, parse_chat_template_options(body, add_generation_prompt))
     tool_calling = parse_tool_calling(body, limits)
     if tool_calling is not None:
         template = dataclasses.replace(template, tools=tool_calling.template_tools())
@@ -366,7 +387,7 @@ def parse_chat_request(body: Mapping[str, Any], limits: RequestLimits) -> ChatCo
     return ChatCompletionRequest(
         _model(body), messages, _count(body, "n", 1), add_generation_prompt, sampling, max_tokens_param, stream,
         include_usage, continuous_usage, _typed(body, "return_tokens_as_token_ids", bool, "a boolean", False),
-        _request_id(body, limits), template, tool_calling)
+        _request_id(body, limits), template, tool_calling, _typed(body, "include_reasoning", bool, "a boolean", True))
 
 
 @dataclass(frozen=True)
@@ -504,7 +525,10 @@ class _Renderer(ABC):
 
     def usage_chunk(self, usage: Usage) -> dict:
         """The stream's last data chunk under stream_options.include_usage."""
-        return {**self._envelope(self.chunk_object_name, []), "usage": usage_body(usage)}
+        return {**self._envelope(self.chunk_object_name, []), "usage": self._usage_body(usage)}
+
+    def _usage_body(self, usage: Usage) -> dict:
+        return usage_body(usage)
 
     def response(self, choices: Sequence[Sequence[StreamChunk]], usage: Usage) -> dict:
         """The non-streaming response: each choice's chunks in choice order (the last of each has
@@ -514,7 +538,7 @@ class _Renderer(ABC):
             message = self._message(index, chunks)  # before the finish reason, which may depend on what it read
             rendered.append({"index": index, **message, "finish_reason": self._finish_reason(index, chunks[-1]),
                              "stop_reason": chunks[-1].stop_reason})
-        return {**self._envelope(self.object_name, rendered), "usage": usage_body(usage)}
+        return {**self._envelope(self.object_name, rendered), "usage": self._usage_body(usage)}
 
     def _finish_reason(self, index: int, last: StreamChunk) -> str | None:
         """Choice `index`'s finish reason, given its last chunk (None while it runs)."""
@@ -597,14 +621,22 @@ class ChatRenderer(_Renderer):
 
     def __init__(self, header: ResponseHeader, token_text: Callable[[int], str], token_bytes: Callable[[int], bytes],
                  include_usage: bool, with_logprobs: bool, prompt_tokens: Sequence[int] | None = None,
-                 tool_output: ToolOutput | None = None) -> None:
-        """`tool_output`: how each choice's text is split into content and tool calls (None: all content)."""
-        super().__init__(header, token_text, include_usage, with_logprobs, prompt_tokens)
+                 tool_output: ToolOutput | None = None, reasoning_output: ReasoningOutput | None = None) -> None:
+        """`tool_output`: how each choice's content is split into content and tool calls (None: all
+        content); `reasoning_output`: how each choice's text is split into reasoning and content first
+        (None: no reasoning parser; the message then has no `reasoning` field). With reasoning hidden
+        (include_reasoning false) no logprobs are returned (they would show it), as in vLLM."""
+        super().__init__(header, token_text, include_usage,
+                         with_logprobs and (reasoning_output is None or reasoning_output.include_reasoning),
+                         prompt_tokens)
         self.token_bytes = token_bytes
         self.tool_output = tool_output
+        self.reasoning_output = reasoning_output
         self._role_sent: set[int] = set()
         self._parsers: dict[int, OutputParser] = {}
         """Each choice's parser (with tool_output): its stream's, or the one that read its whole output."""
+        self._reasoners: dict[int, ReasoningParser] = {}
+        """Each choice's reasoning parser (with reasoning_output), as _parsers."""
 
     def stream_chunks(self, index: int, chunk: StreamChunk) -> list[dict]:
         chunks = []
@@ -621,11 +653,25 @@ class ChatRenderer(_Renderer):
         return chunks
 
     def _delta(self, index: int, chunk: StreamChunk) -> dict:
-        if self.tool_output is None:
-            return {"content": chunk.text}
-        parser = self._parsers.setdefault(index, self.tool_output.new_parser())
-        parsed = parser.feed(chunk.text)
+        if self.reasoning_output is None:
+            return self._content_delta(index, chunk.text, chunk.finish_reason is not None, {"content": chunk.text})
+        reasoner = self._reasoners.setdefault(index, self.reasoning_output.new_parser())
+        split = reasoner.feed(chunk.text, chunk.token_ids)
         if chunk.finish_reason is not None:
+            split += reasoner.finish()
+        delta = self._content_delta(index, split.content, chunk.finish_reason is not None,
+                                    {"content": split.content} if split.content else {})
+        if split.reasoning and self.reasoning_output.include_reasoning:
+            delta["reasoning"] = split.reasoning
+        return delta
+
+    def _content_delta(self, index: int, text: str, last: bool, plain: dict) -> dict:
+        """The delta of choice `index`'s next content text (`plain` without tool calling)."""
+        if self.tool_output is None:
+            return plain
+        parser = self._parsers.setdefault(index, self.tool_output.new_parser())
+        parsed = parser.feed(text)
+        if last:
             parsed += parser.finish()
         delta: dict[str, Any] = {"content": parsed.content} if parsed.content else {}
         if parsed.tool_calls:
@@ -641,15 +687,31 @@ class ChatRenderer(_Renderer):
         logprobs = [lp for chunk in chunks for lp in chunk.logprobs]
         text = "".join(chunk.text for chunk in chunks)
         message: dict[str, Any] = {"role": "assistant", "content": text}
+        if self.reasoning_output is not None:
+            self._reasoners[index] = self.reasoning_output.new_parser()
+            split = parse_reasoning(self._reasoners[index], text, [t for chunk in chunks for t in chunk.token_ids])
+            message["reasoning"] = split.reasoning if self.reasoning_output.include_reasoning else None
+            message["content"] = split.content
+            text = split.content or ""
         if self.tool_output is not None:
             self._parsers[index] = self.tool_output.new_parser()
             parsed = parse_output(self._parsers[index], text)
-            message["content"] = parsed.content
+            if parsed.content or parsed.tool_calls:  # an output that is all reasoning keeps its null content
+                message["content"] = parsed.content
             if parsed.tool_calls:
                 message["tool_calls"] = [{"id": call.id, "type": "function",
                                           "function": {"name": call.name, "arguments": call.arguments}}
                                          for call in parsed.tool_calls]
         return {"message": message, "logprobs": self._logprobs(logprobs)}
+
+    def _usage_body(self, usage: Usage) -> dict:
+        """With a reasoning parser, also the reasoning tokens of the choices read so far (vLLM's
+        completion_tokens_details)."""
+        body = usage_body(usage)
+        if self.reasoning_output is not None:
+            reasoning_tokens = sum(parser.reasoning_tokens for parser in self._reasoners.values())
+            body["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+        return body
 
     def _logprobs(self, logprobs: Sequence[TokenLogprobs]) -> dict | None:
         if not self.with_logprobs:

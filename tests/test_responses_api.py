@@ -79,8 +79,11 @@ _NOT_STORED = "is not supported by this server: responses are not stored (send t
     ({"previous_response_id": "resp_1"}, "previous_response_id", f'{_NOT_STORED} (got "resp_1")'),
     ({"background": True}, "background",
      "is not supported by this server: no background mode (responses are not stored) (got true)"),
-    ({"reasoning": {"effort": "low"}}, "reasoning",
-     'is not supported by this server: no reasoning parser (got {"effort": "low"})'),
+    ({"reasoning": "low"}, "reasoning", 'must be an object {effort, summary}, got "low"'),
+    ({"reasoning": {"effort": "huge"}}, "reasoning.effort",
+     'must be one of none, minimal, low, medium, high, xhigh, max, got "huge"'),
+    ({"reasoning": {"summary": "long"}}, "reasoning.summary", 'must be one of auto, concise, detailed, got "long"'),
+    ({"reasoning": {"budget": 9}}, "reasoning.budget", "is not a reasoning option (effort, summary)"),
     ({"include": ["reasoning.encrypted_content"]}, "include",
      "is not supported by this server: no extra output data (logprobs, reasoning, tool sources) is implemented "
      '(got ["reasoning.encrypted_content"])'),
