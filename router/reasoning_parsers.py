@@ -18,8 +18,8 @@ vLLM's non-streamed deepseek_r1 path ignores the prompt):
   tag in the final turn (after its last `<|im_start|>` / `<|im_end|>`) is `</think>`.
 In reasoning, every `<think>` is dropped and the first `</think>` ends the reasoning; an output that
 never writes it (cut by max_tokens, say) is all reasoning and has no content. After the reasoning,
-the text is content as written, except that qwen3 drops a repeated `</think>` (vLLM's engine grammar
-absorbs it).
+the text is content as written (as vLLM streams it; its non-streamed qwen3 path alone drops a
+repeated `</think>`).
 """
 
 from __future__ import annotations
@@ -72,9 +72,6 @@ class ParsedReasoning:
 class ReasoningParser(ABC):
     """One choice's output, fed in pieces; `finish()` once after the last."""
 
-    drops_repeated_end = False
-    """Content drops every end tag (the reasoning already ended)."""
-
     def __init__(self, tags: ThinkTags, in_reasoning: bool) -> None:
         self.tags = tags
         self.in_reasoning = in_reasoning
@@ -97,11 +94,14 @@ class ReasoningParser(ABC):
         self._count(token_ids)
         self._pending += text
         out = ReasoningDelta()
-        while self._pending:
-            step = self._reasoning_step() if self.in_reasoning else self._content_step()
+        while self._pending and self.in_reasoning:
+            step = self._reasoning_step()
             if step is None:
                 break
             out += step
+        if not self.in_reasoning:
+            out += ReasoningDelta(content=self._pending)
+            self._pending = ""
         return out
 
     def finish(self) -> ReasoningDelta:
@@ -123,31 +123,15 @@ class ReasoningParser(ABC):
         None when the rest must wait for more text."""
         start, end = self._pending.find(self.tags.start), self._pending.find(self.tags.end)
         if start < 0 and end < 0:
-            return self._release(self.tags.start, self.tags.end, as_reasoning=True)
+            held = max(_partial_tag_length(self._pending, tag) for tag in (self.tags.start, self.tags.end))
+            text, self._pending = self._pending[:len(self._pending) - held], self._pending[len(self._pending) - held:]
+            return ReasoningDelta(reasoning=text) if text else None
         if end < 0 or 0 <= start < end:
             text, self._pending = self._pending[:start], self._pending[start + len(self.tags.start):]
             return ReasoningDelta(reasoning=text)
         text, self._pending = self._pending[:end], self._pending[end + len(self.tags.end):]
         self.in_reasoning = False
         return ReasoningDelta(reasoning=text)
-
-    def _content_step(self) -> ReasoningDelta | None:
-        if not self.drops_repeated_end:
-            text, self._pending = self._pending, ""
-            return ReasoningDelta(content=text)
-        end = self._pending.find(self.tags.end)
-        if end < 0:
-            return self._release(self.tags.end, as_reasoning=False)
-        text, self._pending = self._pending[:end], self._pending[end + len(self.tags.end):]
-        return ReasoningDelta(content=text)
-
-    def _release(self, *tags: str, as_reasoning: bool) -> ReasoningDelta | None:
-        """The pending text but for an end of it that may start one of `tags`."""
-        held = max(_partial_tag_length(self._pending, tag) for tag in tags)
-        text, self._pending = self._pending[:len(self._pending) - held], self._pending[len(self._pending) - held:]
-        if not text:
-            return None
-        return ReasoningDelta(reasoning=text) if as_reasoning else ReasoningDelta(content=text)
 
 
 def _partial_tag_length(text: str, tag: str) -> int:
@@ -178,9 +162,7 @@ class DeepSeekR1Parser(ReasoningParser):
 
 
 class Qwen3Parser(ReasoningParser):
-    """Qwen3: thinking unless enable_thinking is false; a repeated `</think>` is dropped."""
-
-    drops_repeated_end = True
+    """Qwen3: thinking unless enable_thinking is false or the prompt's last turn closed the block."""
 
     @classmethod
     def starts_in_reasoning(cls, tags: ThinkTags, prompt_token_ids: Sequence[int],
