@@ -51,10 +51,16 @@ class ChatMessage:
     """A tool message's: the call whose result it holds."""
     name: str | None = None
     """The message's author or tool name (any role), for templates that render it."""
+    reasoning: str | None = None
+    """An assistant message's reasoning (`reasoning`, or the older `reasoning_content`), sent back by
+    a client for templates that render earlier reasoning (interleaved thinking)."""
 
     def template_message(self) -> dict[str, Any]:
-        """The message as the chat template sees it (vLLM's keys; absent ones left out)."""
+        """The message as the chat template sees it (vLLM's keys; absent ones left out): the reasoning
+        under both names, as vLLM hands it to templates."""
         message: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.reasoning is not None:
+            message["reasoning"] = message["reasoning_content"] = self.reasoning
         if self.tool_calls:
             message["tool_calls"] = [call.template_value() for call in self.tool_calls]
         if self.tool_call_id is not None:
@@ -63,10 +69,12 @@ class ChatMessage:
             message["name"] = self.name
         return message
 
-    def tool_call_bytes(self) -> int:
-        """UTF-8 bytes the tool calls add to the rendered chat (their names and arguments as JSON)."""
-        return sum(utf8_length(call.name) + utf8_length(json.dumps(call.arguments, ensure_ascii=False))
-                   for call in self.tool_calls)
+    def extra_bytes(self) -> int:
+        """UTF-8 bytes the tool calls (their names and arguments as JSON) and the reasoning add to the
+        rendered chat."""
+        return utf8_length(self.reasoning or "") + sum(
+            utf8_length(call.name) + utf8_length(json.dumps(call.arguments, ensure_ascii=False))
+            for call in self.tool_calls)
 
 
 @dataclass(frozen=True)
@@ -304,13 +312,14 @@ def _messages(body: Mapping[str, Any], limits: RequestLimits) -> tuple[ChatMessa
     limits.check_message_count(len(messages))
     parsed = tuple(_message(message, f"messages[{index}]") for index, message in enumerate(messages))
     limits.check_chat(parsed)
-    if any(message.tool_calls for message in parsed):
-        limits.check_prompt_bytes(sum(utf8_length(m.content) + m.tool_call_bytes() for m in parsed), "messages")
+    if any(message.tool_calls or message.reasoning for message in parsed):
+        limits.check_prompt_bytes(sum(utf8_length(m.content) + m.extra_bytes() for m in parsed), "messages")
     return parsed
 
 
 def _message(message: Any, field: str) -> ChatMessage:
-    """One message; as in vLLM, only an assistant's tool_calls and a tool message's tool_call_id are read."""
+    """One message; as in vLLM, only an assistant's tool_calls and reasoning and a tool message's
+    tool_call_id are read."""
     if not isinstance(message, dict) or not isinstance(message.get("role"), str):
         raise InvalidRequestError(field, f"must be an object with a string role, got {message!r}")
     role = message["role"]
@@ -318,7 +327,14 @@ def _message(message: Any, field: str) -> ChatMessage:
     call_id = None if role != "tool" else _typed(message, "tool_call_id", str, "a string",
                                                  field=f"{field}.tool_call_id")
     return ChatMessage(role, _content(message.get("content"), f"{field}.content"), calls, call_id,
-                       _typed(message, "name", str, "a string", field=f"{field}.name"))
+                       _typed(message, "name", str, "a string", field=f"{field}.name"),
+                       _history_reasoning(message, field) if role == "assistant" else None)
+
+
+def _history_reasoning(message: Mapping[str, Any], field: str) -> str | None:
+    """`reasoning`, else the older `reasoning_content` (vLLM reads the latter as the former)."""
+    name = "reasoning" if message.get("reasoning") is not None else "reasoning_content"
+    return _typed(message, name, str, "a string", field=f"{field}.{name}")
 
 
 def _chat_logprobs(body: Mapping[str, Any]) -> int | None:

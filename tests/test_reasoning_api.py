@@ -11,9 +11,11 @@ import openai
 import pytest
 from openai.lib.streaming.chat import ChatCompletionStreamState
 
+from splitserve.common.errors import InvalidRequestError
+from splitserve.router.openai_protocol import parse_chat_request
 from splitserve.router.openai_server import start_http_server
 from splitserve.testing.tiny_models import build_thinking_model
-from tests.factories import http_request, served_apis
+from tests.factories import http_request, make_request_limits, served_apis
 from tests.test_reasoning_parsers import reference
 from tests.test_tool_calling import FORCED_CALL, TOOLS, calls_of
 
@@ -23,6 +25,23 @@ SEED = 0
 """A seed whose output ends its reasoning after some text and then says more (checked by the tests)."""
 TOOLS_SEED = 7
 """Such a seed for the prompt with TOOLS (its reasoning ends after 37 tokens)."""
+
+
+@pytest.mark.parametrize("key", ["reasoning", "reasoning_content"])
+def test_an_assistant_messages_reasoning_reaches_the_template_under_both_names(key):
+    """As vLLM hands it over (for templates that render earlier turns' reasoning)."""
+    messages = [*USER, {"role": "assistant", "content": "4.", key: "Two and two."}, *USER]
+    parsed = parse_chat_request({"messages": messages}, make_request_limits())
+    assert [m.template_message() for m in parsed.messages] == [
+        *USER, {"role": "assistant", "content": "4.", "reasoning": "Two and two.", "reasoning_content": "Two and two."},
+        *USER]
+    with pytest.raises(InvalidRequestError) as error:
+        parse_chat_request({"messages": [{"role": "assistant", "content": "", key: 5}]}, make_request_limits())
+    assert (error.value.field, error.value.message) == (f"messages[0].{key}", "must be a string, got 5")
+    with pytest.raises(InvalidRequestError) as error:
+        parse_chat_request({"messages": [{"role": "assistant", "content": "ab", key: "x" * 99}]},
+                           make_request_limits(max_prompt_bytes=100))
+    assert (error.value.field, error.value.message.split(";")[0]) == ("messages", "has 101 bytes (UTF-8)")
 
 
 @pytest.fixture(scope="module")
