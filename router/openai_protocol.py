@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -723,10 +723,15 @@ class ChatRenderer(_Renderer):
     def _usage_body(self, usage: Usage) -> dict:
         """With a reasoning parser, also the reasoning tokens of the choices read so far (vLLM's
         completion_tokens_details)."""
-        body = usage_body(usage)
+        return self._with_reasoning_tokens(usage_body(usage), self._reasoners.values())
+
+    def _usage_so_far(self, index: int) -> dict:
+        reasoner = self._reasoners.get(index)
+        return self._with_reasoning_tokens(super()._usage_so_far(index), () if reasoner is None else (reasoner,))
+
+    def _with_reasoning_tokens(self, body: dict, parsers: Iterable[ReasoningParser]) -> dict:
         if self.reasoning_output is not None:
-            reasoning_tokens = sum(parser.reasoning_tokens for parser in self._reasoners.values())
-            body["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+            body["completion_tokens_details"] = {"reasoning_tokens": sum(p.reasoning_tokens for p in parsers)}
         return body
 
     def _logprobs(self, logprobs: Sequence[TokenLogprobs]) -> dict | None:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -190,7 +190,7 @@ class ReasoningFormat:
     tags: ThinkTags
 
     @classmethod
-    def for_tokenizer(cls, name: str, token_id: Any) -> ReasoningFormat:
+    def for_tokenizer(cls, name: str, token_id: Callable[[str], int | None]) -> ReasoningFormat:
         """`token_id`: a token's id by its text, None if the tokenizer has no such token (the
         `tokenizers` Tokenizer's token_to_id). ValueError naming the missing tag otherwise (vLLM
         refuses to start then too)."""

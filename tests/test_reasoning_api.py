@@ -49,11 +49,14 @@ def served(tmp_path_factory):
     model_dir = build_thinking_model(tmp_path_factory.mktemp("thinking") / "model")
     with served_apis(model_dir, MODEL, tool_call_parser="hermes", reasoning_parser="qwen3") as served:
         plain = served.loop.run(start_http_server(served.cluster.orchestrator, served.tokenizers, MODEL, port=0))
-        served.plain_port = plain.port
+        deepseek = served.loop.run(start_http_server(served.cluster.orchestrator, served.tokenizers, MODEL, port=0,
+                                                     reasoning_parser="deepseek_r1"))
+        served.plain_port, served.deepseek_port = plain.port, deepseek.port
         try:
             yield served
         finally:
             served.loop.run(plain.stop())
+            served.loop.run(deepseek.stop())
 
 
 def client(port: int) -> openai.OpenAI:
@@ -110,6 +113,24 @@ def test_a_stream_sends_reasoning_deltas_then_content_and_accumulates_to_the_mes
     kinds = [kind for kind in deltas if kind != (False, False)]
     first_content = kinds.index((False, True))
     assert kinds[:first_content] == [(True, False)] * first_content and (True, False) not in kinds[first_content:]
+
+
+def test_usage_counts_the_reasoning_tokens_of_each_chunk_and_of_the_whole(served):
+    whole = client(served.http_port).chat.completions.create(**request()).usage
+    _, chunks = stream_chat(served.http_port,
+                            extra_body={"stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+    counts = [chunk.usage.completion_tokens_details.reasoning_tokens for chunk in chunks]
+    assert counts == sorted(counts) and counts[0] == 0 and counts[-1] == whole.completion_tokens_details.reasoning_tokens
+    assert whole.completion_tokens_details.reasoning_tokens > 0
+
+
+def test_deepseek_r1_splits_alike_and_follows_a_template_that_closed_the_reasoning(served):
+    qwen3 = client(served.http_port).chat.completions.create(**request()).choices[0].message
+    deepseek = client(served.deepseek_port).chat.completions.create(**request()).choices[0].message
+    assert (reasoning_of(deepseek), deepseek.content) == (reasoning_of(qwen3), qwen3.content)
+    closed = {"chat_template_kwargs": {"enable_thinking": False}}
+    message = client(served.deepseek_port).chat.completions.create(**request(), extra_body=closed).choices[0].message
+    assert (reasoning_of(message), message.content) == (None, raw_output(served, extra_body=closed).message.content)
 
 
 def test_include_reasoning_false_drops_the_reasoning_and_the_logprobs(served):
