@@ -144,6 +144,7 @@ def parse_responses_request(body: Mapping[str, Any], limits: RequestLimits) -> R
 
 
 REASONING_SUMMARIES = ("auto", "concise", "detailed")
+"""OpenAI's reasoning.summary values (and its deprecated generate_summary's)."""
 
 
 def _reasoning(value: Any) -> Mapping[str, Any]:
@@ -450,7 +451,9 @@ class ResponsesRenderer:
         if self._parser is None or not self._parser.malformed:
             return response
         as_text = ResponsesRenderer(self.header, self.chat, self.settings, None, self.reasoning_output)
-        return as_text.stream_events(dataclasses.replace(last, text="".join(c.text for c in chunks)))[-1]["response"]
+        whole = dataclasses.replace(last, text="".join(c.text for c in chunks),
+                                    token_ids=tuple(t for c in chunks for t in c.token_ids))
+        return as_text.stream_events(whole)[-1]["response"]
 
     def _split(self, chunk: StreamChunk) -> ReasoningDelta:
         """The chunk's reasoning (none when it is not returned) and content."""
