@@ -220,7 +220,17 @@ def _add_item(item: Any, field: str, messages: list[dict[str, Any]], sources: li
         raise InvalidRequestError(field, f"must be an input item object, got {json_excerpt(item)}")
     kind = item.get("type", "message")
     if kind == "message":
-        messages.append(_message_item(item, field))
+        message = _message_item(item, field)
+        if message["role"] == "assistant" and _open_turn(messages, "content"):
+            messages[-1]["content"] = message["content"]
+            return
+        messages.append(message)
+    elif kind == "reasoning":
+        reasoning = _reasoning_item(item, field)
+        if _open_turn(messages, "reasoning"):
+            messages[-1]["reasoning"] = reasoning
+            return
+        messages.append({"role": "assistant", "content": None, "reasoning": reasoning})
     elif kind == "function_call":
         call = _function_call_item(item, field)
         if messages and messages[-1]["role"] == "assistant":
@@ -231,9 +241,32 @@ def _add_item(item: Any, field: str, messages: list[dict[str, Any]], sources: li
         messages.append({"role": "tool", "tool_call_id": _item_string(item, "call_id", field),
                          "content": _text(item.get("output"), f"{field}.output")})
     else:
-        raise InvalidRequestError(f"{field}.type", "only message, function_call and function_call_output items are "
-                                                   f"supported, got {json_excerpt(kind)}")
+        raise InvalidRequestError(f"{field}.type", "only message, reasoning, function_call and function_call_output "
+                                                   f"items are supported, got {json_excerpt(kind)}")
     sources.append(field)
+
+
+def _open_turn(messages: list[dict[str, Any]], key: str) -> bool:
+    """Whether the last message is an assistant turn without `key` yet: one turn's reasoning, text and
+    calls come as separate output items, which join one assistant message (as vLLM joins them)."""
+    return bool(messages) and messages[-1]["role"] == "assistant" and messages[-1].get(key) is None
+
+
+def _reasoning_item(item: Mapping[str, Any], field: str) -> str:
+    """An earlier response's reasoning item: its reasoning_text parts (else its summary's text,
+    as vLLM reads it), joined with newlines; the assistant message's `reasoning`."""
+    if item.get("encrypted_content"):
+        raise InvalidRequestError(f"{field}.encrypted_content", "is not supported (this server never encrypts "
+                                                                "reasoning; send its content)")
+    for key in ("content", "summary"):
+        parts = item.get(key) or []
+        if not isinstance(parts, list) or not all(isinstance(p, dict) and isinstance(p.get("text"), str)
+                                                  for p in parts):
+            raise InvalidRequestError(f"{field}.{key}", f"must be a list of {{type, text}} parts, got "
+                                                        f"{json_excerpt(parts)}")
+        if parts:
+            return "\n".join(part["text"] for part in parts)
+    return ""
 
 
 def _message_item(item: Mapping[str, Any], field: str) -> dict[str, Any]:

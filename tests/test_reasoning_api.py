@@ -14,6 +14,7 @@ from openai.lib.streaming.chat import ChatCompletionStreamState
 from splitserve.common.errors import InvalidRequestError
 from splitserve.router.openai_protocol import parse_chat_request
 from splitserve.router.openai_server import start_http_server
+from splitserve.router.responses_protocol import parse_responses_request
 from splitserve.testing.tiny_models import build_thinking_model
 from tests.factories import http_request, make_request_limits, served_apis
 from tests.test_reasoning_parsers import reference
@@ -42,6 +43,24 @@ def test_an_assistant_messages_reasoning_reaches_the_template_under_both_names(k
         parse_chat_request({"messages": [{"role": "assistant", "content": "ab", key: "x" * 99}]},
                            make_request_limits(max_prompt_bytes=100))
     assert (error.value.field, error.value.message.split(";")[0]) == ("messages", "has 101 bytes (UTF-8)")
+
+
+def test_a_responses_reasoning_item_sent_back_joins_its_turns_assistant_message():
+    """An earlier response's output items as the next request's input (what the Agents SDK sends):
+    the reasoning, text and calls of one turn are one assistant message, as vLLM joins them."""
+    items = [{"role": "user", "content": "Why?"},
+             {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "Hm."}]},
+             {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Let me look."}]},
+             {"type": "function_call", "call_id": "c1", "name": "get_time", "arguments": "{}"},
+             {"type": "function_call_output", "call_id": "c1", "output": "12:00"},
+             {"type": "reasoning", "summary": [{"type": "summary_text", "text": "Noon."}]}]
+    parsed = parse_responses_request({"input": items}, make_request_limits())
+    assert [m.template_message() for m in parsed.chat.messages] == [
+        {"role": "user", "content": "Why?"},
+        {"role": "assistant", "content": "Let me look.", "reasoning": "Hm.", "reasoning_content": "Hm.",
+         "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "get_time", "arguments": {}}}]},
+        {"role": "tool", "content": "12:00", "tool_call_id": "c1"},
+        {"role": "assistant", "content": "", "reasoning": "Noon.", "reasoning_content": "Noon."}]
 
 
 @pytest.fixture(scope="module")
@@ -191,6 +210,10 @@ def test_a_response_has_a_reasoning_item_before_its_message(served):
     assert (message.type, message.content[0].text) == ("message", content)
     assert response.usage.output_tokens_details.reasoning_tokens == raw_tokens.index("</think>")
     assert (response.reasoning.effort, response.reasoning.summary) == ("high", None)
+    follow_up = client(served.http_port).responses.create(**responses_body(
+        input=[{"role": "user", "content": "Why?"}, *[item.model_dump() for item in response.output],
+               {"role": "user", "content": "And?"}]))
+    assert follow_up.status in ("completed", "incomplete")
 
 
 def test_a_streamed_response_sends_the_reasoning_events_first(served):

@@ -104,8 +104,12 @@ _NOT_STORED = "is not supported by this server: responses are not stored (send t
                 {"type": "function_call", "call_id": "c2", "name": "get_weather", "arguments": "{oops"}]},
      "input[2].arguments", "is not valid JSON: Expecting property name enclosed in double quotes: line 1 column 2 "
                            "(char 1)"),
-    ({"input": [{"role": "user", "content": "x"}, {"type": "reasoning", "summary": []}]}, "input[1].type",
-     'only message, function_call and function_call_output items are supported, got "reasoning"'),
+    ({"input": [{"role": "user", "content": "x"}, {"type": "item_reference", "id": "rs_1"}]}, "input[1].type",
+     'only message, reasoning, function_call and function_call_output items are supported, got "item_reference"'),
+    ({"input": [{"type": "reasoning", "summary": [], "encrypted_content": "gAAA"}]}, "input[0].encrypted_content",
+     "is not supported (this server never encrypts reasoning; send its content)"),
+    ({"input": [{"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text"}]}]}, "input[0].content",
+     'must be a list of {type, text} parts, got [{"type": "reasoning_text"}]'),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0]",
      'only input_text, output_text and refusal parts are supported (text models only), got {"type": '
      '"input_image", "image_url": "x"}'),
