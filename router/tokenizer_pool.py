@@ -112,9 +112,10 @@ class TokenizerPool:
 
 
 def _render_size(messages: Sequence[Mapping[str, Any]], options: ChatTemplateOptions) -> int:
-    """Characters of what a chat's template renders besides its own text: the contents, and the
-    tools and tool calls (as JSON), which templates write into the prompt."""
-    size = sum(len(message["content"]) for message in messages)
+    """Characters of what a chat's template renders besides its own text: the contents, an
+    assistant's reasoning (under two names, rendered by templates that show earlier reasoning:
+    counted once), and the tools and tool calls (as JSON), which templates write into the prompt."""
+    size = sum(len(message["content"]) + len(message.get("reasoning") or "") for message in messages)
     calls = [message["tool_calls"] for message in messages if message.get("tool_calls")]
     if calls:
         size += len(json.dumps(calls, default=str))

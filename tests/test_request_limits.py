@@ -429,6 +429,28 @@ def test_a_full_tokenization_pool_refuses_and_a_cancelled_job_frees_its_place(ti
                                         tuple(real_encode("the r")))
 
 
+@pytest.mark.parametrize(("reasoning", "on_loop"), [("Hm.", [True]), ("Let me think. " * 100, [False])])
+def test_a_chat_with_a_long_reasoning_in_its_history_is_rendered_in_the_pool(tiny_llama_dir, reasoning, on_loop):
+    """An assistant message's reasoning is rendered by templates that show earlier reasoning: it
+    counts toward the size (INLINE_MAX_CHARS) past which a chat is the pool's work. Before, a
+    1400-character reasoning beside short contents was rendered and tokenized on the event loop."""
+    tokenizer = RouterTokenizer.from_model_dir(tiny_llama_dir)
+    real_render, on_loops = tokenizer.render_chat_template, []
+
+    def render(*args):
+        on_loops.append(_has_running_loop())
+        return real_render(*args)
+
+    tokenizer.render_chat_template = render
+    pool = TokenizerPool(tokenizer, make_request_limits(), [].append)
+    messages = [{"role": "user", "content": "Why?"},
+                {"role": "assistant", "content": "4.", "reasoning": reasoning, "reasoning_content": reasoning},
+                {"role": "user", "content": "Why?"}]
+    asyncio.run(pool.apply_chat_template(messages, True))
+    pool.close()
+    assert on_loops == on_loop
+
+
 @pytest.mark.parametrize(("values", "on_loop"), [(3000, [False]), (3, [True])])
 def test_a_large_grpc_structured_output_is_checked_off_the_event_loop(served, monkeypatch, values, on_loop):
     """llguidance compiles a grammar in about 2 ms per KB: a schema over
