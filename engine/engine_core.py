@@ -443,8 +443,10 @@ class EngineCore:
         """The row that samples the token after the request's tokens and then `drafts` (speculation)."""
         generator = self._generators.get(request.request_id, self._shared_generator)
         params = request.sampling_params
-        penalized = params.repetition_penalty != 1.0 or params.frequency_penalty or params.presence_penalty
-        token_ids = request.all_token_ids + list(drafts) if drafts and penalized else request.all_token_ids
+        # Penalties and bad words read the tokens before the one sampled: drafts included.
+        reads_tokens = (params.repetition_penalty != 1.0 or params.frequency_penalty or params.presence_penalty
+                        or params.bad_words_token_ids)
+        token_ids = request.all_token_ids + list(drafts) if drafts and reads_tokens else request.all_token_ids
         return SamplingRow(params, token_ids, request.num_prompt_tokens, generator,
                            self._banned_token_ids(request, len(drafts)))
 
