@@ -181,12 +181,16 @@ class SamplingParams:
         _require(all(ids and all(_is_int(t) for t in ids) for ids in self.bad_words_token_ids), "bad_words",
                  "token sequences must be non-empty lists of integers")
 
-    def token_ids_named(self) -> dict[str, list[int]]:
-        """The token ids each field names (which must be in the vocabulary), by field."""
-        named = {"stop_token_ids": list(self.stop_token_ids), "logit_bias": [t for t, _ in self.logit_bias],
-                 "allowed_token_ids": list(self.allowed_token_ids or ()),
+    def check_logit_control_vocabulary(self, vocab_size: int) -> None:
+        """InvalidRequestError (vLLM's message) for a logit_bias, allowed_token_ids or bad-word token id
+        outside [0, vocab_size): the router and the engine both check, so every API refuses the
+        same requests."""
+        named = {"logit_bias": [t for t, _ in self.logit_bias], "allowed_token_ids": self.allowed_token_ids or (),
                  "bad_words": [t for ids in self.bad_words_token_ids for t in ids]}
-        return {name: ids for name, ids in named.items() if ids}
+        for name, token_ids in named.items():
+            outside = [t for t in token_ids if not 0 <= t < vocab_size]
+            _require(not outside, name, f"token_id(s) {outside[:5]} in {name} contain out-of-vocab token ids. "
+                                        f"Vocabulary size: {vocab_size}")
 
     @property
     def has_logit_controls(self) -> bool:

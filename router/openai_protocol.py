@@ -36,7 +36,11 @@ MIN_LOGPROB = -9999.0
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                     "repetition_penalty", "seed", "stop_token_ids", "min_tokens")
 """Request fields passed to SamplingParams under the same name, validated there."""
-_BOOL_SAMPLING_FIELDS = ("ignore_eos", "skip_special_tokens")
+_BOOL_SAMPLING_FIELDS = ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output")
+_LOGIT_CONTROL_FIELDS = {"logit_bias": (dict, "an object mapping token ids to biases"),
+                         "allowed_token_ids": (list, "a list of token ids"), "bad_words": (list, "a list of strings")}
+"""Request fields passed to SamplingParams under the same name after a JSON type check (their
+values are validated there and by RequestLimits)."""
 
 
 @dataclass(frozen=True)
@@ -193,6 +197,10 @@ def _sampling(body: Mapping[str, Any], max_tokens: int, max_tokens_param: str | 
     given = {name: body[name] for name in _SAMPLING_FIELDS if body.get(name) is not None}
     for name in _BOOL_SAMPLING_FIELDS:
         value = _typed(body, name, bool, "a boolean")
+        if value is not None:
+            given[name] = value
+    for name, (kind, what) in _LOGIT_CONTROL_FIELDS.items():
+        value = _typed(body, name, kind, what)
         if value is not None:
             given[name] = value
     params = SamplingParams(stop=_stop(body), max_tokens=max_tokens, logprobs=logprobs,

@@ -329,6 +329,7 @@ class OpenAIServing:
         """Check each prompt (`prompt_param`: the body field it came from; `[i]` names one of a
         batch) and, when the client set max_tokens, that prompt + output fit the context; then
         (the request's id, one input per sequence). `request_id`: the client's ("": new)."""
+        params = self.tokenizers.tokenize_bad_words(params)
         for index, token_ids in enumerate(prompts):
             field = prompt_param if len(prompts) == 1 else f"{prompt_param}[{index}]"
             self.orchestrator.validate_prompt(token_ids, field)

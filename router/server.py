@@ -45,7 +45,7 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
 MAX_MESSAGE_BYTES = MAX_BODY_BYTES
 _SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "frequency_penalty",
                     "presence_penalty", "seed", "max_tokens", "ignore_eos", "logprobs", "skip_special_tokens",
-                    "min_tokens")
+                    "min_tokens", "include_stop_str_in_output")
 
 
 async def sampling_params_of(message: pb.SamplingParams) -> SamplingParams:
@@ -59,7 +59,9 @@ def sampling_params_from_proto(message: pb.SamplingParams) -> SamplingParams:
     """Unset optional fields keep SamplingParams' defaults; values are validated there."""
     given = {name: getattr(message, name) for name in _SAMPLING_FIELDS if message.HasField(name)}
     return SamplingParams(stop=tuple(message.stop), stop_token_ids=tuple(message.stop_token_ids),
-                          structured_output=structured_output_from_proto(message.structured_output), **given)
+                          structured_output=structured_output_from_proto(message.structured_output),
+                          logit_bias=dict(message.logit_bias), allowed_token_ids=tuple(message.allowed_token_ids) or None,
+                          bad_words=tuple(message.bad_words), **given)
 
 
 async def prompt_token_ids(request: pb.GenerateRequest, tokenizers: TokenizerPool) -> tuple[int, ...]:
@@ -150,6 +152,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         params = await sampling_params_of(request.sampling)
         max_tokens_field = "max_tokens" if request.sampling.HasField("max_tokens") else None
         limits.check_sampling(params, max_tokens_field)
+        params = self.tokenizers.tokenize_bad_words(params)
         ttft_slo_s, tpot_slo_s = slo_target(request, "ttft_slo_s"), slo_target(request, "tpot_slo_s")
         request_id = self.orchestrator.new_request_id(request.request_id)
         token_ids = await prompt_token_ids(request, self.tokenizers)

@@ -24,13 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1esplitserve/v1/generation.proto\x12\rsplitserve.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"z\n\x0c\x43hatMessages\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.splitserve.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x18\n\x16_add_generation_prompt\"\x8a\x05\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x07\x88\x01\x01\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x16\n\x0estop_token_ids\x18\n \x03(\x05\x12\x17\n\nmax_tokens\x18\x0b \x01(\x05H\x08\x88\x01\x01\x12\x17\n\nignore_eos\x18\x0c \x01(\x08H\t\x88\x01\x01\x12\x15\n\x08logprobs\x18\r \x01(\x05H\n\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x0e \x01(\x08H\x0b\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x0f \x01(\x05H\x0c\x88\x01\x01\x12:\n\x11structured_output\x18\x10 \x01(\x0b\x32\x1f.splitserve.v1.StructuredOutputB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x14\n\x12_frequency_penaltyB\x13\n\x11_presence_penaltyB\x07\n\x05_seedB\r\n\x0b_max_tokensB\r\n\x0b_ignore_eosB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokensB\r\n\x0b_min_tokens\"\x9c\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12(\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x16.splitserve.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x0c\n\nconstraint\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xaa\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\x0cH\x00\x12,\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x17.splitserve.v1.TokenIdsH\x00\x12+\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x1b.splitserve.v1.ChatMessagesH\x00\x12/\n\x08sampling\x18\x05 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12\r\n\x05model\x18\x06 \x01(\t\x12\x17\n\nttft_slo_s\x18\x07 \x01(\x01H\x01\x88\x01\x01\x12\x17\n\ntpot_slo_s\x18\x08 \x01(\x01H\x02\x88\x01\x01\x42\x08\n\x06promptB\r\n\x0b_ttft_slo_sB\r\n\x0b_tpot_slo_s\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"g\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12&\n\x03top\x18\x04 \x03(\x0b\x32\x19.splitserve.v1.TopLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x15\n\rcached_tokens\x18\x02 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\x05\"h\n\x06Timing\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x11\n\tprefill_s\x18\x02 \x01(\x01\x12\x12\n\ntransfer_s\x18\x03 \x01(\x01\x12\x15\n\rfirst_token_s\x18\x04 \x01(\x01\x12\x0f\n\x07total_s\x18\x05 \x01(\x01\"\x98\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12-\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1b.splitserve.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x15\n\x0bstop_string\x18\x06 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x07 \x01(\x05H\x00\x12#\n\x05usage\x18\x08 \x01(\x0b\x32\x14.splitserve.v1.Usage\x12%\n\x06timing\x18\t \x01(\x0b\x32\x15.splitserve.v1.TimingB\r\n\x0bstop_reason2[\n\nGeneration\x12M\n\x08Generate\x12\x1e.splitserve.v1.GenerateRequest\x1a\x1f.splitserve.v1.GenerateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1esplitserve/v1/generation.proto\x12\rsplitserve.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"z\n\x0c\x43hatMessages\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.splitserve.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x18\n\x16_add_generation_prompt\"\xf4\x06\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x07\x88\x01\x01\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x16\n\x0estop_token_ids\x18\n \x03(\x05\x12\x17\n\nmax_tokens\x18\x0b \x01(\x05H\x08\x88\x01\x01\x12\x17\n\nignore_eos\x18\x0c \x01(\x08H\t\x88\x01\x01\x12\x15\n\x08logprobs\x18\r \x01(\x05H\n\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x0e \x01(\x08H\x0b\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x0f \x01(\x05H\x0c\x88\x01\x01\x12:\n\x11structured_output\x18\x10 \x01(\x0b\x32\x1f.splitserve.v1.StructuredOutput\x12@\n\nlogit_bias\x18\x11 \x03(\x0b\x32,.splitserve.v1.SamplingParams.LogitBiasEntry\x12\x19\n\x11\x61llowed_token_ids\x18\x12 \x03(\x05\x12\x11\n\tbad_words\x18\x13 \x03(\t\x12\'\n\x1ainclude_stop_str_in_output\x18\x14 \x01(\x08H\r\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x14\n\x12_frequency_penaltyB\x13\n\x11_presence_penaltyB\x07\n\x05_seedB\r\n\x0b_max_tokensB\r\n\x0b_ignore_eosB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokensB\r\n\x0b_min_tokensB\x1d\n\x1b_include_stop_str_in_output\"\x9c\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12(\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x16.splitserve.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x0c\n\nconstraint\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xaa\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\x0cH\x00\x12,\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x17.splitserve.v1.TokenIdsH\x00\x12+\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x1b.splitserve.v1.ChatMessagesH\x00\x12/\n\x08sampling\x18\x05 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12\r\n\x05model\x18\x06 \x01(\t\x12\x17\n\nttft_slo_s\x18\x07 \x01(\x01H\x01\x88\x01\x01\x12\x17\n\ntpot_slo_s\x18\x08 \x01(\x01H\x02\x88\x01\x01\x42\x08\n\x06promptB\r\n\x0b_ttft_slo_sB\r\n\x0b_tpot_slo_s\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"g\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12&\n\x03top\x18\x04 \x03(\x0b\x32\x19.splitserve.v1.TopLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x15\n\rcached_tokens\x18\x02 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\x05\"h\n\x06Timing\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x11\n\tprefill_s\x18\x02 \x01(\x01\x12\x12\n\ntransfer_s\x18\x03 \x01(\x01\x12\x15\n\rfirst_token_s\x18\x04 \x01(\x01\x12\x0f\n\x07total_s\x18\x05 \x01(\x01\"\x98\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12-\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1b.splitserve.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x15\n\x0bstop_string\x18\x06 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x07 \x01(\x05H\x00\x12#\n\x05usage\x18\x08 \x01(\x0b\x32\x14.splitserve.v1.Usage\x12%\n\x06timing\x18\t \x01(\x0b\x32\x15.splitserve.v1.TimingB\r\n\x0bstop_reason2[\n\nGeneration\x12M\n\x08Generate\x12\x1e.splitserve.v1.GenerateRequest\x1a\x1f.splitserve.v1.GenerateResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'splitserve.v1.generation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_TOKENIDS']._serialized_start=49
   _globals['_TOKENIDS']._serialized_end=72
   _globals['_CHATMESSAGE']._serialized_start=74
@@ -38,23 +40,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHATMESSAGES']._serialized_start=120
   _globals['_CHATMESSAGES']._serialized_end=242
   _globals['_SAMPLINGPARAMS']._serialized_start=245
-  _globals['_SAMPLINGPARAMS']._serialized_end=895
-  _globals['_STRUCTUREDOUTPUT']._serialized_start=898
-  _globals['_STRUCTUREDOUTPUT']._serialized_end=1054
-  _globals['_CHOICES']._serialized_start=1056
-  _globals['_CHOICES']._serialized_end=1082
-  _globals['_GENERATEREQUEST']._serialized_start=1085
-  _globals['_GENERATEREQUEST']._serialized_end=1383
-  _globals['_TOPLOGPROB']._serialized_start=1385
-  _globals['_TOPLOGPROB']._serialized_end=1432
-  _globals['_TOKENLOGPROB']._serialized_start=1434
-  _globals['_TOKENLOGPROB']._serialized_end=1537
-  _globals['_USAGE']._serialized_start=1539
-  _globals['_USAGE']._serialized_end=1619
-  _globals['_TIMING']._serialized_start=1621
-  _globals['_TIMING']._serialized_end=1725
-  _globals['_GENERATERESPONSE']._serialized_start=1728
-  _globals['_GENERATERESPONSE']._serialized_end=2008
-  _globals['_GENERATION']._serialized_start=2010
-  _globals['_GENERATION']._serialized_end=2101
+  _globals['_SAMPLINGPARAMS']._serialized_end=1129
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=847
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=895
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=1132
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=1288
+  _globals['_CHOICES']._serialized_start=1290
+  _globals['_CHOICES']._serialized_end=1316
+  _globals['_GENERATEREQUEST']._serialized_start=1319
+  _globals['_GENERATEREQUEST']._serialized_end=1617
+  _globals['_TOPLOGPROB']._serialized_start=1619
+  _globals['_TOPLOGPROB']._serialized_end=1666
+  _globals['_TOKENLOGPROB']._serialized_start=1668
+  _globals['_TOKENLOGPROB']._serialized_end=1771
+  _globals['_USAGE']._serialized_start=1773
+  _globals['_USAGE']._serialized_end=1853
+  _globals['_TIMING']._serialized_start=1855
+  _globals['_TIMING']._serialized_end=1959
+  _globals['_GENERATERESPONSE']._serialized_start=1962
+  _globals['_GENERATERESPONSE']._serialized_end=2242
+  _globals['_GENERATION']._serialized_start=2244
+  _globals['_GENERATION']._serialized_end=2335
 # @@protoc_insertion_point(module_scope)
