@@ -44,7 +44,8 @@ from splitserve.common.sampling_params import SamplingParams
 from splitserve.router.admission import RETRY_AFTER_S, Admission
 from splitserve.router.auth import check_authorization
 from splitserve.router.openai_protocol import (ChatCompletionRequest, ChatRenderer, CompletionRenderer,
-                                               CompletionRequest, ResponseHeader, error_body, parse_chat_request,
+                                               CompletionRequest, PromptTruncation, ResponseHeader, error_body,
+                                               parse_chat_request,
                                                parse_completion_request, parse_detokenize_request,
                                                parse_tokenize_request)
 from splitserve.router.api_types import GenerationInput, RouterError, Usage
@@ -278,11 +279,14 @@ class OpenAIServing:
         if parsed.best_of > parsed.n and params.logprobs is None:  # best_of ranks by the sampled tokens' logprobs
             params = dataclasses.replace(params, logprobs=0)
         request_id, inputs = self._inputs(prompts, params, parsed.max_tokens_param, "prompt", parsed.request_id,
-                                          parsed.best_of)
+                                          parsed.best_of, parsed.truncation)
         echo = [self._prompt_text(p) for p in parsed.prompts] if parsed.echo else ()
         renderer = CompletionRenderer(self._header("cmpl", request_id), self._token_text(parsed.tokens_as_ids),
                                       parsed.include_usage, parsed.sampling.logprobs is not None, echo, parsed.n,
                                       _prompt_lengths(inputs) if parsed.continuous_usage else None)
+        if parsed.return_token_ids:  # choice i is one of prompt i // n's, whose sequences are inputs i // n * best_of on
+            renderer.with_token_ids([inputs[i // parsed.n * parsed.best_of].prompt_token_ids
+                                     for i in range(len(prompts) * parsed.n)])
         return _Job(inputs, parsed.best_of, parsed.n, renderer, parsed.stream)
 
     async def _chat_job(self, parsed: ChatCompletionRequest) -> _Job:
@@ -291,6 +295,8 @@ class OpenAIServing:
                                 self.tokenizers.tokenizer.token_bytes, parsed.include_usage,
                                 parsed.sampling.logprobs is not None,
                                 _prompt_lengths(inputs) if parsed.continuous_usage else None, tool_output)
+        if parsed.return_token_ids:
+            renderer.with_token_ids([inputs[0].prompt_token_ids] * parsed.n)
         return _Job(inputs, parsed.n, parsed.n, renderer, parsed.stream)
 
     async def _responses_job(self, parsed: ResponsesRequest) -> _Job:
@@ -310,7 +316,7 @@ class OpenAIServing:
         token_ids = await self.tokenizers.apply_chat_template(messages, parsed.add_generation_prompt, parsed.template)
         sampling = parsed.sampling if tool_output is None else tool_output.sampling(parsed.sampling)
         request_id, inputs = self._inputs([token_ids], sampling, parsed.max_tokens_param, prompt_param,
-                                          parsed.request_id, parsed.n)
+                                          parsed.request_id, parsed.n, parsed.truncation)
         return request_id, inputs, tool_output
 
     def _prompt_text(self, prompt: str | tuple[int, ...]) -> str:
@@ -324,12 +330,15 @@ class OpenAIServing:
                            "model", "model_not_found")
 
     def _inputs(self, prompts: list[tuple[int, ...]], params: SamplingParams, max_tokens_param: str | None,
-                prompt_param: str, request_id: str,
-                num_sequences: int) -> tuple[str, tuple[GenerationInput, ...]]:
-        """Check each prompt (`prompt_param`: the body field it came from; `[i]` names one of a
-        batch) and, when the client set max_tokens, that prompt + output fit the context; then
-        (the request's id, one input per sequence). `request_id`: the client's ("": new)."""
+                prompt_param: str, request_id: str, num_sequences: int,
+                truncation: PromptTruncation | None = None) -> tuple[str, tuple[GenerationInput, ...]]:
+        """Cut each prompt as `truncation` says, check it (`prompt_param`: the body field it came
+        from; `[i]` names one of a batch) and, when the client set max_tokens, that prompt + output
+        fit the context; then (the request's id, one input per sequence). `request_id`: the
+        client's ("": new)."""
         params = self.tokenizers.tokenize_bad_words(params)
+        if truncation is not None:
+            prompts = [truncation.applied(tuple(p), self.tokenizers.limits.max_model_len) for p in prompts]
         for index, token_ids in enumerate(prompts):
             field = prompt_param if len(prompts) == 1 else f"{prompt_param}[{index}]"
             self.orchestrator.validate_prompt(token_ids, field)
