@@ -161,6 +161,30 @@ def test_grpc_takes_the_same_logit_controls(served):
         max_tokens=6, bad_words=[word])
 
 
+def test_grpc_and_triton_keep_the_stop_string_with_include_stop_str_in_output(served):
+    from splitserve.proto.inference import grpc_service_pb2 as ipb
+    from splitserve.proto.inference import grpc_service_pb2_grpc as ipb_grpc
+
+    greedy = {"temperature": 0, "max_tokens": 16, "ignore_eos": True}
+    _, full, _ = stream_tokens(served.grpc_port, pb.GenerateRequest(text=PROMPT.encode(),
+                                                                   sampling=pb.SamplingParams(**greedy)))
+    stop = full[3:6]
+    expected = full[:full.index(stop) + len(stop)]
+    _, text, responses = stream_tokens(served.grpc_port, pb.GenerateRequest(text=PROMPT.encode(), sampling=pb.SamplingParams(
+        **greedy, stop=[stop], include_stop_str_in_output=True)))
+    assert (text, responses[-1].stop_string) == (expected, stop)
+    # bad_words too: the Triton path must tokenize them before the engine (which refuses them untokenized)
+    sampling = json.dumps({**greedy, "stop": [stop], "include_stop_str_in_output": True, "bad_words": ["zz"]})
+    request = ipb.ModelInferRequest(model_name=MODEL, inputs=[
+        ipb.ModelInferRequest.InferInputTensor(name=name, datatype="BYTES", shape=[1],
+                                               contents=ipb.InferTensorContents(bytes_contents=[value]))
+        for name, value in (("text_input", PROMPT.encode()), ("sampling_parameters", sampling.encode()))])
+    with grpc.insecure_channel(f"127.0.0.1:{served.grpc_port}") as channel:
+        reply = ipb_grpc.GRPCInferenceServiceStub(channel).ModelInfer(request, timeout=60)
+    outputs = {tensor.name: index for index, tensor in enumerate(reply.outputs)}
+    assert reply.raw_output_contents[outputs["text_output"]][4:].decode() == PROMPT + expected
+
+
 @pytest.mark.parametrize(("sampling", "message"), [
     (pb.SamplingParams(logit_bias={512: 1.0}),
      "logit_bias: token_id(s) [512] in logit_bias contain out-of-vocab token ids. Vocabulary size: 512"),
