@@ -22,7 +22,7 @@ from splitserve.common.structured_output import StructuredOutput
 from splitserve.common.token_logprobs import TokenLogprobs
 from splitserve.router.api_types import StreamChunk, Usage
 from splitserve.router.openai_fields import CHAT_REFUSED, COMPLETION_REFUSED, Refused, refuse_unsupported
-from splitserve.router.request_limits import MAX_SEQUENCES, RequestLimits, utf8_length
+from splitserve.router.request_limits import MAX_SEQUENCES, PromptTruncation, RequestLimits, utf8_length
 from splitserve.router.structured_output import parse_structured_output
 from splitserve.router.tokenizer import ChatTemplateOptions
 from splitserve.router.tool_calling import (HistoryToolCall, ToolCalling, parse_history_tool_calls,
@@ -70,23 +70,6 @@ class ChatMessage:
         """UTF-8 bytes the tool calls add to the rendered chat (their names and arguments as JSON)."""
         return sum(utf8_length(call.name) + utf8_length(json.dumps(call.arguments, ensure_ascii=False))
                    for call in self.tool_calls)
-
-
-@dataclass(frozen=True)
-class PromptTruncation:
-    """vLLM's truncate_prompt_tokens and truncation_side: a tokenized prompt (a chat's as rendered)
-    cut to its last (or first) `num_tokens` tokens before it is checked against the context."""
-
-    num_tokens: int
-    """Tokens kept, in [0, max_model_len]; -1: max_model_len - 1 (the most a prompt can have)."""
-    keep_last: bool
-    """truncation_side "left" (vLLM's default for generation): cut the start, keep the last tokens."""
-
-    def applied(self, token_ids: tuple[int, ...], max_model_len: int) -> tuple[int, ...]:
-        keep = max_model_len - 1 if self.num_tokens == -1 else self.num_tokens
-        if len(token_ids) <= keep:
-            return token_ids
-        return token_ids[len(token_ids) - keep:] if self.keep_last else token_ids[:keep]
 
 
 @dataclass(frozen=True)
@@ -310,21 +293,9 @@ def _return_token_ids(body: Mapping[str, Any]) -> bool:
 
 
 def _truncation(body: Mapping[str, Any], limits: RequestLimits) -> PromptTruncation | None:
-    """truncate_prompt_tokens (an integer >= -1, at most max_model_len: vLLM's rules and message)
-    and truncation_side (left or right, default left); None without truncate_prompt_tokens."""
-    num_tokens = _typed(body, "truncate_prompt_tokens", int, "an integer >= -1")
-    side = _typed(body, "truncation_side", str, "'left' or 'right'", "left")
-    if side not in ("left", "right"):
-        raise InvalidRequestError("truncation_side", f"must be 'left' or 'right', got {side!r}")
-    if num_tokens is None:
-        return None
-    if num_tokens < -1:
-        raise InvalidRequestError("truncate_prompt_tokens", f"must be an integer >= -1, got {num_tokens}")
-    if num_tokens > limits.max_model_len:
-        raise InvalidRequestError("truncate_prompt_tokens", f"truncate_prompt_tokens={num_tokens} cannot be greater "
-                                                            f"than max_model_len = {limits.max_model_len}. Please "
-                                                            "request a smaller truncation size.")
-    return PromptTruncation(num_tokens, keep_last=side == "left")
+    """truncate_prompt_tokens and truncation_side (RequestLimits.prompt_truncation)."""
+    return limits.prompt_truncation(_typed(body, "truncate_prompt_tokens", int, "an integer >= -1"),
+                                    _typed(body, "truncation_side", str, "'left' or 'right'"))
 
 
 TEXT_PART_KEYS = {"text": "text", "refusal": "refusal"}

@@ -44,14 +44,14 @@ from splitserve.common.sampling_params import SamplingParams
 from splitserve.router.admission import RETRY_AFTER_S, Admission
 from splitserve.router.auth import check_authorization
 from splitserve.router.openai_protocol import (ChatCompletionRequest, ChatRenderer, CompletionRenderer,
-                                               CompletionRequest, PromptTruncation, ResponseHeader, error_body,
-                                               parse_chat_request,
+                                               CompletionRequest, ResponseHeader, error_body, parse_chat_request,
                                                parse_completion_request, parse_detokenize_request,
                                                parse_tokenize_request)
 from splitserve.router.api_types import GenerationInput, RouterError, Usage
 from splitserve.router.fanout import FanOut, IndexedChunk, best_of, by_choice, merged_usage, sequence_inputs
 from splitserve.router.orchestrator import Orchestrator
 from splitserve.router.request_body import BodyParser, MalformedBodyError, Parse
+from splitserve.router.request_limits import PromptTruncation
 from splitserve.router.responses_protocol import ResponsesRenderer, ResponsesRequest, parse_responses_request
 from splitserve.router.tls import TlsConfig, load_tls
 from splitserve.router.tokenizer_pool import TokenizerPool
@@ -338,7 +338,7 @@ class OpenAIServing:
         client's ("": new)."""
         params = self.tokenizers.tokenize_bad_words(params)
         if truncation is not None:
-            prompts = [truncation.applied(tuple(p), self.tokenizers.limits.max_model_len) for p in prompts]
+            prompts = [truncation.applied(tuple(p)) for p in prompts]
         for index, token_ids in enumerate(prompts):
             field = prompt_param if len(prompts) == 1 else f"{prompt_param}[{index}]"
             self.orchestrator.validate_prompt(token_ids, field)

@@ -64,12 +64,15 @@ def sampling_params_from_proto(message: pb.SamplingParams) -> SamplingParams:
                           bad_words=tuple(message.bad_words), **given)
 
 
-async def prompt_token_ids(request: pb.GenerateRequest, tokenizers: TokenizerPool) -> tuple[int, ...]:
-    """The prompt's token ids; its size is checked before anything is decoded or tokenized."""
+async def prompt_token_ids(request: pb.GenerateRequest, tokenizers: TokenizerPool,
+                           truncated: bool = False) -> tuple[int, ...]:
+    """The prompt's token ids; its size is checked before anything is decoded or tokenized (a
+    token-id prompt that will be `truncated` may be longer than the context: the message limit bounds it)."""
     limits = tokenizers.limits
     kind = request.WhichOneof("prompt")
     if kind == "token_ids":
-        limits.check_prompt_token_count(len(request.token_ids.ids), "prompt")
+        if not truncated:
+            limits.check_prompt_token_count(len(request.token_ids.ids), "prompt")
         return tuple(request.token_ids.ids)
     if kind == "text":
         limits.check_prompt_bytes(len(request.text), "prompt")
@@ -155,7 +158,11 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         params = self.tokenizers.tokenize_bad_words(params)
         ttft_slo_s, tpot_slo_s = slo_target(request, "ttft_slo_s"), slo_target(request, "tpot_slo_s")
         request_id = self.orchestrator.new_request_id(request.request_id)
-        token_ids = await prompt_token_ids(request, self.tokenizers)
+        truncation = limits.prompt_truncation(*(getattr(request, name) if request.HasField(name) else None
+                                                for name in ("truncate_prompt_tokens", "truncation_side")))
+        token_ids = await prompt_token_ids(request, self.tokenizers, truncation is not None)
+        if truncation is not None:
+            token_ids = truncation.applied(token_ids)
         limits.check_max_tokens(len(token_ids), params, max_tokens_field)
         return GenerationInput(request_id, token_ids, params, grpc_deadline(context, self.request_timeout_s),
                                ttft_slo_s, tpot_slo_s)

@@ -1,14 +1,16 @@
 """vLLM's return_token_ids (the prompt's and the output's token ids in the response, where vLLM puts
 them) and truncate_prompt_tokens / truncation_side (the prompt cut to its last or first N tokens)
-on the OpenAI API, checked against the tokenizer's own ids."""
+on the OpenAI API (truncation on gRPC too), checked against the tokenizer's own ids."""
 
 from __future__ import annotations
 
 import json
 
+import grpc
 import pytest
 
-from tests.factories import ServedApis, http_request, served_apis
+from splitserve.proto.splitserve.v1 import generation_pb2 as pb
+from tests.factories import ServedApis, http_request, served_apis, stream_tokens
 
 MODEL = "tiny-llama"
 PROMPT = "The river runs by the old mill and the wheel turns slowly"
@@ -126,3 +128,25 @@ def test_a_prompt_shorter_than_the_truncation_is_kept_whole(served):
 def test_bad_values_are_400_naming_the_field(served, fields, param, message):
     status, reply = served.post("/v1/completions", {**GREEDY, "prompt": PROMPT, **fields})
     assert (status, reply["error"]["param"], reply["error"]["message"]) == (400, param, f"{param}: {message}")
+
+
+def test_grpc_truncates_text_chat_and_token_id_prompts_as_the_openai_api_does(served):
+    tokenizer = served.cluster.tokenizer
+    ids = tokenizer.encode(PROMPT)
+    greedy = pb.SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    expected = served.post("/v1/completions", {**GREEDY, "prompt": ids[:4], "return_token_ids": True}
+                           )[1]["choices"][0]["token_ids"]
+    for request in (pb.GenerateRequest(text=PROMPT.encode(), truncate_prompt_tokens=4, truncation_side="right"),
+                    pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids * 300), truncate_prompt_tokens=4,
+                                       truncation_side="right")):
+        request.sampling.CopyFrom(greedy)
+        token_ids, _, responses = stream_tokens(served.grpc_port, request)
+        assert (token_ids, responses[-1].usage.prompt_tokens) == (expected, 4)
+    chat = pb.GenerateRequest(chat=pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="Hello there")]),
+                              truncate_prompt_tokens=-1, sampling=greedy)
+    assert stream_tokens(served.grpc_port, chat)[2][-1].usage.prompt_tokens == len(
+        tokenizer.apply_chat_template(CHAT, add_generation_prompt=True))
+    with pytest.raises(grpc.RpcError) as error:
+        stream_tokens(served.grpc_port, pb.GenerateRequest(text=PROMPT.encode(), truncate_prompt_tokens=-5))
+    assert (error.value.code(), error.value.details()) == (grpc.StatusCode.INVALID_ARGUMENT,
+                                                          "truncate_prompt_tokens: must be an integer >= -1, got -5")
