@@ -54,6 +54,12 @@ def _logit_bias_pairs(value: object) -> tuple[tuple[int, float], ...]:
     return tuple(sorted({_token_id_key(key): bias for key, bias in items}.items()))
 
 
+def _distinct_strings(values: tuple) -> tuple:
+    """values without repeats (first kept, as vLLM dedups bad_words) when all are strings; else as
+    they are, for validation to refuse."""
+    return tuple(dict.fromkeys(values)) if all(isinstance(v, str) for v in values) else values
+
+
 def _token_id_key(key: object) -> int | None:
     """A logit_bias key as a token id: an int, or a string of one ("42", as JSON keys are)."""
     if _is_int(key):
@@ -138,7 +144,7 @@ class SamplingParams:
         object.__setattr__(self, "logit_bias", _logit_bias_pairs(self.logit_bias))
         if self.allowed_token_ids is not None:
             object.__setattr__(self, "allowed_token_ids", _as_tuple(self.allowed_token_ids, "allowed_token_ids"))
-        object.__setattr__(self, "bad_words", _as_tuple(self.bad_words, "bad_words"))
+        object.__setattr__(self, "bad_words", _distinct_strings(_as_tuple(self.bad_words, "bad_words")))
         object.__setattr__(self, "bad_words_token_ids", tuple(
             _as_tuple(ids, "bad_words") for ids in _as_tuple(self.bad_words_token_ids, "bad_words")))
         self._validate_sampling()
