@@ -266,6 +266,11 @@ def test_the_offline_llm_tokenizes_bad_words_and_applies_every_control(tiny_llam
     allowed = llm.generate(PROMPT, SamplingParams(max_tokens=8, seed=3, ignore_eos=True,
                                                   allowed_token_ids=[9, 10, 11]))[0]
     assert set(allowed.token_ids) <= {9, 10, 11}
+    full = llm.generate(PROMPT, greedy)[0].text
+    stop = full[2:5]
+    kept = llm.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, stop=[stop],
+                                               include_stop_str_in_output=True))[0]
+    assert (kept.text, kept.finish_reason) == (full[:full.index(stop) + len(stop)], "stop")
     with pytest.raises(InvalidRequestError, match=r"^logit_bias: token_id\(s\) \[600\] in logit_bias contain "):
         llm.generate(PROMPT, SamplingParams(logit_bias={600: 1.0}))
     with pytest.raises(InvalidRequestError, match="^bad_words: must be tokenized"):
