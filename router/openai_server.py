@@ -284,7 +284,7 @@ class OpenAIServing:
         renderer = CompletionRenderer(self._header("cmpl", request_id), self._token_text(parsed.tokens_as_ids),
                                       parsed.include_usage, parsed.sampling.logprobs is not None, echo, parsed.n,
                                       _prompt_lengths(inputs) if parsed.continuous_usage else None)
-        if parsed.return_token_ids:  # choice i is one of prompt i // n's, whose sequences are inputs i // n * best_of on
+        if parsed.return_token_ids:  # choice i is one of prompt i // n's sequences: inputs i // n * best_of on
             renderer.with_token_ids([inputs[i // parsed.n * parsed.best_of].prompt_token_ids
                                      for i in range(len(prompts) * parsed.n)])
         return _Job(inputs, parsed.best_of, parsed.n, renderer, parsed.stream)

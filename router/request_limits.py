@@ -248,8 +248,9 @@ class RequestLimits:
     def _check_logit_controls(self, params: SamplingParams) -> None:
         """Sizes of logit_bias, allowed_token_ids and bad_words, and the ids' vocabulary (bad words'
         ids once tokenized: TokenizerPool.tokenize_bad_words checks them again)."""
+        allowed = params.allowed_token_ids or ()
         for name, count, bound in (("logit_bias", len(params.logit_bias), self.max_logit_bias),
-                                   ("allowed_token_ids", len(params.allowed_token_ids or ()), self.max_allowed_token_ids),
+                                   ("allowed_token_ids", len(allowed), self.max_allowed_token_ids),
                                    ("bad_words", len(params.bad_words), self.max_bad_words)):
             if count > bound:
                 raise InvalidRequestError(name, f"must hold at most {bound} entries, got {count}")

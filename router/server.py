@@ -60,8 +60,8 @@ def sampling_params_from_proto(message: pb.SamplingParams) -> SamplingParams:
     given = {name: getattr(message, name) for name in _SAMPLING_FIELDS if message.HasField(name)}
     return SamplingParams(stop=tuple(message.stop), stop_token_ids=tuple(message.stop_token_ids),
                           structured_output=structured_output_from_proto(message.structured_output),
-                          logit_bias=dict(message.logit_bias), allowed_token_ids=tuple(message.allowed_token_ids) or None,
-                          bad_words=tuple(message.bad_words), **given)
+                          logit_bias=dict(message.logit_bias), bad_words=tuple(message.bad_words),
+                          allowed_token_ids=tuple(message.allowed_token_ids) or None, **given)
 
 
 async def prompt_token_ids(request: pb.GenerateRequest, tokenizers: TokenizerPool,

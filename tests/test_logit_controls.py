@@ -6,6 +6,7 @@ against the per-row oracle in tests/test_sampler.py."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 
 import grpc
@@ -48,6 +49,18 @@ def printable_token(tokenizer, avoid: list[int]) -> int:
     return next(t for t in range(VOCAB_SIZE) if t not in avoid and tokenizer.decode([t]).strip().isalpha())
 
 
+def two_token_word(tokenizer, tokens: list[int]) -> tuple[str, int, set[tuple[int, ...]]]:
+    """(word, k, its banned sequences): a word of more than one character that `tokens` hold as
+    tokens[k:k + 2], one of the sequences vLLM's rule bans for it (bare or after a space)."""
+    encode = functools.partial(tokenizer.encode, add_special_tokens=False)
+    for k in range(len(tokens) - 1):
+        word = tokenizer.decode(tokens[k:k + 2])
+        forms = set(SamplingParams(bad_words=[word]).with_bad_words_tokenized(encode).bad_words_token_ids)
+        if tuple(tokens[k:k + 2]) in forms and len(word.strip()) > 1:
+            return word, k, forms
+    raise AssertionError(f"no two-token word in {tokens}")
+
+
 def contains(tokens: list[int], sequence: tuple[int, ...]) -> bool:
     return any(tuple(tokens[i:i + len(sequence)]) == sequence for i in range(len(tokens) - len(sequence) + 1))
 
@@ -77,18 +90,11 @@ def test_sampled_tokens_stay_in_allowed_token_ids(served):
 def test_bad_words_never_appear_as_either_tokenization(served):
     """A word the greedy output holds as two tokens is banned: neither its bare nor its spaced
     tokenization (vLLM's two forms) appears in the output any more, and the output changed there."""
-    tokenizer = served.cluster.tokenizer
     plain = served.completion_ids(max_tokens=16)
-    word, at = next((tokenizer.decode(plain[k:k + 2]), k) for k in range(len(plain) - 1)
-                    if tuple(tokenizer.encode(tokenizer.decode(plain[k:k + 2]).lstrip(), add_special_tokens=False))
-                    in {tuple(plain[k:k + 2])} | {tuple(tokenizer.encode(" " + tokenizer.decode(plain[k:k + 2]).lstrip(),
-                                                                         add_special_tokens=False))}
-                    and len(tokenizer.decode(plain[k:k + 2]).strip()) > 1)
-    forms = {tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False)),
-             tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))}
+    word, at, forms = two_token_word(served.cluster.tokenizer, plain)
     banned = served.completion_ids(max_tokens=16, bad_words=[word])
     assert banned[:at + 1] == plain[:at + 1] and banned[at + 1] != plain[at + 1]
-    assert not any(contains(banned, form) for form in forms if len(form) == 2)
+    assert not any(contains(banned, form) for form in forms)
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -114,7 +120,8 @@ def test_include_stop_str_in_output_keeps_the_stop_string(served, stream):
 
 
 @pytest.mark.parametrize(("fields", "param", "message"), [
-    ({"logit_bias": {"abc": 1}}, "logit_bias", "contains key(s) that cannot be converted to integer token IDs: ['abc']"),
+    ({"logit_bias": {"abc": 1}}, "logit_bias",
+     "contains key(s) that cannot be converted to integer token IDs: ['abc']"),
     ({"logit_bias": {"512": 1}}, "logit_bias",
      "token_id(s) [512] in logit_bias contain out-of-vocab token ids. Vocabulary size: 512"),
     ({"logit_bias": {"-1": 1}}, "logit_bias",
@@ -170,8 +177,8 @@ def test_grpc_and_triton_keep_the_stop_string_with_include_stop_str_in_output(se
                                                                    sampling=pb.SamplingParams(**greedy)))
     stop = full[3:6]
     expected = full[:full.index(stop) + len(stop)]
-    _, text, responses = stream_tokens(served.grpc_port, pb.GenerateRequest(text=PROMPT.encode(), sampling=pb.SamplingParams(
-        **greedy, stop=[stop], include_stop_str_in_output=True)))
+    kept = pb.SamplingParams(**greedy, stop=[stop], include_stop_str_in_output=True)
+    _, text, responses = stream_tokens(served.grpc_port, pb.GenerateRequest(text=PROMPT.encode(), sampling=kept))
     assert (text, responses[-1].stop_string) == (expected, stop)
     # bad_words too: the Triton path must tokenize them before the engine (which refuses them untokenized)
     sampling = json.dumps({**greedy, "stop": [stop], "include_stop_str_in_output": True, "bad_words": ["zz"]})
@@ -214,9 +221,10 @@ def test_triton_sampling_parameters_take_the_logit_controls():
                                  make_request_limits())
     assert parsed.sampling == SamplingParams(logit_bias=((7, 2.5),), allowed_token_ids=(7, 9), bad_words=("mill",),
                                              include_stop_str_in_output=True)
-    for sampling, message in (({"logit_bias": [1]}, "logit_bias: must be an object mapping token ids to biases, got [1]"),
-                              ({"logit_bias": {"600": 1}}, "logit_bias: token_id(s) [600] in logit_bias contain "
-                                                           "out-of-vocab token ids. Vocabulary size: 512")):
+    for sampling, message in (
+            ({"logit_bias": [1]}, "logit_bias: must be an object mapping token ids to biases, got [1]"),
+            ({"logit_bias": {"600": 1}}, "logit_bias: token_id(s) [600] in logit_bias contain out-of-vocab token ids. "
+                                         "Vocabulary size: 512")):
         with pytest.raises(InvalidRequestError) as error:
             parse_infer_request(request(sampling), make_request_limits())
         assert str(error.value) == message

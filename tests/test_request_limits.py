@@ -113,7 +113,8 @@ def test_a_stricter_table_is_applied_as_it_is():
     limits = make_request_limits(max_stop_strings=2, max_stop_token_ids=1, max_logit_bias=1)
     for params, message in ((SamplingParams(stop=("a", "b", "c")), "stop: must hold at most 2 strings, got 3"),
                             (SamplingParams(stop_token_ids=(1, 2)), "stop_token_ids: must hold at most 1 ids, got 2"),
-                            (SamplingParams(logit_bias={1: 1.0, 2: 1.0}), "logit_bias: must hold at most 1 entries, got 2")):
+                            (SamplingParams(logit_bias={1: 1.0, 2: 1.0}),
+                             "logit_bias: must hold at most 1 entries, got 2")):
         with pytest.raises(InvalidRequestError) as error:
             limits.check_sampling(params, None)
         assert str(error.value) == message
