@@ -61,11 +61,15 @@ def _distinct_strings(values: tuple) -> tuple:
 
 
 def _token_id_key(key: object) -> int | None:
-    """A logit_bias key as a token id: an int, or a string of one ("42", as JSON keys are)."""
+    """A logit_bias key as a token id: an int, or a string int() reads ("42", as JSON keys are; as
+    vLLM converts them). A string int() refuses ("+-5", more digits than Python converts) is none."""
     if _is_int(key):
         return key
-    if isinstance(key, str) and key.strip().lstrip("+-").isdecimal():
-        return int(key)
+    if isinstance(key, str):
+        try:
+            return int(key)
+        except ValueError:
+            return None
     return None
 
 

@@ -33,6 +33,8 @@ INVALID = [
     ("logit_bias", {"a": 1.0}), ("logit_bias", {"1.5": 1.0}), ("logit_bias", {1.0: 1.0}), ("logit_bias", {True: 1}),
     ("logit_bias", {1: 100.01}), ("logit_bias", {1: -101}), ("logit_bias", {1: math.nan}), ("logit_bias", {1: "1"}),
     ("logit_bias", [1, 2]), ("logit_bias", 5), ("logit_bias", dict.fromkeys(range(1025), 1.0)),
+    # keys whose sign or length int() refuses: a 400, not a ValueError escaping as a 500
+    ("logit_bias", {"+-5": 1.0}), ("logit_bias", {"--5": 1.0}), ("logit_bias", {"1" * 5000: 1.0}),
     ("allowed_token_ids", []), ("allowed_token_ids", ["1"]), ("allowed_token_ids", [1.0]), ("allowed_token_ids", 3),
     ("bad_words", [""]), ("bad_words", [["a"]]), ("bad_words", [3]), ("bad_words", None),
 ]
