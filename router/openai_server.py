@@ -278,8 +278,8 @@ class OpenAIServing:
         params = parsed.sampling
         if parsed.best_of > parsed.n and params.logprobs is None:  # best_of ranks by the sampled tokens' logprobs
             params = dataclasses.replace(params, logprobs=0)
-        request_id, inputs = self._inputs(prompts, params, parsed.max_tokens_param, "prompt", parsed.request_id,
-                                          parsed.best_of, parsed.truncation)
+        request_id, inputs = await self._inputs(prompts, params, parsed.max_tokens_param, "prompt",
+                                                parsed.request_id, parsed.best_of, parsed.truncation)
         echo = [self._prompt_text(p) for p in parsed.prompts] if parsed.echo else ()
         renderer = CompletionRenderer(self._header("cmpl", request_id), self._token_text(parsed.tokens_as_ids),
                                       parsed.include_usage, parsed.sampling.logprobs is not None, echo, parsed.n,
@@ -315,8 +315,8 @@ class OpenAIServing:
         messages = [m.template_message() for m in parsed.messages]
         token_ids = await self.tokenizers.apply_chat_template(messages, parsed.add_generation_prompt, parsed.template)
         sampling = parsed.sampling if tool_output is None else tool_output.sampling(parsed.sampling)
-        request_id, inputs = self._inputs([token_ids], sampling, parsed.max_tokens_param, prompt_param,
-                                          parsed.request_id, parsed.n, parsed.truncation)
+        request_id, inputs = await self._inputs([token_ids], sampling, parsed.max_tokens_param, prompt_param,
+                                                parsed.request_id, parsed.n, parsed.truncation)
         return request_id, inputs, tool_output
 
     def _prompt_text(self, prompt: str | tuple[int, ...]) -> str:
@@ -329,14 +329,14 @@ class OpenAIServing:
             raise ApiError(404, f"The model `{model}` does not exist; this server serves `{self.model_name}`.",
                            "model", "model_not_found")
 
-    def _inputs(self, prompts: list[tuple[int, ...]], params: SamplingParams, max_tokens_param: str | None,
-                prompt_param: str, request_id: str, num_sequences: int,
-                truncation: PromptTruncation | None = None) -> tuple[str, tuple[GenerationInput, ...]]:
+    async def _inputs(self, prompts: list[tuple[int, ...]], params: SamplingParams, max_tokens_param: str | None,
+                      prompt_param: str, request_id: str, num_sequences: int,
+                      truncation: PromptTruncation | None = None) -> tuple[str, tuple[GenerationInput, ...]]:
         """Cut each prompt as `truncation` says, check it (`prompt_param`: the body field it came
         from; `[i]` names one of a batch) and, when the client set max_tokens, that prompt + output
         fit the context; then (the request's id, one input per sequence). `request_id`: the
         client's ("": new)."""
-        params = self.tokenizers.tokenize_bad_words(params)
+        params = await self.tokenizers.tokenize_bad_words(params)
         if truncation is not None:
             prompts = [truncation.applied(tuple(p)) for p in prompts]
         for index, token_ids in enumerate(prompts):

@@ -79,12 +79,18 @@ class TokenizerPool:
             return tuple(self._chat(messages, add_generation_prompt, options))
         return tuple(await self._in_thread(self._chat, messages, add_generation_prompt, options))
 
-    def tokenize_bad_words(self, params: SamplingParams) -> SamplingParams:
-        """params with its bad_words tokenized (SamplingParams.with_bad_words_tokenized; check_sampling
-        bounded their number and length, so this runs inline) and their ids checked against the
-        vocabulary; params itself when it has none."""
+    async def tokenize_bad_words(self, params: SamplingParams) -> SamplingParams:
+        """params with its bad_words tokenized (SamplingParams.with_bad_words_tokenized: each word
+        encoded twice) and their ids checked against the vocabulary; params itself when it has none.
+        Words of at most INLINE_MAX_CHARS characters together are tokenized on the event loop, more
+        in the pool, as a prompt is (check_sampling bounds them: 128 words of 1024 characters)."""
         if not params.bad_words:
             return params
+        if sum(len(word) for word in params.bad_words) <= INLINE_MAX_CHARS:
+            return self._bad_words_tokenized(params)
+        return await self._in_thread(self._bad_words_tokenized, params)
+
+    def _bad_words_tokenized(self, params: SamplingParams) -> SamplingParams:
         try:
             tokenized = params.with_bad_words_tokenized(lambda word: self.tokenizer.encode(word, False))
         except InvalidRequestError as error:

@@ -446,6 +446,30 @@ def test_a_full_tokenization_pool_refuses_and_a_cancelled_job_frees_its_place(ti
                                         tuple(real_encode("the r")))
 
 
+@pytest.mark.parametrize(("words", "on_loop"), [(["mill", "river"], True),
+                                                 ([f"word{i} " * 60 for i in range(4)], False)])
+def test_bad_words_over_the_inline_size_are_tokenized_in_the_pool(tiny_llama_dir, words, on_loop):
+    """bad_words may be 128 words of 1024 characters, each encoded twice: more than INLINE_MAX_CHARS
+    together (here 1440) is the pool's work, as a long prompt is; a few short words stay on the loop.
+    Before, every bad word was tokenized on the router's event loop."""
+    tokenizer = RouterTokenizer.from_model_dir(tiny_llama_dir)
+    real_encode, on_loops = tokenizer.encode, []
+
+    def encode(text, add_special_tokens=True):
+        on_loops.append(_has_running_loop())
+        return real_encode(text, add_special_tokens)
+
+    tokenizer.encode = encode
+    pool = TokenizerPool(tokenizer, make_request_limits(), [].append)
+    from splitserve.common.sampling_params import SamplingParams
+
+    tokenized = asyncio.run(pool.tokenize_bad_words(SamplingParams(bad_words=words)))
+    pool.close()
+    expected = SamplingParams(bad_words=words).with_bad_words_tokenized(lambda text: real_encode(text, False))
+    assert set(on_loops) == {on_loop} and len(on_loops) == 2 * len(words)
+    assert tokenized.bad_words_token_ids == expected.bad_words_token_ids
+
+
 @pytest.mark.parametrize(("values", "on_loop"), [(3000, [False]), (3, [True])])
 def test_a_large_grpc_structured_output_is_checked_off_the_event_loop(served, monkeypatch, values, on_loop):
     """llguidance compiles a grammar in about 2 ms per KB: a schema over
