@@ -148,8 +148,12 @@ def _apply_logit_controls(logits: torch.Tensor, rows: Sequence[SamplingRow], con
     allowing = [i for i in controlled if rows[i].params.allowed_token_ids]
     if allowing:
         outside = torch.ones(len(allowing), vocab_size, dtype=torch.bool, device=logits.device)  # [m, vocab]
-        mask_rows, mask_cols = _row_entries([rows[i].params.allowed_token_ids for i in allowing], logits)
-        outside[mask_rows, mask_cols] = False
+        # Built by torch from each row's tuple, not id by id in Python: a row may allow 2**18 ids.
+        ids = [torch.tensor(rows[i].params.allowed_token_ids, dtype=torch.long) for i in allowing]  # [k_j] each
+        cols = torch.cat(ids)  # [sum k_j]
+        mask_rows = torch.repeat_interleave(torch.arange(len(allowing)), torch.tensor([len(row) for row in ids]))
+        kept = cols < vocab_size
+        outside[mask_rows[kept].to(logits.device), cols[kept].to(logits.device)] = False
         logits[allowing] = logits[allowing].masked_fill(outside, float("-inf"))
     ban_rows, ban_cols = _row_entries([_banned_now(rows[i]) for i in controlled], logits, controlled)
     logits[ban_rows, ban_cols] = float("-inf")
@@ -177,10 +181,9 @@ def _banned_now(row: SamplingRow) -> list[int]:
 
 
 def _row_entries(columns: Sequence[Sequence[int]], like: torch.Tensor,
-                 row_ids: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 row_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """(rows, columns) [total] int64 index tensors on like's device of each list's ids below like's
-    width (the vocabulary), the list at position j in row row_ids[j] (j itself when row_ids is None)."""
-    row_ids = range(len(columns)) if row_ids is None else row_ids
+    width (the vocabulary), the list at position j in row row_ids[j]."""
     pairs = [(row, t) for row, ids in zip(row_ids, columns) for t in ids if t < like.shape[1]]
     flat = torch.tensor(pairs, dtype=torch.long).reshape(-1, 2).to(like.device)  # [total, 2]
     return flat[:, 0], flat[:, 1]
