@@ -52,6 +52,7 @@ from splitserve.router.fanout import FanOut, IndexedChunk, best_of, by_choice, m
 from splitserve.router.orchestrator import Orchestrator
 from splitserve.router.reasoning_parsers import ReasoningFormat, ReasoningOutput
 from splitserve.router.request_body import BodyParser, MalformedBodyError, Parse
+from splitserve.router.request_limits import PromptTruncation
 from splitserve.router.responses_protocol import ResponsesRenderer, ResponsesRequest, parse_responses_request
 from splitserve.router.tls import TlsConfig, load_tls
 from splitserve.router.tokenizer_pool import TokenizerPool
@@ -290,12 +291,15 @@ class OpenAIServing:
         params = parsed.sampling
         if parsed.best_of > parsed.n and params.logprobs is None:  # best_of ranks by the sampled tokens' logprobs
             params = dataclasses.replace(params, logprobs=0)
-        request_id, inputs = self._inputs(prompts, params, parsed.max_tokens_param, "prompt", parsed.request_id,
-                                          parsed.best_of)
+        request_id, inputs = await self._inputs(prompts, params, parsed.max_tokens_param, "prompt",
+                                                parsed.request_id, parsed.best_of, parsed.truncation)
         echo = [self._prompt_text(p) for p in parsed.prompts] if parsed.echo else ()
         renderer = CompletionRenderer(self._header("cmpl", request_id), self._token_text(parsed.tokens_as_ids),
                                       parsed.include_usage, parsed.sampling.logprobs is not None, echo, parsed.n,
                                       _prompt_lengths(inputs) if parsed.continuous_usage else None)
+        if parsed.return_token_ids:  # choice i is one of prompt i // n's sequences: inputs i // n * best_of on
+            renderer.with_token_ids([inputs[i // parsed.n * parsed.best_of].prompt_token_ids
+                                     for i in range(len(prompts) * parsed.n)])
         return _Job(inputs, parsed.best_of, parsed.n, renderer, parsed.stream)
 
     async def _chat_job(self, parsed: ChatCompletionRequest) -> _Job:
@@ -305,6 +309,8 @@ class OpenAIServing:
                                 parsed.sampling.logprobs is not None,
                                 _prompt_lengths(chat.inputs) if parsed.continuous_usage else None, chat.tool_output,
                                 chat.reasoning_output)
+        if parsed.return_token_ids:
+            renderer.with_token_ids([chat.inputs[0].prompt_token_ids] * parsed.n)
         return _Job(chat.inputs, parsed.n, parsed.n, renderer, parsed.stream)
 
     async def _responses_job(self, parsed: ResponsesRequest) -> _Job:
@@ -327,8 +333,8 @@ class OpenAIServing:
             reasoning_output = self.reasoning.for_request(token_ids, parsed.template.template_kwargs,
                                                           parsed.include_reasoning)
             sampling = reasoning_output.sampling(sampling)
-        request_id, inputs = self._inputs([token_ids], sampling, parsed.max_tokens_param, prompt_param,
-                                          parsed.request_id, parsed.n)
+        request_id, inputs = await self._inputs([token_ids], sampling, parsed.max_tokens_param, prompt_param,
+                                                parsed.request_id, parsed.n, parsed.truncation)
         return _ChatInputs(request_id, inputs, tool_output, reasoning_output)
 
     def _prompt_text(self, prompt: str | tuple[int, ...]) -> str:
@@ -341,12 +347,16 @@ class OpenAIServing:
             raise ApiError(404, f"The model `{model}` does not exist; this server serves `{self.model_name}`.",
                            "model", "model_not_found")
 
-    def _inputs(self, prompts: list[tuple[int, ...]], params: SamplingParams, max_tokens_param: str | None,
-                prompt_param: str, request_id: str,
-                num_sequences: int) -> tuple[str, tuple[GenerationInput, ...]]:
-        """Check each prompt (`prompt_param`: the body field it came from; `[i]` names one of a
-        batch) and, when the client set max_tokens, that prompt + output fit the context; then
-        (the request's id, one input per sequence). `request_id`: the client's ("": new)."""
+    async def _inputs(self, prompts: list[tuple[int, ...]], params: SamplingParams, max_tokens_param: str | None,
+                      prompt_param: str, request_id: str, num_sequences: int,
+                      truncation: PromptTruncation | None = None) -> tuple[str, tuple[GenerationInput, ...]]:
+        """Cut each prompt as `truncation` says, check it (`prompt_param`: the body field it came
+        from; `[i]` names one of a batch) and, when the client set max_tokens, that prompt + output
+        fit the context; then (the request's id, one input per sequence). `request_id`: the
+        client's ("": new)."""
+        params = await self.tokenizers.tokenize_bad_words(params)
+        if truncation is not None:
+            prompts = [truncation.applied(tuple(p)) for p in prompts]
         for index, token_ids in enumerate(prompts):
             field = prompt_param if len(prompts) == 1 else f"{prompt_param}[{index}]"
             self.orchestrator.validate_prompt(token_ids, field)

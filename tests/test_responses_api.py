@@ -74,6 +74,12 @@ def parse(**fields):
 _NOT_STORED = "is not supported by this server: responses are not stored (send the whole conversation as input)"
 
 
+def test_logit_bias_and_include_stop_str_in_output_pass_to_the_chat_request():
+    """vLLM's Responses endpoint takes both (OpenAI's has neither): they mean what they mean on chat."""
+    sampling = parse(logit_bias={"7": -2.5}, include_stop_str_in_output=True).chat.sampling
+    assert (sampling.logit_bias, sampling.include_stop_str_in_output) == (((7, -2.5),), True)
+
+
 @pytest.mark.parametrize(("fields", "field", "message"), [
     ({"store": True}, "store", f"{_NOT_STORED}; send store false or leave it out (got true)"),
     ({"previous_response_id": "resp_1"}, "previous_response_id", f'{_NOT_STORED} (got "resp_1")'),
@@ -122,7 +128,9 @@ _NOT_STORED = "is not supported by this server: responses are not stored (send t
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format",
      'json_schema must be an object with a "schema", got {"name": "x"}'),
     ({"temperature": -1}, "temperature", "must be a finite number >= 0, got -1"),
-    ({"logit_bias": {"1": 2}}, "logit_bias", 'is not supported by this server: not implemented (got {"1": 2})'),
+    ({"logit_bias": {"x": 2}}, "logit_bias", "contains key(s) that cannot be converted to integer token IDs: ['x']"),
+    ({"logit_bias": {"512": 2}}, "logit_bias",
+     "token_id(s) [512] in logit_bias contain out-of-vocab token ids. Vocabulary size: 512"),
     ({"structured_outputs": {"regex": "a"}, "text": {"format": {"type": "json_object"}}}, "structured_outputs",
      "only one structured output field may be set, got response_format, structured_outputs"),
 ])
