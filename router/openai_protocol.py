@@ -555,6 +555,8 @@ class _Renderer(ABC):
         """Tokens streamed so far per choice (for continuous usage)."""
         self._prompt_ids_sent: set[int] = set()
         """return_token_ids: choices whose stream carried their prompt's token ids already."""
+        self.returns_output_ids = True
+        """return_token_ids returns the output's ids too (not where they would show hidden reasoning)."""
 
     def with_token_ids(self, prompt_token_ids: Sequence[Sequence[int]]) -> _Renderer:
         """This renderer, returning token ids (vLLM's return_token_ids): `prompt_token_ids` per choice."""
@@ -567,7 +569,7 @@ class _Renderer(ABC):
         once (every response; a stream's first chunk of the choice) where prompt_ids_in_choice says."""
         if self.prompt_token_ids is None:
             return {}
-        fields: dict[str, Any] = {"token_ids": list(token_ids)} if in_choice else {}
+        fields: dict[str, Any] = {"token_ids": list(token_ids)} if in_choice and self.returns_output_ids else {}
         if in_choice == self.prompt_ids_in_choice and index not in self._prompt_ids_sent:
             fields["prompt_token_ids"] = list(self.prompt_token_ids[index])
         return fields
@@ -707,10 +709,11 @@ class ChatRenderer(_Renderer):
         """`tool_output`: how each choice's content is split into content and tool calls (None: all
         content); `reasoning_output`: how each choice's text is split into reasoning and content first
         (None: no reasoning parser; the message then has no `reasoning` field). With reasoning hidden
-        (include_reasoning false) no logprobs are returned (they would show it), as in vLLM."""
-        super().__init__(header, token_text, include_usage,
-                         with_logprobs and (reasoning_output is None or reasoning_output.include_reasoning),
-                         prompt_tokens)
+        (include_reasoning false) no logprobs and no output token ids are returned (they would show
+        it), as in vLLM."""
+        shown = reasoning_output is None or reasoning_output.include_reasoning
+        super().__init__(header, token_text, include_usage, with_logprobs and shown, prompt_tokens)
+        self.returns_output_ids = shown
         self.token_bytes = token_bytes
         self.tool_output = tool_output
         self.reasoning_output = reasoning_output
@@ -731,7 +734,7 @@ class ChatRenderer(_Renderer):
         self._count_tokens(index, chunk)  # after the role chunk: it carries no tokens
         delta, logprobs = self._delta(index, chunk), self._logprobs(chunk.logprobs)
         finish_reason = self._finish_reason(index, chunk)
-        returns_ids = self.prompt_token_ids is not None and chunk.token_ids
+        returns_ids = self.prompt_token_ids is not None and self.returns_output_ids and chunk.token_ids
         # a tool call's held text sends nothing yet, unless its token ids are returned
         if delta or logprobs is not None or finish_reason is not None or returns_ids:
             chunks.append(self._chunk({"index": index, "delta": delta, "logprobs": logprobs,

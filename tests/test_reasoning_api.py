@@ -247,3 +247,21 @@ def test_without_a_reasoning_parser_the_output_is_never_split(served):
                                                     "reasoning is never cut short (no thinking budgets) (got 10)")
     response = client(served.plain_port).responses.create(**responses_body(reasoning={"effort": "low"}))
     assert [item.type for item in response.output] == ["message"]
+
+
+def test_hidden_reasoning_returns_no_output_token_ids(served):
+    """return_token_ids with include_reasoning false: the prompt's ids, not the output's (they would
+    show the reasoning), streamed or not, as vLLM suppresses them; with the reasoning shown, both."""
+    def body(include_reasoning: bool, stream: bool) -> bytes:
+        fields = request(return_token_ids=True, include_reasoning=include_reasoning, stream=stream)
+        status, _, raw = http_request(served.http_port, "POST", "/v1/chat/completions", json.dumps(fields).encode())
+        assert status == 200
+        return raw
+
+    hidden, shown = json.loads(body(False, False)), json.loads(body(True, False))
+    assert hidden["prompt_token_ids"] == shown["prompt_token_ids"] and "token_ids" not in hidden["choices"][0]
+    assert len(shown["choices"][0]["token_ids"]) == shown["usage"]["completion_tokens"]
+    events = [json.loads(line[6:]) for line in body(False, True).decode().splitlines()
+              if line.startswith("data: {")]
+    assert events[0]["prompt_token_ids"] == shown["prompt_token_ids"]
+    assert not any("token_ids" in choice for event in events for choice in event["choices"])
