@@ -327,6 +327,8 @@ class OpenAIServing:
                                                                                       self.tool_call_parser)
         messages = [m.template_message() for m in parsed.messages]
         token_ids = await self.tokenizers.apply_chat_template(messages, parsed.add_generation_prompt, parsed.template)
+        if parsed.truncation is not None:  # before the reasoning parser reads where the prompt ends
+            token_ids = parsed.truncation.applied(token_ids)
         sampling = parsed.sampling if tool_output is None else tool_output.sampling(parsed.sampling)
         reasoning_output = None
         if self.reasoning is not None:
@@ -334,7 +336,7 @@ class OpenAIServing:
                                                           parsed.include_reasoning)
             sampling = reasoning_output.sampling(sampling)
         request_id, inputs = await self._inputs([token_ids], sampling, parsed.max_tokens_param, prompt_param,
-                                                parsed.request_id, parsed.n, parsed.truncation)
+                                                parsed.request_id, parsed.n)
         return _ChatInputs(request_id, inputs, tool_output, reasoning_output)
 
     def _prompt_text(self, prompt: str | tuple[int, ...]) -> str:

@@ -265,3 +265,14 @@ def test_hidden_reasoning_returns_no_output_token_ids(served):
               if line.startswith("data: {")]
     assert events[0]["prompt_token_ids"] == shown["prompt_token_ids"]
     assert not any("token_ids" in choice for event in events for choice in event["choices"])
+
+
+def test_where_the_output_starts_is_read_off_the_prompt_as_truncated(served):
+    """truncate_prompt_tokens with truncation_side right keeps the rendered chat's first tokens: the
+    `</think>` a template closed the reasoning with (enable_thinking false) is cut off, so for
+    deepseek_r1 (which reads only the prompt) the output starts in the reasoning, as the engine sees it."""
+    extra = {"chat_template_kwargs": {"enable_thinking": False}, "truncate_prompt_tokens": 3,
+             "truncation_side": "right"}
+    raw = raw_output(served, extra_body=extra).message.content
+    message = client(served.deepseek_port).chat.completions.create(**request(), extra_body=extra).choices[0].message
+    assert (reasoning_of(message), message.content) == expected_split(raw)
