@@ -7,6 +7,8 @@ Workloads, each at batch 1, 8, 64 and 256 with vocab 32000; every row has a 512-
   sampled  every row temperature 1, top_k 50, top_p 0.9 (half seeded, half on the shared generator)
   mixed    rows in turn: greedy; greedy + repetition penalty 1.2; temperature 0.8 + top_p 0.9 +
            frequency 0.5 / presence 0.3 penalties + logprobs 5; temperature 1.2 + top_k 40 + min_p 0.05
+  controls rows in turn: greedy; greedy + a 300-entry logit_bias; temperature 1 + 2000 allowed_token_ids;
+           temperature 0.8 + top_p 0.9 + 100 bad words of 1-3 tokens (logit controls on 3 rows in 4)
 A timed call builds the rows as the engine's call site does (the old rows copied each output list,
 the new ones reference the request's token list) and samples. Calls of the two alternate in rounds
 (the machine's speed drifts); each measurement repeats the call for at least 20 ms; medians. The
@@ -50,6 +52,11 @@ WORKLOADS: dict[str, tuple[SamplingParams, ...]] = {
               SamplingParams(temperature=0.0, repetition_penalty=1.2),
               SamplingParams(temperature=0.8, top_p=0.9, frequency_penalty=0.5, presence_penalty=0.3, logprobs=5),
               SamplingParams(temperature=1.2, top_k=40, min_p=0.05)),
+    "controls": (SamplingParams(temperature=0.0),
+                 SamplingParams(temperature=0.0, logit_bias={t: (t % 7) - 3.0 for t in range(0, VOCAB_SIZE, 107)}),
+                 SamplingParams(temperature=1.0, allowed_token_ids=range(0, VOCAB_SIZE, 16)),
+                 SamplingParams(temperature=0.8, top_p=0.9,
+                                bad_words_token_ids=[tuple(range(t, t + 1 + t % 3)) for t in range(100, 20_000, 199)])),
 }
 """Row i of a batch gets WORKLOADS[name][i % len]."""
 

@@ -23,11 +23,14 @@ _PROMPT_CONTEXT_TOKENS = 5
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Decoder, prompt_token_ids: list[int], stop: tuple[str, ...],
-                 skip_special_tokens: bool) -> None:
+                 skip_special_tokens: bool, include_stop: bool = False) -> None:
+        """`include_stop` (include_stop_str_in_output): the text is cut after the stop string it ends
+        with instead of before it, and nothing is held back (streamed text never needs taking back)."""
         self._tokenizer = tokenizer
         self._skip_special = skip_special_tokens
         self._stop = stop
-        self._hold_back = max((len(s) for s in stop), default=1) - 1
+        self._include_stop = include_stop
+        self._hold_back = 0 if include_stop else max((len(s) for s in stop), default=1) - 1
         self._ids = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
@@ -35,7 +38,8 @@ class IncrementalDetokenizer:
         self._num_emitted = 0
 
     def append(self, token_id: int, find_stop: bool = True) -> str | None:
-        """Add a token; returns the stop string it completed, if any (text is cut before it).
+        """Add a token; returns the stop string it completed, if any (text is cut before it, or after
+        it with include_stop).
         With find_stop False (min_tokens not reached yet), stop strings are not looked for; one
         that straddles the point where they start to count is still found by the next token."""
         self._ids.append(token_id)
@@ -56,8 +60,9 @@ class IncrementalDetokenizer:
                 best = (index, stop)
         if best is None:
             return None
-        self.output_text = self.output_text[: best[0]]
-        return best[1]
+        index, stop = best
+        self.output_text = self.output_text[: index + len(stop) if self._include_stop else index]
+        return stop
 
     def take_delta(self, finished: bool) -> str:
         """Text not yet streamed; while unfinished, keeps back a possible stop-string prefix."""

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
 
 from splitserve.common.errors import InvalidRequestError
 from splitserve.common.structured_output import StructuredOutput
@@ -15,6 +16,16 @@ MAX_STOP_STRINGS = 64
 on its event loop (a million of them, which fit in one 16 MiB request, took 0.4 s per token)."""
 MAX_STOP_TOKEN_IDS = 1024
 """Most stop token ids per request: the engine checks every sampled token against them."""
+MAX_LOGIT_BIAS = 1024
+"""Most logit_bias entries per request: the sampler adds each one to the logits at every step."""
+LOGIT_BIAS_RANGE = 100.0
+"""A logit bias is in [-LOGIT_BIAS_RANGE, LOGIT_BIAS_RANGE] (OpenAI's range)."""
+MAX_ALLOWED_TOKEN_IDS = 1 << 18
+"""Most allowed_token_ids per request (above any served vocabulary): the sampler writes each into a
+mask row at every step."""
+MAX_BAD_WORDS = 128
+"""Most token sequences bad_words may tokenize to (vLLM's VLLM_MAX_NUM_BAD_WORDS default): each is
+matched against the tail of the output at every step."""
 
 
 def _require(ok: bool, field_name: str, message: str) -> None:
@@ -27,6 +38,39 @@ def _as_tuple(value: object, field_name: str) -> tuple:
         return tuple(value)
     except TypeError:
         raise InvalidRequestError(field_name, f"must be a list, got {value!r}") from None
+
+
+def _logit_bias_pairs(value: object) -> tuple[tuple[int, float], ...]:
+    """logit_bias as (token id, bias) pairs ascending by id, from a mapping (keys: ints, or strings
+    of ints as JSON sends them) or (id, bias) pairs; InvalidRequestError naming the keys that are no
+    integers (vLLM's message)."""
+    try:
+        items = [(key, bias) for key, bias in (value.items() if isinstance(value, Mapping) else value)]
+    except (TypeError, ValueError):
+        raise InvalidRequestError("logit_bias", f"must map token ids to biases, got {value!r}") from None
+    invalid = [key for key, _ in items if _token_id_key(key) is None]
+    _require(not invalid, "logit_bias", f"contains key(s) that cannot be converted to integer token IDs: "
+                                        f"{invalid[:5]!r}")
+    return tuple(sorted({_token_id_key(key): bias for key, bias in items}.items()))
+
+
+def _distinct_strings(values: tuple) -> tuple:
+    """values without repeats (first kept, as vLLM dedups bad_words) when all are strings; else as
+    they are, for validation to refuse."""
+    return tuple(dict.fromkeys(values)) if all(isinstance(v, str) for v in values) else values
+
+
+def _token_id_key(key: object) -> int | None:
+    """A logit_bias key as a token id: an int, or a string int() reads ("42", as JSON keys are; as
+    vLLM converts them). A string int() refuses ("+-5", more digits than Python converts) is none."""
+    if _is_int(key):
+        return key
+    if isinstance(key, str):
+        try:
+            return int(key)
+        except ValueError:
+            return None
+    return None
 
 
 def _is_int(value: object) -> bool:
@@ -83,11 +127,32 @@ class SamplingParams:
     structured_output: StructuredOutput | None = None
     """Constrain the output to a grammar (JSON schema, regex, choice, Lark): the engine masks every
     token the grammar cannot take and ends the request when the grammar is complete."""
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    """(token id, bias) pairs, ascending by id: each bias (in [-100, 100]) is added to its token's
+    logit before penalties and sampling (OpenAI's logit_bias). A mapping (JSON's string keys
+    included) is accepted and normalized; at most MAX_LOGIT_BIAS entries."""
+    allowed_token_ids: tuple[int, ...] | None = None
+    """If set (non-empty), only these token ids may be sampled (vLLM's allowed_token_ids)."""
+    bad_words: tuple[str, ...] = ()
+    """Words that may not be generated (vLLM's bad_words): see bad_words_token_ids."""
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+    """bad_words tokenized (with_bad_words_tokenized, by whoever holds the tokenizer: the router, the
+    offline LLM): the last token of each sequence is banned whenever the output ends with the
+    sequence's other tokens. The engine reads only this."""
+    include_stop_str_in_output: bool = False
+    """Keep the stop string that ended the output in its text (vLLM's include_stop_str_in_output)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else _as_tuple(self.stop, "stop"))
         object.__setattr__(self, "stop_token_ids", _as_tuple(self.stop_token_ids, "stop_token_ids"))
+        object.__setattr__(self, "logit_bias", _logit_bias_pairs(self.logit_bias))
+        if self.allowed_token_ids is not None:
+            object.__setattr__(self, "allowed_token_ids", _as_tuple(self.allowed_token_ids, "allowed_token_ids"))
+        object.__setattr__(self, "bad_words", _distinct_strings(_as_tuple(self.bad_words, "bad_words")))
+        object.__setattr__(self, "bad_words_token_ids", tuple(
+            _as_tuple(ids, "bad_words") for ids in _as_tuple(self.bad_words_token_ids, "bad_words")))
         self._validate_sampling()
+        self._validate_logit_controls()
         self._validate_stopping()
 
     def _validate_sampling(self) -> None:
@@ -107,6 +172,54 @@ class SamplingParams:
                  "logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
         _require(self.structured_output is None or isinstance(self.structured_output, StructuredOutput),
                  "structured_output", f"must be a StructuredOutput, got {type(self.structured_output).__name__}")
+
+    def _validate_logit_controls(self) -> None:
+        _require(len(self.logit_bias) <= MAX_LOGIT_BIAS, "logit_bias",
+                 f"must hold at most {MAX_LOGIT_BIAS} entries, got {len(self.logit_bias)}")
+        bad = [bias for _, bias in self.logit_bias if not (_is_real(bias) and abs(bias) <= LOGIT_BIAS_RANGE)]
+        _require(not bad, "logit_bias", f"biases must be numbers in [-{LOGIT_BIAS_RANGE:g}, {LOGIT_BIAS_RANGE:g}], "
+                                        f"got {bad[:5]!r}")
+        allowed = self.allowed_token_ids
+        _require(allowed is None or len(allowed) > 0, "allowed_token_ids", "must not be empty (leave it out to allow "
+                                                                           "every token)")
+        _require(allowed is None or len(allowed) <= MAX_ALLOWED_TOKEN_IDS, "allowed_token_ids",
+                 f"must hold at most {MAX_ALLOWED_TOKEN_IDS} ids, got {len(allowed or ())}")
+        _require(allowed is None or all(_is_int(t) for t in allowed), "allowed_token_ids", "must be integers")
+        _require(all(isinstance(w, str) and w for w in self.bad_words), "bad_words", "must be non-empty strings")
+        _require(len(self.bad_words_token_ids) <= MAX_BAD_WORDS, "bad_words",
+                 f"tokenize to {len(self.bad_words_token_ids)} token sequences; at most {MAX_BAD_WORDS}")
+        _require(all(ids and all(_is_int(t) for t in ids) for ids in self.bad_words_token_ids), "bad_words",
+                 "token sequences must be non-empty lists of integers")
+
+    def check_logit_control_vocabulary(self, vocab_size: int) -> None:
+        """InvalidRequestError (vLLM's message) for a logit_bias, allowed_token_ids or bad-word token id
+        outside [0, vocab_size): the router and the engine both check, so every API refuses the
+        same requests."""
+        named = {"logit_bias": [t for t, _ in self.logit_bias], "allowed_token_ids": self.allowed_token_ids or (),
+                 "bad_words": [t for ids in self.bad_words_token_ids for t in ids]}
+        for name, token_ids in named.items():
+            outside = [t for t in token_ids if not 0 <= t < vocab_size]
+            _require(not outside, name, f"token_id(s) {outside[:5]} in {name} contain out-of-vocab token ids. "
+                                        f"Vocabulary size: {vocab_size}")
+
+    @property
+    def has_logit_controls(self) -> bool:
+        """Whether the sampler changes this request's logits beyond penalties and filters."""
+        return bool(self.logit_bias or self.allowed_token_ids or self.bad_words_token_ids)
+
+    def with_bad_words_tokenized(self, encode: Callable[[str], list[int]]) -> SamplingParams:
+        """These params with bad_words_token_ids filled from bad_words by `encode` (text -> token ids,
+        no special tokens), as vLLM does: each word as is (left-stripped) and after a space (a word
+        in mid-text), the spaced form kept only when it is another token sequence of the same length."""
+        sequences: list[tuple[int, ...]] = []
+        for word in self.bad_words:
+            bare = tuple(encode(word.lstrip()))
+            _require(bool(bare), "bad_words", f"entries must tokenize to at least one token, got {word!r}")
+            sequences.append(bare)
+            spaced = tuple(encode(" " + word.lstrip()))
+            if spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
+                sequences.append(spaced)
+        return replace(self, bad_words_token_ids=tuple(sequences))
 
     def _validate_stopping(self) -> None:
         _require(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens",

@@ -86,8 +86,16 @@ class StructuredOutput:
     """What `spec` is."""
     spec: str = ""
     """The constraint's text, as described by its kind."""
+    starts_after_token: int | None = None
+    """The grammar applies to the output after the first time this token is generated (a reasoning
+    parser's end tag: vLLM constrains only the answer after the reasoning); until then the output is
+    free. None: it applies from the first output token."""
 
     def __post_init__(self) -> None:
+        if self.starts_after_token is not None and (not isinstance(self.starts_after_token, int)
+                                                    or self.starts_after_token < 0):
+            raise InvalidRequestError("structured_output", f"starts_after_token must be a token id, got "
+                                                           f"{self.starts_after_token!r}")
         if not isinstance(self.kind, StructuredOutputKind):
             raise InvalidRequestError("structured_output", f"unknown kind {self.kind!r}")
         if not isinstance(self.spec, str):
@@ -104,6 +112,10 @@ class StructuredOutput:
     @classmethod
     def choice(cls, choices: Any) -> StructuredOutput:
         return cls(StructuredOutputKind.CHOICE, json.dumps(choices, separators=(",", ":")))
+
+    def after_token(self, token_id: int) -> StructuredOutput:
+        """This constraint, applied to the output after `token_id` only."""
+        return StructuredOutput(self.kind, self.spec, token_id)
 
     def grammar(self) -> str:
         """The grammar engine's text for this constraint (llguidance's JSON grammar format)."""

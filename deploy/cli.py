@@ -33,6 +33,8 @@ def _add_make_tiny_model(commands: argparse._SubParsersAction) -> None:
 TOOL_CALL_PARSER_NAMES = ("hermes", "llama3_json")
 """router.tool_parsers.TOOL_CALL_PARSERS' names, spelled out so building the parser does not import the
 grammar engine (a test checks they agree)."""
+REASONING_PARSER_NAMES = ("deepseek_r1", "qwen3")
+"""router.reasoning_parsers.REASONING_PARSERS' names, spelled out likewise (a test checks they agree)."""
 TRAINING_PRESETS = ("draft", "main")
 """tiny_training.PRESETS' names, spelled out so building the parser does not import torch (a test checks)."""
 
@@ -370,6 +372,9 @@ def _add_frontend_flags(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSER_NAMES, default=None,
                        help="how the model writes tool calls: hermes (<tool_call>{...}</tool_call>: Hermes, Qwen) "
                             "or llama3_json (Llama 3.1+)")
+    group.add_argument("--reasoning-parser", choices=REASONING_PARSER_NAMES, default=None,
+                       help="split chat outputs' <think>...</think> block into a separate `reasoning` field: "
+                            "deepseek_r1 or qwen3")
     group.add_argument("--ssl-certfile", default=None, help="PEM certificate chain: serve HTTPS and gRPC over TLS")
     group.add_argument("--ssl-keyfile", default=None, help="PEM private key of --ssl-certfile")
     group.add_argument("--ssl-ca-certs", default=None,
@@ -457,7 +462,7 @@ _CLUSTER_FLAGS = {"mode": "mode", "prefill_workers": "prefill.replicas", "decode
                   "port": "router.http_port", "kv_transfer_backend": "kv_transfer_backend",
                   "log_format": "log_format", "chat_template": "router.chat_template",
                   "enable_auto_tool_choice": "router.enable_auto_tool_choice",
-                  "tool_call_parser": "router.tool_call_parser",
+                  "tool_call_parser": "router.tool_call_parser", "reasoning_parser": "router.reasoning_parser",
                   "ssl_certfile": "router.tls.cert_file", "ssl_keyfile": "router.tls.key_file",
                   "ssl_ca_certs": "router.tls.client_ca_file", "served_model_name": "served_model_name"}
 """serve flags -> the cluster config key they set."""

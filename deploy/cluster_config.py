@@ -24,6 +24,7 @@ from splitserve.common.log_format import LOG_FORMATS
 from splitserve.common.slo import SloConfig
 from splitserve.planner.core.types import PlannerConfig
 from splitserve.router.policy import RoutingConfig
+from splitserve.router.reasoning_parsers import REASONING_PARSERS
 from splitserve.router.tls import TlsConfig
 from splitserve.router.tool_parsers import TOOL_CALL_PARSERS
 from splitserve.router.worker_link import WorkerLinkConfig
@@ -179,6 +180,10 @@ class RouterConfig:
     tool_call_parser: str | None = None
     """How the model writes tool calls (vLLM's --tool-call-parser): `hermes` (<tool_call>{...}</tool_call>:
     Hermes 2 Pro, Qwen 2.5 / 3) or `llama3_json` (Llama 3.1+ JSON calls)."""
+    reasoning_parser: str | None = None
+    """Split a chat's output into its reasoning (a `<think>...</think>` block) and its content (vLLM's
+    --reasoning-parser): `deepseek_r1` or `qwen3`; the model's tokenizer must have both tags as tokens.
+    None: the output is all content."""
     replicas: int = 1
     """Router processes sharing the workers, each with its own prefix index, admission slots and
     event loop. 1: the router runs in the `splitserve serve` process. More: each is a Ray actor
@@ -221,6 +226,8 @@ class RouterConfig:
                  f"must be >= 1 or null, got {self.max_prompt_bytes}")
         _require(self.tool_call_parser is None or self.tool_call_parser in TOOL_CALL_PARSERS, "tool_call_parser",
                  f"must be one of {', '.join(TOOL_CALL_PARSERS)} or null, got {self.tool_call_parser!r}")
+        _require(self.reasoning_parser is None or self.reasoning_parser in REASONING_PARSERS, "reasoning_parser",
+                 f"must be one of {', '.join(REASONING_PARSERS)} or null, got {self.reasoning_parser!r}")
         _require(not self.enable_auto_tool_choice or self.tool_call_parser is not None, "enable_auto_tool_choice",
                  "needs tool_call_parser (how the model writes its calls)")
         _require(self.tokenizer_threads >= 1, "tokenizer_threads", f"must be >= 1, got {self.tokenizer_threads}")

@@ -111,7 +111,7 @@ async def start_servers(orchestrator: Orchestrator, tokenizer: RouterTokenizer, 
                                            config.request_timeout_s,
                                            metrics.asgi_app() if metrics is not None else None, api_key, config.tls,
                                            aliases, reuse_port, config.cors_allowed_origins,
-                                           config.auto_tool_call_parser)
+                                           config.auto_tool_call_parser, config.reasoning_parser)
     except BaseException:
         if grpc is not None:
             await grpc.stop(0)

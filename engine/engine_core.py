@@ -195,6 +195,10 @@ class EngineCore:
         bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
         if bad:
             raise InvalidRequestError("prompt_token_ids", f"out of vocabulary [0, {self.vocab_size}): {bad[:5]}")
+        params.check_logit_control_vocabulary(self.vocab_size)
+        if params.bad_words and not params.bad_words_token_ids:
+            raise InvalidRequestError("bad_words", "must be tokenized before the request reaches the engine "
+                                                   "(SamplingParams.with_bad_words_tokenized)")
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop", "stop strings need an engine with a tokenizer")
         if params.structured_output is not None:
@@ -326,7 +330,8 @@ class EngineCore:
             self._generators[request_id] = torch.Generator(self.device).manual_seed(params.seed)
         if self.tokenizer is not None:
             self._detokenizers[request_id] = IncrementalDetokenizer(
-                self.tokenizer, request.prompt_token_ids, params.stop, params.skip_special_tokens)
+                self.tokenizer, request.prompt_token_ids, params.stop, params.skip_special_tokens,
+                params.include_stop_str_in_output)
             for token_id in output_token_ids:
                 self._detokenizers[request_id].append(token_id)
         return request
@@ -443,8 +448,10 @@ class EngineCore:
         """The row that samples the token after the request's tokens and then `drafts` (speculation)."""
         generator = self._generators.get(request.request_id, self._shared_generator)
         params = request.sampling_params
-        penalized = params.repetition_penalty != 1.0 or params.frequency_penalty or params.presence_penalty
-        token_ids = request.all_token_ids + list(drafts) if drafts and penalized else request.all_token_ids
+        # Penalties and bad words read the tokens before the one sampled: drafts included.
+        reads_tokens = (params.repetition_penalty != 1.0 or params.frequency_penalty or params.presence_penalty
+                        or params.bad_words_token_ids)
+        token_ids = request.all_token_ids + list(drafts) if drafts and reads_tokens else request.all_token_ids
         return SamplingRow(params, token_ids, request.num_prompt_tokens, generator,
                            self._banned_token_ids(request, len(drafts)))
 

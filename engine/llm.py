@@ -68,7 +68,7 @@ class LLM:
         Every prompt is validated before any is queued, so a bad one leaves nothing allocated.
         """
         prompt_list = [prompts] if isinstance(prompts, str) or _is_token_list(prompts) else list(prompts)
-        params = _broadcast_params(sampling_params, len(prompt_list))
+        params = [self._tokenized(sp) for sp in _broadcast_params(sampling_params, len(prompt_list))]
         requests = [(self._next_id(), p, self._encode(p), sp) for p, sp in zip(prompt_list, params)]
         for request_id, _, token_ids, sp in requests:
             self.engine.validate(request_id, token_ids, sp)
@@ -96,7 +96,7 @@ class LLM:
         may be open at once: each step serves all their requests, and each gets its own deltas.
         Closing the stream early aborts its request."""
         request_id, token_ids = self._next_id(), self._encode(prompt)
-        self.engine.add_request(request_id, token_ids, sampling_params or SamplingParams())
+        self.engine.add_request(request_id, token_ids, self._tokenized(sampling_params or SamplingParams()))
         try:
             yield from self._deltas({request_id})
         finally:
@@ -139,6 +139,12 @@ class LLM:
             self._kept.pop(request_id, None)
             if self.engine.abort_request(request_id):
                 self._abandoned.add(request_id)
+
+    def _tokenized(self, params: SamplingParams) -> SamplingParams:
+        """params with its bad_words tokenized by the model's tokenizer (as the router does)."""
+        if not params.bad_words or params.bad_words_token_ids:
+            return params
+        return params.with_bad_words_tokenized(lambda text: self.tokenizer.encode(text, add_special_tokens=False))
 
     def _encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):

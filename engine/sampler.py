@@ -1,6 +1,9 @@
-"""Token sampling, batched: penalties, greedy, temperature / top-k / top-p / min-p, seeded draws, logprobs.
+"""Token sampling, batched: logit controls, penalties, greedy, temperature / top-k / top-p / min-p, seeded
+draws, logprobs.
 
-Order of logit processing, per row:
+Order of logit processing, per row (vLLM's order):
+  0. logit controls: tokens outside allowed_token_ids, banned tokens (min_tokens) and the last token of
+     each bad word whose other tokens end the output at -inf, then logit_bias added
   1. repetition penalty over prompt + output tokens (positive logits divided, negative multiplied)
   2. frequency and presence penalties over output tokens (subtracted)
   3. greedy rows take the argmax here
@@ -83,7 +86,7 @@ class Sampler:
 def _is_plain_greedy(row: SamplingRow) -> bool:
     params = row.params
     return params.is_greedy and params.repetition_penalty == 1.0 and not (
-        params.frequency_penalty or params.presence_penalty or row.banned_token_ids)
+        params.frequency_penalty or params.presence_penalty or row.banned_token_ids or params.has_logit_controls)
 
 
 def _penalized_or_sampled(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
@@ -119,22 +122,71 @@ def _column(values: Sequence[float], like: torch.Tensor) -> torch.Tensor:
 # ---- penalties ---------------------------------------------------------------------------------
 
 def penalized(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-    """logits [n, vocab] with each row's banned tokens at -inf, then its repetition, frequency and
-    presence penalties: a new tensor when any row has one, else logits itself."""
+    """logits [n, vocab] after each row's logit controls (allowed_token_ids, banned tokens, bad words,
+    logit_bias), then its repetition, frequency and presence penalties: a new tensor when any row
+    has one, else logits itself."""
     repeated = [i for i, row in enumerate(rows) if row.params.repetition_penalty != 1.0]
     counted = [i for i, row in enumerate(rows) if (row.params.frequency_penalty or row.params.presence_penalty)
                and len(row.all_token_ids) > row.num_prompt_tokens]
-    banned = [i for i, row in enumerate(rows) if row.banned_token_ids]
-    if not (repeated or counted or banned):
+    controlled = [i for i, row in enumerate(rows) if row.banned_token_ids or row.params.has_logit_controls]
+    if not (repeated or counted or controlled):
         return logits
     logits = logits.clone()
-    for i in banned:
-        logits[i, [t for t in rows[i].banned_token_ids if t < logits.shape[1]]] = float("-inf")
+    if controlled:
+        _apply_logit_controls(logits, rows, controlled)
     if repeated:
         logits[repeated] = _repetition_penalized(logits[repeated], [rows[i] for i in repeated])
     if counted:
         logits[counted] = _frequency_presence_penalized(logits[counted], [rows[i] for i in counted])
     return logits
+
+
+def _apply_logit_controls(logits: torch.Tensor, rows: Sequence[SamplingRow], controlled: list[int]) -> None:
+    """Each controlled row's allowed-token mask, bans and bias, in place on logits [n, vocab]: one
+    masked_fill, one -inf scatter and one add over index lists built from those rows only."""
+    vocab_size = logits.shape[1]
+    allowing = [i for i in controlled if rows[i].params.allowed_token_ids]
+    if allowing:
+        outside = torch.ones(len(allowing), vocab_size, dtype=torch.bool, device=logits.device)  # [m, vocab]
+        # Built by torch from each row's tuple, not id by id in Python: a row may allow 2**18 ids.
+        ids = [torch.tensor(rows[i].params.allowed_token_ids, dtype=torch.long) for i in allowing]  # [k_j] each
+        cols = torch.cat(ids)  # [sum k_j]
+        mask_rows = torch.repeat_interleave(torch.arange(len(allowing)), torch.tensor([len(row) for row in ids]))
+        kept = cols < vocab_size
+        outside[mask_rows[kept].to(logits.device), cols[kept].to(logits.device)] = False
+        logits[allowing] = logits[allowing].masked_fill(outside, float("-inf"))
+    ban_rows, ban_cols = _row_entries([_banned_now(rows[i]) for i in controlled], logits, controlled)
+    logits[ban_rows, ban_cols] = float("-inf")
+    biased = [i for i in controlled if rows[i].params.logit_bias]
+    if biased:
+        pairs = [rows[i].params.logit_bias for i in biased]
+        bias_rows, bias_cols = _row_entries([[t for t, _ in row] for row in pairs], logits, biased)
+        values = [bias for row in pairs for t, bias in row if t < vocab_size]
+        # Token ids are distinct within a row (a mapping's keys): each logit gets at most one bias.
+        logits.index_put_((bias_rows, bias_cols), torch.tensor(values, dtype=logits.dtype, device=logits.device),
+                          accumulate=True)
+
+
+def _banned_now(row: SamplingRow) -> list[int]:
+    """Token ids the row may not sample next: its banned tokens, and the last token of each bad word
+    whose other tokens (none for a one-token word) end its output."""
+    tokens = row.all_token_ids
+    num_output = len(tokens) - row.num_prompt_tokens
+    banned = list(row.banned_token_ids)
+    for sequence in row.params.bad_words_token_ids:
+        prefix = len(sequence) - 1
+        if prefix <= num_output and list(sequence[:prefix]) == tokens[len(tokens) - prefix:]:
+            banned.append(sequence[-1])
+    return banned
+
+
+def _row_entries(columns: Sequence[Sequence[int]], like: torch.Tensor,
+                 row_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows, columns) [total] int64 index tensors on like's device of each list's ids below like's
+    width (the vocabulary), the list at position j in row row_ids[j]."""
+    pairs = [(row, t) for row, ids in zip(row_ids, columns) for t in ids if t < like.shape[1]]
+    flat = torch.tensor(pairs, dtype=torch.long).reshape(-1, 2).to(like.device)  # [total, 2]
+    return flat[:, 0], flat[:, 1]
 
 
 def _repetition_penalized(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:

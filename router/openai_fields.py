@@ -21,7 +21,8 @@ COMMON_HANDLED = frozenset({
     "model", "frequency_penalty", "presence_penalty", "logprobs", "max_tokens", "n", "seed", "stop", "stream",
     "stream_options", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "stop_token_ids",
     "ignore_eos", "min_tokens", "skip_special_tokens", "add_special_tokens", "return_tokens_as_token_ids",
-    "request_id",
+    "request_id", "logit_bias", "allowed_token_ids", "bad_words", "include_stop_str_in_output", "return_token_ids",
+    "truncate_prompt_tokens", "truncation_side",
     # No effect on the output, by definition: an end-user id for abuse monitoring and a session
     # id that only steers routing (vLLM ignores both too); render-endpoint options that vLLM
     # itself ignores on the generation endpoints.
@@ -34,7 +35,9 @@ COMPLETION_HANDLED = COMMON_HANDLED | {"prompt", "best_of", "echo"}
 CHAT_HANDLED = COMMON_HANDLED | {"messages", "top_logprobs", "max_completion_tokens", "add_generation_prompt",
                                  "continue_final_message", "chat_template_kwargs", "documents",
                                  # tool calling (router/tool_calling.py)
-                                 "tools", "tool_choice", "parallel_tool_calls"}
+                                 "tools", "tool_choice", "parallel_tool_calls",
+                                 # reasoning (router/reasoning_parsers.py)
+                                 "include_reasoning", "reasoning_effort"}
 
 
 @dataclass(frozen=True)
@@ -71,18 +74,12 @@ COMMON_REFUSED = (
     Refused("structural_tag", (), "structural tags are not implemented"),
     Refused("use_beam_search", _OFF, _NO_BEAM_SEARCH),
     Refused("length_penalty", (1.0, 1), "it only applies to beam search, which is not implemented"),
-    Refused("logit_bias", _EMPTY, _NOT_IMPLEMENTED),
-    Refused("allowed_token_ids", (), _NOT_IMPLEMENTED),
-    Refused("bad_words", ([],), _NOT_IMPLEMENTED),
     Refused("logprob_token_ids", (), _NOT_IMPLEMENTED),
     Refused("prompt_logprobs", (), _NOT_IMPLEMENTED),
-    Refused("include_stop_str_in_output", _OFF, _NOT_IMPLEMENTED),
     Refused("spaces_between_special_tokens", (True,), _NOT_IMPLEMENTED),
-    Refused("truncate_prompt_tokens", (), _NOT_IMPLEMENTED),
-    Refused("truncation_side", (), _NOT_IMPLEMENTED),
     Refused("watermarking", _OFF, _NOT_IMPLEMENTED),
     Refused("repetition_detection", (), _NOT_IMPLEMENTED),
-    Refused("thinking_token_budget", (-1,), "no reasoning parser"),
+    Refused("thinking_token_budget", (-1,), "reasoning is never cut short (no thinking budgets)"),
     Refused("priority", (0,), "no priority scheduling"),
     Refused("cache_salt", (), "the prefix cache is not salted per request"),
     Refused("kv_transfer_params", _EMPTY, "KV transfer is the cluster's own"),
@@ -90,7 +87,6 @@ COMMON_REFUSED = (
     Refused("vllm_xargs", _EMPTY, "no custom extensions"),
     Refused("logits_processors", ([],), "no custom extensions"),
     Refused("stream_interval", (1,), "every engine step's tokens are streamed at once"),
-    Refused("return_token_ids", _OFF, _NOT_IMPLEMENTED),
     Refused("routed_experts_prompt_start", (0,), "no mixture-of-experts models"),
     Refused("prompt_embeds", (), _TEXT_ONLY),
     Refused("mm_processor_kwargs", _EMPTY, _TEXT_ONLY),
@@ -105,8 +101,6 @@ CHAT_REFUSED = (
     Refused("echo", _OFF, "a chat's echo (the last message repeated) is not implemented"),
     Refused("functions", ([],), _FUNCTIONS),
     Refused("function_call", ("none", "auto"), _FUNCTIONS),
-    Refused("reasoning_effort", (), "no reasoning parser"),
-    Refused("include_reasoning", (True,), "no reasoning parser: the output is never split"),
     Refused("chat_template", (), "a request may not bring its own template (start the server with "
                                  "--chat-template)"),
     Refused("return_prompt_text", _OFF, _NOT_IMPLEMENTED),

@@ -12,17 +12,18 @@ from __future__ import annotations
 import dataclasses
 import json
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from splitserve.common.errors import InvalidRequestError
+from splitserve.common.errors import InvalidRequestError, json_excerpt
 from splitserve.common.sampling_params import MAX_LOGPROBS, SamplingParams
 from splitserve.common.structured_output import StructuredOutput
 from splitserve.common.token_logprobs import TokenLogprobs
 from splitserve.router.api_types import StreamChunk, Usage
 from splitserve.router.openai_fields import CHAT_REFUSED, COMPLETION_REFUSED, Refused, refuse_unsupported
-from splitserve.router.request_limits import MAX_SEQUENCES, RequestLimits, utf8_length
+from splitserve.router.reasoning_parsers import ReasoningOutput, ReasoningParser, parse_reasoning
+from splitserve.router.request_limits import MAX_SEQUENCES, PromptTruncation, RequestLimits, utf8_length
 from splitserve.router.structured_output import parse_structured_output
 from splitserve.router.tokenizer import ChatTemplateOptions
 from splitserve.router.tool_calling import (HistoryToolCall, ToolCalling, parse_history_tool_calls,
@@ -36,7 +37,11 @@ MIN_LOGPROB = -9999.0
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                     "repetition_penalty", "seed", "stop_token_ids", "min_tokens")
 """Request fields passed to SamplingParams under the same name, validated there."""
-_BOOL_SAMPLING_FIELDS = ("ignore_eos", "skip_special_tokens")
+_BOOL_SAMPLING_FIELDS = ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output")
+_LOGIT_CONTROL_FIELDS = {"logit_bias": (dict, "an object mapping token ids to biases"),
+                         "allowed_token_ids": (list, "a list of token ids"), "bad_words": (list, "a list of strings")}
+"""Request fields passed to SamplingParams under the same name after a JSON type check (their
+values are validated there and by RequestLimits)."""
 
 
 @dataclass(frozen=True)
@@ -50,10 +55,16 @@ class ChatMessage:
     """A tool message's: the call whose result it holds."""
     name: str | None = None
     """The message's author or tool name (any role), for templates that render it."""
+    reasoning: str | None = None
+    """An assistant message's reasoning (`reasoning`, or the older `reasoning_content`), sent back by
+    a client for templates that render earlier reasoning (interleaved thinking)."""
 
     def template_message(self) -> dict[str, Any]:
-        """The message as the chat template sees it (vLLM's keys; absent ones left out)."""
+        """The message as the chat template sees it (vLLM's keys; absent ones left out): the reasoning
+        under both names, as vLLM hands it to templates."""
         message: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.reasoning is not None:
+            message["reasoning"] = message["reasoning_content"] = self.reasoning
         if self.tool_calls:
             message["tool_calls"] = [call.template_value() for call in self.tool_calls]
         if self.tool_call_id is not None:
@@ -62,10 +73,12 @@ class ChatMessage:
             message["name"] = self.name
         return message
 
-    def tool_call_bytes(self) -> int:
-        """UTF-8 bytes the tool calls add to the rendered chat (their names and arguments as JSON)."""
-        return sum(utf8_length(call.name) + utf8_length(json.dumps(call.arguments, ensure_ascii=False))
-                   for call in self.tool_calls)
+    def extra_bytes(self) -> int:
+        """UTF-8 bytes the tool calls (their names and arguments as JSON) and the reasoning add to the
+        rendered chat."""
+        return utf8_length(self.reasoning or "") + sum(
+            utf8_length(call.name) + utf8_length(json.dumps(call.arguments, ensure_ascii=False))
+            for call in self.tool_calls)
 
 
 @dataclass(frozen=True)
@@ -97,6 +110,10 @@ class CompletionRequest:
     """The client's id for the request (vLLM extension; "" : the router makes one)."""
     add_special_tokens: bool
     """Add the tokenizer's special tokens (a BOS) to a text prompt (vLLM extension, default true)."""
+    return_token_ids: bool = False
+    """Each choice also carries its prompt's and its output's token ids (vLLM extension)."""
+    truncation: PromptTruncation | None = None
+    """Each prompt cut to its last or first N tokens (vLLM extension); None: prompts are kept whole."""
 
 
 @dataclass(frozen=True)
@@ -121,6 +138,13 @@ class ChatCompletionRequest:
     and the tools the template renders."""
     tool_calling: ToolCalling | None = None
     """The request's tools and tool_choice; None: it sent no tools."""
+    include_reasoning: bool = True
+    """With a reasoning parser, return the reasoning (vLLM's include_reasoning); without one there is
+    none to return either way."""
+    return_token_ids: bool = False
+    """The response carries the prompt's token ids and each choice its output's (vLLM extension)."""
+    truncation: PromptTruncation | None = None
+    """The rendered chat cut to its last or first N tokens (vLLM extension); None: kept whole."""
 
 
 # ---- parsing --------------------------------------------------------------------------------
@@ -195,6 +219,10 @@ def _sampling(body: Mapping[str, Any], max_tokens: int, max_tokens_param: str | 
         value = _typed(body, name, bool, "a boolean")
         if value is not None:
             given[name] = value
+    for name, (kind, what) in _LOGIT_CONTROL_FIELDS.items():
+        value = _typed(body, name, kind, what)
+        if value is not None:
+            given[name] = value
     params = SamplingParams(stop=_stop(body), max_tokens=max_tokens, logprobs=logprobs,
                             structured_output=parse_structured_output(body) if constraint is None else constraint,
                             **given)
@@ -206,27 +234,29 @@ def _model(body: Mapping[str, Any]) -> str | None:
     return _typed(body, "model", str, "a string")
 
 
-def _prompt(prompt: Any, limits: RequestLimits, field: str) -> str | tuple[int, ...]:
-    """One prompt: a string or a non-empty list of token ids; its size is checked before its ids are."""
+def _prompt(prompt: Any, limits: RequestLimits, field: str, truncated: bool) -> str | tuple[int, ...]:
+    """One prompt: a string or a non-empty list of token ids; its size is checked before its ids are
+    (a token-id prompt that will be `truncated` may be longer than the context: the body's size bounds it)."""
     if isinstance(prompt, str):
         limits.check_prompt_bytes(utf8_length(prompt), field)
         return prompt
-    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], (str, list)):  # token ids
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], (str, list)) and not truncated:  # token ids
         limits.check_prompt_token_count(len(prompt), field)
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         return tuple(prompt)
     raise InvalidRequestError(field, "must be a string or a non-empty list of token ids")
 
 
-def _prompts(body: Mapping[str, Any], limits: RequestLimits, best_of: int) -> tuple[str | tuple[int, ...], ...]:
+def _prompts(body: Mapping[str, Any], limits: RequestLimits, best_of: int,
+             truncated: bool) -> tuple[str | tuple[int, ...], ...]:
     """A prompt, or a batch: a list of strings or of token-id lists (vLLM's batched prompts)."""
     prompt = body.get("prompt")
     if not (isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt)):
-        return (_prompt(prompt, limits, "prompt"),)
+        return (_prompt(prompt, limits, "prompt", truncated),)
     if len(prompt) * best_of > MAX_SEQUENCES:
         raise InvalidRequestError("prompt", f"{len(prompt)} prompts x {best_of} sequences each exceed "
                                             f"{MAX_SEQUENCES} sequences per request")
-    return tuple(_prompt(p, limits, f"prompt[{i}]") for i, p in enumerate(prompt))
+    return tuple(_prompt(p, limits, f"prompt[{i}]", truncated) for i, p in enumerate(prompt))
 
 
 def _best_of(body: Mapping[str, Any], n: int, stream: bool) -> int:
@@ -262,10 +292,22 @@ def parse_completion_request(body: Mapping[str, Any], limits: RequestLimits) -> 
     best_of = _best_of(body, n, stream)
     echo = _echo(body, logprobs)
     sampling = _sampling(body, max_tokens, max_tokens_param, logprobs, limits)
-    return CompletionRequest(_model(body), _prompts(body, limits, best_of), n, best_of, echo, sampling,
-                             max_tokens_param, stream, include_usage, continuous_usage,
+    truncation = _truncation(body, limits)
+    return CompletionRequest(_model(body), _prompts(body, limits, best_of, truncation is not None), n, best_of, echo,
+                             sampling, max_tokens_param, stream, include_usage, continuous_usage,
                              _typed(body, "return_tokens_as_token_ids", bool, "a boolean", False),
-                             _request_id(body, limits), _typed(body, "add_special_tokens", bool, "a boolean", True))
+                             _request_id(body, limits), _typed(body, "add_special_tokens", bool, "a boolean", True),
+                             _return_token_ids(body), truncation)
+
+
+def _return_token_ids(body: Mapping[str, Any]) -> bool:
+    return bool(_typed(body, "return_token_ids", bool, "a boolean", False))
+
+
+def _truncation(body: Mapping[str, Any], limits: RequestLimits) -> PromptTruncation | None:
+    """truncate_prompt_tokens and truncation_side (RequestLimits.prompt_truncation)."""
+    return limits.prompt_truncation(_typed(body, "truncate_prompt_tokens", int, "an integer >= -1"),
+                                    _typed(body, "truncation_side", str, "'left' or 'right'"))
 
 
 TEXT_PART_KEYS = {"text": "text", "refusal": "refusal"}
@@ -300,13 +342,14 @@ def _messages(body: Mapping[str, Any], limits: RequestLimits) -> tuple[ChatMessa
     limits.check_message_count(len(messages))
     parsed = tuple(_message(message, f"messages[{index}]") for index, message in enumerate(messages))
     limits.check_chat(parsed)
-    if any(message.tool_calls for message in parsed):
-        limits.check_prompt_bytes(sum(utf8_length(m.content) + m.tool_call_bytes() for m in parsed), "messages")
+    if any(message.tool_calls or message.reasoning for message in parsed):
+        limits.check_prompt_bytes(sum(utf8_length(m.content) + m.extra_bytes() for m in parsed), "messages")
     return parsed
 
 
 def _message(message: Any, field: str) -> ChatMessage:
-    """One message; as in vLLM, only an assistant's tool_calls and a tool message's tool_call_id are read."""
+    """One message; as in vLLM, only an assistant's tool_calls and reasoning and a tool message's
+    tool_call_id are read."""
     if not isinstance(message, dict) or not isinstance(message.get("role"), str):
         raise InvalidRequestError(field, f"must be an object with a string role, got {message!r}")
     role = message["role"]
@@ -314,7 +357,14 @@ def _message(message: Any, field: str) -> ChatMessage:
     call_id = None if role != "tool" else _typed(message, "tool_call_id", str, "a string",
                                                  field=f"{field}.tool_call_id")
     return ChatMessage(role, _content(message.get("content"), f"{field}.content"), calls, call_id,
-                       _typed(message, "name", str, "a string", field=f"{field}.name"))
+                       _typed(message, "name", str, "a string", field=f"{field}.name"),
+                       _history_reasoning(message, field) if role == "assistant" else None)
+
+
+def _history_reasoning(message: Mapping[str, Any], field: str) -> str | None:
+    """`reasoning`, else the older `reasoning_content` (vLLM reads the latter as the former)."""
+    name = "reasoning" if message.get("reasoning") is not None else "reasoning_content"
+    return _typed(message, name, str, "a string", field=f"{field}.{name}")
 
 
 def _chat_logprobs(body: Mapping[str, Any]) -> int | None:
@@ -349,13 +399,30 @@ def parse_chat_template_options(body: Mapping[str, Any], add_generation_prompt: 
                                _typed(body, "add_special_tokens", bool, "a boolean", False))
 
 
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+"""vLLM's reasoning_effort values."""
+
+
+def _with_reasoning_effort(body: Mapping[str, Any], template: ChatTemplateOptions) -> ChatTemplateOptions:
+    """vLLM's reasoning_effort: the template variable of that name, and enable_thinking (false for
+    "none") unless chat_template_kwargs sets it (templates that declare neither ignore both)."""
+    effort = body.get("reasoning_effort")
+    if effort is None:
+        return template
+    if effort not in REASONING_EFFORTS:
+        raise InvalidRequestError("reasoning_effort", f"must be one of {', '.join(REASONING_EFFORTS)}, got "
+                                                      f"{json_excerpt(effort)}")
+    kwargs = {"reasoning_effort": effort, "enable_thinking": effort != "none", **template.template_kwargs}
+    return dataclasses.replace(template, template_kwargs=kwargs)
+
+
 def parse_chat_request(body: Mapping[str, Any], limits: RequestLimits) -> ChatCompletionRequest:
     """The default max_tokens is max_model_len: generation may then run to the end of the context
     (the engine ends it there with finish_reason "length"), as in vLLM."""
     refuse_unsupported(body, CHAT_REFUSED)
     messages = _messages(body, limits)
     add_generation_prompt = _typed(body, "add_generation_prompt", bool, "a boolean", True)
-    template = parse_chat_template_options(body, add_generation_prompt)
+    template = _with_reasoning_effort(body, parse_chat_template_options(body, add_generation_prompt))
     tool_calling = parse_tool_calling(body, limits)
     if tool_calling is not None:
         template = dataclasses.replace(template, tools=tool_calling.template_tools())
@@ -366,7 +433,8 @@ def parse_chat_request(body: Mapping[str, Any], limits: RequestLimits) -> ChatCo
     return ChatCompletionRequest(
         _model(body), messages, _count(body, "n", 1), add_generation_prompt, sampling, max_tokens_param, stream,
         include_usage, continuous_usage, _typed(body, "return_tokens_as_token_ids", bool, "a boolean", False),
-        _request_id(body, limits), template, tool_calling)
+        _request_id(body, limits), template, tool_calling, _typed(body, "include_reasoning", bool, "a boolean", True),
+        _return_token_ids(body), _truncation(body, limits))
 
 
 @dataclass(frozen=True)
@@ -464,10 +532,15 @@ class _Renderer(ABC):
     """Turns one request's StreamChunks into OpenAI JSON, each choice under its `index`;
     `token_text` names a token id in logprobs (its decoded text, or "token_id:<id>"), which are
     reported when `with_logprobs`. With `prompt_tokens` (each choice's prompt length), every stream
-    chunk carries its choice's usage so far (vLLM's stream_options.continuous_usage_stats)."""
+    chunk carries its choice's usage so far (vLLM's stream_options.continuous_usage_stats). With
+    `prompt_token_ids` (each choice's prompt, for vLLM's return_token_ids), every choice carries its
+    output's `token_ids` (a stream chunk: its new ones) and the response its `prompt_token_ids`
+    (a stream: the first chunk of each choice), where vLLM puts them (prompt_ids_in_choice)."""
 
     object_name = ""
     chunk_object_name = ""
+    prompt_ids_in_choice = True
+    """return_token_ids: a choice holds its prompt_token_ids (completions), or the response does (chat)."""
 
     def __init__(self, header: ResponseHeader, token_text: Callable[[int], str], include_usage: bool,
                  with_logprobs: bool, prompt_tokens: Sequence[int] | None = None) -> None:
@@ -476,8 +549,34 @@ class _Renderer(ABC):
         self.include_usage = include_usage
         self.with_logprobs = with_logprobs
         self.prompt_tokens = None if prompt_tokens is None else tuple(prompt_tokens)
+        self.prompt_token_ids: tuple[Sequence[int], ...] | None = None
+        """return_token_ids: each choice's prompt token ids (set by with_token_ids); None: not returned."""
         self._completion_tokens: dict[int, int] = {}
         """Tokens streamed so far per choice (for continuous usage)."""
+        self._prompt_ids_sent: set[int] = set()
+        """return_token_ids: choices whose stream carried their prompt's token ids already."""
+        self.returns_output_ids = True
+        """return_token_ids returns the output's ids too (not where they would show hidden reasoning)."""
+
+    def with_token_ids(self, prompt_token_ids: Sequence[Sequence[int]]) -> _Renderer:
+        """This renderer, returning token ids (vLLM's return_token_ids): `prompt_token_ids` per choice."""
+        self.prompt_token_ids = tuple(prompt_token_ids)
+        return self
+
+    def _token_id_fields(self, index: int, token_ids: Sequence[int], in_choice: bool) -> dict:
+        """return_token_ids' fields (none without it) of choice `index` (`in_choice`) or of the
+        response or chunk that carries it: its output's `token_ids` in the choice, and its prompt's
+        once (every response; a stream's first chunk of the choice) where prompt_ids_in_choice says."""
+        if self.prompt_token_ids is None:
+            return {}
+        fields: dict[str, Any] = {"token_ids": list(token_ids)} if in_choice and self.returns_output_ids else {}
+        if in_choice == self.prompt_ids_in_choice and index not in self._prompt_ids_sent:
+            fields["prompt_token_ids"] = list(self.prompt_token_ids[index])
+        return fields
+
+    def _prompt_ids_streamed(self, index: int) -> None:
+        """Choice `index`'s stream carried its prompt's token ids (in the chunk just built)."""
+        self._prompt_ids_sent.add(index)
 
     def _count_tokens(self, index: int, chunk: StreamChunk) -> None:
         """Note choice `index`'s tokens in `chunk`: the stream chunks built next carry them in their usage."""
@@ -504,7 +603,10 @@ class _Renderer(ABC):
 
     def usage_chunk(self, usage: Usage) -> dict:
         """The stream's last data chunk under stream_options.include_usage."""
-        return {**self._envelope(self.chunk_object_name, []), "usage": usage_body(usage)}
+        return {**self._envelope(self.chunk_object_name, []), "usage": self._usage_body(usage)}
+
+    def _usage_body(self, usage: Usage) -> dict:
+        return usage_body(usage)
 
     def response(self, choices: Sequence[Sequence[StreamChunk]], usage: Usage) -> dict:
         """The non-streaming response: each choice's chunks in choice order (the last of each has
@@ -512,9 +614,11 @@ class _Renderer(ABC):
         rendered = []
         for index, chunks in enumerate(choices):
             message = self._message(index, chunks)  # before the finish reason, which may depend on what it read
+            token_ids = [t for chunk in chunks for t in chunk.token_ids]
             rendered.append({"index": index, **message, "finish_reason": self._finish_reason(index, chunks[-1]),
-                             "stop_reason": chunks[-1].stop_reason})
-        return {**self._envelope(self.object_name, rendered), "usage": usage_body(usage)}
+                             "stop_reason": chunks[-1].stop_reason, **self._token_id_fields(index, token_ids, True)})
+        return {**self._envelope(self.object_name, rendered), **self._token_id_fields(0, (), False),
+                "usage": self._usage_body(usage)}
 
     def _finish_reason(self, index: int, last: StreamChunk) -> str | None:
         """Choice `index`'s finish reason, given its last chunk (None while it runs)."""
@@ -549,9 +653,12 @@ class CompletionRenderer(_Renderer):
 
     def stream_chunks(self, index: int, chunk: StreamChunk) -> list[dict]:
         self._count_tokens(index, chunk)
-        return [self._chunk({"index": index, "text": self._echo_once(index) + chunk.text,
-                             "logprobs": self._logprobs(index, chunk.logprobs), "finish_reason": chunk.finish_reason,
-                             "stop_reason": chunk.stop_reason})]
+        rendered = [self._chunk({"index": index, "text": self._echo_once(index) + chunk.text,
+                                 "logprobs": self._logprobs(index, chunk.logprobs),
+                                 "finish_reason": chunk.finish_reason, "stop_reason": chunk.stop_reason,
+                                 **self._token_id_fields(index, chunk.token_ids, True)})]
+        self._prompt_ids_streamed(index)
+        return rendered
 
     def _echo_once(self, index: int) -> str:
         if not self.echo or index in self._echoed:
@@ -594,38 +701,67 @@ class ChatRenderer(_Renderer):
 
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
+    prompt_ids_in_choice = False
 
     def __init__(self, header: ResponseHeader, token_text: Callable[[int], str], token_bytes: Callable[[int], bytes],
                  include_usage: bool, with_logprobs: bool, prompt_tokens: Sequence[int] | None = None,
-                 tool_output: ToolOutput | None = None) -> None:
-        """`tool_output`: how each choice's text is split into content and tool calls (None: all content)."""
-        super().__init__(header, token_text, include_usage, with_logprobs, prompt_tokens)
+                 tool_output: ToolOutput | None = None, reasoning_output: ReasoningOutput | None = None) -> None:
+        """`tool_output`: how each choice's content is split into content and tool calls (None: all
+        content); `reasoning_output`: how each choice's text is split into reasoning and content first
+        (None: no reasoning parser; the message then has no `reasoning` field). With reasoning hidden
+        (include_reasoning false) no logprobs and no output token ids are returned (they would show
+        it), as in vLLM."""
+        shown = reasoning_output is None or reasoning_output.include_reasoning
+        super().__init__(header, token_text, include_usage, with_logprobs and shown, prompt_tokens)
+        self.returns_output_ids = shown
         self.token_bytes = token_bytes
         self.tool_output = tool_output
+        self.reasoning_output = reasoning_output
         self._role_sent: set[int] = set()
         self._parsers: dict[int, OutputParser] = {}
         """Each choice's parser (with tool_output): its stream's, or the one that read its whole output."""
+        self._reasoners: dict[int, ReasoningParser] = {}
+        """Each choice's reasoning parser (with reasoning_output), as _parsers."""
 
     def stream_chunks(self, index: int, chunk: StreamChunk) -> list[dict]:
         chunks = []
         if index not in self._role_sent:
             self._role_sent.add(index)
-            chunks.append(self._chunk({"index": index, "delta": {"role": "assistant", "content": ""},
-                                       "logprobs": None, "finish_reason": None}))
+            chunks.append({**self._chunk({"index": index, "delta": {"role": "assistant", "content": ""},
+                                          "logprobs": None, "finish_reason": None}),
+                           **self._token_id_fields(index, (), False)})
+            self._prompt_ids_streamed(index)
         self._count_tokens(index, chunk)  # after the role chunk: it carries no tokens
         delta, logprobs = self._delta(index, chunk), self._logprobs(chunk.logprobs)
         finish_reason = self._finish_reason(index, chunk)
-        if delta or logprobs is not None or finish_reason is not None:  # a tool call's held text sends nothing yet
+        returns_ids = self.prompt_token_ids is not None and self.returns_output_ids and chunk.token_ids
+        # a tool call's held text sends nothing yet, unless its token ids are returned
+        if delta or logprobs is not None or finish_reason is not None or returns_ids:
             chunks.append(self._chunk({"index": index, "delta": delta, "logprobs": logprobs,
-                                       "finish_reason": finish_reason, "stop_reason": chunk.stop_reason}))
+                                       "finish_reason": finish_reason, "stop_reason": chunk.stop_reason,
+                                       **self._token_id_fields(index, chunk.token_ids, True)}))
         return chunks
 
     def _delta(self, index: int, chunk: StreamChunk) -> dict:
-        if self.tool_output is None:
-            return {"content": chunk.text}
-        parser = self._parsers.setdefault(index, self.tool_output.new_parser())
-        parsed = parser.feed(chunk.text)
+        if self.reasoning_output is None:
+            return self._content_delta(index, chunk.text, chunk.finish_reason is not None, {"content": chunk.text})
+        reasoner = self._reasoners.setdefault(index, self.reasoning_output.new_parser())
+        split = reasoner.feed(chunk.text, chunk.token_ids)
         if chunk.finish_reason is not None:
+            split += reasoner.finish()
+        delta = self._content_delta(index, split.content, chunk.finish_reason is not None,
+                                    {"content": split.content} if split.content else {})
+        if split.reasoning and self.reasoning_output.include_reasoning:
+            delta["reasoning"] = split.reasoning
+        return delta
+
+    def _content_delta(self, index: int, text: str, last: bool, plain: dict) -> dict:
+        """The delta of choice `index`'s next content text (`plain` without tool calling)."""
+        if self.tool_output is None:
+            return plain
+        parser = self._parsers.setdefault(index, self.tool_output.new_parser())
+        parsed = parser.feed(text)
+        if last:
             parsed += parser.finish()
         delta: dict[str, Any] = {"content": parsed.content} if parsed.content else {}
         if parsed.tool_calls:
@@ -641,15 +777,36 @@ class ChatRenderer(_Renderer):
         logprobs = [lp for chunk in chunks for lp in chunk.logprobs]
         text = "".join(chunk.text for chunk in chunks)
         message: dict[str, Any] = {"role": "assistant", "content": text}
+        if self.reasoning_output is not None:
+            self._reasoners[index] = self.reasoning_output.new_parser()
+            split = parse_reasoning(self._reasoners[index], text, [t for chunk in chunks for t in chunk.token_ids])
+            message["reasoning"] = split.reasoning if self.reasoning_output.include_reasoning else None
+            message["content"] = split.content
+            text = split.content or ""
         if self.tool_output is not None:
             self._parsers[index] = self.tool_output.new_parser()
             parsed = parse_output(self._parsers[index], text)
-            message["content"] = parsed.content
+            if parsed.content or parsed.tool_calls:  # an output that is all reasoning keeps its null content
+                message["content"] = parsed.content
             if parsed.tool_calls:
                 message["tool_calls"] = [{"id": call.id, "type": "function",
                                           "function": {"name": call.name, "arguments": call.arguments}}
                                          for call in parsed.tool_calls]
         return {"message": message, "logprobs": self._logprobs(logprobs)}
+
+    def _usage_body(self, usage: Usage) -> dict:
+        """With a reasoning parser, also the reasoning tokens of the choices read so far (vLLM's
+        completion_tokens_details)."""
+        return self._with_reasoning_tokens(usage_body(usage), self._reasoners.values())
+
+    def _usage_so_far(self, index: int) -> dict:
+        reasoner = self._reasoners.get(index)
+        return self._with_reasoning_tokens(super()._usage_so_far(index), () if reasoner is None else (reasoner,))
+
+    def _with_reasoning_tokens(self, body: dict, parsers: Iterable[ReasoningParser]) -> dict:
+        if self.reasoning_output is not None:
+            body["completion_tokens_details"] = {"reasoning_tokens": sum(p.reasoning_tokens for p in parsers)}
+        return body
 
     def _logprobs(self, logprobs: Sequence[TokenLogprobs]) -> dict | None:
         if not self.with_logprobs:

@@ -50,7 +50,9 @@ from splitserve.router.openai_protocol import (ChatCompletionRequest, ChatRender
 from splitserve.router.api_types import GenerationInput, RouterError, Usage
 from splitserve.router.fanout import FanOut, IndexedChunk, best_of, by_choice, merged_usage, sequence_inputs
 from splitserve.router.orchestrator import Orchestrator
+from splitserve.router.reasoning_parsers import ReasoningFormat, ReasoningOutput
 from splitserve.router.request_body import BodyParser, MalformedBodyError, Parse
+from splitserve.router.request_limits import PromptTruncation
 from splitserve.router.responses_protocol import ResponsesRenderer, ResponsesRequest, parse_responses_request
 from splitserve.router.tls import TlsConfig, load_tls
 from splitserve.router.tokenizer_pool import TokenizerPool
@@ -143,12 +145,22 @@ class _Job:
         return _events(first, stream, self)
 
 
+@dataclass(frozen=True)
+class _ChatInputs:
+    """A chat request ready to run, and how its output is read."""
+
+    request_id: str
+    inputs: tuple[GenerationInput, ...]
+    tool_output: ToolOutput | None
+    reasoning_output: ReasoningOutput | None
+
+
 class OpenAIServing:
     """The endpoints' handlers over one Orchestrator serving one model."""
 
     def __init__(self, orchestrator: Orchestrator, tokenizers: TokenizerPool, bodies: BodyParser, model_name: str,
                  request_timeout_s: float | None = None, aliases: tuple[str, ...] = (),
-                 tool_call_parser: str | None = None) -> None:
+                 tool_call_parser: str | None = None, reasoning: ReasoningFormat | None = None) -> None:
         self.orchestrator = orchestrator
         self.tokenizers = tokenizers
         self.bodies = bodies
@@ -162,6 +174,8 @@ class OpenAIServing:
         self.tool_call_parser = tool_call_parser
         """What reads tool calls out of a tool_choice "auto" output (a TOOL_CALL_PARSERS name); None:
         auto tool choice is off (a request asking for it is a 400, as in vLLM)."""
+        self.reasoning = reasoning
+        """What splits a chat's output into reasoning and content (--reasoning-parser); None: nothing does."""
         self.created = int(time.time())
 
     # ---- endpoints ---------------------------------------------------------------------
@@ -277,41 +291,53 @@ class OpenAIServing:
         params = parsed.sampling
         if parsed.best_of > parsed.n and params.logprobs is None:  # best_of ranks by the sampled tokens' logprobs
             params = dataclasses.replace(params, logprobs=0)
-        request_id, inputs = self._inputs(prompts, params, parsed.max_tokens_param, "prompt", parsed.request_id,
-                                          parsed.best_of)
+        request_id, inputs = await self._inputs(prompts, params, parsed.max_tokens_param, "prompt",
+                                                parsed.request_id, parsed.best_of, parsed.truncation)
         echo = [self._prompt_text(p) for p in parsed.prompts] if parsed.echo else ()
         renderer = CompletionRenderer(self._header("cmpl", request_id), self._token_text(parsed.tokens_as_ids),
                                       parsed.include_usage, parsed.sampling.logprobs is not None, echo, parsed.n,
                                       _prompt_lengths(inputs) if parsed.continuous_usage else None)
+        if parsed.return_token_ids:  # choice i is one of prompt i // n's sequences: inputs i // n * best_of on
+            renderer.with_token_ids([inputs[i // parsed.n * parsed.best_of].prompt_token_ids
+                                     for i in range(len(prompts) * parsed.n)])
         return _Job(inputs, parsed.best_of, parsed.n, renderer, parsed.stream)
 
     async def _chat_job(self, parsed: ChatCompletionRequest) -> _Job:
-        request_id, inputs, tool_output = await self._chat_inputs(parsed, "messages")
-        renderer = ChatRenderer(self._header("chatcmpl", request_id), self._token_text(parsed.tokens_as_ids),
+        chat = await self._chat_inputs(parsed, "messages")
+        renderer = ChatRenderer(self._header("chatcmpl", chat.request_id), self._token_text(parsed.tokens_as_ids),
                                 self.tokenizers.tokenizer.token_bytes, parsed.include_usage,
                                 parsed.sampling.logprobs is not None,
-                                _prompt_lengths(inputs) if parsed.continuous_usage else None, tool_output)
-        return _Job(inputs, parsed.n, parsed.n, renderer, parsed.stream)
+                                _prompt_lengths(chat.inputs) if parsed.continuous_usage else None, chat.tool_output,
+                                chat.reasoning_output)
+        if parsed.return_token_ids:
+            renderer.with_token_ids([chat.inputs[0].prompt_token_ids] * parsed.n)
+        return _Job(chat.inputs, parsed.n, parsed.n, renderer, parsed.stream)
 
     async def _responses_job(self, parsed: ResponsesRequest) -> _Job:
-        request_id, inputs, tool_output = await self._chat_inputs(parsed.chat, "input")
-        header = ResponseHeader(f"resp_{request_id}", int(time.time()), self.model_name, self.system_fingerprint)
-        renderer = ResponsesRenderer(header, parsed.chat, parsed.settings, tool_output)
-        return _Job(inputs, 1, 1, renderer, parsed.chat.stream)
+        chat = await self._chat_inputs(parsed.chat, "input")
+        header = ResponseHeader(f"resp_{chat.request_id}", int(time.time()), self.model_name, self.system_fingerprint)
+        renderer = ResponsesRenderer(header, parsed.chat, parsed.settings, chat.tool_output, chat.reasoning_output)
+        return _Job(chat.inputs, 1, 1, renderer, parsed.chat.stream)
 
-    async def _chat_inputs(self, parsed: ChatCompletionRequest,
-                           prompt_param: str) -> tuple[str, tuple[GenerationInput, ...], ToolOutput | None]:
-        """(request id, inputs, how the output is read) of a chat; `prompt_param`: the field its
-        messages came from, named by a prompt that does not fit."""
+    async def _chat_inputs(self, parsed: ChatCompletionRequest, prompt_param: str) -> _ChatInputs:
+        """A chat's inputs and how its output is read; `prompt_param`: the field its messages came
+        from, named by a prompt that does not fit."""
         self._check_model(parsed.model)
         tool_output = None if parsed.tool_calling is None else ToolOutput.for_request(parsed.tool_calling,
                                                                                       self.tool_call_parser)
         messages = [m.template_message() for m in parsed.messages]
         token_ids = await self.tokenizers.apply_chat_template(messages, parsed.add_generation_prompt, parsed.template)
+        if parsed.truncation is not None:  # before the reasoning parser reads where the prompt ends
+            token_ids = parsed.truncation.applied(token_ids)
         sampling = parsed.sampling if tool_output is None else tool_output.sampling(parsed.sampling)
-        request_id, inputs = self._inputs([token_ids], sampling, parsed.max_tokens_param, prompt_param,
-                                          parsed.request_id, parsed.n)
-        return request_id, inputs, tool_output
+        reasoning_output = None
+        if self.reasoning is not None:
+            reasoning_output = self.reasoning.for_request(token_ids, parsed.template.template_kwargs,
+                                                          parsed.include_reasoning)
+            sampling = reasoning_output.sampling(sampling)
+        request_id, inputs = await self._inputs([token_ids], sampling, parsed.max_tokens_param, prompt_param,
+                                                parsed.request_id, parsed.n)
+        return _ChatInputs(request_id, inputs, tool_output, reasoning_output)
 
     def _prompt_text(self, prompt: str | tuple[int, ...]) -> str:
         """What echo repeats: a text prompt as sent, token ids as their text (special tokens kept)."""
@@ -323,12 +349,16 @@ class OpenAIServing:
             raise ApiError(404, f"The model `{model}` does not exist; this server serves `{self.model_name}`.",
                            "model", "model_not_found")
 
-    def _inputs(self, prompts: list[tuple[int, ...]], params: SamplingParams, max_tokens_param: str | None,
-                prompt_param: str, request_id: str,
-                num_sequences: int) -> tuple[str, tuple[GenerationInput, ...]]:
-        """Check each prompt (`prompt_param`: the body field it came from; `[i]` names one of a
-        batch) and, when the client set max_tokens, that prompt + output fit the context; then
-        (the request's id, one input per sequence). `request_id`: the client's ("": new)."""
+    async def _inputs(self, prompts: list[tuple[int, ...]], params: SamplingParams, max_tokens_param: str | None,
+                      prompt_param: str, request_id: str, num_sequences: int,
+                      truncation: PromptTruncation | None = None) -> tuple[str, tuple[GenerationInput, ...]]:
+        """Cut each prompt as `truncation` says, check it (`prompt_param`: the body field it came
+        from; `[i]` names one of a batch) and, when the client set max_tokens, that prompt + output
+        fit the context; then (the request's id, one input per sequence). `request_id`: the
+        client's ("": new)."""
+        params = await self.tokenizers.tokenize_bad_words(params)
+        if truncation is not None:
+            prompts = [truncation.applied(tuple(p)) for p in prompts]
         for index, token_ids in enumerate(prompts):
             field = prompt_param if len(prompts) == 1 else f"{prompt_param}[{index}]"
             self.orchestrator.validate_prompt(token_ids, field)
@@ -665,14 +695,19 @@ async def start_http_server(orchestrator: Orchestrator, tokenizers: TokenizerPoo
                             metrics_app: ASGIApp | None = None, api_key: str | None = None,
                             tls: TlsConfig | None = None, aliases: tuple[str, ...] = (),
                             reuse_port: bool = False, cors_allowed_origins: tuple[str, ...] = (),
-                            tool_call_parser: str | None = None) -> HttpServer:
+                            tool_call_parser: str | None = None, reasoning_parser: str | None = None) -> HttpServer:
     """Start the OpenAI-compatible API on the running loop; the server's `port` is the bound one.
     With `api_key`, /v1/* needs `Authorization: Bearer <api_key>`; with `tls`, it is HTTPS only.
     Requests may name the model `model_name` or one of `aliases`. `reuse_port`: share the port
     with other routers (SO_REUSEPORT). `cors_allowed_origins`: see build_app. `tool_call_parser`: the
-    parser of tool_choice "auto" outputs (router/tool_parsers.py); None turns auto tool choice off."""
+    parser of tool_choice "auto" outputs (router/tool_parsers.py); None turns auto tool choice off.
+    `reasoning_parser`: splits chat outputs into reasoning and content (router/reasoning_parsers.py);
+    ValueError when the tokenizer lacks its tags."""
+    reasoning = None if reasoning_parser is None else ReasoningFormat.for_tokenizer(
+        reasoning_parser, tokenizers.tokenizer.backend.token_to_id)
     bodies = BodyParser(tokenizers.limits)
-    serving = OpenAIServing(orchestrator, tokenizers, bodies, model_name, request_timeout_s, aliases, tool_call_parser)
+    serving = OpenAIServing(orchestrator, tokenizers, bodies, model_name, request_timeout_s, aliases, tool_call_parser,
+                            reasoning)
     server = HttpServer(build_app(serving, metrics_app, api_key, cors_allowed_origins), tls=tls, on_stop=bodies.close)
     try:
         await server.start(host, port, reuse_port)

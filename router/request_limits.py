@@ -17,7 +17,8 @@ from typing import Protocol
 
 from splitserve.common.errors import InvalidRequestError
 from splitserve.common.log_escape import quote_for_log
-from splitserve.common.sampling_params import MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SamplingParams
+from splitserve.common.sampling_params import (MAX_ALLOWED_TOKEN_IDS, MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_STOP_STRINGS,
+                                               MAX_STOP_TOKEN_IDS, SamplingParams)
 from splitserve.common.validation import require
 
 CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
@@ -57,6 +58,23 @@ def utf8_length(text: str) -> int:
     return len(text.encode("utf-8", "surrogatepass"))
 
 
+@dataclass(frozen=True)
+class PromptTruncation:
+    """vLLM's truncate_prompt_tokens and truncation_side (RequestLimits.prompt_truncation): a
+    tokenized prompt (a chat's as rendered) cut to `keep` tokens before it is checked against the
+    context."""
+
+    keep: int
+    """Tokens kept, in [0, max_model_len]."""
+    keep_last: bool
+    """truncation_side "left" (vLLM's default for generation): cut the start, keep the last tokens."""
+
+    def applied(self, token_ids: tuple[int, ...]) -> tuple[int, ...]:
+        if len(token_ids) <= self.keep:
+            return token_ids
+        return token_ids[len(token_ids) - self.keep:] if self.keep_last else token_ids[:self.keep]
+
+
 class ChatMessageLike(Protocol):
     """A chat message as each API parses it (a proto ChatMessage, the OpenAI API's ChatMessage)."""
 
@@ -87,6 +105,15 @@ class RequestLimits:
     each search rescans as many."""
     max_stop_token_ids: int = MAX_STOP_TOKEN_IDS
     """Stop token ids of one request: the engine checks each sampled token against them."""
+    max_logit_bias: int = MAX_LOGIT_BIAS
+    """logit_bias entries of one request: each is added to the logits at every step."""
+    max_allowed_token_ids: int = MAX_ALLOWED_TOKEN_IDS
+    """allowed_token_ids of one request: each is written into a mask row at every step."""
+    max_bad_words: int = MAX_BAD_WORDS
+    """bad_words strings of one request, checked before they are tokenized (each gives one or two
+    token sequences, MAX_BAD_WORDS of them at most, matched against the output at every step)."""
+    max_bad_word_chars: int = 1024
+    """Characters of one bad word (it is tokenized twice per request)."""
     max_request_id_chars: int = 256
     """Characters of a client's request id (REQUEST_ID_CHARS only); it appears in every log line
     about the request."""
@@ -99,8 +126,12 @@ class RequestLimits:
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "vocab_size", "max_prompt_bytes", "max_chat_messages", "max_stop_string_chars",
-                     "max_request_id_chars", "max_tools", "max_tools_bytes"):
+                     "max_request_id_chars", "max_tools", "max_tools_bytes", "max_bad_word_chars"):
             require(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
+        for name, bound in (("max_logit_bias", MAX_LOGIT_BIAS), ("max_allowed_token_ids", MAX_ALLOWED_TOKEN_IDS),
+                            ("max_bad_words", MAX_BAD_WORDS)):
+            require(0 <= getattr(self, name) <= bound, f"{name} must be in [0, {bound}] (SamplingParams' own limit), "
+                                                       f"got {getattr(self, name)}")
         require(0 <= self.max_stop_strings <= MAX_STOP_STRINGS,
                 f"max_stop_strings must be in [0, {MAX_STOP_STRINGS}] (SamplingParams' own limit), "
                 f"got {self.max_stop_strings}")
@@ -151,6 +182,22 @@ class RequestLimits:
             raise InvalidRequestError(field, f"has {num_tokens} tokens; max_model_len is {self.max_model_len} "
                                              "(including at least one output token)")
 
+    def prompt_truncation(self, num_tokens: int | None, side: str | None) -> PromptTruncation | None:
+        """A request's truncate_prompt_tokens and truncation_side (None: unset) by vLLM's
+        rules: an integer >= -1 (-1: max_model_len - 1, the most a prompt can have), at most
+        max_model_len (vLLM's message); side "left" (default: keep the last tokens) or "right"."""
+        if side not in (None, "left", "right"):
+            raise InvalidRequestError("truncation_side", f"must be 'left' or 'right', got {side!r}")
+        if num_tokens is None:
+            return None
+        if num_tokens < -1:
+            raise InvalidRequestError("truncate_prompt_tokens", f"must be an integer >= -1, got {num_tokens}")
+        if num_tokens > self.max_model_len:
+            raise InvalidRequestError("truncate_prompt_tokens", f"truncate_prompt_tokens={num_tokens} cannot be "
+                                                                f"greater than max_model_len = {self.max_model_len}. "
+                                                                "Please request a smaller truncation size.")
+        return PromptTruncation(self.max_model_len - 1 if num_tokens == -1 else num_tokens, keep_last=side != "right")
+
     def check_message_count(self, num_messages: int) -> None:
         """Before the messages are read."""
         if num_messages > self.max_chat_messages:
@@ -193,9 +240,25 @@ class RequestLimits:
         if outside:
             raise InvalidRequestError("stop_token_ids", f"must be below the vocabulary size {self.vocab_size}, got "
                                                         f"{outside[:5]}")
+        self._check_logit_controls(params)
         if max_tokens_field is not None and params.max_tokens >= self.max_model_len:
             raise InvalidRequestError(max_tokens_field, f"must be below max_model_len {self.max_model_len} (the prompt "
                                                         f"takes at least one token), got {params.max_tokens}")
+
+    def _check_logit_controls(self, params: SamplingParams) -> None:
+        """Sizes of logit_bias, allowed_token_ids and bad_words, and the ids' vocabulary (bad words'
+        ids once tokenized: TokenizerPool.tokenize_bad_words checks them again)."""
+        allowed = params.allowed_token_ids or ()
+        for name, count, bound in (("logit_bias", len(params.logit_bias), self.max_logit_bias),
+                                   ("allowed_token_ids", len(allowed), self.max_allowed_token_ids),
+                                   ("bad_words", len(params.bad_words), self.max_bad_words)):
+            if count > bound:
+                raise InvalidRequestError(name, f"must hold at most {bound} entries, got {count}")
+        longest = max((len(word) for word in params.bad_words), default=0)
+        if longest > self.max_bad_word_chars:
+            raise InvalidRequestError("bad_words", f"each must be at most {self.max_bad_word_chars} characters, got "
+                                                   f"one of {longest}")
+        params.check_logit_control_vocabulary(self.vocab_size)
 
     def check_max_tokens(self, num_prompt_tokens: int, params: SamplingParams, max_tokens_field: str | None) -> None:
         """A max_tokens the client set must fit after the prompt (as vLLM); a defaulted one is only

@@ -56,7 +56,7 @@ class RequestRun:
         self.timeline = RequestTimeline(arrival)
         params = inp.sampling_params
         self.detokenizer = IncrementalDetokenizer(tokenizer, list(inp.prompt_token_ids), params.stop,
-                                                  params.skip_special_tokens)
+                                                  params.skip_special_tokens, params.include_stop_str_in_output)
         self.prefill: Assignment | None = None
         """The current attempt's claim on its prefill worker (None: prefilled where it decodes)."""
         self.decode: Assignment | None = None

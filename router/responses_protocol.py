@@ -6,10 +6,12 @@ chat's nesting, text.format as response_format, max_output_tokens as max_complet
 parsed by the chat endpoint's parser, so both endpoints validate, template, constrain and call
 tools alike; an InvalidRequestError it raises is renamed to the Responses field it came from.
 Fields that ask for what this server does not have (stored responses, background mode,
-reasoning, built-in tools, extra output data) are refused with a 400 naming them.
+built-in tools, extra output data) are refused with a 400 naming them.
 
-A response's output is its text read through the chat's tool call parser (router/tool_parsers.py):
-a `message` item for the content and a `function_call` item per call. The streamed events and
+A response's output is its text read through the chat's reasoning parser (router/reasoning_parsers.py,
+with --reasoning-parser) and tool call parser (router/tool_parsers.py): a `reasoning` item for the
+reasoning (its text as one reasoning_text content part; no summary, as vLLM), then a `message` item
+for the content and a `function_call` item per call. The streamed events and
 the non-streamed response come from one ResponsesRenderer fed the same chunks, so a stream
 accumulates to the response (a call that turns malformed aside: ResponsesRenderer.response).
 This module is the HTTP edge: JSON dicts exist only here.
@@ -28,6 +30,7 @@ from splitserve.common.errors import InvalidRequestError, json_excerpt
 from splitserve.router.api_types import StreamChunk, Usage
 from splitserve.router.openai_fields import Refused, refuse_unsupported
 from splitserve.router.openai_protocol import ChatCompletionRequest, ResponseHeader, parse_chat_request
+from splitserve.router.reasoning_parsers import ReasoningDelta, ReasoningOutput, ReasoningParser
 from splitserve.router.request_limits import RequestLimits
 from splitserve.router.tool_calling import ToolChoice, parse_call_arguments
 from splitserve.router.tool_parsers import OutputDelta, OutputParser, ToolCallDelta, ToolOutput
@@ -39,7 +42,6 @@ RESPONSES_REFUSED = (
     Refused("store", (False,), f"{_NOT_STORED}; send store false or leave it out"),
     Refused("background", (False,), "no background mode (responses are not stored)"),
     Refused("prompt", (), "stored prompt templates are not implemented"),
-    Refused("reasoning", ({},), "no reasoning parser"),
     Refused("include", ([],), "no extra output data (logprobs, reasoning, tool sources) is implemented"),
     Refused("top_logprobs", (0,), "logprobs are not implemented on this endpoint"),
     Refused("truncation", ("disabled",), "a conversation longer than the context is refused, never truncated"),
@@ -58,7 +60,7 @@ RESPONSES_REFUSED = (
 """Responses fields that ask for behaviour this server does not have unless left at their default."""
 RESPONSES_HANDLED = frozenset({
     "model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "tools", "tool_choice",
-    "parallel_tool_calls", "text", "stream", "metadata",
+    "parallel_tool_calls", "text", "stream", "metadata", "reasoning",
     # No effect on the output, by definition: end-user ids for abuse monitoring, and prompt caching
     # hints (the prefix cache is automatic).
     "user", "safety_identifier", "prompt_cache_key", "prompt_cache_retention", "prompt_cache_options",
@@ -81,7 +83,7 @@ _TEXT_PARTS = {"input_text": "text", "output_text": "text", "refusal": "refusal"
 """Content part types read as text, and the key holding it (an output message's refusal part, which
 the openai SDK sends back, is its text, as the chat endpoint and vLLM read it)."""
 _CHAT_FIELD_RENAMES = (("max_completion_tokens", "max_output_tokens"), ("response_format", "text.format"),
-                       ("tool_choice.function.", "tool_choice."))
+                       ("tool_choice.function.", "tool_choice."), ("reasoning_effort", "reasoning.effort"))
 _CHAT_MESSAGE_FIELD = re.compile(r"messages\[(\d+)\]")
 _CHAT_TOOL_FIELD = re.compile(r"tools\[(\d+)\]\.function")
 
@@ -98,6 +100,8 @@ class ResponseSettings:
     text_format: Mapping[str, Any]
     """text.format as sent; {"type": "text"} when absent."""
     user: str | None
+    reasoning: Mapping[str, Any] | None = None
+    """The request's reasoning options as sent ({"effort", "summary"})."""
 
 
 @dataclass(frozen=True)
@@ -124,6 +128,9 @@ def parse_responses_request(body: Mapping[str, Any], limits: RequestLimits) -> R
         chat_body["tool_choice"] = _chat_tool_choice(body["tool_choice"])
     if text_format["type"] != "text":
         chat_body["response_format"] = _chat_response_format(text_format)
+    reasoning = _reasoning(body.get("reasoning"))
+    if reasoning.get("effort") is not None:
+        chat_body["reasoning_effort"] = reasoning["effort"]
     try:
         chat = parse_chat_request(chat_body, limits)
     except InvalidRequestError as error:
@@ -132,7 +139,29 @@ def parse_responses_request(body: Mapping[str, Any], limits: RequestLimits) -> R
         chat = dataclasses.replace(chat, max_tokens_param="max_output_tokens")
     return ResponsesRequest(chat, ResponseSettings(
         _optional_string(body, "instructions"), chat.sampling.max_tokens if chat.max_tokens_param else None,
-        _metadata(body.get("metadata")), tuple(tools), text_format, _optional_string(body, "user")))
+        _metadata(body.get("metadata")), tuple(tools), text_format, _optional_string(body, "user"),
+        reasoning or None))
+
+
+REASONING_SUMMARIES = ("auto", "concise", "detailed")
+"""OpenAI's reasoning.summary values (and its deprecated generate_summary's)."""
+
+
+def _reasoning(value: Any) -> Mapping[str, Any]:
+    """`reasoning`: its effort is the chat's reasoning_effort (a template variable, as in vLLM); a
+    summary is accepted and not made (vLLM's: the reasoning item holds the whole reasoning instead)."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise InvalidRequestError("reasoning", f"must be an object {{effort, summary}}, got {json_excerpt(value)}")
+    unknown = sorted(value.keys() - {"effort", "summary", "generate_summary"})
+    if unknown:
+        raise InvalidRequestError(f"reasoning.{unknown[0]}", "is not a reasoning option (effort, summary)")
+    for key in ("summary", "generate_summary"):
+        if value.get(key) is not None and value[key] not in REASONING_SUMMARIES:
+            raise InvalidRequestError(f"reasoning.{key}", f"must be one of {', '.join(REASONING_SUMMARIES)}, got "
+                                                          f"{json_excerpt(value[key])}")
+    return value
 
 
 def _optional_string(body: Mapping[str, Any], name: str) -> str | None:
@@ -191,7 +220,17 @@ def _add_item(item: Any, field: str, messages: list[dict[str, Any]], sources: li
         raise InvalidRequestError(field, f"must be an input item object, got {json_excerpt(item)}")
     kind = item.get("type", "message")
     if kind == "message":
-        messages.append(_message_item(item, field))
+        message = _message_item(item, field)
+        if message["role"] == "assistant" and _open_turn(messages, "content"):
+            messages[-1]["content"] = message["content"]
+            return
+        messages.append(message)
+    elif kind == "reasoning":
+        reasoning = _reasoning_item(item, field)
+        if _open_turn(messages, "reasoning"):
+            messages[-1]["reasoning"] = reasoning
+            return
+        messages.append({"role": "assistant", "content": None, "reasoning": reasoning})
     elif kind == "function_call":
         call = _function_call_item(item, field)
         if messages and messages[-1]["role"] == "assistant":
@@ -202,9 +241,32 @@ def _add_item(item: Any, field: str, messages: list[dict[str, Any]], sources: li
         messages.append({"role": "tool", "tool_call_id": _item_string(item, "call_id", field),
                          "content": _text(item.get("output"), f"{field}.output")})
     else:
-        raise InvalidRequestError(f"{field}.type", "only message, function_call and function_call_output items are "
-                                                   f"supported, got {json_excerpt(kind)}")
+        raise InvalidRequestError(f"{field}.type", "only message, reasoning, function_call and function_call_output "
+                                                   f"items are supported, got {json_excerpt(kind)}")
     sources.append(field)
+
+
+def _open_turn(messages: list[dict[str, Any]], key: str) -> bool:
+    """Whether the last message is an assistant turn without `key` yet: one turn's reasoning, text and
+    calls come as separate output items, which join one assistant message (as vLLM joins them)."""
+    return bool(messages) and messages[-1]["role"] == "assistant" and messages[-1].get(key) is None
+
+
+def _reasoning_item(item: Mapping[str, Any], field: str) -> str:
+    """An earlier response's reasoning item: its reasoning_text parts (else its summary's text,
+    as vLLM reads it), joined with newlines; the assistant message's `reasoning`."""
+    if item.get("encrypted_content"):
+        raise InvalidRequestError(f"{field}.encrypted_content", "is not supported (this server never encrypts "
+                                                                "reasoning; send its content)")
+    for key in ("content", "summary"):
+        parts = item.get(key) or []
+        if not isinstance(parts, list) or not all(isinstance(p, dict) and isinstance(p.get("text"), str)
+                                                  for p in parts):
+            raise InvalidRequestError(f"{field}.{key}", f"must be a list of {{type, text}} parts, got "
+                                                        f"{json_excerpt(parts)}")
+        if parts:
+            return "\n".join(part["text"] for part in parts)
+    return ""
 
 
 def _message_item(item: Mapping[str, Any], field: str) -> dict[str, Any]:
@@ -306,9 +368,9 @@ def _chat_response_format(text_format: Mapping[str, Any]) -> dict[str, Any]:
 
 # ---- rendering ------------------------------------------------------------------------------
 
-def usage_body(usage: Usage) -> dict:
+def usage_body(usage: Usage, reasoning_tokens: int = 0) -> dict:
     return {"input_tokens": usage.prompt_tokens, "input_tokens_details": {"cached_tokens": usage.cached_tokens},
-            "output_tokens": usage.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens": usage.completion_tokens, "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
             "total_tokens": usage.prompt_tokens + usage.completion_tokens}
 
 
@@ -333,6 +395,25 @@ class _MessageItem:
 
 
 @dataclass
+class _ReasoningItem:
+    """The output's reasoning (one reasoning_text content part; no summary)."""
+
+    id: str
+    text: list[str] = field(default_factory=list)
+    closed: bool = False
+    """The reasoning ended before the output did (content or a call followed): the item is complete."""
+
+    def body(self, status: str) -> dict:
+        status = "completed" if self.closed else status
+        return {"id": self.id, "type": "reasoning", "summary": [], "status": status,
+                "content": [self.part("".join(self.text))] if status != "in_progress" else []}
+
+    @staticmethod
+    def part(text: str) -> dict:
+        return {"type": "reasoning_text", "text": text}
+
+
+@dataclass
 class _CallItem:
     id: str
     call_id: str
@@ -345,21 +426,25 @@ class _CallItem:
 
 
 class ResponsesRenderer:
-    """One response's output items and events as its chunks arrive: text opens a message item
-    (one output_text part), each call the tool output parser reads a function_call item, in
-    the order they open. The last chunk (it has a finish reason) closes every item and the
+    """One response's output items and events as its chunks arrive: reasoning opens a reasoning item
+    (one reasoning_text part, closed as soon as the reasoning ends), text a message item (one
+    output_text part), each call the tool output parser reads a function_call item, in the order
+    they open. The last chunk (it has a finish reason) closes every item and the
     response (status "incomplete" when generation hit max_output_tokens or the context's end,
     as vLLM reports it, still in a response.completed event). Every event carries the next
     sequence number."""
 
     def __init__(self, header: ResponseHeader, chat: ChatCompletionRequest, settings: ResponseSettings,
-                 tool_output: ToolOutput | None) -> None:
+                 tool_output: ToolOutput | None, reasoning_output: ReasoningOutput | None = None) -> None:
         self.header = header
         self.chat = chat
         self.settings = settings
+        self.reasoning_output = reasoning_output
         self._parser: OutputParser | None = None if tool_output is None else tool_output.new_parser()
-        self._items: list[_MessageItem | _CallItem] = []
+        self._reasoner: ReasoningParser | None = None if reasoning_output is None else reasoning_output.new_parser()
+        self._items: list[_ReasoningItem | _MessageItem | _CallItem] = []
         """Output items in output order (an item's output_index is its position)."""
+        self._reasoning: _ReasoningItem | None = None
         self._message: _MessageItem | None = None
         self._calls: dict[int, _CallItem] = {}
         """Call items by the parser's call index."""
@@ -372,10 +457,15 @@ class ResponsesRenderer:
 
     def stream_events(self, chunk: StreamChunk) -> list[dict]:
         """The events that carry `chunk`; the last chunk's end with response.completed."""
-        delta = OutputDelta(chunk.text) if self._parser is None else self._parser.feed(chunk.text)
+        split = self._split(chunk)
+        events = self._reasoning_events(split.reasoning) if split.reasoning else []
+        delta = OutputDelta(split.content) if self._parser is None else self._parser.feed(split.content)
         if chunk.finish_reason is not None and self._parser is not None:
             delta += self._parser.finish()
-        events = self._content_events(delta.content) if delta.content else []
+        if (delta.content or delta.tool_calls) and self._reasoning is not None and not self._reasoning.closed:
+            events += self._reasoning_done_events(self._reasoning, "completed")
+            self._reasoning.closed = True
+        events += self._content_events(delta.content) if delta.content else []
         for call in delta.tool_calls:
             events += self._call_events(call)
         if chunk.finish_reason is not None:
@@ -393,8 +483,37 @@ class ResponsesRenderer:
         response = self.stream_events(last)[-1]["response"]
         if self._parser is None or not self._parser.malformed:
             return response
-        as_text = ResponsesRenderer(self.header, self.chat, self.settings, None)
-        return as_text.stream_events(dataclasses.replace(last, text="".join(c.text for c in chunks)))[-1]["response"]
+        as_text = ResponsesRenderer(self.header, self.chat, self.settings, None, self.reasoning_output)
+        whole = dataclasses.replace(last, text="".join(c.text for c in chunks),
+                                    token_ids=tuple(t for c in chunks for t in c.token_ids))
+        return as_text.stream_events(whole)[-1]["response"]
+
+    def _split(self, chunk: StreamChunk) -> ReasoningDelta:
+        """The chunk's reasoning (none when it is not returned) and content."""
+        if self._reasoner is None:
+            return ReasoningDelta(content=chunk.text)
+        split = self._reasoner.feed(chunk.text, chunk.token_ids)
+        if chunk.finish_reason is not None:
+            split += self._reasoner.finish()
+        return split if self.reasoning_output.include_reasoning else ReasoningDelta(content=split.content)
+
+    def _reasoning_events(self, text: str) -> list[dict]:
+        events = []
+        if self._reasoning is None:
+            self._reasoning = _ReasoningItem(_new_item_id("rs"))
+            self._items.append(self._reasoning)
+            events.append(self._item_event("response.output_item.added", self._reasoning, "in_progress"))
+            events.append(self._event("response.content_part.added", **self._part_ids(self._reasoning),
+                                      part=_ReasoningItem.part("")))
+        self._reasoning.text.append(text)
+        events.append(self._event("response.reasoning_text.delta", **self._part_ids(self._reasoning), delta=text))
+        return events
+
+    def _reasoning_done_events(self, item: _ReasoningItem, status: str) -> list[dict]:
+        text = "".join(item.text)
+        return [self._event("response.reasoning_text.done", **self._part_ids(item), text=text),
+                self._event("response.content_part.done", **self._part_ids(item), part=_ReasoningItem.part(text)),
+                self._item_event("response.output_item.done", item, status)]
 
     def _content_events(self, text: str) -> list[dict]:
         events = []
@@ -426,6 +545,10 @@ class ResponsesRenderer:
         status = "incomplete" if finish_reason == "length" else "completed"
         events = []
         for item in self._items:
+            if isinstance(item, _ReasoningItem):
+                if not item.closed:
+                    events += self._reasoning_done_events(item, status)
+                continue
             if isinstance(item, _MessageItem):
                 text = "".join(item.text)
                 events.append(self._event("response.output_text.done", **self._part_ids(item), text=text,
@@ -450,12 +573,21 @@ class ResponsesRenderer:
             "metadata": dict(settings.metadata), "model": h.model,
             "output": [item.body(status) for item in self._items],
             "parallel_tool_calls": chat.tool_calling is None or chat.tool_calling.parallel_tool_calls,
-            "previous_response_id": None, "reasoning": None, "service_tier": "auto", "store": False,
+            "previous_response_id": None, "reasoning": self._reasoning_echo(), "service_tier": "auto",
+            "store": False,
             "temperature": chat.sampling.temperature, "text": {"format": dict(settings.text_format)},
             "tool_choice": self._tool_choice(), "tools": [dict(tool) for tool in settings.tools],
             "top_p": chat.sampling.top_p, "truncation": "disabled",
-            "usage": None if usage is None else usage_body(usage), "user": settings.user,
+            "usage": None if usage is None else usage_body(usage, self._reasoning_tokens()),
+            "user": settings.user,
         }
+
+    def _reasoning_echo(self) -> dict | None:
+        sent = self.settings.reasoning
+        return None if sent is None else {"effort": sent.get("effort"), "summary": sent.get("summary")}
+
+    def _reasoning_tokens(self) -> int:
+        return 0 if self._reasoner is None else self._reasoner.reasoning_tokens
 
     def _tool_choice(self) -> str | dict:
         calling = self.chat.tool_calling
@@ -475,11 +607,11 @@ class ResponsesRenderer:
         self._sequence_number += 1
         return event
 
-    def _item_event(self, kind: str, item: _MessageItem | _CallItem, status: str) -> dict:
+    def _item_event(self, kind: str, item: _ReasoningItem | _MessageItem | _CallItem, status: str) -> dict:
         return self._event(kind, output_index=self._items.index(item), item=item.body(status))
 
-    def _item_ids(self, item: _MessageItem | _CallItem) -> dict:
+    def _item_ids(self, item: _ReasoningItem | _MessageItem | _CallItem) -> dict:
         return {"item_id": item.id, "output_index": self._items.index(item)}
 
-    def _part_ids(self, item: _MessageItem) -> dict:
+    def _part_ids(self, item: _ReasoningItem | _MessageItem) -> dict:
         return {**self._item_ids(item), "content_index": 0}

@@ -45,7 +45,7 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
 MAX_MESSAGE_BYTES = MAX_BODY_BYTES
 _SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "frequency_penalty",
                     "presence_penalty", "seed", "max_tokens", "ignore_eos", "logprobs", "skip_special_tokens",
-                    "min_tokens")
+                    "min_tokens", "include_stop_str_in_output")
 
 
 async def sampling_params_of(message: pb.SamplingParams) -> SamplingParams:
@@ -59,15 +59,20 @@ def sampling_params_from_proto(message: pb.SamplingParams) -> SamplingParams:
     """Unset optional fields keep SamplingParams' defaults; values are validated there."""
     given = {name: getattr(message, name) for name in _SAMPLING_FIELDS if message.HasField(name)}
     return SamplingParams(stop=tuple(message.stop), stop_token_ids=tuple(message.stop_token_ids),
-                          structured_output=structured_output_from_proto(message.structured_output), **given)
+                          structured_output=structured_output_from_proto(message.structured_output),
+                          logit_bias=dict(message.logit_bias), bad_words=tuple(message.bad_words),
+                          allowed_token_ids=tuple(message.allowed_token_ids) or None, **given)
 
 
-async def prompt_token_ids(request: pb.GenerateRequest, tokenizers: TokenizerPool) -> tuple[int, ...]:
-    """The prompt's token ids; its size is checked before anything is decoded or tokenized."""
+async def prompt_token_ids(request: pb.GenerateRequest, tokenizers: TokenizerPool,
+                           truncated: bool = False) -> tuple[int, ...]:
+    """The prompt's token ids; its size is checked before anything is decoded or tokenized (a
+    token-id prompt that will be `truncated` may be longer than the context: the message limit bounds it)."""
     limits = tokenizers.limits
     kind = request.WhichOneof("prompt")
     if kind == "token_ids":
-        limits.check_prompt_token_count(len(request.token_ids.ids), "prompt")
+        if not truncated:
+            limits.check_prompt_token_count(len(request.token_ids.ids), "prompt")
         return tuple(request.token_ids.ids)
     if kind == "text":
         limits.check_prompt_bytes(len(request.text), "prompt")
@@ -150,9 +155,14 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         params = await sampling_params_of(request.sampling)
         max_tokens_field = "max_tokens" if request.sampling.HasField("max_tokens") else None
         limits.check_sampling(params, max_tokens_field)
+        params = await self.tokenizers.tokenize_bad_words(params)
         ttft_slo_s, tpot_slo_s = slo_target(request, "ttft_slo_s"), slo_target(request, "tpot_slo_s")
         request_id = self.orchestrator.new_request_id(request.request_id)
-        token_ids = await prompt_token_ids(request, self.tokenizers)
+        truncation = limits.prompt_truncation(*(getattr(request, name) if request.HasField(name) else None
+                                                for name in ("truncate_prompt_tokens", "truncation_side")))
+        token_ids = await prompt_token_ids(request, self.tokenizers, truncation is not None)
+        if truncation is not None:
+            token_ids = truncation.applied(token_ids)
         limits.check_max_tokens(len(token_ids), params, max_tokens_field)
         return GenerationInput(request_id, token_ids, params, grpc_deadline(context, self.request_timeout_s),
                                ttft_slo_s, tpot_slo_s)

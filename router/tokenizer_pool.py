@@ -18,6 +18,8 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
+from splitserve.common.errors import InvalidRequestError
+from splitserve.common.sampling_params import SamplingParams
 from splitserve.router.api_types import RouterError
 from splitserve.router.orchestrator import Orchestrator
 from splitserve.router.request_limits import RequestLimits, utf8_length
@@ -77,6 +79,27 @@ class TokenizerPool:
             return tuple(self._chat(messages, add_generation_prompt, options))
         return tuple(await self._in_thread(self._chat, messages, add_generation_prompt, options))
 
+    async def tokenize_bad_words(self, params: SamplingParams) -> SamplingParams:
+        """params with its bad_words tokenized (SamplingParams.with_bad_words_tokenized: each word
+        encoded twice) and their ids checked against the vocabulary; params itself when it has none.
+        Words of at most INLINE_MAX_CHARS characters together are tokenized on the event loop, more
+        in the pool, as a prompt is (check_sampling bounds them: 128 words of 1024 characters)."""
+        if not params.bad_words:
+            return params
+        if sum(len(word) for word in params.bad_words) <= INLINE_MAX_CHARS:
+            return self._bad_words_tokenized(params)
+        return await self._in_thread(self._bad_words_tokenized, params)
+
+    def _bad_words_tokenized(self, params: SamplingParams) -> SamplingParams:
+        try:
+            tokenized = params.with_bad_words_tokenized(lambda word: self.tokenizer.encode(word, False))
+        except InvalidRequestError as error:
+            if error.field == "bad_words":
+                raise
+            raise InvalidRequestError("bad_words", error.message) from None  # not valid Unicode
+        tokenized.check_logit_control_vocabulary(self.limits.vocab_size)
+        return tokenized
+
     def close(self) -> None:
         """Drop queued jobs and let running ones end on their own (no new jobs afterwards)."""
         self._executor.shutdown(wait=False, cancel_futures=True)
@@ -112,9 +135,10 @@ class TokenizerPool:
 
 
 def _render_size(messages: Sequence[Mapping[str, Any]], options: ChatTemplateOptions) -> int:
-    """Characters of what a chat's template renders besides its own text: the contents, and the
-    tools and tool calls (as JSON), which templates write into the prompt."""
-    size = sum(len(message["content"]) for message in messages)
+    """Characters of what a chat's template renders besides its own text: the contents, an
+    assistant's reasoning (under two names, rendered by templates that show earlier reasoning:
+    counted once), and the tools and tool calls (as JSON), which templates write into the prompt."""
+    size = sum(len(message["content"]) + len(message.get("reasoning") or "") for message in messages)
     calls = [message["tool_calls"] for message in messages if message.get("tool_calls")]
     if calls:
         size += len(json.dumps(calls, default=str))

@@ -75,10 +75,12 @@ _INT = "an integer"
 _BOOL = "a boolean"
 _STRINGS = "a string or a list of strings"
 _INTS = "a list of integers"
+_BIASES = "an object mapping token ids to biases"
 _SAMPLING_KINDS = {"temperature": _FLOAT, "top_p": _FLOAT, "top_k": _INT, "min_p": _FLOAT, "max_tokens": _INT,
                    "seed": _INT, "stop": _STRINGS, "stop_token_ids": _INTS, "ignore_eos": _BOOL,
                    "repetition_penalty": _FLOAT, "frequency_penalty": _FLOAT, "presence_penalty": _FLOAT,
-                   "skip_special_tokens": _BOOL, "min_tokens": _INT}
+                   "skip_special_tokens": _BOOL, "min_tokens": _INT, "logit_bias": _BIASES,
+                   "allowed_token_ids": _INTS, "bad_words": _STRINGS, "include_stop_str_in_output": _BOOL}
 """The vLLM sampling parameters accepted (same names as SamplingParams' fields), by what each must be."""
 
 
@@ -258,6 +260,10 @@ def _coerce(name: str, value: Any, kind: str) -> Any:
             return _boolean(value)
         if kind == _STRINGS:
             return (value,) if isinstance(value, str) else tuple(_typed_list(value, str))
+        if kind == _BIASES:  # its keys and biases are checked by SamplingParams
+            if not isinstance(value, dict):
+                raise TypeError(value)
+            return dict(value)
         return tuple(_typed_list(value, int))
     except (TypeError, ValueError):
         raise InvalidRequestError(name, f"must be {kind}, got {value!r}") from None

@@ -20,6 +20,7 @@ import asyncio
 import logging
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 import grpc
 
@@ -183,6 +184,7 @@ class TritonServicer(pb_grpc.GRPCInferenceServiceServicer):
         self._check_model(request.model_name, request.model_version)
         limits = self.tokenizers.limits
         parsed = parse_infer_request(request, limits)
+        parsed = replace(parsed, sampling=await self.tokenizers.tokenize_bad_words(parsed.sampling))
         request_id = _router_request_id(request.id)
         token_ids = await self.tokenizers.encode(parsed.text)
         self.orchestrator.validate_prompt(token_ids, "text_input")  # else the error would name "prompt"

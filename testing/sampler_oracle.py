@@ -1,9 +1,13 @@
 """The reference sampler: engine/sampler.py's per-row implementation as of commit bef4a6a, copied
-verbatim (only this docstring differs). The batched sampler in engine/sampler.py must equal it
-exactly, token ids and logprobs, for every option (tests/test_sampler.py); bench/sampler.py times
-the two. Do not change it to follow the engine: it is the definition of the expected output.
+verbatim, extended since only by the logit controls (apply_logit_controls: allowed_token_ids,
+bad_words, logit_bias, defined here one row at a time as vLLM applies them). The batched sampler in
+engine/sampler.py must equal it exactly, token ids and logprobs, for every option
+(tests/test_sampler.py); bench/sampler.py times the two. Do not change it to follow the engine: it
+is the definition of the expected output.
 
 Order of logit processing, per row:
+  0. logit controls: tokens outside allowed_token_ids and the last token of each bad word whose
+     other tokens end the output at -inf, then logit_bias added
   1. repetition penalty over prompt + output tokens (positive logits divided, negative multiplied)
   2. frequency and presence penalties over output tokens (subtracted)
   3. greedy rows take the argmax here
@@ -37,10 +41,29 @@ class SamplerOutput:
     logprobs: list[TokenLogprobs | None]
 
 
-def apply_penalties(logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:
-    """Penalized copy of one row's logits [vocab]."""
+def apply_logit_controls(logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:
+    """Copy of one row's logits [vocab] with its logit controls applied."""
     params = row.params
     logits = logits.clone()
+    if params.allowed_token_ids:
+        allowed = torch.zeros(logits.shape[0], dtype=torch.bool)
+        allowed[[t for t in params.allowed_token_ids if t < logits.shape[0]]] = True
+        logits[~allowed] = float("-inf")
+    output = row.output_token_ids
+    for sequence in params.bad_words_token_ids:
+        *prefix, last = sequence
+        if len(prefix) <= len(output) and output[len(output) - len(prefix):] == prefix and last < logits.shape[0]:
+            logits[last] = float("-inf")
+    for token_id, bias in params.logit_bias:
+        if token_id < logits.shape[0]:
+            logits[token_id] += bias
+    return logits
+
+
+def apply_penalties(logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:
+    """Penalized copy of one row's logits [vocab] (its logit controls first)."""
+    params = row.params
+    logits = apply_logit_controls(logits, row)
     if params.repetition_penalty != 1.0:
         seen = torch.tensor(sorted(set(row.prompt_token_ids) | set(row.output_token_ids)), dtype=torch.long,
                             device=logits.device)
@@ -108,7 +131,7 @@ class Sampler:
     def _sample_row(logits: torch.Tensor, row: SamplingRow, plain_argmax: int) -> int:
         params = row.params
         has_penalty = (params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0
-                       or params.presence_penalty != 0.0)
+                       or params.presence_penalty != 0.0 or params.has_logit_controls)
         if params.is_greedy and not has_penalty:
             return plain_argmax
         if has_penalty:

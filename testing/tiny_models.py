@@ -64,3 +64,42 @@ TOOLS_CHAT_TEMPLATE = (
 as vLLM and transformers pass them) and tool results, in the Hermes / Qwen 2.5 way: for tests of
 tool calling, with any of the tiny models (`--chat-template` or RouterTokenizer's `chat_template`).
 The tiny models' own template (engine/tiny_model.py's CHAT_TEMPLATE) ignores tools."""
+
+
+THINK_TAGS = ("<think>", "</think>")
+THINKING_SPEC = TinyModelSpec(arch="qwen2", num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2,
+                              vocab_size=512, seed=3)
+THINKING_CHAT_TEMPLATE = TOOLS_CHAT_TEMPLATE.replace(
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}",
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+    "{%- endif %}")
+"""TOOLS_CHAT_TEMPLATE with Qwen3's switch: enable_thinking false writes an empty think block
+into the prompt (the model then answers at once)."""
+THINK_END_WEIGHT = 0.5
+"""The LM head's row of `</think>`: this times the unit mean direction of the model's last hidden
+states over a chat prompt, so that a random model writes `</think>` after a few dozen tokens of most
+seeds (and rarely twice): served tests then see reasoning end and content follow."""
+
+
+def build_thinking_model(out_dir: Path) -> Path:
+    """A tiny Qwen-style model whose tokenizer has `<think>` and `</think>` as plain added tokens (as
+    Qwen3's and DeepSeek-R1's do), with THINKING_CHAT_TEMPLATE, for reasoning parser tests."""
+    import torch
+
+    from splitserve.engine.tiny_model import build_tokenizer, random_model, write_model_dir
+
+    spec = THINKING_SPEC
+    tokenizer = build_tokenizer(spec.vocab_size - len(THINK_TAGS), spec.seed, spec.arch)
+    tokenizer.add_tokens(list(THINK_TAGS))
+    tokenizer.chat_template = THINKING_CHAT_TEMPLATE
+    tokenizer.model_max_length = spec.max_position_embeddings
+    model = random_model(spec, tokenizer)
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Why?"}], add_generation_prompt=True,
+                                           return_tensors="pt", return_dict=True)["input_ids"]  # [1, P]
+    with torch.no_grad():
+        hidden = model(prompt, output_hidden_states=True).hidden_states[-1][0]  # [P, hidden_size]
+        direction = hidden.mean(0)
+        model.lm_head.weight[tokenizer.convert_tokens_to_ids(THINK_TAGS[1])] = \
+            THINK_END_WEIGHT * direction / direction.norm()
+    return write_model_dir(out_dir, model, tokenizer)

@@ -310,13 +310,14 @@ class ServedApis:
 def served_apis(model_dir: Path, model_name: str, api_key: str | None = None,
                 served_class: type[ServedApis] = ServedApis, tls=None, aliases: tuple[str, ...] = (),
                 cors_allowed_origins: tuple[str, ...] = ("*",), tool_call_parser: str | None = None,
-                **cluster_options):
+                reasoning_parser: str | None = None, **cluster_options):
     """Start the cluster (InProcessCluster options: routing, slo, ...) and the router's servers as
     the local launcher does (deploy/router_app.py: gRPC and HTTP on free loopback ports over one
     TokenizerPool, the router's metrics on the HTTP API; over TLS with a router.tls.TlsConfig);
     everything is stopped on the way out. Requests may also name the model by `aliases`; browsers may call
     the HTTP API from `cors_allowed_origins` (router.cors_allowed_origins); `tool_call_parser` turns auto
-    tool choice on with that parser (router.enable_auto_tool_choice, router.tool_call_parser)."""
+    tool choice on with that parser (router.enable_auto_tool_choice, router.tool_call_parser);
+    `reasoning_parser` splits chat outputs into reasoning and content (router.reasoning_parser)."""
     from splitserve.common.slo import SloConfig
     from splitserve.deploy.cluster_config import RouterConfig
     from splitserve.deploy.router_app import start_servers
@@ -327,7 +328,8 @@ def served_apis(model_dir: Path, model_name: str, api_key: str | None = None,
     cluster = InProcessCluster(model_dir, observer=metrics.observe, **cluster_options)
     loop.run(cluster.__aenter__())
     config = RouterConfig(grpc_port=0, http_port=0, metrics_port=None, tls=tls, cors_allowed_origins=cors_allowed_origins,
-                          enable_auto_tool_choice=tool_call_parser is not None, tool_call_parser=tool_call_parser)
+                          enable_auto_tool_choice=tool_call_parser is not None, tool_call_parser=tool_call_parser,
+                          reasoning_parser=reasoning_parser)
     servers = loop.run(start_servers(cluster.orchestrator, cluster.tokenizer, config, model_name, metrics, api_key,
                                      aliases))
     try:

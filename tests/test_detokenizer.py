@@ -38,8 +38,10 @@ class Streamed:
         return "".join(self.deltas[:-1])
 
 
-def stream(tokenizer, token_ids: list[int], stop=(), prompt=(1, 2, 3), skip_special_tokens=True) -> Streamed:
-    detokenizer = IncrementalDetokenizer(tokenizer.backend_tokenizer, list(prompt), tuple(stop), skip_special_tokens)
+def stream(tokenizer, token_ids: list[int], stop=(), prompt=(1, 2, 3), skip_special_tokens=True,
+           include_stop=False) -> Streamed:
+    detokenizer = IncrementalDetokenizer(tokenizer.backend_tokenizer, list(prompt), tuple(stop), skip_special_tokens,
+                                         include_stop)
     deltas, matched, consumed = [], None, 0
     for token_id in token_ids:
         matched = detokenizer.append(token_id)
@@ -194,6 +196,20 @@ def test_hold_back_is_exactly_the_longest_stop_minus_one(tokenizer):
     assert detokenizer.take_delta(finished=True) == "e old m"  # the flush returns exactly the rest
     assert detokenizer.take_delta(finished=True) == ""
     assert streamed + "e old m" == text == detokenizer.output_text
+
+
+@pytest.mark.parametrize("text, stops, expected", [
+    ("the river runs by the old mill and the old mill again", ("old mill",), "the river runs by the old mill"),
+    ("ab😀cd", ("😀", "b😀", "😀c"), "ab😀"),
+    ("alpha beta gamma delta", ("delta", "beta"), "alpha beta"),
+])
+def test_include_stop_keeps_the_stop_string_and_cuts_what_follows_it(tokenizer, text, stops, expected):
+    result = stream(tokenizer, tokenizer.encode(text), stop=stops, include_stop=True)
+    assert (result.detokenizer.output_text, "".join(result.deltas)) == (expected, expected)
+    assert result.matched is not None and expected.endswith(result.matched)
+    # nothing held back: each step streams all the text it decoded (up to the stop)
+    before_match = "".join(result.deltas[:result.num_consumed - 1])
+    assert before_match == stream(tokenizer, tokenizer.encode(text)[:result.num_consumed - 1]).detokenizer.output_text
 
 
 def test_take_delta_without_new_text_is_empty(tokenizer):

@@ -82,7 +82,8 @@ def test_the_limits_of_the_served_model():
     assert make_request_limits() == RequestLimits(
         max_model_len=MAX_MODEL_LEN, vocab_size=512, max_prompt_bytes=(MAX_MODEL_LEN - 1) * tokenizer_bytes,
         max_chat_messages=1024, max_stop_strings=64, max_stop_string_chars=1024, max_stop_token_ids=1024,
-        max_request_id_chars=256, max_tools=128, max_tools_bytes=524288)
+        max_request_id_chars=256, max_tools=128, max_tools_bytes=524288, max_logit_bias=1024,
+        max_allowed_token_ids=262144, max_bad_words=128, max_bad_word_chars=1024)
     assert RequestLimits.for_model(100, 512, 13, max_prompt_bytes=5000).max_prompt_bytes == 5000
     assert prompt_bytes_bound(MAX_MODEL_LEN, tokenizer_bytes) == 26611
 
@@ -96,6 +97,8 @@ def test_the_served_limits_come_from_the_workers_and_the_vocabulary(served):
     ({"max_model_len": 0}, "max_model_len must be >= 1, got 0"),
     ({"max_stop_strings": 65}, "max_stop_strings must be in [0, 64] (SamplingParams' own limit), got 65"),
     ({"max_stop_token_ids": -1}, "max_stop_token_ids must be in [0, 1024] (SamplingParams' own limit), got -1"),
+    ({"max_logit_bias": 1025}, "max_logit_bias must be in [0, 1024] (SamplingParams' own limit), got 1025"),
+    ({"max_bad_words": 129}, "max_bad_words must be in [0, 128] (SamplingParams' own limit), got 129"),
 ])
 def test_invalid_limits_are_refused(fields, message):
     with pytest.raises(ValueError) as error:
@@ -107,9 +110,11 @@ def test_a_stricter_table_is_applied_as_it_is():
     """Counts below SamplingParams' own limits, which the table may lower but not raise."""
     from splitserve.common.sampling_params import SamplingParams
 
-    limits = make_request_limits(max_stop_strings=2, max_stop_token_ids=1)
+    limits = make_request_limits(max_stop_strings=2, max_stop_token_ids=1, max_logit_bias=1)
     for params, message in ((SamplingParams(stop=("a", "b", "c")), "stop: must hold at most 2 strings, got 3"),
-                            (SamplingParams(stop_token_ids=(1, 2)), "stop_token_ids: must hold at most 1 ids, got 2")):
+                            (SamplingParams(stop_token_ids=(1, 2)), "stop_token_ids: must hold at most 1 ids, got 2"),
+                            (SamplingParams(logit_bias={1: 1.0, 2: 1.0}),
+                             "logit_bias: must hold at most 1 entries, got 2")):
         with pytest.raises(InvalidRequestError) as error:
             limits.check_sampling(params, None)
         assert str(error.value) == message
@@ -165,6 +170,18 @@ CASES = [
     Case("vocab_size (stop_token_ids 2**40)", {"triton": "stop_token_ids", "completions": "stop_token_ids",
                                                "chat": "stop_token_ids"},  # gRPC's ids are int32
          f"must be below the vocabulary size 512, got [{2**40}]", sampling={"stop_token_ids": [2**40]}),
+    Case("max_logit_bias", dict.fromkeys(SAMPLING_APIS, "logit_bias"), "must hold at most 1024 entries, got 1025",
+         sampling={"logit_bias": dict.fromkeys(range(1025), 1.0)}),
+    Case("vocab_size (logit_bias)", dict.fromkeys(SAMPLING_APIS, "logit_bias"),
+         "token_id(s) [512] in logit_bias contain out-of-vocab token ids. Vocabulary size: 512",
+         sampling={"logit_bias": {3: 1.0, 512: 1.0}}),
+    Case("vocab_size (allowed_token_ids)", dict.fromkeys(SAMPLING_APIS, "allowed_token_ids"),
+         "token_id(s) [600] in allowed_token_ids contain out-of-vocab token ids. Vocabulary size: 512",
+         sampling={"allowed_token_ids": [3, 600]}),
+    Case("max_bad_words", dict.fromkeys(SAMPLING_APIS, "bad_words"), "must hold at most 128 entries, got 129",
+         sampling={"bad_words": [f"w{i}" for i in range(129)]}),
+    Case("max_bad_word_chars", dict.fromkeys(SAMPLING_APIS, "bad_words"),
+         "each must be at most 1024 characters, got one of 1025", sampling={"bad_words": ["ok", "x" * 1025]}),
     Case("max_model_len (max_tokens)", dict.fromkeys(SAMPLING_APIS, "max_tokens"),
          f"must be below max_model_len 2048 (the prompt takes at least one token), got {2**31 - 1}",
          sampling={"max_tokens": 2**31 - 1}),
@@ -427,6 +444,52 @@ def test_a_full_tokenization_pool_refuses_and_a_cancelled_job_frees_its_place(ti
     assert rejections == ["tokenizer_busy"]
     assert (inline, running, again) == (tuple(real_encode("hi")), tuple(real_encode("the r")),
                                         tuple(real_encode("the r")))
+
+
+@pytest.mark.parametrize(("reasoning", "on_loop"), [("Hm.", [True]), ("Let me think. " * 100, [False])])
+def test_a_chat_with_a_long_reasoning_in_its_history_is_rendered_in_the_pool(tiny_llama_dir, reasoning, on_loop):
+    """An assistant message's reasoning is rendered by templates that show earlier reasoning: it
+    counts toward the size (INLINE_MAX_CHARS) past which a chat is the pool's work. Before, a
+    1400-character reasoning beside short contents was rendered and tokenized on the event loop."""
+    tokenizer = RouterTokenizer.from_model_dir(tiny_llama_dir)
+    real_render, on_loops = tokenizer.render_chat_template, []
+
+    def render(*args):
+        on_loops.append(_has_running_loop())
+        return real_render(*args)
+
+    tokenizer.render_chat_template = render
+    pool = TokenizerPool(tokenizer, make_request_limits(), [].append)
+    messages = [{"role": "user", "content": "Why?"},
+                {"role": "assistant", "content": "4.", "reasoning": reasoning, "reasoning_content": reasoning},
+                {"role": "user", "content": "Why?"}]
+    asyncio.run(pool.apply_chat_template(messages, True))
+    pool.close()
+    assert on_loops == on_loop
+
+
+@pytest.mark.parametrize(("words", "on_loop"), [(["mill", "river"], True),
+                                                 ([f"word{i} " * 60 for i in range(4)], False)])
+def test_bad_words_over_the_inline_size_are_tokenized_in_the_pool(tiny_llama_dir, words, on_loop):
+    """bad_words may be 128 words of 1024 characters, each encoded twice: more than INLINE_MAX_CHARS
+    together (here 1440) is the pool's work, as a long prompt is; a few short words stay on the loop.
+    Before, every bad word was tokenized on the router's event loop."""
+    tokenizer = RouterTokenizer.from_model_dir(tiny_llama_dir)
+    real_encode, on_loops = tokenizer.encode, []
+
+    def encode(text, add_special_tokens=True):
+        on_loops.append(_has_running_loop())
+        return real_encode(text, add_special_tokens)
+
+    tokenizer.encode = encode
+    pool = TokenizerPool(tokenizer, make_request_limits(), [].append)
+    from splitserve.common.sampling_params import SamplingParams
+
+    tokenized = asyncio.run(pool.tokenize_bad_words(SamplingParams(bad_words=words)))
+    pool.close()
+    expected = SamplingParams(bad_words=words).with_bad_words_tokenized(lambda text: real_encode(text, False))
+    assert set(on_loops) == {on_loop} and len(on_loops) == 2 * len(words)
+    assert tokenized.bad_words_token_ids == expected.bad_words_token_ids
 
 
 @pytest.mark.parametrize(("values", "on_loop"), [(3000, [False]), (3, [True])])

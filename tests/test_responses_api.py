@@ -74,13 +74,22 @@ def parse(**fields):
 _NOT_STORED = "is not supported by this server: responses are not stored (send the whole conversation as input)"
 
 
+def test_logit_bias_and_include_stop_str_in_output_pass_to_the_chat_request():
+    """vLLM's Responses endpoint takes both (OpenAI's has neither): they mean what they mean on chat."""
+    sampling = parse(logit_bias={"7": -2.5}, include_stop_str_in_output=True).chat.sampling
+    assert (sampling.logit_bias, sampling.include_stop_str_in_output) == (((7, -2.5),), True)
+
+
 @pytest.mark.parametrize(("fields", "field", "message"), [
     ({"store": True}, "store", f"{_NOT_STORED}; send store false or leave it out (got true)"),
     ({"previous_response_id": "resp_1"}, "previous_response_id", f'{_NOT_STORED} (got "resp_1")'),
     ({"background": True}, "background",
      "is not supported by this server: no background mode (responses are not stored) (got true)"),
-    ({"reasoning": {"effort": "low"}}, "reasoning",
-     'is not supported by this server: no reasoning parser (got {"effort": "low"})'),
+    ({"reasoning": "low"}, "reasoning", 'must be an object {effort, summary}, got "low"'),
+    ({"reasoning": {"effort": "huge"}}, "reasoning.effort",
+     'must be one of none, minimal, low, medium, high, xhigh, max, got "huge"'),
+    ({"reasoning": {"summary": "long"}}, "reasoning.summary", 'must be one of auto, concise, detailed, got "long"'),
+    ({"reasoning": {"budget": 9}}, "reasoning.budget", "is not a reasoning option (effort, summary)"),
     ({"include": ["reasoning.encrypted_content"]}, "include",
      "is not supported by this server: no extra output data (logprobs, reasoning, tool sources) is implemented "
      '(got ["reasoning.encrypted_content"])'),
@@ -101,8 +110,12 @@ _NOT_STORED = "is not supported by this server: responses are not stored (send t
                 {"type": "function_call", "call_id": "c2", "name": "get_weather", "arguments": "{oops"}]},
      "input[2].arguments", "is not valid JSON: Expecting property name enclosed in double quotes: line 1 column 2 "
                            "(char 1)"),
-    ({"input": [{"role": "user", "content": "x"}, {"type": "reasoning", "summary": []}]}, "input[1].type",
-     'only message, function_call and function_call_output items are supported, got "reasoning"'),
+    ({"input": [{"role": "user", "content": "x"}, {"type": "item_reference", "id": "rs_1"}]}, "input[1].type",
+     'only message, reasoning, function_call and function_call_output items are supported, got "item_reference"'),
+    ({"input": [{"type": "reasoning", "summary": [], "encrypted_content": "gAAA"}]}, "input[0].encrypted_content",
+     "is not supported (this server never encrypts reasoning; send its content)"),
+    ({"input": [{"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text"}]}]}, "input[0].content",
+     'must be a list of {type, text} parts, got [{"type": "reasoning_text"}]'),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0]",
      'only input_text, output_text and refusal parts are supported (text models only), got {"type": '
      '"input_image", "image_url": "x"}'),
@@ -115,7 +128,9 @@ _NOT_STORED = "is not supported by this server: responses are not stored (send t
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format",
      'json_schema must be an object with a "schema", got {"name": "x"}'),
     ({"temperature": -1}, "temperature", "must be a finite number >= 0, got -1"),
-    ({"logit_bias": {"1": 2}}, "logit_bias", 'is not supported by this server: not implemented (got {"1": 2})'),
+    ({"logit_bias": {"x": 2}}, "logit_bias", "contains key(s) that cannot be converted to integer token IDs: ['x']"),
+    ({"logit_bias": {"512": 2}}, "logit_bias",
+     "token_id(s) [512] in logit_bias contain out-of-vocab token ids. Vocabulary size: 512"),
     ({"structured_outputs": {"regex": "a"}, "text": {"format": {"type": "json_object"}}}, "structured_outputs",
      "only one structured output field may be set, got response_format, structured_outputs"),
 ])

@@ -14,6 +14,7 @@ from tests.factories import make_sampling_row
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine import sampler
 from splitserve.engine.sampler import Sampler, SamplingRow, draw, filtered_probs, penalized, token_counts
+from splitserve.engine.structured_output.bitmask import TokenBitmask
 from splitserve.testing import sampler_oracle as oracle
 
 ORACLE_SETTINGS = settings(max_examples=300, deadline=None, derandomize=True, database=None)
@@ -433,7 +434,22 @@ def sampling_params(vocab_size: int) -> st.SearchStrategy[SamplingParams]:
         repetition_penalty=st.one_of(st.just(1.0), st.floats(0.25, 4.0)),
         frequency_penalty=penalty, presence_penalty=penalty,
         seed=st.one_of(st.none(), st.integers(0, 3)),
-        logprobs=st.one_of(st.none(), st.integers(0, min(vocab_size, 5))))
+        logprobs=st.one_of(st.none(), st.integers(0, min(vocab_size, 5))),
+        **logit_controls(vocab_size))
+
+
+def logit_controls(vocab_size: int) -> dict[str, st.SearchStrategy]:
+    """logit_bias, allowed_token_ids and bad words, each often absent. Token 0 stays possible (always
+    allowed, never a bad word's last token) so that a "masked" row keeps a finite logit; ids may be
+    out of the vocabulary (the sampler skips them; the APIs refuse them)."""
+    token = st.integers(0, vocab_size + 1)
+    bias = st.one_of(st.sampled_from([-100.0, 100.0, 0.0]), st.floats(-100.0, 100.0))
+    word_end = st.integers(1, vocab_size - 1) if vocab_size > 1 else st.nothing()
+    word = st.builds(lambda prefix, last: (*prefix, last), st.lists(st.integers(0, vocab_size - 1), max_size=2),
+                     word_end)
+    return {"logit_bias": st.one_of(st.just({}), st.dictionaries(token, bias, max_size=6)),
+            "allowed_token_ids": st.one_of(st.none(), st.lists(token, max_size=5).map(lambda ids: [0, *ids])),
+            "bad_words_token_ids": st.one_of(st.just(()), st.lists(word, max_size=3))}
 
 
 @st.composite
@@ -518,3 +534,76 @@ def test_banned_tokens_are_never_sampled_greedy_or_not():
     rows = [SamplingRow(hot.params, [], 0, torch.Generator().manual_seed(seed), banned_token_ids=(1, 2))
             for seed in range(50)]
     assert set(Sampler()(logits[:1].expand(50, 4), rows).token_ids) == {0, 3}
+
+
+# ---- logit controls: logit_bias, allowed_token_ids, bad words -----------------------------------
+
+def test_logit_controls_mask_then_bias_before_penalties():
+    logits = torch.arange(1.0, 11.0)
+    params = SamplingParams(allowed_token_ids=[0, 1, 2, 4], logit_bias={"1": 2.5, 3: 100, 4: -1.0},
+                            bad_words_token_ids=[(7, 2), (9, 0)], repetition_penalty=2.0)
+    row = make_sampling_row(params, prompt=[9], output=[4, 7])
+    # 3 and 5-9 outside the allowed ids, 2 a bad word after 7 (the word after 9 does not match: 9 is the
+    # prompt's); then 2 + 2.5 and 5 - 1 = 4, divided by 2 (token 4 was seen)
+    assert penalized_row(logits, row).tolist() == [1.0, 4.5, -math.inf, -math.inf, 2.0] + [-math.inf] * 5
+
+
+def test_a_one_token_bad_word_is_always_banned_and_a_longer_one_only_after_its_prefix():
+    logits = torch.zeros(5)
+    params = SamplingParams(bad_words_token_ids=[(3,), (1, 2, 4)])
+    assert penalized_row(logits, make_sampling_row(params, output=[1, 2])).tolist() == [0, 0, 0, -math.inf, -math.inf]
+    assert penalized_row(logits, make_sampling_row(params, output=[2, 1])).tolist() == [0, 0, 0, -math.inf, 0]
+    assert penalized_row(logits, make_sampling_row(params, prompt=[1], output=[2])).tolist() == [0, 0, 0, -math.inf, 0]
+
+
+def test_greedy_with_a_logit_bias_takes_the_biased_token():
+    logits = torch.tensor([[3.0, 9.0, -2.0, 0.5]])
+    row = make_sampling_row(SamplingParams(temperature=0.0, logit_bias={2: 100.0}))
+    assert Sampler()(logits, [row]).token_ids == [2]
+    assert Sampler()(logits, [make_sampling_row(SamplingParams(temperature=0.0, logit_bias={1: -100.0}))]
+                     ).token_ids == [0]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0, 50.0])
+def test_sampled_tokens_stay_in_the_allowed_ids_and_avoid_bad_words(temperature):
+    logits = torch.randn(64, 40, generator=torch.Generator().manual_seed(1)) * 3
+    params = SamplingParams(temperature=temperature, allowed_token_ids=[3, 5, 8, 13, 21],
+                            bad_words_token_ids=[(13,), (5, 8)])
+    rows = [make_sampling_row(params, output=[5], seed=seed) for seed in range(64)]
+    token_ids = Sampler()(logits, rows).token_ids
+    # 13 is always a bad word, 8 one after 5
+    candidates = torch.tensor([3, 5, 21])
+    if temperature == 0.0:
+        assert token_ids == candidates[logits[:, candidates].argmax(dim=-1)].tolist()
+    else:
+        assert set(token_ids) == {3, 5, 21}
+
+
+def test_seeded_rows_with_logit_controls_do_not_depend_on_batch_mates():
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(2))
+    params = SamplingParams(temperature=0.9, top_p=0.8, seed=11, logit_bias={7: 4.0, 9: -3.0},
+                            allowed_token_ids=list(range(0, 50, 2)), bad_words_token_ids=[(1, 2), (4,)])
+    mates = [SamplingParams(temperature=0.0, logit_bias={0: 50.0}), SamplingParams(top_k=3, seed=5),
+             SamplingParams(allowed_token_ids=[1], presence_penalty=1.0)]
+    alone = Sampler()(logits[:1], [make_sampling_row(params, output=[1])]).token_ids[0]
+    for position in range(4):
+        batch = [make_sampling_row(p, output=[1]) for p in mates]
+        batch.insert(position, make_sampling_row(params, output=[1]))
+        batch_logits = torch.cat([logits[1:position + 1], logits[:1], logits[position + 1:]])
+        assert Sampler()(batch_logits, batch).token_ids[position] == alone
+
+
+@ORACLE_SETTINGS
+@given(batch=batches(st.sampled_from([7, 64])), seed=st.integers(0, 2 ** 16))
+def test_grammar_masks_compose_with_logit_controls_as_in_the_per_row_reference(batch, seed):
+    rows, vocab_size = batch
+    logits = step_logits("plain", len(rows), vocab_size, seed)
+    bits = torch.rand(len(rows), vocab_size, generator=torch.Generator().manual_seed(seed)) < 0.6
+    bits[:, 0] = True  # the grammar always allows token 0 (so do the controls): no row is all -inf
+    words = torch.zeros(len(rows), (vocab_size + 31) // 32, dtype=torch.int64)
+    for column in range(vocab_size):
+        words[:, column // 32] |= bits[:, column].long() << (column % 32)
+    grammar = TokenBitmask(tuple(range(len(rows))), words.to(torch.int32))
+    references = reference_rows(rows)
+    expected = oracle.Sampler()(grammar.applied_to(logits), references)
+    assert Sampler()(logits, rows, grammar).token_ids == expected.token_ids

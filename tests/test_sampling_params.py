@@ -30,6 +30,13 @@ INVALID = [
     # ints beyond a float's range (a JSON body may carry any integer): rejected, not an OverflowError
     ("temperature", 10**400), ("top_p", 10**309), ("min_p", -10**400), ("repetition_penalty", 10**309),
     ("frequency_penalty", 10**400), ("presence_penalty", -10**309),
+    ("logit_bias", {"a": 1.0}), ("logit_bias", {"1.5": 1.0}), ("logit_bias", {1.0: 1.0}), ("logit_bias", {True: 1}),
+    ("logit_bias", {1: 100.01}), ("logit_bias", {1: -101}), ("logit_bias", {1: math.nan}), ("logit_bias", {1: "1"}),
+    ("logit_bias", [1, 2]), ("logit_bias", 5), ("logit_bias", dict.fromkeys(range(1025), 1.0)),
+    # keys whose sign or length int() refuses: a 400, not a ValueError escaping as a 500
+    ("logit_bias", {"+-5": 1.0}), ("logit_bias", {"--5": 1.0}), ("logit_bias", {"1" * 5000: 1.0}),
+    ("allowed_token_ids", []), ("allowed_token_ids", ["1"]), ("allowed_token_ids", [1.0]), ("allowed_token_ids", 3),
+    ("bad_words", [""]), ("bad_words", [["a"]]), ("bad_words", [3]), ("bad_words", None),
 ]
 
 
@@ -141,3 +148,45 @@ def test_replace_revalidates():
     with pytest.raises(InvalidRequestError) as error:
         dataclasses.replace(params, top_p=0.0)
     assert error.value.field == "top_p"
+
+
+def test_logit_bias_normalizes_to_sorted_integer_pairs():
+    """JSON's string keys (vLLM converts them with int(): a sign and surrounding spaces are fine)."""
+    params = SamplingParams(logit_bias={"7": 1.5, 3: -100, " +12 ": 100.0})
+    assert params.logit_bias == ((3, -100), (7, 1.5), (12, 100.0))
+    assert SamplingParams(logit_bias=params.logit_bias) == params  # pairs, as dataclasses.replace passes them
+    assert dataclasses.replace(params, seed=1).logit_bias == params.logit_bias
+
+
+def test_logit_control_ids_are_checked_against_the_vocabulary_with_vllms_message():
+    SamplingParams(logit_bias={511: 1}, allowed_token_ids=[0, 511]).check_logit_control_vocabulary(512)
+    for params, field, ids in ((SamplingParams(logit_bias={-1: 1, 512: 2}), "logit_bias", [-1, 512]),
+                               (SamplingParams(allowed_token_ids=[5, 600]), "allowed_token_ids", [600]),
+                               (SamplingParams(bad_words_token_ids=[(3, 512)]), "bad_words", [512])):
+        with pytest.raises(InvalidRequestError) as error:
+            params.check_logit_control_vocabulary(512)
+        assert (error.value.field, error.value.message) == (
+            field, f"token_id(s) {ids} in {field} contain out-of-vocab token ids. Vocabulary size: 512")
+
+
+@pytest.mark.parametrize("value", [[()], [("a",)], [(1,)] * 129])
+def test_bad_token_sequences_are_refused_naming_bad_words(value):
+    """bad_words_token_ids come from bad_words: an error names the field the client sent."""
+    with pytest.raises(InvalidRequestError) as error:
+        SamplingParams(bad_words_token_ids=value)
+    assert error.value.field == "bad_words"
+
+
+def test_bad_words_are_tokenized_bare_and_after_a_space_as_vllm_does():
+    """vLLM's update_from_tokenizer: each word left-stripped, and with a leading space when that is
+    another sequence of the same length; repeated words once."""
+    vocab = {"mill": [10], " mill": [11], "old mill": [20, 10], " old mill": [21, 11], "a b": [1, 2, 3],
+             " a b": [4, 5]}
+    params = SamplingParams(bad_words=["mill", " old mill", "a b", "mill"]).with_bad_words_tokenized(vocab.__getitem__)
+    assert params.bad_words == ("mill", " old mill", "a b")
+    assert params.bad_words_token_ids == ((10,), (11,), (20, 10), (21, 11), (1, 2, 3))
+    with pytest.raises(InvalidRequestError, match="^bad_words: entries must tokenize to at least one token, got 'x'"):
+        SamplingParams(bad_words=["x"]).with_bad_words_tokenized(lambda text: [])
+    many = SamplingParams(bad_words=[f"w{i}" for i in range(65)])
+    with pytest.raises(InvalidRequestError, match="^bad_words: tokenize to 130 token sequences; at most 128$"):
+        many.with_bad_words_tokenized(lambda text: [len(text), 1])

@@ -14,9 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from splitserve.deploy.cli import TOOL_CALL_PARSER_NAMES, build_parser, human_int, main as cli_main, serve_config
+from splitserve.deploy.cli import REASONING_PARSER_NAMES, TOOL_CALL_PARSER_NAMES, build_parser, human_int, main as cli_main, serve_config
 from splitserve.deploy.cluster_config import DEFAULT_DECODE_ENGINE, DEFAULT_PREFILL_ENGINE
 from splitserve.deploy.local import BoundPorts, root_cause, serving_banner, splitserve_command
+from splitserve.router.reasoning_parsers import REASONING_PARSERS
 from splitserve.router.tool_parsers import TOOL_CALL_PARSERS
 
 CHAT_TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
@@ -32,6 +33,12 @@ def test_tool_calling_flags_are_vllms():
     parser_only = parse("/models/m", "--tool-call-parser", "llama3_json").router
     assert (parser_only.tool_call_parser, parser_only.auto_tool_call_parser) == ("llama3_json", None)
     assert TOOL_CALL_PARSER_NAMES == tuple(TOOL_CALL_PARSERS)
+
+
+def test_the_reasoning_parser_flag_is_vllms():
+    assert (parse("/models/m", "--reasoning-parser", "deepseek_r1").router.reasoning_parser,
+            parse("/models/m").router.reasoning_parser) == ("deepseek_r1", None)
+    assert REASONING_PARSER_NAMES == tuple(REASONING_PARSERS)
 
 
 def test_every_vllm_flag_sets_both_pools_engines_and_the_router(tmp_path):

@@ -113,7 +113,9 @@ def test_greedy_output_is_identical_with_and_without_speculation(tiny_llama_dir,
     SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, repetition_penalty=1.3, frequency_penalty=0.4,
                    presence_penalty=0.2),
     SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, min_tokens=10, logprobs=3),
-], ids=["penalties", "min-tokens-logprobs"])
+    SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, logit_bias={5: 3.0, 17: -4.0, 40: 2.5},
+                   allowed_token_ids=tuple(range(0, 300, 2)), bad_words_token_ids=((40, 40), (8,), (6, 4, 12))),
+], ids=["penalties", "min-tokens-logprobs", "logit-controls"])
 def test_greedy_identity_holds_with_penalties_min_tokens_and_logprobs(tiny_llama_dir, params):
     prompts = _prompts(3, 12)
     expected = _run(EngineCore(tiny_llama_dir, BASE), prompts, params)
@@ -320,6 +322,18 @@ def test_a_seeded_sampled_request_emits_the_same_tokens_with_or_without_speculat
     not depend on whether it speculated, so neither on batch mates that turn speculation off (a batch above
     disable_above_batch_size) nor on how many drafts a step verified."""
     params = SamplingParams(temperature=0.2, seed=42, max_tokens=32, ignore_eos=True)
+    _assert_seeded_speculation_identity(tiny_llama_dir, proposer, params)
+
+
+def test_logit_controls_give_the_same_seeded_tokens_with_or_without_speculation(tiny_llama_dir):
+    """The verified distribution gets the same logit controls as the sampler (engine/spec_decode/verifier.py
+    uses its penalized()), bad words over the drafts before each position included."""
+    params = SamplingParams(temperature=0.2, seed=42, max_tokens=32, ignore_eos=True, logit_bias={2: 1.5, 9: -2.0},
+                            allowed_token_ids=tuple(range(1, 400, 3)), bad_words_token_ids=((4, 10), (13,)))
+    _assert_seeded_speculation_identity(tiny_llama_dir, "ngram", params)
+
+
+def _assert_seeded_speculation_identity(tiny_llama_dir, proposer: str, params: SamplingParams) -> None:
     prompt = _prompts(1, 24)[0]
     expected = _run(EngineCore(tiny_llama_dir, BASE), [prompt], params)["r0"]
     config = replace(_proposers(tiny_llama_dir, None)[proposer], disable_above_batch_size=2, adaptive=False)

@@ -27,6 +27,25 @@ from splitserve.router.structured_output import parse_structured_output
 
 PROMPT = "def main():\n"
 REGEX = r"[a-z]{3,8}@example\.com"
+def test_a_constraint_that_starts_after_a_token_waits_for_it(llm):
+    """What a reasoning parser asks: the output is free until the gate token (its `</think>`), the
+    grammar applies from the token after it; a request added with the gate in its output starts
+    past it."""
+    matchers = llm.engine.grammars
+    gate, token_a, token_b = (llm.tokenizer.convert_tokens_to_ids(t) for t in ("!", "a", "b"))
+    constraint = StructuredOutput(StructuredOutputKind.REGEX, "ab").after_token(gate)
+    matchers.add("gated", constraint, ())
+    assert ("gated" in matchers, matchers.start_bitmask(["gated"]).result()) == (False, None)
+    assert [matchers.accept("gated", token) for token in (token_b, token_b)] == [GrammarState.OPEN] * 2
+    assert (matchers.accept("gated", gate), "gated" in matchers) == (GrammarState.OPEN, True)
+    assert matchers.accept("gated", token_b) == GrammarState.REJECTED
+    matchers.add("past", constraint, (token_b, gate, token_a))
+    assert matchers.accept("past", token_b) == GrammarState.COMPLETE
+    for request_id in ("gated", "past"):
+        matchers.remove(request_id)
+        assert request_id not in matchers
+
+
 CHOICES = ["yes", "no", "maybe"]
 INEXACT = ("(numbers must be finite integers within +-2**53, or decimals of at most 14 significant digits and 20 "
            "after the point)")

@@ -397,9 +397,10 @@ def test_cancelling_the_stream_aborts_its_requests(served):
                                     "double quotes: line 1 column 2 (char 1)"),
     (_inputs(sampling="[1]"), "sampling_parameters: must be a JSON object, got '[1]'"),
     (_inputs(sampling={"temprature": 0}), "sampling_parameters: unknown sampling parameter 'temprature'; supported: "
-                                          "frequency_penalty, ignore_eos, max_tokens, min_p, min_tokens, presence_penalty, "
-                                          "repetition_penalty, seed, skip_special_tokens, stop, stop_token_ids, "
-                                          "temperature, top_k, top_p"),
+                                          "allowed_token_ids, bad_words, frequency_penalty, ignore_eos, "
+                                          "include_stop_str_in_output, logit_bias, max_tokens, min_p, min_tokens, "
+                                          "presence_penalty, repetition_penalty, seed, skip_special_tokens, stop, "
+                                          "stop_token_ids, temperature, top_k, top_p"),
     (_inputs(sampling={"temperature": -1}), "temperature: must be a finite number >= 0, got -1.0"),
     (_inputs(sampling={"max_tokens": "ten"}), "max_tokens: must be an integer, got 'ten'"),
     (_inputs(sampling={"max_tokens": 2.5}), "max_tokens: must be an integer, got 2.5"),
@@ -512,9 +513,9 @@ def test_typed_contents_are_read_like_raw_contents():
      "parameters.sequence_id: is not supported by this server"),
     ({"inputs": [_tensor("text_input", "BYTES", bytes_contents=[b"a"])],
       "parameters": {"n": ipb.InferParameter(int64_param=2)}},
-     "parameters: unknown sampling parameter 'n'; supported: frequency_penalty, ignore_eos, max_tokens, min_p, "
-     "min_tokens, presence_penalty, repetition_penalty, seed, skip_special_tokens, stop, stop_token_ids, temperature, top_k, "
-     "top_p"),
+     "parameters: unknown sampling parameter 'n'; supported: allowed_token_ids, bad_words, frequency_penalty, "
+     "ignore_eos, include_stop_str_in_output, logit_bias, max_tokens, min_p, min_tokens, presence_penalty, "
+     "repetition_penalty, seed, skip_special_tokens, stop, stop_token_ids, temperature, top_k, top_p"),
 ])
 def test_malformed_tensors_are_refused_naming_the_input(fields, message):
     with pytest.raises(InvalidRequestError) as error:

@@ -2,8 +2,9 @@
 
 Row j of a speculating request's logits is the target's next-token distribution after its tokens and
 its first j drafts (j = 0 .. k). Each row is processed exactly as the sampler would process it
-without speculation at that point (penalties over the tokens so far, drafts included; min_tokens
-bans by the output length there; then temperature / top-k / top-p / min-p), giving p_j.
+without speculation at that point (logit controls and penalties over the tokens so far, drafts
+included; min_tokens bans by the output length there; then temperature / top-k / top-p / min-p),
+giving p_j.
 
 - Greedy: draft j is accepted while it equals argmax p_j; the first mismatch emits argmax p_j, so the
   output is token for token what non-speculative greedy decoding emits.

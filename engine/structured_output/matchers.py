@@ -5,7 +5,9 @@ The grammar engine is llguidance (torch-free, CPU): a matcher computes the set o
 grammar allows next as a bitmask, and consumes the token sampled from it. Invariant: a request's
 matcher has consumed exactly its output tokens so far (those generated elsewhere, by a prefill
 worker or a lost worker, are consumed when the request is added), so its next mask is the one for
-the next output token.
+the next output token. A constraint that starts after a token (StructuredOutput.starts_after_token:
+a reasoning parser's end tag) has no matcher until that token is accepted; its output is free till
+then, and its matcher then consumes only what follows the token.
 """
 
 from __future__ import annotations
@@ -89,6 +91,8 @@ class GrammarMatchers:
         self._executor: llguidance.LLExecutor | None = None
         self._filler: ThreadPoolExecutor | None = None
         self._matchers: dict[str, llguidance.LLMatcher] = {}
+        self._waiting: dict[str, StructuredOutput] = {}
+        """Constraints whose starts_after_token has not been generated yet, by request."""
 
     def _grammars(self) -> GrammarCache:
         if self._cache is None:
@@ -109,7 +113,15 @@ class GrammarMatchers:
 
     def add(self, request_id: str, constraint: StructuredOutput, output_token_ids: Sequence[int]) -> None:
         """Start the request's matcher, advanced over the output it already has (InvalidRequestError
-        if that output is not one the grammar allows)."""
+        if that output is not one the grammar allows). A constraint that starts after a token the
+        output does not have yet waits for it."""
+        gate = constraint.starts_after_token
+        if gate is not None:
+            if gate not in output_token_ids:
+                self._grammars().compiled(constraint)  # a grammar that cannot compile fails here, not at the gate
+                self._waiting[request_id] = constraint
+                return
+            output_token_ids = output_token_ids[list(output_token_ids).index(gate) + 1:]
         matcher = self._grammars().matcher(constraint)
         if output_token_ids and not matcher.consume_tokens(list(output_token_ids)):
             raise InvalidRequestError("output_token_ids", f"do not match the {constraint.kind.value} grammar: "
@@ -118,6 +130,7 @@ class GrammarMatchers:
 
     def remove(self, request_id: str) -> None:
         self._matchers.pop(request_id, None)
+        self._waiting.pop(request_id, None)
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._matchers
@@ -145,6 +158,10 @@ class GrammarMatchers:
         """Advance the request's matcher by its newly sampled token (OPEN for an unconstrained request)."""
         matcher = self._matchers.get(request_id)
         if matcher is None:
+            waiting = self._waiting.get(request_id)
+            if waiting is not None and token_id == waiting.starts_after_token:
+                del self._waiting[request_id]
+                self._matchers[request_id] = self._grammars().matcher(waiting)
             return GrammarState.OPEN
         if not matcher.consume_token(token_id):
             # The error may quote the client's grammar: bounded.

@@ -1,0 +1,245 @@
+"""Reasoning at the OpenAI front: a choice's output split into its reasoning (a `<think>...</think>`
+block the model writes before answering) and its content, as it streams (text in, typed deltas out)
+and whole, as vLLM's `--reasoning-parser` does.
+
+Every parser is a ReasoningParser fed the choice's text and token ids as they are generated;
+`parse_reasoning` runs the same parser over a whole output, so a stream's deltas put together equal
+the non-streamed message by construction. The split is made on the text (a tag split across deltas,
+or a delta holding text on both sides of a tag, splits where the tag is); reasoning tokens are
+counted on the token ids (the tags' own tokens, which the server requires the tokenizer to have, as
+vLLM does at startup).
+
+Where the output starts (vLLM 0.32's rules, applied alike to streamed and non-streamed output;
+vLLM's non-streamed deepseek_r1 path ignores the prompt):
+- deepseek_r1: in reasoning unless the prompt's last tag is `</think>` (a template that closed
+  the block itself, e.g. for enable_thinking false); the output's `<think>` is optional (DeepSeek-R1's
+  template puts it in the prompt).
+- qwen3: in reasoning unless chat_template_kwargs.enable_thinking is false, or the prompt's last
+  tag in the final turn (after its last `<|im_start|>` / `<|im_end|>`) is `</think>`.
+In reasoning, every `<think>` is dropped and the first `</think>` ends the reasoning; an output that
+never writes it (cut by max_tokens, say) is all reasoning and has no content. After the reasoning,
+the text is content as written (as vLLM streams it; its non-streamed qwen3 path alone drops a
+repeated `</think>`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from splitserve.common.sampling_params import SamplingParams
+from splitserve.common.structured_output import StructuredOutput
+
+THINK_START = "<think>"
+THINK_END = "</think>"
+QWEN3_TURN_BOUNDARIES = ("<|im_start|>", "<|im_end|>")
+
+
+@dataclass(frozen=True)
+class ThinkTags:
+    """The tags around reasoning and their token ids in the served model's tokenizer."""
+
+    start: str
+    end: str
+    start_id: int
+    end_id: int
+    turn_boundary_ids: frozenset[int] = frozenset()
+    """Tokens that open or close a chat turn (qwen3 reads the prompt's last turn only)."""
+
+
+@dataclass(frozen=True)
+class ReasoningDelta:
+    """What a piece of output adds to the reasoning and to the content."""
+
+    reasoning: str = ""
+    content: str = ""
+
+    def __add__(self, other: ReasoningDelta) -> ReasoningDelta:
+        return ReasoningDelta(self.reasoning + other.reasoning, self.content + other.content)
+
+
+@dataclass(frozen=True)
+class ParsedReasoning:
+    """A whole output: its reasoning and content (None when empty, as vLLM returns them)."""
+
+    reasoning: str | None
+    content: str | None
+
+
+class ReasoningParser(ABC):
+    """One choice's output, fed in pieces; `finish()` once after the last."""
+
+    def __init__(self, tags: ThinkTags, in_reasoning: bool) -> None:
+        self.tags = tags
+        self.in_reasoning = in_reasoning
+        """The text read so far ends inside the reasoning."""
+        self.reasoning_tokens = 0
+        """Output tokens before the end tag's token, start tags excluded (0 when the prompt ended
+        the reasoning)."""
+        self._counting = in_reasoning
+        self._pending = ""
+        """Text held back: a possible start of a tag."""
+
+    @classmethod
+    @abstractmethod
+    def starts_in_reasoning(cls, tags: ThinkTags, prompt_token_ids: Sequence[int],
+                            template_kwargs: Mapping[str, Any]) -> bool:
+        """Whether the output starts inside the reasoning, given the rendered prompt."""
+
+    def feed(self, text: str, token_ids: Sequence[int] = ()) -> ReasoningDelta:
+        """The delta of the next piece of output (a possible start of a tag is held until more comes)."""
+        self._count(token_ids)
+        self._pending += text
+        out = ReasoningDelta()
+        while self._pending and self.in_reasoning:
+            step = self._reasoning_step()
+            if step is None:
+                break
+            out += step
+        if not self.in_reasoning:
+            out += ReasoningDelta(content=self._pending)
+            self._pending = ""
+        return out
+
+    def finish(self) -> ReasoningDelta:
+        """What is held once the output ended: a tag's start that never completed is text."""
+        held, self._pending = self._pending, ""
+        return ReasoningDelta(reasoning=held) if self.in_reasoning else ReasoningDelta(content=held)
+
+    def _count(self, token_ids: Sequence[int]) -> None:
+        for token_id in token_ids:
+            if not self._counting:
+                return
+            if token_id == self.tags.end_id:
+                self._counting = False
+            elif token_id != self.tags.start_id:
+                self.reasoning_tokens += 1
+
+    def _reasoning_step(self) -> ReasoningDelta | None:
+        """Reasoning up to the next tag (a start tag is dropped, an end tag ends the reasoning);
+        None when the rest must wait for more text."""
+        start, end = self._pending.find(self.tags.start), self._pending.find(self.tags.end)
+        if start < 0 and end < 0:
+            held = max(_partial_tag_length(self._pending, tag) for tag in (self.tags.start, self.tags.end))
+            text, self._pending = self._pending[:len(self._pending) - held], self._pending[len(self._pending) - held:]
+            return ReasoningDelta(reasoning=text) if text else None
+        if end < 0 or 0 <= start < end:
+            text, self._pending = self._pending[:start], self._pending[start + len(self.tags.start):]
+            return ReasoningDelta(reasoning=text)
+        text, self._pending = self._pending[:end], self._pending[end + len(self.tags.end):]
+        self.in_reasoning = False
+        return ReasoningDelta(reasoning=text)
+
+
+def _partial_tag_length(text: str, tag: str) -> int:
+    """Length of the longest end of `text` that is a start of `tag`."""
+    for length in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-length:]):
+            return length
+    return 0
+
+
+def _last_tag(tags: ThinkTags, token_ids: Sequence[int], stop_at: frozenset[int]) -> int | None:
+    """The last start or end tag id of `token_ids` after the last of `stop_at`; None if there is none."""
+    for token_id in reversed(token_ids):
+        if token_id in (tags.start_id, tags.end_id):
+            return token_id
+        if token_id in stop_at:
+            return None
+    return None
+
+
+class DeepSeekR1Parser(ReasoningParser):
+    """DeepSeek-R1: `<think>` (optional: the template may have written it) reasoning `</think>` content."""
+
+    @classmethod
+    def starts_in_reasoning(cls, tags: ThinkTags, prompt_token_ids: Sequence[int],
+                            template_kwargs: Mapping[str, Any]) -> bool:
+        return _last_tag(tags, prompt_token_ids, frozenset()) != tags.end_id
+
+
+class Qwen3Parser(ReasoningParser):
+    """Qwen3: thinking unless enable_thinking is false or the prompt's last turn closed the block."""
+
+    @classmethod
+    def starts_in_reasoning(cls, tags: ThinkTags, prompt_token_ids: Sequence[int],
+                            template_kwargs: Mapping[str, Any]) -> bool:
+        if template_kwargs.get("enable_thinking", True) is False:
+            return False
+        return _last_tag(tags, prompt_token_ids, tags.turn_boundary_ids) != tags.end_id
+
+
+REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
+    "deepseek_r1": DeepSeekR1Parser,
+    "qwen3": Qwen3Parser,
+}
+"""--reasoning-parser's choices."""
+KEEPS_SPECIAL_TOKENS = frozenset({"qwen3"})
+"""Parsers that read the output with special tokens kept (vLLM's engine-based parsers turn
+skip_special_tokens off; its deepseek_r1 parser leaves it as the request says)."""
+
+
+@dataclass(frozen=True)
+class ReasoningFormat:
+    """The server's reasoning parser over its model's tokenizer."""
+
+    name: str
+    tags: ThinkTags
+
+    @classmethod
+    def for_tokenizer(cls, name: str, token_id: Callable[[str], int | None]) -> ReasoningFormat:
+        """`token_id`: a token's id by its text, None if the tokenizer has no such token (the
+        `tokenizers` Tokenizer's token_to_id). ValueError naming the missing tag otherwise (vLLM
+        refuses to start then too)."""
+        if name not in REASONING_PARSERS:
+            raise ValueError(f"reasoning parser must be one of {', '.join(REASONING_PARSERS)}, got {name!r}")
+        ids = {tag: token_id(tag) for tag in (THINK_START, THINK_END)}
+        missing = [tag for tag, token in ids.items() if token is None]
+        if missing:
+            raise ValueError(f"--reasoning-parser {name} needs the tokenizer to have the token {missing[0]}")
+        boundaries = frozenset(i for tag in QWEN3_TURN_BOUNDARIES if (i := token_id(tag)) is not None) \
+            if name == "qwen3" else frozenset()
+        return cls(name, ThinkTags(THINK_START, THINK_END, ids[THINK_START], ids[THINK_END], boundaries))
+
+    def for_request(self, prompt_token_ids: Sequence[int], template_kwargs: Mapping[str, Any],
+                    include_reasoning: bool) -> ReasoningOutput:
+        parser = REASONING_PARSERS[self.name]
+        return ReasoningOutput(self.tags, parser, parser.starts_in_reasoning(self.tags, prompt_token_ids,
+                                                                             template_kwargs),
+                               include_reasoning, self.name in KEEPS_SPECIAL_TOKENS)
+
+
+@dataclass(frozen=True)
+class ReasoningOutput:
+    """How one request's choices are split into reasoning and content."""
+
+    tags: ThinkTags
+    parser: type[ReasoningParser]
+    starts_in_reasoning: bool
+    include_reasoning: bool
+    """False: the reasoning is dropped from the response (vLLM's include_reasoning)."""
+    keeps_special_tokens: bool = False
+
+    def new_parser(self) -> ReasoningParser:
+        return self.parser(self.tags, self.starts_in_reasoning)
+
+    def sampling(self, params: SamplingParams) -> SamplingParams:
+        """The request's sampling as the parser needs it: special tokens kept for a parser that reads
+        them, and a structured output constraint that starts after the reasoning (vLLM's: the grammar
+        applies from the end tag on; from the first token when the reasoning is not returned, or
+        the prompt ended it)."""
+        if self.keeps_special_tokens:
+            params = dataclasses.replace(params, skip_special_tokens=False)
+        constraint = params.structured_output
+        if constraint is None or not self.starts_in_reasoning or not self.include_reasoning:
+            return params
+        return dataclasses.replace(params, structured_output=constraint.after_token(self.tags.end_id))
+
+
+def parse_reasoning(parser: ReasoningParser, text: str, token_ids: Sequence[int] = ()) -> ParsedReasoning:
+    """A whole output through `parser` (fresh)."""
+    delta = parser.feed(text, token_ids) + parser.finish()
+    return ParsedReasoning(delta.reasoning or None, delta.content or None)
