@@ -4,6 +4,8 @@ prompt's forward (fp32, tiny Llama)."""
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import math
 
 import pytest
@@ -12,6 +14,7 @@ import torch
 from tests.factories import _hf_model, assert_pool_idle
 from splitserve.common.errors import InvalidRequestError
 from splitserve.engine import LLM, SamplingParams
+from splitserve.testing.in_process_cluster import InProcessCluster, worker_engine_config
 
 PROMPT = list(range(3, 103))  # 100 tokens
 
@@ -108,3 +111,22 @@ def test_out_of_range_counts_are_refused(value):
     with pytest.raises(InvalidRequestError, match="prompt_logprobs"):
         SamplingParams(prompt_logprobs=value)
 
+
+@pytest.mark.parametrize(("mode", "layerwise"), [("disaggregated", False), ("disaggregated", True),
+                                                 ("colocated", False)])
+def test_the_cluster_returns_the_single_engines_with_the_first_chunk(tiny_llama_dir, mode, layerwise):
+    """Disaggregated, the prefill worker computes the prompt and returns them with its first token
+    (PrefillResult, also with layer-wise transfer); colocated, the decode worker with its first
+    delta (TokenDelta)."""
+    config = worker_engine_config()
+    single = LLM(tiny_llama_dir, **{f.name: getattr(config, f.name) for f in dataclasses.fields(config)})
+    expected = single.generate([PROMPT], params(4, max_tokens=6))[0]
+
+    async def generate():
+        async with InProcessCluster(tiny_llama_dir, mode=mode, layerwise=layerwise) as cluster:
+            return await cluster.generate("scored", PROMPT, params(4, max_tokens=6))
+
+    chunks = asyncio.run(generate())
+    assert chunks[0].prompt_logprobs == tuple(expected.prompt_logprobs)
+    assert all(chunk.prompt_logprobs is None for chunk in chunks[1:])
+    assert [t for chunk in chunks for t in chunk.token_ids] == expected.token_ids
