@@ -21,7 +21,7 @@ COMMON_HANDLED = frozenset({
     "model", "frequency_penalty", "presence_penalty", "logprobs", "max_tokens", "n", "seed", "stop", "stream",
     "stream_options", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "stop_token_ids",
     "ignore_eos", "min_tokens", "skip_special_tokens", "add_special_tokens", "return_tokens_as_token_ids",
-    "request_id",
+    "request_id", "prompt_logprobs",
     # No effect on the output, by definition: an end-user id for abuse monitoring and a session
     # id that only steers routing (vLLM ignores both too); render-endpoint options that vLLM
     # itself ignores on the generation endpoints.
@@ -75,7 +75,6 @@ COMMON_REFUSED = (
     Refused("allowed_token_ids", (), _NOT_IMPLEMENTED),
     Refused("bad_words", ([],), _NOT_IMPLEMENTED),
     Refused("logprob_token_ids", (), _NOT_IMPLEMENTED),
-    Refused("prompt_logprobs", (), _NOT_IMPLEMENTED),
     Refused("include_stop_str_in_output", _OFF, _NOT_IMPLEMENTED),
     Refused("spaces_between_special_tokens", (True,), _NOT_IMPLEMENTED),
     Refused("truncate_prompt_tokens", (), _NOT_IMPLEMENTED),
