@@ -97,6 +97,9 @@ class CompletionRequest:
     """The client's id for the request (vLLM extension; "" : the router makes one)."""
     add_special_tokens: bool
     """Add the tokenizer's special tokens (a BOS) to a text prompt (vLLM extension, default true)."""
+    echo_only: bool = False
+    """echo with max_tokens 0 (vLLM's): each choice is its prompt alone (text, and logprobs with logprobs);
+    one token is generated (sampling.max_tokens is 1) and counted in usage, as vLLM does."""
 
 
 @dataclass(frozen=True)
@@ -260,17 +263,20 @@ def _request_id(body: Mapping[str, Any], limits: RequestLimits) -> str:
 def parse_completion_request(body: Mapping[str, Any], limits: RequestLimits) -> CompletionRequest:
     refuse_unsupported(body, COMPLETION_REFUSED)
     logprobs = _typed(body, "logprobs", int, f"an integer in [0, {MAX_LOGPROBS}]")
-    max_tokens, max_tokens_param = _max_tokens(body, ("max_tokens",), COMPLETION_DEFAULT_MAX_TOKENS)
+    echo = _typed(body, "echo", bool, "a boolean", False)
+    echo_only = echo and type(body.get("max_tokens")) is int and body["max_tokens"] == 0
+    max_tokens, max_tokens_param = _max_tokens({**body, "max_tokens": 1} if echo_only else body, ("max_tokens",),
+                                               COMPLETION_DEFAULT_MAX_TOKENS)
     stream, include_usage, continuous_usage = _stream_flags(body)
     n = _count(body, "n", 1)
     best_of = _best_of(body, n, stream)
-    echo = _typed(body, "echo", bool, "a boolean", False)
     sampling = _with_prompt_logprobs(body, _sampling(body, max_tokens, max_tokens_param, logprobs, limits), stream,
                                      logprobs if echo else None)
     return CompletionRequest(_model(body), _prompts(body, limits, best_of), n, best_of, echo, sampling,
                              max_tokens_param, stream, include_usage, continuous_usage,
                              _typed(body, "return_tokens_as_token_ids", bool, "a boolean", False),
-                             _request_id(body, limits), _typed(body, "add_special_tokens", bool, "a boolean", True))
+                             _request_id(body, limits), _typed(body, "add_special_tokens", bool, "a boolean", True),
+                             echo_only)
 
 
 TEXT_PART_KEYS = {"text": "text", "refusal": "refusal"}
@@ -574,10 +580,12 @@ class CompletionRenderer(_Renderer):
     def __init__(self, header: ResponseHeader, token_text: Callable[[int], str], include_usage: bool,
                  with_logprobs: bool, echo: Sequence[str] = (), choices_per_prompt: int = 1,
                  prompt_tokens: Sequence[int] | None = None,
-                 echo_token_ids: Sequence[tuple[int, ...]] = ()) -> None:
+                 echo_token_ids: Sequence[tuple[int, ...]] = (), echo_only: bool = False) -> None:
+        """echo_only: a choice is its echoed prompt without the output (CompletionRequest.echo_only)."""
         super().__init__(header, token_text, include_usage, with_logprobs, prompt_tokens)
         self.echo = tuple(echo)
         self.echo_token_ids = tuple(echo_token_ids)
+        self.echo_only = echo_only
         self.choices_per_prompt = choices_per_prompt
         self._text_offset: dict[int, int] = {}
         """Characters of token text reported so far per choice: where its next token's text_offset starts."""
@@ -587,8 +595,9 @@ class CompletionRenderer(_Renderer):
     def stream_chunks(self, index: int, chunk: StreamChunk) -> list[dict]:
         self._count_tokens(index, chunk)
         echoed = self._echo_once(index)
-        logprobs = self._echoed_logprobs(index, chunk.prompt_logprobs if echoed else None) + _entries(chunk.logprobs)
-        return [self._chunk({"index": index, "text": echoed + chunk.text,
+        output_text, output_logprobs = ("", ()) if self.echo_only else (chunk.text, chunk.logprobs)
+        logprobs = self._echoed_logprobs(index, chunk.prompt_logprobs if echoed else None) + _entries(output_logprobs)
+        return [self._chunk({"index": index, "text": echoed + output_text,
                              "logprobs": self._logprobs(index, logprobs), "finish_reason": chunk.finish_reason,
                              "stop_reason": chunk.stop_reason})]
 
@@ -608,9 +617,10 @@ class CompletionRenderer(_Renderer):
     def _message(self, index: int, chunks: Sequence[StreamChunk]) -> dict:
         prompt_logprobs = _prompt_logprobs_of(chunks)
         echoed = self._echo_once(index)
+        output = () if self.echo_only else chunks
         logprobs = (self._echoed_logprobs(index, prompt_logprobs if echoed else None)
-                    + _entries(lp for chunk in chunks for lp in chunk.logprobs))
-        message = {"text": echoed + "".join(chunk.text for chunk in chunks), "logprobs": self._logprobs(index, logprobs)}
+                    + _entries(lp for chunk in output for lp in chunk.logprobs))
+        message = {"text": echoed + "".join(chunk.text for chunk in output), "logprobs": self._logprobs(index, logprobs)}
         if prompt_logprobs is not None:
             message["prompt_logprobs"] = self.prompt_logprobs_body(prompt_logprobs)
         return message

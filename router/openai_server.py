@@ -283,7 +283,7 @@ class OpenAIServing:
         renderer = CompletionRenderer(self._header("cmpl", request_id), self._token_text(parsed.tokens_as_ids),
                                       parsed.include_usage, parsed.sampling.logprobs is not None, echo, parsed.n,
                                       _prompt_lengths(inputs) if parsed.continuous_usage else None,
-                                      prompts if parsed.echo else ())
+                                      prompts if parsed.echo else (), parsed.echo_only)
         return _Job(inputs, parsed.best_of, parsed.n, renderer, parsed.stream)
 
     async def _chat_job(self, parsed: ChatCompletionRequest) -> _Job:

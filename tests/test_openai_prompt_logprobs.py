@@ -88,6 +88,28 @@ def test_echo_with_logprobs_for_n_choices_of_batched_prompts(served, prompt_ids)
         assert choice.logprobs.token_logprobs[1:count] == pytest.approx(alone[count].token_logprobs[1:count], abs=1e-5)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_with_max_tokens_0_returns_the_prompt_alone(served, prompt_ids, stream):
+    """vLLM's echo without generation: the prompt's text and logprobs only (one token is generated and
+    counted in usage, as vLLM does)."""
+    args = dict(model=MODEL, prompt=prompt_ids, max_tokens=0, logprobs=1, echo=True, temperature=0, extra_body=AS_IDS)
+    scored = client(served).completions.create(model=MODEL, prompt=prompt_ids, max_tokens=1, logprobs=1, echo=True,
+                                               temperature=0, extra_body=AS_IDS).choices[0].logprobs
+    if stream:
+        chunks = [c.choices[0] for c in client(served).completions.create(stream=True, **args)]
+        text = "".join(c.text for c in chunks)
+        tokens = [t for c in chunks for t in c.logprobs.tokens]
+        token_logprobs = [lp for c in chunks for lp in c.logprobs.token_logprobs]
+    else:
+        completion = client(served).completions.create(**args)
+        choice = completion.choices[0]
+        text, tokens, token_logprobs = choice.text, choice.logprobs.tokens, choice.logprobs.token_logprobs
+        assert choice.finish_reason == "length" and completion.usage.completion_tokens == 1
+    assert text == served.cluster.tokenizer.decode(prompt_ids)
+    assert _ids(tokens) == prompt_ids
+    assert token_logprobs == scored.token_logprobs[:len(prompt_ids)]
+
+
 def test_streamed_echo_with_logprobs_equals_the_whole_response(served, prompt_ids):
     api = client(served)
     args = dict(model=MODEL, prompt=prompt_ids, max_tokens=5, logprobs=1, echo=True, temperature=0, extra_body=AS_IDS)
@@ -137,10 +159,11 @@ def test_without_them_no_field_is_added(served):
     ("/v1/completions", {"prompt": PROMPT, "prompt_logprobs": 21}, "[0, 20]"),
     ("/v1/completions", {"prompt": PROMPT, "prompt_logprobs": "2"}, "integer"),
     ("/v1/completions", {"prompt": PROMPT, "echo": True, "logprobs": 21}, "[0, 20]"),
+    ("/v1/completions", {"prompt": PROMPT, "logprobs": 1, "max_tokens": 0}, ">= 1"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stream": True, "prompt_logprobs": 2},
      "stream"),
 ])
 def test_bad_requests_are_400_naming_the_field(served, path, fields, message):
-    status, body = post(served, path, max_tokens=2, **fields)
+    status, body = post(served, path, **{"max_tokens": 2, **fields})
     assert status == 400
-    assert body["error"]["param"] in ("prompt_logprobs", "logprobs") and message in body["error"]["message"]
+    assert body["error"]["param"] in ("prompt_logprobs", "logprobs", "max_tokens") and message in body["error"]["message"]
