@@ -1,6 +1,6 @@
 """The prompt's logprobs over the OpenAI API (what lm-evaluation-harness's local-completions sends):
 completions with echo + logprobs, vLLM's prompt_logprobs field on completions and chat, and their
-refusals; exact values against transformers' log_softmax of the prompt (fp32, tiny Llama)."""
+refusals; and over gRPC. Exact values against transformers' log_softmax of the prompt (fp32, tiny Llama)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import openai
 import pytest
 import torch
 
-from tests.factories import _hf_model, http_request, served_apis
+from splitserve.proto.splitserve.v1 import generation_pb2 as pb
+from tests.factories import _hf_model, http_request, served_apis, stream_tokens
 
 MODEL = "tiny-llama"
 PROMPT = "The river runs past the old mill"
@@ -167,3 +168,18 @@ def test_bad_requests_are_400_naming_the_field(served, path, fields, message):
     status, body = post(served, path, **{"max_tokens": 2, **fields})
     assert status == 400
     assert body["error"]["param"] in ("prompt_logprobs", "logprobs", "max_tokens") and message in body["error"]["message"]
+
+
+def test_grpc_returns_them_on_the_first_message(served, prompt_ids, reference):
+    """gRPC's SamplingParams.prompt_logprobs: GenerateResponse.prompt_logprobs on the message with the first
+    token, one per prompt token after the first."""
+    request = pb.GenerateRequest(model=MODEL, token_ids=pb.TokenIds(ids=prompt_ids),
+                                 sampling=pb.SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=2))
+    _, _, responses = stream_tokens(served.grpc_port, request)
+    first, *rest = responses
+    assert [lp.token_id for lp in first.prompt_logprobs] == prompt_ids[1:]
+    for position, lp in enumerate(first.prompt_logprobs, start=1):
+        row = reference[position - 1]
+        assert lp.logprob == pytest.approx(float(row[prompt_ids[position]]), abs=1e-4)
+        assert [t.token_id for t in lp.top] == torch.topk(row, 2).indices.tolist()
+    assert all(not r.prompt_logprobs for r in rest)
