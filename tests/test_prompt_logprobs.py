@@ -85,9 +85,9 @@ def test_batched_copies_with_different_counts_each_get_their_own(tiny_llama_dir,
     assert_matches(outputs[2].prompt_logprobs, reference, 5)
 
 
-def test_a_preempted_request_delivers_them_once_unchanged(tiny_llama_dir, reference):
-    """Two requests that cannot both finish in the pool: the later one is preempted and recomputed;
-    its prompt logprobs (delivered with its first token) are neither repeated nor changed."""
+def test_a_request_preempted_after_its_first_token_does_not_deliver_them_again(tiny_llama_dir, reference):
+    """Two requests that cannot both finish in the pool: the later one is preempted while decoding and
+    recomputed (prompt and output); its prompt logprobs, delivered with its first token, do not come again."""
     llm = LLM(tiny_llama_dir, block_size=16, dtype="float32", max_model_len=256, num_kv_blocks=16,
               max_num_batched_tokens=48)
     deltas = {}
@@ -103,6 +103,29 @@ def test_a_preempted_request_delivers_them_once_unchanged(tiny_llama_dir, refere
         assert len(with_them) == 1
         assert_matches(with_them[0], reference, 3)
         assert deltas[request_id][0].prompt_logprobs is not None  # with the first token
+    assert_pool_idle(engine.block_manager)
+
+
+def test_a_request_preempted_while_scoring_delivers_them_once_unchanged(tiny_llama_dir, reference):
+    """A long decode next to a prompt chunked 15 tokens a step, in a pool too small for both: the prompt
+    is preempted (more than once) before its first token and recomputed; its prompt logprobs come once,
+    equal to transformers'."""
+    llm = LLM(tiny_llama_dir, block_size=16, dtype="float32", max_model_len=128, num_kv_blocks=8,
+              max_num_batched_tokens=16)
+    engine = llm.engine
+    engine.add_request("decoding", list(range(200, 220)), params(None, max_tokens=100))
+    engine.add_request("scoring", PROMPT, params(3))
+    deltas = []
+    while engine.has_unfinished_requests():
+        for delta in engine.step():
+            if delta.request_id == "scoring":
+                deltas.append(delta)
+                if delta.prompt_logprobs is not None:  # its first token: how often was its prompt preempted?
+                    preempted_while_scoring = engine.scheduler.requests["scoring"].num_preemptions
+    assert preempted_while_scoring > 1
+    with_them = [delta.prompt_logprobs for delta in deltas if delta.prompt_logprobs is not None]
+    assert len(with_them) == 1 and deltas[0].prompt_logprobs is not None
+    assert_matches(with_them[0], reference, 3)
     assert_pool_idle(engine.block_manager)
 
 
