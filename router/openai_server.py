@@ -283,7 +283,8 @@ class OpenAIServing:
         renderer = CompletionRenderer(self._header("cmpl", request_id), self._token_text(parsed.tokens_as_ids),
                                       parsed.include_usage, parsed.sampling.logprobs is not None, echo, parsed.n,
                                       _prompt_lengths(inputs) if parsed.continuous_usage else None,
-                                      prompts if parsed.echo else (), parsed.echo_only)
+                                      _echoed_token_ids(inputs, len(prompts), parsed.best_of) if parsed.echo else (),
+                                      parsed.echo_only)
         return _Job(inputs, parsed.best_of, parsed.n, renderer, parsed.stream)
 
     async def _chat_job(self, parsed: ChatCompletionRequest) -> _Job:
@@ -357,6 +358,11 @@ class OpenAIServing:
 
 
 # ---- request and response plumbing ----------------------------------------------------------
+
+def _echoed_token_ids(inputs: Sequence[GenerationInput], num_prompts: int, best_of: int) -> list[tuple[int, ...]]:
+    """Each prompt's token ids as its sequences run them (prompt i's are inputs i * best_of on)."""
+    return [inputs[i * best_of].prompt_token_ids for i in range(num_prompts)]
+
 
 def _prompt_lengths(inputs: Sequence[GenerationInput]) -> list[int]:
     """Each choice's prompt tokens (inputs are one per choice when a stream reports usage per chunk:

@@ -74,13 +74,15 @@ def test_echo_with_logprobs_on_a_text_prompt_starts_with_its_text(served, prompt
     assert "".join(choice.logprobs.tokens[:len(prompt_ids)]) == served.cluster.tokenizer.decode(prompt_ids)
 
 
-def test_echo_with_logprobs_for_n_choices_of_batched_prompts(served, prompt_ids):
-    """Each choice starts with its own prompt's tokens and logprobs, the same as a single request's."""
+@pytest.mark.parametrize("best_of", [2, 3])
+def test_echo_with_logprobs_for_n_choices_of_batched_prompts(served, prompt_ids, best_of):
+    """Each choice starts with its own prompt's tokens and logprobs, the same as a single request's (also
+    when best_of sequences per prompt are ranked down to n)."""
     other = prompt_ids[3:]
     args = dict(model=MODEL, max_tokens=2, logprobs=2, echo=True, temperature=0, extra_body=AS_IDS)
     api = client(served)
     alone = {len(p): api.completions.create(prompt=p, **args).choices[0].logprobs for p in (prompt_ids, other)}
-    choices = api.completions.create(prompt=[prompt_ids, other], n=2, **args).choices
+    choices = api.completions.create(prompt=[prompt_ids, other], n=2, best_of=best_of, **args).choices
     assert [c.index for c in choices] == [0, 1, 2, 3]
     for choice, prompt in zip(choices, [prompt_ids, prompt_ids, other, other]):
         count = len(prompt)
