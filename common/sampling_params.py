@@ -118,6 +118,10 @@ class SamplingParams:
     """Keep generating past the model's EOS token(s)."""
     logprobs: int | None = None
     """If set, return the sampled token's logprob plus this many top alternatives (0..20)."""
+    prompt_logprobs: int | None = None
+    """If set, also return each prompt token's logprob given the tokens before it plus this many top
+    alternatives (0..20; the first prompt token has none), with the request's first output (vLLM's
+    prompt_logprobs). Such a request never reads the prefix cache: every prompt position is computed."""
     skip_special_tokens: bool = field(default=True)
     """Leave special tokens out of the detokenized text."""
     min_tokens: int = 0
@@ -170,6 +174,9 @@ class SamplingParams:
                  f"must be an integer in [-2**63, 2**64), got {self.seed!r}")
         _require(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
                  "logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        _require(self.prompt_logprobs is None or (_is_int(self.prompt_logprobs)
+                                                  and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
+                 "prompt_logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs!r}")
         _require(self.structured_output is None or isinstance(self.structured_output, StructuredOutput),
                  "structured_output", f"must be a StructuredOutput, got {type(self.structured_output).__name__}")
 

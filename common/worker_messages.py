@@ -40,6 +40,9 @@ class PrefillResult:
     """Seconds from the prompt's first scheduled engine step to its first token (prefill compute)."""
     queue_s: float = 0.0
     """Seconds from admission to the prefill worker to the prompt's first scheduled engine step."""
+    prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None
+    """With sampling_params.prompt_logprobs, where the prompt was computed (with the first token): one
+    entry per prompt token, None for the first; None otherwise."""
 
 
 @dataclass(frozen=True)
@@ -115,6 +118,9 @@ class TokenDelta:
     compute_s: float | None = None
     """Set with queue_s: seconds from the first scheduled engine step to this delta (the prefill
     of a prompt this worker computed itself, else the first decode step)."""
+    prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None
+    """With sampling_params.prompt_logprobs, where the prompt was computed (with the first token): one
+    entry per prompt token, None for the first; None otherwise."""
 
 
 @dataclass(frozen=True)

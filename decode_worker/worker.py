@@ -399,7 +399,7 @@ class DecodeWorker:
         return TokenDelta(delta.request_id, delta.new_token_ids, delta.new_logprobs, delta.finish_reason,
                           delta.stop_reason, delta.num_cached_tokens, transfer_s,
                           kv_transfer_failed=delta.request_id in self._recomputed, queue_s=queue_s,
-                          compute_s=compute_s)
+                          compute_s=compute_s, prompt_logprobs=delta.prompt_logprobs)
 
     def _publish(self, deltas: list[TokenDelta]) -> None:
         """Engine thread: hand each router its deltas as one frame on the event loop."""

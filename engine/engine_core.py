@@ -18,6 +18,7 @@ from splitserve.common.errors import InvalidRequestError
 from splitserve.common.kv_events import KVEventBatch, KVSnapshot, LoadReport
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.stats import EngineStats
+from splitserve.common.token_logprobs import TokenLogprobs
 from splitserve.engine.attention import select_backend
 from splitserve.common.kv_transfer_types import KV_SCALES_NONE, KV_SCALES_PER_TOKEN_HEAD, KVLayout
 from splitserve.engine.block_manager import BlockManager
@@ -32,7 +33,7 @@ from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.outputs import CompletionDelta
 from splitserve.engine.quantization.spec import resolve_quantization
 from splitserve.engine.request import Request, RequestStatus
-from splitserve.engine.sampler import Sampler, SamplingRow
+from splitserve.engine.sampler import Sampler, SamplingRow, token_logprobs
 from splitserve.engine.spec_decode.speculator import Speculator, build_proposer
 from splitserve.engine.spec_decode.verifier import SpeculativeRows, VerifiedRun, verify
 from splitserve.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
@@ -375,6 +376,7 @@ class EngineCore:
         logits = self.runner.execute(output, self._layer_hook(output))
         deltas, self._pending = self._pending, []
         self.scheduler.advance(output)
+        logits = self._score_prompts(output.chunks, logits)
         sampling = [c for c in output.chunks if c.samples]
         runs = self._sample(logits, sampling, masks.result())
         self._step_costs.record(num_prefill_tokens, output.num_batched_tokens, time.perf_counter() - started)
@@ -403,6 +405,35 @@ class EngineCore:
         """What _hold will record for this request after its first sample."""
         return FinalPrefillChunk(request.request_id, tuple(self.block_manager.block_table(request.request_id)),
                                  request.num_prompt_tokens)
+
+    def _score_prompts(self, chunks: tuple[ScheduledChunk, ...], logits: torch.Tensor) -> torch.Tensor:
+        """Record the prompt logprobs of the chunks that score their prompt, and return the sampling rows
+        [sum of num_sampled_rows, vocab] of logits [sum of num_logit_rows, vocab] (logits itself when no
+        chunk scores: the common case costs nothing)."""
+        if not any(chunk.scores_prompt for chunk in chunks):
+            return logits
+        sampling_rows: list[int] = []
+        offset = 0
+        for chunk in chunks:
+            if chunk.scores_prompt:
+                self._record_prompt_logprobs(self.scheduler.requests[chunk.request_id], chunk,
+                                             logits[offset:offset + chunk.num_tokens])
+            offset += chunk.num_logit_rows
+            sampling_rows.extend(range(offset - chunk.num_sampled_rows, offset))
+        return logits[sampling_rows]
+
+    @staticmethod
+    def _record_prompt_logprobs(request: Request, chunk: ScheduledChunk, logits: torch.Tensor) -> None:
+        """logits [chunk.num_tokens, vocab]: row i follows position start_position + i, so it scores prompt
+        token start_position + i + 1 (the prompt's last position scores nothing: it samples)."""
+        first = chunk.start_position
+        end = min(chunk.context_len, request.num_prompt_tokens - 1)  # positions [first, end) score a token
+        if end <= first:
+            return
+        targets = torch.tensor(request.prompt_token_ids[first + 1:end + 1], device=logits.device)  # [end - first]
+        raw_logprobs = torch.log_softmax(logits[:end - first], dim=-1)  # [end - first, vocab]
+        entries = token_logprobs(raw_logprobs, targets, [request.sampling_params.prompt_logprobs] * (end - first))
+        request.prompt_logprobs[first + 1:end + 1] = entries
 
     def _sample(self, logits: torch.Tensor, chunks: list[ScheduledChunk],
                 allowed: TokenBitmask | None) -> list[VerifiedRun]:
@@ -539,7 +570,7 @@ class EngineCore:
             text_delta=detokenizer.take_delta(finished) if detokenizer is not None else "",
             finish_reason=request.finish_reason, stop_reason=request.stop_reason,
             num_prompt_tokens=request.num_prompt_tokens, num_cached_tokens=max(request.num_cached_tokens, 0),
-            first_scheduled_at=request.first_scheduled_at)
+            first_scheduled_at=request.first_scheduled_at, prompt_logprobs=_prompt_logprobs(request, token_ids))
 
     # ---- scoring ---------------------------------------------------------------------------
     def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
@@ -624,6 +655,14 @@ def _tokenizer_json(model_dir: Path, tokenizer: Tokenizer | None) -> str:
     if not path.is_file():
         raise InvalidRequestError("structured_output", f"needs the model's tokenizer.json, not found in {model_dir}")
     return path.read_text()
+
+
+def _prompt_logprobs(request: Request, token_ids: tuple[int, ...]) -> tuple[TokenLogprobs | None, ...] | None:
+    """The request's prompt logprobs for the delta that carries its first output token, else None."""
+    first_output = bool(token_ids) and request.num_output_tokens == len(token_ids)
+    if request.sampling_params.prompt_logprobs is None or not first_output:
+        return None
+    return tuple(request.prompt_logprobs)
 
 
 def _queued_prefill_tokens(request: Request) -> int:

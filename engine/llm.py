@@ -32,6 +32,7 @@ class _Accumulator:
         self.token_ids: list[int] = []
         self.text = ""
         self.logprobs: list[TokenLogprobs] | None = [] if wants_logprobs else None
+        self.prompt_logprobs: list[TokenLogprobs | None] | None = None
         self.final: CompletionDelta | None = None
 
     def add(self, delta: CompletionDelta) -> None:
@@ -39,13 +40,16 @@ class _Accumulator:
         self.text += delta.text_delta
         if self.logprobs is not None:
             self.logprobs.extend(delta.new_logprobs)
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = list(delta.prompt_logprobs)
         if delta.finished:
             self.final = delta
 
     def output(self) -> RequestOutput:
         final = self.final
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, self.token_ids, self.text,
-                             final.finish_reason, final.stop_reason, final.num_cached_tokens, self.logprobs)
+                             final.finish_reason, final.stop_reason, final.num_cached_tokens, self.logprobs,
+                             self.prompt_logprobs)
 
 
 class LLM:

@@ -22,7 +22,7 @@ class ModelInput:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
     metadata: AttentionMetadata
-    logits_indices: torch.Tensor  # [R] int64: each sampling chunk's last 1 + num_spec_tokens tokens
+    logits_indices: torch.Tensor  # [R] int64: each chunk's last num_logit_rows tokens
 
 
 def _key_slots(chunk: ScheduledChunk, block_size: int) -> np.ndarray:
@@ -102,8 +102,7 @@ class InputBuilder:
                 positions.extend(range(chunk.start_position, chunk.context_len))
                 key_slots.append(_key_slots(chunk, self.block_size))
                 prefills.append((start, chunk))
-            if chunk.samples:
-                logits_indices.extend(range(len(input_ids) - chunk.num_sampled_rows, len(input_ids)))
+            logits_indices.extend(range(len(input_ids) - chunk.num_logit_rows, len(input_ids)))
         keys = to_device(torch.from_numpy(np.hstack(key_slots).astype(np.int64, copy=False)), self.device)  # [T]
         spans, batches, paged = self._attention_parts(prefills, decodes)
         metadata = AttentionMetadata(positions=self._tensor(positions), key_slots=keys,
@@ -172,9 +171,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput, on_layer: Callable[[int], None] | None = None) -> torch.Tensor:
-        """Logits [R, vocab] (float32) in chunk order: one row per sampling chunk, 1 + num_spec_tokens
-        rows (last token, then each draft) for a speculating one (never a captured graph: it takes
-        one-token decodes only). on_layer(l) runs after layer l of the forward (eager steps only: a
+        """Logits [R, vocab] (float32) in chunk order, ScheduledChunk.num_logit_rows per chunk: one row per
+        sampling chunk, 1 + num_spec_tokens rows (last token, then each draft) for a speculating one
+        (never a captured graph: it takes one-token decodes only), every token's for one scoring its prompt. on_layer(l) runs after layer l of the forward (eager steps only: a
         step with a hook is never replayed from a graph)."""
         if on_layer is None and self.graphs is not None and self.graphs.can_run(output):
             return self.graphs.execute(output)

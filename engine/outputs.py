@@ -23,6 +23,9 @@ class CompletionDelta:
     num_cached_tokens: int
     first_scheduled_at: float | None = None
     """time.monotonic() of the request's first scheduled step (Request.first_scheduled_at)."""
+    prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None
+    """With SamplingParams.prompt_logprobs, on the delta that carries the first output token: one entry per
+    prompt token, None for the first (nothing precedes it); None on every other delta."""
 
     @property
     def finished(self) -> bool:
@@ -46,3 +49,5 @@ class RequestOutput:
     stop_reason: int | str | None
     num_cached_tokens: int
     logprobs: list[TokenLogprobs] | None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    """With SamplingParams.prompt_logprobs: one entry per prompt token, None for the first."""

@@ -47,6 +47,10 @@ class Request:
     block_hashes: list[BlockHash] = field(default_factory=list)
     """Chained hashes of the full blocks of all_token_ids computed so far."""
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    """With sampling_params.prompt_logprobs: entry p is prompt token p's (None for p = 0, and for
+    positions not computed yet); written by position, so a chunk recomputed after a preemption
+    overwrites its entries with the same values instead of appending."""
     stop_reason: int | str | None = None
     num_preemptions: int = 0
     hold_kv_after_prefill: bool = False
@@ -61,6 +65,14 @@ class Request:
     def __post_init__(self) -> None:
         if not self.all_token_ids:
             self.all_token_ids = list(self.prompt_token_ids)
+        if self.sampling_params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None] * len(self.prompt_token_ids)
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Whether the prompt's logprobs are still to be computed: asked for, and the first output token
+        (which delivers them) not sampled yet; a request recomputed after that does not score again."""
+        return self.sampling_params.prompt_logprobs is not None and self.num_output_tokens == 0
 
     def append_output_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)

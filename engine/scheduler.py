@@ -51,6 +51,9 @@ class ScheduledChunk:
     """Draft tokens at the end of token_ids (a speculating decode: the last known token, then
     these): their KV is written, but it counts only once the verification accepts them, and a
     next token is sampled at each of the last 1 + num_spec_tokens positions."""
+    scores_prompt: bool = False
+    """The request wants its prompt's logprobs (Request.scores_prompt): the forward returns the logits
+    of every token of the chunk, not only the sampling row (never together with draft tokens)."""
 
     @property
     def num_tokens(self) -> int:
@@ -64,6 +67,12 @@ class ScheduledChunk:
     def num_sampled_rows(self) -> int:
         """Logit rows this chunk produces: 0 (a prefill chunk short of the end), 1, or 1 + drafts."""
         return 1 + self.num_spec_tokens if self.samples else 0
+
+    @property
+    def num_logit_rows(self) -> int:
+        """Logit rows the forward returns for this chunk: every token's when it scores the prompt (the
+        sampling row, if any, last), else num_sampled_rows."""
+        return self.num_tokens if self.scores_prompt else self.num_sampled_rows
 
 
 @dataclass(frozen=True)
@@ -176,7 +185,9 @@ class Scheduler:
     def _admit_waiting(self, budget: int, scheduled: list[tuple[Request, int]]) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            prefix = self.block_manager.match_prefix(request) if request.num_computed_tokens == 0 else NO_PREFIX
+            # A request scoring its prompt computes every position (vLLM's skip_reading_prefix_cache).
+            reads_cache = request.num_computed_tokens == 0 and not request.scores_prompt
+            prefix = self.block_manager.match_prefix(request) if reads_cache else NO_PREFIX
             num_new = request.num_tokens - request.num_computed_tokens - prefix.num_tokens
             if num_new > budget:
                 if not self.config.enable_chunked_prefill:
@@ -220,7 +231,7 @@ class Scheduler:
         if not request.spec_token_ids:
             return ScheduledChunk(request.request_id, tuple(request.all_token_ids[start:start + num_new]), start,
                                   tuple(self.block_manager.block_table(request.request_id)),
-                                  samples=start + num_new == request.num_tokens)
+                                  samples=start + num_new == request.num_tokens, scores_prompt=request.scores_prompt)
         num_spec = max(0, start + num_new - request.num_tokens)  # only a decode (num_new = 1 + drafts) has some
         return ScheduledChunk(
             request_id=request.request_id,

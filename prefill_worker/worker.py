@@ -215,7 +215,8 @@ class PrefillWorker:
             finish_reason = None
         return PrefillResult(delta.request_id, delta.new_token_ids, delta.new_logprobs, finish_reason,
                              delta.stop_reason, delta.num_cached_tokens, transfer,
-                             held.generator_state if held is not None else None, compute_s, queue_s)
+                             held.generator_state if held is not None else None, compute_s, queue_s,
+                             delta.prompt_logprobs)
 
     def _deliver(self, item: LayerwiseMessage | PrefillResult) -> None:
         """To the request's prefill_layerwise() stream. A result nobody waits for any more (the stream

@@ -64,3 +64,6 @@ class StreamChunk:
     kv_holder: str | None = None
     """On a request's first chunk: the worker whose prefix cache now holds the prompt's KV (its
     prefill worker, or the decode worker that prefilled it); None on every other chunk."""
+    prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None
+    """With sampling_params.prompt_logprobs, on the chunk with the request's first token: one entry per
+    prompt token, None for the first; None on every other chunk."""

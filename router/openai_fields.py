@@ -22,7 +22,7 @@ COMMON_HANDLED = frozenset({
     "stream_options", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "stop_token_ids",
     "ignore_eos", "min_tokens", "skip_special_tokens", "add_special_tokens", "return_tokens_as_token_ids",
     "request_id", "logit_bias", "allowed_token_ids", "bad_words", "include_stop_str_in_output", "return_token_ids",
-    "truncate_prompt_tokens", "truncation_side",
+    "truncate_prompt_tokens", "truncation_side", "prompt_logprobs",
     # No effect on the output, by definition: an end-user id for abuse monitoring and a session
     # id that only steers routing (vLLM ignores both too); render-endpoint options that vLLM
     # itself ignores on the generation endpoints.
@@ -75,7 +75,6 @@ COMMON_REFUSED = (
     Refused("use_beam_search", _OFF, _NO_BEAM_SEARCH),
     Refused("length_penalty", (1.0, 1), "it only applies to beam search, which is not implemented"),
     Refused("logprob_token_ids", (), _NOT_IMPLEMENTED),
-    Refused("prompt_logprobs", (), _NOT_IMPLEMENTED),
     Refused("spaces_between_special_tokens", (True,), _NOT_IMPLEMENTED),
     Refused("watermarking", _OFF, _NOT_IMPLEMENTED),
     Refused("repetition_detection", (), _NOT_IMPLEMENTED),

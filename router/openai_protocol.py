@@ -114,6 +114,9 @@ class CompletionRequest:
     """Each choice also carries its prompt's and its output's token ids (vLLM extension)."""
     truncation: PromptTruncation | None = None
     """Each prompt cut to its last or first N tokens (vLLM extension); None: prompts are kept whole."""
+    echo_only: bool = False
+    """echo with max_tokens 0 (vLLM's): each choice is its prompt alone (text, and logprobs with logprobs);
+    one token is generated (sampling.max_tokens is 1) and counted in usage, as vLLM does."""
 
 
 @dataclass(frozen=True)
@@ -269,12 +272,16 @@ def _best_of(body: Mapping[str, Any], n: int, stream: bool) -> int:
     return best_of
 
 
-def _echo(body: Mapping[str, Any], logprobs: int | None) -> bool:
-    echo = _typed(body, "echo", bool, "a boolean", False)
-    if echo and logprobs is not None:
-        raise InvalidRequestError("echo", "with logprobs needs the prompt's logprobs, which this server does not "
-                                          "compute (drop logprobs, or echo)")
-    return echo
+def _with_prompt_logprobs(body: Mapping[str, Any], sampling: SamplingParams, stream: bool,
+                          echoed: int | None = None) -> SamplingParams:
+    """sampling with vLLM's prompt_logprobs extra field, else `echoed` (what echo with logprobs needs: the
+    prompt's logprobs with as many alternatives as the output's). The field is refused with stream, as
+    vLLM does (a stream has no place for it; echo's own prompt logprobs stream with the echoed prompt)."""
+    wanted = _typed(body, "prompt_logprobs", int, f"an integer in [0, {MAX_LOGPROBS}]")
+    if wanted is not None and stream and wanted > 0:
+        raise InvalidRequestError("prompt_logprobs", "are not available when stream is true")
+    count = wanted if wanted is not None else echoed
+    return sampling if count is None else dataclasses.replace(sampling, prompt_logprobs=count)
 
 
 def _request_id(body: Mapping[str, Any], limits: RequestLimits) -> str:
@@ -286,18 +293,21 @@ def _request_id(body: Mapping[str, Any], limits: RequestLimits) -> str:
 def parse_completion_request(body: Mapping[str, Any], limits: RequestLimits) -> CompletionRequest:
     refuse_unsupported(body, COMPLETION_REFUSED)
     logprobs = _typed(body, "logprobs", int, f"an integer in [0, {MAX_LOGPROBS}]")
-    max_tokens, max_tokens_param = _max_tokens(body, ("max_tokens",), COMPLETION_DEFAULT_MAX_TOKENS)
+    echo = _typed(body, "echo", bool, "a boolean", False)
+    echo_only = echo and type(body.get("max_tokens")) is int and body["max_tokens"] == 0
+    max_tokens, max_tokens_param = _max_tokens({**body, "max_tokens": 1} if echo_only else body, ("max_tokens",),
+                                               COMPLETION_DEFAULT_MAX_TOKENS)
     stream, include_usage, continuous_usage = _stream_flags(body)
     n = _count(body, "n", 1)
     best_of = _best_of(body, n, stream)
-    echo = _echo(body, logprobs)
-    sampling = _sampling(body, max_tokens, max_tokens_param, logprobs, limits)
+    sampling = _with_prompt_logprobs(body, _sampling(body, max_tokens, max_tokens_param, logprobs, limits), stream,
+                                     logprobs if echo else None)
     truncation = _truncation(body, limits)
     return CompletionRequest(_model(body), _prompts(body, limits, best_of, truncation is not None), n, best_of, echo,
                              sampling, max_tokens_param, stream, include_usage, continuous_usage,
                              _typed(body, "return_tokens_as_token_ids", bool, "a boolean", False),
                              _request_id(body, limits), _typed(body, "add_special_tokens", bool, "a boolean", True),
-                             _return_token_ids(body), truncation)
+                             _return_token_ids(body), truncation, echo_only)
 
 
 def _return_token_ids(body: Mapping[str, Any]) -> bool:
@@ -428,8 +438,9 @@ def parse_chat_request(body: Mapping[str, Any], limits: RequestLimits) -> ChatCo
         template = dataclasses.replace(template, tools=tool_calling.template_tools())
     max_tokens, max_tokens_param = _max_tokens(body, ("max_completion_tokens", "max_tokens"), limits.max_model_len)
     stream, include_usage, continuous_usage = _stream_flags(body)
-    sampling = _sampling(body, max_tokens, max_tokens_param, _chat_logprobs(body), limits,
-                         None if tool_calling is None else tool_calling.constraint())
+    sampling = _with_prompt_logprobs(body, _sampling(body, max_tokens, max_tokens_param, _chat_logprobs(body), limits,
+                                                     None if tool_calling is None else tool_calling.constraint()),
+                                     stream)
     return ChatCompletionRequest(
         _model(body), messages, _count(body, "n", 1), add_generation_prompt, sampling, max_tokens_param, stream,
         include_usage, continuous_usage, _typed(body, "return_tokens_as_token_ids", bool, "a boolean", False),
@@ -513,6 +524,25 @@ def usage_body(usage: Usage) -> dict:
 
 def _logprob(value: float) -> float:
     return value if value >= MIN_LOGPROB else MIN_LOGPROB  # also maps -inf (and nan) to the floor
+
+
+def _entries(logprobs: Iterable[TokenLogprobs]) -> list[tuple[int, TokenLogprobs | None]]:
+    """Sampled tokens' logprobs as (token id, logprobs) pairs, as the completion renderer takes them."""
+    return [(lp.token_id, lp) for lp in logprobs]
+
+
+def _ranked(logprobs: TokenLogprobs) -> dict[int, tuple[float, int]]:
+    """token id -> (logprob, rank) of the token, then of its top alternatives, as vLLM orders them (the
+    token once when it is among its own top alternatives)."""
+    ranked = {logprobs.token_id: (logprobs.logprob, logprobs.rank)}
+    for rank, (token_id, logprob) in enumerate(logprobs.top, start=1):
+        ranked.setdefault(token_id, (logprob, rank))
+    return ranked
+
+
+def _prompt_logprobs_of(chunks: Sequence[StreamChunk]) -> tuple[TokenLogprobs | None, ...] | None:
+    """The prompt logprobs one of a choice's chunks carries (its first token's), if any."""
+    return next((chunk.prompt_logprobs for chunk in chunks if chunk.prompt_logprobs is not None), None)
 
 
 @dataclass(frozen=True)
@@ -601,6 +631,14 @@ class _Renderer(ABC):
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                 "total_tokens": prompt_tokens + completion_tokens}
 
+    def prompt_logprobs_body(self, prompt_logprobs: Sequence[TokenLogprobs | None]) -> list[dict | None]:
+        """vLLM's prompt_logprobs field: per prompt token null (the first) or {token id: {logprob, rank,
+        decoded_token}} of the prompt token, then its top alternatives (rank 1, 2, ...)."""
+        return [None if lp is None else {str(token_id): {"logprob": _logprob(logprob), "rank": rank,
+                                                         "decoded_token": self.token_text(token_id)}
+                                         for token_id, (logprob, rank) in _ranked(lp).items()}
+                for lp in prompt_logprobs]
+
     def usage_chunk(self, usage: Usage) -> dict:
         """The stream's last data chunk under stream_options.include_usage."""
         return {**self._envelope(self.chunk_object_name, []), "usage": self._usage_body(usage)}
@@ -614,11 +652,15 @@ class _Renderer(ABC):
         rendered = []
         for index, chunks in enumerate(choices):
             message = self._message(index, chunks)  # before the finish reason, which may depend on what it read
-            token_ids = [t for chunk in chunks for t in chunk.token_ids]
+            token_ids = self._output_token_ids(chunks)
             rendered.append({"index": index, **message, "finish_reason": self._finish_reason(index, chunks[-1]),
                              "stop_reason": chunks[-1].stop_reason, **self._token_id_fields(index, token_ids, True)})
         return {**self._envelope(self.object_name, rendered), **self._token_id_fields(0, (), False),
                 "usage": self._usage_body(usage)}
+
+    def _output_token_ids(self, chunks: Sequence[StreamChunk]) -> list[int]:
+        """A choice's output token ids as return_token_ids reports them."""
+        return [t for chunk in chunks for t in chunk.token_ids]
 
     def _finish_reason(self, index: int, last: StreamChunk) -> str | None:
         """Choice `index`'s finish reason, given its last chunk (None while it runs)."""
@@ -636,15 +678,21 @@ class _Renderer(ABC):
 class CompletionRenderer(_Renderer):
     """text_completion objects; logprobs as tokens / token_logprobs / top_logprobs / text_offset.
     With `echo` (each prompt's text, prompt-major like the choices, `choices_per_prompt` choices
-    each), a choice's text starts with its prompt's."""
+    each), a choice's text starts with its prompt's, and its logprobs with its prompt's tokens
+    (`echo_token_ids`, the first with a null logprob and top_logprobs, as in vLLM). A request with
+    prompt logprobs also gets vLLM's `prompt_logprobs` field on each choice (not streamed)."""
 
     object_name = chunk_object_name = "text_completion"
 
     def __init__(self, header: ResponseHeader, token_text: Callable[[int], str], include_usage: bool,
                  with_logprobs: bool, echo: Sequence[str] = (), choices_per_prompt: int = 1,
-                 prompt_tokens: Sequence[int] | None = None) -> None:
+                 prompt_tokens: Sequence[int] | None = None,
+                 echo_token_ids: Sequence[tuple[int, ...]] = (), echo_only: bool = False) -> None:
+        """echo_only: a choice is its echoed prompt without the output (CompletionRequest.echo_only)."""
         super().__init__(header, token_text, include_usage, with_logprobs, prompt_tokens)
         self.echo = tuple(echo)
+        self.echo_token_ids = tuple(echo_token_ids)
+        self.echo_only = echo_only
         self.choices_per_prompt = choices_per_prompt
         self._text_offset: dict[int, int] = {}
         """Characters of token text reported so far per choice: where its next token's text_offset starts."""
@@ -653,12 +701,27 @@ class CompletionRenderer(_Renderer):
 
     def stream_chunks(self, index: int, chunk: StreamChunk) -> list[dict]:
         self._count_tokens(index, chunk)
-        rendered = [self._chunk({"index": index, "text": self._echo_once(index) + chunk.text,
-                                 "logprobs": self._logprobs(index, chunk.logprobs),
-                                 "finish_reason": chunk.finish_reason, "stop_reason": chunk.stop_reason,
-                                 **self._token_id_fields(index, chunk.token_ids, True)})]
+        echoed = self._echo_once(index)
+        output = ("", (), ()) if self.echo_only else (chunk.text, chunk.logprobs, chunk.token_ids)
+        output_text, output_logprobs, output_token_ids = output
+        logprobs = self._echoed_logprobs(index, chunk.prompt_logprobs if echoed else None) + _entries(output_logprobs)
+        rendered = [self._chunk({"index": index, "text": echoed + output_text,
+                                 "logprobs": self._logprobs(index, logprobs), "finish_reason": chunk.finish_reason,
+                                 "stop_reason": chunk.stop_reason,
+                                 **self._token_id_fields(index, output_token_ids, True)})]
         self._prompt_ids_streamed(index)
         return rendered
+
+    def _output_token_ids(self, chunks: Sequence[StreamChunk]) -> list[int]:
+        """None with echo_only: the choice is its prompt alone."""
+        return [] if self.echo_only else super()._output_token_ids(chunks)
+
+    def _echoed_logprobs(self, index: int, prompt_logprobs: Sequence[TokenLogprobs | None] | None) -> list[
+            tuple[int, TokenLogprobs | None]]:
+        """(token id, its logprobs) of choice `index`'s echoed prompt; none without echo or prompt logprobs."""
+        if not self.echo or prompt_logprobs is None:
+            return []
+        return list(zip(self.echo_token_ids[index // self.choices_per_prompt], prompt_logprobs))
 
     def _echo_once(self, index: int) -> str:
         if not self.echo or index in self._echoed:
@@ -667,22 +730,32 @@ class CompletionRenderer(_Renderer):
         return self.echo[index // self.choices_per_prompt]
 
     def _message(self, index: int, chunks: Sequence[StreamChunk]) -> dict:
-        logprobs = [lp for chunk in chunks for lp in chunk.logprobs]
-        return {"text": self._echo_once(index) + "".join(chunk.text for chunk in chunks),
-                "logprobs": self._logprobs(index, logprobs)}
+        prompt_logprobs = _prompt_logprobs_of(chunks)
+        echoed = self._echo_once(index)
+        output = () if self.echo_only else chunks
+        logprobs = (self._echoed_logprobs(index, prompt_logprobs if echoed else None)
+                    + _entries(lp for chunk in output for lp in chunk.logprobs))
+        message = {"text": echoed + "".join(chunk.text for chunk in output), "logprobs": self._logprobs(index, logprobs)}
+        if prompt_logprobs is not None:
+            message["prompt_logprobs"] = self.prompt_logprobs_body(prompt_logprobs)
+        return message
 
-    def _logprobs(self, index: int, logprobs: Sequence[TokenLogprobs]) -> dict | None:
+    def _logprobs(self, index: int, logprobs: Sequence[tuple[int, TokenLogprobs | None]]) -> dict | None:
+        """OpenAI's logprobs object of (token id, its logprobs) pairs: a token without logprobs (the
+        prompt's first) has null token_logprobs and top_logprobs entries."""
         if not self.with_logprobs:
             return None
-        tokens = [self.token_text(lp.token_id) for lp in logprobs]
+        tokens = [self.token_text(token_id) for token_id, _ in logprobs]
         offsets = []
         offset = self._text_offset.get(index, 0)
         for token in tokens:
             offsets.append(offset)
             offset += len(token)
         self._text_offset[index] = offset
-        return {"tokens": tokens, "token_logprobs": [_logprob(lp.logprob) for lp in logprobs],
-                "top_logprobs": [self._top_logprobs(lp) for lp in logprobs], "text_offset": offsets}
+        return {"tokens": tokens,
+                "token_logprobs": [None if lp is None else _logprob(lp.logprob) for _, lp in logprobs],
+                "top_logprobs": [None if lp is None else self._top_logprobs(lp) for _, lp in logprobs],
+                "text_offset": offsets}
 
     def _top_logprobs(self, logprobs: TokenLogprobs) -> dict[str, float]:
         """The `logprobs` most likely tokens, best first, and the sampled token when it is not one
@@ -722,6 +795,14 @@ class ChatRenderer(_Renderer):
         """Each choice's parser (with tool_output): its stream's, or the one that read its whole output."""
         self._reasoners: dict[int, ReasoningParser] = {}
         """Each choice's reasoning parser (with reasoning_output), as _parsers."""
+
+    def response(self, choices: Sequence[Sequence[StreamChunk]], usage: Usage) -> dict:
+        """With prompt logprobs, vLLM's prompt_logprobs field on the response (the choices share the prompt)."""
+        body = super().response(choices, usage)
+        prompt_logprobs = _prompt_logprobs_of([chunk for chunks in choices for chunk in chunks])
+        if prompt_logprobs is not None:
+            body["prompt_logprobs"] = self.prompt_logprobs_body(prompt_logprobs)
+        return body
 
     def stream_chunks(self, index: int, chunk: StreamChunk) -> list[dict]:
         chunks = []

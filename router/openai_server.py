@@ -296,7 +296,9 @@ class OpenAIServing:
         echo = [self._prompt_text(p) for p in parsed.prompts] if parsed.echo else ()
         renderer = CompletionRenderer(self._header("cmpl", request_id), self._token_text(parsed.tokens_as_ids),
                                       parsed.include_usage, parsed.sampling.logprobs is not None, echo, parsed.n,
-                                      _prompt_lengths(inputs) if parsed.continuous_usage else None)
+                                      _prompt_lengths(inputs) if parsed.continuous_usage else None,
+                                      _echoed_token_ids(inputs, len(prompts), parsed.best_of) if parsed.echo else (),
+                                      parsed.echo_only)
         if parsed.return_token_ids:  # choice i is one of prompt i // n's sequences: inputs i // n * best_of on
             renderer.with_token_ids([inputs[i // parsed.n * parsed.best_of].prompt_token_ids
                                      for i in range(len(prompts) * parsed.n)])
@@ -386,6 +388,11 @@ class OpenAIServing:
 
 
 # ---- request and response plumbing ----------------------------------------------------------
+
+def _echoed_token_ids(inputs: Sequence[GenerationInput], num_prompts: int, best_of: int) -> list[tuple[int, ...]]:
+    """Each prompt's token ids as its sequences run them (prompt i's are inputs i * best_of on)."""
+    return [inputs[i * best_of].prompt_token_ids for i in range(num_prompts)]
+
 
 def _prompt_lengths(inputs: Sequence[GenerationInput]) -> list[int]:
     """Each choice's prompt tokens (inputs are one per choice when a stream reports usage per chunk:

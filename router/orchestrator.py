@@ -465,7 +465,8 @@ class Orchestrator:
         prefill = run.prefill = self._assign(run, self.prefill_pool, decision.prefill_worker_id)
         decode = run.decode = self._assign(run, self.decode_pool, decision.decode_worker_id, prefill_tokens=0)
         result = await self._prefill(run, prefill)
-        chunk = run.on_tokens(result.token_ids, result.logprobs, result.finish_reason, result.stop_reason)
+        chunk = run.on_tokens(result.token_ids, result.logprobs, result.finish_reason, result.stop_reason,
+                              result.prompt_logprobs)
         yield chunk
         if chunk.finish_reason is not None:
             run.worker_finished = result.finish_reason is not None
@@ -493,7 +494,8 @@ class Orchestrator:
             run.worker_request_id, self.router_id, run.inp.prompt_token_ids, (), self._worker_params(run), 0, None,
             None, first_token_pending=True))
         result = await self._prefill(run, prefill, decode_id)
-        chunk = run.on_tokens(result.token_ids, result.logprobs, result.finish_reason, result.stop_reason)
+        chunk = run.on_tokens(result.token_ids, result.logprobs, result.finish_reason, result.stop_reason,
+                              result.prompt_logprobs)
         if chunk.finish_reason is not None:
             run.worker_finished = result.finish_reason is not None
             if run.worker_finished:  # the prefill worker holds nothing; the decode worker's request ends
@@ -583,7 +585,8 @@ class Orchestrator:
             if delta.finish_reason is not None:
                 run.worker_finished = True
                 run.num_cached_tokens = delta.num_cached_tokens
-            chunk = run.on_tokens(delta.token_ids, delta.logprobs, delta.finish_reason, delta.stop_reason)
+            chunk = run.on_tokens(delta.token_ids, delta.logprobs, delta.finish_reason, delta.stop_reason,
+                                  delta.prompt_logprobs)
             if chunk.token_ids or chunk.text or chunk.finish_reason is not None:
                 yield chunk
             if chunk.finish_reason is not None:

@@ -124,7 +124,8 @@ class RequestRun:
             raise RouterError("DEADLINE_EXCEEDED", "the request's deadline passed") from None
 
     def on_tokens(self, token_ids: Sequence[int], logprobs: Sequence[TokenLogprobs], finish_reason: str | None,
-                  stop_reason: int | str | None) -> StreamChunk:
+                  stop_reason: int | str | None,
+                  prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None) -> StreamChunk:
         """Detokenize new tokens, cutting at a stop string; a finish here ends the stream. A stop token
         that ended the request is counted and reported but its text is not part of the output (as in
         vLLM: include_stop_str_in_output is false)."""
@@ -146,9 +147,11 @@ class RequestRun:
         self.finish_reason = finish_reason
         text = self.detokenizer.take_delta(finish_reason is not None)
         if finish_reason is None:
-            return StreamChunk(self.inp.request_id, tuple(emitted), text, tuple(logprobs[:len(emitted)]))
+            return StreamChunk(self.inp.request_id, tuple(emitted), text, tuple(logprobs[:len(emitted)]),
+                               prompt_logprobs=prompt_logprobs)
         return StreamChunk(self.inp.request_id, tuple(emitted), text, tuple(logprobs[:len(emitted)]),
-                           finish_reason, stop_reason, self._usage(), self._timing(now))
+                           finish_reason, stop_reason, self._usage(), self._timing(now),
+                           prompt_logprobs=prompt_logprobs)
 
     def _ends_on_stop_token(self, token_ids: Sequence[int], finish_reason: str | None,
                             stop_reason: int | str | None) -> bool:

@@ -23,6 +23,7 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2
 from splitserve.common.errors import InvalidRequestError
 from splitserve.common.log_escape import quote_for_log
 from splitserve.common.sampling_params import SamplingParams
+from splitserve.common.token_logprobs import TokenLogprobs
 from splitserve.proto.inference import grpc_service_pb2 as triton_pb
 from splitserve.proto.inference import grpc_service_pb2_grpc as triton_pb_grpc
 from splitserve.proto.splitserve.v1 import generation_pb2 as pb
@@ -45,7 +46,7 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
 MAX_MESSAGE_BYTES = MAX_BODY_BYTES
 _SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "frequency_penalty",
                     "presence_penalty", "seed", "max_tokens", "ignore_eos", "logprobs", "skip_special_tokens",
-                    "min_tokens", "include_stop_str_in_output")
+                    "min_tokens", "include_stop_str_in_output", "prompt_logprobs")
 
 
 async def sampling_params_of(message: pb.SamplingParams) -> SamplingParams:
@@ -99,12 +100,17 @@ def slo_target(request: pb.GenerateRequest, field: str) -> float | None:
     return value
 
 
+def _token_logprob(lp: TokenLogprobs) -> pb.TokenLogprob:
+    return pb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob, rank=lp.rank,
+                           top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
+
+
 def chunk_to_proto(chunk: StreamChunk) -> pb.GenerateResponse:
     response = pb.GenerateResponse(request_id=chunk.request_id, token_ids=chunk.token_ids, text=chunk.text,
                                    finish_reason=chunk.finish_reason or "")
-    for lp in chunk.logprobs:
-        response.logprobs.append(pb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob, rank=lp.rank,
-                                                 top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top]))
+    response.logprobs.extend(_token_logprob(lp) for lp in chunk.logprobs)
+    if chunk.prompt_logprobs is not None:  # the first prompt token's entry is None
+        response.prompt_logprobs.extend(_token_logprob(lp) for lp in chunk.prompt_logprobs[1:])
     if isinstance(chunk.stop_reason, str):
         response.stop_string = chunk.stop_reason
     elif isinstance(chunk.stop_reason, int):

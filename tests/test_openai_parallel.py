@@ -173,8 +173,6 @@ def test_best_of_returns_the_sequences_of_highest_cumulative_logprob(served):
                                      "finished (set best_of to n, or stream to false)"),
     ({"n": 129}, "n: must be an integer in [1, 128], got 129"),
     ({"prompt": ["a"] * 65, "best_of": 2}, "prompt: 65 prompts x 2 sequences each exceed 128 sequences per request"),
-    ({"echo": True, "logprobs": 1}, "echo: with logprobs needs the prompt's logprobs, which this server does not "
-                                    "compute (drop logprobs, or echo)"),
     ({"prompt": ["a", 5]}, "prompt: must be a string or a non-empty list of token ids"),
     ({"prompt": ["a", []]}, "prompt[1]: must be a string or a non-empty list of token ids"),
 ])
