@@ -113,6 +113,24 @@ def test_echo_with_max_tokens_0_returns_the_prompt_alone(served, prompt_ids, str
     assert token_logprobs == scored.token_logprobs[:len(prompt_ids)]
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_with_max_tokens_0_returns_the_prompt_ids_but_no_output_ids(served, prompt_ids, stream):
+    """return_token_ids follows the text: the choice is its prompt alone, so its output ids are empty."""
+    body = {"prompt": prompt_ids, "max_tokens": 0, "echo": True, "temperature": 0, "return_token_ids": True}
+    if stream:
+        status, _, raw = http_request(served.http_port, "POST", "/v1/completions",
+                                      json.dumps({"model": MODEL, "stream": True, **body}).encode())
+        assert status == 200
+        choices = [json.loads(line.removeprefix(b"data: "))["choices"][0] for line in raw.split(b"\n\n")
+                   if line.startswith(b"data: {")]
+        assert [t for c in choices for t in c["token_ids"]] == []
+        assert [c["prompt_token_ids"] for c in choices if "prompt_token_ids" in c] == [prompt_ids]
+        return
+    status, response = post(served, "/v1/completions", **body)
+    assert status == 200
+    assert response["choices"][0]["token_ids"] == [] and response["choices"][0]["prompt_token_ids"] == prompt_ids
+
+
 def test_streamed_echo_with_logprobs_equals_the_whole_response(served, prompt_ids):
     api = client(served)
     args = dict(model=MODEL, prompt=prompt_ids, max_tokens=5, logprobs=1, echo=True, temperature=0, extra_body=AS_IDS)
