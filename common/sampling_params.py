@@ -118,10 +118,6 @@ class SamplingParams:
     """Keep generating past the model's EOS token(s)."""
     logprobs: int | None = None
     """If set, return the sampled token's logprob plus this many top alternatives (0..20)."""
-    prompt_logprobs: int | None = None
-    """If set, also return each prompt token's logprob given the tokens before it plus this many top
-    alternatives (0..20; the first prompt token has none), with the request's first output (vLLM's
-    prompt_logprobs). Such a request never reads the prefix cache: every prompt position is computed."""
     skip_special_tokens: bool = field(default=True)
     """Leave special tokens out of the detokenized text."""
     min_tokens: int = 0
@@ -145,6 +141,10 @@ class SamplingParams:
     sequence's other tokens. The engine reads only this."""
     include_stop_str_in_output: bool = False
     """Keep the stop string that ended the output in its text (vLLM's include_stop_str_in_output)."""
+    prompt_logprobs: int | None = None
+    """If set, also return each prompt token's logprob given the tokens before it plus this many top
+    alternatives (0..20; the first prompt token has none), with the request's first output (vLLM's
+    prompt_logprobs). Such a request never reads the prefix cache: every prompt position is computed."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else _as_tuple(self.stop, "stop"))

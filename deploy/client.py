@@ -19,6 +19,8 @@ from splitserve.proto.splitserve.v1 import generation_pb2, generation_pb2_grpc
 
 _UINT64_FIELDS = frozenset({"seed"})
 """Sampling fields that are unsigned on the wire (common.SamplingParams allows a negative seed)."""
+LOCAL_SAMPLING_FIELDS = frozenset({"bad_words_token_ids"})
+"""SamplingParams fields that are not sent: the server derives them (it tokenizes bad_words itself)."""
 
 
 @dataclass(frozen=True)
@@ -101,11 +103,13 @@ def sampling_to_proto(params: SamplingParams) -> generation_pb2.SamplingParams:
     message = generation_pb2.SamplingParams()
     for spec in dataclasses.fields(SamplingParams):
         value = getattr(params, spec.name)
-        if value == spec.default:
+        if value == spec.default or spec.name in LOCAL_SAMPLING_FIELDS:
             continue
         if spec.name in _UINT64_FIELDS and value < 0:
             raise InvalidRequestError(spec.name, f"must be >= 0 to be sent to a server, got {value}")
-        if isinstance(value, tuple):
+        if spec.name == "logit_bias":  # (token id, bias) pairs -> the wire's map
+            message.logit_bias.update(dict(value))
+        elif isinstance(value, tuple):
             getattr(message, spec.name).extend(value)
         else:
             setattr(message, spec.name, value)

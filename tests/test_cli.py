@@ -11,7 +11,7 @@ from contextlib import closing
 import pytest
 
 from splitserve.deploy.cli import main as cli_main
-from splitserve.deploy.client import build_generate_request
+from splitserve.deploy.client import LOCAL_SAMPLING_FIELDS, build_generate_request, sampling_to_proto
 from splitserve.engine import LLM, SamplingParams
 from splitserve.proto.splitserve.v1 import generation_pb2
 
@@ -109,8 +109,17 @@ def test_chat_and_token_id_requests():
 
 def test_wire_sampling_fields_match_the_engine_sampling_params():
     # sampling_to_proto copies fields by name and relies on equal defaults on both sides.
-    assert [spec.name for spec in dataclasses.fields(SamplingParams)] == [
+    assert [spec.name for spec in dataclasses.fields(SamplingParams) if spec.name not in LOCAL_SAMPLING_FIELDS] == [
         field.name for field in generation_pb2.SamplingParams.DESCRIPTOR.fields]
+
+
+def test_logit_controls_and_prompt_logprobs_reach_the_wire():
+    params = SamplingParams(logit_bias={"7": 5.0, 3: -100.0}, allowed_token_ids=[3, 7], bad_words=["no"],
+                            bad_words_token_ids=[[9, 10]], include_stop_str_in_output=True, prompt_logprobs=2)
+    message = sampling_to_proto(params)
+    assert dict(message.logit_bias) == {3: -100.0, 7: 5.0} and list(message.allowed_token_ids) == [3, 7]
+    assert list(message.bad_words) == ["no"] and message.include_stop_str_in_output
+    assert message.prompt_logprobs == 2
 
 
 def test_simulate_writes_the_runs_it_prints(tmp_path, capsys):
