@@ -173,8 +173,9 @@ class ModelRunner:
     def execute(self, output: SchedulerOutput, on_layer: Callable[[int], None] | None = None) -> torch.Tensor:
         """Logits [R, vocab] (float32) in chunk order, ScheduledChunk.num_logit_rows per chunk: one row per
         sampling chunk, 1 + num_spec_tokens rows (last token, then each draft) for a speculating one
-        (never a captured graph: it takes one-token decodes only), every token's for one scoring its prompt. on_layer(l) runs after layer l of the forward (eager steps only: a
-        step with a hook is never replayed from a graph)."""
+        (never a captured graph: it takes one-token decodes only), every token's for one scoring its
+        prompt. on_layer(l) runs after layer l of the forward (eager steps only: a step with a hook is
+        never replayed from a graph)."""
         if on_layer is None and self.graphs is not None and self.graphs.can_run(output):
             return self.graphs.execute(output)
         model_input = self.inputs.build(output)
