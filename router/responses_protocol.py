@@ -497,14 +497,17 @@ class ResponsesRenderer:
             split += self._reasoner.finish()
         return split if self.reasoning_output.include_reasoning else ReasoningDelta(content=split.content)
 
+    def _opened(self, item: _ReasoningItem | _MessageItem) -> list[dict]:
+        """`item` joins the output: the events that add it and its one (empty) content part."""
+        self._items.append(item)
+        return [self._item_event("response.output_item.added", item, "in_progress"),
+                self._event("response.content_part.added", **self._part_ids(item), part=type(item).part(""))]
+
     def _reasoning_events(self, text: str) -> list[dict]:
         events = []
         if self._reasoning is None:
             self._reasoning = _ReasoningItem(_new_item_id("rs"))
-            self._items.append(self._reasoning)
-            events.append(self._item_event("response.output_item.added", self._reasoning, "in_progress"))
-            events.append(self._event("response.content_part.added", **self._part_ids(self._reasoning),
-                                      part=_ReasoningItem.part("")))
+            events = self._opened(self._reasoning)
         self._reasoning.text.append(text)
         events.append(self._event("response.reasoning_text.delta", **self._part_ids(self._reasoning), delta=text))
         return events
@@ -519,10 +522,7 @@ class ResponsesRenderer:
         events = []
         if self._message is None:
             self._message = _MessageItem(_new_item_id("msg"))
-            self._items.append(self._message)
-            events.append(self._item_event("response.output_item.added", self._message, "in_progress"))
-            events.append(self._event("response.content_part.added", **self._part_ids(self._message),
-                                      part=_MessageItem.part("")))
+            events = self._opened(self._message)
         self._message.text.append(text)
         events.append(self._event("response.output_text.delta", **self._part_ids(self._message), delta=text,
                                   logprobs=[]))
