@@ -827,9 +827,7 @@ class ChatRenderer(_Renderer):
         if self.reasoning_output is None:
             return self._content_delta(index, chunk.text, chunk.finish_reason is not None, {"content": chunk.text})
         reasoner = self._reasoners.setdefault(index, self.reasoning_output.new_parser())
-        split = reasoner.feed(chunk.text, chunk.token_ids)
-        if chunk.finish_reason is not None:
-            split += reasoner.finish()
+        split = reasoner.feed_piece(chunk.text, chunk.token_ids, last=chunk.finish_reason is not None)
         delta = self._content_delta(index, split.content, chunk.finish_reason is not None,
                                     {"content": split.content} if split.content else {})
         if split.reasoning and self.reasoning_output.include_reasoning:
@@ -841,9 +839,7 @@ class ChatRenderer(_Renderer):
         if self.tool_output is None:
             return plain
         parser = self._parsers.setdefault(index, self.tool_output.new_parser())
-        parsed = parser.feed(text)
-        if last:
-            parsed += parser.finish()
+        parsed = parser.feed_piece(text, last)
         delta: dict[str, Any] = {"content": parsed.content} if parsed.content else {}
         if parsed.tool_calls:
             delta["tool_calls"] = [_tool_call_delta(call) for call in parsed.tool_calls]

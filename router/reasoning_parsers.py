@@ -109,6 +109,11 @@ class ReasoningParser(ABC):
         held, self._pending = self._pending, ""
         return ReasoningDelta(reasoning=held) if self.in_reasoning else ReasoningDelta(content=held)
 
+    def feed_piece(self, text: str, token_ids: Sequence[int], last: bool) -> ReasoningDelta:
+        """feed(text, token_ids), then finish() when it is the output's last piece."""
+        delta = self.feed(text, token_ids)
+        return delta + self.finish() if last else delta
+
     def _count(self, token_ids: Sequence[int]) -> None:
         for token_id in token_ids:
             if not self._counting:
@@ -241,5 +246,5 @@ class ReasoningOutput:
 
 def parse_reasoning(parser: ReasoningParser, text: str, token_ids: Sequence[int] = ()) -> ParsedReasoning:
     """A whole output through `parser` (fresh)."""
-    delta = parser.feed(text, token_ids) + parser.finish()
+    delta = parser.feed_piece(text, token_ids, last=True)
     return ParsedReasoning(delta.reasoning or None, delta.content or None)

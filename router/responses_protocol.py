@@ -459,16 +459,15 @@ class ResponsesRenderer:
         """The events that carry `chunk`; the last chunk's end with response.completed."""
         split = self._split(chunk)
         events = self._reasoning_events(split.reasoning) if split.reasoning else []
-        delta = OutputDelta(split.content) if self._parser is None else self._parser.feed(split.content)
-        if chunk.finish_reason is not None and self._parser is not None:
-            delta += self._parser.finish()
+        last = chunk.finish_reason is not None
+        delta = OutputDelta(split.content) if self._parser is None else self._parser.feed_piece(split.content, last)
         if (delta.content or delta.tool_calls) and self._reasoning is not None and not self._reasoning.closed:
             events += self._reasoning_done_events(self._reasoning, "completed")
             self._reasoning.closed = True
         events += self._content_events(delta.content) if delta.content else []
         for call in delta.tool_calls:
             events += self._call_events(call)
-        if chunk.finish_reason is not None:
+        if last:
             events += self._closing_events(chunk.finish_reason, chunk.usage)
         return events
 
@@ -492,9 +491,7 @@ class ResponsesRenderer:
         """The chunk's reasoning (none when it is not returned) and content."""
         if self._reasoner is None:
             return ReasoningDelta(content=chunk.text)
-        split = self._reasoner.feed(chunk.text, chunk.token_ids)
-        if chunk.finish_reason is not None:
-            split += self._reasoner.finish()
+        split = self._reasoner.feed_piece(chunk.text, chunk.token_ids, last=chunk.finish_reason is not None)
         return split if self.reasoning_output.include_reasoning else ReasoningDelta(content=split.content)
 
     def _opened(self, item: _ReasoningItem | _MessageItem) -> list[dict]:

@@ -119,6 +119,11 @@ class OutputParser(ABC):
     def finish(self) -> OutputDelta:
         """What is left once the output ended."""
 
+    def feed_piece(self, text: str, last: bool) -> OutputDelta:
+        """feed(text), then finish() when it is the output's last piece."""
+        delta = self.feed(text)
+        return delta + self.finish() if last else delta
+
     def _open_call(self, name: str, arguments: str) -> ToolCallDelta:
         self._calls_sent += 1
         return ToolCallDelta(self._calls_sent - 1, arguments, self._new_id(), name)
@@ -126,7 +131,7 @@ class OutputParser(ABC):
 
 def parse_output(parser: OutputParser, text: str) -> ParsedOutput:
     """A whole output through `parser` (fresh): malformed, all of it is content."""
-    delta = parser.feed(text) + parser.finish()
+    delta = parser.feed_piece(text, last=True)
     if parser.malformed:
         return ParsedOutput(text, ())
     calls: list[list[str]] = []
