@@ -24,6 +24,9 @@ SILU_ACTIVATIONS = ("silu", "swish")
 """config.json `hidden_act` values the engine runs: transformers maps both names to the same SiLU."""
 TOKENIZER_FILE = "tokenizer.json"
 """The fast-tokenizer file: the router and the workers read only this (through `tokenizers`)."""
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+PYTORCH_INDEX = "pytorch_model.bin.index.json"
+"""The index files of sharded checkpoints: `weight_map` maps each tensor name to its shard's file name."""
 OTHER_TOKENIZER_FILES = ("tokenizer.model", "vocab.json", "merges.txt", "vocab.txt", "tiktoken.model")
 """Slow-tokenizer files transformers can convert into tokenizer.json; named in the error so the
 user knows the conversion is all that is missing."""
@@ -35,7 +38,7 @@ def unsupported_architecture_message(architecture: str) -> str:
 
 def check_model_dir(model_dir: Path) -> None:
     """UnsupportedModelError (one line, naming the directory) unless `model_dir` has a config.json
-    of a supported architecture, safetensors weights and a tokenizer.json."""
+    of a supported architecture, weights (weight_files) and a tokenizer.json."""
     if not model_dir.is_dir():
         raise UnsupportedModelError(f"{model_dir}: no such model directory")
     config = read_model_config(model_dir)
@@ -44,9 +47,38 @@ def check_model_dir(model_dir: Path) -> None:
         raise UnsupportedModelError(f"{model_dir}: {unsupported_architecture_message(architecture)}")
     if config.get("hidden_act", "silu") not in SILU_ACTIVATIONS:
         raise UnsupportedModelError(f"{model_dir}: {unsupported_activation_message(config['hidden_act'])}")
-    if not any(model_dir.glob("*.safetensors")):
-        raise UnsupportedModelError(f"{model_dir}: no *.safetensors weights (only safetensors checkpoints load)")
+    weight_files(model_dir)
     check_tokenizer_files(model_dir)
+
+
+def weight_files(model_dir: Path) -> list[Path]:
+    """The checkpoint's weight files, sorted: safetensors whenever the directory has them, else PyTorch's
+    pickled state dicts (pytorch_model*.bin), which older checkpoints ship instead. Sharded checkpoints are read
+    through their index (a directory may hold other files of the same suffix, such as Mistral's
+    consolidated.safetensors next to the Hugging Face shards); UnsupportedModelError when there are none or an
+    index names a shard that is missing."""
+    for index_name, pattern in ((SAFETENSORS_INDEX, "*.safetensors"), (PYTORCH_INDEX, "pytorch_model*.bin")):
+        index = model_dir / index_name
+        if index.is_file():
+            files = [model_dir / name for name in sorted(set(_index_weight_map(index).values()))]
+            missing = [path.name for path in files if not path.is_file()]
+            if missing:
+                raise UnsupportedModelError(f"{index}: names shards that are missing: {', '.join(missing)}")
+            return files
+        files = sorted(model_dir.glob(pattern))
+        if files:
+            return files
+    raise UnsupportedModelError(f"{model_dir}: no weights (*.safetensors, or pytorch_model*.bin)")
+
+
+def _index_weight_map(index: Path) -> dict[str, str]:
+    try:
+        weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map")
+    except (ValueError, OSError, AttributeError) as error:
+        raise UnsupportedModelError(f"{index}: not a readable checkpoint index: {error}") from None
+    if not isinstance(weight_map, dict) or not all(isinstance(name, str) for name in weight_map.values()):
+        raise UnsupportedModelError(f"{index}: has no `weight_map` of tensor names to shard files")
+    return weight_map
 
 
 def unsupported_activation_message(hidden_act: object) -> str:

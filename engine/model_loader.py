@@ -1,4 +1,4 @@
-"""Load a Hugging Face model directory (config + safetensors) into a LlamaFamilyForCausalLM.
+"""Load a Hugging Face model directory (config + safetensors or PyTorch .bin weights) into a LlamaFamilyForCausalLM.
 
 q/k/v projections are fused into one `qkv_proj` and gate/up into `gate_up_proj` at load
 time so each layer runs two matmuls fewer per step.
@@ -7,7 +7,8 @@ time so each layer runs two matmuls fewer per step.
 from __future__ import annotations
 
 import hashlib
-import json
+import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -18,7 +19,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from splitserve.common.errors import UnsupportedModelError
 from splitserve.common.model_dir import (SILU_ACTIVATIONS, SUPPORTED_ARCHITECTURES, unsupported_activation_message,
-                                         unsupported_architecture_message)
+                                         unsupported_architecture_message, weight_files)
 from splitserve.engine.attention import AttentionBackend
 from splitserve.engine.cpu_kernels import cpu_kernel_isa
 from splitserve.engine.models.llama import LlamaFamilyArch, LlamaFamilyForCausalLM, RotaryEmbedding
@@ -32,7 +33,7 @@ from splitserve.engine.quantization.spec import NONE, PACKED_METHODS, Quantizati
 def model_fingerprint(model_dir: Path) -> str:
     """Identity of a model for the KV handshake: a hash of its config.json and weight file names/sizes."""
     digest = hashlib.sha256((Path(model_dir) / "config.json").read_bytes())
-    for path in sorted(Path(model_dir).glob("*.safetensors")):
+    for path in weight_files(Path(model_dir)):
         digest.update(f"{path.name}:{path.stat().st_size}".encode())
     return digest.hexdigest()[:16]
 
@@ -132,25 +133,31 @@ def build_rotary(config: PretrainedConfig, arch: LlamaFamilyArch) -> RotaryEmbed
     return RotaryEmbedding(inv_freq, float(scaling))
 
 
-def _weight_files(model_dir: Path) -> list[Path]:
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [model_dir / shard for shard in shards]
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise UnsupportedModelError(f"{model_dir} has no *.safetensors weights")
-    return files
-
-
 def read_checkpoint(model_dir: Path) -> dict[str, torch.Tensor]:
     """Every tensor of the checkpoint, with the `model.` prefix removed."""
     tensors: dict[str, torch.Tensor] = {}
-    for path in _weight_files(model_dir):
+    for path in weight_files(model_dir):
+        for name, tensor in _read_weight_file(path):
+            tensors[name.removeprefix("model.")] = tensor
+    return tensors
+
+
+def _read_weight_file(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of one safetensors file, or of a PyTorch .bin state dict: unpickled with
+    weights_only (tensors and plain containers only, never code the file names), memory-mapped when it
+    is the zip format torch.save has written since torch 1.6."""
+    if path.suffix == ".safetensors":
         with safe_open(str(path), framework="pt") as handle:
             for name in handle.keys():
-                tensors[name.removeprefix("model.")] = handle.get_tensor(name)
-    return tensors
+                yield name, handle.get_tensor(name)
+        return
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
+    except Exception as error:  # pickle and zip errors have no common base; every one means the same to the user
+        raise UnsupportedModelError(f"{path}: not a loadable PyTorch state dict: {error}") from None
+    if not isinstance(state, dict) or not all(isinstance(t, torch.Tensor) for t in state.values()):
+        raise UnsupportedModelError(f"{path}: not a state dict of tensors")
+    yield from state.items()
 
 
 def fuse_checkpoint(checkpoint: dict[str, torch.Tensor], arch: LlamaFamilyArch) -> dict[str, torch.Tensor]:

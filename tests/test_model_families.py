@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import json
+import shutil
+from pathlib import Path
+
 import pytest
+import torch
 
 from tests.factories import assert_pool_idle, copy_with_config_fields, hf_greedy, save_random_hf_model
 from splitserve.common.config import EngineConfig
 from splitserve.common.errors import InvalidRequestError, UnsupportedModelError
-from splitserve.common.model_dir import check_model_dir
+from splitserve.common.model_dir import check_model_dir, weight_files
 from splitserve.engine import EngineCore
+from splitserve.engine.model_loader import model_fingerprint
 from splitserve.testing.workloads import GreedyCase, mixed_workload
 
 FAMILIES = {
@@ -225,3 +231,50 @@ def test_an_untied_checkpoint_without_lm_head_is_refused_naming_it(tmp_path):
         EngineCore(model_dir, EngineConfig(device="cpu"))
     assert str(error.value) == ("the checkpoint has no tensor lm_head.weight (the output projection; config.json "
                                 "does not set tie_word_embeddings)")
+
+
+def pytorch_bin_copy(model_dir: Path, out_dir: Path, num_shards: int) -> Path:
+    """`model_dir` with its safetensors rewritten as PyTorch state dicts, as older checkpoints ship them: one
+    pytorch_model.bin, or `num_shards` shards and their pytorch_model.bin.index.json."""
+    from safetensors.torch import load_file
+
+    shutil.copytree(model_dir, out_dir, ignore=shutil.ignore_patterns("*.safetensors", "*.safetensors.index.json"))
+    tensors = {name: tensor for path in sorted(model_dir.glob("*.safetensors")) for name, tensor in load_file(path).items()}
+    if num_shards == 1:
+        torch.save(tensors, out_dir / "pytorch_model.bin")
+        return out_dir
+    names = sorted(tensors)
+    weight_map = {}
+    for shard in range(num_shards):
+        file_name = f"pytorch_model-{shard + 1:05d}-of-{num_shards:05d}.bin"
+        torch.save({name: tensors[name] for name in names[shard::num_shards]}, out_dir / file_name)
+        weight_map.update({name: file_name for name in names[shard::num_shards]})
+    (out_dir / "pytorch_model.bin.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return out_dir
+
+
+@pytest.mark.parametrize("num_shards", [1, 3])
+def test_a_pytorch_bin_checkpoint_runs_like_its_safetensors(num_shards, tmp_path):
+    model_dir = save_random_hf_model(tmp_path / "safetensors", "qwen2", seed=4)
+    bin_dir = pytorch_bin_copy(model_dir, tmp_path / "bin", num_shards)
+    assert not list(bin_dir.glob("*.safetensors"))
+    outputs, engine = run_engine(bin_dir, SHORT_CASES, **short_run_config())
+    assert outputs == [hf_greedy(model_dir, case) for case in SHORT_CASES]
+    assert_pool_idle(engine.block_manager)
+    assert model_fingerprint(bin_dir) != model_fingerprint(model_dir)
+
+
+def test_checkpoint_files_that_cannot_load_are_named(tmp_path):
+    model_dir = save_random_hf_model(tmp_path / "m", "llama", num_hidden_layers=1)
+    sharded = pytorch_bin_copy(model_dir, tmp_path / "sharded", 2)
+    (sharded / "pytorch_model-00002-of-00002.bin").unlink()
+    with pytest.raises(UnsupportedModelError, match=r"pytorch_model.bin.index.json: names shards that are missing: "
+                                                    r"pytorch_model-00002-of-00002.bin$"):
+        weight_files(sharded)
+    broken = pytorch_bin_copy(model_dir, tmp_path / "broken", 1)
+    (broken / "pytorch_model.bin").write_bytes(b"not a pickle")
+    with pytest.raises(UnsupportedModelError, match=r"pytorch_model.bin: not a loadable PyTorch state dict"):
+        EngineCore(broken, EngineConfig(device="cpu"))
+    (broken / "pytorch_model.bin").unlink()
+    with pytest.raises(UnsupportedModelError, match=r"no weights \(\*.safetensors, or pytorch_model\*.bin\)$"):
+        check_model_dir(broken)

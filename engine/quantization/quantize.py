@@ -25,6 +25,7 @@ from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from splitserve.common.config import QUANTIZATION_GROUP_SIZES
+from splitserve.common.model_dir import PYTORCH_INDEX, SAFETENSORS_INDEX, weight_files
 from splitserve.engine.quantization.awq import search_clip, search_scales
 from splitserve.engine.quantization.formats import PACK_FACTOR, QuantizedWeight, awq_pack, gptq_pack
 from splitserve.engine.quantization.gptq import GptqConfig, HessianAccumulator, gptq_quantize
@@ -248,9 +249,9 @@ def write_checkpoint(model_dir: Path, out_dir: Path, model: PreTrainedModel, qua
             if getattr(packed, field) is not None:
                 tensors[f"{prefix}.{field}"] = getattr(packed, field).contiguous()
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    weights = set(weight_files(model_dir))
     for path in model_dir.iterdir():
-        if path.is_file() and path.suffix != ".safetensors" and path.name not in ("config.json",
-                                                                                  "model.safetensors.index.json"):
+        if path.is_file() and path not in weights and path.name not in ("config.json", SAFETENSORS_INDEX, PYTORCH_INDEX):
             shutil.copy2(path, out_dir / path.name)
     hf_config = json.loads((model_dir / "config.json").read_text())
     hf_config["quantization_config"] = config.quantization_config()
