@@ -1,8 +1,11 @@
-"""Engine configuration (torch-free, frozen, validated on construction)."""
+"""Engine and generation-defaults configuration (torch-free, frozen, validated on construction)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from splitserve.common.errors import InvalidRequestError
+from splitserve.common.sampling_params import SamplingParams
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -162,3 +165,74 @@ class EngineConfig:
                f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}")
         _check(self.kv_cache_memory_fraction is None or 0 < self.kv_cache_memory_fraction <= 1,
                f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}")
+
+
+GENERATION_CONFIG_SOURCES = ("auto", "vllm")
+"""GenerationConfig.source values that name no folder."""
+
+
+@dataclass(frozen=True)
+class SamplingDefaults:
+    """Sampling values a request gets for the fields it leaves unset, under Hugging Face's
+    generation_config.json names (the fields vLLM's get_diff_sampling_param reads); None: the
+    field has no default here (SamplingParams' own applies). Checked by SamplingParams' rules."""
+
+    temperature: float | None = None
+    """Default temperature (0: greedy)."""
+    top_p: float | None = None
+    """Default top_p, in (0, 1]."""
+    top_k: int | None = None
+    """Default top_k (-1 or 0: off)."""
+    min_p: float | None = None
+    """Default min_p, in [0, 1]."""
+    repetition_penalty: float | None = None
+    """Default repetition_penalty, > 0."""
+    presence_penalty: float | None = None
+    """Default presence_penalty, in [-2, 2]."""
+    frequency_penalty: float | None = None
+    """Default frequency_penalty, in [-2, 2]."""
+    max_new_tokens: int | None = None
+    """Default max_tokens of a chat or Responses request that sets none (completions keep 16, as in
+    vLLM); a limit on every request's max_tokens when it comes from the overrides or a
+    --generation-config folder (vLLM's rule)."""
+
+    def __post_init__(self) -> None:
+        try:
+            SamplingParams(**self.sampling_fields())
+        except InvalidRequestError as error:
+            raise ValueError(f"{error.field} {error.message}") from None
+        value = self.max_new_tokens
+        _check(value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 1),
+               f"max_new_tokens must be an integer >= 1, got {value!r}")
+
+    def sampling_fields(self) -> dict[str, float | int]:
+        """The set defaults as SamplingParams fields (max_new_tokens, a length, is not one)."""
+        return {name: value for name, value in self.set_fields().items() if name != "max_new_tokens"}
+
+    def set_fields(self) -> dict[str, float | int]:
+        """The fields that are set (not None), max_new_tokens included."""
+        return {name: value for name, value in vars(self).items() if value is not None}
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    """Where requests' default sampling values come from (vLLM's --generation-config and
+    --override-generation-config); they fill only the fields a request leaves unset."""
+
+    source: str = "auto"
+    """auto: the model directory's generation_config.json (else config.json's generation fields);
+    vllm: no file (SamplingParams' own defaults); anything else: a folder holding a
+    generation_config.json to read instead."""
+    overrides: SamplingDefaults = SamplingDefaults()
+    """Defaults set here win over the file's (with source vllm, they are the only ones)."""
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.source, str) and self.source != "",
+               f"source must be auto, vllm or a folder, got {self.source!r}")
+        _check(isinstance(self.overrides, SamplingDefaults),
+               f"overrides must be a SamplingDefaults, got {type(self.overrides).__name__}")
+
+    @property
+    def folder(self) -> str | None:
+        """The folder named by source; None for auto and vllm."""
+        return None if self.source in GENERATION_CONFIG_SOURCES else self.source

@@ -321,6 +321,17 @@ def api_key(value: str) -> str:
     return value
 
 
+def _json_object(value: str) -> dict[str, object]:
+    """argparse type: a JSON object."""
+    try:
+        data = json.loads(value)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {error}") from None
+    if not isinstance(data, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {value!r}")
+    return data
+
+
 def _only_one(flag: str) -> Callable[[str], int]:
     """argparse type of a parallelism flag splitserve accepts only as 1 (one device per worker)."""
     def parse(value: str) -> int:
@@ -407,6 +418,13 @@ def _add_model_flags(group: argparse._ArgumentGroup) -> None:
                             "the supported architectures and never runs code from the model directory")
     group.add_argument("--device", choices=("auto", "cpu", "cuda"), default=None,
                        help="where the workers run the model (default: the config's, auto = cuda when available)")
+    group.add_argument("--generation-config", default=None, metavar="{auto,vllm,FOLDER}",
+                       help="default sampling values of requests that leave them unset: auto (default) takes the "
+                            "model's generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty, "
+                            "presence/frequency_penalty, max_new_tokens), vllm none, FOLDER the file in that folder")
+    group.add_argument("--override-generation-config", type=_json_object, default=None, metavar="JSON",
+                       help="defaults that win over the file's, e.g. '{\"temperature\": 0.5}'; a max_new_tokens "
+                            "here also limits every request's max_tokens")
 
 
 def _add_cache_flags(group: argparse._ArgumentGroup) -> None:
@@ -493,6 +511,10 @@ def serve_overrides(args: argparse.Namespace) -> dict[str, object]:
     overrides.update({key: getattr(args, flag) for flag, key in _CLUSTER_FLAGS.items() if getattr(args, flag) is not None})
     if args.speculative_config is not None:
         overrides["decode.engine.speculative"] = args.speculative_config
+    if args.generation_config is not None:
+        overrides["router.generation_config.source"] = args.generation_config
+    for name, value in (args.override_generation_config or {}).items():
+        overrides[f"router.generation_config.overrides.{name}"] = value
     for item in args.set:
         key, sep, value = item.partition("=")
         if not sep:

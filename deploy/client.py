@@ -14,6 +14,7 @@ from types import TracebackType
 import grpc
 
 from splitserve.common.errors import InvalidRequestError
+from splitserve.common.generation_config import DEFAULTED_SAMPLING_FIELDS
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.proto.splitserve.v1 import generation_pb2, generation_pb2_grpc
 
@@ -96,14 +97,16 @@ class GenerationClient:
 
 
 def sampling_to_proto(params: SamplingParams) -> generation_pb2.SamplingParams:
-    """Only the fields that differ from their defaults are set (the server's defaults are the same).
+    """The fields that differ from their defaults are set, and always those a server's sampling
+    defaults (--generation-config) would fill: `params` is a whole choice, so a value of it that
+    equals SamplingParams' default (top_p 1.0) must reach the server as given, not as unset.
 
     Raises InvalidRequestError for a negative seed, which the wire's uint64 cannot carry.
     """
     message = generation_pb2.SamplingParams()
     for spec in dataclasses.fields(SamplingParams):
         value = getattr(params, spec.name)
-        if value == spec.default or spec.name in LOCAL_SAMPLING_FIELDS:
+        if (value == spec.default and spec.name not in DEFAULTED_SAMPLING_FIELDS) or spec.name in LOCAL_SAMPLING_FIELDS:
             continue
         if spec.name in _UINT64_FIELDS and value < 0:
             raise InvalidRequestError(spec.name, f"must be >= 0 to be sent to a server, got {value}")

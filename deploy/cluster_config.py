@@ -18,7 +18,7 @@ from typing import get_args, get_origin, get_type_hints
 
 import yaml
 
-from splitserve.common.config import EngineConfig
+from splitserve.common.config import EngineConfig, GenerationConfig
 from splitserve.common.kv_transfer_types import TRANSFER_FAILURE_POLICIES
 from splitserve.common.log_format import LOG_FORMATS
 from splitserve.common.slo import SloConfig
@@ -180,6 +180,12 @@ class RouterConfig:
     tool_call_parser: str | None = None
     """How the model writes tool calls (vLLM's --tool-call-parser): `hermes` (<tool_call>{...}</tool_call>:
     Hermes 2 Pro, Qwen 2.5 / 3) or `llama3_json` (Llama 3.1+ JSON calls)."""
+    generation_config: GenerationConfig = GenerationConfig()
+    """Default sampling values of requests that leave them unset (vLLM's --generation-config and
+    --override-generation-config): `source` auto (the model's generation_config.json), vllm (none)
+    or a folder; `overrides` (temperature, top_p, top_k, min_p, repetition_penalty, presence_penalty,
+    frequency_penalty, max_new_tokens) win over the file. The OpenAI API and gRPC Generate apply
+    them; the Triton API does not (docs/http_api.md#default-sampling-parameters)."""
     reasoning_parser: str | None = None
     """Split a chat's output into its reasoning (a `<think>...</think>` block) and its content (vLLM's
     --reasoning-parser): `deepseek_r1` or `qwen3`; the model's tokenizer must have both tags as tokens.

@@ -1,8 +1,8 @@
 """What `splitserve serve` checks before Ray starts: every mistake that the config and the files
 it names already show (the model directory, its tokenizer and chat template, a max_model_len
-longer than its positions, TLS files, the API key's variable, a host that is not this machine's,
-ports in use), each reported as one line within milliseconds instead of after
-Ray, the workers and a model load.
+longer than its positions, sampling defaults a generation_config.json cannot give, TLS files,
+the API key's variable, a host that is not this machine's, ports in use), each reported as one
+line within milliseconds instead of after Ray, the workers and a model load.
 
 Only the standard library, the router's torch-free tokenizer and common/ are imported here, so
 the checks themselves take milliseconds.
@@ -15,6 +15,7 @@ import socket
 from pathlib import Path
 
 from splitserve.common.errors import UnsupportedModelError
+from splitserve.common.generation_config import GenerationConfigFile, resolve_request_defaults
 from splitserve.common.model_dir import EMBEDDED_MODELS, check_model_dir, read_model_config
 from splitserve.deploy.cluster_config import ClusterConfig, RouterConfig
 from splitserve.router.auth import api_key_from_env
@@ -34,6 +35,7 @@ def preflight(config: ClusterConfig, api_key: str | None = None) -> None:
     `api_key`: the key given on the command line, which makes router.api_key_env unnecessary."""
     check_model(config.model, config.router.chat_template)
     check_max_model_len(config)
+    resolve_request_defaults(config.router.generation_config, GenerationConfigFile.read(_model_dir(config.model)))
     if config.router.tls is not None:
         load_tls(config.router.tls)
     if api_key is None and config.router.api_key_env is not None:

@@ -9,9 +9,11 @@ these functions, so a router setting means the same thing in both.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from splitserve.common.generation_config import RequestDefaults, resolve_request_defaults
 from splitserve.common.stats import RequestRecord
 from splitserve.common.worker_api import DecodeWorkerAPI, PrefillWorkerAPI
 from splitserve.deploy.cluster_config import ClusterConfig, RouterConfig
@@ -22,6 +24,8 @@ from splitserve.router.orchestrator import Orchestrator
 from splitserve.router.server import GrpcServer, drain, start_grpc_server
 from splitserve.router.tokenizer import RouterTokenizer, read_chat_template_option
 from splitserve.router.tokenizer_pool import TokenizerPool
+
+logger = logging.getLogger(__name__)
 
 
 def build_orchestrator(router_id: str, config: RouterConfig, mode: str, prefill: Sequence[PrefillWorkerAPI],
@@ -94,7 +98,8 @@ async def start_servers(orchestrator: Orchestrator, tokenizer: RouterTokenizer, 
     HTTP API's /metrics; `api_key` (resolved from config.api_key_env by the caller) guards both
     APIs; requests may name the model `model_name` or any of `aliases`. `reuse_port`: the gRPC
     and HTTP ports are shared with other routers (SO_REUSEPORT). On failure, whatever started is
-    stopped."""
+    stopped; a generation config whose defaults cannot serve (GenerationConfigError) starts nothing."""
+    defaults = request_defaults(config, tokenizer)
     tokenizers = TokenizerPool.for_orchestrator(tokenizer, orchestrator, config.max_prompt_bytes,
                                                 config.tokenizer_threads, config.max_pending_tokenizations)
     grpc = http = None
@@ -105,13 +110,13 @@ async def start_servers(orchestrator: Orchestrator, tokenizer: RouterTokenizer, 
             if config.metrics_port is not None:
                 metrics_port = metrics.serve(config.host, config.metrics_port)
         grpc = await start_grpc_server(orchestrator, tokenizers, model_name, config.host, config.grpc_port,
-                                       config.request_timeout_s, api_key, config.tls, aliases, reuse_port)
+                                       config.request_timeout_s, api_key, config.tls, aliases, reuse_port, defaults)
         if config.http_port is not None:
             http = await start_http_server(orchestrator, tokenizers, model_name, config.host, config.http_port,
                                            config.request_timeout_s,
                                            metrics.asgi_app() if metrics is not None else None, api_key, config.tls,
                                            aliases, reuse_port, config.cors_allowed_origins,
-                                           config.auto_tool_call_parser, config.reasoning_parser)
+                                           config.auto_tool_call_parser, config.reasoning_parser, defaults)
     except BaseException:
         if grpc is not None:
             await grpc.stop(0)
@@ -120,6 +125,18 @@ async def start_servers(orchestrator: Orchestrator, tokenizer: RouterTokenizer, 
         tokenizers.close()
         raise
     return RouterServers(orchestrator, tokenizers, grpc, http, metrics, metrics_port)
+
+
+def request_defaults(config: RouterConfig, tokenizer: RouterTokenizer) -> RequestDefaults:
+    """The sampling defaults config.generation_config gives requests (the model directory's file
+    as the tokenizer read it); says so in one log line when there are any, as vLLM does."""
+    defaults = resolve_request_defaults(config.generation_config, tokenizer.generation_config)
+    if defaults.origin:
+        fields = {**defaults.sampling.sampling_fields(), "max_new_tokens": defaults.sampling.max_new_tokens}
+        shown = ", ".join(f"{name}={value}" for name, value in fields.items() if value is not None)
+        logger.warning("default sampling parameters from %s: %s (a request's own values win; serve with "
+                       "--generation-config vllm to ignore the model's file)", defaults.origin, shown)
+    return defaults
 
 
 async def start_router(router_id: str, config: ClusterConfig, model_dir: str, prefill: Sequence[PrefillWorkerAPI],

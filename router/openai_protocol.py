@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from splitserve.common.errors import InvalidRequestError, json_excerpt
+from splitserve.common.generation_config import NO_REQUEST_DEFAULTS, RequestDefaults
 from splitserve.common.sampling_params import MAX_LOGPROBS, SamplingParams
 from splitserve.common.structured_output import StructuredOutput
 from splitserve.common.token_logprobs import TokenLogprobs
@@ -215,9 +216,11 @@ def _max_tokens(body: Mapping[str, Any], names: Sequence[str], default: int) -> 
 
 
 def _sampling(body: Mapping[str, Any], max_tokens: int, max_tokens_param: str | None, logprobs: int | None,
-              limits: RequestLimits, constraint: StructuredOutput | None = None) -> SamplingParams:
-    """`constraint`: a forced tool choice's grammar, in place of the request's structured output fields."""
-    given = {name: body[name] for name in _SAMPLING_FIELDS if body.get(name) is not None}
+              limits: RequestLimits, defaults: RequestDefaults,
+              constraint: StructuredOutput | None = None) -> SamplingParams:
+    """`defaults` fill the sampling fields the body leaves unset (or null); `constraint`: a forced
+    tool choice's grammar, in place of the request's structured output fields."""
+    given = defaults.sampling_fields({name: body[name] for name in _SAMPLING_FIELDS if body.get(name) is not None})
     for name in _BOOL_SAMPLING_FIELDS:
         value = _typed(body, name, bool, "a boolean")
         if value is not None:
@@ -290,7 +293,10 @@ def _request_id(body: Mapping[str, Any], limits: RequestLimits) -> str:
     return request_id
 
 
-def parse_completion_request(body: Mapping[str, Any], limits: RequestLimits) -> CompletionRequest:
+def parse_completion_request(body: Mapping[str, Any], limits: RequestLimits,
+                             defaults: RequestDefaults = NO_REQUEST_DEFAULTS) -> CompletionRequest:
+    """`defaults`: the server's sampling defaults (--generation-config); a completion's max_tokens
+    stays 16 when unset, as in vLLM, within their limit."""
     refuse_unsupported(body, COMPLETION_REFUSED)
     logprobs = _typed(body, "logprobs", int, f"an integer in [0, {MAX_LOGPROBS}]")
     echo = _typed(body, "echo", bool, "a boolean", False)
@@ -300,8 +306,8 @@ def parse_completion_request(body: Mapping[str, Any], limits: RequestLimits) -> 
     stream, include_usage, continuous_usage = _stream_flags(body)
     n = _count(body, "n", 1)
     best_of = _best_of(body, n, stream)
-    sampling = _with_prompt_logprobs(body, _sampling(body, max_tokens, max_tokens_param, logprobs, limits), stream,
-                                     logprobs if echo else None)
+    sampling = _with_prompt_logprobs(body, _sampling(body, defaults.limited(max_tokens), max_tokens_param, logprobs,
+                                                     limits, defaults), stream, logprobs if echo else None)
     truncation = _truncation(body, limits)
     return CompletionRequest(_model(body), _prompts(body, limits, best_of, truncation is not None), n, best_of, echo,
                              sampling, max_tokens_param, stream, include_usage, continuous_usage,
@@ -426,9 +432,11 @@ def _with_reasoning_effort(body: Mapping[str, Any], template: ChatTemplateOption
     return dataclasses.replace(template, template_kwargs=kwargs)
 
 
-def parse_chat_request(body: Mapping[str, Any], limits: RequestLimits) -> ChatCompletionRequest:
-    """The default max_tokens is max_model_len: generation may then run to the end of the context
-    (the engine ends it there with finish_reason "length"), as in vLLM."""
+def parse_chat_request(body: Mapping[str, Any], limits: RequestLimits,
+                       defaults: RequestDefaults = NO_REQUEST_DEFAULTS) -> ChatCompletionRequest:
+    """The default max_tokens is the defaults' max_new_tokens, else max_model_len: generation may
+    then run to the end of the context (the engine ends it there with finish_reason "length"), as
+    in vLLM. `defaults`: the server's sampling defaults (--generation-config)."""
     refuse_unsupported(body, CHAT_REFUSED)
     messages = _messages(body, limits)
     add_generation_prompt = _typed(body, "add_generation_prompt", bool, "a boolean", True)
@@ -436,9 +444,11 @@ def parse_chat_request(body: Mapping[str, Any], limits: RequestLimits) -> ChatCo
     tool_calling = parse_tool_calling(body, limits)
     if tool_calling is not None:
         template = dataclasses.replace(template, tools=tool_calling.template_tools())
-    max_tokens, max_tokens_param = _max_tokens(body, ("max_completion_tokens", "max_tokens"), limits.max_model_len)
+    max_tokens, max_tokens_param = _max_tokens(body, ("max_completion_tokens", "max_tokens"),
+                                               defaults.default_max_tokens(limits.max_model_len))
     stream, include_usage, continuous_usage = _stream_flags(body)
-    sampling = _with_prompt_logprobs(body, _sampling(body, max_tokens, max_tokens_param, _chat_logprobs(body), limits,
+    sampling = _with_prompt_logprobs(body, _sampling(body, defaults.limited(max_tokens), max_tokens_param,
+                                                     _chat_logprobs(body), limits, defaults,
                                                      None if tool_calling is None else tool_calling.constraint()),
                                      stream)
     return ChatCompletionRequest(

@@ -39,6 +39,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from splitserve.common.errors import InvalidRequestError
+from splitserve.common.generation_config import NO_REQUEST_DEFAULTS, RequestDefaults
 from splitserve.common.log_escape import quote_for_log
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.router.admission import RETRY_AFTER_S, Admission
@@ -160,7 +161,8 @@ class OpenAIServing:
 
     def __init__(self, orchestrator: Orchestrator, tokenizers: TokenizerPool, bodies: BodyParser, model_name: str,
                  request_timeout_s: float | None = None, aliases: tuple[str, ...] = (),
-                 tool_call_parser: str | None = None, reasoning: ReasoningFormat | None = None) -> None:
+                 tool_call_parser: str | None = None, reasoning: ReasoningFormat | None = None,
+                 defaults: RequestDefaults = NO_REQUEST_DEFAULTS) -> None:
         self.orchestrator = orchestrator
         self.tokenizers = tokenizers
         self.bodies = bodies
@@ -176,17 +178,22 @@ class OpenAIServing:
         auto tool choice is off (a request asking for it is a 400, as in vLLM)."""
         self.reasoning = reasoning
         """What splits a chat's output into reasoning and content (--reasoning-parser); None: nothing does."""
+        # The parsers with the server's sampling defaults bound (partials of module functions: the
+        # body parser's process can still be told which one by name).
+        self._parse_completion = functools.partial(parse_completion_request, defaults=defaults)
+        self._parse_chat = functools.partial(parse_chat_request, defaults=defaults)
+        self._parse_responses = functools.partial(parse_responses_request, defaults=defaults)
         self.created = int(time.time())
 
     # ---- endpoints ---------------------------------------------------------------------
     async def completions(self, request: Request) -> Response:
-        return await self._serve(request, parse_completion_request, self._completion_job)
+        return await self._serve(request, self._parse_completion, self._completion_job)
 
     async def chat_completions(self, request: Request) -> Response:
-        return await self._serve(request, parse_chat_request, self._chat_job)
+        return await self._serve(request, self._parse_chat, self._chat_job)
 
     async def responses(self, request: Request) -> Response:
-        return await self._serve(request, parse_responses_request, self._responses_job)
+        return await self._serve(request, self._parse_responses, self._responses_job)
 
     async def models(self, request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [self._model_card()]})
@@ -702,19 +709,21 @@ async def start_http_server(orchestrator: Orchestrator, tokenizers: TokenizerPoo
                             metrics_app: ASGIApp | None = None, api_key: str | None = None,
                             tls: TlsConfig | None = None, aliases: tuple[str, ...] = (),
                             reuse_port: bool = False, cors_allowed_origins: tuple[str, ...] = (),
-                            tool_call_parser: str | None = None, reasoning_parser: str | None = None) -> HttpServer:
+                            tool_call_parser: str | None = None, reasoning_parser: str | None = None,
+                            defaults: RequestDefaults = NO_REQUEST_DEFAULTS) -> HttpServer:
     """Start the OpenAI-compatible API on the running loop; the server's `port` is the bound one.
     With `api_key`, /v1/* needs `Authorization: Bearer <api_key>`; with `tls`, it is HTTPS only.
     Requests may name the model `model_name` or one of `aliases`. `reuse_port`: share the port
     with other routers (SO_REUSEPORT). `cors_allowed_origins`: see build_app. `tool_call_parser`: the
     parser of tool_choice "auto" outputs (router/tool_parsers.py); None turns auto tool choice off.
     `reasoning_parser`: splits chat outputs into reasoning and content (router/reasoning_parsers.py);
-    ValueError when the tokenizer lacks its tags."""
+    ValueError when the tokenizer lacks its tags. `defaults`: what the sampling fields a generation
+    request leaves unset take (--generation-config)."""
     reasoning = None if reasoning_parser is None else ReasoningFormat.for_tokenizer(
         reasoning_parser, tokenizers.tokenizer.backend.token_to_id)
     bodies = BodyParser(tokenizers.limits)
     serving = OpenAIServing(orchestrator, tokenizers, bodies, model_name, request_timeout_s, aliases, tool_call_parser,
-                            reasoning)
+                            reasoning, defaults)
     server = HttpServer(build_app(serving, metrics_app, api_key, cors_allowed_origins), tls=tls, on_stop=bodies.close)
     try:
         await server.start(host, port, reuse_port)

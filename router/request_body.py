@@ -37,7 +37,8 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 Parse = Callable[[Mapping[str, Any], RequestLimits], T]
 """An API's field parser (e.g. openai_protocol.parse_completion_request): a module-level function,
-so the process can be told which one by name."""
+or a functools.partial of one binding picklable arguments (the server's sampling defaults), so the
+process can be told which one by name."""
 
 LARGE_BODY_BYTES = 128 << 10
 """A body of more bytes is decoded in the process: on the loop it would hold the GIL for about

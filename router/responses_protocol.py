@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from splitserve.common.errors import InvalidRequestError, json_excerpt
+from splitserve.common.generation_config import NO_REQUEST_DEFAULTS, RequestDefaults
 from splitserve.router.api_types import StreamChunk, Usage
 from splitserve.router.openai_fields import Refused, refuse_unsupported
 from splitserve.router.openai_protocol import ChatCompletionRequest, ResponseHeader, parse_chat_request
@@ -115,7 +116,9 @@ class ResponsesRequest:
 
 # ---- parsing --------------------------------------------------------------------------------
 
-def parse_responses_request(body: Mapping[str, Any], limits: RequestLimits) -> ResponsesRequest:
+def parse_responses_request(body: Mapping[str, Any], limits: RequestLimits,
+                            defaults: RequestDefaults = NO_REQUEST_DEFAULTS) -> ResponsesRequest:
+    """`defaults`: the server's sampling defaults (--generation-config), as for a chat request."""
     refuse_unsupported(body, RESPONSES_REFUSED)
     messages, sources = _conversation(body)
     tools = _tools(body.get("tools"))
@@ -132,7 +135,7 @@ def parse_responses_request(body: Mapping[str, Any], limits: RequestLimits) -> R
     if reasoning.get("effort") is not None:
         chat_body["reasoning_effort"] = reasoning["effort"]
     try:
-        chat = parse_chat_request(chat_body, limits)
+        chat = parse_chat_request(chat_body, limits, defaults)
     except InvalidRequestError as error:
         raise InvalidRequestError(_responses_field(error.field, sources), error.message) from None
     if chat.max_tokens_param is not None:

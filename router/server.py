@@ -21,6 +21,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from splitserve.common.errors import InvalidRequestError
+from splitserve.common.generation_config import NO_REQUEST_DEFAULTS, RequestDefaults
 from splitserve.common.log_escape import quote_for_log
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.token_logprobs import TokenLogprobs
@@ -45,24 +46,31 @@ logger = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
 MAX_MESSAGE_BYTES = MAX_BODY_BYTES
 _SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "frequency_penalty",
-                    "presence_penalty", "seed", "max_tokens", "ignore_eos", "logprobs", "skip_special_tokens",
+                    "presence_penalty", "seed", "ignore_eos", "logprobs", "skip_special_tokens",
                     "min_tokens", "include_stop_str_in_output", "prompt_logprobs")
+DEFAULT_MAX_TOKENS = SamplingParams.max_tokens
+"""max_tokens of a request that sets none (as a completion's: the server's defaults never change it)."""
 
 
-async def sampling_params_of(message: pb.SamplingParams) -> SamplingParams:
+async def sampling_params_of(message: pb.SamplingParams,
+                             defaults: RequestDefaults = NO_REQUEST_DEFAULTS) -> SamplingParams:
     """sampling_params_from_proto, in a thread when the structured output is large (LARGE_GRAMMAR_BYTES)."""
     if message.structured_output.ByteSize() > LARGE_GRAMMAR_BYTES:
-        return await asyncio.to_thread(sampling_params_from_proto, message)
-    return sampling_params_from_proto(message)
+        return await asyncio.to_thread(sampling_params_from_proto, message, defaults)
+    return sampling_params_from_proto(message, defaults)
 
 
-def sampling_params_from_proto(message: pb.SamplingParams) -> SamplingParams:
-    """Unset optional fields keep SamplingParams' defaults; values are validated there."""
+def sampling_params_from_proto(message: pb.SamplingParams,
+                               defaults: RequestDefaults = NO_REQUEST_DEFAULTS) -> SamplingParams:
+    """Unset optional fields take the server's `defaults` (--generation-config), else SamplingParams'
+    own; max_tokens is cut to the defaults' limit. Values are validated by SamplingParams."""
     given = {name: getattr(message, name) for name in _SAMPLING_FIELDS if message.HasField(name)}
+    max_tokens = message.max_tokens if message.HasField("max_tokens") else DEFAULT_MAX_TOKENS
     return SamplingParams(stop=tuple(message.stop), stop_token_ids=tuple(message.stop_token_ids),
                           structured_output=structured_output_from_proto(message.structured_output),
                           logit_bias=dict(message.logit_bias), bad_words=tuple(message.bad_words),
-                          allowed_token_ids=tuple(message.allowed_token_ids) or None, **given)
+                          allowed_token_ids=tuple(message.allowed_token_ids) or None,
+                          max_tokens=defaults.limited(max_tokens), **defaults.sampling_fields(given))
 
 
 async def prompt_token_ids(request: pb.GenerateRequest, tokenizers: TokenizerPool,
@@ -128,13 +136,16 @@ def chunk_to_proto(chunk: StreamChunk) -> pb.GenerateResponse:
 
 class GenerationServicer(pb_grpc.GenerationServicer):
     def __init__(self, orchestrator: Orchestrator, tokenizers: TokenizerPool, model_name: str,
-                 request_timeout_s: float | None = None, aliases: tuple[str, ...] = ()) -> None:
+                 request_timeout_s: float | None = None, aliases: tuple[str, ...] = (),
+                 defaults: RequestDefaults = NO_REQUEST_DEFAULTS) -> None:
         self.orchestrator = orchestrator
         self.tokenizers = tokenizers
         self.model_name = model_name
         self.model_names = frozenset((model_name, *aliases))
         """Every name a request may give (--served-model-name)."""
         self.request_timeout_s = request_timeout_s
+        self.defaults = defaults
+        """The sampling values a request leaves unset (--generation-config), as on the OpenAI API."""
 
     async def Generate(self, request: pb.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
@@ -158,7 +169,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         if request.model and request.model not in self.model_names:
             raise InvalidRequestError("model", f"unknown model {request.model!r}; this server serves "
                                                f"{self.model_name!r}")
-        params = await sampling_params_of(request.sampling)
+        params = await sampling_params_of(request.sampling, self.defaults)
         max_tokens_field = "max_tokens" if request.sampling.HasField("max_tokens") else None
         limits.check_sampling(params, max_tokens_field)
         params = await self.tokenizers.tokenize_bad_words(params)
@@ -289,14 +300,16 @@ async def start_grpc_server(orchestrator: Orchestrator, tokenizers: TokenizerPoo
                             request_timeout_s: float | None = None,
                             api_key: str | None = None,
                             tls: TlsConfig | None = None, aliases: tuple[str, ...] = (),
-                            reuse_port: bool = False) -> GrpcServer:
+                            reuse_port: bool = False, defaults: RequestDefaults = NO_REQUEST_DEFAULTS) -> GrpcServer:
     """Start serving; returns the server with its bound port (port 0 picks a free one). A
     Generate request may name the model `model_name` or one of `aliases` (Triton knows only
     `model_name`: its model repository has one entry). With
     `api_key`, Generation and Triton calls need metadata `authorization: Bearer <api_key>` (health and
     reflection stay open). With `tls`, every service is served over TLS only (mutual TLS when
     it has a client CA). `reuse_port`: share the port with other routers' servers (SO_REUSEPORT,
-    which grpc would otherwise set by default: off, a port in use is an error)."""
+    which grpc would otherwise set by default: off, a port in use is an error). `defaults`: what a
+    Generate request's unset sampling fields take (--generation-config; the Triton API, like Triton's
+    vLLM backend, takes none)."""
     # The key is checked first: a caller without it learns nothing, not even whether its bytes parse.
     interceptors = [*([ApiKeyInterceptor(api_key)] if api_key else []), MalformedRequestInterceptor()]
     server = grpc.aio.server(interceptors=interceptors,
@@ -304,7 +317,7 @@ async def start_grpc_server(orchestrator: Orchestrator, tokenizers: TokenizerPoo
                                       ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                                       ("grpc.so_reuseport", int(reuse_port))])
     pb_grpc.add_GenerationServicer_to_server(
-        GenerationServicer(orchestrator, tokenizers, model_name, request_timeout_s, aliases), server)
+        GenerationServicer(orchestrator, tokenizers, model_name, request_timeout_s, aliases, defaults), server)
     triton_pb_grpc.add_GRPCInferenceServiceServicer_to_server(
         TritonServicer(orchestrator, tokenizers, model_name, request_timeout_s), server)
     health_servicer = health.aio.HealthServicer()

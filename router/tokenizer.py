@@ -1,7 +1,8 @@
 """The router's tokenizer: Hugging Face model-directory tokenization without torch or transformers.
 
 Reads tokenizer.json (the `tokenizers` fast tokenizer), tokenizer_config.json, the chat template
-and the EOS ids of a model directory, and gives the same token ids as transformers 5:
+and generation_config.json (EOS ids, sampling defaults) of a model directory, and gives the same
+token ids as transformers 5:
 `encode(text)` equals `AutoTokenizer.from_pretrained(dir)(text)["input_ids"]` (the tokenizer's own
 post-processor adds BOS/EOS where the model wants them), and `apply_chat_template` equals
 `apply_chat_template(messages, add_generation_prompt=..., tokenize=True)`: the template is
@@ -34,6 +35,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 from splitserve.common.errors import InvalidRequestError, UnsupportedModelError
+from splitserve.common.generation_config import GenerationConfigFile
 from splitserve.common.model_dir import TOKENIZER_FILE, check_tokenizer_files
 
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
@@ -160,16 +162,6 @@ def _read_chat_template(model_dir: Path, config: Mapping[str, Any]) -> str | Non
     if isinstance(template, list):  # [{"name": ..., "template": ...}, ...]
         template = {entry["name"]: entry["template"] for entry in template}.get("default")
     return template
-
-
-def read_eos_token_ids(model_dir: Path) -> frozenset[int]:
-    """EOS ids from generation_config.json (what generation stops on), else config.json; int or list."""
-    eos = _read_json(model_dir / "generation_config.json").get("eos_token_id")
-    if eos is None:
-        eos = _read_json(model_dir / "config.json").get("eos_token_id")
-    if eos is None:
-        return frozenset()
-    return frozenset([eos] if isinstance(eos, int) else eos)
 
 
 def _check_unicode(text: str, field: str) -> None:
@@ -363,12 +355,15 @@ class RouterTokenizer:
     """One model directory's tokenizer and chat template; immutable and safe to share across requests."""
 
     def __init__(self, backend: Tokenizer, special_tokens: Mapping[str, str], chat_template: str | None,
-                 eos_token_ids: frozenset[int], name: str) -> None:
+                 generation_config: GenerationConfigFile, name: str) -> None:
         self.backend = backend
         """The `tokenizers.Tokenizer`; satisfies common.detokenizer.Decoder (incremental detokenization)."""
         self.special_tokens = dict(special_tokens)
         """Named special tokens (`eos_token`, ...) by name; also chat template variables."""
-        self.eos_token_ids = eos_token_ids
+        self.generation_config = generation_config
+        """The model directory's generation_config.json, read once: its EOS ids, and the request
+        defaults --generation-config auto takes from it (common/generation_config.py)."""
+        self.eos_token_ids = generation_config.eos_token_ids
         """Ids that end generation (generation_config.json, else config.json)."""
         self.name = name
         """The model directory, for error messages."""
@@ -394,7 +389,7 @@ class RouterTokenizer:
         special_tokens = _named_special_tokens(config, _read_json(model_dir / "special_tokens_map.json"))
         template = chat_template if chat_template is not None else _read_chat_template(model_dir, config)
         try:
-            return cls(backend, special_tokens, template, read_eos_token_ids(model_dir), str(model_dir))
+            return cls(backend, special_tokens, template, GenerationConfigFile.read(model_dir), str(model_dir))
         except jinja2.TemplateSyntaxError as error:
             source = "the chat template given" if chat_template is not None else f"{model_dir}: the chat template"
             raise UnsupportedModelError(f"{source} does not compile: {error} (line {error.lineno})") from error

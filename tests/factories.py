@@ -106,6 +106,19 @@ def copy_with_config_fields(model_dir: Path, out_dir: Path, **fields) -> Path:
     return out_dir
 
 
+def copy_with_generation_config(model_dir: Path, out_dir: Path, **fields) -> Path:
+    """A copy of `model_dir` whose generation_config.json also holds `fields` (sampling defaults such
+    as a Qwen2.5 or Llama 3 instruct model ships: temperature, top_p, top_k, repetition_penalty ...),
+    written as raw JSON so a bad value stays as the user wrote it."""
+    import json
+    import shutil
+
+    shutil.copytree(model_dir, out_dir)
+    path = out_dir / "generation_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **fields}))
+    return out_dir
+
+
 def engine_token_ids(engine) -> dict[str, list[int]]:
     """Step an EngineCore until it has no work: each request's new token ids, in emission order."""
     tokens: dict[str, list[int]] = {}
@@ -310,14 +323,17 @@ class ServedApis:
 def served_apis(model_dir: Path, model_name: str, api_key: str | None = None,
                 served_class: type[ServedApis] = ServedApis, tls=None, aliases: tuple[str, ...] = (),
                 cors_allowed_origins: tuple[str, ...] = ("*",), tool_call_parser: str | None = None,
-                reasoning_parser: str | None = None, **cluster_options):
+                reasoning_parser: str | None = None, generation_config=None, **cluster_options):
     """Start the cluster (InProcessCluster options: routing, slo, ...) and the router's servers as
     the local launcher does (deploy/router_app.py: gRPC and HTTP on free loopback ports over one
     TokenizerPool, the router's metrics on the HTTP API; over TLS with a router.tls.TlsConfig);
     everything is stopped on the way out. Requests may also name the model by `aliases`; browsers may call
     the HTTP API from `cors_allowed_origins` (router.cors_allowed_origins); `tool_call_parser` turns auto
     tool choice on with that parser (router.enable_auto_tool_choice, router.tool_call_parser);
-    `reasoning_parser` splits chat outputs into reasoning and content (router.reasoning_parser)."""
+    `reasoning_parser` splits chat outputs into reasoning and content (router.reasoning_parser);
+    `generation_config` (a common.config.GenerationConfig; None: the default, auto) is where requests'
+    sampling defaults come from (router.generation_config)."""
+    from splitserve.common.config import GenerationConfig
     from splitserve.common.slo import SloConfig
     from splitserve.deploy.cluster_config import RouterConfig
     from splitserve.deploy.router_app import start_servers
@@ -329,7 +345,7 @@ def served_apis(model_dir: Path, model_name: str, api_key: str | None = None,
     loop.run(cluster.__aenter__())
     config = RouterConfig(grpc_port=0, http_port=0, metrics_port=None, tls=tls, cors_allowed_origins=cors_allowed_origins,
                           enable_auto_tool_choice=tool_call_parser is not None, tool_call_parser=tool_call_parser,
-                          reasoning_parser=reasoning_parser)
+                          reasoning_parser=reasoning_parser, generation_config=generation_config or GenerationConfig())
     servers = loop.run(start_servers(cluster.orchestrator, cluster.tokenizer, config, model_name, metrics, api_key,
                                      aliases))
     try:

@@ -86,12 +86,19 @@ def test_malformed_target_is_a_usage_error(target, capsys):
     assert f"expected HOST:PORT, got {target!r}" in capsys.readouterr().err
 
 
-def test_request_carries_the_prompt_and_only_non_default_sampling_fields():
+def test_request_carries_the_prompt_non_default_fields_and_those_a_server_would_default():
+    """Fields a server's --generation-config fills when unset are always sent, at their default
+    values too (top_p 1.0 is the client's choice, not "unset"); other default fields are not."""
     params = SamplingParams(temperature=0.0, max_tokens=16, stop=("\n",), seed=7)
     request = build_generate_request(text="héllo 🌍", params=params)
     assert request.WhichOneof("prompt") == "text" and request.text == "héllo 🌍".encode()
-    assert [field.name for field, _ in request.sampling.ListFields()] == ["temperature", "seed", "stop"]
-    assert (request.sampling.temperature, request.sampling.seed, list(request.sampling.stop)) == (0.0, 7, ["\n"])
+    assert [field.name for field, _ in request.sampling.ListFields()] == [
+        "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty",
+        "seed", "stop"]
+    sampling = request.sampling
+    assert (sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p, sampling.repetition_penalty,
+            sampling.frequency_penalty, sampling.presence_penalty, sampling.seed, list(sampling.stop)) == (
+        0.0, -1, 1.0, 0.0, 1.0, 0.0, 0.0, 7, ["\n"])
 
 
 def test_chat_and_token_id_requests():

@@ -5,6 +5,7 @@ parser process that dies is replaced without losing the body it was given."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import pickle
@@ -16,7 +17,9 @@ from pathlib import Path
 
 import pytest
 
+from splitserve.common.config import SamplingDefaults
 from splitserve.common.errors import InvalidRequestError
+from splitserve.common.generation_config import RequestDefaults
 from splitserve.router.openai_protocol import parse_chat_request, parse_completion_request
 from splitserve.router.request_body import LARGE_BODY_BYTES, BodyParser, MalformedBodyError, json_object
 from splitserve.router.structured_output import LARGE_GRAMMAR_BYTES
@@ -97,6 +100,16 @@ def test_a_large_body_parses_to_the_request_a_small_one_does(bodies, request_bod
     assert there.sampling.max_tokens == (12 if parse_fn is parse_completion_request else 8)
 
 
+def test_a_parser_with_the_servers_sampling_defaults_bound_parses_the_same_in_the_process(bodies):
+    """OpenAIServing binds --generation-config's defaults with functools.partial; the process gets them too."""
+    defaults = RequestDefaults(SamplingDefaults(temperature=0.7, top_k=20), max_tokens_limit=5)
+    parse_fn = functools.partial(parse_chat_request, defaults=defaults)
+    here = parse(bodies, parse_fn, body_of(CHAT, large=False))
+    there = parse(bodies, parse_fn, body_of(CHAT, large=True))
+    assert there == here
+    assert (there.sampling.temperature, there.sampling.top_k, there.sampling.max_tokens) == (0.7, 20, 5)
+
+
 @pytest.mark.parametrize("large", [False, True])
 def test_a_refusal_is_the_same_from_the_process(bodies, large):
     too_long = {"prompt": "a" * (LIMITS.max_prompt_bytes + 1)}
@@ -133,6 +146,7 @@ def test_a_dead_parser_process_is_replaced_and_the_body_still_parsed():
 
 _KILLED_ROUTER = f"""
 import asyncio
+import functools
 from splitserve.router.request_body import BodyParser
 from tests.factories import make_request_limits
 from tests.process_probe import process_id

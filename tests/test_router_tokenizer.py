@@ -16,6 +16,7 @@ from transformers import AutoTokenizer
 
 from splitserve.common.detokenizer import IncrementalDetokenizer
 from splitserve.common.errors import InvalidRequestError, UnsupportedModelError
+from splitserve.common.generation_config import GenerationConfigFile
 from splitserve.router.tokenizer import ChatTemplateOptions, RouterTokenizer, max_bytes_per_token
 from splitserve.testing.tiny_models import TOOLS_CHAT_TEMPLATE
 
@@ -331,12 +332,12 @@ def test_token_bytes_put_characters_split_across_tokens_back_together(tiny_llama
     assert byte_level.token_bytes(0) == b"<|endoftext|>"  # an added token: its content
     sentencepiece = _sentencepiece_byte_fallback()
     ids = sentencepiece.encode(text, add_special_tokens=False).ids
-    spm = RouterTokenizer(sentencepiece, {}, None, frozenset(), "spm")
+    spm = RouterTokenizer(sentencepiece, {}, None, GenerationConfigFile(None, frozenset()), "spm")
     assert [spm.token_bytes(t) for t in ids[:3]] == [b" ", b"\xc3", b"\xa9"]  # "▁", "<0xC3>", "<0xA9>"
     assert b"".join(spm.token_bytes(t) for t in ids) == b" " + text.encode()  # the "▁" put before the text
     assert spm.token_bytes(sentencepiece.token_to_id("</s>")) == b"</s>"
     sentencepiece.decoder = decoders.WordPiece()  # a decoder not read here: the token decoded alone
-    wordpiece = RouterTokenizer(sentencepiece, {}, None, frozenset(), "wordpiece")
+    wordpiece = RouterTokenizer(sentencepiece, {}, None, GenerationConfigFile(None, frozenset()), "wordpiece")
     assert wordpiece.token_bytes(sentencepiece.token_to_id("<0xC3>")) == b"<0xC3>"
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from splitserve.common.config import GenerationConfig, SamplingDefaults
 from splitserve.deploy.cli import REASONING_PARSER_NAMES, TOOL_CALL_PARSER_NAMES, build_parser, human_int, main as cli_main, serve_config
 from splitserve.deploy.cluster_config import DEFAULT_DECODE_ENGINE, DEFAULT_PREFILL_ENGINE
 from splitserve.deploy.local import BoundPorts, root_cause, serving_banner, splitserve_command
@@ -49,7 +50,8 @@ def test_every_vllm_flag_sets_both_pools_engines_and_the_router(tmp_path):
                    "--enforce-eager", "--trust-remote-code", "--max-num-seqs", "7", "--max-num-batched-tokens", "300",
                    "--no-enable-prefix-caching", "--kv-cache-memory", "64M", "--block-size", "32", "--seed", "5",
                    "--tensor-parallel-size", "1", "--pipeline-parallel-size", "1", "--no-enable-chunked-prefill",
-                   "--device", "cpu")
+                   "--device", "cpu", "--generation-config", "vllm", "--override-generation-config",
+                   '{"temperature": 0.5, "top_k": 40, "max_new_tokens": 256}')
     assert (config.model, config.served_model_names) == ("/models/m", ("m1", "m2"))
     assert (config.router.host, config.router.http_port, config.router.chat_template) == ("0.0.0.0", 8100,
                                                                                         str(template))
@@ -61,6 +63,8 @@ def test_every_vllm_flag_sets_both_pools_engines_and_the_router(tmp_path):
         assert (engine.kv_cache_memory_bytes, engine.num_kv_blocks, engine.device) == (64 << 20, None, "cpu")
         assert engine.cuda_graphs is False  # --enforce-eager
     assert config.router.api_key_env is None  # the key itself never enters the config
+    assert config.router.generation_config == GenerationConfig(
+        "vllm", SamplingDefaults(temperature=0.5, top_k=40, max_new_tokens=256))
 
 
 @pytest.mark.parametrize("flag, kv_cache_dtype", [("auto", "auto"), ("int8", "int8"), ("fp8", "fp8_e4m3"),
@@ -214,6 +218,22 @@ def test_bad_chat_templates(model_copy, tmp_path):
     (model_copy / "chat_template.jinja").write_text("{{ unclosed")
     assert_fails_fast([str(model_copy)], f"{model_copy}: the chat template does not compile: unexpected end of "
                                          "template, expected 'end of print statement'. (line 1)")
+
+
+def test_bad_sampling_defaults_in_generation_config_json_are_named(model_copy):
+    """A value SamplingParams refuses stops the start (vLLM starts, then fails each request that
+    leaves the field unset); `--generation-config vllm` ignores the file, and an override replaces the value."""
+    path = model_copy / "generation_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "temperature": -1, "top_p": 0.8}))
+    assert_fails_fast([str(model_copy)], f"{path}: temperature must be a finite number >= 0, got -1 (fix the file, "
+                                         "override the field with --override-generation-config, or ignore the file "
+                                         "with --generation-config vllm)")
+    assert_fails_fast([str(model_copy), "--generation-config", str(model_copy / "missing")],
+                      f"generation config folder '{model_copy / 'missing'}' (--generation-config) is not a directory "
+                      "(auto and vllm are the other values)")
+    for fix in (["--generation-config", "vllm"], ["--override-generation-config", '{"temperature": 0.7}']):
+        outcome, _ = run_serve(str(model_copy), *fix, "--port", "0", "--grpc-port", "0", "--metrics-port", "0")
+        assert outcome["code"] == 0 and outcome["launched"] == [str(model_copy)]
 
 
 def test_bad_dtype_and_parallelism_are_usage_errors():
