@@ -15,13 +15,13 @@ is refused, where vLLM silently uses no defaults.
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from splitserve.common.config import GenerationConfig, SamplingDefaults
+from splitserve.common.model_dir import read_json_object
 
 GENERATION_CONFIG_FILE = "generation_config.json"
 MODEL_CONFIG_FILE = "config.json"
@@ -37,15 +37,7 @@ class GenerationConfigError(ValueError):
 
 def _read_json(path: Path) -> dict[str, Any]:
     """The file's JSON object; {} when there is no such file."""
-    if not path.is_file():
-        return {}
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as error:
-        raise GenerationConfigError(f"{path}: not a readable JSON file: {error}") from None
-    if not isinstance(data, dict):
-        raise GenerationConfigError(f"{path}: must hold a JSON object, got {type(data).__name__}")
-    return data
+    return read_json_object(path, GenerationConfigError) if path.is_file() else {}
 
 
 def _eos_ids(value: object) -> frozenset[int] | None:

@@ -90,13 +90,18 @@ def read_model_config(model_dir: Path) -> dict:
     path = model_dir / "config.json"
     if not path.is_file():
         raise UnsupportedModelError(f"{model_dir}: not a model directory: missing config.json")
+    return read_json_object(path)
+
+
+def read_json_object(path: Path, error: type[Exception] = UnsupportedModelError) -> dict:
+    """The JSON object `path` holds; `error` naming the file when it is not readable JSON or not an object."""
     try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (ValueError, OSError) as error:
-        raise UnsupportedModelError(f"{path}: not readable JSON: {error}") from None
-    if not isinstance(config, dict):
-        raise UnsupportedModelError(f"{path}: not a JSON object")
-    return config
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, OSError) as reason:
+        raise error(f"{path}: not readable JSON: {reason}") from None
+    if not isinstance(data, dict):
+        raise error(f"{path}: not a JSON object, got {type(data).__name__}")
+    return data
 
 
 def config_architecture(config: dict, model_dir: Path) -> str:
