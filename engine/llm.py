@@ -14,7 +14,7 @@ from splitserve.common.errors import InvalidRequestError
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.stats import EngineStats
 from splitserve.engine.engine_core import EngineCore
-from splitserve.engine.outputs import CompletionDelta, RequestOutput
+from splitserve.engine.outputs import CompletionDelta, CompletionOutput, RequestOutput
 from splitserve.common.token_logprobs import TokenLogprobs
 
 Prompt = str | list[int]
@@ -47,9 +47,11 @@ class _Accumulator:
 
     def output(self) -> RequestOutput:
         final = self.final
-        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, self.token_ids, self.text,
-                             final.finish_reason, final.stop_reason, final.num_cached_tokens, self.logprobs,
-                             self.prompt_logprobs)
+        cumulative = None if self.logprobs is None else sum(entry.logprob for entry in self.logprobs)
+        completion = CompletionOutput(0, self.text, self.token_ids, cumulative, self.logprobs, final.finish_reason,
+                                      final.stop_reason)
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, self.prompt_logprobs,
+                             [completion], True, final.num_cached_tokens)
 
 
 class LLM:

@@ -142,6 +142,22 @@ def test_chat_applies_the_template(llm):
     assert len(output.token_ids) == 8
 
 
+def test_outputs_hold_the_one_completion_like_vllm(llm):
+    full = llm.generate(PROMPT, greedy(40))[0]
+    stop = full.text[10:13]
+    output = llm.generate(PROMPT, greedy(40, stop=[stop], logprobs=2))[0]
+    (completion,) = output.outputs
+    assert completion.index == 0 and output.finished
+    assert completion.text == full.text[:full.text.find(stop)]
+    assert completion.token_ids == full.token_ids[:len(completion.token_ids)] and len(completion.token_ids) < 40
+    assert (completion.finish_reason, completion.stop_reason) == ("stop", stop)
+    assert [entry.token_id for entry in completion.logprobs] == completion.token_ids
+    assert completion.cumulative_logprob == sum(entry.logprob for entry in completion.logprobs) < 0
+    assert full.outputs[0].logprobs is None and full.outputs[0].cumulative_logprob is None
+    shorthands = (output.text, output.token_ids, output.finish_reason, output.stop_reason, output.logprobs)
+    assert shorthands == (completion.text, completion.token_ids, "stop", stop, completion.logprobs)
+
+
 @pytest.mark.parametrize("prompt, field", [
     ([], "prompt"),
     (list(range(3, 515)), "prompt"),  # 512 tokens == max_model_len: no room for output
