@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import NotRequired, TypedDict
 
 import torch
 from tqdm import tqdm
@@ -17,7 +19,37 @@ from splitserve.engine.engine_core import EngineCore
 from splitserve.engine.outputs import CompletionDelta, CompletionOutput, RequestOutput
 from splitserve.common.token_logprobs import TokenLogprobs
 
-Prompt = str | list[int]
+
+class TextPrompt(TypedDict):
+    """vLLM's TextPrompt: text the model's tokenizer encodes."""
+
+    prompt: str
+
+
+class TokensPrompt(TypedDict):
+    """vLLM's TokensPrompt: token ids run as given; "prompt" is their text, only reported back."""
+
+    prompt_token_ids: list[int]
+    prompt: NotRequired[str]
+
+
+Prompt = str | list[int] | TextPrompt | TokensPrompt
+
+_UNSUPPORTED_PROMPT_KEYS = frozenset({
+    "multi_modal_data", "mm_processor_kwargs", "media_io_kwargs", "multi_modal_uuids", "cache_salt",
+    "token_type_ids", "prompt_token_offsets", "prompt_embeds", "prompt_is_token_ids", "encoder_prompt",
+    "decoder_prompt"})
+"""Keys of vLLM's prompt dicts that splitserve has no counterpart for (multi-modal inputs, embeddings,
+encoder-decoder and cross-encoder models, cache salts): refused by name rather than silently ignored."""
+
+
+@dataclass(frozen=True)
+class PromptInput:
+    """A prompt in any of its forms, resolved to what the engine runs."""
+
+    text: str | None
+    """The prompt's text when the caller gave one (RequestOutput.prompt)."""
+    token_ids: list[int]
 
 
 def load_tokenizer(model_dir: str | Path) -> PreTrainedTokenizerBase:
@@ -27,8 +59,8 @@ def load_tokenizer(model_dir: str | Path) -> PreTrainedTokenizerBase:
 class _Accumulator:
     """Collects one request's deltas into its RequestOutput."""
 
-    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], wants_logprobs: bool):
-        self.request_id, self.prompt, self.prompt_token_ids = request_id, prompt, prompt_token_ids
+    def __init__(self, request_id: str, prompt: PromptInput, wants_logprobs: bool):
+        self.request_id, self.prompt = request_id, prompt
         self.token_ids: list[int] = []
         self.text = ""
         self.logprobs: list[TokenLogprobs] | None = [] if wants_logprobs else None
@@ -50,7 +82,7 @@ class _Accumulator:
         cumulative = None if self.logprobs is None else sum(entry.logprob for entry in self.logprobs)
         completion = CompletionOutput(0, self.text, self.token_ids, cumulative, self.logprobs, final.finish_reason,
                                       final.stop_reason)
-        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, self.prompt_logprobs,
+        return RequestOutput(self.request_id, self.prompt.text, self.prompt.token_ids, self.prompt_logprobs,
                              [completion], True, final.num_cached_tokens)
 
 
@@ -69,20 +101,20 @@ class LLM:
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
-        """Run prompts to completion; outputs come back in input order.
+        """Run prompts to completion; outputs come back in input order. `prompts`: one prompt or a list; a
+        prompt is a str, a list of token ids, a TextPrompt or a TokensPrompt (vLLM's forms).
 
         Every prompt is validated before any is queued, so a bad one leaves nothing allocated.
         """
-        prompt_list = [prompts] if isinstance(prompts, str) or _is_token_list(prompts) else list(prompts)
+        prompt_list = [prompts] if _is_one_prompt(prompts) else list(prompts)
         params = [self._tokenized(sp) for sp in _broadcast_params(sampling_params, len(prompt_list))]
-        requests = [(self._next_id(), p, self._encode(p), sp) for p, sp in zip(prompt_list, params)]
-        for request_id, _, token_ids, sp in requests:
-            self.engine.validate(request_id, token_ids, sp)
-        accumulators = {rid: _Accumulator(rid, p if isinstance(p, str) else None, ids, sp.logprobs is not None)
-                        for rid, p, ids, sp in requests}
+        requests = [(self._next_id(), self._resolve(p), sp) for p, sp in zip(prompt_list, params)]
+        for request_id, prompt, sp in requests:
+            self.engine.validate(request_id, prompt.token_ids, sp)
+        accumulators = {rid: _Accumulator(rid, prompt, sp.logprobs is not None) for rid, prompt, sp in requests}
         try:
-            for request_id, _, token_ids, sp in requests:
-                self.engine.add_request(request_id, token_ids, sp)
+            for request_id, prompt, sp in requests:
+                self.engine.add_request(request_id, prompt.token_ids, sp)
             with tqdm(total=len(requests), disable=not use_tqdm, desc="generate") as progress:
                 for delta in self._deltas(set(accumulators)):
                     accumulators[delta.request_id].add(delta)
@@ -101,7 +133,7 @@ class LLM:
         """Deltas of one request as the engine produces them. Several streams (and generate() calls)
         may be open at once: each step serves all their requests, and each gets its own deltas.
         Closing the stream early aborts its request."""
-        request_id, token_ids = self._next_id(), self._encode(prompt)
+        request_id, token_ids = self._next_id(), self._resolve(prompt).token_ids
         self.engine.add_request(request_id, token_ids, self._tokenized(sampling_params or SamplingParams()))
         try:
             yield from self._deltas({request_id})
@@ -110,7 +142,7 @@ class LLM:
 
     def prompt_logits(self, prompt: Prompt) -> torch.Tensor:
         """Next-token logits [num_prompt_tokens, vocab] (float32) at every prompt position (EngineCore.prompt_logits)."""
-        return self.engine.prompt_logits(self._encode(prompt))
+        return self.engine.prompt_logits(self._resolve(prompt).token_ids)
 
     def stats(self) -> EngineStats:
         return self.engine.stats()
@@ -152,16 +184,43 @@ class LLM:
             return params
         return params.with_bad_words_tokenized(lambda text: self.tokenizer.encode(text, add_special_tokens=False))
 
-    def _encode(self, prompt: Prompt) -> list[int]:
+    def _resolve(self, prompt: Prompt) -> PromptInput:
+        if isinstance(prompt, dict):
+            return self._resolve_dict(prompt)
         if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt, add_special_tokens=True)
+            return PromptInput(prompt, self.tokenizer.encode(prompt, add_special_tokens=True))
         if not _is_token_list(prompt):
-            raise InvalidRequestError("prompt", "must be a string or a list of token ids")
-        return list(prompt)
+            raise InvalidRequestError("prompt", "must be a string, a list of token ids, {'prompt': str} or "
+                                                "{'prompt_token_ids': list[int]}")
+        return PromptInput(None, list(prompt))
+
+    def _resolve_dict(self, prompt: dict) -> PromptInput:
+        """vLLM's TokensPrompt when it has "prompt_token_ids", else its TextPrompt."""
+        for key in prompt:
+            if key in _UNSUPPORTED_PROMPT_KEYS:
+                raise InvalidRequestError(key, "vLLM's prompt key is not supported: splitserve takes a prompt's "
+                                               "text or token ids only")
+            if key not in ("prompt", "prompt_token_ids"):
+                raise InvalidRequestError(key, "unknown prompt key: a prompt dict has 'prompt' (TextPrompt) or "
+                                               "'prompt_token_ids' and an optional 'prompt' (TokensPrompt)")
+        text = prompt.get("prompt")
+        if "prompt" in prompt and not isinstance(text, str):
+            raise InvalidRequestError("prompt", f"must be a string, got {type(text).__name__}")
+        if "prompt_token_ids" in prompt:
+            if not _is_token_list(prompt["prompt_token_ids"]):
+                raise InvalidRequestError("prompt_token_ids", "must be a list of token ids")
+            return PromptInput(text, list(prompt["prompt_token_ids"]))
+        if text is None:
+            raise InvalidRequestError("prompt", "a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        return PromptInput(text, self.tokenizer.encode(text, add_special_tokens=True))
 
     def _next_id(self) -> str:
         self._counter += 1
         return f"offline-{self._counter}"
+
+
+def _is_one_prompt(prompts: object) -> bool:
+    return isinstance(prompts, str | dict) or _is_token_list(prompts)
 
 
 def _is_token_list(value: object) -> bool:

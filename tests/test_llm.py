@@ -142,6 +142,44 @@ def test_chat_applies_the_template(llm):
     assert len(output.token_ids) == 8
 
 
+def test_dict_prompts_run_like_str_and_token_prompts_and_like_transformers(llm, tiny_llama_dir):
+    ids, other = llm.tokenizer.encode(PROMPT), [5, 6, 7, 8, 9]
+    expected = [hf_greedy(tiny_llama_dir, GreedyCase(tuple(p), 24, ignore_eos=True)) for p in (ids, other)]
+    outputs = llm.generate([{"prompt": PROMPT}, {"prompt_token_ids": other}, {"prompt_token_ids": ids, "prompt": "x"},
+                            PROMPT, other], greedy())
+    assert [o.outputs[0].token_ids for o in outputs] == [expected[0], expected[1], expected[0], expected[0],
+                                                         expected[1]]
+    assert [o.prompt_token_ids for o in outputs] == [ids, other, ids, ids, other]
+    assert [o.prompt for o in outputs] == [PROMPT, None, "x", PROMPT, None]
+    (single,) = llm.generate({"prompt_token_ids": other}, greedy())
+    assert single.outputs[0].token_ids == expected[1]
+
+
+def test_stream_and_prompt_logits_take_dict_prompts(llm):
+    ids = llm.tokenizer.encode(PROMPT)
+    streamed = [t for delta in llm.stream({"prompt_token_ids": ids}, greedy(12)) for t in delta.new_token_ids]
+    assert streamed == llm.generate(PROMPT, greedy(12))[0].outputs[0].token_ids
+    assert torch.equal(llm.prompt_logits({"prompt": PROMPT}), llm.prompt_logits(ids))
+
+
+@pytest.mark.parametrize("prompt, field", [
+    ({"prompt": PROMPT, "multi_modal_data": {"image": None}}, "multi_modal_data"),
+    ({"prompt_token_ids": [5, 6], "mm_processor_kwargs": {}}, "mm_processor_kwargs"),
+    ({"prompt": PROMPT, "promt_token_ids": [5, 6]}, "promt_token_ids"),
+    ({}, "prompt"),
+    ({"prompt": [5, 6]}, "prompt"),
+    ({"prompt_token_ids": [5, 6], "prompt": 7}, "prompt"),
+    ({"prompt_token_ids": "5 6"}, "prompt_token_ids"),
+])
+def test_a_bad_dict_prompt_is_refused_naming_its_key(llm, prompt, field):
+    calls = (lambda: llm.generate([PROMPT, prompt], greedy()), lambda: next(llm.stream(prompt, greedy())),
+             lambda: llm.prompt_logits(prompt))
+    for call in calls:
+        with pytest.raises(InvalidRequestError) as error:
+            call()
+        assert error.value.field == field and str(error.value).startswith(f"{field}: ")
+
+
 def test_outputs_hold_the_one_completion_like_vllm(llm):
     full = llm.generate(PROMPT, greedy(40))[0]
     stop = full.text[10:13]
