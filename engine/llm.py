@@ -34,6 +34,7 @@ class TokensPrompt(TypedDict):
 
 
 Prompt = str | list[int] | TextPrompt | TokensPrompt
+Conversation = list[dict[str, str]]
 
 _UNSUPPORTED_PROMPT_KEYS = frozenset({
     "multi_modal_data", "mm_processor_kwargs", "media_io_kwargs", "multi_modal_uuids", "cache_salt",
@@ -123,11 +124,16 @@ class LLM:
             self._abandon(accumulators)
         return [accumulators[rid].output() for rid, *_ in requests]
 
-    def chat(self, messages: list[dict[str, str]], sampling_params: SamplingParams | None = None) -> RequestOutput:
-        """One conversation through the model's chat template."""
-        token_ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                       return_dict=False)
-        return self.generate([list(token_ids)], sampling_params)[0]
+    def chat(self, messages: Conversation | Sequence[Conversation],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = False) -> list[RequestOutput]:
+        """One conversation (a list of message dicts) or a list of conversations through the model's chat
+        template; one output per conversation, in order, as vLLM's `LLM.chat`."""
+        conversations = [messages] if _is_one_conversation(messages) else list(messages)
+        prompts = [list(self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True,
+                                                           return_dict=False))
+                   for conversation in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[CompletionDelta]:
         """Deltas of one request as the engine produces them. Several streams (and generate() calls)
@@ -221,6 +227,11 @@ class LLM:
 
 def _is_one_prompt(prompts: object) -> bool:
     return isinstance(prompts, str | dict) or _is_token_list(prompts)
+
+
+def _is_one_conversation(messages: object) -> bool:
+    """A conversation is a list of message dicts; anything else is taken as a list of conversations."""
+    return isinstance(messages, list) and not (messages and all(isinstance(m, list) for m in messages))
 
 
 def _is_token_list(value: object) -> bool:

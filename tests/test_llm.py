@@ -133,13 +133,15 @@ def test_logprobs_match_transformers(llm, tiny_llama_dir):
         assert [t for t, _ in entry.top] == torch.topk(row, 3).indices.tolist()
 
 
-def test_chat_applies_the_template(llm):
-    messages = [{"role": "user", "content": "hello"}]
-    output = llm.chat(messages, greedy(8))
-    expected_prompt = llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                        return_dict=False)
-    assert output.prompt_token_ids == list(expected_prompt)
-    assert len(output.token_ids) == 8
+def test_chat_takes_one_conversation_or_many_and_returns_a_list_like_vllm(llm, tiny_llama_dir):
+    hello = [{"role": "user", "content": "hello"}]
+    mill = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me about the old mill."}]
+    templated = [list(llm.tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True,
+                                                        return_dict=False)) for conversation in (hello, mill)]
+    expected = [hf_greedy(tiny_llama_dir, GreedyCase(tuple(ids), 8, ignore_eos=True)) for ids in templated]
+    one, two = llm.chat(hello, greedy(8)), llm.chat([hello, mill], greedy(8))
+    assert [(o.prompt_token_ids, o.outputs[0].token_ids) for o in one] == [(templated[0], expected[0])]
+    assert [(o.prompt_token_ids, o.outputs[0].token_ids) for o in two] == list(zip(templated, expected))
 
 
 def test_dict_prompts_run_like_str_and_token_prompts_and_like_transformers(llm, tiny_llama_dir):
