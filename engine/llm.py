@@ -1,4 +1,5 @@
-"""Offline API: `LLM(model_dir, **engine_config).generate(prompts, sampling_params)`."""
+"""Offline API: `LLM(model_dir, **engine_config).generate(prompts, sampling_params)`, shaped like vLLM's
+(its prompt forms, its `RequestOutput.outputs`, `chat` over one or many conversations, `enforce_eager`)."""
 
 from __future__ import annotations
 
@@ -88,7 +89,15 @@ class _Accumulator:
 
 
 class LLM:
-    def __init__(self, model: str | Path, show_progress: bool = False, **engine_config) -> None:
+    def __init__(self, model: str | Path, show_progress: bool = False, enforce_eager: bool = False,
+                 **engine_config) -> None:
+        """`engine_config`: EngineConfig's fields. `enforce_eager` (vLLM's, the CLI's `--enforce-eager`):
+        never capture CUDA graphs, i.e. cuda_graphs=False; refused together with cuda_graphs=True."""
+        if enforce_eager:
+            if engine_config.get("cuda_graphs"):
+                raise ValueError("enforce_eager=True and cuda_graphs=True contradict each other: enforce_eager "
+                                 "means cuda_graphs=False; pass one of them")
+            engine_config["cuda_graphs"] = False
         self.tokenizer = load_tokenizer(model)
         self.engine = EngineCore(model, EngineConfig(**engine_config), self.tokenizer.backend_tokenizer,
                                  show_progress)

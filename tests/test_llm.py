@@ -198,6 +198,17 @@ def test_outputs_hold_the_one_completion_like_vllm(llm):
     assert shorthands == (completion.text, completion.token_ids, "stop", stop, completion.logprobs)
 
 
+def test_enforce_eager_turns_cuda_graphs_off_and_contradicting_it_is_refused(tiny_llama_dir):
+    eager = LLM(tiny_llama_dir, enforce_eager=True, block_size=16, max_model_len=256, num_kv_blocks=32)
+    assert eager.engine.config.cuda_graphs is False
+    prompt_ids = eager.tokenizer.encode(PROMPT)
+    assert eager.generate(PROMPT, greedy())[0].token_ids == hf_greedy(tiny_llama_dir,
+                                                                     GreedyCase(tuple(prompt_ids), 24, True))
+    assert_pool_idle(eager.engine.block_manager)
+    with pytest.raises(ValueError, match="enforce_eager=True and cuda_graphs=True contradict each other"):
+        LLM(tiny_llama_dir, enforce_eager=True, cuda_graphs=True)
+
+
 @pytest.mark.parametrize("prompt, field", [
     ([], "prompt"),
     (list(range(3, 515)), "prompt"),  # 512 tokens == max_model_len: no room for output
