@@ -59,10 +59,9 @@ def load_tokenizer(model_dir: str | Path) -> PreTrainedTokenizerBase:
 
 
 class _Accumulator:
-    """Collects one request's deltas into its RequestOutput."""
+    """Collects one sequence's deltas (one engine request's) into its CompletionOutput."""
 
-    def __init__(self, request_id: str, prompt: PromptInput, wants_logprobs: bool):
-        self.request_id, self.prompt = request_id, prompt
+    def __init__(self, wants_logprobs: bool):
         self.token_ids: list[int] = []
         self.text = ""
         self.logprobs: list[TokenLogprobs] | None = [] if wants_logprobs else None
@@ -79,13 +78,28 @@ class _Accumulator:
         if delta.finished:
             self.final = delta
 
-    def output(self) -> RequestOutput:
-        final = self.final
+    def completion(self, index: int) -> CompletionOutput:
         cumulative = None if self.logprobs is None else sum(entry.logprob for entry in self.logprobs)
-        completion = CompletionOutput(0, self.text, self.token_ids, cumulative, self.logprobs, final.finish_reason,
-                                      final.stop_reason)
-        return RequestOutput(self.request_id, self.prompt.text, self.prompt.token_ids, self.prompt_logprobs,
-                             [completion], True, final.num_cached_tokens)
+        return CompletionOutput(index, self.text, self.token_ids, cumulative, self.logprobs, self.final.finish_reason,
+                                self.final.stop_reason)
+
+
+@dataclass(frozen=True)
+class _Job:
+    """One prompt of a generate() call: the RequestOutput it becomes, run as one engine request per sequence."""
+
+    request_id: str
+    prompt: PromptInput
+    sequences: tuple[tuple[str, SamplingParams], ...]
+    """(engine request id, sampling) of sequence i at index i: the job's own id when there is one sequence,
+    else `<id>-<i>`; sequence i samples with SamplingParams.for_sequence(i)."""
+
+    def output(self, accumulators: dict[str, _Accumulator]) -> RequestOutput:
+        """The prompt-level fields are sequence 0's (every sequence runs the same prompt)."""
+        first = accumulators[self.sequences[0][0]]
+        completions = [accumulators[request_id].completion(i) for i, (request_id, _) in enumerate(self.sequences)]
+        return RequestOutput(self.request_id, self.prompt.text, self.prompt.token_ids, first.prompt_logprobs,
+                             completions, True, first.final.num_cached_tokens)
 
 
 class LLM:
@@ -114,24 +128,27 @@ class LLM:
         """Run prompts to completion; outputs come back in input order. `prompts`: one prompt or a list; a
         prompt is a str, a list of token ids, a TextPrompt or a TokensPrompt (vLLM's forms).
 
-        Every prompt is validated before any is queued, so a bad one leaves nothing allocated.
+        A prompt whose SamplingParams.n > 1 runs n sequences (seeded as SamplingParams.for_sequence says), the
+        n CompletionOutputs of its one RequestOutput. Every prompt is validated before any is queued, so a bad
+        one leaves nothing allocated.
         """
         prompt_list = [prompts] if _is_one_prompt(prompts) else list(prompts)
         params = [self._tokenized(sp) for sp in _broadcast_params(sampling_params, len(prompt_list))]
-        requests = [(self._next_id(), self._resolve(p), sp) for p, sp in zip(prompt_list, params)]
-        for request_id, prompt, sp in requests:
-            self.engine.validate(request_id, prompt.token_ids, sp)
-        accumulators = {rid: _Accumulator(rid, prompt, sp.logprobs is not None) for rid, prompt, sp in requests}
+        jobs = [self._job(self._resolve(p), sp) for p, sp in zip(prompt_list, params)]
+        requests = [(request_id, job.prompt.token_ids, sp) for job in jobs for request_id, sp in job.sequences]
+        for request_id, token_ids, sp in requests:
+            self.engine.validate(request_id, token_ids, sp)
+        accumulators = {request_id: _Accumulator(sp.logprobs is not None) for request_id, _, sp in requests}
         try:
-            for request_id, prompt, sp in requests:
-                self.engine.add_request(request_id, prompt.token_ids, sp)
+            for request_id, token_ids, sp in requests:
+                self.engine.add_request(request_id, token_ids, sp)
             with tqdm(total=len(requests), disable=not use_tqdm, desc="generate") as progress:
                 for delta in self._deltas(set(accumulators)):
                     accumulators[delta.request_id].add(delta)
                     progress.update(int(delta.finished))
         finally:  # an interrupt or an error (queueing included): nothing of this call stays running
             self._abandon(accumulators)
-        return [accumulators[rid].output() for rid, *_ in requests]
+        return [job.output(accumulators) for job in jobs]
 
     def chat(self, messages: Conversation | Sequence[Conversation],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -192,6 +209,12 @@ class LLM:
             self._kept.pop(request_id, None)
             if self.engine.abort_request(request_id):
                 self._abandoned.add(request_id)
+
+    def _job(self, prompt: PromptInput, params: SamplingParams) -> _Job:
+        request_id = self._next_id()
+        ids = [request_id] if params.n == 1 else [f"{request_id}-{i}" for i in range(params.n)]
+        return _Job(request_id, prompt, tuple((sequence_id, params.for_sequence(i))
+                                              for i, sequence_id in enumerate(ids)))
 
     def _tokenized(self, params: SamplingParams) -> SamplingParams:
         """params with its bad_words tokenized by the model's tokenizer (as the router does)."""

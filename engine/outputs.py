@@ -62,7 +62,7 @@ class RequestOutput:
     """A finished request, vLLM's `RequestOutput`: the prompt, and its completions in `outputs`.
 
     `text`, `token_ids`, `finish_reason`, `stop_reason` and `logprobs` are shorthands for those of
-    `outputs[0]`, the only completion of an offline request."""
+    `outputs[0]`, the only completion unless SamplingParams.n > 1."""
 
     request_id: str
     prompt: str | None
@@ -71,6 +71,7 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprobs | None] | None
     """With SamplingParams.prompt_logprobs: one entry per prompt token, None for the first."""
     outputs: list[CompletionOutput]
+    """SamplingParams.n completions, outputs[i].index == i."""
     finished: bool
     num_cached_tokens: int
 

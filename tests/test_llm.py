@@ -198,6 +198,23 @@ def test_outputs_hold_the_one_completion_like_vllm(llm):
     assert shorthands == (completion.text, completion.token_ids, "stop", stop, completion.logprobs)
 
 
+def test_n_sequences_come_back_as_one_output_each_seeded_seed_plus_index(llm):
+    params = SamplingParams(temperature=1.0, seed=7, max_tokens=12, ignore_eos=True, logprobs=0, n=3)
+    prompts = [PROMPT, [5, 6, 7, 8]]
+    outputs = llm.generate([prompts[0], {"prompt_token_ids": prompts[1]}], params)
+    for prompt, output in zip(prompts, outputs):
+        alone = llm.generate([prompt] * 3, [SamplingParams(temperature=1.0, seed=7 + i, max_tokens=12, ignore_eos=True,
+                                                           logprobs=0) for i in range(3)])
+        assert [c.index for c in output.outputs] == [0, 1, 2]
+        assert [c.token_ids for c in output.outputs] == [a.outputs[0].token_ids for a in alone]
+        assert [c.cumulative_logprob for c in output.outputs] == [a.outputs[0].cumulative_logprob for a in alone]
+        assert output.prompt_token_ids == alone[0].prompt_token_ids
+    assert len({tuple(c.token_ids) for c in outputs[0].outputs}) == 3
+    with pytest.raises(InvalidRequestError) as error:
+        next(llm.stream(PROMPT, params))
+    assert error.value.field == "n"
+
+
 def test_enforce_eager_turns_cuda_graphs_off_and_contradicting_it_is_refused(tiny_llama_dir):
     eager = LLM(tiny_llama_dir, enforce_eager=True, block_size=16, max_model_len=256, num_kv_blocks=32)
     assert eager.engine.config.cuda_graphs is False
