@@ -9,6 +9,9 @@ from dataclasses import dataclass, field, replace
 from splitserve.common.errors import InvalidRequestError
 from splitserve.common.structured_output import StructuredOutput
 
+SEED_LOW = -2**63
+SEED_SPAN = 2**64 + 2**63
+"""SamplingParams.seed's range is [SEED_LOW, SEED_LOW + SEED_SPAN)."""
 MAX_LOGPROBS = 20
 """Largest number of top alternatives a request may ask for per token."""
 MAX_STOP_STRINGS = 64
@@ -145,6 +148,10 @@ class SamplingParams:
     """If set, also return each prompt token's logprob given the tokens before it plus this many top
     alternatives (0..20; the first prompt token has none), with the request's first output (vLLM's
     prompt_logprobs). Such a request never reads the prefix cache: every prompt position is computed."""
+    n: int = 1
+    """Output sequences per prompt (vLLM's n), >= 1. The engine runs one sequence per request, so n fans
+    out above it: the offline LLM runs sequence i as a request of its own with for_sequence(i) and returns
+    the n as one RequestOutput's outputs (the OpenAI API reads its own `n`: router/fanout.py)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else _as_tuple(self.stop, "stop"))
@@ -170,7 +177,8 @@ class SamplingParams:
         for name in ("frequency_penalty", "presence_penalty"):
             value = getattr(self, name)
             _require(_is_real(value) and -2 <= value <= 2, name, f"must be in [-2, 2], got {value!r}")
-        _require(self.seed is None or (_is_int(self.seed) and -2**63 <= self.seed < 2**64), "seed",
+        _require(_is_int(self.n) and self.n >= 1, "n", f"must be an integer >= 1, got {self.n!r}")
+        _require(self.seed is None or (_is_int(self.seed) and SEED_LOW <= self.seed < SEED_LOW + SEED_SPAN), "seed",
                  f"must be an integer in [-2**63, 2**64), got {self.seed!r}")
         _require(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
                  "logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
@@ -213,6 +221,14 @@ class SamplingParams:
     def has_logit_controls(self) -> bool:
         """Whether the sampler changes this request's logits beyond penalties and filters."""
         return bool(self.logit_bias or self.allowed_token_ids or self.bad_words_token_ids)
+
+    def for_sequence(self, index: int) -> SamplingParams:
+        """Sequence `index` of a prompt sampled several times, as one sequence (n=1): seeded with seed + index
+        (wrapped into the seed's range) when these params are seeded, as vLLM's parallel sampling; unseeded
+        sequences draw independently."""
+        if self.seed is None or index == 0:
+            return self if self.n == 1 else replace(self, n=1)
+        return replace(self, n=1, seed=(self.seed + index - SEED_LOW) % SEED_SPAN + SEED_LOW)
 
     def with_bad_words_tokenized(self, encode: Callable[[str], list[int]]) -> SamplingParams:
         """These params with bad_words_token_ids filled from bad_words by `encode` (text -> token ids,

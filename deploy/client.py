@@ -20,8 +20,9 @@ from splitserve.proto.splitserve.v1 import generation_pb2, generation_pb2_grpc
 
 _UINT64_FIELDS = frozenset({"seed"})
 """Sampling fields that are unsigned on the wire (common.SamplingParams allows a negative seed)."""
-LOCAL_SAMPLING_FIELDS = frozenset({"bad_words_token_ids"})
-"""SamplingParams fields that are not sent: the server derives them (it tokenizes bad_words itself)."""
+LOCAL_SAMPLING_FIELDS = frozenset({"bad_words_token_ids", "n"})
+"""SamplingParams fields that are not sent: the server derives bad_words_token_ids (it tokenizes bad_words
+itself); n fans out above the engine (the offline LLM), and one Generate stream is one sequence."""
 
 
 @dataclass(frozen=True)
@@ -101,8 +102,11 @@ def sampling_to_proto(params: SamplingParams) -> generation_pb2.SamplingParams:
     defaults (--generation-config) would fill: `params` is a whole choice, so a value of it that
     equals SamplingParams' default (top_p 1.0) must reach the server as given, not as unset.
 
-    Raises InvalidRequestError for a negative seed, which the wire's uint64 cannot carry.
+    Raises InvalidRequestError for a negative seed, which the wire's uint64 cannot carry, and for n > 1.
     """
+    if params.n != 1:
+        raise InvalidRequestError("n", f"a Generate stream carries one sequence, got n={params.n}: send one request "
+                                       f"per sequence (SamplingParams.for_sequence(i) seeds them as vLLM does)")
     message = generation_pb2.SamplingParams()
     for spec in dataclasses.fields(SamplingParams):
         value = getattr(params, spec.name)

@@ -5,9 +5,10 @@ from splitserve.common.errors import InvalidRequestError, UnsupportedModelError
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.stats import EngineStats
 from splitserve.engine.engine_core import EngineCore
-from splitserve.engine.llm import LLM
-from splitserve.engine.outputs import CompletionDelta, RequestOutput
+from splitserve.engine.llm import LLM, TextPrompt, TokensPrompt
+from splitserve.engine.outputs import CompletionDelta, CompletionOutput, RequestOutput
 from splitserve.common.token_logprobs import TokenLogprobs
 
-__all__ = ["LLM", "CompletionDelta", "EngineConfig", "EngineCore", "EngineStats", "InvalidRequestError",
-           "RequestOutput", "SamplingParams", "TokenLogprobs", "UnsupportedModelError"]
+__all__ = ["LLM", "CompletionDelta", "CompletionOutput", "EngineConfig", "EngineCore", "EngineStats",
+           "InvalidRequestError", "RequestOutput", "SamplingParams", "TextPrompt", "TokenLogprobs", "TokensPrompt",
+           "UnsupportedModelError"]

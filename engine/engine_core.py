@@ -196,6 +196,9 @@ class EngineCore:
         bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
         if bad:
             raise InvalidRequestError("prompt_token_ids", f"out of vocabulary [0, {self.vocab_size}): {bad[:5]}")
+        if params.n != 1:
+            raise InvalidRequestError("n", f"must be 1 for an engine request, got {params.n}: an engine request is "
+                                           f"one sequence (LLM.generate fans n out into one request per sequence)")
         params.check_logit_control_vocabulary(self.vocab_size)
         if params.bad_words and not params.bad_words_token_ids:
             raise InvalidRequestError("bad_words", "must be tokenized before the request reaches the engine "

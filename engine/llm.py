@@ -1,9 +1,12 @@
-"""Offline API: `LLM(model_dir, **engine_config).generate(prompts, sampling_params)`."""
+"""Offline API: `LLM(model_dir, **engine_config).generate(prompts, sampling_params)`, shaped like vLLM's
+(its prompt forms, its `RequestOutput.outputs`, `chat` over one or many conversations, `enforce_eager`)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import NotRequired, TypedDict
 
 import torch
 from tqdm import tqdm
@@ -14,10 +17,41 @@ from splitserve.common.errors import InvalidRequestError
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.stats import EngineStats
 from splitserve.engine.engine_core import EngineCore
-from splitserve.engine.outputs import CompletionDelta, RequestOutput
+from splitserve.engine.outputs import CompletionDelta, CompletionOutput, RequestOutput
 from splitserve.common.token_logprobs import TokenLogprobs
 
-Prompt = str | list[int]
+
+class TextPrompt(TypedDict):
+    """vLLM's TextPrompt: text the model's tokenizer encodes."""
+
+    prompt: str
+
+
+class TokensPrompt(TypedDict):
+    """vLLM's TokensPrompt: token ids run as given; "prompt" is their text, only reported back."""
+
+    prompt_token_ids: list[int]
+    prompt: NotRequired[str]
+
+
+Prompt = str | list[int] | TextPrompt | TokensPrompt
+Conversation = list[dict[str, str]]
+
+_UNSUPPORTED_PROMPT_KEYS = frozenset({
+    "multi_modal_data", "mm_processor_kwargs", "media_io_kwargs", "multi_modal_uuids", "cache_salt",
+    "token_type_ids", "prompt_token_offsets", "prompt_embeds", "prompt_is_token_ids", "encoder_prompt",
+    "decoder_prompt"})
+"""Keys of vLLM's prompt dicts that splitserve has no counterpart for (multi-modal inputs, embeddings,
+encoder-decoder and cross-encoder models, cache salts): refused by name rather than silently ignored."""
+
+
+@dataclass(frozen=True)
+class PromptInput:
+    """A prompt in any of its forms, resolved to what the engine runs."""
+
+    text: str | None
+    """The prompt's text when the caller gave one (RequestOutput.prompt)."""
+    token_ids: list[int]
 
 
 def load_tokenizer(model_dir: str | Path) -> PreTrainedTokenizerBase:
@@ -25,10 +59,9 @@ def load_tokenizer(model_dir: str | Path) -> PreTrainedTokenizerBase:
 
 
 class _Accumulator:
-    """Collects one request's deltas into its RequestOutput."""
+    """Collects one sequence's deltas (one engine request's) into its CompletionOutput."""
 
-    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], wants_logprobs: bool):
-        self.request_id, self.prompt, self.prompt_token_ids = request_id, prompt, prompt_token_ids
+    def __init__(self, wants_logprobs: bool):
         self.token_ids: list[int] = []
         self.text = ""
         self.logprobs: list[TokenLogprobs] | None = [] if wants_logprobs else None
@@ -45,15 +78,40 @@ class _Accumulator:
         if delta.finished:
             self.final = delta
 
-    def output(self) -> RequestOutput:
-        final = self.final
-        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, self.token_ids, self.text,
-                             final.finish_reason, final.stop_reason, final.num_cached_tokens, self.logprobs,
-                             self.prompt_logprobs)
+    def completion(self, index: int) -> CompletionOutput:
+        cumulative = None if self.logprobs is None else sum(entry.logprob for entry in self.logprobs)
+        return CompletionOutput(index, self.text, self.token_ids, cumulative, self.logprobs, self.final.finish_reason,
+                                self.final.stop_reason)
+
+
+@dataclass(frozen=True)
+class _Job:
+    """One prompt of a generate() call: the RequestOutput it becomes, run as one engine request per sequence."""
+
+    request_id: str
+    prompt: PromptInput
+    sequences: tuple[tuple[str, SamplingParams], ...]
+    """(engine request id, sampling) of sequence i at index i: the job's own id when there is one sequence,
+    else `<id>-<i>`; sequence i samples with SamplingParams.for_sequence(i)."""
+
+    def output(self, accumulators: dict[str, _Accumulator]) -> RequestOutput:
+        """The prompt-level fields are sequence 0's (every sequence runs the same prompt)."""
+        first = accumulators[self.sequences[0][0]]
+        completions = [accumulators[request_id].completion(i) for i, (request_id, _) in enumerate(self.sequences)]
+        return RequestOutput(self.request_id, self.prompt.text, self.prompt.token_ids, first.prompt_logprobs,
+                             completions, True, first.final.num_cached_tokens)
 
 
 class LLM:
-    def __init__(self, model: str | Path, show_progress: bool = False, **engine_config) -> None:
+    def __init__(self, model: str | Path, show_progress: bool = False, enforce_eager: bool = False,
+                 **engine_config) -> None:
+        """`engine_config`: EngineConfig's fields. `enforce_eager` (vLLM's, the CLI's `--enforce-eager`):
+        never capture CUDA graphs, i.e. cuda_graphs=False; refused together with cuda_graphs=True."""
+        if enforce_eager:
+            if engine_config.get("cuda_graphs"):
+                raise ValueError("enforce_eager=True and cuda_graphs=True contradict each other: enforce_eager "
+                                 "means cuda_graphs=False; pass one of them")
+            engine_config["cuda_graphs"] = False
         self.tokenizer = load_tokenizer(model)
         self.engine = EngineCore(model, EngineConfig(**engine_config), self.tokenizer.backend_tokenizer,
                                  show_progress)
@@ -67,19 +125,22 @@ class LLM:
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
-        """Run prompts to completion; outputs come back in input order.
+        """Run prompts to completion; outputs come back in input order. `prompts`: one prompt or a list; a
+        prompt is a str, a list of token ids, a TextPrompt or a TokensPrompt (vLLM's forms).
 
-        Every prompt is validated before any is queued, so a bad one leaves nothing allocated.
+        A prompt whose SamplingParams.n > 1 runs n sequences (seeded as SamplingParams.for_sequence says), the
+        n CompletionOutputs of its one RequestOutput. Every prompt is validated before any is queued, so a bad
+        one leaves nothing allocated.
         """
-        prompt_list = [prompts] if isinstance(prompts, str) or _is_token_list(prompts) else list(prompts)
+        prompt_list = [prompts] if _is_one_prompt(prompts) else list(prompts)
         params = [self._tokenized(sp) for sp in _broadcast_params(sampling_params, len(prompt_list))]
-        requests = [(self._next_id(), p, self._encode(p), sp) for p, sp in zip(prompt_list, params)]
-        for request_id, _, token_ids, sp in requests:
+        jobs = [self._job(self._resolve(p), sp) for p, sp in zip(prompt_list, params)]
+        requests = [(request_id, job.prompt.token_ids, sp) for job in jobs for request_id, sp in job.sequences]
+        for request_id, token_ids, sp in requests:
             self.engine.validate(request_id, token_ids, sp)
-        accumulators = {rid: _Accumulator(rid, p if isinstance(p, str) else None, ids, sp.logprobs is not None)
-                        for rid, p, ids, sp in requests}
+        accumulators = {request_id: _Accumulator(sp.logprobs is not None) for request_id, _, sp in requests}
         try:
-            for request_id, _, token_ids, sp in requests:
+            for request_id, token_ids, sp in requests:
                 self.engine.add_request(request_id, token_ids, sp)
             with tqdm(total=len(requests), disable=not use_tqdm, desc="generate") as progress:
                 for delta in self._deltas(set(accumulators)):
@@ -87,19 +148,24 @@ class LLM:
                     progress.update(int(delta.finished))
         finally:  # an interrupt or an error (queueing included): nothing of this call stays running
             self._abandon(accumulators)
-        return [accumulators[rid].output() for rid, *_ in requests]
+        return [job.output(accumulators) for job in jobs]
 
-    def chat(self, messages: list[dict[str, str]], sampling_params: SamplingParams | None = None) -> RequestOutput:
-        """One conversation through the model's chat template."""
-        token_ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                       return_dict=False)
-        return self.generate([list(token_ids)], sampling_params)[0]
+    def chat(self, messages: Conversation | Sequence[Conversation],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = False) -> list[RequestOutput]:
+        """One conversation (a list of message dicts) or a list of conversations through the model's chat
+        template; one output per conversation, in order, as vLLM's `LLM.chat`."""
+        conversations = [messages] if _is_one_conversation(messages) else list(messages)
+        prompts = [list(self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True,
+                                                           return_dict=False))
+                   for conversation in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[CompletionDelta]:
         """Deltas of one request as the engine produces them. Several streams (and generate() calls)
         may be open at once: each step serves all their requests, and each gets its own deltas.
         Closing the stream early aborts its request."""
-        request_id, token_ids = self._next_id(), self._encode(prompt)
+        request_id, token_ids = self._next_id(), self._resolve(prompt).token_ids
         self.engine.add_request(request_id, token_ids, self._tokenized(sampling_params or SamplingParams()))
         try:
             yield from self._deltas({request_id})
@@ -108,7 +174,7 @@ class LLM:
 
     def prompt_logits(self, prompt: Prompt) -> torch.Tensor:
         """Next-token logits [num_prompt_tokens, vocab] (float32) at every prompt position (EngineCore.prompt_logits)."""
-        return self.engine.prompt_logits(self._encode(prompt))
+        return self.engine.prompt_logits(self._resolve(prompt).token_ids)
 
     def stats(self) -> EngineStats:
         return self.engine.stats()
@@ -144,22 +210,60 @@ class LLM:
             if self.engine.abort_request(request_id):
                 self._abandoned.add(request_id)
 
+    def _job(self, prompt: PromptInput, params: SamplingParams) -> _Job:
+        request_id = self._next_id()
+        ids = [request_id] if params.n == 1 else [f"{request_id}-{i}" for i in range(params.n)]
+        return _Job(request_id, prompt, tuple((sequence_id, params.for_sequence(i))
+                                              for i, sequence_id in enumerate(ids)))
+
     def _tokenized(self, params: SamplingParams) -> SamplingParams:
         """params with its bad_words tokenized by the model's tokenizer (as the router does)."""
         if not params.bad_words or params.bad_words_token_ids:
             return params
         return params.with_bad_words_tokenized(lambda text: self.tokenizer.encode(text, add_special_tokens=False))
 
-    def _encode(self, prompt: Prompt) -> list[int]:
+    def _resolve(self, prompt: Prompt) -> PromptInput:
+        if isinstance(prompt, dict):
+            return self._resolve_dict(prompt)
         if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt, add_special_tokens=True)
+            return PromptInput(prompt, self.tokenizer.encode(prompt, add_special_tokens=True))
         if not _is_token_list(prompt):
-            raise InvalidRequestError("prompt", "must be a string or a list of token ids")
-        return list(prompt)
+            raise InvalidRequestError("prompt", "must be a string, a list of token ids, {'prompt': str} or "
+                                                "{'prompt_token_ids': list[int]}")
+        return PromptInput(None, list(prompt))
+
+    def _resolve_dict(self, prompt: dict) -> PromptInput:
+        """vLLM's TokensPrompt when it has "prompt_token_ids", else its TextPrompt."""
+        for key in prompt:
+            if key in _UNSUPPORTED_PROMPT_KEYS:
+                raise InvalidRequestError(key, "vLLM's prompt key is not supported: splitserve takes a prompt's "
+                                               "text or token ids only")
+            if key not in ("prompt", "prompt_token_ids"):
+                raise InvalidRequestError(key, "unknown prompt key: a prompt dict has 'prompt' (TextPrompt) or "
+                                               "'prompt_token_ids' and an optional 'prompt' (TokensPrompt)")
+        text = prompt.get("prompt")
+        if "prompt" in prompt and not isinstance(text, str):
+            raise InvalidRequestError("prompt", f"must be a string, got {type(text).__name__}")
+        if "prompt_token_ids" in prompt:
+            if not _is_token_list(prompt["prompt_token_ids"]):
+                raise InvalidRequestError("prompt_token_ids", "must be a list of token ids")
+            return PromptInput(text, list(prompt["prompt_token_ids"]))
+        if text is None:
+            raise InvalidRequestError("prompt", "a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        return PromptInput(text, self.tokenizer.encode(text, add_special_tokens=True))
 
     def _next_id(self) -> str:
         self._counter += 1
         return f"offline-{self._counter}"
+
+
+def _is_one_prompt(prompts: object) -> bool:
+    return isinstance(prompts, str | dict) or _is_token_list(prompts)
+
+
+def _is_one_conversation(messages: object) -> bool:
+    """A conversation is a list of message dicts; anything else is taken as a list of conversations."""
+    return isinstance(messages, list) and not (messages and all(isinstance(m, list) for m in messages))
 
 
 def _is_token_list(value: object) -> bool:

@@ -39,15 +39,58 @@ class CompletionDelta:
 
 
 @dataclass(frozen=True)
+class CompletionOutput:
+    """One completion of a request, vLLM's `CompletionOutput` (`out.outputs[0].text`)."""
+
+    index: int
+    """Position in RequestOutput.outputs."""
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    """Sum of the sampled tokens' logprobs (in output order) when SamplingParams.logprobs was set, else None
+    (vLLM's rule)."""
+    logprobs: list[TokenLogprobs] | None
+    """With SamplingParams.logprobs: one entry per output token."""
+    finish_reason: str
+    """'stop', 'length' or 'abort'."""
+    stop_reason: int | str | None
+    """The stop token id or stop string that ended the completion, if any."""
+
+
+@dataclass(frozen=True)
 class RequestOutput:
+    """A finished request, vLLM's `RequestOutput`: the prompt, and its completions in `outputs`.
+
+    `text`, `token_ids`, `finish_reason`, `stop_reason` and `logprobs` are shorthands for those of
+    `outputs[0]`, the only completion unless SamplingParams.n > 1."""
+
     request_id: str
     prompt: str | None
+    """The prompt's text: the str prompt, or a dict prompt's "prompt"; None for token ids alone."""
     prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
-    finish_reason: str
-    stop_reason: int | str | None
-    num_cached_tokens: int
-    logprobs: list[TokenLogprobs] | None
-    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None
     """With SamplingParams.prompt_logprobs: one entry per prompt token, None for the first."""
+    outputs: list[CompletionOutput]
+    """SamplingParams.n completions, outputs[i].index == i."""
+    finished: bool
+    num_cached_tokens: int
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str:
+        return self.outputs[0].finish_reason
+
+    @property
+    def stop_reason(self) -> int | str | None:
+        return self.outputs[0].stop_reason
+
+    @property
+    def logprobs(self) -> list[TokenLogprobs] | None:
+        return self.outputs[0].logprobs

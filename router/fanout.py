@@ -5,8 +5,9 @@ Choice i is sequence i % num_sequences of prompt i // num_sequences (vLLM's inde
 batch). A prompt's first sequence runs alone until its first chunk says which worker now holds
 the prompt's KV; its siblings then start with that worker in `kv_cached_on`, so routing sends
 them where their prompt's blocks are cached and they prefill only the last partial block. Seeds
-follow vLLM's parallel sampling: a seeded request's sequence i samples with seed + i (wrapped
-into the seed's range); unseeded sequences draw independently.
+follow vLLM's parallel sampling (SamplingParams.for_sequence, which the offline LLM's `n` uses too): a
+seeded request's sequence i samples with seed + i (wrapped into the seed's range); unseeded
+sequences draw independently.
 
 Every path ends every sequence: a failing sequence fails the whole request (the others are
 cancelled, which aborts them on the workers), and closing the merged stream (the client went
@@ -20,15 +21,9 @@ import dataclasses
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
-from splitserve.common.sampling_params import SamplingParams
 from splitserve.router.admission import Admission
 from splitserve.router.api_types import GenerationInput, StreamChunk, Usage
 from splitserve.router.orchestrator import Orchestrator
-
-SEED_LOW = -2**63
-SEED_SPAN = 2**64 + 2**63
-"""SamplingParams.seed's range is [SEED_LOW, SEED_LOW + SEED_SPAN)."""
-
 
 @dataclass(frozen=True)
 class IndexedChunk:
@@ -45,13 +40,6 @@ class _Ended:
     error: BaseException | None
 
 
-def sequence_params(params: SamplingParams, index: int) -> SamplingParams:
-    """Sequence `index`'s sampling: the request's, with seed + index when it is seeded (vLLM)."""
-    if params.seed is None or index == 0:
-        return params
-    return dataclasses.replace(params, seed=(params.seed + index - SEED_LOW) % SEED_SPAN + SEED_LOW)
-
-
 def sequence_inputs(base: GenerationInput, prompts: Sequence[tuple[int, ...]],
                     num_sequences: int) -> tuple[GenerationInput, ...]:
     """One input per choice (prompt-major); a lone sequence keeps the request's id, others get
@@ -59,7 +47,7 @@ def sequence_inputs(base: GenerationInput, prompts: Sequence[tuple[int, ...]],
     if len(prompts) * num_sequences == 1:
         return (dataclasses.replace(base, prompt_token_ids=prompts[0]),)
     return tuple(dataclasses.replace(base, request_id=f"{base.request_id}-{p * num_sequences + s}",
-                                     prompt_token_ids=prompt, sampling_params=sequence_params(base.sampling_params, s))
+                                     prompt_token_ids=prompt, sampling_params=base.sampling_params.for_sequence(s))
                  for p, prompt in enumerate(prompts) for s in range(num_sequences))
 
 

@@ -12,7 +12,7 @@ import pytest
 
 from splitserve.deploy.cli import main as cli_main
 from splitserve.deploy.client import LOCAL_SAMPLING_FIELDS, build_generate_request, sampling_to_proto
-from splitserve.engine import LLM, SamplingParams
+from splitserve.engine import LLM, InvalidRequestError, SamplingParams
 from splitserve.proto.splitserve.v1 import generation_pb2
 
 
@@ -118,6 +118,12 @@ def test_wire_sampling_fields_match_the_engine_sampling_params():
     # sampling_to_proto copies fields by name and relies on equal defaults on both sides.
     assert [spec.name for spec in dataclasses.fields(SamplingParams) if spec.name not in LOCAL_SAMPLING_FIELDS] == [
         field.name for field in generation_pb2.SamplingParams.DESCRIPTOR.fields]
+
+
+def test_n_above_one_is_refused_before_the_wire():
+    with pytest.raises(InvalidRequestError) as error:
+        sampling_to_proto(SamplingParams(n=2))
+    assert error.value.field == "n" and "one sequence, got n=2" in str(error.value)
 
 
 def test_logit_controls_and_prompt_logprobs_reach_the_wire():

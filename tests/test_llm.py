@@ -133,13 +133,97 @@ def test_logprobs_match_transformers(llm, tiny_llama_dir):
         assert [t for t, _ in entry.top] == torch.topk(row, 3).indices.tolist()
 
 
-def test_chat_applies_the_template(llm):
-    messages = [{"role": "user", "content": "hello"}]
-    output = llm.chat(messages, greedy(8))
-    expected_prompt = llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                        return_dict=False)
-    assert output.prompt_token_ids == list(expected_prompt)
-    assert len(output.token_ids) == 8
+def test_chat_takes_one_conversation_or_many_and_returns_a_list_like_vllm(llm, tiny_llama_dir):
+    hello = [{"role": "user", "content": "hello"}]
+    mill = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me about the old mill."}]
+    templated = [list(llm.tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True,
+                                                        return_dict=False)) for conversation in (hello, mill)]
+    expected = [hf_greedy(tiny_llama_dir, GreedyCase(tuple(ids), 8, ignore_eos=True)) for ids in templated]
+    one, two = llm.chat(hello, greedy(8)), llm.chat([hello, mill], greedy(8))
+    assert [(o.prompt_token_ids, o.outputs[0].token_ids) for o in one] == [(templated[0], expected[0])]
+    assert [(o.prompt_token_ids, o.outputs[0].token_ids) for o in two] == list(zip(templated, expected))
+
+
+def test_dict_prompts_run_like_str_and_token_prompts_and_like_transformers(llm, tiny_llama_dir):
+    ids, other = llm.tokenizer.encode(PROMPT), [5, 6, 7, 8, 9]
+    expected = [hf_greedy(tiny_llama_dir, GreedyCase(tuple(p), 24, ignore_eos=True)) for p in (ids, other)]
+    outputs = llm.generate([{"prompt": PROMPT}, {"prompt_token_ids": other}, {"prompt_token_ids": ids, "prompt": "x"},
+                            PROMPT, other], greedy())
+    assert [o.outputs[0].token_ids for o in outputs] == [expected[0], expected[1], expected[0], expected[0],
+                                                         expected[1]]
+    assert [o.prompt_token_ids for o in outputs] == [ids, other, ids, ids, other]
+    assert [o.prompt for o in outputs] == [PROMPT, None, "x", PROMPT, None]
+    (single,) = llm.generate({"prompt_token_ids": other}, greedy())
+    assert single.outputs[0].token_ids == expected[1]
+
+
+def test_stream_and_prompt_logits_take_dict_prompts(llm):
+    ids = llm.tokenizer.encode(PROMPT)
+    streamed = [t for delta in llm.stream({"prompt_token_ids": ids}, greedy(12)) for t in delta.new_token_ids]
+    assert streamed == llm.generate(PROMPT, greedy(12))[0].outputs[0].token_ids
+    assert torch.equal(llm.prompt_logits({"prompt": PROMPT}), llm.prompt_logits(ids))
+
+
+@pytest.mark.parametrize("prompt, field", [
+    ({"prompt": PROMPT, "multi_modal_data": {"image": None}}, "multi_modal_data"),
+    ({"prompt_token_ids": [5, 6], "mm_processor_kwargs": {}}, "mm_processor_kwargs"),
+    ({"prompt": PROMPT, "promt_token_ids": [5, 6]}, "promt_token_ids"),
+    ({}, "prompt"),
+    ({"prompt": [5, 6]}, "prompt"),
+    ({"prompt_token_ids": [5, 6], "prompt": 7}, "prompt"),
+    ({"prompt_token_ids": "5 6"}, "prompt_token_ids"),
+])
+def test_a_bad_dict_prompt_is_refused_naming_its_key(llm, prompt, field):
+    calls = (lambda: llm.generate([PROMPT, prompt], greedy()), lambda: next(llm.stream(prompt, greedy())),
+             lambda: llm.prompt_logits(prompt))
+    for call in calls:
+        with pytest.raises(InvalidRequestError) as error:
+            call()
+        assert error.value.field == field and str(error.value).startswith(f"{field}: ")
+
+
+def test_outputs_hold_the_one_completion_like_vllm(llm):
+    full = llm.generate(PROMPT, greedy(40))[0]
+    stop = full.text[10:13]
+    output = llm.generate(PROMPT, greedy(40, stop=[stop], logprobs=2))[0]
+    (completion,) = output.outputs
+    assert completion.index == 0 and output.finished
+    assert completion.text == full.text[:full.text.find(stop)]
+    assert completion.token_ids == full.token_ids[:len(completion.token_ids)] and len(completion.token_ids) < 40
+    assert (completion.finish_reason, completion.stop_reason) == ("stop", stop)
+    assert [entry.token_id for entry in completion.logprobs] == completion.token_ids
+    assert completion.cumulative_logprob == sum(entry.logprob for entry in completion.logprobs) < 0
+    assert full.outputs[0].logprobs is None and full.outputs[0].cumulative_logprob is None
+    shorthands = (output.text, output.token_ids, output.finish_reason, output.stop_reason, output.logprobs)
+    assert shorthands == (completion.text, completion.token_ids, "stop", stop, completion.logprobs)
+
+
+def test_n_sequences_come_back_as_one_output_each_seeded_seed_plus_index(llm):
+    params = SamplingParams(temperature=1.0, seed=7, max_tokens=12, ignore_eos=True, logprobs=0, n=3)
+    prompts = [PROMPT, [5, 6, 7, 8]]
+    outputs = llm.generate([prompts[0], {"prompt_token_ids": prompts[1]}], params)
+    for prompt, output in zip(prompts, outputs):
+        alone = llm.generate([prompt] * 3, [SamplingParams(temperature=1.0, seed=7 + i, max_tokens=12, ignore_eos=True,
+                                                           logprobs=0) for i in range(3)])
+        assert [c.index for c in output.outputs] == [0, 1, 2]
+        assert [c.token_ids for c in output.outputs] == [a.outputs[0].token_ids for a in alone]
+        assert [c.cumulative_logprob for c in output.outputs] == [a.outputs[0].cumulative_logprob for a in alone]
+        assert output.prompt_token_ids == alone[0].prompt_token_ids
+    assert len({tuple(c.token_ids) for c in outputs[0].outputs}) == 3
+    with pytest.raises(InvalidRequestError) as error:
+        next(llm.stream(PROMPT, params))
+    assert error.value.field == "n"
+
+
+def test_enforce_eager_turns_cuda_graphs_off_and_contradicting_it_is_refused(tiny_llama_dir):
+    eager = LLM(tiny_llama_dir, enforce_eager=True, block_size=16, max_model_len=256, num_kv_blocks=32)
+    assert eager.engine.config.cuda_graphs is False
+    prompt_ids = eager.tokenizer.encode(PROMPT)
+    assert eager.generate(PROMPT, greedy())[0].token_ids == hf_greedy(tiny_llama_dir,
+                                                                     GreedyCase(tuple(prompt_ids), 24, True))
+    assert_pool_idle(eager.engine.block_manager)
+    with pytest.raises(ValueError, match="enforce_eager=True and cuda_graphs=True contradict each other"):
+        LLM(tiny_llama_dir, enforce_eager=True, cuda_graphs=True)
 
 
 @pytest.mark.parametrize("prompt, field", [

@@ -12,7 +12,6 @@ import openai
 import pytest
 
 from splitserve.common.sampling_params import SamplingParams
-from splitserve.router.fanout import sequence_params
 from splitserve.router.policy import RoutingConfig
 from tests.factories import ServedApis, http_request, served_apis
 
@@ -272,5 +271,7 @@ def test_echo_prepends_each_prompt(served):
 
 def test_sequence_seeds_wrap_into_the_seed_range():
     params = SamplingParams(seed=2**64 - 2)
-    assert [sequence_params(params, i).seed for i in range(4)] == [2**64 - 2, 2**64 - 1, -2**63, -2**63 + 1]
-    assert sequence_params(SamplingParams(), 3).seed is None
+    assert [params.for_sequence(i).seed for i in range(4)] == [2**64 - 2, 2**64 - 1, -2**63, -2**63 + 1]
+    assert SamplingParams().for_sequence(3).seed is None
+    assert [SamplingParams(n=3, seed=5).for_sequence(i) for i in range(3)] == [SamplingParams(seed=5 + i)
+                                                                               for i in range(3)]

@@ -37,6 +37,7 @@ INVALID = [
     ("logit_bias", {"+-5": 1.0}), ("logit_bias", {"--5": 1.0}), ("logit_bias", {"1" * 5000: 1.0}),
     ("allowed_token_ids", []), ("allowed_token_ids", ["1"]), ("allowed_token_ids", [1.0]), ("allowed_token_ids", 3),
     ("bad_words", [""]), ("bad_words", [["a"]]), ("bad_words", [3]), ("bad_words", None),
+    ("n", 0), ("n", -1), ("n", True), ("n", 2.0), ("n", None),
 ]
 
 
@@ -86,6 +87,7 @@ VALID_EDGES = [
     ("seed", None), ("seed", 0), ("seed", -1), ("seed", -2**63), ("seed", 2**64 - 1),
     ("stop_token_ids", (0,)),
     ("min_tokens", 0), ("min_tokens", 16),
+    ("n", 1), ("n", 64),
 ]
 
 
