@@ -12,7 +12,8 @@ import torch
 from tqdm import tqdm
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from splitserve.common.config import EngineConfig
+from splitserve.common.config import EngineConfig, GenerationConfig, SamplingDefaults
+from splitserve.common.generation_config import GenerationConfigFile, resolve_request_defaults
 from splitserve.common.errors import InvalidRequestError
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.stats import EngineStats
@@ -104,9 +105,14 @@ class _Job:
 
 class LLM:
     def __init__(self, model: str | Path, show_progress: bool = False, enforce_eager: bool = False,
+                 generation_config: str = "auto", override_generation_config: dict[str, float | int] | None = None,
                  **engine_config) -> None:
         """`engine_config`: EngineConfig's fields. `enforce_eager` (vLLM's, the CLI's `--enforce-eager`):
-        never capture CUDA graphs, i.e. cuda_graphs=False; refused together with cuda_graphs=True."""
+        never capture CUDA graphs, i.e. cuda_graphs=False; refused together with cuda_graphs=True.
+        `generation_config` and `override_generation_config` (vLLM's, the CLI's `--generation-config` and
+        `--override-generation-config`): where get_default_sampling_params() takes its values from."""
+        self._default_params = _default_sampling_params(Path(model), GenerationConfig(
+            generation_config, SamplingDefaults(**(override_generation_config or {}))))
         if enforce_eager:
             if engine_config.get("cuda_graphs"):
                 raise ValueError("enforce_eager=True and cuda_graphs=True contradict each other: enforce_eager "
@@ -122,6 +128,12 @@ class LLM:
         self._abandoned: set[str] = set()
         """Requests aborted because their call ended early: their final (abort) deltas are dropped."""
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What a call without sampling_params samples with (vLLM's): the model's generation_config.json
+        values (temperature, top_p, top_k, min_p, penalties; max_new_tokens as max_tokens) under the overrides,
+        else SamplingParams(). Params a call passes are used as they are, not merged with these."""
+        return self._default_params
+
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
@@ -133,7 +145,8 @@ class LLM:
         one leaves nothing allocated.
         """
         prompt_list = [prompts] if _is_one_prompt(prompts) else list(prompts)
-        params = [self._tokenized(sp) for sp in _broadcast_params(sampling_params, len(prompt_list))]
+        params = [self._tokenized(sp) for sp in _broadcast_params(
+            self._default_params if sampling_params is None else sampling_params, len(prompt_list))]
         jobs = [self._job(self._resolve(p), sp) for p, sp in zip(prompt_list, params)]
         requests = [(request_id, job.prompt.token_ids, sp) for job in jobs for request_id, sp in job.sequences]
         for request_id, token_ids, sp in requests:
@@ -166,7 +179,8 @@ class LLM:
         may be open at once: each step serves all their requests, and each gets its own deltas.
         Closing the stream early aborts its request."""
         request_id, token_ids = self._next_id(), self._resolve(prompt).token_ids
-        self.engine.add_request(request_id, token_ids, self._tokenized(sampling_params or SamplingParams()))
+        self.engine.add_request(request_id, token_ids, self._tokenized(
+            self._default_params if sampling_params is None else sampling_params))
         try:
             yield from self._deltas({request_id})
         finally:
@@ -270,9 +284,16 @@ def _is_token_list(value: object) -> bool:
     return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
 
 
-def _broadcast_params(params: SamplingParams | Sequence[SamplingParams] | None, count: int) -> list[SamplingParams]:
-    if params is None or isinstance(params, SamplingParams):
-        return [params or SamplingParams()] * count
+def _default_sampling_params(model_dir: Path, config: GenerationConfig) -> SamplingParams:
+    """SamplingParams with the defaults `config` resolves for `model_dir` (as the servers resolve them)."""
+    defaults = resolve_request_defaults(config, GenerationConfigFile.read(model_dir)).sampling
+    max_tokens = {} if defaults.max_new_tokens is None else {"max_tokens": defaults.max_new_tokens}
+    return SamplingParams(**defaults.sampling_fields(), **max_tokens)
+
+
+def _broadcast_params(params: SamplingParams | Sequence[SamplingParams], count: int) -> list[SamplingParams]:
+    if isinstance(params, SamplingParams):
+        return [params] * count
     params = list(params)
     if len(params) != count:
         raise InvalidRequestError("sampling_params", f"got {len(params)} for {count} prompts")

@@ -8,7 +8,7 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
-from tests.factories import _hf_model, assert_pool_idle, hf_greedy
+from tests.factories import _hf_model, assert_pool_idle, copy_with_generation_config, hf_greedy
 from splitserve.common.errors import InvalidRequestError
 from splitserve.engine import LLM, EngineConfig, EngineCore, SamplingParams
 from splitserve.testing.workloads import GreedyCase
@@ -16,9 +16,12 @@ from splitserve.testing.workloads import GreedyCase
 PROMPT = "Tell me about the river and the old mill by the village road."
 
 
+SMALL_POOL = dict(block_size=16, max_model_len=512, num_kv_blocks=256)
+
+
 @pytest.fixture(scope="module")
 def llm(tiny_llama_dir) -> LLM:
-    return LLM(tiny_llama_dir, block_size=16, max_model_len=512, num_kv_blocks=256)
+    return LLM(tiny_llama_dir, **SMALL_POOL)
 
 
 @pytest.fixture(autouse=True)
@@ -414,3 +417,20 @@ def test_prompt_logits_refuse_a_prompt_longer_than_max_model_len(tiny_llama_dir)
     with pytest.raises(InvalidRequestError, match="max_model_len=64"):
         llm.prompt_logits(list(range(3, 68)))
     assert_pool_idle(llm.engine.block_manager)
+
+
+def test_calls_without_sampling_params_take_the_models_generation_config(tiny_llama_dir, tmp_path):
+    model_dir = copy_with_generation_config(tiny_llama_dir, tmp_path / "m", temperature=0.0, top_k=5,
+                                            repetition_penalty=1.25, max_new_tokens=6)
+    llm = LLM(model_dir, **SMALL_POOL)
+    defaults = llm.get_default_sampling_params()
+    assert (defaults.temperature, defaults.top_k, defaults.repetition_penalty, defaults.max_tokens) == (0.0, 5, 1.25, 6)
+    prompt = [5, 9, 14, 20]
+    (output,) = llm.generate(prompt)
+    (explicit,) = llm.generate(prompt, SamplingParams(temperature=0.0, top_k=5, repetition_penalty=1.25, max_tokens=6))
+    assert len(output.token_ids) == 6 and output.token_ids == explicit.token_ids
+    (given,) = llm.generate(prompt, greedy(9, repetition_penalty=1.0))  # given params are not merged with the defaults
+    assert given.token_ids == hf_greedy(model_dir, GreedyCase(prompt, 9, ignore_eos=True))
+    assert LLM(model_dir, generation_config="vllm", **SMALL_POOL).get_default_sampling_params() == SamplingParams()
+    overridden = LLM(model_dir, override_generation_config={"temperature": 0.5}, **SMALL_POOL)
+    assert (overridden.get_default_sampling_params().temperature, overridden.get_default_sampling_params().top_k) == (0.5, 5)
