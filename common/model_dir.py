@@ -27,6 +27,8 @@ TOKENIZER_FILE = "tokenizer.json"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 PYTORCH_INDEX = "pytorch_model.bin.index.json"
 """The index files of sharded checkpoints: `weight_map` maps each tensor name to its shard's file name."""
+WEIGHT_FILE_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
+"""Names of the files weight_files reads when a directory has no index (safetensors first)."""
 OTHER_TOKENIZER_FILES = ("tokenizer.model", "vocab.json", "merges.txt", "vocab.txt", "tiktoken.model")
 """Slow-tokenizer files transformers can convert into tokenizer.json; named in the error so the
 user knows the conversion is all that is missing."""
@@ -56,11 +58,17 @@ def weight_files(model_dir: Path) -> list[Path]:
     pickled state dicts (pytorch_model*.bin), which older checkpoints ship instead. Sharded checkpoints are read
     through their index (a directory may hold other files of the same suffix, such as Mistral's
     consolidated.safetensors next to the Hugging Face shards); UnsupportedModelError when there are none or an
-    index names a shard that is missing."""
-    for index_name, pattern in ((SAFETENSORS_INDEX, "*.safetensors"), (PYTORCH_INDEX, "pytorch_model*.bin")):
+    index names a shard that is missing or not a file name in the directory."""
+    for index_name, pattern in zip((SAFETENSORS_INDEX, PYTORCH_INDEX), WEIGHT_FILE_PATTERNS):
         index = model_dir / index_name
         if index.is_file():
-            files = [model_dir / name for name in sorted(set(_index_weight_map(index).values()))]
+            names = sorted(set(_index_weight_map(index).values()))
+            # A shard is a file of this directory: a path ("../x.bin", "/x") would read weights from elsewhere.
+            outside = [name for name in names if Path(name).name != name or name in (".", "..")]
+            if outside:
+                raise UnsupportedModelError(f"{index}: names shards that are not file names in its directory: "
+                                            f"{', '.join(outside)}")
+            files = [model_dir / name for name in names]
             missing = [path.name for path in files if not path.is_file()]
             if missing:
                 raise UnsupportedModelError(f"{index}: names shards that are missing: {', '.join(missing)}")

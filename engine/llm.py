@@ -272,12 +272,14 @@ class LLM:
 
 
 def _is_one_prompt(prompts: object) -> bool:
-    return isinstance(prompts, str | dict) or _is_token_list(prompts)
+    """An empty list is no prompts (vLLM's prompt_to_seq), not one prompt of no tokens."""
+    return isinstance(prompts, str | dict) or (bool(prompts) and _is_token_list(prompts))
 
 
 def _is_one_conversation(messages: object) -> bool:
-    """A conversation is a list of message dicts; anything else is taken as a list of conversations."""
-    return isinstance(messages, list) and not (messages and all(isinstance(m, list) for m in messages))
+    """A conversation is a non-empty list of message dicts; anything else (an empty list too: no
+    conversations, as vLLM's conversation_to_seq reads it) is taken as a list of conversations."""
+    return isinstance(messages, list) and bool(messages) and not all(isinstance(m, list) for m in messages)
 
 
 def _is_token_list(value: object) -> bool:

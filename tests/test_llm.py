@@ -147,6 +147,15 @@ def test_chat_takes_one_conversation_or_many_and_returns_a_list_like_vllm(llm, t
     assert [(o.prompt_token_ids, o.outputs[0].token_ids) for o in two] == list(zip(templated, expected))
 
 
+def test_chat_and_generate_of_an_empty_list_return_no_outputs_like_vllm(llm):
+    """vLLM reads an empty list as no conversations (no prompts), not as one conversation of no
+    messages (one prompt of no tokens)."""
+    prompt_tokens = llm.stats().num_prompt_tokens
+    assert llm.chat([], greedy(8)) == []
+    assert llm.generate([], greedy(8)) == []
+    assert llm.stats().num_prompt_tokens == prompt_tokens
+
+
 def test_dict_prompts_run_like_str_and_token_prompts_and_like_transformers(llm, tiny_llama_dir):
     ids, other = llm.tokenizer.encode(PROMPT), [5, 6, 7, 8, 9]
     expected = [hf_greedy(tiny_llama_dir, GreedyCase(tuple(p), 24, ignore_eos=True)) for p in (ids, other)]

@@ -278,3 +278,15 @@ def test_checkpoint_files_that_cannot_load_are_named(tmp_path):
     (broken / "pytorch_model.bin").unlink()
     with pytest.raises(UnsupportedModelError, match=r"no weights \(\*.safetensors, or pytorch_model\*.bin\)$"):
         check_model_dir(broken)
+
+
+@pytest.mark.parametrize("shard", ["../outside.bin", "/tmp/outside.bin", "sub/pytorch_model.bin"])
+def test_an_index_naming_a_shard_outside_the_directory_is_refused(tmp_path, shard):
+    model_dir = save_random_hf_model(tmp_path / "m", "llama", num_hidden_layers=1)
+    sharded = pytorch_bin_copy(model_dir, tmp_path / "sharded", 1)
+    (tmp_path / "outside.bin").write_bytes((sharded / "pytorch_model.bin").read_bytes())
+    (sharded / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": {"lm_head.weight": shard}}))
+    with pytest.raises(UnsupportedModelError) as error:
+        weight_files(sharded)
+    assert str(error.value) == (f"{sharded / 'pytorch_model.bin.index.json'}: names shards that are not file names "
+                                f"in its directory: {shard}")

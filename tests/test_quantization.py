@@ -3,6 +3,8 @@ quantized layers against dequantize-then-matmul, and what a pool resolves to run
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -203,3 +205,25 @@ def test_quantize_refuses_a_projection_the_format_cannot_pack_naming_it(method, 
         f"splitserve: error: {method} packs 8 4-bit codes per int32 along the output channels: "
         "model.layers.0.mlp.gate_proj has 100 (a multiple of 8 is needed)")
     assert not (tmp_path / "out").exists()
+
+
+def test_quantize_copies_no_other_weights_of_the_source_directory(tmp_path):
+    """The output's only weights are its model.safetensors: a source's other safetensors (Mistral's
+    consolidated.safetensors next to the Hugging Face shards) or .bin copy would be read with it."""
+    from transformers import AutoModelForCausalLM
+
+    from splitserve.common.model_dir import weight_files
+    from splitserve.engine.quantization.quantize import QuantizeConfig, write_checkpoint
+
+    model_dir = build_tiny_model(tmp_path / "model", TinyModelSpec())
+    from safetensors import safe_open
+
+    with safe_open(str(model_dir / "model.safetensors"), framework="pt") as handle:
+        weight_map = {name: "model.safetensors" for name in handle.keys()}
+    (model_dir / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    (model_dir / "consolidated.safetensors").write_bytes((model_dir / "model.safetensors").read_bytes())
+    (model_dir / "pytorch_model.bin").write_bytes(b"an older copy of the weights")
+    out_dir = write_checkpoint(model_dir, tmp_path / "out", AutoModelForCausalLM.from_pretrained(model_dir), {},
+                               QuantizeConfig("gptq"))
+    assert weight_files(out_dir) == [out_dir / "model.safetensors"]
+    assert not (out_dir / "consolidated.safetensors").exists() and not (out_dir / "pytorch_model.bin").exists()

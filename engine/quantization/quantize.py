@@ -25,7 +25,7 @@ from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from splitserve.common.config import QUANTIZATION_GROUP_SIZES
-from splitserve.common.model_dir import PYTORCH_INDEX, SAFETENSORS_INDEX, weight_files
+from splitserve.common.model_dir import PYTORCH_INDEX, SAFETENSORS_INDEX, WEIGHT_FILE_PATTERNS
 from splitserve.engine.quantization.awq import search_clip, search_scales
 from splitserve.engine.quantization.formats import PACK_FACTOR, QuantizedWeight, awq_pack, gptq_pack
 from splitserve.engine.quantization.gptq import GptqConfig, HessianAccumulator, gptq_quantize
@@ -232,6 +232,14 @@ def check_packable(model: PreTrainedModel, method: str) -> None:
                                      f"is needed)")
 
 
+def _is_weight_or_config(path: Path) -> bool:
+    """A file the quantized checkpoint replaces. Every file a loader could read weights from counts, not
+    only the ones this checkpoint's index names: out_dir has no index, so a copied consolidated.safetensors
+    or pytorch_model.bin would be loaded next to model.safetensors."""
+    return (path.name in ("config.json", SAFETENSORS_INDEX, PYTORCH_INDEX)
+            or any(path.match(pattern) for pattern in WEIGHT_FILE_PATTERNS))
+
+
 def write_checkpoint(model_dir: Path, out_dir: Path, model: PreTrainedModel, quantized: dict[str, QuantizedWeight],
                      config: QuantizeConfig) -> Path:
     """The model's other tensors in float32, the quantized projections packed, the source directory's
@@ -249,9 +257,8 @@ def write_checkpoint(model_dir: Path, out_dir: Path, model: PreTrainedModel, qua
             if getattr(packed, field) is not None:
                 tensors[f"{prefix}.{field}"] = getattr(packed, field).contiguous()
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    weights = set(weight_files(model_dir))
     for path in model_dir.iterdir():
-        if path.is_file() and path not in weights and path.name not in ("config.json", SAFETENSORS_INDEX, PYTORCH_INDEX):
+        if path.is_file() and not _is_weight_or_config(path):
             shutil.copy2(path, out_dir / path.name)
     hf_config = json.loads((model_dir / "config.json").read_text())
     hf_config["quantization_config"] = config.quantization_config()
