@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import NotRequired, TypedDict
 
@@ -112,7 +112,7 @@ class LLM:
         `generation_config` and `override_generation_config` (vLLM's, the CLI's `--generation-config` and
         `--override-generation-config`): where get_default_sampling_params() takes its values from."""
         self._default_params = _default_sampling_params(Path(model), GenerationConfig(
-            generation_config, SamplingDefaults(**(override_generation_config or {}))))
+            generation_config, _sampling_overrides(override_generation_config or {})))
         if enforce_eager:
             if engine_config.get("cuda_graphs"):
                 raise ValueError("enforce_eager=True and cuda_graphs=True contradict each other: enforce_eager "
@@ -284,6 +284,16 @@ def _is_one_conversation(messages: object) -> bool:
 
 def _is_token_list(value: object) -> bool:
     return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+def _sampling_overrides(values: dict[str, float | int]) -> SamplingDefaults:
+    """override_generation_config as SamplingDefaults; ValueError naming keys it has no field for."""
+    known = {spec.name for spec in fields(SamplingDefaults)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ValueError(f"override_generation_config: no such default {', '.join(map(repr, unknown))}; "
+                         f"known: {', '.join(sorted(known))}")
+    return SamplingDefaults(**values)
 
 
 def _default_sampling_params(model_dir: Path, config: GenerationConfig) -> SamplingParams:

@@ -441,5 +441,7 @@ def test_calls_without_sampling_params_take_the_models_generation_config(tiny_ll
     (given,) = llm.generate(prompt, greedy(9, repetition_penalty=1.0))  # given params are not merged with the defaults
     assert given.token_ids == hf_greedy(model_dir, GreedyCase(prompt, 9, ignore_eos=True))
     assert LLM(model_dir, generation_config="vllm", **SMALL_POOL).get_default_sampling_params() == SamplingParams()
+    with pytest.raises(ValueError, match=r"^override_generation_config: no such default 'do_sample'; known: "):
+        LLM(model_dir, override_generation_config={"do_sample": True}, **SMALL_POOL)
     overridden = LLM(model_dir, override_generation_config={"temperature": 0.5}, **SMALL_POOL)
     assert (overridden.get_default_sampling_params().temperature, overridden.get_default_sampling_params().top_k) == (0.5, 5)
