@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -15,6 +14,7 @@ from tokenizers import Tokenizer
 from splitserve.common.block_hash import BlockHasher
 from splitserve.common.config import EngineConfig
 from splitserve.common.errors import InvalidRequestError
+from splitserve.common.generation_config import GenerationConfigFile
 from splitserve.common.kv_events import KVEventBatch, KVSnapshot, LoadReport
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.stats import EngineStats
@@ -94,16 +94,6 @@ def resolve_dtype(name: str, model_dtype: torch.dtype | str | None, device: torc
     return torch.float32 if dtype == torch.float16 and device.type == "cpu" else dtype
 
 
-def read_eos_token_ids(model_dir: Path, config_eos: int | list[int] | None) -> frozenset[int]:
-    """EOS ids from generation_config.json (what `generate` stops on), else config.json."""
-    path = model_dir / "generation_config.json"
-    eos = json.loads(path.read_text()).get("eos_token_id") if path.is_file() else None
-    eos = config_eos if eos is None else eos
-    if eos is None:
-        return frozenset()
-    return frozenset([eos] if isinstance(eos, int) else eos)
-
-
 class EngineCore:
     def __init__(self, model_dir: str | Path, config: EngineConfig, tokenizer: Tokenizer | None = None,
                  show_progress: bool = False) -> None:
@@ -123,7 +113,7 @@ class EngineCore:
         arch = self.model.arch
         self.vocab_size = arch.vocab_size
         self.max_model_len = self._resolve_max_model_len(arch.max_position_embeddings, arch.rope_length_limit)
-        self.eos_token_ids = read_eos_token_ids(model_dir, getattr(hf_config, "eos_token_id", None))
+        self.eos_token_ids = GenerationConfigFile.read(model_dir).eos_token_ids  # the router's reader too
         spec = KVCacheSpec(arch.num_layers, config.block_size, arch.num_kv_heads, arch.head_dim, dtype,
                            kv_quantization(config.kv_cache_dtype))
         graphs = uses_cuda_graphs(config.cuda_graphs, self.device, attention)

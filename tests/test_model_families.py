@@ -12,6 +12,7 @@ import torch
 from tests.factories import assert_pool_idle, copy_with_config_fields, hf_greedy, save_random_hf_model
 from splitserve.common.config import EngineConfig
 from splitserve.common.errors import InvalidRequestError, UnsupportedModelError
+from splitserve.common.generation_config import GenerationConfigError
 from splitserve.common.model_dir import check_model_dir, weight_files
 from splitserve.engine import EngineCore
 from splitserve.engine.model_loader import model_fingerprint
@@ -290,3 +291,15 @@ def test_an_index_naming_a_shard_outside_the_directory_is_refused(tmp_path, shar
         weight_files(sharded)
     assert str(error.value) == (f"{sharded / 'pytorch_model.bin.index.json'}: names shards that are not file names "
                                 f"in its directory: {shard}")
+
+
+def test_eos_ids_come_from_generation_config_else_config_json_and_a_bad_file_is_named(tmp_path):
+    model_dir = save_random_hf_model(tmp_path / "m", "llama", num_hidden_layers=1, eos_token_id=7)
+    (model_dir / "generation_config.json").unlink(missing_ok=True)
+    config = EngineConfig(device="cpu", num_kv_blocks=16, max_model_len=64)
+    assert EngineCore(model_dir, config).eos_token_ids == frozenset({7})  # config.json's
+    (model_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": [3, 9]}))
+    assert EngineCore(model_dir, config).eos_token_ids == frozenset({3, 9})
+    (model_dir / "generation_config.json").write_text("[1, 2]")
+    with pytest.raises(GenerationConfigError, match=r"generation_config.json: not a JSON object, got list$"):
+        EngineCore(model_dir, config)
