@@ -80,10 +80,7 @@ def weight_files(model_dir: Path) -> list[Path]:
 
 
 def _index_weight_map(index: Path) -> dict[str, str]:
-    try:
-        weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map")
-    except (ValueError, OSError, AttributeError) as error:
-        raise UnsupportedModelError(f"{index}: not a readable checkpoint index: {error}") from None
+    weight_map = read_json_object(index).get("weight_map")
     if not isinstance(weight_map, dict) or not all(isinstance(name, str) for name in weight_map.values()):
         raise UnsupportedModelError(f"{index}: has no `weight_map` of tensor names to shard files")
     return weight_map

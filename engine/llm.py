@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import NotRequired, TypedDict
 
@@ -13,7 +13,7 @@ from tqdm import tqdm
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from splitserve.common.config import EngineConfig, GenerationConfig, SamplingDefaults
-from splitserve.common.generation_config import GenerationConfigFile, resolve_request_defaults
+from splitserve.common.generation_config import SAMPLING_KEYS, GenerationConfigFile, resolve_request_defaults
 from splitserve.common.errors import InvalidRequestError
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.stats import EngineStats
@@ -288,11 +288,10 @@ def _is_token_list(value: object) -> bool:
 
 def _sampling_overrides(values: dict[str, float | int]) -> SamplingDefaults:
     """override_generation_config as SamplingDefaults; ValueError naming keys it has no field for."""
-    known = {spec.name for spec in fields(SamplingDefaults)}
-    unknown = sorted(set(values) - known)
+    unknown = sorted(set(values) - set(SAMPLING_KEYS))
     if unknown:
         raise ValueError(f"override_generation_config: no such default {', '.join(map(repr, unknown))}; "
-                         f"known: {', '.join(sorted(known))}")
+                         f"known: {', '.join(sorted(SAMPLING_KEYS))}")
     return SamplingDefaults(**values)
 
 
