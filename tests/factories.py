@@ -144,13 +144,13 @@ def chunk_summary(output) -> list[tuple[str, int, int, bool]]:
 
 
 def make_sampling_row(params: SamplingParams, prompt: list[int] = (), output: list[int] = (),
-                      seed: int | None = None):
-    """A sampler row with its own generator (seeded from params.seed, else `seed`, else 0)."""
+                      seed: int | None = None, device: str = "cpu"):
+    """A sampler row with its own generator on `device` (seeded from params.seed, else `seed`, else 0)."""
     import torch
 
     from splitserve.engine.sampler import SamplingRow
 
-    generator = torch.Generator().manual_seed(params.seed if params.seed is not None else (seed or 0))
+    generator = torch.Generator(device).manual_seed(params.seed if params.seed is not None else (seed or 0))
     return SamplingRow(params, list(prompt) + list(output), len(prompt), generator)
 
 
