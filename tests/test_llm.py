@@ -377,7 +377,8 @@ def test_a_generate_interrupted_while_queueing_leaves_nothing_running(llm, monke
     add_request = llm.engine.add_request
     calls = iter(range(1))
     monkeypatch.setattr(llm.engine, "add_request",
-                        lambda *args: add_request(*args) if next(calls, None) is not None else _interrupt())
+                        lambda *args, **kwargs: add_request(*args, **kwargs) if next(calls, None) is not None
+                        else _interrupt())
     with pytest.raises(KeyboardInterrupt):
         llm.generate(STREAMED, greedy(12))
     monkeypatch.setattr(llm.engine, "add_request", add_request)
