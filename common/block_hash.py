@@ -35,8 +35,10 @@ def salted_root(root: BlockHash, cache_salt: str) -> BlockHash:
     """The parent hash of a salted sequence's first block: `root` (the seed's) and the salt's UTF-8 bytes.
 
     The "splitserve-salt" prefix keeps it apart from every block hash (whose input is a parent
-    hash and whole int64 token ids)."""
-    payload = b"splitserve-salt" + root.to_bytes(_DIGEST_BYTES, "little") + cache_salt.encode()
+    hash and whole int64 token ids). A lone surrogate (JSON may carry one: "\\ud800") is encoded
+    as its code point's 3 bytes ("surrogatepass"), never a UTF-8 encoding of a valid string."""
+    salt_bytes = cache_salt.encode("utf-8", "surrogatepass")
+    payload = b"splitserve-salt" + root.to_bytes(_DIGEST_BYTES, "little") + salt_bytes
     return int.from_bytes(hashlib.blake2b(payload, digest_size=_DIGEST_BYTES).digest(), "little")
 
 

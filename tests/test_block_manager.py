@@ -61,6 +61,9 @@ def test_a_salt_enters_the_first_blocks_parent_only():
     unsalted, other = hasher.hash_prefix([1, 2, 3, 4]), hasher.hash_prefix([1, 2, 3, 4], cache_salt="user-b")
     assert unsalted == [hash_block(hasher.root, [1, 2]), hash_block(unsalted[0], [3, 4])]  # as without salts
     assert len({salted[0], unsalted[0], other[0]}) == 3 and len({salted[1], unsalted[1], other[1]}) == 3
+    lone_surrogate = salted_root(hasher.root, "\ud800")  # what JSON's "\ud800" decodes to: hashed, never an error
+    assert lone_surrogate == int.from_bytes(hashlib.blake2b(
+        b"splitserve-salt" + root_hash(0).to_bytes(16, "little") + b"\xed\xa0\x80", digest_size=16).digest(), "little")
 
 
 # ---- allocation ------------------------------------------------------------------------------

@@ -107,6 +107,11 @@ def test_a_cache_salt_shares_the_prefix_cache_only_with_requests_of_its_own_salt
                                             extra_body={"cache_salt": "user-c"}) for _ in range(2)]
     prompt_tokens = chats[0].usage.prompt_tokens
     assert [c.usage.prompt_tokens_details.cached_tokens for c in chats] == [0, (prompt_tokens - 1) // 8 * 8]
+    lone_surrogate = json.dumps({"prompt": prompt, "max_tokens": 2, "cache_salt": "\ud800"}).encode()
+    assert b'"\\ud800"' in lone_surrogate  # JSON's escape, which Python decodes to an unencodable str
+    cached = [json.loads(http_request(served.http_port, "POST", "/v1/completions", lone_surrogate)[2])["usage"]
+              ["prompt_tokens_details"]["cached_tokens"] for _ in range(2)]
+    assert cached == [0, 40]
     served.wait_idle()
 
 
