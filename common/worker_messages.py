@@ -19,6 +19,9 @@ class PrefillRequest:
     router_id: str = ""
     """The router that sent it: the worker ends the request when that router is gone
     (`abort_router`). '': sent by no router (tests calling a worker directly)."""
+    cache_salt: str | None = None
+    """The request's prefix-cache salt (None: unsalted): its block hashes, and so the KV events the
+    worker publishes for it, start from the salted root the router hashed the prompt with."""
 
 
 @dataclass(frozen=True)
@@ -65,6 +68,9 @@ class DecodeRequest:
     once; its LayerwiseProgress (TransferParams, then LayerAnnouncements) and then its
     PrefillFirstToken follow on the same stream, and it decodes once both its pull and its first
     token are in."""
+    cache_salt: str | None = None
+    """The request's prefix-cache salt (None: unsalted), as on its PrefillRequest: a prompt prefilled
+    or pulled here is cached under the same hashes as on the prefill worker."""
 
 
 @dataclass(frozen=True)

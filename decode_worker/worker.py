@@ -207,14 +207,16 @@ class DecodeWorker:
         if request.request_id in self._routes:
             raise InvalidRequestError("request_id", f"{request.request_id!r} is already in flight")
         if request.first_token_pending:
-            engine.validate(request.request_id, list(request.prompt_token_ids), request.sampling_params)
+            engine.validate(request.request_id, list(request.prompt_token_ids), request.sampling_params,
+                            request.cache_salt)
             self._awaiting_blocks.append(request)
             self._pending[request.request_id] = _PendingPrefill()
         elif request.transfer is None:
             engine.add_request(request.request_id, list(request.prompt_token_ids), request.sampling_params,
-                               output_token_ids=request.output_token_ids)
+                               output_token_ids=request.output_token_ids, cache_salt=request.cache_salt)
         else:
-            engine.validate(request.request_id, list(request.prompt_token_ids), request.sampling_params)
+            engine.validate(request.request_id, list(request.prompt_token_ids), request.sampling_params,
+                            request.cache_salt)
             self._awaiting_blocks.append(request)
         self._routes[request.request_id] = request.router_id
         self._admitted_at[request.request_id] = time.monotonic()
@@ -227,7 +229,7 @@ class DecodeWorker:
             local_block_ids = engine.add_remote_request(
                 request.request_id, list(request.prompt_token_ids), list(request.output_token_ids),
                 request.sampling_params, request.num_cached_tokens, request.generator_state,
-                first_token_pending=request.first_token_pending)
+                first_token_pending=request.first_token_pending, cache_salt=request.cache_salt)
             if local_block_ids is None:
                 return
             self._awaiting_blocks.popleft()

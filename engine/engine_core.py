@@ -11,7 +11,7 @@ from typing import Protocol
 import torch
 from tokenizers import Tokenizer
 
-from splitserve.common.block_hash import BlockHasher
+from splitserve.common.block_hash import BlockHasher, check_cache_salt
 from splitserve.common.config import EngineConfig
 from splitserve.common.errors import InvalidRequestError
 from splitserve.common.generation_config import GenerationConfigFile
@@ -174,7 +174,8 @@ class EngineCore:
         return num_blocks
 
     # ---- requests ------------------------------------------------------------------------
-    def validate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def validate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 cache_salt: str | None = None) -> None:
         """Raise InvalidRequestError (naming the field) if the request can never be served."""
         if request_id in self.scheduler.requests or request_id in self._held:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in flight")
@@ -186,6 +187,7 @@ class EngineCore:
         bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
         if bad:
             raise InvalidRequestError("prompt_token_ids", f"out of vocabulary [0, {self.vocab_size}): {bad[:5]}")
+        check_cache_salt(cache_salt)
         if params.n != 1:
             raise InvalidRequestError("n", f"must be 1 for an engine request, got {params.n}: an engine request is "
                                            f"one sequence (LLM.generate fans n out into one request per sequence)")
@@ -199,22 +201,25 @@ class EngineCore:
             self.grammars.check(params.structured_output)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    hold_kv_after_prefill: bool = False, output_token_ids: Sequence[int] = ()) -> None:
+                    hold_kv_after_prefill: bool = False, output_token_ids: Sequence[int] = (),
+                    cache_salt: str | None = None) -> None:
         """Queue a request. With hold_kv_after_prefill (producer role) it finishes as 'prefilled'
         after its first token unless it stops there, and its blocks stay held (see take_held_kv).
 
         `output_token_ids` were generated elsewhere (a request moved off a lost worker): the
         engine prefills prompt + those tokens, as it recomputes a preempted request, and goes on
-        sampling from there; they count towards max_tokens."""
-        self.validate(request_id, prompt_token_ids, params)
-        request = self._new_request(request_id, list(prompt_token_ids), list(output_token_ids), params)
+        sampling from there; they count towards max_tokens. `cache_salt`: its prefix-cache hits are
+        blocks of requests with the same salt only (None: of unsalted requests)."""
+        self.validate(request_id, prompt_token_ids, params, cache_salt)
+        request = self._new_request(request_id, list(prompt_token_ids), list(output_token_ids), params, cache_salt)
         request.hold_kv_after_prefill = hold_kv_after_prefill
         self._num_prompt_tokens += request.num_prompt_tokens
         self.scheduler.add_request(request)
 
     def add_remote_request(self, request_id: str, prompt_token_ids: list[int], output_token_ids: list[int],
                            params: SamplingParams, num_cached_tokens: int,
-                           generator_state: bytes | None, first_token_pending: bool = False) -> tuple[int, ...] | None:
+                           generator_state: bytes | None, first_token_pending: bool = False,
+                           cache_salt: str | None = None) -> tuple[int, ...] | None:
         """Consumer role: admit a request whose prompt KV lives on a producer.
 
         Allocates blocks for the prompt and the tokens generated elsewhere, and returns the
@@ -222,10 +227,11 @@ class EngineCore:
         remote_kv_ready() or remote_kv_failed(). Returns None (nothing changed) when the pool has no
         room yet. `first_token_pending` (layer-wise transfer): the producer is still prefilling, so
         output_token_ids is empty and one more token's room is allocated; the caller hands the first
-        token over (remote_first_token) before remote_kv_ready() or remote_kv_failed().
+        token over (remote_first_token) before remote_kv_ready() or remote_kv_failed(). `cache_salt`: the
+        producer's request's, so the pulled blocks enter this prefix cache under the producer's hashes.
         """
-        self.validate(request_id, prompt_token_ids, params)
-        request = self._new_request(request_id, list(prompt_token_ids), list(output_token_ids), params)
+        self.validate(request_id, prompt_token_ids, params, cache_salt)
+        request = self._new_request(request_id, list(prompt_token_ids), list(output_token_ids), params, cache_salt)
         # Room for the tokens generated elsewhere too, so the first decode step never waits
         # for a block (a ready request is never preempted to make room for itself).
         if self.block_manager.allocate(request, request.num_tokens + int(first_token_pending)) is None:
@@ -314,9 +320,9 @@ class EngineCore:
                         memory_kind="VRAM" if self.device.type == "cuda" else "DRAM")
 
     def _new_request(self, request_id: str, prompt_token_ids: list[int], output_token_ids: list[int],
-                     params: SamplingParams) -> Request:
+                     params: SamplingParams, cache_salt: str | None) -> Request:
         request = Request(request_id, prompt_token_ids, params, self.eos_token_ids, self._arrivals,
-                          all_token_ids=prompt_token_ids + output_token_ids)
+                          all_token_ids=prompt_token_ids + output_token_ids, cache_salt=cache_salt)
         self._arrivals += 1
         if params.structured_output is not None:
             self.grammars.add(request_id, params.structured_output, output_token_ids)

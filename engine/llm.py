@@ -12,6 +12,7 @@ import torch
 from tqdm import tqdm
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from splitserve.common.block_hash import check_cache_salt
 from splitserve.common.config import EngineConfig, GenerationConfig, SamplingDefaults
 from splitserve.common.generation_config import SAMPLING_KEYS, GenerationConfigFile, resolve_request_defaults
 from splitserve.common.errors import InvalidRequestError
@@ -26,6 +27,8 @@ class TextPrompt(TypedDict):
     """vLLM's TextPrompt: text the model's tokenizer encodes."""
 
     prompt: str
+    cache_salt: NotRequired[str]
+    """Salts the prefix cache: the prompt reuses cached blocks only of prompts with the same salt."""
 
 
 class TokensPrompt(TypedDict):
@@ -33,17 +36,19 @@ class TokensPrompt(TypedDict):
 
     prompt_token_ids: list[int]
     prompt: NotRequired[str]
+    cache_salt: NotRequired[str]
+    """As TextPrompt's."""
 
 
 Prompt = str | list[int] | TextPrompt | TokensPrompt
 Conversation = list[dict[str, str]]
 
 _UNSUPPORTED_PROMPT_KEYS = frozenset({
-    "multi_modal_data", "mm_processor_kwargs", "media_io_kwargs", "multi_modal_uuids", "cache_salt",
-    "token_type_ids", "prompt_token_offsets", "prompt_embeds", "prompt_is_token_ids", "encoder_prompt",
-    "decoder_prompt"})
+    "multi_modal_data", "mm_processor_kwargs", "media_io_kwargs", "multi_modal_uuids", "token_type_ids",
+    "prompt_token_offsets", "prompt_embeds", "prompt_is_token_ids", "encoder_prompt", "decoder_prompt"})
 """Keys of vLLM's prompt dicts that splitserve has no counterpart for (multi-modal inputs, embeddings,
-encoder-decoder and cross-encoder models, cache salts): refused by name rather than silently ignored."""
+encoder-decoder and cross-encoder models): refused by name rather than silently ignored."""
+_PROMPT_KEYS = ("prompt", "prompt_token_ids", "cache_salt")
 
 
 @dataclass(frozen=True)
@@ -53,6 +58,8 @@ class PromptInput:
     text: str | None
     """The prompt's text when the caller gave one (RequestOutput.prompt)."""
     token_ids: list[int]
+    cache_salt: str | None = None
+    """The prompt dict's cache_salt (None: unsalted)."""
 
 
 def load_tokenizer(model_dir: str | Path) -> PreTrainedTokenizerBase:
@@ -148,13 +155,13 @@ class LLM:
         params = [self._tokenized(sp) for sp in _broadcast_params(
             self._default_params if sampling_params is None else sampling_params, len(prompt_list))]
         jobs = [self._job(self._resolve(p), sp) for p, sp in zip(prompt_list, params)]
-        requests = [(request_id, job.prompt.token_ids, sp) for job in jobs for request_id, sp in job.sequences]
-        for request_id, token_ids, sp in requests:
-            self.engine.validate(request_id, token_ids, sp)
+        requests = [(request_id, job.prompt, sp) for job in jobs for request_id, sp in job.sequences]
+        for request_id, prompt, sp in requests:
+            self.engine.validate(request_id, prompt.token_ids, sp, prompt.cache_salt)
         accumulators = {request_id: _Accumulator(sp.logprobs is not None) for request_id, _, sp in requests}
         try:
-            for request_id, token_ids, sp in requests:
-                self.engine.add_request(request_id, token_ids, sp)
+            for request_id, prompt, sp in requests:
+                self.engine.add_request(request_id, prompt.token_ids, sp, cache_salt=prompt.cache_salt)
             with tqdm(total=len(requests), disable=not use_tqdm, desc="generate") as progress:
                 for delta in self._deltas(set(accumulators)):
                     accumulators[delta.request_id].add(delta)
@@ -178,9 +185,9 @@ class LLM:
         """Deltas of one request as the engine produces them. Several streams (and generate() calls)
         may be open at once: each step serves all their requests, and each gets its own deltas.
         Closing the stream early aborts its request."""
-        request_id, token_ids = self._next_id(), self._resolve(prompt).token_ids
-        self.engine.add_request(request_id, token_ids, self._tokenized(
-            self._default_params if sampling_params is None else sampling_params))
+        request_id, prompt_input = self._next_id(), self._resolve(prompt)
+        self.engine.add_request(request_id, prompt_input.token_ids, self._tokenized(
+            self._default_params if sampling_params is None else sampling_params), cache_salt=prompt_input.cache_salt)
         try:
             yield from self._deltas({request_id})
         finally:
@@ -247,24 +254,27 @@ class LLM:
         return PromptInput(None, list(prompt))
 
     def _resolve_dict(self, prompt: dict) -> PromptInput:
-        """vLLM's TokensPrompt when it has "prompt_token_ids", else its TextPrompt."""
+        """vLLM's TokensPrompt when it has "prompt_token_ids", else its TextPrompt (either with an optional
+        "cache_salt")."""
         for key in prompt:
             if key in _UNSUPPORTED_PROMPT_KEYS:
                 raise InvalidRequestError(key, "vLLM's prompt key is not supported: splitserve takes a prompt's "
-                                               "text or token ids only")
-            if key not in ("prompt", "prompt_token_ids"):
+                                               "text or token ids (and a cache_salt) only")
+            if key not in _PROMPT_KEYS:
                 raise InvalidRequestError(key, "unknown prompt key: a prompt dict has 'prompt' (TextPrompt) or "
-                                               "'prompt_token_ids' and an optional 'prompt' (TokensPrompt)")
-        text = prompt.get("prompt")
+                                               "'prompt_token_ids' and an optional 'prompt' (TokensPrompt), and "
+                                               "an optional 'cache_salt'")
+        text, cache_salt = prompt.get("prompt"), prompt.get("cache_salt")
         if "prompt" in prompt and not isinstance(text, str):
             raise InvalidRequestError("prompt", f"must be a string, got {type(text).__name__}")
+        check_cache_salt(cache_salt)
         if "prompt_token_ids" in prompt:
             if not _is_token_list(prompt["prompt_token_ids"]):
                 raise InvalidRequestError("prompt_token_ids", "must be a list of token ids")
-            return PromptInput(text, list(prompt["prompt_token_ids"]))
+            return PromptInput(text, list(prompt["prompt_token_ids"]), cache_salt)
         if text is None:
             raise InvalidRequestError("prompt", "a prompt dict needs 'prompt' or 'prompt_token_ids'")
-        return PromptInput(text, self.tokenizer.encode(text, add_special_tokens=True))
+        return PromptInput(text, self.tokenizer.encode(text, add_special_tokens=True), cache_salt)
 
     def _next_id(self) -> str:
         self._counter += 1

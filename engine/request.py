@@ -61,6 +61,9 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)
     """Draft tokens proposed to follow all_token_ids, verified by the next decode step (never
     part of all_token_ids, never hashed); empty when the request does not speculate."""
+    cache_salt: str | None = None
+    """Salts the prefix cache (vLLM's cache_salt): block_hashes start from the salted root, so the
+    request shares cached blocks only with requests of the same salt. None: unsalted."""
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

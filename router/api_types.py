@@ -33,6 +33,10 @@ class GenerationInput:
     """Workers known to hold the prompt's full blocks in their prefix cache before their reports
     say so (a parallel-sampling sibling was just prefilled there): routing counts those blocks as
     cached on them, so the siblings of `n > 1` share the prompt's KV."""
+    cache_salt: str | None = None
+    """Salts the prefix cache (vLLM's cache_salt, a non-empty string): the prompt's block hashes, at the
+    router and on the workers, start from the salted root, so it hits only blocks of requests with the
+    same salt. None: unsalted."""
 
 
 @dataclass(frozen=True)

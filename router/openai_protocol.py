@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from splitserve.common.block_hash import check_cache_salt
 from splitserve.common.errors import InvalidRequestError, json_excerpt
 from splitserve.common.generation_config import NO_REQUEST_DEFAULTS, RequestDefaults
 from splitserve.common.sampling_params import MAX_LOGPROBS, SamplingParams
@@ -118,6 +119,8 @@ class CompletionRequest:
     echo_only: bool = False
     """echo with max_tokens 0 (vLLM's): each choice is its prompt alone (text, and logprobs with logprobs);
     one token is generated (sampling.max_tokens is 1) and counted in usage, as vLLM does."""
+    cache_salt: str | None = None
+    """Salts the prefix cache for every prompt of the request (vLLM extension); None: unsalted."""
 
 
 @dataclass(frozen=True)
@@ -149,6 +152,8 @@ class ChatCompletionRequest:
     """The response carries the prompt's token ids and each choice its output's (vLLM extension)."""
     truncation: PromptTruncation | None = None
     """The rendered chat cut to its last or first N tokens (vLLM extension); None: kept whole."""
+    cache_salt: str | None = None
+    """Salts the prefix cache (vLLM extension); None: unsalted."""
 
 
 # ---- parsing --------------------------------------------------------------------------------
@@ -287,6 +292,13 @@ def _with_prompt_logprobs(body: Mapping[str, Any], sampling: SamplingParams, str
     return sampling if count is None else dataclasses.replace(sampling, prompt_logprobs=count)
 
 
+def _cache_salt(body: Mapping[str, Any]) -> str | None:
+    """cache_salt: absent or null (unsalted), else a non-empty string (400 naming it)."""
+    cache_salt = body.get("cache_salt")
+    check_cache_salt(cache_salt)
+    return cache_salt
+
+
 def _request_id(body: Mapping[str, Any], limits: RequestLimits) -> str:
     request_id = _typed(body, "request_id", str, "a string", "")
     limits.check_request_id(request_id, "request_id")
@@ -313,7 +325,7 @@ def parse_completion_request(body: Mapping[str, Any], limits: RequestLimits,
                              sampling, max_tokens_param, stream, include_usage, continuous_usage,
                              _typed(body, "return_tokens_as_token_ids", bool, "a boolean", False),
                              _request_id(body, limits), _typed(body, "add_special_tokens", bool, "a boolean", True),
-                             _return_token_ids(body), truncation, echo_only)
+                             _return_token_ids(body), truncation, echo_only, _cache_salt(body))
 
 
 def _return_token_ids(body: Mapping[str, Any]) -> bool:
@@ -455,7 +467,7 @@ def parse_chat_request(body: Mapping[str, Any], limits: RequestLimits,
         _model(body), messages, _count(body, "n", 1), add_generation_prompt, sampling, max_tokens_param, stream,
         include_usage, continuous_usage, _typed(body, "return_tokens_as_token_ids", bool, "a boolean", False),
         _request_id(body, limits), template, tool_calling, _typed(body, "include_reasoning", bool, "a boolean", True),
-        _return_token_ids(body), _truncation(body, limits))
+        _return_token_ids(body), _truncation(body, limits), _cache_salt(body))
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from google.protobuf.descriptor import FileDescriptor
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 
+from splitserve.common.block_hash import check_cache_salt
 from splitserve.common.errors import InvalidRequestError
 from splitserve.common.generation_config import NO_REQUEST_DEFAULTS, RequestDefaults
 from splitserve.common.log_escape import quote_for_log
@@ -169,6 +170,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         if request.model and request.model not in self.model_names:
             raise InvalidRequestError("model", f"unknown model {request.model!r}; this server serves "
                                                f"{self.model_name!r}")
+        cache_salt = request.cache_salt if request.HasField("cache_salt") else None
+        check_cache_salt(cache_salt)
         params = await sampling_params_of(request.sampling, self.defaults)
         max_tokens_field = "max_tokens" if request.sampling.HasField("max_tokens") else None
         limits.check_sampling(params, max_tokens_field)
@@ -182,7 +185,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             token_ids = truncation.applied(token_ids)
         limits.check_max_tokens(len(token_ids), params, max_tokens_field)
         return GenerationInput(request_id, token_ids, params, grpc_deadline(context, self.request_timeout_s),
-                               ttft_slo_s, tpot_slo_s)
+                               ttft_slo_s, tpot_slo_s, cache_salt=cache_salt)
 
 
 _OPEN_SERVICES = frozenset({health.SERVICE_NAME, reflection.SERVICE_NAME, "grpc.reflection.v1.ServerReflection"})

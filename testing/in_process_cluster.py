@@ -192,11 +192,12 @@ class InProcessCluster:
         for worker in [*self.prefill_workers, *self.decode_workers]:
             worker.shutdown()
 
-    async def generate(self, request_id: str, prompt_token_ids, params: SamplingParams, deadline=None):
+    async def generate(self, request_id: str, prompt_token_ids, params: SamplingParams, deadline=None,
+                       cache_salt: str | None = None):
         """All chunks of one request."""
         from splitserve.router.api_types import GenerationInput
 
-        inp = GenerationInput(request_id, tuple(prompt_token_ids), params, deadline)
+        inp = GenerationInput(request_id, tuple(prompt_token_ids), params, deadline, cache_salt=cache_salt)
         return [chunk async for chunk in self.orchestrator.generate(inp)]
 
     async def add_worker(self, role: str) -> str:

@@ -29,8 +29,9 @@ _arrivals = itertools.count()
 
 
 def make_request(request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
-                 eos_token_ids: frozenset[int] = frozenset()) -> Request:
-    return Request(request_id, list(prompt_token_ids), params or SamplingParams(), eos_token_ids, next(_arrivals))
+                 eos_token_ids: frozenset[int] = frozenset(), cache_salt: str | None = None) -> Request:
+    return Request(request_id, list(prompt_token_ids), params or SamplingParams(), eos_token_ids, next(_arrivals),
+                   cache_salt=cache_salt)
 
 
 def make_block_manager(num_blocks: int, block_size: int = 4, enable_prefix_caching: bool = True,

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.factories import assert_pool_idle, make_block_manager, make_request
-from splitserve.common.block_hash import BlockHasher, hash_block, root_hash
+from splitserve.common.block_hash import BlockHasher, hash_block, root_hash, salted_root
 from splitserve.common.kv_events import BlocksRemoved, BlocksStored
 from splitserve.engine.block_manager import PrefixMatch
 
@@ -47,6 +47,23 @@ def test_hash_chains_parent_and_depends_on_seed():
     assert a[0] == hash_block(hasher.root, [1, 2]) and a[1] == hash_block(a[0], [3, 4])
     assert BlockHasher(block_size=2, seed=1).hash_prefix([1, 2]) != a[:1]
     assert hasher.extend(list(a[:1]), [1, 2, 3, 4, 5]) == a
+
+
+def test_a_salt_enters_the_first_blocks_parent_only():
+    hasher = BlockHasher(block_size=2, seed=0)
+    salted = hasher.hash_prefix([1, 2, 3, 4, 5], cache_salt="user-a")
+    root = salted_root(hasher.root, "user-a")
+    assert root == int.from_bytes(hashlib.blake2b(b"splitserve-salt" + root_hash(0).to_bytes(16, "little") + b"user-a",
+                                                  digest_size=16).digest(), "little")
+    assert salted == [hash_block(root, [1, 2]), hash_block(salted[0], [3, 4])]
+    assert hasher.root_for("user-a") == root and hasher.root_for(None) == hasher.root
+    assert hasher.extend(salted[:1], [1, 2, 3, 4, 5], cache_salt="user-a") == salted
+    unsalted, other = hasher.hash_prefix([1, 2, 3, 4]), hasher.hash_prefix([1, 2, 3, 4], cache_salt="user-b")
+    assert unsalted == [hash_block(hasher.root, [1, 2]), hash_block(unsalted[0], [3, 4])]  # as without salts
+    assert len({salted[0], unsalted[0], other[0]}) == 3 and len({salted[1], unsalted[1], other[1]}) == 3
+    lone_surrogate = salted_root(hasher.root, "\ud800")  # what JSON's "\ud800" decodes to: hashed, never an error
+    assert lone_surrogate == int.from_bytes(hashlib.blake2b(
+        b"splitserve-salt" + root_hash(0).to_bytes(16, "little") + b"\xed\xa0\x80", digest_size=16).digest(), "little")
 
 
 # ---- allocation ------------------------------------------------------------------------------
@@ -103,6 +120,25 @@ def test_prefix_match_revives_cached_free_blocks():
     assert [manager.ref_count(b) for b in (0, 1, 2)] == [1, 1, 1]
     assert manager.free_block_order() == [3, 4, 5, 6, 7]
     manager.free("b")
+    assert_pool_idle(manager)
+
+
+def test_prefix_hits_only_between_requests_of_the_same_salt():
+    manager = make_block_manager(num_blocks=12, block_size=4)
+    prefilled_salted = make_request("a", list(range(10)), cache_salt="user-a")
+    manager.allocate(prefilled_salted, 10)
+    manager.cache_full_blocks(computed(prefilled_salted, 10))
+    manager.free("a")
+    assert prefilled_salted.block_hashes == BlockHasher(4, 0).hash_prefix(list(range(10)), cache_salt="user-a")
+    assert manager.cached_block_hashes() == frozenset(prefilled_salted.block_hashes)
+    same = manager.match_prefix(make_request("b", list(range(10)), cache_salt="user-a"))
+    assert same == PrefixMatch(block_ids=(0, 1), num_tokens=8)
+    assert manager.match_prefix(make_request("c", list(range(10)), cache_salt="user-b")) == PrefixMatch((), 0)
+    assert manager.match_prefix(make_request("d", list(range(10)))) == PrefixMatch((), 0)
+    unsalted = prefilled(manager, "e", list(range(10)))  # a's partial block 2 first, then fresh ones
+    assert manager.block_table("e") == [2, 3, 4]
+    assert [manager.cached_block_id(h) for h in (*prefilled_salted.block_hashes, *unsalted.block_hashes)] == [0, 1, 2, 3]
+    manager.free("e")
     assert_pool_idle(manager)
 
 

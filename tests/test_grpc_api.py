@@ -72,6 +72,23 @@ def test_a_client_with_only_reflection_streams_the_typed_clients_output(served):
         "length", typed[-1].usage.prompt_tokens, 6)
 
 
+def test_a_cache_salt_shares_the_prefix_cache_only_with_requests_of_its_own_salt(served):
+    prompt = list(range(200, 243))  # 5 full blocks of 8 and 3 tokens
+
+    def cached_tokens(**salt) -> int:
+        request = pb.GenerateRequest(model=MODEL, token_ids=pb.TokenIds(ids=prompt), **salt,
+                                     sampling=pb.SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+        return stream_tokens(served.grpc_port, request)[2][-1].usage.cached_tokens
+
+    assert [cached_tokens(cache_salt="user-a"), cached_tokens(cache_salt="user-a"), cached_tokens(cache_salt="user-b"),
+            cached_tokens(), cached_tokens()] == [0, 40, 0, 0, 40]
+    with pytest.raises(grpc.RpcError) as error:
+        cached_tokens(cache_salt="")
+    assert (error.value.code(), error.value.details()) == (grpc.StatusCode.INVALID_ARGUMENT,
+                                                           'cache_salt: must be a non-empty string, got ""')
+    served.assert_freed()
+
+
 def test_a_deadline_that_passes_mid_request_ends_it_as_deadline_exceeded(served):
     """The client's deadline cancels the call on the server (gRPC's own timer) the instant the
     request's deadline passes: the router records DEADLINE_EXCEEDED (the request ran out of time,

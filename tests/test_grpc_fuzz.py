@@ -90,6 +90,8 @@ def invalid_fields(request: pb.GenerateRequest, tokenizer) -> set[str]:
     for name in ("ttft_slo_s", "tpot_slo_s"):
         if request.HasField(name) and not 0 < getattr(request, name) < math.inf:
             bad.add(name)
+    if request.HasField("cache_salt") and not request.cache_salt:
+        bad.add("cache_salt")
     token_ids, prompt_bad = _prompt(request, tokenizer)
     if sampling.HasField("max_tokens") and (sampling.max_tokens >= MAX_MODEL_LEN or (
             not prompt_bad and len(token_ids) + sampling.max_tokens > MAX_MODEL_LEN)):
@@ -330,6 +332,9 @@ def generate_requests(draw) -> pb.GenerateRequest:
         value = _sometimes(draw, st.sampled_from([1e-300, 0.5, 1e300]), st.floats() | st.sampled_from([0.0, -1.0]))
         if value is not None:
             setattr(request, name, value)
+    cache_salt = _sometimes(draw, st.sampled_from(["user-a", "ünï ☕"]), st.just(""))
+    if cache_salt is not None:
+        request.cache_salt = cache_salt
     return request
 
 

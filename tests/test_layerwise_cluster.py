@@ -15,6 +15,7 @@ from contextlib import suppress
 
 import pytest
 
+from splitserve.common.block_hash import BlockHasher
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.decode_worker.worker import PullDone, queue_without_pull
 from splitserve.kv_transfer import PullStatus
@@ -128,6 +129,30 @@ def test_a_layerwise_cluster_matches_hugging_face(tiny_llama_dir):
     assert (stats.num_layerwise_pulls, pulls.num_done, pulls.num_failed) == (4, 4, 0)
     assert pulls.num_unmatched_announcements == 0
     assert stats.engine.num_free_kv_blocks == stats.engine.num_kv_blocks == NUM_KV_BLOCKS
+
+
+def test_a_salted_request_is_cached_under_its_salted_hashes_on_both_workers(tiny_llama_dir):
+    """The decode worker is handed the request before its prefill (first_token_pending): it gets the
+    salt then, and caches the pulled blocks under the prefill worker's salted hashes."""
+    prompt = list(MID_PROMPT)
+
+    async def cached_hashes(worker) -> frozenset[int]:
+        return await worker._loop.run(lambda engine: engine.block_manager.cached_block_hashes())
+
+    async def scenario():
+        async with InProcessCluster(tiny_llama_dir, layerwise=True) as cluster:
+            chunks = [await cluster.generate(request_id, prompt, MID_PARAMS, cache_salt="user-a")
+                      for request_id in ("a", "b")]
+            await cluster.wait_idle()
+            return chunks, [await cached_hashes(w) for w in (*cluster.prefill_workers, *cluster.decode_workers)]
+
+    chunks, held = asyncio.run(scenario())
+    salted = BlockHasher(BLOCK_SIZE, 0).hash_prefix(prompt + _tokens(chunks[0]), "user-a")
+    # The prefill worker computed the prompt's 3 full blocks; the decode worker also the 4th, which
+    # the generated tokens completed (the chain goes on from the same salted root).
+    assert held == [frozenset(salted[:3]), frozenset(salted[:4])]
+    assert [c[-1].usage.cached_tokens for c in chunks] == [0, 24]
+    assert _tokens(chunks[0]) == _tokens(chunks[1]) == hf_greedy(tiny_llama_dir, GreedyCase(MID_PROMPT, 8, True))
 
 
 def test_a_request_that_ends_at_its_first_token_frees_the_decode_workers_admitted_blocks(tiny_llama_dir):

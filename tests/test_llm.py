@@ -176,8 +176,24 @@ def test_stream_and_prompt_logits_take_dict_prompts(llm):
     assert torch.equal(llm.prompt_logits({"prompt": PROMPT}), llm.prompt_logits(ids))
 
 
+def test_a_cache_salt_shares_the_prefix_cache_only_with_prompts_of_its_own_salt(llm, tiny_llama_dir):
+    ids = list(range(300, 340))  # 2 full blocks of 16 (and 8 tokens): no other test runs them
+    expected = hf_greedy(tiny_llama_dir, GreedyCase(tuple(ids), 8, ignore_eos=True))
+    outputs = [llm.generate(prompt, greedy(8))[0] for prompt in (
+        {"prompt_token_ids": ids, "cache_salt": "user-a"}, {"prompt_token_ids": ids, "cache_salt": "user-a"},
+        {"prompt_token_ids": ids, "cache_salt": "user-b"}, ids, {"prompt_token_ids": ids, "cache_salt": "user-b"})]
+    assert [o.num_cached_tokens for o in outputs] == [0, 32, 0, 0, 32]
+    assert all(o.outputs[0].token_ids == expected for o in outputs)
+    text_prompt = {"prompt": PROMPT, "cache_salt": "user-c"}
+    assert [llm.generate(text_prompt, greedy(4))[0].num_cached_tokens for _ in range(2)] == [0, 16]
+    streamed = [delta for delta in llm.stream({"prompt_token_ids": ids, "cache_salt": "user-c"}, greedy(8))]
+    assert streamed[-1].num_cached_tokens == 0 and [t for d in streamed for t in d.new_token_ids] == expected
+
+
 @pytest.mark.parametrize("prompt, field", [
     ({"prompt": PROMPT, "multi_modal_data": {"image": None}}, "multi_modal_data"),
+    ({"prompt": PROMPT, "cache_salt": ""}, "cache_salt"),
+    ({"prompt_token_ids": [5, 6], "cache_salt": 5}, "cache_salt"),
     ({"prompt_token_ids": [5, 6], "mm_processor_kwargs": {}}, "mm_processor_kwargs"),
     ({"prompt": PROMPT, "promt_token_ids": [5, 6]}, "promt_token_ids"),
     ({}, "prompt"),
@@ -361,7 +377,8 @@ def test_a_generate_interrupted_while_queueing_leaves_nothing_running(llm, monke
     add_request = llm.engine.add_request
     calls = iter(range(1))
     monkeypatch.setattr(llm.engine, "add_request",
-                        lambda *args: add_request(*args) if next(calls, None) is not None else _interrupt())
+                        lambda *args, **kwargs: add_request(*args, **kwargs) if next(calls, None) is not None
+                        else _interrupt())
     with pytest.raises(KeyboardInterrupt):
         llm.generate(STREAMED, greedy(12))
     monkeypatch.setattr(llm.engine, "add_request", add_request)

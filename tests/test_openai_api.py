@@ -90,6 +90,31 @@ def test_usage_counts_the_prompt_tokens_found_in_the_prefix_cache(served):
     assert second.usage.prompt_tokens == 43 and second.choices[0].text == first.choices[0].text
 
 
+def test_a_cache_salt_shares_the_prefix_cache_only_with_requests_of_its_own_salt(served):
+    prompt = list(range(150, 193))  # 5 full blocks of 8 and 3 tokens
+    client = served.client()
+
+    def completion(**salt):
+        return client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0,
+                                         extra_body={"ignore_eos": True, **salt})
+
+    salted = [completion(cache_salt=salt) for salt in ("user-a", "user-a", "user-b")]
+    unsalted = completion()
+    assert [c.usage.prompt_tokens_details.cached_tokens for c in (*salted, unsalted)] == [0, 40, 0, 0]
+    assert len({c.choices[0].text for c in (*salted, unsalted)}) == 1
+    messages = [{"role": "user", "content": "Tell me about the river and the old mill by the village road."}]
+    chats = [client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0,
+                                            extra_body={"cache_salt": "user-c"}) for _ in range(2)]
+    prompt_tokens = chats[0].usage.prompt_tokens
+    assert [c.usage.prompt_tokens_details.cached_tokens for c in chats] == [0, (prompt_tokens - 1) // 8 * 8]
+    lone_surrogate = json.dumps({"prompt": prompt, "max_tokens": 2, "cache_salt": "\ud800"}).encode()
+    assert b'"\\ud800"' in lone_surrogate  # JSON's escape, which Python decodes to an unencodable str
+    cached = [json.loads(http_request(served.http_port, "POST", "/v1/completions", lone_surrogate)[2])["usage"]
+              ["prompt_tokens_details"]["cached_tokens"] for _ in range(2)]
+    assert cached == [0, 40]
+    served.wait_idle()
+
+
 def test_token_id_prompt_gives_the_text_prompts_output(served):
     prompt_ids = served.cluster.tokenizer.encode(PROMPT)
     client = served.client()
@@ -248,6 +273,8 @@ def test_models_and_health(served):
     ({"extra_body": {"top_k": -5}}, "top_k"),
     ({"stop": [""]}, "stop"),
     ({"extra_body": {"stream_options": {"include_usage": True}}}, "stream_options"),
+    ({"extra_body": {"cache_salt": ""}}, "cache_salt"),
+    ({"extra_body": {"cache_salt": 5}}, "cache_salt"),
 ])
 def test_bad_completion_parameters_are_400_naming_the_field(served, kwargs, param):
     with pytest.raises(openai.BadRequestError) as error:
@@ -259,7 +286,8 @@ def test_bad_chat_parameters_are_400_naming_the_field(served):
     client = served.client()
     cases = [({"top_logprobs": 2}, "top_logprobs"), ({"max_completion_tokens": 0}, "max_completion_tokens"),
              ({"messages": []}, "messages"), ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
-             ({"tools": {}}, "tools")]
+             ({"tools": {}}, "tools"), ({"extra_body": {"cache_salt": ""}}, "cache_salt"),
+             ({"extra_body": {"cache_salt": ["user-a"]}}, "cache_salt")]
     for kwargs, param in cases:
         with pytest.raises(openai.BadRequestError) as error:
             client.chat.completions.create(**{"model": MODEL, "messages": CHAT, **kwargs})

@@ -67,7 +67,8 @@ def test_generate_request_round_trips():
         chat=generation_pb2.ChatMessages(messages=[generation_pb2.ChatMessage(role="user", content="héllo 🌍")],
                                          add_generation_prompt=False),
         sampling=generation_pb2.SamplingParams(temperature=0.0, max_tokens=7, stop=["\n\n"], stop_token_ids=[2],
-                                               seed=2**64 - 1))
+                                               seed=2**64 - 1),
+        cache_salt="user-a")
     parsed = generation_pb2.GenerateRequest.FromString(request.SerializeToString())
     assert parsed == request
     assert parsed.WhichOneof("prompt") == "chat"
@@ -76,6 +77,8 @@ def test_generate_request_round_trips():
     # Explicit presence: a zero temperature is set (greedy), an absent top_p is not.
     assert parsed.sampling.HasField("temperature") and parsed.sampling.temperature == 0.0
     assert not parsed.sampling.HasField("top_p")
+    assert parsed.HasField("cache_salt") and parsed.cache_salt == "user-a"
+    assert not generation_pb2.GenerateRequest.FromString(b"").HasField("cache_salt")  # unset: unsalted
     assert (parsed.sampling.max_tokens, list(parsed.sampling.stop), list(parsed.sampling.stop_token_ids),
             parsed.sampling.seed) == (7, ["\n\n"], [2], 2**64 - 1)
 

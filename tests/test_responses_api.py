@@ -80,6 +80,11 @@ def test_logit_bias_and_include_stop_str_in_output_pass_to_the_chat_request():
     assert (sampling.logit_bias, sampling.include_stop_str_in_output) == (((7, -2.5),), True)
 
 
+def test_a_cache_salt_passes_to_the_chat_request():
+    """vLLM's Responses endpoint takes cache_salt as its chat endpoint does."""
+    assert (parse(cache_salt="user-a").chat.cache_salt, parse().chat.cache_salt) == ("user-a", None)
+
+
 @pytest.mark.parametrize(("fields", "field", "message"), [
     ({"store": True}, "store", f"{_NOT_STORED}; send store false or leave it out (got true)"),
     ({"previous_response_id": "resp_1"}, "previous_response_id", f'{_NOT_STORED} (got "resp_1")'),
@@ -128,6 +133,8 @@ def test_logit_bias_and_include_stop_str_in_output_pass_to_the_chat_request():
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format",
      'json_schema must be an object with a "schema", got {"name": "x"}'),
     ({"temperature": -1}, "temperature", "must be a finite number >= 0, got -1"),
+    ({"cache_salt": ""}, "cache_salt", 'must be a non-empty string, got ""'),
+    ({"cache_salt": 7}, "cache_salt", "must be a non-empty string, got 7"),
     ({"logit_bias": {"x": 2}}, "logit_bias", "contains key(s) that cannot be converted to integer token IDs: ['x']"),
     ({"logit_bias": {"512": 2}}, "logit_bias",
      "token_id(s) [512] in logit_bias contain out-of-vocab token ids. Vocabulary size: 512"),

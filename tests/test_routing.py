@@ -33,8 +33,8 @@ async def _wait_for(predicate, timeout_s: float = 5.0) -> None:
         await asyncio.sleep(0.01)
 
 
-def _holds_prefix(cluster: InProcessCluster, worker_id: str, prompt: list[int]) -> bool:
-    hashes = BlockHasher(BLOCK_SIZE, 0).hash_prefix(prompt)
+def _holds_prefix(cluster: InProcessCluster, worker_id: str, prompt: list[int], cache_salt: str | None = None) -> bool:
+    hashes = BlockHasher(BLOCK_SIZE, 0).hash_prefix(prompt, cache_salt)
     return cluster.orchestrator.index.matched_blocks(hashes).get(worker_id, 0) == len(hashes)
 
 
@@ -63,6 +63,36 @@ def test_a_shared_prefix_follows_the_worker_that_holds_it(tiny_llama_dir):
     assert sum(e.prefix_cache_hits for e in engines.values()) == len(SHARED_PREFIX)
     assert decisions == {"load": 1, "cache_hit": 1} and rejections == {}
     assert _tokens(chunks) == hf_greedy(tiny_llama_dir, GreedyCase(second, 6, True))
+
+
+def test_a_salted_prompt_hits_only_the_blocks_of_its_own_salt(tiny_llama_dir):
+    """The router hashes a salted prompt as the workers do: the hashes their KV events report are the
+    router's own, so a request with the same salt routes to and hits them, and no other request does."""
+    prompt = SHARED_PREFIX + [300]
+
+    async def cached_hashes(worker) -> frozenset[int]:
+        return await worker._loop.run(lambda engine: engine.block_manager.cached_block_hashes())
+
+    async def scenario():
+        async with InProcessCluster(tiny_llama_dir) as cluster:
+            chunks = {"a": await cluster.generate("a", prompt, GREEDY, cache_salt="user-a")}
+            await _wait_for(lambda: _holds_prefix(cluster, "prefill-0", prompt, "user-a"))
+            await _wait_for(lambda: _holds_prefix(cluster, "decode-0", prompt, "user-a"))  # the blocks it pulled
+            held = [await cached_hashes(w) for w in (*cluster.prefill_workers, *cluster.decode_workers)]
+            unsalted_claims = cluster.orchestrator.index.matched_blocks(BlockHasher(BLOCK_SIZE, 0).hash_prefix(prompt))
+            for request_id, cache_salt in (("b", "user-a"), ("c", "user-b"), ("d", None)):
+                chunks[request_id] = await cluster.generate(request_id, prompt, GREEDY, cache_salt=cache_salt)
+            await cluster.wait_idle()
+            return chunks, held, unsalted_claims, _stats(cluster)
+
+    chunks, held, unsalted_claims, (decisions, rejections) = asyncio.run(scenario())
+    salted_hashes = BlockHasher(BLOCK_SIZE, 0).hash_prefix(prompt, "user-a")
+    assert len(salted_hashes) == 10 and all(hashes == frozenset(salted_hashes) for hashes in held)
+    assert unsalted_claims == {"prefill-0": 0, "decode-0": 0}
+    assert {r: c[-1].usage.cached_tokens for r, c in chunks.items()} == {"a": 0, "b": 80, "c": 0, "d": 0}
+    assert decisions == {"load": 3, "cache_hit": 1} and rejections == {}
+    expected = hf_greedy(tiny_llama_dir, GreedyCase(prompt, 6, True))
+    assert all(_tokens(c) == expected for c in chunks.values())
 
 
 def test_a_restarted_worker_no_longer_claims_its_old_blocks(tiny_llama_dir):
