@@ -92,6 +92,7 @@ def invalid_fields(request: pb.GenerateRequest, tokenizer) -> set[str]:
             bad.add(name)
     if request.HasField("cache_salt") and not request.cache_salt:
         bad.add("cache_salt")
+    bad |= _truncation(request)[1]
     token_ids, prompt_bad = _prompt(request, tokenizer)
     if sampling.HasField("max_tokens") and (sampling.max_tokens >= MAX_MODEL_LEN or (
             not prompt_bad and len(token_ids) + sampling.max_tokens > MAX_MODEL_LEN)):
@@ -99,10 +100,26 @@ def invalid_fields(request: pb.GenerateRequest, tokenizer) -> set[str]:
     return bad | prompt_bad
 
 
+def _truncation(request: pb.GenerateRequest) -> tuple[tuple[int, bool] | None, set[str]]:
+    """(tokens kept, whether the last ones) when the request validly truncates its prompt, else None; and
+    the truncation fields it got wrong (RequestLimits.prompt_truncation: truncation_side 'left' or
+    'right', -1 <= truncate_prompt_tokens <= MAX_MODEL_LEN, -1 meaning MAX_MODEL_LEN - 1)."""
+    side = request.truncation_side if request.HasField("truncation_side") else "left"
+    bad = set() if side in ("left", "right") else {"truncation_side"}
+    if not request.HasField("truncate_prompt_tokens"):
+        return None, bad
+    keep = request.truncate_prompt_tokens
+    if not -1 <= keep <= MAX_MODEL_LEN:
+        return None, bad | {"truncate_prompt_tokens"}
+    return (MAX_MODEL_LEN - 1 if keep == -1 else keep, side != "right"), bad
+
+
 def _prompt(request: pb.GenerateRequest, tokenizer) -> tuple[list[int], set[str]]:
-    """The prompt's token ids, and the fields the server may name for it (empty: a valid prompt)."""
+    """The prompt's token ids (truncated as the request asks), and the fields the server may name for it
+    (empty: a valid prompt)."""
     max_bytes = (MAX_MODEL_LEN - 1) * tokenizer.max_bytes_per_token
     kind = request.WhichOneof("prompt")
+    bad = set()
     if kind is None:
         return [], {"prompt"}
     if kind == "text":
@@ -113,10 +130,17 @@ def _prompt(request: pb.GenerateRequest, tokenizer) -> tuple[list[int], set[str]
         except UnicodeDecodeError:
             return [], {"prompt.text"}
     elif kind == "chat":
-        return _chat_prompt(request.chat, tokenizer, max_bytes)
+        token_ids, bad = _chat_prompt(request.chat, tokenizer, max_bytes)
+        if not token_ids:  # refused before rendering, or rendered to nothing
+            return [], bad | {"prompt"}
     else:
         token_ids = list(request.token_ids.ids)
-    bad = set() if 0 < len(token_ids) < MAX_MODEL_LEN else {"prompt"}
+    truncation = _truncation(request)[0]
+    if truncation is not None and len(token_ids) > truncation[0]:
+        keep, keep_last = truncation
+        token_ids = token_ids[len(token_ids) - keep:] if keep_last else token_ids[:keep]
+    if not 0 < len(token_ids) < MAX_MODEL_LEN:
+        bad.add("prompt")
     if any(not 0 <= t < VOCAB_SIZE for t in token_ids):
         bad.add("prompt.token_ids")
     return token_ids, bad
@@ -136,8 +160,7 @@ def _chat_prompt(chat: pb.ChatMessages, tokenizer, max_bytes: int) -> tuple[list
         return [], bad | {error.field}
     if len(tokenizer.render_chat_template(messages, add).encode()) > max_bytes:
         bad.add("messages")
-    # The server names a too long rendered chat's token count `prompt`.
-    return token_ids, bad if 0 < len(token_ids) < MAX_MODEL_LEN else bad | {"prompt"}
+    return token_ids, bad  # _prompt names a rendered chat's token count outside (0, MAX_MODEL_LEN) `prompt`
 
 
 @dataclass(frozen=True)
@@ -335,6 +358,13 @@ def generate_requests(draw) -> pb.GenerateRequest:
     cache_salt = _sometimes(draw, st.sampled_from(["user-a", "ünï ☕"]), st.just(""))
     if cache_salt is not None:
         request.cache_salt = cache_salt
+    truncate = _sometimes(draw, st.sampled_from([-1, 0, 1, 8, MAX_MODEL_LEN - 1, MAX_MODEL_LEN]),
+                          st.sampled_from([-2, MAX_MODEL_LEN + 1, -2 ** 31, 2 ** 31 - 1]))
+    if truncate is not None:
+        request.truncate_prompt_tokens = truncate
+    side = _sometimes(draw, st.sampled_from(["left", "right"]), st.sampled_from(["", "middle", "LEFT", "\x00"]))
+    if side is not None:
+        request.truncation_side = side
     return request
 
 
