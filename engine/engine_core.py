@@ -79,11 +79,14 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def resolve_device(name: str) -> torch.device:
+    """The engine's device; a CUDA one always with its index ("cuda" and "auto": the current device), so
+    that a thread of its own (a transfer or fence thread) can make it current with torch.cuda.set_device."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device 'cuda' requested but CUDA is not available")
-    return torch.device(name)
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} requested but CUDA is not available")
+    device = torch.device(name)
+    return torch.device("cuda", torch.cuda.current_device()) if device.type == "cuda" and device.index is None else device
 
 
 def resolve_dtype(name: str, model_dtype: torch.dtype | str | None, device: torch.device) -> torch.dtype:
