@@ -3,16 +3,19 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+import inspect
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NotRequired, TypedDict
+from typing import Any, Literal, NotRequired, TypedDict, get_args
 
+import jinja2
 import torch
 from tqdm import tqdm
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from splitserve.common.block_hash import check_cache_salt
+from splitserve.common.chat_template import TEMPLATE_VARIABLES, check_template_kwargs, content_text
 from splitserve.common.config import EngineConfig, GenerationConfig, SamplingDefaults
 from splitserve.common.generation_config import SAMPLING_KEYS, GenerationConfigFile, resolve_request_defaults
 from splitserve.common.errors import InvalidRequestError
@@ -41,7 +44,9 @@ class TokensPrompt(TypedDict):
 
 
 Prompt = str | list[int] | TextPrompt | TokensPrompt
-Conversation = list[dict[str, str]]
+Conversation = list[dict[str, Any]]
+"""Message dicts: "role", "content" (a string, or a list of OpenAI text parts), and what the template reads."""
+ChatTemplateContentFormat = Literal["auto", "string"]
 
 _UNSUPPORTED_PROMPT_KEYS = frozenset({
     "multi_modal_data", "mm_processor_kwargs", "media_io_kwargs", "multi_modal_uuids", "token_type_ids",
@@ -60,6 +65,67 @@ class PromptInput:
     token_ids: list[int]
     cache_salt: str | None = None
     """The prompt dict's cache_salt (None: unsalted)."""
+
+
+CHAT_TEMPLATE_CONTENT_FORMATS: tuple[ChatTemplateContentFormat, ...] = get_args(ChatTemplateContentFormat)
+"""vLLM's chat_template_content_format values chat() takes: both render content as a string (text-only
+models); "openai" (content as a list of parts) is refused by name."""
+
+
+def _reserved_template_kwargs() -> dict[str, str]:
+    """chat_template_kwargs keys chat() refuses, each with why: its own arguments, the conversation, and
+    apply_chat_template's other parameters (they would change tokenization, not the template's variables).
+    `documents` is let through: it is how vLLM's offline chat passes documents to the template."""
+    own = {"chat_template", "add_generation_prompt", "continue_final_message", "tools"}
+    parameters = inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters.values()
+    tokenizer_arguments = {parameter.name for parameter in parameters if parameter.name != "self"
+                           and parameter.kind in (parameter.POSITIONAL_OR_KEYWORD, parameter.KEYWORD_ONLY)}
+    reserved = {name: "is an argument of the tokenizer's apply_chat_template that chat() sets itself, not a "
+                      "template variable" for name in tokenizer_arguments - own - TEMPLATE_VARIABLES}
+    reserved.update({name: f"is chat()'s own argument: pass {name}=... to chat() instead" for name in own})
+    reserved["messages"] = "is the conversation itself (chat()'s messages)"
+    return reserved
+
+
+_RESERVED_TEMPLATE_KWARGS = _reserved_template_kwargs()
+
+
+@dataclass(frozen=True)
+class ChatOptions:
+    """How chat() renders its conversations (vLLM's LLM.chat arguments), checked before any is rendered."""
+
+    chat_template: str | None = None
+    """A Jinja template used instead of the tokenizer's; None: the tokenizer's."""
+    add_generation_prompt: bool = True
+    """End the prompt with the template's opening of an assistant turn."""
+    continue_final_message: bool = False
+    """End the prompt inside the last message's content (no end of turn): the model continues it."""
+    tools: list[dict[str, Any]] | None = None
+    """The template's `tools` variable (JSON schemas, the Hugging Face convention); None: no tools."""
+    template_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    """More template variables; none of _RESERVED_TEMPLATE_KWARGS."""
+
+    def __post_init__(self) -> None:
+        if self.chat_template is not None and not isinstance(self.chat_template, str):
+            raise InvalidRequestError("chat_template", f"must be a Jinja template string or None, got "
+                                                       f"{type(self.chat_template).__name__}")
+        for name in ("add_generation_prompt", "continue_final_message"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidRequestError(name, f"must be a bool, got {getattr(self, name)!r}")
+        if self.continue_final_message and self.add_generation_prompt:
+            # transformers' (and so vLLM's) refusal, raised before anything is rendered.
+            raise InvalidRequestError("continue_final_message", "continue_final_message and add_generation_prompt "
+                                                                "are not compatible: pass add_generation_prompt="
+                                                                "False to continue the final message")
+        if self.tools is not None:
+            _check_tools(self.tools)
+        _check_template_kwargs(self.template_kwargs)
+
+    def apply_chat_template_kwargs(self) -> dict[str, Any]:
+        """apply_chat_template's arguments (template_kwargs become template variables)."""
+        return dict(self.template_kwargs, chat_template=self.chat_template, tools=self.tools,
+                    add_generation_prompt=self.add_generation_prompt,
+                    continue_final_message=self.continue_final_message)
 
 
 def load_tokenizer(model_dir: str | Path) -> PreTrainedTokenizerBase:
@@ -143,14 +209,19 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
+                 use_tqdm: bool | Callable[..., tqdm] = False, lora_request: None = None) -> list[RequestOutput]:
         """Run prompts to completion; outputs come back in input order. `prompts`: one prompt or a list; a
-        prompt is a str, a list of token ids, a TextPrompt or a TokensPrompt (vLLM's forms).
+        prompt is a str, a list of token ids, a TextPrompt or a TokensPrompt (vLLM's forms). `use_tqdm`
+        (vLLM's): True shows a progress bar of finished sequences, a callable (e.g.
+        `functools.partial(tqdm, leave=False)`) makes it, called with `total` and `desc`. `lora_request`:
+        vLLM's, accepted as None only.
 
         A prompt whose SamplingParams.n > 1 runs n sequences (seeded as SamplingParams.for_sequence says), the
         n CompletionOutputs of its one RequestOutput. Every prompt is validated before any is queued, so a bad
         one leaves nothing allocated.
         """
+        _refuse_given("lora_request", lora_request, "LoRA adapters are not supported")
+        _check_use_tqdm(use_tqdm)
         prompt_list = [prompts] if _is_one_prompt(prompts) else list(prompts)
         params = [self._tokenized(sp) for sp in _broadcast_params(
             self._default_params if sampling_params is None else sampling_params, len(prompt_list))]
@@ -162,7 +233,7 @@ class LLM:
         try:
             for request_id, prompt, sp in requests:
                 self.engine.add_request(request_id, prompt.token_ids, sp, cache_salt=prompt.cache_salt)
-            with tqdm(total=len(requests), disable=not use_tqdm, desc="generate") as progress:
+            with _progress_bar(use_tqdm, len(requests)) as progress:
                 for delta in self._deltas(set(accumulators)):
                     accumulators[delta.request_id].add(delta)
                     progress.update(int(delta.finished))
@@ -172,14 +243,48 @@ class LLM:
 
     def chat(self, messages: Conversation | Sequence[Conversation],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = False) -> list[RequestOutput]:
-        """One conversation (a list of message dicts) or a list of conversations through the model's chat
-        template; one output per conversation, in order, as vLLM's `LLM.chat`."""
-        conversations = [messages] if _is_one_conversation(messages) else list(messages)
-        prompts = [list(self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True,
-                                                           return_dict=False))
-                   for conversation in conversations]
+             use_tqdm: bool | Callable[..., tqdm] = False, lora_request: None = None, chat_template: str | None = None,
+             chat_template_content_format: ChatTemplateContentFormat = "auto", add_generation_prompt: bool = True,
+             continue_final_message: bool = False, tools: list[dict[str, Any]] | None = None,
+             chat_template_kwargs: dict[str, Any] | None = None,
+             mm_processor_kwargs: None = None) -> list[RequestOutput]:
+        """One conversation (a list of message dicts) or a list of conversations through the chat template;
+        one output per conversation, in order, as vLLM's `LLM.chat`, with its arguments and defaults:
+        `chat_template` (a Jinja template string used instead of the tokenizer's), `add_generation_prompt`,
+        `continue_final_message` (the prompt ends inside the last message, which the model continues),
+        `tools` and `chat_template_kwargs` (more template variables, e.g. {"enable_thinking": False}).
+        Content is rendered as a string (`chat_template_content_format` "auto" or "string"): a list of text
+        parts is joined with newlines. `lora_request` and `mm_processor_kwargs` are accepted as None only
+        (no LoRA, text-only models). Every conversation is rendered before any is queued."""
+        _refuse_given("lora_request", lora_request, "LoRA adapters are not supported")
+        _refuse_given("mm_processor_kwargs", mm_processor_kwargs, "models here are text-only")
+        _check_content_format(chat_template_content_format)
+        options = ChatOptions(chat_template, add_generation_prompt, continue_final_message, tools,
+                              {} if chat_template_kwargs is None else chat_template_kwargs)
+        if isinstance(messages, str | bytes | Mapping) or not isinstance(messages, Sequence):
+            raise InvalidRequestError("messages", f"must be a conversation (a list of message dicts) or a list of "
+                                                  f"conversations, got {type(messages).__name__}")
+        if _is_one_conversation(messages):
+            prompts = [self._chat_prompt(messages, options, "messages")]
+        else:
+            prompts = [self._chat_prompt(conversation, options, f"messages[{index}]")
+                       for index, conversation in enumerate(messages)]
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _chat_prompt(self, conversation: Conversation, options: ChatOptions, where: str) -> list[int]:
+        """The token ids of one conversation rendered by transformers' apply_chat_template (the template
+        writes every special token); a template's refusal is an InvalidRequestError naming what it refused."""
+        if not isinstance(conversation, list) or not all(isinstance(message, dict) for message in conversation):
+            raise InvalidRequestError(where, "must be a list of {role, content} message dicts")
+        messages = [{**message, "content": content_text(message.get("content"), f"{where}[{index}].content")}
+                    for index, message in enumerate(conversation)]
+        try:
+            return list(self.tokenizer.apply_chat_template(messages, **options.apply_chat_template_kwargs(),
+                                                           tokenize=True, return_dict=False))
+        except jinja2.TemplateSyntaxError as error:
+            raise InvalidRequestError("chat_template", f"does not compile: {error} (line {error.lineno})") from error
+        except jinja2.TemplateError as error:  # raise_exception(...) in the template, sandbox refusals
+            raise InvalidRequestError(where, f"rejected by the chat template: {error}") from error
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[CompletionDelta]:
         """Deltas of one request as the engine produces them. Several streams (and generate() calls)
@@ -319,3 +424,47 @@ def _broadcast_params(params: SamplingParams | Sequence[SamplingParams], count: 
     if len(params) != count:
         raise InvalidRequestError("sampling_params", f"got {len(params)} for {count} prompts")
     return params
+
+
+def _refuse_given(name: str, value: object, reason: str) -> None:
+    """vLLM arguments splitserve has no counterpart for: accepted as None (their default) only."""
+    if value is not None:
+        raise InvalidRequestError(name, f"{reason}; pass None (got {type(value).__name__})")
+
+
+def _check_content_format(content_format: object) -> None:
+    if content_format == "openai":
+        raise InvalidRequestError("chat_template_content_format", "'openai' (content as a list of parts) is not "
+                                                                  "supported: content is rendered as a string "
+                                                                  "(text-only models); use 'auto' or 'string'")
+    if content_format not in CHAT_TEMPLATE_CONTENT_FORMATS:
+        raise InvalidRequestError("chat_template_content_format", f"must be 'auto' or 'string', got "
+                                                                  f"{content_format!r}")
+
+
+def _check_tools(tools: object) -> None:
+    if not isinstance(tools, list) or not all(isinstance(tool, dict) for tool in tools):
+        raise InvalidRequestError("tools", f"must be a list of tool dicts (JSON schemas) or None, got {tools!r}")
+
+
+def _check_template_kwargs(template_kwargs: object) -> None:
+    if not isinstance(template_kwargs, dict):
+        raise InvalidRequestError("chat_template_kwargs", f"must be a dict of template variables or None, got "
+                                                          f"{type(template_kwargs).__name__}")
+    for key in template_kwargs:
+        if not isinstance(key, str):
+            raise InvalidRequestError("chat_template_kwargs", f"keys are template variable names (strings), got "
+                                                              f"{key!r}")
+    check_template_kwargs(template_kwargs, _RESERVED_TEMPLATE_KWARGS)
+
+
+def _check_use_tqdm(use_tqdm: object) -> None:
+    if not (isinstance(use_tqdm, bool) or callable(use_tqdm)):
+        raise InvalidRequestError("use_tqdm", f"must be a bool or a callable making a tqdm, got {use_tqdm!r}")
+
+
+def _progress_bar(use_tqdm: bool | Callable[..., tqdm], total: int) -> tqdm:
+    """The bar a generate() call counts finished sequences on (vLLM's use_tqdm)."""
+    if callable(use_tqdm):
+        return use_tqdm(total=total, desc="generate")
+    return tqdm(total=total, disable=not use_tqdm, desc="generate")

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from splitserve.common.block_hash import check_cache_salt
+from splitserve.common.chat_template import content_text
 from splitserve.common.errors import InvalidRequestError, json_excerpt
 from splitserve.common.generation_config import NO_REQUEST_DEFAULTS, RequestDefaults
 from splitserve.common.sampling_params import MAX_LOGPROBS, SamplingParams
@@ -338,31 +339,6 @@ def _truncation(body: Mapping[str, Any], limits: RequestLimits) -> PromptTruncat
                                     _typed(body, "truncation_side", str, "'left' or 'right'"))
 
 
-TEXT_PART_KEYS = {"text": "text", "refusal": "refusal"}
-"""Content part types read as text, and the key holding it: an assistant message's `refusal` part
-(what the openai SDK sends back for a refused answer) is its text, as vLLM reads it."""
-
-
-def _content(value: Any, field: str) -> str:
-    """A message's content: a string, null (""), or a list of text parts (joined with newlines)."""
-    if value is None:
-        return ""
-    if isinstance(value, str):
-        return value
-    if isinstance(value, list):
-        texts = []
-        for index, part in enumerate(value):
-            kind = part.get("type") if isinstance(part, dict) else None
-            key = TEXT_PART_KEYS.get(kind) if isinstance(kind, str) else None  # a JSON list or object: unhashable
-            if key is None or not isinstance(part.get(key), str):
-                raise InvalidRequestError(f"{field}[{index}]", "only {\"type\": \"text\", \"text\": ...} (or "
-                                                               "\"refusal\") content parts are supported, got "
-                                                               f"{part!r}")
-            texts.append(part[key])
-        return "\n".join(texts)
-    raise InvalidRequestError(field, f"must be a string or a list of text parts, got {value!r}")
-
-
 def _messages(body: Mapping[str, Any], limits: RequestLimits) -> tuple[ChatMessage, ...]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -384,7 +360,7 @@ def _message(message: Any, field: str) -> ChatMessage:
     calls = parse_history_tool_calls(message.get("tool_calls"), f"{field}.tool_calls") if role == "assistant" else ()
     call_id = None if role != "tool" else _typed(message, "tool_call_id", str, "a string",
                                                  field=f"{field}.tool_call_id")
-    return ChatMessage(role, _content(message.get("content"), f"{field}.content"), calls, call_id,
+    return ChatMessage(role, content_text(message.get("content"), f"{field}.content"), calls, call_id,
                        _typed(message, "name", str, "a string", field=f"{field}.name"),
                        _history_reasoning(message, field) if role == "assistant" else None)
 

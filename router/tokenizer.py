@@ -34,6 +34,7 @@ import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
+from splitserve.common.chat_template import TEMPLATE_VARIABLES, check_template_kwargs
 from splitserve.common.errors import InvalidRequestError, UnsupportedModelError
 from splitserve.common.generation_config import GenerationConfigFile
 from splitserve.common.model_dir import TOKENIZER_FILE, check_tokenizer_files
@@ -211,7 +212,7 @@ def _validate_messages(messages: object) -> list[dict[str, Any]]:
     return plain
 
 
-RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
+_RESERVED_TEMPLATE_VARIABLES = dict.fromkeys(TEMPLATE_VARIABLES, "is set by the request's own fields")
 """Template variables a request's chat_template_kwargs may not set (their own fields set them)."""
 
 
@@ -225,7 +226,7 @@ class ChatTemplateOptions:
     documents: tuple[Mapping[str, str], ...] | None = None
     """Retrieved documents for templates that render them (the `documents` variable)."""
     template_kwargs: Mapping[str, Any] = field(default_factory=dict)
-    """More template variables (e.g. enable_thinking); never one of RESERVED_TEMPLATE_VARIABLES."""
+    """More template variables (e.g. enable_thinking); never one of common's TEMPLATE_VARIABLES."""
     add_special_tokens: bool = False
     """Also add the tokenizer's own special tokens (a BOS) to the rendered text."""
     tools: tuple[Mapping[str, Any], ...] | None = None
@@ -233,9 +234,7 @@ class ChatTemplateOptions:
     `tools` variable (the Hugging Face convention); None: the template gets none."""
 
     def __post_init__(self) -> None:
-        reserved = sorted(RESERVED_TEMPLATE_VARIABLES & self.template_kwargs.keys())
-        if reserved:
-            raise InvalidRequestError(f"chat_template_kwargs.{reserved[0]}", "is set by the request's own fields")
+        check_template_kwargs(self.template_kwargs, _RESERVED_TEMPLATE_VARIABLES)
 
 
 DEFAULT_CHAT_OPTIONS = ChatTemplateOptions()

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import io
 import math
 
 import pytest
 import torch
 from tokenizers import Tokenizer
+from tqdm import tqdm
 
 from tests.factories import _hf_model, assert_pool_idle, copy_with_generation_config, hf_greedy
 from splitserve.common.errors import InvalidRequestError
 from splitserve.engine import LLM, EngineConfig, EngineCore, SamplingParams
+from splitserve.testing.tiny_models import THINKING_CHAT_TEMPLATE, TOOLS_CHAT_TEMPLATE
 from splitserve.testing.workloads import GreedyCase
 
 PROMPT = "Tell me about the river and the old mill by the village road."
@@ -154,6 +157,143 @@ def test_chat_and_generate_of_an_empty_list_return_no_outputs_like_vllm(llm):
     assert llm.chat([], greedy(8)) == []
     assert llm.generate([], greedy(8)) == []
     assert llm.stats().num_prompt_tokens == prompt_tokens
+
+
+MILL_CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me about the old mill."},
+             {"role": "assistant", "content": "The old mill stands"}]
+
+
+def _templated(llm: LLM, conversation, **options) -> list[int]:
+    """transformers' apply_chat_template token ids of `conversation` (the reference chat() must match)."""
+    return list(llm.tokenizer.apply_chat_template(conversation, tokenize=True, return_dict=False, **options))
+
+
+def test_chat_without_a_generation_prompt_runs_the_conversation_as_transformers_renders_it(llm):
+    expected = _templated(llm, MILL_CHAT, add_generation_prompt=False)
+    output = llm.chat(MILL_CHAT, greedy(8), add_generation_prompt=False)[0]
+    assert output.prompt_token_ids == expected != _templated(llm, MILL_CHAT, add_generation_prompt=True)
+    assert llm.tokenizer.decode(expected).endswith("The old mill stands<|im_end|>\n")
+    assert output.outputs[0].token_ids == llm.generate([expected], greedy(8))[0].outputs[0].token_ids
+
+
+def test_chat_continue_final_message_ends_the_prompt_inside_the_last_message_like_transformers(llm):
+    expected = _templated(llm, MILL_CHAT, add_generation_prompt=False, continue_final_message=True)
+    output = llm.chat(MILL_CHAT, greedy(8), add_generation_prompt=False, continue_final_message=True)[0]
+    assert output.prompt_token_ids == expected
+    assert llm.tokenizer.decode(expected).endswith("<|im_start|>assistant\nThe old mill stands")
+    assert output.outputs[0].token_ids == llm.generate([expected], greedy(8))[0].outputs[0].token_ids
+    # Any role's message may be continued: transformers (which vLLM's chat renders with) checks none.
+    user_turn = MILL_CHAT[:2]
+    continued = llm.chat(user_turn, greedy(8), add_generation_prompt=False, continue_final_message=True)[0]
+    assert continued.prompt_token_ids == _templated(llm, user_turn, continue_final_message=True)
+    assert llm.tokenizer.decode(continued.prompt_token_ids).endswith("<|im_start|>user\nTell me about the old mill.")
+
+
+def test_chat_refuses_continue_final_message_with_a_generation_prompt_in_transformers_words(llm):
+    with pytest.raises(ValueError, match="^continue_final_message: continue_final_message and add_generation_prompt "
+                                         "are not compatible: pass add_generation_prompt=False to continue the final "
+                                         "message$"):
+        llm.chat(MILL_CHAT, greedy(8), continue_final_message=True)
+
+
+def test_chat_renders_with_a_chat_template_given_as_a_string(llm):
+    template = ("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+                "{% if add_generation_prompt %}[assistant] {% endif %}")
+    output = llm.chat([{"role": "user", "content": "hello"}], greedy(8), chat_template=template)[0]
+    assert output.prompt_token_ids == llm.tokenizer.encode("[user] hello\n[assistant] ", add_special_tokens=False)
+
+
+def test_chat_template_kwargs_are_template_variables(llm):
+    hello = [{"role": "user", "content": "hello"}]
+    output = llm.chat(hello, greedy(8), chat_template="{{ greeting }}, {{ messages[0]['content'] }}",
+                      chat_template_kwargs={"greeting": "good morning"})[0]
+    assert output.prompt_token_ids == llm.tokenizer.encode("good morning, hello", add_special_tokens=False)
+    # Qwen3's switch, as vLLM scripts pass it: the template writes an empty think block.
+    qwen3 = llm.chat(hello, greedy(8), chat_template=THINKING_CHAT_TEMPLATE,
+                     chat_template_kwargs={"enable_thinking": False})[0]
+    expected = _templated(llm, hello, chat_template=THINKING_CHAT_TEMPLATE, add_generation_prompt=True,
+                          enable_thinking=False)
+    assert qwen3.prompt_token_ids == expected
+    assert llm.tokenizer.decode(expected).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+
+
+def test_chat_template_kwargs_pass_documents_to_the_template_as_vllm_does(llm):
+    template = "{% for d in documents %}{{ d['title'] }}; {% endfor %}{{ messages[0]['content'] }}"
+    output = llm.chat([{"role": "user", "content": "hello"}], greedy(8), chat_template=template,
+                      chat_template_kwargs={"documents": [{"title": "mill", "text": "x"}, {"title": "road", "text": "y"}]})
+    assert output[0].prompt_token_ids == llm.tokenizer.encode("mill; road; hello", add_special_tokens=False)
+
+
+def test_chat_tools_reach_the_template(llm):
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    hello = [{"role": "user", "content": "hello"}]
+    output = llm.chat(hello, greedy(8), chat_template=TOOLS_CHAT_TEMPLATE, tools=tools)[0]
+    assert output.prompt_token_ids == _templated(llm, hello, chat_template=TOOLS_CHAT_TEMPLATE, tools=tools,
+                                                 add_generation_prompt=True)
+    assert ('<tools>\n{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}'
+            '\n</tools>') in llm.tokenizer.decode(output.prompt_token_ids)
+
+
+def test_chat_content_as_text_parts_is_joined_with_newlines_like_the_router(llm):
+    parts = [{"role": "user", "content": [{"type": "text", "text": "hello"}, {"type": "text", "text": "there"}]}]
+    output = llm.chat(parts, greedy(8), chat_template_content_format="string", lora_request=None,
+                      mm_processor_kwargs=None)[0]
+    assert output.prompt_token_ids == _templated(llm, [{"role": "user", "content": "hello\nthere"}],
+                                                 add_generation_prompt=True)
+
+
+@pytest.mark.parametrize("options, field", [
+    (dict(continue_final_message=True), "continue_final_message"),
+    (dict(chat_template_kwargs={"tools": []}), "chat_template_kwargs.tools"),
+    (dict(chat_template_kwargs={"add_generation_prompt": False}), "chat_template_kwargs.add_generation_prompt"),
+    (dict(chat_template_kwargs={"chat_template": "{{ 1 }}"}), "chat_template_kwargs.chat_template"),
+    (dict(chat_template_kwargs={"messages": []}), "chat_template_kwargs.messages"),
+    (dict(chat_template_kwargs={"tokenize": False}), "chat_template_kwargs.tokenize"),
+    (dict(chat_template_kwargs={"return_dict": True}), "chat_template_kwargs.return_dict"),
+    (dict(chat_template_kwargs={1: True}), "chat_template_kwargs"),
+    (dict(chat_template_kwargs=[("enable_thinking", False)]), "chat_template_kwargs"),
+    (dict(chat_template_content_format="openai"), "chat_template_content_format"),
+    (dict(chat_template_content_format="strings"), "chat_template_content_format"),
+    (dict(add_generation_prompt="no"), "add_generation_prompt"),
+    (dict(tools={"type": "function"}), "tools"),
+    (dict(chat_template=b"{{ 1 }}"), "chat_template"),
+    (dict(chat_template="{% for %}"), "chat_template"),
+    (dict(chat_template="{{ raise_exception('no users here') }}"), "messages[0]"),
+    (dict(lora_request="adapter"), "lora_request"),
+    (dict(mm_processor_kwargs={}), "mm_processor_kwargs"),
+    (dict(use_tqdm="yes"), "use_tqdm"),
+    (dict(messages={"role": "user", "content": "hello"}), "messages"),
+    (dict(messages=[[{"role": "user", "content": "hello"}], ["hello"]]), "messages[1]"),
+])
+def test_bad_chat_options_are_refused_naming_the_argument_before_anything_runs(llm, options, field):
+    prompt_tokens = llm.stats().num_prompt_tokens
+    chat = {"messages": [[{"role": "user", "content": "hello"}]] * 2, **options}
+    with pytest.raises(InvalidRequestError) as refused:
+        llm.chat(sampling_params=greedy(8), **chat)
+    assert refused.value.field == field
+    assert isinstance(refused.value, ValueError)
+    assert llm.stats().num_prompt_tokens == prompt_tokens
+
+
+def test_chat_refuses_a_non_text_content_part_naming_it(llm):
+    image = [{"role": "user", "content": [{"type": "text", "text": "what is this?"},
+                                          {"type": "image_url", "image_url": {"url": "x"}}]}]
+    with pytest.raises(InvalidRequestError) as refused:
+        llm.chat([[{"role": "user", "content": "hi"}], image], greedy(8))
+    assert refused.value.field == "messages[1][0].content[1]"
+
+
+def test_use_tqdm_may_be_a_callable_that_makes_the_progress_bar_like_vllm(llm):
+    made = []
+
+    def progress_bar(**kwargs) -> tqdm:
+        made.append((kwargs, tqdm(file=io.StringIO(), **kwargs)))  # enabled (a disabled bar counts nothing), unseen
+        return made[-1][1]
+
+    llm.generate([PROMPT, "another"], greedy(4), use_tqdm=progress_bar)
+    llm.chat([{"role": "user", "content": "hello"}], greedy(4, n=3), use_tqdm=progress_bar)
+    assert [(kwargs, bar.n) for kwargs, bar in made] == [({"total": 2, "desc": "generate"}, 2),
+                                                         ({"total": 3, "desc": "generate"}, 3)]
 
 
 def test_dict_prompts_run_like_str_and_token_prompts_and_like_transformers(llm, tiny_llama_dir):
