@@ -23,6 +23,7 @@ from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.stats import EngineStats
 from splitserve.engine.engine_core import EngineCore
 from splitserve.engine.outputs import CompletionDelta, CompletionOutput, RequestOutput
+from splitserve.engine.tiny_model import resolve_model_path
 from splitserve.common.token_logprobs import TokenLogprobs
 
 
@@ -183,8 +184,10 @@ class LLM:
         """`engine_config`: EngineConfig's fields. `enforce_eager` (vLLM's, the CLI's `--enforce-eager`):
         never capture CUDA graphs, i.e. cuda_graphs=False; refused together with cuda_graphs=True.
         `generation_config` and `override_generation_config` (vLLM's, the CLI's `--generation-config` and
-        `--override-generation-config`): where get_default_sampling_params() takes its values from."""
-        self._default_params = _default_sampling_params(Path(model), GenerationConfig(
+        `--override-generation-config`): where get_default_sampling_params() takes its values from.
+        `model`: a model directory, or an embedded model's name ("default", "default-draft") as on the CLI."""
+        model = resolve_model_path(model)
+        self._default_params = _default_sampling_params(model, GenerationConfig(
             generation_config, _sampling_overrides(override_generation_config or {})))
         if enforce_eager:
             if engine_config.get("cuda_graphs"):

@@ -18,6 +18,7 @@ from splitserve.engine import LLM
 from splitserve.engine.llm import load_tokenizer
 from splitserve.engine.stdlib_corpus import stdlib_root
 from splitserve.common.model_dir import DEFAULT_MODEL_NAME, DRAFT_MODEL_NAME
+from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.tiny_model import resolve_model_path
 from splitserve.engine.tiny_training import read_record
 from splitserve.eval import EngineVariant, evaluate, heldout_windows
@@ -85,6 +86,15 @@ def test_recorded_heldout_loss_equals_a_fresh_evaluation(name):
     assert reference.loss == pytest.approx(record.heldout_loss, abs=LOSS_TOLERANCE)
     assert engine.loss == pytest.approx(record.heldout_loss, abs=LOSS_TOLERANCE)
     assert engine.top1_agreement > 0.999 and engine.kl_divergence < 1e-6
+
+
+def test_llm_takes_an_embedded_models_name_as_the_cli_does(tmp_path):
+    by_name = LLM(DEFAULT_MODEL_NAME, dtype="float32").generate([[5, 6, 7]], SamplingParams(max_tokens=6, temperature=0))
+    by_path = LLM(resolve_model_path(DEFAULT_MODEL_NAME), dtype="float32").generate(
+        [[5, 6, 7]], SamplingParams(max_tokens=6, temperature=0))
+    assert by_name[0].token_ids == by_path[0].token_ids
+    with pytest.raises(FileNotFoundError, match="is not a model directory .no config.json in"):
+        LLM(tmp_path / "missing")
 
 
 def test_the_default_model_is_not_gibberish():
