@@ -24,7 +24,7 @@ from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import TypeVar
 
-from splitserve.common.block_hash import BlockHasher
+from splitserve.common.block_hash import BlockHasher, check_cache_salt
 from splitserve.common.detokenizer import Decoder
 from splitserve.common.errors import InvalidRequestError
 from splitserve.common.kv_events import LoadReport
@@ -378,6 +378,7 @@ class Orchestrator:
         arrival = time.monotonic()
         try:
             self.validate_prompt(inp.prompt_token_ids)
+            check_cache_salt(inp.cache_salt)  # the APIs checked it; a library caller's is hashed next
             if inp.request_id in self._in_flight:
                 raise InvalidRequestError("request_id", f"{inp.request_id!r} is already in flight")
             run = RequestRun(inp, self.tokenizer, arrival, self.eos_token_ids)

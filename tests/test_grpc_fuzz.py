@@ -131,8 +131,8 @@ def _prompt(request: pb.GenerateRequest, tokenizer) -> tuple[list[int], set[str]
             return [], {"prompt.text"}
     elif kind == "chat":
         token_ids, bad = _chat_prompt(request.chat, tokenizer, max_bytes)
-        if not token_ids:  # refused before rendering, or rendered to nothing
-            return [], bad | {"prompt"}
+        if token_ids is None:  # refused before it rendered: the server names the messages only
+            return [], bad
     else:
         token_ids = list(request.token_ids.ids)
     truncation = _truncation(request)[0]
@@ -146,9 +146,10 @@ def _prompt(request: pb.GenerateRequest, tokenizer) -> tuple[list[int], set[str]
     return token_ids, bad
 
 
-def _chat_prompt(chat: pb.ChatMessages, tokenizer, max_bytes: int) -> tuple[list[int], set[str]]:
+def _chat_prompt(chat: pb.ChatMessages, tokenizer, max_bytes: int) -> tuple[list[int] | None, set[str]]:
+    """The rendered chat's token ids (None: refused before rendering), and the message fields at fault."""
     if not chat.messages or len(chat.messages) > MAX_CHAT_MESSAGES:
-        return [], {"messages"}
+        return None, {"messages"}
     bad = {f"messages[{i}].role" for i, m in enumerate(chat.messages) if m.role not in CHAT_ROLES}
     if sum(len(m.content.encode()) for m in chat.messages) > max_bytes:
         bad.add("messages")
@@ -157,7 +158,7 @@ def _chat_prompt(chat: pb.ChatMessages, tokenizer, max_bytes: int) -> tuple[list
     try:
         token_ids = tokenizer.apply_chat_template(messages, add)
     except InvalidRequestError as error:  # the chat template refused the messages
-        return [], bad | {error.field}
+        return None, bad | {error.field}
     if len(tokenizer.render_chat_template(messages, add).encode()) > max_bytes:
         bad.add("messages")
     return token_ids, bad  # _prompt names a rendered chat's token count outside (0, MAX_MODEL_LEN) `prompt`
@@ -421,6 +422,16 @@ def test_corrupted_wire_bytes_are_invalid_argument(served, data):
 def _greedy(max_tokens: int, request_id: str = "", **prompt) -> pb.GenerateRequest:
     return pb.GenerateRequest(request_id=request_id, **(prompt or {"text": b"The river runs"}),
                               sampling=pb.SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+
+
+def test_the_oracle_names_a_refused_chat_as_the_server_does(served):
+    """A chat refused before it renders is invalid in its messages only, never its token count (`prompt`):
+    the oracle may not accept a field the server would be wrong to name."""
+    refused = pb.GenerateRequest(model=MODEL, chat=pb.ChatMessages())
+    assert invalid_fields(refused, served.cluster.tokenizer) == {"messages"}
+    outcome = served.call(refused)
+    assert (outcome.code, outcome.details) == (grpc.StatusCode.INVALID_ARGUMENT,
+                                               "messages: must be a non-empty list of {role, content} messages")
 
 
 def test_malformed_bytes_name_the_request(served):

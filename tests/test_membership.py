@@ -9,6 +9,7 @@ import asyncio
 
 import pytest
 
+from splitserve.common.block_hash import BlockHasher
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.router.api_types import GenerationInput
 from splitserve.router.policy import RoutingConfig
@@ -50,9 +51,11 @@ def test_a_pool_hands_out_no_new_work_on_a_retiring_worker_and_releases_it_when_
     asyncio.run(scenario())
 
 
-async def _stream(cluster: InProcessCluster, request_id: str, started: asyncio.Event | None = None) -> list[int]:
+async def _stream(cluster: InProcessCluster, request_id: str, started: asyncio.Event | None = None,
+                  cache_salt: str | None = None) -> list[int]:
     tokens: list[int] = []
-    async for chunk in cluster.orchestrator.generate(GenerationInput(request_id, tuple(PROMPT), GREEDY)):
+    inp = GenerationInput(request_id, tuple(PROMPT), GREEDY, cache_salt=cache_salt)
+    async for chunk in cluster.orchestrator.generate(inp):
         tokens.extend(chunk.token_ids)
         if started is not None and len(tokens) >= 4:
             started.set()
@@ -123,6 +126,31 @@ def test_a_retiring_worker_past_its_grace_moves_its_streams_elsewhere(tiny_llama
     by_id = {r.request_id: r for r in records}
     assert (by_id["on-decode-0"].num_migrations, by_id["on-decode-1"].num_migrations) == (0, 1)
     assert by_id["on-decode-1"].decode_worker == "decode-0"
+
+
+def test_a_salted_stream_that_moves_is_recomputed_under_its_salted_hashes(tiny_llama_dir):
+    """The moved request's DecodeRequest carries its salt: decode-0 recomputes it (prompt and the tokens
+    streamed so far) under the salted hashes, beside the unsalted request's blocks of the same tokens,
+    instead of hitting those."""
+    async def scenario():
+        async with InProcessCluster(tiny_llama_dir, num_decode=2, routing=ROUND_ROBIN) as cluster:
+            started = asyncio.Event()
+            first = asyncio.ensure_future(_stream(cluster, "on-decode-0"))
+            second = asyncio.ensure_future(_stream(cluster, "on-decode-1", started, cache_salt="user-a"))
+            await started.wait()
+            await cluster.retire_worker("decode-1", timeout_s=0.0)
+            outputs = await asyncio.gather(first, second)
+            await cluster.wait_idle()
+            decode_0 = cluster.decode_workers[0]
+            return outputs, await decode_0._loop.run(lambda engine: engine.block_manager.cached_block_hashes())
+
+    outputs, held = asyncio.run(scenario())
+    expected = hf_greedy(tiny_llama_dir, GreedyCase(PROMPT, NUM_TOKENS, True))
+    assert outputs == [expected] * 2
+    # 40 prompt + 32 output tokens; the last output's KV is never computed: 71 tokens, 8 full blocks of 8.
+    computed = PROMPT + expected[:-1]
+    hasher = BlockHasher(8, 0)
+    assert held == frozenset(hasher.hash_prefix(computed)) | frozenset(hasher.hash_prefix(computed, "user-a"))
 
 
 def test_a_retired_prefill_worker_is_forgotten_by_routing_and_by_the_handshakes(tiny_llama_dir):

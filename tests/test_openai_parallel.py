@@ -106,11 +106,16 @@ def test_chat_n_streams_each_choice_under_its_index(served):
     assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
 
 
-def test_n_siblings_prefill_where_the_first_left_the_prompts_kv(two_prefill):
+@pytest.mark.parametrize("cache_salt", [None, "user-a"])
+def test_n_siblings_prefill_where_the_first_left_the_prompts_kv(two_prefill, cache_salt):
+    """Salted, after the unsalted run of the same prompt: every sibling has the salt, so the first misses
+    the unsalted blocks and the others hit its salted ones."""
     prompt = list(range(5, 42))  # 37 tokens: 4 full blocks of 8, then 5 tokens to compute per sibling
     workers = two_prefill.cluster.prefill_workers
     before = two_prefill.engine_stats(workers)
-    completion = two_prefill.client().completions.create(model=MODEL, prompt=prompt, max_tokens=2, n=4, **GREEDY)
+    salt = {} if cache_salt is None else {"cache_salt": cache_salt}
+    completion = two_prefill.client().completions.create(model=MODEL, prompt=prompt, max_tokens=2, n=4, temperature=0,
+                                                         extra_body={"ignore_eos": True, **salt})
     assert len(completion.choices) == 4
     after = two_prefill.engine_stats(workers)
     queries = [a.prefix_cache_queries - b.prefix_cache_queries for a, b in zip(after, before)]

@@ -8,6 +8,7 @@ import asyncio
 import pytest
 
 from splitserve.common.block_hash import BlockHasher
+from splitserve.common.errors import InvalidRequestError
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.slo import SloConfig
 from splitserve.router.api_types import RouterError
@@ -93,6 +94,25 @@ def test_a_salted_prompt_hits_only_the_blocks_of_its_own_salt(tiny_llama_dir):
     assert decisions == {"load": 3, "cache_hit": 1} and rejections == {}
     expected = hf_greedy(tiny_llama_dir, GreedyCase(prompt, 6, True))
     assert all(_tokens(c) == expected for c in chunks.values())
+
+
+def test_a_bad_salt_handed_to_the_orchestrator_is_refused_before_it_is_routed(tiny_llama_dir):
+    """The APIs check cache_salt while parsing; a library caller of Orchestrator.generate gets the same
+    InvalidRequestError, before the router hashes with it (an int has no UTF-8) or a worker sees it."""
+    async def scenario():
+        async with InProcessCluster(tiny_llama_dir) as cluster:
+            messages = []
+            for request_id, cache_salt in (("empty", ""), ("int", 5)):
+                with pytest.raises(InvalidRequestError) as error:
+                    await cluster.generate(request_id, SHARED_PREFIX, GREEDY, cache_salt=cache_salt)
+                messages.append((error.value.field, str(error.value)))
+            await cluster.wait_idle()
+            return messages, _stats(cluster)
+
+    messages, stats = asyncio.run(scenario())
+    assert messages == [("cache_salt", 'cache_salt: must be a non-empty string, got ""'),
+                        ("cache_salt", "cache_salt: must be a non-empty string, got 5")]
+    assert stats == ({}, {})
 
 
 def test_a_restarted_worker_no_longer_claims_its_old_blocks(tiny_llama_dir):
