@@ -372,7 +372,8 @@ class LLM:
                 raise InvalidRequestError(key, "unknown prompt key: a prompt dict has 'prompt' (TextPrompt) or "
                                                "'prompt_token_ids' and an optional 'prompt' (TokensPrompt), and "
                                                "an optional 'cache_salt'")
-        text, cache_salt = prompt.get("prompt"), prompt.get("cache_salt")
+        # vLLM's LLM salts only with a truthy cache_salt: "" is no salt (its HTTP API refuses "", as ours do).
+        text, cache_salt = prompt.get("prompt"), prompt.get("cache_salt") if prompt.get("cache_salt") != "" else None
         if "prompt" in prompt and not isinstance(text, str):
             raise InvalidRequestError("prompt", f"must be a string, got {type(text).__name__}")
         check_cache_salt(cache_salt)

@@ -328,11 +328,13 @@ def test_a_cache_salt_shares_the_prefix_cache_only_with_prompts_of_its_own_salt(
     assert [llm.generate(text_prompt, greedy(4))[0].num_cached_tokens for _ in range(2)] == [0, 16]
     streamed = [delta for delta in llm.stream({"prompt_token_ids": ids, "cache_salt": "user-c"}, greedy(8))]
     assert streamed[-1].num_cached_tokens == 0 and [t for d in streamed for t in d.new_token_ids] == expected
+    # An empty salt is no salt, as in vLLM's LLM: it hits the unsalted prompt's blocks.
+    unsalted, empty = (llm.generate({"prompt": PROMPT, **salt}, greedy(4))[0] for salt in ({}, {"cache_salt": ""}))
+    assert empty.num_cached_tokens == 16 and empty.outputs[0].token_ids == unsalted.outputs[0].token_ids
 
 
 @pytest.mark.parametrize("prompt, field", [
     ({"prompt": PROMPT, "multi_modal_data": {"image": None}}, "multi_modal_data"),
-    ({"prompt": PROMPT, "cache_salt": ""}, "cache_salt"),
     ({"prompt_token_ids": [5, 6], "cache_salt": 5}, "cache_salt"),
     ({"prompt_token_ids": [5, 6], "mm_processor_kwargs": {}}, "mm_processor_kwargs"),
     ({"prompt": PROMPT, "promt_token_ids": [5, 6]}, "promt_token_ids"),
