@@ -240,18 +240,27 @@ class ChatTemplateOptions:
 DEFAULT_CHAT_OPTIONS = ChatTemplateOptions()
 
 
+CONTINUE_FINAL_MESSAGE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+"""transformers' mark for continue_final_message: appended to the final message's content before
+rendering, so the cut lands right after that content even where the content also appears in what
+the template closes the turn with ("end" in "<|im_end|>") or earlier in the chat."""
+
+
+def _marked_final_message(plain: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The messages with CONTINUE_FINAL_MESSAGE_TAG after the final message's content (a copy)."""
+    return [*plain[:-1], {**plain[-1], "content": plain[-1]["content"] + CONTINUE_FINAL_MESSAGE_TAG}]
+
+
 def _open_final_message(text: str, final_content: str) -> str:
-    """`text` cut right after the last message's content, dropping what the template closes the
-    turn with (transformers' continue_final_message, including its handling of a template that
-    strips the message's trailing whitespace)."""
-    stripped = final_content.strip()
-    at = text.rfind(stripped)
-    if at < 0:
+    """`text` (rendered from _marked_final_message) cut right after the last message's content,
+    dropping what the template closes the turn with: transformers' continue_final_message, including
+    its handling of a template that strips the content's trailing whitespace (and so the mark's)."""
+    mark = CONTINUE_FINAL_MESSAGE_TAG.strip()
+    if final_content.strip() not in text or mark not in text:
         raise InvalidRequestError("continue_final_message", "the final message's content does not appear in "
                                                             "the rendered chat")
-    if text[at:at + len(final_content.lstrip())] == final_content.lstrip():
-        return text[:at + len(final_content.lstrip())]
-    return text[:at + len(stripped)]
+    at = text.rindex(mark)
+    return text[:at] if text.startswith(CONTINUE_FINAL_MESSAGE_TAG, at) else text[:at].rstrip()
 
 
 NORMALIZER_SHRINK = 3
@@ -417,9 +426,10 @@ class RouterTokenizer:
                                                   "send a text prompt or token ids instead")
         plain = _validate_messages(messages)
         variables = {**self.special_tokens, **options.template_kwargs}
+        rendered = _marked_final_message(plain) if options.continue_final_message else plain
         try:
             tools = None if options.tools is None else list(options.tools)
-            text = self._chat_template.render(messages=plain, tools=tools, documents=options.documents,
+            text = self._chat_template.render(messages=rendered, tools=tools, documents=options.documents,
                                               add_generation_prompt=add_generation_prompt, **variables)
         except jinja2.TemplateError as error:  # raise_exception(...) and sandbox refusals
             raise InvalidRequestError("messages", f"rejected by the chat template: {error}") from error

@@ -121,6 +121,19 @@ def test_chat_template_matches_transformers(model_dir, add_generation_prompt):
         assert ours.apply_chat_template(messages, add_generation_prompt=add_generation_prompt) == expected
 
 
+@pytest.mark.parametrize("content", ["end", "im", "|>", "Once upon a time", "ends with a space ", "user"])
+def test_continue_final_message_cuts_where_transformers_does(model_dir, content):
+    """The prompt ends right after the final message's content, as transformers' apply_chat_template
+    (which marks the content and cuts at the mark), also when the content is part of what the template
+    closes the turn with ("end" in "<|im_end|>") or of an earlier message ("user")."""
+    ours, hf = RouterTokenizer.from_model_dir(model_dir), _hf(model_dir)
+    messages = [{"role": "user", "content": "Tell a story"}, {"role": "assistant", "content": content}]
+    options = ChatTemplateOptions(continue_final_message=True)
+    expected = hf.apply_chat_template(messages, add_generation_prompt=False, continue_final_message=True,
+                                      tokenize=False)
+    assert ours.render_chat_template(messages, add_generation_prompt=False, options=options) == expected
+
+
 def test_chatml_rendering_is_exact(tiny_llama_dir):
     ours = RouterTokenizer.from_model_dir(tiny_llama_dir)
     text = ours.render_chat_template([{"role": "user", "content": "hi"}])
