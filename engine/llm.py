@@ -15,7 +15,8 @@ from tqdm import tqdm
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from splitserve.common.block_hash import check_cache_salt
-from splitserve.common.chat_template import TEMPLATE_VARIABLES, check_template_kwargs, content_text
+from splitserve.common.chat_template import (TEMPLATE_VARIABLES, check_template_kwargs, content_text,
+                                             parse_call_arguments)
 from splitserve.common.config import EngineConfig, GenerationConfig, SamplingDefaults
 from splitserve.common.generation_config import SAMPLING_KEYS, GenerationConfigFile, resolve_request_defaults
 from splitserve.common.errors import InvalidRequestError
@@ -279,8 +280,7 @@ class LLM:
         writes every special token); a template's refusal is an InvalidRequestError naming what it refused."""
         if not isinstance(conversation, list) or not all(isinstance(message, dict) for message in conversation):
             raise InvalidRequestError(where, "must be a list of {role, content} message dicts")
-        messages = [{**message, "content": content_text(message.get("content"), f"{where}[{index}].content")}
-                    for index, message in enumerate(conversation)]
+        messages = [_template_message(message, f"{where}[{index}]") for index, message in enumerate(conversation)]
         try:
             return list(self.tokenizer.apply_chat_template(messages, **options.apply_chat_template_kwargs(),
                                                            tokenize=True, return_dict=False))
@@ -388,6 +388,26 @@ class LLM:
     def _next_id(self) -> str:
         self._counter += 1
         return f"offline-{self._counter}"
+
+
+def _template_message(message: dict[str, Any], field: str) -> dict[str, Any]:
+    """A copy of `message` as vLLM's LLM.chat hands it to the template (and as the router does): content
+    as a string, and an assistant's tool calls with their JSON arguments parsed (null or "": {}), which
+    templates render with `tojson` or iterate."""
+    rendered = {**message, "content": content_text(message.get("content"), f"{field}.content")}
+    if message.get("role") == "assistant" and isinstance(message.get("tool_calls"), list):
+        rendered["tool_calls"] = [_parsed_tool_call(call, f"{field}.tool_calls[{index}]")
+                                  for index, call in enumerate(message["tool_calls"])]
+    return rendered
+
+
+def _parsed_tool_call(call: object, field: str) -> object:
+    """`call` with its function's arguments parsed; a call of another shape is the template's to read."""
+    if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
+        return call
+    function = call["function"]
+    return {**call, "function": {**function, "arguments": parse_call_arguments(function.get("arguments"),
+                                                                              f"{field}.function")}}
 
 
 def _is_one_prompt(prompts: object) -> bool:

@@ -234,6 +234,40 @@ def test_chat_tools_reach_the_template(llm):
             '\n</tools>') in llm.tokenizer.decode(output.prompt_token_ids)
 
 
+WEATHER_CALL_CHAT = [{"role": "user", "content": "Weather in Paris?"},
+                     {"role": "assistant", "content": None, "tool_calls": [
+                         {"id": "call-1", "type": "function",
+                          "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'}}]},
+                     {"role": "tool", "tool_call_id": "call-1", "content": "sunny"}]
+
+
+def test_chat_hands_a_tool_call_s_json_arguments_to_the_template_parsed_like_vllm_and_the_router(llm):
+    output = llm.chat(WEATHER_CALL_CHAT, greedy(8), chat_template=TOOLS_CHAT_TEMPLATE)[0]
+    parsed = [WEATHER_CALL_CHAT[0], {**WEATHER_CALL_CHAT[1], "content": "", "tool_calls": [
+        {"id": "call-1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+        WEATHER_CALL_CHAT[2]]
+    assert output.prompt_token_ids == _templated(llm, parsed, chat_template=TOOLS_CHAT_TEMPLATE,
+                                                 add_generation_prompt=True)
+    assert '"arguments": {"city": "Paris"}}' in llm.tokenizer.decode(output.prompt_token_ids)
+    assert WEATHER_CALL_CHAT[1]["tool_calls"][0]["function"]["arguments"] == '{"city":"Paris"}'  # not edited
+
+
+@pytest.mark.parametrize("arguments", [None, ""])
+def test_chat_renders_a_tool_call_without_arguments_as_an_empty_object_like_vllm(llm, arguments):
+    call = {"id": "call-1", "type": "function", "function": {"name": "get_weather", "arguments": arguments}}
+    chat = [WEATHER_CALL_CHAT[0], {"role": "assistant", "content": "", "tool_calls": [call]}]
+    output = llm.chat(chat, greedy(8), chat_template=TOOLS_CHAT_TEMPLATE)[0]
+    assert '"arguments": {}}' in llm.tokenizer.decode(output.prompt_token_ids)
+
+
+def test_chat_refuses_a_tool_call_s_arguments_that_are_not_json_naming_them(llm):
+    broken = [WEATHER_CALL_CHAT[0], {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call-1", "type": "function", "function": {"name": "get_weather", "arguments": "{city: Paris"}}]}]
+    with pytest.raises(InvalidRequestError) as refused:
+        llm.chat([WEATHER_CALL_CHAT, broken], greedy(8), chat_template=TOOLS_CHAT_TEMPLATE)
+    assert refused.value.field == "messages[1][1].tool_calls[0].function.arguments"
+
+
 def test_chat_content_as_text_parts_is_joined_with_newlines_like_the_router(llm):
     parts = [{"role": "user", "content": [{"type": "text", "text": "hello"}, {"type": "text", "text": "there"}]}]
     output = llm.chat(parts, greedy(8), chat_template_content_format="string", lora_request=None,
