@@ -226,7 +226,7 @@ class LLM:
         """
         _refuse_given("lora_request", lora_request, "LoRA adapters are not supported")
         _check_use_tqdm(use_tqdm)
-        prompt_list = [prompts] if _is_one_prompt(prompts) else list(prompts)
+        prompt_list = _prompt_list(prompts)
         params = [self._tokenized(sp) for sp in _broadcast_params(
             self._default_params if sampling_params is None else sampling_params, len(prompt_list))]
         jobs = [self._job(self._resolve(p), sp) for p, sp in zip(prompt_list, params)]
@@ -410,6 +410,17 @@ def _parsed_tool_call(call: object, field: str) -> object:
                                                                               f"{field}.function")}}
 
 
+def _prompt_list(prompts: object) -> list[object]:
+    """generate()'s prompts as a list (each is checked as it is resolved); InvalidRequestError naming
+    `prompts` when they are neither one prompt nor a list or tuple of them."""
+    if _is_one_prompt(prompts):
+        return [prompts]
+    if not isinstance(prompts, list | tuple):
+        raise InvalidRequestError("prompts", f"must be a prompt (a str, a list of token ids, a TextPrompt or a "
+                                             f"TokensPrompt dict) or a list of prompts, got {type(prompts).__name__}")
+    return list(prompts)
+
+
 def _is_one_prompt(prompts: object) -> bool:
     """An empty list is no prompts (vLLM's prompt_to_seq), not one prompt of no tokens."""
     return isinstance(prompts, str | dict) or (bool(prompts) and _is_token_list(prompts))
@@ -444,10 +455,20 @@ def _default_sampling_params(model_dir: Path, config: GenerationConfig) -> Sampl
 def _broadcast_params(params: SamplingParams | Sequence[SamplingParams], count: int) -> list[SamplingParams]:
     if isinstance(params, SamplingParams):
         return [params] * count
+    if not isinstance(params, list | tuple) or not all(isinstance(p, SamplingParams) for p in params):
+        raise InvalidRequestError("sampling_params", f"must be a SamplingParams, a list of them (one per prompt) "
+                                                     f"or None, got {_type_names(params)}")
     params = list(params)
     if len(params) != count:
         raise InvalidRequestError("sampling_params", f"got {len(params)} for {count} prompts")
     return params
+
+
+def _type_names(value: object) -> str:
+    """`value`'s type, and its items' for a list or tuple ("list[SamplingParams, dict]")."""
+    if isinstance(value, list | tuple):
+        return f"{type(value).__name__}[{', '.join(type(item).__name__ for item in value)}]"
+    return type(value).__name__
 
 
 def _refuse_given(name: str, value: object, reason: str) -> None:

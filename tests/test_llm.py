@@ -443,6 +443,20 @@ def test_invalid_prompt_names_the_field_and_allocates_nothing(llm, prompt, field
     assert field in str(error.value)
 
 
+@pytest.mark.parametrize("call, field", [
+    (dict(prompts=None), "prompts"),
+    (dict(prompts=123), "prompts"),
+    (dict(prompts={PROMPT}), "prompts"),
+    (dict(prompts=PROMPT, sampling_params={"max_tokens": 2}), "sampling_params"),
+    (dict(prompts=[PROMPT, PROMPT], sampling_params=[greedy(), {"max_tokens": 2}]), "sampling_params"),
+    (dict(prompts=PROMPT, sampling_params="greedy"), "sampling_params"),
+])
+def test_generate_refuses_arguments_of_the_wrong_type_naming_them(llm, call, field):
+    with pytest.raises(InvalidRequestError) as error:
+        llm.generate(**{"sampling_params": greedy(), **call})
+    assert error.value.field == field
+
+
 def test_max_model_len_ends_with_length(tiny_llama_dir):
     engine = EngineCore(tiny_llama_dir, EngineConfig(block_size=16, num_kv_blocks=8, max_model_len=40))
     outputs = _run(engine, {"long": (list(range(3, 33)), greedy(100))})
