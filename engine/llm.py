@@ -288,6 +288,8 @@ class LLM:
             raise InvalidRequestError("chat_template", f"does not compile: {error} (line {error.lineno})") from error
         except jinja2.TemplateError as error:  # raise_exception(...) in the template, sandbox refusals
             raise InvalidRequestError(where, f"rejected by the chat template: {error}") from error
+        except TypeError as error:  # chat_template_kwargs replacing what the template calls (as in the router)
+            raise InvalidRequestError(where, f"rejected by the chat template: TypeError: {error}") from error
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[CompletionDelta]:
         """Deltas of one request as the engine produces them. Several streams (and generate() calls)

@@ -433,6 +433,10 @@ class RouterTokenizer:
                                               add_generation_prompt=add_generation_prompt, **variables)
         except jinja2.TemplateError as error:  # raise_exception(...) and sandbox refusals
             raise InvalidRequestError("messages", f"rejected by the chat template: {error}") from error
+        except TypeError as error:
+            # A client's chat_template_kwargs can replace what the template calls or concatenates (its
+            # namespace(), raise_exception, bos_token): a bad request, as vLLM answers it (400), not a 500.
+            raise InvalidRequestError("messages", f"rejected by the chat template: TypeError: {error}") from error
         _check_rendered_unicode(text, options.tools)
         return _open_final_message(text, plain[-1]["content"]) if options.continue_final_message else text
 

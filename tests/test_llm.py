@@ -309,6 +309,14 @@ def test_bad_chat_options_are_refused_naming_the_argument_before_anything_runs(l
     assert llm.stats().num_prompt_tokens == prompt_tokens
 
 
+def test_chat_template_kwargs_that_break_the_template_s_own_calls_are_refused_as_the_router_does(llm):
+    template = "{%- set ns = namespace(turns=0) %}{{ messages[0]['content'] }}"
+    with pytest.raises(InvalidRequestError) as refused:
+        llm.chat([{"role": "user", "content": "hello"}], greedy(8), chat_template=template,
+                 chat_template_kwargs={"namespace": 1})
+    assert str(refused.value) == "messages: rejected by the chat template: TypeError: 'int' object is not callable"
+
+
 def test_chat_refuses_a_non_text_content_part_naming_it(llm):
     image = [{"role": "user", "content": [{"type": "text", "text": "what is this?"},
                                           {"type": "image_url", "image_url": {"url": "x"}}]}]
