@@ -348,7 +348,11 @@ class LLM:
                                               for i, sequence_id in enumerate(ids)))
 
     def _tokenized(self, params: SamplingParams) -> SamplingParams:
-        """params with its bad_words tokenized by the model's tokenizer (as the router does)."""
+        """params with its bad_words tokenized by the model's tokenizer (as the router does);
+        InvalidRequestError naming sampling_params when it is not a SamplingParams."""
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError("sampling_params", f"must be a SamplingParams (or None), got "
+                                                         f"{type(params).__name__}")
         if not params.bad_words or params.bad_words_token_ids:
             return params
         return params.with_bad_words_tokenized(lambda text: self.tokenizer.encode(text, add_special_tokens=False))
@@ -457,20 +461,13 @@ def _default_sampling_params(model_dir: Path, config: GenerationConfig) -> Sampl
 def _broadcast_params(params: SamplingParams | Sequence[SamplingParams], count: int) -> list[SamplingParams]:
     if isinstance(params, SamplingParams):
         return [params] * count
-    if not isinstance(params, list | tuple) or not all(isinstance(p, SamplingParams) for p in params):
+    if not isinstance(params, list | tuple):  # each item is checked by LLM._tokenized
         raise InvalidRequestError("sampling_params", f"must be a SamplingParams, a list of them (one per prompt) "
-                                                     f"or None, got {_type_names(params)}")
+                                                     f"or None, got {type(params).__name__}")
     params = list(params)
     if len(params) != count:
         raise InvalidRequestError("sampling_params", f"got {len(params)} for {count} prompts")
     return params
-
-
-def _type_names(value: object) -> str:
-    """`value`'s type, and its items' for a list or tuple ("list[SamplingParams, dict]")."""
-    if isinstance(value, list | tuple):
-        return f"{type(value).__name__}[{', '.join(type(item).__name__ for item in value)}]"
-    return type(value).__name__
 
 
 def _refuse_given(name: str, value: object, reason: str) -> None:

@@ -465,6 +465,12 @@ def test_generate_refuses_arguments_of_the_wrong_type_naming_them(llm, call, fie
     assert error.value.field == field
 
 
+def test_stream_refuses_sampling_params_that_are_not_a_sampling_params(llm):
+    with pytest.raises(InvalidRequestError) as error:
+        next(llm.stream(PROMPT, {"max_tokens": 2}))
+    assert error.value.field == "sampling_params"
+
+
 def test_max_model_len_ends_with_length(tiny_llama_dir):
     engine = EngineCore(tiny_llama_dir, EngineConfig(block_size=16, num_kv_blocks=8, max_model_len=40))
     outputs = _run(engine, {"long": (list(range(3, 33)), greedy(100))})
