@@ -212,8 +212,15 @@ def _validate_messages(messages: object) -> list[dict[str, Any]]:
     return plain
 
 
-_RESERVED_TEMPLATE_VARIABLES = dict.fromkeys(TEMPLATE_VARIABLES, "is set by the request's own fields")
-"""Template variables a request's chat_template_kwargs may not set (their own fields set them)."""
+_RESERVED_TEMPLATE_VARIABLES = {
+    **dict.fromkeys(TEMPLATE_VARIABLES, "is set by the request's own fields"),
+    # vLLM refuses these two in chat_template_kwargs, and reads continue_final_message there as the
+    # option: as a mere template variable each would be ignored without a word.
+    "chat_template": "a request may not bring its own template (start the server with --chat-template)",
+    "tokenize": "is not a template variable (vLLM refuses it here too)",
+    "continue_final_message": "is set by the request's own field continue_final_message",
+}
+"""Template variables a request's chat_template_kwargs may not set, each with why."""
 
 
 @dataclass(frozen=True)

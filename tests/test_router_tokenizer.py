@@ -295,6 +295,20 @@ def test_chat_template_kwargs_that_break_the_template_s_own_calls_are_invalid_re
     assert str(raised.value) == f"messages: rejected by the chat template: {error}"
 
 
+@pytest.mark.parametrize("key, reason", [
+    ("chat_template", "a request may not bring its own template (start the server with --chat-template)"),
+    ("tokenize", "is not a template variable (vLLM refuses it here too)"),
+    ("continue_final_message", "is set by the request's own field continue_final_message"),
+    ("add_generation_prompt", "is set by the request's own fields"),
+])
+def test_chat_template_kwargs_that_vllm_refuses_or_reads_as_options_are_refused(key, reason):
+    """vLLM refuses chat_template and tokenize here and takes continue_final_message as the option; a
+    template variable of that name would be ignored without a word."""
+    with pytest.raises(InvalidRequestError) as raised:
+        ChatTemplateOptions(template_kwargs={key: True})
+    assert str(raised.value) == f"chat_template_kwargs.{key}: {reason}"
+
+
 def test_sandbox_refuses_unsafe_templates(no_template_dir, tmp_path):
     shutil.copy(no_template_dir / "tokenizer.json", tmp_path / "tokenizer.json")
     (tmp_path / "chat_template.jinja").write_text("{{ messages.__class__.__mro__ }}")
