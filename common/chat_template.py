@@ -1,13 +1,14 @@
 """Chat template rules shared by the router (torch-free rendering) and the offline `LLM.chat`
-(transformers' apply_chat_template): how a message's content becomes the text a template sees, and
-which variables a caller's chat_template_kwargs may not set."""
+(transformers' apply_chat_template): how a message's content and its tool calls' arguments become
+what a template sees, and which variables a caller's chat_template_kwargs may not set."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from typing import Any
 
-from splitserve.common.errors import InvalidRequestError
+from splitserve.common.errors import InvalidRequestError, json_excerpt
 
 TEMPLATE_VARIABLES = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
 """Variables every chat template is rendered with from the caller's own arguments (transformers'
@@ -46,3 +47,18 @@ def check_template_kwargs(template_kwargs: Mapping[str, Any], reserved: Mapping[
     taken = sorted(reserved.keys() & template_kwargs.keys())
     if taken:
         raise InvalidRequestError(f"chat_template_kwargs.{taken[0]}", reserved[taken[0]])
+
+
+def parse_call_arguments(value: Any, field: str) -> Any:
+    """A call's arguments: JSON text parsed (vLLM's rule: null or "" is {}; an object already parsed
+    is taken as it is); InvalidRequestError naming `field`.arguments otherwise."""
+    if not value:
+        return {}
+    if isinstance(value, (dict, list)):
+        return value
+    if not isinstance(value, str):
+        raise InvalidRequestError(f"{field}.arguments", f"must be a JSON string, got {json_excerpt(value)}")
+    try:
+        return json.loads(value)
+    except (ValueError, RecursionError) as error:  # RecursionError: nested deeper than the decoder goes
+        raise InvalidRequestError(f"{field}.arguments", f"is not valid JSON: {error}") from None

@@ -15,7 +15,8 @@ from tqdm import tqdm
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from splitserve.common.block_hash import check_cache_salt
-from splitserve.common.chat_template import TEMPLATE_VARIABLES, check_template_kwargs, content_text
+from splitserve.common.chat_template import (TEMPLATE_VARIABLES, check_template_kwargs, content_text,
+                                             parse_call_arguments)
 from splitserve.common.config import EngineConfig, GenerationConfig, SamplingDefaults
 from splitserve.common.generation_config import SAMPLING_KEYS, GenerationConfigFile, resolve_request_defaults
 from splitserve.common.errors import InvalidRequestError
@@ -225,7 +226,7 @@ class LLM:
         """
         _refuse_given("lora_request", lora_request, "LoRA adapters are not supported")
         _check_use_tqdm(use_tqdm)
-        prompt_list = [prompts] if _is_one_prompt(prompts) else list(prompts)
+        prompt_list = _prompt_list(prompts)
         params = [self._tokenized(sp) for sp in _broadcast_params(
             self._default_params if sampling_params is None else sampling_params, len(prompt_list))]
         jobs = [self._job(self._resolve(p), sp) for p, sp in zip(prompt_list, params)]
@@ -279,8 +280,7 @@ class LLM:
         writes every special token); a template's refusal is an InvalidRequestError naming what it refused."""
         if not isinstance(conversation, list) or not all(isinstance(message, dict) for message in conversation):
             raise InvalidRequestError(where, "must be a list of {role, content} message dicts")
-        messages = [{**message, "content": content_text(message.get("content"), f"{where}[{index}].content")}
-                    for index, message in enumerate(conversation)]
+        messages = [_template_message(message, f"{where}[{index}]") for index, message in enumerate(conversation)]
         try:
             return list(self.tokenizer.apply_chat_template(messages, **options.apply_chat_template_kwargs(),
                                                            tokenize=True, return_dict=False))
@@ -288,6 +288,8 @@ class LLM:
             raise InvalidRequestError("chat_template", f"does not compile: {error} (line {error.lineno})") from error
         except jinja2.TemplateError as error:  # raise_exception(...) in the template, sandbox refusals
             raise InvalidRequestError(where, f"rejected by the chat template: {error}") from error
+        except TypeError as error:  # chat_template_kwargs replacing what the template calls (as in the router)
+            raise InvalidRequestError(where, f"rejected by the chat template: TypeError: {error}") from error
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[CompletionDelta]:
         """Deltas of one request as the engine produces them. Several streams (and generate() calls)
@@ -346,7 +348,11 @@ class LLM:
                                               for i, sequence_id in enumerate(ids)))
 
     def _tokenized(self, params: SamplingParams) -> SamplingParams:
-        """params with its bad_words tokenized by the model's tokenizer (as the router does)."""
+        """params with its bad_words tokenized by the model's tokenizer (as the router does);
+        InvalidRequestError naming sampling_params when it is not a SamplingParams."""
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError("sampling_params", f"must be a SamplingParams (or None), got "
+                                                         f"{type(params).__name__}")
         if not params.bad_words or params.bad_words_token_ids:
             return params
         return params.with_bad_words_tokenized(lambda text: self.tokenizer.encode(text, add_special_tokens=False))
@@ -390,6 +396,37 @@ class LLM:
         return f"offline-{self._counter}"
 
 
+def _template_message(message: dict[str, Any], field: str) -> dict[str, Any]:
+    """A copy of `message` as vLLM's LLM.chat hands it to the template (and as the router does): content
+    as a string, and an assistant's tool calls with their JSON arguments parsed (null or "": {}), which
+    templates render with `tojson` or iterate."""
+    rendered = {**message, "content": content_text(message.get("content"), f"{field}.content")}
+    if message.get("role") == "assistant" and isinstance(message.get("tool_calls"), list):
+        rendered["tool_calls"] = [_parsed_tool_call(call, f"{field}.tool_calls[{index}]")
+                                  for index, call in enumerate(message["tool_calls"])]
+    return rendered
+
+
+def _parsed_tool_call(call: object, field: str) -> object:
+    """`call` with its function's arguments parsed; a call of another shape is the template's to read."""
+    if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
+        return call
+    function = call["function"]
+    return {**call, "function": {**function, "arguments": parse_call_arguments(function.get("arguments"),
+                                                                              f"{field}.function")}}
+
+
+def _prompt_list(prompts: object) -> list[object]:
+    """generate()'s prompts as a list (each is checked as it is resolved); InvalidRequestError naming
+    `prompts` when they are neither one prompt nor a list or tuple of them."""
+    if _is_one_prompt(prompts):
+        return [prompts]
+    if not isinstance(prompts, list | tuple):
+        raise InvalidRequestError("prompts", f"must be a prompt (a str, a list of token ids, a TextPrompt or a "
+                                             f"TokensPrompt dict) or a list of prompts, got {type(prompts).__name__}")
+    return list(prompts)
+
+
 def _is_one_prompt(prompts: object) -> bool:
     """An empty list is no prompts (vLLM's prompt_to_seq), not one prompt of no tokens."""
     return isinstance(prompts, str | dict) or (bool(prompts) and _is_token_list(prompts))
@@ -424,6 +461,9 @@ def _default_sampling_params(model_dir: Path, config: GenerationConfig) -> Sampl
 def _broadcast_params(params: SamplingParams | Sequence[SamplingParams], count: int) -> list[SamplingParams]:
     if isinstance(params, SamplingParams):
         return [params] * count
+    if not isinstance(params, list | tuple):  # each item is checked by LLM._tokenized
+        raise InvalidRequestError("sampling_params", f"must be a SamplingParams, a list of them (one per prompt) "
+                                                     f"or None, got {type(params).__name__}")
     params = list(params)
     if len(params) != count:
         raise InvalidRequestError("sampling_params", f"got {len(params)} for {count} prompts")

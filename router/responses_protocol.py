@@ -26,6 +26,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from splitserve.common.chat_template import parse_call_arguments
 from splitserve.common.errors import InvalidRequestError, json_excerpt
 from splitserve.common.generation_config import NO_REQUEST_DEFAULTS, RequestDefaults
 from splitserve.router.api_types import StreamChunk, Usage
@@ -33,7 +34,7 @@ from splitserve.router.openai_fields import Refused, refuse_unsupported
 from splitserve.router.openai_protocol import ChatCompletionRequest, ResponseHeader, parse_chat_request
 from splitserve.router.reasoning_parsers import ReasoningDelta, ReasoningOutput, ReasoningParser
 from splitserve.router.request_limits import RequestLimits
-from splitserve.router.tool_calling import ToolChoice, parse_call_arguments
+from splitserve.router.tool_calling import ToolChoice
 from splitserve.router.tool_parsers import OutputDelta, OutputParser, ToolCallDelta, ToolOutput
 
 _NOT_STORED = "responses are not stored (send the whole conversation as input)"

@@ -212,8 +212,15 @@ def _validate_messages(messages: object) -> list[dict[str, Any]]:
     return plain
 
 
-_RESERVED_TEMPLATE_VARIABLES = dict.fromkeys(TEMPLATE_VARIABLES, "is set by the request's own fields")
-"""Template variables a request's chat_template_kwargs may not set (their own fields set them)."""
+_RESERVED_TEMPLATE_VARIABLES = {
+    **dict.fromkeys(TEMPLATE_VARIABLES, "is set by the request's own fields"),
+    # vLLM refuses these two in chat_template_kwargs, and reads continue_final_message there as the
+    # option: as a mere template variable each would be ignored without a word.
+    "chat_template": "a request may not bring its own template (start the server with --chat-template)",
+    "tokenize": "is not a template variable (vLLM refuses it here too)",
+    "continue_final_message": "is set by the request's own field continue_final_message",
+}
+"""Template variables a request's chat_template_kwargs may not set, each with why."""
 
 
 @dataclass(frozen=True)
@@ -433,6 +440,10 @@ class RouterTokenizer:
                                               add_generation_prompt=add_generation_prompt, **variables)
         except jinja2.TemplateError as error:  # raise_exception(...) and sandbox refusals
             raise InvalidRequestError("messages", f"rejected by the chat template: {error}") from error
+        except TypeError as error:
+            # A client's chat_template_kwargs can replace what the template calls or concatenates (its
+            # namespace(), raise_exception, bos_token): a bad request, as vLLM answers it (400), not a 500.
+            raise InvalidRequestError("messages", f"rejected by the chat template: TypeError: {error}") from error
         _check_rendered_unicode(text, options.tools)
         return _open_final_message(text, plain[-1]["content"]) if options.continue_final_message else text
 

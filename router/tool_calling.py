@@ -24,6 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from splitserve.common.chat_template import parse_call_arguments
 from splitserve.common.errors import InvalidRequestError, json_excerpt
 from splitserve.common.structured_output import StructuredOutput
 from splitserve.router.request_limits import RequestLimits
@@ -257,19 +258,3 @@ def _history_call(call: Any, field: str) -> HistoryToolCall:
                                                        f"{json_excerpt(function)}")
     arguments = parse_call_arguments(function.get("arguments"), f"{field}.function")
     return HistoryToolCall(call_id, function["name"], arguments)
-
-
-def parse_call_arguments(value: Any, field: str) -> Any:
-    """A call's arguments: JSON text parsed (vLLM's rule: null or "" is {}; an object already parsed
-    is taken as it is); InvalidRequestError naming `field`.arguments otherwise."""
-    if not value:
-        return {}
-    if isinstance(value, (dict, list)):
-        return value
-    if not isinstance(value, str):
-        raise InvalidRequestError(f"{field}.arguments", f"must be a JSON string, got {json_excerpt(value)}")
-    try:
-        return json.loads(value)
-    except (ValueError, RecursionError) as error:  # RecursionError: nested deeper than the decoder goes
-        raise InvalidRequestError(f"{field}.arguments", f"is not valid JSON: {error}") from None
-

@@ -234,6 +234,40 @@ def test_chat_tools_reach_the_template(llm):
             '\n</tools>') in llm.tokenizer.decode(output.prompt_token_ids)
 
 
+WEATHER_CALL_CHAT = [{"role": "user", "content": "Weather in Paris?"},
+                     {"role": "assistant", "content": None, "tool_calls": [
+                         {"id": "call-1", "type": "function",
+                          "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'}}]},
+                     {"role": "tool", "tool_call_id": "call-1", "content": "sunny"}]
+
+
+def test_chat_hands_a_tool_call_s_json_arguments_to_the_template_parsed_like_vllm_and_the_router(llm):
+    output = llm.chat(WEATHER_CALL_CHAT, greedy(8), chat_template=TOOLS_CHAT_TEMPLATE)[0]
+    parsed = [WEATHER_CALL_CHAT[0], {**WEATHER_CALL_CHAT[1], "content": "", "tool_calls": [
+        {"id": "call-1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+        WEATHER_CALL_CHAT[2]]
+    assert output.prompt_token_ids == _templated(llm, parsed, chat_template=TOOLS_CHAT_TEMPLATE,
+                                                 add_generation_prompt=True)
+    assert '"arguments": {"city": "Paris"}}' in llm.tokenizer.decode(output.prompt_token_ids)
+    assert WEATHER_CALL_CHAT[1]["tool_calls"][0]["function"]["arguments"] == '{"city":"Paris"}'  # not edited
+
+
+@pytest.mark.parametrize("arguments", [None, ""])
+def test_chat_renders_a_tool_call_without_arguments_as_an_empty_object_like_vllm(llm, arguments):
+    call = {"id": "call-1", "type": "function", "function": {"name": "get_weather", "arguments": arguments}}
+    chat = [WEATHER_CALL_CHAT[0], {"role": "assistant", "content": "", "tool_calls": [call]}]
+    output = llm.chat(chat, greedy(8), chat_template=TOOLS_CHAT_TEMPLATE)[0]
+    assert '"arguments": {}}' in llm.tokenizer.decode(output.prompt_token_ids)
+
+
+def test_chat_refuses_a_tool_call_s_arguments_that_are_not_json_naming_them(llm):
+    broken = [WEATHER_CALL_CHAT[0], {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call-1", "type": "function", "function": {"name": "get_weather", "arguments": "{city: Paris"}}]}]
+    with pytest.raises(InvalidRequestError) as refused:
+        llm.chat([WEATHER_CALL_CHAT, broken], greedy(8), chat_template=TOOLS_CHAT_TEMPLATE)
+    assert refused.value.field == "messages[1][1].tool_calls[0].function.arguments"
+
+
 def test_chat_content_as_text_parts_is_joined_with_newlines_like_the_router(llm):
     parts = [{"role": "user", "content": [{"type": "text", "text": "hello"}, {"type": "text", "text": "there"}]}]
     output = llm.chat(parts, greedy(8), chat_template_content_format="string", lora_request=None,
@@ -273,6 +307,14 @@ def test_bad_chat_options_are_refused_naming_the_argument_before_anything_runs(l
     assert refused.value.field == field
     assert isinstance(refused.value, ValueError)
     assert llm.stats().num_prompt_tokens == prompt_tokens
+
+
+def test_chat_template_kwargs_that_break_the_template_s_own_calls_are_refused_as_the_router_does(llm):
+    template = "{%- set ns = namespace(turns=0) %}{{ messages[0]['content'] }}"
+    with pytest.raises(InvalidRequestError) as refused:
+        llm.chat([{"role": "user", "content": "hello"}], greedy(8), chat_template=template,
+                 chat_template_kwargs={"namespace": 1})
+    assert str(refused.value) == "messages: rejected by the chat template: TypeError: 'int' object is not callable"
 
 
 def test_chat_refuses_a_non_text_content_part_naming_it(llm):
@@ -407,6 +449,26 @@ def test_invalid_prompt_names_the_field_and_allocates_nothing(llm, prompt, field
         llm.generate([[5, 6, 7], prompt], greedy())
     assert error.value.field == field
     assert field in str(error.value)
+
+
+@pytest.mark.parametrize("call, field", [
+    (dict(prompts=None), "prompts"),
+    (dict(prompts=123), "prompts"),
+    (dict(prompts={PROMPT}), "prompts"),
+    (dict(prompts=PROMPT, sampling_params={"max_tokens": 2}), "sampling_params"),
+    (dict(prompts=[PROMPT, PROMPT], sampling_params=[greedy(), {"max_tokens": 2}]), "sampling_params"),
+    (dict(prompts=PROMPT, sampling_params="greedy"), "sampling_params"),
+])
+def test_generate_refuses_arguments_of_the_wrong_type_naming_them(llm, call, field):
+    with pytest.raises(InvalidRequestError) as error:
+        llm.generate(**{"sampling_params": greedy(), **call})
+    assert error.value.field == field
+
+
+def test_stream_refuses_sampling_params_that_are_not_a_sampling_params(llm):
+    with pytest.raises(InvalidRequestError) as error:
+        next(llm.stream(PROMPT, {"max_tokens": 2}))
+    assert error.value.field == "sampling_params"
 
 
 def test_max_model_len_ends_with_length(tiny_llama_dir):

@@ -275,6 +275,40 @@ def test_template_refusal_is_an_invalid_request(custom_dir):
     assert raised.value.field == "messages"
 
 
+@pytest.mark.parametrize("template_kwargs, error", [
+    ({"namespace": 1}, "TypeError: 'int' object is not callable"),
+    ({"raise_exception": "no"}, "TypeError: 'str' object is not callable"),
+    ({"bos_token": 5}, "TypeError: unsupported operand type(s) for +: 'int' and 'str'"),
+])
+def test_chat_template_kwargs_that_break_the_template_s_own_calls_are_invalid_requests(tiny_llama_dir, template_kwargs,
+                                                                                      error):
+    """A client's variables can replace the helpers real templates call (Qwen3's namespace(), Llama 3's
+    raise_exception) or the special tokens they concatenate: the template then raises TypeError, which
+    vLLM answers with 400, not a 500."""
+    template = ("{%- set ns = namespace(turns=0) %}{%- if messages | length > 4 %}{{ raise_exception('long') }}"
+                "{%- endif %}{{ bos_token + messages[0]['content'] }}")
+    tokenizer = RouterTokenizer.from_model_dir(tiny_llama_dir, template)
+    chat = [{"role": "user", "content": "Hi"}] * (5 if "raise_exception" in template_kwargs else 1)
+    with pytest.raises(InvalidRequestError) as raised:
+        tokenizer.apply_chat_template(chat, True, ChatTemplateOptions(template_kwargs=template_kwargs))
+    assert raised.value.field == "messages"
+    assert str(raised.value) == f"messages: rejected by the chat template: {error}"
+
+
+@pytest.mark.parametrize("key, reason", [
+    ("chat_template", "a request may not bring its own template (start the server with --chat-template)"),
+    ("tokenize", "is not a template variable (vLLM refuses it here too)"),
+    ("continue_final_message", "is set by the request's own field continue_final_message"),
+    ("add_generation_prompt", "is set by the request's own fields"),
+])
+def test_chat_template_kwargs_that_vllm_refuses_or_reads_as_options_are_refused(key, reason):
+    """vLLM refuses chat_template and tokenize here and takes continue_final_message as the option; a
+    template variable of that name would be ignored without a word."""
+    with pytest.raises(InvalidRequestError) as raised:
+        ChatTemplateOptions(template_kwargs={key: True})
+    assert str(raised.value) == f"chat_template_kwargs.{key}: {reason}"
+
+
 def test_sandbox_refuses_unsafe_templates(no_template_dir, tmp_path):
     shutil.copy(no_template_dir / "tokenizer.json", tmp_path / "tokenizer.json")
     (tmp_path / "chat_template.jinja").write_text("{{ messages.__class__.__mro__ }}")
