@@ -174,6 +174,9 @@ def _add_generate(commands: argparse._SubParsersAction) -> None:
                         help="model directory, or 'default' for the embedded model (the default); with --target, "
                              "the served model's name (default: the one it serves)")
     parser.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    parser.add_argument("--cache-salt", default=None, metavar="SALT",
+                        help="with --target: salt the prompt's prefix-cache blocks (vLLM's cache_salt): it reuses "
+                             "cached blocks only of requests with the same salt")
     _add_sampling_flags(parser)
     _add_engine_flags(parser)
     parser.set_defaults(handler=_generate)
@@ -239,8 +242,8 @@ def _remote_request(args: argparse.Namespace):
     params = _sampling_params(args)  # validated here: a bad flag exits 2 before anything is sent
     if args.chat:
         return build_generate_request(messages=[{"role": "user", "content": args.prompt}], params=params,
-                                      model=args.model or "")
-    return build_generate_request(text=args.prompt, params=params, model=args.model or "")
+                                      model=args.model or "", cache_salt=args.cache_salt)
+    return build_generate_request(text=args.prompt, params=params, model=args.model or "", cache_salt=args.cache_salt)
 
 
 def _summary(final) -> str:

@@ -143,15 +143,18 @@ def _set_prompt(request: generation_pb2.GenerateRequest, text: str | None, token
 def build_generate_request(*, text: str | None = None, token_ids: Sequence[int] | None = None,
                            messages: Sequence[Mapping[str, str]] | None = None,
                            add_generation_prompt: bool | None = None, params: SamplingParams | None = None,
-                           request_id: str = "", model: str = "") -> generation_pb2.GenerateRequest:
+                           request_id: str = "", model: str = "",
+                           cache_salt: str | None = None) -> generation_pb2.GenerateRequest:
     """A GenerateRequest for exactly one of text / token_ids / chat messages ({"role", "content"} each).
 
     add_generation_prompt (chat only) and sampling fields are left unset unless given, so the
     server's defaults apply; an empty request_id lets the router make one, an empty model means
-    the served model.
+    the served model; cache_salt (vLLM's, a non-empty string) salts the prompt's prefix-cache blocks.
     """
     request = generation_pb2.GenerateRequest(request_id=request_id, model=model)
     _set_prompt(request, text, token_ids, messages, add_generation_prompt)
+    if cache_salt is not None:
+        request.cache_salt = cache_salt
     if params is not None:
         request.sampling.CopyFrom(sampling_to_proto(params))
     return request

@@ -110,8 +110,20 @@ def test_chat_and_token_id_requests():
     assert (chat.request_id, chat.model) == ("r1", "m")
     ids = build_generate_request(token_ids=[5, 6, 7])
     assert ids.WhichOneof("prompt") == "token_ids" and list(ids.token_ids.ids) == [5, 6, 7]
+    assert not ids.HasField("cache_salt") and not chat.HasField("cache_salt")
+    assert build_generate_request(text="a", cache_salt="tenant-a").cache_salt == "tenant-a"
     with pytest.raises(ValueError, match="exactly one of text, token_ids or messages"):
         build_generate_request(text="a", token_ids=[1])
+
+
+def test_generate_sends_its_cache_salt_and_chat_flags():
+    from splitserve.deploy.cli import _remote_request, build_parser
+
+    args = build_parser().parse_args(["generate", "--target", "127.0.0.1:1", "--cache-salt", "tenant-a", "--chat", "hi"])
+    request = _remote_request(args)
+    assert (request.cache_salt, request.WhichOneof("prompt")) == ("tenant-a", "chat")
+    unsalted = _remote_request(build_parser().parse_args(["generate", "--target", "127.0.0.1:1", "hi"]))
+    assert not unsalted.HasField("cache_salt") and unsalted.text == b"hi"
 
 
 def test_wire_sampling_fields_match_the_engine_sampling_params():
