@@ -181,12 +181,20 @@ class _Job:
 class LLM:
     def __init__(self, model: str | Path, show_progress: bool = False, enforce_eager: bool = False,
                  generation_config: str = "auto", override_generation_config: dict[str, float | int] | None = None,
+                 tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, trust_remote_code: bool = False,
                  **engine_config) -> None:
         """`engine_config`: EngineConfig's fields. `enforce_eager` (vLLM's, the CLI's `--enforce-eager`):
         never capture CUDA graphs, i.e. cuda_graphs=False; refused together with cuda_graphs=True.
+        `tensor_parallel_size` / `pipeline_parallel_size` (vLLM's): 1 only, one device per engine, as the CLI's
+        flags; `trust_remote_code` (vLLM's) is accepted and changes nothing: no model-directory code runs.
         `generation_config` and `override_generation_config` (vLLM's, the CLI's `--generation-config` and
         `--override-generation-config`): where get_default_sampling_params() takes its values from.
         `model`: a model directory, or an embedded model's name ("default", "default-draft") as on the CLI."""
+        for name, size in (("tensor_parallel_size", tensor_parallel_size),
+                           ("pipeline_parallel_size", pipeline_parallel_size)):
+            if size != 1:
+                raise ValueError(f"{name}: only 1 is supported, got {size!r}: an engine runs on one device; scale "
+                                 "out with `splitserve serve --prefill-workers / --decode-workers` instead")
         model = resolve_model_path(model)
         self._default_params = _default_sampling_params(model, GenerationConfig(
             generation_config, _sampling_overrides(override_generation_config or {})))

@@ -97,6 +97,16 @@ def test_llm_takes_an_embedded_models_name_as_the_cli_does(tmp_path):
         LLM(tmp_path / "missing")
 
 
+def test_llm_takes_vllms_parallelism_and_remote_code_arguments_at_their_one_device_values():
+    greedy = SamplingParams(max_tokens=4, temperature=0)
+    llm = LLM(DEFAULT_MODEL_NAME, dtype="float32", tensor_parallel_size=1, pipeline_parallel_size=1,
+              trust_remote_code=True)
+    assert len(llm.generate([[5, 6, 7]], greedy)[0].token_ids) == 4
+    for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+        with pytest.raises(ValueError, match=f"^{name}: only 1 is supported, got 2: an engine runs on one device"):
+            LLM(DEFAULT_MODEL_NAME, **{name: 2})
+
+
 def test_the_default_model_is_not_gibberish():
     assert read_record(resolve_model_path(DEFAULT_MODEL_NAME)).heldout_perplexity < DEFAULT_PERPLEXITY_BOUND
 
