@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+import reprlib
+import sys
+from dataclasses import dataclass, fields
+from typing import get_args, get_type_hints
 
 from splitserve.common.errors import InvalidRequestError
 from splitserve.common.sampling_params import SamplingParams
@@ -26,6 +30,37 @@ DEFAULT_KV_CACHE_MEMORY_BYTES = 1 << 30
 def _check(ok: bool, message: str) -> None:
     if not ok:
         raise ValueError(message)
+
+
+SCALAR_KINDS = {bool: "a boolean", int: "an integer", float: "a finite number", str: "a string", type(None): "null"}
+"""The scalar field types a config checks by value, each as its messages name it."""
+
+
+def is_scalar_kind(value: object, kind: object) -> bool:
+    """Whether `value` is a valid `kind` (one of SCALAR_KINDS): an int is a float, a bool is no number,
+    inf and nan are no float."""
+    if isinstance(value, bool) or kind is bool:
+        return isinstance(value, bool) and kind is bool
+    if kind is float:  # the comparison is False for inf and nan
+        return isinstance(value, (int, float)) and abs(value) <= sys.float_info.max
+    return isinstance(value, kind)
+
+
+@functools.cache
+def _scalar_fields(config_class: type) -> tuple[tuple[str, tuple[type, ...]], ...]:
+    """(name, allowed kinds) of config_class's fields typed with scalars only (`int`, `float | None`, ...)."""
+    hints = get_type_hints(config_class)
+    kinds = {spec.name: get_args(hints[spec.name]) or (hints[spec.name],) for spec in fields(config_class)}
+    return tuple((name, allowed) for name, allowed in kinds.items() if all(kind in SCALAR_KINDS for kind in allowed))
+
+
+def check_scalar_fields(config: object) -> None:
+    """ValueError naming the first scalar-typed field whose value is not of its type ("block_size must be
+    an integer, got '16'"): a config built in Python is held to what a config file is (deploy/cluster_config)."""
+    for name, allowed in _scalar_fields(type(config)):
+        value = getattr(config, name)
+        _check(any(is_scalar_kind(value, kind) for kind in allowed),
+               f"{name} must be {' or '.join(SCALAR_KINDS[kind] for kind in allowed)}, got {reprlib.repr(value)}")
 
 
 @dataclass(frozen=True)
@@ -62,6 +97,7 @@ class SpeculativeConfig:
         return DEFAULT_BATCH_LIMITS[self.method]
 
     def __post_init__(self) -> None:
+        check_scalar_fields(self)
         _check(self.method in SPECULATIVE_METHODS, f"speculative.method must be one of {SPECULATIVE_METHODS}, "
                                                    f"got {self.method!r}")
         _check(1 <= self.num_speculative_tokens <= 16,
@@ -132,6 +168,7 @@ class EngineConfig:
     """Input channels per scale of `int4` (32, 64 or 128); GPTQ/AWQ checkpoints bring their own."""
 
     def __post_init__(self) -> None:
+        check_scalar_fields(self)
         _check(self.block_size >= 1, f"block_size must be >= 1, got {self.block_size}")
         _check(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         _check(self.max_num_batched_tokens >= 1,

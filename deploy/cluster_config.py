@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import reprlib
-import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,7 +17,7 @@ from typing import get_args, get_origin, get_type_hints
 
 import yaml
 
-from splitserve.common.config import EngineConfig, GenerationConfig
+from splitserve.common.config import SCALAR_KINDS, EngineConfig, GenerationConfig, is_scalar_kind
 from splitserve.common.kv_transfer_types import TRANSFER_FAILURE_POLICIES
 from splitserve.common.log_format import LOG_FORMATS
 from splitserve.common.slo import SloConfig
@@ -492,7 +491,6 @@ def _located(message: str, kind: type) -> ClusterConfigError:
     return ClusterConfigError("", message)
 
 
-_KINDS = {bool: "a boolean", int: "an integer", float: "a finite number", str: "a string", type(None): "null"}
 
 
 def _convert(value: object, hint: object, path: str) -> object:
@@ -502,9 +500,9 @@ def _convert(value: object, hint: object, path: str) -> object:
         return _string_tuple(value, path)
     kinds = get_args(hint) or (hint,)
     for kind in kinds:
-        if _is_kind(value, kind):
+        if is_scalar_kind(value, kind):
             return float(value) if kind is float else value
-    raise ClusterConfigError(path, f"must be {' or '.join(_KINDS[kind] for kind in kinds)}, got {reprlib.repr(value)}")
+    raise ClusterConfigError(path, f"must be {' or '.join(SCALAR_KINDS[kind] for kind in kinds)}, got {reprlib.repr(value)}")
 
 
 def _string_tuple(value: object, path: str) -> tuple[str, ...]:
@@ -512,11 +510,3 @@ def _string_tuple(value: object, path: str) -> tuple[str, ...]:
     _require(isinstance(items, (list, tuple)) and all(isinstance(item, str) for item in items), path,
              f"must be a string or a list of strings, got {reprlib.repr(value)}")
     return tuple(items)
-
-
-def _is_kind(value: object, kind: object) -> bool:
-    if isinstance(value, bool) or kind is bool:
-        return isinstance(value, bool) and kind is bool
-    if kind is float:  # the comparison is False for inf and nan
-        return isinstance(value, (int, float)) and abs(value) <= sys.float_info.max
-    return isinstance(value, kind)

@@ -12,7 +12,7 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from splitserve.common.config import EngineConfig
+from splitserve.common.config import EngineConfig, SpeculativeConfig
 from splitserve.deploy.cluster_config import (
     ClusterConfig,
     ClusterConfigError,
@@ -257,6 +257,26 @@ def test_direct_construction_is_validated_too():
         dataclasses.replace(default, mode="colocated")
     with pytest.raises(ClusterConfigError, match=r"^num_gpus: must be >= 0, got -1$"):
         RayResources(num_gpus=-1)
+
+
+@pytest.mark.parametrize(("config", "changes", "message"), [
+    (EngineConfig, {"block_size": "16"}, "block_size must be an integer, got '16'"),
+    (EngineConfig, {"enable_prefix_caching": "yes"}, "enable_prefix_caching must be a boolean, got 'yes'"),
+    (EngineConfig, {"num_threads": True}, "num_threads must be an integer or null, got True"),
+    (EngineConfig, {"kv_cache_memory_bytes": 1e9}, "kv_cache_memory_bytes must be an integer or null, got 1000000000.0"),
+    (EngineConfig, {"kv_cache_memory_fraction": math.nan}, "kv_cache_memory_fraction must be a finite number or null, got nan"),
+    (SpeculativeConfig, {"num_speculative_tokens": 2.0}, "num_speculative_tokens must be an integer, got 2.0"),
+    (SpeculativeConfig, {"adaptive": 1}, "adaptive must be a boolean, got 1"),
+])
+def test_engine_configs_built_in_python_are_type_checked_as_files_are(config, changes, message):
+    with pytest.raises(ValueError) as caught:
+        config(**changes)
+    assert str(caught.value) == message
+
+
+def test_engine_configs_take_ints_for_floats_and_none_where_optional():
+    assert EngineConfig(kv_cache_memory_fraction=1, max_model_len=None).kv_cache_memory_fraction == 1
+    assert SpeculativeConfig(draft_model=None).draft_model is None
 
 
 def test_overrides_apply_dotted_keys():
