@@ -8,6 +8,7 @@ same architectures with the same words.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 from splitserve.common.errors import UnsupportedModelError
@@ -18,10 +19,37 @@ DRAFT_MODEL_NAME = "default-draft"
 """The embedded ~10x smaller model with the default model's tokenizer, for speculative decoding."""
 EMBEDDED_MODELS = (DEFAULT_MODEL_NAME, DRAFT_MODEL_NAME)
 """Names `--model` accepts besides a directory."""
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                           "GemmaForCausalLM", "Gemma3ForCausalLM")
 """config.json `architectures[0]` values the engine runs."""
 SILU_ACTIVATIONS = ("silu", "swish")
 """config.json `hidden_act` values the engine runs: transformers maps both names to the same SiLU."""
+
+
+@dataclass(frozen=True)
+class ActivationField:
+    """The config.json field an architecture's MLP reads its activation from, and the values the engine runs."""
+
+    name: str
+    default: str
+    """What transformers' config class sets when config.json lacks the field."""
+    accepted: tuple[str, ...]
+
+    def unsupported_message(self, value: object) -> str:
+        return f"{self.name} {value!r} is not supported (only {' / '.join(self.accepted)})"
+
+
+SILU_ACTIVATION = ActivationField("hidden_act", "silu", SILU_ACTIVATIONS)
+GELU_TANH_ACTIVATIONS = {
+    # GemmaConfig rewrites the official checkpoints' legacy "gelu" to gelu_pytorch_tanh.
+    "GemmaForCausalLM": ActivationField("hidden_act", "gelu_pytorch_tanh", ("gelu_pytorch_tanh", "gelu")),
+    "Gemma3ForCausalLM": ActivationField("hidden_activation", "gelu_pytorch_tanh", ("gelu_pytorch_tanh",)),
+}
+"""Architectures whose MLP gates with gelu(approximate="tanh") instead of SiLU, by their activation field."""
+
+
+def activation_field(architecture: str) -> ActivationField:
+    return GELU_TANH_ACTIVATIONS.get(architecture, SILU_ACTIVATION)
 TOKENIZER_FILE = "tokenizer.json"
 """The fast-tokenizer file: the router and the workers read only this (through `tokenizers`)."""
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -47,8 +75,9 @@ def check_model_dir(model_dir: Path) -> None:
     architecture = config_architecture(config, model_dir)
     if architecture not in SUPPORTED_ARCHITECTURES:
         raise UnsupportedModelError(f"{model_dir}: {unsupported_architecture_message(architecture)}")
-    if config.get("hidden_act", "silu") not in SILU_ACTIVATIONS:
-        raise UnsupportedModelError(f"{model_dir}: {unsupported_activation_message(config['hidden_act'])}")
+    activation = activation_field(architecture)
+    if config.get(activation.name, activation.default) not in activation.accepted:
+        raise UnsupportedModelError(f"{model_dir}: {activation.unsupported_message(config[activation.name])}")
     weight_files(model_dir)
     check_tokenizer_files(model_dir)
 
@@ -84,10 +113,6 @@ def _index_weight_map(index: Path) -> dict[str, str]:
     if not isinstance(weight_map, dict) or not all(isinstance(name, str) for name in weight_map.values()):
         raise UnsupportedModelError(f"{index}: has no `weight_map` of tensor names to shard files")
     return weight_map
-
-
-def unsupported_activation_message(hidden_act: object) -> str:
-    return f"hidden_act {hidden_act!r} is not supported (only {' / '.join(SILU_ACTIVATIONS)})"
 
 
 def read_model_config(model_dir: Path) -> dict:

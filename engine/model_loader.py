@@ -18,7 +18,7 @@ from transformers import AutoConfig, PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from splitserve.common.errors import UnsupportedModelError
-from splitserve.common.model_dir import (SILU_ACTIVATIONS, SUPPORTED_ARCHITECTURES, unsupported_activation_message,
+from splitserve.common.model_dir import (GELU_TANH_ACTIVATIONS, SUPPORTED_ARCHITECTURES, activation_field,
                                          unsupported_architecture_message, weight_files)
 from splitserve.engine.attention import AttentionBackend
 from splitserve.engine.cpu_kernels import cpu_kernel_isa
@@ -48,8 +48,12 @@ def parse_arch(config: PretrainedConfig) -> LlamaFamilyArch:
     architecture = (config.architectures or ["?"])[0]
     if architecture not in SUPPORTED_ARCHITECTURES:
         raise UnsupportedModelError(unsupported_architecture_message(architecture))
-    if getattr(config, "hidden_act", "silu") not in SILU_ACTIVATIONS:
-        raise UnsupportedModelError(unsupported_activation_message(config.hidden_act))
+    activation = activation_field(architecture)
+    if getattr(config, activation.name, activation.default) not in activation.accepted:
+        raise UnsupportedModelError(activation.unsupported_message(getattr(config, activation.name)))
+    gemma = architecture in GEMMA_ARCHITECTURES
+    if gemma:
+        _check_gemma_fields(config, architecture)
     num_heads = config.num_attention_heads
     qkv_bias, o_bias, mlp_bias = _biases(config, architecture)
     return LlamaFamilyArch(
@@ -66,39 +70,78 @@ def parse_arch(config: PretrainedConfig) -> LlamaFamilyArch:
         qkv_bias=qkv_bias,
         o_bias=o_bias,
         mlp_bias=mlp_bias,
-        qk_norm=architecture == "Qwen3ForCausalLM",
+        qk_norm=architecture in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
         tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
         sliding_windows=_sliding_windows(config, architecture),
+        unit_offset_norms=gemma,
+        scale_embeddings_by_sqrt_hidden=gemma,
+        gelu_tanh_mlp=architecture in GELU_TANH_ACTIVATIONS,
+        sandwich_norms=architecture == "Gemma3ForCausalLM",
+        local_rope_layers=_local_rope_layers(config, architecture),
+        attention_scale=config.query_pre_attn_scalar ** -0.5 if architecture == "Gemma3ForCausalLM" else None,
         rope_length_limit=_rope_length_limit(config),
     )
 
 
+GEMMA_ARCHITECTURES = ("GemmaForCausalLM", "Gemma3ForCausalLM")
+SOFTCAPPING_FIELDS = ("attn_logit_softcapping", "final_logit_softcapping")
+"""Gemma 3 config fields the engine does not implement, refused unless null as every released Gemma 3 sets them
+(Gemma 2 is the family that softcaps; transformers 5's Gemma 3 reads only final_logit_softcapping)."""
+
+
+def _check_gemma_fields(config: PretrainedConfig, architecture: str) -> None:
+    """UnsupportedModelError naming a field of a Gemma config that asks for something the engine does not run."""
+    if getattr(config, "use_bidirectional_attention", None):
+        raise UnsupportedModelError(f"use_bidirectional_attention is not supported ({architecture} is served "
+                                    "causal only)")
+    if architecture != "Gemma3ForCausalLM":
+        return
+    for field in SOFTCAPPING_FIELDS:
+        if getattr(config, field, None) is not None:
+            raise UnsupportedModelError(f"{field} {getattr(config, field)!r} is not supported ({architecture} is "
+                                        f"served without logit softcapping: set it to null)")
+
+
 def _biases(config: PretrainedConfig, architecture: str) -> tuple[bool, bool, bool]:
     """(q/k/v, o, MLP) biases as transformers' modules of `architecture` build them: Llama reads
-    attention_bias (q/k/v and o) and mlp_bias, Qwen3 attention_bias only, Qwen2 always biases q/k/v
-    and nothing else, Mistral biases nothing. A field an architecture's modules never read (mlp_bias
+    attention_bias (q/k/v and o) and mlp_bias, Qwen3, Gemma and Gemma 3 attention_bias only, Qwen2 always
+    biases q/k/v and nothing else, Mistral biases nothing. A field an architecture's modules never read (mlp_bias
     in a Qwen2 config.json, attention_bias in a Mistral one) is ignored, as transformers ignores it."""
     attention_bias = bool(getattr(config, "attention_bias", False))
     if architecture == "Qwen2ForCausalLM":
         return True, False, False
     if architecture == "MistralForCausalLM":
         return False, False, False
-    if architecture == "Qwen3ForCausalLM":
+    if architecture in ("Qwen3ForCausalLM", *GEMMA_ARCHITECTURES):
         return attention_bias, attention_bias, False
     return attention_bias, attention_bias, bool(getattr(config, "mlp_bias", False))
 
 
 def _sliding_windows(config: PretrainedConfig, architecture: str) -> tuple[int | None, ...]:
-    """Per layer: the attention window, or None, as transformers' modules read config.json: Llama attends
-    fully in every layer whatever sliding_window or layer_types say; Mistral windows every layer (those
+    """Per layer: the attention window, or None, as transformers' modules read config.json: Llama and Gemma
+    attend fully in every layer whatever sliding_window or layer_types say; Mistral windows every layer (those
     layer_types names, when it has them) and reads no use_sliding_window; Qwen2 and Qwen3 window the
     layers of their layer_types, which their configs derive from use_sliding_window and max_window_layers
-    (dropping sliding_window when use_sliding_window is false)."""
-    if architecture == "LlamaForCausalLM":
+    (dropping sliding_window when use_sliding_window is false); Gemma 3 windows its layer_types' sliding_attention
+    layers, which its config derives from sliding_window_pattern (every 6th layer full) when it has none."""
+    if architecture in ("LlamaForCausalLM", "GemmaForCausalLM"):
         return (None,) * config.num_hidden_layers
     window = getattr(config, "sliding_window", None)
     layer_types = getattr(config, "layer_types", None) or ["sliding_attention"] * config.num_hidden_layers
     return tuple(window if kind == "sliding_attention" else None for kind in layer_types)
+
+
+def _local_rope_layers(config: PretrainedConfig, architecture: str) -> frozenset[int]:
+    """Gemma 3's sliding_attention layers, which transformers rotates with rope_parameters["sliding_attention"]
+    (rope_local_base_freq in older config.json files) instead of rope_parameters["full_attention"]."""
+    if architecture != "Gemma3ForCausalLM":
+        return frozenset()
+    return frozenset(i for i, kind in enumerate(config.layer_types) if kind == LOCAL_ROPE_LAYER_TYPE)
+
+
+LOCAL_ROPE_LAYER_TYPE = "sliding_attention"
+GLOBAL_ROPE_LAYER_TYPE = "full_attention"
+"""Gemma 3's layer types, the keys of its per-layer-type rope_parameters."""
 
 
 def _rope_length_limit(config: PretrainedConfig) -> int | None:
@@ -114,12 +157,16 @@ def _rope_length_limit(config: PretrainedConfig) -> int | None:
     return original if original < config.max_position_embeddings else None
 
 
-def build_rotary(config: PretrainedConfig, arch: LlamaFamilyArch) -> RotaryEmbedding:
-    """inv_freq and attention scaling from transformers' own RoPE initializers.
+def build_rotary(config: PretrainedConfig, arch: LlamaFamilyArch,
+                 layer_type: str | None = None) -> RotaryEmbedding:
+    """inv_freq and attention scaling from transformers' own RoPE initializers; `layer_type` selects one entry
+    of per-layer-type rope_parameters (Gemma 3's).
 
     `dynamic` NTK scaling is applied statically (as for max_position_embeddings).
     """
     params = dict(getattr(config, "rope_parameters", None) or {})
+    if layer_type is not None:
+        params = dict(params.get(layer_type) or {})
     rope_type = params.get("rope_type", "default")
     if params.get("partial_rotary_factor", 1.0) != 1.0:
         raise UnsupportedModelError("partial_rotary_factor != 1 is not supported")
@@ -127,10 +174,19 @@ def build_rotary(config: PretrainedConfig, arch: LlamaFamilyArch) -> RotaryEmbed
         base = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
         exponents = torch.arange(0, arch.head_dim, 2, dtype=torch.int64).float() / arch.head_dim
         return RotaryEmbedding(1.0 / (base**exponents), 1.0)
-    if rope_type not in ROPE_INIT_FUNCTIONS:
+    if rope_type not in ROPE_INIT_FUNCTIONS or (layer_type is not None and rope_type == "longrope"):
+        # longrope's switch past original_max_position_embeddings is handled for one table only (_rope_length_limit)
         raise UnsupportedModelError(f"rope_type {rope_type!r} is not supported")
-    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"), layer_type=layer_type)
     return RotaryEmbedding(inv_freq, float(scaling))
+
+
+def build_rotaries(config: PretrainedConfig, arch: LlamaFamilyArch) -> tuple[RotaryEmbedding, RotaryEmbedding | None]:
+    """The model's RoPE and, when some layers rotate by another (arch.local_rope_layers), theirs."""
+    if arch.architecture != "Gemma3ForCausalLM":
+        return build_rotary(config, arch), None
+    local = build_rotary(config, arch, LOCAL_ROPE_LAYER_TYPE) if arch.local_rope_layers else None
+    return build_rotary(config, arch, GLOBAL_ROPE_LAYER_TYPE), local
 
 
 def read_checkpoint(model_dir: Path) -> dict[str, torch.Tensor]:
@@ -221,7 +277,8 @@ def _layer_shapes(arch: LlamaFamilyArch) -> dict[str, tuple[int, ...]]:
             "mlp.gate_proj.weight": (inner, hidden), "mlp.up_proj.weight": (inner, hidden),
             "mlp.down_proj.weight": (hidden, inner), "mlp.gate_proj.bias": (inner,), "mlp.up_proj.bias": (inner,),
             "mlp.down_proj.bias": (hidden,), "self_attn.q_norm.weight": (arch.head_dim,),
-            "self_attn.k_norm.weight": (arch.head_dim,)}
+            "self_attn.k_norm.weight": (arch.head_dim,), "pre_feedforward_layernorm.weight": (hidden,),
+            "post_feedforward_layernorm.weight": (hidden,)}
 
 
 def _fuse_layer(checkpoint: dict[str, torch.Tensor], index: int, arch: LlamaFamilyArch) -> dict[str, torch.Tensor]:
@@ -250,6 +307,9 @@ def _fuse_layer(checkpoint: dict[str, torch.Tensor], index: int, arch: LlamaFami
     if arch.qk_norm:
         state[attn + "q_norm.weight"] = take("self_attn.q_norm.weight")
         state[attn + "k_norm.weight"] = take("self_attn.k_norm.weight")
+    if arch.sandwich_norms:
+        for name in ("pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight"):
+            state[prefix + name] = take(name)
     return state
 
 
@@ -260,9 +320,11 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, backen
     (engine/quantization/spec.py) says how the decoder's projections are stored and run."""
     config = load_hf_config(model_dir)
     arch = parse_arch(config)
-    rotary = build_rotary(config, arch).to(device)
+    rotary, local_rotary = build_rotaries(config, arch)
+    rotary = rotary.to(device)
+    local_rotary = None if local_rotary is None else local_rotary.to(device)
     with torch.device("meta"):
-        model = LlamaFamilyForCausalLM(arch, rotary, backend, ops or TorchLayerOps())
+        model = LlamaFamilyForCausalLM(arch, rotary, backend, ops or TorchLayerOps(), local_rotary)
     checkpoint = read_checkpoint(model_dir)
     if quantization.method in PACKED_METHODS:
         unpack_checkpoint(checkpoint, quantization)
@@ -277,6 +339,7 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, backen
     else:
         _use_column_major_weights(model)
     model.rotary = rotary
+    model.local_rotary = local_rotary
     return model.eval().requires_grad_(False)
 
 

@@ -262,6 +262,25 @@ def test_rms_norms_equal_the_reference_up_to_summation_order(dtype):
     torch.testing.assert_close(got, expected, **tolerance)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("ops", [CpuKernelLayerOps(), TorchLayerOps()], ids=["kernel-ops", "torch-ops"])
+@torch.inference_mode()
+def test_gemma_norm_and_gelu_tanh_and_mul_are_bitwise_transformers(dtype, ops):
+    """Gemma's two ops (no C++ kernel: both LayerOps run the reference's) against transformers' own modules."""
+    from transformers.activations import ACT2FN
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+
+    generator = torch.Generator().manual_seed(2)
+    x = (torch.randn(33, 200, generator=generator) * 3).to(dtype)
+    norm = Gemma3RMSNorm(200, eps=1e-6)
+    norm.weight.copy_(torch.randn(200, generator=generator))
+    norm = norm.to(dtype)
+    assert torch.equal(ops.rms_norm_unit_offset(x, norm.weight, 1e-6), norm(x))
+    gate_up = (torch.randn(37, 2 * 200, generator=generator) * 4).to(dtype)
+    gate, up = gate_up.split(200, dim=-1)
+    assert torch.equal(ops.gelu_tanh_and_mul(gate_up), ACT2FN["gelu_pytorch_tanh"](gate) * up)
+
+
 @needs_kernels
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_engine_greedy_tokens_equal_with_and_without_kernels(arch, tiny_model_dirs):

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.factories import assert_pool_idle, copy_with_config_fields, hf_greedy, save_random_hf_model
+from tests.factories import (assert_pool_idle, copy_with_config_fields, hf_greedy, save_random_hf_model,
+                             use_flashinfer_on_cpu)
 from splitserve.common.config import EngineConfig
 from splitserve.common.errors import InvalidRequestError, UnsupportedModelError
 from splitserve.common.generation_config import GenerationConfigError
@@ -31,6 +32,14 @@ FAMILIES = {
     "mistral-sliding-window": ("mistral", dict(sliding_window=48)),
     "qwen2": ("qwen2", dict()),
     "qwen3-qk-norm": ("qwen3", dict(head_dim=32)),
+    "gemma": ("gemma", dict()),
+    # sliding and full layers, a window shorter than the prompts, a local RoPE base other than the global one,
+    # a softmax scale other than 1 / sqrt(head_dim)
+    "gemma3-sliding-local-rope-scale": ("gemma3", dict(
+        num_hidden_layers=3, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        sliding_window=24, query_pre_attn_scalar=24, rope_parameters={
+            "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}})),
 }
 
 
@@ -87,6 +96,15 @@ SHAPES = {
     # transformers rescales `dynamic` only past max_position_embeddings, which max_model_len never passes
     "llama-rope-dynamic": ("llama", dict(max_position_embeddings=128, rope_parameters={
         "rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0}), 3),
+    # one KV head, head_dim other than hidden / heads (Gemma 7B's 256 of 3072 / 16), attention biases, untied
+    "gemma-mqa-head-dim-32-bias-untied": ("gemma", dict(num_key_value_heads=1, head_dim=32, attention_bias=True,
+                                                        tie_word_embeddings=False), 16),
+    # Gemma 3 4B's RoPE (linear scaling of the global table only), layer types from sliding_window_pattern
+    # (every 2nd layer full), a window of 5 over blocks of 3
+    "gemma3-rope-linear-global-window-5-block-3": ("gemma3", dict(
+        num_hidden_layers=3, sliding_window_pattern=2, sliding_window=5, rope_parameters={
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}), 3),
 }
 
 
@@ -97,6 +115,63 @@ def test_shape_matches_transformers(shape, tmp_path):
     outputs, engine = run_engine(model_dir, SHORT_CASES, **short_run_config(block_size))
     assert outputs == [hf_greedy(model_dir, case) for case in SHORT_CASES]
     assert_pool_idle(engine.block_manager)
+
+
+# The engine's other attention paths on the Gemma 3 model above (the family test runs the CPU backend's C++
+# kernels): the CPU backend's torch ops, the torch reference, and the FlashInfer backend's metadata, plans
+# and captured decode steps over torch kernels. Each reads the softmax scale and both RoPE tables.
+GEMMA3_ATTENTION_PATHS = {
+    "cpu-torch-ops": (dict(cpu_kernels=False), None),
+    "torch-reference": (dict(attention_backend="torch"), None),
+    "flashinfer-metadata": (dict(), dict(graphs=False)),
+    "flashinfer-decode-graphs": (dict(cuda_graphs=True), dict(graphs=True)),
+}
+
+
+@pytest.mark.parametrize("path", sorted(GEMMA3_ATTENTION_PATHS))
+def test_gemma3_matches_transformers_on_every_attention_path(path, tmp_path, monkeypatch):
+    config, flashinfer = GEMMA3_ATTENTION_PATHS[path]
+    if flashinfer is not None:
+        use_flashinfer_on_cpu(monkeypatch, **flashinfer)
+    architecture, overrides = FAMILIES["gemma3-sliding-local-rope-scale"]
+    model_dir = save_random_hf_model(tmp_path / "gemma3", architecture, seed=3, **overrides)
+    outputs, engine = run_engine(model_dir, SHORT_CASES, **short_run_config(), **config)
+    assert outputs == [hf_greedy(model_dir, case) for case in SHORT_CASES]
+    assert_pool_idle(engine.block_manager)
+    if config.get("cuda_graphs"):
+        assert engine.runner.graphs.num_replays > 0
+
+
+def test_a_gemma3_config_in_the_released_format_runs_as_transformers_reads_it(tmp_path):
+    """google/gemma-3-1b-it's config.json names RoPE bases rope_theta / rope_local_base_freq and the layer types by
+    sliding_window_pattern (every n-th layer full); transformers 5 turns them into per-layer-type rope_parameters."""
+    model_dir = save_random_hf_model(tmp_path / "gemma3", "gemma3", seed=3, num_hidden_layers=3, sliding_window=7)
+    config = json.loads((model_dir / "config.json").read_text())
+    for field in ("rope_parameters", "layer_types"):
+        del config[field]
+    config.update(rope_theta=1000000.0, rope_local_base_freq=100.0, rope_scaling=None, sliding_window_pattern=2)
+    (model_dir / "config.json").write_text(json.dumps(config))
+    outputs, engine = run_engine(model_dir, SHORT_CASES, **short_run_config())
+    assert outputs == [hf_greedy(model_dir, case) for case in SHORT_CASES]
+    model = engine.model
+    assert model.arch.sliding_windows == (7, None, 7) and model.arch.local_rope_layers == frozenset({0, 2})
+    assert model.local_rotary.inv_freq[1].item() == pytest.approx(100.0 ** (-2 / 16))
+    assert model.rotary.inv_freq[1].item() == pytest.approx(1000000.0 ** (-2 / 16))
+
+
+@pytest.mark.parametrize("field, value", [("attn_logit_softcapping", 50.0), ("final_logit_softcapping", 30.0),
+                                          ("use_bidirectional_attention", True)])
+def test_gemma3_fields_the_engine_does_not_run_are_refused_naming_them(tmp_path, field, value):
+    model_dir = copy_with_config_fields(save_random_hf_model(tmp_path / "m", "gemma3", num_hidden_layers=1),
+                                        tmp_path / "edited", **{field: value})
+    with pytest.raises(UnsupportedModelError) as error:
+        EngineCore(model_dir, EngineConfig(device="cpu"))
+    if field == "use_bidirectional_attention":
+        assert str(error.value) == ("use_bidirectional_attention is not supported (Gemma3ForCausalLM is served "
+                                    "causal only)")
+    else:
+        assert str(error.value) == (f"{field} {value!r} is not supported (Gemma3ForCausalLM is served without "
+                                    "logit softcapping: set it to null)")
 
 
 def test_unsupported_architecture_is_a_clear_error(tmp_path):
@@ -162,6 +237,10 @@ NEUTRAL_FIELDS = {  # variant: (architecture, the reference's config overrides, 
     "mistral-use-sliding-window": ("mistral", dict(sliding_window=5), dict(use_sliding_window=False)),
     "qwen3-mlp-bias": ("qwen3", dict(), dict(mlp_bias=True)),
     "llama-hidden-act-swish": ("llama", dict(), dict(hidden_act="swish")),
+    # the official Gemma checkpoints' legacy name, which GemmaConfig reads as gelu_pytorch_tanh
+    "gemma-hidden-act-gelu": ("gemma", dict(), dict(hidden_act="gelu")),
+    # Gemma reads hidden_act (Gemma 3 hidden_activation) and attends fully in every layer
+    "gemma-hidden-activation-sliding-window": ("gemma", dict(), dict(hidden_activation="silu", sliding_window=8)),
 }
 
 
@@ -176,15 +255,21 @@ def test_config_fields_transformers_does_not_read_do_not_change_the_model(varian
     assert_pool_idle(engine.block_manager)
 
 
-def test_an_unsupported_activation_is_refused_naming_the_field(tmp_path):
-    model_dir = save_random_hf_model(tmp_path / "m", "llama", hidden_act="gelu")
+@pytest.mark.parametrize("architecture, field, value, message", [
+    ("llama", "hidden_act", "gelu", "hidden_act 'gelu' is not supported (only silu / swish)"),
+    ("gemma", "hidden_act", "silu", "hidden_act 'silu' is not supported (only gelu_pytorch_tanh / gelu)"),
+    # Gemma3TextConfig keeps "gelu" (the exact GeLU), unlike GemmaConfig
+    ("gemma3", "hidden_activation", "gelu", "hidden_activation 'gelu' is not supported (only gelu_pytorch_tanh)"),
+])
+def test_an_unsupported_activation_is_refused_naming_the_field(tmp_path, architecture, field, value, message):
+    model_dir = save_random_hf_model(tmp_path / "m", architecture, num_hidden_layers=1, **{field: value})
     with pytest.raises(UnsupportedModelError) as error:
         EngineCore(model_dir, EngineConfig(device="cpu"))
-    assert str(error.value) == "hidden_act 'gelu' is not supported (only silu / swish)"
+    assert str(error.value) == message
     (model_dir / "tokenizer.json").write_text("{}")
     with pytest.raises(UnsupportedModelError) as error:
         check_model_dir(model_dir)
-    assert str(error.value) == f"{model_dir}: hidden_act 'gelu' is not supported (only silu / swish)"
+    assert str(error.value) == f"{model_dir}: {message}"
 
 
 LONGROPE = dict(max_position_embeddings=256, rope_parameters={

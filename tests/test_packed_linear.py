@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from splitserve.engine.cpu_gemm import cpu_gemm_dtype, has_bf16_gemm
 from splitserve.engine.cpu_kernels import AVX2, AVX512, AVX512_BF16
 from splitserve.engine.models.layer_ops import CpuKernelLayerOps
-from splitserve.engine.models.llama import MLP
+from splitserve.engine.models.llama import MLP, GeluTanhMLP
 from splitserve.engine.models.packed_linear import (PANEL_COLUMNS, PackedLinear, PanelLinear, PanelSiluMulLinear,
                                                     can_pack, pack_linears, pack_panels, uses_panels)
 
@@ -272,9 +272,9 @@ def test_fused_gate_up_refuses_panels_that_are_not_pairs():
         torch.ops.splitserve_cpu.panel_linear_silu_mul(torch.randn(2, 96), layer.panels, None, 40)
 
 
-def _mlp(dtype: torch.dtype) -> MLP:
+def _mlp(dtype: torch.dtype, mlp_class: type = MLP) -> MLP | GeluTanhMLP:
     arch = type("Arch", (), {"hidden_size": 32, "intermediate_size": 24, "mlp_bias": False})()
-    mlp = MLP(arch, CpuKernelLayerOps())
+    mlp = mlp_class(arch, CpuKernelLayerOps())
     with torch.no_grad():
         for parameter in mlp.parameters():
             parameter.copy_(torch.randn(parameter.shape, generator=torch.Generator().manual_seed(parameter.numel())))
@@ -296,6 +296,21 @@ def test_pack_linears_fuses_an_mlps_silu_and_mul_where_it_packs_panels(dtype):
     gated = CpuKernelLayerOps().silu_and_mul(PanelLinear(reference.gate_up_proj)(x))
     expected = PanelLinear(reference.down_proj)(gated)
     assert torch.equal(mlp(x), expected)
+
+
+@needs_onednn
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_pack_linears_keeps_a_gelu_tanh_mlps_gate_up_a_plain_projection(dtype):
+    """The fused panel kernel applies SiLU: Gemma's MLP packs its gate/up projection as a PanelLinear and gates
+    the product itself."""
+    mlp = _mlp(dtype, GeluTanhMLP)
+    x = torch.randn(5, 32).to(dtype)
+    pack_linears(mlp, dtype, AVX2)
+    assert type(mlp.gate_up_proj) is PanelLinear and type(mlp.down_proj) is PanelLinear
+    reference = _mlp(dtype, GeluTanhMLP)
+    gated = CpuKernelLayerOps().gelu_tanh_and_mul(PanelLinear(reference.gate_up_proj)(x))
+    assert torch.equal(mlp(x), PanelLinear(reference.down_proj)(gated))
 
 
 @pytest.mark.parametrize("dtype, isa, bf16_gemm, expected", [

@@ -33,6 +33,27 @@ class LayerOps(Protocol):
         """x * cos + rotate_half(x) * sin per head; x: [T, heads, D], cos/sin: [T, D]. May write into x."""
         ...
 
+    def rms_norm_unit_offset(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """Gemma's RMSNorm: normalize(x) * (1 + weight) in float32, rounded once to x's dtype; x: [N, H]."""
+        ...
+
+    def gelu_tanh_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gelu(gate, approximate="tanh") * up for gate_up = [gate | up]: [N, 2I] -> [N, I] (Gemma's MLP)."""
+        ...
+
+
+def rms_norm_unit_offset(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' GemmaRMSNorm / Gemma3RMSNorm op for op."""
+    normed = x.float()
+    normed = normed * torch.rsqrt(normed.pow(2).mean(-1, keepdim=True) + eps)
+    return (normed * (1.0 + weight.float())).to(x.dtype)
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """transformers' GELUTanh (gelu_pytorch_tanh) of the gate times the up projection, in gate_up's dtype."""
+    gate, up = gate_up.split(gate_up.shape[-1] // 2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
 
 class TorchLayerOps:
     def rms_norm(self, x, weight, eps):
@@ -57,6 +78,12 @@ class TorchLayerOps:
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return x * cos + rotated * sin
 
+    def rms_norm_unit_offset(self, x, weight, eps):
+        return rms_norm_unit_offset(x, weight, eps)
+
+    def gelu_tanh_and_mul(self, gate_up):
+        return gelu_tanh_and_mul(gate_up)
+
 
 class CpuKernelLayerOps:
     def rms_norm(self, x, weight, eps):
@@ -77,6 +104,13 @@ class CpuKernelLayerOps:
     def rotary(self, x, cos, sin):
         torch.ops.splitserve_cpu.rotary_embedding(x, cos, sin)
         return x
+
+    # Gemma's two ops have no C++ kernel: the reference's torch ops (elementwise, small next to the matmuls).
+    def rms_norm_unit_offset(self, x, weight, eps):
+        return rms_norm_unit_offset(x, weight, eps)
+
+    def gelu_tanh_and_mul(self, gate_up):
+        return gelu_tanh_and_mul(gate_up)
 
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)

@@ -1,8 +1,9 @@
-"""The Llama family (Llama, Mistral, Qwen2, Qwen3) over a flattened, paged batch.
+"""The Llama family (Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma 3) over a flattened, paged batch.
 
 Differences between the architectures are data in `LlamaFamilyArch` (biases, per-head
-q/k RMSNorm, sliding windows, tied embeddings); the numerics follow Hugging Face
-transformers op for op so greedy outputs agree token for token.
+q/k RMSNorm, sliding windows, tied embeddings; Gemma's (1 + weight) norms, scaled embeddings,
+GeLU-tanh MLP, Gemma 3's sandwich norms, attention scale and local RoPE); the numerics follow
+Hugging Face transformers op for op so greedy outputs agree token for token.
 """
 
 from __future__ import annotations
@@ -37,6 +38,19 @@ class LlamaFamilyArch:
     tie_word_embeddings: bool
     sliding_windows: tuple[int | None, ...]
     """Per layer: attention window in tokens, or None for full attention."""
+    unit_offset_norms: bool = False
+    """Gemma: every RMSNorm scales by (1 + weight), in float32 before rounding to the model's dtype."""
+    scale_embeddings_by_sqrt_hidden: bool = False
+    """Gemma: the token embeddings are multiplied by sqrt(hidden_size) rounded to the model's dtype."""
+    gelu_tanh_mlp: bool = False
+    """Gemma: the MLP gates with gelu(approximate="tanh") instead of SiLU."""
+    sandwich_norms: bool = False
+    """Gemma 3: the attention and MLP outputs are normed (post_attention_layernorm, post_feedforward_layernorm)
+    before their residual adds, and the MLP's input by pre_feedforward_layernorm."""
+    local_rope_layers: frozenset[int] = frozenset()
+    """Gemma 3: the layers (its sliding_attention ones) rotated by the model's local_rotary instead of its rotary."""
+    attention_scale: float | None = None
+    """The softmax scale of q.k (Gemma 3's query_pre_attn_scalar ** -0.5); None is 1 / sqrt(head_dim)."""
     rope_length_limit: int | None = None
     """Longest sequence the RoPE tables hold for, when below max_position_embeddings (rope_type longrope:
     original_max_position_embeddings, past which transformers switches every position to other frequencies)."""
@@ -63,6 +77,21 @@ class RMSNorm(nn.Module):
     def add_and_norm(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """residual += x in place; returns the norm of the sum."""
         return self.ops.add_rms_norm(residual, x, self.weight, self.eps)
+
+
+class UnitOffsetRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: normalize(x) * (1 + weight), in float32 (its checkpoints store weight - 1)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, size]
+        return self.ops.rms_norm_unit_offset(x, self.weight, self.eps)
+
+    def add_and_norm(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """residual += x in place; returns the norm of the sum."""
+        return self(residual.add_(x))
+
+
+def make_rms_norm(arch: LlamaFamilyArch, size: int, ops: LayerOps) -> RMSNorm:
+    return (UnitOffsetRMSNorm if arch.unit_offset_norms else RMSNorm)(size, arch.rms_norm_eps, ops)
 
 
 class RotaryEmbedding(nn.Module):
@@ -92,8 +121,8 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(arch.hidden_size, arch.q_size + 2 * arch.kv_size, bias=arch.qkv_bias)
         self.o_proj = nn.Linear(arch.q_size, arch.hidden_size, bias=arch.o_bias)
         if arch.qk_norm:
-            self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, ops)
-            self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, ops)
+            self.q_norm = make_rms_norm(arch, arch.head_dim, ops)
+            self.k_norm = make_rms_norm(arch, arch.head_dim, ops)
 
     def forward(self, hidden, rope, kv_cache, metadata: AttentionMetadata) -> torch.Tensor:
         arch = self.arch
@@ -107,7 +136,8 @@ class Attention(nn.Module):
                             self.k_norm(k.reshape(-1, arch.head_dim)).view(k.shape)), dim=1)
         # One rotation for queries and keys together: same positions, half the ops.
         q, k = self.ops.rotary(qk, *rope).split((arch.num_heads, arch.num_kv_heads), dim=1)
-        out = self.backend.forward(q, k, v, kv_cache, metadata, self.sliding_window)  # [T, H, D]
+        out = self.backend.forward(q, k, v, kv_cache, metadata, self.sliding_window,
+                                   arch.attention_scale)  # [T, H, D]
         return self.o_proj(out.reshape(-1, arch.q_size))
 
 
@@ -132,13 +162,31 @@ class MLP(nn.Module):
         return self.down_proj(gated)  # [T, hidden]
 
 
+class GeluTanhMLP(nn.Module):
+    """Gemma's MLP: gelu(gate, approximate="tanh") * up. It has no fuse_silu_and_mul (the fused panel kernel
+    applies SiLU), so pack_linears packs its gate_up_proj as a plain projection."""
+
+    def __init__(self, arch: LlamaFamilyArch, ops: LayerOps) -> None:
+        super().__init__()
+        self.ops = ops
+        self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=arch.mlp_bias)
+        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=arch.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.ops.gelu_tanh_and_mul(self.gate_up_proj(x)))  # [T, 2I] -> [T, I] -> [T, hidden]
+
+
+def make_mlp(arch: LlamaFamilyArch, ops: LayerOps) -> nn.Module:
+    return GeluTanhMLP(arch, ops) if arch.gelu_tanh_mlp else MLP(arch, ops)
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, arch: LlamaFamilyArch, layer_index: int, backend: AttentionBackend, ops: LayerOps) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ops)
+        self.input_layernorm = make_rms_norm(arch, arch.hidden_size, ops)
         self.self_attn = Attention(arch, arch.sliding_windows[layer_index], backend, ops)
-        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ops)
-        self.mlp = MLP(arch, ops)
+        self.post_attention_layernorm = make_rms_norm(arch, arch.hidden_size, ops)
+        self.mlp = make_mlp(arch, ops)
 
     def forward(self, hidden, rope, kv_cache, metadata):
         """hidden [T, hidden_size] is updated in place (the residual stream) and returned."""
@@ -147,15 +195,38 @@ class DecoderLayer(nn.Module):
         return hidden.add_(self.mlp(normed))
 
 
+class SandwichDecoderLayer(nn.Module):
+    """Gemma 3's layer: each sublayer's input and output are normed, the output before its residual add."""
+
+    def __init__(self, arch: LlamaFamilyArch, layer_index: int, backend: AttentionBackend, ops: LayerOps) -> None:
+        super().__init__()
+        self.input_layernorm = make_rms_norm(arch, arch.hidden_size, ops)
+        self.self_attn = Attention(arch, arch.sliding_windows[layer_index], backend, ops)
+        self.post_attention_layernorm = make_rms_norm(arch, arch.hidden_size, ops)
+        self.pre_feedforward_layernorm = make_rms_norm(arch, arch.hidden_size, ops)
+        self.mlp = make_mlp(arch, ops)
+        self.post_feedforward_layernorm = make_rms_norm(arch, arch.hidden_size, ops)
+
+    def forward(self, hidden, rope, kv_cache, metadata):
+        """hidden [T, hidden_size] is updated in place (the residual stream) and returned."""
+        attended = self.self_attn(self.input_layernorm(hidden), rope, kv_cache, metadata)
+        hidden.add_(self.post_attention_layernorm(attended))
+        fed = self.mlp(self.pre_feedforward_layernorm(hidden))
+        return hidden.add_(self.post_feedforward_layernorm(fed))
+
+
 class LlamaFamilyForCausalLM(nn.Module):
     def __init__(self, arch: LlamaFamilyArch, rotary: RotaryEmbedding, backend: AttentionBackend,
-                 ops: LayerOps) -> None:
+                 ops: LayerOps, local_rotary: RotaryEmbedding | None = None) -> None:
+        """local_rotary: the RoPE of arch.local_rope_layers (Gemma 3's sliding layers), when it has any."""
         super().__init__()
         self.arch = arch
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(arch, i, backend, ops) for i in range(arch.num_layers))
-        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ops)
+        layer_class = SandwichDecoderLayer if arch.sandwich_norms else DecoderLayer
+        self.layers = nn.ModuleList(layer_class(arch, i, backend, ops) for i in range(arch.num_layers))
+        self.norm = make_rms_norm(arch, arch.hidden_size, ops)
         self.rotary = rotary
+        self.local_rotary = local_rotary
         self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         if arch.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -164,13 +235,23 @@ class LlamaFamilyForCausalLM(nn.Module):
                 on_layer: Callable[[int], None] | None = None):
         """on_layer(l) runs once layer l has written its keys and values for every token of the step
         (host order: on CUDA the kernels may still be in flight)."""
-        hidden = self.embed_tokens(input_ids)  # [T, hidden]
+        hidden = self._embed(input_ids)  # [T, hidden]
         rope = self.rotary(positions, hidden.dtype)
+        local_rope = rope if self.local_rotary is None else self.local_rotary(positions, hidden.dtype)
         for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
-            hidden = layer(hidden, rope, kv_cache, metadata)
+            hidden = layer(hidden, local_rope if index in self.arch.local_rope_layers else rope, kv_cache, metadata)
             if on_layer is not None:
                 on_layer(index)
         return self.norm(hidden)  # [T, hidden]
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)  # [T, hidden], a fresh tensor
+        if not self.arch.scale_embeddings_by_sqrt_hidden:
+            return hidden
+        # transformers multiplies by sqrt(hidden_size) as a tensor of the model's dtype (55.5 for 3072 in bf16, not
+        # 55.43); a Python float of that exact value rounds the same and needs no device tensor (CUDA graphs).
+        scale = torch.tensor(self.arch.hidden_size ** 0.5).to(hidden.dtype).item()
+        return hidden.mul_(scale)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)  # [N, vocab]
