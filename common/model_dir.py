@@ -20,7 +20,7 @@ DRAFT_MODEL_NAME = "default-draft"
 EMBEDDED_MODELS = (DEFAULT_MODEL_NAME, DRAFT_MODEL_NAME)
 """Names `--model` accepts besides a directory."""
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "GemmaForCausalLM", "Gemma3ForCausalLM")
+                           "GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 """config.json `architectures[0]` values the engine runs."""
 SILU_ACTIVATIONS = ("silu", "swish")
 """config.json `hidden_act` values the engine runs: transformers maps both names to the same SiLU."""
@@ -43,6 +43,7 @@ SILU_ACTIVATION = ActivationField("hidden_act", "silu", SILU_ACTIVATIONS)
 GELU_TANH_ACTIVATIONS = {
     # GemmaConfig rewrites the official checkpoints' legacy "gelu" to gelu_pytorch_tanh.
     "GemmaForCausalLM": ActivationField("hidden_act", "gelu_pytorch_tanh", ("gelu_pytorch_tanh", "gelu")),
+    "Gemma2ForCausalLM": ActivationField("hidden_activation", "gelu_pytorch_tanh", ("gelu_pytorch_tanh",)),
     "Gemma3ForCausalLM": ActivationField("hidden_activation", "gelu_pytorch_tanh", ("gelu_pytorch_tanh",)),
 }
 """Architectures whose MLP gates with gelu(approximate="tanh") instead of SiLU, by their activation field."""

@@ -56,6 +56,7 @@ def parse_arch(config: PretrainedConfig) -> LlamaFamilyArch:
         _check_gemma_fields(config, architecture)
     num_heads = config.num_attention_heads
     qkv_bias, o_bias, mlp_bias = _biases(config, architecture)
+    attention_softcap, final_logit_softcap = _softcaps(config, architecture)
     return LlamaFamilyArch(
         architecture=architecture,
         vocab_size=config.vocab_size,
@@ -76,30 +77,38 @@ def parse_arch(config: PretrainedConfig) -> LlamaFamilyArch:
         unit_offset_norms=gemma,
         scale_embeddings_by_sqrt_hidden=gemma,
         gelu_tanh_mlp=architecture in GELU_TANH_ACTIVATIONS,
-        sandwich_norms=architecture == "Gemma3ForCausalLM",
+        sandwich_norms=architecture in SANDWICH_ARCHITECTURES,
         local_rope_layers=_local_rope_layers(config, architecture),
-        attention_scale=config.query_pre_attn_scalar ** -0.5 if architecture == "Gemma3ForCausalLM" else None,
+        attention_scale=config.query_pre_attn_scalar ** -0.5 if architecture in SANDWICH_ARCHITECTURES else None,
+        attention_softcap=attention_softcap,
+        final_logit_softcap=final_logit_softcap,
         rope_length_limit=_rope_length_limit(config),
     )
 
 
-GEMMA_ARCHITECTURES = ("GemmaForCausalLM", "Gemma3ForCausalLM")
-SOFTCAPPING_FIELDS = ("attn_logit_softcapping", "final_logit_softcapping")
-"""Gemma 3 config fields the engine does not implement, refused unless null as every released Gemma 3 sets them
-(Gemma 2 is the family that softcaps; transformers 5's Gemma 3 reads only final_logit_softcapping)."""
+GEMMA_ARCHITECTURES = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
+SANDWICH_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+"""Gemma 2 and 3: norms around each sublayer, query_pre_attn_scalar, final_logit_softcapping."""
 
 
 def _check_gemma_fields(config: PretrainedConfig, architecture: str) -> None:
-    """UnsupportedModelError naming a field of a Gemma config that asks for something the engine does not run."""
+    """UnsupportedModelError naming a field of a Gemma config that asks for something the engine does not run:
+    bidirectional attention, or Gemma 3's attn_logit_softcapping (null in every released Gemma 3; transformers 5's
+    Gemma 3 does not apply it, so the model it serves for such a config is not the one the field describes)."""
     if getattr(config, "use_bidirectional_attention", None):
         raise UnsupportedModelError(f"use_bidirectional_attention is not supported ({architecture} is served "
                                     "causal only)")
-    if architecture != "Gemma3ForCausalLM":
-        return
-    for field in SOFTCAPPING_FIELDS:
-        if getattr(config, field, None) is not None:
-            raise UnsupportedModelError(f"{field} {getattr(config, field)!r} is not supported ({architecture} is "
-                                        f"served without logit softcapping: set it to null)")
+    if architecture == "Gemma3ForCausalLM" and config.attn_logit_softcapping is not None:
+        raise UnsupportedModelError(f"attn_logit_softcapping {config.attn_logit_softcapping!r} is not supported "
+                                    "for Gemma3ForCausalLM (transformers does not apply it): set it to null")
+
+
+def _softcaps(config: PretrainedConfig, architecture: str) -> tuple[float | None, float | None]:
+    """(attention, final logit) softcapping as transformers applies them: Gemma 2 both, Gemma 3 the final one."""
+    if architecture not in SANDWICH_ARCHITECTURES:
+        return None, None
+    attention = config.attn_logit_softcapping if architecture == "Gemma2ForCausalLM" else None
+    return attention, config.final_logit_softcapping
 
 
 def _biases(config: PretrainedConfig, architecture: str) -> tuple[bool, bool, bool]:

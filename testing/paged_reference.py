@@ -12,10 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from splitserve.engine.attention.flashinfer import AttentionShape
 from splitserve.engine.attention.paged_kv_metadata import PagedKVBatch
+from splitserve.engine.attention.torch_ref import attention
 
 
 @dataclass(frozen=True)
@@ -27,6 +27,7 @@ class _Plan:
     page_size: int
     window_left: int
     sm_scale: float
+    softcap: float | None
 
 
 class ReferencePagedKernel:
@@ -40,7 +41,8 @@ class ReferencePagedKernel:
     def plan(self, batch: PagedKVBatch, shape: AttentionShape, window_left: int) -> None:
         self.num_plans += 1
         self._plan = _Plan(batch.qo_indptr.tolist(), batch.kv_indptr.tolist(), batch.kv_indices.long(),
-                           batch.kv_last_page_len.tolist(), shape.page_size, window_left, shape.sm_scale)
+                           batch.kv_last_page_len.tolist(), shape.page_size, window_left, shape.sm_scale,
+                           shape.softcap)
 
     def run(self, query: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
         """query [qo_indptr[-1], H, D], kv_cache [num_pages, 2, page_size, Hkv, D] (NHD) -> [qo_indptr[-1], H, D]."""
@@ -63,9 +65,9 @@ def _attend(query: torch.Tensor, blocks: torch.Tensor, kv_len: int, plan: _Plan)
     visible = key_pos <= query_pos
     if plan.window_left >= 0:
         visible &= query_pos - key_pos <= plan.window_left
-    out = F.scaled_dot_product_attention(query.transpose(0, 1).unsqueeze(0), keys.transpose(0, 1).unsqueeze(0),
-                                         values.transpose(0, 1).unsqueeze(0), attn_mask=visible.to(query.device),
-                                         scale=plan.sm_scale, enable_gqa=True)  # [1, H, q, D]
+    out = attention(query.transpose(0, 1).unsqueeze(0), keys.transpose(0, 1).unsqueeze(0),
+                    values.transpose(0, 1).unsqueeze(0), visible.to(query.device), plan.sm_scale,
+                    plan.softcap)  # [1, H, q, D]
     return out[0].transpose(0, 1)
 
 

@@ -61,8 +61,9 @@ def test_window_left_is_the_window_minus_one():
     assert (window_left(None), window_left(1), window_left(256)) == (-1, 0, 255)
 
 
+@pytest.mark.parametrize("scale, softcap", [(None, None), (0.2, 1.5)], ids=["default-scale", "scale-and-softcap"])
 @pytest.mark.parametrize("seed", range(12))
-def test_flashinfer_backend_on_reference_kernels_equals_the_reference_backend(seed):
+def test_flashinfer_backend_on_reference_kernels_equals_the_reference_backend(seed, scale, softcap):
     rng = random.Random(seed)
     block_size, num_blocks, num_kv_heads, head_dim = rng.choice((4, 16)), 96, 2, 8
     num_heads = num_kv_heads * rng.choice((1, 3))
@@ -77,13 +78,13 @@ def test_flashinfer_backend_on_reference_kernels_equals_the_reference_backend(se
     reference_pool, flashinfer_pool = pool.clone(), pool.clone()
     reference = TorchReferenceAttention().forward(
         query, key, value, reference_pool, InputBuilder(block_size, torch.device("cpu")).build(output).metadata,
-        sliding_window)
+        sliding_window, scale, softcap)
     kernels = ReferencePagedKernels()
     metadata = InputBuilder(block_size, torch.device("cpu"), bucket_decodes=False,
                             paged_metadata=True).build(output).metadata
     backend = FlashInferAttention(kernels)
     for _layer in range(3):  # the layers of one step share one plan per kernel
-        got = backend.forward(query, key, value, flashinfer_pool, metadata, sliding_window)
+        got = backend.forward(query, key, value, flashinfer_pool, metadata, sliding_window, scale, softcap)
     assert torch.equal(flashinfer_pool, reference_pool)  # same keys and values in the same slots
     torch.testing.assert_close(got, reference, atol=2e-6, rtol=2e-6)
     assert {name: kernel.num_plans for name, kernel in kernels.kernels.items()} == {

@@ -78,15 +78,15 @@ def test_the_wrappers_get_fa2_nhd_one_zeroed_workspace_and_host_indptr_arrays():
     assert [a is b for a, b in zip(args[:4], (batch.qo_indptr, batch.kv_indptr, batch.kv_indices,
                                               batch.kv_last_page_len))] == [True, True, True, True]
     assert args[4:] == (4, 2, 8, 4)  # num_qo_heads, num_kv_heads, head_dim, page_size
-    assert kwargs == {"causal": True, "sm_scale": 8 ** -0.5, "window_left": 4, "q_data_type": torch.bfloat16,
-                      "kv_data_type": torch.bfloat16}
+    assert kwargs == {"causal": True, "sm_scale": 8 ** -0.5, "window_left": 4, "logits_soft_cap": None,
+                      "q_data_type": torch.bfloat16, "kv_data_type": torch.bfloat16}
     [(args, kwargs)] = decode.plans
     batch = metadata.paged.decode
     assert [a is b for a, b in zip(args[:3], (batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len))] == [True] * 3
     assert all(array.device == CPU and array.dtype == torch.int32 for array in args[:3])
     assert args[3:] == (4, 2, 8, 4)
-    assert kwargs == {"window_left": 4, "sm_scale": 8 ** -0.5, "q_data_type": torch.bfloat16,
-                      "kv_data_type": torch.bfloat16}
+    assert kwargs == {"window_left": 4, "sm_scale": 8 ** -0.5, "logits_soft_cap": None,
+                      "q_data_type": torch.bfloat16, "kv_data_type": torch.bfloat16}
     for wrapper, batch in ((prefill, metadata.paged.prefill), (decode, metadata.paged.decode)):
         [(run_query, run_pool)] = wrapper.runs
         assert run_query.shape == (batch.num_queries, 4, 8) and run_query.is_contiguous() and run_pool is pool

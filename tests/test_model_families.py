@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.factories import (assert_pool_idle, copy_with_config_fields, hf_greedy, save_random_hf_model,
-                             use_flashinfer_on_cpu)
+from tests.factories import (assert_pool_idle, copy_with_config_fields, hf_greedy, hf_logits,
+                             save_random_hf_model, use_flashinfer_on_cpu)
 from splitserve.common.config import EngineConfig
 from splitserve.common.errors import InvalidRequestError, UnsupportedModelError
 from splitserve.common.generation_config import GenerationConfigError
@@ -40,6 +40,10 @@ FAMILIES = {
         sliding_window=24, query_pre_attn_scalar=24, rope_parameters={
             "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
             "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}})),
+    # sliding and full layers, attention and final logit softcaps small enough to change the scores and logits
+    "gemma2-sliding-softcaps-scale": ("gemma2", dict(
+        num_hidden_layers=3, sliding_window=24, query_pre_attn_scalar=24, attn_logit_softcapping=1.5,
+        final_logit_softcapping=3.0)),
 }
 
 
@@ -117,10 +121,11 @@ def test_shape_matches_transformers(shape, tmp_path):
     assert_pool_idle(engine.block_manager)
 
 
-# The engine's other attention paths on the Gemma 3 model above (the family test runs the CPU backend's C++
-# kernels): the CPU backend's torch ops, the torch reference, and the FlashInfer backend's metadata, plans
-# and captured decode steps over torch kernels. Each reads the softmax scale and both RoPE tables.
-GEMMA3_ATTENTION_PATHS = {
+# The engine's other attention paths on the Gemma 2 and 3 models above (the family test runs the CPU backend's
+# C++ kernels, or for a softcap its torch path): the CPU backend's torch ops, the torch reference, and the
+# FlashInfer backend's metadata, plans and captured decode steps over torch kernels. Each reads the softmax
+# scale, Gemma 2's softcap and Gemma 3's two RoPE tables.
+GEMMA_ATTENTION_PATHS = {
     "cpu-torch-ops": (dict(cpu_kernels=False), None),
     "torch-reference": (dict(attention_backend="torch"), None),
     "flashinfer-metadata": (dict(), dict(graphs=False)),
@@ -128,13 +133,14 @@ GEMMA3_ATTENTION_PATHS = {
 }
 
 
-@pytest.mark.parametrize("path", sorted(GEMMA3_ATTENTION_PATHS))
-def test_gemma3_matches_transformers_on_every_attention_path(path, tmp_path, monkeypatch):
-    config, flashinfer = GEMMA3_ATTENTION_PATHS[path]
+@pytest.mark.parametrize("path", sorted(GEMMA_ATTENTION_PATHS))
+@pytest.mark.parametrize("family", ["gemma2-sliding-softcaps-scale", "gemma3-sliding-local-rope-scale"])
+def test_gemma_2_and_3_match_transformers_on_every_attention_path(family, path, tmp_path, monkeypatch):
+    config, flashinfer = GEMMA_ATTENTION_PATHS[path]
     if flashinfer is not None:
         use_flashinfer_on_cpu(monkeypatch, **flashinfer)
-    architecture, overrides = FAMILIES["gemma3-sliding-local-rope-scale"]
-    model_dir = save_random_hf_model(tmp_path / "gemma3", architecture, seed=3, **overrides)
+    architecture, overrides = FAMILIES[family]
+    model_dir = save_random_hf_model(tmp_path / family, architecture, seed=3, **overrides)
     outputs, engine = run_engine(model_dir, SHORT_CASES, **short_run_config(), **config)
     assert outputs == [hf_greedy(model_dir, case) for case in SHORT_CASES]
     assert_pool_idle(engine.block_manager)
@@ -159,19 +165,34 @@ def test_a_gemma3_config_in_the_released_format_runs_as_transformers_reads_it(tm
     assert model.rotary.inv_freq[1].item() == pytest.approx(1000000.0 ** (-2 / 16))
 
 
-@pytest.mark.parametrize("field, value", [("attn_logit_softcapping", 50.0), ("final_logit_softcapping", 30.0),
-                                          ("use_bidirectional_attention", True)])
-def test_gemma3_fields_the_engine_does_not_run_are_refused_naming_them(tmp_path, field, value):
-    model_dir = copy_with_config_fields(save_random_hf_model(tmp_path / "m", "gemma3", num_hidden_layers=1),
+@pytest.mark.parametrize("architecture, field, value, message", [
+    ("gemma3", "attn_logit_softcapping", 50.0,
+     "attn_logit_softcapping 50.0 is not supported for Gemma3ForCausalLM (transformers does not apply it): set it "
+     "to null"),
+    ("gemma3", "use_bidirectional_attention", True,
+     "use_bidirectional_attention is not supported (Gemma3ForCausalLM is served causal only)"),
+    ("gemma", "use_bidirectional_attention", True,
+     "use_bidirectional_attention is not supported (GemmaForCausalLM is served causal only)"),
+])
+def test_gemma_fields_the_engine_does_not_run_are_refused_naming_them(tmp_path, architecture, field, value,
+                                                                      message):
+    model_dir = copy_with_config_fields(save_random_hf_model(tmp_path / "m", architecture, num_hidden_layers=1),
                                         tmp_path / "edited", **{field: value})
     with pytest.raises(UnsupportedModelError) as error:
         EngineCore(model_dir, EngineConfig(device="cpu"))
-    if field == "use_bidirectional_attention":
-        assert str(error.value) == ("use_bidirectional_attention is not supported (Gemma3ForCausalLM is served "
-                                    "causal only)")
-    else:
-        assert str(error.value) == (f"{field} {value!r} is not supported (Gemma3ForCausalLM is served without "
-                                    "logit softcapping: set it to null)")
+    assert str(error.value) == message
+
+
+@pytest.mark.parametrize("architecture", ["gemma2", "gemma3"])
+def test_gemma_final_logit_softcapping_gives_transformers_logits(tmp_path, architecture):
+    """Greedy tokens cannot show a softcap (tanh keeps the order): the logits at every prompt position can."""
+    model_dir = save_random_hf_model(tmp_path / architecture, architecture, seed=3, final_logit_softcapping=0.5)
+    prompt = list(SHORT_CASES[0].prompt_token_ids)
+    engine = EngineCore(model_dir, EngineConfig(**short_run_config()))
+    assert engine.model.arch.final_logit_softcap == 0.5
+    got = engine.prompt_logits(prompt)
+    assert got.abs().max() <= 0.5
+    torch.testing.assert_close(got, hf_logits(model_dir, prompt), atol=1e-5, rtol=0)
 
 
 def test_unsupported_architecture_is_a_clear_error(tmp_path):

@@ -78,8 +78,10 @@ class AttentionBackend(Protocol):
         metadata: AttentionMetadata,
         sliding_window: int | None,
         scale: float | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         """Write this step's keys/values into the pool, then attend each query to its context: softmax(scale * q.k)
         weights over the values, scale 1 / sqrt(head_dim) when None (a model's own, e.g. Granite's
-        attention_multiplier, otherwise)."""
+        attention_multiplier, otherwise). With softcap (Gemma 2's attn_logit_softcapping) each score s = scale * q.k
+        is first capped to softcap * tanh(s / softcap)."""
         ...

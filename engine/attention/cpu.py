@@ -28,6 +28,8 @@ What differs from the reference, and why (measured on the 2-core AVX-512 machine
   reference's single call takes an explicit [q, ctx] mask, with which the fused kernel computes
   every tile, masked or not (2x the work of the causal call, plus building the mask): 43 ms
   against 21 ms for 2046 tokens after a 1-token prefix, 8 heads / 4 KV heads of 32.
+- A softcapped model (Gemma 2's attn_logit_softcapping) attends on the reference's torch path: neither kernel nor
+  torch's fused SDPA caps scores.
 - A quantized pool (int8 / fp8_e4m3 codes with a bf16 scale per row, engine/kv_quant.py) takes the same
   paths: both kernels read the codes in place (decode widens them in registers and folds each row's scale
   into its score and its weight; prefill dequantizes them into its packed tiles), and the torch paths
@@ -56,7 +58,9 @@ class CpuPagedAttention(TorchReferenceAttention):
         self._head_major = torch.empty(0)
 
     def _prefill(self, query, key, value, kv_cache, span: PrefillSpan, metadata: AttentionMetadata,
-                 sliding_window, scale=None):
+                 sliding_window, scale=None, softcap=None):
+        if softcap is not None:  # neither kernel nor the fused SDPA caps scores: the reference's eager attention
+            return super()._prefill(query, key, value, kv_cache, span, metadata, sliding_window, scale, softcap)
         if self.use_kernels and query.shape[-1] % 16 == 0 and (query.dtype == torch.bfloat16 or sliding_window):
             out = torch.empty_like(query)  # [q, H, D]
             torch.ops.splitserve_cpu.paged_prefill_attention(
@@ -88,7 +92,9 @@ class CpuPagedAttention(TorchReferenceAttention):
         return merged[0].transpose(0, 1).to(query.dtype)  # [q, H, D]
 
     def _decode(self, query, kv_cache, decode: DecodeBatch, index: int, metadata: AttentionMetadata,
-                sliding_window, scale=None):
+                sliding_window, scale=None, softcap=None):
+        if softcap is not None:
+            return super()._decode(query, kv_cache, decode, index, metadata, sliding_window, scale, softcap)
         if self.use_kernels:
             out = torch.empty_like(query)  # [B, H, D]
             torch.ops.splitserve_cpu.paged_decode_attention(

@@ -55,12 +55,15 @@ class AttentionShape:
     kv_dtype: torch.dtype
     scale: float | None = None
     """The model's softmax scale of q.k (Granite's attention_multiplier); None for 1 / sqrt(head_dim)."""
+    softcap: float | None = None
+    """Gemma 2's attn_logit_softcapping: scores s become softcap * tanh(s / softcap) (FlashInfer's logits_soft_cap)."""
 
     @classmethod
-    def of(cls, query: torch.Tensor, kv_cache: torch.Tensor, scale: float | None = None) -> AttentionShape:
+    def of(cls, query: torch.Tensor, kv_cache: torch.Tensor, scale: float | None = None,
+           softcap: float | None = None) -> AttentionShape:
         """query [T, H, D], kv_cache [num_blocks, 2, block_size, Hkv, D]."""
         return cls(query.shape[1], kv_cache.shape[-2], query.shape[-1], kv_cache.shape[2], query.dtype,
-                   kv_cache.dtype, scale)
+                   kv_cache.dtype, scale, softcap)
 
     @property
     def sm_scale(self) -> float:
@@ -145,7 +148,8 @@ class FlashInferAttention:
         """kernels: FlashInfer's (the default, CUDA) or a stand-in with the same calls (tests on CPU)."""
         self.kernels = kernels if kernels is not None else FlashInferKernels()
 
-    def forward(self, query, key, value, kv_cache, metadata: AttentionMetadata, sliding_window, scale=None):
+    def forward(self, query, key, value, kv_cache, metadata: AttentionMetadata, sliding_window, scale=None,
+                softcap=None):
         if metadata.paged is None:
             raise ValueError("FlashInferAttention needs AttentionMetadata.paged (an InputBuilder with paged_metadata)")
         flat_cache = kv_cache.view(-1, kv_cache.shape[-2], kv_cache.shape[-1])  # [num_blocks*2*block_size, H, D]
@@ -154,7 +158,8 @@ class FlashInferAttention:
         plan = metadata.step_cache.get(plan_key(sliding_window))
         if plan is None:
             plan = metadata.step_cache[plan_key(sliding_window)] = plan_step(
-                metadata.paged, self.kernels, AttentionShape.of(query, kv_cache, scale), sliding_window, query.device)
+                metadata.paged, self.kernels, AttentionShape.of(query, kv_cache, scale, softcap), sliding_window,
+                query.device)
         return run_plan(plan, query, kv_cache)
 
 
@@ -247,7 +252,8 @@ class _FlashInferPrefill:
         self._staged.replan(device, lambda: self._wrapper.plan(
             batch.qo_indptr, batch.kv_indptr, kv_indices, batch.kv_last_page_len, shape.num_qo_heads,
             shape.num_kv_heads, shape.head_dim, shape.page_size, causal=True, sm_scale=shape.sm_scale,
-            window_left=window_left, q_data_type=shape.q_dtype, kv_data_type=shape.kv_dtype))
+            window_left=window_left, logits_soft_cap=shape.softcap, q_data_type=shape.q_dtype,
+            kv_data_type=shape.kv_dtype))
 
     def run(self, query: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
         return self._wrapper.run(query.contiguous(), kv_cache)  # query may be a head slice of the fused q/k tensor
@@ -272,7 +278,7 @@ class _FlashInferDecode:
         self._staged.replan(device, lambda: self._wrapper.plan(
             batch.kv_indptr, kv_indices, batch.kv_last_page_len, shape.num_qo_heads, shape.num_kv_heads,
             shape.head_dim, shape.page_size, window_left=window_left, sm_scale=shape.sm_scale,
-            q_data_type=shape.q_dtype, kv_data_type=shape.kv_dtype))
+            logits_soft_cap=shape.softcap, q_data_type=shape.q_dtype, kv_data_type=shape.kv_dtype))
 
     def _new_wrapper(self, device: torch.device, use_tensor_cores: bool):
         cls = self._kernels.module.BatchDecodeWithPagedKVCacheWrapper

@@ -1,9 +1,10 @@
-"""The Llama family (Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma 3) over a flattened, paged batch.
+"""The Llama family (Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma 2, Gemma 3) over a flattened, paged batch.
 
 Differences between the architectures are data in `LlamaFamilyArch` (biases, per-head
 q/k RMSNorm, sliding windows, tied embeddings; Gemma's (1 + weight) norms, scaled embeddings,
-GeLU-tanh MLP, Gemma 3's sandwich norms, attention scale and local RoPE); the numerics follow
-Hugging Face transformers op for op so greedy outputs agree token for token.
+GeLU-tanh MLP, Gemma 2 and 3's sandwich norms and attention scale, Gemma 2's logit softcapping,
+Gemma 3's local RoPE); the numerics follow Hugging Face transformers op for op so greedy outputs
+agree token for token.
 """
 
 from __future__ import annotations
@@ -45,12 +46,16 @@ class LlamaFamilyArch:
     gelu_tanh_mlp: bool = False
     """Gemma: the MLP gates with gelu(approximate="tanh") instead of SiLU."""
     sandwich_norms: bool = False
-    """Gemma 3: the attention and MLP outputs are normed (post_attention_layernorm, post_feedforward_layernorm)
+    """Gemma 2 and 3: the attention and MLP outputs are normed (post_attention_layernorm, post_feedforward_layernorm)
     before their residual adds, and the MLP's input by pre_feedforward_layernorm."""
     local_rope_layers: frozenset[int] = frozenset()
     """Gemma 3: the layers (its sliding_attention ones) rotated by the model's local_rotary instead of its rotary."""
     attention_scale: float | None = None
-    """The softmax scale of q.k (Gemma 3's query_pre_attn_scalar ** -0.5); None is 1 / sqrt(head_dim)."""
+    """The softmax scale of q.k (Gemma 2 and 3's query_pre_attn_scalar ** -0.5); None is 1 / sqrt(head_dim)."""
+    attention_softcap: float | None = None
+    """Gemma 2's attn_logit_softcapping: each scaled attention score s becomes softcap * tanh(s / softcap)."""
+    final_logit_softcap: float | None = None
+    """Gemma 2 and 3's final_logit_softcapping: each logit x becomes softcap * tanh(x / softcap)."""
     rope_length_limit: int | None = None
     """Longest sequence the RoPE tables hold for, when below max_position_embeddings (rope_type longrope:
     original_max_position_embeddings, past which transformers switches every position to other frequencies)."""
@@ -137,7 +142,7 @@ class Attention(nn.Module):
         # One rotation for queries and keys together: same positions, half the ops.
         q, k = self.ops.rotary(qk, *rope).split((arch.num_heads, arch.num_kv_heads), dim=1)
         out = self.backend.forward(q, k, v, kv_cache, metadata, self.sliding_window,
-                                   arch.attention_scale)  # [T, H, D]
+                                   arch.attention_scale, arch.attention_softcap)  # [T, H, D]
         return self.o_proj(out.reshape(-1, arch.q_size))
 
 
@@ -196,7 +201,7 @@ class DecoderLayer(nn.Module):
 
 
 class SandwichDecoderLayer(nn.Module):
-    """Gemma 3's layer: each sublayer's input and output are normed, the output before its residual add."""
+    """Gemma 2 and 3's layer: each sublayer's input and output are normed, the output before its residual add."""
 
     def __init__(self, arch: LlamaFamilyArch, layer_index: int, backend: AttentionBackend, ops: LayerOps) -> None:
         super().__init__()
@@ -254,4 +259,8 @@ class LlamaFamilyForCausalLM(nn.Module):
         return hidden.mul_(scale)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)  # [N, vocab]
+        logits = self.lm_head(hidden)  # [N, vocab]
+        cap = self.arch.final_logit_softcap
+        if cap is None:
+            return logits
+        return torch.tanh(logits / cap) * cap  # transformers' three ops, each rounded to the model's dtype

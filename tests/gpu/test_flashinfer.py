@@ -31,9 +31,11 @@ BF16_TIE_MARGIN = 0.05
 """bf16 logits whose top two are closer than this are near-ties: one rounding apart, either token is right."""
 
 
+@pytest.mark.parametrize("scale, softcap", [(None, None), (24 ** -0.5, 1.5)], ids=["default-scale", "gemma2-softcap"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("seed", range(8))
-def test_flashinfer_equals_the_reference_on_random_ragged_steps(seed, dtype):
+def test_flashinfer_equals_the_reference_on_random_ragged_steps(seed, dtype, scale, softcap):
+    """softcap: FlashInfer's logits_soft_cap must cap the scaled scores as transformers' Gemma 2 does."""
     rng = random.Random(seed)
     block_size, num_blocks, num_kv_heads, head_dim = rng.choice((16, 32)), 128, 2, rng.choice((64, 128))
     num_heads = num_kv_heads * rng.choice((1, 4))
@@ -47,13 +49,14 @@ def test_flashinfer_equals_the_reference_on_random_ragged_steps(seed, dtype):
                   for _ in range(2))
     reference_pool, flashinfer_pool, metadata_pool = pool.clone(), pool.clone(), pool.clone()
     reference = TorchReferenceAttention().forward(
-        query, key, value, reference_pool, InputBuilder(block_size, CUDA).build(output).metadata, sliding_window)
+        query, key, value, reference_pool, InputBuilder(block_size, CUDA).build(output).metadata, sliding_window,
+        scale, softcap)
     metadata = InputBuilder(block_size, CUDA, bucket_decodes=False, paged_metadata=True).build(output).metadata
-    got = FlashInferAttention().forward(query, key, value, flashinfer_pool, metadata, sliding_window)
+    got = FlashInferAttention().forward(query, key, value, flashinfer_pool, metadata, sliding_window, scale, softcap)
     # The torch kernels over the same FlashInfer metadata (what the CPU tests run) agree with both.
     metadata = InputBuilder(block_size, CUDA, bucket_decodes=False, paged_metadata=True).build(output).metadata
     same_metadata = FlashInferAttention(ReferencePagedKernels()).forward(query, key, value, metadata_pool, metadata,
-                                                                         sliding_window)
+                                                                         sliding_window, scale, softcap)
     assert torch.equal(flashinfer_pool, reference_pool)
     torch.testing.assert_close(got, reference, atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(same_metadata, reference, atol=2e-2, rtol=2e-2)
