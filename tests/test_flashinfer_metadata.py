@@ -61,14 +61,15 @@ def test_window_left_is_the_window_minus_one():
     assert (window_left(None), window_left(1), window_left(256)) == (-1, 0, 255)
 
 
-@pytest.mark.parametrize("scale, softcap", [(None, None), (0.2, 1.5)], ids=["default-scale", "scale-and-softcap"])
 @pytest.mark.parametrize("seed", range(12))
-def test_flashinfer_backend_on_reference_kernels_equals_the_reference_backend(seed, scale, softcap):
+def test_flashinfer_backend_on_reference_kernels_equals_the_reference_backend(seed):
     rng = random.Random(seed)
     block_size, num_blocks, num_kv_heads, head_dim = rng.choice((4, 16)), 96, 2, 8
     num_heads = num_kv_heads * rng.choice((1, 3))
     sliding_window = rng.choice((None, 5, 17))
     output = random_paged_step(rng, block_size, num_blocks)
+    scale = (None, 0.6)[seed % 2]  # a model's own softmax scale (Granite's attention_multiplier) on odd seeds
+    softcap = (None, 1.5)[seed // 2 % 2]  # Gemma 2's attention softcap on seeds 2, 3, 6, 7, 10, 11
     generator = torch.Generator().manual_seed(seed)
     pool = torch.randn(num_blocks, 2, block_size, num_kv_heads, head_dim, generator=generator)
     num_tokens = sum(chunk.num_tokens for chunk in output.chunks)
