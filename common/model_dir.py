@@ -24,6 +24,16 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
 """config.json `architectures[0]` values the engine runs."""
 SILU_ACTIVATIONS = ("silu", "swish")
 """config.json `hidden_act` values the engine runs: transformers maps both names to the same SiLU."""
+TOKENIZER_FILE = "tokenizer.json"
+"""The fast-tokenizer file: the router and the workers read only this (through `tokenizers`)."""
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+PYTORCH_INDEX = "pytorch_model.bin.index.json"
+"""The index files of sharded checkpoints: `weight_map` maps each tensor name to its shard's file name."""
+WEIGHT_FILE_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
+"""Names of the files weight_files reads when a directory has no index (safetensors first)."""
+OTHER_TOKENIZER_FILES = ("tokenizer.model", "vocab.json", "merges.txt", "vocab.txt", "tiktoken.model")
+"""Slow-tokenizer files transformers can convert into tokenizer.json; named in the error so the
+user knows the conversion is all that is missing."""
 
 
 @dataclass(frozen=True)
@@ -51,16 +61,6 @@ GELU_TANH_ACTIVATIONS = {
 
 def activation_field(architecture: str) -> ActivationField:
     return GELU_TANH_ACTIVATIONS.get(architecture, SILU_ACTIVATION)
-TOKENIZER_FILE = "tokenizer.json"
-"""The fast-tokenizer file: the router and the workers read only this (through `tokenizers`)."""
-SAFETENSORS_INDEX = "model.safetensors.index.json"
-PYTORCH_INDEX = "pytorch_model.bin.index.json"
-"""The index files of sharded checkpoints: `weight_map` maps each tensor name to its shard's file name."""
-WEIGHT_FILE_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
-"""Names of the files weight_files reads when a directory has no index (safetensors first)."""
-OTHER_TOKENIZER_FILES = ("tokenizer.model", "vocab.json", "merges.txt", "vocab.txt", "tiktoken.model")
-"""Slow-tokenizer files transformers can convert into tokenizer.json; named in the error so the
-user knows the conversion is all that is missing."""
 
 
 def unsupported_architecture_message(architecture: str) -> str:
