@@ -113,7 +113,8 @@ class EngineCore:
         self.quantization = resolve_quantization(config.quantization, config.quantization_group_size,
                                                  getattr(hf_config, "quantization_config", None))
         layer_ops = select_layer_ops(self.device, dtype, config.cpu_kernels)
-        free_at_start = torch.cuda.mem_get_info(self.device)[0] if sizes_by_utilization(config, self.device) else None
+        measured = sizes_by_utilization(config, self.device)  # gpu_memory_utilization: measure around the load
+        free_at_start = torch.cuda.mem_get_info(self.device)[0] if measured else None
         self.model = load_model(model_dir, dtype, self.device, attention, show_progress, layer_ops, self.quantization)
         arch = self.model.arch
         self.vocab_size = arch.vocab_size
