@@ -121,6 +121,17 @@ def test_shape_matches_transformers(shape, tmp_path):
     assert_pool_idle(engine.block_manager)
 
 
+@pytest.mark.parametrize("family", ["granite-multipliers-bias", "phi3-partial-rotary-sliding-window"])
+def test_partial_rotary_and_softmax_scale_match_transformers_on_the_pure_torch_ops(family, tmp_path):
+    """cpu_kernels false: the torch rotary op's partial branch, and the matmul decode and the split prefill
+    after a prefix with the model's softmax scale."""
+    architecture, overrides = FAMILIES[family]
+    model_dir = save_random_hf_model(tmp_path / family, architecture, seed=3, **overrides)
+    outputs, engine = run_engine(model_dir, SHORT_CASES, cpu_kernels=False, **short_run_config())
+    assert outputs == [hf_greedy(model_dir, case) for case in SHORT_CASES]
+    assert_pool_idle(engine.block_manager)
+
+
 def test_granite_logprobs_are_of_its_logits_divided_by_logits_scaling(tmp_path):
     """Greedy tokens cannot show logits_scaling (dividing keeps the argmax); logprobs do: each prompt token's equals
     transformers' log_softmax of its (divided) logits."""
