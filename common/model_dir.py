@@ -18,7 +18,8 @@ DRAFT_MODEL_NAME = "default-draft"
 """The embedded ~10x smaller model with the default model's tokenizer, for speculative decoding."""
 EMBEDDED_MODELS = (DEFAULT_MODEL_NAME, DRAFT_MODEL_NAME)
 """Names `--model` accepts besides a directory."""
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                           "Phi3ForCausalLM", "GraniteForCausalLM")
 """config.json `architectures[0]` values the engine runs."""
 SILU_ACTIVATIONS = ("silu", "swish")
 """config.json `hidden_act` values the engine runs: transformers maps both names to the same SiLU."""

@@ -96,7 +96,7 @@ class DecodeGraphRunner:
         self.device = kv_cache.layers[0].device
         arch = model.arch
         self.shape = AttentionShape(arch.num_heads, arch.num_kv_heads, arch.head_dim, kv_cache.spec.block_size,
-                                    kv_cache.spec.dtype, kv_cache.spec.dtype)
+                                    kv_cache.spec.dtype, kv_cache.spec.dtype, arch.attention_scale)
         self.windows = tuple(dict.fromkeys(arch.sliding_windows))  # distinct, in layer order
         self._graphs = graphs
         self._graph_kernels = graph_kernels

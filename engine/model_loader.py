@@ -1,7 +1,7 @@
 """Load a Hugging Face model directory (config + safetensors or PyTorch .bin weights) into a LlamaFamilyForCausalLM.
 
 q/k/v projections are fused into one `qkv_proj` and gate/up into `gate_up_proj` at load
-time so each layer runs two matmuls fewer per step.
+time so each layer runs two matmuls fewer per step (a Phi-3 checkpoint stores them fused already).
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ def parse_arch(config: PretrainedConfig) -> LlamaFamilyArch:
         raise UnsupportedModelError(unsupported_activation_message(config.hidden_act))
     num_heads = config.num_attention_heads
     qkv_bias, o_bias, mlp_bias = _biases(config, architecture)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
     return LlamaFamilyArch(
         architecture=architecture,
         vocab_size=config.vocab_size,
@@ -59,7 +60,7 @@ def parse_arch(config: PretrainedConfig) -> LlamaFamilyArch:
         num_layers=config.num_hidden_layers,
         num_heads=num_heads,
         num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
-        head_dim=getattr(config, "head_dim", None) or config.hidden_size // num_heads,
+        head_dim=head_dim,
         intermediate_size=config.intermediate_size,
         rms_norm_eps=config.rms_norm_eps,
         max_position_embeddings=config.max_position_embeddings,
@@ -70,18 +71,49 @@ def parse_arch(config: PretrainedConfig) -> LlamaFamilyArch:
         tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
         sliding_windows=_sliding_windows(config, architecture),
         rope_length_limit=_rope_length_limit(config),
+        rotary_dim=_rotary_dim(config, architecture, head_dim),
+        **_granite_multipliers(config, architecture),
     )
+
+
+PHI3 = "Phi3ForCausalLM"
+GRANITE = "GraniteForCausalLM"
+
+
+def _rotary_dim(config: PretrainedConfig, architecture: str, head_dim: int) -> int | None:
+    """Phi3's int(head_dim * partial_rotary_factor) when below head_dim (transformers' Phi3 rotates that many
+    leading dims of each head); None otherwise. The other architectures' modules rotate all of head_dim whatever
+    the config says, and their RoPE initializers would size the tables by the factor: build_rotary refuses those."""
+    factor = (getattr(config, "rope_parameters", None) or {}).get("partial_rotary_factor", 1.0)
+    if architecture != PHI3 or factor == 1.0:
+        return None
+    rotary_dim = int(head_dim * factor)
+    if not 0 < rotary_dim <= head_dim or rotary_dim % 2:
+        raise UnsupportedModelError(f"partial_rotary_factor {factor} of head_dim {head_dim} rotates {rotary_dim} "
+                                    f"dims; RoPE needs an even number from 2 to {head_dim}")
+    return rotary_dim if rotary_dim < head_dim else None
+
+
+def _granite_multipliers(config: PretrainedConfig, architecture: str) -> dict[str, float]:
+    """Granite's four scalars as LlamaFamilyArch fields (none for the other architectures, which never read them)."""
+    if architecture != GRANITE:
+        return {}
+    return dict(attention_scale=float(config.attention_multiplier),
+                embedding_multiplier=float(config.embedding_multiplier),
+                residual_multiplier=float(config.residual_multiplier),
+                logits_scaling=float(config.logits_scaling))
 
 
 def _biases(config: PretrainedConfig, architecture: str) -> tuple[bool, bool, bool]:
     """(q/k/v, o, MLP) biases as transformers' modules of `architecture` build them: Llama reads
     attention_bias (q/k/v and o) and mlp_bias, Qwen3 attention_bias only, Qwen2 always biases q/k/v
-    and nothing else, Mistral biases nothing. A field an architecture's modules never read (mlp_bias
-    in a Qwen2 config.json, attention_bias in a Mistral one) is ignored, as transformers ignores it."""
+    and nothing else, Mistral and Phi3 bias nothing, Granite reads what Llama reads. A field an architecture's
+    modules never read (mlp_bias in a Qwen2 config.json, attention_bias in a Mistral one) is ignored, as
+    transformers ignores it."""
     attention_bias = bool(getattr(config, "attention_bias", False))
     if architecture == "Qwen2ForCausalLM":
         return True, False, False
-    if architecture == "MistralForCausalLM":
+    if architecture in ("MistralForCausalLM", PHI3):
         return False, False, False
     if architecture == "Qwen3ForCausalLM":
         return attention_bias, attention_bias, False
@@ -89,13 +121,16 @@ def _biases(config: PretrainedConfig, architecture: str) -> tuple[bool, bool, bo
 
 
 def _sliding_windows(config: PretrainedConfig, architecture: str) -> tuple[int | None, ...]:
-    """Per layer: the attention window, or None, as transformers' modules read config.json: Llama attends
-    fully in every layer whatever sliding_window or layer_types say; Mistral windows every layer (those
-    layer_types names, when it has them) and reads no use_sliding_window; Qwen2 and Qwen3 window the
-    layers of their layer_types, which their configs derive from use_sliding_window and max_window_layers
-    (dropping sliding_window when use_sliding_window is false)."""
-    if architecture == "LlamaForCausalLM":
+    """Per layer: the attention window, or None, as transformers' modules read config.json: Llama and Granite
+    attend fully in every layer whatever sliding_window or layer_types say; Mistral windows every layer (those
+    layer_types names, when it has them) and reads no use_sliding_window; Phi3 windows every layer when
+    sliding_window is set, whatever layer_types say; Qwen2 and Qwen3 window the layers of their
+    layer_types, which their configs derive from use_sliding_window and max_window_layers (dropping
+    sliding_window when use_sliding_window is false)."""
+    if architecture in ("LlamaForCausalLM", GRANITE):
         return (None,) * config.num_hidden_layers
+    if architecture == PHI3:
+        return (getattr(config, "sliding_window", None),) * config.num_hidden_layers
     window = getattr(config, "sliding_window", None)
     layer_types = getattr(config, "layer_types", None) or ["sliding_attention"] * config.num_hidden_layers
     return tuple(window if kind == "sliding_attention" else None for kind in layer_types)
@@ -121,11 +156,12 @@ def build_rotary(config: PretrainedConfig, arch: LlamaFamilyArch) -> RotaryEmbed
     """
     params = dict(getattr(config, "rope_parameters", None) or {})
     rope_type = params.get("rope_type", "default")
-    if params.get("partial_rotary_factor", 1.0) != 1.0:
-        raise UnsupportedModelError("partial_rotary_factor != 1 is not supported")
+    if params.get("partial_rotary_factor", 1.0) != 1.0 and arch.architecture != PHI3:
+        raise UnsupportedModelError(f"partial_rotary_factor != 1 is not supported for {arch.architecture}")
     if rope_type == "default":
         base = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-        exponents = torch.arange(0, arch.head_dim, 2, dtype=torch.int64).float() / arch.head_dim
+        dim = arch.rotary_dim or arch.head_dim
+        exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
         return RotaryEmbedding(1.0 / (base**exponents), 1.0)
     if rope_type not in ROPE_INIT_FUNCTIONS:
         raise UnsupportedModelError(f"rope_type {rope_type!r} is not supported")
@@ -220,6 +256,7 @@ def _layer_shapes(arch: LlamaFamilyArch) -> dict[str, tuple[int, ...]]:
             "self_attn.v_proj.bias": (kv_size,), "self_attn.o_proj.bias": (hidden,),
             "mlp.gate_proj.weight": (inner, hidden), "mlp.up_proj.weight": (inner, hidden),
             "mlp.down_proj.weight": (hidden, inner), "mlp.gate_proj.bias": (inner,), "mlp.up_proj.bias": (inner,),
+            "self_attn.qkv_proj.weight": (q_size + 2 * kv_size, hidden), "mlp.gate_up_proj.weight": (2 * inner, hidden),
             "mlp.down_proj.bias": (hidden,), "self_attn.q_norm.weight": (arch.head_dim,),
             "self_attn.k_norm.weight": (arch.head_dim,)}
 
@@ -232,12 +269,18 @@ def _fuse_layer(checkpoint: dict[str, torch.Tensor], index: int, arch: LlamaFami
         return _take(checkpoint, prefix + name, f"decoder layer {index} of {arch.num_layers}", arch, shapes[name])
 
     attn, mlp = prefix + "self_attn.", prefix + "mlp."
+    if arch.architecture == PHI3:
+        # transformers' Phi3 stores the fused projections with our row order: q, k, v heads; gate, then up
+        qkv, gate_up = take("self_attn.qkv_proj.weight"), take("mlp.gate_up_proj.weight")
+    else:
+        qkv = concat_rows([take(f"self_attn.{p}_proj.weight") for p in "qkv"])
+        gate_up = concat_rows([take("mlp.gate_proj.weight"), take("mlp.up_proj.weight")])
     state = {
         prefix + "input_layernorm.weight": take("input_layernorm.weight"),
         prefix + "post_attention_layernorm.weight": take("post_attention_layernorm.weight"),
-        attn + "qkv_proj.weight": concat_rows([take(f"self_attn.{p}_proj.weight") for p in "qkv"]),
+        attn + "qkv_proj.weight": qkv,
         attn + "o_proj.weight": take("self_attn.o_proj.weight"),
-        mlp + "gate_up_proj.weight": concat_rows([take("mlp.gate_proj.weight"), take("mlp.up_proj.weight")]),
+        mlp + "gate_up_proj.weight": gate_up,
         mlp + "down_proj.weight": take("mlp.down_proj.weight"),
     }
     if arch.qkv_bias:

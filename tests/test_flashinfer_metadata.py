@@ -68,6 +68,7 @@ def test_flashinfer_backend_on_reference_kernels_equals_the_reference_backend(se
     num_heads = num_kv_heads * rng.choice((1, 3))
     sliding_window = rng.choice((None, 5, 17))
     output = random_paged_step(rng, block_size, num_blocks)
+    scale = (None, 0.6)[seed % 2]  # a model's own softmax scale (Granite's attention_multiplier) on odd seeds
     generator = torch.Generator().manual_seed(seed)
     pool = torch.randn(num_blocks, 2, block_size, num_kv_heads, head_dim, generator=generator)
     num_tokens = sum(chunk.num_tokens for chunk in output.chunks)
@@ -77,13 +78,13 @@ def test_flashinfer_backend_on_reference_kernels_equals_the_reference_backend(se
     reference_pool, flashinfer_pool = pool.clone(), pool.clone()
     reference = TorchReferenceAttention().forward(
         query, key, value, reference_pool, InputBuilder(block_size, torch.device("cpu")).build(output).metadata,
-        sliding_window)
+        sliding_window, scale)
     kernels = ReferencePagedKernels()
     metadata = InputBuilder(block_size, torch.device("cpu"), bucket_decodes=False,
                             paged_metadata=True).build(output).metadata
     backend = FlashInferAttention(kernels)
     for _layer in range(3):  # the layers of one step share one plan per kernel
-        got = backend.forward(query, key, value, flashinfer_pool, metadata, sliding_window)
+        got = backend.forward(query, key, value, flashinfer_pool, metadata, sliding_window, scale)
     assert torch.equal(flashinfer_pool, reference_pool)  # same keys and values in the same slots
     torch.testing.assert_close(got, reference, atol=2e-6, rtol=2e-6)
     assert {name: kernel.num_plans for name, kernel in kernels.kernels.items()} == {

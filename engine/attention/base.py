@@ -77,6 +77,9 @@ class AttentionBackend(Protocol):
         kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, num_kv_heads, head_dim]
         metadata: AttentionMetadata,
         sliding_window: int | None,
+        scale: float | None = None,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
-        """Write this step's keys/values into the pool, then attend each query to its context."""
+        """Write this step's keys/values into the pool, then attend each query to its context: softmax(scale * q.k)
+        weights over the values, scale 1 / sqrt(head_dim) when None (a model's own, e.g. Granite's
+        attention_multiplier, otherwise)."""
         ...

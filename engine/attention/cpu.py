@@ -56,18 +56,19 @@ class CpuPagedAttention(TorchReferenceAttention):
         self._head_major = torch.empty(0)
 
     def _prefill(self, query, key, value, kv_cache, span: PrefillSpan, metadata: AttentionMetadata,
-                 sliding_window):
+                 sliding_window, scale=None):
         if self.use_kernels and query.shape[-1] % 16 == 0 and (query.dtype == torch.bfloat16 or sliding_window):
             out = torch.empty_like(query)  # [q, H, D]
             torch.ops.splitserve_cpu.paged_prefill_attention(
                 query.contiguous(), kv_cache, span.block_table, span.start_position, sliding_window or 0,
-                query.shape[-1] ** -0.5, out)
+                _softmax_scale(query, scale), out)
             return out
         if span.start_position == 0 or sliding_window is not None:
-            return super()._prefill(query, key, value, kv_cache, span, metadata, sliding_window)
-        return self._prefill_after_prefix(query, key, value, kv_cache, span)
+            return super()._prefill(query, key, value, kv_cache, span, metadata, sliding_window, scale)
+        return self._prefill_after_prefix(query, key, value, kv_cache, span, scale)
 
-    def _prefill_after_prefix(self, query, key, value, kv_cache, span: PrefillSpan) -> torch.Tensor:
+    def _prefill_after_prefix(self, query, key, value, kv_cache, span: PrefillSpan,
+                              scale: float | None = None) -> torch.Tensor:
         """Attention of a chunk whose first position is span.start_position > 0, no sliding window.
 
         softmax over [prefix, chunk] = the two parts' outputs weighted by exp(lse_part - lse_all),
@@ -78,26 +79,26 @@ class CpuPagedAttention(TorchReferenceAttention):
         prefix_blocks = span.block_table[:(span.start_position + block_size - 1) // block_size]
         prefix_keys, prefix_values = self._gather(kv_cache, prefix_blocks.unsqueeze(0), span.start_position,
                                                   query.dtype)  # [1, Hkv, start, D] each
-        prefix_out, prefix_lse = _flash_attention(queries, prefix_keys, prefix_values, is_causal=False)
+        prefix_out, prefix_lse = _flash_attention(queries, prefix_keys, prefix_values, False, scale)
         chunk_out, chunk_lse = _flash_attention(queries, key.transpose(0, 1).unsqueeze(0),
-                                                value.transpose(0, 1).unsqueeze(0), is_causal=True)
+                                                value.transpose(0, 1).unsqueeze(0), True, scale)
         total_lse = torch.logaddexp(prefix_lse, chunk_lse)  # [1, H, q] float32
         merged = prefix_out.float().mul_((prefix_lse - total_lse).exp_().unsqueeze(-1))
         merged.addcmul_(chunk_out.float(), (chunk_lse - total_lse).exp_().unsqueeze(-1))
         return merged[0].transpose(0, 1).to(query.dtype)  # [q, H, D]
 
     def _decode(self, query, kv_cache, decode: DecodeBatch, index: int, metadata: AttentionMetadata,
-                sliding_window):
+                sliding_window, scale=None):
         if self.use_kernels:
             out = torch.empty_like(query)  # [B, H, D]
             torch.ops.splitserve_cpu.paged_decode_attention(
                 query.contiguous(), kv_cache, decode.block_tables, decode.context_lens, sliding_window or 0,
-                query.shape[-1] ** -0.5, out)
+                _softmax_scale(query, scale), out)
             return out
-        return self._decode_by_matmul(query, kv_cache, decode, index, metadata, sliding_window)
+        return self._decode_by_matmul(query, kv_cache, decode, index, metadata, sliding_window, scale)
 
     def _decode_by_matmul(self, query, kv_cache, decode: DecodeBatch, index: int, metadata: AttentionMetadata,
-                          sliding_window):
+                          sliding_window, scale: float | None = None):
         batch, num_heads, head_dim = query.shape  # query: [B, H, D]
         num_kv_heads = kv_cache.shape[-2]
         group = num_heads // num_kv_heads
@@ -108,7 +109,7 @@ class CpuPagedAttention(TorchReferenceAttention):
                        lambda: _decode_bias(decode, max_len, sliding_window))  # [B, 1, 1, L] float32
         grouped = query.view(batch, num_kv_heads, group, head_dim).to(compute)  # [B, Hkv, G, D]
         scores = torch.matmul(grouped, keys.transpose(-1, -2)).float()  # [B, Hkv, G, L]
-        scores.mul_(head_dim ** -0.5).add_(bias)
+        scores.mul_(_softmax_scale(query, scale)).add_(bias)
         probs = torch.softmax(scores, dim=-1).to(query.dtype).to(compute)  # rounded as in the model's dtype
         return torch.matmul(probs, values).view(batch, num_heads, head_dim).to(query.dtype)  # [B, H, D]
 
@@ -130,12 +131,19 @@ class CpuPagedAttention(TorchReferenceAttention):
         return out_keys, out_values
 
 
-def _flash_attention(query, key, value, is_causal: bool):
-    """torch's fused CPU attention with its log-sum-exp: ([1, H, q, D], [1, H, q] float32).
+def _softmax_scale(query: torch.Tensor, scale: float | None) -> float:
+    """The scale of q.k: the model's, else 1 / sqrt(head_dim) (query [..., head_dim])."""
+    return query.shape[-1] ** -0.5 if scale is None else scale
+
+
+def _flash_attention(query, key, value, is_causal: bool, scale: float | None):
+    """torch's fused CPU attention with its log-sum-exp: ([1, H, q, D], [1, H, q] float32); scale None is its
+    1 / sqrt(D).
 
     Keys and values may have fewer heads than the query (GQA: head h reads KV head h // G).
     """
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, 0.0, is_causal)
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, 0.0, is_causal,
+                                                                       scale=scale)
 
 
 def _decode_bias(decode: DecodeBatch, max_len: int, sliding_window: int | None) -> torch.Tensor:

@@ -53,16 +53,18 @@ class AttentionShape:
     page_size: int
     q_dtype: torch.dtype
     kv_dtype: torch.dtype
+    scale: float | None = None
+    """The model's softmax scale of q.k (Granite's attention_multiplier); None for 1 / sqrt(head_dim)."""
 
     @classmethod
-    def of(cls, query: torch.Tensor, kv_cache: torch.Tensor) -> AttentionShape:
+    def of(cls, query: torch.Tensor, kv_cache: torch.Tensor, scale: float | None = None) -> AttentionShape:
         """query [T, H, D], kv_cache [num_blocks, 2, block_size, Hkv, D]."""
         return cls(query.shape[1], kv_cache.shape[-2], query.shape[-1], kv_cache.shape[2], query.dtype,
-                   kv_cache.dtype)
+                   kv_cache.dtype, scale)
 
     @property
     def sm_scale(self) -> float:
-        return self.head_dim ** -0.5
+        return self.head_dim ** -0.5 if self.scale is None else self.scale
 
 
 class PagedKernel(Protocol):
@@ -143,7 +145,7 @@ class FlashInferAttention:
         """kernels: FlashInfer's (the default, CUDA) or a stand-in with the same calls (tests on CPU)."""
         self.kernels = kernels if kernels is not None else FlashInferKernels()
 
-    def forward(self, query, key, value, kv_cache, metadata: AttentionMetadata, sliding_window):
+    def forward(self, query, key, value, kv_cache, metadata: AttentionMetadata, sliding_window, scale=None):
         if metadata.paged is None:
             raise ValueError("FlashInferAttention needs AttentionMetadata.paged (an InputBuilder with paged_metadata)")
         flat_cache = kv_cache.view(-1, kv_cache.shape[-2], kv_cache.shape[-1])  # [num_blocks*2*block_size, H, D]
@@ -152,7 +154,7 @@ class FlashInferAttention:
         plan = metadata.step_cache.get(plan_key(sliding_window))
         if plan is None:
             plan = metadata.step_cache[plan_key(sliding_window)] = plan_step(
-                metadata.paged, self.kernels, AttentionShape.of(query, kv_cache), sliding_window, query.device)
+                metadata.paged, self.kernels, AttentionShape.of(query, kv_cache, scale), sliding_window, query.device)
         return run_plan(plan, query, kv_cache)
 
 

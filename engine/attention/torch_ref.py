@@ -25,19 +25,19 @@ class TorchReferenceAttention:
     def __init__(self) -> None:
         self._workspace = torch.empty(0)
 
-    def forward(self, query, key, value, kv_cache, metadata: AttentionMetadata, sliding_window):
+    def forward(self, query, key, value, kv_cache, metadata: AttentionMetadata, sliding_window, scale=None):
         key, value = self._write(key, value, kv_cache, metadata)
         if not metadata.prefills and len(metadata.decodes) == 1:
             # A decode-only step in one bucket: its token indices are 0..T-1 in order.
-            return self._decode(query, kv_cache, metadata.decodes[0], 0, metadata, sliding_window)
+            return self._decode(query, kv_cache, metadata.decodes[0], 0, metadata, sliding_window, scale)
         output = torch.empty_like(query)
         for span in metadata.prefills:
             rows = slice(span.query_start, span.query_start + span.query_len)
             output[rows] = self._prefill(query[rows], key[rows], value[rows], kv_cache, span, metadata,
-                                         sliding_window)
+                                         sliding_window, scale)
         for index, decode in enumerate(metadata.decodes):
             output[decode.token_indices] = self._decode(query[decode.token_indices], kv_cache, decode, index,
-                                                        metadata, sliding_window)
+                                                        metadata, sliding_window, scale)
         return output
 
     @staticmethod
@@ -56,27 +56,28 @@ class TorchReferenceAttention:
         flat_cache.index_copy_(0, metadata.value_slots, value_rows.view(torch.uint8))
         return quantization.dequantize(key_rows, key.dtype), quantization.dequantize(value_rows, value.dtype)
 
-    def _prefill(self, query, key, value, kv_cache, span: PrefillSpan, metadata, sliding_window):
+    def _prefill(self, query, key, value, kv_cache, span: PrefillSpan, metadata, sliding_window, scale=None):
+        """scale: the softmax scale, None for SDPA's 1 / sqrt(head_dim) (as `forward`'s)."""
         if span.start_position == 0 and sliding_window is None:
             # 4-D inputs: a 3-D call falls back to the unfused math kernel on CPU (3x slower).
             out = F.scaled_dot_product_attention(
                 query.unsqueeze(0).transpose(1, 2), key.unsqueeze(0).transpose(1, 2),
-                value.unsqueeze(0).transpose(1, 2), is_causal=True, enable_gqa=True)  # [1, H, q, D]
+                value.unsqueeze(0).transpose(1, 2), is_causal=True, scale=scale, enable_gqa=True)  # [1, H, q, D]
             return out[0].transpose(0, 1)
         keys, values = self._gather(kv_cache, span.block_table.unsqueeze(0), span.context_len,
                                     query.dtype)  # [1, Hkv, ctx, D]
         mask = _cached(metadata, ("prefill", span.query_start, sliding_window),
                        lambda: _prefill_mask(span, sliding_window, query.device))
         out = F.scaled_dot_product_attention(query.transpose(0, 1).unsqueeze(0), keys, values,
-                                             attn_mask=mask, enable_gqa=True)  # [1, H, q, D]
+                                             attn_mask=mask, scale=scale, enable_gqa=True)  # [1, H, q, D]
         return out[0].transpose(0, 1)
 
-    def _decode(self, query, kv_cache, decode: DecodeBatch, index: int, metadata, sliding_window):
+    def _decode(self, query, kv_cache, decode: DecodeBatch, index: int, metadata, sliding_window, scale=None):
         max_len = decode.block_tables.shape[1] * metadata.block_size
         keys, values = self._gather(kv_cache, decode.block_tables, max_len, query.dtype)  # [B, Hkv, L, D]
         mask = _cached(metadata, ("decode", index, sliding_window),
                        lambda: _decode_mask(decode, max_len, sliding_window))
-        out = F.scaled_dot_product_attention(query.unsqueeze(2), keys, values, attn_mask=mask,
+        out = F.scaled_dot_product_attention(query.unsqueeze(2), keys, values, attn_mask=mask, scale=scale,
                                              enable_gqa=True)  # [B, H, 1, D]
         return out.squeeze(2)
 

@@ -1,8 +1,8 @@
-"""The Llama family (Llama, Mistral, Qwen2, Qwen3) over a flattened, paged batch.
+"""The Llama family (Llama, Mistral, Qwen2, Qwen3, Phi-3, Granite) over a flattened, paged batch.
 
 Differences between the architectures are data in `LlamaFamilyArch` (biases, per-head
-q/k RMSNorm, sliding windows, tied embeddings); the numerics follow Hugging Face
-transformers op for op so greedy outputs agree token for token.
+q/k RMSNorm, sliding windows, tied embeddings, partial rotary, Granite's multipliers); the
+numerics follow Hugging Face transformers op for op so greedy outputs agree token for token.
 """
 
 from __future__ import annotations
@@ -40,6 +40,17 @@ class LlamaFamilyArch:
     rope_length_limit: int | None = None
     """Longest sequence the RoPE tables hold for, when below max_position_embeddings (rope_type longrope:
     original_max_position_embeddings, past which transformers switches every position to other frequencies)."""
+    rotary_dim: int | None = None
+    """Phi3 with partial_rotary_factor < 1: RoPE rotates the first rotary_dim dims of each query and key head
+    and passes the rest through; None rotates all head_dim."""
+    attention_scale: float | None = None
+    """Granite's attention_multiplier: the softmax scale of q.k; None is 1 / sqrt(head_dim)."""
+    embedding_multiplier: float = 1.0
+    """Granite: the token embeddings are multiplied by this before the first layer."""
+    residual_multiplier: float = 1.0
+    """Granite: each attention and MLP output is multiplied by this before it is added to the residual stream."""
+    logits_scaling: float = 1.0
+    """Granite: the logits are divided by this."""
 
     @property
     def q_size(self) -> int:
@@ -70,15 +81,16 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, inv_freq: torch.Tensor, attention_scaling: float) -> None:
         super().__init__()
-        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)  # [head_dim / 2]
+        # [rotary_dim / 2]: rotary_dim is head_dim, or less for a partial rotary (the ops rotate only that many dims)
+        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
         self.attention_scaling = attention_scaling
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float().unsqueeze(1) * self.inv_freq.unsqueeze(0)  # [T, head_dim / 2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [T, head_dim]
+        freqs = positions.float().unsqueeze(1) * self.inv_freq.unsqueeze(0)  # [T, rotary_dim / 2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [T, rotary_dim]
         cos = (emb.cos() * self.attention_scaling).to(dtype)
         sin = (emb.sin() * self.attention_scaling).to(dtype)
-        return cos, sin  # [T, head_dim] each
+        return cos, sin  # [T, rotary_dim] each
 
 
 class Attention(nn.Module):
@@ -107,7 +119,8 @@ class Attention(nn.Module):
                             self.k_norm(k.reshape(-1, arch.head_dim)).view(k.shape)), dim=1)
         # One rotation for queries and keys together: same positions, half the ops.
         q, k = self.ops.rotary(qk, *rope).split((arch.num_heads, arch.num_kv_heads), dim=1)
-        out = self.backend.forward(q, k, v, kv_cache, metadata, self.sliding_window)  # [T, H, D]
+        out = self.backend.forward(q, k, v, kv_cache, metadata, self.sliding_window,
+                                   arch.attention_scale)  # [T, H, D]
         return self.o_proj(out.reshape(-1, arch.q_size))
 
 
@@ -139,12 +152,20 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(arch, arch.sliding_windows[layer_index], backend, ops)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ops)
         self.mlp = MLP(arch, ops)
+        self.residual_multiplier = arch.residual_multiplier
 
     def forward(self, hidden, rope, kv_cache, metadata):
         """hidden [T, hidden_size] is updated in place (the residual stream) and returned."""
-        attended = self.self_attn(self.input_layernorm(hidden), rope, kv_cache, metadata)
+        attended = self._scaled(self.self_attn(self.input_layernorm(hidden), rope, kv_cache, metadata))
         normed = self.post_attention_layernorm.add_and_norm(hidden, attended)
-        return hidden.add_(self.mlp(normed))
+        return hidden.add_(self._scaled(self.mlp(normed)))
+
+    def _scaled(self, sublayer_output: torch.Tensor) -> torch.Tensor:
+        """Granite's residual_multiplier, a rounding of its own before the add as in transformers (an add with
+        alpha would fuse the two). In place: the output is the sublayer's own fresh tensor."""
+        if self.residual_multiplier == 1.0:
+            return sublayer_output
+        return sublayer_output.mul_(self.residual_multiplier)
 
 
 class LlamaFamilyForCausalLM(nn.Module):
@@ -165,6 +186,8 @@ class LlamaFamilyForCausalLM(nn.Module):
         """on_layer(l) runs once layer l has written its keys and values for every token of the step
         (host order: on CUDA the kernels may still be in flight)."""
         hidden = self.embed_tokens(input_ids)  # [T, hidden]
+        if self.arch.embedding_multiplier != 1.0:
+            hidden = hidden * self.arch.embedding_multiplier
         rope = self.rotary(positions, hidden.dtype)
         for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             hidden = layer(hidden, rope, kv_cache, metadata)
@@ -173,4 +196,7 @@ class LlamaFamilyForCausalLM(nn.Module):
         return self.norm(hidden)  # [T, hidden]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)  # [N, vocab]
+        logits = self.lm_head(hidden)  # [N, vocab]
+        if self.arch.logits_scaling != 1.0:
+            logits = logits / self.arch.logits_scaling  # a division, as transformers' (not a reciprocal's product)
+        return logits
