@@ -133,6 +133,16 @@ class EngineConfig:
     """KV pool size in bytes across all layers."""
     kv_cache_memory_fraction: float | None = None
     """KV pool size as a fraction of the device's free memory after loading weights."""
+    gpu_memory_utilization: float | None = None
+    """vLLM's: on CUDA, the share of the device's total memory, in (0, 1], this engine may hold for its weights,
+    activations and KV cache. The pool gets utilization x total memory minus what the engine holds before it: the
+    weights (and whatever else loading them left allocated, as torch.cuda.mem_get_info sees it) plus the peak of a
+    profiling forward of max_num_batched_tokens prompt tokens (engine/memory_profile.py; the sizing itself is
+    engine/kv_cache.py's blocks_for_utilization). CUDA graphs and a draft model (speculative method draft) come
+    later and are not counted: they use the remaining share. None (the default; vLLM's is 0.9): the pool is
+    DEFAULT_KV_CACHE_MEMORY_BYTES. num_kv_blocks, kv_cache_memory_bytes and kv_cache_memory_fraction win over it
+    when set (as vLLM's kv_cache_memory_bytes does). On CPU it is checked and has no effect, as in vLLM (whose CPU
+    backend sizes its KV cache from VLLM_CPU_KVCACHE_SPACE): the pool is kv_cache_memory_bytes, else 1 GiB."""
     dtype: str = "auto"
     """Weights/activations/KV dtype; auto takes the model's, with float16 widened on CPU."""
     kv_cache_dtype: str = "auto"
@@ -202,6 +212,8 @@ class EngineConfig:
                f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}")
         _check(self.kv_cache_memory_fraction is None or 0 < self.kv_cache_memory_fraction <= 1,
                f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}")
+        _check(self.gpu_memory_utilization is None or 0 < self.gpu_memory_utilization <= 1,
+               f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 
 
 GENERATION_CONFIG_SOURCES = ("auto", "vllm")

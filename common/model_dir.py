@@ -20,7 +20,8 @@ DRAFT_MODEL_NAME = "default-draft"
 EMBEDDED_MODELS = (DEFAULT_MODEL_NAME, DRAFT_MODEL_NAME)
 """Names `--model` accepts besides a directory."""
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
+                           "Phi3ForCausalLM", "GraniteForCausalLM", "GemmaForCausalLM", "Gemma2ForCausalLM",
+                           "Gemma3ForCausalLM")
 """config.json `architectures[0]` values the engine runs."""
 SILU_ACTIVATIONS = ("silu", "swish")
 """config.json `hidden_act` values the engine runs: transformers maps both names to the same SiLU."""

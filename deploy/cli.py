@@ -111,6 +111,9 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     group.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     group.add_argument("--num-kv-blocks", type=int, default=None)
+    group.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="FRACTION",
+                       help="on CUDA, the device's share the engine may hold; the KV cache gets what the weights "
+                            "and a profiling step leave of it (no effect on CPU; the two flags above win over it)")
     group.add_argument("--quantization", "-q", default="auto", choices=QUANTIZATION_METHODS,
                        help="weight-only quantization (docs/quantization.md)")
 
@@ -219,7 +222,7 @@ def _generate_offline(args: argparse.Namespace) -> int:
     llm = LLM(model_dir, show_progress=sys.stderr.isatty(), block_size=args.block_size,
               max_model_len=args.max_model_len, dtype=args.dtype, device=args.device,
               kv_cache_memory_bytes=args.kv_cache_memory_bytes, num_kv_blocks=args.num_kv_blocks,
-              quantization=args.quantization)
+              gpu_memory_utilization=args.gpu_memory_utilization, quantization=args.quantization)
     prompt = args.prompt
     if args.chat:
         messages = [{"role": "user", "content": args.prompt}]
@@ -347,6 +350,18 @@ def _only_one(flag: str) -> Callable[[str], int]:
     return parse
 
 
+class _OneValue(argparse.Action):
+    """Stores the flag's value; a flag given again (or under its alias) with another value is a usage error, not
+    silently the last one (--kv-cache-memory 1G --kv-cache-memory-bytes 2G)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
+                 option_string: str | None = None) -> None:
+        given = getattr(namespace, self.dest)
+        if given is not None and given != values:
+            raise argparse.ArgumentError(self, f"given twice with different values: {given} and {values}")
+        setattr(namespace, self.dest, values)
+
+
 def _add_serve(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser(
         "serve", help="serve a model over gRPC and the OpenAI HTTP API on a local Ray cluster (Ctrl-C stops it)",
@@ -435,9 +450,15 @@ def _add_cache_flags(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                        help="reuse the KV blocks of identical prompt prefixes across requests (default: on)")
     group.add_argument("--kv-cache-memory", "--kv-cache-memory-bytes", dest="kv_cache_memory", type=human_int,
-                       default=None, metavar="BYTES",
+                       action=_OneValue, default=None, metavar="BYTES",
                        help="KV cache size of each worker in bytes, e.g. 2G (default: 256 MiB per prefill "
-                            "worker, 2 GiB per decode worker)")
+                            "worker, 2 GiB per decode worker); wins over --gpu-memory-utilization")
+    group.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="FRACTION",
+                       help="on CUDA, the share of its device's memory, in (0, 1], each worker may hold for weights, "
+                            "activations and KV cache: its KV cache gets what the weights and a profiling step "
+                            "leave of it (replaces the default sizes; workers sharing a device need shares that add "
+                            "up to at most 1, e.g. --set prefill.engine.gpu_memory_utilization=0.3). On CPU it has "
+                            "no effect, as in vLLM: each KV cache is then --kv-cache-memory, else 1 GiB")
     group.add_argument("--kv-cache-dtype", choices=tuple(VLLM_KV_CACHE_DTYPES), default=None,
                        help="KV cache element type of both pools: auto (the model's dtype), or int8 / fp8 (= fp8_e4m3) "
                             "codes with a scale per token per KV head: about half of bf16's bytes to hold and to "
@@ -489,6 +510,7 @@ _CLUSTER_FLAGS = {"mode": "mode", "prefill_workers": "prefill.replicas", "decode
 """serve flags -> the cluster config key they set."""
 _ENGINE_FLAGS = {"max_model_len": "max_model_len", "seed": "seed", "block_size": "block_size",
                  "enable_prefix_caching": "enable_prefix_caching", "kv_cache_memory": "kv_cache_memory_bytes",
+                 "gpu_memory_utilization": "gpu_memory_utilization",
                  "max_num_seqs": "max_num_seqs", "max_num_batched_tokens": "max_num_batched_tokens",
                  "enable_chunked_prefill": "enable_chunked_prefill", "device": "device",
                  "quantization": "quantization"}

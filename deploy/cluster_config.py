@@ -30,8 +30,8 @@ from splitserve.router.worker_link import WorkerLinkConfig
 
 MODES = ("disaggregated", "colocated")
 KV_TRANSFER_BACKENDS = ("nixl", "inprocess")
-KV_SIZING_FIELDS = ("num_kv_blocks", "kv_cache_memory_bytes", "kv_cache_memory_fraction")
-"""EngineConfig's mutually exclusive KV pool sizing fields."""
+KV_SIZING_FIELDS = ("num_kv_blocks", "kv_cache_memory_bytes", "kv_cache_memory_fraction", "gpu_memory_utilization")
+"""EngineConfig's KV pool sizing fields: the first three are mutually exclusive, and win over the last."""
 SHARED_ENGINE_FIELDS = ("block_size", "dtype", "hash_seed")
 """Engine fields the two pools must agree on for prefill KV blocks to be readable by decode."""
 
@@ -468,7 +468,8 @@ def _new_section(kind: type, data: object, path: str) -> object:
 
 
 def _one_kv_sizing(current: object, changes: dict[str, object]) -> dict[str, object]:
-    """Setting one KV sizing field replaces the pool's default sizing (the fields are exclusive)."""
+    """Setting a KV sizing field replaces the pool's default sizing: a config layer (the file, the flags, --set)
+    that sets gpu_memory_utilization, alone, clears the pool's default kv_cache_memory_bytes, which would win."""
     if not isinstance(current, EngineConfig) or not changes.keys() & set(KV_SIZING_FIELDS):
         return changes
     return {**dict.fromkeys(KV_SIZING_FIELDS), **changes}

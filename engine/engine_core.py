@@ -19,14 +19,15 @@ from splitserve.common.kv_events import KVEventBatch, KVSnapshot, LoadReport
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.stats import EngineStats
 from splitserve.common.token_logprobs import TokenLogprobs
-from splitserve.engine.attention import select_backend
+from splitserve.engine.attention import AttentionBackend, select_backend
 from splitserve.common.kv_transfer_types import KV_SCALES_NONE, KV_SCALES_PER_TOKEN_HEAD, KVLayout
 from splitserve.engine.block_manager import BlockManager
 from splitserve.engine.cuda_graphs import build_decode_graphs, uses_cuda_graphs
 from splitserve.common.detokenizer import IncrementalDetokenizer
-from splitserve.engine.kv_cache import KVCache, KVCacheSpec, num_blocks_for
+from splitserve.engine.kv_cache import KVCache, KVCacheSpec, num_blocks_for, sizes_by_utilization
 from splitserve.engine.kv_event_log import KVEventLog
 from splitserve.engine.kv_quant import kv_quantization
+from splitserve.engine.memory_profile import measure_engine_memory
 from splitserve.engine.model_loader import load_hf_config, load_model
 from splitserve.engine.models.layer_ops import select_layer_ops
 from splitserve.engine.model_runner import ModelRunner
@@ -112,6 +113,8 @@ class EngineCore:
         self.quantization = resolve_quantization(config.quantization, config.quantization_group_size,
                                                  getattr(hf_config, "quantization_config", None))
         layer_ops = select_layer_ops(self.device, dtype, config.cpu_kernels)
+        measured = sizes_by_utilization(config, self.device)  # gpu_memory_utilization: measure around the load
+        free_at_start = torch.cuda.mem_get_info(self.device)[0] if measured else None
         self.model = load_model(model_dir, dtype, self.device, attention, show_progress, layer_ops, self.quantization)
         arch = self.model.arch
         self.vocab_size = arch.vocab_size
@@ -120,7 +123,8 @@ class EngineCore:
         spec = KVCacheSpec(arch.num_layers, config.block_size, arch.num_kv_heads, arch.head_dim, dtype,
                            kv_quantization(config.kv_cache_dtype))
         graphs = uses_cuda_graphs(config.cuda_graphs, self.device, attention)
-        self.kv_cache = KVCache(spec, self._num_blocks(spec), self.device, reserve_dummy_block=graphs)
+        self.kv_cache = KVCache(spec, self._num_blocks(spec, attention, free_at_start), self.device,
+                                reserve_dummy_block=graphs)
         self.block_manager = BlockManager(self.kv_cache.num_blocks, config.block_size,
                                           BlockHasher(config.block_size, config.hash_seed),
                                           config.enable_prefix_caching)
@@ -169,8 +173,13 @@ class EngineCore:
                              f"({self.config.max_num_batched_tokens}) must be >= max_model_len ({length})")
         return length
 
-    def _num_blocks(self, spec: KVCacheSpec) -> int:
-        num_blocks = num_blocks_for(self.config, spec, self.device)
+    def _num_blocks(self, spec: KVCacheSpec, attention: AttentionBackend, free_at_start: int | None) -> int:
+        """`free_at_start`: the device's free bytes before the model loaded, measured where gpu_memory_utilization
+        sizes the pool (sizes_by_utilization), else None."""
+        memory = None if free_at_start is None else measure_engine_memory(
+            self.device, free_at_start, self.model, spec, attention, self.config.max_num_batched_tokens,
+            self.max_model_len)
+        num_blocks = num_blocks_for(self.config, spec, self.device, memory)
         if num_blocks * spec.block_size < self.max_model_len:
             raise ValueError(f"the KV pool holds {num_blocks} blocks x {spec.block_size} tokens, fewer than "
                              f"max_model_len={self.max_model_len}; enlarge the pool or lower max_model_len")

@@ -62,10 +62,61 @@ def free_device_memory(device: torch.device) -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def num_blocks_for(config: EngineConfig, spec: KVCacheSpec, device: torch.device) -> int:
-    """Pool size in blocks from whichever sizing field the config sets (default: 1 GiB)."""
+@dataclass(frozen=True)
+class EngineMemory:
+    """One engine's device memory before its KV pool exists (bytes), as gpu_memory_utilization reads it."""
+
+    total: int
+    """The device's memory."""
+    free_at_start: int
+    """Free before the engine loaded anything (other processes hold the rest)."""
+    used_by_engine: int
+    """What the engine holds without its pool: the weights and the peak of its profiling step."""
+
+
+class KVCacheSizingError(ValueError):
+    """gpu_memory_utilization leaves the KV pool no room, or asks for more than the device had free."""
+
+
+def _gib(num_bytes: int | float) -> str:
+    return f"{num_bytes / (1 << 30):.2f} GiB"
+
+
+def blocks_for_utilization(utilization: float, memory: EngineMemory, bytes_per_block: int) -> int:
+    """Pool size in blocks under vLLM's gpu_memory_utilization: the engine holds at most utilization x total
+    bytes, of which memory.used_by_engine are taken; the rest, in whole blocks, is the pool."""
+    allowed = int(utilization * memory.total)
+    share = f"{_gib(allowed)} ({utilization} x {_gib(memory.total)})"
+    if allowed > memory.free_at_start:
+        highest = int(memory.free_at_start / memory.total * 100) / 100
+        raise KVCacheSizingError(f"gpu_memory_utilization {utilization} asks for {share}, but only "
+                                 f"{_gib(memory.free_at_start)} were free when the engine started (other processes "
+                                 f"hold the rest); lower it to at most {highest}")
+    num_blocks = (allowed - memory.used_by_engine) // bytes_per_block
+    if num_blocks < 1:
+        raise KVCacheSizingError(f"gpu_memory_utilization {utilization} leaves no room for the KV cache: the "
+                                 f"engine uses {_gib(memory.used_by_engine)} (weights and a profiling step) of the "
+                                 f"{share} it may use, and one block takes {bytes_per_block} bytes; raise "
+                                 "gpu_memory_utilization or set kv_cache_memory_bytes")
+    return num_blocks
+
+
+def sizes_by_utilization(config: EngineConfig, device: torch.device) -> bool:
+    """Whether gpu_memory_utilization decides the pool's size: set, on CUDA, and no explicit size given."""
+    explicit = (config.num_kv_blocks, config.kv_cache_memory_bytes, config.kv_cache_memory_fraction)
+    return config.gpu_memory_utilization is not None and device.type == "cuda" and explicit == (None, None, None)
+
+
+def num_blocks_for(config: EngineConfig, spec: KVCacheSpec, device: torch.device,
+                   memory: EngineMemory | None = None) -> int:
+    """Pool size in blocks from whichever sizing field the config sets (default: 1 GiB). `memory`: the engine's
+    measured memory, needed exactly when sizes_by_utilization(config, device)."""
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
+    if sizes_by_utilization(config, device):
+        if memory is None:
+            raise ValueError("gpu_memory_utilization sizes this pool: pass the engine's measured memory")
+        return blocks_for_utilization(config.gpu_memory_utilization, memory, spec.bytes_per_block)
     if config.kv_cache_memory_fraction is not None:
         budget = int(free_device_memory(device) * config.kv_cache_memory_fraction)
     else:

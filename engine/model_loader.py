@@ -1,7 +1,7 @@
 """Load a Hugging Face model directory (config + safetensors or PyTorch .bin weights) into a LlamaFamilyForCausalLM.
 
 q/k/v projections are fused into one `qkv_proj` and gate/up into `gate_up_proj` at load
-time so each layer runs two matmuls fewer per step.
+time so each layer runs two matmuls fewer per step (a Phi-3 checkpoint stores them fused already).
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from transformers import AutoConfig, PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from splitserve.common.errors import UnsupportedModelError
-from splitserve.common.model_dir import (GELU_TANH_ACTIVATIONS, SUPPORTED_ARCHITECTURES, activation_field,
-                                         unsupported_architecture_message, weight_files)
+from splitserve.common.model_dir import (SUPPORTED_ARCHITECTURES, activation_field, unsupported_architecture_message,
+                                         weight_files)
 from splitserve.engine.attention import AttentionBackend
 from splitserve.engine.cpu_kernels import cpu_kernel_isa
 from splitserve.engine.models.llama import LlamaFamilyArch, LlamaFamilyForCausalLM, RotaryEmbedding
@@ -51,12 +51,9 @@ def parse_arch(config: PretrainedConfig) -> LlamaFamilyArch:
     activation = activation_field(architecture)
     if getattr(config, activation.name, activation.default) not in activation.accepted:
         raise UnsupportedModelError(activation.unsupported_message(getattr(config, activation.name)))
-    gemma = architecture in GEMMA_ARCHITECTURES
-    if gemma:
-        _check_gemma_fields(config, architecture)
     num_heads = config.num_attention_heads
     qkv_bias, o_bias, mlp_bias = _biases(config, architecture)
-    attention_softcap, final_logit_softcap = _softcaps(config, architecture)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
     return LlamaFamilyArch(
         architecture=architecture,
         vocab_size=config.vocab_size,
@@ -64,7 +61,7 @@ def parse_arch(config: PretrainedConfig) -> LlamaFamilyArch:
         num_layers=config.num_hidden_layers,
         num_heads=num_heads,
         num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
-        head_dim=getattr(config, "head_dim", None) or config.hidden_size // num_heads,
+        head_dim=head_dim,
         intermediate_size=config.intermediate_size,
         rms_norm_eps=config.rms_norm_eps,
         max_position_embeddings=config.max_position_embeddings,
@@ -74,15 +71,10 @@ def parse_arch(config: PretrainedConfig) -> LlamaFamilyArch:
         qk_norm=architecture in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
         tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
         sliding_windows=_sliding_windows(config, architecture),
-        unit_offset_norms=gemma,
-        scale_embeddings_by_sqrt_hidden=gemma,
-        gelu_tanh_mlp=architecture in GELU_TANH_ACTIVATIONS,
-        sandwich_norms=architecture in SANDWICH_ARCHITECTURES,
-        local_rope_layers=_local_rope_layers(config, architecture),
-        attention_scale=config.query_pre_attn_scalar ** -0.5 if architecture in SANDWICH_ARCHITECTURES else None,
-        attention_softcap=attention_softcap,
-        final_logit_softcap=final_logit_softcap,
         rope_length_limit=_rope_length_limit(config),
+        rotary_dim=_rotary_dim(config, architecture, head_dim),
+        **_granite_multipliers(config, architecture),
+        **_gemma_fields(config, architecture),
     )
 
 
@@ -103,23 +95,60 @@ def _check_gemma_fields(config: PretrainedConfig, architecture: str) -> None:
                                     "for Gemma3ForCausalLM (transformers does not apply it): set it to null")
 
 
-def _softcaps(config: PretrainedConfig, architecture: str) -> tuple[float | None, float | None]:
-    """(attention, final logit) softcapping as transformers applies them: Gemma 2 both, Gemma 3 the final one."""
-    if architecture not in SANDWICH_ARCHITECTURES:
-        return None, None
-    attention = config.attn_logit_softcapping if architecture == "Gemma2ForCausalLM" else None
-    return attention, config.final_logit_softcapping
+def _gemma_fields(config: PretrainedConfig, architecture: str) -> dict:
+    """The Gemma families' LlamaFamilyArch fields (none for the other architectures, which never read them):
+    softcapping as transformers applies it, Gemma 2 to attention scores and logits, Gemma 3 to logits only."""
+    if architecture not in GEMMA_ARCHITECTURES:
+        return {}
+    _check_gemma_fields(config, architecture)
+    fields = dict(unit_offset_norms=True, scale_embeddings_by_sqrt_hidden=True, gelu_tanh_mlp=True)
+    if architecture in SANDWICH_ARCHITECTURES:
+        fields.update(sandwich_norms=True, attention_scale=config.query_pre_attn_scalar ** -0.5,
+                      final_logit_softcap=config.final_logit_softcapping,
+                      local_rope_layers=_local_rope_layers(config, architecture))
+    if architecture == "Gemma2ForCausalLM":
+        fields.update(attention_softcap=config.attn_logit_softcapping)
+    return fields
+
+
+PHI3 = "Phi3ForCausalLM"
+GRANITE = "GraniteForCausalLM"
+
+
+def _rotary_dim(config: PretrainedConfig, architecture: str, head_dim: int) -> int | None:
+    """Phi3's int(head_dim * partial_rotary_factor) when below head_dim (transformers' Phi3 rotates that many
+    leading dims of each head); None otherwise. The other architectures' modules rotate all of head_dim whatever
+    the config says, and their RoPE initializers would size the tables by the factor: build_rotary refuses those."""
+    factor = (getattr(config, "rope_parameters", None) or {}).get("partial_rotary_factor", 1.0)
+    if architecture != PHI3 or factor == 1.0:
+        return None
+    rotary_dim = int(head_dim * factor)
+    if not 0 < rotary_dim <= head_dim or rotary_dim % 2:
+        raise UnsupportedModelError(f"partial_rotary_factor {factor} of head_dim {head_dim} rotates {rotary_dim} "
+                                    f"dims; RoPE needs an even number from 2 to {head_dim}")
+    return rotary_dim if rotary_dim < head_dim else None
+
+
+def _granite_multipliers(config: PretrainedConfig, architecture: str) -> dict[str, float]:
+    """Granite's four scalars as LlamaFamilyArch fields (none for the other architectures, which never read them)."""
+    if architecture != GRANITE:
+        return {}
+    return dict(attention_scale=float(config.attention_multiplier),
+                embedding_multiplier=float(config.embedding_multiplier),
+                residual_multiplier=float(config.residual_multiplier),
+                logits_scaling=float(config.logits_scaling))
 
 
 def _biases(config: PretrainedConfig, architecture: str) -> tuple[bool, bool, bool]:
     """(q/k/v, o, MLP) biases as transformers' modules of `architecture` build them: Llama reads
-    attention_bias (q/k/v and o) and mlp_bias, Qwen3, Gemma and Gemma 3 attention_bias only, Qwen2 always
-    biases q/k/v and nothing else, Mistral biases nothing. A field an architecture's modules never read (mlp_bias
-    in a Qwen2 config.json, attention_bias in a Mistral one) is ignored, as transformers ignores it."""
+    attention_bias (q/k/v and o) and mlp_bias, Qwen3 and the Gemmas attention_bias only, Qwen2 always biases
+    q/k/v and nothing else, Mistral and Phi3 bias nothing, Granite reads what Llama reads. A field an
+    architecture's modules never read (mlp_bias in a Qwen2 config.json, attention_bias in a Mistral one) is
+    ignored, as transformers ignores it."""
     attention_bias = bool(getattr(config, "attention_bias", False))
     if architecture == "Qwen2ForCausalLM":
         return True, False, False
-    if architecture == "MistralForCausalLM":
+    if architecture in ("MistralForCausalLM", PHI3):
         return False, False, False
     if architecture in ("Qwen3ForCausalLM", *GEMMA_ARCHITECTURES):
         return attention_bias, attention_bias, False
@@ -127,14 +156,18 @@ def _biases(config: PretrainedConfig, architecture: str) -> tuple[bool, bool, bo
 
 
 def _sliding_windows(config: PretrainedConfig, architecture: str) -> tuple[int | None, ...]:
-    """Per layer: the attention window, or None, as transformers' modules read config.json: Llama and Gemma
-    attend fully in every layer whatever sliding_window or layer_types say; Mistral windows every layer (those
-    layer_types names, when it has them) and reads no use_sliding_window; Qwen2 and Qwen3 window the
-    layers of their layer_types, which their configs derive from use_sliding_window and max_window_layers
-    (dropping sliding_window when use_sliding_window is false); Gemma 3 windows its layer_types' sliding_attention
-    layers, which its config derives from sliding_window_pattern (every 6th layer full) when it has none."""
-    if architecture in ("LlamaForCausalLM", "GemmaForCausalLM"):
+    """Per layer: the attention window, or None, as transformers' modules read config.json: Llama, Granite and
+    Gemma attend fully in every layer whatever sliding_window or layer_types say; Mistral windows every layer
+    (those layer_types names, when it has them) and reads no use_sliding_window; Phi3 windows every layer when
+    sliding_window is set, whatever layer_types say; Qwen2 and Qwen3 window the layers of their
+    layer_types, which their configs derive from use_sliding_window and max_window_layers (dropping
+    sliding_window when use_sliding_window is false); Gemma 2 and 3 window their layer_types' sliding_attention
+    layers, which Gemma 2's config alternates and Gemma 3's derives from sliding_window_pattern (every 6th layer
+    full) when config.json has none."""
+    if architecture in ("LlamaForCausalLM", GRANITE, "GemmaForCausalLM"):
         return (None,) * config.num_hidden_layers
+    if architecture == PHI3:
+        return (getattr(config, "sliding_window", None),) * config.num_hidden_layers
     window = getattr(config, "sliding_window", None)
     layer_types = getattr(config, "layer_types", None) or ["sliding_attention"] * config.num_hidden_layers
     return tuple(window if kind == "sliding_attention" else None for kind in layer_types)
@@ -177,11 +210,12 @@ def build_rotary(config: PretrainedConfig, arch: LlamaFamilyArch,
     if layer_type is not None:
         params = dict(params.get(layer_type) or {})
     rope_type = params.get("rope_type", "default")
-    if params.get("partial_rotary_factor", 1.0) != 1.0:
-        raise UnsupportedModelError("partial_rotary_factor != 1 is not supported")
+    if params.get("partial_rotary_factor", 1.0) != 1.0 and arch.architecture != PHI3:
+        raise UnsupportedModelError(f"partial_rotary_factor != 1 is not supported for {arch.architecture}")
     if rope_type == "default":
         base = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-        exponents = torch.arange(0, arch.head_dim, 2, dtype=torch.int64).float() / arch.head_dim
+        dim = arch.rotary_dim or arch.head_dim
+        exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
         return RotaryEmbedding(1.0 / (base**exponents), 1.0)
     if rope_type not in ROPE_INIT_FUNCTIONS or (layer_type is not None and rope_type == "longrope"):
         # longrope's switch past original_max_position_embeddings is handled for one table only (_rope_length_limit)
@@ -285,6 +319,7 @@ def _layer_shapes(arch: LlamaFamilyArch) -> dict[str, tuple[int, ...]]:
             "self_attn.v_proj.bias": (kv_size,), "self_attn.o_proj.bias": (hidden,),
             "mlp.gate_proj.weight": (inner, hidden), "mlp.up_proj.weight": (inner, hidden),
             "mlp.down_proj.weight": (hidden, inner), "mlp.gate_proj.bias": (inner,), "mlp.up_proj.bias": (inner,),
+            "self_attn.qkv_proj.weight": (q_size + 2 * kv_size, hidden), "mlp.gate_up_proj.weight": (2 * inner, hidden),
             "mlp.down_proj.bias": (hidden,), "self_attn.q_norm.weight": (arch.head_dim,),
             "self_attn.k_norm.weight": (arch.head_dim,), "pre_feedforward_layernorm.weight": (hidden,),
             "post_feedforward_layernorm.weight": (hidden,)}
@@ -298,12 +333,18 @@ def _fuse_layer(checkpoint: dict[str, torch.Tensor], index: int, arch: LlamaFami
         return _take(checkpoint, prefix + name, f"decoder layer {index} of {arch.num_layers}", arch, shapes[name])
 
     attn, mlp = prefix + "self_attn.", prefix + "mlp."
+    if arch.architecture == PHI3:
+        # transformers' Phi3 stores the fused projections with our row order: q, k, v heads; gate, then up
+        qkv, gate_up = take("self_attn.qkv_proj.weight"), take("mlp.gate_up_proj.weight")
+    else:
+        qkv = concat_rows([take(f"self_attn.{p}_proj.weight") for p in "qkv"])
+        gate_up = concat_rows([take("mlp.gate_proj.weight"), take("mlp.up_proj.weight")])
     state = {
         prefix + "input_layernorm.weight": take("input_layernorm.weight"),
         prefix + "post_attention_layernorm.weight": take("post_attention_layernorm.weight"),
-        attn + "qkv_proj.weight": concat_rows([take(f"self_attn.{p}_proj.weight") for p in "qkv"]),
+        attn + "qkv_proj.weight": qkv,
         attn + "o_proj.weight": take("self_attn.o_proj.weight"),
-        mlp + "gate_up_proj.weight": concat_rows([take("mlp.gate_proj.weight"), take("mlp.up_proj.weight")]),
+        mlp + "gate_up_proj.weight": gate_up,
         mlp + "down_proj.weight": take("mlp.down_proj.weight"),
     }
     if arch.qkv_bias:

@@ -42,16 +42,21 @@ CHAT_HANDLED = COMMON_HANDLED | {"messages", "top_logprobs", "max_completion_tok
 
 @dataclass(frozen=True)
 class Refused:
-    """A field this server does not implement: any value but `accepted` (and null) is a 400."""
+    """A field this server does not implement: any value but `accepted` (and null, unless `non_null`) is a 400."""
 
     name: str
     accepted: tuple[Any, ...]
     """Values that ask for nothing: the field's default (and its equivalents)."""
     reason: str
     """Why it is refused, for the error message."""
+    non_null: str | None = None
+    """What the field must be where vLLM's model declares it without null ("a boolean"): null is then a 400
+    naming it, as in vLLM; None: null is the default."""
 
     def check(self, body: Mapping[str, Any]) -> None:
         value = body.get(self.name)
+        if value is None and self.non_null is not None and self.name in body:
+            raise InvalidRequestError(self.name, f"must be {self.non_null}, got null")
         if value is None or any(value == ok and type(value) is type(ok) for ok in self.accepted):
             return
         raise InvalidRequestError(self.name, f"is not supported by this server: {self.reason} (got "
@@ -65,6 +70,7 @@ _NOT_IMPLEMENTED = "not implemented"
 _FUNCTIONS = "the deprecated functions API is not implemented (send tools and tool_choice)"
 _TEXT_ONLY = "text models only"
 _OFF = (False,)
+_BOOLEAN = "a boolean"
 _EMPTY = ([], {})
 
 
@@ -72,10 +78,10 @@ COMMON_REFUSED = (
     Refused("guided_decoding_backend", ("auto", "guidance", "llguidance"), _STRUCTURED),
     Refused("guided_whitespace_pattern", (), _STRUCTURED),
     Refused("structural_tag", (), "structural tags are not implemented"),
-    Refused("use_beam_search", _OFF, _NO_BEAM_SEARCH),
+    Refused("use_beam_search", _OFF, _NO_BEAM_SEARCH, _BOOLEAN),
     Refused("length_penalty", (1.0, 1), "it only applies to beam search, which is not implemented"),
     Refused("logprob_token_ids", (), _NOT_IMPLEMENTED),
-    Refused("spaces_between_special_tokens", (True,), _NOT_IMPLEMENTED),
+    Refused("spaces_between_special_tokens", (True,), _NOT_IMPLEMENTED, _BOOLEAN),
     Refused("watermarking", _OFF, _NOT_IMPLEMENTED),
     Refused("repetition_detection", (), _NOT_IMPLEMENTED),
     Refused("thinking_token_budget", (-1,), "reasoning is never cut short (no thinking budgets)"),
@@ -96,7 +102,7 @@ COMPLETION_REFUSED = (
 )
 CHAT_REFUSED = (
     *COMMON_REFUSED,
-    Refused("echo", _OFF, "a chat's echo (the last message repeated) is not implemented"),
+    Refused("echo", _OFF, "a chat's echo (the last message repeated) is not implemented", _BOOLEAN),
     Refused("functions", ([],), _FUNCTIONS),
     Refused("function_call", ("none", "auto"), _FUNCTIONS),
     Refused("chat_template", (), "a request may not bring its own template (start the server with "

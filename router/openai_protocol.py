@@ -41,6 +41,7 @@ _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty"
                     "repetition_penalty", "seed", "stop_token_ids", "min_tokens")
 """Request fields passed to SamplingParams under the same name, validated there."""
 _BOOL_SAMPLING_FIELDS = ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output")
+"""Request fields passed to SamplingParams under the same name: booleans, never null (_flag)."""
 _LOGIT_CONTROL_FIELDS = {"logit_bias": (dict, "an object mapping token ids to biases"),
                          "allowed_token_ids": (list, "a list of token ids"), "bad_words": (list, "a list of strings")}
 """Request fields passed to SamplingParams under the same name after a JSON type check (their
@@ -171,6 +172,14 @@ def _typed(body: Mapping[str, Any], name: str, kind: type, what: str, default: A
     return value
 
 
+def _flag(body: Mapping[str, Any], name: str, default: bool | None = None) -> bool | None:
+    """A boolean vLLM's request models declare without null (`bool`, not `bool | None`): absent is `default`;
+    null is a 400 naming it, as vLLM's validation answers (elsewhere null is the field's default, _typed)."""
+    if name in body and body[name] is None:
+        raise InvalidRequestError(name, "must be a boolean, got null")
+    return _typed(body, name, bool, "a boolean", default)
+
+
 def _count(body: Mapping[str, Any], name: str, default: int) -> int:
     """A number of sequences: an integer in [1, MAX_SEQUENCES]."""
     value = _typed(body, name, int, f"an integer in [1, {MAX_SEQUENCES}]", default)
@@ -228,7 +237,7 @@ def _sampling(body: Mapping[str, Any], max_tokens: int, max_tokens_param: str | 
     tool choice's grammar, in place of the request's structured output fields."""
     given = defaults.sampling_fields({name: body[name] for name in _SAMPLING_FIELDS if body.get(name) is not None})
     for name in _BOOL_SAMPLING_FIELDS:
-        value = _typed(body, name, bool, "a boolean")
+        value = _flag(body, name)
         if value is not None:
             given[name] = value
     for name, (kind, what) in _LOGIT_CONTROL_FIELDS.items():
@@ -325,7 +334,7 @@ def parse_completion_request(body: Mapping[str, Any], limits: RequestLimits,
     return CompletionRequest(_model(body), _prompts(body, limits, best_of, truncation is not None), n, best_of, echo,
                              sampling, max_tokens_param, stream, include_usage, continuous_usage,
                              _typed(body, "return_tokens_as_token_ids", bool, "a boolean", False),
-                             _request_id(body, limits), _typed(body, "add_special_tokens", bool, "a boolean", True),
+                             _request_id(body, limits), _flag(body, "add_special_tokens", True),
                              _return_token_ids(body), truncation, echo_only, _cache_salt(body))
 
 
@@ -394,13 +403,13 @@ def _documents(body: Mapping[str, Any]) -> tuple[Mapping[str, str], ...] | None:
 
 def parse_chat_template_options(body: Mapping[str, Any], add_generation_prompt: bool) -> ChatTemplateOptions:
     """vLLM's chat template extensions (also taken by /tokenize)."""
-    continue_final = _typed(body, "continue_final_message", bool, "a boolean", False)
+    continue_final = _flag(body, "continue_final_message", False)
     if continue_final and add_generation_prompt:
         raise InvalidRequestError("continue_final_message", "cannot be true while add_generation_prompt is true "
                                                             "(set add_generation_prompt to false)")
     kwargs = _typed(body, "chat_template_kwargs", dict, "an object", {})
     return ChatTemplateOptions(continue_final, _documents(body), kwargs,
-                               _typed(body, "add_special_tokens", bool, "a boolean", False))
+                               _flag(body, "add_special_tokens", False))
 
 
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
@@ -427,7 +436,7 @@ def parse_chat_request(body: Mapping[str, Any], limits: RequestLimits,
     in vLLM. `defaults`: the server's sampling defaults (--generation-config)."""
     refuse_unsupported(body, CHAT_REFUSED)
     messages = _messages(body, limits)
-    add_generation_prompt = _typed(body, "add_generation_prompt", bool, "a boolean", True)
+    add_generation_prompt = _flag(body, "add_generation_prompt", True)
     template = _with_reasoning_effort(body, parse_chat_template_options(body, add_generation_prompt))
     tool_calling = parse_tool_calling(body, limits)
     if tool_calling is not None:
@@ -442,7 +451,7 @@ def parse_chat_request(body: Mapping[str, Any], limits: RequestLimits,
     return ChatCompletionRequest(
         _model(body), messages, _count(body, "n", 1), add_generation_prompt, sampling, max_tokens_param, stream,
         include_usage, continuous_usage, _typed(body, "return_tokens_as_token_ids", bool, "a boolean", False),
-        _request_id(body, limits), template, tool_calling, _typed(body, "include_reasoning", bool, "a boolean", True),
+        _request_id(body, limits), template, tool_calling, _flag(body, "include_reasoning", True),
         _return_token_ids(body), _truncation(body, limits), _cache_salt(body))
 
 
@@ -473,7 +482,7 @@ def parse_tokenize_request(body: Mapping[str, Any], limits: RequestLimits) -> To
     refuse_unsupported(body, _TOKENIZE_REFUSED)
     return_token_strs = _typed(body, "return_token_strs", bool, "a boolean", False)
     if "messages" in body:
-        add_generation_prompt = _typed(body, "add_generation_prompt", bool, "a boolean", True)
+        add_generation_prompt = _flag(body, "add_generation_prompt", True)
         template = parse_chat_template_options(body, add_generation_prompt)
         tools = parse_tools(body, limits)
         if tools is not None:
@@ -486,7 +495,7 @@ def parse_tokenize_request(body: Mapping[str, Any], limits: RequestLimits) -> To
         raise InvalidRequestError("prompt", f"must be a string (or send messages), got {prompt!r}")
     limits.check_prompt_bytes(utf8_length(prompt), "prompt")
     return TokenizeRequest(_model(body), prompt, None, False, ChatTemplateOptions(),
-                           _typed(body, "add_special_tokens", bool, "a boolean", True), return_token_strs)
+                           _flag(body, "add_special_tokens", True), return_token_strs)
 
 
 @dataclass(frozen=True)

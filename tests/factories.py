@@ -84,11 +84,12 @@ def hf_logits(model_dir: Path, prompt_token_ids: list[int]) -> torch.Tensor:
 
 def save_random_hf_model(out_dir: Path, architecture: str, seed: int = 0, **config_overrides) -> Path:
     """A random-weight checkpoint of any supported family (no tokenizer), via transformers itself."""
-    from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, GemmaConfig, LlamaConfig,
-                              MistralConfig, Qwen2Config, Qwen3Config)
+    from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, GemmaConfig, GraniteConfig,
+                              LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config)
 
     config_class = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config,
-                    "gemma": GemmaConfig, "gemma2": Gemma2Config, "gemma3": Gemma3TextConfig}
+                    "phi3": Phi3Config, "granite": GraniteConfig, "gemma": GemmaConfig, "gemma2": Gemma2Config,
+                    "gemma3": Gemma3TextConfig}
     base = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, max_position_embeddings=1024, initializer_range=0.1, bos_token_id=None,
                 eos_token_id=None, pad_token_id=None)

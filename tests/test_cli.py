@@ -32,6 +32,16 @@ def test_bad_sampling_flag_is_a_clear_error(tiny_llama_dir, capsys):
     assert "top_p: must be in (0, 1]" in capsys.readouterr().err
 
 
+def test_generate_takes_gpu_memory_utilization_checked_and_without_effect_on_cpu(tiny_llama_dir, capsys):
+    argv = ["generate", "--model", str(tiny_llama_dir), "--device", "cpu", "--max-tokens", "4", "--ignore-eos", "x"]
+    assert cli_main(argv) == 0
+    plain = capsys.readouterr().out
+    assert cli_main([*argv, "--gpu-memory-utilization", "0.5"]) == 0
+    assert capsys.readouterr().out == plain
+    assert cli_main([*argv, "--gpu-memory-utilization", "1.5"]) == 2
+    assert capsys.readouterr().err == "splitserve: error: gpu_memory_utilization must be in (0, 1], got 1.5\n"
+
+
 def test_missing_model_is_a_clear_error(tmp_path, capsys):
     assert cli_main(["generate", "--model", str(tmp_path), "x"]) == 2
     assert "no config.json" in capsys.readouterr().err

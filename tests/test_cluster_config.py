@@ -83,6 +83,15 @@ def test_setting_one_kv_sizing_field_replaces_the_pools_default_sizing():
     assert config.prefill.engine.kv_cache_memory_bytes == 256 << 20
 
 
+def test_gpu_memory_utilization_replaces_the_pools_default_sizing_and_explicit_sizes_stay_beside_it():
+    config = parse_cluster_config("model: m\ndecode:\n  engine: {gpu_memory_utilization: 0.6}\n")
+    decode, prefill = config.decode.engine, config.prefill.engine
+    assert (decode.gpu_memory_utilization, decode.kv_cache_memory_bytes, decode.num_kv_blocks) == (0.6, None, None)
+    assert (prefill.gpu_memory_utilization, prefill.kv_cache_memory_bytes) == (None, 256 << 20)
+    both = parse_cluster_config("model: m\ndecode:\n  engine: {gpu_memory_utilization: 0.6, num_kv_blocks: 64}\n")
+    assert (both.decode.engine.gpu_memory_utilization, both.decode.engine.num_kv_blocks) == (0.6, 64)
+
+
 def test_colocated_mode_needs_no_prefill_pool():
     config = parse_cluster_config("model: m\nmode: colocated\nprefill: {replicas: 0}\ndecode: {replicas: 2}\n")
     assert (config.mode, config.prefill.replicas, config.decode.replicas) == ("colocated", 0, 2)
@@ -212,6 +221,10 @@ BAD_FILES = [
     ("prefill: {engine: {num_threads: 0}}", "prefill.engine.num_threads: must be >= 1, got 0"),
     ("decode: {engine: {kv_cache_memory_fraction: 1.5}}",
      "decode.engine.kv_cache_memory_fraction: must be in (0, 1], got 1.5"),
+    ("decode: {engine: {gpu_memory_utilization: 0}}",
+     "decode.engine.gpu_memory_utilization: must be in (0, 1], got 0.0"),
+    ("prefill: {engine: {gpu_memory_utilization: '0.9'}}",
+     "prefill.engine.gpu_memory_utilization: must be a finite number or null, got '0.9'"),
     ("decode: {engine: {num_kv_blocks: 10, kv_cache_memory_fraction: 0.5}}",
      "decode.engine: set at most one of num_kv_blocks, kv_cache_memory_bytes, kv_cache_memory_fraction; "
      "got ['num_kv_blocks', 'kv_cache_memory_fraction']"),

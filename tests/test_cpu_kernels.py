@@ -246,6 +246,54 @@ def test_silu_and_mul_and_rotary_are_bitwise_the_reference(dtype):
 
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("head_dim, rotary_dim", [(16, 12), (80, 32), (128, 96), (64, 2)])
+def test_a_partial_rotary_rotates_the_leading_dims_bitwise_the_reference(dtype, head_dim, rotary_dim):
+    """cos/sin of R < D dims (Phi3's partial_rotary_factor): each head's first R dims rotate as a whole R-dim head
+    would, the other D - R stay as they were, in the kernel (in place) and in the reference."""
+    generator = torch.Generator().manual_seed(head_dim + rotary_dim)
+    kernels, reference = CpuKernelLayerOps(), TorchLayerOps()
+    projection = torch.randn(19, 6 * head_dim + 24, generator=generator).to(dtype)
+    original = projection.clone()
+    qk = projection[:, : 5 * head_dim].view(19, 5, head_dim)
+    angles = torch.randn(19, rotary_dim // 2, generator=generator).repeat(1, 2)
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    expected = reference.rotary(qk, cos, sin)
+    heads = original[:, : 5 * head_dim].view(19, 5, head_dim)
+    assert torch.equal(expected[..., :rotary_dim], reference.rotary(heads[..., :rotary_dim].contiguous(), cos, sin))
+    assert torch.equal(expected[..., rotary_dim:], heads[..., rotary_dim:])
+    assert torch.equal(kernels.rotary(qk, cos, sin), expected)
+    assert torch.equal(projection[:, : 5 * head_dim].view(19, 5, head_dim), expected)  # rotated in place
+    assert torch.equal(projection[:, 5 * head_dim:], original[:, 5 * head_dim:])  # the rest of the row untouched
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("sliding_window", [None, 7])
+@pytest.mark.parametrize("use_kernels", [pytest.param(True, marks=needs_kernels), False], ids=["kernel", "torch"])
+def test_every_attention_path_takes_the_model_s_softmax_scale(dtype, sliding_window, use_kernels):
+    """Granite's attention_multiplier replaces 1 / sqrt(head_dim) in decode (kernel, grouped matmuls) and in every
+    prefill path (kernel, a chunk after a prefix merged by log-sum-exp, SDPA) as in the reference, and changes the
+    output (here 0.4 against 1 / sqrt(64))."""
+    generator = torch.Generator().manual_seed(17)
+    scale = 0.4
+    query, kv_cache, decode = _decode_case(generator, dtype, batch=5, num_heads=8, num_kv_heads=2, head_dim=64)
+    expected = TorchReferenceAttention()._decode(query, kv_cache, decode, 0, _metadata(decode), sliding_window, scale)
+    got = CpuPagedAttention(use_kernels)._decode(query, kv_cache, decode, 0, _metadata(decode), sliding_window, scale)
+    torch.testing.assert_close(got.float(), expected.float(), atol=TOLERANCE[dtype], rtol=0)
+    unscaled = TorchReferenceAttention()._decode(query, kv_cache, decode, 0, _metadata(decode), sliding_window)
+    assert (expected.float() - unscaled.float()).abs().max() > 0.05
+    for start, query_len in ((0, 40), (37, 20)):
+        query, key, value, kv_cache, span, metadata = _prefix_chunk_case(generator, dtype, 8, 2, 64, start, query_len)
+        expected = TorchReferenceAttention()._prefill(query, key, value, kv_cache, span, metadata, sliding_window,
+                                                      scale)
+        got = CpuPagedAttention(use_kernels)._prefill(query, key, value, kv_cache, span, metadata, sliding_window,
+                                                      scale)
+        torch.testing.assert_close(got.float(), expected.float(), atol=TOLERANCE[dtype], rtol=0)
+        unscaled = TorchReferenceAttention()._prefill(query, key, value, kv_cache, span, metadata, sliding_window)
+        assert (expected.float() - unscaled.float()).abs().max() > 0.05
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_rms_norms_equal_the_reference_up_to_summation_order(dtype):
     generator = torch.Generator().manual_seed(1)
     kernels, reference = CpuKernelLayerOps(), TorchLayerOps()

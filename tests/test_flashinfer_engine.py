@@ -13,9 +13,10 @@ import pytest
 
 from splitserve.engine import LLM
 from splitserve.engine.attention.flashinfer import FlashInferAttention
-from splitserve.testing.workloads import mixed_workload
-from tests.factories import assert_pool_idle, hf_greedy, use_flashinfer_on_cpu
+from splitserve.testing.workloads import GreedyCase, mixed_workload
+from tests.factories import assert_pool_idle, hf_greedy, save_random_hf_model, use_flashinfer_on_cpu
 from tests.test_hf_parity import VARIANTS
+from tests.test_model_families import FAMILIES, run_engine
 
 CASES = mixed_workload(vocab_size=512, num_requests=12, seed=7, max_prompt=200, max_output=16)
 
@@ -48,3 +49,19 @@ def test_replayed_decode_steps_match_transformers(tiny_llama_dir, oracle, monkey
     assert _generate(llm) == oracle
     assert graphs.num_replays > 0
     assert_pool_idle(llm.engine.block_manager)
+
+
+@pytest.mark.parametrize("family", ["granite-multipliers-bias", "phi3-partial-rotary-sliding-window"])
+def test_granite_s_softmax_scale_and_phi3_s_partial_rotary_match_transformers_through_replayed_decodes(
+        family, tmp_path, monkeypatch):
+    """The model's softmax scale reaches FlashInfer's plans, eager (prefill chunks) and in the captured decode steps."""
+    architecture, overrides = FAMILIES[family]
+    model_dir = save_random_hf_model(tmp_path / family, architecture, seed=3, **overrides)
+    cases = [GreedyCase(c.prompt_token_ids, c.max_tokens, ignore_eos=True)
+             for c in mixed_workload(vocab_size=384, num_requests=6, seed=7, max_prompt=120, max_output=12)]
+    use_flashinfer_on_cpu(monkeypatch, graphs=True)
+    outputs, engine = run_engine(model_dir, cases, max_num_seqs=6, max_num_batched_tokens=64, max_model_len=256,
+                                 num_kv_blocks=96, cuda_graphs=True)
+    assert outputs == [hf_greedy(model_dir, case) for case in cases]
+    assert engine.runner.graphs.num_replays > 0
+    assert_pool_idle(engine.block_manager)

@@ -92,6 +92,17 @@ def test_the_wrappers_get_fa2_nhd_one_zeroed_workspace_and_host_indptr_arrays():
         assert run_query.shape == (batch.num_queries, 4, 8) and run_query.is_contiguous() and run_pool is pool
 
 
+def test_a_model_s_softmax_scale_is_both_plans_sm_scale():
+    """Granite's attention_multiplier replaces 1 / sqrt(head_dim), in the eager plans and in a graph bucket's."""
+    module = _fake_flashinfer()
+    metadata, query, key, value, pool = _step(num_heads=4)
+    FlashInferAttention(FlashInferKernels(module, CPU)).forward(query, key, value, pool, metadata, None, 0.3)
+    assert sorted((wrapper.kind, kwargs["sm_scale"]) for wrapper in module.made for _args, kwargs in wrapper.plans) == [
+        ("decode", 0.3), ("prefill", 0.3)]
+    assert AttentionShape.of(query, pool).sm_scale == 8 ** -0.5
+    assert AttentionShape(4, 2, 8, 4, torch.bfloat16, torch.bfloat16, 0.3).sm_scale == 0.3
+
+
 @pytest.mark.parametrize(("num_heads", "tensor_cores"), [(2, False), (8, False), (12, False), (14, True), (10, True)])
 def test_decode_takes_tensor_cores_for_groups_the_cuda_core_kernel_lacks(num_heads, tensor_cores):
     """Groups 1, 4 and 6 (heads / 2 KV heads) have CUDA-core decode kernels, 7 and 5 do not."""

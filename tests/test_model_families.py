@@ -3,19 +3,20 @@
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.factories import (assert_pool_idle, copy_with_config_fields, hf_greedy, hf_logits,
+from tests.factories import (_hf_model, assert_pool_idle, copy_with_config_fields, hf_greedy, hf_logits,
                              save_random_hf_model, use_flashinfer_on_cpu)
 from splitserve.common.config import EngineConfig
 from splitserve.common.errors import InvalidRequestError, UnsupportedModelError
 from splitserve.common.generation_config import GenerationConfigError
 from splitserve.common.model_dir import check_model_dir, weight_files
-from splitserve.engine import EngineCore
+from splitserve.engine import EngineCore, SamplingParams
 from splitserve.engine.model_loader import model_fingerprint
 from splitserve.testing.workloads import GreedyCase, mixed_workload
 
@@ -32,6 +33,13 @@ FAMILIES = {
     "mistral-sliding-window": ("mistral", dict(sliding_window=48)),
     "qwen2": ("qwen2", dict()),
     "qwen3-qk-norm": ("qwen3", dict(head_dim=32)),
+    # Phi-4-mini's 0.75: RoPE on the first 12 of each head's 16 dims; a window shorter than most prompts
+    "phi3-partial-rotary-sliding-window": ("phi3", dict(partial_rotary_factor=0.75, sliding_window=40)),
+    "phi3-tied": ("phi3", dict(tie_word_embeddings=True)),
+    # multipliers that are no powers of two (each product rounds), and a softmax scale that is not 1 / sqrt(16)
+    "granite-multipliers-bias": ("granite", dict(embedding_multiplier=6.3, attention_multiplier=0.9,
+                                                 residual_multiplier=0.35, logits_scaling=2.5, attention_bias=True,
+                                                 mlp_bias=True)),
     "gemma": ("gemma", dict()),
     # sliding and full layers, a window shorter than the prompts, a local RoPE base other than the global one,
     # a softmax scale other than 1 / sqrt(head_dim)
@@ -47,14 +55,21 @@ FAMILIES = {
 }
 
 
+def engine_deltas(engine: EngineCore) -> list:
+    """Every delta of an engine stepped until it has no unfinished request."""
+    deltas = []
+    while engine.has_unfinished_requests():
+        deltas.extend(engine.step())
+    return deltas
+
+
 def run_engine(model_dir, cases: list[GreedyCase], **config) -> tuple[list[list[int]], EngineCore]:
     engine = EngineCore(model_dir, EngineConfig(**{"block_size": 16, **config}))
     for index, case in enumerate(cases):
         engine.add_request(str(index), list(case.prompt_token_ids), case.params())
     outputs: dict[str, list[int]] = {str(i): [] for i in range(len(cases))}
-    while engine.has_unfinished_requests():
-        for delta in engine.step():
-            outputs[delta.request_id].extend(delta.new_token_ids)
+    for delta in engine_deltas(engine):
+        outputs[delta.request_id].extend(delta.new_token_ids)
     return [outputs[str(i)] for i in range(len(cases))], engine
 
 
@@ -100,6 +115,13 @@ SHAPES = {
     # transformers rescales `dynamic` only past max_position_embeddings, which max_model_len never passes
     "llama-rope-dynamic": ("llama", dict(max_position_embeddings=128, rope_parameters={
         "rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0}), 3),
+    # RoPE on 32 of 80 dims (the kernels' 16-lane loop and its tail), a window of 9, one KV head for 6 query heads
+    "phi3-rotary-32-of-80-window-9-mqa": ("phi3", dict(hidden_size=48, num_attention_heads=6, num_key_value_heads=1,
+                                                       head_dim=80, partial_rotary_factor=0.4, sliding_window=9), 4),
+    # a softmax scale far from 1 / sqrt(80) (the decode kernel's 80-dim path)
+    "granite-head-dim-80": ("granite", dict(hidden_size=48, num_attention_heads=6, num_key_value_heads=2,
+                                            head_dim=80, attention_multiplier=0.05, residual_multiplier=0.6,
+                                            embedding_multiplier=2.7), 16),
     # one KV head, head_dim other than hidden / heads (Gemma 7B's 256 of 3072 / 16), attention biases, untied
     "gemma-mqa-head-dim-32-bias-untied": ("gemma", dict(num_key_value_heads=1, head_dim=32, attention_bias=True,
                                                         tie_word_embeddings=False), 16),
@@ -119,6 +141,34 @@ def test_shape_matches_transformers(shape, tmp_path):
     outputs, engine = run_engine(model_dir, SHORT_CASES, **short_run_config(block_size))
     assert outputs == [hf_greedy(model_dir, case) for case in SHORT_CASES]
     assert_pool_idle(engine.block_manager)
+
+
+@pytest.mark.parametrize("family", ["granite-multipliers-bias", "phi3-partial-rotary-sliding-window"])
+def test_partial_rotary_and_softmax_scale_match_transformers_on_the_pure_torch_ops(family, tmp_path):
+    """cpu_kernels false: the torch rotary op's partial branch, and the matmul decode and the split prefill
+    after a prefix with the model's softmax scale."""
+    architecture, overrides = FAMILIES[family]
+    model_dir = save_random_hf_model(tmp_path / family, architecture, seed=3, **overrides)
+    outputs, engine = run_engine(model_dir, SHORT_CASES, cpu_kernels=False, **short_run_config())
+    assert outputs == [hf_greedy(model_dir, case) for case in SHORT_CASES]
+    assert_pool_idle(engine.block_manager)
+
+
+def test_granite_logprobs_are_of_its_logits_divided_by_logits_scaling(tmp_path):
+    """Greedy tokens cannot show logits_scaling (dividing keeps the argmax); logprobs do: each prompt token's equals
+    transformers' log_softmax of its (divided) logits."""
+    architecture, overrides = FAMILIES["granite-multipliers-bias"]
+    model_dir = save_random_hf_model(tmp_path / "granite", architecture, seed=3, **overrides)
+    prompt = list(range(3, 43))
+    with torch.inference_mode():
+        reference = torch.log_softmax(_hf_model(model_dir)(torch.tensor([prompt])).logits[0].float(), dim=-1)
+    engine = EngineCore(model_dir, EngineConfig(block_size=16, max_model_len=64, num_kv_blocks=8))
+    engine.add_request("r", prompt, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, prompt_logprobs=0))
+    [entries] = [delta.prompt_logprobs for delta in engine_deltas(engine) if delta.prompt_logprobs is not None]
+    assert entries[0] is None
+    for position in range(1, len(prompt)):
+        assert entries[position].token_id == prompt[position]
+        assert math.isclose(entries[position].logprob, float(reference[position - 1, prompt[position]]), abs_tol=1e-4)
 
 
 # The engine's other attention paths on the Gemma 2 and 3 models above (the family test runs the CPU backend's
@@ -208,14 +258,15 @@ def test_missing_model_directory_is_a_clear_error(tmp_path):
         EngineCore(tmp_path, EngineConfig())
 
 
-@pytest.mark.parametrize("missing, where", [
-    ("model.layers.1.mlp.up_proj.weight", "layers.1.mlp.up_proj.weight (decoder layer 1 of 2)"),
-    ("model.norm.weight", "norm.weight (outside the decoder layers)"),
+@pytest.mark.parametrize("architecture, missing, where", [
+    ("llama", "model.layers.1.mlp.up_proj.weight", "layers.1.mlp.up_proj.weight (decoder layer 1 of 2)"),
+    ("llama", "model.norm.weight", "norm.weight (outside the decoder layers)"),
+    ("phi3", "model.layers.1.self_attn.qkv_proj.weight", "layers.1.self_attn.qkv_proj.weight (decoder layer 1 of 2)"),
 ])
-def test_a_checkpoint_missing_a_tensor_is_an_unsupported_model_naming_it(tmp_path, missing, where):
+def test_a_checkpoint_missing_a_tensor_is_an_unsupported_model_naming_it(tmp_path, architecture, missing, where):
     from safetensors.torch import load_file, save_file
 
-    model_dir = save_random_hf_model(tmp_path / "m", "llama", num_hidden_layers=2)
+    model_dir = save_random_hf_model(tmp_path / "m", architecture, num_hidden_layers=2)
     (weights,) = model_dir.glob("*.safetensors")
     tensors = load_file(weights)
     del tensors[missing]
@@ -225,14 +276,18 @@ def test_a_checkpoint_missing_a_tensor_is_an_unsupported_model_naming_it(tmp_pat
     assert str(error.value) == f"the checkpoint has no tensor {where}"
 
 
-@pytest.mark.parametrize("field, value, tensor, shapes", [
-    ("num_key_value_heads", 1, "layers.0.self_attn.k_proj.weight", "[32, 64], config.json implies [16, 64]"),
-    ("intermediate_size", 96, "layers.0.mlp.gate_proj.weight", "[128, 64], config.json implies [96, 64]"),
-    ("vocab_size", 400, "embed_tokens.weight", "[384, 64], config.json implies [400, 64]"),
+@pytest.mark.parametrize("architecture, field, value, tensor, shapes", [
+    ("llama", "num_key_value_heads", 1, "layers.0.self_attn.k_proj.weight", "[32, 64], config.json implies [16, 64]"),
+    ("llama", "intermediate_size", 96, "layers.0.mlp.gate_proj.weight", "[128, 64], config.json implies [96, 64]"),
+    ("llama", "vocab_size", 400, "embed_tokens.weight", "[384, 64], config.json implies [400, 64]"),
+    # Phi3's fused projections: q, k and v heads in one tensor, gate and up in another
+    ("phi3", "num_key_value_heads", 1, "layers.0.self_attn.qkv_proj.weight",
+     "[128, 64], config.json implies [96, 64]"),
+    ("phi3", "intermediate_size", 96, "layers.0.mlp.gate_up_proj.weight", "[256, 64], config.json implies [192, 64]"),
 ])
-def test_a_config_that_disagrees_with_its_checkpoint_is_refused_naming_the_tensor(tmp_path, field, value, tensor,
-                                                                                     shapes):
-    model_dir = copy_with_config_fields(save_random_hf_model(tmp_path / "m", "llama"), tmp_path / "edited",
+def test_a_config_that_disagrees_with_its_checkpoint_is_refused_naming_the_tensor(tmp_path, architecture, field, value,
+                                                                                     tensor, shapes):
+    model_dir = copy_with_config_fields(save_random_hf_model(tmp_path / "m", architecture), tmp_path / "edited",
                                         **{field: value})
     fields = {"vocab_size": 384, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
               "head_dim": 16, "intermediate_size": 128, field: value}
@@ -258,6 +313,9 @@ NEUTRAL_FIELDS = {  # variant: (architecture, the reference's config overrides, 
     "mistral-use-sliding-window": ("mistral", dict(sliding_window=5), dict(use_sliding_window=False)),
     "qwen3-mlp-bias": ("qwen3", dict(), dict(mlp_bias=True)),
     "llama-hidden-act-swish": ("llama", dict(), dict(hidden_act="swish")),
+    "phi3-attention-and-mlp-bias": ("phi3", dict(), dict(attention_bias=True, mlp_bias=True)),
+    "phi3-layer-types": ("phi3", dict(sliding_window=5), dict(layer_types=["full_attention", "full_attention"])),
+    "granite-sliding-window": ("granite", dict(), dict(sliding_window=8)),
     # the official Gemma checkpoints' legacy name, which GemmaConfig reads as gelu_pytorch_tanh
     "gemma-hidden-act-gelu": ("gemma", dict(), dict(hidden_act="gelu")),
     # Gemma reads hidden_act (Gemma 3 hidden_activation) and attends fully in every layer
@@ -293,16 +351,42 @@ def test_an_unsupported_activation_is_refused_naming_the_field(tmp_path, archite
     assert str(error.value) == f"{model_dir}: {message}"
 
 
+@pytest.mark.parametrize("architecture, factor, message", [
+    ("llama", 0.5, "partial_rotary_factor != 1 is not supported for LlamaForCausalLM"),
+    ("phi3", 0.5625, "partial_rotary_factor 0.5625 of head_dim 16 rotates 9 dims; RoPE needs an even number from 2 "
+                     "to 16"),
+])
+def test_a_partial_rotary_is_refused_where_transformers_would_not_run_it(tmp_path, architecture, factor, message):
+    """Only Phi3's modules rotate part of a head; an odd number of rotated dims has no rotate_half."""
+    reference_dir = save_random_hf_model(tmp_path / "m", architecture)
+    config = json.loads((reference_dir / "config.json").read_text())
+    rope_parameters = {**config["rope_parameters"], "partial_rotary_factor": factor}
+    model_dir = copy_with_config_fields(reference_dir, tmp_path / "partial", rope_parameters=rope_parameters,
+                                        partial_rotary_factor=factor)
+    with pytest.raises(UnsupportedModelError) as error:
+        EngineCore(model_dir, EngineConfig(device="cpu"))
+    assert str(error.value) == message
+
+
 LONGROPE = dict(max_position_embeddings=256, rope_parameters={
     "rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 64,
     "short_factor": [1.0 + 0.1 * i for i in range(8)], "long_factor": [1.0 + 0.9 * i for i in range(8)]})
+# Phi-4-mini's shape of config: longrope over a partial rotary of 0.75 (12 of 16 dims: 6 factors), tied embeddings;
+# Phi3Config's own original_max_position_embeddings overrides the one in rope_parameters
+PHI4_MINI_LONGROPE = dict(max_position_embeddings=256, original_max_position_embeddings=64, tie_word_embeddings=True,
+                          rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                           "original_max_position_embeddings": 64, "partial_rotary_factor": 0.75,
+                                           "short_factor": [1.0 + 0.1 * i for i in range(6)],
+                                           "long_factor": [1.0 + 0.9 * i for i in range(6)]})
 
 
-def test_longrope_is_served_up_to_its_original_length_exactly(tmp_path):
+@pytest.mark.parametrize("architecture, overrides", [("llama", LONGROPE), ("phi3", PHI4_MINI_LONGROPE)],
+                         ids=["llama", "phi3-partial-rotary"])
+def test_longrope_is_served_up_to_its_original_length_exactly(tmp_path, architecture, overrides):
     """transformers rotates a sequence longer than original_max_position_embeddings (64) with long_factor
     at every position, the cached ones included: the engine serves such a model up to 64 tokens, where
     its frequencies are fixed, and matches it there (sequences ending at 64, after a chunked prefill)."""
-    model_dir = save_random_hf_model(tmp_path / "longrope", "llama", seed=3, **LONGROPE)
+    model_dir = save_random_hf_model(tmp_path / "longrope", architecture, seed=3, **overrides)
     cases = [GreedyCase(tuple(range(3, 3 + n)), 64 - n, ignore_eos=True) for n in (5, 40, 63)]
     outputs, engine = run_engine(model_dir, cases, max_num_batched_tokens=16, num_kv_blocks=12)
     assert engine.max_model_len == 64

@@ -75,3 +75,47 @@ def test_refused_fields_at_their_defaults_are_accepted(port, path):
     defaults = {rule.name: rule.accepted[0] for rule in REFUSED[path] if rule.accepted}
     status, reply = post(port, path, {**BASE[path], **defaults, "user": "u", "session_id": "s"})
     assert status == 200, reply
+
+
+NON_NULL_BOOLEANS = {
+    "/v1/completions": ("add_special_tokens", "ignore_eos", "skip_special_tokens", "include_stop_str_in_output",
+                        "use_beam_search", "spaces_between_special_tokens"),
+    "/v1/chat/completions": ("add_generation_prompt", "continue_final_message", "echo", "add_special_tokens",
+                             "include_reasoning", "ignore_eos", "skip_special_tokens", "include_stop_str_in_output",
+                             "use_beam_search", "spaces_between_special_tokens"),
+}
+"""The boolean fields vLLM's request models declare without null (`bool = ...`): null is a 400 there."""
+NULLABLE = {
+    "/v1/completions": {"echo": None, "stream": None, "stream_options": None, "logprobs": None,
+                        "return_token_ids": None, "return_tokens_as_token_ids": None, "temperature": None,
+                        "seed": None, "stop": None, "top_k": None, "prompt_logprobs": None, "cache_salt": None},
+    "/v1/chat/completions": {"max_tokens": None, "max_completion_tokens": 1, "stream": None, "logprobs": None,
+                             "top_logprobs": None, "n": None, "parallel_tool_calls": None, "tools": None,
+                             "return_token_ids": None, "return_tokens_as_token_ids": None, "documents": None,
+                             "chat_template_kwargs": None, "temperature": None, "stop": None, "reasoning_effort": None},
+}
+"""Fields vLLM declares `T | None`: null stays their default."""
+
+
+@pytest.mark.parametrize("path", list(BASE))
+def test_null_for_a_boolean_vllm_declares_without_null_is_400_naming_it(port, path):
+    for name in NON_NULL_BOOLEANS[path]:
+        status, reply = post(port, path, {**BASE[path], name: None})
+        assert (status, reply["error"]["param"], reply["error"]["message"]) == (
+            400, name, f"{name}: must be a boolean, got null"), name
+
+
+@pytest.mark.parametrize("path", list(BASE))
+def test_null_stays_the_default_where_vllm_declares_the_field_optional(port, path):
+    status, reply = post(port, path, {**BASE[path], **NULLABLE[path]})
+    assert status == 200, reply
+
+
+def test_tokenize_refuses_null_for_its_chat_template_booleans(port):
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    for name in ("add_generation_prompt", "continue_final_message", "add_special_tokens"):
+        status, reply = post(port, "/tokenize", {**chat, name: None})
+        assert (status, reply["error"]["message"]) == (400, f"{name}: must be a boolean, got null"), name
+    status, reply = post(port, "/tokenize", {"prompt": "The river", "add_special_tokens": None})
+    assert (status, reply["error"]["message"]) == (400, "add_special_tokens: must be a boolean, got null")
+    assert post(port, "/tokenize", {**chat, "return_token_strs": None})[0] == 200

@@ -80,6 +80,40 @@ def test_unset_flags_keep_each_pools_own_defaults():
     assert config.served_model_names == ("default",)
 
 
+def test_gpu_memory_utilization_replaces_both_pools_default_kv_sizes():
+    config = parse("default", "--gpu-memory-utilization", "0.45")
+    for engine in (config.prefill.engine, config.decode.engine):
+        assert (engine.gpu_memory_utilization, engine.kv_cache_memory_bytes, engine.num_kv_blocks) == (0.45, None, None)
+    shares = parse("default", "--set", "prefill.engine.gpu_memory_utilization=0.2",
+                   "--set", "decode.engine.gpu_memory_utilization=0.7")
+    assert (shares.prefill.engine.gpu_memory_utilization, shares.decode.engine.gpu_memory_utilization) == (0.2, 0.7)
+    one_pool = parse("default", "--set", "decode.engine.gpu_memory_utilization=0.7").prefill.engine
+    assert (one_pool.gpu_memory_utilization, one_pool.kv_cache_memory_bytes) == (None, 256 << 20)
+
+
+def test_an_explicit_kv_cache_size_is_kept_beside_gpu_memory_utilization_and_wins_in_the_engine():
+    config = parse("default", "--gpu-memory-utilization", "0.45", "--kv-cache-memory-bytes", "1G")
+    for engine in (config.prefill.engine, config.decode.engine):
+        assert (engine.gpu_memory_utilization, engine.kv_cache_memory_bytes) == (0.45, 1 << 30)
+
+
+def test_kv_cache_memory_and_its_vllm_alias_are_one_flag(capsys):
+    assert parse("default", "--kv-cache-memory-bytes", "64M").decode.engine.kv_cache_memory_bytes == 64 << 20
+    assert parse("default", "--kv-cache-memory", "1G", "--kv-cache-memory-bytes",
+                 "1073741824").decode.engine.kv_cache_memory_bytes == 1 << 30
+    with pytest.raises(SystemExit) as done:
+        parse("default", "--kv-cache-memory", "1G", "--kv-cache-memory-bytes", "2G")
+    assert done.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "splitserve serve: error: argument --kv-cache-memory/--kv-cache-memory-bytes: given twice with different "
+        "values: 1073741824 and 2147483648 (see splitserve serve --help)")
+
+
+def test_gpu_memory_utilization_out_of_range_fails_fast():
+    assert_fails_fast(["default", "--gpu-memory-utilization", "1.5"],
+                      "prefill.engine.gpu_memory_utilization: must be in (0, 1], got 1.5")
+
+
 def test_speculative_config_flag_sets_the_decode_pool_only():
     from splitserve.common.config import SpeculativeConfig
 
@@ -191,7 +225,8 @@ def test_unsupported_architecture(model_copy):
     (model_copy / "config.json").write_text(json.dumps({**config, "architectures": ["GPT2LMHeadModel"]}))
     assert_fails_fast([str(model_copy)], f"{model_copy}: architecture 'GPT2LMHeadModel' is not supported; "
                                          "supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, "
-                                         "Qwen3ForCausalLM, GemmaForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM")
+                                         "Qwen3ForCausalLM, Phi3ForCausalLM, GraniteForCausalLM, GemmaForCausalLM, "
+                                         "Gemma2ForCausalLM, Gemma3ForCausalLM")
 
 
 def test_missing_tokenizer_file_is_named(model_copy):

@@ -7,7 +7,8 @@
 //   add_rms_norm  residual = T(residual + x); out = rms_norm(residual)          in place on residual
 //   silu_and_mul  out = T(T(silu(gate)) * up), gate_up = [gate | up]          gate_up [N, 2I], out [N, I]
 //   rotary        x = T(T(x * cos) + T(rotate_half(x) * sin)) per head, in place; x [T, heads, D] with
-//                 any token stride, cos/sin [T, D]; rotate_half(x) = [-x2, x1] (non-interleaved RoPE)
+//                 any token stride, cos/sin [T, R]; rotate_half(x) = [-x2, x1] (non-interleaved RoPE) over
+//                 the first R <= D dims of each head, the other D - R left as they are (a partial rotary)
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
@@ -143,9 +144,9 @@ void rotary_embedding(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin
   TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2), "rotary_embedding: x must be "
               "[T, heads, D] with contiguous heads");
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.sizes() == sin.sizes() && cos.dim() == 2 &&
-                  cos.size(0) == x.size(0) && cos.size(1) == x.size(2) && x.size(2) % 2 == 0,
-              "rotary_embedding: cos and sin must be contiguous [T, D] with even D");
-  const int64_t heads = x.size(1), dim = x.size(2);
+                  cos.size(0) == x.size(0) && cos.size(1) <= x.size(2) && cos.size(1) % 2 == 0,
+              "rotary_embedding: cos and sin must be contiguous [T, R] with R even and at most D");
+  const int64_t heads = x.size(1), dim = x.size(2), rotary_dim = cos.size(1);
   dispatch(x, "rotary_embedding", [&](auto tag) {
     using T = decltype(tag);
     T* px = x.mutable_data_ptr<T>();
@@ -153,7 +154,8 @@ void rotary_embedding(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin
     const T* ps = sin.const_data_ptr<T>();
     at::parallel_for(0, x.size(0), rows_per_task(heads * dim), [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t)
-        for (int64_t h = 0; h < heads; ++h) rotary_head(px + t * x.stride(0) + h * dim, pc + t * dim, ps + t * dim, dim / 2);
+        for (int64_t h = 0; h < heads; ++h)
+          rotary_head(px + t * x.stride(0) + h * dim, pc + t * rotary_dim, ps + t * rotary_dim, rotary_dim / 2);
     });
   });
 }

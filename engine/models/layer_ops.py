@@ -30,7 +30,8 @@ class LayerOps(Protocol):
         ...
 
     def rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x * cos + rotate_half(x) * sin per head; x: [T, heads, D], cos/sin: [T, D]. May write into x."""
+        """x * cos + rotate_half(x) * sin per head over its first R dims, the other D - R unchanged (a partial
+        rotary); x: [T, heads, D], cos/sin: [T, R] with R even and <= D. May write into x."""
         ...
 
     def rms_norm_unit_offset(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -73,6 +74,9 @@ class TorchLayerOps:
         return F.silu(gate) * up
 
     def rotary(self, x, cos, sin):
+        rotary_dim = cos.shape[-1]
+        if rotary_dim < x.shape[-1]:  # transformers' partial rotary: rotate [..., :R], concatenate the rest
+            return torch.cat((self.rotary(x[..., :rotary_dim], cos, sin), x[..., rotary_dim:]), dim=-1)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [T, 1, D]: broadcast over heads
         half = x.shape[-1] // 2
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)

@@ -1,10 +1,11 @@
-"""The Llama family (Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma 2, Gemma 3) over a flattened, paged batch.
+"""The Llama family (Llama, Mistral, Qwen2, Qwen3, Phi-3, Granite, Gemma, Gemma 2, Gemma 3) over a flattened,
+paged batch.
 
 Differences between the architectures are data in `LlamaFamilyArch` (biases, per-head
-q/k RMSNorm, sliding windows, tied embeddings; Gemma's (1 + weight) norms, scaled embeddings,
-GeLU-tanh MLP, Gemma 2 and 3's sandwich norms and attention scale, Gemma 2's logit softcapping,
-Gemma 3's local RoPE); the numerics follow Hugging Face transformers op for op so greedy outputs
-agree token for token.
+q/k RMSNorm, sliding windows, tied embeddings, partial rotary, Granite's multipliers; Gemma's
+(1 + weight) norms, scaled embeddings, GeLU-tanh MLP, Gemma 2 and 3's sandwich norms and attention
+scale, Gemma 2's logit softcapping, Gemma 3's local RoPE); the numerics follow Hugging Face
+transformers op for op so greedy outputs agree token for token.
 """
 
 from __future__ import annotations
@@ -50,8 +51,6 @@ class LlamaFamilyArch:
     before their residual adds, and the MLP's input by pre_feedforward_layernorm."""
     local_rope_layers: frozenset[int] = frozenset()
     """Gemma 3: the layers (its sliding_attention ones) rotated by the model's local_rotary instead of its rotary."""
-    attention_scale: float | None = None
-    """The softmax scale of q.k (Gemma 2 and 3's query_pre_attn_scalar ** -0.5); None is 1 / sqrt(head_dim)."""
     attention_softcap: float | None = None
     """Gemma 2's attn_logit_softcapping: each scaled attention score s becomes softcap * tanh(s / softcap)."""
     final_logit_softcap: float | None = None
@@ -59,6 +58,18 @@ class LlamaFamilyArch:
     rope_length_limit: int | None = None
     """Longest sequence the RoPE tables hold for, when below max_position_embeddings (rope_type longrope:
     original_max_position_embeddings, past which transformers switches every position to other frequencies)."""
+    rotary_dim: int | None = None
+    """Phi3 with partial_rotary_factor < 1: RoPE rotates the first rotary_dim dims of each query and key head
+    and passes the rest through; None rotates all head_dim."""
+    attention_scale: float | None = None
+    """The softmax scale of q.k (Granite's attention_multiplier, Gemma 2 and 3's query_pre_attn_scalar ** -0.5);
+    None is 1 / sqrt(head_dim)."""
+    embedding_multiplier: float = 1.0
+    """Granite: the token embeddings are multiplied by this before the first layer."""
+    residual_multiplier: float = 1.0
+    """Granite: each attention and MLP output is multiplied by this before it is added to the residual stream."""
+    logits_scaling: float = 1.0
+    """Granite: the logits are divided by this."""
 
     @property
     def q_size(self) -> int:
@@ -104,15 +115,16 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, inv_freq: torch.Tensor, attention_scaling: float) -> None:
         super().__init__()
-        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)  # [head_dim / 2]
+        # [rotary_dim / 2]: rotary_dim is head_dim, or less for a partial rotary (the ops rotate only that many dims)
+        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
         self.attention_scaling = attention_scaling
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float().unsqueeze(1) * self.inv_freq.unsqueeze(0)  # [T, head_dim / 2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [T, head_dim]
+        freqs = positions.float().unsqueeze(1) * self.inv_freq.unsqueeze(0)  # [T, rotary_dim / 2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [T, rotary_dim]
         cos = (emb.cos() * self.attention_scaling).to(dtype)
         sin = (emb.sin() * self.attention_scaling).to(dtype)
-        return cos, sin  # [T, head_dim] each
+        return cos, sin  # [T, rotary_dim] each
 
 
 class Attention(nn.Module):
@@ -192,12 +204,20 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(arch, arch.sliding_windows[layer_index], backend, ops)
         self.post_attention_layernorm = make_rms_norm(arch, arch.hidden_size, ops)
         self.mlp = make_mlp(arch, ops)
+        self.residual_multiplier = arch.residual_multiplier
 
     def forward(self, hidden, rope, kv_cache, metadata):
         """hidden [T, hidden_size] is updated in place (the residual stream) and returned."""
-        attended = self.self_attn(self.input_layernorm(hidden), rope, kv_cache, metadata)
+        attended = self._scaled(self.self_attn(self.input_layernorm(hidden), rope, kv_cache, metadata))
         normed = self.post_attention_layernorm.add_and_norm(hidden, attended)
-        return hidden.add_(self.mlp(normed))
+        return hidden.add_(self._scaled(self.mlp(normed)))
+
+    def _scaled(self, sublayer_output: torch.Tensor) -> torch.Tensor:
+        """Granite's residual_multiplier, a rounding of its own before the add as in transformers (an add with
+        alpha would fuse the two). In place: the output is the sublayer's own fresh tensor."""
+        if self.residual_multiplier == 1.0:
+            return sublayer_output
+        return sublayer_output.mul_(self.residual_multiplier)
 
 
 class SandwichDecoderLayer(nn.Module):
@@ -241,6 +261,8 @@ class LlamaFamilyForCausalLM(nn.Module):
         """on_layer(l) runs once layer l has written its keys and values for every token of the step
         (host order: on CUDA the kernels may still be in flight)."""
         hidden = self._embed(input_ids)  # [T, hidden]
+        if self.arch.embedding_multiplier != 1.0:
+            hidden = hidden * self.arch.embedding_multiplier
         rope = self.rotary(positions, hidden.dtype)
         local_rope = rope if self.local_rotary is None else self.local_rotary(positions, hidden.dtype)
         for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
@@ -260,6 +282,8 @@ class LlamaFamilyForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden)  # [N, vocab]
+        if self.arch.logits_scaling != 1.0:
+            logits = logits / self.arch.logits_scaling  # a division, as transformers' (not a reciprocal's product)
         cap = self.arch.final_logit_softcap
         if cap is None:
             return logits

@@ -83,3 +83,15 @@ def test_a_forward_makes_no_host_sync(backend, monkeypatch):
     while engine.has_unfinished_requests():  # a prefill step, then decode steps
         finished += [delta.request_id for delta in engine.step() if delta.finished]
     assert sorted(finished) == ["r0", "r1", "r2"]
+
+
+def test_gpu_memory_utilization_sizes_the_pool_to_the_allowed_share(tiny_llama_dir):
+    """The engine's growth of the device's used memory (weights, pool, what the profiling step kept) stays within
+    utilization x total and fills it up to the profiling step's peak (a few MiB for the tiny model)."""
+    torch.cuda.empty_cache()
+    free_at_start, total = torch.cuda.mem_get_info()
+    utilization = min(0.05, int(free_at_start / total * 100) / 100)
+    llm = LLM(tiny_llama_dir, device="cuda", dtype="float32", gpu_memory_utilization=utilization)
+    held = free_at_start - torch.cuda.mem_get_info()[0]
+    allowed = int(utilization * total)
+    assert allowed - (256 << 20) <= held <= allowed, (held, allowed, llm.engine.kv_cache.num_blocks)
