@@ -84,7 +84,7 @@ def hf_logits(model_dir: Path, prompt_token_ids: list[int]) -> torch.Tensor:
 
 def save_random_hf_model(out_dir: Path, architecture: str, seed: int = 0, **config_overrides) -> Path:
     """A random-weight checkpoint of any supported family (no tokenizer), via transformers itself."""
-    from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, GemmaConfig, GraniteConfig,
+    from transformers import (Gemma2Config, Gemma3TextConfig, GemmaConfig, GraniteConfig,
                               LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config)
 
     config_class = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config,
@@ -96,13 +96,46 @@ def save_random_hf_model(out_dir: Path, architecture: str, seed: int = 0, **conf
     if architecture in ("gemma", "gemma2", "gemma3"):
         base["head_dim"] = 16  # hidden_size / heads, as the others derive it (Gemma's config defaults to 256)
     config = config_class[architecture](**{**base, **config_overrides})
+    _random_hf_model(config, seed).save_pretrained(out_dir)
+    return out_dir
+
+
+def _random_hf_model(config, seed: int):
+    """transformers' model of `config` with random weights from `seed`, in float32."""
+    from transformers import AutoModelForCausalLM
+
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     for name, param in model.named_parameters():
         if name.endswith("bias") or name.endswith("norm.weight"):
             # HF initializes these to 0 / 1; random values make the test see if they are loaded.
             torch.nn.init.normal_(param, mean=1.0 if name.endswith("norm.weight") else 0.0, std=0.1)
+    return model
+
+
+def save_published_model(out_dir: Path, config: dict, generation_config: dict, chat_template: str,
+                         special_tokens: dict, seed: int = 0) -> Path:
+    """A model directory as a Hub repo ships one: `config` and `generation_config` written verbatim as its
+    config.json and generation_config.json (legacy field names, auto_map, transformers_version and all), random
+    weights of the model transformers builds from that config.json, saved as safetensors in its torch_dtype, and
+    the tiny tokenizer (tiny_tokenizer(512)) with `chat_template` and `special_tokens` (bos_token, eos_token,
+    additional_special_tokens ...: tokens the template writes, added after the 512)."""
+    import json
+
+    from transformers import AutoConfig, PreTrainedTokenizerFast
+
+    out_dir.mkdir(parents=True)
+    (out_dir / "config.json").write_text(json.dumps(config))
+    hf_config = AutoConfig.from_pretrained(out_dir, local_files_only=True)
+    hf_config.initializer_range = 0.1  # weights only: larger than the published 0.02 so random logits are not flat
+    model = _random_hf_model(hf_config, seed).to(getattr(torch, config.get("torch_dtype", "float32")))
     model.save_pretrained(out_dir)
+    (out_dir / "config.json").write_text(json.dumps(config))
+    (out_dir / "generation_config.json").write_text(json.dumps(generation_config))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tiny_tokenizer(512).backend_tokenizer,
+                                        chat_template=chat_template, clean_up_tokenization_spaces=False,
+                                        **special_tokens)
+    tokenizer.save_pretrained(out_dir)
     return out_dir
 
 
