@@ -200,9 +200,9 @@ PUBLISHED = {
     "ibm-granite/granite-3.3-2b-instruct": PublishedModel(dict(
         architectures=["GraniteForCausalLM"], attention_bias=False, attention_dropout=0.0,
         attention_multiplier=0.015625, bos_token_id=0, embedding_multiplier=12.0, eos_token_id=0, hidden_act="silu",
-        hidden_size=64, initializer_range=0.02, intermediate_size=128, logits_scaling=8.0,
+        hidden_size=256, initializer_range=0.02, intermediate_size=128, logits_scaling=8.0,
         max_position_embeddings=131072, mlp_bias=False, model_type="granite", num_attention_heads=4,
-        num_hidden_layers=2, num_key_value_heads=2, pad_token_id=0, residual_multiplier=0.22, rms_norm_eps=1e-05,
+        num_hidden_layers=2, num_key_value_heads=1, pad_token_id=0, residual_multiplier=0.22, rms_norm_eps=1e-05,
         rope_scaling=None, rope_theta=10000000.0, tie_word_embeddings=True, torch_dtype="bfloat16",
         transformers_version="4.49.0", use_cache=True, vocab_size=640), dict(
         bos_token_id=0, eos_token_id=0, pad_token_id=0, transformers_version="4.49.0"), GRANITE_TEMPLATE,
