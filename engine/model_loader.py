@@ -24,6 +24,7 @@ from splitserve.engine.attention import AttentionBackend
 from splitserve.engine.cpu_kernels import cpu_kernel_isa
 from splitserve.engine.models.llama import LlamaFamilyArch, LlamaFamilyForCausalLM, RotaryEmbedding
 from splitserve.engine.models.layer_ops import CpuKernelLayerOps, LayerOps, TorchLayerOps
+from splitserve.engine.models.moe import SparseMoeArch
 from splitserve.engine.models.packed_linear import can_pack, pack_linears
 from splitserve.engine.quantization.formats import concat_rows
 from splitserve.engine.quantization.loader import install_quantized_linears, unpack_checkpoint
@@ -66,24 +67,25 @@ def parse_arch(config: PretrainedConfig) -> LlamaFamilyArch:
         qkv_bias=qkv_bias,
         o_bias=o_bias,
         mlp_bias=mlp_bias,
-        qk_norm=architecture == "Qwen3ForCausalLM",
+        qk_norm=architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
         tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
         sliding_windows=_sliding_windows(config, architecture),
         rope_length_limit=_rope_length_limit(config),
+        moe=_sparse_moe(config, architecture),
     )
 
 
 def _biases(config: PretrainedConfig, architecture: str) -> tuple[bool, bool, bool]:
     """(q/k/v, o, MLP) biases as transformers' modules of `architecture` build them: Llama reads
-    attention_bias (q/k/v and o) and mlp_bias, Qwen3 attention_bias only, Qwen2 always biases q/k/v
-    and nothing else, Mistral biases nothing. A field an architecture's modules never read (mlp_bias
+    attention_bias (q/k/v and o) and mlp_bias, Qwen3 and Qwen3-MoE attention_bias only, Qwen2 always biases q/k/v
+    and nothing else, Mistral and Mixtral bias nothing. A field an architecture's modules never read (mlp_bias
     in a Qwen2 config.json, attention_bias in a Mistral one) is ignored, as transformers ignores it."""
     attention_bias = bool(getattr(config, "attention_bias", False))
     if architecture == "Qwen2ForCausalLM":
         return True, False, False
-    if architecture == "MistralForCausalLM":
+    if architecture in ("MistralForCausalLM", "MixtralForCausalLM"):
         return False, False, False
-    if architecture == "Qwen3ForCausalLM":
+    if architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
         return attention_bias, attention_bias, False
     return attention_bias, attention_bias, bool(getattr(config, "mlp_bias", False))
 
@@ -93,12 +95,41 @@ def _sliding_windows(config: PretrainedConfig, architecture: str) -> tuple[int |
     fully in every layer whatever sliding_window or layer_types say; Mistral windows every layer (those
     layer_types names, when it has them) and reads no use_sliding_window; Qwen2 and Qwen3 window the
     layers of their layer_types, which their configs derive from use_sliding_window and max_window_layers
-    (dropping sliding_window when use_sliding_window is false)."""
+    (dropping sliding_window when use_sliding_window is false); Mixtral windows every layer, Qwen3-MoE every
+    layer when use_sliding_window (its config drops sliding_window otherwise; neither has layer_types)."""
     if architecture == "LlamaForCausalLM":
         return (None,) * config.num_hidden_layers
     window = getattr(config, "sliding_window", None)
     layer_types = getattr(config, "layer_types", None) or ["sliding_attention"] * config.num_hidden_layers
     return tuple(window if kind == "sliding_attention" else None for kind in layer_types)
+
+
+def _sparse_moe(config: PretrainedConfig, architecture: str) -> SparseMoeArch | None:
+    """The experts as transformers' modules read config.json: Mixtral makes every layer sparse, its experts
+    intermediate_size wide, and always renormalizes the top k; Qwen3-MoE makes layer l sparse when num_experts > 0,
+    l is not in mlp_only_layers and decoder_sparse_step divides l + 1 (the other layers run a dense MLP
+    intermediate_size wide), its experts moe_intermediate_size wide, and renormalizes when norm_topk_prob."""
+    layers = range(config.num_hidden_layers)
+    if architecture == "MixtralForCausalLM":
+        return _checked_moe(config.num_local_experts, config.num_experts_per_tok, config.intermediate_size, True,
+                            False, frozenset(layers))
+    if architecture != "Qwen3MoeForCausalLM":
+        return None
+    step, dense = config.decoder_sparse_step, set(config.mlp_only_layers or ())
+    if step < 1:
+        raise UnsupportedModelError(f"decoder_sparse_step must be >= 1, got {step}")
+    sparse = frozenset(i for i in layers if config.num_experts > 0 and i not in dense and (i + 1) % step == 0)
+    if not sparse:
+        return None
+    return _checked_moe(config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size,
+                        bool(config.norm_topk_prob), True, sparse)
+
+
+def _checked_moe(*fields) -> SparseMoeArch:
+    try:
+        return SparseMoeArch(*fields)
+    except ValueError as error:
+        raise UnsupportedModelError(str(error)) from None
 
 
 def _rope_length_limit(config: PretrainedConfig) -> int | None:
@@ -205,9 +236,12 @@ def _take(checkpoint: dict[str, torch.Tensor], name: str, where: str, arch: Llam
 
 
 def _shape_fields(arch: LlamaFamilyArch) -> str:
-    return (f"vocab_size {arch.vocab_size}, hidden_size {arch.hidden_size}, num_attention_heads {arch.num_heads}, "
-            f"num_key_value_heads {arch.num_kv_heads}, head_dim {arch.head_dim}, "
-            f"intermediate_size {arch.intermediate_size}")
+    fields = (f"vocab_size {arch.vocab_size}, hidden_size {arch.hidden_size}, num_attention_heads {arch.num_heads}, "
+              f"num_key_value_heads {arch.num_kv_heads}, head_dim {arch.head_dim}, "
+              f"intermediate_size {arch.intermediate_size}")
+    if arch.moe is not None:
+        fields += f", num_experts {arch.moe.num_experts}, expert width {arch.moe.expert_intermediate_size}"
+    return fields
 
 
 def _layer_shapes(arch: LlamaFamilyArch) -> dict[str, tuple[int, ...]]:
@@ -237,9 +271,12 @@ def _fuse_layer(checkpoint: dict[str, torch.Tensor], index: int, arch: LlamaFami
         prefix + "post_attention_layernorm.weight": take("post_attention_layernorm.weight"),
         attn + "qkv_proj.weight": concat_rows([take(f"self_attn.{p}_proj.weight") for p in "qkv"]),
         attn + "o_proj.weight": take("self_attn.o_proj.weight"),
-        mlp + "gate_up_proj.weight": concat_rows([take("mlp.gate_proj.weight"), take("mlp.up_proj.weight")]),
-        mlp + "down_proj.weight": take("mlp.down_proj.weight"),
     }
+    if arch.moe is not None and index in arch.moe.sparse_layers:
+        state.update(_fuse_experts(checkpoint, index, arch))
+    else:
+        state[mlp + "gate_up_proj.weight"] = concat_rows([take("mlp.gate_proj.weight"), take("mlp.up_proj.weight")])
+        state[mlp + "down_proj.weight"] = take("mlp.down_proj.weight")
     if arch.qkv_bias:
         state[attn + "qkv_proj.bias"] = torch.cat([take(f"self_attn.{p}_proj.bias") for p in "qkv"])
     if arch.o_bias:
@@ -253,6 +290,46 @@ def _fuse_layer(checkpoint: dict[str, torch.Tensor], index: int, arch: LlamaFami
     return state
 
 
+EXPERT_CHECKPOINT_NAMES = {
+    "Qwen3MoeForCausalLM": (("mlp",), ("gate_proj", "up_proj", "down_proj")),
+    "MixtralForCausalLM": (("block_sparse_moe", "mlp"), ("w1", "w3", "w2")),
+}
+"""architecture -> (the sparse block's module names in a checkpoint, Hub's first; an expert's gate, up and down
+projections in Hub checkpoints)."""
+
+
+def _fuse_experts(checkpoint: dict[str, torch.Tensor], index: int, arch: LlamaFamilyArch) -> dict[str, torch.Tensor]:
+    """A sparse layer's router and experts (each expert's gate and up fused), from either form a checkpoint holds
+    them in: one tensor per expert and projection, as Hub checkpoints and transformers' save_pretrained store them
+    (Qwen3-MoE `mlp.experts.{e}.gate_proj.weight`, Mixtral `block_sparse_moe.experts.{e}.w1.weight`), or the stacks
+    transformers 5 holds in memory (`mlp.experts.gate_up_proj` [E, 2 I, hidden], gate rows first, and
+    `mlp.experts.down_proj` [E, hidden, I])."""
+    moe, hidden = arch.moe, arch.hidden_size
+    experts, inner = moe.num_experts, moe.expert_intermediate_size
+    blocks, (gate, up, down) = EXPERT_CHECKPOINT_NAMES[arch.architecture]
+    prefix = f"layers.{index}."
+    block = next((name for name in blocks if f"{prefix}{name}.gate.weight" in checkpoint), blocks[0])
+
+    def take(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        return _take(checkpoint, f"{prefix}{block}.{name}", f"the experts of decoder layer {index} of "
+                     f"{arch.num_layers}", arch, shape)
+
+    router = take("gate.weight", (experts, hidden))
+    if f"{prefix}{block}.experts.gate_up_proj" in checkpoint:
+        gate_ups = take("experts.gate_up_proj", (experts, 2 * inner, hidden)).unbind(0)
+        downs = take("experts.down_proj", (experts, hidden, inner)).unbind(0)
+    else:
+        gate_ups = [torch.cat([take(f"experts.{e}.{gate}.weight", (inner, hidden)),
+                               take(f"experts.{e}.{up}.weight", (inner, hidden))]) for e in range(experts)]
+        downs = [take(f"experts.{e}.{down}.weight", (hidden, inner)) for e in range(experts)]
+    out = prefix + "mlp."
+    state = {out + "gate.weight": router}
+    for e, (gate_up, down_weight) in enumerate(zip(gate_ups, downs)):
+        state[f"{out}experts.{e}.gate_up_proj.weight"] = gate_up
+        state[f"{out}experts.{e}.down_proj.weight"] = down_weight
+    return state
+
+
 def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, backend: AttentionBackend,
                show_progress: bool = False, ops: LayerOps | None = None,
                quantization: QuantizationSpec = NONE) -> LlamaFamilyForCausalLM:
@@ -260,6 +337,10 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, backen
     (engine/quantization/spec.py) says how the decoder's projections are stored and run."""
     config = load_hf_config(model_dir)
     arch = parse_arch(config)
+    if arch.moe is not None and quantization.quantized:
+        raise UnsupportedModelError(f"quantization {quantization.method!r} is not supported for mixture-of-experts "
+                                    f"models ({arch.architecture}): their experts and router run float weights only; "
+                                    f"set quantization to none")
     rotary = build_rotary(config, arch).to(device)
     with torch.device("meta"):
         model = LlamaFamilyForCausalLM(arch, rotary, backend, ops or TorchLayerOps())

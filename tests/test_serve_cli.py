@@ -225,7 +225,7 @@ def test_unsupported_architecture(model_copy):
     (model_copy / "config.json").write_text(json.dumps({**config, "architectures": ["GPT2LMHeadModel"]}))
     assert_fails_fast([str(model_copy)], f"{model_copy}: architecture 'GPT2LMHeadModel' is not supported; "
                                          "supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, "
-                                         "Qwen3ForCausalLM")
+                                         "Qwen3ForCausalLM, Qwen3MoeForCausalLM, MixtralForCausalLM")
 
 
 def test_missing_tokenizer_file_is_named(model_copy):

@@ -1,20 +1,22 @@
-"""The Llama family (Llama, Mistral, Qwen2, Qwen3) over a flattened, paged batch.
+"""The Llama family (Llama, Mistral, Qwen2, Qwen3, and the mixtures of experts Qwen3-MoE and Mixtral) over a
+flattened, paged batch.
 
 Differences between the architectures are data in `LlamaFamilyArch` (biases, per-head
-q/k RMSNorm, sliding windows, tied embeddings); the numerics follow Hugging Face
-transformers op for op so greedy outputs agree token for token.
+q/k RMSNorm, sliding windows, tied embeddings, sparse expert layers: engine/models/moe.py); the
+numerics follow Hugging Face transformers op for op so greedy outputs agree token for token.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
 
 from splitserve.engine.attention import AttentionBackend, AttentionMetadata
 from splitserve.engine.models.layer_ops import LayerOps
+from splitserve.engine.models.moe import SparseMoeArch, SparseMoeBlock
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,8 @@ class LlamaFamilyArch:
     rope_length_limit: int | None = None
     """Longest sequence the RoPE tables hold for, when below max_position_embeddings (rope_type longrope:
     original_max_position_embeddings, past which transformers switches every position to other frequencies)."""
+    moe: SparseMoeArch | None = None
+    """Mixture-of-experts models: the experts, the router and which layers are sparse; None for dense models."""
 
     @property
     def q_size(self) -> int:
@@ -132,13 +136,22 @@ class MLP(nn.Module):
         return self.down_proj(gated)  # [T, hidden]
 
 
+def build_feed_forward(arch: LlamaFamilyArch, layer_index: int, ops: LayerOps) -> nn.Module:
+    """The dense MLP, or in a sparse layer the experts (MLPs of their own width, without biases) and their router."""
+    moe = arch.moe
+    if moe is None or layer_index not in moe.sparse_layers:
+        return MLP(arch, ops)
+    expert_arch = replace(arch, intermediate_size=moe.expert_intermediate_size, mlp_bias=False)
+    return SparseMoeBlock(moe, arch.hidden_size, lambda: MLP(expert_arch, ops))
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, arch: LlamaFamilyArch, layer_index: int, backend: AttentionBackend, ops: LayerOps) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ops)
         self.self_attn = Attention(arch, arch.sliding_windows[layer_index], backend, ops)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ops)
-        self.mlp = MLP(arch, ops)
+        self.mlp = build_feed_forward(arch, layer_index, ops)
 
     def forward(self, hidden, rope, kv_cache, metadata):
         """hidden [T, hidden_size] is updated in place (the residual stream) and returned."""
