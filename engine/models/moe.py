@@ -19,6 +19,7 @@ from torch import nn
 @dataclass(frozen=True)
 class SparseMoeArch:
     num_experts: int
+    """Experts per sparse layer (Qwen3-MoE num_experts, Mixtral num_local_experts)."""
     experts_per_token: int
     """Experts each token runs through (config.json num_experts_per_tok)."""
     expert_intermediate_size: int
@@ -69,6 +70,7 @@ class SparseMoeBlock(nn.Module):
         slot_weights = weights.flatten()
         by_expert = torch.argsort(slot_experts, stable=True)
         counts = torch.bincount(slot_experts, minlength=self.moe.num_experts).tolist()  # one host sync per layer
+        # [T * k, hidden]: each slot's expert output times its weight (float32 when the weights are)
         scaled = x.new_empty((num_tokens * k, x.shape[1]), dtype=torch.promote_types(x.dtype, weights.dtype))
         start = 0
         for expert, count in zip(self.experts, counts):
