@@ -19,9 +19,11 @@ DRAFT_MODEL_NAME = "default-draft"
 """The embedded ~10x smaller model with the default model's tokenizer, for speculative decoding."""
 EMBEDDED_MODELS = (DEFAULT_MODEL_NAME, DRAFT_MODEL_NAME)
 """Names `--model` accepts besides a directory."""
+SPARSE_MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
+"""The supported mixtures of experts (engine/models/moe.py)."""
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                            "Phi3ForCausalLM", "GraniteForCausalLM", "GemmaForCausalLM", "Gemma2ForCausalLM",
-                           "Gemma3ForCausalLM")
+                           "Gemma3ForCausalLM", *SPARSE_MOE_ARCHITECTURES)
 """config.json `architectures[0]` values the engine runs."""
 SILU_ACTIVATIONS = ("silu", "swish")
 """config.json `hidden_act` values the engine runs: transformers maps both names to the same SiLU."""

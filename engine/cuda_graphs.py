@@ -163,14 +163,17 @@ class DecodeGraphRunner:
         return self.model.compute_logits(hidden)  # [bucket, vocab]
 
 
-def uses_cuda_graphs(requested: bool | None, device: torch.device, attention) -> bool:
+def uses_cuda_graphs(requested: bool | None, device: torch.device, attention, sparse_moe: bool = False) -> bool:
     """Whether an engine captures its decode steps: EngineConfig.cuda_graphs where set (True is refused unless the
-    backend is FlashInfer on CUDA), else exactly where it can."""
+    backend is FlashInfer on CUDA and the model is no mixture of experts), else exactly where it can."""
     capturable = isinstance(attention, FlashInferAttention) and device.type == "cuda"
     if requested and not capturable:
         raise ValueError("cuda_graphs needs device 'cuda' and the flashinfer attention backend "
                          "(attention_backend flashinfer or auto, dtype float16 or bfloat16)")
-    return capturable if requested is None else requested
+    if requested and sparse_moe:
+        raise ValueError("cuda_graphs cannot capture a mixture-of-experts model: each layer reads back from the "
+                         "device how many tokens chose each expert (engine/models/moe.py); set cuda_graphs false")
+    return (capturable and not sparse_moe) if requested is None else requested
 
 
 def build_decode_graphs(config: EngineConfig, model: LlamaFamilyForCausalLM, kv_cache: KVCache, attention,

@@ -122,7 +122,7 @@ class EngineCore:
         self.eos_token_ids = GenerationConfigFile.read(model_dir).eos_token_ids  # the router's reader too
         spec = KVCacheSpec(arch.num_layers, config.block_size, arch.num_kv_heads, arch.head_dim, dtype,
                            kv_quantization(config.kv_cache_dtype))
-        graphs = uses_cuda_graphs(config.cuda_graphs, self.device, attention)
+        graphs = uses_cuda_graphs(config.cuda_graphs, self.device, attention, sparse_moe=arch.moe is not None)
         self.kv_cache = KVCache(spec, self._num_blocks(spec, attention, free_at_start), self.device,
                                 reserve_dummy_block=graphs)
         self.block_manager = BlockManager(self.kv_cache.num_blocks, config.block_size,

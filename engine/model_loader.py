@@ -24,6 +24,7 @@ from splitserve.engine.attention import AttentionBackend
 from splitserve.engine.cpu_kernels import cpu_kernel_isa
 from splitserve.engine.models.llama import LlamaFamilyArch, LlamaFamilyForCausalLM, RotaryEmbedding
 from splitserve.engine.models.layer_ops import CpuKernelLayerOps, LayerOps, TorchLayerOps
+from splitserve.engine.models.moe import SparseMoeArch
 from splitserve.engine.models.packed_linear import can_pack, pack_linears
 from splitserve.engine.quantization.formats import concat_rows
 from splitserve.engine.quantization.loader import install_quantized_linears, unpack_checkpoint
@@ -68,11 +69,12 @@ def parse_arch(config: PretrainedConfig) -> LlamaFamilyArch:
         qkv_bias=qkv_bias,
         o_bias=o_bias,
         mlp_bias=mlp_bias,
-        qk_norm=architecture in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
+        qk_norm=architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
         tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
         sliding_windows=_sliding_windows(config, architecture),
         rope_length_limit=_rope_length_limit(config),
         rotary_dim=_rotary_dim(config, architecture, head_dim),
+        moe=_sparse_moe(config, architecture),
         **_granite_multipliers(config, architecture),
         **_gemma_fields(config, architecture),
     )
@@ -141,16 +143,16 @@ def _granite_multipliers(config: PretrainedConfig, architecture: str) -> dict[st
 
 def _biases(config: PretrainedConfig, architecture: str) -> tuple[bool, bool, bool]:
     """(q/k/v, o, MLP) biases as transformers' modules of `architecture` build them: Llama reads
-    attention_bias (q/k/v and o) and mlp_bias, Qwen3 and the Gemmas attention_bias only, Qwen2 always biases
-    q/k/v and nothing else, Mistral and Phi3 bias nothing, Granite reads what Llama reads. A field an
-    architecture's modules never read (mlp_bias in a Qwen2 config.json, attention_bias in a Mistral one) is
+    attention_bias (q/k/v and o) and mlp_bias, Qwen3, Qwen3-MoE and the Gemmas attention_bias only, Qwen2 always
+    biases q/k/v and nothing else, Mistral, Mixtral and Phi3 bias nothing, Granite reads what Llama reads. A field
+    an architecture's modules never read (mlp_bias in a Qwen2 config.json, attention_bias in a Mistral one) is
     ignored, as transformers ignores it."""
     attention_bias = bool(getattr(config, "attention_bias", False))
     if architecture == "Qwen2ForCausalLM":
         return True, False, False
-    if architecture in ("MistralForCausalLM", PHI3):
+    if architecture in ("MistralForCausalLM", "MixtralForCausalLM", PHI3):
         return False, False, False
-    if architecture in ("Qwen3ForCausalLM", *GEMMA_ARCHITECTURES):
+    if architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", *GEMMA_ARCHITECTURES):
         return attention_bias, attention_bias, False
     return attention_bias, attention_bias, bool(getattr(config, "mlp_bias", False))
 
@@ -158,12 +160,13 @@ def _biases(config: PretrainedConfig, architecture: str) -> tuple[bool, bool, bo
 def _sliding_windows(config: PretrainedConfig, architecture: str) -> tuple[int | None, ...]:
     """Per layer: the attention window, or None, as transformers' modules read config.json: Llama, Granite and
     Gemma attend fully in every layer whatever sliding_window or layer_types say; Mistral windows every layer
-    (those layer_types names, when it has them) and reads no use_sliding_window; Phi3 windows every layer when
-    sliding_window is set, whatever layer_types say; Qwen2 and Qwen3 window the layers of their
-    layer_types, which their configs derive from use_sliding_window and max_window_layers (dropping
-    sliding_window when use_sliding_window is false); Gemma 2 and 3 window their layer_types' sliding_attention
-    layers, which Gemma 2's config alternates and Gemma 3's derives from sliding_window_pattern (every 6th layer
-    full) when config.json has none."""
+    (those layer_types names, when it has them) and reads no use_sliding_window; Mixtral windows every layer;
+    Phi3 windows every layer when sliding_window is set, whatever layer_types say; Qwen2 and Qwen3 window the
+    layers of their layer_types, which their configs derive from use_sliding_window and max_window_layers
+    (dropping sliding_window when use_sliding_window is false); Qwen3-MoE windows every layer when
+    use_sliding_window (its config drops sliding_window otherwise; neither it nor Mixtral has layer_types);
+    Gemma 2 and 3 window their layer_types' sliding_attention layers, which Gemma 2's config alternates and
+    Gemma 3's derives from sliding_window_pattern (every 6th layer full) when config.json has none."""
     if architecture in ("LlamaForCausalLM", GRANITE, "GemmaForCausalLM"):
         return (None,) * config.num_hidden_layers
     if architecture == PHI3:
@@ -184,6 +187,34 @@ def _local_rope_layers(config: PretrainedConfig, architecture: str) -> frozenset
 LOCAL_ROPE_LAYER_TYPE = "sliding_attention"
 GLOBAL_ROPE_LAYER_TYPE = "full_attention"
 """Gemma 3's layer types, the keys of its per-layer-type rope_parameters."""
+
+
+def _sparse_moe(config: PretrainedConfig, architecture: str) -> SparseMoeArch | None:
+    """The experts as transformers' modules read config.json: Mixtral makes every layer sparse, its experts
+    intermediate_size wide, and always renormalizes the top k; Qwen3-MoE makes layer l sparse when num_experts > 0,
+    l is not in mlp_only_layers and decoder_sparse_step divides l + 1 (the other layers run a dense MLP
+    intermediate_size wide), its experts moe_intermediate_size wide, and renormalizes when norm_topk_prob."""
+    layers = range(config.num_hidden_layers)
+    if architecture == "MixtralForCausalLM":
+        return _checked_moe(config.num_local_experts, config.num_experts_per_tok, config.intermediate_size, True,
+                            False, frozenset(layers))
+    if architecture != "Qwen3MoeForCausalLM":
+        return None
+    step, dense = config.decoder_sparse_step, set(config.mlp_only_layers or ())
+    if step < 1:
+        raise UnsupportedModelError(f"decoder_sparse_step must be >= 1, got {step}")
+    sparse = frozenset(i for i in layers if config.num_experts > 0 and i not in dense and (i + 1) % step == 0)
+    if not sparse:
+        return None
+    return _checked_moe(config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size,
+                        bool(config.norm_topk_prob), True, sparse)
+
+
+def _checked_moe(*fields) -> SparseMoeArch:
+    try:
+        return SparseMoeArch(*fields)
+    except ValueError as error:
+        raise UnsupportedModelError(str(error)) from None
 
 
 def _rope_length_limit(config: PretrainedConfig) -> int | None:
@@ -304,9 +335,12 @@ def _take(checkpoint: dict[str, torch.Tensor], name: str, where: str, arch: Llam
 
 
 def _shape_fields(arch: LlamaFamilyArch) -> str:
-    return (f"vocab_size {arch.vocab_size}, hidden_size {arch.hidden_size}, num_attention_heads {arch.num_heads}, "
-            f"num_key_value_heads {arch.num_kv_heads}, head_dim {arch.head_dim}, "
-            f"intermediate_size {arch.intermediate_size}")
+    fields = (f"vocab_size {arch.vocab_size}, hidden_size {arch.hidden_size}, num_attention_heads {arch.num_heads}, "
+              f"num_key_value_heads {arch.num_kv_heads}, head_dim {arch.head_dim}, "
+              f"intermediate_size {arch.intermediate_size}")
+    if arch.moe is not None:
+        fields += f", num_experts {arch.moe.num_experts}, expert width {arch.moe.expert_intermediate_size}"
+    return fields
 
 
 def _layer_shapes(arch: LlamaFamilyArch) -> dict[str, tuple[int, ...]]:
@@ -332,21 +366,25 @@ def _fuse_layer(checkpoint: dict[str, torch.Tensor], index: int, arch: LlamaFami
     def take(name: str) -> torch.Tensor:
         return _take(checkpoint, prefix + name, f"decoder layer {index} of {arch.num_layers}", arch, shapes[name])
 
+    def take_fused(fused: str, parts: tuple[str, ...]) -> torch.Tensor:
+        """transformers' Phi3 stores the fused projection itself, with our row order (q, k, v heads; gate, then
+        up); the other architectures store its parts."""
+        return take(fused) if arch.architecture == PHI3 else concat_rows([take(part) for part in parts])
+
     attn, mlp = prefix + "self_attn.", prefix + "mlp."
-    if arch.architecture == PHI3:
-        # transformers' Phi3 stores the fused projections with our row order: q, k, v heads; gate, then up
-        qkv, gate_up = take("self_attn.qkv_proj.weight"), take("mlp.gate_up_proj.weight")
-    else:
-        qkv = concat_rows([take(f"self_attn.{p}_proj.weight") for p in "qkv"])
-        gate_up = concat_rows([take("mlp.gate_proj.weight"), take("mlp.up_proj.weight")])
     state = {
         prefix + "input_layernorm.weight": take("input_layernorm.weight"),
         prefix + "post_attention_layernorm.weight": take("post_attention_layernorm.weight"),
-        attn + "qkv_proj.weight": qkv,
+        attn + "qkv_proj.weight": take_fused("self_attn.qkv_proj.weight",
+                                             tuple(f"self_attn.{p}_proj.weight" for p in "qkv")),
         attn + "o_proj.weight": take("self_attn.o_proj.weight"),
-        mlp + "gate_up_proj.weight": gate_up,
-        mlp + "down_proj.weight": take("mlp.down_proj.weight"),
     }
+    if arch.is_sparse_layer(index):
+        state.update(_fuse_experts(checkpoint, index, arch))
+    else:
+        state[mlp + "gate_up_proj.weight"] = take_fused("mlp.gate_up_proj.weight",
+                                                        ("mlp.gate_proj.weight", "mlp.up_proj.weight"))
+        state[mlp + "down_proj.weight"] = take("mlp.down_proj.weight")
     if arch.qkv_bias:
         state[attn + "qkv_proj.bias"] = torch.cat([take(f"self_attn.{p}_proj.bias") for p in "qkv"])
     if arch.o_bias:
@@ -362,6 +400,45 @@ def _fuse_layer(checkpoint: dict[str, torch.Tensor], index: int, arch: LlamaFami
             state[prefix + name] = take(name)
     return state
 
+EXPERT_CHECKPOINT_NAMES = {
+    "Qwen3MoeForCausalLM": (("mlp",), ("gate_proj", "up_proj", "down_proj")),
+    "MixtralForCausalLM": (("block_sparse_moe", "mlp"), ("w1", "w3", "w2")),
+}
+"""architecture -> (the sparse block's module names in a checkpoint, Hub's first; an expert's gate, up and down
+projections in Hub checkpoints)."""
+
+
+def _fuse_experts(checkpoint: dict[str, torch.Tensor], index: int, arch: LlamaFamilyArch) -> dict[str, torch.Tensor]:
+    """A sparse layer's router and experts (each expert's gate and up fused), from either form a checkpoint holds
+    them in: one tensor per expert and projection, as Hub checkpoints and transformers' save_pretrained store them
+    (Qwen3-MoE `mlp.experts.{e}.gate_proj.weight`, Mixtral `block_sparse_moe.experts.{e}.w1.weight`), or the stacks
+    transformers 5 holds in memory (`mlp.experts.gate_up_proj` [E, 2 I, hidden], gate rows first, and
+    `mlp.experts.down_proj` [E, hidden, I])."""
+    moe, hidden = arch.moe, arch.hidden_size
+    experts, inner = moe.num_experts, moe.expert_intermediate_size
+    blocks, (gate, up, down) = EXPERT_CHECKPOINT_NAMES[arch.architecture]
+    prefix = f"layers.{index}."
+    block = next((name for name in blocks if f"{prefix}{name}.gate.weight" in checkpoint), blocks[0])
+
+    def take(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        return _take(checkpoint, f"{prefix}{block}.{name}", f"the experts of decoder layer {index} of "
+                     f"{arch.num_layers}", arch, shape)
+
+    router = take("gate.weight", (experts, hidden))
+    if f"{prefix}{block}.experts.gate_up_proj" in checkpoint:
+        gate_ups = take("experts.gate_up_proj", (experts, 2 * inner, hidden)).unbind(0)
+        downs = take("experts.down_proj", (experts, hidden, inner)).unbind(0)
+    else:
+        gate_ups = [torch.cat([take(f"experts.{e}.{gate}.weight", (inner, hidden)),
+                               take(f"experts.{e}.{up}.weight", (inner, hidden))]) for e in range(experts)]
+        downs = [take(f"experts.{e}.{down}.weight", (hidden, inner)) for e in range(experts)]
+    out = prefix + "mlp."
+    state = {out + "gate.weight": router}
+    for e, (gate_up, down_weight) in enumerate(zip(gate_ups, downs)):
+        state[f"{out}experts.{e}.gate_up_proj.weight"] = gate_up
+        state[f"{out}experts.{e}.down_proj.weight"] = down_weight
+    return state
+
 
 def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, backend: AttentionBackend,
                show_progress: bool = False, ops: LayerOps | None = None,
@@ -370,6 +447,10 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, backen
     (engine/quantization/spec.py) says how the decoder's projections are stored and run."""
     config = load_hf_config(model_dir)
     arch = parse_arch(config)
+    if arch.moe is not None and quantization.quantized:
+        raise UnsupportedModelError(f"quantization {quantization.method!r} is not supported for mixture-of-experts "
+                                    f"models ({arch.architecture}): their experts and router run float weights only; "
+                                    f"set quantization to none")
     rotary, local_rotary = build_rotaries(config, arch)
     rotary = rotary.to(device)
     local_rotary = None if local_rotary is None else local_rotary.to(device)

@@ -82,20 +82,28 @@ def hf_logits(model_dir: Path, prompt_token_ids: list[int]) -> torch.Tensor:
         return _hf_model(model_dir)(torch.tensor([prompt_token_ids])).logits[0].float()
 
 
+MOE_DEFAULTS = {
+    "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True),
+    "mixtral": dict(num_local_experts=6, num_experts_per_tok=2, intermediate_size=48),
+}
+"""The mixtures of experts' tiny shapes: 8 (6) experts 48 wide, 2 per token; Qwen3-MoE's dense layers (none unless
+mlp_only_layers or decoder_sparse_step say so) keep the base 128."""
+
+
 def save_random_hf_model(out_dir: Path, architecture: str, seed: int = 0, **config_overrides) -> Path:
     """A random-weight checkpoint of any supported family (no tokenizer), via transformers itself."""
-    from transformers import (Gemma2Config, Gemma3TextConfig, GemmaConfig, GraniteConfig,
-                              LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config)
+    from transformers import (Gemma2Config, Gemma3TextConfig, GemmaConfig, GraniteConfig, LlamaConfig, MistralConfig,
+                              MixtralConfig, Phi3Config, Qwen2Config, Qwen3Config, Qwen3MoeConfig)
 
     config_class = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config,
                     "phi3": Phi3Config, "granite": GraniteConfig, "gemma": GemmaConfig, "gemma2": Gemma2Config,
-                    "gemma3": Gemma3TextConfig}
+                    "gemma3": Gemma3TextConfig, "qwen3_moe": Qwen3MoeConfig, "mixtral": MixtralConfig}
     base = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, max_position_embeddings=1024, initializer_range=0.1, bos_token_id=None,
                 eos_token_id=None, pad_token_id=None)
     if architecture in ("gemma", "gemma2", "gemma3"):
         base["head_dim"] = 16  # hidden_size / heads, as the others derive it (Gemma's config defaults to 256)
-    config = config_class[architecture](**{**base, **config_overrides})
+    config = config_class[architecture](**{**base, **MOE_DEFAULTS.get(architecture, {}), **config_overrides})
     _random_hf_model(config, seed).save_pretrained(out_dir)
     return out_dir
 
@@ -649,7 +657,8 @@ def use_flashinfer_on_cpu(monkeypatch, graphs: bool = False) -> ReferencePagedKe
         return runner
 
     if graphs:  # as on CUDA: captured wherever EngineConfig.cuda_graphs does not say no
-        monkeypatch.setattr(engine_core, "uses_cuda_graphs", lambda requested, device, attention: requested is not False)
+        monkeypatch.setattr(engine_core, "uses_cuda_graphs",
+                            lambda requested, device, attention, sparse_moe=False: requested is not False)
         monkeypatch.setattr(engine_core, "build_decode_graphs", eager_graphs)
     return kernels
 

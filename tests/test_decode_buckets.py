@@ -115,6 +115,10 @@ def test_cuda_graphs_default_to_exactly_where_they_can_be_captured():
     assert uses_cuda_graphs(False, cpu, reference) is False
     with pytest.raises(ValueError, match="cuda_graphs needs device 'cuda'"):
         uses_cuda_graphs(True, cuda, reference)
+    # A mixture of experts syncs with the host in every layer: never captured by default, refused when asked for.
+    assert uses_cuda_graphs(None, cuda, flashinfer, sparse_moe=True) is False
+    with pytest.raises(ValueError, match="cuda_graphs cannot capture a mixture-of-experts model"):
+        uses_cuda_graphs(True, cuda, flashinfer, sparse_moe=True)
 
 
 def test_an_engine_on_cpu_captures_nothing_by_default(tiny_llama_dir):

@@ -52,6 +52,13 @@ FAMILIES = {
     "gemma2-sliding-softcaps-scale": ("gemma2", dict(
         num_hidden_layers=3, sliding_window=24, query_pre_attn_scalar=24, attn_logit_softcapping=1.5,
         final_logit_softcapping=3.0)),
+    # layer 1 dense (mlp_only_layers), layers 0 and 2 sparse: 8 experts, 2 per token, renormalized
+    "qwen3-moe-mlp-only-layers": ("qwen3_moe", dict(num_hidden_layers=3, mlp_only_layers=[1], head_dim=32)),
+    # decoder_sparse_step 2: layers 1 and 3 sparse; top 3 of 8 not renormalized; attention biases
+    "qwen3-moe-sparse-step-2-top-3": ("qwen3_moe", dict(num_hidden_layers=4, decoder_sparse_step=2,
+                                                        num_experts_per_tok=3, norm_topk_prob=False,
+                                                        attention_bias=True)),
+    "mixtral-sliding-window": ("mixtral", dict(sliding_window=48)),
 }
 
 

@@ -1,23 +1,24 @@
-"""The Llama family (Llama, Mistral, Qwen2, Qwen3, Phi-3, Granite, Gemma, Gemma 2, Gemma 3) over a flattened,
-paged batch.
+"""The Llama family (Llama, Mistral, Qwen2, Qwen3, Phi-3, Granite, Gemma, Gemma 2, Gemma 3, and the mixtures of
+experts Qwen3-MoE and Mixtral) over a flattened, paged batch.
 
 Differences between the architectures are data in `LlamaFamilyArch` (biases, per-head
 q/k RMSNorm, sliding windows, tied embeddings, partial rotary, Granite's multipliers; Gemma's
 (1 + weight) norms, scaled embeddings, GeLU-tanh MLP, Gemma 2 and 3's sandwich norms and attention
-scale, Gemma 2's logit softcapping, Gemma 3's local RoPE); the numerics follow Hugging Face
-transformers op for op so greedy outputs agree token for token.
+scale, Gemma 2's logit softcapping, Gemma 3's local RoPE; sparse expert layers: engine/models/moe.py); the
+numerics follow Hugging Face transformers op for op so greedy outputs agree token for token.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
 
 from splitserve.engine.attention import AttentionBackend, AttentionMetadata
 from splitserve.engine.models.layer_ops import LayerOps
+from splitserve.engine.models.moe import SparseMoeArch, SparseMoeBlock
 
 
 @dataclass(frozen=True)
@@ -36,7 +37,7 @@ class LlamaFamilyArch:
     o_bias: bool
     mlp_bias: bool
     qk_norm: bool
-    """Qwen3: RMSNorm over head_dim on each query and key head before RoPE."""
+    """Qwen3, Qwen3-MoE and Gemma 3: RMSNorm over head_dim on each query and key head before RoPE."""
     tie_word_embeddings: bool
     sliding_windows: tuple[int | None, ...]
     """Per layer: attention window in tokens, or None for full attention."""
@@ -70,6 +71,12 @@ class LlamaFamilyArch:
     """Granite: each attention and MLP output is multiplied by this before it is added to the residual stream."""
     logits_scaling: float = 1.0
     """Granite: the logits are divided by this."""
+    moe: SparseMoeArch | None = None
+    """Mixture-of-experts models: the experts, the router and which layers are sparse; None for dense models."""
+
+    def is_sparse_layer(self, layer_index: int) -> bool:
+        """Whether the layer's feed-forward is the experts' block (moe) rather than a dense MLP."""
+        return self.moe is not None and layer_index in self.moe.sparse_layers
 
     @property
     def q_size(self) -> int:
@@ -193,8 +200,13 @@ class GeluTanhMLP(nn.Module):
         return self.down_proj(self.ops.gelu_tanh_and_mul(self.gate_up_proj(x)))  # [T, 2I] -> [T, I] -> [T, hidden]
 
 
-def make_mlp(arch: LlamaFamilyArch, ops: LayerOps) -> nn.Module:
-    return GeluTanhMLP(arch, ops) if arch.gelu_tanh_mlp else MLP(arch, ops)
+def build_feed_forward(arch: LlamaFamilyArch, layer_index: int, ops: LayerOps) -> nn.Module:
+    """The layer's feed-forward: in a sparse layer the experts (SiLU MLPs of their own width, without biases) and
+    their router, else the dense MLP (GeLU-tanh for Gemma, SiLU for the others)."""
+    if not arch.is_sparse_layer(layer_index):
+        return GeluTanhMLP(arch, ops) if arch.gelu_tanh_mlp else MLP(arch, ops)
+    expert_arch = replace(arch, intermediate_size=arch.moe.expert_intermediate_size, mlp_bias=False)
+    return SparseMoeBlock(arch.moe, arch.hidden_size, lambda: MLP(expert_arch, ops))
 
 
 class DecoderLayer(nn.Module):
@@ -203,7 +215,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = make_rms_norm(arch, arch.hidden_size, ops)
         self.self_attn = Attention(arch, arch.sliding_windows[layer_index], backend, ops)
         self.post_attention_layernorm = make_rms_norm(arch, arch.hidden_size, ops)
-        self.mlp = make_mlp(arch, ops)
+        self.mlp = build_feed_forward(arch, layer_index, ops)
         self.residual_multiplier = arch.residual_multiplier
 
     def forward(self, hidden, rope, kv_cache, metadata):
@@ -229,7 +241,7 @@ class SandwichDecoderLayer(nn.Module):
         self.self_attn = Attention(arch, arch.sliding_windows[layer_index], backend, ops)
         self.post_attention_layernorm = make_rms_norm(arch, arch.hidden_size, ops)
         self.pre_feedforward_layernorm = make_rms_norm(arch, arch.hidden_size, ops)
-        self.mlp = make_mlp(arch, ops)
+        self.mlp = build_feed_forward(arch, layer_index, ops)
         self.post_feedforward_layernorm = make_rms_norm(arch, arch.hidden_size, ops)
 
     def forward(self, hidden, rope, kv_cache, metadata):

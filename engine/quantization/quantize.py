@@ -25,7 +25,8 @@ from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from splitserve.common.config import QUANTIZATION_GROUP_SIZES
-from splitserve.common.model_dir import PYTORCH_INDEX, SAFETENSORS_INDEX, WEIGHT_FILE_PATTERNS
+from splitserve.common.errors import UnsupportedModelError
+from splitserve.common.model_dir import PYTORCH_INDEX, SAFETENSORS_INDEX, SPARSE_MOE_ARCHITECTURES, WEIGHT_FILE_PATTERNS
 from splitserve.engine.quantization.awq import search_clip, search_scales
 from splitserve.engine.quantization.formats import PACK_FACTOR, QuantizedWeight, awq_pack, gptq_pack
 from splitserve.engine.quantization.gptq import GptqConfig, HessianAccumulator, gptq_quantize
@@ -220,7 +221,12 @@ def quantize_model(model_dir: Path, out_dir: Path, config: QuantizeConfig, calib
 def check_packable(model: PreTrainedModel, method: str) -> None:
     """ValueError naming the first decoder projection the format cannot pack, before any calibration:
     both pack PACK_FACTOR 4-bit codes per int32 along the output channels (the zero points; AWQ's
-    codes too), GPTQ its codes along the input channels."""
+    codes too), GPTQ its codes along the input channels. UnsupportedModelError for a mixture of experts, whose
+    experts and router the engine runs in float only."""
+    architecture = (model.config.architectures or ["?"])[0]
+    if architecture in SPARSE_MOE_ARCHITECTURES:
+        raise UnsupportedModelError(f"{method} quantization of mixture-of-experts models ({architecture}) is not "
+                                    f"supported: the engine runs their experts and router in float only")
     packed_dims = (("output channels", 0), ("input channels", 1)) if method == "gptq" else (("output channels", 0),)
     for index, layer in enumerate(model.model.layers):
         for name in PROJECTIONS:

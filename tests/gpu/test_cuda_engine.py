@@ -1,5 +1,6 @@
-"""The engine with `device: cuda`: greedy parity with transformers (fp32 exact, bf16 first token), and no host
-synchronisation inside a step's forward (the sampled ids are the step's one sync, in the sampler)."""
+"""The engine with `device: cuda`: greedy parity with transformers (fp32 exact, bf16 first token; mixtures of
+experts in fp32), and no host synchronisation inside a dense model's forward (the sampled ids are the step's one
+sync, in the sampler)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ from splitserve.engine import LLM
 from splitserve.engine.engine_core import EngineCore
 from splitserve.engine.tiny_model import TinyModelSpec
 from splitserve.testing.tiny_models import cached_tiny_model
-from splitserve.testing.workloads import mixed_workload
-from tests.factories import hf_greedy, requires_cuda, requires_flashinfer
+from splitserve.testing.workloads import GreedyCase, mixed_workload
+from tests.factories import hf_greedy, requires_cuda, requires_flashinfer, save_random_hf_model
+from tests.test_model_families import run_engine
 
 pytestmark = requires_cuda
 
@@ -95,3 +97,16 @@ def test_gpu_memory_utilization_sizes_the_pool_to_the_allowed_share(tiny_llama_d
     held = free_at_start - torch.cuda.mem_get_info()[0]
     allowed = int(utilization * total)
     assert allowed - (256 << 20) <= held <= allowed, (held, allowed, llm.engine.kv_cache.num_blocks)
+
+
+@pytest.mark.parametrize("architecture, overrides", [("qwen3_moe", dict(num_hidden_layers=3, mlp_only_layers=[1])),
+                                                     ("mixtral", dict(sliding_window=48))])
+def test_a_mixture_of_experts_matches_transformers_on_cuda_in_fp32(architecture, overrides, tmp_path):
+    """The experts' grouping (a host read of the per-expert counts, index gathers and scatters) on the device."""
+    model_dir = save_random_hf_model(tmp_path / architecture, architecture, seed=3, **overrides)
+    cases = [GreedyCase(c.prompt_token_ids, c.max_tokens, ignore_eos=True)
+             for c in mixed_workload(vocab_size=384, num_requests=8, seed=11, max_prompt=200, max_output=12)]
+    outputs, engine = run_engine(model_dir, cases, device="cuda", dtype="float32", max_num_batched_tokens=64,
+                                 max_model_len=256, num_kv_blocks=112)
+    assert engine.kv_cache.layers[0].device.type == "cuda" and engine.runner.graphs is None
+    assert outputs == [hf_greedy(model_dir, case) for case in cases]
