@@ -5,10 +5,22 @@ what a template sees, and which variables a caller's chat_template_kwargs may no
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Iterator, Mapping
+from functools import lru_cache
+from typing import Any, Literal
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
 
 from splitserve.common.errors import InvalidRequestError, json_excerpt
+
+ContentFormat = Literal["string", "openai"]
+"""How a message's content reaches the template (vLLM's chat_template_content_format once resolved):
+"string" (text parts joined with newlines) or "openai" (a list of {"type": "text", "text": ...} parts)."""
+
+CONTENT_FORMAT_OPTIONS = ("auto", "string", "openai")
+"""vLLM's --chat-template-content-format values; "auto" detects the format from the template."""
 
 TEMPLATE_VARIABLES = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
 """Variables every chat template is rendered with from the caller's own arguments (transformers'
@@ -19,14 +31,14 @@ TEXT_PART_KEYS = {"text": "text", "refusal": "refusal"}
 (what the openai SDK sends back for a refused answer) is its text, as vLLM reads it."""
 
 
-def content_text(value: Any, field: str) -> str:
-    """A message's content as the string a template sees (vLLM's "string" content format): a string,
-    null (""), or a list of text parts (OpenAI's [{"type": "text", "text": ...}]) joined with newlines.
+def content_parts(value: Any, field: str) -> tuple[str, ...]:
+    """The texts of a message's content as vLLM reads them: a string is one part, null none, a list
+    of text parts (OpenAI's [{"type": "text", "text": ...}], or "refusal") each part's text.
     InvalidRequestError naming `field` (or the part) for anything else: models here are text-only."""
     if value is None:
-        return ""
+        return ()
     if isinstance(value, str):
-        return value
+        return (value,)
     if isinstance(value, list):
         texts = []
         for index, part in enumerate(value):
@@ -37,8 +49,91 @@ def content_text(value: Any, field: str) -> str:
                                                                "\"refusal\") content parts are supported, got "
                                                                f"{part!r}")
             texts.append(part[key])
-        return "\n".join(texts)
+        return tuple(texts)
     raise InvalidRequestError(field, f"must be a string or a list of text parts, got {value!r}")
+
+
+def template_content(texts: tuple[str, ...], content_format: ContentFormat) -> str | list[dict[str, str]]:
+    """A message's content (its parts' texts, content_parts) as the template sees it in `content_format`:
+    vLLM hands an "openai" template every content as a list of text parts, a plain string included."""
+    if content_format == "openai":
+        return [{"type": "text", "text": text} for text in texts]
+    return "\n".join(texts)
+
+
+class GenerationTag(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}` (assistant-mask markup in some templates) renders its body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_render_body"), [], [], body).set_lineno(lineno)
+
+    def _render_body(self, caller: jinja2.runtime.Macro) -> str:
+        return caller()
+
+
+@lru_cache(maxsize=32)
+def detect_content_format(template: str) -> ContentFormat:
+    """vLLM's "auto" content format: "openai" when the template loops over a message's content
+    (`{% for part in message['content'] %}`, as Gemma 3's, Llama 4's and Mistral 3's do), else "string".
+    Read from the template's syntax tree, following (as vLLM does) the names `messages` and its
+    messages are assigned to. A template that does not parse is "string" (rendering it reports why)."""
+    environment = jinja2.Environment(extensions=[GenerationTag, jinja2.ext.loopcontrols])
+    try:
+        tree = environment.parse(template)
+    except jinja2.TemplateSyntaxError:
+        return "string"
+    message_names = set(_loop_targets(tree, _aliases(tree, "messages"), None))
+    return "openai" if any(True for _ in _loop_targets(tree, message_names, "content")) else "string"
+
+
+def resolve_content_format(option: str, template: str | None) -> ContentFormat:
+    """The content format of --chat-template-content-format / chat_template_content_format `option`:
+    "string" or "openai" as given, "auto" detected from `template` ("string" without one). ValueError
+    for another option."""
+    if option not in CONTENT_FORMAT_OPTIONS:
+        raise ValueError(f"chat template content format must be one of {', '.join(CONTENT_FORMAT_OPTIONS)}, "
+                         f"got {option!r}")
+    if option != "auto":
+        return option  # type: ignore[return-value]  # checked above
+    return "string" if template is None else detect_content_format(template)
+
+
+def _aliases(tree: jinja2.nodes.Template, name: str) -> set[str]:
+    """`name` and every variable assigned from it (or from a slice or filter of it), transitively."""
+    names, pending = {name}, [name]
+    while pending:
+        source = pending.pop()
+        for assign in tree.find_all(jinja2.nodes.Assign):
+            if isinstance(assign.target, jinja2.nodes.Name) and _reads(assign.node, source, None) \
+                    and assign.target.name not in names:
+                names.add(assign.target.name)
+                pending.append(assign.target.name)
+    return names
+
+
+def _loop_targets(tree: jinja2.nodes.Template, names: set[str], key: str | None) -> Iterator[str]:
+    """The loop variables of `for` loops over one of `names` (over `name[key]` / `name.key` when key is given)."""
+    for loop in tree.find_all(jinja2.nodes.For):
+        if isinstance(loop.target, jinja2.nodes.Name) and any(_reads(loop.iter, name, key) for name in names):
+            yield loop.target.name
+
+
+def _reads(node: jinja2.nodes.Node, name: str, key: str | None) -> bool:
+    """Whether `node` is variable `name` (its item or attribute `key` when given), through filters,
+    tests and slices (`messages[1:]`, `message['content'] | list`)."""
+    if isinstance(node, (jinja2.nodes.Filter, jinja2.nodes.Test)):
+        return node.node is not None and _reads(node.node, name, key)
+    if isinstance(node, jinja2.nodes.Getitem) and isinstance(node.arg, jinja2.nodes.Slice):
+        return _reads(node.node, name, key)
+    if key is None:
+        return isinstance(node, jinja2.nodes.Name) and node.ctx == "load" and node.name == name
+    if isinstance(node, jinja2.nodes.Getitem):
+        return isinstance(node.arg, jinja2.nodes.Const) and node.arg.value == key and _reads(node.node, name, None)
+    return isinstance(node, jinja2.nodes.Getattr) and node.attr == key and _reads(node.node, name, None)
 
 
 def check_template_kwargs(template_kwargs: Mapping[str, Any], reserved: Mapping[str, str]) -> None:

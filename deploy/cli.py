@@ -10,6 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
 
+from splitserve.common.chat_template import CONTENT_FORMAT_OPTIONS
 from splitserve.common.config import QUANTIZATION_GROUP_SIZES, QUANTIZATION_METHODS
 from splitserve.common.errors import InvalidRequestError, StartupError, UnsupportedModelError
 
@@ -395,6 +396,10 @@ def _add_frontend_flags(group: argparse._ArgumentGroup) -> None:
                             "this process; router.api_key_env names a variable instead)")
     group.add_argument("--chat-template", default=None,
                        help="chat template replacing the model's: a file's path, or the template itself")
+    group.add_argument("--chat-template-content-format", choices=CONTENT_FORMAT_OPTIONS, default=None,
+                       help="message content as the template sees it: string (text parts joined with newlines), "
+                            "openai (a list of text parts), or auto (default: openai when the template loops "
+                            "over a message's content)")
     group.add_argument("--enable-auto-tool-choice", action="store_true", default=None,
                        help="serve tool_choice \"auto\" (the default when a chat sends tools); needs "
                             "--tool-call-parser")
@@ -503,6 +508,7 @@ _CLUSTER_FLAGS = {"mode": "mode", "prefill_workers": "prefill.replicas", "decode
                   "host": "router.host", "grpc_port": "router.grpc_port", "metrics_port": "router.metrics_port",
                   "port": "router.http_port", "kv_transfer_backend": "kv_transfer_backend",
                   "log_format": "log_format", "chat_template": "router.chat_template",
+                  "chat_template_content_format": "router.chat_template_content_format",
                   "enable_auto_tool_choice": "router.enable_auto_tool_choice",
                   "tool_call_parser": "router.tool_call_parser", "reasoning_parser": "router.reasoning_parser",
                   "ssl_certfile": "router.tls.cert_file", "ssl_keyfile": "router.tls.key_file",

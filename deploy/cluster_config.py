@@ -17,6 +17,7 @@ from typing import get_args, get_origin, get_type_hints
 
 import yaml
 
+from splitserve.common.chat_template import CONTENT_FORMAT_OPTIONS
 from splitserve.common.config import SCALAR_KINDS, EngineConfig, GenerationConfig, is_scalar_kind
 from splitserve.common.kv_transfer_types import TRANSFER_FAILURE_POLICIES
 from splitserve.common.log_format import LOG_FORMATS
@@ -172,6 +173,11 @@ class RouterConfig:
     chat_template: str | None = None
     """A chat template replacing the model's own (vLLM's --chat-template): the path of a file
     holding it, or the template text itself. None: the model directory's template."""
+    chat_template_content_format: str = "auto"
+    """How a message's content reaches the chat template (vLLM's --chat-template-content-format):
+    `string` (text parts joined with newlines), `openai` (a list of {"type": "text", "text": ...}
+    parts, a string content included), or `auto`: openai when the template loops over a message's
+    content (Gemma 3, Llama 4, Mistral 3), else string."""
     enable_auto_tool_choice: bool = False
     """Serve tool_choice "auto" (the default when a chat request sends tools): the output is split
     into content and tool calls by `tool_call_parser`, which it needs (vLLM's --enable-auto-tool-choice).
@@ -231,6 +237,8 @@ class RouterConfig:
                  f"must be >= 1 or null, got {self.max_prompt_bytes}")
         _require(self.tool_call_parser is None or self.tool_call_parser in TOOL_CALL_PARSERS, "tool_call_parser",
                  f"must be one of {', '.join(TOOL_CALL_PARSERS)} or null, got {self.tool_call_parser!r}")
+        _require(self.chat_template_content_format in CONTENT_FORMAT_OPTIONS, "chat_template_content_format",
+                 f"must be one of {', '.join(CONTENT_FORMAT_OPTIONS)}, got {self.chat_template_content_format!r}")
         _require(self.reasoning_parser is None or self.reasoning_parser in REASONING_PARSERS, "reasoning_parser",
                  f"must be one of {', '.join(REASONING_PARSERS)} or null, got {self.reasoning_parser!r}")
         _require(not self.enable_auto_tool_choice or self.tool_call_parser is not None, "enable_auto_tool_choice",

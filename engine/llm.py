@@ -15,8 +15,9 @@ from tqdm import tqdm
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from splitserve.common.block_hash import check_cache_salt
-from splitserve.common.chat_template import (TEMPLATE_VARIABLES, check_template_kwargs, content_text,
-                                             parse_call_arguments)
+from splitserve.common.chat_template import (TEMPLATE_VARIABLES, ContentFormat, check_template_kwargs,
+                                             content_parts, parse_call_arguments, resolve_content_format,
+                                             template_content)
 from splitserve.common.config import EngineConfig, GenerationConfig, SamplingDefaults
 from splitserve.common.generation_config import SAMPLING_KEYS, GenerationConfigFile, resolve_request_defaults
 from splitserve.common.errors import InvalidRequestError
@@ -48,7 +49,7 @@ class TokensPrompt(TypedDict):
 Prompt = str | list[int] | TextPrompt | TokensPrompt
 Conversation = list[dict[str, Any]]
 """Message dicts: "role", "content" (a string, or a list of OpenAI text parts), and what the template reads."""
-ChatTemplateContentFormat = Literal["auto", "string"]
+ChatTemplateContentFormat = Literal["auto", "string", "openai"]
 
 _UNSUPPORTED_PROMPT_KEYS = frozenset({
     "multi_modal_data", "mm_processor_kwargs", "media_io_kwargs", "multi_modal_uuids", "token_type_ids",
@@ -70,8 +71,7 @@ class PromptInput:
 
 
 CHAT_TEMPLATE_CONTENT_FORMATS: tuple[ChatTemplateContentFormat, ...] = get_args(ChatTemplateContentFormat)
-"""vLLM's chat_template_content_format values chat() takes: both render content as a string (text-only
-models); "openai" (content as a list of parts) is refused by name."""
+"""vLLM's chat_template_content_format values chat() takes (common.chat_template.CONTENT_FORMAT_OPTIONS)."""
 
 
 def _reserved_template_kwargs() -> dict[str, str]:
@@ -265,30 +265,47 @@ class LLM:
         `chat_template` (a Jinja template string used instead of the tokenizer's), `add_generation_prompt`,
         `continue_final_message` (the prompt ends inside the last message, which the model continues),
         `tools` and `chat_template_kwargs` (more template variables, e.g. {"enable_thinking": False}).
-        Content is rendered as a string (`chat_template_content_format` "auto" or "string"): a list of text
-        parts is joined with newlines. `lora_request` and `mm_processor_kwargs` are accepted as None only
+        `chat_template_content_format`: how content reaches the template, as in vLLM: "string" (a list of
+        text parts joined with newlines), "openai" (every content a list of {"type": "text", "text": ...}
+        parts), or "auto" ("openai" when the template loops over a message's content, else "string").
+        `lora_request` and `mm_processor_kwargs` are accepted as None only
         (no LoRA, text-only models). Every conversation is rendered before any is queued."""
         _refuse_given("lora_request", lora_request, "LoRA adapters are not supported")
         _refuse_given("mm_processor_kwargs", mm_processor_kwargs, "models here are text-only")
-        _check_content_format(chat_template_content_format)
         options = ChatOptions(chat_template, add_generation_prompt, continue_final_message, tools,
                               {} if chat_template_kwargs is None else chat_template_kwargs)
+        content_format = self._content_format(chat_template_content_format, options)
         if isinstance(messages, str | bytes | Mapping) or not isinstance(messages, Sequence):
             raise InvalidRequestError("messages", f"must be a conversation (a list of message dicts) or a list of "
                                                   f"conversations, got {type(messages).__name__}")
         if _is_one_conversation(messages):
-            prompts = [self._chat_prompt(messages, options, "messages")]
+            prompts = [self._chat_prompt(messages, options, content_format, "messages")]
         else:
-            prompts = [self._chat_prompt(conversation, options, f"messages[{index}]")
+            prompts = [self._chat_prompt(conversation, options, content_format, f"messages[{index}]")
                        for index, conversation in enumerate(messages)]
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def _chat_prompt(self, conversation: Conversation, options: ChatOptions, where: str) -> list[int]:
+    def _content_format(self, option: object, options: ChatOptions) -> ContentFormat:
+        """chat_template_content_format resolved: "auto" read from the template chat() renders with
+        (the tokenizer's when options give none; "string" when there is none, which rendering reports)."""
+        if option not in CHAT_TEMPLATE_CONTENT_FORMATS:
+            raise InvalidRequestError("chat_template_content_format", f"must be one of "
+                                                                      f"{', '.join(CHAT_TEMPLATE_CONTENT_FORMATS)}, "
+                                                                      f"got {option!r}")
+        try:
+            template = self.tokenizer.get_chat_template(options.chat_template, options.tools)
+        except ValueError:  # the tokenizer has no template: apply_chat_template says so
+            template = None
+        return resolve_content_format(str(option), template)
+
+    def _chat_prompt(self, conversation: Conversation, options: ChatOptions, content_format: ContentFormat,
+                     where: str) -> list[int]:
         """The token ids of one conversation rendered by transformers' apply_chat_template (the template
         writes every special token); a template's refusal is an InvalidRequestError naming what it refused."""
         if not isinstance(conversation, list) or not all(isinstance(message, dict) for message in conversation):
             raise InvalidRequestError(where, "must be a list of {role, content} message dicts")
-        messages = [_template_message(message, f"{where}[{index}]") for index, message in enumerate(conversation)]
+        messages = [_template_message(message, content_format, f"{where}[{index}]")
+                    for index, message in enumerate(conversation)]
         try:
             return list(self.tokenizer.apply_chat_template(messages, **options.apply_chat_template_kwargs(),
                                                            tokenize=True, return_dict=False))
@@ -404,11 +421,12 @@ class LLM:
         return f"offline-{self._counter}"
 
 
-def _template_message(message: dict[str, Any], field: str) -> dict[str, Any]:
+def _template_message(message: dict[str, Any], content_format: ContentFormat, field: str) -> dict[str, Any]:
     """A copy of `message` as vLLM's LLM.chat hands it to the template (and as the router does): content
-    as a string, and an assistant's tool calls with their JSON arguments parsed (null or "": {}), which
-    templates render with `tojson` or iterate."""
-    rendered = {**message, "content": content_text(message.get("content"), f"{field}.content")}
+    in `content_format`, and an assistant's tool calls with their JSON arguments parsed (null or "": {}),
+    which templates render with `tojson` or iterate."""
+    texts = content_parts(message.get("content"), f"{field}.content")
+    rendered = {**message, "content": template_content(texts, content_format)}
     if message.get("role") == "assistant" and isinstance(message.get("tool_calls"), list):
         rendered["tool_calls"] = [_parsed_tool_call(call, f"{field}.tool_calls[{index}]")
                                   for index, call in enumerate(message["tool_calls"])]
@@ -482,16 +500,6 @@ def _refuse_given(name: str, value: object, reason: str) -> None:
     """vLLM arguments splitserve has no counterpart for: accepted as None (their default) only."""
     if value is not None:
         raise InvalidRequestError(name, f"{reason}; pass None (got {type(value).__name__})")
-
-
-def _check_content_format(content_format: object) -> None:
-    if content_format == "openai":
-        raise InvalidRequestError("chat_template_content_format", "'openai' (content as a list of parts) is not "
-                                                                  "supported: content is rendered as a string "
-                                                                  "(text-only models); use 'auto' or 'string'")
-    if content_format not in CHAT_TEMPLATE_CONTENT_FORMATS:
-        raise InvalidRequestError("chat_template_content_format", f"must be 'auto' or 'string', got "
-                                                                  f"{content_format!r}")
 
 
 def _check_tools(tools: object) -> None:

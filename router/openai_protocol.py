@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from splitserve.common.block_hash import check_cache_salt
-from splitserve.common.chat_template import content_text
+from splitserve.common.chat_template import content_parts
 from splitserve.common.errors import InvalidRequestError, json_excerpt
 from splitserve.common.generation_config import NO_REQUEST_DEFAULTS, RequestDefaults
 from splitserve.common.sampling_params import MAX_LOGPROBS, SamplingParams
@@ -52,7 +52,8 @@ values are validated there and by RequestLimits)."""
 class ChatMessage:
     role: str
     content: str
-    """Text parts of a multi-part content list are joined with newlines; null is ""."""
+    """Text parts of a multi-part content list are joined with newlines; null is "" (what request
+    limits count)."""
     tool_calls: tuple[HistoryToolCall, ...] = ()
     """An assistant message's tool calls."""
     tool_call_id: str | None = None
@@ -62,11 +63,15 @@ class ChatMessage:
     reasoning: str | None = None
     """An assistant message's reasoning (`reasoning`, or the older `reasoning_content`), sent back by
     a client for templates that render earlier reasoning (interleaved thinking)."""
+    parts: tuple[str, ...] | None = None
+    """The texts of the content's parts as the client sent them (null content: none); None when the
+    content was a string. The tokenizer joins them or passes them as parts (its content format)."""
 
     def template_message(self) -> dict[str, Any]:
-        """The message as the chat template sees it (vLLM's keys; absent ones left out): the reasoning
-        under both names, as vLLM hands it to templates."""
-        message: dict[str, Any] = {"role": self.role, "content": self.content}
+        """The message as the chat template sees it (vLLM's keys; absent ones left out): the content as
+        sent (a string, or text parts), the reasoning under both names, as vLLM hands it to templates."""
+        content = self.content if self.parts is None else [{"type": "text", "text": text} for text in self.parts]
+        message: dict[str, Any] = {"role": self.role, "content": content}
         if self.reasoning is not None:
             message["reasoning"] = message["reasoning_content"] = self.reasoning
         if self.tool_calls:
@@ -369,9 +374,12 @@ def _message(message: Any, field: str) -> ChatMessage:
     calls = parse_history_tool_calls(message.get("tool_calls"), f"{field}.tool_calls") if role == "assistant" else ()
     call_id = None if role != "tool" else _typed(message, "tool_call_id", str, "a string",
                                                  field=f"{field}.tool_call_id")
-    return ChatMessage(role, content_text(message.get("content"), f"{field}.content"), calls, call_id,
-                       _typed(message, "name", str, "a string", field=f"{field}.name"),
-                       _history_reasoning(message, field) if role == "assistant" else None)
+    content = message.get("content")
+    texts = content_parts(content, f"{field}.content")
+    return ChatMessage(role, "\n".join(texts), calls, call_id, _typed(message, "name", str, "a string",
+                                                                     field=f"{field}.name"),
+                       _history_reasoning(message, field) if role == "assistant" else None,
+                       None if isinstance(content, str) else texts)
 
 
 def _history_reasoning(message: Mapping[str, Any], field: str) -> str | None:

@@ -34,27 +34,14 @@ import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-from splitserve.common.chat_template import TEMPLATE_VARIABLES, check_template_kwargs
+from splitserve.common.chat_template import (TEMPLATE_VARIABLES, ContentFormat, GenerationTag, check_template_kwargs,
+                                             content_parts, resolve_content_format, template_content)
 from splitserve.common.errors import InvalidRequestError, UnsupportedModelError
 from splitserve.common.generation_config import GenerationConfigFile
 from splitserve.common.model_dir import TOKENIZER_FILE, check_tokenizer_files
 
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 """transformers 5 saves a single chat template here; it takes priority over tokenizer_config.json."""
-
-
-class _GenerationTag(jinja2.ext.Extension):
-    """`{% generation %}...{% endgeneration %}` (assistant-mask markup in some templates) renders its body."""
-
-    tags = {"generation"}
-
-    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return jinja2.nodes.CallBlock(self.call_method("_render_body"), [], [], body).set_lineno(lineno)
-
-    def _render_body(self, caller: jinja2.runtime.Macro) -> str:
-        return caller()
 
 
 class _TemplateNamespace(jinja2.utils.Namespace):
@@ -104,7 +91,7 @@ def _strftime_now(format: str) -> str:
 def compile_chat_template(source: str) -> jinja2.Template:
     """Compile a chat template in the environment transformers renders it in (sandboxed, immutable)."""
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[_GenerationTag, jinja2.ext.loopcontrols])
+                                        extensions=[GenerationTag, jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now, dict=_TemplateDict(),
                        namespace=_TemplateNamespace)
@@ -194,20 +181,24 @@ TOOL_MESSAGE_KEYS = ("tool_calls", "tool_call_id", "name")
 name), passed as the OpenAI front parsed them (router/tool_calling.py)."""
 
 
-def _validate_messages(messages: object) -> list[dict[str, Any]]:
-    """{"role", "content"} dicts, with TOOL_MESSAGE_KEYS where set (the only keys a template sees);
-    raises InvalidRequestError."""
+def _validate_messages(messages: object, content_format: ContentFormat) -> list[dict[str, Any]]:
+    """{"role", "content"} dicts, with TOOL_MESSAGE_KEYS where set (the only keys a template sees), the
+    content (a string or a list of text parts) in `content_format`; raises InvalidRequestError."""
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
         raise InvalidRequestError("messages", "must be a non-empty list of {role, content} messages")
     plain = []
     for index, message in enumerate(messages):
         if not isinstance(message, Mapping):
             raise InvalidRequestError(f"messages[{index}]", f"must be a {{role, content}} object, got {message!r}")
-        for key in ("role", "content"):
-            if not isinstance(message.get(key), str):
-                raise InvalidRequestError(f"messages[{index}].{key}", "missing or not a string")
-            _check_unicode(message[key], f"messages[{index}].{key}")
-        plain.append({"role": message["role"], "content": message["content"],
+        if not isinstance(message.get("role"), str):
+            raise InvalidRequestError(f"messages[{index}].role", "missing or not a string")
+        _check_unicode(message["role"], f"messages[{index}].role")
+        if not isinstance(message.get("content"), (str, list)):
+            raise InvalidRequestError(f"messages[{index}].content", "missing, or not a string or a list of text parts")
+        texts = content_parts(message["content"], f"messages[{index}].content")
+        for text in texts:
+            _check_unicode(text, f"messages[{index}].content")
+        plain.append({"role": message["role"], "content": template_content(texts, content_format),
                       **{key: message[key] for key in TOOL_MESSAGE_KEYS if message.get(key) is not None}})
     return plain
 
@@ -254,8 +245,21 @@ the template closes the turn with ("end" in "<|im_end|>") or earlier in the chat
 
 
 def _marked_final_message(plain: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The messages with CONTINUE_FINAL_MESSAGE_TAG after the final message's content (a copy)."""
-    return [*plain[:-1], {**plain[-1], "content": plain[-1]["content"] + CONTINUE_FINAL_MESSAGE_TAG}]
+    """The messages with CONTINUE_FINAL_MESSAGE_TAG after the final message's content (a copy): after
+    its last text part when the content is a list of parts, as transformers marks it."""
+    content = plain[-1]["content"]
+    if isinstance(content, str):
+        return [*plain[:-1], {**plain[-1], "content": content + CONTINUE_FINAL_MESSAGE_TAG}]
+    if not content:
+        raise InvalidRequestError("continue_final_message", "the final message has no text to continue")
+    last = {**content[-1], "text": content[-1]["text"] + CONTINUE_FINAL_MESSAGE_TAG}
+    return [*plain[:-1], {**plain[-1], "content": [*content[:-1], last]}]
+
+
+def _final_text(plain: list[dict[str, Any]]) -> str:
+    """The text the model continues: the final message's content, or its last text part."""
+    content = plain[-1]["content"]
+    return content if isinstance(content, str) else content[-1]["text"]
 
 
 def _open_final_message(text: str, final_content: str) -> str:
@@ -370,7 +374,7 @@ class RouterTokenizer:
     """One model directory's tokenizer and chat template; immutable and safe to share across requests."""
 
     def __init__(self, backend: Tokenizer, special_tokens: Mapping[str, str], chat_template: str | None,
-                 generation_config: GenerationConfigFile, name: str) -> None:
+                 generation_config: GenerationConfigFile, name: str, content_format: str = "auto") -> None:
         self.backend = backend
         """The `tokenizers.Tokenizer`; satisfies common.detokenizer.Decoder (incremental detokenization)."""
         self.special_tokens = dict(special_tokens)
@@ -386,12 +390,17 @@ class RouterTokenizer:
         """The most prompt bytes one token can stand for: a prompt of more than n times this many
         bytes has more than n tokens (router/request_limits.py)."""
         self._chat_template = compile_chat_template(chat_template) if chat_template is not None else None
+        self.content_format = resolve_content_format(content_format, chat_template)
+        """How message content reaches the template: the --chat-template-content-format given, or the
+        one "auto" detects from the template (common.chat_template.detect_content_format)."""
         self.token_bytes = TokenBytes(backend)
         """Each token's bytes in the output (OpenAI's logprobs `bytes`)."""
 
     @classmethod
-    def from_model_dir(cls, path: str | Path, chat_template: str | None = None) -> RouterTokenizer:
-        """Load a Hugging Face model directory; `chat_template` (its text) replaces the model's own.
+    def from_model_dir(cls, path: str | Path, chat_template: str | None = None,
+                       content_format: str = "auto") -> RouterTokenizer:
+        """Load a Hugging Face model directory; `chat_template` (its text) replaces the model's own;
+        `content_format` is --chat-template-content-format.
         UnsupportedModelError without tokenizer.json, with an unreadable one, or with a bad template."""
         model_dir = Path(path).expanduser()
         check_tokenizer_files(model_dir)
@@ -404,7 +413,8 @@ class RouterTokenizer:
         special_tokens = _named_special_tokens(config, _read_json(model_dir / "special_tokens_map.json"))
         template = chat_template if chat_template is not None else _read_chat_template(model_dir, config)
         try:
-            return cls(backend, special_tokens, template, GenerationConfigFile.read(model_dir), str(model_dir))
+            return cls(backend, special_tokens, template, GenerationConfigFile.read(model_dir), str(model_dir),
+                       content_format)
         except jinja2.TemplateSyntaxError as error:
             source = "the chat template given" if chat_template is not None else f"{model_dir}: the chat template"
             raise UnsupportedModelError(f"{source} does not compile: {error} (line {error.lineno})") from error
@@ -431,7 +441,7 @@ class RouterTokenizer:
         if self._chat_template is None:
             raise InvalidRequestError("messages", f"model {self.name} has no chat template; "
                                                   "send a text prompt or token ids instead")
-        plain = _validate_messages(messages)
+        plain = _validate_messages(messages, self.content_format)
         variables = {**self.special_tokens, **options.template_kwargs}
         rendered = _marked_final_message(plain) if options.continue_final_message else plain
         try:
@@ -445,7 +455,7 @@ class RouterTokenizer:
             # namespace(), raise_exception, bos_token): a bad request, as vLLM answers it (400), not a 500.
             raise InvalidRequestError("messages", f"rejected by the chat template: TypeError: {error}") from error
         _check_rendered_unicode(text, options.tools)
-        return _open_final_message(text, plain[-1]["content"]) if options.continue_final_message else text
+        return _open_final_message(text, _final_text(plain)) if options.continue_final_message else text
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
                             options: ChatTemplateOptions = DEFAULT_CHAT_OPTIONS) -> list[int]:

@@ -66,6 +66,20 @@ tool calling, with any of the tiny models (`--chat-template` or RouterTokenizer'
 The tiny models' own template (engine/tiny_model.py's CHAT_TEMPLATE) ignores tools."""
 
 
+PARTS_CHAT_TEMPLATE = (
+    "{%- set loop_messages = messages %}"
+    "{%- for message in loop_messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' }}"
+    "{%- if message['content'] is string %}{{- message['content'] }}"
+    "{%- else %}{%- for part in message['content'] %}{{- '[' + part['text'] + ']' }}{%- endfor %}{%- endif %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+"""A ChatML template that loops over a message's content parts (through an alias of `messages`, as
+Gemma 3's does), writing each part's text in brackets and a string content as it is: vLLM's "auto"
+content format reads it as "openai" (content as a list of parts)."""
+
 THINK_TAGS = ("<think>", "</think>")
 THINKING_SPEC = TinyModelSpec(arch="qwen2", num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2,
                               vocab_size=512, seed=3)

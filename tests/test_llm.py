@@ -13,7 +13,7 @@ from tqdm import tqdm
 from tests.factories import _hf_model, assert_pool_idle, copy_with_generation_config, hf_greedy
 from splitserve.common.errors import InvalidRequestError
 from splitserve.engine import LLM, EngineConfig, EngineCore, SamplingParams
-from splitserve.testing.tiny_models import THINKING_CHAT_TEMPLATE, TOOLS_CHAT_TEMPLATE
+from splitserve.testing.tiny_models import PARTS_CHAT_TEMPLATE, THINKING_CHAT_TEMPLATE, TOOLS_CHAT_TEMPLATE
 from splitserve.testing.workloads import GreedyCase
 
 PROMPT = "Tell me about the river and the old mill by the village road."
@@ -276,6 +276,32 @@ def test_chat_content_as_text_parts_is_joined_with_newlines_like_the_router(llm)
                                                  add_generation_prompt=True)
 
 
+def test_chat_passes_content_parts_to_a_template_that_loops_over_them(llm):
+    """chat_template_content_format "auto" (the default) reads the template: this one iterates a
+    message's content, so it gets the parts (a string content as one part), as vLLM hands them over."""
+    parts = [{"role": "user", "content": [{"type": "text", "text": "hello"}, {"type": "text", "text": "there"}]}]
+    output = llm.chat(parts, greedy(8), chat_template=PARTS_CHAT_TEMPLATE)[0]
+    assert output.prompt_token_ids == _templated(llm, parts, chat_template=PARTS_CHAT_TEMPLATE,
+                                                 add_generation_prompt=True)
+    assert llm.tokenizer.decode(output.prompt_token_ids) == (
+        "<|im_start|>user\n[hello][there]<|im_end|>\n<|im_start|>assistant\n")
+    plain = llm.chat([{"role": "user", "content": "hello"}], greedy(8), chat_template=PARTS_CHAT_TEMPLATE)[0]
+    assert llm.tokenizer.decode(plain.prompt_token_ids) == "<|im_start|>user\n[hello]<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_chat_content_format_given_overrides_the_template_s(llm):
+    parts = [{"role": "user", "content": [{"type": "text", "text": "hello"}, {"type": "text", "text": "there"}]}]
+    joined = llm.chat(parts, greedy(8), chat_template=PARTS_CHAT_TEMPLATE, chat_template_content_format="string")[0]
+    assert joined.prompt_token_ids == _templated(llm, [{"role": "user", "content": "hello\nthere"}],
+                                                 chat_template=PARTS_CHAT_TEMPLATE, add_generation_prompt=True)
+    plain = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    listed = llm.chat([{"role": "user", "content": "hi"}], greedy(8), chat_template=plain,
+                      chat_template_content_format="openai")[0]
+    assert listed.prompt_token_ids == _templated(llm, [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+                                                 chat_template=plain)
+    assert llm.tokenizer.decode(listed.prompt_token_ids) == "[{'type': 'text', 'text': 'hi'}]"
+
+
 @pytest.mark.parametrize("options, field", [
     (dict(continue_final_message=True), "continue_final_message"),
     (dict(chat_template_kwargs={"tools": []}), "chat_template_kwargs.tools"),
@@ -286,7 +312,6 @@ def test_chat_content_as_text_parts_is_joined_with_newlines_like_the_router(llm)
     (dict(chat_template_kwargs={"return_dict": True}), "chat_template_kwargs.return_dict"),
     (dict(chat_template_kwargs={1: True}), "chat_template_kwargs"),
     (dict(chat_template_kwargs=[("enable_thinking", False)]), "chat_template_kwargs"),
-    (dict(chat_template_content_format="openai"), "chat_template_content_format"),
     (dict(chat_template_content_format="strings"), "chat_template_content_format"),
     (dict(add_generation_prompt="no"), "add_generation_prompt"),
     (dict(tools={"type": "function"}), "tools"),

@@ -13,6 +13,7 @@ import pytest
 
 from splitserve.proto.splitserve.v1 import generation_pb2 as pb
 from splitserve.router.version import SERVER_VERSION, UNINSTALLED_VERSION, installed_version
+from splitserve.testing.tiny_models import PARTS_CHAT_TEMPLATE
 from tests.factories import ServedApis, http_request, served_apis, stream_tokens
 
 MODEL = "tiny-llama"
@@ -67,6 +68,29 @@ def test_tokenize_a_chat_as_the_chat_endpoint_would(served):
     assert status == 200 and body["tokens"] == expected and body["token_strs"] is None
     chat = served.client().chat.completions.create(model=MODEL, messages=messages, max_tokens=2)
     assert chat.usage.prompt_tokens == body["count"]
+
+
+def test_a_template_that_loops_over_content_gets_the_parts_on_every_api(tiny_llama_dir):
+    """vLLM's --chat-template-content-format auto: chat, /tokenize and Responses hand such a template
+    each content as its list of text parts, as transformers renders that list (not the texts joined)."""
+    from transformers import AutoTokenizer
+
+    parts = [{"type": "text", "text": "Hello"}, {"type": "text", "text": "there"}]
+    as_parts = [{"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
+                {"role": "user", "content": parts}]
+    expected = AutoTokenizer.from_pretrained(tiny_llama_dir, local_files_only=True).apply_chat_template(
+        as_parts, chat_template=PARTS_CHAT_TEMPLATE, add_generation_prompt=True, tokenize=True, return_dict=False)
+    with served_apis(tiny_llama_dir, MODEL, served_class=Served, chat_template=PARTS_CHAT_TEMPLATE) as served:
+        messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": parts}]
+        assert served.post("/tokenize", {"messages": messages})[1]["tokens"] == expected
+        status, chat = served.post("/v1/chat/completions", {"model": MODEL, "messages": messages, "max_tokens": 2,
+                                                             "return_token_ids": True})
+        assert (status, chat["prompt_token_ids"]) == (200, expected)
+        status, response = served.post("/v1/responses", {
+            "model": MODEL, "instructions": "Be brief.", "max_output_tokens": 2,
+            "input": [{"role": "user", "content": [{"type": "input_text", "text": "Hello"},
+                                                   {"type": "input_text", "text": "there"}]}]})
+        assert (status, response["usage"]["input_tokens"]) == (200, len(expected))
 
 
 @pytest.mark.parametrize(("path", "body", "param"), [

@@ -14,11 +14,12 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, normalizers, processors
 from transformers import AutoTokenizer
 
+from splitserve.common.chat_template import detect_content_format
 from splitserve.common.detokenizer import IncrementalDetokenizer
 from splitserve.common.errors import InvalidRequestError, UnsupportedModelError
 from splitserve.common.generation_config import GenerationConfigFile
 from splitserve.router.tokenizer import ChatTemplateOptions, RouterTokenizer, max_bytes_per_token
-from splitserve.testing.tiny_models import TOOLS_CHAT_TEMPLATE
+from splitserve.testing.tiny_models import PARTS_CHAT_TEMPLATE, TOOLS_CHAT_TEMPLATE
 
 TEXTS = (
     "the old mill by the river",
@@ -132,6 +133,73 @@ def test_continue_final_message_cuts_where_transformers_does(model_dir, content)
     expected = hf.apply_chat_template(messages, add_generation_prompt=False, continue_final_message=True,
                                       tokenize=False)
     assert ours.render_chat_template(messages, add_generation_prompt=False, options=options) == expected
+
+
+TEXT_PARTS = [{"type": "text", "text": "hi"}, {"type": "text", "text": "there"}]
+
+
+@pytest.mark.parametrize("template, content_format", [
+    (PARTS_CHAT_TEMPLATE, "openai"),
+    ("{% for m in messages[1:] %}{% for p in m.content | list %}{{ p.text }}{% endfor %}{% endfor %}", "openai"),
+    ("{% set rest = messages %}{% set more = rest %}{% for m in more %}{% for p in m['content'] %}{% endfor %}"
+     "{% endfor %}", "openai"),
+    (TOOLS_CHAT_TEMPLATE, "string"),
+    ("{% for m in messages %}{% if m['content'] is string %}{{ m['content'] }}{% endif %}{% endfor %}", "string"),
+    ("{% for d in documents %}{% for p in d['content'] %}{% endfor %}{% endfor %}", "string"),
+    ("{% for p in message['content'] %}{% endfor %}", "string"),
+    ("{% for m in messages %}{% generation %}{{ m['content'] }}{% endgeneration %}{% endfor %}", "string"),
+    ("{% for %}", "string"),
+])
+def test_content_format_is_detected_from_the_template(template, content_format):
+    """vLLM's "auto": "openai" only for a loop over the content of a message of `messages` (or of a
+    name assigned from it); a template that does not parse reads as "string"."""
+    assert detect_content_format(template) == content_format
+
+
+def test_a_template_that_loops_over_content_gets_the_parts_as_transformers_renders_them(tiny_llama_dir):
+    ours, hf = RouterTokenizer.from_model_dir(tiny_llama_dir, PARTS_CHAT_TEMPLATE), _hf(tiny_llama_dir)
+    messages = [{"role": "system", "content": "S"}, {"role": "user", "content": TEXT_PARTS}]
+    text = ours.render_chat_template(messages)
+    # A string content reaches the template as one text part too, as vLLM passes it.
+    assert text == "<|im_start|>system\n[S]<|im_end|>\n<|im_start|>user\n[hi][there]<|im_end|>\n<|im_start|>assistant\n"
+    as_parts = [{"role": "system", "content": [{"type": "text", "text": "S"}]}, messages[1]]
+    assert text == hf.apply_chat_template(as_parts, chat_template=PARTS_CHAT_TEMPLATE, add_generation_prompt=True,
+                                          tokenize=False)
+    assert ours.apply_chat_template(messages) == hf.apply_chat_template(
+        as_parts, chat_template=PARTS_CHAT_TEMPLATE, add_generation_prompt=True, tokenize=True, return_dict=False)
+
+
+def test_a_template_that_does_not_loop_over_content_gets_the_parts_joined(tiny_llama_dir):
+    ours = RouterTokenizer.from_model_dir(tiny_llama_dir)
+    assert ours.content_format == "string"
+    assert ours.render_chat_template([{"role": "user", "content": TEXT_PARTS}]) == (
+        "<|im_start|>user\nhi\nthere<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_the_content_format_option_overrides_the_detected_one(tiny_llama_dir):
+    joined = RouterTokenizer.from_model_dir(tiny_llama_dir, PARTS_CHAT_TEMPLATE, "string")
+    assert joined.render_chat_template([{"role": "user", "content": TEXT_PARTS}], add_generation_prompt=False) == (
+        "<|im_start|>user\nhi\nthere<|im_end|>\n")
+    plain = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    listed = RouterTokenizer.from_model_dir(tiny_llama_dir, plain, "openai")
+    assert listed.render_chat_template([{"role": "user", "content": "hi"}]) == "[{'type': 'text', 'text': 'hi'}]"
+    with pytest.raises(ValueError, match="must be one of auto, string, openai, got 'parts'"):
+        RouterTokenizer.from_model_dir(tiny_llama_dir, plain, "parts")
+
+
+def test_continue_final_message_with_parts_cuts_after_the_last_part_as_transformers(tiny_llama_dir):
+    ours, hf = RouterTokenizer.from_model_dir(tiny_llama_dir, PARTS_CHAT_TEMPLATE), _hf(tiny_llama_dir)
+    messages = [{"role": "user", "content": "Tell a story"}, {"role": "assistant", "content": TEXT_PARTS}]
+    text = ours.render_chat_template(messages, False, ChatTemplateOptions(continue_final_message=True))
+    assert text == "<|im_start|>user\n[Tell a story]<|im_end|>\n<|im_start|>assistant\n[hi][there"
+    as_parts = [{"role": "user", "content": [{"type": "text", "text": "Tell a story"}]}, messages[1]]
+    assert text == hf.apply_chat_template(as_parts, chat_template=PARTS_CHAT_TEMPLATE, continue_final_message=True,
+                                          tokenize=False)
+    with pytest.raises(InvalidRequestError) as error:
+        ours.render_chat_template([{"role": "assistant", "content": []}], False,
+                                  ChatTemplateOptions(continue_final_message=True))
+    assert (error.value.field, error.value.message) == ("continue_final_message",
+                                                        "the final message has no text to continue")
 
 
 def test_chatml_rendering_is_exact(tiny_llama_dir):

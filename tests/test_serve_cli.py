@@ -42,6 +42,13 @@ def test_the_reasoning_parser_flag_is_vllms():
     assert REASONING_PARSER_NAMES == tuple(REASONING_PARSERS)
 
 
+def test_chat_template_content_format_sets_the_router_s():
+    assert [parse("/models/m", *flag).router.chat_template_content_format
+            for flag in ([], ["--chat-template-content-format", "openai"])] == ["auto", "openai"]
+    with pytest.raises(SystemExit):
+        parse("/models/m", "--chat-template-content-format", "parts")
+
+
 def test_every_vllm_flag_sets_both_pools_engines_and_the_router(tmp_path):
     template = tmp_path / "t.jinja"
     template.write_text(CHAT_TEMPLATE)

@@ -58,6 +58,10 @@ HISTORY_FOR_TRANSFORMERS = [
     HISTORY[3], HISTORY[4],
 ]
 """The same chat as vLLM hands it to the template: null content as "", arguments parsed."""
+HISTORY_PARSED = [*HISTORY_FOR_TRANSFORMERS[:2], {**HISTORY_FOR_TRANSFORMERS[2], "content": []},
+                  *HISTORY_FOR_TRANSFORMERS[3:]]
+"""The same chat as the router's parse hands it to the tokenizer: null content as no text parts, which
+a "string" content-format template (this one) gets as "" and an "openai" one as [], as in vLLM."""
 CALL_ID = re.compile(r"chatcmpl-tool-[0-9a-f]{32}")
 
 
@@ -202,7 +206,7 @@ def test_required_tool_choice_generates_vllms_array_of_calls():
 
 def test_history_messages_reach_the_template_as_vllm_passes_them():
     parsed = parse(chat(messages=HISTORY, tools=TOOLS))
-    assert [m.template_message() for m in parsed.messages] == HISTORY_FOR_TRANSFORMERS
+    assert [m.template_message() for m in parsed.messages] == HISTORY_PARSED
 
 
 # ---- the chat template ------------------------------------------------------------------------
@@ -227,7 +231,7 @@ def test_a_chat_with_tools_renders_exactly_as_transformers(tiny_qwen2_dir, templ
 def test_tokenize_renders_a_chats_tools():
     parsed = parse_tokenize_request({"messages": HISTORY, "tools": TOOLS}, make_request_limits())
     assert parsed.template.tools == tuple(TOOLS)
-    assert [m.template_message() for m in parsed.messages] == HISTORY_FOR_TRANSFORMERS
+    assert [m.template_message() for m in parsed.messages] == HISTORY_PARSED
 
 
 # ---- served -----------------------------------------------------------------------------------
