@@ -53,12 +53,18 @@ def content_parts(value: Any, field: str) -> tuple[str, ...]:
     raise InvalidRequestError(field, f"must be a string or a list of text parts, got {value!r}")
 
 
+def joined_text(texts: tuple[str, ...]) -> str:
+    """A message's content (its parts' texts, content_parts) as a "string" template sees it: joined with
+    newlines, empty texts left out as vLLM leaves them (["a", "", "b"] is "a\\nb")."""
+    return "\n".join(text for text in texts if text)
+
+
 def template_content(texts: tuple[str, ...], content_format: ContentFormat) -> str | list[dict[str, str]]:
-    """A message's content (its parts' texts, content_parts) as the template sees it in `content_format`:
-    vLLM hands an "openai" template every content as a list of text parts, a plain string included."""
+    """A message's content (its parts' texts) as the template sees it in `content_format`: vLLM hands an
+    "openai" template every content as a list of text parts, a plain string included."""
     if content_format == "openai":
         return [{"type": "text", "text": text} for text in texts]
-    return "\n".join(texts)
+    return joined_text(texts)
 
 
 class GenerationTag(jinja2.ext.Extension):
@@ -87,7 +93,7 @@ def detect_content_format(template: str) -> ContentFormat:
     except jinja2.TemplateSyntaxError:
         return "string"
     message_names = set(_loop_targets(tree, _aliases(tree, "messages"), None))
-    return "openai" if any(True for _ in _loop_targets(tree, message_names, "content")) else "string"
+    return "string" if next(_loop_targets(tree, message_names, "content"), None) is None else "openai"
 
 
 def resolve_content_format(option: str, template: str | None) -> ContentFormat:

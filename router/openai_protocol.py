@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from splitserve.common.block_hash import check_cache_salt
-from splitserve.common.chat_template import content_parts
+from splitserve.common.chat_template import content_parts, joined_text
 from splitserve.common.errors import InvalidRequestError, json_excerpt
 from splitserve.common.generation_config import NO_REQUEST_DEFAULTS, RequestDefaults
 from splitserve.common.sampling_params import MAX_LOGPROBS, SamplingParams
@@ -376,7 +376,7 @@ def _message(message: Any, field: str) -> ChatMessage:
                                                  field=f"{field}.tool_call_id")
     content = message.get("content")
     texts = content_parts(content, f"{field}.content")
-    return ChatMessage(role, "\n".join(texts), calls, call_id, _typed(message, "name", str, "a string",
+    return ChatMessage(role, joined_text(texts), calls, call_id, _typed(message, "name", str, "a string",
                                                                      field=f"{field}.name"),
                        _history_reasoning(message, field) if role == "assistant" else None,
                        None if isinstance(content, str) else texts)
