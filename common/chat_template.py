@@ -6,14 +6,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator, Mapping
-from functools import lru_cache
-from typing import Any, Literal
-
-import jinja2
-import jinja2.ext
-import jinja2.nodes
+from typing import TYPE_CHECKING, Any, Literal
 
 from splitserve.common.errors import InvalidRequestError, json_excerpt
+
+if TYPE_CHECKING:
+    import jinja2.nodes
 
 ContentFormat = Literal["string", "openai"]
 """How a message's content reaches the template (vLLM's chat_template_content_format once resolved):
@@ -67,45 +65,28 @@ def template_content(texts: tuple[str, ...], content_format: ContentFormat) -> s
     return joined_text(texts)
 
 
-class GenerationTag(jinja2.ext.Extension):
-    """`{% generation %}...{% endgeneration %}` (assistant-mask markup in some templates) renders its body."""
-
-    tags = {"generation"}
-
-    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return jinja2.nodes.CallBlock(self.call_method("_render_body"), [], [], body).set_lineno(lineno)
-
-    def _render_body(self, caller: jinja2.runtime.Macro) -> str:
-        return caller()
-
-
-@lru_cache(maxsize=32)
-def detect_content_format(template: str) -> ContentFormat:
+def content_format_of(tree: jinja2.nodes.Template) -> ContentFormat:
     """vLLM's "auto" content format: "openai" when the template loops over a message's content
     (`{% for part in message['content'] %}`, as Gemma 3's, Llama 4's and Mistral 3's do), else "string".
     Read from the template's syntax tree, following (as vLLM does) the names `messages` and its
-    messages are assigned to. A template that does not parse is "string" (rendering it reports why)."""
-    environment = jinja2.Environment(extensions=[GenerationTag, jinja2.ext.loopcontrols])
-    try:
-        tree = environment.parse(template)
-    except jinja2.TemplateSyntaxError:
-        return "string"
+    messages are assigned to. `tree`: the template as the caller's jinja2 environment parsed it (the router's
+    and transformers' environments know different extension tags); read by node type name, so common/ needs
+    no jinja2 at run time."""
     message_names = set(_loop_targets(tree, _aliases(tree, "messages"), None))
     return "string" if next(_loop_targets(tree, message_names, "content"), None) is None else "openai"
 
 
-def resolve_content_format(option: str, template: str | None) -> ContentFormat:
+def resolve_content_format(option: str, template: jinja2.nodes.Template | None) -> ContentFormat:
     """The content format of --chat-template-content-format / chat_template_content_format `option`:
-    "string" or "openai" as given, "auto" detected from `template` ("string" without one). ValueError
-    for another option."""
+    "string" or "openai" as given, "auto" detected from `template`, a parsed template (content_format_of;
+    "string" without one, or for a template that does not parse: rendering it reports why). ValueError for
+    another option."""
     if option not in CONTENT_FORMAT_OPTIONS:
         raise ValueError(f"chat template content format must be one of {', '.join(CONTENT_FORMAT_OPTIONS)}, "
                          f"got {option!r}")
     if option != "auto":
         return option  # type: ignore[return-value]  # checked above
-    return "string" if template is None else detect_content_format(template)
+    return "string" if template is None else content_format_of(template)
 
 
 def _aliases(tree: jinja2.nodes.Template, name: str) -> set[str]:
@@ -113,8 +94,8 @@ def _aliases(tree: jinja2.nodes.Template, name: str) -> set[str]:
     names, pending = {name}, [name]
     while pending:
         source = pending.pop()
-        for assign in tree.find_all(jinja2.nodes.Assign):
-            if isinstance(assign.target, jinja2.nodes.Name) and _reads(assign.node, source, None) \
+        for assign in _nodes(tree, "Assign"):
+            if _is(assign.target, "Name") and _reads(assign.node, source, None) \
                     and assign.target.name not in names:
                 names.add(assign.target.name)
                 pending.append(assign.target.name)
@@ -123,23 +104,36 @@ def _aliases(tree: jinja2.nodes.Template, name: str) -> set[str]:
 
 def _loop_targets(tree: jinja2.nodes.Template, names: set[str], key: str | None) -> Iterator[str]:
     """The loop variables of `for` loops over one of `names` (over `name[key]` / `name.key` when key is given)."""
-    for loop in tree.find_all(jinja2.nodes.For):
-        if isinstance(loop.target, jinja2.nodes.Name) and any(_reads(loop.iter, name, key) for name in names):
+    for loop in _nodes(tree, "For"):
+        if _is(loop.target, "Name") and any(_reads(loop.iter, name, key) for name in names):
             yield loop.target.name
 
 
 def _reads(node: jinja2.nodes.Node, name: str, key: str | None) -> bool:
     """Whether `node` is variable `name` (its item or attribute `key` when given), through filters,
     tests and slices (`messages[1:]`, `message['content'] | list`)."""
-    if isinstance(node, (jinja2.nodes.Filter, jinja2.nodes.Test)):
+    if _is(node, "Filter", "Test"):
         return node.node is not None and _reads(node.node, name, key)
-    if isinstance(node, jinja2.nodes.Getitem) and isinstance(node.arg, jinja2.nodes.Slice):
+    if _is(node, "Getitem") and _is(node.arg, "Slice"):
         return _reads(node.node, name, key)
     if key is None:
-        return isinstance(node, jinja2.nodes.Name) and node.ctx == "load" and node.name == name
-    if isinstance(node, jinja2.nodes.Getitem):
-        return isinstance(node.arg, jinja2.nodes.Const) and node.arg.value == key and _reads(node.node, name, None)
-    return isinstance(node, jinja2.nodes.Getattr) and node.attr == key and _reads(node.node, name, None)
+        return _is(node, "Name") and node.ctx == "load" and node.name == name
+    if _is(node, "Getitem"):
+        return _is(node.arg, "Const") and node.arg.value == key and _reads(node.node, name, None)
+    return _is(node, "Getattr") and node.attr == key and _reads(node.node, name, None)
+
+
+def _is(node: jinja2.nodes.Node, *kinds: str) -> bool:
+    """Whether `node` is one of jinja2.nodes' `kinds` (by class name: jinja2 is not imported here)."""
+    return type(node).__name__ in kinds
+
+
+def _nodes(tree: jinja2.nodes.Node, kind: str) -> Iterator[jinja2.nodes.Node]:
+    """Every node of type name `kind` under `tree`, depth first (jinja2's find_all, by name)."""
+    for child in tree.iter_child_nodes():
+        if _is(child, kind):
+            yield child
+        yield from _nodes(child, kind)
 
 
 def check_template_kwargs(template_kwargs: Mapping[str, Any], reserved: Mapping[str, str]) -> None:

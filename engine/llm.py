@@ -13,6 +13,7 @@ import jinja2
 import torch
 from tqdm import tqdm
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers.utils.chat_template_utils import _compile_jinja_template
 
 from splitserve.common.block_hash import check_cache_salt
 from splitserve.common.chat_template import (TEMPLATE_VARIABLES, ContentFormat, check_template_kwargs,
@@ -295,8 +296,8 @@ class LLM:
         try:
             template = self.tokenizer.get_chat_template(options.chat_template, options.tools)
         except ValueError:  # the tokenizer has no template: apply_chat_template says so
-            template = None
-        return resolve_content_format(str(option), template)
+            return resolve_content_format(str(option), None)
+        return resolve_content_format(str(option), _parse_chat_template(template))
 
     def _chat_prompt(self, conversation: Conversation, options: ChatOptions, content_format: ContentFormat,
                      where: str) -> list[int]:
@@ -419,6 +420,15 @@ class LLM:
     def _next_id(self) -> str:
         self._counter += 1
         return f"offline-{self._counter}"
+
+
+def _parse_chat_template(template: str) -> jinja2.nodes.Template | None:
+    """`template`'s syntax tree in the environment apply_chat_template renders it in (its extension tags
+    included; the compiled environment is cached by transformers), None when it does not parse."""
+    try:
+        return _compile_jinja_template(template).environment.parse(template)
+    except jinja2.TemplateSyntaxError:
+        return None
 
 
 def _template_message(message: dict[str, Any], content_format: ContentFormat, field: str) -> dict[str, Any]:

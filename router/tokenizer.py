@@ -34,7 +34,7 @@ import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-from splitserve.common.chat_template import (TEMPLATE_VARIABLES, ContentFormat, GenerationTag, check_template_kwargs,
+from splitserve.common.chat_template import (TEMPLATE_VARIABLES, ContentFormat, check_template_kwargs,
                                              content_parts, resolve_content_format, template_content)
 from splitserve.common.errors import InvalidRequestError, UnsupportedModelError
 from splitserve.common.generation_config import GenerationConfigFile
@@ -88,14 +88,41 @@ def _strftime_now(format: str) -> str:
     return datetime.now().strftime(format)
 
 
-def compile_chat_template(source: str) -> jinja2.Template:
-    """Compile a chat template in the environment transformers renders it in (sandboxed, immutable)."""
+class GenerationTag(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}` (assistant-mask markup in some templates) renders its body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_render_body"), [], [], body).set_lineno(lineno)
+
+    def _render_body(self, caller: jinja2.runtime.Macro) -> str:
+        return caller()
+
+
+def _template_environment() -> ImmutableSandboxedEnvironment:
+    """The environment transformers renders chat templates in (sandboxed, immutable)."""
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                         extensions=[GenerationTag, jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now, dict=_TemplateDict(),
                        namespace=_TemplateNamespace)
-    return env.from_string(source)
+    return env
+
+
+def compile_chat_template(source: str) -> jinja2.Template:
+    """Compile a chat template in the environment transformers renders it in."""
+    return _template_environment().from_string(source)
+
+
+def parse_chat_template(source: str) -> jinja2.nodes.Template | None:
+    """A chat template's syntax tree in that environment (for content_format_of), None when it does not parse."""
+    try:
+        return _template_environment().parse(source)
+    except jinja2.TemplateSyntaxError:
+        return None
 
 
 def read_chat_template_option(value: str) -> str:
@@ -390,9 +417,10 @@ class RouterTokenizer:
         """The most prompt bytes one token can stand for: a prompt of more than n times this many
         bytes has more than n tokens (router/request_limits.py)."""
         self._chat_template = compile_chat_template(chat_template) if chat_template is not None else None
-        self.content_format = resolve_content_format(content_format, chat_template)
+        self.content_format = resolve_content_format(
+            content_format, parse_chat_template(chat_template) if chat_template is not None else None)
         """How message content reaches the template: the --chat-template-content-format given, or the
-        one "auto" detects from the template (common.chat_template.detect_content_format)."""
+        one "auto" detects from the template (common.chat_template.content_format_of)."""
         self.token_bytes = TokenBytes(backend)
         """Each token's bytes in the output (OpenAI's logprobs `bytes`)."""
 

@@ -14,11 +14,11 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, normalizers, processors
 from transformers import AutoTokenizer
 
-from splitserve.common.chat_template import detect_content_format
+from splitserve.common.chat_template import resolve_content_format
 from splitserve.common.detokenizer import IncrementalDetokenizer
 from splitserve.common.errors import InvalidRequestError, UnsupportedModelError
 from splitserve.common.generation_config import GenerationConfigFile
-from splitserve.router.tokenizer import ChatTemplateOptions, RouterTokenizer, max_bytes_per_token
+from splitserve.router.tokenizer import ChatTemplateOptions, RouterTokenizer, max_bytes_per_token, parse_chat_template
 from splitserve.testing.tiny_models import PARTS_CHAT_TEMPLATE, TOOLS_CHAT_TEMPLATE
 
 TEXTS = (
@@ -153,7 +153,7 @@ TEXT_PARTS = [{"type": "text", "text": "hi"}, {"type": "text", "text": "there"}]
 def test_content_format_is_detected_from_the_template(template, content_format):
     """vLLM's "auto": "openai" only for a loop over the content of a message of `messages` (or of a
     name assigned from it); a template that does not parse reads as "string"."""
-    assert detect_content_format(template) == content_format
+    assert resolve_content_format("auto", parse_chat_template(template)) == content_format
 
 
 def test_a_template_that_loops_over_content_gets_the_parts_as_transformers_renders_them(tiny_llama_dir):
