@@ -10,7 +10,7 @@ rounding; 1e-4 in fp32), then alternates them for `rounds` rounds and keeps each
 (time.thread_time: other processes taking the cores do not inflate it).
 
 Also the MLP's gate and up projections and SiLU-and-mul as the engine runs them where it uses panels: one pass
-(PanelSiluMulLinear) against two (PanelLinear, then the fused_ops silu_and_mul kernel), bit-identical, at 1 to
+(PanelGatedLinear, SiLU) against two (PanelLinear, then the fused_ops silu_and_mul kernel), bit-identical, at 1 to
 2048 rows (a 2048-token prefill step).
 
 Writes bench/results/panel_linear.json and .png. Run: .venv/bin/python bench/panel_linear.py (about 4 minutes;
@@ -27,8 +27,8 @@ import torch
 
 from serving_common import bench_parser, loaded_kernel_isa, report_header, start_bench, write_report
 from splitserve.engine.cpu_gemm import cpu_gemm_dtype, has_bf16_gemm
-from splitserve.engine.models.layer_ops import CpuKernelLayerOps
-from splitserve.engine.models.packed_linear import PanelLinear, PanelSiluMulLinear, PackedLinear
+from splitserve.engine.models.layer_ops import CpuKernelLayerOps, GatedActivation
+from splitserve.engine.models.packed_linear import PanelGatedLinear, PanelLinear, PackedLinear
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SHAPES = {"qkv": (768, 1280), "o": (768, 768), "gate_up": (768, 4096), "down": (2048, 768), "lm_head": (768, 8192)}
@@ -84,7 +84,7 @@ def measure(dtype: torch.dtype, name: str, rows: int, rounds: int, seed: int) ->
 def measure_gated(dtype: torch.dtype, rows: int, rounds: int, seed: int) -> dict:
     """gate_up then SiLU-and-mul: two passes against one (the same bits)."""
     gate_up = random_linear(dtype, *SHAPES["gate_up"], seed)
-    projection, fused, ops = PanelLinear(gate_up), PanelSiluMulLinear(gate_up), CpuKernelLayerOps()
+    projection, fused, ops = PanelLinear(gate_up), PanelGatedLinear(gate_up, GatedActivation.SILU), CpuKernelLayerOps()
     x = torch.randn(rows, gate_up.in_features, generator=torch.Generator().manual_seed(seed + rows)).to(dtype)
     paths = {"two_passes": lambda: ops.silu_and_mul(projection(x)), "fused": lambda: fused(x)}
     assert torch.equal(paths["two_passes"](), paths["fused"]())

@@ -11,9 +11,9 @@ import torch.nn.functional as F
 
 from splitserve.engine.cpu_gemm import cpu_gemm_dtype, has_bf16_gemm
 from splitserve.engine.cpu_kernels import AVX2, AVX512, AVX512_BF16
-from splitserve.engine.models.layer_ops import CpuKernelLayerOps
+from splitserve.engine.models.layer_ops import CpuKernelLayerOps, GatedActivation, gelu_tanh_and_mul
 from splitserve.engine.models.llama import MLP, GeluTanhMLP
-from splitserve.engine.models.packed_linear import (PANEL_COLUMNS, PackedLinear, PanelLinear, PanelSiluMulLinear,
+from splitserve.engine.models.packed_linear import (PANEL_COLUMNS, PackedLinear, PanelGatedLinear, PanelLinear,
                                                     can_pack, pack_linears, pack_panels, uses_panels)
 
 from tests.factories import needs_kernels
@@ -190,11 +190,13 @@ def test_panel_linear_gives_a_row_the_same_result_in_any_batch(dtype):
 
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-@pytest.mark.parametrize("layer_type", [PanelLinear, PanelSiluMulLinear])
-def test_a_row_gets_the_same_result_whether_x_is_read_packed_or_in_place(layer_type, dtype):
+@pytest.mark.parametrize("make_layer", [PanelLinear, lambda linear: PanelGatedLinear(linear, GatedActivation.SILU),
+                                        lambda linear: PanelGatedLinear(linear, GatedActivation.GELU_TANH)],
+                         ids=["linear", "silu", "gelu-tanh"])
+def test_a_row_gets_the_same_result_whether_x_is_read_packed_or_in_place(make_layer, dtype):
     """1100 rows of 251 inputs (1.1 MB in float32) are read in place, any 200 of them packed in row tiles: the
     same sums in the same k order."""
-    layer = layer_type(_linear(48, 251, True, dtype, 11))
+    layer = make_layer(_linear(48, 251, True, dtype, 11))
     x = torch.randn(1100, 251, generator=torch.Generator().manual_seed(3)).to(dtype)
     batch = layer(x)
     for first in (0, 5, 897):
@@ -224,31 +226,65 @@ def test_panel_linear_refuses_mismatched_inputs_with_a_message(call, message):
         call(layer)
 
 
-# ---- PanelSiluMulLinear (csrc/panel_linear.cpp's panel_linear_silu_mul) -------------------------------------
+# ---- PanelGatedLinear (csrc/panel_linear.cpp's panel_linear_silu_mul and panel_linear_gelu_tanh_mul) --------
 
 GATED_CASES = [(1, 80, 96), (1, 33, 5), (2, 48, 31), (3, 17, 7), (5, 7, 64), (6, 16, 2), (7, 40, 97), (13, 33, 64),
-               (64, 80, 96), (1100, 24, 251)]
+               (64, 80, 96), (3, 72, 40), (1100, 24, 251)]
 """(rows, intermediate, in_features): one row (two pairs per tile, and the pair left over), two rows (gate and up
-panels in one tile), taller tiles and their tails, a partial last pair (intermediate not a multiple of 16:
-silu_and_mul's scalar tail), odd inputs, inputs over the packed-x bound (x read in place)."""
+panels in one tile), taller tiles and their tails, a partial last pair (intermediate not a multiple of 16: the
+fused op's scalar tail; for GeLU-tanh also whole panels past the last 32 / 64 columns torch's loop runs in vector
+steps, 72 = 64 + 8), odd inputs, inputs over the packed-x bound (x read in place)."""
+
+UNFUSED = {GatedActivation.SILU: CpuKernelLayerOps().silu_and_mul, GatedActivation.GELU_TANH: gelu_tanh_and_mul}
+"""The fused products' oracles: fused_ops.cpp's SiLU-and-mul kernel, torch's F.gelu(gate, approximate="tanh") * up."""
+
+
+@needs_kernels
+@pytest.mark.parametrize("activation", list(GatedActivation), ids=lambda activation: activation.value)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
+@pytest.mark.parametrize("rows, intermediate, in_features", GATED_CASES)
+def test_fused_gate_up_equals_panel_linear_then_its_activation_and_mul_bit_for_bit(rows, intermediate, in_features,
+                                                                                   bias, dtype, activation):
+    gate_up = _linear(2 * intermediate, in_features, bias, dtype, rows * 1000 + intermediate)
+    x = (torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows)) * 2).to(dtype)
+    got = PanelGatedLinear(gate_up, activation)(x)
+    assert got.dtype == dtype and got.shape == (rows, intermediate)
+    assert torch.equal(got, UNFUSED[activation](PanelLinear(gate_up)(x)))
 
 
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
-@pytest.mark.parametrize("rows, intermediate, in_features", GATED_CASES)
-def test_fused_gate_up_equals_panel_linear_then_silu_and_mul_bit_for_bit(rows, intermediate, in_features, bias, dtype):
-    gate_up = _linear(2 * intermediate, in_features, bias, dtype, rows * 1000 + intermediate)
-    x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows)).to(dtype)
-    got = PanelSiluMulLinear(gate_up)(x)
-    assert got.dtype == dtype and got.shape == (rows, intermediate)
-    assert torch.equal(got, CpuKernelLayerOps().silu_and_mul(PanelLinear(gate_up)(x)))
+@pytest.mark.parametrize("rows, intermediate", [(1, 2048), (64, 2048)])
+def test_fused_gelu_tanh_gate_up_equals_torch_at_the_88m_mlp_width(rows, intermediate, dtype):
+    gate_up = _linear(2 * intermediate, 64, False, dtype, intermediate)
+    x = (torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows)) * 3).to(dtype)
+    got = PanelGatedLinear(gate_up, GatedActivation.GELU_TANH)(x)
+    assert torch.equal(got, gelu_tanh_and_mul(PanelLinear(gate_up)(x)))
+
+
+@needs_kernels
+@pytest.mark.parametrize("width", [1000, 1024, 37])
+def test_fused_gelu_tanh_equals_torch_on_every_bf16_gate(width):
+    """Every finite bf16 value but -0 as a gate: gate weights the identity and up weights zero with bias 1, so
+    each row's gate sums are its inputs exactly (a sum from +0 turns -0 into +0) and the output is the rounded
+    gelu itself; widths put values both in torch's vector steps and in its scalar tail."""
+    codes = torch.arange(-2 ** 15 + 1, 2 ** 15, dtype=torch.int32).to(torch.int16)  # from 0x8001: no -0
+    gates = codes.view(torch.bfloat16)[torch.isfinite(codes.view(torch.bfloat16))]
+    gates = gates[:gates.numel() // width * width].view(-1, width)
+    gate_up = torch.nn.Linear(width, 2 * width).to(torch.bfloat16)
+    with torch.no_grad():
+        gate_up.weight.copy_(torch.cat((torch.eye(width), torch.zeros(width, width))))
+        gate_up.bias.copy_(torch.cat((torch.zeros(width), torch.ones(width))))
+    got = PanelGatedLinear(gate_up, GatedActivation.GELU_TANH)(gates)
+    expected = gelu_tanh_and_mul(torch.cat((gates, torch.ones_like(gates)), dim=1))
+    assert torch.equal(got.view(torch.int16), expected.view(torch.int16))
 
 
 @needs_kernels
 def test_fused_gate_up_interleaves_gate_and_up_panels_and_their_biases():
     gate_up = _linear(2 * 17, 5, True, torch.float32, 7)  # I = 17: two pairs, the second 1 column wide
-    layer = PanelSiluMulLinear(gate_up)
+    layer = PanelGatedLinear(gate_up, GatedActivation.SILU)
     gate, up = pack_panels(gate_up.weight[:17]), pack_panels(gate_up.weight[17:])
     assert layer.panels.shape == (4, 5, PANEL_COLUMNS)
     assert [torch.equal(layer.panels[i], part[i // 2]) for i, part in enumerate((gate, up, gate, up))] == [True] * 4
@@ -261,7 +297,8 @@ def test_fused_gate_up_interleaves_gate_and_up_panels_and_their_biases():
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_fused_gate_up_of_no_rows_is_empty(dtype):
-    out = PanelSiluMulLinear(torch.nn.Linear(96, 2 * 40).to(dtype))(torch.empty(0, 96, dtype=dtype))
+    out = PanelGatedLinear(torch.nn.Linear(96, 2 * 40).to(dtype), GatedActivation.GELU_TANH)(
+        torch.empty(0, 96, dtype=dtype))
     assert out.shape == (0, 40) and out.dtype == dtype
 
 
@@ -289,9 +326,10 @@ def test_pack_linears_fuses_an_mlps_silu_and_mul_where_it_packs_panels(dtype):
     x = torch.randn(5, 32).to(dtype)
     unfused = _mlp(dtype)
     pack_linears(unfused, dtype, None)  # no kernels: oneDNN, the MLP's own SiLU-and-mul
-    assert type(unfused.gate_up_proj) is PackedLinear and not unfused.gate_up_applies_silu
+    assert type(unfused.gate_up_proj) is PackedLinear and not unfused.gate_up_applies_activation
     pack_linears(mlp, dtype, AVX2)
-    assert type(mlp.gate_up_proj) is PanelSiluMulLinear and type(mlp.down_proj) is PanelLinear
+    assert type(mlp.gate_up_proj) is PanelGatedLinear and type(mlp.down_proj) is PanelLinear
+    assert mlp.gate_up_proj.activation == GatedActivation.SILU
     reference = _mlp(dtype)
     gated = CpuKernelLayerOps().silu_and_mul(PanelLinear(reference.gate_up_proj)(x))
     expected = PanelLinear(reference.down_proj)(gated)
@@ -301,15 +339,16 @@ def test_pack_linears_fuses_an_mlps_silu_and_mul_where_it_packs_panels(dtype):
 @needs_onednn
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_pack_linears_keeps_a_gelu_tanh_mlps_gate_up_a_plain_projection(dtype):
-    """The fused panel kernel applies SiLU: Gemma's MLP packs its gate/up projection as a PanelLinear and gates
-    the product itself."""
+def test_pack_linears_fuses_a_gelu_tanh_mlps_activation_and_mul_where_it_packs_panels(dtype):
+    """Gemma's MLP: its gate/up projection runs panel_linear_gelu_tanh_mul, equal to the unfused projection
+    then gelu_tanh_and_mul."""
     mlp = _mlp(dtype, GeluTanhMLP)
     x = torch.randn(5, 32).to(dtype)
     pack_linears(mlp, dtype, AVX2)
-    assert type(mlp.gate_up_proj) is PanelLinear and type(mlp.down_proj) is PanelLinear
+    assert type(mlp.gate_up_proj) is PanelGatedLinear and type(mlp.down_proj) is PanelLinear
+    assert mlp.gate_up_proj.activation == GatedActivation.GELU_TANH and mlp.gate_up_applies_activation
     reference = _mlp(dtype, GeluTanhMLP)
-    gated = CpuKernelLayerOps().gelu_tanh_and_mul(PanelLinear(reference.gate_up_proj)(x))
+    gated = gelu_tanh_and_mul(PanelLinear(reference.gate_up_proj)(x))
     assert torch.equal(mlp(x), PanelLinear(reference.down_proj)(gated))
 
 

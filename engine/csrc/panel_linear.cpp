@@ -16,6 +16,8 @@
 // padded with zeros past I on its own). Each 16-column tile's gate and up sums are rounded to x's dtype, then
 // silu(gate) * up is computed and rounded where fused_ops.cpp's silu_and_mul rounds it: the result equals
 // silu_and_mul(panel_linear(x, [G | U])) bit for bit without writing or reading back the [M, 2I] gate_up.
+// panel_linear_gelu_tanh_mul: the same for Gemma's MLP, gelu(gate, approximate="tanh") * up, equal bit for bit
+// to torch's F.gelu(gate, approximate="tanh") * up of that product (vec16.h's gelu_tanh_mul16).
 //
 // Arithmetic: x widened to float32 (and packed in row tiles) once per call; every output is
 // sum_k x[m, k] * W[n, k] accumulated in float32 in ascending k, one fused multiply-add per term, plus the
@@ -195,11 +197,32 @@ void linear_panels(const float* x, const W* panels, const float* bias, const Lin
 template <int R>
 constexpr int kTilePairs = R == 1 ? 2 : 1;
 
-// out[row + r, 16 q' + j] = silu(gate) * up over rows [row, row + R) and the columns that exist of pairs
+// The activations of the gated products, each computed and rounded as its unfused op does (fused_ops.cpp's
+// silu_and_mul, torch's gelu): the vector form on columns [0, vector_columns<T>(I)) of a row (whole panels),
+// the scalar form on the rest.
+struct SiluMul {
+  template <typename T>
+  static Vec16 vec(Vec16 gate, Vec16 up) { return silu_mul16<T>(gate, up); }
+  template <typename T>
+  static float scalar(float gate, float up) { return silu_mul1<T>(gate, up); }
+  template <typename T>
+  static constexpr int64_t vector_columns(int64_t n) { return n / kPanelColumns * kPanelColumns; }
+};
+
+struct GeluTanhMul {
+  template <typename T>
+  static Vec16 vec(Vec16 gate, Vec16 up) { return gelu_tanh_mul16<T>(gate, up); }
+  template <typename T>
+  static float scalar(float gate, float up) { return gelu_tanh_mul1<T>(gate, up); }
+  template <typename T>
+  static constexpr int64_t vector_columns(int64_t n) { return gelu_vector_columns<T>(n); }
+};
+
+// out[row + r, 16 q' + j] = Act(gate, up) over rows [row, row + R) and the columns that exist of pairs
 // q' in [q, q + Q) (I in shape.out_features). Tiles of two rows or fewer run all their panels at once;
 // taller tiles run the gate panel, park its sums in L1, then the up panel (both tiles' accumulators at once
 // would not fit the registers), each prefetching its counterpart in the next pair with prefetch_next.
-template <typename T, typename W, bool kTiled, int R, int Q = 1>
+template <typename Act, typename T, typename W, bool kTiled, int R, int Q = 1>
 void gated_tile(const float* x, const W* panels, const float* bias, const LinearShape& shape, int64_t q, int64_t row,
                 bool prefetch_next, T* out) {
   const int64_t width = kInputsPerStep<W> * shape.steps, panel_stride = shape.steps * kPanelColumns;
@@ -222,6 +245,7 @@ void gated_tile(const float* x, const W* panels, const float* bias, const Linear
       for (int r = 0; r < R; ++r) store16(sums[0][c][r], acc[r][0]);
     }
   }
+  const int64_t vector_end = Act::template vector_columns<T>(shape.out_features);  // a multiple of 16
   for (int pair = 0; pair < Q; ++pair) {
     const int64_t first = (q + pair) * kPanelColumns, columns = std::min(kPanelColumns, shape.out_features - first);
     for (int r = 0; r < R; ++r) {
@@ -229,14 +253,14 @@ void gated_tile(const float* x, const W* panels, const float* bias, const Linear
       if (bias != nullptr) gate = gate + load16(bias + 2 * first), up = up + load16(bias + 2 * first + kPanelColumns);
       gate = round16<T>(gate), up = round16<T>(up);
       T* target = out + (row + r) * shape.out_features + first;
-      if (columns == kPanelColumns) {
-        store16(target, silu_mul16<T>(gate, up));
+      if (first + kPanelColumns <= vector_end) {
+        store16(target, Act::template vec<T>(gate, up));
         continue;
       }
-      float* gates = sums[pair][0][r];  // a partial last pair: silu_and_mul's scalar tail
+      float* gates = sums[pair][0][r];  // past vector_end: the fused op's scalar tail
       float* ups = sums[pair][1][r];
       store16(gates, gate), store16(ups, up);
-      for (int64_t j = 0; j < columns; ++j) target[j] = static_cast<T>(silu_mul1<T>(gates[j], ups[j]));
+      for (int64_t j = 0; j < columns; ++j) target[j] = static_cast<T>(Act::template scalar<T>(gates[j], ups[j]));
     }
   }
 }
@@ -246,11 +270,11 @@ struct PairUnits {
   static constexpr int kPerTile = kTilePairs<R>;
 };
 
-template <bool kTiled, typename T, typename W>
+template <typename Act, bool kTiled, typename T, typename W>
 void gated_pairs(const float* x, const W* panels, const float* bias, const LinearShape& shape, int64_t num_pairs,
                  T* out) {
   for_each_tile<W, PairUnits>(shape, num_pairs, 2, [&]<int R, int Q>(int64_t q, int64_t row, bool prefetch_next) {
-    gated_tile<T, W, kTiled, R, Q>(x, panels, bias, shape, q, row, prefetch_next, out);
+    gated_tile<Act, T, W, kTiled, R, Q>(x, panels, bias, shape, q, row, prefetch_next, out);
   });
 }
 
@@ -366,22 +390,33 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, const std
   return out;
 }
 
-// x [M, K], panels [2 Q, ., 16] in pairs (gate, up) -> silu(gate) * up [M, intermediate] in x's dtype,
+// x [M, K], panels [2 Q, ., 16] in pairs (gate, up) -> Act(gate, up) [M, intermediate] in x's dtype,
 // intermediate in (16 (Q - 1), 16 Q].
-at::Tensor panel_linear_silu_mul(const at::Tensor& x, const at::Tensor& panels, const std::optional<at::Tensor>& bias,
-                                 int64_t intermediate) {
-  const TileInputs inputs = tile_inputs("panel_linear_silu_mul", x, panels, bias);
+template <typename Act>
+at::Tensor panel_linear_gated(const char* op, const at::Tensor& x, const at::Tensor& panels,
+                              const std::optional<at::Tensor>& bias, int64_t intermediate) {
+  const TileInputs inputs = tile_inputs(op, x, panels, bias);
   const int64_t num_pairs = panels.size(0) / 2;
   TORCH_CHECK(panels.size(0) % 2 == 0 && intermediate > kPanelColumns * (num_pairs - 1) &&
                   intermediate <= kPanelColumns * num_pairs,
-              "panel_linear_silu_mul: ", intermediate, " features do not fill ", panels.size(0), " panels in pairs");
+              op, ": ", intermediate, " features do not fill ", panels.size(0), " panels in pairs");
   at::Tensor out = at::empty({x.size(0), intermediate}, x.options());
   if (x.size(0) == 0) return out;
   const LinearShape shape{x.size(0), panels.size(1), intermediate};
   dispatch_product(inputs, panels, out, [&]<bool kTiled>(const float* rows, auto words, auto* target) {
-    gated_pairs<kTiled>(rows, words, bias_pointer(bias), shape, num_pairs, target);
+    gated_pairs<Act, kTiled>(rows, words, bias_pointer(bias), shape, num_pairs, target);
   });
   return out;
+}
+
+at::Tensor panel_linear_silu_mul(const at::Tensor& x, const at::Tensor& panels, const std::optional<at::Tensor>& bias,
+                                 int64_t intermediate) {
+  return panel_linear_gated<SiluMul>("panel_linear_silu_mul", x, panels, bias, intermediate);
+}
+
+at::Tensor panel_linear_gelu_tanh_mul(const at::Tensor& x, const at::Tensor& panels,
+                                      const std::optional<at::Tensor>& bias, int64_t intermediate) {
+  return panel_linear_gated<GeluTanhMul>("panel_linear_gelu_tanh_mul", x, panels, bias, intermediate);
 }
 
 }  // namespace
@@ -389,9 +424,11 @@ at::Tensor panel_linear_silu_mul(const at::Tensor& x, const at::Tensor& panels, 
 TORCH_LIBRARY_FRAGMENT(splitserve_cpu, m) {
   m.def("panel_linear(Tensor x, Tensor panels, Tensor? bias, int out_features) -> Tensor");
   m.def("panel_linear_silu_mul(Tensor x, Tensor panels, Tensor? bias, int intermediate) -> Tensor");
+  m.def("panel_linear_gelu_tanh_mul(Tensor x, Tensor panels, Tensor? bias, int intermediate) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(splitserve_cpu, CPU, m) {
   m.impl("panel_linear", &panel_linear);
   m.impl("panel_linear_silu_mul", &panel_linear_silu_mul);
+  m.impl("panel_linear_gelu_tanh_mul", &panel_linear_gelu_tanh_mul);
 }

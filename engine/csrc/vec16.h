@@ -66,6 +66,8 @@ inline float reduce_max(Vec16 a) { return _mm512_reduce_max_ps(a.v); }
 
 // e^a by ATen's Vectorized<float>::exp (what torch's exp, softmax and silu compute on this CPU).
 inline Vec16 exp16(Vec16 a) { return {static_cast<__m512>(at::vec::Vectorized<float>(a.v).exp())}; }
+// tanh(a) by ATen's Vectorized<float>::tanh (Sleef's, what torch's vectorized gelu(approximate="tanh") runs).
+inline Vec16 tanh16(Vec16 a) { return {static_cast<__m512>(at::vec::Vectorized<float>(a.v).tanh())}; }
 
 inline Vec16 load16(const float* p) { return {_mm512_loadu_ps(p)}; }
 inline void store16(float* p, Vec16 a) { _mm512_storeu_ps(p, a.v); }
@@ -180,6 +182,12 @@ inline float reduce_max(Vec16 a) {
 inline Vec16 exp16(Vec16 a) {
   using Vec = at::vec::Vectorized<float>;
   return {static_cast<__m256>(Vec(a.lo).exp()), static_cast<__m256>(Vec(a.hi).exp())};
+}
+
+// tanh(a) by ATen's Vectorized<float>::tanh (Sleef's, what torch's vectorized gelu(approximate="tanh") runs).
+inline Vec16 tanh16(Vec16 a) {
+  using Vec = at::vec::Vectorized<float>;
+  return {static_cast<__m256>(Vec(a.lo).tanh()), static_cast<__m256>(Vec(a.hi).tanh())};
 }
 
 inline Vec16 load16(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
@@ -312,6 +320,38 @@ inline Vec16 silu_mul16(Vec16 gate, Vec16 up) {
 
 template <typename T>
 inline float silu_mul1(float gate, float up) { return round1<T>(gate / (1.f + std::exp(-gate))) * up; }
+
+// gelu(gate, approximate="tanh") * up as torch's CPU kernel computes it (GeluKernelImpl, in float32 for both
+// float32 and bf16: 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))), x^3 as (x x) x, x + 0.044715 x^3 one
+// fused multiply-add as torch's build contracts it (found by comparing results: rounding the product on its
+// own differed in the last bit), the other products and sums rounded on their own), the gelu rounded to T
+// before the product like F.gelu(gate) * up; gate and up already values of T, the caller's store rounds the
+// product. Torch runs its vector form (Sleef's tanh) over each contiguous row's first gelu_vector_columns<T>(n)
+// elements and its scalar form (std::tanh) over the rest: callers pick the form per column the same way, and
+// then agree with it bit for bit. (Where torch's threads split a large tensor inside a row of a width that is
+// not a whole number of vector steps, its boundary moves for that one row.)
+constexpr float kGeluBeta = static_cast<float>(M_SQRT2 * M_2_SQRTPI * 0.5);  // sqrt(2 / pi)
+constexpr float kGeluKappa = static_cast<float>(0.044715);  // torch's float(0.044715) from the double
+
+template <typename T>
+inline Vec16 gelu_tanh_mul16(Vec16 gate, Vec16 up) {
+  const Vec16 inner = set16(kGeluBeta) * fma16(set16(kGeluKappa), gate * gate * gate, gate);
+  return round16<T>(set16(0.5f) * gate * (set16(1.f) + tanh16(inner))) * up;
+}
+
+template <typename T>
+inline float gelu_tanh_mul1(float gate, float up) {
+  const float inner = kGeluBeta * std::fma(kGeluKappa, gate * gate * gate, gate);
+  return round1<T>(0.5f * gate * (1.f + std::tanh(inner))) * up;
+}
+
+// Elements of a contiguous row of n that torch's elementwise loop (ATen's vectorized_loop) runs in its vector
+// form: whole steps of two Vectorized<T>, the rest one by one (16 / 32 floats, 32 / 64 bf16 on AVX2 / AVX-512).
+template <typename T>
+constexpr int64_t gelu_vector_columns(int64_t n) {
+  constexpr int64_t step = 2 * at::vec::Vectorized<T>::size();
+  return n / step * step;
+}
 
 // The scalar counterpart of load16(const Fp8E4M3*) (same cases, same results).
 inline float fp8_e4m3_to_float(uint8_t code) {

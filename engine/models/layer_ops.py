@@ -8,12 +8,20 @@ load time (`select_layer_ops`).
 
 from __future__ import annotations
 
+import enum
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
 from splitserve.engine.cpu_kernels import load_cpu_kernels
+
+
+class GatedActivation(enum.Enum):
+    """The activation of a gated MLP's act(gate) * up (LayerOps.silu_and_mul, LayerOps.gelu_tanh_and_mul)."""
+
+    SILU = "silu"
+    GELU_TANH = "gelu_tanh"
 
 
 class LayerOps(Protocol):
@@ -109,7 +117,9 @@ class CpuKernelLayerOps:
         torch.ops.splitserve_cpu.rotary_embedding(x, cos, sin)
         return x
 
-    # Gemma's two ops have no C++ kernel: the reference's torch ops (elementwise, small next to the matmuls).
+    # Gemma's two ops stay the reference's torch ops (docs/performance.md, "Gemma on the CPU kernels": a norm
+    # kernel would save ~1% of a step, a GeLU-tanh one alone ran no faster than torch's); where the linears run
+    # on panels the GeLU-tanh is fused with the gate/up projection instead (PanelGatedLinear).
     def rms_norm_unit_offset(self, x, weight, eps):
         return rms_norm_unit_offset(x, weight, eps)
 

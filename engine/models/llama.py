@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from splitserve.engine.attention import AttentionBackend, AttentionMetadata
-from splitserve.engine.models.layer_ops import LayerOps
+from splitserve.engine.models.layer_ops import GatedActivation, LayerOps
 from splitserve.engine.models.moe import SparseMoeArch, SparseMoeBlock
 
 
@@ -166,38 +166,40 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    """The Llama family's MLP: silu(gate) * up."""
+
+    activation = GatedActivation.SILU
+
     def __init__(self, arch: LlamaFamilyArch, ops: LayerOps) -> None:
         super().__init__()
         self.ops = ops
         self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=arch.mlp_bias)
         self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=arch.mlp_bias)
-        self.gate_up_applies_silu = False
-        """True once gate_up_proj returns silu(gate) * up itself (fuse_silu_and_mul)."""
+        self.gate_up_applies_activation = False
+        """True once gate_up_proj returns act(gate) * up itself (fuse_activation_and_mul)."""
 
-    def fuse_silu_and_mul(self, projection: nn.Module) -> None:
-        """Replace gate_up_proj by `projection`, which maps x [T, hidden] to silu(gate) * up [T, I] in one pass."""
+    def fuse_activation_and_mul(self, projection: nn.Module) -> None:
+        """Replace gate_up_proj by `projection`, which maps x [T, hidden] to act(gate) * up [T, I] in one pass."""
         self.gate_up_proj = projection
-        self.gate_up_applies_silu = True
+        self.gate_up_applies_activation = True
+
+    def activation_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
+        return self.ops.silu_and_mul(gate_up)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gated = self.gate_up_proj(x)  # [T, I] when fused, else [T, 2I]
-        if not self.gate_up_applies_silu:
-            gated = self.ops.silu_and_mul(gated)  # -> [T, I]
+        if not self.gate_up_applies_activation:
+            gated = self.activation_and_mul(gated)  # -> [T, I]
         return self.down_proj(gated)  # [T, hidden]
 
 
-class GeluTanhMLP(nn.Module):
-    """Gemma's MLP: gelu(gate, approximate="tanh") * up. It has no fuse_silu_and_mul (the fused panel kernel
-    applies SiLU), so pack_linears packs its gate_up_proj as a plain projection."""
+class GeluTanhMLP(MLP):
+    """Gemma's MLP: gelu(gate, approximate="tanh") * up."""
 
-    def __init__(self, arch: LlamaFamilyArch, ops: LayerOps) -> None:
-        super().__init__()
-        self.ops = ops
-        self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=arch.mlp_bias)
-        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=arch.mlp_bias)
+    activation = GatedActivation.GELU_TANH
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ops.gelu_tanh_and_mul(self.gate_up_proj(x)))  # [T, 2I] -> [T, I] -> [T, hidden]
+    def activation_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
+        return self.ops.gelu_tanh_and_mul(gate_up)
 
 
 def build_feed_forward(arch: LlamaFamilyArch, layer_index: int, ops: LayerOps) -> nn.Module:

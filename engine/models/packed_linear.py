@@ -10,8 +10,8 @@ differences of ~1e-6 relative).
 Where the C++ kernels run, the linears may instead run on engine/csrc/panel_linear.cpp (`PanelLinear`,
 `uses_panels` says where): weights in panels of 16 columns, bf16 ones kept bf16 and widened in registers,
 which streams the weights at a higher bandwidth than oneDNN does at a few rows. There an MLP's gate and up
-projections also run with its SiLU-and-mul in one pass (`PanelSiluMulLinear`): the [N, 2I] gate_up product
-is never written to memory and read back. On a CPU without bf16
+projections also run with its activation-and-mul (Llama's SiLU, Gemma's GeLU-tanh) in one pass
+(`PanelGatedLinear`): the [N, 2I] gate_up product is never written to memory and read back. On a CPU without bf16
 GEMMs (engine/cpu_gemm.py) and without the C++ kernels, a bf16 model's weights are *widened* at
 load: packed once as fp32, the bf16 activations widened on the way in and the product rounded back
 to bf16 on the way out (results within one bf16 ulp of the bf16 GEMM's; the price is twice the
@@ -27,6 +27,7 @@ from torch import nn
 
 from splitserve.engine.cpu_gemm import cpu_gemm_dtype, has_bf16_gemm
 from splitserve.engine.cpu_kernels import AVX2, CpuKernelIsa
+from splitserve.engine.models.layer_ops import GatedActivation
 
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -98,13 +99,21 @@ class PanelLinear(nn.Module):
         return torch.ops.splitserve_cpu.panel_linear(x.contiguous(), self.panels, self.bias, self.out_features)
 
 
-class PanelSiluMulLinear(nn.Module):
-    """silu(x G^T + b_G) * (x U^T + b_U) for an MLP's fused [G | U] projection (an nn.Linear [2I, K]) on
-    csrc/panel_linear.cpp's panel_linear_silu_mul: G's and U's panels interleaved (gate panel q, then up panel
-    q), each padded past I on its own. Equal bit for bit to silu_and_mul(PanelLinear(gate_up)(x))."""
+GATED_PANEL_OPS = {GatedActivation.SILU: "panel_linear_silu_mul",
+                   GatedActivation.GELU_TANH: "panel_linear_gelu_tanh_mul"}
+"""csrc/panel_linear.cpp's fused gate/up product (torch.ops.splitserve_cpu.<name>) per activation."""
 
-    def __init__(self, gate_up: nn.Linear) -> None:
+
+class PanelGatedLinear(nn.Module):
+    """act(x G^T + b_G) * (x U^T + b_U) for an MLP's fused [G | U] projection (an nn.Linear [2I, K]) on
+    csrc/panel_linear.cpp's panel_linear_silu_mul (act = SiLU) or panel_linear_gelu_tanh_mul (GeLU-tanh): G's
+    and U's panels interleaved (gate panel q, then up panel q), each padded past I on its own. Equal bit for bit
+    to CpuKernelLayerOps' silu_and_mul / gelu_tanh_and_mul of PanelLinear(gate_up)(x)."""
+
+    def __init__(self, gate_up: nn.Linear, activation: GatedActivation) -> None:
         super().__init__()
+        self.activation = activation
+        self.gated_op = getattr(torch.ops.splitserve_cpu, GATED_PANEL_OPS[activation])  # the kernels are loaded
         self.intermediate = gate_up.out_features // 2
         gate, up = gate_up.weight.detach().split(self.intermediate)  # [I, K] each
         self.register_buffer("panels", _pairs(pack_panels(gate), pack_panels(up)), persistent=False)
@@ -115,7 +124,7 @@ class PanelSiluMulLinear(nn.Module):
         self.register_buffer("bias", bias, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [N, K] -> [N, I]
-        return torch.ops.splitserve_cpu.panel_linear_silu_mul(x.contiguous(), self.panels, self.bias, self.intermediate)
+        return self.gated_op(x.contiguous(), self.panels, self.bias, self.intermediate)
 
 
 def _padded_bias(bias: torch.Tensor, num_panels: int) -> torch.Tensor:
@@ -144,25 +153,26 @@ def uses_panels(dtype: torch.dtype, kernel_isa: CpuKernelIsa | None, bf16_gemm: 
 
 
 @runtime_checkable
-class SiluGatedMLP(Protocol):
-    """An MLP computing silu(gate) * up from its fused [gate | up] projection (the Llama family's)."""
+class GatedMLP(Protocol):
+    """An MLP computing act(gate) * up from its fused [gate | up] projection (the Llama family's, Gemma's)."""
 
     gate_up_proj: nn.Module
+    activation: GatedActivation
 
-    def fuse_silu_and_mul(self, projection: nn.Module) -> None:
-        """Make `projection` (x -> silu(gate) * up) its gate_up_proj; it then skips its own SiLU-and-mul."""
+    def fuse_activation_and_mul(self, projection: nn.Module) -> None:
+        """Make `projection` (x -> act(gate) * up) its gate_up_proj; it then skips its own activation-and-mul."""
         ...
 
 
 def pack_linears(model: nn.Module, dtype: torch.dtype, kernel_isa: CpuKernelIsa | None) -> None:
     """Replace every nn.Linear of `model` (weights in `dtype`) by a PanelLinear where `uses_panels` says so
     (`kernel_isa`: the loaded C++ kernels' ISA, None when the model runs without them), an MLP's gate_up_proj
-    then by a PanelSiluMulLinear, else by a PackedLinear, in place."""
+    then by a PanelGatedLinear, else by a PackedLinear, in place."""
     panels = uses_panels(dtype, kernel_isa, has_bf16_gemm())
     compute_dtype = cpu_gemm_dtype(dtype)
     for parent in list(model.modules()):
-        if panels and isinstance(parent, SiluGatedMLP) and isinstance(parent.gate_up_proj, nn.Linear):
-            parent.fuse_silu_and_mul(PanelSiluMulLinear(parent.gate_up_proj))
+        if panels and isinstance(parent, GatedMLP) and isinstance(parent.gate_up_proj, nn.Linear):
+            parent.fuse_activation_and_mul(PanelGatedLinear(parent.gate_up_proj, parent.activation))
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
                 setattr(parent, name, PanelLinear(child) if panels else PackedLinear(child, compute_dtype))
