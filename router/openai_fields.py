@@ -50,7 +50,7 @@ class Refused:
     reason: str
     """Why it is refused, for the error message."""
     non_null: str | None = None
-    """What the field must be where vLLM's model declares it without null ("a boolean"): null is then a 400
+    """What the field must be where vLLM's model declares it without null ("a boolean", "an integer"): null is a 400
     naming it, as in vLLM; None: null is the default."""
 
     def check(self, body: Mapping[str, Any]) -> None:
@@ -79,13 +79,13 @@ COMMON_REFUSED = (
     Refused("guided_whitespace_pattern", (), _STRUCTURED),
     Refused("structural_tag", (), "structural tags are not implemented"),
     Refused("use_beam_search", _OFF, _NO_BEAM_SEARCH, _BOOLEAN),
-    Refused("length_penalty", (1.0, 1), "it only applies to beam search, which is not implemented"),
+    Refused("length_penalty", (1.0, 1), "it only applies to beam search, which is not implemented", "a number"),
     Refused("logprob_token_ids", (), _NOT_IMPLEMENTED),
     Refused("spaces_between_special_tokens", (True,), _NOT_IMPLEMENTED, _BOOLEAN),
     Refused("watermarking", _OFF, _NOT_IMPLEMENTED),
     Refused("repetition_detection", (), _NOT_IMPLEMENTED),
     Refused("thinking_token_budget", (-1,), "reasoning is never cut short (no thinking budgets)"),
-    Refused("priority", (0,), "no priority scheduling"),
+    Refused("priority", (0,), "no priority scheduling", "an integer"),
     Refused("kv_transfer_params", _EMPTY, "KV transfer is the cluster's own"),
     Refused("ec_transfer_params", _EMPTY, _NOT_IMPLEMENTED),
     Refused("vllm_xargs", _EMPTY, "no custom extensions"),

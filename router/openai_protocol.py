@@ -177,11 +177,16 @@ def _typed(body: Mapping[str, Any], name: str, kind: type, what: str, default: A
     return value
 
 
-def _flag(body: Mapping[str, Any], name: str, default: bool | None = None) -> bool | None:
-    """A boolean vLLM's request models declare without null (`bool`, not `bool | None`): absent is `default`;
-    null is a 400 naming it, as vLLM's validation answers (elsewhere null is the field's default, _typed)."""
+def _refuse_null(body: Mapping[str, Any], name: str, what: str) -> None:
+    """A field vLLM's request models declare without null (`int`, not `int | None`): null is a 400 naming it,
+    as vLLM's validation answers (elsewhere null is the field's default, _typed); absent stays its default."""
     if name in body and body[name] is None:
-        raise InvalidRequestError(name, "must be a boolean, got null")
+        raise InvalidRequestError(name, f"must be {what}, got null")
+
+
+def _flag(body: Mapping[str, Any], name: str, default: bool | None = None) -> bool | None:
+    """A boolean vLLM's request models declare without null: absent is `default`; null is a 400 (_refuse_null)."""
+    _refuse_null(body, name, "a boolean")
     return _typed(body, name, bool, "a boolean", default)
 
 
@@ -240,6 +245,8 @@ def _sampling(body: Mapping[str, Any], max_tokens: int, max_tokens_param: str | 
               constraint: StructuredOutput | None = None) -> SamplingParams:
     """`defaults` fill the sampling fields the body leaves unset (or null); `constraint`: a forced
     tool choice's grammar, in place of the request's structured output fields."""
+    _refuse_null(body, "min_tokens", f"an integer in [0, max_tokens={max_tokens}]")
+    _refuse_null(body, "bad_words", _LOGIT_CONTROL_FIELDS["bad_words"][1])
     given = defaults.sampling_fields({name: body[name] for name in _SAMPLING_FIELDS if body.get(name) is not None})
     for name in _BOOL_SAMPLING_FIELDS:
         value = _flag(body, name)
@@ -315,6 +322,7 @@ def _cache_salt(body: Mapping[str, Any]) -> str | None:
 
 
 def _request_id(body: Mapping[str, Any], limits: RequestLimits) -> str:
+    _refuse_null(body, "request_id", "a string")
     request_id = _typed(body, "request_id", str, "a string", "")
     limits.check_request_id(request_id, "request_id")
     return request_id
@@ -331,6 +339,7 @@ def parse_completion_request(body: Mapping[str, Any], limits: RequestLimits,
     max_tokens, max_tokens_param = _max_tokens({**body, "max_tokens": 1} if echo_only else body, ("max_tokens",),
                                                COMPLETION_DEFAULT_MAX_TOKENS)
     stream, include_usage, continuous_usage = _stream_flags(body)
+    _refuse_null(body, "n", f"an integer in [1, {MAX_SEQUENCES}]")  # a chat's n is optional: null is 1 there
     n = _count(body, "n", 1)
     best_of = _best_of(body, n, stream)
     sampling = _with_prompt_logprobs(body, _sampling(body, defaults.limited(max_tokens), max_tokens_param, logprobs,

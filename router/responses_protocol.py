@@ -78,6 +78,9 @@ PASSED_TO_CHAT = ("model", "temperature", "top_p", "parallel_tool_calls", "strea
                   "kv_transfer_params", "ec_transfer_params", "media_io_kwargs", "mm_processor_kwargs", "mm_payload",
                   "return_mm_kwargs")
 """Fields the chat request takes under the same name and meaning."""
+_NULL_IS_DEFAULT = frozenset({"min_tokens"})
+"""PASSED_TO_CHAT fields vLLM's chat model declares without null (null is a 400 there) but its Responses
+model does not declare: null is left out, their default (vLLM ignores it)."""
 _INPUT_ROLES = ("user", "system", "developer", "assistant")
 """A message item's roles: each is the chat message's role as it is (the chat endpoint hands a
 developer message to the template as one, as vLLM does)."""
@@ -124,7 +127,8 @@ def parse_responses_request(body: Mapping[str, Any], limits: RequestLimits,
     messages, sources = _conversation(body)
     tools = _tools(body.get("tools"))
     text_format = _text_format(body.get("text"))
-    chat_body: dict[str, Any] = {name: body[name] for name in PASSED_TO_CHAT if name in body}
+    chat_body: dict[str, Any] = {name: body[name] for name in PASSED_TO_CHAT
+                                 if name in body and not (name in _NULL_IS_DEFAULT and body[name] is None)}
     chat_body.update(messages=messages, max_completion_tokens=body.get("max_output_tokens"))
     if tools:
         chat_body["tools"] = [_chat_tool(tool) for tool in tools]

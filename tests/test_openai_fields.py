@@ -85,6 +85,14 @@ NON_NULL_BOOLEANS = {
                              "use_beam_search", "spaces_between_special_tokens"),
 }
 """The boolean fields vLLM's request models declare without null (`bool = ...`): null is a 400 there."""
+_NON_NULL_SAMPLING = {"min_tokens": "must be an integer in [0, max_tokens=1], got null",
+                      "bad_words": "must be a list of strings, got null",
+                      "length_penalty": "must be a number, got null", "priority": "must be an integer, got null",
+                      "request_id": "must be a string, got null"}
+NON_NULL_OTHERS = {"/v1/completions": {**_NON_NULL_SAMPLING, "n": "must be an integer in [1, 128], got null"},
+                   "/v1/chat/completions": _NON_NULL_SAMPLING}
+"""The other fields vLLM's request models declare without null (`int = 0`, `str = Field(default_factory=...)`),
+with the message naming each (a chat's n is `int | None`: NULLABLE)."""
 NULLABLE = {
     "/v1/completions": {"echo": None, "stream": None, "stream_options": None, "logprobs": None,
                         "return_token_ids": None, "return_tokens_as_token_ids": None, "temperature": None,
@@ -103,6 +111,13 @@ def test_null_for_a_boolean_vllm_declares_without_null_is_400_naming_it(port, pa
         status, reply = post(port, path, {**BASE[path], name: None})
         assert (status, reply["error"]["param"], reply["error"]["message"]) == (
             400, name, f"{name}: must be a boolean, got null"), name
+
+
+@pytest.mark.parametrize("path", list(BASE))
+def test_null_for_another_field_vllm_declares_without_null_is_400_naming_it(port, path):
+    for name, message in NON_NULL_OTHERS[path].items():
+        status, reply = post(port, path, {**BASE[path], name: None})
+        assert (status, reply["error"]["param"], reply["error"]["message"]) == (400, name, f"{name}: {message}"), name
 
 
 @pytest.mark.parametrize("path", list(BASE))

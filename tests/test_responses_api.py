@@ -80,6 +80,11 @@ def test_logit_bias_and_include_stop_str_in_output_pass_to_the_chat_request():
     assert (sampling.logit_bias, sampling.include_stop_str_in_output) == (((7, -2.5),), True)
 
 
+def test_null_min_tokens_is_its_default():
+    """vLLM's chat model declares min_tokens without null (a 400 there); its Responses model does not declare it."""
+    assert parse(min_tokens=None).chat.sampling.min_tokens == 0
+
+
 def test_a_cache_salt_passes_to_the_chat_request():
     """vLLM's Responses endpoint takes cache_salt as its chat endpoint does."""
     assert (parse(cache_salt="user-a").chat.cache_salt, parse().chat.cache_salt) == ("user-a", None)
@@ -130,6 +135,8 @@ def test_a_cache_salt_passes_to_the_chat_request():
      "must be a non-empty string, got null"),
     ({"input": []}, "input", "must be a string or a non-empty list of input items, got []"),
     ({"max_output_tokens": 0}, "max_output_tokens", "must be an integer >= 1, got 0"),
+    ({"request_id": None}, "request_id", "must be a string, got null"),  # vLLM's Responses model: `str`, `int`
+    ({"priority": None}, "priority", "must be an integer, got null"),
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format",
      'json_schema must be an object with a "schema", got {"name": "x"}'),
     ({"temperature": -1}, "temperature", "must be a finite number >= 0, got -1"),
