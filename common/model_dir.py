@@ -23,7 +23,7 @@ SPARSE_MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
 """The supported mixtures of experts (engine/models/moe.py)."""
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                            "Phi3ForCausalLM", "GraniteForCausalLM", "GemmaForCausalLM", "Gemma2ForCausalLM",
-                           "Gemma3ForCausalLM", *SPARSE_MOE_ARCHITECTURES)
+                           "Gemma3ForCausalLM", "SmolLM3ForCausalLM", "Olmo2ForCausalLM", *SPARSE_MOE_ARCHITECTURES)
 """config.json `architectures[0]` values the engine runs."""
 SILU_ACTIVATIONS = ("silu", "swish")
 """config.json `hidden_act` values the engine runs: transformers maps both names to the same SiLU."""

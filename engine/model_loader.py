@@ -69,7 +69,7 @@ def parse_arch(config: PretrainedConfig) -> LlamaFamilyArch:
         qkv_bias=qkv_bias,
         o_bias=o_bias,
         mlp_bias=mlp_bias,
-        qk_norm=architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
+        qk_norm=architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM", OLMO2),
         tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
         sliding_windows=_sliding_windows(config, architecture),
         rope_length_limit=_rope_length_limit(config),
@@ -77,7 +77,32 @@ def parse_arch(config: PretrainedConfig) -> LlamaFamilyArch:
         moe=_sparse_moe(config, architecture),
         **_granite_multipliers(config, architecture),
         **_gemma_fields(config, architecture),
+        **_smollm3_fields(config, architecture),
+        **_olmo2_fields(architecture),
     )
+
+
+SMOLLM3 = "SmolLM3ForCausalLM"
+OLMO2 = "Olmo2ForCausalLM"
+
+
+def _smollm3_fields(config: PretrainedConfig, architecture: str) -> dict:
+    """SmolLM3's NoPE layers: the zeros of no_rope_layers (its config derives the list from no_rope_layer_interval,
+    every n-th layer unrotated, when config.json has none)."""
+    if architecture != SMOLLM3:
+        return {}
+    flags = list(config.no_rope_layers)
+    if len(flags) != config.num_hidden_layers or any(flag not in (0, 1) for flag in flags):
+        raise UnsupportedModelError(f"no_rope_layers must hold one 0 or 1 per layer ({config.num_hidden_layers}), "
+                                    f"got {flags}")
+    return dict(nope_layers=frozenset(i for i, flag in enumerate(flags) if flag == 0))
+
+
+def _olmo2_fields(architecture: str) -> dict:
+    """OLMo 2's post-norm layers and its q/k norms over the whole projections."""
+    if architecture != OLMO2:
+        return {}
+    return dict(post_norms=True, qk_norm_over_projection=True)
 
 
 GEMMA_ARCHITECTURES = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
@@ -142,8 +167,8 @@ def _granite_multipliers(config: PretrainedConfig, architecture: str) -> dict[st
 
 
 def _biases(config: PretrainedConfig, architecture: str) -> tuple[bool, bool, bool]:
-    """(q/k/v, o, MLP) biases as transformers' modules of `architecture` build them: Llama reads
-    attention_bias (q/k/v and o) and mlp_bias, Qwen3, Qwen3-MoE and the Gemmas attention_bias only, Qwen2 always
+    """(q/k/v, o, MLP) biases as transformers' modules of `architecture` build them: Llama and SmolLM3 read
+    attention_bias (q/k/v and o) and mlp_bias, Qwen3, Qwen3-MoE, OLMo 2 and the Gemmas attention_bias only, Qwen2 always
     biases q/k/v and nothing else, Mistral, Mixtral and Phi3 bias nothing, Granite reads what Llama reads. A field
     an architecture's modules never read (mlp_bias in a Qwen2 config.json, attention_bias in a Mistral one) is
     ignored, as transformers ignores it."""
@@ -152,14 +177,15 @@ def _biases(config: PretrainedConfig, architecture: str) -> tuple[bool, bool, bo
         return True, False, False
     if architecture in ("MistralForCausalLM", "MixtralForCausalLM", PHI3):
         return False, False, False
-    if architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", *GEMMA_ARCHITECTURES):
+    if architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", OLMO2, *GEMMA_ARCHITECTURES):
         return attention_bias, attention_bias, False
     return attention_bias, attention_bias, bool(getattr(config, "mlp_bias", False))
 
 
 def _sliding_windows(config: PretrainedConfig, architecture: str) -> tuple[int | None, ...]:
-    """Per layer: the attention window, or None, as transformers' modules read config.json: Llama, Granite and
-    Gemma attend fully in every layer whatever sliding_window or layer_types say; Mistral windows every layer
+    """Per layer: the attention window, or None, as transformers' modules read config.json: Llama, Granite, OLMo 2
+    and Gemma attend fully in every layer whatever sliding_window or layer_types say; SmolLM3: see
+    _smollm3_sliding_windows; Mistral windows every layer
     (those layer_types names, when it has them) and reads no use_sliding_window; Mixtral windows every layer;
     Phi3 windows every layer when sliding_window is set, whatever layer_types say; Qwen2 and Qwen3 window the
     layers of their layer_types, which their configs derive from use_sliding_window and max_window_layers
@@ -167,13 +193,29 @@ def _sliding_windows(config: PretrainedConfig, architecture: str) -> tuple[int |
     use_sliding_window (its config drops sliding_window otherwise; neither it nor Mixtral has layer_types);
     Gemma 2 and 3 window their layer_types' sliding_attention layers, which Gemma 2's config alternates and
     Gemma 3's derives from sliding_window_pattern (every 6th layer full) when config.json has none."""
-    if architecture in ("LlamaForCausalLM", GRANITE, "GemmaForCausalLM"):
+    if architecture in ("LlamaForCausalLM", GRANITE, "GemmaForCausalLM", OLMO2):
         return (None,) * config.num_hidden_layers
+    if architecture == SMOLLM3:
+        return _smollm3_sliding_windows(config)
     if architecture == PHI3:
         return (getattr(config, "sliding_window", None),) * config.num_hidden_layers
     window = getattr(config, "sliding_window", None)
     layer_types = getattr(config, "layer_types", None) or ["sliding_attention"] * config.num_hidden_layers
     return tuple(window if kind == "sliding_attention" else None for kind in layer_types)
+
+
+def _smollm3_sliding_windows(config: PretrainedConfig) -> tuple[int | None, ...]:
+    """SmolLM3 windows its layer_types' sliding_attention layers when use_sliding_window and sliding_window are set
+    (its config derives layer_types from them: the NoPE layers slide). A sliding_attention layer without them is
+    refused: transformers' eager and SDPA attention would still mask it by the window (the masks follow
+    layer_types) while its flash attention would not, so no one model answers to that config."""
+    windowed = bool(config.use_sliding_window) and config.sliding_window is not None
+    layer_types = list(config.layer_types)
+    if not windowed and LOCAL_ROPE_LAYER_TYPE in layer_types:
+        raise UnsupportedModelError("layer_types names sliding_attention layers but use_sliding_window is false or "
+                                    "sliding_window is null (transformers' attention implementations disagree on "
+                                    "such a layer): set both, or make every layer full_attention")
+    return tuple(config.sliding_window if kind == LOCAL_ROPE_LAYER_TYPE else None for kind in layer_types)
 
 
 def _local_rope_layers(config: PretrainedConfig, architecture: str) -> frozenset[int]:
@@ -346,6 +388,7 @@ def _shape_fields(arch: LlamaFamilyArch) -> str:
 def _layer_shapes(arch: LlamaFamilyArch) -> dict[str, tuple[int, ...]]:
     """Each decoder-layer tensor's shape as config.json implies it, by its name inside the layer."""
     hidden, inner, q_size, kv_size = arch.hidden_size, arch.intermediate_size, arch.q_size, arch.kv_size
+    q_norm_size, k_norm_size = (q_size, kv_size) if arch.qk_norm_over_projection else (arch.head_dim, arch.head_dim)
     return {"input_layernorm.weight": (hidden,), "post_attention_layernorm.weight": (hidden,),
             "self_attn.q_proj.weight": (q_size, hidden), "self_attn.k_proj.weight": (kv_size, hidden),
             "self_attn.v_proj.weight": (kv_size, hidden), "self_attn.o_proj.weight": (hidden, q_size),
@@ -354,8 +397,8 @@ def _layer_shapes(arch: LlamaFamilyArch) -> dict[str, tuple[int, ...]]:
             "mlp.gate_proj.weight": (inner, hidden), "mlp.up_proj.weight": (inner, hidden),
             "mlp.down_proj.weight": (hidden, inner), "mlp.gate_proj.bias": (inner,), "mlp.up_proj.bias": (inner,),
             "self_attn.qkv_proj.weight": (q_size + 2 * kv_size, hidden), "mlp.gate_up_proj.weight": (2 * inner, hidden),
-            "mlp.down_proj.bias": (hidden,), "self_attn.q_norm.weight": (arch.head_dim,),
-            "self_attn.k_norm.weight": (arch.head_dim,), "pre_feedforward_layernorm.weight": (hidden,),
+            "mlp.down_proj.bias": (hidden,), "self_attn.q_norm.weight": (q_norm_size,),
+            "self_attn.k_norm.weight": (k_norm_size,), "pre_feedforward_layernorm.weight": (hidden,),
             "post_feedforward_layernorm.weight": (hidden,)}
 
 
@@ -372,13 +415,15 @@ def _fuse_layer(checkpoint: dict[str, torch.Tensor], index: int, arch: LlamaFami
         return take(fused) if arch.architecture == PHI3 else concat_rows([take(part) for part in parts])
 
     attn, mlp = prefix + "self_attn.", prefix + "mlp."
-    state = {
-        prefix + "input_layernorm.weight": take("input_layernorm.weight"),
-        prefix + "post_attention_layernorm.weight": take("post_attention_layernorm.weight"),
+    # OLMo 2's post-norm layers have no input_layernorm
+    norms = ("post_attention_layernorm.weight",) if arch.post_norms else ("input_layernorm.weight",
+                                                                          "post_attention_layernorm.weight")
+    state = {prefix + name: take(name) for name in norms}
+    state.update({
         attn + "qkv_proj.weight": take_fused("self_attn.qkv_proj.weight",
                                              tuple(f"self_attn.{p}_proj.weight" for p in "qkv")),
         attn + "o_proj.weight": take("self_attn.o_proj.weight"),
-    }
+    })
     if arch.is_sparse_layer(index):
         state.update(_fuse_experts(checkpoint, index, arch))
     else:
@@ -398,6 +443,8 @@ def _fuse_layer(checkpoint: dict[str, torch.Tensor], index: int, arch: LlamaFami
     if arch.sandwich_norms:
         for name in ("pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight"):
             state[prefix + name] = take(name)
+    if arch.post_norms:
+        state[prefix + "post_feedforward_layernorm.weight"] = take("post_feedforward_layernorm.weight")
     return state
 
 EXPERT_CHECKPOINT_NAMES = {

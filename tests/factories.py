@@ -93,11 +93,13 @@ mlp_only_layers or decoder_sparse_step say so) keep the base 128."""
 def save_random_hf_model(out_dir: Path, architecture: str, seed: int = 0, **config_overrides) -> Path:
     """A random-weight checkpoint of any supported family (no tokenizer), via transformers itself."""
     from transformers import (Gemma2Config, Gemma3TextConfig, GemmaConfig, GraniteConfig, LlamaConfig, MistralConfig,
-                              MixtralConfig, Phi3Config, Qwen2Config, Qwen3Config, Qwen3MoeConfig)
+                              MixtralConfig, Olmo2Config, Phi3Config, Qwen2Config, Qwen3Config, Qwen3MoeConfig,
+                              SmolLM3Config)
 
     config_class = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config,
                     "phi3": Phi3Config, "granite": GraniteConfig, "gemma": GemmaConfig, "gemma2": Gemma2Config,
-                    "gemma3": Gemma3TextConfig, "qwen3_moe": Qwen3MoeConfig, "mixtral": MixtralConfig}
+                    "gemma3": Gemma3TextConfig, "qwen3_moe": Qwen3MoeConfig, "mixtral": MixtralConfig,
+                    "smollm3": SmolLM3Config, "olmo2": Olmo2Config}
     base = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, max_position_embeddings=1024, initializer_range=0.1, bos_token_id=None,
                 eos_token_id=None, pad_token_id=None)

@@ -59,6 +59,16 @@ FAMILIES = {
                                                         num_experts_per_tok=3, norm_topk_prob=False,
                                                         attention_bias=True)),
     "mixtral-sliding-window": ("mixtral", dict(sliding_window=48)),
+    # layers 1 and 3 unrotated (no_rope_layer_interval 2), a window over those layers shorter than most prompts,
+    # attention and MLP biases, untied
+    "smollm3-nope-sliding-bias": ("smollm3", dict(num_hidden_layers=4, no_rope_layer_interval=2,
+                                                  use_sliding_window=True, sliding_window=40, attention_bias=True,
+                                                  mlp_bias=True, tie_word_embeddings=False)),
+    # an explicit no_rope_layers list (layer 0 unrotated), full attention, tied embeddings as SmolLM3-3B
+    "smollm3-no-rope-layers-list": ("smollm3", dict(num_hidden_layers=3, no_rope_layers=[0, 1, 1])),
+    # q/k norms over the whole projections of 4 query and 2 key heads, post-norm layers
+    "olmo2": ("olmo2", dict(num_hidden_layers=3)),
+    "olmo2-attention-bias": ("olmo2", dict(attention_bias=True)),
 }
 
 
@@ -178,10 +188,11 @@ def test_granite_logprobs_are_of_its_logits_divided_by_logits_scaling(tmp_path):
         assert math.isclose(entries[position].logprob, float(reference[position - 1, prompt[position]]), abs_tol=1e-4)
 
 
-# The engine's other attention paths on the Gemma 2 and 3 models above (the family test runs the CPU backend's
-# C++ kernels, or for a softcap its torch path): the CPU backend's torch ops, the torch reference, and the
-# FlashInfer backend's metadata, plans and captured decode steps over torch kernels. Each reads the softmax
-# scale, Gemma 2's softcap and Gemma 3's two RoPE tables.
+# The engine's other attention paths on the Gemma 2 and 3, SmolLM3 and OLMo 2 models above (the family test runs
+# the CPU backend's C++ kernels, or for a softcap its torch path): the CPU backend's torch ops, the torch
+# reference, and the FlashInfer backend's metadata, plans and captured decode steps over torch kernels. Each reads
+# the softmax scale, Gemma 2's softcap, Gemma 3's two RoPE tables, SmolLM3's unrotated (strided) queries and keys
+# and OLMo 2's whole-projection q/k norms.
 GEMMA_ATTENTION_PATHS = {
     "cpu-torch-ops": (dict(cpu_kernels=False), None),
     "torch-reference": (dict(attention_backend="torch"), None),
@@ -191,8 +202,9 @@ GEMMA_ATTENTION_PATHS = {
 
 
 @pytest.mark.parametrize("path", sorted(GEMMA_ATTENTION_PATHS))
-@pytest.mark.parametrize("family", ["gemma2-sliding-softcaps-scale", "gemma3-sliding-local-rope-scale"])
-def test_gemma_2_and_3_match_transformers_on_every_attention_path(family, path, tmp_path, monkeypatch):
+@pytest.mark.parametrize("family", ["gemma2-sliding-softcaps-scale", "gemma3-sliding-local-rope-scale",
+                                    "smollm3-nope-sliding-bias", "olmo2"])
+def test_gemma_2_3_smollm3_olmo2_match_transformers_on_every_attention_path(family, path, tmp_path, monkeypatch):
     config, flashinfer = GEMMA_ATTENTION_PATHS[path]
     if flashinfer is not None:
         use_flashinfer_on_cpu(monkeypatch, **flashinfer)
@@ -250,6 +262,28 @@ def test_gemma_final_logit_softcapping_gives_transformers_logits(tmp_path, archi
     got = engine.prompt_logits(prompt)
     assert got.abs().max() <= 0.5
     torch.testing.assert_close(got, hf_logits(model_dir, prompt), atol=1e-5, rtol=0)
+
+
+def test_smollm3_layers_without_rope_and_windows_are_read_from_its_config(tmp_path):
+    architecture, overrides = FAMILIES["smollm3-nope-sliding-bias"]
+    model_dir = save_random_hf_model(tmp_path / "smollm3", architecture, **overrides)
+    arch = EngineCore(model_dir, EngineConfig(**short_run_config())).model.arch
+    assert arch.nope_layers == frozenset({1, 3})
+    assert arch.sliding_windows == (None, 40, None, 40)
+
+
+def test_a_smollm3_config_whose_sliding_layers_have_no_window_is_refused(tmp_path):
+    """layer_types with sliding_attention but use_sliding_window false: transformers' SDPA masks such a layer by
+    the window and its flash attention does not."""
+    model_dir = copy_with_config_fields(save_random_hf_model(tmp_path / "m", "smollm3", num_hidden_layers=2,
+                                                             no_rope_layer_interval=2, sliding_window=8,
+                                                             use_sliding_window=True),
+                                        tmp_path / "edited", use_sliding_window=False)
+    with pytest.raises(UnsupportedModelError) as error:
+        EngineCore(model_dir, EngineConfig(device="cpu"))
+    assert str(error.value) == ("layer_types names sliding_attention layers but use_sliding_window is false or "
+                                "sliding_window is null (transformers' attention implementations disagree on such "
+                                "a layer): set both, or make every layer full_attention")
 
 
 def test_unsupported_architecture_is_a_clear_error(tmp_path):

@@ -233,8 +233,8 @@ def test_unsupported_architecture(model_copy):
     assert_fails_fast([str(model_copy)], f"{model_copy}: architecture 'GPT2LMHeadModel' is not supported; "
                                          "supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, "
                                          "Qwen3ForCausalLM, Phi3ForCausalLM, GraniteForCausalLM, GemmaForCausalLM, "
-                                         "Gemma2ForCausalLM, Gemma3ForCausalLM, Qwen3MoeForCausalLM, "
-                                         "MixtralForCausalLM")
+                                         "Gemma2ForCausalLM, Gemma3ForCausalLM, SmolLM3ForCausalLM, "
+                                         "Olmo2ForCausalLM, Qwen3MoeForCausalLM, MixtralForCausalLM")
 
 
 def test_missing_tokenizer_file_is_named(model_copy):

@@ -1,10 +1,11 @@
-"""The Llama family (Llama, Mistral, Qwen2, Qwen3, Phi-3, Granite, Gemma, Gemma 2, Gemma 3, and the mixtures of
-experts Qwen3-MoE and Mixtral) over a flattened, paged batch.
+"""The Llama family (Llama, Mistral, Qwen2, Qwen3, Phi-3, Granite, Gemma, Gemma 2, Gemma 3, SmolLM3, OLMo 2, and the
+mixtures of experts Qwen3-MoE and Mixtral) over a flattened, paged batch.
 
 Differences between the architectures are data in `LlamaFamilyArch` (biases, per-head
 q/k RMSNorm, sliding windows, tied embeddings, partial rotary, Granite's multipliers; Gemma's
 (1 + weight) norms, scaled embeddings, GeLU-tanh MLP, Gemma 2 and 3's sandwich norms and attention
-scale, Gemma 2's logit softcapping, Gemma 3's local RoPE; sparse expert layers: engine/models/moe.py); the
+scale, Gemma 2's logit softcapping, Gemma 3's local RoPE, SmolLM3's layers without RoPE, OLMo 2's post-norm
+layers and q/k norms over whole projections; sparse expert layers: engine/models/moe.py); the
 numerics follow Hugging Face transformers op for op so greedy outputs agree token for token.
 """
 
@@ -37,7 +38,8 @@ class LlamaFamilyArch:
     o_bias: bool
     mlp_bias: bool
     qk_norm: bool
-    """Qwen3, Qwen3-MoE and Gemma 3: RMSNorm over head_dim on each query and key head before RoPE."""
+    """Qwen3, Qwen3-MoE and Gemma 3: RMSNorm over head_dim on each query and key head before RoPE (OLMo 2: over the
+    whole projections, qk_norm_over_projection)."""
     tie_word_embeddings: bool
     sliding_windows: tuple[int | None, ...]
     """Per layer: attention window in tokens, or None for full attention."""
@@ -73,6 +75,14 @@ class LlamaFamilyArch:
     """Granite: the logits are divided by this."""
     moe: SparseMoeArch | None = None
     """Mixture-of-experts models: the experts, the router and which layers are sparse; None for dense models."""
+    nope_layers: frozenset[int] = frozenset()
+    """SmolLM3: the layers (its no_rope_layers zeros) whose queries and keys are not rotated at all."""
+    post_norms: bool = False
+    """OLMo 2: no input_layernorm; the attention and MLP outputs are normed (post_attention_layernorm,
+    post_feedforward_layernorm) before their residual adds."""
+    qk_norm_over_projection: bool = False
+    """OLMo 2 (with qk_norm): q_norm and k_norm are RMSNorms over the whole query (q_size) and key (kv_size)
+    projections rather than over each head."""
 
     def is_sparse_layer(self, layer_index: int) -> bool:
         """Whether the layer's feed-forward is the experts' block (moe) rather than a dense MLP."""
@@ -135,31 +145,37 @@ class RotaryEmbedding(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, arch: LlamaFamilyArch, sliding_window: int | None, backend: AttentionBackend,
-                 ops: LayerOps) -> None:
+    def __init__(self, arch: LlamaFamilyArch, layer_index: int, backend: AttentionBackend, ops: LayerOps) -> None:
         super().__init__()
         self.arch = arch
-        self.sliding_window = sliding_window
+        self.sliding_window = arch.sliding_windows[layer_index]
+        self.rotates = layer_index not in arch.nope_layers
         self.backend = backend
         self.ops = ops
         self.qkv_proj = nn.Linear(arch.hidden_size, arch.q_size + 2 * arch.kv_size, bias=arch.qkv_bias)
         self.o_proj = nn.Linear(arch.q_size, arch.hidden_size, bias=arch.o_bias)
         if arch.qk_norm:
-            self.q_norm = make_rms_norm(arch, arch.head_dim, ops)
-            self.k_norm = make_rms_norm(arch, arch.head_dim, ops)
+            over_projection = arch.qk_norm_over_projection
+            self.q_norm = make_rms_norm(arch, arch.q_size if over_projection else arch.head_dim, ops)
+            self.k_norm = make_rms_norm(arch, arch.kv_size if over_projection else arch.head_dim, ops)
 
     def forward(self, hidden, rope, kv_cache, metadata: AttentionMetadata) -> torch.Tensor:
         arch = self.arch
         qkv = self.qkv_proj(hidden)  # [T, q_size + 2 * kv_size]
-        qk, v = qkv.split((arch.q_size + arch.kv_size, arch.kv_size), dim=-1)
-        qk = qk.view(-1, arch.num_heads + arch.num_kv_heads, arch.head_dim)  # query heads, then key heads
+        if arch.qk_norm_over_projection:
+            q, k, v = qkv.split((arch.q_size, arch.kv_size, arch.kv_size), dim=-1)
+            qk = torch.cat((self.q_norm(q.contiguous()), self.k_norm(k.contiguous())), dim=-1)
+        else:
+            qk, v = qkv.split((arch.q_size + arch.kv_size, arch.kv_size), dim=-1)
+        qk = qk.reshape(-1, arch.num_heads + arch.num_kv_heads, arch.head_dim)  # query heads, then key heads
         v = v.view(-1, arch.num_kv_heads, arch.head_dim)
-        if arch.qk_norm:
+        if arch.qk_norm and not arch.qk_norm_over_projection:
             q, k = qk.split((arch.num_heads, arch.num_kv_heads), dim=1)
             qk = torch.cat((self.q_norm(q.reshape(-1, arch.head_dim)).view(q.shape),
                             self.k_norm(k.reshape(-1, arch.head_dim)).view(k.shape)), dim=1)
-        # One rotation for queries and keys together: same positions, half the ops.
-        q, k = self.ops.rotary(qk, *rope).split((arch.num_heads, arch.num_kv_heads), dim=1)
+        if self.rotates:  # One rotation for queries and keys together: same positions, half the ops.
+            qk = self.ops.rotary(qk, *rope)
+        q, k = qk.split((arch.num_heads, arch.num_kv_heads), dim=1)
         out = self.backend.forward(q, k, v, kv_cache, metadata, self.sliding_window,
                                    arch.attention_scale, arch.attention_softcap)  # [T, H, D]
         return self.o_proj(out.reshape(-1, arch.q_size))
@@ -215,7 +231,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, arch: LlamaFamilyArch, layer_index: int, backend: AttentionBackend, ops: LayerOps) -> None:
         super().__init__()
         self.input_layernorm = make_rms_norm(arch, arch.hidden_size, ops)
-        self.self_attn = Attention(arch, arch.sliding_windows[layer_index], backend, ops)
+        self.self_attn = Attention(arch, layer_index, backend, ops)
         self.post_attention_layernorm = make_rms_norm(arch, arch.hidden_size, ops)
         self.mlp = build_feed_forward(arch, layer_index, ops)
         self.residual_multiplier = arch.residual_multiplier
@@ -240,7 +256,7 @@ class SandwichDecoderLayer(nn.Module):
     def __init__(self, arch: LlamaFamilyArch, layer_index: int, backend: AttentionBackend, ops: LayerOps) -> None:
         super().__init__()
         self.input_layernorm = make_rms_norm(arch, arch.hidden_size, ops)
-        self.self_attn = Attention(arch, arch.sliding_windows[layer_index], backend, ops)
+        self.self_attn = Attention(arch, layer_index, backend, ops)
         self.post_attention_layernorm = make_rms_norm(arch, arch.hidden_size, ops)
         self.pre_feedforward_layernorm = make_rms_norm(arch, arch.hidden_size, ops)
         self.mlp = build_feed_forward(arch, layer_index, ops)
@@ -254,6 +270,28 @@ class SandwichDecoderLayer(nn.Module):
         return hidden.add_(self.post_feedforward_layernorm(fed))
 
 
+class PostNormDecoderLayer(nn.Module):
+    """OLMo 2's layer: no input norm; each sublayer's output is normed before its residual add."""
+
+    def __init__(self, arch: LlamaFamilyArch, layer_index: int, backend: AttentionBackend, ops: LayerOps) -> None:
+        super().__init__()
+        self.self_attn = Attention(arch, layer_index, backend, ops)
+        self.post_attention_layernorm = make_rms_norm(arch, arch.hidden_size, ops)
+        self.mlp = build_feed_forward(arch, layer_index, ops)
+        self.post_feedforward_layernorm = make_rms_norm(arch, arch.hidden_size, ops)
+
+    def forward(self, hidden, rope, kv_cache, metadata):
+        """hidden [T, hidden_size] is updated in place (the residual stream) and returned."""
+        hidden.add_(self.post_attention_layernorm(self.self_attn(hidden, rope, kv_cache, metadata)))
+        return hidden.add_(self.post_feedforward_layernorm(self.mlp(hidden)))
+
+
+def decoder_layer_class(arch: LlamaFamilyArch) -> type[nn.Module]:
+    if arch.post_norms:
+        return PostNormDecoderLayer
+    return SandwichDecoderLayer if arch.sandwich_norms else DecoderLayer
+
+
 class LlamaFamilyForCausalLM(nn.Module):
     def __init__(self, arch: LlamaFamilyArch, rotary: RotaryEmbedding, backend: AttentionBackend,
                  ops: LayerOps, local_rotary: RotaryEmbedding | None = None) -> None:
@@ -261,7 +299,7 @@ class LlamaFamilyForCausalLM(nn.Module):
         super().__init__()
         self.arch = arch
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
-        layer_class = SandwichDecoderLayer if arch.sandwich_norms else DecoderLayer
+        layer_class = decoder_layer_class(arch)
         self.layers = nn.ModuleList(layer_class(arch, i, backend, ops) for i in range(arch.num_layers))
         self.norm = make_rms_norm(arch, arch.hidden_size, ops)
         self.rotary = rotary
