@@ -7,6 +7,7 @@ time so each layer runs two matmuls fewer per step (a Phi-3 checkpoint stores th
 from __future__ import annotations
 
 import hashlib
+import json
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,7 +18,7 @@ from tqdm import tqdm
 from transformers import AutoConfig, PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from splitserve.common.errors import UnsupportedModelError
+from splitserve.common.errors import UnsupportedModelError, json_excerpt
 from splitserve.common.model_dir import (SUPPORTED_ARCHITECTURES, activation_field, unsupported_architecture_message,
                                          weight_files)
 from splitserve.engine.attention import AttentionBackend
@@ -40,9 +41,31 @@ def model_fingerprint(model_dir: Path) -> str:
 
 
 def load_hf_config(model_dir: Path) -> PretrainedConfig:
+    """The model's config as transformers reads it; a config.json transformers cannot read (its validators raise
+    KeyError/ValueError/TypeError, e.g. on an older RoPE layout) is an UnsupportedModelError naming what it holds."""
     if not (model_dir / "config.json").is_file():
         raise FileNotFoundError(f"{model_dir} is not a model directory: no config.json")
-    return AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    try:
+        return AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    except (KeyError, ValueError, TypeError) as error:
+        raise UnsupportedModelError(_unreadable_config_message(model_dir, error)) from None
+
+
+def _unreadable_config_message(model_dir: Path, error: Exception) -> str:
+    """Names the RoPE field a failure comes from when config.json has one (transformers validates RoPE
+    parameters while reading a config), else the config as a whole."""
+    reason = f"transformers cannot read it ({type(error).__name__}: {error})"
+    raw = json.loads((model_dir / "config.json").read_text())  # valid JSON: transformers parsed it before failing
+    for field in ("rope_scaling", "rope_parameters"):
+        rope = raw.get(field)
+        if not isinstance(rope, dict):
+            continue
+        rope_type = rope.get("rope_type", rope.get("type"))
+        if rope_type == "su":
+            return (f"config.json's {field} type 'su' (Phi-3's legacy name for 'longrope'): {reason}; newer Phi-3 "
+                    "checkpoints name it 'longrope' (set its type to \"longrope\")")
+        return f"config.json's {field} {json_excerpt(rope)}: {reason}"
+    return f"config.json: {reason}"
 
 
 def parse_arch(config: PretrainedConfig) -> LlamaFamilyArch:
@@ -293,7 +316,12 @@ def build_rotary(config: PretrainedConfig, arch: LlamaFamilyArch,
     if rope_type not in ROPE_INIT_FUNCTIONS or (layer_type is not None and rope_type == "longrope"):
         # longrope's switch past original_max_position_embeddings is handled for one table only (_rope_length_limit)
         raise UnsupportedModelError(f"rope_type {rope_type!r} is not supported")
-    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"), layer_type=layer_type)
+    try:
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"), layer_type=layer_type)
+    except (KeyError, ValueError, TypeError) as error:
+        # a parameter the initializer needs is missing or malformed (transformers' own message names it)
+        raise UnsupportedModelError(f"rope_parameters {json_excerpt(params)}: transformers cannot build its RoPE "
+                                    f"({type(error).__name__}: {error})") from None
     return RotaryEmbedding(inv_freq, float(scaling))
 
 

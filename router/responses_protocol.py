@@ -31,7 +31,7 @@ from splitserve.common.errors import InvalidRequestError, json_excerpt
 from splitserve.common.generation_config import NO_REQUEST_DEFAULTS, RequestDefaults
 from splitserve.router.api_types import StreamChunk, Usage
 from splitserve.router.openai_fields import Refused, refuse_unsupported
-from splitserve.router.openai_protocol import ChatCompletionRequest, ResponseHeader, parse_chat_request
+from splitserve.router.openai_protocol import ChatCompletionRequest, ResponseHeader, _refuse_null, parse_chat_request
 from splitserve.router.reasoning_parsers import ReasoningDelta, ReasoningOutput, ReasoningParser
 from splitserve.router.request_limits import RequestLimits
 from splitserve.router.tool_calling import ToolChoice
@@ -48,7 +48,7 @@ RESPONSES_REFUSED = (
     Refused("top_logprobs", (0,), "logprobs are not implemented on this endpoint"),
     Refused("truncation", ("disabled",), "a conversation longer than the context is refused, never truncated"),
     Refused("max_tool_calls", (), "not implemented"),
-    Refused("service_tier", ("auto", "default"), "one service tier"),
+    Refused("service_tier", ("auto", "default"), "one service tier", "a string"),
     Refused("stream_options", ({}, {"include_obfuscation": False}), "stream obfuscation is not implemented"),
     Refused("background_options", (), "no background mode (responses are not stored)"),
     Refused("context_management", ([],), "no context compaction"),
@@ -57,7 +57,7 @@ RESPONSES_REFUSED = (
     Refused("image", (), "text models only"),
     # vLLM's extensions of its own Responses endpoint
     Refused("previous_input_messages", (), _NOT_STORED),
-    Refused("enable_response_messages", (False,), "not implemented"),
+    Refused("enable_response_messages", (False,), "not implemented", "a boolean"),
 )
 """Responses fields that ask for behaviour this server does not have unless left at their default."""
 RESPONSES_HANDLED = frozenset({
@@ -81,6 +81,10 @@ PASSED_TO_CHAT = ("model", "temperature", "top_p", "parallel_tool_calls", "strea
 _NULL_IS_DEFAULT = frozenset({"min_tokens"})
 """PASSED_TO_CHAT fields vLLM's chat model declares without null (null is a 400 there) but its Responses
 model does not declare: null is left out, their default (vLLM ignores it)."""
+_NON_NULL = (("tools", "a list of function tools"),
+             ("tool_choice", 'one of "none", "auto", "required" or {"type": "function", "name": ...}'))
+"""Fields vLLM's Responses model declares without null (`tools: list[Tool]`, `tool_choice: ToolChoice`) that the
+chat model declares optional: null is a 400 here, as vLLM answers, though the chat endpoint takes it."""
 _INPUT_ROLES = ("user", "system", "developer", "assistant")
 """A message item's roles: each is the chat message's role as it is (the chat endpoint hands a
 developer message to the template as one, as vLLM does)."""
@@ -124,6 +128,8 @@ def parse_responses_request(body: Mapping[str, Any], limits: RequestLimits,
                             defaults: RequestDefaults = NO_REQUEST_DEFAULTS) -> ResponsesRequest:
     """`defaults`: the server's sampling defaults (--generation-config), as for a chat request."""
     refuse_unsupported(body, RESPONSES_REFUSED)
+    for name, what in _NON_NULL:
+        _refuse_null(body, name, what)
     messages, sources = _conversation(body)
     tools = _tools(body.get("tools"))
     text_format = _text_format(body.get("text"))

@@ -17,7 +17,7 @@ from splitserve.common.errors import InvalidRequestError, UnsupportedModelError
 from splitserve.common.generation_config import GenerationConfigError
 from splitserve.common.model_dir import check_model_dir, weight_files
 from splitserve.engine import EngineCore, SamplingParams
-from splitserve.engine.model_loader import model_fingerprint
+from splitserve.engine.model_loader import build_rotary, load_hf_config, model_fingerprint, parse_arch
 from splitserve.testing.workloads import GreedyCase, mixed_workload
 
 FAMILIES = {
@@ -445,6 +445,32 @@ def test_longrope_past_its_original_length_is_refused_naming_max_model_len(tmp_p
         "max_model_len 65 exceeds original_max_position_embeddings 64 of this rope_type 'longrope' model: past it "
         "transformers rotates every position with long_factor instead of short_factor, which keys already in the KV "
         "cache cannot follow; set max_model_len <= 64")
+
+
+def test_a_legacy_phi3_su_rope_is_refused_naming_it(tmp_path):
+    """Older Phi-3 repos (Phi-3-mini-128k before its rename) write rope_scaling {"type": "su", ...}, which
+    transformers reads as longrope but then misses original_max_position_embeddings in: a KeyError from inside
+    config loading becomes an UnsupportedModelError naming the field, its value and the rename that reads."""
+    reference_dir = save_random_hf_model(tmp_path / "reference", "phi3")
+    model_dir = copy_with_config_fields(reference_dir, tmp_path / "su", rope_parameters=None, rope_scaling={
+        "type": "su", "short_factor": [1.0] * 8, "long_factor": [1.0] * 8})
+    with pytest.raises(UnsupportedModelError) as error:
+        EngineCore(model_dir, EngineConfig(device="cpu"))
+    assert str(error.value) == (
+        "config.json's rope_scaling type 'su' (Phi-3's legacy name for 'longrope'): transformers cannot read it "
+        "(KeyError: \"Missing required keys in `rope_parameters` for 'rope_type'='longrope': "
+        "{'original_max_position_embeddings'}\"); newer Phi-3 checkpoints name it 'longrope' (set its type to "
+        "\"longrope\")")
+
+
+def test_rope_parameters_transformers_cannot_build_are_refused_naming_them(tmp_path):
+    model_dir = save_random_hf_model(tmp_path / "linear", "llama", **FAMILIES["llama-rope-linear"][1])
+    config = load_hf_config(model_dir)
+    del config.rope_parameters["factor"]  # what a config that transformers' validation let through may lack
+    with pytest.raises(UnsupportedModelError) as error:
+        build_rotary(config, parse_arch(config))
+    assert str(error.value) == ('rope_parameters {"rope_theta": 10000.0, "rope_type": "linear"}: transformers '
+                                "cannot build its RoPE (KeyError: 'factor')")
 
 
 def test_a_tied_config_whose_checkpoint_stores_another_lm_head_runs_that_lm_head(tmp_path):

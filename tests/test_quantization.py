@@ -18,6 +18,7 @@ from splitserve.engine.quantization.linear import (DequantizingLinear, Int4CpuLi
 from splitserve.engine.quantization.rtn import int4_grouped, int8_per_channel
 from splitserve.engine.quantization.spec import QuantizationSpec, resolve_quantization
 from splitserve.engine.tiny_model import TinyModelSpec, build_tiny_model
+from tests.factories import save_random_hf_model
 
 
 def _nibble(words: torch.Tensor, index) -> torch.Tensor:
@@ -227,3 +228,17 @@ def test_quantize_copies_no_other_weights_of_the_source_directory(tmp_path):
                                QuantizeConfig("gptq"))
     assert weight_files(out_dir) == [out_dir / "model.safetensors"]
     assert not (out_dir / "consolidated.safetensors").exists() and not (out_dir / "pytorch_model.bin").exists()
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_quantize_refuses_fused_projections_naming_the_architecture(method, tmp_path, capsys):
+    """transformers' Phi-3 holds q/k/v as one qkv_proj and gate/up as one gate_up_proj: refused in one line
+    before any calibration, not by an AttributeError on self_attn.q_proj."""
+    model_dir = save_random_hf_model(tmp_path / "phi3", "phi3")
+    argv = ["quantize", str(model_dir), str(tmp_path / "out"), "--method", method]
+    assert main(argv) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"splitserve: error: {method} quantization of Phi3ForCausalLM is not supported: its layers hold fused "
+        "projections (self_attn.qkv_proj, mlp.gate_up_proj), and quantization reads and writes q_proj, k_proj, "
+        "v_proj, gate_proj and up_proj separately")
+    assert not (tmp_path / "out").exists()

@@ -137,6 +137,13 @@ def test_a_cache_salt_passes_to_the_chat_request():
     ({"max_output_tokens": 0}, "max_output_tokens", "must be an integer >= 1, got 0"),
     ({"request_id": None}, "request_id", "must be a string, got null"),  # vLLM's Responses model: `str`, `int`
     ({"priority": None}, "priority", "must be an integer, got null"),
+    # vLLM's Responses model: `tools: list[Tool]`, `tool_choice: ToolChoice`, `service_tier: Literal[...]`,
+    # `enable_response_messages: bool` (the chat model's tools and tool_choice are optional)
+    ({"tools": None}, "tools", "must be a list of function tools, got null"),
+    ({"tool_choice": None}, "tool_choice",
+     'must be one of "none", "auto", "required" or {"type": "function", "name": ...}, got null'),
+    ({"service_tier": None}, "service_tier", "must be a string, got null"),
+    ({"enable_response_messages": None}, "enable_response_messages", "must be a boolean, got null"),
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format",
      'json_schema must be an object with a "schema", got {"name": "x"}'),
     ({"temperature": -1}, "temperature", "must be a finite number >= 0, got -1"),

@@ -41,6 +41,8 @@ INPUT_SHARERS = {"self_attn.q_proj": ("self_attn.q_proj", "self_attn.k_proj", "s
                  "self_attn.o_proj": ("self_attn.o_proj",), "mlp.gate_proj": ("mlp.gate_proj", "mlp.up_proj"),
                  "mlp.down_proj": ("mlp.down_proj",)}
 """Where inputs are captured (one projection per distinct input) -> every projection reading that input."""
+FUSED_PROJECTION_ARCHITECTURES = {"Phi3ForCausalLM": "self_attn.qkv_proj, mlp.gate_up_proj"}
+"""Architectures whose transformers model fuses PROJECTIONS' q/k/v and gate/up -> its fused projections."""
 CAPTURE_BATCH = 8
 """Calibration windows per forward pass while capturing inputs."""
 CALIBRATION_TOKENS_PER_WINDOW_FACTOR = 4
@@ -222,11 +224,17 @@ def check_packable(model: PreTrainedModel, method: str) -> None:
     """ValueError naming the first decoder projection the format cannot pack, before any calibration:
     both pack PACK_FACTOR 4-bit codes per int32 along the output channels (the zero points; AWQ's
     codes too), GPTQ its codes along the input channels. UnsupportedModelError for a mixture of experts, whose
-    experts and router the engine runs in float only."""
+    experts and router the engine runs in float only, and for a model whose layers hold fused projections
+    (FUSED_PROJECTION_ARCHITECTURES), which PROJECTIONS and the quantized checkpoint loader name separately."""
     architecture = (model.config.architectures or ["?"])[0]
     if architecture in SPARSE_MOE_ARCHITECTURES:
         raise UnsupportedModelError(f"{method} quantization of mixture-of-experts models ({architecture}) is not "
                                     f"supported: the engine runs their experts and router in float only")
+    if architecture in FUSED_PROJECTION_ARCHITECTURES:
+        raise UnsupportedModelError(f"{method} quantization of {architecture} is not supported: its layers hold "
+                                    f"fused projections ({FUSED_PROJECTION_ARCHITECTURES[architecture]}), and "
+                                    f"quantization reads and writes q_proj, k_proj, v_proj, gate_proj and up_proj "
+                                    f"separately")
     packed_dims = (("output channels", 0), ("input channels", 1)) if method == "gptq" else (("output channels", 0),)
     for index, layer in enumerate(model.model.layers):
         for name in PROJECTIONS:
