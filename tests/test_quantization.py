@@ -242,3 +242,22 @@ def test_quantize_refuses_fused_projections_naming_the_architecture(method, tmp_
         "projections (self_attn.qkv_proj, mlp.gate_up_proj), and quantization reads and writes q_proj, k_proj, "
         "v_proj, gate_proj and up_proj separately")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("architecture, reason", [
+    ("gemma", "its norms scale by (1 + weight), so dividing a norm's weight does not divide its output"),
+    ("gemma3", "its norms scale by (1 + weight), so dividing a norm's weight does not divide its output, and "
+               "pre_feedforward_layernorm, not post_attention_layernorm, feeds its MLP"),
+    ("olmo2", "it norms each sublayer's output instead (it has no input_layernorm)"),
+])
+def test_awq_refuses_layouts_its_scale_folding_does_not_fit(architecture, reason, tmp_path, capsys):
+    """AWQ folds 1 / scales into the norms feeding q/k/v and gate/up: wrong (silently, before) for Gemma's
+    (1 + weight) norms and sandwich layout, an AttributeError for OLMo 2's post-norms. Refused before calibration."""
+    model_dir = save_random_hf_model(tmp_path / architecture, architecture)
+    argv = ["quantize", str(model_dir), str(tmp_path / "out"), "--method", "awq"]
+    assert main(argv) == 2
+    config = json.loads((model_dir / "config.json").read_text())
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"splitserve: error: awq quantization of {config['architectures'][0]} is not supported: AWQ folds its scales "
+        f"into input_layernorm (for q/k/v) and post_attention_layernorm (for gate/up), and {reason}")
+    assert not (tmp_path / "out").exists()

@@ -43,6 +43,16 @@ INPUT_SHARERS = {"self_attn.q_proj": ("self_attn.q_proj", "self_attn.k_proj", "s
 """Where inputs are captured (one projection per distinct input) -> every projection reading that input."""
 FUSED_PROJECTION_ARCHITECTURES = {"Phi3ForCausalLM": "self_attn.qkv_proj, mlp.gate_up_proj"}
 """Architectures whose transformers model fuses PROJECTIONS' q/k/v and gate/up -> its fused projections."""
+_GEMMA_NORMS = "its norms scale by (1 + weight), so dividing a norm's weight does not divide its output"
+AWQ_UNFOLDABLE_ARCHITECTURES = {
+    "GemmaForCausalLM": _GEMMA_NORMS,
+    "Gemma2ForCausalLM": f"{_GEMMA_NORMS}, and pre_feedforward_layernorm, not post_attention_layernorm, feeds its MLP",
+    "Gemma3ForCausalLM": f"{_GEMMA_NORMS}, and pre_feedforward_layernorm, not post_attention_layernorm, feeds its MLP",
+    "Olmo2ForCausalLM": "it norms each sublayer's output instead (it has no input_layernorm)",
+}
+"""Architectures AWQ_GROUPS does not describe -> why: AWQ divides input_layernorm's weight by the q/k/v scales
+and post_attention_layernorm's by the gate/up scales, which is exact only for norms that multiply by their weight
+and feed those projections (the Llama layout)."""
 CAPTURE_BATCH = 8
 """Calibration windows per forward pass while capturing inputs."""
 CALIBRATION_TOKENS_PER_WINDOW_FACTOR = 4
@@ -235,6 +245,10 @@ def check_packable(model: PreTrainedModel, method: str) -> None:
                                     f"fused projections ({FUSED_PROJECTION_ARCHITECTURES[architecture]}), and "
                                     f"quantization reads and writes q_proj, k_proj, v_proj, gate_proj and up_proj "
                                     f"separately")
+    if method == "awq" and architecture in AWQ_UNFOLDABLE_ARCHITECTURES:
+        raise UnsupportedModelError(f"awq quantization of {architecture} is not supported: AWQ folds its scales into "
+                                    "input_layernorm (for q/k/v) and post_attention_layernorm (for gate/up), and "
+                                    f"{AWQ_UNFOLDABLE_ARCHITECTURES[architecture]}")
     packed_dims = (("output channels", 0), ("input channels", 1)) if method == "gptq" else (("output channels", 0),)
     for index, layer in enumerate(model.model.layers):
         for name in PROJECTIONS:
