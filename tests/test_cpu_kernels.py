@@ -11,6 +11,10 @@ Tolerances: fp32 results differ from the reference only by summation order (1e-5
 O(1) values); bf16 attention computes scores in float32 where the reference rounds them to
 bf16 first, so it may differ by a few bf16 ulps of the output (2e-2 on O(1) values); the bf16
 prefill kernel also rounds the probabilities to bf16 before weighting the values, within the same bound.
+With a softcap (Gemma 2) the kernels cap float32 scores where the reference caps bf16 ones; the bounds are
+the same (the cap only shrinks scores: tanh's slope is at most 1). The softcap cases use 2.0, far below
+Gemma 2's 50, so that the cap bends most scores of these O(1)-scaled random inputs (see
+test_every_attention_path_caps_the_scores_as_the_reference).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ needs_compiler = pytest.mark.skipif(shutil.which("g++") is None or shutil.which(
                                     reason="needs g++ and objdump")
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+SOFTCAP = 2.0  # small enough to bend O(1) scores (module docstring)
 
 
 @pytest.mark.parametrize("capability, flags, expected", [
@@ -101,14 +106,16 @@ def _metadata(decode: DecodeBatch, block_size: int = 16) -> AttentionMetadata:
 @pytest.mark.parametrize("heads", [(4, 4), (8, 2), (12, 4), (16, 2)], ids=lambda h: f"{h[0]}q{h[1]}kv")
 @pytest.mark.parametrize("head_dim", [32, 40, 64, 128])
 @pytest.mark.parametrize("sliding_window", [None, 1, 7, 40])
+@pytest.mark.parametrize("softcap", [None, SOFTCAP], ids=["uncapped", "softcap"])
 @pytest.mark.parametrize("use_kernels", [pytest.param(True, marks=needs_kernels), False], ids=["kernel", "matmul"])
-def test_decode_attention_equals_the_reference(dtype, heads, head_dim, sliding_window, use_kernels):
+def test_decode_attention_equals_the_reference(dtype, heads, head_dim, sliding_window, softcap, use_kernels):
     generator = torch.Generator().manual_seed(head_dim * 31 + heads[0])
     query, kv_cache, decode = _decode_case(generator, dtype, batch=5, num_heads=heads[0], num_kv_heads=heads[1],
                                            head_dim=head_dim)
-    expected = TorchReferenceAttention()._decode(query, kv_cache, decode, 0, _metadata(decode), sliding_window)
+    expected = TorchReferenceAttention()._decode(query, kv_cache, decode, 0, _metadata(decode), sliding_window,
+                                                 softcap=softcap)
     got = CpuPagedAttention(use_kernels=use_kernels)._decode(query, kv_cache, decode, 0, _metadata(decode),
-                                                             sliding_window)
+                                                             sliding_window, softcap=softcap)
     assert got.dtype == dtype and got.shape == query.shape
     torch.testing.assert_close(got.float(), expected.float(), atol=TOLERANCE[dtype], rtol=0)
 
@@ -119,15 +126,17 @@ def test_decode_attention_equals_the_reference(dtype, heads, head_dim, sliding_w
                          ids=lambda h: f"G{h[0] // h[1]}")
 @pytest.mark.parametrize("head_dim", [72, 80])
 @pytest.mark.parametrize("sliding_window", [None, 23])
-def test_decode_kernel_tiles_every_group_size_and_head_dim(dtype, heads, head_dim, sliding_window):
+@pytest.mark.parametrize("softcap", [None, SOFTCAP], ids=["uncapped", "softcap"])
+def test_decode_kernel_tiles_every_group_size_and_head_dim(dtype, heads, head_dim, sliding_window, softcap):
     """The kernel reads each KV row once for its G query heads, in tiles of G's largest divisor that fits
     the registers (G = 1 MHA, 2, 3, 4, 5, 7 (prime: tiles of 1 head on AVX2), 8, 12 = H MQA), over whole
     and partial 16-float chunks of head_dim (72: a tail of 8; 80: five chunks, an odd one out)."""
     generator = torch.Generator().manual_seed(head_dim + heads[0] * 7 + heads[1])
     query, kv_cache, decode = _decode_case(generator, dtype, batch=4, num_heads=heads[0], num_kv_heads=heads[1],
                                            head_dim=head_dim)
-    expected = TorchReferenceAttention()._decode(query, kv_cache, decode, 0, _metadata(decode), sliding_window)
-    got = CpuPagedAttention()._decode(query, kv_cache, decode, 0, _metadata(decode), sliding_window)
+    expected = TorchReferenceAttention()._decode(query, kv_cache, decode, 0, _metadata(decode), sliding_window,
+                                                 softcap=softcap)
+    got = CpuPagedAttention()._decode(query, kv_cache, decode, 0, _metadata(decode), sliding_window, softcap=softcap)
     torch.testing.assert_close(got.float(), expected.float(), atol=TOLERANCE[dtype], rtol=0)
 
 
@@ -182,16 +191,19 @@ def _prefix_chunk_case(generator, dtype, num_heads, num_kv_heads, head_dim, star
 @pytest.mark.parametrize("start, query_len", [(0, 2), (0, 97), (1, 2), (1, 300), (16, 17), (37, 5), (250, 90),
                                               (700, 2)])
 @pytest.mark.parametrize("sliding_window", [None, 7])
+@pytest.mark.parametrize("softcap", [None, SOFTCAP], ids=["uncapped", "softcap"])
 @pytest.mark.parametrize("use_kernels", [pytest.param(True, marks=needs_kernels), False], ids=["kernel", "torch"])
-def test_prefill_attention_equals_the_reference(dtype, heads, head_dim, start, query_len, sliding_window,
+def test_prefill_attention_equals_the_reference(dtype, heads, head_dim, start, query_len, sliding_window, softcap,
                                                 use_kernels):
     """The bf16 kernel (head_dim a multiple of 16), and the prefix + causal chunk parts merged by
     log-sum-exp, equal one masked call over the whole context."""
     generator = torch.Generator().manual_seed(start * 7 + query_len + head_dim)
     query, key, value, kv_cache, span, metadata = _prefix_chunk_case(generator, dtype, heads[0], heads[1],
                                                                      head_dim, start, query_len)
-    expected = TorchReferenceAttention()._prefill(query, key, value, kv_cache, span, metadata, sliding_window)
-    got = CpuPagedAttention(use_kernels)._prefill(query, key, value, kv_cache, span, metadata, sliding_window)
+    expected = TorchReferenceAttention()._prefill(query, key, value, kv_cache, span, metadata, sliding_window,
+                                                  softcap=softcap)
+    got = CpuPagedAttention(use_kernels)._prefill(query, key, value, kv_cache, span, metadata, sliding_window,
+                                                  softcap=softcap)
     assert got.dtype == dtype and got.shape == query.shape
     assert not got.isnan().any()
     torch.testing.assert_close(got.float(), expected.float(), atol=TOLERANCE[dtype], rtol=0)
@@ -199,12 +211,13 @@ def test_prefill_attention_equals_the_reference(dtype, heads, head_dim, start, q
 
 @needs_kernels
 @pytest.mark.parametrize("head_dim", [16, 48, 80, 96, 112, 256])
-def test_prefill_kernel_covers_every_multiple_of_16_head_size(head_dim):
+@pytest.mark.parametrize("softcap", [None, SOFTCAP], ids=["uncapped", "softcap"])
+def test_prefill_kernel_covers_every_multiple_of_16_head_size(head_dim, softcap):
     generator = torch.Generator().manual_seed(head_dim)
     query, key, value, kv_cache, span, metadata = _prefix_chunk_case(generator, torch.bfloat16, 6, 2, head_dim,
                                                                      start=70, query_len=45)
-    expected = TorchReferenceAttention()._prefill(query, key, value, kv_cache, span, metadata, None)
-    got = CpuPagedAttention()._prefill(query, key, value, kv_cache, span, metadata, None)
+    expected = TorchReferenceAttention()._prefill(query, key, value, kv_cache, span, metadata, None, softcap=softcap)
+    got = CpuPagedAttention()._prefill(query, key, value, kv_cache, span, metadata, None, softcap=softcap)
     torch.testing.assert_close(got.float(), expected.float(), atol=TOLERANCE[torch.bfloat16], rtol=0)
 
 
@@ -290,6 +303,37 @@ def test_every_attention_path_takes_the_model_s_softmax_scale(dtype, sliding_win
         torch.testing.assert_close(got.float(), expected.float(), atol=TOLERANCE[dtype], rtol=0)
         unscaled = TorchReferenceAttention()._prefill(query, key, value, kv_cache, span, metadata, sliding_window)
         assert (expected.float() - unscaled.float()).abs().max() > 0.05
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("sliding_window", [None, 7])
+@pytest.mark.parametrize("use_kernels", [pytest.param(True, marks=needs_kernels), False], ids=["kernel", "torch"])
+def test_every_attention_path_caps_the_scores_as_the_reference(dtype, sliding_window, use_kernels):
+    """Gemma 2 2B's attention shape (8 query heads / 4 KV heads of 256, scale 256 ** -0.5) with a cap that bends
+    these random O(1) scores (its own 50 barely would; scaling the scores up to meet it instead would leave the
+    bf16 reference rounding scores of ~50 to 0.25): decode and prefill (from position 0, and a chunk after a
+    prefix) equal the reference's eager softcapped attention, and the cap changes the output."""
+    generator = torch.Generator().manual_seed(29)
+    scale, softcap = 256 ** -0.5, SOFTCAP
+    query, kv_cache, decode = _decode_case(generator, dtype, batch=5, num_heads=8, num_kv_heads=4, head_dim=256)
+    expected = TorchReferenceAttention()._decode(query, kv_cache, decode, 0, _metadata(decode), sliding_window, scale,
+                                                 softcap)
+    got = CpuPagedAttention(use_kernels)._decode(query, kv_cache, decode, 0, _metadata(decode), sliding_window, scale,
+                                                 softcap)
+    torch.testing.assert_close(got.float(), expected.float(), atol=TOLERANCE[dtype], rtol=0)
+    uncapped = TorchReferenceAttention()._decode(query, kv_cache, decode, 0, _metadata(decode), sliding_window, scale)
+    assert (expected.float() - uncapped.float()).abs().max() > 0.05
+    for start, query_len in ((0, 40), (37, 20)):
+        query, key, value, kv_cache, span, metadata = _prefix_chunk_case(generator, dtype, 8, 4, 256, start,
+                                                                         query_len)
+        expected = TorchReferenceAttention()._prefill(query, key, value, kv_cache, span, metadata, sliding_window,
+                                                      scale, softcap)
+        got = CpuPagedAttention(use_kernels)._prefill(query, key, value, kv_cache, span, metadata, sliding_window,
+                                                      scale, softcap)
+        torch.testing.assert_close(got.float(), expected.float(), atol=TOLERANCE[dtype], rtol=0)
+        uncapped = TorchReferenceAttention()._prefill(query, key, value, kv_cache, span, metadata, sliding_window,
+                                                      scale)
+        assert (expected.float() - uncapped.float()).abs().max() > 0.05
 
 
 @needs_kernels

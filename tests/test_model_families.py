@@ -189,9 +189,9 @@ def test_granite_logprobs_are_of_its_logits_divided_by_logits_scaling(tmp_path):
 
 
 # The engine's other attention paths on the Gemma 2 and 3, SmolLM3 and OLMo 2 models above (the family test runs
-# the CPU backend's C++ kernels, or for a softcap its torch path): the CPU backend's torch ops, the torch
-# reference, and the FlashInfer backend's metadata, plans and captured decode steps over torch kernels. Each reads
-# the softmax scale, Gemma 2's softcap, Gemma 3's two RoPE tables, SmolLM3's unrotated (strided) queries and keys
+# the CPU backend's C++ kernels, Gemma 2's softcap included): the CPU backend's torch ops, the torch reference,
+# and the FlashInfer backend's metadata, plans and captured decode steps over torch kernels. Each reads the
+# softmax scale, Gemma 2's softcap, Gemma 3's two RoPE tables, SmolLM3's unrotated (strided) queries and keys
 # and OLMo 2's whole-projection q/k norms.
 GEMMA_ATTENTION_PATHS = {
     "cpu-torch-ops": (dict(cpu_kernels=False), None),

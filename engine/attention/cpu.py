@@ -28,8 +28,10 @@ What differs from the reference, and why (measured on the 2-core AVX-512 machine
   reference's single call takes an explicit [q, ctx] mask, with which the fused kernel computes
   every tile, masked or not (2x the work of the causal call, plus building the mask): 43 ms
   against 21 ms for 2046 tokens after a 1-token prefix, 8 heads / 4 KV heads of 32.
-- A softcapped model (Gemma 2's attn_logit_softcapping) attends on the reference's torch path: neither kernel nor
-  torch's fused SDPA caps scores.
+- A softcapped model (Gemma 2's attn_logit_softcapping) runs both kernels, which cap each scaled float32 score
+  (softcap * tanh(s / softcap), Sleef's tanh) before the mask and softmax; the prefill kernel takes its fp32
+  chunks too, since torch's fused SDPA cannot cap scores. Without the kernels it attends on the reference's
+  eager torch path (gather, matmuls, cap, float32 softmax).
 - A quantized pool (int8 / fp8_e4m3 codes with a bf16 scale per row, engine/kv_quant.py) takes the same
   paths: both kernels read the codes in place (decode widens them in registers and folds each row's scale
   into its score and its weight; prefill dequantizes them into its packed tiles), and the torch paths
@@ -47,8 +49,8 @@ from splitserve.engine.cpu_kernels import load_cpu_kernels
 
 
 class CpuPagedAttention(TorchReferenceAttention):
-    """The reference backend with the C++ kernels (decode; prefill in bf16, or with a sliding window) and, for
-    other fp32 prefill chunks after a prefix, the split into two fused calls."""
+    """The reference backend with the C++ kernels (decode; prefill in bf16, or with a sliding window or a softcap)
+    and, for other fp32 prefill chunks after a prefix, the split into two fused calls."""
 
     def __init__(self, use_kernels: bool = True) -> None:
         """use_kernels=False keeps to pure torch (the path taken when the kernels cannot be built)."""
@@ -59,14 +61,15 @@ class CpuPagedAttention(TorchReferenceAttention):
 
     def _prefill(self, query, key, value, kv_cache, span: PrefillSpan, metadata: AttentionMetadata,
                  sliding_window, scale=None, softcap=None):
-        if softcap is not None:  # neither kernel nor the fused SDPA caps scores: the reference's eager attention
-            return super()._prefill(query, key, value, kv_cache, span, metadata, sliding_window, scale, softcap)
-        if self.use_kernels and query.shape[-1] % 16 == 0 and (query.dtype == torch.bfloat16 or sliding_window):
+        if self.use_kernels and query.shape[-1] % 16 == 0 and (
+                query.dtype == torch.bfloat16 or sliding_window or softcap is not None):
             out = torch.empty_like(query)  # [q, H, D]
             torch.ops.splitserve_cpu.paged_prefill_attention(
                 query.contiguous(), kv_cache, span.block_table, span.start_position, sliding_window or 0,
-                _softmax_scale(query, scale), out)
+                _softmax_scale(query, scale), softcap or 0.0, out)
             return out
+        if softcap is not None:  # torch's fused SDPA does not cap scores: the reference's eager attention
+            return super()._prefill(query, key, value, kv_cache, span, metadata, sliding_window, scale, softcap)
         if span.start_position == 0 or sliding_window is not None:
             return super()._prefill(query, key, value, kv_cache, span, metadata, sliding_window, scale)
         return self._prefill_after_prefix(query, key, value, kv_cache, span, scale)
@@ -93,14 +96,14 @@ class CpuPagedAttention(TorchReferenceAttention):
 
     def _decode(self, query, kv_cache, decode: DecodeBatch, index: int, metadata: AttentionMetadata,
                 sliding_window, scale=None, softcap=None):
-        if softcap is not None:
-            return super()._decode(query, kv_cache, decode, index, metadata, sliding_window, scale, softcap)
         if self.use_kernels:
             out = torch.empty_like(query)  # [B, H, D]
             torch.ops.splitserve_cpu.paged_decode_attention(
                 query.contiguous(), kv_cache, decode.block_tables, decode.context_lens, sliding_window or 0,
-                _softmax_scale(query, scale), out)
+                _softmax_scale(query, scale), softcap or 0.0, out)
             return out
+        if softcap is not None:  # the grouped matmuls below do not cap scores: the reference's eager attention
+            return super()._decode(query, kv_cache, decode, index, metadata, sliding_window, scale, softcap)
         return self._decode_by_matmul(query, kv_cache, decode, index, metadata, sliding_window, scale)
 
     def _decode_by_matmul(self, query, kv_cache, decode: DecodeBatch, index: int, metadata: AttentionMetadata,

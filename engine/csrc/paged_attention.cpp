@@ -8,9 +8,11 @@
 //   block_tables [B, max_blocks] int64            block of position p: block_tables[b, p / block_size]
 //   context_lens [B] int64                        positions 0 .. context_lens[b] - 1 are attended
 //   out          [B, H, D]                        same dtype as query
-// sliding_window > 0 attends only the last sliding_window positions. Query head h reads KV head
-// h / (H / Hkv) (grouped-query attention). Scores, softmax and the weighted sum are float32. A quantized
-// pool's codes are widened in registers; a key row's scale multiplies its score, a value row's its weight.
+// sliding_window > 0 attends only the last sliding_window positions. softcap > 0 caps each scaled score s
+// as softcap * tanh(s / softcap) before the softmax (Gemma 2's attn_logit_softcapping); 0 leaves them. Query
+// head h reads KV head h / (H / Hkv) (grouped-query attention). Scores, softmax and the weighted sum are
+// float32. A quantized pool's codes are widened in registers; a key row's scale multiplies its score, a value
+// row's its weight.
 //
 // How KV is read (at decode contexts the rows come from DRAM, each once per step): a task (a sequence's
 // KV heads, see kv_heads_per_task) makes two passes over its positions in ascending order, keys then
@@ -56,6 +58,14 @@ inline void softmax(float* row, int64_t length) {
   const Vec16 inv_total = set16(1.f / total);
   for (i = 0; i + 16 <= length; i += 16) store16(row + i, load16(row + i) * inv_total);
   for (; i < length; ++i) row[i] *= 1.f / total;
+}
+
+// row = softcap * tanh(row / softcap) in place (cap_scores16 of vec16.h; the tail by std::tanh).
+inline void cap_scores(float* row, int64_t length, float softcap) {
+  const Vec16 cap = set16(softcap);
+  int64_t i = 0;
+  for (; i + 16 <= length; i += 16) store16(row + i, cap_scores16(load16(row + i), cap));
+  for (; i < length; ++i) row[i] = std::tanh(row[i] / softcap) * softcap;
 }
 
 // Accumulators one tile holds in registers, as Vec16s: (query head, position) dot products while reading
@@ -226,7 +236,7 @@ void with_head_tile(int heads, Pass pass) {
 // the scores and the weights).
 template <typename T, typename E>
 void attend(const T* query, const E* cache, const int64_t* table, int64_t context_len, int64_t window, float scale,
-            const Geometry& g, int64_t first_kv_head, int64_t num_kv, T* out) {
+            float softcap, const Geometry& g, int64_t first_kv_head, int64_t num_kv, T* out) {
   const int64_t group = g.num_heads / g.num_kv_heads, dim = g.head_dim, width = g.head_stride;
   const int64_t heads = num_kv * group;  // query heads of this task, consecutive from first_kv_head * G
   const int64_t start = window > 0 ? std::max<int64_t>(0, context_len - window) : 0;
@@ -246,6 +256,8 @@ void attend(const T* query, const E* cache, const int64_t* table, int64_t contex
   if constexpr (KVRow<E>::kQuantized)  // a key row's scale multiplies its scores
     for (int64_t h = 0; h < heads; ++h)
       for (int64_t i = 0; i < length; ++i) scores[h * length + i] *= KVRow<E>::scale(rows[i] + (h / group) * width, dim);
+  if (softcap > 0.f)  // on the whole scaled score, the key row's scale included
+    for (int64_t h = 0; h < heads; ++h) cap_scores(&scores[h * length], length, softcap);
   for (int64_t h = 0; h < heads; ++h) softmax(&scores[h * length], length);
   if constexpr (KVRow<E>::kQuantized)  // probability x value scale: the weight of each value row's codes
     for (int64_t h = 0; h < heads; ++h)
@@ -274,7 +286,7 @@ int64_t kv_heads_per_task(int64_t batch, int64_t num_kv_heads) {
 
 template <typename T, typename E>
 void decode(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_tables,
-            const at::Tensor& context_lens, int64_t window, double scale, at::Tensor& out) {
+            const at::Tensor& context_lens, int64_t window, double scale, double softcap, at::Tensor& out) {
   const Geometry g{query.size(1), kv_cache.size(3), query.size(2), kv_cache.size(2), block_tables.size(1),
                    kv_cache.size(4), kv_cache.size(3) * kv_cache.size(4),
                    2 * kv_cache.size(2) * kv_cache.size(3) * kv_cache.size(4)};
@@ -290,7 +302,8 @@ void decode(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tenso
   at::parallel_for(0, batch * tasks_per_seq, 1, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / tasks_per_seq, first_kv_head = (task % tasks_per_seq) * per_task;
-      attend<T, E>(q + b * row, cache, tables + b * g.max_blocks, lens[b], window, static_cast<float>(scale), g,
+      attend<T, E>(q + b * row, cache, tables + b * g.max_blocks, lens[b], window, static_cast<float>(scale),
+                   static_cast<float>(softcap), g,
                    first_kv_head, per_task, o + b * row);
     }
   });
@@ -299,12 +312,12 @@ void decode(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tenso
 // The cache's element type for a query of dtype T: T itself, or a quantized pool's codes.
 template <typename T>
 void decode_for_cache(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_tables,
-                      const at::Tensor& context_lens, int64_t window, double scale, at::Tensor& out) {
+                      const at::Tensor& context_lens, int64_t window, double scale, double softcap, at::Tensor& out) {
   switch (kv_cache.scalar_type()) {
-    case at::kChar: return decode<T, int8_t>(query, kv_cache, block_tables, context_lens, window, scale, out);
+    case at::kChar: return decode<T, int8_t>(query, kv_cache, block_tables, context_lens, window, scale, softcap, out);
     case at::kFloat8_e4m3fn:
-      return decode<T, Fp8E4M3>(query, kv_cache, block_tables, context_lens, window, scale, out);
-    default: return decode<T, T>(query, kv_cache, block_tables, context_lens, window, scale, out);
+      return decode<T, Fp8E4M3>(query, kv_cache, block_tables, context_lens, window, scale, softcap, out);
+    default: return decode<T, T>(query, kv_cache, block_tables, context_lens, window, scale, softcap, out);
   }
 }
 
@@ -313,7 +326,8 @@ bool is_quantized_kv(const at::Tensor& kv_cache) {
 }
 
 void paged_decode_attention(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_tables,
-                            const at::Tensor& context_lens, int64_t sliding_window, double scale, at::Tensor out) {
+                            const at::Tensor& context_lens, int64_t sliding_window, double scale, double softcap,
+                            at::Tensor out) {
   TORCH_CHECK(query.dim() == 3 && kv_cache.dim() == 5 && block_tables.dim() == 2 && context_lens.dim() == 1,
               "paged_decode_attention: bad ranks");
   TORCH_CHECK(query.is_contiguous() && kv_cache.is_contiguous() && block_tables.is_contiguous() &&
@@ -328,9 +342,10 @@ void paged_decode_attention(const at::Tensor& query, const at::Tensor& kv_cache,
               "paged_decode_attention: head counts or head_dim do not match the cache");
   switch (query.scalar_type()) {
     case at::kFloat:
-      return decode_for_cache<float>(query, kv_cache, block_tables, context_lens, sliding_window, scale, out);
+      return decode_for_cache<float>(query, kv_cache, block_tables, context_lens, sliding_window, scale, softcap, out);
     case at::kBFloat16:
-      return decode_for_cache<c10::BFloat16>(query, kv_cache, block_tables, context_lens, sliding_window, scale, out);
+      return decode_for_cache<c10::BFloat16>(query, kv_cache, block_tables, context_lens, sliding_window, scale,
+                                             softcap, out);
     default: TORCH_CHECK(false, "paged_decode_attention: dtype ", query.scalar_type(), " is not supported");
   }
 }
@@ -354,7 +369,7 @@ void fp8_e4m3_codes_to_float(const at::Tensor& codes, at::Tensor out) {
 
 TORCH_LIBRARY(splitserve_cpu, m) {
   m.def("paged_decode_attention(Tensor query, Tensor kv_cache, Tensor block_tables, Tensor context_lens, "
-        "int sliding_window, float scale, Tensor(a!) out) -> ()");
+        "int sliding_window, float scale, float softcap, Tensor(a!) out) -> ()");
   m.def("fp8_e4m3_to_float(Tensor codes, Tensor(a!) out) -> ()");
 }
 

@@ -10,7 +10,8 @@
 //   block_table [ceil((start + q) / block_size)] int64
 //   out         [q, H, D]
 // Query head h reads KV head h / (H / Hkv). Query position i attends key position j when j <= i and, with
-// sliding_window > 0, i - j < sliding_window. D must be a multiple of 16.
+// sliding_window > 0, i - j < sliding_window. softcap > 0 caps each scaled score s as softcap * tanh(s /
+// softcap) before the mask (Gemma 2's attn_logit_softcapping); 0 leaves them. D must be a multiple of 16.
 //
 // Flash-attention style: per (KV head, tile of query positions) task, key tiles of 64 positions update a
 // running max, sum and float32 output per query row (online softmax), so a chunk after a prefix needs
@@ -100,6 +101,7 @@ struct Geometry {
   int64_t row_stride;    // elements between consecutive positions of one block: Hkv * W
   int64_t block_stride;  // elements of one block (keys and values): 2 * block_size * Hkv * W
   int64_t key_tiles;     // ceil(context_len / kKeyTile)
+  float softcap;         // > 0: scaled scores are capped to (-softcap, softcap); 0: no cap
 };
 
 // A key or value row of the pool as T values: the row itself when the pool holds T, else its codes
@@ -232,14 +234,15 @@ struct TaskBuffers {
         row_max(rows), row_sum(rows) {}
 };
 
-// Scores of one key tile -> masked, scaled, online-softmax update of the rows' max, sum and output
-// scale; leaves the tile's probabilities, in the dtype and key order, in buf.probs (for bf16, word j
-// holds keys 2j and 2j + 1: the dot instruction's pair layout).
+// Scores of one key tile -> scaled, capped (g.softcap > 0), masked, online-softmax update of the rows' max,
+// sum and output scale; leaves the tile's probabilities, in the dtype and key order, in buf.probs (for bf16,
+// word j holds keys 2j and 2j + 1: the dot instruction's pair layout).
 template <typename T>
 void softmax_tile(TaskBuffers& buf, const Geometry& g, int64_t first_position, int64_t rows, int64_t first_key,
                   float scale) {
   const float neg_inf = -std::numeric_limits<float>::infinity();
-  const Vec16 scale_v = set16(scale), neg_inf_v = set16(neg_inf);
+  const Vec16 scale_v = set16(scale), neg_inf_v = set16(neg_inf), cap_v = set16(g.softcap);
+  const bool capped = g.softcap > 0.f;
   for (int64_t r = 0; r < rows; ++r) {
     float* s = &buf.scores[r * kKeyTile];
     const int64_t position = first_position + r / g.group;
@@ -249,6 +252,7 @@ void softmax_tile(TaskBuffers& buf, const Geometry& g, int64_t first_position, i
     Vec16 tile_max_v = neg_inf_v;
     for (int c = 0; c < 4; ++c) {
       v[c] = load16(s + 16 * c) * scale_v;
+      if (capped) v[c] = cap_scores16(v[c], cap_v);
       if (masked)  // keys first_key + 16c + lane outside [lo, position] get -inf
         v[c] = keep_in_range(v[c], static_cast<int32_t>(first_key + 16 * c), static_cast<int32_t>(lo),
                              static_cast<int32_t>(position), neg_inf_v);
@@ -358,7 +362,8 @@ void prefill_for_cache(const at::Tensor& query, const at::Tensor& kv_cache, cons
 }
 
 void paged_prefill_attention(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_table,
-                             int64_t start_position, int64_t sliding_window, double scale, at::Tensor out) {
+                             int64_t start_position, int64_t sliding_window, double scale, double softcap,
+                             at::Tensor out) {
   TORCH_CHECK(query.dim() == 3 && kv_cache.dim() == 5 && block_table.dim() == 1 && out.dim() == 3,
               "paged_prefill_attention: bad ranks");
   TORCH_CHECK(query.is_contiguous() && kv_cache.is_contiguous() && block_table.is_contiguous() &&
@@ -377,7 +382,8 @@ void paged_prefill_attention(const at::Tensor& query, const at::Tensor& kv_cache
   const Geometry g{query.size(1), kv_cache.size(3), query.size(2), kv_cache.size(2),
                    query.size(1) / kv_cache.size(3), start_position, query.size(0), context_len, sliding_window,
                    kv_cache.size(4), kv_cache.size(3) * kv_cache.size(4),
-                   2 * kv_cache.size(2) * kv_cache.size(3) * kv_cache.size(4), (context_len + kKeyTile - 1) / kKeyTile};
+                   2 * kv_cache.size(2) * kv_cache.size(3) * kv_cache.size(4), (context_len + kKeyTile - 1) / kKeyTile,
+                   static_cast<float>(softcap)};
   switch (query.scalar_type()) {
     case at::kFloat: return prefill_for_cache<float>(query, kv_cache, block_table, g, scale, out);
     case at::kBFloat16: return prefill_for_cache<bf16>(query, kv_cache, block_table, g, scale, out);
@@ -389,7 +395,7 @@ void paged_prefill_attention(const at::Tensor& query, const at::Tensor& kv_cache
 
 TORCH_LIBRARY_FRAGMENT(splitserve_cpu, m) {
   m.def("paged_prefill_attention(Tensor query, Tensor kv_cache, Tensor block_table, int start_position, "
-        "int sliding_window, float scale, Tensor(a!) out) -> ()");
+        "int sliding_window, float scale, float softcap, Tensor(a!) out) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(splitserve_cpu, CPU, m) { m.impl("paged_prefill_attention", &paged_prefill_attention); }

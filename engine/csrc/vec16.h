@@ -311,6 +311,10 @@ inline Vec16 round16<float>(Vec16 v) { return v; }
 template <typename T>
 inline float round1(float v) { return static_cast<float>(static_cast<T>(v)); }
 
+// cap * tanh(score / cap) for scaled scores: Gemma 2's attn_logit_softcapping, in float32 as transformers'
+// eager attention computes it in a float32 model (in the same order: divide, tanh, multiply).
+inline Vec16 cap_scores16(Vec16 score, Vec16 cap) { return tanh16(score / cap) * cap; }
+
 // silu(gate) * up rounded where torch's F.silu(gate) * up rounds (the silu to T), for gate and up already
 // values of T; the caller's store rounds the product. The scalar form for tails (std::exp, as torch's).
 template <typename T>
