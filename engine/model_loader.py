@@ -223,8 +223,8 @@ def _sliding_windows(config: PretrainedConfig, architecture: str) -> tuple[int |
     if architecture == PHI3:
         return (getattr(config, "sliding_window", None),) * config.num_hidden_layers
     window = getattr(config, "sliding_window", None)
-    layer_types = getattr(config, "layer_types", None) or ["sliding_attention"] * config.num_hidden_layers
-    return tuple(window if kind == "sliding_attention" else None for kind in layer_types)
+    layer_types = getattr(config, "layer_types", None) or [SLIDING_LAYER_TYPE] * config.num_hidden_layers
+    return tuple(window if kind == SLIDING_LAYER_TYPE else None for kind in layer_types)
 
 
 def _smollm3_sliding_windows(config: PretrainedConfig) -> tuple[int | None, ...]:
@@ -234,11 +234,11 @@ def _smollm3_sliding_windows(config: PretrainedConfig) -> tuple[int | None, ...]
     layer_types) while its flash attention would not, so no one model answers to that config."""
     windowed = bool(config.use_sliding_window) and config.sliding_window is not None
     layer_types = list(config.layer_types)
-    if not windowed and LOCAL_ROPE_LAYER_TYPE in layer_types:
+    if not windowed and SLIDING_LAYER_TYPE in layer_types:
         raise UnsupportedModelError("layer_types names sliding_attention layers but use_sliding_window is false or "
                                     "sliding_window is null (transformers' attention implementations disagree on "
                                     "such a layer): set both, or make every layer full_attention")
-    return tuple(config.sliding_window if kind == LOCAL_ROPE_LAYER_TYPE else None for kind in layer_types)
+    return tuple(config.sliding_window if kind == SLIDING_LAYER_TYPE else None for kind in layer_types)
 
 
 def _local_rope_layers(config: PretrainedConfig, architecture: str) -> frozenset[int]:
@@ -246,12 +246,13 @@ def _local_rope_layers(config: PretrainedConfig, architecture: str) -> frozenset
     (rope_local_base_freq in older config.json files) instead of rope_parameters["full_attention"]."""
     if architecture != "Gemma3ForCausalLM":
         return frozenset()
-    return frozenset(i for i, kind in enumerate(config.layer_types) if kind == LOCAL_ROPE_LAYER_TYPE)
+    return frozenset(i for i, kind in enumerate(config.layer_types) if kind == SLIDING_LAYER_TYPE)
 
 
-LOCAL_ROPE_LAYER_TYPE = "sliding_attention"
-GLOBAL_ROPE_LAYER_TYPE = "full_attention"
-"""Gemma 3's layer types, the keys of its per-layer-type rope_parameters."""
+SLIDING_LAYER_TYPE = "sliding_attention"
+FULL_LAYER_TYPE = "full_attention"
+"""The layer_types entries of windowed and full-attention layers (Gemma 3 also keys its per-layer-type
+rope_parameters by them: its sliding layers rotate by the local RoPE)."""
 
 
 def _sparse_moe(config: PretrainedConfig, architecture: str) -> SparseMoeArch | None:
@@ -329,8 +330,8 @@ def build_rotaries(config: PretrainedConfig, arch: LlamaFamilyArch) -> tuple[Rot
     """The model's RoPE and, when some layers rotate by another (arch.local_rope_layers), theirs."""
     if arch.architecture != "Gemma3ForCausalLM":
         return build_rotary(config, arch), None
-    local = build_rotary(config, arch, LOCAL_ROPE_LAYER_TYPE) if arch.local_rope_layers else None
-    return build_rotary(config, arch, GLOBAL_ROPE_LAYER_TYPE), local
+    local = build_rotary(config, arch, SLIDING_LAYER_TYPE) if arch.local_rope_layers else None
+    return build_rotary(config, arch, FULL_LAYER_TYPE), local
 
 
 def read_checkpoint(model_dir: Path) -> dict[str, torch.Tensor]:
@@ -474,6 +475,7 @@ def _fuse_layer(checkpoint: dict[str, torch.Tensor], index: int, arch: LlamaFami
     if arch.post_norms:
         state[prefix + "post_feedforward_layernorm.weight"] = take("post_feedforward_layernorm.weight")
     return state
+
 
 EXPERT_CHECKPOINT_NAMES = {
     "Qwen3MoeForCausalLM": (("mlp",), ("gate_proj", "up_proj", "down_proj")),

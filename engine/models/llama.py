@@ -313,8 +313,6 @@ class LlamaFamilyForCausalLM(nn.Module):
         """on_layer(l) runs once layer l has written its keys and values for every token of the step
         (host order: on CUDA the kernels may still be in flight)."""
         hidden = self._embed(input_ids)  # [T, hidden]
-        if self.arch.embedding_multiplier != 1.0:
-            hidden = hidden * self.arch.embedding_multiplier
         rope = self.rotary(positions, hidden.dtype)
         local_rope = rope if self.local_rotary is None else self.local_rotary(positions, hidden.dtype)
         for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
@@ -324,13 +322,16 @@ class LlamaFamilyForCausalLM(nn.Module):
         return self.norm(hidden)  # [T, hidden]
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The token embeddings as the first layer reads them: scaled by Granite's embedding_multiplier or Gemma's
+        sqrt(hidden_size), each one multiplication rounded to the model's dtype as in transformers."""
         hidden = self.embed_tokens(input_ids)  # [T, hidden], a fresh tensor
-        if not self.arch.scale_embeddings_by_sqrt_hidden:
-            return hidden
-        # transformers multiplies by sqrt(hidden_size) as a tensor of the model's dtype (55.5 for 3072 in bf16, not
-        # 55.43); a Python float of that exact value rounds the same and needs no device tensor (CUDA graphs).
-        scale = torch.tensor(self.arch.hidden_size ** 0.5).to(hidden.dtype).item()
-        return hidden.mul_(scale)
+        if self.arch.embedding_multiplier != 1.0:
+            hidden.mul_(self.arch.embedding_multiplier)
+        if self.arch.scale_embeddings_by_sqrt_hidden:
+            # transformers multiplies by sqrt(hidden_size) as a tensor of the model's dtype (55.5 for 3072 in bf16,
+            # not 55.43); a Python float of that exact value rounds the same and needs no device tensor (CUDA graphs).
+            hidden.mul_(torch.tensor(self.arch.hidden_size ** 0.5).to(hidden.dtype).item())
+        return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden)  # [N, vocab]
