@@ -29,6 +29,8 @@ COMMON_HANDLED = frozenset({
     "user", "session_id", "return_token_offsets", "return_mm_kwargs",
     # structured output (router/structured_output.py)
     "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+    # beam search (router/openai_beam_search.py)
+    "use_beam_search", "length_penalty",
 })
 """Fields both endpoints implement."""
 COMPLETION_HANDLED = COMMON_HANDLED | {"prompt", "best_of", "echo"}
@@ -65,7 +67,6 @@ class Refused:
 
 
 _STRUCTURED = "structured output has one grammar engine (llguidance) and compact JSON"
-_NO_BEAM_SEARCH = "no beam search (parallel sampling: n, best_of)"
 _NOT_IMPLEMENTED = "not implemented"
 _FUNCTIONS = "the deprecated functions API is not implemented (send tools and tool_choice)"
 _TEXT_ONLY = "text models only"
@@ -78,8 +79,6 @@ COMMON_REFUSED = (
     Refused("guided_decoding_backend", ("auto", "guidance", "llguidance"), _STRUCTURED),
     Refused("guided_whitespace_pattern", (), _STRUCTURED),
     Refused("structural_tag", (), "structural tags are not implemented"),
-    Refused("use_beam_search", _OFF, _NO_BEAM_SEARCH, _BOOLEAN),
-    Refused("length_penalty", (1.0, 1), "it only applies to beam search, which is not implemented", "a number"),
     Refused("logprob_token_ids", (), _NOT_IMPLEMENTED),
     Refused("spaces_between_special_tokens", (True,), _NOT_IMPLEMENTED, _BOOLEAN),
     Refused("watermarking", _OFF, _NOT_IMPLEMENTED),

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from splitserve.common.beam_search import BeamSearchParams
 from splitserve.common.block_hash import check_cache_salt
 from splitserve.common.chat_template import content_parts, joined_text
 from splitserve.common.errors import InvalidRequestError, json_excerpt
@@ -24,6 +25,7 @@ from splitserve.common.sampling_params import MAX_LOGPROBS, SamplingParams
 from splitserve.common.structured_output import StructuredOutput
 from splitserve.common.token_logprobs import TokenLogprobs
 from splitserve.router.api_types import StreamChunk, Usage
+from splitserve.router.openai_beam_search import CHAT_UNHONOURED, COMPLETION_UNHONOURED, parse_beam_search
 from splitserve.router.openai_fields import CHAT_REFUSED, COMPLETION_REFUSED, Refused, refuse_unsupported
 from splitserve.router.reasoning_parsers import ReasoningOutput, ReasoningParser, parse_reasoning
 from splitserve.router.request_limits import MAX_SEQUENCES, PromptTruncation, RequestLimits, utf8_length
@@ -128,6 +130,8 @@ class CompletionRequest:
     one token is generated (sampling.max_tokens is 1) and counted in usage, as vLLM does."""
     cache_salt: str | None = None
     """Salts the prefix cache for every prompt of the request (vLLM extension); None: unsalted."""
+    beam_search: BeamSearchParams | None = None
+    """use_beam_search (vLLM extension): each prompt's n choices are its best n beams; None: sampled."""
 
 
 @dataclass(frozen=True)
@@ -161,6 +165,8 @@ class ChatCompletionRequest:
     """The rendered chat cut to its last or first N tokens (vLLM extension); None: kept whole."""
     cache_salt: str | None = None
     """Salts the prefix cache (vLLM extension); None: unsalted."""
+    beam_search: BeamSearchParams | None = None
+    """use_beam_search (vLLM extension): the n choices are the best n beams; None: sampled."""
 
 
 # ---- parsing --------------------------------------------------------------------------------
@@ -292,10 +298,13 @@ def _prompts(body: Mapping[str, Any], limits: RequestLimits, best_of: int,
     return tuple(_prompt(p, limits, f"prompt[{i}]", truncated) for i, p in enumerate(prompt))
 
 
-def _best_of(body: Mapping[str, Any], n: int, stream: bool) -> int:
+def _best_of(body: Mapping[str, Any], n: int, stream: bool, beam_search: bool = False) -> int:
     best_of = _count(body, "best_of", n)
     if best_of < n:
         raise InvalidRequestError("best_of", f"must be >= n ({n}), got {best_of}")
+    if beam_search and best_of != n:
+        raise InvalidRequestError("best_of", f"cannot be combined with use_beam_search, whose n ({n}) is its beam "
+                                             f"width, got {best_of}")
     if stream and best_of > n:
         raise InvalidRequestError("best_of", f"cannot stream: the best {n} of {best_of} sequences are known only "
                                              "once all finished (set best_of to n, or stream to false)")
@@ -341,15 +350,18 @@ def parse_completion_request(body: Mapping[str, Any], limits: RequestLimits,
     stream, include_usage, continuous_usage = _stream_flags(body)
     _refuse_null(body, "n", f"an integer in [1, {MAX_SEQUENCES}]")  # a chat's n is optional: null is 1 there
     n = _count(body, "n", 1)
-    best_of = _best_of(body, n, stream)
     sampling = _with_prompt_logprobs(body, _sampling(body, defaults.limited(max_tokens), max_tokens_param, logprobs,
                                                      limits, defaults), stream, logprobs if echo else None)
+    beam_search = parse_beam_search(body, n, sampling, COMPLETION_UNHONOURED)
+    if beam_search is not None:  # vLLM answers a streamed beam search with one JSON response
+        stream, include_usage, continuous_usage = False, False, False
+    best_of = _best_of(body, n, stream, beam_search is not None)
     truncation = _truncation(body, limits)
     return CompletionRequest(_model(body), _prompts(body, limits, best_of, truncation is not None), n, best_of, echo,
                              sampling, max_tokens_param, stream, include_usage, continuous_usage,
                              _typed(body, "return_tokens_as_token_ids", bool, "a boolean", False),
                              _request_id(body, limits), _flag(body, "add_special_tokens", True),
-                             _return_token_ids(body), truncation, echo_only, _cache_salt(body))
+                             _return_token_ids(body), truncation, echo_only, _cache_salt(body), beam_search)
 
 
 def _return_token_ids(body: Mapping[str, Any]) -> bool:
@@ -465,11 +477,13 @@ def parse_chat_request(body: Mapping[str, Any], limits: RequestLimits,
                                                      _chat_logprobs(body), limits, defaults,
                                                      None if tool_calling is None else tool_calling.constraint()),
                                      stream)
+    n = _count(body, "n", 1)
     return ChatCompletionRequest(
-        _model(body), messages, _count(body, "n", 1), add_generation_prompt, sampling, max_tokens_param, stream,
+        _model(body), messages, n, add_generation_prompt, sampling, max_tokens_param, stream,
         include_usage, continuous_usage, _typed(body, "return_tokens_as_token_ids", bool, "a boolean", False),
         _request_id(body, limits), template, tool_calling, _flag(body, "include_reasoning", True),
-        _return_token_ids(body), _truncation(body, limits), _cache_salt(body))
+        _return_token_ids(body), _truncation(body, limits), _cache_salt(body),
+        parse_beam_search(body, n, sampling, CHAT_UNHONOURED))
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from splitserve.common.beam_search import STOP, Beam, BeamSearchParams, start
 from splitserve.common.errors import InvalidRequestError
 from splitserve.common.generation_config import NO_REQUEST_DEFAULTS, RequestDefaults
 from splitserve.common.log_escape import quote_for_log
@@ -48,7 +49,8 @@ from splitserve.router.openai_protocol import (ChatCompletionRequest, ChatRender
                                                CompletionRequest, ResponseHeader, error_body, parse_chat_request,
                                                parse_completion_request, parse_detokenize_request,
                                                parse_tokenize_request)
-from splitserve.router.api_types import GenerationInput, RouterError, Usage
+from splitserve.router.api_types import GenerationInput, RouterError, StreamChunk, Usage
+from splitserve.router.beam_search_run import BeamSearchResult, run_beam_search
 from splitserve.router.fanout import FanOut, IndexedChunk, best_of, by_choice, merged_usage, sequence_inputs
 from splitserve.router.orchestrator import Orchestrator
 from splitserve.router.reasoning_parsers import ReasoningFormat, ReasoningOutput
@@ -131,6 +133,8 @@ class _Job:
     """Choices returned per prompt: the best n of its sequences when fewer than num_sequences."""
     renderer: CompletionRenderer | ChatRenderer | ResponsesRenderer
     stream: bool
+    beam_search: BeamSearchParams | None = None
+    """use_beam_search: each prompt's n choices are its best n beams (inputs[::n] are the prompts')."""
 
     def response(self, chunks: list[IndexedChunk]) -> dict:
         """The non-streaming response from every sequence's chunks."""
@@ -268,6 +272,8 @@ class OpenAIServing:
             logger.info("[%s] %s: %d prompt tokens, %d sequences", quote_for_log(job.inputs[0].request_id),
                         request.url.path, sum(len(inp.prompt_token_ids) for inp in job.inputs[::job.num_sequences]),
                         len(job.inputs))
+            if job.beam_search is not None:
+                return await self._respond_beam_search(request, job, admission)
             return await self._respond(request, job, admission)
         except BaseException as error:
             admission.release()  # refused while parsed, or its stream never started (else a no-op)
@@ -291,6 +297,44 @@ class OpenAIServing:
             raise
         return _EventStream(job.events(first, stream))
 
+    async def _respond_beam_search(self, request: Request, job: _Job, admission: Admission) -> Response:
+        """Run each prompt's beam search (one after the other) while holding the request's slot, then answer
+        with the best beams; a stream (chat's, as vLLM streams it) carries each beam whole in one chunk."""
+        try:
+            chunks = await _until_disconnect(request, self._beam_chunks(job))
+        finally:
+            admission.release()
+        if not job.stream:
+            return JSONResponse(job.response(chunks))
+        return _EventStream(job.events(chunks[0], _replayed(chunks[1:])))
+
+    async def _beam_chunks(self, job: _Job) -> list[IndexedChunk]:
+        """Every choice as one finished chunk, prompt-major (choice p * n + i: prompt p's beam i, best first)."""
+        chunks = []
+        eos_token_id = self._eos_token_id()
+        for prompt_index, base in enumerate(job.inputs[::job.n]):
+            room = self.orchestrator.max_model_len - len(base.prompt_token_ids)  # the prompt leaves >= 1
+            params = dataclasses.replace(job.beam_search, max_tokens=min(job.beam_search.max_tokens, room))
+            result = await run_beam_search(self.orchestrator, base, start(params, base.prompt_token_ids,
+                                                                          eos_token_id))
+            chunks.extend(IndexedChunk(prompt_index * job.n + i, self._beam_chunk(base, beam, result))
+                          for i, beam in enumerate(result.search.best()))
+        return chunks
+
+    def _beam_chunk(self, base: GenerationInput, beam: Beam, result: BeamSearchResult) -> StreamChunk:
+        """A returned beam as its choice's only chunk: its text leaves out the EOS that completed it (vLLM's)."""
+        ends_with_eos = beam.finish_reason == STOP and beam.token_ids[-1:] == (beam.stop_reason,)
+        text_ids = beam.token_ids[:-1] if ends_with_eos else beam.token_ids  # include_stop_str_in_output kept it
+        text = self.tokenizers.tokenizer.decode(text_ids, skip_special_tokens=base.sampling_params.skip_special_tokens)
+        usage = Usage(len(base.prompt_token_ids), result.num_cached_tokens, len(beam.token_ids))
+        return StreamChunk(base.request_id, beam.token_ids, text, (), beam.finish_reason, beam.stop_reason, usage)
+
+    def _eos_token_id(self) -> int | None:
+        """The tokenizer's EOS, which completes a beam (vLLM's tokenizer.eos_token_id); None when it has none."""
+        tokenizer = self.tokenizers.tokenizer
+        eos = tokenizer.special_tokens.get("eos_token")
+        return None if eos is None else tokenizer.backend.token_to_id(eos)
+
     async def _completion_job(self, parsed: CompletionRequest) -> _Job:
         self._check_model(parsed.model)
         prompts = [prompt if isinstance(prompt, tuple)
@@ -310,7 +354,7 @@ class OpenAIServing:
         if parsed.return_token_ids:  # choice i is one of prompt i // n's sequences: inputs i // n * best_of on
             renderer.with_token_ids([inputs[i // parsed.n * parsed.best_of].prompt_token_ids
                                      for i in range(len(prompts) * parsed.n)])
-        return _Job(inputs, parsed.best_of, parsed.n, renderer, parsed.stream)
+        return _Job(inputs, parsed.best_of, parsed.n, renderer, parsed.stream, parsed.beam_search)
 
     async def _chat_job(self, parsed: ChatCompletionRequest) -> _Job:
         chat = await self._chat_inputs(parsed, "messages")
@@ -321,7 +365,7 @@ class OpenAIServing:
                                 chat.reasoning_output)
         if parsed.return_token_ids:
             renderer.with_token_ids([chat.inputs[0].prompt_token_ids] * parsed.n)
-        return _Job(chat.inputs, parsed.n, parsed.n, renderer, parsed.stream)
+        return _Job(chat.inputs, parsed.n, parsed.n, renderer, parsed.stream, parsed.beam_search)
 
     async def _responses_job(self, parsed: ResponsesRequest) -> _Job:
         chat = await self._chat_inputs(parsed.chat, "input")
@@ -434,6 +478,12 @@ def _too_large(num_bytes: int, limit: int) -> ApiError:
 
 async def _collect(stream: AsyncIterator[T]) -> list[T]:
     return [chunk async for chunk in stream]
+
+
+async def _replayed(items: Sequence[T]) -> AsyncGenerator[T, None]:
+    """Items already at hand as a stream."""
+    for item in items:
+        yield item
 
 
 async def _wait_for_disconnect(request: Request) -> None:

@@ -1,0 +1,267 @@
+"""use_beam_search on the OpenAI API, end to end on the tiny model: the beams equal an independent
+reference (vLLM's algorithm over transformers' fp32 logits) token for token, beam width 1 is greedy,
+a chat streams each beam whole, a streamed completion is answered with one JSON response (both as
+vLLM does), fields a beam search cannot honour are 400s, each step's beams take admission slots, a
+client that goes away and a deadline stop every beam's requests."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from splitserve.common.beam_search import BeamSearchParams, start
+from splitserve.common.sampling_params import SamplingParams
+from splitserve.router.api_types import GenerationInput, RouterError
+from splitserve.router.beam_search_run import run_beam_search
+from splitserve.router.policy import RoutingConfig
+from tests.factories import hf_logits, http_request, served_apis
+
+MODEL = "tiny-llama"
+PROMPT = "The river runs"
+
+
+# ---- the reference: vLLM's beam search, written out over transformers' logits -----------------
+
+def reference_beam_search(model_dir: Path, prompt: list[int], beam_width: int, max_tokens: int, eos: int,
+                          length_penalty: float = 1.0, ignore_eos: bool = False) -> list[tuple[list[int], str]]:
+    """(output token ids without the EOS, finish reason) of the best beams, best first."""
+    beams: list[tuple[list[int], float]] = [(list(prompt), 0.0)]
+    completed: list[tuple[list[int], float, str]] = []
+    for _ in range(max_tokens):
+        candidates = []
+        for tokens, cum_logprob in beams:
+            logprobs = torch.log_softmax(hf_logits(model_dir, tokens)[-1], dim=-1)
+            values, ids = logprobs.topk(2 * beam_width)
+            for token_id, logprob in zip(ids.tolist(), values.tolist()):
+                if token_id == eos and not ignore_eos:
+                    completed.append((tokens, cum_logprob + logprob, "stop"))
+                else:
+                    candidates.append((tokens + [token_id], cum_logprob + logprob))
+        beams = sorted(candidates, key=lambda beam: beam[1], reverse=True)[:beam_width]
+        if not beams:
+            break
+
+    def score(beam: tuple[list[int], float, str]) -> float:
+        tokens, cum_logprob, _ = beam
+        return cum_logprob / ((len(tokens) - (tokens[-1] == eos)) ** length_penalty)
+
+    ranked = sorted(completed + [(tokens, cum, "length") for tokens, cum in beams], key=score, reverse=True)
+    return [(tokens[len(prompt):], reason) for tokens, _, reason in ranked[:beam_width]]
+
+
+def _eos_model(model_dir: Path, out_dir: Path, eos_token_id: int) -> Path:
+    """The model with its tokenizer's EOS made `eos_token_id` (a token the model often ranks high): beams then
+    end by EOS within a few steps (the tiny model's own EOS is never among its top candidates)."""
+    shutil.copytree(model_dir, out_dir)
+    tokenizer = json.loads((out_dir / "tokenizer.json").read_text())
+    eos = next(token for token, index in tokenizer["model"]["vocab"].items() if index == eos_token_id)
+    config = json.loads((out_dir / "tokenizer_config.json").read_text())
+    (out_dir / "tokenizer_config.json").write_text(json.dumps({**config, "eos_token": eos}))
+    return out_dir
+
+
+def _post(served, path: str, body: dict) -> tuple[int, dict, bytes]:
+    return http_request(served.http_port, "POST", path, json.dumps({"model": MODEL, **body}).encode())
+
+
+def _completion(served, **body) -> dict:
+    status, _, raw = _post(served, "/v1/completions", {"prompt": PROMPT, "use_beam_search": True,
+                                                       "return_token_ids": True, **body})
+    assert status == 200, raw
+    return json.loads(raw)
+
+
+def _beams(response: dict) -> list[tuple[list[int], str]]:
+    return [(choice["token_ids"], choice["finish_reason"]) for choice in response["choices"]]
+
+
+@pytest.fixture(scope="module")
+def served(tiny_llama_dir):
+    with served_apis(tiny_llama_dir, MODEL) as served:
+        yield served
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(served) -> list[int]:
+    return list(served.cluster.tokenizer.backend.encode(PROMPT).ids)
+
+
+# ---- the beams ---------------------------------------------------------------------------------
+
+def test_beam_width_one_is_greedy(served):
+    status, _, raw = _post(served, "/v1/completions", {"prompt": PROMPT, "max_tokens": 8, "temperature": 0,
+                                                       "ignore_eos": True, "return_token_ids": True})
+    greedy = json.loads(raw)["choices"][0]
+    beam = _completion(served, max_tokens=8, ignore_eos=True)["choices"]
+    assert status == 200 and len(beam) == 1
+    assert (beam[0]["token_ids"], beam[0]["text"], beam[0]["finish_reason"]) == (
+        greedy["token_ids"], greedy["text"], "length")
+
+
+@pytest.mark.parametrize("beam_width", [2, 3, 4])
+def test_beams_equal_the_reference_over_transformers_logits(served, prompt_ids, tiny_llama_dir, beam_width):
+    response = _completion(served, n=beam_width, max_tokens=5, temperature=0)
+    expected = reference_beam_search(tiny_llama_dir, prompt_ids, beam_width, 5, eos=0)
+    assert _beams(response) == expected
+    assert [c["index"] for c in response["choices"]] == list(range(beam_width))
+    assert response["choices"][0]["text"] == served.cluster.tokenizer.decode(expected[0][0])
+    usage = response["usage"]  # the prompt once, every returned beam's tokens
+    assert (usage["prompt_tokens"], usage["completion_tokens"]) == (len(prompt_ids), 5 * beam_width)
+
+
+def test_a_batch_of_prompts_gets_each_prompts_beams_prompt_major(served, prompt_ids, tiny_llama_dir):
+    other = [5, 77, 300]
+    response = _completion(served, prompt=[prompt_ids, other], n=2, max_tokens=3, temperature=0)
+    assert _beams(response) == (reference_beam_search(tiny_llama_dir, prompt_ids, 2, 3, eos=0)
+                                + reference_beam_search(tiny_llama_dir, other, 2, 3, eos=0))
+
+
+def test_chat_beams_equal_the_reference_and_stream_whole(served, tiny_llama_dir):
+    messages = [{"role": "user", "content": "Tell me about rivers"}]
+    body = {"messages": messages, "use_beam_search": True, "n": 2, "max_tokens": 4, "temperature": 0,
+            "return_token_ids": True}
+    status, _, raw = _post(served, "/v1/chat/completions", body)
+    response = json.loads(raw)
+    expected = reference_beam_search(tiny_llama_dir, response["prompt_token_ids"], 2, 4, eos=0)
+    assert status == 200
+    assert [(c["token_ids"], c["finish_reason"]) for c in response["choices"]] == expected
+    status, headers, raw = _post(served, "/v1/chat/completions", {**body, "stream": True,
+                                                                  "stream_options": {"include_usage": True}})
+    events = [json.loads(line[6:]) for line in raw.decode().split("\n\n") if line.startswith("data: {")]
+    assert status == 200 and headers["content-type"].startswith("text/event-stream")
+    assert raw.endswith(b"data: [DONE]\n\n")
+    deltas = [(c["index"], c["delta"], c["finish_reason"]) for e in events for c in e["choices"]]
+    assert deltas == [(0, {"role": "assistant", "content": ""}, None),
+                      (0, {"content": response["choices"][0]["message"]["content"]}, "length"),
+                      (1, {"role": "assistant", "content": ""}, None),
+                      (1, {"content": response["choices"][1]["message"]["content"]}, "length")]
+    assert events[-1]["usage"]["completion_tokens"] == 8
+
+
+def test_a_streamed_completion_is_answered_with_one_json_response(served, prompt_ids, tiny_llama_dir):
+    status, headers, raw = _post(served, "/v1/completions", {"prompt": PROMPT, "use_beam_search": True, "n": 2,
+                                                             "max_tokens": 3, "temperature": 0, "stream": True,
+                                                             "return_token_ids": True})
+    assert status == 200 and headers["content-type"] == "application/json"
+    assert _beams(json.loads(raw)) == reference_beam_search(tiny_llama_dir, prompt_ids, 2, 3, eos=0)
+
+
+@pytest.fixture(scope="module")
+def eos_served(tiny_llama_dir, tmp_path_factory, served, prompt_ids):
+    """The model whose tokenizer EOS is the prompt's second-best next token."""
+    logprobs = torch.log_softmax(hf_logits(tiny_llama_dir, prompt_ids)[-1], dim=-1)
+    eos = int(logprobs.topk(2).indices[1])
+    model_dir = _eos_model(tiny_llama_dir, tmp_path_factory.mktemp("eos") / "model", eos)
+    with served_apis(model_dir, MODEL) as eos_served:
+        yield eos_served, model_dir, eos
+
+
+@pytest.mark.parametrize("length_penalty", [0.0, 1.0, 2.0, -1.0])
+def test_eos_completes_beams_and_the_length_penalty_ranks_them(eos_served, prompt_ids, length_penalty):
+    served, model_dir, eos = eos_served
+    response = _completion(served, n=3, max_tokens=6, temperature=0, length_penalty=length_penalty)
+    expected = reference_beam_search(model_dir, prompt_ids, 3, 6, eos, length_penalty)
+    assert _beams(response) == expected
+    assert "stop" in {reason for _, reason in expected}
+    stopped = [c for c in response["choices"] if c["finish_reason"] == "stop"]
+    assert [c["stop_reason"] for c in stopped] == [eos] * len(stopped)
+    assert all(eos not in c["token_ids"] for c in response["choices"])
+
+
+def test_include_stop_str_in_output_keeps_eos_in_token_ids_only(eos_served, prompt_ids):
+    served, model_dir, eos = eos_served
+    response = _completion(served, n=3, max_tokens=6, temperature=0, include_stop_str_in_output=True)
+    expected = reference_beam_search(model_dir, prompt_ids, 3, 6, eos)
+    assert _beams(response) == [(ids + [eos] if reason == "stop" else ids, reason) for ids, reason in expected]
+    for choice, (ids, _) in zip(response["choices"], expected):
+        assert choice["text"] == served.cluster.tokenizer.decode(ids)
+
+
+def test_ignore_eos_runs_every_beam_to_max_tokens(eos_served, prompt_ids):
+    served, model_dir, eos = eos_served
+    response = _completion(served, n=2, max_tokens=4, temperature=0, ignore_eos=True)
+    assert _beams(response) == reference_beam_search(model_dir, prompt_ids, 2, 4, eos, ignore_eos=True)
+    assert {c["finish_reason"] for c in response["choices"]} == {"length"}
+
+
+# ---- what is refused ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/completions", {"n": 11}, "n"),
+    ("/v1/completions", {"n": 2, "best_of": 3}, "best_of"),
+    ("/v1/completions", {"logprobs": 2}, "logprobs"),
+    ("/v1/completions", {"stop": ["."]}, "stop"),
+    ("/v1/completions", {"echo": True}, "echo"),
+    ("/v1/completions", {"repetition_penalty": 1.2}, "repetition_penalty"),
+    ("/v1/completions", {"use_beam_search": "yes"}, "use_beam_search"),
+    ("/v1/completions", {"length_penalty": None}, "length_penalty"),
+    ("/v1/completions", {"use_beam_search": False, "length_penalty": 2.0}, "length_penalty"),
+    ("/v1/chat/completions", {"n": 11}, "n"),
+    ("/v1/chat/completions", {"logprobs": True}, "logprobs"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+])
+def test_bad_combinations_are_400s_naming_the_field(served, path, body, param):
+    prompt = {"prompt": PROMPT} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]}
+    status, _, raw = _post(served, path, {**prompt, "use_beam_search": True, "max_tokens": 3, **body})
+    assert (status, json.loads(raw)["error"]["param"]) == (400, param)
+
+
+def test_n_above_the_widest_beam_says_why(served):
+    status, _, raw = _post(served, "/v1/completions", {"prompt": PROMPT, "use_beam_search": True, "n": 11})
+    assert status == 400
+    assert json.loads(raw)["error"]["message"] == (
+        "n: is the beam width with use_beam_search: an integer in [1, 10] (each step asks for 2 x n logprobs, at "
+        "most 20), got 11")
+
+
+# ---- admission, cancellation, deadlines -----------------------------------------------------------
+
+def test_a_step_the_router_cannot_hold_whole_is_a_429(tiny_llama_dir):
+    """Room for two requests: the first step (one beam) runs, the second (three beams: the request's slot and
+    two more) is refused whole; no slot leaks and width two is served."""
+    routing = RoutingConfig(max_in_flight_requests=2)
+    with served_apis(tiny_llama_dir, MODEL, routing=routing) as served:
+        status, headers, raw = _post(served, "/v1/completions", {"prompt": PROMPT, "use_beam_search": True, "n": 3,
+                                                                 "max_tokens": 3, "temperature": 0})
+        assert (status, headers["retry-after"], json.loads(raw)["error"]["code"]) == (429, "1", "resource_exhausted")
+        assert served.cluster.orchestrator.admission.in_flight == 0
+        status, _, _ = _post(served, "/v1/completions", {"prompt": PROMPT, "use_beam_search": True, "n": 1,
+                                                         "max_tokens": 3})
+        assert status == 200
+
+
+def _generated_tokens(served) -> int:
+    return sum(served.loop.run(w.stats()).engine.num_generation_tokens for w in served.cluster.decode_workers)
+
+
+def test_a_client_going_away_stops_every_beam(served):
+    body = json.dumps({"model": MODEL, "prompt": PROMPT, "use_beam_search": True, "n": 3, "max_tokens": 2000,
+                       "ignore_eos": True}).encode()
+    with socket.create_connection(("127.0.0.1", served.http_port)) as connection:
+        connection.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                           b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        time.sleep(1.0)
+    served.loop.run(served.cluster.wait_idle())
+    stopped_at = _generated_tokens(served)
+    time.sleep(0.5)
+    assert _generated_tokens(served) == stopped_at < 3 * 2000
+    assert served.cluster.orchestrator.admission.in_flight == 0
+    assert served.cluster.orchestrator.num_in_flight == 0
+
+
+def test_the_deadline_ends_the_search(served, prompt_ids):
+    orchestrator = served.cluster.orchestrator
+    search = start(BeamSearchParams(beam_width=2, max_tokens=2000, ignore_eos=True), prompt_ids, 0)
+    base = GenerationInput("deadline", tuple(prompt_ids), SamplingParams(), time.monotonic() + 0.5)
+    with pytest.raises(RouterError) as error:
+        served.loop.run(run_beam_search(orchestrator, base, search))
+    assert error.value.code == "DEADLINE_EXCEEDED"
+    served.loop.run(served.cluster.wait_idle())
+    assert orchestrator.num_in_flight == 0
+
