@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal, NotRequired, TypedDict, get_args
 
@@ -15,6 +15,7 @@ from tqdm import tqdm
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from transformers.utils.chat_template_utils import _compile_jinja_template
 
+from splitserve.common.beam_search import Beam, BeamSearch, BeamSearchParams, Candidate, candidates_of, start
 from splitserve.common.block_hash import check_cache_salt
 from splitserve.common.chat_template import (TEMPLATE_VARIABLES, ContentFormat, check_template_kwargs,
                                              content_parts, parse_call_arguments, resolve_content_format,
@@ -25,7 +26,8 @@ from splitserve.common.errors import InvalidRequestError
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.stats import EngineStats
 from splitserve.engine.engine_core import EngineCore
-from splitserve.engine.outputs import CompletionDelta, CompletionOutput, RequestOutput
+from splitserve.engine.outputs import (BeamSearchOutput, BeamSearchSequence, CompletionDelta, CompletionOutput,
+                                       RequestOutput)
 from splitserve.engine.tiny_model import resolve_model_path
 from splitserve.common.token_logprobs import TokenLogprobs
 
@@ -286,6 +288,48 @@ class LLM:
                        for index, conversation in enumerate(messages)]
         return self.generate(prompts, sampling_params, use_tqdm)
 
+    def beam_search(self, prompts: Sequence[Prompt], params: BeamSearchParams,
+                    lora_request: None = None) -> list[BeamSearchOutput]:
+        """vLLM's `LLM.beam_search`, over the same core as the server's use_beam_search (common/beam_search.py):
+        each step runs every live beam of every prompt as one generate() batch (one token, 2 x beam_width
+        logprobs; the prefix cache holds the shared prefixes). A beam's tokens keep the EOS that completed it
+        and its text is the prompt's and the beam's tokens decoded, as vLLM's offline beams are (so
+        include_stop_str_in_output changes nothing here). A step's candidates are ranked by cumulative logprob,
+        as vLLM's server does; vLLM's offline LLM ranks them by the length-penalised score, which orders them
+        differently only under ignore_eos, when a candidate is EOS."""
+        _refuse_given("lora_request", lora_request, "LoRA adapters are not supported")
+        if not isinstance(params, BeamSearchParams):
+            raise InvalidRequestError("params", f"must be a BeamSearchParams, got {type(params).__name__}")
+        resolved = [self._resolve(prompt) for prompt in _prompt_list(prompts)]
+        kept_eos = replace(params, include_stop_str_in_output=True)
+        searches = [start(replace(kept_eos, max_tokens=min(params.max_tokens, self._room(p))), p.token_ids,
+                          self.tokenizer.eos_token_id) for p in resolved]
+        while not all(search.done for search in searches):
+            searches = self._beam_step(searches, resolved)
+        return [BeamSearchOutput([self._beam_sequence(search, beam) for beam in search.best()]) for search in searches]
+
+    def _room(self, prompt: PromptInput) -> int:
+        """Output tokens the context leaves a prompt (at least one, or generate() refuses the prompt)."""
+        return max(self.engine.max_model_len - len(prompt.token_ids), 1)
+
+    def _beam_step(self, searches: list[BeamSearch], prompts: list[PromptInput]) -> list[BeamSearch]:
+        """Every unfinished search one step on, all their beams in one generate() call."""
+        live = [(index, search) for index, search in enumerate(searches) if not search.done]
+        batch = [{"prompt_token_ids": list(tokens), **_salt(prompts[index])}
+                 for index, search in live for tokens in search.step_prompts()]
+        step = SamplingParams(max_tokens=1, temperature=live[0][1].params.temperature,
+                              logprobs=live[0][1].params.num_logprobs)
+        outputs = iter(self.generate(batch, step))
+        stepped = list(searches)
+        for index, search in live:
+            stepped[index] = search.step([_candidates(next(outputs)) for _ in search.beams])
+        return stepped
+
+    def _beam_sequence(self, search: BeamSearch, beam: Beam) -> BeamSearchSequence:
+        tokens = list(search.prompt_token_ids + beam.token_ids)
+        return BeamSearchSequence(tokens, beam.cum_logprob, self.tokenizer.decode(tokens), beam.finish_reason,
+                                  beam.stop_reason)
+
     def _content_format(self, option: object, options: ChatOptions) -> ContentFormat:
         """chat_template_content_format resolved: "auto" read from the template chat() renders with
         (the tokenizer's when options give none; "string" when there is none, which rendering reports)."""
@@ -420,6 +464,16 @@ class LLM:
     def _next_id(self) -> str:
         self._counter += 1
         return f"offline-{self._counter}"
+
+
+def _salt(prompt: PromptInput) -> dict[str, str]:
+    return {} if prompt.cache_salt is None else {"cache_salt": prompt.cache_salt}
+
+
+def _candidates(output: RequestOutput) -> tuple[Candidate, ...]:
+    """A beam's step candidates: its one token's logprobs (the sampled token first, as vLLM's)."""
+    entry = output.outputs[0].logprobs[0]
+    return candidates_of(Candidate(entry.token_id, entry.logprob), entry.top)
 
 
 def _parse_chat_template(template: str) -> jinja2.nodes.Template | None:

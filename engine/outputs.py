@@ -94,3 +94,25 @@ class RequestOutput:
     @property
     def logprobs(self) -> list[TokenLogprobs] | None:
         return self.outputs[0].logprobs
+
+
+@dataclass(frozen=True)
+class BeamSearchSequence:
+    """One beam LLM.beam_search returns, vLLM's `BeamSearchSequence`."""
+
+    tokens: list[int]
+    """The prompt's tokens and the beam's, with the EOS that completed it (vLLM's offline form)."""
+    cum_logprob: float
+    text: str
+    """tokens decoded, the prompt's included, special tokens kept (vLLM's tokenizer.decode(tokens))."""
+    finish_reason: str
+    """'stop' (EOS completed it) or 'length'."""
+    stop_reason: int | None
+    """The EOS id that completed it."""
+
+
+@dataclass(frozen=True)
+class BeamSearchOutput:
+    """One prompt's best beams, best first (vLLM's `BeamSearchOutput`)."""
+
+    sequences: list[BeamSearchSequence]

@@ -82,6 +82,48 @@ def hf_logits(model_dir: Path, prompt_token_ids: list[int]) -> torch.Tensor:
         return _hf_model(model_dir)(torch.tensor([prompt_token_ids])).logits[0].float()
 
 
+def reference_beam_search(model_dir: Path, prompt: list[int], beam_width: int, max_tokens: int, eos: int,
+                          length_penalty: float = 1.0, ignore_eos: bool = False) -> list[tuple[list[int], str]]:
+    """The oracle of beam search: vLLM's algorithm written out over transformers' fp32 logits (independent of
+    common/beam_search.py); (output token ids without the EOS, finish reason) of the best beams, best first."""
+    beams: list[tuple[list[int], float]] = [(list(prompt), 0.0)]
+    completed: list[tuple[list[int], float, str]] = []
+    for _ in range(max_tokens):
+        candidates = []
+        for tokens, cum_logprob in beams:
+            logprobs = torch.log_softmax(hf_logits(model_dir, tokens)[-1], dim=-1)
+            values, ids = logprobs.topk(2 * beam_width)
+            for token_id, logprob in zip(ids.tolist(), values.tolist()):
+                if token_id == eos and not ignore_eos:
+                    completed.append((tokens, cum_logprob + logprob, "stop"))
+                else:
+                    candidates.append((tokens + [token_id], cum_logprob + logprob))
+        beams = sorted(candidates, key=lambda beam: beam[1], reverse=True)[:beam_width]
+        if not beams:
+            break
+
+    def score(beam: tuple[list[int], float, str]) -> float:
+        tokens, cum_logprob, _ = beam
+        return cum_logprob / ((len(tokens) - (tokens[-1] == eos)) ** length_penalty)
+
+    ranked = sorted(completed + [(tokens, cum, "length") for tokens, cum in beams], key=score, reverse=True)
+    return [(tokens[len(prompt):], reason) for tokens, _, reason in ranked[:beam_width]]
+
+
+def eos_model(model_dir: Path, out_dir: Path, eos_token_id: int) -> Path:
+    """A copy of the model whose tokenizer's EOS is `eos_token_id` (generation_config.json unchanged): with a token
+    the model ranks high, beam search sees EOS among its candidates (a tiny model's own EOS never is)."""
+    import json
+    import shutil
+
+    shutil.copytree(model_dir, out_dir)
+    vocab = json.loads((out_dir / "tokenizer.json").read_text())["model"]["vocab"]
+    eos = next(token for token, index in vocab.items() if index == eos_token_id)
+    config = json.loads((out_dir / "tokenizer_config.json").read_text())
+    (out_dir / "tokenizer_config.json").write_text(json.dumps({**config, "eos_token": eos}))
+    return out_dir
+
+
 MOE_DEFAULTS = {
     "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True),
     "mixtral": dict(num_local_experts=6, num_experts_per_tok=2, intermediate_size=48),

@@ -7,7 +7,6 @@ client that goes away and a deadline stop every beam's requests."""
 from __future__ import annotations
 
 import json
-import shutil
 import socket
 import time
 from pathlib import Path
@@ -20,50 +19,10 @@ from splitserve.common.sampling_params import SamplingParams
 from splitserve.router.api_types import GenerationInput, RouterError
 from splitserve.router.beam_search_run import run_beam_search
 from splitserve.router.policy import RoutingConfig
-from tests.factories import hf_logits, http_request, served_apis
+from tests.factories import eos_model, hf_logits, http_request, reference_beam_search, served_apis
 
 MODEL = "tiny-llama"
 PROMPT = "The river runs"
-
-
-# ---- the reference: vLLM's beam search, written out over transformers' logits -----------------
-
-def reference_beam_search(model_dir: Path, prompt: list[int], beam_width: int, max_tokens: int, eos: int,
-                          length_penalty: float = 1.0, ignore_eos: bool = False) -> list[tuple[list[int], str]]:
-    """(output token ids without the EOS, finish reason) of the best beams, best first."""
-    beams: list[tuple[list[int], float]] = [(list(prompt), 0.0)]
-    completed: list[tuple[list[int], float, str]] = []
-    for _ in range(max_tokens):
-        candidates = []
-        for tokens, cum_logprob in beams:
-            logprobs = torch.log_softmax(hf_logits(model_dir, tokens)[-1], dim=-1)
-            values, ids = logprobs.topk(2 * beam_width)
-            for token_id, logprob in zip(ids.tolist(), values.tolist()):
-                if token_id == eos and not ignore_eos:
-                    completed.append((tokens, cum_logprob + logprob, "stop"))
-                else:
-                    candidates.append((tokens + [token_id], cum_logprob + logprob))
-        beams = sorted(candidates, key=lambda beam: beam[1], reverse=True)[:beam_width]
-        if not beams:
-            break
-
-    def score(beam: tuple[list[int], float, str]) -> float:
-        tokens, cum_logprob, _ = beam
-        return cum_logprob / ((len(tokens) - (tokens[-1] == eos)) ** length_penalty)
-
-    ranked = sorted(completed + [(tokens, cum, "length") for tokens, cum in beams], key=score, reverse=True)
-    return [(tokens[len(prompt):], reason) for tokens, _, reason in ranked[:beam_width]]
-
-
-def _eos_model(model_dir: Path, out_dir: Path, eos_token_id: int) -> Path:
-    """The model with its tokenizer's EOS made `eos_token_id` (a token the model often ranks high): beams then
-    end by EOS within a few steps (the tiny model's own EOS is never among its top candidates)."""
-    shutil.copytree(model_dir, out_dir)
-    tokenizer = json.loads((out_dir / "tokenizer.json").read_text())
-    eos = next(token for token, index in tokenizer["model"]["vocab"].items() if index == eos_token_id)
-    config = json.loads((out_dir / "tokenizer_config.json").read_text())
-    (out_dir / "tokenizer_config.json").write_text(json.dumps({**config, "eos_token": eos}))
-    return out_dir
 
 
 def _post(served, path: str, body: dict) -> tuple[int, dict, bytes]:
@@ -144,6 +103,17 @@ def test_chat_beams_equal_the_reference_and_stream_whole(served, tiny_llama_dir)
     assert events[-1]["usage"]["completion_tokens"] == 8
 
 
+def test_beams_through_remote_prefill_and_kv_transfer_equal_the_reference(tiny_llama_dir, prompt_ids):
+    """Every step's beams prefilled on one of two prefill workers and pulled by the decode worker."""
+    with served_apis(tiny_llama_dir, MODEL, num_prefill=2, routing=RoutingConfig(disaggregation="always")) as served:
+        response = _completion(served, n=3, max_tokens=4, temperature=0)
+        prefilled = [served.loop.run(w.stats()).engine.num_prompt_tokens for w in served.cluster.prefill_workers]
+        decoded = served.loop.run(served.cluster.decode_workers[0].stats()).engine
+    assert _beams(response) == reference_beam_search(tiny_llama_dir, prompt_ids, 3, 4, eos=0)
+    length = len(prompt_ids)  # step prompts: the prompt, then 3 beams of the prompt + 1, + 2 and + 3 tokens
+    assert (sum(prefilled), decoded.num_prompt_tokens) == (length + 3 * (3 * length + 6), 0)
+
+
 def test_a_streamed_completion_is_answered_with_one_json_response(served, prompt_ids, tiny_llama_dir):
     status, headers, raw = _post(served, "/v1/completions", {"prompt": PROMPT, "use_beam_search": True, "n": 2,
                                                              "max_tokens": 3, "temperature": 0, "stream": True,
@@ -157,7 +127,7 @@ def eos_served(tiny_llama_dir, tmp_path_factory, served, prompt_ids):
     """The model whose tokenizer EOS is the prompt's second-best next token."""
     logprobs = torch.log_softmax(hf_logits(tiny_llama_dir, prompt_ids)[-1], dim=-1)
     eos = int(logprobs.topk(2).indices[1])
-    model_dir = _eos_model(tiny_llama_dir, tmp_path_factory.mktemp("eos") / "model", eos)
+    model_dir = eos_model(tiny_llama_dir, tmp_path_factory.mktemp("eos") / "model", eos)
     with served_apis(model_dir, MODEL) as eos_served:
         yield eos_served, model_dir, eos
 
