@@ -3,11 +3,11 @@ one-token requests through the orchestrator, so they are routed by prefix (a bea
 previous step's prompt + one token: its blocks are cached), prefilled, transferred and decoded
 like any request, under the request's deadline and cache salt.
 
-Admission: the API request's own slot is held for the whole search and covers one beam of each
-step; every other beam takes a slot of its own before the step starts, all or none (FanOut), so a
-router that cannot hold a step whole refuses it with RESOURCE_EXHAUSTED. Cancelling the search
-(the client went away) cancels the running step, which aborts its beams on the workers; a beam that
-fails fails the search.
+Admission: the search holds beam_width slots from its start to its end, all or none: the API
+request's own (the caller's) and beam_width - 1 it takes before the first step, so a search the
+router cannot hold whole is refused at once with RESOURCE_EXHAUSTED, before anything ran, and never
+midway. Each step's beams run on those slots. Cancelling the search (the client went away) cancels
+the running step, which aborts its beams on the workers; a beam that fails fails the search.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from splitserve.common.beam_search import BeamSearch, Candidate, candidates_of
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.router.admission import Admission
 from splitserve.router.api_types import GenerationInput, Usage
-from splitserve.router.fanout import FanOut, IndexedChunk
+from splitserve.router.fanout import FanOut, IndexedChunk, admit_all
 from splitserve.router.orchestrator import Orchestrator
 
 
@@ -61,14 +61,30 @@ def cached_tokens(chunks: Sequence[IndexedChunk]) -> int:
 
 
 async def run_beam_search(orchestrator: Orchestrator, base: GenerationInput, search: BeamSearch) -> BeamSearchResult:
-    """Step `search` until it is done; raises the first beam's error (RouterError, InvalidRequestError)."""
+    """Step `search` until it is done, on the caller's admission slot and beam_width - 1 more; raises the first
+    beam's error (RouterError, InvalidRequestError)."""
+    reserved = admit_all(orchestrator, search.params.beam_width - 1)
     num_cached = 0
-    while not search.done:
-        inputs = step_inputs(base, search)
-        held = Admission(lambda: None)  # the request's own slot, which the caller holds and releases
-        async with contextlib.aclosing(FanOut(orchestrator, inputs, 1, held).stream()) as stream:
-            chunks = [item async for item in stream]
-        if search.num_steps == 0:
-            num_cached = cached_tokens(chunks)
-        search = search.step(step_candidates(chunks, len(inputs)))
+    try:
+        while not search.done:
+            inputs = step_inputs(base, search)
+            chunks = await _run_step(orchestrator, inputs)
+            if search.num_steps == 0:
+                num_cached = cached_tokens(chunks)
+            search = search.step(step_candidates(chunks, len(inputs)))
+    finally:
+        for admission in reserved:
+            admission.release()
     return BeamSearchResult(search, num_cached)
+
+
+async def _run_step(orchestrator: Orchestrator, inputs: Sequence[GenerationInput]) -> list[IndexedChunk]:
+    """One step's beams at once, on slots the search holds; closing it (a cancel) aborts them all."""
+    fan_out = FanOut(orchestrator, inputs, 1, _held(), [_held() for _ in inputs[1:]])
+    async with contextlib.aclosing(fan_out.stream()) as stream:
+        return [item async for item in stream]
+
+
+def _held() -> Admission:
+    """A step's view of a slot the search holds: the beam's request ends without releasing it."""
+    return Admission(lambda: None)

@@ -83,20 +83,36 @@ def merged_usage(usages: Sequence[Usage], num_sequences: int) -> Usage:
                  sum(u.completion_tokens for u in usages))
 
 
+def admit_all(orchestrator: Orchestrator, count: int) -> list[Admission]:
+    """`count` admission slots, all or none (RouterError RESOURCE_EXHAUSTED when the router cannot hold them)."""
+    admissions: list[Admission] = []
+    try:
+        for _ in range(count):
+            admissions.append(orchestrator.admit())
+    except BaseException:
+        for admission in admissions:
+            admission.release()
+        raise
+    return admissions
+
+
 class FanOut:
     """Runs one request's sequences on the orchestrator and merges their chunks as they arrive.
 
     `inputs` are prompt-major (sequence_inputs); the request's admission slot goes to its first
     sequence, and every other sequence takes a slot of its own before any sequence starts: a
     request the router cannot hold whole is refused at once (RESOURCE_EXHAUSTED, an HTTP 429
-    before a streamed response starts), never after some sequences streamed."""
+    before a streamed response starts), never after some sequences streamed. `others`: the other
+    sequences' slots when the caller took them already (a beam search holds its beams' slots for all
+    its steps)."""
 
     def __init__(self, orchestrator: Orchestrator, inputs: Sequence[GenerationInput], num_sequences: int,
-                 admission: Admission) -> None:
+                 admission: Admission, others: Sequence[Admission] | None = None) -> None:
         self.orchestrator = orchestrator
         self.inputs = tuple(inputs)
         self.num_sequences = num_sequences
         self.admission = admission
+        self.others = others
         self._queue: asyncio.Queue[IndexedChunk | _Ended] = asyncio.Queue()
         self._tasks: set[asyncio.Task] = set()
         self._admissions: list[Admission] = []
@@ -105,7 +121,8 @@ class FanOut:
     async def stream(self) -> AsyncIterator[IndexedChunk]:
         """Every sequence's chunks until all finished; raises the first sequence error (a
         RouterError before any chunk when the router cannot admit every sequence)."""
-        self._admissions = [self.admission, *self._admit_others()]
+        others = admit_all(self.orchestrator, len(self.inputs) - 1) if self.others is None else self.others
+        self._admissions = [self.admission, *others]
         for first in range(0, len(self.inputs), self.num_sequences):
             self._start(first, ())
         running = len(self.inputs)
@@ -122,18 +139,6 @@ class FanOut:
             await self._cancel_all()
             for admission in self._admissions:  # the slots of sequences that never started
                 admission.release()
-
-    def _admit_others(self) -> list[Admission]:
-        """A slot for every sequence but the first (which has the request's), all or none."""
-        admissions: list[Admission] = []
-        try:
-            for _ in self.inputs[1:]:
-                admissions.append(self.orchestrator.admit())
-        except BaseException:
-            for admission in admissions:
-                admission.release()
-            raise
-        return admissions
 
     def _start(self, index: int, kv_cached_on: tuple[str, ...]) -> None:
         inp = dataclasses.replace(self.inputs[index], kv_cached_on=kv_cached_on)

@@ -192,18 +192,21 @@ def test_n_above_the_widest_beam_says_why(served):
 
 # ---- admission, cancellation, deadlines -----------------------------------------------------------
 
-def test_a_step_the_router_cannot_hold_whole_is_a_429(tiny_llama_dir):
-    """Room for two requests: the first step (one beam) runs, the second (three beams: the request's slot and
-    two more) is refused whole; no slot leaks and width two is served."""
+def test_a_search_the_router_cannot_hold_whole_is_a_429_before_any_step_runs(tiny_llama_dir):
+    """Room for two requests: width three (the request's slot and two more, held for every step) is refused
+    at once, nothing runs and no slot leaks; width two is served."""
     routing = RoutingConfig(max_in_flight_requests=2)
     with served_apis(tiny_llama_dir, MODEL, routing=routing) as served:
         status, headers, raw = _post(served, "/v1/completions", {"prompt": PROMPT, "use_beam_search": True, "n": 3,
                                                                  "max_tokens": 3, "temperature": 0})
         assert (status, headers["retry-after"], json.loads(raw)["error"]["code"]) == (429, "1", "resource_exhausted")
+        assert _generated_tokens(served) == 0
+        assert dict(served.cluster.orchestrator.routing_stats().rejections) == {"too_many_requests": 1}
         assert served.cluster.orchestrator.admission.in_flight == 0
-        status, _, _ = _post(served, "/v1/completions", {"prompt": PROMPT, "use_beam_search": True, "n": 1,
-                                                         "max_tokens": 3})
-        assert status == 200
+        status, _, raw = _post(served, "/v1/completions", {"prompt": PROMPT, "use_beam_search": True, "n": 2,
+                                                           "max_tokens": 3})
+        assert status == 200 and len(json.loads(raw)["choices"]) == 2
+        assert served.cluster.orchestrator.admission.in_flight == 0
 
 
 def _generated_tokens(served) -> int:
