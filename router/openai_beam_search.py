@@ -5,8 +5,8 @@ As in vLLM the search takes only n (its beam width), max_tokens, ignore_eos, tem
 and include_stop_str_in_output from the request (CompletionRequest.to_beam_search_params). vLLM silently
 drops the rest; here a field that would change a sampled request's output (stop conditions, logit
 controls, penalties, structured output, logprobs, echo, best_of above n) is a 400 naming it instead.
-top_p, top_k, min_p and seed are accepted: like temperature they only steer the token each step's
-request samples, which the search discards.
+top_p, top_k, min_p and seed are accepted and, as in vLLM, have no effect: only temperature reaches
+each step's request, where it picks the sampled token that joins the beam's candidates.
 """
 
 from __future__ import annotations
