@@ -107,11 +107,12 @@ def test_beams_through_remote_prefill_and_kv_transfer_equal_the_reference(tiny_l
     """Every step's beams prefilled on one of two prefill workers and pulled by the decode worker."""
     with served_apis(tiny_llama_dir, MODEL, num_prefill=2, routing=RoutingConfig(disaggregation="always")) as served:
         response = _completion(served, n=3, max_tokens=4, temperature=0)
-        prefilled = [served.loop.run(w.stats()).engine.num_prompt_tokens for w in served.cluster.prefill_workers]
+        prefill = [served.loop.run(w.stats()).engine for w in served.cluster.prefill_workers]
         decoded = served.loop.run(served.cluster.decode_workers[0].stats()).engine
     assert _beams(response) == reference_beam_search(tiny_llama_dir, prompt_ids, 3, 4, eos=0)
     length = len(prompt_ids)  # step prompts: the prompt, then 3 beams of the prompt + 1, + 2 and + 3 tokens
-    assert (sum(prefilled), decoded.num_prompt_tokens) == (length + 3 * (3 * length + 6), 0)
+    assert (sum(e.num_prompt_tokens for e in prefill), decoded.num_prompt_tokens) == (length + 3 * (3 * length + 6), 0)
+    assert sum(e.prefix_cache_hits for e in prefill) > 0  # later steps reuse the earlier steps' prompt blocks
 
 
 def test_a_streamed_completion_is_answered_with_one_json_response(served, prompt_ids, tiny_llama_dir):
