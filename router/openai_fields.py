@@ -34,6 +34,8 @@ COMMON_HANDLED = frozenset({
 COMPLETION_HANDLED = COMMON_HANDLED | {"prompt", "best_of", "echo"}
 CHAT_HANDLED = COMMON_HANDLED | {"messages", "top_logprobs", "max_completion_tokens", "add_generation_prompt",
                                  "continue_final_message", "chat_template_kwargs", "documents",
+                                 # rendered when the server trusts request templates (router/tokenizer.py)
+                                 "chat_template",
                                  # tool calling (router/tool_calling.py)
                                  "tools", "tool_choice", "parallel_tool_calls",
                                  # reasoning (router/reasoning_parsers.py)
@@ -105,8 +107,6 @@ CHAT_REFUSED = (
     Refused("echo", _OFF, "a chat's echo (the last message repeated) is not implemented", _BOOLEAN),
     Refused("functions", ([],), _FUNCTIONS),
     Refused("function_call", ("none", "auto"), _FUNCTIONS),
-    Refused("chat_template", (), "a request may not bring its own template (start the server with "
-                                 "--chat-template)"),
     Refused("return_prompt_text", _OFF, _NOT_IMPLEMENTED),
     Refused("media_io_kwargs", _EMPTY, _TEXT_ONLY),
     Refused("audio", (), _TEXT_ONLY),

@@ -419,14 +419,15 @@ def _documents(body: Mapping[str, Any]) -> tuple[Mapping[str, str], ...] | None:
 
 
 def parse_chat_template_options(body: Mapping[str, Any], add_generation_prompt: bool) -> ChatTemplateOptions:
-    """vLLM's chat template extensions (also taken by /tokenize)."""
+    """vLLM's chat template extensions (also taken by /tokenize), the request's own chat_template among them
+    (RouterTokenizer renders it only when the server trusts request templates)."""
     continue_final = _flag(body, "continue_final_message", False)
     if continue_final and add_generation_prompt:
         raise InvalidRequestError("continue_final_message", "cannot be true while add_generation_prompt is true "
                                                             "(set add_generation_prompt to false)")
     kwargs = _typed(body, "chat_template_kwargs", dict, "an object", {})
-    return ChatTemplateOptions(continue_final, _documents(body), kwargs,
-                               _flag(body, "add_special_tokens", False))
+    return ChatTemplateOptions(continue_final, _documents(body), kwargs, _flag(body, "add_special_tokens", False),
+                               chat_template=_typed(body, "chat_template", str, "a string (a Jinja template)"))
 
 
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
@@ -489,8 +490,7 @@ class TokenizeRequest:
     """Also return each token's vocabulary entry."""
 
 
-_TOKENIZE_REFUSED = tuple(rule for rule in CHAT_REFUSED if rule.name in ("chat_template", "mm_processor_kwargs",
-                                                                         "media_io_kwargs"))
+_TOKENIZE_REFUSED = tuple(rule for rule in CHAT_REFUSED if rule.name in ("mm_processor_kwargs", "media_io_kwargs"))
 _PROMPT_TOOLS = Refused("tools", (), "a prompt is tokenized as it is (send messages: the template renders tools)")
 
 
