@@ -22,7 +22,7 @@ COMMON_HANDLED = frozenset({
     "stream_options", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "stop_token_ids",
     "ignore_eos", "min_tokens", "skip_special_tokens", "add_special_tokens", "return_tokens_as_token_ids",
     "request_id", "logit_bias", "allowed_token_ids", "bad_words", "include_stop_str_in_output", "return_token_ids",
-    "truncate_prompt_tokens", "truncation_side", "prompt_logprobs", "cache_salt",
+    "truncate_prompt_tokens", "truncation_side", "prompt_logprobs", "cache_salt", "stream_interval",
     # No effect on the output, by definition: an end-user id for abuse monitoring and a session
     # id that only steers routing (vLLM ignores both too); render-endpoint options that vLLM
     # itself ignores on the generation endpoints.
@@ -92,7 +92,6 @@ COMMON_REFUSED = (
     Refused("ec_transfer_params", _EMPTY, _NOT_IMPLEMENTED),
     Refused("vllm_xargs", _EMPTY, "no custom extensions"),
     Refused("logits_processors", ([],), "no custom extensions"),
-    Refused("stream_interval", (1,), "every engine step's tokens are streamed at once"),
     Refused("routed_experts_prompt_start", (0,), "no mixture-of-experts models"),
     Refused("prompt_embeds", (), _TEXT_ONLY),
     Refused("mm_processor_kwargs", _EMPTY, _TEXT_ONLY),

@@ -128,6 +128,8 @@ class CompletionRequest:
     one token is generated (sampling.max_tokens is 1) and counted in usage, as vLLM does."""
     cache_salt: str | None = None
     """Salts the prefix cache for every prompt of the request (vLLM extension); None: unsalted."""
+    stream_interval: int = 1
+    """A streamed sequence's tokens are sent every this many (vLLM extension, router/stream_interval.py)."""
 
 
 @dataclass(frozen=True)
@@ -161,6 +163,8 @@ class ChatCompletionRequest:
     """The rendered chat cut to its last or first N tokens (vLLM extension); None: kept whole."""
     cache_salt: str | None = None
     """Salts the prefix cache (vLLM extension); None: unsalted."""
+    stream_interval: int = 1
+    """A streamed choice's tokens are sent every this many (vLLM extension, router/stream_interval.py)."""
 
 
 # ---- parsing --------------------------------------------------------------------------------
@@ -209,6 +213,14 @@ def _stream_flags(body: Mapping[str, Any]) -> tuple[bool, bool, bool]:
         raise InvalidRequestError("stream_options", "is only allowed when stream is true")
     include_usage, continuous = (_stream_option(options, name) for name in ("include_usage", "continuous_usage_stats"))
     return stream, include_usage, include_usage and continuous
+
+
+def _stream_interval(body: Mapping[str, Any]) -> int:
+    """vLLM's stream_interval: an integer >= 1, null or absent 1 (no effect without stream, as in vLLM)."""
+    value = _typed(body, "stream_interval", int, "an integer >= 1", 1)
+    if value < 1:
+        raise InvalidRequestError("stream_interval", f"must be an integer >= 1, got {value}")
+    return value
 
 
 def _stream_option(options: Mapping[str, Any], name: str) -> bool:
@@ -349,7 +361,8 @@ def parse_completion_request(body: Mapping[str, Any], limits: RequestLimits,
                              sampling, max_tokens_param, stream, include_usage, continuous_usage,
                              _typed(body, "return_tokens_as_token_ids", bool, "a boolean", False),
                              _request_id(body, limits), _flag(body, "add_special_tokens", True),
-                             _return_token_ids(body), truncation, echo_only, _cache_salt(body))
+                             _return_token_ids(body), truncation, echo_only, _cache_salt(body),
+                             _stream_interval(body))
 
 
 def _return_token_ids(body: Mapping[str, Any]) -> bool:
@@ -470,7 +483,7 @@ def parse_chat_request(body: Mapping[str, Any], limits: RequestLimits,
         _model(body), messages, _count(body, "n", 1), add_generation_prompt, sampling, max_tokens_param, stream,
         include_usage, continuous_usage, _typed(body, "return_tokens_as_token_ids", bool, "a boolean", False),
         _request_id(body, limits), template, tool_calling, _flag(body, "include_reasoning", True),
-        _return_token_ids(body), _truncation(body, limits), _cache_salt(body))
+        _return_token_ids(body), _truncation(body, limits), _cache_salt(body), _stream_interval(body))
 
 
 @dataclass(frozen=True)

@@ -55,6 +55,7 @@ from splitserve.router.reasoning_parsers import ReasoningFormat, ReasoningOutput
 from splitserve.router.request_body import BodyParser, MalformedBodyError, Parse
 from splitserve.router.request_limits import PromptTruncation
 from splitserve.router.responses_protocol import ResponsesRenderer, ResponsesRequest, parse_responses_request
+from splitserve.router.stream_interval import every_interval
 from splitserve.router.tls import TlsConfig, load_tls
 from splitserve.router.tokenizer_pool import TokenizerPool
 from splitserve.router.tool_parsers import ToolOutput
@@ -131,6 +132,8 @@ class _Job:
     """Choices returned per prompt: the best n of its sequences when fewer than num_sequences."""
     renderer: CompletionRenderer | ChatRenderer | ResponsesRenderer
     stream: bool
+    stream_interval: int = 1
+    """A streamed sequence's tokens are sent every this many (router/stream_interval.py)."""
 
     def response(self, chunks: list[IndexedChunk]) -> dict:
         """The non-streaming response from every sequence's chunks."""
@@ -281,6 +284,8 @@ class OpenAIServing:
         """Run the request; a streamed one starts its response once the first chunk is in, so an
         error before it (a bad prompt, a routing rejection) still gets its HTTP status."""
         stream = FanOut(self.orchestrator, job.inputs, job.num_sequences, admission).stream()
+        if job.stream and job.stream_interval > 1:
+            stream = every_interval(stream, job.stream_interval)
         try:
             if not job.stream:
                 chunks = await _until_disconnect(request, _collect(stream))
@@ -310,7 +315,7 @@ class OpenAIServing:
         if parsed.return_token_ids:  # choice i is one of prompt i // n's sequences: inputs i // n * best_of on
             renderer.with_token_ids([inputs[i // parsed.n * parsed.best_of].prompt_token_ids
                                      for i in range(len(prompts) * parsed.n)])
-        return _Job(inputs, parsed.best_of, parsed.n, renderer, parsed.stream)
+        return _Job(inputs, parsed.best_of, parsed.n, renderer, parsed.stream, parsed.stream_interval)
 
     async def _chat_job(self, parsed: ChatCompletionRequest) -> _Job:
         chat = await self._chat_inputs(parsed, "messages")
@@ -321,7 +326,7 @@ class OpenAIServing:
                                 chat.reasoning_output)
         if parsed.return_token_ids:
             renderer.with_token_ids([chat.inputs[0].prompt_token_ids] * parsed.n)
-        return _Job(chat.inputs, parsed.n, parsed.n, renderer, parsed.stream)
+        return _Job(chat.inputs, parsed.n, parsed.n, renderer, parsed.stream, parsed.stream_interval)
 
     async def _responses_job(self, parsed: ResponsesRequest) -> _Job:
         chat = await self._chat_inputs(parsed.chat, "input")
