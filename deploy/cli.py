@@ -400,6 +400,8 @@ def _add_frontend_flags(group: argparse._ArgumentGroup) -> None:
                        help="message content as the template sees it: string (text parts joined with newlines), "
                             "openai (a list of text parts), or auto (default: openai when the template loops "
                             "over a message's content)")
+    group.add_argument("--trust-request-chat-template", action="store_true", default=None,
+                       help="render the chat_template a chat or /tokenize request brings (else refused with 400)")
     group.add_argument("--enable-auto-tool-choice", action="store_true", default=None,
                        help="serve tool_choice \"auto\" (the default when a chat sends tools); needs "
                             "--tool-call-parser")
@@ -509,6 +511,7 @@ _CLUSTER_FLAGS = {"mode": "mode", "prefill_workers": "prefill.replicas", "decode
                   "port": "router.http_port", "kv_transfer_backend": "kv_transfer_backend",
                   "log_format": "log_format", "chat_template": "router.chat_template",
                   "chat_template_content_format": "router.chat_template_content_format",
+                  "trust_request_chat_template": "router.trust_request_chat_template",
                   "enable_auto_tool_choice": "router.enable_auto_tool_choice",
                   "tool_call_parser": "router.tool_call_parser", "reasoning_parser": "router.reasoning_parser",
                   "ssl_certfile": "router.tls.cert_file", "ssl_keyfile": "router.tls.key_file",

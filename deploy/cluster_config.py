@@ -178,6 +178,10 @@ class RouterConfig:
     `string` (text parts joined with newlines), `openai` (a list of {"type": "text", "text": ...}
     parts, a string content included), or `auto`: openai when the template loops over a message's
     content (Gemma 3, Llama 4, Mistral 3), else string."""
+    trust_request_chat_template: bool = False
+    """Render the chat template a chat or /tokenize request brings in its `chat_template` field, in
+    place of the server's (vLLM's --trust-request-chat-template). Off: such a request is a 400. A
+    template is code the router runs (sandboxed, but its loops are not bounded): trust the clients."""
     enable_auto_tool_choice: bool = False
     """Serve tool_choice "auto" (the default when a chat request sends tools): the output is split
     into content and tool calls by `tool_call_parser`, which it needs (vLLM's --enable-auto-tool-choice).

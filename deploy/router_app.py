@@ -139,6 +139,20 @@ def request_defaults(config: RouterConfig, tokenizer: RouterTokenizer) -> Reques
     return defaults
 
 
+def log_content_format(tokenizer: RouterTokenizer, option: str) -> None:
+    """Say once which content format the server's chat template gets (vLLM's line): the one "auto"
+    detected, or a warning when the one given differs from it. Nothing without a template."""
+    detected = tokenizer.detected_content_format
+    if detected is None:
+        return
+    if option == "auto":
+        logger.info("Detected the chat template content format to be '%s'. You can set "
+                    "`--chat-template-content-format` to override this.", detected)
+    elif option != detected:
+        logger.warning("You specified `--chat-template-content-format %s` which is different from the detected "
+                       "format '%s'; the one given is used.", option, detected)
+
+
 async def start_router(router_id: str, config: ClusterConfig, model_dir: str, prefill: Sequence[PrefillWorkerAPI],
                        decode: Sequence[DecodeWorkerAPI], api_key: str | None,
                        observers: Sequence[Callable[[RequestRecord], None]] = (),
@@ -150,7 +164,8 @@ async def start_router(router_id: str, config: ClusterConfig, model_dir: str, pr
     router = config.router
     chat_template = None if router.chat_template is None else read_chat_template_option(router.chat_template)
     tokenizer = await asyncio.to_thread(RouterTokenizer.from_model_dir, model_dir, chat_template,
-                                        router.chat_template_content_format)
+                                        router.chat_template_content_format, router.trust_request_chat_template)
+    log_content_format(tokenizer, router.chat_template_content_format)
     metrics = RouterMetrics(router.slo) if router.metrics_port is not None else None
     observers = [*([metrics.observe] if metrics is not None else []), *observers,
                  *([log_access] if router.access_log else [])]

@@ -22,7 +22,7 @@ COMMON_HANDLED = frozenset({
     "stream_options", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "stop_token_ids",
     "ignore_eos", "min_tokens", "skip_special_tokens", "add_special_tokens", "return_tokens_as_token_ids",
     "request_id", "logit_bias", "allowed_token_ids", "bad_words", "include_stop_str_in_output", "return_token_ids",
-    "truncate_prompt_tokens", "truncation_side", "prompt_logprobs", "cache_salt",
+    "truncate_prompt_tokens", "truncation_side", "prompt_logprobs", "cache_salt", "stream_interval",
     # No effect on the output, by definition: an end-user id for abuse monitoring and a session
     # id that only steers routing (vLLM ignores both too); render-endpoint options that vLLM
     # itself ignores on the generation endpoints.
@@ -36,6 +36,8 @@ COMMON_HANDLED = frozenset({
 COMPLETION_HANDLED = COMMON_HANDLED | {"prompt", "best_of", "echo"}
 CHAT_HANDLED = COMMON_HANDLED | {"messages", "top_logprobs", "max_completion_tokens", "add_generation_prompt",
                                  "continue_final_message", "chat_template_kwargs", "documents",
+                                 # rendered when the server trusts request templates (router/tokenizer.py)
+                                 "chat_template",
                                  # tool calling (router/tool_calling.py)
                                  "tools", "tool_choice", "parallel_tool_calls",
                                  # reasoning (router/reasoning_parsers.py)
@@ -89,7 +91,6 @@ COMMON_REFUSED = (
     Refused("ec_transfer_params", _EMPTY, _NOT_IMPLEMENTED),
     Refused("vllm_xargs", _EMPTY, "no custom extensions"),
     Refused("logits_processors", ([],), "no custom extensions"),
-    Refused("stream_interval", (1,), "every engine step's tokens are streamed at once"),
     Refused("routed_experts_prompt_start", (0,), "no mixture-of-experts models"),
     Refused("prompt_embeds", (), _TEXT_ONLY),
     Refused("mm_processor_kwargs", _EMPTY, _TEXT_ONLY),
@@ -104,8 +105,6 @@ CHAT_REFUSED = (
     Refused("echo", _OFF, "a chat's echo (the last message repeated) is not implemented", _BOOLEAN),
     Refused("functions", ([],), _FUNCTIONS),
     Refused("function_call", ("none", "auto"), _FUNCTIONS),
-    Refused("chat_template", (), "a request may not bring its own template (start the server with "
-                                 "--chat-template)"),
     Refused("return_prompt_text", _OFF, _NOT_IMPLEMENTED),
     Refused("media_io_kwargs", _EMPTY, _TEXT_ONLY),
     Refused("audio", (), _TEXT_ONLY),

@@ -132,6 +132,8 @@ class CompletionRequest:
     """Salts the prefix cache for every prompt of the request (vLLM extension); None: unsalted."""
     beam_search: BeamSearchParams | None = None
     """use_beam_search (vLLM extension): each prompt's n choices are its best n beams; None: sampled."""
+    stream_interval: int = 1
+    """A streamed sequence's tokens are sent every this many (vLLM extension, router/stream_interval.py)."""
 
 
 @dataclass(frozen=True)
@@ -167,6 +169,8 @@ class ChatCompletionRequest:
     """Salts the prefix cache (vLLM extension); None: unsalted."""
     beam_search: BeamSearchParams | None = None
     """use_beam_search (vLLM extension): the n choices are the best n beams; None: sampled."""
+    stream_interval: int = 1
+    """A streamed choice's tokens are sent every this many (vLLM extension, router/stream_interval.py)."""
 
 
 # ---- parsing --------------------------------------------------------------------------------
@@ -215,6 +219,14 @@ def _stream_flags(body: Mapping[str, Any]) -> tuple[bool, bool, bool]:
         raise InvalidRequestError("stream_options", "is only allowed when stream is true")
     include_usage, continuous = (_stream_option(options, name) for name in ("include_usage", "continuous_usage_stats"))
     return stream, include_usage, include_usage and continuous
+
+
+def _stream_interval(body: Mapping[str, Any]) -> int:
+    """vLLM's stream_interval: an integer >= 1, null or absent 1 (no effect without stream, as in vLLM)."""
+    value = _typed(body, "stream_interval", int, "an integer >= 1", 1)
+    if value < 1:
+        raise InvalidRequestError("stream_interval", f"must be an integer >= 1, got {value}")
+    return value
 
 
 def _stream_option(options: Mapping[str, Any], name: str) -> bool:
@@ -361,7 +373,8 @@ def parse_completion_request(body: Mapping[str, Any], limits: RequestLimits,
                              sampling, max_tokens_param, stream, include_usage, continuous_usage,
                              _typed(body, "return_tokens_as_token_ids", bool, "a boolean", False),
                              _request_id(body, limits), _flag(body, "add_special_tokens", True),
-                             _return_token_ids(body), truncation, echo_only, _cache_salt(body), beam_search)
+                             _return_token_ids(body), truncation, echo_only, _cache_salt(body), beam_search,
+                             _stream_interval(body))
 
 
 def _return_token_ids(body: Mapping[str, Any]) -> bool:
@@ -431,14 +444,15 @@ def _documents(body: Mapping[str, Any]) -> tuple[Mapping[str, str], ...] | None:
 
 
 def parse_chat_template_options(body: Mapping[str, Any], add_generation_prompt: bool) -> ChatTemplateOptions:
-    """vLLM's chat template extensions (also taken by /tokenize)."""
+    """vLLM's chat template extensions (also taken by /tokenize), the request's own chat_template among them
+    (RouterTokenizer renders it only when the server trusts request templates)."""
     continue_final = _flag(body, "continue_final_message", False)
     if continue_final and add_generation_prompt:
         raise InvalidRequestError("continue_final_message", "cannot be true while add_generation_prompt is true "
                                                             "(set add_generation_prompt to false)")
     kwargs = _typed(body, "chat_template_kwargs", dict, "an object", {})
-    return ChatTemplateOptions(continue_final, _documents(body), kwargs,
-                               _flag(body, "add_special_tokens", False))
+    return ChatTemplateOptions(continue_final, _documents(body), kwargs, _flag(body, "add_special_tokens", False),
+                               chat_template=_typed(body, "chat_template", str, "a string (a Jinja template)"))
 
 
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
@@ -483,7 +497,7 @@ def parse_chat_request(body: Mapping[str, Any], limits: RequestLimits,
         include_usage, continuous_usage, _typed(body, "return_tokens_as_token_ids", bool, "a boolean", False),
         _request_id(body, limits), template, tool_calling, _flag(body, "include_reasoning", True),
         _return_token_ids(body), _truncation(body, limits), _cache_salt(body),
-        parse_beam_search(body, n, sampling, CHAT_UNHONOURED))
+        parse_beam_search(body, n, sampling, CHAT_UNHONOURED), _stream_interval(body))
 
 
 @dataclass(frozen=True)
@@ -503,8 +517,7 @@ class TokenizeRequest:
     """Also return each token's vocabulary entry."""
 
 
-_TOKENIZE_REFUSED = tuple(rule for rule in CHAT_REFUSED if rule.name in ("chat_template", "mm_processor_kwargs",
-                                                                         "media_io_kwargs"))
+_TOKENIZE_REFUSED = tuple(rule for rule in CHAT_REFUSED if rule.name in ("mm_processor_kwargs", "media_io_kwargs"))
 _PROMPT_TOOLS = Refused("tools", (), "a prompt is tokenized as it is (send messages: the template renders tools)")
 
 

@@ -57,6 +57,7 @@ from splitserve.router.reasoning_parsers import ReasoningFormat, ReasoningOutput
 from splitserve.router.request_body import BodyParser, MalformedBodyError, Parse
 from splitserve.router.request_limits import PromptTruncation
 from splitserve.router.responses_protocol import ResponsesRenderer, ResponsesRequest, parse_responses_request
+from splitserve.router.stream_interval import every_interval
 from splitserve.router.tls import TlsConfig, load_tls
 from splitserve.router.tokenizer_pool import TokenizerPool
 from splitserve.router.tool_parsers import ToolOutput
@@ -135,6 +136,8 @@ class _Job:
     stream: bool
     beam_search: BeamSearchParams | None = None
     """use_beam_search: each prompt's n choices are its best n beams (inputs[::n] are the prompts')."""
+    stream_interval: int = 1
+    """A streamed sequence's tokens are sent every this many (router/stream_interval.py)."""
 
     def response(self, chunks: list[IndexedChunk]) -> dict:
         """The non-streaming response from every sequence's chunks."""
@@ -287,6 +290,8 @@ class OpenAIServing:
         """Run the request; a streamed one starts its response once the first chunk is in, so an
         error before it (a bad prompt, a routing rejection) still gets its HTTP status."""
         stream = FanOut(self.orchestrator, job.inputs, job.num_sequences, admission).stream()
+        if job.stream and job.stream_interval > 1:
+            stream = every_interval(stream, job.stream_interval)
         try:
             if not job.stream:
                 chunks = await _until_disconnect(request, _collect(stream))
@@ -354,7 +359,8 @@ class OpenAIServing:
         if parsed.return_token_ids:  # choice i is one of prompt i // n's sequences: inputs i // n * best_of on
             renderer.with_token_ids([inputs[i // parsed.n * parsed.best_of].prompt_token_ids
                                      for i in range(len(prompts) * parsed.n)])
-        return _Job(inputs, parsed.best_of, parsed.n, renderer, parsed.stream, parsed.beam_search)
+        return _Job(inputs, parsed.best_of, parsed.n, renderer, parsed.stream, parsed.beam_search,
+                    parsed.stream_interval)
 
     async def _chat_job(self, parsed: ChatCompletionRequest) -> _Job:
         chat = await self._chat_inputs(parsed, "messages")
@@ -365,7 +371,8 @@ class OpenAIServing:
                                 chat.reasoning_output)
         if parsed.return_token_ids:
             renderer.with_token_ids([chat.inputs[0].prompt_token_ids] * parsed.n)
-        return _Job(chat.inputs, parsed.n, parsed.n, renderer, parsed.stream, parsed.beam_search)
+        return _Job(chat.inputs, parsed.n, parsed.n, renderer, parsed.stream, parsed.beam_search,
+                    parsed.stream_interval)
 
     async def _responses_job(self, parsed: ResponsesRequest) -> _Job:
         chat = await self._chat_inputs(parsed.chat, "input")

@@ -48,7 +48,8 @@ RESPONSES_REFUSED = (
     Refused("top_logprobs", (0,), "logprobs are not implemented on this endpoint"),
     Refused("truncation", ("disabled",), "a conversation longer than the context is refused, never truncated"),
     Refused("max_tool_calls", (), "not implemented"),
-    Refused("service_tier", ("auto", "default"), "one service tier", "a string"),
+    Refused("service_tier", ("auto", "default"), "one service tier",
+            'one of "auto", "default", "flex", "scale" or "priority"'),  # vLLM's Literal, without null
     Refused("stream_options", ({}, {"include_obfuscation": False}), "stream obfuscation is not implemented"),
     Refused("background_options", (), "no background mode (responses are not stored)"),
     Refused("context_management", ([],), "no context compaction"),

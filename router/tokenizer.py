@@ -21,6 +21,8 @@ from __future__ import annotations
 import functools
 import json
 import re
+import threading
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -115,6 +117,90 @@ def _template_environment() -> ImmutableSandboxedEnvironment:
 def compile_chat_template(source: str) -> jinja2.Template:
     """Compile a chat template in the environment transformers renders it in."""
     return _template_environment().from_string(source)
+
+
+@dataclass(frozen=True)
+class CompiledChatTemplate:
+    """A chat template ready to render, and how message content reaches it."""
+
+    template: jinja2.Template
+    content_format: ContentFormat
+    """The content format its messages are rendered with: the --chat-template-content-format given,
+    or `detected_format` for "auto"."""
+    detected_format: ContentFormat
+    """The format "auto" detects from the template (common.chat_template.content_format_of)."""
+
+
+def prepare_chat_template(source: str, content_format_option: str) -> CompiledChatTemplate:
+    """`source` compiled in the environment transformers renders it in, with the content format
+    `content_format_option` (auto, string or openai) gives it. jinja2.TemplateSyntaxError when it
+    does not compile; ValueError for another option."""
+    env = _template_environment()
+    tree = env.parse(source)
+    # Read before compiling it: jinja's optimizer rewrites the tree it compiles.
+    detected = resolve_content_format("auto", tree)
+    chosen = detected if content_format_option == "auto" else resolve_content_format(content_format_option, tree)
+    return CompiledChatTemplate(env.from_string(tree), chosen, detected)
+
+
+REQUEST_TEMPLATE_CACHE_SIZE = 32
+"""Request chat templates kept compiled (the least recently used dropped first), as many as vLLM
+keeps the content formats of: a client that sends one template with every request compiles it once."""
+UNTRUSTED_REQUEST_TEMPLATE = ("this server does not trust request chat templates (start it with "
+                              "--trust-request-chat-template to render a request's own template)")
+"""Why a request's chat_template is refused by a server that does not trust them (vLLM's default)."""
+
+
+class RequestTemplateCache:
+    """Chat templates that requests bring (vLLM's per-request chat_template), compiled on first use:
+    a bounded LRU keyed by the template text, safe to share across the tokenizer pool's threads."""
+
+    def __init__(self, content_format_option: str, max_size: int = REQUEST_TEMPLATE_CACHE_SIZE) -> None:
+        resolve_content_format(content_format_option, None)  # ValueError for an unknown option, at start-up
+        self._content_format_option = content_format_option
+        self._max_size = max_size
+        self._compiled: OrderedDict[str, CompiledChatTemplate] = OrderedDict()
+        """Least recently used first; guarded by _lock."""
+        self._lock = threading.Lock()
+
+    def __contains__(self, source: str) -> bool:
+        with self._lock:
+            return source in self._compiled
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._compiled)
+
+    def get(self, source: str) -> CompiledChatTemplate:
+        """`source` compiled (from the cache when it holds it); InvalidRequestError `chat_template`
+        with jinja's message when it does not compile. Two threads that miss on one template both
+        compile it (the lock is not held while compiling, which takes milliseconds); one copy stays."""
+        with self._lock:
+            compiled = self._compiled.get(source)
+            if compiled is not None:
+                self._compiled.move_to_end(source)
+                return compiled
+        compiled = _prepare_request_template(source, self._content_format_option)
+        with self._lock:
+            self._compiled[source] = compiled
+            self._compiled.move_to_end(source)
+            while len(self._compiled) > self._max_size:
+                self._compiled.popitem(last=False)
+        return compiled
+
+
+def _prepare_request_template(source: str, content_format_option: str) -> CompiledChatTemplate:
+    try:
+        return prepare_chat_template(source, content_format_option)
+    except jinja2.TemplateSyntaxError as error:  # TemplateAssertionError too: an unknown filter or test
+        raise InvalidRequestError("chat_template", f"does not compile: {error} (line {error.lineno})") from None
+    except RecursionError:  # jinja's parser recurses once per nesting level
+        raise InvalidRequestError("chat_template", "does not compile: nested too deeply") from None
+
+
+def _render_error(error: Exception) -> str:
+    """What a template failing to render says: jinja's message, or the Python error's type and message."""
+    return str(error) if isinstance(error, jinja2.TemplateError) else f"{type(error).__name__}: {error}"
 
 
 def parse_chat_template(source: str) -> jinja2.nodes.Template | None:
@@ -234,7 +320,7 @@ _RESERVED_TEMPLATE_VARIABLES = {
     **dict.fromkeys(TEMPLATE_VARIABLES, "is set by the request's own fields"),
     # vLLM refuses these two in chat_template_kwargs, and reads continue_final_message there as the
     # option: as a mere template variable each would be ignored without a word.
-    "chat_template": "a request may not bring its own template (start the server with --chat-template)",
+    "chat_template": "is not a template variable (send a request's own template as its chat_template field)",
     "tokenize": "is not a template variable (vLLM refuses it here too)",
     "continue_final_message": "is set by the request's own field continue_final_message",
 }
@@ -257,6 +343,9 @@ class ChatTemplateOptions:
     tools: tuple[Mapping[str, Any], ...] | None = None
     """The request's tools as the client sent them ({"type": "function", "function": {...}}), the
     `tools` variable (the Hugging Face convention); None: the template gets none."""
+    chat_template: str | None = None
+    """The request's own template text (vLLM's chat_template), rendered in place of the server's when
+    the server trusts request templates (else a 400); None: the server's template."""
 
     def __post_init__(self) -> None:
         check_template_kwargs(self.template_kwargs, _RESERVED_TEMPLATE_VARIABLES)
@@ -401,7 +490,8 @@ class RouterTokenizer:
     """One model directory's tokenizer and chat template; immutable and safe to share across requests."""
 
     def __init__(self, backend: Tokenizer, special_tokens: Mapping[str, str], chat_template: str | None,
-                 generation_config: GenerationConfigFile, name: str, content_format: str = "auto") -> None:
+                 generation_config: GenerationConfigFile, name: str, content_format: str = "auto",
+                 trust_request_chat_template: bool = False) -> None:
         self.backend = backend
         """The `tokenizers.Tokenizer`; satisfies common.detokenizer.Decoder (incremental detokenization)."""
         self.special_tokens = dict(special_tokens)
@@ -416,19 +506,25 @@ class RouterTokenizer:
         self.max_bytes_per_token = max_bytes_per_token(backend)
         """The most prompt bytes one token can stand for: a prompt of more than n times this many
         bytes has more than n tokens (router/request_limits.py)."""
-        self._chat_template = compile_chat_template(chat_template) if chat_template is not None else None
-        self.content_format = resolve_content_format(
-            content_format, parse_chat_template(chat_template) if chat_template is not None else None)
+        self._chat_template = None if chat_template is None else prepare_chat_template(chat_template, content_format)
+        self.content_format = resolve_content_format(content_format, None) if self._chat_template is None \
+            else self._chat_template.content_format
         """How message content reaches the template: the --chat-template-content-format given, or the
         one "auto" detects from the template (common.chat_template.content_format_of)."""
+        self.detected_content_format = None if self._chat_template is None else self._chat_template.detected_format
+        """The content format "auto" detects from the server's template (None without one), logged at start-up."""
+        self.trust_request_chat_template = trust_request_chat_template
+        """Render a request's own chat_template (vLLM's --trust-request-chat-template); off: refuse it (400)."""
+        self._request_templates = RequestTemplateCache(content_format)
         self.token_bytes = TokenBytes(backend)
         """Each token's bytes in the output (OpenAI's logprobs `bytes`)."""
 
     @classmethod
-    def from_model_dir(cls, path: str | Path, chat_template: str | None = None,
-                       content_format: str = "auto") -> RouterTokenizer:
+    def from_model_dir(cls, path: str | Path, chat_template: str | None = None, content_format: str = "auto",
+                       trust_request_chat_template: bool = False) -> RouterTokenizer:
         """Load a Hugging Face model directory; `chat_template` (its text) replaces the model's own;
-        `content_format` is --chat-template-content-format.
+        `content_format` is --chat-template-content-format; `trust_request_chat_template` lets requests
+        bring their own template (--trust-request-chat-template).
         UnsupportedModelError without tokenizer.json, with an unreadable one, or with a bad template."""
         model_dir = Path(path).expanduser()
         check_tokenizer_files(model_dir)
@@ -442,7 +538,7 @@ class RouterTokenizer:
         template = chat_template if chat_template is not None else _read_chat_template(model_dir, config)
         try:
             return cls(backend, special_tokens, template, GenerationConfigFile.read(model_dir), str(model_dir),
-                       content_format)
+                       content_format, trust_request_chat_template)
         except jinja2.TemplateSyntaxError as error:
             source = "the chat template given" if chat_template is not None else f"{model_dir}: the chat template"
             raise UnsupportedModelError(f"{source} does not compile: {error} (line {error.lineno})") from error
@@ -454,7 +550,8 @@ class RouterTokenizer:
 
     @property
     def has_chat_template(self) -> bool:
-        """Whether apply_chat_template can work (else chat requests are rejected as invalid)."""
+        """Whether the server has a chat template (without one, only a chat that brings its own can
+        be rendered, on a server that trusts request templates; others are rejected as invalid)."""
         return self._chat_template is not None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -465,25 +562,42 @@ class RouterTokenizer:
 
     def render_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
                              options: ChatTemplateOptions = DEFAULT_CHAT_OPTIONS) -> str:
-        """The chat as prompt text; InvalidRequestError for bad messages, no template, or a template's refusal."""
-        if self._chat_template is None:
-            raise InvalidRequestError("messages", f"model {self.name} has no chat template; "
-                                                  "send a text prompt or token ids instead")
-        plain = _validate_messages(messages, self.content_format)
+        """The chat as prompt text, rendered by the request's own template (options.chat_template) or
+        the server's; InvalidRequestError for bad messages, no template, a request template the server
+        does not trust or that does not compile, or a template's refusal."""
+        template = self._template_of(options)
+        plain = _validate_messages(messages, template.content_format)
         variables = {**self.special_tokens, **options.template_kwargs}
         rendered = _marked_final_message(plain) if options.continue_final_message else plain
         try:
             tools = None if options.tools is None else list(options.tools)
-            text = self._chat_template.render(messages=rendered, tools=tools, documents=options.documents,
-                                              add_generation_prompt=add_generation_prompt, **variables)
-        except jinja2.TemplateError as error:  # raise_exception(...) and sandbox refusals
-            raise InvalidRequestError("messages", f"rejected by the chat template: {error}") from error
-        except TypeError as error:
-            # A client's chat_template_kwargs can replace what the template calls or concatenates (its
-            # namespace(), raise_exception, bos_token): a bad request, as vLLM answers it (400), not a 500.
-            raise InvalidRequestError("messages", f"rejected by the chat template: TypeError: {error}") from error
+            text = template.template.render(messages=rendered, tools=tools, documents=options.documents,
+                                            add_generation_prompt=add_generation_prompt, **variables)
+        except Exception as error:
+            # A template refusing the chat (raise_exception(...), a sandbox refusal) or failing on it (a
+            # client's chat_template_kwargs replacing what it calls or concatenates: its namespace(),
+            # raise_exception, bos_token; a request's own template dividing by zero): a bad request, as
+            # vLLM answers any error of a template (400), never a 500.
+            field = "messages" if options.chat_template is None else "chat_template"
+            raise InvalidRequestError(field, f"rejected by the chat template: {_render_error(error)}") from error
         _check_rendered_unicode(text, options.tools)
         return _open_final_message(text, _final_text(plain)) if options.continue_final_message else text
+
+    def compiles_template(self, options: ChatTemplateOptions) -> bool:
+        """Whether rendering with `options` first compiles the request's own template (milliseconds of
+        jinja work, for the tokenizer pool's threads): a trusted request template not compiled yet."""
+        return (options.chat_template is not None and self.trust_request_chat_template
+                and options.chat_template not in self._request_templates)
+
+    def _template_of(self, options: ChatTemplateOptions) -> CompiledChatTemplate:
+        if options.chat_template is not None:
+            if not self.trust_request_chat_template:
+                raise InvalidRequestError("chat_template", UNTRUSTED_REQUEST_TEMPLATE)
+            return self._request_templates.get(options.chat_template)
+        if self._chat_template is None:
+            raise InvalidRequestError("messages", f"model {self.name} has no chat template; "
+                                                  "send a text prompt or token ids instead")
+        return self._chat_template
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
                             options: ChatTemplateOptions = DEFAULT_CHAT_OPTIONS) -> list[int]:

@@ -73,9 +73,11 @@ class TokenizerPool:
     async def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool,
                                   options: ChatTemplateOptions = DEFAULT_CHAT_OPTIONS) -> tuple[int, ...]:
         """Token ids of the rendered chat; InvalidRequestError `messages` when the rendered prompt is
-        over RequestLimits.max_prompt_bytes (found before encoding it)."""
+        over RequestLimits.max_prompt_bytes (found before encoding it). A request's own template is
+        compiled in the threads the first time it is seen (RouterTokenizer.compiles_template)."""
         size = _render_size(messages, options)
-        if size <= INLINE_MAX_CHARS and len(messages) <= INLINE_MAX_MESSAGES:
+        compiles = self.tokenizer.compiles_template(options)  # a request's own template, seen first
+        if size <= INLINE_MAX_CHARS and len(messages) <= INLINE_MAX_MESSAGES and not compiles:
             return tuple(self._chat(messages, add_generation_prompt, options))
         return tuple(await self._in_thread(self._chat, messages, add_generation_prompt, options))
 
@@ -135,11 +137,12 @@ class TokenizerPool:
 
 
 def _render_size(messages: Sequence[Mapping[str, Any]], options: ChatTemplateOptions) -> int:
-    """Characters of what a chat's template renders besides its own text: the contents, an
-    assistant's reasoning (under two names, rendered by templates that show earlier reasoning:
-    counted once), and the tools and tool calls (as JSON), which templates write into the prompt."""
+    """Characters of what a chat's template renders: the contents, an assistant's reasoning (under
+    two names, rendered by templates that show earlier reasoning: counted once), the tools and tool
+    calls (as JSON), which templates write into the prompt, and a request's own template's text."""
     size = sum(len(message["content"]) + len(message.get("reasoning") or "") for message in messages)
     calls = [message["tool_calls"] for message in messages if message.get("tool_calls")]
     if calls:
         size += len(json.dumps(calls, default=str))
+    size += len(options.chat_template or "")
     return size + (len(json.dumps(options.tools, default=str)) if options.tools else 0)

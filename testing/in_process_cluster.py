@@ -132,7 +132,7 @@ class InProcessCluster:
                  routing=None, slo=None, observer=None, max_model_len: int | None = None, worker_link=None,
                  kv_cache_dtype: str = "auto", decode_speculative=None, layerwise: bool = False,
                  engine_config: EngineConfig | None = None, transfer_backend: str = "inprocess",
-                 chat_template: str | None = None):
+                 chat_template: str | None = None, trust_request_chat_template: bool = False):
         """`observer` gets every ended request's RequestRecord (e.g. a RouterMetrics' observe);
         `max_model_len` caps every request's prompt + output (the model's limit by default);
         `kv_cache_dtype` every worker's KV pool element type;
@@ -142,7 +142,8 @@ class InProcessCluster:
         `worker_link` (a WorkerLinkConfig) the router's report and stream timings;
         `decode_speculative` (a SpeculativeConfig) makes the decode workers speculate;
         `layerwise` makes the prefill workers announce each layer (kv_transfer_layerwise);
-        `chat_template` (its text) replaces the model's own in the router's tokenizer."""
+        `chat_template` (its text) replaces the model's own in the router's tokenizer;
+        `trust_request_chat_template` lets requests bring their own (router.trust_request_chat_template)."""
         from splitserve.common.slo import SloConfig
         from splitserve.router.policy import RoutingConfig
 
@@ -156,7 +157,7 @@ class InProcessCluster:
         self.layerwise, self.transfer_backend = layerwise, transfer_backend
         self.observer = observer
         self.worker_link = worker_link
-        self.chat_template = chat_template
+        self.chat_template, self.trust_request_chat_template = chat_template, trust_request_chat_template
         self.engine_config = engine_config or worker_engine_config(block_size, max_model_len, kv_cache_dtype)
         self.decode_engine_config = replace(self.engine_config, speculative=decode_speculative)
 
@@ -168,7 +169,8 @@ class InProcessCluster:
 
         self.prefill_workers = [self._prefill_worker(f"prefill-{i}") for i in range(self.num_prefill)]
         self.decode_workers = [self._decode_worker(f"decode-{i}") for i in range(self.num_decode)]
-        self.tokenizer = RouterTokenizer.from_model_dir(self.model_dir, self.chat_template)
+        self.tokenizer = RouterTokenizer.from_model_dir(self.model_dir, self.chat_template,
+                                                        trust_request_chat_template=self.trust_request_chat_template)
         self.clients = {w.worker_id: KillableWorker(w)
                         for w in [*self.prefill_workers, *self.decode_workers]}
         router_config = RouterConfig(routing=self.routing, slo=self.slo,

@@ -42,6 +42,16 @@ class Served(ServedApis):
     def wait_idle(self) -> None:
         self.loop.run(self.cluster.wait_idle())
 
+    def post(self, path: str, body: dict) -> tuple[int, dict]:
+        status, _, raw = http_request(self.http_port, "POST", path, json.dumps(body).encode())
+        return status, json.loads(raw)
+
+    def post_stream(self, path: str, body: dict) -> tuple[int, list[dict]]:
+        """The status and the SSE events' bodies, [DONE] left out."""
+        status, _, raw = http_request(self.http_port, "POST", path, json.dumps(body).encode())
+        events = raw.decode().removesuffix("\n\n").split("\n\n")
+        return status, [json.loads(event.removeprefix("data: ")) for event in events if event != "data: [DONE]"]
+
 
 @pytest.fixture(scope="module")
 def served(tiny_llama_dir):
@@ -156,6 +166,40 @@ def test_streamed_chat_opens_with_the_role_and_carries_the_content(served):
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.choices[0].message.content
     assert [c.choices[0].finish_reason for c in chunks][-2:] == [None, "length"]
     assert all(c.usage is None for c in chunks)  # no usage chunk unless asked for
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_stream_interval_sends_the_tokens_in_chunks_of_at_least_that_many(served, path):
+    """vLLM's stream_interval 3 with max_tokens 8: the first token at once, then chunks of 3 or more (a
+    decode step's tokens are never split), the finishing chunk with what waited; the same tokens and text."""
+    body = {"model": MODEL, "max_tokens": 8, "temperature": 0, "ignore_eos": True, "return_token_ids": True,
+            **({"prompt": PROMPT} if path == "/v1/completions" else {"messages": CHAT})}
+    status, whole = served.post(path, body)
+    status_streamed, events = served.post_stream(path, {**body, "stream": True, "stream_interval": 3})
+    choices = [event["choices"][0] for event in events if event["choices"] and event["choices"][0].get("token_ids")]
+    texts = [choice["text"] if path == "/v1/completions" else choice["delta"]["content"] for choice in choices]
+    counts = [len(choice["token_ids"]) for choice in choices]
+    assert (status, status_streamed, counts[0], sum(counts)) == (200, 200, 1, 8)
+    assert all(count >= 3 for count in counts[1:-1]) and len(counts) <= 4, counts
+    assert [choice["finish_reason"] for choice in choices] == [None] * (len(choices) - 1) + ["length"]
+    output = whole["choices"][0]
+    assert [t for choice in choices for t in choice["token_ids"]] == output["token_ids"]
+    assert "".join(texts) == (output["text"] if path == "/v1/completions" else output["message"]["content"])
+
+
+@pytest.mark.parametrize(("value", "message"), [(0, "must be an integer >= 1, got 0"),
+                                                (True, "must be an integer >= 1, got True"),
+                                                ("2", "must be an integer >= 1, got '2'")])
+def test_a_bad_stream_interval_is_a_400(served, value, message):
+    status, reply = served.post("/v1/completions", {"model": MODEL, "prompt": PROMPT, "stream_interval": value})
+    assert (status, reply["error"]["param"], reply["error"]["message"]) == (400, "stream_interval",
+                                                                            f"stream_interval: {message}")
+
+
+def test_stream_interval_null_or_without_stream_changes_nothing(served):
+    for extra in ({"stream_interval": None}, {"stream_interval": 4}):
+        status, reply = served.post("/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 3, **extra})
+        assert (status, reply["usage"]["completion_tokens"]) == (200, 3)
 
 
 def test_stop_strings_cut_the_text_and_name_the_stop(served):

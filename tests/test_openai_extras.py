@@ -93,6 +93,83 @@ def test_a_template_that_loops_over_content_gets_the_parts_on_every_api(tiny_lla
         assert (status, response["usage"]["input_tokens"]) == (200, len(expected))
 
 
+# ---- a request's own chat template (--trust-request-chat-template) -----------------------------
+
+REQUEST_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}: {{ m['content'] }}<|im_end|>{% endfor %}"
+                    "{% if greeting is defined %}{{ greeting }}{% endif %}"
+                    "{% if add_generation_prompt %}<|im_start|>assistant:{% endif %}")
+UNTRUSTED = ("chat_template: this server does not trust request chat templates (start it with "
+             "--trust-request-chat-template to render a request's own template)")
+
+
+@pytest.fixture(scope="module")
+def trusting(tiny_llama_dir):
+    with served_apis(tiny_llama_dir, MODEL, served_class=Served, trust_request_chat_template=True) as served:
+        yield served
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/tokenize"])
+def test_a_request_chat_template_is_refused_unless_the_server_trusts_them(served, path):
+    """vLLM's default: 400, whether the template is valid or not."""
+    for template in (REQUEST_TEMPLATE, "{% for %}"):
+        status, reply = served.post(path, {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                                           "chat_template": template})
+        assert (status, reply["error"]["param"], reply["error"]["message"]) == (400, "chat_template", UNTRUSTED)
+
+
+def test_a_trusting_server_renders_the_request_s_template_for_chat_and_tokenize(trusting, tiny_llama_dir):
+    from transformers import AutoTokenizer
+
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"},
+                {"role": "user", "content": "more"}]
+    expected = AutoTokenizer.from_pretrained(tiny_llama_dir, local_files_only=True).apply_chat_template(
+        messages, chat_template=REQUEST_TEMPLATE, add_generation_prompt=True, greeting="hey", tokenize=True,
+        return_dict=False)
+    extras = {"chat_template": REQUEST_TEMPLATE, "chat_template_kwargs": {"greeting": "hey"}}
+    status, body = trusting.post("/tokenize", {"model": MODEL, "messages": messages, **extras})
+    assert (status, body["tokens"]) == (200, expected)
+    assert trusting.cluster.tokenizer.decode(expected, skip_special_tokens=False) == (
+        "<|im_start|>user: hi<|im_end|><|im_start|>assistant: yo<|im_end|><|im_start|>user: more<|im_end|>hey"
+        "<|im_start|>assistant:")
+    for _ in range(2):  # the second time from the compiled template
+        status, chat = trusting.post("/v1/chat/completions", {"model": MODEL, "messages": messages, "max_tokens": 2,
+                                                              "return_token_ids": True, **extras})
+        assert (status, chat["prompt_token_ids"]) == (200, expected)
+    status, chat = trusting.post("/v1/chat/completions", {"model": MODEL, "messages": messages, "max_tokens": 2,
+                                                          "return_token_ids": True})
+    assert (status, chat["prompt_token_ids"]) == (200, trusting.cluster.tokenizer.apply_chat_template(messages))
+
+
+@pytest.mark.parametrize(("path", "body", "param", "message"), [
+    ("/v1/chat/completions", {"chat_template": "{% for m in messages %}"}, "chat_template",
+     "chat_template: does not compile: Unexpected end of template. Jinja was looking for the following tags: 'endfor' "
+     "or 'else'. The innermost block that needs to be closed is 'for'. (line 1)"),
+    ("/tokenize", {"chat_template": "{{ 1 / 0 }}"}, "chat_template",
+     "chat_template: rejected by the chat template: ZeroDivisionError: division by zero"),
+    ("/v1/chat/completions", {"chat_template": "{{ raise_exception('no') }}"}, "chat_template",
+     "chat_template: rejected by the chat template: no"),
+    ("/tokenize", {"chat_template": 5}, "chat_template", "chat_template: must be a string (a Jinja template), got 5"),
+    ("/v1/chat/completions", {"chat_template_kwargs": {"chat_template": "{{ 'x' }}"}},
+     "chat_template_kwargs.chat_template", "chat_template_kwargs.chat_template: is not a template variable (send a "
+                                           "request's own template as its chat_template field)"),
+    ("/v1/responses", {"chat_template_kwargs": {"chat_template": "{{ 'x' }}"}},
+     "chat_template_kwargs.chat_template", "chat_template_kwargs.chat_template: is not a template variable (send a "
+                                           "request's own template as its chat_template field)"),
+])
+def test_request_template_errors_are_400s_naming_the_field(trusting, path, body, param, message):
+    chat = {"input": "hi"} if path == "/v1/responses" else {"messages": [{"role": "user", "content": "hi"}]}
+    status, reply = trusting.post(path, {"model": MODEL, **chat, **body})
+    assert (status, reply["error"]["param"], reply["error"]["message"]) == (400, param, message)
+
+
+def test_responses_ignore_a_chat_template_as_vllm_s_responses_model_has_none(trusting):
+    """vLLM's Responses request declares no chat_template: the field is ignored, the server's template renders."""
+    status, response = trusting.post("/v1/responses", {"model": MODEL, "input": "hi", "max_output_tokens": 1,
+                                                       "chat_template": "{% for %}"})
+    prompt = trusting.cluster.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert (status, response["usage"]["input_tokens"]) == (200, len(prompt))
+
+
 @pytest.mark.parametrize(("path", "body", "param"), [
     ("/tokenize", {"prompt": 5}, "prompt"),
     ("/tokenize", {"prompt": "x", "tools": [{"type": "function"}]}, "tools"),

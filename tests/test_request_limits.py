@@ -468,6 +468,29 @@ def test_a_chat_with_a_long_reasoning_in_its_history_is_rendered_in_the_pool(tin
     assert on_loops == on_loop
 
 
+def test_a_request_s_own_template_is_compiled_in_the_pool_then_rendered_on_the_loop(tiny_llama_dir):
+    """Compiling a template is milliseconds of jinja work holding the GIL: a template a request brings is
+    compiled in the pool the first time; once compiled, a short chat renders on the loop as with the
+    server's template."""
+    from splitserve.router.tokenizer import ChatTemplateOptions
+
+    tokenizer = RouterTokenizer.from_model_dir(tiny_llama_dir, trust_request_chat_template=True)
+    real_render, on_loops = tokenizer.render_chat_template, []
+
+    def render(*args):
+        on_loops.append(_has_running_loop())
+        return real_render(*args)
+
+    tokenizer.render_chat_template = render
+    pool = TokenizerPool(tokenizer, make_request_limits(), [].append)
+    options = ChatTemplateOptions(chat_template="{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    chat = [{"role": "user", "content": "the river"}]
+    first, second = (asyncio.run(pool.apply_chat_template(chat, True, options)) for _ in range(2))
+    pool.close()
+    assert on_loops == [False, True]
+    assert first == second == tuple(tokenizer.encode_rendered("the river"))
+
+
 @pytest.mark.parametrize(("words", "on_loop"), [(["mill", "river"], True),
                                                  ([f"word{i} " * 60 for i in range(4)], False)])
 def test_bad_words_over_the_inline_size_are_tokenized_in_the_pool(tiny_llama_dir, words, on_loop):

@@ -85,6 +85,16 @@ def test_null_min_tokens_is_its_default():
     assert parse(min_tokens=None).chat.sampling.min_tokens == 0
 
 
+def test_null_watermarking_is_its_default():
+    """vLLM's Responses model declares `watermarking: bool | None = None` (as its chat and completion models do):
+    null is no watermark, unlike the fields it declares without null."""
+    assert parse(watermarking=None).chat == parse().chat
+    with pytest.raises(InvalidRequestError) as error:
+        parse(watermarking=True)
+    assert (error.value.field, error.value.message) == ("watermarking", "is not supported by this server: not "
+                                                                        "implemented (got true)")
+
+
 def test_a_cache_salt_passes_to_the_chat_request():
     """vLLM's Responses endpoint takes cache_salt as its chat endpoint does."""
     assert (parse(cache_salt="user-a").chat.cache_salt, parse().chat.cache_salt) == ("user-a", None)
@@ -142,7 +152,8 @@ def test_a_cache_salt_passes_to_the_chat_request():
     ({"tools": None}, "tools", "must be a list of function tools, got null"),
     ({"tool_choice": None}, "tool_choice",
      'must be one of "none", "auto", "required" or {"type": "function", "name": ...}, got null'),
-    ({"service_tier": None}, "service_tier", "must be a string, got null"),
+    ({"service_tier": None}, "service_tier",
+     'must be one of "auto", "default", "flex", "scale" or "priority", got null'),
     ({"enable_response_messages": None}, "enable_response_messages", "must be a boolean, got null"),
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format",
      'json_schema must be an object with a "schema", got {"name": "x"}'),

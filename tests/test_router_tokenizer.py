@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import shutil
 import subprocess
 import sys
@@ -18,7 +19,8 @@ from splitserve.common.chat_template import resolve_content_format
 from splitserve.common.detokenizer import IncrementalDetokenizer
 from splitserve.common.errors import InvalidRequestError, UnsupportedModelError
 from splitserve.common.generation_config import GenerationConfigFile
-from splitserve.router.tokenizer import ChatTemplateOptions, RouterTokenizer, max_bytes_per_token, parse_chat_template
+from splitserve.router.tokenizer import (ChatTemplateOptions, RequestTemplateCache, RouterTokenizer, max_bytes_per_token,
+                                        parse_chat_template)
 from splitserve.testing.tiny_models import PARTS_CHAT_TEMPLATE, TOOLS_CHAT_TEMPLATE
 
 TEXTS = (
@@ -186,6 +188,36 @@ def test_the_content_format_option_overrides_the_detected_one(tiny_llama_dir):
     assert listed.render_chat_template([{"role": "user", "content": "hi"}]) == "[{'type': 'text', 'text': 'hi'}]"
     with pytest.raises(ValueError, match="must be one of auto, string, openai, got 'parts'"):
         RouterTokenizer.from_model_dir(tiny_llama_dir, plain, "parts")
+
+
+@pytest.mark.parametrize("template, option, logged", [
+    (None, "auto", [("INFO", "Detected the chat template content format to be 'string'. You can set "
+                             "`--chat-template-content-format` to override this.")]),
+    (PARTS_CHAT_TEMPLATE, "auto", [("INFO", "Detected the chat template content format to be 'openai'. You can "
+                                            "set `--chat-template-content-format` to override this.")]),
+    (PARTS_CHAT_TEMPLATE, "string", [("WARNING", "You specified `--chat-template-content-format string` which is "
+                                                 "different from the detected format 'openai'; the one given is "
+                                                 "used.")]),
+    (PARTS_CHAT_TEMPLATE, "openai", []),
+])
+def test_the_server_template_s_content_format_is_logged_once_at_start_up(tiny_llama_dir, caplog, template, option,
+                                                                         logged):
+    """vLLM's lines: the format "auto" detected, or a warning when the one given differs from it."""
+    from splitserve.deploy.router_app import log_content_format
+
+    tokenizer = RouterTokenizer.from_model_dir(tiny_llama_dir, template, option)
+    with caplog.at_level(logging.INFO, logger="splitserve.deploy.router_app"):
+        log_content_format(tokenizer, option)
+    assert [(record.levelname, record.getMessage()) for record in caplog.records] == logged
+
+
+def test_no_content_format_is_logged_without_a_template(no_template_dir, caplog):
+    from splitserve.deploy.router_app import log_content_format
+
+    tokenizer = RouterTokenizer.from_model_dir(no_template_dir)
+    with caplog.at_level(logging.INFO, logger="splitserve.deploy.router_app"):
+        log_content_format(tokenizer, "auto")
+    assert (tokenizer.detected_content_format, caplog.records) == (None, [])
 
 
 def test_continue_final_message_with_parts_cuts_after_the_last_part_as_transformers(tiny_llama_dir):
@@ -365,7 +397,7 @@ def test_chat_template_kwargs_that_break_the_template_s_own_calls_are_invalid_re
 
 
 @pytest.mark.parametrize("key, reason", [
-    ("chat_template", "a request may not bring its own template (start the server with --chat-template)"),
+    ("chat_template", "is not a template variable (send a request's own template as its chat_template field)"),
     ("tokenize", "is not a template variable (vLLM refuses it here too)"),
     ("continue_final_message", "is set by the request's own field continue_final_message"),
     ("add_generation_prompt", "is set by the request's own fields"),
@@ -376,6 +408,108 @@ def test_chat_template_kwargs_that_vllm_refuses_or_reads_as_options_are_refused(
     with pytest.raises(InvalidRequestError) as raised:
         ChatTemplateOptions(template_kwargs={key: True})
     assert str(raised.value) == f"chat_template_kwargs.{key}: {reason}"
+
+
+# ---- a request's own chat template (vLLM's chat_template, --trust-request-chat-template) ----------------
+
+REQUEST_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}: {{ m['content'] }}<|im_end|>{% endfor %}"
+                    "{% if add_generation_prompt %}<|im_start|>assistant:{% endif %}")
+
+
+def test_a_request_template_renders_in_place_of_the_server_s_as_transformers_renders_it(tiny_llama_dir):
+    ours, hf = RouterTokenizer.from_model_dir(tiny_llama_dir, trust_request_chat_template=True), _hf(tiny_llama_dir)
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    options = ChatTemplateOptions(chat_template=REQUEST_TEMPLATE)
+    text = ours.render_chat_template(chat, True, options)
+    assert text == "<|im_start|>user: hi<|im_end|><|im_start|>assistant: yo<|im_end|><|im_start|>assistant:"
+    ids = ours.apply_chat_template(chat, True, options)
+    assert ids == hf.apply_chat_template(chat, chat_template=REQUEST_TEMPLATE, add_generation_prompt=True,
+                                         tokenize=True, return_dict=False)
+    assert ids[:1] == [1] and ids.count(1) == 3  # <|im_start|> is one token, as the server's template writes it
+    # The server's own template is untouched by it.
+    assert ours.render_chat_template(chat[:1]) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_a_request_template_is_refused_unless_the_server_trusts_them(tiny_llama_dir):
+    """vLLM's default: without --trust-request-chat-template a request's template is a 400."""
+    ours = RouterTokenizer.from_model_dir(tiny_llama_dir)
+    with pytest.raises(InvalidRequestError) as raised:
+        ours.apply_chat_template([{"role": "user", "content": "hi"}], True,
+                                 ChatTemplateOptions(chat_template=REQUEST_TEMPLATE))
+    assert str(raised.value) == ("chat_template: this server does not trust request chat templates (start it with "
+                                 "--trust-request-chat-template to render a request's own template)")
+    assert not ours.compiles_template(ChatTemplateOptions(chat_template=REQUEST_TEMPLATE))
+
+
+def test_a_model_without_a_template_renders_a_trusted_request_s_own(no_template_dir):
+    ours = RouterTokenizer.from_model_dir(no_template_dir, trust_request_chat_template=True)
+    assert not ours.has_chat_template
+    assert ours.render_chat_template([{"role": "user", "content": "hi"}], False,
+                                     ChatTemplateOptions(chat_template=REQUEST_TEMPLATE)) == (
+        "<|im_start|>user: hi<|im_end|>")
+
+
+@pytest.mark.parametrize("option, rendered", [
+    ("auto", "<|im_start|>user\n[hi][there]<|im_end|>\n"),  # detected from the request's template: openai
+    ("string", "<|im_start|>user\nhi\nthere<|im_end|>\n"),  # the server's option wins, as in vLLM
+])
+def test_content_format_detection_runs_on_the_request_template(tiny_llama_dir, option, rendered):
+    """The server's template (ChatML) reads as "string"; PARTS_CHAT_TEMPLATE, sent by a request, loops over
+    a message's content: under "auto" its messages get their parts."""
+    ours = RouterTokenizer.from_model_dir(tiny_llama_dir, None, option, trust_request_chat_template=True)
+    assert ours.content_format == "string"
+    options = ChatTemplateOptions(chat_template=PARTS_CHAT_TEMPLATE)
+    assert ours.render_chat_template([{"role": "user", "content": TEXT_PARTS}], False, options) == rendered
+
+
+def test_chat_template_kwargs_and_special_tokens_reach_a_request_template(custom_dir):
+    ours = RouterTokenizer.from_model_dir(custom_dir, trust_request_chat_template=True)
+    options = ChatTemplateOptions(template_kwargs={"greeting": "hello"},
+                                  chat_template="{{ bos_token }}{{ greeting }}, {{ messages[0]['content'] }}")
+    assert ours.render_chat_template([{"role": "user", "content": "river"}], True, options) == (
+        "<|endoftext|>hello, river")
+
+
+@pytest.mark.parametrize("template, error", [
+    ("{% for m in messages %}", "does not compile: Unexpected end of template. Jinja was looking for the following "
+                                "tags: 'endfor' or 'else'. The innermost block that needs to be closed is 'for'. "
+                                "(line 1)"),
+    ("{{ x | nosuch }}", "does not compile: No filter named 'nosuch'. (line 1)"),
+    ("{{ " + "(" * 3000 + "1" + ")" * 3000 + " }}", "does not compile: nested too deeply"),
+    ("{{ 1 / 0 }}", "rejected by the chat template: ZeroDivisionError: division by zero"),
+    ("{{ raise_exception('no ' + messages[0]['content']) }}", "rejected by the chat template: no hi"),
+    ("{{ messages.append(1) }}", "rejected by the chat template: access to attribute 'append' of 'list' object is "
+                                 "unsafe."),
+    ("{{ 'a' + 1 }}", 'rejected by the chat template: TypeError: can only concatenate str (not "int") to str'),
+])
+def test_request_template_compile_and_render_errors_are_invalid_requests(tiny_llama_dir, template, error):
+    """Jinja's message, never a 500: vLLM answers any error of a template with 400."""
+    ours = RouterTokenizer.from_model_dir(tiny_llama_dir, trust_request_chat_template=True)
+    with pytest.raises(InvalidRequestError) as raised:
+        ours.apply_chat_template([{"role": "user", "content": "hi"}], True, ChatTemplateOptions(chat_template=template))
+    assert (raised.value.field, raised.value.message) == ("chat_template", error)
+
+
+def test_request_templates_are_compiled_once_in_a_bounded_lru():
+    cache = RequestTemplateCache("auto", max_size=2)
+    first = cache.get("{{ 'a' }}")
+    assert cache.get("{{ 'a' }}") is first  # not compiled again
+    cache.get("{{ 'b' }}")
+    assert cache.get("{{ 'a' }}") is first  # used last: "b" is now the least recently used
+    cache.get("{{ 'c' }}")
+    assert len(cache) == 2 and "{{ 'b' }}" not in cache and "{{ 'a' }}" in cache and "{{ 'c' }}" in cache
+    assert cache.get("{{ 'b' }}") is not first and first.template.render() == "a"
+    assert (first.content_format, cache.get(PARTS_CHAT_TEMPLATE).content_format) == ("string", "openai")
+    with pytest.raises(ValueError, match="must be one of auto, string, openai, got 'parts'"):
+        RequestTemplateCache("parts")
+
+
+def test_compiles_template_says_whether_a_request_template_is_new(tiny_llama_dir):
+    ours = RouterTokenizer.from_model_dir(tiny_llama_dir, trust_request_chat_template=True)
+    options = ChatTemplateOptions(chat_template=REQUEST_TEMPLATE)
+    assert (ours.compiles_template(options), ours.compiles_template(ChatTemplateOptions())) == (True, False)
+    ours.render_chat_template([{"role": "user", "content": "hi"}], True, options)
+    assert not ours.compiles_template(options)
 
 
 def test_sandbox_refuses_unsafe_templates(no_template_dir, tmp_path):

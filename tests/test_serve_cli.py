@@ -49,6 +49,11 @@ def test_chat_template_content_format_sets_the_router_s():
         parse("/models/m", "--chat-template-content-format", "parts")
 
 
+def test_trust_request_chat_template_is_vllm_s_flag():
+    assert [parse("/models/m", *flag).router.trust_request_chat_template
+            for flag in ([], ["--trust-request-chat-template"])] == [False, True]
+
+
 def test_every_vllm_flag_sets_both_pools_engines_and_the_router(tmp_path):
     template = tmp_path / "t.jinja"
     template.write_text(CHAT_TEMPLATE)
