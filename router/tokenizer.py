@@ -203,14 +203,6 @@ def _render_error(error: Exception) -> str:
     return str(error) if isinstance(error, jinja2.TemplateError) else f"{type(error).__name__}: {error}"
 
 
-def parse_chat_template(source: str) -> jinja2.nodes.Template | None:
-    """A chat template's syntax tree in that environment (for content_format_of), None when it does not parse."""
-    try:
-        return _template_environment().parse(source)
-    except jinja2.TemplateSyntaxError:
-        return None
-
-
 def read_chat_template_option(value: str) -> str:
     """The template text of a --chat-template value (vLLM's meaning): the path of a file holding
     it, or the template itself, told apart by its jinja markup. ValueError for a value that is

@@ -20,7 +20,7 @@ from splitserve.common.detokenizer import IncrementalDetokenizer
 from splitserve.common.errors import InvalidRequestError, UnsupportedModelError
 from splitserve.common.generation_config import GenerationConfigFile
 from splitserve.router.tokenizer import (ChatTemplateOptions, RequestTemplateCache, RouterTokenizer, max_bytes_per_token,
-                                        parse_chat_template)
+                                        prepare_chat_template)
 from splitserve.testing.tiny_models import PARTS_CHAT_TEMPLATE, TOOLS_CHAT_TEMPLATE
 
 TEXTS = (
@@ -150,12 +150,15 @@ TEXT_PARTS = [{"type": "text", "text": "hi"}, {"type": "text", "text": "there"}]
     ("{% for d in documents %}{% for p in d['content'] %}{% endfor %}{% endfor %}", "string"),
     ("{% for p in message['content'] %}{% endfor %}", "string"),
     ("{% for m in messages %}{% generation %}{{ m['content'] }}{% endgeneration %}{% endfor %}", "string"),
-    ("{% for %}", "string"),
 ])
 def test_content_format_is_detected_from_the_template(template, content_format):
     """vLLM's "auto": "openai" only for a loop over the content of a message of `messages` (or of a
-    name assigned from it); a template that does not parse reads as "string"."""
-    assert resolve_content_format("auto", parse_chat_template(template)) == content_format
+    name assigned from it)."""
+    assert prepare_chat_template(template, "auto").detected_format == content_format
+
+
+def test_a_template_that_does_not_parse_reads_as_string():
+    assert resolve_content_format("auto", None) == "string"
 
 
 def test_a_template_that_loops_over_content_gets_the_parts_as_transformers_renders_them(tiny_llama_dir):
