@@ -113,6 +113,8 @@ REQUEST_FAILURE = _counter("request_failure", "Requests that ended with an error
 ADMISSION_REJECTIONS = _counter("admission_rejections", "Requests rejected by admission control.", ("reason",))
 ROUTING_DECISIONS = _counter("routing_decisions", "Routing decisions by outcome (cache_hit, load, local_prefill, "
                                                   "round_robin).", ("reason",))
+INTERNAL_STEP_REQUESTS = _counter("internal_step_requests", "Requests the router ran as internal steps of a client's "
+                                  "request (each live beam at each beam search step): not counted as requests.")
 TIME_TO_FIRST_TOKEN = _histogram("time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
 INTER_TOKEN_LATENCY = _histogram("inter_token_latency_seconds", "Time between consecutive output tokens.",
                                  ITL_BUCKETS)

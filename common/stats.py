@@ -191,6 +191,11 @@ class RequestRecord:
     """Which targets it met; None when it does not count (see common.slo.request_slo_outcome)."""
     num_migrations: int = 0
     """Times it moved off a lost worker to another one."""
+    step_of: str | None = None
+    """Set on an internal step the router ran for a client's request (a beam of a beam search step), to
+    that request's id: not a request any client sent. Observers count it apart (RouterMetrics keeps
+    its KV transfer and counts it in internal_step_requests; the access log and the planner leave
+    it out); the client's request has a record of its own. None: a client's request."""
 
     def __post_init__(self) -> None:
         if (self.finish_reason is None) == (self.error_code is None):

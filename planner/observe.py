@@ -57,7 +57,10 @@ class TrafficWindow:
         self._in_flight_at_last_tick = 0
 
     def record(self, now_s: float, record: RequestRecord) -> None:
-        """A request ended at now_s."""
+        """A request ended at now_s (an internal step is not one: Orchestrator.num_in_flight leaves steps out
+        too, so arrivals by conservation count its client's request once)."""
+        if record.step_of is not None:
+            return
         self._ended.append(_Ended(now_s - record.e2e_s, now_s, record))
 
     def observation(self, now_s: float, window_s: float, in_flight: int, snapshots: Sequence[WorkerSnapshot],

@@ -1,4 +1,4 @@
-"""One access-log line per request, when it ends (on any path after validation): its status,
+"""One access-log line per client request, when it ends (on any path after validation): its status,
 tokens, TTFT and latency, on the `splitserve.access` logger.
 
 The fields ride on the log record (`extra={"fields": ...}`), so the JSON formatter
@@ -36,7 +36,10 @@ def text_line(fields: dict[str, object]) -> str:
 
 
 def log_access(record: RequestRecord) -> None:
-    """The router's request observer for the access log."""
+    """The router's request observer for the access log: a line per client request (an internal step's
+    record, step_of set, has none: its client request has its own line)."""
+    if record.step_of is not None:
+        return
     fields = access_fields(record)
     logger.info("%s", text_line(fields), extra={"fields": fields})
 

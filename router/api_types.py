@@ -12,10 +12,12 @@ from splitserve.common.token_logprobs import TokenLogprobs
 class RouterError(Exception):
     """Ends a stream with a gRPC status code name and a message for the client."""
 
-    def __init__(self, code: str, message: str) -> None:
+    def __init__(self, code: str, message: str, rejection_reason: str | None = None) -> None:
+        """`rejection_reason`: why admission control refused the request (RESOURCE_EXHAUSTED), for its record."""
         super().__init__(f"{code}: {message}")
         self.code = code
         self.message = message
+        self.rejection_reason = rejection_reason
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,11 @@ class GenerationInput:
     """Salts the prefix cache (vLLM's cache_salt, a non-empty string): the prompt's block hashes, at the
     router and on the workers, start from the salted root, so it hits only blocks of requests with the
     same salt. None: unsalted."""
+    step_of: str | None = None
+    """The client's request this one is an internal step of (each live beam at each step of a beam search
+    runs as a request of its own): it runs like any request, but it is not one the client sent, so it is
+    recorded as a step (RequestRecord.step_of), never as a request; the client's request has its own
+    record (Orchestrator.stepwise). None: a request the client sent (or one sequence of it)."""
 
 
 @dataclass(frozen=True)

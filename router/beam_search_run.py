@@ -1,7 +1,9 @@
 """Runs a beam search (common/beam_search.py) on the cluster: each step's beams are ordinary
 one-token requests through the orchestrator, so they are routed by prefix (a beam's prompt is the
 previous step's prompt + one token: its blocks are cached), prefilled, transferred and decoded
-like any request, under the request's deadline and cache salt.
+like any request, under the request's deadline and cache salt. They are internal steps of the client's
+request (GenerationInput.step_of): the router records that request once (Orchestrator.stepwise, which the
+API wraps around its searches), not each beam.
 
 Admission: the search holds beam_width slots from its start to its end, all or none: the API
 request's own (the caller's) and beam_width - 1 it takes before the first step, so a search the
@@ -39,11 +41,12 @@ def step_params(search: BeamSearch) -> SamplingParams:
     return SamplingParams(max_tokens=1, temperature=search.params.temperature, logprobs=search.params.num_logprobs)
 
 
-def step_inputs(base: GenerationInput, search: BeamSearch) -> tuple[GenerationInput, ...]:
-    """One input per live beam, `<id>-beam-<step>-<beam>` (unique while the search runs)."""
+def step_inputs(base: GenerationInput, search: BeamSearch, step_of: str) -> tuple[GenerationInput, ...]:
+    """One input per live beam, `<id>-beam-<step>-<beam>` (unique while the search runs), each an internal step
+    of the client's request `step_of`."""
     params = step_params(search)
     return tuple(dataclasses.replace(base, request_id=f"{base.request_id}-beam-{search.num_steps}-{index}",
-                                     prompt_token_ids=prompt, sampling_params=params)
+                                     prompt_token_ids=prompt, sampling_params=params, step_of=step_of)
                  for index, prompt in enumerate(search.step_prompts()))
 
 
@@ -60,14 +63,15 @@ def cached_tokens(chunks: Sequence[IndexedChunk]) -> int:
     return usages[-1].cached_tokens if usages else 0
 
 
-async def run_beam_search(orchestrator: Orchestrator, base: GenerationInput, search: BeamSearch) -> BeamSearchResult:
-    """Step `search` until it is done, on the caller's admission slot and beam_width - 1 more; raises the first
-    beam's error (RouterError, InvalidRequestError)."""
+async def run_beam_search(orchestrator: Orchestrator, base: GenerationInput, search: BeamSearch,
+                          step_of: str) -> BeamSearchResult:
+    """Step `search` until it is done, on the caller's admission slot and beam_width - 1 more, its beams internal
+    steps of the client's request `step_of`; raises the first beam's error (RouterError, InvalidRequestError)."""
     reserved = admit_all(orchestrator, search.params.beam_width - 1)
     num_cached = 0
     try:
         while not search.done:
-            inputs = step_inputs(base, search)
+            inputs = step_inputs(base, search, step_of)
             chunks = await _run_step(orchestrator, inputs)
             if search.num_steps == 0:
                 num_cached = cached_tokens(chunks)

@@ -4,7 +4,8 @@ Every collector is built from a definition in common.metrics.ALL_METRICS (names,
 buckets are never repeated here). Metrics come from two sources:
 
 - per request (success/failure, latency histograms, KV transfers, SLO attainment, goodput):
-  `observe()` takes each RequestRecord the orchestrator hands its observer when a request ends;
+  `observe()` takes each RequestRecord the orchestrator hands its observer when a request ends
+  (an internal step's record counts only as a step and a KV pull);
 Counters whose label values are known up front (request outcomes, routing reasons, rejection
 reasons, TTFT phases) are exported at 0 for every value from the start, so a dashboard shows 0,
 not "No data", for what has not happened yet (PromQL's rate() of a series that appears with its
@@ -94,7 +95,12 @@ class RouterMetrics:
 
     # ---- per request -------------------------------------------------------------------
     def observe(self, record: RequestRecord) -> None:
-        """Count one ended request (the Orchestrator's observer; runs on its event loop)."""
+        """Count one ended request (the Orchestrator's observer; runs on its event loop). An internal step
+        (record.step_of) is not a request: it counts as a step, and its KV pull as a pull."""
+        if record.step_of is not None:
+            self._get(m.INTERNAL_STEP_REQUESTS).inc()
+            self._observe_transfer(record)
+            return
         if record.finish_reason is None:
             self._get(m.REQUEST_FAILURE).labels(record.error_code).inc()
         else:

@@ -126,6 +126,8 @@ class ClientDisconnected(Exception):
 class _Job:
     """A validated request, ready for the orchestrator."""
 
+    request_id: str
+    """The client's request id (each input's is it, or `<it>-<choice index>`: router/fanout.py)."""
     inputs: tuple[GenerationInput, ...]
     """One per sequence, prompt-major (router/fanout.py)."""
     num_sequences: int
@@ -314,17 +316,27 @@ class OpenAIServing:
         return _EventStream(job.events(chunks[0], _replayed(chunks[1:])))
 
     async def _beam_chunks(self, job: _Job) -> list[IndexedChunk]:
-        """Every choice as one finished chunk, prompt-major (choice p * n + i: prompt p's beam i, best first)."""
-        chunks = []
-        eos_token_id = self._eos_token_id()
-        for prompt_index, base in enumerate(job.inputs[::job.n]):
-            room = self.orchestrator.max_model_len - len(base.prompt_token_ids)  # the prompt leaves >= 1
-            params = dataclasses.replace(job.beam_search, max_tokens=min(job.beam_search.max_tokens, room))
-            result = await run_beam_search(self.orchestrator, base, start(params, base.prompt_token_ids,
-                                                                          eos_token_id))
-            chunks.extend(IndexedChunk(prompt_index * job.n + i, self._beam_chunk(base, beam, result))
-                          for i, beam in enumerate(result.search.best()))
+        """Every choice as one finished chunk, prompt-major (choice p * n + i: prompt p's beam i, best first).
+        The searches are the one request the client sent in the router's records, their beams its steps."""
+        bases = job.inputs[::job.n]
+        client = dataclasses.replace(bases[0], request_id=job.request_id)
+        with self.orchestrator.stepwise(client, sum(len(base.prompt_token_ids) for base in bases)) as recorded:
+            chunks = []
+            for prompt_index, base in enumerate(bases):
+                chunks.extend(await self._beam_search(job, prompt_index, base))
+            usage = merged_usage([item.chunk.usage for item in chunks], job.n)  # the response's
+            recorded.on_finished(chunks[0].chunk.finish_reason, usage.cached_tokens, usage.completion_tokens,
+                                 time.monotonic())
         return chunks
+
+    async def _beam_search(self, job: _Job, prompt_index: int, base: GenerationInput) -> list[IndexedChunk]:
+        """One prompt's best beams as its choices' chunks."""
+        room = self.orchestrator.max_model_len - len(base.prompt_token_ids)  # the prompt leaves >= 1
+        params = dataclasses.replace(job.beam_search, max_tokens=min(job.beam_search.max_tokens, room))
+        result = await run_beam_search(self.orchestrator, base, start(params, base.prompt_token_ids,
+                                                                      self._eos_token_id()), job.request_id)
+        return [IndexedChunk(prompt_index * job.n + i, self._beam_chunk(base, beam, result))
+                for i, beam in enumerate(result.search.best())]
 
     def _beam_chunk(self, base: GenerationInput, beam: Beam, result: BeamSearchResult) -> StreamChunk:
         """A returned beam as its choice's only chunk: its text leaves out the EOS that completed it (vLLM's)."""
@@ -359,7 +371,7 @@ class OpenAIServing:
         if parsed.return_token_ids:  # choice i is one of prompt i // n's sequences: inputs i // n * best_of on
             renderer.with_token_ids([inputs[i // parsed.n * parsed.best_of].prompt_token_ids
                                      for i in range(len(prompts) * parsed.n)])
-        return _Job(inputs, parsed.best_of, parsed.n, renderer, parsed.stream, parsed.beam_search,
+        return _Job(request_id, inputs, parsed.best_of, parsed.n, renderer, parsed.stream, parsed.beam_search,
                     parsed.stream_interval)
 
     async def _chat_job(self, parsed: ChatCompletionRequest) -> _Job:
@@ -371,14 +383,14 @@ class OpenAIServing:
                                 chat.reasoning_output)
         if parsed.return_token_ids:
             renderer.with_token_ids([chat.inputs[0].prompt_token_ids] * parsed.n)
-        return _Job(chat.inputs, parsed.n, parsed.n, renderer, parsed.stream, parsed.beam_search,
+        return _Job(chat.request_id, chat.inputs, parsed.n, parsed.n, renderer, parsed.stream, parsed.beam_search,
                     parsed.stream_interval)
 
     async def _responses_job(self, parsed: ResponsesRequest) -> _Job:
         chat = await self._chat_inputs(parsed.chat, "input")
         header = ResponseHeader(f"resp_{chat.request_id}", int(time.time()), self.model_name, self.system_fingerprint)
         renderer = ResponsesRenderer(header, parsed.chat, parsed.settings, chat.tool_output, chat.reasoning_output)
-        return _Job(chat.inputs, 1, 1, renderer, parsed.chat.stream)
+        return _Job(chat.request_id, chat.inputs, 1, 1, renderer, parsed.chat.stream)
 
     async def _chat_inputs(self, parsed: ChatCompletionRequest, prompt_param: str) -> _ChatInputs:
         """A chat's inputs and how its output is read; `prompt_param`: the field its messages came

@@ -21,7 +21,7 @@ import logging
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from typing import TypeVar
 
 from splitserve.common.block_hash import BlockHasher, check_cache_salt
@@ -44,6 +44,7 @@ from splitserve.router.peers import PeerHandshakes
 from splitserve.router.policy import (DecodeCandidate, PrefillCandidate, Rejection, RouteDecision, RoutingConfig,
                                       RoutingRequest, route)
 from splitserve.router.prefix_index import PrefixIndex
+from splitserve.router.records import StepwiseRequest
 from splitserve.router.reports import WorkerMonitor
 from splitserve.router.request_run import RequestRun
 from splitserve.router.worker_link import WorkerLinkConfig
@@ -96,7 +97,9 @@ class Orchestrator:
         self.layout: KVLayout | None = None
         """The KV layout every worker shares (known once started; a joining worker must match it)."""
         self._in_flight: set[str] = set()
-        """Client request ids of the requests in generate()."""
+        """Client request ids of the requests in generate() and stepwise() (internal steps are not in it)."""
+        self._stepwise: dict[str, StepwiseRequest] = {}
+        """The requests in stepwise() by client request id: what their steps' ends add to."""
         self._idle = asyncio.Event()
         """Set while no request holds an admission slot (drain waits on it)."""
         self._idle.set()
@@ -226,7 +229,7 @@ class Orchestrator:
         if isinstance(decision, Rejection):
             self._rejections[decision.reason] += 1
             run.rejection_reason = decision.reason
-            raise RouterError("RESOURCE_EXHAUSTED", decision.message)
+            raise RouterError("RESOURCE_EXHAUSTED", decision.message, decision.reason)
         self._decisions[decision.reason] += 1
         return decision, cached
 
@@ -379,10 +382,11 @@ class Orchestrator:
         try:
             self.validate_prompt(inp.prompt_token_ids)
             check_cache_salt(inp.cache_salt)  # the APIs checked it; a library caller's is hashed next
-            if inp.request_id in self._in_flight:
+            if inp.step_of is None and inp.request_id in self._in_flight:
                 raise InvalidRequestError("request_id", f"{inp.request_id!r} is already in flight")
             run = RequestRun(inp, self.tokenizer, arrival, self.eos_token_ids)
-            self._in_flight.add(inp.request_id)
+            if inp.step_of is None:
+                self._in_flight.add(inp.request_id)
             try:
                 if admission is None:
                     admission = self._admit(run)
@@ -402,15 +406,40 @@ class Orchestrator:
             if admission is not None:
                 admission.release()
 
+    @contextlib.contextmanager
+    def stepwise(self, inp: GenerationInput, num_prompt_tokens: int) -> Iterator[StepwiseRequest]:
+        """A client's request that the caller runs as internal steps (generate() of inputs whose step_of is
+        inp.request_id; `inp`: the request as the client sent it, its id, deadline and SLO targets): in flight
+        under its id meanwhile, and recorded once when the block ends, as the one request the client sent (the
+        caller notes its output with on_finished first; an exception is how it failed). Its steps are recorded as
+        steps (RequestRecord.step_of); their moves off lost workers count on its record."""
+        if inp.request_id in self._in_flight:
+            raise InvalidRequestError("request_id", f"{inp.request_id!r} is already in flight")
+        request = StepwiseRequest(inp.request_id, num_prompt_tokens, time.monotonic())
+        self._in_flight.add(inp.request_id)
+        self._stepwise[inp.request_id] = request
+        try:
+            yield request
+        except BaseException as error:
+            request.error_code = _error_code(error, inp.deadline)
+            request.rejection_reason = error.rejection_reason if isinstance(error, RouterError) else None
+            raise
+        finally:
+            self._in_flight.discard(inp.request_id)
+            del self._stepwise[inp.request_id]
+            self._observe(request.record(self.slo_targets(inp), time.monotonic()))
+
     def admit(self) -> Admission:
         """O(1), for the APIs' first line, before a request is read, parsed or tokenized: its slot,
         or RouterError UNAVAILABLE while draining, RESOURCE_EXHAUSTED (counted as a
-        too_many_requests rejection) while the router holds max_in_flight_requests."""
+        too_many_requests rejection, the error's rejection_reason) while the router holds
+        max_in_flight_requests."""
         decision = self.admission.try_admit()
         if isinstance(decision, AdmissionRejection):
             if decision.reason == TOO_MANY_REQUESTS:
                 self.count_rejection(decision.reason)
-            raise RouterError(decision.code, decision.message)
+            raise RouterError(decision.code, decision.message,
+                              decision.reason if decision.reason == TOO_MANY_REQUESTS else None)
         self._idle.clear()
         return decision
 
@@ -419,12 +448,11 @@ class Orchestrator:
         self._rejections[reason] += 1
 
     def _admit(self, run: RequestRun) -> Admission:
-        """admit(), noting a too_many_requests rejection on the run (its record shows it)."""
+        """admit(), noting a rejection's reason on the run (its record shows it)."""
         try:
             return self.admit()
         except RouterError as error:
-            if error.code == "RESOURCE_EXHAUSTED":
-                run.rejection_reason = TOO_MANY_REQUESTS
+            run.rejection_reason = error.rejection_reason
             raise
 
     async def _attempt(self, run: RequestRun) -> AsyncIterator[StreamChunk]:
@@ -634,13 +662,22 @@ class Orchestrator:
     def _end(self, run: RequestRun) -> None:
         """Release the router's bookkeeping; abort what the workers still hold (not awaited:
         this also runs while the request's task is being cancelled)."""
-        self._in_flight.discard(run.inp.request_id)
+        step_of = run.inp.step_of
+        if step_of is None:
+            self._in_flight.discard(run.inp.request_id)
+        elif step_of in self._stepwise:
+            self._stepwise[step_of].on_step_ended(run.num_migrations)
         self._end_attempt(run)
-        if self.observer is not None:
-            try:
-                self.observer(run.record(self.slo_targets(run.inp)))
-            except Exception:  # metrics must never break a request's cleanup
-                logger.exception("[%s] the request observer failed", quote_for_log(run.inp.request_id))
+        self._observe(run.record(self.slo_targets(run.inp)))
+
+    def _observe(self, record: RequestRecord) -> None:
+        """Hand an ended request's (or internal step's) record to the observer."""
+        if self.observer is None:
+            return
+        try:
+            self.observer(record)
+        except Exception:  # metrics must never break a request's cleanup
+            logger.exception("[%s] the request observer failed", quote_for_log(record.request_id))
 
     def _end_attempt(self, run: RequestRun) -> None:
         """Release the attempt's worker claims and stream; abort what its workers still hold."""

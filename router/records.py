@@ -1,11 +1,14 @@
 """What the router measures about one request while it runs; the orchestrator turns it into a
-`common.stats.RequestRecord` when the request ends.
+`common.stats.RequestRecord` when the request ends (a request run as internal steps: StepwiseRequest).
 
 Router-side times are time.monotonic() instants on the router; worker-side phases are
 durations measured on the worker's own clock (never compared across machines as instants).
 """
 
 from __future__ import annotations
+
+from splitserve.common.slo import SloConfig, request_slo_outcome
+from splitserve.common.stats import RequestRecord
 
 
 class RequestTimeline:
@@ -69,3 +72,47 @@ class RequestTimeline:
             self.last_token_at = now
         if finished:
             self.finished_at = now
+
+
+class StepwiseRequest:
+    """A client's request that the router runs as internal steps (requests with GenerationInput.step_of:
+    a beam search's beams), measured as the one request the client sent.
+
+    Its output exists only once its last step ran and reaches the client whole, so, as for any tokens
+    that come together, its first and last token arrive at that moment: TTFT = e2e, and its other tokens
+    count inter-token gaps of 0 (TPOT 0)."""
+
+    def __init__(self, request_id: str, num_prompt_tokens: int, arrival: float) -> None:
+        self.request_id = request_id
+        self.num_prompt_tokens = num_prompt_tokens
+        self.timeline = RequestTimeline(arrival)
+        self.finish_reason: str | None = None
+        self.num_cached_tokens = 0
+        self.num_output_tokens = 0
+        self.num_migrations = 0
+        """Its steps' moves off lost workers."""
+        self.error_code: str | None = None
+        self.rejection_reason: str | None = None
+
+    def on_step_ended(self, num_migrations: int) -> None:
+        self.num_migrations += num_migrations
+
+    def on_finished(self, finish_reason: str, num_cached_tokens: int, num_output_tokens: int, now: float) -> None:
+        """Its whole output is ready now: `finish_reason` is its first choice's; the token counts are its usage's."""
+        self.finish_reason = finish_reason
+        self.num_cached_tokens = num_cached_tokens
+        self.num_output_tokens = num_output_tokens
+        self.timeline.on_tokens(num_output_tokens, True, now)
+
+    def record(self, targets: SloConfig, now: float) -> RequestRecord:
+        """Its record once it ended (now): no worker, phase or transfer of its own (its steps have those)."""
+        timeline = self.timeline
+        finish_reason = self.finish_reason if self.error_code is None else None
+        error_code = None if finish_reason is not None else self.error_code or "INTERNAL"
+        ttft_s, e2e_s = timeline.ttft_s, timeline.e2e_s(now)
+        return RequestRecord(
+            self.request_id, finish_reason, error_code, None, self.rejection_reason, None, None,
+            self.num_prompt_tokens, self.num_cached_tokens, self.num_output_tokens, ttft_s,
+            tuple(timeline.inter_token_latencies), e2e_s, None, None, None if ttft_s is None else e2e_s - ttft_s, (),
+            None, request_slo_outcome(targets, error_code, ttft_s, e2e_s, self.num_output_tokens),
+            self.num_migrations)

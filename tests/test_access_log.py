@@ -67,3 +67,11 @@ def test_configure_logging_installs_one_root_handler_of_the_chosen_format():
         assert [type(h.formatter) for h in root.handlers] == [logging.Formatter]
     finally:
         root.handlers[:], _ = saved[0], root.setLevel(saved[1])
+
+
+def test_an_internal_step_has_no_line(caplog):
+    """A beam search's step requests are not the client's: only the search's own record has a line."""
+    with caplog.at_level(logging.INFO, logger="splitserve.access"):
+        log_access(make_request_record("r-beam-0-0", step_of="r"))
+        log_access(make_request_record("r"))
+    assert [entry.fields["request_id"] for entry in caplog.records] == ["r"]

@@ -18,13 +18,13 @@ from splitserve.common import metrics as m
 from splitserve.common.kv_events import WorkerCounters
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.slo import SloConfig, SloOutcome
-from splitserve.common.stats import LoopLagStats, PlannerStats, RoutingStats, WorkerSnapshot
+from splitserve.common.stats import KVTransferRecord, LoopLagStats, PlannerStats, RoutingStats, WorkerSnapshot
 from splitserve.engine import LLM
 from splitserve.router import admission, policy, tokenizer_pool
 from splitserve.router.metrics_server import RouterMetrics
 from splitserve.router.api_types import GenerationInput, RouterError
 from splitserve.testing.in_process_cluster import InProcessCluster, make_prefill_worker
-from tests.factories import make_load_report
+from tests.factories import make_load_report, make_request_record
 
 SLO = SloConfig(ttft_s=1000.0, tpot_s=1e-9)
 """Every finished request meets the TTFT target; only one with a single output token meets TPOT."""
@@ -397,3 +397,24 @@ def test_two_routers_in_one_process_keep_their_own_registries():
     assert _value(_samples(generate_latest(first.registry).decode()), "splitserve_slo_target_seconds", slo="ttft") == 1.0
     assert _value(_samples(generate_latest(second.registry).decode()), "splitserve_slo_target_seconds",
                   slo="ttft") == 2.0
+
+
+def test_an_internal_step_counts_as_a_step_and_a_pull_only():
+    """A beam's step request is not a client's request: no request counter, histogram or SLO counter moves, and
+    its move off a lost worker counts on its client's request; its KV pull (worker-side work that happened) counts."""
+    metrics = RouterMetrics(SLO)
+    before = _samples(generate_latest(metrics.registry).decode())
+    pull = KVTransferRecord("prefill-0", "decode-0", 0.002, 4096)
+    metrics.observe(make_request_record("r-beam-1-0", step_of="r", kv_transfer=pull, num_migrations=1,
+                                        ttft_breakdown=(("prefill_queue", 0.001),)))
+    after = _samples(generate_latest(metrics.registry).decode())
+    changed = {key: value - before.get(key, 0.0) for key, value in after.items()
+               if not key[0].endswith("_created") and value != before.get(key, 0.0)}
+    pair = frozenset({("prefill_worker", "prefill-0"), ("decode_worker", "decode-0")})
+    assert changed == {
+        ("splitserve_internal_step_requests_total", frozenset()): 1,
+        ("splitserve_kv_transfer_bytes_total", pair): 4096, ("splitserve_kv_transfer_seconds_count", pair): 1,
+        ("splitserve_kv_transfer_seconds_sum", pair): 0.002,
+        **{("splitserve_kv_transfer_seconds_bucket", pair | {("le", le)}): 1
+           for le in ("0.0025", "0.005", "0.01", "0.025", "0.05", "0.1", "0.25", "0.5", "1.0", "2.5", "5.0", "10.0",
+                      "+Inf")}}

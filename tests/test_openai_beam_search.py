@@ -2,24 +2,33 @@
 reference (vLLM's algorithm over transformers' fp32 logits) token for token, beam width 1 is greedy,
 a chat streams each beam whole, a streamed completion is answered with one JSON response (both as
 vLLM does), fields a beam search cannot honour are 400s, each step's beams take admission slots, a
-client that goes away and a deadline stop every beam's requests."""
+client that goes away and a deadline stop every beam's requests, and a search is one request in the router's
+metrics and access log (its beams are internal steps)."""
 
 from __future__ import annotations
 
 import json
+import logging
 import socket
 import time
 from pathlib import Path
 
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
+from splitserve.common import metrics as m
 from splitserve.common.beam_search import BeamSearchParams, start
 from splitserve.common.sampling_params import SamplingParams
+from splitserve.common.slo import SloConfig, SloOutcome
+from splitserve.deploy.router_app import each_of
+from splitserve.router.access_log import log_access
 from splitserve.router.api_types import GenerationInput, RouterError
 from splitserve.router.beam_search_run import run_beam_search
 from splitserve.router.policy import RoutingConfig
-from tests.factories import eos_model, hf_logits, http_request, reference_beam_search, served_apis
+from splitserve.router.records import StepwiseRequest
+from tests.factories import (eos_model, hf_logits, http_request, make_request_record, reference_beam_search,
+                             served_apis)
 
 MODEL = "tiny-llama"
 PROMPT = "The river runs"
@@ -204,6 +213,8 @@ def test_a_search_the_router_cannot_hold_whole_is_a_429_before_any_step_runs(tin
         assert _generated_tokens(served) == 0
         assert dict(served.cluster.orchestrator.routing_stats().rejections) == {"too_many_requests": 1}
         assert served.cluster.orchestrator.admission.in_flight == 0
+        assert (served.requests_ended("request_failure", code="RESOURCE_EXHAUSTED"),
+                served.requests_ended("internal_step_requests")) == (1, 0)
         status, _, raw = _post(served, "/v1/completions", {"prompt": PROMPT, "use_beam_search": True, "n": 2,
                                                            "max_tokens": 3})
         assert status == 200 and len(json.loads(raw)["choices"]) == 2
@@ -215,6 +226,7 @@ def _generated_tokens(served) -> int:
 
 
 def test_a_client_going_away_stops_every_beam(served):
+    cancelled = served.requests_ended("request_failure", code="CANCELLED")
     body = json.dumps({"model": MODEL, "prompt": PROMPT, "use_beam_search": True, "n": 3, "max_tokens": 2000,
                        "ignore_eos": True}).encode()
     with socket.create_connection(("127.0.0.1", served.http_port)) as connection:
@@ -227,6 +239,7 @@ def test_a_client_going_away_stops_every_beam(served):
     assert _generated_tokens(served) == stopped_at < 3 * 2000
     assert served.cluster.orchestrator.admission.in_flight == 0
     assert served.cluster.orchestrator.num_in_flight == 0
+    assert served.requests_ended("request_failure", code="CANCELLED") == cancelled + 1  # the search, once
 
 
 def test_the_deadline_ends_the_search(served, prompt_ids):
@@ -234,8 +247,112 @@ def test_the_deadline_ends_the_search(served, prompt_ids):
     search = start(BeamSearchParams(beam_width=2, max_tokens=2000, ignore_eos=True), prompt_ids, 0)
     base = GenerationInput("deadline", tuple(prompt_ids), SamplingParams(), time.monotonic() + 0.5)
     with pytest.raises(RouterError) as error:
-        served.loop.run(run_beam_search(orchestrator, base, search))
+        served.loop.run(run_beam_search(orchestrator, base, search, "deadline"))
     assert error.value.code == "DEADLINE_EXCEEDED"
     served.loop.run(served.cluster.wait_idle())
     assert orchestrator.num_in_flight == 0
 
+
+
+# ---- one request in the router's records ----------------------------------------------------------
+
+_PER_REQUEST = (m.REQUEST_SUCCESS, m.REQUEST_FAILURE, m.TIME_TO_FIRST_TOKEN, m.INTER_TOKEN_LATENCY,
+                m.TIME_PER_OUTPUT_TOKEN, m.E2E_REQUEST_LATENCY, m.REQUEST_QUEUE_TIME, m.REQUEST_PREFILL_TIME,
+                m.REQUEST_DECODE_TIME, m.REQUEST_PROMPT_TOKENS, m.REQUEST_GENERATION_TOKENS, m.TTFT_BREAKDOWN,
+                m.REQUEST_MIGRATIONS, m.SLO_REQUESTS, m.SLO_TTFT_MET, m.SLO_TPOT_MET, m.SLO_BOTH_MET, m.GOODPUT_TOKENS,
+                m.INTERNAL_STEP_REQUESTS)
+"""The metrics fed by request records (not the scrape-time worker, routing and event-loop ones)."""
+_SERIES = {d.exposed_name for d in _PER_REQUEST} | {d.name + suffix for d in _PER_REQUEST if d.kind == m.HISTOGRAM
+                                                      for suffix in ("_count", "_sum")}
+
+
+def _per_request_series(served) -> dict[tuple[str, frozenset], float]:
+    status, _, body = http_request(served.http_port, "GET", "/metrics")
+    assert status == 200
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for family in text_string_to_metric_families(body.decode()) for s in family.samples if s.name in _SERIES}
+
+
+def _changes(served, before: dict[tuple[str, frozenset], float]) -> dict[str, float]:
+    """What moved since `before`, by series name (with its label values, if any)."""
+    after = _per_request_series(served)
+    return {name + "".join(f"{{{value}}}" for _, value in sorted(labels)): value - before.get((name, labels), 0.0)
+            for (name, labels), value in after.items() if value != before.get((name, labels), 0.0)}
+
+
+@pytest.fixture
+def access_log(served, monkeypatch, caplog):
+    """The served router's access-log lines (log_access added to its observer, as `splitserve serve` has it)."""
+    orchestrator = served.cluster.orchestrator
+    monkeypatch.setattr(orchestrator, "observer", each_of([orchestrator.observer, log_access]))
+    caplog.set_level(logging.INFO, logger="splitserve.access")
+    return lambda: [entry.fields for entry in caplog.records if entry.name == "splitserve.access"]
+
+
+def test_a_beam_search_is_one_request_in_the_metrics_and_the_access_log(served, prompt_ids, access_log):
+    """Width 3, 4 steps: 1 + 3 x 3 one-token step requests, counted as internal steps only; the search is one
+    finished request with 12 output tokens, all reaching the client with its response (TTFT = e2e)."""
+    before = _per_request_series(served)
+    response = _completion(served, n=3, max_tokens=4, temperature=0, ignore_eos=True, request_id="beams-1")
+    changes = _changes(served, before)
+    [line] = access_log()
+    e2e_s = line["e2e_s"]
+    assert line == {"request_id": "beams-1", "status": "OK", "finish_reason": "length", "rejection_reason": None,
+                    "prompt_tokens": len(prompt_ids),
+                    "cached_tokens": response["usage"]["prompt_tokens_details"]["cached_tokens"], "output_tokens": 12,
+                    "ttft_s": e2e_s, "tpot_s": 0.0, "e2e_s": e2e_s, "prefill_worker": None, "decode_worker": None,
+                    "migrations": 0}
+    seconds = {name: changes.pop(name) for name in ("splitserve_time_to_first_token_seconds_sum",
+                                                    "splitserve_e2e_request_latency_seconds_sum")}
+    assert seconds == {name: pytest.approx(e2e_s, abs=1e-6) for name in seconds}
+    assert changes == {
+        "splitserve_request_success_total{length}": 1, "splitserve_time_to_first_token_seconds_count": 1,
+        "splitserve_e2e_request_latency_seconds_count": 1, "splitserve_inter_token_latency_seconds_count": 11,
+        "splitserve_time_per_output_token_seconds_count": 1, "splitserve_request_decode_time_seconds_count": 1,
+        "splitserve_request_prompt_tokens_count": 1, "splitserve_request_prompt_tokens_sum": len(prompt_ids),
+        "splitserve_request_generation_tokens_count": 1, "splitserve_request_generation_tokens_sum": 12,
+        "splitserve_slo_requests_total": 1, "splitserve_slo_ttft_met_requests_total": 1,
+        "splitserve_slo_tpot_met_requests_total": 1, "splitserve_slo_met_requests_total": 1,
+        "splitserve_goodput_tokens_total": 12, "splitserve_internal_step_requests_total": 10}
+
+
+def test_an_ordinary_request_is_still_one_request_with_its_own_phases(served, prompt_ids, access_log):
+    before = _per_request_series(served)
+    status, _, raw = _post(served, "/v1/completions", {"prompt": PROMPT, "max_tokens": 4, "temperature": 0,
+                                                       "ignore_eos": True, "request_id": "plain-1"})
+    changes = _changes(served, before)
+    [line] = access_log()
+    assert status == 200
+    assert (line["request_id"], line["status"], line["prompt_tokens"], line["output_tokens"]) == (
+        "plain-1", "OK", len(prompt_ids), 4)
+    assert line["decode_worker"] == "decode-0" and line["ttft_s"] < line["e2e_s"]
+    counts = {name: value for name, value in changes.items()
+              if name.split("{")[0].endswith(("_count", "_total")) and "ttft_breakdown" not in name}
+    assert counts == {
+        "splitserve_request_success_total{length}": 1, "splitserve_time_to_first_token_seconds_count": 1,
+        "splitserve_e2e_request_latency_seconds_count": 1, "splitserve_inter_token_latency_seconds_count": 3,
+        "splitserve_time_per_output_token_seconds_count": 1, "splitserve_request_queue_time_seconds_count": 1,
+        "splitserve_request_prefill_time_seconds_count": 1, "splitserve_request_decode_time_seconds_count": 1,
+        "splitserve_request_prompt_tokens_count": 1, "splitserve_request_generation_tokens_count": 1,
+        "splitserve_slo_requests_total": 1, "splitserve_slo_ttft_met_requests_total": 1,
+        "splitserve_slo_tpot_met_requests_total": 1, "splitserve_slo_met_requests_total": 1,
+        "splitserve_goodput_tokens_total": 4}
+    assert changes["splitserve_ttft_breakdown_seconds_count{prefill_compute}"] == 1
+
+
+def test_a_stepwise_request_is_recorded_as_its_client_got_it():
+    """Its whole output arrives at once (TTFT = e2e, gaps of 0); its steps' moves count on it."""
+    request = StepwiseRequest("r", 7, arrival=10.0)
+    request.on_step_ended(0)
+    request.on_step_ended(2)
+    request.on_finished("stop", 4, 6, now=10.5)
+    assert request.record(SloConfig(ttft_s=0.4, tpot_s=0.01), now=10.75) == make_request_record(
+        "r", finish_reason="stop", routing_reason=None, prefill_worker=None, decode_worker=None, num_prompt_tokens=7,
+        num_cached_tokens=4, num_output_tokens=6, ttft_s=0.5, inter_token_latencies=(0.0,) * 5, e2e_s=0.5,
+        decode_s=0.0, slo=SloOutcome(False, True), num_migrations=2)
+    refused = StepwiseRequest("q", 7, arrival=10.0)
+    refused.error_code, refused.rejection_reason = "RESOURCE_EXHAUSTED", "too_many_requests"
+    assert refused.record(SloConfig(), now=10.25) == make_request_record(
+        "q", finish_reason=None, error_code="RESOURCE_EXHAUSTED", routing_reason=None,
+        rejection_reason="too_many_requests", prefill_worker=None, decode_worker=None, num_prompt_tokens=7,
+        num_output_tokens=0, ttft_s=None, e2e_s=0.25, slo=SloOutcome(False, False))

@@ -52,6 +52,7 @@ def test_a_window_of_records_and_reports_becomes_an_exact_observation():
                                 routing_reason="local_prefill", queue_s=0.03))
     window.record(99.5, _record("d", 1.0, 0.3, prompt=300, output=101))  # TPOT 0.007: met
     window.record(99.0, _record("e", 0.0, None))
+    window.record(99.2, make_request_record("d-beam-0-0", step_of="d"))  # a beam search's step: not a request
     snapshots = (WorkerSnapshot("prefill-0", "prefill", _load(0, 2, 90, prefill_s_per_token=0.001), None),
                  WorkerSnapshot("decode-0", "decode", _load(4, 1, 60, decode_step_s=0.02), None),
                  WorkerSnapshot("decode-1", "decode", None, None))
