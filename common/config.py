@@ -8,7 +8,7 @@ import sys
 from dataclasses import dataclass, fields
 from typing import get_args, get_type_hints
 
-from splitserve.common.errors import InvalidRequestError
+from splitserve.common.errors import InvalidRequestError, json_excerpt
 from splitserve.common.sampling_params import SamplingParams
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -23,8 +23,21 @@ on the development CPU, code continuation: n-gram still paid at 16 and broke eve
 draft model paid at 1 and lost at 4)."""
 QUANTIZATION_METHODS = ("auto", "none", "int8", "int4", "gptq", "awq")
 QUANTIZATION_GROUP_SIZES = (32, 64, 128)
+SCHEDULING_POLICIES = ("fcfs", "priority")
+"""vLLM's scheduling policies: first come first served, or by each request's priority (lower first)."""
 DEFAULT_KV_CACHE_MEMORY_BYTES = 1 << 30
 """KV pool size when no sizing field is given: 1 GiB."""
+
+
+def check_priority(priority: object, scheduling_policy: str) -> None:
+    """InvalidRequestError naming `priority` unless it is an integer (no bool) the policy serves: any
+    under priority, only 0 (the default) under fcfs, as vLLM refuses one when priority scheduling is off."""
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise InvalidRequestError("priority", f"must be an integer, got {json_excerpt(priority)}")
+    if priority != 0 and scheduling_policy != "priority":
+        raise InvalidRequestError("priority", f"is {priority}, but priority scheduling is not enabled: the scheduling "
+                                              f"policy is {scheduling_policy!r} (set scheduling_policy, "
+                                              f"--scheduling-policy, to 'priority')")
 
 
 def _check(ok: bool, message: str) -> None:
@@ -176,6 +189,11 @@ class EngineConfig:
     none runs the checkpoint's float weights; auto is the checkpoint's quantization_config, else none."""
     quantization_group_size: int = 128
     """Input channels per scale of `int4` (32, 64 or 128); GPTQ/AWQ checkpoints bring their own."""
+    scheduling_policy: str = "fcfs"
+    """vLLM's: fcfs admits waiting requests in arrival order and preempts the latest admitted one when
+    KV blocks run out; priority orders the waiting requests by (priority, arrival), lower priority
+    values first, and preempts the running request with the largest (priority, arrival). Under fcfs
+    a request with a priority other than 0 is refused (docs/engine.md#scheduler)."""
 
     def __post_init__(self) -> None:
         check_scalar_fields(self)
@@ -200,6 +218,8 @@ class EngineConfig:
                f"quantization must be one of {QUANTIZATION_METHODS}, got {self.quantization!r}")
         _check(self.quantization_group_size in QUANTIZATION_GROUP_SIZES,
                f"quantization_group_size must be one of {QUANTIZATION_GROUP_SIZES}, got {self.quantization_group_size}")
+        _check(self.scheduling_policy in SCHEDULING_POLICIES,
+               f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}")
 
     def _check_kv_sizing(self) -> None:
         given = [name for name in ("num_kv_blocks", "kv_cache_memory_bytes", "kv_cache_memory_fraction")

@@ -12,7 +12,7 @@ import torch
 from tokenizers import Tokenizer
 
 from splitserve.common.block_hash import BlockHasher, check_cache_salt
-from splitserve.common.config import EngineConfig
+from splitserve.common.config import EngineConfig, check_priority
 from splitserve.common.errors import InvalidRequestError
 from splitserve.common.generation_config import GenerationConfigFile
 from splitserve.common.kv_events import KVEventBatch, KVSnapshot, LoadReport
@@ -129,7 +129,8 @@ class EngineCore:
                                           BlockHasher(config.block_size, config.hash_seed),
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
-                                                   self.max_model_len, config.enable_chunked_prefill),
+                                                   self.max_model_len, config.enable_chunked_prefill,
+                                                   config.scheduling_policy),
                                    self.block_manager)
         self.runner = ModelRunner(self.model, self.kv_cache, self.device, attention.pads_decode_batches,
                                   attention.needs_paged_metadata,
@@ -187,8 +188,9 @@ class EngineCore:
 
     # ---- requests ------------------------------------------------------------------------
     def validate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 cache_salt: str | None = None) -> None:
-        """Raise InvalidRequestError (naming the field) if the request can never be served."""
+                 cache_salt: str | None = None, priority: int = 0) -> None:
+        """Raise InvalidRequestError (naming the field) if the request can never be served (a priority
+        other than 0 included, unless the scheduling policy is priority)."""
         if request_id in self.scheduler.requests or request_id in self._held:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in flight")
         if not prompt_token_ids:
@@ -200,6 +202,7 @@ class EngineCore:
         if bad:
             raise InvalidRequestError("prompt_token_ids", f"out of vocabulary [0, {self.vocab_size}): {bad[:5]}")
         check_cache_salt(cache_salt)
+        check_priority(priority, self.config.scheduling_policy)
         if params.n != 1:
             raise InvalidRequestError("n", f"must be 1 for an engine request, got {params.n}: an engine request is "
                                            f"one sequence (LLM.generate fans n out into one request per sequence)")
@@ -214,16 +217,18 @@ class EngineCore:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     hold_kv_after_prefill: bool = False, output_token_ids: Sequence[int] = (),
-                    cache_salt: str | None = None) -> None:
+                    cache_salt: str | None = None, priority: int = 0) -> None:
         """Queue a request. With hold_kv_after_prefill (producer role) it finishes as 'prefilled'
         after its first token unless it stops there, and its blocks stay held (see take_held_kv).
 
         `output_token_ids` were generated elsewhere (a request moved off a lost worker): the
         engine prefills prompt + those tokens, as it recomputes a preempted request, and goes on
         sampling from there; they count towards max_tokens. `cache_salt`: its prefix-cache hits are
-        blocks of requests with the same salt only (None: of unsalted requests)."""
-        self.validate(request_id, prompt_token_ids, params, cache_salt)
-        request = self._new_request(request_id, list(prompt_token_ids), list(output_token_ids), params, cache_salt)
+        blocks of requests with the same salt only (None: of unsalted requests). `priority`: its place
+        under the priority scheduling policy (lower first; only 0 under fcfs)."""
+        self.validate(request_id, prompt_token_ids, params, cache_salt, priority)
+        request = self._new_request(request_id, list(prompt_token_ids), list(output_token_ids), params, cache_salt,
+                                    priority)
         request.hold_kv_after_prefill = hold_kv_after_prefill
         self._num_prompt_tokens += request.num_prompt_tokens
         self.scheduler.add_request(request)
@@ -231,7 +236,7 @@ class EngineCore:
     def add_remote_request(self, request_id: str, prompt_token_ids: list[int], output_token_ids: list[int],
                            params: SamplingParams, num_cached_tokens: int,
                            generator_state: bytes | None, first_token_pending: bool = False,
-                           cache_salt: str | None = None) -> tuple[int, ...] | None:
+                           cache_salt: str | None = None, priority: int = 0) -> tuple[int, ...] | None:
         """Consumer role: admit a request whose prompt KV lives on a producer.
 
         Allocates blocks for the prompt and the tokens generated elsewhere, and returns the
@@ -241,9 +246,11 @@ class EngineCore:
         output_token_ids is empty and one more token's room is allocated; the caller hands the first
         token over (remote_first_token) before remote_kv_ready() or remote_kv_failed(). `cache_salt`: the
         producer's request's, so the pulled blocks enter this prefix cache under the producer's hashes.
+        `priority`: as add_request's (it orders the request once its pull completes).
         """
-        self.validate(request_id, prompt_token_ids, params, cache_salt)
-        request = self._new_request(request_id, list(prompt_token_ids), list(output_token_ids), params, cache_salt)
+        self.validate(request_id, prompt_token_ids, params, cache_salt, priority)
+        request = self._new_request(request_id, list(prompt_token_ids), list(output_token_ids), params, cache_salt,
+                                    priority)
         # Room for the tokens generated elsewhere too, so the first decode step never waits
         # for a block (a ready request is never preempted to make room for itself).
         if self.block_manager.allocate(request, request.num_tokens + int(first_token_pending)) is None:
@@ -332,9 +339,9 @@ class EngineCore:
                         memory_kind="VRAM" if self.device.type == "cuda" else "DRAM")
 
     def _new_request(self, request_id: str, prompt_token_ids: list[int], output_token_ids: list[int],
-                     params: SamplingParams, cache_salt: str | None) -> Request:
+                     params: SamplingParams, cache_salt: str | None, priority: int) -> Request:
         request = Request(request_id, prompt_token_ids, params, self.eos_token_ids, self._arrivals,
-                          all_token_ids=prompt_token_ids + output_token_ids, cache_salt=cache_salt)
+                          all_token_ids=prompt_token_ids + output_token_ids, cache_salt=cache_salt, priority=priority)
         self._arrivals += 1
         if params.structured_output is not None:
             self.grammars.add(request_id, params.structured_output, output_token_ids)

@@ -224,12 +224,14 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool | Callable[..., tqdm] = False, lora_request: None = None) -> list[RequestOutput]:
+                 use_tqdm: bool | Callable[..., tqdm] = False, lora_request: None = None,
+                 priority: Sequence[int] | None = None) -> list[RequestOutput]:
         """Run prompts to completion; outputs come back in input order. `prompts`: one prompt or a list; a
         prompt is a str, a list of token ids, a TextPrompt or a TokensPrompt (vLLM's forms). `use_tqdm`
         (vLLM's): True shows a progress bar of finished sequences, a callable (e.g.
         `functools.partial(tqdm, leave=False)`) makes it, called with `total` and `desc`. `lora_request`:
-        vLLM's, accepted as None only.
+        vLLM's, accepted as None only. `priority` (vLLM's): one integer per prompt, for an engine whose
+        scheduling_policy is "priority" (lower runs first); None: every prompt's is 0.
 
         A prompt whose SamplingParams.n > 1 runs n sequences (seeded as SamplingParams.for_sequence says), the
         n CompletionOutputs of its one RequestOutput. Every prompt is validated before any is queued, so a bad
@@ -240,14 +242,16 @@ class LLM:
         prompt_list = _prompt_list(prompts)
         params = [self._tokenized(sp) for sp in _broadcast_params(
             self._default_params if sampling_params is None else sampling_params, len(prompt_list))]
+        priorities = _priorities(priority, len(prompt_list))
         jobs = [self._job(self._resolve(p), sp) for p, sp in zip(prompt_list, params)]
-        requests = [(request_id, job.prompt, sp) for job in jobs for request_id, sp in job.sequences]
-        for request_id, prompt, sp in requests:
-            self.engine.validate(request_id, prompt.token_ids, sp, prompt.cache_salt)
-        accumulators = {request_id: _Accumulator(sp.logprobs is not None) for request_id, _, sp in requests}
+        requests = [(request_id, job.prompt, sp, rank) for job, rank in zip(jobs, priorities)
+                    for request_id, sp in job.sequences]
+        for request_id, prompt, sp, rank in requests:
+            self.engine.validate(request_id, prompt.token_ids, sp, prompt.cache_salt, rank)
+        accumulators = {request_id: _Accumulator(sp.logprobs is not None) for request_id, _, sp, _ in requests}
         try:
-            for request_id, prompt, sp in requests:
-                self.engine.add_request(request_id, prompt.token_ids, sp, cache_salt=prompt.cache_salt)
+            for request_id, prompt, sp, rank in requests:
+                self.engine.add_request(request_id, prompt.token_ids, sp, cache_salt=prompt.cache_salt, priority=rank)
             with _progress_bar(use_tqdm, len(requests)) as progress:
                 for delta in self._deltas(set(accumulators)):
                     accumulators[delta.request_id].add(delta)
@@ -361,13 +365,15 @@ class LLM:
         except TypeError as error:  # chat_template_kwargs replacing what the template calls (as in the router)
             raise InvalidRequestError(where, f"rejected by the chat template: TypeError: {error}") from error
 
-    def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[CompletionDelta]:
+    def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
+               priority: int = 0) -> Iterator[CompletionDelta]:
         """Deltas of one request as the engine produces them. Several streams (and generate() calls)
         may be open at once: each step serves all their requests, and each gets its own deltas.
-        Closing the stream early aborts its request."""
+        Closing the stream early aborts its request. `priority`: as one of generate()'s."""
         request_id, prompt_input = self._next_id(), self._resolve(prompt)
         self.engine.add_request(request_id, prompt_input.token_ids, self._tokenized(
-            self._default_params if sampling_params is None else sampling_params), cache_salt=prompt_input.cache_salt)
+            self._default_params if sampling_params is None else sampling_params), cache_salt=prompt_input.cache_salt,
+            priority=priority)
         try:
             yield from self._deltas({request_id})
         finally:
@@ -546,6 +552,18 @@ def _default_sampling_params(model_dir: Path, config: GenerationConfig) -> Sampl
     defaults = resolve_request_defaults(config, GenerationConfigFile.read(model_dir)).sampling
     max_tokens = {} if defaults.max_new_tokens is None else {"max_tokens": defaults.max_new_tokens}
     return SamplingParams(**defaults.sampling_fields(), **max_tokens)
+
+
+def _priorities(priority: Sequence[int] | None, num_prompts: int) -> list[int]:
+    """One priority per prompt (vLLM's LLM.generate `priority`); None: 0 for each. Each is checked by the engine."""
+    if priority is None:
+        return [0] * num_prompts
+    if not isinstance(priority, list | tuple):
+        raise InvalidRequestError("priority", f"must be a list of integers (one per prompt) or None, got "
+                                              f"{type(priority).__name__}")
+    if len(priority) != num_prompts:
+        raise InvalidRequestError("priority", f"got {len(priority)} for {num_prompts} prompts")
+    return list(priority)
 
 
 def _broadcast_params(params: SamplingParams | Sequence[SamplingParams], count: int) -> list[SamplingParams]:

@@ -61,6 +61,9 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)
     """Draft tokens proposed to follow all_token_ids, verified by the next decode step (never
     part of all_token_ids, never hashed); empty when the request does not speculate."""
+    priority: int = 0
+    """vLLM's request priority: under the priority scheduling policy, lower values are admitted first
+    and preempted last (ties by arrival_index); always 0 under fcfs."""
     cache_salt: str | None = None
     """Salts the prefix cache (vLLM's cache_salt): block_hashes start from the salted root, so the
     request shares cached blocks only with requests of the same salt. None: unsalted."""

@@ -3,9 +3,15 @@
 Each request carries `num_computed_tokens` chasing `num_tokens`. One `schedule()` hands
 out at most `max_num_batched_tokens` tokens: first to running requests in admission order
 (a decode needs 1 token, an unfinished prefill its remaining prompt), then to waiting
-requests in arrival order. When blocks run out, the most recently admitted running
-request is preempted: its blocks are freed and it will recompute from scratch (usually
-hitting its own just-freed blocks in the prefix cache).
+requests in the order of the scheduling policy (engine/request_queue.py: arrival order under
+fcfs; (priority, arrival) under priority). When a running request finds no free block, a victim
+is preempted, until the request fits or is itself the victim (then nothing after it in the
+batch is scheduled this step): under fcfs the most recently admitted running request, under
+priority the running request with the largest (priority, arrival_index) (vLLM v1's rule), which
+may be one already scheduled this step (its chunk is dropped and its tokens go back to the
+budget). A victim's blocks are freed and it recomputes from scratch (usually hitting its own
+just-freed blocks in the prefix cache); it waits at the head of the queue under fcfs, at its
+(priority, arrival) place under priority. A step that preempted admits nothing new.
 
 A decoding request with draft tokens (speculative decoding) gets 1 + k tokens: its last token
 and the k drafts, trimmed to the budget left; the drafts' KV counts only when the engine's
@@ -13,17 +19,18 @@ verification accepts them (`accept_draft_tokens`), and their blocks beyond that 
 
 Requests whose prompt KV comes from another worker (consumer role) wait outside both
 queues in WAITING_FOR_REMOTE_KV with their blocks allocated; once the pull completes they
-join `ready` and are admitted ahead of waiting prompts (they only need decode steps).
+join `ready` (ordered like the waiting queue: completion order under fcfs) and are admitted
+ahead of waiting prompts (they only need decode steps).
 """
 
 from __future__ import annotations
 
 import time
-from collections import deque
 from dataclasses import dataclass
 
 from splitserve.engine.block_manager import NO_PREFIX, BlockManager
 from splitserve.engine.request import Request, RequestStatus
+from splitserve.engine.request_queue import RequestQueue
 
 
 @dataclass(frozen=True)
@@ -32,6 +39,8 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     max_model_len: int
     enable_chunked_prefill: bool
+    policy: str = "fcfs"
+    """EngineConfig.scheduling_policy: fcfs or priority."""
 
 
 @dataclass(frozen=True)
@@ -89,15 +98,20 @@ class SchedulerOutput:
         return not self.chunks
 
 
+def priority_order(request: Request) -> tuple[int, int]:
+    """The priority policy's order: lower priority values first, ties by arrival."""
+    return request.priority, request.arrival_index
+
+
 class Scheduler:
     """Owns the waiting queue and the running batch."""
 
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
         self.config = config
         self.block_manager = block_manager
-        self.waiting: deque[Request] = deque()
-        self.ready: deque[Request] = deque()
-        """Remote-KV requests whose pull completed, in completion order."""
+        self.waiting: RequestQueue[Request] = RequestQueue(config.policy, priority_order)
+        self.ready: RequestQueue[Request] = RequestQueue(config.policy, priority_order)
+        """Remote-KV requests whose pull completed (fcfs: in completion order)."""
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
@@ -106,7 +120,7 @@ class Scheduler:
 
     def add_request(self, request: Request) -> None:
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self.waiting.push(request)
 
     def add_remote(self, request: Request) -> None:
         """Track a consumer-role request whose blocks the caller allocated; nothing is scheduled yet."""
@@ -118,15 +132,16 @@ class Scheduler:
         request = self.requests[request_id]
         request.num_computed_tokens = request.num_prompt_tokens
         self.block_manager.cache_full_blocks(request)
-        self.ready.append(request)
+        self.ready.push(request)
 
     def remote_kv_failed(self, request_id: str) -> None:
-        """The pull failed: free the blocks and recompute the prompt locally, first in line."""
+        """The pull failed: free the blocks and recompute the prompt locally, first in line (priority:
+        at its place)."""
         request = self.requests[request_id]
         self.block_manager.free(request_id)
         request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
-        self.waiting.appendleft(request)
+        self.waiting.push_front(request)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -138,7 +153,8 @@ class Scheduler:
     # ---- schedule ------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
-        scheduled: list[tuple[Request, int]] = []
+        scheduled: dict[Request, int] = {}
+        """Tokens per scheduled request, in scheduling order (a preempted victim's entry is dropped)."""
         preempted: list[Request] = []
         index = 0
         while index < len(self.running) and budget > 0:
@@ -147,44 +163,57 @@ class Scheduler:
             if num_new == 1 and request.spec_token_ids:
                 del request.spec_token_ids[budget - 1:]  # drafts past the budget are dropped
                 num_new += len(request.spec_token_ids)
-            if self._allocate_or_preempt(request, num_new, preempted):
-                scheduled.append((request, num_new))
-                budget -= num_new
-                index += 1
+            num_preempted = len(preempted)
+            if not self._allocate_or_preempt(request, num_new, scheduled, preempted):
+                break  # the request preempted itself: nothing after it runs this step (vLLM's rule)
+            if len(preempted) > num_preempted:  # a victim scheduled before it (priority) moved it up, freed tokens
+                index = self.running.index(request)
+                budget = self.config.max_num_batched_tokens - sum(scheduled.values())
+            scheduled[request] = num_new
+            budget -= num_new
+            index += 1
         if not preempted:
             budget = self._admit_ready(budget, scheduled)
             budget = self._admit_waiting(budget, scheduled)
-        chunks = tuple(self._make_chunk(request, num_new) for request, num_new in scheduled)
+        chunks = tuple(self._make_chunk(request, num_new) for request, num_new in scheduled.items())
         return SchedulerOutput(chunks, tuple(r.request_id for r in preempted))
 
-    def _allocate_or_preempt(self, request: Request, num_new: int, preempted: list[Request]) -> bool:
-        """Allocate for `request`, preempting from the back of the batch until it fits.
-
-        Returns False when `request` itself had to be preempted.
-        """
+    def _allocate_or_preempt(self, request: Request, num_new: int, scheduled: dict[Request, int],
+                             preempted: list[Request]) -> bool:
+        """Allocate for `request`, preempting victims until it fits; a victim already scheduled this
+        step loses its entry in `scheduled`. Returns False when `request` itself was preempted."""
         while self.block_manager.allocate(request, num_new) is None:
-            victim = self.running.pop()
+            victim = self._preemption_victim()
+            self.running.remove(victim)
+            scheduled.pop(victim, None)
             self._preempt(victim)
             preempted.append(victim)
             if victim is request:
                 return False
         return True
 
-    def _admit_ready(self, budget: int, scheduled: list[tuple[Request, int]]) -> int:
+    def _preemption_victim(self) -> Request:
+        """fcfs: the most recently admitted running request; priority: the running request with the
+        largest (priority, arrival_index), vLLM v1's rule."""
+        if self.config.policy == "priority":
+            return max(self.running, key=priority_order)
+        return self.running[-1]
+
+    def _admit_ready(self, budget: int, scheduled: dict[Request, int]) -> int:
         while self.ready and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.ready[0]
+            request = self.ready.peek()
             num_new = request.num_tokens - request.num_computed_tokens
             if num_new > budget or self.block_manager.allocate(request, num_new) is None:
                 break
-            self.ready.popleft()
+            self.ready.pop()
             self._start_running(request)
-            scheduled.append((request, num_new))
+            scheduled[request] = num_new
             budget -= num_new
         return budget
 
-    def _admit_waiting(self, budget: int, scheduled: list[tuple[Request, int]]) -> int:
+    def _admit_waiting(self, budget: int, scheduled: dict[Request, int]) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
+            request = self.waiting.peek()
             # A request scoring its prompt computes every position (vLLM's skip_reading_prefix_cache).
             reads_cache = request.num_computed_tokens == 0 and not request.scores_prompt
             prefix = self.block_manager.match_prefix(request) if reads_cache else NO_PREFIX
@@ -195,11 +224,11 @@ class Scheduler:
                 num_new = budget
             if self.block_manager.allocate(request, num_new, prefix) is None:
                 break
-            self.waiting.popleft()
+            self.waiting.pop()
             self._record_admission(request, prefix.num_tokens)
             request.num_computed_tokens += prefix.num_tokens
             self._start_running(request)
-            scheduled.append((request, num_new))
+            scheduled[request] = num_new
             budget -= num_new
         return budget
 
@@ -224,7 +253,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self.waiting.push_front(request)
 
     def _make_chunk(self, request: Request, num_new: int) -> ScheduledChunk:
         start = request.num_computed_tokens

@@ -29,9 +29,10 @@ _arrivals = itertools.count()
 
 
 def make_request(request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
-                 eos_token_ids: frozenset[int] = frozenset(), cache_salt: str | None = None) -> Request:
+                 eos_token_ids: frozenset[int] = frozenset(), cache_salt: str | None = None,
+                 priority: int = 0) -> Request:
     return Request(request_id, list(prompt_token_ids), params or SamplingParams(), eos_token_ids, next(_arrivals),
-                   cache_salt=cache_salt)
+                   cache_salt=cache_salt, priority=priority)
 
 
 def make_block_manager(num_blocks: int, block_size: int = 4, enable_prefix_caching: bool = True,
@@ -41,8 +42,8 @@ def make_block_manager(num_blocks: int, block_size: int = 4, enable_prefix_cachi
 
 def make_scheduler(num_blocks: int, block_size: int = 4, max_num_seqs: int = 8, max_num_batched_tokens: int = 64,
                    max_model_len: int = 256, enable_chunked_prefill: bool = True,
-                   enable_prefix_caching: bool = True) -> Scheduler:
-    config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len, enable_chunked_prefill)
+                   enable_prefix_caching: bool = True, policy: str = "fcfs") -> Scheduler:
+    config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len, enable_chunked_prefill, policy)
     return Scheduler(config, make_block_manager(num_blocks, block_size, enable_prefix_caching))
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from tests.factories import assert_pool_idle, chunk_summary, make_request, make_scheduler, run_fake_step
 from splitserve.engine.request import RequestStatus
 
@@ -131,3 +133,103 @@ def test_finish_frees_blocks_in_any_state():
     assert scheduler.finish("running", RequestStatus.FINISHED_ABORTED) is None
     assert not scheduler.has_unfinished_requests()
     assert_pool_idle(scheduler.block_manager)
+
+
+# ---- scheduling policies -------------------------------------------------------------------
+def _waiting_ids(scheduler) -> list[str]:
+    return [r.request_id for r in scheduler.waiting]
+
+
+def test_priority_policy_admits_by_priority_then_arrival():
+    scheduler = make_scheduler(num_blocks=32, block_size=4, max_num_seqs=3, policy="priority")
+    for name, priority in (("a", 0), ("b", -1), ("c", 1), ("d", -1)):
+        scheduler.add_request(make_request(name, [1, 2, 3], priority=priority))
+    assert _waiting_ids(scheduler) == ["b", "d", "a", "c"]
+    assert [c.request_id for c in run_fake_step(scheduler).chunks] == ["b", "d", "a"]
+    scheduler.add_request(make_request("e", [4, 5], priority=0))  # after c in arrival, before it in priority
+    scheduler.finish("b", RequestStatus.FINISHED_STOPPED)
+    assert [c.request_id for c in run_fake_step(scheduler).chunks] == ["d", "a", "e"]
+    assert _waiting_ids(scheduler) == ["c"]
+
+
+def test_fcfs_policy_keeps_arrival_order_whatever_the_priority():
+    scheduler = make_scheduler(num_blocks=32, block_size=4, max_num_seqs=3)
+    for name, priority in (("a", 0), ("b", -1), ("c", 1), ("d", -1)):
+        scheduler.add_request(make_request(name, [1, 2, 3], priority=priority))
+    assert [c.request_id for c in run_fake_step(scheduler).chunks] == ["a", "b", "c"]
+    assert _waiting_ids(scheduler) == ["d"]
+
+
+def _a_then_b_and_c(policy: str, priorities: dict[str, int], num_blocks: int = 7):
+    """Blocks of 4 tokens. a (a 7-token prompt) runs alone for a step, then b and c (8 tokens each) join it:
+    the batch is [a, b, c] whatever their priorities (a was admitted first), they hold blocks [0, 1], [2, 3]
+    and [4, 5], block 6 (if any) is free, and each needs a third block for its 9th token next step."""
+    scheduler = make_scheduler(num_blocks=num_blocks, block_size=4, max_num_batched_tokens=64, policy=policy)
+    scheduler.add_request(make_request("a", list(range(7)), priority=priorities["a"]))
+    run_fake_step(scheduler)
+    for name, base in (("b", 100), ("c", 200)):
+        scheduler.add_request(make_request(name, list(range(base, base + 8)), priority=priorities[name]))
+    run_fake_step(scheduler)
+    assert [r.request_id for r in scheduler.running] == ["a", "b", "c"]
+    assert [scheduler.block_manager.block_table(name) for name in "abc"] == [[0, 1], [2, 3], [4, 5]]
+    return scheduler
+
+
+def test_priority_policy_preempts_the_largest_priority_even_if_already_scheduled():
+    scheduler = _a_then_b_and_c("priority", {"a": 1, "b": 0, "c": 0})
+    scheduler.add_request(make_request("d", [5], priority=0))
+    scheduler.add_request(make_request("e", [6], priority=2))
+    # a takes block 6; b finds none: the victim is a (priority 1), whose chunk this step is dropped.
+    # a's blocks go back tail first (6, unhashed, to the front; 1 and 0, hashed, to the back): b gets 6, c gets 1.
+    output = run_fake_step(scheduler)
+    assert output.preempted_request_ids == ("a",)
+    assert chunk_summary(output) == [("b", 8, 1, True), ("c", 8, 1, True)]
+    assert [scheduler.block_manager.block_table(name) for name in "abc"] == [[], [2, 3, 6], [4, 5, 1]]
+    # The victim waits at its (priority, arrival) place, not at the head: d (priority 0) before it.
+    assert _waiting_ids(scheduler) == ["d", "a", "e"]
+    victim = scheduler.requests["a"]
+    assert (victim.status, victim.num_computed_tokens, victim.num_preemptions) == (RequestStatus.PREEMPTED, 0, 1)
+
+
+def test_fcfs_policy_preempts_the_latest_admitted_whatever_the_priority():
+    scheduler = _a_then_b_and_c("fcfs", {"a": 1, "b": 0, "c": 0})
+    scheduler.add_request(make_request("d", [5], priority=0))
+    output = run_fake_step(scheduler)
+    assert output.preempted_request_ids == ("c",)
+    assert chunk_summary(output) == [("a", 8, 1, True), ("b", 8, 1, True)]
+    assert [scheduler.block_manager.block_table(name) for name in "abc"] == [[0, 1, 6], [2, 3, 5], []]
+    assert _waiting_ids(scheduler) == ["c", "d"]
+
+
+def test_a_scheduled_victim_gives_its_tokens_back_to_the_budget():
+    # A budget of 2: a and b would use it all. a is preempted while b allocates, so its token goes
+    # back, b moves up to a's place in the batch, and c (next in the batch, not skipped) runs too.
+    scheduler = _a_then_b_and_c("priority", {"a": 1, "b": 0, "c": 0})
+    scheduler.config = dataclasses.replace(scheduler.config, max_num_batched_tokens=2)
+    output = run_fake_step(scheduler)
+    assert output.preempted_request_ids == ("a",)
+    assert chunk_summary(output) == [("b", 8, 1, True), ("c", 8, 1, True)]
+
+
+def test_priority_policy_self_preemption_ends_the_running_pass():
+    # No free block. a (priority 2, first in the batch) is the largest: finding no block, it preempts
+    # itself, and b and c wait a step although a's freed blocks would now fit them (vLLM's rule).
+    scheduler = _a_then_b_and_c("priority", {"a": 2, "b": 0, "c": 0}, num_blocks=6)
+    output = run_fake_step(scheduler)
+    assert (output.preempted_request_ids, output.chunks) == (("a",), ())
+    assert [scheduler.block_manager.block_table(name) for name in "abc"] == [[], [2, 3], [4, 5]]
+    # a's blocks went to the back tail first (1, 0): b takes 1, c takes 0; a (3 blocks) does not fit.
+    output = run_fake_step(scheduler)
+    assert chunk_summary(output) == [("b", 8, 1, True), ("c", 8, 1, True)]
+    assert [scheduler.block_manager.block_table(name) for name in "bc"] == [[2, 3, 1], [4, 5, 0]]
+    assert _waiting_ids(scheduler) == ["a"]
+
+
+def test_priority_policy_orders_requests_whose_remote_kv_arrived():
+    scheduler = make_scheduler(num_blocks=16, block_size=4, policy="priority")
+    for name, priority in (("x", 1), ("y", 0)):
+        request = make_request(name, list(range(8)), priority=priority)
+        assert scheduler.block_manager.allocate(request, 9) is not None
+        scheduler.add_remote(request)
+        scheduler.remote_kv_ready(name)
+    assert [r.request_id for r in scheduler.ready] == ["y", "x"]
