@@ -22,6 +22,8 @@ class PrefillRequest:
     cache_salt: str | None = None
     """The request's prefix-cache salt (None: unsalted): its block hashes, and so the KV events the
     worker publishes for it, start from the salted root the router hashed the prompt with."""
+    priority: int = 0
+    """vLLM's request priority (lower first) under the workers' priority scheduling policy; 0 under fcfs."""
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,9 @@ class DecodeRequest:
     cache_salt: str | None = None
     """The request's prefix-cache salt (None: unsalted), as on its PrefillRequest: a prompt prefilled
     or pulled here is cached under the same hashes as on the prefill worker."""
+    priority: int = 0
+    """As on its PrefillRequest: its place in the decode worker's queues (waiting for blocks, for a
+    step) under the priority scheduling policy."""
 
 
 @dataclass(frozen=True)
@@ -144,6 +149,9 @@ class WorkerInfo:
     layerwise: bool = False
     """Prefill: it announces each layer's KV as the forward writes it (kv_transfer_layerwise), so
     the router hands the decode worker its request when the prefill starts (prefill_layerwise)."""
+    scheduling_policy: str = "fcfs"
+    """The engine's scheduling_policy: the router takes requests with a priority other than 0 only
+    when every worker's is "priority"."""
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,6 @@ import asyncio
 import logging
 import time
 import uuid
-from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,6 +33,7 @@ from splitserve.engine.engine_core import EngineCore
 from splitserve.engine.engine_loop import EngineLoop
 from splitserve.engine.model_loader import model_fingerprint
 from splitserve.engine.outputs import CompletionDelta
+from splitserve.engine.request_queue import RequestQueue
 from splitserve.engine.worker_report import wait_for_report
 from splitserve.kv_transfer import ConsumerConnector, PullOutcome, PullStatus, make_backend
 from splitserve.decode_worker.output_server import OutputServer
@@ -77,6 +77,12 @@ def queue_without_pull(queue_s: float, admitted_at: float, pull: PullDone | None
     return max(queue_s - pulled_in_window, 0.0)
 
 
+def _priority_only(request: DecodeRequest) -> tuple[int]:
+    """The awaiting-blocks queue's order under the priority policy: a request joins it once, so requests
+    of equal priority keep their arrival order (the queue keeps push order among equal keys)."""
+    return (request.priority,)
+
+
 class DecodeWorker:
     def __init__(self, model_dir: str | Path, engine_config: EngineConfig, transfer_backend: str = "nixl",
                  worker_id: str | None = None, transfer_failure_policy: str = "recompute",
@@ -97,10 +103,14 @@ class DecodeWorker:
         self._transfer_poll_s = transfer_poll_s
         self._info = WorkerInfo(self.worker_id, "decode", self.engine.max_model_len, self.engine.vocab_size,
                                 self._layout, self._backend.metadata(),
-                                max_num_seqs=engine_config.max_num_seqs)
+                                max_num_seqs=engine_config.max_num_seqs,
+                                scheduling_policy=engine_config.scheduling_policy)
         # Engine-thread state: requests waiting for free blocks, pulls in flight, aborts deferred
         # until their pull ends (a block being written by a pull is never freed), pull durations.
-        self._awaiting_blocks: deque[DecodeRequest] = deque()
+        self._awaiting_blocks: RequestQueue[DecodeRequest] = RequestQueue(engine_config.scheduling_policy,
+                                                                          _priority_only)
+        """Admitted requests whose KV comes from elsewhere, waiting for free blocks: in arrival order
+        (priority policy: by priority, ties in arrival order, as the engine's waiting queue)."""
         self._pulling: set[str] = set()
         self._abort_after_pull: dict[str, str | None] = {}
         """Requests to end once their pull ends, with the error to report (None: a plain abort)."""
@@ -208,31 +218,33 @@ class DecodeWorker:
             raise InvalidRequestError("request_id", f"{request.request_id!r} is already in flight")
         if request.first_token_pending:
             engine.validate(request.request_id, list(request.prompt_token_ids), request.sampling_params,
-                            request.cache_salt)
-            self._awaiting_blocks.append(request)
+                            request.cache_salt, request.priority)
+            self._awaiting_blocks.push(request)
             self._pending[request.request_id] = _PendingPrefill()
         elif request.transfer is None:
             engine.add_request(request.request_id, list(request.prompt_token_ids), request.sampling_params,
-                               output_token_ids=request.output_token_ids, cache_salt=request.cache_salt)
+                               output_token_ids=request.output_token_ids, cache_salt=request.cache_salt,
+                               priority=request.priority)
         else:
             engine.validate(request.request_id, list(request.prompt_token_ids), request.sampling_params,
-                            request.cache_salt)
-            self._awaiting_blocks.append(request)
+                            request.cache_salt, request.priority)
+            self._awaiting_blocks.push(request)
         self._routes[request.request_id] = request.router_id
         self._admitted_at[request.request_id] = time.monotonic()
         self._start_pulls(engine)
 
     def _start_pulls(self, engine: EngineCore) -> None:
-        """Allocate blocks and start pulls in arrival order; stop at the first that does not fit."""
+        """Allocate blocks and start pulls in queue order; stop at the first that does not fit."""
         while self._awaiting_blocks:
-            request = self._awaiting_blocks[0]
+            request = self._awaiting_blocks.peek()
             local_block_ids = engine.add_remote_request(
                 request.request_id, list(request.prompt_token_ids), list(request.output_token_ids),
                 request.sampling_params, request.num_cached_tokens, request.generator_state,
-                first_token_pending=request.first_token_pending, cache_salt=request.cache_salt)
+                first_token_pending=request.first_token_pending, cache_salt=request.cache_salt,
+                priority=request.priority)
             if local_block_ids is None:
                 return
-            self._awaiting_blocks.popleft()
+            self._awaiting_blocks.pop()
             pending = self._pending.get(request.request_id)
             if pending is None:
                 self._pulls.start(request.transfer, local_block_ids)

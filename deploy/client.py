@@ -144,14 +144,15 @@ def build_generate_request(*, text: str | None = None, token_ids: Sequence[int] 
                            messages: Sequence[Mapping[str, str]] | None = None,
                            add_generation_prompt: bool | None = None, params: SamplingParams | None = None,
                            request_id: str = "", model: str = "",
-                           cache_salt: str | None = None) -> generation_pb2.GenerateRequest:
+                           cache_salt: str | None = None, priority: int = 0) -> generation_pb2.GenerateRequest:
     """A GenerateRequest for exactly one of text / token_ids / chat messages ({"role", "content"} each).
 
     add_generation_prompt (chat only) and sampling fields are left unset unless given, so the
     server's defaults apply; an empty request_id lets the router make one, an empty model means
-    the served model; cache_salt (vLLM's, a non-empty string) salts the prompt's prefix-cache blocks.
+    the served model; cache_salt (vLLM's, a non-empty string) salts the prompt's prefix-cache blocks;
+    priority (vLLM's) orders it on a server whose scheduling policy is "priority" (lower first).
     """
-    request = generation_pb2.GenerateRequest(request_id=request_id, model=model)
+    request = generation_pb2.GenerateRequest(request_id=request_id, model=model, priority=priority)
     _set_prompt(request, text, token_ids, messages, add_generation_prompt)
     if cache_salt is not None:
         request.cache_salt = cache_salt

@@ -75,7 +75,8 @@ class PrefillWorker:
         self._leases = ProducerConnector(self._backend, self._layout, lease_ttl_s)
         self._info = WorkerInfo(self.worker_id, "prefill", self.engine.max_model_len, self.engine.vocab_size,
                                 self._layout, self._backend.metadata(),
-                                max_num_seqs=engine_config.max_num_seqs, layerwise=layerwise)
+                                max_num_seqs=engine_config.max_num_seqs, layerwise=layerwise,
+                                scheduling_policy=engine_config.scheduling_policy)
         self._outboxes: dict[str, _Outbox] = {}
         """request id -> its prefill_layerwise() stream: added and removed on the event loop, read by
         the thread that delivers (the engine thread, or on CUDA the fence thread)."""
@@ -165,7 +166,7 @@ class PrefillWorker:
     # ---- engine thread -------------------------------------------------------------------
     def _admit(self, engine: EngineCore, request: PrefillRequest, future: Future | None) -> None:
         engine.add_request(request.request_id, list(request.prompt_token_ids), request.sampling_params,
-                           hold_kv_after_prefill=True, cache_salt=request.cache_salt)
+                           hold_kv_after_prefill=True, cache_salt=request.cache_salt, priority=request.priority)
         self._in_flight[request.request_id] = _InFlight(future, time.monotonic())
         self._routers[request.request_id] = request.router_id
         logger.debug("[%s] prefill admitted (%d prompt tokens)", request.request_id, len(request.prompt_token_ids))

@@ -44,6 +44,9 @@ class GenerationInput:
     runs as a request of its own): it runs like any request, but it is not one the client sent, so it is
     recorded as a step (RequestRecord.step_of), never as a request; the client's request has its own
     record (Orchestrator.stepwise). None: a request the client sent (or one sequence of it)."""
+    priority: int = 0
+    """vLLM's request priority: under the workers' priority scheduling policy, lower values are
+    scheduled first and preempted last; anything but 0 is refused under fcfs."""
 
 
 @dataclass(frozen=True)

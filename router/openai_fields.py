@@ -22,7 +22,7 @@ COMMON_HANDLED = frozenset({
     "stream_options", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "stop_token_ids",
     "ignore_eos", "min_tokens", "skip_special_tokens", "add_special_tokens", "return_tokens_as_token_ids",
     "request_id", "logit_bias", "allowed_token_ids", "bad_words", "include_stop_str_in_output", "return_token_ids",
-    "truncate_prompt_tokens", "truncation_side", "prompt_logprobs", "cache_salt", "stream_interval",
+    "truncate_prompt_tokens", "truncation_side", "prompt_logprobs", "cache_salt", "stream_interval", "priority",
     # No effect on the output, by definition: an end-user id for abuse monitoring and a session
     # id that only steers routing (vLLM ignores both too); render-endpoint options that vLLM
     # itself ignores on the generation endpoints.
@@ -86,7 +86,6 @@ COMMON_REFUSED = (
     Refused("watermarking", _OFF, _NOT_IMPLEMENTED),
     Refused("repetition_detection", (), _NOT_IMPLEMENTED),
     Refused("thinking_token_budget", (-1,), "reasoning is never cut short (no thinking budgets)"),
-    Refused("priority", (0,), "no priority scheduling", "an integer"),
     Refused("kv_transfer_params", _EMPTY, "KV transfer is the cluster's own"),
     Refused("ec_transfer_params", _EMPTY, _NOT_IMPLEMENTED),
     Refused("vllm_xargs", _EMPTY, "no custom extensions"),

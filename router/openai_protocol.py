@@ -134,6 +134,8 @@ class CompletionRequest:
     """use_beam_search (vLLM extension): each prompt's n choices are its best n beams; None: sampled."""
     stream_interval: int = 1
     """A streamed sequence's tokens are sent every this many (vLLM extension, router/stream_interval.py)."""
+    priority: int = 0
+    """vLLM extension: lower is scheduled earlier under the workers' priority policy (0 only under fcfs)."""
 
 
 @dataclass(frozen=True)
@@ -171,6 +173,8 @@ class ChatCompletionRequest:
     """use_beam_search (vLLM extension): the n choices are the best n beams; None: sampled."""
     stream_interval: int = 1
     """A streamed choice's tokens are sent every this many (vLLM extension, router/stream_interval.py)."""
+    priority: int = 0
+    """vLLM extension: lower is scheduled earlier under the workers' priority policy (0 only under fcfs)."""
 
 
 # ---- parsing --------------------------------------------------------------------------------
@@ -342,6 +346,13 @@ def _cache_salt(body: Mapping[str, Any]) -> str | None:
     return cache_salt
 
 
+def _priority(body: Mapping[str, Any]) -> int:
+    """priority (vLLM extension): an integer, 0 when absent, null a 400 (vLLM declares `int = 0`). Whether
+    one other than 0 is served is the scheduling policy's call (Orchestrator.generate: a 400 under fcfs)."""
+    _refuse_null(body, "priority", "an integer")
+    return _typed(body, "priority", int, "an integer", 0)
+
+
 def _request_id(body: Mapping[str, Any], limits: RequestLimits) -> str:
     _refuse_null(body, "request_id", "a string")
     request_id = _typed(body, "request_id", str, "a string", "")
@@ -374,7 +385,7 @@ def parse_completion_request(body: Mapping[str, Any], limits: RequestLimits,
                              _typed(body, "return_tokens_as_token_ids", bool, "a boolean", False),
                              _request_id(body, limits), _flag(body, "add_special_tokens", True),
                              _return_token_ids(body), truncation, echo_only, _cache_salt(body), beam_search,
-                             _stream_interval(body))
+                             _stream_interval(body), _priority(body))
 
 
 def _return_token_ids(body: Mapping[str, Any]) -> bool:
@@ -497,7 +508,7 @@ def parse_chat_request(body: Mapping[str, Any], limits: RequestLimits,
         include_usage, continuous_usage, _typed(body, "return_tokens_as_token_ids", bool, "a boolean", False),
         _request_id(body, limits), template, tool_calling, _flag(body, "include_reasoning", True),
         _return_token_ids(body), _truncation(body, limits), _cache_salt(body),
-        parse_beam_search(body, n, sampling, CHAT_UNHONOURED), _stream_interval(body))
+        parse_beam_search(body, n, sampling, CHAT_UNHONOURED), _stream_interval(body), _priority(body))
 
 
 @dataclass(frozen=True)

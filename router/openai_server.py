@@ -361,7 +361,7 @@ class OpenAIServing:
             params = dataclasses.replace(params, logprobs=0)
         request_id, inputs = await self._inputs(prompts, params, parsed.max_tokens_param, "prompt",
                                                 parsed.request_id, parsed.best_of, parsed.truncation,
-                                                parsed.cache_salt)
+                                                parsed.cache_salt, parsed.priority)
         echo = [self._prompt_text(p) for p in parsed.prompts] if parsed.echo else ()
         renderer = CompletionRenderer(self._header("cmpl", request_id), self._token_text(parsed.tokens_as_ids),
                                       parsed.include_usage, parsed.sampling.logprobs is not None, echo, parsed.n,
@@ -409,7 +409,8 @@ class OpenAIServing:
                                                           parsed.include_reasoning)
             sampling = reasoning_output.sampling(sampling)
         request_id, inputs = await self._inputs([token_ids], sampling, parsed.max_tokens_param, prompt_param,
-                                                parsed.request_id, parsed.n, cache_salt=parsed.cache_salt)
+                                                parsed.request_id, parsed.n, cache_salt=parsed.cache_salt,
+                                                priority=parsed.priority)
         return _ChatInputs(request_id, inputs, tool_output, reasoning_output)
 
     def _prompt_text(self, prompt: str | tuple[int, ...]) -> str:
@@ -425,11 +426,12 @@ class OpenAIServing:
     async def _inputs(self, prompts: list[tuple[int, ...]], params: SamplingParams, max_tokens_param: str | None,
                       prompt_param: str, request_id: str, num_sequences: int,
                       truncation: PromptTruncation | None = None,
-                      cache_salt: str | None = None) -> tuple[str, tuple[GenerationInput, ...]]:
+                      cache_salt: str | None = None, priority: int = 0) -> tuple[str, tuple[GenerationInput, ...]]:
         """Cut each prompt as `truncation` says, check it (`prompt_param`: the body field it came
         from; `[i]` names one of a batch) and, when the client set max_tokens, that prompt + output
         fit the context; then (the request's id, one input per sequence). `request_id`: the
-        client's ("": new); `cache_salt`: the request's (every sequence's) prefix-cache salt."""
+        client's ("": new); `cache_salt`: the request's (every sequence's) prefix-cache salt; `priority`: its
+        (every sequence's) scheduling priority."""
         params = await self.tokenizers.tokenize_bad_words(params)
         if truncation is not None:
             prompts = [truncation.applied(tuple(p)) for p in prompts]
@@ -439,7 +441,7 @@ class OpenAIServing:
             self.tokenizers.limits.check_max_tokens(len(token_ids), params, max_tokens_param)
         deadline = None if self.request_timeout_s is None else time.monotonic() + self.request_timeout_s
         base = GenerationInput(self.orchestrator.new_request_id(request_id), prompts[0], params, deadline,
-                               cache_salt=cache_salt)
+                               cache_salt=cache_salt, priority=priority)
         return base.request_id, sequence_inputs(base, prompts, num_sequences)
 
     def _header(self, prefix: str, request_id: str) -> ResponseHeader:

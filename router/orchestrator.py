@@ -25,6 +25,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequen
 from typing import TypeVar
 
 from splitserve.common.block_hash import BlockHasher, check_cache_salt
+from splitserve.common.config import check_priority
 from splitserve.common.detokenizer import Decoder
 from splitserve.common.errors import InvalidRequestError
 from splitserve.common.kv_events import LoadReport
@@ -93,6 +94,9 @@ class Orchestrator:
         self.infos: dict[str, WorkerInfo] = {}
         self.max_model_len = 0
         self.vocab_size = 0
+        self.scheduling_policy = "fcfs"
+        """The workers' scheduling policy ("priority" only when every worker's is: a request with a priority
+        other than 0 is refused otherwise, as one engine under fcfs refuses it)."""
         self._hasher: BlockHasher | None = None
         self.layout: KVLayout | None = None
         """The KV layout every worker shares (known once started; a joining worker must match it)."""
@@ -120,6 +124,7 @@ class Orchestrator:
         self.infos = {info.worker_id: info for info in infos}
         self.max_model_len = min(info.max_model_len for info in infos)
         self.vocab_size = min(info.vocab_size for info in infos)
+        self.scheduling_policy = "priority" if all(info.scheduling_policy == "priority" for info in infos) else "fcfs"
         self.layout = infos[0].layout  # the pools agree on it (the handshake checks)
         self._hasher = BlockHasher(self.layout.block_size, self.layout.hash_seed)
         self.loop_lag.start()
@@ -346,6 +351,9 @@ class Orchestrator:
         if info.max_model_len < self.max_model_len or info.vocab_size < self.vocab_size:
             raise ValueError(f"worker {info.worker_id} serves max_model_len {info.max_model_len} and vocabulary "
                              f"{info.vocab_size}; the cluster needs {self.max_model_len} and {self.vocab_size}")
+        if info.scheduling_policy != self.scheduling_policy:
+            raise ValueError(f"worker {info.worker_id}'s scheduling policy is {info.scheduling_policy!r}; the "
+                             f"cluster's is {self.scheduling_policy!r}")
         if info.worker_id in self.infos:
             raise ValueError(f"worker {info.worker_id} is already in the cluster")
 
@@ -382,6 +390,7 @@ class Orchestrator:
         try:
             self.validate_prompt(inp.prompt_token_ids)
             check_cache_salt(inp.cache_salt)  # the APIs checked it; a library caller's is hashed next
+            check_priority(inp.priority, self.scheduling_policy)
             if inp.step_of is None and inp.request_id in self._in_flight:
                 raise InvalidRequestError("request_id", f"{inp.request_id!r} is already in flight")
             run = RequestRun(inp, self.tokenizer, arrival, self.eos_token_ids)
@@ -521,7 +530,7 @@ class Orchestrator:
         await run.call(self._handshake(decode.client, prefill.client))
         self.dispatcher.submit(decode_id, DecodeRequest(
             run.worker_request_id, self.router_id, run.inp.prompt_token_ids, (), self._worker_params(run), 0, None,
-            None, first_token_pending=True, cache_salt=run.inp.cache_salt))
+            None, first_token_pending=True, cache_salt=run.inp.cache_salt, priority=run.inp.priority))
         result = await self._prefill(run, prefill, decode_id)
         chunk = run.on_tokens(result.token_ids, result.logprobs, result.finish_reason, result.stop_reason,
                               result.prompt_logprobs)
@@ -546,7 +555,7 @@ class Orchestrator:
         run.active_worker_id = decode.client.worker_id
         request = DecodeRequest(run.worker_request_id, self.router_id, run.inp.prompt_token_ids,
                                 tuple(run.output_token_ids), self._worker_params(run), 0, None, None,
-                                cache_salt=run.inp.cache_salt)
+                                cache_salt=run.inp.cache_salt, priority=run.inp.priority)
         self.dispatcher.submit(decode.client.worker_id, request)
         async for chunk in self._stream(run, stream):
             yield chunk
@@ -563,7 +572,7 @@ class Orchestrator:
     async def _prefill(self, run: RequestRun, prefill: Assignment, relay_to: str | None = None) -> PrefillResult:
         """The prefill's result; `relay_to`: a layer-wise prefill, whose progress goes to that decode worker."""
         request = PrefillRequest(run.worker_request_id, run.inp.prompt_token_ids, self._worker_params(run),
-                                 self.router_id, run.inp.cache_salt)
+                                 self.router_id, run.inp.cache_salt, run.inp.priority)
         run.active_worker_id = prefill.client.worker_id
         run.relay_worker_id = relay_to
         call = ((lambda: prefill.client.prefill(request)) if relay_to is None
@@ -594,7 +603,7 @@ class Orchestrator:
     def _decode_request(self, run: RequestRun, result: PrefillResult) -> DecodeRequest:
         return DecodeRequest(run.worker_request_id, self.router_id, run.inp.prompt_token_ids, result.token_ids,
                              self._worker_params(run), result.num_cached_tokens, result.transfer,
-                             result.generator_state, cache_salt=run.inp.cache_salt)
+                             result.generator_state, cache_salt=run.inp.cache_salt, priority=run.inp.priority)
 
     async def _stream(self, run: RequestRun, stream: asyncio.Queue[TokenDelta]) -> AsyncIterator[StreamChunk]:
         decode = run.decode

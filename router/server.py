@@ -185,7 +185,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             token_ids = truncation.applied(token_ids)
         limits.check_max_tokens(len(token_ids), params, max_tokens_field)
         return GenerationInput(request_id, token_ids, params, grpc_deadline(context, self.request_timeout_s),
-                               ttft_slo_s, tpot_slo_s, cache_salt=cache_salt)
+                               ttft_slo_s, tpot_slo_s, cache_salt=cache_salt, priority=request.priority)
 
 
 _OPEN_SERVICES = frozenset({health.SERVICE_NAME, reflection.SERVICE_NAME, "grpc.reflection.v1.ServerReflection"})

@@ -195,11 +195,12 @@ class InProcessCluster:
             worker.shutdown()
 
     async def generate(self, request_id: str, prompt_token_ids, params: SamplingParams, deadline=None,
-                       cache_salt: str | None = None):
+                       cache_salt: str | None = None, priority: int = 0):
         """All chunks of one request."""
         from splitserve.router.api_types import GenerationInput
 
-        inp = GenerationInput(request_id, tuple(prompt_token_ids), params, deadline, cache_salt=cache_salt)
+        inp = GenerationInput(request_id, tuple(prompt_token_ids), params, deadline, cache_salt=cache_salt,
+                              priority=priority)
         return [chunk async for chunk in self.orchestrator.generate(inp)]
 
     async def add_worker(self, role: str) -> str:
