@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from splitserve.common.chat_template import CONTENT_FORMAT_OPTIONS
-from splitserve.common.config import QUANTIZATION_GROUP_SIZES, QUANTIZATION_METHODS
+from splitserve.common.config import QUANTIZATION_GROUP_SIZES, QUANTIZATION_METHODS, SCHEDULING_POLICIES
 from splitserve.common.errors import InvalidRequestError, StartupError, UnsupportedModelError
 
 
@@ -486,6 +486,11 @@ def _add_scheduler_flags(group: argparse._ArgumentGroup) -> None:
                        help="token budget of one engine step (default: prefill 8192, decode 512)")
     group.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
                        help="split long prompts across steps to fit the token budget (default: on)")
+    group.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default=None,
+                       help="fcfs (default): requests run in arrival order, and one with a priority other than 0 "
+                            "is refused; priority: by each request's priority (lower first, ties by arrival), and "
+                            "when KV blocks run out the running request with the largest (priority, arrival) is "
+                            "preempted")
     group.add_argument("--speculative-config", type=json.loads, default=None, metavar="JSON",
                        help="speculative decoding on the decode pool, e.g. '{\"method\": \"ngram\", "
                             "\"num_speculative_tokens\": 4}' (keys: docs/speculative.md); sets "
@@ -522,7 +527,7 @@ _ENGINE_FLAGS = {"max_model_len": "max_model_len", "seed": "seed", "block_size":
                  "gpu_memory_utilization": "gpu_memory_utilization",
                  "max_num_seqs": "max_num_seqs", "max_num_batched_tokens": "max_num_batched_tokens",
                  "enable_chunked_prefill": "enable_chunked_prefill", "device": "device",
-                 "quantization": "quantization"}
+                 "quantization": "quantization", "scheduling_policy": "scheduling_policy"}
 """serve flags -> the EngineConfig field they set in both pools."""
 
 

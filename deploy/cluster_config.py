@@ -35,6 +35,9 @@ KV_SIZING_FIELDS = ("num_kv_blocks", "kv_cache_memory_bytes", "kv_cache_memory_f
 """EngineConfig's KV pool sizing fields: the first three are mutually exclusive, and win over the last."""
 SHARED_ENGINE_FIELDS = ("block_size", "dtype", "hash_seed")
 """Engine fields the two pools must agree on for prefill KV blocks to be readable by decode."""
+AGREED_ENGINE_FIELDS = ("scheduling_policy",)
+"""Engine fields the two pools must agree on for the router to serve a request the same way on both
+(it refuses a priority other than 0 unless every worker's scheduling policy is priority)."""
 
 
 class ClusterConfigError(ValueError):
@@ -355,7 +358,7 @@ class ClusterConfig:
     def _check_disaggregated_pools(self) -> None:
         _require(self.prefill.replicas >= 1, "prefill.replicas",
                  f"must be >= 1 in disaggregated mode, got {self.prefill.replicas}")
-        for name in SHARED_ENGINE_FIELDS:
+        for name in (*SHARED_ENGINE_FIELDS, *AGREED_ENGINE_FIELDS):
             expected, got = getattr(self.prefill.engine, name), getattr(self.decode.engine, name)
             _require(got == expected, f"decode.engine.{name}",
                      f"must equal prefill.engine.{name} ({expected!r}) in disaggregated mode, got {got!r}")

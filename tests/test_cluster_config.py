@@ -216,6 +216,11 @@ BAD_FILES = [
      "decode.engine.dtype: must equal prefill.engine.dtype ('float32') in disaggregated mode, got 'auto'"),
     ("decode: {engine: {hash_seed: 7}}",
      "decode.engine.hash_seed: must equal prefill.engine.hash_seed (0) in disaggregated mode, got 7"),
+    ("decode: {engine: {scheduling_policy: priority}}",
+     "decode.engine.scheduling_policy: must equal prefill.engine.scheduling_policy ('fcfs') in disaggregated mode, "
+     "got 'priority'"),
+    ("prefill: {engine: {scheduling_policy: lifo}}",
+     "prefill.engine.scheduling_policy: must be one of ('fcfs', 'priority'), got 'lifo'"),
     ("decode: {engine: {device: cuda}}",
      "decode.resources.num_gpus: must be > 0 when engine.device is 'cuda', got 0.0"),
     ("prefill: {engine: {dtype: fp8}}",

@@ -62,7 +62,8 @@ def test_every_vllm_flag_sets_both_pools_engines_and_the_router(tmp_path):
                    "--enforce-eager", "--trust-remote-code", "--max-num-seqs", "7", "--max-num-batched-tokens", "300",
                    "--no-enable-prefix-caching", "--kv-cache-memory", "64M", "--block-size", "32", "--seed", "5",
                    "--tensor-parallel-size", "1", "--pipeline-parallel-size", "1", "--no-enable-chunked-prefill",
-                   "--device", "cpu", "--generation-config", "vllm", "--override-generation-config",
+                   "--device", "cpu", "--scheduling-policy", "priority", "--generation-config", "vllm",
+                   "--override-generation-config",
                    '{"temperature": 0.5, "top_k": 40, "max_new_tokens": 256}')
     assert (config.model, config.served_model_names) == ("/models/m", ("m1", "m2"))
     assert (config.router.host, config.router.http_port, config.router.chat_template) == ("0.0.0.0", 8100,
@@ -74,6 +75,7 @@ def test_every_vllm_flag_sets_both_pools_engines_and_the_router(tmp_path):
             False, False, 32, 5)
         assert (engine.kv_cache_memory_bytes, engine.num_kv_blocks, engine.device) == (64 << 20, None, "cpu")
         assert engine.cuda_graphs is False  # --enforce-eager
+        assert engine.scheduling_policy == "priority"
     assert config.router.api_key_env is None  # the key itself never enters the config
     assert config.router.generation_config == GenerationConfig(
         "vllm", SamplingDefaults(temperature=0.5, top_k=40, max_new_tokens=256))
