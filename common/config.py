@@ -193,7 +193,7 @@ class EngineConfig:
     """vLLM's: fcfs admits waiting requests in arrival order and preempts the latest admitted one when
     KV blocks run out; priority orders the waiting requests by (priority, arrival), lower priority
     values first, and preempts the running request with the largest (priority, arrival). Under fcfs
-    a request with a priority other than 0 is refused (docs/engine.md#scheduler)."""
+    a request with a priority other than 0 is refused (docs/engine.md, Scheduler)."""
 
     def __post_init__(self) -> None:
         check_scalar_fields(self)
