@@ -181,6 +181,9 @@ def _add_generate(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--cache-salt", default=None, metavar="SALT",
                         help="with --target: salt the prompt's prefix-cache blocks (vLLM's cache_salt): it reuses "
                              "cached blocks only of requests with the same salt")
+    parser.add_argument("--priority", type=int, default=0,
+                        help="with --target: the request's priority (vLLM's) on a server started with "
+                             "--scheduling-policy priority, lower first (any other server takes only 0)")
     _add_sampling_flags(parser)
     _add_engine_flags(parser)
     parser.set_defaults(handler=_generate)
@@ -246,8 +249,9 @@ def _remote_request(args: argparse.Namespace):
     params = _sampling_params(args)  # validated here: a bad flag exits 2 before anything is sent
     if args.chat:
         return build_generate_request(messages=[{"role": "user", "content": args.prompt}], params=params,
-                                      model=args.model or "", cache_salt=args.cache_salt)
-    return build_generate_request(text=args.prompt, params=params, model=args.model or "", cache_salt=args.cache_salt)
+                                      model=args.model or "", cache_salt=args.cache_salt, priority=args.priority)
+    return build_generate_request(text=args.prompt, params=params, model=args.model or "", cache_salt=args.cache_salt,
+                                  priority=args.priority)
 
 
 def _summary(final) -> str:

@@ -132,12 +132,14 @@ class InProcessCluster:
                  routing=None, slo=None, observer=None, max_model_len: int | None = None, worker_link=None,
                  kv_cache_dtype: str = "auto", decode_speculative=None, layerwise: bool = False,
                  engine_config: EngineConfig | None = None, transfer_backend: str = "inprocess",
-                 chat_template: str | None = None, trust_request_chat_template: bool = False):
+                 chat_template: str | None = None, trust_request_chat_template: bool = False,
+                 decode_engine_config: EngineConfig | None = None):
         """`observer` gets every ended request's RequestRecord (e.g. a RouterMetrics' observe);
         `max_model_len` caps every request's prompt + output (the model's limit by default);
         `kv_cache_dtype` every worker's KV pool element type;
         `engine_config` every worker's engine, in place of worker_engine_config(block_size, max_model_len,
-        kv_cache_dtype) (a bench's pool size and chunk budget);
+        kv_cache_dtype) (a bench's pool size and chunk budget); `decode_engine_config` the decode workers'
+        engine in its place (a smaller KV pool than the prefill workers');
         `transfer_backend` every worker's KV transfer backend (kv_transfer.BACKENDS);
         `worker_link` (a WorkerLinkConfig) the router's report and stream timings;
         `decode_speculative` (a SpeculativeConfig) makes the decode workers speculate;
@@ -159,7 +161,7 @@ class InProcessCluster:
         self.worker_link = worker_link
         self.chat_template, self.trust_request_chat_template = chat_template, trust_request_chat_template
         self.engine_config = engine_config or worker_engine_config(block_size, max_model_len, kv_cache_dtype)
-        self.decode_engine_config = replace(self.engine_config, speculative=decode_speculative)
+        self.decode_engine_config = replace(decode_engine_config or self.engine_config, speculative=decode_speculative)
 
     async def __aenter__(self) -> "InProcessCluster":
         from splitserve.deploy.cluster_config import RouterConfig

@@ -126,14 +126,15 @@ def test_chat_and_token_id_requests():
         build_generate_request(text="a", token_ids=[1])
 
 
-def test_generate_sends_its_cache_salt_and_chat_flags():
+def test_generate_sends_its_cache_salt_priority_and_chat_flags():
     from splitserve.deploy.cli import _remote_request, build_parser
 
-    args = build_parser().parse_args(["generate", "--target", "127.0.0.1:1", "--cache-salt", "tenant-a", "--chat", "hi"])
+    args = build_parser().parse_args(["generate", "--target", "127.0.0.1:1", "--cache-salt", "tenant-a", "--chat",
+                                      "--priority", "-2", "hi"])
     request = _remote_request(args)
-    assert (request.cache_salt, request.WhichOneof("prompt")) == ("tenant-a", "chat")
+    assert (request.cache_salt, request.priority, request.WhichOneof("prompt")) == ("tenant-a", -2, "chat")
     unsalted = _remote_request(build_parser().parse_args(["generate", "--target", "127.0.0.1:1", "hi"]))
-    assert not unsalted.HasField("cache_salt") and unsalted.text == b"hi"
+    assert not unsalted.HasField("cache_salt") and (unsalted.text, unsalted.priority) == (b"hi", 0)
 
 
 def test_wire_sampling_fields_match_the_engine_sampling_params():

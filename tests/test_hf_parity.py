@@ -51,3 +51,16 @@ def test_greedy_matches_transformers(arch, variant, cpu_kernels, tiny_model_dirs
     if variant == "chunked-prefill":
         total_prompt = sum(len(c.prompt_token_ids) for c in cases)
         assert stats.num_steps >= total_prompt // 24
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_greedy_matches_transformers_under_priority_scheduling_and_preemption(arch, tiny_model_dirs, oracle):
+    """The preemption variant's pool under the priority policy, the cases with mixed priorities: the order of
+    admission and the preemption victims change, the outputs do not."""
+    cases, expected = oracle[arch]
+    llm = LLM(tiny_model_dirs[arch], block_size=16, scheduling_policy="priority", **VARIANTS["preemption"])
+    priorities = [(index * 7) % 5 - 2 for index in range(len(cases))]  # -2 .. 2, interleaved with arrival
+    outputs = llm.generate([list(c.prompt_token_ids) for c in cases], [c.params() for c in cases], priority=priorities)
+    assert [out.token_ids for out in outputs] == expected
+    assert llm.stats().num_preemptions > 0
+    assert_pool_idle(llm.engine.block_manager)

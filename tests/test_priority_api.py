@@ -139,3 +139,32 @@ def test_a_worker_with_another_scheduling_policy_is_refused(tiny_llama_dir):
     message, decode_pool = asyncio.run(scenario())
     assert message == "worker decode-9's scheduling policy is 'priority'; the cluster's is 'fcfs'"
     assert decode_pool == ["decode-0"]
+
+
+def test_the_decode_worker_pulls_into_free_blocks_in_priority_order(tiny_llama_dir):
+    """A decode pool of 4 blocks of 8 holds one 24-token prompt (+ its token) at a time: while `first`
+    holds it (the decode worker steps nothing), `low` then `high` wait for blocks, high ahead of low."""
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    prompts = {name: list(range(base, base + 24)) for name, base in (("first", 10), ("low", 60), ("high", 110))}
+    small_decode = dataclasses.replace(PRIORITY_ENGINE, num_kv_blocks=4, max_model_len=32)
+
+    async def scenario():
+        async with InProcessCluster(tiny_llama_dir, engine_config=PRIORITY_ENGINE,
+                                    decode_engine_config=small_decode) as cluster:
+            decode = cluster.decode_workers[0]
+            decode._loop.set_step_gate(lambda engine: False)
+            runs = {"first": asyncio.ensure_future(cluster.generate("first", prompts["first"], greedy))}
+            while decode.engine.block_manager.num_free_blocks:
+                await asyncio.sleep(0.01)
+            for name, priority in (("low", 3), ("high", -3)):
+                runs[name] = asyncio.ensure_future(cluster.generate(name, prompts[name], greedy, priority=priority))
+                while len(decode._awaiting_blocks) < len(runs) - 1:
+                    await asyncio.sleep(0.01)
+            waiting = [request.priority for request in decode._awaiting_blocks]
+            decode._loop.set_step_gate(None)
+            return waiting, {name: [t for c in await run for t in c.token_ids] for name, run in runs.items()}
+
+    waiting, outputs = asyncio.run(scenario())
+    assert waiting == [-3, 3]
+    assert outputs == {name: hf_greedy(tiny_llama_dir, GreedyCase(tuple(prompt), 4, ignore_eos=True))
+                       for name, prompt in prompts.items()}
