@@ -62,6 +62,9 @@ def test_fcfs_workers_refuse_a_priority_other_than_zero_on_every_api(fcfs_served
         status, payload = _post(fcfs_served.http_port, path, body)
         assert (status, payload["error"]["param"], payload["error"]["message"]) == (400, "priority",
                                                                                     FCFS_REFUSAL.format(3)), path
+    beam_search = {**_bodies(3)["/v1/completions"], "use_beam_search": True, "n": 2}  # each step is a request
+    status, payload = _post(fcfs_served.http_port, "/v1/completions", beam_search)
+    assert (status, payload["error"]["message"]) == (400, FCFS_REFUSAL.format(3))
     for path, body in _bodies(0).items():
         assert _post(fcfs_served.http_port, path, body)[0] == 200, path
     with pytest.raises(grpc.RpcError) as error:
@@ -87,6 +90,9 @@ def test_priority_workers_take_a_priority_on_every_api(priority_served, tiny_lla
     for path, body in _bodies(-4).items():
         status, payload = _post(priority_served.http_port, path, body)
         assert status == 200, (path, payload)
+    beam_search = {**_bodies(2)["/v1/completions"], "use_beam_search": True, "n": 2}
+    status, payload = _post(priority_served.http_port, "/v1/completions", beam_search)
+    assert (status, len(payload["choices"])) == (200, 2)
     status, payload = _post(priority_served.http_port, "/v1/completions",
                             {**_bodies(7)["/v1/completions"], "return_token_ids": True})
     assert (status, payload["choices"][0]["token_ids"]) == (200, expected)
