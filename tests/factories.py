@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import itertools
+import logging
 import random
 
 import pytest
@@ -410,11 +411,55 @@ class ServedApis:
                    if s.name == f"splitserve_{metric}_total" and s.labels == labels]
         return samples[0].value if samples else 0.0
 
+    def per_request_series(self) -> dict[tuple[str, frozenset], float]:
+        """Every series of the metrics fed by request records (PER_REQUEST_METRICS) from GET /metrics, by name and
+        label set."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        status, _, body = http_request(self.http_port, "GET", "/metrics")
+        assert status == 200
+        return {(s.name, frozenset(s.labels.items())): s.value
+                for family in text_string_to_metric_families(body.decode()) for s in family.samples
+                if s.name in _per_request_series_names()}
+
+    def per_request_changes(self, before: dict[tuple[str, frozenset], float]) -> dict[str, float]:
+        """What moved in per_request_series() since `before`, by series name (with its label values, if any)."""
+        after = self.per_request_series()
+        return {name + "".join(f"{{{value}}}" for _, value in sorted(labels)): value - before.get((name, labels), 0.0)
+                for (name, labels), value in after.items() if value != before.get((name, labels), 0.0)}
+
     def drain(self, timeout_s: float = 30.0) -> int:
         """Drain the router as SIGTERM does (router.server.drain); returns requests left in flight."""
         from splitserve.router.server import drain
 
         return self.loop.run(drain(self.cluster.orchestrator, self.grpc_server, timeout_s))
+
+
+@lru_cache(maxsize=1)
+def _per_request_series_names() -> frozenset[str]:
+    """The exposed series of the metrics fed by request records (not the scrape-time worker, routing and event-loop
+    ones): counters, and histograms' _count and _sum."""
+    from splitserve.common import metrics as m
+
+    metrics = (m.REQUEST_SUCCESS, m.REQUEST_FAILURE, m.TIME_TO_FIRST_TOKEN, m.INTER_TOKEN_LATENCY,
+               m.TIME_PER_OUTPUT_TOKEN, m.E2E_REQUEST_LATENCY, m.REQUEST_QUEUE_TIME, m.REQUEST_PREFILL_TIME,
+               m.REQUEST_DECODE_TIME, m.REQUEST_PROMPT_TOKENS, m.REQUEST_GENERATION_TOKENS, m.TTFT_BREAKDOWN,
+               m.REQUEST_MIGRATIONS, m.SLO_REQUESTS, m.SLO_TTFT_MET, m.SLO_TPOT_MET, m.SLO_BOTH_MET, m.GOODPUT_TOKENS,
+               m.INTERNAL_STEP_REQUESTS)
+    return frozenset({d.exposed_name for d in metrics} | {d.name + suffix for d in metrics if d.kind == m.HISTOGRAM
+                                                          for suffix in ("_count", "_sum")})
+
+
+def capture_access_log(served: ServedApis, monkeypatch, caplog):
+    """The served router's access-log lines from now on, as a function returning each line's fields (log_access added
+    to its orchestrator's observer, as `splitserve serve` has it)."""
+    from splitserve.deploy.router_app import each_of
+    from splitserve.router.access_log import log_access
+
+    orchestrator = served.cluster.orchestrator
+    monkeypatch.setattr(orchestrator, "observer", each_of([orchestrator.observer, log_access]))
+    caplog.set_level(logging.INFO, logger="splitserve.access")
+    return lambda: [entry.fields for entry in caplog.records if entry.name == "splitserve.access"]
 
 
 @contextmanager

@@ -8,27 +8,22 @@ metrics and access log (its beams are internal steps)."""
 from __future__ import annotations
 
 import json
-import logging
 import socket
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from prometheus_client.parser import text_string_to_metric_families
 
-from splitserve.common import metrics as m
 from splitserve.common.beam_search import BeamSearchParams, start
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.slo import SloConfig, SloOutcome
-from splitserve.deploy.router_app import each_of
-from splitserve.router.access_log import log_access
 from splitserve.router.api_types import GenerationInput, RouterError
 from splitserve.router.beam_search_run import run_beam_search
 from splitserve.router.policy import RoutingConfig
 from splitserve.router.records import StepwiseRequest
-from tests.factories import (eos_model, hf_logits, http_request, make_request_record, reference_beam_search,
-                             served_apis)
+from tests.factories import (capture_access_log, eos_model, hf_logits, http_request, make_request_record,
+                             reference_beam_search, served_apis)
 
 MODEL = "tiny-llama"
 PROMPT = "The river runs"
@@ -256,45 +251,17 @@ def test_the_deadline_ends_the_search(served, prompt_ids):
 
 # ---- one request in the router's records ----------------------------------------------------------
 
-_PER_REQUEST = (m.REQUEST_SUCCESS, m.REQUEST_FAILURE, m.TIME_TO_FIRST_TOKEN, m.INTER_TOKEN_LATENCY,
-                m.TIME_PER_OUTPUT_TOKEN, m.E2E_REQUEST_LATENCY, m.REQUEST_QUEUE_TIME, m.REQUEST_PREFILL_TIME,
-                m.REQUEST_DECODE_TIME, m.REQUEST_PROMPT_TOKENS, m.REQUEST_GENERATION_TOKENS, m.TTFT_BREAKDOWN,
-                m.REQUEST_MIGRATIONS, m.SLO_REQUESTS, m.SLO_TTFT_MET, m.SLO_TPOT_MET, m.SLO_BOTH_MET, m.GOODPUT_TOKENS,
-                m.INTERNAL_STEP_REQUESTS)
-"""The metrics fed by request records (not the scrape-time worker, routing and event-loop ones)."""
-_SERIES = {d.exposed_name for d in _PER_REQUEST} | {d.name + suffix for d in _PER_REQUEST if d.kind == m.HISTOGRAM
-                                                      for suffix in ("_count", "_sum")}
-
-
-def _per_request_series(served) -> dict[tuple[str, frozenset], float]:
-    status, _, body = http_request(served.http_port, "GET", "/metrics")
-    assert status == 200
-    return {(s.name, frozenset(s.labels.items())): s.value
-            for family in text_string_to_metric_families(body.decode()) for s in family.samples if s.name in _SERIES}
-
-
-def _changes(served, before: dict[tuple[str, frozenset], float]) -> dict[str, float]:
-    """What moved since `before`, by series name (with its label values, if any)."""
-    after = _per_request_series(served)
-    return {name + "".join(f"{{{value}}}" for _, value in sorted(labels)): value - before.get((name, labels), 0.0)
-            for (name, labels), value in after.items() if value != before.get((name, labels), 0.0)}
-
-
 @pytest.fixture
 def access_log(served, monkeypatch, caplog):
-    """The served router's access-log lines (log_access added to its observer, as `splitserve serve` has it)."""
-    orchestrator = served.cluster.orchestrator
-    monkeypatch.setattr(orchestrator, "observer", each_of([orchestrator.observer, log_access]))
-    caplog.set_level(logging.INFO, logger="splitserve.access")
-    return lambda: [entry.fields for entry in caplog.records if entry.name == "splitserve.access"]
+    return capture_access_log(served, monkeypatch, caplog)
 
 
 def test_a_beam_search_is_one_request_in_the_metrics_and_the_access_log(served, prompt_ids, access_log):
     """Width 3, 4 steps: 1 + 3 x 3 one-token step requests, counted as internal steps only; the search is one
     finished request with 12 output tokens, all reaching the client with its response (TTFT = e2e)."""
-    before = _per_request_series(served)
+    before = served.per_request_series()
     response = _completion(served, n=3, max_tokens=4, temperature=0, ignore_eos=True, request_id="beams-1")
-    changes = _changes(served, before)
+    changes = served.per_request_changes(before)
     [line] = access_log()
     e2e_s = line["e2e_s"]
     assert line == {"request_id": "beams-1", "status": "OK", "finish_reason": "length", "rejection_reason": None,
@@ -317,10 +284,10 @@ def test_a_beam_search_is_one_request_in_the_metrics_and_the_access_log(served, 
 
 
 def test_an_ordinary_request_is_still_one_request_with_its_own_phases(served, prompt_ids, access_log):
-    before = _per_request_series(served)
+    before = served.per_request_series()
     status, _, raw = _post(served, "/v1/completions", {"prompt": PROMPT, "max_tokens": 4, "temperature": 0,
                                                        "ignore_eos": True, "request_id": "plain-1"})
-    changes = _changes(served, before)
+    changes = served.per_request_changes(before)
     [line] = access_log()
     assert status == 200
     assert (line["request_id"], line["status"], line["prompt_tokens"], line["output_tokens"]) == (
