@@ -23,7 +23,7 @@ from splitserve.common.beam_search import BeamSearch, Candidate, candidates_of
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.router.admission import Admission
 from splitserve.router.api_types import GenerationInput, Usage
-from splitserve.router.fanout import FanOut, IndexedChunk, admit_all
+from splitserve.router.fanout import FanOut, IndexedChunk
 from splitserve.router.orchestrator import Orchestrator
 
 
@@ -67,7 +67,7 @@ async def run_beam_search(orchestrator: Orchestrator, base: GenerationInput, sea
                           step_of: str) -> BeamSearchResult:
     """Step `search` until it is done, on the caller's admission slot and beam_width - 1 more, its beams internal
     steps of the client's request `step_of`; raises the first beam's error (RouterError, InvalidRequestError)."""
-    reserved = admit_all(orchestrator, search.params.beam_width - 1)
+    reserved = orchestrator.admit_all(search.params.beam_width - 1)
     num_cached = 0
     try:
         while not search.done:
@@ -84,7 +84,7 @@ async def run_beam_search(orchestrator: Orchestrator, base: GenerationInput, sea
 
 async def _run_step(orchestrator: Orchestrator, inputs: Sequence[GenerationInput]) -> list[IndexedChunk]:
     """One step's beams at once, on slots the search holds; closing it (a cancel) aborts them all."""
-    fan_out = FanOut(orchestrator, inputs, 1, _held(), [_held() for _ in inputs[1:]])
+    fan_out = FanOut(orchestrator, inputs, 1, [_held() for _ in inputs])
     async with contextlib.aclosing(fan_out.stream()) as stream:
         return [item async for item in stream]
 

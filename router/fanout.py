@@ -11,14 +11,16 @@ sequences draw independently.
 
 Every path ends every sequence: a failing sequence fails the whole request (the others are
 cancelled, which aborts them on the workers), and closing the merged stream (the client went
-away) cancels all of them.
+away) cancels all of them. Each sequence that runs is recorded as a request when it ends; a request
+refused whole, before any sequence ran, is recorded once under the client's id (Orchestrator.fan_out).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass
 
 from splitserve.router.admission import Admission
@@ -83,46 +85,40 @@ def merged_usage(usages: Sequence[Usage], num_sequences: int) -> Usage:
                  sum(u.completion_tokens for u in usages))
 
 
-def admit_all(orchestrator: Orchestrator, count: int) -> list[Admission]:
-    """`count` admission slots, all or none (RouterError RESOURCE_EXHAUSTED when the router cannot hold them)."""
-    admissions: list[Admission] = []
-    try:
-        for _ in range(count):
-            admissions.append(orchestrator.admit())
-    except BaseException:
-        for admission in admissions:
-            admission.release()
-        raise
-    return admissions
+async def client_fan_out(orchestrator: Orchestrator, request_id: str, inputs: Sequence[GenerationInput],
+                         num_sequences: int, admission: Admission) -> AsyncGenerator[IndexedChunk, None]:
+    """A client's request (id `request_id`) run as its sequences (`inputs`, prompt-major: sequence_inputs) and merged.
+
+    The request's admission slot goes to its first sequence, and every other sequence takes a slot of its own
+    before any sequence starts (Orchestrator.fan_out): a request the router cannot hold whole is refused at once
+    (RESOURCE_EXHAUSTED, an HTTP 429 before a streamed response starts) and recorded once, never after some
+    sequences streamed."""
+    client = dataclasses.replace(inputs[0], request_id=request_id)
+    num_prompt_tokens = sum(len(inp.prompt_token_ids) for inp in inputs[::num_sequences])
+    with orchestrator.fan_out(client, num_prompt_tokens, len(inputs)) as others:
+        fan_out = FanOut(orchestrator, inputs, num_sequences, [admission, *others])
+        async with contextlib.aclosing(fan_out.stream()) as stream:
+            async for item in stream:
+                yield item
 
 
 class FanOut:
     """Runs one request's sequences on the orchestrator and merges their chunks as they arrive.
 
-    `inputs` are prompt-major (sequence_inputs); the request's admission slot goes to its first
-    sequence, and every other sequence takes a slot of its own before any sequence starts: a
-    request the router cannot hold whole is refused at once (RESOURCE_EXHAUSTED, an HTTP 429
-    before a streamed response starts), never after some sequences streamed. `others`: the other
-    sequences' slots when the caller took them already (a beam search holds its beams' slots for all
-    its steps)."""
+    `inputs` are prompt-major (sequence_inputs); `admissions`: each sequence's slot, by choice index, taken
+    by the caller (client_fan_out; a beam search holds its beams' slots for all its steps)."""
 
     def __init__(self, orchestrator: Orchestrator, inputs: Sequence[GenerationInput], num_sequences: int,
-                 admission: Admission, others: Sequence[Admission] | None = None) -> None:
+                 admissions: Sequence[Admission]) -> None:
         self.orchestrator = orchestrator
         self.inputs = tuple(inputs)
         self.num_sequences = num_sequences
-        self.admission = admission
-        self.others = others
+        self._admissions = tuple(admissions)
         self._queue: asyncio.Queue[IndexedChunk | _Ended] = asyncio.Queue()
         self._tasks: set[asyncio.Task] = set()
-        self._admissions: list[Admission] = []
-        """Each sequence's slot (by choice index), taken when the stream starts."""
 
     async def stream(self) -> AsyncIterator[IndexedChunk]:
-        """Every sequence's chunks until all finished; raises the first sequence error (a
-        RouterError before any chunk when the router cannot admit every sequence)."""
-        others = admit_all(self.orchestrator, len(self.inputs) - 1) if self.others is None else self.others
-        self._admissions = [self.admission, *others]
+        """Every sequence's chunks until all finished; raises the first sequence error."""
         for first in range(0, len(self.inputs), self.num_sequences):
             self._start(first, ())
         running = len(self.inputs)

@@ -51,7 +51,7 @@ from splitserve.router.openai_protocol import (ChatCompletionRequest, ChatRender
                                                parse_tokenize_request)
 from splitserve.router.api_types import GenerationInput, RouterError, StreamChunk, Usage
 from splitserve.router.beam_search_run import BeamSearchResult, run_beam_search
-from splitserve.router.fanout import FanOut, IndexedChunk, best_of, by_choice, merged_usage, sequence_inputs
+from splitserve.router.fanout import IndexedChunk, best_of, by_choice, client_fan_out, merged_usage, sequence_inputs
 from splitserve.router.orchestrator import Orchestrator
 from splitserve.router.reasoning_parsers import ReasoningFormat, ReasoningOutput
 from splitserve.router.request_body import BodyParser, MalformedBodyError, Parse
@@ -291,7 +291,7 @@ class OpenAIServing:
     async def _respond(self, request: Request, job: _Job, admission: Admission) -> Response:
         """Run the request; a streamed one starts its response once the first chunk is in, so an
         error before it (a bad prompt, a routing rejection) still gets its HTTP status."""
-        stream = FanOut(self.orchestrator, job.inputs, job.num_sequences, admission).stream()
+        stream = client_fan_out(self.orchestrator, job.request_id, job.inputs, job.num_sequences, admission)
         if job.stream and job.stream_interval > 1:
             stream = every_interval(stream, job.stream_interval)
         try:

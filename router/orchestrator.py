@@ -45,7 +45,7 @@ from splitserve.router.peers import PeerHandshakes
 from splitserve.router.policy import (DecodeCandidate, PrefillCandidate, Rejection, RouteDecision, RoutingConfig,
                                       RoutingRequest, route)
 from splitserve.router.prefix_index import PrefixIndex
-from splitserve.router.records import StepwiseRequest
+from splitserve.router.records import StepwiseRequest, refused_record
 from splitserve.router.reports import WorkerMonitor
 from splitserve.router.request_run import RequestRun
 from splitserve.router.worker_link import WorkerLinkConfig
@@ -101,7 +101,11 @@ class Orchestrator:
         self.layout: KVLayout | None = None
         """The KV layout every worker shares (known once started; a joining worker must match it)."""
         self._in_flight: set[str] = set()
-        """Client request ids of the requests in generate() and stepwise() (internal steps are not in it)."""
+        """Client request ids of the requests in generate() and stepwise() (internal steps are not in it; a fan-out's
+        sequences are, under their own ids)."""
+        self._fanned_out: set[str] = set()
+        """Client request ids of the fan-outs in fan_out() (of 2+ sequences: their ids are not the client's). Not in
+        num_in_flight, which counts their sequences."""
         self._stepwise: dict[str, StepwiseRequest] = {}
         """The requests in stepwise() by client request id: what their steps' ends add to."""
         self._idle = asyncio.Event()
@@ -186,9 +190,13 @@ class Orchestrator:
     def new_request_id(self, requested: str) -> str:
         if not requested:
             return uuid.uuid4().hex
-        if requested in self._in_flight:
-            raise InvalidRequestError("request_id", f"{requested!r} is already in flight")
+        self._check_not_in_flight(requested)
         return requested
+
+    def _check_not_in_flight(self, request_id: str) -> None:
+        """A client's request id names one request at a time (a fan-out's id too, while its sequences run)."""
+        if request_id in self._in_flight or request_id in self._fanned_out:
+            raise InvalidRequestError("request_id", f"{request_id!r} is already in flight")
 
     def validate_prompt(self, prompt_token_ids: Sequence[int], field: str = "prompt") -> None:
         """`field` names what the client sent the prompt as (a chat request's `messages`)."""
@@ -391,8 +399,8 @@ class Orchestrator:
             self.validate_prompt(inp.prompt_token_ids)
             check_cache_salt(inp.cache_salt)  # the APIs checked it; a library caller's is hashed next
             check_priority(inp.priority, self.scheduling_policy)
-            if inp.step_of is None and inp.request_id in self._in_flight:
-                raise InvalidRequestError("request_id", f"{inp.request_id!r} is already in flight")
+            if inp.step_of is None:
+                self._check_not_in_flight(inp.request_id)
             run = RequestRun(inp, self.tokenizer, arrival, self.eos_token_ids)
             if inp.step_of is None:
                 self._in_flight.add(inp.request_id)
@@ -422,8 +430,7 @@ class Orchestrator:
         under its id meanwhile, and recorded once when the block ends, as the one request the client sent (the
         caller notes its output with on_finished first; an exception is how it failed). Its steps are recorded as
         steps (RequestRecord.step_of); their moves off lost workers count on its record."""
-        if inp.request_id in self._in_flight:
-            raise InvalidRequestError("request_id", f"{inp.request_id!r} is already in flight")
+        self._check_not_in_flight(inp.request_id)
         request = StepwiseRequest(inp.request_id, num_prompt_tokens, time.monotonic())
         self._in_flight.add(inp.request_id)
         self._stepwise[inp.request_id] = request
@@ -437,6 +444,52 @@ class Orchestrator:
             self._in_flight.discard(inp.request_id)
             del self._stepwise[inp.request_id]
             self._observe(request.record(self.slo_targets(inp), time.monotonic()))
+
+    @contextlib.contextmanager
+    def fan_out(self, client: GenerationInput, num_prompt_tokens: int, num_sequences: int) -> Iterator[list[Admission]]:
+        """A client's request that the caller runs as `num_sequences` requests of its own (its sequences: generate()
+        of each, on the request's slot and the num_sequences - 1 slots this yields; `client`: the request as the
+        client sent it, its id, deadline and SLO targets; `num_prompt_tokens`: each of its prompts' tokens once).
+
+        The slots are taken all or none before any sequence runs: a refusal (RouterError) ends the client's request
+        and is recorded once, as a refused request is (none of its sequences ran, so none has a record); each
+        sequence that runs is recorded when it ends. Meanwhile the client's id is in flight (a lone sequence carries
+        that id itself, in generate()). The caller's sequences release the slots; so does leaving the block."""
+        if num_sequences == 1:
+            yield []
+            return
+        self._check_not_in_flight(client.request_id)
+        others = self._admit_sequences(client, num_prompt_tokens, num_sequences - 1)
+        self._fanned_out.add(client.request_id)
+        try:
+            yield others
+        finally:
+            self._fanned_out.discard(client.request_id)
+            for admission in others:
+                admission.release()
+
+    def _admit_sequences(self, client: GenerationInput, num_prompt_tokens: int, count: int) -> list[Admission]:
+        """admit_all(count) for a fan-out, recording a refusal as its client's request's end."""
+        arrival = time.monotonic()
+        try:
+            return self.admit_all(count)
+        except RouterError as error:
+            self._observe(refused_record(client.request_id, num_prompt_tokens, error.code, error.rejection_reason,
+                                         self.slo_targets(client), time.monotonic() - arrival))
+            raise
+
+    def admit_all(self, count: int) -> list[Admission]:
+        """`count` admission slots, all or none (admit()'s RouterError when the router cannot hold them: the one
+        refusal counts once)."""
+        admissions: list[Admission] = []
+        try:
+            for _ in range(count):
+                admissions.append(self.admit())
+        except BaseException:
+            for admission in admissions:
+                admission.release()
+            raise
+        return admissions
 
     def admit(self) -> Admission:
         """O(1), for the APIs' first line, before a request is read, parsed or tokenized: its slot,

@@ -1,5 +1,6 @@
 """What the router measures about one request while it runs; the orchestrator turns it into a
-`common.stats.RequestRecord` when the request ends (a request run as internal steps: StepwiseRequest).
+`common.stats.RequestRecord` when the request ends (a request run as internal steps: StepwiseRequest; a fan-out
+refused before its sequences ran: refused_record).
 
 Router-side times are time.monotonic() instants on the router; worker-side phases are
 durations measured on the worker's own clock (never compared across machines as instants).
@@ -116,3 +117,13 @@ class StepwiseRequest:
             tuple(timeline.inter_token_latencies), e2e_s, None, None, None if ttft_s is None else e2e_s - ttft_s, (),
             None, request_slo_outcome(targets, error_code, ttft_s, e2e_s, self.num_output_tokens),
             self.num_migrations)
+
+
+def refused_record(request_id: str, num_prompt_tokens: int, error_code: str, rejection_reason: str | None,
+                   targets: SloConfig, e2e_s: float) -> RequestRecord:
+    """The record of a client's request refused before any of it ran (a fan-out whose sequences' admission slots
+    the router could not all hold), as a refused single request's: its status and rejection reason, its prompt
+    tokens, no token, worker, routing decision or phase; e2e_s is its arrival -> the refusal."""
+    return RequestRecord(request_id, None, error_code, None, rejection_reason, None, None, num_prompt_tokens, 0, 0,
+                         None, (), e2e_s, None, None, None, (), None,
+                         request_slo_outcome(targets, error_code, None, e2e_s, 0))

@@ -23,6 +23,7 @@ from splitserve.engine import LLM
 from splitserve.router import admission, policy, tokenizer_pool
 from splitserve.router.metrics_server import RouterMetrics
 from splitserve.router.api_types import GenerationInput, RouterError
+from splitserve.router.records import refused_record
 from splitserve.testing.in_process_cluster import InProcessCluster, make_prefill_worker
 from tests.factories import make_load_report, make_request_record
 
@@ -418,3 +419,21 @@ def test_an_internal_step_counts_as_a_step_and_a_pull_only():
         **{("splitserve_kv_transfer_seconds_bucket", pair | {("le", le)}): 1
            for le in ("0.0025", "0.005", "0.01", "0.025", "0.05", "0.1", "0.25", "0.5", "1.0", "2.5", "5.0", "10.0",
                       "+Inf")}}
+
+
+def test_a_refused_fan_out_is_recorded_as_a_refused_request_and_counts_once():
+    """A fan-out refused before its sequences ran (router/records.py refused_record): no token, worker or phase;
+    one failure by its code and one SLO miss, nothing else."""
+    record = refused_record("r", 12, "RESOURCE_EXHAUSTED", "too_many_requests", SLO, 0.002)
+    assert record == make_request_record(
+        "r", finish_reason=None, error_code="RESOURCE_EXHAUSTED", routing_reason=None,
+        rejection_reason="too_many_requests", prefill_worker=None, decode_worker=None, num_prompt_tokens=12,
+        num_output_tokens=0, ttft_s=None, e2e_s=0.002, slo=SloOutcome(False, False))
+    metrics = RouterMetrics(SLO)
+    before = _samples(generate_latest(metrics.registry).decode())
+    metrics.observe(record)
+    after = _samples(generate_latest(metrics.registry).decode())
+    changed = {key: value - before.get(key, 0.0) for key, value in after.items()
+               if not key[0].endswith("_created") and value != before.get(key, 0.0)}
+    assert changed == {("splitserve_request_failure_total", frozenset({("code", "RESOURCE_EXHAUSTED")})): 1,
+                       ("splitserve_slo_requests_total", frozenset()): 1}

@@ -11,9 +11,11 @@ import json
 import openai
 import pytest
 
+from splitserve.common.errors import InvalidRequestError
 from splitserve.common.sampling_params import SamplingParams
+from splitserve.router.api_types import GenerationInput, RouterError
 from splitserve.router.policy import RoutingConfig
-from tests.factories import ServedApis, http_request, served_apis
+from tests.factories import ServedApis, capture_access_log, http_request, served_apis
 
 MODEL = "tiny-llama"
 PROMPT = "The river runs"
@@ -141,24 +143,95 @@ def test_a_client_disconnecting_cancels_every_sequence(served):
 
 # ---- best_of ---------------------------------------------------------------------------------
 
-def test_a_fan_out_the_router_cannot_hold_whole_is_a_429_before_any_sequence_runs(tiny_llama_dir):
-    """Every sequence takes an admission slot before the first one starts: with room for two, n=3
-    is refused whole (streamed too: a 429 with Retry-After, not a 200 whose stream fails after the
-    first sequence's tokens), nothing runs, no slot leaks, and n=2 is served."""
+def test_a_fan_out_the_router_cannot_hold_whole_is_a_429_before_any_sequence_runs(tiny_llama_dir, monkeypatch,
+                                                                                     caplog):
+    """Every sequence takes an admission slot before the first one starts: with room for two, 2 prompts x n=2
+    and n=3 are refused whole (streamed too: a 429 with Retry-After, not a 200 whose stream fails after the
+    first sequence's tokens), nothing runs, no slot leaks, and n=2 is served. Each refusal is recorded once,
+    as the client's request (its sequences never ran): one access-log line under its id, with its prompts'
+    tokens (each once), status RESOURCE_EXHAUSTED and rejection reason too_many_requests; one failure and one
+    SLO miss; one admission rejection."""
     routing = RoutingConfig(disaggregation="always", max_in_flight_requests=2)
     with served_apis(tiny_llama_dir, MODEL, served_class=Served, routing=routing) as served:
+        access_log = capture_access_log(served, monkeypatch, caplog)
+        before = served.per_request_series()
         workers = [*served.cluster.prefill_workers, *served.cluster.decode_workers]
-        for stream in (False, True):
+        refused = ({"prompt": [PROMPT, OTHER], "n": 2, "request_id": "wide-batch"},
+                   {"prompt": PROMPT, "n": 3, "stream": True, "request_id": "wide-stream"})
+        for body in refused:
             status, headers, raw = http_request(served.http_port, "POST", "/v1/completions", json.dumps(
-                {"prompt": PROMPT, "max_tokens": 3, "n": 3, "stream": stream}).encode())
+                {**body, "max_tokens": 3}).encode())
             assert (status, headers["retry-after"], json.loads(raw)["error"]["code"]) == (
                 429, "1", "resource_exhausted")
         assert [s.num_generation_tokens for s in served.engine_stats(workers)] == [0, 0]
         assert dict(served.cluster.orchestrator.routing_stats().rejections) == {"too_many_requests": 2}
         assert served.cluster.orchestrator.admission.in_flight == 0
+        assert served.per_request_changes(before) == {"splitserve_request_failure_total{RESOURCE_EXHAUSTED}": 2,
+                                                      "splitserve_slo_requests_total": 2}
+        prompt_tokens, other_tokens = (len(served.cluster.tokenizer.encode(text)) for text in (PROMPT, OTHER))
+        lines = access_log()
+        assert all(0 <= line.pop("e2e_s") < 1 for line in lines)
+        assert lines == [{"request_id": request_id, "status": "RESOURCE_EXHAUSTED", "finish_reason": None,
+                          "rejection_reason": "too_many_requests", "prompt_tokens": tokens, "cached_tokens": 0,
+                          "output_tokens": 0, "ttft_s": None, "tpot_s": None, "prefill_worker": None,
+                          "decode_worker": None, "migrations": 0}
+                         for request_id, tokens in (("wide-batch", prompt_tokens + other_tokens),
+                                                    ("wide-stream", prompt_tokens))]
         texts, _ = _stream_texts(served.client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, n=2,
                                                                     stream=True, **GREEDY))
         assert sorted(texts) == [0, 1] and texts[0] == texts[1]
+
+
+def test_a_request_id_is_in_flight_while_its_sequences_run(served):
+    """An n=2 request's id (its sequences run as `<id>-0`, `<id>-1`) is refused to another request, of one
+    sequence or of two, until it ended."""
+    stream = served.client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=LONG, n=2, stream=True,
+                                                temperature=0, extra_body={"ignore_eos": True, "request_id": "twin"})
+    next(stream)
+    for n in (1, 2):
+        status, _, raw = http_request(served.http_port, "POST", "/v1/completions", json.dumps(
+            {"prompt": PROMPT, "max_tokens": 3, "n": n, "request_id": "twin"}).encode())
+        assert (status, json.loads(raw)["error"]["param"], json.loads(raw)["error"]["message"]) == (
+            400, "request_id", "request_id: 'twin' is already in flight")
+    stream.close()
+    served.loop.run(served.cluster.wait_idle())
+    assert served.single(PROMPT, max_tokens=3, extra_body={"request_id": "twin"}).id == "cmpl-twin"
+
+
+def test_the_orchestrator_holds_a_fan_outs_id_and_records_a_refusal_while_draining_once(tiny_llama_dir, monkeypatch,
+                                                                                        caplog):
+    """Orchestrator.fan_out: the client's id is in flight from the fan-out's start (a second fan-out under it, as
+    two requests parsed at once would start, or a request, is refused and unrecorded) and its slots are released
+    at its end; once the router drains, a fan-out refused its other slots ends UNAVAILABLE, recorded once, with
+    no rejection reason (draining is not admission control)."""
+    with served_apis(tiny_llama_dir, MODEL, served_class=Served) as served:
+        orchestrator = served.cluster.orchestrator
+        access_log = capture_access_log(served, monkeypatch, caplog)
+        before = served.per_request_series()
+        client = GenerationInput("fan", (5, 6, 7), SamplingParams())
+
+        async def second_under_the_same_id() -> tuple[str, str, int]:
+            with orchestrator.fan_out(client, 3, 2) as others:
+                with pytest.raises(InvalidRequestError) as second, orchestrator.fan_out(client, 3, 2):
+                    pass
+                with pytest.raises(InvalidRequestError) as single:
+                    orchestrator.new_request_id("fan")
+                return str(second.value), str(single.value), len(others)
+
+        assert served.loop.run(second_under_the_same_id()) == ("request_id: 'fan' is already in flight",) * 2 + (1,)
+        assert (orchestrator.admission.in_flight, orchestrator.new_request_id("fan")) == (0, "fan")
+        orchestrator.admission.stop_accepting()
+
+        async def refused() -> str:
+            with pytest.raises(RouterError) as error, orchestrator.fan_out(client, 3, 2):
+                pass
+            return error.value.code
+
+        assert served.loop.run(refused()) == "UNAVAILABLE"
+        assert served.per_request_changes(before) == {"splitserve_request_failure_total{UNAVAILABLE}": 1,
+                                                      "splitserve_slo_requests_total": 1}
+        assert [(line["request_id"], line["status"], line["rejection_reason"], line["prompt_tokens"])
+                for line in access_log()] == [("fan", "UNAVAILABLE", None, 3)]
 
 
 def test_best_of_returns_the_sequences_of_highest_cumulative_logprob(served):
