@@ -383,6 +383,8 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
     _add_parallel_flags(parser.add_argument_group("ParallelConfig"))
     _add_scheduler_flags(parser.add_argument_group("SchedulerConfig", "each worker's batch"))
     _add_cluster_flags(parser.add_argument_group("Cluster (splitserve)", "the pools, Ray and the config file"))
+    _add_http_flags(parser.add_argument_group("HTTP server", "how the OpenAI HTTP API is served (vLLM's "
+                                                             "frontend flags)"))
     parser.set_defaults(handler=_serve)
 
 
@@ -419,6 +421,35 @@ def _add_frontend_flags(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--ssl-keyfile", default=None, help="PEM private key of --ssl-certfile")
     group.add_argument("--ssl-ca-certs", default=None,
                        help="PEM CA certificates; clients must present a certificate they signed (mutual TLS)")
+
+
+def _json_strings(value: str) -> list[str]:
+    """argparse type of vLLM's list flags (--allowed-origins ...): a JSON list of strings, as vLLM parses
+    them, e.g. '["https://chat.example"]'."""
+    try:
+        data = json.loads(value)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {error}") from None
+    if not isinstance(data, list) or not all(isinstance(item, str) for item in data):
+        raise argparse.ArgumentTypeError(f"must be a JSON list of strings, e.g. '[\"*\"]', got {value!r}")
+    return data
+
+
+def _add_http_flags(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--allowed-origins", type=_json_strings, default=None, metavar="JSON",
+                       help="origins whose web pages may call the HTTP API from a browser (CORS), e.g. "
+                            "'[\"https://chat.example\"]', '[\"*\"]' for any (default [] as vLLM: none)")
+    group.add_argument("--allowed-methods", type=_json_strings, default=None, metavar="JSON",
+                       help="HTTP methods a CORS preflight allows (default '[\"*\"]')")
+    group.add_argument("--allowed-headers", type=_json_strings, default=None, metavar="JSON",
+                       help="request headers a CORS preflight allows (default '[\"*\"]')")
+    group.add_argument("--allow-credentials", action="store_true", default=None,
+                       help="let browsers send cookies / HTTP auth on cross-origin calls")
+
+
+_HTTP_FLAGS = {"allowed_origins": "router.cors_allowed_origins", "allowed_methods": "router.cors_allowed_methods",
+               "allowed_headers": "router.cors_allowed_headers", "allow_credentials": "router.cors_allow_credentials"}
+"""HTTP server flags -> the cluster config key they set."""
 
 
 def _add_model_flags(group: argparse._ArgumentGroup) -> None:
@@ -552,6 +583,7 @@ def serve_overrides(args: argparse.Namespace) -> dict[str, object]:
         kv_cache_dtype = VLLM_KV_CACHE_DTYPES[args.kv_cache_dtype]
         overrides.update({"prefill.engine.kv_cache_dtype": kv_cache_dtype, "decode.engine.kv_cache_dtype": kv_cache_dtype})
     overrides.update({key: getattr(args, flag) for flag, key in _CLUSTER_FLAGS.items() if getattr(args, flag) is not None})
+    overrides.update({key: getattr(args, flag) for flag, key in _HTTP_FLAGS.items() if getattr(args, flag) is not None})
     if args.speculative_config is not None:
         overrides["decode.engine.speculative"] = args.speculative_config
     if args.generation_config is not None:

@@ -23,6 +23,7 @@ from splitserve.common.kv_transfer_types import TRANSFER_FAILURE_POLICIES
 from splitserve.common.log_format import LOG_FORMATS
 from splitserve.common.slo import SloConfig
 from splitserve.planner.core.types import PlannerConfig
+from splitserve.router.http_options import CorsPolicy, HttpOptions
 from splitserve.router.policy import RoutingConfig
 from splitserve.router.reasoning_parsers import REASONING_PARSERS
 from splitserve.router.tls import TlsConfig
@@ -149,11 +150,18 @@ class RouterConfig:
     """Name of the environment variable holding the API key (never the key itself); when set, the
     gRPC Generation service and the HTTP /v1/* endpoints need `authorization: Bearer <key>`, and
     serving refuses to start if the variable is unset or empty. None: no auth."""
-    cors_allowed_origins: tuple[str, ...] = ("*",)
-    """Origins whose web pages may call the HTTP API from a browser (CORS; vLLM's --allowed-origins):
-    any by default, as vLLM; () sends no CORS headers. Any method and request header is allowed, cookies
-    are not (an API key travels in the Authorization header), and a preflight is answered before the
-    API-key check (browsers send no credentials on it)."""
+    cors_allowed_origins: tuple[str, ...] = ()
+    """Origins whose web pages may call the HTTP API from a browser (CORS; vLLM's --allowed-origins),
+    e.g. ["https://chat.example"]; "*" is any. None by default, as vLLM 0.32: a cross-origin call gets
+    no CORS headers and its preflight a 400. A preflight is answered before the API-key check (browsers
+    send no credentials on it) and admission."""
+    cors_allowed_methods: tuple[str, ...] = ("*",)
+    """HTTP methods a preflight allows (vLLM's --allowed-methods); "*" is any."""
+    cors_allowed_headers: tuple[str, ...] = ("*",)
+    """Request headers a preflight allows (vLLM's --allowed-headers); "*" is any the browser asks for."""
+    cors_allow_credentials: bool = False
+    """Let browsers send cookies / HTTP auth on cross-origin calls (vLLM's --allow-credentials); an API
+    key travels in the Authorization header, which needs no credentials mode."""
     tls: TlsConfig | None = None
     """TLS for the gRPC and OpenAI HTTP APIs (`cert_file`, `key_file`, and `client_ca_file` to
     require client certificates); None: plaintext. The /metrics endpoint stays plaintext."""
@@ -214,6 +222,12 @@ class RouterConfig:
     `ray.io/node-group=router` puts one router on each pod of the router group."""
 
     @property
+    def http_options(self) -> HttpOptions:
+        """The HTTP layer's settings these fields make (router/http_options.py)."""
+        return HttpOptions(CorsPolicy(self.cors_allowed_origins, self.cors_allowed_methods, self.cors_allowed_headers,
+                                      self.cors_allow_credentials))
+
+    @property
     def auto_tool_call_parser(self) -> str | None:
         """The parser of tool_choice "auto" outputs; None when auto tool choice is off."""
         return self.tool_call_parser if self.enable_auto_tool_choice else None
@@ -226,8 +240,9 @@ class RouterConfig:
             f"must name an environment variable (non-empty, no whitespace or '='), or be null; "
             f"got {self.api_key_env!r}")
         _require(0 <= self.grpc_port <= 65535, "grpc_port", f"must be in [0, 65535], got {self.grpc_port}")
-        _require(all(origin.strip() for origin in self.cors_allowed_origins), "cors_allowed_origins",
-                 f"must hold non-empty origins, got {list(self.cors_allowed_origins)}")
+        for name in ("cors_allowed_origins", "cors_allowed_methods", "cors_allowed_headers"):
+            values = getattr(self, name)
+            _require(all(value.strip() for value in values), name, f"must hold non-empty strings, got {list(values)}")
         _require(self.metrics_port is None or 0 <= self.metrics_port <= 65535, "metrics_port",
                  f"must be in [0, 65535] or null, got {self.metrics_port}")
         _require(not self.metrics_port or self.metrics_port != self.grpc_port, "metrics_port",

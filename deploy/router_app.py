@@ -115,7 +115,7 @@ async def start_servers(orchestrator: Orchestrator, tokenizer: RouterTokenizer, 
             http = await start_http_server(orchestrator, tokenizers, model_name, config.host, config.http_port,
                                            config.request_timeout_s,
                                            metrics.asgi_app() if metrics is not None else None, api_key, config.tls,
-                                           aliases, reuse_port, config.cors_allowed_origins,
+                                           aliases, reuse_port, config.http_options,
                                            config.auto_tool_call_parser, config.reasoning_parser, defaults)
     except BaseException:
         if grpc is not None:

@@ -52,6 +52,7 @@ from splitserve.router.openai_protocol import (ChatCompletionRequest, ChatRender
 from splitserve.router.api_types import GenerationInput, RouterError, StreamChunk, Usage
 from splitserve.router.beam_search_run import BeamSearchResult, run_beam_search
 from splitserve.router.fanout import IndexedChunk, best_of, by_choice, client_fan_out, merged_usage, sequence_inputs
+from splitserve.router.http_options import HttpOptions
 from splitserve.router.orchestrator import Orchestrator
 from splitserve.router.reasoning_parsers import ReasoningFormat, ReasoningOutput
 from splitserve.router.request_body import BodyParser, MalformedBodyError, Parse
@@ -677,11 +678,12 @@ class _ApiKeyGuard:
 
 
 def build_app(serving: OpenAIServing, metrics_app: ASGIApp | None = None, api_key: str | None = None,
-              cors_allowed_origins: tuple[str, ...] = ()) -> ASGIApp:
+              options: HttpOptions = HttpOptions()) -> ASGIApp:
     """The HTTP API's routes; `metrics_app` (the router's Prometheus exposition) is served on /metrics.
-    With `api_key`, /v1/* needs `Authorization: Bearer <api_key>`. With `cors_allowed_origins` ("*": any),
-    browsers may call it from those origins (any method and header, no cookies); CORS is outermost, so a
-    preflight is answered before the API-key check and even a 401 or 429 carries the CORS headers."""
+    With `api_key`, /v1/* needs `Authorization: Bearer <api_key>`. options.cors says which origins'
+    browsers may call it; CORS is outermost, as vLLM's, so a preflight is answered (200, or 400 for an
+    origin not allowed) before the API-key check and admission (it is no request of the API: never
+    429, never in the access log), and even a 401 or 429 carries the CORS headers."""
     routes = [Route("/v1/completions", serving.completions, methods=["POST"]),
               Route("/v1/chat/completions", serving.chat_completions, methods=["POST"]),
               Route("/v1/responses", serving.responses, methods=["POST"]),
@@ -696,9 +698,9 @@ def build_app(serving: OpenAIServing, metrics_app: ASGIApp | None = None, api_ke
     app = _AdmissionGate(Starlette(routes=routes, exception_handlers={HTTPException: _http_error}),
                          serving.orchestrator)
     app = _ApiKeyGuard(app, api_key) if api_key else app
-    if not cors_allowed_origins:
-        return app
-    return CORSMiddleware(app, allow_origins=list(cors_allowed_origins), allow_methods=["*"], allow_headers=["*"])
+    cors = options.cors
+    return CORSMiddleware(app, allow_origins=list(cors.allowed_origins), allow_methods=list(cors.allowed_methods),
+                          allow_headers=list(cors.allowed_headers), allow_credentials=cors.allow_credentials)
 
 
 # ---- the server on the router's event loop --------------------------------------------------
@@ -782,13 +784,13 @@ async def start_http_server(orchestrator: Orchestrator, tokenizers: TokenizerPoo
                             host: str = "127.0.0.1", port: int = 8000, request_timeout_s: float | None = None,
                             metrics_app: ASGIApp | None = None, api_key: str | None = None,
                             tls: TlsConfig | None = None, aliases: tuple[str, ...] = (),
-                            reuse_port: bool = False, cors_allowed_origins: tuple[str, ...] = (),
+                            reuse_port: bool = False, options: HttpOptions = HttpOptions(),
                             tool_call_parser: str | None = None, reasoning_parser: str | None = None,
                             defaults: RequestDefaults = NO_REQUEST_DEFAULTS) -> HttpServer:
     """Start the OpenAI-compatible API on the running loop; the server's `port` is the bound one.
     With `api_key`, /v1/* needs `Authorization: Bearer <api_key>`; with `tls`, it is HTTPS only.
     Requests may name the model `model_name` or one of `aliases`. `reuse_port`: share the port
-    with other routers (SO_REUSEPORT). `cors_allowed_origins`: see build_app. `tool_call_parser`: the
+    with other routers (SO_REUSEPORT). `options`: the HTTP layer's settings (CORS...). `tool_call_parser`: the
     parser of tool_choice "auto" outputs (router/tool_parsers.py); None turns auto tool choice off.
     `reasoning_parser`: splits chat outputs into reasoning and content (router/reasoning_parsers.py);
     ValueError when the tokenizer lacks its tags. `defaults`: what the sampling fields a generation
@@ -798,7 +800,7 @@ async def start_http_server(orchestrator: Orchestrator, tokenizers: TokenizerPoo
     bodies = BodyParser(tokenizers.limits)
     serving = OpenAIServing(orchestrator, tokenizers, bodies, model_name, request_timeout_s, aliases, tool_call_parser,
                             reasoning, defaults)
-    server = HttpServer(build_app(serving, metrics_app, api_key, cors_allowed_origins), tls=tls, on_stop=bodies.close)
+    server = HttpServer(build_app(serving, metrics_app, api_key, options), tls=tls, on_stop=bodies.close)
     try:
         await server.start(host, port, reuse_port)
     except BaseException:

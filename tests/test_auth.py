@@ -22,7 +22,8 @@ from splitserve.deploy.cluster_config import ClusterConfigError, parse_cluster_c
 from splitserve.proto.splitserve.v1 import generation_pb2 as pb
 from splitserve.proto.splitserve.v1 import generation_pb2_grpc as pb_grpc
 from splitserve.router.auth import INVALID, MISSING, api_key_from_env, check_authorization
-from tests.factories import ServedApis, http_request, served_apis
+from splitserve.router.http_options import CorsPolicy
+from tests.factories import ServedApis, capture_access_log, http_request, served_apis
 
 MODEL = "tiny-llama"
 KEY = "sk-test-0123456789"
@@ -249,19 +250,67 @@ def test_a_cross_origin_answer_carries_the_cors_header_refused_or_not(served, au
         assert [model["id"] for model in json.loads(body)["data"]] == [MODEL]
 
 
-def test_without_allowed_origins_there_is_no_cors(tiny_llama_dir):
+def test_without_allowed_origins_there_is_no_cors_and_a_preflight_is_refused_as_vllm(tiny_llama_dir):
     with served_apis(tiny_llama_dir, MODEL, cors_allowed_origins=()) as served:
         status, headers, _ = http_request(served.http_port, "GET", "/v1/models", headers={"Origin": PAGE})
-        preflight, _, _ = http_request(served.http_port, "OPTIONS", "/v1/models", headers={
+        preflight, _, body = http_request(served.http_port, "OPTIONS", "/v1/models", headers={
             "Origin": PAGE, "Access-Control-Request-Method": "GET"})
-    assert (status, "access-control-allow-origin" in _lowercase(headers), preflight) == (200, False, 405)
+    assert (status, "access-control-allow-origin" in _lowercase(headers)) == (200, False)
+    assert (preflight, body) == (400, b"Disallowed CORS origin")
 
 
-def test_config_allowed_origins():
-    assert parse_cluster_config("model: m\n").router.cors_allowed_origins == ("*",)
+def test_cors_methods_headers_and_credentials_as_configured(tiny_llama_dir, monkeypatch, caplog):
+    policy = {"cors_allowed_methods": ("POST",), "cors_allowed_headers": ("authorization",),
+              "cors_allow_credentials": True}
+    with served_apis(tiny_llama_dir, MODEL, cors_allowed_origins=(PAGE,), router_options=policy) as served:
+        access_log = capture_access_log(served, monkeypatch, caplog)
+        preflight = http_request(served.http_port, "OPTIONS", "/v1/chat/completions", headers={
+            "Origin": PAGE, "Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization"})
+        refused = http_request(served.http_port, "OPTIONS", "/v1/chat/completions", headers={
+            "Origin": PAGE, "Access-Control-Request-Method": "DELETE", "Access-Control-Request-Headers": "x-custom"})
+        simple = http_request(served.http_port, "GET", "/v1/models", headers={"Origin": PAGE})
+        other_page = http_request(served.http_port, "GET", "/v1/models", headers={"Origin": "http://elsewhere"})
+        rejections = served.cluster.orchestrator.routing_stats().rejections
+    status, headers, _ = preflight
+    assert (status, _lowercase(headers)) == (200, {
+        "access-control-allow-origin": PAGE, "access-control-allow-methods": "POST",
+        "access-control-allow-headers": "Accept, Accept-Language, Content-Language, Content-Type, authorization",
+        "access-control-allow-credentials": "true", "access-control-max-age": "600",
+        "vary": "Origin, Access-Control-Request-Method, Access-Control-Request-Headers, "
+                "Access-Control-Request-Private-Network",
+        "content-length": "2", "content-type": "text/plain; charset=utf-8", **_server_headers(headers)})
+    assert (refused[0], refused[2]) == (400, b"Disallowed CORS method, headers")
+    simple_headers = _lowercase(simple[1])
+    assert (simple[0], simple_headers["access-control-allow-origin"], simple_headers["access-control-allow-credentials"],
+            simple_headers["vary"]) == (200, PAGE, "true", "Origin")
+    assert (other_page[0], "access-control-allow-origin" in _lowercase(other_page[1])) == (200, False)
+    # A preflight is no API request: not admitted, not refused, not logged.
+    assert (access_log(), rejections) == ([], ())
+
+
+def _server_headers(headers: dict[str, str]) -> dict[str, str]:
+    """The date and server headers uvicorn adds to every answer."""
+    return {name: value for name, value in _lowercase(headers).items() if name in ("date", "server")}
+
+
+def test_config_cors():
+    router = parse_cluster_config("model: m\n").router
+    assert (router.cors_allowed_origins, router.cors_allowed_methods, router.cors_allowed_headers,
+            router.cors_allow_credentials) == ((), ("*",), ("*",), False)
     assert parse_cluster_config("model: m\nrouter: {cors_allowed_origins: []}\n").router.cors_allowed_origins == ()
     assert parse_cluster_config(f"model: m\nrouter: {{cors_allowed_origins: ['{PAGE}']}}\n"
                                 ).router.cors_allowed_origins == (PAGE,)
     with pytest.raises(ClusterConfigError) as caught:
         parse_cluster_config("model: m\nrouter: {cors_allowed_origins: [' ']}\n")
-    assert str(caught.value) == "router.cors_allowed_origins: must hold non-empty origins, got [' ']"
+    assert str(caught.value) == "router.cors_allowed_origins: must hold non-empty strings, got [' ']"
+
+
+def test_serve_cors_flags_parse_json_lists_as_vllm():
+    from splitserve.deploy.cli import build_parser, serve_config
+
+    args = build_parser().parse_args(["serve", "m", "--allowed-origins", f'["{PAGE}"]', "--allowed-methods",
+                                      '["GET", "POST"]', "--allowed-headers", '["authorization"]', "--allow-credentials"])
+    router = serve_config(args).router
+    assert router.http_options.cors == CorsPolicy((PAGE,), ("GET", "POST"), ("authorization",), True)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "m", "--allowed-origins", PAGE])

@@ -1,0 +1,34 @@
+"""How the OpenAI HTTP API is served, beyond what it serves: the vLLM frontend flags that shape its
+HTTP layer (CORS, response headers, the proxy path prefix, uvicorn's logging). Plain typed data the
+launcher builds from RouterConfig (deploy/router_app.py) and start_http_server applies."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+"""vLLM's --uvicorn-log-level choices."""
+
+
+@dataclass(frozen=True)
+class CorsPolicy:
+    """Which web pages may call the HTTP API from a browser: Starlette's CORSMiddleware with vLLM's
+    --allowed-origins / --allowed-methods / --allowed-headers / --allow-credentials, and vLLM's
+    defaults (no origin: a browser's cross-origin call gets no CORS headers, its preflight a 400)."""
+
+    allowed_origins: tuple[str, ...] = ()
+    """Origins allowed, e.g. ("https://chat.example",); "*" is any."""
+    allowed_methods: tuple[str, ...] = ("*",)
+    """HTTP methods a preflight allows; "*" is any."""
+    allowed_headers: tuple[str, ...] = ("*",)
+    """Request headers a preflight allows; "*" is any the browser asks for."""
+    allow_credentials: bool = False
+    """Answer `Access-Control-Allow-Credentials: true` (cookies, HTTP auth on cross-origin calls)."""
+
+
+@dataclass(frozen=True)
+class HttpOptions:
+    """The HTTP layer's settings; the defaults are vLLM's."""
+
+    cors: CorsPolicy = field(default_factory=CorsPolicy)
+    """Browser access (see CorsPolicy)."""
