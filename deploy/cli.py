@@ -445,10 +445,13 @@ def _add_http_flags(group: argparse._ArgumentGroup) -> None:
                        help="request headers a CORS preflight allows (default '[\"*\"]')")
     group.add_argument("--allow-credentials", action="store_true", default=None,
                        help="let browsers send cookies / HTTP auth on cross-origin calls")
+    group.add_argument("--enable-request-id-headers", action="store_true", default=None,
+                       help="every HTTP answer carries X-Request-Id: the request's own, else a fresh uuid4 hex")
 
 
 _HTTP_FLAGS = {"allowed_origins": "router.cors_allowed_origins", "allowed_methods": "router.cors_allowed_methods",
-               "allowed_headers": "router.cors_allowed_headers", "allow_credentials": "router.cors_allow_credentials"}
+               "allowed_headers": "router.cors_allowed_headers", "allow_credentials": "router.cors_allow_credentials",
+               "enable_request_id_headers": "router.enable_request_id_headers"}
 """HTTP server flags -> the cluster config key they set."""
 
 

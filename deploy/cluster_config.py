@@ -162,6 +162,9 @@ class RouterConfig:
     cors_allow_credentials: bool = False
     """Let browsers send cookies / HTTP auth on cross-origin calls (vLLM's --allow-credentials); an API
     key travels in the Authorization header, which needs no credentials mode."""
+    enable_request_id_headers: bool = False
+    """Every HTTP answer carries `X-Request-Id`: the request's own header when it sent one, else a fresh
+    uuid4 in hex (vLLM's --enable-request-id-headers)."""
     tls: TlsConfig | None = None
     """TLS for the gRPC and OpenAI HTTP APIs (`cert_file`, `key_file`, and `client_ca_file` to
     require client certificates); None: plaintext. The /metrics endpoint stays plaintext."""
@@ -225,7 +228,8 @@ class RouterConfig:
     def http_options(self) -> HttpOptions:
         """The HTTP layer's settings these fields make (router/http_options.py)."""
         return HttpOptions(CorsPolicy(self.cors_allowed_origins, self.cors_allowed_methods, self.cors_allowed_headers,
-                                      self.cors_allow_credentials))
+                                      self.cors_allow_credentials),
+                           request_id_headers=self.enable_request_id_headers)
 
     @property
     def auto_tool_call_parser(self) -> str | None:

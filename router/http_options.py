@@ -32,3 +32,6 @@ class HttpOptions:
 
     cors: CorsPolicy = field(default_factory=CorsPolicy)
     """Browser access (see CorsPolicy)."""
+    request_id_headers: bool = False
+    """Every answer carries `X-Request-Id`: the request's own header, else a fresh uuid4 hex (vLLM's
+    --enable-request-id-headers)."""

@@ -56,6 +56,7 @@ from splitserve.router.http_options import HttpOptions
 from splitserve.router.orchestrator import Orchestrator
 from splitserve.router.reasoning_parsers import ReasoningFormat, ReasoningOutput
 from splitserve.router.request_body import BodyParser, MalformedBodyError, Parse
+from splitserve.router.request_id_header import RequestIdHeader
 from splitserve.router.request_limits import PromptTruncation
 from splitserve.router.responses_protocol import ResponsesRenderer, ResponsesRequest, parse_responses_request
 from splitserve.router.stream_interval import every_interval
@@ -699,8 +700,9 @@ def build_app(serving: OpenAIServing, metrics_app: ASGIApp | None = None, api_ke
                          serving.orchestrator)
     app = _ApiKeyGuard(app, api_key) if api_key else app
     cors = options.cors
-    return CORSMiddleware(app, allow_origins=list(cors.allowed_origins), allow_methods=list(cors.allowed_methods),
-                          allow_headers=list(cors.allowed_headers), allow_credentials=cors.allow_credentials)
+    app = CORSMiddleware(app, allow_origins=list(cors.allowed_origins), allow_methods=list(cors.allowed_methods),
+                         allow_headers=list(cors.allowed_headers), allow_credentials=cors.allow_credentials)
+    return RequestIdHeader(app) if options.request_id_headers else app
 
 
 # ---- the server on the router's event loop --------------------------------------------------

@@ -1,0 +1,47 @@
+"""vLLM's frontend flags that shape the OpenAI HTTP layer (router/http_options.py): the flag, the
+config key it sets, and what a client sees."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from splitserve.deploy.cli import build_parser, serve_config
+from tests.factories import http_request, served_apis
+
+MODEL = "tiny-llama"
+COMPLETION = json.dumps({"model": MODEL, "prompt": "Hello", "max_tokens": 1}).encode()
+
+
+def _config(*flags: str):
+    return serve_config(build_parser().parse_args(["serve", "m", *flags]))
+
+
+def _header(headers: dict[str, str], name: str) -> str | None:
+    return {key.lower(): value for key, value in headers.items()}.get(name.lower())
+
+
+# ---- --enable-request-id-headers ------------------------------------------------------------
+
+def test_request_id_header_echoes_the_clients_or_is_a_fresh_uuid(tiny_llama_dir):
+    with served_apis(tiny_llama_dir, MODEL, router_options={"enable_request_id_headers": True}) as served:
+        echoed = http_request(served.http_port, "POST", "/v1/completions", COMPLETION,
+                              headers={"X-Request-Id": "trace-42"})
+        fresh = http_request(served.http_port, "GET", "/v1/models")
+        unknown = http_request(served.http_port, "GET", "/nowhere", headers={"X-Request-Id": "trace-43"})
+    assert (echoed[0], _header(echoed[1], "X-Request-Id")) == (200, "trace-42")
+    assert (fresh[0], bool(re.fullmatch("[0-9a-f]{32}", _header(fresh[1], "X-Request-Id")))) == (200, True)
+    assert (unknown[0], _header(unknown[1], "X-Request-Id")) == (404, "trace-43")
+
+
+def test_without_the_flag_there_is_no_request_id_header(tiny_llama_dir):
+    with served_apis(tiny_llama_dir, MODEL) as served:
+        status, headers, _ = http_request(served.http_port, "GET", "/v1/models", headers={"X-Request-Id": "trace-42"})
+    assert (status, _header(headers, "X-Request-Id")) == (200, None)
+
+
+def test_request_id_headers_flag_sets_the_config_key():
+    assert (_config().router.enable_request_id_headers,
+            _config("--enable-request-id-headers").router.http_options.request_id_headers) == (False, True)
