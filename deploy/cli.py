@@ -447,11 +447,13 @@ def _add_http_flags(group: argparse._ArgumentGroup) -> None:
                        help="let browsers send cookies / HTTP auth on cross-origin calls")
     group.add_argument("--enable-request-id-headers", action="store_true", default=None,
                        help="every HTTP answer carries X-Request-Id: the request's own, else a fresh uuid4 hex")
+    group.add_argument("--root-path", default=None,
+                       help="the path prefix a proxy in front serves the API under and strips, e.g. /llm")
 
 
 _HTTP_FLAGS = {"allowed_origins": "router.cors_allowed_origins", "allowed_methods": "router.cors_allowed_methods",
                "allowed_headers": "router.cors_allowed_headers", "allow_credentials": "router.cors_allow_credentials",
-               "enable_request_id_headers": "router.enable_request_id_headers"}
+               "enable_request_id_headers": "router.enable_request_id_headers", "root_path": "router.root_path"}
 """HTTP server flags -> the cluster config key they set."""
 
 

@@ -165,6 +165,10 @@ class RouterConfig:
     enable_request_id_headers: bool = False
     """Every HTTP answer carries `X-Request-Id`: the request's own header when it sent one, else a fresh
     uuid4 in hex (vLLM's --enable-request-id-headers)."""
+    root_path: str | None = None
+    """The path prefix a proxy in front serves the HTTP API under and strips before forwarding, e.g.
+    /llm (vLLM's --root-path): the ASGI app's root_path; routes, the API-key check and admission match
+    the path without it. None: no prefix."""
     tls: TlsConfig | None = None
     """TLS for the gRPC and OpenAI HTTP APIs (`cert_file`, `key_file`, and `client_ca_file` to
     require client certificates); None: plaintext. The /metrics endpoint stays plaintext."""
@@ -229,7 +233,7 @@ class RouterConfig:
         """The HTTP layer's settings these fields make (router/http_options.py)."""
         return HttpOptions(CorsPolicy(self.cors_allowed_origins, self.cors_allowed_methods, self.cors_allowed_headers,
                                       self.cors_allow_credentials),
-                           request_id_headers=self.enable_request_id_headers)
+                           request_id_headers=self.enable_request_id_headers, root_path=self.root_path or "")
 
     @property
     def auto_tool_call_parser(self) -> str | None:
@@ -247,6 +251,9 @@ class RouterConfig:
         for name in ("cors_allowed_origins", "cors_allowed_methods", "cors_allowed_headers"):
             values = getattr(self, name)
             _require(all(value.strip() for value in values), name, f"must hold non-empty strings, got {list(values)}")
+        _require(self.root_path is None or (self.root_path.startswith("/") and self.root_path != "/"
+                                            and not self.root_path.endswith("/")), "root_path",
+                 f"must start with '/' and not end with one (e.g. /llm), or be null; got {self.root_path!r}")
         _require(self.metrics_port is None or 0 <= self.metrics_port <= 65535, "metrics_port",
                  f"must be in [0, 65535] or null, got {self.metrics_port}")
         _require(not self.metrics_port or self.metrics_port != self.grpc_port, "metrics_port",

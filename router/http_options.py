@@ -35,3 +35,7 @@ class HttpOptions:
     request_id_headers: bool = False
     """Every answer carries `X-Request-Id`: the request's own header, else a fresh uuid4 hex (vLLM's
     --enable-request-id-headers)."""
+    root_path: str = ""
+    """The path prefix a proxy in front serves the API under, which it strips before forwarding
+    (vLLM's --root-path, FastAPI's root_path): the app's `root_path` (ASGI scope); routes and checks
+    match the path without it. "": none."""

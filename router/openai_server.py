@@ -619,6 +619,16 @@ class _AsgiRoute:
         await self.app(scope, receive, send)
 
 
+def route_path(scope: Scope) -> str:
+    """The request's path as the routes see it: uvicorn puts --root-path in front of every path (ASGI's
+    `path` includes `root_path`), which Starlette's routing takes off again, and so must every check
+    that reads the path before it (the admission gate, the API-key guard)."""
+    path, root_path = scope["path"], scope.get("root_path", "")
+    if root_path and path.startswith(root_path + "/"):
+        return path[len(root_path):]
+    return path
+
+
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses"})
 ADMISSION_SCOPE_KEY = "splitserve.admission"
 """The ASGI scope key under which _AdmissionGate hands an admitted request's slot to its handler."""
@@ -639,7 +649,7 @@ class _AdmissionGate:
         self._orchestrator = orchestrator
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in GENERATION_PATHS:
+        if scope["type"] != "http" or scope["method"] != "POST" or route_path(scope) not in GENERATION_PATHS:
             await self.app(scope, receive, send)
             return
         try:
@@ -667,7 +677,8 @@ class _ApiKeyGuard:
         self._api_key = api_key
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and (scope["path"] in GUARDED_PATHS or scope["path"].startswith("/v1/")):
+        path = route_path(scope) if scope["type"] == "http" else ""
+        if path in GUARDED_PATHS or path.startswith("/v1/"):
             header = next((value for key, value in scope["headers"] if key == b"authorization"), None)
             reason = check_authorization(header, self._api_key)
             if reason is not None:
@@ -720,16 +731,17 @@ class HttpServer:
     """Serves an ASGI app on the running event loop until stop()."""
 
     def __init__(self, app: ASGIApp, grace_s: float = 2.0, tls: TlsConfig | None = None,
-                 on_stop: Callable[[], None] | None = None) -> None:
+                 on_stop: Callable[[], None] | None = None, root_path: str = "") -> None:
         """With `tls`, HTTPS only (the gRPC server's certificate; client certificates required when
-        it has a client CA). `on_stop` releases what the app holds, once it stopped serving."""
+        it has a client CA). `on_stop` releases what the app holds, once it stopped serving.
+        `root_path`: the path prefix a proxy in front serves the API under (--root-path)."""
         self._on_stop = on_stop
         cert_file = key_file = client_ca_file = None
         if tls is not None:
             load_tls(tls)  # a bad file fails here with its name, not inside uvicorn's startup
             cert_file, key_file, client_ca_file = tls.cert_file, tls.key_file, tls.client_ca_file
         self._server = _EmbeddedUvicorn(uvicorn.Config(
-            app, http="httptools", lifespan="off", log_config=None, access_log=False, ws="none",
+            app, http="httptools", lifespan="off", log_config=None, access_log=False, ws="none", root_path=root_path,
             timeout_graceful_shutdown=int(grace_s),
             ssl_certfile=cert_file, ssl_keyfile=key_file, ssl_ca_certs=client_ca_file,
             ssl_cert_reqs=ssl.CERT_NONE if client_ca_file is None else ssl.CERT_REQUIRED))
@@ -802,7 +814,8 @@ async def start_http_server(orchestrator: Orchestrator, tokenizers: TokenizerPoo
     bodies = BodyParser(tokenizers.limits)
     serving = OpenAIServing(orchestrator, tokenizers, bodies, model_name, request_timeout_s, aliases, tool_call_parser,
                             reasoning, defaults)
-    server = HttpServer(build_app(serving, metrics_app, api_key, options), tls=tls, on_stop=bodies.close)
+    server = HttpServer(build_app(serving, metrics_app, api_key, options), tls=tls, on_stop=bodies.close,
+                        root_path=options.root_path)
     try:
         await server.start(host, port, reuse_port)
     except BaseException:

@@ -45,3 +45,28 @@ def test_without_the_flag_there_is_no_request_id_header(tiny_llama_dir):
 def test_request_id_headers_flag_sets_the_config_key():
     assert (_config().router.enable_request_id_headers,
             _config("--enable-request-id-headers").router.http_options.request_id_headers) == (False, True)
+
+
+# ---- --root-path ------------------------------------------------------------------------------
+
+def test_under_a_root_path_the_routes_key_check_and_admission_see_the_path_without_it(tiny_llama_dir):
+    key = "sk-root-path"
+    with served_apis(tiny_llama_dir, MODEL, api_key=key, router_options={"root_path": "/llm"}) as served:
+        auth = {"Authorization": f"Bearer {key}"}
+        without_key = http_request(served.http_port, "GET", "/v1/models")
+        models = http_request(served.http_port, "GET", "/v1/models", headers=auth)
+        completion = http_request(served.http_port, "POST", "/v1/completions", COMPLETION, headers=auth)
+        served.cluster.orchestrator.admission.stop_accepting()
+        draining = http_request(served.http_port, "POST", "/v1/completions", COMPLETION, headers=auth)
+    assert (without_key[0], models[0], json.loads(models[2])["data"][0]["id"]) == (401, 200, MODEL)
+    assert (completion[0], json.loads(completion[2])["usage"]["completion_tokens"]) == (200, 1)
+    assert draining[0] == 503
+
+
+def test_root_path_flag_and_its_check():
+    from splitserve.deploy.cluster_config import ClusterConfigError
+
+    assert (_config().router.http_options.root_path, _config("--root-path", "/llm").router.root_path) == ("", "/llm")
+    with pytest.raises(ClusterConfigError) as caught:
+        _config("--root-path", "llm/")
+    assert str(caught.value) == "router.root_path: must start with '/' and not end with one (e.g. /llm), or be null; got 'llm/'"
