@@ -13,6 +13,7 @@ from typing import NoReturn
 from splitserve.common.chat_template import CONTENT_FORMAT_OPTIONS
 from splitserve.common.config import QUANTIZATION_GROUP_SIZES, QUANTIZATION_METHODS, SCHEDULING_POLICIES
 from splitserve.common.errors import InvalidRequestError, StartupError, UnsupportedModelError
+from splitserve.router.http_options import UVICORN_LOG_LEVELS
 
 
 def _add_make_tiny_model(commands: argparse._SubParsersAction) -> None:
@@ -449,11 +450,14 @@ def _add_http_flags(group: argparse._ArgumentGroup) -> None:
                        help="every HTTP answer carries X-Request-Id: the request's own, else a fresh uuid4 hex")
     group.add_argument("--root-path", default=None,
                        help="the path prefix a proxy in front serves the API under and strips, e.g. /llm")
+    group.add_argument("--uvicorn-log-level", choices=UVICORN_LOG_LEVELS, default=None,
+                       help="level of the HTTP server's (uvicorn's) log lines (default info)")
 
 
 _HTTP_FLAGS = {"allowed_origins": "router.cors_allowed_origins", "allowed_methods": "router.cors_allowed_methods",
                "allowed_headers": "router.cors_allowed_headers", "allow_credentials": "router.cors_allow_credentials",
-               "enable_request_id_headers": "router.enable_request_id_headers", "root_path": "router.root_path"}
+               "enable_request_id_headers": "router.enable_request_id_headers", "root_path": "router.root_path",
+               "uvicorn_log_level": "router.uvicorn_log_level"}
 """HTTP server flags -> the cluster config key they set."""
 
 

@@ -23,7 +23,7 @@ from splitserve.common.kv_transfer_types import TRANSFER_FAILURE_POLICIES
 from splitserve.common.log_format import LOG_FORMATS
 from splitserve.common.slo import SloConfig
 from splitserve.planner.core.types import PlannerConfig
-from splitserve.router.http_options import CorsPolicy, HttpOptions
+from splitserve.router.http_options import UVICORN_LOG_LEVELS, CorsPolicy, HttpOptions
 from splitserve.router.policy import RoutingConfig
 from splitserve.router.reasoning_parsers import REASONING_PARSERS
 from splitserve.router.tls import TlsConfig
@@ -169,6 +169,9 @@ class RouterConfig:
     """The path prefix a proxy in front serves the HTTP API under and strips before forwarding, e.g.
     /llm (vLLM's --root-path): the ASGI app's root_path; routes, the API-key check and admission match
     the path without it. None: no prefix."""
+    uvicorn_log_level: str = "info"
+    """Level of the HTTP server's (uvicorn's) loggers, uvicorn.error and uvicorn.asgi (vLLM's
+    --uvicorn-log-level): critical, error, warning, info, debug or trace."""
     tls: TlsConfig | None = None
     """TLS for the gRPC and OpenAI HTTP APIs (`cert_file`, `key_file`, and `client_ca_file` to
     require client certificates); None: plaintext. The /metrics endpoint stays plaintext."""
@@ -233,7 +236,8 @@ class RouterConfig:
         """The HTTP layer's settings these fields make (router/http_options.py)."""
         return HttpOptions(CorsPolicy(self.cors_allowed_origins, self.cors_allowed_methods, self.cors_allowed_headers,
                                       self.cors_allow_credentials),
-                           request_id_headers=self.enable_request_id_headers, root_path=self.root_path or "")
+                           request_id_headers=self.enable_request_id_headers, root_path=self.root_path or "",
+                           uvicorn_log_level=self.uvicorn_log_level)
 
     @property
     def auto_tool_call_parser(self) -> str | None:
@@ -254,6 +258,8 @@ class RouterConfig:
         _require(self.root_path is None or (self.root_path.startswith("/") and self.root_path != "/"
                                             and not self.root_path.endswith("/")), "root_path",
                  f"must start with '/' and not end with one (e.g. /llm), or be null; got {self.root_path!r}")
+        _require(self.uvicorn_log_level in UVICORN_LOG_LEVELS, "uvicorn_log_level",
+                 f"must be one of {', '.join(UVICORN_LOG_LEVELS)}, got {self.uvicorn_log_level!r}")
         _require(self.metrics_port is None or 0 <= self.metrics_port <= 65535, "metrics_port",
                  f"must be in [0, 65535] or null, got {self.metrics_port}")
         _require(not self.metrics_port or self.metrics_port != self.grpc_port, "metrics_port",

@@ -39,3 +39,6 @@ class HttpOptions:
     """The path prefix a proxy in front serves the API under, which it strips before forwarding
     (vLLM's --root-path, FastAPI's root_path): the app's `root_path` (ASGI scope); routes and checks
     match the path without it. "": none."""
+    uvicorn_log_level: str = "info"
+    """Level of uvicorn's loggers (uvicorn.error, uvicorn.asgi), one of UVICORN_LOG_LEVELS (vLLM's
+    --uvicorn-log-level). uvicorn writes no access log here (splitserve.access is the access log)."""

@@ -731,10 +731,11 @@ class HttpServer:
     """Serves an ASGI app on the running event loop until stop()."""
 
     def __init__(self, app: ASGIApp, grace_s: float = 2.0, tls: TlsConfig | None = None,
-                 on_stop: Callable[[], None] | None = None, root_path: str = "") -> None:
+                 on_stop: Callable[[], None] | None = None, root_path: str = "", log_level: str = "info") -> None:
         """With `tls`, HTTPS only (the gRPC server's certificate; client certificates required when
         it has a client CA). `on_stop` releases what the app holds, once it stopped serving.
-        `root_path`: the path prefix a proxy in front serves the API under (--root-path)."""
+        `root_path`: the path prefix a proxy in front serves the API under (--root-path); `log_level`:
+        uvicorn's loggers' level (--uvicorn-log-level)."""
         self._on_stop = on_stop
         cert_file = key_file = client_ca_file = None
         if tls is not None:
@@ -742,6 +743,7 @@ class HttpServer:
             cert_file, key_file, client_ca_file = tls.cert_file, tls.key_file, tls.client_ca_file
         self._server = _EmbeddedUvicorn(uvicorn.Config(
             app, http="httptools", lifespan="off", log_config=None, access_log=False, ws="none", root_path=root_path,
+            log_level=log_level,
             timeout_graceful_shutdown=int(grace_s),
             ssl_certfile=cert_file, ssl_keyfile=key_file, ssl_ca_certs=client_ca_file,
             ssl_cert_reqs=ssl.CERT_NONE if client_ca_file is None else ssl.CERT_REQUIRED))
@@ -815,7 +817,7 @@ async def start_http_server(orchestrator: Orchestrator, tokenizers: TokenizerPoo
     serving = OpenAIServing(orchestrator, tokenizers, bodies, model_name, request_timeout_s, aliases, tool_call_parser,
                             reasoning, defaults)
     server = HttpServer(build_app(serving, metrics_app, api_key, options), tls=tls, on_stop=bodies.close,
-                        root_path=options.root_path)
+                        root_path=options.root_path, log_level=options.uvicorn_log_level)
     try:
         await server.start(host, port, reuse_port)
     except BaseException:

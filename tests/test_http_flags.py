@@ -70,3 +70,20 @@ def test_root_path_flag_and_its_check():
     with pytest.raises(ClusterConfigError) as caught:
         _config("--root-path", "llm/")
     assert str(caught.value) == "router.root_path: must start with '/' and not end with one (e.g. /llm), or be null; got 'llm/'"
+
+
+# ---- --uvicorn-log-level ----------------------------------------------------------------------
+
+def test_uvicorn_log_level_sets_uvicorns_loggers(tiny_llama_dir):
+    import logging
+
+    with served_apis(tiny_llama_dir, MODEL, router_options={"uvicorn_log_level": "warning"}):
+        levels = [logging.getLogger(name).level for name in ("uvicorn.error", "uvicorn.asgi")]
+    assert levels == [logging.WARNING, logging.WARNING]
+
+
+def test_uvicorn_log_level_flag_and_its_check():
+    assert (_config().router.uvicorn_log_level,
+            _config("--uvicorn-log-level", "debug").router.http_options.uvicorn_log_level) == ("info", "debug")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "m", "--uvicorn-log-level", "loud"])
