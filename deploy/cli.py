@@ -452,6 +452,12 @@ def _add_http_flags(group: argparse._ArgumentGroup) -> None:
                        help="the path prefix a proxy in front serves the API under and strips, e.g. /llm")
     group.add_argument("--uvicorn-log-level", choices=UVICORN_LOG_LEVELS, default=None,
                        help="level of the HTTP server's (uvicorn's) log lines (default info)")
+    group.add_argument("--disable-uvicorn-access-log", action="store_true",
+                       help="accepted for vLLM compatibility; nothing to disable: uvicorn writes no access log here "
+                            "(router.access_log is splitserve's, one line per request)")
+    group.add_argument("--disable-fastapi-docs", action="store_true",
+                       help="accepted for vLLM compatibility; nothing to disable: splitserve serves no /docs, /redoc "
+                            "or /openapi.json")
 
 
 _HTTP_FLAGS = {"allowed_origins": "router.cors_allowed_origins", "allowed_methods": "router.cors_allowed_methods",

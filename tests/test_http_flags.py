@@ -87,3 +87,18 @@ def test_uvicorn_log_level_flag_and_its_check():
             _config("--uvicorn-log-level", "debug").router.http_options.uvicorn_log_level) == ("info", "debug")
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "m", "--uvicorn-log-level", "loud"])
+
+
+# ---- accepted, nothing to do: --disable-uvicorn-access-log, --disable-fastapi-docs ------------
+
+def test_flags_with_nothing_to_disable_are_accepted_and_change_no_config():
+    assert _config("--disable-uvicorn-access-log", "--disable-fastapi-docs") == _config()
+
+
+def test_there_are_no_docs_pages_to_disable_and_no_uvicorn_access_log(tiny_llama_dir, caplog):
+    import logging
+
+    caplog.set_level(logging.DEBUG)
+    with served_apis(tiny_llama_dir, MODEL) as served:
+        statuses = [http_request(served.http_port, "GET", path)[0] for path in ("/docs", "/redoc", "/openapi.json")]
+    assert (statuses, [entry for entry in caplog.records if entry.name == "uvicorn.access"]) == ([404, 404, 404], [])
