@@ -452,6 +452,11 @@ def _add_http_flags(group: argparse._ArgumentGroup) -> None:
                        help="the path prefix a proxy in front serves the API under and strips, e.g. /llm")
     group.add_argument("--uvicorn-log-level", choices=UVICORN_LOG_LEVELS, default=None,
                        help="level of the HTTP server's (uvicorn's) log lines (default info)")
+    group.add_argument("--enable-log-requests", dest="log_requests", action=argparse.BooleanOptionalAction,
+                       default=None, help="the access log: one line per request when it ends, on logger "
+                                          "splitserve.access (default: on)")
+    group.add_argument("--disable-log-requests", dest="log_requests", action="store_false", default=None,
+                       help="no access log (older vLLM's spelling of --no-enable-log-requests)")
     group.add_argument("--disable-uvicorn-access-log", action="store_true",
                        help="accepted for vLLM compatibility; nothing to disable: uvicorn writes no access log here "
                             "(router.access_log is splitserve's, one line per request)")
@@ -463,7 +468,7 @@ def _add_http_flags(group: argparse._ArgumentGroup) -> None:
 _HTTP_FLAGS = {"allowed_origins": "router.cors_allowed_origins", "allowed_methods": "router.cors_allowed_methods",
                "allowed_headers": "router.cors_allowed_headers", "allow_credentials": "router.cors_allow_credentials",
                "enable_request_id_headers": "router.enable_request_id_headers", "root_path": "router.root_path",
-               "uvicorn_log_level": "router.uvicorn_log_level"}
+               "uvicorn_log_level": "router.uvicorn_log_level", "log_requests": "router.access_log"}
 """HTTP server flags -> the cluster config key they set."""
 
 

@@ -102,3 +102,12 @@ def test_there_are_no_docs_pages_to_disable_and_no_uvicorn_access_log(tiny_llama
     with served_apis(tiny_llama_dir, MODEL) as served:
         statuses = [http_request(served.http_port, "GET", path)[0] for path in ("/docs", "/redoc", "/openapi.json")]
     assert (statuses, [entry for entry in caplog.records if entry.name == "uvicorn.access"]) == ([404, 404, 404], [])
+
+
+# ---- --enable-log-requests / --no-enable-log-requests / --disable-log-requests ---------------
+
+@pytest.mark.parametrize(("flags", "access_log"), [
+    ((), True), (("--enable-log-requests",), True), (("--no-enable-log-requests",), False),
+    (("--disable-log-requests",), False)])
+def test_log_requests_flags_turn_the_access_log_on_and_off(flags, access_log):
+    assert _config(*flags).router.access_log is access_log
