@@ -452,6 +452,9 @@ def _add_http_flags(group: argparse._ArgumentGroup) -> None:
                        help="the path prefix a proxy in front serves the API under and strips, e.g. /llm")
     group.add_argument("--uvicorn-log-level", choices=UVICORN_LOG_LEVELS, default=None,
                        help="level of the HTTP server's (uvicorn's) log lines (default info)")
+    group.add_argument("--response-role", default=None,
+                       help="the role of a chat completion's message when add_generation_prompt is true "
+                            "(default assistant)")
     group.add_argument("--enable-log-requests", dest="log_requests", action=argparse.BooleanOptionalAction,
                        default=None, help="the access log: one line per request when it ends, on logger "
                                           "splitserve.access (default: on)")
@@ -468,7 +471,8 @@ def _add_http_flags(group: argparse._ArgumentGroup) -> None:
 _HTTP_FLAGS = {"allowed_origins": "router.cors_allowed_origins", "allowed_methods": "router.cors_allowed_methods",
                "allowed_headers": "router.cors_allowed_headers", "allow_credentials": "router.cors_allow_credentials",
                "enable_request_id_headers": "router.enable_request_id_headers", "root_path": "router.root_path",
-               "uvicorn_log_level": "router.uvicorn_log_level", "log_requests": "router.access_log"}
+               "uvicorn_log_level": "router.uvicorn_log_level", "log_requests": "router.access_log",
+               "response_role": "router.response_role"}
 """HTTP server flags -> the cluster config key they set."""
 
 

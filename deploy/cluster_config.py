@@ -172,6 +172,9 @@ class RouterConfig:
     uvicorn_log_level: str = "info"
     """Level of the HTTP server's (uvicorn's) loggers, uvicorn.error and uvicorn.asgi (vLLM's
     --uvicorn-log-level): critical, error, warning, info, debug or trace."""
+    response_role: str = "assistant"
+    """The role of a chat completion's message when the request's add_generation_prompt is true
+    (vLLM's --response-role); otherwise it is the role of the request's last message, as in vLLM."""
     tls: TlsConfig | None = None
     """TLS for the gRPC and OpenAI HTTP APIs (`cert_file`, `key_file`, and `client_ca_file` to
     require client certificates); None: plaintext. The /metrics endpoint stays plaintext."""
@@ -237,7 +240,7 @@ class RouterConfig:
         return HttpOptions(CorsPolicy(self.cors_allowed_origins, self.cors_allowed_methods, self.cors_allowed_headers,
                                       self.cors_allow_credentials),
                            request_id_headers=self.enable_request_id_headers, root_path=self.root_path or "",
-                           uvicorn_log_level=self.uvicorn_log_level)
+                           uvicorn_log_level=self.uvicorn_log_level, response_role=self.response_role)
 
     @property
     def auto_tool_call_parser(self) -> str | None:
@@ -258,6 +261,7 @@ class RouterConfig:
         _require(self.root_path is None or (self.root_path.startswith("/") and self.root_path != "/"
                                             and not self.root_path.endswith("/")), "root_path",
                  f"must start with '/' and not end with one (e.g. /llm), or be null; got {self.root_path!r}")
+        _require(self.response_role.strip() != "", "response_role", f"must not be empty, got {self.response_role!r}")
         _require(self.uvicorn_log_level in UVICORN_LOG_LEVELS, "uvicorn_log_level",
                  f"must be one of {', '.join(UVICORN_LOG_LEVELS)}, got {self.uvicorn_log_level!r}")
         _require(self.metrics_port is None or 0 <= self.metrics_port <= 65535, "metrics_port",

@@ -1,6 +1,6 @@
-"""How the OpenAI HTTP API is served, beyond what it serves: the vLLM frontend flags that shape its
-HTTP layer (CORS, response headers, the proxy path prefix, uvicorn's logging). Plain typed data the
-launcher builds from RouterConfig (deploy/router_app.py) and start_http_server applies."""
+"""The vLLM frontend flags of the OpenAI HTTP API: its HTTP layer (CORS, response headers, the proxy
+path prefix, uvicorn's logging) and server-wide choices in its responses (the chat role). Plain typed
+data the launcher builds from RouterConfig (deploy/router_app.py) and start_http_server applies."""
 
 from __future__ import annotations
 
@@ -42,3 +42,6 @@ class HttpOptions:
     uvicorn_log_level: str = "info"
     """Level of uvicorn's loggers (uvicorn.error, uvicorn.asgi), one of UVICORN_LOG_LEVELS (vLLM's
     --uvicorn-log-level). uvicorn writes no access log here (splitserve.access is the access log)."""
+    response_role: str = "assistant"
+    """The role of a chat completion's message (and first stream delta) when the request's
+    add_generation_prompt is true, vLLM's --response-role; otherwise the role of its last message."""

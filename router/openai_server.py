@@ -173,8 +173,10 @@ class OpenAIServing:
     def __init__(self, orchestrator: Orchestrator, tokenizers: TokenizerPool, bodies: BodyParser, model_name: str,
                  request_timeout_s: float | None = None, aliases: tuple[str, ...] = (),
                  tool_call_parser: str | None = None, reasoning: ReasoningFormat | None = None,
-                 defaults: RequestDefaults = NO_REQUEST_DEFAULTS) -> None:
+                 defaults: RequestDefaults = NO_REQUEST_DEFAULTS, options: HttpOptions = HttpOptions()) -> None:
         self.orchestrator = orchestrator
+        self.options = options
+        """The server-wide choices in responses (--response-role ...)."""
         self.tokenizers = tokenizers
         self.bodies = bodies
         """Parses request bodies within the tokenizers' limits (the large ones in its process)."""
@@ -382,11 +384,16 @@ class OpenAIServing:
                                 self.tokenizers.tokenizer.token_bytes, parsed.include_usage,
                                 parsed.sampling.logprobs is not None,
                                 _prompt_lengths(chat.inputs) if parsed.continuous_usage else None, chat.tool_output,
-                                chat.reasoning_output)
+                                chat.reasoning_output, self._chat_role(parsed))
         if parsed.return_token_ids:
             renderer.with_token_ids([chat.inputs[0].prompt_token_ids] * parsed.n)
         return _Job(chat.request_id, chat.inputs, parsed.n, parsed.n, renderer, parsed.stream, parsed.beam_search,
                     parsed.stream_interval)
+
+    def _chat_role(self, parsed: ChatCompletionRequest) -> str:
+        """The response message's role, as vLLM: --response-role after a generation prompt, else the
+        role of the message the output continues."""
+        return self.options.response_role if parsed.add_generation_prompt else parsed.messages[-1].role
 
     async def _responses_job(self, parsed: ResponsesRequest) -> _Job:
         chat = await self._chat_inputs(parsed.chat, "input")
@@ -815,7 +822,7 @@ async def start_http_server(orchestrator: Orchestrator, tokenizers: TokenizerPoo
         reasoning_parser, tokenizers.tokenizer.backend.token_to_id)
     bodies = BodyParser(tokenizers.limits)
     serving = OpenAIServing(orchestrator, tokenizers, bodies, model_name, request_timeout_s, aliases, tool_call_parser,
-                            reasoning, defaults)
+                            reasoning, defaults, options)
     server = HttpServer(build_app(serving, metrics_app, api_key, options), tls=tls, on_stop=bodies.close,
                         root_path=options.root_path, log_level=options.uvicorn_log_level)
     try:

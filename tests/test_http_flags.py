@@ -111,3 +111,33 @@ def test_there_are_no_docs_pages_to_disable_and_no_uvicorn_access_log(tiny_llama
     (("--disable-log-requests",), False)])
 def test_log_requests_flags_turn_the_access_log_on_and_off(flags, access_log):
     assert _config(*flags).router.access_log is access_log
+
+
+# ---- --response-role --------------------------------------------------------------------------
+
+def _chat(port: int, stream: bool = False, add_generation_prompt: bool = True) -> tuple[int, bytes]:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "stream": stream,
+            "add_generation_prompt": add_generation_prompt}
+    status, _, answer = http_request(port, "POST", "/v1/chat/completions", json.dumps(body).encode())
+    return status, answer
+
+
+def _stream_events(answer: bytes) -> list[dict]:
+    return [json.loads(line[len(b"data: "):]) for line in answer.split(b"\n\n")
+            if line.startswith(b"data: ") and line != b"data: [DONE]"]
+
+
+def test_response_role_names_the_message_after_a_generation_prompt(tiny_llama_dir):
+    with served_apis(tiny_llama_dir, MODEL, router_options={"response_role": "bot"}) as served:
+        status, answer = _chat(served.http_port)
+        stream_status, stream = _chat(served.http_port, stream=True)
+        continued_status, continued = _chat(served.http_port, add_generation_prompt=False)
+    assert (status, json.loads(answer)["choices"][0]["message"]["role"]) == (200, "bot")
+    assert (stream_status, _stream_events(stream)[0]["choices"][0]["delta"]) == (200, {"role": "bot", "content": ""})
+    # Without a generation prompt the output continues the last message, so it has that one's role (vLLM).
+    assert (continued_status, json.loads(continued)["choices"][0]["message"]["role"]) == (200, "user")
+
+
+def test_response_role_flag_and_its_default():
+    assert (_config().router.response_role,
+            _config("--response-role", "bot").router.http_options.response_role) == ("assistant", "bot")
