@@ -175,6 +175,10 @@ class RouterConfig:
     response_role: str = "assistant"
     """The role of a chat completion's message when the request's add_generation_prompt is true
     (vLLM's --response-role); otherwise it is the role of the request's last message, as in vLLM."""
+    return_tokens_as_token_ids: bool = False
+    """The default of requests' return_tokens_as_token_ids (vLLM's --return-tokens-as-token-ids): logprob
+    tokens read "token_id:<id>", so tokens that are no valid UTF-8 on their own can be told apart; a
+    request's own true or false wins."""
     tls: TlsConfig | None = None
     """TLS for the gRPC and OpenAI HTTP APIs (`cert_file`, `key_file`, and `client_ca_file` to
     require client certificates); None: plaintext. The /metrics endpoint stays plaintext."""
@@ -240,7 +244,8 @@ class RouterConfig:
         return HttpOptions(CorsPolicy(self.cors_allowed_origins, self.cors_allowed_methods, self.cors_allowed_headers,
                                       self.cors_allow_credentials),
                            request_id_headers=self.enable_request_id_headers, root_path=self.root_path or "",
-                           uvicorn_log_level=self.uvicorn_log_level, response_role=self.response_role)
+                           uvicorn_log_level=self.uvicorn_log_level, response_role=self.response_role,
+                           return_tokens_as_token_ids=self.return_tokens_as_token_ids)
 
     @property
     def auto_tool_call_parser(self) -> str | None:

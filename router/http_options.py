@@ -45,3 +45,6 @@ class HttpOptions:
     response_role: str = "assistant"
     """The role of a chat completion's message (and first stream delta) when the request's
     add_generation_prompt is true, vLLM's --response-role; otherwise the role of its last message."""
+    return_tokens_as_token_ids: bool = False
+    """What a completion or chat request that leaves return_tokens_as_token_ids unset gets: logprob
+    tokens as "token_id:<id>" (vLLM's --return-tokens-as-token-ids)."""

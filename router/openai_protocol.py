@@ -115,8 +115,9 @@ class CompletionRequest:
     continuous_usage: bool
     """stream_options.continuous_usage_stats with include_usage (vLLM extension): every stream chunk
     also carries its choice's usage so far."""
-    tokens_as_ids: bool
-    """return_tokens_as_token_ids (vLLM extension): logprob tokens read "token_id:<id>"."""
+    tokens_as_ids: bool | None
+    """return_tokens_as_token_ids (vLLM extension): logprob tokens read "token_id:<id>"; None (absent
+    or null): the server's --return-tokens-as-token-ids."""
     request_id: str
     """The client's id for the request (vLLM extension; "" : the router makes one)."""
     add_special_tokens: bool
@@ -153,7 +154,8 @@ class ChatCompletionRequest:
     stream: bool
     include_usage: bool
     continuous_usage: bool
-    tokens_as_ids: bool
+    tokens_as_ids: bool | None
+    """As CompletionRequest's."""
     request_id: str
     template: ChatTemplateOptions
     """vLLM's chat extensions: continue_final_message, documents, chat_template_kwargs, add_special_tokens;
@@ -382,7 +384,7 @@ def parse_completion_request(body: Mapping[str, Any], limits: RequestLimits,
     truncation = _truncation(body, limits)
     return CompletionRequest(_model(body), _prompts(body, limits, best_of, truncation is not None), n, best_of, echo,
                              sampling, max_tokens_param, stream, include_usage, continuous_usage,
-                             _typed(body, "return_tokens_as_token_ids", bool, "a boolean", False),
+                             _typed(body, "return_tokens_as_token_ids", bool, "a boolean"),
                              _request_id(body, limits), _flag(body, "add_special_tokens", True),
                              _return_token_ids(body), truncation, echo_only, _cache_salt(body), beam_search,
                              _stream_interval(body), _priority(body))
@@ -505,7 +507,7 @@ def parse_chat_request(body: Mapping[str, Any], limits: RequestLimits,
     n = _count(body, "n", 1)
     return ChatCompletionRequest(
         _model(body), messages, n, add_generation_prompt, sampling, max_tokens_param, stream,
-        include_usage, continuous_usage, _typed(body, "return_tokens_as_token_ids", bool, "a boolean", False),
+        include_usage, continuous_usage, _typed(body, "return_tokens_as_token_ids", bool, "a boolean"),
         _request_id(body, limits), template, tool_calling, _flag(body, "include_reasoning", True),
         _return_token_ids(body), _truncation(body, limits), _cache_salt(body),
         parse_beam_search(body, n, sampling, CHAT_UNHONOURED), _stream_interval(body), _priority(body))

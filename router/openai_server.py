@@ -465,8 +465,10 @@ class OpenAIServing:
         digest = hashlib.sha256(f"{SERVER_VERSION}|{self.model_name}|{layout!r}".encode()).hexdigest()
         return f"fp_{digest[:12]}"
 
-    def _token_text(self, as_ids: bool) -> Callable[[int], str]:
-        if as_ids:
+    def _token_text(self, as_ids: bool | None) -> Callable[[int], str]:
+        """How a logprob's token reads: "token_id:<id>" when the request asks (None: the server's
+        --return-tokens-as-token-ids says), else its text."""
+        if self.options.return_tokens_as_token_ids if as_ids is None else as_ids:
             return lambda token_id: f"token_id:{token_id}"
         return lambda token_id: self.tokenizers.tokenizer.decode([token_id], skip_special_tokens=False)
 

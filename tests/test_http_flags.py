@@ -141,3 +141,35 @@ def test_response_role_names_the_message_after_a_generation_prompt(tiny_llama_di
 def test_response_role_flag_and_its_default():
     assert (_config().router.response_role,
             _config("--response-role", "bot").router.http_options.response_role) == ("assistant", "bot")
+
+
+# ---- --return-tokens-as-token-ids -------------------------------------------------------------
+
+def _logprob_tokens(port: int, path: str, **fields) -> tuple[list[str], list[int]]:
+    """(the logprob tokens, the output's token ids) of a greedy 3-token request to `path`."""
+    body = {"model": MODEL, "max_tokens": 3, "temperature": 0, "ignore_eos": True, "return_token_ids": True, **fields}
+    if path == "/v1/completions":
+        body.update(prompt="Hello", logprobs=0)
+    else:
+        body.update(messages=[{"role": "user", "content": "Hi"}], logprobs=True)
+    status, _, answer = http_request(port, "POST", path, json.dumps(body).encode())
+    assert status == 200, answer
+    choice = json.loads(answer)["choices"][0]
+    tokens = (choice["logprobs"]["tokens"] if path == "/v1/completions"
+              else [entry["token"] for entry in choice["logprobs"]["content"]])
+    return tokens, choice["token_ids"]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_return_tokens_as_token_ids_is_the_default_a_request_may_override(tiny_llama_dir, path):
+    with served_apis(tiny_llama_dir, MODEL, router_options={"return_tokens_as_token_ids": True}) as served:
+        as_ids, token_ids = _logprob_tokens(served.http_port, path)
+        as_text, _ = _logprob_tokens(served.http_port, path, return_tokens_as_token_ids=False)
+    assert as_ids == [f"token_id:{token_id}" for token_id in token_ids]
+    assert as_text == [served.cluster.tokenizer.decode([token_id]) for token_id in token_ids]
+    assert not any(token.startswith("token_id:") for token in as_text)
+
+
+def test_return_tokens_as_token_ids_flag():
+    assert (_config().router.return_tokens_as_token_ids,
+            _config("--return-tokens-as-token-ids").router.http_options.return_tokens_as_token_ids) == (False, True)
