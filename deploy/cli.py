@@ -457,6 +457,8 @@ def _add_http_flags(group: argparse._ArgumentGroup) -> None:
                             "(default assistant)")
     group.add_argument("--return-tokens-as-token-ids", action="store_true", default=None,
                        help="logprob tokens read token_id:<id> unless a request says otherwise")
+    group.add_argument("--enable-prompt-tokens-details", action="store_true", default=None,
+                       help="completion and chat usage reports prompt_tokens_details.cached_tokens")
     group.add_argument("--enable-log-requests", dest="log_requests", action=argparse.BooleanOptionalAction,
                        default=None, help="the access log: one line per request when it ends, on logger "
                                           "splitserve.access (default: on)")
@@ -475,7 +477,8 @@ _HTTP_FLAGS = {"allowed_origins": "router.cors_allowed_origins", "allowed_method
                "enable_request_id_headers": "router.enable_request_id_headers", "root_path": "router.root_path",
                "uvicorn_log_level": "router.uvicorn_log_level", "log_requests": "router.access_log",
                "response_role": "router.response_role",
-               "return_tokens_as_token_ids": "router.return_tokens_as_token_ids"}
+               "return_tokens_as_token_ids": "router.return_tokens_as_token_ids",
+               "enable_prompt_tokens_details": "router.enable_prompt_tokens_details"}
 """HTTP server flags -> the cluster config key they set."""
 
 

@@ -179,6 +179,10 @@ class RouterConfig:
     """The default of requests' return_tokens_as_token_ids (vLLM's --return-tokens-as-token-ids): logprob
     tokens read "token_id:<id>", so tokens that are no valid UTF-8 on their own can be told apart; a
     request's own true or false wins."""
+    enable_prompt_tokens_details: bool = False
+    """Completion and chat usage carries prompt_tokens_details.cached_tokens, the prompt tokens whose KV
+    came from the prefix cache (vLLM's --enable-prompt-tokens-details); off, as in vLLM, it has none.
+    The Responses API's input_tokens_details.cached_tokens is always there, as in vLLM."""
     tls: TlsConfig | None = None
     """TLS for the gRPC and OpenAI HTTP APIs (`cert_file`, `key_file`, and `client_ca_file` to
     require client certificates); None: plaintext. The /metrics endpoint stays plaintext."""
@@ -245,7 +249,8 @@ class RouterConfig:
                                       self.cors_allow_credentials),
                            request_id_headers=self.enable_request_id_headers, root_path=self.root_path or "",
                            uvicorn_log_level=self.uvicorn_log_level, response_role=self.response_role,
-                           return_tokens_as_token_ids=self.return_tokens_as_token_ids)
+                           return_tokens_as_token_ids=self.return_tokens_as_token_ids,
+                           enable_prompt_tokens_details=self.enable_prompt_tokens_details)
 
     @property
     def auto_tool_call_parser(self) -> str | None:

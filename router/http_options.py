@@ -48,3 +48,6 @@ class HttpOptions:
     return_tokens_as_token_ids: bool = False
     """What a completion or chat request that leaves return_tokens_as_token_ids unset gets: logprob
     tokens as "token_id:<id>" (vLLM's --return-tokens-as-token-ids)."""
+    enable_prompt_tokens_details: bool = False
+    """Completion and chat usage carries prompt_tokens_details.cached_tokens (vLLM's
+    --enable-prompt-tokens-details; without it vLLM reports none). The Responses API always does."""

@@ -580,10 +580,14 @@ def error_body(message: str, error_type: str, param: str | None = None, code: st
     return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
 
 
-def usage_body(usage: Usage) -> dict:
-    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
-            "total_tokens": usage.prompt_tokens + usage.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
+def usage_body(usage: Usage, prompt_tokens_details: bool = False) -> dict:
+    """The usage object; `prompt_tokens_details` ({"cached_tokens"}) only when asked, as vLLM reports it
+    only under --enable-prompt-tokens-details."""
+    body: dict[str, Any] = {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+                            "total_tokens": usage.prompt_tokens + usage.completion_tokens}
+    if prompt_tokens_details:
+        body["prompt_tokens_details"] = {"cached_tokens": usage.cached_tokens}
+    return body
 
 
 def _logprob(value: float) -> float:
@@ -651,10 +655,17 @@ class _Renderer(ABC):
         """return_token_ids: choices whose stream carried their prompt's token ids already."""
         self.returns_output_ids = True
         """return_token_ids returns the output's ids too (not where they would show hidden reasoning)."""
+        self.prompt_tokens_details = False
+        """The usage carries prompt_tokens_details.cached_tokens (set by with_prompt_tokens_details)."""
 
     def with_token_ids(self, prompt_token_ids: Sequence[Sequence[int]]) -> _Renderer:
         """This renderer, returning token ids (vLLM's return_token_ids): `prompt_token_ids` per choice."""
         self.prompt_token_ids = tuple(prompt_token_ids)
+        return self
+
+    def with_prompt_tokens_details(self, enabled: bool) -> _Renderer:
+        """This renderer, its usage with prompt_tokens_details when `enabled` (--enable-prompt-tokens-details)."""
+        self.prompt_tokens_details = enabled
         return self
 
     def _token_id_fields(self, index: int, token_ids: Sequence[int], in_choice: bool) -> dict:
@@ -708,7 +719,7 @@ class _Renderer(ABC):
         return {**self._envelope(self.chunk_object_name, []), "usage": self._usage_body(usage)}
 
     def _usage_body(self, usage: Usage) -> dict:
-        return usage_body(usage)
+        return usage_body(usage, self.prompt_tokens_details)
 
     def response(self, choices: Sequence[Sequence[StreamChunk]], usage: Usage) -> dict:
         """The non-streaming response: each choice's chunks in choice order (the last of each has
@@ -941,7 +952,7 @@ class ChatRenderer(_Renderer):
     def _usage_body(self, usage: Usage) -> dict:
         """With a reasoning parser, also the reasoning tokens of the choices read so far (vLLM's
         completion_tokens_details)."""
-        return self._with_reasoning_tokens(usage_body(usage), self._reasoners.values())
+        return self._with_reasoning_tokens(usage_body(usage, self.prompt_tokens_details), self._reasoners.values())
 
     def _usage_so_far(self, index: int) -> dict:
         reasoner = self._reasoners.get(index)

@@ -372,6 +372,7 @@ class OpenAIServing:
                                       _prompt_lengths(inputs) if parsed.continuous_usage else None,
                                       _echoed_token_ids(inputs, len(prompts), parsed.best_of) if parsed.echo else (),
                                       parsed.echo_only)
+        renderer.with_prompt_tokens_details(self.options.enable_prompt_tokens_details)
         if parsed.return_token_ids:  # choice i is one of prompt i // n's sequences: inputs i // n * best_of on
             renderer.with_token_ids([inputs[i // parsed.n * parsed.best_of].prompt_token_ids
                                      for i in range(len(prompts) * parsed.n)])
@@ -385,6 +386,7 @@ class OpenAIServing:
                                 parsed.sampling.logprobs is not None,
                                 _prompt_lengths(chat.inputs) if parsed.continuous_usage else None, chat.tool_output,
                                 chat.reasoning_output, self._chat_role(parsed))
+        renderer.with_prompt_tokens_details(self.options.enable_prompt_tokens_details)
         if parsed.return_token_ids:
             renderer.with_token_ids([chat.inputs[0].prompt_token_ids] * parsed.n)
         return _Job(chat.request_id, chat.inputs, parsed.n, parsed.n, renderer, parsed.stream, parsed.beam_search,

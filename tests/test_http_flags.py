@@ -173,3 +173,38 @@ def test_return_tokens_as_token_ids_is_the_default_a_request_may_override(tiny_l
 def test_return_tokens_as_token_ids_flag():
     assert (_config().router.return_tokens_as_token_ids,
             _config("--return-tokens-as-token-ids").router.http_options.return_tokens_as_token_ids) == (False, True)
+
+
+# ---- --enable-prompt-tokens-details -----------------------------------------------------------
+
+def _usages(port: int, path: str, stream: bool) -> list[dict]:
+    """The usage of two identical 2-token requests (the second finds the first's 5 full blocks of 8 cached)."""
+    body = {"model": MODEL, "max_tokens": 2, "temperature": 0, "ignore_eos": True, "stream": stream,
+            **({"stream_options": {"include_usage": True}} if stream else {}),
+            **({"prompt": list(range(200, 243))} if path == "/v1/completions"
+               else {"messages": [{"role": "user", "content": "Tell me about the river and the old mill by the road."}]})}
+    usages = []
+    for _ in range(2):
+        status, _, answer = http_request(port, "POST", path, json.dumps(body).encode())
+        assert status == 200, answer
+        usages.append(_stream_events(answer)[-1]["usage"] if stream else json.loads(answer)["usage"])
+    return usages
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_prompt_tokens_details_only_with_the_flag(tiny_llama_dir, stream):
+    with served_apis(tiny_llama_dir, MODEL) as served:
+        plain = _usages(served.http_port, "/v1/completions", stream)
+    with served_apis(tiny_llama_dir, MODEL, router_options={"enable_prompt_tokens_details": True}) as served:
+        detailed = _usages(served.http_port, "/v1/completions", stream)
+        chats = _usages(served.http_port, "/v1/chat/completions", stream)
+    assert plain == [{"prompt_tokens": 43, "completion_tokens": 2, "total_tokens": 45}] * 2
+    assert detailed == [{"prompt_tokens": 43, "completion_tokens": 2, "total_tokens": 45,
+                         "prompt_tokens_details": {"cached_tokens": cached}} for cached in (0, 40)]
+    prompt_tokens = chats[0]["prompt_tokens"]
+    assert [usage["prompt_tokens_details"]["cached_tokens"] for usage in chats] == [0, (prompt_tokens - 1) // 8 * 8]
+
+
+def test_prompt_tokens_details_flag():
+    assert (_config().router.enable_prompt_tokens_details,
+            _config("--enable-prompt-tokens-details").router.http_options.enable_prompt_tokens_details) == (False, True)

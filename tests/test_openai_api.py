@@ -55,8 +55,9 @@ class Served(ServedApis):
 
 @pytest.fixture(scope="module")
 def served(tiny_llama_dir):
-    """One cluster with both APIs over the same orchestrator."""
-    with served_apis(tiny_llama_dir, MODEL, served_class=Served) as served:
+    """One cluster with both APIs over the same orchestrator; usage reports cached tokens."""
+    with served_apis(tiny_llama_dir, MODEL, served_class=Served,
+                     router_options={"enable_prompt_tokens_details": True}) as served:
         yield served
 
 

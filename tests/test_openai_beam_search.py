@@ -46,7 +46,7 @@ def _beams(response: dict) -> list[tuple[list[int], str]]:
 
 @pytest.fixture(scope="module")
 def served(tiny_llama_dir):
-    with served_apis(tiny_llama_dir, MODEL) as served:
+    with served_apis(tiny_llama_dir, MODEL, router_options={"enable_prompt_tokens_details": True}) as served:
         yield served
 
 

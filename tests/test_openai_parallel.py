@@ -48,9 +48,11 @@ def served(tiny_llama_dir):
 
 @pytest.fixture(scope="module")
 def two_prefill(tiny_llama_dir):
-    """Two prefill workers and remote prefill for every prompt: where siblings prefill shows."""
+    """Two prefill workers and remote prefill for every prompt: where siblings prefill shows (usage reports
+    cached tokens)."""
     with served_apis(tiny_llama_dir, MODEL, served_class=Served, num_prefill=2,
-                     routing=RoutingConfig(disaggregation="always")) as served:
+                     routing=RoutingConfig(disaggregation="always"),
+                     router_options={"enable_prompt_tokens_details": True}) as served:
         yield served
 
 
