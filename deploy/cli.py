@@ -386,6 +386,7 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
     _add_cluster_flags(parser.add_argument_group("Cluster (splitserve)", "the pools, Ray and the config file"))
     _add_http_flags(parser.add_argument_group("HTTP server", "how the OpenAI HTTP API is served (vLLM's "
                                                              "frontend flags)"))
+    _add_unsupported_flags(parser.add_argument_group("Not supported", "vLLM flags splitserve refuses, saying why"))
     parser.set_defaults(handler=_serve)
 
 
@@ -517,6 +518,28 @@ def _add_model_flags(group: argparse._ArgumentGroup) -> None:
                             "here also limits every request's max_tokens")
 
 
+def _refused(reason: str, accepted: str | None = None) -> Callable[[str], str]:
+    """argparse type of a vLLM flag splitserve cannot honour: any value (other than `accepted`, the one
+    that asks for nothing vLLM's default does not) is a usage error saying why, never silently ignored."""
+    def parse(value: str) -> str:
+        if value != accepted:
+            raise argparse.ArgumentTypeError(f"not supported, got {value!r}: {reason}")
+        return value
+    return parse
+
+
+def _add_unsupported_flags(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--tokenizer", default=None, metavar="DIR",
+                       help="only the model directory itself: the router and the workers read the tokenizer from it")
+    group.add_argument("--long-prefill-token-threshold", type=_refused(
+        "the scheduler has no cap on a long prompt's chunk besides --max-num-batched-tokens", accepted="0"),
+        default=None, help="only 0 (vLLM's default: no cap)")
+    for flag in ("--max-num-partial-prefills", "--max-long-partial-prefills"):
+        group.add_argument(flag, type=_refused(
+            "vLLM 0.32 dropped it with its V0 scheduler, and splitserve's scheduler has no limit on prompts "
+            "prefilled in chunks at once besides --max-num-batched-tokens"), default=None, help="not supported")
+
+
 def _add_cache_flags(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--block-size", type=int, default=None, help="tokens per KV block (default 16)")
     group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
@@ -643,7 +666,19 @@ def serve_config(args: argparse.Namespace):
     overrides = serve_overrides(args)
     if model is not None:
         overrides["model"] = model
-    return apply_overrides(config, overrides)
+    config = apply_overrides(config, overrides)
+    _check_tokenizer(args.tokenizer, config.model)
+    return config
+
+
+def _check_tokenizer(tokenizer: str | None, model: str) -> None:
+    """--tokenizer is accepted only as the model directory itself: the router tokenizes with, and the
+    workers' grammars and EOS ids come from, the model directory's tokenizer files, and a second
+    tokenizer would have to give the same token ids to be safe (ValueError otherwise)."""
+    if tokenizer is None or Path(tokenizer).resolve() == Path(model).resolve():
+        return
+    raise ValueError(f"--tokenizer {tokenizer!r}: a tokenizer other than the model directory's is not supported: "
+                     "the router and the workers read it from the model directory (put its files there)")
 
 
 def _serve(args: argparse.Namespace) -> int:

@@ -178,3 +178,41 @@ def test_simulate_writes_the_runs_it_prints(tmp_path, capsys):
 def test_simulate_refuses_a_cluster_of_one_device(tmp_path, capsys):
     assert cli_main(["simulate", "--devices", "1", "--out", str(tmp_path)]) == 2
     assert "need --devices >= 2 and --duration > 0, got 1 and 3600.0" in capsys.readouterr().err
+
+
+# ---- vLLM flags splitserve refuses, saying why --------------------------------------------------
+
+@pytest.mark.parametrize(("flags", "reason"), [
+    (["--long-prefill-token-threshold", "512"], "argument --long-prefill-token-threshold: not supported, got '512': "
+                                                "the scheduler has no cap on a long prompt's chunk besides "
+                                                "--max-num-batched-tokens"),
+    (["--max-num-partial-prefills", "2"], "argument --max-num-partial-prefills: not supported, got '2': vLLM 0.32 "
+                                          "dropped it with its V0 scheduler, and splitserve's scheduler has no limit "
+                                          "on prompts prefilled in chunks at once besides --max-num-batched-tokens"),
+])
+def test_flags_that_cannot_be_honoured_are_refused_saying_why(flags, reason, capsys):
+    from splitserve.deploy.cli import build_parser
+
+    with pytest.raises(SystemExit) as caught:
+        build_parser().parse_args(["serve", "m", *flags])
+    assert (caught.value.code, capsys.readouterr().err.splitlines()[-1]) == (
+        2, f"splitserve serve: error: {reason} (see splitserve serve --help)")
+
+
+def test_long_prefill_threshold_0_and_the_models_own_tokenizer_are_accepted(tmp_path):
+    from splitserve.deploy.cli import build_parser, serve_config
+
+    model = str(tmp_path)
+    plain = serve_config(build_parser().parse_args(["serve", model]))
+    assert serve_config(build_parser().parse_args(["serve", model, "--long-prefill-token-threshold", "0",
+                                                   "--tokenizer", f"{model}/."])) == plain
+
+
+def test_another_tokenizer_is_refused_saying_why(tmp_path):
+    from splitserve.deploy.cli import build_parser, serve_config
+
+    with pytest.raises(ValueError) as caught:
+        serve_config(build_parser().parse_args(["serve", str(tmp_path / "model"), "--tokenizer", str(tmp_path / "tok")]))
+    assert str(caught.value) == (f"--tokenizer {str(tmp_path / 'tok')!r}: a tokenizer other than the model directory's "
+                                 "is not supported: the router and the workers read it from the model directory (put "
+                                 "its files there)")
