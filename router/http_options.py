@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
-"""vLLM's --uvicorn-log-level choices."""
+UVICORN_LOG_LEVEL_NUMBERS = {"critical": 50, "error": 40, "warning": 30, "info": 20, "debug": 10, "trace": 5}
+"""vLLM's --uvicorn-log-level choices -> logging levels (uvicorn's trace is 5)."""
+UVICORN_LOG_LEVELS = tuple(UVICORN_LOG_LEVEL_NUMBERS)
 
 
 @dataclass(frozen=True)

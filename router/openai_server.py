@@ -52,7 +52,7 @@ from splitserve.router.openai_protocol import (ChatCompletionRequest, ChatRender
 from splitserve.router.api_types import GenerationInput, RouterError, StreamChunk, Usage
 from splitserve.router.beam_search_run import BeamSearchResult, run_beam_search
 from splitserve.router.fanout import IndexedChunk, best_of, by_choice, client_fan_out, merged_usage, sequence_inputs
-from splitserve.router.http_options import HttpOptions
+from splitserve.router.http_options import UVICORN_LOG_LEVEL_NUMBERS, HttpOptions
 from splitserve.router.orchestrator import Orchestrator
 from splitserve.router.reasoning_parsers import ReasoningFormat, ReasoningOutput
 from splitserve.router.request_body import BodyParser, MalformedBodyError, Parse
@@ -754,10 +754,13 @@ class HttpServer:
             cert_file, key_file, client_ca_file = tls.cert_file, tls.key_file, tls.client_ca_file
         self._server = _EmbeddedUvicorn(uvicorn.Config(
             app, http="httptools", lifespan="off", log_config=None, access_log=False, ws="none", root_path=root_path,
-            log_level=log_level,
             timeout_graceful_shutdown=int(grace_s),
             ssl_certfile=cert_file, ssl_keyfile=key_file, ssl_ca_certs=client_ca_file,
             ssl_cert_reqs=ssl.CERT_NONE if client_ca_file is None else ssl.CERT_REQUIRED))
+        # uvicorn.Config's log_level would set uvicorn.access's level too, letting its access lines through
+        # wherever that logger has a handler: splitserve.access is the access log.
+        for name in ("uvicorn.error", "uvicorn.asgi"):
+            logging.getLogger(name).setLevel(UVICORN_LOG_LEVEL_NUMBERS[log_level])
         self._task: asyncio.Task | None = None
         self.port = 0
 
