@@ -27,7 +27,8 @@ from splitserve.common.sampling_params import MAX_LOGPROBS
 CANDIDATES_PER_BEAM = 2
 """Each beam's step asks for this many times beam_width top logprobs (vLLM's, after transformers)."""
 MAX_BEAM_WIDTH = MAX_LOGPROBS // CANDIDATES_PER_BEAM
-"""The widest search whose steps' logprobs stay within MAX_LOGPROBS."""
+"""The widest search whose steps' logprobs stay within vLLM's default --max-logprobs (MAX_LOGPROBS);
+a server's limit allows max_logprobs // CANDIDATES_PER_BEAM (BeamSearchParams.check_logprobs_limit)."""
 STOP = "stop"
 LENGTH = "length"
 
@@ -51,9 +52,9 @@ class BeamSearchParams:
     """A beam completed by EOS keeps the EOS token in its token ids (never in its text)."""
 
     def __post_init__(self) -> None:
-        _require(_is_int(self.beam_width) and 1 <= self.beam_width <= MAX_BEAM_WIDTH, "n",
-                 f"is the beam width with use_beam_search: an integer in [1, {MAX_BEAM_WIDTH}] (each step asks "
-                 f"for {CANDIDATES_PER_BEAM} x n logprobs, at most {MAX_LOGPROBS}), got {self.beam_width!r}")
+        # The widest allowed is the server's logprobs limit's (check_logprobs_limit), not the parameters' own.
+        _require(_is_int(self.beam_width) and self.beam_width >= 1, "n",
+                 f"is the beam width with use_beam_search: an integer >= 1, got {self.beam_width!r}")
         _require(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens",
                  f"must be an integer >= 1 with use_beam_search, got {self.max_tokens!r}")
         _require(_is_number(self.temperature) and self.temperature >= 0, "temperature",
@@ -65,6 +66,14 @@ class BeamSearchParams:
     def num_logprobs(self) -> int:
         """Top logprobs each step's request asks for."""
         return CANDIDATES_PER_BEAM * self.beam_width
+
+    def check_logprobs_limit(self, max_logprobs: int, vocab_size: int) -> None:
+        """InvalidRequestError naming `n` when a step's num_logprobs exceed `max_logprobs` (--max-logprobs;
+        -1: the vocabulary's size), as SamplingParams.check_logprobs_limit for a plain request."""
+        limit = vocab_size if max_logprobs == -1 else min(max_logprobs, vocab_size)
+        _require(self.num_logprobs <= limit, "n",
+                 f"is the beam width with use_beam_search: an integer in [1, {limit // CANDIDATES_PER_BEAM}] (each "
+                 f"step asks for {CANDIDATES_PER_BEAM} x n logprobs, at most {limit}), got {self.beam_width!r}")
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,9 @@ SEED_LOW = -2**63
 SEED_SPAN = 2**64 + 2**63
 """SamplingParams.seed's range is [SEED_LOW, SEED_LOW + SEED_SPAN)."""
 MAX_LOGPROBS = 20
-"""Largest number of top alternatives a request may ask for per token."""
+"""vLLM's default --max-logprobs: the most top alternatives per token (logprobs, top_logprobs,
+prompt_logprobs) a request may ask for, unless the server sets another limit (router.max_logprobs;
+check_logprobs_limit). The offline LLM applies it."""
 MAX_STOP_STRINGS = 64
 """Most stop strings per request: the router looks for each one in every new piece of output text,
 on its event loop (a million of them, which fit in one 16 MiB request, took 0.4 s per token)."""
@@ -180,11 +182,11 @@ class SamplingParams:
         _require(_is_int(self.n) and self.n >= 1, "n", f"must be an integer >= 1, got {self.n!r}")
         _require(self.seed is None or (_is_int(self.seed) and SEED_LOW <= self.seed < SEED_LOW + SEED_SPAN), "seed",
                  f"must be an integer in [-2**63, 2**64), got {self.seed!r}")
-        _require(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
-                 "logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
-        _require(self.prompt_logprobs is None or (_is_int(self.prompt_logprobs)
-                                                  and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
-                 "prompt_logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs!r}")
+        # How many is the server's limit (check_logprobs_limit), not the parameters' own.
+        _require(self.logprobs is None or (_is_int(self.logprobs) and self.logprobs >= 0),
+                 "logprobs", f"must be an integer >= 0, got {self.logprobs!r}")
+        _require(self.prompt_logprobs is None or (_is_int(self.prompt_logprobs) and self.prompt_logprobs >= 0),
+                 "prompt_logprobs", f"must be an integer >= 0, got {self.prompt_logprobs!r}")
         _require(self.structured_output is None or isinstance(self.structured_output, StructuredOutput),
                  "structured_output", f"must be a StructuredOutput, got {type(self.structured_output).__name__}")
 
@@ -205,6 +207,16 @@ class SamplingParams:
                  f"tokenize to {len(self.bad_words_token_ids)} token sequences; at most {MAX_BAD_WORDS}")
         _require(all(ids and all(_is_int(t) for t in ids) for ids in self.bad_words_token_ids), "bad_words",
                  "token sequences must be non-empty lists of integers")
+
+    def check_logprobs_limit(self, max_logprobs: int, vocab_size: int) -> None:
+        """InvalidRequestError (vLLM's message) when logprobs or prompt_logprobs ask for more top
+        alternatives than `max_logprobs` (--max-logprobs; -1: the vocabulary's size, which bounds
+        every engine's). The router checks the server's limit, the engine the vocabulary."""
+        limit = vocab_size if max_logprobs == -1 else min(max_logprobs, vocab_size)
+        for name, kind, wanted in (("logprobs", "sample", self.logprobs), ("prompt_logprobs", "prompt",
+                                                                            self.prompt_logprobs)):
+            _require(not wanted or wanted <= limit, name,
+                     f"Requested {kind} logprobs of {wanted}, which is greater than max allowed: {limit}")
 
     def check_logit_control_vocabulary(self, vocab_size: int) -> None:
         """InvalidRequestError (vLLM's message) for a logit_bias, allowed_token_ids or bad-word token id

@@ -513,6 +513,8 @@ def _add_model_flags(group: argparse._ArgumentGroup) -> None:
                        help="default sampling values of requests that leave them unset: auto (default) takes the "
                             "model's generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty, "
                             "presence/frequency_penalty, max_new_tokens), vllm none, FOLDER the file in that folder")
+    group.add_argument("--max-logprobs", type=int, default=None,
+                       help="most top logprobs per token a request may ask for (default 20; -1: the vocabulary)")
     group.add_argument("--override-generation-config", type=_json_object, default=None, metavar="JSON",
                        help="defaults that win over the file's, e.g. '{\"temperature\": 0.5}'; a max_new_tokens "
                             "here also limits every request's max_tokens")
@@ -608,7 +610,8 @@ _CLUSTER_FLAGS = {"mode": "mode", "prefill_workers": "prefill.replicas", "decode
                   "enable_auto_tool_choice": "router.enable_auto_tool_choice",
                   "tool_call_parser": "router.tool_call_parser", "reasoning_parser": "router.reasoning_parser",
                   "ssl_certfile": "router.tls.cert_file", "ssl_keyfile": "router.tls.key_file",
-                  "ssl_ca_certs": "router.tls.client_ca_file", "served_model_name": "served_model_name"}
+                  "ssl_ca_certs": "router.tls.client_ca_file", "served_model_name": "served_model_name",
+                  "max_logprobs": "router.max_logprobs"}
 """serve flags -> the cluster config key they set."""
 _ENGINE_FLAGS = {"max_model_len": "max_model_len", "seed": "seed", "block_size": "block_size",
                  "enable_prefix_caching": "enable_prefix_caching", "kv_cache_memory": "kv_cache_memory_bytes",

@@ -183,6 +183,10 @@ class RouterConfig:
     """Completion and chat usage carries prompt_tokens_details.cached_tokens, the prompt tokens whose KV
     came from the prefix cache (vLLM's --enable-prompt-tokens-details); off, as in vLLM, it has none.
     The Responses API's input_tokens_details.cached_tokens is always there, as in vLLM."""
+    max_logprobs: int = 20
+    """The most top alternatives per token a request may ask for (logprobs, top_logprobs, prompt_logprobs;
+    a beam search's 2 x n, so its widest is max_logprobs // 2), vLLM's --max-logprobs with its default;
+    -1: the vocabulary's size. More is a 400 / INVALID_ARGUMENT naming the limit."""
     tls: TlsConfig | None = None
     """TLS for the gRPC and OpenAI HTTP APIs (`cert_file`, `key_file`, and `client_ca_file` to
     require client certificates); None: plaintext. The /metrics endpoint stays plaintext."""
@@ -271,6 +275,7 @@ class RouterConfig:
         _require(self.root_path is None or (self.root_path.startswith("/") and self.root_path != "/"
                                             and not self.root_path.endswith("/")), "root_path",
                  f"must start with '/' and not end with one (e.g. /llm), or be null; got {self.root_path!r}")
+        _require(self.max_logprobs >= -1, "max_logprobs", f"must be >= -1 (-1: no limit), got {self.max_logprobs}")
         _require(self.response_role.strip() != "", "response_role", f"must not be empty, got {self.response_role!r}")
         _require(self.uvicorn_log_level in UVICORN_LOG_LEVELS, "uvicorn_log_level",
                  f"must be one of {', '.join(UVICORN_LOG_LEVELS)}, got {self.uvicorn_log_level!r}")

@@ -101,7 +101,8 @@ async def start_servers(orchestrator: Orchestrator, tokenizer: RouterTokenizer, 
     stopped; a generation config whose defaults cannot serve (GenerationConfigError) starts nothing."""
     defaults = request_defaults(config, tokenizer)
     tokenizers = TokenizerPool.for_orchestrator(tokenizer, orchestrator, config.max_prompt_bytes,
-                                                config.tokenizer_threads, config.max_pending_tokenizations)
+                                                config.tokenizer_threads, config.max_pending_tokenizations,
+                                                config.max_logprobs)
     grpc = http = None
     metrics_port = None
     try:

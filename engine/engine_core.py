@@ -207,6 +207,7 @@ class EngineCore:
             raise InvalidRequestError("n", f"must be 1 for an engine request, got {params.n}: an engine request is "
                                            f"one sequence (LLM.generate fans n out into one request per sequence)")
         params.check_logit_control_vocabulary(self.vocab_size)
+        params.check_logprobs_limit(-1, self.vocab_size)  # the server's limit is the router's to apply
         if params.bad_words and not params.bad_words_token_ids:
             raise InvalidRequestError("bad_words", "must be tokenized before the request reaches the engine "
                                                    "(SamplingParams.with_bad_words_tokenized)")

@@ -23,7 +23,7 @@ from splitserve.common.chat_template import (TEMPLATE_VARIABLES, ContentFormat, 
 from splitserve.common.config import EngineConfig, GenerationConfig, SamplingDefaults
 from splitserve.common.generation_config import SAMPLING_KEYS, GenerationConfigFile, resolve_request_defaults
 from splitserve.common.errors import InvalidRequestError
-from splitserve.common.sampling_params import SamplingParams
+from splitserve.common.sampling_params import MAX_LOGPROBS, SamplingParams
 from splitserve.common.stats import EngineStats
 from splitserve.engine.engine_core import EngineCore
 from splitserve.engine.outputs import (BeamSearchOutput, BeamSearchSequence, CompletionDelta, CompletionOutput,
@@ -247,6 +247,7 @@ class LLM:
         requests = [(request_id, job.prompt, sp, rank) for job, rank in zip(jobs, priorities)
                     for request_id, sp in job.sequences]
         for request_id, prompt, sp, rank in requests:
+            sp.check_logprobs_limit(MAX_LOGPROBS, self.engine.vocab_size)  # vLLM's default --max-logprobs
             self.engine.validate(request_id, prompt.token_ids, sp, prompt.cache_salt, rank)
         accumulators = {request_id: _Accumulator(sp.logprobs is not None) for request_id, _, sp, _ in requests}
         try:
@@ -304,6 +305,7 @@ class LLM:
         _refuse_given("lora_request", lora_request, "LoRA adapters are not supported")
         if not isinstance(params, BeamSearchParams):
             raise InvalidRequestError("params", f"must be a BeamSearchParams, got {type(params).__name__}")
+        params.check_logprobs_limit(MAX_LOGPROBS, self.engine.vocab_size)  # vLLM's default --max-logprobs
         resolved = [self._resolve(prompt) for prompt in _prompt_list(prompts)]
         kept_eos = replace(params, include_stop_str_in_output=True)
         searches = [start(replace(kept_eos, max_tokens=min(params.max_tokens, self._room(p))), p.token_ids,

@@ -21,7 +21,7 @@ from splitserve.common.block_hash import check_cache_salt
 from splitserve.common.chat_template import content_parts, joined_text
 from splitserve.common.errors import InvalidRequestError, json_excerpt
 from splitserve.common.generation_config import NO_REQUEST_DEFAULTS, RequestDefaults
-from splitserve.common.sampling_params import MAX_LOGPROBS, SamplingParams
+from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.structured_output import StructuredOutput
 from splitserve.common.token_logprobs import TokenLogprobs
 from splitserve.router.api_types import StreamChunk, Usage
@@ -334,7 +334,7 @@ def _with_prompt_logprobs(body: Mapping[str, Any], sampling: SamplingParams, str
     """sampling with vLLM's prompt_logprobs extra field, else `echoed` (what echo with logprobs needs: the
     prompt's logprobs with as many alternatives as the output's). The field is refused with stream, as
     vLLM does (a stream has no place for it; echo's own prompt logprobs stream with the echoed prompt)."""
-    wanted = _typed(body, "prompt_logprobs", int, f"an integer in [0, {MAX_LOGPROBS}]")
+    wanted = _typed(body, "prompt_logprobs", int, "an integer >= 0")
     if wanted is not None and stream and wanted > 0:
         raise InvalidRequestError("prompt_logprobs", "are not available when stream is true")
     count = wanted if wanted is not None else echoed
@@ -367,7 +367,7 @@ def parse_completion_request(body: Mapping[str, Any], limits: RequestLimits,
     """`defaults`: the server's sampling defaults (--generation-config); a completion's max_tokens
     stays 16 when unset, as in vLLM, within their limit."""
     refuse_unsupported(body, COMPLETION_REFUSED)
-    logprobs = _typed(body, "logprobs", int, f"an integer in [0, {MAX_LOGPROBS}]")
+    logprobs = _typed(body, "logprobs", int, "an integer >= 0")
     echo = _typed(body, "echo", bool, "a boolean", False)
     echo_only = echo and type(body.get("max_tokens")) is int and body["max_tokens"] == 0
     max_tokens, max_tokens_param = _max_tokens({**body, "max_tokens": 1} if echo_only else body, ("max_tokens",),
@@ -378,6 +378,7 @@ def parse_completion_request(body: Mapping[str, Any], limits: RequestLimits,
     sampling = _with_prompt_logprobs(body, _sampling(body, defaults.limited(max_tokens), max_tokens_param, logprobs,
                                                      limits, defaults), stream, logprobs if echo else None)
     beam_search = parse_beam_search(body, n, sampling, COMPLETION_UNHONOURED)
+    limits.check_logprobs(sampling, beam_search)
     if beam_search is not None:  # vLLM answers a streamed beam search with one JSON response
         stream, include_usage, continuous_usage = False, False, False
     best_of = _best_of(body, n, stream, beam_search is not None)
@@ -438,9 +439,9 @@ def _history_reasoning(message: Mapping[str, Any], field: str) -> str | None:
 def _chat_logprobs(body: Mapping[str, Any]) -> int | None:
     """The number of top alternatives per token when logprobs is true, else None."""
     wanted = _typed(body, "logprobs", bool, "a boolean", False)
-    top = _typed(body, "top_logprobs", int, f"an integer in [0, {MAX_LOGPROBS}]")
-    if top is not None and not 0 <= top <= MAX_LOGPROBS:
-        raise InvalidRequestError("top_logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {top}")
+    top = _typed(body, "top_logprobs", int, "an integer >= 0")
+    if top is not None and top < 0:  # how many is the server's --max-logprobs (RequestLimits.check_logprobs)
+        raise InvalidRequestError("top_logprobs", f"must be an integer >= 0, got {top}")
     if top is not None and not wanted:
         raise InvalidRequestError("top_logprobs", "requires logprobs to be true")
     return (top or 0) if wanted else None
@@ -505,12 +506,14 @@ def parse_chat_request(body: Mapping[str, Any], limits: RequestLimits,
                                                      None if tool_calling is None else tool_calling.constraint()),
                                      stream)
     n = _count(body, "n", 1)
+    beam_search = parse_beam_search(body, n, sampling, CHAT_UNHONOURED)
+    limits.check_logprobs(sampling, beam_search)
     return ChatCompletionRequest(
         _model(body), messages, n, add_generation_prompt, sampling, max_tokens_param, stream,
         include_usage, continuous_usage, _typed(body, "return_tokens_as_token_ids", bool, "a boolean"),
         _request_id(body, limits), template, tool_calling, _flag(body, "include_reasoning", True),
-        _return_token_ids(body), _truncation(body, limits), _cache_salt(body),
-        parse_beam_search(body, n, sampling, CHAT_UNHONOURED), _stream_interval(body), _priority(body))
+        _return_token_ids(body), _truncation(body, limits), _cache_salt(body), beam_search, _stream_interval(body),
+        _priority(body))
 
 
 @dataclass(frozen=True)

@@ -17,8 +17,9 @@ from typing import Protocol
 
 from splitserve.common.errors import InvalidRequestError
 from splitserve.common.log_escape import quote_for_log
-from splitserve.common.sampling_params import (MAX_ALLOWED_TOKEN_IDS, MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_STOP_STRINGS,
-                                               MAX_STOP_TOKEN_IDS, SamplingParams)
+from splitserve.common.beam_search import BeamSearchParams
+from splitserve.common.sampling_params import (MAX_ALLOWED_TOKEN_IDS, MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_LOGPROBS,
+                                               MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SamplingParams)
 from splitserve.common.validation import require
 
 CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
@@ -120,11 +121,15 @@ class RequestLimits:
     max_tools: int = 128
     """Tools (function definitions) of one chat request (OpenAI's limit): each is rendered into the
     prompt, and `tool_choice: "required"` compiles a grammar over all of them."""
+    max_logprobs: int = MAX_LOGPROBS
+    """Top alternatives per token a request may ask for (logprobs, top_logprobs, prompt_logprobs; a beam
+    search's 2 x n), vLLM's --max-logprobs (router.max_logprobs); -1: the vocabulary's size."""
     max_tools_bytes: int = 1 << 19
     """Bytes of a chat request's tools together, as compact JSON: part of the body's allowance for
     fields besides the messages (BODY_ALLOWANCE_BYTES), and of the grammar a forced tool choice compiles."""
 
     def __post_init__(self) -> None:
+        require(self.max_logprobs >= -1, f"max_logprobs must be >= -1, got {self.max_logprobs}")
         for name in ("max_model_len", "vocab_size", "max_prompt_bytes", "max_chat_messages", "max_stop_string_chars",
                      "max_request_id_chars", "max_tools", "max_tools_bytes", "max_bad_word_chars"):
             require(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
@@ -141,11 +146,17 @@ class RequestLimits:
 
     @classmethod
     def for_model(cls, max_model_len: int, vocab_size: int, max_bytes_per_token: int,
-                  max_prompt_bytes: int | None = None) -> RequestLimits:
+                  max_prompt_bytes: int | None = None, max_logprobs: int = MAX_LOGPROBS) -> RequestLimits:
         """The limits for a served model; `max_prompt_bytes` None derives it (prompt_bytes_bound)."""
         if max_prompt_bytes is None:
             max_prompt_bytes = prompt_bytes_bound(max_model_len, max_bytes_per_token)
-        return cls(max_model_len, vocab_size, max_prompt_bytes)
+        return cls(max_model_len, vocab_size, max_prompt_bytes, max_logprobs=max_logprobs)
+
+    def check_logprobs(self, params: SamplingParams, beam_search: BeamSearchParams | None = None) -> None:
+        """A request's logprobs (and a beam search's width) within max_logprobs (vLLM's messages)."""
+        params.check_logprobs_limit(self.max_logprobs, self.vocab_size)
+        if beam_search is not None:
+            beam_search.check_logprobs_limit(self.max_logprobs, self.vocab_size)
 
     @property
     def max_body_bytes(self) -> int:

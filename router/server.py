@@ -175,6 +175,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         params = await sampling_params_of(request.sampling, self.defaults)
         max_tokens_field = "max_tokens" if request.sampling.HasField("max_tokens") else None
         limits.check_sampling(params, max_tokens_field)
+        limits.check_logprobs(params)
         params = await self.tokenizers.tokenize_bad_words(params)
         ttft_slo_s, tpot_slo_s = slo_target(request, "ttft_slo_s"), slo_target(request, "tpot_slo_s")
         request_id = self.orchestrator.new_request_id(request.request_id)

@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from splitserve.common.errors import InvalidRequestError
-from splitserve.common.sampling_params import SamplingParams
+from splitserve.common.sampling_params import MAX_LOGPROBS, SamplingParams
 from splitserve.router.api_types import RouterError
 from splitserve.router.orchestrator import Orchestrator
 from splitserve.router.request_limits import RequestLimits, utf8_length
@@ -56,11 +56,12 @@ class TokenizerPool:
     @classmethod
     def for_orchestrator(cls, tokenizer: RouterTokenizer, orchestrator: Orchestrator,
                          max_prompt_bytes: int | None = None, num_threads: int = 2,
-                         max_pending: int = 64) -> TokenizerPool:
+                         max_pending: int = 64, max_logprobs: int = MAX_LOGPROBS) -> TokenizerPool:
         """The pool an orchestrator's APIs share, with the limits of the model its workers serve
-        (call after Orchestrator.start); `max_prompt_bytes` None derives it (RequestLimits.for_model)."""
+        (call after Orchestrator.start); `max_prompt_bytes` None derives it (RequestLimits.for_model);
+        `max_logprobs`: --max-logprobs."""
         limits = RequestLimits.for_model(orchestrator.max_model_len, orchestrator.vocab_size,
-                                         tokenizer.max_bytes_per_token, max_prompt_bytes)
+                                         tokenizer.max_bytes_per_token, max_prompt_bytes, max_logprobs)
         return cls(tokenizer, limits, orchestrator.count_rejection, num_threads, max_pending)
 
     async def encode(self, text: str, add_special_tokens: bool = True) -> tuple[int, ...]:

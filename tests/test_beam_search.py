@@ -8,6 +8,7 @@ import pytest
 from splitserve.common.beam_search import (LENGTH, MAX_BEAM_WIDTH, STOP, Beam, BeamSearch, BeamSearchParams,
                                            Candidate, candidates_of, start)
 from splitserve.common.errors import InvalidRequestError
+from splitserve.common.sampling_params import MAX_LOGPROBS
 
 PROMPT = (1, 2, 3)
 EOS = 0
@@ -109,7 +110,6 @@ def test_candidates_put_the_sampled_token_first_as_vllm_logprobs_do():
 
 
 @pytest.mark.parametrize("fields, field", [
-    (dict(beam_width=MAX_BEAM_WIDTH + 1, max_tokens=4), "n"),
     (dict(beam_width=0, max_tokens=4), "n"),
     (dict(beam_width=2, max_tokens=0), "max_tokens"),
     (dict(beam_width=2, max_tokens=4, temperature=-1.0), "temperature"),
@@ -120,6 +120,17 @@ def test_params_are_validated_naming_the_request_field(fields, field):
         BeamSearchParams(**fields)
     assert error.value.field == field
     assert MAX_BEAM_WIDTH == 10
+
+
+@pytest.mark.parametrize(("max_logprobs", "widest"), [(MAX_LOGPROBS, MAX_BEAM_WIDTH), (7, 3), (40, 20), (-1, 50)])
+def test_the_widest_beam_search_is_the_logprobs_limits_half(max_logprobs, widest):
+    """Each step asks for 2 x n logprobs: --max-logprobs (-1: the vocabulary, here 100) bounds n."""
+    BeamSearchParams(widest, 4).check_logprobs_limit(max_logprobs, 100)
+    with pytest.raises(InvalidRequestError) as caught:
+        BeamSearchParams(widest + 1, 4).check_logprobs_limit(max_logprobs, 100)
+    limit = 100 if max_logprobs == -1 else max_logprobs
+    assert str(caught.value) == (f"n: is the beam width with use_beam_search: an integer in [1, {widest}] (each step "
+                                 f"asks for 2 x n logprobs, at most {limit}), got {widest + 1}")
 
 
 def test_step_needs_one_candidate_list_per_beam():

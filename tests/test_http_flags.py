@@ -208,3 +208,64 @@ def test_prompt_tokens_details_only_with_the_flag(tiny_llama_dir, stream):
 def test_prompt_tokens_details_flag():
     assert (_config().router.enable_prompt_tokens_details,
             _config("--enable-prompt-tokens-details").router.http_options.enable_prompt_tokens_details) == (False, True)
+
+
+# ---- --max-logprobs ---------------------------------------------------------------------------
+
+def _post(port: int, path: str, body: dict) -> tuple[int, dict]:
+    status, _, answer = http_request(port, "POST", path, json.dumps({"model": MODEL, **body}).encode())
+    return status, json.loads(answer)
+
+
+def _grpc_logprobs(port: int, logprobs: int) -> tuple[object, str]:
+    """(status code, details) of a one-token gRPC Generate asking for `logprobs` top alternatives."""
+    import grpc
+
+    from splitserve.proto.splitserve.v1 import generation_pb2 as pb
+    from splitserve.proto.splitserve.v1 import generation_pb2_grpc as pb_grpc
+
+    request = pb.GenerateRequest(text=b"Hello", sampling=pb.SamplingParams(max_tokens=1, logprobs=logprobs))
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        try:
+            list(pb_grpc.GenerationStub(channel).Generate(request, timeout=60))
+        except grpc.RpcError as error:
+            return error.code(), error.details()
+    return grpc.StatusCode.OK, ""
+
+
+def test_max_logprobs_bounds_every_api_and_the_beam_width(tiny_llama_dir):
+    import grpc
+
+    with served_apis(tiny_llama_dir, MODEL, router_options={"max_logprobs": 30}) as served:
+        port = served.http_port
+        within = _post(port, "/v1/completions", {"prompt": "Hello", "max_tokens": 1, "logprobs": 30, "temperature": 0,
+                                                  "return_tokens_as_token_ids": True})
+        beyond = _post(port, "/v1/completions", {"prompt": "Hello", "max_tokens": 1, "logprobs": 31})
+        chat = _post(port, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1,
+                                                    "logprobs": True, "top_logprobs": 31})
+        prompt = _post(port, "/v1/completions", {"prompt": "Hello", "max_tokens": 1, "prompt_logprobs": 31})
+        wide_beam = _post(port, "/v1/completions", {"prompt": "Hello", "max_tokens": 1, "n": 16, "use_beam_search": True})
+        grpc_within, grpc_beyond = _grpc_logprobs(served.grpc_port, 30), _grpc_logprobs(served.grpc_port, 31)
+    assert (within[0], len(within[1]["choices"][0]["logprobs"]["top_logprobs"][0])) == (200, 30)
+    assert beyond == (400, {"error": {"message": "logprobs: Requested sample logprobs of 31, which is greater than "
+                                                 "max allowed: 30", "type": "invalid_request_error",
+                                      "param": "logprobs", "code": None}})
+    assert (chat[0], chat[1]["error"]["message"]) == (
+        400, "logprobs: Requested sample logprobs of 31, which is greater than max allowed: 30")
+    assert (prompt[0], prompt[1]["error"]["message"]) == (
+        400, "prompt_logprobs: Requested prompt logprobs of 31, which is greater than max allowed: 30")
+    assert (wide_beam[0], wide_beam[1]["error"]["message"]) == (
+        400, "n: is the beam width with use_beam_search: an integer in [1, 15] (each step asks for 2 x n logprobs, "
+             "at most 30), got 16")
+    assert (grpc_within, grpc_beyond) == ((grpc.StatusCode.OK, ""), (
+        grpc.StatusCode.INVALID_ARGUMENT, "logprobs: Requested sample logprobs of 31, which is greater than max "
+                                          "allowed: 30"))
+
+
+def test_max_logprobs_flag_default_and_check():
+    from splitserve.deploy.cluster_config import ClusterConfigError
+
+    assert (_config().router.max_logprobs, _config("--max-logprobs", "-1").router.max_logprobs) == (20, -1)
+    with pytest.raises(ClusterConfigError) as caught:
+        _config("--max-logprobs", "-2")
+    assert str(caught.value) == "router.max_logprobs: must be >= -1 (-1: no limit), got -2"

@@ -691,3 +691,16 @@ def test_calls_without_sampling_params_take_the_models_generation_config(tiny_ll
         LLM(model_dir, override_generation_config={"do_sample": True}, **SMALL_POOL)
     overridden = LLM(model_dir, override_generation_config={"temperature": 0.5}, **SMALL_POOL)
     assert (overridden.get_default_sampling_params().temperature, overridden.get_default_sampling_params().top_k) == (0.5, 5)
+
+
+def test_the_offline_llm_applies_vllms_default_logprobs_limit(llm):
+    """LLM caps logprobs at vLLM's default --max-logprobs (20), plain requests and beam widths alike."""
+    from splitserve.common.beam_search import BeamSearchParams
+
+    with pytest.raises(InvalidRequestError) as refused:
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=1, logprobs=21))
+    with pytest.raises(InvalidRequestError) as too_wide:
+        llm.beam_search([[1, 2, 3]], BeamSearchParams(11, 2))
+    assert str(refused.value) == "logprobs: Requested sample logprobs of 21, which is greater than max allowed: 20"
+    assert str(too_wide.value) == ("n: is the beam width with use_beam_search: an integer in [1, 10] (each step asks "
+                                   "for 2 x n logprobs, at most 20), got 11")

@@ -21,7 +21,7 @@ INVALID = [
     ("frequency_penalty", math.nan),
     ("presence_penalty", 3.0), ("presence_penalty", -3.0), ("presence_penalty", math.inf),
     ("max_tokens", 0), ("max_tokens", -1), ("max_tokens", True), ("max_tokens", 2.0), ("max_tokens", None),
-    ("logprobs", MAX_LOGPROBS + 1), ("logprobs", -1), ("logprobs", True), ("logprobs", 1.0),
+    ("logprobs", -1), ("prompt_logprobs", -1), ("logprobs", True), ("logprobs", 1.0),
     ("seed", 1.5), ("seed", True), ("seed", "7"), ("seed", 2**64), ("seed", -2**63 - 1),
     ("stop", [""]), ("stop", ""), ("stop", ["ok", ""]), ("stop", [3]), ("stop", None), ("stop", 3),
     ("stop_token_ids", [-1]), ("stop_token_ids", [1, -1]), ("stop_token_ids", ["a"]), ("stop_token_ids", [True]),
@@ -192,3 +192,23 @@ def test_bad_words_are_tokenized_bare_and_after_a_space_as_vllm_does():
     many = SamplingParams(bad_words=[f"w{i}" for i in range(65)])
     with pytest.raises(InvalidRequestError, match="^bad_words: tokenize to 130 token sequences; at most 128$"):
         many.with_bad_words_tokenized(lambda text: [len(text), 1])
+
+
+@pytest.mark.parametrize(("fields", "max_logprobs", "message"), [
+    ({"logprobs": MAX_LOGPROBS + 1}, MAX_LOGPROBS,
+     "logprobs: Requested sample logprobs of 21, which is greater than max allowed: 20"),
+    ({"prompt_logprobs": 6}, 5, "prompt_logprobs: Requested prompt logprobs of 6, which is greater than max allowed: 5"),
+    ({"logprobs": 101}, -1, "logprobs: Requested sample logprobs of 101, which is greater than max allowed: 100"),
+    ({"logprobs": 101}, 500, "logprobs: Requested sample logprobs of 101, which is greater than max allowed: 100"),
+])
+def test_logprobs_beyond_the_servers_limit_are_refused_naming_it(fields, max_logprobs, message):
+    """--max-logprobs (-1: the vocabulary, here 100, which also bounds any larger limit)."""
+    with pytest.raises(InvalidRequestError) as caught:
+        SamplingParams(**fields).check_logprobs_limit(max_logprobs, 100)
+    assert str(caught.value) == message
+
+
+def test_logprobs_within_the_limit_pass():
+    for fields, max_logprobs in (({"logprobs": 20, "prompt_logprobs": 20}, 20), ({"logprobs": 50}, 50),
+                                 ({"logprobs": 100}, -1), ({"logprobs": 0}, 0), ({}, 0)):
+        SamplingParams(**fields).check_logprobs_limit(max_logprobs, 100)
