@@ -449,11 +449,11 @@ def _add_http_flags(group: argparse._ArgumentGroup) -> None:
                        help="let browsers send cookies / HTTP auth on cross-origin calls")
     group.add_argument("--enable-request-id-headers", action="store_true", default=None,
                        help="every HTTP answer carries X-Request-Id: the request's own, else a fresh uuid4 hex")
-    group.add_argument("--root-path", default=None,
+    group.add_argument("--root-path", default=None, metavar="PREFIX",
                        help="the path prefix a proxy in front serves the API under and strips, e.g. /llm")
     group.add_argument("--uvicorn-log-level", choices=UVICORN_LOG_LEVELS, default=None,
                        help="level of the HTTP server's (uvicorn's) log lines (default info)")
-    group.add_argument("--response-role", default=None,
+    group.add_argument("--response-role", default=None, metavar="ROLE",
                        help="the role of a chat completion's message when add_generation_prompt is true "
                             "(default assistant)")
     group.add_argument("--return-tokens-as-token-ids", action="store_true", default=None,
@@ -513,7 +513,7 @@ def _add_model_flags(group: argparse._ArgumentGroup) -> None:
                        help="default sampling values of requests that leave them unset: auto (default) takes the "
                             "model's generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty, "
                             "presence/frequency_penalty, max_new_tokens), vllm none, FOLDER the file in that folder")
-    group.add_argument("--max-logprobs", type=int, default=None,
+    group.add_argument("--max-logprobs", type=int, default=None, metavar="N",
                        help="most top logprobs per token a request may ask for (default 20; -1: the vocabulary)")
     group.add_argument("--override-generation-config", type=_json_object, default=None, metavar="JSON",
                        help="defaults that win over the file's, e.g. '{\"temperature\": 0.5}'; a max_new_tokens "
@@ -535,11 +535,12 @@ def _add_unsupported_flags(group: argparse._ArgumentGroup) -> None:
                        help="only the model directory itself: the router and the workers read the tokenizer from it")
     group.add_argument("--long-prefill-token-threshold", type=_refused(
         "the scheduler has no cap on a long prompt's chunk besides --max-num-batched-tokens", accepted="0"),
-        default=None, help="only 0 (vLLM's default: no cap)")
+        default=None, metavar="0", help="only 0 (vLLM's default: no cap)")
     for flag in ("--max-num-partial-prefills", "--max-long-partial-prefills"):
         group.add_argument(flag, type=_refused(
             "vLLM 0.32 dropped it with its V0 scheduler, and splitserve's scheduler has no limit on prompts "
-            "prefilled in chunks at once besides --max-num-batched-tokens"), default=None, help="not supported")
+            "prefilled in chunks at once besides --max-num-batched-tokens"), default=None, metavar="N",
+            help="not supported")
 
 
 def _add_cache_flags(group: argparse._ArgumentGroup) -> None:

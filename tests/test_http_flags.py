@@ -9,6 +9,7 @@ import re
 import pytest
 
 from splitserve.deploy.cli import build_parser, serve_config
+from splitserve.router.http_options import CorsPolicy, HttpOptions
 from tests.factories import http_request, served_apis
 
 MODEL = "tiny-llama"
@@ -269,3 +270,19 @@ def test_max_logprobs_flag_default_and_check():
     with pytest.raises(ClusterConfigError) as caught:
         _config("--max-logprobs", "-2")
     assert str(caught.value) == "router.max_logprobs: must be >= -1 (-1: no limit), got -2"
+
+
+# ---- a vLLM deployment script's command line, pasted whole --------------------------------------
+
+def test_a_pasted_vllm_serve_command_line_is_taken_whole():
+    router = _config("--host", "0.0.0.0", "--port", "8000", "--allowed-origins", '["https://chat.example"]',
+                     "--allowed-methods", '["GET", "POST"]', "--allowed-headers", '["authorization", "content-type"]',
+                     "--allow-credentials", "--enable-request-id-headers", "--root-path", "/llm",
+                     "--uvicorn-log-level", "warning", "--response-role", "assistant",
+                     "--return-tokens-as-token-ids", "--enable-prompt-tokens-details", "--disable-log-requests",
+                     "--disable-uvicorn-access-log", "--disable-fastapi-docs", "--max-logprobs", "40").router
+    assert (router.host, router.http_port, router.access_log, router.max_logprobs) == ("0.0.0.0", 8000, False, 40)
+    assert router.http_options == HttpOptions(
+        CorsPolicy(("https://chat.example",), ("GET", "POST"), ("authorization", "content-type"), True),
+        request_id_headers=True, root_path="/llm", uvicorn_log_level="warning", response_role="assistant",
+        return_tokens_as_token_ids=True, enable_prompt_tokens_details=True)
