@@ -3,6 +3,7 @@ name an adapter with one."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from splitserve.common.errors import InvalidRequestError
@@ -35,3 +36,17 @@ def check_lora_request(lora_request: object) -> None:
     if lora_request is not None and not isinstance(lora_request, LoRARequest):
         raise InvalidRequestError("lora_request", f"must be a LoRARequest (splitserve.common.lora) or None, got "
                                                   f"{type(lora_request).__name__}")
+
+
+def parse_lora_modules(modules: tuple[str, ...]) -> tuple[LoRARequest, ...]:
+    """vLLM's `--lora-modules name=path ...` as LoRARequests, ids 1, 2, ... in order, each path made absolute (the
+    workers may run in another directory); ValueError naming the item that is not `name=path` or repeats a name."""
+    requests: list[LoRARequest] = []
+    for item in modules:
+        name, sep, path = item.partition("=")
+        if not sep or not name.strip() or not path.strip():
+            raise ValueError(f"lora_modules item {item!r} must be NAME=PATH (an adapter's name and its directory)")
+        if any(request.lora_name == name for request in requests):
+            raise ValueError(f"lora_modules names adapter {name!r} twice")
+        requests.append(LoRARequest(name, len(requests) + 1, os.path.abspath(path)))
+    return tuple(requests)

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from splitserve.common.generation_config import RequestDefaults, resolve_request_defaults
+from splitserve.common.lora import LoRARequest
 from splitserve.common.stats import RequestRecord
 from splitserve.common.worker_api import DecodeWorkerAPI, PrefillWorkerAPI
 from splitserve.deploy.cluster_config import ClusterConfig, RouterConfig
@@ -92,12 +93,14 @@ class RouterServers:
 
 async def start_servers(orchestrator: Orchestrator, tokenizer: RouterTokenizer, config: RouterConfig,
                         model_name: str, metrics: RouterMetrics | None, api_key: str | None,
-                        aliases: tuple[str, ...] = (), reuse_port: bool = False) -> RouterServers:
+                        aliases: tuple[str, ...] = (), reuse_port: bool = False,
+                        adapters: tuple[LoRARequest, ...] = ()) -> RouterServers:
     """Start the servers `config` asks for in front of a started orchestrator. `metrics` (already
     the orchestrator's observer) is watched, served on config.metrics_port when set, and on the
     HTTP API's /metrics; `api_key` (resolved from config.api_key_env by the caller) guards both
     APIs; requests may name the model `model_name` or any of `aliases`. `reuse_port`: the gRPC
-    and HTTP ports are shared with other routers (SO_REUSEPORT). On failure, whatever started is
+    and HTTP ports are shared with other routers (SO_REUSEPORT). `adapters`: the LoRA adapters the HTTP API's
+    `model` field may name (ClusterConfig.lora_requests). On failure, whatever started is
     stopped; a generation config whose defaults cannot serve (GenerationConfigError) starts nothing."""
     defaults = request_defaults(config, tokenizer)
     tokenizers = TokenizerPool.for_orchestrator(tokenizer, orchestrator, config.max_prompt_bytes,
@@ -116,7 +119,8 @@ async def start_servers(orchestrator: Orchestrator, tokenizer: RouterTokenizer, 
                                            config.request_timeout_s,
                                            metrics.asgi_app() if metrics is not None else None, api_key, config.tls,
                                            aliases, reuse_port, config.cors_allowed_origins,
-                                           config.auto_tool_call_parser, config.reasoning_parser, defaults)
+                                           config.auto_tool_call_parser, config.reasoning_parser, defaults,
+                                           adapters)
     except BaseException:
         if grpc is not None:
             await grpc.stop(0)
@@ -174,7 +178,7 @@ async def start_router(router_id: str, config: ClusterConfig, model_dir: str, pr
     model_name, *aliases = config.served_model_names
     try:
         return await start_servers(orchestrator, tokenizer, router, model_name, metrics, api_key, tuple(aliases),
-                                   reuse_port)
+                                   reuse_port, config.lora_requests)
     except BaseException:
         await orchestrator.stop()
         raise

@@ -42,6 +42,7 @@ from splitserve.common.beam_search import STOP, Beam, BeamSearchParams, start
 from splitserve.common.errors import InvalidRequestError
 from splitserve.common.generation_config import NO_REQUEST_DEFAULTS, RequestDefaults
 from splitserve.common.log_escape import quote_for_log
+from splitserve.common.lora import LoRARequest
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.router.admission import RETRY_AFTER_S, Admission
 from splitserve.router.auth import check_authorization
@@ -171,7 +172,7 @@ class OpenAIServing:
     def __init__(self, orchestrator: Orchestrator, tokenizers: TokenizerPool, bodies: BodyParser, model_name: str,
                  request_timeout_s: float | None = None, aliases: tuple[str, ...] = (),
                  tool_call_parser: str | None = None, reasoning: ReasoningFormat | None = None,
-                 defaults: RequestDefaults = NO_REQUEST_DEFAULTS) -> None:
+                 defaults: RequestDefaults = NO_REQUEST_DEFAULTS, adapters: tuple[LoRARequest, ...] = ()) -> None:
         self.orchestrator = orchestrator
         self.tokenizers = tokenizers
         self.bodies = bodies
@@ -180,6 +181,8 @@ class OpenAIServing:
         """What /v1/models lists and responses carry as `model`."""
         self.model_names = frozenset((model_name, *aliases))
         """Every name a request may give as `model` (--served-model-name)."""
+        self.adapters = {adapter.lora_name: adapter for adapter in adapters}
+        """LoRA adapters by name (--lora-modules): a request naming one as `model` runs it (vLLM's)."""
         self.request_timeout_s = request_timeout_s
         """Server-side limit on a request's total time (router.request_timeout_s); None: no limit."""
         self.tool_call_parser = tool_call_parser
@@ -205,14 +208,15 @@ class OpenAIServing:
         return await self._serve(request, self._parse_responses, self._responses_job)
 
     async def models(self, request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [self._model_card()]})
+        cards = [self._model_card(), *(self._adapter_card(adapter) for adapter in self.adapters.values())]
+        return JSONResponse({"object": "list", "data": cards})
 
     async def model(self, request: Request) -> Response:
         try:
-            self._check_model(request.path_params["model"])
+            adapter = self._adapter(request.path_params["model"])
         except ApiError as error:
             return error.response()
-        return JSONResponse(self._model_card())
+        return JSONResponse(self._model_card() if adapter is None else self._adapter_card(adapter))
 
     async def version(self, request: Request) -> Response:
         return JSONResponse({"version": SERVER_VERSION})
@@ -266,6 +270,11 @@ class OpenAIServing:
     def _model_card(self) -> dict:
         return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "splitserve",
                 "root": self.model_name, "parent": None, "max_model_len": self.orchestrator.max_model_len}
+
+    def _adapter_card(self, adapter: LoRARequest) -> dict:
+        """vLLM's card of a LoRA adapter: its name, its directory as `root`, the base model as `parent`."""
+        return {"id": adapter.lora_name, "object": "model", "created": self.created, "owned_by": "splitserve",
+                "root": adapter.lora_path, "parent": self.model_name, "max_model_len": self.orchestrator.max_model_len}
 
     # ---- one generation request --------------------------------------------------------
     async def _serve(self, request: Request, parse: Parse[T], prepare: Callable[[T], Awaitable[_Job]]) -> Response:
@@ -353,7 +362,7 @@ class OpenAIServing:
         return None if eos is None else tokenizer.backend.token_to_id(eos)
 
     async def _completion_job(self, parsed: CompletionRequest) -> _Job:
-        self._check_model(parsed.model)
+        adapter = self._adapter(parsed.model)
         prompts = [prompt if isinstance(prompt, tuple)
                    else await self.tokenizers.encode(prompt, parsed.add_special_tokens) for prompt in parsed.prompts]
         params = parsed.sampling
@@ -361,9 +370,10 @@ class OpenAIServing:
             params = dataclasses.replace(params, logprobs=0)
         request_id, inputs = await self._inputs(prompts, params, parsed.max_tokens_param, "prompt",
                                                 parsed.request_id, parsed.best_of, parsed.truncation,
-                                                parsed.cache_salt, parsed.priority)
+                                                parsed.cache_salt, parsed.priority, adapter)
         echo = [self._prompt_text(p) for p in parsed.prompts] if parsed.echo else ()
-        renderer = CompletionRenderer(self._header("cmpl", request_id), self._token_text(parsed.tokens_as_ids),
+        renderer = CompletionRenderer(self._header("cmpl", request_id, adapter),
+                                      self._token_text(parsed.tokens_as_ids),
                                       parsed.include_usage, parsed.sampling.logprobs is not None, echo, parsed.n,
                                       _prompt_lengths(inputs) if parsed.continuous_usage else None,
                                       _echoed_token_ids(inputs, len(prompts), parsed.best_of) if parsed.echo else (),
@@ -376,7 +386,8 @@ class OpenAIServing:
 
     async def _chat_job(self, parsed: ChatCompletionRequest) -> _Job:
         chat = await self._chat_inputs(parsed, "messages")
-        renderer = ChatRenderer(self._header("chatcmpl", chat.request_id), self._token_text(parsed.tokens_as_ids),
+        renderer = ChatRenderer(self._header("chatcmpl", chat.request_id, chat.inputs[0].lora_request),
+                                self._token_text(parsed.tokens_as_ids),
                                 self.tokenizers.tokenizer.token_bytes, parsed.include_usage,
                                 parsed.sampling.logprobs is not None,
                                 _prompt_lengths(chat.inputs) if parsed.continuous_usage else None, chat.tool_output,
@@ -388,14 +399,15 @@ class OpenAIServing:
 
     async def _responses_job(self, parsed: ResponsesRequest) -> _Job:
         chat = await self._chat_inputs(parsed.chat, "input")
-        header = ResponseHeader(f"resp_{chat.request_id}", int(time.time()), self.model_name, self.system_fingerprint)
+        header = ResponseHeader(f"resp_{chat.request_id}", int(time.time()),
+                                self._served_name(chat.inputs[0].lora_request), self.system_fingerprint)
         renderer = ResponsesRenderer(header, parsed.chat, parsed.settings, chat.tool_output, chat.reasoning_output)
         return _Job(chat.request_id, chat.inputs, 1, 1, renderer, parsed.chat.stream)
 
     async def _chat_inputs(self, parsed: ChatCompletionRequest, prompt_param: str) -> _ChatInputs:
         """A chat's inputs and how its output is read; `prompt_param`: the field its messages came
         from, named by a prompt that does not fit."""
-        self._check_model(parsed.model)
+        adapter = self._adapter(parsed.model)
         tool_output = None if parsed.tool_calling is None else ToolOutput.for_request(parsed.tool_calling,
                                                                                       self.tool_call_parser)
         messages = [m.template_message() for m in parsed.messages]
@@ -410,7 +422,7 @@ class OpenAIServing:
             sampling = reasoning_output.sampling(sampling)
         request_id, inputs = await self._inputs([token_ids], sampling, parsed.max_tokens_param, prompt_param,
                                                 parsed.request_id, parsed.n, cache_salt=parsed.cache_salt,
-                                                priority=parsed.priority)
+                                                priority=parsed.priority, lora_request=adapter)
         return _ChatInputs(request_id, inputs, tool_output, reasoning_output)
 
     def _prompt_text(self, prompt: str | tuple[int, ...]) -> str:
@@ -419,19 +431,33 @@ class OpenAIServing:
                                                                                         skip_special_tokens=False)
 
     def _check_model(self, model: str | None) -> None:
+        """404 unless `model` is None (the served model), one of its names, or a LoRA adapter's."""
+        self._adapter(model)
+
+    def _adapter(self, model: str | None) -> LoRARequest | None:
+        """The LoRA adapter `model` names, None for the base model (or no model named); 404 for anything else."""
+        if model in self.adapters:
+            return self.adapters[model]
         if model is not None and model not in self.model_names:
             raise ApiError(404, f"The model `{model}` does not exist; this server serves `{self.model_name}`.",
                            "model", "model_not_found")
+        return None
+
+    def _served_name(self, adapter: LoRARequest | None) -> str:
+        """What a response carries as `model`: the adapter's name when one ran (vLLM's), else the model's."""
+        return self.model_name if adapter is None else adapter.lora_name
 
     async def _inputs(self, prompts: list[tuple[int, ...]], params: SamplingParams, max_tokens_param: str | None,
                       prompt_param: str, request_id: str, num_sequences: int,
-                      truncation: PromptTruncation | None = None,
-                      cache_salt: str | None = None, priority: int = 0) -> tuple[str, tuple[GenerationInput, ...]]:
+                      truncation: PromptTruncation | None = None, cache_salt: str | None = None,
+                      priority: int = 0,
+                      lora_request: LoRARequest | None = None) -> tuple[str, tuple[GenerationInput, ...]]:
         """Cut each prompt as `truncation` says, check it (`prompt_param`: the body field it came
         from; `[i]` names one of a batch) and, when the client set max_tokens, that prompt + output
         fit the context; then (the request's id, one input per sequence). `request_id`: the
         client's ("": new); `cache_salt`: the request's (every sequence's) prefix-cache salt; `priority`: its
-        (every sequence's) scheduling priority."""
+        (every sequence's) scheduling priority; `lora_request`: the adapter every sequence runs with (None: the
+        base model)."""
         params = await self.tokenizers.tokenize_bad_words(params)
         if truncation is not None:
             prompts = [truncation.applied(tuple(p)) for p in prompts]
@@ -441,11 +467,11 @@ class OpenAIServing:
             self.tokenizers.limits.check_max_tokens(len(token_ids), params, max_tokens_param)
         deadline = None if self.request_timeout_s is None else time.monotonic() + self.request_timeout_s
         base = GenerationInput(self.orchestrator.new_request_id(request_id), prompts[0], params, deadline,
-                               cache_salt=cache_salt, priority=priority)
+                               cache_salt=cache_salt, priority=priority, lora_request=lora_request)
         return base.request_id, sequence_inputs(base, prompts, num_sequences)
 
-    def _header(self, prefix: str, request_id: str) -> ResponseHeader:
-        return ResponseHeader(f"{prefix}-{request_id}", int(time.time()), self.model_name,
+    def _header(self, prefix: str, request_id: str, adapter: LoRARequest | None = None) -> ResponseHeader:
+        return ResponseHeader(f"{prefix}-{request_id}", int(time.time()), self._served_name(adapter),
                               self.system_fingerprint)
 
     @functools.cached_property
@@ -784,7 +810,8 @@ async def start_http_server(orchestrator: Orchestrator, tokenizers: TokenizerPoo
                             tls: TlsConfig | None = None, aliases: tuple[str, ...] = (),
                             reuse_port: bool = False, cors_allowed_origins: tuple[str, ...] = (),
                             tool_call_parser: str | None = None, reasoning_parser: str | None = None,
-                            defaults: RequestDefaults = NO_REQUEST_DEFAULTS) -> HttpServer:
+                            defaults: RequestDefaults = NO_REQUEST_DEFAULTS,
+                            adapters: tuple[LoRARequest, ...] = ()) -> HttpServer:
     """Start the OpenAI-compatible API on the running loop; the server's `port` is the bound one.
     With `api_key`, /v1/* needs `Authorization: Bearer <api_key>`; with `tls`, it is HTTPS only.
     Requests may name the model `model_name` or one of `aliases`. `reuse_port`: share the port
@@ -792,12 +819,13 @@ async def start_http_server(orchestrator: Orchestrator, tokenizers: TokenizerPoo
     parser of tool_choice "auto" outputs (router/tool_parsers.py); None turns auto tool choice off.
     `reasoning_parser`: splits chat outputs into reasoning and content (router/reasoning_parsers.py);
     ValueError when the tokenizer lacks its tags. `defaults`: what the sampling fields a generation
-    request leaves unset take (--generation-config)."""
+    request leaves unset take (--generation-config). `adapters`: the LoRA adapters a request may name as
+    `model` (--lora-modules; the workers' engines need enable_lora)."""
     reasoning = None if reasoning_parser is None else ReasoningFormat.for_tokenizer(
         reasoning_parser, tokenizers.tokenizer.backend.token_to_id)
     bodies = BodyParser(tokenizers.limits)
     serving = OpenAIServing(orchestrator, tokenizers, bodies, model_name, request_timeout_s, aliases, tool_call_parser,
-                            reasoning, defaults)
+                            reasoning, defaults, adapters)
     server = HttpServer(build_app(serving, metrics_app, api_key, cors_allowed_origins), tls=tls, on_stop=bodies.close)
     try:
         await server.start(host, port, reuse_port)

@@ -536,7 +536,7 @@ def capture_access_log(served: ServedApis, monkeypatch, caplog):
 def served_apis(model_dir: Path, model_name: str, api_key: str | None = None,
                 served_class: type[ServedApis] = ServedApis, tls=None, aliases: tuple[str, ...] = (),
                 cors_allowed_origins: tuple[str, ...] = ("*",), tool_call_parser: str | None = None,
-                reasoning_parser: str | None = None, generation_config=None, **cluster_options):
+                reasoning_parser: str | None = None, generation_config=None, adapters: tuple = (), **cluster_options):
     """Start the cluster (InProcessCluster options: routing, slo, ...) and the router's servers as
     the local launcher does (deploy/router_app.py: gRPC and HTTP on free loopback ports over one
     TokenizerPool, the router's metrics on the HTTP API; over TLS with a router.tls.TlsConfig);
@@ -545,7 +545,8 @@ def served_apis(model_dir: Path, model_name: str, api_key: str | None = None,
     tool choice on with that parser (router.enable_auto_tool_choice, router.tool_call_parser);
     `reasoning_parser` splits chat outputs into reasoning and content (router.reasoning_parser);
     `generation_config` (a common.config.GenerationConfig; None: the default, auto) is where requests'
-    sampling defaults come from (router.generation_config)."""
+    sampling defaults come from (router.generation_config); `adapters` (common.lora.LoRARequests) are the LoRA
+    adapters requests may name as `model` (lora_modules; the workers' engine_config needs enable_lora)."""
     from splitserve.common.config import GenerationConfig
     from splitserve.common.slo import SloConfig
     from splitserve.deploy.cluster_config import RouterConfig
@@ -560,7 +561,7 @@ def served_apis(model_dir: Path, model_name: str, api_key: str | None = None,
                           enable_auto_tool_choice=tool_call_parser is not None, tool_call_parser=tool_call_parser,
                           reasoning_parser=reasoning_parser, generation_config=generation_config or GenerationConfig())
     servers = loop.run(start_servers(cluster.orchestrator, cluster.tokenizer, config, model_name, metrics, api_key,
-                                     aliases))
+                                     aliases, adapters=adapters))
     try:
         yield served_class(cluster, loop, servers.http.port, servers.grpc.port, servers.grpc, servers.tokenizers)
     finally:

@@ -1,0 +1,136 @@
+"""LoRA adapters over the OpenAI HTTP API (vLLM's --lora-modules): the `model` field selects an adapter, the router
+hands it to the prefill and decode workers (remote prefill, KV transfer), and the output is transformers' greedy
+output of the base model with that adapter merged; /v1/models lists the adapters; prefix caching keeps each
+adapter's blocks apart at the workers and in the router's index; the config and CLI fields."""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import replace
+
+import openai
+import pytest
+
+from splitserve.common.block_hash import BlockHasher
+from splitserve.common.lora import parse_lora_modules
+from splitserve.deploy.cli import build_parser, serve_config
+from splitserve.deploy.cluster_config import ClusterConfigError, default_cluster_config, parse_cluster_config
+from splitserve.testing.in_process_cluster import worker_engine_config
+from splitserve.testing.workloads import GreedyCase
+from tests.factories import (ServedApis, hf_greedy, http_request, merge_lora_adapter, save_random_lora_adapter,
+                             served_apis)
+
+MODEL = "tiny-llama"
+PROMPT = [5, 17, 42, 99, 3, 250, 7, 64, 128, 31, 8, 77, 300, 12, 9, 81, 45, 2, 190]  # 2 full blocks of 8, 3 more
+MAX_TOKENS = 10
+
+
+class Served(ServedApis):
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"http://127.0.0.1:{self.http_port}/v1", api_key="none", max_retries=0,
+                             timeout=60)
+
+
+@pytest.fixture(scope="module")
+def adapter_dirs(tmp_path_factory, tiny_llama_dir):
+    root = tmp_path_factory.mktemp("served-adapters")
+    return {"sql": save_random_lora_adapter(tiny_llama_dir, root / "sql", seed=1),
+            "poet": save_random_lora_adapter(tiny_llama_dir, root / "poet", seed=2, rank=4,
+                                             targets=("q_proj", "v_proj", "down_proj"))}
+
+
+@pytest.fixture(scope="module")
+def served(tiny_llama_dir, adapter_dirs):
+    """Remote prefill for every request (InProcessCluster's default): prefill worker -> KV pull -> decode worker."""
+    adapters = parse_lora_modules(tuple(f"{name}={path}" for name, path in adapter_dirs.items()))
+    engine = replace(worker_engine_config(), enable_lora=True, max_loras=2)
+    with served_apis(tiny_llama_dir, MODEL, served_class=Served, adapters=adapters, engine_config=engine) as served:
+        yield served
+
+
+def completion(served: Served, model: str, prompt: list[int] = PROMPT):
+    return served.client().completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+                                              extra_body={"ignore_eos": True, "return_token_ids": True})
+
+
+def test_the_model_field_selects_an_adapter_through_remote_prefill(served, adapter_dirs, tiny_llama_dir, tmp_path):
+    """Each adapter's greedy token ids over HTTP (prefilled on the prefill worker, decoded on the decode worker
+    after the KV pull) are transformers' with that adapter merged; the base model's are the base's."""
+    outputs = {model: completion(served, model) for model in ("sql", MODEL, "poet")}
+    case = GreedyCase(tuple(PROMPT), MAX_TOKENS, True)
+    expected = {name: hf_greedy(merge_lora_adapter(tiny_llama_dir, path, tmp_path / name), case)
+                for name, path in adapter_dirs.items()}
+    expected[MODEL] = hf_greedy(tiny_llama_dir, case)
+    assert {model: output.choices[0].token_ids for model, output in outputs.items()} == expected
+    assert len({tuple(tokens) for tokens in expected.values()}) == 3  # the adapters change the output
+    assert {model: output.model for model, output in outputs.items()} == {"sql": "sql", MODEL: MODEL, "poet": "poet"}
+    chat = served.client().chat.completions.create(model="poet", messages=[{"role": "user", "content": "hi"}],
+                                                   max_tokens=4, temperature=0)
+    assert chat.model == "poet"
+
+
+def test_adapters_keep_their_prefix_cache_blocks_apart(served):
+    """The same prompt under the base model, "sql" twice and "poet": only the second "sql" request hits the cache,
+    and the router's prefix index holds the prompt's blocks under each adapter's hashes (the workers' rule)."""
+    prompt = list(range(200, 219))
+    cached = [completion(served, model, prompt).usage.prompt_tokens_details.cached_tokens
+              for model in (MODEL, "sql", "sql", "poet")]
+    assert cached == [0, 0, 16, 0]
+    hasher = BlockHasher(8, seed=0)
+    index = served.cluster.orchestrator.index
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        matched = {name: index.matched_blocks(hasher.hash_prefix(prompt, lora_name=name)).get("prefill-0", 0)
+                   for name in (None, "sql", "poet", "other")}
+        if matched == {None: 2, "sql": 2, "poet": 2, "other": 0}:
+            break
+        time.sleep(0.05)
+    assert matched == {None: 2, "sql": 2, "poet": 2, "other": 0}
+
+
+def test_models_lists_the_adapters_with_the_model_as_parent(served, adapter_dirs):
+    cards = served.client().models.list().data
+    assert [(card.id, card.parent, card.root) for card in cards] == [
+        (MODEL, None, MODEL), ("sql", MODEL, str(adapter_dirs["sql"])), ("poet", MODEL, str(adapter_dirs["poet"]))]
+    assert served.client().models.retrieve("sql").parent == MODEL
+    status, _, body = http_request(served.http_port, "GET", "/v1/models/nope")
+    assert status == 404 and b"model_not_found" in body
+    status, _, body = http_request(served.http_port, "POST", "/v1/completions",
+                                   b'{"model": "nope", "prompt": "hi", "max_tokens": 1}')
+    assert status == 404 and b"The model `nope` does not exist" in body
+
+
+# ---- configuration ---------------------------------------------------------------------------------------------
+def test_lora_modules_in_the_config_file_and_on_the_command_line(tmp_path):
+    config = parse_cluster_config(f"""
+model: m
+lora_modules: [sql=/adapters/sql, poet=/adapters/poet]
+prefill: {{engine: {{enable_lora: true, max_loras: 2}}}}
+decode: {{engine: {{enable_lora: true, max_lora_rank: 64}}}}
+""")
+    assert [(r.lora_name, r.lora_int_id, r.lora_path) for r in config.lora_requests] == [
+        ("sql", 1, "/adapters/sql"), ("poet", 2, "/adapters/poet")]
+    assert (config.prefill.engine.max_loras, config.decode.engine.max_lora_rank) == (2, 64)
+    args = build_parser().parse_args(["serve", "m", "--enable-lora", "--lora-modules", "a=/x", "b=/y",
+                                      "--max-loras", "3", "--max-lora-rank", "32"])
+    config = serve_config(args)
+    assert config.lora_modules == ("a=/x", "b=/y")
+    for engine in (config.prefill.engine, config.decode.engine):
+        assert (engine.enable_lora, engine.max_loras, engine.max_lora_rank) == (True, 3, 32)
+
+
+@pytest.mark.parametrize("text, key, message", [
+    ("lora_modules: [sql=/a]", "prefill.engine.enable_lora", "must be true to serve lora_modules"),
+    ("lora_modules: [sql]\nprefill: {engine: {enable_lora: true}}\ndecode: {engine: {enable_lora: true}}",
+     "lora_modules", "must be NAME=PATH"),
+    ("lora_modules: [a=/x, a=/y]\nprefill: {engine: {enable_lora: true}}\ndecode: {engine: {enable_lora: true}}",
+     "lora_modules", "names adapter 'a' twice"),
+    ("lora_modules: [m=/x]\nprefill: {engine: {enable_lora: true}}\ndecode: {engine: {enable_lora: true}}",
+     "lora_modules", "adapter names ['m'] are the model's own names"),
+])
+def test_bad_lora_modules_are_refused_naming_the_key(text, key, message):
+    with pytest.raises(ClusterConfigError, match=re.escape(message)) as raised:
+        parse_cluster_config(f"model: m\n{text}\n")
+    assert raised.value.path == key
+    assert default_cluster_config("m").lora_requests == ()
