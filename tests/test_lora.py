@@ -18,7 +18,7 @@ from splitserve.engine.engine_core import EngineCore
 from splitserve.engine.llm import LLM
 from splitserve.testing.workloads import GreedyCase
 from tests.factories import (hf_greedy, make_request, make_scheduler, merge_lora_adapter, save_random_hf_model,
-                             save_random_lora_adapter)
+                             save_random_lora_adapter, use_flashinfer_on_cpu)
 
 LORA_POOL = dict(block_size=16, max_model_len=256, num_kv_blocks=64, dtype="float32")
 PROMPTS = ([5, 17, 42, 99, 3, 250, 7, 64, 128, 31, 8, 77],
@@ -84,6 +84,23 @@ def test_qwen2_with_qkv_biases_matches_transformers(tiny_qwen2_dir, tmp_path):
     merged = merge_lora_adapter(tiny_qwen2_dir, adapter, tmp_path / "merged")
     assert tokens[0].outputs[0].token_ids == hf_greedy(merged, GreedyCase(PROMPTS[0], MAX_TOKENS, True))
     assert tokens[0].outputs[0].token_ids != hf_greedy(tiny_qwen2_dir, GreedyCase(PROMPTS[0], MAX_TOKENS, True))
+
+
+def test_steps_with_adapter_rows_never_replay_a_cuda_graph(lora_llm, adapters, tiny_llama_dir, monkeypatch):
+    """FlashInfer with captured decode steps (an eager stand-in on CPU): base-only decode steps replay the graphs,
+    a step with any adapter row runs eagerly (the graphs hold the base model's ops only); the tokens are the
+    eager engine's."""
+    requests = [lora(adapters, "all", 1), None, lora(adapters, "some", 2)]
+    prompts = [list(PROMPTS[0]), list(PROMPTS[1]), list(PROMPTS[2])]
+    expected = [o.outputs[0].token_ids for o in lora_llm.generate(prompts, greedy(), lora_request=requests)]
+    use_flashinfer_on_cpu(monkeypatch, graphs=True)
+    llm = LLM(tiny_llama_dir, enable_lora=True, max_loras=2, cuda_graphs=True, **LORA_POOL)
+    graphs = llm.engine.runner.graphs
+    assert llm.generate([prompts[1]], greedy())[0].outputs[0].token_ids == expected[1]
+    replays = graphs.num_replays
+    assert replays == MAX_TOKENS - 1  # every decode step of the base request
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(), lora_request=requests)] == expected
+    assert graphs.num_replays == replays
 
 
 # ---- prefix caching ------------------------------------------------------------------------------------------
