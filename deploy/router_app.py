@@ -20,6 +20,7 @@ from splitserve.common.worker_api import DecodeWorkerAPI, PrefillWorkerAPI
 from splitserve.deploy.cluster_config import ClusterConfig, RouterConfig
 from splitserve.router.access_log import log_access
 from splitserve.router.metrics_server import RouterMetrics
+from splitserve.router.lora_adapters import runtime_updating_allowed
 from splitserve.router.openai_server import HttpServer, start_http_server
 from splitserve.router.orchestrator import Orchestrator
 from splitserve.router.server import GrpcServer, drain, start_grpc_server
@@ -100,7 +101,8 @@ async def start_servers(orchestrator: Orchestrator, tokenizer: RouterTokenizer, 
     HTTP API's /metrics; `api_key` (resolved from config.api_key_env by the caller) guards both
     APIs; requests may name the model `model_name` or any of `aliases`. `reuse_port`: the gRPC
     and HTTP ports are shared with other routers (SO_REUSEPORT). `adapters`: the LoRA adapters the HTTP API's
-    `model` field may name (ClusterConfig.lora_requests). On failure, whatever started is
+    `model` field may name (ClusterConfig.lora_requests; SPLITSERVE_ALLOW_RUNTIME_LORA_UPDATING=true also serves
+    /v1/load_lora_adapter and /v1/unload_lora_adapter, router/lora_adapters.py). On failure, whatever started is
     stopped; a generation config whose defaults cannot serve (GenerationConfigError) starts nothing."""
     defaults = request_defaults(config, tokenizer)
     tokenizers = TokenizerPool.for_orchestrator(tokenizer, orchestrator, config.max_prompt_bytes,
@@ -120,7 +122,7 @@ async def start_servers(orchestrator: Orchestrator, tokenizer: RouterTokenizer, 
                                            metrics.asgi_app() if metrics is not None else None, api_key, config.tls,
                                            aliases, reuse_port, config.cors_allowed_origins,
                                            config.auto_tool_call_parser, config.reasoning_parser, defaults,
-                                           adapters)
+                                           adapters, runtime_updating_allowed())
     except BaseException:
         if grpc is not None:
             await grpc.stop(0)

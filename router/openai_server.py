@@ -53,9 +53,10 @@ from splitserve.router.openai_protocol import (ChatCompletionRequest, ChatRender
 from splitserve.router.api_types import GenerationInput, RouterError, StreamChunk, Usage
 from splitserve.router.beam_search_run import BeamSearchResult, run_beam_search
 from splitserve.router.fanout import IndexedChunk, best_of, by_choice, client_fan_out, merged_usage, sequence_inputs
+from splitserve.router.lora_adapters import AdapterRegistry, UnknownAdapterError
 from splitserve.router.orchestrator import Orchestrator
 from splitserve.router.reasoning_parsers import ReasoningFormat, ReasoningOutput
-from splitserve.router.request_body import BodyParser, MalformedBodyError, Parse
+from splitserve.router.request_body import BodyParser, MalformedBodyError, Parse, json_object
 from splitserve.router.request_limits import PromptTruncation
 from splitserve.router.responses_protocol import ResponsesRenderer, ResponsesRequest, parse_responses_request
 from splitserve.router.stream_interval import every_interval
@@ -172,7 +173,8 @@ class OpenAIServing:
     def __init__(self, orchestrator: Orchestrator, tokenizers: TokenizerPool, bodies: BodyParser, model_name: str,
                  request_timeout_s: float | None = None, aliases: tuple[str, ...] = (),
                  tool_call_parser: str | None = None, reasoning: ReasoningFormat | None = None,
-                 defaults: RequestDefaults = NO_REQUEST_DEFAULTS, adapters: tuple[LoRARequest, ...] = ()) -> None:
+                 defaults: RequestDefaults = NO_REQUEST_DEFAULTS, adapters: tuple[LoRARequest, ...] = (),
+                 runtime_lora_updating: bool = False) -> None:
         self.orchestrator = orchestrator
         self.tokenizers = tokenizers
         self.bodies = bodies
@@ -181,8 +183,10 @@ class OpenAIServing:
         """What /v1/models lists and responses carry as `model`."""
         self.model_names = frozenset((model_name, *aliases))
         """Every name a request may give as `model` (--served-model-name)."""
-        self.adapters = {adapter.lora_name: adapter for adapter in adapters}
+        self.adapters = AdapterRegistry(adapters, self.model_names)
         """LoRA adapters by name (--lora-modules): a request naming one as `model` runs it (vLLM's)."""
+        self.runtime_lora_updating = runtime_lora_updating
+        """Serve /v1/load_lora_adapter and /v1/unload_lora_adapter (router/lora_adapters.py's env gate)."""
         self.request_timeout_s = request_timeout_s
         """Server-side limit on a request's total time (router.request_timeout_s); None: no limit."""
         self.tool_call_parser = tool_call_parser
@@ -208,7 +212,7 @@ class OpenAIServing:
         return await self._serve(request, self._parse_responses, self._responses_job)
 
     async def models(self, request: Request) -> Response:
-        cards = [self._model_card(), *(self._adapter_card(adapter) for adapter in self.adapters.values())]
+        cards = [self._model_card(), *(self._adapter_card(adapter) for adapter in self.adapters.loaded())]
         return JSONResponse({"object": "list", "data": cards})
 
     async def model(self, request: Request) -> Response:
@@ -217,6 +221,29 @@ class OpenAIServing:
         except ApiError as error:
             return error.response()
         return JSONResponse(self._model_card() if adapter is None else self._adapter_card(adapter))
+
+    async def load_lora_adapter(self, request: Request) -> Response:
+        """vLLM's: {"lora_name", "lora_path"} -> 200 and a line of text; 400 naming the field it refuses."""
+        try:
+            body = json_object(await _read_body(request, self.bodies.limits.max_body_bytes))
+            adapter = self.adapters.load(body.get("lora_name"), body.get("lora_path"))
+        except Exception as error:
+            return ApiError.of(error).response()
+        logger.info("LoRA adapter %s loaded from %s (id %d)", quote_for_log(adapter.lora_name),
+                    quote_for_log(adapter.lora_path), adapter.lora_int_id)
+        return Response(f"Success: LoRA adapter '{adapter.lora_name}' added successfully.", media_type="text/plain")
+
+    async def unload_lora_adapter(self, request: Request) -> Response:
+        """vLLM's: {"lora_name"} -> 200 and a line of text; 404 when no adapter of that name is loaded."""
+        try:
+            body = json_object(await _read_body(request, self.bodies.limits.max_body_bytes))
+            adapter = self.adapters.unload(body.get("lora_name"))
+        except UnknownAdapterError as error:
+            return ApiError(404, str(error), "lora_name", "model_not_found").response()
+        except Exception as error:
+            return ApiError.of(error).response()
+        logger.info("LoRA adapter %s unloaded", quote_for_log(adapter.lora_name))
+        return Response(f"Success: LoRA adapter '{adapter.lora_name}' removed successfully.", media_type="text/plain")
 
     async def version(self, request: Request) -> Response:
         return JSONResponse({"version": SERVER_VERSION})
@@ -436,8 +463,9 @@ class OpenAIServing:
 
     def _adapter(self, model: str | None) -> LoRARequest | None:
         """The LoRA adapter `model` names, None for the base model (or no model named); 404 for anything else."""
-        if model in self.adapters:
-            return self.adapters[model]
+        adapter = self.adapters.get(model)
+        if adapter is not None:
+            return adapter
         if model is not None and model not in self.model_names:
             raise ApiError(404, f"The model `{model}` does not exist; this server serves `{self.model_name}`.",
                            "model", "model_not_found")
@@ -717,6 +745,9 @@ def build_app(serving: OpenAIServing, metrics_app: ASGIApp | None = None, api_ke
               Route("/detokenize", serving.detokenize, methods=["POST"]),
               Route("/version", serving.version, methods=["GET"]),
               Route("/health", serving.health, methods=["GET"])]
+    if serving.runtime_lora_updating:  # vLLM serves these only when its environment variable allows it
+        routes += [Route("/v1/load_lora_adapter", serving.load_lora_adapter, methods=["POST"]),
+                   Route("/v1/unload_lora_adapter", serving.unload_lora_adapter, methods=["POST"])]
     if metrics_app is not None:
         routes.append(Route("/metrics", _AsgiRoute(metrics_app), methods=["GET"]))
     app = _AdmissionGate(Starlette(routes=routes, exception_handlers={HTTPException: _http_error}),
@@ -811,7 +842,7 @@ async def start_http_server(orchestrator: Orchestrator, tokenizers: TokenizerPoo
                             reuse_port: bool = False, cors_allowed_origins: tuple[str, ...] = (),
                             tool_call_parser: str | None = None, reasoning_parser: str | None = None,
                             defaults: RequestDefaults = NO_REQUEST_DEFAULTS,
-                            adapters: tuple[LoRARequest, ...] = ()) -> HttpServer:
+                            adapters: tuple[LoRARequest, ...] = (), runtime_lora_updating: bool = False) -> HttpServer:
     """Start the OpenAI-compatible API on the running loop; the server's `port` is the bound one.
     With `api_key`, /v1/* needs `Authorization: Bearer <api_key>`; with `tls`, it is HTTPS only.
     Requests may name the model `model_name` or one of `aliases`. `reuse_port`: share the port
@@ -820,12 +851,13 @@ async def start_http_server(orchestrator: Orchestrator, tokenizers: TokenizerPoo
     `reasoning_parser`: splits chat outputs into reasoning and content (router/reasoning_parsers.py);
     ValueError when the tokenizer lacks its tags. `defaults`: what the sampling fields a generation
     request leaves unset take (--generation-config). `adapters`: the LoRA adapters a request may name as
-    `model` (--lora-modules; the workers' engines need enable_lora)."""
+    `model` (--lora-modules; the workers' engines need enable_lora); `runtime_lora_updating`: also serve
+    /v1/load_lora_adapter and /v1/unload_lora_adapter (router/lora_adapters.py)."""
     reasoning = None if reasoning_parser is None else ReasoningFormat.for_tokenizer(
         reasoning_parser, tokenizers.tokenizer.backend.token_to_id)
     bodies = BodyParser(tokenizers.limits)
     serving = OpenAIServing(orchestrator, tokenizers, bodies, model_name, request_timeout_s, aliases, tool_call_parser,
-                            reasoning, defaults, adapters)
+                            reasoning, defaults, adapters, runtime_lora_updating)
     server = HttpServer(build_app(serving, metrics_app, api_key, cors_allowed_origins), tls=tls, on_stop=bodies.close)
     try:
         await server.start(host, port, reuse_port)

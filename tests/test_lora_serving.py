@@ -5,6 +5,7 @@ adapter's blocks apart at the workers and in the router's index; the config and 
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from dataclasses import replace
@@ -16,6 +17,7 @@ from splitserve.common.block_hash import BlockHasher
 from splitserve.common.lora import parse_lora_modules
 from splitserve.deploy.cli import build_parser, serve_config
 from splitserve.deploy.cluster_config import ClusterConfigError, default_cluster_config, parse_cluster_config
+from splitserve.router.lora_adapters import AdapterRegistry, runtime_updating_allowed
 from splitserve.testing.in_process_cluster import worker_engine_config
 from splitserve.testing.workloads import GreedyCase
 from tests.factories import (ServedApis, hf_greedy, http_request, merge_lora_adapter, save_random_lora_adapter,
@@ -134,3 +136,64 @@ def test_bad_lora_modules_are_refused_naming_the_key(text, key, message):
         parse_cluster_config(f"model: m\n{text}\n")
     assert raised.value.path == key
     assert default_cluster_config("m").lora_requests == ()
+
+
+# ---- runtime loading (vLLM's /v1/load_lora_adapter, /v1/unload_lora_adapter) ------------------------------------
+def test_runtime_loading_endpoints_exist_only_when_the_environment_allows_them(served, adapter_dirs):
+    body = json.dumps({"lora_name": "x", "lora_path": str(adapter_dirs["sql"])}).encode()
+    for path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
+        status, _, response = http_request(served.http_port, "POST", path, body)
+        assert status == 404 and b"unknown_url" in response
+    assert runtime_updating_allowed({}) is False
+    assert runtime_updating_allowed({"SPLITSERVE_ALLOW_RUNTIME_LORA_UPDATING": "true"}) is True
+    assert runtime_updating_allowed({"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}) is True
+
+
+def test_adapters_load_and_unload_at_runtime(tiny_llama_dir, adapter_dirs, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPLITSERVE_ALLOW_RUNTIME_LORA_UPDATING", "true")
+    engine = replace(worker_engine_config(), enable_lora=True, max_loras=2)
+
+    def post(path: str, **fields) -> tuple[int, bytes]:
+        status, _, body = http_request(served.http_port, "POST", path, json.dumps(fields).encode())
+        return status, body
+
+    with served_apis(tiny_llama_dir, MODEL, served_class=Served, engine_config=engine) as served:
+        sql = str(adapter_dirs["sql"])
+        assert post("/v1/load_lora_adapter", lora_name="sql", lora_path=sql) == (
+            200, b"Success: LoRA adapter 'sql' added successfully.")
+        first = completion(served, "sql")
+        expected = hf_greedy(merge_lora_adapter(tiny_llama_dir, adapter_dirs["sql"], tmp_path / "sql"),
+                             GreedyCase(tuple(PROMPT), MAX_TOKENS, True))
+        assert first.choices[0].token_ids == expected and first.model == "sql"
+        assert [card.id for card in served.client().models.list().data] == [MODEL, "sql"]
+        refusals = [post("/v1/load_lora_adapter", lora_name="sql", lora_path=sql),
+                    post("/v1/load_lora_adapter", lora_name="empty", lora_path=str(tmp_path)),
+                    post("/v1/load_lora_adapter", lora_name=MODEL, lora_path=sql),
+                    post("/v1/load_lora_adapter", lora_path=sql)]
+        assert [(status, json.loads(body)["error"]["param"]) for status, body in refusals] == [
+            (400, "lora_name"), (400, "lora_path"), (400, "lora_name"), (400, "lora_name")]
+        assert b"has already been loaded" in refusals[0][1]
+        assert post("/v1/unload_lora_adapter", lora_name="sql") == (
+            200, b"Success: LoRA adapter 'sql' removed successfully.")
+        status, _, body = http_request(served.http_port, "POST", "/v1/completions",
+                                       json.dumps({"model": "sql", "prompt": PROMPT, "max_tokens": 1}).encode())
+        assert status == 404 and b"model_not_found" in body
+        status, body = post("/v1/unload_lora_adapter", lora_name="sql")
+        assert status == 404 and b"The lora adapter 'sql' cannot be found." in body
+        # the same name from another directory would meet the old adapter's weights and KV: refused
+        status, body = post("/v1/load_lora_adapter", lora_name="sql", lora_path=str(adapter_dirs["poet"]))
+        assert status == 400 and b"choose another name" in body
+        # from the same directory it is the same adapter again: its blocks are still cached
+        assert post("/v1/load_lora_adapter", lora_name="sql", lora_path=sql)[0] == 200
+        again = completion(served, "sql")
+        assert again.choices[0].token_ids == expected and again.usage.prompt_tokens_details.cached_tokens == 16
+
+
+def test_the_registry_never_reuses_an_id_for_another_adapter(tmp_path, adapter_dirs):
+    registry = AdapterRegistry(parse_lora_modules((f"a={adapter_dirs['sql']}",)), frozenset({MODEL}))
+    b = registry.load("b", str(adapter_dirs["poet"]))
+    registry.unload("a")
+    a = registry.load("a", str(adapter_dirs["sql"]))
+    c = registry.load("c", str(adapter_dirs["poet"]))
+    assert [(r.lora_name, r.lora_int_id) for r in (a, b, c)] == [("a", 1), ("b", 2), ("c", 3)]
+    assert [r.lora_name for r in registry.loaded()] == ["b", "a", "c"]
