@@ -45,7 +45,8 @@ def adapter_dirs(tmp_path_factory, tiny_llama_dir):
 @pytest.fixture(scope="module")
 def served(tiny_llama_dir, adapter_dirs):
     """Remote prefill for every request (InProcessCluster's default): prefill worker -> KV pull -> decode worker."""
-    adapters = parse_lora_modules(tuple(f"{name}={path}" for name, path in adapter_dirs.items()))
+    adapters = parse_lora_modules((*(f"{name}={path}" for name, path in adapter_dirs.items()),
+                                   f"broken={adapter_dirs['sql'].parent}"))  # no adapter_config.json there
     engine = replace(worker_engine_config(), enable_lora=True, max_loras=2)
     with served_apis(tiny_llama_dir, MODEL, served_class=Served, adapters=adapters, engine_config=engine) as served:
         yield served
@@ -94,13 +95,23 @@ def test_adapters_keep_their_prefix_cache_blocks_apart(served):
 def test_models_lists_the_adapters_with_the_model_as_parent(served, adapter_dirs):
     cards = served.client().models.list().data
     assert [(card.id, card.parent, card.root) for card in cards] == [
-        (MODEL, None, MODEL), ("sql", MODEL, str(adapter_dirs["sql"])), ("poet", MODEL, str(adapter_dirs["poet"]))]
+        (MODEL, None, MODEL), ("sql", MODEL, str(adapter_dirs["sql"])), ("poet", MODEL, str(adapter_dirs["poet"])),
+        ("broken", MODEL, str(adapter_dirs["sql"].parent))]
     assert served.client().models.retrieve("sql").parent == MODEL
     status, _, body = http_request(served.http_port, "GET", "/v1/models/nope")
     assert status == 404 and b"model_not_found" in body
     status, _, body = http_request(served.http_port, "POST", "/v1/completions",
                                    b'{"model": "nope", "prompt": "hi", "max_tokens": 1}')
     assert status == 404 and b"The model `nope` does not exist" in body
+
+
+def test_an_adapter_the_workers_cannot_load_is_a_400_naming_lora_request(served, adapter_dirs):
+    status, _, body = http_request(served.http_port, "POST", "/v1/completions",
+                                   json.dumps({"model": "broken", "prompt": PROMPT, "max_tokens": 2}).encode())
+    error = json.loads(body)["error"]
+    assert (status, error["param"]) == (400, "lora_request")
+    assert f"LoRA adapter '{adapter_dirs['sql'].parent}': no adapter_config.json" in error["message"]
+    assert completion(served, "sql").choices[0].token_ids  # the workers serve on
 
 
 # ---- configuration ---------------------------------------------------------------------------------------------
