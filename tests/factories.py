@@ -174,13 +174,14 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 
 
 def _lora_shapes(config: dict) -> dict[str, tuple[int, int]]:
-    """PEFT module name -> (in_features, out_features) of a Llama-family config.json."""
+    """PEFT module name -> (in_features, out_features) of a Llama-family config.json (qkv_proj and gate_up_proj:
+    Phi-3's fused modules)."""
     hidden, inner = config["hidden_size"], config["intermediate_size"]
     head_dim = config.get("head_dim") or hidden // config["num_attention_heads"]
     q_size, kv_size = config["num_attention_heads"] * head_dim, config["num_key_value_heads"] * head_dim
     return {"q_proj": (hidden, q_size), "k_proj": (hidden, kv_size), "v_proj": (hidden, kv_size),
             "o_proj": (q_size, hidden), "gate_proj": (hidden, inner), "up_proj": (hidden, inner),
-            "down_proj": (inner, hidden)}
+            "down_proj": (inner, hidden), "qkv_proj": (hidden, q_size + 2 * kv_size), "gate_up_proj": (hidden, 2 * inner)}
 
 
 def save_random_lora_adapter(model_dir: Path, out_dir: Path, seed: int, rank: int = 8, lora_alpha: float = 16,
@@ -199,7 +200,7 @@ def save_random_lora_adapter(model_dir: Path, out_dir: Path, seed: int, rank: in
     for layer in range(config["num_hidden_layers"]):
         for module in targets:
             in_features, out_features = shapes[module]
-            block = "mlp" if module in ("gate_proj", "up_proj", "down_proj") else "self_attn"
+            block = "mlp" if module in ("gate_proj", "up_proj", "down_proj", "gate_up_proj") else "self_attn"
             prefix = f"base_model.model.model.layers.{layer}.{block}.{module}"
             tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, in_features, generator=generator) * std
             tensors[f"{prefix}.lora_B.weight"] = torch.randn(out_features, rank, generator=generator) * std

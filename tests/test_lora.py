@@ -16,9 +16,10 @@ from splitserve.common.lora import LoRARequest
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.engine_core import EngineCore
 from splitserve.engine.llm import LLM
+from splitserve.engine.request import RequestStatus
 from splitserve.testing.workloads import GreedyCase
-from tests.factories import (hf_greedy, make_request, make_scheduler, merge_lora_adapter, save_random_hf_model,
-                             save_random_lora_adapter, use_flashinfer_on_cpu)
+from tests.factories import (engine_token_ids, hf_greedy, make_request, make_scheduler, merge_lora_adapter,
+                             run_fake_step, save_random_hf_model, save_random_lora_adapter, use_flashinfer_on_cpu)
 
 LORA_POOL = dict(block_size=16, max_model_len=256, num_kv_blocks=64, dtype="float32")
 PROMPTS = ([5, 17, 42, 99, 3, 250, 7, 64, 128, 31, 8, 77],
@@ -103,6 +104,24 @@ def test_steps_with_adapter_rows_never_replay_a_cuda_graph(lora_llm, adapters, t
     assert graphs.num_replays == replays
 
 
+@pytest.mark.parametrize("architecture, targets", [
+    ("phi3", ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")),  # its checkpoints' (and adapters') fused modules
+    ("gemma", ("k_proj", "gate_proj", "up_proj")),  # GeLU-tanh MLP, (1 + w) norms, scaled embeddings
+])
+def test_other_families_match_transformers_with_the_adapter_merged(architecture, targets, tmp_path):
+    model_dir = save_random_hf_model(tmp_path / architecture, architecture, seed=5)
+    adapter = save_random_lora_adapter(model_dir, tmp_path / "adapter", seed=6, targets=targets)
+    engine = EngineCore(model_dir, EngineConfig(enable_lora=True, **LORA_POOL))
+    case = GreedyCase(tuple(PROMPTS[2]), MAX_TOKENS, True)
+    engine.add_request("base", list(case.prompt_token_ids), case.params())
+    engine.add_request("adapted", list(case.prompt_token_ids), case.params(),
+                       lora_request=LoRARequest("a", 1, str(adapter)))
+    tokens = engine_token_ids(engine)
+    merged = merge_lora_adapter(model_dir, adapter, tmp_path / "merged")
+    assert tokens == {"base": hf_greedy(model_dir, case), "adapted": hf_greedy(merged, case)}
+    assert tokens["adapted"] != tokens["base"]
+
+
 # ---- prefix caching ------------------------------------------------------------------------------------------
 def test_adapter_root_starts_its_own_hash_chain():
     tokens = list(range(8))
@@ -155,6 +174,22 @@ def test_engine_caches_each_adapters_prompt_apart(tiny_llama_dir, adapters):
 
 
 # ---- the scheduler and residency -----------------------------------------------------------------------------
+def test_a_ready_remote_request_of_another_adapter_waits_for_its_turn():
+    """max_loras=1, consumer role: "b"'s pulled request stays in `ready` while "a"'s request runs, and joins the
+    batch once it finished."""
+    scheduler = make_scheduler(num_blocks=32, max_loras=1)
+    scheduler.add_request(make_request("a1", [1, 2, 3], lora_name="a"))
+    run_fake_step(scheduler)  # a1 prefilled, decoding from now on
+    remote = make_request("b1", [4, 5, 6], lora_name="b")
+    scheduler.block_manager.allocate(remote, 3)
+    scheduler.add_remote(remote)
+    scheduler.remote_kv_ready("b1")
+    assert [(c.request_id, c.start_position) for c in scheduler.schedule().chunks] == [("a1", 3)]
+    assert [r.request_id for r in scheduler.ready] == ["b1"]
+    scheduler.finish("a1", RequestStatus.FINISHED_STOPPED)
+    assert [(c.request_id, c.lora_name, c.start_position) for c in scheduler.schedule().chunks] == [("b1", "b", 3)]
+
+
 def test_scheduler_runs_at_most_max_loras_adapters_per_step():
     """max_loras=1: "b"'s request waits at the head of the queue (and the base request behind it too: arrival
     order is kept) until "a"'s finishes; a second "a" request joins a's batch."""
@@ -166,8 +201,8 @@ def test_scheduler_runs_at_most_max_loras_adapters_per_step():
     assert [(c.request_id, c.lora_name) for c in output.chunks] == [("a1", "a"), ("a2", "a")]
     assert [r.request_id for r in scheduler.waiting] == ["b1", "base"]
     scheduler.advance(output)
-    scheduler.finish("a1", scheduler.requests["a1"].status.FINISHED_STOPPED)
-    scheduler.finish("a2", scheduler.requests["a2"].status.FINISHED_STOPPED)
+    scheduler.finish("a1", RequestStatus.FINISHED_STOPPED)
+    scheduler.finish("a2", RequestStatus.FINISHED_STOPPED)
     assert [(c.request_id, c.lora_name) for c in scheduler.schedule().chunks] == [("b1", "b"), ("base", None)]
 
 
