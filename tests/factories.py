@@ -181,7 +181,8 @@ def _lora_shapes(config: dict) -> dict[str, tuple[int, int]]:
     q_size, kv_size = config["num_attention_heads"] * head_dim, config["num_key_value_heads"] * head_dim
     return {"q_proj": (hidden, q_size), "k_proj": (hidden, kv_size), "v_proj": (hidden, kv_size),
             "o_proj": (q_size, hidden), "gate_proj": (hidden, inner), "up_proj": (hidden, inner),
-            "down_proj": (inner, hidden), "qkv_proj": (hidden, q_size + 2 * kv_size), "gate_up_proj": (hidden, 2 * inner)}
+            "down_proj": (inner, hidden), "qkv_proj": (hidden, q_size + 2 * kv_size),
+            "gate_up_proj": (hidden, 2 * inner)}
 
 
 def save_random_lora_adapter(model_dir: Path, out_dir: Path, seed: int, rank: int = 8, lora_alpha: float = 16,
