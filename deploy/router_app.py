@@ -20,7 +20,7 @@ from splitserve.common.worker_api import DecodeWorkerAPI, PrefillWorkerAPI
 from splitserve.deploy.cluster_config import ClusterConfig, RouterConfig
 from splitserve.router.access_log import log_access
 from splitserve.router.metrics_server import RouterMetrics
-from splitserve.router.lora_adapters import runtime_updating_allowed
+from splitserve.router.lora_adapters import AdapterRegistry, runtime_updating_allowed
 from splitserve.router.openai_server import HttpServer, start_http_server
 from splitserve.router.orchestrator import Orchestrator
 from splitserve.router.server import GrpcServer, drain, start_grpc_server
@@ -114,15 +114,17 @@ async def start_servers(orchestrator: Orchestrator, tokenizer: RouterTokenizer, 
             metrics.watch(orchestrator)
             if config.metrics_port is not None:
                 metrics_port = metrics.serve(config.host, config.metrics_port)
+        registry = AdapterRegistry(adapters, frozenset((model_name, *aliases)))  # both APIs' (runtime loads too)
         grpc = await start_grpc_server(orchestrator, tokenizers, model_name, config.host, config.grpc_port,
-                                       config.request_timeout_s, api_key, config.tls, aliases, reuse_port, defaults)
+                                       config.request_timeout_s, api_key, config.tls, aliases, reuse_port, defaults,
+                                       registry)
         if config.http_port is not None:
             http = await start_http_server(orchestrator, tokenizers, model_name, config.host, config.http_port,
                                            config.request_timeout_s,
                                            metrics.asgi_app() if metrics is not None else None, api_key, config.tls,
                                            aliases, reuse_port, config.cors_allowed_origins,
                                            config.auto_tool_call_parser, config.reasoning_parser, defaults,
-                                           adapters, runtime_updating_allowed())
+                                           registry, runtime_updating_allowed())
     except BaseException:
         if grpc is not None:
             await grpc.stop(0)

@@ -173,7 +173,7 @@ class OpenAIServing:
     def __init__(self, orchestrator: Orchestrator, tokenizers: TokenizerPool, bodies: BodyParser, model_name: str,
                  request_timeout_s: float | None = None, aliases: tuple[str, ...] = (),
                  tool_call_parser: str | None = None, reasoning: ReasoningFormat | None = None,
-                 defaults: RequestDefaults = NO_REQUEST_DEFAULTS, adapters: tuple[LoRARequest, ...] = (),
+                 defaults: RequestDefaults = NO_REQUEST_DEFAULTS, adapters: AdapterRegistry | None = None,
                  runtime_lora_updating: bool = False) -> None:
         self.orchestrator = orchestrator
         self.tokenizers = tokenizers
@@ -183,8 +183,9 @@ class OpenAIServing:
         """What /v1/models lists and responses carry as `model`."""
         self.model_names = frozenset((model_name, *aliases))
         """Every name a request may give as `model` (--served-model-name)."""
-        self.adapters = AdapterRegistry(adapters, self.model_names)
-        """LoRA adapters by name (--lora-modules): a request naming one as `model` runs it (vLLM's)."""
+        self.adapters = adapters or AdapterRegistry((), self.model_names)
+        """LoRA adapters by name (--lora-modules; shared with the gRPC API): a request naming one as `model` runs
+        it (vLLM's)."""
         self.runtime_lora_updating = runtime_lora_updating
         """Serve /v1/load_lora_adapter and /v1/unload_lora_adapter (router/lora_adapters.py's env gate)."""
         self.request_timeout_s = request_timeout_s
@@ -842,7 +843,7 @@ async def start_http_server(orchestrator: Orchestrator, tokenizers: TokenizerPoo
                             reuse_port: bool = False, cors_allowed_origins: tuple[str, ...] = (),
                             tool_call_parser: str | None = None, reasoning_parser: str | None = None,
                             defaults: RequestDefaults = NO_REQUEST_DEFAULTS,
-                            adapters: tuple[LoRARequest, ...] = (), runtime_lora_updating: bool = False) -> HttpServer:
+                            adapters: AdapterRegistry | None = None, runtime_lora_updating: bool = False) -> HttpServer:
     """Start the OpenAI-compatible API on the running loop; the server's `port` is the bound one.
     With `api_key`, /v1/* needs `Authorization: Bearer <api_key>`; with `tls`, it is HTTPS only.
     Requests may name the model `model_name` or one of `aliases`. `reuse_port`: share the port

@@ -16,12 +16,13 @@ import pytest
 from splitserve.common.block_hash import BlockHasher
 from splitserve.common.lora import parse_lora_modules
 from splitserve.deploy.cli import build_parser, serve_config
+from splitserve.proto.splitserve.v1 import generation_pb2 as pb
 from splitserve.deploy.cluster_config import ClusterConfigError, default_cluster_config, parse_cluster_config
 from splitserve.router.lora_adapters import AdapterRegistry, runtime_updating_allowed
 from splitserve.testing.in_process_cluster import worker_engine_config
 from splitserve.testing.workloads import GreedyCase
 from tests.factories import (ServedApis, hf_greedy, http_request, merge_lora_adapter, save_random_lora_adapter,
-                             served_apis)
+                             served_apis, stream_tokens)
 
 MODEL = "tiny-llama"
 PROMPT = [5, 17, 42, 99, 3, 250, 7, 64, 128, 31, 8, 77, 300, 12, 9, 81, 45, 2, 190]  # 2 full blocks of 8, 3 more
@@ -71,6 +72,14 @@ def test_the_model_field_selects_an_adapter_through_remote_prefill(served, adapt
     chat = served.client().chat.completions.create(model="poet", messages=[{"role": "user", "content": "hi"}],
                                                    max_tokens=4, temperature=0)
     assert chat.model == "poet"
+
+
+def test_the_grpc_api_selects_adapters_by_model_too(served, tiny_llama_dir, adapter_dirs, tmp_path):
+    case = GreedyCase(tuple(PROMPT), MAX_TOKENS, True)
+    request = pb.GenerateRequest(model="poet", token_ids=pb.TokenIds(ids=PROMPT),
+                                 sampling=pb.SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
+    token_ids, _, _ = stream_tokens(served.grpc_port, request)
+    assert token_ids == hf_greedy(merge_lora_adapter(tiny_llama_dir, adapter_dirs["poet"], tmp_path / "poet"), case)
 
 
 def test_adapters_keep_their_prefix_cache_blocks_apart(served):
