@@ -33,6 +33,9 @@ WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
 UNSUPPORTED_TARGETS = ("embed_tokens", "lm_head")
 """Modules PEFT can adapt that the engine does not (vLLM's extra-vocabulary embeddings and output head)."""
 
+PEFT_DEFAULT_ALPHA = 8
+"""LoraConfig's lora_alpha when adapter_config.json leaves it out."""
+
 _KEY = re.compile(r"base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight")
 
 
@@ -105,7 +108,7 @@ def read_adapter_config(directory: Path, max_lora_rank: int) -> AdapterConfig:
     if not isinstance(raw, dict) or raw.get("peft_type", "LORA") != "LORA":
         raise _bad(directory, f"{CONFIG_FILE} is not a LoRA adapter's (peft_type {raw.get('peft_type')!r})"
                    if isinstance(raw, dict) else f"{CONFIG_FILE} is not a JSON object")
-    rank, alpha = raw.get("r"), raw.get("lora_alpha", raw.get("r"))
+    rank, alpha = raw.get("r"), raw.get("lora_alpha", PEFT_DEFAULT_ALPHA)
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
         raise _bad(directory, f"r must be an integer >= 1, got {rank!r}")
     if rank > max_lora_rank:

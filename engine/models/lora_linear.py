@@ -28,7 +28,8 @@ class LoRAGroup:
 
 @dataclass(frozen=True)
 class LoRABatch:
-    """The adapted rows of one forward, one group per adapter (rows of no group run the base model)."""
+    """The adapted rows of one forward, one group per adapter: the groups' rows are disjoint (a row runs one
+    adapter), so each output row gets at most one adapter's delta; rows of no group run the base model."""
 
     groups: tuple[LoRAGroup, ...]
 
