@@ -14,8 +14,6 @@ fused modules themselves, which adapt all their columns.
 
 from __future__ import annotations
 
-import json
-import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,18 +21,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from splitserve.common.errors import InvalidRequestError
-from splitserve.common.lora import LoRARequest
+from splitserve.common.lora import (AdapterConfig, LoRARequest, adapter_weight_file, bad_adapter,
+                                   read_adapter_config)
 from splitserve.engine.models.llama import LlamaFamilyArch
-
-CONFIG_FILE = "adapter_config.json"
-WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
-
-UNSUPPORTED_TARGETS = ("embed_tokens", "lm_head")
-"""Modules PEFT can adapt that the engine does not (vLLM's extra-vocabulary embeddings and output head)."""
-
-PEFT_DEFAULT_ALPHA = 8
-"""LoraConfig's lora_alpha when adapter_config.json leaves it out."""
 
 _KEY = re.compile(r"base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight")
 
@@ -85,68 +74,13 @@ class LoRAAdapter:
     """(layer index, Slice.projection) -> the pairs adapting that projection (q, k and v share qkv_proj)."""
 
 
-@dataclass(frozen=True)
-class AdapterConfig:
-    """The fields of adapter_config.json the engine reads, checked."""
-
-    rank: int
-    scaling: float
-    target_modules: tuple[str, ...] | None
-    """The named targets; None when target_modules is a regex string or "all-linear" (the weights say which)."""
-
-
-def read_adapter_config(directory: Path, max_lora_rank: int) -> AdapterConfig:
-    """adapter_config.json's LoRA settings; InvalidRequestError naming lora_request for anything the engine
-    cannot run: not a LoRA adapter, rank above max_lora_rank, a bias, DoRA, per-module ranks, saved modules."""
-    path = directory / CONFIG_FILE
-    if not path.is_file():
-        raise _bad(directory, f"no {CONFIG_FILE} (not a PEFT adapter directory)")
-    try:
-        raw = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise _bad(directory, f"{CONFIG_FILE} is not readable JSON ({error})") from None
-    if not isinstance(raw, dict) or raw.get("peft_type", "LORA") != "LORA":
-        raise _bad(directory, f"{CONFIG_FILE} is not a LoRA adapter's (peft_type {raw.get('peft_type')!r})"
-                   if isinstance(raw, dict) else f"{CONFIG_FILE} is not a JSON object")
-    rank, alpha = raw.get("r"), raw.get("lora_alpha", PEFT_DEFAULT_ALPHA)
-    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
-        raise _bad(directory, f"r must be an integer >= 1, got {rank!r}")
-    if rank > max_lora_rank:
-        raise _bad(directory, f"rank {rank} exceeds max_lora_rank {max_lora_rank} (raise --max-lora-rank)")
-    if isinstance(alpha, bool) or not isinstance(alpha, int | float):
-        raise _bad(directory, f"lora_alpha must be a number, got {alpha!r}")
-    _check_unsupported_fields(directory, raw)
-    targets = raw.get("target_modules")
-    named = tuple(targets) if isinstance(targets, list) else None
-    for target in named or ():
-        if target in UNSUPPORTED_TARGETS:
-            raise _bad(directory, f"target module {target!r} is not supported (LoRA applies to the decoder "
-                                  f"layers' projections only)")
-    scaling = alpha / math.sqrt(rank) if raw.get("use_rslora") else alpha / rank
-    return AdapterConfig(rank, float(scaling), named)
-
-
-def _check_unsupported_fields(directory: Path, raw: dict) -> None:
-    if raw.get("bias", "none") != "none":
-        raise _bad(directory, f"bias {raw['bias']!r} is not supported (only \"none\")")
-    for name in ("use_dora", "fan_in_fan_out"):
-        if raw.get(name):
-            raise _bad(directory, f"{name} is not supported")
-    for name in ("rank_pattern", "alpha_pattern"):
-        if raw.get(name):
-            raise _bad(directory, f"{name} (per-module ranks or alphas) is not supported")
-    if raw.get("modules_to_save"):
-        raise _bad(directory, f"modules_to_save {raw['modules_to_save']!r} is not supported (the adapter would "
-                              f"replace whole modules)")
-
-
 def load_adapter(request: LoRARequest, arch: LlamaFamilyArch, max_lora_rank: int, dtype: torch.dtype,
                  device: torch.device) -> LoRAAdapter:
     """The adapter at request.lora_path, checked against `arch` (every tensor's name and shape), in `dtype` on
     `device`; InvalidRequestError naming lora_request when it cannot run on this model."""
     directory = Path(request.lora_path)
     if not directory.is_dir():
-        raise _bad(directory, "no such directory")
+        raise bad_adapter(directory, "no such directory")
     config = read_adapter_config(directory, max_lora_rank)
     tensors = _read_weights(directory)
     slices = module_slices(arch)
@@ -154,15 +88,16 @@ def load_adapter(request: LoRARequest, arch: LlamaFamilyArch, max_lora_rank: int
     for name, tensor in tensors.items():
         match = _KEY.fullmatch(name.replace(".default.", "."))
         if match is None:
-            raise _bad(directory, f"tensor {name!r} is not a decoder layer's lora_A/lora_B weight (embed_tokens, "
-                                  f"lm_head and saved modules are not supported)")
+            raise bad_adapter(directory, f"tensor {name!r} is not a decoder layer's lora_A/lora_B weight "
+                                         f"(embed_tokens, lm_head and saved modules are not supported)")
         layer, module, which = int(match[1]), match[3], match[4]
         if module not in slices or not 0 <= layer < arch.num_layers:
-            raise _bad(directory, f"tensor {name!r}: {arch.architecture} has no adaptable module {module!r} in "
-                                  f"layer {layer} (it has {', '.join(slices)} in layers 0-{arch.num_layers - 1})")
+            raise bad_adapter(directory, f"tensor {name!r}: {arch.architecture} has no adaptable module {module!r} in "
+                                         f"layer {layer} (it has {', '.join(slices)} in layers "
+                                         f"0-{arch.num_layers - 1})")
         found.setdefault((layer, module), {})[which] = tensor
     if not found:
-        raise _bad(directory, "the adapter holds no LoRA weights")
+        raise bad_adapter(directory, "the adapter holds no LoRA weights")
     pairs: dict[tuple[int, str], list[LoRAPair]] = {}
     for (layer, module), halves in sorted(found.items()):
         pair = _pair(directory, f"layer {layer} {module}", halves, slices[module], arch, config, dtype, device)
@@ -171,38 +106,34 @@ def load_adapter(request: LoRARequest, arch: LlamaFamilyArch, max_lora_rank: int
 
 
 def _read_weights(directory: Path) -> dict[str, torch.Tensor]:
-    for file_name in WEIGHT_FILES:
-        path = directory / file_name
-        if not path.is_file():
-            continue
-        try:
-            if path.suffix == ".safetensors":
-                return load_file(str(path))
-            state = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as error:  # safetensors, pickle and zip errors share no base; each means a bad file
-            raise _bad(directory, f"{file_name} is not loadable: {error}") from None
-        if not isinstance(state, dict) or not all(isinstance(t, torch.Tensor) for t in state.values()):
-            raise _bad(directory, f"{file_name} is not a state dict of tensors")
-        return state
-    raise _bad(directory, f"no {' or '.join(WEIGHT_FILES)}")
+    path = adapter_weight_file(directory)
+    try:
+        if path.suffix == ".safetensors":
+            return load_file(str(path))
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # safetensors, pickle and zip errors share no base; each means a bad file
+        raise bad_adapter(directory, f"{path.name} is not loadable: {error}") from None
+    if not isinstance(state, dict) or not all(isinstance(t, torch.Tensor) for t in state.values()):
+        raise bad_adapter(directory, f"{path.name} is not a state dict of tensors")
+    return state
 
 
 def _pair(directory: Path, where: str, halves: dict[str, torch.Tensor], slice_: Slice, arch: LlamaFamilyArch,
           config: AdapterConfig, dtype: torch.dtype, device: torch.device) -> LoRAPair:
     """One module's A and B, shapes checked: A [r, in], B [out, r], r the config's."""
     if set(halves) != {"A", "B"}:
-        raise _bad(directory, f"{where} has lora_{''.join(halves)} without its lora_{'B' if 'A' in halves else 'A'}")
+        missing = "B" if "A" in halves else "A"
+        raise bad_adapter(directory, f"{where} has lora_{''.join(halves)} without its lora_{missing}")
     a, b = halves["A"], halves["B"]
     in_features = arch.q_size if slice_.projection == "self_attn.o_proj" else (
         arch.intermediate_size if slice_.projection == "mlp.down_proj" else arch.hidden_size)
     expected_a, expected_b = (config.rank, in_features), (slice_.end - slice_.start, config.rank)
     if tuple(a.shape) != expected_a or tuple(b.shape) != expected_b:
-        raise _bad(directory, f"{where}: lora_A {list(a.shape)} and lora_B {list(b.shape)}, expected "
-                              f"{list(expected_a)} and {list(expected_b)} (r {config.rank} of this model's shapes)")
+        raise bad_adapter(directory, f"{where}: lora_A {list(a.shape)} and lora_B {list(b.shape)}, expected "
+                                     f"{list(expected_a)} and {list(expected_b)} (r {config.rank} of this model's "
+                                     f"shapes)")
     # scaling folded into B once here: the step then runs two matmuls per pair, no scalar multiply
     return LoRAPair(slice_, a.to(device=device, dtype=dtype).contiguous(),
                     (b.float() * config.scaling).to(device=device, dtype=dtype).contiguous())
 
 
-def _bad(directory: Path, reason: str) -> InvalidRequestError:
-    return InvalidRequestError("lora_request", f"LoRA adapter {str(directory)!r}: {reason}")

@@ -16,6 +16,7 @@ import pytest
 from splitserve.common.block_hash import BlockHasher
 from splitserve.common.lora import parse_lora_modules
 from splitserve.deploy.cli import build_parser, serve_config
+from splitserve.deploy.preflight import PreflightError, check_lora_modules
 from splitserve.proto.splitserve.v1 import generation_pb2 as pb
 from splitserve.deploy.cluster_config import ClusterConfigError, default_cluster_config, parse_cluster_config
 from splitserve.router.lora_adapters import AdapterRegistry, runtime_updating_allowed
@@ -140,6 +141,26 @@ decode: {{engine: {{enable_lora: true, max_lora_rank: 64}}}}
     assert config.lora_modules == ("a=/x", "b=/y")
     for engine in (config.prefill.engine, config.decode.engine):
         assert (engine.enable_lora, engine.max_loras, engine.max_lora_rank) == (True, 3, 32)
+
+
+def test_serve_preflight_refuses_adapters_the_engines_would_refuse(tiny_llama_dir, adapter_dirs, tmp_path):
+    """Before Ray starts: a directory without adapter_config.json, a rank above max_lora_rank, no weight file."""
+    (tmp_path / "no-weights").mkdir()
+    (tmp_path / "no-weights" / "adapter_config.json").write_text('{"r": 4, "lora_alpha": 8}')
+    base = f"model: {tiny_llama_dir}\nprefill: {{engine: {{enable_lora: true}}}}\n"
+    cases = [(f"lora_modules: [sql={adapter_dirs['sql']}, x={tmp_path}]\n" + base,
+              f"lora_modules (--lora-modules) x: LoRA adapter '{tmp_path}': no adapter_config.json"),
+             (f"lora_modules: [sql={adapter_dirs['sql']}]\n" + base + "decode: {engine: {enable_lora: true, "
+              "max_lora_rank: 4}}\n", "lora_modules (--lora-modules) sql: LoRA adapter "
+              f"'{adapter_dirs['sql']}': rank 8 exceeds max_lora_rank 4"),
+             (f"lora_modules: [w={tmp_path / 'no-weights'}]\n" + base,
+              "no adapter_model.safetensors or adapter_model.bin")]
+    for text, message in cases:
+        text += "" if "decode:" in text else "decode: {engine: {enable_lora: true}}\n"
+        with pytest.raises(PreflightError, match=re.escape(message)):
+            check_lora_modules(parse_cluster_config(text))
+    check_lora_modules(parse_cluster_config(f"lora_modules: [sql={adapter_dirs['sql']}]\n" + base
+                                            + "decode: {engine: {enable_lora: true}}\n"))
 
 
 @pytest.mark.parametrize("text, key, message", [
