@@ -73,6 +73,9 @@ def test_the_model_field_selects_an_adapter_through_remote_prefill(served, adapt
     chat = served.client().chat.completions.create(model="poet", messages=[{"role": "user", "content": "hi"}],
                                                    max_tokens=4, temperature=0)
     assert chat.model == "poet"
+    status, _, body = http_request(served.http_port, "POST", "/v1/responses",
+                                   json.dumps({"model": "sql", "input": "hi", "max_output_tokens": 2}).encode())
+    assert (status, json.loads(body)["model"]) == (200, "sql")
 
 
 def test_the_grpc_api_selects_adapters_by_model_too(served, tiny_llama_dir, adapter_dirs, tmp_path):
