@@ -176,6 +176,12 @@ class ChatCompletionRequest:
     priority: int = 0
     """vLLM extension: lower is scheduled earlier under the workers' priority policy (0 only under fcfs)."""
 
+    @property
+    def response_role(self) -> str:
+        """The role of the reply's message: the assistant's after a generation prompt, else the last
+        message's (the output continues it, or follows it with no turn of its own), as vLLM answers."""
+        return "assistant" if self.add_generation_prompt else self.messages[-1].role
+
 
 # ---- parsing --------------------------------------------------------------------------------
 
@@ -840,18 +846,20 @@ class ChatRenderer(_Renderer):
 
     def __init__(self, header: ResponseHeader, token_text: Callable[[int], str], token_bytes: Callable[[int], bytes],
                  include_usage: bool, with_logprobs: bool, prompt_tokens: Sequence[int] | None = None,
-                 tool_output: ToolOutput | None = None, reasoning_output: ReasoningOutput | None = None) -> None:
+                 tool_output: ToolOutput | None = None, reasoning_output: ReasoningOutput | None = None,
+                 role: str = "assistant") -> None:
         """`tool_output`: how each choice's content is split into content and tool calls (None: all
         content); `reasoning_output`: how each choice's text is split into reasoning and content first
         (None: no reasoning parser; the message then has no `reasoning` field). With reasoning hidden
         (include_reasoning false) no logprobs and no output token ids are returned (they would show
-        it), as in vLLM."""
+        it), as in vLLM. `role`: the message's role (ChatCompletionRequest.response_role)."""
         shown = reasoning_output is None or reasoning_output.include_reasoning
         super().__init__(header, token_text, include_usage, with_logprobs and shown, prompt_tokens)
         self.returns_output_ids = shown
         self.token_bytes = token_bytes
         self.tool_output = tool_output
         self.reasoning_output = reasoning_output
+        self.role = role
         self._role_sent: set[int] = set()
         self._parsers: dict[int, OutputParser] = {}
         """Each choice's parser (with tool_output): its stream's, or the one that read its whole output."""
@@ -870,7 +878,7 @@ class ChatRenderer(_Renderer):
         chunks = []
         if index not in self._role_sent:
             self._role_sent.add(index)
-            chunks.append({**self._chunk({"index": index, "delta": {"role": "assistant", "content": ""},
+            chunks.append({**self._chunk({"index": index, "delta": {"role": self.role, "content": ""},
                                           "logprobs": None, "finish_reason": None}),
                            **self._token_id_fields(index, (), False)})
             self._prompt_ids_streamed(index)
@@ -915,7 +923,7 @@ class ChatRenderer(_Renderer):
     def _message(self, index: int, chunks: Sequence[StreamChunk]) -> dict:
         logprobs = [lp for chunk in chunks for lp in chunk.logprobs]
         text = "".join(chunk.text for chunk in chunks)
-        message: dict[str, Any] = {"role": "assistant", "content": text}
+        message: dict[str, Any] = {"role": self.role, "content": text}
         if self.reasoning_output is not None:
             self._reasoners[index] = self.reasoning_output.new_parser()
             split = parse_reasoning(self._reasoners[index], text, [t for chunk in chunks for t in chunk.token_ids])

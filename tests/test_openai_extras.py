@@ -310,6 +310,23 @@ def test_continue_final_message_leaves_the_turn_open(served):
     assert chat.usage.prompt_tokens == body["count"]
 
 
+@pytest.mark.parametrize("messages, add_generation_prompt, role", [
+    ([{"role": "user", "content": "Tell me"}], True, "assistant"),
+    ([{"role": "user", "content": "Tell me"}], False, "user"),
+    ([{"role": "user", "content": "Tell me"}, {"role": "assistant", "content": "The river "}], False, "assistant"),
+    ([{"role": "system", "content": "Be brief."}], False, "system"),
+])
+def test_without_a_generation_prompt_the_reply_has_the_last_messages_role(served, messages, add_generation_prompt,
+                                                                          role):
+    # vLLM's rule (get_chat_request_role): the output continues the last message, so it has its role.
+    extra = {"add_generation_prompt": add_generation_prompt}
+    chat = served.client().chat.completions.create(model=MODEL, messages=messages, max_tokens=2, extra_body=extra)
+    assert chat.choices[0].message.role == role
+    stream = served.client().chat.completions.create(model=MODEL, messages=messages, max_tokens=2, stream=True,
+                                                     extra_body=extra)
+    assert next(iter(stream)).choices[0].delta.role == role
+
+
 def test_chat_template_kwargs_and_documents_reach_the_template(served):
     messages = [{"role": "user", "content": "hi"}]
     status, body = served.post("/tokenize", {"messages": messages, "chat_template_kwargs": {"greeting": "hello"},
