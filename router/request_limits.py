@@ -21,8 +21,6 @@ from splitserve.common.sampling_params import (MAX_ALLOWED_TOKEN_IDS, MAX_BAD_WO
                                                MAX_STOP_TOKEN_IDS, SamplingParams)
 from splitserve.common.validation import require
 
-CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
-"""The chat roles accepted (OpenAI's, `developer` included)."""
 REQUEST_ID_CHARS = frozenset(map(chr, range(0x21, 0x7F)))
 """Printable ASCII without the space: an id is one word of a log line and can never break one."""
 QUOTED_CHARS = 64
@@ -204,15 +202,11 @@ class RequestLimits:
             raise InvalidRequestError("messages", f"holds {num_messages} messages; at most {self.max_chat_messages}")
 
     def check_chat(self, messages: Sequence[ChatMessageLike]) -> None:
-        """Count, roles (CHAT_ROLES), and the contents' bytes together."""
+        """Count, and the contents' bytes together (a long role is bounded by the rendered chat's limit).
+        Any role is served, as vLLM serves one its message model does not name (a template's own roles:
+        Llama 3.1's `ipython`, GLM's `observation`): the template decides what it renders."""
         self.check_message_count(len(messages))
-        num_bytes = 0
-        for index, message in enumerate(messages):
-            if message.role not in CHAT_ROLES:
-                raise InvalidRequestError(f"messages[{index}].role", f"must be one of {', '.join(CHAT_ROLES)}; got "
-                                                                     f"{quote_for_log(message.role, QUOTED_CHARS)}")
-            num_bytes += utf8_length(message.content)
-        self.check_prompt_bytes(num_bytes, "messages")
+        self.check_prompt_bytes(sum(utf8_length(m.content) for m in messages), "messages")
 
     # ---- tools ---------------------------------------------------------------------------------
     def check_tools(self, num_tools: int, num_bytes: int) -> None:
