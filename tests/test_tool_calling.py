@@ -76,7 +76,8 @@ def parse(body: dict):
 # ---- the request ------------------------------------------------------------------------------
 
 def test_an_empty_tools_list_is_no_tools():
-    """As vLLM (OpenAI refuses it): clients send `tools: []` for an agent without tools."""
+    """Clients send `tools: []` for an agent without tools; splitserve takes it, as vLLM did before 0.32 (0.32 and
+    OpenAI refuse it: docs/http_api.md)."""
     assert parse(chat(tools=[])).tool_calling is None
     assert parse(chat(tools=[], tool_choice="none")) == parse(chat())
 
