@@ -25,6 +25,7 @@ from splitserve.common.sampling_params import MAX_LOGPROBS, SamplingParams
 from splitserve.common.structured_output import StructuredOutput
 from splitserve.common.token_logprobs import TokenLogprobs
 from splitserve.router.api_types import StreamChunk, Usage
+from splitserve.router.lax_values import with_lax_values
 from splitserve.router.openai_beam_search import CHAT_UNHONOURED, COMPLETION_UNHONOURED, parse_beam_search
 from splitserve.router.openai_fields import CHAT_REFUSED, COMPLETION_REFUSED, Refused, refuse_unsupported
 from splitserve.router.reasoning_parsers import ReasoningOutput, ReasoningParser, parse_reasoning
@@ -369,7 +370,9 @@ def _request_id(body: Mapping[str, Any], limits: RequestLimits) -> str:
 def parse_completion_request(body: Mapping[str, Any], limits: RequestLimits,
                              defaults: RequestDefaults = NO_REQUEST_DEFAULTS) -> CompletionRequest:
     """`defaults`: the server's sampling defaults (--generation-config); a completion's max_tokens
-    stays 16 when unset, as in vLLM, within their limit."""
+    stays 16 when unset, as in vLLM, within their limit. Scalar fields are read as vLLM's pydantic
+    models read them (router/lax_values.py: `8.0` or `"8"` is 8)."""
+    body = with_lax_values(body, logprobs_is_boolean=False)
     refuse_unsupported(body, COMPLETION_REFUSED)
     logprobs = _typed(body, "logprobs", int, f"an integer in [0, {MAX_LOGPROBS}]")
     echo = _typed(body, "echo", bool, "a boolean", False)
@@ -493,7 +496,9 @@ def parse_chat_request(body: Mapping[str, Any], limits: RequestLimits,
                        defaults: RequestDefaults = NO_REQUEST_DEFAULTS) -> ChatCompletionRequest:
     """The default max_tokens is the defaults' max_new_tokens, else max_model_len: generation may
     then run to the end of the context (the engine ends it there with finish_reason "length"), as
-    in vLLM. `defaults`: the server's sampling defaults (--generation-config)."""
+    in vLLM. `defaults`: the server's sampling defaults (--generation-config). Scalar fields are read
+    as vLLM's pydantic models read them (router/lax_values.py)."""
+    body = with_lax_values(body, logprobs_is_boolean=True)
     refuse_unsupported(body, CHAT_REFUSED)
     messages = _messages(body, limits)
     add_generation_prompt = _flag(body, "add_generation_prompt", True)

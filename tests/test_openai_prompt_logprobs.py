@@ -178,7 +178,7 @@ def test_without_them_no_field_is_added(served):
 @pytest.mark.parametrize(("path", "fields", "message"), [
     ("/v1/completions", {"prompt": PROMPT, "stream": True, "prompt_logprobs": 1}, "stream"),
     ("/v1/completions", {"prompt": PROMPT, "prompt_logprobs": 21}, "[0, 20]"),
-    ("/v1/completions", {"prompt": PROMPT, "prompt_logprobs": "2"}, "integer"),
+    ("/v1/completions", {"prompt": PROMPT, "prompt_logprobs": "two"}, "integer"),
     ("/v1/completions", {"prompt": PROMPT, "echo": True, "logprobs": 21}, "[0, 20]"),
     ("/v1/completions", {"prompt": PROMPT, "logprobs": 1, "max_tokens": 0}, ">= 1"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stream": True, "prompt_logprobs": 2},

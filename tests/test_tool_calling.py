@@ -116,7 +116,7 @@ NAMED = {"type": "function", "function": {"name": "get_time"}}
      "must be a non-empty string, got 5"),
     (chat(tools=TOOLS, tool_choice={"type": "custom", "custom": {}}), "tool_choice.type",
      "must be \"function\", got 'custom'"),
-    (chat(tools=TOOLS, parallel_tool_calls="yes"), "parallel_tool_calls", "must be a boolean, got 'yes'"),
+    (chat(tools=TOOLS, parallel_tool_calls="sure"), "parallel_tool_calls", "must be a boolean, got 'sure'"),
     (chat(tools=TOOLS, tool_choice=NAMED, response_format={"type": "json_object"}), "response_format",
      'cannot be combined with tool_choice naming a function, which constrains the output itself (use '
      'tool_choice "auto" or "none")'),
