@@ -176,12 +176,21 @@ class ChatCompletionRequest:
     """A streamed choice's tokens are sent every this many (vLLM extension, router/stream_interval.py)."""
     priority: int = 0
     """vLLM extension: lower is scheduled earlier under the workers' priority policy (0 only under fcfs)."""
+    echo: bool = False
+    """Start the reply's content with the last message's, when the reply has its role (vLLM's chat echo)."""
 
     @property
     def response_role(self) -> str:
         """The role of the reply's message: the assistant's after a generation prompt, else the last
         message's (the output continues it, or follows it with no turn of its own), as vLLM answers."""
         return "assistant" if self.add_generation_prompt else self.messages[-1].role
+
+    @property
+    def echoed_text(self) -> str:
+        """What the reply's content starts with: with echo, the last message's content when that message
+        has the reply's role (a continued message, say with continue_final_message), else nothing (vLLM's rule)."""
+        last = self.messages[-1]
+        return last.content if self.echo and last.role == self.response_role else ""
 
 
 # ---- parsing --------------------------------------------------------------------------------
@@ -519,7 +528,8 @@ def parse_chat_request(body: Mapping[str, Any], limits: RequestLimits,
         include_usage, continuous_usage, _typed(body, "return_tokens_as_token_ids", bool, "a boolean", False),
         _request_id(body, limits), template, tool_calling, _flag(body, "include_reasoning", True),
         _return_token_ids(body), _truncation(body, limits), _cache_salt(body),
-        parse_beam_search(body, n, sampling, CHAT_UNHONOURED), _stream_interval(body), _priority(body))
+        parse_beam_search(body, n, sampling, CHAT_UNHONOURED), _stream_interval(body), _priority(body),
+        _flag(body, "echo", False))
 
 
 @dataclass(frozen=True)
@@ -852,12 +862,13 @@ class ChatRenderer(_Renderer):
     def __init__(self, header: ResponseHeader, token_text: Callable[[int], str], token_bytes: Callable[[int], bytes],
                  include_usage: bool, with_logprobs: bool, prompt_tokens: Sequence[int] | None = None,
                  tool_output: ToolOutput | None = None, reasoning_output: ReasoningOutput | None = None,
-                 role: str = "assistant") -> None:
+                 role: str = "assistant", echoed_text: str = "") -> None:
         """`tool_output`: how each choice's content is split into content and tool calls (None: all
         content); `reasoning_output`: how each choice's text is split into reasoning and content first
         (None: no reasoning parser; the message then has no `reasoning` field). With reasoning hidden
         (include_reasoning false) no logprobs and no output token ids are returned (they would show
-        it), as in vLLM. `role`: the message's role (ChatCompletionRequest.response_role)."""
+        it), as in vLLM. `role`: the message's role (ChatCompletionRequest.response_role); `echoed_text`:
+        what its content starts with (ChatCompletionRequest.echoed_text), streamed as one chunk after the role's."""
         shown = reasoning_output is None or reasoning_output.include_reasoning
         super().__init__(header, token_text, include_usage, with_logprobs and shown, prompt_tokens)
         self.returns_output_ids = shown
@@ -865,6 +876,7 @@ class ChatRenderer(_Renderer):
         self.tool_output = tool_output
         self.reasoning_output = reasoning_output
         self.role = role
+        self.echoed_text = echoed_text
         self._role_sent: set[int] = set()
         self._parsers: dict[int, OutputParser] = {}
         """Each choice's parser (with tool_output): its stream's, or the one that read its whole output."""
@@ -887,7 +899,10 @@ class ChatRenderer(_Renderer):
                                           "logprobs": None, "finish_reason": None}),
                            **self._token_id_fields(index, (), False)})
             self._prompt_ids_streamed(index)
-        self._count_tokens(index, chunk)  # after the role chunk: it carries no tokens
+            if self.echoed_text:
+                chunks.append(self._chunk({"index": index, "delta": {"content": self.echoed_text}, "logprobs": None,
+                                           "finish_reason": None}))
+        self._count_tokens(index, chunk)  # after the role (and echo) chunk: they carry no tokens
         delta, logprobs = self._delta(index, chunk), self._logprobs(chunk.logprobs)
         finish_reason = self._finish_reason(index, chunk)
         returns_ids = self.prompt_token_ids is not None and self.returns_output_ids and chunk.token_ids
@@ -944,6 +959,8 @@ class ChatRenderer(_Renderer):
                 message["tool_calls"] = [{"id": call.id, "type": "function",
                                           "function": {"name": call.name, "arguments": call.arguments}}
                                          for call in parsed.tool_calls]
+        if self.echoed_text:
+            message["content"] = self.echoed_text + (message["content"] or "")
         return {"message": message, "logprobs": self._logprobs(logprobs)}
 
     def _usage_body(self, usage: Usage) -> dict:

@@ -419,7 +419,7 @@ class OpenAIServing:
                                 self.tokenizers.tokenizer.token_bytes, parsed.include_usage,
                                 parsed.sampling.logprobs is not None,
                                 _prompt_lengths(chat.inputs) if parsed.continuous_usage else None, chat.tool_output,
-                                chat.reasoning_output, parsed.response_role)
+                                chat.reasoning_output, parsed.response_role, parsed.echoed_text)
         if parsed.return_token_ids:
             renderer.with_token_ids([chat.inputs[0].prompt_token_ids] * parsed.n)
         return _Job(chat.request_id, chat.inputs, parsed.n, parsed.n, renderer, parsed.stream, parsed.beam_search,
