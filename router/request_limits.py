@@ -23,6 +23,9 @@ from splitserve.common.validation import require
 
 REQUEST_ID_CHARS = frozenset(map(chr, range(0x21, 0x7F)))
 """Printable ASCII without the space: an id is one word of a log line and can never break one."""
+MAX_TEMPERATURE = 2.0
+"""The hottest temperature a served request may ask for: OpenAI's bound, which vLLM holds every request to
+(SamplingParams itself takes any temperature >= 0: the engine and its offline LLM sample at any)."""
 QUOTED_CHARS = 64
 """Characters of a client's value an error message quotes."""
 MAX_SEQUENCES = 128
@@ -218,8 +221,10 @@ class RequestLimits:
 
     # ---- sampling and output length ----------------------------------------------------------
     def check_sampling(self, params: SamplingParams, max_tokens_field: str | None) -> None:
-        """Stop strings and ids, and a max_tokens the client set (`max_tokens_field`: the field that
-        set it, None when defaulted) that no prompt could leave room for."""
+        """The temperature's range, stop strings and ids, and a max_tokens the client set (`max_tokens_field`:
+        the field that set it, None when defaulted) that no prompt could leave room for."""
+        if params.temperature > MAX_TEMPERATURE:
+            raise InvalidRequestError("temperature", f"must be in [0, {MAX_TEMPERATURE:g}], got {params.temperature}")
         if len(params.stop) > self.max_stop_strings:
             raise InvalidRequestError("stop", f"must hold at most {self.max_stop_strings} strings, got "
                                               f"{len(params.stop)}")

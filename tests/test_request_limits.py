@@ -154,6 +154,8 @@ CASES = [
          "has 2048 tokens; max_model_len is 2048 (including at least one output token)", token_ids=[7] * 2048),
     Case("max_chat_messages", {"grpc": "messages", "chat": "messages"}, "holds 1025 messages; at most 1024",
          messages=[("user", "hi")] * 1025),
+    Case("max_temperature", dict.fromkeys(SAMPLING_APIS, "temperature"), "must be in [0, 2], got 2.5",
+         sampling={"temperature": 2.5}),
     Case("max_stop_strings", dict.fromkeys(SAMPLING_APIS, "stop"), "must hold at most 64 strings, got 65",
          sampling={"stop": [f"s{i}" for i in range(65)]}),
     Case("max_stop_string_chars", dict.fromkeys(SAMPLING_APIS, "stop"),
