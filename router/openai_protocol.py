@@ -462,6 +462,12 @@ def _chat_logprobs(body: Mapping[str, Any]) -> int | None:
     return (top or 0) if wanted else None
 
 
+def _echoed_prompt_logprobs(body: Mapping[str, Any]) -> int:
+    """A chat with echo returns its prompt's logprobs with top_logprobs alternatives (0 when unset), as
+    vLLM's does (its echo asks for them); a stream has no place for them, so a streamed one computes none."""
+    return _typed(body, "top_logprobs", int, f"an integer in [0, {MAX_LOGPROBS}]") or 0
+
+
 def _documents(body: Mapping[str, Any]) -> tuple[Mapping[str, str], ...] | None:
     documents = _typed(body, "documents", list, "a list of objects of strings")
     if documents is None:
@@ -518,18 +524,18 @@ def parse_chat_request(body: Mapping[str, Any], limits: RequestLimits,
     max_tokens, max_tokens_param = _max_tokens(body, ("max_completion_tokens", "max_tokens"),
                                                defaults.default_max_tokens(limits.max_model_len))
     stream, include_usage, continuous_usage = _stream_flags(body)
+    echo = _flag(body, "echo", False)
     sampling = _with_prompt_logprobs(body, _sampling(body, defaults.limited(max_tokens), max_tokens_param,
                                                      _chat_logprobs(body), limits, defaults,
                                                      None if tool_calling is None else tool_calling.constraint()),
-                                     stream)
+                                     stream, _echoed_prompt_logprobs(body) if echo and not stream else None)
     n = _count(body, "n", 1)
     return ChatCompletionRequest(
         _model(body), messages, n, add_generation_prompt, sampling, max_tokens_param, stream,
         include_usage, continuous_usage, _typed(body, "return_tokens_as_token_ids", bool, "a boolean", False),
         _request_id(body, limits), template, tool_calling, _flag(body, "include_reasoning", True),
         _return_token_ids(body), _truncation(body, limits), _cache_salt(body),
-        parse_beam_search(body, n, sampling, CHAT_UNHONOURED), _stream_interval(body), _priority(body),
-        _flag(body, "echo", False))
+        parse_beam_search(body, n, sampling, CHAT_UNHONOURED), _stream_interval(body), _priority(body), echo)
 
 
 @dataclass(frozen=True)

@@ -338,6 +338,13 @@ def test_chat_echo_starts_the_reply_with_the_message_it_continues(served):
                                             extra_body={**continued, "echo": True})
     assert echoed.choices[0].message.content == "The river " + plain.choices[0].message.content
     assert echoed.usage.completion_tokens == plain.usage.completion_tokens == 3
+    # as vLLM's, an echo also returns the prompt's logprobs (top_logprobs alternatives: none unset)
+    prompt_ids = served.cluster.tokenizer.encode_rendered("<|im_start|>user\nTell me<|im_end|>\n"
+                                                          "<|im_start|>assistant\nThe river ")
+    prompt_logprobs = echoed.model_extra["prompt_logprobs"]
+    assert prompt_logprobs[0] is None and [list(entry) for entry in prompt_logprobs[1:]] == [
+        [str(token_id)] for token_id in prompt_ids[1:]]
+    assert "prompt_logprobs" not in plain.model_extra
     chunks = list(client.chat.completions.create(model=MODEL, messages=prefill, max_tokens=3, temperature=0,
                                                  stream=True, extra_body={**continued, "echo": True}))
     assert [chunks[0].choices[0].delta.role, chunks[1].choices[0].delta.content] == ["assistant", "The river "]
