@@ -108,8 +108,6 @@ class CompletionRequest:
     echo: bool
     """Each choice's text starts with its prompt's text."""
     sampling: SamplingParams
-    max_tokens_param: str | None
-    """The field that set sampling.max_tokens; None when defaulted (then only the context length bounds it)."""
     stream: bool
     include_usage: bool
     """stream_options.include_usage: a last stream chunk with usage and no choices."""
@@ -151,6 +149,7 @@ class ChatCompletionRequest:
     sampling: SamplingParams
     """sampling.logprobs is top_logprobs when logprobs is true, else None."""
     max_tokens_param: str | None
+    """The field that set sampling.max_tokens; None when defaulted (the Responses API repeats a set one)."""
     stream: bool
     include_usage: bool
     continuous_usage: bool
@@ -399,7 +398,7 @@ def parse_completion_request(body: Mapping[str, Any], limits: RequestLimits,
     best_of = _best_of(body, n, stream, beam_search is not None)
     truncation = _truncation(body, limits)
     return CompletionRequest(_model(body), _prompts(body, limits, best_of, truncation is not None), n, best_of, echo,
-                             sampling, max_tokens_param, stream, include_usage, continuous_usage,
+                             sampling, stream, include_usage, continuous_usage,
                              _typed(body, "return_tokens_as_token_ids", bool, "a boolean", False),
                              _request_id(body, limits), _flag(body, "add_special_tokens", True),
                              _return_token_ids(body), truncation, echo_only, _cache_salt(body), beam_search,

@@ -396,9 +396,8 @@ class OpenAIServing:
         params = parsed.sampling
         if parsed.best_of > parsed.n and params.logprobs is None:  # best_of ranks by the sampled tokens' logprobs
             params = dataclasses.replace(params, logprobs=0)
-        request_id, inputs = await self._inputs(prompts, params, parsed.max_tokens_param, "prompt",
-                                                parsed.request_id, parsed.best_of, parsed.truncation,
-                                                parsed.cache_salt, parsed.priority, adapter)
+        request_id, inputs = await self._inputs(prompts, params, "prompt", parsed.request_id, parsed.best_of,
+                                                parsed.truncation, parsed.cache_salt, parsed.priority, adapter)
         echo = [self._prompt_text(p) for p in parsed.prompts] if parsed.echo else ()
         renderer = CompletionRenderer(self._header("cmpl", request_id, adapter),
                                       self._token_text(parsed.tokens_as_ids),
@@ -448,9 +447,9 @@ class OpenAIServing:
             reasoning_output = self.reasoning.for_request(token_ids, parsed.template.template_kwargs,
                                                           parsed.include_reasoning)
             sampling = reasoning_output.sampling(sampling)
-        request_id, inputs = await self._inputs([token_ids], sampling, parsed.max_tokens_param, prompt_param,
-                                                parsed.request_id, parsed.n, cache_salt=parsed.cache_salt,
-                                                priority=parsed.priority, lora_request=adapter)
+        request_id, inputs = await self._inputs([token_ids], sampling, prompt_param, parsed.request_id, parsed.n,
+                                                cache_salt=parsed.cache_salt, priority=parsed.priority,
+                                                lora_request=adapter)
         return _ChatInputs(request_id, inputs, tool_output, reasoning_output)
 
     def _prompt_text(self, prompt: str | tuple[int, ...]) -> str:
@@ -476,16 +475,16 @@ class OpenAIServing:
         """What a response carries as `model`: the adapter's name when one ran (vLLM's), else the model's."""
         return self.model_name if adapter is None else adapter.lora_name
 
-    async def _inputs(self, prompts: list[tuple[int, ...]], params: SamplingParams, max_tokens_param: str | None,
-                      prompt_param: str, request_id: str, num_sequences: int,
+    async def _inputs(self, prompts: list[tuple[int, ...]], params: SamplingParams, prompt_param: str,
+                      request_id: str, num_sequences: int,
                       truncation: PromptTruncation | None = None, cache_salt: str | None = None,
                       priority: int = 0,
                       lora_request: LoRARequest | None = None) -> tuple[str, tuple[GenerationInput, ...]]:
         """Cut each prompt as `truncation` says, check it (`prompt_param`: the body field it came
-        from; `[i]` names one of a batch) and, when the client set max_tokens, that prompt + output
-        fit the context; then (the request's id, one input per sequence). `request_id`: the
-        client's ("": new); `cache_salt`: the request's (every sequence's) prefix-cache salt; `priority`: its
-        (every sequence's) scheduling priority; `lora_request`: the adapter every sequence runs with (None: the
+        from; `[i]` names one of a batch); then (the request's id, one input per sequence). A max_tokens
+        longer than the context leaves ends there (vLLM's). `request_id`: the client's ("": new);
+        `cache_salt`: the request's (every sequence's) prefix-cache salt; `priority`: its (every
+        sequence's) scheduling priority; `lora_request`: the adapter every sequence runs with (None: the
         base model)."""
         params = await self.tokenizers.tokenize_bad_words(params)
         if truncation is not None:
@@ -493,7 +492,6 @@ class OpenAIServing:
         for index, token_ids in enumerate(prompts):
             field = prompt_param if len(prompts) == 1 else f"{prompt_param}[{index}]"
             self.orchestrator.validate_prompt(token_ids, field)
-            self.tokenizers.limits.check_max_tokens(len(token_ids), params, max_tokens_param)
         deadline = None if self.request_timeout_s is None else time.monotonic() + self.request_timeout_s
         base = GenerationInput(self.orchestrator.new_request_id(request_id), prompts[0], params, deadline,
                                cache_salt=cache_salt, priority=priority, lora_request=lora_request)

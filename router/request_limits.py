@@ -6,7 +6,8 @@ Every API applies them in the same order, cheapest first and each before the wor
 admission (Orchestrator.admit, O(1), before the request is parsed or tokenized), then
 while parsing the sizes and values checked here (linear in what the client sent, never in
 tokens), then tokenization in a bounded pool (router/tokenizer_pool.py, which also checks a
-rendered chat's size before encoding it), then check_max_tokens against the prompt's token count.
+rendered chat's size before encoding it). A max_tokens longer than what the prompt leaves of the
+context is served, as vLLM serves it: generation ends at the end of the context (finish reason length).
 """
 
 from __future__ import annotations
@@ -240,9 +241,9 @@ class RequestLimits:
             raise InvalidRequestError("stop_token_ids", f"must be below the vocabulary size {self.vocab_size}, got "
                                                         f"{outside[:5]}")
         self._check_logit_controls(params)
-        if max_tokens_field is not None and params.max_tokens >= self.max_model_len:
-            raise InvalidRequestError(max_tokens_field, f"must be below max_model_len {self.max_model_len} (the prompt "
-                                                        f"takes at least one token), got {params.max_tokens}")
+        if max_tokens_field is not None and params.max_tokens > self.max_model_len:
+            raise InvalidRequestError(max_tokens_field, f"must be at most max_model_len {self.max_model_len}, got "
+                                                        f"{params.max_tokens}")
 
     def _check_logit_controls(self, params: SamplingParams) -> None:
         """Sizes of logit_bias, allowed_token_ids and bad_words, and the ids' vocabulary (bad words'
@@ -259,9 +260,3 @@ class RequestLimits:
                                                    f"one of {longest}")
         params.check_logit_control_vocabulary(self.vocab_size)
 
-    def check_max_tokens(self, num_prompt_tokens: int, params: SamplingParams, max_tokens_field: str | None) -> None:
-        """A max_tokens the client set must fit after the prompt (as vLLM); a defaulted one is only
-        an upper bound (generation ends at the end of the context with finish reason length)."""
-        if max_tokens_field is not None and num_prompt_tokens + params.max_tokens > self.max_model_len:
-            raise InvalidRequestError(max_tokens_field, f"{params.max_tokens} output tokens after {num_prompt_tokens} "
-                                                        f"prompt tokens exceed max_model_len {self.max_model_len}")

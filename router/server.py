@@ -187,7 +187,6 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         token_ids = await prompt_token_ids(request, self.tokenizers, truncation is not None)
         if truncation is not None:
             token_ids = truncation.applied(token_ids)
-        limits.check_max_tokens(len(token_ids), params, max_tokens_field)
         return GenerationInput(request_id, token_ids, params, grpc_deadline(context, self.request_timeout_s),
                                ttft_slo_s, tpot_slo_s, cache_salt=cache_salt, priority=request.priority,
                                lora_request=adapter)

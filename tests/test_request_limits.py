@@ -180,8 +180,7 @@ CASES = [
     Case("max_bad_word_chars", dict.fromkeys(SAMPLING_APIS, "bad_words"),
          "each must be at most 1024 characters, got one of 1025", sampling={"bad_words": ["ok", "x" * 1025]}),
     Case("max_model_len (max_tokens)", dict.fromkeys(SAMPLING_APIS, "max_tokens"),
-         f"must be below max_model_len 2048 (the prompt takes at least one token), got {2**31 - 1}",
-         sampling={"max_tokens": 2**31 - 1}),
+         "must be at most max_model_len 2048, got 2049", sampling={"max_tokens": 2049}),
     Case("max_request_id_chars", {"grpc": "request_id", "triton": "id"}, "must be at most 256 characters, got 257",
          request_id="r" * 257),
     Case("request id characters", {"grpc": "request_id", "triton": "id"},
@@ -230,22 +229,19 @@ def test_every_api_refuses_what_the_table_refuses_naming_the_field(served, case,
         assert served.http(*_http_body(case, api)) == (400, field, f"{field}: {case.message}")
 
 
-def test_a_max_tokens_that_does_not_fit_after_the_prompt_is_refused_on_every_api(served):
-    tokenizer = served.tokenizers.tokenizer
-    text_tokens = len(tokenizer.encode(PROMPT))
-    chat_tokens = len(tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}]))
-    over = MAX_MODEL_LEN - text_tokens + 1
-
-    def message(field: str, num_prompt_tokens: int) -> str:
-        return f"{field}: {over} output tokens after {num_prompt_tokens} prompt tokens exceed max_model_len 2048"
-
-    case = Case("", {}, "", sampling={"max_tokens": over})
-    assert served.grpc(_grpc_request(case)) == ("INVALID_ARGUMENT", message("max_tokens", text_tokens))
-    assert served.triton(_triton_request(case)) == ("INVALID_ARGUMENT", message("max_tokens", text_tokens))
-    assert served.http(*_http_body(case, "completions")) == (400, "max_tokens", message("max_tokens", text_tokens))
-    assert served.http("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": PROMPT}],
-                                                "max_completion_tokens": over}) == (
-        400, "max_completion_tokens", message("max_completion_tokens", chat_tokens))
+def test_a_max_tokens_longer_than_the_prompt_leaves_runs_to_the_end_of_the_context_on_every_api(served):
+    """vLLM 0.32's rule: a max_tokens up to max_model_len is served whatever the prompt, and generation ends at
+    the end of the context (finish reason length); only one above max_model_len is refused."""
+    text = "river " * next(n for n in range(MAX_MODEL_LEN, 0, -1)
+                           if len(served.tokenizers.tokenizer.encode("river " * n)) <= MAX_MODEL_LEN - 5)
+    room = MAX_MODEL_LEN - len(served.tokenizers.tokenizer.encode(text))
+    case = Case("", {}, "", text=text, sampling={"max_tokens": MAX_MODEL_LEN, "ignore_eos": True, "temperature": 0})
+    path, body = _http_body(case, "completions")
+    status, raw = _post(served.http_port, path, json.dumps(body).encode())
+    reply = json.loads(raw)
+    assert (status, reply["choices"][0]["finish_reason"], reply["usage"]["completion_tokens"]) == (200, "length", room)
+    assert served.grpc(_grpc_request(case)) == ("OK", "")
+    assert served.triton(_triton_request(case))[0] == "OK"
 
 
 def test_every_role_is_served_as_vllm_serves_a_templates_own_roles(served):
