@@ -27,7 +27,7 @@ NUMBER_FIELDS = frozenset({"temperature", "top_p", "min_p", "presence_penalty", 
 BOOLEAN_FIELDS = frozenset({"stream", "echo", "ignore_eos", "skip_special_tokens", "include_stop_str_in_output",
                             "add_special_tokens", "return_tokens_as_token_ids", "return_token_ids",
                             "add_generation_prompt", "continue_final_message", "parallel_tool_calls",
-                            "include_reasoning", "use_beam_search"})
+                            "include_reasoning", "use_beam_search", "return_token_strs"})
 """Fields both endpoints' models type alike; `logprobs` is an integer for completions, a boolean for chats."""
 STREAM_OPTION_FIELDS = frozenset({"include_usage", "continuous_usage_stats"})
 

@@ -559,7 +559,9 @@ _PROMPT_TOOLS = Refused("tools", (), "a prompt is tokenized as it is (send messa
 
 
 def parse_tokenize_request(body: Mapping[str, Any], limits: RequestLimits) -> TokenizeRequest:
-    """A chat's `tools` are rendered as the chat endpoint renders them."""
+    """A chat's `tools` are rendered as the chat endpoint renders them; flags are read as vLLM's pydantic
+    model reads them (router/lax_values.py)."""
+    body = with_lax_values(body, logprobs_is_boolean=True)
     refuse_unsupported(body, _TOKENIZE_REFUSED)
     return_token_strs = _typed(body, "return_token_strs", bool, "a boolean", False)
     if "messages" in body:

@@ -186,3 +186,9 @@ def test_a_stream_flag_given_as_a_string_streams(port):
     events = [line.removeprefix(b"data: ") for line in raw.split(b"\n\n") if line]
     assert status == 200 and events[-1] == b"[DONE]"
     assert json.loads(events[-2])["usage"]["completion_tokens"] == 2
+
+
+def test_tokenize_reads_its_flags_as_vllms_pydantic_model_does(port):
+    exact = post(port, "/tokenize", {"prompt": "Hello", "add_special_tokens": False, "return_token_strs": True})
+    lax = post(port, "/tokenize", {"prompt": "Hello", "add_special_tokens": "false", "return_token_strs": 1})
+    assert exact == lax and exact[0] == 200 and exact[1]["token_strs"] is not None
