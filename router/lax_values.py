@@ -21,7 +21,7 @@ _NUMBER_TEXT = re.compile(r"\s*[+-]?(\d+(_\d+)*(\.(\d+(_\d+)*)?)?|\.\d+(_\d+)*)(
 """pydantic's float strings (the finite ones; "nan" and "inf", which it also takes, stay refused here)."""
 
 INTEGER_FIELDS = frozenset({"max_tokens", "max_completion_tokens", "n", "best_of", "top_logprobs", "top_k", "seed",
-                            "min_tokens", "truncate_prompt_tokens", "prompt_logprobs", "priority"})
+                            "min_tokens", "truncate_prompt_tokens", "prompt_logprobs", "priority", "stream_interval"})
 NUMBER_FIELDS = frozenset({"temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                            "repetition_penalty", "length_penalty"})
 BOOLEAN_FIELDS = frozenset({"stream", "echo", "ignore_eos", "skip_special_tokens", "include_stop_str_in_output",

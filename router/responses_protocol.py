@@ -119,7 +119,7 @@ class ResponsesRequest:
     """POST /v1/responses."""
 
     chat: ChatCompletionRequest
-    """The chat request for the same generation (its max_tokens_param renamed to max_output_tokens)."""
+    """The chat request for the same generation (its max_tokens_param: whether max_output_tokens was set)."""
     settings: ResponseSettings
 
 

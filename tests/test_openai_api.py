@@ -188,8 +188,8 @@ def test_stream_interval_sends_the_tokens_in_chunks_of_at_least_that_many(served
 
 
 @pytest.mark.parametrize(("value", "message"), [(0, "must be an integer >= 1, got 0"),
-                                                (True, "must be an integer >= 1, got True"),
-                                                ("2", "must be an integer >= 1, got '2'")])
+                                                (2.5, "must be an integer >= 1, got 2.5"),
+                                                ("two", "must be an integer >= 1, got 'two'")])
 def test_a_bad_stream_interval_is_a_400(served, value, message):
     status, reply = served.post("/v1/completions", {"model": MODEL, "prompt": PROMPT, "stream_interval": value})
     assert (status, reply["error"]["param"], reply["error"]["message"]) == (400, "stream_interval",

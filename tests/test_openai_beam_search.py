@@ -174,7 +174,7 @@ def test_ignore_eos_runs_every_beam_to_max_tokens(eos_served, prompt_ids):
     ("/v1/completions", {"stop": ["."]}, "stop"),
     ("/v1/completions", {"echo": True}, "echo"),
     ("/v1/completions", {"repetition_penalty": 1.2}, "repetition_penalty"),
-    ("/v1/completions", {"use_beam_search": "yes"}, "use_beam_search"),
+    ("/v1/completions", {"use_beam_search": "sure"}, "use_beam_search"),  # "yes" is true, as pydantic reads it
     ("/v1/completions", {"length_penalty": None}, "length_penalty"),
     ("/v1/completions", {"use_beam_search": False, "length_penalty": 2.0}, "length_penalty"),
     ("/v1/chat/completions", {"n": 11}, "n"),
