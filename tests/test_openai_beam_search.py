@@ -228,6 +228,10 @@ def test_a_client_going_away_stops_every_beam(served):
         connection.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                            b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
         time.sleep(1.0)
+    deadline = time.monotonic() + 10.0
+    while served.requests_ended("request_failure", code="CANCELLED") == cancelled:  # the search's one record
+        assert time.monotonic() < deadline, "the search did not end after its client went away"
+        time.sleep(0.05)
     served.loop.run(served.cluster.wait_idle())
     stopped_at = _generated_tokens(served)
     time.sleep(0.5)
