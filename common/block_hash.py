@@ -10,6 +10,11 @@ little-endian encoding, never Python's randomized `hash()`.
 salted root H(seed root, salt): the salt enters the first block's hash only, and the chain
 carries it to every later block, so requests share cached blocks iff they have the same salt
 (or both none). Router and workers hash through BlockHasher alone, so their hashes agree.
+
+A request that runs with a LoRA adapter starts from the adapter's root H(root or salted root, adapter name):
+the same tokens under two adapters (or under one and the base model) compute different KV, so they must never
+share a block. The router hashes with the adapter name the OpenAI `model` field selected, the workers with the
+name of the request's LoRARequest: the same rule, so their hashes agree.
 """
 
 from __future__ import annotations
@@ -42,6 +47,13 @@ def salted_root(root: BlockHash, cache_salt: str) -> BlockHash:
     return int.from_bytes(hashlib.blake2b(payload, digest_size=_DIGEST_BYTES).digest(), "little")
 
 
+def adapter_root(root: BlockHash, lora_name: str) -> BlockHash:
+    """The parent hash of the first block of a sequence run with the LoRA adapter `lora_name` (`root`: the seed's
+    or the salted root). The "splitserve-lora" prefix keeps it apart from salted roots and block hashes."""
+    payload = b"splitserve-lora" + root.to_bytes(_DIGEST_BYTES, "little") + lora_name.encode("utf-8", "surrogatepass")
+    return int.from_bytes(hashlib.blake2b(payload, digest_size=_DIGEST_BYTES).digest(), "little")
+
+
 def check_cache_salt(cache_salt: object) -> None:
     """InvalidRequestError naming `cache_salt` unless it is None (unsalted) or a non-empty string (vLLM's rule)."""
     if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
@@ -63,23 +75,27 @@ class BlockHasher:
         self.block_size = block_size
         self.root = root_hash(seed)
 
-    def root_for(self, cache_salt: str | None) -> BlockHash:
-        """The parent hash of the first block of a sequence with this salt (None: unsalted)."""
-        return self.root if cache_salt is None else salted_root(self.root, cache_salt)
+    def root_for(self, cache_salt: str | None, lora_name: str | None = None) -> BlockHash:
+        """The parent hash of the first block of a sequence with this salt (None: unsalted) run with this LoRA
+        adapter (None: the base model)."""
+        root = self.root if cache_salt is None else salted_root(self.root, cache_salt)
+        return root if lora_name is None else adapter_root(root, lora_name)
 
     def extend(self, hashes: list[BlockHash], token_ids: Sequence[int],
-               cache_salt: str | None = None) -> list[BlockHash]:
+               cache_salt: str | None = None, lora_name: str | None = None) -> list[BlockHash]:
         """Append hashes for the full blocks of `token_ids` not yet in `hashes` (in place).
 
         `hashes[i]` covers token_ids[i*block_size:(i+1)*block_size]; a trailing partial
-        block gets no hash. `cache_salt` must be the one `hashes` was started with.
+        block gets no hash. `cache_salt` and `lora_name` must be the ones `hashes` was started with.
         """
         num_full = len(token_ids) // self.block_size
         for i in range(len(hashes), num_full):
-            parent = hashes[i - 1] if i > 0 else self.root_for(cache_salt)
+            parent = hashes[i - 1] if i > 0 else self.root_for(cache_salt, lora_name)
             hashes.append(hash_block(parent, token_ids[i * self.block_size : (i + 1) * self.block_size]))
         return hashes
 
-    def hash_prefix(self, token_ids: Sequence[int], cache_salt: str | None = None) -> list[BlockHash]:
-        """Hashes of every full block of `token_ids`, salted with `cache_salt` (None: unsalted)."""
-        return self.extend([], token_ids, cache_salt)
+    def hash_prefix(self, token_ids: Sequence[int], cache_salt: str | None = None,
+                    lora_name: str | None = None) -> list[BlockHash]:
+        """Hashes of every full block of `token_ids`, salted with `cache_salt` (None: unsalted), run with the LoRA
+        adapter `lora_name` (None: the base model)."""
+        return self.extend([], token_ids, cache_salt, lora_name)

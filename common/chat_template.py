@@ -157,3 +157,33 @@ def parse_call_arguments(value: Any, field: str) -> Any:
         return json.loads(value)
     except (ValueError, RecursionError) as error:  # RecursionError: nested deeper than the decoder goes
         raise InvalidRequestError(f"{field}.arguments", f"is not valid JSON: {error}") from None
+
+
+def mentions_developer_role(template_source: str) -> bool:
+    """Whether a chat template knows the `developer` role: vLLM's test, the role's name as a quoted
+    string anywhere in the template's source."""
+    return '"developer"' in template_source or "'developer'" in template_source
+
+
+def developer_as_system(messages: list[dict[str, Any]], content_format: ContentFormat) -> list[dict[str, Any]]:
+    """The messages as vLLM hands them to a template that does not know the `developer` role (OpenAI's
+    newer name for system instructions): each developer message becomes a system message, and when
+    that leaves a system message after the first message or several of them, they are merged into one
+    system message first, their non-empty contents joined with blank lines (a list of parts' texts
+    joined with newlines first; the merged message keeps only role and content). Messages without a
+    developer role are returned as they are."""
+    if not any(message["role"] == "developer" for message in messages):
+        return messages
+    converted = [{**message, "role": "system"} if message["role"] == "developer" else message
+                 for message in messages]
+    systems = [i for i, message in enumerate(converted) if message["role"] == "system"]
+    if systems in ([], [0]):
+        return converted
+    texts = [_content_text(converted[i]["content"]) for i in systems]
+    merged = "\n\n".join(text for text in texts if text)
+    content = [{"type": "text", "text": merged}] if content_format == "openai" else merged
+    return [{"role": "system", "content": content}, *(m for m in converted if m["role"] != "system")]
+
+
+def _content_text(content: str | list[dict[str, str]]) -> str:
+    return content if isinstance(content, str) else "\n".join(part["text"] for part in content)

@@ -194,6 +194,14 @@ class EngineConfig:
     KV blocks run out; priority orders the waiting requests by (priority, arrival), lower priority
     values first, and preempts the running request with the largest (priority, arrival). Under fcfs
     a request with a priority other than 0 is refused (docs/engine.md, Scheduler)."""
+    enable_lora: bool = False
+    """Serve PEFT LoRA adapters per request (vLLM's enable_lora; docs/lora.md): float weights, dense models,
+    without speculative decoding."""
+    max_loras: int = 1
+    """With enable_lora: most adapters loaded at once (least recently used evicted) and so most distinct adapters
+    in one batch (vLLM's max_loras)."""
+    max_lora_rank: int = 16
+    """With enable_lora: the highest adapter rank accepted (vLLM's max_lora_rank)."""
 
     def __post_init__(self) -> None:
         check_scalar_fields(self)
@@ -220,6 +228,11 @@ class EngineConfig:
                f"quantization_group_size must be one of {QUANTIZATION_GROUP_SIZES}, got {self.quantization_group_size}")
         _check(self.scheduling_policy in SCHEDULING_POLICIES,
                f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}")
+        _check(self.max_loras >= 1, f"max_loras must be >= 1, got {self.max_loras}")
+        _check(self.max_lora_rank >= 1, f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
+        _check(not (self.enable_lora and self.speculative is not None),
+               "enable_lora: LoRA adapters do not run with speculative decoding (the proposer and the verifier "
+               "would run the base model); set speculative to None")
 
     def _check_kv_sizing(self) -> None:
         given = [name for name in ("num_kv_blocks", "kv_cache_memory_bytes", "kv_cache_memory_fraction")

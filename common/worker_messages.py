@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from splitserve.common.kv_transfer_types import AgentMetadata, KVLayout, LayerAnnouncement, TransferParams
+from splitserve.common.lora import LoRARequest
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.stats import EngineStats
 from splitserve.common.token_logprobs import TokenLogprobs
@@ -24,6 +25,9 @@ class PrefillRequest:
     worker publishes for it, start from the salted root the router hashed the prompt with."""
     priority: int = 0
     """vLLM's request priority (lower first) under the workers' priority scheduling policy; 0 under fcfs."""
+    lora_request: LoRARequest | None = None
+    """The LoRA adapter the prompt runs with (the OpenAI `model` field named it), None for the base model; like
+    the salt it roots the block hashes (common/block_hash.py), so the router's hashes stay the worker's."""
 
 
 @dataclass(frozen=True)
@@ -76,6 +80,9 @@ class DecodeRequest:
     priority: int = 0
     """As on its PrefillRequest: its place in the decode worker's queues (waiting for blocks, for a
     step) under the priority scheduling policy."""
+    lora_request: LoRARequest | None = None
+    """The request's LoRA adapter, as on its PrefillRequest: the decode steps run it, and the pulled blocks are
+    cached under the adapter's hashes, as on the prefill worker."""
 
 
 @dataclass(frozen=True)

@@ -218,16 +218,16 @@ class DecodeWorker:
             raise InvalidRequestError("request_id", f"{request.request_id!r} is already in flight")
         if request.first_token_pending:
             engine.validate(request.request_id, list(request.prompt_token_ids), request.sampling_params,
-                            request.cache_salt, request.priority)
+                            request.cache_salt, request.priority, request.lora_request)
             self._awaiting_blocks.push(request)
             self._pending[request.request_id] = _PendingPrefill()
         elif request.transfer is None:
             engine.add_request(request.request_id, list(request.prompt_token_ids), request.sampling_params,
                                output_token_ids=request.output_token_ids, cache_salt=request.cache_salt,
-                               priority=request.priority)
+                               priority=request.priority, lora_request=request.lora_request)
         else:
             engine.validate(request.request_id, list(request.prompt_token_ids), request.sampling_params,
-                            request.cache_salt, request.priority)
+                            request.cache_salt, request.priority, request.lora_request)
             self._awaiting_blocks.push(request)
         self._routes[request.request_id] = request.router_id
         self._admitted_at[request.request_id] = time.monotonic()
@@ -241,7 +241,7 @@ class DecodeWorker:
                 request.request_id, list(request.prompt_token_ids), list(request.output_token_ids),
                 request.sampling_params, request.num_cached_tokens, request.generator_state,
                 first_token_pending=request.first_token_pending, cache_salt=request.cache_salt,
-                priority=request.priority)
+                priority=request.priority, lora_request=request.lora_request)
             if local_block_ids is None:
                 return
             self._awaiting_blocks.pop()

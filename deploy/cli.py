@@ -495,6 +495,14 @@ def _add_model_flags(group: argparse._ArgumentGroup) -> None:
                        help="weight-only quantization of both pools: int8 / int4 quantize a float checkpoint at "
                             "load, gptq / awq load such a checkpoint, auto (default) follows the checkpoint's "
                             "quantization_config (docs/quantization.md); per pool: --set decode.engine.quantization=int4")
+    group.add_argument("--enable-lora", action="store_true", default=None,
+                       help="serve LoRA adapters in both pools (engine.enable_lora; docs/lora.md)")
+    group.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                       help="LoRA adapters (PEFT directories) requests may name as `model`; needs --enable-lora")
+    group.add_argument("--max-loras", type=int, default=None,
+                       help="adapters loaded at once per worker, least recently used evicted, and the most in one "
+                            "batch (default 1)")
+    group.add_argument("--max-lora-rank", type=int, default=None, help="the highest adapter rank accepted (default 16)")
     group.add_argument("--max-model-len", type=human_int, default=None,
                        help="longest prompt + output in tokens (default: the model's max_position_embeddings; a "
                             "longrope model's original_max_position_embeddings); "
@@ -612,14 +620,15 @@ _CLUSTER_FLAGS = {"mode": "mode", "prefill_workers": "prefill.replicas", "decode
                   "tool_call_parser": "router.tool_call_parser", "reasoning_parser": "router.reasoning_parser",
                   "ssl_certfile": "router.tls.cert_file", "ssl_keyfile": "router.tls.key_file",
                   "ssl_ca_certs": "router.tls.client_ca_file", "served_model_name": "served_model_name",
-                  "max_logprobs": "router.max_logprobs"}
+                  "lora_modules": "lora_modules", "max_logprobs": "router.max_logprobs"}
 """serve flags -> the cluster config key they set."""
 _ENGINE_FLAGS = {"max_model_len": "max_model_len", "seed": "seed", "block_size": "block_size",
                  "enable_prefix_caching": "enable_prefix_caching", "kv_cache_memory": "kv_cache_memory_bytes",
                  "gpu_memory_utilization": "gpu_memory_utilization",
                  "max_num_seqs": "max_num_seqs", "max_num_batched_tokens": "max_num_batched_tokens",
                  "enable_chunked_prefill": "enable_chunked_prefill", "device": "device",
-                 "quantization": "quantization", "scheduling_policy": "scheduling_policy"}
+                 "quantization": "quantization", "scheduling_policy": "scheduling_policy",
+                 "enable_lora": "enable_lora", "max_loras": "max_loras", "max_lora_rank": "max_lora_rank"}
 """serve flags -> the EngineConfig field they set in both pools."""
 
 

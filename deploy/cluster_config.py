@@ -21,6 +21,7 @@ from splitserve.common.chat_template import CONTENT_FORMAT_OPTIONS
 from splitserve.common.config import SCALAR_KINDS, EngineConfig, GenerationConfig, is_scalar_kind
 from splitserve.common.kv_transfer_types import TRANSFER_FAILURE_POLICIES
 from splitserve.common.log_format import LOG_FORMATS
+from splitserve.common.lora import LoRARequest, parse_lora_modules
 from splitserve.common.slo import SloConfig
 from splitserve.planner.core.types import PlannerConfig
 from splitserve.router.http_options import UVICORN_LOG_LEVELS, CorsPolicy, HttpOptions
@@ -344,6 +345,10 @@ class ClusterConfig:
     """Names clients may give as `model` (vLLM's --served-model-name): the first is the one
     /v1/models reports and responses carry; a request naming another model is refused. Empty:
     `model` itself is the one name."""
+    lora_modules: tuple[str, ...] = ()
+    """LoRA adapters the OpenAI API's `model` field may name, each NAME=PATH (vLLM's --lora-modules; PATH a PEFT
+    adapter directory the workers can read): /v1/models lists them with the model as `parent`. Needs
+    engine.enable_lora in every pool that runs requests (docs/lora.md)."""
 
     def __post_init__(self) -> None:
         _require(self.model != "", "model", "must not be empty")
@@ -363,6 +368,7 @@ class ClusterConfig:
         _require(self.decode.replicas >= 1, "decode.replicas", f"must be >= 1, got {self.decode.replicas}")
         _require(all(name.strip() for name in self.served_model_name), "served_model_name",
                  f"must hold non-empty names, got {list(self.served_model_name)}")
+        self._check_lora_modules()
         if self.ray_address is None:
             self._check_local_labels()
         if self.mode == "colocated":
@@ -385,6 +391,23 @@ class ClusterConfig:
         clash = sorted(key for key in pools.keys() & router.keys() if pools[key] != router[key])
         _require(not clash, "router.resources.node_labels",
                  f"cannot differ from the pools' on {clash} when ray_address is null (a local Ray is one node)")
+
+    def _check_lora_modules(self) -> None:
+        try:
+            adapters = parse_lora_modules(self.lora_modules)
+        except ValueError as error:
+            raise ClusterConfigError("lora_modules", str(error)) from None
+        clash = sorted({adapter.lora_name for adapter in adapters} & set(self.served_model_names))
+        _require(not clash, "lora_modules", f"adapter names {clash} are the model's own names (served_model_name)")
+        pools = ("decode",) if self.mode == "colocated" else ("prefill", "decode")
+        for pool in pools:
+            _require(not adapters or getattr(self, pool).engine.enable_lora, f"{pool}.engine.enable_lora",
+                     "must be true to serve lora_modules (--enable-lora)")
+
+    @property
+    def lora_requests(self) -> tuple[LoRARequest, ...]:
+        """lora_modules as the LoRARequests the router sends the workers (ids 1, 2, ... in order)."""
+        return parse_lora_modules(self.lora_modules)
 
     @property
     def served_model_names(self) -> tuple[str, ...]:

@@ -1,7 +1,8 @@
 """What `splitserve serve` checks before Ray starts: every mistake that the config and the files
 it names already show (the model directory, its tokenizer and chat template, a max_model_len
 longer than its positions, sampling defaults a generation_config.json cannot give, TLS files,
-the API key's variable, a host that is not this machine's, ports in use), each reported as one
+the API key's variable, a host that is not this machine's, ports in use, LoRA adapter directories the
+engines would refuse), each reported as one
 line within milliseconds instead of after Ray, the workers and a model load.
 
 Only the standard library, the router's torch-free tokenizer and common/ are imported here, so
@@ -14,8 +15,9 @@ import importlib.util
 import socket
 from pathlib import Path
 
-from splitserve.common.errors import UnsupportedModelError
+from splitserve.common.errors import InvalidRequestError, UnsupportedModelError
 from splitserve.common.generation_config import GenerationConfigFile, resolve_request_defaults
+from splitserve.common.lora import adapter_weight_file, read_adapter_config
 from splitserve.common.model_dir import EMBEDDED_MODELS, check_model_dir, read_model_config
 from splitserve.deploy.cluster_config import ClusterConfig, RouterConfig
 from splitserve.router.auth import api_key_from_env
@@ -35,6 +37,7 @@ def preflight(config: ClusterConfig, api_key: str | None = None) -> None:
     `api_key`: the key given on the command line, which makes router.api_key_env unnecessary."""
     check_model(config.model, config.router.chat_template)
     check_max_model_len(config)
+    check_lora_modules(config)
     resolve_request_defaults(config.router.generation_config, GenerationConfigFile.read(_model_dir(config.model)))
     if config.router.tls is not None:
         load_tls(config.router.tls)
@@ -68,6 +71,20 @@ def check_max_model_len(config: ClusterConfig) -> None:
         if length is not None and length > max_positions:
             raise PreflightError(f"{role}.engine.max_model_len (--max-model-len): {length} exceeds the model's "
                                  f"max_position_embeddings {max_positions} ({model_dir / 'config.json'})")
+
+
+def check_lora_modules(config: ClusterConfig) -> None:
+    """PreflightError naming the first lora_modules adapter whose directory an engine would refuse by its
+    adapter_config.json (a rank above a serving pool's max_lora_rank among them) or that has no weight file (the
+    engines check its tensors when a request first names it)."""
+    roles = ("prefill", "decode") if config.mode == "disaggregated" else ("decode",)
+    max_rank = min(getattr(config, role).engine.max_lora_rank for role in roles)
+    for adapter in config.lora_requests:
+        try:
+            read_adapter_config(Path(adapter.lora_path), max_rank)
+            adapter_weight_file(Path(adapter.lora_path))
+        except InvalidRequestError as error:
+            raise PreflightError(f"lora_modules (--lora-modules) {adapter.lora_name}: {error.message}") from None
 
 
 def _model_dir(model: str) -> Path:

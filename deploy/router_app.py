@@ -14,11 +14,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from splitserve.common.generation_config import RequestDefaults, resolve_request_defaults
+from splitserve.common.lora import LoRARequest
 from splitserve.common.stats import RequestRecord
 from splitserve.common.worker_api import DecodeWorkerAPI, PrefillWorkerAPI
 from splitserve.deploy.cluster_config import ClusterConfig, RouterConfig
 from splitserve.router.access_log import log_access
 from splitserve.router.metrics_server import RouterMetrics
+from splitserve.router.lora_adapters import AdapterRegistry, runtime_updating_allowed
 from splitserve.router.openai_server import HttpServer, start_http_server
 from splitserve.router.orchestrator import Orchestrator
 from splitserve.router.server import GrpcServer, drain, start_grpc_server
@@ -92,12 +94,15 @@ class RouterServers:
 
 async def start_servers(orchestrator: Orchestrator, tokenizer: RouterTokenizer, config: RouterConfig,
                         model_name: str, metrics: RouterMetrics | None, api_key: str | None,
-                        aliases: tuple[str, ...] = (), reuse_port: bool = False) -> RouterServers:
+                        aliases: tuple[str, ...] = (), reuse_port: bool = False,
+                        adapters: tuple[LoRARequest, ...] = ()) -> RouterServers:
     """Start the servers `config` asks for in front of a started orchestrator. `metrics` (already
     the orchestrator's observer) is watched, served on config.metrics_port when set, and on the
     HTTP API's /metrics; `api_key` (resolved from config.api_key_env by the caller) guards both
     APIs; requests may name the model `model_name` or any of `aliases`. `reuse_port`: the gRPC
-    and HTTP ports are shared with other routers (SO_REUSEPORT). On failure, whatever started is
+    and HTTP ports are shared with other routers (SO_REUSEPORT). `adapters`: the LoRA adapters the HTTP API's
+    `model` field may name (ClusterConfig.lora_requests; SPLITSERVE_ALLOW_RUNTIME_LORA_UPDATING=true also serves
+    /v1/load_lora_adapter and /v1/unload_lora_adapter, router/lora_adapters.py). On failure, whatever started is
     stopped; a generation config whose defaults cannot serve (GenerationConfigError) starts nothing."""
     defaults = request_defaults(config, tokenizer)
     tokenizers = TokenizerPool.for_orchestrator(tokenizer, orchestrator, config.max_prompt_bytes,
@@ -110,14 +115,17 @@ async def start_servers(orchestrator: Orchestrator, tokenizer: RouterTokenizer, 
             metrics.watch(orchestrator)
             if config.metrics_port is not None:
                 metrics_port = metrics.serve(config.host, config.metrics_port)
+        registry = AdapterRegistry(adapters, frozenset((model_name, *aliases)))  # both APIs' (runtime loads too)
         grpc = await start_grpc_server(orchestrator, tokenizers, model_name, config.host, config.grpc_port,
-                                       config.request_timeout_s, api_key, config.tls, aliases, reuse_port, defaults)
+                                       config.request_timeout_s, api_key, config.tls, aliases, reuse_port, defaults,
+                                       registry)
         if config.http_port is not None:
             http = await start_http_server(orchestrator, tokenizers, model_name, config.host, config.http_port,
                                            config.request_timeout_s,
                                            metrics.asgi_app() if metrics is not None else None, api_key, config.tls,
                                            aliases, reuse_port, config.http_options,
-                                           config.auto_tool_call_parser, config.reasoning_parser, defaults)
+                                           config.auto_tool_call_parser, config.reasoning_parser, defaults,
+                                           registry, runtime_updating_allowed())
     except BaseException:
         if grpc is not None:
             await grpc.stop(0)
@@ -175,7 +183,7 @@ async def start_router(router_id: str, config: ClusterConfig, model_dir: str, pr
     model_name, *aliases = config.served_model_names
     try:
         return await start_servers(orchestrator, tokenizer, router, model_name, metrics, api_key, tuple(aliases),
-                                   reuse_port)
+                                   reuse_port, config.lora_requests)
     except BaseException:
         await orchestrator.stop()
         raise

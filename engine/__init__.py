@@ -3,6 +3,7 @@
 from splitserve.common.beam_search import BeamSearchParams
 from splitserve.common.config import EngineConfig
 from splitserve.common.errors import InvalidRequestError, UnsupportedModelError
+from splitserve.common.lora import LoRARequest
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.stats import EngineStats
 from splitserve.engine.engine_core import EngineCore
@@ -12,5 +13,6 @@ from splitserve.engine.outputs import (BeamSearchOutput, BeamSearchSequence, Com
 from splitserve.common.token_logprobs import TokenLogprobs
 
 __all__ = ["LLM", "BeamSearchOutput", "BeamSearchParams", "BeamSearchSequence", "CompletionDelta",
-           "CompletionOutput", "EngineConfig", "EngineCore", "EngineStats", "InvalidRequestError", "RequestOutput",
+           "CompletionOutput", "EngineConfig", "EngineCore", "EngineStats", "InvalidRequestError", "LoRARequest",
+           "RequestOutput",
            "SamplingParams", "TextPrompt", "TokenLogprobs", "TokensPrompt", "UnsupportedModelError"]

@@ -167,7 +167,7 @@ class BlockManager:
         """
         if not self.enable_prefix_caching:
             return NO_PREFIX
-        self.hasher.extend(request.block_hashes, request.all_token_ids, request.cache_salt)
+        self.hasher.extend(request.block_hashes, request.all_token_ids, request.cache_salt, request.lora_name)
         max_blocks = (request.num_tokens - 1) // self.block_size
         block_ids: list[int] = []
         for block_hash in request.block_hashes[:max_blocks]:
@@ -187,7 +187,7 @@ class BlockManager:
         table = self._tables[request.request_id]
         num_full = request.num_computed_tokens // self.block_size
         self.hasher.extend(request.block_hashes, request.all_token_ids[: num_full * self.block_size],
-                           request.cache_salt)
+                           request.cache_salt, request.lora_name)
         start = self._num_hashed.get(request.request_id, 0)
         run_start = start  # request.block_hashes[run_start:index] were inserted by this call
         for index in range(start, num_full):

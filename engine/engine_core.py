@@ -13,9 +13,10 @@ from tokenizers import Tokenizer
 
 from splitserve.common.block_hash import BlockHasher, check_cache_salt
 from splitserve.common.config import EngineConfig, check_priority
-from splitserve.common.errors import InvalidRequestError
+from splitserve.common.errors import InvalidRequestError, UnsupportedModelError
 from splitserve.common.generation_config import GenerationConfigFile
 from splitserve.common.kv_events import KVEventBatch, KVSnapshot, LoadReport
+from splitserve.common.lora import LoRARequest, check_lora_request
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.stats import EngineStats
 from splitserve.common.token_logprobs import TokenLogprobs
@@ -27,9 +28,11 @@ from splitserve.common.detokenizer import IncrementalDetokenizer
 from splitserve.engine.kv_cache import KVCache, KVCacheSpec, num_blocks_for, sizes_by_utilization
 from splitserve.engine.kv_event_log import KVEventLog
 from splitserve.engine.kv_quant import kv_quantization
+from splitserve.engine.lora_manager import LoRAManager
 from splitserve.engine.memory_profile import measure_engine_memory
 from splitserve.engine.model_loader import load_hf_config, load_model
 from splitserve.engine.models.layer_ops import select_layer_ops
+from splitserve.engine.models.lora_linear import install_lora_linears
 from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.outputs import CompletionDelta
 from splitserve.engine.quantization.spec import resolve_quantization
@@ -115,8 +118,10 @@ class EngineCore:
         layer_ops = select_layer_ops(self.device, dtype, config.cpu_kernels)
         measured = sizes_by_utilization(config, self.device)  # gpu_memory_utilization: measure around the load
         free_at_start = torch.cuda.mem_get_info(self.device)[0] if measured else None
-        self.model = load_model(model_dir, dtype, self.device, attention, show_progress, layer_ops, self.quantization)
+        self.model = load_model(model_dir, dtype, self.device, attention, show_progress, layer_ops, self.quantization,
+                                fuse_mlp_activation=not config.enable_lora)
         arch = self.model.arch
+        self.lora = self._lora_manager(dtype) if config.enable_lora else None
         self.vocab_size = arch.vocab_size
         self.max_model_len = self._resolve_max_model_len(arch.max_position_embeddings, arch.rope_length_limit)
         self.eos_token_ids = GenerationConfigFile.read(model_dir).eos_token_ids  # the router's reader too
@@ -130,12 +135,13 @@ class EngineCore:
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                                                    self.max_model_len, config.enable_chunked_prefill,
-                                                   config.scheduling_policy),
+                                                   config.scheduling_policy,
+                                                   config.max_loras if config.enable_lora else None),
                                    self.block_manager)
         self.runner = ModelRunner(self.model, self.kv_cache, self.device, attention.pads_decode_batches,
                                   attention.needs_paged_metadata,
                                   build_decode_graphs(config, self.model, self.kv_cache, attention, self.max_model_len)
-                                  if graphs else None)
+                                  if graphs else None, self.lora)
         self.sampler = Sampler()
         self.speculator = None if config.speculative is None else Speculator(
             config.speculative, build_proposer(config.speculative, model_dir, self.vocab_size,
@@ -157,6 +163,19 @@ class EngineCore:
         self._num_steps = 0
         self._num_prompt_tokens = 0
         self._num_generation_tokens = 0
+
+    def _lora_manager(self, dtype: torch.dtype) -> LoRAManager:
+        """enable_lora: the model's projections wrapped for per-request adapters (docs/lora.md), where it can run
+        them: float weights of a dense model (UnsupportedModelError naming enable_lora otherwise)."""
+        arch = self.model.arch
+        if self.quantization.quantized:
+            raise UnsupportedModelError(f"enable_lora: LoRA adapters do not run on quantized weights (quantization "
+                                        f"{self.quantization.method!r}); serve the float checkpoint")
+        if arch.moe is not None:
+            raise UnsupportedModelError(f"enable_lora: LoRA adapters are not supported for mixture-of-experts "
+                                        f"models ({arch.architecture})")
+        context = install_lora_linears(self.model)
+        return LoRAManager(arch, context, self.config.max_loras, self.config.max_lora_rank, dtype, self.device)
 
     def _resolve_max_model_len(self, max_positions: int, rope_length_limit: int | None) -> int:
         """config.max_model_len, else the longest sequence the model serves exactly: max_positions, or
@@ -188,9 +207,10 @@ class EngineCore:
 
     # ---- requests ------------------------------------------------------------------------
     def validate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 cache_salt: str | None = None, priority: int = 0) -> None:
+                 cache_salt: str | None = None, priority: int = 0, lora_request: LoRARequest | None = None) -> None:
         """Raise InvalidRequestError (naming the field) if the request can never be served (a priority
-        other than 0 included, unless the scheduling policy is priority)."""
+        other than 0 included, unless the scheduling policy is priority). A LoRA adapter is loaded the first
+        time a request names it (LoRAManager.register), so a bad adapter fails here."""
         if request_id in self.scheduler.requests or request_id in self._held:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in flight")
         if not prompt_token_ids:
@@ -215,10 +235,21 @@ class EngineCore:
             raise InvalidRequestError("stop", "stop strings need an engine with a tokenizer")
         if params.structured_output is not None:
             self.grammars.check(params.structured_output)
+        self._check_lora(lora_request)
+
+    def _check_lora(self, lora_request: LoRARequest | None) -> None:
+        check_lora_request(lora_request)
+        if lora_request is None:
+            return
+        if self.lora is None:
+            raise InvalidRequestError("lora_request", "LoRA is not enabled on this engine (start it with "
+                                                      "enable_lora=True)")
+        self.lora.register(lora_request)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     hold_kv_after_prefill: bool = False, output_token_ids: Sequence[int] = (),
-                    cache_salt: str | None = None, priority: int = 0) -> None:
+                    cache_salt: str | None = None, priority: int = 0,
+                    lora_request: LoRARequest | None = None) -> None:
         """Queue a request. With hold_kv_after_prefill (producer role) it finishes as 'prefilled'
         after its first token unless it stops there, and its blocks stay held (see take_held_kv).
 
@@ -226,10 +257,11 @@ class EngineCore:
         engine prefills prompt + those tokens, as it recomputes a preempted request, and goes on
         sampling from there; they count towards max_tokens. `cache_salt`: its prefix-cache hits are
         blocks of requests with the same salt only (None: of unsalted requests). `priority`: its place
-        under the priority scheduling policy (lower first; only 0 under fcfs)."""
-        self.validate(request_id, prompt_token_ids, params, cache_salt, priority)
+        under the priority scheduling policy (lower first; only 0 under fcfs). `lora_request`: the LoRA
+        adapter it runs with (None: the base model); its prefix-cache hits are that adapter's blocks only."""
+        self.validate(request_id, prompt_token_ids, params, cache_salt, priority, lora_request)
         request = self._new_request(request_id, list(prompt_token_ids), list(output_token_ids), params, cache_salt,
-                                    priority)
+                                    priority, lora_request)
         request.hold_kv_after_prefill = hold_kv_after_prefill
         self._num_prompt_tokens += request.num_prompt_tokens
         self.scheduler.add_request(request)
@@ -237,7 +269,8 @@ class EngineCore:
     def add_remote_request(self, request_id: str, prompt_token_ids: list[int], output_token_ids: list[int],
                            params: SamplingParams, num_cached_tokens: int,
                            generator_state: bytes | None, first_token_pending: bool = False,
-                           cache_salt: str | None = None, priority: int = 0) -> tuple[int, ...] | None:
+                           cache_salt: str | None = None, priority: int = 0,
+                           lora_request: LoRARequest | None = None) -> tuple[int, ...] | None:
         """Consumer role: admit a request whose prompt KV lives on a producer.
 
         Allocates blocks for the prompt and the tokens generated elsewhere, and returns the
@@ -246,12 +279,13 @@ class EngineCore:
         room yet. `first_token_pending` (layer-wise transfer): the producer is still prefilling, so
         output_token_ids is empty and one more token's room is allocated; the caller hands the first
         token over (remote_first_token) before remote_kv_ready() or remote_kv_failed(). `cache_salt`: the
-        producer's request's, so the pulled blocks enter this prefix cache under the producer's hashes.
-        `priority`: as add_request's (it orders the request once its pull completes).
+        producer's request's, so the pulled blocks enter this prefix cache under the producer's hashes;
+        `lora_request` likewise (and the decode steps run the adapter). `priority`: as add_request's (it
+        orders the request once its pull completes).
         """
-        self.validate(request_id, prompt_token_ids, params, cache_salt, priority)
+        self.validate(request_id, prompt_token_ids, params, cache_salt, priority, lora_request)
         request = self._new_request(request_id, list(prompt_token_ids), list(output_token_ids), params, cache_salt,
-                                    priority)
+                                    priority, lora_request)
         # Room for the tokens generated elsewhere too, so the first decode step never waits
         # for a block (a ready request is never preempted to make room for itself).
         if self.block_manager.allocate(request, request.num_tokens + int(first_token_pending)) is None:
@@ -340,9 +374,11 @@ class EngineCore:
                         memory_kind="VRAM" if self.device.type == "cuda" else "DRAM")
 
     def _new_request(self, request_id: str, prompt_token_ids: list[int], output_token_ids: list[int],
-                     params: SamplingParams, cache_salt: str | None, priority: int) -> Request:
+                     params: SamplingParams, cache_salt: str | None, priority: int,
+                     lora_request: LoRARequest | None) -> Request:
         request = Request(request_id, prompt_token_ids, params, self.eos_token_ids, self._arrivals,
-                          all_token_ids=prompt_token_ids + output_token_ids, cache_salt=cache_salt, priority=priority)
+                          all_token_ids=prompt_token_ids + output_token_ids, cache_salt=cache_salt, priority=priority,
+                          lora_name=None if lora_request is None else lora_request.lora_name)
         self._arrivals += 1
         if params.structured_output is not None:
             self.grammars.add(request_id, params.structured_output, output_token_ids)

@@ -23,6 +23,7 @@ from splitserve.common.chat_template import (TEMPLATE_VARIABLES, ContentFormat, 
 from splitserve.common.config import EngineConfig, GenerationConfig, SamplingDefaults
 from splitserve.common.generation_config import SAMPLING_KEYS, GenerationConfigFile, resolve_request_defaults
 from splitserve.common.errors import InvalidRequestError
+from splitserve.common.lora import LoRARequest, check_lora_request
 from splitserve.common.sampling_params import MAX_LOGPROBS, SamplingParams
 from splitserve.common.stats import EngineStats
 from splitserve.engine.engine_core import EngineCore
@@ -172,6 +173,8 @@ class _Job:
     sequences: tuple[tuple[str, SamplingParams], ...]
     """(engine request id, sampling) of sequence i at index i: the job's own id when there is one sequence,
     else `<id>-<i>`; sequence i samples with SamplingParams.for_sequence(i)."""
+    lora_request: LoRARequest | None = None
+    """The adapter every sequence runs with (None: the base model)."""
 
     def output(self, accumulators: dict[str, _Accumulator]) -> RequestOutput:
         """The prompt-level fields are sequence 0's (every sequence runs the same prompt)."""
@@ -224,35 +227,38 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool | Callable[..., tqdm] = False, lora_request: None = None,
+                 use_tqdm: bool | Callable[..., tqdm] = False,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
                  priority: Sequence[int] | None = None) -> list[RequestOutput]:
         """Run prompts to completion; outputs come back in input order. `prompts`: one prompt or a list; a
         prompt is a str, a list of token ids, a TextPrompt or a TokensPrompt (vLLM's forms). `use_tqdm`
         (vLLM's): True shows a progress bar of finished sequences, a callable (e.g.
-        `functools.partial(tqdm, leave=False)`) makes it, called with `total` and `desc`. `lora_request`:
-        vLLM's, accepted as None only. `priority` (vLLM's): one integer per prompt, for an engine whose
-        scheduling_policy is "priority" (lower runs first); None: every prompt's is 0.
+        `functools.partial(tqdm, leave=False)`) makes it, called with `total` and `desc`. `lora_request`
+        (vLLM's; needs enable_lora): the LoRA adapter every prompt runs with, or a list with one per prompt
+        (None in it: that prompt runs the base model). `priority` (vLLM's): one integer per prompt, for an
+        engine whose scheduling_policy is "priority" (lower runs first); None: every prompt's is 0.
 
         A prompt whose SamplingParams.n > 1 runs n sequences (seeded as SamplingParams.for_sequence says), the
         n CompletionOutputs of its one RequestOutput. Every prompt is validated before any is queued, so a bad
         one leaves nothing allocated.
         """
-        _refuse_given("lora_request", lora_request, "LoRA adapters are not supported")
         _check_use_tqdm(use_tqdm)
         prompt_list = _prompt_list(prompts)
         params = [self._tokenized(sp) for sp in _broadcast_params(
             self._default_params if sampling_params is None else sampling_params, len(prompt_list))]
         priorities = _priorities(priority, len(prompt_list))
-        jobs = [self._job(self._resolve(p), sp) for p, sp in zip(prompt_list, params)]
-        requests = [(request_id, job.prompt, sp, rank) for job, rank in zip(jobs, priorities)
+        loras = _broadcast_lora_requests(lora_request, len(prompt_list))
+        jobs = [self._job(self._resolve(p), sp, lora) for p, sp, lora in zip(prompt_list, params, loras)]
+        requests = [(request_id, job.prompt, sp, rank, job.lora_request) for job, rank in zip(jobs, priorities)
                     for request_id, sp in job.sequences]
-        for request_id, prompt, sp, rank in requests:
+        for request_id, prompt, sp, rank, lora in requests:
             sp.check_logprobs_limit(MAX_LOGPROBS, self.engine.vocab_size)  # vLLM's default --max-logprobs
-            self.engine.validate(request_id, prompt.token_ids, sp, prompt.cache_salt, rank)
-        accumulators = {request_id: _Accumulator(sp.logprobs is not None) for request_id, _, sp, _ in requests}
+            self.engine.validate(request_id, prompt.token_ids, sp, prompt.cache_salt, rank, lora)
+        accumulators = {request_id: _Accumulator(sp.logprobs is not None) for request_id, _, sp, _, _ in requests}
         try:
-            for request_id, prompt, sp, rank in requests:
-                self.engine.add_request(request_id, prompt.token_ids, sp, cache_salt=prompt.cache_salt, priority=rank)
+            for request_id, prompt, sp, rank, lora in requests:
+                self.engine.add_request(request_id, prompt.token_ids, sp, cache_salt=prompt.cache_salt, priority=rank,
+                                        lora_request=lora)
             with _progress_bar(use_tqdm, len(requests)) as progress:
                 for delta in self._deltas(set(accumulators)):
                     accumulators[delta.request_id].add(delta)
@@ -263,7 +269,8 @@ class LLM:
 
     def chat(self, messages: Conversation | Sequence[Conversation],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool | Callable[..., tqdm] = False, lora_request: None = None, chat_template: str | None = None,
+             use_tqdm: bool | Callable[..., tqdm] = False,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None, chat_template: str | None = None,
              chat_template_content_format: ChatTemplateContentFormat = "auto", add_generation_prompt: bool = True,
              continue_final_message: bool = False, tools: list[dict[str, Any]] | None = None,
              chat_template_kwargs: dict[str, Any] | None = None,
@@ -276,9 +283,8 @@ class LLM:
         `chat_template_content_format`: how content reaches the template, as in vLLM: "string" (a list of
         text parts joined with newlines), "openai" (every content a list of {"type": "text", "text": ...}
         parts), or "auto" ("openai" when the template loops over a message's content, else "string").
-        `lora_request` and `mm_processor_kwargs` are accepted as None only
-        (no LoRA, text-only models). Every conversation is rendered before any is queued."""
-        _refuse_given("lora_request", lora_request, "LoRA adapters are not supported")
+        `lora_request`: as generate()'s (one adapter, or one per conversation). `mm_processor_kwargs` is
+        accepted as None only (text-only models). Every conversation is rendered before any is queued."""
         _refuse_given("mm_processor_kwargs", mm_processor_kwargs, "models here are text-only")
         options = ChatOptions(chat_template, add_generation_prompt, continue_final_message, tools,
                               {} if chat_template_kwargs is None else chat_template_kwargs)
@@ -291,41 +297,43 @@ class LLM:
         else:
             prompts = [self._chat_prompt(conversation, options, content_format, f"messages[{index}]")
                        for index, conversation in enumerate(messages)]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def beam_search(self, prompts: Sequence[Prompt], params: BeamSearchParams,
-                    lora_request: None = None) -> list[BeamSearchOutput]:
+                    lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[BeamSearchOutput]:
         """vLLM's `LLM.beam_search`, over the same core as the server's use_beam_search (common/beam_search.py):
         each step runs every live beam of every prompt as one generate() batch (one token, 2 x beam_width
         logprobs; the prefix cache holds the shared prefixes). A beam's tokens keep the EOS that completed it
         and its text is the prompt's and the beam's tokens decoded, as vLLM's offline beams are (so
         include_stop_str_in_output changes nothing here). A step's candidates are ranked by cumulative logprob,
         as vLLM's server does; vLLM's offline LLM ranks them by the length-penalised score, which orders them
-        differently only under ignore_eos, when a candidate is EOS."""
-        _refuse_given("lora_request", lora_request, "LoRA adapters are not supported")
+        differently only under ignore_eos, when a candidate is EOS. `lora_request`: as generate()'s."""
         if not isinstance(params, BeamSearchParams):
             raise InvalidRequestError("params", f"must be a BeamSearchParams, got {type(params).__name__}")
         params.check_logprobs_limit(MAX_LOGPROBS, self.engine.vocab_size)  # vLLM's default --max-logprobs
         resolved = [self._resolve(prompt) for prompt in _prompt_list(prompts)]
+        loras = _broadcast_lora_requests(lora_request, len(resolved))
         kept_eos = replace(params, include_stop_str_in_output=True)
         searches = [start(replace(kept_eos, max_tokens=min(params.max_tokens, self._room(p))), p.token_ids,
                           self.tokenizer.eos_token_id) for p in resolved]
         while not all(search.done for search in searches):
-            searches = self._beam_step(searches, resolved)
+            searches = self._beam_step(searches, resolved, loras)
         return [BeamSearchOutput([self._beam_sequence(search, beam) for beam in search.best()]) for search in searches]
 
     def _room(self, prompt: PromptInput) -> int:
         """Output tokens the context leaves a prompt (at least one, or generate() refuses the prompt)."""
         return max(self.engine.max_model_len - len(prompt.token_ids), 1)
 
-    def _beam_step(self, searches: list[BeamSearch], prompts: list[PromptInput]) -> list[BeamSearch]:
-        """Every unfinished search one step on, all their beams in one generate() call."""
+    def _beam_step(self, searches: list[BeamSearch], prompts: list[PromptInput],
+                   loras: list[LoRARequest | None]) -> list[BeamSearch]:
+        """Every unfinished search one step on, all their beams in one generate() call (each beam with its
+        prompt's adapter)."""
         live = [(index, search) for index, search in enumerate(searches) if not search.done]
-        batch = [{"prompt_token_ids": list(tokens), **_salt(prompts[index])}
-                 for index, search in live for tokens in search.step_prompts()]
+        beams = [(index, tokens) for index, search in live for tokens in search.step_prompts()]
+        batch = [{"prompt_token_ids": list(tokens), **_salt(prompts[index])} for index, tokens in beams]
         step = SamplingParams(max_tokens=1, temperature=live[0][1].params.temperature,
                               logprobs=live[0][1].params.num_logprobs)
-        outputs = iter(self.generate(batch, step))
+        outputs = iter(self.generate(batch, step, lora_request=[loras[index] for index, _ in beams]))
         stepped = list(searches)
         for index, search in live:
             stepped[index] = search.step([_candidates(next(outputs)) for _ in search.beams])
@@ -368,14 +376,15 @@ class LLM:
             raise InvalidRequestError(where, f"rejected by the chat template: TypeError: {error}") from error
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
-               priority: int = 0) -> Iterator[CompletionDelta]:
+               priority: int = 0, lora_request: LoRARequest | None = None) -> Iterator[CompletionDelta]:
         """Deltas of one request as the engine produces them. Several streams (and generate() calls)
         may be open at once: each step serves all their requests, and each gets its own deltas.
-        Closing the stream early aborts its request. `priority`: as one of generate()'s."""
+        Closing the stream early aborts its request. `priority`: as one of generate()'s. `lora_request`: the
+        adapter it runs with (enable_lora)."""
         request_id, prompt_input = self._next_id(), self._resolve(prompt)
         self.engine.add_request(request_id, prompt_input.token_ids, self._tokenized(
             self._default_params if sampling_params is None else sampling_params), cache_salt=prompt_input.cache_salt,
-            priority=priority)
+            priority=priority, lora_request=lora_request)
         try:
             yield from self._deltas({request_id})
         finally:
@@ -419,11 +428,11 @@ class LLM:
             if self.engine.abort_request(request_id):
                 self._abandoned.add(request_id)
 
-    def _job(self, prompt: PromptInput, params: SamplingParams) -> _Job:
+    def _job(self, prompt: PromptInput, params: SamplingParams, lora_request: LoRARequest | None) -> _Job:
         request_id = self._next_id()
         ids = [request_id] if params.n == 1 else [f"{request_id}-{i}" for i in range(params.n)]
         return _Job(request_id, prompt, tuple((sequence_id, params.for_sequence(i))
-                                              for i, sequence_id in enumerate(ids)))
+                                              for i, sequence_id in enumerate(ids)), lora_request)
 
     def _tokenized(self, params: SamplingParams) -> SamplingParams:
         """params with its bad_words tokenized by the model's tokenizer (as the router does);
@@ -578,6 +587,20 @@ def _broadcast_params(params: SamplingParams | Sequence[SamplingParams], count: 
     if len(params) != count:
         raise InvalidRequestError("sampling_params", f"got {len(params)} for {count} prompts")
     return params
+
+
+def _broadcast_lora_requests(lora_request: object, count: int) -> list[LoRARequest | None]:
+    """vLLM's forms: None or one LoRARequest for every prompt, or a list (or tuple) of one per prompt."""
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * count
+    if not isinstance(lora_request, list | tuple):
+        raise InvalidRequestError("lora_request", f"must be a LoRARequest, a list of them (one per prompt) or None, "
+                                                  f"got {type(lora_request).__name__}")
+    if len(lora_request) != count:
+        raise InvalidRequestError("lora_request", f"got {len(lora_request)} for {count} prompts")
+    for item in lora_request:
+        check_lora_request(item)
+    return list(lora_request)
 
 
 def _refuse_given(name: str, value: object, reason: str) -> None:

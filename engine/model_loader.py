@@ -519,9 +519,10 @@ def _fuse_experts(checkpoint: dict[str, torch.Tensor], index: int, arch: LlamaFa
 
 def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, backend: AttentionBackend,
                show_progress: bool = False, ops: LayerOps | None = None,
-               quantization: QuantizationSpec = NONE) -> LlamaFamilyForCausalLM:
+               quantization: QuantizationSpec = NONE, fuse_mlp_activation: bool = True) -> LlamaFamilyForCausalLM:
     """The model in `dtype` on `device`; `ops` defaults to the torch reference ops; `quantization`
-    (engine/quantization/spec.py) says how the decoder's projections are stored and run."""
+    (engine/quantization/spec.py) says how the decoder's projections are stored and run; without
+    `fuse_mlp_activation` an MLP's gate/up product is never fused with its activation (LoRA adapts it)."""
     config = load_hf_config(model_dir)
     arch = parse_arch(config)
     if arch.moe is not None and quantization.quantized:
@@ -543,7 +544,8 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, backen
     state = {name: tensor.to(device=device, dtype=dtype) for name, tensor in tensors}
     model.load_state_dict(state, strict=True, assign=True)
     if can_pack(dtype, device):
-        pack_linears(model, dtype, cpu_kernel_isa() if isinstance(ops, CpuKernelLayerOps) else None)
+        pack_linears(model, dtype, cpu_kernel_isa() if isinstance(ops, CpuKernelLayerOps) else None,
+                     fuse_mlp_activation)
     else:
         _use_column_major_weights(model)
     model.rotary = rotary

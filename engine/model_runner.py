@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -13,6 +14,7 @@ from splitserve.engine.attention import AttentionMetadata, DecodeBatch, PrefillS
 from splitserve.engine.attention.paged_kv_metadata import ChunkPages, FlashInferMetadata, build_flashinfer_metadata
 from splitserve.engine.host_inputs import long_tensor, to_device
 from splitserve.engine.kv_cache import KVCache
+from splitserve.engine.lora_manager import LoRAManager
 from splitserve.engine.models.llama import LlamaFamilyForCausalLM
 from splitserve.engine.scheduler import ScheduledChunk, SchedulerOutput
 
@@ -148,6 +150,18 @@ class InputBuilder:
         return long_tensor(values, self.device)
 
 
+def adapter_rows(output: SchedulerOutput) -> dict[str, list[int]]:
+    """LoRA adapter name -> the rows of the step's flattened batch (InputBuilder's order: chunk by chunk, each
+    chunk's tokens in order) whose chunks run it; empty for a step of base-model chunks only."""
+    rows: dict[str, list[int]] = {}
+    offset = 0
+    for chunk in output.chunks:
+        if chunk.lora_name is not None:
+            rows.setdefault(chunk.lora_name, []).extend(range(offset, offset + chunk.num_tokens))
+        offset += chunk.num_tokens
+    return rows
+
+
 class DecodeGraphs(Protocol):
     def can_run(self, output: SchedulerOutput) -> bool:
         """Whether a captured graph computes this step (decodes only, each sampling, few enough)."""
@@ -162,12 +176,16 @@ class ModelRunner:
     """Owns the model and the KV pool tensors for one device."""
 
     def __init__(self, model: LlamaFamilyForCausalLM, kv_cache: KVCache, device: torch.device,
-                 bucket_decodes: bool = True, paged_metadata: bool = False, graphs: DecodeGraphs | None = None) -> None:
-        """graphs: captured decode steps (engine/cuda_graphs.py), replayed for the steps they can run."""
+                 bucket_decodes: bool = True, paged_metadata: bool = False, graphs: DecodeGraphs | None = None,
+                 lora: LoRAManager | None = None) -> None:
+        """graphs: captured decode steps (engine/cuda_graphs.py), replayed for the steps they can run (never a
+        step with LoRA rows: the graphs hold the base model's ops only). lora: the adapters of an engine with
+        enable_lora, whose LoRALinears `model` has."""
         self.model = model
         self.kv_cache = kv_cache
         self.inputs = InputBuilder(kv_cache.spec.block_size, device, bucket_decodes, paged_metadata)
         self.graphs = graphs
+        self.lora = lora
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput, on_layer: Callable[[int], None] | None = None) -> torch.Tensor:
@@ -176,17 +194,33 @@ class ModelRunner:
         (never a captured graph: it takes one-token decodes only), every token's for one scoring its
         prompt. on_layer(l) runs after layer l of the forward (eager steps only: a step with a hook is
         never replayed from a graph)."""
-        if on_layer is None and self.graphs is not None and self.graphs.can_run(output):
+        lora_rows = adapter_rows(output)
+        if on_layer is None and not lora_rows and self.graphs is not None and self.graphs.can_run(output):
             return self.graphs.execute(output)
         model_input = self.inputs.build(output)
-        hidden = self._forward(model_input, on_layer)  # [T, hidden]
+        with self._adapters(lora_rows):
+            hidden = self._forward(model_input, on_layer)  # [T, hidden]
         return self.model.compute_logits(hidden[model_input.logits_indices]).float()
 
     @torch.inference_mode()
     def execute_all_positions(self, output: SchedulerOutput) -> torch.Tensor:
         """Logits [T, vocab] (float32) of every scheduled token in batch order, not only the sampling rows:
         what scoring a prompt needs."""
-        return self.model.compute_logits(self._forward(self.inputs.build(output))).float()
+        with self._adapters(adapter_rows(output)):
+            hidden = self._forward(self.inputs.build(output))
+        return self.model.compute_logits(hidden).float()
+
+    @contextmanager
+    def _adapters(self, rows_by_name: dict[str, list[int]]) -> Iterator[None]:
+        """The step's LoRABatch set on the model's LoRALinears for the forward (nothing to set without rows)."""
+        if not rows_by_name:
+            yield
+            return
+        self.lora.context.batch = self.lora.batch(rows_by_name)
+        try:
+            yield
+        finally:
+            self.lora.context.batch = None
 
     def _forward(self, model_input: ModelInput, on_layer: Callable[[int], None] | None = None) -> torch.Tensor:
         return self.model(model_input.input_ids, model_input.positions, self.kv_cache.layers,

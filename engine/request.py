@@ -67,6 +67,9 @@ class Request:
     cache_salt: str | None = None
     """Salts the prefix cache (vLLM's cache_salt): block_hashes start from the salted root, so the
     request shares cached blocks only with requests of the same salt. None: unsalted."""
+    lora_name: str | None = None
+    """The LoRA adapter the request runs with (its LoRARequest's lora_name), None for the base model; its
+    block_hashes start from the adapter's root (common/block_hash.py), so adapters never share KV blocks."""
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

@@ -21,6 +21,10 @@ Requests whose prompt KV comes from another worker (consumer role) wait outside 
 queues in WAITING_FOR_REMOTE_KV with their blocks allocated; once the pull completes they
 join `ready` (ordered like the waiting queue: completion order under fcfs) and are admitted
 ahead of waiting prompts (they only need decode steps).
+
+With LoRA (max_loras set), the running batch holds requests of at most max_loras distinct adapters (the base
+model is no adapter): a ready or waiting request of another adapter waits at the head of its queue until a
+running request of one of them finishes, as a request waits for blocks (the queue's order is kept).
 """
 
 from __future__ import annotations
@@ -41,6 +45,8 @@ class SchedulerConfig:
     enable_chunked_prefill: bool
     policy: str = "fcfs"
     """EngineConfig.scheduling_policy: fcfs or priority."""
+    max_loras: int | None = None
+    """With LoRA: most distinct adapters in the running batch (so in a step); None: no adapters are served."""
 
 
 @dataclass(frozen=True)
@@ -63,6 +69,8 @@ class ScheduledChunk:
     scores_prompt: bool = False
     """The request wants its prompt's logprobs (Request.scores_prompt): the forward returns the logits
     of every token of the chunk, not only the sampling row (never together with draft tokens)."""
+    lora_name: str | None = None
+    """The LoRA adapter whose deltas the chunk's rows get (Request.lora_name); None: the base model."""
 
     @property
     def num_tokens(self) -> int:
@@ -203,7 +211,8 @@ class Scheduler:
         while self.ready and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.ready.peek()
             num_new = request.num_tokens - request.num_computed_tokens
-            if num_new > budget or self.block_manager.allocate(request, num_new) is None:
+            if not self._adapter_fits(request) or num_new > budget or self.block_manager.allocate(
+                    request, num_new) is None:
                 break
             self.ready.pop()
             self._start_running(request)
@@ -214,6 +223,8 @@ class Scheduler:
     def _admit_waiting(self, budget: int, scheduled: dict[Request, int]) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
+            if not self._adapter_fits(request):
+                break
             # A request scoring its prompt computes every position (vLLM's skip_reading_prefix_cache).
             reads_cache = request.num_computed_tokens == 0 and not request.scores_prompt
             prefix = self.block_manager.match_prefix(request) if reads_cache else NO_PREFIX
@@ -231,6 +242,13 @@ class Scheduler:
             scheduled[request] = num_new
             budget -= num_new
         return budget
+
+    def _adapter_fits(self, request: Request) -> bool:
+        """Whether admitting `request` keeps the running batch within max_loras distinct adapters."""
+        if request.lora_name is None:
+            return True
+        running = {r.lora_name for r in self.running if r.lora_name is not None}
+        return request.lora_name in running or len(running) < self.config.max_loras
 
     def _start_running(self, request: Request) -> None:
         """Admit into the running batch; the first admission stamps first_scheduled_at (once per
@@ -260,7 +278,8 @@ class Scheduler:
         if not request.spec_token_ids:
             return ScheduledChunk(request.request_id, tuple(request.all_token_ids[start:start + num_new]), start,
                                   tuple(self.block_manager.block_table(request.request_id)),
-                                  samples=start + num_new == request.num_tokens, scores_prompt=request.scores_prompt)
+                                  samples=start + num_new == request.num_tokens, scores_prompt=request.scores_prompt,
+                                  lora_name=request.lora_name)
         num_spec = max(0, start + num_new - request.num_tokens)  # only a decode (num_new = 1 + drafts) has some
         return ScheduledChunk(
             request_id=request.request_id,
@@ -270,6 +289,7 @@ class Scheduler:
             block_table=tuple(self.block_manager.block_table(request.request_id)),
             samples=start + num_new - num_spec == request.num_tokens,
             num_spec_tokens=num_spec,
+            lora_name=request.lora_name,
         )
 
     # ---- after the forward pass ----------------------------------------------------------

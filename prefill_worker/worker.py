@@ -166,7 +166,8 @@ class PrefillWorker:
     # ---- engine thread -------------------------------------------------------------------
     def _admit(self, engine: EngineCore, request: PrefillRequest, future: Future | None) -> None:
         engine.add_request(request.request_id, list(request.prompt_token_ids), request.sampling_params,
-                           hold_kv_after_prefill=True, cache_salt=request.cache_salt, priority=request.priority)
+                           hold_kv_after_prefill=True, cache_salt=request.cache_salt, priority=request.priority,
+                           lora_request=request.lora_request)
         self._in_flight[request.request_id] = _InFlight(future, time.monotonic())
         self._routers[request.request_id] = request.router_id
         logger.debug("[%s] prefill admitted (%d prompt tokens)", request.request_id, len(request.prompt_token_ids))

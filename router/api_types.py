@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from splitserve.common.lora import LoRARequest
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.token_logprobs import TokenLogprobs
 
@@ -47,6 +48,9 @@ class GenerationInput:
     priority: int = 0
     """vLLM's request priority: under the workers' priority scheduling policy, lower values are
     scheduled first and preempted last; anything but 0 is refused under fcfs."""
+    lora_request: LoRARequest | None = None
+    """The LoRA adapter the request runs with (the OpenAI `model` field selected it by name), None for the base
+    model: the workers run it, and the prompt's block hashes start from its root (common/block_hash.py)."""
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ COMMON_HANDLED = frozenset({
 })
 """Fields both endpoints implement."""
 COMPLETION_HANDLED = COMMON_HANDLED | {"prompt", "best_of", "echo"}
-CHAT_HANDLED = COMMON_HANDLED | {"messages", "top_logprobs", "max_completion_tokens", "add_generation_prompt",
+CHAT_HANDLED = COMMON_HANDLED | {"messages", "echo", "top_logprobs", "max_completion_tokens", "add_generation_prompt",
                                  "continue_final_message", "chat_template_kwargs", "documents",
                                  # rendered when the server trusts request templates (router/tokenizer.py)
                                  "chat_template",
@@ -101,7 +101,6 @@ COMPLETION_REFUSED = (
 )
 CHAT_REFUSED = (
     *COMMON_REFUSED,
-    Refused("echo", _OFF, "a chat's echo (the last message repeated) is not implemented", _BOOLEAN),
     Refused("functions", ([],), _FUNCTIONS),
     Refused("function_call", ("none", "auto"), _FUNCTIONS),
     Refused("return_prompt_text", _OFF, _NOT_IMPLEMENTED),

@@ -25,6 +25,7 @@ from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.structured_output import StructuredOutput
 from splitserve.common.token_logprobs import TokenLogprobs
 from splitserve.router.api_types import StreamChunk, Usage
+from splitserve.router.lax_values import with_lax_values
 from splitserve.router.openai_beam_search import CHAT_UNHONOURED, COMPLETION_UNHONOURED, parse_beam_search
 from splitserve.router.openai_fields import CHAT_REFUSED, COMPLETION_REFUSED, Refused, refuse_unsupported
 from splitserve.router.reasoning_parsers import ReasoningOutput, ReasoningParser, parse_reasoning
@@ -107,8 +108,6 @@ class CompletionRequest:
     echo: bool
     """Each choice's text starts with its prompt's text."""
     sampling: SamplingParams
-    max_tokens_param: str | None
-    """The field that set sampling.max_tokens; None when defaulted (then only the context length bounds it)."""
     stream: bool
     include_usage: bool
     """stream_options.include_usage: a last stream chunk with usage and no choices."""
@@ -151,6 +150,7 @@ class ChatCompletionRequest:
     sampling: SamplingParams
     """sampling.logprobs is top_logprobs when logprobs is true, else None."""
     max_tokens_param: str | None
+    """The field that set sampling.max_tokens; None when defaulted (the Responses API repeats a set one)."""
     stream: bool
     include_usage: bool
     continuous_usage: bool
@@ -177,6 +177,20 @@ class ChatCompletionRequest:
     """A streamed choice's tokens are sent every this many (vLLM extension, router/stream_interval.py)."""
     priority: int = 0
     """vLLM extension: lower is scheduled earlier under the workers' priority policy (0 only under fcfs)."""
+    echo: bool = False
+    """Start the reply's content with the last message's, when the reply has its role (vLLM's chat echo)."""
+
+    def response_role(self, server_role: str = "assistant") -> str:
+        """The role of the reply's message: `server_role` (the server's --response-role) after a generation
+        prompt, else the last message's (the output continues it, or follows it with no turn of its own), as
+        vLLM answers."""
+        return server_role if self.add_generation_prompt else self.messages[-1].role
+
+    def echoed_text(self, server_role: str = "assistant") -> str:
+        """What the reply's content starts with: with echo, the last message's content when that message
+        has the reply's role (a continued message, say with continue_final_message), else nothing (vLLM's rule)."""
+        last = self.messages[-1]
+        return last.content if self.echo and last.role == self.response_role(server_role) else ""
 
 
 # ---- parsing --------------------------------------------------------------------------------
@@ -365,7 +379,9 @@ def _request_id(body: Mapping[str, Any], limits: RequestLimits) -> str:
 def parse_completion_request(body: Mapping[str, Any], limits: RequestLimits,
                              defaults: RequestDefaults = NO_REQUEST_DEFAULTS) -> CompletionRequest:
     """`defaults`: the server's sampling defaults (--generation-config); a completion's max_tokens
-    stays 16 when unset, as in vLLM, within their limit."""
+    stays 16 when unset, as in vLLM, within their limit. Scalar fields are read as vLLM's pydantic
+    models read them (router/lax_values.py: `8.0` or `"8"` is 8)."""
+    body = with_lax_values(body, logprobs_is_boolean=False)
     refuse_unsupported(body, COMPLETION_REFUSED)
     logprobs = _typed(body, "logprobs", int, "an integer >= 0")
     echo = _typed(body, "echo", bool, "a boolean", False)
@@ -384,7 +400,7 @@ def parse_completion_request(body: Mapping[str, Any], limits: RequestLimits,
     best_of = _best_of(body, n, stream, beam_search is not None)
     truncation = _truncation(body, limits)
     return CompletionRequest(_model(body), _prompts(body, limits, best_of, truncation is not None), n, best_of, echo,
-                             sampling, max_tokens_param, stream, include_usage, continuous_usage,
+                             sampling, stream, include_usage, continuous_usage,
                              _typed(body, "return_tokens_as_token_ids", bool, "a boolean"),
                              _request_id(body, limits), _flag(body, "add_special_tokens", True),
                              _return_token_ids(body), truncation, echo_only, _cache_salt(body), beam_search,
@@ -447,6 +463,12 @@ def _chat_logprobs(body: Mapping[str, Any]) -> int | None:
     return (top or 0) if wanted else None
 
 
+def _echoed_prompt_logprobs(body: Mapping[str, Any]) -> int:
+    """A chat with echo returns its prompt's logprobs with top_logprobs alternatives (0 when unset), as
+    vLLM's does (its echo asks for them); a stream has no place for them, so a streamed one computes none."""
+    return _typed(body, "top_logprobs", int, "an integer >= 0") or 0
+
+
 def _documents(body: Mapping[str, Any]) -> tuple[Mapping[str, str], ...] | None:
     documents = _typed(body, "documents", list, "a list of objects of strings")
     if documents is None:
@@ -490,7 +512,9 @@ def parse_chat_request(body: Mapping[str, Any], limits: RequestLimits,
                        defaults: RequestDefaults = NO_REQUEST_DEFAULTS) -> ChatCompletionRequest:
     """The default max_tokens is the defaults' max_new_tokens, else max_model_len: generation may
     then run to the end of the context (the engine ends it there with finish_reason "length"), as
-    in vLLM. `defaults`: the server's sampling defaults (--generation-config)."""
+    in vLLM. `defaults`: the server's sampling defaults (--generation-config). Scalar fields are read
+    as vLLM's pydantic models read them (router/lax_values.py)."""
+    body = with_lax_values(body, logprobs_is_boolean=True)
     refuse_unsupported(body, CHAT_REFUSED)
     messages = _messages(body, limits)
     add_generation_prompt = _flag(body, "add_generation_prompt", True)
@@ -501,10 +525,11 @@ def parse_chat_request(body: Mapping[str, Any], limits: RequestLimits,
     max_tokens, max_tokens_param = _max_tokens(body, ("max_completion_tokens", "max_tokens"),
                                                defaults.default_max_tokens(limits.max_model_len))
     stream, include_usage, continuous_usage = _stream_flags(body)
+    echo = _flag(body, "echo", False)
     sampling = _with_prompt_logprobs(body, _sampling(body, defaults.limited(max_tokens), max_tokens_param,
                                                      _chat_logprobs(body), limits, defaults,
                                                      None if tool_calling is None else tool_calling.constraint()),
-                                     stream)
+                                     stream, _echoed_prompt_logprobs(body) if echo and not stream else None)
     n = _count(body, "n", 1)
     beam_search = parse_beam_search(body, n, sampling, CHAT_UNHONOURED)
     limits.check_logprobs(sampling, beam_search)
@@ -513,7 +538,7 @@ def parse_chat_request(body: Mapping[str, Any], limits: RequestLimits,
         include_usage, continuous_usage, _typed(body, "return_tokens_as_token_ids", bool, "a boolean"),
         _request_id(body, limits), template, tool_calling, _flag(body, "include_reasoning", True),
         _return_token_ids(body), _truncation(body, limits), _cache_salt(body), beam_search, _stream_interval(body),
-        _priority(body))
+        _priority(body), echo)
 
 
 @dataclass(frozen=True)
@@ -538,7 +563,9 @@ _PROMPT_TOOLS = Refused("tools", (), "a prompt is tokenized as it is (send messa
 
 
 def parse_tokenize_request(body: Mapping[str, Any], limits: RequestLimits) -> TokenizeRequest:
-    """A chat's `tools` are rendered as the chat endpoint renders them."""
+    """A chat's `tools` are rendered as the chat endpoint renders them; flags are read as vLLM's pydantic
+    model reads them (router/lax_values.py)."""
+    body = with_lax_values(body, logprobs_is_boolean=True)
     refuse_unsupported(body, _TOKENIZE_REFUSED)
     return_token_strs = _typed(body, "return_token_strs", bool, "a boolean", False)
     if "messages" in body:
@@ -857,13 +884,13 @@ class ChatRenderer(_Renderer):
     def __init__(self, header: ResponseHeader, token_text: Callable[[int], str], token_bytes: Callable[[int], bytes],
                  include_usage: bool, with_logprobs: bool, prompt_tokens: Sequence[int] | None = None,
                  tool_output: ToolOutput | None = None, reasoning_output: ReasoningOutput | None = None,
-                 role: str = "assistant") -> None:
+                 role: str = "assistant", echoed_text: str = "") -> None:
         """`tool_output`: how each choice's content is split into content and tool calls (None: all
         content); `reasoning_output`: how each choice's text is split into reasoning and content first
-        (None: no reasoning parser; the message then has no `reasoning` field); `role`: the messages'
-        role (OpenAIServing._chat_role). With reasoning hidden
+        (None: no reasoning parser; the message then has no `reasoning` field). With reasoning hidden
         (include_reasoning false) no logprobs and no output token ids are returned (they would show
-        it), as in vLLM."""
+        it), as in vLLM. `role`: the message's role (ChatCompletionRequest.response_role()); `echoed_text`:
+        what its content starts with (ChatCompletionRequest.echoed_text()), streamed as one chunk after the role's."""
         shown = reasoning_output is None or reasoning_output.include_reasoning
         super().__init__(header, token_text, include_usage, with_logprobs and shown, prompt_tokens)
         self.returns_output_ids = shown
@@ -871,6 +898,7 @@ class ChatRenderer(_Renderer):
         self.tool_output = tool_output
         self.reasoning_output = reasoning_output
         self.role = role
+        self.echoed_text = echoed_text
         self._role_sent: set[int] = set()
         self._parsers: dict[int, OutputParser] = {}
         """Each choice's parser (with tool_output): its stream's, or the one that read its whole output."""
@@ -893,7 +921,10 @@ class ChatRenderer(_Renderer):
                                           "logprobs": None, "finish_reason": None}),
                            **self._token_id_fields(index, (), False)})
             self._prompt_ids_streamed(index)
-        self._count_tokens(index, chunk)  # after the role chunk: it carries no tokens
+            if self.echoed_text:
+                chunks.append(self._chunk({"index": index, "delta": {"content": self.echoed_text}, "logprobs": None,
+                                           "finish_reason": None}))
+        self._count_tokens(index, chunk)  # after the role (and echo) chunk: they carry no tokens
         delta, logprobs = self._delta(index, chunk), self._logprobs(chunk.logprobs)
         finish_reason = self._finish_reason(index, chunk)
         returns_ids = self.prompt_token_ids is not None and self.returns_output_ids and chunk.token_ids
@@ -950,6 +981,8 @@ class ChatRenderer(_Renderer):
                 message["tool_calls"] = [{"id": call.id, "type": "function",
                                           "function": {"name": call.name, "arguments": call.arguments}}
                                          for call in parsed.tool_calls]
+        if self.echoed_text:
+            message["content"] = self.echoed_text + (message["content"] or "")
         return {"message": message, "logprobs": self._logprobs(logprobs)}
 
     def _usage_body(self, usage: Usage) -> dict:

@@ -42,6 +42,7 @@ from splitserve.common.beam_search import STOP, Beam, BeamSearchParams, start
 from splitserve.common.errors import InvalidRequestError
 from splitserve.common.generation_config import NO_REQUEST_DEFAULTS, RequestDefaults
 from splitserve.common.log_escape import quote_for_log
+from splitserve.common.lora import LoRARequest
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.router.admission import RETRY_AFTER_S, Admission
 from splitserve.router.auth import check_authorization
@@ -53,9 +54,10 @@ from splitserve.router.api_types import GenerationInput, RouterError, StreamChun
 from splitserve.router.beam_search_run import BeamSearchResult, run_beam_search
 from splitserve.router.fanout import IndexedChunk, best_of, by_choice, client_fan_out, merged_usage, sequence_inputs
 from splitserve.router.http_options import UVICORN_LOG_LEVEL_NUMBERS, HttpOptions
+from splitserve.router.lora_adapters import AdapterRegistry, UnknownAdapterError
 from splitserve.router.orchestrator import Orchestrator
 from splitserve.router.reasoning_parsers import ReasoningFormat, ReasoningOutput
-from splitserve.router.request_body import BodyParser, MalformedBodyError, Parse
+from splitserve.router.request_body import BodyParser, MalformedBodyError, Parse, json_object
 from splitserve.router.request_id_header import RequestIdHeader
 from splitserve.router.request_limits import PromptTruncation
 from splitserve.router.responses_protocol import ResponsesRenderer, ResponsesRequest, parse_responses_request
@@ -173,7 +175,8 @@ class OpenAIServing:
     def __init__(self, orchestrator: Orchestrator, tokenizers: TokenizerPool, bodies: BodyParser, model_name: str,
                  request_timeout_s: float | None = None, aliases: tuple[str, ...] = (),
                  tool_call_parser: str | None = None, reasoning: ReasoningFormat | None = None,
-                 defaults: RequestDefaults = NO_REQUEST_DEFAULTS, options: HttpOptions = HttpOptions()) -> None:
+                 defaults: RequestDefaults = NO_REQUEST_DEFAULTS, adapters: AdapterRegistry | None = None,
+                 runtime_lora_updating: bool = False, options: HttpOptions = HttpOptions()) -> None:
         self.orchestrator = orchestrator
         self.options = options
         """The server-wide choices in responses (--response-role ...)."""
@@ -184,6 +187,11 @@ class OpenAIServing:
         """What /v1/models lists and responses carry as `model`."""
         self.model_names = frozenset((model_name, *aliases))
         """Every name a request may give as `model` (--served-model-name)."""
+        self.adapters = adapters or AdapterRegistry((), self.model_names)
+        """LoRA adapters by name (--lora-modules; shared with the gRPC API): a request naming one as `model` runs
+        it (vLLM's)."""
+        self.runtime_lora_updating = runtime_lora_updating
+        """Serve /v1/load_lora_adapter and /v1/unload_lora_adapter (router/lora_adapters.py's env gate)."""
         self.request_timeout_s = request_timeout_s
         """Server-side limit on a request's total time (router.request_timeout_s); None: no limit."""
         self.tool_call_parser = tool_call_parser
@@ -209,14 +217,38 @@ class OpenAIServing:
         return await self._serve(request, self._parse_responses, self._responses_job)
 
     async def models(self, request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [self._model_card()]})
+        cards = [self._model_card(), *(self._adapter_card(adapter) for adapter in self.adapters.loaded())]
+        return JSONResponse({"object": "list", "data": cards})
 
     async def model(self, request: Request) -> Response:
         try:
-            self._check_model(request.path_params["model"])
+            adapter = self._adapter(request.path_params["model"])
         except ApiError as error:
             return error.response()
-        return JSONResponse(self._model_card())
+        return JSONResponse(self._model_card() if adapter is None else self._adapter_card(adapter))
+
+    async def load_lora_adapter(self, request: Request) -> Response:
+        """vLLM's: {"lora_name", "lora_path"} -> 200 and a line of text; 400 naming the field it refuses."""
+        try:
+            body = json_object(await _read_body(request, self.bodies.limits.max_body_bytes))
+            adapter = self.adapters.load(body.get("lora_name"), body.get("lora_path"))
+        except Exception as error:
+            return ApiError.of(error).response()
+        logger.info("LoRA adapter %s loaded from %s (id %d)", quote_for_log(adapter.lora_name),
+                    quote_for_log(adapter.lora_path), adapter.lora_int_id)
+        return Response(f"Success: LoRA adapter '{adapter.lora_name}' added successfully.", media_type="text/plain")
+
+    async def unload_lora_adapter(self, request: Request) -> Response:
+        """vLLM's: {"lora_name"} -> 200 and a line of text; 404 when no adapter of that name is loaded."""
+        try:
+            body = json_object(await _read_body(request, self.bodies.limits.max_body_bytes))
+            adapter = self.adapters.unload(body.get("lora_name"))
+        except UnknownAdapterError as error:
+            return ApiError(404, str(error), "lora_name", "model_not_found").response()
+        except Exception as error:
+            return ApiError.of(error).response()
+        logger.info("LoRA adapter %s unloaded", quote_for_log(adapter.lora_name))
+        return Response(f"Success: LoRA adapter '{adapter.lora_name}' removed successfully.", media_type="text/plain")
 
     async def version(self, request: Request) -> Response:
         return JSONResponse({"version": SERVER_VERSION})
@@ -270,6 +302,11 @@ class OpenAIServing:
     def _model_card(self) -> dict:
         return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "splitserve",
                 "root": self.model_name, "parent": None, "max_model_len": self.orchestrator.max_model_len}
+
+    def _adapter_card(self, adapter: LoRARequest) -> dict:
+        """vLLM's card of a LoRA adapter: its name, its directory as `root`, the base model as `parent`."""
+        return {"id": adapter.lora_name, "object": "model", "created": self.created, "owned_by": "splitserve",
+                "root": adapter.lora_path, "parent": self.model_name, "max_model_len": self.orchestrator.max_model_len}
 
     # ---- one generation request --------------------------------------------------------
     async def _serve(self, request: Request, parse: Parse[T], prepare: Callable[[T], Awaitable[_Job]]) -> Response:
@@ -357,17 +394,17 @@ class OpenAIServing:
         return None if eos is None else tokenizer.backend.token_to_id(eos)
 
     async def _completion_job(self, parsed: CompletionRequest) -> _Job:
-        self._check_model(parsed.model)
+        adapter = self._adapter(parsed.model)
         prompts = [prompt if isinstance(prompt, tuple)
                    else await self.tokenizers.encode(prompt, parsed.add_special_tokens) for prompt in parsed.prompts]
         params = parsed.sampling
         if parsed.best_of > parsed.n and params.logprobs is None:  # best_of ranks by the sampled tokens' logprobs
             params = dataclasses.replace(params, logprobs=0)
-        request_id, inputs = await self._inputs(prompts, params, parsed.max_tokens_param, "prompt",
-                                                parsed.request_id, parsed.best_of, parsed.truncation,
-                                                parsed.cache_salt, parsed.priority)
+        request_id, inputs = await self._inputs(prompts, params, "prompt", parsed.request_id, parsed.best_of,
+                                                parsed.truncation, parsed.cache_salt, parsed.priority, adapter)
         echo = [self._prompt_text(p) for p in parsed.prompts] if parsed.echo else ()
-        renderer = CompletionRenderer(self._header("cmpl", request_id), self._token_text(parsed.tokens_as_ids),
+        renderer = CompletionRenderer(self._header("cmpl", request_id, adapter),
+                                      self._token_text(parsed.tokens_as_ids),
                                       parsed.include_usage, parsed.sampling.logprobs is not None, echo, parsed.n,
                                       _prompt_lengths(inputs) if parsed.continuous_usage else None,
                                       _echoed_token_ids(inputs, len(prompts), parsed.best_of) if parsed.echo else (),
@@ -381,32 +418,30 @@ class OpenAIServing:
 
     async def _chat_job(self, parsed: ChatCompletionRequest) -> _Job:
         chat = await self._chat_inputs(parsed, "messages")
-        renderer = ChatRenderer(self._header("chatcmpl", chat.request_id), self._token_text(parsed.tokens_as_ids),
+        renderer = ChatRenderer(self._header("chatcmpl", chat.request_id, chat.inputs[0].lora_request),
+                                self._token_text(parsed.tokens_as_ids),
                                 self.tokenizers.tokenizer.token_bytes, parsed.include_usage,
                                 parsed.sampling.logprobs is not None,
                                 _prompt_lengths(chat.inputs) if parsed.continuous_usage else None, chat.tool_output,
-                                chat.reasoning_output, self._chat_role(parsed))
+                                chat.reasoning_output, parsed.response_role(self.options.response_role),
+                                parsed.echoed_text(self.options.response_role))
         renderer.with_prompt_tokens_details(self.options.enable_prompt_tokens_details)
         if parsed.return_token_ids:
             renderer.with_token_ids([chat.inputs[0].prompt_token_ids] * parsed.n)
         return _Job(chat.request_id, chat.inputs, parsed.n, parsed.n, renderer, parsed.stream, parsed.beam_search,
                     parsed.stream_interval)
 
-    def _chat_role(self, parsed: ChatCompletionRequest) -> str:
-        """The response message's role, as vLLM: --response-role after a generation prompt, else the
-        role of the message the output continues."""
-        return self.options.response_role if parsed.add_generation_prompt else parsed.messages[-1].role
-
     async def _responses_job(self, parsed: ResponsesRequest) -> _Job:
         chat = await self._chat_inputs(parsed.chat, "input")
-        header = ResponseHeader(f"resp_{chat.request_id}", int(time.time()), self.model_name, self.system_fingerprint)
+        header = ResponseHeader(f"resp_{chat.request_id}", int(time.time()),
+                                self._served_name(chat.inputs[0].lora_request), self.system_fingerprint)
         renderer = ResponsesRenderer(header, parsed.chat, parsed.settings, chat.tool_output, chat.reasoning_output)
         return _Job(chat.request_id, chat.inputs, 1, 1, renderer, parsed.chat.stream)
 
     async def _chat_inputs(self, parsed: ChatCompletionRequest, prompt_param: str) -> _ChatInputs:
         """A chat's inputs and how its output is read; `prompt_param`: the field its messages came
         from, named by a prompt that does not fit."""
-        self._check_model(parsed.model)
+        adapter = self._adapter(parsed.model)
         tool_output = None if parsed.tool_calling is None else ToolOutput.for_request(parsed.tool_calling,
                                                                                       self.tool_call_parser)
         messages = [m.template_message() for m in parsed.messages]
@@ -419,9 +454,9 @@ class OpenAIServing:
             reasoning_output = self.reasoning.for_request(token_ids, parsed.template.template_kwargs,
                                                           parsed.include_reasoning)
             sampling = reasoning_output.sampling(sampling)
-        request_id, inputs = await self._inputs([token_ids], sampling, parsed.max_tokens_param, prompt_param,
-                                                parsed.request_id, parsed.n, cache_salt=parsed.cache_salt,
-                                                priority=parsed.priority)
+        request_id, inputs = await self._inputs([token_ids], sampling, prompt_param, parsed.request_id, parsed.n,
+                                                cache_salt=parsed.cache_salt, priority=parsed.priority,
+                                                lora_request=adapter)
         return _ChatInputs(request_id, inputs, tool_output, reasoning_output)
 
     def _prompt_text(self, prompt: str | tuple[int, ...]) -> str:
@@ -430,33 +465,47 @@ class OpenAIServing:
                                                                                         skip_special_tokens=False)
 
     def _check_model(self, model: str | None) -> None:
+        """404 unless `model` is None (the served model), one of its names, or a LoRA adapter's."""
+        self._adapter(model)
+
+    def _adapter(self, model: str | None) -> LoRARequest | None:
+        """The LoRA adapter `model` names, None for the base model (or no model named); 404 for anything else."""
+        adapter = self.adapters.get(model)
+        if adapter is not None:
+            return adapter
         if model is not None and model not in self.model_names:
             raise ApiError(404, f"The model `{model}` does not exist; this server serves `{self.model_name}`.",
                            "model", "model_not_found")
+        return None
 
-    async def _inputs(self, prompts: list[tuple[int, ...]], params: SamplingParams, max_tokens_param: str | None,
-                      prompt_param: str, request_id: str, num_sequences: int,
-                      truncation: PromptTruncation | None = None,
-                      cache_salt: str | None = None, priority: int = 0) -> tuple[str, tuple[GenerationInput, ...]]:
+    def _served_name(self, adapter: LoRARequest | None) -> str:
+        """What a response carries as `model`: the adapter's name when one ran (vLLM's), else the model's."""
+        return self.model_name if adapter is None else adapter.lora_name
+
+    async def _inputs(self, prompts: list[tuple[int, ...]], params: SamplingParams, prompt_param: str,
+                      request_id: str, num_sequences: int,
+                      truncation: PromptTruncation | None = None, cache_salt: str | None = None,
+                      priority: int = 0,
+                      lora_request: LoRARequest | None = None) -> tuple[str, tuple[GenerationInput, ...]]:
         """Cut each prompt as `truncation` says, check it (`prompt_param`: the body field it came
-        from; `[i]` names one of a batch) and, when the client set max_tokens, that prompt + output
-        fit the context; then (the request's id, one input per sequence). `request_id`: the
-        client's ("": new); `cache_salt`: the request's (every sequence's) prefix-cache salt; `priority`: its
-        (every sequence's) scheduling priority."""
+        from; `[i]` names one of a batch); then (the request's id, one input per sequence). A max_tokens
+        longer than the context leaves ends there (vLLM's). `request_id`: the client's ("": new);
+        `cache_salt`: the request's (every sequence's) prefix-cache salt; `priority`: its (every
+        sequence's) scheduling priority; `lora_request`: the adapter every sequence runs with (None: the
+        base model)."""
         params = await self.tokenizers.tokenize_bad_words(params)
         if truncation is not None:
             prompts = [truncation.applied(tuple(p)) for p in prompts]
         for index, token_ids in enumerate(prompts):
             field = prompt_param if len(prompts) == 1 else f"{prompt_param}[{index}]"
             self.orchestrator.validate_prompt(token_ids, field)
-            self.tokenizers.limits.check_max_tokens(len(token_ids), params, max_tokens_param)
         deadline = None if self.request_timeout_s is None else time.monotonic() + self.request_timeout_s
         base = GenerationInput(self.orchestrator.new_request_id(request_id), prompts[0], params, deadline,
-                               cache_salt=cache_salt, priority=priority)
+                               cache_salt=cache_salt, priority=priority, lora_request=lora_request)
         return base.request_id, sequence_inputs(base, prompts, num_sequences)
 
-    def _header(self, prefix: str, request_id: str) -> ResponseHeader:
-        return ResponseHeader(f"{prefix}-{request_id}", int(time.time()), self.model_name,
+    def _header(self, prefix: str, request_id: str, adapter: LoRARequest | None = None) -> ResponseHeader:
+        return ResponseHeader(f"{prefix}-{request_id}", int(time.time()), self._served_name(adapter),
                               self.system_fingerprint)
 
     @functools.cached_property
@@ -716,6 +765,9 @@ def build_app(serving: OpenAIServing, metrics_app: ASGIApp | None = None, api_ke
               Route("/detokenize", serving.detokenize, methods=["POST"]),
               Route("/version", serving.version, methods=["GET"]),
               Route("/health", serving.health, methods=["GET"])]
+    if serving.runtime_lora_updating:  # vLLM serves these only when its environment variable allows it
+        routes += [Route("/v1/load_lora_adapter", serving.load_lora_adapter, methods=["POST"]),
+                   Route("/v1/unload_lora_adapter", serving.unload_lora_adapter, methods=["POST"])]
     if metrics_app is not None:
         routes.append(Route("/metrics", _AsgiRoute(metrics_app), methods=["GET"]))
     app = _AdmissionGate(Starlette(routes=routes, exception_handlers={HTTPException: _http_error}),
@@ -816,7 +868,8 @@ async def start_http_server(orchestrator: Orchestrator, tokenizers: TokenizerPoo
                             tls: TlsConfig | None = None, aliases: tuple[str, ...] = (),
                             reuse_port: bool = False, options: HttpOptions = HttpOptions(),
                             tool_call_parser: str | None = None, reasoning_parser: str | None = None,
-                            defaults: RequestDefaults = NO_REQUEST_DEFAULTS) -> HttpServer:
+                            defaults: RequestDefaults = NO_REQUEST_DEFAULTS,
+                            adapters: AdapterRegistry | None = None, runtime_lora_updating: bool = False) -> HttpServer:
     """Start the OpenAI-compatible API on the running loop; the server's `port` is the bound one.
     With `api_key`, /v1/* needs `Authorization: Bearer <api_key>`; with `tls`, it is HTTPS only.
     Requests may name the model `model_name` or one of `aliases`. `reuse_port`: share the port
@@ -824,12 +877,14 @@ async def start_http_server(orchestrator: Orchestrator, tokenizers: TokenizerPoo
     parser of tool_choice "auto" outputs (router/tool_parsers.py); None turns auto tool choice off.
     `reasoning_parser`: splits chat outputs into reasoning and content (router/reasoning_parsers.py);
     ValueError when the tokenizer lacks its tags. `defaults`: what the sampling fields a generation
-    request leaves unset take (--generation-config)."""
+    request leaves unset take (--generation-config). `adapters`: the LoRA adapters a request may name as
+    `model` (--lora-modules; the workers' engines need enable_lora); `runtime_lora_updating`: also serve
+    /v1/load_lora_adapter and /v1/unload_lora_adapter (router/lora_adapters.py)."""
     reasoning = None if reasoning_parser is None else ReasoningFormat.for_tokenizer(
         reasoning_parser, tokenizers.tokenizer.backend.token_to_id)
     bodies = BodyParser(tokenizers.limits)
     serving = OpenAIServing(orchestrator, tokenizers, bodies, model_name, request_timeout_s, aliases, tool_call_parser,
-                            reasoning, defaults, options)
+                            reasoning, defaults, adapters, runtime_lora_updating, options)
     server = HttpServer(build_app(serving, metrics_app, api_key, options), tls=tls, on_stop=bodies.close,
                         root_path=options.root_path, log_level=options.uvicorn_log_level)
     try:

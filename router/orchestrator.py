@@ -216,8 +216,10 @@ class Orchestrator:
         inp = run.inp
         block_size = self._hasher.block_size
         context = run.context_token_ids
-        hashes = (await asyncio.to_thread(self._hasher.hash_prefix, context, inp.cache_salt)
-                  if len(context) > HASH_IN_THREAD_TOKENS else self._hasher.hash_prefix(context, inp.cache_salt))
+        lora_name = None if inp.lora_request is None else inp.lora_request.lora_name  # the workers' hash rule
+        hashes = (await asyncio.to_thread(self._hasher.hash_prefix, context, inp.cache_salt, lora_name)
+                  if len(context) > HASH_IN_THREAD_TOKENS else self._hasher.hash_prefix(context, inp.cache_salt,
+                                                                                           lora_name))
         cached = {worker_id: blocks * block_size for worker_id, blocks in self.index.matched_blocks(hashes).items()}
         full_prompt = len(inp.prompt_token_ids) // block_size * block_size
         for worker_id in inp.kv_cached_on:  # a sibling's prefill there, not reported yet
@@ -583,7 +585,8 @@ class Orchestrator:
         await run.call(self._handshake(decode.client, prefill.client))
         self.dispatcher.submit(decode_id, DecodeRequest(
             run.worker_request_id, self.router_id, run.inp.prompt_token_ids, (), self._worker_params(run), 0, None,
-            None, first_token_pending=True, cache_salt=run.inp.cache_salt, priority=run.inp.priority))
+            None, first_token_pending=True, cache_salt=run.inp.cache_salt, priority=run.inp.priority,
+            lora_request=run.inp.lora_request))
         result = await self._prefill(run, prefill, decode_id)
         chunk = run.on_tokens(result.token_ids, result.logprobs, result.finish_reason, result.stop_reason,
                               result.prompt_logprobs)
@@ -608,7 +611,8 @@ class Orchestrator:
         run.active_worker_id = decode.client.worker_id
         request = DecodeRequest(run.worker_request_id, self.router_id, run.inp.prompt_token_ids,
                                 tuple(run.output_token_ids), self._worker_params(run), 0, None, None,
-                                cache_salt=run.inp.cache_salt, priority=run.inp.priority)
+                                cache_salt=run.inp.cache_salt, priority=run.inp.priority,
+                                lora_request=run.inp.lora_request)
         self.dispatcher.submit(decode.client.worker_id, request)
         async for chunk in self._stream(run, stream):
             yield chunk
@@ -625,7 +629,7 @@ class Orchestrator:
     async def _prefill(self, run: RequestRun, prefill: Assignment, relay_to: str | None = None) -> PrefillResult:
         """The prefill's result; `relay_to`: a layer-wise prefill, whose progress goes to that decode worker."""
         request = PrefillRequest(run.worker_request_id, run.inp.prompt_token_ids, self._worker_params(run),
-                                 self.router_id, run.inp.cache_salt, run.inp.priority)
+                                 self.router_id, run.inp.cache_salt, run.inp.priority, run.inp.lora_request)
         run.active_worker_id = prefill.client.worker_id
         run.relay_worker_id = relay_to
         call = ((lambda: prefill.client.prefill(request)) if relay_to is None
@@ -656,7 +660,8 @@ class Orchestrator:
     def _decode_request(self, run: RequestRun, result: PrefillResult) -> DecodeRequest:
         return DecodeRequest(run.worker_request_id, self.router_id, run.inp.prompt_token_ids, result.token_ids,
                              self._worker_params(run), result.num_cached_tokens, result.transfer,
-                             result.generator_state, cache_salt=run.inp.cache_salt, priority=run.inp.priority)
+                             result.generator_state, cache_salt=run.inp.cache_salt, priority=run.inp.priority,
+                             lora_request=run.inp.lora_request)
 
     async def _stream(self, run: RequestRun, stream: asyncio.Queue[TokenDelta]) -> AsyncIterator[StreamChunk]:
         decode = run.decode

@@ -6,7 +6,8 @@ Every API applies them in the same order, cheapest first and each before the wor
 admission (Orchestrator.admit, O(1), before the request is parsed or tokenized), then
 while parsing the sizes and values checked here (linear in what the client sent, never in
 tokens), then tokenization in a bounded pool (router/tokenizer_pool.py, which also checks a
-rendered chat's size before encoding it), then check_max_tokens against the prompt's token count.
+rendered chat's size before encoding it). A max_tokens longer than what the prompt leaves of the
+context is served, as vLLM serves it: generation ends at the end of the context (finish reason length).
 """
 
 from __future__ import annotations
@@ -22,10 +23,11 @@ from splitserve.common.sampling_params import (MAX_ALLOWED_TOKEN_IDS, MAX_BAD_WO
                                                MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SamplingParams)
 from splitserve.common.validation import require
 
-CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
-"""The chat roles accepted (OpenAI's, `developer` included)."""
 REQUEST_ID_CHARS = frozenset(map(chr, range(0x21, 0x7F)))
 """Printable ASCII without the space: an id is one word of a log line and can never break one."""
+MAX_TEMPERATURE = 2.0
+"""The hottest temperature a served request may ask for: OpenAI's bound, which vLLM holds every request to
+(SamplingParams itself takes any temperature >= 0: the engine and its offline LLM sample at any)."""
 QUOTED_CHARS = 64
 """Characters of a client's value an error message quotes."""
 MAX_SEQUENCES = 128
@@ -215,15 +217,11 @@ class RequestLimits:
             raise InvalidRequestError("messages", f"holds {num_messages} messages; at most {self.max_chat_messages}")
 
     def check_chat(self, messages: Sequence[ChatMessageLike]) -> None:
-        """Count, roles (CHAT_ROLES), and the contents' bytes together."""
+        """Count, and the contents' bytes together (a long role is bounded by the rendered chat's limit).
+        Any role is served, as vLLM serves one its message model does not name (a template's own roles:
+        Llama 3.1's `ipython`, GLM's `observation`): the template decides what it renders."""
         self.check_message_count(len(messages))
-        num_bytes = 0
-        for index, message in enumerate(messages):
-            if message.role not in CHAT_ROLES:
-                raise InvalidRequestError(f"messages[{index}].role", f"must be one of {', '.join(CHAT_ROLES)}; got "
-                                                                     f"{quote_for_log(message.role, QUOTED_CHARS)}")
-            num_bytes += utf8_length(message.content)
-        self.check_prompt_bytes(num_bytes, "messages")
+        self.check_prompt_bytes(sum(utf8_length(m.content) for m in messages), "messages")
 
     # ---- tools ---------------------------------------------------------------------------------
     def check_tools(self, num_tools: int, num_bytes: int) -> None:
@@ -235,8 +233,10 @@ class RequestLimits:
 
     # ---- sampling and output length ----------------------------------------------------------
     def check_sampling(self, params: SamplingParams, max_tokens_field: str | None) -> None:
-        """Stop strings and ids, and a max_tokens the client set (`max_tokens_field`: the field that
-        set it, None when defaulted) that no prompt could leave room for."""
+        """The temperature's range, stop strings and ids, and a max_tokens the client set (`max_tokens_field`:
+        the field that set it, None when defaulted) that no prompt could leave room for."""
+        if params.temperature > MAX_TEMPERATURE:
+            raise InvalidRequestError("temperature", f"must be in [0, {MAX_TEMPERATURE:g}], got {params.temperature}")
         if len(params.stop) > self.max_stop_strings:
             raise InvalidRequestError("stop", f"must hold at most {self.max_stop_strings} strings, got "
                                               f"{len(params.stop)}")
@@ -252,9 +252,9 @@ class RequestLimits:
             raise InvalidRequestError("stop_token_ids", f"must be below the vocabulary size {self.vocab_size}, got "
                                                         f"{outside[:5]}")
         self._check_logit_controls(params)
-        if max_tokens_field is not None and params.max_tokens >= self.max_model_len:
-            raise InvalidRequestError(max_tokens_field, f"must be below max_model_len {self.max_model_len} (the prompt "
-                                                        f"takes at least one token), got {params.max_tokens}")
+        if max_tokens_field is not None and params.max_tokens > self.max_model_len:
+            raise InvalidRequestError(max_tokens_field, f"must be at most max_model_len {self.max_model_len}, got "
+                                                        f"{params.max_tokens}")
 
     def _check_logit_controls(self, params: SamplingParams) -> None:
         """Sizes of logit_bias, allowed_token_ids and bad_words, and the ids' vocabulary (bad words'
@@ -271,9 +271,3 @@ class RequestLimits:
                                                    f"one of {longest}")
         params.check_logit_control_vocabulary(self.vocab_size)
 
-    def check_max_tokens(self, num_prompt_tokens: int, params: SamplingParams, max_tokens_field: str | None) -> None:
-        """A max_tokens the client set must fit after the prompt (as vLLM); a defaulted one is only
-        an upper bound (generation ends at the end of the context with finish reason length)."""
-        if max_tokens_field is not None and num_prompt_tokens + params.max_tokens > self.max_model_len:
-            raise InvalidRequestError(max_tokens_field, f"{params.max_tokens} output tokens after {num_prompt_tokens} "
-                                                        f"prompt tokens exceed max_model_len {self.max_model_len}")

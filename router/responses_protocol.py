@@ -119,7 +119,7 @@ class ResponsesRequest:
     """POST /v1/responses."""
 
     chat: ChatCompletionRequest
-    """The chat request for the same generation (its max_tokens_param renamed to max_output_tokens)."""
+    """The chat request for the same generation (its max_tokens_param: whether max_output_tokens was set)."""
     settings: ResponseSettings
 
 
@@ -150,8 +150,6 @@ def parse_responses_request(body: Mapping[str, Any], limits: RequestLimits,
         chat = parse_chat_request(chat_body, limits, defaults)
     except InvalidRequestError as error:
         raise InvalidRequestError(_responses_field(error.field, sources), error.message) from None
-    if chat.max_tokens_param is not None:
-        chat = dataclasses.replace(chat, max_tokens_param="max_output_tokens")
     return ResponsesRequest(chat, ResponseSettings(
         _optional_string(body, "instructions"), chat.sampling.max_tokens if chat.max_tokens_param else None,
         _metadata(body.get("metadata")), tuple(tools), text_format, _optional_string(body, "user"),

@@ -32,6 +32,7 @@ from splitserve.proto.splitserve.v1 import generation_pb2 as pb
 from splitserve.proto.splitserve.v1 import generation_pb2_grpc as pb_grpc
 from splitserve.router.api_common import grpc_deadline, grpc_status
 from splitserve.router.auth import check_authorization
+from splitserve.router.lora_adapters import AdapterRegistry
 from splitserve.router.malformed_requests import MalformedRequestInterceptor
 from splitserve.router.api_types import GenerationInput, RouterError, StreamChunk
 from splitserve.router.orchestrator import Orchestrator
@@ -138,12 +139,14 @@ def chunk_to_proto(chunk: StreamChunk) -> pb.GenerateResponse:
 class GenerationServicer(pb_grpc.GenerationServicer):
     def __init__(self, orchestrator: Orchestrator, tokenizers: TokenizerPool, model_name: str,
                  request_timeout_s: float | None = None, aliases: tuple[str, ...] = (),
-                 defaults: RequestDefaults = NO_REQUEST_DEFAULTS) -> None:
+                 defaults: RequestDefaults = NO_REQUEST_DEFAULTS, adapters: AdapterRegistry | None = None) -> None:
         self.orchestrator = orchestrator
         self.tokenizers = tokenizers
         self.model_name = model_name
         self.model_names = frozenset((model_name, *aliases))
         """Every name a request may give (--served-model-name)."""
+        self.adapters = adapters or AdapterRegistry((), self.model_names)
+        """LoRA adapters a request may name as `model` (the HTTP API's, runtime loads included)."""
         self.request_timeout_s = request_timeout_s
         self.defaults = defaults
         """The sampling values a request leaves unset (--generation-config), as on the OpenAI API."""
@@ -167,7 +170,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     async def _input(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> GenerationInput:
         limits = self.tokenizers.limits
         limits.check_request_id(request.request_id, "request_id")
-        if request.model and request.model not in self.model_names:
+        adapter = self.adapters.get(request.model or None)
+        if request.model and adapter is None and request.model not in self.model_names:
             raise InvalidRequestError("model", f"unknown model {request.model!r}; this server serves "
                                                f"{self.model_name!r}")
         cache_salt = request.cache_salt if request.HasField("cache_salt") else None
@@ -184,9 +188,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         token_ids = await prompt_token_ids(request, self.tokenizers, truncation is not None)
         if truncation is not None:
             token_ids = truncation.applied(token_ids)
-        limits.check_max_tokens(len(token_ids), params, max_tokens_field)
         return GenerationInput(request_id, token_ids, params, grpc_deadline(context, self.request_timeout_s),
-                               ttft_slo_s, tpot_slo_s, cache_salt=cache_salt, priority=request.priority)
+                               ttft_slo_s, tpot_slo_s, cache_salt=cache_salt, priority=request.priority,
+                               lora_request=adapter)
 
 
 _OPEN_SERVICES = frozenset({health.SERVICE_NAME, reflection.SERVICE_NAME, "grpc.reflection.v1.ServerReflection"})
@@ -304,7 +308,8 @@ async def start_grpc_server(orchestrator: Orchestrator, tokenizers: TokenizerPoo
                             request_timeout_s: float | None = None,
                             api_key: str | None = None,
                             tls: TlsConfig | None = None, aliases: tuple[str, ...] = (),
-                            reuse_port: bool = False, defaults: RequestDefaults = NO_REQUEST_DEFAULTS) -> GrpcServer:
+                            reuse_port: bool = False, defaults: RequestDefaults = NO_REQUEST_DEFAULTS,
+                            adapters: AdapterRegistry | None = None) -> GrpcServer:
     """Start serving; returns the server with its bound port (port 0 picks a free one). A
     Generate request may name the model `model_name` or one of `aliases` (Triton knows only
     `model_name`: its model repository has one entry). With
@@ -313,7 +318,8 @@ async def start_grpc_server(orchestrator: Orchestrator, tokenizers: TokenizerPoo
     it has a client CA). `reuse_port`: share the port with other routers' servers (SO_REUSEPORT,
     which grpc would otherwise set by default: off, a port in use is an error). `defaults`: what a
     Generate request's unset sampling fields take (--generation-config; the Triton API, like Triton's
-    vLLM backend, takes none)."""
+    vLLM backend, takes none). `adapters`: the LoRA adapters a Generate request may name as `model` (the HTTP
+    API's registry; the Triton API serves the base model only)."""
     # The key is checked first: a caller without it learns nothing, not even whether its bytes parse.
     interceptors = [*([ApiKeyInterceptor(api_key)] if api_key else []), MalformedRequestInterceptor()]
     server = grpc.aio.server(interceptors=interceptors,
@@ -321,7 +327,8 @@ async def start_grpc_server(orchestrator: Orchestrator, tokenizers: TokenizerPoo
                                       ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                                       ("grpc.so_reuseport", int(reuse_port))])
     pb_grpc.add_GenerationServicer_to_server(
-        GenerationServicer(orchestrator, tokenizers, model_name, request_timeout_s, aliases, defaults), server)
+        GenerationServicer(orchestrator, tokenizers, model_name, request_timeout_s, aliases, defaults, adapters),
+        server)
     triton_pb_grpc.add_GRPCInferenceServiceServicer_to_server(
         TritonServicer(orchestrator, tokenizers, model_name, request_timeout_s), server)
     health_servicer = health.aio.HealthServicer()

@@ -37,7 +37,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 from splitserve.common.chat_template import (TEMPLATE_VARIABLES, ContentFormat, check_template_kwargs,
-                                             content_parts, resolve_content_format, template_content)
+                                             content_parts, developer_as_system, mentions_developer_role,
+                                             resolve_content_format, template_content)
 from splitserve.common.errors import InvalidRequestError, UnsupportedModelError
 from splitserve.common.generation_config import GenerationConfigFile
 from splitserve.common.model_dir import TOKENIZER_FILE, check_tokenizer_files
@@ -129,6 +130,8 @@ class CompiledChatTemplate:
     or `detected_format` for "auto"."""
     detected_format: ContentFormat
     """The format "auto" detects from the template (common.chat_template.content_format_of)."""
+    knows_developer_role: bool
+    """False: developer messages reach it as system messages (common.chat_template.developer_as_system)."""
 
 
 def prepare_chat_template(source: str, content_format_option: str) -> CompiledChatTemplate:
@@ -140,7 +143,7 @@ def prepare_chat_template(source: str, content_format_option: str) -> CompiledCh
     # Read before compiling it: jinja's optimizer rewrites the tree it compiles.
     detected = resolve_content_format("auto", tree)
     chosen = detected if content_format_option == "auto" else resolve_content_format(content_format_option, tree)
-    return CompiledChatTemplate(env.from_string(tree), chosen, detected)
+    return CompiledChatTemplate(env.from_string(tree), chosen, detected, mentions_developer_role(source))
 
 
 REQUEST_TEMPLATE_CACHE_SIZE = 32
@@ -559,6 +562,8 @@ class RouterTokenizer:
         does not trust or that does not compile, or a template's refusal."""
         template = self._template_of(options)
         plain = _validate_messages(messages, template.content_format)
+        if not template.knows_developer_role:
+            plain = developer_as_system(plain, template.content_format)
         variables = {**self.special_tokens, **options.template_kwargs}
         rendered = _marked_final_message(plain) if options.continue_final_message else plain
         try:

@@ -155,7 +155,7 @@ def parse_tool_calling(body: Mapping[str, Any], limits: RequestLimits) -> ToolCa
 
 def parse_tools(body: Mapping[str, Any], limits: RequestLimits) -> tuple[FunctionTool, ...] | None:
     """The request's `tools` (None when absent or empty: clients send `[]` for "no tools", and vLLM
-    takes it so), each validated; InvalidRequestError naming the entry."""
+    took it so until 0.32, which refuses it as OpenAI does), each validated; InvalidRequestError naming the entry."""
     tools = body.get("tools")
     if tools is None:
         return None

@@ -122,8 +122,6 @@ class InferRequest:
     prepend_prompt: bool
     """The response text starts with the prompt (exclude_input_in_output false; never when streaming)."""
     sampling: SamplingParams
-    max_tokens_field: str | None
-    """"max_tokens" when the request set it, None when it took the default (RequestLimits.check_max_tokens)."""
     outputs: tuple[str, ...]
     """The output tensors to return, in OUTPUTS order: text_output and each optional output its switch
     turns on, narrowed to those the request names, if it names some."""
@@ -155,7 +153,7 @@ def parse_infer_request(request: pb.ModelInferRequest, limits: RequestLimits) ->
     sampling = _sampling_params(options, source)
     max_tokens_field = "max_tokens" if options.get("max_tokens") is not None else None
     limits.check_sampling(sampling, max_tokens_field)
-    return InferRequest(request.id, text, stream, prepend, sampling, max_tokens_field, _outputs(request, values),
+    return InferRequest(request.id, text, stream, prepend, sampling, _outputs(request, values),
                         empty_final)
 
 

@@ -188,7 +188,6 @@ class TritonServicer(pb_grpc.GRPCInferenceServiceServicer):
         request_id = _router_request_id(request.id)
         token_ids = await self.tokenizers.encode(parsed.text)
         self.orchestrator.validate_prompt(token_ids, "text_input")  # else the error would name "prompt"
-        limits.check_max_tokens(len(token_ids), parsed.sampling, parsed.max_tokens_field)
         return parsed, GenerationInput(request_id, token_ids, parsed.sampling,
                                        grpc_deadline(context, self.request_timeout_s))
 

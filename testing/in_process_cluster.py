@@ -237,17 +237,24 @@ class InProcessCluster:
         next(w for w in [*self.prefill_workers, *self.decode_workers] if w.worker_id == worker_id).shutdown()
 
     async def wait_idle(self, timeout_s: float = 10.0) -> None:
-        """Wait until every live worker is idle; then the router's own accounting must be back to zero."""
+        """Wait until every live worker is idle and the router's own accounting is back to zero (an abort
+        the router sent can leave a worker idle a moment before the router hears of it)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         while True:
             stats = [await w.stats() for w in [*self.prefill_workers, *self.decode_workers]
                      if not self.clients[w.worker_id].is_killed]
-            if all(s.is_idle for s in stats):
-                orchestrator = self.orchestrator
-                for pool in (orchestrator.prefill_pool, orchestrator.decode_pool):
-                    assert all(pool.num_requests(w) == pool.num_prefill_tokens(w) == 0 for w in pool.clients)
-                assert orchestrator.num_in_flight == 0
+            accounting = self._router_accounting()
+            if all(s.is_idle for s in stats) and not any(accounting.values()):
                 return
-            assert loop.time() < deadline, f"workers not idle: {stats}"
+            assert loop.time() < deadline, f"not idle after {timeout_s} s: workers {stats}, router {accounting}"
             await asyncio.sleep(0.02)
+
+    def _router_accounting(self) -> dict[str, int]:
+        """What the router still counts as running: requests and prefill tokens per pool, requests in flight."""
+        orchestrator = self.orchestrator
+        counts = {"in_flight": orchestrator.num_in_flight}
+        for name, pool in (("prefill", orchestrator.prefill_pool), ("decode", orchestrator.decode_pool)):
+            counts[f"{name}_requests"] = sum(pool.num_requests(w) for w in pool.clients)
+            counts[f"{name}_prefill_tokens"] = sum(pool.num_prefill_tokens(w) for w in pool.clients)
+        return counts

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import itertools
+import json
 import logging
 import random
 from collections.abc import Mapping
@@ -33,9 +34,9 @@ _arrivals = itertools.count()
 
 def make_request(request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
                  eos_token_ids: frozenset[int] = frozenset(), cache_salt: str | None = None,
-                 priority: int = 0) -> Request:
+                 priority: int = 0, lora_name: str | None = None) -> Request:
     return Request(request_id, list(prompt_token_ids), params or SamplingParams(), eos_token_ids, next(_arrivals),
-                   cache_salt=cache_salt, priority=priority)
+                   cache_salt=cache_salt, priority=priority, lora_name=lora_name)
 
 
 def make_block_manager(num_blocks: int, block_size: int = 4, enable_prefix_caching: bool = True,
@@ -45,8 +46,9 @@ def make_block_manager(num_blocks: int, block_size: int = 4, enable_prefix_cachi
 
 def make_scheduler(num_blocks: int, block_size: int = 4, max_num_seqs: int = 8, max_num_batched_tokens: int = 64,
                    max_model_len: int = 256, enable_chunked_prefill: bool = True,
-                   enable_prefix_caching: bool = True, policy: str = "fcfs") -> Scheduler:
-    config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len, enable_chunked_prefill, policy)
+                   enable_prefix_caching: bool = True, policy: str = "fcfs", max_loras: int | None = None) -> Scheduler:
+    config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len, enable_chunked_prefill, policy,
+                             max_loras)
     return Scheduler(config, make_block_manager(num_blocks, block_size, enable_prefix_caching))
 
 
@@ -167,6 +169,76 @@ def _random_hf_model(config, seed: int):
             # HF initializes these to 0 / 1; random values make the test see if they are loaded.
             torch.nn.init.normal_(param, mean=1.0 if name.endswith("norm.weight") else 0.0, std=0.1)
     return model
+
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""Every projection of a Llama-family decoder layer (PEFT's target_modules names)."""
+
+
+def _lora_shapes(config: dict) -> dict[str, tuple[int, int]]:
+    """PEFT module name -> (in_features, out_features) of a Llama-family config.json (qkv_proj and gate_up_proj:
+    Phi-3's fused modules)."""
+    hidden, inner = config["hidden_size"], config["intermediate_size"]
+    head_dim = config.get("head_dim") or hidden // config["num_attention_heads"]
+    q_size, kv_size = config["num_attention_heads"] * head_dim, config["num_key_value_heads"] * head_dim
+    return {"q_proj": (hidden, q_size), "k_proj": (hidden, kv_size), "v_proj": (hidden, kv_size),
+            "o_proj": (q_size, hidden), "gate_proj": (hidden, inner), "up_proj": (hidden, inner),
+            "down_proj": (inner, hidden), "qkv_proj": (hidden, q_size + 2 * kv_size),
+            "gate_up_proj": (hidden, 2 * inner)}
+
+
+def save_random_lora_adapter(model_dir: Path, out_dir: Path, seed: int, rank: int = 8, lora_alpha: float = 16,
+                             targets: tuple[str, ...] = LORA_TARGETS, use_rslora: bool = False, std: float = 0.3,
+                             **config_fields) -> Path:
+    """A PEFT LoRA adapter directory for the model at `model_dir`, as PEFT's save_pretrained writes one
+    (adapter_config.json, adapter_model.safetensors with PEFT's tensor names), with random A and B from `seed`
+    (PEFT initializes B to zeros; random B makes the adapter change the model). config_fields: more
+    adapter_config.json fields (or replacements)."""
+    from safetensors.torch import save_file
+
+    config = json.loads((model_dir / "config.json").read_text())
+    shapes = _lora_shapes(config)
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(config["num_hidden_layers"]):
+        for module in targets:
+            in_features, out_features = shapes[module]
+            block = "mlp" if module in ("gate_proj", "up_proj", "down_proj", "gate_up_proj") else "self_attn"
+            prefix = f"base_model.model.model.layers.{layer}.{block}.{module}"
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, in_features, generator=generator) * std
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(out_features, rank, generator=generator) * std
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out_dir / "adapter_model.safetensors"), metadata={"format": "pt"})
+    adapter_config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(model_dir),
+                      "r": rank, "lora_alpha": lora_alpha, "target_modules": list(targets), "use_rslora": use_rslora,
+                      "bias": "none", "lora_dropout": 0.0, "fan_in_fan_out": False, "modules_to_save": None,
+                      "use_dora": False, "rank_pattern": {}, "alpha_pattern": {}, **config_fields}
+    (out_dir / "adapter_config.json").write_text(json.dumps(adapter_config))
+    return out_dir
+
+
+def merge_lora_adapter(model_dir: Path, adapter_dir: Path, out_dir: Path) -> Path:
+    """A copy of the model at `model_dir` with the adapter merged into its weights (W + scaling * B @ A, scaling
+    lora_alpha / r, or lora_alpha / sqrt(r) with use_rslora): what transformers runs as the oracle."""
+    import math
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(model_dir, out_dir)
+    adapter_config = json.loads((adapter_dir / "adapter_config.json").read_text())
+    rank = adapter_config["r"]
+    scaling = adapter_config["lora_alpha"] / (math.sqrt(rank) if adapter_config.get("use_rslora") else rank)
+    weights = load_file(str(out_dir / "model.safetensors"))
+    adapter = load_file(str(adapter_dir / "adapter_model.safetensors"))
+    for name, a in adapter.items():
+        if ".lora_A." not in name:
+            continue
+        b = adapter[name.replace(".lora_A.", ".lora_B.")]
+        target = name.removeprefix("base_model.model.").replace(".lora_A.weight", ".weight")
+        weights[target] = weights[target] + scaling * (b.double() @ a.double()).to(weights[target].dtype)
+    save_file(weights, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    return out_dir
 
 
 def save_published_model(out_dir: Path, config: dict, generation_config: dict, chat_template: str,
@@ -468,7 +540,7 @@ def capture_access_log(served: ServedApis, monkeypatch, caplog):
 def served_apis(model_dir: Path, model_name: str, api_key: str | None = None,
                 served_class: type[ServedApis] = ServedApis, tls=None, aliases: tuple[str, ...] = (),
                 cors_allowed_origins: tuple[str, ...] = ("*",), tool_call_parser: str | None = None,
-                reasoning_parser: str | None = None, generation_config=None,
+                reasoning_parser: str | None = None, generation_config=None, adapters: tuple = (),
                 router_options: Mapping[str, object] = MappingProxyType({}), **cluster_options):
     """Start the cluster (InProcessCluster options: routing, slo, ...) and the router's servers as
     the local launcher does (deploy/router_app.py: gRPC and HTTP on free loopback ports over one
@@ -478,8 +550,9 @@ def served_apis(model_dir: Path, model_name: str, api_key: str | None = None,
     tool choice on with that parser (router.enable_auto_tool_choice, router.tool_call_parser);
     `reasoning_parser` splits chat outputs into reasoning and content (router.reasoning_parser);
     `generation_config` (a common.config.GenerationConfig; None: the default, auto) is where requests'
-    sampling defaults come from (router.generation_config); `router_options`: other RouterConfig fields, e.g.
-    {"cors_allow_credentials": True}."""
+    sampling defaults come from (router.generation_config); `adapters` (common.lora.LoRARequests) are the LoRA
+    adapters requests may name as `model` (lora_modules; the workers' engine_config needs enable_lora);
+    `router_options`: other RouterConfig fields, e.g. {"cors_allow_credentials": True}."""
     from splitserve.common.config import GenerationConfig
     from splitserve.common.slo import SloConfig
     from splitserve.deploy.cluster_config import RouterConfig
@@ -495,7 +568,7 @@ def served_apis(model_dir: Path, model_name: str, api_key: str | None = None,
                           reasoning_parser=reasoning_parser, generation_config=generation_config or GenerationConfig(),
                           **router_options)
     servers = loop.run(start_servers(cluster.orchestrator, cluster.tokenizer, config, model_name, metrics, api_key,
-                                     aliases))
+                                     aliases, adapters=adapters))
     try:
         yield served_class(cluster, loop, servers.http.port, servers.grpc.port, servers.grpc, servers.tokenizers)
     finally:

@@ -189,8 +189,8 @@ def test_stream_interval_sends_the_tokens_in_chunks_of_at_least_that_many(served
 
 
 @pytest.mark.parametrize(("value", "message"), [(0, "must be an integer >= 1, got 0"),
-                                                (True, "must be an integer >= 1, got True"),
-                                                ("2", "must be an integer >= 1, got '2'")])
+                                                (2.5, "must be an integer >= 1, got 2.5"),
+                                                ("two", "must be an integer >= 1, got 'two'")])
 def test_a_bad_stream_interval_is_a_400(served, value, message):
     status, reply = served.post("/v1/completions", {"model": MODEL, "prompt": PROMPT, "stream_interval": value})
     assert (status, reply["error"]["param"], reply["error"]["message"]) == (400, "stream_interval",
@@ -417,11 +417,11 @@ def _completion_body(**fields) -> bytes:
     (b"\xff\xfe", None, "invalid_json"),
     (b"[1, 2]", None, "invalid_json"),
     (_completion_body(max_tokens="ten"), "max_tokens", None),
-    (_completion_body(stream="yes"), "stream", None),
+    (_completion_body(stream="sure"), "stream", None),  # "yes" is true, as vLLM's pydantic model reads it
     (_completion_body(prompt={"text": "x"}), "prompt", None),
     (_completion_body(prompt=[1, 2, 10 ** 9]), "prompt.token_ids", None),
-    (_completion_body(ignore_eos=1), "ignore_eos", None),
-    (_completion_body(seed="7"), "seed", None),
+    (_completion_body(ignore_eos=2), "ignore_eos", None),
+    (_completion_body(seed="7.5"), "seed", None),
 ])
 def test_malformed_requests_are_400_in_the_openai_error_shape(served, body, param, code):
     status, headers, raw = http_request(served.http_port, "POST", "/v1/completions", body)

@@ -174,7 +174,7 @@ def test_ignore_eos_runs_every_beam_to_max_tokens(eos_served, prompt_ids):
     ("/v1/completions", {"stop": ["."]}, "stop"),
     ("/v1/completions", {"echo": True}, "echo"),
     ("/v1/completions", {"repetition_penalty": 1.2}, "repetition_penalty"),
-    ("/v1/completions", {"use_beam_search": "yes"}, "use_beam_search"),
+    ("/v1/completions", {"use_beam_search": "sure"}, "use_beam_search"),  # "yes" is true, as pydantic reads it
     ("/v1/completions", {"length_penalty": None}, "length_penalty"),
     ("/v1/completions", {"use_beam_search": False, "length_penalty": 2.0}, "length_penalty"),
     ("/v1/chat/completions", {"n": 11}, "n"),
@@ -228,6 +228,10 @@ def test_a_client_going_away_stops_every_beam(served):
         connection.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                            b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
         time.sleep(1.0)
+    deadline = time.monotonic() + 10.0
+    while served.requests_ended("request_failure", code="CANCELLED") == cancelled:  # the search's one record
+        assert time.monotonic() < deadline, "the search did not end after its client went away"
+        time.sleep(0.05)
     served.loop.run(served.cluster.wait_idle())
     stopped_at = _generated_tokens(served)
     time.sleep(0.5)

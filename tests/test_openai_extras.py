@@ -310,6 +310,53 @@ def test_continue_final_message_leaves_the_turn_open(served):
     assert chat.usage.prompt_tokens == body["count"]
 
 
+@pytest.mark.parametrize("messages, add_generation_prompt, role", [
+    ([{"role": "user", "content": "Tell me"}], True, "assistant"),
+    ([{"role": "user", "content": "Tell me"}], False, "user"),
+    ([{"role": "user", "content": "Tell me"}, {"role": "assistant", "content": "The river "}], False, "assistant"),
+    ([{"role": "system", "content": "Be brief."}], False, "system"),
+])
+def test_without_a_generation_prompt_the_reply_has_the_last_messages_role(served, messages, add_generation_prompt,
+                                                                          role):
+    # vLLM's rule (get_chat_request_role): the output continues the last message, so it has its role.
+    extra = {"add_generation_prompt": add_generation_prompt}
+    chat = served.client().chat.completions.create(model=MODEL, messages=messages, max_tokens=2, extra_body=extra)
+    assert chat.choices[0].message.role == role
+    stream = served.client().chat.completions.create(model=MODEL, messages=messages, max_tokens=2, stream=True,
+                                                     extra_body=extra)
+    assert next(iter(stream)).choices[0].delta.role == role
+
+
+def test_chat_echo_starts_the_reply_with_the_message_it_continues(served):
+    """vLLM's chat echo: the last message's content first, when the reply has that message's role."""
+    prefill = [{"role": "user", "content": "Tell me"}, {"role": "assistant", "content": "The river "}]
+    continued = {"add_generation_prompt": False, "continue_final_message": True, "ignore_eos": True}
+    client = served.client()
+    plain = client.chat.completions.create(model=MODEL, messages=prefill, max_tokens=3, temperature=0,
+                                           extra_body=continued)
+    echoed = client.chat.completions.create(model=MODEL, messages=prefill, max_tokens=3, temperature=0,
+                                            extra_body={**continued, "echo": True})
+    assert echoed.choices[0].message.content == "The river " + plain.choices[0].message.content
+    assert echoed.usage.completion_tokens == plain.usage.completion_tokens == 3
+    # as vLLM's, an echo also returns the prompt's logprobs (top_logprobs alternatives: none unset)
+    prompt_ids = served.cluster.tokenizer.encode_rendered("<|im_start|>user\nTell me<|im_end|>\n"
+                                                          "<|im_start|>assistant\nThe river ")
+    prompt_logprobs = echoed.model_extra["prompt_logprobs"]
+    assert prompt_logprobs[0] is None and [list(entry) for entry in prompt_logprobs[1:]] == [
+        [str(token_id)] for token_id in prompt_ids[1:]]
+    assert "prompt_logprobs" not in plain.model_extra
+    chunks = list(client.chat.completions.create(model=MODEL, messages=prefill, max_tokens=3, temperature=0,
+                                                 stream=True, extra_body={**continued, "echo": True}))
+    assert [chunks[0].choices[0].delta.role, chunks[1].choices[0].delta.content] == ["assistant", "The river "]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == echoed.choices[0].message.content
+    # After a generation prompt the reply is the assistant's and the last message the user's: nothing to echo.
+    question = client.chat.completions.create(model=MODEL, messages=prefill[:1], max_tokens=3, temperature=0,
+                                              extra_body={"echo": True, "ignore_eos": True})
+    without = client.chat.completions.create(model=MODEL, messages=prefill[:1], max_tokens=3, temperature=0,
+                                             extra_body={"ignore_eos": True})
+    assert question.choices[0].message.content == without.choices[0].message.content
+
+
 def test_chat_template_kwargs_and_documents_reach_the_template(served):
     messages = [{"role": "user", "content": "hi"}]
     status, body = served.post("/tokenize", {"messages": messages, "chat_template_kwargs": {"greeting": "hello"},

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from splitserve.router.lax_values import as_boolean, as_integer, as_number
 from splitserve.router.openai_fields import (CHAT_HANDLED, CHAT_REFUSED, COMPLETION_HANDLED, COMPLETION_REFUSED,
                                              Refused)
 from tests.factories import http_request, served_apis
@@ -58,8 +59,11 @@ def post(port: int, path: str, body: dict) -> tuple[int, dict]:
 
 
 def asking_value(rule: Refused) -> object:
-    """A value that asks for the feature (anything but an accepted one)."""
-    return False if any(ok is True for ok in rule.accepted) else True
+    """A value that asks for the feature (anything but an accepted one, as pydantic reads it: true is 1 for a
+    number, so a number field gets 2)."""
+    if any(ok is True for ok in rule.accepted):
+        return False
+    return 2 if any(type(ok) in (int, float) for ok in rule.accepted) else True
 
 
 @pytest.mark.parametrize("path", list(BASE))
@@ -134,3 +138,57 @@ def test_tokenize_refuses_null_for_its_chat_template_booleans(port):
     status, reply = post(port, "/tokenize", {"prompt": "The river", "add_special_tokens": None})
     assert (status, reply["error"]["message"]) == (400, "add_special_tokens: must be a boolean, got null")
     assert post(port, "/tokenize", {**chat, "return_token_strs": None})[0] == 200
+
+
+# ---- values as vLLM's pydantic models read them (router/lax_values.py) ---------------------------
+
+@pytest.mark.parametrize(("value", "read"), [
+    (8, 8), (8.0, 8), ("8", 8), (" 8 ", 8), ("8.0", 8), ("+8", 8), ("1_000", 1000), (True, 1),
+    (8.5, 8.5), ("8.5", "8.5"), ("0x10", "0x10"), ("1e3", "1e3"), ("", ""), (float("inf"), float("inf")), (None, None),
+])
+def test_an_integer_is_read_as_pydantic_reads_one(value, read):
+    assert as_integer(value) == read and type(as_integer(value)) is type(read)
+
+
+@pytest.mark.parametrize(("value", "read"), [
+    (0.5, 0.5), (1, 1), ("0.5", 0.5), (" 0.5", 0.5), ("1e-2", 0.01), ("1_0.5", 10.5), (True, 1.0),
+    ("nan", "nan"), ("hot", "hot"), ("", ""),
+])
+def test_a_number_is_read_as_pydantic_reads_one(value, read):
+    assert as_number(value) == read and type(as_number(value)) is type(read)
+
+
+@pytest.mark.parametrize(("value", "read"), [
+    (True, True), (1, True), (0, False), (1.0, True), ("true", True), ("TRUE", True), ("yes", True), ("on", True),
+    ("1", True), ("t", True), ("y", True), ("off", False), ("no", False), ("f", False),
+    (2, 2), (0.5, 0.5), (" true", " true"), ("2", "2"), ("sure", "sure"),
+])
+def test_a_boolean_is_read_as_pydantic_reads_one(value, read):
+    assert as_boolean(value) == read and type(as_boolean(value)) is type(read)
+
+
+def test_a_completion_takes_what_vllms_pydantic_model_takes(port):
+    """What vLLM 0.32 answered with 200 (tests/fixtures/vllm_conformance.py): the same request typed exactly."""
+    exact = post(port, "/v1/completions", {"prompt": "The river", "max_tokens": 8, "temperature": 0, "logprobs": 1,
+                                           "ignore_eos": True})
+    lax = post(port, "/v1/completions", {"prompt": "The river", "max_tokens": 8.0, "temperature": "0",
+                                         "logprobs": True, "ignore_eos": "yes"})
+    assert exact[0] == lax[0] == 200
+    assert lax[1]["choices"] == exact[1]["choices"] and lax[1]["usage"]["completion_tokens"] == 8
+    status, reply = post(port, "/v1/completions", {"prompt": "The river", "max_tokens": "8.5"})
+    assert (status, reply["error"]["param"]) == (400, "max_tokens")
+
+
+def test_a_stream_flag_given_as_a_string_streams(port):
+    status, headers, raw = http_request(port, "POST", "/v1/chat/completions", json.dumps({
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": "2", "stream": "true",
+        "stream_options": {"include_usage": 1}}).encode())
+    events = [line.removeprefix(b"data: ") for line in raw.split(b"\n\n") if line]
+    assert status == 200 and events[-1] == b"[DONE]"
+    assert json.loads(events[-2])["usage"]["completion_tokens"] == 2
+
+
+def test_tokenize_reads_its_flags_as_vllms_pydantic_model_does(port):
+    exact = post(port, "/tokenize", {"prompt": "Hello", "add_special_tokens": False, "return_token_strs": True})
+    lax = post(port, "/tokenize", {"prompt": "Hello", "add_special_tokens": "false", "return_token_strs": 1})
+    assert exact == lax and exact[0] == 200 and exact[1]["token_strs"] is not None

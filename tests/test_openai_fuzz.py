@@ -246,7 +246,7 @@ def test_an_integer_beyond_float_range_is_a_field_error(served):
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "\udfff"}]}, "messages[0].content",
      "messages[0].content: is not valid Unicode (lone surrogate '\\udfff' at index 0)"),
     ("/v1/chat/completions", {"messages": [{"role": "\ud800", "content": "hi"}]}, "messages[0].role",
-     'messages[0].role: must be one of system, user, assistant, tool, developer; got "\\ud800"'),
+     "messages[0].role: is not valid Unicode (lone surrogate '\\ud800' at index 0)"),
 ])
 def test_lone_surrogates_are_field_errors(served, path, body, param, message):
     assert _error(served, path, _encode(body)) == (400, {"message": message, "type": "invalid_request_error",

@@ -331,7 +331,7 @@ def test_continuous_usage_stats_in_a_chat_stream(served):
                                                 stream_options={"continuous_usage_stats": True}, **GREEDY))
     assert all(chunk.usage is None for chunk in plain)
     status, _, raw = http_request(served.http_port, "POST", "/v1/chat/completions", json.dumps(
-        {"messages": chat, "stream": True, "stream_options": {"continuous_usage_stats": 1}}).encode())
+        {"messages": chat, "stream": True, "stream_options": {"continuous_usage_stats": 2}}).encode())
     assert (status, json.loads(raw)["error"]["param"]) == (400, "stream_options.continuous_usage_stats")
 
 

@@ -179,7 +179,7 @@ def test_without_them_no_field_is_added(served):
     ("/v1/completions", {"prompt": PROMPT, "stream": True, "prompt_logprobs": 1}, "stream"),
     ("/v1/completions", {"prompt": PROMPT, "prompt_logprobs": 21},
      "Requested prompt logprobs of 21, which is greater than max allowed: 20"),
-    ("/v1/completions", {"prompt": PROMPT, "prompt_logprobs": "2"}, "integer"),
+    ("/v1/completions", {"prompt": PROMPT, "prompt_logprobs": "two"}, "integer"),
     ("/v1/completions", {"prompt": PROMPT, "echo": True, "logprobs": 21},
      "Requested sample logprobs of 21, which is greater than max allowed: 20"),
     ("/v1/completions", {"prompt": PROMPT, "logprobs": 1, "max_tokens": 0}, ">= 1"),

@@ -74,8 +74,8 @@ def test_fcfs_workers_refuse_a_priority_other_than_zero_on_every_api(fcfs_served
 
 
 @pytest.mark.parametrize("priority, message", [(None, "must be an integer, got null"),
-                                               ("1", "must be an integer, got '1'"),
-                                               (True, "must be an integer, got True"),
+                                               ("one", "must be an integer, got 'one'"),
+                                               ("1.5", "must be an integer, got '1.5'"),
                                                (1.5, "must be an integer, got 1.5")])
 def test_a_priority_that_is_no_integer_is_refused_naming_it(priority_served, priority, message):
     for path, body in _bodies(priority).items():

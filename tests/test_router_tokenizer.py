@@ -245,6 +245,35 @@ def test_chatml_rendering_is_exact(tiny_llama_dir):
     assert ours.apply_chat_template([{"role": "user", "content": "hi"}])[:1] == [1]  # <|im_start|>, not split
 
 
+@pytest.mark.parametrize(("messages", "rendered"), [
+    ([{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "hi"}],
+     "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"),
+    # a system message after the first, or several: merged into one first system message (blank-line joined)
+    ([{"role": "system", "content": "S"}, {"role": "user", "content": "hi"}, {"role": "developer", "content": "D"},
+      {"role": "system", "content": ""}],
+     "<|im_start|>system\nS\n\nD<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"),
+    ([{"role": "user", "content": "hi"}, {"role": "developer", "content": [{"type": "text", "text": "a"},
+                                                                           {"type": "text", "text": "b"}]}],
+     "<|im_start|>system\na\nb<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"),
+    # without a developer message nothing moves, a late system message included
+    ([{"role": "user", "content": "hi"}, {"role": "system", "content": "S"}],
+     "<|im_start|>user\nhi<|im_end|>\n<|im_start|>system\nS<|im_end|>\n"),
+])
+def test_a_template_without_the_developer_role_gets_developer_messages_as_system_as_vllm(tiny_llama_dir, messages,
+                                                                                         rendered):
+    ours = RouterTokenizer.from_model_dir(tiny_llama_dir)
+    assert ours.render_chat_template(messages, add_generation_prompt=False) == rendered
+
+
+def test_a_template_that_names_the_developer_role_gets_it_as_sent(tiny_llama_dir):
+    template = ("{% for m in messages %}{% if m.role == 'developer' %}D:{% endif %}<|im_start|>{{ m.role }}\n"
+                "{{ m.content }}<|im_end|>\n{% endfor %}")
+    ours = RouterTokenizer.from_model_dir(tiny_llama_dir, chat_template=template)
+    messages = [{"role": "user", "content": "hi"}, {"role": "developer", "content": "D"}]
+    assert ours.render_chat_template(messages, add_generation_prompt=False) == (
+        "<|im_start|>user\nhi<|im_end|>\nD:<|im_start|>developer\nD<|im_end|>\n")
+
+
 def test_custom_template_rendering_is_exact(custom_dir):
     ours = RouterTokenizer.from_model_dir(custom_dir)
     text = ours.render_chat_template([{"role": "system", "content": "S"}, {"role": "user", "content": "a<b>\"q\""}],

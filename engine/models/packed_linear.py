@@ -164,14 +164,16 @@ class GatedMLP(Protocol):
         ...
 
 
-def pack_linears(model: nn.Module, dtype: torch.dtype, kernel_isa: CpuKernelIsa | None) -> None:
+def pack_linears(model: nn.Module, dtype: torch.dtype, kernel_isa: CpuKernelIsa | None,
+                 fuse_mlp_activation: bool = True) -> None:
     """Replace every nn.Linear of `model` (weights in `dtype`) by a PanelLinear where `uses_panels` says so
     (`kernel_isa`: the loaded C++ kernels' ISA, None when the model runs without them), an MLP's gate_up_proj
-    then by a PanelGatedLinear, else by a PackedLinear, in place."""
+    then by a PanelGatedLinear (unless not `fuse_mlp_activation`: LoRA adapts the gate/up product itself), else
+    by a PackedLinear, in place."""
     panels = uses_panels(dtype, kernel_isa, has_bf16_gemm())
     compute_dtype = cpu_gemm_dtype(dtype)
     for parent in list(model.modules()):
-        if panels and isinstance(parent, GatedMLP) and isinstance(parent.gate_up_proj, nn.Linear):
+        if panels and fuse_mlp_activation and isinstance(parent, GatedMLP) and isinstance(parent.gate_up_proj, nn.Linear):
             parent.fuse_activation_and_mul(PanelGatedLinear(parent.gate_up_proj, parent.activation))
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
