@@ -129,10 +129,18 @@ def test_a_request_preempted_while_scoring_delivers_them_once_unchanged(tiny_lla
     assert_pool_idle(engine.block_manager)
 
 
-@pytest.mark.parametrize("value", [-1, 21, 1.5, True])
+@pytest.mark.parametrize("value", [-1, 1.5, True])
 def test_out_of_range_counts_are_refused(value):
     with pytest.raises(InvalidRequestError, match="prompt_logprobs"):
         SamplingParams(prompt_logprobs=value)
+
+
+def test_more_than_the_logprobs_limit_is_refused_naming_it():
+    """How many is the server's --max-logprobs (vLLM's default 20), which check_logprobs_limit applies."""
+    with pytest.raises(InvalidRequestError) as refused:
+        SamplingParams(prompt_logprobs=21).check_logprobs_limit(20, 512)
+    assert str(refused.value) == ("prompt_logprobs: Requested prompt logprobs of 21, which is greater than max "
+                                  "allowed: 20")
 
 
 @pytest.mark.parametrize(("mode", "layerwise"), [("disaggregated", False), ("disaggregated", True),
