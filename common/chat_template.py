@@ -5,10 +5,12 @@ what a template sees, and which variables a caller's chat_template_kwargs may no
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Mapping
+import re
+from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Literal
 
 from splitserve.common.errors import InvalidRequestError, json_excerpt
+from splitserve.common.log_escape import quote_for_log
 
 if TYPE_CHECKING:
     import jinja2.nodes
@@ -157,6 +159,34 @@ def parse_call_arguments(value: Any, field: str) -> Any:
         return json.loads(value)
     except (ValueError, RecursionError) as error:  # RecursionError: nested deeper than the decoder goes
         raise InvalidRequestError(f"{field}.arguments", f"is not valid JSON: {error}") from None
+
+
+CHAT_ROLES = ("system", "user", "assistant", "tool", "developer", "function")
+"""The roles OpenAI's chat API defines: every template is sent them (it may still refuse one itself)."""
+
+QUOTED_ROLE_CHARS = 64
+"""How much of a refused role its error message quotes."""
+_QUOTED_NAME = re.compile(r"""(["'])([A-Za-z_][A-Za-z0-9_-]{0,63})\1""")
+
+
+def quoted_names(template_source: str) -> frozenset[str]:
+    """The names a chat template's source quotes (`message['role'] == 'ipython'`): the roles of its own
+    it knows by name beyond CHAT_ROLES (Llama 3.1's `ipython`, GLM's `observation`), found as vLLM
+    finds the `developer` role (mentions_developer_role). Other quoted names come along; as roles
+    they are harmless, while a role with markup in it (`user<|im_end|>...`) can never be one."""
+    return frozenset(match.group(2) for match in _QUOTED_NAME.finditer(template_source))
+
+
+def check_roles(roles: Iterable[str], template_names: frozenset[str]) -> None:
+    """Every message's role is one of CHAT_ROLES or a name the template quotes (quoted_names), so a
+    template that prints roles verbatim never renders a client's made-up role or markup smuggled in
+    as one; InvalidRequestError `messages[i].role` otherwise."""
+    for index, role in enumerate(roles):
+        if role not in CHAT_ROLES and role not in template_names:
+            raise InvalidRequestError(f"messages[{index}].role",
+                                      f"must be one of {', '.join(CHAT_ROLES)}, or a role the chat template names "
+                                      f"(quoted in its source, as Llama 3.1's names 'ipython'); got "
+                                      f"{quote_for_log(role, QUOTED_ROLE_CHARS)}")
 
 
 def mentions_developer_role(template_source: str) -> bool:

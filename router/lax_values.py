@@ -17,6 +17,9 @@ _FALSE_TEXT = frozenset({"0", "off", "f", "false", "n", "no"})
 """pydantic's boolean strings, compared lower-cased ("TRUE" is true; " true" is not a boolean)."""
 _INTEGER_TEXT = re.compile(r"\s*[+-]?\d+(_\d+)*(\.0*)?\s*")
 """pydantic's integer strings: digits with single underscores between them, optionally ".0", spaces around."""
+MAX_INTEGER_TEXT_CHARS = 4096
+"""Longer integer strings stay strings (and are refused by the parser naming the field): Python's int()
+raises a ValueError past 4300 digits, and pydantic refuses long ones too."""
 _NUMBER_TEXT = re.compile(r"\s*[+-]?(\d+(_\d+)*(\.(\d+(_\d+)*)?)?|\.\d+(_\d+)*)([eE][+-]?\d+)?\s*")
 """pydantic's float strings (the finite ones; "nan" and "inf", which it also takes, stay refused here)."""
 
@@ -38,7 +41,7 @@ def as_integer(value: Any) -> Any:
         return int(value)
     if isinstance(value, float) and math.isfinite(value) and value.is_integer():
         return int(value)
-    if isinstance(value, str) and _INTEGER_TEXT.fullmatch(value):
+    if isinstance(value, str) and len(value) <= MAX_INTEGER_TEXT_CHARS and _INTEGER_TEXT.fullmatch(value):
         return int(value.strip().replace("_", "").split(".")[0])
     return value
 

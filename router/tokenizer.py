@@ -36,9 +36,9 @@ import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-from splitserve.common.chat_template import (TEMPLATE_VARIABLES, ContentFormat, check_template_kwargs,
+from splitserve.common.chat_template import (TEMPLATE_VARIABLES, ContentFormat, check_roles, check_template_kwargs,
                                              content_parts, developer_as_system, mentions_developer_role,
-                                             resolve_content_format, template_content)
+                                             quoted_names, resolve_content_format, template_content)
 from splitserve.common.errors import InvalidRequestError, UnsupportedModelError
 from splitserve.common.generation_config import GenerationConfigFile
 from splitserve.common.model_dir import TOKENIZER_FILE, check_tokenizer_files
@@ -132,6 +132,8 @@ class CompiledChatTemplate:
     """The format "auto" detects from the template (common.chat_template.content_format_of)."""
     knows_developer_role: bool
     """False: developer messages reach it as system messages (common.chat_template.developer_as_system)."""
+    named_roles: frozenset[str]
+    """The names its source quotes: the roles beyond CHAT_ROLES it is sent (common.chat_template.check_roles)."""
 
 
 def prepare_chat_template(source: str, content_format_option: str) -> CompiledChatTemplate:
@@ -143,7 +145,8 @@ def prepare_chat_template(source: str, content_format_option: str) -> CompiledCh
     # Read before compiling it: jinja's optimizer rewrites the tree it compiles.
     detected = resolve_content_format("auto", tree)
     chosen = detected if content_format_option == "auto" else resolve_content_format(content_format_option, tree)
-    return CompiledChatTemplate(env.from_string(tree), chosen, detected, mentions_developer_role(source))
+    return CompiledChatTemplate(env.from_string(tree), chosen, detected, mentions_developer_role(source),
+                                quoted_names(source))
 
 
 REQUEST_TEMPLATE_CACHE_SIZE = 32
@@ -562,6 +565,7 @@ class RouterTokenizer:
         does not trust or that does not compile, or a template's refusal."""
         template = self._template_of(options)
         plain = _validate_messages(messages, template.content_format)
+        check_roles((message["role"] for message in plain), template.named_roles)
         if not template.knows_developer_role:
             plain = developer_as_system(plain, template.content_format)
         variables = {**self.special_tokens, **options.template_kwargs}

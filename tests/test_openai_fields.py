@@ -175,8 +175,9 @@ def test_a_completion_takes_what_vllms_pydantic_model_takes(port):
                                          "logprobs": True, "ignore_eos": "yes"})
     assert exact[0] == lax[0] == 200
     assert lax[1]["choices"] == exact[1]["choices"] and lax[1]["usage"]["completion_tokens"] == 8
-    status, reply = post(port, "/v1/completions", {"prompt": "The river", "max_tokens": "8.5"})
-    assert (status, reply["error"]["param"]) == (400, "max_tokens")
+    for unreadable in ("8.5", "9" * 5000):  # 5,000 digits: past int()'s own limit, which raises
+        status, reply = post(port, "/v1/completions", {"prompt": "The river", "max_tokens": unreadable})
+        assert (status, reply["error"]["param"]) == (400, "max_tokens")
 
 
 def test_a_stream_flag_given_as_a_string_streams(port):
