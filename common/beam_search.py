@@ -17,11 +17,10 @@ sort leaves such ties unspecified).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from splitserve.common.errors import InvalidRequestError
+from splitserve.common.errors import InvalidRequestError, json_excerpt
 from splitserve.common.sampling_params import MAX_LOGPROBS
 
 CANDIDATES_PER_BEAM = 2
@@ -29,6 +28,10 @@ CANDIDATES_PER_BEAM = 2
 MAX_BEAM_WIDTH = MAX_LOGPROBS // CANDIDATES_PER_BEAM
 """The widest search whose steps' logprobs stay within vLLM's default --max-logprobs (MAX_LOGPROBS);
 a server's limit allows max_logprobs // CANDIDATES_PER_BEAM (BeamSearchParams.check_logprobs_limit)."""
+MAX_LENGTH_PENALTY = 32
+"""The largest |length_penalty|: the ranking's seq_len ** length_penalty stays a finite, non-zero float for any
+seq_len below 2**31 (32 * ln(2**31) is about 688, within ln of the largest float, about 709.8). vLLM takes any
+float and fails the request (a 500) once that power overflows or underflows to 0."""
 STOP = "stop"
 LENGTH = "length"
 
@@ -59,8 +62,10 @@ class BeamSearchParams:
                  f"must be an integer >= 1 with use_beam_search, got {self.max_tokens!r}")
         _require(_is_number(self.temperature) and self.temperature >= 0, "temperature",
                  f"must be a number >= 0, got {self.temperature!r}")
-        _require(_is_number(self.length_penalty) and math.isfinite(self.length_penalty), "length_penalty",
-                 f"must be a finite number, got {self.length_penalty!r}")
+        # A bound, not math.isfinite (which raises on an int too large for a float); nan and inf fail it
+        _require(_is_number(self.length_penalty) and abs(self.length_penalty) <= MAX_LENGTH_PENALTY, "length_penalty",
+                 f"must be a number in [-{MAX_LENGTH_PENALTY}, {MAX_LENGTH_PENALTY}], got "
+                 f"{json_excerpt(self.length_penalty)}")
 
     @property
     def num_logprobs(self) -> int:

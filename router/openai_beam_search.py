@@ -55,10 +55,11 @@ def parse_beam_search(body: Mapping[str, Any], n: int, sampling: SamplingParams,
 
 
 def _length_penalty(body: Mapping[str, Any]) -> float:
-    """length_penalty: a number, 1.0 when absent; null is a 400 (vLLM declares it a float without null)."""
+    """length_penalty: a number, 1.0 when absent; null is a 400 (vLLM declares it a float without null). Kept as
+    sent: an integer too large for a float is BeamSearchParams' to refuse, not float()'s to raise on."""
     if "length_penalty" not in body:
         return 1.0
     value = body["length_penalty"]
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         raise InvalidRequestError("length_penalty", f"must be a number, got {json_excerpt(value)}")
-    return float(value)
+    return value

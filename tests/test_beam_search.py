@@ -133,6 +133,23 @@ def test_the_widest_beam_search_is_the_logprobs_limits_half(max_logprobs, widest
                                  f"asks for 2 x n logprobs, at most {limit}), got {widest + 1}")
 
 
+@pytest.mark.parametrize("length_penalty", [32.0001, -32.0001, 2**31, -2**31 - 1, pytest.param(10**400, id="10**400"), 1e308, float("nan")])
+def test_a_length_penalty_beyond_32_is_refused(length_penalty):
+    """seq_len ** length_penalty must stay a finite, non-zero float, or ranking the beams raises (OverflowError,
+    ZeroDivisionError: a 500 after the search ran); within [-32, 32] it does for any seq_len below 2**31."""
+    with pytest.raises(InvalidRequestError) as caught:
+        BeamSearchParams(2, 4, length_penalty=length_penalty)
+    assert caught.value.field == "length_penalty"
+    assert str(caught.value).startswith("length_penalty: must be a number in [-32, 32], got ")
+
+
+@pytest.mark.parametrize("length_penalty", [32, -32.0])
+def test_the_widest_length_penalty_ranks_the_longest_sequences(length_penalty):
+    search = BeamSearch(BeamSearchParams(2, 4, length_penalty=length_penalty), (1,) * 2**20, EOS,
+                        (Beam((9,), -3.0), Beam((4,), -0.0)))
+    assert search.best() == (Beam((4,), -0.0, LENGTH), Beam((9,), -3.0, LENGTH))
+
+
 def test_step_needs_one_candidate_list_per_beam():
     with pytest.raises(ValueError, match="2 candidate lists for 1 beams"):
         start(BeamSearchParams(beam_width=2, max_tokens=3), PROMPT, EOS).step(STEPS[1])

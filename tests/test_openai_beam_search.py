@@ -177,6 +177,9 @@ def test_ignore_eos_runs_every_beam_to_max_tokens(eos_served, prompt_ids):
     ("/v1/completions", {"use_beam_search": "sure"}, "use_beam_search"),  # "yes" is true, as pydantic reads it
     ("/v1/completions", {"length_penalty": None}, "length_penalty"),
     ("/v1/completions", {"use_beam_search": False, "length_penalty": 2.0}, "length_penalty"),
+    ("/v1/completions", {"length_penalty": 2**31}, "length_penalty"),  # was a 500: the ranking's power overflowed
+    ("/v1/completions", {"length_penalty": -1e308}, "length_penalty"),  # was a 500: a division by zero
+    ("/v1/chat/completions", {"length_penalty": 10**400}, "length_penalty"),  # was a 500: no float holds it
     ("/v1/chat/completions", {"n": 11}, "n"),
     ("/v1/chat/completions", {"logprobs": True}, "logprobs"),
     ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
