@@ -467,13 +467,7 @@ def test_a_chat_with_a_long_reasoning_in_its_history_is_rendered_in_the_pool(tin
     counts toward the size (INLINE_MAX_CHARS) past which a chat is the pool's work. Before, a
     1400-character reasoning beside short contents was rendered and tokenized on the event loop."""
     tokenizer = RouterTokenizer.from_model_dir(tiny_llama_dir)
-    real_render, on_loops = tokenizer.render_chat_template, []
-
-    def render(*args):
-        on_loops.append(_has_running_loop())
-        return real_render(*args)
-
-    tokenizer.render_chat_template = render
+    on_loops = _record_where_chats_render(tokenizer)
     pool = TokenizerPool(tokenizer, make_request_limits(), [].append)
     messages = [{"role": "user", "content": "Why?"},
                 {"role": "assistant", "content": "4.", "reasoning": reasoning, "reasoning_content": reasoning},
@@ -490,13 +484,7 @@ def test_a_request_s_own_template_is_compiled_in_the_pool_then_rendered_on_the_l
     from splitserve.router.tokenizer import ChatTemplateOptions
 
     tokenizer = RouterTokenizer.from_model_dir(tiny_llama_dir, trust_request_chat_template=True)
-    real_render, on_loops = tokenizer.render_chat_template, []
-
-    def render(*args):
-        on_loops.append(_has_running_loop())
-        return real_render(*args)
-
-    tokenizer.render_chat_template = render
+    on_loops = _record_where_chats_render(tokenizer)
     pool = TokenizerPool(tokenizer, make_request_limits(), [].append)
     options = ChatTemplateOptions(chat_template="{% for m in messages %}{{ m['content'] }}{% endfor %}")
     chat = [{"role": "user", "content": "the river"}]
@@ -551,6 +539,18 @@ def test_a_large_grpc_structured_output_is_checked_off_the_event_loop(served, mo
     _, text, _ = stream_tokens(served.grpc_port, request)
     assert checked_on_loop == on_loop
     assert text == '"v'  # max_tokens 2: the request was served under its schema
+
+
+def _record_where_chats_render(tokenizer) -> list[bool]:
+    """From now on, whether each render_chat_template call of `tokenizer` ran on the event loop, in call order."""
+    real_render, on_loops = tokenizer.render_chat_template, []
+
+    def render(*args):
+        on_loops.append(_has_running_loop())
+        return real_render(*args)
+
+    tokenizer.render_chat_template = render
+    return on_loops
 
 
 def _has_running_loop() -> bool:
