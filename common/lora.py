@@ -17,7 +17,8 @@ from splitserve.common.errors import InvalidRequestError
 @dataclass(frozen=True)
 class LoRARequest:
     """One PEFT LoRA adapter a request runs with, as vLLM's `vllm.lora.request.LoRARequest(lora_name, lora_int_id,
-    lora_path)`. Within one engine a name always means the same id and directory (EngineCore refuses another)."""
+    lora_path)`. Within one engine a name always means the same directory (EngineCore refuses another; the id may
+    differ, as routers number their runtime loads each)."""
 
     lora_name: str
     """The adapter's name: what the OpenAI API's `model` field selects, and what salts the prefix cache (requests

@@ -5,7 +5,8 @@ makes an adapter the newest: a step running it, or the first request that names 
 to check it before the request is queued). Loading one more evicts the oldest resident adapter the current step
 does not run. Every adapter a request named stays *known* (its LoRARequest), so an evicted adapter is read again
 from its directory when a step needs it. A name means one adapter for the engine's lifetime: a LoRARequest
-reusing a known name with another id or path is refused.
+reusing a known name with another path is refused. The id is not part of it: each router numbers the adapters it
+loads at runtime itself (router/lora_adapters.py), so routers may send one adapter under different ids.
 """
 
 from __future__ import annotations
@@ -44,10 +45,11 @@ class LoRAManager:
 
     def register(self, request: LoRARequest) -> None:
         """A request names `request`'s adapter: InvalidRequestError naming lora_request unless it can run on this
-        model. A known adapter is only compared with the one known by its name; a new one is loaded (a use)."""
+        model. A known adapter is only compared with the one known by its name (its directory: the id may differ);
+        a new one is loaded (a use)."""
         known = self._known.get(request.lora_name)
         if known is not None:
-            if known != request:
+            if known.lora_path != request.lora_path:
                 raise InvalidRequestError("lora_request", f"adapter {request.lora_name!r} is already known as "
                                                           f"{known}; one name means one adapter (got {request})")
             return

@@ -2,8 +2,9 @@
 of them (/v1/load_lora_adapter, /v1/unload_lora_adapter, when SPLITSERVE_ALLOW_RUNTIME_LORA_UPDATING allows it).
 
 Invariant: a name means one adapter binding (id and directory) for the router's lifetime. The workers' engines
-and the prefix cache know an adapter by its LoRARequest (its name roots the block hashes), so a name reloaded from
-another directory would meet the old adapter's weights and KV blocks: it is refused. A name unloaded and loaded
+and the prefix cache know an adapter by its name and directory (its name roots the block hashes; the id, which
+each router numbers itself, may differ between routers), so a name reloaded from another directory would meet the
+old adapter's weights and KV blocks: it is refused. A name unloaded and loaded
 again from the same directory gets its old id back. Ids are never reused for another adapter.
 """
 

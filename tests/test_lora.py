@@ -67,6 +67,18 @@ def test_mixed_batch_matches_transformers_with_each_adapter_merged(lora_llm, ada
     assert hf_greedy(merged["some"], GreedyCase(PROMPTS[0], MAX_TOKENS, True)) not in (expected[0], expected[1])
 
 
+def test_one_adapter_sent_under_another_id_is_the_adapter_the_engine_knows(lora_llm, adapters):
+    """Each router numbers the adapters it loads at runtime itself (router/lora_adapters.py), so two routers
+    (router.replicas) that loaded adapters in another order, or a restarted router, send one adapter (its name and
+    directory) under different ids. The engine knows an adapter by name and directory: the same adapter, not read
+    again (was: 400 'already known as' for every request through the other router)."""
+    generated = lora_llm.generate([list(PROMPTS[1])], greedy(), lora_request=lora(adapters, "all", 1))
+    num_loads = lora_llm.engine.lora.num_loads
+    renumbered = lora_llm.generate([list(PROMPTS[1])], greedy(), lora_request=lora(adapters, "all", 7))
+    assert renumbered[0].outputs[0].token_ids == generated[0].outputs[0].token_ids
+    assert lora_llm.engine.lora.num_loads == num_loads
+
+
 def test_stream_and_chat_take_a_lora_request(lora_llm, adapters):
     request = lora(adapters, "all", 1)
     generated = lora_llm.generate([list(PROMPTS[1])], greedy(), lora_request=request)[0].outputs[0].token_ids
