@@ -14,6 +14,7 @@ import os
 
 from splitserve.common.errors import InvalidRequestError
 from splitserve.common.lora import LoRARequest
+from splitserve.router.tokenizer import _check_unicode
 
 ADAPTER_CONFIG = "adapter_config.json"
 RUNTIME_UPDATING_ENV = ("SPLITSERVE_ALLOW_RUNTIME_LORA_UPDATING", "VLLM_ALLOW_RUNTIME_LORA_UPDATING")
@@ -49,10 +50,11 @@ class AdapterRegistry:
 
     def load(self, name: object, path: object) -> LoRARequest:
         """Serve the PEFT adapter at `path` as `name`; InvalidRequestError naming the field for a name already
-        loaded, a model's name, a name once bound to another directory, or a directory without adapter_config.json.
-        The workers load it when a request first names it."""
+        loaded, a name without a UTF-8 form (a lone surrogate), a model's name, a name once bound to another
+        directory, or a directory without adapter_config.json. The workers load it when a request first names it."""
         if not isinstance(name, str) or not name:
             raise InvalidRequestError("lora_name", f"must be a non-empty string, got {name!r}")
+        _check_unicode(name, "lora_name")  # every answer naming the adapter (/v1/models, its completions) echoes it
         if not isinstance(path, str) or not path:
             raise InvalidRequestError("lora_path", f"must be a non-empty string, got {path!r}")
         if name in self._loaded:

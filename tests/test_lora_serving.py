@@ -14,6 +14,7 @@ import openai
 import pytest
 
 from splitserve.common.block_hash import BlockHasher
+from splitserve.common.errors import InvalidRequestError
 from splitserve.common.lora import parse_lora_modules
 from splitserve.deploy.cli import build_parser, serve_config
 from splitserve.deploy.preflight import PreflightError, check_lora_modules
@@ -216,10 +217,13 @@ def test_adapters_load_and_unload_at_runtime(tiny_llama_dir, adapter_dirs, tmp_p
         refusals = [post("/v1/load_lora_adapter", lora_name="sql", lora_path=sql),
                     post("/v1/load_lora_adapter", lora_name="empty", lora_path=str(tmp_path)),
                     post("/v1/load_lora_adapter", lora_name=MODEL, lora_path=sql),
-                    post("/v1/load_lora_adapter", lora_path=sql)]
+                    post("/v1/load_lora_adapter", lora_path=sql),
+                    post("/v1/load_lora_adapter", lora_name="sq\ud800l", lora_path=sql)]
         assert [(status, json.loads(body)["error"]["param"]) for status, body in refusals] == [
-            (400, "lora_name"), (400, "lora_path"), (400, "lora_name"), (400, "lora_name")]
+            (400, "lora_name"), (400, "lora_path"), (400, "lora_name"), (400, "lora_name"), (400, "lora_name")]
         assert b"has already been loaded" in refusals[0][1]
+        # a name no response can echo (it was loaded: every /v1/models and each request naming it was a 500)
+        assert [card.id for card in served.client().models.list().data] == [MODEL, "sql"]
         assert post("/v1/unload_lora_adapter", lora_name="sql") == (
             200, b"Success: LoRA adapter 'sql' removed successfully.")
         status, _, body = http_request(served.http_port, "POST", "/v1/completions",
@@ -234,6 +238,15 @@ def test_adapters_load_and_unload_at_runtime(tiny_llama_dir, adapter_dirs, tmp_p
         assert post("/v1/load_lora_adapter", lora_name="sql", lora_path=sql)[0] == 200
         again = completion(served, "sql")
         assert again.choices[0].token_ids == expected and again.usage.prompt_tokens_details.cached_tokens == 16
+
+
+def test_the_registry_refuses_a_name_without_a_utf8_form(adapter_dirs):
+    """A JSON body can carry a lone surrogate ("\\ud800"): no answer that names the adapter could be encoded."""
+    registry = AdapterRegistry((), frozenset({MODEL}))
+    with pytest.raises(InvalidRequestError) as caught:
+        registry.load("sq\ud800l", str(adapter_dirs["sql"]))
+    assert str(caught.value) == "lora_name: is not valid Unicode (lone surrogate '\\ud800' at index 2)"
+    assert registry.loaded() == ()
 
 
 def test_the_registry_never_reuses_an_id_for_another_adapter(tmp_path, adapter_dirs):
