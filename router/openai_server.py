@@ -113,6 +113,23 @@ class ApiError(Exception):
         return _AsciiJSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
+def json_bytes(content: Any, separators: tuple[str, str] | None = (",", ":")) -> bytes:
+    """`content` as UTF-8 JSON (what vLLM writes); one that echoes a lone surrogate a client sent (JSON's
+    "\\ud800", which has no UTF-8 form: Responses' metadata or user) with every non-ASCII character
+    escaped instead, valid JSON either way, never a 500."""
+    try:
+        return json.dumps(content, ensure_ascii=False, allow_nan=False, separators=separators).encode()
+    except UnicodeEncodeError:
+        return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=separators).encode("ascii")
+
+
+class _JSONResponse(JSONResponse):
+    """Starlette's JSON response, rendered by json_bytes."""
+
+    def render(self, content: Any) -> bytes:
+        return json_bytes(content)
+
+
 class _AsciiJSONResponse(JSONResponse):
     """JSON with every non-ASCII character escaped: an error message may quote what the client sent
     (an unknown model name), and a lone surrogate from a JSON escape ("\\ud800") has no UTF-8 form,
@@ -218,14 +235,14 @@ class OpenAIServing:
 
     async def models(self, request: Request) -> Response:
         cards = [self._model_card(), *(self._adapter_card(adapter) for adapter in self.adapters.loaded())]
-        return JSONResponse({"object": "list", "data": cards})
+        return _JSONResponse({"object": "list", "data": cards})
 
     async def model(self, request: Request) -> Response:
         try:
             adapter = self._adapter(request.path_params["model"])
         except ApiError as error:
             return error.response()
-        return JSONResponse(self._model_card() if adapter is None else self._adapter_card(adapter))
+        return _JSONResponse(self._model_card() if adapter is None else self._adapter_card(adapter))
 
     async def load_lora_adapter(self, request: Request) -> Response:
         """vLLM's: {"lora_name", "lora_path"} -> 200 and a line of text; 400 naming the field it refuses."""
@@ -251,7 +268,7 @@ class OpenAIServing:
         return Response(f"Success: LoRA adapter '{adapter.lora_name}' removed successfully.", media_type="text/plain")
 
     async def version(self, request: Request) -> Response:
-        return JSONResponse({"version": SERVER_VERSION})
+        return _JSONResponse({"version": SERVER_VERSION})
 
     async def tokenize(self, request: Request) -> Response:
         """vLLM's /tokenize: a completion's `prompt` or a chat's `messages` (through the chat
@@ -266,7 +283,7 @@ class OpenAIServing:
                 token_ids = await self.tokenizers.apply_chat_template(messages, parsed.add_generation_prompt,
                                                                       parsed.template)
             strings = self.tokenizers.tokenizer.token_strings(token_ids) if parsed.return_token_strs else None
-            return JSONResponse({"count": len(token_ids), "max_model_len": self.orchestrator.max_model_len,
+            return _JSONResponse({"count": len(token_ids), "max_model_len": self.orchestrator.max_model_len,
                                  "tokens": list(token_ids), "token_strs": strings})
         except ClientDisconnected:
             return Response(status_code=CLIENT_CLOSED_STATUS)
@@ -278,7 +295,7 @@ class OpenAIServing:
         try:
             parsed = await self._read_request(request, parse_detokenize_request)
             self._check_model(parsed.model)
-            return JSONResponse({"prompt": self.tokenizers.tokenizer.decode(parsed.tokens, skip_special_tokens=False)})
+            return _JSONResponse({"prompt": self.tokenizers.tokenizer.decode(parsed.tokens, skip_special_tokens=False)})
         except ClientDisconnected:
             return Response(status_code=CLIENT_CLOSED_STATUS)
         except Exception as error:
@@ -338,7 +355,7 @@ class OpenAIServing:
         try:
             if not job.stream:
                 chunks = await _until_disconnect(request, _collect(stream))
-                return JSONResponse(job.response(chunks))
+                return _JSONResponse(job.response(chunks))
             first = await _until_disconnect(request, anext(stream))
         except BaseException:
             await stream.aclose()
@@ -353,7 +370,7 @@ class OpenAIServing:
         finally:
             admission.release()
         if not job.stream:
-            return JSONResponse(job.response(chunks))
+            return _JSONResponse(job.response(chunks))
         return _EventStream(job.events(chunks[0], _replayed(chunks[1:])))
 
     async def _beam_chunks(self, job: _Job) -> list[IndexedChunk]:
@@ -592,7 +609,7 @@ async def _until_disconnect(request: Request, work: Awaitable[T]) -> T:
 
 
 def _sse(body: dict) -> bytes:
-    return b"data: " + json.dumps(body, ensure_ascii=False, allow_nan=False).encode() + b"\n\n"
+    return b"data: " + json_bytes(body, separators=None) + b"\n\n"
 
 
 async def _events(first: IndexedChunk, stream: AsyncGenerator[IndexedChunk, None],

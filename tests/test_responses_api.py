@@ -396,3 +396,20 @@ def test_a_large_body_is_parsed_in_the_body_parsers_process(served):
                                                                         "45990 can be served (router.max_prompt_bytes; "
                                                                         "max_model_len is 512 tokens)")
     assert (response.text.format.schema_, response.output_text[0], response.status) == (schema, "{", "incomplete")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_lone_surrogate_echoed_in_the_response_is_escaped_not_a_500(served, stream):
+    """metadata, user and a text format's name come back in the response object (streamed: in its events);
+    a lone surrogate in one (JSON allows the escape) comes back as that escape, streamed or not."""
+    body = json.dumps({"model": MODEL, "input": "hi", "max_output_tokens": 2, "stream": stream,
+                       "metadata": {"k": "\ud800"}, "user": "\udfff",
+                       "text": {"format": {"type": "json_schema", "name": "x\ud800", "schema": {"type": "object"}}}},
+                      ensure_ascii=True).encode()
+    status, _, raw = http_request(served.http_port, "POST", "/v1/responses", body)
+    assert status == 200, raw
+    events = [json.loads(line.removeprefix(b"data: ")) for chunk in raw.split(b"\n\n") for line in chunk.split(b"\n")
+              if line.startswith(b"data: ")] if stream else [{"response": json.loads(raw)}]
+    echoed = events[-1]["response"]
+    assert (echoed["metadata"], echoed["user"], echoed["text"]["format"]["name"]) == ({"k": "\ud800"}, "\udfff",
+                                                                                     "x\ud800")
