@@ -11,11 +11,13 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from tests.factories import hf_greedy, http_request, model_without_tokenizer, save_tokenizer_dir, served_apis
+from tests.factories import (hf_greedy, http_request, make_draft_model_dir, model_without_tokenizer, save_tokenizer_dir,
+                             served_apis)
+from splitserve.common.config import EngineConfig, SpeculativeConfig
 from splitserve.common.errors import UnsupportedModelError
 from splitserve.deploy.cluster_config import ClusterConfigError, default_cluster_config
 from splitserve.deploy.preflight import check_model
-from splitserve.engine import LLM, SamplingParams
+from splitserve.engine import LLM, EngineCore, SamplingParams
 from splitserve.router.tokenizer import RouterTokenizer
 from splitserve.testing.workloads import GreedyCase
 
@@ -149,3 +151,35 @@ def test_workers_and_router_actors_get_the_tokenizer_dir_made_absolute(tmp_path,
     config = default_cluster_config("default")
     assert (config.tokenizer_path, dataclasses.replace(config, tokenizer="tok").tokenizer_path) == (
         None, str(tmp_path / "tok"))
+
+
+def test_a_draft_model_must_share_the_tokenizer_dirs_tokenizer(split_model, tiny_llama_dir, tmp_path):
+    model_dir, tokenizer_dir = split_model
+    draft = make_draft_model_dir(tiny_llama_dir, tmp_path / "draft", seed=5)  # the tiny Llama's own tokenizer
+    config = EngineConfig(device="cpu", dtype="float32", block_size=16, num_kv_blocks=64, max_model_len=512,
+                          speculative=SpeculativeConfig(method="draft", draft_model=str(draft), num_speculative_tokens=3))
+    assert EngineCore(model_dir, config, tokenizer_dir=tiny_llama_dir).speculator is not None
+    with pytest.raises(ValueError) as caught:
+        EngineCore(model_dir, config, tokenizer_dir=tokenizer_dir)
+    assert str(caught.value) == (f"speculative.draft_model {draft} does not share the target's tokenizer "
+                                 f"({tokenizer_dir / 'tokenizer.json'} differs)")
+
+
+@pytest.mark.slow
+def test_a_ray_cluster_serves_with_the_tokenizer_dir(split_model):
+    """The launcher hands the tokenizer directory to the router and to every worker actor: a text prompt is
+    tokenized with it, the KV pulled over NIXL, and the output is transformers' greedy ids and their text."""
+    from splitserve.proto.splitserve.v1 import generation_pb2 as pb
+    from splitserve.testing.local_cluster import running_cluster, tiny_cluster_config
+    from tests.factories import stream_tokens
+
+    model_dir, tokenizer_dir = split_model
+    hf_tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    prompt = hf_tokenizer(PROMPT)["input_ids"]
+    config = tiny_cluster_config(model_dir, tokenizer=str(tokenizer_dir))
+    request = pb.GenerateRequest(text=PROMPT.encode(), sampling=pb.SamplingParams(temperature=0.0, max_tokens=6,
+                                                                                  ignore_eos=True))
+    with running_cluster(config) as (cluster, _):
+        tokens, text, responses = stream_tokens(cluster.port, request)
+    expected = hf_greedy(model_dir, GreedyCase(tuple(prompt), 6, True))
+    assert (responses[-1].usage.prompt_tokens, tokens, text) == (len(prompt), expected, hf_tokenizer.decode(expected))
