@@ -163,7 +163,7 @@ def check_tokenizer_files(model_dir: Path) -> None:
                                 f"file only); {hint}")
 
 
-def tokenizer_dir(model_dir: Path, tokenizer: str | None) -> Path:
+def tokenizer_dir(model_dir: Path, tokenizer: str | Path | None) -> Path:
     """Where the tokenizer files (tokenizer.json, tokenizer_config.json, the chat template) are read:
     `tokenizer` (vLLM's --tokenizer) when given, else the model directory itself."""
     return model_dir if tokenizer is None else Path(tokenizer).expanduser()
@@ -178,7 +178,7 @@ def tokenizer_option_label(tokenizer: str | Path) -> str:
     return f"{TOKENIZER_FLAG} {str(tokenizer)!r}"
 
 
-def check_tokenizer_option(tokenizer: str) -> None:
+def check_tokenizer_option(tokenizer: str | Path) -> None:
     """UnsupportedModelError naming --tokenizer when the directory it gives is missing, not a directory,
     or lacks tokenizer.json (check_tokenizer_files' words after the flag's); a tokenizer.json that does
     not load is RouterTokenizer.from_model_dir's to report (it parses it), under the same label."""

@@ -486,8 +486,9 @@ _HTTP_FLAGS = {"allowed_origins": "router.cors_allowed_origins", "allowed_method
 def _add_model_flags(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--model", default=None, help="the model, when not given as the positional MODEL")
     group.add_argument("--tokenizer", default=None, metavar="DIR",
-                       help="the tokenizer directory when it is not the model's (tokenizer.json, tokenizer_config.json, "
-                            "the chat template); EOS ids still come from the model's generation_config.json")
+                       help="the tokenizer directory when it is not the model's (tokenizer.json, "
+                            "tokenizer_config.json, the chat template); EOS ids still come from the model's "
+                            "generation_config.json")
     group.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                        help="names clients may use for the model; the first is what /v1/models reports "
                             "(default: MODEL as given)")

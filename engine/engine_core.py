@@ -713,7 +713,8 @@ def _tokenizer_json(tokenizer_dir: Path, tokenizer: Tokenizer | None) -> str:
         return tokenizer.to_str()
     path = tokenizer_dir / "tokenizer.json"
     if not path.is_file():
-        raise InvalidRequestError("structured_output", f"needs the model's tokenizer.json, not found in {tokenizer_dir}")
+        raise InvalidRequestError("structured_output",
+                                  f"needs the model's tokenizer.json, not found in {tokenizer_dir}")
     return path.read_text()
 
 

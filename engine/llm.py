@@ -215,8 +215,8 @@ class LLM:
                                  "means cuda_graphs=False; pass one of them")
             engine_config["cuda_graphs"] = False
         if tokenizer is not None:
-            check_tokenizer_option(str(tokenizer))
-        files = tokenizer_dir(model, None if tokenizer is None else str(tokenizer))
+            check_tokenizer_option(tokenizer)
+        files = tokenizer_dir(model, tokenizer)
         self.tokenizer = load_tokenizer(files)
         check_tokenizer_vocabulary(len(self.tokenizer), files, model)
         self.engine = EngineCore(model, EngineConfig(**engine_config), self.tokenizer.backend_tokenizer,

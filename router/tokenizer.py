@@ -533,8 +533,8 @@ class RouterTokenizer:
         --tokenizer."""
         model_dir = Path(path).expanduser()
         if tokenizer is not None:
-            check_tokenizer_option(str(tokenizer))
-        files = tokenizer_dir(model_dir, None if tokenizer is None else str(tokenizer))
+            check_tokenizer_option(tokenizer)
+        files = tokenizer_dir(model_dir, tokenizer)
         check_tokenizer_files(files)
         config = _read_json(files / "tokenizer_config.json")
         try:

@@ -244,7 +244,8 @@ def test_a_model_without_tokenizer_files_serves_with_a_tokenizer_dir(tiny_llama_
 
 def test_a_missing_tokenizer_dir_names_the_flag(tiny_llama_dir, tmp_path):
     missing = str(tmp_path / "nowhere")
-    assert_fails_fast([str(tiny_llama_dir), "--tokenizer", missing], f"--tokenizer {missing!r}: no such tokenizer directory")
+    assert_fails_fast([str(tiny_llama_dir), "--tokenizer", missing],
+                      f"--tokenizer {missing!r}: no such tokenizer directory")
 
 
 def test_unsupported_architecture(model_copy):

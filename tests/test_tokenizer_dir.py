@@ -157,7 +157,8 @@ def test_a_draft_model_must_share_the_tokenizer_dirs_tokenizer(split_model, tiny
     model_dir, tokenizer_dir = split_model
     draft = make_draft_model_dir(tiny_llama_dir, tmp_path / "draft", seed=5)  # the tiny Llama's own tokenizer
     config = EngineConfig(device="cpu", dtype="float32", block_size=16, num_kv_blocks=64, max_model_len=512,
-                          speculative=SpeculativeConfig(method="draft", draft_model=str(draft), num_speculative_tokens=3))
+                          speculative=SpeculativeConfig(method="draft", draft_model=str(draft),
+                                                        num_speculative_tokens=3))
     assert EngineCore(model_dir, config, tokenizer_dir=tiny_llama_dir).speculator is not None
     with pytest.raises(ValueError) as caught:
         EngineCore(model_dir, config, tokenizer_dir=tokenizer_dir)
