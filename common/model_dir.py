@@ -70,9 +70,10 @@ def unsupported_architecture_message(architecture: str) -> str:
     return f"architecture {architecture!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
 
 
-def check_model_dir(model_dir: Path) -> None:
+def check_model_dir(model_dir: Path, check_tokenizer: bool = True) -> None:
     """UnsupportedModelError (one line, naming the directory) unless `model_dir` has a config.json
-    of a supported architecture, weights (weight_files) and a tokenizer.json."""
+    of a supported architecture, weights (weight_files) and, unless `check_tokenizer` is off (a
+    --tokenizer directory gives them), a tokenizer.json."""
     if not model_dir.is_dir():
         raise UnsupportedModelError(f"{model_dir}: no such model directory")
     config = read_model_config(model_dir)
@@ -83,7 +84,8 @@ def check_model_dir(model_dir: Path) -> None:
     if config.get(activation.name, activation.default) not in activation.accepted:
         raise UnsupportedModelError(f"{model_dir}: {activation.unsupported_message(config[activation.name])}")
     weight_files(model_dir)
-    check_tokenizer_files(model_dir)
+    if check_tokenizer:
+        check_tokenizer_files(model_dir)
 
 
 def weight_files(model_dir: Path) -> list[Path]:
@@ -159,3 +161,44 @@ def check_tokenizer_files(model_dir: Path) -> None:
         hint = "it has no tokenizer files at all"
     raise UnsupportedModelError(f"{model_dir}: missing {TOKENIZER_FILE} (splitserve reads the fast tokenizer "
                                 f"file only); {hint}")
+
+
+def tokenizer_dir(model_dir: Path, tokenizer: str | Path | None) -> Path:
+    """Where the tokenizer files (tokenizer.json, tokenizer_config.json, the chat template) are read:
+    `tokenizer` (vLLM's --tokenizer) when given, else the model directory itself."""
+    return model_dir if tokenizer is None else Path(tokenizer).expanduser()
+
+
+TOKENIZER_FLAG = "--tokenizer"
+"""vLLM's flag (cluster config key `tokenizer`) naming a tokenizer directory other than the model's."""
+
+
+def tokenizer_option_label(tokenizer: str | Path) -> str:
+    """How errors about a --tokenizer directory begin: the flag and the value given."""
+    return f"{TOKENIZER_FLAG} {str(tokenizer)!r}"
+
+
+def check_tokenizer_option(tokenizer: str | Path) -> None:
+    """UnsupportedModelError naming --tokenizer when the directory it gives is missing, not a directory,
+    or lacks tokenizer.json (check_tokenizer_files' words after the flag's); a tokenizer.json that does
+    not load is RouterTokenizer.from_model_dir's to report (it parses it), under the same label."""
+    path = Path(tokenizer).expanduser()
+    if not path.is_dir():
+        raise UnsupportedModelError(f"{tokenizer_option_label(tokenizer)}: no such tokenizer directory")
+    try:
+        check_tokenizer_files(path)
+    except UnsupportedModelError as error:
+        raise UnsupportedModelError(f"{tokenizer_option_label(tokenizer)}: {error}") from None
+
+
+def check_tokenizer_vocabulary(tokenizer_vocab_size: int, tokenizer_dir: Path, model_dir: Path) -> None:
+    """UnsupportedModelError when the tokenizer (added tokens included) has more ids than the model's
+    embedding (config.json `vocab_size`): its highest ids would index past the embedding. vLLM refuses
+    such ids per request ("Token id N is out of vocabulary"); splitserve refuses the pair at start.
+    A smaller tokenizer is fine (embeddings padded past the tokenizer's ids, as Qwen2's)."""
+    model_vocab_size = read_model_config(model_dir).get("vocab_size")
+    if not isinstance(model_vocab_size, int) or tokenizer_vocab_size <= model_vocab_size:
+        return
+    raise UnsupportedModelError(f"{tokenizer_dir / TOKENIZER_FILE}: the tokenizer has {tokenizer_vocab_size} "
+                                f"tokens, more than the model's vocab_size {model_vocab_size} "
+                                f"({model_dir / 'config.json'}); use the model's own tokenizer")

@@ -87,14 +87,15 @@ class DecodeWorker:
     def __init__(self, model_dir: str | Path, engine_config: EngineConfig, transfer_backend: str = "nixl",
                  worker_id: str | None = None, transfer_failure_policy: str = "recompute",
                  output_host: str | None = None, max_unread_output_bytes: int = MAX_UNREAD_OUTPUT_BYTES,
-                 transfer_poll_s: float = PULL_POLL_S) -> None:
+                 transfer_poll_s: float = PULL_POLL_S, tokenizer_dir: str | Path | None = None) -> None:
         """`output_host`: the address routers reach this worker's output streams at (None: the
-        Ray node's address inside a Ray cluster, else 127.0.0.1)."""
+        Ray node's address inside a Ray cluster, else 127.0.0.1); `tokenizer_dir`: the cluster's
+        --tokenizer directory (structured output's vocabulary), None: the model directory."""
         if transfer_failure_policy not in TRANSFER_FAILURE_POLICIES:
             raise ValueError(f"transfer_failure_policy must be one of {TRANSFER_FAILURE_POLICIES}, "
                              f"got {transfer_failure_policy!r}")
         self.worker_id = worker_id or f"decode-{uuid.uuid4().hex[:8]}"
-        self.engine = EngineCore(model_dir, engine_config, show_progress=True)
+        self.engine = EngineCore(model_dir, engine_config, show_progress=True, tokenizer_dir=tokenizer_dir)
         self._layout = self.engine.kv_layout(model_fingerprint(Path(model_dir)))
         self._backend = make_backend(transfer_backend, f"{self.worker_id}-{uuid.uuid4().hex[:8]}")
         self._backend.register_kv_pool(self.engine.kv_cache.layers, self._layout)

@@ -485,6 +485,10 @@ _HTTP_FLAGS = {"allowed_origins": "router.cors_allowed_origins", "allowed_method
 
 def _add_model_flags(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--model", default=None, help="the model, when not given as the positional MODEL")
+    group.add_argument("--tokenizer", default=None, metavar="DIR",
+                       help="the tokenizer directory when it is not the model's (tokenizer.json, "
+                            "tokenizer_config.json, the chat template); EOS ids still come from the model's "
+                            "generation_config.json")
     group.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                        help="names clients may use for the model; the first is what /v1/models reports "
                             "(default: MODEL as given)")
@@ -539,8 +543,6 @@ def _refused(reason: str, accepted: str | None = None) -> Callable[[str], str]:
 
 
 def _add_unsupported_flags(group: argparse._ArgumentGroup) -> None:
-    group.add_argument("--tokenizer", default=None, metavar="DIR",
-                       help="only the model directory itself: the router and the workers read the tokenizer from it")
     group.add_argument("--long-prefill-token-threshold", type=_refused(
         "the scheduler has no cap on a long prompt's chunk besides --max-num-batched-tokens", accepted="0"),
         default=None, metavar="0", help="only 0 (vLLM's default: no cap)")
@@ -620,7 +622,7 @@ _CLUSTER_FLAGS = {"mode": "mode", "prefill_workers": "prefill.replicas", "decode
                   "tool_call_parser": "router.tool_call_parser", "reasoning_parser": "router.reasoning_parser",
                   "ssl_certfile": "router.tls.cert_file", "ssl_keyfile": "router.tls.key_file",
                   "ssl_ca_certs": "router.tls.client_ca_file", "served_model_name": "served_model_name",
-                  "lora_modules": "lora_modules", "max_logprobs": "router.max_logprobs"}
+                  "lora_modules": "lora_modules", "max_logprobs": "router.max_logprobs", "tokenizer": "tokenizer"}
 """serve flags -> the cluster config key they set."""
 _ENGINE_FLAGS = {"max_model_len": "max_model_len", "seed": "seed", "block_size": "block_size",
                  "enable_prefix_caching": "enable_prefix_caching", "kv_cache_memory": "kv_cache_memory_bytes",
@@ -680,18 +682,7 @@ def serve_config(args: argparse.Namespace):
     if model is not None:
         overrides["model"] = model
     config = apply_overrides(config, overrides)
-    _check_tokenizer(args.tokenizer, config.model)
     return config
-
-
-def _check_tokenizer(tokenizer: str | None, model: str) -> None:
-    """--tokenizer is accepted only as the model directory itself: the router tokenizes with, and the
-    workers' grammars and EOS ids come from, the model directory's tokenizer files, and a second
-    tokenizer would have to give the same token ids to be safe (ValueError otherwise)."""
-    if tokenizer is None or Path(tokenizer).resolve() == Path(model).resolve():
-        return
-    raise ValueError(f"--tokenizer {tokenizer!r}: a tokenizer other than the model directory's is not supported: "
-                     "the router and the workers read it from the model directory (put its files there)")
 
 
 def _serve(args: argparse.Namespace) -> int:

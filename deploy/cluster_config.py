@@ -9,6 +9,7 @@ offending key, e.g. `decode.engine.max_num_seqs: must be >= 1, got 0`. See docs/
 from __future__ import annotations
 
 import dataclasses
+import os
 import reprlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -345,6 +346,13 @@ class ClusterConfig:
     """Names clients may give as `model` (vLLM's --served-model-name): the first is the one
     /v1/models reports and responses carry; a request naming another model is refused. Empty:
     `model` itself is the one name."""
+    tokenizer: str | None = None
+    """The tokenizer directory when it is not the model's (vLLM's --tokenizer: a model directory without
+    tokenizer files, a fine-tune reusing its base's tokenizer): the router's tokenizer.json,
+    tokenizer_config.json and chat template, and the workers' structured-output vocabulary, come from it;
+    EOS ids and sampling defaults (generation_config.json) stay the model directory's, as vLLM reads them.
+    A cluster setting beside `model`, not an engine (per-pool) one: the router and every worker of both
+    pools must tokenize alike, so there is one value for all of them. None: the model directory."""
     lora_modules: tuple[str, ...] = ()
     """LoRA adapters the OpenAI API's `model` field may name, each NAME=PATH (vLLM's --lora-modules; PATH a PEFT
     adapter directory the workers can read): /v1/models lists them with the model as `parent`. Needs
@@ -352,6 +360,7 @@ class ClusterConfig:
 
     def __post_init__(self) -> None:
         _require(self.model != "", "model", "must not be empty")
+        _require(self.tokenizer != "", "tokenizer", "must not be empty (null reads the model directory's)")
         _require(self.mode in MODES, "mode", f"must be one of {MODES}, got {self.mode!r}")
         _require(self.kv_transfer_backend in KV_TRANSFER_BACKENDS, "kv_transfer_backend",
                  f"must be one of {KV_TRANSFER_BACKENDS}, got {self.kv_transfer_backend!r}")
@@ -408,6 +417,12 @@ class ClusterConfig:
     def lora_requests(self) -> tuple[LoRARequest, ...]:
         """lora_modules as the LoRARequests the router sends the workers (ids 1, 2, ... in order)."""
         return parse_lora_modules(self.lora_modules)
+
+    @property
+    def tokenizer_path(self) -> str | None:
+        """`tokenizer` made absolute, as lora_modules' paths are (the workers and router actors may run in
+        another directory); None: the model directory's tokenizer."""
+        return None if self.tokenizer is None else os.path.abspath(os.path.expanduser(self.tokenizer))
 
     @property
     def served_model_names(self) -> tuple[str, ...]:

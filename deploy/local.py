@@ -242,7 +242,8 @@ class LocalCluster:
         worker_id = f"{role}-{self._next_index[role]}"
         self._next_index[role] += 1
         self.actors[worker_id] = actor_class.remote(self._model_dir, pool.engine, self.config.kv_transfer_backend,
-                                                    worker_id=worker_id, **extra)
+                                                    worker_id=worker_id, tokenizer_dir=self.config.tokenizer_path,
+                                                    **extra)
         return RayWorker(worker_id, self.actors[worker_id])
 
     # ---- planner.ray_adapter.ClusterControl ----------------------------------------------

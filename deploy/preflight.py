@@ -1,5 +1,5 @@
 """What `splitserve serve` checks before Ray starts: every mistake that the config and the files
-it names already show (the model directory, its tokenizer and chat template, a max_model_len
+it names already show (the model directory, its tokenizer (or --tokenizer's) and chat template, a max_model_len
 longer than its positions, sampling defaults a generation_config.json cannot give, TLS files,
 the API key's variable, a host that is not this machine's, ports in use, LoRA adapter directories the
 engines would refuse), each reported as one
@@ -35,7 +35,7 @@ class PreflightError(ValueError):
 def preflight(config: ClusterConfig, api_key: str | None = None) -> None:
     """PreflightError (or UnsupportedModelError, both ValueErrors) for the first problem found;
     `api_key`: the key given on the command line, which makes router.api_key_env unnecessary."""
-    check_model(config.model, config.router.chat_template)
+    check_model(config.model, config.router.chat_template, config.tokenizer)
     check_max_model_len(config)
     check_lora_modules(config)
     resolve_request_defaults(config.router.generation_config, GenerationConfigFile.read(_model_dir(config.model)))
@@ -46,17 +46,18 @@ def preflight(config: ClusterConfig, api_key: str | None = None) -> None:
     check_ports_free(config.router)
 
 
-def check_model(model: str, chat_template: str | None) -> None:
-    """The model directory serves (architecture, weights, tokenizer.json) and the chat template
-    compiles: the override when given, else the directory's own. The embedded models always serve."""
+def check_model(model: str, chat_template: str | None, tokenizer: str | None = None) -> None:
+    """The model directory serves (architecture, weights, tokenizer.json: `tokenizer`'s when given,
+    with no more ids than the model's vocab_size) and the chat template compiles: the override when
+    given, else the tokenizer directory's own. The embedded models always serve (with their own tokenizer)."""
     template = read_chat_template_option(chat_template) if chat_template is not None else None
-    if model in EMBEDDED_MODELS:
+    if model in EMBEDDED_MODELS and tokenizer is None:
         if template is not None:
             _compile(template)
         return
-    model_dir = Path(model).expanduser()
-    check_model_dir(model_dir)
-    RouterTokenizer.from_model_dir(model_dir, template)
+    model_dir = _model_dir(model)
+    check_model_dir(model_dir, check_tokenizer=tokenizer is None)
+    RouterTokenizer.from_model_dir(model_dir, template, tokenizer=tokenizer)
 
 
 def check_max_model_len(config: ClusterConfig) -> None:

@@ -173,7 +173,8 @@ async def start_router(router_id: str, config: ClusterConfig, model_dir: str, pr
     router = config.router
     chat_template = None if router.chat_template is None else read_chat_template_option(router.chat_template)
     tokenizer = await asyncio.to_thread(RouterTokenizer.from_model_dir, model_dir, chat_template,
-                                        router.chat_template_content_format, router.trust_request_chat_template)
+                                        router.chat_template_content_format, router.trust_request_chat_template,
+                                        config.tokenizer_path)
     log_content_format(tokenizer, router.chat_template_content_format)
     metrics = RouterMetrics(router.slo) if router.metrics_port is not None else None
     observers = [*([metrics.observe] if metrics is not None else []), *observers,

@@ -103,8 +103,12 @@ def resolve_dtype(name: str, model_dtype: torch.dtype | str | None, device: torc
 
 class EngineCore:
     def __init__(self, model_dir: str | Path, config: EngineConfig, tokenizer: Tokenizer | None = None,
-                 show_progress: bool = False) -> None:
+                 show_progress: bool = False, tokenizer_dir: str | Path | None = None) -> None:
+        """`tokenizer`: the engine's own (stop strings, detokenized text), None in a worker (the router
+        detokenizes); `tokenizer_dir`: where tokenizer.json is when not in `model_dir` (--tokenizer), for
+        the grammars' vocabulary and the draft model's tokenizer check."""
         model_dir = Path(model_dir)
+        tokenizer_dir = model_dir if tokenizer_dir is None else Path(tokenizer_dir)
         hf_config = load_hf_config(model_dir)
         self.config = config
         self.device = resolve_device(config.device)
@@ -144,12 +148,12 @@ class EngineCore:
                                   if graphs else None, self.lora)
         self.sampler = Sampler()
         self.speculator = None if config.speculative is None else Speculator(
-            config.speculative, build_proposer(config.speculative, model_dir, self.vocab_size,
+            config.speculative, build_proposer(config.speculative, tokenizer_dir, self.vocab_size,
                                               self.kv_cache.num_blocks, config.block_size, dtype, self.device,
                                               attention, layer_ops),
             self.max_model_len)
         self.tokenizer = tokenizer
-        self.grammars = GrammarMatchers(lambda: _tokenizer_json(model_dir, tokenizer), self.vocab_size,
+        self.grammars = GrammarMatchers(lambda: _tokenizer_json(tokenizer_dir, tokenizer), self.vocab_size,
                                         self.eos_token_ids)
         self._shared_generator = torch.Generator(self.device).manual_seed(config.seed)
         self._generators: dict[str, torch.Generator] = {}
@@ -702,13 +706,15 @@ class EngineCore:
         return str(spec.dtype).removeprefix("torch.") if spec.quantization is None else spec.quantization.name
 
 
-def _tokenizer_json(model_dir: Path, tokenizer: Tokenizer | None) -> str:
-    """The tokenizer the grammar masks are computed for: the engine's own, else the model's tokenizer.json."""
+def _tokenizer_json(tokenizer_dir: Path, tokenizer: Tokenizer | None) -> str:
+    """The tokenizer the grammar masks are computed for: the engine's own, else the tokenizer.json of
+    `tokenizer_dir` (--tokenizer's directory, else the model's)."""
     if tokenizer is not None:
         return tokenizer.to_str()
-    path = model_dir / "tokenizer.json"
+    path = tokenizer_dir / "tokenizer.json"
     if not path.is_file():
-        raise InvalidRequestError("structured_output", f"needs the model's tokenizer.json, not found in {model_dir}")
+        raise InvalidRequestError("structured_output",
+                                  f"needs the model's tokenizer.json, not found in {tokenizer_dir}")
     return path.read_text()
 
 

@@ -24,6 +24,7 @@ from splitserve.common.config import EngineConfig, GenerationConfig, SamplingDef
 from splitserve.common.generation_config import SAMPLING_KEYS, GenerationConfigFile, resolve_request_defaults
 from splitserve.common.errors import InvalidRequestError
 from splitserve.common.lora import LoRARequest, check_lora_request
+from splitserve.common.model_dir import check_tokenizer_option, check_tokenizer_vocabulary, tokenizer_dir
 from splitserve.common.sampling_params import MAX_LOGPROBS, SamplingParams
 from splitserve.common.stats import EngineStats
 from splitserve.engine.engine_core import EngineCore
@@ -188,14 +189,18 @@ class LLM:
     def __init__(self, model: str | Path, show_progress: bool = False, enforce_eager: bool = False,
                  generation_config: str = "auto", override_generation_config: dict[str, float | int] | None = None,
                  tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, trust_remote_code: bool = False,
-                 **engine_config) -> None:
+                 tokenizer: str | Path | None = None, **engine_config) -> None:
         """`engine_config`: EngineConfig's fields. `enforce_eager` (vLLM's, the CLI's `--enforce-eager`):
         never capture CUDA graphs, i.e. cuda_graphs=False; refused together with cuda_graphs=True.
         `tensor_parallel_size` / `pipeline_parallel_size` (vLLM's): 1 only, one device per engine, as the CLI's
         flags; `trust_remote_code` (vLLM's) is accepted and changes nothing: no model-directory code runs.
         `generation_config` and `override_generation_config` (vLLM's, the CLI's `--generation-config` and
         `--override-generation-config`): where get_default_sampling_params() takes its values from.
-        `model`: a model directory, or an embedded model's name ("default", "default-draft") as on the CLI."""
+        `model`: a model directory, or an embedded model's name ("default", "default-draft") as on the CLI.
+        `tokenizer` (vLLM's, the CLI's `--tokenizer`): the directory the tokenizer (and its chat template) is
+        loaded from instead of the model's; generation_config.json (EOS ids, defaults) is still the model's.
+        UnsupportedModelError naming --tokenizer for a directory without tokenizer.json, and for a tokenizer with
+        more ids than the model's vocab_size."""
         for name, size in (("tensor_parallel_size", tensor_parallel_size),
                            ("pipeline_parallel_size", pipeline_parallel_size)):
             if size != 1:
@@ -209,9 +214,13 @@ class LLM:
                 raise ValueError("enforce_eager=True and cuda_graphs=True contradict each other: enforce_eager "
                                  "means cuda_graphs=False; pass one of them")
             engine_config["cuda_graphs"] = False
-        self.tokenizer = load_tokenizer(model)
+        if tokenizer is not None:
+            check_tokenizer_option(tokenizer)
+        files = tokenizer_dir(model, tokenizer)
+        self.tokenizer = load_tokenizer(files)
+        check_tokenizer_vocabulary(len(self.tokenizer), files, model)
         self.engine = EngineCore(model, EngineConfig(**engine_config), self.tokenizer.backend_tokenizer,
-                                 show_progress)
+                                 show_progress, files)
         self._counter = 0
         self._kept: dict[str, list[CompletionDelta]] = {}
         """Deltas a step made for requests that another call on this LLM consumes (a stream open while

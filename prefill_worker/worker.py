@@ -64,10 +64,12 @@ class _Outbox:
 class PrefillWorker:
     def __init__(self, model_dir: str | Path, engine_config: EngineConfig, transfer_backend: str = "nixl",
                  lease_ttl_s: float = 30.0, worker_id: str | None = None,
-                 transfer_poll_s: float = LEASE_POLL_S, layerwise: bool = False) -> None:
-        """`layerwise`: announce each layer as it is written (prefill_layerwise streams it)."""
+                 transfer_poll_s: float = LEASE_POLL_S, layerwise: bool = False,
+                 tokenizer_dir: str | Path | None = None) -> None:
+        """`layerwise`: announce each layer as it is written (prefill_layerwise streams it); `tokenizer_dir`:
+        the cluster's --tokenizer directory (structured output's vocabulary), None: the model directory."""
         self.worker_id = worker_id or f"prefill-{uuid.uuid4().hex[:8]}"
-        self.engine = EngineCore(model_dir, engine_config, show_progress=True)
+        self.engine = EngineCore(model_dir, engine_config, show_progress=True, tokenizer_dir=tokenizer_dir)
         self._layout = self.engine.kv_layout(model_fingerprint(Path(model_dir)))
         # A new agent name on every start, so peers never confuse a restarted worker with its old self.
         self._backend = make_backend(transfer_backend, f"{self.worker_id}-{uuid.uuid4().hex[:8]}")

@@ -58,7 +58,7 @@ from splitserve.router.lora_adapters import AdapterRegistry, UnknownAdapterError
 from splitserve.router.orchestrator import Orchestrator
 from splitserve.router.reasoning_parsers import ReasoningFormat, ReasoningOutput
 from splitserve.router.request_body import BodyParser, MalformedBodyError, Parse, json_object
-from splitserve.router.request_id_header import RequestIdHeader
+from splitserve.router.request_id_header import RequestIdHeader, with_header_request_id
 from splitserve.router.request_limits import PromptTruncation
 from splitserve.router.responses_protocol import ResponsesRenderer, ResponsesRequest, parse_responses_request
 from splitserve.router.stream_interval import every_interval
@@ -225,10 +225,12 @@ class OpenAIServing:
 
     # ---- endpoints ---------------------------------------------------------------------
     async def completions(self, request: Request) -> Response:
-        return await self._serve(request, self._parse_completion, self._completion_job)
+        return await self._serve(request, self._parse_completion, lambda parsed: self._completion_job(
+            with_header_request_id(parsed, request.headers, self.bodies.limits)))
 
     async def chat_completions(self, request: Request) -> Response:
-        return await self._serve(request, self._parse_chat, self._chat_job)
+        return await self._serve(request, self._parse_chat, lambda parsed: self._chat_job(
+            with_header_request_id(parsed, request.headers, self.bodies.limits)))
 
     async def responses(self, request: Request) -> Response:
         return await self._serve(request, self._parse_responses, self._responses_job)

@@ -1,11 +1,35 @@
-"""vLLM's --enable-request-id-headers: every HTTP answer carries an `X-Request-Id` header."""
+"""vLLM's X-Request-Id: with --enable-request-id-headers every HTTP answer carries the header; and,
+flag or not, a completion's or chat completion's request that sends it gets it as its id
+(`cmpl-<id>`, `chatcmpl-<id>`), as vLLM's _base_request_id takes it."""
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
+
+from typing import TypeVar
 
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from splitserve.router.request_limits import RequestLimits
+
+REQUEST_ID_HEADER = "X-Request-Id"
+
+Parsed = TypeVar("Parsed")
+"""A parsed request with a `request_id` field (router.openai_protocol's CompletionRequest, ChatCompletionRequest)."""
+
+
+def with_header_request_id(parsed: Parsed, headers: Headers, limits: RequestLimits) -> Parsed:
+    """`parsed` with the request's X-Request-Id header as its request_id when it sent one (over the body's
+    request_id, as vLLM: `cmpl-<id>` / `chatcmpl-<id>`), whether or not --enable-request-id-headers is on;
+    InvalidRequestError naming the header for a value a body's request_id could not be (too long, a space
+    or non-ASCII)."""
+    request_id = headers.get(REQUEST_ID_HEADER)
+    if request_id is None:
+        return parsed
+    limits.check_request_id(request_id, REQUEST_ID_HEADER)
+    return dataclasses.replace(parsed, request_id=request_id)
 
 
 class RequestIdHeader:
@@ -19,11 +43,11 @@ class RequestIdHeader:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        request_id = Headers(scope=scope).get("x-request-id") or uuid.uuid4().hex
+        request_id = Headers(scope=scope).get(REQUEST_ID_HEADER) or uuid.uuid4().hex
 
         async def send_with_request_id(message: Message) -> None:
             if message["type"] == "http.response.start":
-                MutableHeaders(scope=message).append("X-Request-Id", request_id)
+                MutableHeaders(scope=message).append(REQUEST_ID_HEADER, request_id)
             await send(message)
 
         await self.app(scope, receive, send_with_request_id)

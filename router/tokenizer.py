@@ -1,7 +1,8 @@
 """The router's tokenizer: Hugging Face model-directory tokenization without torch or transformers.
 
 Reads tokenizer.json (the `tokenizers` fast tokenizer), tokenizer_config.json, the chat template
-and generation_config.json (EOS ids, sampling defaults) of a model directory, and gives the same
+(all three from --tokenizer's directory when given) and generation_config.json (EOS ids, sampling
+defaults) of a model directory, and gives the same
 token ids as transformers 5:
 `encode(text)` equals `AutoTokenizer.from_pretrained(dir)(text)["input_ids"]` (the tokenizer's own
 post-processor adds BOS/EOS where the model wants them), and `apply_chat_template` equals
@@ -40,8 +41,9 @@ from splitserve.common.chat_template import (TEMPLATE_VARIABLES, ContentFormat, 
                                              content_parts, developer_as_system, mentions_developer_role,
                                              quoted_names, resolve_content_format, template_content)
 from splitserve.common.errors import InvalidRequestError, UnsupportedModelError
-from splitserve.common.generation_config import GenerationConfigFile
-from splitserve.common.model_dir import TOKENIZER_FILE, check_tokenizer_files
+from splitserve.common.generation_config import MODEL_CONFIG_FILE, GenerationConfigFile
+from splitserve.common.model_dir import (TOKENIZER_FILE, check_tokenizer_files, check_tokenizer_option,
+                                       check_tokenizer_vocabulary, tokenizer_dir, tokenizer_option_label)
 
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 """transformers 5 saves a single chat template here; it takes priority over tokenizer_config.json."""
@@ -519,26 +521,37 @@ class RouterTokenizer:
 
     @classmethod
     def from_model_dir(cls, path: str | Path, chat_template: str | None = None, content_format: str = "auto",
-                       trust_request_chat_template: bool = False) -> RouterTokenizer:
+                       trust_request_chat_template: bool = False,
+                       tokenizer: str | Path | None = None) -> RouterTokenizer:
         """Load a Hugging Face model directory; `chat_template` (its text) replaces the model's own;
         `content_format` is --chat-template-content-format; `trust_request_chat_template` lets requests
-        bring their own template (--trust-request-chat-template).
-        UnsupportedModelError without tokenizer.json, with an unreadable one, or with a bad template."""
+        bring their own template (--trust-request-chat-template); `tokenizer` (vLLM's --tokenizer) is the
+        directory the tokenizer files and the chat template are read from instead of the model's, whose
+        generation_config.json (EOS ids, sampling defaults) is still read, as vLLM reads it.
+        UnsupportedModelError without tokenizer.json, with an unreadable one, a tokenizer with more ids
+        than the model's vocab_size, or with a bad template; about a `tokenizer` directory, it names
+        --tokenizer."""
         model_dir = Path(path).expanduser()
-        check_tokenizer_files(model_dir)
-        config = _read_json(model_dir / "tokenizer_config.json")
+        if tokenizer is not None:
+            check_tokenizer_option(tokenizer)
+        files = tokenizer_dir(model_dir, tokenizer)
+        check_tokenizer_files(files)
+        config = _read_json(files / "tokenizer_config.json")
         try:
-            backend = Tokenizer.from_file(str(model_dir / TOKENIZER_FILE))
+            backend = Tokenizer.from_file(str(files / TOKENIZER_FILE))
         except Exception as error:  # tokenizers raises plain Exception for a malformed file
-            raise UnsupportedModelError(f"{model_dir / TOKENIZER_FILE}: not a tokenizer file: {error}") from None
+            label = "" if tokenizer is None else f"{tokenizer_option_label(tokenizer)}: "
+            raise UnsupportedModelError(f"{label}{files / TOKENIZER_FILE}: not a tokenizer file: {error}") from None
+        if (model_dir / MODEL_CONFIG_FILE).is_file():  # a tokenizer-only folder (tests) has no embedding to check
+            check_tokenizer_vocabulary(backend.get_vocab_size(with_added_tokens=True), files, model_dir)
         backend.encode_special_tokens = bool(config.get("split_special_tokens", False))
-        special_tokens = _named_special_tokens(config, _read_json(model_dir / "special_tokens_map.json"))
-        template = chat_template if chat_template is not None else _read_chat_template(model_dir, config)
+        special_tokens = _named_special_tokens(config, _read_json(files / "special_tokens_map.json"))
+        template = chat_template if chat_template is not None else _read_chat_template(files, config)
         try:
             return cls(backend, special_tokens, template, GenerationConfigFile.read(model_dir), str(model_dir),
                        content_format, trust_request_chat_template)
         except jinja2.TemplateSyntaxError as error:
-            source = "the chat template given" if chat_template is not None else f"{model_dir}: the chat template"
+            source = "the chat template given" if chat_template is not None else f"{files}: the chat template"
             raise UnsupportedModelError(f"{source} does not compile: {error} (line {error.lineno})") from error
 
     @property

@@ -21,23 +21,28 @@ def worker_engine_config(block_size: int = 8, max_model_len: int | None = None,
 
 
 def make_prefill_worker(model_dir: Path, engine_config: EngineConfig | None = None, worker_id: str = "prefill-0",
-                        lease_ttl_s: float = 30.0, layerwise: bool = False, transfer_backend: str = "inprocess"):
+                        lease_ttl_s: float = 30.0, layerwise: bool = False, transfer_backend: str = "inprocess",
+                        tokenizer_dir: Path | None = None):
     """A PrefillWorker in this process with the in-process KV transfer backend unless `transfer_backend`
-    says "nixl" (call shutdown()); `layerwise`: it announces each layer (kv_transfer_layerwise)."""
+    says "nixl" (call shutdown()); `layerwise`: it announces each layer (kv_transfer_layerwise);
+    `tokenizer_dir`: the --tokenizer directory, None: the model's."""
     from splitserve.prefill_worker.worker import PrefillWorker
 
     return PrefillWorker(model_dir, engine_config or worker_engine_config(), transfer_backend, lease_ttl_s,
-                         worker_id=worker_id, layerwise=layerwise)
+                         worker_id=worker_id, layerwise=layerwise, tokenizer_dir=tokenizer_dir)
 
 
 def make_decode_worker(model_dir: Path, engine_config: EngineConfig | None = None, worker_id: str = "decode-0",
-                       transfer_failure_policy: str = "recompute", transfer_backend: str = "inprocess"):
+                       transfer_failure_policy: str = "recompute", transfer_backend: str = "inprocess",
+                       tokenizer_dir: Path | None = None):
     """A DecodeWorker in this process with the in-process KV transfer backend unless `transfer_backend`
-    says "nixl", its output streams on loopback (call shutdown())."""
+    says "nixl", its output streams on loopback (call shutdown()); `tokenizer_dir`: the --tokenizer
+    directory, None: the model's."""
     from splitserve.decode_worker.worker import DecodeWorker
 
     return DecodeWorker(model_dir, engine_config or worker_engine_config(), transfer_backend, worker_id=worker_id,
-                        transfer_failure_policy=transfer_failure_policy, output_host="127.0.0.1")
+                        transfer_failure_policy=transfer_failure_policy, output_host="127.0.0.1",
+                        tokenizer_dir=tokenizer_dir)
 
 def _retrieve(future: asyncio.Future) -> None:
     if not future.cancelled():
@@ -133,7 +138,7 @@ class InProcessCluster:
                  kv_cache_dtype: str = "auto", decode_speculative=None, layerwise: bool = False,
                  engine_config: EngineConfig | None = None, transfer_backend: str = "inprocess",
                  chat_template: str | None = None, trust_request_chat_template: bool = False,
-                 decode_engine_config: EngineConfig | None = None):
+                 decode_engine_config: EngineConfig | None = None, tokenizer_dir: Path | None = None):
         """`observer` gets every ended request's RequestRecord (e.g. a RouterMetrics' observe);
         `max_model_len` caps every request's prompt + output (the model's limit by default);
         `kv_cache_dtype` every worker's KV pool element type;
@@ -145,13 +150,14 @@ class InProcessCluster:
         `decode_speculative` (a SpeculativeConfig) makes the decode workers speculate;
         `layerwise` makes the prefill workers announce each layer (kv_transfer_layerwise);
         `chat_template` (its text) replaces the model's own in the router's tokenizer;
-        `trust_request_chat_template` lets requests bring their own (router.trust_request_chat_template)."""
+        `trust_request_chat_template` lets requests bring their own (router.trust_request_chat_template);
+        `tokenizer_dir` is the router's and the workers' tokenizer directory (--tokenizer), None: the model's."""
         from splitserve.common.slo import SloConfig
         from splitserve.router.policy import RoutingConfig
 
         # Remote prefill for every request unless a test asks otherwise: most tests here are about
         # the transfer path, which the default (auto) skips for short prompts.
-        self.model_dir, self.mode = model_dir, mode
+        self.model_dir, self.mode, self.tokenizer_dir = model_dir, mode, tokenizer_dir
         self.routing = routing or RoutingConfig(disaggregation="always")
         self.slo = slo or SloConfig()
         self.num_prefill = num_prefill if mode == "disaggregated" else 0
@@ -172,7 +178,8 @@ class InProcessCluster:
         self.prefill_workers = [self._prefill_worker(f"prefill-{i}") for i in range(self.num_prefill)]
         self.decode_workers = [self._decode_worker(f"decode-{i}") for i in range(self.num_decode)]
         self.tokenizer = RouterTokenizer.from_model_dir(self.model_dir, self.chat_template,
-                                                        trust_request_chat_template=self.trust_request_chat_template)
+                                                        trust_request_chat_template=self.trust_request_chat_template,
+                                                        tokenizer=self.tokenizer_dir)
         self.clients = {w.worker_id: KillableWorker(w)
                         for w in [*self.prefill_workers, *self.decode_workers]}
         router_config = RouterConfig(routing=self.routing, slo=self.slo,
@@ -185,11 +192,11 @@ class InProcessCluster:
 
     def _prefill_worker(self, worker_id: str):
         return make_prefill_worker(self.model_dir, self.engine_config, worker_id, self.lease_ttl_s, self.layerwise,
-                                   self.transfer_backend)
+                                   self.transfer_backend, self.tokenizer_dir)
 
     def _decode_worker(self, worker_id: str):
         return make_decode_worker(self.model_dir, self.decode_engine_config, worker_id, self.policy,
-                                  self.transfer_backend)
+                                  self.transfer_backend, self.tokenizer_dir)
 
     async def __aexit__(self, *exc_info) -> None:
         await self.orchestrator.stop()

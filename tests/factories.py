@@ -138,6 +138,25 @@ MOE_DEFAULTS = {
 mlp_only_layers or decoder_sparse_step say so) keep the base 128."""
 
 
+MODEL_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+"""The files a tiny model directory holds for its tokenizer (the rest is weights, config and generation config)."""
+
+
+def model_without_tokenizer(model_dir: Path, out_dir: Path) -> Path:
+    """A copy of the model directory without its tokenizer files (for --tokenizer DIR)."""
+    import shutil
+
+    shutil.copytree(model_dir, out_dir, ignore=shutil.ignore_patterns(*MODEL_TOKENIZER_FILES))
+    return out_dir
+
+
+def save_tokenizer_dir(out_dir: Path, vocab_size: int, seed: int) -> Path:
+    """A directory holding only a tiny byte-level BPE tokenizer (tiny_tokenizer: a ChatML template, no BOS) of
+    `vocab_size` tokens: another tokenizer than a tiny model's own when `seed` differs from its spec's."""
+    tiny_tokenizer(vocab_size, seed).save_pretrained(out_dir)
+    return out_dir
+
+
 def save_random_hf_model(out_dir: Path, architecture: str, seed: int = 0, **config_overrides) -> Path:
     """A random-weight checkpoint of any supported family (no tokenizer), via transformers itself."""
     from transformers import (Gemma2Config, Gemma3TextConfig, GemmaConfig, GraniteConfig, LlamaConfig, MistralConfig,

@@ -199,20 +199,18 @@ def test_flags_that_cannot_be_honoured_are_refused_saying_why(flags, reason, cap
         2, f"splitserve serve: error: {reason} (see splitserve serve --help)")
 
 
-def test_long_prefill_threshold_0_and_the_models_own_tokenizer_are_accepted(tmp_path):
+def test_long_prefill_threshold_0_is_accepted(tmp_path):
     from splitserve.deploy.cli import build_parser, serve_config
 
     model = str(tmp_path)
     plain = serve_config(build_parser().parse_args(["serve", model]))
-    assert serve_config(build_parser().parse_args(["serve", model, "--long-prefill-token-threshold", "0",
-                                                   "--tokenizer", f"{model}/."])) == plain
+    assert serve_config(build_parser().parse_args(["serve", model, "--long-prefill-token-threshold", "0"])) == plain
 
 
-def test_another_tokenizer_is_refused_saying_why(tmp_path):
+def test_tokenizer_flag_sets_the_clusters_tokenizer_dir(tmp_path):
     from splitserve.deploy.cli import build_parser, serve_config
 
-    with pytest.raises(ValueError) as caught:
-        serve_config(build_parser().parse_args(["serve", str(tmp_path / "model"), "--tokenizer", str(tmp_path / "tok")]))
-    assert str(caught.value) == (f"--tokenizer {str(tmp_path / 'tok')!r}: a tokenizer other than the model directory's "
-                                 "is not supported: the router and the workers read it from the model directory (put "
-                                 "its files there)")
+    model, tokenizer = str(tmp_path / "model"), str(tmp_path / "tok")
+    assert (serve_config(build_parser().parse_args(["serve", model])).tokenizer,
+            serve_config(build_parser().parse_args(["serve", model, "--tokenizer", tokenizer])).tokenizer) == (
+        None, tokenizer)

@@ -28,7 +28,7 @@ from splitserve.deploy.cluster_config import (
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "deploy" / "configs" / "local.yaml"
 ROOT_KEYS = ("decode, kv_transfer_backend, kv_transfer_failure_policy, kv_transfer_layerwise, log_format, lora_modules, "
-             "mode, model, planner, prefill, ray_address, router, served_model_name, worker_start_timeout_s")
+             "mode, model, planner, prefill, ray_address, router, served_model_name, tokenizer, worker_start_timeout_s")
 POOL_KEYS = "engine, max_restarts, replicas, resources, transfer_poll_s"
 
 

@@ -43,6 +43,33 @@ def test_without_the_flag_there_is_no_request_id_header(tiny_llama_dir):
     assert (status, _header(headers, "X-Request-Id")) == (200, None)
 
 
+@pytest.mark.parametrize("enable_request_id_headers", [True, False])
+def test_the_request_id_header_is_the_completions_id_as_vllm(tiny_llama_dir, enable_request_id_headers):
+    """vLLM's _base_request_id: X-Request-Id, over the body's request_id, is the id of a completion
+    (`cmpl-<id>`) and of a chat completion (`chatcmpl-<id>`), with or without the flag; without the header
+    the body's request_id is."""
+    chat = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1,
+                       "request_id": "from-body"}).encode()
+    body_only = json.dumps({"model": MODEL, "prompt": "Hello", "max_tokens": 1, "request_id": "from-body"}).encode()
+    options = {"enable_request_id_headers": enable_request_id_headers}
+    with served_apis(tiny_llama_dir, MODEL, router_options=options) as served:
+        completion = http_request(served.http_port, "POST", "/v1/completions", COMPLETION,
+                                  headers={"X-Request-Id": "trace-42"})
+        chatted = http_request(served.http_port, "POST", "/v1/chat/completions", chat,
+                               headers={"X-Request-Id": "trace-43"})
+        from_body = http_request(served.http_port, "POST", "/v1/completions", body_only)
+    assert [(status, json.loads(answer)["id"]) for status, _, answer in (completion, chatted, from_body)] == [
+        (200, "cmpl-trace-42"), (200, "chatcmpl-trace-43"), (200, "cmpl-from-body")]
+
+
+def test_a_request_id_header_no_request_id_could_be_is_a_400_naming_it(tiny_llama_dir):
+    with served_apis(tiny_llama_dir, MODEL) as served:
+        status, _, answer = http_request(served.http_port, "POST", "/v1/completions", COMPLETION,
+                                         headers={"X-Request-Id": "two words"})
+    assert (status, json.loads(answer)["error"]["param"], json.loads(answer)["error"]["message"]) == (
+        400, "X-Request-Id", "X-Request-Id: must be printable ASCII without spaces (0x21-0x7E), got \"two words\"")
+
+
 def test_request_id_headers_flag_sets_the_config_key():
     assert (_config().router.enable_request_id_headers,
             _config("--enable-request-id-headers").router.http_options.request_id_headers) == (False, True)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.factories import model_without_tokenizer
 from splitserve.common.config import GenerationConfig, SamplingDefaults
 from splitserve.deploy.cli import REASONING_PARSER_NAMES, TOOL_CALL_PARSER_NAMES, build_parser, human_int, main as cli_main, serve_config
 from splitserve.deploy.cluster_config import DEFAULT_DECODE_ENGINE, DEFAULT_PREFILL_ENGINE
@@ -232,6 +233,19 @@ def test_a_config_that_passes_the_checks_reaches_the_launch_and_only_then(tiny_l
 @pytest.fixture()
 def model_copy(tiny_llama_dir, tmp_path) -> Path:
     return Path(shutil.copytree(tiny_llama_dir, tmp_path / "model"))
+
+
+def test_a_model_without_tokenizer_files_serves_with_a_tokenizer_dir(tiny_llama_dir, tmp_path):
+    model = model_without_tokenizer(tiny_llama_dir, tmp_path / "model")
+    outcome, _ = run_serve(str(model), "--tokenizer", str(tiny_llama_dir), "--port", "0", "--grpc-port", "0",
+                           "--metrics-port", "0")
+    assert outcome == {"code": 0, "launched": [str(model)], "ray": False, "torch": False}
+
+
+def test_a_missing_tokenizer_dir_names_the_flag(tiny_llama_dir, tmp_path):
+    missing = str(tmp_path / "nowhere")
+    assert_fails_fast([str(tiny_llama_dir), "--tokenizer", missing],
+                      f"--tokenizer {missing!r}: no such tokenizer directory")
 
 
 def test_unsupported_architecture(model_copy):

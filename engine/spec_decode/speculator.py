@@ -88,16 +88,18 @@ class Speculator:
                                tuple(self._num_accepted_per_pos))
 
 
-def build_proposer(config: SpeculativeConfig, target_dir: Path, target_vocab_size: int, num_blocks: int,
+def build_proposer(config: SpeculativeConfig, target_tokenizer_dir: Path, target_vocab_size: int, num_blocks: int,
                    block_size: int, dtype: torch.dtype, device: torch.device, attention: AttentionBackend,
                    layer_ops: LayerOps) -> Proposer:
     """The configured proposer; a draft model is loaded in the target's dtype on its device, its weights
     as its own checkpoint says (a GPTQ / AWQ draft; the target's `quantization` is about the target),
-    with as many KV blocks as the target's pool (a draft block is smaller than a target block)."""
+    with as many KV blocks as the target's pool (a draft block is smaller than a target block).
+    `target_tokenizer_dir`: where the target's tokenizer.json is (its --tokenizer directory, else its own), which
+    the draft's must equal."""
     if config.method == "ngram":
         return NgramProposer(config.ngram_min, config.ngram_max)
     draft_dir = resolve_model_path(config.draft_model)
-    check_same_tokenizer(target_dir, draft_dir)
+    check_same_tokenizer(target_tokenizer_dir, draft_dir)
     quantization = checkpoint_quantization(getattr(load_hf_config(draft_dir), "quantization_config", None))
     model = load_model(draft_dir, dtype, device, attention, False, layer_ops, quantization)
     return DraftModelProposer(model, num_blocks, block_size, dtype, device, attention, target_vocab_size)
