@@ -137,7 +137,7 @@ def test_include_stop_str_in_output_keeps_the_stop_string(served, stream):
     ({"bad_words": [""]}, "bad_words", "must be non-empty strings"),
     ({"bad_words": "river"}, "bad_words", "must be a list of strings, got 'river'"),
     ({"bad_words": [f"w{i}" for i in range(129)]}, "bad_words", "must hold at most 128 entries, got 129"),
-    ({"include_stop_str_in_output": 1}, "include_stop_str_in_output", "must be a boolean, got 1"),
+    ({"include_stop_str_in_output": 2}, "include_stop_str_in_output", "must be a boolean, got 2"),
 ])
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_bad_logit_controls_are_400_naming_the_field(served, path, fields, param, message):
