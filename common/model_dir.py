@@ -192,10 +192,12 @@ def check_tokenizer_option(tokenizer: str | Path) -> None:
 
 
 def check_tokenizer_vocabulary(tokenizer_vocab_size: int, tokenizer_dir: Path, model_dir: Path) -> None:
-    """UnsupportedModelError when the tokenizer (added tokens included) has more ids than the model's
-    embedding (config.json `vocab_size`): its highest ids would index past the embedding. vLLM refuses
-    such ids per request ("Token id N is out of vocabulary"); splitserve refuses the pair at start.
-    A smaller tokenizer is fine (embeddings padded past the tokenizer's ids, as Qwen2's)."""
+    """UnsupportedModelError when a --tokenizer given beside a model (added tokens included) has more ids
+    than the model's embedding (config.json `vocab_size`): its highest ids would index past the embedding.
+    vLLM refuses such ids per request ("Token id N is out of vocabulary"); splitserve refuses the pair at
+    start. Only for --tokenizer: a checkpoint's own tokenizer is served as it ships (the engine refuses a
+    prompt id outside the embedding per request). A smaller tokenizer is fine (embeddings padded past the
+    tokenizer's ids, as Qwen2's)."""
     model_vocab_size = read_model_config(model_dir).get("vocab_size")
     if not isinstance(model_vocab_size, int) or tokenizer_vocab_size <= model_vocab_size:
         return

@@ -218,7 +218,8 @@ class LLM:
             check_tokenizer_option(tokenizer)
         files = tokenizer_dir(model, tokenizer)
         self.tokenizer = load_tokenizer(files)
-        check_tokenizer_vocabulary(len(self.tokenizer), files, model)
+        if tokenizer is not None:
+            check_tokenizer_vocabulary(len(self.tokenizer), files, model)
         self.engine = EngineCore(model, EngineConfig(**engine_config), self.tokenizer.backend_tokenizer,
                                  show_progress, files)
         self._counter = 0

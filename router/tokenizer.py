@@ -542,7 +542,7 @@ class RouterTokenizer:
         except Exception as error:  # tokenizers raises plain Exception for a malformed file
             label = "" if tokenizer is None else f"{tokenizer_option_label(tokenizer)}: "
             raise UnsupportedModelError(f"{label}{files / TOKENIZER_FILE}: not a tokenizer file: {error}") from None
-        if (model_dir / MODEL_CONFIG_FILE).is_file():  # a tokenizer-only folder (tests) has no embedding to check
+        if tokenizer is not None and (model_dir / MODEL_CONFIG_FILE).is_file():
             check_tokenizer_vocabulary(backend.get_vocab_size(with_added_tokens=True), files, model_dir)
         backend.encode_special_tokens = bool(config.get("split_special_tokens", False))
         special_tokens = _named_special_tokens(config, _read_json(files / "special_tokens_map.json"))

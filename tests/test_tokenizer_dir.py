@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -133,6 +135,10 @@ def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused(split_model, t
     with pytest.raises(UnsupportedModelError) as from_llm:
         LLM(model_dir, tokenizer=larger, device="cpu")
     assert str(from_check.value) == str(from_llm.value) == expected
+    for name in os.listdir(larger):  # the same tokenizer shipped in the model's own directory is served as it is
+        shutil.copy(larger / name, model_dir / name)
+    check_model(str(model_dir), None)
+    assert len(RouterTokenizer.from_model_dir(model_dir).backend.get_vocab()) == 600
 
 
 def test_the_model_dir_is_checked_with_the_tokenizer_dir(split_model):
