@@ -284,7 +284,7 @@ class LLM:
              chat_template_content_format: ChatTemplateContentFormat = "auto", add_generation_prompt: bool = True,
              continue_final_message: bool = False, tools: list[dict[str, Any]] | None = None,
              chat_template_kwargs: dict[str, Any] | None = None,
-             mm_processor_kwargs: None = None) -> list[RequestOutput]:
+             mm_processor_kwargs: None = None, priority: Sequence[int] | None = None) -> list[RequestOutput]:
         """One conversation (a list of message dicts) or a list of conversations through the chat template;
         one output per conversation, in order, as vLLM's `LLM.chat`, with its arguments and defaults:
         `chat_template` (a Jinja template string used instead of the tokenizer's), `add_generation_prompt`,
@@ -293,7 +293,8 @@ class LLM:
         `chat_template_content_format`: how content reaches the template, as in vLLM: "string" (a list of
         text parts joined with newlines), "openai" (every content a list of {"type": "text", "text": ...}
         parts), or "auto" ("openai" when the template loops over a message's content, else "string").
-        `lora_request`: as generate()'s (one adapter, or one per conversation). `mm_processor_kwargs` is
+        `lora_request`: as generate()'s (one adapter, or one per conversation). `priority`: as generate()'s,
+        one integer per conversation (vLLM's LLM.chat has none; its generate does). `mm_processor_kwargs` is
         accepted as None only (text-only models). Every conversation is rendered before any is queued."""
         _refuse_given("mm_processor_kwargs", mm_processor_kwargs, "models here are text-only")
         options = ChatOptions(chat_template, add_generation_prompt, continue_final_message, tools,
@@ -307,43 +308,47 @@ class LLM:
         else:
             prompts = [self._chat_prompt(conversation, options, content_format, f"messages[{index}]")
                        for index, conversation in enumerate(messages)]
-        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request, priority)
 
     def beam_search(self, prompts: Sequence[Prompt], params: BeamSearchParams,
-                    lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[BeamSearchOutput]:
+                    lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+                    priority: Sequence[int] | None = None) -> list[BeamSearchOutput]:
         """vLLM's `LLM.beam_search`, over the same core as the server's use_beam_search (common/beam_search.py):
         each step runs every live beam of every prompt as one generate() batch (one token, 2 x beam_width
         logprobs; the prefix cache holds the shared prefixes). A beam's tokens keep the EOS that completed it
         and its text is the prompt's and the beam's tokens decoded, as vLLM's offline beams are (so
         include_stop_str_in_output changes nothing here). A step's candidates are ranked by cumulative logprob,
         as vLLM's server does; vLLM's offline LLM ranks them by the length-penalised score, which orders them
-        differently only under ignore_eos, when a candidate is EOS. `lora_request`: as generate()'s."""
+        differently only under ignore_eos, when a candidate is EOS. `lora_request`: as generate()'s.
+        `priority`: as generate()'s, one integer per prompt, which every step's beams of that prompt run with."""
         if not isinstance(params, BeamSearchParams):
             raise InvalidRequestError("params", f"must be a BeamSearchParams, got {type(params).__name__}")
         params.check_logprobs_limit(MAX_LOGPROBS, self.engine.vocab_size)  # vLLM's default --max-logprobs
         resolved = [self._resolve(prompt) for prompt in _prompt_list(prompts)]
         loras = _broadcast_lora_requests(lora_request, len(resolved))
+        priorities = _priorities(priority, len(resolved))
         kept_eos = replace(params, include_stop_str_in_output=True)
         searches = [start(replace(kept_eos, max_tokens=min(params.max_tokens, self._room(p))), p.token_ids,
                           self.tokenizer.eos_token_id) for p in resolved]
         while not all(search.done for search in searches):
-            searches = self._beam_step(searches, resolved, loras)
+            searches = self._beam_step(searches, resolved, loras, priorities)
         return [BeamSearchOutput([self._beam_sequence(search, beam) for beam in search.best()]) for search in searches]
 
     def _room(self, prompt: PromptInput) -> int:
         """Output tokens the context leaves a prompt (at least one, or generate() refuses the prompt)."""
         return max(self.engine.max_model_len - len(prompt.token_ids), 1)
 
-    def _beam_step(self, searches: list[BeamSearch], prompts: list[PromptInput],
-                   loras: list[LoRARequest | None]) -> list[BeamSearch]:
+    def _beam_step(self, searches: list[BeamSearch], prompts: list[PromptInput], loras: list[LoRARequest | None],
+                   priorities: list[int]) -> list[BeamSearch]:
         """Every unfinished search one step on, all their beams in one generate() call (each beam with its
-        prompt's adapter)."""
+        prompt's adapter and priority)."""
         live = [(index, search) for index, search in enumerate(searches) if not search.done]
         beams = [(index, tokens) for index, search in live for tokens in search.step_prompts()]
         batch = [{"prompt_token_ids": list(tokens), **_salt(prompts[index])} for index, tokens in beams]
         step = SamplingParams(max_tokens=1, temperature=live[0][1].params.temperature,
                               logprobs=live[0][1].params.num_logprobs)
-        outputs = iter(self.generate(batch, step, lora_request=[loras[index] for index, _ in beams]))
+        outputs = iter(self.generate(batch, step, lora_request=[loras[index] for index, _ in beams],
+                                     priority=[priorities[index] for index, _ in beams]))
         stepped = list(searches)
         for index, search in live:
             stepped[index] = search.step([_candidates(next(outputs)) for _ in search.beams])

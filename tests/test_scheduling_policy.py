@@ -8,7 +8,7 @@ from tokenizers import Tokenizer
 
 from tests.factories import assert_pool_idle, hf_greedy
 from splitserve.common.errors import InvalidRequestError
-from splitserve.engine import LLM, EngineConfig, EngineCore, SamplingParams
+from splitserve.engine import LLM, BeamSearchParams, EngineConfig, EngineCore, SamplingParams
 from splitserve.testing.workloads import GreedyCase
 
 LOW = list(range(40, 80))
@@ -84,6 +84,33 @@ def test_llm_generate_takes_one_priority_per_prompt(tiny_llama_dir, expected):
     assert_pool_idle(llm.engine.block_manager)
 
 
+def test_llm_chat_and_beam_search_take_one_priority_per_prompt(tiny_llama_dir, monkeypatch):
+    """chat() passes one priority per conversation, beam_search() its prompt's to every beam of every step;
+    outputs are those of the same calls without priorities, and a list of the wrong length is refused."""
+    llm = LLM(tiny_llama_dir, scheduling_policy="priority")
+    hello = [{"role": "user", "content": "hello"}]
+    mill = [{"role": "user", "content": "Tell me about the old mill."}]
+    beams = BeamSearchParams(2, 2, ignore_eos=True)
+    plain_chat, plain_beams = llm.chat([hello, mill], greedy(4)), llm.beam_search([LOW[:5], HIGH[:5]], beams)
+    queued = []
+    add_request = llm.engine.add_request
+    monkeypatch.setattr(llm.engine, "add_request", lambda *args, priority, **kwargs: (
+        queued.append(priority), add_request(*args, priority=priority, **kwargs)))
+    chat = llm.chat([hello, mill], greedy(4), priority=[3, -2])
+    assert [o.outputs[0].token_ids for o in chat] == [o.outputs[0].token_ids for o in plain_chat]
+    assert queued == [3, -2]
+    queued.clear()
+    assert llm.beam_search([LOW[:5], HIGH[:5]], beams, priority=[5, -1]) == plain_beams
+    # step 1: each prompt's one beam; step 2: each prompt's two beams (prompt order)
+    assert queued == [5, -1, 5, 5, -1, -1]
+    for call in (lambda: llm.chat([hello, mill], greedy(4), priority=[0]),
+                 lambda: llm.beam_search([LOW[:5], HIGH[:5]], beams, priority=[0])):
+        with pytest.raises(InvalidRequestError) as error:
+            call()
+        assert str(error.value) == "priority: got 1 for 2 prompts"
+    assert_pool_idle(llm.engine.block_manager)
+
+
 def test_fcfs_refuses_a_priority_other_than_zero_naming_the_field(tiny_llama_dir):
     llm = LLM(tiny_llama_dir, **TIGHT_POOL)
     assert llm.engine.config.scheduling_policy == "fcfs"
@@ -92,6 +119,12 @@ def test_fcfs_refuses_a_priority_other_than_zero_naming_the_field(tiny_llama_dir
         llm.generate([LOW, HIGH], greedy(), priority=[0, 1])
     assert str(error.value) == ("priority: is 1, but priority scheduling is not enabled: the scheduling policy is "
                                 "'fcfs' (set scheduling_policy, --scheduling-policy, to 'priority')")
+    conversation = [{"role": "user", "content": "hello"}]
+    for call in (lambda: llm.chat([conversation, conversation], greedy(), priority=[0, 1]),
+                 lambda: llm.beam_search([LOW, HIGH], BeamSearchParams(2, 2), priority=[0, 1])):
+        with pytest.raises(InvalidRequestError) as same_error:
+            call()
+        assert str(same_error.value) == str(error.value)
     assert not llm.engine.has_unfinished_requests()
     with pytest.raises(ValueError, match=r"scheduling_policy must be one of \('fcfs', 'priority'\), got 'lifo'"):
         EngineConfig(scheduling_policy="lifo")
