@@ -118,6 +118,9 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
                             "and a profiling step leave of it (no effect on CPU; the two flags above win over it)")
     group.add_argument("--quantization", "-q", default="auto", choices=QUANTIZATION_METHODS,
                        help="weight-only quantization (docs/quantization.md)")
+    group.add_argument("--tokenizer", default=None, metavar="DIR",
+                       help="the tokenizer directory when it is not the model's (as serve's --tokenizer; "
+                            "vLLM's); EOS ids still come from the model's generation_config.json")
 
 
 def _add_quantize(commands: argparse._SubParsersAction) -> None:
@@ -223,8 +226,9 @@ def _generate_offline(args: argparse.Namespace) -> int:
 
     params = _sampling_params(args)
     model_dir = resolve_model_path(args.model or DEFAULT_MODEL_NAME)
-    check_tokenizer_files(model_dir)  # names the missing file, where transformers would ask for sentencepiece
-    llm = LLM(model_dir, show_progress=sys.stderr.isatty(), block_size=args.block_size,
+    if args.tokenizer is None:  # LLM checks a --tokenizer directory itself, naming the flag
+        check_tokenizer_files(model_dir)  # names the missing file, where transformers would ask for sentencepiece
+    llm = LLM(model_dir, tokenizer=args.tokenizer, show_progress=sys.stderr.isatty(), block_size=args.block_size,
               max_model_len=args.max_model_len, dtype=args.dtype, device=args.device,
               kv_cache_memory_bytes=args.kv_cache_memory_bytes, num_kv_blocks=args.num_kv_blocks,
               gpu_memory_utilization=args.gpu_memory_utilization, quantization=args.quantization)

@@ -17,6 +17,7 @@ from tests.factories import (hf_greedy, http_request, make_draft_model_dir, mode
                              served_apis)
 from splitserve.common.config import EngineConfig, SpeculativeConfig
 from splitserve.common.errors import UnsupportedModelError
+from splitserve.deploy.cli import main as cli_main
 from splitserve.deploy.cluster_config import ClusterConfigError, default_cluster_config
 from splitserve.deploy.preflight import check_model
 from splitserve.engine import LLM, EngineCore, SamplingParams
@@ -54,6 +55,21 @@ def test_llm_tokenizes_with_the_tokenizer_dir(split_model):
     expected = hf_greedy(model_dir, GreedyCase(tuple(prompt), 8, True))
     assert (list(output.prompt_token_ids), list(output.outputs[0].token_ids)) == (prompt, expected)
     assert output.outputs[0].text == hf_tokenizer.decode(expected)
+
+
+def test_offline_generate_command_takes_the_tokenizer_dir(split_model, capsys):
+    """`splitserve generate --tokenizer DIR` reaches LLM(tokenizer=DIR): the text is the tokenizer dir's decoding
+    of transformers' greedy ids; without the flag the model directory's missing tokenizer.json is the error."""
+    model_dir, tokenizer_dir = split_model
+    hf_tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    expected = hf_greedy(model_dir, GreedyCase(tuple(hf_tokenizer(PROMPT)["input_ids"]), 8, True))
+    argv = ["generate", "--model", str(model_dir), "--dtype", "float32", "--device", "cpu", "--temperature", "0",
+            "--max-tokens", "8", "--ignore-eos", PROMPT]
+    assert cli_main([*argv, "--tokenizer", str(tokenizer_dir)]) == 0
+    assert capsys.readouterr().out == hf_tokenizer.decode(expected) + "\n"
+    assert cli_main(argv) == 2
+    assert capsys.readouterr().err == (f"splitserve: error: {model_dir}: missing tokenizer.json (splitserve reads the "
+                                       "fast tokenizer file only); it has no tokenizer files at all\n")
 
 
 def test_llm_without_tokenizer_files_and_no_tokenizer_dir_says_so(split_model):
