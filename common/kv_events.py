@@ -56,6 +56,20 @@ class KVSnapshot:
 
 
 @dataclass(frozen=True)
+class LoraLoad:
+    """The LoRA adapters a worker's unfinished requests run with (what vLLM's lora_requests_info gauge reports).
+
+    Invariant: each tuple is sorted and without repeats; the base model (no adapter) is never named."""
+
+    max_loras: int
+    """The engine's max_loras: the most distinct adapters one running batch holds."""
+    running: tuple[str, ...]
+    """Adapter names of the running requests."""
+    waiting: tuple[str, ...]
+    """Adapter names of the requests admitted but not running (an adapter may be in both)."""
+
+
+@dataclass(frozen=True)
 class LoadReport:
     """A worker's load, as its engine sees it."""
 
@@ -72,6 +86,8 @@ class LoadReport:
     the engine has run one."""
     decode_step_s: float | None
     """Recent duration of a step with decodes only (moving average); None until one ran."""
+    lora: LoraLoad | None = None
+    """The adapters in use; None when LoRA is not enabled on the worker."""
 
     @property
     def kv_usage(self) -> float:

@@ -103,6 +103,10 @@ KV_CACHE_BYTES_PER_TOKEN = _gauge("kv_cache_bytes_per_token", "Bytes of one toke
                                   "layers, keys and values, a quantized pool's scales included).", WORKER_LABELS)
 KV_CACHE_DTYPE_INFO = _gauge("kv_cache_dtype_info", "1 per worker, labelled with what its KV pool stores: float32, "
                              "bfloat16, or int8 / fp8_e4m3 codes.", (*WORKER_LABELS, "kv_cache_dtype"))
+LORA_REQUESTS_INFO = _gauge(
+    "lora_requests_info", "1 per worker with LoRA enabled (vLLM's lora_requests_info), labelled with the adapters of "
+    "its running and of its waiting requests (names sorted, comma-joined; empty: none) and its max_loras.",
+    (*WORKER_LABELS, "running_lora_adapters", "waiting_lora_adapters", "max_lora"))
 WORKER_UP = _gauge("worker_up", "1 while the worker answers the router's report polls, else 0.", WORKER_LABELS)
 
 # ---- per request (measured at the router) -------------------------------------------------

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Protocol
@@ -15,7 +15,7 @@ from splitserve.common.block_hash import BlockHasher, check_cache_salt
 from splitserve.common.config import EngineConfig, check_priority
 from splitserve.common.errors import InvalidRequestError, UnsupportedModelError
 from splitserve.common.generation_config import GenerationConfigFile
-from splitserve.common.kv_events import KVEventBatch, KVSnapshot, LoadReport
+from splitserve.common.kv_events import KVEventBatch, KVSnapshot, LoadReport, LoraLoad
 from splitserve.common.lora import LoRARequest, check_lora_request
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.stats import EngineStats
@@ -683,7 +683,17 @@ class EngineCore:
             num_running=len(self.scheduler.running), num_waiting=len(requests) - len(self.scheduler.running),
             num_queued_prefill_tokens=sum(_queued_prefill_tokens(r) for r in requests),
             num_kv_blocks=self.block_manager.num_blocks, num_free_kv_blocks=self.block_manager.num_free_blocks,
-            prefill_s_per_token=self._step_costs.prefill_s_per_token, decode_step_s=self._step_costs.decode_step_s)
+            prefill_s_per_token=self._step_costs.prefill_s_per_token, decode_step_s=self._step_costs.decode_step_s,
+            lora=self._lora_load())
+
+    def _lora_load(self) -> LoraLoad | None:
+        """The adapters of the running and of the waiting requests (waiting: as load_report counts them, every
+        unfinished request not running); None without enable_lora."""
+        if self.lora is None:
+            return None
+        running_ids = {request.request_id for request in self.scheduler.running}
+        waiting = (r for r in self.scheduler.requests.values() if r.request_id not in running_ids)
+        return LoraLoad(self.config.max_loras, _adapter_names(self.scheduler.running), _adapter_names(waiting))
 
     def stats(self) -> EngineStats:
         scheduler = self.scheduler
@@ -724,6 +734,11 @@ def _prompt_logprobs(request: Request, token_ids: tuple[int, ...]) -> tuple[Toke
     if request.sampling_params.prompt_logprobs is None or not first_output:
         return None
     return tuple(request.prompt_logprobs)
+
+
+def _adapter_names(requests: Iterable[Request]) -> tuple[str, ...]:
+    """The distinct LoRA adapters of `requests`, sorted (base-model requests name none)."""
+    return tuple(sorted({request.lora_name for request in requests if request.lora_name is not None}))
 
 
 def _queued_prefill_tokens(request: Request) -> int:

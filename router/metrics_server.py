@@ -62,7 +62,7 @@ _WORKER_COUNTERS = ((m.PREFIX_CACHE_QUERIES, attrgetter("prefix_cache_queries"))
 """Per-worker counters and how each is read from WorkerCounters."""
 SCRAPED = (*(d for d, _ in _WORKER_GAUGES), *(d for d, _ in _WORKER_COUNTERS), m.KV_LEASES_EXPIRED, m.WORKER_UP,
            m.SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POS,
-           m.KV_CACHE_BYTES_PER_TOKEN, m.KV_CACHE_DTYPE_INFO,
+           m.KV_CACHE_BYTES_PER_TOKEN, m.KV_CACHE_DTYPE_INFO, m.LORA_REQUESTS_INFO,
            m.ROUTING_DECISIONS, m.ADMISSION_REJECTIONS, m.EVENT_LOOP_LAG, m.PLANNER_REPLICAS, m.PLANNER_TARGET_REPLICAS,
            m.PLANNER_PREDICTED_SECONDS, m.PLANNER_DECISIONS, m.PLANNER_FAILED_STARTS, m.PLANNER_DEVICE_SECONDS)
 """Definitions read at scrape time; every other one is a live collector fed by observe()."""
@@ -261,9 +261,19 @@ def _worker_families(workers: Sequence[WorkerSnapshot]) -> Iterator[Metric]:
     yield _family(m.SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POS,
                   ((w.worker_id, w.role, str(position), count) for w in reporting
                    for position, count in enumerate(w.counters.spec_decode_num_accepted_tokens_per_pos)))
+    yield _family(m.LORA_REQUESTS_INFO, _lora_samples(reporting))
     known = [w for w in workers if w.layout is not None]
     yield _family(m.KV_CACHE_BYTES_PER_TOKEN, ((w.worker_id, w.role, w.layout.bytes_per_token) for w in known))
     yield _family(m.KV_CACHE_DTYPE_INFO, ((w.worker_id, w.role, w.layout.kv_cache_dtype, 1) for w in known))
+
+
+def _lora_samples(reporting: Sequence[WorkerSnapshot]) -> Iterator[tuple[str, str, str, str, str, int]]:
+    """lora_requests_info's (worker, role, running adapters, waiting adapters, max_lora, 1) of each worker with
+    LoRA enabled, adapter names comma-joined as vLLM joins them."""
+    for worker in reporting:
+        lora = worker.load.lora
+        if lora is not None:
+            yield worker.worker_id, worker.role, ",".join(lora.running), ",".join(lora.waiting), str(lora.max_loras), 1
 
 
 def _routing_families(routing: RoutingStats) -> Iterator[Metric]:

@@ -12,6 +12,7 @@ import pytest
 from splitserve.common.block_hash import BlockHasher, adapter_root, hash_block, root_hash, salted_root
 from splitserve.common.config import EngineConfig, SpeculativeConfig
 from splitserve.common.errors import InvalidRequestError, UnsupportedModelError
+from splitserve.common.kv_events import LoraLoad
 from splitserve.common.lora import LoRARequest
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.engine_core import EngineCore
@@ -183,6 +184,23 @@ def test_engine_caches_each_adapters_prompt_apart(tiny_llama_dir, adapters):
     hasher = BlockHasher(16, seed=0)
     for name in (None, "all", "some"):
         assert set(hasher.hash_prefix(prompt, lora_name=name)) <= engine.block_manager.cached_block_hashes()
+
+
+def test_load_report_names_the_adapters_of_running_and_waiting_requests(tiny_llama_dir, adapters):
+    """max_loras=1: "all"'s first request runs; "some"'s waits at the head of the queue, the base request and
+    "all"'s second behind it (arrival order), so "all" is both running and waiting. What lora_requests_info
+    exports; an engine without enable_lora reports None."""
+    engine = EngineCore(tiny_llama_dir, EngineConfig(enable_lora=True, max_loras=1, **LORA_POOL))
+    for request_id, request in (("all-1", lora(adapters, "all", 1)), ("some", lora(adapters, "some", 2)),
+                                ("base", None), ("all-2", lora(adapters, "all", 1))):
+        engine.add_request(request_id, list(PROMPTS[0]), greedy(2), lora_request=request)
+    assert engine.load_report().lora == LoraLoad(max_loras=1, running=(), waiting=("all", "some"))
+    engine.step()
+    assert engine.load_report().lora == LoraLoad(max_loras=1, running=("all",), waiting=("all", "some"))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.load_report().lora == LoraLoad(max_loras=1, running=(), waiting=())
+    assert EngineCore(tiny_llama_dir, EngineConfig(**LORA_POOL)).load_report().lora is None
 
 
 # ---- the scheduler and residency -----------------------------------------------------------------------------

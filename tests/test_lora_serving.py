@@ -108,6 +108,44 @@ def test_adapters_keep_their_prefix_cache_blocks_apart(served):
     assert matched == {None: 2, "sql": 2, "poet": 2, "other": 0}
 
 
+def _lora_requests_info(served: Served) -> dict[str, tuple[str, str, str]]:
+    """lora_requests_info from GET /metrics: worker -> (running adapters, waiting adapters, max_lora), value 1."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    status, _, body = http_request(served.http_port, "GET", "/metrics")
+    assert status == 200
+    samples = [s for family in text_string_to_metric_families(body.decode()) for s in family.samples
+               if s.name == "splitserve_lora_requests_info"]
+    assert {s.value for s in samples} <= {1.0}
+    return {s.labels["worker"]: (s.labels["running_lora_adapters"], s.labels["waiting_lora_adapters"],
+                                 s.labels["max_lora"]) for s in samples}
+
+
+def _until(read, expected, timeout_s: float = 10.0):
+    """read() until it returns `expected` (the router's view trails the workers by a report poll) or time is up;
+    the last value read."""
+    deadline = time.monotonic() + timeout_s
+    while (value := read()) != expected and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return value
+
+
+def test_lora_requests_info_names_the_adapters_of_the_running_requests(served):
+    """Two long streams, under "sql" and "poet", decoding on the decode worker: its series names both (sorted,
+    comma-joined), none waiting, and its max_loras; once they ended, no adapter on either worker. Queued
+    requests' adapters (waiting_lora_adapters) are test_lora's LoraLoad test."""
+    streams = [served.client().completions.create(model=model, prompt=PROMPT, max_tokens=400, temperature=0,
+                                                  stream=True, extra_body={"ignore_eos": True})
+               for model in ("sql", "poet")]
+    for stream in streams:
+        next(iter(stream))  # prefilled: decoding from now on
+    running = _until(lambda: _lora_requests_info(served)["decode-0"], ("poet,sql", "", "2"))
+    for stream in streams:
+        list(stream)  # to the end
+    idle = {"prefill-0": ("", "", "2"), "decode-0": ("", "", "2")}
+    assert (running, _until(lambda: _lora_requests_info(served), idle)) == (("poet,sql", "", "2"), idle)
+
+
 def test_models_lists_the_adapters_with_the_model_as_parent(served, adapter_dirs):
     cards = served.client().models.list().data
     assert [(card.id, card.parent, card.root) for card in cards] == [

@@ -5,6 +5,7 @@ histogram counts, SLO/goodput counters and KV bytes, scraped over HTTP from the 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import inspect
 import re
 import types
@@ -15,7 +16,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from splitserve.common import metrics as m
-from splitserve.common.kv_events import WorkerCounters
+from splitserve.common.kv_events import LoraLoad, WorkerCounters
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.slo import SloConfig, SloOutcome
 from splitserve.common.stats import KVTransferRecord, LoopLagStats, PlannerStats, RoutingStats, WorkerSnapshot
@@ -142,8 +143,9 @@ def test_the_endpoint_serves_every_defined_metric_with_its_buckets(scripted):
         if definition.kind == m.HISTOGRAM:
             buckets = {float(dict(labels)["le"]) for name, labels in samples if name == definition.name + "_bucket"}
             assert buckets == {*definition.buckets, float("inf")}, definition.name
-        # No pull failed in this run, and no worker speculates: no series yet.
-        elif definition not in (m.KV_TRANSFER_FAILURES, m.SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POS):
+        # No pull failed in this run, no worker speculates, none has LoRA enabled: no series yet.
+        elif definition not in (m.KV_TRANSFER_FAILURES, m.SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POS,
+                                m.LORA_REQUESTS_INFO):
             assert definition.exposed_name in names, definition.name
 
 
@@ -391,6 +393,31 @@ def test_a_silent_worker_is_down_and_exports_nothing_else():
     assert _value(s, "splitserve_routing_decisions_total", reason="cache_hit") == 2
     assert _value(s, "splitserve_admission_rejections_total", reason="queue_full") == 4
     assert _value(s, "splitserve_slo_target_seconds", slo="ttft") is None  # no target configured
+
+
+def test_lora_requests_info_labels_each_lora_workers_adapters():
+    """vLLM's lora_requests_info per worker with LoRA enabled: names comma-joined (empty: none), max_lora as
+    text, value 1; a worker without LoRA exports none."""
+    counters = WorkerCounters(0, 0, 0, 0, 0, 0)
+    workers = (WorkerSnapshot("prefill-0", "prefill", dataclasses.replace(
+                   make_load_report(), lora=LoraLoad(2, running=("poet", "sql"), waiting=("sql",))), counters),
+               WorkerSnapshot("decode-0", "decode", dataclasses.replace(
+                   make_load_report(), lora=LoraLoad(2, running=(), waiting=())), counters),
+               WorkerSnapshot("decode-1", "decode", make_load_report(), counters))
+    metrics = RouterMetrics(SloConfig())
+
+    async def scrape():
+        metrics.watch(_Snapshots(workers, RoutingStats((), ()), LoopLagStats(m.LOOP_LAG_BUCKETS,
+                                                                            (0,) * len(m.LOOP_LAG_BUCKETS), 0, 0.0)))
+        return _samples(generate_latest(metrics.registry).decode())
+
+    info = {labels: value for (name, labels), value in asyncio.run(scrape()).items()
+            if name == "splitserve_lora_requests_info"}
+    assert info == {
+        frozenset(dict(worker="prefill-0", role="prefill", running_lora_adapters="poet,sql",
+                       waiting_lora_adapters="sql", max_lora="2").items()): 1,
+        frozenset(dict(worker="decode-0", role="decode", running_lora_adapters="", waiting_lora_adapters="",
+                       max_lora="2").items()): 1}
 
 
 def test_two_routers_in_one_process_keep_their_own_registries():
