@@ -205,10 +205,12 @@ def _queries_without_data(api: PrometheusApi) -> list[str]:
 
 
 def test_every_panel_query_returns_plausible_data(prometheus_bin, tiny_llama_dir, tmp_path):
-    # The planner runs (its panels need data) but may not change the pools: 1 to 1 workers each.
+    # The planner runs (its panels need data) but may not change the pools: 1 to 1 workers each. LoRA is on (no
+    # adapters: base-model requests) so the LoRA panel's workers report.
     config = tiny_cluster_config(tiny_llama_dir, prefill=1, decode=1, **{
         "router.metrics_port": 0, "router.slo.ttft_s": 30.0, "router.slo.tpot_s": 10.0, "planner.enabled": True,
-        "planner.tick_s": 0.5, "planner.prefill.max_replicas": 1, "planner.decode.max_replicas": 1})
+        "planner.tick_s": 0.5, "planner.prefill.max_replicas": 1, "planner.decode.max_replicas": 1,
+        "prefill.engine.enable_lora": True, "decode.engine.enable_lora": True})
     with running_cluster(config) as (cluster, _), \
             running_prometheus(prometheus_bin.server, _prometheus_config(cluster.metrics_port), tmp_path) as api:
         _wait_until(lambda: api.scalar('up{job="splitserve"}') == 1, 30, "the first scrape of the router")
