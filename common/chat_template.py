@@ -166,13 +166,15 @@ CHAT_ROLES = ("system", "user", "assistant", "tool", "developer", "function")
 
 QUOTED_ROLE_CHARS = 64
 """How much of a refused role its error message quotes."""
-_QUOTED_NAME = re.compile(r"""(["'])([A-Za-z_][A-Za-z0-9_-]{0,63})\1""")
+_QUOTED_NAME = re.compile(r"""(?=(["'])([A-Za-z_][A-Za-z0-9_-]{0,63})\1)""")
+"""A name between two like quotes, looked for at every position (a lookahead), so a quote closing one string
+and opening the next (`'a'developer'`) finds both, as a plain substring test does."""
 
 
 def quoted_names(template_source: str) -> frozenset[str]:
     """The names a chat template's source quotes (`message['role'] == 'ipython'`): the roles of its own
     it knows by name beyond CHAT_ROLES (Llama 3.1's `ipython`, GLM's `observation`), found as vLLM
-    finds the `developer` role (mentions_developer_role). Other quoted names come along; as roles
+    finds the `developer` role (its name quoted anywhere in the source). Other quoted names come along; as roles
     they are harmless, while a role with markup in it (`user<|im_end|>...`) can never be one."""
     return frozenset(match.group(2) for match in _QUOTED_NAME.finditer(template_source))
 
@@ -187,12 +189,6 @@ def check_roles(roles: Iterable[str], template_names: frozenset[str]) -> None:
                                       f"must be one of {', '.join(CHAT_ROLES)}, or a role the chat template names "
                                       f"(quoted in its source, as Llama 3.1's names 'ipython'); got "
                                       f"{quote_for_log(role, QUOTED_ROLE_CHARS)}")
-
-
-def mentions_developer_role(template_source: str) -> bool:
-    """Whether a chat template knows the `developer` role: vLLM's test, the role's name as a quoted
-    string anywhere in the template's source."""
-    return '"developer"' in template_source or "'developer'" in template_source
 
 
 def developer_as_system(messages: list[dict[str, Any]], content_format: ContentFormat) -> list[dict[str, Any]]:

@@ -38,8 +38,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 from splitserve.common.chat_template import (TEMPLATE_VARIABLES, ContentFormat, check_roles, check_template_kwargs,
-                                             content_parts, developer_as_system, mentions_developer_role,
-                                             quoted_names, resolve_content_format, template_content)
+                                             content_parts, developer_as_system, quoted_names,
+                                             resolve_content_format, template_content)
 from splitserve.common.errors import InvalidRequestError, UnsupportedModelError
 from splitserve.common.generation_config import MODEL_CONFIG_FILE, GenerationConfigFile
 from splitserve.common.model_dir import (TOKENIZER_FILE, check_tokenizer_files, check_tokenizer_option,
@@ -132,10 +132,14 @@ class CompiledChatTemplate:
     or `detected_format` for "auto"."""
     detected_format: ContentFormat
     """The format "auto" detects from the template (common.chat_template.content_format_of)."""
-    knows_developer_role: bool
-    """False: developer messages reach it as system messages (common.chat_template.developer_as_system)."""
     named_roles: frozenset[str]
     """The names its source quotes: the roles beyond CHAT_ROLES it is sent (common.chat_template.check_roles)."""
+
+    @property
+    def knows_developer_role(self) -> bool:
+        """False: developer messages reach it as system messages (common.chat_template.developer_as_system);
+        vLLM's test, the role's name quoted anywhere in the template's source (quoted_names)."""
+        return "developer" in self.named_roles
 
 
 def prepare_chat_template(source: str, content_format_option: str) -> CompiledChatTemplate:
@@ -147,8 +151,7 @@ def prepare_chat_template(source: str, content_format_option: str) -> CompiledCh
     # Read before compiling it: jinja's optimizer rewrites the tree it compiles.
     detected = resolve_content_format("auto", tree)
     chosen = detected if content_format_option == "auto" else resolve_content_format(content_format_option, tree)
-    return CompiledChatTemplate(env.from_string(tree), chosen, detected, mentions_developer_role(source),
-                                quoted_names(source))
+    return CompiledChatTemplate(env.from_string(tree), chosen, detected, quoted_names(source))
 
 
 REQUEST_TEMPLATE_CACHE_SIZE = 32
