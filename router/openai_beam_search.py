@@ -17,6 +17,7 @@ from typing import Any
 from splitserve.common.beam_search import BeamSearchParams
 from splitserve.common.errors import InvalidRequestError, json_excerpt
 from splitserve.common.sampling_params import SamplingParams
+from splitserve.router.openai_fields import asks_for_nothing
 
 _UNSET = (None,)
 _NO_PENALTY = (0, 0.0)
@@ -27,7 +28,7 @@ _COMMON_UNHONOURED = {
     "response_format": (None, {"type": "text"}), "structured_outputs": _UNSET, "guided_json": _UNSET,
     "guided_regex": _UNSET, "guided_choice": _UNSET, "guided_grammar": _UNSET,
 }
-"""Fields a beam search cannot honour, and the values that ask for nothing (type-exact, as Refused compares)."""
+"""Fields a beam search cannot honour, and the values that ask for nothing (openai_fields.asks_for_nothing)."""
 COMPLETION_UNHONOURED = {**_COMMON_UNHONOURED, "logprobs": _UNSET, "echo": (None, False)}
 CHAT_UNHONOURED = {**_COMMON_UNHONOURED, "logprobs": (None, False), "top_logprobs": _UNSET,
                    "tool_choice": (None, "none", "auto")}
@@ -47,7 +48,7 @@ def parse_beam_search(body: Mapping[str, Any], n: int, sampling: SamplingParams,
         return None
     for name, accepted in unhonoured.items():
         value = body.get(name)
-        if not any(value == ok and type(value) is type(ok) for ok in accepted):
+        if not asks_for_nothing(value, accepted):
             raise InvalidRequestError(name, f"cannot be combined with use_beam_search: the search ranks beams by the "
                                             f"raw model logprobs alone (got {json_excerpt(value)})")
     return BeamSearchParams(n, sampling.max_tokens, sampling.ignore_eos, sampling.temperature, length_penalty,

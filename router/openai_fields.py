@@ -44,6 +44,12 @@ CHAT_HANDLED = COMMON_HANDLED | {"messages", "echo", "top_logprobs", "max_comple
                                  "include_reasoning", "reasoning_effort"}
 
 
+def asks_for_nothing(value: Any, accepted: tuple[Any, ...]) -> bool:
+    """Whether `value` is one of `accepted` (a field's default and its equivalents), compared type-exact so
+    that true is not 1 and 0.0 is not 0 unless listed."""
+    return any(value == ok and type(value) is type(ok) for ok in accepted)
+
+
 @dataclass(frozen=True)
 class Refused:
     """A field this server does not implement: any value but `accepted` (and null, unless `non_null`) is a 400."""
@@ -61,7 +67,7 @@ class Refused:
         value = body.get(self.name)
         if value is None and self.non_null is not None and self.name in body:
             raise InvalidRequestError(self.name, f"must be {self.non_null}, got null")
-        if value is None or any(value == ok and type(value) is type(ok) for ok in self.accepted):
+        if value is None or asks_for_nothing(value, self.accepted):
             return
         raise InvalidRequestError(self.name, f"is not supported by this server: {self.reason} (got "
                                              f"{json_excerpt(value)})")
