@@ -194,7 +194,7 @@ class ModelRunner:
         (never a captured graph: it takes one-token decodes only), every token's for one scoring its
         prompt. on_layer(l) runs after layer l of the forward (eager steps only: a step with a hook is
         never replayed from a graph)."""
-        lora_rows = adapter_rows(output)
+        lora_rows = self._lora_rows(output)
         if on_layer is None and not lora_rows and self.graphs is not None and self.graphs.can_run(output):
             return self.graphs.execute(output)
         model_input = self.inputs.build(output)
@@ -206,9 +206,14 @@ class ModelRunner:
     def execute_all_positions(self, output: SchedulerOutput) -> torch.Tensor:
         """Logits [T, vocab] (float32) of every scheduled token in batch order, not only the sampling rows:
         what scoring a prompt needs."""
-        with self._adapters(adapter_rows(output)):
+        with self._adapters(self._lora_rows(output)):
             hidden = self._forward(self.inputs.build(output))
         return self.model.compute_logits(hidden).float()
+
+    def _lora_rows(self, output: SchedulerOutput) -> dict[str, list[int]]:
+        """adapter_rows, read only by an engine with enable_lora (without it no chunk names an adapter): the
+        step's hot path stays free of the walk over its chunks."""
+        return {} if self.lora is None else adapter_rows(output)
 
     @contextmanager
     def _adapters(self, rows_by_name: dict[str, list[int]]) -> Iterator[None]:
