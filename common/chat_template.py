@@ -26,31 +26,36 @@ TEMPLATE_VARIABLES = frozenset({"messages", "tools", "documents", "add_generatio
 """Variables every chat template is rendered with from the caller's own arguments (transformers'
 render_jinja_template), never from chat_template_kwargs."""
 
-TEXT_PART_KEYS = {"text": "text", "refusal": "refusal"}
-"""Content part types read as text, and the key holding it: an assistant message's `refusal` part
-(what the openai SDK sends back for a refused answer) is its text, as vLLM reads it."""
+TEXT_PART_KEYS = {"text": "text", "refusal": "refusal", "thinking": "thinking"}
+"""Content part types read as text, and the key holding it, as vLLM reads them: an assistant message's
+`refusal` part (what the openai SDK sends back for a refused answer) and a `thinking` part (what gateways
+translating Anthropic messages send) are their text."""
 
 
 def content_parts(value: Any, field: str) -> tuple[str, ...]:
     """The texts of a message's content as vLLM reads them: a string is one part, null none, a list
-    of text parts (OpenAI's [{"type": "text", "text": ...}], or "refusal") each part's text.
+    of text parts (a plain string, as LangChain sends a list content; OpenAI's {"type": "text", "text": ...};
+    "refusal" or "thinking") each part's text.
     InvalidRequestError naming `field` (or the part) for anything else: models here are text-only."""
     if value is None:
         return ()
     if isinstance(value, str):
         return (value,)
     if isinstance(value, list):
-        texts = []
-        for index, part in enumerate(value):
-            kind = part.get("type") if isinstance(part, dict) else None
-            key = TEXT_PART_KEYS.get(kind) if isinstance(kind, str) else None  # a JSON list or object: unhashable
-            if key is None or not isinstance(part.get(key), str):
-                raise InvalidRequestError(f"{field}[{index}]", "only {\"type\": \"text\", \"text\": ...} (or "
-                                                               "\"refusal\") content parts are supported, got "
-                                                               f"{part!r}")
-            texts.append(part[key])
-        return tuple(texts)
+        return tuple(_part_text(part, f"{field}[{index}]") for index, part in enumerate(value))
     raise InvalidRequestError(field, f"must be a string or a list of text parts, got {value!r}")
+
+
+def _part_text(part: Any, field: str) -> str:
+    """One content part's text (content_parts)."""
+    if isinstance(part, str):
+        return part
+    kind = part.get("type") if isinstance(part, dict) else None
+    key = TEXT_PART_KEYS.get(kind) if isinstance(kind, str) else None  # a JSON list or object: unhashable
+    if key is None or not isinstance(part.get(key), str):
+        raise InvalidRequestError(field, 'only text content parts are supported (a string, {"type": "text", '
+                                         f'"text": ...}}, "refusal" or "thinking"), got {part!r}')
+    return part[key]
 
 
 def joined_text(texts: tuple[str, ...]) -> str:

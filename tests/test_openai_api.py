@@ -352,6 +352,26 @@ def test_a_refusal_content_part_is_read_as_its_text():
     assert error.value.field == "messages[0].content[0]"
 
 
+def test_plain_string_and_thinking_content_parts_are_read_as_text(served):
+    """vLLM's request model takes a plain string as a content part (LangChain sends
+    `HumanMessage(content=["...", {...}])` so) and a `{"type": "thinking", "thinking"}` part (gateways
+    translating Anthropic messages send it), both read as text; they were a 400."""
+    client = served.client()
+
+    def chat(messages: list[dict]) -> openai.types.chat.ChatCompletion:
+        return client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, **GREEDY)
+
+    question = [{"role": "user", "content": "Tell me about\nthe river."}]
+    listed = [{"role": "user", "content": ["Tell me about", {"type": "text", "text": "the river."}]}]
+    answer = [{"role": "assistant", "content": "It runs.\nIt is long."}]
+    thinking = [{"role": "assistant", "content": [{"type": "thinking", "thinking": "It runs."}, "It is long."]}]
+    follow_up = [{"role": "user", "content": "And the mill?"}]
+    for plain, parts in ((question, listed), (question + answer + follow_up, listed + thinking + follow_up)):
+        expected, got = chat(plain), chat(parts)
+        assert got.usage.prompt_tokens == expected.usage.prompt_tokens
+        assert got.choices[0].message.content == expected.choices[0].message.content
+
+
 
 @pytest.mark.parametrize("part_type", [["text"], {"text": 1}])
 def test_a_content_part_whose_type_is_not_a_string_is_refused_naming_it(part_type):
@@ -360,7 +380,8 @@ def test_a_content_part_whose_type_is_not_a_string_is_refused_naming_it(part_typ
         parse_chat_request({"messages": [{"role": "user", "content": [{"type": part_type, "text": "x"}]}]},
                            make_request_limits())
     assert (error.value.field, error.value.message) == (
-        "messages[0].content[0]", 'only {"type": "text", "text": ...} (or "refusal") content parts are supported, '
+        "messages[0].content[0]", 'only text content parts are supported (a string, {"type": "text", "text": ...}, '
+                                  '"refusal" or "thinking"), '
                                   f"got {{'type': {part_type!r}, 'text': 'x'}}")
 
 def test_an_unknown_model_is_404_model_not_found(served):
