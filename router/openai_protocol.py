@@ -975,7 +975,9 @@ class ChatRenderer(_Renderer):
         if self.tool_output is not None:
             self._parsers[index] = self.tool_output.new_parser()
             parsed = parse_output(self._parsers[index], text)
-            if parsed.content or parsed.tool_calls:  # an output that is all reasoning keeps its null content
+            # The parser's content, "" for a forced choice cut short before its first call (as its stream and
+            # vLLM say); an output that is all reasoning keeps its null content.
+            if message["content"] is not None or parsed.tool_calls:
                 message["content"] = parsed.content
             if parsed.tool_calls:
                 message["tool_calls"] = [{"id": call.id, "type": "function",

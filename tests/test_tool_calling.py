@@ -12,6 +12,7 @@ import re
 import jsonschema
 import openai
 import pytest
+from openai.lib.streaming.chat import ChatCompletionStreamState
 from transformers import AutoTokenizer
 
 from splitserve.common.errors import InvalidRequestError
@@ -276,6 +277,24 @@ def test_required_tool_choice_returns_valid_calls(served, parallel):
         assert kind == "function"
         jsonschema.validate(arguments, SCHEMAS[name])
     assert (choice.message.content, choice.finish_reason) == ("", "tool_calls")
+
+
+@pytest.mark.parametrize(("cut", "finish_reason"), [({"max_tokens": 3}, "length"),
+                                                    ({"max_tokens": 40, "stop": ["ame"]}, "stop")])
+def test_required_tool_choice_cut_before_a_calls_name_has_empty_content(served, cut, finish_reason):
+    """An array cut short (max_tokens, a stop string) before its first call's name has no call and, as
+    the stream and vLLM say, empty content: the unstreamed message carried the array's start as content."""
+    request = dict(model=MODEL, messages=USER, tools=TOOLS, tool_choice="required", temperature=0.0, **cut)
+    whole = client(served).chat.completions.create(**request)
+    accumulated = ChatCompletionStreamState()  # the SDK's accumulation (its stream() refuses a "length" finish)
+    for chunk in client(served).chat.completions.create(stream=True, stream_options={"include_usage": True},
+                                                        **request):
+        accumulated.handle_chunk(chunk)
+    streamed = accumulated.current_completion_snapshot
+    assert whole.usage.completion_tokens == streamed.usage.completion_tokens >= 2
+    for response in (whole, streamed):
+        choice = response.choices[0]
+        assert (choice.message.content, choice.message.tool_calls, choice.finish_reason) == ("", None, finish_reason)
 
 
 FORCED_CALL = r'Checking\.\n<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "[a-z]{1,8}", ' \
