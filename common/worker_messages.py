@@ -52,6 +52,11 @@ class PrefillResult:
     prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None
     """With sampling_params.prompt_logprobs, where the prompt was computed (with the first token): one
     entry per prompt token, None for the first; None otherwise."""
+    error: str | None = None
+    """Set with invalid_field on an 'abort' the engine decided for the request's own fault (its grammar
+    refused the sampled token): the InvalidRequestError's text (the router answers INVALID_ARGUMENT)."""
+    invalid_field: str | None = None
+    """The field that error names."""
 
 
 @dataclass(frozen=True)

@@ -411,8 +411,11 @@ class DecodeWorker:
         if admitted_at is not None:  # the first delta with tokens; the pull is no queueing
             queue_s, compute_s = delta.queue_and_compute_s(admitted_at, time.monotonic())
             queue_s = queue_without_pull(queue_s, admitted_at, pull)
+        error = delta.error  # the engine ended it for the request's own fault: the router answers a request error
         return TokenDelta(delta.request_id, delta.new_token_ids, delta.new_logprobs, delta.finish_reason,
                           delta.stop_reason, delta.num_cached_tokens, transfer_s,
+                          error=None if error is None else str(error),
+                          invalid_field=None if error is None else error.field,
                           kv_transfer_failed=delta.request_id in self._recomputed, queue_s=queue_s,
                           compute_s=compute_s, prompt_logprobs=delta.prompt_logprobs)
 

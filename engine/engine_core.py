@@ -80,6 +80,13 @@ class PrefillLayerListener(Protocol):
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+GRAMMAR_REFUSED = InvalidRequestError(
+    "structured_output", "its grammar refused the sampled token, so the output cannot go on: no token the grammar "
+                         "allows is allowed by the request's other token constraints (allowed_token_ids, bad_words, "
+                         "logit_bias, ...), or the grammar outgrew the parser's limits (the worker's log says which)")
+"""What ends a request whose grammar refused its sampled token (the sampler had no token both the grammar and
+the request's other masks allow, and sampled outside the grammar; or llguidance failed on a grammar too wide):
+a request error, which the workers carry to the router, never an output that breaks the grammar."""
 
 
 def resolve_device(name: str) -> torch.device:
@@ -588,6 +595,7 @@ class EngineCore:
         stop_string = None if detokenizer is None or is_eos or is_stop_token else detokenizer.append(token_id, may_stop)
         grammar = self.grammars.accept(request.request_id, token_id)
         if grammar == GrammarState.REJECTED:
+            request.error = GRAMMAR_REFUSED
             return RequestStatus.FINISHED_ABORTED
         if is_eos:
             return RequestStatus.FINISHED_STOPPED
@@ -629,7 +637,8 @@ class EngineCore:
             text_delta=detokenizer.take_delta(finished) if detokenizer is not None else "",
             finish_reason=request.finish_reason, stop_reason=request.stop_reason,
             num_prompt_tokens=request.num_prompt_tokens, num_cached_tokens=max(request.num_cached_tokens, 0),
-            first_scheduled_at=request.first_scheduled_at, prompt_logprobs=_prompt_logprobs(request, token_ids))
+            first_scheduled_at=request.first_scheduled_at, prompt_logprobs=_prompt_logprobs(request, token_ids),
+            error=request.error)
 
     # ---- scoring ---------------------------------------------------------------------------
     def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:

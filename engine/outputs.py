@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from splitserve.common.errors import InvalidRequestError
 from splitserve.common.token_logprobs import TokenLogprobs
 
 
@@ -26,6 +27,8 @@ class CompletionDelta:
     prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None
     """With SamplingParams.prompt_logprobs, on the delta that carries the first output token: one entry per
     prompt token, None for the first (nothing precedes it); None on every other delta."""
+    error: InvalidRequestError | None = None
+    """On an 'abort' the engine decided itself (Request.error): the request error to answer with."""
 
     @property
     def finished(self) -> bool:

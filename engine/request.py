@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 
 from splitserve.common.block_hash import BlockHash
+from splitserve.common.errors import InvalidRequestError
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.token_logprobs import TokenLogprobs
 
@@ -52,6 +53,9 @@ class Request:
     positions not computed yet); written by position, so a chunk recomputed after a preemption
     overwrites its entries with the same values instead of appending."""
     stop_reason: int | str | None = None
+    error: InvalidRequestError | None = None
+    """Why the engine itself ended the request (FINISHED_ABORTED): what the client asked cannot be
+    served (its grammar refused the sampled token); None for an abort from outside."""
     num_preemptions: int = 0
     hold_kv_after_prefill: bool = False
     """Producer role: after the first sampled token, finish as PREFILLED and keep the blocks."""

@@ -217,10 +217,12 @@ class PrefillWorker:
             transfer = self._leases.hold(delta.request_id, held.block_ids, held.num_tokens)
         if held is not None:
             finish_reason = None
+        error = delta.error
         return PrefillResult(delta.request_id, delta.new_token_ids, delta.new_logprobs, finish_reason,
                              delta.stop_reason, delta.num_cached_tokens, transfer,
                              held.generator_state if held is not None else None, compute_s, queue_s,
-                             delta.prompt_logprobs)
+                             delta.prompt_logprobs, None if error is None else str(error),
+                             None if error is None else error.field)
 
     def _deliver(self, item: LayerwiseMessage | PrefillResult) -> None:
         """To the request's prefill_layerwise() stream. A result nobody waits for any more (the stream

@@ -637,6 +637,8 @@ class Orchestrator:
         result: PrefillResult = await run.call(self._call(prefill.client, "prefill", call))
         run.relay_worker_id = None
         prefill.pool.prefilled(prefill)
+        if result.invalid_field is not None:  # its engine ended it for the request's own fault
+            raise InvalidRequestError(result.invalid_field, result.error.removeprefix(f"{result.invalid_field}: "))
         if result.finish_reason == "abort":
             raise RouterError("UNAVAILABLE", f"prefill worker {prefill.client.worker_id} aborted the request")
         run.timeline.on_prefilled(result.queue_s, result.compute_s, time.monotonic())
@@ -670,7 +672,7 @@ class Orchestrator:
             if isinstance(delta, WorkerLostError):
                 raise delta
             run.on_decode_timing(delta)
-            if delta.invalid_field is not None:  # the decode worker refused it at admission
+            if delta.invalid_field is not None:  # refused at admission, or ended by its engine for its own fault
                 raise InvalidRequestError(delta.invalid_field, delta.error.removeprefix(f"{delta.invalid_field}: "))
             if delta.error is not None:
                 raise RouterError("INTERNAL", delta.error)

@@ -139,6 +139,37 @@ def test_bad_constraints_are_400_naming_the_field(served, body, param, message):
     assert (status, reply["param"], reply["message"]) == (400, param, message)
 
 
+DEAD_END = ("structured_output: its grammar refused the sampled token, so the output cannot go on: no token the "
+            "grammar allows is allowed by the request's other token constraints (allowed_token_ids, bad_words, "
+            "logit_bias, ...), or the grammar outgrew the parser's limits (the worker's log says which)")
+X, A = 90, 67
+"""The default model's tokens "x" and "a"."""
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_grammar_no_allowed_token_satisfies_is_a_400_not_an_abort(served, stream):
+    """guided_choice with allowed_token_ids outside it leaves no first token; regex "xa" with "a" banned, none
+    after "x". Such a request was answered with finish_reason "abort" and the token outside the grammar that
+    the sampler fell back to (or a 503 when a prefill worker sampled it, which the SDK retries): as a request
+    error, it is a 400 before the stream starts, an error event after it (vLLM fails it too, with a 500)."""
+    completions = client(served).completions
+    first = {"guided_choice": ["yes", "no"], "allowed_token_ids": [X]}
+    with pytest.raises(openai.BadRequestError) as error:
+        completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, stream=stream, extra_body=first, **GREEDY)
+    assert (error.value.body["param"], error.value.body["message"]) == ("structured_output", DEAD_END)
+    later = {"guided_regex": "xa", "bad_words": ["a", "xa"]}
+    if not stream:
+        with pytest.raises(openai.BadRequestError) as error:
+            completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, extra_body=later, **GREEDY)
+        assert (error.value.body["param"], error.value.body["message"]) == ("structured_output", DEAD_END)
+        return
+    chunks = completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, stream=True, extra_body=later, **GREEDY)
+    assert next(chunks).choices[0].text == "x"
+    with pytest.raises(openai.APIError) as error:
+        next(chunks)
+    assert (error.value.body["param"], error.value.body["message"]) == ("structured_output", DEAD_END)
+
+
 def _grpc_request(constraint: pb.StructuredOutput, max_tokens: int = 50) -> pb.GenerateRequest:
     return pb.GenerateRequest(model=MODEL, text=PROMPT.encode(), sampling=pb.SamplingParams(
         temperature=0.0, max_tokens=max_tokens, structured_output=constraint))
