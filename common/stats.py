@@ -196,6 +196,10 @@ class RequestRecord:
     that request's id: not a request any client sent. Observers count it apart (RouterMetrics keeps
     its KV transfer and counts it in internal_step_requests; the access log and the planner leave
     it out); the client's request has a record of its own. None: a client's request."""
+    client_request_id: str | None = None
+    """The id the client gave the request when the router knows it by another (request_id: that id was in
+    flight, so this request's is it with a ` #<k>` suffix, router/request_ids.py; a sequence's or step's is
+    derived from that); None when request_id is, or is derived from, the client's own."""
 
     def __post_init__(self) -> None:
         if (self.finish_reason is None) == (self.error_code is None):

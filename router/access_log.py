@@ -16,8 +16,12 @@ logger = logging.getLogger("splitserve.access")
 
 
 def access_fields(record: RequestRecord) -> dict[str, object]:
-    """The request's access-log fields: status is OK or the gRPC status code it ended with."""
-    return {"request_id": record.request_id[:MAX_LOGGED_CHARS],
+    """The request's access-log fields: status is OK or the gRPC status code it ended with; client_request_id
+    follows request_id only when the router knows the request by another id than the client's (its own was in
+    flight: router/request_ids.py)."""
+    renamed = {} if record.client_request_id is None else {"client_request_id":
+                                                            record.client_request_id[:MAX_LOGGED_CHARS]}
+    return {"request_id": record.request_id[:MAX_LOGGED_CHARS], **renamed,
             "status": "OK" if record.error_code is None else record.error_code,
             "finish_reason": record.finish_reason, "rejection_reason": record.rejection_reason,
             "prompt_tokens": record.num_prompt_tokens, "cached_tokens": record.num_cached_tokens,

@@ -51,6 +51,9 @@ class GenerationInput:
     lora_request: LoRARequest | None = None
     """The LoRA adapter the request runs with (the OpenAI `model` field selected it by name), None for the base
     model: the workers run it, and the prompt's block hashes start from its root (common/block_hash.py)."""
+    client_request_id: str | None = None
+    """The id the client gave the request when the router knows it by another (request_id: the client's was in
+    flight, router/request_ids.py), for its record; None when request_id is (or is derived from) the client's."""
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from splitserve.router.admission import Admission
 from splitserve.router.api_types import GenerationInput, StreamChunk, Usage
 from splitserve.router.orchestrator import Orchestrator
+from splitserve.router.request_ids import ReservedRequestId, sequence_request_id
 
 @dataclass(frozen=True)
 class IndexedChunk:
@@ -45,10 +46,10 @@ class _Ended:
 def sequence_inputs(base: GenerationInput, prompts: Sequence[tuple[int, ...]],
                     num_sequences: int) -> tuple[GenerationInput, ...]:
     """One input per choice (prompt-major); a lone sequence keeps the request's id, others get
-    `<id>-<choice index>`."""
+    `<id>-<choice index>` (sequence_request_id: the ids Orchestrator.new_request_id reserves with the request's)."""
     if len(prompts) * num_sequences == 1:
         return (dataclasses.replace(base, prompt_token_ids=prompts[0]),)
-    return tuple(dataclasses.replace(base, request_id=f"{base.request_id}-{p * num_sequences + s}",
+    return tuple(dataclasses.replace(base, request_id=sequence_request_id(base.request_id, p * num_sequences + s),
                                      prompt_token_ids=prompt, sampling_params=base.sampling_params.for_sequence(s))
                  for p, prompt in enumerate(prompts) for s in range(num_sequences))
 
@@ -85,21 +86,25 @@ def merged_usage(usages: Sequence[Usage], num_sequences: int) -> Usage:
                  sum(u.completion_tokens for u in usages))
 
 
-async def client_fan_out(orchestrator: Orchestrator, request_id: str, inputs: Sequence[GenerationInput],
+async def client_fan_out(orchestrator: Orchestrator, ids: ReservedRequestId, inputs: Sequence[GenerationInput],
                          num_sequences: int, admission: Admission) -> AsyncGenerator[IndexedChunk, None]:
-    """A client's request (id `request_id`) run as its sequences (`inputs`, prompt-major: sequence_inputs) and merged.
+    """A client's request (its ids `ids`, released when it ends) run as its sequences (`inputs`, prompt-major:
+    sequence_inputs) and merged.
 
     The request's admission slot goes to its first sequence, and every other sequence takes a slot of its own
     before any sequence starts (Orchestrator.fan_out): a request the router cannot hold whole is refused at once
     (RESOURCE_EXHAUSTED, an HTTP 429 before a streamed response starts) and recorded once, never after some
     sequences streamed."""
-    client = dataclasses.replace(inputs[0], request_id=request_id)
+    client = dataclasses.replace(inputs[0], request_id=ids.request_id)
     num_prompt_tokens = sum(len(inp.prompt_token_ids) for inp in inputs[::num_sequences])
-    with orchestrator.fan_out(client, num_prompt_tokens, len(inputs)) as others:
-        fan_out = FanOut(orchestrator, inputs, num_sequences, [admission, *others])
-        async with contextlib.aclosing(fan_out.stream()) as stream:
-            async for item in stream:
-                yield item
+    try:
+        with orchestrator.fan_out(client, num_prompt_tokens, len(inputs)) as others:
+            fan_out = FanOut(orchestrator, inputs, num_sequences, [admission, *others])
+            async with contextlib.aclosing(fan_out.stream()) as stream:
+                async for item in stream:
+                    yield item
+    finally:
+        ids.release()
 
 
 class FanOut:

@@ -59,6 +59,7 @@ from splitserve.router.orchestrator import Orchestrator
 from splitserve.router.reasoning_parsers import ReasoningFormat, ReasoningOutput
 from splitserve.router.request_body import BodyParser, MalformedBodyError, Parse, json_object
 from splitserve.router.request_id_header import RequestIdHeader, with_header_request_id
+from splitserve.router.request_ids import ReservedRequestId
 from splitserve.router.request_limits import PromptTruncation
 from splitserve.router.responses_protocol import ResponsesRenderer, ResponsesRequest, parse_responses_request
 from splitserve.router.stream_interval import every_interval
@@ -147,8 +148,9 @@ class ClientDisconnected(Exception):
 class _Job:
     """A validated request, ready for the orchestrator."""
 
-    request_id: str
-    """The client's request id (each input's is it, or `<it>-<choice index>`: router/fanout.py)."""
+    ids: ReservedRequestId
+    """The request's ids: the client's (responses carry it) and the internal one (each input's is it, or
+    `<it>-<choice index>`: router/fanout.py); released when the request ends."""
     inputs: tuple[GenerationInput, ...]
     """One per sequence, prompt-major (router/fanout.py)."""
     num_sequences: int
@@ -180,7 +182,7 @@ class _Job:
 class _ChatInputs:
     """A chat request ready to run, and how its output is read."""
 
-    request_id: str
+    ids: ReservedRequestId
     inputs: tuple[GenerationInput, ...]
     tool_output: ToolOutput | None
     reasoning_output: ReasoningOutput | None
@@ -332,6 +334,7 @@ class OpenAIServing:
         """Run a request _AdmissionGate admitted; its admission slot is the orchestrator stream's to
         release once that stream started."""
         admission: Admission = request.scope[ADMISSION_SCOPE_KEY]
+        job = None
         try:
             job = await prepare(await self._read_request(request, parse))
             logger.info("[%s] %s: %d prompt tokens, %d sequences", quote_for_log(job.inputs[0].request_id),
@@ -342,6 +345,8 @@ class OpenAIServing:
             return await self._respond(request, job, admission)
         except BaseException as error:
             admission.release()  # refused while parsed, or its stream never started (else a no-op)
+            if job is not None:
+                job.ids.release()  # likewise
             if isinstance(error, ClientDisconnected):
                 return Response(status_code=CLIENT_CLOSED_STATUS)
             if isinstance(error, Exception):  # every failure is an OpenAI error response; the server carries on
@@ -351,7 +356,7 @@ class OpenAIServing:
     async def _respond(self, request: Request, job: _Job, admission: Admission) -> Response:
         """Run the request; a streamed one starts its response once the first chunk is in, so an
         error before it (a bad prompt, a routing rejection) still gets its HTTP status."""
-        stream = client_fan_out(self.orchestrator, job.request_id, job.inputs, job.num_sequences, admission)
+        stream = client_fan_out(self.orchestrator, job.ids, job.inputs, job.num_sequences, admission)
         if job.stream and job.stream_interval > 1:
             stream = every_interval(stream, job.stream_interval)
         try:
@@ -371,6 +376,7 @@ class OpenAIServing:
             chunks = await _until_disconnect(request, self._beam_chunks(job))
         finally:
             admission.release()
+            job.ids.release()
         if not job.stream:
             return _JSONResponse(job.response(chunks))
         return _EventStream(job.events(chunks[0], _replayed(chunks[1:])))
@@ -379,7 +385,7 @@ class OpenAIServing:
         """Every choice as one finished chunk, prompt-major (choice p * n + i: prompt p's beam i, best first).
         The searches are the one request the client sent in the router's records, their beams its steps."""
         bases = job.inputs[::job.n]
-        client = dataclasses.replace(bases[0], request_id=job.request_id)
+        client = dataclasses.replace(bases[0], request_id=job.ids.request_id)
         with self.orchestrator.stepwise(client, sum(len(base.prompt_token_ids) for base in bases)) as recorded:
             chunks = []
             for prompt_index, base in enumerate(bases):
@@ -394,7 +400,7 @@ class OpenAIServing:
         room = self.orchestrator.max_model_len - len(base.prompt_token_ids)  # the prompt leaves >= 1
         params = dataclasses.replace(job.beam_search, max_tokens=min(job.beam_search.max_tokens, room))
         result = await run_beam_search(self.orchestrator, base, start(params, base.prompt_token_ids,
-                                                                      self._eos_token_id()), job.request_id)
+                                                                      self._eos_token_id()), job.ids.request_id)
         return [IndexedChunk(prompt_index * job.n + i, self._beam_chunk(base, beam, result))
                 for i, beam in enumerate(result.search.best())]
 
@@ -419,10 +425,10 @@ class OpenAIServing:
         params = parsed.sampling
         if parsed.best_of > parsed.n and params.logprobs is None:  # best_of ranks by the sampled tokens' logprobs
             params = dataclasses.replace(params, logprobs=0)
-        request_id, inputs = await self._inputs(prompts, params, "prompt", parsed.request_id, parsed.best_of,
-                                                parsed.truncation, parsed.cache_salt, parsed.priority, adapter)
+        ids, inputs = await self._inputs(prompts, params, "prompt", parsed.request_id, parsed.best_of,
+                                         parsed.truncation, parsed.cache_salt, parsed.priority, adapter)
         echo = [self._prompt_text(p) for p in parsed.prompts] if parsed.echo else ()
-        renderer = CompletionRenderer(self._header("cmpl", request_id, adapter),
+        renderer = CompletionRenderer(self._header("cmpl", ids.client_request_id, adapter),
                                       self._token_text(parsed.tokens_as_ids),
                                       parsed.include_usage, parsed.sampling.logprobs is not None, echo, parsed.n,
                                       _prompt_lengths(inputs) if parsed.continuous_usage else None,
@@ -432,12 +438,12 @@ class OpenAIServing:
         if parsed.return_token_ids:  # choice i is one of prompt i // n's sequences: inputs i // n * best_of on
             renderer.with_token_ids([inputs[i // parsed.n * parsed.best_of].prompt_token_ids
                                      for i in range(len(prompts) * parsed.n)])
-        return _Job(request_id, inputs, parsed.best_of, parsed.n, renderer, parsed.stream, parsed.beam_search,
+        return _Job(ids, inputs, parsed.best_of, parsed.n, renderer, parsed.stream, parsed.beam_search,
                     parsed.stream_interval)
 
     async def _chat_job(self, parsed: ChatCompletionRequest) -> _Job:
         chat = await self._chat_inputs(parsed, "messages")
-        renderer = ChatRenderer(self._header("chatcmpl", chat.request_id, chat.inputs[0].lora_request),
+        renderer = ChatRenderer(self._header("chatcmpl", chat.ids.client_request_id, chat.inputs[0].lora_request),
                                 self._token_text(parsed.tokens_as_ids),
                                 self.tokenizers.tokenizer.token_bytes, parsed.include_usage,
                                 parsed.sampling.logprobs is not None,
@@ -447,15 +453,15 @@ class OpenAIServing:
         renderer.with_prompt_tokens_details(self.options.enable_prompt_tokens_details)
         if parsed.return_token_ids:
             renderer.with_token_ids([chat.inputs[0].prompt_token_ids] * parsed.n)
-        return _Job(chat.request_id, chat.inputs, parsed.n, parsed.n, renderer, parsed.stream, parsed.beam_search,
+        return _Job(chat.ids, chat.inputs, parsed.n, parsed.n, renderer, parsed.stream, parsed.beam_search,
                     parsed.stream_interval)
 
     async def _responses_job(self, parsed: ResponsesRequest) -> _Job:
         chat = await self._chat_inputs(parsed.chat, "input")
-        header = ResponseHeader(f"resp_{chat.request_id}", int(time.time()),
+        header = ResponseHeader(f"resp_{chat.ids.client_request_id}", int(time.time()),
                                 self._served_name(chat.inputs[0].lora_request), self.system_fingerprint)
         renderer = ResponsesRenderer(header, parsed.chat, parsed.settings, chat.tool_output, chat.reasoning_output)
-        return _Job(chat.request_id, chat.inputs, 1, 1, renderer, parsed.chat.stream)
+        return _Job(chat.ids, chat.inputs, 1, 1, renderer, parsed.chat.stream)
 
     async def _chat_inputs(self, parsed: ChatCompletionRequest, prompt_param: str) -> _ChatInputs:
         """A chat's inputs and how its output is read; `prompt_param`: the field its messages came
@@ -473,10 +479,9 @@ class OpenAIServing:
             reasoning_output = self.reasoning.for_request(token_ids, parsed.template.template_kwargs,
                                                           parsed.include_reasoning)
             sampling = reasoning_output.sampling(sampling)
-        request_id, inputs = await self._inputs([token_ids], sampling, prompt_param, parsed.request_id, parsed.n,
-                                                cache_salt=parsed.cache_salt, priority=parsed.priority,
-                                                lora_request=adapter)
-        return _ChatInputs(request_id, inputs, tool_output, reasoning_output)
+        ids, inputs = await self._inputs([token_ids], sampling, prompt_param, parsed.request_id, parsed.n,
+                                         cache_salt=parsed.cache_salt, priority=parsed.priority, lora_request=adapter)
+        return _ChatInputs(ids, inputs, tool_output, reasoning_output)
 
     def _prompt_text(self, prompt: str | tuple[int, ...]) -> str:
         """What echo repeats: a text prompt as sent, token ids as their text (special tokens kept)."""
@@ -505,10 +510,12 @@ class OpenAIServing:
                       request_id: str, num_sequences: int,
                       truncation: PromptTruncation | None = None, cache_salt: str | None = None,
                       priority: int = 0,
-                      lora_request: LoRARequest | None = None) -> tuple[str, tuple[GenerationInput, ...]]:
+                      lora_request: LoRARequest | None = None
+                      ) -> tuple[ReservedRequestId, tuple[GenerationInput, ...]]:
         """Cut each prompt as `truncation` says, check it (`prompt_param`: the body field it came
-        from; `[i]` names one of a batch); then (the request's id, one input per sequence). A max_tokens
-        longer than the context leaves ends there (vLLM's). `request_id`: the client's ("": new);
+        from; `[i]` names one of a batch); then (the request's ids, reserved last: nothing after can fail before the
+        caller holds them; one input per sequence). A max_tokens longer than the context leaves ends there (vLLM's).
+        `request_id`: the client's ("": new);
         `cache_salt`: the request's (every sequence's) prefix-cache salt; `priority`: its (every
         sequence's) scheduling priority; `lora_request`: the adapter every sequence runs with (None: the
         base model)."""
@@ -519,9 +526,10 @@ class OpenAIServing:
             field = prompt_param if len(prompts) == 1 else f"{prompt_param}[{index}]"
             self.orchestrator.validate_prompt(token_ids, field)
         deadline = None if self.request_timeout_s is None else time.monotonic() + self.request_timeout_s
-        base = GenerationInput(self.orchestrator.new_request_id(request_id), prompts[0], params, deadline,
-                               cache_salt=cache_salt, priority=priority, lora_request=lora_request)
-        return base.request_id, sequence_inputs(base, prompts, num_sequences)
+        ids = self.orchestrator.new_request_id(request_id, len(prompts) * num_sequences)
+        base = GenerationInput(ids.request_id, prompts[0], params, deadline, cache_salt=cache_salt, priority=priority,
+                               lora_request=lora_request, client_request_id=ids.renamed_from)
+        return ids, sequence_inputs(base, prompts, num_sequences)
 
     def _header(self, prefix: str, request_id: str, adapter: LoRARequest | None = None) -> ResponseHeader:
         return ResponseHeader(f"{prefix}-{request_id}", int(time.time()), self._served_name(adapter),

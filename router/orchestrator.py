@@ -47,6 +47,7 @@ from splitserve.router.policy import (DecodeCandidate, PrefillCandidate, Rejecti
 from splitserve.router.prefix_index import PrefixIndex
 from splitserve.router.records import StepwiseRequest, refused_record
 from splitserve.router.reports import WorkerMonitor
+from splitserve.router.request_ids import ReservedRequestId, RequestIds
 from splitserve.router.request_run import RequestRun
 from splitserve.router.worker_link import WorkerLinkConfig
 from splitserve.router.worker_pool import Assignment, WorkerPool
@@ -100,14 +101,11 @@ class Orchestrator:
         self._hasher: BlockHasher | None = None
         self.layout: KVLayout | None = None
         """The KV layout every worker shares (known once started; a joining worker must match it)."""
-        self._in_flight: set[str] = set()
-        """Client request ids of the requests in generate() and stepwise() (internal steps are not in it; a fan-out's
-        sequences are, under their own ids)."""
-        self._fanned_out: set[str] = set()
-        """Client request ids of the fan-outs in fan_out() (of 2+ sequences: their ids are not the client's). Not in
-        num_in_flight, which counts their sequences."""
+        self.request_ids = RequestIds()
+        """The internal ids of the client requests (new_request_id) and of the requests in generate() and stepwise()
+        (internal steps are not in it; a fan-out's sequences are, under their own ids)."""
         self._stepwise: dict[str, StepwiseRequest] = {}
-        """The requests in stepwise() by client request id: what their steps' ends add to."""
+        """The requests in stepwise() by internal request id: what their steps' ends add to."""
         self._idle = asyncio.Event()
         """Set while no request holds an admission slot (drain waits on it)."""
         self._idle.set()
@@ -142,7 +140,7 @@ class Orchestrator:
 
     @property
     def num_in_flight(self) -> int:
-        return len(self._in_flight)
+        return self.request_ids.num_running
 
     @property
     def accepting(self) -> bool:
@@ -187,16 +185,11 @@ class Orchestrator:
                          self.slo.tpot_s if inp.tpot_slo_s is None else inp.tpot_slo_s)
 
     # ---- validation ----------------------------------------------------------------------
-    def new_request_id(self, requested: str) -> str:
-        if not requested:
-            return uuid.uuid4().hex
-        self._check_not_in_flight(requested)
-        return requested
-
-    def _check_not_in_flight(self, request_id: str) -> None:
-        """A client's request id names one request at a time (a fan-out's id too, while its sequences run)."""
-        if request_id in self._in_flight or request_id in self._fanned_out:
-            raise InvalidRequestError("request_id", f"{request_id!r} is already in flight")
+    def new_request_id(self, requested: str, num_sequences: int = 1) -> ReservedRequestId:
+        """The ids of a client's request (`requested`: the client's id, "": a new one) that runs as `num_sequences`
+        sequences: its internal id is the client's unless a request in flight has it (router/request_ids.py). The
+        caller releases them when the request ends, on every path."""
+        return self.request_ids.reserve(requested or uuid.uuid4().hex, num_sequences)
 
     def validate_prompt(self, prompt_token_ids: Sequence[int], field: str = "prompt") -> None:
         """`field` names what the client sent the prompt as (a chat request's `messages`)."""
@@ -401,11 +394,9 @@ class Orchestrator:
             self.validate_prompt(inp.prompt_token_ids)
             check_cache_salt(inp.cache_salt)  # the APIs checked it; a library caller's is hashed next
             check_priority(inp.priority, self.scheduling_policy)
-            if inp.step_of is None:
-                self._check_not_in_flight(inp.request_id)
             run = RequestRun(inp, self.tokenizer, arrival, self.eos_token_ids)
             if inp.step_of is None:
-                self._in_flight.add(inp.request_id)
+                self.request_ids.start(inp.request_id)
             try:
                 if admission is None:
                     admission = self._admit(run)
@@ -432,9 +423,8 @@ class Orchestrator:
         under its id meanwhile, and recorded once when the block ends, as the one request the client sent (the
         caller notes its output with on_finished first; an exception is how it failed). Its steps are recorded as
         steps (RequestRecord.step_of); their moves off lost workers count on its record."""
-        self._check_not_in_flight(inp.request_id)
-        request = StepwiseRequest(inp.request_id, num_prompt_tokens, time.monotonic())
-        self._in_flight.add(inp.request_id)
+        request = StepwiseRequest(inp.request_id, num_prompt_tokens, time.monotonic(), inp.client_request_id)
+        self.request_ids.start(inp.request_id)
         self._stepwise[inp.request_id] = request
         try:
             yield request
@@ -443,7 +433,7 @@ class Orchestrator:
             request.rejection_reason = error.rejection_reason if isinstance(error, RouterError) else None
             raise
         finally:
-            self._in_flight.discard(inp.request_id)
+            self.request_ids.stop(inp.request_id)
             del self._stepwise[inp.request_id]
             self._observe(request.record(self.slo_targets(inp), time.monotonic()))
 
@@ -455,18 +445,15 @@ class Orchestrator:
 
         The slots are taken all or none before any sequence runs: a refusal (RouterError) ends the client's request
         and is recorded once, as a refused request is (none of its sequences ran, so none has a record); each
-        sequence that runs is recorded when it ends. Meanwhile the client's id is in flight (a lone sequence carries
-        that id itself, in generate()). The caller's sequences release the slots; so does leaving the block."""
+        sequence that runs is recorded when it ends. The request's ids (its own and its sequences') are the caller's
+        reservation (new_request_id). The caller's sequences release the slots; so does leaving the block."""
         if num_sequences == 1:
             yield []
             return
-        self._check_not_in_flight(client.request_id)
         others = self._admit_sequences(client, num_prompt_tokens, num_sequences - 1)
-        self._fanned_out.add(client.request_id)
         try:
             yield others
         finally:
-            self._fanned_out.discard(client.request_id)
             for admission in others:
                 admission.release()
 
@@ -477,7 +464,8 @@ class Orchestrator:
             return self.admit_all(count)
         except RouterError as error:
             self._observe(refused_record(client.request_id, num_prompt_tokens, error.code, error.rejection_reason,
-                                         self.slo_targets(client), time.monotonic() - arrival))
+                                         self.slo_targets(client), time.monotonic() - arrival,
+                                         client.client_request_id))
             raise
 
     def admit_all(self, count: int) -> list[Admission]:
@@ -733,7 +721,7 @@ class Orchestrator:
         this also runs while the request's task is being cancelled)."""
         step_of = run.inp.step_of
         if step_of is None:
-            self._in_flight.discard(run.inp.request_id)
+            self.request_ids.stop(run.inp.request_id)
         elif step_of in self._stepwise:
             self._stepwise[step_of].on_step_ended(run.num_migrations)
         self._end_attempt(run)

@@ -83,8 +83,11 @@ class StepwiseRequest:
     that come together, its first and last token arrive at that moment: TTFT = e2e, and its other tokens
     count inter-token gaps of 0 (TPOT 0)."""
 
-    def __init__(self, request_id: str, num_prompt_tokens: int, arrival: float) -> None:
+    def __init__(self, request_id: str, num_prompt_tokens: int, arrival: float,
+                 client_request_id: str | None = None) -> None:
+        """`client_request_id`: the client's id when the router knows the request by another (RequestRecord's)."""
         self.request_id = request_id
+        self.client_request_id = client_request_id
         self.num_prompt_tokens = num_prompt_tokens
         self.timeline = RequestTimeline(arrival)
         self.finish_reason: str | None = None
@@ -116,14 +119,15 @@ class StepwiseRequest:
             self.num_prompt_tokens, self.num_cached_tokens, self.num_output_tokens, ttft_s,
             tuple(timeline.inter_token_latencies), e2e_s, None, None, None if ttft_s is None else e2e_s - ttft_s, (),
             None, request_slo_outcome(targets, error_code, ttft_s, e2e_s, self.num_output_tokens),
-            self.num_migrations)
+            self.num_migrations, client_request_id=self.client_request_id)
 
 
 def refused_record(request_id: str, num_prompt_tokens: int, error_code: str, rejection_reason: str | None,
-                   targets: SloConfig, e2e_s: float) -> RequestRecord:
+                   targets: SloConfig, e2e_s: float, client_request_id: str | None = None) -> RequestRecord:
     """The record of a client's request refused before any of it ran (a fan-out whose sequences' admission slots
     the router could not all hold), as a refused single request's: its status and rejection reason, its prompt
     tokens, no token, worker, routing decision or phase; e2e_s is its arrival -> the refusal."""
     return RequestRecord(request_id, None, error_code, None, rejection_reason, None, None, num_prompt_tokens, 0, 0,
                          None, (), e2e_s, None, None, None, (), None,
-                         request_slo_outcome(targets, error_code, None, e2e_s, 0))
+                         request_slo_outcome(targets, error_code, None, e2e_s, 0),
+                         client_request_id=client_request_id)

@@ -201,7 +201,7 @@ class RequestRun:
             tuple(timeline.inter_token_latencies), e2e_s, timeline.queue_s, timeline.prefill_s,
             None if ttft_s is None else e2e_s - ttft_s, tuple(timeline.phases), self._kv_transfer(),
             request_slo_outcome(targets, error_code, ttft_s, e2e_s, num_output), self.num_migrations,
-            self.inp.step_of)
+            self.inp.step_of, self.inp.client_request_id)
 
     def _kv_transfer(self) -> KVTransferRecord | None:
         """The pull's outcome, when the decode worker reported one."""

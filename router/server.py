@@ -36,6 +36,7 @@ from splitserve.router.lora_adapters import AdapterRegistry
 from splitserve.router.malformed_requests import MalformedRequestInterceptor
 from splitserve.router.api_types import GenerationInput, RouterError, StreamChunk
 from splitserve.router.orchestrator import Orchestrator
+from splitserve.router.request_ids import ReservedRequestId
 from splitserve.router.request_limits import MAX_BODY_BYTES
 from splitserve.router.structured_output import LARGE_GRAMMAR_BYTES, structured_output_from_proto
 from splitserve.router.tokenizer_pool import TokenizerPool
@@ -115,8 +116,9 @@ def _token_logprob(lp: TokenLogprobs) -> pb.TokenLogprob:
                            top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
 
 
-def chunk_to_proto(chunk: StreamChunk) -> pb.GenerateResponse:
-    response = pb.GenerateResponse(request_id=chunk.request_id, token_ids=chunk.token_ids, text=chunk.text,
+def chunk_to_proto(chunk: StreamChunk, client_request_id: str) -> pb.GenerateResponse:
+    """A chunk as the client's response: under the id it gave (or the router made for it), not the router's own."""
+    response = pb.GenerateResponse(request_id=client_request_id, token_ids=chunk.token_ids, text=chunk.text,
                                    finish_reason=chunk.finish_reason or "")
     response.logprobs.extend(_token_logprob(lp) for lp in chunk.logprobs)
     if chunk.prompt_logprobs is not None:  # the first prompt token's entry is None
@@ -153,21 +155,25 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
     async def Generate(self, request: pb.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
-        admission = None
+        admission = ids = None
         try:
             admission = self.orchestrator.admit()
-            inp = await self._input(request, context)
+            ids, inp = await self._input(request, context)
             logger.info("[%s] generate: %d prompt tokens", quote_for_log(inp.request_id), len(inp.prompt_token_ids))
             async for chunk in self.orchestrator.generate(inp, admission):
-                yield chunk_to_proto(chunk)
+                yield chunk_to_proto(chunk, ids.client_request_id)
         except (InvalidRequestError, RouterError) as error:
             logger.info("[%s] ended with %s", quote_for_log(request.request_id), quote_for_log(error))
             await context.abort(*grpc_status(error))
         finally:
             if admission is not None:
                 admission.release()  # refused while validated or tokenized, else already released
+            if ids is not None:
+                ids.release()
 
-    async def _input(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> GenerationInput:
+    async def _input(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+                     ) -> tuple[ReservedRequestId, GenerationInput]:
+        """The request validated and tokenized, and its ids (reserved last: the caller releases them)."""
         limits = self.tokenizers.limits
         limits.check_request_id(request.request_id, "request_id")
         adapter = self.adapters.get(request.model or None)
@@ -182,15 +188,15 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         limits.check_logprobs(params)
         params = await self.tokenizers.tokenize_bad_words(params)
         ttft_slo_s, tpot_slo_s = slo_target(request, "ttft_slo_s"), slo_target(request, "tpot_slo_s")
-        request_id = self.orchestrator.new_request_id(request.request_id)
         truncation = limits.prompt_truncation(*(getattr(request, name) if request.HasField(name) else None
                                                 for name in ("truncate_prompt_tokens", "truncation_side")))
         token_ids = await prompt_token_ids(request, self.tokenizers, truncation is not None)
         if truncation is not None:
             token_ids = truncation.applied(token_ids)
-        return GenerationInput(request_id, token_ids, params, grpc_deadline(context, self.request_timeout_s),
-                               ttft_slo_s, tpot_slo_s, cache_salt=cache_salt, priority=request.priority,
-                               lora_request=adapter)
+        ids = self.orchestrator.new_request_id(request.request_id)
+        return ids, GenerationInput(ids.request_id, token_ids, params, grpc_deadline(context, self.request_timeout_s),
+                                    ttft_slo_s, tpot_slo_s, cache_salt=cache_salt, priority=request.priority,
+                                    lora_request=adapter, client_request_id=ids.renamed_from)
 
 
 _OPEN_SERVICES = frozenset({health.SERVICE_NAME, reflection.SERVICE_NAME, "grpc.reflection.v1.ServerReflection"})

@@ -258,9 +258,10 @@ class InProcessCluster:
             await asyncio.sleep(0.02)
 
     def _router_accounting(self) -> dict[str, int]:
-        """What the router still counts as running: requests and prefill tokens per pool, requests in flight."""
+        """What the router still counts as running: requests and prefill tokens per pool, requests in flight, and
+        the ids reserved for client requests."""
         orchestrator = self.orchestrator
-        counts = {"in_flight": orchestrator.num_in_flight}
+        counts = {"in_flight": orchestrator.num_in_flight, "reserved_ids": orchestrator.request_ids.num_reserved}
         for name, pool in (("prefill", orchestrator.prefill_pool), ("decode", orchestrator.decode_pool)):
             counts[f"{name}_requests"] = sum(pool.num_requests(w) for w in pool.clients)
             counts[f"{name}_prefill_tokens"] = sum(pool.num_prefill_tokens(w) for w in pool.clients)

@@ -34,6 +34,13 @@ def test_a_finished_and_a_rejected_request_have_exact_fields():
         'output_tokens=0 e2e_s=0.001 migrations=0')
 
 
+def test_a_request_renamed_from_a_duplicate_client_id_names_both():
+    """A request sent with the id of one in flight is known by that id with a suffix (router/request_ids.py)."""
+    fields = access_fields(make_request_record("abc #2", client_request_id="abc"))
+    assert (fields["request_id"], fields["client_request_id"]) == ("abc #2", "abc")
+    assert text_line(fields).startswith('request "abc #2" client_request_id="abc" status="OK" finish_reason="length"')
+
+
 def test_a_hostile_request_id_stays_on_one_bounded_line(caplog):
     hostile = 'a\nINFO forged line\x00"' + "x" * 1000
     with caplog.at_level(logging.INFO, logger="splitserve.access"):

@@ -475,20 +475,6 @@ def test_one_millisecond_deadline(served):
     served.loop.run(served.cluster.wait_idle())
 
 
-def test_duplicate_request_id_in_flight_is_invalid_argument(served):
-    """A second request with an in-flight request's id is refused; the first is unaffected, and
-    the id is free again once it has finished."""
-    stub = pb_grpc.GenerationStub(served.channel)
-    first = stub.Generate(_greedy(MAX_MODEL_LEN - 8, "dup", token_ids=pb.TokenIds(ids=[5, 6, 7])),
-                          timeout=CALL_DEADLINE_S)
-    responses = [next(first)]  # in flight now
-    second = served.call(_greedy(2, request_id="dup"))
-    assert (second.code, second.details) == (grpc.StatusCode.INVALID_ARGUMENT, "request_id: 'dup' is already in flight")
-    responses.extend(first)
-    assert (responses[-1].finish_reason, responses[-1].usage.completion_tokens) == ("length", MAX_MODEL_LEN - 8)
-    assert served.call(_greedy(2, request_id="dup")).code == grpc.StatusCode.OK
-
-
 def test_concurrent_fuzz_burst(served):
     """Invalid, valid and deadline-cut requests at once, from several threads."""
     to_the_end = _greedy(MAX_MODEL_LEN - 3, token_ids=pb.TokenIds(ids=[5, 6, 7]))

@@ -11,7 +11,6 @@ import json
 import openai
 import pytest
 
-from splitserve.common.errors import InvalidRequestError
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.router.api_types import GenerationInput, RouterError
 from splitserve.router.policy import RoutingConfig
@@ -184,44 +183,24 @@ def test_a_fan_out_the_router_cannot_hold_whole_is_a_429_before_any_sequence_run
         assert sorted(texts) == [0, 1] and texts[0] == texts[1]
 
 
-def test_a_request_id_is_in_flight_while_its_sequences_run(served):
-    """An n=2 request's id (its sequences run as `<id>-0`, `<id>-1`) is refused to another request, of one
-    sequence or of two, until it ended."""
-    stream = served.client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=LONG, n=2, stream=True,
-                                                temperature=0, extra_body={"ignore_eos": True, "request_id": "twin"})
-    next(stream)
-    for n in (1, 2):
-        status, _, raw = http_request(served.http_port, "POST", "/v1/completions", json.dumps(
-            {"prompt": PROMPT, "max_tokens": 3, "n": n, "request_id": "twin"}).encode())
-        assert (status, json.loads(raw)["error"]["param"], json.loads(raw)["error"]["message"]) == (
-            400, "request_id", "request_id: 'twin' is already in flight")
-    stream.close()
-    served.loop.run(served.cluster.wait_idle())
-    assert served.single(PROMPT, max_tokens=3, extra_body={"request_id": "twin"}).id == "cmpl-twin"
-
-
-def test_the_orchestrator_holds_a_fan_outs_id_and_records_a_refusal_while_draining_once(tiny_llama_dir, monkeypatch,
-                                                                                        caplog):
-    """Orchestrator.fan_out: the client's id is in flight from the fan-out's start (a second fan-out under it, as
-    two requests parsed at once would start, or a request, is refused and unrecorded) and its slots are released
-    at its end; once the router drains, a fan-out refused its other slots ends UNAVAILABLE, recorded once, with
-    no rejection reason (draining is not admission control)."""
+def test_the_orchestrator_holds_a_fan_outs_slots_and_records_a_refusal_while_draining_once(tiny_llama_dir,
+                                                                                           monkeypatch, caplog):
+    """Orchestrator.fan_out: its other sequences' slots are taken at its start and released at its end; once the
+    router drains, a fan-out refused its other slots ends UNAVAILABLE, recorded once, with no rejection reason
+    (draining is not admission control). (A fan-out's id and its sequences' are the caller's reservation,
+    Orchestrator.new_request_id: tests/test_duplicate_request_ids.py.)"""
     with served_apis(tiny_llama_dir, MODEL, served_class=Served) as served:
         orchestrator = served.cluster.orchestrator
         access_log = capture_access_log(served, monkeypatch, caplog)
         before = served.per_request_series()
         client = GenerationInput("fan", (5, 6, 7), SamplingParams())
 
-        async def second_under_the_same_id() -> tuple[str, str, int]:
+        async def slots_held() -> tuple[int, int]:
             with orchestrator.fan_out(client, 3, 2) as others:
-                with pytest.raises(InvalidRequestError) as second, orchestrator.fan_out(client, 3, 2):
-                    pass
-                with pytest.raises(InvalidRequestError) as single:
-                    orchestrator.new_request_id("fan")
-                return str(second.value), str(single.value), len(others)
+                return len(others), orchestrator.admission.in_flight
 
-        assert served.loop.run(second_under_the_same_id()) == ("request_id: 'fan' is already in flight",) * 2 + (1,)
-        assert (orchestrator.admission.in_flight, orchestrator.new_request_id("fan")) == (0, "fan")
+        assert served.loop.run(slots_held()) == (1, 1)
+        assert orchestrator.admission.in_flight == 0
         orchestrator.admission.stop_accepting()
 
         async def refused() -> str:
