@@ -32,12 +32,17 @@ class Served(ServedApis):
                              timeout=60, default_headers={"X-Request-Id": request_id})
 
     def stream(self, endpoint: str, request_id: str, **kwargs):
+        """A greedy stream of TOKENS tokens, started (its first chunk is in); its X-Request-Id response header
+        (--enable-request-id-headers) is the client's id."""
         client = self.client(request_id)
         if endpoint == "chat":
-            return client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=TOKENS, stream=True,
-                                                  **GREEDY, **kwargs)
-        return client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=TOKENS, stream=True, **GREEDY,
-                                         **kwargs)
+            raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=CHAT, max_tokens=TOKENS,
+                                                                   stream=True, **GREEDY, **kwargs)
+        else:
+            raw = client.completions.with_raw_response.create(model=MODEL, prompt=PROMPT, max_tokens=TOKENS,
+                                                              stream=True, **GREEDY, **kwargs)
+        assert raw.headers["X-Request-Id"] == request_id
+        return raw.parse()
 
     def generate(self, request_id: str):
         return pb_grpc.GenerationStub(self.channel).Generate(pb.GenerateRequest(
@@ -52,7 +57,8 @@ class Served(ServedApis):
 
 @pytest.fixture(scope="module")
 def served(tiny_llama_dir):
-    with served_apis(tiny_llama_dir, MODEL, served_class=Served) as served:
+    with served_apis(tiny_llama_dir, MODEL, served_class=Served,
+                     router_options={"enable_request_id_headers": True}) as served:
         with grpc.insecure_channel(f"127.0.0.1:{served.grpc_port}") as channel:
             served.channel = channel
             yield served
