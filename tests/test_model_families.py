@@ -171,6 +171,17 @@ def test_partial_rotary_and_softmax_scale_match_transformers_on_the_pure_torch_o
     assert_pool_idle(engine.block_manager)
 
 
+def test_float16_on_cpu_matches_transformers_in_float16(tmp_path):
+    """dtype float16 on CPU (vLLM serves it on x86): the C++ kernels are built for fp32 / bf16 only, so the engine
+    attends with the torch ops (its prefill kernel for windowed layers and its decode kernel raised "dtype Half is
+    not supported" at the first step), and its tokens are transformers' with the checkpoint cast to float16."""
+    model_dir = save_random_hf_model(tmp_path / "mistral", "mistral", seed=3, sliding_window=24)
+    outputs, engine = run_engine(model_dir, SHORT_CASES, dtype="float16", **short_run_config())
+    assert engine.kv_cache.spec.dtype == torch.float16
+    assert outputs == [hf_greedy(model_dir, case, dtype="float16") for case in SHORT_CASES]
+    assert_pool_idle(engine.block_manager)
+
+
 def test_granite_logprobs_are_of_its_logits_divided_by_logits_scaling(tmp_path):
     """Greedy tokens cannot show logits_scaling (dividing keeps the argmax); logprobs do: each prompt token's equals
     transformers' log_softmax of its (divided) logits."""
