@@ -305,6 +305,30 @@ def test_unsupported_architecture_is_a_clear_error(tmp_path):
         EngineCore(model_dir, EngineConfig())
 
 
+@pytest.mark.parametrize("architectures", [None, []], ids=["missing", "empty"])
+def test_a_config_naming_no_architecture_is_refused_naming_the_field(tmp_path, architectures):
+    """A config.json that LlamaConfig(...).save_pretrained writes has no architectures (transformers' Auto classes
+    go by model_type); the engine, like vLLM, runs a class by its architectures entry: the error names the field
+    (it said "architecture '?' is not supported"), as the CLI's check of the directory does."""
+    model_dir = save_random_hf_model(tmp_path / "m", "llama", num_hidden_layers=1)
+    config = json.loads((model_dir / "config.json").read_text())
+    if architectures is None:
+        del config["architectures"]
+    else:
+        config["architectures"] = architectures
+    (model_dir / "config.json").write_text(json.dumps(config))
+    message = ("config.json names no architecture (`architectures` is missing or empty); supported: "
+               "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Phi3ForCausalLM, "
+               "GraniteForCausalLM, GemmaForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM, SmolLM3ForCausalLM, "
+               "Olmo2ForCausalLM, Qwen3MoeForCausalLM, MixtralForCausalLM")
+    with pytest.raises(UnsupportedModelError) as error:
+        EngineCore(model_dir, EngineConfig(device="cpu"))
+    assert str(error.value) == message
+    with pytest.raises(UnsupportedModelError) as error:
+        check_model_dir(model_dir)
+    assert str(error.value) == f"{model_dir}: {message}"
+
+
 def test_missing_model_directory_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="no config.json"):
         EngineCore(tmp_path, EngineConfig())
