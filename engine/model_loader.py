@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+from huggingface_hub.errors import StrictDataclassError
 from safetensors import safe_open
 from tqdm import tqdm
 from transformers import AutoConfig, PretrainedConfig
@@ -42,11 +43,18 @@ def model_fingerprint(model_dir: Path) -> str:
 
 def load_hf_config(model_dir: Path) -> PretrainedConfig:
     """The model's config as transformers reads it; a config.json transformers cannot read (its validators raise
-    KeyError/ValueError/TypeError, e.g. on an older RoPE layout) is an UnsupportedModelError naming what it holds."""
+    KeyError/ValueError/TypeError, e.g. on an older RoPE layout, or its strict field and shape checks fail) is an
+    UnsupportedModelError naming what it holds."""
     if not (model_dir / "config.json").is_file():
         raise FileNotFoundError(f"{model_dir} is not a model directory: no config.json")
     try:
         return AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    except StrictDataclassError as error:
+        # transformers 5's config classes check field types and shapes as huggingface_hub strict dataclasses,
+        # whose errors are no ValueError; the wrapped cause names the field or the shapes at fault
+        cause = error.__cause__ or error
+        raise UnsupportedModelError(f"config.json: transformers cannot read it ({type(cause).__name__}: "
+                                    f"{cause})") from None
     except (KeyError, ValueError, TypeError) as error:
         raise UnsupportedModelError(_unreadable_config_message(model_dir, error)) from None
 

@@ -498,6 +498,22 @@ def test_a_legacy_phi3_su_rope_is_refused_naming_it(tmp_path):
         "\"longrope\")")
 
 
+@pytest.mark.parametrize("fields, reason", [
+    (dict(vocab_size="384"), "TypeError: Field 'vocab_size' expected int, got str (value: '384')"),
+    (dict(hidden_size=100, num_attention_heads=3),
+     "ValueError: The hidden size (100) is not a multiple of the number of attention heads (3)."),
+], ids=["field-type", "shape"])
+def test_a_config_transformers_validation_refuses_is_an_unsupported_model_in_its_words(tmp_path, fields, reason):
+    """transformers 5's config classes validate field types and shapes (huggingface_hub strict dataclasses, whose
+    errors are no ValueError): the engine refused such a config.json with that raw exception (a traceback from
+    `splitserve generate`); its cause names the field, and the config's rope_parameters are not blamed."""
+    model_dir = copy_with_config_fields(save_random_hf_model(tmp_path / "m", "llama", num_hidden_layers=1),
+                                        tmp_path / "edited", **fields)
+    with pytest.raises(UnsupportedModelError) as error:
+        EngineCore(model_dir, EngineConfig(device="cpu"))
+    assert str(error.value) == f"config.json: transformers cannot read it ({reason})"
+
+
 def test_rope_parameters_transformers_cannot_build_are_refused_naming_them(tmp_path):
     model_dir = save_random_hf_model(tmp_path / "linear", "llama", **FAMILIES["llama-rope-linear"][1])
     config = load_hf_config(model_dir)
