@@ -86,6 +86,11 @@ def parse_arch(config: PretrainedConfig) -> LlamaFamilyArch:
     if getattr(config, activation.name, activation.default) not in activation.accepted:
         raise UnsupportedModelError(activation.unsupported_message(getattr(config, activation.name)))
     num_heads = config.num_attention_heads
+    num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
+    if num_heads % num_kv_heads:
+        raise UnsupportedModelError(f"num_attention_heads {num_heads} is not a multiple of num_key_value_heads "
+                                    f"{num_kv_heads} (grouped-query attention gives each KV head the same number "
+                                    "of query heads)")
     qkv_bias, o_bias, mlp_bias = _biases(config, architecture)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
     return LlamaFamilyArch(
@@ -94,7 +99,7 @@ def parse_arch(config: PretrainedConfig) -> LlamaFamilyArch:
         hidden_size=config.hidden_size,
         num_layers=config.num_hidden_layers,
         num_heads=num_heads,
-        num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
+        num_kv_heads=num_kv_heads,
         head_dim=head_dim,
         intermediate_size=config.intermediate_size,
         rms_norm_eps=config.rms_norm_eps,

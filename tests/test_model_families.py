@@ -498,6 +498,16 @@ def test_a_legacy_phi3_su_rope_is_refused_naming_it(tmp_path):
         "\"longrope\")")
 
 
+def test_kv_heads_that_do_not_divide_the_query_heads_are_refused_naming_both(tmp_path):
+    """transformers builds (and saves) a model of 4 query heads over 3 KV heads, which no grouped-query attention
+    runs (its own forward fails too): the engine refuses it at load instead of failing the first step."""
+    model_dir = save_random_hf_model(tmp_path / "m", "llama", num_hidden_layers=1, num_key_value_heads=3)
+    with pytest.raises(UnsupportedModelError) as error:
+        EngineCore(model_dir, EngineConfig(device="cpu"))
+    assert str(error.value) == ("num_attention_heads 4 is not a multiple of num_key_value_heads 3 (grouped-query "
+                                "attention gives each KV head the same number of query heads)")
+
+
 @pytest.mark.parametrize("fields, reason", [
     (dict(vocab_size="384"), "TypeError: Field 'vocab_size' expected int, got str (value: '384')"),
     (dict(hidden_size=100, num_attention_heads=3),
