@@ -12,6 +12,8 @@ from splitserve.common.errors import InvalidRequestError, json_excerpt
 from splitserve.common.sampling_params import SamplingParams
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+VLLM_DTYPE_ALIASES = {"half": "float16", "float": "float32"}
+"""vLLM's other names of DTYPES (its --dtype and LLM(dtype=...)), mapped to the engine's."""
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "flashinfer")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")
