@@ -380,6 +380,10 @@ def fuse_checkpoint(checkpoint: dict[str, torch.Tensor], arch: LlamaFamilyArch) 
     """Map HF parameter names onto the fused module's state dict (a projection's weight may be a
     QuantizedWeight: see engine/quantization/loader.py)."""
     outside = "outside the decoder layers"
+    if arch.tie_word_embeddings and "embed_tokens.weight" not in checkpoint and isinstance(
+            checkpoint.get("lm_head.weight"), torch.Tensor):
+        # transformers ties either tensor of a tied config to the other: the shared matrix stored as lm_head alone
+        checkpoint["embed_tokens.weight"] = checkpoint.pop("lm_head.weight")
     state = {"embed_tokens.weight": _take(checkpoint, "embed_tokens.weight", outside, arch, (arch.vocab_size,
                                                                                               arch.hidden_size)),
              "norm.weight": _take(checkpoint, "norm.weight", outside, arch, (arch.hidden_size,))}

@@ -543,6 +543,22 @@ def test_a_tied_config_whose_checkpoint_stores_another_lm_head_runs_that_lm_head
     assert outputs == [hf_greedy(reference_dir, case) for case in SHORT_CASES]
 
 
+def test_a_tied_checkpoint_storing_only_lm_head_runs_it_as_the_embedding(tmp_path):
+    """transformers ties either tensor of a tied config to the other: a checkpoint holding the shared matrix as
+    lm_head.weight alone loads there (the engine refused it: "no tensor embed_tokens.weight")."""
+    from safetensors.torch import load_file, save_file
+
+    tied_dir = save_random_hf_model(tmp_path / "tied", "llama", seed=3, tie_word_embeddings=True)
+    model_dir = Path(shutil.copytree(tied_dir, tmp_path / "lm-head-only"))
+    tensors = load_file(model_dir / "model.safetensors")
+    tensors["lm_head.weight"] = tensors.pop("model.embed_tokens.weight")
+    save_file(tensors, model_dir / "model.safetensors", metadata={"format": "pt"})
+    outputs, engine = run_engine(model_dir, SHORT_CASES, **short_run_config())
+    assert outputs == [hf_greedy(model_dir, case) for case in SHORT_CASES]
+    assert outputs == [hf_greedy(tied_dir, case) for case in SHORT_CASES]
+    assert_pool_idle(engine.block_manager)
+
+
 def test_an_untied_checkpoint_without_lm_head_is_refused_naming_it(tmp_path):
     tied_dir = save_random_hf_model(tmp_path / "tied", "llama", tie_word_embeddings=True)
     model_dir = copy_with_config_fields(tied_dir, tmp_path / "untied", tie_word_embeddings=False)
