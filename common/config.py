@@ -18,6 +18,8 @@ DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "flashinfer")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")
 """auto stores KV in the model's dtype; int8 / fp8_e4m3 store codes plus a scale per token per KV head."""
+VLLM_KV_CACHE_DTYPE_ALIASES = {"fp8": "fp8_e4m3"}
+"""vLLM's other names of KV_CACHE_DTYPES (its --kv-cache-dtype and LLM(kv_cache_dtype=...): its fp8 is e4m3)."""
 SPECULATIVE_METHODS = ("ngram", "draft")
 DEFAULT_BATCH_LIMITS = {"ngram": 16, "draft": 2}
 """Per method, the most decoding requests a step speculates for by default (bench/speculative.py

@@ -476,6 +476,13 @@ def test_dtype_takes_vllms_spellings(tiny_llama_dir, dtype, engine_dtype):
     assert str(error.value) == "dtype must be one of ('auto', 'float32', 'bfloat16', 'float16'), got 'float64'"
 
 
+def test_kv_cache_dtype_takes_vllms_fp8(tiny_llama_dir):
+    """vLLM's LLM(kv_cache_dtype="fp8") is e4m3, as the CLI's --kv-cache-dtype fp8 (it was refused)."""
+    llm = LLM(tiny_llama_dir, kv_cache_dtype="fp8", block_size=16, max_model_len=64, num_kv_blocks=8)
+    assert llm.engine.config.kv_cache_dtype == "fp8_e4m3"
+    assert llm.engine.kv_cache.spec.quantization.code_dtype == torch.float8_e4m3fn
+
+
 @pytest.mark.parametrize("prompt, field", [
     ([], "prompt"),
     (list(range(3, 515)), "prompt"),  # 512 tokens == max_model_len: no room for output
