@@ -21,7 +21,8 @@ def flashinfer_installed() -> bool:
 def select_backend(name: str, device_type: str, cpu_kernels: bool = True,
                    dtype: torch.dtype = torch.float32, quantized_kv: bool = False) -> AttentionBackend:
     """`torch` is the reference (any device); `cpu` the CPU-tuned backend (its C++ kernels when
-    `cpu_kernels` and `dtype` is one they are built for, KERNEL_DTYPES); `flashinfer` FlashInfer's paged kernels (CUDA, float16/bfloat16, a plain KV pool);
+    `cpu_kernels` and `dtype` is one they are built for, KERNEL_DTYPES); `flashinfer` FlashInfer's paged
+    kernels (CUDA, float16/bfloat16, a plain KV pool);
     `auto` picks `cpu` on CPU, `flashinfer` on CUDA when it is installed, the dtype is 16-bit and the KV
     pool is not quantized (`quantized_kv`: kv_cache_dtype int8 / fp8_e4m3), else the reference."""
     if name == "cpu" or (name == "auto" and device_type == "cpu"):
