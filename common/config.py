@@ -12,10 +12,14 @@ from splitserve.common.errors import InvalidRequestError, json_excerpt
 from splitserve.common.sampling_params import SamplingParams
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+VLLM_DTYPE_ALIASES = {"half": "float16", "float": "float32"}
+"""vLLM's other names of DTYPES (its --dtype and LLM(dtype=...)), mapped to the engine's."""
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "flashinfer")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")
 """auto stores KV in the model's dtype; int8 / fp8_e4m3 store codes plus a scale per token per KV head."""
+VLLM_KV_CACHE_DTYPE_ALIASES = {"fp8": "fp8_e4m3"}
+"""vLLM's other names of KV_CACHE_DTYPES (its --kv-cache-dtype and LLM(kv_cache_dtype=...): its fp8 is e4m3)."""
 SPECULATIVE_METHODS = ("ngram", "draft")
 DEFAULT_BATCH_LIMITS = {"ngram": 16, "draft": 2}
 """Per method, the most decoding requests a step speculates for by default (bench/speculative.py

@@ -140,12 +140,18 @@ def read_json_object(path: Path, error: type[Exception] = UnsupportedModelError)
     return data
 
 
+def no_architecture_message() -> str:
+    """Why a config.json without an `architectures` entry is refused (transformers' Auto classes would go by its
+    model_type; the engine, like vLLM, runs the class its architectures entry names)."""
+    return (f"config.json names no architecture (`architectures` is missing or empty); supported: "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+
+
 def config_architecture(config: dict, model_dir: Path) -> str:
     """config.json's first architecture; UnsupportedModelError when it names none."""
     architectures = config.get("architectures")
     if not isinstance(architectures, list) or not architectures or not isinstance(architectures[0], str):
-        raise UnsupportedModelError(f"{model_dir / 'config.json'}: names no architecture (`architectures` is "
-                                    f"missing or empty); supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        raise UnsupportedModelError(f"{model_dir}: {no_architecture_message()}")
     return architectures[0]
 
 

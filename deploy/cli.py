@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import NoReturn
 
 from splitserve.common.chat_template import CONTENT_FORMAT_OPTIONS
-from splitserve.common.config import QUANTIZATION_GROUP_SIZES, QUANTIZATION_METHODS, SCHEDULING_POLICIES
+from splitserve.common.config import (QUANTIZATION_GROUP_SIZES, QUANTIZATION_METHODS, SCHEDULING_POLICIES,
+                                      VLLM_DTYPE_ALIASES, VLLM_KV_CACHE_DTYPE_ALIASES)
 from splitserve.common.errors import InvalidRequestError, StartupError, UnsupportedModelError
 from splitserve.router.http_options import UVICORN_LOG_LEVELS
 
@@ -308,10 +309,11 @@ def _generate_remote(args: argparse.Namespace) -> int:
     return 0
 
 
-VLLM_DTYPES = {"auto": "auto", "half": "float16", "float16": "float16", "bfloat16": "bfloat16",
-               "float": "float32", "float32": "float32"}
+VLLM_DTYPES = {name: VLLM_DTYPE_ALIASES.get(name, name)
+               for name in ("auto", "half", "float16", "bfloat16", "float", "float32")}
 """vLLM's --dtype spellings -> the engine's dtype names."""
-VLLM_KV_CACHE_DTYPES = {"auto": "auto", "fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3", "int8": "int8"}
+VLLM_KV_CACHE_DTYPES = {name: VLLM_KV_CACHE_DTYPE_ALIASES.get(name, name)
+                        for name in ("auto", "fp8", "fp8_e4m3", "int8")}
 """--kv-cache-dtype spellings -> the engine's kv_cache_dtype (vLLM's fp8 is e4m3; int8 is splitserve's own)."""
 _SIZE_SUFFIXES = {"k": 1000, "m": 1000**2, "g": 1000**3, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 

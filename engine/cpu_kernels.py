@@ -41,6 +41,9 @@ SOURCES = (CSRC / "paged_attention.cpp", CSRC / "prefill_attention.cpp", CSRC / 
            CSRC / "panel_linear.cpp")
 HEADERS = (CSRC / "vec16.h",)
 LIBRARY_NAME = "splitserve_cpu.so"
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+"""The dtypes the attention and fused-op kernels are built for (each raises "dtype Half is not supported" on
+float16): a float16 engine on CPU runs the pure-torch ops."""
 
 
 @dataclasses.dataclass(frozen=True)

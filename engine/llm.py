@@ -20,7 +20,8 @@ from splitserve.common.block_hash import check_cache_salt
 from splitserve.common.chat_template import (TEMPLATE_VARIABLES, ContentFormat, check_template_kwargs,
                                              content_parts, parse_call_arguments, resolve_content_format,
                                              template_content)
-from splitserve.common.config import EngineConfig, GenerationConfig, SamplingDefaults
+from splitserve.common.config import (VLLM_DTYPE_ALIASES, VLLM_KV_CACHE_DTYPE_ALIASES, EngineConfig,
+                                      GenerationConfig, SamplingDefaults)
 from splitserve.common.generation_config import SAMPLING_KEYS, GenerationConfigFile, resolve_request_defaults
 from splitserve.common.errors import InvalidRequestError
 from splitserve.common.lora import LoRARequest, check_lora_request
@@ -185,12 +186,21 @@ class _Job:
                              completions, True, first.final.num_cached_tokens)
 
 
+def _engine_dtype(dtype: object) -> object:
+    """EngineConfig's name of a dtype as vLLM's LLM(dtype=...) takes it: a torch dtype, or its "half" / "float";
+    anything else as given (EngineConfig names what it accepts)."""
+    if isinstance(dtype, torch.dtype):
+        return str(dtype).removeprefix("torch.")
+    return VLLM_DTYPE_ALIASES.get(dtype, dtype) if isinstance(dtype, str) else dtype
+
+
 class LLM:
     def __init__(self, model: str | Path, show_progress: bool = False, enforce_eager: bool = False,
                  generation_config: str = "auto", override_generation_config: dict[str, float | int] | None = None,
                  tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, trust_remote_code: bool = False,
                  tokenizer: str | Path | None = None, **engine_config) -> None:
-        """`engine_config`: EngineConfig's fields. `enforce_eager` (vLLM's, the CLI's `--enforce-eager`):
+        """`engine_config`: EngineConfig's fields (`dtype` also in vLLM's spellings: "half", "float", a torch
+        dtype; `kv_cache_dtype` "fp8", vLLM's e4m3). `enforce_eager` (vLLM's, the CLI's `--enforce-eager`):
         never capture CUDA graphs, i.e. cuda_graphs=False; refused together with cuda_graphs=True.
         `tensor_parallel_size` / `pipeline_parallel_size` (vLLM's): 1 only, one device per engine, as the CLI's
         flags; `trust_remote_code` (vLLM's) is accepted and changes nothing: no model-directory code runs.
@@ -214,6 +224,11 @@ class LLM:
                 raise ValueError("enforce_eager=True and cuda_graphs=True contradict each other: enforce_eager "
                                  "means cuda_graphs=False; pass one of them")
             engine_config["cuda_graphs"] = False
+        if "dtype" in engine_config:
+            engine_config["dtype"] = _engine_dtype(engine_config["dtype"])
+        if "kv_cache_dtype" in engine_config:
+            kv_cache_dtype = engine_config["kv_cache_dtype"]
+            engine_config["kv_cache_dtype"] = VLLM_KV_CACHE_DTYPE_ALIASES.get(kv_cache_dtype, kv_cache_dtype)
         if tokenizer is not None:
             check_tokenizer_option(tokenizer)
         files = tokenizer_dir(model, tokenizer)

@@ -13,14 +13,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+from huggingface_hub.errors import StrictDataclassError
 from safetensors import safe_open
 from tqdm import tqdm
 from transformers import AutoConfig, PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from splitserve.common.errors import UnsupportedModelError, json_excerpt
-from splitserve.common.model_dir import (SUPPORTED_ARCHITECTURES, activation_field, unsupported_architecture_message,
-                                         weight_files)
+from splitserve.common.model_dir import (SUPPORTED_ARCHITECTURES, activation_field, no_architecture_message,
+                                         unsupported_architecture_message, weight_files)
 from splitserve.engine.attention import AttentionBackend
 from splitserve.engine.cpu_kernels import cpu_kernel_isa
 from splitserve.engine.models.llama import LlamaFamilyArch, LlamaFamilyForCausalLM, RotaryEmbedding
@@ -42,11 +43,18 @@ def model_fingerprint(model_dir: Path) -> str:
 
 def load_hf_config(model_dir: Path) -> PretrainedConfig:
     """The model's config as transformers reads it; a config.json transformers cannot read (its validators raise
-    KeyError/ValueError/TypeError, e.g. on an older RoPE layout) is an UnsupportedModelError naming what it holds."""
+    KeyError/ValueError/TypeError, e.g. on an older RoPE layout, or its strict field and shape checks fail) is an
+    UnsupportedModelError naming what it holds."""
     if not (model_dir / "config.json").is_file():
         raise FileNotFoundError(f"{model_dir} is not a model directory: no config.json")
     try:
         return AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    except StrictDataclassError as error:
+        # transformers 5's config classes check field types and shapes as huggingface_hub strict dataclasses,
+        # whose errors are no ValueError; the wrapped cause names the field or the shapes at fault
+        cause = error.__cause__ or error
+        raise UnsupportedModelError(f"config.json: transformers cannot read it ({type(cause).__name__}: "
+                                    f"{cause})") from None
     except (KeyError, ValueError, TypeError) as error:
         raise UnsupportedModelError(_unreadable_config_message(model_dir, error)) from None
 
@@ -69,13 +77,20 @@ def _unreadable_config_message(model_dir: Path, error: Exception) -> str:
 
 
 def parse_arch(config: PretrainedConfig) -> LlamaFamilyArch:
-    architecture = (config.architectures or ["?"])[0]
+    if not config.architectures:
+        raise UnsupportedModelError(no_architecture_message())
+    architecture = config.architectures[0]
     if architecture not in SUPPORTED_ARCHITECTURES:
         raise UnsupportedModelError(unsupported_architecture_message(architecture))
     activation = activation_field(architecture)
     if getattr(config, activation.name, activation.default) not in activation.accepted:
         raise UnsupportedModelError(activation.unsupported_message(getattr(config, activation.name)))
     num_heads = config.num_attention_heads
+    num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
+    if num_heads % num_kv_heads:
+        raise UnsupportedModelError(f"num_attention_heads {num_heads} is not a multiple of num_key_value_heads "
+                                    f"{num_kv_heads} (grouped-query attention gives each KV head the same number "
+                                    "of query heads)")
     qkv_bias, o_bias, mlp_bias = _biases(config, architecture)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
     return LlamaFamilyArch(
@@ -84,7 +99,7 @@ def parse_arch(config: PretrainedConfig) -> LlamaFamilyArch:
         hidden_size=config.hidden_size,
         num_layers=config.num_hidden_layers,
         num_heads=num_heads,
-        num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
+        num_kv_heads=num_kv_heads,
         head_dim=head_dim,
         intermediate_size=config.intermediate_size,
         rms_norm_eps=config.rms_norm_eps,
@@ -365,6 +380,10 @@ def fuse_checkpoint(checkpoint: dict[str, torch.Tensor], arch: LlamaFamilyArch) 
     """Map HF parameter names onto the fused module's state dict (a projection's weight may be a
     QuantizedWeight: see engine/quantization/loader.py)."""
     outside = "outside the decoder layers"
+    if arch.tie_word_embeddings and "embed_tokens.weight" not in checkpoint and isinstance(
+            checkpoint.get("lm_head.weight"), torch.Tensor):
+        # transformers ties either tensor of a tied config to the other: the shared matrix stored as lm_head alone
+        checkpoint["embed_tokens.weight"] = checkpoint.pop("lm_head.weight")
     state = {"embed_tokens.weight": _take(checkpoint, "embed_tokens.weight", outside, arch, (arch.vocab_size,
                                                                                               arch.hidden_size)),
              "norm.weight": _take(checkpoint, "norm.weight", outside, arch, (arch.hidden_size,))}

@@ -66,15 +66,15 @@ from pathlib import Path  # noqa: E402
 
 
 @lru_cache(maxsize=4)
-def _hf_model(model_dir: Path):
+def _hf_model(model_dir: Path, dtype: str = "float32"):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32").eval()
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
 
 
-def hf_greedy(model_dir: Path, case: GreedyCase) -> list[int]:
-    """The oracle: transformers `generate`, batch 1, greedy, fp32."""
-    model = _hf_model(model_dir)
+def hf_greedy(model_dir: Path, case: GreedyCase, dtype: str = "float32") -> list[int]:
+    """The oracle: transformers `generate`, batch 1, greedy, fp32 (or the checkpoint cast to `dtype`)."""
+    model = _hf_model(model_dir, dtype)
     kwargs = {"eos_token_id": None} if case.ignore_eos else {}
     with torch.inference_mode():
         output = model.generate(torch.tensor([case.prompt_token_ids]), max_new_tokens=case.max_tokens,

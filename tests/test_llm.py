@@ -463,6 +463,26 @@ def test_enforce_eager_turns_cuda_graphs_off_and_contradicting_it_is_refused(tin
         LLM(tiny_llama_dir, enforce_eager=True, cuda_graphs=True)
 
 
+@pytest.mark.parametrize("dtype, engine_dtype", [("half", "float16"), ("float", "float32"),
+                                                 (torch.bfloat16, "bfloat16"), (torch.float16, "float16")])
+def test_dtype_takes_vllms_spellings(tiny_llama_dir, dtype, engine_dtype):
+    """vLLM's LLM(dtype=...) takes "half" and "float" (as the CLI's --dtype does) and torch dtypes; they were
+    refused ("dtype must be one of ...")."""
+    llm = LLM(tiny_llama_dir, dtype=dtype, block_size=16, max_model_len=64, num_kv_blocks=8)
+    assert llm.engine.config.dtype == engine_dtype
+    assert llm.engine.kv_cache.spec.dtype == getattr(torch, engine_dtype)
+    with pytest.raises(ValueError) as error:
+        LLM(tiny_llama_dir, dtype=torch.float64)
+    assert str(error.value) == "dtype must be one of ('auto', 'float32', 'bfloat16', 'float16'), got 'float64'"
+
+
+def test_kv_cache_dtype_takes_vllms_fp8(tiny_llama_dir):
+    """vLLM's LLM(kv_cache_dtype="fp8") is e4m3, as the CLI's --kv-cache-dtype fp8 (it was refused)."""
+    llm = LLM(tiny_llama_dir, kv_cache_dtype="fp8", block_size=16, max_model_len=64, num_kv_blocks=8)
+    assert llm.engine.config.kv_cache_dtype == "fp8_e4m3"
+    assert llm.engine.kv_cache.spec.quantization.code_dtype == torch.float8_e4m3fn
+
+
 @pytest.mark.parametrize("prompt, field", [
     ([], "prompt"),
     (list(range(3, 515)), "prompt"),  # 512 tokens == max_model_len: no room for output

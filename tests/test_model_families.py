@@ -171,6 +171,17 @@ def test_partial_rotary_and_softmax_scale_match_transformers_on_the_pure_torch_o
     assert_pool_idle(engine.block_manager)
 
 
+def test_float16_on_cpu_matches_transformers_in_float16(tmp_path):
+    """dtype float16 on CPU (vLLM serves it on x86): the C++ kernels are built for fp32 / bf16 only, so the engine
+    attends with the torch ops (its prefill kernel for windowed layers and its decode kernel raised "dtype Half is
+    not supported" at the first step), and its tokens are transformers' with the checkpoint cast to float16."""
+    model_dir = save_random_hf_model(tmp_path / "mistral", "mistral", seed=3, sliding_window=24)
+    outputs, engine = run_engine(model_dir, SHORT_CASES, dtype="float16", **short_run_config())
+    assert engine.kv_cache.spec.dtype == torch.float16
+    assert outputs == [hf_greedy(model_dir, case, dtype="float16") for case in SHORT_CASES]
+    assert_pool_idle(engine.block_manager)
+
+
 def test_granite_logprobs_are_of_its_logits_divided_by_logits_scaling(tmp_path):
     """Greedy tokens cannot show logits_scaling (dividing keeps the argmax); logprobs do: each prompt token's equals
     transformers' log_softmax of its (divided) logits."""
@@ -292,6 +303,30 @@ def test_unsupported_architecture_is_a_clear_error(tmp_path):
     config_path.write_text(config_path.read_text().replace("LlamaForCausalLM", "GPT2LMHeadModel"))
     with pytest.raises(UnsupportedModelError, match="GPT2LMHeadModel.*not supported"):
         EngineCore(model_dir, EngineConfig())
+
+
+@pytest.mark.parametrize("architectures", [None, []], ids=["missing", "empty"])
+def test_a_config_naming_no_architecture_is_refused_naming_the_field(tmp_path, architectures):
+    """A config.json that LlamaConfig(...).save_pretrained writes has no architectures (transformers' Auto classes
+    go by model_type); the engine, like vLLM, runs a class by its architectures entry: the error names the field
+    (it said "architecture '?' is not supported"), as the CLI's check of the directory does."""
+    model_dir = save_random_hf_model(tmp_path / "m", "llama", num_hidden_layers=1)
+    config = json.loads((model_dir / "config.json").read_text())
+    if architectures is None:
+        del config["architectures"]
+    else:
+        config["architectures"] = architectures
+    (model_dir / "config.json").write_text(json.dumps(config))
+    message = ("config.json names no architecture (`architectures` is missing or empty); supported: "
+               "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Phi3ForCausalLM, "
+               "GraniteForCausalLM, GemmaForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM, SmolLM3ForCausalLM, "
+               "Olmo2ForCausalLM, Qwen3MoeForCausalLM, MixtralForCausalLM")
+    with pytest.raises(UnsupportedModelError) as error:
+        EngineCore(model_dir, EngineConfig(device="cpu"))
+    assert str(error.value) == message
+    with pytest.raises(UnsupportedModelError) as error:
+        check_model_dir(model_dir)
+    assert str(error.value) == f"{model_dir}: {message}"
 
 
 def test_missing_model_directory_is_a_clear_error(tmp_path):
@@ -463,6 +498,32 @@ def test_a_legacy_phi3_su_rope_is_refused_naming_it(tmp_path):
         "\"longrope\")")
 
 
+def test_kv_heads_that_do_not_divide_the_query_heads_are_refused_naming_both(tmp_path):
+    """transformers builds (and saves) a model of 4 query heads over 3 KV heads, which no grouped-query attention
+    runs (its own forward fails too): the engine refuses it at load instead of failing the first step."""
+    model_dir = save_random_hf_model(tmp_path / "m", "llama", num_hidden_layers=1, num_key_value_heads=3)
+    with pytest.raises(UnsupportedModelError) as error:
+        EngineCore(model_dir, EngineConfig(device="cpu"))
+    assert str(error.value) == ("num_attention_heads 4 is not a multiple of num_key_value_heads 3 (grouped-query "
+                                "attention gives each KV head the same number of query heads)")
+
+
+@pytest.mark.parametrize("fields, reason", [
+    (dict(vocab_size="384"), "TypeError: Field 'vocab_size' expected int, got str (value: '384')"),
+    (dict(hidden_size=100, num_attention_heads=3),
+     "ValueError: The hidden size (100) is not a multiple of the number of attention heads (3)."),
+], ids=["field-type", "shape"])
+def test_a_config_transformers_validation_refuses_is_an_unsupported_model_in_its_words(tmp_path, fields, reason):
+    """transformers 5's config classes validate field types and shapes (huggingface_hub strict dataclasses, whose
+    errors are no ValueError): the engine refused such a config.json with that raw exception (a traceback from
+    `splitserve generate`); its cause names the field, and the config's rope_parameters are not blamed."""
+    model_dir = copy_with_config_fields(save_random_hf_model(tmp_path / "m", "llama", num_hidden_layers=1),
+                                        tmp_path / "edited", **fields)
+    with pytest.raises(UnsupportedModelError) as error:
+        EngineCore(model_dir, EngineConfig(device="cpu"))
+    assert str(error.value) == f"config.json: transformers cannot read it ({reason})"
+
+
 def test_rope_parameters_transformers_cannot_build_are_refused_naming_them(tmp_path):
     model_dir = save_random_hf_model(tmp_path / "linear", "llama", **FAMILIES["llama-rope-linear"][1])
     config = load_hf_config(model_dir)
@@ -480,6 +541,22 @@ def test_a_tied_config_whose_checkpoint_stores_another_lm_head_runs_that_lm_head
     outputs, engine = run_engine(model_dir, SHORT_CASES, **short_run_config())
     assert outputs == [hf_greedy(model_dir, case) for case in SHORT_CASES]
     assert outputs == [hf_greedy(reference_dir, case) for case in SHORT_CASES]
+
+
+def test_a_tied_checkpoint_storing_only_lm_head_runs_it_as_the_embedding(tmp_path):
+    """transformers ties either tensor of a tied config to the other: a checkpoint holding the shared matrix as
+    lm_head.weight alone loads there (the engine refused it: "no tensor embed_tokens.weight")."""
+    from safetensors.torch import load_file, save_file
+
+    tied_dir = save_random_hf_model(tmp_path / "tied", "llama", seed=3, tie_word_embeddings=True)
+    model_dir = Path(shutil.copytree(tied_dir, tmp_path / "lm-head-only"))
+    tensors = load_file(model_dir / "model.safetensors")
+    tensors["lm_head.weight"] = tensors.pop("model.embed_tokens.weight")
+    save_file(tensors, model_dir / "model.safetensors", metadata={"format": "pt"})
+    outputs, engine = run_engine(model_dir, SHORT_CASES, **short_run_config())
+    assert outputs == [hf_greedy(model_dir, case) for case in SHORT_CASES]
+    assert outputs == [hf_greedy(tied_dir, case) for case in SHORT_CASES]
+    assert_pool_idle(engine.block_manager)
 
 
 def test_an_untied_checkpoint_without_lm_head_is_refused_naming_it(tmp_path):

@@ -7,6 +7,7 @@ import torch
 from splitserve.engine.attention.base import AttentionBackend, AttentionMetadata, DecodeBatch, PrefillSpan
 from splitserve.engine.attention.cpu import CpuPagedAttention
 from splitserve.engine.attention.torch_ref import TorchReferenceAttention
+from splitserve.engine.cpu_kernels import KERNEL_DTYPES
 
 FLASHINFER_DTYPES = (torch.float16, torch.bfloat16)
 """FlashInfer's kernels are built for 16-bit queries and KV only."""
@@ -19,12 +20,13 @@ def flashinfer_installed() -> bool:
 
 def select_backend(name: str, device_type: str, cpu_kernels: bool = True,
                    dtype: torch.dtype = torch.float32, quantized_kv: bool = False) -> AttentionBackend:
-    """`torch` is the reference (any device); `cpu` the CPU-tuned backend (its C++ decode kernel when
-    `cpu_kernels`); `flashinfer` FlashInfer's paged kernels (CUDA, float16/bfloat16, a plain KV pool);
+    """`torch` is the reference (any device); `cpu` the CPU-tuned backend (its C++ kernels when
+    `cpu_kernels` and `dtype` is one they are built for, KERNEL_DTYPES); `flashinfer` FlashInfer's paged
+    kernels (CUDA, float16/bfloat16, a plain KV pool);
     `auto` picks `cpu` on CPU, `flashinfer` on CUDA when it is installed, the dtype is 16-bit and the KV
     pool is not quantized (`quantized_kv`: kv_cache_dtype int8 / fp8_e4m3), else the reference."""
     if name == "cpu" or (name == "auto" and device_type == "cpu"):
-        return CpuPagedAttention(use_kernels=cpu_kernels)
+        return CpuPagedAttention(use_kernels=cpu_kernels and dtype in KERNEL_DTYPES)
     if name == "flashinfer" or (name == "auto" and dtype in FLASHINFER_DTYPES and not quantized_kv
                                 and flashinfer_installed()):
         return _flashinfer(device_type, dtype, quantized_kv)

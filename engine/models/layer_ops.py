@@ -14,7 +14,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from splitserve.engine.cpu_kernels import load_cpu_kernels
+from splitserve.engine.cpu_kernels import KERNEL_DTYPES, load_cpu_kernels
 
 
 class GatedActivation(enum.Enum):
@@ -125,9 +125,6 @@ class CpuKernelLayerOps:
 
     def gelu_tanh_and_mul(self, gate_up):
         return gelu_tanh_and_mul(gate_up)
-
-
-KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def select_layer_ops(device: torch.device, dtype: torch.dtype, use_cpu_kernels: bool) -> LayerOps:
