@@ -228,7 +228,8 @@ class LLM:
             engine_config["dtype"] = _engine_dtype(engine_config["dtype"])
         if "kv_cache_dtype" in engine_config:
             kv_cache_dtype = engine_config["kv_cache_dtype"]
-            engine_config["kv_cache_dtype"] = VLLM_KV_CACHE_DTYPE_ALIASES.get(kv_cache_dtype, kv_cache_dtype)
+            if isinstance(kv_cache_dtype, str):  # anything else reaches EngineConfig, which names what it accepts
+                engine_config["kv_cache_dtype"] = VLLM_KV_CACHE_DTYPE_ALIASES.get(kv_cache_dtype, kv_cache_dtype)
         if tokenizer is not None:
             check_tokenizer_option(tokenizer)
         files = tokenizer_dir(model, tokenizer)

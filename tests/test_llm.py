@@ -481,6 +481,9 @@ def test_kv_cache_dtype_takes_vllms_fp8(tiny_llama_dir):
     llm = LLM(tiny_llama_dir, kv_cache_dtype="fp8", block_size=16, max_model_len=64, num_kv_blocks=8)
     assert llm.engine.config.kv_cache_dtype == "fp8_e4m3"
     assert llm.engine.kv_cache.spec.quantization.code_dtype == torch.float8_e4m3fn
+    with pytest.raises(ValueError) as error:  # not a name: EngineConfig's message, not a TypeError from the aliases
+        LLM(tiny_llama_dir, kv_cache_dtype=["fp8"])
+    assert "kv_cache_dtype" in str(error.value)
 
 
 @pytest.mark.parametrize("prompt, field", [
