@@ -18,7 +18,8 @@ from splitserve.router.http_options import UVICORN_LOG_LEVELS
 
 def _add_make_tiny_model(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser("make-tiny-model", help="build a tiny Hugging Face-format model directory")
-    parser.add_argument("dir", type=Path, help="output directory (created)")
+    parser.add_argument("dir", type=Path, help="output directory: created, or replaced when it is empty or a model "
+                                                "directory (anything else is refused)")
     parser.add_argument("--arch", choices=("llama", "qwen2"), default="llama")
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--hidden", type=int, default=64)
@@ -44,7 +45,8 @@ TRAINING_PRESETS = ("draft", "main")
 def _add_train_tiny_model(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser("train-tiny-model",
                                  help="train a small Llama on this interpreter's standard library (docs/models.md)")
-    parser.add_argument("dir", type=Path, help="output model directory (replaced)")
+    parser.add_argument("dir", type=Path, help="output model directory: created, or replaced when it is empty or a "
+                                                "model directory (anything else is refused before training)")
     parser.add_argument("--preset", choices=TRAINING_PRESETS, default="main",
                         help="shape and schedule of a shipped model (the flags below override it)")
     parser.add_argument("--steps", type=int, default=None,
