@@ -598,7 +598,7 @@ def _add_scheduler_flags(group: argparse._ArgumentGroup) -> None:
                             "is refused; priority: by each request's priority (lower first, ties by arrival), and "
                             "when KV blocks run out the running request with the largest (priority, arrival) is "
                             "preempted")
-    group.add_argument("--speculative-config", type=json.loads, default=None, metavar="JSON",
+    group.add_argument("--speculative-config", type=_json_object, default=None, metavar="JSON",
                        help="speculative decoding on the decode pool, e.g. '{\"method\": \"ngram\", "
                             "\"num_speculative_tokens\": 4}' (keys: docs/speculative.md); sets "
                             "decode.engine.speculative")

@@ -139,6 +139,17 @@ def test_speculative_config_flag_sets_the_decode_pool_only():
     assert config.prefill.engine.speculative is None
 
 
+@pytest.mark.parametrize(("value", "why"), [
+    ("{method: ngram}", "not valid JSON: Expecting property name enclosed in double quotes: line 1 column 2 (char 1)"),
+    ('"ngram"', "must be a JSON object, got '\"ngram\"'")])
+def test_a_speculative_config_that_is_not_a_json_object_is_a_usage_error_naming_why(capsys, value, why):
+    with pytest.raises(SystemExit) as done:
+        parse("default", "--speculative-config", value)
+    assert done.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"splitserve serve: error: argument --speculative-config: {why} (see splitserve serve --help)")
+
+
 def test_set_for_one_pool_wins_over_the_flag_for_both():
     config = parse("default", "--max-num-seqs", "8", "--set", "decode.engine.max_num_seqs=64")
     assert (config.prefill.engine.max_num_seqs, config.decode.engine.max_num_seqs) == (8, 64)
