@@ -323,6 +323,14 @@ def test_bad_dtype_and_parallelism_are_usage_errors():
         assert done.stderr.splitlines() == [f"splitserve serve: error: {message} (see splitserve serve --help)"]
 
 
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_a_packed_quantization_of_a_float_checkpoint_is_named_before_the_workers_load_it(method):
+    assert_fails_fast(["default", "--quantization", method],
+                      f"prefill.engine.quantization (--quantization): quantization={method!r} needs a "
+                      f"{method.upper()} checkpoint (a quantization_config in config.json); make one with "
+                      f"`splitserve quantize MODEL_DIR OUT_DIR --method {method}`")
+
+
 def test_ports_in_use_are_named():
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))
