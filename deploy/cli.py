@@ -729,7 +729,7 @@ def _config(args: argparse.Namespace) -> int:
         for name, path in packaged_configs().items():
             print(f"{name}\t{path}")
     elif args.print_name:
-        sys.stdout.write(resolve_config(args.print_name).read_text(encoding="utf-8"))
+        sys.stdout.write(resolve_config(args.print_name, "config --print").read_text(encoding="utf-8"))
     else:
         sys.stdout.write(dump_cluster_config(default_cluster_config(args.model)))
     return 0
