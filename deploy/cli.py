@@ -796,8 +796,19 @@ def one_line(message: str) -> str:
     return " ".join(message.split())
 
 
+def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """parser.parse_args, except that flags no subcommand knows are the subcommand's usage error
+    (`splitserve serve: error: unrecognized arguments: ... (see splitserve serve --help)`), where its
+    flags are listed, not the top-level parser's."""
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        commands = next(action for action in parser._actions if isinstance(action, argparse._SubParsersAction))
+        commands.choices[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(build_parser(), argv)
     try:
         return args.handler(args)
     except (InvalidRequestError, UnsupportedModelError, FileNotFoundError, ValueError) as error:

@@ -331,6 +331,14 @@ def test_a_packed_quantization_of_a_float_checkpoint_is_named_before_the_workers
                       f"`splitserve quantize MODEL_DIR OUT_DIR --method {method}`")
 
 
+def test_an_unknown_flag_points_at_the_subcommand_s_help(capsys):
+    with pytest.raises(SystemExit) as done:
+        cli_main(["serve", "default", "--swap-space", "4"])
+    assert done.value.code == 2
+    assert capsys.readouterr().err == ("splitserve serve: error: unrecognized arguments: --swap-space 4 (see "
+                                       "splitserve serve --help)\n")
+
+
 def test_ports_in_use_are_named():
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))
