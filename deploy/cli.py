@@ -477,6 +477,9 @@ def _add_http_flags(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--disable-fastapi-docs", action="store_true",
                        help="accepted for vLLM compatibility; nothing to disable: splitserve serves no /docs, /redoc "
                             "or /openapi.json")
+    group.add_argument("--disable-log-stats", action="store_true",
+                       help="accepted for vLLM compatibility; nothing to disable: splitserve logs no periodic engine "
+                            "statistics (they are on /metrics)")
 
 
 _HTTP_FLAGS = {"allowed_origins": "router.cors_allowed_origins", "allowed_methods": "router.cors_allowed_methods",
