@@ -447,6 +447,16 @@ def test_banner_commands_work_as_printed():
     assert "--api-key-env VARIABLE_HOLDING_THE_KEY" in keyed and "curl" not in keyed
 
 
+def test_banner_brackets_an_ipv6_host():
+    banner = serving_banner(parse("default", "--host", "::1"), BoundPorts(50051, 8000, 9400), "splitserve", False)
+    lines = banner.splitlines()
+    assert [lines[0], lines[1], lines[3]] == ["splitserve: serving default as 'default' (disaggregated) on "
+                                              "[::1]:50051 (gRPC)", "  OpenAI API: http://[::1]:8000/v1",
+                                              "  metrics: http://[::1]:9400/metrics"]
+    assert lines[2].startswith("  try: curl http://[::1]:8000/v1/completions ")
+    assert lines[4] == "  or: splitserve generate --target [::1]:50051 \"Tell me about the river.\""
+
+
 def test_splitserve_command_is_runnable_from_the_same_shell():
     assert splitserve_command(".venv/bin/splitserve", "/usr/bin/python3") == ".venv/bin/splitserve"
     assert splitserve_command("/x/cli.py", "/v/bin/python") == "/v/bin/python -m splitserve.deploy.cli"
