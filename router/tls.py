@@ -98,8 +98,11 @@ def bind_grpc_port(server: grpc.aio.Server, host: str, port: int, tls: TlsConfig
     """Listen on host:port, over TLS when `tls` is set; returns the bound port (port 0 picks a
     free one). OSError when the address cannot be bound."""
     address = host_port(host, port)
-    bound = (server.add_secure_port(address, grpc_server_credentials(tls)) if tls is not None
-             else server.add_insecure_port(address))
+    try:  # grpc.aio raises RuntimeError where grpc's sync server returned 0
+        bound = (server.add_secure_port(address, grpc_server_credentials(tls)) if tls is not None
+                 else server.add_insecure_port(address))
+    except RuntimeError:
+        bound = 0
     if bound == 0:
         raise OSError(f"cannot listen on {address}")
     return bound

@@ -134,3 +134,24 @@ def test_an_ipv6_host_is_bound_as_grpc_spells_it():
 
     assert asyncio.run(bind()) > 0
 
+
+def test_a_grpc_port_taken_since_the_preflight_is_an_os_error_naming_the_address():
+    """What `serve` reports as one line (it catches OSError); grpc itself raises a RuntimeError."""
+    import asyncio
+    import socket
+
+    from splitserve.router.tls import bind_grpc_port
+
+    async def bind(port: int) -> int:
+        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        try:
+            return bind_grpc_port(server, "127.0.0.1", port, None)
+        finally:
+            await server.stop(None)
+
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        with pytest.raises(OSError) as error:
+            asyncio.run(bind(port))
+    assert str(error.value) == f"cannot listen on 127.0.0.1:{port}"
+
