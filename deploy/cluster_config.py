@@ -403,7 +403,7 @@ class ClusterConfig:
 
     def _check_lora_modules(self) -> None:
         try:
-            adapters = parse_lora_modules(self.lora_modules)
+            adapters = parse_lora_modules(self.lora_modules, self.served_model_names)
         except ValueError as error:
             raise ClusterConfigError("lora_modules", str(error)) from None
         clash = sorted({adapter.lora_name for adapter in adapters} & set(self.served_model_names))
@@ -416,7 +416,7 @@ class ClusterConfig:
     @property
     def lora_requests(self) -> tuple[LoRARequest, ...]:
         """lora_modules as the LoRARequests the router sends the workers (ids 1, 2, ... in order)."""
-        return parse_lora_modules(self.lora_modules)
+        return parse_lora_modules(self.lora_modules, self.served_model_names)
 
     @property
     def tokenizer_path(self) -> str | None:
