@@ -44,18 +44,49 @@ def check_lora_request(lora_request: object) -> None:
                                                   f"{type(lora_request).__name__}")
 
 
-def parse_lora_modules(modules: tuple[str, ...]) -> tuple[LoRARequest, ...]:
-    """vLLM's `--lora-modules name=path ...` as LoRARequests, ids 1, 2, ... in order, each path made absolute (the
-    workers may run in another directory); ValueError naming the item that is not `name=path` or repeats a name."""
+LORA_MODULE_KEYS = ("base_model_name", "name", "path")
+"""The keys of vLLM's JSON form of a --lora-modules item."""
+
+
+def parse_lora_modules(modules: tuple[str, ...], model_names: tuple[str, ...] = ()) -> tuple[LoRARequest, ...]:
+    """vLLM's `--lora-modules` items, `name=path` or its JSON form `{"name", "path", "base_model_name"}`, as
+    LoRARequests, ids 1, 2, ... in order, each path made absolute (the workers may run in another directory);
+    ValueError naming the item that is neither, repeats a name, or names as base_model_name none of
+    `model_names` (the served model's names: every adapter runs on that model)."""
     requests: list[LoRARequest] = []
     for item in modules:
-        name, sep, path = item.partition("=")
-        if not sep or not name.strip() or not path.strip():
-            raise ValueError(f"lora_modules item {item!r} must be NAME=PATH (an adapter's name and its directory)")
+        name, path = _lora_module(item, model_names)
         if any(request.lora_name == name for request in requests):
             raise ValueError(f"lora_modules names adapter {name!r} twice")
         requests.append(LoRARequest(name, len(requests) + 1, os.path.abspath(path)))
     return tuple(requests)
+
+
+def _lora_module(item: str, model_names: tuple[str, ...]) -> tuple[str, str]:
+    """(name, path) of one --lora-modules item."""
+    shape = ValueError(f"lora_modules item {item!r} must be NAME=PATH or a JSON object with string name and path "
+                       "(and base_model_name)")
+    if not item.lstrip().startswith("{"):
+        name, sep, path = item.partition("=")
+        if not sep or not name.strip() or not path.strip():
+            raise shape
+        return name, path
+    try:
+        fields = json.loads(item)
+    except ValueError:
+        raise shape from None
+    if not isinstance(fields, dict):
+        raise shape
+    unknown = sorted(set(fields) - set(LORA_MODULE_KEYS))
+    if unknown:
+        raise ValueError(f"lora_modules item {item!r}: unknown key {unknown[0]!r} (known: {', '.join(LORA_MODULE_KEYS)})")
+    name, path, base = fields.get("name"), fields.get("path"), fields.get("base_model_name")
+    if not all(isinstance(value, str) and value.strip() for value in (name, path)):
+        raise shape
+    if base is not None and base not in model_names:
+        raise ValueError(f"lora_modules item {item!r}: base_model_name {base!r} is not a served model name "
+                         f"{list(model_names)}")
+    return name, path
 
 
 ADAPTER_CONFIG_FILE = "adapter_config.json"

@@ -19,7 +19,8 @@ from splitserve.router.http_options import UVICORN_LOG_LEVELS
 
 def _add_make_tiny_model(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser("make-tiny-model", help="build a tiny Hugging Face-format model directory")
-    parser.add_argument("dir", type=Path, help="output directory (created)")
+    parser.add_argument("dir", type=Path, help="output directory: created, or replaced when it is empty or a model "
+                                                "directory (anything else is refused)")
     parser.add_argument("--arch", choices=("llama", "qwen2"), default="llama")
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--hidden", type=int, default=64)
@@ -45,7 +46,8 @@ TRAINING_PRESETS = ("draft", "main")
 def _add_train_tiny_model(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser("train-tiny-model",
                                  help="train a small Llama on this interpreter's standard library (docs/models.md)")
-    parser.add_argument("dir", type=Path, help="output model directory (replaced)")
+    parser.add_argument("dir", type=Path, help="output model directory: created, or replaced when it is empty or a "
+                                                "model directory (anything else is refused before training)")
     parser.add_argument("--preset", choices=TRAINING_PRESETS, default="main",
                         help="shape and schedule of a shipped model (the flags below override it)")
     parser.add_argument("--steps", type=int, default=None,
@@ -477,6 +479,9 @@ def _add_http_flags(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--disable-fastapi-docs", action="store_true",
                        help="accepted for vLLM compatibility; nothing to disable: splitserve serves no /docs, /redoc "
                             "or /openapi.json")
+    group.add_argument("--disable-log-stats", action="store_true",
+                       help="accepted for vLLM compatibility; nothing to disable: splitserve logs no periodic engine "
+                            "statistics (they are on /metrics)")
 
 
 _HTTP_FLAGS = {"allowed_origins": "router.cors_allowed_origins", "allowed_methods": "router.cors_allowed_methods",
@@ -598,7 +603,7 @@ def _add_scheduler_flags(group: argparse._ArgumentGroup) -> None:
                             "is refused; priority: by each request's priority (lower first, ties by arrival), and "
                             "when KV blocks run out the running request with the largest (priority, arrival) is "
                             "preempted")
-    group.add_argument("--speculative-config", type=json.loads, default=None, metavar="JSON",
+    group.add_argument("--speculative-config", type=_json_object, default=None, metavar="JSON",
                        help="speculative decoding on the decode pool, e.g. '{\"method\": \"ngram\", "
                             "\"num_speculative_tokens\": 4}' (keys: docs/speculative.md); sets "
                             "decode.engine.speculative")
@@ -729,7 +734,7 @@ def _config(args: argparse.Namespace) -> int:
         for name, path in packaged_configs().items():
             print(f"{name}\t{path}")
     elif args.print_name:
-        sys.stdout.write(resolve_config(args.print_name).read_text(encoding="utf-8"))
+        sys.stdout.write(resolve_config(args.print_name, "config --print").read_text(encoding="utf-8"))
     else:
         sys.stdout.write(dump_cluster_config(default_cluster_config(args.model)))
     return 0
@@ -796,8 +801,19 @@ def one_line(message: str) -> str:
     return " ".join(message.split())
 
 
+def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """parser.parse_args, except that flags no subcommand knows are the subcommand's usage error
+    (`splitserve serve: error: unrecognized arguments: ... (see splitserve serve --help)`), where its
+    flags are listed, not the top-level parser's."""
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        commands = next(action for action in parser._actions if isinstance(action, argparse._SubParsersAction))
+        commands.choices[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(build_parser(), argv)
     try:
         return args.handler(args)
     except (InvalidRequestError, UnsupportedModelError, FileNotFoundError, ValueError) as error:

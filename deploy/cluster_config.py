@@ -323,7 +323,8 @@ class ClusterConfig:
     router: RouterConfig
     """The public front: the gRPC and OpenAI-compatible HTTP APIs."""
     kv_transfer_backend: str = "nixl"
-    """How decode pulls prefill's KV blocks: nixl (UCX/RDMA), or inprocess (tests, one process)."""
+    """How decode pulls prefill's KV blocks: nixl (UCX/RDMA); inprocess (the tests' one-process clusters) is
+    refused in disaggregated mode, where every worker is a Ray actor of its own."""
     kv_transfer_failure_policy: str = "recompute"
     """What a decode worker does when a pull fails (lease expired, prefill worker gone):
     recompute the prompt itself (the stream goes on, same greedy output) or fail the request."""
@@ -364,6 +365,11 @@ class ClusterConfig:
         _require(self.mode in MODES, "mode", f"must be one of {MODES}, got {self.mode!r}")
         _require(self.kv_transfer_backend in KV_TRANSFER_BACKENDS, "kv_transfer_backend",
                  f"must be one of {KV_TRANSFER_BACKENDS}, got {self.kv_transfer_backend!r}")
+        # The in-process backend's peers are agents in the same process: a Ray actor's peer never is (its handshake
+        # failed on every request, which then recomputed its prompt on the decode worker).
+        _require(self.kv_transfer_backend != "inprocess" or self.mode == "colocated", "kv_transfer_backend",
+                 "inprocess moves KV only between workers in one process (the tests' clusters), and each worker here "
+                 "is a Ray actor in a process of its own: use nixl")
         _require(self.kv_transfer_failure_policy in TRANSFER_FAILURE_POLICIES, "kv_transfer_failure_policy",
                  f"must be one of {TRANSFER_FAILURE_POLICIES}, got {self.kv_transfer_failure_policy!r}")
         _require(isinstance(self.kv_transfer_layerwise, bool), "kv_transfer_layerwise",
@@ -403,7 +409,7 @@ class ClusterConfig:
 
     def _check_lora_modules(self) -> None:
         try:
-            adapters = parse_lora_modules(self.lora_modules)
+            adapters = parse_lora_modules(self.lora_modules, self.served_model_names)
         except ValueError as error:
             raise ClusterConfigError("lora_modules", str(error)) from None
         clash = sorted({adapter.lora_name for adapter in adapters} & set(self.served_model_names))
@@ -416,7 +422,7 @@ class ClusterConfig:
     @property
     def lora_requests(self) -> tuple[LoRARequest, ...]:
         """lora_modules as the LoRARequests the router sends the workers (ids 1, 2, ... in order)."""
-        return parse_lora_modules(self.lora_modules)
+        return parse_lora_modules(self.lora_modules, self.served_model_names)
 
     @property
     def tokenizer_path(self) -> str | None:

@@ -48,7 +48,7 @@ from splitserve.router.auth import api_key_from_env  # noqa: E402
 from splitserve.router.metrics_server import RouterMetrics  # noqa: E402
 from splitserve.router.openai_server import HttpServer  # noqa: E402
 from splitserve.router.orchestrator import Orchestrator  # noqa: E402
-from splitserve.router.tls import load_tls  # noqa: E402
+from splitserve.router.tls import host_port, load_tls  # noqa: E402
 from splitserve.router.worker_client import RayWorker  # noqa: E402
 
 logger = logging.getLogger(__name__)
@@ -440,20 +440,21 @@ def serving_banner(config: ClusterConfig, ports: BoundPorts, command: str, needs
     """What `splitserve serve` prints once it serves: its endpoints and two commands that work as
     printed (a curl line for the OpenAI API, a generate line for gRPC)."""
     host, tls = config.router.host, config.router.tls is not None
+    grpc_target = host_port(host, ports.grpc)  # an IPv6 host in brackets, in the URLs too
     lines = [f"splitserve: serving {config.model} as {config.served_model_names[0]!r} ({config.mode}) on "
-             f"{host}:{ports.grpc} (gRPC)"]
+             f"{grpc_target} (gRPC)"]
     auth = " -H 'Authorization: Bearer <your API key>'" if needs_key else ""
     if ports.http is not None:
-        scheme = "https" if tls else "http"
+        api_url = f"{'https' if tls else 'http'}://{host_port(host, ports.http)}/v1"
         body = json.dumps({"model": config.served_model_names[0], "prompt": "Tell me about the river.",
                            "max_tokens": 32})
-        lines += [f"  OpenAI API: {scheme}://{host}:{ports.http}/v1",
-                  f"  try: curl {'--cacert CA_FILE ' if tls else ''}{scheme}://{host}:{ports.http}/v1/completions "
+        lines += [f"  OpenAI API: {api_url}",
+                  f"  try: curl {'--cacert CA_FILE ' if tls else ''}{api_url}/completions "
                   f"-H 'Content-Type: application/json'{auth} -d {shlex.quote(body)}"]
     if ports.metrics is not None:
-        lines.append(f"  metrics: http://{host}:{ports.metrics}/metrics")
+        lines.append(f"  metrics: http://{host_port(host, ports.metrics)}/metrics")
     key_flag = f" --api-key-env {config.router.api_key_env or 'VARIABLE_HOLDING_THE_KEY'}" if needs_key else ""
-    lines += [f"  or: {command} generate --target {host}:{ports.grpc}{' --tls-ca CA_FILE' if tls else ''}{key_flag} "
+    lines += [f"  or: {command} generate --target {grpc_target}{' --tls-ca CA_FILE' if tls else ''}{key_flag} "
               "\"Tell me about the river.\"",
               "  Ctrl-C stops the cluster."]
     return "\n".join(lines)

@@ -21,9 +21,9 @@ def packaged_configs() -> dict[str, Path]:
     return {path.name.removesuffix(CONFIG_SUFFIX): path for path in sorted(folder.glob(f"*{CONFIG_SUFFIX}"))}
 
 
-def resolve_config(value: str | Path) -> Path:
+def resolve_config(value: str | Path, flag: str = "--config") -> Path:
     """A --config value as a file: an existing path as given, else a packaged config's name
-    (`local` or `local.yaml`). FileNotFoundError naming both readings when it is neither."""
+    (`local` or `local.yaml`). FileNotFoundError naming `flag` and both readings when it is neither."""
     path = Path(value).expanduser()
     if path.is_file():
         return path
@@ -31,5 +31,5 @@ def resolve_config(value: str | Path) -> Path:
     name = str(value).removesuffix(CONFIG_SUFFIX)
     if name in packaged:
         return packaged[name]
-    raise FileNotFoundError(f"--config {str(value)!r}: no such file, and not a packaged config (packaged: "
+    raise FileNotFoundError(f"{flag} {str(value)!r}: no such file, and not a packaged config (packaged: "
                             f"{', '.join(packaged) or 'none'})")

@@ -1,6 +1,7 @@
 """What `splitserve serve` checks before Ray starts: every mistake that the config and the files
 it names already show (the model directory, its tokenizer (or --tokenizer's) and chat template, a max_model_len
-longer than its positions, sampling defaults a generation_config.json cannot give, TLS files,
+longer than its positions, a weight quantization the checkpoint does not fit, sampling defaults a
+generation_config.json cannot give, TLS files,
 the API key's variable, a host that is not this machine's, ports in use, LoRA adapter directories the
 engines would refuse), each reported as one
 line within milliseconds instead of after Ray, the workers and a model load.
@@ -19,6 +20,7 @@ from splitserve.common.errors import InvalidRequestError, UnsupportedModelError
 from splitserve.common.generation_config import GenerationConfigFile, resolve_request_defaults
 from splitserve.common.lora import adapter_weight_file, read_adapter_config
 from splitserve.common.model_dir import EMBEDDED_MODELS, check_model_dir, read_model_config
+from splitserve.common.quantization_spec import resolve_quantization
 from splitserve.deploy.cluster_config import ClusterConfig, RouterConfig
 from splitserve.router.auth import api_key_from_env
 from splitserve.router.tls import load_tls
@@ -37,6 +39,7 @@ def preflight(config: ClusterConfig, api_key: str | None = None) -> None:
     `api_key`: the key given on the command line, which makes router.api_key_env unnecessary."""
     check_model(config.model, config.router.chat_template, config.tokenizer)
     check_max_model_len(config)
+    check_quantization(config)
     check_lora_modules(config)
     resolve_request_defaults(config.router.generation_config, GenerationConfigFile.read(_model_dir(config.model)))
     if config.router.tls is not None:
@@ -72,6 +75,19 @@ def check_max_model_len(config: ClusterConfig) -> None:
         if length is not None and length > max_positions:
             raise PreflightError(f"{role}.engine.max_model_len (--max-model-len): {length} exceeds the model's "
                                  f"max_position_embeddings {max_positions} ({model_dir / 'config.json'})")
+
+
+def check_quantization(config: ClusterConfig) -> None:
+    """PreflightError when a serving pool's engine.quantization does not fit the checkpoint (gptq / awq of
+    float weights, int8 of a packed checkpoint, a packing the engine cannot run): the workers refuse it
+    with the same message (common/quantization_spec.py), but only once Ray started and they loaded."""
+    checkpoint_config = read_model_config(_model_dir(config.model)).get("quantization_config")
+    for role in ("prefill", "decode") if config.mode == "disaggregated" else ("decode",):
+        engine = getattr(config, role).engine
+        try:
+            resolve_quantization(engine.quantization, engine.quantization_group_size, checkpoint_config)
+        except UnsupportedModelError as error:
+            raise PreflightError(f"{role}.engine.quantization (--quantization): {error}") from None
 
 
 def check_lora_modules(config: ClusterConfig) -> None:

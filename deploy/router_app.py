@@ -83,7 +83,11 @@ class RouterServers:
         return await drain(self.orchestrator, self.grpc, timeout_s)
 
     async def stop(self, grace_s: float | None = 2.0) -> None:
-        """Stop serving; running gRPC calls get grace_s to finish (None: cancelled at once)."""
+        """Stop serving: requests in flight get grace_s to finish (None: none), then end with UNAVAILABLE
+        (an HTTP stream with an error event and [DONE], a gRPC call with that status) before the servers close."""
+        if grace_s is not None:
+            await self.orchestrator.drain(grace_s)
+        self.orchestrator.end_requests("the server is shutting down")
         if self.http is not None:
             await self.http.stop()
         if self.metrics is not None:

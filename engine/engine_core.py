@@ -35,7 +35,7 @@ from splitserve.engine.models.layer_ops import select_layer_ops
 from splitserve.engine.models.lora_linear import install_lora_linears
 from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.outputs import CompletionDelta
-from splitserve.engine.quantization.spec import resolve_quantization
+from splitserve.common.quantization_spec import resolve_quantization
 from splitserve.engine.request import Request, RequestStatus
 from splitserve.engine.sampler import Sampler, SamplingRow, token_logprobs
 from splitserve.engine.spec_decode.speculator import Speculator, build_proposer

@@ -30,7 +30,7 @@ from splitserve.engine.models.moe import SparseMoeArch
 from splitserve.engine.models.packed_linear import can_pack, pack_linears
 from splitserve.engine.quantization.formats import concat_rows
 from splitserve.engine.quantization.loader import install_quantized_linears, unpack_checkpoint
-from splitserve.engine.quantization.spec import NONE, PACKED_METHODS, QuantizationSpec
+from splitserve.common.quantization_spec import NONE, PACKED_METHODS, QuantizationSpec
 
 
 def model_fingerprint(model_dir: Path) -> str:
@@ -540,7 +540,7 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, backen
                show_progress: bool = False, ops: LayerOps | None = None,
                quantization: QuantizationSpec = NONE, fuse_mlp_activation: bool = True) -> LlamaFamilyForCausalLM:
     """The model in `dtype` on `device`; `ops` defaults to the torch reference ops; `quantization`
-    (engine/quantization/spec.py) says how the decoder's projections are stored and run; without
+    (common/quantization_spec.py) says how the decoder's projections are stored and run; without
     `fuse_mlp_activation` an MLP's gate/up product is never fused with its activation (LoRA adapts it)."""
     config = load_hf_config(model_dir)
     arch = parse_arch(config)

@@ -254,9 +254,22 @@ def _random_model(spec: TinyModelSpec, config: PretrainedConfig) -> PreTrainedMo
     return model
 
 
+def check_output_dir(out_dir: str | Path) -> None:
+    """ValueError unless `out_dir` may be written as a model directory: missing, empty, or a model
+    directory already (a rebuild replaces it whole). Anything else would be deleted by the replace
+    (`make-tiny-model ~/work` once took a user's folder with it), so it is refused before any work."""
+    out_dir = Path(out_dir)
+    if not out_dir.exists() or _is_model_dir(out_dir) or (out_dir.is_dir() and not any(out_dir.iterdir())):
+        return
+    raise ValueError(f"{out_dir}: exists and is not a model directory (no config.json): choose a new or empty "
+                     "directory")
+
+
 @contextmanager
 def _atomic_dir(out_dir: Path) -> Iterator[Path]:
-    """Yield a staging directory beside `out_dir` that replaces it only once completely written."""
+    """Yield a staging directory beside `out_dir` that replaces it only once completely written
+    (check_output_dir first: never a folder or file that is not a model directory)."""
+    check_output_dir(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     old = staging.with_name(staging.name + ".old")
@@ -295,6 +308,7 @@ def write_model_dir(out_dir: str | Path, model: PreTrainedModel, tokenizer: PreT
 
 def build_tiny_model(out_dir: str | Path, spec: TinyModelSpec) -> Path:
     """Write a complete model directory for `spec` to `out_dir` (replacing it); a crash never leaves half a model."""
+    check_output_dir(out_dir)
     tokenizer = build_tokenizer(spec.vocab_size, spec.seed, spec.arch)
     tokenizer.model_max_length = spec.max_position_embeddings
     return write_model_dir(out_dir, random_model(spec, tokenizer), tokenizer)

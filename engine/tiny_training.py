@@ -25,7 +25,8 @@ from tqdm import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 from splitserve.engine.stdlib_corpus import HELDOUT_EVERY, CorpusSplit, files_hash
-from splitserve.engine.tiny_model import EOS_TOKEN, TinyModelSpec, random_model, train_tokenizer, write_model_dir
+from splitserve.engine.tiny_model import (EOS_TOKEN, TinyModelSpec, check_output_dir, random_model, train_tokenizer,
+                                          write_model_dir)
 
 RECORD_FILE = "training_record.json"
 EVAL_BATCH_SIZE = 8
@@ -225,7 +226,9 @@ def _round_to_bf16(model: PreTrainedModel) -> PreTrainedModel:
 
 def train(config: TrainingConfig, split: CorpusSplit, out_dir: str | Path,
           show_progress: bool = False) -> TrainingRecord:
-    """Train on split.train, evaluate on split.heldout, write the model directory; returns the record."""
+    """Train on split.train, evaluate on split.heldout, write the model directory; returns the record.
+    An `out_dir` that may not be replaced is refused before training (check_output_dir)."""
+    check_output_dir(out_dir)
     started = time.perf_counter()
     with _torch_threads(config.threads), torch.random.fork_rng(devices=[]):
         train_texts = split.read(split.train)

@@ -1,6 +1,6 @@
 """The router's OpenAI-compatible HTTP front: /v1/completions, /v1/chat/completions and
 /v1/responses (JSON or server-sent events), /v1/models, vLLM's /tokenize, /detokenize and
-/version, /health, and optionally /metrics.
+/version, /health (and vLLM's /ping), and optionally /metrics.
 
 A Starlette app served by uvicorn on the router's event loop, beside the gRPC server and over
 the same Orchestrator. Errors use the OpenAI error object with an HTTP status per cause:
@@ -757,7 +757,7 @@ GUARDED_PATHS = frozenset({"/v1", "/tokenize", "/detokenize"})
 
 class _ApiKeyGuard:
     """Requires `Authorization: Bearer <key>` on /v1/*, /tokenize and /detokenize (401 with an
-    OpenAI error object otherwise); /health, /version and /metrics stay open."""
+    OpenAI error object otherwise); /health, /ping, /version and /metrics stay open."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
@@ -791,7 +791,8 @@ def build_app(serving: OpenAIServing, metrics_app: ASGIApp | None = None, api_ke
               Route("/tokenize", serving.tokenize, methods=["POST"]),
               Route("/detokenize", serving.detokenize, methods=["POST"]),
               Route("/version", serving.version, methods=["GET"]),
-              Route("/health", serving.health, methods=["GET"])]
+              Route("/health", serving.health, methods=["GET"]),
+              Route("/ping", serving.health, methods=["GET", "POST"])]  # vLLM's /health for SageMaker
     if serving.runtime_lora_updating:  # vLLM serves these only when its environment variable allows it
         routes += [Route("/v1/load_lora_adapter", serving.load_lora_adapter, methods=["POST"]),
                    Route("/v1/unload_lora_adapter", serving.unload_lora_adapter, methods=["POST"])]

@@ -113,6 +113,8 @@ class Orchestrator:
         """The requests admitted and not yet ended (from the API's first line, before parsing)."""
         self._runs: dict[str, RequestRun] = {}
         """Current attempts by worker-side request id."""
+        self._ended_by: str | None = None
+        """Set by end_requests() (the server is stopping): why every request left ends with UNAVAILABLE."""
         self.peers = PeerHandshakes()
         self._background: set[asyncio.Task] = set()
         self._turn = 0
@@ -164,6 +166,14 @@ class Orchestrator:
         except TimeoutError:
             pass
         return self.admission.in_flight
+
+    def end_requests(self, reason: str) -> None:
+        """The server stops with requests still in flight (the drain's grace is over): each ends with
+        UNAVAILABLE `reason`, as when its worker is lost with no move left (freed on the workers; its client's
+        stream ends with that status instead of being cut off with its connection), and none starts again."""
+        self._ended_by = reason
+        for run in list(self._runs.values()):
+            run.lose(WorkerLostError(run.active_worker_id or "(none yet)", reason))
 
     def routing_stats(self) -> RoutingStats:
         return RoutingStats(tuple(sorted(self._decisions.items())), tuple(sorted(self._rejections.items())))
@@ -510,6 +520,8 @@ class Orchestrator:
     async def _attempt(self, run: RequestRun) -> AsyncIterator[StreamChunk]:
         """Route the request and run it from where it is (the prompt, or after a migration the
         prompt + the tokens streamed so far) to its end."""
+        if self._ended_by is not None:
+            raise RouterError("UNAVAILABLE", self._ended_by)
         worker_request_id = f"{self.router_id}-{uuid.uuid4().hex}"
         run.begin_attempt(worker_request_id, self.dispatcher.open(worker_request_id))
         self._runs[worker_request_id] = run
@@ -530,8 +542,10 @@ class Orchestrator:
 
     def _migrate(self, run: RequestRun, lost: WorkerLostError) -> None:
         """End the attempt on the lost worker; raise UNAVAILABLE once the request has moved
-        routing.max_migrations times."""
+        routing.max_migrations times, or when end_requests() ended it."""
         self._end_attempt(run)
+        if self._ended_by is not None:
+            raise RouterError("UNAVAILABLE", self._ended_by) from lost
         if run.num_migrations >= self.routing.max_migrations:
             raise RouterError("UNAVAILABLE", f"{lost}; the request already moved {run.num_migrations} times "
                                              f"(router.routing.max_migrations)") from lost

@@ -1,5 +1,6 @@
 """TLS on the router's public endpoints: the config (a server certificate, and a client CA for
-mutual TLS), loading and checking its PEM files, and binding the gRPC port with them.
+mutual TLS), loading and checking its PEM files, and binding the gRPC port with them (an IPv6
+host in brackets, as gRPC spells it).
 
 The files are read when a server starts (a renewed certificate takes a restart). Before
 either server uses them, `load_tls` checks them with the standard library's `ssl` (the module
@@ -88,12 +89,20 @@ def grpc_server_credentials(config: TlsConfig) -> grpc.ServerCredentials:
                                        require_client_auth=credentials.client_ca is not None)
 
 
+def host_port(host: str, port: int) -> str:
+    """`host:port` as gRPC targets and URLs spell it: an IPv6 host in brackets ([::1]:50051)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def bind_grpc_port(server: grpc.aio.Server, host: str, port: int, tls: TlsConfig | None) -> int:
     """Listen on host:port, over TLS when `tls` is set; returns the bound port (port 0 picks a
     free one). OSError when the address cannot be bound."""
-    address = f"{host}:{port}"
-    bound = (server.add_secure_port(address, grpc_server_credentials(tls)) if tls is not None
-             else server.add_insecure_port(address))
+    address = host_port(host, port)
+    try:  # grpc.aio raises RuntimeError where grpc's sync server returned 0
+        bound = (server.add_secure_port(address, grpc_server_credentials(tls)) if tls is not None
+                 else server.add_insecure_port(address))
+    except RuntimeError:
+        bound = 0
     if bound == 0:
         raise OSError(f"cannot listen on {address}")
     return bound

@@ -751,7 +751,7 @@ def write_dequantized_model(model_dir: Path, out_dir: Path, quantization: str, g
     from splitserve.engine.model_loader import load_hf_config, read_checkpoint
     from splitserve.engine.quantization.formats import QuantizedWeight
     from splitserve.engine.quantization.loader import quantize_float_weight, unpack_checkpoint
-    from splitserve.engine.quantization.spec import PACKED_METHODS, resolve_quantization
+    from splitserve.common.quantization_spec import PACKED_METHODS, resolve_quantization
 
     spec = resolve_quantization(quantization, group_size,
                                 getattr(load_hf_config(model_dir), "quantization_config", None))

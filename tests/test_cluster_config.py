@@ -180,6 +180,9 @@ BAD_FILES = [
     ("prefill: {engine: null}", "prefill.engine: must be a mapping, got None"),
     ("mode: split", "mode: must be one of ('disaggregated', 'colocated'), got 'split'"),
     ("kv_transfer_backend: rdma", "kv_transfer_backend: must be one of ('nixl', 'inprocess'), got 'rdma'"),
+    ("kv_transfer_backend: inprocess", "kv_transfer_backend: inprocess moves KV only between workers in one process "
+                                       "(the tests' clusters), and each worker here is a Ray actor in a process of its "
+                                       "own: use nixl"),
     ("ray_address: ''", "ray_address: must not be empty (null starts a local Ray)"),
     ("router: {host: ''}", "router.host: must not be empty"),
     ("router: {grpc_port: 65536}", "router.grpc_port: must be in [0, 65535], got 65536"),

@@ -116,3 +116,42 @@ def test_a_cancelled_call_ends_as_cancelled_and_frees_the_workers(served):
     served.assert_freed()
     assert served.failures() == (deadlines, cancels + 1)
     assert served.decode_generation_tokens() - before < LONG // 2
+
+
+def test_an_ipv6_host_is_bound_as_grpc_spells_it():
+    """--host ::1 passed the preflight, then grpc refused "::1:50051" (it wants "[::1]:50051") once Ray and the
+    workers had started."""
+    import asyncio
+
+    from splitserve.router.tls import bind_grpc_port
+
+    async def bind() -> int:
+        server = grpc.aio.server()
+        try:
+            return bind_grpc_port(server, "::1", 0, None)
+        finally:
+            await server.stop(None)
+
+    assert asyncio.run(bind()) > 0
+
+
+def test_a_grpc_port_taken_since_the_preflight_is_an_os_error_naming_the_address():
+    """What `serve` reports as one line (it catches OSError); grpc itself raises a RuntimeError."""
+    import asyncio
+    import socket
+
+    from splitserve.router.tls import bind_grpc_port
+
+    async def bind(port: int) -> int:
+        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        try:
+            return bind_grpc_port(server, "127.0.0.1", port, None)
+        finally:
+            await server.stop(None)
+
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        with pytest.raises(OSError) as error:
+            asyncio.run(bind(port))
+    assert str(error.value) == f"cannot listen on 127.0.0.1:{port}"
+

@@ -117,10 +117,10 @@ def test_uvicorn_log_level_flag_and_its_check():
         build_parser().parse_args(["serve", "m", "--uvicorn-log-level", "loud"])
 
 
-# ---- accepted, nothing to do: --disable-uvicorn-access-log, --disable-fastapi-docs ------------
+# ---- accepted, nothing to do: --disable-uvicorn-access-log, --disable-fastapi-docs, --disable-log-stats
 
 def test_flags_with_nothing_to_disable_are_accepted_and_change_no_config():
-    assert _config("--disable-uvicorn-access-log", "--disable-fastapi-docs") == _config()
+    assert _config("--disable-uvicorn-access-log", "--disable-fastapi-docs", "--disable-log-stats") == _config()
 
 
 def test_there_are_no_docs_pages_to_disable_and_no_uvicorn_access_log(tiny_llama_dir, caplog):

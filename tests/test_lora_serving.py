@@ -207,6 +207,36 @@ def test_serve_preflight_refuses_adapters_the_engines_would_refuse(tiny_llama_di
                                             + "decode: {engine: {enable_lora: true}}\n"))
 
 
+def test_lora_modules_take_vllms_json_form_too():
+    """vLLM's --lora-modules also takes '{"name": ..., "path": ..., "base_model_name": ...}' (the base model named
+    is the one served: a request naming the adapter runs on it)."""
+    from splitserve.common.lora import LoRARequest
+
+    config = serve_config(build_parser().parse_args([
+        "serve", "/models/m", "--served-model-name", "m", "mm", "--enable-lora", "--lora-modules",
+        '{"name": "sql", "path": "/a/sql", "base_model_name": "mm"}', '{"name": "poet", "path": "/a/poet"}', "c=/a/c"]))
+    assert config.lora_requests == (LoRARequest("sql", 1, "/a/sql"), LoRARequest("poet", 2, "/a/poet"),
+                                    LoRARequest("c", 3, "/a/c"))
+
+
+@pytest.mark.parametrize("item, message", [
+    ('{"name": "sql"}', "lora_modules item '{\"name\": \"sql\"}' must be NAME=PATH or a JSON object with "
+                        "string name and path (and base_model_name)"),
+    ('{"name": "sql", "path": "/a", "scale": 2}', "lora_modules item '{\"name\": \"sql\", \"path\": \"/a\", "
+                                                  "\"scale\": 2}': unknown key 'scale' (known: base_model_name, "
+                                                  "name, path)"),
+    ('{"name": "sql", "path": "/a", "base_model_name": "other"}', "lora_modules item '{\"name\": \"sql\", "
+                                                                  "\"path\": \"/a\", \"base_model_name\": "
+                                                                  "\"other\"}': base_model_name 'other' is not a "
+                                                                  "served model name ['m']"),
+])
+def test_a_bad_json_lora_module_is_refused_saying_why(item, message):
+    with pytest.raises(ClusterConfigError) as raised:
+        serve_config(build_parser().parse_args(["serve", "/models/m", "--served-model-name", "m", "--enable-lora",
+                                                "--lora-modules", item]))
+    assert (raised.value.path, raised.value.reason) == ("lora_modules", message)
+
+
 @pytest.mark.parametrize("text, key, message", [
     ("lora_modules: [sql=/a]", "prefill.engine.enable_lora", "must be true to serve lora_modules"),
     ("lora_modules: [sql]\nprefill: {engine: {enable_lora: true}}\ndecode: {engine: {enable_lora: true}}",

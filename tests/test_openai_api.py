@@ -308,6 +308,10 @@ def test_models_and_health(served):
     assert http_request(served.http_port, "GET", "/health")[0] == 200
 
 
+def test_ping_is_vllms_health_check_for_sagemaker(served):
+    assert [http_request(served.http_port, method, "/ping")[::2] for method in ("GET", "POST")] == [(200, b"")] * 2
+
+
 # ---- errors -------------------------------------------------------------------------------
 
 @pytest.mark.parametrize(("kwargs", "param"), [

@@ -97,6 +97,12 @@ def test_config_print_writes_the_defaults_or_a_packaged_config(capsys):
     assert load_cluster_config(resolve_config("local")).model == "default"
 
 
+def test_config_print_of_an_unknown_name_names_its_own_flag(capsys):
+    assert cli_main(["config", "--print", "nope"]) == 2
+    assert capsys.readouterr().err == ("splitserve: error: config --print 'nope': no such file, and not a packaged "
+                                       "config (packaged: local)\n")
+
+
 PACKAGE_DATA = ("splitserve/deploy/configs/local.yaml", "splitserve/deploy/prometheus/rules/splitserve-alerts.yml",
                 "splitserve/deploy/prometheus/rules/splitserve-recording.yml",
                 "splitserve/deploy/grafana/dashboards/splitserve-slo.json",

@@ -16,7 +16,7 @@ from splitserve.engine.quantization.formats import (AWQ_PACK_ORDER, PackedTensor
 from splitserve.engine.quantization.linear import (DequantizingLinear, Int4CpuLinear, Int8CpuLinear,
                                                    make_quantized_linear)
 from splitserve.engine.quantization.rtn import int4_grouped, int8_per_channel
-from splitserve.engine.quantization.spec import QuantizationSpec, resolve_quantization
+from splitserve.common.quantization_spec import QuantizationSpec, resolve_quantization
 from splitserve.engine.tiny_model import TinyModelSpec, build_tiny_model
 from tests.factories import save_random_hf_model
 

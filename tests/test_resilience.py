@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
+import threading
 import time
 
 import pytest
@@ -228,6 +229,42 @@ def test_drain_returns_what_is_still_in_flight_at_its_timeout(tiny_llama_dir):
             return left
 
     assert asyncio.run(scenario()) == 1
+
+
+def test_stopping_the_servers_ends_a_stream_still_running_after_the_grace_with_unavailable(tiny_llama_dir):
+    """SIGTERM twice (or a drain that timed out): the HTTP stream got neither an error event nor [DONE] (cut off
+    by uvicorn, or a 500 before its first event), a gRPC one "Cancelling all calls"."""
+    from splitserve.deploy.cluster_config import RouterConfig
+    from splitserve.deploy.router_app import start_servers
+
+    body = json.dumps({"prompt": PROMPT, "max_tokens": 1800, "ignore_eos": True, "stream": True})
+
+    streaming = threading.Event()
+
+    def events(port: int) -> list[str]:
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        connection.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
+        received = []
+        for line in connection.getresponse():
+            if line.startswith(b"data: "):
+                received.append(line.decode().strip())
+                streaming.set()
+        return received
+
+    async def scenario():
+        async with InProcessCluster(tiny_llama_dir) as cluster:
+            servers = await start_servers(cluster.orchestrator, cluster.tokenizer,
+                                          RouterConfig(grpc_port=0, http_port=0, metrics_port=None), "tiny", None, None)
+            reading = asyncio.ensure_future(asyncio.to_thread(events, servers.http.port))
+            assert await asyncio.to_thread(streaming.wait, 30)
+            await servers.stop(grace_s=0.05)
+            await cluster.wait_idle()
+            return await reading
+
+    received = asyncio.run(scenario())
+    assert len(received) >= 3 and received[-1] == "data: [DONE]"
+    assert json.loads(received[-2].removeprefix("data: ")) == {"error": {
+        "message": "the server is shutting down", "type": "server_error", "param": None, "code": "unavailable"}}
 
 
 # ---- a router that dies ---------------------------------------------------------------------

@@ -139,6 +139,17 @@ def test_speculative_config_flag_sets_the_decode_pool_only():
     assert config.prefill.engine.speculative is None
 
 
+@pytest.mark.parametrize(("value", "why"), [
+    ("{method: ngram}", "not valid JSON: Expecting property name enclosed in double quotes: line 1 column 2 (char 1)"),
+    ('"ngram"', "must be a JSON object, got '\"ngram\"'")])
+def test_a_speculative_config_that_is_not_a_json_object_is_a_usage_error_naming_why(capsys, value, why):
+    with pytest.raises(SystemExit) as done:
+        parse("default", "--speculative-config", value)
+    assert done.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"splitserve serve: error: argument --speculative-config: {why} (see splitserve serve --help)")
+
+
 def test_set_for_one_pool_wins_over_the_flag_for_both():
     config = parse("default", "--max-num-seqs", "8", "--set", "decode.engine.max_num_seqs=64")
     assert (config.prefill.engine.max_num_seqs, config.decode.engine.max_num_seqs) == (8, 64)
@@ -312,6 +323,22 @@ def test_bad_dtype_and_parallelism_are_usage_errors():
         assert done.stderr.splitlines() == [f"splitserve serve: error: {message} (see splitserve serve --help)"]
 
 
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_a_packed_quantization_of_a_float_checkpoint_is_named_before_the_workers_load_it(method):
+    assert_fails_fast(["default", "--quantization", method],
+                      f"prefill.engine.quantization (--quantization): quantization={method!r} needs a "
+                      f"{method.upper()} checkpoint (a quantization_config in config.json); make one with "
+                      f"`splitserve quantize MODEL_DIR OUT_DIR --method {method}`")
+
+
+def test_an_unknown_flag_points_at_the_subcommand_s_help(capsys):
+    with pytest.raises(SystemExit) as done:
+        cli_main(["serve", "default", "--swap-space", "4"])
+    assert done.value.code == 2
+    assert capsys.readouterr().err == ("splitserve serve: error: unrecognized arguments: --swap-space 4 (see "
+                                       "splitserve serve --help)\n")
+
+
 def test_ports_in_use_are_named():
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))
@@ -418,6 +445,16 @@ def test_banner_commands_work_as_printed():
         "  Ctrl-C stops the cluster."]
     keyed = serving_banner(config, BoundPorts(1, None, None), "splitserve", needs_key=True)
     assert "--api-key-env VARIABLE_HOLDING_THE_KEY" in keyed and "curl" not in keyed
+
+
+def test_banner_brackets_an_ipv6_host():
+    banner = serving_banner(parse("default", "--host", "::1"), BoundPorts(50051, 8000, 9400), "splitserve", False)
+    lines = banner.splitlines()
+    assert [lines[0], lines[1], lines[3]] == ["splitserve: serving default as 'default' (disaggregated) on "
+                                              "[::1]:50051 (gRPC)", "  OpenAI API: http://[::1]:8000/v1",
+                                              "  metrics: http://[::1]:9400/metrics"]
+    assert lines[2].startswith("  try: curl http://[::1]:8000/v1/completions ")
+    assert lines[4] == "  or: splitserve generate --target [::1]:50051 \"Tell me about the river.\""
 
 
 def test_splitserve_command_is_runnable_from_the_same_shell():

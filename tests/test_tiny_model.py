@@ -207,6 +207,21 @@ def test_rebuild_replaces_an_existing_directory(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]
 
 
+@pytest.mark.parametrize("kind", ["folder", "file"])
+def test_the_cli_never_replaces_what_is_not_a_model_directory(tmp_path, capsys, kind):
+    out = tmp_path / "work"
+    if kind == "folder":
+        out.mkdir()
+        (out / "notes.txt").write_text("mine")
+    else:
+        out.write_text("mine")
+    assert cli_main(["make-tiny-model", str(out), "--layers", "1"]) == 2
+    assert capsys.readouterr().err == (f"splitserve: error: {out}: exists and is not a model directory (no "
+                                       "config.json): choose a new or empty directory\n")
+    assert (out / "notes.txt" if kind == "folder" else out).read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["work"]
+
+
 def test_embedded_model_names_resolve_to_the_shipped_directories():
     for name in ("default", "default-draft"):
         path = resolve_model_path(name)

@@ -17,7 +17,7 @@ from torch import nn
 from splitserve.engine.quantization.formats import PackedTensors, QuantizedWeight, awq_unpack, gptq_unpack
 from splitserve.engine.quantization.linear import make_quantized_linear
 from splitserve.engine.quantization.rtn import int4_grouped, int8_per_channel
-from splitserve.engine.quantization.spec import QuantizationSpec
+from splitserve.common.quantization_spec import QuantizationSpec
 
 UNQUANTIZED_LINEARS = ("lm_head",)
 

@@ -12,7 +12,7 @@ from splitserve.common.stats import SpecDecodeStats
 from splitserve.engine.attention import AttentionBackend
 from splitserve.engine.model_loader import load_hf_config, load_model
 from splitserve.engine.models.layer_ops import LayerOps
-from splitserve.engine.quantization.spec import checkpoint_quantization
+from splitserve.common.quantization_spec import checkpoint_quantization
 from splitserve.engine.request import Request
 from splitserve.engine.spec_decode.draft_model import DraftModelProposer, check_same_tokenizer
 from splitserve.engine.spec_decode.ngram import NgramProposer

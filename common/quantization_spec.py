@@ -1,5 +1,6 @@
 """What a pool's weights run as: the engine config's `quantization` against the checkpoint's own
-`quantization_config` (config.json), resolved once at load."""
+`quantization_config` (config.json), resolved once at load, and checked by `splitserve serve` before
+Ray starts (deploy/preflight.py): torch-free for that."""
 
 from __future__ import annotations
 
