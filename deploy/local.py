@@ -175,9 +175,10 @@ class LocalCluster:
             await self._start_router_here(prefill, decode, api_key)
         else:
             await self._start_router_actors(prefill, decode, api_key)
-        logger.info("serving %s on %s:%d (%s, %d prefill + %d decode workers, %d routers%s)", config.model,
-                    config.router.host, self.port, config.mode, len(prefill), len(decode), config.router.replicas,
-                    ", planner on" if self.planner is not None else "")
+        replicas = config.router.replicas
+        logger.info("serving %s on %s:%d (%s, %d prefill + %d decode workers, %d router%s%s)", config.model,
+                    config.router.host, self.port, config.mode, len(prefill), len(decode), replicas,
+                    "" if replicas == 1 else "s", ", planner on" if self.planner is not None else "")
         return self.port
 
     async def _start_router_here(self, prefill: list[RayWorker], decode: list[RayWorker], api_key: str | None) -> None:
