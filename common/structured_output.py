@@ -133,6 +133,86 @@ class StructuredOutput:
         return _lark_grammar(self.spec)
 
 
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """vLLM's StructuredOutputsParams, as `SamplingParams(structured_outputs=...)` takes it: exactly one of
+    `json` (a JSON schema: a dict or its JSON text), `regex`, `choice` (strings), `grammar` (a Lark grammar)
+    or `json_object=True`. `disable_any_whitespace` and `disable_additional_properties` are accepted either
+    way (JSON output is always compact, and objects that list their properties are always closed, as the
+    HTTP API's structured_outputs), and so is `disable_fallback` (there is one grammar engine);
+    `whitespace_pattern` and `structural_tag` are refused (not implemented). Checked on construction."""
+
+    json: str | dict | bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_fallback: bool = False
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    structural_tag: str | None = None
+
+    def __post_init__(self) -> None:
+        self.constraint()
+
+    def constraint(self) -> StructuredOutput:
+        """The StructuredOutput these params ask for; InvalidRequestError naming the offending key."""
+        for option in ("whitespace_pattern", "structural_tag"):
+            if getattr(self, option) is not None:
+                raise InvalidRequestError(f"structured_outputs.{option}", "is not supported")
+        kinds = [kind for kind in ("json", "regex", "choice", "grammar", "json_object")
+                 if getattr(self, kind) is not None]
+        if len(kinds) != 1:
+            raise InvalidRequestError("structured_outputs", f"must set exactly one of json, regex, choice, grammar, "
+                                                            f"json_object, got {kinds or 'none'}")
+        return self._constraint_of(kinds[0], getattr(self, kinds[0]))
+
+    @staticmethod
+    def _constraint_of(kind: str, value: Any) -> StructuredOutput:
+        field = f"structured_outputs.{kind}"
+        if kind == "json_object":
+            if value is not True:
+                raise InvalidRequestError(field, f"must be True, got {value!r}")
+            return StructuredOutput(StructuredOutputKind.JSON_OBJECT)
+        if kind == "json":
+            return StructuredOutput.json_schema(_parsed_schema(value, field))
+        if kind == "choice":
+            if isinstance(value, str) or not all(isinstance(choice, str) for choice in _listed(value, field)):
+                raise InvalidRequestError(field, f"must be a list of strings, got {value!r}")
+            return StructuredOutput.choice(list(value))
+        if not isinstance(value, str):
+            raise InvalidRequestError(field, f"must be a string, got {type(value).__name__}")
+        return StructuredOutput(StructuredOutputKind.REGEX if kind == "regex" else StructuredOutputKind.GRAMMAR, value)
+
+
+@dataclass(frozen=True)
+class GuidedDecodingParams(StructuredOutputsParams):
+    """vLLM's name for StructuredOutputsParams before 0.10 (`SamplingParams(guided_decoding=...)`), with its
+    `backend`: accepted and not read, since one grammar engine (llguidance) runs every constraint."""
+
+    backend: str | None = None
+
+
+def _parsed_schema(value: Any, field: str) -> dict | bool:
+    """A JSON schema given as a dict, a boolean schema or JSON text."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except (ValueError, RecursionError) as error:
+            raise InvalidRequestError(field, f"is not valid JSON: {error}") from None
+    if not isinstance(value, (dict, bool)):
+        raise InvalidRequestError(field, f"must be a JSON schema (a dict or its JSON text), got {value!r}")
+    return value
+
+
+def _listed(value: Any, field: str) -> list:
+    try:
+        return list(value)
+    except TypeError:
+        raise InvalidRequestError(field, f"must be a list of strings, got {value!r}") from None
+
+
 def closed_objects(schema: Any) -> Any:
     """`schema` with `"additionalProperties": false` added to every (sub)schema that lists
     `properties` and says nothing of `additionalProperties`: its objects get only the keys it lists.

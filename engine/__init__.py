@@ -6,6 +6,7 @@ from splitserve.common.errors import InvalidRequestError, UnsupportedModelError
 from splitserve.common.lora import LoRARequest
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.stats import EngineStats
+from splitserve.common.structured_output import GuidedDecodingParams, StructuredOutputsParams
 from splitserve.engine.engine_core import EngineCore
 from splitserve.engine.llm import LLM, TextPrompt, TokensPrompt
 from splitserve.engine.outputs import (BeamSearchOutput, BeamSearchSequence, CompletionDelta, CompletionOutput,
@@ -13,6 +14,6 @@ from splitserve.engine.outputs import (BeamSearchOutput, BeamSearchSequence, Com
 from splitserve.common.token_logprobs import TokenLogprobs
 
 __all__ = ["LLM", "BeamSearchOutput", "BeamSearchParams", "BeamSearchSequence", "CompletionDelta",
-           "CompletionOutput", "EngineConfig", "EngineCore", "EngineStats", "InvalidRequestError", "LoRARequest",
-           "RequestOutput",
-           "SamplingParams", "TextPrompt", "TokenLogprobs", "TokensPrompt", "UnsupportedModelError"]
+           "CompletionOutput", "EngineConfig", "EngineCore", "EngineStats", "GuidedDecodingParams",
+           "InvalidRequestError", "LoRARequest", "RequestOutput", "SamplingParams", "StructuredOutputsParams",
+           "TextPrompt", "TokenLogprobs", "TokensPrompt", "UnsupportedModelError"]

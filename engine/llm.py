@@ -229,6 +229,11 @@ class LLM:
         self._abandoned: set[str] = set()
         """Requests aborted because their call ended early: their final (abort) deltas are dropped."""
 
+    def get_tokenizer(self) -> PreTrainedTokenizerBase:
+        """The tokenizer prompts are encoded and outputs decoded with (vLLM's LLM.get_tokenizer): the model's,
+        or the `tokenizer` directory's; the same object as `self.tokenizer`."""
+        return self.tokenizer
+
     def get_default_sampling_params(self) -> SamplingParams:
         """What a call without sampling_params samples with (vLLM's): the model's generation_config.json
         values (temperature, top_p, top_k, min_p, penalties; max_new_tokens as max_tokens) under the overrides,

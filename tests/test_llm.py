@@ -12,7 +12,8 @@ from tqdm import tqdm
 
 from tests.factories import _hf_model, assert_pool_idle, copy_with_generation_config, hf_greedy
 from splitserve.common.errors import InvalidRequestError
-from splitserve.engine import LLM, EngineConfig, EngineCore, SamplingParams
+from splitserve.common.structured_output import StructuredOutput
+from splitserve.engine import LLM, EngineConfig, EngineCore, SamplingParams, StructuredOutputsParams
 from splitserve.testing.tiny_models import PARTS_CHAT_TEMPLATE, THINKING_CHAT_TEMPLATE, TOOLS_CHAT_TEMPLATE
 from splitserve.testing.workloads import GreedyCase
 
@@ -49,6 +50,25 @@ def test_string_prompt_is_tokenized_like_the_tokenizer(llm, tiny_llama_dir):
     assert output.token_ids == hf_greedy(tiny_llama_dir, GreedyCase(tuple(prompt_ids), 24, ignore_eos=True))
     assert output.text == llm.tokenizer.decode(output.token_ids, skip_special_tokens=True)
     assert output.finish_reason == "length"
+
+
+def test_get_tokenizer_is_the_tokenizer_prompts_are_encoded_with(llm):
+    # vLLM scripts render chat prompts and count tokens with llm.get_tokenizer().
+    tokenizer = llm.get_tokenizer()
+    assert tokenizer is llm.tokenizer
+    assert llm.generate(PROMPT, greedy(1))[0].prompt_token_ids == tokenizer.encode(PROMPT)
+
+
+def test_vllm_structured_outputs_constrain_the_offline_output(llm):
+    # vLLM's offline structured-output example: SamplingParams(structured_outputs=StructuredOutputsParams(...)).
+    sentiment = StructuredOutputsParams(choice=["Positive", "Negative"])
+    choice = SamplingParams(temperature=0.0, structured_outputs=sentiment)
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    as_json = SamplingParams(temperature=0.0, max_tokens=12, structured_outputs=StructuredOutputsParams(json=schema))
+    picked, answer = llm.generate(["Classify: what a day", PROMPT], [choice, as_json])
+    assert picked.text in ("Positive", "Negative") and picked.finish_reason == "stop"
+    assert answer.outputs[0].text == llm.generate(PROMPT, SamplingParams(
+        temperature=0.0, max_tokens=12, structured_output=StructuredOutput.json_schema(schema)))[0].text
 
 
 def test_stop_string_cuts_text_exactly(llm):

@@ -9,6 +9,8 @@ import pytest
 
 from splitserve.common.errors import InvalidRequestError
 from splitserve.common.sampling_params import MAX_LOGPROBS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SamplingParams
+from splitserve.common.structured_output import (GuidedDecodingParams, StructuredOutput, StructuredOutputKind,
+                                                 StructuredOutputsParams)
 
 INVALID = [
     ("temperature", -0.1), ("temperature", -1e-9), ("temperature", math.nan), ("temperature", math.inf),
@@ -212,3 +214,48 @@ def test_logprobs_within_the_limit_pass():
     for fields, max_logprobs in (({"logprobs": 20, "prompt_logprobs": 20}, 20), ({"logprobs": 50}, 50),
                                  ({"logprobs": 100}, -1), ({"logprobs": 0}, 0), ({}, 0)):
         SamplingParams(**fields).check_logprobs_limit(max_logprobs, 100)
+
+
+# ---- vLLM's structured_outputs / guided_decoding spellings ------------------------------------------
+
+@pytest.mark.parametrize(("vllm_params", "expected"), [
+    (StructuredOutputsParams(json={"type": "integer"}), StructuredOutput.json_schema({"type": "integer"})),
+    (StructuredOutputsParams(json='{"type": "integer"}'), StructuredOutput.json_schema({"type": "integer"})),
+    (StructuredOutputsParams(regex="[ab]+"), StructuredOutput(StructuredOutputKind.REGEX, "[ab]+")),
+    (StructuredOutputsParams(choice=["yes", "no"], disable_any_whitespace=True),
+     StructuredOutput(StructuredOutputKind.CHOICE, '["yes","no"]')),
+    (StructuredOutputsParams(grammar='start: "a"'), StructuredOutput(StructuredOutputKind.GRAMMAR, 'start: "a"')),
+    (StructuredOutputsParams(json_object=True), StructuredOutput(StructuredOutputKind.JSON_OBJECT)),
+])
+def test_vllm_structured_outputs_become_the_structured_output(vllm_params, expected):
+    params = SamplingParams(max_tokens=5, structured_outputs=vllm_params)
+    assert params == SamplingParams(max_tokens=5, structured_output=expected)
+    assert params.for_sequence(1) == params  # replace() keeps the constraint and does not re-read the spelling
+
+
+def test_vllm_guided_decoding_is_the_older_spelling():
+    params = SamplingParams(guided_decoding=GuidedDecodingParams(choice=["a", "b"], backend="xgrammar"))
+    assert params.structured_output == StructuredOutput(StructuredOutputKind.CHOICE, '["a","b"]')
+
+
+@pytest.mark.parametrize(("make", "message"), [
+    (lambda: StructuredOutputsParams(json={"type": "integer"}, regex="a"),
+     "structured_outputs: must set exactly one of json, regex, choice, grammar, json_object, got ['json', 'regex']"),
+    (lambda: StructuredOutputsParams(),
+     "structured_outputs: must set exactly one of json, regex, choice, grammar, json_object, got none"),
+    (lambda: StructuredOutputsParams(json="{not json"), "structured_outputs.json: is not valid JSON"),
+    (lambda: StructuredOutputsParams(choice="ab"), "structured_outputs.choice: must be a list of strings, got 'ab'"),
+    (lambda: StructuredOutputsParams(json_object=False), "structured_outputs.json_object: must be True, got False"),
+    (lambda: StructuredOutputsParams(regex="a", whitespace_pattern=" "),
+     "structured_outputs.whitespace_pattern: is not supported"),
+    (lambda: SamplingParams(structured_outputs={"json": {}}),
+     "structured_outputs: must be a StructuredOutputsParams, got dict"),
+    (lambda: SamplingParams(structured_output=StructuredOutput.choice(["a"]),
+                            structured_outputs=StructuredOutputsParams(regex="a")),
+     "structured_outputs: only one of structured_output, structured_outputs and guided_decoding may be set, got "
+     "structured_output, structured_outputs"),
+])
+def test_bad_vllm_structured_outputs_are_refused_by_name(make, message):
+    with pytest.raises(InvalidRequestError) as error:
+        make()
+    assert str(error.value).startswith(message)
