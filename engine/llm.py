@@ -378,22 +378,24 @@ class LLM:
         return resolve_content_format(str(option), _parse_chat_template(template))
 
     def _chat_prompt(self, conversation: Conversation, options: ChatOptions, content_format: ContentFormat,
-                     where: str) -> list[int]:
-        """The token ids of one conversation rendered by transformers' apply_chat_template (the template
-        writes every special token); a template's refusal is an InvalidRequestError naming what it refused."""
+                     where: str) -> TokensPrompt:
+        """One conversation rendered by transformers' apply_chat_template: its text (RequestOutput.prompt, as
+        vLLM's chat reports) and that text's token ids without added special tokens (the template writes every
+        one; what apply_chat_template(tokenize=True) returns). A template's refusal is an InvalidRequestError
+        naming what it refused."""
         if not isinstance(conversation, list) or not all(isinstance(message, dict) for message in conversation):
             raise InvalidRequestError(where, "must be a list of {role, content} message dicts")
         messages = [_template_message(message, content_format, f"{where}[{index}]")
                     for index, message in enumerate(conversation)]
         try:
-            return list(self.tokenizer.apply_chat_template(messages, **options.apply_chat_template_kwargs(),
-                                                           tokenize=True, return_dict=False))
+            text = self.tokenizer.apply_chat_template(messages, **options.apply_chat_template_kwargs(), tokenize=False)
         except jinja2.TemplateSyntaxError as error:
             raise InvalidRequestError("chat_template", f"does not compile: {error} (line {error.lineno})") from error
         except jinja2.TemplateError as error:  # raise_exception(...) in the template, sandbox refusals
             raise InvalidRequestError(where, f"rejected by the chat template: {error}") from error
         except TypeError as error:  # chat_template_kwargs replacing what the template calls (as in the router)
             raise InvalidRequestError(where, f"rejected by the chat template: TypeError: {error}") from error
+        return TokensPrompt(prompt_token_ids=self.tokenizer.encode(text, add_special_tokens=False), prompt=text)
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
                priority: int = 0, lora_request: LoRARequest | None = None) -> Iterator[CompletionDelta]:

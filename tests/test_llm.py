@@ -170,6 +170,15 @@ def test_chat_takes_one_conversation_or_many_and_returns_a_list_like_vllm(llm, t
     assert [(o.prompt_token_ids, o.outputs[0].token_ids) for o in two] == list(zip(templated, expected))
 
 
+def test_chat_output_prompt_is_the_rendered_conversation_like_vllm(llm):
+    # vLLM's LLM.chat reports the templated text as RequestOutput.prompt (scripts print it next to the answer).
+    hello = [{"role": "user", "content": "hello"}]
+    text = llm.tokenizer.apply_chat_template(hello, add_generation_prompt=True, tokenize=False)
+    output = llm.chat(hello, greedy(2))[0]
+    assert text == "<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n"
+    assert (output.prompt, output.prompt_token_ids) == (text, llm.tokenizer.encode(text, add_special_tokens=False))
+
+
 def test_chat_and_generate_of_an_empty_list_return_no_outputs_like_vllm(llm):
     """vLLM reads an empty list as no conversations (no prompts), not as one conversation of no
     messages (one prompt of no tokens)."""
