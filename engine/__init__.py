@@ -11,9 +11,9 @@ from splitserve.engine.engine_core import EngineCore
 from splitserve.engine.llm import LLM, TextPrompt, TokensPrompt
 from splitserve.engine.outputs import (BeamSearchOutput, BeamSearchSequence, CompletionDelta, CompletionOutput,
                                        RequestOutput)
-from splitserve.common.token_logprobs import TokenLogprobs
+from splitserve.common.token_logprobs import Logprob, TokenLogprobs
 
 __all__ = ["LLM", "BeamSearchOutput", "BeamSearchParams", "BeamSearchSequence", "CompletionDelta",
            "CompletionOutput", "EngineConfig", "EngineCore", "EngineStats", "GuidedDecodingParams",
-           "InvalidRequestError", "LoRARequest", "RequestOutput", "SamplingParams", "StructuredOutputsParams",
-           "TextPrompt", "TokenLogprobs", "TokensPrompt", "UnsupportedModelError"]
+           "InvalidRequestError", "Logprob", "LoRARequest", "RequestOutput", "SamplingParams",
+           "StructuredOutputsParams", "TextPrompt", "TokenLogprobs", "TokensPrompt", "UnsupportedModelError"]

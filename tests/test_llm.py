@@ -13,6 +13,7 @@ from tqdm import tqdm
 from tests.factories import _hf_model, assert_pool_idle, copy_with_generation_config, hf_greedy
 from splitserve.common.errors import InvalidRequestError
 from splitserve.common.structured_output import StructuredOutput
+from splitserve.common.token_logprobs import Logprob, TokenLogprobs
 from splitserve.engine import LLM, EngineConfig, EngineCore, SamplingParams, StructuredOutputsParams
 from splitserve.testing.tiny_models import PARTS_CHAT_TEMPLATE, THINKING_CHAT_TEMPLATE, TOOLS_CHAT_TEMPLATE
 from splitserve.testing.workloads import GreedyCase
@@ -462,6 +463,21 @@ def test_outputs_hold_the_one_completion_like_vllm(llm):
     assert full.outputs[0].logprobs is None and full.outputs[0].cumulative_logprob is None
     shorthands = (output.text, output.token_ids, output.finish_reason, output.stop_reason, output.logprobs)
     assert shorthands == (completion.text, completion.token_ids, "stop", stop, completion.logprobs)
+
+
+def test_logprobs_read_as_vllm_s_dicts_of_logprob(llm):
+    # vLLM scripts read each position as {token_id: Logprob}: the sampled token first, then the top ones by rank.
+    entry = TokenLogprobs(token_id=9, logprob=-2.5, rank=3, top=((4, -0.5), (7, -1.0)))
+    assert list(entry.items()) == [(9, Logprob(-2.5, 3)), (4, Logprob(-0.5, 1)), (7, Logprob(-1.0, 2))]
+    assert (entry[4].rank, 8 in entry, len(entry)) == (1, False, 3)
+    assert dict(TokenLogprobs(token_id=4, logprob=-0.5, rank=1, top=((4, -0.5), (7, -1.0)))) == {
+        4: Logprob(-0.5, 1), 7: Logprob(-1.0, 2)}
+    output = llm.generate(PROMPT, greedy(4, logprobs=1, prompt_logprobs=0))[0]
+    completion = output.outputs[0]
+    assert [position[token].logprob for position, token in zip(completion.logprobs, completion.token_ids)] == [
+        entry.logprob for entry in completion.logprobs]
+    assert [list(position) for position in output.prompt_logprobs[1:]] == [
+        [entry.token_id] for entry in output.prompt_logprobs[1:]]
 
 
 def test_n_sequences_come_back_as_one_output_each_seeded_seed_plus_index(llm):
