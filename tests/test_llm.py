@@ -463,6 +463,7 @@ def test_outputs_hold_the_one_completion_like_vllm(llm):
     assert full.outputs[0].logprobs is None and full.outputs[0].cumulative_logprob is None
     shorthands = (output.text, output.token_ids, output.finish_reason, output.stop_reason, output.logprobs)
     assert shorthands == (completion.text, completion.token_ids, "stop", stop, completion.logprobs)
+    assert completion.finished() is True  # vLLM's CompletionOutput.finished(): every offline output is finished
 
 
 def test_logprobs_read_as_vllm_s_dicts_of_logprob(llm):
