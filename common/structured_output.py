@@ -16,6 +16,7 @@ import decimal
 import enum
 import json
 import math
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -211,6 +212,30 @@ def _listed(value: Any, field: str) -> list:
         return list(value)
     except TypeError:
         raise InvalidRequestError(field, f"must be a list of strings, got {value!r}") from None
+
+
+_ESCAPE = re.compile(r"\\\\|\\u([0-9a-fA-F]{4})|\\U([0-9a-fA-F]{8})")
+"""An escaped backslash (kept, so that the `u` after it is not read as an escape), or a \\uXXXX or
+\\UXXXXXXXX escape."""
+
+
+def without_unicode_escapes(grammar: str) -> str:
+    """`grammar` with its \\uXXXX and \\UXXXXXXXX escapes (GBNF's, in literals and character classes)
+    as llguidance reads them: \\xHH below 0x100, else the character itself (it has no meaning to the
+    syntax). llguidance's GBNF converter writes \\u0041 as \\u41 and keeps \\U0001F600, both of which
+    its Lark lexer refuses. A surrogate or an out-of-range escape stays as written (and is refused).
+    The router and the offline LLM apply it before converting a GBNF grammar to Lark (any_to_lark)."""
+    def replace(match: re.Match) -> str:
+        digits = match.group(1) or match.group(2)
+        if digits is None:
+            return match.group(0)
+        code_point = int(digits, 16)
+        if code_point < 0x100:
+            return f"\\x{code_point:02x}"
+        if code_point > 0x10FFFF or 0xD800 <= code_point <= 0xDFFF:
+            return match.group(0)
+        return chr(code_point)
+    return _ESCAPE.sub(replace, grammar)
 
 
 def closed_objects(schema: Any) -> Any:

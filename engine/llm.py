@@ -11,6 +11,7 @@ from typing import Any, Literal, NotRequired, TypedDict, get_args
 
 import jinja2
 import torch
+from llguidance.gbnf_to_lark import any_to_lark
 from tqdm import tqdm
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from transformers.utils.chat_template_utils import _compile_jinja_template
@@ -27,6 +28,7 @@ from splitserve.common.lora import LoRARequest, check_lora_request
 from splitserve.common.model_dir import check_tokenizer_option, check_tokenizer_vocabulary, tokenizer_dir
 from splitserve.common.sampling_params import MAX_LOGPROBS, SamplingParams
 from splitserve.common.stats import EngineStats
+from splitserve.common.structured_output import StructuredOutputKind, without_unicode_escapes
 from splitserve.engine.engine_core import EngineCore
 from splitserve.engine.outputs import (BeamSearchOutput, BeamSearchSequence, CompletionDelta, CompletionOutput,
                                        RequestOutput)
@@ -457,11 +459,12 @@ class LLM:
                                               for i, sequence_id in enumerate(ids)), lora_request)
 
     def _tokenized(self, params: SamplingParams) -> SamplingParams:
-        """params with its bad_words tokenized by the model's tokenizer (as the router does);
-        InvalidRequestError naming sampling_params when it is not a SamplingParams."""
+        """params with its bad_words tokenized by the model's tokenizer and a GBNF grammar as Lark (as the router
+        does); InvalidRequestError naming sampling_params when it is not a SamplingParams."""
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError("sampling_params", f"must be a SamplingParams (or None), got "
                                                          f"{type(params).__name__}")
+        params = _with_lark_grammar(params)
         if not params.bad_words or params.bad_words_token_ids:
             return params
         return params.with_bad_words_tokenized(lambda text: self.tokenizer.encode(text, add_special_tokens=False))
@@ -503,6 +506,19 @@ class LLM:
     def _next_id(self) -> str:
         self._counter += 1
         return f"offline-{self._counter}"
+
+
+def _with_lark_grammar(params: SamplingParams) -> SamplingParams:
+    """params with a GBNF / EBNF grammar constraint (xgrammar's, what vLLM's offline examples write) converted to
+    Lark as the router converts a request's grammar; a Lark grammar comes back as it is."""
+    constraint = params.structured_output
+    if constraint is None or constraint.kind != StructuredOutputKind.GRAMMAR:
+        return params
+    try:
+        lark = any_to_lark(without_unicode_escapes(constraint.spec))
+    except Exception as error:  # GbnfToLarkError, and a bare Exception for some inputs (no root rule)
+        raise InvalidRequestError("grammar", f"is not a valid GBNF grammar: {error}") from None
+    return replace(params, structured_output=replace(constraint, spec=lark))
 
 
 def _salt(prompt: PromptInput) -> dict[str, str]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import math
+import re
 
 import pytest
 import torch
@@ -70,6 +71,26 @@ def test_vllm_structured_outputs_constrain_the_offline_output(llm):
     assert picked.text in ("Positive", "Negative") and picked.finish_reason == "stop"
     assert answer.outputs[0].text == llm.generate(PROMPT, SamplingParams(
         temperature=0.0, max_tokens=12, structured_output=StructuredOutput.json_schema(schema)))[0].text
+
+
+SQL_GBNF = """
+root ::= select_statement
+select_statement ::= "SELECT " column " from " table " where " condition
+column ::= "col_1 " | "col_2 "
+table ::= "table_1 " | "table_2 "
+condition ::= column "= " number
+number ::= "1 " | "2 "
+"""
+"""vLLM's offline structured-output example grammar: GBNF (xgrammar's), not Lark."""
+
+
+def test_a_gbnf_grammar_is_converted_to_lark_offline_as_the_router_converts_it(llm):
+    params = SamplingParams(temperature=0.0, max_tokens=64, structured_outputs=StructuredOutputsParams(grammar=SQL_GBNF))
+    output = llm.generate("Generate an SQL query:", params)[0].outputs[0]
+    assert re.fullmatch(r"SELECT col_[12]  from table_[12]  where col_[12] = [12] ", output.text), output.text
+    assert output.finish_reason == "stop"
+    with pytest.raises(InvalidRequestError, match="^grammar: is not a valid GBNF grammar"):
+        llm.generate("x", SamplingParams(structured_outputs=StructuredOutputsParams(grammar="root ::= (")))
 
 
 def test_stop_string_cuts_text_exactly(llm):
