@@ -31,6 +31,8 @@ mask row at every step."""
 MAX_BAD_WORDS = 128
 """Most token sequences bad_words may tokenize to (vLLM's VLLM_MAX_NUM_BAD_WORDS default): each is
 matched against the tail of the output at every step."""
+_NONE_IS_EMPTY = ("stop", "stop_token_ids", "bad_words", "logit_bias")
+"""Fields whose None (vLLM's default for each) means none: a vLLM script's stop=None asks for no stop strings."""
 
 
 def _require(ok: bool, field_name: str, message: str) -> None:
@@ -163,6 +165,9 @@ class SamplingParams:
     def __post_init__(self, structured_outputs: StructuredOutputsParams | None = None,
                       guided_decoding: GuidedDecodingParams | None = None) -> None:
         self._take_vllm_structured_outputs(structured_outputs, guided_decoding)
+        for name in _NONE_IS_EMPTY:
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, ())
         object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else _as_tuple(self.stop, "stop"))
         object.__setattr__(self, "stop_token_ids", _as_tuple(self.stop_token_ids, "stop_token_ids"))
         object.__setattr__(self, "logit_bias", _logit_bias_pairs(self.logit_bias))

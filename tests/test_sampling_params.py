@@ -25,9 +25,9 @@ INVALID = [
     ("max_tokens", 0), ("max_tokens", -1), ("max_tokens", True), ("max_tokens", 2.0), ("max_tokens", None),
     ("logprobs", -1), ("prompt_logprobs", -1), ("logprobs", True), ("logprobs", 1.0),
     ("seed", 1.5), ("seed", True), ("seed", "7"), ("seed", 2**64), ("seed", -2**63 - 1),
-    ("stop", [""]), ("stop", ""), ("stop", ["ok", ""]), ("stop", [3]), ("stop", None), ("stop", 3),
+    ("stop", [""]), ("stop", ""), ("stop", ["ok", ""]), ("stop", [3]), ("stop", 3),
     ("stop_token_ids", [-1]), ("stop_token_ids", [1, -1]), ("stop_token_ids", ["a"]), ("stop_token_ids", [True]),
-    ("stop_token_ids", [1.0]), ("stop_token_ids", None), ("stop_token_ids", 5),
+    ("stop_token_ids", [1.0]), ("stop_token_ids", 5),
     ("min_tokens", -1), ("min_tokens", 17), ("min_tokens", True), ("min_tokens", 1.0), ("min_tokens", None),
     # ints beyond a float's range (a JSON body may carry any integer): rejected, not an OverflowError
     ("temperature", 10**400), ("top_p", 10**309), ("min_p", -10**400), ("repetition_penalty", 10**309),
@@ -38,7 +38,7 @@ INVALID = [
     # keys whose sign or length int() refuses: a 400, not a ValueError escaping as a 500
     ("logit_bias", {"+-5": 1.0}), ("logit_bias", {"--5": 1.0}), ("logit_bias", {"1" * 5000: 1.0}),
     ("allowed_token_ids", []), ("allowed_token_ids", ["1"]), ("allowed_token_ids", [1.0]), ("allowed_token_ids", 3),
-    ("bad_words", [""]), ("bad_words", [["a"]]), ("bad_words", [3]), ("bad_words", None),
+    ("bad_words", [""]), ("bad_words", [["a"]]), ("bad_words", [3]),
     ("n", 0), ("n", -1), ("n", True), ("n", 2.0), ("n", None),
 ]
 
@@ -91,6 +91,12 @@ VALID_EDGES = [
     ("min_tokens", 0), ("min_tokens", 16),
     ("n", 1), ("n", 64),
 ]
+
+
+@pytest.mark.parametrize("field", ["stop", "stop_token_ids", "bad_words", "logit_bias"])
+def test_none_is_vllm_s_default_for_the_list_fields(field):
+    # vLLM's SamplingParams defaults these to None: a script passing stop=None (e.g. from a config) asks for none.
+    assert SamplingParams(**{field: None}) == SamplingParams()
 
 
 @pytest.mark.parametrize("field, value", VALID_EDGES)
