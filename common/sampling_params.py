@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import InitVar, dataclass, field, replace
 
 from splitserve.common.errors import InvalidRequestError
-from splitserve.common.structured_output import StructuredOutput
+from splitserve.common.structured_output import GuidedDecodingParams, StructuredOutput, StructuredOutputsParams
 
 SEED_LOW = -2**63
 SEED_SPAN = 2**64 + 2**63
@@ -31,6 +31,8 @@ mask row at every step."""
 MAX_BAD_WORDS = 128
 """Most token sequences bad_words may tokenize to (vLLM's VLLM_MAX_NUM_BAD_WORDS default): each is
 matched against the tail of the output at every step."""
+_NONE_IS_EMPTY = ("stop", "stop_token_ids", "bad_words", "logit_bias")
+"""Fields whose None (vLLM's default for each) means none: a vLLM script's stop=None asks for no stop strings."""
 
 
 def _require(ok: bool, field_name: str, message: str) -> None:
@@ -154,8 +156,18 @@ class SamplingParams:
     """Output sequences per prompt (vLLM's n), >= 1. The engine runs one sequence per request, so n fans
     out above it: the offline LLM runs sequence i as a request of its own with for_sequence(i) and returns
     the n as one RequestOutput's outputs (the OpenAI API reads its own `n`: router/fanout.py)."""
+    structured_outputs: InitVar[StructuredOutputsParams | None] = None
+    """vLLM's spelling of structured_output (a StructuredOutputsParams), for vLLM scripts: turned into
+    structured_output on construction (so it reads None afterwards and is no field of the wire)."""
+    guided_decoding: InitVar[GuidedDecodingParams | None] = None
+    """vLLM's spelling before 0.10 (a GuidedDecodingParams), as structured_outputs."""
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, structured_outputs: StructuredOutputsParams | None = None,
+                      guided_decoding: GuidedDecodingParams | None = None) -> None:
+        self._take_vllm_structured_outputs(structured_outputs, guided_decoding)
+        for name in _NONE_IS_EMPTY:
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, ())
         object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else _as_tuple(self.stop, "stop"))
         object.__setattr__(self, "stop_token_ids", _as_tuple(self.stop_token_ids, "stop_token_ids"))
         object.__setattr__(self, "logit_bias", _logit_bias_pairs(self.logit_bias))
@@ -167,6 +179,20 @@ class SamplingParams:
         self._validate_sampling()
         self._validate_logit_controls()
         self._validate_stopping()
+
+    def _take_vllm_structured_outputs(self, structured_outputs: object, guided_decoding: object) -> None:
+        """structured_output from vLLM's structured_outputs or guided_decoding, at most one of the three given."""
+        given = {name: value for name, value in (("structured_output", self.structured_output),
+                                                 ("structured_outputs", structured_outputs),
+                                                 ("guided_decoding", guided_decoding)) if value is not None}
+        if len(given) > 1:
+            raise InvalidRequestError(list(given)[-1], f"only one of structured_output, structured_outputs and "
+                                                       f"guided_decoding may be set, got {', '.join(given)}")
+        for name, value in given.items():
+            if name != "structured_output":
+                _require(isinstance(value, StructuredOutputsParams), name,
+                         f"must be a StructuredOutputsParams, got {type(value).__name__}")
+                object.__setattr__(self, "structured_output", value.constraint())
 
     def _validate_sampling(self) -> None:
         _require(_is_real(self.temperature) and self.temperature >= 0, "temperature",

@@ -16,6 +16,7 @@ import decimal
 import enum
 import json
 import math
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -131,6 +132,110 @@ class StructuredOutput:
             # parser's row ("Current row has 2001 items; max is 2000") after the first token.
             return _lark_grammar("start: CHOICE\nCHOICE: " + " | ".join(json.dumps(c) for c in json.loads(self.spec)))
         return _lark_grammar(self.spec)
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """vLLM's StructuredOutputsParams, as `SamplingParams(structured_outputs=...)` takes it: exactly one of
+    `json` (a JSON schema: a dict or its JSON text), `regex`, `choice` (strings), `grammar` (a Lark grammar)
+    or `json_object=True`. `disable_any_whitespace` and `disable_additional_properties` are accepted either
+    way (JSON output is always compact, and objects that list their properties are always closed, as the
+    HTTP API's structured_outputs), and so is `disable_fallback` (there is one grammar engine);
+    `whitespace_pattern` and `structural_tag` are refused (not implemented). Checked on construction."""
+
+    json: str | dict | bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_fallback: bool = False
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    structural_tag: str | None = None
+
+    def __post_init__(self) -> None:
+        self.constraint()
+
+    def constraint(self) -> StructuredOutput:
+        """The StructuredOutput these params ask for; InvalidRequestError naming the offending key."""
+        for option in ("whitespace_pattern", "structural_tag"):
+            if getattr(self, option) is not None:
+                raise InvalidRequestError(f"structured_outputs.{option}", "is not supported")
+        kinds = [kind for kind in ("json", "regex", "choice", "grammar", "json_object")
+                 if getattr(self, kind) is not None]
+        if len(kinds) != 1:
+            raise InvalidRequestError("structured_outputs", f"must set exactly one of json, regex, choice, grammar, "
+                                                            f"json_object, got {kinds or 'none'}")
+        return self._constraint_of(kinds[0], getattr(self, kinds[0]))
+
+    @staticmethod
+    def _constraint_of(kind: str, value: Any) -> StructuredOutput:
+        field = f"structured_outputs.{kind}"
+        if kind == "json_object":
+            if value is not True:
+                raise InvalidRequestError(field, f"must be True, got {value!r}")
+            return StructuredOutput(StructuredOutputKind.JSON_OBJECT)
+        if kind == "json":
+            return StructuredOutput.json_schema(_parsed_schema(value, field))
+        if kind == "choice":
+            if isinstance(value, str) or not all(isinstance(choice, str) for choice in _listed(value, field)):
+                raise InvalidRequestError(field, f"must be a list of strings, got {value!r}")
+            return StructuredOutput.choice(list(value))
+        if not isinstance(value, str):
+            raise InvalidRequestError(field, f"must be a string, got {type(value).__name__}")
+        return StructuredOutput(StructuredOutputKind.REGEX if kind == "regex" else StructuredOutputKind.GRAMMAR, value)
+
+
+@dataclass(frozen=True)
+class GuidedDecodingParams(StructuredOutputsParams):
+    """vLLM's name for StructuredOutputsParams before 0.10 (`SamplingParams(guided_decoding=...)`), with its
+    `backend`: accepted and not read, since one grammar engine (llguidance) runs every constraint."""
+
+    backend: str | None = None
+
+
+def _parsed_schema(value: Any, field: str) -> dict | bool:
+    """A JSON schema given as a dict, a boolean schema or JSON text."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except (ValueError, RecursionError) as error:
+            raise InvalidRequestError(field, f"is not valid JSON: {error}") from None
+    if not isinstance(value, (dict, bool)):
+        raise InvalidRequestError(field, f"must be a JSON schema (a dict or its JSON text), got {value!r}")
+    return value
+
+
+def _listed(value: Any, field: str) -> list:
+    try:
+        return list(value)
+    except TypeError:
+        raise InvalidRequestError(field, f"must be a list of strings, got {value!r}") from None
+
+
+_ESCAPE = re.compile(r"\\\\|\\u([0-9a-fA-F]{4})|\\U([0-9a-fA-F]{8})")
+"""An escaped backslash (kept, so that the `u` after it is not read as an escape), or a \\uXXXX or
+\\UXXXXXXXX escape."""
+
+
+def without_unicode_escapes(grammar: str) -> str:
+    """`grammar` with its \\uXXXX and \\UXXXXXXXX escapes (GBNF's, in literals and character classes)
+    as llguidance reads them: \\xHH below 0x100, else the character itself (it has no meaning to the
+    syntax). llguidance's GBNF converter writes \\u0041 as \\u41 and keeps \\U0001F600, both of which
+    its Lark lexer refuses. A surrogate or an out-of-range escape stays as written (and is refused).
+    The router and the offline LLM apply it before converting a GBNF grammar to Lark (any_to_lark)."""
+    def replace(match: re.Match) -> str:
+        digits = match.group(1) or match.group(2)
+        if digits is None:
+            return match.group(0)
+        code_point = int(digits, 16)
+        if code_point < 0x100:
+            return f"\\x{code_point:02x}"
+        if code_point > 0x10FFFF or 0xD800 <= code_point <= 0xDFFF:
+            return match.group(0)
+        return chr(code_point)
+    return _ESCAPE.sub(replace, grammar)
 
 
 def closed_objects(schema: Any) -> Any:

@@ -6,13 +6,14 @@ from splitserve.common.errors import InvalidRequestError, UnsupportedModelError
 from splitserve.common.lora import LoRARequest
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.stats import EngineStats
+from splitserve.common.structured_output import GuidedDecodingParams, StructuredOutputsParams
 from splitserve.engine.engine_core import EngineCore
 from splitserve.engine.llm import LLM, TextPrompt, TokensPrompt
 from splitserve.engine.outputs import (BeamSearchOutput, BeamSearchSequence, CompletionDelta, CompletionOutput,
                                        RequestOutput)
-from splitserve.common.token_logprobs import TokenLogprobs
+from splitserve.common.token_logprobs import Logprob, TokenLogprobs
 
 __all__ = ["LLM", "BeamSearchOutput", "BeamSearchParams", "BeamSearchSequence", "CompletionDelta",
-           "CompletionOutput", "EngineConfig", "EngineCore", "EngineStats", "InvalidRequestError", "LoRARequest",
-           "RequestOutput",
-           "SamplingParams", "TextPrompt", "TokenLogprobs", "TokensPrompt", "UnsupportedModelError"]
+           "CompletionOutput", "EngineConfig", "EngineCore", "EngineStats", "GuidedDecodingParams",
+           "InvalidRequestError", "Logprob", "LoRARequest", "RequestOutput", "SamplingParams",
+           "StructuredOutputsParams", "TextPrompt", "TokenLogprobs", "TokensPrompt", "UnsupportedModelError"]

@@ -11,6 +11,7 @@ from typing import Any, Literal, NotRequired, TypedDict, get_args
 
 import jinja2
 import torch
+from llguidance.gbnf_to_lark import any_to_lark
 from tqdm import tqdm
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from transformers.utils.chat_template_utils import _compile_jinja_template
@@ -28,6 +29,7 @@ from splitserve.common.lora import LoRARequest, check_lora_request
 from splitserve.common.model_dir import check_tokenizer_option, check_tokenizer_vocabulary, tokenizer_dir
 from splitserve.common.sampling_params import MAX_LOGPROBS, SamplingParams
 from splitserve.common.stats import EngineStats
+from splitserve.common.structured_output import StructuredOutputKind, without_unicode_escapes
 from splitserve.engine.engine_core import EngineCore
 from splitserve.engine.outputs import (BeamSearchOutput, BeamSearchSequence, CompletionDelta, CompletionOutput,
                                        RequestOutput)
@@ -245,6 +247,11 @@ class LLM:
         self._abandoned: set[str] = set()
         """Requests aborted because their call ended early: their final (abort) deltas are dropped."""
 
+    def get_tokenizer(self) -> PreTrainedTokenizerBase:
+        """The tokenizer prompts are encoded and outputs decoded with (vLLM's LLM.get_tokenizer): the model's,
+        or the `tokenizer` directory's; the same object as `self.tokenizer`."""
+        return self.tokenizer
+
     def get_default_sampling_params(self) -> SamplingParams:
         """What a call without sampling_params samples with (vLLM's): the model's generation_config.json
         values (temperature, top_p, top_k, min_p, penalties; max_new_tokens as max_tokens) under the overrides,
@@ -389,22 +396,24 @@ class LLM:
         return resolve_content_format(str(option), _parse_chat_template(template))
 
     def _chat_prompt(self, conversation: Conversation, options: ChatOptions, content_format: ContentFormat,
-                     where: str) -> list[int]:
-        """The token ids of one conversation rendered by transformers' apply_chat_template (the template
-        writes every special token); a template's refusal is an InvalidRequestError naming what it refused."""
+                     where: str) -> TokensPrompt:
+        """One conversation rendered by transformers' apply_chat_template: its text (RequestOutput.prompt, as
+        vLLM's chat reports) and that text's token ids without added special tokens (the template writes every
+        one; what apply_chat_template(tokenize=True) returns). A template's refusal is an InvalidRequestError
+        naming what it refused."""
         if not isinstance(conversation, list) or not all(isinstance(message, dict) for message in conversation):
             raise InvalidRequestError(where, "must be a list of {role, content} message dicts")
         messages = [_template_message(message, content_format, f"{where}[{index}]")
                     for index, message in enumerate(conversation)]
         try:
-            return list(self.tokenizer.apply_chat_template(messages, **options.apply_chat_template_kwargs(),
-                                                           tokenize=True, return_dict=False))
+            text = self.tokenizer.apply_chat_template(messages, **options.apply_chat_template_kwargs(), tokenize=False)
         except jinja2.TemplateSyntaxError as error:
             raise InvalidRequestError("chat_template", f"does not compile: {error} (line {error.lineno})") from error
         except jinja2.TemplateError as error:  # raise_exception(...) in the template, sandbox refusals
             raise InvalidRequestError(where, f"rejected by the chat template: {error}") from error
         except TypeError as error:  # chat_template_kwargs replacing what the template calls (as in the router)
             raise InvalidRequestError(where, f"rejected by the chat template: TypeError: {error}") from error
+        return TokensPrompt(prompt_token_ids=self.tokenizer.encode(text, add_special_tokens=False), prompt=text)
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
                priority: int = 0, lora_request: LoRARequest | None = None) -> Iterator[CompletionDelta]:
@@ -466,11 +475,12 @@ class LLM:
                                               for i, sequence_id in enumerate(ids)), lora_request)
 
     def _tokenized(self, params: SamplingParams) -> SamplingParams:
-        """params with its bad_words tokenized by the model's tokenizer (as the router does);
-        InvalidRequestError naming sampling_params when it is not a SamplingParams."""
+        """params with its bad_words tokenized by the model's tokenizer and a GBNF grammar as Lark (as the router
+        does); InvalidRequestError naming sampling_params when it is not a SamplingParams."""
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError("sampling_params", f"must be a SamplingParams (or None), got "
                                                          f"{type(params).__name__}")
+        params = _with_lark_grammar(params)
         if not params.bad_words or params.bad_words_token_ids:
             return params
         return params.with_bad_words_tokenized(lambda text: self.tokenizer.encode(text, add_special_tokens=False))
@@ -512,6 +522,19 @@ class LLM:
     def _next_id(self) -> str:
         self._counter += 1
         return f"offline-{self._counter}"
+
+
+def _with_lark_grammar(params: SamplingParams) -> SamplingParams:
+    """params with a GBNF / EBNF grammar constraint (xgrammar's, what vLLM's offline examples write) converted to
+    Lark as the router converts a request's grammar; a Lark grammar comes back as it is."""
+    constraint = params.structured_output
+    if constraint is None or constraint.kind != StructuredOutputKind.GRAMMAR:
+        return params
+    try:
+        lark = any_to_lark(without_unicode_escapes(constraint.spec))
+    except Exception as error:  # GbnfToLarkError, and a bare Exception for some inputs (no root rule)
+        raise InvalidRequestError("grammar", f"is not a valid GBNF grammar: {error}") from None
+    return replace(params, structured_output=replace(constraint, spec=lark))
 
 
 def _salt(prompt: PromptInput) -> dict[str, str]:

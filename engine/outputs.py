@@ -59,6 +59,10 @@ class CompletionOutput:
     stop_reason: int | str | None
     """The stop token id or stop string that ended the completion, if any."""
 
+    def finished(self) -> bool:
+        """vLLM's CompletionOutput.finished(): whether the completion has ended (it has a finish_reason)."""
+        return self.finish_reason is not None
+
 
 @dataclass(frozen=True)
 class RequestOutput:

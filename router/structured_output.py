@@ -14,7 +14,6 @@ engine compiles it again with the model's tokenizer (cached there).
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -22,7 +21,7 @@ import llguidance
 from llguidance.gbnf_to_lark import any_to_lark
 
 from splitserve.common.errors import InvalidRequestError, json_excerpt
-from splitserve.common.structured_output import StructuredOutput, StructuredOutputKind
+from splitserve.common.structured_output import StructuredOutput, StructuredOutputKind, without_unicode_escapes
 from splitserve.proto.splitserve.v1 import generation_pb2 as pb
 
 GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
@@ -161,32 +160,9 @@ def _grammar(value: Any) -> StructuredOutput:
     if not isinstance(value, str):
         raise InvalidRequestError("grammar", f"must be a string, got {json_excerpt(value)}")
     try:
-        return StructuredOutput(StructuredOutputKind.GRAMMAR, any_to_lark(_without_unicode_escapes(value)))
+        return StructuredOutput(StructuredOutputKind.GRAMMAR, any_to_lark(without_unicode_escapes(value)))
     except Exception as error:  # GbnfToLarkError, and a bare Exception for some inputs (no root rule)
         raise InvalidRequestError("grammar", f"is not a valid GBNF grammar: {error}") from None
-
-
-_ESCAPE = re.compile(r"\\\\|\\u([0-9a-fA-F]{4})|\\U([0-9a-fA-F]{8})")
-"""An escaped backslash (kept, so that the `u` after it is not read as an escape), or a \\uXXXX or
-\\UXXXXXXXX escape."""
-
-
-def _without_unicode_escapes(grammar: str) -> str:
-    """`grammar` with its \\uXXXX and \\UXXXXXXXX escapes (GBNF's, in literals and character classes)
-    as llguidance reads them: \\xHH below 0x100, else the character itself (it has no meaning to the
-    syntax). llguidance's GBNF converter writes \\u0041 as \\u41 and keeps \\U0001F600, both of which
-    its Lark lexer refuses. A surrogate or an out-of-range escape stays as written (and is refused)."""
-    def replace(match: re.Match) -> str:
-        digits = match.group(1) or match.group(2)
-        if digits is None:
-            return match.group(0)
-        code_point = int(digits, 16)
-        if code_point < 0x100:
-            return f"\\x{code_point:02x}"
-        if code_point > 0x10FFFF or 0xD800 <= code_point <= 0xDFFF:
-            return match.group(0)
-        return chr(code_point)
-    return _ESCAPE.sub(replace, grammar)
 
 
 _GUIDED: dict[str, Callable[[Any], StructuredOutput]] = {

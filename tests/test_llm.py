@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import math
+import re
 
 import pytest
 import torch
@@ -12,7 +13,9 @@ from tqdm import tqdm
 
 from tests.factories import _hf_model, assert_pool_idle, copy_with_generation_config, hf_greedy
 from splitserve.common.errors import InvalidRequestError
-from splitserve.engine import LLM, EngineConfig, EngineCore, SamplingParams
+from splitserve.common.structured_output import StructuredOutput
+from splitserve.common.token_logprobs import Logprob, TokenLogprobs
+from splitserve.engine import LLM, EngineConfig, EngineCore, SamplingParams, StructuredOutputsParams
 from splitserve.testing.tiny_models import PARTS_CHAT_TEMPLATE, THINKING_CHAT_TEMPLATE, TOOLS_CHAT_TEMPLATE
 from splitserve.testing.workloads import GreedyCase
 
@@ -49,6 +52,45 @@ def test_string_prompt_is_tokenized_like_the_tokenizer(llm, tiny_llama_dir):
     assert output.token_ids == hf_greedy(tiny_llama_dir, GreedyCase(tuple(prompt_ids), 24, ignore_eos=True))
     assert output.text == llm.tokenizer.decode(output.token_ids, skip_special_tokens=True)
     assert output.finish_reason == "length"
+
+
+def test_get_tokenizer_is_the_tokenizer_prompts_are_encoded_with(llm):
+    # vLLM scripts render chat prompts and count tokens with llm.get_tokenizer().
+    tokenizer = llm.get_tokenizer()
+    assert tokenizer is llm.tokenizer
+    assert llm.generate(PROMPT, greedy(1))[0].prompt_token_ids == tokenizer.encode(PROMPT)
+
+
+def test_vllm_structured_outputs_constrain_the_offline_output(llm):
+    # vLLM's offline structured-output example: SamplingParams(structured_outputs=StructuredOutputsParams(...)).
+    sentiment = StructuredOutputsParams(choice=["Positive", "Negative"])
+    choice = SamplingParams(temperature=0.0, structured_outputs=sentiment)
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    as_json = SamplingParams(temperature=0.0, max_tokens=12, structured_outputs=StructuredOutputsParams(json=schema))
+    picked, answer = llm.generate(["Classify: what a day", PROMPT], [choice, as_json])
+    assert picked.text in ("Positive", "Negative") and picked.finish_reason == "stop"
+    assert answer.outputs[0].text == llm.generate(PROMPT, SamplingParams(
+        temperature=0.0, max_tokens=12, structured_output=StructuredOutput.json_schema(schema)))[0].text
+
+
+SQL_GBNF = """
+root ::= select_statement
+select_statement ::= "SELECT " column " from " table " where " condition
+column ::= "col_1 " | "col_2 "
+table ::= "table_1 " | "table_2 "
+condition ::= column "= " number
+number ::= "1 " | "2 "
+"""
+"""vLLM's offline structured-output example grammar: GBNF (xgrammar's), not Lark."""
+
+
+def test_a_gbnf_grammar_is_converted_to_lark_offline_as_the_router_converts_it(llm):
+    params = SamplingParams(temperature=0.0, max_tokens=64, structured_outputs=StructuredOutputsParams(grammar=SQL_GBNF))
+    output = llm.generate("Generate an SQL query:", params)[0].outputs[0]
+    assert re.fullmatch(r"SELECT col_[12]  from table_[12]  where col_[12] = [12] ", output.text), output.text
+    assert output.finish_reason == "stop"
+    with pytest.raises(InvalidRequestError, match="^grammar: is not a valid GBNF grammar"):
+        llm.generate("x", SamplingParams(structured_outputs=StructuredOutputsParams(grammar="root ::= (")))
 
 
 def test_stop_string_cuts_text_exactly(llm):
@@ -148,6 +190,15 @@ def test_chat_takes_one_conversation_or_many_and_returns_a_list_like_vllm(llm, t
     one, two = llm.chat(hello, greedy(8)), llm.chat([hello, mill], greedy(8))
     assert [(o.prompt_token_ids, o.outputs[0].token_ids) for o in one] == [(templated[0], expected[0])]
     assert [(o.prompt_token_ids, o.outputs[0].token_ids) for o in two] == list(zip(templated, expected))
+
+
+def test_chat_output_prompt_is_the_rendered_conversation_like_vllm(llm):
+    # vLLM's LLM.chat reports the templated text as RequestOutput.prompt (scripts print it next to the answer).
+    hello = [{"role": "user", "content": "hello"}]
+    text = llm.tokenizer.apply_chat_template(hello, add_generation_prompt=True, tokenize=False)
+    output = llm.chat(hello, greedy(2))[0]
+    assert text == "<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n"
+    assert (output.prompt, output.prompt_token_ids) == (text, llm.tokenizer.encode(text, add_special_tokens=False))
 
 
 def test_chat_and_generate_of_an_empty_list_return_no_outputs_like_vllm(llm):
@@ -433,6 +484,22 @@ def test_outputs_hold_the_one_completion_like_vllm(llm):
     assert full.outputs[0].logprobs is None and full.outputs[0].cumulative_logprob is None
     shorthands = (output.text, output.token_ids, output.finish_reason, output.stop_reason, output.logprobs)
     assert shorthands == (completion.text, completion.token_ids, "stop", stop, completion.logprobs)
+    assert completion.finished() is True  # vLLM's CompletionOutput.finished(): every offline output is finished
+
+
+def test_logprobs_read_as_vllm_s_dicts_of_logprob(llm):
+    # vLLM scripts read each position as {token_id: Logprob}: the sampled token first, then the top ones by rank.
+    entry = TokenLogprobs(token_id=9, logprob=-2.5, rank=3, top=((4, -0.5), (7, -1.0)))
+    assert list(entry.items()) == [(9, Logprob(-2.5, 3)), (4, Logprob(-0.5, 1)), (7, Logprob(-1.0, 2))]
+    assert (entry[4].rank, 8 in entry, len(entry)) == (1, False, 3)
+    assert dict(TokenLogprobs(token_id=4, logprob=-0.5, rank=1, top=((4, -0.5), (7, -1.0)))) == {
+        4: Logprob(-0.5, 1), 7: Logprob(-1.0, 2)}
+    output = llm.generate(PROMPT, greedy(4, logprobs=1, prompt_logprobs=0))[0]
+    completion = output.outputs[0]
+    assert [position[token].logprob for position, token in zip(completion.logprobs, completion.token_ids)] == [
+        entry.logprob for entry in completion.logprobs]
+    assert [list(position) for position in output.prompt_logprobs[1:]] == [
+        [entry.token_id] for entry in output.prompt_logprobs[1:]]
 
 
 def test_n_sequences_come_back_as_one_output_each_seeded_seed_plus_index(llm):

@@ -9,6 +9,8 @@ import pytest
 
 from splitserve.common.errors import InvalidRequestError
 from splitserve.common.sampling_params import MAX_LOGPROBS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SamplingParams
+from splitserve.common.structured_output import (GuidedDecodingParams, StructuredOutput, StructuredOutputKind,
+                                                 StructuredOutputsParams)
 
 INVALID = [
     ("temperature", -0.1), ("temperature", -1e-9), ("temperature", math.nan), ("temperature", math.inf),
@@ -23,9 +25,9 @@ INVALID = [
     ("max_tokens", 0), ("max_tokens", -1), ("max_tokens", True), ("max_tokens", 2.0), ("max_tokens", None),
     ("logprobs", -1), ("prompt_logprobs", -1), ("logprobs", True), ("logprobs", 1.0),
     ("seed", 1.5), ("seed", True), ("seed", "7"), ("seed", 2**64), ("seed", -2**63 - 1),
-    ("stop", [""]), ("stop", ""), ("stop", ["ok", ""]), ("stop", [3]), ("stop", None), ("stop", 3),
+    ("stop", [""]), ("stop", ""), ("stop", ["ok", ""]), ("stop", [3]), ("stop", 3),
     ("stop_token_ids", [-1]), ("stop_token_ids", [1, -1]), ("stop_token_ids", ["a"]), ("stop_token_ids", [True]),
-    ("stop_token_ids", [1.0]), ("stop_token_ids", None), ("stop_token_ids", 5),
+    ("stop_token_ids", [1.0]), ("stop_token_ids", 5),
     ("min_tokens", -1), ("min_tokens", 17), ("min_tokens", True), ("min_tokens", 1.0), ("min_tokens", None),
     # ints beyond a float's range (a JSON body may carry any integer): rejected, not an OverflowError
     ("temperature", 10**400), ("top_p", 10**309), ("min_p", -10**400), ("repetition_penalty", 10**309),
@@ -36,7 +38,7 @@ INVALID = [
     # keys whose sign or length int() refuses: a 400, not a ValueError escaping as a 500
     ("logit_bias", {"+-5": 1.0}), ("logit_bias", {"--5": 1.0}), ("logit_bias", {"1" * 5000: 1.0}),
     ("allowed_token_ids", []), ("allowed_token_ids", ["1"]), ("allowed_token_ids", [1.0]), ("allowed_token_ids", 3),
-    ("bad_words", [""]), ("bad_words", [["a"]]), ("bad_words", [3]), ("bad_words", None),
+    ("bad_words", [""]), ("bad_words", [["a"]]), ("bad_words", [3]),
     ("n", 0), ("n", -1), ("n", True), ("n", 2.0), ("n", None),
 ]
 
@@ -89,6 +91,12 @@ VALID_EDGES = [
     ("min_tokens", 0), ("min_tokens", 16),
     ("n", 1), ("n", 64),
 ]
+
+
+@pytest.mark.parametrize("field", ["stop", "stop_token_ids", "bad_words", "logit_bias"])
+def test_none_is_vllm_s_default_for_the_list_fields(field):
+    # vLLM's SamplingParams defaults these to None: a script passing stop=None (e.g. from a config) asks for none.
+    assert SamplingParams(**{field: None}) == SamplingParams()
 
 
 @pytest.mark.parametrize("field, value", VALID_EDGES)
@@ -212,3 +220,48 @@ def test_logprobs_within_the_limit_pass():
     for fields, max_logprobs in (({"logprobs": 20, "prompt_logprobs": 20}, 20), ({"logprobs": 50}, 50),
                                  ({"logprobs": 100}, -1), ({"logprobs": 0}, 0), ({}, 0)):
         SamplingParams(**fields).check_logprobs_limit(max_logprobs, 100)
+
+
+# ---- vLLM's structured_outputs / guided_decoding spellings ------------------------------------------
+
+@pytest.mark.parametrize(("vllm_params", "expected"), [
+    (StructuredOutputsParams(json={"type": "integer"}), StructuredOutput.json_schema({"type": "integer"})),
+    (StructuredOutputsParams(json='{"type": "integer"}'), StructuredOutput.json_schema({"type": "integer"})),
+    (StructuredOutputsParams(regex="[ab]+"), StructuredOutput(StructuredOutputKind.REGEX, "[ab]+")),
+    (StructuredOutputsParams(choice=["yes", "no"], disable_any_whitespace=True),
+     StructuredOutput(StructuredOutputKind.CHOICE, '["yes","no"]')),
+    (StructuredOutputsParams(grammar='start: "a"'), StructuredOutput(StructuredOutputKind.GRAMMAR, 'start: "a"')),
+    (StructuredOutputsParams(json_object=True), StructuredOutput(StructuredOutputKind.JSON_OBJECT)),
+])
+def test_vllm_structured_outputs_become_the_structured_output(vllm_params, expected):
+    params = SamplingParams(max_tokens=5, structured_outputs=vllm_params)
+    assert params == SamplingParams(max_tokens=5, structured_output=expected)
+    assert params.for_sequence(1) == params  # replace() keeps the constraint and does not re-read the spelling
+
+
+def test_vllm_guided_decoding_is_the_older_spelling():
+    params = SamplingParams(guided_decoding=GuidedDecodingParams(choice=["a", "b"], backend="xgrammar"))
+    assert params.structured_output == StructuredOutput(StructuredOutputKind.CHOICE, '["a","b"]')
+
+
+@pytest.mark.parametrize(("make", "message"), [
+    (lambda: StructuredOutputsParams(json={"type": "integer"}, regex="a"),
+     "structured_outputs: must set exactly one of json, regex, choice, grammar, json_object, got ['json', 'regex']"),
+    (lambda: StructuredOutputsParams(),
+     "structured_outputs: must set exactly one of json, regex, choice, grammar, json_object, got none"),
+    (lambda: StructuredOutputsParams(json="{not json"), "structured_outputs.json: is not valid JSON"),
+    (lambda: StructuredOutputsParams(choice="ab"), "structured_outputs.choice: must be a list of strings, got 'ab'"),
+    (lambda: StructuredOutputsParams(json_object=False), "structured_outputs.json_object: must be True, got False"),
+    (lambda: StructuredOutputsParams(regex="a", whitespace_pattern=" "),
+     "structured_outputs.whitespace_pattern: is not supported"),
+    (lambda: SamplingParams(structured_outputs={"json": {}}),
+     "structured_outputs: must be a StructuredOutputsParams, got dict"),
+    (lambda: SamplingParams(structured_output=StructuredOutput.choice(["a"]),
+                            structured_outputs=StructuredOutputsParams(regex="a")),
+     "structured_outputs: only one of structured_output, structured_outputs and guided_decoding may be set, got "
+     "structured_output, structured_outputs"),
+])
+def test_bad_vllm_structured_outputs_are_refused_by_name(make, message):
+    with pytest.raises(InvalidRequestError) as error:
+        make()
+    assert str(error.value).startswith(message)
