@@ -123,6 +123,13 @@ def test_a_trace_that_cannot_be_drawn_is_refused_naming_the_argument(peak_rate, 
         make_trace("poisson", peak_rate, duration_s, seed)
 
 
+def test_a_simulation_whose_trace_drew_no_request_is_refused():
+    """Before, `splitserve simulate --devices 2 --duration 0.01` printed attainment 1.000 and TTFT p99 'nans'."""
+    with pytest.raises(ValueError, match=r"^the poisson trace drew no request in 0\.01 s at up to 1\.62 req/s; "
+                                         r"simulate a longer duration$"):
+        run_simulation("poisson", 2, "planner", 0, 0.01)
+
+
 def test_poisson_rate_and_cv2_within_tolerance():
     """100,000 expected arrivals: the count's sd is 316 (0.3%); we allow 1%. The sample cv^2 of
     100,000 exponential gaps has sd ~0.009; we allow 0.03."""
