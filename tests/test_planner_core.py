@@ -554,3 +554,13 @@ def test_an_impossible_pool_or_step_sample_is_refused_naming_the_field(build, me
     """Before, a pool of -1 replicas was planned for ('scale_up: prefill -1 -> 1') and negative step times fed the fit."""
     with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
         build()
+
+
+def test_an_observation_earlier_than_the_previous_one_is_refused():
+    """Before, a tick at 50 s after one at 100 s was decided with 'changed -50 s ago' cooldowns."""
+    planner = Planner(CONFIG, NO_TREND)
+    assert prefill_outcome(planner.decide(observe(100.0, rate=25.0, prefill=1))) == (3, 2, "scale_up")
+    assert prefill_outcome(planner.decide(observe(100.0, rate=25.0, prefill=3))) == (3, 0, "hold")  # same time: fine
+    with pytest.raises(ValueError, match=r"^now_s 50\.0 is before the previous observation's 100\.0 "
+                                         r"\(observations must come in time order\)$"):
+        planner.decide(observe(50.0, rate=25.0, prefill=3))
