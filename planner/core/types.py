@@ -195,8 +195,8 @@ class PerformanceProfile:
                      "decode_s_per_request", "decode_s_per_context_token"):
             value = getattr(self, name)
             require(value >= 0 and math.isfinite(value), f"{name} must be a finite number >= 0, got {value}")
-        require(self.max_batch_size >= 1 and self.prefill_token_budget >= 1,
-                "max_batch_size and prefill_token_budget must be >= 1")
+        for name in ("max_batch_size", "prefill_token_budget"):
+            require(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
 
 
 @dataclass(frozen=True)
@@ -235,8 +235,8 @@ class PlannerConfig:
         for name in ("scale_up_cooldown_s", "scale_down_cooldown_s"):
             require(getattr(self, name) >= 0, f"{name} must be >= 0, got {getattr(self, name)}")
         require(self.max_step >= 1, f"max_step must be >= 1, got {self.max_step}")
-        require(0 <= self.scale_down_margin < 1, "scale_down_margin must be in [0, 1)")
-        require(self.scale_down_ticks >= 1, "scale_down_ticks must be >= 1")
+        require(0 <= self.scale_down_margin < 1, f"scale_down_margin must be in [0, 1), got {self.scale_down_margin}")
+        require(self.scale_down_ticks >= 1, f"scale_down_ticks must be >= 1, got {self.scale_down_ticks}")
 
 
 @dataclass(frozen=True)
