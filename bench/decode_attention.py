@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from serving_common import bench_parser, loaded_kernel_isa, report_header, start_bench, write_report
+from serving_common import bench_parser, loaded_kernel_isa, positive_int, report_header, start_bench, write_report
 from splitserve.engine.attention import CpuPagedAttention
 from splitserve.engine.attention.base import AttentionMetadata, DecodeBatch
 
@@ -131,7 +131,7 @@ def plot(report: dict, path: Path) -> None:
 
 def main() -> None:
     parser = bench_parser(__doc__, "3 rounds, written to the temp directory", RESULTS)
-    parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--rounds", type=positive_int, default=30)
     args = parser.parse_args()
     start_bench()
     isa = loaded_kernel_isa()

@@ -51,8 +51,8 @@ from typing import TypeVar
 
 import torch
 
-from serving_common import (ForeignCpu, bench_parser, code_version, load_recorder, random_prompt, wait_while_tests_run,
-                            warn_noisy_parts, write_report)
+from serving_common import (ForeignCpu, bench_parser, code_version, load_recorder, non_negative_int, positive_int,
+                            random_prompt, wait_while_tests_run, warn_noisy_parts, write_report)
 from splitserve.engine import LLM, SamplingParams
 from splitserve.engine.cpu_gemm import has_bf16_gemm
 from splitserve.engine.cpu_kernels import cpu_kernel_isa
@@ -705,9 +705,9 @@ def parse_args():
     parser.add_argument("--vllm-binds", nargs="+", default=list(VLLM_BINDS),
                         help="VLLM_CPU_OMP_THREADS_BIND values: one vLLM engine per cell each, every workload "
                              "compared against the fastest")
-    parser.add_argument("--rounds", type=int, default=1,
+    parser.add_argument("--rounds", type=positive_int, default=1,
                         help="runs of each cell, the two engines alternating; ratios are the median round's")
-    parser.add_argument("--max-retries", type=int, default=1,
+    parser.add_argument("--max-retries", type=non_negative_int, default=1,
                         help=f"run a part again while other processes take > {100 * NOISY_SHARE:.0f}%% of the machine")
     return parser.parse_args()
 
@@ -724,8 +724,6 @@ def make_setup(args, models: list[str], vllm: Vllm, parts: Parts) -> Setup:
 
 def main() -> None:
     args = parse_args()
-    if args.rounds < 1:
-        raise SystemExit(f"--rounds must be >= 1, got {args.rounds}")
     started = time.perf_counter()
     models = args.models or (["tiny"] if args.quick else list(MODELS))
     dtypes = args.dtypes or (["bfloat16"] if args.quick else list(DTYPES))

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from serving_common import bench_parser, report_header, write_report
+from serving_common import bench_parser, positive_int, report_header, write_report
 from splitserve.engine import LLM, SamplingParams
 from splitserve.engine.cpu_kernels import cpu_kernel_isa
 from splitserve.engine.tiny_model import build_tokenizer
@@ -100,7 +100,7 @@ def plot(report: dict, path: Path) -> None:
 def main() -> None:
     parser = bench_parser(__doc__, "one round, float32 only, written to the temp directory", RESULTS)
     parser.add_argument("--dtypes", nargs="+", choices=("float32", "bfloat16"), default=["float32", "bfloat16"])
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=positive_int, default=3)
     parser.add_argument("--no-cpu-kernels", dest="cpu_kernels", action="store_false")
     args = parser.parse_args()
     dtypes, rounds = (["float32"], 1) if args.quick else (args.dtypes, args.rounds)

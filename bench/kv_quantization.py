@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from serving_common import bench_parser, random_prompt, report_header, start_bench, write_report
+from serving_common import bench_parser, positive_int, random_prompt, report_header, start_bench, write_report
 from splitserve.common.config import EngineConfig
 from splitserve.common.kv_transfer_types import TransferParams
 from splitserve.common.model_dir import DEFAULT_MODEL_NAME
@@ -203,9 +203,9 @@ def plot(report: dict, path: Path) -> None:
 
 def main() -> int:
     parser = bench_parser(__doc__.splitlines()[0], "10 decode steps x 2 rounds, 8 quality windows", RESULTS)
-    parser.add_argument("--steps", type=int, default=16, help="timed decode steps per round")
-    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds per KV dtype")
-    parser.add_argument("--max-windows", type=int, default=16, help="quality windows (default 16 of the held-out set)")
+    parser.add_argument("--steps", type=positive_int, default=16, help="timed decode steps per round")
+    parser.add_argument("--rounds", type=positive_int, default=3, help="interleaved rounds per KV dtype")
+    parser.add_argument("--max-windows", type=positive_int, default=16, help="quality windows (default 16 of the held-out set)")
     args = parser.parse_args()
     start_bench()
     steps, rounds = (10, 2) if args.quick else (args.steps, args.rounds)

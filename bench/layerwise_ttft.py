@@ -56,7 +56,7 @@ from pathlib import Path
 
 import torch
 
-from serving_common import bench_parser, report_header, start_bench, write_report
+from serving_common import bench_parser, positive_int, report_header, start_bench, write_report
 from splitserve.common.config import EngineConfig
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.stats import RequestRecord
@@ -246,9 +246,9 @@ def print_rows(report: dict) -> None:
 
 def main() -> None:
     parser = bench_parser(__doc__, "lengths 256 and 1024, 1 repeat, written to the temp directory", RESULTS)
-    parser.add_argument("--lengths", type=int, nargs="+", default=[256, 1024, 2000])
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=1, help="torch threads of each engine")
+    parser.add_argument("--lengths", type=positive_int, nargs="+", default=[256, 1024, 2000])
+    parser.add_argument("--repeats", type=positive_int, default=5)
+    parser.add_argument("--threads", type=positive_int, default=1, help="torch threads of each engine")
     parser.add_argument("--backends", nargs="+", default=["inprocess", "nixl"], help="KV transfer backends")
     parser.add_argument("--parts", nargs="+", choices=["pair", "cluster"], default=["pair", "cluster"])
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where both engines run")

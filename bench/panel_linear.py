@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from serving_common import bench_parser, loaded_kernel_isa, report_header, start_bench, write_report
+from serving_common import bench_parser, loaded_kernel_isa, positive_int, report_header, start_bench, write_report
 from splitserve.engine.cpu_gemm import cpu_gemm_dtype, has_bf16_gemm
 from splitserve.engine.models.layer_ops import CpuKernelLayerOps, GatedActivation
 from splitserve.engine.models.packed_linear import PanelGatedLinear, PanelLinear, PackedLinear
@@ -153,7 +153,7 @@ def plot_per_row(ax, cells: list[dict], keys: tuple[str, str], names) -> None:
 
 def main() -> None:
     parser = bench_parser(__doc__, "3 rounds, 3 row counts, written to the temp directory", RESULTS)
-    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--rounds", type=positive_int, default=7)
     args = parser.parse_args()
     start_bench()
     isa = loaded_kernel_isa()

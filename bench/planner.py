@@ -47,7 +47,7 @@ from pathlib import Path
 
 import numpy as np
 
-from serving_common import bench_parser, report_header, write_report
+from serving_common import bench_parser, positive_int, report_header, write_report
 
 from splitserve.planner.sim.plot import plot_runs
 from splitserve.planner.sim.policies import StaticPolicy
@@ -263,8 +263,9 @@ def plot(report: dict, path: Path) -> None:
 
 def main() -> None:
     parser = bench_parser(__doc__, "shorter traces (16: 15 min, 128: 10 min, 1000: 5 min)", RESULTS)
-    parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--scales", type=int, nargs="+", default=list(SCALES))
+    parser.add_argument("--workers", type=positive_int, default=2, help="simulation processes (default 2)")
+    parser.add_argument("--scales", type=int, nargs="+", choices=SCALES, default=list(SCALES),
+                        help="device counts to run (the traces' durations are set per scale; default: all)")
     args = parser.parse_args()
     started = time.perf_counter()
     durations = QUICK_DURATION_S if args.quick else DURATION_S

@@ -48,7 +48,7 @@ from pathlib import Path
 import numpy as np
 
 from engine_throughput import Parts
-from serving_common import ForeignCpu, bench_parser, report_header, start_bench, warn_noisy_parts, write_report
+from serving_common import ForeignCpu, bench_parser, non_negative_int, report_header, start_bench, warn_noisy_parts, write_report
 
 from splitserve.common.validation import require
 from splitserve.planner.core.perf_model import decode_features, nonnegative_quadratic, prefill_features
@@ -724,7 +724,7 @@ def describe_real(trace: Trace, real: RealRun, transfer: tuple[float, float], re
 
 def main() -> None:
     parser = bench_parser(__doc__, "20 s traces and fewer probes, no retry; results in the temp directory", RESULTS)
-    parser.add_argument("--max-retries", type=int, default=2,
+    parser.add_argument("--max-retries", type=non_negative_int, default=2,
                         help="runs of a part again while other processes took > 5%% of the machine (default 2)")
     args = parser.parse_args()
     sizes = QUICK if args.quick else FULL

@@ -53,7 +53,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from serving_common import (BLOCK_SIZE, CLOCK_TICKS, MS, Cluster, ForeignCpu, bench_parser, cluster_config,
-                            load_recorder, process_stat, random_prompt, report_header, start_bench, stream_one,
+                            load_recorder, non_negative_int, process_stat, random_prompt, report_header, start_bench, stream_one,
                             summary_ms, token_gaps, ttft_s, wait_while_tests_run, warn_noisy_parts, with_stub,
                             write_report)
 
@@ -478,7 +478,7 @@ def main() -> None:
     parser = bench_parser(__doc__, "a ~1 minute smoke run (round_robin and prefix_aware only)", RESULTS)
     parser.add_argument("--rate", type=float, default=None, help="Poisson arrival rate (requests/s)")
     parser.add_argument("--duration", type=float, default=None, help="seconds of arrivals per policy")
-    parser.add_argument("--max-retries", type=int, default=1,
+    parser.add_argument("--max-retries", type=non_negative_int, default=1,
                         help=f"run a policy again while other processes take > {100 * NOISY_SHARE:.0f}%% of the machine")
     args = parser.parse_args()
     from engine_throughput import BENCH_SPEC, bench_model_dir

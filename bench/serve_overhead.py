@@ -25,7 +25,8 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-from serving_common import (Cluster, bench_parser, client_sequential, cluster_config, random_prompt, report_header,
+from serving_common import (Cluster, bench_parser, client_sequential, cluster_config, positive_int, random_prompt,
+                            report_header,
                             start_bench, summary_ms, token_gaps, ttft_s, write_report)
 
 RESULTS = Path(__file__).parent / "results"
@@ -103,9 +104,9 @@ def plot(report: dict, path: Path) -> None:
 
 def main() -> None:
     parser = bench_parser(__doc__, "5 requests per setup, written to the temp directory", RESULTS)
-    parser.add_argument("--requests", type=int, default=30)
-    parser.add_argument("--prompt-tokens", type=int, default=128)
-    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--requests", type=positive_int, default=30)
+    parser.add_argument("--prompt-tokens", type=positive_int, default=128)
+    parser.add_argument("--max-tokens", type=positive_int, default=64)
     args = parser.parse_args()
     from transformers import AutoConfig
 

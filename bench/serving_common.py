@@ -330,8 +330,24 @@ def bench_parser(description: str, quick_help: str, results: Path) -> argparse.A
     parser.add_argument("--out-dir", type=Path, default=None,
                         help=f"default: {results} (a --quick run: {tempfile.gettempdir()}, so it never replaces "
                              "the full results)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=non_negative_int, default=0)
     return parser
+
+
+def non_negative_int(text: str) -> int:
+    """An argparse type: a bad value is argparse's usage error naming the flag, not a traceback later
+    (numpy's generators refuse a negative seed)."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
 
 
 def start_bench() -> float:

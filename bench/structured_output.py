@@ -25,8 +25,8 @@ import statistics
 import time
 from pathlib import Path
 
-from serving_common import bench_parser, cluster_config, percentile, random_prompt, report_header, start_bench, \
-    write_report
+from serving_common import bench_parser, cluster_config, percentile, positive_int, random_prompt, report_header, \
+    start_bench, write_report
 
 from splitserve.common.model_dir import DEFAULT_MODEL_NAME
 from splitserve.common.sampling_params import SamplingParams
@@ -132,7 +132,7 @@ def plot(report: dict, path: Path) -> None:
 
 def main() -> None:
     parser = bench_parser(__doc__, "2 rounds, written to the temp directory", RESULTS)
-    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--rounds", type=positive_int, default=9)
     args = parser.parse_args()
     start_bench()
     model = resolve_model_path(DEFAULT_MODEL_NAME)

@@ -12,8 +12,8 @@ RESULT.json: {"versions", "scheduler", "startup_s", "workloads": {name: {"second
 "output_tokens"}}}.
 """
 
+import argparse
 import json
-import sys
 import time
 from importlib.metadata import version
 
@@ -58,5 +58,13 @@ def main(job_path: str, result_path: str) -> None:
         json.dump(report, f)
 
 
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("job", help="JOB.json (written by engine_throughput.py)")
+    parser.add_argument("result", help="RESULT.json to write")
+    return parser.parse_args()
+
+
 if __name__ == "__main__":  # vLLM's engine spawns processes that import this module
-    main(*sys.argv[1:])
+    args = parse_args()
+    main(args.job, args.result)

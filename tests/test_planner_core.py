@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
+import re
 
 import numpy as np
 import pytest
@@ -511,3 +512,55 @@ def test_seeded_fit_is_the_profile():
     assert model.as_profile() == PROFILE
     assert model.prompt_seconds(np.array([100.0, 4096.0])).tolist() == pytest.approx([0.1, 4.096])
     assert LinearFit.seeded((1.0, 2.0), (1.0, 1.0)).seconds(np.array([1.0, 3.0])) == 7.0
+
+
+# ---- impossible observations are refused by name ---------------------------------------------------------
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"arrival_rate": math.inf}, "arrival_rate must be a finite number >= 0, got inf"),
+    ({"arrival_cv2": math.inf}, "arrival_cv2 must be a finite number >= 0, got inf"),
+    ({"arrival_cv2": math.nan}, "arrival_cv2 must be a finite number >= 0, got nan"),
+    ({"now_s": math.nan}, "now_s must be finite, got nan"),
+    ({"window_s": math.inf}, "window_s must be a finite number > 0, got inf"),
+    ({"transfer_s_p50": -1.0}, "transfer_s_p50 must be a finite number >= 0, got -1.0"),
+    ({"local_prefill_share": 2.0}, "local_prefill_share must be in [0, 1], got 2.0"),
+    ({"ttft_attainment": 1.5}, "ttft_attainment must be in [0, 1], got 1.5"),
+    ({"itl_attainment": -0.1}, "itl_attainment must be in [0, 1], got -0.1"),
+    ({"ttft_p99_s": math.nan}, "ttft_p99_s must be a finite number >= 0, got nan"),
+    ({"itl_p99_s": -1.0}, "itl_p99_s must be a finite number >= 0, got -1.0"),
+    ({"scale_up_s": -5.0}, "scale_up_s must be a finite number >= 0, got -5.0"),
+])
+def test_an_impossible_observation_is_refused_naming_the_field(change, message):
+    """Before, infinities, NaNs and out-of-range fractions reached decide(): cv² = inf raised ZeroDivisionError,
+    a NaN TTFT p99 blamed 'ttft_target_s and latency_scale', the rest silently produced decisions."""
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        dataclasses.replace(observe(100.0, rate=5.0, prefill=1), **change)
+
+
+@pytest.mark.parametrize(("build", "message"), [
+    (lambda: PoolObservation(-1), "a pool's replicas must be >= 0, got -1"),
+    (lambda: PoolObservation(1, starting=-2), "a pool's starting must be >= 0, got -2"),
+    (lambda: PoolObservation(1, queue_depth=-3), "a pool's queue_depth must be >= 0, got -3"),
+    (lambda: PoolObservation(1, kv_capacity_tokens=-1), "a pool's kv_capacity_tokens must be >= 0, got -1"),
+    (lambda: PoolObservation(1, queue_time_p99_s=math.inf), "a pool's queue_time_p99_s must be a finite number >= 0, got inf"),
+    (lambda: PoolObservation(1, kv_usage=2.0), "a pool's kv_usage must be in [0, 1], got 2.0"),
+    (lambda: PrefillStepSample(0, 0.1), "a prefill step sample needs num_tokens >= 1, got 0"),
+    (lambda: PrefillStepSample(100, -0.1), "a prefill step sample's seconds must be a finite number >= 0, got -0.1"),
+    (lambda: DecodeStepSample(-1, 100, 0.01),
+     "a decode step sample needs batch_size and context_tokens >= 0, got -1, 100"),
+    (lambda: DecodeStepSample(4, 100, math.nan), "a decode step sample's seconds must be a finite number >= 0, got nan"),
+])
+def test_an_impossible_pool_or_step_sample_is_refused_naming_the_field(build, message):
+    """Before, a pool of -1 replicas was planned for ('scale_up: prefill -1 -> 1') and negative step times fed the fit."""
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        build()
+
+
+def test_an_observation_earlier_than_the_previous_one_is_refused():
+    """Before, a tick at 50 s after one at 100 s was decided with 'changed -50 s ago' cooldowns."""
+    planner = Planner(CONFIG, NO_TREND)
+    assert prefill_outcome(planner.decide(observe(100.0, rate=25.0, prefill=1))) == (3, 2, "scale_up")
+    assert prefill_outcome(planner.decide(observe(100.0, rate=25.0, prefill=3))) == (3, 0, "hold")  # same time: fine
+    with pytest.raises(ValueError, match=r"^now_s 50\.0 is before the previous observation's 100\.0 "
+                                         r"\(observations must come in time order\)$"):
+        planner.decide(observe(50.0, rate=25.0, prefill=3))

@@ -6,6 +6,7 @@ relative; trace statistics against stated tolerances (a Poisson count of n has s
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field, replace
 
 from operator import attrgetter
@@ -106,6 +107,27 @@ def test_same_seed_same_trace_and_another_seed_differs():
         assert np.array_equal(getattr(a, name), getattr(b, name))
     assert not np.array_equal(a.arrival_s[:100], make_trace("multitenant", 20.0, 300.0, 8).arrival_s[:100])
     assert not a.arrival_s.flags.writeable
+
+
+@pytest.mark.parametrize(("peak_rate", "duration_s", "seed", "message"), [
+    (20.0, math.inf, 0, "duration_s must be a finite number > 0, got inf"),
+    (20.0, math.nan, 0, "duration_s must be a finite number > 0, got nan"),
+    (20.0, 0.0, 0, "duration_s must be a finite number > 0, got 0.0"),
+    (math.inf, 60.0, 0, "peak_rate must be a finite number > 0, got inf"),
+    (20.0, 60.0, -1, "seed must be >= 0, got -1"),
+])
+def test_a_trace_that_cannot_be_drawn_is_refused_naming_the_argument(peak_rate, duration_s, seed, message):
+    """Before, `splitserve simulate --duration inf` drew arrivals forever, --duration nan blamed
+    'peak_rate > 0 and duration_s > 0' together, and --seed -1 surfaced numpy's 'expected non-negative integer'."""
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        make_trace("poisson", peak_rate, duration_s, seed)
+
+
+def test_a_simulation_whose_trace_drew_no_request_is_refused():
+    """Before, `splitserve simulate --devices 2 --duration 0.01` printed attainment 1.000 and TTFT p99 'nans'."""
+    with pytest.raises(ValueError, match=r"^the poisson trace drew no request in 0\.01 s at up to 1\.62 req/s; "
+                                         r"simulate a longer duration$"):
+        run_simulation("poisson", 2, "planner", 0, 0.01)
 
 
 def test_poisson_rate_and_cv2_within_tolerance():

@@ -109,6 +109,8 @@ class PlannerState:
     """The prompt lengths last planned with: the last window's that saw any (else the default)."""
     output_lengths: LengthHistogram = LengthHistogram()
     """Same for output lengths."""
+    last_now_s: float | None = None
+    """The previous observation's now_s (None: no tick yet); observations come in time order."""
 
 
 @dataclass(frozen=True)
@@ -159,6 +161,10 @@ class Planner:
 def plan(config: PlannerConfig, tuning: PlannerTuning, state: PlannerState,
          observation: Observation) -> tuple[PlannerState, Decision]:
     """One tick: the next state and the decision (module docstring, steps 1-6)."""
+    # An earlier now_s would read cooldowns as negative ("changed -50 s ago") and reverse the trend.
+    require(state.last_now_s is None or observation.now_s >= state.last_now_s,
+            f"now_s {observation.now_s} is before the previous observation's {state.last_now_s} "
+            "(observations must come in time order)")
     model = state.model.update(observation.prefill_steps, observation.decode_steps)
     observed = Traffic(observation.arrival_rate,
                        _remembered(observation.prompt_lengths, state.prompt_lengths, tuning.default_prompt_tokens),
@@ -174,7 +180,7 @@ def plan(config: PlannerConfig, tuning: PlannerTuning, state: PlannerState,
     predicted = _prediction(prefill_pool, decode_pool, Allocation(prefill.target.replicas, decode.target.replicas),
                             planned.arrival_rate)
     next_state = PlannerState(model, prefill.memory, decode.memory, correction, history, observed.prompt_lengths,
-                              observed.output_lengths)
+                              observed.output_lengths, observation.now_s)
     return next_state, Decision(observation.now_s, prefill.target, decode.target, threshold, predicted)
 
 

@@ -67,6 +67,10 @@ class PrefillStepSample:
     num_tokens: int
     seconds: float
 
+    def __post_init__(self) -> None:
+        require(self.num_tokens >= 1, f"a prefill step sample needs num_tokens >= 1, got {self.num_tokens}")
+        _require_finite_nonnegative("a prefill step sample's seconds", self.seconds)
+
 
 @dataclass(frozen=True)
 class DecodeStepSample:
@@ -75,6 +79,12 @@ class DecodeStepSample:
     batch_size: int
     context_tokens: int
     seconds: float
+
+    def __post_init__(self) -> None:
+        require(self.batch_size >= 0 and self.context_tokens >= 0,
+                f"a decode step sample needs batch_size and context_tokens >= 0, got {self.batch_size}, "
+                f"{self.context_tokens}")
+        _require_finite_nonnegative("a decode step sample's seconds", self.seconds)
 
 
 @dataclass(frozen=True)
@@ -96,6 +106,13 @@ class PoolObservation:
     """Mean fraction of KV blocks in use over the routable workers, [0, 1]."""
     kv_capacity_tokens: int = 0
     """KV tokens one worker of this pool can hold (0 = unknown)."""
+
+    def __post_init__(self) -> None:
+        for name in ("replicas", "starting", "draining", "queue_depth", "running_requests", "kv_capacity_tokens"):
+            require(getattr(self, name) >= 0, f"a pool's {name} must be >= 0, got {getattr(self, name)}")
+        for name in ("queue_time_p50_s", "queue_time_p99_s"):
+            _require_finite_nonnegative(f"a pool's {name}", getattr(self, name))
+        _require_fraction("a pool's kv_usage", self.kv_usage)
 
 
 @dataclass(frozen=True)
@@ -130,9 +147,18 @@ class Observation:
     decode_steps: tuple[DecodeStepSample, ...] = ()
 
     def __post_init__(self) -> None:
-        require(self.window_s > 0, f"window_s must be > 0, got {self.window_s}")
-        require(self.arrival_rate >= 0 and self.arrival_cv2 >= 0, "arrival_rate and arrival_cv2 must be >= 0")
-        require(0.0 <= self.prefix_hit_rate <= 1.0, "prefix_hit_rate must be in [0, 1]")
+        require(math.isfinite(self.now_s), f"now_s must be finite, got {self.now_s}")
+        require(0 < self.window_s < math.inf, f"window_s must be a finite number > 0, got {self.window_s}")
+        for name in ("arrival_rate", "arrival_cv2", "transfer_s_p50"):
+            _require_finite_nonnegative(name, getattr(self, name))
+        for name in ("prefix_hit_rate", "local_prefill_share"):
+            _require_fraction(name, getattr(self, name))
+        for name in ("ttft_attainment", "itl_attainment"):
+            if getattr(self, name) is not None:
+                _require_fraction(name, getattr(self, name))
+        for name in ("ttft_p99_s", "itl_p99_s", "scale_up_s"):
+            if getattr(self, name) is not None:
+                _require_finite_nonnegative(name, getattr(self, name))
 
 
 @dataclass(frozen=True)
@@ -169,8 +195,8 @@ class PerformanceProfile:
                      "decode_s_per_request", "decode_s_per_context_token"):
             value = getattr(self, name)
             require(value >= 0 and math.isfinite(value), f"{name} must be a finite number >= 0, got {value}")
-        require(self.max_batch_size >= 1 and self.prefill_token_budget >= 1,
-                "max_batch_size and prefill_token_budget must be >= 1")
+        for name in ("max_batch_size", "prefill_token_budget"):
+            require(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
 
 
 @dataclass(frozen=True)
@@ -209,8 +235,8 @@ class PlannerConfig:
         for name in ("scale_up_cooldown_s", "scale_down_cooldown_s"):
             require(getattr(self, name) >= 0, f"{name} must be >= 0, got {getattr(self, name)}")
         require(self.max_step >= 1, f"max_step must be >= 1, got {self.max_step}")
-        require(0 <= self.scale_down_margin < 1, "scale_down_margin must be in [0, 1)")
-        require(self.scale_down_ticks >= 1, "scale_down_ticks must be >= 1")
+        require(0 <= self.scale_down_margin < 1, f"scale_down_margin must be in [0, 1), got {self.scale_down_margin}")
+        require(self.scale_down_ticks >= 1, f"scale_down_ticks must be >= 1, got {self.scale_down_ticks}")
 
 
 @dataclass(frozen=True)
@@ -243,7 +269,8 @@ class PoolTarget:
     change: int
     """replicas minus the current count; 0 = hold."""
     reason: str
-    """Why, in words, e.g. 'scale_up: predicted TTFT p99 1.8 s > 1.0 s target at 12.0 req/s'."""
+    """Why, in words, e.g. 'scale_up: prefill 1 -> 3 for attainment 0.95; at 1: TTFT attainment 0.000, p99 inf s
+    vs 1 s, utilisation 2.50 at 25 req/s; at 3: TTFT attainment 1.000, p99 0.525 s vs 1 s, utilisation 0.83 at 25 req/s'."""
 
 
 @dataclass(frozen=True)
@@ -255,3 +282,12 @@ class Decision:
     """Prompts with at most this many uncached tokens prefill on their decode worker (0: never)."""
     predicted: Prediction
     """The forecast for the chosen targets."""
+
+
+def _require_finite_nonnegative(name: str, value: float) -> None:
+    """A duration, rate or cv²: finite and >= 0 (NaN fails the comparison too)."""
+    require(0 <= value < math.inf, f"{name} must be a finite number >= 0, got {value}")
+
+
+def _require_fraction(name: str, value: float) -> None:
+    require(0.0 <= value <= 1.0, f"{name} must be in [0, 1], got {value}")

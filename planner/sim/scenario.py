@@ -126,6 +126,9 @@ def run_simulation(trace_name: str, devices: int, policy_name: str, seed: int, d
     `shards` processes (None: default_shards)."""
     scale = Scale.of(trace_name, devices)
     trace = make_trace(trace_name, scale.peak_rate, duration_s, seed, BENCH_WORKLOAD)
+    # With no request every latency is NaN and attainment a vacuous 1.0: nothing to report.
+    require(len(trace) > 0, f"the {trace_name} trace drew no request in {duration_s:g} s at up to "
+                            f"{scale.peak_rate:.2f} req/s; simulate a longer duration")
     initial = scale.split(scale.peak_rate) if policy_name == "static" else None
     return simulate(cluster_config(scale, duration_s, initial), trace, make_policy(policy_name, scale), policy_name,
                     default_shards(devices) if shards is None else shards)

@@ -220,7 +220,9 @@ def make_trace(name: str, peak_rate: float, duration_s: float, seed: int, worklo
     poisson and multitenant run at peak_rate throughout; bursty alternates between the peak and
     bursty_low_fraction of it; diurnal ramps from diurnal_trough_fraction of it to it and back."""
     require(name in TRACE_NAMES, f"trace must be one of {TRACE_NAMES}, got {name!r}")
-    require(peak_rate > 0 and duration_s > 0, "need peak_rate > 0 and duration_s > 0")
+    for argument, value in (("peak_rate", peak_rate), ("duration_s", duration_s)):
+        require(0 < value < math.inf, f"{argument} must be a finite number > 0, got {value}")
+    require(seed >= 0, f"seed must be >= 0, got {seed}")
     rng = np.random.default_rng([seed, TRACE_NAMES.index(name)])
     if name == "bursty":
         rates = (workload.bursty_low_fraction * peak_rate, peak_rate)
