@@ -47,6 +47,8 @@ from splitserve.testing.in_process_cluster import InProcessCluster
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results"
 SLO = SloConfig(ttft_s=1.0, tpot_s=0.05)
+MODEL_NAME = "tiny-llama"
+"""The model_name label of every sample (any served name)."""
 SCRAPE_INTERVAL_S = 1.0
 CONCURRENCY, PROMPT_TOKENS, OUTPUT_TOKENS = 8, 96, 64
 """8 x (96 + 64) tokens = 160 KV blocks: fits the in-process workers' 256-block pools at once."""
@@ -94,7 +96,7 @@ async def run_round(cluster: InProcessCluster, rng: random.Random, vocab_size: i
 
 
 async def run_rounds(model_dir: Path, num_pairs: int, seed: int) -> tuple[list[dict], list[float], dict]:
-    metrics, records = RouterMetrics(SLO), []
+    metrics, records = RouterMetrics(SLO, MODEL_NAME), []
 
     def observe(record):
         records.append(record)
@@ -131,7 +133,7 @@ def micro_costs(cluster: InProcessCluster, record) -> dict:
     """Microseconds per call of the always-on pieces and of observe()."""
     engine = cluster.prefill_workers[0].engine
     timeline = RequestTimeline(time.monotonic())
-    fresh = RouterMetrics(SLO)
+    fresh = RouterMetrics(SLO, MODEL_NAME)
     number = 20000
 
     def per_call_us(fn, n: int = number) -> float:

@@ -180,12 +180,12 @@ async def start_router(router_id: str, config: ClusterConfig, model_dir: str, pr
                                         router.chat_template_content_format, router.trust_request_chat_template,
                                         config.tokenizer_path)
     log_content_format(tokenizer, router.chat_template_content_format)
-    metrics = RouterMetrics(router.slo) if router.metrics_port is not None else None
+    model_name, *aliases = config.served_model_names
+    metrics = RouterMetrics(router.slo, model_name) if router.metrics_port is not None else None
     observers = [*([metrics.observe] if metrics is not None else []), *observers,
                  *([log_access] if router.access_log else [])]
     orchestrator = build_orchestrator(router_id, router, config.mode, prefill, decode, tokenizer, each_of(observers))
     await orchestrator.start()
-    model_name, *aliases = config.served_model_names
     try:
         return await start_servers(orchestrator, tokenizer, router, model_name, metrics, api_key, tuple(aliases),
                                    reuse_port, config.lora_requests)

@@ -15,6 +15,9 @@ first increment misses that increment, too).
   routing outcomes (Orchestrator.routing_stats) and the router's event-loop lag
   (Orchestrator.loop_lag.stats()): read at scrape time by a collector.
 
+Every sample carries the label `model_name` (the served model's name), as vLLM labels every series it
+exports: vLLM's dashboards filter each query by `{model_name="$model_name"}` and its alerts group by it.
+
 Workers run no HTTP server: their numbers travel in the reports the router already polls. The
 HTTP server answers on its own threads, so the scrape-time collector reads the orchestrator's
 state on the orchestrator's event loop (which owns it). Each RouterMetrics has its own
@@ -32,7 +35,7 @@ from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_asgi_app, start_http_server
 from prometheus_client.metrics import MetricWrapperBase
-from prometheus_client.registry import Collector
+from prometheus_client.registry import Collector, RestrictedRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from splitserve.common import metrics as m
@@ -72,9 +75,10 @@ class RouterMetrics:
     """The router's registry: live per-request collectors, the scrape-time collector, and the
     HTTP endpoint serving them."""
 
-    def __init__(self, slo: SloConfig) -> None:
-        """`slo`: the router's default targets, exported as splitserve_slo_target_seconds."""
-        self.registry = CollectorRegistry()
+    def __init__(self, slo: SloConfig, model_name: str) -> None:
+        """`slo`: the router's default targets, exported as splitserve_slo_target_seconds; `model_name`: the
+        served model's name (its first served_model_name), the `model_name` label of every sample."""
+        self.registry = _ModelNamedRegistry(model_name)
         self._live = {d.name: _live_collector(d, self.registry) for d in m.ALL_METRICS if d not in SCRAPED}
         for definition, values in ((m.REQUEST_FAILURE, m.FAILURE_CODES), (m.REQUEST_SUCCESS, FINISH_REASONS),
                                    (m.TTFT_BREAKDOWN, m.TTFT_PHASES)):
@@ -181,6 +185,42 @@ class RouterMetrics:
         server.shutdown()
         server.server_close()
         thread.join(SCRAPE_TIMEOUT_S)
+
+
+class _ModelNamedRegistry(CollectorRegistry):
+    """A registry whose every sample carries `model_name`, added at collection time so that no definition,
+    collector or observe() call repeats it (it is one value per router). The scrape-time collectors declare no
+    names up front, so `GET /metrics?name[]=...` finds their families only with support_collectors_without_names."""
+
+    def __init__(self, model_name: str) -> None:
+        super().__init__(support_collectors_without_names=True)
+        self._model_name = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        return _with_model_name(super().collect(), self._model_name)
+
+    def restricted_registry(self, names: Iterable[str]) -> _ModelNamedView:
+        """What `GET /metrics?name[]=...` serves: the same label on the chosen families."""
+        return _ModelNamedView(super().restricted_registry(names), self._model_name)
+
+
+class _ModelNamedView:
+    """A restricted registry (prometheus_client collects those from the collectors directly) with `model_name`."""
+
+    def __init__(self, restricted: RestrictedRegistry, model_name: str) -> None:
+        self._restricted = restricted
+        self._model_name = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        return _with_model_name(self._restricted.collect(), self._model_name)
+
+
+def _with_model_name(metrics: Iterable[Metric], model_name: str) -> Iterator[Metric]:
+    """Each metric with `model_name` added to its samples (each collect() builds fresh Metric objects)."""
+    for metric in metrics:
+        metric.samples = [sample._replace(labels={"model_name": model_name, **sample.labels})
+                          for sample in metric.samples]
+        yield metric
 
 
 def _live_collector(definition: MetricDef, registry: CollectorRegistry) -> MetricWrapperBase:

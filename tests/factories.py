@@ -579,7 +579,7 @@ def served_apis(model_dir: Path, model_name: str, api_key: str | None = None,
     from splitserve.router.metrics_server import RouterMetrics
 
     loop = EventLoopThread()
-    metrics = RouterMetrics(SloConfig())
+    metrics = RouterMetrics(SloConfig(), model_name)
     cluster = InProcessCluster(model_dir, observer=metrics.observe, **cluster_options)
     loop.run(cluster.__aenter__())
     config = RouterConfig(grpc_port=0, http_port=0, metrics_port=None, tls=tls, cors_allowed_origins=cors_allowed_origins,

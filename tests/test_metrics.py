@@ -30,6 +30,8 @@ from tests.factories import make_load_report, make_request_record
 
 SLO = SloConfig(ttft_s=1000.0, tpot_s=1e-9)
 """Every finished request meets the TTFT target; only one with a single output token meets TPOT."""
+MODEL_NAME = "tiny-llama"
+"""The served model's name: the model_name label of every sample."""
 BYTES_PER_BLOCK = 2 * 8 * 2 * 16 * 4 * 2
 """Tiny llama KV: (K, V) x block_size 8 x 2 KV heads x head_dim 16 x 4 bytes (fp32) x 2 layers."""
 GREEDY = dict(temperature=0.0, ignore_eos=True)
@@ -72,16 +74,18 @@ PLANNER_STATS = PlannerStats(
 
 
 def _samples(text: str) -> dict[tuple[str, frozenset], float]:
-    return {(s.name, frozenset(s.labels.items())): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    """Every sample by name and labels, its model_name label (on every sample, checked here) left out."""
+    samples = [s for family in text_string_to_metric_families(text) for s in family.samples]
+    assert {s.labels.get("model_name") for s in samples} == {MODEL_NAME}
+    return {(s.name, frozenset((k, v) for k, v in s.labels.items() if k != "model_name")): s.value for s in samples}
 
 
 def _value(samples: dict, name: str, **labels) -> float | None:
     return samples.get((name, frozenset(labels.items())))
 
 
-def _http_get(port: int) -> tuple[str, str]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+def _http_get(port: int, query: str = "") -> tuple[str, str]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics{query}", timeout=10) as response:
         return response.headers["Content-Type"], response.read().decode()
 
 
@@ -111,7 +115,7 @@ def scripted(tiny_llama_dir):
     """(records, HTTP content type, scraped samples, the same registry read in-process, decode gen tokens, d's length)."""
     stop_params, d_tokens = _stop_params(tiny_llama_dir)
     records = []
-    metrics = RouterMetrics(SLO)
+    metrics = RouterMetrics(SLO, MODEL_NAME)
 
     def observe(record):
         records.append(record)
@@ -293,7 +297,7 @@ def test_request_records_on_every_path(scripted):
 
 @pytest.mark.parametrize("policy, outcome", [("recompute", ("length", None)), ("fail", (None, "INTERNAL"))])
 def test_a_failed_pull_counts_a_transfer_failure(tiny_llama_dir, policy, outcome):
-    records, metrics = [], RouterMetrics(SloConfig())
+    records, metrics = [], RouterMetrics(SloConfig(), MODEL_NAME)
 
     def observe(record):
         records.append(record)
@@ -367,7 +371,7 @@ def test_a_silent_worker_is_down_and_exports_nothing_else():
                                                                      num_queued_prefill_tokens=7, num_kv_blocks=64,
                                                                      num_free_kv_blocks=48), counters),
                WorkerSnapshot("decode-0", "decode", None, None))
-    metrics = RouterMetrics(SloConfig())
+    metrics = RouterMetrics(SloConfig(), MODEL_NAME)
 
     async def scrape():
         metrics.watch(_Snapshots(workers, RoutingStats((("cache_hit", 2), ("load", 1)), (("queue_full", 4),)), lag))
@@ -404,7 +408,7 @@ def test_lora_requests_info_labels_each_lora_workers_adapters():
                WorkerSnapshot("decode-0", "decode", dataclasses.replace(
                    make_load_report(), lora=LoraLoad(2, running=(), waiting=())), counters),
                WorkerSnapshot("decode-1", "decode", make_load_report(), counters))
-    metrics = RouterMetrics(SloConfig())
+    metrics = RouterMetrics(SloConfig(), MODEL_NAME)
 
     async def scrape():
         metrics.watch(_Snapshots(workers, RoutingStats((), ()), LoopLagStats(m.LOOP_LAG_BUCKETS,
@@ -421,7 +425,7 @@ def test_lora_requests_info_labels_each_lora_workers_adapters():
 
 
 def test_two_routers_in_one_process_keep_their_own_registries():
-    first, second = RouterMetrics(SloConfig(ttft_s=1.0)), RouterMetrics(SloConfig(ttft_s=2.0))
+    first, second = RouterMetrics(SloConfig(ttft_s=1.0), MODEL_NAME), RouterMetrics(SloConfig(ttft_s=2.0), MODEL_NAME)
     assert _value(_samples(generate_latest(first.registry).decode()), "splitserve_slo_target_seconds", slo="ttft") == 1.0
     assert _value(_samples(generate_latest(second.registry).decode()), "splitserve_slo_target_seconds",
                   slo="ttft") == 2.0
@@ -430,7 +434,7 @@ def test_two_routers_in_one_process_keep_their_own_registries():
 def test_an_internal_step_counts_as_a_step_and_a_pull_only():
     """A beam's step request is not a client's request: no request counter, histogram or SLO counter moves, and
     its move off a lost worker counts on its client's request; its KV pull (worker-side work that happened) counts."""
-    metrics = RouterMetrics(SLO)
+    metrics = RouterMetrics(SLO, MODEL_NAME)
     before = _samples(generate_latest(metrics.registry).decode())
     pull = KVTransferRecord("prefill-0", "decode-0", 0.002, 4096)
     metrics.observe(make_request_record("r-beam-1-0", step_of="r", kv_transfer=pull, num_migrations=1,
@@ -456,7 +460,7 @@ def test_a_refused_fan_out_is_recorded_as_a_refused_request_and_counts_once():
         "r", finish_reason=None, error_code="RESOURCE_EXHAUSTED", routing_reason=None,
         rejection_reason="too_many_requests", prefill_worker=None, decode_worker=None, num_prompt_tokens=12,
         num_output_tokens=0, ttft_s=None, e2e_s=0.002, slo=SloOutcome(False, False))
-    metrics = RouterMetrics(SLO)
+    metrics = RouterMetrics(SLO, MODEL_NAME)
     before = _samples(generate_latest(metrics.registry).decode())
     metrics.observe(record)
     after = _samples(generate_latest(metrics.registry).decode())
@@ -464,3 +468,53 @@ def test_a_refused_fan_out_is_recorded_as_a_refused_request_and_counts_once():
                if not key[0].endswith("_created") and value != before.get(key, 0.0)}
     assert changed == {("splitserve_request_failure_total", frozenset({("code", "RESOURCE_EXHAUSTED")})): 1,
                        ("splitserve_slo_requests_total", frozenset()): 1}
+
+
+VLLM_DASHBOARD_SERIES = (
+    "e2e_request_latency_seconds_bucket", "e2e_request_latency_seconds_sum", "e2e_request_latency_seconds_count",
+    "prompt_tokens_total", "generation_tokens_total", "time_per_output_token_seconds_bucket",
+    "time_per_output_token_seconds_sum", "time_per_output_token_seconds_count", "num_requests_running",
+    "num_requests_waiting", "time_to_first_token_seconds_bucket", "time_to_first_token_seconds_sum",
+    "time_to_first_token_seconds_count", "kv_cache_usage_perc", "request_prompt_tokens_bucket",
+    "request_generation_tokens_bucket", "request_success_total", "request_queue_time_seconds_sum",
+    "request_queue_time_seconds_bucket", "request_prefill_time_seconds_sum", "request_prefill_time_seconds_bucket",
+    "request_decode_time_seconds_sum", "request_decode_time_seconds_bucket", "inter_token_latency_seconds_bucket",
+    "inter_token_latency_seconds_sum", "inter_token_latency_seconds_count", "prefix_cache_hits_total",
+    "prefix_cache_queries_total", "num_preemptions_total")
+"""The series vLLM's example Grafana dashboards and alert rules (examples/online_serving/prometheus_grafana)
+query that splitserve has, as `vllm:<name>`; every query selects `{model_name="$model_name"}` (the dashboards'
+variable is `label_values(model_name)`) or groups `by (le, model_name)`. docs/observability.md lists the rest."""
+
+
+def test_vllms_dashboard_queries_select_every_series_by_model_name():
+    counters = WorkerCounters(10, 2, 10, 4, 1, 3)
+    workers = (WorkerSnapshot("prefill-0", "prefill", make_load_report(num_running=2), counters),)
+    metrics = RouterMetrics(SloConfig(), MODEL_NAME)
+    metrics.observe(make_request_record("r", num_output_tokens=3, inter_token_latencies=(0.02, 0.03), e2e_s=0.06,
+                                        queue_s=0.001, prefill_s=0.009, decode_s=0.05))
+    lag = LoopLagStats(m.LOOP_LAG_BUCKETS, (0,) * len(m.LOOP_LAG_BUCKETS), 0, 0.0)
+
+    async def scrape() -> tuple[str, str]:
+        metrics.watch(_Snapshots(workers, RoutingStats((), ()), lag))
+        port = metrics.serve("127.0.0.1", 0)
+        try:
+            _, restricted = await asyncio.to_thread(_http_get, port, "?name[]=splitserve_num_requests_running")
+            return generate_latest(metrics.registry).decode(), restricted
+        finally:
+            await asyncio.to_thread(metrics.stop)
+
+    text, restricted = asyncio.run(scrape())
+    series = {(s.name, frozenset(s.labels.items())): s.value
+              for family in text_string_to_metric_families(text) for s in family.samples}
+    selected = {name for name, labels in series if ("model_name", MODEL_NAME) in labels}
+    assert [name for name in VLLM_DASHBOARD_SERIES if m.PREFIX + name not in selected] == []
+    model = {"model_name": MODEL_NAME}
+    assert series[("splitserve_request_success_total", frozenset({**model, "finished_reason": "length"}.items()))] == 1
+    assert series[("splitserve_request_success_total", frozenset({**model, "finished_reason": "stop"}.items()))] == 0
+    assert series[("splitserve_num_requests_running",
+                   frozenset({**model, "worker": "prefill-0", "role": "prefill"}.items()))] == 2
+    assert series[("splitserve_inter_token_latency_seconds_count", frozenset(model.items()))] == 2
+    assert series[("splitserve_e2e_request_latency_seconds_bucket", frozenset({**model, "le": "0.3"}.items()))] == 1
+    assert [(s.name, s.labels, s.value) for family in text_string_to_metric_families(restricted)
+            for s in family.samples] == [
+        ("splitserve_num_requests_running", {**model, "worker": "prefill-0", "role": "prefill"}, 2.0)]
