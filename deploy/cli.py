@@ -746,14 +746,22 @@ def _add_simulate(commands: argparse._SubParsersAction) -> None:
 
     parser = commands.add_parser("simulate", help="run a traffic trace through the simulated cluster under an "
                                                   "autoscaling policy (docs/planner.md); writes JSON + PNG")
-    parser.add_argument("--trace", choices=TRACE_NAMES, default="bursty")
-    parser.add_argument("--devices", type=int, default=128, help="devices the trace's peak load is sized to")
+    parser.add_argument("--trace", choices=TRACE_NAMES, default="bursty",
+                        help="the synthetic arrival pattern (docs/planner.md, 'The simulator')")
+    parser.add_argument("--devices", type=int, default=128,
+                        help=f"devices the trace's peak load is sized to, 2 to {MAX_SIMULATED_DEVICES:,} (the "
+                             "arrivals grow with it: an hour at 1,000 devices takes 17-50 s)")
     parser.add_argument("--policy", choices=(*POLICY_NAMES, "all"), default="all",
                         help="planner (ours), static, dynamo (averages, no queueing), rayserve (p99 TTFT +/-1)")
     parser.add_argument("--duration", type=float, default=3600.0, help="seconds of arrivals")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the trace's arrivals and lengths (>= 0)")
     parser.add_argument("--out", type=Path, default=Path("simulation"), help="output folder (created)")
     parser.set_defaults(handler=_simulate)
+
+
+MAX_SIMULATED_DEVICES = 100_000
+"""The largest cluster `simulate` sizes a trace to (its requests grow with the devices: an hour at 1,000 devices
+takes 17-50 s, docs/planner.md)."""
 
 
 def _simulate(args: argparse.Namespace) -> int:
@@ -763,6 +771,10 @@ def _simulate(args: argparse.Namespace) -> int:
 
     if args.devices < 2 or args.duration <= 0:
         raise ValueError(f"need --devices >= 2 and --duration > 0, got {args.devices} and {args.duration}")
+    if args.devices > MAX_SIMULATED_DEVICES:  # the trace's arrivals grow with it: 10**8 ran for hours, silent
+        raise ValueError(f"--devices must be at most {MAX_SIMULATED_DEVICES:,}, got {args.devices:,}")
+    if args.out.exists() and not args.out.is_dir():  # before the simulation, not after it
+        raise ValueError(f"--out {str(args.out)!r} exists and is not a folder")
     policies = POLICY_NAMES if args.policy == "all" else (args.policy,)
     results = [run_simulation(args.trace, args.devices, policy, args.seed, args.duration) for policy in policies]
     print(f"{'policy':<10} {'attainment':>10} {'goodput/device':>15} {'device-hours':>13} {'TTFT p99':>9} {'TPOT p99':>9}")
@@ -816,7 +828,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(build_parser(), argv)
     try:
         return args.handler(args)
-    except (InvalidRequestError, UnsupportedModelError, FileNotFoundError, ValueError) as error:
+    except (InvalidRequestError, UnsupportedModelError, OSError, ValueError) as error:  # OSError: a path's fault
         print(f"splitserve: error: {one_line(str(error))}", file=sys.stderr)
         return 2
 

@@ -180,6 +180,31 @@ def test_simulate_refuses_a_cluster_of_one_device(tmp_path, capsys):
     assert "need --devices >= 2 and --duration > 0, got 1 and 3600.0" in capsys.readouterr().err
 
 
+def test_simulate_refuses_more_devices_than_it_can_simulate(tmp_path, capsys):
+    """--devices 100000000 ran silently for hours (the trace's arrivals grow with the devices)."""
+    assert cli_main(["simulate", "--devices", "100000001", "--out", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == "splitserve: error: --devices must be at most 100,000, got 100,000,001\n"
+
+
+def test_simulate_refuses_an_out_path_that_is_a_file_before_simulating(tmp_path, capsys):
+    """It simulated every policy, then ended in a FileExistsError traceback."""
+    taken = tmp_path / "results"
+    taken.write_text("mine")
+    assert cli_main(["simulate", "--devices", "4", "--duration", "60", "--out", str(taken)]) == 2
+    captured = capsys.readouterr()
+    assert (captured.out, captured.err) == ("", f"splitserve: error: --out {str(taken)!r} exists and is not a folder\n")
+    assert taken.read_text() == "mine"
+
+
+def test_an_os_error_of_a_subcommand_is_one_line(tmp_path, capsys):
+    """An OSError other than FileNotFoundError (here: a folder where a file is to be written) was a traceback."""
+    (tmp_path / "bursty-4.json").mkdir()
+    assert cli_main(["simulate", "--devices", "4", "--duration", "60", "--policy", "static",
+                     "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("splitserve: error: [Errno 21] Is a directory: ") and err.count("\n") == 1
+
+
 # ---- vLLM flags splitserve refuses, saying why --------------------------------------------------
 
 @pytest.mark.parametrize(("flags", "reason"), [
