@@ -474,11 +474,12 @@ covers that plus headroom for short local prefills; every running sequence keeps
 for its lifetime, so the pool is large (2 GiB)."""
 
 
-def default_cluster_config(model: str) -> ClusterConfig:
-    """1 prefill + 1 decode worker with the per-pool defaults, router on 127.0.0.1:50051 (HTTP on 8000, metrics on 9400)."""
+def default_cluster_config(model: str, colocated: bool = False) -> ClusterConfig:
+    """1 prefill + 1 decode worker with the per-pool defaults, router on 127.0.0.1:50051 (HTTP on 8000, metrics on
+    9400); `colocated`: mode colocated, whose prefill pool is unused (0 replicas)."""
     return ClusterConfig(
-        model=model, mode="disaggregated",
-        prefill=PoolConfig(replicas=1, engine=DEFAULT_PREFILL_ENGINE, resources=RayResources()),
+        model=model, mode="colocated" if colocated else "disaggregated",
+        prefill=PoolConfig(replicas=0 if colocated else 1, engine=DEFAULT_PREFILL_ENGINE, resources=RayResources()),
         decode=PoolConfig(replicas=1, engine=DEFAULT_DECODE_ENGINE, resources=RayResources()),
         router=RouterConfig())
 
@@ -489,7 +490,8 @@ def load_cluster_config(path: str | Path) -> ClusterConfig:
 
 
 def parse_cluster_config(text: str) -> ClusterConfig:
-    """The YAML document's settings applied on top of default_cluster_config(its model)."""
+    """The YAML document's settings applied on top of default_cluster_config(its model, its mode): a colocated
+    config needs no `prefill:` section to say that its prefill pool is empty."""
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as error:
@@ -497,7 +499,7 @@ def parse_cluster_config(text: str) -> ClusterConfig:
     _require(isinstance(data, Mapping), "", f"must be a mapping, got {reprlib.repr(data)}")
     _require("model" in data, "model", "required key is missing")
     model = _convert(data["model"], str, "model")
-    return _overlay(default_cluster_config(model), data, "")
+    return _overlay(default_cluster_config(model, colocated=data.get("mode") == "colocated"), data, "")
 
 
 def apply_overrides(config: ClusterConfig, overrides: dict[str, object]) -> ClusterConfig:

@@ -97,6 +97,13 @@ def test_colocated_mode_needs_no_prefill_pool():
     assert (config.mode, config.prefill.replicas, config.decode.replicas) == ("colocated", 0, 2)
 
 
+def test_a_colocated_file_needs_no_prefill_section():
+    """`mode: colocated` alone was refused (prefill.replicas: must be 0 ..., got 1: the default's pool), where
+    `--mode colocated` on the command line empties the prefill pool itself."""
+    config = parse_cluster_config("model: m\nmode: colocated\n")
+    assert (config.mode, config.prefill.replicas, config.decode.replicas) == ("colocated", 0, 1)
+
+
 def test_colocated_pools_may_differ_in_block_size():
     config = parse_cluster_config("model: m\nmode: colocated\nprefill: {replicas: 0}\n"
                                   "decode: {engine: {block_size: 32}}\n")
@@ -215,7 +222,8 @@ BAD_FILES = [
     ("prefill: {replicas: -1}", "prefill.replicas: must be >= 0, got -1"),
     ("prefill: {replicas: 0}", "prefill.replicas: must be >= 1 in disaggregated mode, got 0"),
     ("decode: {replicas: 0}", "decode.replicas: must be >= 1, got 0"),
-    ("mode: colocated", "prefill.replicas: must be 0 in colocated mode (decode workers do both phases), got 1"),
+    ("mode: colocated\nprefill: {replicas: 1}",
+     "prefill.replicas: must be 0 in colocated mode (decode workers do both phases), got 1"),
     ("mode: colocated\nprefill: {replicas: 0}\ndecode: {replicas: 0}", "decode.replicas: must be >= 1, got 0"),
     ("decode: {engine: {block_size: 32}}",
      "decode.engine.block_size: must equal prefill.engine.block_size (16) in disaggregated mode, got 32"),
