@@ -511,7 +511,7 @@ async def _serve(config: ClusterConfig, api_key: str | None) -> int:
                 else cluster.orchestrator.num_in_flight if cluster.orchestrator is not None else "the")
         draining.cancel()
         second_signal.cancel()
-        print(f"splitserve: shutting down ({left} requests still in flight are cancelled)", flush=True)
+        print(f"splitserve: shutting down ({left} requests still in flight end with UNAVAILABLE)", flush=True)
     finally:
         await cluster.stop()
         if config.ray_address is None:

@@ -234,7 +234,7 @@ def test_serve_command_drains_and_stops_cleanly_on_sigterm(tiny_llama_dir):
         assert server.wait(timeout=60) == 0
         output = server.stdout.read()
         assert "splitserve: draining (up to 30 s; signal again to stop now)" in output
-        assert "splitserve: shutting down (0 requests still in flight are cancelled)" in output
+        assert "splitserve: shutting down (0 requests still in flight end with UNAVAILABLE)" in output
         # Every child ends by itself, soon: Ray's processes, the router's body parser, and the
         # resource tracker multiprocessing starts for the parser (it exits at EOF once serve has
         # exited). A process still running after 15 s leaked.
