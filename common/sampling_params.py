@@ -173,14 +173,14 @@ class SamplingParams:
     """vLLM's spelling before 0.10 (a GuidedDecodingParams), as structured_outputs."""
     spaces_between_special_tokens: InitVar[bool] = True
     """vLLM's: True only (its default), as the HTTP API accepts it: the fast tokenizers splitserve decodes with
-    put no spaces between special tokens; False is refused rather than ignored."""
+    have no such option; False is refused rather than ignored."""
 
     def __post_init__(self, structured_outputs: StructuredOutputsParams | None = None,
                       guided_decoding: GuidedDecodingParams | None = None,
                       spaces_between_special_tokens: bool = True) -> None:
         _require(spaces_between_special_tokens is True, "spaces_between_special_tokens",
-                 f"only True is supported (special tokens are decoded without spaces between them), got "
-                 f"{spaces_between_special_tokens!r}")
+                 f"only True is supported (splitserve decodes with fast tokenizers, which have no such option), "
+                 f"got {spaces_between_special_tokens!r}")
         self._take_vllm_structured_outputs(structured_outputs, guided_decoding)
         for name in _NONE_IS_EMPTY:
             if getattr(self, name) is None:

@@ -278,8 +278,9 @@ def test_vllm_s_offline_only_fields_read_as_its_messages():
     with pytest.raises(InvalidRequestError, match=r"^stop: stop strings are only supported when detokenize is True. "
                                                   r"Set detokenize=True to use stop.$"):
         SamplingParams(detokenize=False, stop=["x"])
-    with pytest.raises(InvalidRequestError, match=r"^spaces_between_special_tokens: only True is supported \(special "
-                                                  r"tokens are decoded without spaces between them\), got False$"):
+    with pytest.raises(InvalidRequestError, match=r"^spaces_between_special_tokens: only True is supported "
+                                                  r"\(splitserve decodes with fast tokenizers, which have no such "
+                                                  r"option\), got False$"):
         SamplingParams(spaces_between_special_tokens=False)
     assert SamplingParams(spaces_between_special_tokens=True) == SamplingParams()
 
