@@ -119,8 +119,11 @@ class SamplingParams:
     MAX_STOP_STRINGS."""
     stop_token_ids: tuple[int, ...] = ()
     """Token ids that end generation (in addition to EOS unless ignore_eos). At most MAX_STOP_TOKEN_IDS."""
-    max_tokens: int = 16
-    """Maximum number of generated tokens, >= 1."""
+    max_tokens: int | None = 16
+    """Maximum number of generated tokens, >= 1. None (vLLM's): up to the end of the context, which only the
+    offline LLM knows per prompt: it replaces None with max_model_len - prompt length before the request is
+    queued (resolved_max_tokens), so the engine, the wire and the router never see None (EngineCore.validate
+    refuses it)."""
     ignore_eos: bool = False
     """Keep generating past the model's EOS token(s)."""
     logprobs: int | None = None
@@ -152,6 +155,13 @@ class SamplingParams:
     """If set, also return each prompt token's logprob given the tokens before it plus this many top
     alternatives (0..20; the first prompt token has none), with the request's first output (vLLM's
     prompt_logprobs). Such a request never reads the prefix cache: every prompt position is computed."""
+    truncate_prompt_tokens: int | None = None
+    """vLLM's: keep only the prompt's last k tokens (k >= 1; -1: as many as the context can hold), cut by the
+    offline LLM after tokenizing, before the request is queued (common.prompt_truncation's rule, the router's
+    too); None: no truncation. Never read by the engine."""
+    detokenize: bool = True
+    """vLLM's: False leaves the offline LLM's output text empty (token ids only); stop strings need text,
+    so they are refused with it, as vLLM refuses them. The engine and the servers always produce text."""
     n: int = 1
     """Output sequences per prompt (vLLM's n), >= 1. The engine runs one sequence per request, so n fans
     out above it: the offline LLM runs sequence i as a request of its own with for_sequence(i) and returns
@@ -161,9 +171,16 @@ class SamplingParams:
     structured_output on construction (so it reads None afterwards and is no field of the wire)."""
     guided_decoding: InitVar[GuidedDecodingParams | None] = None
     """vLLM's spelling before 0.10 (a GuidedDecodingParams), as structured_outputs."""
+    spaces_between_special_tokens: InitVar[bool] = True
+    """vLLM's: True only (its default), as the HTTP API accepts it: the fast tokenizers splitserve decodes with
+    have no such option; False is refused rather than ignored."""
 
     def __post_init__(self, structured_outputs: StructuredOutputsParams | None = None,
-                      guided_decoding: GuidedDecodingParams | None = None) -> None:
+                      guided_decoding: GuidedDecodingParams | None = None,
+                      spaces_between_special_tokens: bool = True) -> None:
+        _require(spaces_between_special_tokens is True, "spaces_between_special_tokens",
+                 f"only True is supported (splitserve decodes with fast tokenizers, which have no such option), "
+                 f"got {spaces_between_special_tokens!r}")
         self._take_vllm_structured_outputs(structured_outputs, guided_decoding)
         for name in _NONE_IS_EMPTY:
             if getattr(self, name) is None:
@@ -283,10 +300,17 @@ class SamplingParams:
         return replace(self, bad_words_token_ids=tuple(sequences))
 
     def _validate_stopping(self) -> None:
-        _require(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens",
+        _require(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1), "max_tokens",
                  f"must be an integer >= 1, got {self.max_tokens!r}")
-        _require(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens",
+        most = math.inf if self.max_tokens is None else self.max_tokens
+        _require(_is_int(self.min_tokens) and 0 <= self.min_tokens <= most, "min_tokens",
                  f"must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
+        _require(self.truncate_prompt_tokens is None or (_is_int(self.truncate_prompt_tokens) and (
+            self.truncate_prompt_tokens == -1 or self.truncate_prompt_tokens >= 1)), "truncate_prompt_tokens",
+                 f"must be an integer >= 1 or -1, got {self.truncate_prompt_tokens!r}")
+        _require(isinstance(self.detokenize, bool), "detokenize", f"must be a boolean, got {self.detokenize!r}")
+        _require(self.detokenize or not self.stop, "stop",
+                 "stop strings are only supported when detokenize is True. Set detokenize=True to use stop.")
         _require(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
         _require(len(self.stop) <= MAX_STOP_STRINGS, "stop",
                  f"must hold at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
@@ -294,6 +318,12 @@ class SamplingParams:
                  "must be non-negative integers")
         _require(len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS, "stop_token_ids",
                  f"must hold at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}")
+
+    def resolved_max_tokens(self, room: int) -> SamplingParams:
+        """These params with max_tokens None (to the end of the context) as `room`, the output tokens the
+        context leaves the prompt (at least min_tokens, which the context's end overrides in the engine as it
+        overrides any max_tokens); as they are otherwise."""
+        return self if self.max_tokens is not None else replace(self, max_tokens=max(room, self.min_tokens))
 
     @property
     def is_greedy(self) -> bool:

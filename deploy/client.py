@@ -20,9 +20,10 @@ from splitserve.proto.splitserve.v1 import generation_pb2, generation_pb2_grpc
 
 _UINT64_FIELDS = frozenset({"seed"})
 """Sampling fields that are unsigned on the wire (common.SamplingParams allows a negative seed)."""
-LOCAL_SAMPLING_FIELDS = frozenset({"bad_words_token_ids", "n"})
+LOCAL_SAMPLING_FIELDS = frozenset({"bad_words_token_ids", "n", "truncate_prompt_tokens", "detokenize"})
 """SamplingParams fields that are not sent: the server derives bad_words_token_ids (it tokenizes bad_words
-itself); n fans out above the engine (the offline LLM), and one Generate stream is one sequence."""
+itself); n fans out above the engine (the offline LLM), and one Generate stream is one sequence;
+truncate_prompt_tokens and detokenize are the offline LLM's (sampling_to_proto refuses them set)."""
 
 
 @dataclass(frozen=True)
@@ -97,16 +98,30 @@ class GenerationClient:
         self.close()
 
 
+def _check_sendable(params: SamplingParams) -> None:
+    """InvalidRequestError for what only the offline LLM resolves (the wire has no field or value for it)."""
+    if params.max_tokens is None:
+        raise InvalidRequestError("max_tokens", "None (to the end of the context) is resolved by the offline LLM "
+                                                "only: send an integer, or leave max_tokens out for the server's default")
+    if params.truncate_prompt_tokens is not None:
+        raise InvalidRequestError("truncate_prompt_tokens", "is the offline LLM's: set the GenerateRequest's "
+                                                            "truncate_prompt_tokens")
+    if not params.detokenize:
+        raise InvalidRequestError("detokenize", "is the offline LLM's: a server always returns text")
+
+
 def sampling_to_proto(params: SamplingParams) -> generation_pb2.SamplingParams:
     """The fields that differ from their defaults are set, and always those a server's sampling
     defaults (--generation-config) would fill: `params` is a whole choice, so a value of it that
     equals SamplingParams' default (top_p 1.0) must reach the server as given, not as unset.
 
-    Raises InvalidRequestError for a negative seed, which the wire's uint64 cannot carry, and for n > 1.
+    Raises InvalidRequestError for a negative seed, which the wire's uint64 cannot carry, for n > 1, and for
+    what only the offline LLM resolves (max_tokens None, truncate_prompt_tokens, detokenize False).
     """
     if params.n != 1:
         raise InvalidRequestError("n", f"a Generate stream carries one sequence, got n={params.n}: send one request "
                                        f"per sequence (SamplingParams.for_sequence(i) seeds them as vLLM does)")
+    _check_sendable(params)
     message = generation_pb2.SamplingParams()
     for spec in dataclasses.fields(SamplingParams):
         value = getattr(params, spec.name)

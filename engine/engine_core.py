@@ -234,6 +234,9 @@ class EngineCore:
             raise InvalidRequestError("prompt_token_ids", f"out of vocabulary [0, {self.vocab_size}): {bad[:5]}")
         check_cache_salt(cache_salt)
         check_priority(priority, self.config.scheduling_policy)
+        if params.max_tokens is None:
+            raise InvalidRequestError("max_tokens", "None (to the end of the context) must be resolved before the "
+                                                    "request reaches the engine (LLM.generate resolves it per prompt)")
         if params.n != 1:
             raise InvalidRequestError("n", f"must be 1 for an engine request, got {params.n}: an engine request is "
                                            f"one sequence (LLM.generate fans n out into one request per sequence)")

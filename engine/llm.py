@@ -27,6 +27,7 @@ from splitserve.common.generation_config import SAMPLING_KEYS, GenerationConfigF
 from splitserve.common.errors import InvalidRequestError
 from splitserve.common.lora import LoRARequest, check_lora_request
 from splitserve.common.model_dir import check_tokenizer_option, check_tokenizer_vocabulary, tokenizer_dir
+from splitserve.common.prompt_truncation import prompt_truncation
 from splitserve.common.sampling_params import MAX_LOGPROBS, SamplingParams
 from splitserve.common.stats import EngineStats
 from splitserve.common.structured_output import StructuredOutputKind, without_unicode_escapes
@@ -145,7 +146,9 @@ def load_tokenizer(model_dir: str | Path) -> PreTrainedTokenizerBase:
 class _Accumulator:
     """Collects one sequence's deltas (one engine request's) into its CompletionOutput."""
 
-    def __init__(self, wants_logprobs: bool):
+    def __init__(self, wants_logprobs: bool, wants_text: bool = True):
+        self.wants_text = wants_text
+        """SamplingParams.detokenize: False keeps the text empty (vLLM's token-ids-only output)."""
         self.token_ids: list[int] = []
         self.text = ""
         self.logprobs: list[TokenLogprobs] | None = [] if wants_logprobs else None
@@ -154,7 +157,8 @@ class _Accumulator:
 
     def add(self, delta: CompletionDelta) -> None:
         self.token_ids.extend(delta.new_token_ids)
-        self.text += delta.text_delta
+        if self.wants_text:
+            self.text += delta.text_delta
         if self.logprobs is not None:
             self.logprobs.extend(delta.new_logprobs)
         if delta.prompt_logprobs is not None:
@@ -281,13 +285,15 @@ class LLM:
             self._default_params if sampling_params is None else sampling_params, len(prompt_list))]
         priorities = _priorities(priority, len(prompt_list))
         loras = _broadcast_lora_requests(lora_request, len(prompt_list))
-        jobs = [self._job(self._resolve(p), sp, lora) for p, sp, lora in zip(prompt_list, params, loras)]
+        jobs = [self._job(*self._prepared(self._resolve(p), sp), lora)
+                for p, sp, lora in zip(prompt_list, params, loras)]
         requests = [(request_id, job.prompt, sp, rank, job.lora_request) for job, rank in zip(jobs, priorities)
                     for request_id, sp in job.sequences]
         for request_id, prompt, sp, rank, lora in requests:
             sp.check_logprobs_limit(MAX_LOGPROBS, self.engine.vocab_size)  # vLLM's default --max-logprobs
             self.engine.validate(request_id, prompt.token_ids, sp, prompt.cache_salt, rank, lora)
-        accumulators = {request_id: _Accumulator(sp.logprobs is not None) for request_id, _, sp, _, _ in requests}
+        accumulators = {request_id: _Accumulator(sp.logprobs is not None, sp.detokenize)
+                        for request_id, _, sp, _, _ in requests}
         try:
             for request_id, prompt, sp, rank, lora in requests:
                 self.engine.add_request(request_id, prompt.token_ids, sp, cache_salt=prompt.cache_salt, priority=rank,
@@ -357,6 +363,14 @@ class LLM:
             searches = self._beam_step(searches, resolved, loras, priorities)
         return [BeamSearchOutput([self._beam_sequence(search, beam) for beam in search.best()]) for search in searches]
 
+    def _prepared(self, prompt: PromptInput, params: SamplingParams) -> tuple[PromptInput, SamplingParams]:
+        """The prompt cut as params.truncate_prompt_tokens says (its text kept, as vLLM reports it), and params
+        with max_tokens None resolved to the room the cut prompt leaves: what the engine runs."""
+        truncation = prompt_truncation(params.truncate_prompt_tokens, None, self.engine.max_model_len)
+        if truncation is not None:
+            prompt = replace(prompt, token_ids=list(truncation.applied(tuple(prompt.token_ids))))
+        return prompt, params.resolved_max_tokens(self._room(prompt))
+
     def _room(self, prompt: PromptInput) -> int:
         """Output tokens the context leaves a prompt (at least one, or generate() refuses the prompt)."""
         return max(self.engine.max_model_len - len(prompt.token_ids), 1)
@@ -421,12 +435,14 @@ class LLM:
         may be open at once: each step serves all their requests, and each gets its own deltas.
         Closing the stream early aborts its request. `priority`: as one of generate()'s. `lora_request`: the
         adapter it runs with (enable_lora)."""
-        request_id, prompt_input = self._next_id(), self._resolve(prompt)
-        self.engine.add_request(request_id, prompt_input.token_ids, self._tokenized(
-            self._default_params if sampling_params is None else sampling_params), cache_salt=prompt_input.cache_salt,
-            priority=priority, lora_request=lora_request)
+        request_id = self._next_id()
+        prompt_input, params = self._prepared(self._resolve(prompt), self._tokenized(
+            self._default_params if sampling_params is None else sampling_params))
+        self.engine.add_request(request_id, prompt_input.token_ids, params, cache_salt=prompt_input.cache_salt,
+                                priority=priority, lora_request=lora_request)
         try:
-            yield from self._deltas({request_id})
+            for delta in self._deltas({request_id}):
+                yield delta if params.detokenize else replace(delta, text_delta="")
         finally:
             self._abandon([request_id])
 

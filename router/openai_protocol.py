@@ -29,7 +29,8 @@ from splitserve.router.lax_values import with_lax_values
 from splitserve.router.openai_beam_search import CHAT_UNHONOURED, COMPLETION_UNHONOURED, parse_beam_search
 from splitserve.router.openai_fields import CHAT_REFUSED, COMPLETION_REFUSED, Refused, refuse_unsupported
 from splitserve.router.reasoning_parsers import ReasoningOutput, ReasoningParser, parse_reasoning
-from splitserve.router.request_limits import MAX_SEQUENCES, PromptTruncation, RequestLimits, utf8_length
+from splitserve.common.prompt_truncation import PromptTruncation
+from splitserve.router.request_limits import MAX_SEQUENCES, RequestLimits, utf8_length
 from splitserve.router.structured_output import parse_structured_output
 from splitserve.router.tokenizer import ChatTemplateOptions
 from splitserve.router.tool_calling import (HistoryToolCall, ToolCalling, parse_history_tool_calls,

@@ -60,7 +60,7 @@ from splitserve.router.reasoning_parsers import ReasoningFormat, ReasoningOutput
 from splitserve.router.request_body import BodyParser, MalformedBodyError, Parse, json_object
 from splitserve.router.request_id_header import RequestIdHeader, with_header_request_id
 from splitserve.router.request_ids import ReservedRequestId
-from splitserve.router.request_limits import PromptTruncation
+from splitserve.common.prompt_truncation import PromptTruncation
 from splitserve.router.responses_protocol import ResponsesRenderer, ResponsesRequest, parse_responses_request
 from splitserve.router.stream_interval import every_interval
 from splitserve.router.tls import TlsConfig, load_tls

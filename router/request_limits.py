@@ -18,6 +18,7 @@ from typing import Protocol
 
 from splitserve.common.errors import InvalidRequestError
 from splitserve.common.log_escape import quote_for_log
+from splitserve.common.prompt_truncation import PromptTruncation, prompt_truncation
 from splitserve.common.beam_search import BeamSearchParams
 from splitserve.common.sampling_params import (MAX_ALLOWED_TOKEN_IDS, MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_LOGPROBS,
                                                MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SamplingParams)
@@ -59,23 +60,6 @@ def prompt_bytes_bound(max_model_len: int, max_bytes_per_token: int) -> int:
 def utf8_length(text: str) -> int:
     """UTF-8 bytes of text (a lone surrogate, refused later, counts as 3)."""
     return len(text.encode("utf-8", "surrogatepass"))
-
-
-@dataclass(frozen=True)
-class PromptTruncation:
-    """vLLM's truncate_prompt_tokens and truncation_side (RequestLimits.prompt_truncation): a
-    tokenized prompt (a chat's as rendered) cut to `keep` tokens before it is checked against the
-    context."""
-
-    keep: int
-    """Tokens kept, in [0, max_model_len]."""
-    keep_last: bool
-    """truncation_side "left" (vLLM's default for generation): cut the start, keep the last tokens."""
-
-    def applied(self, token_ids: tuple[int, ...]) -> tuple[int, ...]:
-        if len(token_ids) <= self.keep:
-            return token_ids
-        return token_ids[len(token_ids) - self.keep:] if self.keep_last else token_ids[:self.keep]
 
 
 class ChatMessageLike(Protocol):
@@ -196,20 +180,9 @@ class RequestLimits:
                                              "(including at least one output token)")
 
     def prompt_truncation(self, num_tokens: int | None, side: str | None) -> PromptTruncation | None:
-        """A request's truncate_prompt_tokens and truncation_side (None: unset) by vLLM's
-        rules: an integer >= -1 (-1: max_model_len - 1, the most a prompt can have), at most
-        max_model_len (vLLM's message); side "left" (default: keep the last tokens) or "right"."""
-        if side not in (None, "left", "right"):
-            raise InvalidRequestError("truncation_side", f"must be 'left' or 'right', got {side!r}")
-        if num_tokens is None:
-            return None
-        if num_tokens < -1:
-            raise InvalidRequestError("truncate_prompt_tokens", f"must be an integer >= -1, got {num_tokens}")
-        if num_tokens > self.max_model_len:
-            raise InvalidRequestError("truncate_prompt_tokens", f"truncate_prompt_tokens={num_tokens} cannot be "
-                                                                f"greater than max_model_len = {self.max_model_len}. "
-                                                                "Please request a smaller truncation size.")
-        return PromptTruncation(self.max_model_len - 1 if num_tokens == -1 else num_tokens, keep_last=side != "right")
+        """A request's truncate_prompt_tokens and truncation_side (None: unset) for this model
+        (common.prompt_truncation's rules)."""
+        return prompt_truncation(num_tokens, side, self.max_model_len)
 
     def check_message_count(self, num_messages: int) -> None:
         """Before the messages are read."""

@@ -149,6 +149,18 @@ def test_n_above_one_is_refused_before_the_wire():
     assert error.value.field == "n" and "one sequence, got n=2" in str(error.value)
 
 
+@pytest.mark.parametrize("params, field, message", [
+    (SamplingParams(max_tokens=None), "max_tokens", "None (to the end of the context) is resolved by the offline LLM"),
+    (SamplingParams(truncate_prompt_tokens=4), "truncate_prompt_tokens", "is the offline LLM's: set the "
+                                                                          "GenerateRequest's truncate_prompt_tokens"),
+    (SamplingParams(detokenize=False), "detokenize", "is the offline LLM's: a server always returns text"),
+])
+def test_what_only_the_offline_llm_resolves_is_refused_before_the_wire(params, field, message):
+    with pytest.raises(InvalidRequestError) as error:
+        sampling_to_proto(params)
+    assert error.value.field == field and message in str(error.value)
+
+
 def test_logit_controls_and_prompt_logprobs_reach_the_wire():
     params = SamplingParams(logit_bias={"7": 5.0, 3: -100.0}, allowed_token_ids=[3, 7], bad_words=["no"],
                             bad_words_token_ids=[[9, 10]], include_stop_str_in_output=True, prompt_logprobs=2)

@@ -40,7 +40,7 @@ def pool_idle_after(request):
         assert_pool_idle(engine.block_manager)
 
 
-def greedy(max_tokens: int = 24, **overrides) -> SamplingParams:
+def greedy(max_tokens: int | None = 24, **overrides) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **overrides)
 
 
@@ -794,3 +794,49 @@ def test_the_offline_llm_applies_vllms_default_logprobs_limit(llm):
     assert str(refused.value) == "logprobs: Requested sample logprobs of 21, which is greater than max allowed: 20"
     assert str(too_wide.value) == ("n: is the beam width with use_beam_search: an integer in [1, 10] (each step asks "
                                    "for 2 x n logprobs, at most 20), got 11")
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens_like_a_manually_truncated_prompt(llm):
+    ids = llm.tokenizer.encode(PROMPT)
+    manual = llm.generate([ids[-5:]], greedy(8))[0]
+    text, tokens = llm.generate([PROMPT, ids], greedy(8, truncate_prompt_tokens=5))
+    assert text.prompt_token_ids == tokens.prompt_token_ids == manual.prompt_token_ids == ids[-5:]
+    assert text.token_ids == tokens.token_ids == manual.token_ids and text.text == manual.text
+    assert (text.prompt, tokens.prompt) == (PROMPT, None)  # vLLM reports the text given
+    (streamed,) = [d for d in llm.stream(PROMPT, greedy(8, truncate_prompt_tokens=5)) if d.finish_reason]
+    assert streamed.num_prompt_tokens == 5
+
+
+def test_truncate_prompt_tokens_minus_one_fits_a_long_prompt_into_the_context(llm):
+    long_ids = llm.tokenizer.encode(PROMPT) * 40  # longer than max_model_len (512)
+    (output,) = llm.generate([long_ids], greedy(4, truncate_prompt_tokens=-1))
+    assert output.prompt_token_ids == long_ids[-511:]
+    assert (len(output.token_ids), output.finish_reason) == (1, "length")
+    with pytest.raises(InvalidRequestError, match=r"^truncate_prompt_tokens: truncate_prompt_tokens=513 cannot be "
+                                                  r"greater than max_model_len = 512. Please request a smaller "
+                                                  r"truncation size.$"):
+        llm.generate([long_ids], greedy(4, truncate_prompt_tokens=513))
+
+
+def test_max_tokens_none_generates_to_the_end_of_the_context(llm):
+    prompt = (llm.tokenizer.encode(PROMPT) * 40)[:500]
+    (output,) = llm.generate([prompt], greedy(None))
+    assert (len(prompt) + len(output.token_ids), output.finish_reason) == (512, "length")
+    assert output.token_ids == llm.generate([prompt], greedy(12))[0].token_ids
+    streamed = [d for d in llm.stream(prompt, greedy(None))]
+    assert (sum(len(d.new_token_ids) for d in streamed), streamed[-1].finish_reason) == (12, "length")
+
+
+def test_the_engine_refuses_max_tokens_none_which_the_llm_resolves(llm):
+    with pytest.raises(InvalidRequestError, match=r"^max_tokens: None \(to the end of the context\) must be resolved "
+                                                  r"before the request reaches the engine"):
+        llm.engine.validate("unresolved", [1, 2, 3], SamplingParams(max_tokens=None))
+
+
+def test_detokenize_false_returns_token_ids_and_empty_text_like_vllm(llm):
+    full = llm.generate(PROMPT, greedy(8))[0]
+    (output,) = llm.generate(PROMPT, greedy(8, detokenize=False))
+    assert (output.token_ids, output.text) == (full.token_ids, "") and full.text
+    deltas = list(llm.stream(PROMPT, greedy(8, detokenize=False)))
+    assert [t for d in deltas for t in d.new_token_ids] == full.token_ids
+    assert {d.text_delta for d in deltas} == {""}

@@ -22,7 +22,7 @@ INVALID = [
     ("frequency_penalty", 3.0), ("frequency_penalty", -3), ("frequency_penalty", 2.0001),
     ("frequency_penalty", math.nan),
     ("presence_penalty", 3.0), ("presence_penalty", -3.0), ("presence_penalty", math.inf),
-    ("max_tokens", 0), ("max_tokens", -1), ("max_tokens", True), ("max_tokens", 2.0), ("max_tokens", None),
+    ("max_tokens", 0), ("max_tokens", -1), ("max_tokens", True), ("max_tokens", 2.0),
     ("logprobs", -1), ("prompt_logprobs", -1), ("logprobs", True), ("logprobs", 1.0),
     ("seed", 1.5), ("seed", True), ("seed", "7"), ("seed", 2**64), ("seed", -2**63 - 1),
     ("stop", [""]), ("stop", ""), ("stop", ["ok", ""]), ("stop", [3]), ("stop", 3),
@@ -40,6 +40,9 @@ INVALID = [
     ("allowed_token_ids", []), ("allowed_token_ids", ["1"]), ("allowed_token_ids", [1.0]), ("allowed_token_ids", 3),
     ("bad_words", [""]), ("bad_words", [["a"]]), ("bad_words", [3]),
     ("n", 0), ("n", -1), ("n", True), ("n", 2.0), ("n", None),
+    ("truncate_prompt_tokens", 0), ("truncate_prompt_tokens", -2), ("truncate_prompt_tokens", True),
+    ("truncate_prompt_tokens", 1.0), ("detokenize", 0), ("detokenize", None),
+    ("spaces_between_special_tokens", False), ("spaces_between_special_tokens", None),
 ]
 
 
@@ -90,6 +93,8 @@ VALID_EDGES = [
     ("stop_token_ids", (0,)),
     ("min_tokens", 0), ("min_tokens", 16),
     ("n", 1), ("n", 64),
+    ("max_tokens", None), ("truncate_prompt_tokens", None), ("truncate_prompt_tokens", -1),
+    ("truncate_prompt_tokens", 1), ("detokenize", False),
 ]
 
 
@@ -265,3 +270,22 @@ def test_bad_vllm_structured_outputs_are_refused_by_name(make, message):
     with pytest.raises(InvalidRequestError) as error:
         make()
     assert str(error.value).startswith(message)
+
+
+def test_vllm_s_offline_only_fields_read_as_its_messages():
+    with pytest.raises(InvalidRequestError, match=r"^truncate_prompt_tokens: must be an integer >= 1 or -1, got 0$"):
+        SamplingParams(truncate_prompt_tokens=0)
+    with pytest.raises(InvalidRequestError, match=r"^stop: stop strings are only supported when detokenize is True. "
+                                                  r"Set detokenize=True to use stop.$"):
+        SamplingParams(detokenize=False, stop=["x"])
+    with pytest.raises(InvalidRequestError, match=r"^spaces_between_special_tokens: only True is supported "
+                                                  r"\(splitserve decodes with fast tokenizers, which have no such "
+                                                  r"option\), got False$"):
+        SamplingParams(spaces_between_special_tokens=False)
+    assert SamplingParams(spaces_between_special_tokens=True) == SamplingParams()
+
+
+def test_max_tokens_none_bounds_min_tokens_by_nothing_and_resolves_to_the_room_given():
+    params = SamplingParams(max_tokens=None, min_tokens=10**6)
+    assert (params.resolved_max_tokens(10**7).max_tokens, params.resolved_max_tokens(5).max_tokens) == (10**7, 10**6)
+    assert SamplingParams(max_tokens=7).resolved_max_tokens(100).max_tokens == 7

@@ -1,0 +1,40 @@
+"""vLLM's truncate_prompt_tokens and truncation_side: one rule for every API that cuts a prompt (the
+router's HTTP and gRPC requests, the offline LLM's SamplingParams.truncate_prompt_tokens)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from splitserve.common.errors import InvalidRequestError
+
+
+@dataclass(frozen=True)
+class PromptTruncation:
+    """A tokenized prompt (a chat's as rendered) cut to `keep` tokens before it is checked against the context."""
+
+    keep: int
+    """Tokens kept, in [0, max_model_len]."""
+    keep_last: bool
+    """truncation_side "left" (vLLM's default for generation): cut the start, keep the last tokens."""
+
+    def applied(self, token_ids: tuple[int, ...]) -> tuple[int, ...]:
+        if len(token_ids) <= self.keep:
+            return token_ids
+        return token_ids[len(token_ids) - self.keep:] if self.keep_last else token_ids[:self.keep]
+
+
+def prompt_truncation(num_tokens: int | None, side: str | None, max_model_len: int) -> PromptTruncation | None:
+    """truncate_prompt_tokens and truncation_side (None: unset) by vLLM's rules: an integer >= -1
+    (-1: max_model_len - 1, the most a prompt can have, so the cut prompt is served rather than refused),
+    at most max_model_len (vLLM's message); side "left" (default: keep the last tokens) or "right"."""
+    if side not in (None, "left", "right"):
+        raise InvalidRequestError("truncation_side", f"must be 'left' or 'right', got {side!r}")
+    if num_tokens is None:
+        return None
+    if num_tokens < -1:
+        raise InvalidRequestError("truncate_prompt_tokens", f"must be an integer >= -1, got {num_tokens}")
+    if num_tokens > max_model_len:
+        raise InvalidRequestError("truncate_prompt_tokens", f"truncate_prompt_tokens={num_tokens} cannot be "
+                                                            f"greater than max_model_len = {max_model_len}. "
+                                                            "Please request a smaller truncation size.")
+    return PromptTruncation(max_model_len - 1 if num_tokens == -1 else num_tokens, keep_last=side != "right")
