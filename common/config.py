@@ -157,7 +157,7 @@ def speculative_settings(mapping: Mapping[str, object]) -> dict[str, object]:
     settings: dict[str, object] = {}
     for key, value in mapping.items():
         if key == "draft_tensor_parallel_size":
-            _check(value == 1 and not isinstance(value, bool),
+            _check(is_scalar_kind(value, int) and value == 1,
                    f"speculative.draft_tensor_parallel_size: only 1 is supported, got {reprlib.repr(value)}: the "
                    f"draft model runs on its target's device")
             continue

@@ -60,11 +60,13 @@ def test_only_the_keys_given_are_settings_so_a_config_files_other_fields_stay():
     ({"model": "/m", "draft_tensor_parallel_size": 2},
      "speculative.draft_tensor_parallel_size: only 1 is supported, got 2: the draft model runs on its target's "
      "device"),
+    ({"model": "/m", "draft_tensor_parallel_size": 1.0},
+     "speculative.draft_tensor_parallel_size: only 1 is supported, got 1.0"),
     ({"method": "draft_model"}, "speculative.draft_model must name a model directory when method is 'draft'"),
     ({"method": "ngram", "prompt_lookup_min": 4, "prompt_lookup_max": 2},
      "speculative ngram sizes need 1 <= ngram_min <= ngram_max, got 4, 2"),
 ], ids=["eagle3", "medusa", "mtp", "suffix", "both-spellings", "model-and-draft_model", "both-batch-limits",
-        "unknown-key", "disable-by-0", "disable-by-bool", "draft-tp-2", "draft_model-without-model", "min-above-max"])
+        "unknown-key", "disable-by-0", "disable-by-bool", "draft-tp-2", "draft-tp-float", "draft_model-without-model", "min-above-max"])
 def test_a_vllm_speculative_config_splitserve_cannot_run_is_refused_naming_why(vllm, message):
     with pytest.raises(ValueError) as error:
         SpeculativeConfig.from_vllm(vllm)
