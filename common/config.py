@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import reprlib
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import get_args, get_type_hints
 
@@ -126,6 +127,90 @@ class SpeculativeConfig:
         _check(self.disable_above_batch_size is None or self.disable_above_batch_size >= 0,
                f"speculative.disable_above_batch_size must be >= 0 or null, got {self.disable_above_batch_size}")
 
+    @classmethod
+    def from_vllm(cls, mapping: Mapping[str, object]) -> SpeculativeConfig:
+        """The config of a speculative-config mapping in vLLM's spelling or ours (speculative_settings)."""
+        return cls(**speculative_settings(mapping))
+
+
+VLLM_SPECULATIVE_METHODS = {"ngram": "ngram", "ngram_gpu": "ngram", "draft_model": "draft"}
+"""vLLM's speculative methods that splitserve runs, each as SPECULATIVE_METHODS names it (ngram_gpu is vLLM's
+GPU implementation of the same prompt lookup)."""
+VLLM_SPECULATIVE_NAMES = {"model": "draft_model", "prompt_lookup_min": "ngram_min", "prompt_lookup_max": "ngram_max",
+                          "disable_by_batch_size": "disable_above_batch_size"}
+"""vLLM's speculative_config keys, each with the SpeculativeConfig field it sets."""
+VLLM_NGRAM_MODEL_NAMES = ("ngram", "[ngram]")
+"""`model` values that vLLM reads as the ngram method when `method` is omitted."""
+
+
+def speculative_settings(mapping: Mapping[str, object]) -> dict[str, object]:
+    """The SpeculativeConfig fields a speculative-config mapping sets, the mapping in our field names or in
+    vLLM's (`--speculative-config`, `LLM(speculative_config=...)`): `model` is draft_model (and, without
+    `method`, means method draft, as in vLLM, unless it is "ngram" / "[ngram]"); method `draft_model` is draft
+    and `ngram_gpu` is ngram; prompt_lookup_min / prompt_lookup_max are ngram_min / ngram_max, one given alone
+    setting both as vLLM does; disable_by_batch_size N is disable_above_batch_size N - 1 (vLLM stops speculating
+    when N or more requests run, splitserve when more than the limit decode); draft_tensor_parallel_size is
+    accepted as 1 only. Only the keys given are returned, so a config file's settings stay under the flag's.
+    ValueError naming the key for an unknown key, a field spelled both ways, or a vLLM method splitserve does
+    not run."""
+    known = {spec.name for spec in fields(SpeculativeConfig)}
+    settings: dict[str, object] = {}
+    for key, value in mapping.items():
+        if key == "draft_tensor_parallel_size":
+            _check(is_scalar_kind(value, int) and value == 1,
+                   f"speculative.draft_tensor_parallel_size: only 1 is supported, got {reprlib.repr(value)}: the "
+                   f"draft model runs on its target's device")
+            continue
+        _check(key in known or key in VLLM_SPECULATIVE_NAMES,
+               f"speculative: unknown key {key!r} (known: "
+               f"{', '.join(sorted(known | VLLM_SPECULATIVE_NAMES.keys() | {'draft_tensor_parallel_size'}))})")
+        name = VLLM_SPECULATIVE_NAMES.get(key, key)
+        if name in settings:
+            raise ValueError(f"speculative: {_spelling(name, mapping, key)!r} and {key!r} set the same field "
+                             f"({name}); give one of them")
+        settings[name] = value
+    if "method" in settings:
+        settings["method"] = _speculative_method(settings["method"])
+    elif "model" in mapping:
+        settings["method"] = "ngram" if mapping["model"] in VLLM_NGRAM_MODEL_NAMES else "draft"
+    if settings.get("method") == "ngram" and settings.get("draft_model") in VLLM_NGRAM_MODEL_NAMES:
+        del settings["draft_model"]  # vLLM's ngram names its model "ngram"; there is no draft model
+    _lone_prompt_lookup_size(mapping, settings)
+    if "disable_by_batch_size" in mapping:
+        settings["disable_above_batch_size"] = _vllm_batch_limit(mapping["disable_by_batch_size"])
+    return settings
+
+
+def _spelling(name: str, mapping: Mapping[str, object], other_than: str) -> str:
+    """The key of `mapping` other than `other_than` that sets the field `name`."""
+    return next(key for key in mapping if key != other_than and VLLM_SPECULATIVE_NAMES.get(key, key) == name)
+
+
+def _speculative_method(method: object) -> object:
+    """Our name of a speculative method in either spelling; ValueError naming a vLLM method splitserve does not run
+    (an unknown non-string is left to SpeculativeConfig, which names its type)."""
+    if not isinstance(method, str) or method in SPECULATIVE_METHODS:
+        return method
+    _check(method in VLLM_SPECULATIVE_METHODS,
+           f"speculative.method {method!r} is not supported: splitserve runs ngram (prompt lookup; vLLM's ngram, "
+           f"ngram_gpu) and draft (a draft model; vLLM's draft_model) speculation (docs/speculative.md)")
+    return VLLM_SPECULATIVE_METHODS[method]
+
+
+def _lone_prompt_lookup_size(mapping: Mapping[str, object], settings: dict[str, object]) -> None:
+    """vLLM's rule: prompt_lookup_min or prompt_lookup_max given without the other size sets both."""
+    for given, missing in (("prompt_lookup_min", "ngram_max"), ("prompt_lookup_max", "ngram_min")):
+        if given in mapping and missing not in settings:
+            settings[missing] = mapping[given]
+
+
+def _vllm_batch_limit(disable_by_batch_size: object) -> int:
+    """disable_above_batch_size of vLLM's disable_by_batch_size (speculation is off when that many requests or more
+    run): one less."""
+    _check(is_scalar_kind(disable_by_batch_size, int) and disable_by_batch_size >= 1,
+           f"speculative.disable_by_batch_size must be an integer >= 1, got {reprlib.repr(disable_by_batch_size)}")
+    return disable_by_batch_size - 1
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -225,7 +310,8 @@ class EngineConfig:
         _check(self.num_threads is None or self.num_threads >= 1, f"num_threads must be >= 1, got {self.num_threads}")
         _check(self.speculative is None or isinstance(self.speculative, SpeculativeConfig),
                f"speculative must be a SpeculativeConfig (splitserve.common.config) or None, "
-               f"got {type(self.speculative).__name__}")
+               f"got {type(self.speculative).__name__} (a dict in vLLM's keys or ours: "
+               f"SpeculativeConfig.from_vllm(...), or LLM(speculative_config=...))")
         _check(self.quantization in QUANTIZATION_METHODS,
                f"quantization must be one of {QUANTIZATION_METHODS}, got {self.quantization!r}")
         _check(self.quantization_group_size in QUANTIZATION_GROUP_SIZES,

@@ -12,7 +12,7 @@ from typing import NoReturn
 
 from splitserve.common.chat_template import CONTENT_FORMAT_OPTIONS
 from splitserve.common.config import (QUANTIZATION_GROUP_SIZES, QUANTIZATION_METHODS, SCHEDULING_POLICIES,
-                                      VLLM_DTYPE_ALIASES, VLLM_KV_CACHE_DTYPE_ALIASES)
+                                      VLLM_DTYPE_ALIASES, VLLM_KV_CACHE_DTYPE_ALIASES, speculative_settings)
 from splitserve.common.errors import InvalidRequestError, StartupError, UnsupportedModelError
 from splitserve.router.http_options import UVICORN_LOG_LEVELS
 
@@ -352,6 +352,15 @@ def _json_object(value: str) -> dict[str, object]:
     return data
 
 
+def _speculative_json(value: str) -> dict[str, object]:
+    """argparse type: a speculative config JSON object in our keys or vLLM's, as decode.engine.speculative's
+    settings in our keys (common/config.py speculative_settings)."""
+    try:
+        return speculative_settings(_json_object(value))
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
 def _only_one(flag: str) -> Callable[[str], int]:
     """argparse type of a parallelism flag splitserve accepts only as 1 (one device per worker)."""
     def parse(value: str) -> int:
@@ -603,10 +612,10 @@ def _add_scheduler_flags(group: argparse._ArgumentGroup) -> None:
                             "is refused; priority: by each request's priority (lower first, ties by arrival), and "
                             "when KV blocks run out the running request with the largest (priority, arrival) is "
                             "preempted")
-    group.add_argument("--speculative-config", type=_json_object, default=None, metavar="JSON",
+    group.add_argument("--speculative-config", type=_speculative_json, default=None, metavar="JSON",
                        help="speculative decoding on the decode pool, e.g. '{\"method\": \"ngram\", "
-                            "\"num_speculative_tokens\": 4}' (keys: docs/speculative.md); sets "
-                            "decode.engine.speculative")
+                            "\"num_speculative_tokens\": 4}', in splitserve's keys or vLLM's (prompt_lookup_max, "
+                            "\"model\" for a draft model, ...; docs/speculative.md); sets decode.engine.speculative")
 
 
 def _add_cluster_flags(group: argparse._ArgumentGroup) -> None:

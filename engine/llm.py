@@ -22,7 +22,7 @@ from splitserve.common.chat_template import (TEMPLATE_VARIABLES, ContentFormat, 
                                              content_parts, parse_call_arguments, resolve_content_format,
                                              template_content)
 from splitserve.common.config import (VLLM_DTYPE_ALIASES, VLLM_KV_CACHE_DTYPE_ALIASES, EngineConfig,
-                                      GenerationConfig, SamplingDefaults)
+                                      GenerationConfig, SamplingDefaults, SpeculativeConfig)
 from splitserve.common.generation_config import SAMPLING_KEYS, GenerationConfigFile, resolve_request_defaults
 from splitserve.common.errors import InvalidRequestError
 from splitserve.common.lora import LoRARequest, check_lora_request
@@ -204,7 +204,8 @@ class LLM:
     def __init__(self, model: str | Path, show_progress: bool = False, enforce_eager: bool = False,
                  generation_config: str = "auto", override_generation_config: dict[str, float | int] | None = None,
                  tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, trust_remote_code: bool = False,
-                 tokenizer: str | Path | None = None, **engine_config) -> None:
+                 tokenizer: str | Path | None = None, speculative_config: Mapping[str, object] | None = None,
+                 **engine_config) -> None:
         """`engine_config`: EngineConfig's fields (`dtype` also in vLLM's spellings: "half", "float", a torch
         dtype; `kv_cache_dtype` "fp8", vLLM's e4m3). `enforce_eager` (vLLM's, the CLI's `--enforce-eager`):
         never capture CUDA graphs, i.e. cuda_graphs=False; refused together with cuda_graphs=True.
@@ -216,7 +217,9 @@ class LLM:
         `tokenizer` (vLLM's, the CLI's `--tokenizer`): the directory the tokenizer (and its chat template) is
         loaded from instead of the model's; generation_config.json (EOS ids, defaults) is still the model's.
         UnsupportedModelError naming --tokenizer for a directory without tokenizer.json, and for a tokenizer with
-        more ids than the model's vocab_size."""
+        more ids than the model's vocab_size.
+        `speculative_config` (vLLM's): a speculative decoding mapping in vLLM's keys or ours
+        (SpeculativeConfig.from_vllm), instead of `speculative`, a SpeculativeConfig; passing both is refused."""
         for name, size in (("tensor_parallel_size", tensor_parallel_size),
                            ("pipeline_parallel_size", pipeline_parallel_size)):
             if size != 1:
@@ -230,6 +233,11 @@ class LLM:
                 raise ValueError("enforce_eager=True and cuda_graphs=True contradict each other: enforce_eager "
                                  "means cuda_graphs=False; pass one of them")
             engine_config["cuda_graphs"] = False
+        if speculative_config is not None:
+            if "speculative" in engine_config:
+                raise ValueError("speculative and speculative_config both set speculative decoding; pass one of "
+                                 "them (speculative_config: vLLM's dict, speculative: a SpeculativeConfig)")
+            engine_config["speculative"] = SpeculativeConfig.from_vllm(speculative_config)
         if "dtype" in engine_config:
             engine_config["dtype"] = _engine_dtype(engine_config["dtype"])
         if "kv_cache_dtype" in engine_config:

@@ -12,6 +12,7 @@ from tokenizers import Tokenizer
 from tqdm import tqdm
 
 from tests.factories import _hf_model, assert_pool_idle, copy_with_generation_config, hf_greedy
+from splitserve.common.config import SpeculativeConfig
 from splitserve.common.errors import InvalidRequestError
 from splitserve.common.structured_output import StructuredOutput
 from splitserve.common.token_logprobs import Logprob, TokenLogprobs
@@ -528,6 +529,32 @@ def test_enforce_eager_turns_cuda_graphs_off_and_contradicting_it_is_refused(tin
     assert_pool_idle(eager.engine.block_manager)
     with pytest.raises(ValueError, match="enforce_eager=True and cuda_graphs=True contradict each other"):
         LLM(tiny_llama_dir, enforce_eager=True, cuda_graphs=True)
+
+
+VLLM_NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+"""vLLM's offline spelling of n-gram speculation (LLM(model, speculative_config={...}))."""
+
+
+def test_speculative_config_takes_vllms_dict_and_greedy_tokens_equal_the_plain_run(llm, tiny_llama_dir):
+    speculating = LLM(tiny_llama_dir, speculative_config=VLLM_NGRAM, **SMALL_POOL)
+    assert speculating.engine.config.speculative == SpeculativeConfig(method="ngram", num_speculative_tokens=3,
+                                                                      ngram_min=1, ngram_max=3)
+    prompts = [[(11 * i + 5 * (j % (3 + i))) % 500 + 3 for j in range(12)] for i in range(3)]  # repeating motifs
+    expected = [output.outputs[0].token_ids for output in llm.generate(prompts, greedy())]
+    assert [output.outputs[0].token_ids for output in speculating.generate(prompts, greedy())] == expected
+    spec = speculating.engine.stats().spec_decode
+    assert spec.num_drafts > 0 and spec.num_accepted_tokens > 0
+    assert_pool_idle(speculating.engine.block_manager)
+
+
+def test_speculative_and_speculative_config_together_are_refused(tiny_llama_dir):
+    with pytest.raises(ValueError) as error:
+        LLM(tiny_llama_dir, speculative=SpeculativeConfig(), speculative_config=VLLM_NGRAM)
+    assert str(error.value) == ("speculative and speculative_config both set speculative decoding; pass one of them "
+                                "(speculative_config: vLLM's dict, speculative: a SpeculativeConfig)")
+    with pytest.raises(ValueError) as error:
+        LLM(tiny_llama_dir, speculative_config={"method": "eagle", "model": "/models/head"})
+    assert str(error.value).startswith("speculative.method 'eagle' is not supported: splitserve runs ngram")
 
 
 @pytest.mark.parametrize("dtype, engine_dtype", [("half", "float16"), ("float", "float32"),

@@ -139,10 +139,38 @@ def test_speculative_config_flag_sets_the_decode_pool_only():
     assert config.prefill.engine.speculative is None
 
 
+def test_speculative_config_flag_takes_vllms_keys():
+    from splitserve.common.config import SpeculativeConfig
+
+    ngram = parse("default", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 5, '
+                                                     '"prompt_lookup_max": 4, "prompt_lookup_min": 2}')
+    assert ngram.decode.engine.speculative == SpeculativeConfig(method="ngram", num_speculative_tokens=5, ngram_min=2,
+                                                                ngram_max=4)
+    draft = parse("default", "--speculative-config", '{"model": "default-draft", "num_speculative_tokens": 3, '
+                                                     '"draft_tensor_parallel_size": 1, "disable_by_batch_size": 4}')
+    assert draft.decode.engine.speculative == SpeculativeConfig(method="draft", draft_model="default-draft",
+                                                                num_speculative_tokens=3, disable_above_batch_size=3)
+
+
+def test_speculative_config_flag_overlays_the_config_files_speculative_section(tmp_path):
+    from splitserve.common.config import SpeculativeConfig
+
+    path = tmp_path / "c.yaml"
+    path.write_text("model: default\ndecode:\n  engine:\n    speculative:\n      method: ngram\n      adaptive: false\n")
+    config = parse("--config", str(path), "--speculative-config", '{"num_speculative_tokens": 6, "prompt_lookup_max": 2}')
+    assert config.decode.engine.speculative == SpeculativeConfig(method="ngram", num_speculative_tokens=6, ngram_min=2,
+                                                                 ngram_max=2, adaptive=False)
+
+
 @pytest.mark.parametrize(("value", "why"), [
     ("{method: ngram}", "not valid JSON: Expecting property name enclosed in double quotes: line 1 column 2 (char 1)"),
-    ('"ngram"', "must be a JSON object, got '\"ngram\"'")])
-def test_a_speculative_config_that_is_not_a_json_object_is_a_usage_error_naming_why(capsys, value, why):
+    ('"ngram"', "must be a JSON object, got '\"ngram\"'"),
+    ('{"method": "eagle3", "model": "/models/head", "num_speculative_tokens": 3}',
+     "speculative.method 'eagle3' is not supported: splitserve runs ngram (prompt lookup; vLLM's ngram, ngram_gpu) "
+     "and draft (a draft model; vLLM's draft_model) speculation (docs/speculative.md)"),
+    ('{"method": "ngram", "prompt_lookup_max": 4, "ngram_max": 4}',
+     "speculative: 'prompt_lookup_max' and 'ngram_max' set the same field (ngram_max); give one of them")])
+def test_a_speculative_config_the_flag_cannot_take_is_a_usage_error_naming_why(capsys, value, why):
     with pytest.raises(SystemExit) as done:
         parse("default", "--speculative-config", value)
     assert done.value.code == 2
