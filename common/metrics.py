@@ -24,8 +24,11 @@ REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 2
                            120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 """vLLM's e2e_request_latency_seconds (and queue/prefill/decode time) buckets."""
 TOKEN_BUCKETS = tuple(mantissa * 10 ** exponent for exponent in range(6) for mantissa in (1, 2, 5))
-"""vLLM's request_prompt_tokens / request_generation_tokens buckets: the 1-2-5 series (vLLM cuts it
+"""vLLM's request_prompt_tokens / request_generation_tokens (and request_params_max_tokens,
+request_max_num_generation_tokens) buckets: the 1-2-5 series (vLLM cuts it
 at max_model_len; here it runs to 500000 so the definition stays static)."""
+N_BUCKETS = (1, 2, 5, 10, 20)
+"""vLLM's request_params_n buckets."""
 LOOP_LAG_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 """A healthy loop runs its heartbeat within a millisecond or two; 30 s is far past any timeout."""
 TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -136,6 +139,11 @@ REQUEST_PROMPT_TOKENS = _histogram("request_prompt_tokens", "Prompt tokens of ea
                                    TOKEN_BUCKETS)
 REQUEST_GENERATION_TOKENS = _histogram("request_generation_tokens", "Output tokens of each finished request.",
                                        TOKEN_BUCKETS)
+REQUEST_PARAMS_N = _histogram("request_params_n", "The n of each finished client request.", N_BUCKETS)
+REQUEST_PARAMS_MAX_TOKENS = _histogram("request_params_max_tokens", "The max_tokens of each finished client "
+                                       "request (as it ran: the client's or the default).", TOKEN_BUCKETS)
+REQUEST_MAX_NUM_GENERATION_TOKENS = _histogram("request_max_num_generation_tokens", "Output tokens of each finished "
+                                               "client request's longest sequence.", TOKEN_BUCKETS)
 TTFT_BREAKDOWN = _histogram("ttft_breakdown_seconds", "Time of each phase between arrival and the first tokens "
                                                       "(see TTFT_PHASES).", TTFT_BUCKETS, ("phase",))
 

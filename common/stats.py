@@ -141,6 +141,21 @@ FINISH_REASONS = ("stop", "length")
 
 
 @dataclass(frozen=True)
+class RequestParamsRecord:
+    """A finished client request's parameters and longest output, observed once however many sequences it ran
+    (vLLM's request_params_n, request_params_max_tokens and request_max_num_generation_tokens, which vLLM observes
+    once per parent request of n sequences). A lone request's is its own (n 1); a fan-out's is every sequence's."""
+
+    n: int
+    """The sequences the client asked for (its `n`)."""
+    max_tokens: int | None
+    """Each sequence's max_tokens as the router ran it (the client's, or the API's default); None only from a
+    library caller that left it unset (not observed, as vLLM skips an unset one)."""
+    max_num_generation_tokens: int
+    """The most output tokens any of its sequences generated (best_of's dropped ones included)."""
+
+
+@dataclass(frozen=True)
 class RequestRecord:
     """One request's life at the router, built once when it ends, on any path after validation.
 

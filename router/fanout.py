@@ -87,9 +87,10 @@ def merged_usage(usages: Sequence[Usage], num_sequences: int) -> Usage:
 
 
 async def client_fan_out(orchestrator: Orchestrator, ids: ReservedRequestId, inputs: Sequence[GenerationInput],
-                         num_sequences: int, admission: Admission) -> AsyncGenerator[IndexedChunk, None]:
+                         num_sequences: int, admission: Admission, n: int | None = None
+                         ) -> AsyncGenerator[IndexedChunk, None]:
     """A client's request (its ids `ids`, released when it ends) run as its sequences (`inputs`, prompt-major:
-    sequence_inputs) and merged.
+    sequence_inputs) and merged; `n`: the client's n (num_sequences per prompt when None; fewer with best_of).
 
     The request's admission slot goes to its first sequence, and every other sequence takes a slot of its own
     before any sequence starts (Orchestrator.fan_out): a request the router cannot hold whole is refused at once
@@ -98,7 +99,7 @@ async def client_fan_out(orchestrator: Orchestrator, ids: ReservedRequestId, inp
     client = dataclasses.replace(inputs[0], request_id=ids.request_id)
     num_prompt_tokens = sum(len(inp.prompt_token_ids) for inp in inputs[::num_sequences])
     try:
-        with orchestrator.fan_out(client, num_prompt_tokens, len(inputs)) as others:
+        with orchestrator.fan_out(client, num_prompt_tokens, len(inputs), n or num_sequences) as others:
             fan_out = FanOut(orchestrator, inputs, num_sequences, [admission, *others])
             async with contextlib.aclosing(fan_out.stream()) as stream:
                 async for item in stream:

@@ -5,7 +5,8 @@ buckets are never repeated here). Metrics come from two sources:
 
 - per request (success/failure, latency histograms, KV transfers, SLO attainment, goodput):
   `observe()` takes each RequestRecord the orchestrator hands its observer when a request ends
-  (an internal step's record counts only as a step and a KV pull);
+  (an internal step's record counts only as a step and a KV pull); per finished client request (n, max_tokens,
+  its longest sequence's tokens, however many sequences it ran): `observe_params()`;
 Counters whose label values are known up front (request outcomes, routing reasons, rejection
 reasons, TTFT phases) are exported at 0 for every value from the start, so a dashboard shows 0,
 not "No data", for what has not happened yet (PromQL's rate() of a series that appears with its
@@ -41,8 +42,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from splitserve.common import metrics as m
 from splitserve.common.metrics import COUNTER, GAUGE, HISTOGRAM, MetricDef
 from splitserve.common.slo import SloConfig
-from splitserve.common.stats import (FINISH_REASONS, LoopLagStats, PlannerStats, RequestRecord, RoutingStats,
-                                     WorkerSnapshot)
+from splitserve.common.stats import (FINISH_REASONS, LoopLagStats, PlannerStats, RequestParamsRecord, RequestRecord,
+                                     RoutingStats, WorkerSnapshot)
 from splitserve.router.orchestrator import Orchestrator
 
 T = TypeVar("T")
@@ -90,8 +91,10 @@ class RouterMetrics:
         self._http: tuple[WSGIServer, threading.Thread] | None = None
 
     def watch(self, orchestrator: Orchestrator) -> None:
-        """Export the orchestrator's workers and routing outcomes; call on its event loop."""
+        """Export the orchestrator's workers and routing outcomes, and observe its finished client requests'
+        parameters; call on its event loop."""
         self.registry.register(_ClusterCollector(orchestrator, asyncio.get_running_loop()))
+        orchestrator.params_observer = self.observe_params
 
     def watch_planner(self, read: Callable[[], PlannerStats]) -> None:
         """Export the planner's state, read() at scrape time on the calling event loop."""
@@ -115,6 +118,14 @@ class RouterMetrics:
         self._observe_tokens(record)
         self._observe_transfer(record)
         self._observe_slo(record)
+
+    def observe_params(self, params: RequestParamsRecord) -> None:
+        """Count one finished client request's parameters (the Orchestrator's params observer): once per client
+        request, where observe() counts each of its sequences."""
+        self._get(m.REQUEST_PARAMS_N).observe(params.n)
+        if params.max_tokens is not None:
+            self._get(m.REQUEST_PARAMS_MAX_TOKENS).observe(params.max_tokens)
+        self._get(m.REQUEST_MAX_NUM_GENERATION_TOKENS).observe(params.max_num_generation_tokens)
 
     def _observe_finished(self, record: RequestRecord) -> None:
         """Whole-request histograms: finished requests only, so each _count = request_success."""

@@ -356,7 +356,7 @@ class OpenAIServing:
     async def _respond(self, request: Request, job: _Job, admission: Admission) -> Response:
         """Run the request; a streamed one starts its response once the first chunk is in, so an
         error before it (a bad prompt, a routing rejection) still gets its HTTP status."""
-        stream = client_fan_out(self.orchestrator, job.ids, job.inputs, job.num_sequences, admission)
+        stream = client_fan_out(self.orchestrator, job.ids, job.inputs, job.num_sequences, admission, job.n)
         if job.stream and job.stream_interval > 1:
             stream = every_interval(stream, job.stream_interval)
         try:

@@ -33,7 +33,7 @@ from splitserve.common.kv_transfer_types import KVLayout, KVLayoutMismatchError
 from splitserve.common.log_escape import quote_for_log
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.slo import SloConfig
-from splitserve.common.stats import RequestRecord, RoutingStats, WorkerSnapshot
+from splitserve.common.stats import RequestParamsRecord, RequestRecord, RoutingStats, WorkerSnapshot
 from splitserve.common.worker_api import DecodeWorkerAPI, PrefillWorkerAPI, WorkerAPI, WorkerLostError
 from splitserve.common.worker_messages import (DecodeRequest, LayerwiseProgress, PrefillFirstToken, PrefillRequest,
                                                PrefillResult, TokenDelta, WorkerInfo)
@@ -45,9 +45,9 @@ from splitserve.router.peers import PeerHandshakes
 from splitserve.router.policy import (DecodeCandidate, PrefillCandidate, Rejection, RouteDecision, RoutingConfig,
                                       RoutingRequest, route)
 from splitserve.router.prefix_index import PrefixIndex
-from splitserve.router.records import StepwiseRequest, refused_record
+from splitserve.router.records import FanOutParams, StepwiseRequest, refused_record
 from splitserve.router.reports import WorkerMonitor
-from splitserve.router.request_ids import ReservedRequestId, RequestIds
+from splitserve.router.request_ids import ReservedRequestId, RequestIds, sequence_request_id
 from splitserve.router.request_run import RequestRun
 from splitserve.router.worker_link import WorkerLinkConfig
 from splitserve.router.worker_pool import Assignment, WorkerPool
@@ -79,6 +79,9 @@ class Orchestrator:
         self.routing = routing
         self.slo = slo
         self.observer = observer
+        self.params_observer: Callable[[RequestParamsRecord], None] | None = None
+        """Gets each finished client request's RequestParamsRecord, once however many sequences it ran (set by
+        RouterMetrics.watch); on the event loop, must not block."""
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.prefill_pool = WorkerPool(prefill if mode == "disaggregated" else ())
@@ -106,6 +109,8 @@ class Orchestrator:
         (internal steps are not in it; a fan-out's sequences are, under their own ids)."""
         self._stepwise: dict[str, StepwiseRequest] = {}
         """The requests in stepwise() by internal request id: what their steps' ends add to."""
+        self._fan_outs: dict[str, FanOutParams] = {}
+        """The running fan-outs' parameters by each of their sequences' ids: what the sequences' ends add to."""
         self._idle = asyncio.Event()
         """Set while no request holds an admission slot (drain waits on it)."""
         self._idle.set()
@@ -448,7 +453,8 @@ class Orchestrator:
             self._observe(request.record(self.slo_targets(inp), time.monotonic()))
 
     @contextlib.contextmanager
-    def fan_out(self, client: GenerationInput, num_prompt_tokens: int, num_sequences: int) -> Iterator[list[Admission]]:
+    def fan_out(self, client: GenerationInput, num_prompt_tokens: int, num_sequences: int,
+                n: int | None = None) -> Iterator[list[Admission]]:
         """A client's request that the caller runs as `num_sequences` requests of its own (its sequences: generate()
         of each, on the request's slot and the num_sequences - 1 slots this yields; `client`: the request as the
         client sent it, its id, deadline and SLO targets; `num_prompt_tokens`: each of its prompts' tokens once).
@@ -456,16 +462,24 @@ class Orchestrator:
         The slots are taken all or none before any sequence runs: a refusal (RouterError) ends the client's request
         and is recorded once, as a refused request is (none of its sequences ran, so none has a record); each
         sequence that runs is recorded when it ends. The request's ids (its own and its sequences') are the caller's
-        reservation (new_request_id). The caller's sequences release the slots; so does leaving the block."""
+        reservation (new_request_id). The caller's sequences release the slots; so does leaving the block. `n`: the
+        client's n (fewer than num_sequences with best_of or several prompts; None: num_sequences). Once every
+        sequence ended, a request whose sequences all finished is observed once (params_observer)."""
         if num_sequences == 1:
             yield []
             return
         others = self._admit_sequences(client, num_prompt_tokens, num_sequences - 1)
+        params = FanOutParams(n or num_sequences, client.sampling_params.max_tokens, num_sequences)
+        sequence_ids = [sequence_request_id(client.request_id, index) for index in range(num_sequences)]
+        self._fan_outs.update(dict.fromkeys(sequence_ids, params))
         try:
             yield others
         finally:
             for admission in others:
                 admission.release()
+            for sequence_id in sequence_ids:
+                del self._fan_outs[sequence_id]
+            self._observe_params(params.record())
 
     def _admit_sequences(self, client: GenerationInput, num_prompt_tokens: int, count: int) -> list[Admission]:
         """admit_all(count) for a fan-out, recording a refusal as its client's request's end."""
@@ -739,7 +753,28 @@ class Orchestrator:
         elif step_of in self._stepwise:
             self._stepwise[step_of].on_step_ended(run.num_migrations)
         self._end_attempt(run)
-        self._observe(run.record(self.slo_targets(run.inp)))
+        record = run.record(self.slo_targets(run.inp))
+        self._observe(record)
+        if step_of is None:
+            self._note_params(run.inp, record)
+
+    def _note_params(self, inp: GenerationInput, record: RequestRecord) -> None:
+        """A client's request (or one sequence of a fan-out) ended: a finished lone request's parameters are
+        observed now, a sequence's output counts towards its fan-out's (observed when the fan-out ends)."""
+        fan_out = self._fan_outs.get(inp.request_id)
+        if fan_out is not None:
+            fan_out.on_sequence_ended(record)
+        elif record.finish_reason is not None:
+            self._observe_params(RequestParamsRecord(1, inp.sampling_params.max_tokens, record.num_output_tokens))
+
+    def _observe_params(self, params: RequestParamsRecord | None) -> None:
+        """Hand a finished client request's parameters (None: it did not finish) to the params observer."""
+        if params is None or self.params_observer is None:
+            return
+        try:
+            self.params_observer(params)
+        except Exception:  # metrics must never break a request's cleanup
+            logger.exception("the request params observer failed")
 
     def _observe(self, record: RequestRecord) -> None:
         """Hand an ended request's (or internal step's) record to the observer."""

@@ -1,6 +1,7 @@
 """What the router measures about one request while it runs; the orchestrator turns it into a
 `common.stats.RequestRecord` when the request ends (a request run as internal steps: StepwiseRequest; a fan-out
-refused before its sequences ran: refused_record).
+refused before its sequences ran: refused_record); a finished client request's parameters: RequestParamsRecord (a
+fan-out's: FanOutParams).
 
 Router-side times are time.monotonic() instants on the router; worker-side phases are
 durations measured on the worker's own clock (never compared across machines as instants).
@@ -9,7 +10,7 @@ durations measured on the worker's own clock (never compared across machines as 
 from __future__ import annotations
 
 from splitserve.common.slo import SloConfig, request_slo_outcome
-from splitserve.common.stats import RequestRecord
+from splitserve.common.stats import RequestParamsRecord, RequestRecord
 
 
 class RequestTimeline:
@@ -131,3 +132,27 @@ def refused_record(request_id: str, num_prompt_tokens: int, error_code: str, rej
                          None, (), e2e_s, None, None, None, (), None,
                          request_slo_outcome(targets, error_code, None, e2e_s, 0),
                          client_request_id=client_request_id)
+
+
+class FanOutParams:
+    """A fan-out's RequestParamsRecord, gathered from its sequences' records as they end."""
+
+    def __init__(self, n: int, max_tokens: int | None, num_sequences: int) -> None:
+        self.n = n
+        self.max_tokens = max_tokens
+        self.num_sequences = num_sequences
+        self.num_finished = 0
+        self.longest = 0
+        """The most output tokens of a sequence that finished."""
+
+    def on_sequence_ended(self, record: RequestRecord) -> None:
+        if record.finish_reason is not None:
+            self.num_finished += 1
+            self.longest = max(self.longest, record.num_output_tokens)
+
+    def record(self) -> RequestParamsRecord | None:
+        """Its record once every sequence finished; None when one did not (the client's request failed or was
+        cancelled: observed with finished requests only, as vLLM observes them)."""
+        if self.num_finished < self.num_sequences:
+            return None
+        return RequestParamsRecord(self.n, self.max_tokens, self.longest)

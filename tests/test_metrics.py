@@ -24,6 +24,7 @@ from splitserve.engine import LLM
 from splitserve.router import admission, policy, tokenizer_pool
 from splitserve.router.metrics_server import RouterMetrics
 from splitserve.router.api_types import GenerationInput, RouterError
+from splitserve.router.fanout import client_fan_out, sequence_inputs
 from splitserve.router.records import refused_record
 from splitserve.testing.in_process_cluster import InProcessCluster, make_prefill_worker
 from tests.factories import make_load_report, make_request_record
@@ -468,6 +469,38 @@ def test_a_refused_fan_out_is_recorded_as_a_refused_request_and_counts_once():
                if not key[0].endswith("_created") and value != before.get(key, 0.0)}
     assert changed == {("splitserve_request_failure_total", frozenset({("code", "RESOURCE_EXHAUSTED")})): 1,
                        ("splitserve_slo_requests_total", frozenset()): 1}
+
+
+def test_request_params_are_observed_once_per_finished_client_request(tiny_llama_dir):
+    """A lone request (max_tokens 7) and an n=3 fan-out (max_tokens 4) count one observation each in vLLM's
+    request_params_n, request_params_max_tokens and request_max_num_generation_tokens (its longest sequence's
+    tokens), where request_success counts each sequence."""
+    metrics = RouterMetrics(SLO, MODEL_NAME)
+
+    async def scenario() -> str:
+        async with InProcessCluster(tiny_llama_dir, slo=SLO, observer=metrics.observe) as cluster:
+            orchestrator = cluster.orchestrator
+            metrics.watch(orchestrator)
+            await cluster.generate("lone", PROMPTS["a"], SamplingParams(max_tokens=7, **GREEDY))
+            base = GenerationInput("fan", tuple(PROMPTS["c"]), SamplingParams(max_tokens=4, **GREEDY))
+            inputs = sequence_inputs(base, [base.prompt_token_ids], 3)
+            ids = orchestrator.new_request_id("fan", len(inputs))
+            chunks = [item async for item in client_fan_out(orchestrator, ids, inputs, 3, orchestrator.admit(), 3)]
+            assert [sum(len(item.chunk.token_ids) for item in chunks if item.index == index)
+                    for index in range(3)] == [4, 4, 4]
+            await cluster.wait_idle()
+        return generate_latest(metrics.registry).decode()
+
+    s = _samples(asyncio.run(scenario()))
+    assert _value(s, "splitserve_request_success_total", finished_reason="length") == 4  # each sequence
+    assert [(_value(s, f"splitserve_{name}_count"), _value(s, f"splitserve_{name}_sum"))
+            for name in ("request_params_n", "request_params_max_tokens", "request_max_num_generation_tokens")] == [
+        (2, 1 + 3), (2, 7 + 4), (2, 7 + 4)]
+    assert [_value(s, "splitserve_request_params_n_bucket", le=le) for le in ("1.0", "2.0", "5.0", "+Inf")] == [
+        1, 1, 2, 2]
+    assert [_value(s, "splitserve_request_max_num_generation_tokens_bucket", le=le)
+            for le in ("2.0", "5.0", "10.0")] == [0, 1, 2]
+    assert _value(s, "splitserve_request_params_max_tokens_bucket", le="5.0") == 1
 
 
 VLLM_DASHBOARD_SERIES = (
