@@ -501,7 +501,7 @@ class ServedApis:
         status, _, body = http_request(self.http_port, "GET", "/metrics")
         assert status == 200
         samples = [s for family in text_string_to_metric_families(body.decode()) for s in family.samples
-                   if s.name == f"splitserve_{metric}_total" and s.labels == labels]
+                   if s.name == f"splitserve_{metric}_total" and _without_model_name(s.labels) == labels]
         return samples[0].value if samples else 0.0
 
     def per_request_series(self) -> dict[tuple[str, frozenset], float]:
@@ -511,7 +511,7 @@ class ServedApis:
 
         status, _, body = http_request(self.http_port, "GET", "/metrics")
         assert status == 200
-        return {(s.name, frozenset(s.labels.items())): s.value
+        return {(s.name, frozenset(_without_model_name(s.labels).items())): s.value
                 for family in text_string_to_metric_families(body.decode()) for s in family.samples
                 if s.name in _per_request_series_names()}
 
@@ -526,6 +526,11 @@ class ServedApis:
         from splitserve.router.server import drain
 
         return self.loop.run(drain(self.cluster.orchestrator, self.grpc_server, timeout_s))
+
+
+def _without_model_name(labels: dict[str, str]) -> dict[str, str]:
+    """A sample's labels less `model_name`, which every sample carries (one value per router)."""
+    return {name: value for name, value in labels.items() if name != "model_name"}
 
 
 @lru_cache(maxsize=1)
