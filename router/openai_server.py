@@ -44,6 +44,7 @@ from splitserve.common.generation_config import NO_REQUEST_DEFAULTS, RequestDefa
 from splitserve.common.log_escape import quote_for_log
 from splitserve.common.lora import LoRARequest
 from splitserve.common.sampling_params import SamplingParams
+from splitserve.common.stats import RequestParamsRecord
 from splitserve.router.admission import RETRY_AFTER_S, Admission
 from splitserve.router.auth import check_authorization
 from splitserve.router.openai_protocol import (ChatCompletionRequest, ChatRenderer, CompletionRenderer,
@@ -391,8 +392,9 @@ class OpenAIServing:
             for prompt_index, base in enumerate(bases):
                 chunks.extend(await self._beam_search(job, prompt_index, base))
             usage = merged_usage([item.chunk.usage for item in chunks], job.n)  # the response's
+            longest = max(len(item.chunk.token_ids) for item in chunks)
             recorded.on_finished(chunks[0].chunk.finish_reason, usage.cached_tokens, usage.completion_tokens,
-                                 time.monotonic())
+                                 time.monotonic(), RequestParamsRecord(job.n, job.beam_search.max_tokens, longest))
         return chunks
 
     async def _beam_search(self, job: _Job, prompt_index: int, base: GenerationInput) -> list[IndexedChunk]:

@@ -451,6 +451,7 @@ class Orchestrator:
             self.request_ids.stop(inp.request_id)
             del self._stepwise[inp.request_id]
             self._observe(request.record(self.slo_targets(inp), time.monotonic()))
+            self._observe_params(request.params if request.error_code is None else None)
 
     @contextlib.contextmanager
     def fan_out(self, client: GenerationInput, num_prompt_tokens: int, num_sequences: int,

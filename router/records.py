@@ -98,13 +98,18 @@ class StepwiseRequest:
         """Its steps' moves off lost workers."""
         self.error_code: str | None = None
         self.rejection_reason: str | None = None
+        self.params: RequestParamsRecord | None = None
+        """Its parameters and longest returned beam, observed once when it finished (Orchestrator.stepwise)."""
 
     def on_step_ended(self, num_migrations: int) -> None:
         self.num_migrations += num_migrations
 
-    def on_finished(self, finish_reason: str, num_cached_tokens: int, num_output_tokens: int, now: float) -> None:
-        """Its whole output is ready now: `finish_reason` is its first choice's; the token counts are its usage's."""
+    def on_finished(self, finish_reason: str, num_cached_tokens: int, num_output_tokens: int, now: float,
+                    params: RequestParamsRecord | None = None) -> None:
+        """Its whole output is ready now: `finish_reason` is its first choice's; the token counts are its usage's;
+        `params`: its n (a beam search's width), max_tokens and longest returned sequence."""
         self.finish_reason = finish_reason
+        self.params = params
         self.num_cached_tokens = num_cached_tokens
         self.num_output_tokens = num_output_tokens
         self.timeline.on_tokens(num_output_tokens, True, now)

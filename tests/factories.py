@@ -543,7 +543,8 @@ def _per_request_series_names() -> frozenset[str]:
                m.TIME_PER_OUTPUT_TOKEN, m.E2E_REQUEST_LATENCY, m.REQUEST_QUEUE_TIME, m.REQUEST_PREFILL_TIME,
                m.REQUEST_DECODE_TIME, m.REQUEST_PROMPT_TOKENS, m.REQUEST_GENERATION_TOKENS, m.TTFT_BREAKDOWN,
                m.REQUEST_MIGRATIONS, m.SLO_REQUESTS, m.SLO_TTFT_MET, m.SLO_TPOT_MET, m.SLO_BOTH_MET, m.GOODPUT_TOKENS,
-               m.INTERNAL_STEP_REQUESTS)
+               m.INTERNAL_STEP_REQUESTS, m.REQUEST_PARAMS_N, m.REQUEST_PARAMS_MAX_TOKENS,
+               m.REQUEST_MAX_NUM_GENERATION_TOKENS)
     return frozenset({d.exposed_name for d in metrics} | {d.name + suffix for d in metrics if d.kind == m.HISTOGRAM
                                                           for suffix in ("_count", "_sum")})
 

@@ -287,7 +287,11 @@ def test_a_beam_search_is_one_request_in_the_metrics_and_the_access_log(served, 
         "splitserve_request_generation_tokens_count": 1, "splitserve_request_generation_tokens_sum": 12,
         "splitserve_slo_requests_total": 1, "splitserve_slo_ttft_met_requests_total": 1,
         "splitserve_slo_tpot_met_requests_total": 1, "splitserve_slo_met_requests_total": 1,
-        "splitserve_goodput_tokens_total": 12, "splitserve_internal_step_requests_total": 10}
+        "splitserve_goodput_tokens_total": 12, "splitserve_internal_step_requests_total": 10,
+        # once, as the client's request: its n (the width), max_tokens and longest returned beam
+        "splitserve_request_params_n_count": 1, "splitserve_request_params_n_sum": 3,
+        "splitserve_request_params_max_tokens_count": 1, "splitserve_request_params_max_tokens_sum": 4,
+        "splitserve_request_max_num_generation_tokens_count": 1, "splitserve_request_max_num_generation_tokens_sum": 4}
 
 
 def test_an_ordinary_request_is_still_one_request_with_its_own_phases(served, prompt_ids, access_log):
@@ -310,7 +314,8 @@ def test_an_ordinary_request_is_still_one_request_with_its_own_phases(served, pr
         "splitserve_request_prompt_tokens_count": 1, "splitserve_request_generation_tokens_count": 1,
         "splitserve_slo_requests_total": 1, "splitserve_slo_ttft_met_requests_total": 1,
         "splitserve_slo_tpot_met_requests_total": 1, "splitserve_slo_met_requests_total": 1,
-        "splitserve_goodput_tokens_total": 4}
+        "splitserve_goodput_tokens_total": 4, "splitserve_request_params_n_count": 1,
+        "splitserve_request_params_max_tokens_count": 1, "splitserve_request_max_num_generation_tokens_count": 1}
     assert changes["splitserve_ttft_breakdown_seconds_count{prefill_compute}"] == 1
 
 
