@@ -513,7 +513,8 @@ VLLM_DASHBOARD_SERIES = (
     "request_queue_time_seconds_bucket", "request_prefill_time_seconds_sum", "request_prefill_time_seconds_bucket",
     "request_decode_time_seconds_sum", "request_decode_time_seconds_bucket", "inter_token_latency_seconds_bucket",
     "inter_token_latency_seconds_sum", "inter_token_latency_seconds_count", "prefix_cache_hits_total",
-    "prefix_cache_queries_total", "num_preemptions_total")
+    "prefix_cache_queries_total", "num_preemptions_total", "request_params_n_bucket", "request_params_max_tokens_bucket",
+    "request_max_num_generation_tokens_bucket")
 """The series vLLM's example Grafana dashboards and alert rules (examples/online_serving/prometheus_grafana)
 query that splitserve has, as `vllm:<name>`; every query selects `{model_name="$model_name"}` (the dashboards'
 variable is `label_values(model_name)`) or groups `by (le, model_name)`. docs/observability.md lists the rest."""
