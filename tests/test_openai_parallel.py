@@ -218,11 +218,19 @@ def test_the_orchestrator_holds_a_fan_outs_slots_and_records_a_refusal_while_dra
 def test_best_of_returns_the_sequences_of_highest_cumulative_logprob(served):
     singles = [served.single(PROMPT, max_tokens=5, seed=3 + i, logprobs=0, **SAMPLED).choices[0] for i in range(4)]
     ranked = sorted(singles, key=lambda c: sum(c.logprobs.token_logprobs), reverse=True)
+    before = served.per_request_series()
     completion = served.client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, n=2, best_of=4, seed=3,
                                                     **SAMPLED)
     assert _texts(completion) == [(0, ranked[0].text), (1, ranked[1].text)]
     assert completion.choices[0].logprobs is None  # ranked by logprobs the client did not ask for
     assert completion.usage.completion_tokens == 20  # every generated sequence is counted
+    changes = served.per_request_changes(before)
+    # each sequence is a request; the client's request params are observed once, with its n (not best_of)
+    assert changes["splitserve_request_success_total{length}"] == 4
+    assert {name: value for name, value in changes.items() if "params" in name or "max_num" in name} == {
+        "splitserve_request_params_n_count": 1, "splitserve_request_params_n_sum": 2,
+        "splitserve_request_params_max_tokens_count": 1, "splitserve_request_params_max_tokens_sum": 5,
+        "splitserve_request_max_num_generation_tokens_count": 1, "splitserve_request_max_num_generation_tokens_sum": 5}
 
 
 @pytest.mark.parametrize(("body", "message"), [
