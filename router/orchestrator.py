@@ -826,5 +826,13 @@ def _error_code(error: BaseException, deadline: float | None) -> str:
     if isinstance(error, (asyncio.CancelledError, GeneratorExit)):
         # A gRPC call's deadline is the request's, and gRPC cancels the call by its own timer, which
         # may run before the request's: closed once its deadline passed, it ran out of time.
-        return "DEADLINE_EXCEEDED" if deadline is not None and time.monotonic() >= deadline else "CANCELLED"
+        ran_out = deadline is not None and time.monotonic() >= deadline - DEADLINE_CLOCK_SLACK_S
+        return "DEADLINE_EXCEEDED" if ran_out else "CANCELLED"
     return "INTERNAL"
+
+
+DEADLINE_CLOCK_SLACK_S = 0.01
+"""How early a cancellation may come and still be the deadline's: grpc's Python API states a call's time remaining
+from its deadline on the wall clock (time.time()), while its timer cancels the call on the monotonic clock, so the
+request's monotonic deadline (api_common.grpc_deadline) can sit a few milliseconds after the cancellation that
+enforces it (a suite run here once recorded a 0.5 s deadline as CANCELLED)."""
