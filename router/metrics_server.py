@@ -79,6 +79,7 @@ class RouterMetrics:
     def __init__(self, slo: SloConfig, model_name: str) -> None:
         """`slo`: the router's default targets, exported as splitserve_slo_target_seconds; `model_name`: the
         served model's name (its first served_model_name), the `model_name` label of every sample."""
+        self.model_name = model_name
         self.registry = _ModelNamedRegistry(model_name)
         self._live = {d.name: _live_collector(d, self.registry) for d in m.ALL_METRICS if d not in SCRAPED}
         for definition, values in ((m.REQUEST_FAILURE, m.FAILURE_CODES), (m.REQUEST_SUCCESS, FINISH_REASONS),

@@ -97,7 +97,8 @@ def run_worker_death(model_dir, role: str, signum: int) -> tuple[WorkerDeathOutc
             results = [future.result() for future in futures]
         rejoined_s = loop.run(_rejoined(cluster.orchestrator, worker_id, epoch)) - killed_at
         loop.run(cluster.wait_idle(timeout_s=30))
-        migrated = cluster.metrics.registry.get_sample_value("splitserve_request_migrations_total")
+        migrated = cluster.metrics.registry.get_sample_value("splitserve_request_migrations_total",
+                                                             {"model_name": cluster.metrics.model_name})
     failures = tuple(error for _, _, error in results if error is not None)
     outcome = WorkerDeathOutcome(f"{signal.Signals(signum).name} {role}-0 under load", len(cases),
                                  len(cases) - len(failures), len(failures), int(migrated),
