@@ -8,6 +8,7 @@ same architectures with the same words.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,7 +25,7 @@ SPARSE_MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                            "Phi3ForCausalLM", "GraniteForCausalLM", "GemmaForCausalLM", "Gemma2ForCausalLM",
                            "Gemma3ForCausalLM", "SmolLM3ForCausalLM", "Olmo2ForCausalLM", *SPARSE_MOE_ARCHITECTURES)
-"""config.json `architectures[0]` values the engine runs."""
+"""config.json `architectures` values the engine runs (chosen_architecture picks the first of them in a list)."""
 SILU_ACTIVATIONS = ("silu", "swish")
 """config.json `hidden_act` values the engine runs: transformers maps both names to the same SiLU."""
 TOKENIZER_FILE = "tokenizer.json"
@@ -148,11 +149,18 @@ def no_architecture_message() -> str:
 
 
 def config_architecture(config: dict, model_dir: Path) -> str:
-    """config.json's first architecture; UnsupportedModelError when it names none."""
+    """The architecture config.json's `architectures` has the engine run (chosen_architecture);
+    UnsupportedModelError when it names none."""
     architectures = config.get("architectures")
-    if not isinstance(architectures, list) or not architectures or not isinstance(architectures[0], str):
+    if not isinstance(architectures, list) or not architectures or not all(isinstance(a, str) for a in architectures):
         raise UnsupportedModelError(f"{model_dir}: {no_architecture_message()}")
-    return architectures[0]
+    return chosen_architecture(architectures)
+
+
+def chosen_architecture(architectures: Sequence[str]) -> str:
+    """The first of a non-empty `architectures` list that the engine runs, as vLLM takes the first it supports
+    (["MyWrapper", "LlamaForCausalLM"] runs Llama); the first entry when none is (what the refusal names)."""
+    return next((name for name in architectures if name in SUPPORTED_ARCHITECTURES), architectures[0])
 
 
 def check_tokenizer_files(model_dir: Path) -> None:

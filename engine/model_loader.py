@@ -20,8 +20,8 @@ from transformers import AutoConfig, PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from splitserve.common.errors import UnsupportedModelError, json_excerpt
-from splitserve.common.model_dir import (SUPPORTED_ARCHITECTURES, activation_field, no_architecture_message,
-                                         unsupported_architecture_message, weight_files)
+from splitserve.common.model_dir import (SUPPORTED_ARCHITECTURES, activation_field, chosen_architecture,
+                                         no_architecture_message, unsupported_architecture_message, weight_files)
 from splitserve.engine.attention import AttentionBackend
 from splitserve.engine.cpu_kernels import cpu_kernel_isa
 from splitserve.engine.models.llama import LlamaFamilyArch, LlamaFamilyForCausalLM, RotaryEmbedding
@@ -79,7 +79,7 @@ def _unreadable_config_message(model_dir: Path, error: Exception) -> str:
 def parse_arch(config: PretrainedConfig) -> LlamaFamilyArch:
     if not config.architectures:
         raise UnsupportedModelError(no_architecture_message())
-    architecture = config.architectures[0]
+    architecture = chosen_architecture(config.architectures)
     if architecture not in SUPPORTED_ARCHITECTURES:
         raise UnsupportedModelError(unsupported_architecture_message(architecture))
     activation = activation_field(architecture)

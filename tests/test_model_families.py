@@ -305,6 +305,21 @@ def test_unsupported_architecture_is_a_clear_error(tmp_path):
         EngineCore(model_dir, EngineConfig())
 
 
+def test_the_first_supported_entry_of_architectures_runs(tmp_path, tiny_llama_dir):
+    """["MyWrapperForCausalLM", "LlamaForCausalLM"] was refused naming the wrapper (the engine read only the first
+    entry); vLLM runs the first entry it supports. The CLI's directory check and the engine agree."""
+    model_dir = copy_with_config_fields(tiny_llama_dir, tmp_path / "wrapped",
+                                        architectures=["MyWrapperForCausalLM", "LlamaForCausalLM"])
+    check_model_dir(model_dir)
+    [case] = mixed_workload(512, num_requests=1, seed=5, max_prompt=60, max_output=8)
+    tokens, _ = run_engine(model_dir, [case])
+    assert tokens == [hf_greedy(tiny_llama_dir, case)]
+    only_unknown = copy_with_config_fields(tiny_llama_dir, tmp_path / "unknown",
+                                           architectures=["MyWrapperForCausalLM", "GPT2LMHeadModel"])
+    with pytest.raises(UnsupportedModelError, match="'MyWrapperForCausalLM' is not supported"):
+        check_model_dir(only_unknown)
+
+
 @pytest.mark.parametrize("architectures", [None, []], ids=["missing", "empty"])
 def test_a_config_naming_no_architecture_is_refused_naming_the_field(tmp_path, architectures):
     """A config.json that LlamaConfig(...).save_pretrained writes has no architectures (transformers' Auto classes

@@ -26,7 +26,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from splitserve.common.config import QUANTIZATION_GROUP_SIZES
 from splitserve.common.errors import UnsupportedModelError
-from splitserve.common.model_dir import PYTORCH_INDEX, SAFETENSORS_INDEX, SPARSE_MOE_ARCHITECTURES, WEIGHT_FILE_PATTERNS
+from splitserve.common.model_dir import (PYTORCH_INDEX, SAFETENSORS_INDEX, SPARSE_MOE_ARCHITECTURES, WEIGHT_FILE_PATTERNS,
+                                         chosen_architecture)
 from splitserve.engine.quantization.awq import search_clip, search_scales
 from splitserve.engine.quantization.formats import PACK_FACTOR, QuantizedWeight, awq_pack, gptq_pack
 from splitserve.engine.quantization.gptq import GptqConfig, HessianAccumulator, gptq_quantize
@@ -236,7 +237,7 @@ def check_packable(model: PreTrainedModel, method: str) -> None:
     codes too), GPTQ its codes along the input channels. UnsupportedModelError for a mixture of experts, whose
     experts and router the engine runs in float only, and for a model whose layers hold fused projections
     (FUSED_PROJECTION_ARCHITECTURES), which PROJECTIONS and the quantized checkpoint loader name separately."""
-    architecture = (model.config.architectures or ["?"])[0]
+    architecture = chosen_architecture(model.config.architectures or ["?"])
     if architecture in SPARSE_MOE_ARCHITECTURES:
         raise UnsupportedModelError(f"{method} quantization of mixture-of-experts models ({architecture}) is not "
                                     f"supported: the engine runs their experts and router in float only")
