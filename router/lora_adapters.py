@@ -14,7 +14,7 @@ import os
 
 from splitserve.common.errors import InvalidRequestError
 from splitserve.common.lora import LoRARequest
-from splitserve.router.tokenizer import _check_unicode
+from splitserve.router.tokenizer import check_unicode
 
 ADAPTER_CONFIG = "adapter_config.json"
 RUNTIME_UPDATING_ENV = ("SPLITSERVE_ALLOW_RUNTIME_LORA_UPDATING", "VLLM_ALLOW_RUNTIME_LORA_UPDATING")
@@ -54,7 +54,7 @@ class AdapterRegistry:
         directory, or a directory without adapter_config.json. The workers load it when a request first names it."""
         if not isinstance(name, str) or not name:
             raise InvalidRequestError("lora_name", f"must be a non-empty string, got {name!r}")
-        _check_unicode(name, "lora_name")  # every answer naming the adapter (/v1/models, its completions) echoes it
+        check_unicode(name, "lora_name")  # every answer naming the adapter (/v1/models, its completions) echoes it
         if not isinstance(path, str) or not path:
             raise InvalidRequestError("lora_path", f"must be a non-empty string, got {path!r}")
         if name in self._loaded:

@@ -268,7 +268,7 @@ def _read_chat_template(model_dir: Path, config: Mapping[str, Any]) -> str | Non
     return template
 
 
-def _check_unicode(text: str, field: str) -> None:
+def check_unicode(text: str, field: str) -> None:
     """InvalidRequestError unless `text` is valid Unicode: a JSON body can carry a lone surrogate
     ("\\ud800"), which has no UTF-8 form and which the tokenizer refuses with a TypeError."""
     try:
@@ -308,12 +308,12 @@ def _validate_messages(messages: object, content_format: ContentFormat) -> list[
             raise InvalidRequestError(f"messages[{index}]", f"must be a {{role, content}} object, got {message!r}")
         if not isinstance(message.get("role"), str):
             raise InvalidRequestError(f"messages[{index}].role", "missing or not a string")
-        _check_unicode(message["role"], f"messages[{index}].role")
+        check_unicode(message["role"], f"messages[{index}].role")
         if not isinstance(message.get("content"), (str, list)):
             raise InvalidRequestError(f"messages[{index}].content", "missing, or not a string or a list of text parts")
         texts = content_parts(message["content"], f"messages[{index}].content")
         for text in texts:
-            _check_unicode(text, f"messages[{index}].content")
+            check_unicode(text, f"messages[{index}].content")
         plain.append({"role": message["role"], "content": template_content(texts, content_format),
                       **{key: message[key] for key in TOOL_MESSAGE_KEYS if message.get(key) is not None}})
     return plain
@@ -571,7 +571,7 @@ class RouterTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of text, with the tokenizer's own special tokens (e.g. a BOS) added unless told
         not to; InvalidRequestError (field `prompt`) for text that is not valid Unicode."""
-        _check_unicode(text, "prompt")
+        check_unicode(text, "prompt")
         return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def render_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
