@@ -52,9 +52,7 @@ def load_hf_config(model_dir: Path) -> PretrainedConfig:
     except StrictDataclassError as error:
         # transformers 5's config classes check field types and shapes as huggingface_hub strict dataclasses,
         # whose errors are no ValueError; the wrapped cause names the field or the shapes at fault
-        cause = error.__cause__ or error
-        raise UnsupportedModelError(f"config.json: transformers cannot read it ({type(cause).__name__}: "
-                                    f"{cause})") from None
+        raise UnsupportedModelError(f"config.json: {_refusal(error.__cause__ or error)}") from None
     except (KeyError, ValueError, TypeError) as error:
         raise UnsupportedModelError(_unreadable_config_message(model_dir, error)) from None
 
@@ -62,7 +60,7 @@ def load_hf_config(model_dir: Path) -> PretrainedConfig:
 def _unreadable_config_message(model_dir: Path, error: Exception) -> str:
     """Names the RoPE field a failure comes from when config.json has one (transformers validates RoPE
     parameters while reading a config), else the config as a whole."""
-    reason = f"transformers cannot read it ({type(error).__name__}: {error})"
+    reason = _refusal(error)
     raw = json.loads((model_dir / "config.json").read_text())  # valid JSON: transformers parsed it before failing
     for field in ("rope_scaling", "rope_parameters"):
         rope = raw.get(field)
@@ -74,6 +72,11 @@ def _unreadable_config_message(model_dir: Path, error: Exception) -> str:
                     "checkpoints name it 'longrope' (set its type to \"longrope\")")
         return f"config.json's {field} {json_excerpt(rope)}: {reason}"
     return f"config.json: {reason}"
+
+
+def _refusal(error: BaseException) -> str:
+    """How an unreadable config.json's messages say why: transformers' own error."""
+    return f"transformers cannot read it ({type(error).__name__}: {error})"
 
 
 def parse_arch(config: PretrainedConfig) -> LlamaFamilyArch:
