@@ -193,8 +193,7 @@ class PerformanceProfile:
     def __post_init__(self) -> None:
         for name in ("prefill_fixed_s", "prefill_s_per_token", "prefill_s_per_token2", "decode_fixed_s",
                      "decode_s_per_request", "decode_s_per_context_token"):
-            value = getattr(self, name)
-            require(value >= 0 and math.isfinite(value), f"{name} must be a finite number >= 0, got {value}")
+            _require_finite_nonnegative(name, getattr(self, name))
         for name in ("max_batch_size", "prefill_token_budget"):
             require(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
 
