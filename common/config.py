@@ -11,6 +11,7 @@ from typing import get_args, get_type_hints
 
 from splitserve.common.errors import InvalidRequestError, json_excerpt
 from splitserve.common.sampling_params import SamplingParams
+from splitserve.common.pooling import RUNNERS, PoolerConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 VLLM_DTYPE_ALIASES = {"half": "float16", "float": "float32"}
@@ -291,6 +292,12 @@ class EngineConfig:
     in one batch (vLLM's max_loras)."""
     max_lora_rank: int = 16
     """With enable_lora: the highest adapter rank accepted (vLLM's max_lora_rank)."""
+    runner: str = "generate"
+    """vLLM's --runner: generate (requests sample tokens) or pooling (requests embed their prompt:
+    docs/engine.md#pooling-requests); an engine serves one kind and refuses the other."""
+    pooler_config: PoolerConfig | None = None
+    """vLLM's --pooler-config, with runner pooling: overrides the pooling type / normalization the model's
+    sentence-transformers files declare (None: the model's, else LAST pooling, normalized)."""
 
     def __post_init__(self) -> None:
         check_scalar_fields(self)
@@ -320,6 +327,12 @@ class EngineConfig:
                f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}")
         _check(self.max_loras >= 1, f"max_loras must be >= 1, got {self.max_loras}")
         _check(self.max_lora_rank >= 1, f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
+        _check(self.runner in RUNNERS, f"runner must be one of {RUNNERS}, got {self.runner!r}")
+        _check(self.pooler_config is None or isinstance(self.pooler_config, PoolerConfig),
+               f"pooler_config must be a PoolerConfig (splitserve.common.pooling) or None, "
+               f"got {type(self.pooler_config).__name__}")
+        _check(self.runner == "pooling" or self.pooler_config is None,
+               "pooler_config is for runner 'pooling' (an engine that embeds); set runner='pooling'")
         _check(not (self.enable_lora and self.speculative is not None),
                "enable_lora: LoRA adapters do not run with speculative decoding (the proposer and the verifier "
                "would run the base model); set speculative to None")

@@ -17,6 +17,7 @@ from splitserve.common.errors import InvalidRequestError, UnsupportedModelError
 from splitserve.common.generation_config import GenerationConfigFile
 from splitserve.common.kv_events import KVEventBatch, KVSnapshot, LoadReport, LoraLoad
 from splitserve.common.lora import LoRARequest, check_lora_request
+from splitserve.common.pooling import ModelPooling, PoolingParams, read_model_pooling, resolve_pooling
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.stats import EngineStats
 from splitserve.common.token_logprobs import TokenLogprobs
@@ -35,6 +36,7 @@ from splitserve.engine.models.layer_ops import select_layer_ops
 from splitserve.engine.models.lora_linear import install_lora_linears
 from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.outputs import CompletionDelta
+from splitserve.engine.pooling import SequencePool
 from splitserve.common.quantization_spec import resolve_quantization
 from splitserve.engine.request import Request, RequestStatus
 from splitserve.engine.sampler import Sampler, SamplingRow, token_logprobs
@@ -132,6 +134,10 @@ class EngineCore:
         self.model = load_model(model_dir, dtype, self.device, attention, show_progress, layer_ops, self.quantization,
                                 fuse_mlp_activation=not config.enable_lora)
         arch = self.model.arch
+        self.model_pooling: ModelPooling | None = (read_model_pooling(model_dir, config.pooler_config)
+                                                   if config.runner == "pooling" else None)
+        """runner pooling: how the model embeds (common/pooling.py); None for a generating engine."""
+        self._model_name = model_dir.name
         self.lora = self._lora_manager(dtype) if config.enable_lora else None
         self.vocab_size = arch.vocab_size
         self.max_model_len = self._resolve_max_model_len(arch.max_position_embeddings, arch.rope_length_limit)
@@ -167,6 +173,8 @@ class EngineCore:
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._pending: list[CompletionDelta] = []
         self._held: dict[str, HeldKV] = {}
+        self._pools: dict[str, SequencePool] = {}
+        """The running pool of each unfinished pooling request."""
         self._layer_listener: PrefillLayerListener | None = None
         self._kv_events = KVEventLog()
         self._step_costs = StepCosts()
@@ -222,18 +230,11 @@ class EngineCore:
         """Raise InvalidRequestError (naming the field) if the request can never be served (a priority
         other than 0 included, unless the scheduling policy is priority). A LoRA adapter is loaded the first
         time a request names it (LoRAManager.register), so a bad adapter fails here."""
-        if request_id in self.scheduler.requests or request_id in self._held:
-            raise InvalidRequestError("request_id", f"{request_id!r} is already in flight")
-        if not prompt_token_ids:
-            raise InvalidRequestError("prompt", "must not be empty")
-        if len(prompt_token_ids) >= self.max_model_len:
-            raise InvalidRequestError("prompt", f"has {len(prompt_token_ids)} tokens; max_model_len is "
-                                                f"{self.max_model_len} (including at least one output token)")
-        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
-        if bad:
-            raise InvalidRequestError("prompt_token_ids", f"out of vocabulary [0, {self.vocab_size}): {bad[:5]}")
-        check_cache_salt(cache_salt)
-        check_priority(priority, self.config.scheduling_policy)
+        if self.model_pooling is not None:
+            raise InvalidRequestError("runner", "this engine runs the model as a pooling model (runner 'pooling'), "
+                                                "which embeds prompts and generates nothing; start it with runner "
+                                                "'generate' to generate")
+        self._validate_prompt(request_id, prompt_token_ids, cache_salt, priority, output_room=1)
         if params.max_tokens is None:
             raise InvalidRequestError("max_tokens", "None (to the end of the context) must be resolved before the "
                                                     "request reaches the engine (LLM.generate resolves it per prompt)")
@@ -250,6 +251,55 @@ class EngineCore:
         if params.structured_output is not None:
             self.grammars.check(params.structured_output)
         self._check_lora(lora_request)
+
+    def _validate_prompt(self, request_id: str, prompt_token_ids: list[int], cache_salt: str | None, priority: int,
+                         output_room: int) -> None:
+        """What every request's prompt must be; `output_room`: tokens max_model_len must leave after it (1 for a
+        request that generates, 0 for one that pools)."""
+        if request_id in self.scheduler.requests or request_id in self._held:
+            raise InvalidRequestError("request_id", f"{request_id!r} is already in flight")
+        if not prompt_token_ids:
+            raise InvalidRequestError("prompt", "must not be empty")
+        if len(prompt_token_ids) + output_room > self.max_model_len:
+            room = " (including at least one output token)" if output_room else ""
+            raise InvalidRequestError("prompt", f"has {len(prompt_token_ids)} tokens; max_model_len is "
+                                                f"{self.max_model_len}{room}")
+        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError("prompt_token_ids", f"out of vocabulary [0, {self.vocab_size}): {bad[:5]}")
+        check_cache_salt(cache_salt)
+        check_priority(priority, self.config.scheduling_policy)
+
+    def validate_pooling(self, request_id: str, prompt_token_ids: list[int], params: PoolingParams,
+                         cache_salt: str | None = None, priority: int = 0,
+                         lora_request: LoRARequest | None = None) -> None:
+        """validate()'s counterpart for a pooling request (add_pooling_request); the prompt may fill
+        max_model_len (nothing is generated after it)."""
+        if self.model_pooling is None:
+            raise InvalidRequestError("runner", "Embedding API is not supported by this model: the engine runs it "
+                                                "as a generative model (runner 'generate'); start it with runner "
+                                                "'pooling' to embed")
+        if not isinstance(params, PoolingParams):
+            raise InvalidRequestError("pooling_params", f"must be a PoolingParams, got {type(params).__name__}")
+        self._validate_prompt(request_id, prompt_token_ids, cache_salt, priority, output_room=0)
+        self.model_pooling.check_dimensions(params.dimensions, self._model_name)
+        self._check_lora(lora_request)
+
+    def add_pooling_request(self, request_id: str, prompt_token_ids: list[int], params: PoolingParams,
+                            cache_salt: str | None = None, priority: int = 0,
+                            lora_request: LoRARequest | None = None) -> None:
+        """Queue a pooling (embedding) request (runner pooling): its prompt is prefilled (in chunks, LAST pooling
+        after any cached prefix) and its final delta carries the pooled embedding (CompletionDelta.embedding);
+        nothing is sampled. Its blocks are freed when it finishes, as any request's; they enter the prefix cache."""
+        self.validate_pooling(request_id, prompt_token_ids, params, cache_salt, priority, lora_request)
+        pooling = resolve_pooling(self.model_pooling, params, self._model_name)
+        request = Request(request_id, list(prompt_token_ids), SamplingParams(max_tokens=1), frozenset(),
+                          self._arrivals, cache_salt=cache_salt, priority=priority,
+                          lora_name=None if lora_request is None else lora_request.lora_name, pooling=pooling)
+        self._arrivals += 1
+        self._pools[request_id] = SequencePool(pooling)
+        self._num_prompt_tokens += request.num_prompt_tokens
+        self.scheduler.add_request(request)
 
     def _check_lora(self, lora_request: LoRARequest | None) -> None:
         check_lora_request(lora_request)
@@ -408,6 +458,7 @@ class EngineCore:
 
     def _forget(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
+        self._pools.pop(request_id, None)
         self.grammars.remove(request_id)
         self._detokenizers.pop(request_id, None)
         if self.speculator is not None:
@@ -442,9 +493,15 @@ class EngineCore:
         started = time.perf_counter()
         # structured-output rows' masks are filled while the model runs (matchers are not touched until .result())
         masks = self.grammars.start_bitmask([c.request_id for c in output.chunks if c.samples])
-        logits = self.runner.execute(output, self._layer_hook(output))
+        pooling = [c for c in output.chunks if c.pools]
+        if pooling:
+            logits, hidden = self.runner.execute_with_hidden(output)  # hidden [T, hidden]
+        else:
+            logits = self.runner.execute(output, self._layer_hook(output))
         deltas, self._pending = self._pending, []
         self.scheduler.advance(output)
+        if pooling:
+            deltas.extend(self._pool_chunks(output.chunks, hidden))
         logits = self._score_prompts(output.chunks, logits)
         sampling = [c for c in output.chunks if c.samples]
         runs = self._sample(logits, sampling, masks.result())
@@ -455,6 +512,24 @@ class EngineCore:
             self.speculator.propose(self.scheduler.running)
         self._publish_kv_events()
         return deltas
+
+    def _pool_chunks(self, chunks: tuple[ScheduledChunk, ...], hidden: torch.Tensor) -> list[CompletionDelta]:
+        """Pool each pooling chunk's rows of hidden [T, hidden] (chunks in batch order); a request whose prompt is
+        now all computed finishes with its embedding (the final delta of the step, its blocks freed)."""
+        deltas = []
+        offset = 0
+        for chunk in chunks:
+            if chunk.pools:
+                request = self.scheduler.requests[chunk.request_id]
+                self._pools[chunk.request_id].add(chunk.start_position, hidden[offset:offset + chunk.num_tokens])
+                if chunk.context_len == request.num_prompt_tokens:
+                    deltas.append(self._finish_pooled(request))
+            offset += chunk.num_tokens
+        return deltas
+
+    def _finish_pooled(self, request: Request) -> CompletionDelta:
+        embedding = self._pools[request.request_id].embedding(request.num_prompt_tokens)
+        return replace(self._finish(request, RequestStatus.FINISHED_STOPPED, ()), embedding=embedding)
 
     def _layer_hook(self, output: SchedulerOutput) -> Callable[[int], None] | None:
         """With a layer listener and held prompts finishing in this step: tell it which, and hand its

@@ -26,6 +26,7 @@ from splitserve.common.config import (VLLM_DTYPE_ALIASES, VLLM_KV_CACHE_DTYPE_AL
 from splitserve.common.generation_config import SAMPLING_KEYS, GenerationConfigFile, resolve_request_defaults
 from splitserve.common.errors import InvalidRequestError
 from splitserve.common.lora import LoRARequest, check_lora_request
+from splitserve.common.pooling import PoolerConfig, PoolingParams
 from splitserve.common.model_dir import check_tokenizer_option, check_tokenizer_vocabulary, tokenizer_dir
 from splitserve.common.prompt_truncation import prompt_truncation
 from splitserve.common.sampling_params import MAX_LOGPROBS, SamplingParams
@@ -33,7 +34,7 @@ from splitserve.common.stats import EngineStats
 from splitserve.common.structured_output import StructuredOutputKind, without_unicode_escapes
 from splitserve.engine.engine_core import EngineCore
 from splitserve.engine.outputs import (BeamSearchOutput, BeamSearchSequence, CompletionDelta, CompletionOutput,
-                                       RequestOutput)
+                                       EmbeddingOutput, EmbeddingRequestOutput, RequestOutput)
 from splitserve.engine.tiny_model import resolve_model_path
 from splitserve.common.token_logprobs import TokenLogprobs
 
@@ -205,7 +206,7 @@ class LLM:
                  generation_config: str = "auto", override_generation_config: dict[str, float | int] | None = None,
                  tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, trust_remote_code: bool = False,
                  tokenizer: str | Path | None = None, speculative_config: Mapping[str, object] | None = None,
-                 **engine_config) -> None:
+                 task: str | None = None, **engine_config) -> None:
         """`engine_config`: EngineConfig's fields (`dtype` also in vLLM's spellings: "half", "float", a torch
         dtype; `kv_cache_dtype` "fp8", vLLM's e4m3). `enforce_eager` (vLLM's, the CLI's `--enforce-eager`):
         never capture CUDA graphs, i.e. cuda_graphs=False; refused together with cuda_graphs=True.
@@ -219,12 +220,16 @@ class LLM:
         UnsupportedModelError naming --tokenizer for a directory without tokenizer.json, and for a tokenizer with
         more ids than the model's vocab_size.
         `speculative_config` (vLLM's): a speculative decoding mapping in vLLM's keys or ours
-        (SpeculativeConfig.from_vllm), instead of `speculative`, a SpeculativeConfig; passing both is refused."""
+        (SpeculativeConfig.from_vllm), instead of `speculative`, a SpeculativeConfig; passing both is refused.
+        `runner` (vLLM's): "generate" (the default) or "pooling" (embed(), docs/engine.md#pooling-requests); `task`
+        (older vLLM's spelling): "embed" is runner "pooling", "generate" runner "generate". `pooler_config`: a
+        PoolerConfig or vLLM's dict of it ({"pooling_type": "MEAN", "use_activation": False})."""
         for name, size in (("tensor_parallel_size", tensor_parallel_size),
                            ("pipeline_parallel_size", pipeline_parallel_size)):
             if size != 1:
                 raise ValueError(f"{name}: only 1 is supported, got {size!r}: an engine runs on one device; scale "
                                  "out with `splitserve serve --prefill-workers / --decode-workers` instead")
+        _resolve_runner(task, engine_config)
         model = resolve_model_path(model)
         self._default_params = _default_sampling_params(model, GenerationConfig(
             generation_config, _sampling_overrides(override_generation_config or {})))
@@ -287,6 +292,7 @@ class LLM:
         n CompletionOutputs of its one RequestOutput. Every prompt is validated before any is queued, so a bad
         one leaves nothing allocated.
         """
+        self._check_generates()
         _check_use_tqdm(use_tqdm)
         prompt_list = _prompt_list(prompts)
         params = [self._tokenized(sp) for sp in _broadcast_params(
@@ -313,6 +319,48 @@ class LLM:
         finally:  # an interrupt or an error (queueing included): nothing of this call stays running
             self._abandon(accumulators)
         return [job.output(accumulators) for job in jobs]
+
+    def embed(self, prompts: Prompt | Sequence[Prompt], *, use_tqdm: bool | Callable[..., tqdm] = False,
+              pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+              lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+              truncate_prompt_tokens: int | None = None) -> list[EmbeddingRequestOutput]:
+        """vLLM's LLM.embed (runner "pooling"): one embedding per prompt, in input order, each a pooling request
+        (EngineCore.add_pooling_request) run to the end of its prefill. `pooling_params`: one for every prompt or
+        one per prompt (None: the model's defaults). `truncate_prompt_tokens`: keep the last k tokens of each
+        prompt (-1: the last max_model_len). Every prompt is validated before any is queued."""
+        if self.engine.model_pooling is None:
+            raise ValueError("Embedding API is not supported by this model. Try converting the model using "
+                             "`--convert embed`. (splitserve: start the LLM with runner=\"pooling\")")
+        _check_use_tqdm(use_tqdm)
+        prompt_list = [self._resolve(prompt) for prompt in _prompt_list(prompts)]
+        truncation = prompt_truncation(truncate_prompt_tokens, None, self.engine.max_model_len)
+        if truncation is not None:
+            prompt_list = [replace(p, token_ids=list(truncation.applied(tuple(p.token_ids)))) for p in prompt_list]
+        params = _broadcast_pooling_params(pooling_params, len(prompt_list))
+        loras = _broadcast_lora_requests(lora_request, len(prompt_list))
+        request_ids = [self._next_id() for _ in prompt_list]
+        for request_id, prompt, sp, lora in zip(request_ids, prompt_list, params, loras):
+            self.engine.validate_pooling(request_id, prompt.token_ids, sp, prompt.cache_salt, 0, lora)
+        finals: dict[str, CompletionDelta] = {}
+        try:
+            for request_id, prompt, sp, lora in zip(request_ids, prompt_list, params, loras):
+                self.engine.add_pooling_request(request_id, prompt.token_ids, sp, prompt.cache_salt,
+                                                lora_request=lora)
+            with _progress_bar(use_tqdm, len(request_ids)) as progress:
+                for delta in self._deltas(set(request_ids)):
+                    if delta.finished:
+                        finals[delta.request_id] = delta
+                        progress.update(1)
+        finally:  # an interrupt or an error: nothing of this call stays running
+            self._abandon(request_ids)
+        return [EmbeddingRequestOutput(request_id, EmbeddingOutput(list(finals[request_id].embedding)),
+                                       prompt.token_ids, finals[request_id].num_cached_tokens, True)
+                for request_id, prompt in zip(request_ids, prompt_list)]
+
+    def _check_generates(self) -> None:
+        if self.engine.model_pooling is not None:
+            raise ValueError("LLM.generate() is only supported for generative models. Try passing "
+                             "`--runner generate` to use the model as a generative model.")
 
     def chat(self, messages: Conversation | Sequence[Conversation],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -443,6 +491,7 @@ class LLM:
         may be open at once: each step serves all their requests, and each gets its own deltas.
         Closing the stream early aborts its request. `priority`: as one of generate()'s. `lora_request`: the
         adapter it runs with (enable_lora)."""
+        self._check_generates()
         request_id = self._next_id()
         prompt_input, params = self._prepared(self._resolve(prompt), self._tokenized(
             self._default_params if sampling_params is None else sampling_params))
@@ -665,6 +714,31 @@ def _broadcast_params(params: SamplingParams | Sequence[SamplingParams], count: 
     if len(params) != count:
         raise InvalidRequestError("sampling_params", f"got {len(params)} for {count} prompts")
     return params
+
+
+def _resolve_runner(task: str | None, engine_config: dict) -> None:
+    """vLLM's older `task` as engine_config's runner ("embed": pooling), and a pooler_config dict as a PoolerConfig."""
+    if task is not None:
+        runners = {"embed": "pooling", "generate": "generate"}
+        if task not in runners:
+            raise ValueError(f"task must be 'embed' or 'generate' (vLLM's older spelling of runner), got {task!r}")
+        if engine_config.get("runner", runners[task]) != runners[task]:
+            raise ValueError(f"task={task!r} contradicts runner={engine_config['runner']!r}; pass one of them")
+        engine_config["runner"] = runners[task]
+    if isinstance(engine_config.get("pooler_config"), dict):
+        engine_config["pooler_config"] = PoolerConfig(**engine_config["pooler_config"])
+
+
+def _broadcast_pooling_params(params: PoolingParams | Sequence[PoolingParams] | None,
+                              count: int) -> list[PoolingParams]:
+    if params is None or isinstance(params, PoolingParams):
+        return [params or PoolingParams()] * count
+    if not isinstance(params, list | tuple):  # each item is checked by EngineCore.validate_pooling
+        raise InvalidRequestError("pooling_params", f"must be a PoolingParams, a list of them (one per prompt) or "
+                                                    f"None, got {type(params).__name__}")
+    if len(params) != count:
+        raise InvalidRequestError("pooling_params", f"got {len(params)} for {count} prompts")
+    return list(params)
 
 
 def _broadcast_lora_requests(lora_request: object, count: int) -> list[LoRARequest | None]:

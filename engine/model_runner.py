@@ -203,6 +203,15 @@ class ModelRunner:
         return self.model.compute_logits(hidden[model_input.logits_indices]).float()
 
     @torch.inference_mode()
+    def execute_with_hidden(self, output: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor]:
+        """execute()'s logits and the final hidden states [T, hidden] (after the final norm, before lm_head) of
+        every scheduled token in batch order: what a step with pooling chunks needs (never a captured graph)."""
+        model_input = self.inputs.build(output)
+        with self._adapters(self._lora_rows(output)):
+            hidden = self._forward(model_input)  # [T, hidden]
+        return self.model.compute_logits(hidden[model_input.logits_indices]).float(), hidden
+
+    @torch.inference_mode()
     def execute_all_positions(self, output: SchedulerOutput) -> torch.Tensor:
         """Logits [T, vocab] (float32) of every scheduled token in batch order, not only the sampling rows:
         what scoring a prompt needs."""

@@ -29,6 +29,9 @@ class CompletionDelta:
     prompt token, None for the first (nothing precedes it); None on every other delta."""
     error: InvalidRequestError | None = None
     """On an 'abort' the engine decided itself (Request.error): the request error to answer with."""
+    embedding: tuple[float, ...] | None = None
+    """A pooling request's (EngineCore.add_pooling_request) on its final 'stop' delta: the pooled, cut and normalized
+    vector; None on every other delta (and on a pooling request's abort)."""
 
     @property
     def finished(self) -> bool:
@@ -101,6 +104,29 @@ class RequestOutput:
     @property
     def logprobs(self) -> list[TokenLogprobs] | None:
         return self.outputs[0].logprobs
+
+
+@dataclass(frozen=True)
+class EmbeddingOutput:
+    """vLLM's EmbeddingOutput: one prompt's embedding."""
+
+    embedding: list[float]
+    """The pooled vector: hidden_size floats, or the request's `dimensions`."""
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass(frozen=True)
+class EmbeddingRequestOutput:
+    """vLLM's EmbeddingRequestOutput (LLM.embed): `out.outputs.embedding`."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    num_cached_tokens: int
+    finished: bool
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from splitserve.common.block_hash import BlockHash
 from splitserve.common.errors import InvalidRequestError
+from splitserve.common.pooling import ResolvedPooling
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.token_logprobs import TokenLogprobs
 
@@ -74,6 +75,9 @@ class Request:
     lora_name: str | None = None
     """The LoRA adapter the request runs with (its LoRARequest's lora_name), None for the base model; its
     block_hashes start from the adapter's root (common/block_hash.py), so adapters never share KV blocks."""
+    pooling: ResolvedPooling | None = None
+    """A pooling (embedding) request: it runs its prompt's prefill, samples nothing and finishes with the pooled
+    hidden state (EngineCore.add_pooling_request); None for a request that generates."""
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:
@@ -86,6 +90,12 @@ class Request:
         """Whether the prompt's logprobs are still to be computed: asked for, and the first output token
         (which delivers them) not sampled yet; a request recomputed after that does not score again."""
         return self.sampling_params.prompt_logprobs is not None and self.num_output_tokens == 0
+
+    @property
+    def reads_prefix_cache(self) -> bool:
+        """Whether its first admission may start after cached blocks: not when it scores its prompt (every
+        position's logits) nor when its pooling needs positions a hit would skip (ResolvedPooling)."""
+        return not self.scores_prompt and (self.pooling is None or self.pooling.reads_prefix_cache)
 
     def append_output_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)

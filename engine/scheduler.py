@@ -71,6 +71,9 @@ class ScheduledChunk:
     of every token of the chunk, not only the sampling row (never together with draft tokens)."""
     lora_name: str | None = None
     """The LoRA adapter whose deltas the chunk's rows get (Request.lora_name); None: the base model."""
+    pools: bool = False
+    """A pooling request's prompt chunk (Request.pooling): it samples nothing (samples is False), and the engine
+    pools its tokens' final hidden states."""
 
     @property
     def num_tokens(self) -> int:
@@ -225,8 +228,9 @@ class Scheduler:
             request = self.waiting.peek()
             if not self._adapter_fits(request):
                 break
-            # A request scoring its prompt computes every position (vLLM's skip_reading_prefix_cache).
-            reads_cache = request.num_computed_tokens == 0 and not request.scores_prompt
+            # A request scoring its prompt (or pooling over positions a hit would skip) computes every position
+            # (vLLM's skip_reading_prefix_cache).
+            reads_cache = request.num_computed_tokens == 0 and request.reads_prefix_cache
             prefix = self.block_manager.match_prefix(request) if reads_cache else NO_PREFIX
             num_new = request.num_tokens - request.num_computed_tokens - prefix.num_tokens
             if num_new > budget:
@@ -278,8 +282,9 @@ class Scheduler:
         if not request.spec_token_ids:
             return ScheduledChunk(request.request_id, tuple(request.all_token_ids[start:start + num_new]), start,
                                   tuple(self.block_manager.block_table(request.request_id)),
-                                  samples=start + num_new == request.num_tokens, scores_prompt=request.scores_prompt,
-                                  lora_name=request.lora_name)
+                                  samples=start + num_new == request.num_tokens and request.pooling is None,
+                                  scores_prompt=request.scores_prompt, lora_name=request.lora_name,
+                                  pools=request.pooling is not None)
         num_spec = max(0, start + num_new - request.num_tokens)  # only a decode (num_new = 1 + drafts) has some
         return ScheduledChunk(
             request_id=request.request_id,

@@ -88,6 +88,44 @@ def hf_logits(model_dir: Path, prompt_token_ids: list[int]) -> torch.Tensor:
         return _hf_model(model_dir)(torch.tensor([prompt_token_ids])).logits[0].float()
 
 
+@lru_cache(maxsize=4)
+def _hf_base_model(model_dir: Path):
+    from transformers import AutoModel
+
+    return AutoModel.from_pretrained(model_dir, dtype="float32").eval()
+
+
+def hf_embedding(model_dir: Path, prompt_token_ids: list[int], pooling_type: str, normalize: bool = True,
+                 dimensions: int | None = None) -> list[float]:
+    """The oracle of a pooling request: transformers' AutoModel (the decoder without lm_head), batch 1, fp32; its
+    last_hidden_state (after the final norm) pooled, cut and L2-normalized here by hand."""
+    with torch.inference_mode():
+        hidden = _hf_base_model(model_dir)(torch.tensor([prompt_token_ids])).last_hidden_state[0]  # [T, hidden]
+    vector = {"LAST": hidden[-1], "MEAN": hidden.mean(dim=0), "CLS": hidden[0]}[pooling_type]
+    vector = vector if dimensions is None else vector[:dimensions]
+    return (vector / vector.norm() if normalize else vector).tolist()
+
+
+def with_sentence_transformers_files(model_dir: Path, out_dir: Path, pooling_mode: str, normalize: bool) -> Path:
+    """A copy of `model_dir` with sentence-transformers' modules.json (Transformer, Pooling and, with `normalize`,
+    Normalize modules) and 1_Pooling/config.json selecting `pooling_mode` (lasttoken, mean, cls, ...)."""
+    import json
+    import shutil
+
+    shutil.copytree(model_dir, out_dir)
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
+    if normalize:
+        modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
+    (out_dir / "modules.json").write_text(json.dumps(modules))
+    (out_dir / "1_Pooling").mkdir()
+    (out_dir / "1_Pooling" / "config.json").write_text(json.dumps(
+        {"word_embedding_dimension": 64, "pooling_mode_cls_token": pooling_mode == "cls",
+         "pooling_mode_mean_tokens": pooling_mode == "mean", "pooling_mode_lasttoken": pooling_mode == "lasttoken",
+         "pooling_mode_max_tokens": pooling_mode == "max", "include_prompt": True}))
+    return out_dir
+
+
 def reference_beam_search(model_dir: Path, prompt: list[int], beam_width: int, max_tokens: int, eos: int,
                           length_penalty: float = 1.0, ignore_eos: bool = False) -> list[tuple[list[int], str]]:
     """The oracle of beam search: vLLM's algorithm written out over transformers' fp32 logits (independent of

@@ -1,0 +1,163 @@
+"""Pooling (embedding) requests: what a model pools by default and what one request asks for.
+
+A pooling request runs its prompt's prefill and ends with one vector pooled from the final hidden states (after
+the model's final norm, before lm_head) instead of a sampled token: vLLM's `--runner pooling` / `LLM.embed`.
+The model's defaults come as vLLM reads them: sentence-transformers' `modules.json` (its Pooling module's
+`config.json` names the pooling, a Normalize module turns L2 normalization on), else a decoder LLM's defaults
+(LAST pooling, normalized); `PoolerConfig` (vLLM's `--pooler-config`) overrides either.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from splitserve.common.errors import InvalidRequestError
+
+POOLING_TYPES = ("LAST", "MEAN", "CLS")
+"""Sequence poolings: the last prompt token's hidden state, the mean over every prompt position, the first's."""
+RUNNERS = ("generate", "pooling")
+"""vLLM's --runner values served here: generate (sample tokens) or pooling (embed prompts)."""
+DEFAULT_POOLING_TYPE = "LAST"
+"""vLLM's pooling of a decoder LLM served as an embedding model (Qwen3-Embedding, e5-mistral)."""
+
+_ST_POOLING_MODULES = frozenset({"sentence_transformers.models.Pooling",
+                                 "sentence_transformers.sentence_transformer.modules.pooling.Pooling"})
+_ST_NORMALIZE_MODULES = frozenset({"sentence_transformers.models.Normalize",
+                                   "sentence_transformers.base.modules.normalize.Normalize",
+                                   "sentence_transformers.sentence_transformer.modules.normalize.Normalize"})
+_ST_DENSE_MODULES = frozenset({"sentence_transformers.models.Dense", "sentence_transformers.base.modules.dense.Dense"})
+_ST_POOLING_NAMES = {"pooling_mode_lasttoken": "LAST", "pooling_mode_mean_tokens": "MEAN",
+                     "pooling_mode_cls_token": "CLS", "lasttoken": "LAST", "mean": "MEAN", "cls": "CLS"}
+"""sentence-transformers' Pooling config keys (set to true) and pooling_mode values, as pooling types."""
+
+
+@dataclass(frozen=True)
+class PoolerConfig:
+    """vLLM's --pooler-config: overrides of the pooling the model directory declares (None: the model's)."""
+
+    pooling_type: str | None = None
+    """LAST, MEAN or CLS."""
+    use_activation: bool | None = None
+    """vLLM's name for an embedding's L2 normalization."""
+
+    def __post_init__(self) -> None:
+        if self.pooling_type is not None and self.pooling_type not in POOLING_TYPES:
+            raise ValueError(f"pooling_type must be one of {', '.join(POOLING_TYPES)}, got {self.pooling_type!r}")
+        if self.use_activation is not None and not isinstance(self.use_activation, bool):
+            raise ValueError(f"use_activation must be a bool or None, got {self.use_activation!r}")
+
+
+@dataclass(frozen=True)
+class ModelPooling:
+    """How a model embeds, resolved once from its directory and the PoolerConfig overrides."""
+
+    pooling_type: str
+    normalize: bool
+    """L2-normalize every embedding unless a request says otherwise (PoolingParams.use_activation)."""
+    hidden_size: int
+    """Length of a full embedding."""
+    matryoshka_dimensions: tuple[int, ...] | None
+    """config.json's matryoshka_dimensions: the only lengths a request's `dimensions` may ask for."""
+    is_matryoshka: bool
+    """The model declares Matryoshka embeddings (is_matryoshka or matryoshka_dimensions in config.json): a
+    request may ask for a shorter prefix of the vector (vLLM's rule; otherwise `dimensions` is refused)."""
+
+    def check_dimensions(self, dimensions: int | None, model_name: str) -> None:
+        """vLLM's checks (and messages) of a request's `dimensions`."""
+        if dimensions is None:
+            return
+        if not self.is_matryoshka:
+            raise InvalidRequestError("dimensions", f"Model {model_name!r} does not support Matryoshka embeddings; "
+                                                    f"dimensions must be unset (received dimensions={dimensions}).")
+        if not 1 <= dimensions <= self.hidden_size:
+            raise InvalidRequestError("dimensions", f"Model {model_name!r} only supports dimensions in range "
+                                                    f"[1, {self.hidden_size}], got {dimensions}.")
+        if self.matryoshka_dimensions is not None and dimensions not in self.matryoshka_dimensions:
+            raise InvalidRequestError("dimensions", f"Model {model_name!r} only supports Matryoshka dimensions "
+                                                    f"{list(self.matryoshka_dimensions)}, got {dimensions}.")
+
+
+@dataclass(frozen=True)
+class PoolingParams:
+    """vLLM's PoolingParams for an embedding request (None: the model's default)."""
+
+    dimensions: int | None = None
+    """Keep the first `dimensions` entries of the pooled vector (before normalizing); Matryoshka models only."""
+    use_activation: bool | None = None
+    """L2-normalize the embedding; None: ModelPooling.normalize."""
+
+    def __post_init__(self) -> None:
+        if self.dimensions is not None and (isinstance(self.dimensions, bool) or not isinstance(self.dimensions, int)):
+            raise InvalidRequestError("dimensions", f"must be an integer or None, got {self.dimensions!r}")
+        if self.use_activation is not None and not isinstance(self.use_activation, bool):
+            raise InvalidRequestError("use_activation", f"must be a bool or None, got {self.use_activation!r}")
+
+
+@dataclass(frozen=True)
+class ResolvedPooling:
+    """What the engine pools one request with: the model's pooling, the request's length and normalization."""
+
+    pooling_type: str
+    normalize: bool
+    dimensions: int | None
+
+    @property
+    def reads_prefix_cache(self) -> bool:
+        """Only LAST pooling may start after cached blocks: its pooled position (the last) is always computed
+        (BlockManager.match_prefix leaves it), while MEAN needs every position's hidden state and CLS the
+        first's, which a cache hit would skip. Their blocks still enter the cache for others to reuse."""
+        return self.pooling_type == "LAST"
+
+
+def resolve_pooling(model: ModelPooling, params: PoolingParams, model_name: str) -> ResolvedPooling:
+    model.check_dimensions(params.dimensions, model_name)
+    normalize = model.normalize if params.use_activation is None else params.use_activation
+    return ResolvedPooling(model.pooling_type, normalize, params.dimensions)
+
+
+def read_model_pooling(model_dir: str | Path, overrides: PoolerConfig | None = None) -> ModelPooling:
+    """The model's pooling: overrides, else its sentence-transformers files, else LAST and normalized."""
+    model_dir = Path(model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    declared = _sentence_transformers_pooling(model_dir)
+    overrides = overrides or PoolerConfig()
+    pooling_type = overrides.pooling_type or declared.pooling_type or DEFAULT_POOLING_TYPE
+    normalize = next(v for v in (overrides.use_activation, declared.use_activation, True) if v is not None)
+    dims = config.get("matryoshka_dimensions")
+    return ModelPooling(pooling_type, normalize, int(config["hidden_size"]),
+                        tuple(int(d) for d in dims) if dims else None,
+                        bool(dims) or bool(config.get("is_matryoshka", False)))
+
+
+def _sentence_transformers_pooling(model_dir: Path) -> PoolerConfig:
+    """What modules.json declares (vLLM's get_pooling_config): the Pooling module's type and whether a Normalize
+    module follows; nothing without modules.json. A Dense module (a projection after pooling) is refused: this
+    engine does not run it, and embeddings without it would be silently wrong."""
+    modules_file = model_dir / "modules.json"
+    if not modules_file.is_file():
+        return PoolerConfig()
+    modules = json.loads(modules_file.read_text())
+    types = {module.get("type") for module in modules}
+    if types & _ST_DENSE_MODULES:
+        raise ValueError(f"{modules_file}: a sentence-transformers Dense module (a projection after pooling) is not "
+                         "supported; only Pooling and Normalize modules are")
+    normalize = bool(types & _ST_NORMALIZE_MODULES)
+    pooling = next((module for module in modules if module.get("type") in _ST_POOLING_MODULES), None)
+    if pooling is None:
+        return PoolerConfig(use_activation=normalize)
+    pooling_file = model_dir / pooling.get("path", "") / "config.json"
+    settings = json.loads(pooling_file.read_text()) if pooling_file.is_file() else {}
+    return PoolerConfig(_pooling_type_of(settings, pooling_file), normalize)
+
+
+def _pooling_type_of(settings: dict, pooling_file: Path) -> str | None:
+    """The pooling a sentence-transformers Pooling config.json selects (pooling_mode, or the key set to true)."""
+    names = [settings["pooling_mode"]] if isinstance(settings.get("pooling_mode"), str) else [
+        key for key, value in settings.items() if value is True and key.startswith("pooling_mode_")]
+    for name in names:
+        if name in _ST_POOLING_NAMES:
+            return _ST_POOLING_NAMES[name]
+        raise ValueError(f"{pooling_file}: pooling {name!r} is not supported; supported: lasttoken, mean, cls")
+    return None
