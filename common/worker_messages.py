@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from splitserve.common.kv_transfer_types import AgentMetadata, KVLayout, LayerAnnouncement, TransferParams
 from splitserve.common.lora import LoRARequest
+from splitserve.common.pooling import PoolingParams
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.stats import EngineStats
 from splitserve.common.token_logprobs import TokenLogprobs
@@ -28,6 +29,9 @@ class PrefillRequest:
     lora_request: LoRARequest | None = None
     """The LoRA adapter the prompt runs with (the OpenAI `model` field named it), None for the base model; like
     the salt it roots the block hashes (common/block_hash.py), so the router's hashes stay the worker's."""
+    pooling_params: PoolingParams | None = None
+    """An embedding request (a worker of runner 'pooling'): the prompt is pooled, nothing is sampled or held, and
+    the result carries the embedding (sampling_params is then SamplingParams() and unused)."""
 
 
 @dataclass(frozen=True)
@@ -57,6 +61,8 @@ class PrefillResult:
     refused the sampled token): the InvalidRequestError's text (the router answers INVALID_ARGUMENT)."""
     invalid_field: str | None = None
     """The field that error names."""
+    embedding: tuple[float, ...] | None = None
+    """An embedding request's pooled vector (finish_reason 'stop', nothing held); None otherwise."""
 
 
 @dataclass(frozen=True)
@@ -88,6 +94,9 @@ class DecodeRequest:
     lora_request: LoRARequest | None = None
     """The request's LoRA adapter, as on its PrefillRequest: the decode steps run it, and the pulled blocks are
     cached under the adapter's hashes, as on the prefill worker."""
+    pooling_params: PoolingParams | None = None
+    """An embedding request pooled here (colocated mode, transfer None): as on a PrefillRequest; its one final
+    TokenDelta carries the embedding."""
 
 
 @dataclass(frozen=True)
@@ -144,6 +153,8 @@ class TokenDelta:
     prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None
     """With sampling_params.prompt_logprobs, where the prompt was computed (with the first token): one
     entry per prompt token, None for the first; None otherwise."""
+    embedding: tuple[float, ...] | None = None
+    """An embedding request's pooled vector, on its final ('stop') delta; None otherwise."""
 
 
 @dataclass(frozen=True)

@@ -222,6 +222,9 @@ class DecodeWorker:
                             request.cache_salt, request.priority, request.lora_request)
             self._awaiting_blocks.push(request)
             self._pending[request.request_id] = _PendingPrefill()
+        elif request.pooling_params is not None:  # an embedding pooled here (colocated): one final delta
+            engine.add_pooling_request(request.request_id, list(request.prompt_token_ids), request.pooling_params,
+                                       request.cache_salt, request.priority, request.lora_request)
         elif request.transfer is None:
             engine.add_request(request.request_id, list(request.prompt_token_ids), request.sampling_params,
                                output_token_ids=request.output_token_ids, cache_salt=request.cache_salt,
@@ -407,8 +410,9 @@ class DecodeWorker:
         pull = self._pulls_done.pop(delta.request_id, None)
         transfer_s = pull.seconds if pull is not None else None
         queue_s = compute_s = None
-        admitted_at = self._admitted_at.pop(delta.request_id, None) if delta.new_token_ids else None
-        if admitted_at is not None:  # the first delta with tokens; the pull is no queueing
+        first_output = delta.new_token_ids or delta.embedding is not None
+        admitted_at = self._admitted_at.pop(delta.request_id, None) if first_output else None
+        if admitted_at is not None:  # the first delta with tokens (or an embedding); the pull is no queueing
             queue_s, compute_s = delta.queue_and_compute_s(admitted_at, time.monotonic())
             queue_s = queue_without_pull(queue_s, admitted_at, pull)
         error = delta.error  # the engine ended it for the request's own fault: the router answers a request error
@@ -417,7 +421,7 @@ class DecodeWorker:
                           error=None if error is None else str(error),
                           invalid_field=None if error is None else error.field,
                           kv_transfer_failed=delta.request_id in self._recomputed, queue_s=queue_s,
-                          compute_s=compute_s, prompt_logprobs=delta.prompt_logprobs)
+                          compute_s=compute_s, prompt_logprobs=delta.prompt_logprobs, embedding=delta.embedding)
 
     def _publish(self, deltas: list[TokenDelta]) -> None:
         """Engine thread: hand each router its deltas as one frame on the event loop."""

@@ -14,6 +14,7 @@ from splitserve.common.chat_template import CONTENT_FORMAT_OPTIONS
 from splitserve.common.config import (QUANTIZATION_GROUP_SIZES, QUANTIZATION_METHODS, SCHEDULING_POLICIES,
                                       VLLM_DTYPE_ALIASES, VLLM_KV_CACHE_DTYPE_ALIASES, speculative_settings)
 from splitserve.common.errors import InvalidRequestError, StartupError, UnsupportedModelError
+from splitserve.common.pooling import RUNNERS, PoolerConfig
 from splitserve.router.http_options import UVICORN_LOG_LEVELS
 
 
@@ -361,6 +362,16 @@ def _speculative_json(value: str) -> dict[str, object]:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
+def _pooler_json(value: str) -> dict[str, object]:
+    """argparse type: vLLM's --pooler-config JSON object (PoolerConfig's keys), checked here."""
+    data = _json_object(value)
+    try:
+        PoolerConfig(**data)
+    except (TypeError, ValueError) as error:
+        raise argparse.ArgumentTypeError(f"{error} (keys: pooling_type, use_activation)") from None
+    return data
+
+
 def _only_one(flag: str) -> Callable[[str], int]:
     """argparse type of a parallelism flag splitserve accepts only as 1 (one device per worker)."""
     def parse(value: str) -> int:
@@ -519,6 +530,15 @@ def _add_model_flags(group: argparse._ArgumentGroup) -> None:
                        help="weight-only quantization of both pools: int8 / int4 quantize a float checkpoint at "
                             "load, gptq / awq load such a checkpoint, auto (default) follows the checkpoint's "
                             "quantization_config (docs/quantization.md); per pool: --set decode.engine.quantization=int4")
+    group.add_argument("--runner", choices=RUNNERS, default=None,
+                       help="generate (default): the model generates; pooling: it embeds prompts and the HTTP API "
+                            "serves /v1/embeddings instead of the generation endpoints (docs/engine.md#pooling-requests)")
+    group.add_argument("--task", choices=("generate", "embed"), default=None,
+                       help="older vLLM's spelling of --runner: embed is --runner pooling")
+    group.add_argument("--pooler-config", type=_pooler_json, default=None, metavar="JSON",
+                       help="with --runner pooling: override the model's pooling, e.g. '{\"pooling_type\": \"MEAN\", "
+                            "\"use_activation\": false}' (default: the model's sentence-transformers files, else LAST "
+                            "pooling, normalized)")
     group.add_argument("--enable-lora", action="store_true", default=None,
                        help="serve LoRA adapters in both pools (engine.enable_lora; docs/lora.md)")
     group.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
@@ -654,6 +674,23 @@ _ENGINE_FLAGS = {"max_model_len": "max_model_len", "seed": "seed", "block_size":
 """serve flags -> the EngineConfig field they set in both pools."""
 
 
+def _runner_overrides(args: argparse.Namespace) -> dict[str, object]:
+    """--runner (or --task's older spelling) and --pooler-config, in both pools."""
+    runner = args.runner
+    if args.task is not None:
+        from_task = "pooling" if args.task == "embed" else "generate"
+        if runner not in (None, from_task):
+            raise SystemExit(f"--task {args.task} contradicts --runner {runner}; pass one of them")
+        runner = from_task
+    overrides: dict[str, object] = {}
+    for pool in ("prefill", "decode"):
+        if runner is not None:
+            overrides[f"{pool}.engine.runner"] = runner
+        if args.pooler_config is not None:
+            overrides[f"{pool}.engine.pooler_config"] = args.pooler_config
+    return overrides
+
+
 def serve_overrides(args: argparse.Namespace) -> dict[str, object]:
     """The dotted config keys the flags set: engine flags in both pools, then --set (which wins,
     so `--set decode.engine.max_num_seqs=64` beats --max-num-seqs for the decode pool)."""
@@ -674,6 +711,7 @@ def serve_overrides(args: argparse.Namespace) -> dict[str, object]:
     overrides.update({key: getattr(args, flag) for flag, key in _HTTP_FLAGS.items() if getattr(args, flag) is not None})
     if args.speculative_config is not None:
         overrides["decode.engine.speculative"] = args.speculative_config
+    overrides.update(_runner_overrides(args))
     if args.generation_config is not None:
         overrides["router.generation_config.source"] = args.generation_config
     for name, value in (args.override_generation_config or {}).items():

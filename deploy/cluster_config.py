@@ -393,6 +393,13 @@ class ClusterConfig:
             self._check_disaggregated_pools()
         if self.planner.enabled:
             self._check_planner_bounds()
+        _require(self.mode == "colocated" or self.prefill.engine.runner == self.decode.engine.runner,
+                 "decode.engine.runner", f"must be the prefill pool's ({self.prefill.engine.runner!r}): a cluster "
+                                         f"serves its model one way (--runner sets both), got "
+                                         f"{self.decode.engine.runner!r}")
+        _require(self.mode == "colocated" or self.prefill.engine.pooler_config == self.decode.engine.pooler_config,
+                 "decode.engine.pooler_config", "must be the prefill pool's: every worker embeds the same way "
+                                                "(--pooler-config sets both)")
         _require(self.router.replicas == 1 or not self.planner.enabled, "router.replicas",
                  f"must be 1 with planner.enabled (the planner runs in the one router), got {self.router.replicas}")
 
@@ -418,6 +425,11 @@ class ClusterConfig:
         for pool in pools:
             _require(not adapters or getattr(self, pool).engine.enable_lora, f"{pool}.engine.enable_lora",
                      "must be true to serve lora_modules (--enable-lora)")
+
+    @property
+    def runner(self) -> str:
+        """What the workers run the model as (EngineConfig.runner): generate, or pooling (embeddings)."""
+        return self.decode.engine.runner
 
     @property
     def lora_requests(self) -> tuple[LoRARequest, ...]:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from splitserve.common.generation_config import RequestDefaults, resolve_request_defaults
 from splitserve.common.lora import LoRARequest
+from splitserve.common.pooling import ModelPooling, read_model_pooling
 from splitserve.common.stats import RequestRecord
 from splitserve.common.worker_api import DecodeWorkerAPI, PrefillWorkerAPI
 from splitserve.deploy.cluster_config import ClusterConfig, RouterConfig
@@ -99,15 +100,16 @@ class RouterServers:
 async def start_servers(orchestrator: Orchestrator, tokenizer: RouterTokenizer, config: RouterConfig,
                         model_name: str, metrics: RouterMetrics | None, api_key: str | None,
                         aliases: tuple[str, ...] = (), reuse_port: bool = False,
-                        adapters: tuple[LoRARequest, ...] = ()) -> RouterServers:
+                        adapters: tuple[LoRARequest, ...] = (), pooling: ModelPooling | None = None) -> RouterServers:
     """Start the servers `config` asks for in front of a started orchestrator. `metrics` (already
     the orchestrator's observer) is watched, served on config.metrics_port when set, and on the
     HTTP API's /metrics; `api_key` (resolved from config.api_key_env by the caller) guards both
     APIs; requests may name the model `model_name` or any of `aliases`. `reuse_port`: the gRPC
     and HTTP ports are shared with other routers (SO_REUSEPORT). `adapters`: the LoRA adapters the HTTP API's
     `model` field may name (ClusterConfig.lora_requests; SPLITSERVE_ALLOW_RUNTIME_LORA_UPDATING=true also serves
-    /v1/load_lora_adapter and /v1/unload_lora_adapter, router/lora_adapters.py). On failure, whatever started is
-    stopped; a generation config whose defaults cannot serve (GenerationConfigError) starts nothing."""
+    /v1/load_lora_adapter and /v1/unload_lora_adapter, router/lora_adapters.py). `pooling`: how the workers embed
+    (a cluster of runner pooling, whose HTTP API serves /v1/embeddings); None: they generate. On failure, whatever
+    started is stopped; a generation config whose defaults cannot serve (GenerationConfigError) starts nothing."""
     defaults = request_defaults(config, tokenizer)
     tokenizers = TokenizerPool.for_orchestrator(tokenizer, orchestrator, config.max_prompt_bytes,
                                                 config.tokenizer_threads, config.max_pending_tokenizations,
@@ -129,7 +131,7 @@ async def start_servers(orchestrator: Orchestrator, tokenizer: RouterTokenizer, 
                                            metrics.asgi_app() if metrics is not None else None, api_key, config.tls,
                                            aliases, reuse_port, config.http_options,
                                            config.auto_tool_call_parser, config.reasoning_parser, defaults,
-                                           registry, runtime_updating_allowed())
+                                           registry, runtime_updating_allowed(), pooling)
     except BaseException:
         if grpc is not None:
             await grpc.stop(0)
@@ -188,7 +190,14 @@ async def start_router(router_id: str, config: ClusterConfig, model_dir: str, pr
     await orchestrator.start()
     try:
         return await start_servers(orchestrator, tokenizer, router, model_name, metrics, api_key, tuple(aliases),
-                                   reuse_port, config.lora_requests)
+                                   reuse_port, config.lora_requests, _model_pooling(config, model_dir))
     except BaseException:
         await orchestrator.stop()
         raise
+
+
+def _model_pooling(config: ClusterConfig, model_dir: str) -> ModelPooling | None:
+    """How the workers embed (as their engines resolve it from the same directory), None when they generate."""
+    if config.runner != "pooling":
+        return None
+    return read_model_pooling(model_dir, config.decode.engine.pooler_config)

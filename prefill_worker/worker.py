@@ -167,9 +167,13 @@ class PrefillWorker:
 
     # ---- engine thread -------------------------------------------------------------------
     def _admit(self, engine: EngineCore, request: PrefillRequest, future: Future | None) -> None:
-        engine.add_request(request.request_id, list(request.prompt_token_ids), request.sampling_params,
-                           hold_kv_after_prefill=True, cache_salt=request.cache_salt, priority=request.priority,
-                           lora_request=request.lora_request)
+        if request.pooling_params is not None:  # an embedding: nothing is held, no KV moves
+            engine.add_pooling_request(request.request_id, list(request.prompt_token_ids), request.pooling_params,
+                                       request.cache_salt, request.priority, request.lora_request)
+        else:
+            engine.add_request(request.request_id, list(request.prompt_token_ids), request.sampling_params,
+                               hold_kv_after_prefill=True, cache_salt=request.cache_salt, priority=request.priority,
+                               lora_request=request.lora_request)
         self._in_flight[request.request_id] = _InFlight(future, time.monotonic())
         self._routers[request.request_id] = request.router_id
         logger.debug("[%s] prefill admitted (%d prompt tokens)", request.request_id, len(request.prompt_token_ids))
@@ -222,7 +226,7 @@ class PrefillWorker:
                              delta.stop_reason, delta.num_cached_tokens, transfer,
                              held.generator_state if held is not None else None, compute_s, queue_s,
                              delta.prompt_logprobs, None if error is None else str(error),
-                             None if error is None else error.field)
+                             None if error is None else error.field, delta.embedding)
 
     def _deliver(self, item: LayerwiseMessage | PrefillResult) -> None:
         """To the request's prefill_layerwise() stream. A result nobody waits for any more (the stream

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from splitserve.common.lora import LoRARequest
+from splitserve.common.pooling import PoolingParams
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.token_logprobs import TokenLogprobs
 
@@ -54,6 +55,10 @@ class GenerationInput:
     client_request_id: str | None = None
     """The id the client gave the request when the router knows it by another (request_id: the client's was in
     flight, router/request_ids.py), for its record; None when request_id is (or is derived from) the client's."""
+    pooling_params: PoolingParams | None = None
+    """An embedding request (a cluster of runner 'pooling'): its prompt is pooled where it is prefilled (a prefill
+    worker, or in colocated mode a decode worker), no KV moves, and its one chunk carries the embedding;
+    sampling_params is SamplingParams(max_tokens=1) and unused."""
 
 
 @dataclass(frozen=True)
@@ -88,3 +93,5 @@ class StreamChunk:
     prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None
     """With sampling_params.prompt_logprobs, on the chunk with the request's first token: one entry per
     prompt token, None for the first; None on every other chunk."""
+    embedding: tuple[float, ...] | None = None
+    """An embedding request's (GenerationInput.pooling_params) vector, on its one (final) chunk."""

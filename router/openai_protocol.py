@@ -21,6 +21,7 @@ from splitserve.common.block_hash import check_cache_salt
 from splitserve.common.chat_template import content_parts, joined_text
 from splitserve.common.errors import InvalidRequestError, json_excerpt
 from splitserve.common.generation_config import NO_REQUEST_DEFAULTS, RequestDefaults
+from splitserve.common.pooling import PoolingParams
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.structured_output import StructuredOutput
 from splitserve.common.token_logprobs import TokenLogprobs
@@ -320,15 +321,16 @@ def _prompt(prompt: Any, limits: RequestLimits, field: str, truncated: bool) -> 
 
 
 def _prompts(body: Mapping[str, Any], limits: RequestLimits, best_of: int,
-             truncated: bool) -> tuple[str | tuple[int, ...], ...]:
-    """A prompt, or a batch: a list of strings or of token-id lists (vLLM's batched prompts)."""
-    prompt = body.get("prompt")
+             truncated: bool, name: str = "prompt") -> tuple[str | tuple[int, ...], ...]:
+    """A prompt, or a batch: a list of strings or of token-id lists (vLLM's batched prompts); `name`: the field
+    that holds them (an embedding request's `input`)."""
+    prompt = body.get(name)
     if not (isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt)):
-        return (_prompt(prompt, limits, "prompt", truncated),)
+        return (_prompt(prompt, limits, name, truncated),)
     if len(prompt) * best_of > MAX_SEQUENCES:
-        raise InvalidRequestError("prompt", f"{len(prompt)} prompts x {best_of} sequences each exceed "
-                                            f"{MAX_SEQUENCES} sequences per request")
-    return tuple(_prompt(p, limits, f"prompt[{i}]", truncated) for i, p in enumerate(prompt))
+        raise InvalidRequestError(name, f"{len(prompt)} prompts x {best_of} sequences each exceed "
+                                        f"{MAX_SEQUENCES} sequences per request")
+    return tuple(_prompt(p, limits, f"{name}[{i}]", truncated) for i, p in enumerate(prompt))
 
 
 def _best_of(body: Mapping[str, Any], n: int, stream: bool, beam_search: bool = False) -> int:
@@ -1020,3 +1022,45 @@ def _tool_call_delta(call: ToolCallDelta) -> dict:
         return {"index": call.index, "function": {"arguments": call.arguments}}
     return {"index": call.index, "id": call.id, "type": "function",
             "function": {"name": call.name, "arguments": call.arguments}}
+
+
+EMBEDDING_ENCODING_FORMATS = ("float", "base64")
+"""How a response carries each vector: a JSON list of floats, or base64 of its little-endian float32 bytes (what the
+OpenAI Python client asks for by default and decodes)."""
+
+
+@dataclass(frozen=True)
+class EmbeddingRequest:
+    model: str | None
+    inputs: tuple[str | tuple[int, ...], ...]
+    """`input`: a string, a list of strings, a list of token ids, or a list of token-id lists."""
+    encoding_format: str
+    pooling: PoolingParams
+    """`dimensions` (Matryoshka models only) and vLLM's `use_activation` (normalize)."""
+    truncation: PromptTruncation | None
+    add_special_tokens: bool
+    user: str | None
+    """OpenAI's end-user id: accepted and not used (as vLLM)."""
+    request_id: str
+    priority: int
+
+
+def parse_embedding_request(body: Mapping[str, Any], limits: RequestLimits) -> EmbeddingRequest:
+    """Scalar fields read as vLLM's pydantic model reads them (router/lax_values.py); a batch of inputs is limited
+    like a completion's batched prompts (MAX_SEQUENCES)."""
+    body = with_lax_values(body, logprobs_is_boolean=False)
+    if "input" not in body:
+        raise InvalidRequestError("input", "is required: a string, a list of strings, a list of token ids or a list "
+                                           "of token-id lists")
+    encoding_format = _typed(body, "encoding_format", str, "'float' or 'base64'", "float")
+    if encoding_format not in EMBEDDING_ENCODING_FORMATS:
+        raise InvalidRequestError("encoding_format", f"must be 'float' or 'base64', got {encoding_format!r}")
+    dimensions = _typed(body, "dimensions", int, "an integer")
+    use_activation = _typed(body, "use_activation", bool, "a boolean")
+    truncation = _truncation(body, limits)
+    # Token-id inputs are counted after truncation by Orchestrator.validate_prompt(pools=True), which lets one fill
+    # max_model_len (the completion parser's early count leaves room for an output token); the body's size bounds them.
+    return EmbeddingRequest(_model(body), _prompts(body, limits, 1, True, "input"), encoding_format,
+                            PoolingParams(dimensions, use_activation), truncation,
+                            bool(_flag(body, "add_special_tokens", True)), _typed(body, "user", str, "a string"),
+                            _request_id(body, limits), _priority(body))

@@ -43,16 +43,18 @@ from splitserve.common.errors import InvalidRequestError
 from splitserve.common.generation_config import NO_REQUEST_DEFAULTS, RequestDefaults
 from splitserve.common.log_escape import quote_for_log
 from splitserve.common.lora import LoRARequest
+from splitserve.common.pooling import ModelPooling
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.stats import RequestParamsRecord
 from splitserve.router.admission import RETRY_AFTER_S, Admission
 from splitserve.router.auth import check_authorization
 from splitserve.router.openai_protocol import (ChatCompletionRequest, ChatRenderer, CompletionRenderer,
-                                               CompletionRequest, ResponseHeader, error_body, parse_chat_request,
-                                               parse_completion_request, parse_detokenize_request,
-                                               parse_tokenize_request)
+                                               CompletionRequest, EmbeddingRequest, ResponseHeader, error_body,
+                                               parse_chat_request, parse_completion_request, parse_detokenize_request,
+                                               parse_embedding_request, parse_tokenize_request)
 from splitserve.router.api_types import GenerationInput, RouterError, StreamChunk, Usage
 from splitserve.router.beam_search_run import BeamSearchResult, run_beam_search
+from splitserve.router.embeddings import EmbeddingRenderer
 from splitserve.router.fanout import IndexedChunk, best_of, by_choice, client_fan_out, merged_usage, sequence_inputs
 from splitserve.router.http_options import UVICORN_LOG_LEVEL_NUMBERS, HttpOptions
 from splitserve.router.lora_adapters import AdapterRegistry, UnknownAdapterError
@@ -158,7 +160,7 @@ class _Job:
     """Sequences generated per prompt (best_of)."""
     n: int
     """Choices returned per prompt: the best n of its sequences when fewer than num_sequences."""
-    renderer: CompletionRenderer | ChatRenderer | ResponsesRenderer
+    renderer: CompletionRenderer | ChatRenderer | ResponsesRenderer | EmbeddingRenderer
     stream: bool
     beam_search: BeamSearchParams | None = None
     """use_beam_search: each prompt's n choices are its best n beams (inputs[::n] are the prompts')."""
@@ -196,8 +198,12 @@ class OpenAIServing:
                  request_timeout_s: float | None = None, aliases: tuple[str, ...] = (),
                  tool_call_parser: str | None = None, reasoning: ReasoningFormat | None = None,
                  defaults: RequestDefaults = NO_REQUEST_DEFAULTS, adapters: AdapterRegistry | None = None,
-                 runtime_lora_updating: bool = False, options: HttpOptions = HttpOptions()) -> None:
+                 runtime_lora_updating: bool = False, options: HttpOptions = HttpOptions(),
+                 pooling: ModelPooling | None = None) -> None:
         self.orchestrator = orchestrator
+        self.pooling = pooling
+        """How the model embeds on a server whose workers run it as a pooling model (--runner pooling), which serves
+        /v1/embeddings instead of the generation endpoints; None on a generating server."""
         self.options = options
         """The server-wide choices in responses (--response-role ...)."""
         self.tokenizers = tokenizers
@@ -237,6 +243,9 @@ class OpenAIServing:
 
     async def responses(self, request: Request) -> Response:
         return await self._serve(request, self._parse_responses, self._responses_job)
+
+    async def embeddings(self, request: Request) -> Response:
+        return await self._serve(request, parse_embedding_request, self._embedding_job)
 
     async def models(self, request: Request) -> Response:
         cards = [self._model_card(), *(self._adapter_card(adapter) for adapter in self.adapters.loaded())]
@@ -442,6 +451,28 @@ class OpenAIServing:
                                      for i in range(len(prompts) * parsed.n)])
         return _Job(ids, inputs, parsed.best_of, parsed.n, renderer, parsed.stream, parsed.beam_search,
                     parsed.stream_interval)
+
+    async def _embedding_job(self, parsed: EmbeddingRequest) -> _Job:
+        """Each input a pooling request of its own (fanned out as a completion's batched prompts are), its prompt
+        tokenized, cut by truncate_prompt_tokens and checked (it may fill max_model_len)."""
+        adapter = self._adapter(parsed.model)
+        self.pooling.check_dimensions(parsed.pooling.dimensions, self.model_name)
+        prompts = [prompt if isinstance(prompt, tuple) else await self.tokenizers.encode(prompt,
+                                                                                         parsed.add_special_tokens)
+                   for prompt in parsed.inputs]
+        if parsed.truncation is not None:
+            prompts = [parsed.truncation.applied(tuple(prompt)) for prompt in prompts]
+        for index, token_ids in enumerate(prompts):
+            self.orchestrator.validate_prompt(token_ids, "input" if len(prompts) == 1 else f"input[{index}]",
+                                              pools=True)
+        deadline = None if self.request_timeout_s is None else time.monotonic() + self.request_timeout_s
+        ids = self.orchestrator.new_request_id(parsed.request_id, len(prompts))
+        base = GenerationInput(ids.request_id, prompts[0], SamplingParams(max_tokens=1), deadline,
+                               priority=parsed.priority, lora_request=adapter, client_request_id=ids.renamed_from,
+                               pooling_params=parsed.pooling)
+        renderer = EmbeddingRenderer(ids.client_request_id, int(time.time()), self._served_name(adapter),
+                                     parsed.encoding_format)
+        return _Job(ids, sequence_inputs(base, prompts, 1), 1, 1, renderer, stream=False)
 
     async def _chat_job(self, parsed: ChatCompletionRequest) -> _Job:
         chat = await self._chat_inputs(parsed, "messages")
@@ -718,7 +749,7 @@ def route_path(scope: Scope) -> str:
     return path
 
 
-GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses"})
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings"})
 ADMISSION_SCOPE_KEY = "splitserve.admission"
 """The ASGI scope key under which _AdmissionGate hands an admitted request's slot to its handler."""
 
@@ -785,9 +816,7 @@ def build_app(serving: OpenAIServing, metrics_app: ASGIApp | None = None, api_ke
     browsers may call it; CORS is outermost, as vLLM's, so a preflight is answered (200, or 400 for an
     origin not allowed) before the API-key check and admission (it is no request of the API: never
     429, never in the access log), and even a 401 or 429 carries the CORS headers."""
-    routes = [Route("/v1/completions", serving.completions, methods=["POST"]),
-              Route("/v1/chat/completions", serving.chat_completions, methods=["POST"]),
-              Route("/v1/responses", serving.responses, methods=["POST"]),
+    routes = [*_runner_routes(serving),
               Route("/v1/models", serving.models, methods=["GET"]),
               Route("/v1/models/{model:path}", serving.model, methods=["GET"]),
               Route("/tokenize", serving.tokenize, methods=["POST"]),
@@ -807,6 +836,28 @@ def build_app(serving: OpenAIServing, metrics_app: ASGIApp | None = None, api_ke
     app = CORSMiddleware(app, allow_origins=list(cors.allowed_origins), allow_methods=list(cors.allowed_methods),
                          allow_headers=list(cors.allowed_headers), allow_credentials=cors.allow_credentials)
     return RequestIdHeader(app) if options.request_id_headers else app
+
+
+def _runner_routes(serving: OpenAIServing) -> list[Route]:
+    """The endpoints of what the workers run the model as: generation (completions, chat, responses) or, with
+    --runner pooling, /v1/embeddings. The others answer 404 as vLLM's (which does not serve them either), saying
+    why."""
+    generation = [Route("/v1/completions", serving.completions, methods=["POST"]),
+                  Route("/v1/chat/completions", serving.chat_completions, methods=["POST"]),
+                  Route("/v1/responses", serving.responses, methods=["POST"])]
+    embeddings = [Route("/v1/embeddings", serving.embeddings, methods=["POST"])]
+    if serving.pooling is None:
+        return generation + [_not_served(route.path, "this server generates (--runner generate); start it with "
+                                                     "--runner pooling to serve embeddings") for route in embeddings]
+    return embeddings + [_not_served(route.path, "this server runs its model as a pooling model (--runner pooling), "
+                                                 "which serves /v1/embeddings only") for route in generation]
+
+
+def _not_served(path: str, reason: str) -> Route:
+    async def refuse(request: Request) -> Response:
+        return ApiError(404, f"Invalid URL (POST {path}): {reason}", code="unknown_url").response()
+
+    return Route(path, refuse, methods=["POST"])
 
 
 # ---- the server on the router's event loop --------------------------------------------------
@@ -899,7 +950,8 @@ async def start_http_server(orchestrator: Orchestrator, tokenizers: TokenizerPoo
                             reuse_port: bool = False, options: HttpOptions = HttpOptions(),
                             tool_call_parser: str | None = None, reasoning_parser: str | None = None,
                             defaults: RequestDefaults = NO_REQUEST_DEFAULTS,
-                            adapters: AdapterRegistry | None = None, runtime_lora_updating: bool = False) -> HttpServer:
+                            adapters: AdapterRegistry | None = None, runtime_lora_updating: bool = False,
+                            pooling: ModelPooling | None = None) -> HttpServer:
     """Start the OpenAI-compatible API on the running loop; the server's `port` is the bound one.
     With `api_key`, /v1/* needs `Authorization: Bearer <api_key>`; with `tls`, it is HTTPS only.
     Requests may name the model `model_name` or one of `aliases`. `reuse_port`: share the port
@@ -909,12 +961,13 @@ async def start_http_server(orchestrator: Orchestrator, tokenizers: TokenizerPoo
     ValueError when the tokenizer lacks its tags. `defaults`: what the sampling fields a generation
     request leaves unset take (--generation-config). `adapters`: the LoRA adapters a request may name as
     `model` (--lora-modules; the workers' engines need enable_lora); `runtime_lora_updating`: also serve
-    /v1/load_lora_adapter and /v1/unload_lora_adapter (router/lora_adapters.py)."""
+    /v1/load_lora_adapter and /v1/unload_lora_adapter (router/lora_adapters.py). `pooling`: the workers run the model
+    as a pooling model (--runner pooling): /v1/embeddings is served instead of the generation endpoints."""
     reasoning = None if reasoning_parser is None else ReasoningFormat.for_tokenizer(
         reasoning_parser, tokenizers.tokenizer.backend.token_to_id)
     bodies = BodyParser(tokenizers.limits)
     serving = OpenAIServing(orchestrator, tokenizers, bodies, model_name, request_timeout_s, aliases, tool_call_parser,
-                            reasoning, defaults, adapters, runtime_lora_updating, options)
+                            reasoning, defaults, adapters, runtime_lora_updating, options, pooling)
     server = HttpServer(build_app(serving, metrics_app, api_key, options), tls=tls, on_stop=bodies.close,
                         root_path=options.root_path, log_level=options.uvicorn_log_level)
     try:

@@ -206,13 +206,15 @@ class Orchestrator:
         caller releases them when the request ends, on every path."""
         return self.request_ids.reserve(requested or uuid.uuid4().hex, num_sequences)
 
-    def validate_prompt(self, prompt_token_ids: Sequence[int], field: str = "prompt") -> None:
-        """`field` names what the client sent the prompt as (a chat request's `messages`)."""
+    def validate_prompt(self, prompt_token_ids: Sequence[int], field: str = "prompt", pools: bool = False) -> None:
+        """`field` names what the client sent the prompt as (a chat request's `messages`); `pools`: an embedding
+        request's prompt, which may fill max_model_len (nothing is generated after it)."""
         if not prompt_token_ids:
             raise InvalidRequestError(field, "must not be empty")
-        if len(prompt_token_ids) >= self.max_model_len:
+        if len(prompt_token_ids) + (0 if pools else 1) > self.max_model_len:
+            room = "" if pools else " (including at least one output token)"
             raise InvalidRequestError(field, f"has {len(prompt_token_ids)} tokens; max_model_len is "
-                                             f"{self.max_model_len} (including at least one output token)")
+                                             f"{self.max_model_len}{room}")
         bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise InvalidRequestError("prompt.token_ids", f"out of vocabulary [0, {self.vocab_size}): {bad[:5]}")
@@ -247,6 +249,8 @@ class Orchestrator:
         # A resumed request is recomputed where it decodes: prefill workers take prompts only.
         local_only = self.mode == "colocated" or run.resumed
         routing = dataclasses.replace(self.routing, disaggregation="never") if local_only else self.routing
+        if inp.pooling_params is not None and not local_only:  # an embedding needs only a prefill: the prefill pool's
+            routing = dataclasses.replace(routing, disaggregation="always")
         decision = route(request, prefill, decode, routing, self._turn)
         self._turn += 1
         if isinstance(decision, Rejection):
@@ -406,7 +410,7 @@ class Orchestrator:
         release is idempotent). None: admitted here, and a rejection is recorded as the request's end."""
         arrival = time.monotonic()
         try:
-            self.validate_prompt(inp.prompt_token_ids)
+            self.validate_prompt(inp.prompt_token_ids, pools=inp.pooling_params is not None)
             check_cache_salt(inp.cache_salt)  # the APIs checked it; a library caller's is hashed next
             check_priority(inp.priority, self.scheduling_policy)
             run = RequestRun(inp, self.tokenizer, arrival, self.eos_token_ids)
@@ -542,7 +546,9 @@ class Orchestrator:
         self._runs[worker_request_id] = run
         decision, run.cached_tokens = await self._route(run)
         run.decision = decision
-        if decision.prefill_worker_id is None:
+        if run.inp.pooling_params is not None and decision.prefill_worker_id is not None:
+            phases = self._remote_pool(run, decision)
+        elif decision.prefill_worker_id is None:
             phases = self._local_prefill(run, run.stream, decision)
         elif self.infos[decision.prefill_worker_id].layerwise:
             phases = self._layerwise_prefill(run, run.stream, decision)
@@ -587,6 +593,15 @@ class Orchestrator:
         async for chunk in self._stream(run, stream):
             yield chunk
 
+    async def _remote_pool(self, run: RequestRun, decision: RouteDecision) -> AsyncIterator[StreamChunk]:
+        """An embedding on a prefill worker: its result is the request's one chunk; no decode worker is claimed and
+        no KV moves (the prefill worker holds nothing for it). A layer-wise worker runs it by prefill() too."""
+        prefill = run.prefill = self._assign(run, self.prefill_pool, decision.prefill_worker_id)
+        result = await self._prefill(run, prefill)
+        run.worker_finished = True
+        yield dataclasses.replace(run.on_tokens((), (), result.finish_reason, result.stop_reason),
+                                  embedding=result.embedding)
+
     async def _layerwise_prefill(self, run: RequestRun, stream: asyncio.Queue[TokenDelta],
                                  decision: RouteDecision) -> AsyncIterator[StreamChunk]:
         """Layer-wise transfer (the prefill worker's WorkerInfo.layerwise): the decode worker gets
@@ -629,7 +644,7 @@ class Orchestrator:
         request = DecodeRequest(run.worker_request_id, self.router_id, run.inp.prompt_token_ids,
                                 tuple(run.output_token_ids), self._worker_params(run), 0, None, None,
                                 cache_salt=run.inp.cache_salt, priority=run.inp.priority,
-                                lora_request=run.inp.lora_request)
+                                lora_request=run.inp.lora_request, pooling_params=run.inp.pooling_params)
         self.dispatcher.submit(decode.client.worker_id, request)
         async for chunk in self._stream(run, stream):
             yield chunk
@@ -646,7 +661,8 @@ class Orchestrator:
     async def _prefill(self, run: RequestRun, prefill: Assignment, relay_to: str | None = None) -> PrefillResult:
         """The prefill's result; `relay_to`: a layer-wise prefill, whose progress goes to that decode worker."""
         request = PrefillRequest(run.worker_request_id, run.inp.prompt_token_ids, self._worker_params(run),
-                                 self.router_id, run.inp.cache_salt, run.inp.priority, run.inp.lora_request)
+                                 self.router_id, run.inp.cache_salt, run.inp.priority, run.inp.lora_request,
+                                 run.inp.pooling_params)
         run.active_worker_id = prefill.client.worker_id
         run.relay_worker_id = relay_to
         call = ((lambda: prefill.client.prefill(request)) if relay_to is None
@@ -703,6 +719,8 @@ class Orchestrator:
                 run.num_cached_tokens = delta.num_cached_tokens
             chunk = run.on_tokens(delta.token_ids, delta.logprobs, delta.finish_reason, delta.stop_reason,
                                   delta.prompt_logprobs)
+            if delta.embedding is not None:
+                chunk = dataclasses.replace(chunk, embedding=delta.embedding)
             if chunk.token_ids or chunk.text or chunk.finish_reason is not None:
                 yield chunk
             if chunk.finish_reason is not None:

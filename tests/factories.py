@@ -604,7 +604,7 @@ def served_apis(model_dir: Path, model_name: str, api_key: str | None = None,
                 served_class: type[ServedApis] = ServedApis, tls=None, aliases: tuple[str, ...] = (),
                 cors_allowed_origins: tuple[str, ...] = ("*",), tool_call_parser: str | None = None,
                 reasoning_parser: str | None = None, generation_config=None, adapters: tuple = (),
-                router_options: Mapping[str, object] = MappingProxyType({}), **cluster_options):
+                router_options: Mapping[str, object] = MappingProxyType({}), pooling=None, **cluster_options):
     """Start the cluster (InProcessCluster options: routing, slo, ...) and the router's servers as
     the local launcher does (deploy/router_app.py: gRPC and HTTP on free loopback ports over one
     TokenizerPool, the router's metrics on the HTTP API; over TLS with a router.tls.TlsConfig);
@@ -615,7 +615,9 @@ def served_apis(model_dir: Path, model_name: str, api_key: str | None = None,
     `generation_config` (a common.config.GenerationConfig; None: the default, auto) is where requests'
     sampling defaults come from (router.generation_config); `adapters` (common.lora.LoRARequests) are the LoRA
     adapters requests may name as `model` (lora_modules; the workers' engine_config needs enable_lora);
-    `router_options`: other RouterConfig fields, e.g. {"cors_allow_credentials": True}."""
+    `router_options`: other RouterConfig fields, e.g. {"cors_allow_credentials": True}; `pooling` (a
+    common.pooling.ModelPooling): the workers embed (their engine_config's runner is pooling) and the HTTP API serves
+    /v1/embeddings."""
     from splitserve.common.config import GenerationConfig
     from splitserve.common.slo import SloConfig
     from splitserve.deploy.cluster_config import RouterConfig
@@ -631,7 +633,7 @@ def served_apis(model_dir: Path, model_name: str, api_key: str | None = None,
                           reasoning_parser=reasoning_parser, generation_config=generation_config or GenerationConfig(),
                           **router_options)
     servers = loop.run(start_servers(cluster.orchestrator, cluster.tokenizer, config, model_name, metrics, api_key,
-                                     aliases, adapters=adapters))
+                                     aliases, adapters=adapters, pooling=pooling))
     try:
         yield served_class(cluster, loop, servers.http.port, servers.grpc.port, servers.grpc, servers.tokenizers)
     finally:
