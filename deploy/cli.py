@@ -532,7 +532,8 @@ def _add_model_flags(group: argparse._ArgumentGroup) -> None:
                             "quantization_config (docs/quantization.md); per pool: --set decode.engine.quantization=int4")
     group.add_argument("--runner", choices=RUNNERS, default=None,
                        help="generate (default): the model generates; pooling: it embeds prompts and the HTTP API "
-                            "serves /v1/embeddings instead of the generation endpoints (docs/engine.md#pooling-requests)")
+                            "serves /v1/embeddings instead of the generation endpoints "
+                            "(docs/engine.md#pooling-requests)")
     group.add_argument("--task", choices=("generate", "embed"), default=None,
                        help="older vLLM's spelling of --runner: embed is --runner pooling")
     group.add_argument("--pooler-config", type=_pooler_json, default=None, metavar="JSON",

@@ -327,7 +327,7 @@ class LLM:
         """vLLM's LLM.embed (runner "pooling"): one embedding per prompt, in input order, each a pooling request
         (EngineCore.add_pooling_request) run to the end of its prefill. `pooling_params`: one for every prompt or
         one per prompt (None: the model's defaults). `truncate_prompt_tokens`: keep the last k tokens of each
-        prompt (-1: the last max_model_len). Every prompt is validated before any is queued."""
+        prompt (-1: the last max_model_len - 1, as generate()'s). Every prompt is validated before any is queued."""
         if self.engine.model_pooling is None:
             raise ValueError("Embedding API is not supported by this model. Try converting the model using "
                              "`--convert embed`. (splitserve: start the LLM with runner=\"pooling\")")

@@ -14,9 +14,12 @@ import openai
 import pytest
 import torch
 
-from splitserve.common.pooling import read_model_pooling
+from splitserve.common.pooling import PoolerConfig, read_model_pooling
+from splitserve.deploy.cli import build_parser, serve_config
+from splitserve.deploy.cluster_config import ClusterConfigError
+from splitserve.router.policy import RoutingConfig
 from splitserve.testing.in_process_cluster import worker_engine_config
-from tests.factories import ServedApis, hf_embedding, http_request, served_apis
+from tests.factories import ServedApis, capture_access_log, hf_embedding, http_request, served_apis
 from tests.test_embeddings import TOLERANCE
 
 MODEL = "tiny-embed"
@@ -24,6 +27,7 @@ MAX_MODEL_LEN = 64
 TEXTS = ["The river runs", "A quiet morning over the hills and the sea"]
 TOKEN_PROMPTS = [[5, 9, 200, 31], list(range(40, 80))]
 """The second is longer than the workers' 16-token budget: it is prefilled in three chunks."""
+TOO_MANY = "the router has 1 requests in flight, its limit (router.routing.max_in_flight_requests); retry later"
 
 
 class Served(ServedApis):
@@ -165,3 +169,49 @@ def test_a_generating_server_does_not_serve_embeddings(tiny_llama_dir):
     assert (status, body["error"]["code"], body["error"]["message"]) == (
         404, "unknown_url", "Invalid URL (POST /v1/embeddings): this server generates (--runner generate); start it "
                             "with --runner pooling to serve embeddings")
+
+
+def test_one_access_log_line_per_input(served, monkeypatch, caplog):
+    access_log = capture_access_log(served, monkeypatch, caplog)
+    status, _ = served.post("/v1/embeddings", {"input": TOKEN_PROMPTS, "request_id": "emb-1"})
+    assert status == 200
+    served.loop.run(served.cluster.wait_idle())
+    lines = sorted(access_log(), key=lambda fields: fields["request_id"])
+    disaggregated = served.cluster.mode == "disaggregated"
+    assert [(f["request_id"], f["status"], f["finish_reason"], f["prompt_tokens"], f["output_tokens"],
+             f["prefill_worker"], f["decode_worker"], f["migrations"]) for f in lines] == [
+        (f"emb-1-{index}", "OK", "stop", len(prompt), 0, "prefill-0" if disaggregated else None,
+         None if disaggregated else "decode-0", 0) for index, prompt in enumerate(TOKEN_PROMPTS)]
+
+
+def test_a_batch_takes_an_admission_slot_per_input(tiny_llama_dir):
+    """Each input is a request of the router's: a batch the router cannot hold whole is refused at once (429), as a
+    completion's batched prompts are, and a lone input is served."""
+    engine = replace(worker_engine_config(max_model_len=MAX_MODEL_LEN), runner="pooling")
+    with served_apis(tiny_llama_dir, MODEL, served_class=Served, engine_config=engine,
+                     routing=RoutingConfig(disaggregation="always", max_in_flight_requests=1),
+                     pooling=read_model_pooling(tiny_llama_dir)) as served:
+        status, body = served.post("/v1/embeddings", {"input": TOKEN_PROMPTS})
+        assert (status, body["error"]["message"]) == (429, TOO_MANY)
+        assert served.post("/v1/embeddings", {"input": TOKEN_PROMPTS[0]})[0] == 200
+        served.loop.run(served.cluster.wait_idle())
+
+
+def _serve_config(*argv: str):
+    return serve_config(build_parser().parse_args(["serve", "/models/m", *argv]))
+
+
+def test_the_runner_flags_set_both_pools():
+    config = _serve_config("--runner", "pooling", "--pooler-config", '{"pooling_type": "MEAN"}')
+    assert (config.prefill.engine.runner, config.decode.engine.runner, config.runner) == ("pooling",) * 3
+    assert config.prefill.engine.pooler_config == config.decode.engine.pooler_config == PoolerConfig("MEAN")
+    assert (_serve_config("--task", "embed").runner, _serve_config().runner) == ("pooling", "generate")
+    with pytest.raises(ClusterConfigError, match=r"^decode.engine.runner: must be the prefill pool's \('generate'\): "
+                                                 r"a cluster serves its model one way"):
+        _serve_config("--set", "decode.engine.runner=pooling")
+    with pytest.raises(ClusterConfigError, match=r"^prefill.engine.pooler_config: is for runner 'pooling' "
+                                                 r"\(an engine that embeds\); set runner='pooling'$"):
+        _serve_config("--pooler-config", '{"pooling_type": "MEAN"}')
+    for bad in (["--pooler-config", '{"pooling": "MEAN"}'], ["--task", "embed", "--runner", "generate"]):
+        with pytest.raises(SystemExit):
+            _serve_config(*bad)
