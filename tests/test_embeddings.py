@@ -13,6 +13,7 @@ import torch
 from splitserve.common.errors import InvalidRequestError
 from splitserve.common.pooling import PoolerConfig, PoolingParams, ResolvedPooling, read_model_pooling
 from splitserve.engine import LLM
+from splitserve.engine.engine_loop import abort_all
 from splitserve.engine.pooling import SequencePool
 from tests.factories import assert_pool_idle, copy_with_config_fields, hf_embedding, with_sentence_transformers_files
 
@@ -220,3 +221,22 @@ def test_modules_json_with_a_dense_module_is_refused(tiny_llama_dir, tmp_path):
     (model_dir / "modules.json").write_text(json.dumps(modules))
     with pytest.raises(ValueError, match="Dense module"):
         read_model_pooling(model_dir)
+
+
+def test_a_failed_step_then_abort_all_frees_every_pooling_request(tiny_llama_dir, monkeypatch):
+    """The workers' step-failure policy (engine_loop.abort_all) after a forward that raised: every pooling request ends
+    with an abort delta and its blocks and pool are freed."""
+    llm = _pooling_llm(tiny_llama_dir, "MEAN")
+    engine = llm.engine
+    for index, prompt in enumerate(PROMPTS[3:]):
+        engine.add_pooling_request(f"r{index}", prompt, PoolingParams())
+    engine.step()  # 16 tokens of the 40-token prompt hold 4 blocks
+    monkeypatch.setattr(engine.runner, "execute_with_hidden", lambda output: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        engine.step()
+    abort_all(engine)
+    monkeypatch.undo()
+    assert sorted((d.request_id, d.finish_reason, d.embedding) for d in engine.step()) == [
+        ("r0", "abort", None), ("r1", "abort", None)]
+    assert engine._pools == {}
+    assert_pool_idle(engine.block_manager)

@@ -10,6 +10,7 @@ import json
 import struct
 from dataclasses import replace
 
+import grpc
 import openai
 import pytest
 import torch
@@ -17,9 +18,10 @@ import torch
 from splitserve.common.pooling import PoolerConfig, read_model_pooling
 from splitserve.deploy.cli import build_parser, serve_config
 from splitserve.deploy.cluster_config import ClusterConfigError
+from splitserve.proto.splitserve.v1 import generation_pb2 as pb
 from splitserve.router.policy import RoutingConfig
 from splitserve.testing.in_process_cluster import worker_engine_config
-from tests.factories import ServedApis, capture_access_log, hf_embedding, http_request, served_apis
+from tests.factories import ServedApis, capture_access_log, hf_embedding, http_request, served_apis, stream_tokens
 from tests.test_embeddings import TOLERANCE
 
 MODEL = "tiny-embed"
@@ -27,6 +29,8 @@ MAX_MODEL_LEN = 64
 TEXTS = ["The river runs", "A quiet morning over the hills and the sea"]
 TOKEN_PROMPTS = [[5, 9, 200, 31], list(range(40, 80))]
 """The second is longer than the workers' 16-token budget: it is prefilled in three chunks."""
+GENERATION_REFUSED = ("runner: this engine runs the model as a pooling model (runner 'pooling'), which embeds prompts and "
+                      "generates nothing; start it with runner 'generate' to generate")
 TOO_MANY = "the router has 1 requests in flight, its limit (router.routing.max_in_flight_requests); retry later"
 
 
@@ -215,3 +219,13 @@ def test_the_runner_flags_set_both_pools():
     for bad in (["--pooler-config", '{"pooling": "MEAN"}'], ["--task", "embed", "--runner", "generate"]):
         with pytest.raises(SystemExit):
             _serve_config(*bad)
+
+
+def test_the_grpc_generate_api_of_a_pooling_server_refuses(served):
+    """The workers refuse a generation request (the runner is pooling); nothing stays allocated."""
+    request = pb.GenerateRequest(model=MODEL, token_ids=pb.TokenIds(ids=TOKEN_PROMPTS[0]),
+                                 sampling=pb.SamplingParams(temperature=0, max_tokens=2))
+    with pytest.raises(grpc.RpcError) as error:
+        stream_tokens(served.grpc_port, request)
+    assert (error.value.code(), error.value.details()) == (grpc.StatusCode.INVALID_ARGUMENT, GENERATION_REFUSED)
+    served.loop.run(served.cluster.wait_idle())
