@@ -157,10 +157,18 @@ def config_architecture(config: dict, model_dir: Path) -> str:
     return chosen_architecture(architectures)
 
 
+BASE_MODEL_ARCHITECTURES = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM",
+                            "Qwen2Model": "Qwen2ForCausalLM", "Qwen3Model": "Qwen3ForCausalLM"}
+"""Decoders saved without their LM head, as embedding models are (e5-mistral's MistralModel): run as their causal-LM
+family, whose lm_head only a pooling engine can do without (load_model's needs_lm_head), as vLLM converts them."""
+
+
 def chosen_architecture(architectures: Sequence[str]) -> str:
     """The first of a non-empty `architectures` list that the engine runs, as vLLM takes the first it supports
-    (["MyWrapper", "LlamaForCausalLM"] runs Llama); the first entry when none is (what the refusal names)."""
-    return next((name for name in architectures if name in SUPPORTED_ARCHITECTURES), architectures[0])
+    (["MyWrapper", "LlamaForCausalLM"] runs Llama; a BASE_MODEL_ARCHITECTURES name as its causal-LM family); the
+    first entry when none is (what the refusal names)."""
+    runnable = (BASE_MODEL_ARCHITECTURES.get(name, name) for name in architectures)
+    return next((name for name in runnable if name in SUPPORTED_ARCHITECTURES), architectures[0])
 
 
 def check_tokenizer_files(model_dir: Path) -> None:

@@ -132,7 +132,7 @@ class EngineCore:
         measured = sizes_by_utilization(config, self.device)  # gpu_memory_utilization: measure around the load
         free_at_start = torch.cuda.mem_get_info(self.device)[0] if measured else None
         self.model = load_model(model_dir, dtype, self.device, attention, show_progress, layer_ops, self.quantization,
-                                fuse_mlp_activation=not config.enable_lora)
+                                fuse_mlp_activation=not config.enable_lora, needs_lm_head=config.runner == "generate")
         arch = self.model.arch
         self.model_pooling: ModelPooling | None = (read_model_pooling(model_dir, config.pooler_config)
                                                    if config.runner == "pooling" else None)

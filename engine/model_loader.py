@@ -404,8 +404,9 @@ def _lm_head(checkpoint: dict[str, torch.Tensor], embedding: torch.Tensor, arch:
     tied = arch.tie_word_embeddings
     if tied and "lm_head.weight" not in checkpoint:
         return embedding
-    lm_head = _take(checkpoint, "lm_head.weight", "the output projection; config.json does not set tie_word_embeddings",
-                    arch, (arch.vocab_size, arch.hidden_size))
+    lm_head = _take(checkpoint, "lm_head.weight", "the output projection; config.json does not set tie_word_embeddings; "
+                    "a checkpoint saved without its LM head, as embedding models are, runs with runner 'pooling' "
+                    "(--runner pooling) only", arch, (arch.vocab_size, arch.hidden_size))
     # A tied checkpoint that stores both equal tensors keeps one (on CUDA nothing else copies it); a tied
     # quantized one (a QuantizedWeight: lm_head is never run quantized) ties as before.
     if tied and (not isinstance(lm_head, torch.Tensor) or torch.equal(lm_head, embedding)):
@@ -541,10 +542,12 @@ def _fuse_experts(checkpoint: dict[str, torch.Tensor], index: int, arch: LlamaFa
 
 def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, backend: AttentionBackend,
                show_progress: bool = False, ops: LayerOps | None = None,
-               quantization: QuantizationSpec = NONE, fuse_mlp_activation: bool = True) -> LlamaFamilyForCausalLM:
+               quantization: QuantizationSpec = NONE, fuse_mlp_activation: bool = True,
+               needs_lm_head: bool = True) -> LlamaFamilyForCausalLM:
     """The model in `dtype` on `device`; `ops` defaults to the torch reference ops; `quantization`
     (common/quantization_spec.py) says how the decoder's projections are stored and run; without
-    `fuse_mlp_activation` an MLP's gate/up product is never fused with its activation (LoRA adapts it)."""
+    `fuse_mlp_activation` an MLP's gate/up product is never fused with its activation (LoRA adapts it). Without
+    `needs_lm_head` (a pooling engine, which reads the final hidden states) a checkpoint may lack lm_head.weight."""
     config = load_hf_config(model_dir)
     arch = parse_arch(config)
     if arch.moe is not None and quantization.quantized:
@@ -557,6 +560,10 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, backen
     with torch.device("meta"):
         model = LlamaFamilyForCausalLM(arch, rotary, backend, ops or TorchLayerOps(), local_rotary)
     checkpoint = read_checkpoint(model_dir)
+    if not needs_lm_head and "lm_head.weight" not in checkpoint:
+        # An embedding model saved as its base model (BASE_MODEL_ARCHITECTURES): the embedding table stands in for
+        # the head a pooling engine never reads (its steps ask for no logit rows).
+        checkpoint["lm_head.weight"] = checkpoint["embed_tokens.weight"]
     if quantization.method in PACKED_METHODS:
         unpack_checkpoint(checkpoint, quantization)
     state = fuse_checkpoint(checkpoint, arch)

@@ -215,6 +215,21 @@ def save_random_hf_model(out_dir: Path, architecture: str, seed: int = 0, **conf
     return out_dir
 
 
+def save_random_base_model(out_dir: Path, architecture: str, seed: int = 0) -> Path:
+    """save_random_hf_model's checkpoint saved as transformers' base model (`Qwen3Model`, `MistralModel`, ...): no
+    lm_head, tensor names without the `model.` prefix, config.json's architectures the base class, as embedding models
+    (Qwen3-Embedding, e5-mistral) ship; with a tokenizer of the config's 384 ids."""
+    import json
+
+    save_random_hf_model(out_dir, architecture, seed, tie_word_embeddings=False)
+    causal = _hf_model(out_dir)
+    causal.model.save_pretrained(out_dir)  # overwrites the weights and config.json
+    config = json.loads((out_dir / "config.json").read_text())
+    assert config["architectures"] == [type(causal.model).__name__]
+    save_tokenizer_dir(out_dir, vocab_size=384, seed=seed)
+    return out_dir
+
+
 def _random_hf_model(config, seed: int):
     """transformers' model of `config` with random weights from `seed`, in float32."""
     from transformers import AutoModelForCausalLM

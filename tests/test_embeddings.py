@@ -10,12 +10,13 @@ import random
 import pytest
 import torch
 
-from splitserve.common.errors import InvalidRequestError
+from splitserve.common.errors import InvalidRequestError, UnsupportedModelError
 from splitserve.common.pooling import PoolerConfig, PoolingParams, ResolvedPooling, read_model_pooling
 from splitserve.engine import LLM
 from splitserve.engine.engine_loop import abort_all
 from splitserve.engine.pooling import SequencePool
-from tests.factories import assert_pool_idle, copy_with_config_fields, hf_embedding, with_sentence_transformers_files
+from tests.factories import (assert_pool_idle, copy_with_config_fields, hf_embedding, save_random_base_model,
+                             with_sentence_transformers_files)
 
 TOLERANCE = 2e-6
 """Largest difference allowed per entry of a unit-length fp32 embedding (entries ~0.1): the engine's kernels (oneDNN-
@@ -240,3 +241,17 @@ def test_a_failed_step_then_abort_all_frees_every_pooling_request(tiny_llama_dir
         ("r0", "abort", None), ("r1", "abort", None)]
     assert engine._pools == {}
     assert_pool_idle(engine.block_manager)
+
+
+@pytest.mark.parametrize("architecture", ["qwen3", "mistral"])
+def test_a_checkpoint_saved_without_its_lm_head_embeds(architecture, tmp_path):
+    """Qwen3-Embedding and e5-mistral ship their decoder alone (Qwen3Model / MistralModel, no lm_head): a pooling
+    engine runs it as its causal-LM family; a generating one refuses it naming the missing head."""
+    model_dir = save_random_base_model(tmp_path / architecture, architecture, seed=5)
+    prompts = [[token % 384 for token in prompt] for prompt in PROMPTS]
+    llm = _pooling_llm(model_dir, "LAST")
+    for output, prompt in zip(llm.embed(prompts), prompts):
+        want = torch.tensor(hf_embedding(model_dir, prompt, "LAST"))
+        assert torch.allclose(torch.tensor(output.outputs.embedding), want, rtol=0, atol=TOLERANCE)
+    with pytest.raises(UnsupportedModelError, match=r"no tensor lm_head.weight .*runs with runner 'pooling'"):
+        LLM(model_dir)

@@ -580,7 +580,8 @@ def test_an_untied_checkpoint_without_lm_head_is_refused_naming_it(tmp_path):
     with pytest.raises(UnsupportedModelError) as error:
         EngineCore(model_dir, EngineConfig(device="cpu"))
     assert str(error.value) == ("the checkpoint has no tensor lm_head.weight (the output projection; config.json "
-                                "does not set tie_word_embeddings)")
+                                "does not set tie_word_embeddings; a checkpoint saved without its LM head, as "
+                                "embedding models are, runs with runner 'pooling' (--runner pooling) only)")
 
 
 def pytorch_bin_copy(model_dir: Path, out_dir: Path, num_shards: int) -> Path:
