@@ -3,7 +3,7 @@ it names already show (the model directory, its tokenizer (or --tokenizer's) and
 longer than its positions, a weight quantization the checkpoint does not fit, sampling defaults a
 generation_config.json cannot give, TLS files,
 the API key's variable, a host that is not this machine's, ports in use, LoRA adapter directories the
-engines would refuse), each reported as one
+engines would refuse, a pooling model's sentence-transformers files the engines would refuse), each reported as one
 line within milliseconds instead of after Ray, the workers and a model load.
 
 Only the standard library, the router's torch-free tokenizer and common/ are imported here, so
@@ -20,6 +20,7 @@ from splitserve.common.errors import InvalidRequestError, UnsupportedModelError
 from splitserve.common.generation_config import GenerationConfigFile, resolve_request_defaults
 from splitserve.common.lora import adapter_weight_file, read_adapter_config
 from splitserve.common.model_dir import EMBEDDED_MODELS, check_model_dir, read_model_config
+from splitserve.common.pooling import read_model_pooling
 from splitserve.common.quantization_spec import resolve_quantization
 from splitserve.deploy.cluster_config import ClusterConfig, RouterConfig
 from splitserve.router.auth import api_key_from_env
@@ -41,6 +42,7 @@ def preflight(config: ClusterConfig, api_key: str | None = None) -> None:
     check_max_model_len(config)
     check_quantization(config)
     check_lora_modules(config)
+    check_pooling(config)
     resolve_request_defaults(config.router.generation_config, GenerationConfigFile.read(_model_dir(config.model)))
     if config.router.tls is not None:
         load_tls(config.router.tls)
@@ -102,6 +104,17 @@ def check_lora_modules(config: ClusterConfig) -> None:
             adapter_weight_file(Path(adapter.lora_path))
         except InvalidRequestError as error:
             raise PreflightError(f"lora_modules (--lora-modules) {adapter.lora_name}: {error.message}") from None
+
+
+def check_pooling(config: ClusterConfig) -> None:
+    """With --runner pooling: the model's sentence-transformers files name a pooling the engines run (no Dense
+    module, a LAST / MEAN / CLS Pooling module), as each worker reads them when it starts."""
+    if config.runner != "pooling":
+        return
+    try:
+        read_model_pooling(_model_dir(config.model), config.decode.engine.pooler_config)
+    except ValueError as error:
+        raise PreflightError(f"--runner pooling: {error}") from None
 
 
 def _model_dir(model: str) -> Path:

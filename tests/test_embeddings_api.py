@@ -18,10 +18,12 @@ import torch
 from splitserve.common.pooling import PoolerConfig, read_model_pooling
 from splitserve.deploy.cli import build_parser, serve_config
 from splitserve.deploy.cluster_config import ClusterConfigError
+from splitserve.deploy.preflight import PreflightError, check_pooling
 from splitserve.proto.splitserve.v1 import generation_pb2 as pb
 from splitserve.router.policy import RoutingConfig
 from splitserve.testing.in_process_cluster import worker_engine_config
-from tests.factories import ServedApis, capture_access_log, hf_embedding, http_request, served_apis, stream_tokens
+from tests.factories import (ServedApis, capture_access_log, hf_embedding, http_request, served_apis, stream_tokens,
+                             with_sentence_transformers_files)
 from tests.test_embeddings import TOLERANCE
 
 MODEL = "tiny-embed"
@@ -229,3 +231,14 @@ def test_the_grpc_generate_api_of_a_pooling_server_refuses(served):
         stream_tokens(served.grpc_port, request)
     assert (error.value.code(), error.value.details()) == (grpc.StatusCode.INVALID_ARGUMENT, GENERATION_REFUSED)
     served.loop.run(served.cluster.wait_idle())
+
+
+def test_serve_preflight_refuses_a_pooling_the_engines_would_refuse(tiny_llama_dir, tmp_path):
+    """Before Ray starts: a sentence-transformers pooling the engines do not run (max)."""
+    model_dir = with_sentence_transformers_files(tiny_llama_dir, tmp_path / "st", "max", True)
+    config = _serve_config("--runner", "pooling")
+    check_pooling(replace(config, model=str(tiny_llama_dir)))  # no modules.json: LAST, normalized
+    with pytest.raises(PreflightError, match=r"^--runner pooling: .*1_Pooling/config.json: pooling "
+                                             r"'pooling_mode_max_tokens' is not supported; supported: lasttoken, "
+                                             r"mean, cls$"):
+        check_pooling(replace(config, model=str(model_dir)))
