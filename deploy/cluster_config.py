@@ -38,9 +38,10 @@ KV_SIZING_FIELDS = ("num_kv_blocks", "kv_cache_memory_bytes", "kv_cache_memory_f
 """EngineConfig's KV pool sizing fields: the first three are mutually exclusive, and win over the last."""
 SHARED_ENGINE_FIELDS = ("block_size", "dtype", "hash_seed")
 """Engine fields the two pools must agree on for prefill KV blocks to be readable by decode."""
-AGREED_ENGINE_FIELDS = ("scheduling_policy",)
+AGREED_ENGINE_FIELDS = ("scheduling_policy", "runner", "pooler_config")
 """Engine fields the two pools must agree on for the router to serve a request the same way on both
-(it refuses a priority other than 0 unless every worker's scheduling policy is priority)."""
+(it refuses a priority other than 0 unless every worker's scheduling policy is priority; an embedding is pooled on a
+prefill worker, with the pooling the router read from the decode pool's config)."""
 
 
 class ClusterConfigError(ValueError):
@@ -393,13 +394,6 @@ class ClusterConfig:
             self._check_disaggregated_pools()
         if self.planner.enabled:
             self._check_planner_bounds()
-        _require(self.mode == "colocated" or self.prefill.engine.runner == self.decode.engine.runner,
-                 "decode.engine.runner", f"must be the prefill pool's ({self.prefill.engine.runner!r}): a cluster "
-                                         f"serves its model one way (--runner sets both), got "
-                                         f"{self.decode.engine.runner!r}")
-        _require(self.mode == "colocated" or self.prefill.engine.pooler_config == self.decode.engine.pooler_config,
-                 "decode.engine.pooler_config", "must be the prefill pool's: every worker embeds the same way "
-                                                "(--pooler-config sets both)")
         _require(self.router.replicas == 1 or not self.planner.enabled, "router.replicas",
                  f"must be 1 with planner.enabled (the planner runs in the one router), got {self.router.replicas}")
 

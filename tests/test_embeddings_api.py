@@ -212,8 +212,8 @@ def test_the_runner_flags_set_both_pools():
     assert (config.prefill.engine.runner, config.decode.engine.runner, config.runner) == ("pooling",) * 3
     assert config.prefill.engine.pooler_config == config.decode.engine.pooler_config == PoolerConfig("MEAN")
     assert (_serve_config("--task", "embed").runner, _serve_config().runner) == ("pooling", "generate")
-    with pytest.raises(ClusterConfigError, match=r"^decode.engine.runner: must be the prefill pool's \('generate'\): "
-                                                 r"a cluster serves its model one way"):
+    with pytest.raises(ClusterConfigError, match=r"^decode.engine.runner: must equal prefill.engine.runner "
+                                                 r"\('generate'\) in disaggregated mode, got 'pooling'$"):
         _serve_config("--set", "decode.engine.runner=pooling")
     with pytest.raises(ClusterConfigError, match=r"^prefill.engine.pooler_config: is for runner 'pooling' "
                                                  r"\(an engine that embeds\); set runner='pooling'$"):
