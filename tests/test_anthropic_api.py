@@ -1,0 +1,379 @@
+"""Anthropic's Messages API (POST /v1/messages, /v1/messages/count_tokens; router/anthropic_protocol.py):
+a request translated into exactly the chat request that asks for the same generation, the exact
+stream events of scripted outputs, each stop_reason's cause, the errors' shapes and statuses, and a
+served model driven by the official anthropic SDK (greedy text and token counts equal to the chat
+endpoint's, a stream that accumulates to the unstreamed message, a tool_use round trip, thinking
+blocks from a reasoning parser, x-api-key auth, 401 and 429)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import typing
+
+import anthropic
+import jsonschema
+import openai
+import pytest
+from anthropic.types import message_create_params
+
+from splitserve.common.errors import InvalidRequestError
+from splitserve.common.model_dir import DEFAULT_MODEL_NAME
+from splitserve.engine.tiny_model import resolve_model_path
+from splitserve.router.anthropic_protocol import (MESSAGES_HANDLED, MESSAGES_REFUSED, PASSED_TO_CHAT, MessageHeader,
+                                                  MessagesRenderer, parse_count_tokens_request,
+                                                  parse_messages_request, stop_reason)
+from splitserve.router.api_types import RouterError, StreamChunk, Usage
+from splitserve.router.fanout import IndexedChunk
+from splitserve.router.openai_protocol import parse_chat_request
+from splitserve.router.openai_server import _message_events
+from splitserve.router.policy import RoutingConfig
+from splitserve.router.tool_parsers import ToolOutput
+from splitserve.testing.tiny_models import TOOLS_CHAT_TEMPLATE, build_thinking_model
+from tests.factories import http_request, make_request_limits, served_apis
+
+MODEL = "m"
+KEY = "sk-test-key"
+WEATHER_SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "pattern": "^[a-z]{1,8}$"},
+                                                   "unit": {"enum": ["c", "f"]}},
+                  "required": ["city", "unit"], "additionalProperties": False}
+TOOLS = [{"name": "get_weather", "description": "The weather in a city.", "input_schema": WEATHER_SCHEMA}]
+"""Anthropic's custom tool."""
+CHAT_TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER_SCHEMA,
+                                                "description": "The weather in a city."}}]
+"""The same tool in the chat's form."""
+SYSTEM = [{"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.0; cch=7f3a"},
+          {"type": "text", "text": "You are terse.", "cache_control": {"type": "ephemeral"}}]
+"""Claude Code's system prompt: its billing header first (dropped: it would defeat the prefix cache)."""
+MESSAGES = [
+    {"role": "user", "content": [{"type": "text", "text": "What is the weather"},
+                                 {"type": "text", "text": "in Oslo?", "cache_control": {"type": "ephemeral"}}]},
+    {"role": "assistant", "content": [
+        {"type": "thinking", "thinking": "Ask the tool.", "signature": "abc"},
+        {"type": "redacted_thinking", "data": "opaque"},
+        {"type": "text", "text": "Let me look."},
+        {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "oslo", "unit": "c"}}]},
+    {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
+                                  "content": [{"type": "text", "text": "4 degrees"}]},
+                                 {"type": "text", "text": "And tomorrow?"}]},
+    {"role": "assistant", "content": "Cold."},
+    {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_2", "content": "sunny"}]},
+]
+"""A conversation in Messages blocks: a tool round trip, then a text answer and a lone tool result."""
+CHAT_MESSAGES = [
+    {"role": "system", "content": [{"type": "text", "text": "You are terse."}]},
+    {"role": "user", "content": [{"type": "text", "text": "What is the weather"}, {"type": "text", "text": "in Oslo?"}]},
+    {"role": "assistant", "content": [{"type": "text", "text": "Let me look."}], "reasoning": "Ask the tool.",
+     "tool_calls": [{"id": "toolu_1", "type": "function",
+                     "function": {"name": "get_weather", "arguments": '{"city": "oslo", "unit": "c"}'}}]},
+    {"role": "tool", "tool_call_id": "toolu_1", "content": [{"type": "text", "text": "4 degrees"}]},
+    {"role": "user", "content": [{"type": "text", "text": "And tomorrow?"}]},
+    {"role": "assistant", "content": "Cold."},
+    {"role": "tool", "tool_call_id": "toolu_2", "content": "sunny"},
+]
+"""The same conversation as chat messages."""
+
+
+def parse(**fields):
+    return parse_messages_request({"model": MODEL, "max_tokens": 16, "messages": [{"role": "user", "content": "Hi"}],
+                                   **fields}, make_request_limits())
+
+
+# ---- parsing ----------------------------------------------------------------------------------
+
+def test_a_request_is_exactly_the_chat_request_for_the_same_generation():
+    messages = parse(system=SYSTEM, messages=MESSAGES, tools=TOOLS, stop_sequences=["\n\n", "END"], temperature=0.5,
+                     top_p=0.9, top_k=40, stream=True, metadata={"user_id": "u-1"},
+                     tool_choice={"type": "any", "disable_parallel_tool_use": True})
+    chat = parse_chat_request({"model": MODEL, "max_tokens": 16, "messages": CHAT_MESSAGES, "tools": CHAT_TOOLS,
+                               "stop": ["\n\n", "END"], "temperature": 0.5, "top_p": 0.9, "top_k": 40, "stream": True,
+                               "tool_choice": "required", "parallel_tool_calls": False}, make_request_limits())
+    assert messages == chat
+
+
+@pytest.mark.parametrize(("tool_choice", "chat_choice"), [
+    ({"type": "auto"}, "auto"), ({"type": "none"}, "none"), ({"type": "any"}, "required"),
+    ({"type": "tool", "name": "get_weather"}, {"type": "function", "function": {"name": "get_weather"}})])
+def test_each_tool_choice_is_its_chat_counterpart(tool_choice, chat_choice):
+    chat = parse_chat_request({"model": MODEL, "max_tokens": 16, "messages": [{"role": "user", "content": "Hi"}],
+                               "tools": CHAT_TOOLS, "tool_choice": chat_choice}, make_request_limits())
+    assert parse(tools=TOOLS, tool_choice=tool_choice).tool_calling == chat.tool_calling
+
+
+def test_thinking_disabled_and_output_config_are_the_chats_reasoning_effort_and_response_format():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    chat = parse_chat_request({"model": MODEL, "max_tokens": 2048, "messages": [{"role": "user", "content": "Hi"}],
+                               "reasoning_effort": "none", "response_format": {
+                                   "type": "json_schema", "json_schema": {"name": "output", "schema": schema}}},
+                              make_request_limits())
+    assert parse(max_tokens=2048, thinking={"type": "disabled"}, output_config={
+        "effort": "high", "format": {"type": "json_schema", "schema": schema}}) == chat
+    enabled = parse(max_tokens=2048, thinking={"type": "enabled", "budget_tokens": 1024})
+    assert enabled.template == parse(max_tokens=2048).template  # accepted, the budget not enforced
+
+
+def test_count_tokens_takes_the_messages_request_without_max_tokens():
+    body = {"model": MODEL, "system": "Be brief.", "messages": MESSAGES, "tools": TOOLS}
+    counted = parse_count_tokens_request(body, make_request_limits())
+    assert (counted.messages, counted.template) == (parse(**body).messages, parse(**body).template)
+
+
+def test_every_field_of_the_anthropic_sdks_request_is_handled_or_refused():
+    sdk_fields = set(typing.get_type_hints(message_create_params.MessageCreateParamsBase)) | {
+        "stream", "temperature", "top_p", "top_k"}  # the SDK 2.x dropped the sampling fields; vLLM takes them
+    known = MESSAGES_HANDLED | set(PASSED_TO_CHAT) | {rule.name for rule in MESSAGES_REFUSED}
+    assert sdk_fields - known == set()
+
+
+@pytest.mark.parametrize(("fields", "field", "message"), [
+    ({"max_tokens": None}, "max_tokens", "is required: an integer >= 1, got null"),
+    ({"max_tokens": 0}, "max_tokens", "is required: an integer >= 1, got 0"),
+    ({"model": ""}, "model", 'is required: a non-empty string, got ""'),
+    ({"messages": []}, "messages", "must be a non-empty list of {role, content} objects, got []"),
+    ({"messages": [{"role": "system", "content": "Be brief."}]}, "messages[0].role",
+     'must be "user" or "assistant" (a system prompt goes in the top-level system field), got "system"'),
+    ({"messages": [{"role": "tool", "content": "4"}]}, "messages[0].role",
+     'must be "user" or "assistant" (a system prompt goes in the top-level system field), got "tool"'),
+    ({"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "What is this?"},
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBOR"}}]}]},
+     "messages[0].content[1].type",
+     "image blocks are not supported: this server serves text models only (send the content as text)"),
+    ({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": [
+        {"type": "image", "source": {}}]}]}]}, "messages[0].content[0].content[0].type",
+     "image blocks are not supported: this server serves text models only (send the content as text)"),
+    ({"messages": [{"role": "assistant", "content": [{"type": "tool_result", "tool_use_id": "t"}]}]},
+     "messages[0].content[0].type", 'must be one of text, tool_use, thinking, redacted_thinking here, got '
+                                    '"tool_result"'),
+    ({"messages": [{"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": "{}"}]}]},
+     "messages[0].content[0].input", 'must be an object, got "{}"'),
+    ({"messages": [{"role": "user", "content": [{"type": "tool_result", "content": "4"}]}]},
+     "messages[0].content[0].tool_use_id", "must be a non-empty string, got null"),
+    ({"system": [{"type": "image"}]}, "system[0]", 'must be a text block {"type": "text", "text": ...}, got '
+                                                   '{"type": "image"}'),
+    ({"stop_sequences": "END"}, "stop_sequences", 'must be a list of strings, got "END"'),
+    ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools[0].type",
+     "only custom tools {name, description, input_schema} are supported (Anthropic's server and client tools are "
+     'not), got "web_search_20250305"'),
+    ({"tools": [{"name": "f"}]}, "tools[0].input_schema", "is required: a JSON schema object, got null"),
+    ({"tools": [{"name": "", "input_schema": {"type": "object"}}]}, "tools[0].name",
+     "must be a non-empty string, got ''"),
+    ({"tools": [{"name": "f", "input_schema": {"type": "objec"}}], "tool_choice": {"type": "tool", "name": "f"}},
+     "tools[0].input_schema", "json_schema: unsupported type 'objec' at /type"),
+    ({"tools": TOOLS, "tool_choice": {"type": "tool", "name": "g"}}, "tool_choice.name",
+     "'g' is not one of the tools"),
+    ({"tools": TOOLS, "tool_choice": {"type": "required"}}, "tool_choice",
+     'must be {"type": "auto" | "any" | "none"} or {"type": "tool", "name": ...}, got {"type": "required"}'),
+    ({"thinking": {"type": "enabled", "budget_tokens": 512}}, "thinking.budget_tokens",
+     "must be an integer >= 1024, got 512"),
+    ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking.budget_tokens",
+     "must be less than max_tokens (16), got 1024"),
+    ({"output_config": {"effort": "huge"}}, "output_config.effort",
+     'must be one of none, minimal, low, medium, high, xhigh, max, got "huge"'),
+    ({"metadata": {"user_id": 7}}, "metadata.user_id", "must be a string, got 7"),
+    ({"stop_sequences": ["x"] * 65}, "stop_sequences", "must hold at most 64 strings, got 65"),
+    ({"container": "c-1"}, "container", 'is not supported by this server: no code execution containers (got "c-1")'),
+    ({"speed": "fast"}, "speed", 'is not supported by this server: one speed (got "fast")'),
+    ({"vllm_xargs": {"a": 1}}, "vllm_xargs", 'is not supported by this server: no custom extensions (got {"a": 1})'),
+])
+def test_bad_requests_are_refused_naming_the_messages_field(fields, field, message):
+    with pytest.raises(InvalidRequestError) as error:
+        parse(**fields)
+    assert (error.value.field, error.value.message) == (field, message)
+
+
+# ---- rendering ----------------------------------------------------------------------------------
+
+HEADER = MessageHeader("msg_1", MODEL, 7)
+
+
+def message_start(prompt_tokens: int = 7) -> dict:
+    return {"type": "message_start", "message": {
+        "id": "msg_1", "type": "message", "role": "assistant", "model": MODEL, "content": [], "stop_reason": None,
+        "stop_sequence": None, "usage": {"input_tokens": prompt_tokens, "output_tokens": 0}}}
+
+
+def test_a_text_output_streams_anthropics_events_in_order():
+    renderer = MessagesRenderer(HEADER, None)
+    chunks = [StreamChunk("1", (5,), "Hel", ()), StreamChunk("1", (6,), "", ()),
+              StreamChunk("1", (7,), "lo.", (), "stop", "\n\n", Usage(7, 0, 3))]
+    events = renderer.opening_events() + [event for chunk in chunks for event in renderer.stream_events(chunk)]
+    assert events == [
+        message_start(),
+        {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
+        {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "Hel"}},
+        {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "lo."}},
+        {"type": "content_block_stop", "index": 0},
+        {"type": "message_delta", "delta": {"stop_reason": "stop_sequence", "stop_sequence": "\n\n"},
+         "usage": {"input_tokens": 7, "output_tokens": 3}},
+        {"type": "message_stop"}]
+    assert MessagesRenderer(HEADER, None).response([chunks], Usage(7, 2, 3)) == {
+        "id": "msg_1", "type": "message", "role": "assistant", "model": MODEL,
+        "content": [{"type": "text", "text": "Hello."}], "stop_reason": "stop_sequence", "stop_sequence": "\n\n",
+        "usage": {"input_tokens": 7, "output_tokens": 3}}
+
+
+def test_text_then_a_call_are_two_blocks_and_the_call_streams_its_input_as_json_deltas(monkeypatch):
+    monkeypatch.setattr("splitserve.router.anthropic_protocol.new_tool_use_id", lambda: "toolu_x")
+    calling = parse_chat_request({"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "tools": CHAT_TOOLS},
+                                 make_request_limits()).tool_calling
+    tool_output = ToolOutput.for_request(calling, "hermes")
+    text = 'Sure. <tool_call>{"name": "get_weather", "arguments": {"city": "oslo", "unit": "c"}}</tool_call>'
+    chunks = [StreamChunk("1", (5,), text[:20], ()), StreamChunk("1", (6,), text[20:], (), "stop", None,
+                                                                  Usage(7, 0, 2))]
+    renderer = MessagesRenderer(MessageHeader("msg_1", MODEL, 7, cache_details=True), tool_output)
+    events = [event for chunk in chunks for event in renderer.stream_events(chunk)]
+    assert [event["type"] for event in events] == [
+        "content_block_start", "content_block_delta", "content_block_stop", "content_block_start",
+        *["content_block_delta"] * (len(events) - 7), "content_block_stop", "message_delta", "message_stop"]
+    assert events[3] == {"type": "content_block_start", "index": 1, "content_block": {
+        "type": "tool_use", "id": "toolu_x", "name": "get_weather", "input": {}}}
+    assert "".join(event["delta"]["partial_json"] for event in events[4:-3]) == '{"city": "oslo", "unit": "c"}'
+    assert {event["index"] for event in events[4:-3]} == {1}
+    assert events[-2] == {"type": "message_delta", "delta": {"stop_reason": "tool_use", "stop_sequence": None},
+                          "usage": {"input_tokens": 7, "cache_read_input_tokens": 0, "output_tokens": 2}}
+    whole = MessagesRenderer(MessageHeader("msg_1", MODEL, 7), tool_output).response([chunks], Usage(7, 4, 2))
+    assert (whole["content"], whole["stop_reason"], whole["usage"]) == (
+        [{"type": "text", "text": "Sure. "},
+         {"type": "tool_use", "id": "toolu_x", "name": "get_weather", "input": {"city": "oslo", "unit": "c"}}],
+        "tool_use", {"input_tokens": 7, "output_tokens": 2})
+
+
+def test_an_empty_output_is_one_empty_text_block_streamed_and_not():
+    last = StreamChunk("1", (2,), "", (), "stop", 2, Usage(7, 0, 1))
+    events = MessagesRenderer(HEADER, None).stream_events(last)
+    assert events[:3] == [{"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
+                          {"type": "content_block_stop", "index": 0},
+                          {"type": "message_delta", "delta": {"stop_reason": "end_turn", "stop_sequence": None},
+                           "usage": {"input_tokens": 7, "output_tokens": 1}}]
+    assert MessagesRenderer(HEADER, None).response([[last]], Usage(7, 0, 1))["content"] == [{"type": "text",
+                                                                                             "text": ""}]
+
+
+def test_an_unstreamed_malformed_call_is_all_text_as_the_chats_message():
+    calling = parse_chat_request({"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "tools": CHAT_TOOLS},
+                                 make_request_limits()).tool_calling
+    text = 'Hi <tool_call>{"name": "get_weather", "arguments": {"city": oops}}</tool_call>'
+    chunks = [StreamChunk("1", (5,), text[:40], ()), StreamChunk("1", (6,), text[40:], (), "stop")]
+    message = MessagesRenderer(HEADER, ToolOutput.for_request(calling, "hermes")).response([chunks], Usage(7, 0, 2))
+    assert (message["content"], message["stop_reason"]) == ([{"type": "text", "text": text}], "end_turn")
+
+
+@pytest.mark.parametrize(("finish_reason", "engine_stop_reason", "called", "complete", "expected"), [
+    ("length", None, False, True, ("max_tokens", None)),
+    ("length", None, True, False, ("max_tokens", None)),  # a call cut short by max_tokens
+    ("stop", None, False, True, ("end_turn", None)),  # EOS
+    ("stop", 2, False, True, ("end_turn", None)),  # a stop token id
+    ("stop", "END", False, True, ("stop_sequence", "END")),
+    ("stop", "END", True, False, ("stop_sequence", "END")),  # a call cut short by a stop sequence must not run
+    ("stop", "END", True, True, ("tool_use", None)),
+    ("tool_calls", None, True, True, ("tool_use", None)),
+    ("stop", None, True, True, ("tool_use", None)),  # a named tool choice ends as "stop"
+])
+def test_each_cause_has_its_stop_reason(finish_reason, engine_stop_reason, called, complete, expected):
+    assert stop_reason(finish_reason, engine_stop_reason, called, complete) == expected
+
+
+def test_a_failure_mid_stream_ends_it_with_an_error_event():
+    renderer = MessagesRenderer(HEADER, None)
+
+    async def chunks():
+        yield IndexedChunk(0, StreamChunk("1", (5,), "Hel", ()))
+        raise RouterError("UNAVAILABLE", "the decode worker died")
+
+    async def events() -> list[bytes]:
+        stream = chunks()
+        return [event async for event in _message_events(await anext(stream), stream, renderer)]
+
+    sent = asyncio.run(events())
+    assert [event.split(b"\n")[0] for event in sent] == [
+        b"event: message_start", b"event: content_block_start", b"event: content_block_delta", b"event: error"]
+    assert sent[-1] == (b'event: error\ndata: {"type": "error", "error": {"type": "overloaded_error", '
+                        b'"message": "the decode worker died"}}\n\n')
+
+
+# ---- served -----------------------------------------------------------------------------------
+
+MAX_IN_FLIGHT = 3
+
+
+@pytest.fixture(scope="module")
+def served():
+    with served_apis(resolve_model_path(DEFAULT_MODEL_NAME), MODEL, api_key=KEY, chat_template=TOOLS_CHAT_TEMPLATE,
+                     routing=RoutingConfig(max_in_flight_requests=MAX_IN_FLIGHT)) as served:
+        yield served
+
+
+def client(port: int, api_key: str = KEY) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=f"http://127.0.0.1:{port}", api_key=api_key, max_retries=0)
+
+
+def chat_client(port: int) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0)
+
+
+GREEDY = {"extra_body": {"temperature": 0}}
+"""The anthropic SDK 2.x has no sampling fields: temperature rides in the body as vLLM takes it."""
+
+
+def post(served, path: str, body: dict, headers: dict | None = None) -> tuple[int, dict, dict]:
+    status, response_headers, raw = http_request(served.http_port, "POST", path, json.dumps(body).encode(),
+                                                 headers={"x-api-key": KEY, **(headers or {})})
+    return status, response_headers, json.loads(raw)
+
+
+def test_greedy_output_equals_the_chat_endpoints(served):
+    message = client(served.http_port).messages.create(model=MODEL, max_tokens=12, system=SYSTEM, messages=MESSAGES,
+                                                       tools=TOOLS, tool_choice={"type": "none"}, **GREEDY)
+    chat = chat_client(served.http_port).chat.completions.create(
+        model=MODEL, messages=CHAT_MESSAGES, tools=CHAT_TOOLS, tool_choice="none", max_tokens=12, temperature=0)
+    [block] = message.content
+    assert (block.type, block.text) == ("text", chat.choices[0].message.content)
+    assert block.text != ""
+    assert (message.usage.input_tokens, message.usage.output_tokens) == (chat.usage.prompt_tokens,
+                                                                         chat.usage.completion_tokens)
+    assert (message.type, message.role, message.model, message.id[:4], message.stop_reason) == (
+        "message", "assistant", MODEL, "msg_", "max_tokens")
+
+
+def test_a_stream_is_anthropics_events_and_accumulates_to_the_unstreamed_message(served):
+    request = dict(model=MODEL, max_tokens=10, messages=[{"role": "user", "content": "Tell me about the river."}],
+                   **GREEDY)
+    whole = client(served.http_port).messages.create(**request)
+    with client(served.http_port).messages.stream(**request) as stream:
+        events = list(stream)
+        streamed = stream.get_final_message()
+    assert streamed.model_dump(exclude={"id"}) == whole.model_dump(exclude={"id"})
+    deltas = [event for event in events if event.type == "content_block_delta"]
+    assert [event.type for event in events if event.type not in ("content_block_delta", "text")] == [
+        "message_start", "content_block_start", "content_block_stop", "message_delta", "message_stop"]
+    assert "".join(event.delta.text for event in deltas) == whole.content[0].text
+    assert len(deltas) == 10  # one per token (this output's tokens each end a character)
+    status, headers, raw = http_request(served.http_port, "POST", "/v1/messages", json.dumps(
+        {**request.pop("extra_body"), **request, "stream": True}).encode(), headers={"x-api-key": KEY})
+    sent = sse_events(raw)
+    assert (status, headers["content-type"].split(";")[0]) == (200, "text/event-stream")
+    assert all(name == data["type"] for name, data in sent)
+    message_id = sent[0][1]["message"]["id"]
+    assert [data for _, data in sent] == [
+        {"type": "message_start", "message": {
+            "id": message_id, "type": "message", "role": "assistant", "model": MODEL, "content": [],
+            "stop_reason": None, "stop_sequence": None,
+            "usage": {"input_tokens": whole.usage.input_tokens, "output_tokens": 0}}},
+        {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
+        *({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": event.delta.text}}
+          for event in deltas),
+        {"type": "content_block_stop", "index": 0},
+        {"type": "message_delta", "delta": {"stop_reason": "max_tokens", "stop_sequence": None},
+         "usage": {"input_tokens": whole.usage.input_tokens, "output_tokens": 10}},
+        {"type": "message_stop"}]
+    assert message_id != whole.id and message_id.startswith("msg_")
+
+
+def sse_events(raw: bytes) -> list[tuple[str, dict]]:
+    """(event name, data) of each server-sent event."""
+    events = []
+    for block in raw.decode().split("\n\n")[:-1]:
+        name, data = block.split("\n")
+        events.append((name.removeprefix("event: "), json.loads(data.removeprefix("data: "))))
+    return events
