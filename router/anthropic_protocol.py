@@ -64,6 +64,8 @@ MESSAGES_HANDLED = frozenset({"model", "max_tokens", "messages", "system", "stop
                               "cache_control", "user_profile_id", "workspace_id"})
 """The Anthropic Messages fields this endpoint implements (with PASSED_TO_CHAT's vLLM extensions)."""
 PASSED_TO_CHAT = ("model", "temperature", "top_p", "top_k", "stream",
+                  # the chat's sampling seed (vLLM's Messages request has none: it ignores one)
+                  "seed",
                   # vLLM's extensions of its Messages request: the chat parser implements them, or refuses them
                   # as it does on the chat endpoint
                   "cache_salt", "chat_template_kwargs", "watermarking", "kv_transfer_params", "ec_transfer_params",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import typing
 
 import anthropic
@@ -377,3 +378,227 @@ def sse_events(raw: bytes) -> list[tuple[str, dict]]:
         name, data = block.split("\n")
         events.append((name.removeprefix("event: "), json.loads(data.removeprefix("data: "))))
     return events
+
+
+@pytest.mark.parametrize(("fields", "expected"), [
+    ({"messages": [{"role": "user", "content": "import os"}], "stop_sequences": ["_get"]},
+     ("stop_sequence", "_get", "\n\n\nimport ")),
+    ({"output_config": {"format": {"type": "json_schema", "schema": {"type": "boolean"}}}},
+     ("end_turn", None, "false")),  # the grammar's end: EOS
+    ({"max_tokens": 3}, ("max_tokens", None, "\n#\n")),
+])
+def test_each_cause_of_an_end_has_its_stop_reason(served, fields, expected):
+    request = {"model": MODEL, "max_tokens": 40, "messages": [{"role": "user", "content": "Tell me about the river."}],
+               **GREEDY, **fields}
+    message = client(served.http_port).messages.create(**request)
+    with client(served.http_port).messages.stream(**request) as stream:
+        streamed = stream.get_final_message()
+    assert (message.stop_reason, message.stop_sequence, message.content[0].text) == expected
+    assert (streamed.stop_reason, streamed.stop_sequence, streamed.content[0].text) == expected
+
+
+@pytest.mark.parametrize("tool_choice", [{"type": "tool", "name": "get_weather"},
+                                         {"type": "any", "disable_parallel_tool_use": True}])
+def test_a_tool_use_round_trip(served, tool_choice):
+    """A forced tool choice returns a tool_use block with its parsed input (stop_reason tool_use), streamed alike;
+    sent back with its tool_result, the model answers in text as the chat endpoint answers the same chat."""
+    question = {"role": "user", "content": "What is the weather in Oslo?"}
+    request = dict(model=MODEL, max_tokens=60, messages=[question], tools=TOOLS, tool_choice=tool_choice, **GREEDY)
+    called = client(served.http_port).messages.create(**request)
+    with client(served.http_port).messages.stream(**request) as stream:
+        events = list(stream)
+        streamed = stream.get_final_message()
+    [call] = called.content
+    assert (call.type, call.name, call.id[:6], called.stop_reason) == ("tool_use", "get_weather", "toolu_", "tool_use")
+    jsonschema.validate(call.input, WEATHER_SCHEMA)
+    [streamed_call] = streamed.content
+    assert (streamed_call.name, streamed_call.input, streamed.stop_reason, streamed.usage) == (
+        call.name, call.input, "tool_use", called.usage)
+    partial_json = "".join(event.delta.partial_json for event in events if event.type == "content_block_delta")
+    assert json.loads(partial_json) == call.input
+    answer = client(served.http_port).messages.create(model=MODEL, max_tokens=8, tools=TOOLS, **GREEDY, messages=[
+        question, {"role": "assistant", "content": [call.model_dump(exclude_none=True)]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id, "content": "4 degrees"}]}],
+        tool_choice={"type": "none"})
+    chat = chat_client(served.http_port).chat.completions.create(
+        model=MODEL, tools=CHAT_TOOLS, tool_choice="none", max_tokens=8, temperature=0, messages=[
+            question, {"role": "assistant", "content": None, "tool_calls": [{
+                "id": call.id, "type": "function", "function": {"name": call.name, "arguments": json.dumps(call.input)}}]},
+            {"role": "tool", "tool_call_id": call.id, "content": "4 degrees"}])
+    assert [(block.type, block.text) for block in answer.content] == [("text", chat.choices[0].message.content)]
+
+
+def test_count_tokens_is_the_rendered_chats_token_count(served):
+    counted = client(served.http_port).messages.count_tokens(model=MODEL, system=SYSTEM, messages=MESSAGES,
+                                                             tools=TOOLS)
+    status, _, tokenized = post(served, "/tokenize", {"model": MODEL, "messages": CHAT_MESSAGES, "tools": CHAT_TOOLS})
+    assert (status, counted.input_tokens) == (200, tokenized["count"])
+    message = client(served.http_port).messages.create(model=MODEL, max_tokens=1, system=SYSTEM, messages=MESSAGES,
+                                                       tools=TOOLS, tool_choice={"type": "none"})
+    assert message.usage.input_tokens == counted.input_tokens
+
+
+def error(message: str, kind: str = "invalid_request_error") -> dict:
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+@pytest.mark.parametrize(("body", "status", "expected"), [
+    ({"messages": [{"role": "user", "content": "Hi"}]}, 400,
+     error("max_tokens: is required: an integer >= 1, got null")),
+    ({"max_tokens": 4, "messages": [{"role": "developer", "content": "Hi"}]}, 400, error(
+        'messages[0].role: must be "user" or "assistant" (a system prompt goes in the top-level system field), got '
+        '"developer"')),
+    ({"max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "image", "source": {
+        "type": "url", "url": "https://example.com/a.png"}}]}]}, 400, error(
+        "messages[0].content[0].type: image blocks are not supported: this server serves text models only (send the "
+        "content as text)")),
+    ({"max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}], "tools": TOOLS}, 400, error(
+        'tool_choice: "auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set '
+        '(router.enable_auto_tool_choice, router.tool_call_parser); tool_choice defaults to "auto" when tools are '
+        "sent")),
+    ({"max_tokens": 4, "model": "claude-sonnet-4-5", "messages": [{"role": "user", "content": "Hi"}]}, 404,
+     error("The model `claude-sonnet-4-5` does not exist; this server serves `m`.", "not_found_error")),
+])
+def test_errors_are_anthropic_error_objects_with_their_status(served, body, status, expected):
+    answered, _, response = post(served, "/v1/messages", {"model": MODEL, **body})
+    assert (answered, response) == (status, expected)
+
+
+def test_count_tokens_refuses_as_messages_does_less_what_only_generation_needs(served):
+    """No max_tokens, and tools without a tool call parser are fine: nothing is generated."""
+    hi = [{"role": "user", "content": "Hi"}]
+    answers = [post(served, "/v1/messages/count_tokens", body)[::2] for body in (
+        {"model": MODEL, "messages": hi, "tools": TOOLS}, {"model": "other", "messages": hi},
+        {"model": MODEL, "messages": [{"role": "system", "content": "Hi"}]})]
+    assert answers[0][0] == 200
+    assert answers[1:] == [
+        (404, error("The model `other` does not exist; this server serves `m`.", "not_found_error")),
+        (400, error('messages[0].role: must be "user" or "assistant" (a system prompt goes in the top-level system '
+                    'field), got "system"'))]
+
+
+def test_the_sdk_raises_its_error_classes(served):
+    with pytest.raises(anthropic.NotFoundError) as unknown:
+        client(served.http_port).messages.create(model="other", max_tokens=4, messages=[{"role": "user",
+                                                                                         "content": "Hi"}])
+    with pytest.raises(anthropic.BadRequestError) as refused:
+        client(served.http_port).messages.create(model=MODEL, max_tokens=4, messages=[{"role": "user",
+                                                                                       "content": "Hi"}],
+                                                 speed="fast")
+    with pytest.raises(anthropic.AuthenticationError) as unauthenticated:
+        client(served.http_port, api_key="wrong").messages.create(model=MODEL, max_tokens=4,
+                                                                  messages=[{"role": "user", "content": "Hi"}])
+    assert (unknown.value.status_code, unknown.value.body["error"]["type"]) == (404, "not_found_error")
+    assert (refused.value.status_code, refused.value.body["error"]["message"]) == (
+        400, 'speed: is not supported by this server: one speed (got "fast")')
+    assert (unauthenticated.value.status_code, unauthenticated.value.body) == (
+        401, error("invalid API key", "authentication_error"))
+
+
+@pytest.mark.parametrize(("headers", "status"), [
+    ({"x-api-key": KEY}, 200), ({"Authorization": f"Bearer {KEY}"}, 200),
+    ({"x-api-key": "wrong", "Authorization": f"Bearer {KEY}"}, 200), ({"x-api-key": KEY, "Authorization": "Bearer no"}, 200),
+    ({}, 401), ({"x-api-key": "wrong"}, 401), ({"x-api-key": ""}, 401), ({"Authorization": "Bearer wrong"}, 401)])
+def test_the_key_is_accepted_in_x_api_key_or_authorization_on_every_guarded_path(served, headers, status):
+    body = json.dumps({"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": "Hi"}]}).encode()
+    answers = [http_request(served.http_port, "POST", path, body, headers=headers)[0]
+               for path in ("/v1/messages", "/v1/messages/count_tokens", "/v1/chat/completions")]
+    answers.append(http_request(served.http_port, "GET", "/v1/models", headers=headers)[0])
+    assert answers == [status] * 4
+
+
+def test_a_missing_key_is_anthropics_401_on_its_paths_and_openais_elsewhere(served):
+    body = json.dumps({"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": "Hi"}]}).encode()
+    status, headers, raw = http_request(served.http_port, "POST", "/v1/messages", body)
+    chat_status, _, chat_raw = http_request(served.http_port, "POST", "/v1/chat/completions", body)
+    assert (status, headers["www-authenticate"], json.loads(raw)) == (401, "Bearer", error(
+        "missing API key", "authentication_error"))
+    assert (chat_status, json.loads(chat_raw)["error"]["code"]) == (401, "invalid_api_key")
+
+
+def test_a_full_router_answers_429_with_retry_after(served):
+    orchestrator = served.cluster.orchestrator
+
+    async def take_every_slot():
+        return [orchestrator.admit() for _ in range(MAX_IN_FLIGHT)]
+
+    slots = served.loop.run(take_every_slot())
+    try:
+        status, headers, response = post(served, "/v1/messages", {"model": MODEL, "max_tokens": 1, "messages": [
+            {"role": "user", "content": "Hi"}]})
+        with pytest.raises(anthropic.RateLimitError) as limited:
+            client(served.http_port).messages.create(model=MODEL, max_tokens=1,
+                                                     messages=[{"role": "user", "content": "Hi"}])
+    finally:
+        for slot in slots:
+            slot.release()
+    message = (f"the router has {MAX_IN_FLIGHT} requests in flight, its limit (router.routing.max_in_flight_requests); "
+               "retry later")
+    assert (status, headers["retry-after"], response) == (429, "1", error(message, "rate_limit_error"))
+    assert limited.value.status_code == 429
+    assert orchestrator.admission.in_flight == 0
+
+
+def test_a_messages_request_is_recorded_and_cancelled_as_every_request(served):
+    """One orchestration path: the router's request metrics count a Messages request, and a client that goes
+    away mid-stream cancels it (its slot freed)."""
+    succeeded = served.requests_ended("request_success", finished_reason="length")
+    cancelled = served.requests_ended("request_failure", code="CANCELLED")
+    client(served.http_port).messages.create(model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "Hi"}])
+    with client(served.http_port).messages.stream(model=MODEL, max_tokens=400, messages=[
+            {"role": "user", "content": "Hi"}]) as stream:
+        next(iter(stream))
+    deadline = time.monotonic() + 10.0
+    while served.requests_ended("request_failure", code="CANCELLED") == cancelled:
+        assert time.monotonic() < deadline, "the stream's request was not cancelled"
+        time.sleep(0.05)
+    assert served.requests_ended("request_success", finished_reason="length") == succeeded + 1
+    assert served.cluster.orchestrator.admission.in_flight == 0
+
+
+def test_framework_errors_on_its_paths_are_anthropic_error_objects(served):
+    status, _, raw = http_request(served.http_port, "GET", "/v1/messages", headers={"x-api-key": KEY})
+    unknown_status, _, unknown = http_request(served.http_port, "POST", "/v1/messages/batches", b"{}",
+                                              headers={"x-api-key": KEY})
+    assert (status, json.loads(raw)) == (405, error("Method Not Allowed"))
+    assert (unknown_status, json.loads(unknown)) == (404, error("Invalid URL (POST /v1/messages/batches)",
+                                                                "not_found_error"))
+
+
+# ---- a reasoning model --------------------------------------------------------------------------
+
+THINKING_REQUEST = {"model": MODEL, "max_tokens": 60, "messages": [{"role": "user", "content": "Why?"}],
+                    "extra_body": {"temperature": 1.0, "seed": 0}}
+"""tests/test_reasoning_api.py's request: its output ends its reasoning after some text, then says more."""
+
+
+@pytest.fixture(scope="module")
+def thinking(tmp_path_factory):
+    model_dir = build_thinking_model(tmp_path_factory.mktemp("thinking") / "model")
+    with served_apis(model_dir, MODEL, tool_call_parser="hermes", reasoning_parser="qwen3") as served:
+        yield served
+
+
+def test_a_reasoning_parsers_reasoning_is_a_thinking_block_before_the_text(thinking):
+    message = client(thinking.http_port).messages.create(**THINKING_REQUEST)
+    chat = chat_client(thinking.http_port).chat.completions.create(
+        model=MODEL, max_tokens=60, messages=[{"role": "user", "content": "Why?"}], temperature=1.0, seed=0)
+    with client(thinking.http_port).messages.stream(**THINKING_REQUEST) as stream:
+        kinds = [(event.type, getattr(event, "index", None), event.delta.type if event.type == "content_block_delta"
+                  else None) for event in stream if event.type.startswith("content_block")]
+        streamed = stream.get_final_message()
+    thought, said = message.content
+    assert (thought.type, thought.thinking, said.type, said.text) == (
+        "thinking", chat.choices[0].message.model_extra["reasoning"], "text", chat.choices[0].message.content)
+    assert [block.model_dump(exclude={"signature"}) for block in streamed.content] == [
+        block.model_dump(exclude={"signature"}) for block in message.content]
+    assert (len(thought.signature), len(streamed.content[0].signature)) == (32, 32)
+    thinking_deltas = kinds.index(("content_block_delta", 0, "signature_delta")) - 1
+    text_deltas = len(kinds) - thinking_deltas - 5
+    assert kinds == [("content_block_start", 0, None), *[("content_block_delta", 0, "thinking_delta")] * thinking_deltas,
+                     ("content_block_delta", 0, "signature_delta"), ("content_block_stop", 0, None),
+                     ("content_block_start", 1, None), *[("content_block_delta", 1, "text_delta")] * text_deltas,
+                     ("content_block_stop", 1, None)]
+    assert streamed.usage == message.usage
+    disabled = client(thinking.http_port).messages.create(**THINKING_REQUEST, thinking={"type": "disabled"})
+    assert [block.type for block in disabled.content] == ["text"]
