@@ -79,8 +79,9 @@ _TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
 _CHAT_FIELD_RENAMES = (("stop", "stop_sequences"), ("tool_choice.function.name", "tool_choice.name"),
                        ("reasoning_effort", "output_config.effort"), ("response_format", "output_config.format"))
 _CHAT_MESSAGE_FIELD = re.compile(r"messages\[(\d+)\]")
-_CHAT_TOOL_FIELD = re.compile(r"tools\[(\d+)\]\.function(\.parameters|\.name|\.description)?")
-_TOOL_FIELD_NAMES = {".parameters": ".input_schema", ".name": ".name", ".description": ".description"}
+_CHAT_TOOL_FIELDS = ((re.compile(r"^tools\[(\d+)\]\.function\.parameters"), r"tools[\1].input_schema"),
+                     (re.compile(r"^tools\[(\d+)\]\.function"), r"tools[\1]"))
+"""A chat tool's fields as the Messages tool's (the chat nests them under `function`)."""
 MIN_THINKING_BUDGET = 1024
 """Anthropic's smallest thinking.budget_tokens."""
 
@@ -95,33 +96,37 @@ def parse_messages_request(body: Mapping[str, Any], limits: RequestLimits,
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
         raise InvalidRequestError("max_tokens", f"is required: an integer >= 1, got {json_excerpt(max_tokens)}")
     _metadata(body.get("metadata"))
-    return _parsed_chat({**_chat_body(body, max_tokens), "max_tokens": max_tokens}, body, limits, defaults)
+    chat, sources = _chat_body(body, max_tokens)
+    return _parsed_chat({**chat, "max_tokens": max_tokens}, sources, limits, defaults)
 
 
 def parse_count_tokens_request(body: Mapping[str, Any], limits: RequestLimits) -> ChatCompletionRequest:
     """The chat request whose rendered prompt /v1/messages/count_tokens counts (what a Messages request
     with the same model, system, messages, tools and thinking would run)."""
-    return _parsed_chat(_chat_body(body, None), body, limits, NO_REQUEST_DEFAULTS)
+    chat, sources = _chat_body(body, None)
+    return _parsed_chat(chat, sources, limits, NO_REQUEST_DEFAULTS)
 
 
-def _parsed_chat(chat_body: Mapping[str, Any], body: Mapping[str, Any], limits: RequestLimits,
+def _parsed_chat(chat_body: Mapping[str, Any], sources: Sequence[str], limits: RequestLimits,
                  defaults: RequestDefaults) -> ChatCompletionRequest:
-    sources = chat_body["sources"]
+    """The chat parser's request; its errors named by the Messages field they came from (`sources`: each chat
+    message's)."""
     try:
-        return parse_chat_request({k: v for k, v in chat_body.items() if k != "sources"}, limits, defaults)
+        return parse_chat_request(chat_body, limits, defaults)
     except InvalidRequestError as error:
         raise InvalidRequestError(_messages_field(error.field, sources), error.message) from None
 
 
-def _chat_body(body: Mapping[str, Any], max_tokens: int | None) -> dict[str, Any]:
-    """The chat body, and under "sources" the Messages field each chat message came from."""
+def _chat_body(body: Mapping[str, Any], max_tokens: int | None) -> tuple[dict[str, Any], list[str]]:
+    """(the chat body less max_tokens, the Messages field each of its messages came from); `max_tokens`: the
+    request's, which a thinking budget must stay under (None: count_tokens has none)."""
     refuse_unsupported(body, MESSAGES_REFUSED)
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise InvalidRequestError("model", f"is required: a non-empty string, got {json_excerpt(model)}")
     messages, sources = _conversation(body)
     chat: dict[str, Any] = {name: body[name] for name in PASSED_TO_CHAT if name in body}
-    chat.update(messages=messages, sources=sources)
+    chat["messages"] = messages
     stop = body.get("stop_sequences")
     if stop is not None:
         if not isinstance(stop, list):
@@ -136,7 +141,7 @@ def _chat_body(body: Mapping[str, Any], max_tokens: int | None) -> dict[str, Any
     chat.update(_output_config(body.get("output_config")))
     if _thinking(body.get("thinking"), max_tokens) == "disabled":
         chat["reasoning_effort"] = "none"
-    return chat
+    return chat, sources
 
 
 def _output_config(value: Any) -> dict[str, Any]:
@@ -196,9 +201,9 @@ def _messages_field(chat_field: str, sources: Sequence[str]) -> str:
     message = _CHAT_MESSAGE_FIELD.match(chat_field)
     if message is not None:
         return sources[int(message[1])]
-    tool = _CHAT_TOOL_FIELD.match(chat_field)
-    if tool is not None:
-        return f"tools[{tool[1]}]{_TOOL_FIELD_NAMES.get(tool[2] or '', '')}{chat_field[tool.end():]}"
+    for pattern, name in _CHAT_TOOL_FIELDS:
+        if pattern.match(chat_field):
+            return pattern.sub(name, chat_field)
     for chat_name, name in _CHAT_FIELD_RENAMES:
         if chat_field.startswith(chat_name):
             return name + chat_field[len(chat_name):]
@@ -272,7 +277,8 @@ def _block_type(block: Any, field: str, allowed: tuple[str, ...]) -> str:
         raise InvalidRequestError(f"{field}.type", f"{kind} blocks are not supported: this server serves text models "
                                                    "only (send the content as text)")
     if kind not in allowed:
-        raise InvalidRequestError(f"{field}.type", f"must be one of {', '.join(allowed)} here, got {json_excerpt(kind)}")
+        raise InvalidRequestError(f"{field}.type", f"must be one of {', '.join(allowed)} here, got "
+                                                   f"{json_excerpt(kind)}")
     return kind
 
 
@@ -338,7 +344,8 @@ def _assistant_message(blocks: list[Any], field: str) -> dict[str, Any]:
 def _tool_call(block: Mapping[str, Any], field: str) -> dict[str, Any]:
     for name in ("id", "name"):
         if not isinstance(block.get(name), str) or not block[name]:
-            raise InvalidRequestError(f"{field}.{name}", f"must be a non-empty string, got {json_excerpt(block.get(name))}")
+            raise InvalidRequestError(f"{field}.{name}", f"must be a non-empty string, got "
+                                                         f"{json_excerpt(block.get(name))}")
     if not isinstance(block.get("input"), dict):
         raise InvalidRequestError(f"{field}.input", f"must be an object, got {json_excerpt(block.get('input'))}")
     return {"id": block["id"], "type": "function", "function": {"name": block["name"], "arguments": block["input"]}}
@@ -540,7 +547,7 @@ class MessagesRenderer:
         last = dataclasses.replace(chunks[-1], usage=usage)
         for chunk in chunks[:-1]:
             self.stream_events(chunk)
-        message = self._message(self.stream_events(last)[-2])
+        message = self._message(self.stream_events(last)[-2])  # the events end with message_delta, message_stop
         if self._parser is None or not self._parser.malformed:
             return message
         as_text = MessagesRenderer(self.header, None, self.reasoning_output)
@@ -566,7 +573,8 @@ class MessagesRenderer:
         events = self._closed()
         self._blocks.append(block)
         self._open = block
-        return [*events, {"type": "content_block_start", "index": len(self._blocks) - 1, "content_block": block.start()}]
+        return [*events, {"type": "content_block_start", "index": len(self._blocks) - 1,
+                          "content_block": block.start()}]
 
     def _closed(self) -> list[dict]:
         """The open block's closing events (none open: none)."""

@@ -1,6 +1,6 @@
 """The router's OpenAI-compatible HTTP front: /v1/completions, /v1/chat/completions and
-/v1/responses (JSON or server-sent events), Anthropic's /v1/messages (and its count_tokens), /v1/models, vLLM's /tokenize, /detokenize and
-/version, /health (and vLLM's /ping), and optionally /metrics.
+/v1/responses (JSON or server-sent events), Anthropic's /v1/messages (and its count_tokens),
+/v1/models, vLLM's /tokenize, /detokenize and /version, /health (and vLLM's /ping), and optionally /metrics.
 
 A Starlette app served by uvicorn on the router's event loop, beside the gRPC server and over
 the same Orchestrator. Errors use the OpenAI error object with an HTTP status per cause:
@@ -47,8 +47,9 @@ from splitserve.common.lora import LoRARequest
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.stats import RequestParamsRecord
 from splitserve.router.admission import RETRY_AFTER_S, Admission
-from splitserve.router.anthropic_protocol import (COUNT_TOKENS_PATH, MESSAGES_PATH, MessageHeader, MessagesRenderer, is_messages_path,
-                                                  parse_count_tokens_request, parse_messages_request)
+from splitserve.router.anthropic_protocol import (COUNT_TOKENS_PATH, MESSAGES_PATH, MessageHeader, MessagesRenderer,
+                                                  is_messages_path, parse_count_tokens_request,
+                                                  parse_messages_request)
 from splitserve.router.anthropic_protocol import error_body as anthropic_error_body
 from splitserve.router.auth import check_api_key
 from splitserve.router.openai_protocol import (ChatCompletionRequest, ChatRenderer, CompletionRenderer,

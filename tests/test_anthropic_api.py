@@ -63,7 +63,8 @@ MESSAGES = [
 """A conversation in Messages blocks: a tool round trip, then a text answer and a lone tool result."""
 CHAT_MESSAGES = [
     {"role": "system", "content": [{"type": "text", "text": "You are terse."}]},
-    {"role": "user", "content": [{"type": "text", "text": "What is the weather"}, {"type": "text", "text": "in Oslo?"}]},
+    {"role": "user", "content": [{"type": "text", "text": "What is the weather"},
+                                 {"type": "text", "text": "in Oslo?"}]},
     {"role": "assistant", "content": [{"type": "text", "text": "Let me look."}], "reasoning": "Ask the tool.",
      "tool_calls": [{"id": "toolu_1", "type": "function",
                      "function": {"name": "get_weather", "arguments": '{"city": "oslo", "unit": "c"}'}}]},
@@ -423,7 +424,8 @@ def test_a_tool_use_round_trip(served, tool_choice):
     chat = chat_client(served.http_port).chat.completions.create(
         model=MODEL, tools=CHAT_TOOLS, tool_choice="none", max_tokens=8, temperature=0, messages=[
             question, {"role": "assistant", "content": None, "tool_calls": [{
-                "id": call.id, "type": "function", "function": {"name": call.name, "arguments": json.dumps(call.input)}}]},
+                "id": call.id, "type": "function",
+                "function": {"name": call.name, "arguments": json.dumps(call.input)}}]},
             {"role": "tool", "tool_call_id": call.id, "content": "4 degrees"}])
     assert [(block.type, block.text) for block in answer.content] == [("text", chat.choices[0].message.content)]
 
@@ -497,7 +499,8 @@ def test_the_sdk_raises_its_error_classes(served):
 
 @pytest.mark.parametrize(("headers", "status"), [
     ({"x-api-key": KEY}, 200), ({"Authorization": f"Bearer {KEY}"}, 200),
-    ({"x-api-key": "wrong", "Authorization": f"Bearer {KEY}"}, 200), ({"x-api-key": KEY, "Authorization": "Bearer no"}, 200),
+    ({"x-api-key": "wrong", "Authorization": f"Bearer {KEY}"}, 200),
+    ({"x-api-key": KEY, "Authorization": "Bearer no"}, 200),
     ({}, 401), ({"x-api-key": "wrong"}, 401), ({"x-api-key": ""}, 401), ({"Authorization": "Bearer wrong"}, 401)])
 def test_the_key_is_accepted_in_x_api_key_or_authorization_on_every_guarded_path(served, headers, status):
     body = json.dumps({"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": "Hi"}]}).encode()
@@ -557,10 +560,10 @@ def test_a_messages_request_is_recorded_and_cancelled_as_every_request(served):
 
 
 def test_framework_errors_on_its_paths_are_anthropic_error_objects(served):
-    status, _, raw = http_request(served.http_port, "GET", "/v1/messages", headers={"x-api-key": KEY})
+    status, headers, raw = http_request(served.http_port, "GET", "/v1/messages", headers={"x-api-key": KEY})
     unknown_status, _, unknown = http_request(served.http_port, "POST", "/v1/messages/batches", b"{}",
                                               headers={"x-api-key": KEY})
-    assert (status, json.loads(raw)) == (405, error("Method Not Allowed"))
+    assert (status, headers["allow"], json.loads(raw)) == (405, "POST", error("Method Not Allowed"))
     assert (unknown_status, json.loads(unknown)) == (404, error("Invalid URL (POST /v1/messages/batches)",
                                                                 "not_found_error"))
 
@@ -595,7 +598,8 @@ def test_a_reasoning_parsers_reasoning_is_a_thinking_block_before_the_text(think
     assert (len(thought.signature), len(streamed.content[0].signature)) == (32, 32)
     thinking_deltas = kinds.index(("content_block_delta", 0, "signature_delta")) - 1
     text_deltas = len(kinds) - thinking_deltas - 5
-    assert kinds == [("content_block_start", 0, None), *[("content_block_delta", 0, "thinking_delta")] * thinking_deltas,
+    assert kinds == [("content_block_start", 0, None),
+                     *[("content_block_delta", 0, "thinking_delta")] * thinking_deltas,
                      ("content_block_delta", 0, "signature_delta"), ("content_block_stop", 0, None),
                      ("content_block_start", 1, None), *[("content_block_delta", 1, "text_delta")] * text_deltas,
                      ("content_block_stop", 1, None)]
