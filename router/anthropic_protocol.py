@@ -31,7 +31,7 @@ from splitserve.common.errors import InvalidRequestError, json_excerpt
 from splitserve.common.generation_config import NO_REQUEST_DEFAULTS, RequestDefaults
 from splitserve.router.api_types import StreamChunk, Usage
 from splitserve.router.openai_fields import Refused, refuse_unsupported
-from splitserve.router.openai_protocol import ChatCompletionRequest, parse_chat_request
+from splitserve.router.openai_protocol import ChatCompletionRequest, ChatMessage, parse_chat_request
 from splitserve.router.reasoning_parsers import ReasoningDelta, ReasoningOutput, ReasoningParser
 from splitserve.router.request_limits import RequestLimits
 from splitserve.router.tool_parsers import OutputDelta, OutputParser, ToolCallDelta, ToolOutput
@@ -84,6 +84,10 @@ _CHAT_TOOL_FIELDS = ((re.compile(r"^tools\[(\d+)\]\.function\.parameters"), r"to
 """A chat tool's fields as the Messages tool's (the chat nests them under `function`)."""
 MIN_THINKING_BUDGET = 1024
 """Anthropic's smallest thinking.budget_tokens."""
+INLINE_SYSTEM_PROBE = ({"role": "system", "content": "t"}, {"role": "user", "content": "t"},
+                       {"role": "system", "content": "t"}, {"role": "user", "content": "t"})
+"""A chat whose rendering tells whether a template takes a system message after the first message (vLLM's probe:
+Qwen's templates refuse it)."""
 
 
 # ---- parsing --------------------------------------------------------------------------------
@@ -215,7 +219,7 @@ def _conversation(body: Mapping[str, Any]) -> tuple[list[dict[str, Any]], list[s
     then each message's."""
     messages: list[dict[str, Any]] = []
     sources: list[str] = []
-    system = _system(body.get("system"))
+    system = _system(body.get("system"), "system")
     if system:
         messages.append({"role": "system", "content": system})
         sources.append("system")
@@ -230,14 +234,28 @@ def _conversation(body: Mapping[str, Any]) -> tuple[list[dict[str, Any]], list[s
     return messages, sources
 
 
-def _system(value: Any) -> str | list[dict[str, str]] | None:
-    """The system prompt: a string, or text blocks (as text parts, less Claude Code's billing header)."""
+def _system(value: Any, field: str) -> str | list[dict[str, str]] | None:
+    """A system prompt: a string, or text blocks (as text parts), less Claude Code's billing header."""
     if value is None or isinstance(value, str):
-        return value
+        return None if value is not None and value.startswith(BILLING_HEADER_PREFIX) else value
     if not isinstance(value, list):
-        raise InvalidRequestError("system", f"must be a string or a list of text blocks, got {json_excerpt(value)}")
-    texts = [_text_block(block, f"system[{index}]") for index, block in enumerate(value)]
+        raise InvalidRequestError(field, f"must be a string or a list of text blocks, got {json_excerpt(value)}")
+    texts = [_text_block(block, f"{field}[{index}]") for index, block in enumerate(value)]
     return [{"type": "text", "text": text} for text in texts if not text.startswith(BILLING_HEADER_PREFIX)]
+
+
+def has_inline_system(chat: ChatCompletionRequest) -> bool:
+    """Whether a system message follows the first message."""
+    return any(message.role == "system" for message in chat.messages[1:])
+
+
+def merged_inline_system(chat: ChatCompletionRequest) -> ChatCompletionRequest:
+    """The chat with its system messages merged into one first, their non-empty texts joined by blank lines (the
+    chat's rule for developer messages): for a template that refuses a system message after the first (vLLM's
+    fallback; every new reminder then changes the prompt's prefix, which misses the prefix cache)."""
+    texts = [message.content for message in chat.messages if message.role == "system" and message.content]
+    others = tuple(message for message in chat.messages if message.role != "system")
+    return dataclasses.replace(chat, messages=(ChatMessage("system", "\n\n".join(texts)), *others))
 
 
 def _text_block(block: Any, field: str) -> str:
@@ -251,14 +269,19 @@ def _text_block(block: Any, field: str) -> str:
 
 def _chat_messages(message: Any, field: str) -> list[tuple[dict[str, Any], str]]:
     """One Messages message as chat messages, each with the field it came from: a user message's tool
-    results become tool messages ahead of its text (the order Anthropic requires of the blocks)."""
+    results become tool messages ahead of its text (the order Anthropic requires of the blocks). A system
+    message (Claude Code sends its reminders so, as vLLM serves them) is a chat system message where it is
+    (merged_inline_system moves it for a template that wants the system prompt first)."""
     if not isinstance(message, dict):
         raise InvalidRequestError(field, f"must be an object {{role, content}}, got {json_excerpt(message)}")
     role = message.get("role")
-    if role not in ("user", "assistant"):
-        raise InvalidRequestError(f"{field}.role", f'must be "user" or "assistant" (a system prompt goes in the '
-                                                   f'top-level system field), got {json_excerpt(role)}')
+    if role not in ("user", "assistant", "system"):
+        raise InvalidRequestError(f"{field}.role", f'must be "user", "assistant" or "system", got '
+                                                   f"{json_excerpt(role)}")
     content = message.get("content")
+    if role == "system":
+        text = _system(content, f"{field}.content")
+        return [({"role": "system", "content": text}, field)] if text else []
     if isinstance(content, str):
         return [({"role": role, "content": content}, field)]
     if not isinstance(content, list):

@@ -47,9 +47,10 @@ from splitserve.common.lora import LoRARequest
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.stats import RequestParamsRecord
 from splitserve.router.admission import RETRY_AFTER_S, Admission
-from splitserve.router.anthropic_protocol import (COUNT_TOKENS_PATH, MESSAGES_PATH, MessageHeader, MessagesRenderer,
-                                                  is_messages_path, parse_count_tokens_request,
-                                                  parse_messages_request)
+from splitserve.router.anthropic_protocol import (COUNT_TOKENS_PATH, INLINE_SYSTEM_PROBE, MESSAGES_PATH,
+                                                  MessageHeader, MessagesRenderer, has_inline_system,
+                                                  is_messages_path, merged_inline_system,
+                                                  parse_count_tokens_request, parse_messages_request)
 from splitserve.router.anthropic_protocol import error_body as anthropic_error_body
 from splitserve.router.auth import check_api_key
 from splitserve.router.openai_protocol import (ChatCompletionRequest, ChatRenderer, CompletionRenderer,
@@ -260,7 +261,7 @@ class OpenAIServing:
     async def count_tokens(self, request: Request) -> Response:
         """Anthropic's /v1/messages/count_tokens: {"input_tokens": the rendered chat's token count}."""
         try:
-            parsed = await self._read_request(request, parse_count_tokens_request)
+            parsed = await self._with_inline_system(await self._read_request(request, parse_count_tokens_request))
             self._check_model(parsed.model)
             token_ids = await self.tokenizers.apply_chat_template([m.template_message() for m in parsed.messages],
                                                                   parsed.add_generation_prompt, parsed.template)
@@ -498,11 +499,22 @@ class OpenAIServing:
         return _Job(chat.ids, chat.inputs, 1, 1, renderer, parsed.chat.stream)
 
     async def _messages_job(self, parsed: ChatCompletionRequest) -> _Job:
-        chat = await self._chat_inputs(parsed, "messages")
+        chat = await self._chat_inputs(await self._with_inline_system(parsed), "messages")
         header = MessageHeader(f"msg_{chat.ids.client_request_id}", self._served_name(chat.inputs[0].lora_request),
                                len(chat.inputs[0].prompt_token_ids), self.options.enable_prompt_tokens_details)
         return _Job(chat.ids, chat.inputs, 1, 1, MessagesRenderer(header, chat.tool_output, chat.reasoning_output),
                     parsed.stream)
+
+    async def _with_inline_system(self, parsed: ChatCompletionRequest) -> ChatCompletionRequest:
+        """A Messages chat's system messages after the first merged into one first when its template refuses them
+        there (vLLM's probe and fallback); else as it is."""
+        if not has_inline_system(parsed):
+            return parsed
+        try:
+            await self.tokenizers.apply_chat_template(INLINE_SYSTEM_PROBE, False, parsed.template)
+            return parsed
+        except InvalidRequestError:
+            return merged_inline_system(parsed)
 
     async def _chat_inputs(self, parsed: ChatCompletionRequest, prompt_param: str) -> _ChatInputs:
         """A chat's inputs and how its output is read; `prompt_param`: the field its messages came

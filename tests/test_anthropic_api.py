@@ -22,8 +22,8 @@ from splitserve.common.errors import InvalidRequestError
 from splitserve.common.model_dir import DEFAULT_MODEL_NAME
 from splitserve.engine.tiny_model import resolve_model_path
 from splitserve.router.anthropic_protocol import (MESSAGES_HANDLED, MESSAGES_REFUSED, PASSED_TO_CHAT, MessageHeader,
-                                                  MessagesRenderer, parse_count_tokens_request,
-                                                  parse_messages_request, stop_reason)
+                                                  MessagesRenderer, has_inline_system, merged_inline_system,
+                                                  parse_count_tokens_request, parse_messages_request, stop_reason)
 from splitserve.router.api_types import RouterError, StreamChunk, Usage
 from splitserve.router.fanout import IndexedChunk
 from splitserve.router.openai_protocol import parse_chat_request
@@ -120,6 +120,36 @@ def test_count_tokens_takes_the_messages_request_without_max_tokens():
     assert (counted.messages, counted.template) == (parse(**body).messages, parse(**body).template)
 
 
+INLINE_SYSTEM = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."},
+                 {"role": "system", "content": [
+                     {"type": "text", "text": "x-anthropic-billing-header: cch=1"},
+                     {"type": "text", "text": "<system-reminder>Be brief.</system-reminder>"}]},
+                 {"role": "system", "content": "x-anthropic-billing-header: cch=2"},
+                 {"role": "user", "content": "Why?"}]
+"""Claude Code's later conversations: system messages between the turns (its reminders)."""
+CHAT_INLINE_SYSTEM = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi"},
+                      {"role": "assistant", "content": "Hello."},
+                      {"role": "system", "content": [{"type": "text",
+                                                      "text": "<system-reminder>Be brief.</system-reminder>"}]},
+                      {"role": "user", "content": "Why?"}]
+"""The same with the system prompt "You are terse.", as chat messages: each reminder where it is (the billing
+headers dropped, and a system message left empty with them)."""
+MERGED_INLINE_SYSTEM = [{"role": "system", "content": "You are terse.\n\n<system-reminder>Be brief.</system-reminder>"},
+                        {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."},
+                        {"role": "user", "content": "Why?"}]
+"""The same for a template that wants the system prompt first."""
+
+
+def test_system_messages_between_turns_stay_where_they_are_or_merge_into_the_first():
+    chat = parse_chat_request({"model": MODEL, "max_tokens": 16, "messages": CHAT_INLINE_SYSTEM},
+                              make_request_limits())
+    merged = parse_chat_request({"model": MODEL, "max_tokens": 16, "messages": MERGED_INLINE_SYSTEM},
+                                make_request_limits())
+    parsed = parse(system="You are terse.", messages=INLINE_SYSTEM)
+    assert (parsed, has_inline_system(parsed), has_inline_system(parse())) == (chat, True, False)
+    assert merged_inline_system(parsed) == merged
+
+
 def test_every_field_of_the_anthropic_sdks_request_is_handled_or_refused():
     sdk_fields = set(typing.get_type_hints(message_create_params.MessageCreateParamsBase)) | {
         "stream", "temperature", "top_p", "top_k"}  # the SDK 2.x dropped the sampling fields; vLLM takes them
@@ -132,10 +162,10 @@ def test_every_field_of_the_anthropic_sdks_request_is_handled_or_refused():
     ({"max_tokens": 0}, "max_tokens", "is required: an integer >= 1, got 0"),
     ({"model": ""}, "model", 'is required: a non-empty string, got ""'),
     ({"messages": []}, "messages", "must be a non-empty list of {role, content} objects, got []"),
-    ({"messages": [{"role": "system", "content": "Be brief."}]}, "messages[0].role",
-     'must be "user" or "assistant" (a system prompt goes in the top-level system field), got "system"'),
     ({"messages": [{"role": "tool", "content": "4"}]}, "messages[0].role",
-     'must be "user" or "assistant" (a system prompt goes in the top-level system field), got "tool"'),
+     'must be "user", "assistant" or "system", got "tool"'),
+    ({"messages": [{"role": "system", "content": [{"type": "image"}]}]}, "messages[0].content[0]",
+     'must be a text block {"type": "text", "text": ...}, got {"type": "image"}'),
     ({"messages": [{"role": "user", "content": [
         {"type": "text", "text": "What is this?"},
         {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBOR"}}]}]},
@@ -448,8 +478,7 @@ def error(message: str, kind: str = "invalid_request_error") -> dict:
     ({"messages": [{"role": "user", "content": "Hi"}]}, 400,
      error("max_tokens: is required: an integer >= 1, got null")),
     ({"max_tokens": 4, "messages": [{"role": "developer", "content": "Hi"}]}, 400, error(
-        'messages[0].role: must be "user" or "assistant" (a system prompt goes in the top-level system field), got '
-        '"developer"')),
+        'messages[0].role: must be "user", "assistant" or "system", got "developer"')),
     ({"max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "image", "source": {
         "type": "url", "url": "https://example.com/a.png"}}]}]}, 400, error(
         "messages[0].content[0].type: image blocks are not supported: this server serves text models only (send the "
@@ -471,12 +500,11 @@ def test_count_tokens_refuses_as_messages_does_less_what_only_generation_needs(s
     hi = [{"role": "user", "content": "Hi"}]
     answers = [post(served, "/v1/messages/count_tokens", body)[::2] for body in (
         {"model": MODEL, "messages": hi, "tools": TOOLS}, {"model": "other", "messages": hi},
-        {"model": MODEL, "messages": [{"role": "system", "content": "Hi"}]})]
+        {"model": MODEL, "messages": [{"role": "ctx", "content": "Hi"}]})]
     assert answers[0][0] == 200
     assert answers[1:] == [
         (404, error("The model `other` does not exist; this server serves `m`.", "not_found_error")),
-        (400, error('messages[0].role: must be "user" or "assistant" (a system prompt goes in the top-level system '
-                    'field), got "system"'))]
+        (400, error('messages[0].role: must be "user", "assistant" or "system", got "ctx"'))]
 
 
 def test_the_sdk_raises_its_error_classes(served):
@@ -606,3 +634,39 @@ def test_a_reasoning_parsers_reasoning_is_a_thinking_block_before_the_text(think
     assert streamed.usage == message.usage
     disabled = client(thinking.http_port).messages.create(**THINKING_REQUEST, thinking={"type": "disabled"})
     assert [block.type for block in disabled.content] == ["text"]
+
+
+# ---- a template that wants the system prompt first -------------------------------------------------
+
+SYSTEM_FIRST_TEMPLATE = ("{%- for message in messages %}{%- if message['role'] == 'system' and not loop.first %}"
+                         "{{- raise_exception('System message must be at the beginning.') }}{%- endif %}"
+                         "{%- endfor %}" + TOOLS_CHAT_TEMPLATE)
+"""TOOLS_CHAT_TEMPLATE with Qwen's refusal of a system message after the first."""
+
+
+@pytest.fixture(scope="module")
+def system_first():
+    with served_apis(resolve_model_path(DEFAULT_MODEL_NAME), MODEL, chat_template=SYSTEM_FIRST_TEMPLATE) as served:
+        yield served
+
+
+@pytest.mark.parametrize(("fixture", "chat_messages"), [("served", CHAT_INLINE_SYSTEM),
+                                                        ("system_first", MERGED_INLINE_SYSTEM)])
+def test_system_messages_between_turns_render_in_place_unless_the_template_wants_them_first(
+        request, fixture, chat_messages):
+    """Where the template takes them, they stay (the prompt's prefix stays cached); else they join the first."""
+    served = request.getfixturevalue(fixture)
+    fields = dict(model=MODEL, max_tokens=6, system="You are terse.", messages=INLINE_SYSTEM)
+    message = client(served.http_port).messages.create(**fields, **GREEDY)
+    counted = client(served.http_port).messages.count_tokens(model=MODEL, system="You are terse.",
+                                                             messages=INLINE_SYSTEM)
+    chat = chat_client(served.http_port).chat.completions.create(model=MODEL, messages=chat_messages, max_tokens=6,
+                                                                 temperature=0)
+    assert (message.content[0].text, message.usage.input_tokens, counted.input_tokens) == (
+        chat.choices[0].message.content, chat.usage.prompt_tokens, chat.usage.prompt_tokens)
+    refused = chat_client(served.http_port).chat.completions.with_raw_response.create
+    if fixture == "system_first":  # the chat endpoint renders what it is sent: the template refuses it
+        with pytest.raises(openai.BadRequestError) as error:
+            refused(model=MODEL, messages=CHAT_INLINE_SYSTEM, max_tokens=6)
+        assert error.value.body["message"] == ("messages: rejected by the chat template: System message must be at "
+                                               "the beginning.")
