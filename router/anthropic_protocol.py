@@ -49,19 +49,19 @@ _NOT_IMPLEMENTED = "not implemented"
 MESSAGES_REFUSED = (
     Refused("container", (), "no code execution containers"),
     Refused("mcp_servers", ([],), "no MCP connector (run the MCP client on your side and send its tools)"),
-    Refused("context_management", (), "no context editing"),
-    Refused("diagnostics", (), _NOT_IMPLEMENTED),
     Refused("output_format", (), "send output_config.format"),
-    Refused("inference_geo", (), "one deployment"),
-    Refused("service_tier", ("auto", "standard_only"), "one service tier"),
-    Refused("speed", ("standard",), "one speed"),
 )
 """Messages fields that ask for behaviour this server does not have unless left at their default."""
 MESSAGES_HANDLED = frozenset({"model", "max_tokens", "messages", "system", "stop_sequences", "stream", "temperature",
                               "top_p", "top_k", "tools", "tool_choice", "thinking", "metadata", "output_config",
                               # No effect, by definition: a prompt caching hint (the prefix cache is automatic),
                               # and whom the request is attributed to.
-                              "cache_control", "user_profile_id", "workspace_id"})
+                              "cache_control", "user_profile_id", "workspace_id",
+                              # Accepted with no effect, as vLLM ignores them: requests for Anthropic's own service
+                              # (its speed and capacity tiers, its region, its cache diagnostics) and for its
+                              # server-side context editing, which Claude Code sends with every request (the
+                              # conversation is served as sent: one longer than the context is a 400).
+                              "speed", "service_tier", "inference_geo", "diagnostics", "context_management"})
 """The Anthropic Messages fields this endpoint implements (with PASSED_TO_CHAT's vLLM extensions)."""
 PASSED_TO_CHAT = ("model", "temperature", "top_p", "top_k", "stream",
                   # the chat's sampling seed (vLLM's Messages request has none: it ignores one)

@@ -114,6 +114,13 @@ def test_thinking_disabled_and_output_config_are_the_chats_reasoning_effort_and_
     assert enabled.template == parse(max_tokens=2048).template  # accepted, the budget not enforced
 
 
+def test_what_only_asks_for_anthropics_own_service_is_accepted_with_no_effect():
+    """Claude Code sends context_management with every request (gateways that refuse it break it; vLLM ignores it)."""
+    assert parse(context_management={"edits": [{"type": "clear_tool_uses_20250919"}]}, speed="fast",
+                 service_tier="standard_only", inference_geo="us", diagnostics={"previous_message_id": "msg_1"},
+                 cache_control={"type": "ephemeral"}, metadata={"user_id": "u"}) == parse()
+
+
 def test_count_tokens_takes_the_messages_request_without_max_tokens():
     body = {"model": MODEL, "system": "Be brief.", "messages": MESSAGES, "tools": TOOLS}
     counted = parse_count_tokens_request(body, make_request_limits())
@@ -205,7 +212,9 @@ def test_every_field_of_the_anthropic_sdks_request_is_handled_or_refused():
     ({"metadata": {"user_id": 7}}, "metadata.user_id", "must be a string, got 7"),
     ({"stop_sequences": ["x"] * 65}, "stop_sequences", "must hold at most 64 strings, got 65"),
     ({"container": "c-1"}, "container", 'is not supported by this server: no code execution containers (got "c-1")'),
-    ({"speed": "fast"}, "speed", 'is not supported by this server: one speed (got "fast")'),
+    ({"mcp_servers": [{"type": "url", "url": "https://mcp.example"}]}, "mcp_servers",
+     'is not supported by this server: no MCP connector (run the MCP client on your side and send its tools) (got '
+     '[{"type": "url", "url": "https://mcp.example"}])'),
     ({"vllm_xargs": {"a": 1}}, "vllm_xargs", 'is not supported by this server: no custom extensions (got {"a": 1})'),
 ])
 def test_bad_requests_are_refused_naming_the_messages_field(fields, field, message):
@@ -514,13 +523,13 @@ def test_the_sdk_raises_its_error_classes(served):
     with pytest.raises(anthropic.BadRequestError) as refused:
         client(served.http_port).messages.create(model=MODEL, max_tokens=4, messages=[{"role": "user",
                                                                                        "content": "Hi"}],
-                                                 speed="fast")
+                                                 extra_body={"container": "c-1"})
     with pytest.raises(anthropic.AuthenticationError) as unauthenticated:
         client(served.http_port, api_key="wrong").messages.create(model=MODEL, max_tokens=4,
                                                                   messages=[{"role": "user", "content": "Hi"}])
     assert (unknown.value.status_code, unknown.value.body["error"]["type"]) == (404, "not_found_error")
     assert (refused.value.status_code, refused.value.body["error"]["message"]) == (
-        400, 'speed: is not supported by this server: one speed (got "fast")')
+        400, 'container: is not supported by this server: no code execution containers (got "c-1")')
     assert (unauthenticated.value.status_code, unauthenticated.value.body) == (
         401, error("invalid API key", "authentication_error"))
 
