@@ -17,6 +17,8 @@ import jsonschema
 import openai
 import pytest
 from anthropic.types import message_create_params
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
 
 from splitserve.common.errors import InvalidRequestError
 from splitserve.common.model_dir import DEFAULT_MODEL_NAME
@@ -32,6 +34,7 @@ from splitserve.router.policy import RoutingConfig
 from splitserve.router.tool_parsers import ToolOutput
 from splitserve.testing.tiny_models import TOOLS_CHAT_TEMPLATE, build_thinking_model
 from tests.factories import http_request, make_request_limits, served_apis
+from tests.test_openai_fuzz import JSON_VALUES, bodies
 
 MODEL = "m"
 KEY = "sk-test-key"
@@ -679,3 +682,77 @@ def test_system_messages_between_turns_render_in_place_unless_the_template_wants
             refused(model=MODEL, messages=CHAT_INLINE_SYSTEM, max_tokens=6)
         assert error.value.body["message"] == ("messages: rejected by the chat template: System message must be at "
                                                "the beginning.")
+
+
+# ---- fuzzing ------------------------------------------------------------------------------------
+
+_TEXT_BLOCK = st.fixed_dictionaries({"type": st.just("text"), "text": st.text(max_size=10)})
+_BLOCKS = (_TEXT_BLOCK
+           | st.fixed_dictionaries({"type": st.just("tool_use"), "id": st.sampled_from(["t1", ""]),
+                                    "name": st.sampled_from(["f", "g"]), "input": st.just({"a": 1}) | JSON_VALUES})
+           | st.fixed_dictionaries({"type": st.just("tool_result"), "tool_use_id": st.just("t1"),
+                                    "content": st.text(max_size=8) | st.lists(_TEXT_BLOCK, max_size=2) | JSON_VALUES})
+           | st.fixed_dictionaries({"type": st.sampled_from(["thinking", "redacted_thinking", "image", "document",
+                                                             "server_tool_use", ""]),
+                                    "thinking": st.text(max_size=8)}))
+_MESSAGES_FIELDS = {
+    "model": st.just(MODEL),
+    "max_tokens": st.integers(1, 8),
+    "messages": st.lists(st.fixed_dictionaries({
+        "role": st.sampled_from(["user", "assistant", "system", "developer"]),
+        "content": st.text(max_size=20) | st.lists(_BLOCKS, max_size=3)}), min_size=1, max_size=3),
+    "system": st.text(max_size=20) | st.lists(_TEXT_BLOCK, max_size=2),
+    "stop_sequences": st.lists(st.text(min_size=1, max_size=3), max_size=3),
+    "temperature": st.sampled_from([0, 0.5, 1]), "top_p": st.sampled_from([0.5, 1]), "top_k": st.sampled_from([0, 5]),
+    "stream": st.booleans(),
+    "tools": st.lists(st.fixed_dictionaries({"name": st.sampled_from(["f", "g"]), "input_schema": st.sampled_from(
+        [{"type": "object", "properties": {"a": {"type": "integer"}}}, {"type": "object"}, {}])}), min_size=1,
+        max_size=2),
+    "tool_choice": st.sampled_from([{"type": "none"}, {"type": "auto"}, {"type": "any"},
+                                    {"type": "tool", "name": "f"}, {"type": "any", "disable_parallel_tool_use": True}]),
+    "metadata": st.fixed_dictionaries({"user_id": st.text(max_size=5)}),
+    "thinking": st.sampled_from([{"type": "disabled"}, {"type": "enabled", "budget_tokens": 1024}]),
+    "output_config": st.sampled_from([{"effort": "low"}, {"format": {"type": "json_schema",
+                                                                      "schema": {"type": "boolean"}}}]),
+}
+
+
+@st.composite
+def messages_bodies(draw) -> dict:
+    """tests/test_openai_fuzz.py's bodies, with the two other required fields unless they replaced them (a body
+    without them is tested above)."""
+    return {"model": MODEL, "max_tokens": 4, **draw(bodies(_MESSAGES_FIELDS, "messages"))}
+
+
+ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 413: "request_too_large"}
+"""Status -> the error's type, for what a client can cause with a request body alone."""
+
+
+@settings(max_examples=100, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                 HealthCheck.function_scoped_fixture])
+@given(body=messages_bodies())
+def test_messages_bodies_get_a_message_or_a_documented_error(served, body):
+    """Malformed and extreme Messages bodies: a message (or a stream of Anthropic's events ending in
+    message_stop), or an Anthropic error object under 400 (naming a field of the body), 404 or 413. Never a 500."""
+    status, _, raw = http_request(served.http_port, "POST", "/v1/messages", json.dumps(body).encode(),
+                                  timeout_s=30.0, headers={"x-api-key": KEY})
+    if status != 200:
+        answer = json.loads(raw)
+        assert (status in ERROR_TYPES, sorted(answer), sorted(answer["error"])) == (True, ["error", "type"],
+                                                                                   ["message", "type"]), raw
+        assert (answer["type"], answer["error"]["type"]) == ("error", ERROR_TYPES[status])
+        field = answer["error"]["message"].split(":")[0].split(".")[0].split("[")[0]
+        assert field in set(body) | {"max_tokens", "model", "messages", "tool_choice"}, (field, body)
+        event(f"{status} {field}")
+        return
+    if body.get("stream") is True:
+        names = [name for name, _ in sse_events(raw)]
+        assert (names[0], names[-2:], "error" in names) == ("message_start", ["message_delta", "message_stop"], False)
+        event("200 stream")
+        return
+    message = json.loads(raw)
+    assert (message["type"], message["stop_reason"] in ("end_turn", "max_tokens", "stop_sequence", "tool_use")) == (
+        "message", True)
+    assert message["content"] and 1 <= message["usage"]["output_tokens"] <= body["max_tokens"]
+    event(f"200 {message['stop_reason']}")
