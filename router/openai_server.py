@@ -7,8 +7,8 @@ the same Orchestrator. Errors use the OpenAI error object with an HTTP status pe
 InvalidRequestError -> 400 (`param` names the field), an unknown model or URL -> 404, and a
 RouterError by its code (RESOURCE_EXHAUSTED 429, UNAVAILABLE 503, DEADLINE_EXCEEDED 504, else
 500); on the Messages API's paths, Anthropic's error object for the same status
-(router/anthropic_protocol.py). A streamed request reports errors before its first token as an HTTP status and errors
-after it as an error event. A client that disconnects cancels its request: the orchestrator's
+(router/anthropic_protocol.py). A streamed request reports errors before its first token as an
+HTTP status and errors after it as an error event. A client that disconnects cancels its request: the orchestrator's
 stream is closed, which aborts the request on the workers. A request is admitted (O(1), before its
 body is read: a full router answers 429 with Retry-After whatever the body holds) and held to
 router/request_limits.py's table before it is tokenized, in router/tokenizer_pool.py's pool.
@@ -261,8 +261,9 @@ class OpenAIServing:
     async def count_tokens(self, request: Request) -> Response:
         """Anthropic's /v1/messages/count_tokens: {"input_tokens": the rendered chat's token count}."""
         try:
-            parsed = await self._with_inline_system(await self._read_request(request, parse_count_tokens_request))
+            parsed = await self._read_request(request, parse_count_tokens_request)
             self._check_model(parsed.model)
+            parsed = await self._with_inline_system(parsed)
             token_ids = await self.tokenizers.apply_chat_template([m.template_message() for m in parsed.messages],
                                                                   parsed.add_generation_prompt, parsed.template)
             return _JSONResponse({"input_tokens": len(token_ids)})
