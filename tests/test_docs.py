@@ -361,3 +361,64 @@ def test_the_observability_access_log_example_is_a_line_the_router_writes():
         decode_worker="decode-1", num_migrations=0)
     assert text_line(access_fields(record)) == example
     assert 'request "<id>" status="OK" finish_reason="stop" prompt_tokens=' in CONFIGURATION
+
+
+# ---- every doc: commands, config keys, links ---------------------------------------------------------------------
+
+COMMANDS = build_parser()._subparsers._group_actions[0].choices
+
+
+def _command_lines(text: str) -> list[str]:
+    """Lines of code blocks and inline code spans that run `splitserve <command>` (continuations joined)."""
+    spans = re.findall(r"```\w*\n(.*?)```", text, re.S) + re.findall(r"`(splitserve [^`]+)`", text)
+    return [line for span in spans for line in span.replace("\\\n", " ").splitlines() if "splitserve " in line]
+
+
+def test_every_flag_a_documented_command_gives_is_one_of_that_command():
+    unknown = []
+    for path in PROSE:
+        for line in _command_lines(path.read_text(encoding="utf-8")):
+            command = re.search(r"splitserve ([a-z-]+)\b(.*)", line)
+            if command is None or command[1] not in COMMANDS:
+                continue
+            options = {option for action in COMMANDS[command[1]]._actions for option in action.option_strings}
+            arguments = command[2] if command[1] == "serve" else command[2].split("#")[0]  # `# comment` after a command
+            unknown += [(path.name, command[1], flag) for flag in re.findall(r"(?<![\w-])(--?[a-z][\w-]*)", arguments)
+                        if flag not in options]
+    assert unknown == []
+
+
+def test_every_dotted_config_key_the_docs_name_exists():
+    engine_fields = {field.name for field in dataclasses.fields(EngineConfig)}
+    unknown = set()
+    for path in PROSE:
+        for key in re.findall(r"`((?:router|prefill|decode|planner)\.[a-z_.]*[a-z_])", path.read_text(encoding="utf-8")):
+            pool_engine = re.match(r"(?:prefill|decode)\.engine\.(\w+)", key)
+            known = (pool_engine[1] in engine_fields if pool_engine
+                     else key in CONFIG_KEYS or f"planner.{key}" in CONFIG_KEYS)  # the planner table's own keys
+            if not known:
+                unknown.add((path.name, key))
+    assert sorted(unknown) == []
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation dropped, spaces as hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_every_relative_link_and_anchor_resolves():
+    pages = [*PROSE, *sorted((ROOT / "deploy").rglob("*.md"))]
+    outside_code = {path.resolve(): re.sub(r"```.*?```", "", path.read_text(encoding="utf-8"), flags=re.S)
+                    for path in pages}
+    anchors = {path: {_anchor(heading) for heading in re.findall(r"^#+ (.*)$", text, re.M)}
+               for path, text in outside_code.items()}
+    broken = []
+    for path, text in outside_code.items():
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if target.startswith(("http://", "https://")):
+                continue
+            file, _, anchor = target.partition("#")
+            linked = (path.parent / file).resolve() if file else path
+            if not linked.exists() or (anchor and linked.suffix == ".md" and anchor not in anchors.get(linked, set())):
+                broken.append((path.name, target))
+    assert broken == []
