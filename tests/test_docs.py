@@ -422,3 +422,24 @@ def test_every_relative_link_and_anchor_resolves():
             if not linked.exists() or (anchor and linked.suffix == ".md" and anchor not in anchors.get(linked, set())):
                 broken.append((path.name, target))
     assert broken == []
+
+
+def test_every_cluster_config_yaml_block_in_the_docs_loads():
+    """Each ```yaml block of README.md and docs/ is a cluster config (or a part of one, under model: default); the TLS
+    example names files under /etc that only its reader has, which loading checks, naming the first."""
+    from splitserve.deploy.cluster_config import parse_cluster_config
+
+    outcomes = []
+    for path in PROSE:
+        if path.parent.name == "deploy":  # Kubernetes manifests, validated by deploy/kuberay/validate.py
+            continue
+        for block in re.findall(r"```yaml\n(.*?)```", path.read_text(encoding="utf-8"), re.S):
+            text = block if "model" in yaml.safe_load(block) else "model: default\n" + block
+            try:
+                parse_cluster_config(text)
+                outcomes.append("ok")
+            except ClusterConfigError as error:
+                outcomes.append(str(error))
+    assert sorted(set(outcomes)) == ["ok", "router.tls.cert_file: must name an existing file, got "
+                                           "'/etc/splitserve/tls/server.crt'"]
+    assert outcomes.count("ok") == 4
