@@ -443,3 +443,24 @@ def test_every_cluster_config_yaml_block_in_the_docs_loads():
     assert sorted(set(outcomes)) == ["ok", "router.tls.cert_file: must name an existing file, got "
                                            "'/etc/splitserve/tls/server.crt'"]
     assert outcomes.count("ok") == 4
+
+
+@pytest.mark.parametrize("metric, values", [
+    ("splitserve_request_failure_total{code}", m.FAILURE_CODES),
+    ("splitserve_admission_rejections_total{reason}", m.REJECTION_REASONS),
+    ("splitserve_routing_decisions_total{reason}", m.ROUTING_REASONS),
+    ("splitserve_request_success_total{finished_reason}", ("stop", "length")),
+])
+def test_the_label_values_observability_lists_are_the_exported_ones(metric, values):
+    """The router exports these counters at 0 for every known label value, so the doc's list is what a scrape shows."""
+    observability = (DOCS / "observability.md").read_text(encoding="utf-8")
+    [row] = [row for row in _table(observability, "| metric | type | observed for |") if row[0] == f"`{metric}`"]
+    listed = [value for value in re.findall(r"`([A-Za-z_]+)`", row[2]) if value in values or value.isupper()
+              or value.islower() and "_" in value or value in ("stop", "length")]
+    assert sorted(set(listed)) == sorted(values)
+
+
+def test_the_ttft_phase_table_is_every_phase():
+    observability = (DOCS / "observability.md").read_text(encoding="utf-8")
+    rows = _table(observability, "| phase | remote prefill | local prefill (decode worker prefills) |")
+    assert sorted(row[0].strip("`") for row in rows) == sorted(m.TTFT_PHASES)
