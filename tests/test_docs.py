@@ -19,7 +19,7 @@ from splitserve.deploy.cluster_config import (DEFAULT_DECODE_ENGINE, DEFAULT_PRE
                                               ClusterConfigError, apply_overrides, default_cluster_config,
                                               dump_cluster_config)
 from splitserve.router.access_log import access_fields, text_line
-from tests.factories import make_request_record
+from tests.factories import MetricsSources, make_load_report, make_request_record
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -464,3 +464,26 @@ def test_the_ttft_phase_table_is_every_phase():
     observability = (DOCS / "observability.md").read_text(encoding="utf-8")
     rows = _table(observability, "| phase | remote prefill | local prefill (decode worker prefills) |")
     assert sorted(row[0].strip("`") for row in rows) == sorted(m.TTFT_PHASES)
+
+
+def test_the_lora_metrics_example_is_a_line_a_scrape_shows():
+    import asyncio
+
+    from prometheus_client import generate_latest
+
+    from splitserve.common.kv_events import LoraLoad, WorkerCounters
+    from splitserve.common.slo import SloConfig
+    from splitserve.common.stats import LoopLagStats, RoutingStats, WorkerSnapshot
+    from splitserve.router.metrics_server import RouterMetrics
+
+    example = re.search(r"^splitserve_lora_requests_info\{.*$", (DOCS / "lora.md").read_text(encoding="utf-8"), re.M)[0]
+    load = dataclasses.replace(make_load_report(), lora=LoraLoad(2, running=("poet", "sql"), waiting=()))
+    workers = (WorkerSnapshot("decode-0", "decode", load, WorkerCounters(0, 0, 0, 0, 0, 0)),)
+    metrics = RouterMetrics(SloConfig(), "MODEL")
+
+    async def scrape() -> str:
+        metrics.watch(MetricsSources(workers, RoutingStats((), ()),
+                                 LoopLagStats(m.LOOP_LAG_BUCKETS, (0,) * len(m.LOOP_LAG_BUCKETS), 0, 0.0)))
+        return generate_latest(metrics.registry).decode()
+
+    assert example in asyncio.run(scrape()).splitlines()
