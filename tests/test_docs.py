@@ -487,3 +487,17 @@ def test_the_lora_metrics_example_is_a_line_a_scrape_shows():
         return generate_latest(metrics.registry).decode()
 
     assert example in asyncio.run(scrape()).splitlines()
+
+
+def test_the_defaults_serve_help_states_are_the_configs():
+    """`splitserve serve --help` states a flag's default as `(default VALUE...`: it must be the default config's."""
+    stated = []
+    for action in SERVE._actions:
+        match = re.search(r"\(default ([^\s;:)]+)", action.help or "")
+        if match is None or not action.option_strings:
+            continue
+        keys = _keys_set_by(_sample_argv(action)) - {"model"}
+        value = _value(match[1].strip("'"))
+        stated += [(key, value, _lookup(DEFAULTS, key)) for key in sorted(keys)]
+    assert [(key, value) for key, value, default in stated if value != default] == []
+    assert len(stated) >= 15  # every flag with a stated default was checked
