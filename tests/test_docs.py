@@ -1,12 +1,15 @@
 """What the docs state that can drift from the code, checked against the code: docs/configuration.md's
-flag table and reference defaults, its example error messages, the metric names and labels the docs
-name, the Prometheus alert and recording-rule tables and the access-log example line. A new user
-runs these literally, so each check reads the doc's text, not a copy of it."""
+flag table, reference defaults and example errors; `serve --help`'s stated defaults; the metric names,
+labels and label values the docs give; the Prometheus alert and recording-rule tables; the access-log and
+lora_requests_info example lines; and, in every doc, the flags of `splitserve <command>` lines, dotted
+config keys, cluster-config YAML blocks and relative links. A new user runs these literally, so each
+check reads the doc's own text, not a copy of it."""
 
 from __future__ import annotations
 
 import dataclasses
 import re
+import typing
 from pathlib import Path
 
 import pytest
@@ -54,7 +57,9 @@ FLAG_ROWS = _table(CONFIGURATION, "| flag | override |")
 
 
 def _row_flags(cell: str) -> set[str]:
-    return {flag for span in re.findall(r"`([^`]*)`", cell) for flag in re.findall(r"(?<![\w-])(--?[a-z][\w-]*)", span)}
+    """The flags a table cell's code spans name (`--kv-cache-memory BYTES` names --kv-cache-memory)."""
+    return {flag for span in re.findall(r"`([^`]*)`", cell)
+            for flag in re.findall(r"(?<![\w-])(--?[a-z][\w-]*)", span)}
 
 
 def test_the_flag_table_names_every_serve_flag_and_only_those():
@@ -65,7 +70,7 @@ def test_the_flag_table_names_every_serve_flag_and_only_those():
 
 
 def _config_keys() -> set[str]:
-    import typing
+    """Every dotted key of the cluster config, sections included (router.tls, router.tls.cert_file, ...)."""
 
     def walk(kind: type, prefix: str) -> set[str]:
         keys = set()
@@ -102,14 +107,15 @@ def _documented_keys(cell: str) -> set[str]:
 
 
 def _sample_argv(action) -> list[str]:
-    """A command line that sets the flag to a value its type takes (not its default), for serve_overrides."""
+    """A command line that gives the flag a value its type takes, for serve_overrides."""
     flag = action.option_strings[-1] if action.option_strings[-1].startswith("--") else action.option_strings[0]
     if action.nargs == 0:
         return [flag]
     if action.choices:
         return [flag, str(list(action.choices)[0])]
-    samples = {"_json_strings": '["x"]', "_json_object": '{"temperature": 0.5}', "_speculative_json": '{"method": "ngram"}',
-               "--long-prefill-token-threshold": "0", "--tensor-parallel-size": "1", "--pipeline-parallel-size": "1"}
+    samples = {"_json_strings": '["x"]', "_json_object": '{"temperature": 0.5}',
+               "_speculative_json": '{"method": "ngram"}', "--long-prefill-token-threshold": "0",
+               "--tensor-parallel-size": "1", "--pipeline-parallel-size": "1"}
     kind = getattr(action.type, "__name__", "")
     return [flag, samples.get(kind, samples.get(flag, "2"))]
 
@@ -148,8 +154,9 @@ DEFAULTS = yaml.safe_load(dump_cluster_config(default_cluster_config("default"))
 NO_VALUE = {"required", "", "see below", "per pool, above", "required in `tls`", "`null` each",
             "see [below](#planner)"}
 """Default cells that state no value: required keys and sections documented elsewhere."""
-REFERENCE_TABLES = {"### Top level": ("",), "### `router`": ("router.",), "### `prefill` and `decode`": ("prefill.", "decode."),
-                    "### `planner`": ("planner.",)}
+REFERENCE_TABLES = {"### Top level": ("",), "### `router`": ("router.",),
+                    "### `prefill` and `decode`": ("prefill.", "decode."), "### `planner`": ("planner.",)}
+"""Each reference table's heading and the prefixes its keys are under."""
 
 
 def _lookup(tree: object, key: str) -> object:
@@ -160,6 +167,7 @@ def _lookup(tree: object, key: str) -> object:
 
 
 def _value(cell: str) -> object:
+    """A table cell's value as YAML reads it (`null`, `30`, `["*"]`)."""
     value = yaml.safe_load(cell.strip().strip("`"))
     if isinstance(value, str) and re.fullmatch(r"[\d.]+e-?\d+", value):  # YAML 1.1 reads 5e-06 (no dot) as a string
         value = float(value)
@@ -167,6 +175,7 @@ def _value(cell: str) -> object:
 
 
 def _reference_rows():
+    """(prefix, keys, default cell) of each reference table row; `a.b`, `.c` is a.b and a.c."""
     for heading, prefixes in REFERENCE_TABLES.items():
         for row in _table(_section(CONFIGURATION, heading), "| key | default | meaning |"):
             names = [name.strip("` ") for name in row[0].split(",")]
@@ -185,7 +194,7 @@ def test_the_reference_tables_give_every_key_its_default():
         values = [_value(cell) for cell in default.split(", ")] if len(names) > 1 else [_value(default)]
         for name, value in zip(names, values, strict=True):
             actual = _lookup(DEFAULTS, prefix + name.removesuffix(".*"))
-            if actual != value and not (actual == [] and value is None):
+            if actual != value:
                 wrong.append((prefix + name, value, actual))
     assert wrong == []
     # the engine's fields (listed below the pool table) and the planner's profile (a paragraph) aside
@@ -195,6 +204,7 @@ def test_the_reference_tables_give_every_key_its_default():
 
 
 def _leaf_keys(tree: dict, prefix: str = "") -> set[str]:
+    """The dotted keys of a config's settings (not its sections)."""
     keys = set()
     for name, value in tree.items():
         keys |= _leaf_keys(value, prefix + name + ".") if isinstance(value, dict) else {prefix + name}
@@ -236,9 +246,10 @@ def test_the_example_errors_are_the_errors_those_configs_get():
     block = CONFIGURATION[CONFIGURATION.index("naming the full path of the offending key:"):]
     start = block.index("```\n") + 4
     lines = block[start:block.index("\n```", start)].splitlines()
-    assert [next(start for start in ERROR_EXAMPLES if line.startswith(start)) for line in lines] == list(ERROR_EXAMPLES)
-    for line in lines:
-        overrides = next(value for start, value in ERROR_EXAMPLES.items() if line.startswith(start))
+    makers = [next(overrides for prefix, overrides in ERROR_EXAMPLES.items() if line.startswith(prefix))
+              for line in lines]
+    assert makers == list(ERROR_EXAMPLES.values())
+    for line, overrides in zip(lines, makers, strict=True):
         with pytest.raises(ClusterConfigError) as error:
             apply_overrides(default_cluster_config("default"), overrides)
         assert str(error.value) == line
@@ -342,11 +353,11 @@ def test_the_recording_rule_table_is_every_recording_rule():
     for row in _table(PROMETHEUS_GRAFANA, "| rule | meaning |"):
         for name in re.findall(r"`([^`]+)`", row[0]):
             documented |= _brace_expansions(name.split("{quantile")[0])
+    # `<histogram>`: what its row names, "TTFT, ITL, TPOT, e2e latency (KV transfer: p50/p99)"
     histograms = ("splitserve_time_to_first_token_seconds", "splitserve_inter_token_latency_seconds",
                   "splitserve_time_per_output_token_seconds", "splitserve_e2e_request_latency_seconds",
-                  "splitserve_kv_transfer_seconds")  # `<histogram>`: the row's "TTFT, ITL, TPOT, e2e latency (KV transfer)"
-    documented = {expanded for name in documented
-                  for expanded in ({name.replace("<histogram>", h) for h in histograms} if "<histogram>" in name else {name})}
+                  "splitserve_kv_transfer_seconds")
+    documented = {name.replace("<histogram>", histogram) for name in documented for histogram in histograms}
     assert documented == _rules("record")
 
 
@@ -392,7 +403,8 @@ def test_every_dotted_config_key_the_docs_name_exists():
     engine_fields = {field.name for field in dataclasses.fields(EngineConfig)}
     unknown = set()
     for path in PROSE:
-        for key in re.findall(r"`((?:router|prefill|decode|planner)\.[a-z_.]*[a-z_])", path.read_text(encoding="utf-8")):
+        text = path.read_text(encoding="utf-8")
+        for key in re.findall(r"`((?:router|prefill|decode|planner)\.[a-z_.]*[a-z_])", text):
             pool_engine = re.match(r"(?:prefill|decode)\.engine\.(\w+)", key)
             known = (pool_engine[1] in engine_fields if pool_engine
                      else key in CONFIG_KEYS or f"planner.{key}" in CONFIG_KEYS)  # the planner table's own keys
