@@ -404,7 +404,8 @@ def test_every_dotted_config_key_the_docs_name_exists():
     unknown = set()
     for path in PROSE:
         text = path.read_text(encoding="utf-8")
-        for key in re.findall(r"`((?:router|prefill|decode|planner)\.[a-z_.]*[a-z_])", text):
+        keys = re.findall(r"`((?:router|prefill|decode|planner)\.[a-z_.]*[a-z_])", text)
+        for key in keys + re.findall(r"--set ([a-z_.]*[a-z_])=", text):
             pool_engine = re.match(r"(?:prefill|decode)\.engine\.(\w+)", key)
             known = (pool_engine[1] in engine_fields if pool_engine
                      else key in CONFIG_KEYS or f"planner.{key}" in CONFIG_KEYS)  # the planner table's own keys
