@@ -86,7 +86,7 @@ def write_png(report: dict, path: Path) -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--max-windows", type=int, default=None, help="score only the first N windows (quick look)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (the recorded run: 1)")
     args = parser.parse_args()

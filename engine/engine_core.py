@@ -448,7 +448,7 @@ class EngineCore:
             self.grammars.add(request_id, params.structured_output, output_token_ids)
         if params.seed is not None:
             self._generators[request_id] = torch.Generator(self.device).manual_seed(params.seed)
-        if self.tokenizer is not None:
+        if self.tokenizer is not None and params.detokenize:  # detokenize=False has no stop strings (validated)
             self._detokenizers[request_id] = IncrementalDetokenizer(
                 self.tokenizer, request.prompt_token_ids, params.stop, params.skip_special_tokens,
                 params.include_stop_str_in_output)

@@ -147,9 +147,7 @@ def load_tokenizer(model_dir: str | Path) -> PreTrainedTokenizerBase:
 class _Accumulator:
     """Collects one sequence's deltas (one engine request's) into its CompletionOutput."""
 
-    def __init__(self, wants_logprobs: bool, wants_text: bool = True):
-        self.wants_text = wants_text
-        """SamplingParams.detokenize: False keeps the text empty (vLLM's token-ids-only output)."""
+    def __init__(self, wants_logprobs: bool):
         self.token_ids: list[int] = []
         self.text = ""
         self.logprobs: list[TokenLogprobs] | None = [] if wants_logprobs else None
@@ -158,8 +156,7 @@ class _Accumulator:
 
     def add(self, delta: CompletionDelta) -> None:
         self.token_ids.extend(delta.new_token_ids)
-        if self.wants_text:
-            self.text += delta.text_delta
+        self.text += delta.text_delta
         if self.logprobs is not None:
             self.logprobs.extend(delta.new_logprobs)
         if delta.prompt_logprobs is not None:
@@ -306,7 +303,7 @@ class LLM:
         for request_id, prompt, sp, rank, lora in requests:
             sp.check_logprobs_limit(MAX_LOGPROBS, self.engine.vocab_size)  # vLLM's default --max-logprobs
             self.engine.validate(request_id, prompt.token_ids, sp, prompt.cache_salt, rank, lora)
-        accumulators = {request_id: _Accumulator(sp.logprobs is not None, sp.detokenize)
+        accumulators = {request_id: _Accumulator(sp.logprobs is not None)
                         for request_id, _, sp, _, _ in requests}
         try:
             for request_id, prompt, sp, rank, lora in requests:
@@ -499,7 +496,7 @@ class LLM:
                                 priority=priority, lora_request=lora_request)
         try:
             for delta in self._deltas({request_id}):
-                yield delta if params.detokenize else replace(delta, text_delta="")
+                yield delta
         finally:
             self._abandon([request_id])
 

@@ -1,8 +1,9 @@
 """Optional API-key auth for the router's public APIs: one check shared by the gRPC server (the
-`authorization` metadata) and the OpenAI-compatible HTTP API (the `Authorization` header).
+`authorization` metadata) and the OpenAI-compatible HTTP API (the `Authorization` header, or the
+`x-api-key` header the Anthropic SDKs send).
 
-Both carry `Bearer <key>`. The key is compared in constant time (hmac.compare_digest). Standard
-library only (the router stays torch-free).
+Authorization carries `Bearer <key>`, x-api-key the key alone. The key is compared in constant time
+(hmac.compare_digest). Standard library only (the router stays torch-free).
 """
 
 from __future__ import annotations
@@ -28,6 +29,15 @@ def check_authorization(header: str | bytes | None, api_key: str) -> str | None:
     if not hmac.compare_digest(sent, api_key.encode("utf-8")):
         return INVALID
     return None
+
+
+def check_api_key(authorization: bytes | None, x_api_key: bytes | None, api_key: str) -> str | None:
+    """None when either HTTP header carries `api_key` (Authorization as `Bearer <key>`, x-api-key as the key);
+    otherwise why not: INVALID when a key was sent in either and none matches, else MISSING."""
+    reason = check_authorization(authorization, api_key)
+    if reason is None or not x_api_key:
+        return reason
+    return None if hmac.compare_digest(x_api_key.strip(), api_key.encode("utf-8")) else INVALID
 
 
 def bearer(api_key: str) -> str:

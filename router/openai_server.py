@@ -1,13 +1,14 @@
 """The router's OpenAI-compatible HTTP front: /v1/completions, /v1/chat/completions and
-/v1/responses (JSON or server-sent events), /v1/models, vLLM's /tokenize, /detokenize and
-/version, /health (and vLLM's /ping), and optionally /metrics.
+/v1/responses (JSON or server-sent events), Anthropic's /v1/messages (and its count_tokens),
+/v1/models, vLLM's /tokenize, /detokenize and /version, /health (and vLLM's /ping), and optionally /metrics.
 
 A Starlette app served by uvicorn on the router's event loop, beside the gRPC server and over
 the same Orchestrator. Errors use the OpenAI error object with an HTTP status per cause:
 InvalidRequestError -> 400 (`param` names the field), an unknown model or URL -> 404, and a
 RouterError by its code (RESOURCE_EXHAUSTED 429, UNAVAILABLE 503, DEADLINE_EXCEEDED 504, else
-500). A streamed request reports errors before its first token as an HTTP status and errors
-after it as an error event. A client that disconnects cancels its request: the orchestrator's
+500); on the Messages API's paths, Anthropic's error object for the same status
+(router/anthropic_protocol.py). A streamed request reports errors before its first token as an
+HTTP status and errors after it as an error event. A client that disconnects cancels its request: the orchestrator's
 stream is closed, which aborts the request on the workers. A request is admitted (O(1), before its
 body is read: a full router answers 429 with Retry-After whatever the body holds) and held to
 router/request_limits.py's table before it is tokenized, in router/tokenizer_pool.py's pool.
@@ -47,7 +48,12 @@ from splitserve.common.pooling import ModelPooling
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.stats import RequestParamsRecord
 from splitserve.router.admission import RETRY_AFTER_S, Admission
-from splitserve.router.auth import check_authorization
+from splitserve.router.anthropic_protocol import (COUNT_TOKENS_PATH, INLINE_SYSTEM_PROBE, MESSAGES_PATH,
+                                                  MessageHeader, MessagesRenderer, has_inline_system,
+                                                  is_messages_path, merged_inline_system,
+                                                  parse_count_tokens_request, parse_messages_request)
+from splitserve.router.anthropic_protocol import error_body as anthropic_error_body
+from splitserve.router.auth import check_api_key
 from splitserve.router.openai_protocol import (ChatCompletionRequest, ChatRenderer, CompletionRenderer,
                                                CompletionRequest, EmbeddingRequest, ResponseHeader, error_body,
                                                parse_chat_request, parse_completion_request, parse_detokenize_request,
@@ -113,8 +119,15 @@ class ApiError(Exception):
 
     def response(self) -> JSONResponse:
         """A 429 carries Retry-After (as OpenAI's API does; its SDK and vLLM's clients back off by it)."""
+        return self._response(self.body())
+
+    def anthropic_response(self) -> JSONResponse:
+        """The same error as Anthropic's error object (the Messages API's paths)."""
+        return self._response(anthropic_error_body(self.status, self.message))
+
+    def _response(self, body: dict) -> JSONResponse:
         headers = {"Retry-After": str(RETRY_AFTER_S)} if self.status == 429 else None
-        return _AsciiJSONResponse(self.body(), status_code=self.status, headers=headers)
+        return _AsciiJSONResponse(body, status_code=self.status, headers=headers)
 
 
 def json_bytes(content: Any, separators: tuple[str, str] | None = (",", ":")) -> bytes:
@@ -160,7 +173,7 @@ class _Job:
     """Sequences generated per prompt (best_of)."""
     n: int
     """Choices returned per prompt: the best n of its sequences when fewer than num_sequences."""
-    renderer: CompletionRenderer | ChatRenderer | ResponsesRenderer | EmbeddingRenderer
+    renderer: CompletionRenderer | ChatRenderer | ResponsesRenderer | MessagesRenderer | EmbeddingRenderer
     stream: bool
     beam_search: BeamSearchParams | None = None
     """use_beam_search: each prompt's n choices are its best n beams (inputs[::n] are the prompts')."""
@@ -175,9 +188,11 @@ class _Job:
         return self.renderer.response(choices, usage)
 
     def events(self, first: IndexedChunk, stream: AsyncGenerator[IndexedChunk, None]) -> AsyncGenerator[bytes, None]:
-        """The streamed response's SSE body: Responses API events, or chat / completion chunks."""
+        """The streamed response's SSE body: Responses API events, Messages API events, or chat / completion chunks."""
         if isinstance(self.renderer, ResponsesRenderer):
             return _response_events(first, stream, self.renderer)
+        if isinstance(self.renderer, MessagesRenderer):
+            return _message_events(first, stream, self.renderer)
         return _events(first, stream, self)
 
 
@@ -230,6 +245,7 @@ class OpenAIServing:
         self._parse_completion = functools.partial(parse_completion_request, defaults=defaults)
         self._parse_chat = functools.partial(parse_chat_request, defaults=defaults)
         self._parse_responses = functools.partial(parse_responses_request, defaults=defaults)
+        self._parse_messages = functools.partial(parse_messages_request, defaults=defaults)
         self.created = int(time.time())
 
     # ---- endpoints ---------------------------------------------------------------------
@@ -243,6 +259,24 @@ class OpenAIServing:
 
     async def responses(self, request: Request) -> Response:
         return await self._serve(request, self._parse_responses, self._responses_job)
+
+    async def messages(self, request: Request) -> Response:
+        """Anthropic's Messages API over the chat path (router/anthropic_protocol.py)."""
+        return await self._serve(request, self._parse_messages, self._messages_job)
+
+    async def count_tokens(self, request: Request) -> Response:
+        """Anthropic's /v1/messages/count_tokens: {"input_tokens": the rendered chat's token count}."""
+        try:
+            parsed = await self._read_request(request, parse_count_tokens_request)
+            self._check_model(parsed.model)
+            parsed = await self._with_inline_system(parsed)
+            token_ids = await self.tokenizers.apply_chat_template([m.template_message() for m in parsed.messages],
+                                                                  parsed.add_generation_prompt, parsed.template)
+            return _JSONResponse({"input_tokens": len(token_ids)})
+        except ClientDisconnected:
+            return Response(status_code=CLIENT_CLOSED_STATUS)
+        except Exception as error:
+            return ApiError.of(error).anthropic_response()
 
     async def embeddings(self, request: Request) -> Response:
         return await self._serve(request, parse_embedding_request, self._embedding_job)
@@ -359,8 +393,8 @@ class OpenAIServing:
                 job.ids.release()  # likewise
             if isinstance(error, ClientDisconnected):
                 return Response(status_code=CLIENT_CLOSED_STATUS)
-            if isinstance(error, Exception):  # every failure is an OpenAI error response; the server carries on
-                return ApiError.of(error).response()
+            if isinstance(error, Exception):  # every failure is an error response; the server carries on
+                return _error_response(request.scope, ApiError.of(error))
             raise
 
     async def _respond(self, request: Request, job: _Job, admission: Admission) -> Response:
@@ -495,6 +529,24 @@ class OpenAIServing:
                                 self._served_name(chat.inputs[0].lora_request), self.system_fingerprint)
         renderer = ResponsesRenderer(header, parsed.chat, parsed.settings, chat.tool_output, chat.reasoning_output)
         return _Job(chat.ids, chat.inputs, 1, 1, renderer, parsed.chat.stream)
+
+    async def _messages_job(self, parsed: ChatCompletionRequest) -> _Job:
+        chat = await self._chat_inputs(await self._with_inline_system(parsed), "messages")
+        header = MessageHeader(f"msg_{chat.ids.client_request_id}", self._served_name(chat.inputs[0].lora_request),
+                               len(chat.inputs[0].prompt_token_ids), self.options.enable_prompt_tokens_details)
+        return _Job(chat.ids, chat.inputs, 1, 1, MessagesRenderer(header, chat.tool_output, chat.reasoning_output),
+                    parsed.stream)
+
+    async def _with_inline_system(self, parsed: ChatCompletionRequest) -> ChatCompletionRequest:
+        """A Messages chat's system messages after the first merged into one first when its template refuses them
+        there (vLLM's probe and fallback); else as it is."""
+        if not has_inline_system(parsed):
+            return parsed
+        try:
+            await self.tokenizers.apply_chat_template(INLINE_SYSTEM_PROBE, False, parsed.template)
+            return parsed
+        except InvalidRequestError:
+            return merged_inline_system(parsed)
 
     async def _chat_inputs(self, parsed: ChatCompletionRequest, prompt_param: str) -> _ChatInputs:
         """A chat's inputs and how its output is read; `prompt_param`: the field its messages came
@@ -704,6 +756,29 @@ async def _response_events(first: IndexedChunk, stream: AsyncGenerator[IndexedCh
         await stream.aclose()
 
 
+async def _message_events(first: IndexedChunk, stream: AsyncGenerator[IndexedChunk, None],
+                          renderer: MessagesRenderer) -> AsyncGenerator[bytes, None]:
+    """The Messages API's SSE body: message_start, its chunks' events (the last ends with message_stop),
+    or an `error` event if the request fails mid-stream (Anthropic's framing). Closing it closes the
+    request's stream."""
+    try:
+        for event in renderer.opening_events() + renderer.stream_events(first.chunk):
+            yield _named_sse(event)
+        async for item in stream:
+            for event in renderer.stream_events(item.chunk):
+                yield _named_sse(event)
+    except Exception as error:
+        api_error = ApiError.of(error)
+        yield _named_sse(anthropic_error_body(api_error.status, api_error.message))
+    finally:
+        await stream.aclose()
+
+
+def _error_response(scope: Scope, error: ApiError) -> JSONResponse:
+    """Anthropic's error object on the Messages API's paths, OpenAI's everywhere else."""
+    return error.anthropic_response() if is_messages_path(route_path(scope)) else error.response()
+
+
 class _EventStream(StreamingResponse):
     """text/event-stream whose body is always closed, however the response ends: on a client
     disconnect Starlette cancels the sending loop, which would otherwise leave the body (and the
@@ -721,11 +796,14 @@ class _EventStream(StreamingResponse):
 
 
 async def _http_error(request: Request, error: HTTPException) -> Response:
-    """Starlette's own errors (unknown URL, wrong method) as OpenAI error objects."""
+    """Starlette's own errors (unknown URL, wrong method) as OpenAI (or, on the Messages API's paths,
+    Anthropic) error objects."""
     if error.status_code == 404:
-        return ApiError(404, f"Invalid URL ({request.method} {request.url.path})", code="unknown_url").response()
-    return JSONResponse(ApiError(error.status_code, str(error.detail)).body(), status_code=error.status_code,
-                        headers=error.headers)
+        return _error_response(request.scope, ApiError(404, f"Invalid URL ({request.method} {request.url.path})",
+                                                       code="unknown_url"))
+    response = _error_response(request.scope, ApiError(error.status_code, str(error.detail)))
+    response.headers.update(error.headers or {})
+    return response
 
 
 class _AsgiRoute:
@@ -749,7 +827,8 @@ def route_path(scope: Scope) -> str:
     return path
 
 
-GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings"})
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses", MESSAGES_PATH,
+                              "/v1/embeddings"})
 ADMISSION_SCOPE_KEY = "splitserve.admission"
 """The ASGI scope key under which _AdmissionGate hands an admitted request's slot to its handler."""
 
@@ -775,7 +854,7 @@ class _AdmissionGate:
         try:
             admission = self._orchestrator.admit()
         except RouterError as error:
-            await ApiError.of(error).response()(scope, receive, send)
+            await _error_response(scope, ApiError.of(error))(scope, receive, send)
             return
         scope[ADMISSION_SCOPE_KEY] = admission
         try:
@@ -789,8 +868,9 @@ GUARDED_PATHS = frozenset({"/v1", "/tokenize", "/detokenize"})
 
 
 class _ApiKeyGuard:
-    """Requires `Authorization: Bearer <key>` on /v1/*, /tokenize and /detokenize (401 with an
-    OpenAI error object otherwise); /health, /ping, /version and /metrics stay open."""
+    """Requires `Authorization: Bearer <key>` or `x-api-key: <key>` (what the Anthropic SDKs send) on /v1/*,
+    /tokenize and /detokenize (401 with an error object otherwise); /health, /ping, /version and /metrics
+    stay open."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
@@ -799,14 +879,18 @@ class _ApiKeyGuard:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = route_path(scope) if scope["type"] == "http" else ""
         if path in GUARDED_PATHS or path.startswith("/v1/"):
-            header = next((value for key, value in scope["headers"] if key == b"authorization"), None)
-            reason = check_authorization(header, self._api_key)
+            reason = check_api_key(_header(scope, b"authorization"), _header(scope, b"x-api-key"), self._api_key)
             if reason is not None:
-                response = ApiError(401, reason, code="invalid_api_key").response()
+                response = _error_response(scope, ApiError(401, reason, code="invalid_api_key"))
                 response.headers["WWW-Authenticate"] = "Bearer"
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+def _header(scope: Scope, name: bytes) -> bytes | None:
+    """The request's first header `name` (lower case), if any."""
+    return next((value for key, value in scope["headers"] if key == name), None)
 
 
 def build_app(serving: OpenAIServing, metrics_app: ASGIApp | None = None, api_key: str | None = None,
@@ -844,7 +928,9 @@ def _runner_routes(serving: OpenAIServing) -> list[Route]:
     why."""
     generation = [Route("/v1/completions", serving.completions, methods=["POST"]),
                   Route("/v1/chat/completions", serving.chat_completions, methods=["POST"]),
-                  Route("/v1/responses", serving.responses, methods=["POST"])]
+                  Route("/v1/responses", serving.responses, methods=["POST"]),
+                  Route(MESSAGES_PATH, serving.messages, methods=["POST"]),
+                  Route(COUNT_TOKENS_PATH, serving.count_tokens, methods=["POST"])]
     embeddings = [Route("/v1/embeddings", serving.embeddings, methods=["POST"])]
     if serving.pooling is None:
         return generation + [_not_served(route.path, "this server generates (--runner generate); start it with "
@@ -855,7 +941,8 @@ def _runner_routes(serving: OpenAIServing) -> list[Route]:
 
 def _not_served(path: str, reason: str) -> Route:
     async def refuse(request: Request) -> Response:
-        return ApiError(404, f"Invalid URL (POST {path}): {reason}", code="unknown_url").response()
+        error = ApiError(404, f"Invalid URL (POST {path}): {reason}", code="unknown_url")
+        return _error_response(request.scope, error)
 
     return Route(path, refuse, methods=["POST"])
 

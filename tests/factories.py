@@ -10,6 +10,7 @@ import itertools
 import json
 import logging
 import random
+import types
 from collections.abc import Mapping
 from types import MappingProxyType
 
@@ -924,3 +925,18 @@ def random_paged_step(rng: random.Random, block_size: int, num_blocks: int) -> S
         table = tuple(free.pop() for _ in range(-(-(start + num_tokens) // block_size)))
         chunks.append(ScheduledChunk(f"r{index}", tuple(range(num_tokens)), start, table, samples=True))
     return SchedulerOutput(tuple(chunks), ())
+
+
+class MetricsSources:
+    """What RouterMetrics' scrape-time collector reads from an orchestrator (RouterMetrics.watch): the workers'
+    snapshots, the routing stats and the event loop's lag."""
+
+    def __init__(self, workers, routing, loop_lag):
+        self.workers, self.routing = workers, routing
+        self.loop_lag = types.SimpleNamespace(stats=lambda: loop_lag)
+
+    def worker_snapshots(self):
+        return self.workers
+
+    def routing_stats(self):
+        return self.routing

@@ -242,3 +242,11 @@ def test_serve_preflight_refuses_a_pooling_the_engines_would_refuse(tiny_llama_d
                                              r"'pooling_mode_max_tokens' is not supported; supported: lasttoken, "
                                              r"mean, cls$"):
         check_pooling(replace(config, model=str(model_dir)))
+
+
+@pytest.mark.parametrize("path", ["/v1/messages", "/v1/messages/count_tokens"])
+def test_the_messages_endpoints_are_not_served_either(path, served):
+    status, body = served.post(path, {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "x"}]})
+    assert (status, body["type"], body["error"]["message"]) == (
+        404, "error", f"Invalid URL (POST {path}): this server runs its model as a pooling model (--runner pooling), "
+                      "which serves /v1/embeddings only")

@@ -8,7 +8,6 @@ import asyncio
 import dataclasses
 import inspect
 import re
-import types
 import urllib.request
 
 import pytest
@@ -27,7 +26,7 @@ from splitserve.router.api_types import GenerationInput, RouterError
 from splitserve.router.fanout import client_fan_out, sequence_inputs
 from splitserve.router.records import refused_record
 from splitserve.testing.in_process_cluster import InProcessCluster, make_prefill_worker
-from tests.factories import make_load_report, make_request_record
+from tests.factories import MetricsSources, make_load_report, make_request_record
 
 SLO = SloConfig(ttft_s=1000.0, tpot_s=1e-9)
 """Every finished request meets the TTFT target; only one with a single output token meets TPOT."""
@@ -352,20 +351,6 @@ def test_an_expired_lease_is_counted_in_the_prefill_workers_report(tiny_llama_di
     assert (after.prompt_tokens, after.generation_tokens, after.prefix_cache_queries) == (20, 1, 20)
 
 
-class _Snapshots:
-    """What the scrape-time collector reads from an orchestrator: workers, routing, loop lag."""
-
-    def __init__(self, workers, routing, loop_lag):
-        self.workers, self.routing = workers, routing
-        self.loop_lag = types.SimpleNamespace(stats=lambda: loop_lag)
-
-    def worker_snapshots(self):
-        return self.workers
-
-    def routing_stats(self):
-        return self.routing
-
-
 def test_a_silent_worker_is_down_and_exports_nothing_else():
     counters = WorkerCounters(10, 2, 10, 4, 1, 3)
     workers = (WorkerSnapshot("prefill-0", "prefill", make_load_report(num_running=2, num_waiting=1,
@@ -375,7 +360,7 @@ def test_a_silent_worker_is_down_and_exports_nothing_else():
     metrics = RouterMetrics(SloConfig(), MODEL_NAME)
 
     async def scrape():
-        metrics.watch(_Snapshots(workers, RoutingStats((("cache_hit", 2), ("load", 1)), (("queue_full", 4),)), lag))
+        metrics.watch(MetricsSources(workers, RoutingStats((("cache_hit", 2), ("load", 1)), (("queue_full", 4),)), lag))
         return _samples(generate_latest(metrics.registry).decode())
 
     # 5 beats: 3 within 1 ms, one of 0.2 s, one of 12 s (a stalled loop)
@@ -412,7 +397,7 @@ def test_lora_requests_info_labels_each_lora_workers_adapters():
     metrics = RouterMetrics(SloConfig(), MODEL_NAME)
 
     async def scrape():
-        metrics.watch(_Snapshots(workers, RoutingStats((), ()), LoopLagStats(m.LOOP_LAG_BUCKETS,
+        metrics.watch(MetricsSources(workers, RoutingStats((), ()), LoopLagStats(m.LOOP_LAG_BUCKETS,
                                                                             (0,) * len(m.LOOP_LAG_BUCKETS), 0, 0.0)))
         return _samples(generate_latest(metrics.registry).decode())
 
@@ -529,7 +514,7 @@ def test_vllms_dashboard_queries_select_every_series_by_model_name():
     lag = LoopLagStats(m.LOOP_LAG_BUCKETS, (0,) * len(m.LOOP_LAG_BUCKETS), 0, 0.0)
 
     async def scrape() -> tuple[str, str]:
-        metrics.watch(_Snapshots(workers, RoutingStats((), ()), lag))
+        metrics.watch(MetricsSources(workers, RoutingStats((), ()), lag))
         port = metrics.serve("127.0.0.1", 0)
         try:
             _, restricted = await asyncio.to_thread(_http_get, port, "?name[]=splitserve_num_requests_running")

@@ -54,7 +54,7 @@ def render(rule: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=OUTPUT,
                         help="output file (default: deploy/kuberay/prometheusrule.yaml)")
     args = parser.parse_args(argv)
