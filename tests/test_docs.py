@@ -114,7 +114,8 @@ def _sample_argv(action) -> list[str]:
     if action.choices:
         return [flag, str(list(action.choices)[0])]
     samples = {"_json_strings": '["x"]', "_json_object": '{"temperature": 0.5}',
-               "_speculative_json": '{"method": "ngram"}', "--long-prefill-token-threshold": "0",
+               "_speculative_json": '{"method": "ngram"}', "_pooler_json": '{"pooling_type": "MEAN"}',
+               "--long-prefill-token-threshold": "0",
                "--tensor-parallel-size": "1", "--pipeline-parallel-size": "1"}
     kind = getattr(action.type, "__name__", "")
     return [flag, samples.get(kind, samples.get(flag, "2"))]
