@@ -120,6 +120,19 @@ def vllm_bench_counts(events: list[dict], field: str) -> tuple[int, int]:
     return len(arrivals), usage[-1]["completion_tokens"]
 
 
+def test_vllm_bench_serve_without_model_loads_the_tokenizer_from_root(served, tiny_llama_dir):
+    """`vllm bench serve` without --model takes (data[0].id, data[0].root) from GET /v1/models and loads its
+    tokenizer from `root` (vLLM's: the model as served); it was the served name, which no tokenizer loads from."""
+    from transformers import AutoTokenizer
+
+    status, _, raw = http_request(served.http_port, "GET", "/v1/models")
+    card = json.loads(raw)["data"][0]
+    assert status == 200 and (card["id"], card["root"]) == (MODEL, str(tiny_llama_dir))
+    text = "The river runs past the old mill"
+    assert AutoTokenizer.from_pretrained(card["root"]).encode(text, add_special_tokens=False) == \
+        served.cluster.tokenizer.encode(text, add_special_tokens=False)
+
+
 def test_vllm_bench_serve_openai_completions_stream(served):
     """--backend openai --dataset-name random --ignore-eos: one chunk per token (its text may be empty, a special
     token's, as vLLM's server sends it), usage equals max_tokens."""
