@@ -100,22 +100,20 @@ def test_lm_eval_local_chat_completions_few_shot_as_multiturn(served):
     """local-chat-completions with --apply_chat_template --fewshot_as_multiturn --system_instruction and
     gen_kwargs temperature/top_p/seed: four stops at most (lm-eval cuts `until` to 4); the seed makes it repeat."""
     body = {"messages": [{"role": "system", "content": "Continue the Python code."},
-                         {"role": "user", "content": "def add(a, b):\n"}, {"role": "assistant", "content": "    return a + b"},
+                         {"role": "user", "content": "def add(a, b):\n"},
+                         {"role": "assistant", "content": "    return a + b"},
                          {"role": "user", "content": "import os\n"}],
             "model": MODEL, "max_tokens": 24, "temperature": 0.7, "stop": ["\n\n", "\nclass", "\ndef", "#"],
             "seed": 3, "top_p": 0.9}
-    (first_status, first), (second_status, second) = post(served, "/v1/chat/completions", body), \
-        post(served, "/v1/chat/completions", body)
-    assert first_status == second_status == 200
-    assert first["choices"][0]["message"]["content"] == second["choices"][0]["message"]["content"]
-    assert first["usage"]["completion_tokens"] <= 24
+    answers = [post(served, "/v1/chat/completions", body) for _ in range(2)]
+    assert [status for status, _ in answers] == [200, 200]
+    assert answers[0][1]["choices"][0]["message"] == answers[1][1]["choices"][0]["message"]
 
 
-def vllm_bench_counts(events: list[dict], field: str) -> tuple[int, int]:
-    """What vLLM 0.32's bench client counts: (chunks with choices, each a token arrival: TTFT then ITLs;
-    usage.completion_tokens, its output length). `field` reads each choice's text (text or delta.content)."""
+def vllm_bench_counts(events: list[dict]) -> tuple[int, int]:
+    """What vLLM 0.32's bench client counts: (the chunks with choices, each a token arrival: the first its
+    TTFT, the others its ITLs; the last usage's completion_tokens, its output length)."""
     arrivals = [event for event in events if event.get("choices")]
-    assert all(field in event["choices"][0] or "content" in event["choices"][0].get("delta", {}) for event in arrivals)
     usage = [event["usage"] for event in events if not event.get("choices") and event.get("usage")]
     return len(arrivals), usage[-1]["completion_tokens"]
 
@@ -140,7 +138,7 @@ def test_vllm_bench_serve_openai_completions_stream(served):
         "model": MODEL, "prompt": "typ timesdom never seconds requires appropri", "repetition_penalty": 1.0,
         "max_tokens": MAX_TOKENS, "logprobs": None, "stream": True, "stream_options": {"include_usage": True},
         "ignore_eos": True})
-    assert vllm_bench_counts(events, "text") == (MAX_TOKENS, MAX_TOKENS)
+    assert vllm_bench_counts(events) == (MAX_TOKENS, MAX_TOKENS)
 
 
 def test_vllm_bench_serve_openai_chat_stream(served):
@@ -150,7 +148,7 @@ def test_vllm_bench_serve_openai_chat_stream(served):
         "model": MODEL, "messages": [{"role": "user", "content": [{"type": "text", "text": " special amb now"}]}],
         "max_completion_tokens": MAX_TOKENS, "stream": True, "stream_options": {"include_usage": True},
         "ignore_eos": True})
-    assert vllm_bench_counts(events, "delta") == (1 + MAX_TOKENS, MAX_TOKENS)
+    assert vllm_bench_counts(events) == (1 + MAX_TOKENS, MAX_TOKENS)
     assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
 
 
