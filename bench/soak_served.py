@@ -357,11 +357,14 @@ KINDS = [completion, completion, chat, chat, streamed, streamed, structured, too
 
 
 def scrape_metrics(ports: Ports) -> dict:
-    """The /metrics series count, and per metric family how many distinct series it has."""
+    """The /metrics series count, per metric family how many distinct series it has, and how many prefill
+    KV leases expired so far (a lease that nobody pulled or freed: a release path missed it)."""
     text = httpx.get(f"http://127.0.0.1:{ports.metrics}/metrics", timeout=10).text
     series = [line for line in text.splitlines() if line and not line.startswith("#")]
     families = Counter(line.split("{")[0].split(" ")[0] for line in series)
-    return {"series": len(series), "families": dict(families)}
+    expired = sum(float(line.rsplit(" ", 1)[1]) for line in series
+                  if line.startswith("splitserve_kv_leases_expired_total"))
+    return {"series": len(series), "families": dict(families), "kv_leases_expired": expired}
 
 
 def summarize(probe_dir: Path, idle_points: list[dict]) -> dict:
