@@ -62,6 +62,8 @@ def main() -> None:
     parser.add_argument("--base-port", type=int, default=18410)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=RESULT)
+    parser.add_argument("--kinds", nargs="+", choices=sorted({kind.__name__ for kind in KINDS}),
+                        help="send only these request kinds (default: all, in KINDS' proportions)")
     parser.add_argument("--types", action="store_true",
                         help="also count every live object by type (a full scan of the heap per snapshot, each "
                              "holding its process for about 0.1 s)")
@@ -128,10 +130,11 @@ def drive(ports: Ports, args: argparse.Namespace, probe_dir: Path) -> dict:
     idle_points = [{"t": time.time() + IDLE_PAUSE_S, "requests": 0, "metrics": scrape_metrics(ports)}]
     time.sleep(IDLE_PAUSE_S)  # the first idle point: served nothing yet
     round_s = args.minutes * 60 / args.rounds
+    kinds = [kind for kind in KINDS if args.kinds is None or kind.__name__ in args.kinds]
     for round_index in range(args.rounds):
         stop_at = time.monotonic() + round_s
         threads = [threading.Thread(target=client, args=(ports, random.Random(args.seed * 997 + round_index * 31 + c),
-                                                         stop_at, outcomes, lock), daemon=True)
+                                                         stop_at, kinds, outcomes, lock), daemon=True)
                    for c in range(args.clients)]
         for thread in threads:
             thread.start()
@@ -145,10 +148,11 @@ def drive(ports: Ports, args: argparse.Namespace, probe_dir: Path) -> dict:
             "idle_points": idle_points, "server_log_tail": (probe_dir / "server.log").read_text()[-3000:]}
 
 
-def client(ports: Ports, rng: random.Random, stop_at: float, outcomes: Counter, lock: threading.Lock) -> None:
+def client(ports: Ports, rng: random.Random, stop_at: float, kinds: list, outcomes: Counter,
+           lock: threading.Lock) -> None:
     with httpx.Client(base_url=f"http://127.0.0.1:{ports.http}", timeout=60) as http:
         while time.monotonic() < stop_at:
-            kind = rng.choice(KINDS)
+            kind = rng.choice(kinds)
             try:
                 outcome = kind(http, ports, rng)
             except (httpx.HTTPError, OSError) as error:
