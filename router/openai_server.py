@@ -365,8 +365,11 @@ class OpenAIServing:
         return await self.bodies.parse(parse, body)
 
     def _model_card(self) -> dict:
+        """vLLM's card of the served model: `root` is the model directory, where `vllm bench serve` run
+        without --model loads its tokenizer from (vLLM's is the model as given to `vllm serve`)."""
         return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "splitserve",
-                "root": self.model_name, "parent": None, "max_model_len": self.orchestrator.max_model_len}
+                "root": self.tokenizers.tokenizer.name, "parent": None,
+                "max_model_len": self.orchestrator.max_model_len}
 
     def _adapter_card(self, adapter: LoRARequest) -> dict:
         """vLLM's card of a LoRA adapter: its name, its directory as `root`, the base model as `parent`."""

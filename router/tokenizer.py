@@ -505,7 +505,7 @@ class RouterTokenizer:
         self.eos_token_ids = generation_config.eos_token_ids
         """Ids that end generation (generation_config.json, else config.json)."""
         self.name = name
-        """The model directory, for error messages."""
+        """The model directory, for error messages and /v1/models' `root`."""
         self.max_bytes_per_token = max_bytes_per_token(backend)
         """The most prompt bytes one token can stand for: a prompt of more than n times this many
         bytes has more than n tokens (router/request_limits.py)."""

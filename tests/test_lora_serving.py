@@ -146,10 +146,10 @@ def test_lora_requests_info_names_the_adapters_of_the_running_requests(served):
     assert (running, _until(lambda: _lora_requests_info(served), idle)) == (("poet,sql", "", "2"), idle)
 
 
-def test_models_lists_the_adapters_with_the_model_as_parent(served, adapter_dirs):
+def test_models_lists_the_adapters_with_the_model_as_parent(served, adapter_dirs, tiny_llama_dir):
     cards = served.client().models.list().data
     assert [(card.id, card.parent, card.root) for card in cards] == [
-        (MODEL, None, MODEL), ("sql", MODEL, str(adapter_dirs["sql"])), ("poet", MODEL, str(adapter_dirs["poet"])),
+        (MODEL, None, str(tiny_llama_dir)), ("sql", MODEL, str(adapter_dirs["sql"])), ("poet", MODEL, str(adapter_dirs["poet"])),
         ("broken", MODEL, str(adapter_dirs["sql"].parent))]
     assert served.client().models.retrieve("sql").parent == MODEL
     status, _, body = http_request(served.http_port, "GET", "/v1/models/nope")
