@@ -5,6 +5,7 @@ protocols."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Iterator
 from typing import Any, TypeVar
@@ -43,7 +44,16 @@ class RayWorker:
         return await self._call(self._handle.report.remote(epoch, after_seq, max_wait_s))
 
     async def prefill(self, request: PrefillRequest) -> PrefillResult:
-        return await self._call(self._handle.prefill.remote(request))
+        """A cancelled await cancels the actor task too, and the worker aborts the request when its task is
+        cancelled. The router's abort alone could leave the prefill's KV held for nobody until its lease
+        expires: an async actor need not run calls in the order they were sent, so that abort may run before
+        the prefill it was meant to end."""
+        reply = self._handle.prefill.remote(request)
+        try:
+            return await self._call(reply)
+        except asyncio.CancelledError:
+            _cancel(reply)
+            raise
 
     async def prefill_layerwise(self, request: PrefillRequest) -> AsyncIterator[LayerwiseProgress | PrefillResult]:
         """One Ray streaming-generator call: each item is awaited as it comes (about 0.6 ms each)."""
@@ -87,11 +97,11 @@ class RayWorker:
             raise
 
 
-def _cancel(items: Any) -> None:
-    """Cancel a streaming call's actor task (nothing if it already ended)."""
+def _cancel(call: Any) -> None:
+    """Cancel an actor call's task (an ObjectRef, or a streaming call's generator); nothing if it already ended."""
     import ray
 
-    ray.cancel(items)
+    ray.cancel(call)
 
 
 def _is_actor_loss(error: Exception) -> bool:
