@@ -358,6 +358,11 @@ def chat_client(port: int) -> openai.OpenAI:
 
 GREEDY = {"extra_body": {"temperature": 0}}
 """The anthropic SDK 2.x has no sampling fields: temperature rides in the body as vLLM takes it."""
+CUT_MAX_TOKENS = 16
+"""Ends the served model's forced get_weather call one token before its closing brace."""
+CUT_PARTIAL_JSON = '{"city":"lls","unit":"c"'
+CUT_SDK_INPUT = {"city": "lls", "unit": "c"}
+"""What the SDK's accumulation parses of CUT_PARTIAL_JSON: every field, though the call never closed."""
 
 
 def post(served, path: str, body: dict, headers: dict | None = None) -> tuple[int, dict, dict]:
@@ -470,6 +475,21 @@ def test_a_tool_use_round_trip(served, tool_choice):
                 "function": {"name": call.name, "arguments": json.dumps(call.input)}}]},
             {"role": "tool", "tool_call_id": call.id, "content": "4 degrees"}])
     assert [(block.type, block.text) for block in answer.content] == [("text", chat.choices[0].message.content)]
+
+
+def test_a_call_cut_short_is_an_empty_input_unstreamed_and_the_sdks_partial_parse_streamed(served):
+    """max_tokens ends a forced call inside its JSON: the message's input is {} (no object form), while the
+    SDK's accumulation parses the partial_json it got as far as it goes (the documented exception)."""
+    request = dict(model=MODEL, max_tokens=CUT_MAX_TOKENS, messages=[{"role": "user", "content": "Weather in Oslo?"}],
+                   tools=TOOLS, tool_choice={"type": "tool", "name": "get_weather"}, **GREEDY)
+    whole = client(served.http_port).messages.create(**request)
+    with client(served.http_port).messages.stream(**request) as stream:
+        partial_json = "".join(event.delta.partial_json for event in stream if event.type == "content_block_delta")
+        streamed = stream.get_final_message()
+    assert (whole.stop_reason, [(block.name, block.input) for block in whole.content]) == (
+        "max_tokens", [("get_weather", {})])
+    assert (partial_json, streamed.stop_reason) == (CUT_PARTIAL_JSON, "max_tokens")
+    assert [(block.name, block.input) for block in streamed.content] == [("get_weather", CUT_SDK_INPUT)]
 
 
 def test_count_tokens_is_the_rendered_chats_token_count(served):
