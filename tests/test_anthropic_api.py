@@ -266,6 +266,9 @@ def test_text_then_a_call_are_two_blocks_and_the_call_streams_its_input_as_json_
     chunks = [StreamChunk("1", (5,), text[:20], ()), StreamChunk("1", (6,), text[20:], (), "stop", None,
                                                                   Usage(7, 0, 2))]
     renderer = MessagesRenderer(MessageHeader("msg_1", MODEL, 7, cache_details=True), tool_output)
+    # message_start comes before the cache hits are known: the whole prompt, the split only in message_delta
+    assert renderer.opening_events()[0]["message"]["usage"] == {
+        "input_tokens": 7, "cache_read_input_tokens": 0, "output_tokens": 0}
     events = [event for chunk in chunks for event in renderer.stream_events(chunk)]
     assert [event["type"] for event in events] == [
         "content_block_start", "content_block_delta", "content_block_stop", "content_block_start",
