@@ -505,6 +505,16 @@ def test_count_tokens_is_the_rendered_chats_token_count(served):
     assert message.usage.input_tokens == counted.input_tokens
 
 
+def test_a_last_assistant_message_is_a_finished_turn_not_continued_as_in_vllm(served):
+    """The template closes the assistant turn and opens a new one (21 tokens), not the 14 that end with "Hel"."""
+    prefill = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hel"}]
+    counted = client(served.http_port).messages.count_tokens(model=MODEL, messages=prefill)
+    _, _, answered = post(served, "/tokenize", {"model": MODEL, "messages": prefill})
+    _, _, continued = post(served, "/tokenize", {"model": MODEL, "messages": prefill, "add_generation_prompt": False,
+                                                 "continue_final_message": True})
+    assert (counted.input_tokens, answered["count"], continued["count"]) == (21, 21, 14)
+
+
 def error(message: str, kind: str = "invalid_request_error") -> dict:
     return {"type": "error", "error": {"type": kind, "message": message}}
 
