@@ -266,6 +266,9 @@ def test_text_then_a_call_are_two_blocks_and_the_call_streams_its_input_as_json_
     chunks = [StreamChunk("1", (5,), text[:20], ()), StreamChunk("1", (6,), text[20:], (), "stop", None,
                                                                   Usage(7, 0, 2))]
     renderer = MessagesRenderer(MessageHeader("msg_1", MODEL, 7, cache_details=True), tool_output)
+    # message_start comes before the cache hits are known: the whole prompt, the split only in message_delta
+    assert renderer.opening_events()[0]["message"]["usage"] == {
+        "input_tokens": 7, "cache_read_input_tokens": 0, "output_tokens": 0}
     events = [event for chunk in chunks for event in renderer.stream_events(chunk)]
     assert [event["type"] for event in events] == [
         "content_block_start", "content_block_delta", "content_block_stop", "content_block_start",
@@ -358,6 +361,11 @@ def chat_client(port: int) -> openai.OpenAI:
 
 GREEDY = {"extra_body": {"temperature": 0}}
 """The anthropic SDK 2.x has no sampling fields: temperature rides in the body as vLLM takes it."""
+CUT_MAX_TOKENS = 16
+"""Ends the served model's forced get_weather call one token before its closing brace."""
+CUT_PARTIAL_JSON = '{"city":"lls","unit":"c"'
+CUT_SDK_INPUT = {"city": "lls", "unit": "c"}
+"""What the SDK's accumulation parses of CUT_PARTIAL_JSON: every field, though the call never closed."""
 
 
 def post(served, path: str, body: dict, headers: dict | None = None) -> tuple[int, dict, dict]:
@@ -472,6 +480,21 @@ def test_a_tool_use_round_trip(served, tool_choice):
     assert [(block.type, block.text) for block in answer.content] == [("text", chat.choices[0].message.content)]
 
 
+def test_a_call_cut_short_is_an_empty_input_unstreamed_and_the_sdks_partial_parse_streamed(served):
+    """max_tokens ends a forced call inside its JSON: the message's input is {} (no object form), while the
+    SDK's accumulation parses the partial_json it got as far as it goes (the documented exception)."""
+    request = dict(model=MODEL, max_tokens=CUT_MAX_TOKENS, messages=[{"role": "user", "content": "Weather in Oslo?"}],
+                   tools=TOOLS, tool_choice={"type": "tool", "name": "get_weather"}, **GREEDY)
+    whole = client(served.http_port).messages.create(**request)
+    with client(served.http_port).messages.stream(**request) as stream:
+        partial_json = "".join(event.delta.partial_json for event in stream if event.type == "content_block_delta")
+        streamed = stream.get_final_message()
+    assert (whole.stop_reason, [(block.name, block.input) for block in whole.content]) == (
+        "max_tokens", [("get_weather", {})])
+    assert (partial_json, streamed.stop_reason) == (CUT_PARTIAL_JSON, "max_tokens")
+    assert [(block.name, block.input) for block in streamed.content] == [("get_weather", CUT_SDK_INPUT)]
+
+
 def test_count_tokens_is_the_rendered_chats_token_count(served):
     counted = client(served.http_port).messages.count_tokens(model=MODEL, system=SYSTEM, messages=MESSAGES,
                                                              tools=TOOLS)
@@ -480,6 +503,16 @@ def test_count_tokens_is_the_rendered_chats_token_count(served):
     message = client(served.http_port).messages.create(model=MODEL, max_tokens=1, system=SYSTEM, messages=MESSAGES,
                                                        tools=TOOLS, tool_choice={"type": "none"})
     assert message.usage.input_tokens == counted.input_tokens
+
+
+def test_a_last_assistant_message_is_a_finished_turn_not_continued_as_in_vllm(served):
+    """The template closes the assistant turn and opens a new one (21 tokens), not the 14 that end with "Hel"."""
+    prefill = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hel"}]
+    counted = client(served.http_port).messages.count_tokens(model=MODEL, messages=prefill)
+    _, _, answered = post(served, "/tokenize", {"model": MODEL, "messages": prefill})
+    _, _, continued = post(served, "/tokenize", {"model": MODEL, "messages": prefill, "add_generation_prompt": False,
+                                                 "continue_final_message": True})
+    assert (counted.input_tokens, answered["count"], continued["count"]) == (21, 21, 14)
 
 
 def error(message: str, kind: str = "invalid_request_error") -> dict:
