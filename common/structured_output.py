@@ -460,6 +460,10 @@ def _bad_values(schema: dict, path: str) -> Iterator[tuple[str, str]]:
     if "format" in schema and not (isinstance(schema["format"], str) and schema["format"] in FORMATS):
         yield f"{path}/format", f"format {schema['format']!r}"
     for keyword in NUMERIC_KEYWORDS:
+        if isinstance(schema.get(keyword), bool):  # the grammar engine ignores it; a validator reads true as 1
+            yield f"{path}/{keyword}", (f"{keyword} {json.dumps(schema[keyword])} (a number is expected: draft 4's "
+                                        "boolean exclusiveMinimum / exclusiveMaximum is written as the bound itself "
+                                        "since draft 6)")
         yield from _inexact_numbers(schema.get(keyword), f"{path}/{keyword}")
     yield from _inexact_numbers(schema.get("enum"), f"{path}/enum")
     yield from _inexact_numbers(schema.get("const"), f"{path}/const")

@@ -291,6 +291,13 @@ REFUSED: list[RefusedSchema] = [
     RefusedSchema("remote_ref", {"$ref": "https://example.com/schemas/address.json"},
                   "json_schema: unsupported $ref 'https://example.com/schemas/address.json' (only references inside "
                   "the schema, '#...') at /$ref"),
+    RefusedSchema("draft4_boolean_exclusive_minimum", {"type": "number", "minimum": 0, "exclusiveMinimum": True},
+                  "json_schema: unsupported exclusiveMinimum true (a number is expected: draft 4's boolean "
+                  "exclusiveMinimum / exclusiveMaximum is written as the bound itself since draft 6) at "
+                  "/exclusiveMinimum"),
+    RefusedSchema("required_not_in_closed_properties", {  # a typo in `required`: the object is closed
+        "type": "object", "properties": {"name": {"type": "string"}}, "required": ["name", "nmae"]},
+                  "json_schema: Unsatisfiable schema: required property 'nmae' is unsatisfiable"),
     RefusedSchema("closed_allof_intersection", {"allOf": [
         {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
         {"type": "object", "properties": {"b": {"type": "boolean"}}, "required": ["b"]}],
