@@ -460,7 +460,7 @@ def _bad_values(schema: dict, path: str) -> Iterator[tuple[str, str]]:
     if "format" in schema and not (isinstance(schema["format"], str) and schema["format"] in FORMATS):
         yield f"{path}/format", f"format {schema['format']!r}"
     for keyword in NUMERIC_KEYWORDS:
-        if isinstance(schema.get(keyword), bool):  # the grammar engine ignores it; a validator reads true as 1
+        if isinstance(schema.get(keyword), bool):  # draft 4 or 2020-12 (true: the bound 1)? Say which.
             yield f"{path}/{keyword}", (f"{keyword} {json.dumps(schema[keyword])} (a number is expected: draft 4's "
                                         "boolean exclusiveMinimum / exclusiveMaximum is written as the bound itself "
                                         "since draft 6)")
