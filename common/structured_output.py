@@ -17,7 +17,7 @@ import enum
 import json
 import math
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,13 +29,14 @@ MAX_SCHEMA_DEPTH = 32
 """Deepest nesting of subschemas a JSON schema may have."""
 JSON_TYPES = frozenset({"object", "array", "string", "integer", "number", "boolean", "null"})
 ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$schema", "$id", "$comment", "deprecated",
-                         "readOnly", "writeOnly"})
-"""Keywords that describe a value without constraining it: accepted and ignored (as by any validator)."""
+                         "readOnly", "writeOnly", "discriminator"})
+"""Keywords that describe a value without constraining it: accepted and ignored (as by any validator;
+`discriminator` is OpenAPI's, which pydantic writes beside a discriminated union's oneOf)."""
 SCHEMA_VALUED = frozenset({"additionalProperties", "items"})
 """Keywords whose value is one subschema."""
 SCHEMA_MAP_VALUED = frozenset({"properties", "$defs", "definitions"})
 """Keywords whose value maps names to subschemas."""
-SCHEMA_LIST_VALUED = frozenset({"anyOf", "allOf"})
+SCHEMA_LIST_VALUED = frozenset({"anyOf", "allOf", "oneOf", "prefixItems"})
 """Keywords whose value is a list of subschemas."""
 SUPPORTED_KEYWORDS = ANNOTATIONS | SCHEMA_VALUED | SCHEMA_MAP_VALUED | SCHEMA_LIST_VALUED | frozenset({
     "type", "enum", "const", "$ref", "required",
@@ -43,9 +44,10 @@ SUPPORTED_KEYWORDS = ANNOTATIONS | SCHEMA_VALUED | SCHEMA_MAP_VALUED | SCHEMA_LI
     "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf",
     "minItems", "maxItems",
 })
-"""The JSON schema subset the grammar engine enforces exactly. Not in it (refused by name):
-patternProperties, propertyNames, dependentRequired, dependentSchemas, if/then/else, not, oneOf
-(exactly one of), uniqueItems, contains, prefixItems, min/maxProperties, unevaluated*, x-guidance."""
+"""The JSON schema subset the grammar engine enforces exactly (oneOf only where its alternatives are
+discriminated: _discriminator). Not in it (refused by name): patternProperties, propertyNames,
+dependentRequired, dependentSchemas, if/then/else, not, uniqueItems, contains, min/maxProperties,
+unevaluated*, x-guidance."""
 NUMERIC_KEYWORDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
 """Keywords whose value is a number (the others hold counts)."""
 MAX_EXACT_INTEGER = 2 ** 53
@@ -107,8 +109,11 @@ class StructuredOutput:
 
     @classmethod
     def json_schema(cls, schema: Any) -> StructuredOutput:
-        """From a parsed schema (a dict, or a boolean schema), kept as canonical JSON text."""
-        return cls(StructuredOutputKind.JSON_SCHEMA, json.dumps(schema, sort_keys=True, separators=(",", ":")))
+        """From a parsed schema (a dict, or a boolean schema), kept as compact JSON text in the client's key
+        order: the grammar engine writes an object's properties in the order `properties` lists them (as
+        vLLM's backends and OpenAI do), and clients put them in the order they want generated (a
+        `reasoning` before the `answer` it leads to)."""
+        return cls(StructuredOutputKind.JSON_SCHEMA, json.dumps(schema, separators=(",", ":")))
 
     @classmethod
     def choice(cls, choices: Any) -> StructuredOutput:
@@ -123,7 +128,7 @@ class StructuredOutput:
         if self.kind == StructuredOutputKind.JSON_OBJECT:
             return _json_grammar({"type": "object"})
         if self.kind == StructuredOutputKind.JSON_SCHEMA:
-            return _json_grammar(closed_objects(json.loads(self.spec)))
+            return _json_grammar(closed_objects(one_of_as_any_of(json.loads(self.spec))))
         if self.kind == StructuredOutputKind.REGEX:
             return _lark_grammar("start: " + _lark_regex(self.spec))
         if self.kind == StructuredOutputKind.CHOICE:
@@ -238,6 +243,28 @@ def without_unicode_escapes(grammar: str) -> str:
     return _ESCAPE.sub(replace, grammar)
 
 
+def one_of_as_any_of(schema: Any) -> Any:
+    """`schema` with each `oneOf` written as `anyOf`, which the grammar engine enforces (its own oneOf
+    takes only alternatives it proves exclusive, and no `$ref` among them: not pydantic's discriminated
+    unions). Exact only for discriminated alternatives (a value matches at most one of them, so "any
+    of" is "exactly one of"): _check_schema refuses every other oneOf before this runs."""
+    if not isinstance(schema, dict):
+        return schema
+    return {("anyOf" if keyword == "oneOf" else keyword): _map_subschemas(keyword, value, one_of_as_any_of)
+            for keyword, value in schema.items()}
+
+
+def _map_subschemas(keyword: str, value: Any, rewrite: Callable[[Any], Any]) -> Any:
+    """A keyword's value with `rewrite` applied to each subschema it holds (none: value as it is)."""
+    if keyword in SCHEMA_VALUED:
+        return rewrite(value)
+    if keyword in SCHEMA_MAP_VALUED and isinstance(value, dict):
+        return {name: rewrite(child) for name, child in value.items()}
+    if keyword in SCHEMA_LIST_VALUED and isinstance(value, list):
+        return [rewrite(child) for child in value]
+    return value
+
+
 def closed_objects(schema: Any) -> Any:
     """`schema` with `"additionalProperties": false` added to every (sub)schema that lists
     `properties` and says nothing of `additionalProperties`: its objects get only the keys it lists.
@@ -264,20 +291,10 @@ def _has_intersection(schema: Any) -> bool:
 def _closed(schema: Any) -> Any:
     if not isinstance(schema, dict):
         return schema
-    closed = {keyword: _closed_subschemas(keyword, value) for keyword, value in schema.items()}
+    closed = {keyword: _map_subschemas(keyword, value, _closed) for keyword, value in schema.items()}
     if isinstance(schema.get("properties"), dict) and "additionalProperties" not in schema:
         closed["additionalProperties"] = False
     return closed
-
-
-def _closed_subschemas(keyword: str, value: Any) -> Any:
-    if keyword in SCHEMA_VALUED:
-        return _closed(value)
-    if keyword in SCHEMA_MAP_VALUED and isinstance(value, dict):
-        return {name: _closed(child) for name, child in value.items()}
-    if keyword in SCHEMA_LIST_VALUED and isinstance(value, list):
-        return [_closed(child) for child in value]
-    return value
 
 
 def _json_grammar(schema: Any) -> str:
@@ -324,6 +341,81 @@ def _check_schema(spec: str) -> None:
     schema = _parse(spec, "json_schema")
     for path, construct in unsupported_constructs(schema):
         raise InvalidRequestError("json_schema", f"unsupported {construct} at {path or '/'}")
+    for path, subschema in _all_subschemas(schema, ""):
+        if "oneOf" in subschema and ("anyOf" in subschema or _discriminator(subschema["oneOf"], schema) is None):
+            raise InvalidRequestError("json_schema", f"unsupported keyword 'oneOf' at {path or '/'}: only alternatives "
+                                                     "that are objects with a required property of a different "
+                                                     "const in each (a discriminated union, as pydantic writes it) "
+                                                     "and no anyOf beside them; use anyOf")
+
+
+def _all_subschemas(schema: Any, path: str) -> Iterator[tuple[str, dict]]:
+    """(JSON pointer, subschema) of the schema and each object subschema in it, depth first."""
+    if isinstance(schema, dict):
+        yield path, schema
+        for child_path, child in _subschemas(schema, path):
+            yield from _all_subschemas(child, child_path)
+
+
+_NO_CONST = object()
+"""A property schema that allows more than one value."""
+
+
+def _discriminator(alternatives: Any, root: Any) -> str | None:
+    """The property that tells the alternatives apart, if one does: each alternative (or the local
+    definition its `$ref` names) is an object schema requiring it, with a different `const` (or
+    one-value `enum`) each, so no value matches two of them. None otherwise."""
+    if not isinstance(alternatives, list) or not alternatives:
+        return None
+    resolved = [_resolved(alternative, root) for alternative in alternatives]
+    if not all(isinstance(alternative, dict) and alternative.get("type") == "object"
+               and isinstance(alternative.get("required"), list) and isinstance(alternative.get("properties"), dict)
+               for alternative in resolved):
+        return None
+    shared = set.intersection(*(set(filter(lambda name: isinstance(name, str), alternative["required"]))
+                                for alternative in resolved))
+    for name in sorted(shared):
+        values = [_const_of(alternative["properties"].get(name)) for alternative in resolved]
+        keys = {json.dumps(_integral(value), sort_keys=True) for value in values if value is not _NO_CONST}
+        if len(keys) == len(values):
+            return name
+    return None
+
+
+def _integral(value: Any) -> Any:
+    """value, 1.0 written 1 (equal JSON numbers, one const)."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def _resolved(schema: Any, root: Any) -> Any:
+    """The definition a `$ref` subschema names in root (its siblings only narrow it), else schema;
+    None for a reference that does not resolve."""
+    for _ in range(MAX_SCHEMA_DEPTH):  # a chain of references, bounded (a cycle resolves to None)
+        if not (isinstance(schema, dict) and isinstance(schema.get("$ref"), str)):
+            return schema
+        schema = _pointed(root, schema["$ref"])
+    return None
+
+
+def _pointed(root: Any, reference: str) -> Any:
+    """The value `#/a/b` (a JSON pointer in a fragment) names in root; None if none."""
+    if not reference.startswith("#"):
+        return None
+    value = root
+    for token in filter(None, reference[1:].split("/")):
+        token = token.replace("~1", "/").replace("~0", "~")
+        if not isinstance(value, dict) or token not in value:
+            return None
+        value = value[token]
+    return value
+
+
+def _const_of(schema: Any) -> Any:
+    if isinstance(schema, dict) and "const" in schema:
+        return schema["const"]
+    if isinstance(schema, dict) and isinstance(schema.get("enum"), list) and len(schema["enum"]) == 1:
+        return schema["enum"][0]
+    return _NO_CONST
 
 
 def _parse(spec: str, kind: str) -> Any:
@@ -368,6 +460,10 @@ def _bad_values(schema: dict, path: str) -> Iterator[tuple[str, str]]:
     if "format" in schema and not (isinstance(schema["format"], str) and schema["format"] in FORMATS):
         yield f"{path}/format", f"format {schema['format']!r}"
     for keyword in NUMERIC_KEYWORDS:
+        if isinstance(schema.get(keyword), bool):  # draft 4 or 2020-12 (true: the bound 1)? Say which.
+            yield f"{path}/{keyword}", (f"{keyword} {json.dumps(schema[keyword])} (a number is expected: draft 4's "
+                                        "boolean exclusiveMinimum / exclusiveMaximum is written as the bound itself "
+                                        "since draft 6)")
         yield from _inexact_numbers(schema.get(keyword), f"{path}/{keyword}")
     yield from _inexact_numbers(schema.get("enum"), f"{path}/enum")
     yield from _inexact_numbers(schema.get("const"), f"{path}/const")

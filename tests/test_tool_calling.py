@@ -128,7 +128,9 @@ NAMED = {"type": "function", "function": {"name": "get_time"}}
           tool_choice={"type": "function", "function": {"name": "f"}}),
      "tools[0].function.parameters", "json_schema: unsupported keyword 'not' at /"),
     (chat(tools=[TOOLS[0], {"type": "function", "function": {"name": "f", "parameters": {"oneOf": []}}}],
-          tool_choice="required"), "tools[1].function.parameters", "json_schema: unsupported keyword 'oneOf' at /"),
+          tool_choice="required"), "tools[1].function.parameters",
+     "json_schema: unsupported keyword 'oneOf' at /: only alternatives that are objects with a required property of "
+     "a different const in each (a discriminated union, as pydantic writes it) and no anyOf beside them; use anyOf"),
     (chat(tools=TOOLS, functions=[{"name": "f"}]), "functions", "is not supported by this server: the deprecated "
      "functions API is not implemented (send tools and tool_choice) (got [{\"name\": \"f\"}])"),
     (chat(messages=[{"role": "assistant", "content": None, "tool_calls": {}}]), "messages[0].tool_calls",
