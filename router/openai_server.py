@@ -736,15 +736,17 @@ async def _events(first: IndexedChunk, stream: AsyncGenerator[IndexedChunk, None
 
 
 def _named_sse(event: dict) -> bytes:
-    """A Responses API event: its type as the SSE event name (OpenAI's framing)."""
+    """A Responses or Messages API event: its type as the SSE event name (OpenAI's and Anthropic's framing)."""
     return f"event: {event['type']}\n".encode() + _sse(event)
 
 
-async def _response_events(first: IndexedChunk, stream: AsyncGenerator[IndexedChunk, None],
-                           renderer: ResponsesRenderer) -> AsyncGenerator[bytes, None]:
-    """The Responses API's SSE body: the response's opening events, its chunks' events (the last
-    ends with response.completed), or an error event if the request fails mid-stream. No [DONE]
-    (OpenAI sends none here). Closing it closes the request's stream."""
+async def _named_events(first: IndexedChunk, stream: AsyncGenerator[IndexedChunk, None],
+                        renderer: ResponsesRenderer | MessagesRenderer,
+                        error_event: Callable[[ApiError], dict]) -> AsyncGenerator[bytes, None]:
+    """The SSE body of the APIs whose events are named (the Responses API, Anthropic's Messages API): the
+    renderer's opening events, its chunks' events (the last one ends the response), or `error_event` of the
+    error if the request fails mid-stream. No [DONE] (neither OpenAI nor Anthropic sends one there). Closing
+    it closes the request's stream."""
     try:
         for event in renderer.opening_events() + renderer.stream_events(first.chunk):
             yield _named_sse(event)
@@ -752,29 +754,23 @@ async def _response_events(first: IndexedChunk, stream: AsyncGenerator[IndexedCh
             for event in renderer.stream_events(item.chunk):
                 yield _named_sse(event)
     except Exception as error:
-        api_error = ApiError.of(error)
-        yield _named_sse({"type": "error", "code": api_error.code, "message": api_error.message,
-                          "param": api_error.param, "sequence_number": renderer.next_sequence_number})
+        yield _named_sse(error_event(ApiError.of(error)))
     finally:
         await stream.aclose()
 
 
-async def _message_events(first: IndexedChunk, stream: AsyncGenerator[IndexedChunk, None],
-                          renderer: MessagesRenderer) -> AsyncGenerator[bytes, None]:
-    """The Messages API's SSE body: message_start, its chunks' events (the last ends with message_stop),
-    or an `error` event if the request fails mid-stream (Anthropic's framing). Closing it closes the
-    request's stream."""
-    try:
-        for event in renderer.opening_events() + renderer.stream_events(first.chunk):
-            yield _named_sse(event)
-        async for item in stream:
-            for event in renderer.stream_events(item.chunk):
-                yield _named_sse(event)
-    except Exception as error:
-        api_error = ApiError.of(error)
-        yield _named_sse(anthropic_error_body(api_error.status, api_error.message))
-    finally:
-        await stream.aclose()
+def _response_events(first: IndexedChunk, stream: AsyncGenerator[IndexedChunk, None],
+                     renderer: ResponsesRenderer) -> AsyncGenerator[bytes, None]:
+    """The Responses API's SSE body; a failure mid-stream is OpenAI's `error` event."""
+    return _named_events(first, stream, renderer, lambda error: {
+        "type": "error", "code": error.code, "message": error.message, "param": error.param,
+        "sequence_number": renderer.next_sequence_number})
+
+
+def _message_events(first: IndexedChunk, stream: AsyncGenerator[IndexedChunk, None],
+                    renderer: MessagesRenderer) -> AsyncGenerator[bytes, None]:
+    """The Messages API's SSE body; a failure mid-stream is Anthropic's `error` event."""
+    return _named_events(first, stream, renderer, lambda error: anthropic_error_body(error.status, error.message))
 
 
 def _error_response(scope: Scope, error: ApiError) -> JSONResponse:
