@@ -15,7 +15,8 @@ Generate streams (some cancelled, some with a short deadline), Triton ModelInfer
 search, the Responses API, request chat templates, /tokenize, /metrics.
 
 Writes bench/results/soak_served.json: per process and per idle point the sampled numbers, and what grew
-from the first idle point after warm-up (the first round) to the last. Run:
+from the first idle point after warm-up (the first round) to the last; and its .png: each process's RSS and
+(router) asyncio tasks at each idle point against the requests served by then. Run:
 .venv/bin/python bench/soak_served.py --minutes 12 --rounds 6 --server-args --kv-cache-memory 16M
 """
 
@@ -84,8 +85,34 @@ def main() -> None:
     result["processes"] = summarize(probe_dir, result["idle_points"])
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
+    plot(result, args.out.with_suffix(".png"))
     print(json.dumps({"requests": result["requests"], "outcomes": result["outcomes"],
                       "grew": {role: proc["grew"] for role, proc in result["processes"].items()}}, indent=1))
+
+
+def plot(result: dict, path: Path) -> None:
+    """RSS per process, and the router's asyncio tasks, at each idle point against the requests served."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    served = [point["requests"] for point in result["idle_points"]]
+    figure, (rss, tasks) = plt.subplots(1, 2, figsize=(11, 4))
+    for role, process in result["processes"].items():
+        rss.plot(served, [sample.get("rss_mb") for sample in process["points"]], marker="o", label=role)
+    router = result["processes"].get("router")
+    if router is not None:
+        tasks.plot(served, [sample.get("asyncio_tasks") for sample in router["points"]], marker="o")
+    rss.set(xlabel="requests served", ylabel="RSS (MB)", title="RSS at each idle point")
+    tasks.set(xlabel="requests served", ylabel="asyncio tasks", title="router's asyncio tasks at each idle point")
+    rss.set_ylim(bottom=0)
+    tasks.set_ylim(bottom=0)
+    rss.legend()
+    figure.suptitle(f"bench/soak_served.py, {result['date']}: {result['requests']} requests")
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
 
 
 def start_server(ports: Ports, probe_dir: Path, server_args: list[str], types: bool) -> subprocess.Popen:
