@@ -4,7 +4,8 @@ A pooling request runs its prompt's prefill and ends with one vector pooled from
 the model's final norm, before lm_head) instead of a sampled token: vLLM's `--runner pooling` / `LLM.embed`.
 The model's defaults come as vLLM reads them: sentence-transformers' `modules.json` (its Pooling module's
 `config.json` names the pooling, a Normalize module turns L2 normalization on), else a decoder LLM's defaults
-(LAST pooling, normalized); `PoolerConfig` (vLLM's `--pooler-config`) overrides either.
+(LAST pooling, normalized); `PoolerConfig` (vLLM's `--pooler-config`) overrides either. sentence_bert_config.json's
+max_seq_length bounds the prompt as vLLM bounds it (the default max_model_len).
 """
 
 from __future__ import annotations
@@ -63,6 +64,9 @@ class ModelPooling:
     is_matryoshka: bool
     """The model declares Matryoshka embeddings (is_matryoshka or matryoshka_dimensions in config.json): a
     request may ask for a shorter prefix of the vector (vLLM's rule; otherwise `dimensions` is refused)."""
+    max_seq_length: int | None = None
+    """sentence_bert_config.json's max_seq_length: the longest prompt the model embeds (sentence-transformers cuts
+    longer ones there; vLLM makes it the default max_model_len and refuses a longer max_model_len). None: no file."""
 
     def check_dimensions(self, dimensions: int | None, model_name: str) -> None:
         """vLLM's checks (and messages) of a request's `dimensions`."""
@@ -128,7 +132,16 @@ def read_model_pooling(model_dir: str | Path, overrides: PoolerConfig | None = N
     dims = config.get("matryoshka_dimensions")
     return ModelPooling(pooling_type, normalize, int(config["hidden_size"]),
                         tuple(int(d) for d in dims) if dims else None,
-                        bool(dims) or bool(config.get("is_matryoshka", False)))
+                        bool(dims) or bool(config.get("is_matryoshka", False)), _max_seq_length(model_dir))
+
+
+def _max_seq_length(model_dir: Path) -> int | None:
+    """sentence_bert_config.json's max_seq_length (vLLM's encoder_config), None without the file or the key."""
+    config_file = model_dir / "sentence_bert_config.json"
+    length = json.loads(config_file.read_text()).get("max_seq_length") if config_file.is_file() else None
+    if length is not None and (isinstance(length, bool) or not isinstance(length, int) or length < 1):
+        raise ValueError(f"{config_file}: max_seq_length must be a positive integer, got {length!r}")
+    return length
 
 
 def _sentence_transformers_pooling(model_dir: Path) -> PoolerConfig:

@@ -198,8 +198,13 @@ class EngineCore:
 
     def _resolve_max_model_len(self, max_positions: int, rope_length_limit: int | None) -> int:
         """config.max_model_len, else the longest sequence the model serves exactly: max_positions, or
-        rope_length_limit where the RoPE tables hold only that far (LlamaFamilyArch.rope_length_limit)."""
-        length = self.config.max_model_len or min(max_positions, rope_length_limit or max_positions)
+        rope_length_limit where the RoPE tables hold only that far (LlamaFamilyArch.rope_length_limit), or an
+        embedding model's max_seq_length (ModelPooling.max_seq_length)."""
+        length = self.config.max_model_len or min(max_positions, rope_length_limit or max_positions,
+                                                  self._max_seq_length or max_positions)
+        if self._max_seq_length is not None and length > self._max_seq_length:
+            raise ValueError(f"max_model_len {length} exceeds max_seq_length {self._max_seq_length} of the model's "
+                             "sentence_bert_config.json, the longest prompt it embeds (as vLLM, which refuses it too)")
         if length > max_positions:
             raise ValueError(f"max_model_len {length} exceeds the model's max_position_embeddings {max_positions}")
         if rope_length_limit is not None and length > rope_length_limit:
@@ -211,6 +216,10 @@ class EngineCore:
             raise ValueError(f"without chunked prefill, max_num_batched_tokens "
                              f"({self.config.max_num_batched_tokens}) must be >= max_model_len ({length})")
         return length
+
+    @property
+    def _max_seq_length(self) -> int | None:
+        return self.model_pooling.max_seq_length if self.model_pooling is not None else None
 
     def _num_blocks(self, spec: KVCacheSpec, attention: AttentionBackend, free_at_start: int | None) -> int:
         """`free_at_start`: the device's free bytes before the model loaded, measured where gpu_memory_utilization

@@ -183,6 +183,32 @@ def test_a_prompt_may_fill_max_model_len(tiny_llama_dir):
         llm.embed([PROMPTS[-1] + [1]])
 
 
+def test_sentence_bert_config_max_seq_length_is_the_default_max_model_len(tiny_llama_dir, tmp_path):
+    """As vLLM (its encoder_config): sentence_bert_config.json's max_seq_length (where sentence-transformers cuts a
+    prompt) bounds the prompt instead of config.json's max_position_embeddings (1024 here); a longer one is refused
+    rather than embedded whole, and a longer max_model_len is refused at start."""
+    model_dir = with_sentence_transformers_files(tiny_llama_dir, tmp_path / "st", "lasttoken", True)
+    assert read_model_pooling(model_dir).max_seq_length is None
+    (model_dir / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 40, "do_lower_case": False}))
+    assert read_model_pooling(model_dir).max_seq_length == 40
+    llm = LLM(model_dir, runner="pooling")
+    assert llm.engine.max_model_len == 40
+    fits = PROMPTS[3]  # 40 tokens: fills it
+    want = torch.tensor(hf_embedding(model_dir, fits, "LAST"))
+    assert torch.allclose(torch.tensor(llm.embed([fits])[0].outputs.embedding), want, rtol=0, atol=TOLERANCE)
+    with pytest.raises(InvalidRequestError, match="has 70 tokens; max_model_len is 40$"):
+        llm.embed([PROMPTS[-1]])
+    assert_pool_idle(llm.engine.block_manager)
+    assert LLM(model_dir, runner="pooling", max_model_len=32).engine.max_model_len == 32
+    with pytest.raises(ValueError, match=r"^max_model_len 41 exceeds max_seq_length 40 of the model's "
+                                         r"sentence_bert_config.json"):
+        LLM(model_dir, runner="pooling", max_model_len=41)
+    (model_dir / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": "40"}))
+    with pytest.raises(ValueError, match=r"sentence_bert_config.json: max_seq_length must be a positive integer, "
+                                         r"got '40'$"):
+        read_model_pooling(model_dir)
+
+
 def test_an_aborted_pooling_request_frees_its_blocks(tiny_llama_dir):
     llm = _pooling_llm(tiny_llama_dir, "MEAN")
     engine = llm.engine
