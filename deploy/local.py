@@ -443,27 +443,36 @@ def splitserve_command(argv0: str, python: str) -> str:
 
 
 def serving_banner(config: ClusterConfig, ports: BoundPorts, command: str, needs_key: bool) -> str:
-    """What `splitserve serve` prints once it serves: its endpoints and two commands that work as
-    printed (a curl line for the OpenAI API, a generate line for gRPC)."""
+    """What `splitserve serve` prints once it serves: its endpoints and commands that work as printed (a curl
+    line for the OpenAI API, and a generate line for gRPC; a pooling server's curl embeds and it has no generate
+    line, since its gRPC Generate API refuses every request)."""
     host, tls = config.router.host, config.router.tls is not None
+    pools = config.runner == "pooling"
     grpc_target = host_port(host, ports.grpc)  # an IPv6 host in brackets, in the URLs too
     lines = [f"splitserve: serving {config.model} as {config.served_model_names[0]!r} ({config.mode}) on "
              f"{grpc_target} (gRPC)"]
     auth = " -H 'Authorization: Bearer <your API key>'" if needs_key else ""
     if ports.http is not None:
         api_url = f"{'https' if tls else 'http'}://{host_port(host, ports.http)}/v1"
-        body = json.dumps({"model": config.served_model_names[0], "prompt": "Tell me about the river.",
-                           "max_tokens": 32})
+        path, body = _banner_request(config.served_model_names[0], pools)
         lines += [f"  OpenAI API: {api_url}",
-                  f"  try: curl {'--cacert CA_FILE ' if tls else ''}{api_url}/completions "
+                  f"  try: curl {'--cacert CA_FILE ' if tls else ''}{api_url}/{path} "
                   f"-H 'Content-Type: application/json'{auth} -d {shlex.quote(body)}"]
     if ports.metrics is not None:
         lines.append(f"  metrics: http://{host_port(host, ports.metrics)}/metrics")
     key_flag = f" --api-key-env {config.router.api_key_env or 'VARIABLE_HOLDING_THE_KEY'}" if needs_key else ""
-    lines += [f"  or: {command} generate --target {grpc_target}{' --tls-ca CA_FILE' if tls else ''}{key_flag} "
-              "\"Tell me about the river.\"",
-              "  Ctrl-C stops the cluster."]
+    if not pools:
+        lines.append(f"  or: {command} generate --target {grpc_target}{' --tls-ca CA_FILE' if tls else ''}{key_flag} "
+                     "\"Tell me about the river.\"")
+    lines.append("  Ctrl-C stops the cluster.")
     return "\n".join(lines)
+
+
+def _banner_request(model_name: str, pools: bool) -> tuple[str, str]:
+    """The banner's curl request: (path under /v1, JSON body)."""
+    if pools:
+        return "embeddings", json.dumps({"model": model_name, "input": "Tell me about the river."})
+    return "completions", json.dumps({"model": model_name, "prompt": "Tell me about the river.", "max_tokens": 32})
 
 
 def _stop_on_signals(stop: asyncio.Event) -> None:

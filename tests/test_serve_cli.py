@@ -475,6 +475,19 @@ def test_banner_commands_work_as_printed():
     assert "--api-key-env VARIABLE_HOLDING_THE_KEY" in keyed and "curl" not in keyed
 
 
+def test_a_pooling_servers_banner_embeds_and_has_no_generate_line():
+    """Its completions answer 404 and its gRPC Generate API refuses every request: neither may be suggested."""
+    config = parse("default", "--served-model-name", "tiny", "--runner", "pooling")
+    banner = serving_banner(config, BoundPorts(50051, 8000, 9400), ".venv/bin/splitserve", needs_key=False)
+    assert banner.splitlines() == [
+        "splitserve: serving default as 'tiny' (disaggregated) on 127.0.0.1:50051 (gRPC)",
+        "  OpenAI API: http://127.0.0.1:8000/v1",
+        "  try: curl http://127.0.0.1:8000/v1/embeddings -H 'Content-Type: application/json' -d "
+        "'{\"model\": \"tiny\", \"input\": \"Tell me about the river.\"}'",
+        "  metrics: http://127.0.0.1:9400/metrics",
+        "  Ctrl-C stops the cluster."]
+
+
 def test_banner_brackets_an_ipv6_host():
     banner = serving_banner(parse("default", "--host", "::1"), BoundPorts(50051, 8000, 9400), "splitserve", False)
     lines = banner.splitlines()
