@@ -23,9 +23,11 @@ class PromptTruncation:
         return token_ids[len(token_ids) - self.keep:] if self.keep_last else token_ids[:self.keep]
 
 
-def prompt_truncation(num_tokens: int | None, side: str | None, max_model_len: int) -> PromptTruncation | None:
+def prompt_truncation(num_tokens: int | None, side: str | None, max_model_len: int, *,
+                      pools: bool = False) -> PromptTruncation | None:
     """truncate_prompt_tokens and truncation_side (None: unset) by vLLM's rules: an integer >= -1
-    (-1: max_model_len - 1, the most a prompt can have, so the cut prompt is served rather than refused),
+    (-1: the most a prompt can have, so the cut prompt is served rather than refused: max_model_len - 1 for
+    generation, max_model_len for a pooling request (`pools`), which generates nothing after it, as vLLM's -1),
     at most max_model_len (vLLM's message); side "left" (default: keep the last tokens) or "right"."""
     if side not in (None, "left", "right"):
         raise InvalidRequestError("truncation_side", f"must be 'left' or 'right', got {side!r}")
@@ -37,4 +39,5 @@ def prompt_truncation(num_tokens: int | None, side: str | None, max_model_len: i
         raise InvalidRequestError("truncate_prompt_tokens", f"truncate_prompt_tokens={num_tokens} cannot be "
                                                             f"greater than max_model_len = {max_model_len}. "
                                                             "Please request a smaller truncation size.")
-    return PromptTruncation(max_model_len - 1 if num_tokens == -1 else num_tokens, keep_last=side != "right")
+    longest_prompt = max_model_len if pools else max_model_len - 1
+    return PromptTruncation(longest_prompt if num_tokens == -1 else num_tokens, keep_last=side != "right")

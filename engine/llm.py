@@ -324,13 +324,13 @@ class LLM:
         """vLLM's LLM.embed (runner "pooling"): one embedding per prompt, in input order, each a pooling request
         (EngineCore.add_pooling_request) run to the end of its prefill. `pooling_params`: one for every prompt or
         one per prompt (None: the model's defaults). `truncate_prompt_tokens`: keep the last k tokens of each
-        prompt (-1: the last max_model_len - 1, as generate()'s). Every prompt is validated before any is queued."""
+        prompt (-1: the last max_model_len, as vLLM's; nothing is generated after a pooled prompt). Every prompt is validated before any is queued."""
         if self.engine.model_pooling is None:
             raise ValueError("Embedding API is not supported by this model. Try converting the model using "
                              "`--convert embed`. (splitserve: start the LLM with runner=\"pooling\")")
         _check_use_tqdm(use_tqdm)
         prompt_list = [self._resolve(prompt) for prompt in _prompt_list(prompts)]
-        truncation = prompt_truncation(truncate_prompt_tokens, None, self.engine.max_model_len)
+        truncation = prompt_truncation(truncate_prompt_tokens, None, self.engine.max_model_len, pools=True)
         if truncation is not None:
             prompt_list = [replace(p, token_ids=list(truncation.applied(tuple(p.token_ids)))) for p in prompt_list]
         params = _broadcast_pooling_params(pooling_params, len(prompt_list))

@@ -414,10 +414,10 @@ def _return_token_ids(body: Mapping[str, Any]) -> bool:
     return bool(_typed(body, "return_token_ids", bool, "a boolean", False))
 
 
-def _truncation(body: Mapping[str, Any], limits: RequestLimits) -> PromptTruncation | None:
+def _truncation(body: Mapping[str, Any], limits: RequestLimits, pools: bool = False) -> PromptTruncation | None:
     """truncate_prompt_tokens and truncation_side (RequestLimits.prompt_truncation)."""
     return limits.prompt_truncation(_typed(body, "truncate_prompt_tokens", int, "an integer >= -1"),
-                                    _typed(body, "truncation_side", str, "'left' or 'right'"))
+                                    _typed(body, "truncation_side", str, "'left' or 'right'"), pools=pools)
 
 
 def _messages(body: Mapping[str, Any], limits: RequestLimits) -> tuple[ChatMessage, ...]:
@@ -1057,7 +1057,7 @@ def parse_embedding_request(body: Mapping[str, Any], limits: RequestLimits) -> E
         raise InvalidRequestError("encoding_format", f"must be 'float' or 'base64', got {encoding_format!r}")
     dimensions = _typed(body, "dimensions", int, "an integer")
     use_activation = _typed(body, "use_activation", bool, "a boolean")
-    truncation = _truncation(body, limits)
+    truncation = _truncation(body, limits, pools=True)
     # Token-id inputs are counted after truncation by Orchestrator.validate_prompt(pools=True), which lets one fill
     # max_model_len (the completion parser's early count leaves room for an output token); the body's size bounds them.
     return EmbeddingRequest(_model(body), _prompts(body, limits, 1, True, "input"), encoding_format,

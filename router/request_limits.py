@@ -179,10 +179,11 @@ class RequestLimits:
             raise InvalidRequestError(field, f"has {num_tokens} tokens; max_model_len is {self.max_model_len} "
                                              "(including at least one output token)")
 
-    def prompt_truncation(self, num_tokens: int | None, side: str | None) -> PromptTruncation | None:
+    def prompt_truncation(self, num_tokens: int | None, side: str | None, *,
+                          pools: bool = False) -> PromptTruncation | None:
         """A request's truncate_prompt_tokens and truncation_side (None: unset) for this model
-        (common.prompt_truncation's rules)."""
-        return prompt_truncation(num_tokens, side, self.max_model_len)
+        (common.prompt_truncation's rules; `pools`: a pooling request's)."""
+        return prompt_truncation(num_tokens, side, self.max_model_len, pools=pools)
 
     def check_message_count(self, num_messages: int) -> None:
         """Before the messages are read."""

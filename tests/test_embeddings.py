@@ -181,6 +181,10 @@ def test_a_prompt_may_fill_max_model_len(tiny_llama_dir):
     _assert_matches(llm.embed(PROMPTS), tiny_llama_dir, "LAST")
     with pytest.raises(InvalidRequestError, match="has 71 tokens; max_model_len is 70$"):
         llm.embed([PROMPTS[-1] + [1]])
+    # vLLM's truncate_prompt_tokens=-1 keeps max_model_len tokens of a pooled prompt (generate() keeps one fewer)
+    cut = llm.embed([[1] + PROMPTS[-1]], truncate_prompt_tokens=-1)[0]
+    assert cut.prompt_token_ids == PROMPTS[-1]
+    assert cut.outputs.embedding == llm.embed([PROMPTS[-1]])[0].outputs.embedding
 
 
 def test_sentence_bert_config_max_seq_length_is_the_default_max_model_len(tiny_llama_dir, tmp_path):

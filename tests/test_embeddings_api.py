@@ -135,6 +135,10 @@ def test_truncate_prompt_tokens_and_a_prompt_that_fills_the_context(served, tiny
     status, body = served.post("/v1/embeddings", {"input": long, "truncate_prompt_tokens": 10})
     assert (status, body["usage"]["prompt_tokens"]) == (200, 10)
     _assert_embedding(body["data"][0]["embedding"], tiny_llama_dir, long[-10:])
+    # vLLM's -1 keeps max_model_len tokens of a pooled prompt (a completion's keeps one fewer: room for an output)
+    status, body = served.post("/v1/embeddings", {"input": [7, 8, 9] + long, "truncate_prompt_tokens": -1})
+    assert (status, body["usage"]["prompt_tokens"]) == (200, MAX_MODEL_LEN)
+    _assert_embedding(body["data"][0]["embedding"], tiny_llama_dir, long)
 
 
 @pytest.mark.parametrize(("body", "status", "param", "message"), [
