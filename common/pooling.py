@@ -136,9 +136,14 @@ def read_model_pooling(model_dir: str | Path, overrides: PoolerConfig | None = N
 
 
 def _max_seq_length(model_dir: Path) -> int | None:
-    """sentence_bert_config.json's max_seq_length (vLLM's encoder_config), None without the file or the key."""
+    """sentence_bert_config.json's max_seq_length (vLLM's encoder_config), None without the file or the key. Its
+    do_lower_case (sentence-transformers and vLLM lowercase every text input) is refused: this server embeds text as
+    given, and vectors of the original case would be silently different."""
     config_file = model_dir / "sentence_bert_config.json"
-    length = json.loads(config_file.read_text()).get("max_seq_length") if config_file.is_file() else None
+    settings = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    if settings.get("do_lower_case"):
+        raise ValueError(f"{config_file}: do_lower_case (lowercasing every text input) is not supported")
+    length = settings.get("max_seq_length")
     if length is not None and (isinstance(length, bool) or not isinstance(length, int) or length < 1):
         raise ValueError(f"{config_file}: max_seq_length must be a positive integer, got {length!r}")
     return length

@@ -213,6 +213,16 @@ def test_sentence_bert_config_max_seq_length_is_the_default_max_model_len(tiny_l
         read_model_pooling(model_dir)
 
 
+def test_sentence_bert_config_do_lower_case_is_refused(tiny_llama_dir, tmp_path):
+    """sentence-transformers and vLLM lowercase every text input of such a model; embedding the text as given would
+    be silently different, so the engine (and serve's preflight, which reads the same) refuses it."""
+    model_dir = with_sentence_transformers_files(tiny_llama_dir, tmp_path / "st", "mean", True)
+    (model_dir / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 40, "do_lower_case": True}))
+    with pytest.raises(ValueError, match=r"sentence_bert_config.json: do_lower_case \(lowercasing every text input\) "
+                                         r"is not supported$"):
+        LLM(model_dir, runner="pooling")
+
+
 def test_an_aborted_pooling_request_frees_its_blocks(tiny_llama_dir):
     llm = _pooling_llm(tiny_llama_dir, "MEAN")
     engine = llm.engine
