@@ -197,27 +197,30 @@ class ModelRunner:
         lora_rows = self._lora_rows(output)
         if on_layer is None and not lora_rows and self.graphs is not None and self.graphs.can_run(output):
             return self.graphs.execute(output)
-        model_input = self.inputs.build(output)
-        with self._adapters(lora_rows):
-            hidden = self._forward(model_input, on_layer)  # [T, hidden]
+        model_input, hidden = self._eager_forward(output, lora_rows, on_layer)
         return self.model.compute_logits(hidden[model_input.logits_indices]).float()
 
     @torch.inference_mode()
     def execute_with_hidden(self, output: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor]:
         """execute()'s logits and the final hidden states [T, hidden] (after the final norm, before lm_head) of
         every scheduled token in batch order: what a step with pooling chunks needs (never a captured graph)."""
-        model_input = self.inputs.build(output)
-        with self._adapters(self._lora_rows(output)):
-            hidden = self._forward(model_input)  # [T, hidden]
+        model_input, hidden = self._eager_forward(output, self._lora_rows(output))
         return self.model.compute_logits(hidden[model_input.logits_indices]).float(), hidden
 
     @torch.inference_mode()
     def execute_all_positions(self, output: SchedulerOutput) -> torch.Tensor:
         """Logits [T, vocab] (float32) of every scheduled token in batch order, not only the sampling rows:
         what scoring a prompt needs."""
-        with self._adapters(self._lora_rows(output)):
-            hidden = self._forward(self.inputs.build(output))
+        _, hidden = self._eager_forward(output, self._lora_rows(output))
         return self.model.compute_logits(hidden).float()
+
+    def _eager_forward(self, output: SchedulerOutput, lora_rows: dict[str, list[int]],
+                       on_layer: Callable[[int], None] | None = None) -> tuple[ModelInput, torch.Tensor]:
+        """The step's inputs and the final hidden states [T, hidden] of every scheduled token, from the eager
+        forward with the step's adapters set (lora_rows: _lora_rows(output))."""
+        model_input = self.inputs.build(output)
+        with self._adapters(lora_rows):
+            return model_input, self._forward(model_input, on_layer)  # [T, hidden]
 
     def _lora_rows(self, output: SchedulerOutput) -> dict[str, list[int]]:
         """adapter_rows, read only by an engine with enable_lora (without it no chunk names an adapter): the
