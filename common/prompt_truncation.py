@@ -1,11 +1,25 @@
-"""vLLM's truncate_prompt_tokens and truncation_side: one rule for every API that cuts a prompt (the
-router's HTTP and gRPC requests, the offline LLM's SamplingParams.truncate_prompt_tokens)."""
+"""How long a prompt may be, and vLLM's truncate_prompt_tokens and truncation_side: one rule for every API that
+checks or cuts a prompt (the router's HTTP and gRPC requests, the engine, the offline LLM's
+SamplingParams.truncate_prompt_tokens)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from splitserve.common.errors import InvalidRequestError
+
+
+def longest_prompt(max_model_len: int, pools: bool = False) -> int:
+    """The most tokens a prompt may have: max_model_len - 1 for a request that generates (room for one output
+    token), max_model_len for a pooling request (`pools`: nothing is generated after it)."""
+    return max_model_len if pools else max_model_len - 1
+
+
+def check_prompt_length(num_tokens: int, max_model_len: int, field: str, pools: bool = False) -> None:
+    """InvalidRequestError naming `field` when a prompt of `num_tokens` tokens is longer than longest_prompt()."""
+    if num_tokens > longest_prompt(max_model_len, pools):
+        room = "" if pools else " (including at least one output token)"
+        raise InvalidRequestError(field, f"has {num_tokens} tokens; max_model_len is {max_model_len}{room}")
 
 
 @dataclass(frozen=True)
@@ -39,5 +53,5 @@ def prompt_truncation(num_tokens: int | None, side: str | None, max_model_len: i
         raise InvalidRequestError("truncate_prompt_tokens", f"truncate_prompt_tokens={num_tokens} cannot be "
                                                             f"greater than max_model_len = {max_model_len}. "
                                                             "Please request a smaller truncation size.")
-    longest_prompt = max_model_len if pools else max_model_len - 1
-    return PromptTruncation(longest_prompt if num_tokens == -1 else num_tokens, keep_last=side != "right")
+    keep = longest_prompt(max_model_len, pools) if num_tokens == -1 else num_tokens
+    return PromptTruncation(keep, keep_last=side != "right")

@@ -17,6 +17,7 @@ from splitserve.common.errors import InvalidRequestError, UnsupportedModelError
 from splitserve.common.generation_config import GenerationConfigFile
 from splitserve.common.kv_events import KVEventBatch, KVSnapshot, LoadReport, LoraLoad
 from splitserve.common.lora import LoRARequest, check_lora_request
+from splitserve.common.prompt_truncation import check_prompt_length
 from splitserve.common.pooling import ModelPooling, PoolingParams, read_model_pooling, resolve_pooling
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.stats import EngineStats
@@ -243,7 +244,7 @@ class EngineCore:
             raise InvalidRequestError("runner", "this engine runs the model as a pooling model (runner 'pooling'), "
                                                 "which embeds prompts and generates nothing; start it with runner "
                                                 "'generate' to generate")
-        self._validate_prompt(request_id, prompt_token_ids, cache_salt, priority, output_room=1)
+        self._validate_prompt(request_id, prompt_token_ids, cache_salt, priority, pools=False)
         if params.max_tokens is None:
             raise InvalidRequestError("max_tokens", "None (to the end of the context) must be resolved before the "
                                                     "request reaches the engine (LLM.generate resolves it per prompt)")
@@ -262,17 +263,13 @@ class EngineCore:
         self._check_lora(lora_request)
 
     def _validate_prompt(self, request_id: str, prompt_token_ids: list[int], cache_salt: str | None, priority: int,
-                         output_room: int) -> None:
-        """What every request's prompt must be; `output_room`: tokens max_model_len must leave after it (1 for a
-        request that generates, 0 for one that pools)."""
+                         pools: bool) -> None:
+        """What every request's prompt must be; `pools`: a pooling request's, which may fill max_model_len."""
         if request_id in self.scheduler.requests or request_id in self._held:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in flight")
         if not prompt_token_ids:
             raise InvalidRequestError("prompt", "must not be empty")
-        if len(prompt_token_ids) + output_room > self.max_model_len:
-            room = " (including at least one output token)" if output_room else ""
-            raise InvalidRequestError("prompt", f"has {len(prompt_token_ids)} tokens; max_model_len is "
-                                                f"{self.max_model_len}{room}")
+        check_prompt_length(len(prompt_token_ids), self.max_model_len, "prompt", pools)
         bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
         if bad:
             raise InvalidRequestError("prompt_token_ids", f"out of vocabulary [0, {self.vocab_size}): {bad[:5]}")
@@ -290,7 +287,7 @@ class EngineCore:
                                                 "'pooling' to embed")
         if not isinstance(params, PoolingParams):
             raise InvalidRequestError("pooling_params", f"must be a PoolingParams, got {type(params).__name__}")
-        self._validate_prompt(request_id, prompt_token_ids, cache_salt, priority, output_room=0)
+        self._validate_prompt(request_id, prompt_token_ids, cache_salt, priority, pools=True)
         self.model_pooling.check_dimensions(params.dimensions, self._model_name)
         self._check_lora(lora_request)
 

@@ -31,6 +31,7 @@ from splitserve.common.errors import InvalidRequestError
 from splitserve.common.kv_events import LoadReport
 from splitserve.common.kv_transfer_types import KVLayout, KVLayoutMismatchError
 from splitserve.common.log_escape import quote_for_log
+from splitserve.common.prompt_truncation import check_prompt_length
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.slo import SloConfig
 from splitserve.common.stats import RequestParamsRecord, RequestRecord, RoutingStats, WorkerSnapshot
@@ -211,10 +212,7 @@ class Orchestrator:
         request's prompt, which may fill max_model_len (nothing is generated after it)."""
         if not prompt_token_ids:
             raise InvalidRequestError(field, "must not be empty")
-        if len(prompt_token_ids) + (0 if pools else 1) > self.max_model_len:
-            room = "" if pools else " (including at least one output token)"
-            raise InvalidRequestError(field, f"has {len(prompt_token_ids)} tokens; max_model_len is "
-                                             f"{self.max_model_len}{room}")
+        check_prompt_length(len(prompt_token_ids), self.max_model_len, field, pools)
         bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise InvalidRequestError("prompt.token_ids", f"out of vocabulary [0, {self.vocab_size}): {bad[:5]}")

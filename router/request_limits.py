@@ -18,7 +18,7 @@ from typing import Protocol
 
 from splitserve.common.errors import InvalidRequestError
 from splitserve.common.log_escape import quote_for_log
-from splitserve.common.prompt_truncation import PromptTruncation, prompt_truncation
+from splitserve.common.prompt_truncation import PromptTruncation, check_prompt_length, prompt_truncation
 from splitserve.common.beam_search import BeamSearchParams
 from splitserve.common.sampling_params import (MAX_ALLOWED_TOKEN_IDS, MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_LOGPROBS,
                                                MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SamplingParams)
@@ -175,9 +175,7 @@ class RequestLimits:
 
     def check_prompt_token_count(self, num_tokens: int, field: str) -> None:
         """A prompt given as token ids, before its ids are read (Orchestrator.validate_prompt checks them)."""
-        if num_tokens >= self.max_model_len:
-            raise InvalidRequestError(field, f"has {num_tokens} tokens; max_model_len is {self.max_model_len} "
-                                             "(including at least one output token)")
+        check_prompt_length(num_tokens, self.max_model_len, field)
 
     def prompt_truncation(self, num_tokens: int | None, side: str | None, *,
                           pools: bool = False) -> PromptTruncation | None:
