@@ -499,7 +499,9 @@ class EngineCore:
         started = time.perf_counter()
         # structured-output rows' masks are filled while the model runs (matchers are not touched until .result())
         masks = self.grammars.start_bitmask([c.request_id for c in output.chunks if c.samples])
-        pooling = [c for c in output.chunks if c.pools]
+        # A pooling engine runs only pooling requests (validate() refuses the others), a generating one none: the
+        # step's kind is the engine's, with no walk over the chunks on the hot path.
+        pooling = self.model_pooling is not None
         if pooling:
             logits, hidden = self.runner.execute_with_hidden(output)  # hidden [T, hidden]
         else:
