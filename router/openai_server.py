@@ -44,7 +44,7 @@ from splitserve.common.errors import InvalidRequestError
 from splitserve.common.generation_config import NO_REQUEST_DEFAULTS, RequestDefaults
 from splitserve.common.log_escape import quote_for_log
 from splitserve.common.lora import LoRARequest
-from splitserve.common.pooling import ModelPooling
+from splitserve.common.pooling import ModelPooling, PoolingParams
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.stats import RequestParamsRecord
 from splitserve.router.admission import RETRY_AFTER_S, Admission
@@ -468,8 +468,7 @@ class OpenAIServing:
 
     async def _completion_job(self, parsed: CompletionRequest) -> _Job:
         adapter = self._adapter(parsed.model)
-        prompts = [prompt if isinstance(prompt, tuple)
-                   else await self.tokenizers.encode(prompt, parsed.add_special_tokens) for prompt in parsed.prompts]
+        prompts = await self._token_ids(parsed.prompts, parsed.add_special_tokens)
         params = parsed.sampling
         if parsed.best_of > parsed.n and params.logprobs is None:  # best_of ranks by the sampled tokens' logprobs
             params = dataclasses.replace(params, logprobs=0)
@@ -494,22 +493,13 @@ class OpenAIServing:
         tokenized, cut by truncate_prompt_tokens and checked (it may fill max_model_len)."""
         adapter = self._adapter(parsed.model)
         self.pooling.check_dimensions(parsed.pooling.dimensions, self.model_name)
-        prompts = [prompt if isinstance(prompt, tuple) else await self.tokenizers.encode(prompt,
-                                                                                         parsed.add_special_tokens)
-                   for prompt in parsed.inputs]
-        if parsed.truncation is not None:
-            prompts = [parsed.truncation.applied(tuple(prompt)) for prompt in prompts]
-        for index, token_ids in enumerate(prompts):
-            self.orchestrator.validate_prompt(token_ids, "input" if len(prompts) == 1 else f"input[{index}]",
-                                              pools=True)
-        deadline = None if self.request_timeout_s is None else time.monotonic() + self.request_timeout_s
-        ids = self.orchestrator.new_request_id(parsed.request_id, len(prompts))
-        base = GenerationInput(ids.request_id, prompts[0], SamplingParams(max_tokens=1), deadline,
-                               priority=parsed.priority, lora_request=adapter, client_request_id=ids.renamed_from,
-                               pooling_params=parsed.pooling)
+        prompts = await self._token_ids(parsed.inputs, parsed.add_special_tokens)
+        ids, inputs = await self._inputs(prompts, SamplingParams(max_tokens=1), "input", parsed.request_id, 1,
+                                         parsed.truncation, priority=parsed.priority, lora_request=adapter,
+                                         pooling_params=parsed.pooling)
         renderer = EmbeddingRenderer(ids.client_request_id, int(time.time()), self._served_name(adapter),
                                      parsed.encoding_format)
-        return _Job(ids, sequence_inputs(base, prompts, 1), 1, 1, renderer, stream=False)
+        return _Job(ids, inputs, 1, 1, renderer, stream=False)
 
     async def _chat_job(self, parsed: ChatCompletionRequest) -> _Job:
         chat = await self._chat_inputs(parsed, "messages")
@@ -598,7 +588,8 @@ class OpenAIServing:
                       request_id: str, num_sequences: int,
                       truncation: PromptTruncation | None = None, cache_salt: str | None = None,
                       priority: int = 0,
-                      lora_request: LoRARequest | None = None
+                      lora_request: LoRARequest | None = None,
+                      pooling_params: PoolingParams | None = None
                       ) -> tuple[ReservedRequestId, tuple[GenerationInput, ...]]:
         """Cut each prompt as `truncation` says, check it (`prompt_param`: the body field it came
         from; `[i]` names one of a batch); then (the request's ids, reserved last: nothing after can fail before the
@@ -606,18 +597,25 @@ class OpenAIServing:
         `request_id`: the client's ("": new);
         `cache_salt`: the request's (every sequence's) prefix-cache salt; `priority`: its (every
         sequence's) scheduling priority; `lora_request`: the adapter every sequence runs with (None: the
-        base model)."""
+        base model); `pooling_params`: an embedding request's (each prompt may then fill max_model_len)."""
         params = await self.tokenizers.tokenize_bad_words(params)
         if truncation is not None:
             prompts = [truncation.applied(tuple(p)) for p in prompts]
         for index, token_ids in enumerate(prompts):
             field = prompt_param if len(prompts) == 1 else f"{prompt_param}[{index}]"
-            self.orchestrator.validate_prompt(token_ids, field)
+            self.orchestrator.validate_prompt(token_ids, field, pools=pooling_params is not None)
         deadline = None if self.request_timeout_s is None else time.monotonic() + self.request_timeout_s
         ids = self.orchestrator.new_request_id(request_id, len(prompts) * num_sequences)
         base = GenerationInput(ids.request_id, prompts[0], params, deadline, cache_salt=cache_salt, priority=priority,
-                               lora_request=lora_request, client_request_id=ids.renamed_from)
+                               lora_request=lora_request, client_request_id=ids.renamed_from,
+                               pooling_params=pooling_params)
         return ids, sequence_inputs(base, prompts, num_sequences)
+
+    async def _token_ids(self, prompts: Sequence[str | tuple[int, ...]], add_special_tokens: bool
+                         ) -> list[tuple[int, ...] | list[int]]:
+        """Each prompt's token ids: a text prompt tokenized (in the tokenizer pool), token ids as they are."""
+        return [prompt if isinstance(prompt, tuple) else await self.tokenizers.encode(prompt, add_special_tokens)
+                for prompt in prompts]
 
     def _header(self, prefix: str, request_id: str, adapter: LoRARequest | None = None) -> ResponseHeader:
         return ResponseHeader(f"{prefix}-{request_id}", int(time.time()), self._served_name(adapter),
