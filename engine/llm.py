@@ -28,7 +28,7 @@ from splitserve.common.errors import InvalidRequestError
 from splitserve.common.lora import LoRARequest, check_lora_request
 from splitserve.common.pooling import PoolerConfig, PoolingParams
 from splitserve.common.model_dir import check_tokenizer_option, check_tokenizer_vocabulary, tokenizer_dir
-from splitserve.common.prompt_truncation import prompt_truncation
+from splitserve.common.prompt_truncation import PromptTruncation, prompt_truncation
 from splitserve.common.sampling_params import MAX_LOGPROBS, SamplingParams
 from splitserve.common.stats import EngineStats
 from splitserve.common.structured_output import StructuredOutputKind, without_unicode_escapes
@@ -78,6 +78,13 @@ class PromptInput:
     token_ids: list[int]
     cache_salt: str | None = None
     """The prompt dict's cache_salt (None: unsalted)."""
+
+    def truncated(self, truncation: PromptTruncation | None) -> PromptInput:
+        """The prompt with its token ids cut as `truncation` says (None: as it is); its text kept, as vLLM
+        reports it."""
+        if truncation is None:
+            return self
+        return replace(self, token_ids=list(truncation.applied(tuple(self.token_ids))))
 
 
 CHAT_TEMPLATE_CONTENT_FORMATS: tuple[ChatTemplateContentFormat, ...] = get_args(ChatTemplateContentFormat)
@@ -324,15 +331,15 @@ class LLM:
         """vLLM's LLM.embed (runner "pooling"): one embedding per prompt, in input order, each a pooling request
         (EngineCore.add_pooling_request) run to the end of its prefill. `pooling_params`: one for every prompt or
         one per prompt (None: the model's defaults). `truncate_prompt_tokens`: keep the last k tokens of each
-        prompt (-1: the last max_model_len, as vLLM's; nothing is generated after a pooled prompt). Every prompt is validated before any is queued."""
+        prompt (-1: the last max_model_len, as vLLM's; nothing is generated after a pooled prompt). Every prompt is
+        validated before any is queued."""
         if self.engine.model_pooling is None:
             raise ValueError("Embedding API is not supported by this model. Try converting the model using "
                              "`--convert embed`. (splitserve: start the LLM with runner=\"pooling\")")
         _check_use_tqdm(use_tqdm)
         prompt_list = [self._resolve(prompt) for prompt in _prompt_list(prompts)]
         truncation = prompt_truncation(truncate_prompt_tokens, None, self.engine.max_model_len, pools=True)
-        if truncation is not None:
-            prompt_list = [replace(p, token_ids=list(truncation.applied(tuple(p.token_ids)))) for p in prompt_list]
+        prompt_list = [prompt.truncated(truncation) for prompt in prompt_list]
         params = _broadcast_pooling_params(pooling_params, len(prompt_list))
         loras = _broadcast_lora_requests(lora_request, len(prompt_list))
         request_ids = [self._next_id() for _ in prompt_list]
@@ -417,11 +424,9 @@ class LLM:
         return [BeamSearchOutput([self._beam_sequence(search, beam) for beam in search.best()]) for search in searches]
 
     def _prepared(self, prompt: PromptInput, params: SamplingParams) -> tuple[PromptInput, SamplingParams]:
-        """The prompt cut as params.truncate_prompt_tokens says (its text kept, as vLLM reports it), and params
+        """The prompt cut as params.truncate_prompt_tokens says (PromptInput.truncated), and params
         with max_tokens None resolved to the room the cut prompt leaves: what the engine runs."""
-        truncation = prompt_truncation(params.truncate_prompt_tokens, None, self.engine.max_model_len)
-        if truncation is not None:
-            prompt = replace(prompt, token_ids=list(truncation.applied(tuple(prompt.token_ids))))
+        prompt = prompt.truncated(prompt_truncation(params.truncate_prompt_tokens, None, self.engine.max_model_len))
         return prompt, params.resolved_max_tokens(self._room(prompt))
 
     def _room(self, prompt: PromptInput) -> int:
