@@ -940,3 +940,41 @@ class MetricsSources:
 
     def routing_stats(self):
         return self.routing
+
+
+# ---- paged attention cases (random pools and queries for the attention backends) -------------------
+from splitserve.engine.attention.base import AttentionMetadata, DecodeBatch, PrefillSpan  # noqa: E402
+
+
+def paged_decode_case(generator, dtype, batch, num_heads, num_kv_heads, head_dim, block_size=16, num_blocks=64):
+    """Random queries and pool; each sequence gets its own random blocks and a ragged length."""
+    kv_cache = torch.randn(num_blocks, 2, block_size, num_kv_heads, head_dim, generator=generator).to(dtype)
+    context_lens = torch.randint(1, 6 * block_size, (batch,), generator=generator)
+    width = int(-(-context_lens.max() // block_size))
+    tables = torch.stack([torch.randperm(num_blocks, generator=generator)[:width] for _ in range(batch)])
+    query = torch.randn(batch, num_heads, head_dim, generator=generator).to(dtype)
+    decode = DecodeBatch(token_indices=torch.arange(batch), block_tables=tables, context_lens=context_lens)
+    return query, kv_cache, decode
+
+
+def decode_metadata(decode: DecodeBatch, block_size: int = 16) -> AttentionMetadata:
+    return AttentionMetadata(positions=None, key_slots=None, value_slots=None, prefills=(), decodes=(decode,),
+                             block_size=block_size)
+
+
+def paged_prefill_case(generator, dtype, num_heads, num_kv_heads, head_dim, start, query_len, block_size=16,
+                       num_blocks=64):
+    """A chunk of query_len tokens after `start` positions, over random blocks; positions past the
+    context in the last block are NaN (never read). The chunk's keys/values are the pool's."""
+    context_len = start + query_len
+    table = torch.randperm(num_blocks, generator=generator)[:-(-context_len // block_size)]
+    kv_cache = torch.randn(num_blocks, 2, block_size, num_kv_heads, head_dim, generator=generator).to(dtype)
+    last_block, used = table[-1], context_len - (len(table) - 1) * block_size
+    kv_cache[last_block, :, used:] = float("nan")
+    positions = torch.arange(start, context_len)
+    rows = kv_cache[table[positions // block_size], :, positions % block_size]  # [q, 2, Hkv, D]
+    query = torch.randn(query_len, num_heads, head_dim, generator=generator).to(dtype)
+    span = PrefillSpan(query_start=0, query_len=query_len, context_len=context_len, block_table=table)
+    metadata = AttentionMetadata(positions=positions, key_slots=None, value_slots=None, prefills=(span,),
+                                 decodes=(), block_size=block_size)
+    return query, rows[:, 0], rows[:, 1], kv_cache, span, metadata
