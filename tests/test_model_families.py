@@ -335,7 +335,7 @@ def test_a_config_naming_no_architecture_is_refused_naming_the_field(tmp_path, a
     message = ("config.json names no architecture (`architectures` is missing or empty); supported: "
                "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Phi3ForCausalLM, "
                "GraniteForCausalLM, GemmaForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM, SmolLM3ForCausalLM, "
-               "Olmo2ForCausalLM, Qwen3MoeForCausalLM, MixtralForCausalLM")
+               "Olmo2ForCausalLM, Qwen3MoeForCausalLM, MixtralForCausalLM, GptOssForCausalLM")
     with pytest.raises(UnsupportedModelError) as error:
         EngineCore(model_dir, EngineConfig(device="cpu"))
     assert str(error.value) == message
