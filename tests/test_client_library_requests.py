@@ -1,10 +1,12 @@
-"""The exact request bodies client libraries send (recorded through a proxy from openai-agents 0.24.0 and the
-openai SDK 3.57.0 against `splitserve serve default --enable-auto-tool-choice --tool-call-parser hermes`;
+"""The exact request bodies client libraries send (recorded through a proxy from openai-agents 0.24.0, the
+openai SDK 3.57.0 and LiteLLM 1.110.2 against `splitserve serve default --enable-auto-tool-choice --tool-call-parser hermes`;
 docs/http_api.md#client-libraries), answered as each library reads them. The libraries themselves are not needed.
 
 An agent with an `output_type` and a forced `tool_choice` sends the forced choice beside `response_format` (chat)
 or `text.format` (Responses): its first turn must be the forced call, and its next turn (the SDK resets the choice
-to auto and keeps the format) the structured final output."""
+to auto and keeps the format) the structured final output. LiteLLM tells a prompt too long for the context from
+other 400s by OpenAI's and vLLM's words in the error (its ContextWindowExceededError, which its context-window
+fallbacks act on)."""
 
 from __future__ import annotations
 
@@ -147,3 +149,16 @@ def test_openai_sdk_parse_with_a_response_format_and_required_tools_returns_the_
     assert [call["function"] for call in choice["message"]["tool_calls"]] == \
         [call["function"] for call in alone["message"]["tool_calls"]]
     assert [call["function"]["name"] for call in choice["message"]["tool_calls"]] == ["GetWeather"]
+
+
+def test_litellm_reads_a_prompt_too_long_for_the_context_as_its_context_window_error(served):
+    """litellm.completion(model="hosted_vllm/default", ...) reads the raw error body, `openai/default` the openai
+    SDK's message; either must hold the words its exception mapping matches (lower-cased)."""
+    status, _, raw = http_request(served.http_port, "POST", "/v1/chat/completions", json.dumps({
+        "model": "default", "messages": [{"role": "user", "content": "def f(x): return x\n" * 300}],
+        "max_tokens": 8}).encode())
+    error = json.loads(raw)["error"]
+    assert (status, error["type"], error["param"], error["code"]) == (
+        400, "invalid_request_error", "messages", "context_length_exceeded")
+    assert "this model's maximum context length is 512 tokens" in error["message"].lower()
+    assert "this model's maximum context length is" in raw.decode().lower()
