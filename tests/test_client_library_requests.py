@@ -11,6 +11,7 @@ fallbacks act on)."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -133,6 +134,8 @@ def test_agents_responses_output_type_with_forced_tool_choice_calls_then_answers
     assert [(item["type"], item["name"], item["arguments"]) for item in first["output"]] == \
         [(item["type"], item["name"], item["arguments"]) for item in forced_alone["output"]]
     assert [item["name"] for item in first["output"]] == ["get_weather"]
+    assert re.fullmatch(r"fc_[0-9a-f]{32}", first["output"][0]["id"])
+    assert re.fullmatch(r"call_[0-9a-f]{32}", first["output"][0]["call_id"])  # OpenAI's and vLLM's form
     second = final_response(AGENTS_RESPONSES_SECOND_TURN)
     assert (second["status"], [item["type"] for item in second["output"]]) == ("completed", ["message"])
     text = second["output"][0]["content"][0]["text"]
