@@ -108,7 +108,7 @@ class ApiError(Exception):
         if isinstance(error, MalformedBodyError):
             return cls(400, str(error), code="invalid_json")
         if isinstance(error, InvalidRequestError):
-            return cls(400, str(error), error.field)
+            return cls(400, str(error), error.field, error.code)
         if isinstance(error, RouterError):
             return cls(_STATUS_BY_CODE.get(error.code, 500), error.message, code=error.code.lower())
         logger.error("request failed", exc_info=error)
