@@ -224,12 +224,22 @@ _ESCAPE = re.compile(r"\\\\|\\u([0-9a-fA-F]{4})|\\U([0-9a-fA-F]{8})")
 \\UXXXXXXXX escape."""
 
 
-def without_unicode_escapes(grammar: str) -> str:
+def grammar_as_lark(grammar: str, any_to_lark: Callable[[str], str]) -> str:
+    """A request's `grammar` (a Lark grammar, or a GBNF / EBNF one: llama.cpp's, what xgrammar and vLLM's
+    offline examples take) as a Lark grammar; InvalidRequestError naming `grammar` if it is neither.
+    `any_to_lark` is llguidance's converter (llguidance.gbnf_to_lark.any_to_lark), passed in by its two
+    callers, the router and the offline LLM, since common/ imports no llguidance: both convert alike."""
+    try:
+        return any_to_lark(_without_unicode_escapes(grammar))
+    except Exception as error:  # GbnfToLarkError, and a bare Exception for some inputs (no root rule)
+        raise InvalidRequestError("grammar", f"is not a valid GBNF grammar: {error}") from None
+
+
+def _without_unicode_escapes(grammar: str) -> str:
     """`grammar` with its \\uXXXX and \\UXXXXXXXX escapes (GBNF's, in literals and character classes)
     as llguidance reads them: \\xHH below 0x100, else the character itself (it has no meaning to the
     syntax). llguidance's GBNF converter writes \\u0041 as \\u41 and keeps \\U0001F600, both of which
-    its Lark lexer refuses. A surrogate or an out-of-range escape stays as written (and is refused).
-    The router and the offline LLM apply it before converting a GBNF grammar to Lark (any_to_lark)."""
+    its Lark lexer refuses. A surrogate or an out-of-range escape stays as written (and is refused)."""
     def replace(match: re.Match) -> str:
         digits = match.group(1) or match.group(2)
         if digits is None:
