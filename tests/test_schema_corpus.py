@@ -24,7 +24,8 @@ from splitserve.engine.tiny_model import resolve_model_path
 from splitserve.testing.tiny_models import TOOLS_CHAT_TEMPLATE
 from splitserve.router.structured_output import parse_structured_output
 from tests.factories import http_request, served_apis
-from tests.schema_corpus import ACCEPTED, REFUSED, CorpusSchema, Inventory, Kennel, Message, Owner, Robot
+from tests.schema_corpus import (ACCEPTED, REFUSED, TOOL_PARAMETERS, CorpusSchema, Inventory, Kennel, Message, Owner,
+                                 Robot)
 
 MODEL = "m"
 CHAT = [{"role": "user", "content": "Answer in JSON."}]
@@ -136,13 +137,17 @@ def test_every_sampled_output_that_ends_validates(served, entry: CorpusSchema):
         assert_valid(text, entry.schema)
 
 
-OBJECT_ROOTED = [entry for entry in ACCEPTED if isinstance(entry.schema, dict) and entry.schema.get("type") == "object"
-                 and entry.name not in ("nested_20_levels", "pydantic_Message", "pydantic_Kennel")]
-"""The schemas a function's parameters may be (20 levels of nesting, and the larger discriminated
-unions, rendered into the prompt with the tool, outgrow the default model's 512 tokens)."""
+WITH_REFERENCES = ("pydantic_Person", "pydantic_Owner", "openai_strict_recursive_ui")
+TOOL_SCHEMAS = [*TOOL_PARAMETERS, *(entry for entry in ACCEPTED if entry.name in WITH_REFERENCES)]
+"""A forced tool generates under the very grammar a response_format of its parameters does (both are
+StructuredOutput.json_schema of the schema), which test_every_sampled_output_that_ends_validates
+samples for every schema; through the tool-call path (the schema in the prompt, the arguments in
+tool_calls) go the frameworks' tool definitions and schemas whose `$ref`s ($defs, `#`) point into
+the parameters (a larger schema, in the prompt with the tool, outgrows the default model's 512
+tokens)."""
 
 
-@pytest.mark.parametrize("entry", OBJECT_ROOTED, ids=ids(OBJECT_ROOTED))
+@pytest.mark.parametrize("entry", TOOL_SCHEMAS, ids=ids(TOOL_SCHEMAS))
 def test_a_forced_strict_tool_calls_with_valid_arguments(served, entry: CorpusSchema):
     tools = [{"type": "function", "function": {"name": "act", "parameters": entry.schema, "strict": True}}]
     response = client(served).chat.completions.create(
@@ -176,7 +181,11 @@ def llm() -> LLM:
     return LLM(resolve_model_path(DEFAULT_MODEL_NAME), max_model_len=MAX_MODEL_LEN)
 
 
-BOUNDED = [entry for entry in ACCEPTED if not entry.runs_long]
+OFFLINE = [entry for entry in ACCEPTED if entry.name in (
+    "pydantic_Person", "pydantic_Kennel", "openai_strict_recursive_ui", "string_formats", "large_enum")]
+"""The offline LLM builds the same grammar as the router (StructuredOutputsParams(json=...) is
+StructuredOutput.json_schema), so a few shapes suffice to show it samples what the server does:
+`$ref`s and a rewritten oneOf, formats, a large grammar."""
 
 
 @pytest.mark.slow
@@ -186,16 +195,16 @@ def test_the_offline_llm_samples_what_the_server_does(llm, served):
     end, and every offline output that ends validates. An output cut by max_tokens may differ after a
     while: batches of other sizes round their logits differently (no batch invariance, as in vLLM)."""
     params = [SamplingParams(temperature=1.0, seed=SEED, max_tokens=MAX_TOKENS,
-                             structured_outputs=StructuredOutputsParams(json=entry.schema)) for entry in BOUNDED]
-    offline = [output.outputs[0] for output in llm.generate([PROMPT] * len(BOUNDED), params)]
+                             structured_outputs=StructuredOutputsParams(json=entry.schema)) for entry in OFFLINE]
+    offline = [output.outputs[0] for output in llm.generate([PROMPT] * len(OFFLINE), params)]
 
     served_choices = [client(served).completions.create(
         model=MODEL, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=1.0, seed=SEED,
-        extra_body={"structured_outputs": {"json": entry.schema}}).choices[0] for entry in BOUNDED]
+        extra_body={"structured_outputs": {"json": entry.schema}}).choices[0] for entry in OFFLINE]
     assert [output.finish_reason for output in offline] == [choice.finish_reason for choice in served_choices]
-    ended = [(entry, output.text, choice.text) for entry, output, choice in zip(BOUNDED, offline, served_choices)
+    ended = [(entry, output.text, choice.text) for entry, output, choice in zip(OFFLINE, offline, served_choices)
              if output.finish_reason == "stop"]
-    assert len(ended) >= len(BOUNDED) * 2 // 3
+    assert len(ended) >= len(OFFLINE) * 2 // 3
     assert [text for _, text, _ in ended] == [served_text for _, _, served_text in ended]
     for entry, text, _ in ended:
         assert_valid(text, entry.schema)
