@@ -17,7 +17,7 @@ from transformers import AutoTokenizer
 
 from splitserve.common.errors import InvalidRequestError
 from splitserve.common.model_dir import DEFAULT_MODEL_NAME
-from splitserve.common.structured_output import StructuredOutputKind
+from splitserve.common.structured_output import ONE_OF_RULE, StructuredOutputKind
 from splitserve.engine.tiny_model import resolve_model_path
 from splitserve.router.openai_protocol import parse_chat_request, parse_tokenize_request
 from splitserve.router.openai_server import start_http_server
@@ -132,8 +132,7 @@ NAMED = {"type": "function", "function": {"name": "get_time"}}
      "tools[0].function.parameters", "json_schema: unsupported keyword 'not' at /"),
     (chat(tools=[TOOLS[0], {"type": "function", "function": {"name": "f", "parameters": {"oneOf": []}}}],
           tool_choice="required"), "tools[1].function.parameters",
-     "json_schema: unsupported keyword 'oneOf' at /: only alternatives that are objects with a required property of "
-     "a different const in each (a discriminated union, as pydantic writes it) and no anyOf beside them; use anyOf"),
+     f"json_schema: unsupported keyword 'oneOf' at /: {ONE_OF_RULE}"),
     (chat(tools=TOOLS, functions=[{"name": "f"}]), "functions", "is not supported by this server: the deprecated "
      "functions API is not implemented (send tools and tool_choice) (got [{\"name\": \"f\"}])"),
     (chat(messages=[{"role": "assistant", "content": None, "tool_calls": {}}]), "messages[0].tool_calls",
