@@ -124,7 +124,7 @@ async def start_servers(orchestrator: Orchestrator, tokenizer: RouterTokenizer, 
         registry = AdapterRegistry(adapters, frozenset((model_name, *aliases)))  # both APIs' (runtime loads too)
         grpc = await start_grpc_server(orchestrator, tokenizers, model_name, config.host, config.grpc_port,
                                        config.request_timeout_s, api_key, config.tls, aliases, reuse_port, defaults,
-                                       registry)
+                                       registry, config.access_log)
         if config.http_port is not None:
             http = await start_http_server(orchestrator, tokenizers, model_name, config.host, config.http_port,
                                            config.request_timeout_s,

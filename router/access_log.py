@@ -1,7 +1,7 @@
 """One access-log line per client request, when it ends (on any path after validation): its status,
-tokens, TTFT and latency, on the `splitserve.access` logger; and one `refused` line for an HTTP request
-answered with an error before it became a request of the router (refused at the edge or in validation),
-so that every client request the server answered is in the log once.
+tokens, TTFT and latency, on the `splitserve.access` logger; and one `refused` line for an HTTP or gRPC
+request answered with an error before it became a request of the router (refused at the edge, by admission
+or in validation), so that every client request the server answered is in the log once.
 
 The fields ride on the log record (`extra={"fields": ...}`), so the JSON formatter
 (common/log_format.py) writes them as keys; the text line renders them as key=value with every
@@ -43,13 +43,28 @@ def refusal_fields(method: str, path: str, http_status: int, message: str | None
     """An HTTP request refused before it ran: what it asked for, the answer's status and its error message
     (quoting the client's input, hence bounded when written)."""
     return {"method": method[:MAX_LOGGED_CHARS], "path": path[:MAX_LOGGED_CHARS], "http_status": http_status,
-            "client_request_id": None if client_request_id is None else client_request_id[:MAX_LOGGED_CHARS],
-            "param": param, "error": message}
+            **_refusal(message, param, client_request_id)}
+
+
+def grpc_refusal_fields(rpc: str, grpc_status: str, message: str | None, param: str | None,
+                        client_request_id: str | None) -> dict[str, object]:
+    """A gRPC call (or one request of a Triton stream) refused before it ran: its full method name
+    (`/splitserve.v1.Generation/Generate`), the status code's name it ended with and the error, as
+    refusal_fields for HTTP."""
+    return {"rpc": rpc, "grpc_status": grpc_status, **_refusal(message, param, client_request_id)}
 
 
 def log_refusal(fields: dict[str, object]) -> None:
-    """`refused method="POST" path="/v1/completions" http_status=400 ...`, on the access logger."""
+    """`refused method="POST" path="/v1/completions" http_status=400 ...` (HTTP) or `refused
+    rpc="/splitserve.v1.Generation/Generate" grpc_status="INVALID_ARGUMENT" ...` (gRPC), on the access logger."""
     logger.info("refused %s", _key_values(fields), extra={"fields": fields})
+
+
+def _refusal(message: str | None, param: str | None, client_request_id: str | None) -> dict[str, object]:
+    """The fields every refusal has: the request id the client sent (if any), the field the error names (if
+    any) and the error message."""
+    return {"client_request_id": None if client_request_id is None else client_request_id[:MAX_LOGGED_CHARS],
+            "param": param, "error": message}
 
 
 def log_access(record: RequestRecord) -> None:

@@ -1,5 +1,5 @@
 """What the router's gRPC services (Generation, Triton) share: a call's deadline and the status
-a request's error ends it with. (Readiness is Orchestrator.is_ready.)"""
+a request's error ends it with, and the access-log line of a refused one. (Readiness is Orchestrator.is_ready.)"""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import time
 import grpc
 
 from splitserve.common.errors import InvalidRequestError
+from splitserve.router.access_log import grpc_refusal_fields, log_refusal
 from splitserve.router.api_types import RouterError
 
 
@@ -25,3 +26,13 @@ def grpc_status(error: InvalidRequestError | RouterError) -> tuple[grpc.StatusCo
     if isinstance(error, InvalidRequestError):
         return grpc.StatusCode.INVALID_ARGUMENT, str(error)
     return grpc.StatusCode[error.code], error.message
+
+
+def log_grpc_refusal(rpc: str, error: InvalidRequestError | RouterError, client_request_id: str) -> None:
+    """The access log's `refused` line of a call (or of one request of a Triton stream) that `error` ended
+    before it became a request of the router (admission, validation): the orchestrator writes the line of
+    every request it ran, so exactly one of the two is written per request. `client_request_id`: the
+    request's id field ("": none sent)."""
+    code, message = grpc_status(error)
+    param = error.field if isinstance(error, InvalidRequestError) else None
+    log_refusal(grpc_refusal_fields(rpc, code.name, message, param, client_request_id or None))

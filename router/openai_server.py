@@ -40,6 +40,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from splitserve.common.beam_search import STOP, Beam, BeamSearchParams, start
+from splitserve.common.config import check_priority
 from splitserve.common.errors import InvalidRequestError
 from splitserve.common.generation_config import NO_REQUEST_DEFAULTS, RequestDefaults
 from splitserve.common.log_escape import quote_for_log
@@ -606,6 +607,7 @@ class OpenAIServing:
         for index, token_ids in enumerate(prompts):
             field = prompt_param if len(prompts) == 1 else f"{prompt_param}[{index}]"
             self.orchestrator.validate_prompt(token_ids, field, pools=pooling_params is not None)
+        check_priority(priority, self.orchestrator.scheduling_policy)  # as generate() does, before the request runs
         deadline = None if self.request_timeout_s is None else time.monotonic() + self.request_timeout_s
         ids = self.orchestrator.new_request_id(request_id, len(prompts) * num_sequences)
         base = GenerationInput(ids.request_id, prompts[0], params, deadline, cache_salt=cache_salt, priority=priority,

@@ -21,6 +21,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from splitserve.common.block_hash import check_cache_salt
+from splitserve.common.config import check_priority
 from splitserve.common.errors import InvalidRequestError
 from splitserve.common.generation_config import NO_REQUEST_DEFAULTS, RequestDefaults
 from splitserve.common.log_escape import quote_for_log
@@ -30,7 +31,7 @@ from splitserve.proto.inference import grpc_service_pb2 as triton_pb
 from splitserve.proto.inference import grpc_service_pb2_grpc as triton_pb_grpc
 from splitserve.proto.splitserve.v1 import generation_pb2 as pb
 from splitserve.proto.splitserve.v1 import generation_pb2_grpc as pb_grpc
-from splitserve.router.api_common import grpc_deadline, grpc_status
+from splitserve.router.api_common import grpc_deadline, grpc_status, log_grpc_refusal
 from splitserve.router.auth import check_authorization
 from splitserve.router.lora_adapters import AdapterRegistry
 from splitserve.router.malformed_requests import MalformedRequestInterceptor
@@ -47,6 +48,7 @@ from splitserve.router.tls import TlsConfig, bind_grpc_port
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
+GENERATE_RPC = f"/{SERVICE_NAME}/Generate"
 MAX_MESSAGE_BYTES = MAX_BODY_BYTES
 _SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "frequency_penalty",
                     "presence_penalty", "seed", "ignore_eos", "logprobs", "skip_special_tokens",
@@ -141,7 +143,8 @@ def chunk_to_proto(chunk: StreamChunk, client_request_id: str) -> pb.GenerateRes
 class GenerationServicer(pb_grpc.GenerationServicer):
     def __init__(self, orchestrator: Orchestrator, tokenizers: TokenizerPool, model_name: str,
                  request_timeout_s: float | None = None, aliases: tuple[str, ...] = (),
-                 defaults: RequestDefaults = NO_REQUEST_DEFAULTS, adapters: AdapterRegistry | None = None) -> None:
+                 defaults: RequestDefaults = NO_REQUEST_DEFAULTS, adapters: AdapterRegistry | None = None,
+                 log_refusals: bool = False) -> None:
         self.orchestrator = orchestrator
         self.tokenizers = tokenizers
         self.model_name = model_name
@@ -152,18 +155,24 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         self.request_timeout_s = request_timeout_s
         self.defaults = defaults
         """The sampling values a request leaves unset (--generation-config), as on the OpenAI API."""
+        self.log_refusals = log_refusals
+        """Write the access log's `refused` line of a request refused before it ran (router.access_log)."""
 
     async def Generate(self, request: pb.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
         admission = ids = None
+        ran = False
         try:
             admission = self.orchestrator.admit()
             ids, inp = await self._input(request, context)
+            ran = True  # _input checked what generate() checks first: its record writes the access line
             logger.info("[%s] generate: %d prompt tokens", quote_for_log(inp.request_id), len(inp.prompt_token_ids))
             async for chunk in self.orchestrator.generate(inp, admission):
                 yield chunk_to_proto(chunk, ids.client_request_id)
         except (InvalidRequestError, RouterError) as error:
             logger.info("[%s] ended with %s", quote_for_log(request.request_id), quote_for_log(error))
+            if not ran and self.log_refusals:
+                log_grpc_refusal(GENERATE_RPC, error, request.request_id)
             await context.abort(*grpc_status(error))
         finally:
             if admission is not None:
@@ -173,7 +182,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
     async def _input(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
                      ) -> tuple[ReservedRequestId, GenerationInput]:
-        """The request validated and tokenized, and its ids (reserved last: the caller releases them)."""
+        """The request validated and tokenized, and its ids (reserved last: the caller releases them): every check
+        Orchestrator.generate makes before it records the request is made here, so a request refused after this
+        has its record's access line and one refused here has the caller's `refused` line."""
         limits = self.tokenizers.limits
         limits.check_request_id(request.request_id, "request_id")
         adapter = self.adapters.get(request.model or None)
@@ -182,6 +193,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                                                f"{self.model_name!r}")
         cache_salt = request.cache_salt if request.HasField("cache_salt") else None
         check_cache_salt(cache_salt)
+        check_priority(request.priority, self.orchestrator.scheduling_policy)
         params = await sampling_params_of(request.sampling, self.defaults)
         max_tokens_field = "max_tokens" if request.sampling.HasField("max_tokens") else None
         limits.check_sampling(params, max_tokens_field)
@@ -193,6 +205,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         token_ids = await prompt_token_ids(request, self.tokenizers, truncation is not None)
         if truncation is not None:
             token_ids = truncation.applied(token_ids)
+        self.orchestrator.validate_prompt(token_ids)
         ids = self.orchestrator.new_request_id(request.request_id)
         return ids, GenerationInput(ids.request_id, token_ids, params, grpc_deadline(context, self.request_timeout_s),
                                     ttft_slo_s, tpot_slo_s, cache_salt=cache_salt, priority=request.priority,
@@ -315,7 +328,7 @@ async def start_grpc_server(orchestrator: Orchestrator, tokenizers: TokenizerPoo
                             api_key: str | None = None,
                             tls: TlsConfig | None = None, aliases: tuple[str, ...] = (),
                             reuse_port: bool = False, defaults: RequestDefaults = NO_REQUEST_DEFAULTS,
-                            adapters: AdapterRegistry | None = None) -> GrpcServer:
+                            adapters: AdapterRegistry | None = None, access_log: bool = False) -> GrpcServer:
     """Start serving; returns the server with its bound port (port 0 picks a free one). A
     Generate request may name the model `model_name` or one of `aliases` (Triton knows only
     `model_name`: its model repository has one entry). With
@@ -325,7 +338,9 @@ async def start_grpc_server(orchestrator: Orchestrator, tokenizers: TokenizerPoo
     which grpc would otherwise set by default: off, a port in use is an error). `defaults`: what a
     Generate request's unset sampling fields take (--generation-config; the Triton API, like Triton's
     vLLM backend, takes none). `adapters`: the LoRA adapters a Generate request may name as `model` (the HTTP
-    API's registry; the Triton API serves the base model only)."""
+    API's registry; the Triton API serves the base model only). `access_log`: a Generate or Triton inference request
+    refused before it ran gets the access log's `refused` line (router.access_log; the router's observer writes the
+    line of every request that ran)."""
     # The key is checked first: a caller without it learns nothing, not even whether its bytes parse.
     interceptors = [*([ApiKeyInterceptor(api_key)] if api_key else []), MalformedRequestInterceptor()]
     server = grpc.aio.server(interceptors=interceptors,
@@ -333,10 +348,11 @@ async def start_grpc_server(orchestrator: Orchestrator, tokenizers: TokenizerPoo
                                       ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                                       ("grpc.so_reuseport", int(reuse_port))])
     pb_grpc.add_GenerationServicer_to_server(
-        GenerationServicer(orchestrator, tokenizers, model_name, request_timeout_s, aliases, defaults, adapters),
+        GenerationServicer(orchestrator, tokenizers, model_name, request_timeout_s, aliases, defaults, adapters,
+                           access_log),
         server)
     triton_pb_grpc.add_GRPCInferenceServiceServicer_to_server(
-        TritonServicer(orchestrator, tokenizers, model_name, request_timeout_s), server)
+        TritonServicer(orchestrator, tokenizers, model_name, request_timeout_s, access_log), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(

@@ -28,7 +28,7 @@ from splitserve.common.errors import InvalidRequestError
 from splitserve.common.log_escape import quote_for_log
 from splitserve.proto.inference import grpc_service_pb2 as pb
 from splitserve.proto.inference import grpc_service_pb2_grpc as pb_grpc
-from splitserve.router.api_common import grpc_deadline, grpc_status
+from splitserve.router.api_common import grpc_deadline, grpc_status, log_grpc_refusal
 from splitserve.router.api_types import GenerationInput, RouterError, StreamChunk
 from splitserve.router.orchestrator import Orchestrator
 from splitserve.router.tokenizer_pool import TokenizerPool
@@ -40,6 +40,8 @@ from splitserve.router.version import SERVER_VERSION
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
+MODEL_INFER_RPC = f"/{SERVICE_NAME}/ModelInfer"
+MODEL_STREAM_INFER_RPC = f"/{SERVICE_NAME}/ModelStreamInfer"
 MODEL_VERSION = "1"
 PLATFORM = "splitserve"
 SERVER_NAME = "splitserve"
@@ -50,12 +52,14 @@ triton_final_response); not the model repository, statistics, trace, logging or 
 
 class TritonServicer(pb_grpc.GRPCInferenceServiceServicer):
     def __init__(self, orchestrator: Orchestrator, tokenizers: TokenizerPool, model_name: str,
-                 request_timeout_s: float | None = None) -> None:
+                 request_timeout_s: float | None = None, log_refusals: bool = False) -> None:
         self.orchestrator = orchestrator
         self.tokenizers = tokenizers
         self.model = ServedModel(model_name, MODEL_VERSION, PLATFORM)
         self.request_timeout_s = request_timeout_s
         """Server-side limit on a request's total time (router.request_timeout_s); None: no limit."""
+        self.log_refusals = log_refusals
+        """Write the access log's `refused` line of a request refused before it ran (router.access_log)."""
 
     # ---- health and metadata -------------------------------------------------------------
     async def ServerLive(self, request: pb.ServerLiveRequest, context: grpc.aio.ServicerContext
@@ -96,15 +100,19 @@ class TritonServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def ModelInfer(self, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext
                          ) -> pb.ModelInferResponse:
         admission = None
+        ran = False
         try:
             admission = self.orchestrator.admit()
             parsed, inp = await self._input(request, context)
             if parsed.stream:
                 raise InvalidRequestError("stream", "must be false in ModelInfer (one response per request); "
                                                     "stream with ModelStreamInfer")
+            ran = True  # _input checked what generate() checks first: its record writes the access line
             chunks = [chunk async for chunk in self.orchestrator.generate(inp, admission)]
         except (InvalidRequestError, RouterError) as error:
             logger.info("[%s] ModelInfer ended with %s", quote_for_log(request.id), quote_for_log(error))
+            if not ran and self.log_refusals:
+                log_grpc_refusal(MODEL_INFER_RPC, error, request.id)
             await context.abort(*grpc_status(error))
         finally:
             if admission is not None:
@@ -141,11 +149,14 @@ class TritonServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def _serve_streamed(self, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext,
                               responses: _StreamResponses) -> None:
         """One request of a stream: its responses, or the error that ended it."""
+        ran = asyncio.Event()
         try:
-            async for response in self._stream_responses(request, context):
+            async for response in self._stream_responses(request, context, ran):
                 responses.put(pb.ModelStreamInferResponse(infer_response=response))
         except (InvalidRequestError, RouterError) as error:
             logger.info("[%s] ModelStreamInfer request ended with %s", quote_for_log(request.id), quote_for_log(error))
+            if not ran.is_set() and self.log_refusals:
+                log_grpc_refusal(MODEL_STREAM_INFER_RPC, error, request.id)
             code, message = grpc_status(error)
             responses.put(stream_error(self.model, request.id, f"{code.name}: {message}"))
         except Exception as error:  # a bug: report it on this request, keep the stream's others going
@@ -154,11 +165,13 @@ class TritonServicer(pb_grpc.GRPCInferenceServiceServicer):
         finally:
             responses.close()
 
-    async def _stream_responses(self, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext
-                                ) -> AsyncIterator[pb.ModelInferResponse]:
+    async def _stream_responses(self, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext,
+                                ran: asyncio.Event) -> AsyncIterator[pb.ModelInferResponse]:
+        """`ran` is set once the request is the orchestrator's (its record writes its access line)."""
         admission = self.orchestrator.admit()
         try:
             parsed, inp = await self._input(request, context)
+            ran.set()
             flag_last = not parsed.empty_final_response
             if parsed.stream:
                 tokens = 0  # generated since the last response (whose text may have been held back)
@@ -180,7 +193,8 @@ class TritonServicer(pb_grpc.GRPCInferenceServiceServicer):
     # ---- shared steps --------------------------------------------------------------------
     async def _input(self, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext
                      ) -> tuple[InferRequest, GenerationInput]:
-        """After admission (the caller's): the request held to the limits and tokenized."""
+        """After admission (the caller's): the request held to the limits and tokenized, checked as
+        Orchestrator.generate checks it before it records it (a Triton request's priority is always 0)."""
         self._check_model(request.model_name, request.model_version)
         limits = self.tokenizers.limits
         parsed = parse_infer_request(request, limits)

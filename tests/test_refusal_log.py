@@ -1,19 +1,27 @@
-"""The access log's `refused` lines (router/http_access.py): an HTTP request answered with an error before it
-ran has exactly one, with the answer's status and error; a request that ran has only its record's line;
-probes and a server started without the access log have none."""
+"""The access log's `refused` lines (router/http_access.py, router/api_common.py's log_grpc_refusal): an HTTP,
+gRPC Generate or Triton inference request answered with an error before it ran has exactly one, with the answer's
+status and error; a request that ran has only its record's line; probes and a server started without the access
+log have none."""
 
 from __future__ import annotations
 
 import json
 import logging
 
+import grpc
 import pytest
 
+from splitserve.proto.inference import grpc_service_pb2 as triton_pb
+from splitserve.proto.inference import grpc_service_pb2_grpc as triton_pb_grpc
+from splitserve.proto.splitserve.v1 import generation_pb2 as pb
+from splitserve.proto.splitserve.v1 import generation_pb2_grpc as pb_grpc
 from splitserve.router.access_log import log_refusal, refusal_fields
 from tests.factories import capture_access_log, http_request, served_apis
 
 MODEL = "tiny-llama"
 KEY = "sk-refusal-log-0123"
+PRIORITY_REFUSED = ("priority: is 5, but priority scheduling is not enabled: the scheduling policy is 'fcfs' (set "
+                    "scheduling_policy, --scheduling-policy, to 'priority')")
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +52,9 @@ def test_each_refusal_has_one_line_with_its_status_and_error(served, monkeypatch
         http_request(served.http_port, "GET", "/v1/nowhere", headers={"Authorization": f"Bearer {KEY}"})[0],
         http_request(served.http_port, "GET", "/v1/completions", headers={"Authorization": f"Bearer {KEY}"})[0],
         _post(served, "/v1/messages", {"model": MODEL, "max_tokens": 4, "messages": "hi"}),
+        _post(served, "/v1/completions", {"model": MODEL, "prompt": "hi", "priority": 5}),
     ]
-    assert statuses == [400, 400, 401, 404, 405, 400]
+    assert statuses == [400, 400, 401, 404, 405, 400, 400]
     assert access_log() == [
         _refused("POST", "/v1/completions", 400, "max_tokens: must be an integer >= 1, got -1", "max_tokens", "c-1"),
         _refused("POST", "/v1/completions", 400, "request body is not valid JSON: Expecting property name enclosed in "
@@ -55,7 +64,72 @@ def test_each_refusal_has_one_line_with_its_status_and_error(served, monkeypatch
         _refused("GET", "/v1/completions", 405, "Method Not Allowed"),
         # The Messages API answers with Anthropic's error object; its message is read all the same.
         _refused("POST", "/v1/messages", 400, 'messages: must be a non-empty list of {role, content} objects, got "hi"'),
+        # Refused by the check generate() makes before it records a request: made before the request runs.
+        _refused("POST", "/v1/completions", 400, PRIORITY_REFUSED, "priority"),
     ]
+
+
+def _grpc_refused(rpc: str, grpc_status: str, error: str, param: str | None = None,
+                  client_request_id: str | None = None) -> dict[str, object]:
+    return {"rpc": rpc, "grpc_status": grpc_status, "client_request_id": client_request_id, "param": param,
+            "error": error}
+
+
+def _triton_request(request_id: str, model: str = MODEL, **inputs: bool) -> triton_pb.ModelInferRequest:
+    """A prompt "hi" with BOOL inputs such as stream=True."""
+    tensors = [triton_pb.ModelInferRequest.InferInputTensor(
+        name="text_input", datatype="BYTES", shape=[1], contents=triton_pb.InferTensorContents(bytes_contents=[b"hi"]))]
+    tensors += [triton_pb.ModelInferRequest.InferInputTensor(name=name, datatype="BOOL", shape=[1],
+                                                             contents=triton_pb.InferTensorContents(bool_contents=[on]))
+                for name, on in inputs.items()]
+    return triton_pb.ModelInferRequest(model_name=model, id=request_id, inputs=tensors)
+
+
+def test_each_grpc_refusal_has_one_line_with_its_status_code_and_error(served, monkeypatch, caplog):
+    access_log = capture_access_log(served, monkeypatch, caplog)
+    metadata = (("authorization", f"Bearer {KEY}"),)
+    codes = []
+    with grpc.insecure_channel(f"127.0.0.1:{served.grpc_port}") as channel:
+        generate = pb_grpc.GenerationStub(channel).Generate
+        triton = triton_pb_grpc.GRPCInferenceServiceStub(channel)
+        for request in (pb.GenerateRequest(request_id="g-1", model="nope", text=b"hi"),
+                        pb.GenerateRequest(text=b"hi", priority=5)):
+            with pytest.raises(grpc.RpcError) as refused:
+                list(generate(request, metadata=metadata, timeout=60))
+            codes.append(refused.value.code())
+        for request in (_triton_request("t-1", model="nope"), _triton_request("t-2", stream=True)):
+            with pytest.raises(grpc.RpcError) as refused:
+                triton.ModelInfer(request, metadata=metadata, timeout=60)
+            codes.append(refused.value.code())
+        [streamed] = triton.ModelStreamInfer(iter([_triton_request("t-3", model="nope")]), metadata=metadata,
+                                             timeout=60)
+    assert codes == [grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
+                     grpc.StatusCode.INVALID_ARGUMENT]
+    assert streamed.error_message.startswith("NOT_FOUND: unknown model 'nope'")
+    generate_rpc, infer_rpc = "/splitserve.v1.Generation/Generate", "/inference.GRPCInferenceService/ModelInfer"
+    unknown = "unknown model 'nope'; this server serves 'tiny-llama' version '1'"
+    assert access_log() == [
+        _grpc_refused(generate_rpc, "INVALID_ARGUMENT", "model: unknown model 'nope'; this server serves 'tiny-llama'",
+                      "model", "g-1"),
+        _grpc_refused(generate_rpc, "INVALID_ARGUMENT", PRIORITY_REFUSED, "priority"),
+        _grpc_refused(infer_rpc, "NOT_FOUND", unknown, client_request_id="t-1"),
+        _grpc_refused(infer_rpc, "INVALID_ARGUMENT", "stream: must be false in ModelInfer (one response per request); "
+                      "stream with ModelStreamInfer", "stream", "t-2"),
+        _grpc_refused("/inference.GRPCInferenceService/ModelStreamInfer", "NOT_FOUND", unknown,
+                      client_request_id="t-3"),
+    ]
+
+
+def test_a_grpc_request_that_ran_has_its_own_line_only(served, monkeypatch, caplog):
+    access_log = capture_access_log(served, monkeypatch, caplog)
+    with grpc.insecure_channel(f"127.0.0.1:{served.grpc_port}") as channel:
+        request = pb.GenerateRequest(request_id="ran-g", text=b"hi",
+                                     sampling=pb.SamplingParams(max_tokens=2, ignore_eos=True))
+        responses = list(pb_grpc.GenerationStub(channel).Generate(
+            request, metadata=(("authorization", f"Bearer {KEY}"),), timeout=60))
+    [line] = access_log()
+    assert (responses[-1].finish_reason, line["request_id"], line["status"], line["output_tokens"]) == (
+        "length", "ran-g", "OK", 2)
 
 
 def test_a_request_that_ran_has_its_own_line_only(served, monkeypatch, caplog):
@@ -77,6 +151,8 @@ def test_without_the_access_log_nothing_is_refused_in_it(tiny_llama_dir, caplog)
     with served_apis(tiny_llama_dir, MODEL, router_options={"access_log": False}) as served:
         caplog.set_level(logging.INFO, logger="splitserve.access")
         assert http_request(served.http_port, "GET", "/v1/nowhere")[0] == 404
+        with grpc.insecure_channel(f"127.0.0.1:{served.grpc_port}") as channel, pytest.raises(grpc.RpcError):
+            list(pb_grpc.GenerationStub(channel).Generate(pb.GenerateRequest(model="nope", text=b"hi"), timeout=60))
     assert [entry for entry in caplog.records if entry.name == "splitserve.access"] == []
 
 
