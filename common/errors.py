@@ -44,6 +44,17 @@ class ContextLengthExceededError(InvalidRequestError):
     code = "context_length_exceeded"
     """OpenAI's code for it (the openai SDK's `BadRequestError.code`)."""
 
+    def __init__(self, field: str, message: str, num_tokens: int | None = None,
+                 max_prompt_tokens: int | None = None) -> None:
+        super().__init__(field, message)
+        self.num_tokens = num_tokens
+        """The prompt's tokens; None when it was refused by its size in bytes, before it was tokenized."""
+        self.max_prompt_tokens = max_prompt_tokens
+        """The most tokens a prompt may have (with num_tokens; Anthropic's message states both)."""
+
+    def __reduce__(self) -> tuple[type, tuple[str, str, int | None, int | None]]:
+        return type(self), (self.field, self.message, self.num_tokens, self.max_prompt_tokens)
+
 
 class UnsupportedModelError(ValueError):
     """A model directory whose architecture or configuration the engine cannot run."""

@@ -18,10 +18,11 @@ def longest_prompt(max_model_len: int, pools: bool = False) -> int:
 def check_prompt_length(num_tokens: int, max_model_len: int, field: str, pools: bool = False) -> None:
     """ContextLengthExceededError naming `field` when a prompt of `num_tokens` tokens is longer than
     longest_prompt()."""
-    if num_tokens > longest_prompt(max_model_len, pools):
+    longest = longest_prompt(max_model_len, pools)
+    if num_tokens > longest:
         room = "" if pools else " (including at least one output token)"
         raise ContextLengthExceededError(field, f"has {num_tokens} tokens; {CONTEXT_LENGTH_PHRASE} {max_model_len} "
-                                                f"tokens{room}")
+                                                f"tokens{room}", num_tokens, longest)
 
 
 @dataclass(frozen=True)

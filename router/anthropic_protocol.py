@@ -27,7 +27,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from splitserve.common.errors import InvalidRequestError, json_excerpt
+from splitserve.common.errors import ContextLengthExceededError, InvalidRequestError, json_excerpt
 from splitserve.common.generation_config import NO_REQUEST_DEFAULTS, RequestDefaults
 from splitserve.router.api_types import StreamChunk, Usage
 from splitserve.router.openai_fields import Refused, refuse_unsupported
@@ -425,6 +425,16 @@ def error_body(status: int, message: str) -> dict:
     """Anthropic's error object; a status not in ERROR_TYPES is an invalid_request_error (4xx) or api_error."""
     error_type = ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
     return {"type": "error", "error": {"type": error_type, "message": message}}
+
+
+def prompt_too_long_message(error: ContextLengthExceededError) -> str:
+    """Anthropic's words for a prompt the context cannot hold, "prompt is too long: N tokens > M maximum", which
+    its clients match on (Claude Code compacts the conversation, LiteLLM raises ContextWindowExceededError); M is the
+    most tokens a prompt may have. A prompt refused by its size in bytes (before it was tokenized) has no token
+    count: its message follows the same prefix."""
+    if error.num_tokens is None or error.max_prompt_tokens is None:
+        return f"prompt is too long: {error}"
+    return f"prompt is too long: {error.num_tokens} tokens > {error.max_prompt_tokens} maximum"
 
 
 def usage_body(prompt_tokens: int, cached_tokens: int, output_tokens: int, cache_details: bool) -> dict:

@@ -41,7 +41,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from splitserve.common.beam_search import STOP, Beam, BeamSearchParams, start
 from splitserve.common.config import check_priority
-from splitserve.common.errors import InvalidRequestError
+from splitserve.common.errors import ContextLengthExceededError, InvalidRequestError
 from splitserve.common.generation_config import NO_REQUEST_DEFAULTS, RequestDefaults
 from splitserve.common.log_escape import quote_for_log
 from splitserve.common.lora import LoRARequest
@@ -52,8 +52,10 @@ from splitserve.router.admission import RETRY_AFTER_S, Admission
 from splitserve.router.anthropic_protocol import (COUNT_TOKENS_PATH, INLINE_SYSTEM_PROBE, MESSAGES_PATH,
                                                   MessageHeader, MessagesRenderer, has_inline_system,
                                                   is_messages_path, merged_inline_system,
-                                                  parse_count_tokens_request, parse_messages_request)
+                                                  parse_count_tokens_request, parse_messages_request,
+                                                  prompt_too_long_message)
 from splitserve.router.anthropic_protocol import error_body as anthropic_error_body
+from splitserve.router.anthropic_request_id import REQUEST_ID_SCOPE_KEY, AnthropicRequestId
 from splitserve.router.auth import check_api_key
 from splitserve.router.openai_protocol import (ChatCompletionRequest, ChatRenderer, CompletionRenderer,
                                                CompletionRequest, EmbeddingRequest, ResponseHeader, error_body,
@@ -94,12 +96,15 @@ CLIENT_CLOSED_STATUS = 499
 class ApiError(Exception):
     """Ends a request with an OpenAI error object and an HTTP status."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 anthropic_message: str | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
+        self.anthropic_message = anthropic_message
+        """The message in Anthropic's words where its API has its own (a prompt too long); None: `message`."""
 
     @classmethod
     def of(cls, error: Exception) -> ApiError:
@@ -108,6 +113,8 @@ class ApiError(Exception):
             return error
         if isinstance(error, MalformedBodyError):
             return cls(400, str(error), code="invalid_json")
+        if isinstance(error, ContextLengthExceededError):
+            return cls(400, str(error), error.field, error.code, prompt_too_long_message(error))
         if isinstance(error, InvalidRequestError):
             return cls(400, str(error), error.field, error.code)
         if isinstance(error, RouterError):
@@ -123,9 +130,12 @@ class ApiError(Exception):
         """A 429 carries Retry-After (as OpenAI's API does; its SDK and vLLM's clients back off by it)."""
         return self._response(self.body())
 
-    def anthropic_response(self) -> JSONResponse:
+    def anthropic_body(self) -> dict:
         """The same error as Anthropic's error object (the Messages API's paths)."""
-        return self._response(anthropic_error_body(self.status, self.message))
+        return anthropic_error_body(self.status, self.anthropic_message or self.message)
+
+    def anthropic_response(self) -> JSONResponse:
+        return self._response(self.anthropic_body())
 
     def _response(self, body: dict) -> JSONResponse:
         headers = {"Retry-After": str(RETRY_AFTER_S)} if self.status == 429 else None
@@ -387,6 +397,7 @@ class OpenAIServing:
         try:
             job = await prepare(await self._read_request(request, parse))
             request.scope[RAN_SCOPE_KEY] = True  # its record writes its access line, however it ends
+            request.scope[REQUEST_ID_SCOPE_KEY] = job.ids.client_request_id  # a Messages answer's request-id
             logger.info("[%s] %s: %d prompt tokens, %d sequences", quote_for_log(job.inputs[0].request_id),
                         request.url.path, sum(len(inp.prompt_token_ids) for inp in job.inputs[::job.num_sequences]),
                         len(job.inputs))
@@ -772,7 +783,7 @@ def _response_events(first: IndexedChunk, stream: AsyncGenerator[IndexedChunk, N
 def _message_events(first: IndexedChunk, stream: AsyncGenerator[IndexedChunk, None],
                     renderer: MessagesRenderer) -> AsyncGenerator[bytes, None]:
     """The Messages API's SSE body; a failure mid-stream is Anthropic's `error` event."""
-    return _named_events(first, stream, renderer, lambda error: anthropic_error_body(error.status, error.message))
+    return _named_events(first, stream, renderer, ApiError.anthropic_body)
 
 
 def _error_response(scope: Scope, error: ApiError) -> JSONResponse:
@@ -902,6 +913,7 @@ def build_app(serving: OpenAIServing, metrics_app: ASGIApp | None = None, api_ke
     app = _AdmissionGate(Starlette(routes=routes, exception_handlers={HTTPException: _http_error}),
                          serving.orchestrator)
     app = _ApiKeyGuard(app, api_key) if api_key else app
+    app = AnthropicRequestId(app)
     app = RefusalLog(app) if options.access_log else app
     cors = options.cors
     app = CORSMiddleware(app, allow_origins=list(cors.allowed_origins), allow_methods=list(cors.allowed_methods),

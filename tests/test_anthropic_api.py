@@ -3,12 +3,14 @@ a request translated into exactly the chat request that asks for the same genera
 stream events of scripted outputs, each stop_reason's cause, the errors' shapes and statuses, and a
 served model driven by the official anthropic SDK (greedy text and token counts equal to the chat
 endpoint's, a stream that accumulates to the unstreamed message, a tool_use round trip, thinking
-blocks from a reasoning parser, x-api-key auth, 401 and 429)."""
+blocks from a reasoning parser, x-api-key auth, 401 and 429, a prompt too long in Anthropic's words, the
+request-id header)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 import typing
 
@@ -550,6 +552,35 @@ def test_count_tokens_refuses_as_messages_does_less_what_only_generation_needs(s
     assert answers[1:] == [
         (404, error("The model `other` does not exist; this server serves `m`.", "not_found_error")),
         (400, error('messages[0].role: must be "user", "assistant" or "system", got "ctx"'))]
+
+
+def test_a_prompt_too_long_is_anthropics_invalid_request_error_in_its_words(served):
+    """Claude Code and LiteLLM match "prompt is too long: N tokens > M maximum" (to compact, or fall back)."""
+    max_model_len = served.cluster.orchestrator.max_model_len
+    long_chat = {"model": MODEL, "messages": [{"role": "user", "content": "river " * max_model_len}]}
+    status, _, counted = post(served, "/v1/messages/count_tokens", long_chat)
+    answered, _, response = post(served, "/v1/messages", {**long_chat, "max_tokens": 4})
+    assert (status, answered, response) == (200, 400, error(
+        f"prompt is too long: {counted['input_tokens']} tokens > {max_model_len - 1} maximum"))
+
+
+def test_every_answer_carries_anthropics_request_id_the_sdk_exposes(served):
+    """A message's is its own id's (msg_<id>: req_<id>); a refused or counted request's a fresh one."""
+    hi = [{"role": "user", "content": "Hi"}]
+    message = client(served.http_port).messages.create(model=MODEL, max_tokens=2, messages=hi)
+    with client(served.http_port).messages.stream(model=MODEL, max_tokens=2, messages=hi) as stream:
+        streamed_request_id, streamed = stream.response.headers["request-id"], stream.get_final_message()
+    counted = client(served.http_port).messages.with_raw_response.count_tokens(model=MODEL, messages=hi)
+    with pytest.raises(anthropic.NotFoundError) as unknown:
+        client(served.http_port).messages.create(model="other", max_tokens=4, messages=hi)
+    with pytest.raises(anthropic.AuthenticationError) as unauthenticated:
+        client(served.http_port, api_key="wrong").messages.create(model=MODEL, max_tokens=4, messages=hi)
+    assert message._request_id == "req_" + message.id.removeprefix("msg_")
+    assert streamed_request_id == "req_" + streamed.id.removeprefix("msg_")
+    fresh = [counted.headers["request-id"], unknown.value.request_id, unauthenticated.value.request_id]
+    assert [re.fullmatch("req_[0-9a-f]{32}", request_id) is not None for request_id in fresh] == [True] * 3
+    assert len(set(fresh)) == 3
+    assert "request-id" not in http_request(served.http_port, "GET", "/v1/models", headers={"x-api-key": KEY})[1]
 
 
 def test_the_sdk_raises_its_error_classes(served):

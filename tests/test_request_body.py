@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from splitserve.common.config import SamplingDefaults
-from splitserve.common.errors import InvalidRequestError
+from splitserve.common.errors import ContextLengthExceededError, InvalidRequestError
 from splitserve.common.generation_config import RequestDefaults
 from splitserve.router.openai_protocol import parse_chat_request, parse_completion_request
 from splitserve.router.request_body import LARGE_BODY_BYTES, BodyParser, MalformedBodyError, json_object
@@ -110,15 +110,23 @@ def test_a_parser_with_the_servers_sampling_defaults_bound_parses_the_same_in_th
     assert (there.sampling.temperature, there.sampling.top_k, there.sampling.max_tokens) == (0.7, 20, 5)
 
 
+def test_a_prompt_too_long_keeps_its_token_counts_across_processes():
+    """What Anthropic's message states (router/anthropic_protocol.py's prompt_too_long_message)."""
+    error = pickle.loads(pickle.dumps(ContextLengthExceededError("messages", "has 2410 tokens", 2410, 511)))
+    assert (type(error), str(error), error.num_tokens, error.max_prompt_tokens) == (
+        ContextLengthExceededError, "messages: has 2410 tokens", 2410, 511)
+
+
 @pytest.mark.parametrize("large", [False, True])
 def test_a_refusal_is_the_same_from_the_process(bodies, large):
     too_long = {"prompt": "a" * (LIMITS.max_prompt_bytes + 1)}
     with pytest.raises(InvalidRequestError) as refused:
         parse(bodies, parse_completion_request, body_of(too_long, large))
-    assert refused.value.field == "prompt"
+    assert (type(refused.value), refused.value.field, refused.value.num_tokens) == (
+        ContextLengthExceededError, "prompt", None)
     assert str(refused.value) == (f"prompt: has {LIMITS.max_prompt_bytes + 1} bytes (UTF-8); at most "
-                                  f"{LIMITS.max_prompt_bytes} can be served (router.max_prompt_bytes; max_model_len "
-                                  "is 2048 tokens)")
+                                  f"{LIMITS.max_prompt_bytes} can be served (router.max_prompt_bytes; this model's "
+                                  "maximum context length is 2048 tokens)")
     with pytest.raises(MalformedBodyError, match="^request body must be a JSON object, got list$"):
         parse(bodies, parse_completion_request, b"[]" + (PADDING.encode() if large else b""))
 
