@@ -89,6 +89,7 @@ _STATUS_BY_CODE = {"INVALID_ARGUMENT": 400, "RESOURCE_EXHAUSTED": 429, "UNAVAILA
 _ERROR_TYPES = {429: "rate_limit_error", 500: "server_error", 503: "server_error", 504: "server_error"}
 """The error object's `type` by status; every 4xx not listed is an invalid_request_error."""
 _DONE = b"data: [DONE]\n\n"
+RESPONSES_INPUT_TOKENS_PATH = "/v1/responses/input_tokens"
 CLIENT_CLOSED_STATUS = 499
 """Status recorded for a request whose client went away (nobody receives it)."""
 
@@ -271,6 +272,20 @@ class OpenAIServing:
 
     async def responses(self, request: Request) -> Response:
         return await self._serve(request, self._parse_responses, self._responses_job)
+
+    async def responses_input_tokens(self, request: Request) -> Response:
+        """OpenAI's /v1/responses/input_tokens (the openai SDK's responses.input_tokens.count): a Responses
+        request's prompt, as the chat template renders it for /v1/responses, counted."""
+        try:
+            chat = (await self._read_request(request, parse_responses_request)).chat
+            self._check_model(chat.model)
+            token_ids = await self.tokenizers.apply_chat_template([m.template_message() for m in chat.messages],
+                                                                  chat.add_generation_prompt, chat.template)
+            return _JSONResponse({"object": "response.input_tokens", "input_tokens": len(token_ids)})
+        except ClientDisconnected:
+            return Response(status_code=CLIENT_CLOSED_STATUS)
+        except Exception as error:
+            return ApiError.of(error).response()
 
     async def messages(self, request: Request) -> Response:
         """Anthropic's Messages API over the chat path (router/anthropic_protocol.py)."""
@@ -928,6 +943,7 @@ def _runner_routes(serving: OpenAIServing) -> list[Route]:
     generation = [Route("/v1/completions", serving.completions, methods=["POST"]),
                   Route("/v1/chat/completions", serving.chat_completions, methods=["POST"]),
                   Route("/v1/responses", serving.responses, methods=["POST"]),
+                  Route(RESPONSES_INPUT_TOKENS_PATH, serving.responses_input_tokens, methods=["POST"]),
                   Route(MESSAGES_PATH, serving.messages, methods=["POST"]),
                   Route(COUNT_TOKENS_PATH, serving.count_tokens, methods=["POST"])]
     embeddings = [Route("/v1/embeddings", serving.embeddings, methods=["POST"])]

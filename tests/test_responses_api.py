@@ -369,6 +369,18 @@ def test_a_response_cut_at_max_output_tokens_is_incomplete(served):
             response.usage.output_tokens) == ("incomplete", "max_output_tokens", "incomplete", 3)
 
 
+def test_input_tokens_counts_the_prompt_the_response_runs(served):
+    """The openai SDK's responses.input_tokens.count: the input_tokens the same Responses request reports."""
+    counted = client(served).responses.input_tokens.count(model=MODEL, instructions="You are terse.", input=INPUT,
+                                                          tools=TOOLS, tool_choice="none")
+    response = client(served).responses.create(model=MODEL, instructions="You are terse.", input=INPUT, tools=TOOLS,
+                                               tool_choice="none", max_output_tokens=1)
+    status, _, body = http_request(served.http_port, "POST", "/v1/responses/input_tokens", json.dumps(
+        {"model": MODEL, "input": "Hi", "store": True}).encode())
+    assert (counted.object, counted.input_tokens) == ("response.input_tokens", response.usage.input_tokens)
+    assert (status, json.loads(body)["error"]["param"]) == (400, "store")
+
+
 def test_errors_are_openai_error_objects(served):
     with pytest.raises(openai.NotFoundError) as unknown:
         client(served).responses.create(model="other", input="Hi")
