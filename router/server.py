@@ -31,10 +31,11 @@ from splitserve.proto.inference import grpc_service_pb2 as triton_pb
 from splitserve.proto.inference import grpc_service_pb2_grpc as triton_pb_grpc
 from splitserve.proto.splitserve.v1 import generation_pb2 as pb
 from splitserve.proto.splitserve.v1 import generation_pb2_grpc as pb_grpc
+from splitserve.router.access_log import grpc_refusal_fields, log_refusal
 from splitserve.router.api_common import grpc_deadline, grpc_status, log_grpc_refusal
 from splitserve.router.auth import check_authorization
 from splitserve.router.lora_adapters import AdapterRegistry
-from splitserve.router.malformed_requests import MalformedRequestInterceptor
+from splitserve.router.malformed_requests import MalformedRequestInterceptor, service_of
 from splitserve.router.api_types import GenerationInput, RouterError, StreamChunk
 from splitserve.router.orchestrator import Orchestrator
 from splitserve.router.request_ids import ReservedRequestId
@@ -218,26 +219,34 @@ _OPEN_SERVICES = frozenset({health.SERVICE_NAME, reflection.SERVICE_NAME, "grpc.
 
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
     """Rejects every call to a service outside _OPEN_SERVICES that lacks metadata
-    `authorization: Bearer <key>`, with UNAUTHENTICATED before the handler runs."""
+    `authorization: Bearer <key>`, with UNAUTHENTICATED before the handler runs; a call to one of
+    `logged_services` refused so gets the access log's `refused` line."""
 
-    def __init__(self, api_key: str) -> None:
+    def __init__(self, api_key: str, logged_services: frozenset[str] = frozenset()) -> None:
         self._api_key = api_key
+        self._logged_services = logged_services
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
-        service = handler_call_details.method.lstrip("/").partition("/")[0]
+        rpc = handler_call_details.method
+        service = service_of(rpc)
         if handler is None or service in _OPEN_SERVICES:
             return handler
         header = next((value for key, value in handler_call_details.invocation_metadata or ()
                        if key == "authorization"), None)
         reason = check_authorization(header, self._api_key)
-        return handler if reason is None else _denial(handler, reason)
+        if reason is None:
+            return handler
+        return _denial(handler, reason, rpc if service in self._logged_services else None)
 
 
-def _denial(handler: grpc.RpcMethodHandler, reason: str) -> grpc.RpcMethodHandler:
-    """A handler of the same shape as `handler` that ends the call with UNAUTHENTICATED."""
+def _denial(handler: grpc.RpcMethodHandler, reason: str, logged_rpc: str | None) -> grpc.RpcMethodHandler:
+    """A handler of the same shape as `handler` that ends the call with UNAUTHENTICATED (and logs the refusal of
+    `logged_rpc`, unless None)."""
 
     async def deny(request_or_iterator, context: grpc.aio.ServicerContext):
+        if logged_rpc is not None:
+            log_refusal(grpc_refusal_fields(logged_rpc, grpc.StatusCode.UNAUTHENTICATED.name, reason, None, None))
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, reason)
 
     if handler.request_streaming and handler.response_streaming:
@@ -338,11 +347,13 @@ async def start_grpc_server(orchestrator: Orchestrator, tokenizers: TokenizerPoo
     which grpc would otherwise set by default: off, a port in use is an error). `defaults`: what a
     Generate request's unset sampling fields take (--generation-config; the Triton API, like Triton's
     vLLM backend, takes none). `adapters`: the LoRA adapters a Generate request may name as `model` (the HTTP
-    API's registry; the Triton API serves the base model only). `access_log`: a Generate or Triton inference request
-    refused before it ran gets the access log's `refused` line (router.access_log; the router's observer writes the
-    line of every request that ran)."""
+    API's registry; the Triton API serves the base model only). `access_log`: a call to the Generation or Triton
+    service refused before it ran (its key, bytes that do not parse, admission, validation) gets the access log's
+    `refused` line (router.access_log; the router's observer writes the line of every request that ran)."""
     # The key is checked first: a caller without it learns nothing, not even whether its bytes parse.
-    interceptors = [*([ApiKeyInterceptor(api_key)] if api_key else []), MalformedRequestInterceptor()]
+    logged_services = frozenset(SERVED_APIS) if access_log else frozenset()
+    interceptors = [*([ApiKeyInterceptor(api_key, logged_services)] if api_key else []),
+                    MalformedRequestInterceptor(logged_services)]
     server = grpc.aio.server(interceptors=interceptors,
                              options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                                       ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),

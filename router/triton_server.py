@@ -40,6 +40,8 @@ from splitserve.router.version import SERVER_VERSION
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
+MODEL_METADATA_RPC = f"/{SERVICE_NAME}/ModelMetadata"
+MODEL_CONFIG_RPC = f"/{SERVICE_NAME}/ModelConfig"
 MODEL_INFER_RPC = f"/{SERVICE_NAME}/ModelInfer"
 MODEL_STREAM_INFER_RPC = f"/{SERVICE_NAME}/ModelStreamInfer"
 MODEL_VERSION = "1"
@@ -85,6 +87,7 @@ class TritonServicer(pb_grpc.GRPCInferenceServiceServicer):
         try:
             self._check_model(request.name, request.version)
         except RouterError as error:
+            self._refused(MODEL_METADATA_RPC, error, "")
             await context.abort(*grpc_status(error))
         return model_metadata(self.model)
 
@@ -93,6 +96,7 @@ class TritonServicer(pb_grpc.GRPCInferenceServiceServicer):
         try:
             self._check_model(request.name, request.version)
         except RouterError as error:
+            self._refused(MODEL_CONFIG_RPC, error, "")
             await context.abort(*grpc_status(error))
         return model_config(self.model)
 
@@ -111,8 +115,8 @@ class TritonServicer(pb_grpc.GRPCInferenceServiceServicer):
             chunks = [chunk async for chunk in self.orchestrator.generate(inp, admission)]
         except (InvalidRequestError, RouterError) as error:
             logger.info("[%s] ModelInfer ended with %s", quote_for_log(request.id), quote_for_log(error))
-            if not ran and self.log_refusals:
-                log_grpc_refusal(MODEL_INFER_RPC, error, request.id)
+            if not ran:
+                self._refused(MODEL_INFER_RPC, error, request.id)
             await context.abort(*grpc_status(error))
         finally:
             if admission is not None:
@@ -155,8 +159,8 @@ class TritonServicer(pb_grpc.GRPCInferenceServiceServicer):
                 responses.put(pb.ModelStreamInferResponse(infer_response=response))
         except (InvalidRequestError, RouterError) as error:
             logger.info("[%s] ModelStreamInfer request ended with %s", quote_for_log(request.id), quote_for_log(error))
-            if not ran.is_set() and self.log_refusals:
-                log_grpc_refusal(MODEL_STREAM_INFER_RPC, error, request.id)
+            if not ran.is_set():
+                self._refused(MODEL_STREAM_INFER_RPC, error, request.id)
             code, message = grpc_status(error)
             responses.put(stream_error(self.model, request.id, f"{code.name}: {message}"))
         except Exception as error:  # a bug: report it on this request, keep the stream's others going
@@ -204,6 +208,11 @@ class TritonServicer(pb_grpc.GRPCInferenceServiceServicer):
         self.orchestrator.validate_prompt(token_ids, "text_input")  # else the error would name "prompt"
         return parsed, GenerationInput(request_id, token_ids, parsed.sampling,
                                        grpc_deadline(context, self.request_timeout_s))
+
+    def _refused(self, rpc: str, error: InvalidRequestError | RouterError, request_id: str) -> None:
+        """A call (or a stream's request) that `error` ended before it ran: its access-log line, if logged."""
+        if self.log_refusals:
+            log_grpc_refusal(rpc, error, request_id)
 
     def _check_model(self, name: str, version: str) -> None:
         if not self.model.serves(name, version):

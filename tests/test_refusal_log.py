@@ -10,6 +10,7 @@ import logging
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from splitserve.proto.inference import grpc_service_pb2 as triton_pb
 from splitserve.proto.inference import grpc_service_pb2_grpc as triton_pb_grpc
@@ -103,8 +104,20 @@ def test_each_grpc_refusal_has_one_line_with_its_status_code_and_error(served, m
             codes.append(refused.value.code())
         [streamed] = triton.ModelStreamInfer(iter([_triton_request("t-3", model="nope")]), metadata=metadata,
                                              timeout=60)
+        # Refused before the handler runs: by the API-key and malformed-bytes interceptors.
+        raw_generate = channel.unary_stream("/splitserve.v1.Generation/Generate")
+        for call in (lambda: list(generate(pb.GenerateRequest(text=b"hi"), timeout=60)),
+                     lambda: list(raw_generate(b"\xff\xff\xff\xff", metadata=metadata, timeout=60)),
+                     lambda: triton.ModelMetadata(triton_pb.ModelMetadataRequest(name="nope"), metadata=metadata,
+                                                  timeout=60)):
+            with pytest.raises(grpc.RpcError) as refused:
+                call()
+            codes.append(refused.value.code())
+        assert health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10).status == (
+            health_pb2.HealthCheckResponse.SERVING)  # an open probe: no line
     assert codes == [grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
-                     grpc.StatusCode.INVALID_ARGUMENT]
+                     grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNAUTHENTICATED,
+                     grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND]
     assert streamed.error_message.startswith("NOT_FOUND: unknown model 'nope'")
     generate_rpc, infer_rpc = "/splitserve.v1.Generation/Generate", "/inference.GRPCInferenceService/ModelInfer"
     unknown = "unknown model 'nope'; this server serves 'tiny-llama' version '1'"
@@ -117,6 +130,11 @@ def test_each_grpc_refusal_has_one_line_with_its_status_code_and_error(served, m
                       "stream with ModelStreamInfer", "stream", "t-2"),
         _grpc_refused("/inference.GRPCInferenceService/ModelStreamInfer", "NOT_FOUND", unknown,
                       client_request_id="t-3"),
+        _grpc_refused(generate_rpc, "UNAUTHENTICATED", "missing API key"),
+        _grpc_refused(generate_rpc, "INVALID_ARGUMENT", "request: cannot be parsed (Error parsing message with type "
+                      "'splitserve.v1.GenerateRequest': Wire format was corrupt)", "request"),
+        _grpc_refused("/inference.GRPCInferenceService/ModelMetadata", "NOT_FOUND",
+                      "unknown model 'nope'; this server serves 'tiny-llama' version '1'"),
     ]
 
 
