@@ -1,7 +1,8 @@
 """One access-log line per client request, when it ends (on any path after validation): its status,
 tokens, TTFT and latency, on the `splitserve.access` logger; and one `refused` line for an HTTP request
 answered with an error before it became a request of the router (refused at the edge or in validation),
-so that every client request the server answered is in the log once.
+so that every generation request, and every HTTP request refused with an error, is in the log once
+(a successful call of another endpoint, /v1/models or /tokenize, has no line).
 
 The fields ride on the log record (`extra={"fields": ...}`), so the JSON formatter
 (common/log_format.py) writes them as keys; the text line renders them as key=value with every
