@@ -41,11 +41,15 @@ def text_line(fields: dict[str, object]) -> str:
 
 def refusal_fields(method: str, path: str, http_status: int, message: str | None, param: str | None,
                    client_request_id: str | None) -> dict[str, object]:
-    """An HTTP request refused before it ran: what it asked for, the answer's status and its error message
-    (quoting the client's input, hence bounded when written)."""
+    """An HTTP request refused before it ran: what it asked for, the answer's status and its error message.
+    Every string is cut at MAX_LOGGED_CHARS here, not only when the text line quotes it: the JSON log writes
+    the fields themselves, and a 404's message quotes the whole path the client sent."""
     return {"method": method[:MAX_LOGGED_CHARS], "path": path[:MAX_LOGGED_CHARS], "http_status": http_status,
-            "client_request_id": None if client_request_id is None else client_request_id[:MAX_LOGGED_CHARS],
-            "param": param, "error": message}
+            "client_request_id": _cut(client_request_id), "param": _cut(param), "error": _cut(message)}
+
+
+def _cut(text: str | None) -> str | None:
+    return None if text is None else text[:MAX_LOGGED_CHARS]
 
 
 def log_refusal(fields: dict[str, object]) -> None:
