@@ -402,7 +402,8 @@ def _object_leaves(schema: Any, root: Any) -> list[dict] | None:
     """The object schemas (type object, with `required` and `properties`) one of which every value
     `schema` allows matches: schema itself, or those its `oneOf` / `anyOf` alternatives reach, each
     followed through local `$ref`s, each schema once (a union shared or reached again adds nothing).
-    None if some value it allows need match none of them, or more than MAX_UNION_SCHEMAS are reached."""
+    None if some value it allows need match none of them, if none is reached (unions that only refer back
+    to themselves), or more than MAX_UNION_SCHEMAS are reached."""
     leaves: list[dict] = []
     seen: set[int] = set()
     pending = [schema]
@@ -421,7 +422,7 @@ def _object_leaves(schema: Any, root: Any) -> list[dict] | None:
         if not isinstance(alternatives, list) or not alternatives:
             return None
         pending.extend(alternatives)
-    return leaves
+    return leaves or None
 
 
 def _tag_values(leaves: list[dict], name: str, root: Any) -> frozenset[str] | None:
