@@ -402,7 +402,8 @@ def _object_leaves(schema: Any, root: Any) -> list[dict] | None:
     """The object schemas (type object, with `required` and `properties`) one of which every value
     `schema` allows matches: schema itself, or those its `oneOf` / `anyOf` alternatives reach, each
     followed through local `$ref`s, each schema once (a union shared or reached again adds nothing).
-    None if some value it allows need match none of them, or more than MAX_UNION_SCHEMAS are reached."""
+    None if some value it allows need match none of them, if none is reached (unions that only refer back
+    to themselves), or more than MAX_UNION_SCHEMAS are reached."""
     leaves: list[dict] = []
     seen: set[int] = set()
     pending = [schema]
@@ -421,7 +422,7 @@ def _object_leaves(schema: Any, root: Any) -> list[dict] | None:
         if not isinstance(alternatives, list) or not alternatives:
             return None
         pending.extend(alternatives)
-    return leaves
+    return leaves or None
 
 
 def _tag_values(leaves: list[dict], name: str, root: Any) -> frozenset[str] | None:
@@ -522,6 +523,11 @@ def _bad_values(schema: dict, path: str) -> Iterator[tuple[str, str]]:
             yield f"{path}/type", f"type {name!r}"
     if "format" in schema and not (isinstance(schema["format"], str) and schema["format"] in FORMATS):
         yield f"{path}/format", f"format {schema['format']!r}"
+    for keywords, container, holds in ((SCHEMA_MAP_VALUED, dict, "an object of subschemas"),
+                                       (SCHEMA_LIST_VALUED, list, "a list of subschemas")):
+        for keyword in sorted(keywords & schema.keys()):
+            if not isinstance(schema[keyword], container):
+                yield f"{path}/{keyword}", f"{keyword} of type {type(schema[keyword]).__name__} (must be {holds})"
     minimum = schema.get("minProperties")
     if isinstance(minimum, (int, float)) and not isinstance(minimum, bool) and minimum > MAX_MIN_PROPERTIES:
         yield f"{path}/minProperties", (f"minProperties {json.dumps(minimum)} (at most {MAX_MIN_PROPERTIES}: the "
@@ -571,13 +577,10 @@ def _subschemas(schema: dict, path: str) -> Iterator[tuple[str, Any]]:
     for keyword in SCHEMA_VALUED & schema.keys():
         yield f"{path}/{keyword}", schema[keyword]
     for keyword in SCHEMA_MAP_VALUED & schema.keys():
-        children = schema[keyword]
-        if not isinstance(children, dict):
-            yield f"{path}/{keyword}", None
-            continue
-        for name, child in children.items():
+        children = schema[keyword]  # not a dict: _bad_values refuses it
+        for name, child in (children.items() if isinstance(children, dict) else ()):
             yield f"{path}/{keyword}/{_pointer_token(name)}", child
     for keyword in SCHEMA_LIST_VALUED & schema.keys():
-        children = schema[keyword]
-        for index, child in enumerate(children if isinstance(children, list) else [None]):
+        children = schema[keyword]  # not a list: _bad_values refuses it
+        for index, child in enumerate(children if isinstance(children, list) else ()):
             yield f"{path}/{keyword}/{index}", child

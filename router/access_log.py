@@ -1,7 +1,8 @@
 """One access-log line per client request, when it ends (on any path after validation): its status,
 tokens, TTFT and latency, on the `splitserve.access` logger; and one `refused` line for an HTTP or gRPC
 request answered with an error before it became a request of the router (refused at the edge, by admission
-or in validation), so that every client request the server answered is in the log once.
+or in validation), so that every generation request, and every request refused with an error, is in the
+log once (a successful call of another endpoint, /v1/models or /tokenize, has no line).
 
 The fields ride on the log record (`extra={"fields": ...}`), so the JSON formatter
 (common/log_format.py) writes them as keys; the text line renders them as key=value with every
@@ -40,8 +41,9 @@ def text_line(fields: dict[str, object]) -> str:
 
 def refusal_fields(method: str, path: str, http_status: int, message: str | None, param: str | None,
                    client_request_id: str | None) -> dict[str, object]:
-    """An HTTP request refused before it ran: what it asked for, the answer's status and its error message
-    (quoting the client's input, hence bounded when written)."""
+    """An HTTP request refused before it ran: what it asked for, the answer's status and its error message.
+    Every string is cut at MAX_LOGGED_CHARS here, not only when the text line quotes it: the JSON log writes
+    the fields themselves, and a 404's message quotes the whole path the client sent."""
     return {"method": method[:MAX_LOGGED_CHARS], "path": path[:MAX_LOGGED_CHARS], "http_status": http_status,
             **_refusal(message, param, client_request_id)}
 
@@ -63,8 +65,11 @@ def log_refusal(fields: dict[str, object]) -> None:
 def _refusal(message: str | None, param: str | None, client_request_id: str | None) -> dict[str, object]:
     """The fields every refusal has: the request id the client sent (if any), the field the error names (if
     any) and the error message."""
-    return {"client_request_id": None if client_request_id is None else client_request_id[:MAX_LOGGED_CHARS],
-            "param": param, "error": message}
+    return {"client_request_id": _cut(client_request_id), "param": _cut(param), "error": _cut(message)}
+
+
+def _cut(text: str | None) -> str | None:
+    return None if text is None else text[:MAX_LOGGED_CHARS]
 
 
 def log_access(record: RequestRecord) -> None:

@@ -1,7 +1,8 @@
 """The HTTP edge's part of the access log: a request the server answers with an error before it becomes a
 request of the router (a 401 for its key, a 429 from the admission gate, a 400 from validation, a 404 for
 an unknown URL) gets one `refused` line; a request that ran has the line its record writes when it ends
-(router/access_log.py), so each client request is in the log once."""
+(router/access_log.py), so each such request is in the log once. A successful call of another endpoint
+(/v1/models, /tokenize, /version, ...) has no line."""
 
 from __future__ import annotations
 

@@ -16,6 +16,7 @@ from splitserve.proto.inference import grpc_service_pb2 as triton_pb
 from splitserve.proto.inference import grpc_service_pb2_grpc as triton_pb_grpc
 from splitserve.proto.splitserve.v1 import generation_pb2 as pb
 from splitserve.proto.splitserve.v1 import generation_pb2_grpc as pb_grpc
+from splitserve.common.log_format import JsonLinesFormatter
 from splitserve.router.access_log import log_refusal, refusal_fields
 from tests.factories import capture_access_log, http_request, served_apis
 
@@ -177,9 +178,13 @@ def test_without_the_access_log_nothing_is_refused_in_it(tiny_llama_dir, caplog)
 def test_a_hostile_path_and_error_stay_on_one_bounded_line(caplog):
     hostile = '/v1/x\nINFO forged\x00"' + "y" * 1000
     with caplog.at_level(logging.INFO, logger="splitserve.access"):
-        log_refusal(refusal_fields("GET", hostile, 404, f"Invalid URL (GET {hostile})", None, None))
+        log_refusal(refusal_fields("GET", hostile, 404, f"Invalid URL (GET {hostile})", "p" * 1000, None))
     [entry] = caplog.records
     line = entry.getMessage()
-    assert "\n" not in line and "\x00" not in line and len(line) < 800
+    assert "\n" not in line and "\x00" not in line and len(line) < 900  # three quoted fields of 256
     assert line.startswith('refused method="GET" path="/v1/x\\nINFO forged\\u0000\\"yyy')
     assert len(entry.fields["path"]) == 256
+    # The JSON log writes the fields themselves: the error (which quotes the path) and the param are cut too.
+    assert (len(entry.fields["error"]), len(entry.fields["param"])) == (256, 256)
+    assert entry.fields["error"] == f"Invalid URL (GET {hostile})"[:256]
+    assert len(JsonLinesFormatter().format(entry)) < 2000  # the line, then the fields

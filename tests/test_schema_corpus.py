@@ -317,6 +317,7 @@ def test_min_properties_above_one_stays_refused_since_a_repeated_key_counts_twic
     ([{"properties": {"k": {"const": "a"}}, "required": ["k"]},
       {"properties": {"k": {"const": "b"}}, "required": ["k"]}], "/properties/p"),  # not only objects: "x" matches both
     ([{"$ref": "#/$defs/missing"}], "/properties/p"),
+    ([{"$ref": "#/properties/p"}], "/properties/p"),  # a cycle that reaches no object schema (was a TypeError: 500)
     ([{"oneOf": [{"type": "object", "properties": {"k": {"const": "a"}}, "required": ["k"]},
                  {"type": "object", "properties": {"j": {"const": "a"}}, "required": ["j"]}]},
       {"type": "object", "properties": {"k": {"const": "b"}}, "required": ["k"]}],

@@ -83,6 +83,11 @@ ONE_OF_REFUSED = f"json_schema: unsupported keyword 'oneOf' at /: {ONE_OF_RULE}"
     ({"type": {"a": 1}}, "json_schema: unsupported type {'a': 1} at /type"),
     ({"properties": {"a": [1]}}, "json_schema: unsupported subschema of type list (must be an object or a boolean) "
                                  "at /properties/a"),
+    # a keyword holding the wrong kind of container was "subschema of type NoneType"
+    ({"type": "object", "patternProperties": ["^a"]},
+     "json_schema: unsupported patternProperties of type list (must be an object of subschemas) at /patternProperties"),
+    ({"anyOf": {"type": "string"}},
+     "json_schema: unsupported anyOf of type dict (must be a list of subschemas) at /anyOf"),
     # numbers the grammar engine would round (it wrote const 2**53 + 1 as 2**53, and 123456789.12345679
     # as 123456789.1234568), or cannot hold
     ({"const": 2 ** 53 + 1}, f"json_schema: unsupported number 9007199254740993 {INEXACT} at /const"),
