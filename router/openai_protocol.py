@@ -329,7 +329,8 @@ def _prompts(body: Mapping[str, Any], limits: RequestLimits, best_of: int,
         return (_prompt(prompt, limits, name, truncated),)
     if len(prompt) * best_of > MAX_SEQUENCES:
         raise InvalidRequestError(name, f"{len(prompt)} prompts x {best_of} sequences each exceed "
-                                        f"{MAX_SEQUENCES} sequences per request")
+                                        f"{MAX_SEQUENCES} sequences per request" if name == "prompt" else
+                                        f"{len(prompt)} inputs exceed {MAX_SEQUENCES} inputs per request")
     return tuple(_prompt(p, limits, f"{name}[{i}]", truncated) for i, p in enumerate(prompt))
 
 
