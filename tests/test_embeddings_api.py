@@ -171,7 +171,7 @@ def test_generation_endpoints_are_not_served(path, served):
     status, body = served.post(path, {"model": MODEL, "prompt": "x", "messages": [{"role": "user", "content": "x"}]})
     assert (status, body["error"]["code"], body["error"]["message"]) == (
         404, "unknown_url", f"Invalid URL (POST {path}): this server runs its model as a pooling model "
-                            "(--runner pooling), which serves /v1/embeddings only")
+                            "(--runner pooling), which serves /v1/embeddings, /score and /rerank")
 
 
 def test_a_generating_server_does_not_serve_embeddings(tiny_llama_dir):
@@ -179,7 +179,7 @@ def test_a_generating_server_does_not_serve_embeddings(tiny_llama_dir):
         status, body = generating.post("/v1/embeddings", {"input": "x"})
     assert (status, body["error"]["code"], body["error"]["message"]) == (
         404, "unknown_url", "Invalid URL (POST /v1/embeddings): this server generates (--runner generate); start it "
-                            "with --runner pooling to serve embeddings")
+                            "with --runner pooling to serve pooling endpoints")
 
 
 def test_one_access_log_line_per_input(served, monkeypatch, caplog):
@@ -216,7 +216,8 @@ def test_the_runner_flags_set_both_pools():
     config = _serve_config("--runner", "pooling", "--pooler-config", '{"pooling_type": "MEAN"}')
     assert (config.prefill.engine.runner, config.decode.engine.runner, config.runner) == ("pooling",) * 3
     assert config.prefill.engine.pooler_config == config.decode.engine.pooler_config == PoolerConfig("MEAN")
-    assert (_serve_config("--task", "embed").runner, _serve_config().runner) == ("pooling", "generate")
+    assert [_serve_config(*task).runner for task in (["--task", "embed"], ["--task", "classify"], ["--task", "score"],
+                                                      [])] == ["pooling", "pooling", "pooling", "generate"]
     with pytest.raises(ClusterConfigError, match=r"^decode.engine.runner: must equal prefill.engine.runner "
                                                  r"\('generate'\) in disaggregated mode, got 'pooling'$"):
         _serve_config("--set", "decode.engine.runner=pooling")
@@ -254,4 +255,4 @@ def test_the_messages_endpoints_are_not_served_either(path, served):
     status, body = served.post(path, {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "x"}]})
     assert (status, body["type"], body["error"]["message"]) == (
         404, "error", f"Invalid URL (POST {path}): this server runs its model as a pooling model (--runner pooling), "
-                      "which serves /v1/embeddings only")
+                      "which serves /v1/embeddings, /score and /rerank")
