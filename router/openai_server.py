@@ -220,8 +220,8 @@ class OpenAIServing:
                  pooling: ModelPooling | None = None) -> None:
         self.orchestrator = orchestrator
         self.pooling = pooling
-        """How the model embeds on a server whose workers run it as a pooling model (--runner pooling), which serves
-        /v1/embeddings instead of the generation endpoints; None on a generating server."""
+        """How the model pools on a server whose workers run it as a pooling model (--runner pooling), which serves
+        the pooling endpoints instead of the generation ones (_runner_routes); None on a generating server."""
         self.options = options
         """The server-wide choices in responses (--response-role ...)."""
         self.tokenizers = tokenizers
@@ -1107,7 +1107,7 @@ async def start_http_server(orchestrator: Orchestrator, tokenizers: TokenizerPoo
     request leaves unset take (--generation-config). `adapters`: the LoRA adapters a request may name as
     `model` (--lora-modules; the workers' engines need enable_lora); `runtime_lora_updating`: also serve
     /v1/load_lora_adapter and /v1/unload_lora_adapter (router/lora_adapters.py). `pooling`: the workers run the model
-    as a pooling model (--runner pooling): /v1/embeddings is served instead of the generation endpoints."""
+    as a pooling model (--runner pooling): the pooling endpoints are served instead of the generation ones."""
     reasoning = None if reasoning_parser is None else ReasoningFormat.for_tokenizer(
         reasoning_parser, tokenizers.tokenizer.backend.token_to_id)
     bodies = BodyParser(tokenizers.limits)

@@ -13,13 +13,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from splitserve.common.errors import InvalidRequestError
+from splitserve.common.errors import InvalidRequestError, json_excerpt
 from splitserve.common.pooling import Classifier, activated, cosine_similarity, score_pairs
 from splitserve.common.prompt_truncation import PromptTruncation
 from splitserve.router.api_types import StreamChunk, Usage
 from splitserve.router.lax_values import with_lax_values
 from splitserve.router.openai_protocol import _flag, _model, _priority, _prompts, _request_id, _truncation, _typed
 from splitserve.router.request_limits import MAX_SEQUENCES, RequestLimits, utf8_length
+from splitserve.router.tokenizer import check_unicode
 
 
 @dataclass(frozen=True)
@@ -96,8 +97,10 @@ def parse_rerank_request(body: Mapping[str, Any], limits: RequestLimits) -> Scor
     """vLLM's RerankRequest (Jina's and Cohere's shape): a `query` string, `documents` (strings), top_n and Jina's
     return_documents."""
     body = with_lax_values(body, logprobs_is_boolean=False)
-    if not isinstance(body.get("query"), str):
-        raise InvalidRequestError("query", f"is required: a string, got {body.get('query')!r}")
+    if body.get("query") is None:
+        raise InvalidRequestError("query", "is required: a string")
+    if not isinstance(body["query"], str):
+        raise InvalidRequestError("query", f"must be a string, got {json_excerpt(body['query'])}")
     if "documents" not in body:
         raise InvalidRequestError("documents", "is required: a list of strings")
     top_n = _typed(body, "top_n", int, "an integer >= 0", 0)
@@ -115,6 +118,7 @@ def _score_request(body: Mapping[str, Any], limits: RequestLimits, first: str, s
         raise InvalidRequestError(second, f"{len(pairs)} pairs exceed {MAX_SEQUENCES} pairs per request")
     for field, texts in ((first, firsts), (second, seconds)):
         for index, text in enumerate(texts):
+            check_unicode(text, f"{field}[{index}]")
             limits.check_prompt_bytes(utf8_length(text), f"{field}[{index}]")
     return ScoreRequest(_model(body), firsts, seconds, tuple(pairs), _use_activation(body),
                         _truncation(body, limits, pools=True), _request_id(body, limits), _priority(body), top_n,
