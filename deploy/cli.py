@@ -532,7 +532,7 @@ def _add_model_flags(group: argparse._ArgumentGroup) -> None:
                             "quantization_config (docs/quantization.md); per pool: --set decode.engine.quantization=int4")
     group.add_argument("--runner", choices=RUNNERS, default=None,
                        help="generate (default): the model generates; pooling: it pools prompts and the HTTP API "
-                            "serves the pooling endpoints (/v1/embeddings, /score, /rerank; /classify on a "
+                            "serves the pooling endpoints (/v1/embeddings, /score, /rerank, /pooling; /classify on a "
                             "sequence-classification model) instead of the generation ones "
                             "(docs/engine.md#pooling-requests)")
     group.add_argument("--task", choices=("generate", "embed", "classify", "score"), default=None,

@@ -61,8 +61,9 @@ from splitserve.router.openai_protocol import (ChatCompletionRequest, ChatRender
 from splitserve.router.api_types import GenerationInput, RouterError, StreamChunk, Usage
 from splitserve.router.beam_search_run import BeamSearchResult, run_beam_search
 from splitserve.router.embeddings import EmbeddingRenderer
-from splitserve.router.pooling_api import (ClassifyRenderer, ClassifyRequest, ScoreRenderer, ScoreRequest,
-                                           parse_classify_request, parse_rerank_request, parse_score_request)
+from splitserve.router.pooling_api import (ClassifyRenderer, ClassifyRequest, PoolingRenderer, PoolingRequest,
+                                           ScoreRenderer, ScoreRequest, parse_classify_request,
+                                           parse_pooling_request, parse_rerank_request, parse_score_request)
 from splitserve.router.fanout import IndexedChunk, best_of, by_choice, client_fan_out, merged_usage, sequence_inputs
 from splitserve.router.http_options import UVICORN_LOG_LEVEL_NUMBERS, HttpOptions
 from splitserve.router.lora_adapters import AdapterRegistry, UnknownAdapterError
@@ -176,7 +177,7 @@ class _Job:
     n: int
     """Choices returned per prompt: the best n of its sequences when fewer than num_sequences."""
     renderer: (CompletionRenderer | ChatRenderer | ResponsesRenderer | MessagesRenderer | EmbeddingRenderer
-               | ClassifyRenderer | ScoreRenderer)
+               | ClassifyRenderer | ScoreRenderer | PoolingRenderer)
     stream: bool
     beam_search: BeamSearchParams | None = None
     """use_beam_search: each prompt's n choices are its best n beams (inputs[::n] are the prompts')."""
@@ -291,6 +292,10 @@ class OpenAIServing:
     async def score(self, request: Request) -> Response:
         """vLLM's /score and /v1/score: router/pooling_api.py."""
         return await self._serve(request, parse_score_request, functools.partial(self._score_job, rerank=False))
+
+    async def pooling_endpoint(self, request: Request) -> Response:
+        """vLLM's /pooling (task embed or classify): router/pooling_api.py."""
+        return await self._serve(request, parse_pooling_request, self._pooling_job)
 
     async def rerank(self, request: Request) -> Response:
         """vLLM's /rerank, /v1/rerank and /v2/rerank (Jina's and Cohere's shape): router/pooling_api.py."""
@@ -515,6 +520,17 @@ class OpenAIServing:
         renderer = EmbeddingRenderer(ids.client_request_id, int(time.time()), self._served_name(adapter),
                                      parsed.encoding_format)
         return _Job(ids, inputs, 1, 1, renderer, stream=False)
+
+    async def _pooling_job(self, parsed: PoolingRequest) -> _Job:
+        """/v1/embeddings' job with the model's task checked and vLLM's PoolingResponse."""
+        model_task = "embed" if self.pooling.classifier is None else "classify"
+        if parsed.task != model_task:
+            raise InvalidRequestError("task", f"this model pools for {model_task!r} only, got {parsed.task!r}")
+        job = await self._embedding_job(parsed.embedding)
+        request = parsed.embedding
+        renderer = PoolingRenderer(job.ids.client_request_id, int(time.time()), job.renderer.model,
+                                   request.encoding_format, self.pooling.classifier, request.pooling.use_activation)
+        return dataclasses.replace(job, renderer=renderer)
 
     async def _classify_job(self, parsed: ClassifyRequest) -> _Job:
         """Each input a pooling request whose vector is the classifier's logits; the renderer activates them."""
@@ -875,8 +891,9 @@ def route_path(scope: Scope) -> str:
 SCORE_PATHS = ("/score", "/v1/score")
 RERANK_PATHS = ("/rerank", "/v1/rerank", "/v2/rerank")
 CLASSIFY_PATH = "/classify"
+POOLING_PATH = "/pooling"
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses", MESSAGES_PATH,
-                              "/v1/embeddings", CLASSIFY_PATH, *SCORE_PATHS, *RERANK_PATHS})
+                              "/v1/embeddings", CLASSIFY_PATH, POOLING_PATH, *SCORE_PATHS, *RERANK_PATHS})
 ADMISSION_SCOPE_KEY = "splitserve.admission"
 """The ASGI scope key under which _AdmissionGate hands an admitted request's slot to its handler."""
 
@@ -911,7 +928,8 @@ class _AdmissionGate:
             admission.release()
 
 
-GUARDED_PATHS = frozenset({"/v1", "/tokenize", "/detokenize", CLASSIFY_PATH, "/score", "/rerank", "/v2/rerank"})
+GUARDED_PATHS = frozenset({"/v1", "/tokenize", "/detokenize", CLASSIFY_PATH, POOLING_PATH, "/score", "/rerank",
+                           "/v2/rerank"})
 """Paths outside /v1/ that need the API key: they run the tokenizer or the model (vLLM leaves them open)."""
 
 
@@ -983,17 +1001,18 @@ def _runner_routes(serving: OpenAIServing) -> list[Route]:
     embeddings = [Route("/v1/embeddings", serving.embeddings, methods=["POST"])]
     classify = [Route(CLASSIFY_PATH, serving.classify, methods=["POST"])]
     scores = [*(Route(path, serving.score, methods=["POST"]) for path in SCORE_PATHS),
-              *(Route(path, serving.rerank, methods=["POST"]) for path in RERANK_PATHS)]
+              *(Route(path, serving.rerank, methods=["POST"]) for path in RERANK_PATHS),
+              Route(POOLING_PATH, serving.pooling_endpoint, methods=["POST"])]
     if serving.pooling is None:
         return generation + [_not_served(route.path, "this server generates (--runner generate); start it with "
                                                      "--runner pooling to serve pooling endpoints")
                              for route in [*embeddings, *classify, *scores]]
     pooling = "this server runs its model as a pooling model (--runner pooling), which serves"
     if serving.pooling.classifier is None:
-        return embeddings + scores + [_not_served(route.path, f"{pooling} /v1/embeddings, /score and /rerank")
+        return embeddings + scores + [_not_served(route.path, f"{pooling} /v1/embeddings, /score, /rerank and /pooling")
                                       for route in [*generation, *classify]]
-    return classify + scores + [_not_served(route.path, f"{pooling} /classify, /score and /rerank (a "
-                                                        f"sequence-classification model)")
+    return classify + scores + [_not_served(route.path, f"{pooling} /classify, /score, /rerank and "
+                                                        f"/pooling (a sequence-classification model)")
                                 for route in [*generation, *embeddings]]
 
 

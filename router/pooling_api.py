@@ -1,6 +1,6 @@
 """vLLM's pooling endpoints besides /v1/embeddings (router/embeddings.py): /classify, /score (and /v1/score), /rerank
-(and /v1/rerank, /v2/rerank): their requests, and their responses from each input's final chunk (whose `embedding` is
-the pooled vector: an embedding, or a sequence-classification model's logits, common/pooling.py).
+(and /v1/rerank, /v2/rerank), /pooling: their requests, and their responses from each input's final chunk (whose
+`embedding` is the pooled vector: an embedding, or a sequence-classification model's logits, common/pooling.py).
 
 A score is either the cosine similarity of two embeddings (an embedding model: each text is an input of its own) or a
 cross-encoder's activated logit (a classification model of one label: each pair is one input, the tokenizer's pair
@@ -17,8 +17,10 @@ from splitserve.common.errors import InvalidRequestError, json_excerpt
 from splitserve.common.pooling import Classifier, activated, cosine_similarity, score_pairs
 from splitserve.common.prompt_truncation import PromptTruncation
 from splitserve.router.api_types import StreamChunk, Usage
+from splitserve.router.embeddings import encoded
 from splitserve.router.lax_values import with_lax_values
-from splitserve.router.openai_protocol import _flag, _model, _priority, _prompts, _request_id, _truncation, _typed
+from splitserve.router.openai_protocol import (EmbeddingRequest, _flag, _model, _priority, _prompts, _request_id,
+                                               _truncation, _typed, parse_embedding_request)
 from splitserve.router.request_limits import MAX_SEQUENCES, RequestLimits, utf8_length
 from splitserve.router.tokenizer import check_unicode
 
@@ -123,6 +125,53 @@ def _score_request(body: Mapping[str, Any], limits: RequestLimits, first: str, s
     return ScoreRequest(_model(body), firsts, seconds, tuple(pairs), _use_activation(body),
                         _truncation(body, limits, pools=True), _request_id(body, limits), _priority(body), top_n,
                         return_documents, (first, second))
+
+
+POOLING_TASKS = ("embed", "classify")
+"""The /pooling tasks served: a whole sequence's vector (vLLM's per-token tasks, its default, are not)."""
+
+
+@dataclass(frozen=True)
+class PoolingRequest:
+    """vLLM's /pooling request: /v1/embeddings' fields and the task the model pools for."""
+
+    task: str
+    embedding: EmbeddingRequest
+    """input, encoding_format, dimensions, use_activation and the rest, read as /v1/embeddings reads them."""
+
+
+def parse_pooling_request(body: Mapping[str, Any], limits: RequestLimits) -> PoolingRequest:
+    """`task` is required (vLLM's default is a per-token task, not served here): embed or classify."""
+    task = _typed(body, "task", str, f"one of {', '.join(POOLING_TASKS)}")
+    if task not in POOLING_TASKS:
+        raise InvalidRequestError("task", f"must be one of {', '.join(POOLING_TASKS)} (a whole sequence's vector; "
+                                          f"per-token tasks are not served), got {json_excerpt(task)}")
+    return PoolingRequest(task, parse_embedding_request(body, limits))
+
+
+@dataclass(frozen=True)
+class PoolingRenderer:
+    """vLLM's PoolingResponse: per input its pooled `data`: the embedding (task embed), or the classifier's
+    activated logits (task classify; the logits with use_activation false)."""
+
+    request_id: str
+    created: int
+    model: str
+    encoding_format: str
+    classifier: Classifier | None
+    use_activation: bool | None
+
+    def response(self, choices: Sequence[Sequence[StreamChunk]], usage: Usage) -> dict:
+        data = [{"index": index, "object": "pooling", "data": encoded(self._data(chunks[-1].embedding),
+                                                                        self.encoding_format)}
+                for index, chunks in enumerate(choices)]
+        return {"id": f"pool-{self.request_id}", "object": "list", "created": self.created, "model": self.model,
+                "data": data, "usage": _usage(usage.prompt_tokens)}
+
+    def _data(self, vector: tuple[float, ...]) -> Sequence[float]:
+        if self.classifier is None or self.use_activation is False:
+            return vector
+        return activated(vector, self.classifier.classify_activation)
 
 
 def _use_activation(body: Mapping[str, Any]) -> bool | None:

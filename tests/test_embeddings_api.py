@@ -171,7 +171,7 @@ def test_generation_endpoints_are_not_served(path, served):
     status, body = served.post(path, {"model": MODEL, "prompt": "x", "messages": [{"role": "user", "content": "x"}]})
     assert (status, body["error"]["code"], body["error"]["message"]) == (
         404, "unknown_url", f"Invalid URL (POST {path}): this server runs its model as a pooling model "
-                            "(--runner pooling), which serves /v1/embeddings, /score and /rerank")
+                            "(--runner pooling), which serves /v1/embeddings, /score, /rerank and /pooling")
 
 
 def test_a_generating_server_does_not_serve_embeddings(tiny_llama_dir):
@@ -255,4 +255,4 @@ def test_the_messages_endpoints_are_not_served_either(path, served):
     status, body = served.post(path, {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "x"}]})
     assert (status, body["type"], body["error"]["message"]) == (
         404, "error", f"Invalid URL (POST {path}): this server runs its model as a pooling model (--runner pooling), "
-                      "which serves /v1/embeddings, /score and /rerank")
+                      "which serves /v1/embeddings, /score, /rerank and /pooling")

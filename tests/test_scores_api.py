@@ -1,11 +1,13 @@
 """vLLM's pooling endpoints besides /v1/embeddings on a runner pooling cluster: /score and /rerank over an embedding
 model (cosine similarity of the embeddings, disaggregated: pooled on the prefill pool) and over a cross-encoder (its
-sigmoid logit on the pair encoding, colocated), /classify on a classifier; exact response shapes, values equal to
-transformers' (fp32), usage as vLLM counts it, and the errors with their status codes."""
+sigmoid logit on the pair encoding, colocated), /classify on a classifier, /pooling on both; exact response shapes,
+values equal to transformers' (fp32), usage as vLLM counts it, and the errors with their status codes."""
 
 from __future__ import annotations
 
+import base64
 import math
+import struct
 from dataclasses import replace
 
 import pytest
@@ -103,6 +105,20 @@ def test_rerank_by_embeddings_sorts_and_cuts_to_top_n(path, embedder, tiny_llama
     assert [sorted(r) for r in body["results"]] == [["index", "relevance_score"]] * 3
 
 
+def test_pooling_task_embed(embedder, tiny_llama_dir):
+    prompt = embedder.tokens(QUERY)
+    status, body = embedder.post("/pooling", {"task": "embed", "input": QUERY, "encoding_format": "base64"})
+    assert status == 200
+    assert (sorted(body), body["id"][:5], body["object"]) == (
+        ["created", "data", "id", "model", "object", "usage"], "pool-", "list")
+    (item,) = body["data"]
+    assert (item["index"], item["object"]) == (0, "pooling")
+    vector = struct.unpack(f"<{64}f", base64.b64decode(item["data"]))
+    assert torch.allclose(torch.tensor(vector), torch.tensor(hf_embedding(tiny_llama_dir, prompt, "LAST")), rtol=0,
+                          atol=TOLERANCE)
+    assert body["usage"] == {"prompt_tokens": len(prompt), "total_tokens": len(prompt), "completion_tokens": 0}
+
+
 def test_score_and_rerank_by_a_cross_encoder(cross_encoder, cross_encoder_dir):
     tokenizer = AutoTokenizer.from_pretrained(cross_encoder_dir)  # vLLM's cross-encoder prompt: the pair encoding
     pairs = [tokenizer(text=QUERY, text_pair=document)["input_ids"] for document in DOCUMENTS]
@@ -123,10 +139,13 @@ def test_classify(classifier_dir):
         prompts = [served.tokens(text) for text in DOCUMENTS[:2]]
         status, body = served.post("/classify", {"model": MODEL, "input": DOCUMENTS[:2]})
         status_raw, raw = served.post("/classify", {"input": DOCUMENTS[:2], "use_activation": False})
+        status_pooled, pooled = served.post("/pooling", {"task": "classify", "input": DOCUMENTS[:2]})
         refusals = {path: served.post(path, body) for path, body in [
             ("/v1/score", {"text_1": "a", "text_2": "b"}), ("/v1/embeddings", {"input": "a"}),
             ("/v1/completions", {"prompt": "a"})]}
-    assert (status, status_raw) == (200, 200)
+    assert (status, status_raw, status_pooled) == (200, 200, 200)
+    for pooled_item, item in zip(pooled["data"], body["data"], strict=True):  # the second ran after prefix-cache hits
+        assert pooled_item["data"] == pytest.approx(item["probs"], abs=TOLERANCE)
     assert (sorted(body), body["object"], body["id"][:9]) == (
         ["created", "data", "id", "model", "object", "usage"], "list", "classify-")
     for item, raw_item, prompt, index in zip(body["data"], raw["data"], prompts, range(2)):
@@ -142,11 +161,11 @@ def test_classify(classifier_dir):
         "/v1/score": (400, "model", "model: scores need a cross-encoder of one label (num_labels 1); this model "
                                     "classifies into 3 labels: use /classify"),
         "/v1/embeddings": (404, None, "Invalid URL (POST /v1/embeddings): this server runs its model as a pooling "
-                                      "model (--runner pooling), which serves /classify, /score and /rerank (a "
-                                      "sequence-classification model)"),
+                                      "model (--runner pooling), which serves /classify, /score, /rerank and /pooling "
+                                      "(a sequence-classification model)"),
         "/v1/completions": (404, None, "Invalid URL (POST /v1/completions): this server runs its model as a pooling "
-                                       "model (--runner pooling), which serves /classify, /score and /rerank (a "
-                                       "sequence-classification model)")}
+                                       "model (--runner pooling), which serves /classify, /score, /rerank and /pooling "
+                                       "(a sequence-classification model)")}
 
 
 @pytest.mark.parametrize(("path", "body", "status", "param", "message"), [
@@ -165,9 +184,13 @@ def test_classify(classifier_dir):
      "text_1[1]: is not valid Unicode (lone surrogate '\\ud800' at index 1)"),
     ("/v1/score", {"text_1": "a", "text_2": "b", "model": "other"}, 404, "model",
      "The model `other` does not exist; this server serves `tiny-pool`."),
+    ("/pooling", {"input": "a"}, 400, "task", "task: must be one of embed, classify (a whole sequence's vector; "
+                                              "per-token tasks are not served), got null"),
+    ("/pooling", {"input": "a", "task": "classify"}, 400, "task",
+     "task: this model pools for 'embed' only, got 'classify'"),
     ("/classify", {"input": "a"}, 404, None, "Invalid URL (POST /classify): this server runs its model as a pooling "
-                                             "model (--runner pooling), which serves /v1/embeddings, /score and "
-                                             "/rerank"),
+                                             "model (--runner pooling), which serves /v1/embeddings, /score, "
+                                             "/rerank and /pooling"),
 ])
 def test_errors(path, body, status, param, message, embedder):
     got_status, got = embedder.post(path, body)
@@ -177,11 +200,11 @@ def test_errors(path, body, status, param, message, embedder):
 def test_a_generating_server_does_not_serve_scores(tiny_llama_dir):
     with served_apis(tiny_llama_dir, MODEL, served_class=Served) as generating:
         answers = [generating.post(path, {"text_1": "a", "text_2": "b", "query": "a", "documents": ["b"],
-                                          "input": "a"}) for path in ("/v1/score", "/rerank", "/classify")]
+                                          "input": "a"}) for path in ("/v1/score", "/rerank", "/classify", "/pooling")]
     assert [(status, body["error"]["code"], body["error"]["message"]) for status, body in answers] == [
         (404, "unknown_url", f"Invalid URL (POST {path}): this server generates (--runner generate); start it with "
                              "--runner pooling to serve pooling endpoints") for path in ("/v1/score", "/rerank",
-                                                                                         "/classify")]
+                                                                                         "/classify", "/pooling")]
 
 
 def test_a_classification_servers_banner_scores_a_pair(classifier_dir):
