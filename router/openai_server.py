@@ -54,7 +54,7 @@ from splitserve.router.anthropic_protocol import (COUNT_TOKENS_PATH, INLINE_SYST
                                                   parse_count_tokens_request, parse_messages_request)
 from splitserve.router.anthropic_protocol import error_body as anthropic_error_body
 from splitserve.router.auth import check_api_key
-from splitserve.router.openai_protocol import (ChatCompletionRequest, ChatRenderer, CompletionRenderer,
+from splitserve.router.openai_protocol import (ChatCompletionRequest, ChatInput, ChatRenderer, CompletionRenderer,
                                                CompletionRequest, EmbeddingRequest, ResponseHeader, error_body,
                                                parse_chat_request, parse_completion_request, parse_detokenize_request,
                                                parse_embedding_request, parse_tokenize_request)
@@ -510,11 +510,12 @@ class OpenAIServing:
 
     async def _embedding_job(self, parsed: EmbeddingRequest) -> _Job:
         """Each input a pooling request of its own (fanned out as a completion's batched prompts are), its prompt
-        tokenized, cut by truncate_prompt_tokens and checked (it may fill max_model_len)."""
+        tokenized (a chat's `messages`: rendered by the chat template), cut by truncate_prompt_tokens and checked (it
+        may fill max_model_len)."""
         adapter = self._adapter(parsed.model)
         self.pooling.check_dimensions(parsed.pooling.dimensions, self.model_name)
-        prompts = await self._token_ids(parsed.inputs, parsed.add_special_tokens)
-        ids, inputs = await self._inputs(prompts, SamplingParams(max_tokens=1), "input", parsed.request_id, 1,
+        prompts, field = await self._pooled_prompts(parsed.inputs, parsed.add_special_tokens, parsed.chat)
+        ids, inputs = await self._inputs(prompts, SamplingParams(max_tokens=1), field, parsed.request_id, 1,
                                          parsed.truncation, priority=parsed.priority, lora_request=adapter,
                                          pooling_params=parsed.pooling)
         renderer = EmbeddingRenderer(ids.client_request_id, int(time.time()), self._served_name(adapter),
@@ -535,8 +536,8 @@ class OpenAIServing:
     async def _classify_job(self, parsed: ClassifyRequest) -> _Job:
         """Each input a pooling request whose vector is the classifier's logits; the renderer activates them."""
         adapter = self._adapter(parsed.model)
-        prompts = await self._token_ids(parsed.inputs, parsed.add_special_tokens)
-        ids, inputs = await self._inputs(prompts, SamplingParams(max_tokens=1), "input", parsed.request_id, 1,
+        prompts, field = await self._pooled_prompts(parsed.inputs, parsed.add_special_tokens, parsed.chat)
+        ids, inputs = await self._inputs(prompts, SamplingParams(max_tokens=1), field, parsed.request_id, 1,
                                          parsed.truncation, priority=parsed.priority, lora_request=adapter,
                                          pooling_params=PoolingParams())
         renderer = ClassifyRenderer(ids.client_request_id, int(time.time()), self._served_name(adapter),
@@ -562,6 +563,16 @@ class OpenAIServing:
                                  classifier, tuple(len(inp.prompt_token_ids) for inp in inputs), int(pad is not None),
                                  rerank)
         return _Job(ids, inputs, 1, 1, renderer, stream=False)
+
+    async def _pooled_prompts(self, inputs: Sequence[str | tuple[int, ...]], add_special_tokens: bool,
+                              chat: ChatInput | None) -> tuple[list[tuple[int, ...] | list[int]], str]:
+        """A pooling request's prompts and the field they came from: its inputs tokenized, or its chat rendered by the
+        chat template (one prompt)."""
+        if chat is None:
+            return await self._token_ids(inputs, add_special_tokens), "input"
+        messages = [message.template_message() for message in chat.messages]
+        return [await self.tokenizers.apply_chat_template(messages, chat.add_generation_prompt, chat.template)], \
+            "messages"
 
     async def _chat_job(self, parsed: ChatCompletionRequest) -> _Job:
         chat = await self._chat_inputs(parsed, "messages")

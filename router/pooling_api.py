@@ -19,8 +19,8 @@ from splitserve.common.prompt_truncation import PromptTruncation
 from splitserve.router.api_types import StreamChunk, Usage
 from splitserve.router.embeddings import encoded
 from splitserve.router.lax_values import with_lax_values
-from splitserve.router.openai_protocol import (EmbeddingRequest, _flag, _model, _priority, _prompts, _request_id,
-                                               _truncation, _typed, parse_embedding_request)
+from splitserve.router.openai_protocol import (ChatInput, EmbeddingRequest, _chat_input, _flag, _model, _priority,
+                                               _prompts, _request_id, _truncation, _typed, parse_embedding_request)
 from splitserve.router.request_limits import MAX_SEQUENCES, RequestLimits, utf8_length
 from splitserve.router.tokenizer import check_unicode
 
@@ -36,6 +36,8 @@ class ClassifyRequest:
     add_special_tokens: bool
     request_id: str
     priority: int
+    chat: ChatInput | None
+    """`messages` instead of `input` (vLLM's ClassificationChatRequest): one input, the rendered chat."""
 
 
 @dataclass(frozen=True)
@@ -74,14 +76,17 @@ class ScoreRequest:
 
 
 def parse_classify_request(body: Mapping[str, Any], limits: RequestLimits) -> ClassifyRequest:
-    """vLLM's ClassificationRequest (completion form): `input` as /v1/embeddings reads it (at most MAX_SEQUENCES)."""
+    """vLLM's ClassificationRequest: `input` as /v1/embeddings reads it (at most MAX_SEQUENCES), or its chat form
+    (`messages`)."""
     body = with_lax_values(body, logprobs_is_boolean=False)
-    if "input" not in body:
+    chat = _chat_input(body, limits) if "messages" in body and "input" not in body else None
+    if "input" not in body and chat is None:
         raise InvalidRequestError("input", "is required: a string, a list of strings, a list of token ids or a list "
-                                           "of token-id lists")
-    return ClassifyRequest(_model(body), _prompts(body, limits, 1, True, "input"), _use_activation(body),
-                           _truncation(body, limits, pools=True), bool(_flag(body, "add_special_tokens", True)),
-                           _request_id(body, limits), _priority(body))
+                                           "of token-id lists (or send messages)")
+    return ClassifyRequest(_model(body), () if chat else _prompts(body, limits, 1, True, "input"),
+                           _use_activation(body), _truncation(body, limits, pools=True),
+                           bool(_flag(body, "add_special_tokens", True)), _request_id(body, limits), _priority(body),
+                           chat)
 
 
 def parse_score_request(body: Mapping[str, Any], limits: RequestLimits) -> ScoreRequest:

@@ -127,6 +127,24 @@ def test_the_openai_sdk(served):
     assert (result.usage.prompt_tokens, result.model) == (floats["usage"]["prompt_tokens"], MODEL)
 
 
+def test_chat_messages_are_one_input_rendered_by_the_chat_template(served, tiny_llama_dir):
+    """vLLM's chat form: no generation prompt unless asked (then the template's assistant header is pooled too)."""
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": TEXTS[0]}]
+    for add_generation_prompt in (False, True):
+        status, tokenized = served.post("/tokenize", {"messages": messages,
+                                                      "add_generation_prompt": add_generation_prompt})
+        assert status == 200
+        body = {"messages": messages, **({"add_generation_prompt": True} if add_generation_prompt else {})}
+        status, response = served.post("/v1/embeddings", body)
+        assert status == 200
+        (item,) = response["data"]
+        _assert_embedding(item["embedding"], tiny_llama_dir, tokenized["tokens"])
+        assert response["usage"]["prompt_tokens"] == tokenized["count"]
+    status, error = served.post("/v1/embeddings", {"messages": messages, "add_generation_prompt": True,
+                                                   "continue_final_message": True})
+    assert (status, error["error"]["param"]) == (400, "continue_final_message")
+
+
 def test_truncate_prompt_tokens_and_a_prompt_that_fills_the_context(served, tiny_llama_dir):
     long = list(range(100, 100 + MAX_MODEL_LEN))
     status, body = served.post("/v1/embeddings", {"input": long})
@@ -142,11 +160,11 @@ def test_truncate_prompt_tokens_and_a_prompt_that_fills_the_context(served, tiny
 
 
 @pytest.mark.parametrize(("body", "status", "param", "message"), [
-    ({}, 400, "input", "input: is required: a string, a list of strings, a list of token ids or a list of token-id "
-                       "lists"),
     ({"input": []}, 400, "input", "input: must be a string or a non-empty list of token ids"),
     ({"input": ["ok", 7]}, 400, "input", "input: must be a string or a non-empty list of token ids"),
     ({"input": ["ok", []]}, 400, "input[1]", "input[1]: must be a string or a non-empty list of token ids"),
+    ({}, 400, "input", "input: is required: a string, a list of strings, a list of token ids or a list of token-id "
+                       "lists (or send messages)"),
     ({"input": "x", "encoding_format": "bytes"}, 400, "encoding_format",
      "encoding_format: must be 'float' or 'base64', got 'bytes'"),
     ({"input": "x", "dimensions": 16}, 400, "dimensions",

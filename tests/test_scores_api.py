@@ -140,10 +140,15 @@ def test_classify(classifier_dir):
         status, body = served.post("/classify", {"model": MODEL, "input": DOCUMENTS[:2]})
         status_raw, raw = served.post("/classify", {"input": DOCUMENTS[:2], "use_activation": False})
         status_pooled, pooled = served.post("/pooling", {"task": "classify", "input": DOCUMENTS[:2]})
+        chat = [{"role": "user", "content": DOCUMENTS[0]}]
+        chat_prompt = served.post("/tokenize", {"messages": chat, "add_generation_prompt": False})[1]["tokens"]
+        status_chat, chat_body = served.post("/classify", {"messages": chat, "use_activation": False})
         refusals = {path: served.post(path, body) for path, body in [
             ("/v1/score", {"text_1": "a", "text_2": "b"}), ("/v1/embeddings", {"input": "a"}),
             ("/v1/completions", {"prompt": "a"})]}
-    assert (status, status_raw, status_pooled) == (200, 200, 200)
+    assert (status, status_raw, status_pooled, status_chat) == (200, 200, 200, 200)
+    assert chat_body["data"][0]["probs"] == pytest.approx(hf_classifier_logits(classifier_dir, chat_prompt),
+                                                          abs=TOLERANCE)  # vLLM's chat form: the rendered chat
     for pooled_item, item in zip(pooled["data"], body["data"], strict=True):  # the second ran after prefix-cache hits
         assert pooled_item["data"] == pytest.approx(item["probs"], abs=TOLERANCE)
     assert (sorted(body), body["object"], body["id"][:9]) == (
