@@ -17,6 +17,7 @@ from transformers import AutoTokenizer
 from splitserve.common.pooling import read_model_pooling
 from splitserve.deploy.cli import build_parser, serve_config
 from splitserve.deploy.local import BoundPorts, serving_banner
+from splitserve.deploy.preflight import PreflightError, check_pooling
 from splitserve.testing.in_process_cluster import worker_engine_config
 from tests.factories import hf_classifier_logits, hf_embedding, save_random_classifier, served_apis
 from tests.test_embeddings_api import Served
@@ -210,6 +211,14 @@ def test_a_generating_server_does_not_serve_scores(tiny_llama_dir):
         (404, "unknown_url", f"Invalid URL (POST {path}): this server generates (--runner generate); start it with "
                              "--runner pooling to serve pooling endpoints") for path in ("/v1/score", "/rerank",
                                                                                          "/classify", "/pooling")]
+
+
+def test_a_classification_model_is_refused_before_ray_starts_without_runner_pooling(classifier_dir):
+    config = serve_config(build_parser().parse_args(["serve", str(classifier_dir)]))
+    with pytest.raises(PreflightError) as error:
+        check_pooling(config)
+    assert str(error.value) == (f"{classifier_dir}: a LlamaForSequenceClassification (a sequence-classification "
+                                "head, no LM head) runs with --runner pooling only")
 
 
 def test_a_classification_servers_banner_scores_a_pair(classifier_dir):
