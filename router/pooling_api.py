@@ -57,18 +57,17 @@ class ScoreRequest:
     """/rerank: the best top_n results (0, or more than the documents: all of them)."""
     return_documents: bool
     """/rerank: each result carries its `document` (vLLM always does; Jina's and Cohere's clients may ask not to)."""
-    fields: tuple[str, str]
-    """What the body names the firsts and the seconds (text_1 and text_2, queries and documents, query and
-    documents)."""
+    first_fields: tuple[str, ...]
+    """What an error about each of `firsts` names: `text_1` (or `query`) for a string, `text_1[i]` in a list."""
+    second_fields: tuple[str, ...]
 
     def input_fields(self, pairs: bool) -> list[str]:
-        """What each input's errors name: pair i's second text (a cross-encoder's inputs are the pairs), else each
-        first text and then each second one."""
-        first, second = self.fields
+        """What each input's errors name: pair i's two texts (`query + documents[i]`: a cross-encoder's inputs are the
+        pairs), else each first text and then each second one."""
         if pairs:
-            return [f"{second}[{index}]" for index in range(len(self.pairs))]
-        return ([first] if len(self.firsts) == 1 else [f"{first}[{index}]" for index in range(len(self.firsts))]) + \
-            [f"{second}[{index}]" for index in range(len(self.seconds))]
+            return [f"{self.first_fields[self.first_index(pair)]} + {second}"
+                    for pair, second in enumerate(self.second_fields)]
+        return [*self.first_fields, *self.second_fields]
 
     def first_index(self, pair: int) -> int:
         """Which of `firsts` pair `pair` scores (1:N: the one query)."""
@@ -119,17 +118,25 @@ def parse_rerank_request(body: Mapping[str, Any], limits: RequestLimits) -> Scor
 def _score_request(body: Mapping[str, Any], limits: RequestLimits, first: str, second: str, top_n: int,
                    return_documents: bool) -> ScoreRequest:
     pairs = score_pairs(body[first], body[second], first, second)
-    firsts = (body[first],) if isinstance(body[first], str) else tuple(body[first])
-    seconds = tuple(second_text for _, second_text in pairs)
     if len(pairs) > MAX_SEQUENCES:
         raise InvalidRequestError(second, f"{len(pairs)} pairs exceed {MAX_SEQUENCES} pairs per request")
-    for field, texts in ((first, firsts), (second, seconds)):
-        for index, text in enumerate(texts):
-            check_unicode(text, f"{field}[{index}]")
-            limits.check_prompt_bytes(utf8_length(text), f"{field}[{index}]")
+    firsts, first_fields = _texts_and_fields(body, first, limits)
+    seconds, second_fields = _texts_and_fields(body, second, limits)
     return ScoreRequest(_model(body), firsts, seconds, tuple(pairs), _use_activation(body),
                         _truncation(body, limits, pools=True), _request_id(body, limits), _priority(body), top_n,
-                        return_documents, (first, second))
+                        return_documents, first_fields, second_fields)
+
+
+def _texts_and_fields(body: Mapping[str, Any], field: str, limits: RequestLimits
+                      ) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """One side's texts (score_pairs checked their types) and what each one's errors name; each text's Unicode and
+    size checked."""
+    texts = (body[field],) if isinstance(body[field], str) else tuple(body[field])
+    fields = (field,) if isinstance(body[field], str) else tuple(f"{field}[{index}]" for index in range(len(texts)))
+    for text, name in zip(texts, fields):
+        check_unicode(text, name)
+        limits.check_prompt_bytes(utf8_length(text), name)
+    return texts, fields
 
 
 POOLING_TASKS = ("embed", "classify")
