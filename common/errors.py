@@ -19,6 +19,9 @@ class InvalidRequestError(ValueError):
     Raised before anything is allocated, so rejecting a request never leaks resources.
     """
 
+    code: str | None = None
+    """The OpenAI error object's `code` (null for most 400s)."""
+
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}")
         self.field = field
@@ -28,6 +31,18 @@ class InvalidRequestError(ValueError):
         # Raised in the router's body-parsing process (router/request_body.py) and re-raised here:
         # pickle rebuilds an exception from its args, which hold the joined text, not (field, message).
         return type(self), (self.field, self.message)
+
+
+CONTEXT_LENGTH_PHRASE = "this model's maximum context length is"
+"""OpenAI's and vLLM's words for a prompt the context cannot hold, which client libraries match to tell
+that error from other 400s (LiteLLM's ContextWindowExceededError, what its context-window fallbacks act on)."""
+
+
+class ContextLengthExceededError(InvalidRequestError):
+    """A prompt longer than the model's context can serve; its message holds CONTEXT_LENGTH_PHRASE."""
+
+    code = "context_length_exceeded"
+    """OpenAI's code for it (the openai SDK's `BadRequestError.code`)."""
 
 
 class UnsupportedModelError(ValueError):

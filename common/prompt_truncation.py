@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from splitserve.common.errors import InvalidRequestError
+from splitserve.common.errors import CONTEXT_LENGTH_PHRASE, ContextLengthExceededError, InvalidRequestError
 
 
 def longest_prompt(max_model_len: int, pools: bool = False) -> int:
@@ -16,10 +16,12 @@ def longest_prompt(max_model_len: int, pools: bool = False) -> int:
 
 
 def check_prompt_length(num_tokens: int, max_model_len: int, field: str, pools: bool = False) -> None:
-    """InvalidRequestError naming `field` when a prompt of `num_tokens` tokens is longer than longest_prompt()."""
+    """ContextLengthExceededError naming `field` when a prompt of `num_tokens` tokens is longer than
+    longest_prompt()."""
     if num_tokens > longest_prompt(max_model_len, pools):
         room = "" if pools else " (including at least one output token)"
-        raise InvalidRequestError(field, f"has {num_tokens} tokens; max_model_len is {max_model_len}{room}")
+        raise ContextLengthExceededError(field, f"has {num_tokens} tokens; {CONTEXT_LENGTH_PHRASE} {max_model_len} "
+                                                f"tokens{room}")
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,10 @@ def resolve_quantization(requested: str, group_size: int, checkpoint_config: dic
         return {"int8": QuantizationSpec("int8", 8, None),
                 "int4": QuantizationSpec("int4", 4, group_size)}.get(requested, NONE)
     method = str(checkpoint_config.get("quant_method", "?")).lower()
+    if method == "mxfp4":
+        raise UnsupportedModelError("checkpoint quantization 'mxfp4' (GPT-OSS's released MXFP4 expert weights) is "
+                                    "not supported: serve a bfloat16 checkpoint of the model (its experts "
+                                    "dequantized, without quantization_config in config.json)")
     if method not in PACKED_METHODS:
         raise UnsupportedModelError(f"checkpoint quantization {method!r} is not supported (gptq and awq are)")
     if requested not in ("auto", method):

@@ -34,7 +34,7 @@ ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$schema
 `discriminator` is OpenAPI's, which pydantic writes beside a discriminated union's oneOf)."""
 SCHEMA_VALUED = frozenset({"additionalProperties", "items"})
 """Keywords whose value is one subschema."""
-SCHEMA_MAP_VALUED = frozenset({"properties", "$defs", "definitions"})
+SCHEMA_MAP_VALUED = frozenset({"properties", "patternProperties", "$defs", "definitions"})
 """Keywords whose value maps names to subschemas."""
 SCHEMA_LIST_VALUED = frozenset({"anyOf", "allOf", "oneOf", "prefixItems"})
 """Keywords whose value is a list of subschemas."""
@@ -42,12 +42,27 @@ SUPPORTED_KEYWORDS = ANNOTATIONS | SCHEMA_VALUED | SCHEMA_MAP_VALUED | SCHEMA_LI
     "type", "enum", "const", "$ref", "required",
     "minLength", "maxLength", "pattern", "format",
     "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf",
-    "minItems", "maxItems",
+    "minItems", "maxItems", "minProperties", "maxProperties",
 })
 """The JSON schema subset the grammar engine enforces exactly (oneOf only where its alternatives are
-discriminated: _discriminator). Not in it (refused by name): patternProperties, propertyNames,
-dependentRequired, dependentSchemas, if/then/else, not, uniqueItems, contains, min/maxProperties,
+discriminated: _discriminator; minProperties only up to MAX_MIN_PROPERTIES). Not in it (refused by
+name): propertyNames, dependentRequired, dependentSchemas, if/then/else, not, uniqueItems, contains,
 unevaluated*, x-guidance."""
+MAX_MIN_PROPERTIES = 1
+"""Largest minProperties enforced: the grammar engine keeps the keys an object lists in `properties`
+unique but not those of additionalProperties / patternProperties, and counts `{"a":1,"a":2}` as two
+properties where a JSON parser keeps one (seen sampling minProperties 2 and 3). Up to 1 that cannot
+matter: a non-empty object has a key. maxProperties is exact (a repeated key only counts more)."""
+ONE_OF_RULE = ("only alternatives that are objects with a required property whose values (a const or an enum) "
+               "differ from alternative to alternative (a discriminated union, as pydantic writes it) and no anyOf "
+               "beside them; use anyOf")
+"""Why a oneOf is refused: where its alternatives are discriminated, no value matches two of them, so
+it is generated as anyOf (one_of_as_any_of); any other oneOf, so generated, could produce a value
+that matches two alternatives and so does not validate."""
+MAX_UNION_SCHEMAS = 256
+"""Most schemas followed (through `$ref`s and nested oneOf / anyOf) to find the objects one oneOf
+alternative allows: each oneOf is checked apart, so this bounds the work a schema of many unions
+costs the router; a larger union is refused as not discriminated."""
 NUMERIC_KEYWORDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
 """Keywords whose value is a number (the others hold counts)."""
 MAX_EXACT_INTEGER = 2 ** 53
@@ -224,12 +239,22 @@ _ESCAPE = re.compile(r"\\\\|\\u([0-9a-fA-F]{4})|\\U([0-9a-fA-F]{8})")
 \\UXXXXXXXX escape."""
 
 
-def without_unicode_escapes(grammar: str) -> str:
+def grammar_as_lark(grammar: str, any_to_lark: Callable[[str], str]) -> str:
+    """A request's `grammar` (a Lark grammar, or a GBNF / EBNF one: llama.cpp's, what xgrammar and vLLM's
+    offline examples take) as a Lark grammar; InvalidRequestError naming `grammar` if it is neither.
+    `any_to_lark` is llguidance's converter (llguidance.gbnf_to_lark.any_to_lark), passed in by its two
+    callers, the router and the offline LLM, since common/ imports no llguidance: both convert alike."""
+    try:
+        return any_to_lark(_without_unicode_escapes(grammar))
+    except Exception as error:  # GbnfToLarkError, and a bare Exception for some inputs (no root rule)
+        raise InvalidRequestError("grammar", f"is not a valid GBNF grammar: {error}") from None
+
+
+def _without_unicode_escapes(grammar: str) -> str:
     """`grammar` with its \\uXXXX and \\UXXXXXXXX escapes (GBNF's, in literals and character classes)
     as llguidance reads them: \\xHH below 0x100, else the character itself (it has no meaning to the
     syntax). llguidance's GBNF converter writes \\u0041 as \\u41 and keeps \\U0001F600, both of which
-    its Lark lexer refuses. A surrogate or an out-of-range escape stays as written (and is refused).
-    The router and the offline LLM apply it before converting a GBNF grammar to Lark (any_to_lark)."""
+    its Lark lexer refuses. A surrogate or an out-of-range escape stays as written (and is refused)."""
     def replace(match: re.Match) -> str:
         digits = match.group(1) or match.group(2)
         if digits is None:
@@ -343,10 +368,7 @@ def _check_schema(spec: str) -> None:
         raise InvalidRequestError("json_schema", f"unsupported {construct} at {path or '/'}")
     for path, subschema in _all_subschemas(schema, ""):
         if "oneOf" in subschema and ("anyOf" in subschema or _discriminator(subschema["oneOf"], schema) is None):
-            raise InvalidRequestError("json_schema", f"unsupported keyword 'oneOf' at {path or '/'}: only alternatives "
-                                                     "that are objects with a required property of a different "
-                                                     "const in each (a discriminated union, as pydantic writes it) "
-                                                     "and no anyOf beside them; use anyOf")
+            raise InvalidRequestError("json_schema", f"unsupported keyword 'oneOf' at {path or '/'}: {ONE_OF_RULE}")
 
 
 def _all_subschemas(schema: Any, path: str) -> Iterator[tuple[str, dict]]:
@@ -357,34 +379,83 @@ def _all_subschemas(schema: Any, path: str) -> Iterator[tuple[str, dict]]:
             yield from _all_subschemas(child, child_path)
 
 
-_NO_CONST = object()
-"""A property schema that allows more than one value."""
-
-
 def _discriminator(alternatives: Any, root: Any) -> str | None:
-    """The property that tells the alternatives apart, if one does: each alternative (or the local
-    definition its `$ref` names) is an object schema requiring it, with a different `const` (or
-    one-value `enum`) each, so no value matches two of them. None otherwise."""
+    """The property that tells the alternatives apart, if one does: every object an alternative allows
+    (through `$ref`s to local definitions, and nested `oneOf` / `anyOf`: a union of unions) requires
+    it, with values (a `const`, an `enum`: a Literal of one or several values) that no other
+    alternative allows, so no value matches two of them. None otherwise."""
     if not isinstance(alternatives, list) or not alternatives:
         return None
-    resolved = [_resolved(alternative, root) for alternative in alternatives]
-    if not all(isinstance(alternative, dict) and alternative.get("type") == "object"
-               and isinstance(alternative.get("required"), list) and isinstance(alternative.get("properties"), dict)
-               for alternative in resolved):
+    leaves = [_object_leaves(alternative, root) for alternative in alternatives]
+    if None in leaves:
         return None
-    shared = set.intersection(*(set(filter(lambda name: isinstance(name, str), alternative["required"]))
-                                for alternative in resolved))
-    for name in sorted(shared):
-        values = [_const_of(alternative["properties"].get(name)) for alternative in resolved]
-        keys = {json.dumps(_integral(value), sort_keys=True) for value in values if value is not _NO_CONST}
-        if len(keys) == len(values):
+    required = frozenset.intersection(*(frozenset(name for name in leaf["required"] if isinstance(name, str))
+                                        for group in leaves for leaf in group))
+    for name in sorted(required):
+        tags = [_tag_values(group, name, root) for group in leaves]
+        if None not in tags and sum(map(len, tags)) == len(frozenset().union(*tags)):  # pairwise disjoint
             return name
     return None
 
 
+def _object_leaves(schema: Any, root: Any) -> list[dict] | None:
+    """The object schemas (type object, with `required` and `properties`) one of which every value
+    `schema` allows matches: schema itself, or those its `oneOf` / `anyOf` alternatives reach, each
+    followed through local `$ref`s, each schema once (a union shared or reached again adds nothing).
+    None if some value it allows need match none of them, or more than MAX_UNION_SCHEMAS are reached."""
+    leaves: list[dict] = []
+    seen: set[int] = set()
+    pending = [schema]
+    while pending:
+        node = _resolved(pending.pop(), root)
+        if not isinstance(node, dict) or len(seen) >= MAX_UNION_SCHEMAS:
+            return None
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if node.get("type") == "object" and isinstance(node.get("required"), list) and isinstance(
+                node.get("properties"), dict):
+            leaves.append(node)
+            continue
+        alternatives = node.get("oneOf", node.get("anyOf"))  # with both, a value matches one of each
+        if not isinstance(alternatives, list) or not alternatives:
+            return None
+        pending.extend(alternatives)
+    return leaves
+
+
+def _tag_values(leaves: list[dict], name: str, root: Any) -> frozenset[str] | None:
+    """The values (canonical JSON) property `name`, which each of the object schemas `leaves` requires,
+    may have in them, where each lists its values; else None."""
+    values = [_allowed_values(leaf["properties"].get(name), root) for leaf in leaves]
+    return None if None in values else frozenset().union(*values)
+
+
+def _allowed_values(schema: Any, root: Any) -> frozenset[str] | None:
+    """The values (canonical JSON) a property schema allows, where it lists them: a `const`, an
+    `enum`, or a `$ref` to a definition that does (an enum type by reference); None otherwise."""
+    for candidate in (schema, _resolved(schema, root)):
+        if isinstance(candidate, dict) and "const" in candidate:
+            return frozenset({_canonical(candidate["const"])})
+        if isinstance(candidate, dict) and isinstance(candidate.get("enum"), list):
+            return frozenset(map(_canonical, candidate["enum"]))
+    return None
+
+
+def _canonical(value: Any) -> str:
+    """value's JSON text, equal for equal JSON values (keys sorted; 1.0 written 1, as the number 1)."""
+    return json.dumps(_integral(value), sort_keys=True)
+
+
 def _integral(value: Any) -> Any:
-    """value, 1.0 written 1 (equal JSON numbers, one const)."""
-    return int(value) if isinstance(value, float) and value.is_integer() else value
+    """value with every integral float in it written as an int (1.0 and 1 are one JSON number)."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, list):
+        return [_integral(item) for item in value]
+    if isinstance(value, dict):
+        return {key: _integral(item) for key, item in value.items()}
+    return value
 
 
 def _resolved(schema: Any, root: Any) -> Any:
@@ -408,14 +479,6 @@ def _pointed(root: Any, reference: str) -> Any:
             return None
         value = value[token]
     return value
-
-
-def _const_of(schema: Any) -> Any:
-    if isinstance(schema, dict) and "const" in schema:
-        return schema["const"]
-    if isinstance(schema, dict) and isinstance(schema.get("enum"), list) and len(schema["enum"]) == 1:
-        return schema["enum"][0]
-    return _NO_CONST
 
 
 def _parse(spec: str, kind: str) -> Any:
@@ -459,6 +522,11 @@ def _bad_values(schema: dict, path: str) -> Iterator[tuple[str, str]]:
             yield f"{path}/type", f"type {name!r}"
     if "format" in schema and not (isinstance(schema["format"], str) and schema["format"] in FORMATS):
         yield f"{path}/format", f"format {schema['format']!r}"
+    minimum = schema.get("minProperties")
+    if isinstance(minimum, (int, float)) and not isinstance(minimum, bool) and minimum > MAX_MIN_PROPERTIES:
+        yield f"{path}/minProperties", (f"minProperties {json.dumps(minimum)} (at most {MAX_MIN_PROPERTIES}: the "
+                                        "grammar engine may write an additionalProperties or patternProperties key "
+                                        "twice and count it twice, where a JSON parser keeps one)")
     for keyword in NUMERIC_KEYWORDS:
         if isinstance(schema.get(keyword), bool):  # draft 4 or 2020-12 (true: the bound 1)? Say which.
             yield f"{path}/{keyword}", (f"{keyword} {json.dumps(schema[keyword])} (a number is expected: draft 4's "

@@ -255,7 +255,8 @@ class RouterConfig:
         return HttpOptions(CorsPolicy(self.cors_allowed_origins, self.cors_allowed_methods, self.cors_allowed_headers,
                                       self.cors_allow_credentials),
                            request_id_headers=self.enable_request_id_headers, root_path=self.root_path or "",
-                           uvicorn_log_level=self.uvicorn_log_level, response_role=self.response_role,
+                           uvicorn_log_level=self.uvicorn_log_level, access_log=self.access_log,
+                           response_role=self.response_role,
                            return_tokens_as_token_ids=self.return_tokens_as_token_ids,
                            enable_prompt_tokens_details=self.enable_prompt_tokens_details)
 

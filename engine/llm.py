@@ -32,7 +32,7 @@ from splitserve.common.model_dir import check_tokenizer_option, check_tokenizer_
 from splitserve.common.prompt_truncation import PromptTruncation, prompt_truncation
 from splitserve.common.sampling_params import MAX_LOGPROBS, SamplingParams
 from splitserve.common.stats import EngineStats
-from splitserve.common.structured_output import StructuredOutputKind, without_unicode_escapes
+from splitserve.common.structured_output import StructuredOutputKind, grammar_as_lark
 from splitserve.engine.engine_core import EngineCore
 from splitserve.engine.outputs import (BeamSearchOutput, BeamSearchSequence, ClassificationOutput,
                                        ClassificationRequestOutput, CompletionDelta, CompletionOutput, EmbeddingOutput,
@@ -686,11 +686,7 @@ def _with_lark_grammar(params: SamplingParams) -> SamplingParams:
     constraint = params.structured_output
     if constraint is None or constraint.kind != StructuredOutputKind.GRAMMAR:
         return params
-    try:
-        lark = any_to_lark(without_unicode_escapes(constraint.spec))
-    except Exception as error:  # GbnfToLarkError, and a bare Exception for some inputs (no root rule)
-        raise InvalidRequestError("grammar", f"is not a valid GBNF grammar: {error}") from None
-    return replace(params, structured_output=replace(constraint, spec=lark))
+    return replace(params, structured_output=replace(constraint, spec=grammar_as_lark(constraint.spec, any_to_lark)))
 
 
 def _salt(prompt: PromptInput) -> dict[str, str]:

@@ -27,7 +27,7 @@ from splitserve.engine.attention import AttentionBackend
 from splitserve.engine.cpu_kernels import cpu_kernel_isa
 from splitserve.engine.models.llama import LlamaFamilyArch, LlamaFamilyForCausalLM, RotaryEmbedding
 from splitserve.engine.models.layer_ops import CpuKernelLayerOps, LayerOps, TorchLayerOps
-from splitserve.engine.models.moe import SparseMoeArch
+from splitserve.engine.models.moe import ClampedSwiglu, SparseMoeArch
 from splitserve.engine.models.packed_linear import can_pack, pack_linears
 from splitserve.engine.quantization.formats import concat_rows
 from splitserve.engine.quantization.loader import install_quantized_linears, unpack_checkpoint
@@ -121,11 +121,20 @@ def parse_arch(config: PretrainedConfig) -> LlamaFamilyArch:
         **_gemma_fields(config, architecture),
         **_smollm3_fields(config, architecture),
         **_olmo2_fields(architecture),
+        **_gpt_oss_fields(architecture),
     )
 
 
 SMOLLM3 = "SmolLM3ForCausalLM"
 OLMO2 = "Olmo2ForCausalLM"
+GPT_OSS = "GptOssForCausalLM"
+
+
+def _gpt_oss_fields(architecture: str) -> dict:
+    """GPT-OSS's attention sinks and float32 norms (its experts: _sparse_moe)."""
+    if architecture != GPT_OSS:
+        return {}
+    return dict(attention_sinks=True, float32_norms=True)
 
 
 def _smollm3_fields(config: PretrainedConfig, architecture: str) -> dict:
@@ -211,7 +220,8 @@ def _granite_multipliers(config: PretrainedConfig, architecture: str) -> dict[st
 def _biases(config: PretrainedConfig, architecture: str) -> tuple[bool, bool, bool]:
     """(q/k/v, o, MLP) biases as transformers' modules of `architecture` build them: Llama and SmolLM3 read
     attention_bias (q/k/v and o) and mlp_bias, Qwen3, Qwen3-MoE, OLMo 2 and the Gemmas attention_bias only, Qwen2 always
-    biases q/k/v and nothing else, Mistral, Mixtral and Phi3 bias nothing, Granite reads what Llama reads. A field
+    biases q/k/v and nothing else, Mistral, Mixtral and Phi3 bias nothing, Granite reads what Llama reads, GPT-OSS
+    attention_bias (its experts' and router's biases: _sparse_moe). A field
     an architecture's modules never read (mlp_bias in a Qwen2 config.json, attention_bias in a Mistral one) is
     ignored, as transformers ignores it."""
     attention_bias = bool(getattr(config, "attention_bias", False))
@@ -219,7 +229,7 @@ def _biases(config: PretrainedConfig, architecture: str) -> tuple[bool, bool, bo
         return True, False, False
     if architecture in ("MistralForCausalLM", "MixtralForCausalLM", PHI3):
         return False, False, False
-    if architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", OLMO2, *GEMMA_ARCHITECTURES):
+    if architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", OLMO2, GPT_OSS, *GEMMA_ARCHITECTURES):
         return attention_bias, attention_bias, False
     return attention_bias, attention_bias, bool(getattr(config, "mlp_bias", False))
 
@@ -234,7 +244,8 @@ def _sliding_windows(config: PretrainedConfig, architecture: str) -> tuple[int |
     (dropping sliding_window when use_sliding_window is false); Qwen3-MoE windows every layer when
     use_sliding_window (its config drops sliding_window otherwise; neither it nor Mixtral has layer_types);
     Gemma 2 and 3 window their layer_types' sliding_attention layers, which Gemma 2's config alternates and
-    Gemma 3's derives from sliding_window_pattern (every 6th layer full) when config.json has none."""
+    Gemma 3's derives from sliding_window_pattern (every 6th layer full) when config.json has none; so does
+    GPT-OSS, whose config alternates them (sliding first) when config.json has none."""
     if architecture in ("LlamaForCausalLM", GRANITE, "GemmaForCausalLM", OLMO2):
         return (None,) * config.num_hidden_layers
     if architecture == SMOLLM3:
@@ -276,13 +287,19 @@ rope_parameters by them: its sliding layers rotate by the local RoPE)."""
 
 def _sparse_moe(config: PretrainedConfig, architecture: str) -> SparseMoeArch | None:
     """The experts as transformers' modules read config.json: Mixtral makes every layer sparse, its experts
-    intermediate_size wide, and always renormalizes the top k; Qwen3-MoE makes layer l sparse when num_experts > 0,
+    intermediate_size wide, and always renormalizes the top k; GPT-OSS makes every layer sparse, its experts
+    intermediate_size wide with biases and the clamped SwiGLU of swiglu_alpha / swiglu_limit, its router biased,
+    weighting the top k logits by their softmax; Qwen3-MoE makes layer l sparse when num_experts > 0,
     l is not in mlp_only_layers and decoder_sparse_step divides l + 1 (the other layers run a dense MLP
     intermediate_size wide), its experts moe_intermediate_size wide, and renormalizes when norm_topk_prob."""
     layers = range(config.num_hidden_layers)
     if architecture == "MixtralForCausalLM":
         return _checked_moe(config.num_local_experts, config.num_experts_per_tok, config.intermediate_size, True,
                             False, frozenset(layers))
+    if architecture == GPT_OSS:
+        return _checked_moe(config.num_local_experts, config.num_experts_per_tok, config.intermediate_size, False,
+                            True, frozenset(layers), router_bias=True, softmax_over_top_k=True,
+                            clamped_swiglu=_clamped_swiglu(config))
     if architecture != "Qwen3MoeForCausalLM":
         return None
     step, dense = config.decoder_sparse_step, set(config.mlp_only_layers or ())
@@ -295,9 +312,16 @@ def _sparse_moe(config: PretrainedConfig, architecture: str) -> SparseMoeArch | 
                         bool(config.norm_topk_prob), True, sparse)
 
 
-def _checked_moe(*fields) -> SparseMoeArch:
+def _checked_moe(*fields, **named_fields) -> SparseMoeArch:
     try:
-        return SparseMoeArch(*fields)
+        return SparseMoeArch(*fields, **named_fields)
+    except ValueError as error:
+        raise UnsupportedModelError(str(error)) from None
+
+
+def _clamped_swiglu(config: PretrainedConfig) -> ClampedSwiglu:
+    try:
+        return ClampedSwiglu(alpha=float(config.swiglu_alpha), limit=float(config.swiglu_limit))
     except ValueError as error:
         raise UnsupportedModelError(str(error)) from None
 
@@ -451,7 +475,8 @@ def _layer_shapes(arch: LlamaFamilyArch) -> dict[str, tuple[int, ...]]:
             "mlp.down_proj.weight": (hidden, inner), "mlp.gate_proj.bias": (inner,), "mlp.up_proj.bias": (inner,),
             "self_attn.qkv_proj.weight": (q_size + 2 * kv_size, hidden), "mlp.gate_up_proj.weight": (2 * inner, hidden),
             "mlp.down_proj.bias": (hidden,), "self_attn.q_norm.weight": (q_norm_size,),
-            "self_attn.k_norm.weight": (k_norm_size,), "pre_feedforward_layernorm.weight": (hidden,),
+            "self_attn.k_norm.weight": (k_norm_size,), "self_attn.sinks": (arch.num_heads,),
+            "pre_feedforward_layernorm.weight": (hidden,),
             "post_feedforward_layernorm.weight": (hidden,)}
 
 
@@ -477,7 +502,9 @@ def _fuse_layer(checkpoint: dict[str, torch.Tensor], index: int, arch: LlamaFami
                                              tuple(f"self_attn.{p}_proj.weight" for p in "qkv")),
         attn + "o_proj.weight": take("self_attn.o_proj.weight"),
     })
-    if arch.is_sparse_layer(index):
+    if arch.is_sparse_layer(index) and arch.moe.clamped_swiglu is not None:
+        state.update(fuse_gpt_oss_experts(checkpoint, index, arch))
+    elif arch.is_sparse_layer(index):
         state.update(_fuse_experts(checkpoint, index, arch))
     else:
         state[mlp + "gate_up_proj.weight"] = take_fused("mlp.gate_up_proj.weight",
@@ -493,6 +520,8 @@ def _fuse_layer(checkpoint: dict[str, torch.Tensor], index: int, arch: LlamaFami
     if arch.qk_norm:
         state[attn + "q_norm.weight"] = take("self_attn.q_norm.weight")
         state[attn + "k_norm.weight"] = take("self_attn.k_norm.weight")
+    if arch.attention_sinks:
+        state[attn + "sinks"] = take("self_attn.sinks")
     if arch.sandwich_norms:
         for name in ("pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight"):
             state[prefix + name] = take(name)
@@ -541,6 +570,53 @@ def _fuse_experts(checkpoint: dict[str, torch.Tensor], index: int, arch: LlamaFa
     return state
 
 
+def fuse_gpt_oss_experts(checkpoint: dict[str, torch.Tensor], index: int,
+                          arch: LlamaFamilyArch) -> dict[str, torch.Tensor]:
+    """GPT-OSS's router (`mlp.router`, weight and bias) and experts as transformers stores them: stacks of
+    `mlp.experts.gate_up_proj` [E, hidden, 2 I] (multiplied from the right: x @ W), whose columns alternate gate
+    and up (column 2 i is gate unit i, 2 i + 1 up unit i), with `gate_up_proj_bias` [E, 2 I] alike, and
+    `mlp.experts.down_proj` [E, I, hidden] with `down_proj_bias` [E, hidden]. Each expert's becomes a
+    [gate | up] Linear [2 I, hidden] and a down Linear [hidden, I]. The released checkpoints' MXFP4 blocks
+    (`gate_up_proj_blocks` / `_scales`) are refused before this (their quantization_config)."""
+    moe, hidden = arch.moe, arch.hidden_size
+    experts, inner = moe.num_experts, moe.expert_intermediate_size
+    prefix = f"layers.{index}.mlp."
+
+    def take(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        return _take(checkpoint, prefix + name, f"the experts of decoder layer {index} of {arch.num_layers}", arch,
+                     shape)
+
+    state = {prefix + "gate.weight": take("router.weight", (experts, hidden)),
+             prefix + "gate.bias": take("router.bias", (experts,))}
+    gate_up = take("experts.gate_up_proj", (experts, hidden, 2 * inner))
+    gate_up_bias = take("experts.gate_up_proj_bias", (experts, 2 * inner))
+    down = take("experts.down_proj", (experts, inner, hidden))
+    down_bias = take("experts.down_proj_bias", (experts, hidden))
+    for e in range(experts):
+        out = f"{prefix}experts.{e}."
+        state[out + "gate_up_proj.weight"] = torch.cat((gate_up[e, :, 0::2], gate_up[e, :, 1::2]),
+                                                     dim=1).t().contiguous()
+        state[out + "gate_up_proj.bias"] = torch.cat((gate_up_bias[e, 0::2], gate_up_bias[e, 1::2]))
+        state[out + "down_proj.weight"] = down[e].t().contiguous()
+        state[out + "down_proj.bias"] = down_bias[e]
+    return state
+
+
+def check_attention_sinks(arch: LlamaFamilyArch, device: torch.device, backend: AttentionBackend) -> None:
+    """UnsupportedModelError for a model with attention sinks (GPT-OSS) where they would not be attended: off the
+    CPU (FlashInfer's sink support is unverified here: docs/gpu.md), or on a backend that ignores them."""
+    if not arch.attention_sinks:
+        return
+    if device.type != "cpu":
+        raise UnsupportedModelError(f"{arch.architecture} (attention sinks) runs on device cpu only: the CUDA "
+                                    f"attention path (FlashInfer) has not been verified with sinks (docs/gpu.md); "
+                                    f"got device {device.type!r}")
+    if not backend.supports_attention_sinks:
+        raise UnsupportedModelError(f"{arch.architecture} has attention sinks, which attention backend "
+                                    f"{type(backend).__name__} does not attend with; use attention_backend cpu or "
+                                    f"torch")
+
+
 def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, backend: AttentionBackend,
                show_progress: bool = False, ops: LayerOps | None = None,
                quantization: QuantizationSpec = NONE, fuse_mlp_activation: bool = True,
@@ -556,6 +632,7 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, backen
         raise UnsupportedModelError(f"quantization {quantization.method!r} is not supported for mixture-of-experts "
                                     f"models ({arch.architecture}): their experts and router run float weights only; "
                                     f"set quantization to none")
+    check_attention_sinks(arch, device, backend)
     rotary, local_rotary = build_rotaries(config, arch)
     rotary = rotary.to(device)
     local_rotary = None if local_rotary is None else local_rotary.to(device)

@@ -1,5 +1,7 @@
 """One access-log line per client request, when it ends (on any path after validation): its status,
-tokens, TTFT and latency, on the `splitserve.access` logger.
+tokens, TTFT and latency, on the `splitserve.access` logger; and one `refused` line for an HTTP request
+answered with an error before it became a request of the router (refused at the edge or in validation),
+so that every client request the server answered is in the log once.
 
 The fields ride on the log record (`extra={"fields": ...}`), so the JSON formatter
 (common/log_format.py) writes them as keys; the text line renders them as key=value with every
@@ -33,10 +35,21 @@ def access_fields(record: RequestRecord) -> dict[str, object]:
 
 def text_line(fields: dict[str, object]) -> str:
     """`request "id" status=OK ...`: None fields left out, strings quoted."""
-    parts = [f"request {quote_for_log(fields['request_id'])}"]
-    parts += [f"{key}={quote_for_log(value) if isinstance(value, str) else value}"
-              for key, value in fields.items() if key != "request_id" and value is not None]
-    return " ".join(parts)
+    return f"request {quote_for_log(fields['request_id'])} {_key_values(fields, skip='request_id')}"
+
+
+def refusal_fields(method: str, path: str, http_status: int, message: str | None, param: str | None,
+                   client_request_id: str | None) -> dict[str, object]:
+    """An HTTP request refused before it ran: what it asked for, the answer's status and its error message
+    (quoting the client's input, hence bounded when written)."""
+    return {"method": method[:MAX_LOGGED_CHARS], "path": path[:MAX_LOGGED_CHARS], "http_status": http_status,
+            "client_request_id": None if client_request_id is None else client_request_id[:MAX_LOGGED_CHARS],
+            "param": param, "error": message}
+
+
+def log_refusal(fields: dict[str, object]) -> None:
+    """`refused method="POST" path="/v1/completions" http_status=400 ...`, on the access logger."""
+    logger.info("refused %s", _key_values(fields), extra={"fields": fields})
 
 
 def log_access(record: RequestRecord) -> None:
@@ -46,6 +59,12 @@ def log_access(record: RequestRecord) -> None:
         return
     fields = access_fields(record)
     logger.info("%s", text_line(fields), extra={"fields": fields})
+
+
+def _key_values(fields: dict[str, object], skip: str | None = None) -> str:
+    """key=value for each field but `skip` and the None ones, strings quoted (and bounded)."""
+    return " ".join(f"{key}={quote_for_log(value) if isinstance(value, str) else value}"
+                    for key, value in fields.items() if key != skip and value is not None)
 
 
 def _rounded(seconds: float | None) -> float | None:

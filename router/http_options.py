@@ -43,6 +43,10 @@ class HttpOptions:
     uvicorn_log_level: str = "info"
     """Level of uvicorn's loggers (uvicorn.error, uvicorn.asgi), one of UVICORN_LOG_LEVELS (vLLM's
     --uvicorn-log-level). uvicorn writes no access log here (splitserve.access is the access log)."""
+    access_log: bool = True
+    """A request answered with an error before it ran (401, 404, 413, 429 at the edge, 400 in validation) gets
+    a `refused` line on the access log (splitserve.access); the requests that ran get theirs from their records.
+    router.access_log (vLLM's --disable-log-requests turns it off)."""
     response_role: str = "assistant"
     """The role of a chat completion's message (and first stream delta) when the request's
     add_generation_prompt is true, vLLM's --response-role; otherwise the role of its last message."""

@@ -284,7 +284,8 @@ def _sampling(body: Mapping[str, Any], max_tokens: int, max_tokens_param: str | 
               limits: RequestLimits, defaults: RequestDefaults,
               constraint: StructuredOutput | None = None) -> SamplingParams:
     """`defaults` fill the sampling fields the body leaves unset (or null); `constraint`: a forced
-    tool choice's grammar, in place of the request's structured output fields."""
+    tool choice's grammar, in place of the request's `response_format` (router/tool_calling.py
+    refuses the other structured output fields beside it)."""
     _refuse_null(body, "min_tokens", f"an integer in [0, max_tokens={max_tokens}]")
     _refuse_null(body, "bad_words", _LOGIT_CONTROL_FIELDS["bad_words"][1])
     given = defaults.sampling_fields({name: body[name] for name in _SAMPLING_FIELDS if body.get(name) is not None})
@@ -296,9 +297,9 @@ def _sampling(body: Mapping[str, Any], max_tokens: int, max_tokens_param: str | 
         value = _typed(body, name, kind, what)
         if value is not None:
             given[name] = value
+    requested = parse_structured_output(body)  # checked also when a forced tool choice's grammar replaces it
     params = SamplingParams(stop=_stop(body), max_tokens=max_tokens, logprobs=logprobs,
-                            structured_output=parse_structured_output(body) if constraint is None else constraint,
-                            **given)
+                            structured_output=requested if constraint is None else constraint, **given)
     limits.check_sampling(params, max_tokens_param)
     return params
 

@@ -61,6 +61,7 @@ from splitserve.router.openai_protocol import (ChatCompletionRequest, ChatInput,
 from splitserve.router.api_types import GenerationInput, RouterError, StreamChunk, Usage
 from splitserve.router.beam_search_run import BeamSearchResult, run_beam_search
 from splitserve.router.embeddings import EmbeddingRenderer
+from splitserve.router.http_access import RAN_SCOPE_KEY, RefusalLog, header, route_path
 from splitserve.router.pooling_api import (ClassifyRenderer, ClassifyRequest, PoolingRenderer, PoolingRequest,
                                            ScoreRenderer, ScoreRequest, parse_classify_request,
                                            parse_pooling_request, parse_rerank_request, parse_score_request)
@@ -110,7 +111,7 @@ class ApiError(Exception):
         if isinstance(error, MalformedBodyError):
             return cls(400, str(error), code="invalid_json")
         if isinstance(error, InvalidRequestError):
-            return cls(400, str(error), error.field)
+            return cls(400, str(error), error.field, error.code)
         if isinstance(error, RouterError):
             return cls(_STATUS_BY_CODE.get(error.code, 500), error.message, code=error.code.lower())
         logger.error("request failed", exc_info=error)
@@ -404,6 +405,7 @@ class OpenAIServing:
         job = None
         try:
             job = await prepare(await self._read_request(request, parse))
+            request.scope[RAN_SCOPE_KEY] = True  # its record writes its access line, however it ends
             logger.info("[%s] %s: %d prompt tokens, %d sequences", quote_for_log(job.inputs[0].request_id),
                         request.url.path, sum(len(inp.prompt_token_ids) for inp in job.inputs[::job.num_sequences]),
                         len(job.inputs))
@@ -889,16 +891,6 @@ class _AsgiRoute:
         await self.app(scope, receive, send)
 
 
-def route_path(scope: Scope) -> str:
-    """The request's path as the routes see it: uvicorn puts --root-path in front of every path (ASGI's
-    `path` includes `root_path`), which Starlette's routing takes off again, and so must every check
-    that reads the path before it (the admission gate, the API-key guard)."""
-    path, root_path = scope["path"], scope.get("root_path", "")
-    if root_path and path.startswith(root_path + "/"):
-        return path[len(root_path):]
-    return path
-
-
 SCORE_PATHS = ("/score", "/v1/score")
 RERANK_PATHS = ("/rerank", "/v1/rerank", "/v2/rerank")
 CLASSIFY_PATH = "/classify"
@@ -956,18 +948,13 @@ class _ApiKeyGuard:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = route_path(scope) if scope["type"] == "http" else ""
         if path in GUARDED_PATHS or path.startswith("/v1/"):
-            reason = check_api_key(_header(scope, b"authorization"), _header(scope, b"x-api-key"), self._api_key)
+            reason = check_api_key(header(scope, b"authorization"), header(scope, b"x-api-key"), self._api_key)
             if reason is not None:
                 response = _error_response(scope, ApiError(401, reason, code="invalid_api_key"))
                 response.headers["WWW-Authenticate"] = "Bearer"
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
-
-
-def _header(scope: Scope, name: bytes) -> bytes | None:
-    """The request's first header `name` (lower case), if any."""
-    return next((value for key, value in scope["headers"] if key == name), None)
 
 
 def build_app(serving: OpenAIServing, metrics_app: ASGIApp | None = None, api_key: str | None = None,
@@ -993,6 +980,7 @@ def build_app(serving: OpenAIServing, metrics_app: ASGIApp | None = None, api_ke
     app = _AdmissionGate(Starlette(routes=routes, exception_handlers={HTTPException: _http_error}),
                          serving.orchestrator)
     app = _ApiKeyGuard(app, api_key) if api_key else app
+    app = RefusalLog(app) if options.access_log else app
     cors = options.cors
     app = CORSMiddleware(app, allow_origins=list(cors.allowed_origins), allow_methods=list(cors.allowed_methods),
                          allow_headers=list(cors.allowed_headers), allow_credentials=cors.allow_credentials)

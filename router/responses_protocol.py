@@ -541,7 +541,8 @@ class ResponsesRenderer:
     def _call_events(self, delta: ToolCallDelta) -> list[dict]:
         events = []
         if delta.id is not None:
-            item = self._calls[delta.index] = _CallItem(_new_item_id("fc"), delta.id, delta.name or "")
+            # call_<hex>, as OpenAI's and vLLM's Responses APIs (the chat's call id is chatcmpl-tool-<hex>)
+            item = self._calls[delta.index] = _CallItem(_new_item_id("fc"), _new_item_id("call"), delta.name or "")
             self._items.append(item)
             events.append(self._item_event("response.output_item.added", item, "in_progress"))
         item = self._calls[delta.index]

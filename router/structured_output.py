@@ -21,7 +21,7 @@ import llguidance
 from llguidance.gbnf_to_lark import any_to_lark
 
 from splitserve.common.errors import InvalidRequestError, json_excerpt
-from splitserve.common.structured_output import StructuredOutput, StructuredOutputKind, without_unicode_escapes
+from splitserve.common.structured_output import StructuredOutput, StructuredOutputKind, grammar_as_lark
 from splitserve.proto.splitserve.v1 import generation_pb2 as pb
 
 GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
@@ -159,10 +159,7 @@ def _grammar(value: Any) -> StructuredOutput:
     """A Lark grammar, or a GBNF / EBNF one (llama.cpp's, what xgrammar takes), converted to Lark."""
     if not isinstance(value, str):
         raise InvalidRequestError("grammar", f"must be a string, got {json_excerpt(value)}")
-    try:
-        return StructuredOutput(StructuredOutputKind.GRAMMAR, any_to_lark(without_unicode_escapes(value)))
-    except Exception as error:  # GbnfToLarkError, and a bare Exception for some inputs (no root rule)
-        raise InvalidRequestError("grammar", f"is not a valid GBNF grammar: {error}") from None
+    return StructuredOutput(StructuredOutputKind.GRAMMAR, grammar_as_lark(value, any_to_lark))
 
 
 _GUIDED: dict[str, Callable[[Any], StructuredOutput]] = {

@@ -31,6 +31,12 @@ from splitserve.router.request_limits import RequestLimits
 from splitserve.router.structured_output import STRUCTURED_OUTPUT_FIELDS, check_grammar
 
 TOOL_CALL_ID_PREFIX = "chatcmpl-tool-"
+GRAMMAR_FIELDS = tuple(field for field in STRUCTURED_OUTPUT_FIELDS if field != "response_format")
+"""The structured output fields a forced tool choice refuses: vLLM's explicit grammars, which the
+forced call's grammar would silently replace. `response_format` is not one: it shapes a text reply,
+which a forced call does not make, so it is checked and then has no effect on that turn (OpenAI
+and vLLM take the pair; the Agents SDK sends it for an agent with an output_type and a
+tool_choice, and keeps it when it resets the choice to "auto" for the next turn)."""
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 """The parameters schema of a function that declares none or sends `{}` (what vLLM constrains
 both to): `{}` alone would accept any JSON value, and a call's arguments are an object."""
@@ -145,7 +151,7 @@ def parse_tool_calling(body: Mapping[str, Any], limits: RequestLimits) -> ToolCa
     if tools is None:
         return None
     if choice in (ToolChoice.NAMED, ToolChoice.REQUIRED):
-        given = [field for field in STRUCTURED_OUTPUT_FIELDS if body.get(field) not in (None, {"type": "text"})]
+        given = [field for field in GRAMMAR_FIELDS if body.get(field) is not None]
         if given:
             forced = "naming a function" if choice == ToolChoice.NAMED else "\"required\""
             raise InvalidRequestError(given[0], f"cannot be combined with tool_choice {forced}, which constrains the "

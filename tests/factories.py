@@ -172,9 +172,10 @@ def eos_model(model_dir: Path, out_dir: Path, eos_token_id: int) -> Path:
 MOE_DEFAULTS = {
     "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True),
     "mixtral": dict(num_local_experts=6, num_experts_per_tok=2, intermediate_size=48),
+    "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=48),
 }
-"""The mixtures of experts' tiny shapes: 8 (6) experts 48 wide, 2 per token; Qwen3-MoE's dense layers (none unless
-mlp_only_layers or decoder_sparse_step say so) keep the base 128."""
+"""The mixtures of experts' tiny shapes: 8 (6, 4) experts 48 wide, 2 per token; Qwen3-MoE's dense layers (none
+unless mlp_only_layers or decoder_sparse_step say so) keep the base 128."""
 
 
 MODEL_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
@@ -198,19 +199,20 @@ def save_tokenizer_dir(out_dir: Path, vocab_size: int, seed: int) -> Path:
 
 def save_random_hf_model(out_dir: Path, architecture: str, seed: int = 0, **config_overrides) -> Path:
     """A random-weight checkpoint of any supported family (no tokenizer), via transformers itself."""
-    from transformers import (Gemma2Config, Gemma3TextConfig, GemmaConfig, GraniteConfig, LlamaConfig, MistralConfig,
-                              MixtralConfig, Olmo2Config, Phi3Config, Qwen2Config, Qwen3Config, Qwen3MoeConfig,
-                              SmolLM3Config)
+    from transformers import (Gemma2Config, Gemma3TextConfig, GemmaConfig, GptOssConfig, GraniteConfig, LlamaConfig,
+                              MistralConfig, MixtralConfig, Olmo2Config, Phi3Config, Qwen2Config, Qwen3Config,
+                              Qwen3MoeConfig, SmolLM3Config)
 
     config_class = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config,
                     "phi3": Phi3Config, "granite": GraniteConfig, "gemma": GemmaConfig, "gemma2": Gemma2Config,
                     "gemma3": Gemma3TextConfig, "qwen3_moe": Qwen3MoeConfig, "mixtral": MixtralConfig,
-                    "smollm3": SmolLM3Config, "olmo2": Olmo2Config}
+                    "smollm3": SmolLM3Config, "olmo2": Olmo2Config, "gpt_oss": GptOssConfig}
     base = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, max_position_embeddings=1024, initializer_range=0.1, bos_token_id=None,
                 eos_token_id=None, pad_token_id=None)
-    if architecture in ("gemma", "gemma2", "gemma3"):
-        base["head_dim"] = 16  # hidden_size / heads, as the others derive it (Gemma's config defaults to 256)
+    if architecture in ("gemma", "gemma2", "gemma3", "gpt_oss"):
+        # hidden_size / heads, as the others derive it (Gemma's config defaults to 256, GPT-OSS's to 64)
+        base["head_dim"] = 16
     config = config_class[architecture](**{**base, **MOE_DEFAULTS.get(architecture, {}), **config_overrides})
     _random_hf_model(config, seed).save_pretrained(out_dir)
     return out_dir
@@ -279,6 +281,10 @@ def _random_hf_model(config, seed: int):
         if name.endswith("bias") or name.endswith("norm.weight"):
             # HF initializes these to 0 / 1; random values make the test see if they are loaded.
             torch.nn.init.normal_(param, mean=1.0 if name.endswith("norm.weight") else 0.0, std=0.1)
+        elif name.endswith("sinks"):
+            # GPT-OSS's attention sinks: HF's N(0, 0.1) barely moves a softmax over more than a few keys; logits
+            # around exp(1) ~ the tiny models' summed exp(scores) take a share of it the tokens depend on.
+            torch.nn.init.normal_(param, mean=1.0, std=1.0)
     return model
 
 
@@ -978,3 +984,41 @@ class MetricsSources:
 
     def routing_stats(self):
         return self.routing
+
+
+# ---- paged attention cases (random pools and queries for the attention backends) -------------------
+from splitserve.engine.attention.base import AttentionMetadata, DecodeBatch, PrefillSpan  # noqa: E402
+
+
+def paged_decode_case(generator, dtype, batch, num_heads, num_kv_heads, head_dim, block_size=16, num_blocks=64):
+    """Random queries and pool; each sequence gets its own random blocks and a ragged length."""
+    kv_cache = torch.randn(num_blocks, 2, block_size, num_kv_heads, head_dim, generator=generator).to(dtype)
+    context_lens = torch.randint(1, 6 * block_size, (batch,), generator=generator)
+    width = int(-(-context_lens.max() // block_size))
+    tables = torch.stack([torch.randperm(num_blocks, generator=generator)[:width] for _ in range(batch)])
+    query = torch.randn(batch, num_heads, head_dim, generator=generator).to(dtype)
+    decode = DecodeBatch(token_indices=torch.arange(batch), block_tables=tables, context_lens=context_lens)
+    return query, kv_cache, decode
+
+
+def decode_metadata(decode: DecodeBatch, block_size: int = 16) -> AttentionMetadata:
+    return AttentionMetadata(positions=None, key_slots=None, value_slots=None, prefills=(), decodes=(decode,),
+                             block_size=block_size)
+
+
+def paged_prefill_case(generator, dtype, num_heads, num_kv_heads, head_dim, start, query_len, block_size=16,
+                       num_blocks=64):
+    """A chunk of query_len tokens after `start` positions, over random blocks; positions past the
+    context in the last block are NaN (never read). The chunk's keys/values are the pool's."""
+    context_len = start + query_len
+    table = torch.randperm(num_blocks, generator=generator)[:-(-context_len // block_size)]
+    kv_cache = torch.randn(num_blocks, 2, block_size, num_kv_heads, head_dim, generator=generator).to(dtype)
+    last_block, used = table[-1], context_len - (len(table) - 1) * block_size
+    kv_cache[last_block, :, used:] = float("nan")
+    positions = torch.arange(start, context_len)
+    rows = kv_cache[table[positions // block_size], :, positions % block_size]  # [q, 2, Hkv, D]
+    query = torch.randn(query_len, num_heads, head_dim, generator=generator).to(dtype)
+    span = PrefillSpan(query_start=0, query_len=query_len, context_len=context_len, block_table=table)
+    metadata = AttentionMetadata(positions=positions, key_slots=None, value_slots=None, prefills=(span,),
+                                 decodes=(), block_size=block_size)
+    return query, rows[:, 0], rows[:, 1], kv_cache, span, metadata

@@ -17,6 +17,9 @@ from decimal import Decimal
 from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import AnyUrl, BaseModel, Field, IPvAnyAddress, Json, conint, constr
+from typing_extensions import TypeAliasType
+
+from splitserve.common.structured_output import ONE_OF_RULE
 
 
 @dataclass(frozen=True)
@@ -95,6 +98,59 @@ class Owner(BaseModel):
     pet: Annotated[Union[Cat, Dog], Field(discriminator="pet_type")]
 
 
+class Circle(BaseModel):
+    kind: Literal["circle", "round"]
+    radius: conint(ge=1, le=9)
+
+
+class Square(BaseModel):
+    kind: Literal["square"]
+    side: conint(ge=1, le=9)
+
+
+class Drawing(BaseModel):  # a discriminated union whose branch has a Literal of two values (an enum)
+    shape: Annotated[Union[Circle, Square], Field(discriminator="kind")]
+
+
+class Text(BaseModel):
+    type: Literal["content"]
+    format: Literal["text", "markdown"]
+    body: str = Field(max_length=12)
+
+
+class Image(BaseModel):
+    type: Literal["content"]
+    format: Literal["png"]
+    width: conint(ge=1, le=512)
+
+
+class Ping(BaseModel):
+    type: Literal["ping"]
+
+
+class Message(BaseModel):  # a union (by `type`) of a union (by `format`) and a model: oneOf in a oneOf
+    part: Annotated[Union[Annotated[Union[Text, Image], Field(discriminator="format")], Ping],
+                    Field(discriminator="type")]
+
+
+Pet = TypeAliasType("Pet", Annotated[Union[Cat, Dog], Field(discriminator="pet_type")])
+"""A named discriminated union: a $def of its own (a oneOf), reached by $ref."""
+
+
+class Robot(BaseModel):
+    pet_type: Literal["robot", "drone"]
+    battery: conint(ge=0, le=100)
+
+
+class Kennel(BaseModel):  # a discriminated union, in a list, of a $ref'd discriminated union (Pet) and a model
+    residents: list[Annotated[Union[Pet, Robot], Field(discriminator="pet_type")]] = Field(min_length=1, max_length=2)
+
+
+class Inventory(BaseModel):  # a dict with a key pattern and bounds; other keys stay open (JSON Schema: no
+    # additionalProperties), so it may run long
+    counts: dict[constr(pattern=r"^[a-z]{1,4}$"), conint(ge=0, le=9)] = Field(min_length=1, max_length=2)
+
+
 class PlainUnion(BaseModel):
     """An undiscriminated union: anyOf."""
     value: Union[int, bool, Annotated[str, Field(max_length=5)]]
@@ -146,8 +202,10 @@ class Host(BaseModel):
 
 
 def _pydantic_schemas() -> list[CorpusSchema]:
-    models = [Person, Paint, Team, TreeNode, Owner, PlainUnion, Event, Reading, Pair, Extraction, Ticket]
-    return [CorpusSchema(f"pydantic_{model.__name__}", model.model_json_schema(), runs_long=model in (Team, Event))
+    models = [Person, Paint, Team, TreeNode, Owner, Drawing, Message, Kennel, Inventory, PlainUnion, Event, Reading,
+              Pair, Extraction, Ticket]
+    return [CorpusSchema(f"pydantic_{model.__name__}", model.model_json_schema(),
+                         runs_long=model in (Team, Event, Inventory))
             for model in models]
 
 
@@ -220,11 +278,13 @@ ODD_ONES = [
     CorpusSchema("number_bounds_exclusive", {"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 1,
                                              "multipleOf": 0.25}),
     CorpusSchema("string_formats", {
-        "type": "object", "required": ["ip", "host", "email", "time"], "additionalProperties": False,
+        "type": "object", "required": ["ip", "host", "email", "time", "link", "at"], "additionalProperties": False,
         "properties": {"ip": {"type": "string", "format": "ipv4"}, "host": {"type": "string", "format": "hostname",
                                                                               "maxLength": 12},
                        "email": {"type": "string", "format": "email", "maxLength": 20},
-                       "time": {"type": "string", "format": "time"}}}),
+                       "time": {"type": "string", "format": "time"},
+                       "link": {"type": "string", "format": "uri", "maxLength": 24},
+                       "at": {"type": "string", "format": "date-time"}}}),
     CorpusSchema("allof_intersection", {"allOf": [
         {"type": "object", "properties": {"a": {"type": "integer", "maximum": 9}}, "required": ["a"]},
         {"type": "object", "properties": {"b": {"type": "boolean"}}, "required": ["b"]}]},
@@ -234,6 +294,10 @@ ODD_ONES = [
                                                                                      "maximum": 999}},
         "type": "object", "properties": {"ids": {"type": "array", "items": {"$ref": "#/definitions/id"},
                                                  "maxItems": 3}}, "required": ["ids"]}),
+    CorpusSchema("pattern_properties_closed", {  # each key matches one of the (disjoint) patterns
+        "type": "object", "patternProperties": {"^x_[a-z]{1,3}$": {"type": "integer", "minimum": 0, "maximum": 9},
+                                                "^[0-9]{2}$": {"type": "boolean"}},
+        "additionalProperties": False, "minProperties": 1, "maxProperties": 3}),
     CorpusSchema("additional_properties_schema", {
         "type": "object", "additionalProperties": {"type": "integer", "minimum": 0, "maximum": 9},
         "properties": {"name": {"type": "string", "maxLength": 6}}, "required": ["name"]}),
@@ -254,8 +318,6 @@ ACCEPTED: list[CorpusSchema] = [*_pydantic_schemas(), *OPENAI_STRICT, *TOOL_PARA
 _OBJECT = {"type": "object", "properties": {"a": {"type": "integer"}}}
 
 REFUSED: list[RefusedSchema] = [
-    RefusedSchema("pattern_properties", {**_OBJECT, "patternProperties": {"^x_": {"type": "string"}}},
-                  "json_schema: unsupported keyword 'patternProperties' at /"),
     RefusedSchema("unevaluated_properties", {**_OBJECT, "unevaluatedProperties": False},
                   "json_schema: unsupported keyword 'unevaluatedProperties' at /"),
     RefusedSchema("if_then_else", {**_OBJECT, "if": {"required": ["a"]}, "then": {"required": ["b"]},
@@ -263,11 +325,18 @@ REFUSED: list[RefusedSchema] = [
                   "json_schema: unsupported keyword 'else' at /"),
     RefusedSchema("dependent_required", {**_OBJECT, "dependentRequired": {"a": ["b"]}},
                   "json_schema: unsupported keyword 'dependentRequired' at /"),
-    RefusedSchema("min_properties", {"type": "object", "additionalProperties": {"type": "integer"}, "minProperties": 1},
-                  "json_schema: unsupported keyword 'minProperties' at /"),
-    RefusedSchema("pydantic_dict_max_length", {"type": "object", "additionalProperties": {"type": "integer"},
-                                               "maxProperties": 3},
-                  "json_schema: unsupported keyword 'maxProperties' at /"),
+    RefusedSchema("min_properties_2", {"type": "object", "additionalProperties": {"type": "integer"},
+                                       "minProperties": 2},
+                  "json_schema: unsupported minProperties 2 (at most 1: the grammar engine may write an "
+                  "additionalProperties or patternProperties key twice and count it twice, where a JSON parser keeps "
+                  "one) at /minProperties"),
+    RefusedSchema("max_properties_beside_optional_properties", {
+        "type": "object", "properties": {"a": {"type": "integer"}}, "additionalProperties": {"type": "integer"},
+        "maxProperties": 3},  # llguidance bounds only the keys beyond those `properties` lists, all required
+                  'json_schema: min/maxProperties only supported when all keys listed in "properties" are required'),
+    RefusedSchema("pattern_properties_overlapping", {"type": "object", "patternProperties": {
+        "^x": {"type": "integer"}, "y$": {"type": "string"}}},  # "xy" matches both
+                  "json_schema: patternProperty regexes /^x/ and /y$/ are not disjoint"),
     RefusedSchema("unique_items", {"type": "array", "items": {"type": "integer"}, "uniqueItems": True},
                   "json_schema: unsupported keyword 'uniqueItems' at /"),
     RefusedSchema("contains", {"type": "array", "contains": {"const": 1}},
@@ -277,9 +346,12 @@ REFUSED: list[RefusedSchema] = [
     RefusedSchema("not", {"properties": {"a": {"not": {"type": "null"}}}},
                   "json_schema: unsupported keyword 'not' at /properties/a"),
     RefusedSchema("one_of_overlapping", {"properties": {"n": {"oneOf": [{"type": "integer"}, {"type": "number"}]}}},
-                  "json_schema: unsupported keyword 'oneOf' at /properties/n: only alternatives that are objects with "
-                  "a required property of a different const in each (a discriminated union, as pydantic writes it) "
-                  "and no anyOf beside them; use anyOf"),
+                  f"json_schema: unsupported keyword 'oneOf' at /properties/n: {ONE_OF_RULE}"),
+    RefusedSchema("one_of_tags_shared", {"$defs": {  # "b" is a tag of both alternatives
+        "A": {"type": "object", "properties": {"kind": {"enum": ["a", "b"]}}, "required": ["kind"]},
+        "B": {"type": "object", "properties": {"kind": {"const": "b"}}, "required": ["kind"]}},
+        "oneOf": [{"$ref": "#/$defs/A"}, {"$ref": "#/$defs/B"}]},
+                  f"json_schema: unsupported keyword 'oneOf' at /: {ONE_OF_RULE}"),
     RefusedSchema("pydantic_secret_str_format", {"type": "object", "properties": {"token": {
         "type": "string", "format": "password", "writeOnly": True}}},
                   "json_schema: unsupported format 'password' at /properties/token/format"),

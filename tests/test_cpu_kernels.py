@@ -33,7 +33,7 @@ from splitserve.engine.cpu_kernels import (AVX2, AVX512, AVX512_BF16, CSRC, SOUR
                                            cpu_kernel_isa, detect_isa, include_flags, load_cpu_kernels)
 from splitserve.engine.models.layer_ops import CpuKernelLayerOps, TorchLayerOps
 
-from tests.factories import needs_kernels
+from tests.factories import decode_metadata, needs_kernels, paged_decode_case, paged_prefill_case
 
 needs_compiler = pytest.mark.skipif(shutil.which("g++") is None or shutil.which("objdump") is None,
                                     reason="needs g++ and objdump")
@@ -86,22 +86,6 @@ def test_the_sources_compile_for_avx512(isa, march, sources, tmp_path):
     assert ("vdpbf16ps" in listings["prefill_attention"]) == isa.bf16_dot
 
 
-def _decode_case(generator, dtype, batch, num_heads, num_kv_heads, head_dim, block_size=16, num_blocks=64):
-    """Random queries and pool; each sequence gets its own random blocks and a ragged length."""
-    kv_cache = torch.randn(num_blocks, 2, block_size, num_kv_heads, head_dim, generator=generator).to(dtype)
-    context_lens = torch.randint(1, 6 * block_size, (batch,), generator=generator)
-    width = int(-(-context_lens.max() // block_size))
-    tables = torch.stack([torch.randperm(num_blocks, generator=generator)[:width] for _ in range(batch)])
-    query = torch.randn(batch, num_heads, head_dim, generator=generator).to(dtype)
-    decode = DecodeBatch(token_indices=torch.arange(batch), block_tables=tables, context_lens=context_lens)
-    return query, kv_cache, decode
-
-
-def _metadata(decode: DecodeBatch, block_size: int = 16) -> AttentionMetadata:
-    return AttentionMetadata(positions=None, key_slots=None, value_slots=None, prefills=(), decodes=(decode,),
-                             block_size=block_size)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("heads", [(4, 4), (8, 2), (12, 4), (16, 2)], ids=lambda h: f"{h[0]}q{h[1]}kv")
 @pytest.mark.parametrize("head_dim", [32, 40, 64, 128])
@@ -110,11 +94,11 @@ def _metadata(decode: DecodeBatch, block_size: int = 16) -> AttentionMetadata:
 @pytest.mark.parametrize("use_kernels", [pytest.param(True, marks=needs_kernels), False], ids=["kernel", "matmul"])
 def test_decode_attention_equals_the_reference(dtype, heads, head_dim, sliding_window, softcap, use_kernels):
     generator = torch.Generator().manual_seed(head_dim * 31 + heads[0])
-    query, kv_cache, decode = _decode_case(generator, dtype, batch=5, num_heads=heads[0], num_kv_heads=heads[1],
+    query, kv_cache, decode = paged_decode_case(generator, dtype, batch=5, num_heads=heads[0], num_kv_heads=heads[1],
                                            head_dim=head_dim)
-    expected = TorchReferenceAttention()._decode(query, kv_cache, decode, 0, _metadata(decode), sliding_window,
+    expected = TorchReferenceAttention()._decode(query, kv_cache, decode, 0, decode_metadata(decode), sliding_window,
                                                  softcap=softcap)
-    got = CpuPagedAttention(use_kernels=use_kernels)._decode(query, kv_cache, decode, 0, _metadata(decode),
+    got = CpuPagedAttention(use_kernels=use_kernels)._decode(query, kv_cache, decode, 0, decode_metadata(decode),
                                                              sliding_window, softcap=softcap)
     assert got.dtype == dtype and got.shape == query.shape
     torch.testing.assert_close(got.float(), expected.float(), atol=TOLERANCE[dtype], rtol=0)
@@ -132,11 +116,12 @@ def test_decode_kernel_tiles_every_group_size_and_head_dim(dtype, heads, head_di
     the registers (G = 1 MHA, 2, 3, 4, 5, 7 (prime: tiles of 1 head on AVX2), 8, 12 = H MQA), over whole
     and partial 16-float chunks of head_dim (72: a tail of 8; 80: five chunks, an odd one out)."""
     generator = torch.Generator().manual_seed(head_dim + heads[0] * 7 + heads[1])
-    query, kv_cache, decode = _decode_case(generator, dtype, batch=4, num_heads=heads[0], num_kv_heads=heads[1],
+    query, kv_cache, decode = paged_decode_case(generator, dtype, batch=4, num_heads=heads[0], num_kv_heads=heads[1],
                                            head_dim=head_dim)
-    expected = TorchReferenceAttention()._decode(query, kv_cache, decode, 0, _metadata(decode), sliding_window,
+    expected = TorchReferenceAttention()._decode(query, kv_cache, decode, 0, decode_metadata(decode), sliding_window,
                                                  softcap=softcap)
-    got = CpuPagedAttention()._decode(query, kv_cache, decode, 0, _metadata(decode), sliding_window, softcap=softcap)
+    got = CpuPagedAttention()._decode(query, kv_cache, decode, 0, decode_metadata(decode),
+                                      sliding_window, softcap=softcap)
     torch.testing.assert_close(got.float(), expected.float(), atol=TOLERANCE[dtype], rtol=0)
 
 
@@ -145,9 +130,9 @@ def test_decode_kernel_tiles_every_group_size_and_head_dim(dtype, heads, head_di
 def test_decode_attention_splits_heads_for_small_batches_without_changing_results(batch):
     """One sequence spreads its KV heads over the threads; 64 give each task all of a sequence's heads."""
     generator = torch.Generator().manual_seed(batch)
-    query, kv_cache, decode = _decode_case(generator, torch.float32, batch, 8, 4, 64)
-    expected = TorchReferenceAttention()._decode(query, kv_cache, decode, 0, _metadata(decode), None)
-    got = CpuPagedAttention()._decode(query, kv_cache, decode, 0, _metadata(decode), None)
+    query, kv_cache, decode = paged_decode_case(generator, torch.float32, batch, 8, 4, 64)
+    expected = TorchReferenceAttention()._decode(query, kv_cache, decode, 0, decode_metadata(decode), None)
+    got = CpuPagedAttention()._decode(query, kv_cache, decode, 0, decode_metadata(decode), None)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
 
 
@@ -155,34 +140,16 @@ def test_decode_attention_splits_heads_for_small_batches_without_changing_result
 def test_decode_attention_reads_only_the_context_positions():
     """Positions past context_len (the rest of the last block) and unlisted blocks may hold anything."""
     generator = torch.Generator().manual_seed(3)
-    query, kv_cache, decode = _decode_case(generator, torch.float32, 4, 8, 2, 64)
-    expected = CpuPagedAttention()._decode(query, kv_cache, decode, 0, _metadata(decode), None)
+    query, kv_cache, decode = paged_decode_case(generator, torch.float32, 4, 8, 2, 64)
+    expected = CpuPagedAttention()._decode(query, kv_cache, decode, 0, decode_metadata(decode), None)
     poisoned = torch.full_like(kv_cache, float("nan"))
     block_size = kv_cache.shape[2]
     for row, length in enumerate(decode.context_lens.tolist()):
         for position in range(length):
             block = decode.block_tables[row, position // block_size]
             poisoned[block, :, position % block_size] = kv_cache[block, :, position % block_size]
-    got = CpuPagedAttention()._decode(query, poisoned, decode, 0, _metadata(decode), None)
+    got = CpuPagedAttention()._decode(query, poisoned, decode, 0, decode_metadata(decode), None)
     assert torch.equal(got, expected)
-
-
-def _prefix_chunk_case(generator, dtype, num_heads, num_kv_heads, head_dim, start, query_len, block_size=16,
-                       num_blocks=64):
-    """A chunk of query_len tokens after `start` positions, over random blocks; positions past the
-    context in the last block are NaN (never read). The chunk's keys/values are the pool's."""
-    context_len = start + query_len
-    table = torch.randperm(num_blocks, generator=generator)[:-(-context_len // block_size)]
-    kv_cache = torch.randn(num_blocks, 2, block_size, num_kv_heads, head_dim, generator=generator).to(dtype)
-    last_block, used = table[-1], context_len - (len(table) - 1) * block_size
-    kv_cache[last_block, :, used:] = float("nan")
-    positions = torch.arange(start, context_len)
-    rows = kv_cache[table[positions // block_size], :, positions % block_size]  # [q, 2, Hkv, D]
-    query = torch.randn(query_len, num_heads, head_dim, generator=generator).to(dtype)
-    span = PrefillSpan(query_start=0, query_len=query_len, context_len=context_len, block_table=table)
-    metadata = AttentionMetadata(positions=positions, key_slots=None, value_slots=None, prefills=(span,),
-                                 decodes=(), block_size=block_size)
-    return query, rows[:, 0], rows[:, 1], kv_cache, span, metadata
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -198,7 +165,7 @@ def test_prefill_attention_equals_the_reference(dtype, heads, head_dim, start, q
     """The bf16 kernel (head_dim a multiple of 16), and the prefix + causal chunk parts merged by
     log-sum-exp, equal one masked call over the whole context."""
     generator = torch.Generator().manual_seed(start * 7 + query_len + head_dim)
-    query, key, value, kv_cache, span, metadata = _prefix_chunk_case(generator, dtype, heads[0], heads[1],
+    query, key, value, kv_cache, span, metadata = paged_prefill_case(generator, dtype, heads[0], heads[1],
                                                                      head_dim, start, query_len)
     expected = TorchReferenceAttention()._prefill(query, key, value, kv_cache, span, metadata, sliding_window,
                                                   softcap=softcap)
@@ -214,7 +181,7 @@ def test_prefill_attention_equals_the_reference(dtype, heads, head_dim, start, q
 @pytest.mark.parametrize("softcap", [None, SOFTCAP], ids=["uncapped", "softcap"])
 def test_prefill_kernel_covers_every_multiple_of_16_head_size(head_dim, softcap):
     generator = torch.Generator().manual_seed(head_dim)
-    query, key, value, kv_cache, span, metadata = _prefix_chunk_case(generator, torch.bfloat16, 6, 2, head_dim,
+    query, key, value, kv_cache, span, metadata = paged_prefill_case(generator, torch.bfloat16, 6, 2, head_dim,
                                                                      start=70, query_len=45)
     expected = TorchReferenceAttention()._prefill(query, key, value, kv_cache, span, metadata, None, softcap=softcap)
     got = CpuPagedAttention()._prefill(query, key, value, kv_cache, span, metadata, None, softcap=softcap)
@@ -226,7 +193,7 @@ def test_prefill_kernel_covers_every_multiple_of_16_head_size(head_dim, softcap)
 def test_prefill_kernel_results_do_not_depend_on_the_thread_count(threads):
     """Tasks are taken from a shared counter in any order; each writes only its own rows."""
     generator = torch.Generator().manual_seed(5)
-    query, key, value, kv_cache, span, metadata = _prefix_chunk_case(generator, torch.bfloat16, 8, 2, 64,
+    query, key, value, kv_cache, span, metadata = paged_prefill_case(generator, torch.bfloat16, 8, 2, 64,
                                                                      start=33, query_len=200)
     previous = torch.get_num_threads()
     try:
@@ -288,14 +255,16 @@ def test_every_attention_path_takes_the_model_s_softmax_scale(dtype, sliding_win
     output (here 0.4 against 1 / sqrt(64))."""
     generator = torch.Generator().manual_seed(17)
     scale = 0.4
-    query, kv_cache, decode = _decode_case(generator, dtype, batch=5, num_heads=8, num_kv_heads=2, head_dim=64)
-    expected = TorchReferenceAttention()._decode(query, kv_cache, decode, 0, _metadata(decode), sliding_window, scale)
-    got = CpuPagedAttention(use_kernels)._decode(query, kv_cache, decode, 0, _metadata(decode), sliding_window, scale)
+    query, kv_cache, decode = paged_decode_case(generator, dtype, batch=5, num_heads=8, num_kv_heads=2, head_dim=64)
+    expected = TorchReferenceAttention()._decode(query, kv_cache, decode, 0, decode_metadata(decode),
+                                                 sliding_window, scale)
+    got = CpuPagedAttention(use_kernels)._decode(query, kv_cache, decode, 0, decode_metadata(decode),
+                                                 sliding_window, scale)
     torch.testing.assert_close(got.float(), expected.float(), atol=TOLERANCE[dtype], rtol=0)
-    unscaled = TorchReferenceAttention()._decode(query, kv_cache, decode, 0, _metadata(decode), sliding_window)
+    unscaled = TorchReferenceAttention()._decode(query, kv_cache, decode, 0, decode_metadata(decode), sliding_window)
     assert (expected.float() - unscaled.float()).abs().max() > 0.05
     for start, query_len in ((0, 40), (37, 20)):
-        query, key, value, kv_cache, span, metadata = _prefix_chunk_case(generator, dtype, 8, 2, 64, start, query_len)
+        query, key, value, kv_cache, span, metadata = paged_prefill_case(generator, dtype, 8, 2, 64, start, query_len)
         expected = TorchReferenceAttention()._prefill(query, key, value, kv_cache, span, metadata, sliding_window,
                                                       scale)
         got = CpuPagedAttention(use_kernels)._prefill(query, key, value, kv_cache, span, metadata, sliding_window,
@@ -315,16 +284,19 @@ def test_every_attention_path_caps_the_scores_as_the_reference(dtype, sliding_wi
     prefix) equal the reference's eager softcapped attention, and the cap changes the output."""
     generator = torch.Generator().manual_seed(29)
     scale, softcap = 256 ** -0.5, SOFTCAP
-    query, kv_cache, decode = _decode_case(generator, dtype, batch=5, num_heads=8, num_kv_heads=4, head_dim=256)
-    expected = TorchReferenceAttention()._decode(query, kv_cache, decode, 0, _metadata(decode), sliding_window, scale,
+    query, kv_cache, decode = paged_decode_case(generator, dtype, batch=5, num_heads=8, num_kv_heads=4, head_dim=256)
+    expected = TorchReferenceAttention()._decode(query, kv_cache, decode, 0, decode_metadata(decode),
+                                                 sliding_window, scale,
                                                  softcap)
-    got = CpuPagedAttention(use_kernels)._decode(query, kv_cache, decode, 0, _metadata(decode), sliding_window, scale,
+    got = CpuPagedAttention(use_kernels)._decode(query, kv_cache, decode, 0, decode_metadata(decode),
+                                                 sliding_window, scale,
                                                  softcap)
     torch.testing.assert_close(got.float(), expected.float(), atol=TOLERANCE[dtype], rtol=0)
-    uncapped = TorchReferenceAttention()._decode(query, kv_cache, decode, 0, _metadata(decode), sliding_window, scale)
+    uncapped = TorchReferenceAttention()._decode(query, kv_cache, decode, 0, decode_metadata(decode),
+                                                 sliding_window, scale)
     assert (expected.float() - uncapped.float()).abs().max() > 0.05
     for start, query_len in ((0, 40), (37, 20)):
-        query, key, value, kv_cache, span, metadata = _prefix_chunk_case(generator, dtype, 8, 4, 256, start,
+        query, key, value, kv_cache, span, metadata = paged_prefill_case(generator, dtype, 8, 4, 256, start,
                                                                          query_len)
         expected = TorchReferenceAttention()._prefill(query, key, value, kv_cache, span, metadata, sliding_window,
                                                       scale, softcap)

@@ -311,5 +311,5 @@ def test_a_pasted_vllm_serve_command_line_is_taken_whole():
     assert (router.host, router.http_port, router.access_log, router.max_logprobs) == ("0.0.0.0", 8000, False, 40)
     assert router.http_options == HttpOptions(
         CorsPolicy(("https://chat.example",), ("GET", "POST"), ("authorization", "content-type"), True),
-        request_id_headers=True, root_path="/llm", uvicorn_log_level="warning", response_role="assistant",
-        return_tokens_as_token_ids=True, enable_prompt_tokens_details=True)
+        request_id_headers=True, root_path="/llm", uvicorn_log_level="warning", access_log=False,
+        response_role="assistant", return_tokens_as_token_ids=True, enable_prompt_tokens_details=True)

@@ -335,7 +335,7 @@ def test_a_config_naming_no_architecture_is_refused_naming_the_field(tmp_path, a
     message = ("config.json names no architecture (`architectures` is missing or empty); supported: "
                "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Phi3ForCausalLM, "
                "GraniteForCausalLM, GemmaForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM, SmolLM3ForCausalLM, "
-               "Olmo2ForCausalLM, Qwen3MoeForCausalLM, MixtralForCausalLM")
+               "Olmo2ForCausalLM, Qwen3MoeForCausalLM, MixtralForCausalLM, GptOssForCausalLM")
     with pytest.raises(UnsupportedModelError) as error:
         EngineCore(model_dir, EngineConfig(device="cpu"))
     assert str(error.value) == message
@@ -484,7 +484,8 @@ def test_longrope_is_served_up_to_its_original_length_exactly(tmp_path, architec
     assert outputs == [hf_greedy(model_dir, case) for case in cases]
     with pytest.raises(InvalidRequestError) as error:
         engine.validate("long", list(range(3, 3 + 64)), cases[0].params())
-    assert str(error.value) == "prompt: has 64 tokens; max_model_len is 64 (including at least one output token)"
+    assert str(error.value) == ("prompt: has 64 tokens; this model's maximum context length is 64 tokens (including at "
+                                 "least one output token)")
 
 
 def test_longrope_past_its_original_length_is_refused_naming_max_model_len(tmp_path):

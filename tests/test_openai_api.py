@@ -511,12 +511,16 @@ def test_a_client_disconnecting_before_a_whole_response_cancels_the_request(serv
 
 
 def test_a_chat_too_long_for_the_context_is_400_naming_messages(served):
+    """With OpenAI's code and OpenAI's and vLLM's words, which LiteLLM matches for its ContextWindowExceededError."""
     long_chat = [{"role": "user", "content": "the river runs " * 400}]
     status, _, raw = http_request(served.http_port, "POST", "/v1/chat/completions",
                           json.dumps({"model": MODEL, "messages": long_chat, "max_tokens": 1}).encode())
     error = json.loads(raw)["error"]
-    assert (status, error["param"]) == (400, "messages")
-    assert error["message"].startswith("messages: has ") and "max_model_len is" in error["message"]
+    _, _, counted = http_request(served.http_port, "POST", "/tokenize", json.dumps({"messages": long_chat}).encode())
+    max_model_len = json.loads(counted)["max_model_len"]
+    assert (status, error["param"], error["code"]) == (400, "messages", "context_length_exceeded")
+    assert error["message"] == (f"messages: has {json.loads(counted)['count']} tokens; this model's maximum context "
+                                f"length is {max_model_len} tokens (including at least one output token)")
 
 
 def test_the_http_servers_connections_send_small_writes_at_once():

@@ -147,13 +147,14 @@ class Case:
 SAMPLING_APIS = ("grpc", "triton", "completions", "chat")
 CASES = [
     Case("max_prompt_bytes", {"grpc": "prompt", "triton": "text_input", "completions": "prompt"},
-         f"has {len(LONG_TEXT)} bytes (UTF-8); at most 26611 can be served (router.max_prompt_bytes; max_model_len "
-         f"is 2048 tokens)", text=LONG_TEXT),
+         f"has {len(LONG_TEXT)} bytes (UTF-8); at most 26611 can be served (router.max_prompt_bytes; this model's "
+         f"maximum context length is 2048 tokens)", text=LONG_TEXT),
     Case("max_prompt_bytes (chat)", {"grpc": "messages", "chat": "messages"},
          f"has {len(LONG_TEXT) + 2} bytes (UTF-8); at most 26611 can be served (router.max_prompt_bytes; "
-         "max_model_len is 2048 tokens)", messages=[("system", "hi"), ("user", LONG_TEXT)]),
+         "this model's maximum context length is 2048 tokens)", messages=[("system", "hi"), ("user", LONG_TEXT)]),
     Case("max_model_len (token ids)", {"grpc": "prompt", "completions": "prompt"},
-         "has 2048 tokens; max_model_len is 2048 (including at least one output token)", token_ids=[7] * 2048),
+         "has 2048 tokens; this model's maximum context length is 2048 tokens (including at least one output token)",
+         token_ids=[7] * 2048),
     Case("max_chat_messages", {"grpc": "messages", "chat": "messages"}, "holds 1025 messages; at most 1024",
          messages=[("user", "hi")] * 1025),
     Case("chat roles", {"grpc": "messages[1].role", "chat": "messages[1].role"}, ROLES + '"wizard"',
@@ -286,7 +287,8 @@ def test_a_rendered_chat_over_the_limit_is_refused_before_it_is_encoded(tiny_lla
         asyncio.run(pool.apply_chat_template(messages, True))
     pool.close()
     assert str(error.value) == (f"messages: has {rendered} bytes (UTF-8); at most 100 can be served "
-                                "(router.max_prompt_bytes; max_model_len is 2048 tokens)")
+                                "(router.max_prompt_bytes; this model's maximum context length is 2048 tokens)")
+    assert error.value.code == "context_length_exceeded"  # the HTTP error object's code, as OpenAI's
 
 
 # ---- oversized prompts through the real servers ------------------------------------------------

@@ -394,7 +394,7 @@ def test_a_large_body_is_parsed_in_the_body_parsers_process(served):
         "format": {"type": "json_schema", "name": "big", "schema": schema}})
     assert (status, error["param"], error["message"]) == (400, "input", "input: has 150000 bytes (UTF-8); at most "
                                                                         "45990 can be served (router.max_prompt_bytes; "
-                                                                        "max_model_len is 512 tokens)")
+                                                                        "this model's maximum context length is 512 tokens)")
     assert (response.text.format.schema_, response.output_text[0], response.status) == (schema, "{", "incomplete")
 
 

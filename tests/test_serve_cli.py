@@ -294,7 +294,8 @@ def test_unsupported_architecture(model_copy):
                                          "supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, "
                                          "Qwen3ForCausalLM, Phi3ForCausalLM, GraniteForCausalLM, GemmaForCausalLM, "
                                          "Gemma2ForCausalLM, Gemma3ForCausalLM, SmolLM3ForCausalLM, "
-                                         "Olmo2ForCausalLM, Qwen3MoeForCausalLM, MixtralForCausalLM")
+                                         "Olmo2ForCausalLM, Qwen3MoeForCausalLM, MixtralForCausalLM, "
+                                         "GptOssForCausalLM")
 
 
 def test_missing_tokenizer_file_is_named(model_copy):

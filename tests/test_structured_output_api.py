@@ -118,8 +118,8 @@ def test_regex_and_choice(served):
 
 @pytest.mark.parametrize(("body", "param", "message"), [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {
-        "type": "object", "patternProperties": {"^x": {"type": "string"}}}}}},
-     "response_format", "response_format: json_schema: unsupported keyword 'patternProperties' at /"),
+        "type": "object", "propertyNames": {"pattern": "^x"}}}}},
+     "response_format", "response_format: json_schema: unsupported keyword 'propertyNames' at /"),
     ({"guided_json": {"type": "object", "properties": {"a": {"type": "array", "uniqueItems": True}}}},
      "guided_json", "guided_json: json_schema: unsupported keyword 'uniqueItems' at /properties/a"),
     ({"guided_regex": "a("}, "guided_regex", "guided_regex: regex: at 1(8): invalid regex \"a(\" (in regex): regex "
@@ -189,7 +189,7 @@ def test_grpc_typed_field(served):
 def test_grpc_bad_constraint_is_invalid_argument(served):
     with pytest.raises(grpc.RpcError) as caught:
         stream_tokens(served.grpc_port, _grpc_request(pb.StructuredOutput(json_schema=json.dumps(
-            {"type": "object", "patternProperties": {}}))))
+            {"type": "object", "propertyNames": {}}))))
     assert (caught.value.code(), caught.value.details()) == (
-        grpc.StatusCode.INVALID_ARGUMENT, "structured_output: json_schema: unsupported keyword 'patternProperties' "
+        grpc.StatusCode.INVALID_ARGUMENT, "structured_output: json_schema: unsupported keyword 'propertyNames' "
                                           "at /")

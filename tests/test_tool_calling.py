@@ -17,7 +17,7 @@ from transformers import AutoTokenizer
 
 from splitserve.common.errors import InvalidRequestError
 from splitserve.common.model_dir import DEFAULT_MODEL_NAME
-from splitserve.common.structured_output import StructuredOutputKind
+from splitserve.common.structured_output import ONE_OF_RULE, StructuredOutputKind
 from splitserve.engine.tiny_model import resolve_model_path
 from splitserve.router.openai_protocol import parse_chat_request, parse_tokenize_request
 from splitserve.router.openai_server import start_http_server
@@ -118,9 +118,12 @@ NAMED = {"type": "function", "function": {"name": "get_time"}}
     (chat(tools=TOOLS, tool_choice={"type": "custom", "custom": {}}), "tool_choice.type",
      "must be \"function\", got 'custom'"),
     (chat(tools=TOOLS, parallel_tool_calls="sure"), "parallel_tool_calls", "must be a boolean, got 'sure'"),
-    (chat(tools=TOOLS, tool_choice=NAMED, response_format={"type": "json_object"}), "response_format",
+    (chat(tools=TOOLS, tool_choice=NAMED, structured_outputs={"json_object": True}), "structured_outputs",
      'cannot be combined with tool_choice naming a function, which constrains the output itself (use '
      'tool_choice "auto" or "none")'),
+    (chat(tools=TOOLS, tool_choice=NAMED, response_format={"type": "json_schema", "json_schema": {
+        "name": "r", "schema": {"type": "object", "not": {}}}}), "response_format",
+     "json_schema: unsupported keyword 'not' at /"),
     (chat(tools=TOOLS, tool_choice="required", guided_regex="a+"), "guided_regex",
      'cannot be combined with tool_choice "required", which constrains the output itself (use tool_choice '
      '"auto" or "none")'),
@@ -129,8 +132,7 @@ NAMED = {"type": "function", "function": {"name": "get_time"}}
      "tools[0].function.parameters", "json_schema: unsupported keyword 'not' at /"),
     (chat(tools=[TOOLS[0], {"type": "function", "function": {"name": "f", "parameters": {"oneOf": []}}}],
           tool_choice="required"), "tools[1].function.parameters",
-     "json_schema: unsupported keyword 'oneOf' at /: only alternatives that are objects with a required property of "
-     "a different const in each (a discriminated union, as pydantic writes it) and no anyOf beside them; use anyOf"),
+     f"json_schema: unsupported keyword 'oneOf' at /: {ONE_OF_RULE}"),
     (chat(tools=TOOLS, functions=[{"name": "f"}]), "functions", "is not supported by this server: the deprecated "
      "functions API is not implemented (send tools and tool_choice) (got [{\"name\": \"f\"}])"),
     (chat(messages=[{"role": "assistant", "content": None, "tool_calls": {}}]), "messages[0].tool_calls",
@@ -171,6 +173,17 @@ def test_named_tool_choice_generates_under_the_functions_schema():
     bare = parse(chat(tools=[{"type": "function", "function": {"name": "ping"}}],
                       tool_choice={"type": "function", "function": {"name": "ping"}}))
     assert json.loads(bare.sampling.structured_output.spec) == {"type": "object", "properties": {}}
+
+
+@pytest.mark.parametrize("tool_choice", [NAMED, "required"])
+def test_a_forced_tool_choice_generates_its_calls_whatever_the_response_format(tool_choice):
+    """OpenAI and vLLM take a forced choice beside a response_format (which shapes a text reply the forced turn
+    does not make): the Agents SDK sends both for an agent with an output_type and a tool_choice."""
+    report = {"type": "json_schema", "json_schema": {"name": "final_output", "strict": True, "schema": {
+        "type": "object", "properties": {"sunny": {"type": "boolean"}}, "required": ["sunny"]}}}
+    forced = parse(chat(tools=TOOLS, tool_choice=tool_choice))
+    for response_format in (report, {"type": "json_object"}):
+        assert parse(chat(tools=TOOLS, tool_choice=tool_choice, response_format=response_format)) == forced
 
 
 @pytest.mark.parametrize("parameters", [None, {}])

@@ -68,6 +68,8 @@ class AttentionBackend(Protocol):
     decodes of similar length); False when each sequence costs only its own context."""
     needs_paged_metadata: bool
     """True when forward reads AttentionMetadata.paged (FlashInfer's format), which the runner then builds."""
+    supports_attention_sinks: bool
+    """True when forward attends with `sinks` (GPT-OSS); the loader refuses a model with sinks otherwise."""
 
     def forward(
         self,
@@ -79,9 +81,11 @@ class AttentionBackend(Protocol):
         sliding_window: int | None,
         scale: float | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,  # [num_heads]
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         """Write this step's keys/values into the pool, then attend each query to its context: softmax(scale * q.k)
         weights over the values, scale 1 / sqrt(head_dim) when None (a model's own, e.g. Granite's
         attention_multiplier, otherwise). With softcap (Gemma 2's attn_logit_softcapping) each score s = scale * q.k
-        is first capped to softcap * tanh(s / softcap)."""
+        is first capped to softcap * tanh(s / softcap). With sinks (GPT-OSS's attention sinks) query head h's softmax
+        runs over its scores and one more logit, sinks[h], which weighs no value: the weights sum to less than 1."""
         ...

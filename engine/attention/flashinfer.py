@@ -143,13 +143,17 @@ class FlashInferAttention:
     """Decodes attend only their own pages."""
     needs_paged_metadata = True
     """The runner builds AttentionMetadata.paged for this backend."""
+    supports_attention_sinks = False
+    """The wrappers it plans take no sinks (docs/gpu.md: GPT-OSS is refused on this backend)."""
 
     def __init__(self, kernels: PagedKernels | None = None) -> None:
         """kernels: FlashInfer's (the default, CUDA) or a stand-in with the same calls (tests on CPU)."""
         self.kernels = kernels if kernels is not None else FlashInferKernels()
 
     def forward(self, query, key, value, kv_cache, metadata: AttentionMetadata, sliding_window, scale=None,
-                softcap=None):
+                softcap=None, sinks=None):
+        if sinks is not None:  # the loader refuses such a model first (supports_attention_sinks)
+            raise ValueError("FlashInferAttention does not attend with attention sinks")
         if metadata.paged is None:
             raise ValueError("FlashInferAttention needs AttentionMetadata.paged (an InputBuilder with paged_metadata)")
         flat_cache = kv_cache.view(-1, kv_cache.shape[-2], kv_cache.shape[-1])  # [num_blocks*2*block_size, H, D]

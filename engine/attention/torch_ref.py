@@ -21,24 +21,26 @@ from splitserve.engine.kv_quant import pool_quantization
 class TorchReferenceAttention:
     pads_decode_batches = True
     needs_paged_metadata = False
+    supports_attention_sinks = True
 
     def __init__(self) -> None:
         self._workspace = torch.empty(0)
 
     def forward(self, query, key, value, kv_cache, metadata: AttentionMetadata, sliding_window, scale=None,
-                softcap=None):
+                softcap=None, sinks=None):
         key, value = self._write(key, value, kv_cache, metadata)
         if not metadata.prefills and len(metadata.decodes) == 1:
             # A decode-only step in one bucket: its token indices are 0..T-1 in order.
-            return self._decode(query, kv_cache, metadata.decodes[0], 0, metadata, sliding_window, scale, softcap)
+            return self._decode(query, kv_cache, metadata.decodes[0], 0, metadata, sliding_window, scale, softcap,
+                                sinks)
         output = torch.empty_like(query)
         for span in metadata.prefills:
             rows = slice(span.query_start, span.query_start + span.query_len)
             output[rows] = self._prefill(query[rows], key[rows], value[rows], kv_cache, span, metadata,
-                                         sliding_window, scale, softcap)
+                                         sliding_window, scale, softcap, sinks)
         for index, decode in enumerate(metadata.decodes):
             output[decode.token_indices] = self._decode(query[decode.token_indices], kv_cache, decode, index,
-                                                        metadata, sliding_window, scale, softcap)
+                                                        metadata, sliding_window, scale, softcap, sinks)
         return output
 
     @staticmethod
@@ -58,9 +60,9 @@ class TorchReferenceAttention:
         return quantization.dequantize(key_rows, key.dtype), quantization.dequantize(value_rows, value.dtype)
 
     def _prefill(self, query, key, value, kv_cache, span: PrefillSpan, metadata, sliding_window, scale=None,
-                 softcap=None):
-        """scale: the softmax scale, None for SDPA's 1 / sqrt(head_dim); softcap as `forward`'s."""
-        if span.start_position == 0 and sliding_window is None and softcap is None:
+                 softcap=None, sinks=None):
+        """scale: the softmax scale, None for SDPA's 1 / sqrt(head_dim); softcap and sinks as `forward`'s."""
+        if span.start_position == 0 and sliding_window is None and softcap is None and sinks is None:
             # 4-D inputs: a 3-D call falls back to the unfused math kernel on CPU (3x slower).
             out = F.scaled_dot_product_attention(
                 query.unsqueeze(0).transpose(1, 2), key.unsqueeze(0).transpose(1, 2),
@@ -70,18 +72,18 @@ class TorchReferenceAttention:
                                     query.dtype)  # [1, Hkv, ctx, D]
         mask = _cached(metadata, ("prefill", span.query_start, sliding_window),
                        lambda: _prefill_mask(span, sliding_window, query.device))
-        out = attention(query.transpose(0, 1).unsqueeze(0), keys, values, mask, scale, softcap)  # [1, H, q, D]
+        out = attention(query.transpose(0, 1).unsqueeze(0), keys, values, mask, scale, softcap,
+                        sinks)  # [1, H, q, D]
         return out[0].transpose(0, 1)
 
     def _decode(self, query, kv_cache, decode: DecodeBatch, index: int, metadata, sliding_window, scale=None,
-                softcap=None):
+                softcap=None, sinks=None):
         max_len = decode.block_tables.shape[1] * metadata.block_size
         keys, values = self._gather(kv_cache, decode.block_tables, max_len, query.dtype)  # [B, Hkv, L, D]
         mask = _cached(metadata, ("decode", index, sliding_window),
                        lambda: _decode_mask(decode, max_len, sliding_window))
-        out = attention(query.unsqueeze(2), keys, values, mask, scale, softcap)  # [B, H, 1, D]
+        out = attention(query.unsqueeze(2), keys, values, mask, scale, softcap, sinks)  # [B, H, 1, D]
         return out.squeeze(2)
-
 
     def _gather(self, kv_cache: torch.Tensor, block_tables: torch.Tensor, length: int, dtype: torch.dtype):
         """Keys and values of `length` leading positions: two [B, Hkv, length, D] tensors of `dtype`.
@@ -116,18 +118,27 @@ class TorchReferenceAttention:
         return self._workspace[:numel]
 
 
-def attention(query, keys, values, mask, scale: float | None, softcap: float | None) -> torch.Tensor:
+def attention(query, keys, values, mask, scale: float | None, softcap: float | None,
+              sinks: torch.Tensor | None = None) -> torch.Tensor:
     """query [B, H, q, D] to keys / values [B, Hkv, L, D] (GQA: query head h reads KV head h // (H / Hkv)) where
-    mask (broadcast to [B, H, q, L], True = visible) allows -> [B, H, q, D]: torch's SDPA, or with a softcap
-    (which SDPA lacks) transformers' eager attention op for op: scores scaled, capped, masked, softmax in float32
-    rounded to the query's dtype, weighted sum of the values."""
-    if softcap is None:
+    mask (broadcast to [B, H, q, L], True = visible) allows -> [B, H, q, D]: torch's SDPA, or with a softcap or
+    sinks [H] (which SDPA lacks) transformers' eager attention op for op: scores scaled, capped, masked, each
+    head's sink logit appended as one more column (GPT-OSS), softmax in float32 rounded to the query's dtype, the
+    sink's column dropped, weighted sum of the values."""
+    if softcap is None and sinks is None:
         return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
     group = query.shape[1] // keys.shape[1]
     keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
     scores = torch.matmul(query, keys.transpose(-1, -2)) * (query.shape[-1] ** -0.5 if scale is None else scale)
-    scores = torch.tanh(scores / softcap) * softcap
-    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1, dtype=torch.float32).to(query.dtype)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))  # [B, H, q, L]
+    if sinks is not None:
+        sink_column = sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+        scores = torch.cat((scores, sink_column), dim=-1)  # [B, H, q, L + 1]
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    if sinks is not None:
+        probs = probs[..., :-1]
     return torch.matmul(probs, values)
 
 

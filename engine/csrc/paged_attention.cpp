@@ -8,6 +8,8 @@
 //   block_tables [B, max_blocks] int64            block of position p: block_tables[b, p / block_size]
 //   context_lens [B] int64                        positions 0 .. context_lens[b] - 1 are attended
 //   out          [B, H, D]                        same dtype as query
+//   sinks        [H] float32, or none             per query head, a logit that joins the softmax's denominator
+//                                                 and weighs no value (GPT-OSS's attention sinks)
 // sliding_window > 0 attends only the last sliding_window positions. softcap > 0 caps each scaled score s
 // as softcap * tanh(s / softcap) before the softmax (Gemma 2's attn_logit_softcapping); 0 leaves them. Query
 // head h reads KV head h / (H / Hkv) (grouped-query attention). Scores, softmax and the weighted sum are
@@ -33,17 +35,19 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
 namespace {
 
-// row = softmax(row) in place, exp vectorized (a scalar exp per score costs more than the dots).
-inline void softmax(float* row, int64_t length) {
+// row = softmax([row, sink])[:length] in place, exp vectorized (a scalar exp per score costs more than the
+// dots): the sink logit joins the denominator only; -inf (no sink) is the plain softmax of row.
+inline void softmax(float* row, int64_t length, float sink) {
   Vec16 maxima = set16(-std::numeric_limits<float>::infinity());
   int64_t m = 0;
   for (; m + 16 <= length; m += 16) maxima = max16(maxima, load16(row + m));
-  float max_score = reduce_max(maxima);
+  float max_score = std::max(reduce_max(maxima), sink);
   for (; m < length; ++m) max_score = std::max(max_score, row[m]);
   const Vec16 shift = set16(max_score);
   Vec16 sums = zero16();
@@ -53,7 +57,7 @@ inline void softmax(float* row, int64_t length) {
     store16(row + i, e);
     sums = sums + e;
   }
-  float total = reduce_add(sums);
+  float total = reduce_add(sums) + std::exp(sink - max_score);  // exp(-inf) = 0 without a sink
   for (; i < length; ++i) total += (row[i] = std::exp(row[i] - max_score));
   const Vec16 inv_total = set16(1.f / total);
   for (i = 0; i + 16 <= length; i += 16) store16(row + i, load16(row + i) * inv_total);
@@ -233,10 +237,10 @@ void with_head_tile(int heads, Pass pass) {
 // values. Each pass reads a position's rows of all the task's KV heads (adjacent in the pool) before the
 // next position's, each (position, KV head) row once for all G of its query heads, and prefetches rows
 // kPrefetchPositions ahead. Cache rows hold E (T itself, or quantized codes whose row scales fold into
-// the scores and the weights).
+// the scores and the weights). sinks: [H] logits of the softmax's denominator, or nullptr.
 template <typename T, typename E>
 void attend(const T* query, const E* cache, const int64_t* table, int64_t context_len, int64_t window, float scale,
-            float softcap, const Geometry& g, int64_t first_kv_head, int64_t num_kv, T* out) {
+            float softcap, const float* sinks, const Geometry& g, int64_t first_kv_head, int64_t num_kv, T* out) {
   const int64_t group = g.num_heads / g.num_kv_heads, dim = g.head_dim, width = g.head_stride;
   const int64_t heads = num_kv * group;  // query heads of this task, consecutive from first_kv_head * G
   const int64_t start = window > 0 ? std::max<int64_t>(0, context_len - window) : 0;
@@ -258,7 +262,9 @@ void attend(const T* query, const E* cache, const int64_t* table, int64_t contex
       for (int64_t i = 0; i < length; ++i) scores[h * length + i] *= KVRow<E>::scale(rows[i] + (h / group) * width, dim);
   if (softcap > 0.f)  // on the whole scaled score, the key row's scale included
     for (int64_t h = 0; h < heads; ++h) cap_scores(&scores[h * length], length, softcap);
-  for (int64_t h = 0; h < heads; ++h) softmax(&scores[h * length], length);
+  const float no_sink = -std::numeric_limits<float>::infinity();
+  for (int64_t h = 0; h < heads; ++h)
+    softmax(&scores[h * length], length, sinks ? sinks[first_kv_head * group + h] : no_sink);
   if constexpr (KVRow<E>::kQuantized)  // probability x value scale: the weight of each value row's codes
     for (int64_t h = 0; h < heads; ++h)
       for (int64_t i = 0; i < length; ++i)
@@ -286,7 +292,8 @@ int64_t kv_heads_per_task(int64_t batch, int64_t num_kv_heads) {
 
 template <typename T, typename E>
 void decode(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_tables,
-            const at::Tensor& context_lens, int64_t window, double scale, double softcap, at::Tensor& out) {
+            const at::Tensor& context_lens, int64_t window, double scale, double softcap, const float* sinks,
+            at::Tensor& out) {
   const Geometry g{query.size(1), kv_cache.size(3), query.size(2), kv_cache.size(2), block_tables.size(1),
                    kv_cache.size(4), kv_cache.size(3) * kv_cache.size(4),
                    2 * kv_cache.size(2) * kv_cache.size(3) * kv_cache.size(4)};
@@ -303,7 +310,7 @@ void decode(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tenso
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / tasks_per_seq, first_kv_head = (task % tasks_per_seq) * per_task;
       attend<T, E>(q + b * row, cache, tables + b * g.max_blocks, lens[b], window, static_cast<float>(scale),
-                   static_cast<float>(softcap), g,
+                   static_cast<float>(softcap), sinks, g,
                    first_kv_head, per_task, o + b * row);
     }
   });
@@ -312,12 +319,14 @@ void decode(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tenso
 // The cache's element type for a query of dtype T: T itself, or a quantized pool's codes.
 template <typename T>
 void decode_for_cache(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_tables,
-                      const at::Tensor& context_lens, int64_t window, double scale, double softcap, at::Tensor& out) {
+                      const at::Tensor& context_lens, int64_t window, double scale, double softcap,
+                      const float* sinks, at::Tensor& out) {
   switch (kv_cache.scalar_type()) {
-    case at::kChar: return decode<T, int8_t>(query, kv_cache, block_tables, context_lens, window, scale, softcap, out);
+    case at::kChar:
+      return decode<T, int8_t>(query, kv_cache, block_tables, context_lens, window, scale, softcap, sinks, out);
     case at::kFloat8_e4m3fn:
-      return decode<T, Fp8E4M3>(query, kv_cache, block_tables, context_lens, window, scale, softcap, out);
-    default: return decode<T, T>(query, kv_cache, block_tables, context_lens, window, scale, softcap, out);
+      return decode<T, Fp8E4M3>(query, kv_cache, block_tables, context_lens, window, scale, softcap, sinks, out);
+    default: return decode<T, T>(query, kv_cache, block_tables, context_lens, window, scale, softcap, sinks, out);
   }
 }
 
@@ -325,9 +334,18 @@ bool is_quantized_kv(const at::Tensor& kv_cache) {
   return kv_cache.scalar_type() == at::kChar || kv_cache.scalar_type() == at::kFloat8_e4m3fn;
 }
 
+// The sinks' float32 logits, one per query head; nullptr without sinks.
+const float* sink_logits(const std::optional<at::Tensor>& sinks, int64_t num_heads, const char* op) {
+  if (!sinks.has_value()) return nullptr;
+  TORCH_CHECK(sinks->dim() == 1 && sinks->size(0) == num_heads && sinks->is_contiguous() &&
+                  sinks->scalar_type() == at::kFloat,
+              op, ": sinks must be a contiguous float32 tensor of one logit per query head");
+  return sinks->const_data_ptr<float>();
+}
+
 void paged_decode_attention(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_tables,
                             const at::Tensor& context_lens, int64_t sliding_window, double scale, double softcap,
-                            at::Tensor out) {
+                            const std::optional<at::Tensor>& sinks, at::Tensor out) {
   TORCH_CHECK(query.dim() == 3 && kv_cache.dim() == 5 && block_tables.dim() == 2 && context_lens.dim() == 1,
               "paged_decode_attention: bad ranks");
   TORCH_CHECK(query.is_contiguous() && kv_cache.is_contiguous() && block_tables.is_contiguous() &&
@@ -340,12 +358,14 @@ void paged_decode_attention(const at::Tensor& query, const at::Tensor& kv_cache,
               "paged_decode_attention: block_tables and context_lens must be int64");
   TORCH_CHECK(query.size(1) % kv_cache.size(3) == 0 && query.size(2) + (quantized ? 2 : 0) == kv_cache.size(4),
               "paged_decode_attention: head counts or head_dim do not match the cache");
+  const float* sink_row = sink_logits(sinks, query.size(1), "paged_decode_attention");
   switch (query.scalar_type()) {
     case at::kFloat:
-      return decode_for_cache<float>(query, kv_cache, block_tables, context_lens, sliding_window, scale, softcap, out);
+      return decode_for_cache<float>(query, kv_cache, block_tables, context_lens, sliding_window, scale, softcap,
+                                     sink_row, out);
     case at::kBFloat16:
       return decode_for_cache<c10::BFloat16>(query, kv_cache, block_tables, context_lens, sliding_window, scale,
-                                             softcap, out);
+                                             softcap, sink_row, out);
     default: TORCH_CHECK(false, "paged_decode_attention: dtype ", query.scalar_type(), " is not supported");
   }
 }
@@ -369,7 +389,7 @@ void fp8_e4m3_codes_to_float(const at::Tensor& codes, at::Tensor out) {
 
 TORCH_LIBRARY(splitserve_cpu, m) {
   m.def("paged_decode_attention(Tensor query, Tensor kv_cache, Tensor block_tables, Tensor context_lens, "
-        "int sliding_window, float scale, float softcap, Tensor(a!) out) -> ()");
+        "int sliding_window, float scale, float softcap, Tensor? sinks, Tensor(a!) out) -> ()");
   m.def("fp8_e4m3_to_float(Tensor codes, Tensor(a!) out) -> ()");
 }
 

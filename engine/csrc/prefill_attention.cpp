@@ -9,6 +9,8 @@
 //                                                     float8_e4m3fn codes (W = D + 2: codes, then a bf16 scale)
 //   block_table [ceil((start + q) / block_size)] int64
 //   out         [q, H, D]
+//   sinks       [H] float32, or none: per query head, a logit that joins the softmax's denominator and weighs no
+//               value (GPT-OSS's attention sinks)
 // Query head h reads KV head h / (H / Hkv). Query position i attends key position j when j <= i and, with
 // sliding_window > 0, i - j < sliding_window. softcap > 0 caps each scaled score s as softcap * tanh(s /
 // softcap) before the mask (Gemma 2's attn_logit_softcapping); 0 leaves them. D must be a multiple of 16.
@@ -43,6 +45,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <vector>
 
 namespace {
@@ -102,6 +105,7 @@ struct Geometry {
   int64_t block_stride;  // elements of one block (keys and values): 2 * block_size * Hkv * W
   int64_t key_tiles;     // ceil(context_len / kKeyTile)
   float softcap;         // > 0: scaled scores are capped to (-softcap, softcap); 0: no cap
+  const float* sinks;    // [H] sink logits, or nullptr
 };
 
 // A key or value row of the pool as T values: the row itself when the pool holds T, else its codes
@@ -303,6 +307,11 @@ void run_task(TaskBuffers& buf, const T* query, const PackedHead& head, const Ge
   std::fill(buf.out.begin(), buf.out.begin() + padded_rows * g.head_dim, 0.f);
   std::fill(buf.row_max.begin(), buf.row_max.end(), -std::numeric_limits<float>::infinity());
   std::fill(buf.row_sum.begin(), buf.row_sum.end(), 0.f);
+  if (g.sinks)  // a sink is a key seen before the first tile: its logit, weight exp(0) = 1, and a zero value
+    for (int64_t r = 0; r < rows; ++r) {
+      buf.row_max[r] = g.sinks[kv_head * g.group + r % g.group];
+      buf.row_sum[r] = 1.f;
+    }
   const int64_t first_position = g.start + first, last_position = first_position + positions - 1;
   const int64_t lowest_key = g.window > 0 ? std::max<int64_t>(0, first_position - g.window + 1) : 0;
   const int64_t tile_words = kKeyTile * key_words;  // = kKeyTile * D / P, keys or values
@@ -363,7 +372,7 @@ void prefill_for_cache(const at::Tensor& query, const at::Tensor& kv_cache, cons
 
 void paged_prefill_attention(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_table,
                              int64_t start_position, int64_t sliding_window, double scale, double softcap,
-                             at::Tensor out) {
+                             const std::optional<at::Tensor>& sinks, at::Tensor out) {
   TORCH_CHECK(query.dim() == 3 && kv_cache.dim() == 5 && block_table.dim() == 1 && out.dim() == 3,
               "paged_prefill_attention: bad ranks");
   TORCH_CHECK(query.is_contiguous() && kv_cache.is_contiguous() && block_table.is_contiguous() &&
@@ -376,6 +385,9 @@ void paged_prefill_attention(const at::Tensor& query, const at::Tensor& kv_cache
   TORCH_CHECK(query.size(1) % kv_cache.size(3) == 0 && query.size(2) + (quantized ? 2 : 0) == kv_cache.size(4) &&
                   query.size(2) % 16 == 0 && out.sizes() == query.sizes(),
               "paged_prefill_attention: head counts or head_dim (a multiple of 16) do not match the cache");
+  TORCH_CHECK(!sinks.has_value() || (sinks->dim() == 1 && sinks->size(0) == query.size(1) && sinks->is_contiguous() &&
+                                      sinks->scalar_type() == at::kFloat),
+              "paged_prefill_attention: sinks must be a contiguous float32 tensor of one logit per query head");
   const int64_t context_len = start_position + query.size(0);
   TORCH_CHECK(block_table.size(0) * kv_cache.size(2) >= context_len,
               "paged_prefill_attention: block_table is shorter than the context");
@@ -383,7 +395,7 @@ void paged_prefill_attention(const at::Tensor& query, const at::Tensor& kv_cache
                    query.size(1) / kv_cache.size(3), start_position, query.size(0), context_len, sliding_window,
                    kv_cache.size(4), kv_cache.size(3) * kv_cache.size(4),
                    2 * kv_cache.size(2) * kv_cache.size(3) * kv_cache.size(4), (context_len + kKeyTile - 1) / kKeyTile,
-                   static_cast<float>(softcap)};
+                   static_cast<float>(softcap), sinks.has_value() ? sinks->const_data_ptr<float>() : nullptr};
   switch (query.scalar_type()) {
     case at::kFloat: return prefill_for_cache<float>(query, kv_cache, block_table, g, scale, out);
     case at::kBFloat16: return prefill_for_cache<bf16>(query, kv_cache, block_table, g, scale, out);
@@ -395,7 +407,7 @@ void paged_prefill_attention(const at::Tensor& query, const at::Tensor& kv_cache
 
 TORCH_LIBRARY_FRAGMENT(splitserve_cpu, m) {
   m.def("paged_prefill_attention(Tensor query, Tensor kv_cache, Tensor block_table, int start_position, "
-        "int sliding_window, float scale, float softcap, Tensor(a!) out) -> ()");
+        "int sliding_window, float scale, float softcap, Tensor? sinks, Tensor(a!) out) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(splitserve_cpu, CPU, m) { m.impl("paged_prefill_attention", &paged_prefill_attention); }

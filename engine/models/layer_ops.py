@@ -50,12 +50,25 @@ class LayerOps(Protocol):
         """gelu(gate, approximate="tanh") * up for gate_up = [gate | up]: [N, 2I] -> [N, I] (Gemma's MLP)."""
         ...
 
+    def rms_norm_float32(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """GPT-OSS's RMSNorm: weight * normalize(x) in float32, rounded once to x's dtype; x: [N, H]."""
+        ...
+
 
 def rms_norm_unit_offset(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers' GemmaRMSNorm / Gemma3RMSNorm op for op."""
     normed = x.float()
     normed = normed * torch.rsqrt(normed.pow(2).mean(-1, keepdim=True) + eps)
     return (normed * (1.0 + weight.float())).to(x.dtype)
+
+
+def rms_norm_float32(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' GptOssRMSNorm op for op (its weight kept in float32)."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)  # one fused kernel, the same formula in float32
+    normed = x.float()
+    normed = normed * torch.rsqrt(normed.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight.float() * normed).to(x.dtype)
 
 
 def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -96,6 +109,9 @@ class TorchLayerOps:
     def gelu_tanh_and_mul(self, gate_up):
         return gelu_tanh_and_mul(gate_up)
 
+    def rms_norm_float32(self, x, weight, eps):
+        return rms_norm_float32(x, weight, eps)
+
 
 class CpuKernelLayerOps:
     def rms_norm(self, x, weight, eps):
@@ -125,6 +141,9 @@ class CpuKernelLayerOps:
 
     def gelu_tanh_and_mul(self, gate_up):
         return gelu_tanh_and_mul(gate_up)
+
+    def rms_norm_float32(self, x, weight, eps):  # GPT-OSS's norms: the reference's torch ops (no kernel)
+        return rms_norm_float32(x, weight, eps)
 
 
 def select_layer_ops(device: torch.device, dtype: torch.dtype, use_cpu_kernels: bool) -> LayerOps:

@@ -1,12 +1,13 @@
 """The Llama family (Llama, Mistral, Qwen2, Qwen3, Phi-3, Granite, Gemma, Gemma 2, Gemma 3, SmolLM3, OLMo 2, and the
-mixtures of experts Qwen3-MoE and Mixtral) over a flattened, paged batch.
+mixtures of experts Qwen3-MoE, Mixtral and GPT-OSS) over a flattened, paged batch.
 
 Differences between the architectures are data in `LlamaFamilyArch` (biases, per-head
 q/k RMSNorm, sliding windows, tied embeddings, partial rotary, Granite's multipliers; Gemma's
 (1 + weight) norms, scaled embeddings, GeLU-tanh MLP, Gemma 2 and 3's sandwich norms and attention
 scale, Gemma 2's logit softcapping, Gemma 3's local RoPE, SmolLM3's layers without RoPE, OLMo 2's post-norm
-layers and q/k norms over whole projections; sparse expert layers: engine/models/moe.py); the
-numerics follow Hugging Face transformers op for op so greedy outputs agree token for token.
+layers and q/k norms over whole projections, GPT-OSS's attention sinks and float32 norms; sparse expert layers:
+engine/models/moe.py); the numerics follow Hugging Face transformers op for op so greedy outputs agree token for
+token.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from torch import nn
 
 from splitserve.engine.attention import AttentionBackend, AttentionMetadata
 from splitserve.engine.models.layer_ops import GatedActivation, LayerOps
-from splitserve.engine.models.moe import SparseMoeArch, SparseMoeBlock
+from splitserve.engine.models.moe import ClampedSwigluExpert, SparseMoeArch, SparseMoeBlock
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,12 @@ class LlamaFamilyArch:
     qk_norm_over_projection: bool = False
     """OLMo 2 (with qk_norm): q_norm and k_norm are RMSNorms over the whole query (q_size) and key (kv_size)
     projections rather than over each head."""
+    attention_sinks: bool = False
+    """GPT-OSS: each attention layer holds `sinks` [num_heads], a logit per query head that joins its softmax's
+    denominator (AttentionBackend.forward)."""
+    float32_norms: bool = False
+    """GPT-OSS: every RMSNorm computes weight * normalize(x) in float32 and rounds once to the model's dtype
+    (transformers keeps its norms' weights in float32)."""
 
     def is_sparse_layer(self, layer_index: int) -> bool:
         """Whether the layer's feed-forward is the experts' block (moe) rather than a dense MLP."""
@@ -123,8 +130,21 @@ class UnitOffsetRMSNorm(RMSNorm):
         return self(residual.add_(x))
 
 
+class Float32RMSNorm(RMSNorm):
+    """GPT-OSS's RMSNorm: weight * normalize(x) in float32, rounded once to x's dtype."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, size]
+        return self.ops.rms_norm_float32(x, self.weight, self.eps)
+
+    def add_and_norm(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """residual += x in place; returns the norm of the sum."""
+        return self(residual.add_(x))
+
+
 def make_rms_norm(arch: LlamaFamilyArch, size: int, ops: LayerOps) -> RMSNorm:
-    return (UnitOffsetRMSNorm if arch.unit_offset_norms else RMSNorm)(size, arch.rms_norm_eps, ops)
+    if arch.unit_offset_norms:
+        return UnitOffsetRMSNorm(size, arch.rms_norm_eps, ops)
+    return (Float32RMSNorm if arch.float32_norms else RMSNorm)(size, arch.rms_norm_eps, ops)
 
 
 class RotaryEmbedding(nn.Module):
@@ -158,6 +178,7 @@ class Attention(nn.Module):
             over_projection = arch.qk_norm_over_projection
             self.q_norm = make_rms_norm(arch, arch.q_size if over_projection else arch.head_dim, ops)
             self.k_norm = make_rms_norm(arch, arch.kv_size if over_projection else arch.head_dim, ops)
+        self.sinks = nn.Parameter(torch.zeros(arch.num_heads)) if arch.attention_sinks else None
 
     def forward(self, hidden, rope, kv_cache, metadata: AttentionMetadata) -> torch.Tensor:
         arch = self.arch
@@ -177,7 +198,7 @@ class Attention(nn.Module):
             qk = self.ops.rotary(qk, *rope)
         q, k = qk.split((arch.num_heads, arch.num_kv_heads), dim=1)
         out = self.backend.forward(q, k, v, kv_cache, metadata, self.sliding_window,
-                                   arch.attention_scale, arch.attention_softcap)  # [T, H, D]
+                                   arch.attention_scale, arch.attention_softcap, self.sinks)  # [T, H, D]
         return self.o_proj(out.reshape(-1, arch.q_size))
 
 
@@ -219,12 +240,17 @@ class GeluTanhMLP(MLP):
 
 
 def build_feed_forward(arch: LlamaFamilyArch, layer_index: int, ops: LayerOps) -> nn.Module:
-    """The layer's feed-forward: in a sparse layer the experts (SiLU MLPs of their own width, without biases) and
-    their router, else the dense MLP (GeLU-tanh for Gemma, SiLU for the others)."""
+    """The layer's feed-forward: in a sparse layer the experts (SiLU MLPs of their own width, without biases;
+    GPT-OSS's clamped-SwiGLU ones with biases) and their router, else the dense MLP (GeLU-tanh for Gemma, SiLU for
+    the others)."""
     if not arch.is_sparse_layer(layer_index):
         return GeluTanhMLP(arch, ops) if arch.gelu_tanh_mlp else MLP(arch, ops)
-    expert_arch = replace(arch, intermediate_size=arch.moe.expert_intermediate_size, mlp_bias=False)
-    return SparseMoeBlock(arch.moe, arch.hidden_size, lambda: MLP(expert_arch, ops))
+    moe = arch.moe
+    if moe.clamped_swiglu is not None:
+        return SparseMoeBlock(moe, arch.hidden_size, lambda: ClampedSwigluExpert(
+            arch.hidden_size, moe.expert_intermediate_size, moe.clamped_swiglu))
+    expert_arch = replace(arch, intermediate_size=moe.expert_intermediate_size, mlp_bias=False)
+    return SparseMoeBlock(moe, arch.hidden_size, lambda: MLP(expert_arch, ops))
 
 
 class DecoderLayer(nn.Module):

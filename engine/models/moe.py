@@ -1,10 +1,12 @@
-"""Sparse mixture-of-experts feed-forward blocks (Qwen3-MoE, Mixtral) over a flattened batch.
+"""Sparse mixture-of-experts feed-forward blocks (Qwen3-MoE, Mixtral, GPT-OSS) over a flattened batch.
 
-A router picks `experts_per_token` of `num_experts` SiLU-gated MLPs per token; the block returns the
+A router picks `experts_per_token` of `num_experts` gated MLPs per token; the block returns the
 routing-weighted sum of their outputs. The numerics follow transformers 5.x (its default `grouped_mm`
 experts implementation) op for op so greedy outputs agree token for token: router logits in the model's
-dtype, softmax in float32, top-k over the probabilities, optional renormalization in float32, each
-expert's output scaled by its weight, then the k scaled outputs of a token summed in rank order.
+dtype, softmax in float32, top-k over the probabilities, optional renormalization in float32 (GPT-OSS: top-k
+over the logits, softmax over those k in the model's dtype), each expert's output scaled by its weight, then the
+k scaled outputs of a token summed in rank order. Qwen3-MoE's and Mixtral's experts are SiLU MLPs without biases;
+GPT-OSS's are ClampedSwigluExpert, with biases.
 """
 
 from __future__ import annotations
@@ -14,6 +16,20 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+
+@dataclass(frozen=True)
+class ClampedSwiglu:
+    """GPT-OSS's expert activation: (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit)."""
+
+    alpha: float
+    """config.json swiglu_alpha (1.702)."""
+    limit: float
+    """config.json swiglu_limit (7.0)."""
+
+    def __post_init__(self) -> None:
+        if not self.limit > 0:
+            raise ValueError(f"swiglu_limit must be > 0, got {self.limit}")
 
 
 @dataclass(frozen=True)
@@ -31,6 +47,13 @@ class SparseMoeArch:
     they stay float32 and the scaled outputs are summed in float32 (Mixtral). Equal in a float32 model."""
     sparse_layers: frozenset[int]
     """Decoder layers whose feed-forward is this block; the others run the dense MLP."""
+    router_bias: bool = False
+    """GPT-OSS: the router's linear has a bias."""
+    softmax_over_top_k: bool = False
+    """GPT-OSS: the top k are picked from the router's logits and weighted by a softmax over those k logits alone,
+    in the model's dtype (normalize_top_k and weights_in_model_dtype then change nothing)."""
+    clamped_swiglu: ClampedSwiglu | None = None
+    """GPT-OSS: the experts are ClampedSwigluExpert (with biases); None for SiLU MLPs without biases."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.experts_per_token <= self.num_experts:
@@ -45,12 +68,15 @@ class SparseMoeBlock(nn.Module):
     def __init__(self, moe: SparseMoeArch, hidden_size: int, make_expert: Callable[[], nn.Module]) -> None:
         super().__init__()
         self.moe = moe
-        self.gate = nn.Linear(hidden_size, moe.num_experts, bias=False)
+        self.gate = nn.Linear(hidden_size, moe.num_experts, bias=moe.router_bias)
         self.experts = nn.ModuleList(make_expert() for _ in range(moe.num_experts))
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k], expert ids [T, k]) for x [T, hidden], ranked by descending probability."""
         logits = self.gate(x)  # [T, num_experts], the model's dtype
+        if self.moe.softmax_over_top_k:
+            top_logits, experts = torch.topk(logits, self.moe.experts_per_token, dim=-1)
+            return torch.softmax(top_logits, dim=-1, dtype=logits.dtype), experts
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, experts = torch.topk(probs, self.moe.experts_per_token, dim=-1)
         if self.moe.normalize_top_k:
@@ -80,3 +106,23 @@ class SparseMoeBlock(nn.Module):
                 start += count
         # Summed over the ranks (transformers' reshape + sum), not accumulated per expert (its eager index_add_).
         return scaled.view(num_tokens, k, -1).sum(dim=1).to(x.dtype)
+
+
+class ClampedSwigluExpert(nn.Module):
+    """GPT-OSS's expert: down_proj(activation(gate_up_proj(x))) with biases, the gate/up rows de-interleaved at load
+    (engine/model_loader.py: the checkpoint's columns alternate gate, up) into [gate | up], as transformers'
+    GptOssExperts computes it op for op (each clamp, the sigmoid's product and the + 1 rounded to the dtype)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, activation: ClampedSwiglu) -> None:
+        super().__init__()
+        self.swiglu = activation
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=True)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, I] each
+        limit = self.swiglu.limit
+        gate = gate.clamp(max=limit)
+        up = up.clamp(min=-limit, max=limit)
+        glu = gate * torch.sigmoid(gate * self.swiglu.alpha)
+        return self.down_proj((up + 1) * glu)
