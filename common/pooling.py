@@ -101,7 +101,8 @@ def check_cross_encoder(classifier: Classifier) -> None:
     """A pair's score is one logit: a classifier of several labels has no score (vLLM's cross-encoders have one)."""
     if classifier.num_labels != 1:
         raise InvalidRequestError("model", f"scores need a cross-encoder of one label (num_labels 1); this model "
-                                           f"classifies into {classifier.num_labels} labels: use /classify")
+                                           f"classifies into {classifier.num_labels} labels: classify instead "
+                                           f"(/classify)")
 
 
 def score_pairs(first: object, second: object, first_field: str = "text_1",

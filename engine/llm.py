@@ -374,7 +374,7 @@ class LLM:
         if model is None:
             raise ValueError("Score API is not supported by this model. (splitserve: start the LLM with "
                              "runner=\"pooling\")")
-        pairs = score_pairs(data_1, data_2)
+        pairs = score_pairs(data_1, data_2, "data_1", "data_2")
         params = pooling_params or PoolingParams()
         if model.classifier is None:
             return self._embedding_scores(pairs, use_tqdm, params, lora_request, truncate_prompt_tokens)

@@ -94,6 +94,8 @@ def test_score_by_an_embedding_model_is_the_cosine_of_the_embeddings(tiny_llama_
         u, v = (torch.tensor(hf_embedding(tiny_llama_dir, i, "LAST"), dtype=torch.float64) for i in ids)
         assert abs(output.outputs.score - float(u @ v / (u.norm() * v.norm()))) <= TOLERANCE
         assert output.prompt_token_ids == ids[0] + [0] + ids[1]  # vLLM's: the pad token (0) between them
+    with pytest.raises(InvalidRequestError, match=r"^data_2: Input lengths must be either 1:1, 1:N or N:N; got 2:1$"):
+        llm.score(["a", "b"], ["c"])
     assert_pool_idle(llm.engine.block_manager)
 
 

@@ -169,7 +169,7 @@ def test_classify(classifier_dir):
     assert {path: (status, body["error"]["param"], body["error"]["message"])
             for path, (status, body) in refusals.items()} == {
         "/v1/score": (400, "model", "model: scores need a cross-encoder of one label (num_labels 1); this model "
-                                    "classifies into 3 labels: use /classify"),
+                                    "classifies into 3 labels: classify instead (/classify)"),
         "/v1/embeddings": (404, None, "Invalid URL (POST /v1/embeddings): this server runs its model as a pooling "
                                       "model (--runner pooling), which serves /classify, /score, /rerank and /pooling "
                                       "(a sequence-classification model)"),
