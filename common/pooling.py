@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from splitserve.common.errors import InvalidRequestError
@@ -75,13 +75,29 @@ class Classifier:
     score_activation: str
     """What /score, /rerank and LLM.score apply (vLLM's get_cross_encoder_act_fn): the sentence-transformers
     activation_fn config.json names, else the same sigmoid / softmax rule."""
+    activates: bool = True
+    """Whether a request that does not say (use_activation None) gets activated outputs: --pooler-config's
+    use_activation (vLLM's default true), else the logits."""
 
     @property
     def num_labels(self) -> int:
         return len(self.labels)
 
+    def classified(self, logits: Sequence[float], use_activation: bool | None) -> tuple[float, ...]:
+        """A classification's outputs (`probs`): the logits through classify_activation, or as they are when the
+        request (else the model) says no activation."""
+        return self._outputs(logits, use_activation, self.classify_activation)
 
-def activated(logits: Sequence[float], activation: str) -> tuple[float, ...]:
+    def scored(self, logits: Sequence[float], use_activation: bool | None) -> float:
+        """A cross-encoder's score of a pair: its one logit through score_activation (or as it is)."""
+        return self._outputs(logits, use_activation, self.score_activation)[0]
+
+    def _outputs(self, logits: Sequence[float], use_activation: bool | None, activation: str) -> tuple[float, ...]:
+        activates = self.activates if use_activation is None else use_activation
+        return _activated(logits, activation) if activates else tuple(logits)
+
+
+def _activated(logits: Sequence[float], activation: str) -> tuple[float, ...]:
     """A classifier's outputs from its logits (float64 here; the logits are the engine's float32)."""
     if activation == "identity":
         return tuple(float(x) for x in logits)
@@ -219,11 +235,13 @@ def read_model_pooling(model_dir: str | Path, overrides: PoolerConfig | None = N
     model_dir = Path(model_dir)
     config = json.loads((model_dir / "config.json").read_text())
     classifier = _classifier(config, model_dir)
-    if classifier is not None:  # vLLM's pooling of a converted *ForSequenceClassification: the last token, as is
-        return ModelPooling((overrides or PoolerConfig()).pooling_type or "LAST", False, int(config["hidden_size"]),
-                            None, False, _max_seq_length(model_dir), classifier)
-    declared = _sentence_transformers_pooling(model_dir)
     overrides = overrides or PoolerConfig()
+    if classifier is not None:  # vLLM's pooling of a converted *ForSequenceClassification: the last token, as is
+        if overrides.use_activation is not None:
+            classifier = replace(classifier, activates=overrides.use_activation)
+        return ModelPooling(overrides.pooling_type or "LAST", False, int(config["hidden_size"]), None, False,
+                            _max_seq_length(model_dir), classifier)
+    declared = _sentence_transformers_pooling(model_dir)
     pooling_type = overrides.pooling_type or declared.pooling_type or DEFAULT_POOLING_TYPE
     normalize = next(v for v in (overrides.use_activation, declared.use_activation, True) if v is not None)
     dims = config.get("matryoshka_dimensions")

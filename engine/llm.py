@@ -26,7 +26,7 @@ from splitserve.common.config import (VLLM_DTYPE_ALIASES, VLLM_KV_CACHE_DTYPE_AL
 from splitserve.common.generation_config import SAMPLING_KEYS, GenerationConfigFile, resolve_request_defaults
 from splitserve.common.errors import InvalidRequestError
 from splitserve.common.lora import LoRARequest, check_lora_request
-from splitserve.common.pooling import (Classifier, PoolerConfig, PoolingParams, activated, check_cross_encoder,
+from splitserve.common.pooling import (Classifier, PoolerConfig, PoolingParams, check_cross_encoder,
                                        cosine_similarity, score_pairs)
 from splitserve.common.model_dir import check_tokenizer_option, check_tokenizer_vocabulary, tokenizer_dir
 from splitserve.common.prompt_truncation import PromptTruncation, prompt_truncation
@@ -351,15 +351,16 @@ class LLM:
                  lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
                  truncate_prompt_tokens: int | None = None) -> list[ClassificationRequestOutput]:
         """vLLM's LLM.classify (runner "pooling", a sequence-classification model): each prompt's `probs`, the
-        head's logits through the model's activation (Classifier.classify_activation; a PoolingParams with
+        head's logits through the model's activation (Classifier.classified; a PoolingParams with
         use_activation=False: the logits). Arguments as embed()'s."""
         classifier = self._classifier("Classification")
         prompt_list = [self._resolve(prompt) for prompt in _prompt_list(prompts)]
         params = _broadcast_pooling_params(pooling_params, len(prompt_list))
         pooled = self._pool(prompt_list, use_tqdm, params, lora_request, truncate_prompt_tokens)
-        return [ClassificationRequestOutput(request_id, ClassificationOutput(list(
-                    activated(final.embedding, classifier.classify_activation) if p.use_activation is not False
-                    else final.embedding)), token_ids, final.num_cached_tokens, True)
+        return [ClassificationRequestOutput(request_id,
+                                            ClassificationOutput(list(classifier.classified(final.embedding,
+                                                                                            p.use_activation))),
+                                            token_ids, final.num_cached_tokens, True)
                 for (request_id, token_ids, final), p in zip(pooled, params)]
 
     def score(self, data_1: str | Sequence[str], data_2: str | Sequence[str], *,
@@ -382,10 +383,10 @@ class LLM:
         prompt_list = [PromptInput(None, self.tokenizer(text=query, text_pair=document)["input_ids"])
                        for query, document in pairs]
         pooled = self._pool(prompt_list, use_tqdm, params, lora_request, truncate_prompt_tokens)
-        return [ScoringRequestOutput(request_id, ScoringOutput(
-                    activated(final.embedding, model.classifier.score_activation)[0]
-                    if params.use_activation is not False else final.embedding[0]),
-                    token_ids, final.num_cached_tokens, True) for request_id, token_ids, final in pooled]
+        return [ScoringRequestOutput(request_id,
+                                     ScoringOutput(model.classifier.scored(final.embedding, params.use_activation)),
+                                     token_ids, final.num_cached_tokens, True)
+                for request_id, token_ids, final in pooled]
 
     def _embedding_scores(self, pairs: list[tuple[str, str]], use_tqdm: bool | Callable[..., tqdm],
                           params: PoolingParams, lora_request: LoRARequest | None,

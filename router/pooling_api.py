@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from splitserve.common.errors import InvalidRequestError, json_excerpt
-from splitserve.common.pooling import Classifier, activated, cosine_similarity, score_pairs
+from splitserve.common.pooling import Classifier, cosine_similarity, score_pairs
 from splitserve.common.prompt_truncation import PromptTruncation
 from splitserve.router.api_types import StreamChunk, Usage
 from splitserve.router.embeddings import encoded
@@ -181,9 +181,7 @@ class PoolingRenderer:
                 "data": data, "usage": _usage(usage.prompt_tokens)}
 
     def _data(self, vector: tuple[float, ...]) -> Sequence[float]:
-        if self.classifier is None or self.use_activation is False:
-            return vector
-        return activated(vector, self.classifier.classify_activation)
+        return vector if self.classifier is None else self.classifier.classified(vector, self.use_activation)
 
 
 def _use_activation(body: Mapping[str, Any]) -> bool | None:
@@ -209,8 +207,7 @@ class ClassifyRenderer:
     def response(self, choices: Sequence[Sequence[StreamChunk]], usage: Usage) -> dict:
         data = []
         for index, chunks in enumerate(choices):
-            logits = chunks[-1].embedding
-            probs = logits if self.use_activation is False else activated(logits, self.classifier.classify_activation)
+            probs = self.classifier.classified(chunks[-1].embedding, self.use_activation)
             best = max(range(len(probs)), key=probs.__getitem__)
             data.append({"index": index, "label": self.classifier.labels[best], "probs": list(probs),
                          "num_classes": len(probs)})
@@ -247,9 +244,7 @@ class ScoreRenderer:
 
     def _scores(self, vectors: list[tuple[float, ...]]) -> list[float]:
         if self.classifier is not None:
-            if self.request.use_activation is False:
-                return [vector[0] for vector in vectors]
-            return [activated(vector, self.classifier.score_activation)[0] for vector in vectors]
+            return [self.classifier.scored(vector, self.request.use_activation) for vector in vectors]
         num_firsts = len(self.request.firsts)
         return [cosine_similarity(vectors[self.request.first_index(pair)], vectors[num_firsts + pair])
                 for pair in range(len(self.request.pairs))]

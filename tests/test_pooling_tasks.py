@@ -136,4 +136,9 @@ def test_activations_as_vllm_reads_config_json(fields, classify, score, classifi
     one_label = read_model_pooling(classifiers["cross-encoder"]).classifier
     assert (one_label.labels, one_label.classify_activation, one_label.score_activation) == (
         ("LABEL_0",), "sigmoid", "sigmoid")
-    assert read_model_pooling(classifiers["qwen3"], PoolerConfig(pooling_type="MEAN")).pooling_type == "MEAN"
+    overridden = read_model_pooling(classifiers["qwen3"], PoolerConfig(pooling_type="MEAN", use_activation=False))
+    assert (overridden.pooling_type, overridden.classifier.activates) == ("MEAN", False)
+    # --pooler-config's use_activation false: logits unless the request asks for the activation
+    assert overridden.classifier.classified([0.0, 0.0], None) == (0.0, 0.0)
+    assert overridden.classifier.classified([0.0, 0.0], True) == (0.5, 0.5)
+    assert one_label.scored([0.0], None) == 0.5 and one_label.scored([2.0], False) == 2.0
