@@ -79,6 +79,13 @@ class Classifier:
     """Whether a request that does not say (use_activation None) gets activated outputs: --pooler-config's
     use_activation (vLLM's default true), else the logits."""
 
+    def __post_init__(self) -> None:
+        if not self.labels:
+            raise ValueError("a classifier needs at least one label")
+        for activation in (self.classify_activation, self.score_activation):
+            if activation not in ACTIVATIONS:
+                raise ValueError(f"activation must be one of {', '.join(ACTIVATIONS)}, got {activation!r}")
+
     @property
     def num_labels(self) -> int:
         return len(self.labels)
@@ -261,6 +268,8 @@ def _classifier(config: dict, model_dir: Path) -> Classifier | None:
         labels = tuple(str(id2label.get(str(i), id2label.get(i, f"LABEL_{i}"))) for i in range(len(id2label)))
     else:
         labels = tuple(f"LABEL_{i}" for i in range(int(config.get("num_labels", 2))))
+    if not labels:
+        raise ValueError(f"{model_dir / 'config.json'}: a sequence-classification model needs num_labels >= 1")
     default = "sigmoid" if len(labels) < 2 else "softmax"
     problem_type = config.get("problem_type")
     classify = {"regression": "identity", "multi_label_classification": "sigmoid"}.get(problem_type, default)
