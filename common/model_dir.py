@@ -161,13 +161,20 @@ BASE_MODEL_ARCHITECTURES = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "M
                             "Qwen2Model": "Qwen2ForCausalLM", "Qwen3Model": "Qwen3ForCausalLM"}
 """Decoders saved without their LM head, as embedding models are (e5-mistral's MistralModel): run as their causal-LM
 family, whose lm_head only a pooling engine can do without (load_model's needs_lm_head), as vLLM converts them."""
+SEQUENCE_CLASSIFICATION_ARCHITECTURES = {"LlamaForSequenceClassification": "LlamaForCausalLM",
+                                         "Qwen2ForSequenceClassification": "Qwen2ForCausalLM",
+                                         "Qwen3ForSequenceClassification": "Qwen3ForCausalLM"}
+"""Decoders with transformers' sequence-classification head (`score.weight` [num_labels, hidden] over the last
+token's final hidden state, no lm_head): cross-encoders, rerankers and classifiers. They run as their causal-LM family
+on a pooling engine only (common/pooling.py's Classifier)."""
+_RUN_AS = {**BASE_MODEL_ARCHITECTURES, **SEQUENCE_CLASSIFICATION_ARCHITECTURES}
 
 
 def chosen_architecture(architectures: Sequence[str]) -> str:
     """The first of a non-empty `architectures` list that the engine runs, as vLLM takes the first it supports
-    (["MyWrapper", "LlamaForCausalLM"] runs Llama; a BASE_MODEL_ARCHITECTURES name as its causal-LM family); the
-    first entry when none is (what the refusal names)."""
-    runnable = (BASE_MODEL_ARCHITECTURES.get(name, name) for name in architectures)
+    (["MyWrapper", "LlamaForCausalLM"] runs Llama; a BASE_MODEL_ARCHITECTURES or SEQUENCE_CLASSIFICATION_ARCHITECTURES
+    name as its causal-LM family); the first entry when none is (what the refusal names)."""
+    runnable = (_RUN_AS.get(name, name) for name in architectures)
     return next((name for name in runnable if name in SUPPORTED_ARCHITECTURES), architectures[0])
 
 

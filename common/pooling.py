@@ -5,16 +5,21 @@ the model's final norm, before lm_head) instead of a sampled token: vLLM's `--ru
 The model's defaults come as vLLM reads them: sentence-transformers' `modules.json` (its Pooling module's
 `config.json` names the pooling, a Normalize module turns L2 normalization on), else a decoder LLM's defaults
 (LAST pooling, normalized); `PoolerConfig` (vLLM's `--pooler-config`) overrides either. sentence_bert_config.json's
-max_seq_length bounds the prompt as vLLM bounds it (the default max_model_len).
+max_seq_length bounds the prompt as vLLM bounds it (the default max_model_len). A sequence-classification checkpoint
+(common.model_dir.SEQUENCE_CLASSIFICATION_ARCHITECTURES) pools LAST and its `score` head turns the vector into one
+logit per label (Classifier): the engine returns the logits, and the API applies the activation vLLM applies.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from splitserve.common.errors import InvalidRequestError
+from splitserve.common.model_dir import SEQUENCE_CLASSIFICATION_ARCHITECTURES
 
 POOLING_TYPES = ("LAST", "MEAN", "CLS")
 """Sequence poolings: the last prompt token's hidden state, the mean over every prompt position, the first's."""
@@ -50,6 +55,110 @@ class PoolerConfig:
             raise ValueError(f"use_activation must be a bool or None, got {self.use_activation!r}")
 
 
+ACTIVATIONS = ("softmax", "sigmoid", "identity")
+"""What turns a classifier's logits into its outputs (vLLM's PoolerClassify with num_labels >= 2, with one label or
+multi-label classification, and regression's none)."""
+_SBERT_ACTIVATIONS = {"torch.nn.modules.activation.Sigmoid": "sigmoid", "torch.nn.modules.linear.Identity": "identity"}
+"""sentence-transformers' CrossEncoder activation_fn values served (vLLM accepts any torch.nn.modules class)."""
+
+
+@dataclass(frozen=True)
+class Classifier:
+    """A sequence-classification head as vLLM reads config.json (num_labels, id2label, problem_type, and a
+    sentence-transformers cross-encoder's activation_fn)."""
+
+    labels: tuple[str, ...]
+    """id2label in label order: label i names logit i (transformers' LABEL_i when config.json names none)."""
+    classify_activation: str
+    """What /classify and LLM.classify apply (vLLM's get_classification_act_fn): regression none, multi-label
+    classification a sigmoid per label, otherwise a sigmoid for one label and a softmax over several."""
+    score_activation: str
+    """What /score, /rerank and LLM.score apply (vLLM's get_cross_encoder_act_fn): the sentence-transformers
+    activation_fn config.json names, else the same sigmoid / softmax rule."""
+    activates: bool = True
+    """Whether a request that does not say (use_activation None) gets activated outputs: --pooler-config's
+    use_activation (vLLM's default true), else the logits."""
+
+    def __post_init__(self) -> None:
+        if not self.labels:
+            raise ValueError("a classifier needs at least one label")
+        for activation in (self.classify_activation, self.score_activation):
+            if activation not in ACTIVATIONS:
+                raise ValueError(f"activation must be one of {', '.join(ACTIVATIONS)}, got {activation!r}")
+
+    @property
+    def num_labels(self) -> int:
+        return len(self.labels)
+
+    def classified(self, logits: Sequence[float], use_activation: bool | None) -> tuple[float, ...]:
+        """A classification's outputs (`probs`): the logits through classify_activation, or as they are when the
+        request (else the model) says no activation."""
+        return self._outputs(logits, use_activation, self.classify_activation)
+
+    def scored(self, logits: Sequence[float], use_activation: bool | None) -> float:
+        """A cross-encoder's score of a pair: its one logit through score_activation (or as it is)."""
+        return self._outputs(logits, use_activation, self.score_activation)[0]
+
+    def _outputs(self, logits: Sequence[float], use_activation: bool | None, activation: str) -> tuple[float, ...]:
+        activates = self.activates if use_activation is None else use_activation
+        return _activated(logits, activation) if activates else tuple(logits)
+
+
+def _activated(logits: Sequence[float], activation: str) -> tuple[float, ...]:
+    """A classifier's outputs from its logits (float64 here; the logits are the engine's float32)."""
+    if activation == "identity":
+        return tuple(float(x) for x in logits)
+    if activation == "sigmoid":
+        return tuple(_sigmoid(x) for x in logits)
+    top = max(logits)
+    exps = [math.exp(x - top) for x in logits]
+    total = sum(exps)
+    return tuple(e / total for e in exps)
+
+
+def _sigmoid(x: float) -> float:
+    return 1.0 / (1.0 + math.exp(-x)) if x >= 0 else math.exp(x) / (1.0 + math.exp(x))
+
+
+def check_cross_encoder(classifier: Classifier) -> None:
+    """A pair's score is one logit: a classifier of several labels has no score (vLLM's cross-encoders have one)."""
+    if classifier.num_labels != 1:
+        raise InvalidRequestError("model", f"scores need a cross-encoder of one label (num_labels 1); this model "
+                                           f"classifies into {classifier.num_labels} labels: classify instead "
+                                           f"(/classify)")
+
+
+def score_pairs(first: object, second: object, first_field: str = "text_1",
+                second_field: str = "text_2") -> list[tuple[str, str]]:
+    """vLLM's score pairing: each side a string or a list of strings; 1:1, 1:N (the one first text with every second
+    one) or N:N (pairwise); anything else a 400 naming the field."""
+    firsts, seconds = _texts(first, first_field), _texts(second, second_field)
+    if not firsts:
+        raise InvalidRequestError(first_field, "At least one text element must be given")
+    if not seconds:
+        raise InvalidRequestError(second_field, "At least one text_pair element must be given")
+    if len(firsts) > 1 and len(firsts) != len(seconds):
+        raise InvalidRequestError(second_field, f"Input lengths must be either 1:1, 1:N or N:N; got "
+                                                f"{len(firsts)}:{len(seconds)}")
+    return list(zip(firsts * len(seconds) if len(firsts) == 1 else firsts, seconds))
+
+
+def _texts(value: object, field: str) -> list[str]:
+    texts = [value] if isinstance(value, str) else value
+    if not isinstance(texts, list) or not all(isinstance(text, str) for text in texts):
+        raise InvalidRequestError(field, "must be a string or a list of strings")
+    return texts
+
+
+def cosine_similarity(first: Sequence[float], second: Sequence[float]) -> float:
+    """torch's CosineSimilarity (vLLM's embedding score): the dot product over the product of the norms, each norm
+    at least 1e-8."""
+    dot = math.fsum(a * b for a, b in zip(first, second, strict=True))
+    norms = max(math.sqrt(math.fsum(a * a for a in first)), 1e-8) * max(math.sqrt(math.fsum(b * b for b in second)),
+                                                                         1e-8)
+    return dot / norms
+
+
 @dataclass(frozen=True)
 class ModelPooling:
     """How a model embeds, resolved once from its directory and the PoolerConfig overrides."""
@@ -67,6 +176,9 @@ class ModelPooling:
     max_seq_length: int | None = None
     """sentence_bert_config.json's max_seq_length: the longest prompt the model embeds (sentence-transformers cuts
     longer ones there; vLLM makes it the default max_model_len and refuses a longer max_model_len). None: no file."""
+    classifier: Classifier | None = None
+    """A sequence-classification model's head: its pooled vector is the head's logits, never normalized. None: an
+    embedding model."""
 
     def check_dimensions(self, dimensions: int | None, model_name: str) -> None:
         """vLLM's checks (and messages) of a request's `dimensions`."""
@@ -116,7 +228,11 @@ class ResolvedPooling:
 
 
 def resolve_pooling(model: ModelPooling, params: PoolingParams, model_name: str) -> ResolvedPooling:
+    """A classifier's logits are never normalized: its use_activation is the API's activation (the engine returns
+    the logits whatever the request says)."""
     model.check_dimensions(params.dimensions, model_name)
+    if model.classifier is not None:
+        return ResolvedPooling(model.pooling_type, False, None)
     normalize = model.normalize if params.use_activation is None else params.use_activation
     return ResolvedPooling(model.pooling_type, normalize, params.dimensions)
 
@@ -125,14 +241,53 @@ def read_model_pooling(model_dir: str | Path, overrides: PoolerConfig | None = N
     """The model's pooling: overrides, else its sentence-transformers files, else LAST and normalized."""
     model_dir = Path(model_dir)
     config = json.loads((model_dir / "config.json").read_text())
-    declared = _sentence_transformers_pooling(model_dir)
+    classifier = _classifier(config, model_dir)
     overrides = overrides or PoolerConfig()
+    if classifier is not None:  # vLLM's pooling of a converted *ForSequenceClassification: the last token, as is
+        if overrides.use_activation is not None:
+            classifier = replace(classifier, activates=overrides.use_activation)
+        return ModelPooling(overrides.pooling_type or "LAST", False, int(config["hidden_size"]), None, False,
+                            _max_seq_length(model_dir), classifier)
+    declared = _sentence_transformers_pooling(model_dir)
     pooling_type = overrides.pooling_type or declared.pooling_type or DEFAULT_POOLING_TYPE
     normalize = next(v for v in (overrides.use_activation, declared.use_activation, True) if v is not None)
     dims = config.get("matryoshka_dimensions")
     return ModelPooling(pooling_type, normalize, int(config["hidden_size"]),
                         tuple(int(d) for d in dims) if dims else None,
                         bool(dims) or bool(config.get("is_matryoshka", False)), _max_seq_length(model_dir))
+
+
+def _classifier(config: dict, model_dir: Path) -> Classifier | None:
+    """The head of a SEQUENCE_CLASSIFICATION_ARCHITECTURES checkpoint as transformers' config reads it (id2label,
+    else num_labels labels LABEL_i, else 2); None for any other architecture."""
+    architectures = config.get("architectures") or []
+    if not any(name in SEQUENCE_CLASSIFICATION_ARCHITECTURES for name in architectures):
+        return None
+    id2label = config.get("id2label")
+    if isinstance(id2label, dict) and id2label:
+        labels = tuple(str(id2label.get(str(i), id2label.get(i, f"LABEL_{i}"))) for i in range(len(id2label)))
+    else:
+        labels = tuple(f"LABEL_{i}" for i in range(int(config.get("num_labels", 2))))
+    if not labels:
+        raise ValueError(f"{model_dir / 'config.json'}: a sequence-classification model needs num_labels >= 1")
+    default = "sigmoid" if len(labels) < 2 else "softmax"
+    problem_type = config.get("problem_type")
+    classify = {"regression": "identity", "multi_label_classification": "sigmoid"}.get(problem_type, default)
+    return Classifier(labels, classify, _cross_encoder_activation(config, model_dir, default))
+
+
+def _cross_encoder_activation(config: dict, model_dir: Path, default: str) -> str:
+    """config.json's sentence_transformers.activation_fn (or sbert_ce_default_activation_function), as vLLM reads
+    it; Sigmoid and Softmax are vLLM's default rule, Identity none; another class is refused."""
+    settings = config.get("sentence_transformers")
+    name = settings.get("activation_fn") if isinstance(settings, dict) else None
+    name = name or config.get("sbert_ce_default_activation_function")
+    if name is None or name == "torch.nn.modules.activation.Softmax":
+        return default
+    if name in _SBERT_ACTIVATIONS:
+        return default if _SBERT_ACTIVATIONS[name] == "sigmoid" else "identity"
+    raise ValueError(f"{model_dir / 'config.json'}: the cross-encoder activation_fn {name!r} is not supported; "
+                     f"supported: {', '.join([*_SBERT_ACTIVATIONS, 'torch.nn.modules.activation.Softmax'])}")
 
 
 def _max_seq_length(model_dir: Path) -> int | None:

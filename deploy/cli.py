@@ -531,11 +531,12 @@ def _add_model_flags(group: argparse._ArgumentGroup) -> None:
                             "load, gptq / awq load such a checkpoint, auto (default) follows the checkpoint's "
                             "quantization_config (docs/quantization.md); per pool: --set decode.engine.quantization=int4")
     group.add_argument("--runner", choices=RUNNERS, default=None,
-                       help="generate (default): the model generates; pooling: it embeds prompts and the HTTP API "
-                            "serves /v1/embeddings instead of the generation endpoints "
+                       help="generate (default): the model generates; pooling: it pools prompts and the HTTP API "
+                            "serves the pooling endpoints (/v1/embeddings, /score, /rerank, /pooling; /classify on a "
+                            "sequence-classification model) instead of the generation ones "
                             "(docs/engine.md#pooling-requests)")
-    group.add_argument("--task", choices=("generate", "embed"), default=None,
-                       help="older vLLM's spelling of --runner: embed is --runner pooling")
+    group.add_argument("--task", choices=("generate", "embed", "classify", "score"), default=None,
+                       help="older vLLM's spelling of --runner: embed, classify and score are --runner pooling")
     group.add_argument("--pooler-config", type=_pooler_json, default=None, metavar="JSON",
                        help="with --runner pooling: override the model's pooling, e.g. '{\"pooling_type\": \"MEAN\", "
                             "\"use_activation\": false}' (default: the model's sentence-transformers files, else LAST "
@@ -679,7 +680,7 @@ def _runner_overrides(args: argparse.Namespace) -> dict[str, object]:
     """--runner (or --task's older spelling) and --pooler-config, in both pools."""
     runner = args.runner
     if args.task is not None:
-        from_task = "pooling" if args.task == "embed" else "generate"
+        from_task = "generate" if args.task == "generate" else "pooling"
         if runner not in (None, from_task):
             raise SystemExit(f"--task {args.task} contradicts --runner {runner}; pass one of them")
         runner = from_task

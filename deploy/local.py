@@ -38,6 +38,7 @@ from splitserve.deploy.actor_states import ActorStateWatch, actor_id_of  # noqa:
 from splitserve.deploy.router_actor import RouterActor, RouterReaper, watch_workers  # noqa: E402
 from splitserve.deploy.router_app import BoundPorts, RouterServers, start_router  # noqa: E402
 from splitserve.common.errors import StartupError  # noqa: E402
+from splitserve.common.pooling import read_model_pooling  # noqa: E402
 from splitserve.common.stats import WorkerSnapshot  # noqa: E402
 from splitserve.engine.tiny_model import resolve_model_path  # noqa: E402
 from splitserve.planner.core.types import Role  # noqa: E402
@@ -444,17 +445,19 @@ def splitserve_command(argv0: str, python: str) -> str:
 
 def serving_banner(config: ClusterConfig, ports: BoundPorts, command: str, needs_key: bool) -> str:
     """What `splitserve serve` prints once it serves: its endpoints and commands that work as printed (a curl
-    line for the OpenAI API, and a generate line for gRPC; a pooling server's curl embeds and it has no generate
-    line, since its gRPC Generate API refuses every request)."""
+    line for the OpenAI API, and a generate line for gRPC; a pooling server's curl embeds, or scores a pair on a
+    sequence-classification model, and it has no generate line, since its gRPC Generate API refuses every
+    request)."""
     host, tls = config.router.host, config.router.tls is not None
     pools = config.runner == "pooling"
+    classifies = pools and read_model_pooling(resolve_model_path(config.model)).classifier is not None
     grpc_target = host_port(host, ports.grpc)  # an IPv6 host in brackets, in the URLs too
     lines = [f"splitserve: serving {config.model} as {config.served_model_names[0]!r} ({config.mode}) on "
              f"{grpc_target} (gRPC)"]
     auth = " -H 'Authorization: Bearer <your API key>'" if needs_key else ""
     if ports.http is not None:
         api_url = f"{'https' if tls else 'http'}://{host_port(host, ports.http)}/v1"
-        path, body = _banner_request(config.served_model_names[0], pools)
+        path, body = _banner_request(config.served_model_names[0], pools, classifies)
         lines += [f"  OpenAI API: {api_url}",
                   f"  try: curl {'--cacert CA_FILE ' if tls else ''}{api_url}/{path} "
                   f"-H 'Content-Type: application/json'{auth} -d {shlex.quote(body)}"]
@@ -468,8 +471,11 @@ def serving_banner(config: ClusterConfig, ports: BoundPorts, command: str, needs
     return "\n".join(lines)
 
 
-def _banner_request(model_name: str, pools: bool) -> tuple[str, str]:
-    """The banner's curl request: (path under /v1, JSON body)."""
+def _banner_request(model_name: str, pools: bool, classifies: bool) -> tuple[str, str]:
+    """The banner's curl request: (path under /v1, JSON body); a classification model has no embeddings."""
+    if classifies:
+        return "score", json.dumps({"model": model_name, "text_1": "Where does the river run?",
+                                    "text_2": "The river runs to the sea."})
     if pools:
         return "embeddings", json.dumps({"model": model_name, "input": "Tell me about the river."})
     return "completions", json.dumps({"model": model_name, "prompt": "Tell me about the river.", "max_tokens": 32})

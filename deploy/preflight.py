@@ -19,7 +19,8 @@ from pathlib import Path
 from splitserve.common.errors import InvalidRequestError, UnsupportedModelError
 from splitserve.common.generation_config import GenerationConfigFile, resolve_request_defaults
 from splitserve.common.lora import adapter_weight_file, read_adapter_config
-from splitserve.common.model_dir import EMBEDDED_MODELS, check_model_dir, read_model_config
+from splitserve.common.model_dir import (EMBEDDED_MODELS, SEQUENCE_CLASSIFICATION_ARCHITECTURES, check_model_dir,
+                                         read_model_config)
 from splitserve.common.pooling import read_model_pooling
 from splitserve.common.quantization_spec import resolve_quantization
 from splitserve.deploy.cluster_config import ClusterConfig, RouterConfig
@@ -108,8 +109,14 @@ def check_lora_modules(config: ClusterConfig) -> None:
 
 def check_pooling(config: ClusterConfig) -> None:
     """With --runner pooling: the model's sentence-transformers files name a pooling the engines run (no Dense
-    module, a LAST / MEAN / CLS Pooling module), as each worker reads them when it starts."""
+    module, a LAST / MEAN / CLS Pooling module), as each worker reads them when it starts. Without it: the model is
+    not a sequence-classification one (no LM head: the engines would refuse it once Ray and the workers started)."""
     if config.runner != "pooling":
+        architectures = read_model_config(_model_dir(config.model)).get("architectures") or []
+        classifiers = [name for name in architectures if name in SEQUENCE_CLASSIFICATION_ARCHITECTURES]
+        if classifiers:
+            raise PreflightError(f"{config.model}: a {classifiers[0]} (a sequence-classification head, no LM head) "
+                                 "runs with --runner pooling only")
         return
     try:
         read_model_pooling(_model_dir(config.model), config.decode.engine.pooler_config)

@@ -303,7 +303,7 @@ class EngineCore:
                           self._arrivals, cache_salt=cache_salt, priority=priority,
                           lora_name=None if lora_request is None else lora_request.lora_name, pooling=pooling)
         self._arrivals += 1
-        self._pools[request_id] = SequencePool(pooling)
+        self._pools[request_id] = SequencePool(pooling, self.model.classifier)
         self._num_prompt_tokens += request.num_prompt_tokens
         self.scheduler.add_request(request)
 

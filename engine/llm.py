@@ -26,15 +26,17 @@ from splitserve.common.config import (VLLM_DTYPE_ALIASES, VLLM_KV_CACHE_DTYPE_AL
 from splitserve.common.generation_config import SAMPLING_KEYS, GenerationConfigFile, resolve_request_defaults
 from splitserve.common.errors import InvalidRequestError
 from splitserve.common.lora import LoRARequest, check_lora_request
-from splitserve.common.pooling import PoolerConfig, PoolingParams
+from splitserve.common.pooling import (Classifier, PoolerConfig, PoolingParams, check_cross_encoder,
+                                       cosine_similarity, score_pairs)
 from splitserve.common.model_dir import check_tokenizer_option, check_tokenizer_vocabulary, tokenizer_dir
 from splitserve.common.prompt_truncation import PromptTruncation, prompt_truncation
 from splitserve.common.sampling_params import MAX_LOGPROBS, SamplingParams
 from splitserve.common.stats import EngineStats
 from splitserve.common.structured_output import StructuredOutputKind, grammar_as_lark
 from splitserve.engine.engine_core import EngineCore
-from splitserve.engine.outputs import (BeamSearchOutput, BeamSearchSequence, CompletionDelta, CompletionOutput,
-                                       EmbeddingOutput, EmbeddingRequestOutput, RequestOutput)
+from splitserve.engine.outputs import (BeamSearchOutput, BeamSearchSequence, ClassificationOutput,
+                                       ClassificationRequestOutput, CompletionDelta, CompletionOutput, EmbeddingOutput,
+                                       EmbeddingRequestOutput, RequestOutput, ScoringOutput, ScoringRequestOutput)
 from splitserve.engine.tiny_model import resolve_model_path
 from splitserve.common.token_logprobs import TokenLogprobs
 
@@ -225,8 +227,9 @@ class LLM:
         more ids than the model's vocab_size.
         `speculative_config` (vLLM's): a speculative decoding mapping in vLLM's keys or ours
         (SpeculativeConfig.from_vllm), instead of `speculative`, a SpeculativeConfig; passing both is refused.
-        `runner` (vLLM's): "generate" (the default) or "pooling" (embed(), docs/engine.md#pooling-requests); `task`
-        (older vLLM's spelling): "embed" is runner "pooling", "generate" runner "generate". `pooler_config`: a
+        `runner` (vLLM's): "generate" (the default) or "pooling" (embed(), classify(), score():
+        docs/engine.md#pooling-requests); `task` (older vLLM's spelling): "embed", "classify" and "score" are runner
+        "pooling", "generate" runner "generate". `pooler_config`: a
         PoolerConfig or vLLM's dict of it ({"pooling_type": "MEAN", "use_activation": False})."""
         for name, size in (("tensor_parallel_size", tensor_parallel_size),
                            ("pipeline_parallel_size", pipeline_parallel_size)):
@@ -333,11 +336,91 @@ class LLM:
         one per prompt (None: the model's defaults). `truncate_prompt_tokens`: keep the last k tokens of each
         prompt (-1: the last max_model_len, as vLLM's; nothing is generated after a pooled prompt). Every prompt is
         validated before any is queued."""
-        if self.engine.model_pooling is None:
+        model = self.engine.model_pooling
+        if model is None or model.classifier is not None:
             raise ValueError("Embedding API is not supported by this model. Try converting the model using "
-                             "`--convert embed`. (splitserve: start the LLM with runner=\"pooling\")")
-        _check_use_tqdm(use_tqdm)
+                             "`--convert embed`. (splitserve: start the LLM with runner=\"pooling\" on an "
+                             "embedding model)")
         prompt_list = [self._resolve(prompt) for prompt in _prompt_list(prompts)]
+        pooled = self._pool(prompt_list, use_tqdm, pooling_params, lora_request, truncate_prompt_tokens)
+        return [EmbeddingRequestOutput(request_id, EmbeddingOutput(list(final.embedding)), token_ids,
+                                       final.num_cached_tokens, True) for request_id, token_ids, final in pooled]
+
+    def classify(self, prompts: Prompt | Sequence[Prompt], *, use_tqdm: bool | Callable[..., tqdm] = False,
+                 pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+                 truncate_prompt_tokens: int | None = None) -> list[ClassificationRequestOutput]:
+        """vLLM's LLM.classify (runner "pooling", a sequence-classification model): each prompt's `probs`, the
+        head's logits through the model's activation (Classifier.classified; a PoolingParams with
+        use_activation=False: the logits). Arguments as embed()'s."""
+        classifier = self._classifier("Classification")
+        prompt_list = [self._resolve(prompt) for prompt in _prompt_list(prompts)]
+        params = _broadcast_pooling_params(pooling_params, len(prompt_list))
+        pooled = self._pool(prompt_list, use_tqdm, params, lora_request, truncate_prompt_tokens)
+        return [ClassificationRequestOutput(request_id,
+                                            ClassificationOutput(list(classifier.classified(final.embedding,
+                                                                                            p.use_activation))),
+                                            token_ids, final.num_cached_tokens, True)
+                for (request_id, token_ids, final), p in zip(pooled, params)]
+
+    def score(self, data_1: str | Sequence[str], data_2: str | Sequence[str], *,
+              use_tqdm: bool | Callable[..., tqdm] = False, pooling_params: PoolingParams | None = None,
+              lora_request: LoRARequest | None = None,
+              truncate_prompt_tokens: int | None = None) -> list[ScoringRequestOutput]:
+        """vLLM's LLM.score: one score per pair of data_1 x data_2 (1:1, 1:N or N:N, common.pooling.score_pairs). An
+        embedding model scores the cosine similarity of the two texts' embeddings; a sequence-classification model
+        (one label) runs each pair as one prompt, the tokenizer's pair encoding (vLLM's cross-encoder prompt), and
+        scores its logit through Classifier.score_activation (use_activation=False: the logit)."""
+        model = self.engine.model_pooling
+        if model is None:
+            raise ValueError("Score API is not supported by this model. (splitserve: start the LLM with "
+                             "runner=\"pooling\")")
+        pairs = score_pairs(data_1, data_2, "data_1", "data_2")
+        params = pooling_params or PoolingParams()
+        if model.classifier is None:
+            return self._embedding_scores(pairs, use_tqdm, params, lora_request, truncate_prompt_tokens)
+        check_cross_encoder(model.classifier)
+        prompt_list = [PromptInput(None, self.tokenizer(text=query, text_pair=document)["input_ids"])
+                       for query, document in pairs]
+        pooled = self._pool(prompt_list, use_tqdm, params, lora_request, truncate_prompt_tokens)
+        return [ScoringRequestOutput(request_id,
+                                     ScoringOutput(model.classifier.scored(final.embedding, params.use_activation)),
+                                     token_ids, final.num_cached_tokens, True)
+                for request_id, token_ids, final in pooled]
+
+    def _embedding_scores(self, pairs: list[tuple[str, str]], use_tqdm: bool | Callable[..., tqdm],
+                          params: PoolingParams, lora_request: LoRARequest | None,
+                          truncate_prompt_tokens: int | None) -> list[ScoringRequestOutput]:
+        """Each distinct text embedded once, each pair scored by cosine similarity; a pair's prompt_token_ids are
+        vLLM's: the first text's, the pad token when the tokenizer has one, then the second's."""
+        texts = list(dict.fromkeys(text for pair in pairs for text in pair))
+        pooled = self._pool([self._resolve(text) for text in texts], use_tqdm, params, lora_request,
+                            truncate_prompt_tokens)
+        by_text = dict(zip(texts, pooled))
+        padding = [] if self.tokenizer.pad_token_id is None else [self.tokenizer.pad_token_id]
+        outputs = []
+        for query, document in pairs:
+            (first_id, first_ids, first), (second_id, second_ids, second) = by_text[query], by_text[document]
+            outputs.append(ScoringRequestOutput(f"{first_id}_{second_id}", ScoringOutput(
+                cosine_similarity(first.embedding, second.embedding)), first_ids + padding + second_ids,
+                first.num_cached_tokens + second.num_cached_tokens, True))
+        return outputs
+
+    def _classifier(self, api: str) -> Classifier:
+        model = self.engine.model_pooling
+        if model is None or model.classifier is None:
+            raise ValueError(f"{api} API is not supported by this model. (splitserve: start the LLM with "
+                             f"runner=\"pooling\" on a sequence-classification model)")
+        return model.classifier
+
+    def _pool(self, prompt_list: list[PromptInput], use_tqdm: bool | Callable[..., tqdm],
+              pooling_params: PoolingParams | Sequence[PoolingParams] | None,
+              lora_request: LoRARequest | Sequence[LoRARequest | None] | None,
+              truncate_prompt_tokens: int | None) -> list[tuple[str, list[int], CompletionDelta]]:
+        """Each prompt as a pooling request, run to its end: (request id, the prompt's token ids as run, its final
+        delta, whose embedding is the pooled vector) in input order. Every prompt is validated before any is
+        queued."""
+        _check_use_tqdm(use_tqdm)
         truncation = prompt_truncation(truncate_prompt_tokens, None, self.engine.max_model_len, pools=True)
         prompt_list = [prompt.truncated(truncation) for prompt in prompt_list]
         params = _broadcast_pooling_params(pooling_params, len(prompt_list))
@@ -357,8 +440,7 @@ class LLM:
                         progress.update(1)
         finally:  # an interrupt or an error: nothing of this call stays running
             self._abandon(request_ids)
-        return [EmbeddingRequestOutput(request_id, EmbeddingOutput(list(finals[request_id].embedding)),
-                                       prompt.token_ids, finals[request_id].num_cached_tokens, True)
+        return [(request_id, prompt.token_ids, finals[request_id])
                 for request_id, prompt in zip(request_ids, prompt_list)]
 
     def _check_generates(self) -> None:
@@ -717,9 +799,10 @@ def _broadcast_params(params: SamplingParams | Sequence[SamplingParams], count: 
 def _resolve_runner(task: str | None, engine_config: dict) -> None:
     """vLLM's older `task` as engine_config's runner ("embed": pooling), and a pooler_config dict as a PoolerConfig."""
     if task is not None:
-        runners = {"embed": "pooling", "generate": "generate"}
+        runners = {"embed": "pooling", "classify": "pooling", "score": "pooling", "generate": "generate"}
         if task not in runners:
-            raise ValueError(f"task must be 'embed' or 'generate' (vLLM's older spelling of runner), got {task!r}")
+            raise ValueError(f"task must be 'embed', 'classify', 'score' or 'generate' (vLLM's older spelling of "
+                             f"runner), got {task!r}")
         if engine_config.get("runner", runners[task]) != runners[task]:
             raise ValueError(f"task={task!r} contradicts runner={engine_config['runner']!r}; pass one of them")
         engine_config["runner"] = runners[task]

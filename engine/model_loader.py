@@ -20,8 +20,9 @@ from transformers import AutoConfig, PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from splitserve.common.errors import UnsupportedModelError, json_excerpt
-from splitserve.common.model_dir import (SUPPORTED_ARCHITECTURES, activation_field, chosen_architecture,
-                                         no_architecture_message, unsupported_architecture_message, weight_files)
+from splitserve.common.model_dir import (SEQUENCE_CLASSIFICATION_ARCHITECTURES, SUPPORTED_ARCHITECTURES,
+                                         activation_field, chosen_architecture, no_architecture_message,
+                                         unsupported_architecture_message, weight_files)
 from splitserve.engine.attention import AttentionBackend
 from splitserve.engine.cpu_kernels import cpu_kernel_isa
 from splitserve.engine.models.llama import LlamaFamilyArch, LlamaFamilyForCausalLM, RotaryEmbedding
@@ -623,7 +624,8 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, backen
     """The model in `dtype` on `device`; `ops` defaults to the torch reference ops; `quantization`
     (common/quantization_spec.py) says how the decoder's projections are stored and run; without
     `fuse_mlp_activation` an MLP's gate/up product is never fused with its activation (LoRA adapts it). Without
-    `needs_lm_head` (a pooling engine, which reads the final hidden states) a checkpoint may lack lm_head.weight."""
+    `needs_lm_head` (a pooling engine, which reads the final hidden states) a checkpoint may lack lm_head.weight; a
+    sequence-classification checkpoint's score head becomes `model.classifier` (float32, vLLM's head dtype)."""
     config = load_hf_config(model_dir)
     arch = parse_arch(config)
     if arch.moe is not None and quantization.quantized:
@@ -637,6 +639,7 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, backen
     with torch.device("meta"):
         model = LlamaFamilyForCausalLM(arch, rotary, backend, ops or TorchLayerOps(), local_rotary)
     checkpoint = read_checkpoint(model_dir)
+    classifier = _classifier_head(checkpoint, config, model_dir, arch, needs_lm_head)
     if not needs_lm_head and "lm_head.weight" not in checkpoint:
         # An embedding model saved as its base model (BASE_MODEL_ARCHITECTURES): the embedding table stands in for
         # the head a pooling engine never reads (its steps ask for no logit rows).
@@ -656,7 +659,22 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, backen
         _use_column_major_weights(model)
     model.rotary = rotary
     model.local_rotary = local_rotary
+    model.classifier = None if classifier is None else classifier.to(device=device, dtype=torch.float32)
     return model.eval().requires_grad_(False)
+
+
+def _classifier_head(checkpoint: dict[str, torch.Tensor], config: PretrainedConfig, model_dir: Path,
+                     arch: LlamaFamilyArch, needs_lm_head: bool) -> torch.Tensor | None:
+    """A sequence-classification checkpoint's `score.weight` [num_labels, hidden], taken out of the checkpoint (the
+    decoder has no such module); None for any other. Such a checkpoint has no LM head: only a pooling engine runs it."""
+    classifiers = [name for name in config.architectures if name in SEQUENCE_CLASSIFICATION_ARCHITECTURES]
+    if not classifiers:
+        return None
+    if needs_lm_head:
+        raise UnsupportedModelError(f"{model_dir}: a {classifiers[0]} (a sequence-classification head, no LM head) "
+                                    "runs with runner 'pooling' (--runner pooling) only")
+    return _take(checkpoint, "score.weight", "the sequence-classification head", arch,
+                 (int(config.num_labels), arch.hidden_size))
 
 
 def _use_column_major_weights(model: torch.nn.Module) -> None:

@@ -130,6 +130,48 @@ class EmbeddingRequestOutput:
 
 
 @dataclass(frozen=True)
+class ClassificationOutput:
+    """vLLM's ClassificationOutput: one prompt's class probabilities (or logits, use_activation=False)."""
+
+    probs: list[float]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass(frozen=True)
+class ClassificationRequestOutput:
+    """vLLM's ClassificationRequestOutput (LLM.classify): `out.outputs.probs`."""
+
+    request_id: str
+    outputs: ClassificationOutput
+    prompt_token_ids: list[int]
+    num_cached_tokens: int
+    finished: bool
+
+
+@dataclass(frozen=True)
+class ScoringOutput:
+    """vLLM's ScoringOutput: one pair's score."""
+
+    score: float
+
+
+@dataclass(frozen=True)
+class ScoringRequestOutput:
+    """vLLM's ScoringRequestOutput (LLM.score): `out.outputs.score`."""
+
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]
+    """The pair's prompt: a cross-encoder's pair encoding; an embedding model's two prompts (with the pad token
+    between them when the tokenizer has one, as vLLM counts them)."""
+    num_cached_tokens: int
+    finished: bool
+
+
+@dataclass(frozen=True)
 class BeamSearchSequence:
     """One beam LLM.beam_search returns, vLLM's `BeamSearchSequence`."""
 

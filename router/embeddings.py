@@ -15,13 +15,14 @@ from splitserve.router.api_types import StreamChunk, Usage
 def embedding_response(request_id: str, created: int, model: str, embeddings: Sequence[tuple[float, ...]],
                        num_prompt_tokens: int, encoding_format: str) -> dict:
     """vLLM's EmbeddingResponse: one `embedding` object per input, in input order, and the prompts' tokens."""
-    data = [{"index": index, "object": "embedding", "embedding": _encoded(vector, encoding_format)}
+    data = [{"index": index, "object": "embedding", "embedding": encoded(vector, encoding_format)}
             for index, vector in enumerate(embeddings)]
     return {"id": f"embd-{request_id}", "object": "list", "created": created, "model": model, "data": data,
             "usage": {"prompt_tokens": num_prompt_tokens, "total_tokens": num_prompt_tokens}}
 
 
-def _encoded(vector: tuple[float, ...], encoding_format: str) -> list[float] | str:
+def encoded(vector: Sequence[float], encoding_format: str) -> list[float] | str:
+    """A vector as a response carries it (`encoding_format`: float or base64)."""
     if encoding_format == "float":
         return list(vector)
     # little-endian float32, what the OpenAI client's base64 decoding (numpy.frombuffer, float32) reads

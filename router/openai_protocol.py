@@ -330,7 +330,8 @@ def _prompts(body: Mapping[str, Any], limits: RequestLimits, best_of: int,
         return (_prompt(prompt, limits, name, truncated),)
     if len(prompt) * best_of > MAX_SEQUENCES:
         raise InvalidRequestError(name, f"{len(prompt)} prompts x {best_of} sequences each exceed "
-                                        f"{MAX_SEQUENCES} sequences per request")
+                                        f"{MAX_SEQUENCES} sequences per request" if name == "prompt" else
+                                        f"{len(prompt)} inputs exceed {MAX_SEQUENCES} inputs per request")
     return tuple(_prompt(p, limits, f"{name}[{i}]", truncated) for i, p in enumerate(prompt))
 
 
@@ -1031,10 +1032,20 @@ OpenAI Python client asks for by default and decodes)."""
 
 
 @dataclass(frozen=True)
+class ChatInput:
+    """A pooling request's chat (vLLM's EmbeddingChatRequest): its messages rendered by the chat template, one prompt;
+    add_generation_prompt and add_special_tokens (template.add_special_tokens) default false there."""
+
+    messages: tuple[ChatMessage, ...]
+    add_generation_prompt: bool
+    template: ChatTemplateOptions
+
+
+@dataclass(frozen=True)
 class EmbeddingRequest:
     model: str | None
     inputs: tuple[str | tuple[int, ...], ...]
-    """`input`: a string, a list of strings, a list of token ids, or a list of token-id lists."""
+    """`input`: a string, a list of strings, a list of token ids, or a list of token-id lists; () with `chat`."""
     encoding_format: str
     pooling: PoolingParams
     """`dimensions` (Matryoshka models only) and vLLM's `use_activation` (normalize)."""
@@ -1044,15 +1055,18 @@ class EmbeddingRequest:
     """OpenAI's end-user id: accepted and not used (as vLLM)."""
     request_id: str
     priority: int
+    chat: ChatInput | None = None
+    """`messages` instead of `input` (vLLM's chat form): one input, the rendered chat."""
 
 
 def parse_embedding_request(body: Mapping[str, Any], limits: RequestLimits) -> EmbeddingRequest:
     """Scalar fields read as vLLM's pydantic model reads them (router/lax_values.py); a batch of inputs is limited
-    like a completion's batched prompts (MAX_SEQUENCES)."""
+    like a completion's batched prompts (MAX_SEQUENCES); `messages` (without `input`) is one chat input."""
     body = with_lax_values(body, logprobs_is_boolean=False)
-    if "input" not in body:
+    chat = _chat_input(body, limits) if "messages" in body and "input" not in body else None
+    if "input" not in body and chat is None:
         raise InvalidRequestError("input", "is required: a string, a list of strings, a list of token ids or a list "
-                                           "of token-id lists")
+                                           "of token-id lists (or send messages)")
     encoding_format = _typed(body, "encoding_format", str, "'float' or 'base64'", "float")
     if encoding_format not in EMBEDDING_ENCODING_FORMATS:
         raise InvalidRequestError("encoding_format", f"must be 'float' or 'base64', got {encoding_format!r}")
@@ -1061,7 +1075,15 @@ def parse_embedding_request(body: Mapping[str, Any], limits: RequestLimits) -> E
     truncation = _truncation(body, limits, pools=True)
     # Token-id inputs are counted after truncation by Orchestrator.validate_prompt(pools=True), which lets one fill
     # max_model_len (the completion parser's early count leaves room for an output token); the body's size bounds them.
-    return EmbeddingRequest(_model(body), _prompts(body, limits, 1, True, "input"), encoding_format,
+    return EmbeddingRequest(_model(body), () if chat else _prompts(body, limits, 1, True, "input"), encoding_format,
                             PoolingParams(dimensions, use_activation), truncation,
                             bool(_flag(body, "add_special_tokens", True)), _typed(body, "user", str, "a string"),
-                            _request_id(body, limits), _priority(body))
+                            _request_id(body, limits), _priority(body), chat)
+
+
+def _chat_input(body: Mapping[str, Any], limits: RequestLimits) -> ChatInput:
+    """vLLM's chat form of a pooling request: its ChatRequestOptionsMixin's defaults (no generation prompt, no
+    special tokens beyond the template's)."""
+    add_generation_prompt = bool(_flag(body, "add_generation_prompt", False))
+    return ChatInput(_messages(body, limits), add_generation_prompt,
+                     parse_chat_template_options(body, add_generation_prompt))

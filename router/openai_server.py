@@ -45,7 +45,7 @@ from splitserve.common.errors import ContextLengthExceededError, InvalidRequestE
 from splitserve.common.generation_config import NO_REQUEST_DEFAULTS, RequestDefaults
 from splitserve.common.log_escape import quote_for_log
 from splitserve.common.lora import LoRARequest
-from splitserve.common.pooling import ModelPooling, PoolingParams
+from splitserve.common.pooling import ModelPooling, PoolingParams, check_cross_encoder
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.stats import RequestParamsRecord
 from splitserve.router.admission import RETRY_AFTER_S, Admission
@@ -57,7 +57,7 @@ from splitserve.router.anthropic_protocol import (COUNT_TOKENS_PATH, INLINE_SYST
 from splitserve.router.anthropic_protocol import error_body as anthropic_error_body
 from splitserve.router.anthropic_request_id import REQUEST_ID_SCOPE_KEY, AnthropicRequestId
 from splitserve.router.auth import check_api_key
-from splitserve.router.openai_protocol import (ChatCompletionRequest, ChatRenderer, CompletionRenderer,
+from splitserve.router.openai_protocol import (ChatCompletionRequest, ChatInput, ChatRenderer, CompletionRenderer,
                                                CompletionRequest, EmbeddingRequest, ResponseHeader, error_body,
                                                parse_chat_request, parse_completion_request, parse_detokenize_request,
                                                parse_embedding_request, parse_tokenize_request)
@@ -65,6 +65,9 @@ from splitserve.router.api_types import GenerationInput, RouterError, StreamChun
 from splitserve.router.beam_search_run import BeamSearchResult, run_beam_search
 from splitserve.router.embeddings import EmbeddingRenderer
 from splitserve.router.http_access import RAN_SCOPE_KEY, RefusalLog, header, route_path
+from splitserve.router.pooling_api import (ClassifyRenderer, ClassifyRequest, PoolingRenderer, PoolingRequest,
+                                           ScoreRenderer, ScoreRequest, parse_classify_request,
+                                           parse_pooling_request, parse_rerank_request, parse_score_request)
 from splitserve.router.fanout import IndexedChunk, best_of, by_choice, client_fan_out, merged_usage, sequence_inputs
 from splitserve.router.http_options import UVICORN_LOG_LEVEL_NUMBERS, HttpOptions
 from splitserve.router.lora_adapters import AdapterRegistry, UnknownAdapterError
@@ -186,7 +189,8 @@ class _Job:
     """Sequences generated per prompt (best_of)."""
     n: int
     """Choices returned per prompt: the best n of its sequences when fewer than num_sequences."""
-    renderer: CompletionRenderer | ChatRenderer | ResponsesRenderer | MessagesRenderer | EmbeddingRenderer
+    renderer: (CompletionRenderer | ChatRenderer | ResponsesRenderer | MessagesRenderer | EmbeddingRenderer
+               | ClassifyRenderer | ScoreRenderer | PoolingRenderer)
     stream: bool
     beam_search: BeamSearchParams | None = None
     """use_beam_search: each prompt's n choices are its best n beams (inputs[::n] are the prompts')."""
@@ -230,8 +234,8 @@ class OpenAIServing:
                  pooling: ModelPooling | None = None) -> None:
         self.orchestrator = orchestrator
         self.pooling = pooling
-        """How the model embeds on a server whose workers run it as a pooling model (--runner pooling), which serves
-        /v1/embeddings instead of the generation endpoints; None on a generating server."""
+        """How the model pools on a server whose workers run it as a pooling model (--runner pooling), which serves
+        the pooling endpoints instead of the generation ones (_runner_routes); None on a generating server."""
         self.options = options
         """The server-wide choices in responses (--response-role ...)."""
         self.tokenizers = tokenizers
@@ -307,6 +311,22 @@ class OpenAIServing:
 
     async def embeddings(self, request: Request) -> Response:
         return await self._serve(request, parse_embedding_request, self._embedding_job)
+
+    async def classify(self, request: Request) -> Response:
+        """vLLM's /classify (a sequence-classification model): router/pooling_api.py."""
+        return await self._serve(request, parse_classify_request, self._classify_job)
+
+    async def score(self, request: Request) -> Response:
+        """vLLM's /score and /v1/score: router/pooling_api.py."""
+        return await self._serve(request, parse_score_request, functools.partial(self._score_job, rerank=False))
+
+    async def pooling_endpoint(self, request: Request) -> Response:
+        """vLLM's /pooling (task embed or classify): router/pooling_api.py."""
+        return await self._serve(request, parse_pooling_request, self._pooling_job)
+
+    async def rerank(self, request: Request) -> Response:
+        """vLLM's /rerank, /v1/rerank and /v2/rerank (Jina's and Cohere's shape): router/pooling_api.py."""
+        return await self._serve(request, parse_rerank_request, functools.partial(self._score_job, rerank=True))
 
     async def models(self, request: Request) -> Response:
         cards = [self._model_card(), *(self._adapter_card(adapter) for adapter in self.adapters.loaded())]
@@ -519,16 +539,69 @@ class OpenAIServing:
 
     async def _embedding_job(self, parsed: EmbeddingRequest) -> _Job:
         """Each input a pooling request of its own (fanned out as a completion's batched prompts are), its prompt
-        tokenized, cut by truncate_prompt_tokens and checked (it may fill max_model_len)."""
+        tokenized (a chat's `messages`: rendered by the chat template), cut by truncate_prompt_tokens and checked (it
+        may fill max_model_len)."""
         adapter = self._adapter(parsed.model)
         self.pooling.check_dimensions(parsed.pooling.dimensions, self.model_name)
-        prompts = await self._token_ids(parsed.inputs, parsed.add_special_tokens)
-        ids, inputs = await self._inputs(prompts, SamplingParams(max_tokens=1), "input", parsed.request_id, 1,
+        prompts, field = await self._pooled_prompts(parsed.inputs, parsed.add_special_tokens, parsed.chat)
+        ids, inputs = await self._inputs(prompts, SamplingParams(max_tokens=1), field, parsed.request_id, 1,
                                          parsed.truncation, priority=parsed.priority, lora_request=adapter,
                                          pooling_params=parsed.pooling)
         renderer = EmbeddingRenderer(ids.client_request_id, int(time.time()), self._served_name(adapter),
                                      parsed.encoding_format)
         return _Job(ids, inputs, 1, 1, renderer, stream=False)
+
+    async def _pooling_job(self, parsed: PoolingRequest) -> _Job:
+        """/v1/embeddings' job with the model's task checked and vLLM's PoolingResponse."""
+        model_task = "embed" if self.pooling.classifier is None else "classify"
+        if parsed.task != model_task:
+            raise InvalidRequestError("task", f"this model pools for {model_task!r} only, got {parsed.task!r}")
+        job = await self._embedding_job(parsed.embedding)
+        request = parsed.embedding
+        renderer = PoolingRenderer(job.ids.client_request_id, int(time.time()), job.renderer.model,
+                                   request.encoding_format, self.pooling.classifier, request.pooling.use_activation)
+        return dataclasses.replace(job, renderer=renderer)
+
+    async def _classify_job(self, parsed: ClassifyRequest) -> _Job:
+        """Each input a pooling request whose vector is the classifier's logits; the renderer activates them."""
+        adapter = self._adapter(parsed.model)
+        prompts, field = await self._pooled_prompts(parsed.inputs, parsed.add_special_tokens, parsed.chat)
+        ids, inputs = await self._inputs(prompts, SamplingParams(max_tokens=1), field, parsed.request_id, 1,
+                                         parsed.truncation, priority=parsed.priority, lora_request=adapter,
+                                         pooling_params=PoolingParams())
+        renderer = ClassifyRenderer(ids.client_request_id, int(time.time()), self._served_name(adapter),
+                                    self.pooling.classifier, parsed.use_activation)
+        return _Job(ids, inputs, 1, 1, renderer, stream=False)
+
+    async def _score_job(self, parsed: ScoreRequest, rerank: bool) -> _Job:
+        """A cross-encoder (a classifier of one label) runs each pair as one prompt, its pair encoding; an embedding
+        model embeds each first text and each second one (pooling_api.ScoreRenderer pairs them)."""
+        adapter = self._adapter(parsed.model)
+        classifier = self.pooling.classifier
+        if classifier is not None:
+            check_cross_encoder(classifier)
+            prompts = [await self.tokenizers.encode_pair(first, second) for first, second in parsed.pairs]
+        else:
+            prompts = await self._token_ids([*parsed.firsts, *parsed.seconds], True)
+        fields = parsed.input_fields(pairs=classifier is not None)
+        ids, inputs = await self._inputs(prompts, SamplingParams(max_tokens=1), fields, parsed.request_id, 1,
+                                         parsed.truncation, priority=parsed.priority, lora_request=adapter,
+                                         pooling_params=PoolingParams())
+        pad = self.tokenizers.tokenizer.pad_token_id
+        renderer = ScoreRenderer(parsed, ids.client_request_id, int(time.time()), self._served_name(adapter),
+                                 classifier, tuple(len(inp.prompt_token_ids) for inp in inputs), int(pad is not None),
+                                 rerank)
+        return _Job(ids, inputs, 1, 1, renderer, stream=False)
+
+    async def _pooled_prompts(self, inputs: Sequence[str | tuple[int, ...]], add_special_tokens: bool,
+                              chat: ChatInput | None) -> tuple[list[tuple[int, ...] | list[int]], str]:
+        """A pooling request's prompts and the field they came from: its inputs tokenized, or its chat rendered by the
+        chat template (one prompt)."""
+        if chat is None:
+            return await self._token_ids(inputs, add_special_tokens), "input"
+        messages = [message.template_message() for message in chat.messages]
+        return [await self.tokenizers.apply_chat_template(messages, chat.add_generation_prompt, chat.template)], \
+            "messages"
 
     async def _chat_job(self, parsed: ChatCompletionRequest) -> _Job:
         chat = await self._chat_inputs(parsed, "messages")
@@ -613,15 +686,16 @@ class OpenAIServing:
         """What a response carries as `model`: the adapter's name when one ran (vLLM's), else the model's."""
         return self.model_name if adapter is None else adapter.lora_name
 
-    async def _inputs(self, prompts: list[tuple[int, ...]], params: SamplingParams, prompt_param: str,
-                      request_id: str, num_sequences: int,
+    async def _inputs(self, prompts: list[tuple[int, ...]], params: SamplingParams,
+                      prompt_param: str | Sequence[str], request_id: str, num_sequences: int,
                       truncation: PromptTruncation | None = None, cache_salt: str | None = None,
                       priority: int = 0,
                       lora_request: LoRARequest | None = None,
                       pooling_params: PoolingParams | None = None
                       ) -> tuple[ReservedRequestId, tuple[GenerationInput, ...]]:
         """Cut each prompt as `truncation` says, check it (`prompt_param`: the body field it came
-        from; `[i]` names one of a batch); then (the request's ids, reserved last: nothing after can fail before the
+        from; `[i]` names one of a batch; a sequence: each prompt's own field);
+        then (the request's ids, reserved last: nothing after can fail before the
         caller holds them; one input per sequence). A max_tokens longer than the context leaves ends there (vLLM's).
         `request_id`: the client's ("": new);
         `cache_salt`: the request's (every sequence's) prefix-cache salt; `priority`: its (every
@@ -631,7 +705,8 @@ class OpenAIServing:
         if truncation is not None:
             prompts = [truncation.applied(tuple(p)) for p in prompts]
         for index, token_ids in enumerate(prompts):
-            field = prompt_param if len(prompts) == 1 else f"{prompt_param}[{index}]"
+            field = prompt_param[index] if not isinstance(prompt_param, str) else \
+                prompt_param if len(prompts) == 1 else f"{prompt_param}[{index}]"
             self.orchestrator.validate_prompt(token_ids, field, pools=pooling_params is not None)
         check_priority(priority, self.orchestrator.scheduling_policy)  # as generate() does, before the request runs
         deadline = None if self.request_timeout_s is None else time.monotonic() + self.request_timeout_s
@@ -844,8 +919,12 @@ class _AsgiRoute:
         await self.app(scope, receive, send)
 
 
+SCORE_PATHS = ("/score", "/v1/score")
+RERANK_PATHS = ("/rerank", "/v1/rerank", "/v2/rerank")
+CLASSIFY_PATH = "/classify"
+POOLING_PATH = "/pooling"
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses", MESSAGES_PATH,
-                              "/v1/embeddings"})
+                              "/v1/embeddings", CLASSIFY_PATH, POOLING_PATH, *SCORE_PATHS, *RERANK_PATHS})
 ADMISSION_SCOPE_KEY = "splitserve.admission"
 """The ASGI scope key under which _AdmissionGate hands an admitted request's slot to its handler."""
 
@@ -880,8 +959,9 @@ class _AdmissionGate:
             admission.release()
 
 
-GUARDED_PATHS = frozenset({"/v1", "/tokenize", "/detokenize"})
-"""Paths outside /v1/ that need the API key: they run the tokenizer (vLLM leaves them open)."""
+GUARDED_PATHS = frozenset({"/v1", "/tokenize", "/detokenize", CLASSIFY_PATH, POOLING_PATH, "/score", "/rerank",
+                           "/v2/rerank"})
+"""Paths outside /v1/ that need the API key: they run the tokenizer or the model (vLLM leaves them open)."""
 
 
 class _ApiKeyGuard:
@@ -938,8 +1018,9 @@ def build_app(serving: OpenAIServing, metrics_app: ASGIApp | None = None, api_ke
 
 def _runner_routes(serving: OpenAIServing) -> list[Route]:
     """The endpoints of what the workers run the model as: generation (completions, chat, responses) or, with
-    --runner pooling, /v1/embeddings. The others answer 404 as vLLM's (which does not serve them either), saying
-    why."""
+    --runner pooling, the pooling endpoints: /v1/embeddings, /score and /rerank on an embedding model, /classify,
+    /score and /rerank on a sequence-classification one. The others answer 404 as vLLM's (which does not serve them
+    either), saying why."""
     generation = [Route("/v1/completions", serving.completions, methods=["POST"]),
                   Route("/v1/chat/completions", serving.chat_completions, methods=["POST"]),
                   Route("/v1/responses", serving.responses, methods=["POST"]),
@@ -947,11 +1028,21 @@ def _runner_routes(serving: OpenAIServing) -> list[Route]:
                   Route(MESSAGES_PATH, serving.messages, methods=["POST"]),
                   Route(COUNT_TOKENS_PATH, serving.count_tokens, methods=["POST"])]
     embeddings = [Route("/v1/embeddings", serving.embeddings, methods=["POST"])]
+    classify = [Route(CLASSIFY_PATH, serving.classify, methods=["POST"])]
+    scores = [*(Route(path, serving.score, methods=["POST"]) for path in SCORE_PATHS),
+              *(Route(path, serving.rerank, methods=["POST"]) for path in RERANK_PATHS),
+              Route(POOLING_PATH, serving.pooling_endpoint, methods=["POST"])]
     if serving.pooling is None:
         return generation + [_not_served(route.path, "this server generates (--runner generate); start it with "
-                                                     "--runner pooling to serve embeddings") for route in embeddings]
-    return embeddings + [_not_served(route.path, "this server runs its model as a pooling model (--runner pooling), "
-                                                 "which serves /v1/embeddings only") for route in generation]
+                                                     "--runner pooling to serve pooling endpoints")
+                             for route in [*embeddings, *classify, *scores]]
+    pooling = "this server runs its model as a pooling model (--runner pooling), which serves"
+    if serving.pooling.classifier is None:
+        return embeddings + scores + [_not_served(route.path, f"{pooling} /v1/embeddings, /score, /rerank and /pooling")
+                                      for route in [*generation, *classify]]
+    return classify + scores + [_not_served(route.path, f"{pooling} /classify, /score, /rerank and "
+                                                        f"/pooling (a sequence-classification model)")
+                                for route in [*generation, *embeddings]]
 
 
 def _not_served(path: str, reason: str) -> Route:
@@ -1064,7 +1155,7 @@ async def start_http_server(orchestrator: Orchestrator, tokenizers: TokenizerPoo
     request leaves unset take (--generation-config). `adapters`: the LoRA adapters a request may name as
     `model` (--lora-modules; the workers' engines need enable_lora); `runtime_lora_updating`: also serve
     /v1/load_lora_adapter and /v1/unload_lora_adapter (router/lora_adapters.py). `pooling`: the workers run the model
-    as a pooling model (--runner pooling): /v1/embeddings is served instead of the generation endpoints."""
+    as a pooling model (--runner pooling): the pooling endpoints are served instead of the generation ones."""
     reasoning = None if reasoning_parser is None else ReasoningFormat.for_tokenizer(
         reasoning_parser, tokenizers.tokenizer.backend.token_to_id)
     bodies = BodyParser(tokenizers.limits)

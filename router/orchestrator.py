@@ -44,7 +44,7 @@ from splitserve.router.dispatcher import OutputDispatcher
 from splitserve.router.loop_lag import LoopLagMonitor
 from splitserve.router.peers import PeerHandshakes
 from splitserve.router.policy import (DecodeCandidate, PrefillCandidate, Rejection, RouteDecision, RoutingConfig,
-                                      RoutingRequest, route)
+                                      RoutingRequest, route, route_prefill_only)
 from splitserve.router.prefix_index import PrefixIndex
 from splitserve.router.records import FanOutParams, StepwiseRequest, refused_record
 from splitserve.router.reports import WorkerMonitor
@@ -207,15 +207,18 @@ class Orchestrator:
         caller releases them when the request ends, on every path."""
         return self.request_ids.reserve(requested or uuid.uuid4().hex, num_sequences)
 
-    def validate_prompt(self, prompt_token_ids: Sequence[int], field: str = "prompt", pools: bool = False) -> None:
-        """`field` names what the client sent the prompt as (a chat request's `messages`); `pools`: an embedding
-        request's prompt, which may fill max_model_len (nothing is generated after it)."""
+    def validate_prompt(self, prompt_token_ids: Sequence[int], field: str = "prompt", pools: bool = False,
+                        ids_field: str | None = None) -> None:
+        """`field` names what the client sent the prompt as (a chat request's `messages`, an embedding's `input[i]`);
+        `pools`: a pooling request's prompt, which may fill max_model_len (nothing is generated after it);
+        `ids_field`: what an id out of the vocabulary is named (default `field`)."""
         if not prompt_token_ids:
             raise InvalidRequestError(field, "must not be empty")
         check_prompt_length(len(prompt_token_ids), self.max_model_len, field, pools)
         bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
         if bad:
-            raise InvalidRequestError("prompt.token_ids", f"out of vocabulary [0, {self.vocab_size}): {bad[:5]}")
+            raise InvalidRequestError(ids_field or field, f"token ids out of vocabulary [0, {self.vocab_size}): "
+                                                          f"{bad[:5]}")
 
     # ---- routing -------------------------------------------------------------------------
     async def _route(self, run: RequestRun) -> tuple[RouteDecision, dict[str, int]]:
@@ -240,16 +243,13 @@ class Orchestrator:
         # answering, decode workers prefill locally.
         prefill = [self._prefill_candidate(worker_id, load, cached.get(worker_id, 0))
                    for worker_id, load in self._reporting(self.prefill_pool)]
-        decode = [self._decode_candidate(worker_id, load, cached.get(worker_id, 0))
-                  for worker_id, load in self._reporting(self.decode_pool)]
-        if not decode:
-            raise RouterError("UNAVAILABLE", "no decode worker is answering")
         # A resumed request is recomputed where it decodes: prefill workers take prompts only.
         local_only = self.mode == "colocated" or run.resumed
-        routing = dataclasses.replace(self.routing, disaggregation="never") if local_only else self.routing
-        if inp.pooling_params is not None and not local_only:  # an embedding needs only a prefill: the prefill pool's
-            routing = dataclasses.replace(routing, disaggregation="always")
-        decision = route(request, prefill, decode, routing, self._turn)
+        if inp.pooling_params is not None and prefill and not local_only:  # a pooled vector needs only a prefill
+            decision = route_prefill_only(request, prefill, self.routing, self._turn)
+        else:
+            decision = route(request, prefill, self._decode_candidates(cached), dataclasses.replace(
+                self.routing, disaggregation="never") if local_only else self.routing, self._turn)
         self._turn += 1
         if isinstance(decision, Rejection):
             self._rejections[decision.reason] += 1
@@ -257,6 +257,14 @@ class Orchestrator:
             raise RouterError("RESOURCE_EXHAUSTED", decision.message, decision.reason)
         self._decisions[decision.reason] += 1
         return decision, cached
+
+    def _decode_candidates(self, cached: dict[str, int]) -> list[DecodeCandidate]:
+        """The decode workers answering their report polls (UNAVAILABLE when none does)."""
+        decode = [self._decode_candidate(worker_id, load, cached.get(worker_id, 0))
+                  for worker_id, load in self._reporting(self.decode_pool)]
+        if not decode:
+            raise RouterError("UNAVAILABLE", "no decode worker is answering")
+        return decode
 
     def _reporting(self, pool: WorkerPool) -> list[tuple[str, LoadReport]]:
         loads = ((worker_id, self.monitor.load(worker_id)) for worker_id in pool.routable())
@@ -408,7 +416,9 @@ class Orchestrator:
         release is idempotent). None: admitted here, and a rejection is recorded as the request's end."""
         arrival = time.monotonic()
         try:
-            self.validate_prompt(inp.prompt_token_ids, pools=inp.pooling_params is not None)
+            # the gRPC API's token ids are its GenerateRequest's prompt.token_ids (the HTTP APIs checked theirs)
+            self.validate_prompt(inp.prompt_token_ids, pools=inp.pooling_params is not None,
+                                 ids_field="prompt.token_ids")
             check_cache_salt(inp.cache_salt)  # the APIs checked it; a library caller's is hashed next
             check_priority(inp.priority, self.scheduling_policy)
             run = RequestRun(inp, self.tokenizer, arrival, self.eos_token_ids)

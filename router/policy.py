@@ -137,7 +137,8 @@ C = TypeVar("C", PrefillCandidate, DecodeCandidate)
 
 @dataclass(frozen=True)
 class RouteDecision:
-    decode_worker_id: str
+    decode_worker_id: str | None
+    """None: a pooling request that runs on its prefill worker alone (route_prefill_only)."""
     prefill_worker_id: str | None
     """None: the decode worker prefills locally (no KV moves)."""
     predicted_ttft_s: float
@@ -182,6 +183,22 @@ def route(request: RoutingRequest, prefill: Sequence[PrefillCandidate], decode: 
     if config.disaggregation == "auto" and _local_wins(request, prefill_worker, decode_worker, config):
         return _admit(request, _local_decision(request, decode_worker, config), config)
     return _admit(request, _remote_decision(request, prefill_worker, decode_worker, config), config)
+
+
+def route_prefill_only(request: RoutingRequest, prefill: Sequence[PrefillCandidate], config: RoutingConfig,
+                       turn: int) -> RouteDecision | Rejection:
+    """Pick a prefill worker for a request that needs nothing else (a pooling request: its vector comes back with
+    the prefill's result), or reject it at once: no decode worker is picked, so none's queue or KV pool counts.
+    Raises ValueError only for a caller bug: no prefill candidates."""
+    if not prefill:
+        raise ValueError("route_prefill_only() needs at least one prefill candidate")
+    open_prefill = [c for c in prefill if not _queue_full(c, config)]
+    if not open_prefill:
+        return _queue_full_rejection(prefill, config, "prefill")
+    worker = _pick_prefill(request, open_prefill, config, turn)
+    reason = "round_robin" if config.policy == "round_robin" else "cache_hit" if worker.num_cached_tokens else "load"
+    return _admit(request, RouteDecision(None, worker.worker_id, predicted_ttft_s(request, worker, config), reason),
+                  config)
 
 
 def predicted_ttft_s(request: RoutingRequest, candidate: Candidate, config: RoutingConfig,

@@ -196,19 +196,12 @@ class RequestRun:
         num_output = len(self.output_token_ids)
         return RequestRecord(
             self.inp.request_id, finish_reason, error_code, decision and decision.reason, self.rejection_reason,
-            decision and decision.prefill_worker_id, decision and self._decode_worker_id(),
+            decision and decision.prefill_worker_id, decision and decision.decode_worker_id,
             len(self.inp.prompt_token_ids), self.num_cached_tokens, num_output, ttft_s,
             tuple(timeline.inter_token_latencies), e2e_s, timeline.queue_s, timeline.prefill_s,
             None if ttft_s is None else e2e_s - ttft_s, tuple(timeline.phases), self._kv_transfer(),
             request_slo_outcome(targets, error_code, ttft_s, e2e_s, num_output), self.num_migrations,
             self.inp.step_of, self.inp.client_request_id)
-
-    def _decode_worker_id(self) -> str | None:
-        """The routed decode worker, unless the request never ran there: an embedding pooled on its prefill worker
-        (the policy names a decode worker it never claims)."""
-        if self.inp.pooling_params is not None and self.decision.prefill_worker_id is not None:
-            return None
-        return self.decision.decode_worker_id
 
     def _kv_transfer(self) -> KVTransferRecord | None:
         """The pull's outcome, when the decode worker reported one."""

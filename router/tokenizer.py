@@ -623,6 +623,19 @@ class RouterTokenizer:
         text = self.render_chat_template(messages, add_generation_prompt, options)
         return self.encode(text, add_special_tokens=True) if options.add_special_tokens else self.encode_rendered(text)
 
+    def encode_pair(self, text: str, text_pair: str) -> list[int]:
+        """Token ids of a text pair with the tokenizer's special tokens, as transformers' tokenizer(text=...,
+        text_pair=...) encodes them (a cross-encoder's prompt: vLLM's score prompt for a classification model)."""
+        check_unicode(text, "text_1")
+        check_unicode(text_pair, "text_2")
+        return self.backend.encode_batch([(text, text_pair)], add_special_tokens=True)[0].ids
+
+    @property
+    def pad_token_id(self) -> int | None:
+        """The id of the tokenizer's `pad_token`, None without one (transformers' pad_token_id)."""
+        pad = self.special_tokens.get("pad_token")
+        return None if pad is None else self.backend.token_to_id(pad)
+
     def encode_rendered(self, text: str) -> list[int]:
         """Token ids of a rendered chat (render_chat_template's text): no special tokens added."""
         return self.backend.encode_batch([text], add_special_tokens=False)[0].ids

@@ -71,6 +71,12 @@ class TokenizerPool:
             return tuple(self.tokenizer.encode(text, add_special_tokens))
         return tuple(await self._in_thread(self.tokenizer.encode, text, add_special_tokens))
 
+    async def encode_pair(self, text: str, text_pair: str) -> tuple[int, ...]:
+        """A cross-encoder's prompt: the pair's token ids (RouterTokenizer.encode_pair), in the pool when long."""
+        if len(text) + len(text_pair) <= INLINE_MAX_CHARS:
+            return tuple(self.tokenizer.encode_pair(text, text_pair))
+        return tuple(await self._in_thread(self.tokenizer.encode_pair, text, text_pair))
+
     async def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool,
                                   options: ChatTemplateOptions = DEFAULT_CHAT_OPTIONS) -> tuple[int, ...]:
         """Token ids of the rendered chat; InvalidRequestError `messages` when the rendered prompt is

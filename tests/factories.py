@@ -233,6 +233,44 @@ def save_random_base_model(out_dir: Path, architecture: str, seed: int = 0) -> P
     return out_dir
 
 
+def save_random_classifier(out_dir: Path, architecture: str, num_labels: int, seed: int = 0,
+                           **config_fields) -> Path:
+    """save_random_hf_model's decoder as transformers' *ForSequenceClassification (a random `score` head of
+    `num_labels`, no lm_head; config.json's architectures that class, `config_fields` added to it), with a tokenizer
+    of the config's 384 ids: a tiny cross-encoder (num_labels 1) or classifier."""
+    import json
+
+    from transformers import AutoModelForSequenceClassification
+
+    save_random_hf_model(out_dir, architecture, seed, tie_word_embeddings=False)
+    config = _hf_model(out_dir).config
+    config.num_labels = num_labels
+    torch.manual_seed(seed + 1)
+    model = AutoModelForSequenceClassification.from_config(config, dtype=torch.float32).eval()
+    model.model.load_state_dict(_hf_model(out_dir).model.state_dict())
+    torch.nn.init.normal_(model.score.weight, std=0.5)
+    for stale in out_dir.glob("*.safetensors"):
+        stale.unlink()
+    model.save_pretrained(out_dir)
+    saved = json.loads((out_dir / "config.json").read_text())
+    (out_dir / "config.json").write_text(json.dumps({**saved, **config_fields}))
+    save_tokenizer_dir(out_dir, vocab_size=384, seed=seed)
+    return out_dir
+
+
+@lru_cache(maxsize=4)
+def _hf_classifier(model_dir: Path):
+    from transformers import AutoModelForSequenceClassification
+
+    return AutoModelForSequenceClassification.from_pretrained(model_dir, dtype="float32").eval()
+
+
+def hf_classifier_logits(model_dir: Path, prompt_token_ids: list[int]) -> list[float]:
+    """The oracle of a classification model: transformers' AutoModelForSequenceClassification, batch 1, fp32."""
+    with torch.inference_mode():
+        return _hf_classifier(model_dir)(torch.tensor([prompt_token_ids])).logits[0].tolist()
+
+
 def _random_hf_model(config, seed: int):
     """transformers' model of `config` with random weights from `seed`, in float32."""
     from transformers import AutoModelForCausalLM

@@ -251,8 +251,8 @@ def test_pooler_config_is_for_the_pooling_runner(tiny_llama_dir):
         LLM(tiny_llama_dir, pooler_config=PoolerConfig(pooling_type="MEAN"))
     with pytest.raises(ValueError, match="runner must be one of"):
         LLM(tiny_llama_dir, runner="embed")
-    with pytest.raises(ValueError, match="task must be 'embed' or 'generate'"):
-        LLM(tiny_llama_dir, task="classify")
+    with pytest.raises(ValueError, match="task must be 'embed', 'classify', 'score' or 'generate'"):
+        LLM(tiny_llama_dir, task="reward")
 
 
 def test_modules_json_with_a_dense_module_is_refused(tiny_llama_dir, tmp_path):

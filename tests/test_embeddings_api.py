@@ -127,6 +127,24 @@ def test_the_openai_sdk(served):
     assert (result.usage.prompt_tokens, result.model) == (floats["usage"]["prompt_tokens"], MODEL)
 
 
+def test_chat_messages_are_one_input_rendered_by_the_chat_template(served, tiny_llama_dir):
+    """vLLM's chat form: no generation prompt unless asked (then the template's assistant header is pooled too)."""
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": TEXTS[0]}]
+    for add_generation_prompt in (False, True):
+        status, tokenized = served.post("/tokenize", {"messages": messages,
+                                                      "add_generation_prompt": add_generation_prompt})
+        assert status == 200
+        body = {"messages": messages, **({"add_generation_prompt": True} if add_generation_prompt else {})}
+        status, response = served.post("/v1/embeddings", body)
+        assert status == 200
+        (item,) = response["data"]
+        _assert_embedding(item["embedding"], tiny_llama_dir, tokenized["tokens"])
+        assert response["usage"]["prompt_tokens"] == tokenized["count"]
+    status, error = served.post("/v1/embeddings", {"messages": messages, "add_generation_prompt": True,
+                                                   "continue_final_message": True})
+    assert (status, error["error"]["param"]) == (400, "continue_final_message")
+
+
 def test_truncate_prompt_tokens_and_a_prompt_that_fills_the_context(served, tiny_llama_dir):
     long = list(range(100, 100 + MAX_MODEL_LEN))
     status, body = served.post("/v1/embeddings", {"input": long})
@@ -142,11 +160,11 @@ def test_truncate_prompt_tokens_and_a_prompt_that_fills_the_context(served, tiny
 
 
 @pytest.mark.parametrize(("body", "status", "param", "message"), [
-    ({}, 400, "input", "input: is required: a string, a list of strings, a list of token ids or a list of token-id "
-                       "lists"),
     ({"input": []}, 400, "input", "input: must be a string or a non-empty list of token ids"),
     ({"input": ["ok", 7]}, 400, "input", "input: must be a string or a non-empty list of token ids"),
     ({"input": ["ok", []]}, 400, "input[1]", "input[1]: must be a string or a non-empty list of token ids"),
+    ({}, 400, "input", "input: is required: a string, a list of strings, a list of token ids or a list of token-id "
+                       "lists (or send messages)"),
     ({"input": "x", "encoding_format": "bytes"}, 400, "encoding_format",
      "encoding_format: must be 'float' or 'base64', got 'bytes'"),
     ({"input": "x", "dimensions": 16}, 400, "dimensions",
@@ -155,7 +173,8 @@ def test_truncate_prompt_tokens_and_a_prompt_that_fills_the_context(served, tiny
     ({"input": list(range(MAX_MODEL_LEN + 1))}, 400, "input", "input: has 65 tokens; this model's maximum context length is 64 tokens"),
     ({"input": [[1, 2], list(range(MAX_MODEL_LEN + 1))]}, 400, "input[1]",
      "input[1]: has 65 tokens; this model's maximum context length is 64 tokens"),
-    ({"input": [1, 100000]}, 400, "prompt.token_ids", "prompt.token_ids: out of vocabulary [0, 512): [100000]"),
+    ({"input": [1, 100000]}, 400, "input", "input: token ids out of vocabulary [0, 512): [100000]"),
+    ({"input": ["a"] * 129}, 400, "input", "input: 129 inputs exceed 128 inputs per request"),
     ({"input": "x", "model": "other"}, 404, "model",
      "The model `other` does not exist; this server serves `tiny-embed`."),
 ])
@@ -170,7 +189,7 @@ def test_generation_endpoints_are_not_served(path, served):
     status, body = served.post(path, {"model": MODEL, "prompt": "x", "messages": [{"role": "user", "content": "x"}]})
     assert (status, body["error"]["code"], body["error"]["message"]) == (
         404, "unknown_url", f"Invalid URL (POST {path}): this server runs its model as a pooling model "
-                            "(--runner pooling), which serves /v1/embeddings only")
+                            "(--runner pooling), which serves /v1/embeddings, /score, /rerank and /pooling")
 
 
 def test_a_generating_server_does_not_serve_embeddings(tiny_llama_dir):
@@ -178,7 +197,7 @@ def test_a_generating_server_does_not_serve_embeddings(tiny_llama_dir):
         status, body = generating.post("/v1/embeddings", {"input": "x"})
     assert (status, body["error"]["code"], body["error"]["message"]) == (
         404, "unknown_url", "Invalid URL (POST /v1/embeddings): this server generates (--runner generate); start it "
-                            "with --runner pooling to serve embeddings")
+                            "with --runner pooling to serve pooling endpoints")
 
 
 def test_one_access_log_line_per_input(served, monkeypatch, caplog):
@@ -215,7 +234,8 @@ def test_the_runner_flags_set_both_pools():
     config = _serve_config("--runner", "pooling", "--pooler-config", '{"pooling_type": "MEAN"}')
     assert (config.prefill.engine.runner, config.decode.engine.runner, config.runner) == ("pooling",) * 3
     assert config.prefill.engine.pooler_config == config.decode.engine.pooler_config == PoolerConfig("MEAN")
-    assert (_serve_config("--task", "embed").runner, _serve_config().runner) == ("pooling", "generate")
+    assert [_serve_config(*task).runner for task in (["--task", "embed"], ["--task", "classify"], ["--task", "score"],
+                                                      [])] == ["pooling", "pooling", "pooling", "generate"]
     with pytest.raises(ClusterConfigError, match=r"^decode.engine.runner: must equal prefill.engine.runner "
                                                  r"\('generate'\) in disaggregated mode, got 'pooling'$"):
         _serve_config("--set", "decode.engine.runner=pooling")
@@ -253,4 +273,4 @@ def test_the_messages_endpoints_are_not_served_either(path, served):
     status, body = served.post(path, {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "x"}]})
     assert (status, body["type"], body["error"]["message"]) == (
         404, "error", f"Invalid URL (POST {path}): this server runs its model as a pooling model (--runner pooling), "
-                      "which serves /v1/embeddings only")
+                      "which serves /v1/embeddings, /score, /rerank and /pooling")

@@ -444,7 +444,7 @@ def _completion_body(**fields) -> bytes:
     (_completion_body(max_tokens="ten"), "max_tokens", None),
     (_completion_body(stream="sure"), "stream", None),  # "yes" is true, as vLLM's pydantic model reads it
     (_completion_body(prompt={"text": "x"}), "prompt", None),
-    (_completion_body(prompt=[1, 2, 10 ** 9]), "prompt.token_ids", None),
+    (_completion_body(prompt=[1, 2, 10 ** 9]), "prompt", None),
     (_completion_body(ignore_eos=2), "ignore_eos", None),
     (_completion_body(seed="7.5"), "seed", None),
 ])

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from splitserve.router.policy import (DISAGGREGATION_MODES, ROUTING_POLICIES, DecodeCandidate, PrefillCandidate,
                                       Rejection, RouteDecision, RoutingConfig, RoutingRequest, decode_score,
-                                      predicted_ttft_s, route)
+                                      predicted_ttft_s, route, route_prefill_only)
 
 S = 2.0 ** -10  # seconds per prompt token
 CONFIG = RoutingConfig(default_prefill_s_per_token=S)
@@ -135,6 +135,21 @@ def test_a_request_larger_than_every_decode_pool_is_rejected_no_kv_capacity(poli
 def test_no_decode_candidates_is_a_caller_bug():
     with pytest.raises(ValueError, match="decode candidate"):
         route(request(), [prefill("p0")], [], CONFIG, 0)
+
+
+def test_a_prefill_only_request_takes_the_best_prefill_worker_and_no_decode_worker():
+    """A pooling request: the prefill worker predicted fastest (p1's cached 512 tokens beat p0's idle queue), no
+    decode worker (none is a candidate, so none's KV pool or queue counts), and queue-full prefill workers skipped."""
+    assert choice(route_prefill_only(request(1000), [prefill("p0"), prefill("p1", cached=512)], CONFIG, 0)) == (
+        "p1", None, "cache_hit")
+    assert choice(route_prefill_only(request(1000), [prefill("p0", queued=600), prefill("p1", queued=10)],
+                                     config(max_queued_prefill_tokens=500), 0)) == ("p1", None, "load")
+    full = route_prefill_only(request(1000), [prefill("p0", queued=600)], config(max_queued_prefill_tokens=500), 0)
+    assert isinstance(full, Rejection) and full.reason == "queue_full"
+    assert [choice(route_prefill_only(request(), [prefill("p0"), prefill("p1")], config(policy="round_robin"), turn))
+            for turn in range(2)] == [("p0", None, "round_robin"), ("p1", None, "round_robin")]
+    with pytest.raises(ValueError, match="prefill candidate"):
+        route_prefill_only(request(), [], CONFIG, 0)
 
 
 # ---- conditional disaggregation -----------------------------------------------------------------

@@ -331,6 +331,8 @@ class LlamaFamilyForCausalLM(nn.Module):
         self.rotary = rotary
         self.local_rotary = local_rotary
         self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        self.classifier: torch.Tensor | None = None
+        """A sequence-classification checkpoint's score head [num_labels, hidden] float32 (load_model sets it)."""
         if arch.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
