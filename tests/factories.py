@@ -577,6 +577,22 @@ def http_request(port: int, method: str, path: str, body: bytes | None = None,
         connection.close()
 
 
+def post_json(port: int, path: str, body: dict) -> tuple[int, dict]:
+    """(status, JSON answer) of one POST of `body` to a server on 127.0.0.1."""
+    status, _, raw = http_request(port, "POST", path, json.dumps(body).encode())
+    return status, json.loads(raw)
+
+
+def sse_json_events(port: int, path: str, body: dict) -> list[dict]:
+    """The JSON bodies of a streamed POST's `data:` events (a 200 answer; the final [DONE] checked, where the
+    API sends one, and left out; a Responses stream's `event:` lines skipped)."""
+    status, _, raw = http_request(port, "POST", path, json.dumps(body).encode())
+    assert status == 200, raw
+    data = [line.removeprefix("data: ") for line in raw.decode().split("\n") if line.startswith("data: ")]
+    assert data[-1] == "[DONE]" or path == "/v1/responses"
+    return [json.loads(item) for item in data if item != "[DONE]"]
+
+
 @dataclass
 class ServedApis:
     """Both public APIs (OpenAI-compatible HTTP with the router's /metrics, and gRPC) on free

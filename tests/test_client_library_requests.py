@@ -17,7 +17,7 @@ import pytest
 
 from splitserve.common.model_dir import DEFAULT_MODEL_NAME
 from splitserve.engine.tiny_model import resolve_model_path
-from tests.factories import http_request, served_apis
+from tests.factories import http_request, post_json, served_apis, sse_json_events
 
 MODEL = "default"
 REPORT_SCHEMA = {"properties": {"sunny": {"title": "Sunny", "type": "boolean"}}, "required": ["sunny"],
@@ -77,16 +77,11 @@ def served():
 
 
 def post(served, path: str, body: dict) -> tuple[int, dict]:
-    status, _, raw = http_request(served.http_port, "POST", path, json.dumps(body).encode())
-    return status, json.loads(raw)
+    return post_json(served.http_port, path, body)
 
 
 def stream(served, path: str, body: dict) -> list[dict]:
-    """The SSE events' JSON bodies of a 200 answer ([DONE] left out)."""
-    status, _, raw = http_request(served.http_port, "POST", path, json.dumps(body).encode())
-    assert status == 200, raw
-    data = [line.removeprefix("data: ") for line in raw.decode().split("\n") if line.startswith("data: ")]
-    return [json.loads(item) for item in data if item != "[DONE]"]
+    return sse_json_events(served.http_port, path, body)
 
 
 def accumulated_chat(chunks: list[dict]) -> tuple[str, list[tuple[str, str]], str]:

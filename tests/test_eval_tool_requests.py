@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from splitserve.testing.workloads import GreedyCase
-from tests.factories import hf_greedy, hf_logits, http_request, served_apis
+from tests.factories import hf_greedy, hf_logits, http_request, post_json, served_apis, sse_json_events
 
 MODEL = "tiny-llama"
 MAX_TOKENS = 16
@@ -25,17 +25,11 @@ def served(tiny_llama_dir):
 
 
 def post(served, path: str, body: dict) -> tuple[int, dict]:
-    status, _, raw = http_request(served.http_port, "POST", path, json.dumps(body).encode())
-    return status, json.loads(raw)
+    return post_json(served.http_port, path, body)
 
 
 def stream(served, path: str, body: dict) -> list[dict]:
-    """The SSE events' JSON bodies of a 200 answer ([DONE] left out; a Responses stream's `event:` lines too)."""
-    status, _, raw = http_request(served.http_port, "POST", path, json.dumps(body).encode())
-    assert status == 200, raw
-    data = [line.removeprefix("data: ") for line in raw.decode().split("\n") if line.startswith("data: ")]
-    assert data[-1] == "[DONE]" or path == "/v1/responses"
-    return [json.loads(item) for item in data if item != "[DONE]"]
+    return sse_json_events(served.http_port, path, body)
 
 
 def lm_eval_parse_logprobs(response: dict, ctxlens: list[int]) -> list[tuple[float, bool]]:
