@@ -190,6 +190,7 @@ class HarmonyTokens:
     message_id: int
     analysis_id: int
     """The token of the word `analysis` (the reasoning channel's name, one token in GPT-OSS's o200k_harmony)."""
+    start_id: int
     body_end_ids: frozenset[int]
     """`<|end|>`, `<|call|>`, `<|return|>` and `<|start|>`."""
 
@@ -199,7 +200,8 @@ class HarmonyParser(ReasoningParser):
     with newlines, as vLLM joins them); the final channel's and commentary's without a function recipient
     (preambles) are content; a call (a message to `functions.NAME`) stays in the content as harmony,
     `<|start|>assistant` + its header + body + its end marker (`<|call|>` where the model opened the next
-    message without one; none where the output ended), for the `openai` tool call parser to read. Reasoning tokens: the analysis messages' body tokens."""
+    message without one; none where the output ended), for the `openai` tool call parser to read. Reasoning
+    tokens: the analysis messages' body tokens, read off the token ids (see _count)."""
 
     applies_structured_output = False
 
@@ -212,9 +214,9 @@ class HarmonyParser(ReasoningParser):
         self._reasoning_messages = 0
         self._ended = False
         """finish() was called: a call the output cut is passed on as cut (no end marker)."""
-        self._token_state = "outside"
-        """Where the token ids read so far end: outside, channel (after <|channel|>), analysis_header,
-        other_header, analysis_body or body."""
+        self._token_state = "header"
+        """Where the token ids read so far end: header, channel (after the header's first <|channel|>),
+        analysis_header, other_header, analysis_body, body or between (messages)."""
 
     @classmethod
     def starts_in_reasoning(cls, tags: HarmonyTokens, prompt_token_ids: Sequence[int],  # type: ignore[override]
@@ -260,18 +262,27 @@ class HarmonyParser(ReasoningParser):
         return header.channel == harmony.ANALYSIS and header.function is None
 
     def _count(self, token_ids: Sequence[int]) -> None:
+        """The reader's states over token ids: a header (the output starts in one; `<|start|>` opens one)
+        is the analysis channel's when the `analysis` token follows its first `<|channel|>`; its body
+        runs from `<|message|>` to an end marker or `<|start|>`."""
         tags = self.tags
         for token_id in token_ids:
-            if token_id in tags.body_end_ids:
-                self._token_state = "outside"
-            elif token_id == tags.channel_id:
+            state = self._token_state
+            if state in ("body", "analysis_body"):
+                if token_id in tags.body_end_ids:
+                    self._token_state = "header" if token_id == tags.start_id else "between"
+                elif state == "analysis_body":
+                    self.reasoning_tokens += 1
+            elif token_id == tags.start_id:
+                self._token_state = "header"
+            elif state == "between":
+                continue
+            elif token_id == tags.message_id:
+                self._token_state = "analysis_body" if state == "analysis_header" else "body"
+            elif state == "header" and token_id == tags.channel_id:
                 self._token_state = "channel"
-            elif self._token_state == "channel":
+            elif state == "channel":
                 self._token_state = "analysis_header" if token_id == tags.analysis_id else "other_header"
-            elif token_id == tags.message_id and self._token_state.endswith("header"):
-                self._token_state = "analysis_body" if self._token_state == "analysis_header" else "body"
-            elif self._token_state == "analysis_body":
-                self.reasoning_tokens += 1
 
 
 REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
@@ -310,7 +321,7 @@ class ReasoningFormat:
             raise ValueError(f"--reasoning-parser {name} needs the tokenizer to have the token {missing[0]}")
         if name == "openai_gptoss":
             channel, message, analysis, *body_ends = ids.values()
-            return cls(name, HarmonyTokens(channel, message, analysis, frozenset(body_ends)))
+            return cls(name, HarmonyTokens(channel, message, analysis, ids["<|start|>"], frozenset(body_ends)))
         boundaries = frozenset(i for tag in QWEN3_TURN_BOUNDARIES if (i := token_id(tag)) is not None) \
             if name == "qwen3" else frozenset()
         return cls(name, ThinkTags(THINK_START, THINK_END, ids[THINK_START], ids[THINK_END], boundaries))

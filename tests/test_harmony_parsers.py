@@ -24,7 +24,7 @@ CHANNEL, MESSAGE, ANALYSIS, END, CALL, RETURN, START = 200005, 200008, 35644, 20
 """o200k_harmony's ids of the harmony tokens and of the word `analysis`."""
 VOCAB = {"<|channel|>": CHANNEL, "<|message|>": MESSAGE, "analysis": ANALYSIS, "<|end|>": END, "<|call|>": CALL,
          "<|return|>": RETURN, "<|start|>": START}
-TOKENS = HarmonyTokens(CHANNEL, MESSAGE, ANALYSIS, frozenset({END, CALL, RETURN, START}))
+TOKENS = HarmonyTokens(CHANNEL, MESSAGE, ANALYSIS, START, frozenset({END, CALL, RETURN, START}))
 
 THOUGHT_THEN_ANSWER = ("<|channel|>analysis<|message|>User asks 2+2.<|end|>"
                        "<|start|>assistant<|channel|>final<|message|>It is 4.")
@@ -180,10 +180,10 @@ def test_every_cut_of_a_stream_into_three_pieces_equals_the_whole(text):
 
 def test_reasoning_tokens_are_the_analysis_bodies_tokens():
     parser = HarmonyParser(TOKENS, False)
-    for token_ids in ([CHANNEL, ANALYSIS, MESSAGE, 7, 8], [9, END, START, 10, CHANNEL], [11, MESSAGE, 12],
-                      [END, START, 10, CHANNEL, ANALYSIS, MESSAGE, 13]):
+    for token_ids in ([CHANNEL, ANALYSIS, MESSAGE, 7, CHANNEL], [9, END, START, 10, CHANNEL], [11, MESSAGE, 12],
+                      [END, 14, START, 10, CHANNEL, ANALYSIS, MESSAGE, 13]):
         parser.feed("", token_ids)
-    assert parser.reasoning_tokens == 4  # 7, 8, 9 and 13; 12 is the final message's
+    assert parser.reasoning_tokens == 4  # 7, <|channel|> (body text), 9 and 13; 12 is another channel's, 14 loose
 
 
 def test_the_format_takes_the_harmony_ids_from_the_tokenizer_and_refuses_one_without_them():
