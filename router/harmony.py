@@ -102,9 +102,15 @@ class HarmonyReader:
         False: it starts outside any message (the openai_gptoss reasoning parser's content)."""
         self._state = "header" if in_header else "between"
         self._pending = ""
+        self._header_searched = 0
+        """In a header: how much of the held text holds no `<|message|>` start (a runaway header is read once)."""
 
     def feed(self, text: str) -> list[Event]:
-        self._pending += text
+        # Appended through a local that holds the only reference, so CPython grows the string in place: a
+        # runaway header (held whole until its <|message|>) costs linear time, not quadratic.
+        pending, self._pending = self._pending, ""
+        pending += text
+        self._pending = pending
         events: list[Event] = []
         while self._pending:
             step = self._step()
@@ -122,11 +128,12 @@ class HarmonyReader:
     def _step(self) -> list[Event] | None:
         """Read on in the current state; None when the rest must wait for more text."""
         if self._state == "header":
-            end = self._pending.find(MESSAGE)
+            end = self._pending.find(MESSAGE, self._header_searched)
             if end < 0:
+                self._header_searched = max(0, len(self._pending) - len(MESSAGE) + 1)
                 return None
             header, self._pending = self._pending[:end + len(MESSAGE)], self._pending[end + len(MESSAGE):]
-            self._state = "body"
+            self._state, self._header_searched = "body", 0
             return [Opened(Header.parse(header))]
         markers = BODY_ENDS if self._state == "body" else (START,)
         found = [(at, marker) for marker in markers if (at := self._pending.find(marker)) >= 0]
