@@ -731,8 +731,9 @@ class HarmonyToolParser(OutputParser):
     call of NAME, its body the arguments; the final channel's messages, commentary without a recipient
     (preambles) and text outside messages are content; analysis messages are dropped (the reasoning: the
     openai_gptoss reasoning parser returns them). JSON arguments (no content type, or one naming json)
-    are re-written canonically as they stream; from where they stop being JSON on, and for any other
-    content type, they are passed as written (vLLM's non-streamed path passes such a body whole). A
+    are re-written canonically as they stream, and text after the complete value is dropped (the arguments
+    stay valid JSON); from where they stop being JSON on, and for any other content type, they are passed
+    as written (vLLM's non-streamed path passes such a body whole). A
     call the output cut before its JSON completed is kept as far as it got, with the engine's finish
     reason. Never malformed: the special tokens mark every message."""
 

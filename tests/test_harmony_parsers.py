@@ -90,6 +90,8 @@ def test_the_reasoning_parser_splits_a_whole_output_by_channel(text, reasoning, 
      (ToolCall("call_0", "run", "print(1)"),)),  # not JSON: as written
     ('<|channel|>commentary to=functions.f json<|message|>{"a": [1, 2}, "b": 3}', None,
      (ToolCall("call_0", "f", '{"a": [1, 2' + '}, "b": 3}'),)),  # canonical until it broke, then as written
+    ('<|channel|>commentary to=functions.f json<|message|>{"a":1} trailing', None,
+     (ToolCall("call_0", "f", '{"a": 1}'),)),  # text after the value is dropped
 ])
 def test_both_parsers_return_the_final_channel_and_the_calls(text, content, calls):
     assert reasoning_then_calls(text)[1] == ParsedOutput(content, calls)
