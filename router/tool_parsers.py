@@ -745,11 +745,11 @@ class HarmonyToolParser(OutputParser):
         super().__init__(new_id)
         self._max_calls = max_calls
         self._reader = harmony.HarmonyReader(in_header)
-        self._open: harmony.Header | None = None
-        self._arguments: ArgumentsScanner | None = None
-        """The open call's JSON arguments; None outside a call, for arguments passed as written, and for a
-        call past max_calls."""
-        self._raw_arguments = False
+        self._body_is = "content"
+        """What the open message's body is: "content", "dropped" (analysis, a call past max_calls), "json"
+        (a call's arguments, re-written) or "raw" (a call's arguments, as written)."""
+        self._arguments = ArgumentsScanner()
+        """The open (or last) call's JSON arguments."""
         self._sent = 0
         """Canonical fragments of the open call's arguments sent."""
 
@@ -775,27 +775,26 @@ class HarmonyToolParser(OutputParser):
         return self._closed(event.marker)
 
     def _opened(self, header: harmony.Header) -> OutputDelta:
-        self._open = header
         name = header.function
-        if name is None or (self._max_calls is not None and self._calls_sent >= self._max_calls):
+        if name is None:
+            self._body_is = "dropped" if header.channel == harmony.ANALYSIS else "content"
             return OutputDelta()
-        self._raw_arguments = header.content_type is not None and "json" not in header.content_type
-        self._arguments = None if self._raw_arguments else ArgumentsScanner()
-        self._sent = 0
+        if self._max_calls is not None and self._calls_sent >= self._max_calls:
+            self._body_is = "dropped"
+            return OutputDelta()
+        self._body_is = "raw" if header.content_type is not None and "json" not in header.content_type else "json"
+        self._arguments, self._sent = ArgumentsScanner(), 0
         return OutputDelta(tool_calls=(self._open_call(name, ""),))
 
     def _body(self, text: str) -> OutputDelta:
-        header = self._open
-        if header.function is None:
-            return OutputDelta("" if header.channel == harmony.ANALYSIS else text)
-        if not self._raw_arguments and self._arguments is None:
-            return OutputDelta()  # a call past max_calls
-        if self._raw_arguments:
+        if self._body_is in ("content", "dropped"):
+            return OutputDelta(text if self._body_is == "content" else "")
+        if self._body_is == "raw":
             return OutputDelta(tool_calls=(ToolCallDelta(self._calls_sent - 1, text),))
         try:
             self._arguments.feed(text)
         except MalformedJson:
-            self._raw_arguments = True
+            self._body_is = "raw"
             return self._arguments_delta(self._arguments.unread)
         return self._arguments_delta("")
 
@@ -807,18 +806,14 @@ class HarmonyToolParser(OutputParser):
         return OutputDelta(tool_calls=(ToolCallDelta(self._calls_sent - 1, text),)) if text else OutputDelta()
 
     def _closed(self, marker: str) -> OutputDelta:
-        scanner, raw = self._arguments, self._raw_arguments
-        self._open, self._arguments, self._raw_arguments = None, None, False
-        if scanner is None or raw or scanner.done:
+        reading_json, self._body_is = self._body_is == "json" and not self._arguments.done, "content"
+        if not reading_json:
             return OutputDelta()
         try:
-            scanner.finish()  # a trailing number completes the value
+            self._arguments.finish()  # a trailing number completes the value
         except MalformedJson:
             self.cut_short = not marker  # ended early; a call the model ended itself keeps "tool_calls"
-        self._arguments = scanner
-        delta = self._arguments_delta("")
-        self._arguments = None
-        return delta
+        return self._arguments_delta("")
 
 
 TOOL_CALL_PARSERS: dict[str, type[HermesParser | Llama3JsonParser | HarmonyToolParser]] = {
