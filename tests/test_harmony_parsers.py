@@ -73,6 +73,8 @@ def test_a_header_names_its_channel_recipient_and_content_type(text, expected):
     (THOUGHT_THEN_CALL, "Need weather.", CALL_WEATHER),  # the call stays harmony, for the tool parser
     ('<|channel|>commentary to=functions.f json<|message|>{}<|call|>', None,
      '<|start|>assistant<|channel|>commentary to=functions.f json<|message|>{}<|call|>'),
+    (' to=functions.f<|channel|>commentary json<|message|>{"a"', None,
+     '<|start|>assistant to=functions.f<|channel|>commentary json<|message|>{"a"'),  # cut: no end marker added
     ("", None, None),
 ])
 def test_the_reasoning_parser_splits_a_whole_output_by_channel(text, reasoning, content):
@@ -92,6 +94,8 @@ def test_the_reasoning_parser_splits_a_whole_output_by_channel(text, reasoning, 
      (ToolCall("call_0", "f", '{"a": [1, 2' + '}, "b": 3}'),)),  # canonical until it broke, then as written
     ('<|channel|>commentary to=functions.f json<|message|>{"a":1} trailing', None,
      (ToolCall("call_0", "f", '{"a": 1}'),)),  # text after the value is dropped
+    (' to=functions.f<|channel|>commentary json<|message|>{"a":[]}', None,
+     (ToolCall("call_0", "f", '{"a": []}'),)),  # the recipient after the prompt's role
 ])
 def test_both_parsers_return_the_final_channel_and_the_calls(text, content, calls):
     assert reasoning_then_calls(text)[1] == ParsedOutput(content, calls)
