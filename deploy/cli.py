@@ -35,10 +35,10 @@ def _add_make_tiny_model(commands: argparse._SubParsersAction) -> None:
     parser.set_defaults(handler=_make_tiny_model)
 
 
-TOOL_CALL_PARSER_NAMES = ("hermes", "llama3_json")
+TOOL_CALL_PARSER_NAMES = ("hermes", "llama3_json", "openai")
 """router.tool_parsers.TOOL_CALL_PARSERS' names, spelled out so building the parser does not import the
 grammar engine (a test checks they agree)."""
-REASONING_PARSER_NAMES = ("deepseek_r1", "qwen3")
+REASONING_PARSER_NAMES = ("deepseek_r1", "qwen3", "openai_gptoss")
 """router.reasoning_parsers.REASONING_PARSERS' names, spelled out likewise (a test checks they agree)."""
 TRAINING_PRESETS = ("draft", "main")
 """tiny_training.PRESETS' names, spelled out so building the parser does not import torch (a test checks)."""
@@ -443,10 +443,10 @@ def _add_frontend_flags(group: argparse._ArgumentGroup) -> None:
                             "--tool-call-parser")
     group.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSER_NAMES, default=None,
                        help="how the model writes tool calls: hermes (<tool_call>{...}</tool_call>: Hermes, Qwen) "
-                            "or llama3_json (Llama 3.1+)")
+                            "llama3_json (Llama 3.1+) or openai (GPT-OSS's harmony calls)")
     group.add_argument("--reasoning-parser", choices=REASONING_PARSER_NAMES, default=None,
                        help="split chat outputs' <think>...</think> block into a separate `reasoning` field: "
-                            "deepseek_r1 or qwen3")
+                            "deepseek_r1 or qwen3; openai_gptoss: GPT-OSS's harmony analysis channel")
     group.add_argument("--ssl-certfile", default=None, help="PEM certificate chain: serve HTTPS and gRPC over TLS")
     group.add_argument("--ssl-keyfile", default=None, help="PEM private key of --ssl-certfile")
     group.add_argument("--ssl-ca-certs", default=None,

@@ -227,7 +227,8 @@ class RouterConfig:
     Off: such a request is a 400; "none", "required" and a named function need no parser."""
     tool_call_parser: str | None = None
     """How the model writes tool calls (vLLM's --tool-call-parser): `hermes` (<tool_call>{...}</tool_call>:
-    Hermes 2 Pro, Qwen 2.5 / 3) or `llama3_json` (Llama 3.1+ JSON calls)."""
+    Hermes 2 Pro, Qwen 2.5 / 3), `llama3_json` (Llama 3.1+ JSON calls) or `openai` (GPT-OSS's harmony
+    messages to `functions.NAME`)."""
     generation_config: GenerationConfig = GenerationConfig()
     """Default sampling values of requests that leave them unset (vLLM's --generation-config and
     --override-generation-config): `source` auto (the model's generation_config.json), vllm (none)
@@ -236,7 +237,8 @@ class RouterConfig:
     them; the Triton API does not (docs/http_api.md#default-sampling-parameters)."""
     reasoning_parser: str | None = None
     """Split a chat's output into its reasoning (a `<think>...</think>` block) and its content (vLLM's
-    --reasoning-parser): `deepseek_r1` or `qwen3`; the model's tokenizer must have both tags as tokens.
+    --reasoning-parser): `deepseek_r1` or `qwen3`, whose tokenizer must have both tags as tokens, or
+    `openai_gptoss` (GPT-OSS's harmony analysis channel; its tokenizer must have the harmony tokens).
     None: the output is all content."""
     replicas: int = 1
     """Router processes sharing the workers, each with its own prefix index, admission slots and

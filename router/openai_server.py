@@ -647,8 +647,10 @@ class OpenAIServing:
         """A chat's inputs and how its output is read; `prompt_param`: the field its messages came
         from, named by a prompt that does not fit."""
         adapter = self._adapter(parsed.model)
+        harmony_content = self.reasoning is not None and self.reasoning.writes_harmony_calls
         tool_output = None if parsed.tool_calling is None else ToolOutput.for_request(parsed.tool_calling,
-                                                                                      self.tool_call_parser)
+                                                                                      self.tool_call_parser,
+                                                                                      harmony_content)
         messages = [m.template_message() for m in parsed.messages]
         token_ids = await self.tokenizers.apply_chat_template(messages, parsed.add_generation_prompt, parsed.template)
         if parsed.truncation is not None:  # before the reasoning parser reads where the prompt ends

@@ -30,8 +30,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from splitserve.common.errors import InvalidRequestError
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.structured_output import StructuredOutput
+from splitserve.router import harmony
 
 THINK_START = "<think>"
 THINK_END = "</think>"
@@ -71,6 +73,9 @@ class ParsedReasoning:
 
 class ReasoningParser(ABC):
     """One choice's output, fed in pieces; `finish()` once after the last."""
+
+    applies_structured_output = True
+    """A structured output constraint can start where the reasoning ends (at its end tag's token)."""
 
     def __init__(self, tags: ThinkTags, in_reasoning: bool) -> None:
         self.tags = tags
@@ -177,14 +182,122 @@ class Qwen3Parser(ReasoningParser):
         return _last_tag(tags, prompt_token_ids, tags.turn_boundary_ids) != tags.end_id
 
 
+@dataclass(frozen=True)
+class HarmonyTokens:
+    """The harmony tokens the openai_gptoss parser counts reasoning tokens by, in the served model's tokenizer."""
+
+    channel_id: int
+    message_id: int
+    analysis_id: int
+    """The token of the word `analysis` (the reasoning channel's name, one token in GPT-OSS's o200k_harmony)."""
+    start_id: int
+    body_end_ids: frozenset[int]
+    """`<|end|>`, `<|call|>`, `<|return|>` and `<|start|>`."""
+
+
+class HarmonyParser(ReasoningParser):
+    """GPT-OSS (harmony, router/harmony.py): the analysis channel's messages are the reasoning (joined
+    with newlines, as vLLM joins them); the final channel's and commentary's without a function recipient
+    (preambles) are content; a call (a message to `functions.NAME`) stays in the content as harmony,
+    `<|start|>assistant` + its header + body + its end marker (`<|call|>` where the model opened the next
+    message without one; none where the output ended), for the `openai` tool call parser to read. Reasoning
+    tokens: the analysis messages' body tokens, read off the token ids (see _count)."""
+
+    applies_structured_output = False
+
+    def __init__(self, tags: HarmonyTokens, in_reasoning: bool) -> None:  # type: ignore[override]
+        self.tags = tags
+        self.in_reasoning = in_reasoning
+        self.reasoning_tokens = 0
+        self._reader = harmony.HarmonyReader(in_header=True)
+        self._open: harmony.Header | None = None
+        self._reasoning_messages = 0
+        self._ended = False
+        """finish() was called: a call the output cut is passed on as cut (no end marker)."""
+        self._token_state = "header"
+        """Where the token ids read so far end: header, channel (after the header's first <|channel|>),
+        analysis_header, other_header, analysis_body, body or between (messages)."""
+
+    @classmethod
+    def starts_in_reasoning(cls, tags: HarmonyTokens, prompt_token_ids: Sequence[int],  # type: ignore[override]
+                            template_kwargs: Mapping[str, Any]) -> bool:
+        return False  # where the output is, its channel says; nothing carries over from the prompt
+
+    def feed(self, text: str, token_ids: Sequence[int] = ()) -> ReasoningDelta:
+        self._count(token_ids)
+        return self._deltas(self._reader.feed(text))
+
+    def finish(self) -> ReasoningDelta:
+        self._ended = True
+        return self._deltas(self._reader.finish())
+
+    def _deltas(self, events: list[harmony.Event]) -> ReasoningDelta:
+        out = ReasoningDelta()
+        for event in events:
+            out += self._delta(event)
+        return out
+
+    def _delta(self, event: harmony.Event) -> ReasoningDelta:
+        if isinstance(event, harmony.Loose):
+            return ReasoningDelta(content=event.text)
+        if isinstance(event, harmony.Opened):
+            self._open = event.header
+            self.in_reasoning = self._is_reasoning(event.header)
+            if self.in_reasoning:
+                self._reasoning_messages += 1
+                return ReasoningDelta(reasoning="\n" if self._reasoning_messages > 1 else "")
+            if event.header.function is not None:
+                start = "" if event.header.text.startswith(harmony.START) else harmony.START + "assistant"
+                return ReasoningDelta(content=start + event.header.text)
+            return ReasoningDelta()
+        if isinstance(event, harmony.Body):
+            return ReasoningDelta(reasoning=event.text) if self.in_reasoning else ReasoningDelta(content=event.text)
+        header, self._open, self.in_reasoning = self._open, None, False
+        if header is not None and header.function is not None and not (self._ended and not event.marker):
+            return ReasoningDelta(content=event.marker or harmony.CALL)
+        return ReasoningDelta()
+
+    @staticmethod
+    def _is_reasoning(header: harmony.Header) -> bool:
+        return header.channel == harmony.ANALYSIS and header.function is None
+
+    def _count(self, token_ids: Sequence[int]) -> None:
+        """The reader's states over token ids: a header (the output starts in one; `<|start|>` opens one)
+        is the analysis channel's when the `analysis` token follows its first `<|channel|>`; its body
+        runs from `<|message|>` to an end marker or `<|start|>`."""
+        tags = self.tags
+        for token_id in token_ids:
+            state = self._token_state
+            if state in ("body", "analysis_body"):
+                if token_id in tags.body_end_ids:
+                    self._token_state = "header" if token_id == tags.start_id else "between"
+                elif state == "analysis_body":
+                    self.reasoning_tokens += 1
+            elif token_id == tags.start_id:
+                self._token_state = "header"
+            elif state == "between":
+                continue
+            elif token_id == tags.message_id:
+                self._token_state = "analysis_body" if state == "analysis_header" else "body"
+            elif state == "header" and token_id == tags.channel_id:
+                self._token_state = "channel"
+            elif state == "channel":
+                self._token_state = "analysis_header" if token_id == tags.analysis_id else "other_header"
+
+
 REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
     "deepseek_r1": DeepSeekR1Parser,
     "qwen3": Qwen3Parser,
+    "openai_gptoss": HarmonyParser,
 }
 """--reasoning-parser's choices."""
-KEEPS_SPECIAL_TOKENS = frozenset({"qwen3"})
+KEEPS_SPECIAL_TOKENS = frozenset({"qwen3", "openai_gptoss"})
 """Parsers that read the output with special tokens kept (vLLM's engine-based parsers turn
 skip_special_tokens off; its deepseek_r1 parser leaves it as the request says)."""
+
+
+HARMONY_TOKENS = ("<|channel|>", "<|message|>", "analysis", "<|end|>", "<|call|>", "<|return|>", "<|start|>")
+"""The tokens the openai_gptoss parser needs the tokenizer to have (GPT-OSS's o200k_harmony has them all)."""
 
 
 @dataclass(frozen=True)
@@ -192,7 +305,7 @@ class ReasoningFormat:
     """The server's reasoning parser over its model's tokenizer."""
 
     name: str
-    tags: ThinkTags
+    tags: ThinkTags | HarmonyTokens
 
     @classmethod
     def for_tokenizer(cls, name: str, token_id: Callable[[str], int | None]) -> ReasoningFormat:
@@ -201,10 +314,14 @@ class ReasoningFormat:
         refuses to start then too)."""
         if name not in REASONING_PARSERS:
             raise ValueError(f"reasoning parser must be one of {', '.join(REASONING_PARSERS)}, got {name!r}")
-        ids = {tag: token_id(tag) for tag in (THINK_START, THINK_END)}
+        needed = HARMONY_TOKENS if name == "openai_gptoss" else (THINK_START, THINK_END)
+        ids = {tag: token_id(tag) for tag in needed}
         missing = [tag for tag, token in ids.items() if token is None]
         if missing:
             raise ValueError(f"--reasoning-parser {name} needs the tokenizer to have the token {missing[0]}")
+        if name == "openai_gptoss":
+            channel, message, analysis, *body_ends = ids.values()
+            return cls(name, HarmonyTokens(channel, message, analysis, ids["<|start|>"], frozenset(body_ends)))
         boundaries = frozenset(i for tag in QWEN3_TURN_BOUNDARIES if (i := token_id(tag)) is not None) \
             if name == "qwen3" else frozenset()
         return cls(name, ThinkTags(THINK_START, THINK_END, ids[THINK_START], ids[THINK_END], boundaries))
@@ -216,12 +333,17 @@ class ReasoningFormat:
                                                                              template_kwargs),
                                include_reasoning, self.name in KEEPS_SPECIAL_TOKENS)
 
+    @property
+    def writes_harmony_calls(self) -> bool:
+        """Its content keeps the output's calls in harmony (openai_gptoss), for the `openai` tool call parser."""
+        return self.name == "openai_gptoss"
+
 
 @dataclass(frozen=True)
 class ReasoningOutput:
     """How one request's choices are split into reasoning and content."""
 
-    tags: ThinkTags
+    tags: ThinkTags | HarmonyTokens
     parser: type[ReasoningParser]
     starts_in_reasoning: bool
     include_reasoning: bool
@@ -235,10 +357,15 @@ class ReasoningOutput:
         """The request's sampling as the parser needs it: special tokens kept for a parser that reads
         them, and a structured output constraint that starts after the reasoning (vLLM's: the grammar
         applies from the end tag on; from the first token when the reasoning is not returned, or
-        the prompt ended it)."""
+        the prompt ended it). A harmony output's final message starts after several tokens, where no
+        constraint can start: InvalidRequestError."""
         if self.keeps_special_tokens:
             params = dataclasses.replace(params, skip_special_tokens=False)
         constraint = params.structured_output
+        if constraint is not None and not self.parser.applies_structured_output:
+            raise InvalidRequestError("response_format", "structured output (response_format, structured_outputs, "
+                                      "a named or \"required\" tool_choice) is not supported with this server's "
+                                      "--reasoning-parser openai_gptoss")
         if constraint is None or not self.starts_in_reasoning or not self.include_reasoning:
             return params
         return dataclasses.replace(params, structured_output=constraint.after_token(self.tags.end_id))

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 
 from splitserve.common.errors import InvalidRequestError
 from splitserve.common.sampling_params import SamplingParams
+from splitserve.router import harmony
 from splitserve.router.tool_calling import ToolCalling, ToolChoice, make_tool_call_id
 
 AUTO_TOOL_CHOICE_OFF = ("\"auto\" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set "
@@ -104,6 +105,8 @@ class OutputParser(ABC):
         self._new_id = new_id
         self.malformed = False
         """The output stopped following the format (see the module's docstring)."""
+        self.cut_short = False
+        """The output ended inside a call whose arguments are incomplete (its finish reason stays the engine's)."""
         self._calls_sent = 0
 
     @property
@@ -235,6 +238,11 @@ class CallsScanner:
         self._target: list[str] | None = None
         """Where canonical text goes: the current call's arguments while inside them."""
         self._capture_name = False
+
+    @property
+    def unread(self) -> str:
+        """Text fed and not read yet (after a MalformedJson: from where the value went wrong)."""
+        return self._text[self._pos:]
 
     def feed(self, text: str) -> int:
         """Read `text`; returns how many of its characters belong to the value (all of them unless it
@@ -437,6 +445,21 @@ class CallsScanner:
     def _emit(self, text: str) -> None:
         if self._target is not None:
             self._target.append(text)
+
+
+class ArgumentsScanner(CallsScanner):
+    """One JSON object that is a call's arguments as a whole (a harmony call's body), re-written
+    canonically into `arguments` as it arrives."""
+
+    def __init__(self) -> None:
+        super().__init__(-1)  # no depth holds calls: the value itself is the arguments
+        self.arguments: list[str] = []
+
+    def _begin_value(self, kind: str) -> None:
+        if not self._stack:
+            if kind != "object":
+                raise MalformedJson(f"a call's arguments must be an object, got a {kind}")
+            self._target = self.arguments
 
 
 class _CallsStreamer:
@@ -703,9 +726,100 @@ class Llama3JsonParser(OutputParser):
         return OutputDelta(self._text)
 
 
-TOOL_CALL_PARSERS: dict[str, type[HermesParser | Llama3JsonParser]] = {
+class HarmonyToolParser(OutputParser):
+    """GPT-OSS's harmony output (router/harmony.py): a message to `functions.NAME` (either channel) is a
+    call of NAME, its body the arguments; the final channel's messages, commentary without a recipient
+    (preambles) and text outside messages are content; analysis messages are dropped (the reasoning: the
+    openai_gptoss reasoning parser returns them). JSON arguments (no content type, or one naming json)
+    are re-written canonically as they stream, and text after the complete value is dropped (the arguments
+    stay valid JSON); from where they stop being JSON on, and for any other content type, they are passed
+    as written (vLLM's non-streamed path passes such a body whole). A
+    call the output cut before its JSON completed is kept as far as it got, with the engine's finish
+    reason. Never malformed: the special tokens mark every message."""
+
+    reads_special_tokens = True
+
+    def __init__(self, max_calls: int | None = None, in_header: bool = True,
+                 new_id: Callable[[], str] = make_tool_call_id) -> None:
+        """`in_header`: the text is the model's output (False: the openai_gptoss reasoning parser's content)."""
+        super().__init__(new_id)
+        self._max_calls = max_calls
+        self._reader = harmony.HarmonyReader(in_header)
+        self._body_is = "content"
+        """What the open message's body is: "content", "dropped" (analysis, a call past max_calls), "json"
+        (a call's arguments, re-written) or "raw" (a call's arguments, as written)."""
+        self._arguments = ArgumentsScanner()
+        """The open (or last) call's JSON arguments."""
+        self._sent = 0
+        """Canonical fragments of the open call's arguments sent."""
+
+    def feed(self, text: str) -> OutputDelta:
+        return self._deltas(self._reader.feed(text))
+
+    def finish(self) -> OutputDelta:
+        return self._deltas(self._reader.finish())
+
+    def _deltas(self, events: list[harmony.Event]) -> OutputDelta:
+        out = OutputDelta()
+        for event in events:
+            out += self._delta(event)
+        return out
+
+    def _delta(self, event: harmony.Event) -> OutputDelta:
+        if isinstance(event, harmony.Loose):
+            return OutputDelta(event.text)
+        if isinstance(event, harmony.Opened):
+            return self._opened(event.header)
+        if isinstance(event, harmony.Body):
+            return self._body(event.text)
+        return self._closed(event.marker)
+
+    def _opened(self, header: harmony.Header) -> OutputDelta:
+        name = header.function
+        if name is None:
+            self._body_is = "dropped" if header.channel == harmony.ANALYSIS else "content"
+            return OutputDelta()
+        if self._max_calls is not None and self._calls_sent >= self._max_calls:
+            self._body_is = "dropped"
+            return OutputDelta()
+        self._body_is = "raw" if header.content_type is not None and "json" not in header.content_type else "json"
+        self._arguments, self._sent = ArgumentsScanner(), 0
+        return OutputDelta(tool_calls=(self._open_call(name, ""),))
+
+    def _body(self, text: str) -> OutputDelta:
+        if self._body_is in ("content", "dropped"):
+            return OutputDelta(text if self._body_is == "content" else "")
+        if self._body_is == "raw":
+            return OutputDelta(tool_calls=(ToolCallDelta(self._calls_sent - 1, text),))
+        try:
+            self._arguments.feed(text)
+        except MalformedJson:
+            self._body_is = "raw"
+            return self._arguments_delta(self._arguments.unread)
+        return self._arguments_delta("")
+
+    def _arguments_delta(self, raw: str) -> OutputDelta:
+        """The open call's canonical arguments not sent yet, then `raw` text as written."""
+        fragments = self._arguments.arguments[self._sent:]
+        self._sent = len(self._arguments.arguments)
+        text = "".join(fragments) + raw
+        return OutputDelta(tool_calls=(ToolCallDelta(self._calls_sent - 1, text),)) if text else OutputDelta()
+
+    def _closed(self, marker: str) -> OutputDelta:
+        reading_json, self._body_is = self._body_is == "json" and not self._arguments.done, "content"
+        if not reading_json:
+            return OutputDelta()
+        try:
+            self._arguments.finish()  # a trailing number completes the value
+        except MalformedJson:
+            self.cut_short = not marker  # ended early; a call the model ended itself keeps "tool_calls"
+        return self._arguments_delta("")
+
+
+TOOL_CALL_PARSERS: dict[str, type[HermesParser | Llama3JsonParser | HarmonyToolParser]] = {
     "hermes": HermesParser,
     "llama3_json": Llama3JsonParser,
+    "openai": HarmonyToolParser,
 }
 """--tool-call-parser's choices: each parser class, for tool_choice "auto", is made with the most
 calls to send (None: any number)."""
@@ -721,9 +835,11 @@ class ToolOutput:
     """The parser reads tags that may be special tokens: the request runs with skip_special_tokens off."""
 
     @classmethod
-    def for_request(cls, calling: ToolCalling, auto_parser: str | None) -> ToolOutput | None:
+    def for_request(cls, calling: ToolCalling, auto_parser: str | None,
+                    after_harmony_reasoning: bool = False) -> ToolOutput | None:
         """None for tool_choice "none"; `auto_parser` is the server's --tool-call-parser (None: auto
-        tool choice is off), which "auto" needs (InvalidRequestError otherwise, vLLM's message)."""
+        tool choice is off), which "auto" needs (InvalidRequestError otherwise, vLLM's message).
+        `after_harmony_reasoning`: the parser reads the openai_gptoss reasoning parser's content."""
         if calling.choice == ToolChoice.NAMED:
             return cls(calling.choice, functools.partial(NamedCallParser, calling.function_name))
         if calling.choice == ToolChoice.REQUIRED:
@@ -733,6 +849,9 @@ class ToolOutput:
                 raise InvalidRequestError("tool_choice", AUTO_TOOL_CHOICE_OFF)
             max_calls = None if calling.parallel_tool_calls else 1
             parser = TOOL_CALL_PARSERS[auto_parser]
+            if parser is HarmonyToolParser:
+                return cls(calling.choice, functools.partial(HarmonyToolParser, max_calls, not after_harmony_reasoning),
+                           True)
             return cls(calling.choice, functools.partial(parser, max_calls), parser.reads_special_tokens)
         return None
 
@@ -743,7 +862,7 @@ class ToolOutput:
     def finish_reason(self, engine_reason: str | None, parser: OutputParser) -> str | None:
         """vLLM's: "tool_calls" when "auto" made calls, or "required" made them and stopped on its
         own; a named call keeps the engine's reason (OpenAI's "stop")."""
-        if engine_reason is None or parser.malformed or not parser.called:
+        if engine_reason is None or parser.malformed or parser.cut_short or not parser.called:
             return engine_reason
         if self.choice == ToolChoice.AUTO or (self.choice == ToolChoice.REQUIRED and engine_reason == "stop"):
             return "tool_calls"

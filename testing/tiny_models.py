@@ -117,3 +117,33 @@ def build_thinking_model(out_dir: Path) -> Path:
         model.lm_head.weight[tokenizer.convert_tokens_to_ids(THINK_TAGS[1])] = \
             THINK_END_WEIGHT * direction / direction.norm()
     return write_model_dir(out_dir, model, tokenizer)
+
+
+HARMONY_SPECIAL_TOKENS = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|call|>", "<|return|>",
+                          "<|constrain|>")
+HARMONY_WORDS = ("analysis", "final", " to=functions.get_time", "{\"tz\": \"UTC\"}")
+"""Plain added tokens: the channel names (`analysis` is one token in GPT-OSS's tokenizer, as the
+openai_gptoss parser needs), a recipient and a JSON body, so that a sampled output can spell messages."""
+HARMONY_CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|start|>' + message['role'] + '<|message|>' + message['content'] + '<|end|>' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start|>assistant' }}{%- endif %}"
+)
+"""Harmony's shape (GPT-OSS's template ends the prompt with `<|start|>assistant`), without its system message."""
+
+
+def build_harmony_model(out_dir: Path) -> Path:
+    """A tiny random model whose tokenizer has GPT-OSS's harmony tokens (special) and HARMONY_WORDS, with
+    HARMONY_CHAT_TEMPLATE, for served tests of the openai_gptoss / openai parsers (requests bias the
+    harmony tokens so that outputs are made of messages)."""
+    from splitserve.engine.tiny_model import build_tokenizer, random_model, write_model_dir
+
+    spec = THINKING_SPEC
+    tokenizer = build_tokenizer(spec.vocab_size - len(HARMONY_SPECIAL_TOKENS) - len(HARMONY_WORDS), spec.seed,
+                                spec.arch)
+    tokenizer.add_special_tokens({"additional_special_tokens": list(HARMONY_SPECIAL_TOKENS)})
+    tokenizer.add_tokens(list(HARMONY_WORDS))
+    tokenizer.chat_template = HARMONY_CHAT_TEMPLATE
+    tokenizer.model_max_length = spec.max_position_embeddings
+    return write_model_dir(out_dir, random_model(spec, tokenizer), tokenizer)

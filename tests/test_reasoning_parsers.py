@@ -137,7 +137,7 @@ def test_the_format_takes_the_tags_ids_from_the_tokenizer_and_refuses_one_withou
     assert ReasoningFormat.for_tokenizer("deepseek_r1", VOCAB.get).tags.turn_boundary_ids == frozenset()
     with pytest.raises(ValueError, match=r"^--reasoning-parser qwen3 needs the tokenizer to have the token </think>$"):
         ReasoningFormat.for_tokenizer("qwen3", {"<think>": 1}.get)
-    with pytest.raises(ValueError, match="must be one of deepseek_r1, qwen3, got 'granite'"):
+    with pytest.raises(ValueError, match="must be one of deepseek_r1, qwen3, openai_gptoss, got 'granite'"):
         ReasoningFormat.for_tokenizer("granite", VOCAB.get)
 
 
