@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from splitserve.router.partial_tags import partial_tag_length
+
 START = "<|start|>"
 CHANNEL = "<|channel|>"
 CONSTRAIN = "<|constrain|>"
@@ -138,7 +140,7 @@ class HarmonyReader:
         markers = BODY_ENDS if self._state == "body" else (START,)
         found = [(at, marker) for marker in markers if (at := self._pending.find(marker)) >= 0]
         if not found:
-            held = max(_partial_marker_length(self._pending, marker) for marker in markers)
+            held = max(partial_tag_length(self._pending, marker) for marker in markers)
             text, self._pending = self._pending[:len(self._pending) - held], self._pending[len(self._pending) - held:]
             return [self._text_event(text)] if text else None
         at, marker = min(found)
@@ -154,11 +156,3 @@ class HarmonyReader:
 
     def _text_event(self, text: str) -> Body | Loose:
         return Body(text) if self._state == "body" else Loose(text)
-
-
-def _partial_marker_length(text: str, marker: str) -> int:
-    """Length of the longest end of `text` that is a start of `marker`."""
-    for length in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-length:]):
-            return length
-    return 0

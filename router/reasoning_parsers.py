@@ -34,6 +34,7 @@ from splitserve.common.errors import InvalidRequestError
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.structured_output import StructuredOutput
 from splitserve.router import harmony
+from splitserve.router.partial_tags import partial_tag_length
 
 THINK_START = "<think>"
 THINK_END = "</think>"
@@ -133,7 +134,7 @@ class ReasoningParser(ABC):
         None when the rest must wait for more text."""
         start, end = self._pending.find(self.tags.start), self._pending.find(self.tags.end)
         if start < 0 and end < 0:
-            held = max(_partial_tag_length(self._pending, tag) for tag in (self.tags.start, self.tags.end))
+            held = max(partial_tag_length(self._pending, tag) for tag in (self.tags.start, self.tags.end))
             text, self._pending = self._pending[:len(self._pending) - held], self._pending[len(self._pending) - held:]
             return ReasoningDelta(reasoning=text) if text else None
         if end < 0 or 0 <= start < end:
@@ -142,14 +143,6 @@ class ReasoningParser(ABC):
         text, self._pending = self._pending[:end], self._pending[end + len(self.tags.end):]
         self.in_reasoning = False
         return ReasoningDelta(reasoning=text)
-
-
-def _partial_tag_length(text: str, tag: str) -> int:
-    """Length of the longest end of `text` that is a start of `tag`."""
-    for length in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-length:]):
-            return length
-    return 0
 
 
 def _last_tag(tags: ThinkTags, token_ids: Sequence[int], stop_at: frozenset[int]) -> int | None:

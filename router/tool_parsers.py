@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from splitserve.common.errors import InvalidRequestError
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.router import harmony
+from splitserve.router.partial_tags import partial_tag_length
 from splitserve.router.tool_calling import ToolCalling, ToolChoice, make_tool_call_id
 
 AUTO_TOOL_CHOICE_OFF = ("\"auto\" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set "
@@ -584,7 +585,7 @@ class HermesParser(OutputParser):
         """Content up to a call's opening tag; None when the rest must wait for more text."""
         start = self._pending.find(HERMES_START)
         if start < 0:
-            held = _partial_tag_length(self._pending, HERMES_START)
+            held = partial_tag_length(self._pending, HERMES_START)
             text, self._pending = self._pending[:len(self._pending) - held], self._pending[len(self._pending) - held:]
             if self._after_call and not text.strip(_WHITESPACE):
                 self._pending = text + self._pending  # whitespace after a call waits for something else
@@ -627,14 +628,6 @@ class HermesParser(OutputParser):
         self.malformed = True
         text, self._pending = self._call_text + self._pending, ""
         return OutputDelta(text)
-
-
-def _partial_tag_length(text: str, tag: str) -> int:
-    """Length of the longest end of `text` that is a start of `tag` (held until the next piece says which)."""
-    for length in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-length:]):
-            return length
-    return 0
 
 
 class Llama3JsonParser(OutputParser):
