@@ -206,7 +206,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         token_ids = await prompt_token_ids(request, self.tokenizers, truncation is not None)
         if truncation is not None:
             token_ids = truncation.applied(token_ids)
-        self.orchestrator.validate_prompt(token_ids)
+        self.orchestrator.validate_prompt(token_ids, ids_field="prompt.token_ids")
         ids = self.orchestrator.new_request_id(request.request_id)
         return ids, GenerationInput(ids.request_id, token_ids, params, grpc_deadline(context, self.request_timeout_s),
                                     ttft_slo_s, tpot_slo_s, cache_salt=cache_salt, priority=request.priority,
