@@ -14,7 +14,7 @@ from splitserve.deploy.cli import main
 from splitserve.engine.quantization.formats import (AWQ_PACK_ORDER, PackedTensors, QuantizedWeight, awq_pack,
                                                     awq_unpack, gptq_pack, gptq_unpack, pack_int4, unpack_int4)
 from splitserve.engine.quantization.linear import (DequantizingLinear, Int4CpuLinear, Int8CpuLinear,
-                                                   make_quantized_linear)
+                                                   int4pack_layout_is_known, make_quantized_linear, unpack_int4pack)
 from splitserve.engine.quantization.rtn import int4_grouped, int8_per_channel
 from splitserve.common.quantization_spec import QuantizationSpec, resolve_quantization
 from splitserve.engine.tiny_model import TinyModelSpec, build_tiny_model
@@ -144,12 +144,21 @@ def test_quantized_layers_match_dequantize_then_matmul_in_float32(name, weight, 
     layer = make_quantized_linear(weight, bias, group_size, torch.float32, torch.device("cpu"))
     assert isinstance(layer, Int8CpuLinear if weight.bits == 8 else Int4CpuLinear)
     fallback = DequantizingLinear(weight, bias, torch.float32)
-    for rows in (7, 40):  # int8: the packed kernel, then cast-and-GEMM above INT8_KERNEL_MAX_ROWS
+    # int8: the packed kernel, then cast-and-GEMM above INT8_KERNEL_MAX_ROWS; int4: the packed kernel for one
+    # row, then W rebuilt from the packed codes and a dense GEMM above INT4_FP32_KERNEL_MAX_ROWS
+    for rows in (1, 7, 40):
         x = torch.randn(rows, 704, generator=torch.Generator().manual_seed(9))
         expected = x @ weight.dequantize().t() + bias  # [rows, 100]
         for got in (layer(x), fallback(x)):
             assert got.shape == (rows, 100)
             torch.testing.assert_close(got, expected, rtol=0, atol=2e-6 * expected.abs().max().item())
+
+
+def test_unpack_int4pack_inverts_torchs_cpu_packing():
+    codes = torch.randint(0, 16, (96, 160), dtype=torch.int32, generator=torch.Generator().manual_seed(4))
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+    assert int4pack_layout_is_known()
+    assert torch.equal(unpack_int4pack(packed, 160).to(torch.int32), codes)
 
 
 def test_bfloat16_layers_stay_within_bfloat16_rounding():

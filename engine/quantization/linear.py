@@ -5,11 +5,16 @@ CPU (float32 / bfloat16 activations): torch's weight-packed matmuls,
 - int4: `aten._convert_weight_to_int4pack_for_cpu(codes int32 [N, K], 1)` packs once at load, then
   `aten._weight_int4pack_mm_for_cpu(x, packed, group_size, scales_and_zeros [G, N, 2])` computes
   x W^T with W[n, k] = (code - 8) * scale + offset, g = k // group_size (established by experiment on
-  torch 2.13; it needs N % 16 == 0 and K % group_size == 0, so both are padded here).
+  torch 2.13; it needs N % 16 == 0 and K % group_size == 0, so both are padded here). With float32
+  activations that kernel runs a path 15x slower than with bfloat16 ones, and slower than rebuilding W from
+  the packed codes (unpack_int4pack) and running the dense GEMM from 2 rows on: above
+  INT4_FP32_KERNEL_MAX_ROWS rows a float32 layer does that.
 Elsewhere (CUDA, float16): dequantize-then-matmul from the same codes.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -20,7 +25,14 @@ from splitserve.engine.quantization.formats import QuantizedWeight
 CPU_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 INT4_KERNEL_MIDPOINT = 8
 """The int4 CPU kernel subtracts 8 from every code; offsets absorb the real zero point."""
-INT4_KERNEL_N_MULTIPLE = 16
+INT4_KERNEL_N_MULTIPLE = 32
+"""Output channels are padded to this multiple: the kernel needs 16, and with 32 every packed block has the
+layout unpack_int4pack reads."""
+INT4_FP32_KERNEL_MAX_ROWS = 1
+"""Above this many rows of float32 activations, rebuilding W and running the dense GEMM beats
+_weight_int4pack_mm_for_cpu (a [4096, 768] weight, 2 threads, AVX2: 3.6 / 6.2 / 24.7 / 1587 ms at 1 / 2 / 8 / 512
+rows, rebuild-and-GEMM 4.3 / 3.1 / 4.9 / 24 ms). With bfloat16 activations the kernel wins at every row count
+measured (1.2 against 8.1 ms at 16 rows, 37 against 162 ms at 512: this CPU has no bf16 GEMM)."""
 INT8_KERNEL_MAX_ROWS = 24
 """Above this many rows, casting the int8 codes and running the dense GEMM beats _weight_int8pack_mm
 (measured on a [4096, 768] weight, bf16: kernel 0.67 / 1.35 / 2.7 ms at 16 / 32 / 64 rows, cast-and-GEMM
@@ -29,6 +41,25 @@ INT8_KERNEL_MAX_ROWS = 24
 
 def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
+
+
+def unpack_int4pack(packed: torch.Tensor, in_features: int) -> torch.Tensor:
+    """The codes [N, K] (uint8, 0..15) that _convert_weight_to_int4pack_for_cpu packed into `packed` [N, K / 2],
+    N a multiple of 32. Its layout on torch 2.13's CPU: per block of 32 output rows and input k, 16 bytes whose
+    low nibbles hold rows 0..15 of the block and high nibbles rows 16..31. int4pack_layout_is_known() checks it
+    on this torch before any layer relies on it."""
+    blocks = packed.view(-1, in_features, 16)  # [N / 32, K, 16]
+    codes = torch.cat((blocks & 0xF, blocks >> 4), dim=2)  # [N / 32, K, 32]
+    return codes.transpose(1, 2).reshape(-1, in_features)  # [N, K]
+
+
+@functools.cache
+def int4pack_layout_is_known() -> bool:
+    """Whether unpack_int4pack inverts this torch's int4 packing (on a random probe): else the int4 layer never
+    unpacks and runs the kernel at every row count."""
+    codes = torch.randint(0, 16, (64, 64), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+    return packed.shape == (64, 32) and torch.equal(unpack_int4pack(packed, 64).to(torch.int32), codes)
 
 
 class QuantizedLinear(nn.Module):
@@ -91,10 +122,22 @@ class Int4CpuLinear(QuantizedLinear):
             x = x.index_select(1, self.input_order)
         if self.padded_in != self.in_features:
             x = F.pad(x, (0, self.padded_in - self.in_features))  # zero inputs: padded weights never count
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), self.packed, self.group_size,
-                                                       self.scales_and_zeros)  # [T, N']
+        if x.dtype == torch.float32 and x.shape[0] > INT4_FP32_KERNEL_MAX_ROWS and int4pack_layout_is_known():
+            y = F.linear(x, self._dense_weight(x.dtype))  # [T, N']
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), self.packed, self.group_size,
+                                                           self.scales_and_zeros)  # [T, N']
         y = y[:, :self.out_features]
         return y if self.bias is None else y + self.bias
+
+    def _dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """W [N', K'] (input channels in the packed order): (code - 8) * scale + offset of its group in float32,
+        rounded once to `dtype`; rebuilt for one call (it lives only while this layer runs)."""
+        weight = unpack_int4pack(self.packed, self.padded_in).float()  # [N', K']
+        scales, offsets = self.scales_and_zeros.float().unbind(-1)  # [G, N'] each
+        groups = weight.view(weight.shape[0], -1, self.group_size)  # [N', G, group_size]
+        groups.sub_(INT4_KERNEL_MIDPOINT).mul_(scales.t()[:, :, None]).add_(offsets.t()[:, :, None])
+        return weight.to(dtype)
 
 
 class DequantizingLinear(QuantizedLinear):
