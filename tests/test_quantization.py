@@ -161,13 +161,18 @@ def test_unpack_int4pack_inverts_torchs_cpu_packing():
     assert torch.equal(unpack_int4pack(packed, 160).to(torch.int32), codes)
 
 
-def test_bfloat16_layers_stay_within_bfloat16_rounding():
-    weight = int4_grouped(_random_weight(64, 256), 64)
-    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(1))
-    expected = x @ weight.dequantize().t()
-    got = make_quantized_linear(weight, None, 64, torch.bfloat16, torch.device("cpu"))(x.bfloat16())
-    assert got.dtype == torch.bfloat16
-    torch.testing.assert_close(got.float(), expected, rtol=0, atol=0.02 * expected.abs().max().item())
+@pytest.mark.parametrize("bits", [4, 8])
+def test_bfloat16_layers_stay_within_bfloat16_rounding(bits):
+    """3 rows: the packed kernels; 120: int8's cast-and-GEMM (widened to float32 without a bf16 GEMM)."""
+    w = _random_weight(64, 256)
+    weight = int4_grouped(w, 64) if bits == 4 else int8_per_channel(w)
+    layer = make_quantized_linear(weight, None, 64, torch.bfloat16, torch.device("cpu"))
+    for rows in (3, 120):
+        x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(1))
+        expected = x @ weight.dequantize().t()
+        got = layer(x.bfloat16())
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.float(), expected, rtol=0, atol=0.02 * expected.abs().max().item())
 
 
 def test_float_checkpoints_resolve_to_what_the_config_asks():

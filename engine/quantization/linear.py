@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from splitserve.engine.cpu_gemm import cpu_gemm_dtype, has_bf16_gemm
 from splitserve.engine.quantization.formats import QuantizedWeight
 
 CPU_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
@@ -34,9 +35,17 @@ _weight_int4pack_mm_for_cpu (a [4096, 768] weight, 2 threads, AVX2: 3.6 / 6.2 / 
 rows, rebuild-and-GEMM 4.3 / 3.1 / 4.9 / 24 ms). With bfloat16 activations the kernel wins at every row count
 measured (1.2 against 8.1 ms at 16 rows, 37 against 162 ms at 512: this CPU has no bf16 GEMM)."""
 INT8_KERNEL_MAX_ROWS = 24
-"""Above this many rows, casting the int8 codes and running the dense GEMM beats _weight_int8pack_mm
-(measured on a [4096, 768] weight, bf16: kernel 0.67 / 1.35 / 2.7 ms at 16 / 32 / 64 rows, cast-and-GEMM
-0.83 / 1.06 / 1.6 ms; 480 rows 20 vs 9.5 ms)."""
+"""Above this many rows of bfloat16 activations, casting the int8 codes and running the dense GEMM beats
+_weight_int8pack_mm where the CPU has a bf16 GEMM (measured on a [4096, 768] weight, AVX-512: kernel 0.67 /
+1.35 / 2.7 ms at 16 / 32 / 64 rows, cast-and-GEMM 0.83 / 1.06 / 1.6 ms; 480 rows 20 vs 9.5 ms)."""
+INT8_WIDENED_KERNEL_MAX_ROWS = 96
+"""The same for a CPU without a bf16 GEMM, where the dense product runs in float32 (engine/cpu_gemm.py):
+[4096, 768], 2 threads, AVX2: kernel 1.9 / 2.4 / 4.7 / 11.3 ms at 24 / 32 / 64 / 128 rows, widened
+cast-and-GEMM 6.8 / 6.0 / 5.8 / 8.2 ms."""
+INT8_FP32_KERNEL_MAX_ROWS = 1
+"""The same for float32 activations, for which the kernel takes a path ~10x slower than for bfloat16 ones:
+[4096, 768], AVX2: kernel 2.3 / 3.1 / 5.1 / 24 ms at 1 / 2 / 3 / 16 rows, cast-and-GEMM 2.8 / 2.4 / 2.6 / 4.1
+ms."""
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -86,10 +95,19 @@ class Int8CpuLinear(QuantizedLinear):
         self.register_buffer("scales", weight.scales[0].to(dtype).contiguous(), persistent=False)  # [N]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] > INT8_KERNEL_MAX_ROWS:
-            return F.linear(x, self.codes.to(x.dtype) * self.scales[:, None], self.bias)
+        if x.shape[0] > _int8_kernel_max_rows(x.dtype):
+            dtype = cpu_gemm_dtype(x.dtype)  # bfloat16 widened where the CPU has no bf16 GEMM
+            bias = None if self.bias is None else self.bias.to(dtype)
+            return F.linear(x.to(dtype), self.codes.to(dtype) * self.scales.to(dtype)[:, None], bias).to(x.dtype)
         y = torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.codes, self.scales)
         return y if self.bias is None else y.add_(self.bias)
+
+
+def _int8_kernel_max_rows(dtype: torch.dtype) -> int:
+    """The most rows _weight_int8pack_mm runs before cast-and-GEMM takes over, for this activation dtype."""
+    if dtype == torch.float32:
+        return INT8_FP32_KERNEL_MAX_ROWS
+    return INT8_KERNEL_MAX_ROWS if has_bf16_gemm() else INT8_WIDENED_KERNEL_MAX_ROWS
 
 
 class Int4CpuLinear(QuantizedLinear):
