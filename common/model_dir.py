@@ -22,6 +22,8 @@ EMBEDDED_MODELS = (DEFAULT_MODEL_NAME, DRAFT_MODEL_NAME)
 """Names `--model` accepts besides a directory."""
 SPARSE_MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "GptOssForCausalLM")
 """The supported mixtures of experts (engine/models/moe.py)."""
+ATTENTION_SINK_ARCHITECTURES = ("GptOssForCausalLM",)
+"""The supported architectures whose attention has sinks: CPU attention only (engine/model_loader.py)."""
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                            "Phi3ForCausalLM", "GraniteForCausalLM", "GemmaForCausalLM", "Gemma2ForCausalLM",
                            "Gemma3ForCausalLM", "SmolLM3ForCausalLM", "Olmo2ForCausalLM", *SPARSE_MOE_ARCHITECTURES)

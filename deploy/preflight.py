@@ -19,7 +19,8 @@ from pathlib import Path
 from splitserve.common.errors import InvalidRequestError, UnsupportedModelError
 from splitserve.common.generation_config import GenerationConfigFile, resolve_request_defaults
 from splitserve.common.lora import adapter_weight_file, read_adapter_config
-from splitserve.common.model_dir import (EMBEDDED_MODELS, SEQUENCE_CLASSIFICATION_ARCHITECTURES, check_model_dir,
+from splitserve.common.model_dir import (ATTENTION_SINK_ARCHITECTURES, EMBEDDED_MODELS,
+                                         SEQUENCE_CLASSIFICATION_ARCHITECTURES, check_model_dir, chosen_architecture,
                                          read_model_config)
 from splitserve.common.pooling import read_model_pooling
 from splitserve.common.quantization_spec import resolve_quantization
@@ -44,6 +45,7 @@ def preflight(config: ClusterConfig, api_key: str | None = None) -> None:
     check_quantization(config)
     check_lora_modules(config)
     check_pooling(config)
+    check_serving_sinks(config)
     resolve_request_defaults(config.router.generation_config, GenerationConfigFile.read(_model_dir(config.model)))
     if config.router.tls is not None:
         load_tls(config.router.tls)
@@ -122,6 +124,24 @@ def check_pooling(config: ClusterConfig) -> None:
         read_model_pooling(_model_dir(config.model), config.decode.engine.pooler_config)
     except ValueError as error:
         raise PreflightError(f"--runner pooling: {error}") from None
+
+
+def check_serving_sinks(config: ClusterConfig) -> None:
+    """PreflightError when a model with attention sinks (GPT-OSS) is asked to run where the workers would refuse it
+    once Ray started: a pool on device cuda or on the flashinfer backend (its sinks are attended on the CPU only).
+    A pool on device auto resolves on its worker's node, which the engine checks there."""
+    if config.model in EMBEDDED_MODELS:
+        return
+    architectures = read_model_config(_model_dir(config.model)).get("architectures") or []
+    if not architectures or chosen_architecture(architectures) not in ATTENTION_SINK_ARCHITECTURES:
+        return
+    for role in ("prefill", "decode") if config.mode == "disaggregated" else ("decode",):
+        engine = getattr(config, role).engine
+        if engine.device == "cuda" or engine.attention_backend == "flashinfer":
+            raise PreflightError(f"{role}.engine: {chosen_architecture(architectures)} has attention sinks, which run "
+                                 f"on device cpu only (the CUDA attention path, FlashInfer, has not been verified with "
+                                 f"them: docs/gpu.md); got device {engine.device!r}, attention_backend "
+                                 f"{engine.attention_backend!r}")
 
 
 def _model_dir(model: str) -> Path:

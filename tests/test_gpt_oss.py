@@ -22,6 +22,8 @@ from tests.factories import (MOE_DEFAULTS, assert_pool_idle, copy_with_config_fi
                              use_flashinfer_on_cpu)
 from splitserve.common.config import EngineConfig
 from splitserve.common.errors import UnsupportedModelError
+from splitserve.deploy.cli import build_parser, serve_config
+from splitserve.deploy.preflight import PreflightError, check_serving_sinks
 from splitserve.engine import EngineCore
 from splitserve.engine.attention import CpuPagedAttention, TorchReferenceAttention
 from splitserve.engine.model_loader import check_attention_sinks, fuse_gpt_oss_experts, load_hf_config, parse_arch
@@ -242,3 +244,18 @@ def test_sinks_are_refused_off_the_cpu_and_on_flashinfer(gpt_oss_dir, monkeypatc
     with pytest.raises(UnsupportedModelError, match=r"^GptOssForCausalLM has attention sinks, which attention "
                                                     r"backend FlashInferAttention does not attend with"):
         _engine(gpt_oss_dir)
+
+
+@pytest.mark.parametrize("flags, got", [(["--device", "cuda", "--set", "prefill.resources.num_gpus=1", "--set",
+                                          "decode.resources.num_gpus=1"], "device 'cuda', attention_backend 'auto'"),
+                                        (["--set", "decode.engine.attention_backend=flashinfer"],
+                                         "device 'auto', attention_backend 'flashinfer'")])
+def test_serve_refuses_sinks_off_the_cpu_before_ray_starts(gpt_oss_dir, flags, got):
+    config = serve_config(build_parser().parse_args(["serve", str(gpt_oss_dir), *flags]))
+    with pytest.raises(PreflightError) as error:
+        check_serving_sinks(config)
+    role = "prefill" if flags[0] == "--device" else "decode"
+    assert str(error.value) == (f"{role}.engine: GptOssForCausalLM has attention sinks, which run on device cpu only "
+                                "(the CUDA attention path, FlashInfer, has not been verified with them: docs/gpu.md); "
+                                f"got {got}")
+    check_serving_sinks(serve_config(build_parser().parse_args(["serve", str(gpt_oss_dir), "--device", "cpu"])))
