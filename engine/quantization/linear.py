@@ -134,28 +134,30 @@ class Int4CpuLinear(QuantizedLinear):
         offsets = (INT4_KERNEL_MIDPOINT - zeros) * scales  # (code - zero) * s = (code - 8) * s + offset
         self.register_buffer("scales_and_zeros", torch.stack([scales, offsets], dim=-1).to(dtype).contiguous(),
                              persistent=False)  # [G, N', 2]
+        # float32 activations above INT4_FP32_KERNEL_MAX_ROWS rows: W rebuilt from the packed codes, a dense GEMM
+        self.rebuilds_above_kernel_rows = dtype == torch.float32 and int4pack_layout_is_known()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.input_order is not None:
             x = x.index_select(1, self.input_order)
         if self.padded_in != self.in_features:
             x = F.pad(x, (0, self.padded_in - self.in_features))  # zero inputs: padded weights never count
-        if x.dtype == torch.float32 and x.shape[0] > INT4_FP32_KERNEL_MAX_ROWS and int4pack_layout_is_known():
-            y = F.linear(x, self._dense_weight(x.dtype))  # [T, N']
+        if self.rebuilds_above_kernel_rows and x.shape[0] > INT4_FP32_KERNEL_MAX_ROWS:
+            y = F.linear(x, self._dense_weight())  # [T, N']
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), self.packed, self.group_size,
                                                            self.scales_and_zeros)  # [T, N']
         y = y[:, :self.out_features]
         return y if self.bias is None else y + self.bias
 
-    def _dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
-        """W [N', K'] (input channels in the packed order): (code - 8) * scale + offset of its group in float32,
-        rounded once to `dtype`; rebuilt for one call (it lives only while this layer runs)."""
+    def _dense_weight(self) -> torch.Tensor:
+        """W [N', K'] float32 (input channels in the packed order): (code - 8) * scale + offset of its group,
+        rebuilt for one call (it lives only while this layer runs)."""
         weight = unpack_int4pack(self.packed, self.padded_in).float()  # [N', K']
-        scales, offsets = self.scales_and_zeros.float().unbind(-1)  # [G, N'] each
+        scales, offsets = self.scales_and_zeros.unbind(-1)  # [G, N'] each
         groups = weight.view(weight.shape[0], -1, self.group_size)  # [N', G, group_size]
         groups.sub_(INT4_KERNEL_MIDPOINT).mul_(scales.t()[:, :, None]).add_(offsets.t()[:, :, None])
-        return weight.to(dtype)
+        return weight
 
 
 class DequantizingLinear(QuantizedLinear):
