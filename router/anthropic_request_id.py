@@ -12,11 +12,9 @@ from starlette.datastructures import MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from splitserve.router.anthropic_protocol import is_messages_path
-from splitserve.router.http_access import route_path
+from splitserve.router.http_access import RAN_REQUEST_ID_SCOPE_KEY, route_path
 
 ANTHROPIC_REQUEST_ID_HEADER = "request-id"
-REQUEST_ID_SCOPE_KEY = "splitserve.request_id"
-"""Set in a Messages request's ASGI scope once it runs: the id the router knows it by for its client."""
 
 
 class AnthropicRequestId:
@@ -33,7 +31,7 @@ class AnthropicRequestId:
 
         async def send_with_request_id(message: Message) -> None:
             if message["type"] == "http.response.start":
-                request_id = scope.get(REQUEST_ID_SCOPE_KEY) or uuid.uuid4().hex
+                request_id = scope.get(RAN_REQUEST_ID_SCOPE_KEY) or uuid.uuid4().hex
                 MutableHeaders(scope=message).append(ANTHROPIC_REQUEST_ID_HEADER, f"req_{request_id}")
             await send(message)
 

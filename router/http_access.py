@@ -14,8 +14,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from splitserve.router.access_log import log_refusal, refusal_fields
 from splitserve.router.request_id_header import REQUEST_ID_HEADER
 
-RAN_SCOPE_KEY = "splitserve.ran"
-"""Set in a request's ASGI scope once it is a request of the router (its record will write its line)."""
+RAN_REQUEST_ID_SCOPE_KEY = "splitserve.ran_request_id"
+"""Set in a request's ASGI scope once it is a request of the router (its record will write its line): the id the
+router knows it by for its client (never empty), which a Messages answer's `request-id` names."""
 
 PROBE_PATHS = frozenset({"/health", "/ping", "/metrics"})
 """Paths whose answer is itself the information (a 503 health probe, every few seconds): never logged."""
@@ -53,7 +54,7 @@ class _Answer:
 
 class RefusalLog:
     """Writes the `refused` access line of every HTTP request answered with status >= 400 that did not run
-    (RAN_SCOPE_KEY unset), whichever layer answered it; probes (PROBE_PATHS) and CORS preflights (answered
+    (RAN_REQUEST_ID_SCOPE_KEY unset), whichever layer answered it; probes (PROBE_PATHS) and CORS preflights (answered
     outside this app) are not requests of the API. The line is written before the answer's last part is
     sent, so a client that has its answer finds the line in the log."""
 
@@ -67,7 +68,7 @@ class RefusalLog:
         answer = _Answer()
 
         async def watched_send(message: Message) -> None:
-            if answer.see(message) and not scope.get(RAN_SCOPE_KEY):
+            if answer.see(message) and RAN_REQUEST_ID_SCOPE_KEY not in scope:
                 message_text, param = _error_message(answer.body)
                 log_refusal(refusal_fields(scope["method"], route_path(scope), answer.status, message_text, param,
                                            _request_id_header(scope)))

@@ -55,7 +55,7 @@ from splitserve.router.anthropic_protocol import (COUNT_TOKENS_PATH, INLINE_SYST
                                                   parse_count_tokens_request, parse_messages_request,
                                                   prompt_too_long_message)
 from splitserve.router.anthropic_protocol import error_body as anthropic_error_body
-from splitserve.router.anthropic_request_id import REQUEST_ID_SCOPE_KEY, AnthropicRequestId
+from splitserve.router.anthropic_request_id import AnthropicRequestId
 from splitserve.router.auth import check_api_key
 from splitserve.router.openai_protocol import (ChatCompletionRequest, ChatInput, ChatRenderer, CompletionRenderer,
                                                CompletionRequest, EmbeddingRequest, ResponseHeader, error_body,
@@ -64,7 +64,7 @@ from splitserve.router.openai_protocol import (ChatCompletionRequest, ChatInput,
 from splitserve.router.api_types import GenerationInput, RouterError, StreamChunk, Usage
 from splitserve.router.beam_search_run import BeamSearchResult, run_beam_search
 from splitserve.router.embeddings import EmbeddingRenderer
-from splitserve.router.http_access import RAN_SCOPE_KEY, RefusalLog, header, route_path
+from splitserve.router.http_access import RAN_REQUEST_ID_SCOPE_KEY, RefusalLog, header, route_path
 from splitserve.router.pooling_api import (ClassifyRenderer, ClassifyRequest, PoolingRenderer, PoolingRequest,
                                            ScoreRenderer, ScoreRequest, parse_classify_request,
                                            parse_pooling_request, parse_rerank_request, parse_score_request)
@@ -431,8 +431,7 @@ class OpenAIServing:
         job = None
         try:
             job = await prepare(await self._read_request(request, parse))
-            request.scope[RAN_SCOPE_KEY] = True  # its record writes its access line, however it ends
-            request.scope[REQUEST_ID_SCOPE_KEY] = job.ids.client_request_id  # a Messages answer's request-id
+            request.scope[RAN_REQUEST_ID_SCOPE_KEY] = job.ids.client_request_id  # its record writes its access line
             logger.info("[%s] %s: %d prompt tokens, %d sequences", quote_for_log(job.inputs[0].request_id),
                         request.url.path, sum(len(inp.prompt_token_ids) for inp in job.inputs[::job.num_sequences]),
                         len(job.inputs))
