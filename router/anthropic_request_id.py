@@ -8,31 +8,20 @@ from __future__ import annotations
 
 import uuid
 
-from starlette.datastructures import MutableHeaders
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Scope
 
 from splitserve.router.anthropic_protocol import is_messages_path
 from splitserve.router.http_access import RAN_REQUEST_ID_SCOPE_KEY, route_path
+from splitserve.router.response_id_header import ResponseIdHeader
 
 ANTHROPIC_REQUEST_ID_HEADER = "request-id"
 
 
-class AnthropicRequestId:
-    """Adds `request-id` to every answer on the Messages API's paths, whichever layer answered (a 401 or 429 at
-    the edge too)."""
+def anthropic_request_id(app: ASGIApp) -> ResponseIdHeader:
+    """Adds `request-id` to every answer on the Messages API's paths."""
+    return ResponseIdHeader(app, ANTHROPIC_REQUEST_ID_HEADER, _ran_or_fresh_id,
+                            lambda scope: is_messages_path(route_path(scope)))
 
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not is_messages_path(route_path(scope)):
-            await self.app(scope, receive, send)
-            return
-
-        async def send_with_request_id(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                request_id = scope.get(RAN_REQUEST_ID_SCOPE_KEY) or uuid.uuid4().hex
-                MutableHeaders(scope=message).append(ANTHROPIC_REQUEST_ID_HEADER, f"req_{request_id}")
-            await send(message)
-
-        await self.app(scope, receive, send_with_request_id)
+def _ran_or_fresh_id(scope: Scope) -> str:
+    return f"req_{scope.get(RAN_REQUEST_ID_SCOPE_KEY) or uuid.uuid4().hex}"

@@ -55,7 +55,7 @@ from splitserve.router.anthropic_protocol import (COUNT_TOKENS_PATH, INLINE_SYST
                                                   parse_count_tokens_request, parse_messages_request,
                                                   prompt_too_long_message)
 from splitserve.router.anthropic_protocol import error_body as anthropic_error_body
-from splitserve.router.anthropic_request_id import AnthropicRequestId
+from splitserve.router.anthropic_request_id import anthropic_request_id
 from splitserve.router.auth import check_api_key
 from splitserve.router.openai_protocol import (ChatCompletionRequest, ChatInput, ChatRenderer, CompletionRenderer,
                                                CompletionRequest, EmbeddingRequest, ResponseHeader, error_body,
@@ -74,7 +74,7 @@ from splitserve.router.lora_adapters import AdapterRegistry, UnknownAdapterError
 from splitserve.router.orchestrator import Orchestrator
 from splitserve.router.reasoning_parsers import ReasoningFormat, ReasoningOutput
 from splitserve.router.request_body import BodyParser, MalformedBodyError, Parse, json_object
-from splitserve.router.request_id_header import RequestIdHeader, with_header_request_id
+from splitserve.router.request_id_header import request_id_header, with_header_request_id
 from splitserve.router.request_ids import ReservedRequestId
 from splitserve.common.prompt_truncation import PromptTruncation
 from splitserve.router.responses_protocol import ResponsesRenderer, ResponsesRequest, parse_responses_request
@@ -1009,12 +1009,12 @@ def build_app(serving: OpenAIServing, metrics_app: ASGIApp | None = None, api_ke
     app = _AdmissionGate(Starlette(routes=routes, exception_handlers={HTTPException: _http_error}),
                          serving.orchestrator)
     app = _ApiKeyGuard(app, api_key) if api_key else app
-    app = AnthropicRequestId(app)
+    app = anthropic_request_id(app)
     app = RefusalLog(app) if options.access_log else app
     cors = options.cors
     app = CORSMiddleware(app, allow_origins=list(cors.allowed_origins), allow_methods=list(cors.allowed_methods),
                          allow_headers=list(cors.allowed_headers), allow_credentials=cors.allow_credentials)
-    return RequestIdHeader(app) if options.request_id_headers else app
+    return request_id_header(app) if options.request_id_headers else app
 
 
 def _runner_routes(serving: OpenAIServing) -> list[Route]:

@@ -9,10 +9,11 @@ import uuid
 
 from typing import TypeVar
 
-from starlette.datastructures import Headers, MutableHeaders
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Scope
 
 from splitserve.router.request_limits import RequestLimits
+from splitserve.router.response_id_header import ResponseIdHeader
 
 REQUEST_ID_HEADER = "X-Request-Id"
 
@@ -32,22 +33,11 @@ def with_header_request_id(parsed: Parsed, headers: Headers, limits: RequestLimi
     return dataclasses.replace(parsed, request_id=request_id)
 
 
-class RequestIdHeader:
+def request_id_header(app: ASGIApp) -> ResponseIdHeader:
     """Adds `X-Request-Id` to every HTTP answer, as vLLM's XRequestIdMiddleware: the request's own
     `X-Request-Id` header when it sent one, else a fresh uuid4 in hex (32 characters)."""
+    return ResponseIdHeader(app, REQUEST_ID_HEADER, _own_or_fresh_id, lambda scope: True)
 
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        request_id = Headers(scope=scope).get(REQUEST_ID_HEADER) or uuid.uuid4().hex
-
-        async def send_with_request_id(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                MutableHeaders(scope=message).append(REQUEST_ID_HEADER, request_id)
-            await send(message)
-
-        await self.app(scope, receive, send_with_request_id)
+def _own_or_fresh_id(scope: Scope) -> str:
+    return Headers(scope=scope).get(REQUEST_ID_HEADER) or uuid.uuid4().hex
