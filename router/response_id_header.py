@@ -9,10 +9,15 @@ from typing import Callable
 from starlette.datastructures import MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+SENT_IDS_SCOPE_KEY = "splitserve.sent_ids"
+"""Set in a request's ASGI scope as its answer starts: {header name: the id sent}, for the layers inside
+(RefusalLog), which read it once their answer's start has gone out through every layer."""
+
 
 class ResponseIdHeader:
     """Adds the header `name` to the start of every HTTP answer whose request `applies_to` takes, its value
-    `make_id(scope)`: called as the answer starts, so that it sees what the app put in the scope while it ran."""
+    `make_id(scope)`: called as the answer starts, so that it sees what the app put in the scope while it ran; the
+    value is kept in the scope (SENT_IDS_SCOPE_KEY)."""
 
     def __init__(self, app: ASGIApp, name: str, make_id: Callable[[Scope], str],
                  applies_to: Callable[[Scope], bool]) -> None:
@@ -28,7 +33,9 @@ class ResponseIdHeader:
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
-                MutableHeaders(scope=message).append(self.name, self.make_id(scope))
+                sent_id = self.make_id(scope)
+                scope.setdefault(SENT_IDS_SCOPE_KEY, {})[self.name] = sent_id
+                MutableHeaders(scope=message).append(self.name, sent_id)
             await send(message)
 
         await self.app(scope, receive, send_with_id)

@@ -10,7 +10,7 @@ import pytest
 
 from splitserve.deploy.cli import build_parser, serve_config
 from splitserve.router.http_options import CorsPolicy, HttpOptions
-from tests.factories import http_request, served_apis
+from tests.factories import capture_access_log, http_request, served_apis
 
 MODEL = "tiny-llama"
 COMPLETION = json.dumps({"model": MODEL, "prompt": "Hello", "max_tokens": 1}).encode()
@@ -26,15 +26,22 @@ def _header(headers: dict[str, str], name: str) -> str | None:
 
 # ---- --enable-request-id-headers ------------------------------------------------------------
 
-def test_request_id_header_echoes_the_clients_or_is_a_fresh_uuid(tiny_llama_dir):
+def test_request_id_header_echoes_the_clients_or_is_a_fresh_uuid(tiny_llama_dir, monkeypatch, caplog):
+    """A refused request's access-log line names the X-Request-Id its answer carries, a fresh one too."""
     with served_apis(tiny_llama_dir, MODEL, router_options={"enable_request_id_headers": True}) as served:
+        access_log = capture_access_log(served, monkeypatch, caplog)
         echoed = http_request(served.http_port, "POST", "/v1/completions", COMPLETION,
                               headers={"X-Request-Id": "trace-42"})
         fresh = http_request(served.http_port, "GET", "/v1/models")
         unknown = http_request(served.http_port, "GET", "/nowhere", headers={"X-Request-Id": "trace-43"})
+        fresh_unknown = http_request(served.http_port, "GET", "/nowhere")
+    fresh_unknown_id = _header(fresh_unknown[1], "X-Request-Id")
     assert (echoed[0], _header(echoed[1], "X-Request-Id")) == (200, "trace-42")
     assert (fresh[0], bool(re.fullmatch("[0-9a-f]{32}", _header(fresh[1], "X-Request-Id")))) == (200, True)
     assert (unknown[0], _header(unknown[1], "X-Request-Id")) == (404, "trace-43")
+    assert (fresh_unknown[0], bool(re.fullmatch("[0-9a-f]{32}", fresh_unknown_id))) == (404, True)
+    assert [(line.get("request_id"), line.get("path"), line.get("client_request_id")) for line in access_log()] == [
+        ("trace-42", None, None), (None, "/nowhere", "trace-43"), (None, "/nowhere", fresh_unknown_id)]
 
 
 def test_without_the_flag_there_is_no_request_id_header(tiny_llama_dir):
