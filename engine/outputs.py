@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 from splitserve.common.errors import InvalidRequestError
 from splitserve.common.token_logprobs import TokenLogprobs
@@ -119,17 +120,6 @@ class EmbeddingOutput:
 
 
 @dataclass(frozen=True)
-class EmbeddingRequestOutput:
-    """vLLM's EmbeddingRequestOutput (LLM.embed): `out.outputs.embedding`."""
-
-    request_id: str
-    outputs: EmbeddingOutput
-    prompt_token_ids: list[int]
-    num_cached_tokens: int
-    finished: bool
-
-
-@dataclass(frozen=True)
 class ClassificationOutput:
     """vLLM's ClassificationOutput: one prompt's class probabilities (or logits, use_activation=False)."""
 
@@ -141,34 +131,43 @@ class ClassificationOutput:
 
 
 @dataclass(frozen=True)
-class ClassificationRequestOutput:
-    """vLLM's ClassificationRequestOutput (LLM.classify): `out.outputs.probs`."""
-
-    request_id: str
-    outputs: ClassificationOutput
-    prompt_token_ids: list[int]
-    num_cached_tokens: int
-    finished: bool
-
-
-@dataclass(frozen=True)
 class ScoringOutput:
     """vLLM's ScoringOutput: one pair's score."""
 
     score: float
 
 
+PoolingOutput = TypeVar("PoolingOutput", EmbeddingOutput, ClassificationOutput, ScoringOutput)
+"""What a pooling request returns: an embedding, class probabilities, or a score."""
+
+
 @dataclass(frozen=True)
-class ScoringRequestOutput:
-    """vLLM's ScoringRequestOutput (LLM.score): `out.outputs.score`."""
+class PoolingRequestOutput(Generic[PoolingOutput]):
+    """vLLM's PoolingRequestOutput: what a prompt (a score: a pair) pooled to, `outputs`; LLM.embed, classify and
+    score return the subclass vLLM names for theirs."""
 
     request_id: str
-    outputs: ScoringOutput
+    outputs: PoolingOutput
     prompt_token_ids: list[int]
-    """The pair's prompt: a cross-encoder's pair encoding; an embedding model's two prompts (with the pad token
-    between them when the tokenizer has one, as vLLM counts them)."""
+    """The prompt as run; a score's pair: a cross-encoder's pair encoding, an embedding model's two prompts (with the
+    pad token between them when the tokenizer has one, as vLLM counts them)."""
     num_cached_tokens: int
     finished: bool
+
+
+@dataclass(frozen=True)
+class EmbeddingRequestOutput(PoolingRequestOutput[EmbeddingOutput]):
+    """vLLM's EmbeddingRequestOutput (LLM.embed): `out.outputs.embedding`."""
+
+
+@dataclass(frozen=True)
+class ClassificationRequestOutput(PoolingRequestOutput[ClassificationOutput]):
+    """vLLM's ClassificationRequestOutput (LLM.classify): `out.outputs.probs`."""
+
+
+@dataclass(frozen=True)
+class ScoringRequestOutput(PoolingRequestOutput[ScoringOutput]):
+    """vLLM's ScoringRequestOutput (LLM.score): `out.outputs.score`."""
 
 
 @dataclass(frozen=True)
