@@ -1004,11 +1004,22 @@ class MetricsSources:
 
 # ---- paged attention cases (random pools and queries for the attention backends) -------------------
 from splitserve.engine.attention.base import AttentionMetadata, DecodeBatch, PrefillSpan  # noqa: E402
+from splitserve.engine.kv_quant import KVQuantization  # noqa: E402
 
 
-def paged_decode_case(generator, dtype, batch, num_heads, num_kv_heads, head_dim, block_size=16, num_blocks=64):
-    """Random queries and pool; each sequence gets its own random blocks and a ragged length."""
-    kv_cache = torch.randn(num_blocks, 2, block_size, num_kv_heads, head_dim, generator=generator).to(dtype)
+def _random_pool(generator, dtype, num_blocks, block_size, num_kv_heads, head_dim,
+                 quantization: KVQuantization | None) -> torch.Tensor:
+    """[num_blocks, 2, block_size, Hkv, D] random values in dtype; with `quantization`, those values (float32)
+    quantized: [num_blocks, 2, block_size, Hkv, D + 2] rows of codes and scales."""
+    values = torch.randn(num_blocks, 2, block_size, num_kv_heads, head_dim, generator=generator)
+    return values.to(dtype) if quantization is None else quantization.quantize(values)
+
+
+def paged_decode_case(generator, dtype, batch, num_heads, num_kv_heads, head_dim, block_size=16, num_blocks=64,
+                      quantization: KVQuantization | None = None):
+    """Random queries and pool (quantized with `quantization`); each sequence gets its own random blocks and a
+    ragged length."""
+    kv_cache = _random_pool(generator, dtype, num_blocks, block_size, num_kv_heads, head_dim, quantization)
     context_lens = torch.randint(1, 6 * block_size, (batch,), generator=generator)
     width = int(-(-context_lens.max() // block_size))
     tables = torch.stack([torch.randperm(num_blocks, generator=generator)[:width] for _ in range(batch)])
@@ -1023,16 +1034,22 @@ def decode_metadata(decode: DecodeBatch, block_size: int = 16) -> AttentionMetad
 
 
 def paged_prefill_case(generator, dtype, num_heads, num_kv_heads, head_dim, start, query_len, block_size=16,
-                       num_blocks=64):
+                       num_blocks=64, quantization: KVQuantization | None = None):
     """A chunk of query_len tokens after `start` positions, over random blocks; positions past the
-    context in the last block are NaN (never read). The chunk's keys/values are the pool's."""
+    context in the last block are NaN (never read): with `quantization`, a quantized pool whose rows there are
+    0xff bytes (NaN scales). The chunk's keys/values are the pool's rows in dtype (a quantized pool's
+    dequantized)."""
     context_len = start + query_len
     table = torch.randperm(num_blocks, generator=generator)[:-(-context_len // block_size)]
-    kv_cache = torch.randn(num_blocks, 2, block_size, num_kv_heads, head_dim, generator=generator).to(dtype)
+    kv_cache = _random_pool(generator, dtype, num_blocks, block_size, num_kv_heads, head_dim, quantization)
     last_block, used = table[-1], context_len - (len(table) - 1) * block_size
-    kv_cache[last_block, :, used:] = float("nan")
+    if quantization is None:
+        kv_cache[last_block, :, used:] = float("nan")
+    else:
+        kv_cache.view(torch.uint8)[last_block, :, used:] = 0xff
+    plain = kv_cache if quantization is None else quantization.dequantize(kv_cache, dtype)
     positions = torch.arange(start, context_len)
-    rows = kv_cache[table[positions // block_size], :, positions % block_size]  # [q, 2, Hkv, D]
+    rows = plain[table[positions // block_size], :, positions % block_size]  # [q, 2, Hkv, D]
     query = torch.randn(query_len, num_heads, head_dim, generator=generator).to(dtype)
     span = PrefillSpan(query_start=0, query_len=query_len, context_len=context_len, block_table=table)
     metadata = AttentionMetadata(positions=positions, key_slots=None, value_slots=None, prefills=(span,),

@@ -24,7 +24,7 @@ from splitserve.common.kv_transfer_types import (KV_SCALES_NONE, KV_SCALES_PER_T
                                                  KVLayoutMismatchError, TransferParams)
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.attention import CpuPagedAttention, TorchReferenceAttention
-from splitserve.engine.attention.base import AttentionMetadata, DecodeBatch, PrefillSpan
+from splitserve.engine.attention.base import AttentionMetadata, PrefillSpan
 from splitserve.engine.engine_core import EngineCore
 from splitserve.engine.kv_cache import KVCacheSpec, num_blocks_for
 from splitserve.engine.kv_quant import KV_QUANTIZATIONS, kv_quantization, pool_quantization
@@ -35,7 +35,8 @@ from splitserve.testing.in_process_cluster import (InProcessCluster, make_decode
                                                    worker_engine_config)
 from splitserve.testing.workloads import mixed_workload
 
-from tests.factories import engine_token_ids, needs_kernels, requires_nixl
+from tests.factories import (decode_metadata, engine_token_ids, needs_kernels, paged_decode_case, paged_prefill_case,
+                             requires_nixl)
 
 
 INT8, FP8 = KV_QUANTIZATIONS["int8"], KV_QUANTIZATIONS["fp8_e4m3"]
@@ -136,26 +137,6 @@ def test_a_quantized_pool_needs_an_even_head_dim():
 
 
 # ---- attention -----------------------------------------------------------------------------------------
-def _pools(generator, quantization, dtype, num_blocks, block_size, num_kv_heads, head_dim):
-    """A random quantized pool and its dequantization (a plain pool of dtype)."""
-    values = torch.randn(num_blocks, 2, block_size, num_kv_heads, head_dim, generator=generator)
-    quantized = quantization.quantize(values)  # [num_blocks, 2, block_size, Hkv, D + 2]
-    return quantized, quantization.dequantize(quantized, dtype)
-
-
-def _decode_case(generator, quantization, dtype, batch, num_heads, num_kv_heads, head_dim, block_size=16,
-                 num_blocks=64):
-    quantized, plain = _pools(generator, quantization, dtype, num_blocks, block_size, num_kv_heads, head_dim)
-    context_lens = torch.randint(1, 6 * block_size, (batch,), generator=generator)
-    width = int(-(-context_lens.max() // block_size))
-    tables = torch.stack([torch.randperm(num_blocks, generator=generator)[:width] for _ in range(batch)])
-    query = torch.randn(batch, num_heads, head_dim, generator=generator).to(dtype)
-    decode = DecodeBatch(token_indices=torch.arange(batch), block_tables=tables, context_lens=context_lens)
-    metadata = AttentionMetadata(positions=None, key_slots=None, value_slots=None, prefills=(), decodes=(decode,),
-                                 block_size=block_size)
-    return query, quantized, plain, decode, metadata
-
-
 @QUANTIZATIONS
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("heads", [(4, 4), (8, 2), (12, 4)], ids=lambda h: f"{h[0]}q{h[1]}kv")
@@ -165,31 +146,14 @@ def _decode_case(generator, quantization, dtype, batch, num_heads, num_kv_heads,
 def test_decode_on_a_quantized_pool_equals_the_reference_on_its_dequantization(quantization, dtype, heads, head_dim,
                                                                                 sliding_window, use_kernels):
     generator = torch.Generator().manual_seed(head_dim * 31 + heads[0])
-    query, quantized, plain, decode, metadata = _decode_case(generator, quantization, dtype, 5, *heads, head_dim)
+    query, quantized, decode = paged_decode_case(generator, dtype, 5, *heads, head_dim, quantization=quantization)
+    plain, metadata = quantization.dequantize(quantized, dtype), decode_metadata(decode)
     expected = TorchReferenceAttention()._decode(query, plain, decode, 0, metadata, sliding_window)
     reference = TorchReferenceAttention()._decode(query, quantized, decode, 0, metadata, sliding_window)
     assert torch.equal(reference, expected)
     got = CpuPagedAttention(use_kernels)._decode(query, quantized, decode, 0, metadata, sliding_window)
     assert got.dtype == dtype and got.shape == query.shape
     torch.testing.assert_close(got.float(), expected.float(), atol=TOLERANCE[dtype], rtol=0)
-
-
-def _prefill_case(generator, quantization, dtype, num_heads, num_kv_heads, head_dim, start, query_len,
-                  block_size=16, num_blocks=64):
-    """A chunk after `start` positions over random blocks; the rest of the last block is poisoned (NaN
-    scales: never read). The chunk's keys/values are the pool's rows, as the backends attend them."""
-    context_len = start + query_len
-    table = torch.randperm(num_blocks, generator=generator)[:-(-context_len // block_size)]
-    quantized, plain = _pools(generator, quantization, dtype, num_blocks, block_size, num_kv_heads, head_dim)
-    used = context_len - (len(table) - 1) * block_size
-    quantized.view(torch.uint8)[table[-1], :, used:] = 0xff
-    positions = torch.arange(start, context_len)
-    rows = plain[table[positions // block_size], :, positions % block_size]  # [q, 2, Hkv, D]
-    query = torch.randn(query_len, num_heads, head_dim, generator=generator).to(dtype)
-    span = PrefillSpan(query_start=0, query_len=query_len, context_len=context_len, block_table=table)
-    metadata = AttentionMetadata(positions=positions, key_slots=None, value_slots=None, prefills=(span,),
-                                 decodes=(), block_size=block_size)
-    return query, rows[:, 0], rows[:, 1], quantized, plain, span, metadata
 
 
 @QUANTIZATIONS
@@ -203,8 +167,9 @@ def test_prefill_on_a_quantized_pool_equals_the_reference_on_its_dequantization(
                                                                                  start, query_len, sliding_window,
                                                                                  use_kernels):
     generator = torch.Generator().manual_seed(start * 7 + query_len + head_dim)
-    query, key, value, quantized, plain, span, metadata = _prefill_case(generator, quantization, dtype, *heads,
-                                                                        head_dim, start, query_len)
+    query, key, value, quantized, span, metadata = paged_prefill_case(generator, dtype, *heads, head_dim, start,
+                                                                      query_len, quantization=quantization)
+    plain = quantization.dequantize(quantized, dtype)  # NaN past the context, as the quantized pool's scales
     expected = TorchReferenceAttention()._prefill(query, key, value, plain, span, metadata, sliding_window)
     got = CpuPagedAttention(use_kernels)._prefill(query, key, value, quantized, span, metadata, sliding_window)
     assert got.dtype == dtype and not got.isnan().any()
