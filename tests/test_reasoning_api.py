@@ -42,7 +42,8 @@ def test_an_assistant_messages_reasoning_reaches_the_template_under_both_names(k
     with pytest.raises(InvalidRequestError) as error:
         parse_chat_request({"messages": [{"role": "assistant", "content": "ab", key: "x" * 99}]},
                            make_request_limits(max_prompt_bytes=100))
-    assert (error.value.field, error.value.message.split(";")[0]) == ("messages", "has 101 bytes (UTF-8)")
+    assert (error.value.field, error.value.excess) == ("messages", "has 101 bytes (UTF-8); at most 100 can be served "
+                                                                   "(router.max_prompt_bytes)")
 
 
 def test_a_responses_reasoning_item_sent_back_joins_its_turns_assistant_message():

@@ -135,8 +135,8 @@ def test_score_and_rerank_by_a_cross_encoder(cross_encoder, cross_encoder_dir):
     assert [r["index"] for r in body["results"]] == sorted(range(3), key=lambda i: -logits[i])
     status, body = cross_encoder.post("/rerank", {"query": "x " * 80, "documents": DOCUMENTS})
     assert (status, body["error"]["param"], body["error"]["message"]) == (
-        400, "query + documents[0]", "query + documents[0]: has 177 tokens; this model's maximum context length is 64 "
-        "tokens")
+        400, "query + documents[0]", "This model's maximum context length is 64 tokens. However, query + documents[0] "
+        "has 177 tokens. Please reduce the length of the input.")
 
 
 def test_classify(classifier_dir):
@@ -193,7 +193,8 @@ def test_classify(classifier_dir):
     ("/v1/score", {"text_1": ["a", "b\ud800"], "text_2": ["c", "d"]}, 400, "text_1[1]",
      "text_1[1]: is not valid Unicode (lone surrogate '\\ud800' at index 1)"),
     ("/v1/rerank", {"query": "a", "documents": ["b", "x " * 80]}, 400, "documents[1]",
-     "documents[1]: has 160 tokens; this model's maximum context length is 64 tokens"),
+     "This model's maximum context length is 64 tokens. However, documents[1] has 160 tokens. Please reduce the "
+     "length of the input."),
     ("/v1/score", {"text_1": "a", "text_2": "b", "model": "other"}, 404, "model",
      "The model `other` does not exist; this server serves `tiny-pool`."),
     ("/pooling", {"input": "a"}, 400, "task", "task: must be one of embed, classify (a whole sequence's vector; "
