@@ -33,7 +33,7 @@ from splitserve.router.reasoning_parsers import ReasoningOutput, ReasoningParser
 from splitserve.common.prompt_truncation import PromptTruncation
 from splitserve.router.request_limits import MAX_SEQUENCES, RequestLimits, utf8_length
 from splitserve.router.structured_output import parse_structured_output
-from splitserve.router.tokenizer import ChatTemplateOptions
+from splitserve.router.tokenizer import ChatTemplateOptions, check_unicode
 from splitserve.router.tool_calling import (HistoryToolCall, ToolCalling, parse_history_tool_calls,
                                             parse_tool_calling, parse_tools)
 from splitserve.router.tool_parsers import OutputParser, ToolCallDelta, ToolOutput, parse_output
@@ -312,6 +312,7 @@ def _prompt(prompt: Any, limits: RequestLimits, field: str, truncated: bool) -> 
     """One prompt: a string or a non-empty list of token ids; its size is checked before its ids are
     (a token-id prompt that will be `truncated` may be longer than the context: the body's size bounds it)."""
     if isinstance(prompt, str):
+        check_unicode(prompt, field)  # here, where the field is known: the tokenizer would name it `prompt`
         limits.check_prompt_bytes(utf8_length(prompt), field)
         return prompt
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], (str, list)) and not truncated:  # token ids
