@@ -67,18 +67,23 @@ class ChatMessage:
     """The message's author or tool name (any role), for templates that render it."""
     reasoning: str | None = None
     """An assistant message's reasoning (`reasoning`, or the older `reasoning_content`), sent back by
-    a client for templates that render earlier reasoning (interleaved thinking)."""
+    a client for templates that render earlier reasoning (interleaved thinking, GPT-OSS's analysis)."""
     parts: tuple[str, ...] | None = None
     """The texts of the content's parts as the client sent them (null content: none); None when the
     content was a string. The tokenizer joins them or passes them as parts (its content format)."""
 
     def template_message(self) -> dict[str, Any]:
         """The message as the chat template sees it (vLLM's keys; absent ones left out): the content as
-        sent (a string, or text parts), the reasoning under both names, as vLLM hands it to templates."""
+        sent (a string, or text parts), the reasoning under both names, as vLLM hands it to templates, and as
+        `thinking`, the name GPT-OSS's template reads an earlier turn's analysis by. That template refuses a turn
+        with tool calls, content and thinking (it renders such a turn's content as its analysis), so that turn has
+        no `thinking`."""
         content = self.content if self.parts is None else [{"type": "text", "text": text} for text in self.parts]
         message: dict[str, Any] = {"role": self.role, "content": content}
         if self.reasoning is not None:
             message["reasoning"] = message["reasoning_content"] = self.reasoning
+        if self.reasoning and not (self.tool_calls and self.content):
+            message["thinking"] = self.reasoning
         if self.tool_calls:
             message["tool_calls"] = [call.template_value() for call in self.tool_calls]
         if self.tool_call_id is not None:
