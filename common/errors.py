@@ -23,9 +23,19 @@ class InvalidRequestError(ValueError):
     """The OpenAI error object's `code` (null for most 400s)."""
 
     def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
+        super().__init__(self._text(field, message))
         self.field = field
         self.message = message
+
+    @staticmethod
+    def _text(field: str, message: str) -> str:
+        """What a client reads (str(error)): the field, then what is wrong with it."""
+        return f"{field}: {message}"
+
+    def renamed(self, field: str) -> InvalidRequestError:
+        """The same error naming `field` instead: a request parsed as another API's (the Responses and Messages
+        APIs' bodies parsed as a chat's) names its own fields. The class, and so the code, is kept."""
+        return InvalidRequestError(field, self.message)
 
     def __reduce__(self) -> tuple[type, tuple[str, str]]:
         # Raised in the router's body-parsing process (router/request_body.py) and re-raised here:
@@ -33,27 +43,43 @@ class InvalidRequestError(ValueError):
         return type(self), (self.field, self.message)
 
 
-CONTEXT_LENGTH_PHRASE = "this model's maximum context length is"
-"""OpenAI's and vLLM's words for a prompt the context cannot hold, which client libraries match to tell
-that error from other 400s (LiteLLM's ContextWindowExceededError, what its context-window fallbacks act on)."""
+CONTEXT_LENGTH_PHRASE = "This model's maximum context length is"
+"""OpenAI's and vLLM's opening words for a prompt the context cannot hold ("This model's maximum context length is
+N tokens. However, ..."), which client libraries match to tell that error from other 400s: LiteLLM lower-cases the
+message first (its ContextWindowExceededError, what its context-window fallbacks act on), others match it as is."""
 
 
 class ContextLengthExceededError(InvalidRequestError):
-    """A prompt longer than the model's context can serve; its message holds CONTEXT_LENGTH_PHRASE."""
+    """A prompt longer than the model's context can serve. Its message opens with OpenAI's sentence
+    (CONTEXT_LENGTH_PHRASE, max_model_len), then names the field and what it holds: "This model's maximum context
+    length is 512 tokens. However, messages has 2410 tokens, and at least one output token must fit. Please reduce
+    the length of the input." """
 
     code = "context_length_exceeded"
     """OpenAI's code for it (the openai SDK's `BadRequestError.code`)."""
 
-    def __init__(self, field: str, message: str, num_tokens: int | None = None,
+    def __init__(self, field: str, excess: str, max_model_len: int, num_tokens: int | None = None,
                  max_prompt_tokens: int | None = None) -> None:
-        super().__init__(field, message)
+        super().__init__(field, f"{CONTEXT_LENGTH_PHRASE} {max_model_len} tokens. However, {field} {excess}. "
+                                "Please reduce the length of the input.")
+        self.excess = excess
+        """What `field` holds beyond the context ("has 2410 tokens"), after its name."""
+        self.max_model_len = max_model_len
         self.num_tokens = num_tokens
         """The prompt's tokens; None when it was refused by its size in bytes, before it was tokenized."""
         self.max_prompt_tokens = max_prompt_tokens
         """The most tokens a prompt may have (with num_tokens; Anthropic's message states both)."""
 
-    def __reduce__(self) -> tuple[type, tuple[str, str, int | None, int | None]]:
-        return type(self), (self.field, self.message, self.num_tokens, self.max_prompt_tokens)
+    @staticmethod
+    def _text(field: str, message: str) -> str:
+        return message  # OpenAI's sentence first; the message names the field after it
+
+    def renamed(self, field: str) -> ContextLengthExceededError:
+        return ContextLengthExceededError(field, self.excess, self.max_model_len, self.num_tokens,
+                                          self.max_prompt_tokens)
+
+    def __reduce__(self) -> tuple[type, tuple[str, str, int, int | None, int | None]]:
+        return type(self), (self.field, self.excess, self.max_model_len, self.num_tokens, self.max_prompt_tokens)
 
 
 class UnsupportedModelError(ValueError):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from splitserve.common.errors import CONTEXT_LENGTH_PHRASE, ContextLengthExceededError, InvalidRequestError
+from splitserve.common.errors import ContextLengthExceededError, InvalidRequestError
 
 
 def longest_prompt(max_model_len: int, pools: bool = False) -> int:
@@ -20,9 +20,8 @@ def check_prompt_length(num_tokens: int, max_model_len: int, field: str, pools: 
     longest_prompt()."""
     longest = longest_prompt(max_model_len, pools)
     if num_tokens > longest:
-        room = "" if pools else " (including at least one output token)"
-        raise ContextLengthExceededError(field, f"has {num_tokens} tokens; {CONTEXT_LENGTH_PHRASE} {max_model_len} "
-                                                f"tokens{room}", num_tokens, longest)
+        room = "" if pools else ", and at least one output token must fit"
+        raise ContextLengthExceededError(field, f"has {num_tokens} tokens{room}", max_model_len, num_tokens, longest)
 
 
 @dataclass(frozen=True)

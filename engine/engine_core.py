@@ -241,8 +241,9 @@ class EngineCore:
         other than 0 included, unless the scheduling policy is priority). A LoRA adapter is loaded the first
         time a request names it (LoRAManager.register), so a bad adapter fails here."""
         if self.model_pooling is not None:
-            raise InvalidRequestError("runner", "this engine runs the model as a pooling model (runner 'pooling'), "
-                                                "which embeds prompts and generates nothing; start it with runner "
+            pools = "embeds" if self.model_pooling.classifier is None else "classifies"
+            raise InvalidRequestError("runner", f"this engine runs the model as a pooling model (runner 'pooling'), "
+                                                f"which {pools} prompts and generates nothing; start it with runner "
                                                 "'generate' to generate")
         self._validate_prompt(request_id, prompt_token_ids, cache_salt, priority, pools=False)
         if params.max_tokens is None:

@@ -118,7 +118,7 @@ def _parsed_chat(chat_body: Mapping[str, Any], sources: Sequence[str], limits: R
     try:
         return parse_chat_request(chat_body, limits, defaults)
     except InvalidRequestError as error:
-        raise InvalidRequestError(_messages_field(error.field, sources), error.message) from None
+        raise error.renamed(_messages_field(error.field, sources)) from None
 
 
 def _chat_body(body: Mapping[str, Any], max_tokens: int | None) -> tuple[dict[str, Any], list[str]]:

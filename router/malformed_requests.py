@@ -5,7 +5,8 @@ DecodeError there (a corrupt or truncated message, a string field that is not UT
 as UNKNOWN "Unexpected <class 'DecodeError'>". MalformedRequestInterceptor gives every
 unary-request method a deserializer that keeps the error instead, and a handler that ends the
 call with INVALID_ARGUMENT naming `request` (the documented code for bad input) before the
-method's own handler sees anything. Request-streaming methods (reflection's) are left alone. A call to a
+method's own handler sees anything. Request-streaming methods are left alone (reflection's; Triton's
+ModelStreamInfer reads its messages itself and refuses one that does not parse alike, unparsable_request). A call to a
 service in `logged_services` refused so gets the access log's `refused` line (its handler, which writes the
 others, never runs).
 """
@@ -20,14 +21,15 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
+from splitserve.common.errors import InvalidRequestError
 from splitserve.router.access_log import grpc_refusal_fields, log_refusal
 
 
 @dataclass(frozen=True)
 class _Malformed:
-    """Bytes that did not parse as the method's request message, and why."""
+    """Bytes that did not parse as the method's request message: its refusal."""
 
-    reason: str
+    error: InvalidRequestError
 
 
 class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
@@ -45,6 +47,11 @@ class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
         return _checking(handler, rpc if service_of(rpc) in self.logged_services else None)
 
 
+def unparsable_request(error: DecodeError) -> InvalidRequestError:
+    """The refusal of request bytes that do not parse as the method's message (INVALID_ARGUMENT naming `request`)."""
+    return InvalidRequestError("request", f"cannot be parsed ({error})")
+
+
 def service_of(rpc: str) -> str:
     """The full service name of a full method name (`splitserve.v1.Generation` of
     `/splitserve.v1.Generation/Generate`)."""
@@ -60,7 +67,7 @@ def _checking(handler: grpc.RpcMethodHandler, logged_rpc: str | None) -> grpc.Rp
         try:
             return deserialize(data)
         except DecodeError as error:
-            return _Malformed(str(error))
+            return _Malformed(unparsable_request(error))
 
     if not handler.response_streaming:
         return grpc.unary_unary_rpc_method_handler(_unary(handler.unary_unary, logged_rpc), request_deserializer=parse,
@@ -74,10 +81,10 @@ def _checking(handler: grpc.RpcMethodHandler, logged_rpc: str | None) -> grpc.Rp
 
 async def _reject_malformed(request: Any, context: grpc.aio.ServicerContext, logged_rpc: str | None) -> None:
     if isinstance(request, _Malformed):
-        message = f"request: cannot be parsed ({request.reason})"
+        message = str(request.error)
         if logged_rpc is not None:
-            log_refusal(grpc_refusal_fields(logged_rpc, grpc.StatusCode.INVALID_ARGUMENT.name, message, "request",
-                                            None))
+            log_refusal(grpc_refusal_fields(logged_rpc, grpc.StatusCode.INVALID_ARGUMENT.name, message,
+                                            request.error.field, None))
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
 
 

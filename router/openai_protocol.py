@@ -33,7 +33,7 @@ from splitserve.router.reasoning_parsers import ReasoningOutput, ReasoningParser
 from splitserve.common.prompt_truncation import PromptTruncation
 from splitserve.router.request_limits import MAX_SEQUENCES, RequestLimits, utf8_length
 from splitserve.router.structured_output import parse_structured_output
-from splitserve.router.tokenizer import ChatTemplateOptions
+from splitserve.router.tokenizer import ChatTemplateOptions, check_unicode
 from splitserve.router.tool_calling import (HistoryToolCall, ToolCalling, parse_history_tool_calls,
                                             parse_tool_calling, parse_tools)
 from splitserve.router.tool_parsers import OutputParser, ToolCallDelta, ToolOutput, parse_output
@@ -67,18 +67,23 @@ class ChatMessage:
     """The message's author or tool name (any role), for templates that render it."""
     reasoning: str | None = None
     """An assistant message's reasoning (`reasoning`, or the older `reasoning_content`), sent back by
-    a client for templates that render earlier reasoning (interleaved thinking)."""
+    a client for templates that render earlier reasoning (interleaved thinking, GPT-OSS's analysis)."""
     parts: tuple[str, ...] | None = None
     """The texts of the content's parts as the client sent them (null content: none); None when the
     content was a string. The tokenizer joins them or passes them as parts (its content format)."""
 
     def template_message(self) -> dict[str, Any]:
         """The message as the chat template sees it (vLLM's keys; absent ones left out): the content as
-        sent (a string, or text parts), the reasoning under both names, as vLLM hands it to templates."""
+        sent (a string, or text parts), the reasoning under both names, as vLLM hands it to templates, and as
+        `thinking`, the name GPT-OSS's template reads an earlier turn's analysis by. That template refuses a turn
+        with tool calls, content and thinking (it renders such a turn's content as its analysis), so that turn has
+        no `thinking`."""
         content = self.content if self.parts is None else [{"type": "text", "text": text} for text in self.parts]
         message: dict[str, Any] = {"role": self.role, "content": content}
         if self.reasoning is not None:
             message["reasoning"] = message["reasoning_content"] = self.reasoning
+        if self.reasoning and not (self.tool_calls and self.content):
+            message["thinking"] = self.reasoning
         if self.tool_calls:
             message["tool_calls"] = [call.template_value() for call in self.tool_calls]
         if self.tool_call_id is not None:
@@ -312,6 +317,7 @@ def _prompt(prompt: Any, limits: RequestLimits, field: str, truncated: bool) -> 
     """One prompt: a string or a non-empty list of token ids; its size is checked before its ids are
     (a token-id prompt that will be `truncated` may be longer than the context: the body's size bounds it)."""
     if isinstance(prompt, str):
+        check_unicode(prompt, field)  # here, where the field is known: the tokenizer would name it `prompt`
         limits.check_prompt_bytes(utf8_length(prompt), field)
         return prompt
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], (str, list)) and not truncated:  # token ids

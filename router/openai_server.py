@@ -95,6 +95,7 @@ _DONE = b"data: [DONE]\n\n"
 RESPONSES_INPUT_TOKENS_PATH = "/v1/responses/input_tokens"
 CLIENT_CLOSED_STATUS = 499
 """Status recorded for a request whose client went away (nobody receives it)."""
+CLIENT_CLOSED_MESSAGE = "the client closed the connection before its request was answered"
 
 
 class ApiError(Exception):
@@ -287,7 +288,7 @@ class OpenAIServing:
                                                                   chat.add_generation_prompt, chat.template)
             return _JSONResponse({"object": "response.input_tokens", "input_tokens": len(token_ids)})
         except ClientDisconnected:
-            return Response(status_code=CLIENT_CLOSED_STATUS)
+            return _client_closed(request.scope)
         except Exception as error:
             return ApiError.of(error).response()
 
@@ -305,7 +306,7 @@ class OpenAIServing:
                                                                   parsed.add_generation_prompt, parsed.template)
             return _JSONResponse({"input_tokens": len(token_ids)})
         except ClientDisconnected:
-            return Response(status_code=CLIENT_CLOSED_STATUS)
+            return _client_closed(request.scope)
         except Exception as error:
             return ApiError.of(error).anthropic_response()
 
@@ -381,7 +382,7 @@ class OpenAIServing:
             return _JSONResponse({"count": len(token_ids), "max_model_len": self.orchestrator.max_model_len,
                                  "tokens": list(token_ids), "token_strs": strings})
         except ClientDisconnected:
-            return Response(status_code=CLIENT_CLOSED_STATUS)
+            return _client_closed(request.scope)
         except Exception as error:
             return ApiError.of(error).response()
 
@@ -392,7 +393,7 @@ class OpenAIServing:
             self._check_model(parsed.model)
             return _JSONResponse({"prompt": self.tokenizers.tokenizer.decode(parsed.tokens, skip_special_tokens=False)})
         except ClientDisconnected:
-            return Response(status_code=CLIENT_CLOSED_STATUS)
+            return _client_closed(request.scope)
         except Exception as error:
             return ApiError.of(error).response()
 
@@ -443,7 +444,7 @@ class OpenAIServing:
             if job is not None:
                 job.ids.release()  # likewise
             if isinstance(error, ClientDisconnected):
-                return Response(status_code=CLIENT_CLOSED_STATUS)
+                return _client_closed(request.scope)
             if isinstance(error, Exception):  # every failure is an error response; the server carries on
                 return _error_response(request.scope, ApiError.of(error))
             raise
@@ -880,6 +881,12 @@ def _message_events(first: IndexedChunk, stream: AsyncGenerator[IndexedChunk, No
 def _error_response(scope: Scope, error: ApiError) -> JSONResponse:
     """Anthropic's error object on the Messages API's paths, OpenAI's everywhere else."""
     return error.anthropic_response() if is_messages_path(route_path(scope)) else error.response()
+
+
+def _client_closed(scope: Scope) -> JSONResponse:
+    """The answer to a request whose client went away: nobody receives it, but its message is the error of the
+    access log's `refused` line when the request had not run yet (router/http_access.py reads it from the body)."""
+    return _error_response(scope, ApiError(CLIENT_CLOSED_STATUS, CLIENT_CLOSED_MESSAGE, code="cancelled"))
 
 
 class _EventStream(StreamingResponse):

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from splitserve.common.errors import CONTEXT_LENGTH_PHRASE, ContextLengthExceededError, InvalidRequestError
+from splitserve.common.errors import ContextLengthExceededError, InvalidRequestError
 from splitserve.common.log_escape import quote_for_log
 from splitserve.common.prompt_truncation import PromptTruncation, check_prompt_length, prompt_truncation
 from splitserve.common.beam_search import BeamSearchParams
@@ -170,8 +170,7 @@ class RequestLimits:
     def check_prompt_bytes(self, num_bytes: int, field: str) -> None:
         if num_bytes > self.max_prompt_bytes:
             raise ContextLengthExceededError(field, f"has {num_bytes} bytes (UTF-8); at most {self.max_prompt_bytes} "
-                                                    f"can be served (router.max_prompt_bytes; {CONTEXT_LENGTH_PHRASE} "
-                                                    f"{self.max_model_len} tokens)")
+                                                    "can be served (router.max_prompt_bytes)", self.max_model_len)
 
     def check_prompt_token_count(self, num_tokens: int, field: str) -> None:
         """A prompt given as token ids, before its ids are read (Orchestrator.validate_prompt checks them)."""

@@ -149,7 +149,7 @@ def parse_responses_request(body: Mapping[str, Any], limits: RequestLimits,
     try:
         chat = parse_chat_request(chat_body, limits, defaults)
     except InvalidRequestError as error:
-        raise InvalidRequestError(_responses_field(error.field, sources), error.message) from None
+        raise error.renamed(_responses_field(error.field, sources)) from None
     return ResponsesRequest(chat, ResponseSettings(
         _optional_string(body, "instructions"), chat.sampling.max_tokens if chat.max_tokens_param else None,
         _metadata(body.get("metadata")), tuple(tools), text_format, _optional_string(body, "user"),

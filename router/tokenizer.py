@@ -292,13 +292,14 @@ def _check_rendered_unicode(text: str, tools: Sequence[Mapping[str, Any]] | None
                                               f"{surrogate!r})") from None
 
 
-TOOL_MESSAGE_KEYS = ("tool_calls", "tool_call_id", "name")
-"""Message keys a template also sees when set (an assistant's calls, a tool result's call id and
-name), passed as the OpenAI front parsed them (router/tool_calling.py)."""
+TEMPLATE_MESSAGE_KEYS = ("tool_calls", "tool_call_id", "name", "reasoning", "reasoning_content", "thinking")
+"""Message keys a template also sees when set, passed as the OpenAI front parsed them (ChatMessage.template_message):
+an assistant's calls (router/tool_calling.py), a tool result's call id and name, an assistant's earlier reasoning
+under the names templates read it by."""
 
 
 def _validate_messages(messages: object, content_format: ContentFormat) -> list[dict[str, Any]]:
-    """{"role", "content"} dicts, with TOOL_MESSAGE_KEYS where set (the only keys a template sees), the
+    """{"role", "content"} dicts, with TEMPLATE_MESSAGE_KEYS where set (the only keys a template sees), the
     content (a string or a list of text parts) in `content_format`; raises InvalidRequestError."""
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
         raise InvalidRequestError("messages", "must be a non-empty list of {role, content} messages")
@@ -315,7 +316,7 @@ def _validate_messages(messages: object, content_format: ContentFormat) -> list[
         for text in texts:
             check_unicode(text, f"messages[{index}].content")
         plain.append({"role": message["role"], "content": template_content(texts, content_format),
-                      **{key: message[key] for key in TOOL_MESSAGE_KEYS if message.get(key) is not None}})
+                      **{key: message[key] for key in TEMPLATE_MESSAGE_KEYS if message.get(key) is not None}})
     return plain
 
 

@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator
 from dataclasses import replace
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from splitserve.common.errors import InvalidRequestError
 from splitserve.common.log_escape import quote_for_log
@@ -30,6 +31,7 @@ from splitserve.proto.inference import grpc_service_pb2 as pb
 from splitserve.proto.inference import grpc_service_pb2_grpc as pb_grpc
 from splitserve.router.api_common import grpc_deadline, grpc_status, log_grpc_refusal
 from splitserve.router.api_types import GenerationInput, RouterError, StreamChunk
+from splitserve.router.malformed_requests import unparsable_request
 from splitserve.router.orchestrator import Orchestrator
 from splitserve.router.tokenizer_pool import TokenizerPool
 from splitserve.router.triton_protocol import (InferRequest, OutputValues, ServedModel, empty_final_response,
@@ -126,11 +128,12 @@ class TritonServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def ModelStreamInfer(self, request_iterator: AsyncIterator[pb.ModelInferRequest],
                                context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ModelStreamInferResponse]:
         """Runs each request as it arrives; ends once the client has stopped sending and every
-        request has ended. A cancelled call cancels the requests still running."""
+        request has ended. A cancelled call cancels the requests still running. `request_iterator` is left unread:
+        _read reads the messages."""
         responses = _StreamResponses()
         requests: set[asyncio.Task] = set()
         responses.open()  # the reader, before anything can be consumed
-        reader = asyncio.create_task(self._read(request_iterator, context, responses, requests))
+        reader = asyncio.create_task(self._read(context, responses, requests))
         try:
             async for response in responses:
                 yield response
@@ -139,10 +142,20 @@ class TritonServicer(pb_grpc.GRPCInferenceServiceServicer):
                 task.cancel()
             await asyncio.gather(reader, *requests, return_exceptions=True)
 
-    async def _read(self, request_iterator: AsyncIterator[pb.ModelInferRequest], context: grpc.aio.ServicerContext,
-                    responses: _StreamResponses, requests: set[asyncio.Task]) -> None:
+    async def _read(self, context: grpc.aio.ServicerContext, responses: _StreamResponses,
+                    requests: set[asyncio.Task]) -> None:
+        """Starts each request as it arrives. Messages are read with context.read(), not the request iterator: a
+        message that does not parse ends the iterator (the stream ended OK, the rest unread), where here it is
+        refused as ModelInfer refuses it (an error_message response, a `refused` line) and the stream reads on."""
         try:
-            async for request in request_iterator:
+            while True:
+                try:
+                    request = await context.read()
+                except DecodeError as error:
+                    self._refuse_streamed(unparsable_request(error), "", responses, logged=True)
+                    continue
+                if request is grpc.aio.EOF:
+                    return
                 responses.open()
                 task = asyncio.create_task(self._serve_streamed(request, context, responses))
                 requests.add(task)
@@ -158,11 +171,7 @@ class TritonServicer(pb_grpc.GRPCInferenceServiceServicer):
             async for response in self._stream_responses(request, context, ran):
                 responses.put(pb.ModelStreamInferResponse(infer_response=response))
         except (InvalidRequestError, RouterError) as error:
-            logger.info("[%s] ModelStreamInfer request ended with %s", quote_for_log(request.id), quote_for_log(error))
-            if not ran.is_set():
-                self._refused(MODEL_STREAM_INFER_RPC, error, request.id)
-            code, message = grpc_status(error)
-            responses.put(stream_error(self.model, request.id, f"{code.name}: {message}"))
+            self._refuse_streamed(error, request.id, responses, logged=not ran.is_set())
         except Exception as error:  # a bug: report it on this request, keep the stream's others going
             logger.exception("[%s] ModelStreamInfer request failed", quote_for_log(request.id))
             responses.put(stream_error(self.model, request.id, f"INTERNAL: {type(error).__name__}: {error}"))
@@ -208,6 +217,16 @@ class TritonServicer(pb_grpc.GRPCInferenceServiceServicer):
         self.orchestrator.validate_prompt(token_ids, "text_input")  # else the error would name "prompt"
         return parsed, GenerationInput(request_id, token_ids, parsed.sampling,
                                        grpc_deadline(context, self.request_timeout_s))
+
+    def _refuse_streamed(self, error: InvalidRequestError | RouterError, request_id: str, responses: _StreamResponses,
+                         logged: bool) -> None:
+        """A stream's request that `error` ended: its error_message response, and its `refused` line when `logged`
+        (it ended before it ran: else its record writes its line)."""
+        logger.info("[%s] ModelStreamInfer request ended with %s", quote_for_log(request_id), quote_for_log(error))
+        if logged:
+            self._refused(MODEL_STREAM_INFER_RPC, error, request_id)
+        code, message = grpc_status(error)
+        responses.put(stream_error(self.model, request_id, f"{code.name}: {message}"))
 
     def _refused(self, rpc: str, error: InvalidRequestError | RouterError, request_id: str) -> None:
         """A call (or a stream's request) that `error` ended before it ran: its access-log line, if logged."""

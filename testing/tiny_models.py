@@ -125,12 +125,42 @@ HARMONY_WORDS = ("analysis", "final", " to=functions.get_time", "{\"tz\": \"UTC\
 """Plain added tokens: the channel names (`analysis` is one token in GPT-OSS's tokenizer, as the
 openai_gptoss parser needs), a recipient and a JSON body, so that a sampled output can spell messages."""
 HARMONY_CHAT_TEMPLATE = (
+    "{%- set last_call = namespace(name=none) %}"
     "{%- for message in messages %}"
+    "{%- if message.role == 'assistant' and 'tool_calls' in message %}"
+    "{%- set later_final = namespace(found=false) %}"
+    "{%- for later in messages[loop.index:] %}"
+    "{%- if later.role == 'assistant' and 'tool_calls' not in later %}{%- set later_final.found = true %}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if message.content and message.thinking %}"
+    "{{- raise_exception('Cannot pass both content and thinking in an assistant message with tool calls') }}"
+    "{%- elif (message.content or message.thinking) and not later_final.found %}"
+    "{{- '<|start|>assistant<|channel|>analysis<|message|>' + (message.content or message.thinking) + '<|end|>' }}"
+    "{%- endif %}"
+    "{%- set call = message.tool_calls[0].function %}"
+    "{{- '<|start|>assistant to=functions.' + call.name + '<|channel|>commentary json<|message|>' }}"
+    "{{- call.arguments | tojson + '<|call|>' }}"
+    "{%- set last_call.name = call.name %}"
+    "{%- elif message.role == 'assistant' and loop.last and not add_generation_prompt %}"
+    "{%- if 'thinking' in message %}"
+    "{{- '<|start|>assistant<|channel|>analysis<|message|>' + message.thinking + '<|end|>' }}"
+    "{%- endif %}"
+    "{{- '<|start|>assistant<|channel|>final<|message|>' + message.content + '<|return|>' }}"
+    "{%- elif message.role == 'assistant' %}"
+    "{{- '<|start|>assistant<|channel|>final<|message|>' + message.content + '<|end|>' }}"
+    "{%- elif message.role == 'tool' %}"
+    "{{- '<|start|>functions.' + last_call.name + ' to=assistant<|channel|>commentary<|message|>' }}"
+    "{{- message.content | tojson + '<|end|>' }}"
+    "{%- else %}"
     "{{- '<|start|>' + message['role'] + '<|message|>' + message['content'] + '<|end|>' }}"
+    "{%- endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|start|>assistant' }}{%- endif %}"
 )
-"""Harmony's shape (GPT-OSS's template ends the prompt with `<|start|>assistant`), without its system message."""
+"""Harmony's shape (GPT-OSS's template ends the prompt with `<|start|>assistant`), without its system and developer
+messages, and its rules for earlier turns: an assistant turn's analysis is its `thinking`, rendered before a tool call
+(or that turn's content, and a turn with both is refused) unless a final answer follows later, and after a final
+answer only when that turn ends a chat without a generation prompt; a tool result is rendered as the last call's."""
 
 
 def build_harmony_model(out_dir: Path) -> Path:

@@ -22,7 +22,7 @@ from anthropic.types import message_create_params
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from splitserve.common.errors import InvalidRequestError
+from splitserve.common.errors import ContextLengthExceededError, InvalidRequestError
 from splitserve.common.model_dir import DEFAULT_MODEL_NAME
 from splitserve.engine.tiny_model import resolve_model_path
 from splitserve.router.anthropic_protocol import (MESSAGES_HANDLED, MESSAGES_REFUSED, PASSED_TO_CHAT, MessageHeader,
@@ -31,7 +31,7 @@ from splitserve.router.anthropic_protocol import (MESSAGES_HANDLED, MESSAGES_REF
 from splitserve.router.api_types import RouterError, StreamChunk, Usage
 from splitserve.router.fanout import IndexedChunk
 from splitserve.router.openai_protocol import parse_chat_request
-from splitserve.router.openai_server import _message_events
+from splitserve.router.openai_server import ApiError, _message_events
 from splitserve.router.policy import RoutingConfig
 from splitserve.router.tool_parsers import ToolOutput
 from splitserve.testing.tiny_models import TOOLS_CHAT_TEMPLATE, build_thinking_model
@@ -226,6 +226,17 @@ def test_bad_requests_are_refused_naming_the_messages_field(fields, field, messa
     with pytest.raises(InvalidRequestError) as error:
         parse(**fields)
     assert (error.value.field, error.value.message) == (field, message)
+
+
+def test_a_chat_over_max_prompt_bytes_stays_a_context_length_refusal_in_anthropics_words():
+    """Renamed to its Messages field, the chat parser's refusal keeps its class: Anthropic's "prompt is too long"."""
+    with pytest.raises(ContextLengthExceededError) as error:
+        parse_messages_request({"model": MODEL, "max_tokens": 16, "messages": [{"role": "user", "content": "x" * 101}]},
+                               make_request_limits(max_prompt_bytes=100))
+    assert (error.value.field, ApiError.of(error.value).anthropic_body()["error"]["message"]) == (
+        "messages", "prompt is too long: This model's maximum context length is 2048 tokens. However, messages has "
+        "101 bytes (UTF-8); at most 100 can be served (router.max_prompt_bytes). Please reduce the length of the "
+        "input.")
 
 
 # ---- rendering ----------------------------------------------------------------------------------

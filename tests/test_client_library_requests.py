@@ -151,7 +151,8 @@ def test_openai_sdk_parse_with_a_response_format_and_required_tools_returns_the_
 
 def test_litellm_reads_a_prompt_too_long_for_the_context_as_its_context_window_error(served):
     """litellm.completion(model="hosted_vllm/default", ...) reads the raw error body, `openai/default` the openai
-    SDK's message; either must hold the words its exception mapping matches (lower-cased)."""
+    SDK's message; either must hold the words its exception mapping matches (lower-cased), and the message opens with
+    OpenAI's own sentence, for clients that match it as written."""
     status, _, raw = http_request(served.http_port, "POST", "/v1/chat/completions", json.dumps({
         "model": "default", "messages": [{"role": "user", "content": "def f(x): return x\n" * 300}],
         "max_tokens": 8}).encode())
@@ -160,3 +161,4 @@ def test_litellm_reads_a_prompt_too_long_for_the_context_as_its_context_window_e
         400, "invalid_request_error", "messages", "context_length_exceeded")
     assert "this model's maximum context length is 512 tokens" in error["message"].lower()
     assert "this model's maximum context length is" in raw.decode().lower()
+    assert error["message"].startswith("This model's maximum context length is 512 tokens. However, messages has ")

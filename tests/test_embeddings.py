@@ -179,8 +179,10 @@ def test_a_prompt_may_fill_max_model_len(tiny_llama_dir):
     """Nothing is generated after a pooled prompt, so it may be max_model_len long (a generating one may not)."""
     llm = LLM(tiny_llama_dir, runner="pooling", max_model_len=70)
     _assert_matches(llm.embed(PROMPTS), tiny_llama_dir, "LAST")
-    with pytest.raises(InvalidRequestError, match="has 71 tokens; this model's maximum context length is 70 tokens$"):
+    with pytest.raises(InvalidRequestError) as refused:
         llm.embed([PROMPTS[-1] + [1]])
+    assert str(refused.value) == ("This model's maximum context length is 70 tokens. However, prompt has 71 tokens. "
+                                  "Please reduce the length of the input.")
     # vLLM's truncate_prompt_tokens=-1 keeps max_model_len tokens of a pooled prompt (generate() keeps one fewer)
     cut = llm.embed([[1] + PROMPTS[-1]], truncate_prompt_tokens=-1)[0]
     assert cut.prompt_token_ids == PROMPTS[-1]
@@ -200,8 +202,10 @@ def test_sentence_bert_config_max_seq_length_is_the_default_max_model_len(tiny_l
     fits = PROMPTS[3]  # 40 tokens: fills it
     want = torch.tensor(hf_embedding(model_dir, fits, "LAST"))
     assert torch.allclose(torch.tensor(llm.embed([fits])[0].outputs.embedding), want, rtol=0, atol=TOLERANCE)
-    with pytest.raises(InvalidRequestError, match="has 70 tokens; this model's maximum context length is 40 tokens$"):
+    with pytest.raises(InvalidRequestError) as refused:
         llm.embed([PROMPTS[-1]])
+    assert str(refused.value) == ("This model's maximum context length is 40 tokens. However, prompt has 70 tokens. "
+                                  "Please reduce the length of the input.")
     assert_pool_idle(llm.engine.block_manager)
     assert LLM(model_dir, runner="pooling", max_model_len=32).engine.max_model_len == 32
     with pytest.raises(ValueError, match=r"^max_model_len 41 exceeds max_seq_length 40 of the model's "

@@ -170,10 +170,16 @@ def test_truncate_prompt_tokens_and_a_prompt_that_fills_the_context(served, tiny
     ({"input": "x", "dimensions": 16}, 400, "dimensions",
      "dimensions: Model 'tiny-embed' does not support Matryoshka embeddings; dimensions must be unset (received "
      "dimensions=16)."),
-    ({"input": list(range(MAX_MODEL_LEN + 1))}, 400, "input", "input: has 65 tokens; this model's maximum context length is 64 tokens"),
+    ({"input": list(range(MAX_MODEL_LEN + 1))}, 400, "input",
+     "This model's maximum context length is 64 tokens. However, input has 65 tokens. Please reduce the length of the "
+     "input."),
     ({"input": [[1, 2], list(range(MAX_MODEL_LEN + 1))]}, 400, "input[1]",
-     "input[1]: has 65 tokens; this model's maximum context length is 64 tokens"),
+     "This model's maximum context length is 64 tokens. However, input[1] has 65 tokens. Please reduce the length of "
+     "the input."),
     ({"input": [1, 100000]}, 400, "input", "input: token ids out of vocabulary [0, 512): [100000]"),
+    ({"input": "ok \ud800"}, 400, "input", "input: is not valid Unicode (lone surrogate '\\ud800' at index 3)"),
+    ({"input": ["ok", "\udfff"]}, 400, "input[1]",
+     "input[1]: is not valid Unicode (lone surrogate '\\udfff' at index 0)"),
     ({"input": ["a"] * 129}, 400, "input", "input: 129 inputs exceed 128 inputs per request"),
     ({"input": "x", "model": "other"}, 404, "model",
      "The model `other` does not exist; this server serves `tiny-embed`."),

@@ -7,15 +7,19 @@ raw output, served by a second HTTP front without parsers over the same cluster 
 
 from __future__ import annotations
 
+import json
+
 import openai
 import pytest
 from openai.lib.streaming.chat import ChatCompletionStreamState
 
+from splitserve.router.openai_protocol import parse_chat_request
 from splitserve.router.openai_server import start_http_server
 from splitserve.router.reasoning_parsers import HarmonyParser, ReasoningFormat, parse_reasoning
+from splitserve.router.tokenizer import RouterTokenizer
 from splitserve.router.tool_parsers import HarmonyToolParser, parse_output
 from splitserve.testing.tiny_models import build_harmony_model
-from tests.factories import served_apis
+from tests.factories import http_request, make_request_limits, served_apis
 
 MODEL = "m"
 SEED = 113
@@ -29,9 +33,13 @@ TOOLS = [{"type": "function", "function": {"name": "get_time", "parameters": {
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    model_dir = build_harmony_model(tmp_path_factory.mktemp("harmony") / "model")
-    with served_apis(model_dir, MODEL, tool_call_parser="openai", reasoning_parser="openai_gptoss") as served:
+def harmony_dir(tmp_path_factory):
+    return build_harmony_model(tmp_path_factory.mktemp("harmony") / "model")
+
+
+@pytest.fixture(scope="module")
+def served(harmony_dir):
+    with served_apis(harmony_dir, MODEL, tool_call_parser="openai", reasoning_parser="openai_gptoss") as served:
         plain = served.loop.run(start_http_server(served.cluster.orchestrator, served.tokenizers, MODEL, port=0))
         served.plain_port = plain.port
         try:
@@ -104,3 +112,52 @@ def test_a_call_is_returned_as_a_tool_call_streamed_and_whole(served):
     assert [(c.function.name, c.function.arguments) for c in streamed.message.tool_calls] == [
         ("get_time", '{"tz": "UTC"}')]
     assert (streamed.message.content, streamed.finish_reason) == ("", "tool_calls")  # the role chunk's ""
+
+
+# ---- earlier turns' analysis in the prompt (the template's `thinking`) -------------------------------------------
+
+ASKED = {"role": "user", "content": "Time?"}
+CALLED = {"id": "c1", "type": "function", "function": {"name": "get_time", "arguments": '{"tz": "UTC"}'}}
+ANSWERED = {"role": "tool", "tool_call_id": "c1", "content": "12:00"}
+CALL_TEXT = ('<|start|>assistant to=functions.get_time<|channel|>commentary json<|message|>{"tz": "UTC"}<|call|>'
+             '<|start|>functions.get_time to=assistant<|channel|>commentary<|message|>"12:00"<|end|>')
+
+
+def rendered(model_dir, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    """The prompt the chat API renders for `messages` (its parse, then the template)."""
+    parsed = parse_chat_request({"messages": messages}, make_request_limits())
+    return RouterTokenizer.from_model_dir(model_dir).render_chat_template(
+        [message.template_message() for message in parsed.messages], add_generation_prompt)
+
+
+@pytest.mark.parametrize("key", ["reasoning", "reasoning_content"])
+def test_a_tool_call_turns_reasoning_is_its_analysis_in_the_next_prompt(harmony_dir, key):
+    """GPT-OSS's template reads an earlier turn's analysis as `thinking`; a client sends it back as reasoning."""
+    chat = [ASKED, {"role": "assistant", "content": None, key: "Check the clock.", "tool_calls": [CALLED]}, ANSWERED]
+    assert rendered(harmony_dir, chat) == ("<|start|>user<|message|>Time?<|end|><|start|>assistant<|channel|>analysis"
+                                           f"<|message|>Check the clock.<|end|>{CALL_TEXT}<|start|>assistant")
+
+
+def test_a_tool_call_turn_with_content_and_reasoning_renders_the_content_as_its_analysis(harmony_dir):
+    """The template refuses a tool-call turn with both content and thinking: the turn is sent without `thinking`."""
+    chat = [ASKED, {"role": "assistant", "content": "Let me look.", "reasoning": "Check the clock.",
+                    "tool_calls": [CALLED]}, ANSWERED]
+    assert rendered(harmony_dir, chat) == ("<|start|>user<|message|>Time?<|end|><|start|>assistant<|channel|>analysis"
+                                           f"<|message|>Let me look.<|end|>{CALL_TEXT}<|start|>assistant")
+
+
+def test_a_final_answers_reasoning_is_rendered_where_the_template_renders_it(harmony_dir, served):
+    """Only for a chat that ends with that answer and no generation prompt (the template drops earlier turns'
+    analysis once a final answer follows, the tool-call turn's too); the served chat's prompt is the same text."""
+    turns = [ASKED, {"role": "assistant", "content": "", "reasoning": "Check the clock.", "tool_calls": [CALLED]},
+             ANSWERED, {"role": "assistant", "content": "Noon.", "reasoning": "It is 12:00."}]
+    ended = ("<|start|>user<|message|>Time?<|end|>" + CALL_TEXT + "<|start|>assistant<|channel|>analysis<|message|>"
+             "It is 12:00.<|end|><|start|>assistant<|channel|>final<|message|>Noon.<|return|>")
+    asked_again = ("<|start|>user<|message|>Time?<|end|>" + CALL_TEXT + "<|start|>assistant<|channel|>final"
+                   "<|message|>Noon.<|end|><|start|>user<|message|>Thanks<|end|><|start|>assistant")
+    assert rendered(harmony_dir, turns, add_generation_prompt=False) == ended
+    chat = [*turns, {"role": "user", "content": "Thanks"}]
+    assert rendered(harmony_dir, chat) == asked_again
+    status, _, body = http_request(served.http_port, "POST", "/tokenize", json.dumps({"messages": chat}).encode())
+    assert (status, json.loads(body)["tokens"]) == (
+        200, served.tokenizers.tokenizer.encode_rendered(asked_again))

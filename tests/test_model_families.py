@@ -484,8 +484,8 @@ def test_longrope_is_served_up_to_its_original_length_exactly(tmp_path, architec
     assert outputs == [hf_greedy(model_dir, case) for case in cases]
     with pytest.raises(InvalidRequestError) as error:
         engine.validate("long", list(range(3, 3 + 64)), cases[0].params())
-    assert str(error.value) == ("prompt: has 64 tokens; this model's maximum context length is 64 tokens (including at "
-                                 "least one output token)")
+    assert str(error.value) == ("This model's maximum context length is 64 tokens. However, prompt has 64 tokens, and "
+                                 "at least one output token must fit. Please reduce the length of the input.")
 
 
 def test_longrope_past_its_original_length_is_refused_naming_max_model_len(tmp_path):

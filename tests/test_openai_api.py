@@ -519,8 +519,9 @@ def test_a_chat_too_long_for_the_context_is_400_naming_messages(served):
     _, _, counted = http_request(served.http_port, "POST", "/tokenize", json.dumps({"messages": long_chat}).encode())
     max_model_len = json.loads(counted)["max_model_len"]
     assert (status, error["param"], error["code"]) == (400, "messages", "context_length_exceeded")
-    assert error["message"] == (f"messages: has {json.loads(counted)['count']} tokens; this model's maximum context "
-                                f"length is {max_model_len} tokens (including at least one output token)")
+    assert error["message"] == (f"This model's maximum context length is {max_model_len} tokens. However, messages "
+                                f"has {json.loads(counted)['count']} tokens, and at least one output token must fit. "
+                                "Please reduce the length of the input.")
 
 
 def test_the_http_servers_connections_send_small_writes_at_once():

@@ -15,6 +15,7 @@ from splitserve.common.errors import InvalidRequestError
 from splitserve.router.openai_protocol import parse_chat_request
 from splitserve.router.openai_server import start_http_server
 from splitserve.router.responses_protocol import parse_responses_request
+from splitserve.router.tokenizer import RouterTokenizer
 from splitserve.testing.tiny_models import build_thinking_model
 from tests.factories import http_request, make_request_limits, served_apis
 from tests.test_reasoning_parsers import reference
@@ -29,20 +30,24 @@ TOOLS_SEED = 7
 
 
 @pytest.mark.parametrize("key", ["reasoning", "reasoning_content"])
-def test_an_assistant_messages_reasoning_reaches_the_template_under_both_names(key):
-    """As vLLM hands it over (for templates that render earlier turns' reasoning)."""
+def test_an_assistant_messages_reasoning_reaches_the_template_under_both_names(key, tiny_llama_dir):
+    """As vLLM hands it over (for templates that render earlier turns' reasoning), and as GPT-OSS's `thinking`."""
     messages = [*USER, {"role": "assistant", "content": "4.", key: "Two and two."}, *USER]
     parsed = parse_chat_request({"messages": messages}, make_request_limits())
     assert [m.template_message() for m in parsed.messages] == [
-        *USER, {"role": "assistant", "content": "4.", "reasoning": "Two and two.", "reasoning_content": "Two and two."},
-        *USER]
+        *USER, {"role": "assistant", "content": "4.", "reasoning": "Two and two.", "reasoning_content": "Two and two.",
+                "thinking": "Two and two."}, *USER]
+    template = "{% for m in messages %}[{{ m.reasoning }}|{{ m.reasoning_content }}|{{ m.thinking }}]{% endfor %}"
+    assert RouterTokenizer.from_model_dir(tiny_llama_dir, template).render_chat_template(
+        [m.template_message() for m in parsed.messages]) == "[||][Two and two.|Two and two.|Two and two.][||]"
     with pytest.raises(InvalidRequestError) as error:
         parse_chat_request({"messages": [{"role": "assistant", "content": "", key: 5}]}, make_request_limits())
     assert (error.value.field, error.value.message) == (f"messages[0].{key}", "must be a string, got 5")
     with pytest.raises(InvalidRequestError) as error:
         parse_chat_request({"messages": [{"role": "assistant", "content": "ab", key: "x" * 99}]},
                            make_request_limits(max_prompt_bytes=100))
-    assert (error.value.field, error.value.message.split(";")[0]) == ("messages", "has 101 bytes (UTF-8)")
+    assert (error.value.field, error.value.excess) == ("messages", "has 101 bytes (UTF-8); at most 100 can be served "
+                                                                   "(router.max_prompt_bytes)")
 
 
 def test_a_responses_reasoning_item_sent_back_joins_its_turns_assistant_message():
@@ -61,7 +66,7 @@ def test_a_responses_reasoning_item_sent_back_joins_its_turns_assistant_message(
          "reasoning_content": "Hm.",
          "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "get_time", "arguments": {}}}]},
         {"role": "tool", "content": "12:00", "tool_call_id": "c1"},
-        {"role": "assistant", "content": [], "reasoning": "Noon.", "reasoning_content": "Noon."}]
+        {"role": "assistant", "content": [], "reasoning": "Noon.", "reasoning_content": "Noon.", "thinking": "Noon."}]
     # (Content stays in text parts until the tokenizer renders it in its template's content format.)
 
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
+import time
 
 import grpc
 import pytest
@@ -69,6 +71,20 @@ def test_each_refusal_has_one_line_with_its_status_and_error(served, monkeypatch
         # Refused by the check generate() makes before it records a request: made before the request runs.
         _refused("POST", "/v1/completions", 400, PRIORITY_REFUSED, "priority"),
     ]
+
+
+def test_a_client_that_leaves_before_its_request_ran_is_refused_499_saying_so(served, monkeypatch, caplog):
+    """Its body cut short by the client closing the connection: nobody receives the answer, but the line says why."""
+    access_log = capture_access_log(served, monkeypatch, caplog)
+    with socket.create_connection(("127.0.0.1", served.http_port), timeout=10) as connection:
+        connection.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}\r\n"
+                           "X-Request-Id: gone-1\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n"
+                           '{"prompt": '.encode())
+    deadline = time.monotonic() + 30
+    while not access_log() and time.monotonic() < deadline:
+        time.sleep(0.01)  # the server notices the closed connection on its own time
+    assert access_log() == [_refused("POST", "/v1/completions", 499, "the client closed the connection before its "
+                                                                     "request was answered", client_request_id="gone-1")]
 
 
 def _grpc_refused(rpc: str, grpc_status: str, error: str, param: str | None = None,
@@ -137,6 +153,26 @@ def test_each_grpc_refusal_has_one_line_with_its_status_code_and_error(served, m
         _grpc_refused("/inference.GRPCInferenceService/ModelMetadata", "NOT_FOUND",
                       "unknown model 'nope'; this server serves 'tiny-llama' version '1'"),
     ]
+
+
+def test_a_malformed_message_in_a_triton_stream_is_refused_as_a_request_and_the_stream_reads_on(
+        served, monkeypatch, caplog):
+    """As ModelInfer refuses bytes that do not parse (INVALID_ARGUMENT naming `request`, a `refused` line); the
+    request after it is served (here: refused for its model)."""
+    access_log = capture_access_log(served, monkeypatch, caplog)
+    with grpc.insecure_channel(f"127.0.0.1:{served.grpc_port}") as channel:
+        stream = channel.stream_stream("/inference.GRPCInferenceService/ModelStreamInfer",
+                                       response_deserializer=triton_pb.ModelStreamInferResponse.FromString)
+        responses = list(stream(iter([b"\xff\xff\xff\xff", _triton_request("t-5", model="nope").SerializeToString()]),
+                                metadata=(("authorization", f"Bearer {KEY}"),), timeout=60))
+    unparsable = ("request: cannot be parsed (Error parsing message with type 'inference.ModelInferRequest': Wire "
+                  "format was corrupt)")
+    unknown = "unknown model 'nope'; this server serves 'tiny-llama' version '1'"
+    assert [(r.error_message, r.infer_response.id) for r in responses] == [
+        (f"INVALID_ARGUMENT: {unparsable}", ""), (f"NOT_FOUND: {unknown}", "t-5")]
+    stream_rpc = "/inference.GRPCInferenceService/ModelStreamInfer"
+    assert access_log() == [_grpc_refused(stream_rpc, "INVALID_ARGUMENT", unparsable, "request"),
+                            _grpc_refused(stream_rpc, "NOT_FOUND", unknown, client_request_id="t-5")]
 
 
 def test_a_grpc_request_that_ran_has_its_own_line_only(served, monkeypatch, caplog):

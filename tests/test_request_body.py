@@ -112,9 +112,10 @@ def test_a_parser_with_the_servers_sampling_defaults_bound_parses_the_same_in_th
 
 def test_a_prompt_too_long_keeps_its_token_counts_across_processes():
     """What Anthropic's message states (router/anthropic_protocol.py's prompt_too_long_message)."""
-    error = pickle.loads(pickle.dumps(ContextLengthExceededError("messages", "has 2410 tokens", 2410, 511)))
-    assert (type(error), str(error), error.num_tokens, error.max_prompt_tokens) == (
-        ContextLengthExceededError, "messages: has 2410 tokens", 2410, 511)
+    error = pickle.loads(pickle.dumps(ContextLengthExceededError("messages", "has 2410 tokens", 512, 2410, 511)))
+    assert (type(error), error.field, str(error), error.num_tokens, error.max_prompt_tokens) == (
+        ContextLengthExceededError, "messages", "This model's maximum context length is 512 tokens. However, messages "
+        "has 2410 tokens. Please reduce the length of the input.", 2410, 511)
 
 
 @pytest.mark.parametrize("large", [False, True])
@@ -124,9 +125,9 @@ def test_a_refusal_is_the_same_from_the_process(bodies, large):
         parse(bodies, parse_completion_request, body_of(too_long, large))
     assert (type(refused.value), refused.value.field, refused.value.num_tokens) == (
         ContextLengthExceededError, "prompt", None)
-    assert str(refused.value) == (f"prompt: has {LIMITS.max_prompt_bytes + 1} bytes (UTF-8); at most "
-                                  f"{LIMITS.max_prompt_bytes} can be served (router.max_prompt_bytes; this model's "
-                                  "maximum context length is 2048 tokens)")
+    assert str(refused.value) == (f"This model's maximum context length is 2048 tokens. However, prompt has "
+                                  f"{LIMITS.max_prompt_bytes + 1} bytes (UTF-8); at most {LIMITS.max_prompt_bytes} "
+                                  "can be served (router.max_prompt_bytes). Please reduce the length of the input.")
     with pytest.raises(MalformedBodyError, match="^request body must be a JSON object, got list$"):
         parse(bodies, parse_completion_request, b"[]" + (PADDING.encode() if large else b""))
 

@@ -136,7 +136,11 @@ class Case:
     fields: dict[str, str]
     """API -> the field its error must name (APIs the request does not apply to are absent)."""
     message: str
-    """What follows "<field>: " in the error."""
+    """What follows "<field>: " in the error; a context-length refusal's whole message, `{field}` standing for the
+    field it names after OpenAI's opening sentence."""
+
+    def error(self, field: str) -> str:
+        return self.message.replace("{field}", field) if "{field}" in self.message else f"{field}: {self.message}"
     text: str | None = None
     token_ids: list[int] | None = None
     messages: list[tuple[str, str]] | None = None
@@ -147,13 +151,16 @@ class Case:
 SAMPLING_APIS = ("grpc", "triton", "completions", "chat")
 CASES = [
     Case("max_prompt_bytes", {"grpc": "prompt", "triton": "text_input", "completions": "prompt"},
-         f"has {len(LONG_TEXT)} bytes (UTF-8); at most 26611 can be served (router.max_prompt_bytes; this model's "
-         f"maximum context length is 2048 tokens)", text=LONG_TEXT),
+         f"This model's maximum context length is 2048 tokens. However, {{field}} has {len(LONG_TEXT)} bytes (UTF-8); "
+         "at most 26611 can be served (router.max_prompt_bytes). Please reduce the length of the input.",
+         text=LONG_TEXT),
     Case("max_prompt_bytes (chat)", {"grpc": "messages", "chat": "messages"},
-         f"has {len(LONG_TEXT) + 2} bytes (UTF-8); at most 26611 can be served (router.max_prompt_bytes; "
-         "this model's maximum context length is 2048 tokens)", messages=[("system", "hi"), ("user", LONG_TEXT)]),
+         f"This model's maximum context length is 2048 tokens. However, {{field}} has {len(LONG_TEXT) + 2} bytes "
+         "(UTF-8); at most 26611 can be served (router.max_prompt_bytes). Please reduce the length of the input.",
+         messages=[("system", "hi"), ("user", LONG_TEXT)]),
     Case("max_model_len (token ids)", {"grpc": "prompt", "completions": "prompt"},
-         "has 2048 tokens; this model's maximum context length is 2048 tokens (including at least one output token)",
+         "This model's maximum context length is 2048 tokens. However, {field} has 2048 tokens, and at least one "
+         "output token must fit. Please reduce the length of the input.",
          token_ids=[7] * 2048),
     Case("max_chat_messages", {"grpc": "messages", "chat": "messages"}, "holds 1025 messages; at most 1024",
          messages=[("user", "hi")] * 1025),
@@ -231,11 +238,11 @@ def _http_body(case: Case, api: str) -> tuple[str, dict]:
 def test_every_api_refuses_what_the_table_refuses_naming_the_field(served, case, api):
     field = case.fields[api]
     if api == "grpc":
-        assert served.grpc(_grpc_request(case)) == ("INVALID_ARGUMENT", f"{field}: {case.message}")
+        assert served.grpc(_grpc_request(case)) == ("INVALID_ARGUMENT", case.error(field))
     elif api == "triton":
-        assert served.triton(_triton_request(case)) == ("INVALID_ARGUMENT", f"{field}: {case.message}")
+        assert served.triton(_triton_request(case)) == ("INVALID_ARGUMENT", case.error(field))
     else:
-        assert served.http(*_http_body(case, api)) == (400, field, f"{field}: {case.message}")
+        assert served.http(*_http_body(case, api)) == (400, field, case.error(field))
 
 
 def test_a_max_tokens_longer_than_the_prompt_leaves_runs_to_the_end_of_the_context_on_every_api(served):
@@ -286,8 +293,9 @@ def test_a_rendered_chat_over_the_limit_is_refused_before_it_is_encoded(tiny_lla
     with pytest.raises(InvalidRequestError) as error:
         asyncio.run(pool.apply_chat_template(messages, True))
     pool.close()
-    assert str(error.value) == (f"messages: has {rendered} bytes (UTF-8); at most 100 can be served "
-                                "(router.max_prompt_bytes; this model's maximum context length is 2048 tokens)")
+    assert str(error.value) == (f"This model's maximum context length is 2048 tokens. However, messages has {rendered} "
+                                "bytes (UTF-8); at most 100 can be served (router.max_prompt_bytes). Please reduce the "
+                                "length of the input.")
     assert error.value.code == "context_length_exceeded"  # the HTTP error object's code, as OpenAI's
 
 
@@ -361,7 +369,8 @@ def test_oversized_prompts_are_refused_at_once_while_a_stream_runs(served):
     assert (status, param) == (400, "prompt") and seconds < ATTACK_BOUND_S
     assert [(status, param) for status, param, _ in concurrent] == [(400, "prompt")] * 5
     assert max(seconds for _, _, seconds in concurrent) < ATTACK_BOUND_S
-    assert grpc_outcome[0] == "INVALID_ARGUMENT" and grpc_outcome[1].startswith("prompt: has 16000000 bytes")
+    assert grpc_outcome[0] == "INVALID_ARGUMENT" and grpc_outcome[1].startswith(
+        "This model's maximum context length is 2048 tokens. However, prompt has 16000000 bytes")
     assert grpc_s < ATTACK_BOUND_S
     # The stream ran on to its end, never waiting a second for its next token.
     assert stream.events[-1] == b"data: [DONE]" and max(stream.gaps[1:]) < 1.0

@@ -404,9 +404,10 @@ def test_a_large_body_is_parsed_in_the_body_parsers_process(served):
     schema = {"type": "object", "description": "x" * (130 << 10)}
     response = client(served).responses.create(model=MODEL, input="Hi", max_output_tokens=2, temperature=0.0, text={
         "format": {"type": "json_schema", "name": "big", "schema": schema}})
-    assert (status, error["param"], error["message"]) == (400, "input", "input: has 150000 bytes (UTF-8); at most "
-                                                                        "45990 can be served (router.max_prompt_bytes; "
-                                                                        "this model's maximum context length is 512 tokens)")
+    assert (status, error["param"], error["code"], error["message"]) == (
+        400, "input", "context_length_exceeded", "This model's maximum context length is 512 tokens. However, input "
+        "has 150000 bytes (UTF-8); at most 45990 can be served (router.max_prompt_bytes). Please reduce the length of "
+        "the input.")
     assert (response.text.format.schema_, response.output_text[0], response.status) == (schema, "{", "incomplete")
 
 

@@ -10,16 +10,18 @@ import math
 import struct
 from dataclasses import replace
 
+import grpc
 import pytest
 import torch
 from transformers import AutoTokenizer
 
+from splitserve.proto.splitserve.v1 import generation_pb2 as pb
 from splitserve.common.pooling import read_model_pooling
 from splitserve.deploy.cli import build_parser, serve_config
 from splitserve.deploy.local import BoundPorts, serving_banner
 from splitserve.deploy.preflight import PreflightError, check_pooling
 from splitserve.testing.in_process_cluster import worker_engine_config
-from tests.factories import hf_classifier_logits, hf_embedding, save_random_classifier, served_apis
+from tests.factories import hf_classifier_logits, hf_embedding, save_random_classifier, served_apis, stream_tokens
 from tests.test_embeddings_api import Served
 
 TOLERANCE = 1e-5
@@ -135,8 +137,8 @@ def test_score_and_rerank_by_a_cross_encoder(cross_encoder, cross_encoder_dir):
     assert [r["index"] for r in body["results"]] == sorted(range(3), key=lambda i: -logits[i])
     status, body = cross_encoder.post("/rerank", {"query": "x " * 80, "documents": DOCUMENTS})
     assert (status, body["error"]["param"], body["error"]["message"]) == (
-        400, "query + documents[0]", "query + documents[0]: has 177 tokens; this model's maximum context length is 64 "
-        "tokens")
+        400, "query + documents[0]", "This model's maximum context length is 64 tokens. However, query + documents[0] "
+        "has 177 tokens. Please reduce the length of the input.")
 
 
 def test_classify(classifier_dir):
@@ -150,7 +152,10 @@ def test_classify(classifier_dir):
         status_chat, chat_body = served.post("/classify", {"messages": chat, "use_activation": False})
         refusals = {path: served.post(path, body) for path, body in [
             ("/v1/score", {"text_1": "a", "text_2": "b"}), ("/v1/embeddings", {"input": "a"}),
-            ("/v1/completions", {"prompt": "a"})]}
+            ("/v1/completions", {"prompt": "a"}), ("/classify", {"input": "a\ud800"})]}
+        with pytest.raises(grpc.RpcError) as generating:
+            stream_tokens(served.grpc_port, pb.GenerateRequest(model=MODEL, token_ids=pb.TokenIds(ids=prompts[0]),
+                                                               sampling=pb.SamplingParams(max_tokens=2)))
     assert (status, status_raw, status_pooled, status_chat) == (200, 200, 200, 200)
     assert chat_body["data"][0]["probs"] == pytest.approx(hf_classifier_logits(classifier_dir, chat_prompt),
                                                           abs=TOLERANCE)  # vLLM's chat form: the rendered chat
@@ -175,7 +180,12 @@ def test_classify(classifier_dir):
                                       "(a sequence-classification model)"),
         "/v1/completions": (404, None, "Invalid URL (POST /v1/completions): this server runs its model as a pooling "
                                        "model (--runner pooling), which serves /classify, /score, /rerank and /pooling "
-                                       "(a sequence-classification model)")}
+                                       "(a sequence-classification model)"),
+        "/classify": (400, "input", "input: is not valid Unicode (lone surrogate '\\ud800' at index 1)")}
+    assert (generating.value.code(), generating.value.details()) == (
+        grpc.StatusCode.INVALID_ARGUMENT, "runner: this engine runs the model as a pooling model (runner 'pooling'), "
+                                          "which classifies prompts and generates nothing; start it with runner "
+                                          "'generate' to generate")
 
 
 @pytest.mark.parametrize(("path", "body", "status", "param", "message"), [
@@ -193,11 +203,14 @@ def test_classify(classifier_dir):
     ("/v1/score", {"text_1": ["a", "b\ud800"], "text_2": ["c", "d"]}, 400, "text_1[1]",
      "text_1[1]: is not valid Unicode (lone surrogate '\\ud800' at index 1)"),
     ("/v1/rerank", {"query": "a", "documents": ["b", "x " * 80]}, 400, "documents[1]",
-     "documents[1]: has 160 tokens; this model's maximum context length is 64 tokens"),
+     "This model's maximum context length is 64 tokens. However, documents[1] has 160 tokens. Please reduce the "
+     "length of the input."),
     ("/v1/score", {"text_1": "a", "text_2": "b", "model": "other"}, 404, "model",
      "The model `other` does not exist; this server serves `tiny-pool`."),
     ("/pooling", {"input": "a"}, 400, "task", "task: must be one of embed, classify (a whole sequence's vector; "
                                               "per-token tasks are not served), got null"),
+    ("/pooling", {"input": ["a", "b\ud800"], "task": "embed"}, 400, "input[1]",
+     "input[1]: is not valid Unicode (lone surrogate '\\ud800' at index 1)"),
     ("/pooling", {"input": "a", "task": "classify"}, 400, "task",
      "task: this model pools for 'embed' only, got 'classify'"),
     ("/classify", {"input": "a"}, 404, None, "Invalid URL (POST /classify): this server runs its model as a pooling "
