@@ -28,6 +28,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <bit>
 #include <optional>
 #include <type_traits>
 
@@ -36,6 +37,20 @@
 namespace {
 
 constexpr int64_t kPanelColumns = 16;
+
+// The lines of the next unit's panel a tile prefetches into L2 while it runs (a line = one panel row: 16
+// words): none unless `any`; else step k of the tile prefetches line first + (k >> shift). A unit's row tiles
+// share its next unit's lines out among themselves (for_each_tile), so that DRAM serves them at an even rate
+// across the unit instead of all in its first tile.
+struct PrefetchSlice {
+  bool any = false;
+  int64_t first = 0;
+  int shift = 0;
+
+  // The first line to prefetch of the panel at next_panel, or nullptr for none (panel_tile's `ahead`).
+  template <typename W>
+  const W* start(const W* next_panel) const { return any ? next_panel + kPanelColumns * first : nullptr; }
+};
 
 // Rows per micro-tile: 2 registers per row on AVX2 (Vec16 is two ymm), plus the widened weights and a
 // broadcast, within the 16 ymm; AVX-512's 32 zmm leave room for more, 8 keeps the tile small for decode.
@@ -60,15 +75,18 @@ inline const float* tile_input(const float* x, int64_t width, int64_t k, int r) 
 
 // acc[r][c] = sum over k of x[r, k] * panel_c[k] for the R rows of a row tile x (rows width inputs long, as
 // tile_input finds them) and C panels (stride panel_stride words); steps = a panel's rows: pairs of k for
-// bf16 words (uint32_t), single k for float. `ahead` (or nullptr): a panel to prefetch into L2 meanwhile, the
-// line at the same step (one line per step: a panel row is 16 words).
+// bf16 words (uint32_t), single k for float. `ahead` (or nullptr): the first line to prefetch into L2
+// meanwhile; step k prefetches line k >> ahead_shift from there (each line 2^ahead_shift times in a row: the
+// repeats find it in flight or in L2, and the loop keeps one shape, which GCC allocates without spilling an
+// accumulator; a test per step, or runs of steps, made it spill one and bf16 tiles 40% slower).
 template <bool kTiled, int R, int C>
 inline void panel_tile(const float* x, int64_t width, const uint32_t* panel, int64_t panel_stride, int64_t pairs,
-                       const uint32_t* ahead, Vec16 (&acc)[R][C]) {
+                       const uint32_t* ahead, int ahead_shift, Vec16 (&acc)[R][C]) {
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = zero16();
   for (int64_t k2 = 0; k2 < pairs; ++k2) {
-    if (ahead != nullptr) _mm_prefetch(reinterpret_cast<const char*>(ahead + kPanelColumns * k2), _MM_HINT_T1);
+    if (ahead != nullptr)
+      _mm_prefetch(reinterpret_cast<const char*>(ahead + kPanelColumns * (k2 >> ahead_shift)), _MM_HINT_T1);
     for (int c = 0; c < C; ++c) {
       const Words16 words = load_words(panel + c * panel_stride + kPanelColumns * k2);
       const Vec16 even = low_bf16(words);  // W[., 2 k2]
@@ -83,11 +101,12 @@ inline void panel_tile(const float* x, int64_t width, const uint32_t* panel, int
 
 template <bool kTiled, int R, int C>
 inline void panel_tile(const float* x, int64_t width, const float* panel, int64_t panel_stride, int64_t steps,
-                       const float* ahead, Vec16 (&acc)[R][C]) {
+                       const float* ahead, int ahead_shift, Vec16 (&acc)[R][C]) {
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = zero16();
   for (int64_t k = 0; k < steps; ++k) {
-    if (ahead != nullptr) _mm_prefetch(reinterpret_cast<const char*>(ahead + kPanelColumns * k), _MM_HINT_T1);
+    if (ahead != nullptr)
+      _mm_prefetch(reinterpret_cast<const char*>(ahead + kPanelColumns * (k >> ahead_shift)), _MM_HINT_T1);
     for (int c = 0; c < C; ++c) {
       const Vec16 w = load16(panel + c * panel_stride + kPanelColumns * k);
       for (int r = 0; r < R; ++r) acc[r][c] = fma16(set16(*tile_input<kTiled, R>(x, width, k, r)), w, acc[r][c]);
@@ -114,16 +133,16 @@ struct LinearShape {
   int64_t rows, steps, out_features;  // steps: rows of a panel
 };
 
-// Rows [row, row + R) of the output's columns [16 p, 16 (p + C)) that exist; with prefetch_next, the next C
-// panels are prefetched meanwhile (C = 1).
+// Rows [row, row + R) of the output's columns [16 p, 16 (p + C)) that exist; slice: the lines of the next
+// panel prefetched meanwhile (C = 1 when it has any).
 template <typename T, typename W, bool kTiled, int R, int C = 1>
 void tile(const float* x, const W* panels, const float* bias, const LinearShape& shape, int64_t p, int64_t row,
-          bool prefetch_next, T* out) {
+          const PrefetchSlice& slice, T* out) {
   const int64_t width = kInputsPerStep<W> * shape.steps, panel_stride = shape.steps * kPanelColumns;
   const W* panel = panels + p * panel_stride;
   Vec16 acc[R][C];
-  const W* ahead = prefetch_next ? panel + C * panel_stride : nullptr;
-  panel_tile<kTiled, R, C>(x + row * width, width, panel, panel_stride, shape.steps, ahead, acc);
+  panel_tile<kTiled, R, C>(x + row * width, width, panel, panel_stride, shape.steps,
+                           slice.start(panel + C * panel_stride), slice.shift, acc);
   for (int c = 0; c < C; ++c) {
     const int64_t first = (p + c) * kPanelColumns, columns = std::min(kPanelColumns, shape.out_features - first);
     for (int r = 0; r < R; ++r) {
@@ -150,11 +169,16 @@ struct PanelUnits {
 };
 
 // Runs `tile` over every (unit, row tile) of a product, in parallel over its num_units units of unit_panels
-// panels each: tile.template operator()<R, U>(unit, row, prefetch_next) computes rows [row, row + R) of units
-// [unit, unit + U), and with prefetch_next prefetches the next unit's panels into L2 meanwhile.
-// Fewer rows than a tile: all of them in one tile, Units::kPerTile<R> units at a time (the rest one by one);
-// more: a unit at a time, all its row tiles while its weights are in cache, the first of them prefetching the
-// next unit's weights (else each unit's first tile waits on DRAM: a decode step's weights are not in cache).
+// panels each: tile.template operator()<R, U>(unit, row, slice) computes rows [row, row + R) of units
+// [unit, unit + U), and prefetches slice's lines of the next unit's panels into L2 meanwhile.
+// Fewer rows than a tile: all of them in one tile, Units::kPerTile<R> units at a time (the rest one by one),
+// a tile of 3 or more rows prefetching the whole next unit (one line per step: at 3-5 rows a line feeds enough
+// multiply-adds that its demand load alone leaves DRAM idle; at 1-2 the tile streams its weights at DRAM's pace
+// and the hardware prefetcher follows the panels in order). More rows: a unit at a time, all its row tiles
+// while its weights are in cache, the tiles sharing out the next unit's lines (else each unit's first tile
+// waits on DRAM: a decode step's weights are not in cache; when the first tile prefetched all of them, a
+// 64-row decode step's linears were 5-8% slower and a 16-row one's 20%: DRAM could not serve a whole panel
+// within one tile, and the rest of the unit's tiles left it idle).
 template <typename W, typename Units, typename F>
 void for_each_tile(const LinearShape& shape, int64_t num_units, int64_t unit_panels, F&& tile) {
   // About 256K multiply-adds per task: a decode step's small layers run on one thread, where waking the
@@ -166,20 +190,32 @@ void for_each_tile(const LinearShape& shape, int64_t num_units, int64_t unit_pan
     if (shape.rows < kTileRows) {
       return with_rows(static_cast<int>(shape.rows), [&]<int R>() {
         constexpr int U = Units::template kPerTile<R>;
+        static_assert(R < 3 || U == 1, "a prefetching tile runs one unit");
+        const PrefetchSlice whole_unit{true, 0, 0};
         int64_t unit = begin;
-        for (; unit + U <= end; unit += U) tile.template operator()<R, U>(unit, 0, false);
-        for (; unit < end; ++unit) tile.template operator()<R, 1>(unit, 0, false);
+        for (; unit + U <= end; unit += U)
+          tile.template operator()<R, U>(unit, 0, R >= 3 && unit + 1 < end ? whole_unit : PrefetchSlice{});
+        for (; unit < end; ++unit) tile.template operator()<R, 1>(unit, 0, PrefetchSlice{});
       });
     }
+    const int64_t tiles = (shape.rows + kTileRows - 1) / kTileRows;
+    const int64_t lines_per_tile = (shape.steps + tiles - 1) / tiles;
+    // 2^shift steps per line, at most steps / lines_per_tile: a tile covers its share, up to twice over (into
+    // the next tile's share, or past the next panel's last line: prefetches do not fault)
+    const int shift = std::bit_width(static_cast<uint64_t>(shape.steps / lines_per_tile)) - 1;
     for (int64_t unit = begin; unit < end; ++unit) {
       const bool has_next = unit + 1 < end;
-      tile.template operator()<kTileRows, 1>(unit, 0, has_next);
-      int64_t row = kTileRows;
-      for (; row + kTileRows <= shape.rows; row += kTileRows)
-        tile.template operator()<kTileRows, 1>(unit, row, false);
+      // Tile i's share of the next unit's lines: from i lines_per_tile on, while there are any.
+      const auto share = [&](int64_t i) {
+        const int64_t first = i * lines_per_tile;
+        return has_next && first < shape.steps ? PrefetchSlice{true, first, shift} : PrefetchSlice{};
+      };
+      int64_t row = 0, index = 0;
+      for (; row + kTileRows <= shape.rows; row += kTileRows, ++index)
+        tile.template operator()<kTileRows, 1>(unit, row, share(index));
       if (row < shape.rows)
         with_rows(static_cast<int>(shape.rows - row),
-                  [&]<int R>() { tile.template operator()<R, 1>(unit, row, false); });
+                  [&]<int R>() { tile.template operator()<R, 1>(unit, row, share(index)); });
     }
   });
 }
@@ -187,8 +223,8 @@ void for_each_tile(const LinearShape& shape, int64_t num_units, int64_t unit_pan
 template <bool kTiled, typename T, typename W>
 void linear_panels(const float* x, const W* panels, const float* bias, const LinearShape& shape, int64_t num_panels,
                    T* out) {
-  for_each_tile<W, PanelUnits>(shape, num_panels, 1, [&]<int R, int C>(int64_t p, int64_t row, bool prefetch_next) {
-    tile<T, W, kTiled, R, C>(x, panels, bias, shape, p, row, prefetch_next, out);
+  for_each_tile<W, PanelUnits>(shape, num_panels, 1, [&]<int R, int C>(int64_t p, int64_t row, const PrefetchSlice& slice) {
+    tile<T, W, kTiled, R, C>(x, panels, bias, shape, p, row, slice, out);
   });
 }
 
@@ -221,10 +257,10 @@ struct GeluTanhMul {
 // out[row + r, 16 q' + j] = Act(gate, up) over rows [row, row + R) and the columns that exist of pairs
 // q' in [q, q + Q) (I in shape.out_features). Tiles of two rows or fewer run all their panels at once;
 // taller tiles run the gate panel, park its sums in L1, then the up panel (both tiles' accumulators at once
-// would not fit the registers), each prefetching its counterpart in the next pair with prefetch_next.
+// would not fit the registers), each prefetching slice's lines of its counterpart in the next pair.
 template <typename Act, typename T, typename W, bool kTiled, int R, int Q = 1>
 void gated_tile(const float* x, const W* panels, const float* bias, const LinearShape& shape, int64_t q, int64_t row,
-                bool prefetch_next, T* out) {
+                const PrefetchSlice& slice, T* out) {
   const int64_t width = kInputsPerStep<W> * shape.steps, panel_stride = shape.steps * kPanelColumns;
   const float* rows = x + row * width;
   const W* first_panel = panels + 2 * q * panel_stride;
@@ -232,7 +268,7 @@ void gated_tile(const float* x, const W* panels, const float* bias, const Linear
   if constexpr (R <= 2) {
     Vec16 acc[R][2 * Q];
     const W* no_prefetch = nullptr;
-    panel_tile<kTiled, R, 2 * Q>(rows, width, first_panel, panel_stride, shape.steps, no_prefetch, acc);
+    panel_tile<kTiled, R, 2 * Q>(rows, width, first_panel, panel_stride, shape.steps, no_prefetch, 0, acc);
     for (int c = 0; c < 2 * Q; ++c)
       for (int r = 0; r < R; ++r) store16(sums[c / 2][c % 2][r], acc[r][c]);
   } else {
@@ -240,8 +276,9 @@ void gated_tile(const float* x, const W* panels, const float* bias, const Linear
     Vec16 acc[R][1];
     for (int c = 0; c < 2; ++c) {
       const W* panel = first_panel + c * panel_stride;
-      const W* ahead = prefetch_next ? panel + 2 * panel_stride : nullptr;  // the next pair's same panel
-      panel_tile<kTiled, R, 1>(rows, width, panel, panel_stride, shape.steps, ahead, acc);
+      const W* next_pairs_panel = panel + 2 * panel_stride;
+      panel_tile<kTiled, R, 1>(rows, width, panel, panel_stride, shape.steps, slice.start(next_pairs_panel),
+                               slice.shift, acc);
       for (int r = 0; r < R; ++r) store16(sums[0][c][r], acc[r][0]);
     }
   }
@@ -273,8 +310,8 @@ struct PairUnits {
 template <typename Act, bool kTiled, typename T, typename W>
 void gated_pairs(const float* x, const W* panels, const float* bias, const LinearShape& shape, int64_t num_pairs,
                  T* out) {
-  for_each_tile<W, PairUnits>(shape, num_pairs, 2, [&]<int R, int Q>(int64_t q, int64_t row, bool prefetch_next) {
-    gated_tile<Act, T, W, kTiled, R, Q>(x, panels, bias, shape, q, row, prefetch_next, out);
+  for_each_tile<W, PairUnits>(shape, num_pairs, 2, [&]<int R, int Q>(int64_t q, int64_t row, const PrefetchSlice& slice) {
+    gated_tile<Act, T, W, kTiled, R, Q>(x, panels, bias, shape, q, row, slice, out);
   });
 }
 
