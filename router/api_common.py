@@ -21,10 +21,11 @@ def grpc_deadline(context: grpc.aio.ServicerContext, request_timeout_s: float | 
 
 
 def grpc_status(error: InvalidRequestError | RouterError) -> tuple[grpc.StatusCode, str]:
-    """The status code and details a request's error ends a gRPC call with: INVALID_ARGUMENT
-    (the message names the field), or the RouterError's own code."""
+    """The status code and details a request's error ends a gRPC call with: INVALID_ARGUMENT, the details
+    starting with the field at fault (`field: what is wrong`, even where the OpenAI API's message opens with
+    OpenAI's context-length sentence), or the RouterError's own code."""
     if isinstance(error, InvalidRequestError):
-        return grpc.StatusCode.INVALID_ARGUMENT, str(error)
+        return grpc.StatusCode.INVALID_ARGUMENT, f"{error.field}: {error.message}"
     return grpc.StatusCode[error.code], error.message
 
 

@@ -140,7 +140,13 @@ class Case:
     field it names after OpenAI's opening sentence."""
 
     def error(self, field: str) -> str:
+        """The message of the HTTP APIs."""
         return self.message.replace("{field}", field) if "{field}" in self.message else f"{field}: {self.message}"
+
+    def grpc_error(self, field: str) -> str:
+        """The details of gRPC and Triton, which always start with the field (docs/serving.md)."""
+        return f"{field}: {self.error(field)}" if "{field}" in self.message else self.error(field)
+
     text: str | None = None
     token_ids: list[int] | None = None
     messages: list[tuple[str, str]] | None = None
@@ -238,9 +244,9 @@ def _http_body(case: Case, api: str) -> tuple[str, dict]:
 def test_every_api_refuses_what_the_table_refuses_naming_the_field(served, case, api):
     field = case.fields[api]
     if api == "grpc":
-        assert served.grpc(_grpc_request(case)) == ("INVALID_ARGUMENT", case.error(field))
+        assert served.grpc(_grpc_request(case)) == ("INVALID_ARGUMENT", case.grpc_error(field))
     elif api == "triton":
-        assert served.triton(_triton_request(case)) == ("INVALID_ARGUMENT", case.error(field))
+        assert served.triton(_triton_request(case)) == ("INVALID_ARGUMENT", case.grpc_error(field))
     else:
         assert served.http(*_http_body(case, api)) == (400, field, case.error(field))
 
@@ -370,7 +376,7 @@ def test_oversized_prompts_are_refused_at_once_while_a_stream_runs(served):
     assert [(status, param) for status, param, _ in concurrent] == [(400, "prompt")] * 5
     assert max(seconds for _, _, seconds in concurrent) < ATTACK_BOUND_S
     assert grpc_outcome[0] == "INVALID_ARGUMENT" and grpc_outcome[1].startswith(
-        "This model's maximum context length is 2048 tokens. However, prompt has 16000000 bytes")
+        "prompt: This model's maximum context length is 2048 tokens. However, prompt has 16000000 bytes")
     assert grpc_s < ATTACK_BOUND_S
     # The stream ran on to its end, never waiting a second for its next token.
     assert stream.events[-1] == b"data: [DONE]" and max(stream.gaps[1:]) < 1.0

@@ -426,7 +426,8 @@ def test_a_prompt_over_max_model_len_is_refused_naming_text_input(served, tiny_l
         served.infer(_inputs(prompt=prompt))
     assert (error.value.status(), error.value.message()) == (
         "StatusCode.INVALID_ARGUMENT",
-        f"This model's maximum context length is {max_model_len} tokens. However, text_input has {tokens} tokens, and "
+        f"text_input: This model's maximum context length is {max_model_len} tokens. However, text_input has {tokens} "
+        "tokens, and "
         "at least one output token must fit. Please reduce the length of the input.")
 
 
