@@ -129,7 +129,11 @@ def _start_parser_process(router_pid: int) -> None:
     """In the parser process: below the router's CPU priority, and ended by the kernel when the
     router's process ends, however it ends (SIGKILL, the OOM killer: it cannot close the pool).
     The death signal follows the thread that started the process: the router's event loop thread
-    (start_http_server), which lives as long as the router."""
+    (start_http_server), which lives as long as the router. SIGINT is ignored: a terminal's Ctrl-C
+    goes to its whole process group, and the router, which drains its requests first (their bodies
+    still parsed here), ends this process itself (close, or the death signal); the signal used to end
+    it mid-drain with a KeyboardInterrupt traceback on the console."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.nice(PARSER_NICENESS)
     if sys.platform == "linux":
         libc = ctypes.CDLL(None, use_errno=True)

@@ -153,6 +153,18 @@ def test_a_dead_parser_process_is_replaced_and_the_body_still_parsed():
         parser.close()
 
 
+def test_the_parser_process_keeps_parsing_through_a_ctrl_c():
+    # A terminal's Ctrl-C is a SIGINT to the whole process group; the router drains its requests after it.
+    parser = BodyParser(LIMITS)
+    try:
+        large = b"{}" + PADDING.encode()
+        parser_pid = parse(parser, process_id, large)
+        os.kill(parser_pid, signal.SIGINT)
+        assert parse(parser, process_id, large) == parser_pid
+    finally:
+        parser.close()
+
+
 _KILLED_ROUTER = f"""
 import asyncio
 import functools
