@@ -28,6 +28,8 @@ from tests.process_probe import process_id
 
 LIMITS = make_request_limits()
 PADDING = " " * LARGE_BODY_BYTES
+LARGE_EMPTY_BODY = b"{}" + PADDING.encode()
+"""An empty object padded past LARGE_BODY_BYTES: parsed in the parser's process."""
 """Whitespace that makes a body large (JSON ignores it) without changing what it says."""
 
 COMPLETION = {
@@ -58,6 +60,14 @@ def bodies():
     parser.close()
 
 
+@pytest.fixture
+def own_parser():
+    """A parser of the test's own, whose process the test may signal or kill."""
+    parser = BodyParser(LIMITS)
+    yield parser
+    parser.close()
+
+
 def parse(parser: BodyParser, parse_fn, body: bytes):
     return asyncio.run(parser.parse(parse_fn, body))
 
@@ -79,7 +89,7 @@ def test_a_body_that_is_not_a_json_object_is_refused_saying_why(body, message):
 
 def test_small_bodies_are_parsed_here_and_large_ones_in_the_parsers_process(bodies):
     assert parse(bodies, process_id, b"{}") == os.getpid()
-    assert parse(bodies, process_id, b"{}" + PADDING.encode()) != os.getpid()
+    assert parse(bodies, process_id, LARGE_EMPTY_BODY) != os.getpid()
 
 
 @pytest.mark.parametrize("field", ["response_format", "structured_outputs", "guided_json", "guided_grammar", "tools",
@@ -138,31 +148,21 @@ def test_an_invalid_request_error_survives_pickling():
         InvalidRequestError, "stop", "at most 16 stop strings", "stop: at most 16 stop strings")
 
 
-def test_a_dead_parser_process_is_replaced_and_the_body_still_parsed():
-    parser = BodyParser(LIMITS)
-    try:
-        large = b"{}" + PADDING.encode()
-        first = parse(parser, process_id, large)
-        os.kill(first, signal.SIGKILL)
-        assert parse(parser, process_id, large) == os.getpid()  # the pool broke: parsed here
-        second = parse(parser, process_id, large)
-        assert second not in (first, os.getpid())
-        assert parse(parser, parse_completion_request, body_of(COMPLETION, large=True)) == \
-            parse_completion_request(COMPLETION, LIMITS)
-    finally:
-        parser.close()
+def test_a_dead_parser_process_is_replaced_and_the_body_still_parsed(own_parser):
+    first = parse(own_parser, process_id, LARGE_EMPTY_BODY)
+    os.kill(first, signal.SIGKILL)
+    assert parse(own_parser, process_id, LARGE_EMPTY_BODY) == os.getpid()  # the pool broke: parsed here
+    second = parse(own_parser, process_id, LARGE_EMPTY_BODY)
+    assert second not in (first, os.getpid())
+    assert parse(own_parser, parse_completion_request, body_of(COMPLETION, large=True)) == \
+        parse_completion_request(COMPLETION, LIMITS)
 
 
-def test_the_parser_process_keeps_parsing_through_a_ctrl_c():
+def test_the_parser_process_keeps_parsing_through_a_ctrl_c(own_parser):
     # A terminal's Ctrl-C is a SIGINT to the whole process group; the router drains its requests after it.
-    parser = BodyParser(LIMITS)
-    try:
-        large = b"{}" + PADDING.encode()
-        parser_pid = parse(parser, process_id, large)
-        os.kill(parser_pid, signal.SIGINT)
-        assert parse(parser, process_id, large) == parser_pid
-    finally:
-        parser.close()
+    parser_pid = parse(own_parser, process_id, LARGE_EMPTY_BODY)
+    os.kill(parser_pid, signal.SIGINT)
+    assert parse(own_parser, process_id, LARGE_EMPTY_BODY) == parser_pid
 
 
 _KILLED_ROUTER = f"""
