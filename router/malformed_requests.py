@@ -22,7 +22,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from splitserve.common.errors import InvalidRequestError
-from splitserve.router.access_log import grpc_refusal_fields, log_refusal
+from splitserve.router.api_common import grpc_status, log_grpc_refusal
 
 
 @dataclass(frozen=True)
@@ -81,11 +81,9 @@ def _checking(handler: grpc.RpcMethodHandler, logged_rpc: str | None) -> grpc.Rp
 
 async def _reject_malformed(request: Any, context: grpc.aio.ServicerContext, logged_rpc: str | None) -> None:
     if isinstance(request, _Malformed):
-        message = str(request.error)
         if logged_rpc is not None:
-            log_refusal(grpc_refusal_fields(logged_rpc, grpc.StatusCode.INVALID_ARGUMENT.name, message,
-                                            request.error.field, None))
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
+            log_grpc_refusal(logged_rpc, request.error, "")  # "": the unparsed message sent no id
+        await context.abort(*grpc_status(request.error))
 
 
 def _unary(behavior: Callable, logged_rpc: str | None) -> Callable:
