@@ -13,9 +13,12 @@ count as the router's latency (the JSON also holds that client-observed time, `s
   Retry-After header;
 - admitted (200, streamed, max_tokens --max-tokens): to its first SSE event (TTFT) and its end.
 
-Then the same client bursts at a bare asyncio server in its own process that answers every request
-with a canned 429 (no HTTP framework, no router): the floor any single Python event loop reaches
-on this machine, measured in the same run.
+The router's acceptor process (router/acceptor_process.py) answers the refusals: an epoll loop of its
+own, off the router's event loop. Then the same client bursts at two bare servers in their own
+processes that answer every request with a canned 429 (no HTTP framework, no router), measured in the
+same run: an asyncio server (the floor of a single Python event loop, where the router's refusals were
+answered before the acceptor), and an epoll loop that only accepts, reads a request's head, answers
+and closes (the floor of the acceptor's way of doing it in Python on this machine).
 
 Writes bench/results/admission_burst.json and .png; exits 1 when the rejections' p99 misses the
 100 ms target. Bounded: one burst, every request with a timeout (--timeout-s), the client and the
@@ -40,6 +43,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -198,11 +202,45 @@ def bare_server_main(ready: multiprocessing.Queue, stop: multiprocessing.Event) 
     asyncio.run(serve())
 
 
-def run_floor(args: argparse.Namespace) -> list[dict]:
-    """The same burst against bare_server_main."""
+def bare_epoll_server_main(ready: multiprocessing.Queue, stop: multiprocessing.Event) -> None:
+    """Answer every request with a canned 429 as soon as its head is in, from a plain epoll loop: the least
+    a Python process does per refused connection (accept, read, write, close), with no decision and no
+    router behind it."""
+    import select
+
+    listening = socket.create_server(("127.0.0.1", 0), backlog=socket.SOMAXCONN)
+    listening.setblocking(False)
+    ready.put(listening.getsockname()[1])
+    epoll, heads = select.epoll(), {}
+    epoll.register(listening.fileno(), select.EPOLLIN)
+    while not stop.is_set():
+        for fd, _ in epoll.poll(0.2):
+            if fd == listening.fileno():
+                while True:
+                    try:
+                        connection, _ = listening.accept()
+                    except BlockingIOError:
+                        break
+                    heads[connection.fileno()] = (connection, bytearray())
+                    epoll.register(connection.fileno(), select.EPOLLIN)
+                continue
+            connection, head = heads[fd]
+            chunk = connection.recv(65536)
+            head += chunk
+            if not chunk or b"\r\n\r\n" in head:
+                epoll.unregister(fd)
+                del heads[fd]
+                if chunk:
+                    connection.send(_CANNED_429)
+                connection.close()
+    listening.close()
+
+
+def run_floor(args: argparse.Namespace, server_main: Callable) -> list[dict]:
+    """The same burst against a bare server (bare_server_main, bare_epoll_server_main)."""
     context = multiprocessing.get_context("spawn")
     ready, stop = context.Queue(), context.Event()
-    server = context.Process(target=bare_server_main, args=(ready, stop))
+    server = context.Process(target=server_main, args=(ready, stop))
     server.start()
     try:
         records, _ = run_client(ready.get(timeout=60), args)
@@ -222,7 +260,8 @@ def run_burst(args: argparse.Namespace, model_dir: Path) -> tuple[list[dict], fl
     from splitserve.testing.local_cluster import running_cluster, tiny_cluster_config
 
     config = tiny_cluster_config(model_dir, **{"router.routing.max_in_flight_requests": args.limit,
-                                               "router.replicas": args.routers, "router.resources.num_cpus": 0.25})
+                                               "router.replicas": args.routers, "router.resources.num_cpus": 0.25,
+                                               "router.http_acceptor_process": args.acceptor})
     with running_cluster(config) as (cluster, loop):
         port = cluster.router_ports.http
         print(f"{args.routers} router(s) on 127.0.0.1:{port} (max_in_flight_requests {args.limit} each); sending "
@@ -258,7 +297,7 @@ def _ms(seconds: float | None) -> float | None:
 
 
 def summarize(args: argparse.Namespace, records: list[dict], wall_s: float, server: dict,
-              floor: list[dict]) -> dict:
+              floor: list[dict], epoll_floor: list[dict]) -> dict:
     rejected = [r for r in records if r["status"] == 429]
     admitted = [r for r in records if r["status"] == 200]
     by_status: dict[str, int] = {}
@@ -272,6 +311,7 @@ def summarize(args: argparse.Namespace, records: list[dict], wall_s: float, serv
         "machine": f"{platform.machine()}, {multiprocessing.cpu_count()} cores, Python {platform.python_version()}",
         "commit": _commit(),
         "config": {"requests": args.requests, "routers": args.routers, "max_in_flight_requests": args.limit,
+                   "acceptor_process": args.acceptor,
                    "max_tokens": args.max_tokens,
                    "api": "OpenAI HTTP /v1/completions, streamed, one connection per request"},
         "by_status": by_status,
@@ -279,6 +319,7 @@ def summarize(args: argparse.Namespace, records: list[dict], wall_s: float, serv
         "rejected_latency": summary([r["head_s"] for r in rejected]),
         "rejected_seen_by_client": summary([r["seen_head_s"] for r in rejected]),
         "floor_bare_asyncio_server": summary([r["head_s"] for r in floor if r["status"] == 429]),
+        "floor_bare_epoll_server": summary([r["head_s"] for r in epoll_floor if r["status"] == 429]),
         "rejected_messages": sorted({r["message"] for r in rejected}),
         "rejected_without_retry_after": sum(1 for r in rejected if r["retry_after"] is None),
         "admitted_ttft": summary([r["ttft_s"] for r in admitted if r["ttft_s"] is not None]),
@@ -297,7 +338,7 @@ def _commit() -> str:
         return "unknown"
 
 
-def plot(records: list[dict], floor: list[dict], result: dict, path: Path) -> None:
+def plot(records: list[dict], floor: list[dict], epoll_floor: list[dict], result: dict, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -306,7 +347,8 @@ def plot(records: list[dict], floor: list[dict], result: dict, path: Path) -> No
     fig, ax = plt.subplots(figsize=(8, 4.5))
     series = [("rejected (429): to the status line", [r["head_s"] for r in records if r["status"] == 429]),
               ("admitted (200): TTFT", [r["ttft_s"] for r in records if r["status"] == 200 and r["ttft_s"]]),
-              ("floor: a bare asyncio server's canned 429", [r["head_s"] for r in floor if r["status"] == 429])]
+              ("floor: a bare asyncio server's canned 429", [r["head_s"] for r in floor if r["status"] == 429]),
+              ("floor: a bare epoll loop's canned 429", [r["head_s"] for r in epoll_floor if r["status"] == 429])]
     for label, values in series:
         if values:
             ordered = sorted(v * 1000 for v in values)
@@ -316,7 +358,9 @@ def plot(records: list[dict], floor: list[dict], result: dict, path: Path) -> No
     ax.set_xlabel("ms from the request's send to the reply's arrival")
     ax.set_ylabel("fraction of requests")
     config = result["config"]
-    ax.set_title(f"{config['requests']} requests at once, max_in_flight_requests {config['max_in_flight_requests']}")
+    accepting = "an acceptor process refuses" if config["acceptor_process"] else "the router's loop refuses"
+    ax.set_title(f"{config['requests']} requests at once, max_in_flight_requests {config['max_in_flight_requests']}, "
+                 f"{accepting}", fontsize=10)
     ax.legend(loc="lower right")
     ax.grid(True, which="both", alpha=0.3)
     fig.tight_layout()
@@ -331,6 +375,8 @@ def main() -> int:
     parser.add_argument("--routers", type=int, default=1,
                         help="router.replicas: routers sharing the port with SO_REUSEPORT (each a Ray actor when > 1)")
     parser.add_argument("--max-tokens", type=int, default=32, help="output tokens of each admitted request")
+    parser.add_argument("--no-acceptor", dest="acceptor", action="store_false",
+                        help="router.http_acceptor_process false: the router's event loop accepts and refuses")
     parser.add_argument("--timeout-s", type=float, default=120.0, help="bound on each request")
     parser.add_argument("--out", type=Path, default=RESULTS / "admission_burst.json")
     args = parser.parse_args()
@@ -343,13 +389,14 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="admission-burst-") as tmp:
         model_dir = build_tiny_model(Path(tmp) / "llama", TINY_SPECS["llama"])
         records, wall_s, server = run_burst(args, model_dir)
-    floor = run_floor(args)
-    result = summarize(args, records, wall_s, server, floor)
+    floor, epoll_floor = run_floor(args, bare_server_main), run_floor(args, bare_epoll_server_main)
+    result = summarize(args, records, wall_s, server, floor, epoll_floor)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
-    plot(records, floor, result, args.out.with_suffix(".png"))
+    plot(records, floor, epoll_floor, result, args.out.with_suffix(".png"))
     print(json.dumps({key: result[key] for key in ("by_status", "sends_spread_ms", "rejected_latency",
-                                                   "floor_bare_asyncio_server", "admitted_ttft", "server")},
+                                                   "floor_bare_asyncio_server", "floor_bare_epoll_server",
+                                                   "admitted_ttft", "server")},
                      indent=2))
     p99 = result["rejected_latency"]["p99_ms"]
     return 0 if p99 is not None and p99 < TARGET_P99_S * 1000 else 1

@@ -172,6 +172,10 @@ class RouterConfig:
     """The path prefix a proxy in front serves the HTTP API under and strips before forwarding, e.g.
     /llm (vLLM's --root-path): the ASGI app's root_path; routes, the API-key check and admission match
     the path without it. None: no prefix."""
+    http_acceptor_process: bool = True
+    """The HTTP API's connections are accepted by a separate process, which answers a full router's
+    generation requests (429) itself and hands every other connection to the router's event loop: a
+    burst of rejections then costs the loop nothing. Not with TLS (the loop accepts then)."""
     uvicorn_log_level: str = "info"
     """Level of the HTTP server's (uvicorn's) loggers, uvicorn.error and uvicorn.asgi (vLLM's
     --uvicorn-log-level): critical, error, warning, info, debug or trace."""
@@ -258,6 +262,7 @@ class RouterConfig:
                                       self.cors_allow_credentials),
                            request_id_headers=self.enable_request_id_headers, root_path=self.root_path or "",
                            uvicorn_log_level=self.uvicorn_log_level, access_log=self.access_log,
+                           acceptor_process=self.http_acceptor_process,
                            response_role=self.response_role,
                            return_tokens_as_token_ids=self.return_tokens_as_token_ids,
                            enable_prompt_tokens_details=self.enable_prompt_tokens_details)

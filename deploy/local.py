@@ -47,7 +47,7 @@ from splitserve.planner.ray_adapter import RayPlanner  # noqa: E402
 from splitserve.prefill_worker.worker import PrefillWorker  # noqa: E402
 from splitserve.router.auth import api_key_from_env  # noqa: E402
 from splitserve.router.metrics_server import RouterMetrics  # noqa: E402
-from splitserve.router.openai_server import HttpServer  # noqa: E402
+from splitserve.router.http_server import HttpServer  # noqa: E402
 from splitserve.router.orchestrator import Orchestrator  # noqa: E402
 from splitserve.router.tls import host_port, load_tls  # noqa: E402
 from splitserve.router.worker_client import RayWorker  # noqa: E402

@@ -22,7 +22,8 @@ from splitserve.deploy.cluster_config import ClusterConfig, RouterConfig
 from splitserve.router.access_log import log_access
 from splitserve.router.metrics_server import RouterMetrics
 from splitserve.router.lora_adapters import AdapterRegistry, runtime_updating_allowed
-from splitserve.router.openai_server import HttpServer, start_http_server
+from splitserve.router.http_server import HttpServer
+from splitserve.router.openai_server import start_http_server
 from splitserve.router.orchestrator import Orchestrator
 from splitserve.router.server import GrpcServer, drain, start_grpc_server
 from splitserve.router.tokenizer import RouterTokenizer, read_chat_template_option

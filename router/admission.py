@@ -6,7 +6,8 @@ whether the router takes new requests at all (a drain stops it). `try_admit()` r
 `Admission`, the request's slot, or a typed `AdmissionRejection`; a slot is held from the API's
 first line to the end of the request's stream and `release()` frees it exactly once, however
 often it is called, so every path (success, an error while parsing, a cancel, a disconnect, a
-stream that never started) can call it without counting twice. Pure: no I/O, no clock, no
+stream that never started) can call it without counting twice. `watch()` reports the free slots as they
+change (the HTTP acceptor process refuses by them, router/acceptor_process.py). Pure: no I/O, no clock, no
 asyncio; call it from one thread (the router's event loop). Orchestrator.admit is its adapter.
 """
 
@@ -65,22 +66,50 @@ class AdmissionControl:
         """Slots handed out and not released."""
         self.accepting = True
         """False once stop_accepting() ran: every later try_admit is a DRAINING rejection."""
+        self._watchers: list[Callable[[int | None], None]] = []
+
+    @property
+    def free_slots(self) -> int | None:
+        """Slots try_admit would still hand out; None while no capacity limit is in force (none configured, or
+        a drain, which refuses every request for another reason)."""
+        if not self.accepting or self.max_in_flight is None:
+            return None
+        return max(0, self.max_in_flight - self.in_flight)
+
+    def watch(self, on_change: Callable[[int | None], None]) -> Callable[[], None]:
+        """Run `on_change(free_slots)` now and after each admission, release and stop_accepting (the acceptor
+        process refuses by it); returns what stops that."""
+        self._watchers.append(on_change)
+        on_change(self.free_slots)
+        return lambda: self._watchers.remove(on_change)
+
+    def capacity_rejection(self) -> AdmissionRejection:
+        """The TOO_MANY_REQUESTS rejection of a router holding max_in_flight slots."""
+        return AdmissionRejection(TOO_MANY_REQUESTS, "RESOURCE_EXHAUSTED",
+                                  f"the router has {self.max_in_flight} requests in flight, its limit "
+                                  "(router.routing.max_in_flight_requests); retry later")
 
     def stop_accepting(self) -> None:
         self.accepting = False
+        self._notify()
 
     def try_admit(self) -> Admission | AdmissionRejection:
+        """A slot, or why not (not counted anywhere: Orchestrator.admit counts)."""
         if not self.accepting:
             return AdmissionRejection(DRAINING, "UNAVAILABLE",
                                       "the router is draining (shutting down): it takes no new requests")
-        if self.max_in_flight is not None and self.in_flight >= self.max_in_flight:
-            return AdmissionRejection(TOO_MANY_REQUESTS, "RESOURCE_EXHAUSTED",
-                                      f"the router has {self.in_flight} requests in flight, its limit "
-                                      "(router.routing.max_in_flight_requests); retry later")
+        if self.free_slots == 0:
+            return self.capacity_rejection()
         self.in_flight += 1
+        self._notify()
         return Admission(self._release)
 
     def _release(self) -> None:
         self.in_flight -= 1
+        self._notify()
         if self.in_flight == 0:
             self._on_idle()
+
+    def _notify(self) -> None:
+        for on_change in list(self._watchers):
+            on_change(self.free_slots)

@@ -47,6 +47,9 @@ class HttpOptions:
     """A request answered with an error before it ran (401, 404, 413, 429 at the edge, 400 in validation) gets
     a `refused` line on the access log (splitserve.access); the requests that ran get theirs from their records.
     router.access_log (vLLM's --disable-log-requests turns it off)."""
+    acceptor_process: bool = True
+    """Accept connections in an acceptor process that refuses a full router's generation requests itself
+    (router/acceptor_process.py); not with TLS. router.http_acceptor_process."""
     response_role: str = "assistant"
     """The role of a chat completion's message (and first stream delta) when the request's
     add_generation_prompt is true, vLLM's --response-role; otherwise the role of its last message."""

@@ -2,8 +2,9 @@
 /v1/responses (JSON or server-sent events), Anthropic's /v1/messages (and its count_tokens),
 /v1/models, vLLM's /tokenize, /detokenize and /version, /health (and vLLM's /ping), and optionally /metrics.
 
-A Starlette app served by uvicorn on the router's event loop, beside the gRPC server and over
-the same Orchestrator. Errors use the OpenAI error object with an HTTP status per cause:
+A Starlette app served by uvicorn on the router's event loop (router/http_server.py: its connections
+accepted by the acceptor process, which answers a full router's 429s itself), beside the gRPC server and
+over the same Orchestrator. Errors use the OpenAI error object with an HTTP status per cause:
 InvalidRequestError -> 400 (`param` names the field), an unknown model or URL -> 404, and a
 RouterError by its code (RESOURCE_EXHAUSTED 429, UNAVAILABLE 503, DEADLINE_EXCEEDED 504, else
 500); on the Messages API's paths, Anthropic's error object for the same status
@@ -17,27 +18,23 @@ router/request_limits.py's table before it is tokenized, in router/tokenizer_poo
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import functools
 import hashlib
 import json
 import logging
-import socket
-import ssl
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from splitserve.common.beam_search import STOP, Beam, BeamSearchParams, start
 from splitserve.common.config import check_priority
@@ -48,7 +45,9 @@ from splitserve.common.lora import LoRARequest
 from splitserve.common.pooling import ModelPooling, PoolingParams, check_cross_encoder
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.stats import RequestParamsRecord
-from splitserve.router.admission import RETRY_AFTER_S, Admission
+from splitserve.router.acceptor_process import RefusedRequest
+from splitserve.router.access_log import log_refusal, refusal_fields
+from splitserve.router.admission import RETRY_AFTER_S, TOO_MANY_REQUESTS, Admission
 from splitserve.router.anthropic_protocol import (COUNT_TOKENS_PATH, INLINE_SYSTEM_PROBE, MESSAGES_PATH,
                                                   MessageHeader, MessagesRenderer, has_inline_system,
                                                   is_messages_path, merged_inline_system,
@@ -57,6 +56,7 @@ from splitserve.router.anthropic_protocol import (COUNT_TOKENS_PATH, INLINE_SYST
 from splitserve.router.anthropic_protocol import error_body as anthropic_error_body
 from splitserve.router.anthropic_request_id import anthropic_request_id
 from splitserve.router.auth import check_api_key
+from splitserve.router.busy_refusal import RefusalRules, RefusalTemplate, uvicorn_status_line
 from splitserve.router.openai_protocol import (ChatCompletionRequest, ChatInput, ChatRenderer, CompletionRenderer,
                                                CompletionRequest, EmbeddingRequest, ResponseHeader, error_body,
                                                parse_chat_request, parse_completion_request, parse_detokenize_request,
@@ -69,7 +69,8 @@ from splitserve.router.pooling_api import (ClassifyRenderer, ClassifyRequest, Po
                                            ScoreRenderer, ScoreRequest, parse_classify_request,
                                            parse_pooling_request, parse_rerank_request, parse_score_request)
 from splitserve.router.fanout import IndexedChunk, best_of, by_choice, client_fan_out, merged_usage, sequence_inputs
-from splitserve.router.http_options import UVICORN_LOG_LEVEL_NUMBERS, HttpOptions
+from splitserve.router.http_options import HttpOptions
+from splitserve.router.http_server import TAKEN_SLOT_STATE_KEY, AcceptorSetup, HttpServer, TakenSlot
 from splitserve.router.lora_adapters import AdapterRegistry, UnknownAdapterError
 from splitserve.router.orchestrator import Orchestrator
 from splitserve.router.reasoning_parsers import ReasoningFormat, ReasoningOutput
@@ -79,7 +80,7 @@ from splitserve.router.request_ids import ReservedRequestId
 from splitserve.common.prompt_truncation import PromptTruncation
 from splitserve.router.responses_protocol import ResponsesRenderer, ResponsesRequest, parse_responses_request
 from splitserve.router.stream_interval import every_interval
-from splitserve.router.tls import TlsConfig, load_tls
+from splitserve.router.tls import TlsConfig
 from splitserve.router.tokenizer_pool import TokenizerPool
 from splitserve.router.tool_parsers import ToolOutput
 from splitserve.router.version import SERVER_VERSION
@@ -880,7 +881,11 @@ def _message_events(first: IndexedChunk, stream: AsyncGenerator[IndexedChunk, No
 
 def _error_response(scope: Scope, error: ApiError) -> JSONResponse:
     """Anthropic's error object on the Messages API's paths, OpenAI's everywhere else."""
-    return error.anthropic_response() if is_messages_path(route_path(scope)) else error.response()
+    return _path_error_response(route_path(scope), error)
+
+
+def _path_error_response(path: str, error: ApiError) -> JSONResponse:
+    return error.anthropic_response() if is_messages_path(path) else error.response()
 
 
 def _client_closed(scope: Scope) -> JSONResponse:
@@ -955,8 +960,10 @@ class _AdmissionGate:
         if scope["type"] != "http" or scope["method"] != "POST" or route_path(scope) not in GENERATION_PATHS:
             await self.app(scope, receive, send)
             return
+        taken: TakenSlot | None = scope.get("state", {}).get(TAKEN_SLOT_STATE_KEY)
+        admission = None if taken is None else taken.take()
         try:
-            admission = self._orchestrator.admit()
+            admission = admission or self._orchestrator.admit()
         except RouterError as error:
             await _error_response(scope, ApiError.of(error))(scope, receive, send)
             return
@@ -965,6 +972,50 @@ class _AdmissionGate:
             await self.app(scope, receive, send)
         finally:
             admission.release()
+
+
+async def busy_refusal_rules(orchestrator: Orchestrator, api_key: str | None, options: HttpOptions) -> RefusalRules:
+    """What the acceptor process needs to refuse a full router's requests as the app does: the answer on each
+    gated path, rendered by the same layers build_app puts around _AdmissionGate (for a request without
+    headers: no Origin, no ids), and the key (uvicorn's own headers are HttpServer's to fill in)."""
+    rejection = orchestrator.admission.capacity_rejection()
+    error = ApiError.of(RouterError(rejection.code, rejection.message, rejection.reason))
+
+    async def refuse(scope: Scope, receive: Receive, send: Send) -> None:
+        await _error_response(scope, error)(scope, receive, send)
+
+    app = _edge_layers(refuse, None, dataclasses.replace(options, access_log=False))
+    templates = {path: await _rendered_refusal(app, options.root_path, path, rejection.message)
+                 for path in sorted(GENERATION_PATHS)}
+    return RefusalRules(templates, api_key, uvicorn_headers=())
+
+
+async def _rendered_refusal(app: ASGIApp, root_path: str, path: str, message: str) -> RefusalTemplate:
+    """`app`'s answer to a header-less POST on `path`, as uvicorn's scope would carry it."""
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+             "root_path": root_path, "path": root_path + path, "raw_path": (root_path + path).encode(),
+             "query_string": b"", "headers": [], "client": None, "server": None}
+    sent: list[Message] = []
+
+    async def receive() -> Message:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message: Message) -> None:
+        sent.append(message)
+
+    await app(scope, receive, send)
+    start, body = sent[0], b"".join(message.get("body", b"") for message in sent[1:])
+    return RefusalTemplate(uvicorn_status_line(start["status"]), tuple(start["headers"]), body, message)
+
+
+def account_busy_refusals(orchestrator: Orchestrator, access_log: bool, refused: list[RefusedRequest]) -> None:
+    """What _AdmissionGate's layers do for a request the acceptor process refused (its 429 already sent):
+    count the rejection and write the refused line."""
+    message = orchestrator.admission.capacity_rejection().message
+    for request in refused:
+        orchestrator.count_rejection(TOO_MANY_REQUESTS)
+        if access_log:
+            log_refusal(refusal_fields("POST", request.path, 429, message, None, request.request_id))
 
 
 GUARDED_PATHS = frozenset({"/v1", "/tokenize", "/detokenize", CLASSIFY_PATH, POOLING_PATH, "/score", "/rerank",
@@ -1015,6 +1066,11 @@ def build_app(serving: OpenAIServing, metrics_app: ASGIApp | None = None, api_ke
         routes.append(Route("/metrics", _AsgiRoute(metrics_app), methods=["GET"]))
     app = _AdmissionGate(Starlette(routes=routes, exception_handlers={HTTPException: _http_error}),
                          serving.orchestrator)
+    return _edge_layers(app, api_key, options)
+
+
+def _edge_layers(app: ASGIApp, api_key: str | None, options: HttpOptions) -> ASGIApp:
+    """The layers around the admission gate, innermost first: the API key, the ids, the refused line, CORS."""
     app = _ApiKeyGuard(app, api_key) if api_key else app
     app = anthropic_request_id(app)
     app = RefusalLog(app) if options.access_log else app
@@ -1061,89 +1117,6 @@ def _not_served(path: str, reason: str) -> Route:
     return Route(path, refuse, methods=["POST"])
 
 
-# ---- the server on the router's event loop --------------------------------------------------
-
-class _EmbeddedUvicorn(uvicorn.Server):
-    """uvicorn inside a process that owns its signals: SIGINT/SIGTERM stay with the caller
-    (`splitserve serve` stops the whole cluster), and stop() ends serving."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
-
-
-class HttpServer:
-    """Serves an ASGI app on the running event loop until stop()."""
-
-    def __init__(self, app: ASGIApp, grace_s: float = 2.0, tls: TlsConfig | None = None,
-                 on_stop: Callable[[], None] | None = None, root_path: str = "", log_level: str = "info") -> None:
-        """With `tls`, HTTPS only (the gRPC server's certificate; client certificates required when
-        it has a client CA). `on_stop` releases what the app holds, once it stopped serving.
-        `root_path`: the path prefix a proxy in front serves the API under (--root-path); `log_level`:
-        uvicorn's loggers' level (--uvicorn-log-level)."""
-        self._on_stop = on_stop
-        cert_file = key_file = client_ca_file = None
-        if tls is not None:
-            load_tls(tls)  # a bad file fails here with its name, not inside uvicorn's startup
-            cert_file, key_file, client_ca_file = tls.cert_file, tls.key_file, tls.client_ca_file
-        self._server = _EmbeddedUvicorn(uvicorn.Config(
-            app, http="httptools", lifespan="off", log_config=None, access_log=False, ws="none", root_path=root_path,
-            timeout_graceful_shutdown=int(grace_s),
-            ssl_certfile=cert_file, ssl_keyfile=key_file, ssl_ca_certs=client_ca_file,
-            ssl_cert_reqs=ssl.CERT_NONE if client_ca_file is None else ssl.CERT_REQUIRED))
-        # uvicorn.Config's log_level would set uvicorn.access's level too, letting its access lines through
-        # wherever that logger has a handler: splitserve.access is the access log.
-        for name in ("uvicorn.error", "uvicorn.asgi"):
-            logging.getLogger(name).setLevel(UVICORN_LOG_LEVEL_NUMBERS[log_level])
-        self._task: asyncio.Task | None = None
-        self.port = 0
-
-    async def start(self, host: str, port: int, reuse_port: bool = False) -> int:
-        """Listen on host:port (0 picks a free port); returns the bound port. `reuse_port`: share
-        the port with other routers' listeners (SO_REUSEPORT; the kernel spreads connections)."""
-        sock = listening_socket(host, port, reuse_port)
-        self.port = sock.getsockname()[1]
-        self._task = asyncio.get_running_loop().create_task(self._server.serve(sockets=[sock]))
-        while not self._server.started:
-            if self._task.done():
-                self._task.result()  # raises why it could not start
-                raise OSError(f"the HTTP server on {host}:{port} stopped during startup")
-            await asyncio.sleep(0.01)
-        return self.port
-
-    async def stop(self) -> None:
-        """Stop accepting, give open responses the grace period, then cancel them."""
-        if self._task is None:
-            return
-        self._server.should_exit = True
-        try:
-            await self._task
-        finally:
-            self._task = None
-            if self._on_stop is not None:
-                self._on_stop()
-
-
-def listening_socket(host: str, port: int, reuse_port: bool = False) -> socket.socket:
-    """A TCP listening socket whose accepted connections get TCP_NODELAY.
-
-    asyncio turns Nagle's algorithm off only on sockets whose proto is IPPROTO_TCP, and
-    socket.create_server() makes proto 0: a streamed response's small writes then wait for the
-    client's delayed ACK, 40 ms on Linux, before reaching it (aiperf saw a 19 ms TTFT as 60 ms)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        if reuse_port:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        sock.bind((host, port))
-        sock.listen(socket.SOMAXCONN)
-    except BaseException:
-        sock.close()
-        raise
-    return sock
-
-
 async def start_http_server(orchestrator: Orchestrator, tokenizers: TokenizerPool, model_name: str,
                             host: str = "127.0.0.1", port: int = 8000, request_timeout_s: float | None = None,
                             metrics_app: ASGIApp | None = None, api_key: str | None = None,
@@ -1169,8 +1142,12 @@ async def start_http_server(orchestrator: Orchestrator, tokenizers: TokenizerPoo
     bodies = BodyParser(tokenizers.limits)
     serving = OpenAIServing(orchestrator, tokenizers, bodies, model_name, request_timeout_s, aliases, tool_call_parser,
                             reasoning, defaults, adapters, runtime_lora_updating, options, pooling)
+    acceptor = None
+    if options.acceptor_process:
+        acceptor = AcceptorSetup(await busy_refusal_rules(orchestrator, api_key, options), orchestrator.admission,
+                                 functools.partial(account_busy_refusals, orchestrator, options.access_log))
     server = HttpServer(build_app(serving, metrics_app, api_key, options), tls=tls, on_stop=bodies.close,
-                        root_path=options.root_path, log_level=options.uvicorn_log_level)
+                        root_path=options.root_path, log_level=options.uvicorn_log_level, acceptor=acceptor)
     try:
         await server.start(host, port, reuse_port)
     except BaseException:

@@ -17,18 +17,16 @@ RequestLimits.max_body_bytes.
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import json
 import logging
 import multiprocessing
 import os
-import signal
-import sys
 from collections.abc import Callable, Mapping
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any, TypeVar
 
+from splitserve.router.child_process import follow_router
 from splitserve.router.request_limits import RequestLimits
 from splitserve.router.structured_output import LARGE_GRAMMAR_BYTES, STRUCTURED_OUTPUT_FIELDS
 
@@ -49,8 +47,6 @@ the Responses API's text.format) may carry a grammar to compile, and goes to the
 test is on the raw bytes, before decoding, so a prompt that quotes one of them (or a schema's
 "format" keyword) only costs the trip."""
 
-PR_SET_PDEATHSIG = 1
-"""prctl(2) option: the signal the kernel sends this process when its parent ends (Linux)."""
 PARSER_NICENESS = 10
 """The parser process's CPU priority below the router's: where cores are scarce, parsing a large
 body waits for the streams' work, not the other way round."""
@@ -126,18 +122,6 @@ class BodyParser:
 
 
 def _start_parser_process(router_pid: int) -> None:
-    """In the parser process: below the router's CPU priority, and ended by the kernel when the
-    router's process ends, however it ends (SIGKILL, the OOM killer: it cannot close the pool).
-    The death signal follows the thread that started the process: the router's event loop thread
-    (start_http_server), which lives as long as the router. SIGINT is ignored: a terminal's Ctrl-C
-    goes to its whole process group, and the router, which drains its requests first (their bodies
-    still parsed here), ends this process itself (close, or the death signal); the signal used to end
-    it mid-drain with a KeyboardInterrupt traceback on the console."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    """In the parser process: below the router's CPU priority, and ended with the router (follow_router)."""
+    follow_router(router_pid)
     os.nice(PARSER_NICENESS)
-    if sys.platform == "linux":
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL) != 0:
-            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
-        if os.getppid() != router_pid:  # the router ended before the request was in place
-            os._exit(1)

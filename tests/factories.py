@@ -675,6 +675,21 @@ def capture_access_log(served: ServedApis, monkeypatch, caplog):
     return lambda: [entry.fields for entry in caplog.records if entry.name == "splitserve.access"]
 
 
+def process_stat(pid: int | str) -> list[str] | None:
+    """/proc/<pid>/stat's fields after the command name (state, ppid, ...); None once the pid is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+
+
+def process_running(pid: int) -> bool:
+    """Whether pid runs (a zombie, exited and waiting for PID 1 to reap it, does not)."""
+    fields = process_stat(pid)
+    return fields is not None and fields[0] != "Z"
+
+
 @contextmanager
 def served_apis(model_dir: Path, model_name: str, api_key: str | None = None,
                 served_class: type[ServedApis] = ServedApis, tls=None, aliases: tuple[str, ...] = (),

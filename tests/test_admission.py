@@ -40,6 +40,32 @@ def test_slots_up_to_the_limit_then_the_exact_rejection():
     assert (control.in_flight, idle) == (0, [0])
 
 
+
+def test_watchers_see_the_free_slots_after_every_change_and_none_while_draining():
+    """What the HTTP acceptor process refuses by: reported at once, after each admission and release (a refusal
+    changes nothing), and None once a drain starts; nothing after the unwatch."""
+    control = AdmissionControl(2)
+    seen: list[int | None] = []
+    unwatch = control.watch(seen.append)
+    first, second = control.try_admit(), control.try_admit()
+    assert control.try_admit() == FULL
+    first.release()
+    first.release()  # a second release frees nothing and says nothing
+    control.stop_accepting()
+    second.release()
+    unwatch()
+    assert isinstance(control.try_admit(), AdmissionRejection)
+    assert seen == [2, 1, 0, 1, None, None]
+    unlimited: list[int | None] = []
+    AdmissionControl(None).watch(unlimited.append)
+    assert unlimited == [None]
+
+
+def test_the_capacity_rejection_is_what_a_full_router_answers():
+    control = AdmissionControl(2)
+    held = [control.try_admit(), control.try_admit()]
+    assert control.capacity_rejection() == control.try_admit() == FULL and len(held) == 2
+
 def test_a_slot_is_released_once_however_often_release_is_called():
     idle = []
     control = AdmissionControl(1, on_idle=lambda: idle.append(True))

@@ -18,7 +18,7 @@ from splitserve.proto.splitserve.v1 import generation_pb2 as pb
 from splitserve.proto.splitserve.v1 import generation_pb2_grpc
 from splitserve.testing.local_cluster import running_cluster, tiny_cluster_config
 from splitserve.testing.workloads import mixed_workload
-from tests.factories import hf_greedy, stream_tokens
+from tests.factories import hf_greedy, process_stat, stream_tokens
 
 pytestmark = pytest.mark.slow
 
@@ -142,21 +142,12 @@ def test_deadline_ends_the_stream_and_frees_everything(disaggregated):
     loop.run(cluster.wait_idle())
 
 
-def _stat(pid: int | str) -> list[str] | None:
-    """/proc/<pid>/stat's fields after the command name (state, ppid, ...); None once the pid is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-
-
 def _living(pids: set[int]) -> dict[int, str]:
     """The command line of each of `pids` still running. A zombie (state Z: exited, not yet reaped by
     PID 1, which on these VMs reaps orphans up to a second or so late) is not running."""
     living = {}
     for pid in pids:
-        fields = _stat(pid)
+        fields = process_stat(pid)
         if fields is None or fields[0] == "Z":
             continue
         try:
@@ -180,7 +171,7 @@ def _still_living_after(pids: set[int], timeout_s: float) -> dict[int, str]:
 def _descendants(pid: int) -> set[int]:
     children = {pid}
     for entry in os.listdir("/proc"):
-        if entry.isdigit() and (fields := _stat(entry)) is not None and int(fields[1]) in children:
+        if entry.isdigit() and (fields := process_stat(entry)) is not None and int(fields[1]) in children:
             children.add(int(entry))
     return children
 

@@ -530,7 +530,7 @@ def test_the_http_servers_connections_send_small_writes_at_once():
     import asyncio
     import socket
 
-    from splitserve.router.openai_server import listening_socket
+    from splitserve.router.http_server import listening_socket
 
     async def scenario():
         accepted = asyncio.get_running_loop().create_future()

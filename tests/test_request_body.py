@@ -23,7 +23,7 @@ from splitserve.common.generation_config import RequestDefaults
 from splitserve.router.openai_protocol import parse_chat_request, parse_completion_request
 from splitserve.router.request_body import LARGE_BODY_BYTES, BodyParser, MalformedBodyError, json_object
 from splitserve.router.structured_output import LARGE_GRAMMAR_BYTES
-from tests.factories import make_request_limits
+from tests.factories import make_request_limits, process_running
 from tests.process_probe import process_id
 
 LIMITS = make_request_limits()
@@ -188,15 +188,7 @@ def test_the_parser_process_ends_with_a_router_that_is_killed():
         router.kill()
         router.wait(timeout=10)
     deadline = time.monotonic() + 10
-    while _running(parser_pid) and time.monotonic() < deadline:
+    while process_running(parser_pid) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not _running(parser_pid)
+    assert not process_running(parser_pid)
 
-
-def _running(pid: int) -> bool:
-    """Whether pid runs (a zombie, exited and waiting for PID 1 to reap it, does not)."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False

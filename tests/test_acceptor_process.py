@@ -1,0 +1,286 @@
+"""The HTTP API's acceptor process (router/acceptor_process.py) in a served router: a full router's refusals are
+its, byte for byte the loop's; everything else reaches the loop; slots are neither lost nor overrun; it ends
+with the router, and the router accepts by itself if it ends first.
+
+Which side answered shows in `connection: close`: the acceptor closes every connection it refuses, while the
+loop keeps a keep-alive request's connection open."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from splitserve.router.admission import Admission
+from splitserve.router.http_server import SlotReleasingProtocol, TakenSlot
+from splitserve.router.policy import RoutingConfig
+from tests.factories import http_request, process_running, process_stat, served_apis
+
+MODEL = "tiny-llama"
+FULL_MESSAGE = "the router has 1 requests in flight, its limit (router.routing.max_in_flight_requests); retry later"
+GATED_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/responses", "/v1/embeddings")
+ONE_SLOT = RoutingConfig(disaggregation="always", max_in_flight_requests=1)
+
+
+def post(path: str, body: dict, headers: bytes = b"") -> bytes:
+    data = json.dumps(body).encode()
+    return (b"POST %s HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: %d\r\n%s\r\n%s"
+            % (path.encode(), len(data), headers, data))
+
+
+def exchange(port: int, *parts: bytes, pause_s: float = 0.0) -> bytes:
+    """Send `parts` (`pause_s` apart) on a fresh connection and return the answer: its head and Content-Length
+    body, or a stream up to its last event."""
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
+        for index, part in enumerate(parts):
+            if index:
+                time.sleep(pause_s)
+            sock.sendall(part)
+        return _read_answer(sock)
+
+
+def _read_answer(sock: socket.socket) -> bytes:
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += _recv(sock)
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = re.search(rb"\r\ncontent-length: (\d+)", head)
+    while (len(body) < int(length.group(1))) if length else (b"data: [DONE]" not in body):
+        body += _recv(sock)
+    return head + b"\r\n\r\n" + body
+
+
+def _recv(sock: socket.socket) -> bytes:
+    chunk = sock.recv(65536)
+    assert chunk, "the server closed the connection mid-answer"
+    return chunk
+
+
+def normalized(answer: bytes) -> bytes:
+    """The answer with its date and fresh ids replaced (after checking their forms)."""
+    answer = re.sub(rb"\r\ndate: [A-Z][a-z]{2}, \d\d [A-Z][a-z]{2} \d{4} \d\d:\d\d:\d\d GMT\r\n", b"\r\ndate: D\r\n",
+                    answer)
+    answer = re.sub(rb"\r\nrequest-id: req_[0-9a-f]{32}\r\n", b"\r\nrequest-id: req_R\r\n", answer)
+    return re.sub(rb"\r\nx-request-id: [0-9a-f]{32}\r\n", b"\r\nx-request-id: X\r\n", answer)
+
+
+def hold_slot(served) -> Admission:
+    async def admit():
+        return served.cluster.orchestrator.admit()
+
+    return served.loop.run(admit())
+
+
+def release(served, admission: Admission) -> None:
+    async def release_it():
+        admission.release()
+
+    served.loop.run(release_it())
+
+
+def rejections_once_counted(served, count: int, timeout_s: float = 10.0) -> dict[str, int]:
+    """The router's admission rejections once `count` are in, or as they are at the deadline: the acceptor sends
+    its refusals to the router for counting and logging when it is idle, after their answers went out."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        rejections = dict(served.cluster.orchestrator.routing_stats().rejections)
+        if sum(rejections.values()) >= count or time.monotonic() > deadline:
+            return rejections
+        time.sleep(0.01)
+
+
+def acceptor_pids() -> list[int]:
+    """This process's acceptor children that run."""
+    return [int(entry.name) for entry in Path("/proc").iterdir()
+            if entry.name.isdigit() and (fields := process_stat(entry.name)) is not None and fields[0] != "Z"
+            and int(fields[1]) == os.getpid() and b"splitserve.router.acceptor_process" in _command_line(entry)]
+
+
+def _command_line(entry: Path) -> bytes:
+    try:
+        return (entry / "cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def refusals_of_a_full_router(tiny_llama_dir, acceptor: bool) -> dict[tuple[str, bool], bytes]:
+    """Every gated path's answer (with and without the client's X-Request-Id) from a router whose one slot is
+    held, as keep-alive requests."""
+    options = {"http_acceptor_process": acceptor, "enable_request_id_headers": True}
+    with served_apis(tiny_llama_dir, MODEL, routing=ONE_SLOT, router_options=options) as served:
+        slot = hold_slot(served)
+        answers = {(path, own_id): exchange(served.http_port, post(path, {"model": MODEL, "prompt": "hi"},
+                                                                   b"X-Request-Id: mine-7\r\n" if own_id else b""))
+                   for path in GATED_PATHS for own_id in (False, True)}
+        release(served, slot)
+        assert rejections_once_counted(served, len(answers)) == {"too_many_requests": len(answers)}
+    return answers
+
+
+def test_the_acceptors_refusal_is_the_loops_byte_for_byte(tiny_llama_dir):
+    by_loop = refusals_of_a_full_router(tiny_llama_dir, acceptor=False)
+    by_acceptor = refusals_of_a_full_router(tiny_llama_dir, acceptor=True)
+    for key, answer in by_acceptor.items():
+        assert answer.count(b"\r\nconnection: close\r\n") == 1 and b"connection: close" not in by_loop[key]
+        assert normalized(answer).replace(b"connection: close\r\n", b"") == normalized(by_loop[key])
+        assert answer.startswith(b"HTTP/1.1 429 Too Many Requests\r\n") and FULL_MESSAGE.encode() in answer
+        assert (b"\r\nx-request-id: mine-7\r\n" in answer) == key[1]
+    assert normalized(by_acceptor["/v1/messages", True]).endswith(
+        b"request-id: req_R\r\nvary: Origin\r\nx-request-id: mine-7\r\nconnection: close\r\n\r\n"
+        b'{"type":"error","error":{"type":"rate_limit_error","message":"' + FULL_MESSAGE.encode() + b'"}}')
+
+
+def test_a_full_router_refuses_in_the_acceptor_and_serves_the_rest_on_the_loop(tiny_llama_dir, caplog):
+    caplog.set_level(logging.INFO, logger="splitserve.access")
+    completion = {"model": MODEL, "prompt": "The river runs", "max_tokens": 3, "temperature": 0}
+    with served_apis(tiny_llama_dir, MODEL, routing=ONE_SLOT) as served:
+        port, orchestrator = served.http_port, served.cluster.orchestrator
+        slot = hold_slot(served)
+        whole = exchange(port, post("/v1/completions", completion, b"X-Request-Id: whole-1\r\n"))
+        split = post("/v1/completions", completion)
+        in_two_parts = exchange(port, split[:40], split[40:], pause_s=0.3)  # waited for, then refused
+        trickled = exchange(port, *(split[i:i + 12] for i in range(0, len(split), 12)), pause_s=0.02)  # the loop's
+        chunked = exchange(port, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                                 b"2\r\n{}\r\n0\r\n\r\n")  # the loop's to refuse too
+        probes = [http_request(port, "GET", path)[0] for path in ("/health", "/metrics", "/v1/models")]
+        release(served, slot)
+        served_answer = json.loads(http_request(port, "POST", "/v1/completions", json.dumps(completion).encode())[2])
+        slots_after = orchestrator.admission.in_flight
+        rejections = rejections_once_counted(served, 4)
+    answers = (whole, in_two_parts, trickled, chunked)
+    assert [answer.split(b"\r\n", 1)[0] for answer in answers] == [b"HTTP/1.1 429 Too Many Requests"] * 4
+    assert [b"\r\nconnection: close\r\n" in answer for answer in answers] == [True, True, False, False]
+    assert probes == [200, 200, 200]
+    assert served_answer["usage"]["completion_tokens"] == 3 and slots_after == 0
+    assert rejections == {"too_many_requests": 4}
+    refused = [entry.fields for entry in caplog.records if entry.name == "splitserve.access"
+               and entry.getMessage().startswith("refused")]
+    assert [(f["path"], f["http_status"], f["client_request_id"], f["error"]) for f in refused] == [
+        ("/v1/completions", 429, "whole-1", FULL_MESSAGE), *[("/v1/completions", 429, None, FULL_MESSAGE)] * 3]
+
+
+def test_requests_at_once_get_exactly_the_free_slots_and_the_acceptor_refuses_the_rest(tiny_llama_dir):
+    """Five requests land together on a router with one free slot: the acceptor hands one over (the router
+    takes its slot on arrival) and refuses the four others itself, before the router has said the slot is
+    gone; a count that forgot the request in transit would hand more over, which the loop would refuse."""
+    streamed = {"model": MODEL, "prompt": "The river runs", "max_tokens": 40, "temperature": 0, "ignore_eos": True,
+                "stream": True}
+    with served_apis(tiny_llama_dir, MODEL, routing=ONE_SLOT) as served:
+        for _ in range(3):
+            answers: list[bytes] = [b""] * 5
+            barrier = threading.Barrier(5)
+
+            def send(index: int) -> None:
+                barrier.wait()
+                answers[index] = exchange(served.http_port, post("/v1/completions", streamed))
+
+            threads = [threading.Thread(target=send, args=(index,)) for index in range(5)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(120)
+            statuses = sorted(answer.split(b"\r\n", 1)[0] for answer in answers)
+            assert statuses == [b"HTTP/1.1 200 OK"] + [b"HTTP/1.1 429 Too Many Requests"] * 4
+            assert all(b"\r\nconnection: close\r\n" in answer for answer in answers if b" 429 " in answer[:15])
+            assert served.cluster.orchestrator.admission.in_flight == 0
+
+
+def test_a_client_sending_one_request_after_another_is_never_refused(tiny_llama_dir):
+    """On a one-slot router, each request's slot is free again by the time its client has the answer and sends the
+    next: the router tells the acceptor before the answer goes out, and the acceptor reads that first."""
+    completion = {"model": MODEL, "prompt": "The river runs", "max_tokens": 2, "temperature": 0}
+    with served_apis(tiny_llama_dir, MODEL, routing=ONE_SLOT) as served:
+        heads = [exchange(served.http_port, post("/v1/completions", {**completion, "stream": index % 2 == 1}))
+                 .split(b"\r\n", 1)[0] for index in range(40)]
+        refused_batch = exchange(served.http_port, post("/v1/completions", {**completion, "prompt": ["a", "b"]}))
+        after_refusal = exchange(served.http_port, post("/v1/completions", completion))
+    assert heads == [b"HTTP/1.1 200 OK"] * 40
+    assert refused_batch.startswith(b"HTTP/1.1 429") and after_refusal.startswith(b"HTTP/1.1 200 OK")
+
+
+def test_the_router_accepts_by_itself_once_the_acceptor_is_gone_and_stops_it_on_the_way_out(tiny_llama_dir):
+    with served_apis(tiny_llama_dir, MODEL, routing=ONE_SLOT) as served:
+        [acceptor] = acceptor_pids()
+        os.kill(acceptor, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while acceptor in acceptor_pids() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        slot = hold_slot(served)
+        refused = exchange(served.http_port, post("/v1/completions", {"model": MODEL, "prompt": "hi"}))
+        release(served, slot)
+        health = http_request(served.http_port, "GET", "/health")[0]
+        port = served.http_port
+    assert refused.startswith(b"HTTP/1.1 429") and b"connection: close" not in refused  # the loop's refusal
+    assert health == 200 and acceptor_pids() == []
+    with socket.socket() as probe:
+        assert probe.connect_ex(("127.0.0.1", port)) != 0  # nothing listens after the stop
+
+
+def test_a_slot_taken_for_a_connection_is_released_if_the_connection_ends_first():
+    released: list[int] = []
+    taken_by_request, lost_first = TakenSlot(Admission(lambda: released.append(1))), \
+        TakenSlot(Admission(lambda: released.append(2)))
+
+    class Inner(asyncio.Protocol):
+        lost = 0
+
+        def connection_lost(self, exc):
+            Inner.lost += 1
+
+    request_slot = taken_by_request.take()
+    SlotReleasingProtocol(Inner(), taken_by_request).connection_lost(None)
+    SlotReleasingProtocol(Inner(), lost_first).connection_lost(None)
+    assert (released, Inner.lost, lost_first.take()) == ([2], 2, None)
+    request_slot.release()
+    assert released == [2, 1]
+
+
+_KILLED_ROUTER = """
+import asyncio, socket
+from splitserve.router.acceptor_process import AcceptorProcess
+from splitserve.router.busy_refusal import RefusalRules
+
+async def main():
+    listening = socket.create_server(("127.0.0.1", 0))
+    acceptor = AcceptorProcess(listening, RefusalRules({}, None, ()), lambda: None, lambda sock, slot: sock.close(),
+                               lambda refused: None, lambda: None)
+    acceptor.start()
+    print(acceptor.pid, flush=True)
+    await asyncio.get_running_loop().run_in_executor(None, input)
+
+asyncio.run(main())
+"""
+
+
+def test_the_acceptor_ends_with_a_router_that_is_killed():
+    router = subprocess.Popen([sys.executable, "-c", _KILLED_ROUTER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True, cwd=Path(__file__).parents[1])
+    try:
+        acceptor = int(router.stdout.readline())
+        assert process_running(acceptor)
+    finally:
+        router.kill()
+        router.wait(timeout=10)
+    deadline = time.monotonic() + 10
+    while process_running(acceptor) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not process_running(acceptor)
+
+
+
+def test_the_acceptor_process_imports_only_the_standard_library():
+    """It starts on every router start and runs beside the router: none of the router's dependencies load in it."""
+    probe = ("import sys; before = set(sys.modules); import splitserve.router.acceptor_process; "
+             "print(sorted({name.split('.')[0] for name in set(sys.modules) - before} - sys.stdlib_module_names))")
+    loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True,
+                            cwd=Path(__file__).parents[1]).stdout.strip()
+    assert loaded == "['splitserve']"
