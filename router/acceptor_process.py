@@ -8,12 +8,13 @@ kind; sockets ride as SCM_RIGHTS):
 
 - `Acceptor`, in the child (`python -m splitserve.router.acceptor_process <fd> <router pid>`, standard library
   only): an epoll loop over the listening socket, the control socket and the connections whose request it
-  is waiting for (at most HEAD_WAIT_S and MAX_PEEKS reads each, then they are handed off). It peeks at each new connection (router/busy_refusal.decide): a gated request (one the
+  is waiting for. It peeks at each new connection (router/busy_refusal.decide): a gated request (one the
   admission gate would admit or refuse for capacity) is handed to the router while the router has a free
   slot, and refused here (the router's 429, then closed) while it has none; anything else is handed off
-  at once, nothing read from it; a request that has not arrived whole within HEAD_WAIT_S is handed off too
-  (a slow client is the loop's to serve, as ever). With no capacity limit in force (none configured, or a
-  drain) every connection is handed off unread.
+  at once, nothing read from it; a request not all there after HEAD_WAIT_S or MAX_PEEKS reads is handed
+  off too (a slow client is the loop's to serve, as ever). With no capacity limit in force (a drain)
+  every connection is handed off unread. On STOP it stops accepting, sends the refusals it still holds
+  and ends; if the router goes away it just ends.
 - `AcceptorProcess`, in the router: starts the child, sends it the listening socket and the rules, reports
   the free slots (AdmissionControl.watch), takes the slot of each gated request handed to it the moment it
   arrives (so the slots it reports already count them), and serves what comes back: each connection goes to
@@ -27,14 +28,16 @@ without a slot and refused by the loop's admission gate, as before. A refusal ju
 429 a request arriving a moment earlier would have got.
 
 Messages, router -> acceptor: RULES (+ the listening socket; first, once), SLOTS, STOP.
-Acceptor -> router: CONNECTIONS (+ sockets, nothing read), GATED (+ sockets, each holding one gated request),
-REFUSED (JSON: [[path, request id or null], ...]).
+Acceptor -> router: CONNECTIONS (+ sockets, nothing read), GATED (+ sockets, each holding one gated request;
+their count, so that any the router could not take are still counted), REFUSED (JSON: [[path, request id
+or null], ...]).
 """
 
 from __future__ import annotations
 
 import asyncio
 import email.utils
+import errno
 import json
 import logging
 import os
@@ -48,10 +51,14 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from splitserve.common.log_escape import MAX_LOGGED_CHARS
 from splitserve.router.busy_refusal import MAX_PEEK_BYTES, GatedRequest, HandOff, RefusalRules, answer, decide
 from splitserve.router.child_process import follow_router
+
+if TYPE_CHECKING:  # the child imports only the standard library
+    from splitserve.router.admission import Admission
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +66,8 @@ RULES, SLOTS, STOP = b"R", b"L", b"Q"
 CONNECTIONS, GATED, REFUSED = b"C", b"G", b"X"
 _SLOTS = struct.Struct("=cqq")
 """SLOTS, free slots (-1: no capacity limit in force), gated requests the router has taken in."""
+_COUNT = struct.Struct("=q")
+"""A GATED message's payload: how many sockets it carries (the router counts them even if some were lost)."""
 NO_LIMIT = -1
 MAX_FDS_PER_MESSAGE = 128
 """Sockets per CONNECTIONS / GATED message (Linux takes at most 253 in one SCM_RIGHTS message)."""
@@ -68,6 +77,8 @@ MAX_PENDING_REFUSALS = 4096
 """Refusals the acceptor answers before it sends their records even though more connections are waiting: the
 router accounts for them (a log line and a count each) on its loop, which a burst's answers should not wait for,
 so they go when the acceptor is idle, or at this many."""
+MAX_MESSAGES_PER_WAKE = 16
+"""Messages the router handles per turn of its loop (a backlog of refusal batches must not hold it)."""
 MAX_MESSAGE_BYTES = 64 << 10
 """The largest message either side sends after RULES (a few KB): a REFUSED batch."""
 HEAD_WAIT_S = 5.0
@@ -79,7 +90,9 @@ bytes as they come)."""
 _PEEK = int(socket.MSG_PEEK | socket.MSG_DONTWAIT)
 _DONTWAIT = int(socket.MSG_DONTWAIT)
 ACCEPT_RETRY_S = 1.0
-"""How long the acceptor stops accepting after accept() failed (out of file descriptors), as asyncio's loop does."""
+"""How long the acceptor stops accepting after accept() ran out of a resource, as asyncio's loop does."""
+RESOURCE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+"""accept() errors that pause accepting (asyncio's list); any other is the one connection's, and skipped."""
 ACCEPTS_PER_WAKE = 256
 """Connections accepted before the acceptor looks at its other sockets again."""
 
@@ -92,6 +105,15 @@ class RefusedRequest:
     request_id: str | None
     """The X-Request-Id its answer carried, else the request's own (busy_refusal.Answer.request_id), cut at
     MAX_LOGGED_CHARS as the refused line cuts it."""
+
+    @staticmethod
+    def batch_to_wire(batch: list[tuple[str, str | None]]) -> bytes:
+        """(path, request_id) pairs as a REFUSED message's payload (the acceptor keeps pairs: it makes thousands)."""
+        return json.dumps(batch).encode()
+
+    @staticmethod
+    def batch_from_wire(data: bytes) -> list[RefusedRequest]:
+        return [RefusedRequest(path, request_id) for path, request_id in json.loads(data)]
 
 
 # ---- the child: accept, then hand off or refuse ----------------------------------------------------
@@ -137,16 +159,24 @@ class Acceptor:
         self._epoll.register(self._listening_fd, select.EPOLLIN)
 
     def run(self) -> None:
-        """Until the router sends STOP or goes away. The router's reports are read before the connections that
-        became ready with them: a slot freed before a client had its answer is free for that client's next
-        request."""
+        """Until the router sends STOP (then what is left to send goes first) or goes away."""
+        try:
+            self._serve()
+            self._flush_refusals()
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the router is gone: nobody to hand anything to
+        finally:
+            self._close()
+
+    def _serve(self) -> None:
+        """The loop. The router's reports are read before the connections that became ready with them: a slot
+        freed before a client had its answer is free for that client's next request."""
         while True:
             events = self._epoll.poll(0 if self._refused else self._poll_timeout())
             if not events and self._refused:  # idle: now the router may account for the refusals
                 self._flush_refusals()
                 continue
             if not self._read_control():
-                self._close()
                 return
             for fd, _ in events:
                 if fd == self._listening_fd:
@@ -175,8 +205,9 @@ class Acceptor:
                 return True
             if not message or message[:1] == STOP:
                 return False
-            _, free, self._gated_seen = _SLOTS.unpack(message)
-            self._free = None if free == NO_LIMIT else free
+            if message[:1] == SLOTS:
+                _, free, self._gated_seen = _SLOTS.unpack(message)
+                self._free = None if free == NO_LIMIT else free
 
     def _accept(self) -> None:
         for _ in range(ACCEPTS_PER_WAKE):
@@ -184,10 +215,12 @@ class Acceptor:
                 sock, _ = self._listening.accept()
             except BlockingIOError:
                 return
-            except OSError as error:  # e.g. EMFILE: the connections stay queued until accepting resumes
+            except OSError as error:
+                if error.errno not in RESOURCE_ERRNOS:  # the one connection failed (ECONNABORTED, ...): go on
+                    continue
                 print(f"acceptor: accept() failed ({error}); accepting again in {ACCEPT_RETRY_S:g} s", file=sys.stderr)
                 self._epoll.unregister(self._listening_fd)
-                self._accept_resumes = time.monotonic() + ACCEPT_RETRY_S
+                self._accept_resumes = time.monotonic() + ACCEPT_RETRY_S  # the connections wait in the backlog
                 return
             if self._free is None:
                 self._handoffs.append(self._release(sock, waiting=False))
@@ -275,7 +308,8 @@ class Acceptor:
         for kind, socks in ((GATED, self._gated), (CONNECTIONS, self._handoffs)):
             for start in range(0, len(socks), MAX_FDS_PER_MESSAGE):
                 batch = socks[start:start + MAX_FDS_PER_MESSAGE]
-                socket.send_fds(self._control, [kind], [sock.fileno() for sock in batch])
+                header = GATED + _COUNT.pack(len(batch)) if kind == GATED else kind
+                socket.send_fds(self._control, [header], [sock.fileno() for sock in batch])
                 for sock in batch:
                     sock.close()  # the router holds its own descriptor now
             socks.clear()
@@ -284,14 +318,17 @@ class Acceptor:
         """Send the router the refusals answered so far, for its access log and rejection count."""
         for start in range(0, len(self._refused), MAX_REFUSALS_PER_MESSAGE):
             batch = self._refused[start:start + MAX_REFUSALS_PER_MESSAGE]
-            self._control.send(REFUSED + json.dumps(batch).encode())
+            self._control.send(REFUSED + RefusedRequest.batch_to_wire(batch))
         self._refused.clear()
 
     def _close(self) -> None:
         for entry in self._waiting.values():
             entry.sock.close()
+        for sock in [*self._gated, *self._handoffs]:
+            sock.close()
         self._listening.close()
         self._epoll.close()
+        self._control.close()
 
 
 def main(argv: list[str]) -> None:
@@ -311,15 +348,12 @@ def main(argv: list[str]) -> None:
 class AcceptorProcess:
     """The router's side: the child process and the control socket. Call from the event loop's thread."""
 
-    def __init__(self, listening: socket.socket, rules: RefusalRules,
-                 take_slot: Callable[[], object | None],
-                 on_connection: Callable[[socket.socket, object | None], None],
-                 on_refused: Callable[[list[RefusedRequest]], None],
-                 on_exit: Callable[[], None]) -> None:
-        """`take_slot()`: a gated request's admission slot (AdmissionControl.try_admit's Admission), None when
-        there is none. `on_connection(sock, slot)`: serve a handed-off connection, its first request holding
-        `slot` when one was taken. `on_refused(requests)`: account for refusals already answered. `on_exit()`:
-        the child ended without being told to."""
+    def __init__(self, listening: socket.socket, rules: RefusalRules, take_slot: Callable[[], Admission | None],
+                 on_connection: Callable[[socket.socket, Admission | None], None],
+                 on_refused: Callable[[list[RefusedRequest]], None], on_exit: Callable[[], None]) -> None:
+        """`take_slot()`: a gated request's admission slot, None when there is none. `on_connection(sock, slot)`:
+        serve a handed-off connection, its first request holding `slot` when one was taken. `on_refused(requests)`:
+        account for refusals already answered. `on_exit()`: the child ended without being told to."""
         self._listening = listening
         self._rules = rules
         self._take_slot = take_slot
@@ -330,7 +364,10 @@ class AcceptorProcess:
         self._process: subprocess.Popen | None = None
         self._free: int | None = None
         self._gated_seen = 0
+        """Gated requests handed over whose slot the router has tried to take (the child's count of them, less
+        the ones still in transit, is what it may still hand out)."""
         self._closing = False
+        self._ended_event = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
 
     def start(self) -> None:
@@ -340,13 +377,24 @@ class AcceptorProcess:
             self._process = subprocess.Popen(
                 [sys.executable, "-m", "splitserve.router.acceptor_process", str(theirs.fileno()), str(os.getpid())],
                 pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL)
+            socket.send_fds(ours, [RULES + self._rules.to_wire()], [self._listening.fileno()])
+        except BaseException:
+            ours.close()
+            if self._process is not None:
+                self._process.kill()
+                self._process.wait()
+                self._process = None
+            raise
         finally:
             theirs.close()
-        socket.send_fds(ours, [RULES + self._rules.to_wire()], [self._listening.fileno()])
-        ours.setblocking(False)
-        self._control = ours
+        self.attach(ours)
+
+    def attach(self, control: socket.socket) -> None:
+        """Talk to the acceptor over `control` (start() passes its end of the pair) from the running loop."""
+        control.setblocking(False)
+        self._control = control
         self._loop = asyncio.get_running_loop()
-        self._loop.add_reader(ours.fileno(), self._read)
+        self._loop.add_reader(control.fileno(), self._read)
 
     @property
     def pid(self) -> int | None:
@@ -375,32 +423,49 @@ class AcceptorProcess:
         self._report()
 
     def _read(self) -> None:
-        while self._control is not None:
+        """The child's messages, at most MAX_MESSAGES_PER_WAKE a turn (the reader fires again for the rest)."""
+        for _ in range(MAX_MESSAGES_PER_WAKE):
+            if self._control is None:
+                return
             try:
-                message, fds, _, _ = socket.recv_fds(self._control, MAX_MESSAGE_BYTES, MAX_FDS_PER_MESSAGE)
+                message, fds, flags, _ = socket.recv_fds(self._control, MAX_MESSAGE_BYTES, MAX_FDS_PER_MESSAGE)
             except BlockingIOError:
                 return
             except OSError:
-                message, fds = b"", []
+                message, fds, flags = b"", [], 0
+            if flags & socket.MSG_CTRUNC:  # out of descriptors: those clients' connections are lost
+                logger.error("the router could not take connections the HTTP acceptor handed over (out of file "
+                             "descriptors?); their clients see the connection closed")
             if not message:
                 self._ended()
                 return
-            if message == GATED:
-                self._gated_seen += len(fds)
-                for fd in fds:
-                    self._on_connection(socket.socket(fileno=fd), self._take_slot())  # each take reports
-            elif message == CONNECTIONS:
-                for fd in fds:
-                    self._on_connection(socket.socket(fileno=fd), None)
-            elif message.startswith(REFUSED):
-                self._on_refused([RefusedRequest(path, request_id) for path, request_id in json.loads(message[1:])])
+            self._apply(message, fds)
+
+    def _apply(self, message: bytes, fds: list[int]) -> None:
+        kind = message[:1]
+        if kind == GATED:
+            handed, = _COUNT.unpack(message[1:])
+            self._gated_seen += handed - len(fds)  # any lost in transit (MSG_CTRUNC) are seen, without a slot
+            for fd in fds:
+                self._gated_seen += 1  # before the take, whose report must count this one as taken in
+                self._on_connection(socket.socket(fileno=fd), self._take_slot())
+        elif kind == CONNECTIONS:
+            for fd in fds:
+                self._on_connection(socket.socket(fileno=fd), None)
+        elif kind == REFUSED:
+            self._on_refused(RefusedRequest.batch_from_wire(message[1:]))
 
     def _ended(self) -> None:
         self._detach()
+        self._ended_event.set()
         if not self._closing:
-            code = None if self._process is None else self._process.poll()
-            logger.error("the HTTP acceptor process ended (exit code %s); the router accepts connections itself", code)
-            self._on_exit()
+            self._loop.create_task(self._reap_unexpected_end())
+
+    async def _reap_unexpected_end(self) -> None:
+        process, self._process = self._process, None
+        code = None if process is None else await self._loop.run_in_executor(None, process.wait)
+        logger.error("the HTTP acceptor process ended (exit code %s); the router accepts connections itself", code)
+        self._on_exit()
 
     def _detach(self) -> None:
         if self._control is not None:
@@ -410,23 +475,24 @@ class AcceptorProcess:
             self._control = None
 
     async def close(self, timeout_s: float = 5.0) -> None:
-        """Stop the child (it stops accepting and ends) and wait for it; killed if it does not end in time."""
+        """Stop the child: it stops accepting, sends what it still holds (refusals to count and log) and ends;
+        read until then, and wait for it (killed if it does not end within timeout_s)."""
         self._closing = True
         if self._control is not None:
             try:
                 self._control.send(STOP)
-            except OSError:
+                await asyncio.wait_for(self._ended_event.wait(), timeout_s)
+            except (OSError, asyncio.TimeoutError):
                 pass
         self._detach()
         process, self._process = self._process, None
         if process is None:
             return
-        loop = asyncio.get_running_loop()
         try:
-            await loop.run_in_executor(None, process.wait, timeout_s)
+            await self._loop.run_in_executor(None, process.wait, timeout_s)
         except subprocess.TimeoutExpired:
             process.kill()
-            await loop.run_in_executor(None, process.wait)
+            await self._loop.run_in_executor(None, process.wait)
 
 
 if __name__ == "__main__":

@@ -51,8 +51,6 @@ class RefusalTemplate:
     content-length, content-type, vary...). The values of X-Request-Id and Anthropic's request-id, when
     present, are the ids of the request it was rendered for: `answer` puts each request's own in their place."""
     body: bytes
-    message: str
-    """The error message in the body, for the access log's refused line."""
 
 
 @dataclass(frozen=True)
@@ -105,12 +103,12 @@ def _headers_from_json(value: list[list[str]]) -> tuple[tuple[bytes, bytes], ...
 
 def _template_json(template: RefusalTemplate) -> dict[str, object]:
     return {"status_line": template.status_line.decode("latin-1"), "headers": _headers_json(template.headers),
-            "body": template.body.decode("latin-1"), "message": template.message}
+            "body": template.body.decode("latin-1")}
 
 
 def _template_from_json(value: dict) -> RefusalTemplate:
     return RefusalTemplate(value["status_line"].encode("latin-1"), _headers_from_json(value["headers"]),
-                           value["body"].encode("latin-1"), value["message"])
+                           value["body"].encode("latin-1"))
 
 
 @dataclass(frozen=True)
@@ -140,12 +138,13 @@ NEED_MORE = NeedMore()
 Decision = GatedRequest | HandOff | NeedMore
 
 
-_HEADER_LINES = re.compile(rb"(?:\r\n[-!#$%&'*+.^_`|~0-9a-z]+:[^\r\n]*)*\r\n")
+_HEADER_LINES = re.compile(rb"(?:\r\n[-!#$%&'*+.^_`|~0-9a-z]+:[\t\x20-\x7e\x80-\xff]*)*\r\n")
 """A lower-cased header block, from the request line's CRLF to the last header's: every line `name:value`,
-the name an RFC 9110 token (so no folded line, no space before the colon)."""
+the name an RFC 9110 token (so no folded line, no space before the colon), the value without control
+characters but tab (the loop's parser answers those 400, and uvicorn would not send one back as an id)."""
+_TARGET = re.compile(rb"/[\x21-\x7e]*")
+"""A request target in origin form of visible ASCII (anything else is the loop's parser's to judge)."""
 _HANDOFF_HEADER = re.compile(rb"\r\n(?:" + b"|".join(re.escape(name) for name in sorted(HANDOFF_HEADERS)) + rb"):")
-_UNSENDABLE = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
-"""Bytes uvicorn refuses in a header value it sends (its HEADER_VALUE_RE)."""
 
 
 def decide(peeked: bytes, rules: RefusalRules) -> Decision:
@@ -159,7 +158,7 @@ def decide(peeked: bytes, rules: RefusalRules) -> Decision:
     line_end = peeked.find(b"\r\n")
     method, _, rest = peeked[:line_end].partition(b" ")
     target, _, version = rest.partition(b" ")
-    if method != b"POST" or version != b"HTTP/1.1" or target[:1] != b"/":
+    if method != b"POST" or version != b"HTTP/1.1" or _TARGET.fullmatch(target) is None:
         return HandOff("not an HTTP/1.1 POST in origin form")
     path = rules.gated_paths.get(target.partition(b"?")[0])
     if path is None:
@@ -183,10 +182,7 @@ def decide(peeked: bytes, rules: RefusalRules) -> Decision:
         return NEED_MORE
     if len(peeked) > request_bytes:
         return HandOff("bytes after the request (pipelined)")
-    own_id = _header(peeked, block, line_end, REQUEST_ID_HEADER)
-    if own_id is not None and _UNSENDABLE.search(own_id) is not None:
-        return HandOff("an X-Request-Id uvicorn would not send back")
-    return GatedRequest(path, request_bytes, own_id)
+    return GatedRequest(path, request_bytes, _header(peeked, block, line_end, REQUEST_ID_HEADER))
 
 
 def _header(peeked: bytes, block: bytes, offset: int, name: bytes) -> bytes | None:

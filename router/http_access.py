@@ -57,7 +57,9 @@ class RefusalLog:
     """Writes the `refused` access line of every HTTP request answered with status >= 400 that did not run
     (RAN_REQUEST_ID_SCOPE_KEY unset), whichever layer answered it; probes (PROBE_PATHS) and CORS preflights (answered
     outside this app) are not requests of the API. The line is written before the answer's last part is
-    sent, so a client that has its answer finds the line in the log."""
+    sent, so a client that has its answer finds the line in the log; except for a full router's 429 that
+    the acceptor process answered without this app (router/acceptor_process.py): the router writes that
+    one once the acceptor reports it, in a batch after the answers (openai_server.account_busy_refusals)."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app

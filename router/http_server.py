@@ -49,11 +49,6 @@ class TakenSlot:
             admission.release()
 
 
-def _slot_of(admission: AdmissionControl) -> Admission | None:
-    decision = admission.try_admit()
-    return decision if isinstance(decision, Admission) else None
-
-
 class SlotReleasingProtocol(asyncio.Protocol):
     """uvicorn's protocol for a connection with a TakenSlot, which it releases when the connection is lost (a
     no-op once its request took it)."""
@@ -84,7 +79,6 @@ class SlotReleasingProtocol(asyncio.Protocol):
             self._taken.release_unused()
 
 
-
 class _EmbeddedUvicorn(uvicorn.Server):
     """uvicorn inside a process that owns its signals: SIGINT/SIGTERM stay with the caller
     (`splitserve serve` stops the whole cluster), and stop() ends serving."""
@@ -101,7 +95,9 @@ class AcceptorSetup:
     rules: RefusalRules
     """What the acceptor may refuse and how (busy_refusal_rules)."""
     admission: AdmissionControl
-    """Whose free slots the acceptor refuses by, and which takes a slot for each gated request it hands over."""
+    """Whose free slots the acceptor refuses by (watch)."""
+    take_slot: Callable[[], Admission | None]
+    """A slot for a gated request the acceptor hands over, None when there is none (Orchestrator.take_free_slot)."""
     on_refused: Callable[[list[RefusedRequest]], None]
     """Accounts for refusals the acceptor answered (account_busy_refusals)."""
 
@@ -139,7 +135,8 @@ class HttpServer:
         self._acceptor: AcceptorProcess | None = None
         self._unwatch: Callable[[], None] = lambda: None
         self._fallback: asyncio.base_events.Server | None = None
-        self._connections: set[asyncio.Task] = set()
+        self._tasks: set[asyncio.Task] = set()
+        """Handed-over connections' transports being made, the fallback listener being started."""
         self.port = 0
 
     async def start(self, host: str, port: int, reuse_port: bool = False) -> int:
@@ -157,56 +154,64 @@ class HttpServer:
                 raise OSError(f"the HTTP server on {host}:{port} stopped during startup")
             await asyncio.sleep(0.01)
         if self._acceptor_setup is not None:
-            self._start_acceptor(sock, self._acceptor_setup)
+            self._listening = sock
+            try:
+                self._start_acceptor(sock, self._acceptor_setup)
+            except BaseException:
+                await self.stop()
+                raise
         return self.port
 
     def _start_acceptor(self, sock: socket.socket, setup: AcceptorSetup) -> None:
-        self._listening = sock
         rules = dataclasses.replace(setup.rules, uvicorn_headers=tuple(self._server.config.encoded_headers))
-        self._acceptor = AcceptorProcess(sock, rules, functools.partial(_slot_of, setup.admission),
-                                         self._serve_connection, setup.on_refused, self._accept_here)
+        self._acceptor = AcceptorProcess(sock, rules, setup.take_slot, self._serve_connection, setup.on_refused,
+                                         self._accept_here)
         self._acceptor.start()
         self._unwatch = setup.admission.watch(self._acceptor.report_free_slots)
 
-    def _protocol(self, app_state: dict[str, Any] | None = None) -> asyncio.Protocol:
-        """What uvicorn's own listener would make for a connection it accepted; `app_state` is copied into
-        each of its requests' scopes (`state`)."""
+    def _protocol(self, extra_state: dict[str, Any] | None = None) -> asyncio.Protocol:
+        """What uvicorn's own listener would make for a connection it accepted; `extra_state` joins what each of
+        its requests' scopes carry as `state`."""
         config = self._server.config
         return config.http_protocol_class(config=config, server_state=self._server.server_state,
-                                          app_state=self._server.lifespan.state if app_state is None else app_state)
+                                          app_state={**self._server.lifespan.state, **(extra_state or {})})
 
     def _serve_connection(self, sock: socket.socket, slot: Admission | None) -> None:
         """A connection the acceptor process handed over: uvicorn serves it as one it accepted itself. With
         `slot`, its first request (the gated one the acceptor saw) runs on that slot (_AdmissionGate)."""
-        if slot is None:
+        taken = None if slot is None else TakenSlot(slot)
+        if taken is None:
             make_protocol = self._protocol
         else:
-            taken = TakenSlot(slot)
             make_protocol = lambda: SlotReleasingProtocol(self._protocol({TAKEN_SLOT_STATE_KEY: taken}), taken)  # noqa: E731
         task = asyncio.get_running_loop().create_task(
             asyncio.get_running_loop().connect_accepted_socket(make_protocol, sock))
-        self._connections.add(task)
-        task.add_done_callback(self._connection_started)
+        self._tasks.add(task)
+        task.add_done_callback(functools.partial(self._connection_served, sock, taken))
 
-    def _connection_started(self, task: asyncio.Task) -> None:
-        self._connections.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            logger.warning("a connection the acceptor handed over could not be served: %s", task.exception())
+    def _connection_served(self, sock: socket.socket, taken: TakenSlot | None, task: asyncio.Task) -> None:
+        """A handed-over connection's transport is up, or could not be made: then nobody else closes the socket
+        or releases its slot."""
+        self._tasks.discard(task)
+        if task.cancelled() or task.exception() is not None:
+            logger.warning("a connection the acceptor handed over could not be served: %s",
+                           "cancelled" if task.cancelled() else task.exception())
+            sock.close()
+            if taken is not None:
+                taken.release_unused()
 
     def _accept_here(self) -> None:
         """The acceptor process ended on its own: the loop accepts on the listening socket from now on."""
         self._stop_watching()
         self._acceptor = None
-        listening = self._listening
-        if listening is None:
-            return
+        if self._listening is not None:
+            task = asyncio.get_running_loop().create_task(self._listen(self._listening))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
 
-        async def listen() -> None:
-            self._fallback = await asyncio.get_running_loop().create_server(self._protocol, sock=listening)
-
-        task = asyncio.get_running_loop().create_task(listen())
-        self._connections.add(task)
-        task.add_done_callback(self._connection_started)
+    async def _listen(self, listening: socket.socket) -> None:
+        self._fallback = await asyncio.get_running_loop().create_server(self._protocol, sock=listening,
+                                                                        backlog=socket.SOMAXCONN)
 
     async def stop(self) -> None:
         """Stop accepting, give open responses the grace period, then cancel them."""
@@ -232,11 +237,11 @@ class HttpServer:
         acceptor, self._acceptor = self._acceptor, None
         if acceptor is not None:
             await acceptor.close()
+        if self._tasks:  # handed-over connections being set up, the fallback listener being started
+            await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._fallback is not None:
             self._fallback.close()
             self._fallback = None
-        if self._connections:
-            await asyncio.gather(*self._connections, return_exceptions=True)
         if self._listening is not None:
             self._listening.close()
             self._listening = None

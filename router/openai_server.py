@@ -963,7 +963,8 @@ class _AdmissionGate:
         taken: TakenSlot | None = scope.get("state", {}).get(TAKEN_SLOT_STATE_KEY)
         admission = None if taken is None else taken.take()
         try:
-            admission = admission or self._orchestrator.admit()
+            if admission is None:
+                admission = self._orchestrator.admit()
         except RouterError as error:
             await _error_response(scope, ApiError.of(error))(scope, receive, send)
             return
@@ -985,12 +986,11 @@ async def busy_refusal_rules(orchestrator: Orchestrator, api_key: str | None, op
         await _error_response(scope, error)(scope, receive, send)
 
     app = _edge_layers(refuse, None, dataclasses.replace(options, access_log=False))
-    templates = {path: await _rendered_refusal(app, options.root_path, path, rejection.message)
-                 for path in sorted(GENERATION_PATHS)}
+    templates = {path: await _rendered_refusal(app, options.root_path, path) for path in sorted(GENERATION_PATHS)}
     return RefusalRules(templates, api_key, uvicorn_headers=())
 
 
-async def _rendered_refusal(app: ASGIApp, root_path: str, path: str, message: str) -> RefusalTemplate:
+async def _rendered_refusal(app: ASGIApp, root_path: str, path: str) -> RefusalTemplate:
     """`app`'s answer to a header-less POST on `path`, as uvicorn's scope would carry it."""
     scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
              "root_path": root_path, "path": root_path + path, "raw_path": (root_path + path).encode(),
@@ -1005,7 +1005,7 @@ async def _rendered_refusal(app: ASGIApp, root_path: str, path: str, message: st
 
     await app(scope, receive, send)
     start, body = sent[0], b"".join(message.get("body", b"") for message in sent[1:])
-    return RefusalTemplate(uvicorn_status_line(start["status"]), tuple(start["headers"]), body, message)
+    return RefusalTemplate(uvicorn_status_line(start["status"]), tuple(start["headers"]), body)
 
 
 def account_busy_refusals(orchestrator: Orchestrator, access_log: bool, refused: list[RefusedRequest]) -> None:
@@ -1143,8 +1143,10 @@ async def start_http_server(orchestrator: Orchestrator, tokenizers: TokenizerPoo
     serving = OpenAIServing(orchestrator, tokenizers, bodies, model_name, request_timeout_s, aliases, tool_call_parser,
                             reasoning, defaults, adapters, runtime_lora_updating, options, pooling)
     acceptor = None
-    if options.acceptor_process:
+    if options.acceptor_process and tls is None and orchestrator.admission.max_in_flight is not None:
+        # (with TLS the acceptor would have to do the handshake; with no limit it would only hand everything on)
         acceptor = AcceptorSetup(await busy_refusal_rules(orchestrator, api_key, options), orchestrator.admission,
+                                 orchestrator.take_free_slot,
                                  functools.partial(account_busy_refusals, orchestrator, options.access_log))
     server = HttpServer(build_app(serving, metrics_app, api_key, options), tls=tls, on_stop=bodies.close,
                         root_path=options.root_path, log_level=options.uvicorn_log_level, acceptor=acceptor)

@@ -532,6 +532,16 @@ class Orchestrator:
         self._idle.clear()
         return decision
 
+    def take_free_slot(self) -> Admission | None:
+        """A slot for a request the HTTP acceptor process hands over whole (router/acceptor_process.py), taken as
+        admit() takes one (a drain waits for it); None when there is none, not counted as a rejection: the
+        request then meets the admission gate like any other."""
+        decision = self.admission.try_admit()
+        if isinstance(decision, AdmissionRejection):
+            return None
+        self._idle.clear()
+        return decision
+
     def count_rejection(self, reason: str) -> None:
         """A request refused by admission at the door (admit(), the tokenizer pool), for routing_stats."""
         self._rejections[reason] += 1

@@ -690,6 +690,28 @@ def process_running(pid: int) -> bool:
     return fields is not None and fields[0] != "Z"
 
 
+def child_of_killed_process(script: str, timeout_s: float = 10.0) -> tuple[int, bool]:
+    """Run `script` (Python, from the repository root), which starts a child process and prints its pid, SIGKILL it
+    once the pid is out, and wait up to timeout_s for the child to end: (the child's pid, whether it still ran
+    when its parent was killed)."""
+    import subprocess
+    import sys
+    import time
+
+    parent = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                              cwd=Path(__file__).parents[1])
+    try:
+        child = int(parent.stdout.readline())
+        ran = process_running(child)
+    finally:
+        parent.kill()
+        parent.wait(timeout=10)
+    deadline = time.monotonic() + timeout_s
+    while process_running(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return child, ran
+
+
 @contextmanager
 def served_apis(model_dir: Path, model_name: str, api_key: str | None = None,
                 served_class: type[ServedApis] = ServedApis, tls=None, aliases: tuple[str, ...] = (),

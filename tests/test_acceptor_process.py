@@ -20,10 +20,12 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from splitserve.router.admission import Admission
 from splitserve.router.http_server import SlotReleasingProtocol, TakenSlot
 from splitserve.router.policy import RoutingConfig
-from tests.factories import http_request, process_running, process_stat, served_apis
+from tests.factories import child_of_killed_process, http_request, process_running, process_stat, served_apis
 
 MODEL = "tiny-llama"
 FULL_MESSAGE = "the router has 1 requests in flight, its limit (router.routing.max_in_flight_requests); retry later"
@@ -112,10 +114,10 @@ def _command_line(entry: Path) -> bytes:
         return b""
 
 
-def refusals_of_a_full_router(tiny_llama_dir, acceptor: bool) -> dict[tuple[str, bool], bytes]:
+def refusals_of_a_full_router(tiny_llama_dir, acceptor: bool, ids: bool) -> dict[tuple[str, bool], bytes]:
     """Every gated path's answer (with and without the client's X-Request-Id) from a router whose one slot is
-    held, as keep-alive requests."""
-    options = {"http_acceptor_process": acceptor, "enable_request_id_headers": True}
+    held, as keep-alive requests; `ids`: --enable-request-id-headers."""
+    options = {"http_acceptor_process": acceptor, "enable_request_id_headers": ids}
     with served_apis(tiny_llama_dir, MODEL, routing=ONE_SLOT, router_options=options) as served:
         slot = hold_slot(served)
         answers = {(path, own_id): exchange(served.http_port, post(path, {"model": MODEL, "prompt": "hi"},
@@ -126,16 +128,18 @@ def refusals_of_a_full_router(tiny_llama_dir, acceptor: bool) -> dict[tuple[str,
     return answers
 
 
-def test_the_acceptors_refusal_is_the_loops_byte_for_byte(tiny_llama_dir):
-    by_loop = refusals_of_a_full_router(tiny_llama_dir, acceptor=False)
-    by_acceptor = refusals_of_a_full_router(tiny_llama_dir, acceptor=True)
+@pytest.mark.parametrize("ids", [True, False], ids=["request-id-headers", "no-request-id-headers"])
+def test_the_acceptors_refusal_is_the_loops_byte_for_byte(tiny_llama_dir, ids):
+    by_loop = refusals_of_a_full_router(tiny_llama_dir, acceptor=False, ids=ids)
+    by_acceptor = refusals_of_a_full_router(tiny_llama_dir, acceptor=True, ids=ids)
     for key, answer in by_acceptor.items():
         assert answer.count(b"\r\nconnection: close\r\n") == 1 and b"connection: close" not in by_loop[key]
         assert normalized(answer).replace(b"connection: close\r\n", b"") == normalized(by_loop[key])
         assert answer.startswith(b"HTTP/1.1 429 Too Many Requests\r\n") and FULL_MESSAGE.encode() in answer
-        assert (b"\r\nx-request-id: mine-7\r\n" in answer) == key[1]
+        assert (b"\r\nx-request-id: mine-7\r\n" in answer) == (ids and key[1])
+    sent_id = b"x-request-id: mine-7\r\n" if ids else b""
     assert normalized(by_acceptor["/v1/messages", True]).endswith(
-        b"request-id: req_R\r\nvary: Origin\r\nx-request-id: mine-7\r\nconnection: close\r\n\r\n"
+        b"request-id: req_R\r\nvary: Origin\r\n" + sent_id + b"connection: close\r\n\r\n"
         b'{"type":"error","error":{"type":"rate_limit_error","message":"' + FULL_MESSAGE.encode() + b'"}}')
 
 
@@ -168,30 +172,54 @@ def test_a_full_router_refuses_in_the_acceptor_and_serves_the_rest_on_the_loop(t
         ("/v1/completions", 429, "whole-1", FULL_MESSAGE), *[("/v1/completions", 429, None, FULL_MESSAGE)] * 3]
 
 
-def test_requests_at_once_get_exactly_the_free_slots_and_the_acceptor_refuses_the_rest(tiny_llama_dir):
-    """Five requests land together on a router with one free slot: the acceptor hands one over (the router
-    takes its slot on arrival) and refuses the four others itself, before the router has said the slot is
-    gone; a count that forgot the request in transit would hand more over, which the loop would refuse."""
+@pytest.mark.parametrize("slots", [1, 3])
+def test_requests_at_once_get_exactly_the_free_slots_and_the_acceptor_refuses_the_rest(tiny_llama_dir, slots):
+    """Requests landing together on a router with free slots: the acceptor hands over as many as there are slots
+    (the router takes each one's slot on arrival) and refuses the others itself, before the router has said the
+    slots are gone; a count that forgot requests in transit, or one the router's reports got ahead of, would
+    hand more over, which the loop would refuse."""
     streamed = {"model": MODEL, "prompt": "The river runs", "max_tokens": 40, "temperature": 0, "ignore_eos": True,
                 "stream": True}
-    with served_apis(tiny_llama_dir, MODEL, routing=ONE_SLOT) as served:
+    senders = 4 * slots + 1
+    with served_apis(tiny_llama_dir, MODEL, routing=RoutingConfig(disaggregation="always",
+                                                                  max_in_flight_requests=slots)) as served:
         for _ in range(3):
-            answers: list[bytes] = [b""] * 5
-            barrier = threading.Barrier(5)
+            answers: list[bytes] = [b""] * senders
+            barrier = threading.Barrier(senders)
 
             def send(index: int) -> None:
                 barrier.wait()
                 answers[index] = exchange(served.http_port, post("/v1/completions", streamed))
 
-            threads = [threading.Thread(target=send, args=(index,)) for index in range(5)]
+            threads = [threading.Thread(target=send, args=(index,)) for index in range(senders)]
             for thread in threads:
                 thread.start()
             for thread in threads:
                 thread.join(120)
             statuses = sorted(answer.split(b"\r\n", 1)[0] for answer in answers)
-            assert statuses == [b"HTTP/1.1 200 OK"] + [b"HTTP/1.1 429 Too Many Requests"] * 4
+            assert statuses == [b"HTTP/1.1 200 OK"] * slots + [b"HTTP/1.1 429 Too Many Requests"] * (senders - slots)
             assert all(b"\r\nconnection: close\r\n" in answer for answer in answers if b" 429 " in answer[:15])
             assert served.cluster.orchestrator.admission.in_flight == 0
+
+
+def test_a_drain_waits_for_the_requests_the_acceptor_handed_over(tiny_llama_dir):
+    """A request whose slot the router took as the acceptor handed it over counts for the drain like any other:
+    the drain waits for its stream to end, and it ends whole."""
+    streamed = {"model": MODEL, "prompt": "The river runs", "max_tokens": 60, "temperature": 0, "ignore_eos": True,
+                "stream": True}
+    with served_apis(tiny_llama_dir, MODEL, routing=ONE_SLOT) as served:
+        answer: list[bytes] = []
+        stream = threading.Thread(target=lambda: answer.append(exchange(served.http_port, post("/v1/completions",
+                                                                                               streamed))))
+        stream.start()
+        deadline = time.monotonic() + 30
+        while served.cluster.orchestrator.admission.in_flight == 0 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        left = served.drain(timeout_s=60)
+        stream.join(60)
+    assert left == 0
+    assert answer[0].startswith(b"HTTP/1.1 200 OK") and answer[0].count(b"data: {") == 60
+    assert answer[0].count(b'"finish_reason": "length"') == 1 and b"data: [DONE]" in answer[0]
 
 
 def test_a_client_sending_one_request_after_another_is_never_refused(tiny_llama_dir):
@@ -223,6 +251,49 @@ def test_the_router_accepts_by_itself_once_the_acceptor_is_gone_and_stops_it_on_
     assert health == 200 and acceptor_pids() == []
     with socket.socket() as probe:
         assert probe.connect_ex(("127.0.0.1", port)) != 0  # nothing listens after the stop
+
+
+def test_each_slot_report_counts_exactly_the_handed_over_requests_whose_slot_was_taken():
+    """The acceptor may hand out (free slots reported) - (handed over since, by its count - taken in, by the
+    report's): for that never to exceed the router's real free slots, each report counts as taken in only the
+    requests whose slot was taken, also while the router takes the slots of one message's requests."""
+    from splitserve.router.acceptor_process import _COUNT, _SLOTS, GATED, AcceptorProcess
+    from splitserve.router.admission import AdmissionControl
+    from splitserve.router.busy_refusal import RefusalRules
+
+    admission = AdmissionControl(3)
+    ours, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    connections = [socket.socketpair() for _ in range(3)]
+    served: list[Admission | None] = []
+
+    async def scenario():
+        acceptor = AcceptorProcess(socket.socket(), RefusalRules({}, None, ()), lambda: _slot(admission),
+                                   lambda sock, slot: (served.append(slot), sock.close()), lambda refused: None,
+                                   lambda: None)
+        acceptor.attach(ours)
+        admission.watch(acceptor.report_free_slots)
+        socket.send_fds(child, [GATED + _COUNT.pack(3)], [a.fileno() for a, _ in connections])
+        while len(served) < 3:
+            await asyncio.sleep(0.001)
+
+    asyncio.run(scenario())
+    reports = []
+    child.setblocking(False)
+    while True:
+        try:
+            reports.append(_SLOTS.unpack(child.recv(64))[1:])
+        except BlockingIOError:
+            break
+    assert reports == [(3, 0), (2, 1), (1, 2), (0, 3)]  # free + taken in = 3 at every report
+    assert all(isinstance(slot, Admission) for slot in served)
+    for a, b in connections:
+        a.close()
+        b.close()
+
+
+def _slot(admission) -> Admission | None:
+    decision = admission.try_admit()
+    return decision if isinstance(decision, Admission) else None
 
 
 def test_a_slot_taken_for_a_connection_is_released_if_the_connection_ends_first():
@@ -262,19 +333,8 @@ asyncio.run(main())
 
 
 def test_the_acceptor_ends_with_a_router_that_is_killed():
-    router = subprocess.Popen([sys.executable, "-c", _KILLED_ROUTER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                              text=True, cwd=Path(__file__).parents[1])
-    try:
-        acceptor = int(router.stdout.readline())
-        assert process_running(acceptor)
-    finally:
-        router.kill()
-        router.wait(timeout=10)
-    deadline = time.monotonic() + 10
-    while process_running(acceptor) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not process_running(acceptor)
-
+    acceptor, ran = child_of_killed_process(_KILLED_ROUTER)
+    assert ran and not process_running(acceptor)
 
 
 def test_the_acceptor_process_imports_only_the_standard_library():

@@ -66,6 +66,7 @@ def test_the_capacity_rejection_is_what_a_full_router_answers():
     held = [control.try_admit(), control.try_admit()]
     assert control.capacity_rejection() == control.try_admit() == FULL and len(held) == 2
 
+
 def test_a_slot_is_released_once_however_often_release_is_called():
     idle = []
     control = AdmissionControl(1, on_idle=lambda: idle.append(True))

@@ -10,10 +10,6 @@ import json
 import os
 import pickle
 import signal
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import pytest
 
@@ -23,7 +19,7 @@ from splitserve.common.generation_config import RequestDefaults
 from splitserve.router.openai_protocol import parse_chat_request, parse_completion_request
 from splitserve.router.request_body import LARGE_BODY_BYTES, BodyParser, MalformedBodyError, json_object
 from splitserve.router.structured_output import LARGE_GRAMMAR_BYTES
-from tests.factories import make_request_limits, process_running
+from tests.factories import child_of_killed_process, make_request_limits, process_running
 from tests.process_probe import process_id
 
 LIMITS = make_request_limits()
@@ -180,15 +176,5 @@ input()
 def test_the_parser_process_ends_with_a_router_that_is_killed():
     """A router's process killed outright (SIGKILL, the OOM killer) cannot close its parser: before,
     the parser process (and multiprocessing's resource tracker, which waits on it) lived on."""
-    router = subprocess.Popen([sys.executable, "-c", _KILLED_ROUTER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                              text=True, cwd=Path(__file__).parents[1])
-    try:
-        parser_pid = int(router.stdout.readline())
-    finally:
-        router.kill()
-        router.wait(timeout=10)
-    deadline = time.monotonic() + 10
-    while process_running(parser_pid) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not process_running(parser_pid)
-
+    parser_pid, ran = child_of_killed_process(_KILLED_ROUTER)
+    assert ran and not process_running(parser_pid)
