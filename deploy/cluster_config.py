@@ -175,7 +175,8 @@ class RouterConfig:
     http_acceptor_process: bool = True
     """The HTTP API's connections are accepted by a separate process, which answers a full router's
     generation requests (429) itself and hands every other connection to the router's event loop: a
-    burst of rejections then costs the loop nothing. Not with TLS (the loop accepts then)."""
+    burst of rejections then costs the loop nothing. Not with TLS, nor with routing.max_in_flight_requests
+    null (the loop accepts then)."""
     uvicorn_log_level: str = "info"
     """Level of the HTTP server's (uvicorn's) loggers, uvicorn.error and uvicorn.asgi (vLLM's
     --uvicorn-log-level): critical, error, warning, info, debug or trace."""

@@ -49,7 +49,7 @@ class HttpOptions:
     router.access_log (vLLM's --disable-log-requests turns it off)."""
     acceptor_process: bool = True
     """Accept connections in an acceptor process that refuses a full router's generation requests itself
-    (router/acceptor_process.py); not with TLS. router.http_acceptor_process."""
+    (router/acceptor_process.py); not with TLS nor without an in-flight limit. router.http_acceptor_process."""
     response_role: str = "assistant"
     """The role of a chat completion's message (and first stream delta) when the request's
     add_generation_prompt is true, vLLM's --response-role; otherwise the role of its last message."""
