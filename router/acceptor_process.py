@@ -13,8 +13,10 @@ kind; sockets ride as SCM_RIGHTS):
   slot, and refused here (the router's 429, then closed) while it has none; anything else is handed off
   at once, nothing read from it; a request not all there after HEAD_WAIT_S or MAX_PEEKS reads is handed
   off too (a slow client is the loop's to serve, as ever). With no capacity limit in force (a drain)
-  every connection is handed off unread. On STOP it stops accepting, sends the refusals it still holds
-  and ends; if the router goes away it just ends.
+  every connection is handed off unread. It never blocks on the router: what the control socket cannot
+  take yet waits in an outbox, so a router whose loop stalls does not stop the refusals. On STOP it stops
+  accepting, sends what it still holds (for at most STOP_SEND_S) and ends; if the router goes away it just
+  ends.
 - `AcceptorProcess`, in the router: starts the child, sends it the listening socket and the rules, reports
   the free slots (AdmissionControl.watch), takes the slot of each gated request handed to it the moment it
   arrives (so the slots it reports already count them), and serves what comes back: each connection goes to
@@ -48,7 +50,7 @@ import struct
 import subprocess
 import sys
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -77,6 +79,8 @@ MAX_PENDING_REFUSALS = 4096
 """Refusals the acceptor answers before it sends their records even though more connections are waiting: the
 router accounts for them (a log line and a count each) on its loop, which a burst's answers should not wait for,
 so they go when the acceptor is idle, or at this many."""
+STOP_SEND_S = 2.0
+"""How long a stopping acceptor waits for the router to take what it still has to send."""
 MAX_MESSAGES_PER_WAKE = 16
 """Messages the router handles per turn of its loop (a backlog of refusal batches must not hold it)."""
 MAX_MESSAGE_BYTES = 64 << 10
@@ -149,22 +153,32 @@ class Acceptor:
         self._gated: list[socket.socket] = []
         self._refused: list[tuple[str, str | None]] = []
         """(path, request id) of each refusal not yet sent to the router (RefusedRequest's fields)."""
+        self._outbox: deque[tuple[bytes, list[socket.socket]]] = deque()
+        """Messages (and the sockets they carry) the control socket has not taken yet: the acceptor never blocks
+        on the router, so a router whose loop stalls does not stop it answering."""
+        self._waiting_to_send = False
+        """The control socket is watched for room (EPOLLOUT) because the outbox is not empty."""
         self._epoll = select.epoll()
         self._accept_resumes: float | None = None
         """When to accept again after accept() failed; None while accepting."""
         self._date = (0, b"")
         self._control_fd, self._listening_fd = control.fileno(), listening.fileno()
+        control.setblocking(False)
         listening.setblocking(False)
         self._epoll.register(self._control_fd, select.EPOLLIN)
         self._epoll.register(self._listening_fd, select.EPOLLIN)
 
     def run(self) -> None:
-        """Until the router sends STOP (then what is left to send goes first) or goes away."""
+        """Until the router sends STOP (then what is left to send goes first, for at most STOP_SEND_S) or goes
+        away."""
         try:
             self._serve()
-            self._flush_refusals()
-        except (BrokenPipeError, ConnectionResetError):
-            pass  # the router is gone: nobody to hand anything to
+            self._post_refusals()
+            self._control.settimeout(STOP_SEND_S)
+            while self._outbox:
+                self._send(*self._outbox.popleft())
+        except (BrokenPipeError, ConnectionResetError, TimeoutError):
+            pass  # the router is gone or does not read: nobody to hand anything to
         finally:
             self._close()
 
@@ -174,7 +188,8 @@ class Acceptor:
         while True:
             events = self._epoll.poll(0 if self._refused else self._poll_timeout())
             if not events and self._refused:  # idle: now the router may account for the refusals
-                self._flush_refusals()
+                self._post_refusals()
+                self._send_outbox()
                 continue
             if not self._read_control():
                 return
@@ -185,9 +200,10 @@ class Acceptor:
                     self._consider(self._waiting[fd].sock, waiting=True)
             self._expire(time.monotonic())
             self._resume_accepting(time.monotonic())
-            self._flush_handoffs()
+            self._post_handoffs()
             if len(self._refused) >= MAX_PENDING_REFUSALS:
-                self._flush_refusals()
+                self._post_refusals()
+            self._send_outbox()
 
     def _poll_timeout(self) -> float:
         """Seconds until the next wait expires or accepting resumes; -1 (no timeout) when neither is due."""
@@ -303,28 +319,49 @@ class Acceptor:
                 return
             self._handoffs.append(self._release(entry.sock, waiting=True))
 
-    def _flush_handoffs(self) -> None:
-        """Send the router the connections this round handed off (blocking: the router's loop reads them)."""
+    def _post_handoffs(self) -> None:
+        """Queue for the router the connections this round handed off."""
         for kind, socks in ((GATED, self._gated), (CONNECTIONS, self._handoffs)):
             for start in range(0, len(socks), MAX_FDS_PER_MESSAGE):
                 batch = socks[start:start + MAX_FDS_PER_MESSAGE]
-                header = GATED + _COUNT.pack(len(batch)) if kind == GATED else kind
-                socket.send_fds(self._control, [header], [sock.fileno() for sock in batch])
-                for sock in batch:
-                    sock.close()  # the router holds its own descriptor now
+                self._outbox.append((GATED + _COUNT.pack(len(batch)) if kind == GATED else kind, batch))
             socks.clear()
 
-    def _flush_refusals(self) -> None:
-        """Send the router the refusals answered so far, for its access log and rejection count."""
+    def _post_refusals(self) -> None:
+        """Queue for the router the refusals answered so far, for its access log and rejection count."""
         for start in range(0, len(self._refused), MAX_REFUSALS_PER_MESSAGE):
             batch = self._refused[start:start + MAX_REFUSALS_PER_MESSAGE]
-            self._control.send(REFUSED + RefusedRequest.batch_to_wire(batch))
+            self._outbox.append((REFUSED + RefusedRequest.batch_to_wire(batch), []))
         self._refused.clear()
+
+    def _send_outbox(self) -> None:
+        """Send what the control socket takes now; watch it for room while anything is left."""
+        while self._outbox:
+            try:
+                self._send(*self._outbox[0])
+            except BlockingIOError:
+                if not self._waiting_to_send:
+                    self._epoll.modify(self._control_fd, select.EPOLLIN | select.EPOLLOUT)
+                    self._waiting_to_send = True
+                return
+            self._outbox.popleft()
+        if self._waiting_to_send:
+            self._epoll.modify(self._control_fd, select.EPOLLIN)
+            self._waiting_to_send = False
+
+    def _send(self, message: bytes, socks: list[socket.socket]) -> None:
+        """One message; the sockets it carries are the router's once it is sent (this process closes its own)."""
+        if socks:
+            socket.send_fds(self._control, [message], [sock.fileno() for sock in socks])
+            for sock in socks:
+                sock.close()
+        else:
+            self._control.send(message)
 
     def _close(self) -> None:
         for entry in self._waiting.values():
             entry.sock.close()
-        for sock in [*self._gated, *self._handoffs]:
+        for sock in [*self._gated, *self._handoffs, *(sock for _, socks in self._outbox for sock in socks)]:
             sock.close()
         self._listening.close()
         self._epoll.close()

@@ -293,6 +293,39 @@ def test_each_slot_report_counts_exactly_the_handed_over_requests_whose_slot_was
         b.close()
 
 
+def test_an_acceptor_whose_router_does_not_read_still_refuses():
+    """The acceptor never blocks on the router: with the router's end of the control socket unread (its loop
+    stalled) and a send buffer that holds only a few messages, a full router's requests are still answered 429,
+    and the refusals reach the router once it reads again."""
+    from splitserve.router.acceptor_process import _SLOTS, REFUSED, SLOTS, STOP, Acceptor, RefusedRequest
+    from splitserve.router.busy_refusal import RefusalRules, RefusalTemplate
+
+    template = RefusalTemplate(b"HTTP/1.1 429 Too Many Requests\r\n", ((b"content-length", b"4"),), b"full")
+    router, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    child.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1)  # the kernel's least: a few messages
+    listening = socket.create_server(("127.0.0.1", 0))
+    acceptor = Acceptor(child, listening, RefusalRules({"/v1/completions": template}, None, ()))
+    router.send(_SLOTS.pack(SLOTS, 0, 0))
+    serving = threading.Thread(target=acceptor.run)
+    serving.start()
+    request = post("/v1/completions", {"model": MODEL, "prompt": "hi"}, b"X-Request-Id: " + b"r" * 200 + b"\r\n")
+    try:
+        answers = [exchange(listening.getsockname()[1], request) for _ in range(300)]
+        refused: list[RefusedRequest] = []
+        router.settimeout(10)
+        while len(refused) < 300:
+            message = router.recv(1 << 16)
+            assert message[:1] == REFUSED
+            refused.extend(RefusedRequest.batch_from_wire(message[1:]))
+    finally:
+        router.send(STOP)
+        serving.join(10)
+        router.close()
+    assert [normalized(answer) for answer in answers] == [
+        b"HTTP/1.1 429 Too Many Requests\r\ndate: D\r\ncontent-length: 4\r\nconnection: close\r\n\r\nfull"] * 300
+    assert refused == [RefusedRequest("/v1/completions", "r" * 200)] * 300 and not serving.is_alive()
+
+
 def _slot(admission) -> Admission | None:
     decision = admission.try_admit()
     return decision if isinstance(decision, Admission) else None
