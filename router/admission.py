@@ -7,7 +7,9 @@ whether the router takes new requests at all (a drain stops it). `try_admit()` r
 first line to the end of the request's stream and `release()` frees it exactly once, however
 often it is called, so every path (success, an error while parsing, a cancel, a disconnect, a
 stream that never started) can call it without counting twice. `watch()` reports the free slots as they
-change (the HTTP acceptor process refuses by them, router/acceptor_process.py). Pure: no I/O, no clock, no
+change (the HTTP acceptor process refuses by them, router/acceptor_process.py), so every API releases a
+request's slot before the answer that ends it goes out: a client may send its next request the moment it
+has that answer. Pure: no I/O, no clock, no
 asyncio; call it from one thread (the router's event loop). Orchestrator.admit is its adapter.
 """
 

@@ -948,9 +948,11 @@ class _AdmissionGate:
     body, which is most of what a rejection cost under a burst (bench/admission_burst.py).
 
     An admitted request's slot rides in the scope to OpenAIServing._serve, which hands it to the
-    request's stream. The release when the app returns is a backstop that does nothing on any path
-    the handler ran (its stream, or its failure, released the slot already; release is idempotent)
-    and frees the slot on one it never did."""
+    request's stream. The gate releases it too, as the answer's last part goes out and when the app
+    returns: nothing on the paths where the stream or the handler's failure released it already
+    (release is idempotent), the slot itself on those that never do (a 404 of a path this server does
+    not serve). Never after the answer's end: a client may send its next request the moment it has it,
+    and the acceptor process, which learns of free slots from releases, must know this one is free."""
 
     def __init__(self, app: ASGIApp, orchestrator: Orchestrator) -> None:
         self.app = app
@@ -969,8 +971,14 @@ class _AdmissionGate:
             await _error_response(scope, ApiError.of(error))(scope, receive, send)
             return
         scope[ADMISSION_SCOPE_KEY] = admission
+
+        async def release_before_the_end(message: Message) -> None:
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                admission.release()
+            await send(message)
+
         try:
-            await self.app(scope, receive, send)
+            await self.app(scope, receive, release_before_the_end)
         finally:
             admission.release()
 

@@ -174,6 +174,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             logger.info("[%s] ended with %s", quote_for_log(request.request_id), quote_for_log(error))
             if not ran and self.log_refusals:
                 log_grpc_refusal(GENERATE_RPC, error, request.request_id)
+            if admission is not None:
+                admission.release()  # before the status goes out (the HTTP acceptor learns of free slots from it)
             await context.abort(*grpc_status(error))
         finally:
             if admission is not None:

@@ -119,6 +119,8 @@ class TritonServicer(pb_grpc.GRPCInferenceServiceServicer):
             logger.info("[%s] ModelInfer ended with %s", quote_for_log(request.id), quote_for_log(error))
             if not ran:
                 self._refused(MODEL_INFER_RPC, error, request.id)
+            if admission is not None:
+                admission.release()  # before the status goes out (the HTTP acceptor learns of free slots from it)
             await context.abort(*grpc_status(error))
         finally:
             if admission is not None:

@@ -20,8 +20,11 @@ import threading
 import time
 from pathlib import Path
 
+import grpc
 import pytest
 
+from splitserve.proto.splitserve.v1 import generation_pb2 as pb
+from splitserve.proto.splitserve.v1 import generation_pb2_grpc as pb_grpc
 from splitserve.router.admission import Admission
 from splitserve.router.http_server import SlotReleasingProtocol, TakenSlot
 from splitserve.router.policy import RoutingConfig
@@ -226,14 +229,31 @@ def test_a_drain_waits_for_the_requests_the_acceptor_handed_over(tiny_llama_dir)
 
 def test_a_client_sending_one_request_after_another_is_never_refused(tiny_llama_dir):
     """On a one-slot router, each request's slot is free again by the time its client has the answer and sends the
-    next: the router tells the acceptor before the answer goes out, and the acceptor reads that first."""
+    next, however the answer ended (a stream, a whole body, a 400, a 404, a gRPC error status): the router
+    releases the slot, and so tells the acceptor, before the answer's end goes out, and the acceptor reads that
+    first."""
     completion = {"model": MODEL, "prompt": "The river runs", "max_tokens": 2, "temperature": 0}
     with served_apis(tiny_llama_dir, MODEL, routing=ONE_SLOT) as served:
-        heads = [exchange(served.http_port, post("/v1/completions", {**completion, "stream": index % 2 == 1}))
-                 .split(b"\r\n", 1)[0] for index in range(40)]
-        refused_batch = exchange(served.http_port, post("/v1/completions", {**completion, "prompt": ["a", "b"]}))
-        after_refusal = exchange(served.http_port, post("/v1/completions", completion))
-    assert heads == [b"HTTP/1.1 200 OK"] * 40
+        port = served.http_port
+        heads = []
+        with grpc.insecure_channel(f"127.0.0.1:{served.grpc_port}") as channel:
+            generation = pb_grpc.GenerationStub(channel)
+            for index in range(40):
+                kind = index % 4
+                if kind == 2:  # refused by gRPC validation, after admission
+                    try:
+                        list(generation.Generate(pb.GenerateRequest(model=MODEL, text=b"hi", request_id="a b")))
+                    except grpc.RpcError as error:
+                        heads.append(error.code().name)
+                elif kind == 3:  # a gated path this server does not serve: 404 after admission
+                    heads.append(exchange(port, post("/v1/embeddings", {"model": MODEL, "input": "hi"}))
+                                 .split(b"\r\n", 1)[0])
+                heads.append(exchange(port, post("/v1/completions", {**completion, "stream": kind == 1}))
+                             .split(b"\r\n", 1)[0])
+        refused_batch = exchange(port, post("/v1/completions", {**completion, "prompt": ["a", "b"]}))
+        after_refusal = exchange(port, post("/v1/completions", completion))
+    assert heads == [b"HTTP/1.1 200 OK", b"HTTP/1.1 200 OK", "INVALID_ARGUMENT", b"HTTP/1.1 200 OK",
+                     b"HTTP/1.1 404 Not Found", b"HTTP/1.1 200 OK"] * 10
     assert refused_batch.startswith(b"HTTP/1.1 429") and after_refusal.startswith(b"HTTP/1.1 200 OK")
 
 
