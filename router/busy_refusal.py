@@ -77,9 +77,7 @@ class RefusalRules:
         for path, template in self.templates.items():
             if all(name not in (REQUEST_ID_HEADER, ANTHROPIC_REQUEST_ID_HEADER) for name, _ in template.headers):
                 rest = [*self.uvicorn_headers, *template.headers, (b"connection", b"close")]
-                fixed[path] = (template.status_line + b"date: ",
-                               b"".join([b"\r\n", *(name + b": " + value + b"\r\n" for name, value in rest), b"\r\n",
-                                         template.body]))
+                fixed[path] = (template.status_line + b"date: ", b"\r\n" + _head_and_body(rest, template.body))
         return fixed
 
     def to_wire(self) -> bytes:
@@ -221,9 +219,13 @@ def answer(refused: GatedRequest, rules: RefusalRules, date: bytes) -> Answer:
             value = f"req_{uuid.uuid4().hex}".encode()
         headers.append((name, value))
     headers.append((b"connection", b"close"))
-    data = b"".join([template.status_line, *(name + b": " + value + b"\r\n" for name, value in headers), b"\r\n",
-                     template.body])
+    data = template.status_line + _head_and_body(headers, template.body)
     return Answer(data, None if request_id is None else request_id.decode("latin-1"))
+
+
+def _head_and_body(headers: list[tuple[bytes, bytes]], body: bytes) -> bytes:
+    """Header lines, the blank line, the body."""
+    return b"".join([*(name + b": " + value + b"\r\n" for name, value in headers), b"\r\n", body])
 
 
 def uvicorn_status_line(status: int) -> bytes:

@@ -881,11 +881,7 @@ def _message_events(first: IndexedChunk, stream: AsyncGenerator[IndexedChunk, No
 
 def _error_response(scope: Scope, error: ApiError) -> JSONResponse:
     """Anthropic's error object on the Messages API's paths, OpenAI's everywhere else."""
-    return _path_error_response(route_path(scope), error)
-
-
-def _path_error_response(path: str, error: ApiError) -> JSONResponse:
-    return error.anthropic_response() if is_messages_path(path) else error.response()
+    return error.anthropic_response() if is_messages_path(route_path(scope)) else error.response()
 
 
 def _client_closed(scope: Scope) -> JSONResponse:
