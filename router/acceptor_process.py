@@ -56,7 +56,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from splitserve.common.log_escape import MAX_LOGGED_CHARS
-from splitserve.router.busy_refusal import MAX_PEEK_BYTES, GatedRequest, HandOff, RefusalRules, answer, decide
+from splitserve.router.busy_refusal import MAX_PEEK_BYTES, NEED_MORE, GatedRequest, RefusalRules, answer, decide
 from splitserve.router.child_process import follow_router
 
 if TYPE_CHECKING:  # the child imports only the standard library
@@ -93,6 +93,11 @@ them again, so a head sent a few bytes at a time would cost it quadratic copying
 bytes as they come)."""
 _PEEK = int(socket.MSG_PEEK | socket.MSG_DONTWAIT)
 _DONTWAIT = int(socket.MSG_DONTWAIT)
+_LAST_SEND = int(socket.MSG_MORE)
+"""A refusal's send flag: the answer waits in the send queue until close(), which puts the FIN on the same segment.
+One segment and one ACK a refusal instead of two and two: on loopback the kernel does the client's receiving
+too, in the acceptor's time, and that packet work is most of a refusal's cost (bench/admission_burst.py:
+rejections' p99 about halved on 2 cores)."""
 ACCEPT_RETRY_S = 1.0
 """How long the acceptor stops accepting after accept() ran out of a resource, as asyncio's loop does."""
 RESOURCE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
@@ -253,32 +258,37 @@ class Acceptor:
         `waiting`: it is in self._waiting (and the epoll set)."""
         try:
             peeked = sock.recv(MAX_PEEK_BYTES, _PEEK)
-        except BlockingIOError:
-            peeked = b""  # nothing yet
+        except BlockingIOError:  # nothing yet
+            self._wait_for_more(sock, waiting)
+            return
         except OSError:  # reset by the client: nothing to answer
             self._drop(sock, waiting)
             return
-        else:
-            if not peeked:  # closed before it sent anything: nothing to answer
-                self._drop(sock, waiting)
-                return
+        if not peeked:  # closed before it sent anything: nothing to answer
+            self._drop(sock, waiting)
+            return
         decision = decide(peeked, self._rules)
-        if isinstance(decision, HandOff) or (isinstance(decision, GatedRequest) and self._free is None):
-            self._handoffs.append(self._release(sock, waiting))
-        elif isinstance(decision, GatedRequest):
+        if isinstance(decision, GatedRequest) and self._free is not None:
             if self._free - (self._gated_sent - self._gated_seen) > 0:
                 self._gated_sent += 1
                 self._gated.append(self._release(sock, waiting))
             else:
                 self._refuse(sock, decision, waiting)
-        elif not waiting:
+        elif decision is NEED_MORE:
+            self._wait_for_more(sock, waiting)
+        else:
+            self._handoffs.append(self._release(sock, waiting))
+
+    def _wait_for_more(self, sock: socket.socket, waiting: bool) -> None:
+        """Watch a new connection for its request's bytes; hand one already waited for off after MAX_PEEKS reads."""
+        if not waiting:
             self._waiting[sock.fileno()] = _Waiting(sock, time.monotonic() + HEAD_WAIT_S)
             self._epoll.register(sock.fileno(), select.EPOLLIN | select.EPOLLET)
-        else:
-            entry = self._waiting[sock.fileno()]
-            entry.peeks += 1
-            if entry.peeks >= MAX_PEEKS:
-                self._handoffs.append(self._release(sock, waiting))
+            return
+        entry = self._waiting[sock.fileno()]
+        entry.peeks += 1
+        if entry.peeks >= MAX_PEEKS:
+            self._handoffs.append(self._release(sock, waiting))
 
     def _release(self, sock: socket.socket, waiting: bool) -> socket.socket:
         """`sock`, no longer waited for, to hand off: the router's loop serves it (without Nagle's delay, as
@@ -300,7 +310,7 @@ class Acceptor:
         reply = answer(request, self._rules, self._http_date())
         try:
             sock.recv(request.request_bytes, _DONTWAIT)  # all there: decide saw it whole
-            sock.send(reply.data)  # a few hundred bytes into a fresh connection's empty send buffer
+            sock.send(reply.data, _LAST_SEND)  # a few hundred bytes into a fresh connection's empty send buffer
         except OSError:
             pass  # the client went away: nobody to answer, still a refusal
         self._drop(sock, waiting)

@@ -136,42 +136,50 @@ NEED_MORE = NeedMore()
 Decision = GatedRequest | HandOff | NeedMore
 
 
-_HEADER_LINES = re.compile(rb"(?:\r\n[-!#$%&'*+.^_`|~0-9a-z]+:[\t\x20-\x7e\x80-\xff]*)*\r\n")
-"""A lower-cased header block, from the request line's CRLF to the last header's: every line `name:value`,
-the name an RFC 9110 token (so no folded line, no space before the colon), the value without control
-characters but tab (the loop's parser answers those 400, and uvicorn would not send one back as an id)."""
-_TARGET = re.compile(rb"/[\x21-\x7e]*")
-"""A request target in origin form of visible ASCII (anything else is the loop's parser's to judge)."""
-_HANDOFF_HEADER = re.compile(rb"\r\n(?:" + b"|".join(re.escape(name) for name in sorted(HANDOFF_HEADERS)) + rb"):")
+_HEADER_NAME = rb"[-!#$%&'*+.^_`|~0-9a-z]+"
+"""A lower-cased RFC 9110 token (so no folded line, no space before the colon)."""
+_HEADER_VALUE = rb"[\t\x20-\x7e\x80-\xff]*"
+"""No control characters but tab (the loop's parser answers those 400, and uvicorn would not send one back as an id)."""
+_HEADER_LINES = re.compile(rb"(?:\r\n" + _HEADER_NAME + b":" + _HEADER_VALUE + rb")*\r\n")
+"""A lower-cased header block, from the request line's CRLF to the last header's: every line `name:value`."""
+_GATEABLE_HEADER_LINES = re.compile(rb"(?:\r\n(?!(?:" + b"|".join(re.escape(name) for name in sorted(HANDOFF_HEADERS))
+                                    + rb"):)" + _HEADER_NAME + b":" + _HEADER_VALUE + rb")*\r\n")
+"""_HEADER_LINES with no HANDOFF_HEADERS line: both checks in one pass (decide runs once per connection of a burst;
+the first tells the reason when this one fails)."""
+_REQUEST_LINE = re.compile(rb"POST (/[\x21-\x7e]*) HTTP/1\.1")
+"""A POST in origin form (a target of visible ASCII: anything else is the loop's parser's to judge), HTTP/1.1."""
+_CONTENT_LENGTH = b"\r\ncontent-length:"
+_AUTHORIZATION = b"\r\nauthorization:"
+_API_KEY = b"\r\nx-api-key:"
+_REQUEST_ID = b"\r\n" + REQUEST_ID_HEADER + b":"
 
 
 def decide(peeked: bytes, rules: RefusalRules) -> Decision:
     """What to do with a connection whose first bytes are `peeked` (at most MAX_PEEK_BYTES, unconsumed).
 
     Runs once per connection of a burst, so it is a few C-level searches rather than a header dict: a
-    refusal's own Python work costs several times its micro-benchmark here, beside the kernel's work."""
+    refusal's own Python work costs several times its micro-benchmark here, beside the kernel's work
+    (bench/admission_burst.py's p99 is the acceptor's time per connection times the backlog)."""
     head_end = peeked.find(b"\r\n\r\n")
     if head_end < 0:
         return NEED_MORE if len(peeked) < MAX_PEEK_BYTES else HandOff("head larger than the acceptor reads")
     line_end = peeked.find(b"\r\n")
-    method, _, rest = peeked[:line_end].partition(b" ")
-    target, _, version = rest.partition(b" ")
-    if method != b"POST" or version != b"HTTP/1.1" or _TARGET.fullmatch(target) is None:
+    request_line = _REQUEST_LINE.fullmatch(peeked, 0, line_end)
+    if request_line is None:
         return HandOff("not an HTTP/1.1 POST in origin form")
-    path = rules.gated_paths.get(target.partition(b"?")[0])
+    path = rules.gated_paths.get(request_line[1].partition(b"?")[0])
     if path is None:
         return HandOff("not an admission-gated path")
     block = peeked[line_end:head_end + 2].lower()  # b"\r\nname:value\r\n...\r\n", offsets as in `peeked`
-    if _HEADER_LINES.fullmatch(block) is None:
-        return HandOff("a header line the acceptor does not parse")
-    if _HANDOFF_HEADER.search(block) is not None:
-        return HandOff("a header another layer acts on")
-    if rules.api_key is not None and check_api_key(_header(peeked, block, line_end, b"authorization"),
-                                                   _header(peeked, block, line_end, b"x-api-key"),
+    if _GATEABLE_HEADER_LINES.fullmatch(block) is None:
+        return HandOff("a header line the acceptor does not parse" if _HEADER_LINES.fullmatch(block) is None
+                       else "a header another layer acts on")
+    if rules.api_key is not None and check_api_key(_header(peeked, block, line_end, _AUTHORIZATION),
+                                                   _header(peeked, block, line_end, _API_KEY),
                                                    rules.api_key) is not None:
         return HandOff("no valid API key (the loop answers 401)")
-    length = _header(peeked, block, line_end, b"content-length")
-    if length is not None and (not length.isdigit() or block.count(b"\r\ncontent-length:") > 1):
+    length = _header(peeked, block, line_end, _CONTENT_LENGTH)
+    if length is not None and (not length.isdigit() or block.count(_CONTENT_LENGTH) > 1):
         return HandOff("no single decimal Content-Length")
     request_bytes = head_end + 4 + (int(length) if length is not None else 0)
     if request_bytes > MAX_PEEK_BYTES:
@@ -180,15 +188,16 @@ def decide(peeked: bytes, rules: RefusalRules) -> Decision:
         return NEED_MORE
     if len(peeked) > request_bytes:
         return HandOff("bytes after the request (pipelined)")
-    return GatedRequest(path, request_bytes, _header(peeked, block, line_end, REQUEST_ID_HEADER))
+    return GatedRequest(path, request_bytes, _header(peeked, block, line_end, _REQUEST_ID))
 
 
-def _header(peeked: bytes, block: bytes, offset: int, name: bytes) -> bytes | None:
-    """The first value of header `name` (lower case), as sent (`block` is peeked[offset:...] lower-cased)."""
-    start = block.find(b"\r\n" + name + b":")
+def _header(peeked: bytes, block: bytes, offset: int, needle: bytes) -> bytes | None:
+    """The first value of the header whose line starts with `needle` (b"\\r\\n" + lower-case name + b":"), as sent
+    (`block` is peeked[offset:...] lower-cased)."""
+    start = block.find(needle)
     if start < 0:
         return None
-    start += len(name) + 3
+    start += len(needle)
     return peeked[offset + start:offset + block.find(b"\r\n", start)].strip(b" \t")
 
 
