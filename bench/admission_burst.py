@@ -13,6 +13,10 @@ count as the router's latency (the JSON also holds that client-observed time, `s
   Retry-After header;
 - admitted (200, streamed, max_tokens --max-tokens): to its first SSE event (TTFT) and its end.
 
+The burst is sent --bursts times (default 5), a second apart, to the same cluster: the percentiles pool
+them, and each burst's p99 is in the JSON too (on 2 shared cores one burst's p99 varies by 2x from the
+next's).
+
 The router's acceptor process (router/acceptor_process.py) answers the refusals: an epoll loop of its
 own, off the router's event loop. Then the same client bursts at two bare servers in their own
 processes that answer every request with a canned 429 (no HTTP framework, no router), measured in the
@@ -21,8 +25,8 @@ answered before the acceptor), and an epoll loop that only accepts, reads a requ
 and closes (the floor of the acceptor's way of doing it in Python on this machine).
 
 Writes bench/results/admission_burst.json and .png; exits 1 when the rejections' p99 misses the
-100 ms target. Bounded: one burst, every request with a timeout (--timeout-s), the client and the
-bare server are joined or killed, and the Ray session it started is shut down.
+100 ms target (pooled). Bounded: --bursts bursts, every request with a timeout (--timeout-s), each client and
+bare server is joined or killed, and the Ray session it started is shut down.
 
 Run: .venv/bin/python bench/admission_burst.py                  (about a minute on 2 cores)
      .venv/bin/python bench/admission_burst.py --requests 500 --limit 8
@@ -51,6 +55,8 @@ RESULTS = REPO / "bench" / "results"
 PROMPT = "The river runs"
 TARGET_P99_S = 0.1
 """Issue 20's target for the rejections' p99."""
+BURST_GAP_S = 1.0
+"""Pause between two bursts of one run."""
 
 
 # ---- the client (a spawned process: only the standard library) ------------------------------
@@ -162,6 +168,19 @@ def client_main(port: int, num_requests: int, max_tokens: int, timeout_s: float,
     out.put((records, time.perf_counter() - started))
 
 
+def run_bursts(port: int, args: argparse.Namespace) -> tuple[list[dict], list[float]]:
+    """args.bursts bursts one after another (BURST_GAP_S apart, so the admitted requests of one are done before
+    the next): every burst's records, each with its `burst` index, and each client's wall seconds."""
+    records, walls = [], []
+    for index in range(args.bursts):
+        if index:
+            time.sleep(BURST_GAP_S)
+        burst_records, wall_s = run_client(port, args)
+        records += [{**record, "burst": index} for record in burst_records]
+        walls.append(round(wall_s, 3))
+    return records, walls
+
+
 def run_client(port: int, args: argparse.Namespace) -> tuple[list[dict], float]:
     """One burst from a spawned client process (killed if it outlives its bound): (records, its wall seconds)."""
     context = multiprocessing.get_context("spawn")
@@ -205,7 +224,8 @@ def bare_server_main(ready: multiprocessing.Queue, stop: multiprocessing.Event) 
 def bare_epoll_server_main(ready: multiprocessing.Queue, stop: multiprocessing.Event) -> None:
     """Answer every request with a canned 429 as soon as its head is in, from a plain epoll loop: the least
     a Python process does per refused connection (accept, read, write, close), with no decision and no
-    router behind it."""
+    router behind it. The answer goes out with the FIN on one segment (MSG_MORE, then close), as the
+    acceptor's does."""
     import select
 
     listening = socket.create_server(("127.0.0.1", 0), backlog=socket.SOMAXCONN)
@@ -231,19 +251,19 @@ def bare_epoll_server_main(ready: multiprocessing.Queue, stop: multiprocessing.E
                 epoll.unregister(fd)
                 del heads[fd]
                 if chunk:
-                    connection.send(_CANNED_429)
+                    connection.send(_CANNED_429, socket.MSG_MORE)
                 connection.close()
     listening.close()
 
 
 def run_floor(args: argparse.Namespace, server_main: Callable) -> list[dict]:
-    """The same burst against a bare server (bare_server_main, bare_epoll_server_main)."""
+    """The same bursts against a bare server (bare_server_main, bare_epoll_server_main)."""
     context = multiprocessing.get_context("spawn")
     ready, stop = context.Queue(), context.Event()
     server = context.Process(target=server_main, args=(ready, stop))
     server.start()
     try:
-        records, _ = run_client(ready.get(timeout=60), args)
+        records, _ = run_bursts(ready.get(timeout=60), args)
     finally:
         stop.set()
         server.join(10)
@@ -254,9 +274,9 @@ def run_floor(args: argparse.Namespace, server_main: Callable) -> list[dict]:
 
 
 # ---- the server side ---------------------------------------------------------------------
-def run_burst(args: argparse.Namespace, model_dir: Path) -> tuple[list[dict], float, dict]:
+def run_burst(args: argparse.Namespace, model_dir: Path) -> tuple[list[dict], list[float], dict]:
     """Start the cluster (Ray on loopback: the router in this process, each worker an actor), run
-    the client process, and stop everything it started."""
+    the bursts' client processes, and stop everything it started."""
     from splitserve.testing.local_cluster import running_cluster, tiny_cluster_config
 
     config = tiny_cluster_config(model_dir, **{"router.routing.max_in_flight_requests": args.limit,
@@ -265,8 +285,8 @@ def run_burst(args: argparse.Namespace, model_dir: Path) -> tuple[list[dict], fl
     with running_cluster(config) as (cluster, loop):
         port = cluster.router_ports.http
         print(f"{args.routers} router(s) on 127.0.0.1:{port} (max_in_flight_requests {args.limit} each); sending "
-              f"{args.requests} requests at once", flush=True)
-        records, wall_s = run_client(port, args)
+              f"{args.requests} requests at once, {args.bursts} times", flush=True)
+        records, wall_s = run_bursts(port, args)
         if cluster.orchestrator is None:  # router actors: their loops' statistics stay in their processes
             return records, wall_s, {}
         orchestrator = cluster.orchestrator
@@ -296,7 +316,7 @@ def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else round(seconds * 1000, 2)
 
 
-def summarize(args: argparse.Namespace, records: list[dict], wall_s: float, server: dict,
+def summarize(args: argparse.Namespace, records: list[dict], wall_s: list[float], server: dict,
               floor: list[dict], epoll_floor: list[dict]) -> dict:
     rejected = [r for r in records if r["status"] == 429]
     admitted = [r for r in records if r["status"] == 200]
@@ -304,30 +324,46 @@ def summarize(args: argparse.Namespace, records: list[dict], wall_s: float, serv
     for record in records:
         key = str(record["status"]) if record["status"] is not None else record["error"] or "no answer"
         by_status[key] = by_status.get(key, 0) + 1
-    sent = [r["sent_ns"] for r in records if r["sent_ns"] is not None]
-    connects = [r["connect_ns"] for r in records]
     return {
         "date": datetime.date.today().isoformat(),
         "machine": f"{platform.machine()}, {multiprocessing.cpu_count()} cores, Python {platform.python_version()}",
         "commit": _commit(),
         "config": {"requests": args.requests, "routers": args.routers, "max_in_flight_requests": args.limit,
-                   "acceptor_process": args.acceptor,
+                   "acceptor_process": args.acceptor, "bursts": args.bursts,
                    "max_tokens": args.max_tokens,
                    "api": "OpenAI HTTP /v1/completions, streamed, one connection per request"},
         "by_status": by_status,
-        "sends_spread_ms": _ms((max(sent) - min(connects)) / 1e9) if sent else None,
+        "sends_spread_ms_per_burst": [_sends_spread_ms(of_burst(records, index)) for index in range(args.bursts)],
         "rejected_latency": summary([r["head_s"] for r in rejected]),
+        "rejected_p99_ms_per_burst": _p99_per_burst(records, args.bursts),
         "rejected_seen_by_client": summary([r["seen_head_s"] for r in rejected]),
         "floor_bare_asyncio_server": summary([r["head_s"] for r in floor if r["status"] == 429]),
         "floor_bare_epoll_server": summary([r["head_s"] for r in epoll_floor if r["status"] == 429]),
+        "floor_bare_epoll_server_p99_ms_per_burst": _p99_per_burst(epoll_floor, args.bursts),
         "rejected_messages": sorted({r["message"] for r in rejected}),
         "rejected_without_retry_after": sum(1 for r in rejected if r["retry_after"] is None),
         "admitted_ttft": summary([r["ttft_s"] for r in admitted if r["ttft_s"] is not None]),
         "admitted_e2e": summary([r["end_s"] for r in admitted if r["end_s"] is not None]),
-        "client_wall_s": round(wall_s, 3),
+        "client_wall_s": wall_s,
         "server": server,
         "target_rejected_p99_ms": TARGET_P99_S * 1000,
     }
+
+
+def of_burst(records: list[dict], index: int) -> list[dict]:
+    return [r for r in records if r["burst"] == index]
+
+
+def _p99_per_burst(records: list[dict], bursts: int) -> list[float | None]:
+    """Each burst's p99 of its rejections (bursts of one run differ: the pooled p99 hides how much)."""
+    return [summary([r["head_s"] for r in of_burst(records, index) if r["status"] == 429])["p99_ms"]
+            for index in range(bursts)]
+
+
+def _sends_spread_ms(records: list[dict]) -> float | None:
+    """From a burst's first connect to its last send."""
+    sent = [r["sent_ns"] for r in records if r["sent_ns"] is not None]
+    return _ms((max(sent) - min(r["connect_ns"] for r in records)) / 1e9) if sent else None
 
 
 def _commit() -> str:
@@ -359,9 +395,9 @@ def plot(records: list[dict], floor: list[dict], epoll_floor: list[dict], result
     ax.set_ylabel("fraction of requests")
     config = result["config"]
     accepting = "an acceptor process refuses" if config["acceptor_process"] else "the router's loop refuses"
-    ax.set_title(f"{config['requests']} requests at once, max_in_flight_requests {config['max_in_flight_requests']}, "
-                 f"{accepting}", fontsize=10)
-    ax.legend(loc="lower right")
+    ax.set_title(f"{config['requests']} requests at once ({config['bursts']} bursts pooled), max_in_flight_requests "
+                 f"{config['max_in_flight_requests']}, {accepting}", fontsize=10)
+    ax.legend(loc="upper left", fontsize=8)
     ax.grid(True, which="both", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -375,6 +411,8 @@ def main() -> int:
     parser.add_argument("--routers", type=int, default=1,
                         help="router.replicas: routers sharing the port with SO_REUSEPORT (each a Ray actor when > 1)")
     parser.add_argument("--max-tokens", type=int, default=32, help="output tokens of each admitted request")
+    parser.add_argument("--bursts", type=int, default=5, help="bursts one after another in the same cluster (and "
+                        "against each floor); the percentiles pool them")
     parser.add_argument("--no-acceptor", dest="acceptor", action="store_false",
                         help="router.http_acceptor_process false: the router's event loop accepts and refuses")
     parser.add_argument("--timeout-s", type=float, default=120.0, help="bound on each request")
@@ -382,6 +420,8 @@ def main() -> int:
     args = parser.parse_args()
     if not 1 <= args.requests <= 10_000:
         parser.error("--requests must be in [1, 10000]")
+    if not 1 <= args.bursts <= 20:
+        parser.error("--bursts must be in [1, 20]")
 
     from splitserve.engine.tiny_model import build_tiny_model
     from splitserve.testing.tiny_models import TINY_SPECS
@@ -394,8 +434,9 @@ def main() -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     plot(records, floor, epoll_floor, result, args.out.with_suffix(".png"))
-    print(json.dumps({key: result[key] for key in ("by_status", "sends_spread_ms", "rejected_latency",
-                                                   "floor_bare_asyncio_server", "floor_bare_epoll_server",
+    print(json.dumps({key: result[key] for key in ("by_status", "sends_spread_ms_per_burst", "rejected_latency",
+                                                   "rejected_p99_ms_per_burst", "floor_bare_asyncio_server",
+                                                   "floor_bare_epoll_server", "floor_bare_epoll_server_p99_ms_per_burst",
                                                    "admitted_ttft", "server")},
                      indent=2))
     p99 = result["rejected_latency"]["p99_ms"]
