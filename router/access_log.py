@@ -58,8 +58,11 @@ def grpc_refusal_fields(rpc: str, grpc_status: str, message: str | None, param: 
 
 def log_refusal(fields: dict[str, object]) -> None:
     """`refused method="POST" path="/v1/completions" http_status=400 ...` (HTTP) or `refused
-    rpc="/splitserve.v1.Generation/Generate" grpc_status="INVALID_ARGUMENT" ...` (gRPC), on the access logger."""
-    logger.info("refused %s", _key_values(fields), extra={"fields": fields})
+    rpc="/splitserve.v1.Generation/Generate" grpc_status="INVALID_ARGUMENT" ...` (gRPC), on the access logger.
+    The line is rendered only when the logger writes it: a burst's thousands of refusals are accounted for on
+    the router's loop."""
+    if logger.isEnabledFor(logging.INFO):
+        logger.info("refused %s", _key_values(fields), extra={"fields": fields})
 
 
 def _refusal(message: str | None, param: str | None, client_request_id: str | None) -> dict[str, object]:
@@ -75,7 +78,7 @@ def _cut(text: str | None) -> str | None:
 def log_access(record: RequestRecord) -> None:
     """The router's request observer for the access log: a line per client request (an internal step's
     record, step_of set, has none: its client request has its own line)."""
-    if record.step_of is not None:
+    if record.step_of is not None or not logger.isEnabledFor(logging.INFO):
         return
     fields = access_fields(record)
     logger.info("%s", text_line(fields), extra={"fields": fields})
