@@ -8,7 +8,7 @@ kind; sockets ride as SCM_RIGHTS):
 
 - `Acceptor`, in the child (`python -m splitserve.router.acceptor_process <fd> <router pid>`, standard library
   only): an epoll loop over the listening socket, the control socket and the connections whose request it
-  is waiting for. It peeks at each new connection (router/busy_refusal.decide): a gated request (one the
+  is waiting for. It peeks at each new connection's bytes as they come (router/busy_refusal.decide): a gated request (one the
   admission gate would admit or refuse for capacity) is handed to the router while the router has a free
   slot, and refused here (the router's 429, then closed) while it has none; anything else is handed off
   at once, nothing read from it; a request not all there after HEAD_WAIT_S or MAX_PEEKS reads is handed
@@ -134,7 +134,7 @@ class _Waiting:
     sock: socket.socket
     deadline: float
     """When to stop waiting and hand it off (monotonic seconds)."""
-    peeks: int = 1
+    peeks: int = 0
     """How often its first bytes were read."""
 
 
@@ -202,7 +202,7 @@ class Acceptor:
                 if fd == self._listening_fd:
                     self._accept()
                 elif fd in self._waiting:
-                    self._consider(self._waiting[fd].sock, waiting=True)
+                    self._consider(self._waiting[fd])
             self._expire(time.monotonic())
             self._resume_accepting(time.monotonic())
             self._post_handoffs()
@@ -245,50 +245,41 @@ class Acceptor:
                 return
             if self._free is None:
                 self._handoffs.append(self._release(sock, waiting=False))
-            else:
-                self._consider(sock, waiting=False)
+            else:  # edge-triggered: a request already there is reported at once. Not read here: in a burst the
+                # connections come before their requests, and a read finding nothing costs a refusal's time later
+                self._waiting[sock.fileno()] = _Waiting(sock, time.monotonic() + HEAD_WAIT_S)
+                self._epoll.register(sock.fileno(), select.EPOLLIN | select.EPOLLET)
 
     def _resume_accepting(self, now: float) -> None:
         if self._accept_resumes is not None and now >= self._accept_resumes:
             self._accept_resumes = None
             self._epoll.register(self._listening_fd, select.EPOLLIN)
 
-    def _consider(self, sock: socket.socket, waiting: bool) -> None:
-        """Hand the connection off (with its slot, or without), refuse its request, or wait for more of it.
-        `waiting`: it is in self._waiting (and the epoll set)."""
+    def _consider(self, entry: _Waiting) -> None:
+        """Hand a waited-for connection off (with its slot, or without), refuse its request, or wait for more of
+        it (handed off after MAX_PEEKS reads)."""
+        sock = entry.sock
         try:
             peeked = sock.recv(MAX_PEEK_BYTES, _PEEK)
         except BlockingIOError:  # nothing yet
-            self._wait_for_more(sock, waiting)
-            return
+            peeked = None
         except OSError:  # reset by the client: nothing to answer
-            self._drop(sock, waiting)
+            self._drop(sock)
             return
-        if not peeked:  # closed before it sent anything: nothing to answer
-            self._drop(sock, waiting)
-            return
-        decision = decide(peeked, self._rules)
+        else:
+            if not peeked:  # closed before it sent anything: nothing to answer
+                self._drop(sock)
+                return
+        entry.peeks += 1
+        decision = NEED_MORE if peeked is None else decide(peeked, self._rules)
         if isinstance(decision, GatedRequest) and self._free is not None:
             if self._free - (self._gated_sent - self._gated_seen) > 0:
                 self._gated_sent += 1
-                self._gated.append(self._release(sock, waiting))
+                self._gated.append(self._release(sock, waiting=True))
             else:
-                self._refuse(sock, decision, waiting)
-        elif decision is NEED_MORE:
-            self._wait_for_more(sock, waiting)
-        else:
-            self._handoffs.append(self._release(sock, waiting))
-
-    def _wait_for_more(self, sock: socket.socket, waiting: bool) -> None:
-        """Watch a new connection for its request's bytes; hand one already waited for off after MAX_PEEKS reads."""
-        if not waiting:
-            self._waiting[sock.fileno()] = _Waiting(sock, time.monotonic() + HEAD_WAIT_S)
-            self._epoll.register(sock.fileno(), select.EPOLLIN | select.EPOLLET)
-            return
-        entry = self._waiting[sock.fileno()]
-        entry.peeks += 1
-        if entry.peeks >= MAX_PEEKS:
-            self._handoffs.append(self._release(sock, waiting))
+                self._refuse(sock, decision)
+        elif decision is not NEED_MORE or entry.peeks >= MAX_PEEKS:
+            self._handoffs.append(self._release(sock, waiting=True))
 
     def _release(self, sock: socket.socket, waiting: bool) -> socket.socket:
         """`sock`, no longer waited for, to hand off: the router's loop serves it (without Nagle's delay, as
@@ -300,20 +291,20 @@ class Acceptor:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return sock
 
-    def _drop(self, sock: socket.socket, waiting: bool) -> None:
-        """Close a connection handed to no one (closing its only descriptor also takes it out of the epoll set)."""
-        if waiting:
-            del self._waiting[sock.fileno()]
+    def _drop(self, sock: socket.socket) -> None:
+        """Close a waited-for connection handed to no one (closing its only descriptor also takes it out of the epoll
+        set)."""
+        del self._waiting[sock.fileno()]
         sock.close()
 
-    def _refuse(self, sock: socket.socket, request: GatedRequest, waiting: bool) -> None:
+    def _refuse(self, sock: socket.socket, request: GatedRequest) -> None:
         reply = answer(request, self._rules, self._http_date())
         try:
             sock.recv(request.request_bytes, _DONTWAIT)  # all there: decide saw it whole
             sock.send(reply.data, _LAST_SEND)  # a few hundred bytes into a fresh connection's empty send buffer
         except OSError:
             pass  # the client went away: nobody to answer, still a refusal
-        self._drop(sock, waiting)
+        self._drop(sock)
         self._refused.append((request.path, None if reply.request_id is None else reply.request_id[:MAX_LOGGED_CHARS]))
 
     def _http_date(self) -> bytes:
