@@ -8,11 +8,11 @@ kind; sockets ride as SCM_RIGHTS):
 
 - `Acceptor`, in the child (`python -m splitserve.router.acceptor_process <fd> <router pid>`, standard library
   only): an epoll loop over the listening socket, the control socket and the connections whose request it
-  is waiting for. It peeks at each new connection's bytes as they come (router/busy_refusal.decide): a gated request (one the
-  admission gate would admit or refuse for capacity) is handed to the router while the router has a free
-  slot, and refused here (the router's 429, then closed) while it has none; anything else is handed off
-  at once, nothing read from it; a request not all there after HEAD_WAIT_S or MAX_PEEKS reads is handed
-  off too (a slow client is the loop's to serve, as ever). With no capacity limit in force (a drain)
+  is waiting for. It peeks at each new connection's bytes as they come (router/busy_refusal.decide): a
+  gated request (one the admission gate would admit or refuse for capacity) is handed to the router while
+  the router has a free slot, and refused here (the router's 429, then closed) while it has none; anything
+  else is handed off at once, nothing consumed; a request not all there after HEAD_WAIT_S or MAX_PEEKS
+  reads is handed off too (a slow client is the loop's to serve, as ever). With no capacity limit in force (a drain)
   every connection is handed off unread. It never blocks on the router: what the control socket cannot
   take yet waits in an outbox, so a router whose loop stalls does not stop the refusals. On STOP it stops
   accepting, sends what it still holds (for at most STOP_SEND_S) and ends; if the router goes away it just
@@ -129,7 +129,7 @@ class RefusedRequest:
 
 @dataclass
 class _Waiting:
-    """A connection the acceptor waits on for the rest of its request."""
+    """A connection the acceptor waits on for its request: from its accept until the request is whole."""
 
     sock: socket.socket
     deadline: float
@@ -300,7 +300,8 @@ class Acceptor:
     def _refuse(self, sock: socket.socket, request: GatedRequest) -> None:
         reply = answer(request, self._rules, self._http_date())
         try:
-            sock.recv(request.request_bytes, _DONTWAIT)  # all there: decide saw it whole
+            sock.recv(MAX_PEEK_BYTES, _DONTWAIT)  # the request, and any bytes sent after it since the peek: closing
+            # with unread bytes would reset the connection, and the answer held for the FIN (_LAST_SEND) with it
             sock.send(reply.data, _LAST_SEND)  # a few hundred bytes into a fresh connection's empty send buffer
         except OSError:
             pass  # the client went away: nobody to answer, still a refusal
