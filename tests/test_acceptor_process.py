@@ -346,6 +346,42 @@ def test_an_acceptor_whose_router_does_not_read_still_refuses():
     assert refused == [RefusedRequest("/v1/completions", "r" * 200)] * 300 and not serving.is_alive()
 
 
+def test_a_connection_that_sends_nothing_is_dropped_and_a_head_not_whole_in_time_is_handed_off(monkeypatch):
+    """A client that closes before sending anything is nobody's (the router hears nothing of it); one whose head is
+    not whole within HEAD_WAIT_S goes to the loop with what it sent still unread."""
+    from splitserve.router import acceptor_process
+    from splitserve.router.acceptor_process import _SLOTS, CONNECTIONS, MAX_FDS_PER_MESSAGE, SLOTS, STOP, Acceptor
+    from splitserve.router.busy_refusal import RefusalRules, RefusalTemplate
+
+    monkeypatch.setattr(acceptor_process, "HEAD_WAIT_S", 0.3)
+    template = RefusalTemplate(b"HTTP/1.1 429 Too Many Requests\r\n", ((b"content-length", b"4"),), b"full")
+    router, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listening = socket.create_server(("127.0.0.1", 0))
+    acceptor = Acceptor(child, listening, RefusalRules({"/v1/completions": template}, None, ()))
+    router.send(_SLOTS.pack(SLOTS, 0, 0))
+    serving = threading.Thread(target=acceptor.run)
+    serving.start()
+    router.settimeout(10)
+    try:
+        socket.create_connection(listening.getsockname()).close()
+        with socket.create_connection(listening.getsockname()) as slow:
+            slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x")
+            started = time.monotonic()
+            message, fds, _, _ = socket.recv_fds(router, 1 << 16, MAX_FDS_PER_MESSAGE)
+            waited_s = time.monotonic() - started
+            handed = [socket.socket(fileno=fd) for fd in fds]
+            handed[0].settimeout(10)
+            unread = handed[0].recv(100)
+            for sock in handed:
+                sock.close()
+    finally:
+        router.send(STOP)
+        serving.join(10)
+        router.close()
+    assert (message, len(handed), unread) == (CONNECTIONS, 1, b"POST /v1/completions HTTP/1.1\r\nHost: x")
+    assert 0.2 < waited_s < 5 and not serving.is_alive()
+
+
 def _slot(admission) -> Admission | None:
     decision = admission.try_admit()
     return decision if isinstance(decision, Admission) else None
@@ -386,7 +422,7 @@ async def main():
         os._exit(0)
     probe = socket.create_connection(listening.getsockname())
     probe.setblocking(False)
-    await asyncio.get_running_loop().sock_recv(probe, 1)  # closed once handed over: the acceptor is running
+    await asyncio.wait_for(asyncio.get_running_loop().sock_recv(probe, 1), 10)  # closed once handed over: it runs
     print(acceptor.pid, flush=True)
     await asyncio.get_running_loop().run_in_executor(None, input)
 

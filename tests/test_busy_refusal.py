@@ -32,6 +32,11 @@ def test_a_whole_post_on_a_gated_path_is_a_gated_request():
         b"/v1/completions?stream=1")), None)
     no_body = b"POST /v1/messages HTTP/1.1\r\nHost: x\r\n\r\n"
     assert decide(no_body, RULES) == GatedRequest("/v1/messages", len(no_body), None)
+    no_headers = b"POST /v1/completions HTTP/1.1\r\n\r\n"
+    assert decide(no_headers, RULES) == GatedRequest("/v1/completions", len(no_headers), None)
+    named_like_a_handoff_header = request(headers=b"Origin-Trace: a\r\nExpected: b\r\nUpgraded: c\r\n")
+    assert decide(named_like_a_handoff_header, RULES) == GatedRequest(
+        "/v1/completions", len(named_like_a_handoff_header), None)
 
 
 @pytest.mark.parametrize("peeked", [b"", b"POST /v1/compl", request()[:-1], request(headers=b"X-Request-Id: a")[:60]])
