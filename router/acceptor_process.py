@@ -32,7 +32,7 @@ without a slot and refused by the loop's admission gate, as before. A refusal ju
 Messages, router -> acceptor: RULES (+ the listening socket; first, once), SLOTS, STOP.
 Acceptor -> router: CONNECTIONS (+ sockets, nothing read), GATED (+ sockets, each holding one gated request;
 their count, so that any the router could not take are still counted), REFUSED (JSON: [[path, request id
-or null], ...]).
+or null], ...]), UNLOGGED (a count of refusals the acceptor held no record of: MAX_HELD_REFUSALS).
 """
 
 from __future__ import annotations
@@ -65,16 +65,22 @@ if TYPE_CHECKING:  # the child imports only the standard library
 logger = logging.getLogger(__name__)
 
 RULES, SLOTS, STOP = b"R", b"L", b"Q"
-CONNECTIONS, GATED, REFUSED = b"C", b"G", b"X"
+CONNECTIONS, GATED, REFUSED, UNLOGGED = b"C", b"G", b"X", b"U"
 _SLOTS = struct.Struct("=cqq")
 """SLOTS, free slots (-1: no capacity limit in force), gated requests the router has taken in."""
 _COUNT = struct.Struct("=q")
-"""A GATED message's payload: how many sockets it carries (the router counts them even if some were lost)."""
+"""A GATED message's payload: how many sockets it carries (the router counts them even if some were lost); an
+UNLOGGED message's: how many refusals it stands for."""
 NO_LIMIT = -1
 MAX_FDS_PER_MESSAGE = 128
 """Sockets per CONNECTIONS / GATED message (Linux takes at most 253 in one SCM_RIGHTS message)."""
 MAX_REFUSALS_PER_MESSAGE = 32
 """Refusals per REFUSED message: each a gated path and an id cut at MAX_LOGGED_CHARS (at most ~1.6 KB as JSON)."""
+MAX_HELD_REFUSALS = 20_000
+"""Refusal records the acceptor holds for a router that does not read them (its loop stalled): about 100 bytes each,
+at most about 1.6 KB (an id of MAX_LOGGED_CHARS escaped as JSON), so at most about 32 MB. Past this many a refusal
+is only counted, and the router hears the count (UNLOGGED) once it reads again: its rejection count and one warning
+instead of the access log's lines. A router that reads keeps far fewer: records go out every MAX_PENDING_REFUSALS."""
 MAX_PENDING_REFUSALS = 4096
 """Refusals the acceptor answers before it sends their records even though more connections are waiting: the
 router accounts for them (a log line and a count each) on its loop, which a burst's answers should not wait for,
@@ -142,7 +148,8 @@ class Acceptor:
     """The child's loop. Owns each accepted connection until it is handed off (the router then holds its own
     descriptor; this process closes its copy) or refused (closed here)."""
 
-    def __init__(self, control: socket.socket, listening: socket.socket, rules: RefusalRules) -> None:
+    def __init__(self, control: socket.socket, listening: socket.socket, rules: RefusalRules,
+                 max_held_refusals: int = MAX_HELD_REFUSALS) -> None:
         self._control = control
         self._listening = listening
         self._rules = rules
@@ -158,9 +165,14 @@ class Acceptor:
         self._gated: list[socket.socket] = []
         self._refused: list[tuple[str, str | None]] = []
         """(path, request id) of each refusal not yet sent to the router (RefusedRequest's fields)."""
-        self._outbox: deque[tuple[bytes, list[socket.socket]]] = deque()
-        """Messages (and the sockets they carry) the control socket has not taken yet: the acceptor never blocks
-        on the router, so a router whose loop stalls does not stop it answering."""
+        self._outbox: deque[tuple[bytes, list[socket.socket], int]] = deque()
+        """Messages (and the sockets they carry, and how many refusal records) the control socket has not taken yet:
+        the acceptor never blocks on the router, so a router whose loop stalls does not stop it answering."""
+        self._max_held_refusals = max_held_refusals
+        self._held_refusals = 0
+        """Refusal records in self._refused and the outbox (at most max_held_refusals)."""
+        self._unlogged = 0
+        """Refusals past max_held_refusals not yet reported (sent as UNLOGGED once the outbox is empty)."""
         self._waiting_to_send = False
         """The control socket is watched for room (EPOLLOUT) because the outbox is not empty."""
         self._epoll = select.epoll()
@@ -180,8 +192,8 @@ class Acceptor:
             self._serve()
             self._post_refusals()
             self._control.settimeout(STOP_SEND_S)
-            while self._outbox:
-                self._send(*self._outbox.popleft())
+            while self._send_next():
+                pass
         except (BrokenPipeError, ConnectionResetError, TimeoutError):
             pass  # the router is gone or does not read: nobody to hand anything to
         finally:
@@ -306,7 +318,12 @@ class Acceptor:
         except OSError:
             pass  # the client went away: nobody to answer, still a refusal
         self._drop(sock)
-        self._refused.append((request.path, None if reply.request_id is None else reply.request_id[:MAX_LOGGED_CHARS]))
+        if self._held_refusals < self._max_held_refusals:
+            self._held_refusals += 1
+            self._refused.append((request.path,
+                                  None if reply.request_id is None else reply.request_id[:MAX_LOGGED_CHARS]))
+        else:
+            self._unlogged += 1
 
     def _http_date(self) -> bytes:
         now = int(time.time())
@@ -326,30 +343,43 @@ class Acceptor:
         for kind, socks in ((GATED, self._gated), (CONNECTIONS, self._handoffs)):
             for start in range(0, len(socks), MAX_FDS_PER_MESSAGE):
                 batch = socks[start:start + MAX_FDS_PER_MESSAGE]
-                self._outbox.append((GATED + _COUNT.pack(len(batch)) if kind == GATED else kind, batch))
+                self._outbox.append((GATED + _COUNT.pack(len(batch)) if kind == GATED else kind, batch, 0))
             socks.clear()
 
     def _post_refusals(self) -> None:
         """Queue for the router the refusals answered so far, for its access log and rejection count."""
         for start in range(0, len(self._refused), MAX_REFUSALS_PER_MESSAGE):
             batch = self._refused[start:start + MAX_REFUSALS_PER_MESSAGE]
-            self._outbox.append((REFUSED + RefusedRequest.batch_to_wire(batch), []))
+            self._outbox.append((REFUSED + RefusedRequest.batch_to_wire(batch), [], len(batch)))
         self._refused.clear()
 
     def _send_outbox(self) -> None:
         """Send what the control socket takes now; watch it for room while anything is left."""
-        while self._outbox:
-            try:
-                self._send(*self._outbox[0])
-            except BlockingIOError:
-                if not self._waiting_to_send:
-                    self._epoll.modify(self._control_fd, select.EPOLLIN | select.EPOLLOUT)
-                    self._waiting_to_send = True
-                return
-            self._outbox.popleft()
+        try:
+            while self._send_next():
+                pass
+        except BlockingIOError:
+            if not self._waiting_to_send:
+                self._epoll.modify(self._control_fd, select.EPOLLIN | select.EPOLLOUT)
+                self._waiting_to_send = True
+            return
         if self._waiting_to_send:
             self._epoll.modify(self._control_fd, select.EPOLLIN)
             self._waiting_to_send = False
+
+    def _send_next(self) -> bool:
+        """Send the outbox's first message, else the count of refusals held no record of; False: nothing to send."""
+        if self._outbox:
+            message, socks, refusals = self._outbox[0]
+            self._send(message, socks)
+            self._outbox.popleft()
+            self._held_refusals -= refusals
+        elif self._unlogged:
+            self._control.send(UNLOGGED + _COUNT.pack(self._unlogged))
+            self._unlogged = 0
+        else:
+            return False
+        return True
 
     def _send(self, message: bytes, socks: list[socket.socket]) -> None:
         """One message; the sockets it carries are the router's once it is sent (this process closes its own)."""
@@ -363,7 +393,7 @@ class Acceptor:
     def _close(self) -> None:
         for entry in self._waiting.values():
             entry.sock.close()
-        for sock in [*self._gated, *self._handoffs, *(sock for _, socks in self._outbox for sock in socks)]:
+        for sock in [*self._gated, *self._handoffs, *(sock for _, socks, _ in self._outbox for sock in socks)]:
             sock.close()
         self._listening.close()
         self._epoll.close()
@@ -389,10 +419,11 @@ class AcceptorProcess:
 
     def __init__(self, listening: socket.socket, rules: RefusalRules, take_slot: Callable[[], Admission | None],
                  on_connection: Callable[[socket.socket, Admission | None], None],
-                 on_refused: Callable[[list[RefusedRequest]], None], on_exit: Callable[[], None]) -> None:
+                 on_refused: Callable[[list[RefusedRequest], int], None], on_exit: Callable[[], None]) -> None:
         """`take_slot()`: a gated request's admission slot, None when there is none. `on_connection(sock, slot)`:
-        serve a handed-off connection, its first request holding `slot` when one was taken. `on_refused(requests)`:
-        account for refusals already answered. `on_exit()`: the child ended without being told to."""
+        serve a handed-off connection, its first request holding `slot` when one was taken. `on_refused(requests,
+        unlogged)`: account for refusals already answered, `requests` with their records and `unlogged` more
+        without (MAX_HELD_REFUSALS). `on_exit()`: the child ended without being told to."""
         self._listening = listening
         self._rules = rules
         self._take_slot = take_slot
@@ -492,7 +523,9 @@ class AcceptorProcess:
             for fd in fds:
                 self._on_connection(socket.socket(fileno=fd), None)
         elif kind == REFUSED:
-            self._on_refused(RefusedRequest.batch_from_wire(message[1:]))
+            self._on_refused(RefusedRequest.batch_from_wire(message[1:]), 0)
+        elif kind == UNLOGGED:
+            self._on_refused([], _COUNT.unpack(message[1:])[0])
 
     def _ended(self) -> None:
         self._detach()

@@ -99,8 +99,9 @@ class AcceptorSetup:
     """Whose free slots the acceptor refuses by (watch)."""
     take_slot: Callable[[], Admission | None]
     """A slot for a gated request the acceptor hands over, None when there is none (Orchestrator.take_free_slot)."""
-    on_refused: Callable[[list[RefusedRequest]], None]
-    """Accounts for refusals the acceptor answered (account_busy_refusals)."""
+    on_refused: Callable[[list[RefusedRequest], int], None]
+    """Accounts for refusals the acceptor answered: those with their records and a count of those without
+    (account_busy_refusals)."""
 
 
 class HttpServer:

@@ -1012,14 +1012,20 @@ async def _rendered_refusal(app: ASGIApp, root_path: str, path: str) -> RefusalT
     return RefusalTemplate(uvicorn_status_line(start["status"]), tuple(start["headers"]), body)
 
 
-def account_busy_refusals(orchestrator: Orchestrator, access_log: bool, refused: list[RefusedRequest]) -> None:
+def account_busy_refusals(orchestrator: Orchestrator, access_log: bool, refused: list[RefusedRequest],
+                          unlogged: int) -> None:
     """What _AdmissionGate's layers do for a request the acceptor process refused (its 429 already sent):
-    count the rejection and write the refused line."""
+    count the rejection and write the refused line; for the `unlogged` refusals the acceptor held no record of
+    (the router did not read them in time: acceptor_process.MAX_HELD_REFUSALS), count them and say so once."""
     message = orchestrator.admission.capacity_rejection().message
+    orchestrator.count_rejection(TOO_MANY_REQUESTS, len(refused) + unlogged)
+    if not access_log:
+        return
     for request in refused:
-        orchestrator.count_rejection(TOO_MANY_REQUESTS)
-        if access_log:
-            log_refusal(refusal_fields("POST", request.path, 429, message, None, request.request_id))
+        log_refusal(refusal_fields("POST", request.path, 429, message, None, request.request_id))
+    if unlogged:
+        logger.warning("%d requests the HTTP acceptor refused (429) have no line in the access log: the router did "
+                       "not take their records in time", unlogged)
 
 
 GUARDED_PATHS = frozenset({"/v1", "/tokenize", "/detokenize", CLASSIFY_PATH, POOLING_PATH, "/score", "/rerank",

@@ -542,9 +542,10 @@ class Orchestrator:
         self._idle.clear()
         return decision
 
-    def count_rejection(self, reason: str) -> None:
-        """A request refused by admission at the door (admit(), the tokenizer pool), for routing_stats."""
-        self._rejections[reason] += 1
+    def count_rejection(self, reason: str, count: int = 1) -> None:
+        """`count` requests refused by admission at the door (admit(), the tokenizer pool, the HTTP acceptor), for
+        routing_stats."""
+        self._rejections[reason] += count
 
     def _admit(self, run: RequestRun) -> Admission:
         """admit(), noting a rejection's reason on the run (its record shows it)."""

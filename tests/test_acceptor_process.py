@@ -8,6 +8,7 @@ loop keeps a keep-alive request's connection open."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -290,8 +291,8 @@ def test_each_slot_report_counts_exactly_the_handed_over_requests_whose_slot_was
 
     async def scenario():
         acceptor = AcceptorProcess(socket.socket(), RefusalRules({}, None, ()), lambda: _slot(admission),
-                                   lambda sock, slot: (served.append(slot), sock.close()), lambda refused: None,
-                                   lambda: None)
+                                   lambda sock, slot: (served.append(slot), sock.close()),
+                                   lambda refused, unlogged: None, lambda: None)
         acceptor.attach(ours)
         admission.watch(acceptor.report_free_slots)
         socket.send_fds(child, [GATED + _COUNT.pack(3)], [a.fileno() for a, _ in connections])
@@ -344,6 +345,62 @@ def test_an_acceptor_whose_router_does_not_read_still_refuses():
     assert [normalized(answer) for answer in answers] == [
         b"HTTP/1.1 429 Too Many Requests\r\ndate: D\r\ncontent-length: 4\r\nconnection: close\r\n\r\nfull"] * 300
     assert refused == [RefusedRequest("/v1/completions", "r" * 200)] * 300 and not serving.is_alive()
+
+
+def test_an_acceptor_holds_a_bounded_number_of_refusal_records_for_a_router_that_does_not_read():
+    """Past max_held_refusals records the acceptor only counts its refusals; the router gets the records it held
+    and then the count, and every refusal is answered alike."""
+    from splitserve.router.acceptor_process import _COUNT, _SLOTS, REFUSED, SLOTS, STOP, UNLOGGED, Acceptor
+    from splitserve.router.acceptor_process import RefusedRequest
+    from splitserve.router.busy_refusal import RefusalRules, RefusalTemplate
+
+    template = RefusalTemplate(b"HTTP/1.1 429 Too Many Requests\r\n", ((b"content-length", b"4"),), b"full")
+    router, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    child.setblocking(False)
+    with contextlib.suppress(BlockingIOError):
+        while True:
+            child.send(b"-")  # the control socket full before the first refusal: a router that stopped reading
+    listening = socket.create_server(("127.0.0.1", 0))
+    acceptor = Acceptor(child, listening, RefusalRules({"/v1/completions": template}, None, ()), max_held_refusals=50)
+    router.send(_SLOTS.pack(SLOTS, 0, 0))
+    serving = threading.Thread(target=acceptor.run)
+    serving.start()
+    request = post("/v1/completions", {"model": MODEL, "prompt": "hi"}, b"X-Request-Id: " + b"r" * 200 + b"\r\n")
+    try:
+        answers = [exchange(listening.getsockname()[1], request) for _ in range(300)]
+        refused: list[RefusedRequest] = []
+        router.settimeout(10)
+        while (message := router.recv(1 << 16))[:1] in (b"-", REFUSED):
+            refused.extend(RefusedRequest.batch_from_wire(message[1:]) if message[:1] == REFUSED else [])
+    finally:
+        router.send(STOP)
+        serving.join(10)
+        router.close()
+    assert {normalized(answer) for answer in answers} == {
+        b"HTTP/1.1 429 Too Many Requests\r\ndate: D\r\ncontent-length: 4\r\nconnection: close\r\n\r\nfull"}
+    assert refused == [RefusedRequest("/v1/completions", "r" * 200)] * 50
+    assert (message[:1], _COUNT.unpack(message[1:])[0], serving.is_alive()) == (UNLOGGED, 250, False)
+
+
+def test_the_router_counts_refusals_without_records_and_says_so_once(caplog):
+    from types import SimpleNamespace
+
+    from splitserve.router.acceptor_process import RefusedRequest
+    from splitserve.router.openai_server import account_busy_refusals
+    from splitserve.router.orchestrator import Orchestrator
+
+    caplog.set_level(logging.INFO)
+    router = Orchestrator("r", (), [SimpleNamespace(worker_id="decode-0")], None, "colocated")
+    account_busy_refusals(router, True, [RefusedRequest("/v1/completions", "a-1")], 0)
+    account_busy_refusals(router, True, [], 250)
+    assert dict(router.routing_stats().rejections) == {"too_many_requests": 251}
+    assert [(record.name, record.levelname, record.getMessage()) for record in caplog.records] == [
+        ("splitserve.access", "INFO", 'refused method="POST" path="/v1/completions" http_status=429 '
+                                      'client_request_id="a-1" error="the router has 1024 requests in flight, its '
+                                      'limit (router.routing.max_in_flight_requests); retry later"'),
+        ("splitserve.router.openai_server", "WARNING", "250 requests the HTTP acceptor refused (429) have no line "
+                                                       "in the access log: the router did not take their records in "
+                                                       "time")]
 
 
 def test_a_connection_that_sends_nothing_is_dropped_and_a_head_not_whole_in_time_is_handed_off(monkeypatch):
@@ -415,7 +472,7 @@ from splitserve.router.busy_refusal import RefusalRules
 async def main():
     listening = socket.create_server(("127.0.0.1", 0))
     acceptor = AcceptorProcess(listening, RefusalRules({{}}, None, ()), lambda: None, lambda sock, slot: sock.close(),
-                               lambda refused: None, lambda: None)
+                               lambda refused, unlogged: None, lambda: None)
     acceptor.start()
     if os.fork() == 0:  # holds a copy of the router's end of the control socket for {_HOLD_S} s after the router dies
         time.sleep({_HOLD_S})
