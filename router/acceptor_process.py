@@ -75,7 +75,8 @@ NO_LIMIT = -1
 MAX_FDS_PER_MESSAGE = 128
 """Sockets per CONNECTIONS / GATED message (Linux takes at most 253 in one SCM_RIGHTS message)."""
 MAX_REFUSALS_PER_MESSAGE = 32
-"""Refusals per REFUSED message: each a gated path and an id cut at MAX_LOGGED_CHARS (at most ~1.6 KB as JSON)."""
+"""Refusals per REFUSED message: each a gated path, an id cut at MAX_LOGGED_CHARS (at most ~1.6 KB as JSON) and an
+Anthropic `req_<hex>` id or null."""
 MAX_HELD_REFUSALS = 20_000
 """Refusal records the acceptor holds for a router that does not read them (its loop stalled): about 100 bytes each,
 at most about 1.6 KB (an id of MAX_LOGGED_CHARS escaped as JSON), so at most about 32 MB. Past this many a refusal
@@ -120,15 +121,18 @@ class RefusedRequest:
     request_id: str | None
     """The X-Request-Id its answer carried, else the request's own (busy_refusal.Answer.request_id), cut at
     MAX_LOGGED_CHARS as the refused line cuts it."""
+    anthropic_request_id: str | None
+    """The Anthropic `request-id` its answer carried (busy_refusal.Answer.anthropic_request_id)."""
 
     @staticmethod
-    def batch_to_wire(batch: list[tuple[str, str | None]]) -> bytes:
-        """(path, request_id) pairs as a REFUSED message's payload (the acceptor keeps pairs: it makes thousands)."""
+    def batch_to_wire(batch: list[tuple[str, str | None, str | None]]) -> bytes:
+        """(path, request_id, anthropic_request_id) triples as a REFUSED message's payload (the acceptor keeps
+        tuples: it makes thousands)."""
         return json.dumps(batch).encode()
 
     @staticmethod
     def batch_from_wire(data: bytes) -> list[RefusedRequest]:
-        return [RefusedRequest(path, request_id) for path, request_id in json.loads(data)]
+        return [RefusedRequest(*fields) for fields in json.loads(data)]
 
 
 # ---- the child: accept, then hand off or refuse ----------------------------------------------------
@@ -163,8 +167,8 @@ class Acceptor:
         so the first entry is the next to expire."""
         self._handoffs: list[socket.socket] = []
         self._gated: list[socket.socket] = []
-        self._refused: list[tuple[str, str | None]] = []
-        """(path, request id) of each refusal not yet sent to the router (RefusedRequest's fields)."""
+        self._refused: list[tuple[str, str | None, str | None]] = []
+        """RefusedRequest's fields of each refusal not yet sent to the router."""
         self._outbox: deque[tuple[bytes, list[socket.socket], int]] = deque()
         """Messages (and the sockets they carry, and how many refusal records) the control socket has not taken yet:
         the acceptor never blocks on the router, so a router whose loop stalls does not stop it answering."""
@@ -320,8 +324,8 @@ class Acceptor:
         self._drop(sock)
         if self._held_refusals < self._max_held_refusals:
             self._held_refusals += 1
-            self._refused.append((request.path,
-                                  None if reply.request_id is None else reply.request_id[:MAX_LOGGED_CHARS]))
+            request_id = None if reply.request_id is None else reply.request_id[:MAX_LOGGED_CHARS]
+            self._refused.append((request.path, request_id, reply.anthropic_request_id))
         else:
             self._unlogged += 1
 

@@ -40,12 +40,14 @@ def text_line(fields: dict[str, object]) -> str:
 
 
 def refusal_fields(method: str, path: str, http_status: int, message: str | None, param: str | None,
-                   client_request_id: str | None) -> dict[str, object]:
-    """An HTTP request refused before it ran: what it asked for, the answer's status and its error message.
-    Every string is cut at MAX_LOGGED_CHARS here, not only when the text line quotes it: the JSON log writes
-    the fields themselves, and a 404's message quotes the whole path the client sent."""
-    return {"method": method[:MAX_LOGGED_CHARS], "path": path[:MAX_LOGGED_CHARS], "http_status": http_status,
-            **_refusal(message, param, client_request_id)}
+                   client_request_id: str | None, anthropic_request_id: str | None) -> dict[str, object]:
+    """An HTTP request refused before it ran: what it asked for, the answer's status and its error message, and on
+    the Messages API the `request-id` its answer carried (what an Anthropic client quotes). Every string is cut
+    at MAX_LOGGED_CHARS here, not only when the text line quotes it: the JSON log writes the fields themselves,
+    and a 404's message quotes the whole path the client sent."""
+    fields = {"method": method[:MAX_LOGGED_CHARS], "path": path[:MAX_LOGGED_CHARS], "http_status": http_status,
+              **_refusal(message, param, client_request_id)}
+    return fields if anthropic_request_id is None else {**fields, "anthropic_request_id": anthropic_request_id}
 
 
 def grpc_refusal_fields(rpc: str, grpc_status: str, message: str | None, param: str | None,

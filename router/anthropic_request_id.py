@@ -12,9 +12,7 @@ from starlette.types import ASGIApp, Scope
 
 from splitserve.router.anthropic_protocol import is_messages_path
 from splitserve.router.http_access import RAN_REQUEST_ID_SCOPE_KEY, route_path
-from splitserve.router.response_id_header import ResponseIdHeader
-
-ANTHROPIC_REQUEST_ID_HEADER = "request-id"
+from splitserve.router.response_id_header import ANTHROPIC_REQUEST_ID_HEADER, ResponseIdHeader
 
 
 def anthropic_request_id(app: ASGIApp) -> ResponseIdHeader:

@@ -208,6 +208,8 @@ class Answer:
     data: bytes
     request_id: str | None
     """The X-Request-Id the answer carries, else the request's own: what the refused line names."""
+    anthropic_request_id: str | None = None
+    """The Anthropic `request-id` the answer carries (`req_<hex>`), if its template has one."""
 
 
 def answer(refused: GatedRequest, rules: RefusalRules, date: bytes) -> Answer:
@@ -219,17 +221,18 @@ def answer(refused: GatedRequest, rules: RefusalRules, date: bytes) -> Answer:
         client_id = refused.client_request_id
         return Answer(fixed[0] + date + fixed[1], None if client_id is None else client_id.decode("latin-1"))
     template = rules.templates[refused.path]
-    request_id = refused.client_request_id
+    request_id, anthropic_request_id = refused.client_request_id, None
     headers = [(b"date", date), *rules.uvicorn_headers]
     for name, value in template.headers:
         if name == REQUEST_ID_HEADER:
             request_id = value = request_id or uuid.uuid4().hex.encode()
         elif name == ANTHROPIC_REQUEST_ID_HEADER:
-            value = f"req_{uuid.uuid4().hex}".encode()
+            anthropic_request_id = f"req_{uuid.uuid4().hex}"
+            value = anthropic_request_id.encode()
         headers.append((name, value))
     headers.append((b"connection", b"close"))
     data = template.status_line + _head_and_body(headers, template.body)
-    return Answer(data, None if request_id is None else request_id.decode("latin-1"))
+    return Answer(data, None if request_id is None else request_id.decode("latin-1"), anthropic_request_id)
 
 
 def _head_and_body(headers: list[tuple[bytes, bytes]], body: bytes) -> bytes:

@@ -13,7 +13,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from splitserve.router.access_log import log_refusal, refusal_fields
 from splitserve.router.request_id_header import REQUEST_ID_HEADER
-from splitserve.router.response_id_header import SENT_IDS_SCOPE_KEY
+from splitserve.router.response_id_header import ANTHROPIC_REQUEST_ID_HEADER, SENT_IDS_SCOPE_KEY
 
 RAN_REQUEST_ID_SCOPE_KEY = "splitserve.ran_request_id"
 """Set in a request's ASGI scope once it is a request of the router (its record will write its line): the id the
@@ -73,8 +73,9 @@ class RefusalLog:
         async def watched_send(message: Message) -> None:
             if answer.see(message) and RAN_REQUEST_ID_SCOPE_KEY not in scope:
                 message_text, param = _error_message(answer.body)
+                anthropic_id = _sent_ids(scope).get(ANTHROPIC_REQUEST_ID_HEADER)
                 log_refusal(refusal_fields(scope["method"], route_path(scope), answer.status, message_text, param,
-                                           _client_request_id(scope)))
+                                           _client_request_id(scope), anthropic_id))
             await send(message)
 
         await self.app(scope, receive, watched_send)
@@ -102,8 +103,13 @@ def _client_request_id(scope: Scope) -> str | None:
     """The X-Request-Id the answer carries (--enable-request-id-headers: the request's own, else a fresh one), else
     the request's own, if any: what a client may quote to find its request in the log. The answer's start has gone
     out through the header's layer (outside this one) before its last part comes here."""
-    sent = scope.get(SENT_IDS_SCOPE_KEY, {}).get(REQUEST_ID_HEADER)
+    sent = _sent_ids(scope).get(REQUEST_ID_HEADER)
     if sent is not None:
         return sent
     value = header(scope, REQUEST_ID_HEADER.lower().encode())
     return None if value is None else value.decode("latin-1")
+
+
+def _sent_ids(scope: Scope) -> dict[str, str]:
+    """The ids the answer's start carried, by header name (router/response_id_header.py)."""
+    return scope.get(SENT_IDS_SCOPE_KEY, {})

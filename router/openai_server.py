@@ -1022,7 +1022,8 @@ def account_busy_refusals(orchestrator: Orchestrator, access_log: bool, refused:
     if not access_log:
         return
     for request in refused:
-        log_refusal(refusal_fields("POST", request.path, 429, message, None, request.request_id))
+        log_refusal(refusal_fields("POST", request.path, 429, message, None, request.request_id,
+                                   request.anthropic_request_id))
     if unlogged:
         logger.warning("%d requests the HTTP acceptor refused (429) have no line in the access log: the router did "
                        "not take their records in time", unlogged)

@@ -9,6 +9,8 @@ from typing import Callable
 from starlette.datastructures import MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+ANTHROPIC_REQUEST_ID_HEADER = "request-id"
+"""Anthropic's id of an answer on the Messages API (router/anthropic_request_id.py)."""
 SENT_IDS_SCOPE_KEY = "splitserve.sent_ids"
 """Set in a request's ASGI scope as its answer starts: {header name: the id sent}, for the layers inside
 (RefusalLog), which read it once their answer's start has gone out through every layer."""

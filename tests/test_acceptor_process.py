@@ -119,10 +119,13 @@ def _command_line(entry: Path) -> bytes:
         return b""
 
 
-def refusals_of_a_full_router(tiny_llama_dir, acceptor: bool, ids: bool) -> dict[tuple[str, bool], bytes]:
+def refusals_of_a_full_router(tiny_llama_dir, caplog, acceptor: bool, ids: bool) -> dict[tuple[str, bool], bytes]:
     """Every gated path's answer (with and without the client's X-Request-Id) from a router whose one slot is
-    held, as keep-alive requests; `ids`: --enable-request-id-headers."""
+    held, as keep-alive requests; `ids`: --enable-request-id-headers. Each refused line names the Anthropic
+    `request-id` its answer carried (on /v1/messages only)."""
     options = {"http_acceptor_process": acceptor, "enable_request_id_headers": ids}
+    caplog.set_level(logging.INFO, logger="splitserve.access")
+    caplog.clear()
     with served_apis(tiny_llama_dir, MODEL, routing=ONE_SLOT, router_options=options) as served:
         slot = hold_slot(served)
         answers = {(path, own_id): exchange(served.http_port, post(path, {"model": MODEL, "prompt": "hi"},
@@ -130,13 +133,18 @@ def refusals_of_a_full_router(tiny_llama_dir, acceptor: bool, ids: bool) -> dict
                    for path in GATED_PATHS for own_id in (False, True)}
         release(served, slot)
         assert rejections_once_counted(served, len(answers)) == {"too_many_requests": len(answers)}
+    logged = sorted((entry.fields["path"], entry.fields.get("anthropic_request_id")) for entry in caplog.records
+                    if entry.name == "splitserve.access" and entry.getMessage().startswith("refused"))
+    sent = sorted((path, None if (found := re.search(rb"\r\nrequest-id: (req_[0-9a-f]{32})\r\n", answer)) is None
+                   else found.group(1).decode()) for (path, _), answer in answers.items())
+    assert logged == sent and sum(anthropic_id is not None for _, anthropic_id in sent) == 2
     return answers
 
 
 @pytest.mark.parametrize("ids", [True, False], ids=["request-id-headers", "no-request-id-headers"])
-def test_the_acceptors_refusal_is_the_loops_byte_for_byte(tiny_llama_dir, ids):
-    by_loop = refusals_of_a_full_router(tiny_llama_dir, acceptor=False, ids=ids)
-    by_acceptor = refusals_of_a_full_router(tiny_llama_dir, acceptor=True, ids=ids)
+def test_the_acceptors_refusal_is_the_loops_byte_for_byte(tiny_llama_dir, caplog, ids):
+    by_loop = refusals_of_a_full_router(tiny_llama_dir, caplog, acceptor=False, ids=ids)
+    by_acceptor = refusals_of_a_full_router(tiny_llama_dir, caplog, acceptor=True, ids=ids)
     for key, answer in by_acceptor.items():
         assert answer.count(b"\r\nconnection: close\r\n") == 1 and b"connection: close" not in by_loop[key]
         assert normalized(answer).replace(b"connection: close\r\n", b"") == normalized(by_loop[key])
@@ -344,7 +352,7 @@ def test_an_acceptor_whose_router_does_not_read_still_refuses():
         router.close()
     assert [normalized(answer) for answer in answers] == [
         b"HTTP/1.1 429 Too Many Requests\r\ndate: D\r\ncontent-length: 4\r\nconnection: close\r\n\r\nfull"] * 300
-    assert refused == [RefusedRequest("/v1/completions", "r" * 200)] * 300 and not serving.is_alive()
+    assert refused == [RefusedRequest("/v1/completions", "r" * 200, None)] * 300 and not serving.is_alive()
 
 
 def test_an_acceptor_holds_a_bounded_number_of_refusal_records_for_a_router_that_does_not_read():
@@ -378,7 +386,7 @@ def test_an_acceptor_holds_a_bounded_number_of_refusal_records_for_a_router_that
         router.close()
     assert {normalized(answer) for answer in answers} == {
         b"HTTP/1.1 429 Too Many Requests\r\ndate: D\r\ncontent-length: 4\r\nconnection: close\r\n\r\nfull"}
-    assert refused == [RefusedRequest("/v1/completions", "r" * 200)] * 50
+    assert refused == [RefusedRequest("/v1/completions", "r" * 200, None)] * 50
     assert (message[:1], _COUNT.unpack(message[1:])[0], serving.is_alive()) == (UNLOGGED, 250, False)
 
 
@@ -391,13 +399,18 @@ def test_the_router_counts_refusals_without_records_and_says_so_once(caplog):
 
     caplog.set_level(logging.INFO)
     router = Orchestrator("r", (), [SimpleNamespace(worker_id="decode-0")], None, "colocated")
-    account_busy_refusals(router, True, [RefusedRequest("/v1/completions", "a-1")], 0)
+    account_busy_refusals(router, True, [RefusedRequest("/v1/completions", "a-1", None),
+                                         RefusedRequest("/v1/messages", None, "req_0f")], 0)
     account_busy_refusals(router, True, [], 250)
-    assert dict(router.routing_stats().rejections) == {"too_many_requests": 251}
+    assert dict(router.routing_stats().rejections) == {"too_many_requests": 252}
     assert [(record.name, record.levelname, record.getMessage()) for record in caplog.records] == [
         ("splitserve.access", "INFO", 'refused method="POST" path="/v1/completions" http_status=429 '
                                       'client_request_id="a-1" error="the router has 1024 requests in flight, its '
                                       'limit (router.routing.max_in_flight_requests); retry later"'),
+        ("splitserve.access", "INFO", 'refused method="POST" path="/v1/messages" http_status=429 '
+                                      'error="the router has 1024 requests in flight, its limit '
+                                      '(router.routing.max_in_flight_requests); retry later" '
+                                      'anthropic_request_id="req_0f"'),
         ("splitserve.router.openai_server", "WARNING", "250 requests the HTTP acceptor refused (429) have no line "
                                                        "in the access log: the router did not take their records in "
                                                        "time")]

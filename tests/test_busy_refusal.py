@@ -94,6 +94,8 @@ def test_the_ids_in_the_template_are_each_requests_own():
     assert own_ids[1] == b"abc" and re.fullmatch(rb"[0-9a-f]{32}", fresh_ids[1])
     assert len({own_ids[0], fresh_ids[0], fresh_ids[1]}) == 3
     assert (own.request_id, fresh.request_id) == ("abc", fresh_ids[1].decode())
+    assert (own.anthropic_request_id, fresh.anthropic_request_id) == (f"req_{own_ids[0].decode()}",
+                                                                  f"req_{fresh_ids[0].decode()}")
 
 
 def test_the_rules_cross_to_the_process_unchanged():

@@ -55,9 +55,10 @@ def test_each_refusal_has_one_line_with_its_status_and_error(served, monkeypatch
         http_request(served.http_port, "POST", "/v1/completions", b"{}")[0],  # no key
         http_request(served.http_port, "GET", "/v1/nowhere", headers={"Authorization": f"Bearer {KEY}"})[0],
         http_request(served.http_port, "GET", "/v1/completions", headers={"Authorization": f"Bearer {KEY}"})[0],
-        _post(served, "/v1/messages", {"model": MODEL, "max_tokens": 4, "messages": "hi"}),
-        _post(served, "/v1/completions", {"model": MODEL, "prompt": "hi", "priority": 5}),
     ]
+    messages_answer = http_request(served.http_port, "POST", "/v1/messages", json.dumps(
+        {"model": MODEL, "max_tokens": 4, "messages": "hi"}).encode(), headers={"Authorization": f"Bearer {KEY}"})
+    statuses += [messages_answer[0], _post(served, "/v1/completions", {"model": MODEL, "prompt": "hi", "priority": 5})]
     assert statuses == [400, 400, 401, 404, 405, 400, 400]
     assert access_log() == [
         _refused("POST", "/v1/completions", 400, "max_tokens: must be an integer >= 1, got -1", "max_tokens", "c-1"),
@@ -66,8 +67,10 @@ def test_each_refusal_has_one_line_with_its_status_and_error(served, monkeypatch
         _refused("POST", "/v1/completions", 401, "missing API key"),
         _refused("GET", "/v1/nowhere", 404, "Invalid URL (GET /v1/nowhere)"),
         _refused("GET", "/v1/completions", 405, "Method Not Allowed"),
-        # The Messages API answers with Anthropic's error object; its message is read all the same.
-        _refused("POST", "/v1/messages", 400, 'messages: must be a non-empty list of {role, content} objects, got "hi"'),
+        # The Messages API answers with Anthropic's error object; its message is read all the same, and its
+        # request-id (what an Anthropic client quotes) is named.
+        {**_refused("POST", "/v1/messages", 400, 'messages: must be a non-empty list of {role, content} objects, got '
+                                                 '"hi"'), "anthropic_request_id": messages_answer[1]["request-id"]},
         # Refused by the check generate() makes before it records a request: made before the request runs.
         _refused("POST", "/v1/completions", 400, PRIORITY_REFUSED, "priority"),
     ]
@@ -214,7 +217,7 @@ def test_without_the_access_log_nothing_is_refused_in_it(tiny_llama_dir, caplog)
 def test_a_hostile_path_and_error_stay_on_one_bounded_line(caplog):
     hostile = '/v1/x\nINFO forged\x00"' + "y" * 1000
     with caplog.at_level(logging.INFO, logger="splitserve.access"):
-        log_refusal(refusal_fields("GET", hostile, 404, f"Invalid URL (GET {hostile})", "p" * 1000, None))
+        log_refusal(refusal_fields("GET", hostile, 404, f"Invalid URL (GET {hostile})", "p" * 1000, None, None))
     [entry] = caplog.records
     line = entry.getMessage()
     assert "\n" not in line and "\x00" not in line and len(line) < 900  # three quoted fields of 256
