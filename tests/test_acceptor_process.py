@@ -19,6 +19,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -26,7 +27,12 @@ import pytest
 
 from splitserve.proto.splitserve.v1 import generation_pb2 as pb
 from splitserve.proto.splitserve.v1 import generation_pb2_grpc as pb_grpc
-from splitserve.router.admission import Admission
+from splitserve.router import acceptor_process
+from splitserve.router.acceptor_process import (_COUNT, _SLOTS, CONNECTIONS, GATED, MAX_FDS_PER_MESSAGE,
+                                                MAX_HELD_REFUSALS, REFUSED, SLOTS, STOP, UNLOGGED, Acceptor,
+                                                AcceptorProcess, RefusedRequest)
+from splitserve.router.admission import Admission, AdmissionControl
+from splitserve.router.busy_refusal import RefusalRules, RefusalTemplate
 from splitserve.router.http_server import SlotReleasingProtocol, TakenSlot
 from splitserve.router.policy import RoutingConfig
 from tests.factories import child_of_killed_process, http_request, process_running, process_stat, served_apis
@@ -288,9 +294,6 @@ def test_each_slot_report_counts_exactly_the_handed_over_requests_whose_slot_was
     """The acceptor may hand out (free slots reported) - (handed over since, by its count - taken in, by the
     report's): for that never to exceed the router's real free slots, each report counts as taken in only the
     requests whose slot was taken, also while the router takes the slots of one message's requests."""
-    from splitserve.router.acceptor_process import _COUNT, _SLOTS, GATED, AcceptorProcess
-    from splitserve.router.admission import AdmissionControl
-    from splitserve.router.busy_refusal import RefusalRules
 
     admission = AdmissionControl(3)
     ours, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -322,78 +325,74 @@ def test_each_slot_report_counts_exactly_the_handed_over_requests_whose_slot_was
         b.close()
 
 
-def test_an_acceptor_whose_router_does_not_read_still_refuses():
-    """The acceptor never blocks on the router: with the router's end of the control socket unread (its loop
-    stalled) and a send buffer that holds only a few messages, a full router's requests are still answered 429,
-    and the refusals reach the router once it reads again."""
-    from splitserve.router.acceptor_process import _SLOTS, REFUSED, SLOTS, STOP, Acceptor, RefusedRequest
-    from splitserve.router.busy_refusal import RefusalRules, RefusalTemplate
-
-    template = RefusalTemplate(b"HTTP/1.1 429 Too Many Requests\r\n", ((b"content-length", b"4"),), b"full")
+@contextlib.contextmanager
+def full_acceptor(prepare_control: Callable[[socket.socket], None] = lambda control: None,
+                  max_held_refusals: int = MAX_HELD_REFUSALS) -> Iterator[tuple[socket.socket, int]]:
+    """An Acceptor in a thread of this process for a router with no free slot, refusing on /v1/completions:
+    (the router's end of the control socket, the listening port); stopped on the way out. `prepare_control(child's
+    end)` runs before the acceptor starts."""
     router, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    child.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1)  # the kernel's least: a few messages
+    prepare_control(child)
     listening = socket.create_server(("127.0.0.1", 0))
-    acceptor = Acceptor(child, listening, RefusalRules({"/v1/completions": template}, None, ()))
+    acceptor = Acceptor(child, listening, RefusalRules({"/v1/completions": SHORT_429}, None, ()), max_held_refusals)
     router.send(_SLOTS.pack(SLOTS, 0, 0))
     serving = threading.Thread(target=acceptor.run)
     serving.start()
-    request = post("/v1/completions", {"model": MODEL, "prompt": "hi"}, b"X-Request-Id: " + b"r" * 200 + b"\r\n")
+    router.settimeout(10)
     try:
-        answers = [exchange(listening.getsockname()[1], request) for _ in range(300)]
-        refused: list[RefusedRequest] = []
-        router.settimeout(10)
-        while len(refused) < 300:
-            message = router.recv(1 << 16)
-            assert message[:1] == REFUSED
-            refused.extend(RefusedRequest.batch_from_wire(message[1:]))
+        yield router, listening.getsockname()[1]
     finally:
         router.send(STOP)
         serving.join(10)
         router.close()
-    assert [normalized(answer) for answer in answers] == [
-        b"HTTP/1.1 429 Too Many Requests\r\ndate: D\r\ncontent-length: 4\r\nconnection: close\r\n\r\nfull"] * 300
-    assert refused == [RefusedRequest("/v1/completions", "r" * 200, None)] * 300 and not serving.is_alive()
+    assert not serving.is_alive()
+
+
+SHORT_429 = RefusalTemplate(b"HTTP/1.1 429 Too Many Requests\r\n", ((b"content-length", b"4"),), b"full")
+SHORT_429_SENT = b"HTTP/1.1 429 Too Many Requests\r\ndate: D\r\ncontent-length: 4\r\nconnection: close\r\n\r\nfull"
+LONG_ID_REQUEST = post("/v1/completions", {"model": MODEL, "prompt": "hi"}, b"X-Request-Id: " + b"r" * 200 + b"\r\n")
+
+
+def test_an_acceptor_whose_router_does_not_read_still_refuses():
+    """The acceptor never blocks on the router: with the router's end of the control socket unread (its loop
+    stalled) and a send buffer that holds only a few messages, a full router's requests are still answered 429,
+    and the refusals reach the router once it reads again."""
+    smallest_buffer = lambda control: control.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1)  # noqa: E731
+    with full_acceptor(smallest_buffer) as (router, port):  # the kernel's least: a few messages
+        answers = [exchange(port, LONG_ID_REQUEST) for _ in range(300)]
+        refused: list[RefusedRequest] = []
+        while len(refused) < 300:
+            message = router.recv(1 << 16)
+            assert message[:1] == REFUSED
+            refused.extend(RefusedRequest.batch_from_wire(message[1:]))
+    assert [normalized(answer) for answer in answers] == [SHORT_429_SENT] * 300
+    assert refused == [RefusedRequest("/v1/completions", "r" * 200, None)] * 300
+
+
+def _fill(control: socket.socket) -> None:
+    """The control socket full before the first refusal: a router that stopped reading (each message `-`)."""
+    control.setblocking(False)
+    with contextlib.suppress(BlockingIOError):
+        while True:
+            control.send(b"-")
 
 
 def test_an_acceptor_holds_a_bounded_number_of_refusal_records_for_a_router_that_does_not_read():
     """Past max_held_refusals records the acceptor only counts its refusals; the router gets the records it held
     and then the count, and every refusal is answered alike."""
-    from splitserve.router.acceptor_process import _COUNT, _SLOTS, REFUSED, SLOTS, STOP, UNLOGGED, Acceptor
-    from splitserve.router.acceptor_process import RefusedRequest
-    from splitserve.router.busy_refusal import RefusalRules, RefusalTemplate
-
-    template = RefusalTemplate(b"HTTP/1.1 429 Too Many Requests\r\n", ((b"content-length", b"4"),), b"full")
-    router, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    child.setblocking(False)
-    with contextlib.suppress(BlockingIOError):
-        while True:
-            child.send(b"-")  # the control socket full before the first refusal: a router that stopped reading
-    listening = socket.create_server(("127.0.0.1", 0))
-    acceptor = Acceptor(child, listening, RefusalRules({"/v1/completions": template}, None, ()), max_held_refusals=50)
-    router.send(_SLOTS.pack(SLOTS, 0, 0))
-    serving = threading.Thread(target=acceptor.run)
-    serving.start()
-    request = post("/v1/completions", {"model": MODEL, "prompt": "hi"}, b"X-Request-Id: " + b"r" * 200 + b"\r\n")
-    try:
-        answers = [exchange(listening.getsockname()[1], request) for _ in range(300)]
+    with full_acceptor(_fill, max_held_refusals=50) as (router, port):
+        answers = [exchange(port, LONG_ID_REQUEST) for _ in range(300)]
         refused: list[RefusedRequest] = []
-        router.settimeout(10)
         while (message := router.recv(1 << 16))[:1] in (b"-", REFUSED):
             refused.extend(RefusedRequest.batch_from_wire(message[1:]) if message[:1] == REFUSED else [])
-    finally:
-        router.send(STOP)
-        serving.join(10)
-        router.close()
-    assert {normalized(answer) for answer in answers} == {
-        b"HTTP/1.1 429 Too Many Requests\r\ndate: D\r\ncontent-length: 4\r\nconnection: close\r\n\r\nfull"}
+    assert {normalized(answer) for answer in answers} == {SHORT_429_SENT}
     assert refused == [RefusedRequest("/v1/completions", "r" * 200, None)] * 50
-    assert (message[:1], _COUNT.unpack(message[1:])[0], serving.is_alive()) == (UNLOGGED, 250, False)
+    assert (message[:1], _COUNT.unpack(message[1:])[0]) == (UNLOGGED, 250)
 
 
 def test_the_router_counts_refusals_without_records_and_says_so_once(caplog):
     from types import SimpleNamespace
 
-    from splitserve.router.acceptor_process import RefusedRequest
     from splitserve.router.openai_server import account_busy_refusals
     from splitserve.router.orchestrator import Orchestrator
 
@@ -419,22 +418,10 @@ def test_the_router_counts_refusals_without_records_and_says_so_once(caplog):
 def test_a_connection_that_sends_nothing_is_dropped_and_a_head_not_whole_in_time_is_handed_off(monkeypatch):
     """A client that closes before sending anything is nobody's (the router hears nothing of it); one whose head is
     not whole within HEAD_WAIT_S goes to the loop with what it sent still unread."""
-    from splitserve.router import acceptor_process
-    from splitserve.router.acceptor_process import _SLOTS, CONNECTIONS, MAX_FDS_PER_MESSAGE, SLOTS, STOP, Acceptor
-    from splitserve.router.busy_refusal import RefusalRules, RefusalTemplate
-
     monkeypatch.setattr(acceptor_process, "HEAD_WAIT_S", 0.3)
-    template = RefusalTemplate(b"HTTP/1.1 429 Too Many Requests\r\n", ((b"content-length", b"4"),), b"full")
-    router, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    listening = socket.create_server(("127.0.0.1", 0))
-    acceptor = Acceptor(child, listening, RefusalRules({"/v1/completions": template}, None, ()))
-    router.send(_SLOTS.pack(SLOTS, 0, 0))
-    serving = threading.Thread(target=acceptor.run)
-    serving.start()
-    router.settimeout(10)
-    try:
-        socket.create_connection(listening.getsockname()).close()
-        with socket.create_connection(listening.getsockname()) as slow:
+    with full_acceptor() as (router, port):
+        socket.create_connection(("127.0.0.1", port)).close()
+        with socket.create_connection(("127.0.0.1", port)) as slow:
             slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x")
             started = time.monotonic()
             message, fds, _, _ = socket.recv_fds(router, 1 << 16, MAX_FDS_PER_MESSAGE)
@@ -444,12 +431,8 @@ def test_a_connection_that_sends_nothing_is_dropped_and_a_head_not_whole_in_time
             unread = handed[0].recv(100)
             for sock in handed:
                 sock.close()
-    finally:
-        router.send(STOP)
-        serving.join(10)
-        router.close()
     assert (message, len(handed), unread) == (CONNECTIONS, 1, b"POST /v1/completions HTTP/1.1\r\nHost: x")
-    assert 0.2 < waited_s < 5 and not serving.is_alive()
+    assert 0.2 < waited_s < 5
 
 
 def _slot(admission) -> Admission | None:
