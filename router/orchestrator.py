@@ -523,23 +523,26 @@ class Orchestrator:
         or RouterError UNAVAILABLE while draining, RESOURCE_EXHAUSTED (counted as a
         too_many_requests rejection, the error's rejection_reason) while the router holds
         max_in_flight_requests."""
-        decision = self.admission.try_admit()
+        decision = self._try_admit()
         if isinstance(decision, AdmissionRejection):
             if decision.reason == TOO_MANY_REQUESTS:
                 self.count_rejection(decision.reason)
             raise RouterError(decision.code, decision.message,
                               decision.reason if decision.reason == TOO_MANY_REQUESTS else None)
-        self._idle.clear()
         return decision
 
     def take_free_slot(self) -> Admission | None:
         """A slot for a request the HTTP acceptor process hands over whole (router/acceptor_process.py), taken as
-        admit() takes one (a drain waits for it); None when there is none, not counted as a rejection: the
-        request then meets the admission gate like any other."""
+        admit() takes one; None when there is none, not counted as a rejection: the request then meets the
+        admission gate like any other."""
+        decision = self._try_admit()
+        return decision if isinstance(decision, Admission) else None
+
+    def _try_admit(self) -> Admission | AdmissionRejection:
+        """AdmissionControl.try_admit; a slot handed out makes the router busy (a drain waits for it)."""
         decision = self.admission.try_admit()
-        if isinstance(decision, AdmissionRejection):
-            return None
-        self._idle.clear()
+        if isinstance(decision, Admission):
+            self._idle.clear()
         return decision
 
     def count_rejection(self, reason: str, count: int = 1) -> None:
