@@ -114,8 +114,10 @@ class HttpServer:
         it has a client CA). `on_stop` releases what the app holds, once it stopped serving.
         `root_path`: the path prefix a proxy in front serves the API under (--root-path); `log_level`:
         uvicorn's loggers' level (--uvicorn-log-level). `acceptor`: accept connections in an acceptor
-        process that refuses a full router's requests itself (not with `tls`: it would have to do the
-        handshake; then the loop accepts, as without one)."""
+        process that refuses a full router's requests itself (never with `tls`: it would have to do the
+        handshake)."""
+        if acceptor is not None and tls is not None:
+            raise ValueError("an acceptor process cannot accept TLS connections: it would have to do the handshake")
         self._on_stop = on_stop
         cert_file = key_file = client_ca_file = None
         if tls is not None:
@@ -130,7 +132,7 @@ class HttpServer:
         # wherever that logger has a handler: splitserve.access is the access log.
         for name in ("uvicorn.error", "uvicorn.asgi"):
             logging.getLogger(name).setLevel(UVICORN_LOG_LEVEL_NUMBERS[log_level])
-        self._acceptor_setup = acceptor if tls is None else None
+        self._acceptor_setup = acceptor
         self._task: asyncio.Task | None = None
         self._listening: socket.socket | None = None
         """The listening socket, while an acceptor process (or, after it ended, self._fallback) accepts on it."""

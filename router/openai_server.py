@@ -1017,10 +1017,10 @@ def account_busy_refusals(orchestrator: Orchestrator, access_log: bool, refused:
     """What _AdmissionGate's layers do for a request the acceptor process refused (its 429 already sent):
     count the rejection and write the refused line; for the `unlogged` refusals the acceptor held no record of
     (the router did not read them in time: acceptor_process.MAX_HELD_REFUSALS), count them and say so once."""
-    message = orchestrator.admission.capacity_rejection().message
     orchestrator.count_rejection(TOO_MANY_REQUESTS, len(refused) + unlogged)
     if not access_log:
         return
+    message = orchestrator.admission.capacity_rejection().message
     for request in refused:
         log_refusal(refusal_fields("POST", request.path, 429, message, None, request.request_id,
                                    request.anthropic_request_id))
@@ -1155,7 +1155,8 @@ async def start_http_server(orchestrator: Orchestrator, tokenizers: TokenizerPoo
                             reasoning, defaults, adapters, runtime_lora_updating, options, pooling)
     acceptor = None
     if options.acceptor_process and tls is None and orchestrator.admission.max_in_flight is not None:
-        # (with TLS the acceptor would have to do the handshake; with no limit it would only hand everything on)
+        # with TLS the loop accepts (HttpServer: the acceptor would have to do the handshake); with no limit the
+        # acceptor would only hand everything on
         acceptor = AcceptorSetup(await busy_refusal_rules(orchestrator, api_key, options), orchestrator.admission,
                                  orchestrator.take_free_slot,
                                  functools.partial(account_busy_refusals, orchestrator, options.access_log))
